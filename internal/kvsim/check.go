@@ -1,0 +1,329 @@
+package kvsim
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Request is one request's blocks on both engines, per cache group.
+type Request struct {
+	// Tokens is the source's token count (0: bounded by the lists only).
+	Tokens int
+	P, D   []topology.Span
+}
+
+// blockGeom computes byte offsets inside an attention block with explicit
+// strides derived from the dimension order of a layout.
+type blockGeom struct {
+	sH, sT, sKV int // strides in vectors of headBytes
+	headBytes   int
+}
+
+func geomOf(l *topology.Layout) blockGeom {
+	h := l.TotalKVHeads / l.TPSize
+	if l.TPSize >= l.TotalKVHeads {
+		h = 1
+	}
+	n := l.KernelBlockSize
+	g := blockGeom{headBytes: l.HeadSize * l.ElemBytes}
+	// Dimension order, outermost first; the innermost is the vector.
+	type dim struct {
+		stride *int
+		size   int
+	}
+	var dims []dim
+	tokenDims := []dim{{&g.sH, h}, {&g.sT, n}}
+	if l.KVLayout == topology.LayoutNHD {
+		tokenDims = []dim{{&g.sT, n}, {&g.sH, h}}
+	}
+	switch l.Packing {
+	case topology.PackedKV:
+		dims = append(tokenDims, dim{&g.sKV, 2})
+	case topology.SplitKV:
+		dims = append([]dim{{&g.sKV, 2}}, tokenDims...)
+	default:
+		dims = tokenDims
+	}
+	stride := 1
+	for i := len(dims) - 1; i >= 0; i-- {
+		*dims[i].stride = stride
+		stride *= dims[i].size
+	}
+	return g
+}
+
+func (g blockGeom) off(h, t, kv int) int {
+	return (h*g.sH + t*g.sT + kv*g.sKV) * g.headBytes
+}
+
+// globalHead is the model head held at local head h of a rank.
+func globalHead(l *topology.Layout, h int) int {
+	if l.TPSize >= l.TotalKVHeads {
+		return l.TPRank * l.TotalKVHeads / l.TPSize
+	}
+	return l.TPRank*(l.TotalKVHeads/l.TPSize) + h
+}
+
+// cell visits every byte of a rank's request blocks in one group's region:
+// fn(offset in Mem, token or pair index, head, kv, byte index).
+type visitFn func(o, token, head, kv, j int)
+
+func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
+	l := &r.Layout
+	reg := &l.Regions[ri]
+	base := int(reg.Base - r.Base)
+	switch reg.Kind {
+	case topology.KindFullAttention, topology.KindSlidingWindow:
+		geo := geomOf(l)
+		ppl := l.LogicalBlockSize / l.KernelBlockSize
+		heads := l.TotalKVHeads / l.TPSize
+		if l.TPSize >= l.TotalKVHeads {
+			heads = 1
+		}
+		kvs := []int{0, 1}
+		if l.Packing == topology.SeparateKV {
+			kvs = []int{r.KV[ri]}
+		}
+		for i, id := range span.IDs {
+			for k := 0; k < ppl; k++ {
+				kb := int(id)*ppl + k
+				tok0 := span.Start + (i*ppl+k)*l.KernelBlockSize
+				for t := 0; t < l.KernelBlockSize; t++ {
+					for h := 0; h < heads; h++ {
+						for _, kv := range kvs {
+							inBlockKV := kv
+							if l.Packing == topology.SeparateKV {
+								inBlockKV = 0
+							}
+							o := base + kb*int(reg.BlockLen) + geo.off(h, t, inBlockKV)
+							for j := 0; j < geo.headBytes; j++ {
+								fn(o+j, tok0+t, globalHead(l, h), kv, j)
+							}
+						}
+					}
+				}
+			}
+		}
+	case topology.KindMLA:
+		ppl := l.LogicalBlockSize / l.KernelBlockSize
+		bpt := int(reg.BlockLen) / l.KernelBlockSize
+		for i, id := range span.IDs {
+			for k := 0; k < ppl; k++ {
+				kb := int(id)*ppl + k
+				tok0 := span.Start + (i*ppl+k)*l.KernelBlockSize
+				for t := 0; t < l.KernelBlockSize; t++ {
+					o := base + kb*int(reg.BlockLen) + t*bpt
+					for j := 0; j < bpt; j++ {
+						fn(o+j, tok0+t, 0, 0, j)
+					}
+				}
+			}
+		}
+	case topology.KindMamba:
+		for i, id := range span.IDs {
+			o := base + int(id)*int(reg.BlockLen)
+			parts := append(append([]int64(nil), reg.ConvBytes...), reg.SSMBytes)
+			for p, size := range parts {
+				for b := 0; b < int(size); b++ {
+					fn(o+b, i, p, 0, l.TPRank*int(size)+b)
+				}
+				o += int(size)
+			}
+		}
+	}
+}
+
+// Fill writes the pattern into a source rank's request blocks.
+func (r *Rank) Fill(spans []topology.Span) {
+	for g, grp := range r.Layout.GroupList() {
+		for _, ri := range grp.Regions {
+			layer := r.Layer[ri]
+			r.visit(g, ri, spans[g], func(o, token, head, kv, j int) {
+				r.Mem[o] = Value(layer, token, head, kv, j)
+			})
+		}
+	}
+}
+
+// Snapshot returns a copy of the rank's memory.
+func (r *Rank) Snapshot() []byte { return append([]byte(nil), r.Mem...) }
+
+// Check verifies a destination rank after a transfer from an engine with
+// source kernel block size srcKernel and source logical block size
+// srcLogical: every byte of a token both lists hold (below req.Tokens)
+// holds the pattern and was written exactly once; bytes of the last unit
+// past req.Tokens hold the pattern or their old value and were written at
+// most once; every other byte equals before and was never written.
+func (r *Rank) Check(before []byte, req *Request, srcKernel, srcLogical int) error {
+	l := &r.Layout
+	want := append([]byte(nil), before...)
+	const (
+		untouched = iota
+		must
+		may
+	)
+	class := make([]uint8, len(r.Mem))
+	for g, grp := range l.GroupList() {
+		ps, ds := req.P[g], req.D[g]
+		var lo, mustHi, mayHi int
+		var s0, d0, n int
+		if grp.Kind == topology.KindMamba {
+			var err error
+			s0, d0, n, err = topology.TrimSSM(len(ps.IDs), len(ds.IDs))
+			if err != nil {
+				return err
+			}
+		} else {
+			unit := min(srcKernel, l.KernelBlockSize)
+			pEnd := ps.Start + len(ps.IDs)*srcLogical
+			dEnd := ds.Start + len(ds.IDs)*l.LogicalBlockSize
+			lo, mustHi = max(ps.Start, ds.Start), min(pEnd, dEnd)
+			mayHi = mustHi
+			if req.Tokens > 0 {
+				mustHi = min(mustHi, req.Tokens)
+				mayHi = min(mayHi, (req.Tokens+unit-1)/unit*unit)
+			}
+		}
+		for _, ri := range grp.Regions {
+			layer := r.Layer[ri]
+			r.visit(g, ri, ds, func(o, token, head, kv, j int) {
+				if grp.Kind == topology.KindMamba {
+					// token is the D list index; head is the part.
+					if token >= d0 && token < d0+n {
+						class[o] = must
+						want[o] = Value(layer, s0+token-d0, head, kv, j)
+					}
+					return
+				}
+				switch {
+				case token >= lo && token < mustHi:
+					class[o] = must
+					want[o] = Value(layer, token, head, kv, j)
+				case token >= lo && token < mayHi:
+					class[o] = may
+					want[o] = Value(layer, token, head, kv, j)
+				}
+			})
+		}
+	}
+	var errs []error
+	for o := range r.Mem {
+		got, w := r.Mem[o], r.writes[o]
+		var bad string
+		switch class[o] {
+		case must:
+			if got != want[o] || w != 1 {
+				bad = fmt.Sprintf("transferred byte = %#02x written %d times, want %#02x written once", got, w, want[o])
+			}
+		case may:
+			if (got != want[o] && got != before[o]) || w > 1 {
+				bad = fmt.Sprintf("tail byte = %#02x written %d times, want %#02x or %#02x at most once", got, w, want[o], before[o])
+			}
+		default:
+			if got != before[o] || w != 0 {
+				bad = fmt.Sprintf("untouched byte = %#02x written %d times, want %#02x never written", got, w, before[o])
+			}
+		}
+		if bad != "" {
+			errs = append(errs, fmt.Errorf("dst tp %d pp %d %s: %s", l.TPRank, l.PPRank, r.where(o), bad))
+			if len(errs) == 8 {
+				errs = append(errs, errors.New("(more errors elided)"))
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// where describes an offset of Mem for error messages.
+func (r *Rank) where(o int) string {
+	a := r.Base + uint64(o)
+	for i := range r.Layout.Regions {
+		reg := &r.Layout.Regions[i]
+		if a >= reg.Base && a < reg.Base+uint64(reg.BlockLen)*uint64(reg.NumBlocks) {
+			rel := a - reg.Base
+			return fmt.Sprintf("region %d (layer %d) block %d byte %d", i, r.Layer[i], rel/uint64(reg.BlockLen), rel%uint64(reg.BlockLen))
+		}
+	}
+	return fmt.Sprintf("offset %d (between regions)", o)
+}
+
+// Transfer moves req's KV from every source rank to every destination rank
+// the way a deployment would: for OpWrite each source rank plans and
+// posts to its TargetRanks (push); for OpRead each destination rank plans
+// and posts to its TargetRanks (pull). It copies through Copy and returns
+// the notifications each destination and source rank received (one per
+// connected pair per source stage, bytes or not) and the descriptor count.
+//
+// When reference is set it uses hotpath.AppendReference instead of a
+// Builder.
+func Transfer(src [][]*Rank, dst []*Rank, req *Request, opts hotpath.Options, popts topology.PlanOptions, reference bool) (notifsAtDst, notifsAtSrc map[[2]int]int, descs int, err error) {
+	b, err := hotpath.NewBuilder(opts)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	notifsAtDst = map[[2]int]int{}
+	notifsAtSrc = map[[2]int]int{}
+	hreq := &hotpath.Request{Tokens: req.Tokens, Src: req.P, Dst: req.D}
+	var buf []hotpath.Desc
+	pair := func(p, d *Rank) error {
+		plan, err := topology.NewPlan(&p.Layout, &d.Layout, popts)
+		if err != nil {
+			return err
+		}
+		if reference {
+			buf, err = hotpath.AppendReference(buf[:0], plan, hreq, opts.Op)
+		} else {
+			buf, err = b.AppendDescs(buf[:0], plan, hreq)
+		}
+		if err != nil {
+			return err
+		}
+		descs += len(buf)
+		for _, ds := range buf {
+			if opts.Op == hotpath.OpWrite {
+				err = Copy(d, ds.Remote, p, ds.Local, ds.Len)
+			} else {
+				err = Copy(d, ds.Local, p, ds.Remote, ds.Len)
+			}
+			if err != nil {
+				return fmt.Errorf("desc %+v: %w", ds, err)
+			}
+		}
+		notifsAtDst[[2]int{d.Layout.TPRank, 0}]++
+		notifsAtSrc[[2]int{p.Layout.TPRank, p.Layout.PPRank}]++
+		return nil
+	}
+	for _, stage := range src {
+		tpSrc, tpDst := stage[0].Layout.TPSize, dst[0].Layout.TPSize
+		if opts.Op == hotpath.OpWrite {
+			for _, p := range stage {
+				targets, err := topology.TargetRanks(nil, tpSrc, tpDst, p.Layout.TPRank)
+				if err != nil {
+					return nil, nil, 0, err
+				}
+				for _, d := range targets {
+					if err := pair(p, dst[d]); err != nil {
+						return nil, nil, 0, err
+					}
+				}
+			}
+		} else {
+			for _, d := range dst {
+				sources, err := topology.TargetRanks(nil, tpDst, tpSrc, d.Layout.TPRank)
+				if err != nil {
+					return nil, nil, 0, err
+				}
+				for _, p := range sources {
+					if err := pair(stage[p], d); err != nil {
+						return nil, nil, 0, err
+					}
+				}
+			}
+		}
+	}
+	return notifsAtDst, notifsAtSrc, descs, nil
+}
