@@ -1,0 +1,3 @@
+// Package cuda will import GPU memory shared as CUDA IPC handles (build tag cuda). Not
+// implemented yet.
+package cuda
