@@ -321,12 +321,12 @@ func (l *Layout) validateRegion(i int) error {
 			return layoutErr("Regions[%d].ConvBytes has %d parts, want at most 16", i, len(r.ConvBytes))
 		}
 		total := r.SSMBytes
-		if r.SSMBytes < 0 {
-			return layoutErr("Regions[%d].SSMBytes = %d, want >= 0", i, r.SSMBytes)
+		if r.SSMBytes < 0 || r.SSMBytes > r.BlockLen {
+			return layoutErr("Regions[%d].SSMBytes = %d, want 0..BlockLen (%d)", i, r.SSMBytes, r.BlockLen)
 		}
 		for j, c := range r.ConvBytes {
-			if c <= 0 {
-				return layoutErr("Regions[%d].ConvBytes[%d] = %d, want > 0", i, j, c)
+			if c <= 0 || c > r.BlockLen {
+				return layoutErr("Regions[%d].ConvBytes[%d] = %d, want 1..BlockLen (%d)", i, j, c, r.BlockLen)
 			}
 			total += c
 		}
