@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvxfer/kvxfer/internal/invariants"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -117,6 +118,9 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 				dst = b.appendSegs(dst, gp, rp)
 			}
 		}
+	}
+	if invariants.Enabled {
+		checkAgainstReference(dst[start:], p, req, b.opts)
 	}
 	if b.opts.Op == OpRead {
 		out := dst[start:]

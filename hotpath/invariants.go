@@ -1,0 +1,44 @@
+package hotpath
+
+import (
+	"fmt"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// checkAgainstReference panics unless out (the optimised descriptors of
+// one AppendDescs call, still in source-local orientation) moves exactly
+// the bytes AppendReference moves, paired the same way and in the same
+// order: each optimised descriptor must be the concatenation of
+// consecutive reference descriptors, contiguous on both sides, on the same
+// devices, and within MaxRunBytes unless it is a single reference
+// descriptor. It runs only when built with -tags invariants.
+func checkAgainstReference(out []Desc, p *topology.Plan, req *Request, opts Options) {
+	ref, err := AppendReference(nil, p, req, OpWrite)
+	if err != nil {
+		panic(fmt.Sprintf("hotpath invariant: AppendDescs succeeded where AppendReference failed: %v", err))
+	}
+	i := 0
+	for k, d := range out {
+		var n uint64
+		pieces := 0
+		for n < d.Len {
+			if i == len(ref) {
+				panic(fmt.Sprintf("hotpath invariant: descriptor %d %+v extends past the reference's %d descriptors", k, d, len(ref)))
+			}
+			r := ref[i]
+			if r.Local != d.Local+n || r.Remote != d.Remote+n || r.LocalDev != d.LocalDev || r.RemoteDev != d.RemoteDev || n+r.Len > d.Len {
+				panic(fmt.Sprintf("hotpath invariant: descriptor %d %+v at +%d does not continue with reference descriptor %d %+v", k, d, n, i, r))
+			}
+			n += r.Len
+			i++
+			pieces++
+		}
+		if opts.MaxRunBytes > 0 && pieces > 1 && d.Len > uint64(opts.MaxRunBytes) {
+			panic(fmt.Sprintf("hotpath invariant: descriptor %d merges %d units into %d bytes, over MaxRunBytes %d", k, pieces, d.Len, opts.MaxRunBytes))
+		}
+	}
+	if i != len(ref) {
+		panic(fmt.Sprintf("hotpath invariant: optimised descriptors cover %d of the reference's %d", i, len(ref)))
+	}
+}

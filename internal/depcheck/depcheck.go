@@ -1,0 +1,142 @@
+// Package depcheck enforces kvxfer's dependency direction (DESIGN.md,
+// STYLE.md): which packages each package may import, who may import gRPC,
+// and who may use cgo. Its test runs the rules over `go list -deps`.
+package depcheck
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// Module is kvxfer's module path.
+const Module = "github.com/kvxfer/kvxfer"
+
+// Package is what the rules need to know about one package.
+type Package struct {
+	ImportPath string   // full import path
+	Deps       []string // transitive dependencies (go list -deps)
+	Imports    []string // direct imports
+	Cgo        bool     // has CgoFiles
+	Standard   bool
+}
+
+// Rule restricts what the non-standard dependencies of the packages under
+// Prefix may be. Allowed entries are module-relative paths ("topology") or
+// full paths of third-party modules; an entry ending in "/..." allows a
+// subtree.
+type Rule struct {
+	Name    string
+	Prefix  string // module-relative package path, or a subtree "x/..."
+	Allowed []string
+}
+
+// Rules are kvxfer's dependency rules. Packages of the module not matched
+// by any rule are checked only by the global rules (gRPC, cgo, cmd/bench).
+var Rules = []Rule{
+	{Name: "topology imports only the standard library", Prefix: "topology"},
+	{Name: "internal/invariants imports only the standard library", Prefix: "internal/invariants"},
+	{Name: "hotpath imports topology, invariants and xsync", Prefix: "hotpath",
+		Allowed: []string{"topology", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
+	{Name: "internal/kvsim imports topology and hotpath", Prefix: "internal/kvsim",
+		Allowed: []string{"topology", "hotpath", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
+	{Name: "internal/netxfer imports std and x/sys", Prefix: "internal/netxfer",
+		Allowed: []string{"golang.org/x/sys/..."}},
+	{Name: "internal/nixl imports only the standard library and C", Prefix: "internal/nixl"},
+	{Name: "internal/cuda imports only the standard library and C", Prefix: "internal/cuda"},
+	{Name: "kvxfer imports topology, hotpath and internal packages", Prefix: "kvxfer",
+		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+}
+
+// ruleFor returns the most specific rule for a module-relative path.
+func ruleFor(rel string) (Rule, bool) {
+	best, found := Rule{}, false
+	for _, r := range Rules {
+		if rel == r.Prefix && (!found || len(r.Prefix) > len(best.Prefix)) {
+			best, found = r, true
+		}
+	}
+	return best, found
+}
+
+func allowed(dep string, list []string) bool {
+	for _, a := range list {
+		if first, _, _ := strings.Cut(a, "/"); !strings.Contains(first, ".") {
+			a = Module + "/" + a // module-relative entry
+		}
+		if sub, ok := strings.CutSuffix(a, "/..."); ok {
+			if dep == sub || strings.HasPrefix(dep, sub+"/") {
+				return true
+			}
+		} else if dep == a {
+			return true
+		}
+	}
+	return false
+}
+
+// grpcAllowed lists the subtrees that may depend on gRPC.
+var grpcAllowed = []string{"stream", "cmd", "bench", "test", "fuzz"}
+
+// cgoAllowed lists the packages that may use cgo.
+var cgoAllowed = []string{"internal/nixl", "internal/cuda"}
+
+func under(rel string, roots []string) bool {
+	for _, r := range roots {
+		if rel == r || strings.HasPrefix(rel, r+"/") {
+			return true
+		}
+	}
+	return false
+}
+
+// Check returns one violation per line, sorted, for the given packages
+// (the module's own packages; standard and third-party ones are skipped).
+func Check(pkgs []Package) []string {
+	var out []string
+	for _, p := range pkgs {
+		rel, ok := strings.CutPrefix(p.ImportPath, Module+"/")
+		if !ok || p.Standard {
+			continue
+		}
+		if r, ok := ruleFor(rel); ok {
+			for _, d := range p.Deps {
+				if isStd(d) || d == p.ImportPath || allowed(d, r.Allowed) {
+					continue
+				}
+				out = append(out, fmt.Sprintf("%s: imports %s (rule %q)", rel, d, r.Name))
+			}
+		}
+		if !under(rel, grpcAllowed) {
+			for _, d := range p.Deps {
+				if d == "google.golang.org/grpc" || strings.HasPrefix(d, "google.golang.org/grpc/") {
+					out = append(out, fmt.Sprintf("%s: imports %s (only stream/, cmd/, bench/, test/ and fuzz/ may use gRPC)", rel, d))
+					break
+				}
+			}
+		}
+		if p.Cgo && !under(rel, cgoAllowed) {
+			out = append(out, fmt.Sprintf("%s: uses cgo (only internal/nixl and internal/cuda may)", rel))
+		}
+		if !under(rel, []string{"cmd", "bench"}) {
+			for _, d := range p.Imports {
+				drel, ok := strings.CutPrefix(d, Module+"/")
+				if ok && under(drel, []string{"cmd", "bench"}) {
+					out = append(out, fmt.Sprintf("%s: imports %s (nothing imports cmd/ or bench/)", rel, d))
+				}
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// isStd reports whether dep is a standard-library package (or cgo's
+// pseudo-package C, which the cgo rule covers): its first path element has
+// no dot.
+func isStd(dep string) bool {
+	first, _, _ := strings.Cut(dep, "/")
+	return !strings.Contains(first, ".")
+}

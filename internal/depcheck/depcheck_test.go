@@ -1,0 +1,111 @@
+package depcheck
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+)
+
+const m = Module + "/"
+
+func TestCheckRules(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		pkgs []Package
+		want []string
+	}{
+		{
+			name: "topology with only std is clean",
+			pkgs: []Package{{ImportPath: m + "topology", Deps: []string{"fmt", "errors"}}},
+		},
+		{
+			name: "topology importing xsync is flagged",
+			pkgs: []Package{{ImportPath: m + "topology", Deps: []string{"fmt", "github.com/puzpuzpuz/xsync/v4"}}},
+			want: []string{`topology: imports github.com/puzpuzpuz/xsync/v4 (rule "topology imports only the standard library")`},
+		},
+		{
+			name: "hotpath may import topology and xsync but not kvxfer",
+			pkgs: []Package{{ImportPath: m + "hotpath", Deps: []string{m + "topology", "github.com/puzpuzpuz/xsync/v4", m + "kvxfer"}}},
+			want: []string{`hotpath: imports ` + m + `kvxfer (rule "hotpath imports topology, invariants and xsync")`},
+		},
+		{
+			name: "grpc outside stream is flagged",
+			pkgs: []Package{
+				{ImportPath: m + "stream", Deps: []string{"google.golang.org/grpc"}},
+				{ImportPath: m + "kvxfer", Deps: []string{"google.golang.org/grpc/codes"}},
+			},
+			want: []string{
+				`kvxfer: imports google.golang.org/grpc/codes (only stream/, cmd/, bench/, test/ and fuzz/ may use gRPC)`,
+				`kvxfer: imports google.golang.org/grpc/codes (rule "kvxfer imports topology, hotpath and internal packages")`,
+			},
+		},
+		{
+			name: "cgo only in nixl and cuda",
+			pkgs: []Package{
+				{ImportPath: m + "internal/nixl", Deps: []string{"C", "runtime/cgo"}, Cgo: true},
+				{ImportPath: m + "hotpath", Cgo: true},
+			},
+			want: []string{`hotpath: uses cgo (only internal/nixl and internal/cuda may)`},
+		},
+		{
+			name: "nothing imports bench or cmd",
+			pkgs: []Package{
+				{ImportPath: m + "bench/descbench", Imports: []string{m + "bench/shapes"}},
+				{ImportPath: m + "test", Imports: []string{m + "cmd/kvxferd"}},
+			},
+			want: []string{`test: imports ` + m + `cmd/kvxferd (nothing imports cmd/ or bench/)`},
+		},
+		{
+			name: "packages outside the module are skipped",
+			pkgs: []Package{{ImportPath: "example.com/x", Deps: []string{"google.golang.org/grpc"}}},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := Check(tc.pkgs); !slices.Equal(got, tc.want) {
+				t.Fatalf("Check() =\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(tc.want, "\n"))
+			}
+		})
+	}
+}
+
+// TestModuleDependencies runs the rules over the real module.
+func TestModuleDependencies(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("go command not found")
+	}
+	cmd := exec.Command("go", "list", "-json=ImportPath,Deps,Imports,CgoFiles,Standard", Module+"/...")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, stderr.String())
+	}
+	dec := json.NewDecoder(bytes.NewReader(out))
+	var pkgs []Package
+	for {
+		var p struct {
+			ImportPath string
+			Deps       []string
+			Imports    []string
+			CgoFiles   []string
+			Standard   bool
+		}
+		if err := dec.Decode(&p); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		pkgs = append(pkgs, Package{ImportPath: p.ImportPath, Deps: p.Deps, Imports: p.Imports, Cgo: len(p.CgoFiles) > 0, Standard: p.Standard})
+	}
+	if len(pkgs) < 3 {
+		t.Fatalf("go list found %d packages, want the module's packages", len(pkgs))
+	}
+	for _, v := range Check(pkgs) {
+		t.Error(v)
+	}
+}
