@@ -1,0 +1,5 @@
+//go:build race
+
+package hotpath_test
+
+const raceEnabled = true
