@@ -23,6 +23,7 @@ type semCase struct {
 	reference bool
 	maxRun    int64
 	maxSegs   int // PlanOptions.MaxSegments
+	seed      uint64
 }
 
 func kinds(k ...topology.Kind) []topology.Kind { return k }
@@ -84,7 +85,7 @@ func buildRequest(rng *rand.Rand, c *semCase, groups []topology.Group) *kvsim.Re
 
 func runSemantic(t *testing.T, c *semCase) {
 	t.Helper()
-	rng := rand.New(rand.NewPCG(uint64(len(c.name)), 7))
+	rng := rand.New(rand.NewPCG(uint64(len(c.name))+c.seed, 7))
 	pr, err := kvsim.Build(&c.model, &c.p)
 	if err != nil {
 		t.Fatal(err)
