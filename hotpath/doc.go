@@ -1,0 +1,28 @@
+// Package hotpath turns a topology.Plan and one request's block ids into
+// the transfer descriptors a backend posts: pairs of (local address, remote
+// address, length, devices), or, for backends with prepared descriptor
+// lists, pairs of indices into them.
+//
+// Builder.AppendDescs pairs units per group (topology's token-anchored
+// Align), compresses them into runs consecutive on both sides, and emits
+// region by region: one descriptor per run when a unit is a whole slot on
+// both sides, else one per segment per unit, merged with the previous
+// descriptor whenever both sides are contiguous. Descriptors never cross a
+// region and never exceed Options.MaxRunBytes by merging. Steady-state
+// calls allocate nothing (the Builder keeps its scratch; the caller owns
+// and reuses the output slice). AppendReference is the plain, allocating
+// reference; building with -tags invariants makes every AppendDescs call
+// check itself against it.
+//
+// Registry holds what writers read concurrently: peer layouts and plans,
+// in lock-free maps, computed once per key and dropped by peer or
+// generation.
+//
+// Callers, in order: build or look up the Plan for the (P rank, D rank)
+// pair (Registry.Plan); keep one Builder per goroutine; per request, fill a
+// Request with each side's topology.Span per group and the source's token
+// count; call AppendDescs (or AppendIndices with lists from AppendPrepared)
+// with a reused slice; post the batch; reuse the slice.
+//
+// Builder is not safe for concurrent use; Registry is; the functions are.
+package hotpath
