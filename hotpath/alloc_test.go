@@ -5,6 +5,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/bench/shapes"
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/invariants"
 )
 
 // TestAppendDescsZeroAllocs: after one warm-up call sizes the builder's
@@ -13,6 +14,9 @@ import (
 func TestAppendDescsZeroAllocs(t *testing.T) {
 	if raceEnabled {
 		t.Skip("allocation counts are not meaningful under -race")
+	}
+	if invariants.Enabled {
+		t.Skip("-tags invariants cross-checks every call against the allocating reference")
 	}
 	all, err := shapes.All()
 	if err != nil {

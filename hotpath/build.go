@@ -74,6 +74,11 @@ type run struct {
 type Builder struct {
 	opts Options
 	runs []run
+	// flat holds the current group's runs split into single units; it is
+	// filled lazily (flatOK) when runs are short, so fragmented requests
+	// take a loop without per-run setup.
+	flat   []run
+	flatOK bool
 }
 
 // NewBuilder returns a Builder. It fails on an invalid Op or a negative cap.
@@ -105,6 +110,7 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		}
 		var err error
 		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
+		b.flatOK = false
 		if err != nil {
 			return dst[:start], err
 		}
@@ -246,6 +252,22 @@ func (b *Builder) maxRunUnits() int64 {
 	return m
 }
 
+// flatRuns returns the current runs split into single units, building the
+// list once per group.
+func (b *Builder) flatRuns(units int64) []run {
+	if b.flatOK {
+		return b.flat
+	}
+	b.flat = slices.Grow(b.flat[:0], int(units))
+	for _, r := range b.runs {
+		for i := int64(0); i < r.n; i++ {
+			b.flat = append(b.flat, run{r.s + i, r.d + i, 1})
+		}
+	}
+	b.flatOK = true
+	return b.flat
+}
+
 // appendSegs emits every segment of every unit, merging a segment into the
 // previous descriptor of the same region when both sides are contiguous.
 //
@@ -292,15 +314,16 @@ func (b *Builder) appendSegs(dst []Desc, gp *topology.GroupPlan, rp *topology.Re
 		// the segment), so nothing merges: write one descriptor per unit.
 		sg := segs[0]
 		sBase, dBase, n := rp.SrcBase+uint64(sg.SrcOff), rp.DstBase+uint64(sg.DstOff), uint64(sg.Len)
-		if int(units) == len(b.runs) {
-			// Fully fragmented: every run is one unit.
-			out = out[:len(b.runs)]
-			for i, r := range b.runs {
+		if int(units) <= 4*len(b.runs) {
+			// Fragmented (runs of a few units): one flat loop over units.
+			flat := b.flatRuns(units)
+			out = out[:len(flat)]
+			for i, r := range flat {
 				o := &out[i]
 				o.Local, o.Remote, o.Len = sBase+uint64(r.s)*sBlock, dBase+uint64(r.d)*dBlock, n
 				o.LocalDev, o.RemoteDev = sDev, dDev
 			}
-			return dst[:start+len(b.runs)]
+			return dst[:start+len(flat)]
 		}
 		for _, r := range b.runs {
 			l, ra := sBase+uint64(r.s)*sBlock, dBase+uint64(r.d)*dBlock
