@@ -79,6 +79,8 @@ type Builder struct {
 	// take a loop without per-run setup.
 	flat   []run
 	flatOK bool
+	units  int64 // units in runs
+
 }
 
 // NewBuilder returns a Builder. It fails on an invalid Op or a negative cap.
@@ -117,6 +119,21 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		if len(b.runs) == 0 {
 			continue
 		}
+		b.units = 0
+		for _, r := range b.runs {
+			b.units += r.n
+		}
+		// Grow once per group for the worst case (no merging), so the
+		// region loops never grow the slice.
+		need := 0
+		for r := range gp.Regions {
+			if gp.Regions[r].Whole {
+				need += len(b.runs)
+			} else {
+				need += int(b.units) * len(gp.Regions[r].Segs)
+			}
+		}
+		dst = slices.Grow(dst, need)
 		for r := range gp.Regions {
 			rp := &gp.Regions[r]
 			if rp.Whole {
@@ -219,7 +236,7 @@ func (b *Builder) appendWhole(dst []Desc, rp *topology.RegionPlan) []Desc {
 	if b.opts.MaxRunBytes <= 0 || uint64(b.opts.MaxRunBytes) >= unit*uint64(b.maxRunUnits()) {
 		// No cap in reach: exactly one descriptor per run.
 		start := len(dst)
-		dst = slices.Grow(dst, len(b.runs))[:start+len(b.runs)]
+		dst = dst[:start+len(b.runs)] // capacity grown by AppendDescs
 		out := dst[start:]
 		for i, r := range b.runs {
 			o := &out[i]
@@ -280,15 +297,11 @@ func (b *Builder) appendSegs(dst []Desc, gp *topology.GroupPlan, rp *topology.Re
 	if b.opts.MaxRunBytes > 0 {
 		maxLen = uint64(b.opts.MaxRunBytes)
 	}
-	var units int64
-	for _, r := range b.runs {
-		units += r.n
-	}
+	units := b.units
 	segs := rp.Segs
 	start := len(dst)
-	dst = slices.Grow(dst, int(units)*len(segs))
-	out := dst[start : start+int(units)*len(segs)]
-	w := 0 // descriptors written into out
+	out := dst[start : start+int(units)*len(segs)] // capacity grown by AppendDescs
+	w := 0                                         // descriptors written into out
 	var ol, or, on uint64
 	open := false
 	sDev, dDev := rp.SrcDev, rp.DstDev
