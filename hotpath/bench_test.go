@@ -1,7 +1,6 @@
 package hotpath_test
 
 import (
-	"slices"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/bench/shapes"
@@ -87,26 +86,6 @@ func BenchmarkReference(b *testing.B) {
 	}
 }
 
-// writeDescs is the memory-write limit: n descriptors written with
-// trivial arithmetic and no mapping logic, field by field into a slice
-// grown once (the fastest store pattern measured; a composite-literal
-// append is 1.7x slower on the reference machine).
-//
-//go:noinline
-func writeDescs(dst []hotpath.Desc, n int, l uint64) []hotpath.Desc {
-	a, r := uint64(1)<<44, uint64(2)<<44
-	start := len(dst)
-	dst = slices.Grow(dst, n)[:start+n]
-	out := dst[start:]
-	for i := range out {
-		o := &out[i]
-		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = a, r, l, 0, 0
-		a += l
-		r += l
-	}
-	return dst
-}
-
 // BenchmarkBaseline writes as many descriptors as the optimised builder
 // emits for the shape.
 func BenchmarkBaseline(b *testing.B) {
@@ -116,7 +95,7 @@ func BenchmarkBaseline(b *testing.B) {
 			dst := make([]hotpath.Desc, 0, ref)
 			b.ReportAllocs()
 			for b.Loop() {
-				dst = writeDescs(dst[:0], opt, 4096)
+				dst = shapes.WriteBaseline(dst[:0], opt, 4096)
 			}
 			report(b, opt, opt)
 		})
@@ -133,7 +112,7 @@ func BenchmarkBaselineUncoalesced(b *testing.B) {
 			dst := make([]hotpath.Desc, 0, ref)
 			b.ReportAllocs()
 			for b.Loop() {
-				dst = writeDescs(dst[:0], ref, 4096)
+				dst = shapes.WriteBaseline(dst[:0], ref, 4096)
 			}
 			report(b, ref, ref)
 		})

@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"os"
 	"runtime"
-	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -52,20 +51,6 @@ func timeIt(d time.Duration, f func()) (ns, allocs float64) {
 	return float64(el.Nanoseconds()) / float64(n), float64(ms1.Mallocs-ms0.Mallocs) / float64(n)
 }
 
-func writeDescs(dst []hotpath.Desc, n int, l uint64) []hotpath.Desc {
-	a, r := uint64(1)<<44, uint64(2)<<44
-	start := len(dst)
-	dst = slices.Grow(dst, n)[:start+n]
-	out := dst[start:]
-	for i := range out {
-		o := &out[i]
-		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = a, r, l, 0, 0
-		a += l
-		r += l
-	}
-	return dst
-}
-
 func run(filter string, quick bool) error {
 	all, err := shapes.All()
 	if err != nil {
@@ -98,11 +83,11 @@ func run(filter string, quick bool) error {
 		n := len(dst)
 		ns, allocs := timeIt(d, func() { dst, _ = b.AppendDescs(dst[:0], s.Plan, s.Req) })
 		base := make([]hotpath.Desc, 0, n)
-		bns, _ := timeIt(d, func() { base = writeDescs(base[:0], n, 4096) })
+		bns, _ := timeIt(d, func() { base = shapes.WriteBaseline(base[:0], n, 4096) })
 		pct := 100 * bns / ns
 		worst = min(worst, pct)
 		rbase := make([]hotpath.Desc, 0, len(ref))
-		rns, _ := timeIt(d, func() { rbase = writeDescs(rbase[:0], len(ref), 4096) })
+		rns, _ := timeIt(d, func() { rbase = shapes.WriteBaseline(rbase[:0], len(ref), 4096) })
 		fmt.Fprintf(tw, "%s\t%d\t%.0fx\t%.2f\t%.0f\t%.2f\t%.0f%%\t%.0f%%\t%.1f\t%.0f\t\n",
 			s.Name, n, float64(len(ref))/float64(n), ns/float64(n), float64(n)/ns*1e3, bns/float64(n), pct, 100*rns/ns, ns/1e3, allocs)
 	}
