@@ -80,7 +80,6 @@ type Builder struct {
 	flat   []run
 	flatOK bool
 	units  int64 // units in runs
-
 }
 
 // NewBuilder returns a Builder. It fails on an invalid Op or a negative cap.
@@ -236,7 +235,7 @@ func (b *Builder) appendWhole(dst []Desc, rp *topology.RegionPlan) []Desc {
 	if b.opts.MaxRunBytes <= 0 || uint64(b.opts.MaxRunBytes) >= unit*uint64(b.maxRunUnits()) {
 		// No cap in reach: exactly one descriptor per run.
 		start := len(dst)
-		dst = dst[:start+len(b.runs)] // capacity grown by AppendDescs
+		dst = slices.Grow(dst, len(b.runs))[:start+len(b.runs)] // grown by AppendDescs unless a capped region used more
 		out := dst[start:]
 		for i, r := range b.runs {
 			o := &out[i]
@@ -300,8 +299,9 @@ func (b *Builder) appendSegs(dst []Desc, gp *topology.GroupPlan, rp *topology.Re
 	units := b.units
 	segs := rp.Segs
 	start := len(dst)
-	out := dst[start : start+int(units)*len(segs)] // capacity grown by AppendDescs
-	w := 0                                         // descriptors written into out
+	dst = slices.Grow(dst, int(units)*len(segs)) // a no-op unless a capped region used more than planned
+	out := dst[start : start+int(units)*len(segs)]
+	w := 0 // descriptors written into out
 	var ol, or, on uint64
 	open := false
 	sDev, dDev := rp.SrcDev, rp.DstDev

@@ -284,3 +284,30 @@ func ExampleAppendReference() {
 	fmt.Println("reference:", len(ref), "descriptors; optimised:", len(opt), "of", opt[0].Len, "bytes")
 	// Output: reference: 2 descriptors; optimised: 1 of 1024 bytes
 }
+
+// TestCapInMixedGroup: in one group holding an attention region (split by
+// the cap) and an MLA region (not split), the capped region's extra
+// descriptors must not eat the room planned for the next region.
+func TestCapInMixedGroup(t *testing.T) {
+	hnd := topology.LayoutHND
+	src, dst := pairOf(t, eng(1, 1, 16, 16, hnd, topology.PackedKV), eng(2, 1, 16, 16, hnd, topology.PackedKV), 4, fa, mla)
+	for _, l := range []*topology.Layout{src, dst} {
+		l.Groups = []topology.Group{{Kind: fa, Regions: []int{0, 1}}}
+	}
+	plan, err := topology.NewPlan(src, dst, topology.PlanOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	attn, latent := uint64(src.Regions[0].BlockLen), uint64(src.Regions[1].BlockLen)
+	capBytes := int64(attn + attn/2) // splits the attention run per block, not the MLA run
+	req := &hotpath.Request{Src: []topology.Span{{IDs: ids(2, 3, 4, 5)}}, Dst: []topology.Span{{IDs: ids(8, 9, 10, 11)}}}
+	b := mustBuilder(t, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: capBytes})
+	got, err := b.AppendDescs(nil, plan, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 5 || got[4].Len != 4*latent {
+		t.Fatalf("AppendDescs = %d descs (last %+v), want 4 capped attention descs and 1 MLA desc of %d bytes", len(got), got[len(got)-1], 4*latent)
+	}
+	hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: capBytes})
+}

@@ -102,6 +102,11 @@ func FuzzCoalesce(f *testing.F) {
 		src := &pr[0][r.intn(c.p.TP)].Layout
 		peers, _ := topology.TargetRanks(nil, c.p.TP, c.d.TP, src.TPRank)
 		dst := &dr[0][peers[r.intn(len(peers))]].Layout
+		if r.byte()%2 == 0 {
+			// One group over every non-Mamba region (mixed attention and
+			// MLA regions in a group, as HMA pooling makes them).
+			src, dst = mergeGroups(src), mergeGroups(dst)
+		}
 		plan, err := topology.NewPlan(src, dst, topology.PlanOptions{MaxSegments: c.maxSegs})
 		if err != nil {
 			t.Fatal(err)
@@ -224,4 +229,23 @@ func layoutsForFuzz(f *testing.F) (*topology.Layout, *topology.Layout) {
 		f.Fatal(err)
 	}
 	return &pr[0][1].Layout, &dr[0][0].Layout
+}
+
+// mergeGroups returns a copy of l whose non-Mamba groups are one group.
+func mergeGroups(l *topology.Layout) *topology.Layout {
+	out := *l
+	out.Groups = nil
+	merged := -1
+	for _, g := range l.Groups {
+		if g.Kind == mmb {
+			out.Groups = append(out.Groups, g)
+			continue
+		}
+		if merged < 0 {
+			merged = len(out.Groups)
+			out.Groups = append(out.Groups, topology.Group{Kind: g.Kind, Window: g.Window})
+		}
+		out.Groups[merged].Regions = append(out.Groups[merged].Regions, g.Regions...)
+	}
+	return &out
 }
