@@ -80,6 +80,7 @@ type Builder struct {
 	flat   []run
 	flatOK bool
 	units  int64 // units in runs
+	maxRun int64 // longest run
 }
 
 // NewBuilder returns a Builder. It fails on an invalid Op or a negative cap.
@@ -118,9 +119,10 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		if len(b.runs) == 0 {
 			continue
 		}
-		b.units = 0
+		b.units, b.maxRun = 0, 0
 		for _, r := range b.runs {
 			b.units += r.n
+			b.maxRun = max(b.maxRun, r.n)
 		}
 		// Grow once per group for the worst case (no merging), so the
 		// region loops never grow the slice.
@@ -232,7 +234,7 @@ func appendRuns(runs []run, gp *topology.GroupPlan, src, dst topology.Span, toke
 func (b *Builder) appendWhole(dst []Desc, rp *topology.RegionPlan) []Desc {
 	unit := uint64(rp.Segs[0].Len)
 	sBase, dBase, sDev, dDev := rp.SrcBase, rp.DstBase, rp.SrcDev, rp.DstDev
-	if b.opts.MaxRunBytes <= 0 || uint64(b.opts.MaxRunBytes) >= unit*uint64(b.maxRunUnits()) {
+	if b.opts.MaxRunBytes <= 0 || uint64(b.opts.MaxRunBytes) >= unit*uint64(b.maxRun) {
 		// No cap in reach: exactly one descriptor per run.
 		start := len(dst)
 		dst = slices.Grow(dst, len(b.runs))[:start+len(b.runs)] // grown by AppendDescs unless a capped region used more
@@ -257,15 +259,6 @@ func (b *Builder) appendWhole(dst []Desc, rp *topology.RegionPlan) []Desc {
 		}
 	}
 	return dst
-}
-
-// maxRunUnits returns the longest run of the current request.
-func (b *Builder) maxRunUnits() int64 {
-	var m int64
-	for _, r := range b.runs {
-		m = max(m, r.n)
-	}
-	return m
 }
 
 // flatRuns returns the current runs split into single units, building the
