@@ -320,53 +320,41 @@ func (b *Builder) appendSegs(dst []Desc, gp *topology.GroupPlan, rp *topology.Re
 		// the segment), so nothing merges: write one descriptor per unit.
 		sg := segs[0]
 		sBase, dBase, n := rp.SrcBase+uint64(sg.SrcOff), rp.DstBase+uint64(sg.DstOff), uint64(sg.Len)
-		if int(units) <= 4*len(b.runs) {
-			// Fragmented (runs of a few units): one flat loop over units.
-			flat := b.flatRuns(units)
-			out = out[:len(flat)]
-			for i, r := range flat {
-				o := &out[i]
-				o.Local, o.Remote, o.Len = sBase+uint64(r.s)*sBlock, dBase+uint64(r.d)*dBlock, n
-				o.LocalDev, o.RemoteDev = sDev, dDev
-			}
-			return dst[:start+len(flat)]
+		// Loop over single units (the flattened runs, built once per
+		// group): independent stores per unit measured faster than
+		// stepping addresses along a run (fresh 70b_bs16/tp8to4/8192:
+		// 85 µs -> 63 µs).
+		flat := b.flatRuns(units)
+		out = out[:len(flat)]
+		for i, r := range flat {
+			o := &out[i]
+			o.Local, o.Remote, o.Len = sBase+uint64(r.s)*sBlock, dBase+uint64(r.d)*dBlock, n
+			o.LocalDev, o.RemoteDev = sDev, dDev
 		}
-		for _, r := range b.runs {
-			l, ra := sBase+uint64(r.s)*sBlock, dBase+uint64(r.d)*dBlock
-			run := out[w : w+int(r.n)]
-			for i := range run {
-				o := &run[i]
-				o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = l, ra, n, sDev, dDev
-				l += sBlock
-				ra += dBlock
+		return dst[:start+len(flat)]
+	}
+	sStride, dStride := uint64(rp.SrcSlotStride), uint64(rp.DstSlotStride)
+	for _, r := range b.runs {
+		sk, sj := r.s/su, r.s%su // kernel block and unit within it
+		dk, dj := r.d/du, r.d%du
+		sa := rp.SrcBase + uint64(sk)*sBlock + uint64(sj)*sStride
+		da := rp.DstBase + uint64(dk)*dBlock + uint64(dj)*dStride
+		for i := int64(0); i < r.n; i++ {
+			for _, sg := range segs {
+				emit(sa+uint64(sg.SrcOff), da+uint64(sg.DstOff), uint64(sg.Len))
 			}
-			w += len(run)
-		}
-		return dst[:start+w]
-	} else {
-		sStride, dStride := uint64(rp.SrcSlotStride), uint64(rp.DstSlotStride)
-		for _, r := range b.runs {
-			sk, sj := r.s/su, r.s%su // kernel block and unit within it
-			dk, dj := r.d/du, r.d%du
-			sa := rp.SrcBase + uint64(sk)*sBlock + uint64(sj)*sStride
-			da := rp.DstBase + uint64(dk)*dBlock + uint64(dj)*dStride
-			for i := int64(0); i < r.n; i++ {
-				for _, sg := range segs {
-					emit(sa+uint64(sg.SrcOff), da+uint64(sg.DstOff), uint64(sg.Len))
-				}
-				// Step to the next unit on each side.
-				if sj++; sj == su {
-					sj, sk = 0, sk+1
-					sa = rp.SrcBase + uint64(sk)*sBlock
-				} else {
-					sa += sStride
-				}
-				if dj++; dj == du {
-					dj, dk = 0, dk+1
-					da = rp.DstBase + uint64(dk)*dBlock
-				} else {
-					da += dStride
-				}
+			// Step to the next unit on each side.
+			if sj++; sj == su {
+				sj, sk = 0, sk+1
+				sa = rp.SrcBase + uint64(sk)*sBlock
+			} else {
+				sa += sStride
+			}
+			if dj++; dj == du {
+				dj, dk = 0, dk+1
+				da = rp.DstBase + uint64(dk)*dBlock
+			} else {
+				da += dStride
 			}
 		}
 	}
