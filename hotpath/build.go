@@ -200,11 +200,8 @@ func appendRuns(runs []run, gp *topology.GroupPlan, src, dst topology.Span, toke
 			for j < n && int64(sIDs[j]) == fs+int64(j-i) && int64(dIDs[j]) == fd+int64(j-i) {
 				j++
 			}
-			if m := len(runs); m > 0 && runs[m-1].s+runs[m-1].n == fs && runs[m-1].d+runs[m-1].n == fd {
-				runs[m-1].n += int64(j - i)
-			} else {
-				runs = append(runs, run{fs, fd, int64(j - i)})
-			}
+			// j stopped where contiguity broke, so this run is maximal.
+			runs = append(runs, run{fs, fd, int64(j - i)})
 			i = j
 		}
 		return runs, nil
