@@ -81,6 +81,21 @@ type Builder struct {
 	flatOK bool
 	units  int64 // units in runs
 	maxRun int64 // longest run
+	// spans are the current group's runs (or single units) scaled to byte
+	// offsets for the multipliers in spansKey, reused by every region of
+	// the group with the same geometry.
+	spans    []span
+	spansKey spanKey
+	spansOK  bool
+}
+
+// span is a run (or unit) in bytes: offsets from each region's base and a
+// length.
+type span struct{ s, d, n uint64 }
+
+type spanKey struct {
+	flat             bool
+	sMul, dMul, nMul uint64
 }
 
 // NewBuilder returns a Builder. It fails on an invalid Op or a negative cap.
@@ -112,7 +127,7 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		}
 		var err error
 		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
-		b.flatOK = false
+		b.flatOK, b.spansOK = false, false
 		if err != nil {
 			return dst[:start], err
 		}
@@ -137,6 +152,10 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		dst = slices.Grow(dst, need)
 		for r := range gp.Regions {
 			rp := &gp.Regions[r]
+			if b.opts.MaxRunBytes == 0 && len(rp.Segs) == 1 && (rp.Whole || gp.SrcUnits == 1 && gp.DstUnits == 1) {
+				dst = b.appendSpans(dst, rp)
+				continue
+			}
 			if rp.Whole {
 				dst = b.appendWhole(dst, rp)
 			} else {
@@ -224,6 +243,45 @@ func appendRuns(runs []run, gp *topology.GroupPlan, src, dst topology.Span, toke
 		}
 	}
 	return runs, nil
+}
+
+// appendSpans emits a one-segment region without a run cap: a whole region
+// gets one descriptor per run; any other region (one unit per kernel block
+// on both sides) one per unit, since a segment shorter than its block on
+// one side never merges (see appendSegs). Runs are scaled to bytes once per
+// group and geometry, so each region costs one add per address: close to
+// writing the descriptors with no mapping logic at all.
+func (b *Builder) appendSpans(dst []Desc, rp *topology.RegionPlan) []Desc {
+	sg := rp.Segs[0]
+	n := uint64(sg.Len)
+	key := spanKey{flat: !rp.Whole, sMul: uint64(rp.SrcBlockLen), dMul: uint64(rp.DstBlockLen), nMul: n}
+	if rp.Whole {
+		key.sMul, key.dMul = n, n
+	}
+	if !b.spansOK || b.spansKey != key {
+		src := b.runs
+		if key.flat {
+			src = b.flatRuns(b.units)
+		}
+		b.spans = slices.Grow(b.spans[:0], len(src))[:len(src)]
+		for i, r := range src {
+			b.spans[i] = span{uint64(r.s) * key.sMul, uint64(r.d) * key.dMul, uint64(r.n) * key.nMul}
+		}
+		b.spansKey, b.spansOK = key, true
+	}
+	spans := b.spans
+	sBase, dBase := rp.SrcBase+uint64(sg.SrcOff), rp.DstBase+uint64(sg.DstOff)
+	sDev, dDev := rp.SrcDev, rp.DstDev
+	start := len(dst)
+	dst = dst[:start+len(spans)] // AppendDescs grew dst exactly for uncapped regions
+	out := dst[start:]
+	out = out[:len(spans)]
+	for i := range spans {
+		sp := &spans[i]
+		o := &out[i]
+		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = sBase+sp.s, dBase+sp.d, sp.n, sDev, dDev
+	}
+	return dst
 }
 
 // appendWhole emits one descriptor per run (split by the cap) for a region
