@@ -91,14 +91,7 @@ func FuzzCoalesce(f *testing.F) {
 	f.Fuzz(func(t *testing.T, in []byte) {
 		r := &fuzzReader{in}
 		c := fuzzCase(r)
-		pr, err := kvsim.Build(&c.model, &c.p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		dr, err := kvsim.Build(&c.model, &c.d)
-		if err != nil {
-			t.Fatal(err)
-		}
+		pr, dr := buildEngines(t, c)
 		src := &pr[0][r.intn(c.p.TP)].Layout
 		peers, _ := topology.TargetRanks(nil, c.p.TP, c.d.TP, src.TPRank)
 		dst := &dr[0][peers[r.intn(len(peers))]].Layout

@@ -83,17 +83,24 @@ func buildRequest(rng *rand.Rand, c *semCase, groups []topology.Group) *kvsim.Re
 	return req
 }
 
+// buildEngines builds the P and D engines of a case.
+func buildEngines(t *testing.T, c *semCase) (p, d [][]*kvsim.Rank) {
+	t.Helper()
+	p, err := kvsim.Build(&c.model, &c.p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err = kvsim.Build(&c.model, &c.d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, d
+}
+
 func runSemantic(t *testing.T, c *semCase) {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(uint64(len(c.name))+c.seed, 7))
-	pr, err := kvsim.Build(&c.model, &c.p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dr, err := kvsim.Build(&c.model, &c.d)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pr, dr := buildEngines(t, c)
 	req := buildRequest(rng, c, dr[0][0].Layout.GroupList())
 	for s, stage := range pr {
 		for _, r := range stage {
