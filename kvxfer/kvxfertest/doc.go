@@ -1,3 +1,8 @@
-// Package kvxfertest will ship kvxfer's test doubles for users: an in-memory backend that
-// moves real bytes between agents of one process, and a fault injector. Not implemented yet.
+// Package kvxfertest ships kvxfer's test doubles for its own tests and its
+// users': a Fabric of in-memory agents implementing kvxfer.Backend that
+// move real bytes between real byte slices (bounds-checked against
+// registered regions, notification after the bytes), and a fault injector
+// (Faults) that fails registrations, handshakes, transfers and
+// notifications, corrupts transfers, drops, delays, duplicates or reorders
+// notifications, and stalls peers.
 package kvxfertest

@@ -1,0 +1,121 @@
+package kvxfer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+)
+
+// MemKind is the kind of memory a region lives in.
+type MemKind uint8
+
+const (
+	// MemDRAM is host memory (shared-memory files in kvxferd).
+	MemDRAM MemKind = iota + 1
+	// MemVRAM is device memory (CUDA IPC imports in kvxferd).
+	MemVRAM
+)
+
+func (k MemKind) String() string {
+	switch k {
+	case MemDRAM:
+		return "DRAM"
+	case MemVRAM:
+		return "VRAM"
+	}
+	return fmt.Sprintf("MemKind(%d)", uint8(k))
+}
+
+// MemRegion is one registered memory range.
+type MemRegion struct {
+	Addr uint64
+	Len  uint64
+	Dev  int32
+	Kind MemKind
+}
+
+// PeerName names a peer agent once its metadata is loaded.
+type PeerName string
+
+// XferID names a posted transfer. The zero value is invalid.
+type XferID uint64
+
+// XferState is the state of a posted transfer.
+type XferState uint8
+
+const (
+	// XferInProgress: bytes may still be moving.
+	XferInProgress XferState = iota + 1
+	// XferDone: every byte landed and the notification was delivered.
+	XferDone
+	// XferFailed: the transfer failed; State returns the reason.
+	XferFailed
+)
+
+func (s XferState) String() string {
+	switch s {
+	case XferInProgress:
+		return "in_progress"
+	case XferDone:
+		return "done"
+	case XferFailed:
+		return "failed"
+	}
+	return fmt.Sprintf("XferState(%d)", uint8(s))
+}
+
+// Notif is a notification received from a peer.
+type Notif struct {
+	From PeerName
+	Msg  []byte
+}
+
+// Backend errors. Backends wrap them with detail; match with errors.Is.
+var (
+	ErrClosed        = errors.New("kvxfer: closed")
+	ErrUnknownPeer   = errors.New("kvxfer: unknown peer")
+	ErrUnknownXfer   = errors.New("kvxfer: unknown transfer")
+	ErrOutOfBounds   = errors.New("kvxfer: descriptor outside registered memory")
+	ErrBadMetadata   = errors.New("kvxfer: bad peer metadata")
+	ErrXferFailed    = errors.New("kvxfer: transfer failed")
+	ErrNotRegistered = errors.New("kvxfer: memory not registered")
+)
+
+// Backend moves bytes between registered memory regions of agents. It
+// mirrors the NIXL agent so that the NIXL backend is a thin binding and the
+// built-in and fake backends are faithful stand-ins (DESIGN.md).
+//
+// Implementations are safe for concurrent use. Every descriptor a peer
+// names is bounds-checked against registered regions: a transfer never
+// reads or writes outside registered memory.
+type Backend interface {
+	// Register makes regions usable as local transfer endpoints.
+	Register(regions []MemRegion) error
+	// Deregister removes regions registered earlier.
+	Deregister(regions []MemRegion) error
+	// LocalMetadata returns the blob a peer passes to LoadPeer to reach
+	// this agent and its registered regions.
+	LocalMetadata() ([]byte, error)
+	// LoadPeer loads a peer's metadata blob and returns its name.
+	LoadPeer(meta []byte) (PeerName, error)
+	// InvalidatePeer forgets a peer; its in-flight transfers fail.
+	InvalidatePeer(peer PeerName) error
+	// Post starts a WRITE (local -> remote) or READ (remote -> local) of
+	// the descriptors to peer. notif, when not nil, is delivered to the
+	// peer only after every byte of the batch has landed. The backend
+	// does not keep descs after Post returns.
+	Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, notif []byte) (XferID, error)
+	// State polls a transfer; for XferFailed the error says why.
+	State(id XferID) (XferState, error)
+	// Release forgets a finished transfer (or abandons a running one).
+	Release(id XferID) error
+	// Notify sends a bare notification to a peer.
+	Notify(peer PeerName, msg []byte) error
+	// DrainNotifs appends the notifications received since the last call
+	// to dst, in arrival order.
+	DrainNotifs(dst []Notif) []Notif
+	// Close releases everything; it is idempotent. Calls after Close
+	// return ErrClosed.
+	Close() error
+}
