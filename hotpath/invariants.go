@@ -7,12 +7,13 @@ import (
 )
 
 // checkAgainstReference panics unless out (the optimised descriptors of
-// one AppendDescs call, still in source-local orientation) moves exactly
-// the bytes AppendReference moves, paired the same way and in the same
-// order: each optimised descriptor must be the concatenation of
+// one AppendDescs call, still in write orientation: source local) moves
+// exactly the bytes AppendReference moves, paired the same way and in the
+// same order: each optimised descriptor must be the concatenation of
 // consecutive reference descriptors, contiguous on both sides, on the same
-// devices, and within MaxRunBytes unless it is a single reference
-// descriptor. It runs only when built with -tags invariants.
+// devices, and within opts.MaxRunBytes unless it is a single reference
+// descriptor. AppendDescs calls it before it swaps a READ's sides, and
+// only when built with -tags invariants; opts.Op is ignored.
 func checkAgainstReference(out []Desc, p *topology.Plan, req *Request, opts Options) {
 	ref, err := AppendReference(nil, p, req, OpWrite)
 	if err != nil {
@@ -20,6 +21,9 @@ func checkAgainstReference(out []Desc, p *topology.Plan, req *Request, opts Opti
 	}
 	i := 0
 	for k, d := range out {
+		if d.Len == 0 {
+			panic(fmt.Sprintf("hotpath invariant: descriptor %d %+v is empty", k, d))
+		}
 		var n uint64
 		pieces := 0
 		for n < d.Len {

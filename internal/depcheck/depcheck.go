@@ -21,18 +21,25 @@ type Package struct {
 	Standard   bool
 }
 
-// Rule restricts what the non-standard dependencies of the packages under
-// Prefix may be. Allowed entries are module-relative paths ("topology") or
-// full paths of third-party modules; an entry ending in "/..." allows a
+// Rule restricts what the non-standard dependencies of the package Prefix
+// may be. Allowed entries are module-relative paths ("topology") or full
+// paths of third-party modules; an entry ending in "/..." allows a
 // subtree.
 type Rule struct {
 	Name    string
-	Prefix  string // module-relative package path, or a subtree "x/..."
+	Prefix  string // module-relative package path
 	Allowed []string
+	// Direct checks only the package's own imports, not its transitive
+	// dependencies: for packages whose allowed third-party modules (gRPC)
+	// pull in dependencies of their own.
+	Direct bool
 }
 
-// Rules are kvxfer's dependency rules. Packages of the module not matched
-// by any rule are checked only by the global rules (gRPC, cgo, cmd/bench).
+// Rules are kvxfer's dependency rules, one per package of DESIGN.md's
+// table; a rule applies as soon as its package exists. cmd/, bench/,
+// test/ and fuzz/ may import anything and have no rule here; they and
+// every package not listed are checked only by the global rules (gRPC,
+// cgo, cmd/bench).
 var Rules = []Rule{
 	{Name: "topology imports only the standard library", Prefix: "topology"},
 	{Name: "internal/invariants imports only the standard library", Prefix: "internal/invariants"},
@@ -48,17 +55,19 @@ var Rules = []Rule{
 		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...",
+			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/..."}},
 }
 
-// ruleFor returns the most specific rule for a module-relative path.
+// ruleFor returns the rule for a module-relative package path.
 func ruleFor(rel string) (Rule, bool) {
-	best, found := Rule{}, false
 	for _, r := range Rules {
-		if rel == r.Prefix && (!found || len(r.Prefix) > len(best.Prefix)) {
-			best, found = r, true
+		if rel == r.Prefix {
+			return r, true
 		}
 	}
-	return best, found
+	return Rule{}, false
 }
 
 func allowed(dep string, list []string) bool {
@@ -102,7 +111,11 @@ func Check(pkgs []Package) []string {
 			continue
 		}
 		if r, ok := ruleFor(rel); ok {
-			for _, d := range p.Deps {
+			deps := p.Deps
+			if r.Direct {
+				deps = p.Imports
+			}
+			for _, d := range deps {
 				if isStd(d) || d == p.ImportPath || allowed(d, r.Allowed) {
 					continue
 				}

@@ -18,9 +18,10 @@ const m = Module + "/"
 
 func TestCheckRules(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		pkgs []Package
-		want []string
+		name   string
+		reason string
+		pkgs   []Package
+		want   []string
 	}{
 		{
 			name: "topology with only std is clean",
@@ -46,6 +47,20 @@ func TestCheckRules(t *testing.T) {
 				`kvxfer: imports google.golang.org/grpc/codes (only stream/, cmd/, bench/, test/ and fuzz/ may use gRPC)`,
 				`kvxfer: imports google.golang.org/grpc/codes (rule "kvxfer imports topology, hotpath and internal packages")`,
 			},
+		},
+		{
+			name:   "stream is checked on its own imports only",
+			reason: "gRPC pulls in x/net, which stream itself must not import",
+			pkgs: []Package{{ImportPath: m + "stream",
+				Imports: []string{"context", "google.golang.org/grpc", m + "kvxfer", "golang.org/x/net/http2"},
+				Deps:    []string{"context", "google.golang.org/grpc", "golang.org/x/net/http2", m + "kvxfer"}}},
+			want: []string{`stream: imports golang.org/x/net/http2 (rule "stream imports kvxfer and gRPC")`},
+		},
+		{
+			name:   "kvxfertest has its own rule, not kvxfer's",
+			reason: "rules match whole package paths, not prefixes",
+			pkgs:   []Package{{ImportPath: m + "kvxfer/kvxfertest", Deps: []string{m + "kvxfer", m + "stream"}}},
+			want:   []string{`kvxfer/kvxfertest: imports ` + m + `stream (rule "kvxfer/kvxfertest imports kvxfer")`},
 		},
 		{
 			name: "cgo only in nixl and cuda",
