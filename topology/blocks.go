@@ -1,6 +1,9 @@
 package topology
 
-import "fmt"
+import (
+	"fmt"
+	"math"
+)
 
 // BlockSizeRatio returns how many units of min(src, dst) tokens fit in a
 // source and in a destination kernel block. One kernel block size must
@@ -64,8 +67,13 @@ func EndTrim(ids []BlockID, n int) []BlockID {
 }
 
 // WindowBlocks returns how many trailing blocks a sliding-window group
-// keeps: cdiv(window, blockSize) + 1 (SPEC §6).
+// keeps: cdiv(window, blockSize) + 1 (SPEC §6). A window or block size
+// that is not positive (which Validate rejects) keeps every block: it
+// returns math.MaxInt.
 func WindowBlocks(window, blockSize int) int {
+	if window <= 0 || blockSize <= 0 {
+		return math.MaxInt
+	}
 	return (window+blockSize-1)/blockSize + 1
 }
 
@@ -140,6 +148,8 @@ type Span struct {
 // index and the number of pairs.
 func TrimSSM(srcLen, dstLen int) (s0, d0, n int, err error) {
 	switch {
+	case srcLen < 0 || dstLen < 0:
+		return 0, 0, 0, fmt.Errorf("%w: Mamba block counts src = %d, dst = %d, want >= 0", ErrInvalidBlocks, srcLen, dstLen)
 	case srcLen == dstLen:
 		return 0, 0, srcLen, nil
 	case srcLen == dstLen+1:

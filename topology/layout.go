@@ -188,7 +188,11 @@ func (l *Layout) PagesPerBlock() int {
 
 // LocalHeads returns the number of KV heads one rank of this layout holds:
 // TotalKVHeads/TPSize, or 1 when heads are replicated (TPSize > heads).
+// It returns 0 for a TPSize that is not positive (an invalid layout).
 func (l *Layout) LocalHeads() int {
+	if l.TPSize <= 0 {
+		return 0
+	}
 	if l.TPSize >= l.TotalKVHeads {
 		return 1
 	}
@@ -339,7 +343,9 @@ func (l *Layout) validateRegion(i int) error {
 
 func (l *Layout) validateGroups() error {
 	groups := l.GroupList()
-	seen := make([]bool, len(l.Regions))
+	// seen[i] is 1 + the last group listing region i (0: none yet), so a
+	// repeat inside one group is found without a quadratic scan.
+	seen := make([]int, len(l.Regions))
 	for g := range groups {
 		gr := &groups[g]
 		if !gr.Kind.valid() {
@@ -355,15 +361,23 @@ func (l *Layout) validateGroups() error {
 			if ri < 0 || ri >= len(l.Regions) {
 				return layoutErr("Groups[%d].Regions[%d] = %d, want 0..%d", g, j, ri, len(l.Regions)-1)
 			}
+			if seen[ri] == g+1 {
+				// A repeat would move the region's blocks twice per request.
+				first := 0
+				for gr.Regions[first] != ri {
+					first++
+				}
+				return layoutErr("Groups[%d].Regions[%d] = %d repeats Groups[%d].Regions[%d]", g, j, ri, g, first)
+			}
 			rk := l.Regions[ri].Kind
 			if (gr.Kind == KindMamba) != (rk == KindMamba) {
 				return layoutErr("Groups[%d] (%v) lists Regions[%d] of kind %v", g, gr.Kind, ri, rk)
 			}
-			seen[ri] = true
+			seen[ri] = g + 1
 		}
 	}
 	for i, s := range seen {
-		if !s {
+		if s == 0 {
 			return layoutErr("Regions[%d] belongs to no group", i)
 		}
 	}
@@ -373,8 +387,11 @@ func (l *Layout) validateGroups() error {
 // HeadRange returns the first global KV head and the number of heads that
 // TP rank `rank` of `tp` ranks holds when a model has `heads` KV heads.
 // With more ranks than heads, heads are replicated: rank r holds the single
-// head r·heads/tp.
+// head r·heads/tp. A tp that is not positive yields no heads.
 func HeadRange(heads, tp, rank int) (first, count int) {
+	if tp <= 0 {
+		return 0, 0
+	}
 	if tp >= heads {
 		return rank * heads / tp, 1
 	}
