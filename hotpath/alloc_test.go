@@ -9,8 +9,9 @@ import (
 )
 
 // TestAppendDescsZeroAllocs: after one warm-up call sizes the builder's
-// scratch and the caller's slice, building descriptors allocates nothing,
-// on every benchmark shape, for writes and reads, with and without a cap.
+// scratch and the caller's slices, building descriptors and prepared-list
+// indices allocates nothing, on every benchmark shape, for writes and for
+// capped reads.
 func TestAppendDescsZeroAllocs(t *testing.T) {
 	if raceEnabled {
 		t.Skip("allocation counts are not meaningful under -race")
@@ -20,69 +21,87 @@ func TestAppendDescsZeroAllocs(t *testing.T) {
 	}
 	all, err := shapes.All()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("shapes.All() error: %v", err)
+	}
+	opts := []struct {
+		name string
+		opts hotpath.Options
+	}{
+		{"write", hotpath.Options{Op: hotpath.OpWrite}},
+		{"read_capped_1MiB", hotpath.Options{Op: hotpath.OpRead, MaxRunBytes: 1 << 20}},
 	}
 	for _, s := range all {
-		for _, opts := range []hotpath.Options{{Op: hotpath.OpWrite}, {Op: hotpath.OpRead, MaxRunBytes: 1 << 20}} {
-			b, err := hotpath.NewBuilder(opts)
-			if err != nil {
-				t.Fatal(err)
-			}
-			dst, err := b.AppendDescs(nil, s.Plan, s.Req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			idx, err := b.AppendIndices(nil, s.Plan, s.Req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			allocs := testing.AllocsPerRun(5, func() {
-				dst, _ = b.AppendDescs(dst[:0], s.Plan, s.Req)
-				idx, _ = b.AppendIndices(idx[:0], s.Plan, s.Req)
+		for _, o := range opts {
+			t.Run(s.Name+"/"+o.name, func(t *testing.T) {
+				b, err := hotpath.NewBuilder(o.opts)
+				if err != nil {
+					t.Fatalf("NewBuilder(%+v) error: %v", o.opts, err)
+				}
+				dst, err := b.AppendDescs(nil, s.Plan, s.Req)
+				if err != nil {
+					t.Fatalf("AppendDescs(nil) error: %v", err)
+				}
+				idx, err := b.AppendIndices(nil, s.Plan, s.Req)
+				if err != nil {
+					t.Fatalf("AppendIndices(nil) error: %v", err)
+				}
+				var callErr error
+				allocs := testing.AllocsPerRun(5, func() {
+					if dst, callErr = b.AppendDescs(dst[:0], s.Plan, s.Req); callErr != nil {
+						return
+					}
+					idx, callErr = b.AppendIndices(idx[:0], s.Plan, s.Req)
+				})
+				if callErr != nil {
+					t.Fatalf("steady-state call error: %v", callErr)
+				}
+				if allocs != 0 {
+					t.Errorf("AppendDescs+AppendIndices(reused slices) = %.1f allocs per call, want 0", allocs)
+				}
 			})
-			if allocs != 0 {
-				t.Errorf("%s %v: AppendDescs+AppendIndices allocated %.1f times per call, want 0", s.Name, opts.Op, allocs)
-			}
 		}
 	}
 }
 
-// TestFreshOneDescPerRunPerRegion: on fresh (contiguous) ids the builder
-// emits exactly one descriptor per run per region when a unit is a whole
-// block on both sides (equal TP, MLA fan-out), and one per block per
-// region under hetero TP, where a head slice is not contiguous with the
-// next block's on the sliced side.
+// TestFreshOneDescPerRunPerRegion: on fresh (consecutive) ids the request
+// is one run, and the builder emits exactly one descriptor per region where
+// a unit is a whole block on both sides (equal TP, MLA fan-out). Under a TP
+// mismatch (HND) the source's head slice is not contiguous with the next
+// block's, so nothing can merge: one descriptor per kernel block per
+// region, the reference's count.
 func TestFreshOneDescPerRunPerRegion(t *testing.T) {
 	all, err := shapes.All()
 	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
-	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("shapes.All() error: %v", err)
 	}
 	checked := 0
 	for _, s := range all {
-		if s.Req.Src[0].IDs[1] != s.Req.Src[0].IDs[0]+1 { // fragmented
+		if s.Fragmented {
 			continue
 		}
 		checked++
-		got, err := b.AppendDescs(nil, s.Plan, s.Req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		regions := len(s.Plan.Groups[0].Regions)
-		want := regions // one run
-		if !s.Plan.Groups[0].Regions[0].Whole {
+		t.Run(s.Name, func(t *testing.T) {
+			b, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
+			if err != nil {
+				t.Fatalf("NewBuilder error: %v", err)
+			}
+			got, err := b.AppendDescs(nil, s.Plan, s.Req)
+			if err != nil {
+				t.Fatalf("AppendDescs error: %v", err)
+			}
 			g := s.Plan.Groups[0]
-			units := (s.Req.Tokens + g.UnitTokens - 1) / g.UnitTokens
-			want = regions * units
-		}
-		if len(got) != want {
-			t.Errorf("%s: %d descriptors, want %d", s.Name, len(got), want)
-		}
+			want := len(g.Regions) // one run
+			if !g.Regions[0].Whole {
+				units := (s.Tokens + g.UnitTokens - 1) / g.UnitTokens
+				want = len(g.Regions) * units
+			}
+			if len(got) != want {
+				t.Errorf("len(AppendDescs(%s)) = %d, want %d (%d regions, whole units %v)",
+					s.Name, len(got), want, len(g.Regions), g.Regions[0].Whole)
+			}
+		})
 	}
 	if checked == 0 {
-		t.Fatal("no fresh shapes")
+		t.Fatal("shapes.All() has no fresh shapes")
 	}
 }
