@@ -122,16 +122,16 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 	start := len(dst)
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		if len(gp.Regions) == 0 {
-			continue
-		}
+		// A group with nothing to move (this source only notifies) still
+		// has its ids and starts checked: bad input is never silently
+		// accepted on one rank and refused on another.
 		var err error
 		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
 		b.flatOK, b.spansOK = false, false
 		if err != nil {
 			return dst[:start], err
 		}
-		if len(b.runs) == 0 {
+		if len(b.runs) == 0 || len(gp.Regions) == 0 {
 			continue
 		}
 		b.units, b.maxRun = 0, 0

@@ -311,3 +311,29 @@ func TestCapInMixedGroup(t *testing.T) {
 	}
 	hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: capBytes})
 }
+
+// TestNotifyOnlyRankStillRejectsBadInput: a source rank that moves nothing
+// (a GQA duplicate) refuses the same bad request the writing rank refuses.
+func TestNotifyOnlyRankStillRejectsBadInput(t *testing.T) {
+	m := attnModel(fa, 2, fa)
+	pe, de := eng(1, 4, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 16, 16, topology.LayoutHND, topology.PackedKV)
+	pr, dr := buildEngines(t, &semCase{model: m, p: pe, d: de})
+	plan, err := topology.NewPlan(&pr[0][1].Layout, &dr[0][0].Layout, topology.PlanOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !plan.NotifyOnly {
+		t.Fatal("P rank 1 of TP 4 with 2 heads should be notify-only")
+	}
+	req := &hotpath.Request{Src: []topology.Span{{IDs: ids(-5)}}, Dst: []topology.Span{{Start: 7, IDs: ids(1)}}}
+	b := mustBuilder(t, hotpath.Options{Op: hotpath.OpWrite})
+	if _, err := b.AppendDescs(nil, plan, req); !errors.Is(err, hotpath.ErrInvalidRequest) {
+		t.Errorf("AppendDescs = %v, want ErrInvalidRequest", err)
+	}
+	if _, err := b.AppendIndices(nil, plan, req); !errors.Is(err, hotpath.ErrInvalidRequest) {
+		t.Errorf("AppendIndices = %v, want ErrInvalidRequest", err)
+	}
+	if _, err := hotpath.AppendReference(nil, plan, req, hotpath.OpWrite); !errors.Is(err, hotpath.ErrInvalidRequest) {
+		t.Errorf("AppendReference = %v, want ErrInvalidRequest", err)
+	}
+}

@@ -100,11 +100,9 @@ func (b *Builder) AppendIndices(dst []IndexPair, p *topology.Plan, req *Request)
 	var sBase, dBase int64
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		if len(gp.Regions) == 0 {
-			continue
-		}
 		var err error
 		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
+		b.flatOK, b.spansOK = false, false
 		if err != nil {
 			return dst[:start], err
 		}

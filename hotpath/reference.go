@@ -19,9 +19,6 @@ func AppendReference(dst []Desc, p *topology.Plan, req *Request, op Op) ([]Desc,
 	start := len(dst)
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		if len(gp.Regions) == 0 {
-			continue
-		}
 		if err := checkIDs(req.Src[g].IDs, gp.SrcLimit, "src", g); err != nil {
 			return dst[:start], err
 		}
