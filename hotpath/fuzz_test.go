@@ -448,8 +448,20 @@ func FuzzCoalesce(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if r.byte()%3 != 0 {
+		switch r.intn(3) {
+		case 1:
 			maxRun = int64(1+r.intn(256)) << r.intn(8)
+		case 2:
+			// A multiple of one region's segment length: merges reach the
+			// cap exactly, the boundary of the merge test.
+			maxRun = int64(1+r.intn(256)) << r.intn(8)
+			for g := range plan.Groups {
+				if rs := plan.Groups[g].Regions; len(rs) > 0 {
+					rp := rs[r.intn(len(rs))]
+					maxRun = rp.Segs[r.intn(len(rp.Segs))].Len * int64(1+r.intn(8))
+					break
+				}
+			}
 		}
 		rng := newRNG(in)
 		idMode := r.intn(5)
@@ -477,6 +489,7 @@ func FuzzCoalesce(f *testing.F) {
 		got := out[2:]
 		checkCoalesced(t, got, ref, maxRun)
 		checkRegions(t, got, plan, src, dst)
+		checkMaximal(t, got, ref, maxRun, src, dst)
 		// The package's own invariant check agrees (it panics otherwise).
 		hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: maxRun})
 
@@ -690,4 +703,31 @@ func mergeGroups(l *topology.Layout) *topology.Layout {
 		out.Groups[merged].Regions = append(out.Groups[merged].Regions, g.Regions...)
 	}
 	return &out
+}
+
+// checkMaximal fails when two consecutive descriptors of one region pair are
+// contiguous on both sides and the cap would have let the second's first
+// reference piece join the first: AppendDescs promises to merge them.
+func checkMaximal(t *testing.T, got, ref []hotpath.Desc, maxRun int64, src, dst *topology.Layout) {
+	t.Helper()
+	first := map[[2]uint64]uint64{}
+	for _, p := range ref {
+		k := [2]uint64{p.Local, p.Remote}
+		if _, ok := first[k]; !ok {
+			first[k] = p.Len
+		}
+	}
+	for k := 1; k < len(got); k++ {
+		a, b := got[k-1], got[k]
+		if a.Local+a.Len != b.Local || a.Remote+a.Len != b.Remote || a.LocalDev != b.LocalDev || a.RemoteDev != b.RemoteDev {
+			continue
+		}
+		if regionOf(src, a.Local, a.Len) != regionOf(src, b.Local, b.Len) || regionOf(dst, a.Remote, a.Len) != regionOf(dst, b.Remote, b.Len) {
+			continue // a region boundary: never merged, by design
+		}
+		if maxRun > 0 && a.Len+first[[2]uint64{b.Local, b.Remote}] > uint64(maxRun) {
+			continue
+		}
+		t.Fatalf("descriptors %d %+v and %d %+v are contiguous on both sides in one region pair but not merged (MaxRunBytes %d)", k-1, a, k, b, maxRun)
+	}
 }

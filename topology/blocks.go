@@ -74,7 +74,14 @@ func WindowBlocks(window, blockSize int) int {
 	if window <= 0 || blockSize <= 0 {
 		return math.MaxInt
 	}
-	return (window+blockSize-1)/blockSize + 1
+	n := window / blockSize // cdiv without overflowing on huge windows
+	if window%blockSize != 0 {
+		n++
+	}
+	if n == math.MaxInt {
+		return n
+	}
+	return n + 1
 }
 
 // ClipWindow keeps the last WindowBlocks(window, blockSize) ids and returns

@@ -6,8 +6,8 @@ import "fmt"
 // §4): local/remote when local >= remote, else -(remote/local). The larger
 // size must be a multiple of the smaller.
 func TPRatio(local, remote int) (int, error) {
-	if local <= 0 || remote <= 0 {
-		return 0, fmt.Errorf("%w: TP sizes local = %d, remote = %d, want > 0", ErrInvalidLayout, local, remote)
+	if local <= 0 || remote <= 0 || local > maxTP || remote > maxTP {
+		return 0, fmt.Errorf("%w: TP sizes local = %d, remote = %d, want 1..%d", ErrInvalidLayout, local, remote, maxTP)
 	}
 	if local >= remote {
 		if local%remote != 0 {
