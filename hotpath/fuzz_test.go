@@ -250,21 +250,8 @@ func fuzzIDs(rng *rand.Rand, n, limit, mode int) []topology.BlockID {
 func fuzzRequest(rng *rand.Rand, c *semCase, groups []topology.Group, mode int) *hotpath.Request {
 	req := &hotpath.Request{Tokens: c.tokens}
 	for _, g := range groups {
-		pn := (c.tokens + c.p.LogicalBlock - 1) / c.p.LogicalBlock
-		dn := 0
-		if c.tokens > c.hit {
-			dn = (c.tokens - c.hit + c.d.LogicalBlock - 1) / c.d.LogicalBlock
-		}
-		ps := topology.Span{IDs: fuzzIDs(rng, pn, c.p.Blocks, mode)}
-		ds := topology.Span{Start: c.hit, IDs: fuzzIDs(rng, dn, c.d.Blocks, mode)}
-		switch g.Kind {
-		case swa:
-			var drop int
-			ps.IDs, drop = topology.ClipWindow(ps.IDs, g.Window, c.p.LogicalBlock)
-			ps.Start += drop * c.p.LogicalBlock
-			ds.IDs, drop = topology.ClipWindow(ds.IDs, g.Window, c.d.LogicalBlock)
-			ds.Start += drop * c.d.LogicalBlock
-		case mmb:
+		ps, ds := attentionSpans(c, g, func(n, limit int) []topology.BlockID { return fuzzIDs(rng, n, limit, mode) })
+		if g.Kind == mmb {
 			ns := rng.IntN(4)
 			nd := min(max(ns+rng.IntN(3)-1, 0), 3)
 			ps = topology.Span{IDs: fuzzIDs(rng, ns, c.p.Blocks, mode)}

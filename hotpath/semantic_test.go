@@ -59,21 +59,8 @@ func pickIDs(rng *rand.Rand, n, limit int, fragment bool) []topology.BlockID {
 func buildRequest(rng *rand.Rand, c *semCase, groups []topology.Group) *kvsim.Request {
 	req := &kvsim.Request{Tokens: c.tokens}
 	for _, g := range groups {
-		pn := (c.tokens + c.p.LogicalBlock - 1) / c.p.LogicalBlock
-		dn := 0
-		if c.tokens > c.hit {
-			dn = (c.tokens - c.hit + c.d.LogicalBlock - 1) / c.d.LogicalBlock
-		}
-		ps := topology.Span{IDs: pickIDs(rng, pn, c.p.Blocks, c.fragment)}
-		ds := topology.Span{Start: c.hit, IDs: pickIDs(rng, dn, c.d.Blocks, c.fragment)}
-		switch g.Kind {
-		case swa:
-			var drop int
-			ps.IDs, drop = topology.ClipWindow(ps.IDs, g.Window, c.p.LogicalBlock)
-			ps.Start += drop * c.p.LogicalBlock
-			ds.IDs, drop = topology.ClipWindow(ds.IDs, g.Window, c.d.LogicalBlock)
-			ds.Start += drop * c.d.LogicalBlock
-		case mmb:
+		ps, ds := attentionSpans(c, g, func(n, limit int) []topology.BlockID { return pickIDs(rng, n, limit, c.fragment) })
+		if g.Kind == mmb {
 			ps = topology.Span{IDs: topology.ClipMamba(pickIDs(rng, 3, c.p.Blocks, true), 0, false)}
 			ds = topology.Span{IDs: topology.ClipMamba(pickIDs(rng, 3, c.d.Blocks, true), 0, false)}
 		}
@@ -95,6 +82,28 @@ func buildEngines(t *testing.T, c *semCase) (p, d [][]*kvsim.Rank) {
 		t.Fatal(err)
 	}
 	return p, d
+}
+
+// attentionSpans returns P's and D's spans of a non-Mamba group as their
+// schedulers would: P holds [0, tokens), D holds [hit, tokens), and
+// sliding-window groups are clipped to the window on both sides. pick
+// chooses n distinct ids below limit.
+func attentionSpans(c *semCase, g topology.Group, pick func(n, limit int) []topology.BlockID) (ps, ds topology.Span) {
+	pn := (c.tokens + c.p.LogicalBlock - 1) / c.p.LogicalBlock
+	dn := 0
+	if c.tokens > c.hit {
+		dn = (c.tokens - c.hit + c.d.LogicalBlock - 1) / c.d.LogicalBlock
+	}
+	ps = topology.Span{IDs: pick(pn, c.p.Blocks)}
+	ds = topology.Span{Start: c.hit, IDs: pick(dn, c.d.Blocks)}
+	if g.Kind == swa {
+		var drop int
+		ps.IDs, drop = topology.ClipWindow(ps.IDs, g.Window, c.p.LogicalBlock)
+		ps.Start += drop * c.p.LogicalBlock
+		ds.IDs, drop = topology.ClipWindow(ds.IDs, g.Window, c.d.LogicalBlock)
+		ds.Start += drop * c.d.LogicalBlock
+	}
+	return ps, ds
 }
 
 func runSemantic(t *testing.T, c *semCase) {
