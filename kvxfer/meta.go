@@ -1,0 +1,239 @@
+package kvxfer
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Role is the side of a transfer an engine plays for a request.
+type Role uint8
+
+const (
+	// RoleProducer is P: it computes the prefill and owns the source KV.
+	RoleProducer Role = iota + 1
+	// RoleConsumer is D: it decodes and owns the destination blocks.
+	RoleConsumer
+)
+
+func (r Role) String() string {
+	switch r {
+	case RoleProducer:
+		return "producer"
+	case RoleConsumer:
+		return "consumer"
+	}
+	return fmt.Sprintf("Role(%d)", uint8(r))
+}
+
+// Mode is how KV moves: push (P WRITEs into blocks D registered) or pull
+// (D READs blocks P holds under a lease).
+type Mode uint8
+
+const (
+	// ModePush: D registers its blocks with P; P WRITEs (SPEC §7).
+	ModePush Mode = iota + 1
+	// ModePull: P leases its blocks; D READs them (SPEC §8).
+	ModePull
+)
+
+func (m Mode) String() string {
+	switch m {
+	case ModePush:
+		return "push"
+	case ModePull:
+		return "pull"
+	}
+	return fmt.Sprintf("Mode(%d)", uint8(m))
+}
+
+// FinishStatus is why an engine finished a request.
+type FinishStatus uint8
+
+const (
+	// FinishStopped: a stop condition (EOS, stop string) ended the request.
+	FinishStopped FinishStatus = iota + 1
+	// FinishLengthCapped: the length limit ended the request.
+	FinishLengthCapped
+	// FinishAborted: the client or the engine aborted the request.
+	FinishAborted
+	// FinishError: the engine failed the request.
+	FinishError
+)
+
+func (s FinishStatus) String() string {
+	switch s {
+	case FinishStopped:
+		return "stopped"
+	case FinishLengthCapped:
+		return "length_capped"
+	case FinishAborted:
+		return "aborted"
+	case FinishError:
+		return "error"
+	}
+	return fmt.Sprintf("FinishStatus(%d)", uint8(s))
+}
+
+// normal reports whether blocks of a request finished this way are kept
+// for a transfer (the reference's LENGTH_CAPPED or STOPPED).
+func (s FinishStatus) normal() bool { return s == FinishStopped || s == FinishLengthCapped }
+
+// TransferParams are the reference's kv_transfer_params: what a request
+// carries between engines through the router. P's Scheduler returns them
+// from RequestFinished; the router hands them to D with the request.
+type TransferParams struct {
+	// TransferID, set by the router, names the transfer on both engines.
+	// When present it is the only key P and D are matched by.
+	TransferID string
+	// DoRemotePrefill is set on a request D must receive KV for;
+	// DoRemoteDecode on a request P must keep KV for.
+	DoRemotePrefill, DoRemoteDecode bool
+	// RemoteEngineID, RemoteAddr and RemoteRequestID name the other engine,
+	// how its kvxferd is reached, and the request's id there.
+	RemoteEngineID, RemoteAddr, RemoteRequestID string
+	// RemoteBlockIDs are the other side's logical block ids per cache
+	// group (pull: P's blocks for D to READ).
+	RemoteBlockIDs []topology.Span
+	// RemoteTPSize and RemotePPSize are the other engine's parallelism
+	// (0 means 1).
+	RemoteTPSize, RemotePPSize int
+	// RemoteNumTokens is how many tokens of KV the other side holds.
+	RemoteNumTokens int
+	// RemoteBlocksExpiry is when the other side frees its blocks, on its
+	// scheduler clock (bidirectional pull only; zero: no expiry).
+	RemoteBlocksExpiry time.Time
+	// Mode is the transfer mode the sender used.
+	Mode Mode
+}
+
+// Request is what the Scheduler needs of an engine's request. The engine
+// owns it; the Scheduler updates Params in place as the reference does
+// (DoRemotePrefill is consumed once the transfer is staged).
+type Request struct {
+	ID           string
+	PromptTokens int
+	Params       *TransferParams
+}
+
+// RemoteRef names the other side of a transfer in per-step metadata.
+type RemoteRef struct {
+	EngineID, Addr, ReqID string
+	TPSize, PPSize        int
+	// Blocks are the other side's block lists (pull: P's lists to READ;
+	// empty in push).
+	Blocks []topology.Span
+	// Tokens is the number of KV tokens the producer holds (0: unbounded).
+	Tokens int
+	// Expiry is when the remote blocks are freed, on the remote
+	// scheduler's clock (zero: unknown).
+	Expiry time.Time
+}
+
+// RecvReq is a request a rank must receive KV for (SPEC §1 reqs_to_recv):
+// pull D READs it; push D registers Local with P and waits for the WRITE.
+// An empty Local means nothing is transferred (full prefix hit, or an
+// abort before the request was scheduled): the producer is told at once
+// so it frees its blocks.
+type RecvReq struct {
+	ReqID      string
+	TransferID string
+	// Local are this engine's logical block lists per group, each with the
+	// token index of its first block.
+	Local  []topology.Span
+	Remote RemoteRef
+	// Aborted marks an abort before the request was scheduled.
+	Aborted bool
+	// Deadline is when a push consumer gives up waiting for the producer
+	// (the registration watchdog), or when a bidirectional second-turn
+	// read must be done by; on the scheduler clock (zero: none).
+	Deadline time.Time
+}
+
+// SendReq is a request a producer holds blocks for after it finished (SPEC
+// §1 reqs_to_send plus push_finished_blocks): its lease deadline on the
+// scheduler clock and, for push, the blocks to WRITE.
+type SendReq struct {
+	ReqID      string
+	TransferID string
+	Deadline   time.Time
+	// Blocks are the producer's logical block lists per group.
+	Blocks []topology.Span
+	// Tokens is the number of KV tokens held (remote_num_tokens).
+	Tokens int
+}
+
+// SaveReq names new blocks a producer must save to its host buffer this
+// step (SPEC §11 reqs_to_save).
+type SaveReq struct {
+	ReqID  string
+	Blocks [][]topology.BlockID
+}
+
+// StepMeta is the per-step metadata the Scheduler builds and every worker
+// rank consumes (SPEC §1). Each build drains what it reports.
+type StepMeta struct {
+	// Step numbers builds from 1.
+	Step uint64
+	// SchedulerClock is the scheduler's clock at build time; deadlines in
+	// this metadata are on it. Zero means "do not rebase".
+	SchedulerClock time.Time
+	Recv           []RecvReq
+	Send           []SendReq
+	Save           []SaveReq
+	// InBatch lists the transfer requests allocated this step.
+	InBatch []string
+	// NotProcessed lists producer requests that finished abnormally; their
+	// blocks are freed at once.
+	NotProcessed []string
+}
+
+// Result is a terminal outcome kind.
+type Result uint8
+
+const (
+	// ResultDone: every byte moved (or none had to).
+	ResultDone Result = iota + 1
+	// ResultFailed: the transfer could not complete; Outcome.Reason says why.
+	ResultFailed
+	// ResultExpired: a lease or registration deadline passed first.
+	ResultExpired
+	// ResultAborted: the engine aborted the request.
+	ResultAborted
+)
+
+func (r Result) String() string {
+	switch r {
+	case ResultDone:
+		return "done"
+	case ResultFailed:
+		return "failed"
+	case ResultExpired:
+		return "expired"
+	case ResultAborted:
+		return "aborted"
+	}
+	return fmt.Sprintf("Result(%d)", uint8(r))
+}
+
+// Outcome is the one terminal outcome of a request on one side. When it
+// is reported, no transfer into or out of the request's blocks on this
+// rank can still land.
+type Outcome struct {
+	ReqID  string
+	Result Result
+	Reason string
+}
+
+// Finished is what a rank reports after a step (SPEC §1 KVConnectorOutput):
+// requests whose blocks may be freed, and blocks whose contents are bad.
+type Finished struct {
+	// Sending are producer requests whose blocks may be freed.
+	Sending []Outcome
+	// Recving are consumer requests whose transfer ended.
+	Recving []Outcome
+	// InvalidBlocks are logical block ids (of group 0) of failed receives
+	// whose contents must not be used.
+	InvalidBlocks []topology.BlockID
+}
