@@ -115,6 +115,12 @@ type Backend interface {
 	// DrainNotifs appends the notifications received since the last call
 	// to dst, in arrival order.
 	DrainNotifs(dst []Notif) []Notif
+	// Events returns a channel that receives a value (coalesced: it
+	// holds at most one) whenever a notification arrives or a posted
+	// transfer leaves XferInProgress, so a caller can wait for work
+	// instead of polling. A transfer that progresses only when polled may
+	// not signal; callers poll in-flight transfers while they have any.
+	Events() <-chan struct{}
 	// Close releases everything; it is idempotent. Calls after Close
 	// return ErrClosed.
 	Close() error

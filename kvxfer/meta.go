@@ -181,7 +181,13 @@ type StepMeta struct {
 	SchedulerClock time.Time
 	Recv           []RecvReq
 	Send           []SendReq
-	Save           []SaveReq
+	// Prefill lists, for layer-wise push, the producer requests whose
+	// prefill completes in this step, with their blocks: the worker
+	// WRITEs each layer as soon as Worker.LayerSaved reports it, before
+	// the request finishes (Deadline is ignored; the lease starts with
+	// the request's SendReq).
+	Prefill []SendReq
+	Save    []SaveReq
 	// InBatch lists the transfer requests allocated this step.
 	InBatch []string
 	// NotProcessed lists producer requests that finished abnormally; their

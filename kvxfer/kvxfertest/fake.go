@@ -46,7 +46,7 @@ func (f *Fabric) NewAgent(name string) (*Agent, error) {
 	if _, ok := f.mu.agents[name]; ok {
 		return nil, fmt.Errorf("kvxfertest: agent %q already exists", name)
 	}
-	a := &Agent{fabric: f, name: name}
+	a := &Agent{fabric: f, name: name, events: make(chan struct{}, 1)}
 	a.mu.peers = map[kvxfer.PeerName]bool{}
 	a.mu.xfers = map[kvxfer.XferID]*xfer{}
 	f.mu.agents[name] = a
@@ -92,6 +92,7 @@ type xfer struct {
 type Agent struct {
 	fabric *Fabric
 	name   string
+	events chan struct{}
 	mu     struct {
 		sync.Mutex
 		closed     bool
@@ -117,6 +118,24 @@ func (a *Agent) Alloc(n int, dev int32) kvxfer.MemRegion {
 	defer a.mu.Unlock()
 	a.mu.chunks = append(a.mu.chunks, chunk{base: base, mem: make([]byte, n)})
 	return kvxfer.MemRegion{Addr: base, Len: uint64(n), Dev: dev, Kind: kvxfer.MemDRAM}
+}
+
+// Map adopts caller-owned memory at base, the way kvxferd maps an engine's
+// shared-memory file: transfers then read and write mem itself. It is not
+// registered yet. The range must not overlap the agent's other memory.
+func (a *Agent) Map(base uint64, mem []byte) (kvxfer.MemRegion, error) {
+	if len(mem) == 0 || base+uint64(len(mem)) < base {
+		return kvxfer.MemRegion{}, fmt.Errorf("kvxfertest: map [%#x, +%d): empty or wrapping", base, len(mem))
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, c := range a.mu.chunks {
+		if base < c.base+uint64(len(c.mem)) && c.base < base+uint64(len(mem)) {
+			return kvxfer.MemRegion{}, fmt.Errorf("kvxfertest: map [%#x, +%d): overlaps [%#x, +%d)", base, len(mem), c.base, len(c.mem))
+		}
+	}
+	a.mu.chunks = append(a.mu.chunks, chunk{base: base, mem: mem})
+	return kvxfer.MemRegion{Addr: base, Len: uint64(len(mem)), Kind: kvxfer.MemDRAM}, nil
 }
 
 // Bytes returns the allocated bytes behind [addr, addr+n), for tests to
@@ -246,6 +265,7 @@ func (a *Agent) InvalidatePeer(peer kvxfer.PeerName) error {
 			x.state, x.reason = kvxfer.XferFailed, fmt.Errorf("%w: peer %q invalidated", kvxfer.ErrXferFailed, peer)
 		}
 	}
+	a.signal()
 	return nil
 }
 
@@ -330,10 +350,22 @@ func (a *Agent) progress(x *xfer) {
 	}
 	if err != nil {
 		x.state, x.reason = kvxfer.XferFailed, err
-		return
+	} else {
+		x.state = kvxfer.XferDone
 	}
-	x.state = kvxfer.XferDone
+	a.signal()
 }
+
+// signal wakes whoever waits on Events; a pending signal absorbs it.
+func (a *Agent) signal() {
+	select {
+	case a.events <- struct{}{}:
+	default:
+	}
+}
+
+// Events implements kvxfer.Backend.
+func (a *Agent) Events() <-chan struct{} { return a.events }
 
 // run copies the bytes, then delivers the notification.
 func (a *Agent) run(x *xfer) error {
@@ -419,6 +451,7 @@ func (a *Agent) deliver(n kvxfer.Notif) {
 			a.mu.inbox = append(a.mu.inbox, n)
 		}
 	}
+	a.signal()
 }
 
 // State implements kvxfer.Backend.

@@ -119,6 +119,7 @@ func (f *Faults) DeliverDelayed() int {
 			h.to.mu.inbox = append(h.to.mu.inbox, h.n)
 		}
 		h.to.mu.Unlock()
+		h.to.signal()
 	}
 	return len(held)
 }

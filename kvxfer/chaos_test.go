@@ -1,0 +1,402 @@
+//go:build kvxferwip
+
+package kvxfer_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// TestChaos runs thousands of requests through P and D workers while the
+// fabric fails transfers, handshakes and notifications, drops, delays,
+// duplicates and reorders notifications, and stalls peers. It asserts:
+//   - exactly one outcome per request per rank per side;
+//   - fencing: a block is scribbled over the moment its side reports it
+//     free, and no transfer may touch it afterwards (a late WRITE into a
+//     freed D block, or a late READ of a freed P block, is caught by the
+//     checks below);
+//   - every D rank of a request reported done holds exactly P's bytes;
+//   - no registration, lease, handle or match is left once all requests
+//     ended.
+func TestChaos(t *testing.T) {
+	n := 700
+	if testing.Short() {
+		n = 150
+	}
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, tp := range [][2]int{{2, 1}, {1, 2}} {
+			name := fmt.Sprintf("%v/P%d-D%d", mode, tp[0], tp[1])
+			t.Run(name, func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) { runChaos(t, mode, tp[0], tp[1], n, uint64(tp[0]*10+tp[1])) })
+			})
+		}
+	}
+}
+
+type chaosReq struct {
+	x         *xreq
+	tP, tD    int  // steps at which P finishes and D allocates
+	pAbort    bool // P aborts after scheduling (NotProcessed)
+	dAbort    bool // D aborts before schedule (empty Aborted RecvReq)
+	dMissing  bool // D never shows up: P's lease must expire
+	pReports  int
+	dReports  int
+	pFreed    bool
+	dFreed    bool
+	pEntered  bool
+	dEntered  bool
+	pOutcomes []kvxfer.Result
+	dOutcomes []kvxfer.Result
+}
+
+const sentinel = 0xA5
+
+var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
+
+func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n int, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 99))
+	fab := kvxfertest.NewFabric()
+	dir := kvxfer.NewDirectory()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe := e2eEngine(1, ptp, 1, 16, 16)
+	de := e2eEngine(2, dtp, 1, 16, 16)
+	pe.Blocks, de.Blocks = 160, 160
+	tweak := func(c *kvxfer.WorkerConfig) {
+		c.Lease = 6 * time.Second
+		c.RegistrationTTL = 30 * time.Second
+		c.EngineTTL = time.Minute
+	}
+	p := startEngine(t, fab, dir, &model, pe, "P", mode, tweak)
+	d := startEngine(t, fab, dir, &model, de, "D", mode, tweak)
+	defer d.close(t)
+	defer p.close(t)
+	groups := d.ranks[0][0].Layout.GroupList()
+	pp := newPool(rng, len(groups), pe.Blocks, true)
+	dp := newPool(rng, len(groups), de.Blocks, true)
+	for _, stage := range p.ranks {
+		for _, r := range stage {
+			r.Scramble(1)
+		}
+	}
+	for _, r := range d.ranks[0] {
+		for i := range r.Mem {
+			r.Mem[i] = sentinel
+		}
+	}
+	prank, drank := ptp, dtp
+
+	reqs := map[string]*chaosReq{}
+	var order []*chaosReq
+	const step = 10 * time.Millisecond
+	next := 0
+	stallUntil := map[kvxfer.PeerName]int{}
+	var dAgents []*kvxfertest.Agent
+	dAgents = append(dAgents, d.agents[0]...)
+	var pAgents []*kvxfertest.Agent
+	pAgents = append(pAgents, p.agents[0]...)
+
+	free := func(se *simEngine, pool *blockPool, spans []topology.Span) {
+		for g, s := range spans {
+			for _, id := range s.IDs {
+				for _, stage := range se.ranks {
+					for _, r := range stage {
+						scribble(r, g, id)
+					}
+				}
+				pool.free[g] = append(pool.free[g], id)
+			}
+		}
+	}
+
+	collect := func() {
+		for _, side := range []*simEngine{p, d} {
+			for pi, stage := range side.workers {
+				for ti, w := range stage {
+					f := w.Finished()
+					for _, o := range f.Sending {
+						q := reqs[o.ReqID[2:]]
+						if q == nil || side != p {
+							t.Fatalf("unexpected send outcome %+v from %s/%d/%d", o, side.id, pi, ti)
+						}
+						q.pReports++
+						q.pOutcomes = append(q.pOutcomes, o.Result)
+						if q.pReports > prank {
+							t.Fatalf("request %s: %d producer reports from %d ranks", q.x.id, q.pReports, prank)
+						}
+						if q.pReports == prank {
+							free(p, pp, q.x.sim.P)
+							q.pFreed = true
+						}
+					}
+					for _, o := range f.Recving {
+						q := reqs[o.ReqID[2:]]
+						if q == nil || side != d {
+							t.Fatalf("unexpected recv outcome %+v from %s/%d/%d", o, side.id, pi, ti)
+						}
+						q.dReports++
+						q.dOutcomes = append(q.dOutcomes, o.Result)
+						if q.dReports > drank {
+							t.Fatalf("request %s: %d consumer reports from %d ranks", q.x.id, q.dReports, drank)
+						}
+						if q.dReports == drank {
+							allDone := !slices.ContainsFunc(q.dOutcomes, func(r kvxfer.Result) bool { return r != kvxfer.ResultDone })
+							if allDone && q.x.tokens > q.x.hit && !q.dAbort {
+								for i, r := range d.ranks[0] {
+									if err := r.CheckRequest(&q.x.sim, pe.KernelBlock, pe.LogicalBlock); err != nil {
+										t.Errorf("request %s done on D rank %d with wrong bytes: %v", q.x.id, i, err)
+									}
+								}
+							}
+							free(d, dp, q.x.sim.D)
+							q.dFreed = true
+						}
+					}
+				}
+			}
+		}
+	}
+
+	for k := 0; ; k++ {
+		// New arrivals while blocks last.
+		for next < n && len(pp.free[0]) > 12 && len(dp.free[0]) > 12 && rng.IntN(3) == 0 {
+			id := fmt.Sprintf("%04x-%08x", next, rng.Uint32())
+			tokens := 1 + rng.IntN(60)
+			hit := 0
+			switch rng.IntN(6) {
+			case 0:
+				hit = (tokens / 2) / 16 * 16
+			case 1:
+				hit = (tokens + 15) / 16 * 16
+			}
+			x := makeRequest(id, tokens, hit, groups, pe, de, pp, dp)
+			for g, sp := range x.sim.D {
+				for _, b := range sp.IDs {
+					for i, r := range d.ranks[0] {
+						if !holdsSentinel(r, g, b) {
+							t.Fatalf("D rank %d block %d of group %d was written after it was freed", i, b, g)
+						}
+					}
+				}
+			}
+			for _, stage := range p.ranks {
+				for _, r := range stage {
+					r.Fill(x.sim.P)
+				}
+			}
+			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40)}
+			switch rng.IntN(20) {
+			case 0:
+				q.pAbort = true
+			case 1:
+				q.dAbort = true
+			case 2:
+				q.dMissing = true
+			}
+			if mode == kvxfer.ModePull {
+				// Pull D learns of a request from P's finished params.
+				q.tD = q.tP + 1 + rng.IntN(40)
+				q.dMissing = q.dMissing || q.pAbort
+			}
+			reqs[id] = q
+			order = append(order, q)
+			next++
+		}
+		// Faults.
+		f := fab.Faults()
+		faultRange := 12
+		if noFaults {
+			faultRange = 1 << 20
+		}
+		switch rng.IntN(faultRange) {
+		case 0:
+			f.FailTransfers(1)
+		case 1:
+			f.DropNotifs(1)
+		case 2:
+			f.DelayNotifs(1)
+		case 3:
+			f.DuplicateNotifs(1)
+		case 4:
+			f.ReorderNotifs(1)
+		case 5:
+			f.FailNotify(1)
+		case 6:
+			if rng.IntN(10) == 0 {
+				f.FailHandshake(1)
+			}
+		case 7:
+			all := append(slices.Clone(dAgents), pAgents...)
+			a := all[rng.IntN(len(all))]
+			if _, ok := stallUntil[a.Name()]; !ok {
+				f.Stall(a.Name())
+				stallUntil[a.Name()] = k + 1 + rng.IntN(60)
+			}
+		}
+		if rng.IntN(8) == 0 {
+			f.DeliverDelayed()
+		}
+		for name, until := range stallUntil {
+			if k >= until {
+				f.Unstall(name)
+				delete(stallUntil, name)
+			}
+		}
+		// Steps: P and D schedulers' metadata for this step.
+		now := time.Now()
+		var pm, dm kvxfer.StepMeta
+		pm.SchedulerClock, dm.SchedulerClock = now, now
+		for _, q := range order {
+			if q.tP == k {
+				if q.pAbort {
+					pm.NotProcessed = append(pm.NotProcessed, "p-"+q.x.id)
+					// The request never held blocks in kvxfer: free now.
+					free(p, pp, q.x.sim.P)
+					q.pFreed = true
+				} else {
+					pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+					q.pEntered = true
+				}
+			}
+			if q.tD == k {
+				if q.dMissing {
+					free(d, dp, q.x.sim.D)
+					q.dFreed = true
+					continue
+				}
+				rr := q.x.recv(mode, p, now.Add(20*time.Second))
+				if q.dAbort {
+					rr.Local, rr.Aborted = nil, true
+				}
+				dm.Recv = append(dm.Recv, rr)
+				q.dEntered = true
+			}
+		}
+		p.step(t, &pm)
+		d.step(t, &dm)
+		time.Sleep(step)
+		synctest.Wait()
+		collect()
+		if next == n && k > 0 && allEnded(order) {
+			break
+		}
+		if k > 200000 {
+			t.Fatalf("requests did not end")
+		}
+	}
+	// Quiesce: lift every stall, deliver every held notification, let
+	// everything that could still move move, then check the fences.
+	for name := range stallUntil {
+		fab.Faults().Unstall(name)
+	}
+	fab.Faults().DeliverDelayed()
+	time.Sleep(time.Minute)
+	synctest.Wait()
+	collect()
+	for _, q := range order {
+		if q.pEntered && q.pReports != prank {
+			t.Errorf("request %s: %d producer reports, want %d", q.x.id, q.pReports, prank)
+		}
+		if q.dEntered && q.dReports != drank {
+			t.Errorf("request %s: %d consumer reports, want %d", q.x.id, q.dReports, drank)
+		}
+	}
+	// Every D block is free now: each must hold the sentinel it got when
+	// its request ended, so no WRITE landed after its fence.
+	for i, r := range d.ranks[0] {
+		for o, v := range r.Mem {
+			if v != sentinel {
+				t.Errorf("D rank %d byte at offset %d = %#x after every request ended: a transfer landed after its fence", i, o, v)
+				break
+			}
+		}
+	}
+	// Nothing left but caches.
+	time.Sleep(time.Minute)
+	synctest.Wait()
+	for _, side := range []*simEngine{p, d} {
+		for _, stage := range side.workers {
+			for _, w := range stage {
+				st, err := w.State()
+				if err != nil {
+					t.Fatal(err)
+				}
+				st.Engines, st.Tombstones = 0, 0
+				if st != (kvxfer.WorkerState{}) {
+					t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
+				}
+			}
+		}
+	}
+	counts := map[string]int{}
+	for _, q := range order {
+		for _, r := range q.pOutcomes {
+			counts["P "+r.String()]++
+		}
+		for _, r := range q.dOutcomes {
+			counts["D "+r.String()]++
+		}
+	}
+	t.Logf("%d requests; outcomes %v", len(order), counts)
+}
+
+func allEnded(order []*chaosReq) bool {
+	for _, q := range order {
+		if !q.pFreed || !q.dFreed {
+			return false
+		}
+	}
+	return true
+}
+
+// blockRange returns the byte ranges of logical block id of group g on r.
+func blockRanges(r *kvsim.Rank, g int, id topology.BlockID) [][2]uint64 {
+	l := &r.Layout
+	var out [][2]uint64
+	for _, ri := range l.GroupList()[g].Regions {
+		reg := &l.Regions[ri]
+		ppl := uint64(l.PagesPerBlock())
+		if reg.Kind == topology.KindMamba {
+			ppl = 1
+		}
+		start := reg.Base + uint64(id)*ppl*uint64(reg.BlockLen)
+		out = append(out, [2]uint64{start, ppl * uint64(reg.BlockLen)})
+	}
+	return out
+}
+
+func scribble(r *kvsim.Rank, g int, id topology.BlockID) {
+	for _, br := range blockRanges(r, g, id) {
+		b, _, err := r.Resolve(br[0], br[1])
+		if err != nil {
+			panic(err)
+		}
+		for i := range b {
+			b[i] = sentinel
+		}
+	}
+}
+
+func holdsSentinel(r *kvsim.Rank, g int, id topology.BlockID) bool {
+	for _, br := range blockRanges(r, g, id) {
+		b, _, err := r.Resolve(br[0], br[1])
+		if err != nil {
+			panic(err)
+		}
+		for _, v := range b {
+			if v != sentinel {
+				return false
+			}
+		}
+	}
+	return true
+}

@@ -1,0 +1,195 @@
+//go:build kvxferwip
+
+package kvxfer_test
+
+import (
+	"math/rand/v2"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+type e2eCase struct {
+	name      string
+	model     kvsim.Model
+	p, d      kvsim.Engine
+	fragment  bool
+	layerwise bool
+}
+
+func e2eEngine(id, tp, pp, logical, kernel int) kvsim.Engine {
+	return kvsim.Engine{ID: id, TP: tp, PP: pp, LogicalBlock: logical, KernelBlock: kernel,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 96}
+}
+
+func e2eCases() []e2eCase {
+	attn := kvsim.Model{Kinds: []topology.Kind{fa, fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	mlaM := kvsim.Model{Kinds: []topology.Kind{mla, mla}, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, MLABytesPerToken: 12}
+	hybrid := kvsim.Model{Kinds: []topology.Kind{fa, swa, fa, swa}, Window: 40, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	return []e2eCase{
+		{name: "tp1-1", model: attn, p: e2eEngine(1, 1, 1, 16, 16), d: e2eEngine(2, 1, 1, 16, 16)},
+		{name: "tp2-1", model: attn, p: e2eEngine(1, 2, 1, 16, 16), d: e2eEngine(2, 1, 1, 16, 16), fragment: true},
+		{name: "tp1-2", model: attn, p: e2eEngine(1, 1, 1, 16, 16), d: e2eEngine(2, 2, 1, 16, 16)},
+		{name: "tp4-2", model: attn, p: e2eEngine(1, 4, 1, 16, 16), d: e2eEngine(2, 2, 1, 16, 16), fragment: true},
+		{name: "mla1-2", model: mlaM, p: e2eEngine(1, 1, 1, 16, 16), d: e2eEngine(2, 2, 1, 16, 16)},
+		{name: "block16-32", model: attn, p: e2eEngine(1, 1, 1, 16, 16), d: e2eEngine(2, 1, 1, 32, 32), fragment: true},
+		{name: "hybrid-swa", model: hybrid, p: e2eEngine(1, 2, 1, 16, 16), d: e2eEngine(2, 1, 1, 16, 16), fragment: true},
+		{name: "pp2-producer", model: attn, p: e2eEngine(1, 1, 2, 16, 16), d: e2eEngine(2, 1, 1, 16, 16)},
+	}
+}
+
+// TestEndToEnd moves the KV of many requests from a P engine to a D engine
+// through Workers over the fake backend, in push and pull, and checks
+// every byte of D's KV cache and exactly one outcome per request per rank.
+func TestEndToEnd(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, c := range e2eCases() {
+			t.Run(mode.String()+"/"+c.name, func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) { runE2E(t, c, mode) })
+			})
+		}
+	}
+	for _, c := range e2eCases() {
+		c.layerwise = true
+		t.Run("layerwise/"+c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { runE2E(t, c, kvxfer.ModePush) })
+		})
+	}
+}
+
+func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
+	fab := kvxfertest.NewFabric()
+	dir := kvxfer.NewDirectory()
+	p := startEngine(t, fab, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
+	d := startEngine(t, fab, dir, &c.model, c.d, "D", mode, nil)
+	defer d.close(t)
+	defer p.close(t)
+
+	rng := rand.New(rand.NewPCG(7, uint64(len(c.name))))
+	groups := d.ranks[0][0].Layout.GroupList()
+	pp := newPool(rng, len(groups), c.p.Blocks, c.fragment)
+	dp := newPool(rng, len(groups), c.d.Blocks, c.fragment)
+	const n = 16
+	var reqs []*xreq
+	for i := range n {
+		tokens := 1 + rng.IntN(70)
+		hit := 0
+		switch i % 4 {
+		case 1: // partial prefix hit on D, block aligned
+			hit = (tokens / 2) / c.d.LogicalBlock * c.d.LogicalBlock
+		case 3: // full prefix hit: nothing to move
+			hit = (tokens + c.d.LogicalBlock - 1) / c.d.LogicalBlock * c.d.LogicalBlock
+		}
+		reqs = append(reqs, makeRequest(string(rune('a'+i)), tokens, hit, groups, c.p, c.d, pp, dp))
+	}
+	for _, stage := range p.ranks {
+		for _, r := range stage {
+			r.Scramble(uint64(r.Layout.TPRank + 10*r.Layout.PPRank + 1))
+			for _, q := range reqs {
+				r.Fill(q.sim.P)
+			}
+		}
+	}
+	var before [][]byte
+	for _, r := range d.ranks[0] {
+		r.Scramble(uint64(100 + r.Layout.TPRank))
+		before = append(before, r.Snapshot())
+	}
+
+	now := time.Now()
+	// Half the requests reach D first, half P first (push matches in
+	// either order).
+	var pm, dm kvxfer.StepMeta
+	pm.SchedulerClock, dm.SchedulerClock = now, now
+	for _, q := range reqs {
+		dm.Recv = append(dm.Recv, q.recv(mode, p, now.Add(time.Minute)))
+	}
+	for _, q := range reqs {
+		pm.Send = append(pm.Send, q.send(now.Add(30*time.Second)))
+	}
+	if c.layerwise {
+		// The prefill step lists every request; layers are reported
+		// saved one by one, then the requests finish.
+		p.step(t, &kvxfer.StepMeta{Step: 1, SchedulerClock: now, Prefill: pm.Send[:n/2]})
+		d.step(t, &dm)
+		synctest.Wait()
+		p.step(t, &kvxfer.StepMeta{Step: 2, SchedulerClock: now, Prefill: pm.Send[n/2:]})
+		for step := uint64(1); step <= 2; step++ {
+			for _, stage := range p.workers {
+				for _, w := range stage {
+					l := w.Layout()
+					for layer := range layersOf(l) {
+						if err := w.LayerSaved(step, layer); err != nil {
+							t.Fatal(err)
+						}
+						synctest.Wait()
+					}
+				}
+			}
+		}
+		p.step(t, &kvxfer.StepMeta{Step: 3, SchedulerClock: now, Send: pm.Send})
+	} else {
+		p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: pm.Send[:n/2]})
+		d.step(t, &dm)
+		p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: pm.Send[n/2:]})
+	}
+
+	out := newOutcomes()
+	for range 200 {
+		synctest.Wait()
+		out.collect(t, p)
+		out.collect(t, d)
+		if len(out.seen) == expectedReports(reqs, p, d, &dm) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got, want := len(out.seen), expectedReports(reqs, p, d, &dm); got != want {
+		t.Fatalf("%d outcome reports, want %d: %v", got, want, out.seen)
+	}
+	for _, q := range reqs {
+		for _, o := range out.send["p-"+q.id] {
+			if o.Result != kvxfer.ResultDone {
+				t.Errorf("P outcome of %s = %v (%s), want done", q.id, o.Result, o.Reason)
+			}
+		}
+		for _, o := range out.recv["d-"+q.id] {
+			if o.Result != kvxfer.ResultDone {
+				t.Errorf("D outcome of %s = %v (%s), want done", q.id, o.Result, o.Reason)
+			}
+		}
+	}
+	var sims []*kvsim.Request
+	for _, q := range reqs {
+		if q.tokens > q.hit {
+			sims = append(sims, &q.sim)
+		}
+	}
+	for i, r := range d.ranks[0] {
+		if err := r.CheckValues(before[i], sims, c.p.KernelBlock, c.p.LogicalBlock); err != nil {
+			t.Errorf("D rank %d: %v", i, err)
+		}
+	}
+}
+
+// expectedReports counts one outcome per request per rank on each side.
+func expectedReports(reqs []*xreq, p, d *simEngine, dm *kvxfer.StepMeta) int {
+	pr := len(p.workers) * len(p.workers[0])
+	dr := len(d.workers) * len(d.workers[0])
+	return len(reqs)*pr + len(dm.Recv)*dr
+}
+
+// layersOf returns the layers a rank holds (packed or split K/V: one
+// region per layer).
+func layersOf(l *topology.Layout) map[int]bool {
+	out := map[int]bool{}
+	for i := range l.Regions {
+		out[l.RegionOffset+i] = true
+	}
+	return out
+}

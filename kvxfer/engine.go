@@ -1,0 +1,222 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+type hsState uint8
+
+const (
+	hsPending hsState = iota + 1
+	hsReady
+	hsFailed
+)
+
+// engine is the handshake cache entry of one peer engine.
+type engine struct {
+	id, addr   string
+	state      hsState
+	err        error
+	gen        uint64
+	offset     time.Duration
+	tpSize     int
+	ppSize     int
+	peers      map[rankRef]PeerName
+	layouts    map[rankRef]*topology.Layout
+	lastActive time.Time
+	// outbox holds messages to send once the handshake is ready.
+	outbox []outMsg
+}
+
+type outMsg struct {
+	to rankRef
+	m  *msg
+}
+
+// ensureEngine returns the engine entry, starting a handshake when there
+// is none (or the last one failed).
+func (st *loopState) ensureEngine(id, addr string) *engine {
+	e := st.engines[id]
+	if e != nil && e.state != hsFailed {
+		if e.addr == "" {
+			e.addr = addr
+		}
+		return e
+	}
+	if e == nil {
+		e = &engine{id: id}
+		st.engines[id] = e
+	}
+	e.addr, e.state, e.err = addr, hsPending, nil
+	e.lastActive = time.Now()
+	w := st.w
+	w.hsWG.Add(1)
+	go func() {
+		defer w.hsWG.Done()
+		ctx, cancel := context.WithTimeout(w.ctx, st.cfg.HandshakeTimeout)
+		defer cancel()
+		t0 := time.Now()
+		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
+		_ = w.post(event{kind: evHandshake, hs: &hsResult{engine: id, res: res, err: err, took: time.Since(t0)}})
+	}()
+	return e
+}
+
+// handshakeDone loads a finished handshake and re-drives whatever waited.
+func (st *loopState) handshakeDone(h *hsResult) {
+	e := st.engines[h.engine]
+	if e == nil || e.state != hsPending {
+		return
+	}
+	err := h.err
+	if err == nil {
+		err = st.load(e, &h.res)
+	}
+	st.w.metrics.Handshake(h.took, err == nil)
+	if err != nil {
+		e.state, e.err = hsFailed, err
+		st.w.log.Warn("kvxfer: handshake failed", "engine", e.id, "err", err)
+		e.outbox = nil
+	} else {
+		e.state = hsReady
+		for _, o := range e.outbox {
+			if p, ok := e.peers[o.to]; ok {
+				_ = st.notify(p, o.m)
+			}
+		}
+		e.outbox = nil
+	}
+	st.redrive(e)
+}
+
+// load checks a handshake's ranks and loads their agents.
+func (st *loopState) load(e *engine, res *HandshakeResult) error {
+	if len(res.Ranks) == 0 {
+		return fmt.Errorf("kvxfer: handshake with %s: no ranks", e.id)
+	}
+	peers := map[rankRef]PeerName{}
+	layouts := map[rankRef]*topology.Layout{}
+	tp, pp := res.Ranks[0].Layout.TPSize, res.Ranks[0].Layout.PPSize
+	for i := range res.Ranks {
+		r := &res.Ranks[i]
+		if !st.cfg.SkipCompatCheck && r.CompatHash != st.cfg.CompatHash {
+			return fmt.Errorf("kvxfer: handshake with %s: compatibility hash %q, want %q", e.id, r.CompatHash, st.cfg.CompatHash)
+		}
+		l := r.Layout
+		if err := l.Validate(); err != nil {
+			return fmt.Errorf("kvxfer: handshake with %s rank tp %d pp %d: %w", e.id, l.TPRank, l.PPRank, err)
+		}
+		if l.TPSize != tp || l.PPSize != pp {
+			return fmt.Errorf("kvxfer: handshake with %s: rank sizes tp %d pp %d differ from tp %d pp %d", e.id, l.TPSize, l.PPSize, tp, pp)
+		}
+		ref := rankRef{pp: l.PPRank, tp: l.TPRank}
+		if _, dup := layouts[ref]; dup {
+			return fmt.Errorf("kvxfer: handshake with %s: rank tp %d pp %d listed twice", e.id, l.TPRank, l.PPRank)
+		}
+		name, err := st.w.be.LoadPeer(r.Agent)
+		if err != nil {
+			return fmt.Errorf("kvxfer: handshake with %s rank tp %d pp %d: %w", e.id, l.TPRank, l.PPRank, err)
+		}
+		peers[ref] = name
+		layouts[ref] = &l
+		if err := st.w.registry.StoreLayout(hotpath.RankKey{Peer: e.id, Generation: res.Generation, TPRank: l.TPRank, PPRank: l.PPRank}, &l); err != nil {
+			return err
+		}
+	}
+	if e.gen != 0 && e.gen != res.Generation {
+		st.w.registry.DropGeneration(e.id, e.gen)
+	}
+	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
+	e.peers, e.layouts = peers, layouts
+	return nil
+}
+
+// redrive re-runs whatever waited for an engine's handshake.
+func (st *loopState) redrive(e *engine) {
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		if r.req.Remote.EngineID == e.id && !r.sent && !r.decided {
+			st.startRecv(r)
+		}
+	}
+	for _, id := range sortedKeys(st.sends) {
+		s := st.sends[id]
+		if s.match != nil && s.match.key.engine == e.id {
+			st.pushReady(s)
+		}
+	}
+	// Registrations we could not answer: tell the D ranks we fail.
+}
+
+// plan returns the plan from source rank src to destination rank dst,
+// where the remote side is engine e.
+func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, error) {
+	key := hotpath.PlanKey{Peer: e.id, Generation: e.gen, SrcTPRank: src.tp, SrcPPRank: src.pp, DstTPRank: dstTP}
+	return st.w.registry.Plan(key, func() (*topology.Plan, error) {
+		if st.cfg.Mode == ModePush {
+			dl := e.layouts[rankRef{tp: dstTP}]
+			if dl == nil {
+				return nil, fmt.Errorf("kvxfer: engine %s has no rank tp %d pp 0", e.id, dstTP)
+			}
+			return topology.NewPlan(st.layout, dl, topology.PlanOptions{})
+		}
+		sl := e.layouts[src]
+		if sl == nil {
+			return nil, fmt.Errorf("kvxfer: engine %s has no rank tp %d pp %d", e.id, src.tp, src.pp)
+		}
+		return topology.NewPlan(sl, st.layout, topology.PlanOptions{})
+	})
+}
+
+func (st *loopState) dropEngine(e *engine) {
+	for _, p := range e.peers {
+		_ = st.w.be.InvalidatePeer(p)
+	}
+	st.w.registry.DropPeer(e.id)
+	delete(st.engines, e.id)
+}
+
+// evictEngines drops engines idle past EngineTTL that nothing uses.
+func (st *loopState) evictEngines(now time.Time) {
+	if st.cfg.EngineTTL < 0 {
+		return
+	}
+	for _, id := range sortedKeys(st.engines) {
+		e := st.engines[id]
+		if e.state == hsPending || now.Sub(e.lastActive) <= st.cfg.EngineTTL || st.engineInUse(id) {
+			continue
+		}
+		st.dropEngine(e)
+	}
+}
+
+func (st *loopState) engineInUse(id string) bool {
+	for _, r := range st.recvs {
+		if r.req.Remote.EngineID == id {
+			return true
+		}
+	}
+	for _, s := range st.sends {
+		if s.match != nil && s.match.key.engine == id {
+			return true
+		}
+	}
+	return false
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}

@@ -1,0 +1,478 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"container/heap"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// loopState is everything the loop goroutine owns. Nothing here is
+// touched by any other goroutine, so none of it is locked.
+type loopState struct {
+	w      *Worker
+	cfg    *WorkerConfig
+	layout *topology.Layout
+
+	engines map[string]*engine
+	timers  timerHeap
+
+	// Producer side.
+	sends     map[string]*sendReq   // by P request id
+	sendByTID map[string]*sendReq   // by transfer id
+	sendBase  map[string][]*sendReq // by base id
+	regs      map[regKey]*regGroup  // unmatched registrations
+	regByTID  map[string][]regKey
+	regByBase map[string][]regKey
+	matched   map[regKey]*sendReq // live matches by D request
+	tombs     map[regKey]time.Time
+
+	// Consumer side.
+	recvs map[string]*recvReq
+
+	// Transfers in flight.
+	handles map[XferID]*handle
+
+	out        Finished
+	notifBuf   []Notif
+	descBuf    []hotpath.Desc
+	nextTick   time.Time
+	ticking    bool
+	rankBuf    []int
+	layerSteps map[uint64][]string // layer-wise: step -> P ids prefilled in it
+
+	// Layer-wise push: layers in order, the layer index of each region,
+	// regions sorted by base for address lookups.
+	nLayers     int
+	regionLayer []int
+	byBase      []int
+	layerMask   []bool
+}
+
+type regKey struct{ engine, dreq string }
+
+// regGroup collects the registrations of one D request from its ranks.
+type regGroup struct {
+	key     regKey
+	tid     string
+	preq    string
+	addr    string
+	dTP     int
+	ranks   map[int]*msg
+	arrived time.Time
+}
+
+// rank states of one D rank of a matched producer request.
+type rankState uint8
+
+const (
+	rkWaiting   rankState = iota // no registration from it yet
+	rkReady                      // registered, not posted
+	rkPosted                     // WRITE in flight
+	rkDone                       // bytes landed (or nothing to move)
+	rkReleased                   // D needs nothing
+	rkFailed                     // WRITE failed or was refused
+	rkCancelled                  // D cancelled before anything was posted
+)
+
+func (s rankState) settled() bool { return s >= rkDone }
+
+type dRank struct {
+	state    rankState
+	reg      *msg
+	inflight int    // WRITEs in flight into this rank
+	posted   []bool // layer-wise: layers posted, by layer index
+	reason   string // why it failed (set while WRITEs still drain)
+	ackOwed  bool   // D cancelled while a WRITE was in flight
+}
+
+type sendReq struct {
+	req      SendReq
+	deadline time.Time
+	expired  bool
+	aborted  bool
+	done     bool
+	// prefill: layer-wise, known from the prefill step, not finished yet.
+	prefill bool
+	saved   []bool // layer-wise: layers the engine reported saved
+
+	// push: the matched D request.
+	match  *regGroup
+	expect []int
+	ranks  map[int]*dRank
+
+	// pull: D ranks that reported.
+	pullTP   int
+	pullSeen map[int]bool
+	pullFail string
+}
+
+type recvReq struct {
+	req      RecvReq
+	deadline time.Time
+	targets  []rankRef
+	sent     bool // registrations or reads issued
+	got      map[rankRef]bool
+	fenced   map[rankRef]bool
+	handles  map[XferID]rankRef
+	decided  bool
+	outcome  Outcome
+	fenceBy  time.Time
+	canceled bool
+}
+
+type rankRef struct{ pp, tp int }
+
+type handle struct {
+	id     XferID
+	posted time.Time
+	bytes  int64
+	descs  int
+	blocks int
+	// producer side
+	send string
+	dtp  int
+	// consumer side
+	recv string
+	src  rankRef
+}
+
+func (st *loopState) init(w *Worker) {
+	st.w, st.cfg, st.layout = w, &w.cfg, &w.cfg.Layout
+	st.engines = map[string]*engine{}
+	st.sends = map[string]*sendReq{}
+	st.sendByTID = map[string]*sendReq{}
+	st.sendBase = map[string][]*sendReq{}
+	st.regs = map[regKey]*regGroup{}
+	st.regByTID = map[string][]regKey{}
+	st.regByBase = map[string][]regKey{}
+	st.matched = map[regKey]*sendReq{}
+	st.tombs = map[regKey]time.Time{}
+	st.recvs = map[string]*recvReq{}
+	st.handles = map[XferID]*handle{}
+	st.layerSteps = map[uint64][]string{}
+	layers := map[int]int{}
+	var order []int
+	for i := range st.layout.Regions {
+		l := st.cfg.LayerOf(i)
+		if _, ok := layers[l]; !ok {
+			layers[l] = 0
+			order = append(order, l)
+		}
+	}
+	slices.Sort(order)
+	for i, l := range order {
+		layers[l] = i
+	}
+	st.nLayers = len(order)
+	for i := range st.layout.Regions {
+		st.regionLayer = append(st.regionLayer, layers[st.cfg.LayerOf(i)])
+		st.byBase = append(st.byBase, i)
+	}
+	slices.SortFunc(st.byBase, func(a, b int) int {
+		return cmpU64(st.layout.Regions[a].Base, st.layout.Regions[b].Base)
+	})
+	st.layerMask = make([]bool, st.nLayers)
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// layerIndexOf returns the layer index of the local region holding addr.
+func (st *loopState) layerIndexOf(addr uint64) int {
+	regs := st.layout.Regions
+	i, _ := slices.BinarySearchFunc(st.byBase, addr, func(r int, a uint64) int {
+		if regs[r].Base > a {
+			return 1
+		}
+		return -1
+	})
+	// i is the first region whose base is above addr.
+	return st.regionLayer[st.byBase[max(i-1, 0)]]
+}
+
+// self fills the sender fields of a message.
+func (st *loopState) self(m *msg) *msg {
+	l := st.layout
+	m.Engine, m.Addr = st.cfg.EngineID, st.cfg.Addr
+	m.TPRank, m.TPSize, m.PPRank, m.PPSize = l.TPRank, l.TPSize, l.PPRank, l.PPSize
+	return m
+}
+
+func (st *loopState) handle(e *event) {
+	switch e.kind {
+	case evStep:
+		st.step(e.meta)
+	case evLayer:
+		st.layerSaved(e.step, e.layer)
+	case evHandshake:
+		st.handshakeDone(e.hs)
+	case evInspect:
+		e.fn(st)
+	}
+}
+
+// rebase moves a scheduler-clock deadline onto our clock (SPEC §9).
+func rebase(d, clock time.Time, now time.Time) time.Time {
+	if d.IsZero() {
+		return d
+	}
+	if clock.IsZero() {
+		return d
+	}
+	return now.Add(d.Sub(clock))
+}
+
+func (st *loopState) step(meta *StepMeta) {
+	now := time.Now()
+	for _, id := range meta.NotProcessed {
+		st.producerAborted(id)
+	}
+	for i := range meta.Prefill {
+		st.newPrefill(&meta.Prefill[i], meta.Step)
+	}
+	for i := range meta.Send {
+		st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
+	}
+	for i := range meta.Recv {
+		st.newRecv(&meta.Recv[i], rebase(meta.Recv[i].Deadline, meta.SchedulerClock, now))
+	}
+}
+
+// report queues one terminal outcome.
+func (st *loopState) report(role Role, o Outcome) {
+	st.w.metrics.Outcome(role, o.Result)
+	if role == RoleProducer {
+		st.out.Sending = append(st.out.Sending, o)
+	} else {
+		st.out.Recving = append(st.out.Recving, o)
+	}
+}
+
+// flush publishes queued outcomes.
+func (st *loopState) flush() {
+	if len(st.out.Sending)+len(st.out.Recving)+len(st.out.InvalidBlocks) == 0 {
+		return
+	}
+	w := st.w
+	w.mu.Lock()
+	w.mu.out.Sending = append(w.mu.out.Sending, st.out.Sending...)
+	w.mu.out.Recving = append(w.mu.out.Recving, st.out.Recving...)
+	w.mu.out.InvalidBlocks = append(w.mu.out.InvalidBlocks, st.out.InvalidBlocks...)
+	w.mu.Unlock()
+	st.out = Finished{}
+	select {
+	case w.ready <- struct{}{}:
+	default:
+	}
+}
+
+// notify sends a bare message; failures are counted and returned.
+func (st *loopState) notify(peer PeerName, m *msg) error {
+	err := st.w.be.Notify(peer, appendMsg(nil, st.self(m)))
+	if err != nil {
+		st.w.metrics.FailedNotification()
+		st.w.log.Warn("kvxfer: notification failed", "kind", m.Kind, "peer", peer, "err", err)
+	}
+	return err
+}
+
+// drainNotifs handles every peer message that arrived.
+func (st *loopState) drainNotifs() {
+	st.notifBuf = st.w.be.DrainNotifs(st.notifBuf[:0])
+	for _, n := range st.notifBuf {
+		m, err := decodeMsg(n.Msg)
+		if err != nil {
+			st.w.metrics.Dropped("malformed")
+			st.w.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
+			continue
+		}
+		if e := st.engines[m.Engine]; e != nil {
+			e.lastActive = time.Now()
+		}
+		switch m.Kind {
+		case msgReg:
+			st.onReg(m)
+		case msgDone:
+			if st.cfg.Mode == ModePush {
+				st.onPushDone(m)
+			} else {
+				st.onPullDone(m, "")
+			}
+		case msgFail:
+			if st.cfg.Mode == ModePush {
+				st.onPushFail(m)
+			} else {
+				st.onPullDone(m, m.Reason)
+			}
+		case msgHeartbeat:
+			st.onHeartbeat(m)
+		case msgCancel:
+			st.onCancel(m)
+		case msgAck:
+			st.onAck(m)
+		}
+	}
+	clear(st.notifBuf)
+}
+
+// pollHandles polls every in-flight transfer once.
+func (st *loopState) pollHandles() {
+	if len(st.handles) == 0 {
+		return
+	}
+	for _, id := range slices.Sorted(maps.Keys(st.handles)) {
+		h := st.handles[id]
+		s, err := st.w.be.State(id)
+		if s == XferInProgress && err == nil {
+			continue
+		}
+		delete(st.handles, id)
+		_ = st.w.be.Release(id)
+		ok := s == XferDone && err == nil
+		if ok {
+			st.w.metrics.Transfer(time.Since(h.posted), 0, h.bytes, h.descs, h.blocks)
+		} else {
+			st.w.metrics.FailedTransfer()
+			if err == nil {
+				err = fmt.Errorf("%w: state %v", ErrXferFailed, s)
+			}
+		}
+		if h.send != "" {
+			st.sendSettled(h, ok, err)
+		} else {
+			st.recvSettled(h, ok, err)
+		}
+	}
+}
+
+// runTimers fires due deadlines and the periodic tick.
+func (st *loopState) runTimers() {
+	now := time.Now()
+	for len(st.timers) > 0 && !st.timers[0].at.After(now) {
+		e := heap.Pop(&st.timers).(timerEntry)
+		switch e.kind {
+		case tLease:
+			st.leaseTimer(e)
+		case tRecvDeadline:
+			st.recvDeadline(e)
+		case tFence:
+			st.fenceTimer(e)
+		}
+	}
+	if st.busy() {
+		if !st.ticking {
+			st.ticking = true
+			st.nextTick = now.Add(st.cfg.Lease / 6)
+		} else if !now.Before(st.nextTick) {
+			st.tick(now)
+			st.nextTick = now.Add(st.cfg.Lease / 6)
+		}
+	} else {
+		st.ticking = false
+	}
+}
+
+// busy reports whether periodic work (heartbeats, resends, sweeps) is due.
+func (st *loopState) busy() bool {
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0
+}
+
+// nextWake is when the loop must run again without other input.
+func (st *loopState) nextWake() (time.Time, bool) {
+	var at time.Time
+	ok := false
+	set := func(t time.Time) {
+		if !ok || t.Before(at) {
+			at, ok = t, true
+		}
+	}
+	if len(st.handles) > 0 {
+		set(time.Now().Add(st.cfg.PollInterval))
+	}
+	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
+		heap.Pop(&st.timers)
+	}
+	if n := len(st.timers); n > 64 && n > 4*(len(st.sends)+2*len(st.recvs)) {
+		live := st.timers[:0]
+		for _, t := range st.timers {
+			if st.timerLive(t) {
+				live = append(live, t)
+			}
+		}
+		st.timers = live
+		heap.Init(&st.timers)
+	}
+	if len(st.timers) > 0 {
+		set(st.timers[0].at)
+	}
+	if st.ticking {
+		set(st.nextTick)
+	}
+	return at, ok
+}
+
+// tick sends heartbeats, resends cancels and sweeps stale state.
+func (st *loopState) tick(now time.Time) {
+	st.sendHeartbeats()
+	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+		r := st.recvs[id]
+		if r.decided && r.canceled {
+			st.sendCancels(r)
+		}
+	}
+	for k, g := range st.regs {
+		if now.Sub(g.arrived) > st.cfg.RegistrationTTL {
+			st.dropReg(k)
+			st.w.metrics.Dropped("registration_expired")
+		}
+	}
+	for k, t := range st.tombs {
+		if now.Sub(t) > st.cfg.RegistrationTTL {
+			delete(st.tombs, k)
+		}
+	}
+	st.evictEngines(now)
+}
+
+// shutdown fails every request still open and abandons transfers.
+func (st *loopState) shutdown() {
+	for id := range st.handles {
+		_ = st.w.be.Release(id)
+	}
+	clear(st.handles)
+	for _, id := range slices.Sorted(maps.Keys(st.sends)) {
+		s := st.sends[id]
+		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
+		st.forgetSend(s)
+	}
+	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+		r := st.recvs[id]
+		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
+		st.report(RoleConsumer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
+		delete(st.recvs, id)
+	}
+	for _, e := range st.engines {
+		st.dropEngine(e)
+	}
+}
+
+func group0(spans []topology.Span) []topology.BlockID {
+	if len(spans) == 0 {
+		return nil
+	}
+	return spans[0].IDs
+}

@@ -1,0 +1,424 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Consumer side: registrations (push), READs (pull), completion counting,
+// deadlines, cancels and fencing.
+
+// expirySafety is how close to the producer's expiry a pull consumer
+// still starts a read (SPEC §8 _KV_BLOCKS_EXPIRY_SAFETY_MARGIN).
+const expirySafety = 5 * time.Second
+
+func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
+	if st.recvs[in.ReqID] != nil {
+		st.w.metrics.BadInput("recv_req.duplicate")
+		st.w.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
+		return
+	}
+	if len(in.Local) == 0 {
+		st.releaseProducer(in)
+		res, why := ResultDone, ""
+		if in.Aborted {
+			res, why = ResultAborted, "aborted before it was scheduled"
+		}
+		st.report(RoleConsumer, Outcome{ReqID: in.ReqID, Result: res, Reason: why})
+		return
+	}
+	r := &recvReq{req: *in, deadline: deadline, got: map[rankRef]bool{}, fenced: map[rankRef]bool{}, handles: map[XferID]rankRef{}}
+	st.recvs[in.ReqID] = r
+	if !deadline.IsZero() {
+		st.arm(deadline, tRecvDeadline, in.ReqID)
+	}
+	st.startRecv(r)
+}
+
+// releaseProducer tells P at once that D needs nothing for a request (a
+// full prefix hit or an abort before schedule), so P frees its blocks
+// instead of waiting for its lease (SPEC §14).
+func (st *loopState) releaseProducer(in *RecvReq) {
+	e := st.ensureEngine(in.Remote.EngineID, in.Remote.Addr)
+	kind := msgDone // pull: P counts one report per D rank
+	if st.cfg.Mode == ModePush {
+		kind = msgReg // push: an empty registration releases this rank
+	}
+	tp, pp := max(in.Remote.TPSize, 1), max(in.Remote.PPSize, 1)
+	if e.state == hsReady {
+		tp, pp = e.tpSize, e.ppSize
+	}
+	targets, err := st.targets(tp, pp)
+	if err != nil {
+		st.w.log.Warn("kvxfer: cannot release producer", "req", in.ReqID, "err", err)
+		return
+	}
+	for _, to := range targets {
+		m := &msg{Kind: kind, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID}
+		if e.state == hsReady {
+			if p, ok := e.peers[to]; ok {
+				_ = st.notify(p, m)
+			}
+		} else {
+			e.outbox = append(e.outbox, outMsg{to: to, m: m})
+		}
+	}
+}
+
+// targets lists the producer ranks this rank exchanges with.
+func (st *loopState) targets(ptp, ppp int) ([]rankRef, error) {
+	tps, err := topology.TargetRanks(nil, st.layout.TPSize, ptp, st.layout.TPRank)
+	if err != nil {
+		return nil, err
+	}
+	var out []rankRef
+	for pp := range ppp {
+		for _, tp := range tps {
+			out = append(out, rankRef{pp: pp, tp: tp})
+		}
+	}
+	return out, nil
+}
+
+// startRecv registers (push) or reads (pull) once the handshake is ready.
+func (st *loopState) startRecv(r *recvReq) {
+	e := st.ensureEngine(r.req.Remote.EngineID, r.req.Remote.Addr)
+	switch e.state {
+	case hsPending:
+		return
+	case hsFailed:
+		st.decide(r, ResultFailed, "handshake with producer failed: "+e.err.Error())
+		return
+	}
+	e.lastActive = time.Now()
+	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
+		st.w.metrics.BadInput("recv_req.remote.tp_size")
+		st.decide(r, ResultFailed, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
+		return
+	}
+	targets, err := st.targets(e.tpSize, e.ppSize)
+	if err != nil {
+		st.decide(r, ResultFailed, err.Error())
+		return
+	}
+	r.targets, r.sent = targets, true
+	if st.cfg.Mode == ModePush {
+		st.register(r, e)
+	} else {
+		st.read(r, e)
+	}
+	st.tryReport(r)
+}
+
+// register sends D's registration to every producer rank it needs.
+func (st *loopState) register(r *recvReq, e *engine) {
+	m := &msg{Kind: msgReg, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Spans: r.req.Local}
+	b := appendMsg(nil, st.self(m))
+	for _, to := range r.targets {
+		p, ok := e.peers[to]
+		var err error
+		if !ok {
+			err = fmt.Errorf("producer %s has no rank tp %d pp %d", e.id, to.tp, to.pp)
+		} else {
+			err = st.w.be.Notify(p, b)
+		}
+		if err != nil {
+			st.w.metrics.FailedNotification()
+			r.fenced[to] = true // nothing registered there
+			st.decide(r, ResultFailed, "registration: "+err.Error())
+		}
+	}
+}
+
+// read posts the READs of a pull consumer.
+func (st *loopState) read(r *recvReq, e *engine) {
+	if exp := r.req.Remote.Expiry; !exp.IsZero() {
+		local := exp.Add(-e.offset)
+		if !time.Now().Add(expirySafety).Before(local) {
+			st.w.metrics.ExpiredRequest()
+			for _, to := range r.targets {
+				st.tellP(e, r, to, msgFail, "producer blocks expire before the read")
+			}
+			st.decide(r, ResultExpired, "producer blocks expire before the read could finish")
+			return
+		}
+	}
+	hreq := hotpath.Request{Tokens: r.req.Remote.Tokens, Src: r.req.Remote.Blocks, Dst: r.req.Local}
+	for _, to := range r.targets {
+		if r.decided {
+			st.tellP(e, r, to, msgFail, r.outcome.Reason)
+			continue
+		}
+		p, err := st.plan(e, to, st.layout.TPRank)
+		if err != nil {
+			st.tellP(e, r, to, msgFail, err.Error())
+			st.decide(r, ResultFailed, err.Error())
+			continue
+		}
+		if p.NotifyOnly {
+			st.tellP(e, r, to, msgDone, "")
+			r.got[to] = true
+			continue
+		}
+		t0 := time.Now()
+		st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
+		if err != nil {
+			st.w.metrics.BadInput("recv_req.remote.blocks")
+			st.tellP(e, r, to, msgFail, err.Error())
+			st.decide(r, ResultFailed, "remote blocks rejected: "+err.Error())
+			continue
+		}
+		done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
+		id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
+		if err != nil {
+			st.w.metrics.FailedTransfer()
+			st.tellP(e, r, to, msgFail, "post READ: "+err.Error())
+			st.decide(r, ResultFailed, "post READ: "+err.Error())
+			continue
+		}
+		r.handles[id] = to
+		st.handles[id] = &handle{id: id, posted: t0, bytes: descBytes(st.descBuf), descs: len(st.descBuf),
+			blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+	}
+	if !r.decided && len(r.got) == len(r.targets) {
+		st.decide(r, ResultDone, "")
+	}
+}
+
+// tellP sends a bare message about a request to one producer rank.
+func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, reason string) {
+	m := &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Reason: reason}
+	if e.state != hsReady {
+		e.outbox = append(e.outbox, outMsg{to: to, m: m})
+		return
+	}
+	if p, ok := e.peers[to]; ok {
+		_ = st.notify(p, m)
+	}
+}
+
+// recvSettled handles the end of one of a pull consumer's READs.
+func (st *loopState) recvSettled(h *handle, ok bool, err error) {
+	r := st.recvs[h.recv]
+	if r == nil {
+		return
+	}
+	delete(r.handles, h.id)
+	if ok {
+		r.got[h.src] = true
+		if !r.decided && len(r.got) == len(r.targets) {
+			st.decide(r, ResultDone, "")
+		}
+	} else {
+		if e := st.engines[r.req.Remote.EngineID]; e != nil {
+			st.tellP(e, r, h.src, msgFail, "READ failed: "+err.Error())
+		}
+		st.decide(r, ResultFailed, "READ failed: "+err.Error())
+	}
+	st.tryReport(r)
+}
+
+// onPushDone counts a producer rank's completion notice (push).
+func (st *loopState) onPushDone(m *msg) {
+	r, ref, ok := st.recvFor(m)
+	if !ok {
+		return
+	}
+	if r.got[ref] {
+		st.w.metrics.Dropped("done_duplicate")
+		return
+	}
+	r.got[ref], r.fenced[ref] = true, true
+	if !r.decided && len(r.got) == len(r.targets) {
+		st.decide(r, ResultDone, "")
+	}
+	st.tryReport(r)
+}
+
+// onPushFail: a producer rank cannot complete and has nothing in flight.
+func (st *loopState) onPushFail(m *msg) {
+	r, ref, ok := st.recvFor(m)
+	if !ok {
+		return
+	}
+	r.fenced[ref] = true
+	st.decide(r, ResultFailed, fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
+	st.tryReport(r)
+}
+
+// onAck: a producer rank confirms nothing of it can land any more.
+func (st *loopState) onAck(m *msg) {
+	r, ref, ok := st.recvFor(m)
+	if !ok {
+		return
+	}
+	r.fenced[ref] = true
+	st.tryReport(r)
+}
+
+// recvFor finds the receiving request and sender rank a producer's
+// message is about.
+func (st *loopState) recvFor(m *msg) (*recvReq, rankRef, bool) {
+	r := st.recvs[m.DReq]
+	if r == nil || r.req.Remote.EngineID != m.Engine {
+		st.w.metrics.Dropped(m.Kind.String() + "_unknown_request")
+		st.w.log.Debug("kvxfer: message for an unknown request", "kind", m.Kind, "d_req", m.DReq, "from", m.Engine)
+		return nil, rankRef{}, false
+	}
+	ref := rankRef{pp: m.PPRank, tp: m.TPRank}
+	for _, t := range r.targets {
+		if t == ref {
+			return r, ref, true
+		}
+	}
+	st.w.metrics.BadInput(m.Kind.String() + ".rank")
+	return nil, rankRef{}, false
+}
+
+// decide fixes a consumer request's outcome (first decision wins). A
+// push consumer that gives up cancels every producer rank that may still
+// WRITE, and reports only once they confirm (fencing).
+func (st *loopState) decide(r *recvReq, res Result, reason string) {
+	if r.decided {
+		return
+	}
+	r.decided = true
+	r.outcome = Outcome{ReqID: r.req.ReqID, Result: res, Reason: reason}
+	if res != ResultDone && st.cfg.Mode == ModePush && r.sent {
+		r.canceled = true
+		st.sendCancels(r)
+		r.fenceBy = time.Now().Add(st.cfg.FenceTimeout)
+		st.arm(r.fenceBy, tFence, r.req.ReqID)
+	}
+	if res != ResultDone {
+		st.w.log.Warn("kvxfer: receive failed", "req", r.req.ReqID, "result", res, "reason", reason)
+	}
+}
+
+// sendCancels asks every unfenced producer rank to stop.
+func (st *loopState) sendCancels(r *recvReq) {
+	e := st.engines[r.req.Remote.EngineID]
+	if e == nil || e.state != hsReady {
+		return
+	}
+	for _, to := range r.targets {
+		if !r.fenced[to] {
+			st.tellP(e, r, to, msgCancel, r.outcome.Reason)
+		}
+	}
+}
+
+// tryReport reports a decided consumer request once nothing can land in
+// its blocks any more.
+func (st *loopState) tryReport(r *recvReq) {
+	if !r.decided || len(r.handles) > 0 {
+		return
+	}
+	if st.cfg.Mode == ModePush && r.sent {
+		for _, t := range r.targets {
+			if !r.fenced[t] {
+				return
+			}
+		}
+	}
+	st.finishRecv(r, r.outcome)
+}
+
+func (st *loopState) finishRecv(r *recvReq, o Outcome) {
+	delete(st.recvs, r.req.ReqID)
+	if o.Result != ResultDone {
+		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
+	}
+	st.report(RoleConsumer, o)
+}
+
+// recvDeadline: the producer did not complete in time.
+func (st *loopState) recvDeadline(e timerEntry) {
+	r := st.recvs[e.id]
+	if r == nil || r.decided || !r.deadline.Equal(e.at) {
+		return
+	}
+	st.w.metrics.ExpiredRequest()
+	if !r.sent {
+		// Nothing was registered or read: no fence to wait for.
+		st.decide(r, ResultExpired, "producer did not complete before the deadline")
+		st.tryReport(r)
+		return
+	}
+	if st.cfg.Mode == ModePull {
+		if e := st.engines[r.req.Remote.EngineID]; e != nil {
+			for _, to := range r.targets {
+				if !r.got[to] && !st.reading(r, to) {
+					st.tellP(e, r, to, msgFail, "consumer deadline passed")
+				}
+			}
+		}
+	}
+	st.decide(r, ResultExpired, "producer did not complete before the deadline")
+	st.tryReport(r)
+}
+
+func (st *loopState) reading(r *recvReq, to rankRef) bool {
+	for _, t := range r.handles {
+		if t == to {
+			return true
+		}
+	}
+	return false
+}
+
+// fenceTimer gives up waiting for producer confirmations.
+func (st *loopState) fenceTimer(e timerEntry) {
+	r := st.recvs[e.id]
+	if r == nil || !r.fenceBy.Equal(e.at) {
+		return
+	}
+	st.w.metrics.Dropped("fence_timeout")
+	st.w.log.Error("kvxfer: producer never confirmed a cancel; reporting the request anyway", "req", r.req.ReqID, "engine", r.req.Remote.EngineID)
+	o := r.outcome
+	o.Reason += " (fence timed out: the producer never confirmed)"
+	st.finishRecv(r, o)
+}
+
+// sendHeartbeats tells each producer engine which of its requests this
+// rank still waits for (SPEC §9), from the worker's own clock.
+func (st *loopState) sendHeartbeats() {
+	by := map[string][]string{}
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		if r.decided {
+			continue
+		}
+		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
+	}
+	for _, id := range sortedKeys(by) {
+		e := st.engines[id]
+		if e == nil || e.state != hsReady {
+			continue
+		}
+		b := appendMsg(nil, st.self(&msg{Kind: msgHeartbeat, IDs: by[id]}))
+		for _, ref := range sortedRefs(e.peers) {
+			if err := st.w.be.Notify(e.peers[ref], b); err != nil {
+				st.w.metrics.FailedNotification()
+			}
+		}
+	}
+}
+
+func sortedRefs(m map[rankRef]PeerName) []rankRef {
+	out := make([]rankRef, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	for i := 1; i < len(out); i++ {
+		for j := i; j > 0 && (out[j].pp < out[j-1].pp || out[j].pp == out[j-1].pp && out[j].tp < out[j-1].tp); j-- {
+			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out
+}

@@ -1,0 +1,810 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Producer side: leases, registration matching, WRITEs (push) and the
+// consumer's completion notices (pull).
+
+func (st *loopState) newSend(in *SendReq, deadline time.Time) {
+	if s := st.sends[in.ReqID]; s != nil {
+		if s.prefill {
+			// Layer-wise: the prefill entry is followed by the finish;
+			// every layer is saved by now.
+			s.prefill = false
+			s.req.Tokens = in.Tokens
+			for i := range s.saved {
+				s.saved[i] = true
+			}
+			st.armLease(s, deadline)
+			st.pushReady(s)
+			return
+		}
+		st.w.metrics.BadInput("send_req.duplicate")
+		st.w.log.Warn("kvxfer: SendReq for a request already held", "req", in.ReqID)
+		return
+	}
+	st.addSend(in, deadline, false)
+}
+
+// newPrefill holds a layer-wise request from its prefill step on, so its
+// layers can be written as they are saved.
+func (st *loopState) newPrefill(in *SendReq, step uint64) {
+	if !st.cfg.Layerwise || st.cfg.Mode != ModePush {
+		return
+	}
+	if st.sends[in.ReqID] != nil {
+		st.w.metrics.BadInput("prefill.duplicate")
+		return
+	}
+	st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
+	st.addSend(in, time.Time{}, true)
+}
+
+func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
+	s := &sendReq{req: *in, prefill: prefill}
+	if prefill {
+		s.saved = make([]bool, st.nLayers)
+	}
+	st.sends[in.ReqID] = s
+	if in.TransferID != "" {
+		if old := st.sendByTID[in.TransferID]; old != nil {
+			st.w.metrics.BadInput("send_req.transfer_id")
+			st.w.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
+		} else {
+			st.sendByTID[in.TransferID] = s
+		}
+	}
+	b := BaseRequestID(in.ReqID)
+	st.sendBase[b] = append(st.sendBase[b], s)
+	st.armLease(s, deadline)
+	if st.cfg.Mode == ModePush {
+		if k, ok := st.findReg(s); ok {
+			st.attach(s, st.regs[k])
+			st.dropReg(k)
+		}
+		st.pushReady(s)
+	}
+}
+
+// layerSaved posts one layer's WRITEs for the requests prefilled in step.
+func (st *loopState) layerSaved(step uint64, layer int) {
+	li := -1
+	for i := range st.layout.Regions {
+		if st.cfg.LayerOf(i) == layer {
+			li = st.regionLayer[i]
+			break
+		}
+	}
+	if li < 0 {
+		st.w.metrics.BadInput("layer_saved.layer")
+		st.w.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
+		return
+	}
+	ids := st.layerSteps[step]
+	all := true
+	for _, id := range ids {
+		s := st.sends[id]
+		if s == nil || !s.prefill {
+			continue
+		}
+		s.saved[li] = true
+		st.pushReady(s)
+		all = all && !slices.Contains(s.saved, false)
+	}
+	if all {
+		delete(st.layerSteps, step)
+	}
+}
+
+func (st *loopState) armLease(s *sendReq, deadline time.Time) {
+	if deadline.IsZero() {
+		deadline = time.Now().Add(st.cfg.Lease)
+	}
+	s.deadline = deadline
+	st.arm(deadline, tLease, s.req.ReqID)
+}
+
+// regMatches is the matching rule between a D registration and a P
+// request: the router's transfer id when either side has one; else P's id
+// named by D; else equal ids; else equal base ids (SPEC §7.7).
+func regMatches(g *regGroup, s *sendReq) bool {
+	if g.tid != "" || s.req.TransferID != "" {
+		return g.tid == s.req.TransferID
+	}
+	if g.preq != "" {
+		return g.preq == s.req.ReqID || BaseRequestID(g.preq) == BaseRequestID(s.req.ReqID)
+	}
+	return g.key.dreq == s.req.ReqID || BaseRequestID(g.key.dreq) == BaseRequestID(s.req.ReqID)
+}
+
+func (g *regGroup) base() string {
+	if g.preq != "" {
+		return BaseRequestID(g.preq)
+	}
+	return BaseRequestID(g.key.dreq)
+}
+
+// findReg finds the oldest unmatched registration for s.
+func (st *loopState) findReg(s *sendReq) (regKey, bool) {
+	var cands []regKey
+	if s.req.TransferID != "" {
+		cands = st.regByTID[s.req.TransferID]
+	} else {
+		cands = st.regByBase[BaseRequestID(s.req.ReqID)]
+	}
+	var best *regGroup
+	for _, k := range cands {
+		g := st.regs[k]
+		if g != nil && regMatches(g, s) && (best == nil || g.arrived.Before(best.arrived)) {
+			best = g
+		}
+	}
+	if best == nil {
+		return regKey{}, false
+	}
+	return best.key, true
+}
+
+// findSend finds the unmatched P request for a registration.
+func (st *loopState) findSend(g *regGroup) *sendReq {
+	if g.tid != "" {
+		if s := st.sendByTID[g.tid]; s != nil && s.match == nil && !s.done {
+			return s
+		}
+		return nil
+	}
+	if g.preq != "" {
+		if s := st.sends[g.preq]; s != nil && s.match == nil && !s.done {
+			return s
+		}
+	} else if s := st.sends[g.key.dreq]; s != nil && s.match == nil && !s.done {
+		return s
+	}
+	for _, s := range st.sendBase[g.base()] {
+		if s.match == nil && !s.done && regMatches(g, s) {
+			return s
+		}
+	}
+	return nil
+}
+
+func (st *loopState) dropReg(k regKey) {
+	g := st.regs[k]
+	if g == nil {
+		return
+	}
+	delete(st.regs, k)
+	if g.tid != "" {
+		st.regByTID[g.tid] = slices.DeleteFunc(st.regByTID[g.tid], func(x regKey) bool { return x == k })
+		if len(st.regByTID[g.tid]) == 0 {
+			delete(st.regByTID, g.tid)
+		}
+	}
+	b := g.base()
+	st.regByBase[b] = slices.DeleteFunc(st.regByBase[b], func(x regKey) bool { return x == k })
+	if len(st.regByBase[b]) == 0 {
+		delete(st.regByBase, b)
+	}
+}
+
+// onReg handles a D rank's registration (push).
+func (st *loopState) onReg(m *msg) {
+	if st.cfg.Mode != ModePush {
+		st.w.metrics.Dropped("reg_in_pull")
+		return
+	}
+	k := regKey{engine: m.Engine, dreq: m.DReq}
+	if m.DReq == "" {
+		st.w.metrics.Dropped("reg_without_request")
+		return
+	}
+	if _, dead := st.tombs[k]; dead {
+		st.w.metrics.Dropped("reg_after_finish")
+		return
+	}
+	if s := st.matched[k]; s != nil {
+		st.addRank(s, m)
+		st.pushReady(s)
+		return
+	}
+	g := st.regs[k]
+	if g == nil {
+		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: time.Now()}
+		if s := st.findSend(g); s != nil {
+			st.attach(s, g)
+			st.addRank(s, m)
+			st.pushReady(s)
+			return
+		}
+		st.regs[k] = g
+		if g.tid != "" {
+			st.regByTID[g.tid] = append(st.regByTID[g.tid], k)
+		}
+		st.regByBase[g.base()] = append(st.regByBase[g.base()], k)
+	}
+	if g.dTP != m.TPSize {
+		st.w.metrics.BadInput("reg.tp_size")
+		return
+	}
+	if _, dup := g.ranks[m.TPRank]; dup {
+		st.w.metrics.Dropped("reg_duplicate")
+		return
+	}
+	g.ranks[m.TPRank] = m
+}
+
+// attach matches a P request with a D request's registrations.
+func (st *loopState) attach(s *sendReq, g *regGroup) {
+	s.match = g
+	st.matched[g.key] = s
+	s.ranks = map[int]*dRank{}
+	var err error
+	s.expect, err = topology.TargetRanks(nil, st.layout.TPSize, g.dTP, st.layout.TPRank)
+	if err != nil {
+		// A D TP size we cannot connect to: fail every rank that
+		// registered, and the request.
+		for tp, m := range g.ranks {
+			s.ranks[tp] = &dRank{state: rkFailed, reg: m, reason: err.Error()}
+		}
+		s.expect = nil
+		for tp := range g.ranks {
+			s.expect = append(s.expect, tp)
+		}
+		slices.Sort(s.expect)
+		st.ensureEngine(g.key.engine, g.addr)
+		for tp := range g.ranks {
+			st.tellD(s, tp, &msg{Kind: msgFail, Reason: err.Error()})
+		}
+		st.settleSend(s)
+		return
+	}
+	for _, tp := range s.expect {
+		s.ranks[tp] = &dRank{}
+	}
+	for _, m := range g.ranks {
+		st.addRank(s, m)
+	}
+	g.ranks = nil
+}
+
+// addRank records one D rank's registration on a matched request.
+func (st *loopState) addRank(s *sendReq, m *msg) {
+	r := s.ranks[m.TPRank]
+	switch {
+	case r == nil:
+		st.w.metrics.BadInput("reg.tp_rank")
+		st.w.log.Warn("kvxfer: registration from a D rank this rank does not serve", "req", s.req.ReqID, "d_tp_rank", m.TPRank)
+	case m.TPSize != s.match.dTP:
+		st.w.metrics.BadInput("reg.tp_size")
+	case r.state != rkWaiting:
+		st.w.metrics.Dropped("reg_duplicate")
+	case len(m.Spans) == 0:
+		r.state, r.reg = rkReleased, m
+	default:
+		r.state, r.reg = rkReady, m
+	}
+}
+
+// tellD sends a message about a matched request to one of its D ranks,
+// queueing it until the handshake with D is ready.
+func (st *loopState) tellD(s *sendReq, tp int, m *msg) {
+	m.TransferID, m.DReq, m.PReq = s.match.tid, s.match.key.dreq, s.req.ReqID
+	e := st.ensureEngine(s.match.key.engine, s.match.addr)
+	to := rankRef{tp: tp}
+	if e.state == hsReady {
+		if p, ok := e.peers[to]; ok {
+			_ = st.notify(p, m)
+		}
+		return
+	}
+	e.outbox = append(e.outbox, outMsg{to: to, m: m})
+}
+
+// pushReady posts what a matched request can post now.
+func (st *loopState) pushReady(s *sendReq) {
+	if s.match == nil || s.done {
+		return
+	}
+	if s.expired || s.aborted {
+		st.settleSend(s)
+		return
+	}
+	if st.wantsPost(s) {
+		e := st.ensureEngine(s.match.key.engine, s.match.addr)
+		switch e.state {
+		case hsPending:
+			return
+		case hsFailed:
+			for _, tp := range s.expect {
+				if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 {
+					st.failRank(s, tp, r, "handshake with consumer failed: "+e.err.Error())
+				}
+			}
+		case hsReady:
+			e.lastActive = time.Now()
+			for _, tp := range s.expect {
+				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted {
+					st.postWrite(s, e, tp, r)
+				}
+			}
+		}
+	}
+	st.settleSend(s)
+}
+
+// wantsPost reports whether some ready rank has something to post.
+func (st *loopState) wantsPost(s *sendReq) bool {
+	for _, r := range s.ranks {
+		if r.state != rkReady && r.state != rkPosted {
+			continue
+		}
+		if !st.cfg.Layerwise {
+			if r.state == rkReady {
+				return true
+			}
+			continue
+		}
+		for li, saved := range s.layersSaved() {
+			if saved && (r.posted == nil || !r.posted[li]) {
+				return true
+			}
+		}
+		if r.inflight == 0 && !s.prefill {
+			return true // every layer posted and landed: send the notice
+		}
+	}
+	return false
+}
+
+// layersSaved returns which layers are saved (all once finished).
+func (s *sendReq) layersSaved() []bool { return s.saved }
+
+// postWrite builds and posts the WRITEs into one D rank: everything at
+// once, or, layer-wise, the saved layers not posted yet, with the
+// completion notice sent once the last layer landed.
+func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
+	peer, ok := e.peers[rankRef{tp: tp}]
+	if !ok {
+		st.failRank(s, tp, r, fmt.Sprintf("consumer engine %s has no rank tp %d", e.id, tp))
+		return
+	}
+	p, err := st.plan(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp)
+	if err != nil {
+		st.failRank(s, tp, r, err.Error())
+		return
+	}
+	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
+	layerwise := st.cfg.Layerwise && s.saved != nil
+	if layerwise && r.posted == nil {
+		r.posted = make([]bool, st.nLayers)
+	}
+	// Which layers go now.
+	mask := st.layerMask
+	any := false
+	for li := range mask {
+		mask[li] = !layerwise || (s.saved[li] && !r.posted[li])
+		any = any || mask[li]
+	}
+	if p.NotifyOnly || !any {
+		if layerwise && (s.prefill || r.inflight > 0 || slices.Contains(r.posted, false) && !p.NotifyOnly) {
+			return // more layers to come, or still landing
+		}
+		if err := st.w.be.Notify(peer, done); err != nil {
+			st.w.metrics.FailedNotification()
+			st.failRank(s, tp, r, "completion notice: "+err.Error())
+			return
+		}
+		r.state = rkDone
+		return
+	}
+	t0 := time.Now()
+	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
+	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &req)
+	if err != nil {
+		st.w.metrics.BadInput("reg.spans")
+		st.failRank(s, tp, r, "registration rejected: "+err.Error())
+		return
+	}
+	descs := st.descBuf
+	notif := done
+	if layerwise {
+		notif = nil // the notice follows the last layer, bare
+		kept := descs[:0]
+		for _, d := range descs {
+			if mask[st.layerIndexOf(d.Local)] {
+				kept = append(kept, d)
+			}
+		}
+		descs = kept
+		for li := range mask {
+			r.posted[li] = r.posted[li] || mask[li]
+		}
+		if len(descs) == 0 {
+			r.state = rkPosted
+			st.pushLayerDone(s, tp, r)
+			return
+		}
+	}
+	id, err := st.w.be.Post(hotpath.OpWrite, peer, descs, notif)
+	if err != nil {
+		st.w.metrics.FailedTransfer()
+		st.failRank(s, tp, r, "post WRITE: "+err.Error())
+		return
+	}
+	r.state = rkPosted
+	r.inflight++
+	st.handles[id] = &handle{id: id, posted: t0, bytes: descBytes(descs), descs: len(descs),
+		blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+}
+
+// pushLayerDone sends a layer-wise rank's completion notice once every
+// layer was posted and landed.
+func (st *loopState) pushLayerDone(s *sendReq, tp int, r *dRank) {
+	if r.inflight > 0 || s.prefill || slices.Contains(r.posted, false) {
+		return
+	}
+	e := st.engines[s.match.key.engine]
+	if e == nil || e.state != hsReady {
+		return
+	}
+	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
+	if err := st.w.be.Notify(e.peers[rankRef{tp: tp}], done); err != nil {
+		st.w.metrics.FailedNotification()
+		st.failRank(s, tp, r, "completion notice: "+err.Error())
+		return
+	}
+	r.state = rkDone
+}
+
+func descBytes(d []hotpath.Desc) int64 {
+	var n int64
+	for i := range d {
+		n += int64(d[i].Len)
+	}
+	return n
+}
+
+func spanBlocks(spans []topology.Span) int {
+	n := 0
+	for _, s := range spans {
+		n += len(s.IDs)
+	}
+	return n
+}
+
+// failRank fails one D rank and tells D at once — once nothing of ours
+// is in flight into it (until then the reason waits).
+func (st *loopState) failRank(s *sendReq, tp int, r *dRank, reason string) {
+	if r.reason == "" {
+		r.reason = reason
+	}
+	if r.inflight > 0 {
+		return
+	}
+	r.state = rkFailed
+	st.w.log.Warn("kvxfer: push to consumer rank failed", "req", s.req.ReqID, "d_tp_rank", tp, "reason", r.reason)
+	st.tellD(s, tp, &msg{Kind: msgFail, Reason: r.reason})
+}
+
+// sendSettled handles the end of one of a producer's WRITEs.
+func (st *loopState) sendSettled(h *handle, ok bool, err error) {
+	s := st.sends[h.send]
+	if s == nil || s.ranks == nil {
+		return
+	}
+	r := s.ranks[h.dtp]
+	if r == nil || r.inflight == 0 {
+		return
+	}
+	r.inflight--
+	if !ok && r.reason == "" {
+		r.reason = "WRITE failed: " + err.Error()
+	}
+	if r.inflight > 0 {
+		return
+	}
+	switch {
+	case r.reason != "":
+		r.state = rkFailed
+		st.failRank(s, h.dtp, r, r.reason)
+	case st.cfg.Layerwise && r.posted != nil:
+		st.pushLayerDone(s, h.dtp, r)
+		if r.state == rkPosted && !s.expired && !s.aborted {
+			st.pushReady(s) // layers saved meanwhile
+		}
+	default:
+		r.state = rkDone
+	}
+	if r.ackOwed && r.inflight == 0 {
+		r.ackOwed = false
+		if r.state == rkPosted {
+			r.state, r.reason = rkCancelled, "consumer cancelled"
+		}
+		st.tellD(s, h.dtp, &msg{Kind: msgAck})
+	}
+	st.settleSend(s)
+}
+
+// settleSend reports a producer request once its outcome is decided and
+// nothing of it is in flight (fencing: a WRITE in flight still reads our
+// blocks, so an expired lease waits for it).
+func (st *loopState) settleSend(s *sendReq) {
+	if s.done || st.cfg.Mode == ModePull {
+		return
+	}
+	if s.match == nil && !s.expired && !s.aborted {
+		return
+	}
+	anyFailed, allSettled := false, true
+	for _, tp := range s.expect {
+		r := s.ranks[tp]
+		if r.inflight > 0 {
+			return // fencing: a WRITE still reads our blocks
+		}
+		if r.state == rkPosted && !s.expired && !s.aborted {
+			return // layer-wise: more layers to come
+		}
+		anyFailed = anyFailed || r.state == rkFailed || r.state == rkCancelled
+		allSettled = allSettled && r.state.settled()
+	}
+	if !allSettled && !anyFailed && !s.expired && !s.aborted {
+		return
+	}
+	o := Outcome{ReqID: s.req.ReqID, Result: ResultDone}
+	why := "producer lease expired"
+	switch {
+	case s.aborted:
+		why = "producer aborted"
+	case !s.expired:
+		why = "another consumer rank failed"
+	}
+	for _, tp := range s.expect {
+		r := s.ranks[tp]
+		switch r.state {
+		case rkFailed:
+			if o.Result == ResultDone {
+				o.Result, o.Reason = ResultFailed, fmt.Sprintf("consumer rank %d: %s", tp, r.reason)
+			}
+		case rkCancelled:
+			if o.Result == ResultDone {
+				o.Result, o.Reason = ResultFailed, fmt.Sprintf("consumer rank %d cancelled: %s", tp, r.reason)
+			}
+		case rkWaiting, rkReady, rkPosted:
+			// Never (fully) posted, and never will be: tell the D rank now.
+			r.state, r.reason = rkFailed, why
+			st.tellD(s, tp, &msg{Kind: msgFail, Reason: why})
+		}
+	}
+	switch {
+	case s.aborted:
+		o.Result, o.Reason = ResultAborted, why
+	case s.expired && !allSettledOK(s):
+		o.Result, o.Reason = ResultExpired, why
+		st.w.metrics.ExpiredRequest()
+	}
+	s.done = true
+	st.report(RoleProducer, o)
+	st.forgetSend(s)
+}
+
+func allSettledOK(s *sendReq) bool {
+	if s.match == nil {
+		return false
+	}
+	for _, tp := range s.expect {
+		if st := s.ranks[tp].state; st != rkDone && st != rkReleased {
+			return false
+		}
+	}
+	return true
+}
+
+// forgetSend drops every trace of a finished producer request, keeping a
+// tombstone for its D request so late duplicates are dropped.
+func (st *loopState) forgetSend(s *sendReq) {
+	delete(st.sends, s.req.ReqID)
+	if s.req.TransferID != "" && st.sendByTID[s.req.TransferID] == s {
+		delete(st.sendByTID, s.req.TransferID)
+	}
+	b := BaseRequestID(s.req.ReqID)
+	st.sendBase[b] = slices.DeleteFunc(st.sendBase[b], func(x *sendReq) bool { return x == s })
+	if len(st.sendBase[b]) == 0 {
+		delete(st.sendBase, b)
+	}
+	if s.match != nil {
+		delete(st.matched, s.match.key)
+		st.tombs[s.match.key] = time.Now()
+	}
+	for _, r := range s.ranks {
+		if r.inflight != 0 {
+			panic("kvxfer: forgetSend with a WRITE in flight")
+		}
+	}
+}
+
+// leaseTimer expires a producer request whose lease ran out.
+func (st *loopState) leaseTimer(e timerEntry) {
+	s := st.sends[e.id]
+	if s == nil || s.done || !s.deadline.Equal(e.at) {
+		return // stale entry: finished or extended
+	}
+	s.expired = true
+	st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	if st.cfg.Mode == ModePull {
+		st.settlePull(s)
+		return
+	}
+	st.settleSend(s)
+}
+
+// onHeartbeat extends the leases a consumer still wants (SPEC §9), by the
+// max of the old deadline and now + Lease·2/3.
+func (st *loopState) onHeartbeat(m *msg) {
+	ext := time.Now().Add(st.cfg.Lease * 2 / 3)
+	for i := 0; i+2 < len(m.IDs); i += 3 {
+		tid, preq, dreq := m.IDs[i], m.IDs[i+1], m.IDs[i+2]
+		var s *sendReq
+		switch {
+		case tid != "":
+			s = st.sendByTID[tid]
+		case preq != "":
+			s = st.sends[preq]
+		}
+		if s == nil && dreq != "" {
+			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
+		}
+		if s == nil || s.done || s.expired || !ext.After(s.deadline) {
+			continue
+		}
+		s.deadline = ext
+		st.arm(ext, tLease, s.req.ReqID)
+	}
+	// Heartbeats also keep unmatched registrations of that engine alive.
+}
+
+// onCancel: a D rank gives up on a request (push).
+func (st *loopState) onCancel(m *msg) {
+	k := regKey{engine: m.Engine, dreq: m.DReq}
+	s := st.matched[k]
+	if s == nil {
+		// Unmatched or unknown: nothing of ours can be in flight. Drop
+		// its registration, remember it, and confirm.
+		st.dropReg(k)
+		st.tombs[k] = time.Now()
+		e := st.ensureEngine(m.Engine, m.Addr)
+		ack := &msg{Kind: msgAck, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq}
+		if e.state == hsReady {
+			if p, ok := e.peers[rankRef{tp: m.TPRank}]; ok {
+				_ = st.notify(p, ack)
+			}
+		} else {
+			e.outbox = append(e.outbox, outMsg{to: rankRef{tp: m.TPRank}, m: ack})
+		}
+		return
+	}
+	r := s.ranks[m.TPRank]
+	if r == nil {
+		st.w.metrics.BadInput("cancel.tp_rank")
+		return
+	}
+	if r.inflight > 0 {
+		r.ackOwed = true // answered when the WRITEs end
+		return
+	}
+	switch r.state {
+	case rkWaiting, rkReady, rkPosted:
+		r.state, r.reason = rkCancelled, m.Reason
+	}
+	st.tellD(s, m.TPRank, &msg{Kind: msgAck})
+	st.settleSend(s)
+}
+
+// producerAborted handles a producer request the engine aborted after it
+// was scheduled: nothing will be sent, so matched consumers are told.
+func (st *loopState) producerAborted(id string) {
+	if s := st.sends[id]; s != nil {
+		s.aborted = true
+		if st.cfg.Mode == ModePull {
+			st.settlePull(s)
+		} else {
+			st.settleSend(s)
+		}
+		return
+	}
+	if st.cfg.Mode != ModePush {
+		return
+	}
+	probe := &sendReq{req: SendReq{ReqID: id}}
+	if k, ok := st.findReg(probe); ok {
+		g := st.regs[k]
+		st.dropReg(k)
+		st.tombs[k] = time.Now()
+		e := st.ensureEngine(k.engine, g.addr)
+		for tp := range g.ranks {
+			m := &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: id, Reason: "producer aborted the request"}
+			if e.state == hsReady {
+				if p, ok := e.peers[rankRef{tp: tp}]; ok {
+					_ = st.notify(p, m)
+				}
+			} else {
+				e.outbox = append(e.outbox, outMsg{to: rankRef{tp: tp}, m: m})
+			}
+		}
+	}
+}
+
+// Pull producer: D ranks report with msgDone (or msgFail) after reading.
+
+func (st *loopState) onPullDone(m *msg, failReason string) {
+	var s *sendReq
+	if m.TransferID != "" {
+		s = st.sendByTID[m.TransferID]
+	}
+	if s == nil && m.PReq != "" {
+		s = st.sends[m.PReq]
+	}
+	if s == nil {
+		st.w.metrics.Dropped("done_unknown_request")
+		st.w.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "p_req", m.PReq, "from", m.Engine)
+		return
+	}
+	if s.pullSeen == nil {
+		s.pullSeen = map[int]bool{}
+		s.pullTP = m.TPSize
+	}
+	if m.TPSize != s.pullTP {
+		st.w.metrics.BadInput("done.tp_size")
+		return
+	}
+	if s.pullSeen[m.TPRank] {
+		st.w.metrics.Dropped("done_duplicate")
+		return
+	}
+	s.pullSeen[m.TPRank] = true
+	if failReason != "" && s.pullFail == "" {
+		s.pullFail = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason)
+	}
+	st.settlePull(s)
+}
+
+func (st *loopState) settlePull(s *sendReq) {
+	if s.done {
+		return
+	}
+	o := Outcome{ReqID: s.req.ReqID}
+	switch {
+	case s.aborted:
+		o.Result, o.Reason = ResultAborted, "producer aborted"
+	case s.pullSeen != nil && len(s.pullSeen) >= st.pullExpect(s):
+		o.Result = ResultDone
+		if s.pullFail != "" {
+			o.Result, o.Reason = ResultFailed, s.pullFail
+		}
+	case s.expired:
+		o.Result, o.Reason = ResultExpired, "lease expired"
+		st.w.metrics.ExpiredRequest()
+	default:
+		return
+	}
+	s.done = true
+	st.report(RoleProducer, o)
+	st.forgetSend(s)
+}
+
+func (st *loopState) pullExpect(s *sendReq) int {
+	t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, s.pullTP, st.layout.TPRank)
+	if err != nil {
+		return 1
+	}
+	st.rankBuf = t
+	return len(t)
+}

@@ -1,0 +1,267 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Peer messages travel as backend notifications between the workers of two
+// engines. They are small, versioned and strictly decoded: a peer's bytes
+// are input, and a malformed message is an error naming the field, never a
+// panic.
+//
+// Layout: magic 'K', version, kind, then the fields of msg in order:
+// strings as uvarint length + bytes, integers as varints, spans as a group
+// count, then per group the start token, the id count and the ids as
+// zig-zag deltas from the previous id.
+
+const (
+	wireMagic   = 'K'
+	wireVersion = 1
+
+	// Caps on what a peer may make us allocate.
+	maxWireString = 1 << 10
+	maxWireIDs    = 1 << 16
+	maxWireGroups = 64
+	maxWireBlocks = 1 << 22
+)
+
+// msgKind is the kind of a peer message.
+type msgKind uint8
+
+const (
+	// msgReg (push, D→P): D rank registers its blocks for a request.
+	// An empty Spans list means D needs nothing (full prefix hit or an
+	// abort before schedule): P frees its blocks for this D rank at once.
+	msgReg msgKind = iota + 1
+	// msgDone: a transfer's bytes landed. Push P→D rides on the WRITE;
+	// pull D→P rides on the READ (or is sent bare when nothing moves).
+	msgDone
+	// msgHeartbeat (D→P): D still wants the requests named in IDs;
+	// P extends their leases.
+	msgHeartbeat
+	// msgCancel (push, D→P): D gives up on a request; P must not WRITE
+	// into its blocks and answers msgAck once nothing can land.
+	msgCancel
+	// msgAck (push, P→D): no WRITE from the sender into the request's
+	// blocks is or will be in flight.
+	msgAck
+	// msgFail: the sender cannot complete the transfer and has nothing in
+	// flight for it; Reason says why. The receiver fails the request at
+	// once instead of waiting for a timeout.
+	msgFail
+)
+
+func (k msgKind) String() string {
+	switch k {
+	case msgReg:
+		return "reg"
+	case msgDone:
+		return "done"
+	case msgHeartbeat:
+		return "heartbeat"
+	case msgCancel:
+		return "cancel"
+	case msgAck:
+		return "ack"
+	case msgFail:
+		return "fail"
+	}
+	return fmt.Sprintf("msgKind(%d)", uint8(k))
+}
+
+// msg is one peer message. Which fields are set depends on Kind.
+type msg struct {
+	Kind msgKind
+	// Engine, TPRank, TPSize, PPRank and PPSize describe the sender.
+	Engine, Addr   string
+	TPRank, TPSize int
+	PPRank, PPSize int
+	// TransferID, DReq and PReq name the request: the router's transfer
+	// id, and its ids on D and on P (any may be empty when unknown).
+	TransferID, DReq, PReq string
+	// Spans are D's block lists (msgReg).
+	Spans []topology.Span
+	// IDs are the requests a heartbeat names (P ids, or transfer ids).
+	IDs    []string
+	Reason string
+}
+
+var errWire = errors.New("kvxfer: malformed peer message")
+
+func appendStr(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+// appendMsg encodes m onto b.
+func appendMsg(b []byte, m *msg) []byte {
+	b = append(b, wireMagic, wireVersion, byte(m.Kind))
+	b = appendStr(b, m.Engine)
+	b = appendStr(b, m.Addr)
+	for _, v := range [...]int{m.TPRank, m.TPSize, m.PPRank, m.PPSize} {
+		b = binary.AppendVarint(b, int64(v))
+	}
+	b = appendStr(b, m.TransferID)
+	b = appendStr(b, m.DReq)
+	b = appendStr(b, m.PReq)
+	b = binary.AppendUvarint(b, uint64(len(m.Spans)))
+	for _, s := range m.Spans {
+		b = binary.AppendVarint(b, int64(s.Start))
+		b = binary.AppendUvarint(b, uint64(len(s.IDs)))
+		prev := int64(0)
+		for _, id := range s.IDs {
+			b = binary.AppendVarint(b, int64(id)-prev)
+			prev = int64(id)
+		}
+	}
+	b = binary.AppendUvarint(b, uint64(len(m.IDs)))
+	for _, id := range m.IDs {
+		b = appendStr(b, id)
+	}
+	return appendStr(b, m.Reason)
+}
+
+// reader decodes fields, remembering the first error.
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) fail(field string, format string, args ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf("%w: field %s: %s", errWire, field, fmt.Sprintf(format, args...))
+	}
+}
+
+func (r *reader) uvarint(field string) uint64 {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(r.b)
+	if n <= 0 {
+		r.fail(field, "bad uvarint")
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) varint(field string) int64 {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Varint(r.b)
+	if n <= 0 {
+		r.fail(field, "bad varint")
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+// integer reads a varint that must fit in [lo, hi].
+func (r *reader) integer(field string, lo, hi int64) int {
+	v := r.varint(field)
+	if r.err == nil && (v < lo || v > hi) {
+		r.fail(field, "%d out of range [%d, %d]", v, lo, hi)
+		return 0
+	}
+	return int(v)
+}
+
+func (r *reader) str(field string) string {
+	n := r.uvarint(field)
+	if r.err != nil {
+		return ""
+	}
+	if n > maxWireString || n > uint64(len(r.b)) {
+		r.fail(field, "length %d exceeds %d or the %d bytes left", n, maxWireString, len(r.b))
+		return ""
+	}
+	s := string(r.b[:n])
+	r.b = r.b[n:]
+	return s
+}
+
+// decodeMsg decodes one peer message. Every error wraps errWire and names
+// the field.
+func decodeMsg(b []byte) (*msg, error) {
+	if len(b) < 3 {
+		return nil, fmt.Errorf("%w: %d bytes, want at least 3", errWire, len(b))
+	}
+	if b[0] != wireMagic {
+		return nil, fmt.Errorf("%w: field magic: %#x, want %#x", errWire, b[0], wireMagic)
+	}
+	if b[1] != wireVersion {
+		return nil, fmt.Errorf("%w: field version: %d, want %d", errWire, b[1], wireVersion)
+	}
+	m := &msg{Kind: msgKind(b[2])}
+	if m.Kind < msgReg || m.Kind > msgFail {
+		return nil, fmt.Errorf("%w: field kind: %d unknown", errWire, b[2])
+	}
+	r := &reader{b: b[3:]}
+	m.Engine = r.str("engine")
+	m.Addr = r.str("addr")
+	m.TPRank = r.integer("tp_rank", 0, 1<<16)
+	m.TPSize = r.integer("tp_size", 1, 1<<16)
+	m.PPRank = r.integer("pp_rank", 0, 1<<16)
+	m.PPSize = r.integer("pp_size", 1, 1<<16)
+	if r.err == nil && (m.TPRank >= m.TPSize || m.PPRank >= m.PPSize) {
+		return nil, fmt.Errorf("%w: field tp_rank/pp_rank: %d/%d outside sizes %d/%d", errWire, m.TPRank, m.PPRank, m.TPSize, m.PPSize)
+	}
+	m.TransferID = r.str("transfer_id")
+	m.DReq = r.str("d_req")
+	m.PReq = r.str("p_req")
+	ng := r.uvarint("spans")
+	if r.err == nil && ng > maxWireGroups {
+		r.fail("spans", "%d groups exceed %d", ng, maxWireGroups)
+	}
+	total := 0
+	for g := uint64(0); r.err == nil && g < ng; g++ {
+		start := r.integer("spans.start", 0, math.MaxInt32)
+		n := r.uvarint("spans.ids")
+		if r.err == nil && (n > maxWireBlocks || total+int(n) > maxWireBlocks || n > uint64(len(r.b))) {
+			r.fail("spans.ids", "%d ids exceed the cap %d or the %d bytes left", n, maxWireBlocks, len(r.b))
+		}
+		if r.err != nil {
+			break
+		}
+		total += int(n)
+		ids := make([]topology.BlockID, n)
+		prev := int64(0)
+		for i := range ids {
+			v := prev + r.varint("spans.ids")
+			if r.err == nil && (v < 0 || v > math.MaxInt32) {
+				r.fail("spans.ids", "id %d out of range", v)
+			}
+			ids[i] = topology.BlockID(v)
+			prev = v
+		}
+		m.Spans = append(m.Spans, topology.Span{Start: start, IDs: ids})
+	}
+	nid := r.uvarint("ids")
+	if r.err == nil && (nid > maxWireIDs || nid > uint64(len(r.b))) {
+		r.fail("ids", "%d ids exceed %d or the %d bytes left", nid, maxWireIDs, len(r.b))
+	}
+	for i := uint64(0); r.err == nil && i < nid; i++ {
+		m.IDs = append(m.IDs, r.str("ids"))
+	}
+	m.Reason = r.str("reason")
+	if r.err != nil {
+		return nil, r.err
+	}
+	if len(r.b) != 0 {
+		return nil, fmt.Errorf("%w: %d trailing bytes", errWire, len(r.b))
+	}
+	if m.Engine == "" {
+		return nil, fmt.Errorf("%w: field engine: empty", errWire)
+	}
+	return m, nil
+}

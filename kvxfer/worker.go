@@ -1,0 +1,527 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// WorkerConfig configures a Worker. Zero fields mean the documented
+// defaults.
+type WorkerConfig struct {
+	// EngineID names this engine (required); Addr is how peers reach it.
+	EngineID, Addr string
+	// Mode is push or pull (required).
+	Mode Mode
+	// Layout is this rank's KV cache (required; validated).
+	Layout topology.Layout
+	// Backend moves the bytes (required). The Worker registers the
+	// layout's regions with it and deregisters them on Close; it does not
+	// close the Backend.
+	Backend Backend
+	// Resolver performs handshakes with peer engines (required).
+	Resolver Resolver
+	// CompatHash is this engine's compatibility hash (SPEC §2). A peer
+	// whose hash differs is refused unless SkipCompatCheck.
+	CompatHash      string
+	SkipCompatCheck bool
+	// Lease is the producer lease the consumer's heartbeats keep alive
+	// (default 30 s): heartbeats go every Lease/6 and extend a lease to
+	// now + Lease·2/3.
+	Lease time.Duration
+	// RegistrationTTL bounds how long a producer keeps a registration it
+	// could not match yet, and how long it remembers finished matches to
+	// drop late duplicates (default 480 s).
+	RegistrationTTL time.Duration
+	// EngineTTL evicts a peer engine's handshake after this long without
+	// activity (default 1 h; negative disables).
+	EngineTTL time.Duration
+	// HandshakeTimeout bounds one handshake (default 5 s).
+	HandshakeTimeout time.Duration
+	// FenceTimeout bounds how long a consumer that gave up on a request
+	// waits for every producer rank to confirm that no WRITE into its
+	// blocks can still land (default 2·Lease). Cancels are resent every
+	// heartbeat interval meanwhile.
+	FenceTimeout time.Duration
+	// PollInterval is how often in-flight transfers are polled while any
+	// exist (default 1 ms). Nothing is polled while idle.
+	PollInterval time.Duration
+	// MaxRunBytes caps the bytes of one coalesced descriptor (0: none).
+	MaxRunBytes int64
+	// Layerwise makes a push producer WRITE each layer as the engine
+	// reports it saved (LayerSaved) instead of all at once.
+	Layerwise bool
+	// LayerOf maps a region index of Layout to its layer for layer-wise
+	// push (default: RegionOffset + index, halved for SeparateKV).
+	LayerOf func(region int) int
+	// Metrics receives the worker's statistics (default: a new one).
+	Metrics *Metrics
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c *WorkerConfig) fill() error {
+	if c.EngineID == "" {
+		return errors.New("kvxfer: WorkerConfig.EngineID is empty")
+	}
+	if c.Mode != ModePush && c.Mode != ModePull {
+		return fmt.Errorf("kvxfer: WorkerConfig.Mode = %d, want push or pull", c.Mode)
+	}
+	if c.Backend == nil {
+		return errors.New("kvxfer: WorkerConfig.Backend is nil")
+	}
+	if c.Resolver == nil {
+		return errors.New("kvxfer: WorkerConfig.Resolver is nil")
+	}
+	if err := c.Layout.Validate(); err != nil {
+		return fmt.Errorf("kvxfer: WorkerConfig.Layout: %w", err)
+	}
+	if c.Lease == 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.RegistrationTTL == 0 {
+		c.RegistrationTTL = 480 * time.Second
+	}
+	if c.EngineTTL == 0 {
+		c.EngineTTL = time.Hour
+	}
+	if c.HandshakeTimeout == 0 {
+		c.HandshakeTimeout = 5 * time.Second
+	}
+	if c.FenceTimeout == 0 {
+		c.FenceTimeout = 2 * c.Lease
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Millisecond
+	}
+	for name, d := range map[string]time.Duration{"Lease": c.Lease, "RegistrationTTL": c.RegistrationTTL,
+		"HandshakeTimeout": c.HandshakeTimeout, "FenceTimeout": c.FenceTimeout, "PollInterval": c.PollInterval} {
+		if d < 0 {
+			return fmt.Errorf("kvxfer: WorkerConfig.%s = %v, want > 0", name, d)
+		}
+	}
+	if c.Lease < 6*time.Millisecond {
+		return fmt.Errorf("kvxfer: WorkerConfig.Lease = %v, want at least 6ms", c.Lease)
+	}
+	if c.LayerOf == nil {
+		off, sep := c.Layout.RegionOffset, c.Layout.Packing == topology.SeparateKV
+		c.LayerOf = func(r int) int {
+			if sep {
+				return (off + r) / 2
+			}
+			return off + r
+		}
+	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Worker is the connector of one engine rank (SPEC §7-§10): it registers
+// the rank's KV memory, consumes per-step metadata, and runs one loop
+// goroutine that sends registrations, matches them with finished blocks,
+// handshakes with peers, posts WRITEs or READs, counts completion
+// notices, sends heartbeats, expires leases and reports exactly one
+// outcome per request.
+//
+// A Worker is safe for concurrent use. Its methods never block on
+// transfers: they hand work to the loop and return.
+type Worker struct {
+	cfg     WorkerConfig
+	be      Backend
+	log     *slog.Logger
+	metrics *Metrics
+	regions []MemRegion
+	// groupBlocks is the number of logical blocks of each group.
+	groupBlocks []int
+	registry    *hotpath.Registry
+	builder     *hotpath.Builder
+
+	wake    chan struct{} // 1-slot: new input for the loop
+	ready   chan struct{} // 1-slot: outcomes are waiting
+	ctx     context.Context
+	cancel  context.CancelFunc
+	stopped chan struct{}
+	hsWG    sync.WaitGroup
+
+	mu struct {
+		sync.Mutex
+		inbox  []event
+		out    Finished
+		closed bool
+	}
+	closeOnce sync.Once
+
+	// Everything below is owned by the loop goroutine.
+	st loopState
+}
+
+type eventKind uint8
+
+const (
+	evStep eventKind = iota + 1
+	evLayer
+	evHandshake
+	evInspect
+)
+
+type event struct {
+	kind  eventKind
+	meta  *StepMeta
+	step  uint64
+	layer int
+	hs    *hsResult
+	fn    func(*loopState)
+}
+
+type hsResult struct {
+	engine string
+	res    HandshakeResult
+	err    error
+	took   time.Duration
+}
+
+// NewWorker validates cfg, registers the layout's regions with the
+// backend and starts the worker's loop. Close stops it.
+func NewWorker(cfg WorkerConfig) (*Worker, error) {
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	b, err := hotpath.NewBuilder(hotpath.Options{Op: opFor(cfg.Mode), MaxRunBytes: cfg.MaxRunBytes})
+	if err != nil {
+		return nil, err
+	}
+	w := &Worker{cfg: cfg, be: cfg.Backend, log: cfg.Logger, metrics: cfg.Metrics,
+		registry: hotpath.NewRegistry(), builder: b,
+		wake: make(chan struct{}, 1), ready: make(chan struct{}, 1), stopped: make(chan struct{})}
+	l := &cfg.Layout
+	for i, r := range l.Regions {
+		w.regions = append(w.regions, MemRegion{Addr: r.Base, Len: uint64(r.BlockLen) * uint64(r.NumBlocks), Dev: r.DeviceID, Kind: memKindOf(r)})
+		_ = i
+	}
+	for _, g := range l.GroupList() {
+		n := -1
+		for _, ri := range g.Regions {
+			r := l.Regions[ri]
+			blocks := r.NumBlocks
+			if r.Kind != topology.KindMamba {
+				blocks /= l.PagesPerBlock()
+			}
+			if n < 0 || blocks < n {
+				n = blocks
+			}
+		}
+		w.groupBlocks = append(w.groupBlocks, n)
+	}
+	if err := w.be.Register(w.regions); err != nil {
+		return nil, fmt.Errorf("kvxfer: register %d regions: %w", len(w.regions), err)
+	}
+	w.ctx, w.cancel = context.WithCancel(context.Background())
+	w.st.init(w)
+	go w.run()
+	return w, nil
+}
+
+func memKindOf(r topology.Region) MemKind {
+	if r.DeviceID > 0 {
+		return MemVRAM
+	}
+	return MemDRAM
+}
+
+func opFor(m Mode) hotpath.Op {
+	if m == ModePull {
+		return hotpath.OpRead
+	}
+	return hotpath.OpWrite
+}
+
+// Step hands the loop one step's metadata. The Worker takes ownership of
+// meta. Malformed entries are rejected with an error naming the request
+// and field, counted, and skipped; the rest of the step proceeds.
+func (w *Worker) Step(meta *StepMeta) error {
+	if meta == nil {
+		return nil
+	}
+	err := w.validate(meta)
+	return errors.Join(err, w.post(event{kind: evStep, meta: meta}))
+}
+
+// LayerSaved tells a layer-wise push producer that layer of the given step
+// is in memory: the WRITEs of that layer for the step's finished requests
+// go out at once.
+func (w *Worker) LayerSaved(step uint64, layer int) error {
+	return w.post(event{kind: evLayer, step: step, layer: layer})
+}
+
+func (w *Worker) post(e event) error {
+	w.mu.Lock()
+	if w.mu.closed {
+		w.mu.Unlock()
+		return ErrClosed
+	}
+	w.mu.inbox = append(w.mu.inbox, e)
+	w.mu.Unlock()
+	w.signal()
+	return nil
+}
+
+func (w *Worker) signal() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Finished drains the outcomes reported since the last call (SPEC §1
+// get_finished). Each request appears once per side, ever.
+func (w *Worker) Finished() Finished {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	f := w.mu.out
+	w.mu.out = Finished{}
+	return f
+}
+
+// Ready receives a value (coalesced) when outcomes are waiting for
+// Finished.
+func (w *Worker) Ready() <-chan struct{} { return w.ready }
+
+// Metrics returns the worker's statistics recorder.
+func (w *Worker) Metrics() *Metrics { return w.metrics }
+
+// Close stops the loop, abandons in-flight transfers (failing their
+// requests), deregisters the regions and returns once every goroutine the
+// Worker started has exited. It is idempotent.
+func (w *Worker) Close() error {
+	var err error
+	w.closeOnce.Do(func() {
+		w.mu.Lock()
+		w.mu.closed = true
+		w.mu.Unlock()
+		w.cancel()
+		<-w.stopped
+		w.hsWG.Wait()
+		err = w.be.Deregister(w.regions)
+		if errors.Is(err, ErrClosed) {
+			err = nil
+		}
+	})
+	return err
+}
+
+// run is the loop goroutine.
+func (w *Worker) run() {
+	defer close(w.stopped)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	st := &w.st
+	for {
+		w.mu.Lock()
+		inbox := w.mu.inbox
+		w.mu.inbox = nil
+		w.mu.Unlock()
+		for i := range inbox {
+			st.handle(&inbox[i])
+		}
+		st.drainNotifs()
+		st.pollHandles()
+		st.runTimers()
+		st.flush()
+		next, ok := st.nextWake()
+		if ok {
+			timer.Reset(max(0, time.Until(next)))
+		}
+		select {
+		case <-w.ctx.Done():
+			timer.Stop()
+			st.shutdown()
+			st.flush()
+			return
+		case <-w.wake:
+		case <-w.be.Events():
+		case <-timer.C:
+		}
+		if ok && !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+	}
+}
+
+// validate checks a step's entries against the layout and drops bad ones
+// from meta, returning why.
+func (w *Worker) validate(meta *StepMeta) error {
+	var errs []error
+	ng := len(w.groupBlocks)
+	checkSpans := func(what, id string, spans []topology.Span) error {
+		if len(spans) == 0 {
+			return nil
+		}
+		if len(spans) != ng {
+			return fmt.Errorf("kvxfer: %s %q: %d block groups, want %d", what, id, len(spans), ng)
+		}
+		for g, s := range spans {
+			if s.Start < 0 {
+				return fmt.Errorf("kvxfer: %s %q: group %d Start = %d, want >= 0", what, id, g, s.Start)
+			}
+			for i, b := range s.IDs {
+				if b < 0 || int(b) >= w.groupBlocks[g] {
+					return fmt.Errorf("kvxfer: %s %q: group %d block %d = %d, want in [0, %d)", what, id, g, i, b, w.groupBlocks[g])
+				}
+			}
+		}
+		return nil
+	}
+	keep := meta.Recv[:0]
+	for _, r := range meta.Recv {
+		var err error
+		switch {
+		case r.ReqID == "":
+			err = errors.New("kvxfer: RecvReq.ReqID is empty")
+		case r.Remote.EngineID == "":
+			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.EngineID is empty", r.ReqID)
+		case r.Remote.TPSize < 0 || r.Remote.PPSize < 0:
+			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.TPSize/PPSize = %d/%d, want >= 0", r.ReqID, r.Remote.TPSize, r.Remote.PPSize)
+		case w.cfg.Mode == ModePull && len(r.Local) > 0 && len(r.Remote.Blocks) != len(r.Local):
+			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.Blocks has %d groups, Local %d", r.ReqID, len(r.Remote.Blocks), len(r.Local))
+		default:
+			err = checkSpans("RecvReq", r.ReqID, r.Local)
+		}
+		if err != nil {
+			errs = append(errs, err)
+			w.metrics.BadInput("recv_req")
+			continue
+		}
+		keep = append(keep, r)
+	}
+	meta.Recv = keep
+	keepS := meta.Send[:0]
+	for _, s := range meta.Send {
+		var err error
+		if s.ReqID == "" {
+			err = errors.New("kvxfer: SendReq.ReqID is empty")
+		} else {
+			err = checkSpans("SendReq", s.ReqID, s.Blocks)
+		}
+		if err == nil && s.Tokens < 0 {
+			err = fmt.Errorf("kvxfer: SendReq %q: Tokens = %d, want >= 0", s.ReqID, s.Tokens)
+		}
+		if err != nil {
+			errs = append(errs, err)
+			w.metrics.BadInput("send_req")
+			continue
+		}
+		keepS = append(keepS, s)
+	}
+	meta.Send = keepS
+	return errors.Join(errs...)
+}
+
+// timer heap ---------------------------------------------------------------
+
+type timerKind uint8
+
+const (
+	tLease timerKind = iota + 1
+	tRecvDeadline
+	tFence
+)
+
+type timerEntry struct {
+	at   time.Time
+	kind timerKind
+	id   string
+}
+
+type timerHeap []timerEntry
+
+func (h timerHeap) Len() int           { return len(h) }
+func (h timerHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
+func (h timerHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *timerHeap) Push(x any)        { *h = append(*h, x.(timerEntry)) }
+func (h *timerHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return e
+}
+
+func (st *loopState) arm(at time.Time, k timerKind, id string) {
+	heap.Push(&st.timers, timerEntry{at: at, kind: k, id: id})
+}
+
+// WorkerState counts what a Worker holds. Once every request has its
+// outcome, everything but Engines and Tombstones is zero.
+type WorkerState struct {
+	// Producer side: held requests, unmatched registrations, live matches.
+	Sends, PendingRegs, Matches int
+	// Tombstones remember finished matches for RegistrationTTL so late
+	// duplicates are dropped.
+	Tombstones int
+	// Consumer side: requests receiving.
+	Recvs int
+	// Handles are transfers in flight; Timers are armed deadlines.
+	Handles, Timers int
+	// Engines are cached peer handshakes.
+	Engines int
+}
+
+// State returns what the worker holds, as seen by its loop between two
+// events. It blocks until the loop answers or the Worker is closed.
+func (w *Worker) State() (WorkerState, error) {
+	ch := make(chan WorkerState, 1)
+	err := w.post(event{kind: evInspect, fn: func(st *loopState) {
+		live := 0
+		for _, t := range st.timers {
+			if st.timerLive(t) {
+				live++
+			}
+		}
+		ch <- WorkerState{Sends: len(st.sends), PendingRegs: len(st.regs), Matches: len(st.matched),
+			Tombstones: len(st.tombs), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines)}
+	}})
+	if err != nil {
+		return WorkerState{}, err
+	}
+	select {
+	case s := <-ch:
+		return s, nil
+	case <-w.stopped:
+		return WorkerState{}, ErrClosed
+	}
+}
+
+// timerLive reports whether a timer entry still refers to live state.
+func (st *loopState) timerLive(t timerEntry) bool {
+	switch t.kind {
+	case tLease:
+		s := st.sends[t.id]
+		return s != nil && s.deadline.Equal(t.at)
+	case tRecvDeadline:
+		r := st.recvs[t.id]
+		return r != nil && r.deadline.Equal(t.at)
+	case tFence:
+		r := st.recvs[t.id]
+		return r != nil && r.fenceBy.Equal(t.at)
+	}
+	return false
+}
+
+// Layout returns the rank's layout (read-only).
+func (w *Worker) Layout() *topology.Layout { return &w.cfg.Layout }
