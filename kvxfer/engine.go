@@ -12,6 +12,10 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
+// handshakeRetry is how long a failed handshake is remembered before a new
+// request may retry it.
+const handshakeRetry = time.Second
+
 type hsState uint8
 
 const (
@@ -32,6 +36,7 @@ type engine struct {
 	peers      map[rankRef]PeerName
 	layouts    map[rankRef]*topology.Layout
 	lastActive time.Time
+	failedAt   time.Time
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
 }
@@ -45,7 +50,9 @@ type outMsg struct {
 // is none (or the last one failed).
 func (st *loopState) ensureEngine(id, addr string) *engine {
 	e := st.engines[id]
-	if e != nil && e.state != hsFailed {
+	if e != nil && (e.state != hsFailed || time.Since(e.failedAt) < handshakeRetry) {
+		// A failed handshake is retried only after handshakeRetry, so
+		// what waited on it fails instead of waiting on a retry.
 		if e.addr == "" {
 			e.addr = addr
 		}
@@ -82,7 +89,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	}
 	st.w.metrics.Handshake(h.took, err == nil)
 	if err != nil {
-		e.state, e.err = hsFailed, err
+		e.state, e.err, e.failedAt = hsFailed, err, time.Now()
 		st.w.log.Warn("kvxfer: handshake failed", "engine", e.id, "err", err)
 		e.outbox = nil
 	} else {

@@ -32,6 +32,7 @@ type loopState struct {
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]time.Time
+	abortedP  map[string]time.Time // producer requests aborted, by id
 
 	// Consumer side.
 	recvs map[string]*recvReq
@@ -154,6 +155,7 @@ func (st *loopState) init(w *Worker) {
 	st.regByBase = map[string][]regKey{}
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]time.Time{}
+	st.abortedP = map[string]time.Time{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
 	st.layerSteps = map[uint64][]string{}
@@ -388,7 +390,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0
 }
 
 // nextWake is when the loop must run again without other input.
@@ -443,6 +445,11 @@ func (st *loopState) tick(now time.Time) {
 	for k, t := range st.tombs {
 		if now.Sub(t) > st.cfg.RegistrationTTL {
 			delete(st.tombs, k)
+		}
+	}
+	for k, t := range st.abortedP {
+		if now.Sub(t) > st.cfg.RegistrationTTL {
+			delete(st.abortedP, k)
 		}
 	}
 	st.evictEngines(now)

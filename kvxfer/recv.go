@@ -93,17 +93,20 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	case hsFailed:
 		st.decide(r, ResultFailed, "handshake with producer failed: "+e.err.Error())
+		st.tryReport(r)
 		return
 	}
 	e.lastActive = time.Now()
 	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
 		st.w.metrics.BadInput("recv_req.remote.tp_size")
 		st.decide(r, ResultFailed, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
+		st.tryReport(r)
 		return
 	}
 	targets, err := st.targets(e.tpSize, e.ppSize)
 	if err != nil {
 		st.decide(r, ResultFailed, err.Error())
+		st.tryReport(r)
 		return
 	}
 	r.targets, r.sent = targets, true

@@ -4,6 +4,7 @@ package kvxfer
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -219,6 +220,11 @@ func (st *loopState) onReg(m *msg) {
 	g := st.regs[k]
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: time.Now()}
+		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" {
+			g.ranks[m.TPRank] = m
+			st.failRegGroup(g, m.PReq, "producer aborted the request")
+			return
+		}
 		if s := st.findSend(g); s != nil {
 			st.attach(s, g)
 			st.addRank(s, m)
@@ -723,21 +729,38 @@ func (st *loopState) producerAborted(id string) {
 	if st.cfg.Mode != ModePush {
 		return
 	}
-	probe := &sendReq{req: SendReq{ReqID: id}}
-	if k, ok := st.findReg(probe); ok {
+	st.abortedP[id] = time.Now()
+	var found *regGroup
+	for _, k := range st.regByBase[BaseRequestID(id)] {
 		g := st.regs[k]
-		st.dropReg(k)
-		st.tombs[k] = time.Now()
-		e := st.ensureEngine(k.engine, g.addr)
-		for tp := range g.ranks {
-			m := &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: id, Reason: "producer aborted the request"}
-			if e.state == hsReady {
-				if p, ok := e.peers[rankRef{tp: tp}]; ok {
-					_ = st.notify(p, m)
-				}
-			} else {
-				e.outbox = append(e.outbox, outMsg{to: rankRef{tp: tp}, m: m})
+		if g.preq == id || g.preq == "" && g.key.dreq == id {
+			found = g
+			break
+		}
+		if found == nil && g.tid == "" {
+			found = g
+		}
+	}
+	if found != nil {
+		st.failRegGroup(found, id, "producer aborted the request")
+	}
+}
+
+// failRegGroup answers an unmatched registration with a failure notice to
+// each D rank that sent it, and forgets it.
+func (st *loopState) failRegGroup(g *regGroup, pid, reason string) {
+	k := g.key
+	st.dropReg(k)
+	st.tombs[k] = time.Now()
+	e := st.ensureEngine(k.engine, g.addr)
+	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
+		m := &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason}
+		if e.state == hsReady {
+			if p, ok := e.peers[rankRef{tp: tp}]; ok {
+				_ = st.notify(p, m)
 			}
+		} else {
+			e.outbox = append(e.outbox, outMsg{to: rankRef{tp: tp}, m: m})
 		}
 	}
 }

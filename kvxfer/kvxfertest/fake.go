@@ -102,7 +102,29 @@ type Agent struct {
 		xfers      map[kvxfer.XferID]*xfer
 		nextID     kvxfer.XferID
 		inbox      []kvxfer.Notif
+		posted     int
 	}
+}
+
+// Posted returns how many transfers were posted by this agent.
+func (a *Agent) Posted() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.mu.posted
+}
+
+// InFlight returns how many transfers this agent posted are still in
+// progress.
+func (a *Agent) InFlight() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := 0
+	for _, x := range a.mu.xfers {
+		if x.state == kvxfer.XferInProgress {
+			n++
+		}
+	}
+	return n
 }
 
 var _ kvxfer.Backend = (*Agent)(nil)
@@ -307,6 +329,7 @@ func (a *Agent) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc, 
 	}
 	a.mu.Lock()
 	a.mu.nextID++
+	a.mu.posted++
 	id := a.mu.nextID
 	a.mu.xfers[id] = x
 	a.mu.Unlock()

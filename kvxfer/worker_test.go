@@ -1,0 +1,588 @@
+//go:build kvxferwip
+
+package kvxfer_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// pair is a P and a D engine for focused worker tests.
+type pair struct {
+	t      *testing.T
+	mode   kvxfer.Mode
+	fab    *kvxfertest.Fabric
+	dir    *kvxfer.Directory
+	p, d   *simEngine
+	pp, dp *blockPool
+	groups []topology.Group
+	out    *outcomes
+}
+
+func newPair(t *testing.T, mode kvxfer.Mode, ptp, dtp int, tweak func(side string, c *kvxfer.WorkerConfig)) *pair {
+	t.Helper()
+	x := &pair{t: t, mode: mode, fab: kvxfertest.NewFabric(), dir: kvxfer.NewDirectory(), out: newOutcomes()}
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe, de := e2eEngine(1, ptp, 1, 16, 16), e2eEngine(2, dtp, 1, 16, 16)
+	tw := func(side string) func(*kvxfer.WorkerConfig) {
+		return func(c *kvxfer.WorkerConfig) {
+			if tweak != nil {
+				tweak(side, c)
+			}
+		}
+	}
+	x.p = startEngine(t, x.fab, x.dir, &model, pe, "P", mode, tw("P"))
+	x.d = startEngine(t, x.fab, x.dir, &model, de, "D", mode, tw("D"))
+	t.Cleanup(func() { x.d.close(t); x.p.close(t) })
+	x.groups = x.d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(1, 2))
+	x.pp = newPool(rng, len(x.groups), pe.Blocks, false)
+	x.dp = newPool(rng, len(x.groups), de.Blocks, false)
+	return x
+}
+
+func (x *pair) req(id string, tokens, hit int) *xreq {
+	q := makeRequest(id, tokens, hit, x.groups, x.p.eng, x.d.eng, x.pp, x.dp)
+	for _, stage := range x.p.ranks {
+		for _, r := range stage {
+			r.Fill(q.sim.P)
+		}
+	}
+	return q
+}
+
+func (x *pair) sendP(qs ...*xreq) {
+	now := time.Now()
+	m := &kvxfer.StepMeta{SchedulerClock: now}
+	for _, q := range qs {
+		m.Send = append(m.Send, q.send(now.Add(30*time.Second)))
+	}
+	x.p.step(x.t, m)
+}
+
+func (x *pair) recvD(qs ...*xreq) {
+	now := time.Now()
+	m := &kvxfer.StepMeta{SchedulerClock: now}
+	for _, q := range qs {
+		m.Recv = append(m.Recv, q.recv(x.mode, x.p, now.Add(time.Minute)))
+	}
+	x.d.step(x.t, m)
+}
+
+// settle lets every goroutine run to a standstill and collects outcomes.
+func (x *pair) settle() {
+	synctest.Wait()
+	x.out.collect(x.t, x.p)
+	x.out.collect(x.t, x.d)
+}
+
+func (x *pair) sendResult(q *xreq) []kvxfer.Outcome { return x.out.send["p-"+q.id] }
+func (x *pair) recvResult(q *xreq) []kvxfer.Outcome { return x.out.recv["d-"+q.id] }
+
+func (x *pair) posted() int {
+	n := 0
+	for _, side := range []*simEngine{x.p, x.d} {
+		for _, stage := range side.agents {
+			for _, a := range stage {
+				n += a.Posted()
+			}
+		}
+	}
+	return n
+}
+
+func (x *pair) state(se *simEngine) kvxfer.WorkerState {
+	x.t.Helper()
+	s, err := se.workers[0][0].State()
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	return s
+}
+
+func wantResult(t *testing.T, what string, got []kvxfer.Outcome, want kvxfer.Result, reason string) {
+	t.Helper()
+	if len(got) != 1 || got[0].Result != want || !strings.Contains(got[0].Reason, reason) {
+		t.Errorf("%s outcomes = %+v, want one %v with reason containing %q", what, got, want, reason)
+	}
+}
+
+func inSynctest(t *testing.T, f func(t *testing.T)) {
+	t.Helper()
+	synctest.Test(t, f)
+}
+
+// SPEC §12 push 7: the registration arrives after P finished: one WRITE
+// fires and the blocks are consumed.
+func TestPushRegistrationAfterFinishedBlocksFiresOnce(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.sendP(q)
+		x.settle()
+		if n := x.posted(); n != 0 {
+			t.Fatalf("posted %d transfers before D registered, want 0", n)
+		}
+		x.recvD(q)
+		x.settle()
+		if n := x.posted(); n != 1 {
+			t.Errorf("posted %d transfers, want 1", n)
+		}
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		if s := x.state(x.p); s.Sends+s.PendingRegs+s.Matches+s.Handles != 0 {
+			t.Errorf("P state after the transfer = %+v, want nothing held", s)
+		}
+	})
+}
+
+// SPEC §12 push 8 and 11: the registration arrives first and is stashed;
+// P's finished blocks then match it.
+func TestPushRegistrationBeforeFinishedBlocksIsStashed(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		if s := x.state(x.p); s.PendingRegs != 1 || x.posted() != 0 {
+			t.Fatalf("P state = %+v, posted %d; want one stashed registration and no transfer", s, x.posted())
+		}
+		x.sendP(q)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		if err := x.d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+// SPEC §12 push 9, 27 and DESIGN principle 6: matching by transfer id,
+// else by id, else by the suffix-stripped base id.
+func TestPushMatching(t *testing.T) {
+	tests := []struct {
+		name        string
+		pID, pTID   string
+		dPReq, dTID string
+		match       bool
+	}{
+		{name: "transfer id", pID: "p-1", pTID: "t-9", dPReq: "other", dTID: "t-9", match: true},
+		{name: "transfer id differs", pID: "p-1", pTID: "t-9", dPReq: "p-1", dTID: "t-8", match: false},
+		{name: "exact id", pID: "req-1", dPReq: "req-1", match: true},
+		{name: "random suffix stripped", pID: "req-1-0badf00d", dPReq: "req-1-DEADBEEF", match: true},
+		{name: "base ids differ", pID: "req-1-0badf00d", dPReq: "req-2-0badf00d", match: false},
+		{name: "suffix too short is not stripped", pID: "req-1-0bad", dPReq: "req-1-beef", match: false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+				q := x.req("r", 40, 0)
+				now := time.Now()
+				s := q.send(now.Add(30 * time.Second))
+				s.ReqID, s.TransferID = tc.pID, tc.pTID
+				r := q.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))
+				r.Remote.ReqID, r.TransferID = tc.dPReq, tc.dTID
+				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
+				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
+				x.settle()
+				if got := x.posted() == 1; got != tc.match {
+					t.Errorf("matched = %v (posted %d), want %v", got, x.posted(), tc.match)
+				}
+			})
+		})
+	}
+}
+
+// SPEC §12 push 13: while the handshake with D is pending nothing is
+// written; once it completes the WRITE goes out.
+func TestPushDefersUntilHandshakeReady(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		release := x.dir.Hold("D")
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.sendP(q)
+		x.settle()
+		if x.posted() != 0 || len(x.sendResult(q)) != 0 {
+			t.Fatalf("posted %d transfers while the handshake is pending, want 0", x.posted())
+		}
+		release()
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}
+
+// A consumer that cannot handshake with its producer fails the request
+// at once, with its blocks marked invalid, instead of waiting out a
+// deadline.
+func TestConsumerHandshakeFailureFailsAtOnce(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, nil)
+				x.dir.FailHandshakes("P", 1)
+				q := x.req("r1", 40, 0)
+				x.sendP(q)
+				x.recvD(q)
+				x.settle()
+				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "handshake")
+				if len(x.out.invalid) != len(q.sim.D[0].IDs) {
+					t.Errorf("invalid blocks = %v, want D's group-0 blocks %v", x.out.invalid, q.sim.D[0].IDs)
+				}
+			})
+		})
+	}
+}
+
+// SPEC §14: a full prefix hit or an abort before schedule in push mode
+// tells P at once, so P frees its blocks instead of waiting for its lease.
+func TestPushNothingToReceiveReleasesProducer(t *testing.T) {
+	for _, abort := range []bool{false, true} {
+		t.Run(fmt.Sprintf("aborted=%v", abort), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, kvxfer.ModePush, 2, 1, nil)
+				q := x.req("r1", 40, 48) // D already holds every token
+				x.sendP(q)
+				now := time.Now()
+				r := q.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))
+				r.Aborted = abort
+				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
+				x.settle()
+				want := kvxfer.ResultDone
+				if abort {
+					want = kvxfer.ResultAborted
+				}
+				wantResult(t, "D", x.recvResult(q), want, "")
+				if got := x.sendResult(q); len(got) != 2 || got[0].Result != kvxfer.ResultDone || got[1].Result != kvxfer.ResultDone {
+					t.Errorf("P outcomes = %+v, want done on both ranks before the lease", got)
+				}
+				if x.posted() != 0 {
+					t.Errorf("posted %d transfers, want 0", x.posted())
+				}
+			})
+		})
+	}
+}
+
+// SPEC §14: a failed WRITE is reported as a send failure on P, and D is
+// told at once (it fails with its blocks marked invalid, long before its
+// deadline).
+func TestFailedWriteReportedOnBothSides(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.fab.Faults().FailTransfers(1)
+		start := time.Now()
+		x.sendP(q)
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "WRITE failed")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "WRITE failed")
+		if el := time.Since(start); el > time.Second {
+			t.Errorf("D learned of the failure after %v, want at once", el)
+		}
+		if len(x.out.invalid) == 0 {
+			t.Error("no invalid blocks reported for the failed receive")
+		}
+	})
+}
+
+// SPEC §14: when P's lease expires while its WRITE is in flight, P waits
+// for the WRITE (fencing) and reports once.
+func TestLeaseExpiryDuringWriteReportsOnce(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.fab.Faults().Stall(x.d.agents[0][0].Name())
+		x.sendP(q)
+		time.Sleep(45 * time.Second) // past the 30 s lease
+		x.settle()
+		if got := x.sendResult(q); len(got) != 0 {
+			t.Fatalf("P reported %+v while its WRITE was in flight", got)
+		}
+		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		if got := x.sendResult(q); len(got) != 1 {
+			t.Fatalf("P outcomes = %+v, want exactly one", got)
+		}
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}
+
+// SPEC §9 and §14: expiry goes by deadline, not insertion order: an
+// earlier request with a later deadline does not hold back a later one
+// that expires first.
+func TestLeaseExpiryByDeadline(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+		a, b := x.req("a", 40, 0), x.req("b", 40, 0)
+		now := time.Now()
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{a.send(now.Add(time.Hour)), b.send(now.Add(5 * time.Second))}})
+		time.Sleep(6 * time.Second)
+		x.settle()
+		wantResult(t, "P b", x.sendResult(b), kvxfer.ResultExpired, "lease")
+		if got := x.sendResult(a); len(got) != 0 {
+			t.Errorf("P a = %+v, want still held", got)
+		}
+	})
+}
+
+// SPEC §9: deadlines are rebased from the scheduler clock to the worker
+// clock, so a skewed scheduler clock does not expire leases early.
+func TestLeaseRebasedToWorkerClock(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+		q := x.req("a", 40, 0)
+		sched := time.Now().Add(-10000 * time.Second) // a skewed scheduler clock
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: sched, Send: []kvxfer.SendReq{q.send(sched.Add(480 * time.Second))}})
+		time.Sleep(470 * time.Second)
+		x.settle()
+		if got := x.sendResult(q); len(got) != 0 {
+			t.Fatalf("P = %+v after 470 s of a 480 s lease, want still held", got)
+		}
+		time.Sleep(20 * time.Second)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultExpired, "lease")
+	})
+}
+
+// SPEC §9: a consumer's heartbeats, sent from its own goroutine, keep the
+// producer's lease alive while a READ waits on a stalled producer.
+func TestHeartbeatsExtendLease(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, func(_ string, c *kvxfer.WorkerConfig) { c.Lease = 6 * time.Second })
+		q := x.req("r1", 40, 0)
+		now := time.Now()
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(6 * time.Second))}})
+		x.fab.Faults().Stall(x.p.agents[0][0].Name())
+		x.recvD(q)
+		time.Sleep(40 * time.Second)
+		x.settle()
+		if got := x.sendResult(q); len(got) != 0 {
+			t.Fatalf("P = %+v after 40 s with heartbeats, want still held", got)
+		}
+		x.fab.Faults().Unstall(x.p.agents[0][0].Name())
+		time.Sleep(time.Second)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}
+
+// A push consumer whose deadline passes while P's WRITE is in flight
+// cancels, and reports only once P confirms the WRITE ended (fencing): the
+// blocks are never reported free while a WRITE into them may land.
+func TestConsumerDeadlineWaitsForInFlightWrite(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q) // deadline in one minute
+		x.settle()
+		x.fab.Faults().Stall(x.d.agents[0][0].Name())
+		x.sendP(q)
+		time.Sleep(70 * time.Second)
+		x.settle()
+		if got := x.recvResult(q); len(got) != 0 {
+			t.Fatalf("D reported %+v while a WRITE into its blocks was in flight", got)
+		}
+		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		got := x.recvResult(q)
+		if len(got) != 1 {
+			t.Fatalf("D outcomes = %+v, want one", got)
+		}
+		if in := x.p.agents[0][0].InFlight(); in != 0 {
+			t.Errorf("%d WRITEs still in flight after D reported", in)
+		}
+	})
+}
+
+// A producer abort after D registered tells D at once.
+func TestProducerAbortFailsConsumerAtOnce(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.p.step(t, &kvxfer.StepMeta{NotProcessed: []string{"p-r1"}})
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "aborted")
+		if s := x.state(x.p); s.PendingRegs != 0 {
+			t.Errorf("P keeps %d registrations of an aborted request", s.PendingRegs)
+		}
+	})
+}
+
+// Bad metadata gets an error naming the request and field; the rest of
+// the step proceeds.
+func TestBadStepMetadata(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		good := x.req("good", 40, 0)
+		now := time.Now()
+		bad := []struct {
+			name string
+			r    kvxfer.RecvReq
+			want string
+		}{
+			{"empty id", kvxfer.RecvReq{Local: good.sim.D, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "ReqID is empty"},
+			{"no engine", kvxfer.RecvReq{ReqID: "x1", Local: good.sim.D}, "Remote.EngineID"},
+			{"group count", kvxfer.RecvReq{ReqID: "x2", Local: good.sim.D[:0:0], Remote: kvxfer.RemoteRef{EngineID: "P"}}, ""},
+			{"out of range", kvxfer.RecvReq{ReqID: "x3", Local: []topology.Span{{IDs: []topology.BlockID{1 << 20}}}, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "block 0 = 1048576"},
+			{"negative start", kvxfer.RecvReq{ReqID: "x4", Local: []topology.Span{{Start: -1, IDs: []topology.BlockID{1}}}, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "Start = -1"},
+		}
+		for _, b := range bad {
+			if b.want == "" {
+				continue
+			}
+			err := x.d.workers[0][0].Step(&kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{b.r, good.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))}})
+			if err == nil || !strings.Contains(err.Error(), b.want) {
+				t.Errorf("%s: Step error = %v, want one containing %q", b.name, err, b.want)
+			}
+			good = x.req(fmt.Sprintf("good-%s", strings.ReplaceAll(b.name, " ", "-")), 40, 0)
+		}
+		x.settle()
+		if s := x.state(x.d); s.Recvs != 4 {
+			t.Errorf("D receives %d requests, want the 4 good ones", s.Recvs)
+		}
+	})
+}
+
+// Malformed or unknown peer messages are dropped without a panic, and the
+// request in progress carries on.
+func TestMalformedPeerMessagesDropped(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		evil, err := x.fab.NewAgent("evil")
+		if err != nil {
+			t.Fatal(err)
+		}
+		meta, _ := x.p.agents[0][0].LocalMetadata()
+		peer, err := evil.LoadPeer(meta)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range [][]byte{nil, {'K'}, {'K', 1, 99}, []byte("PUSH_REG:{}"), {'K', 1, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}} {
+			if err := evil.Notify(peer, m); err != nil {
+				t.Fatal(err)
+			}
+		}
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.sendP(q)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}
+
+// Engine handshakes are evicted after EngineTTL of inactivity (SPEC §10),
+// and kept when the TTL is disabled.
+func TestEngineTTL(t *testing.T) {
+	for _, ttl := range []time.Duration{time.Minute, -1} {
+		t.Run(fmt.Sprint(ttl), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, kvxfer.ModePush, 1, 1, func(_ string, c *kvxfer.WorkerConfig) { c.EngineTTL = ttl })
+				q := x.req("r1", 40, 0)
+				x.recvD(q)
+				x.sendP(q)
+				x.settle()
+				if s := x.state(x.p); s.Engines != 1 {
+					t.Fatalf("P engines = %d after a transfer, want 1", s.Engines)
+				}
+				time.Sleep(10 * time.Minute)
+				x.settle()
+				want := 0
+				if ttl < 0 {
+					want = 1
+				}
+				if s := x.state(x.p); s.Engines != want {
+					t.Errorf("P engines = %d after 10 idle minutes, want %d", s.Engines, want)
+				}
+			})
+		})
+	}
+}
+
+// A duplicated registration is idempotent: one WRITE, no leak (SPEC §12
+// push 30, §14 duplicate registrations).
+func TestDuplicateRegistrationIdempotent(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.fab.Faults().DuplicateNotifs(1)
+		x.recvD(q)
+		x.settle()
+		x.sendP(q)
+		x.settle()
+		if x.posted() != 1 {
+			t.Errorf("posted %d, want 1", x.posted())
+		}
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if s := x.state(x.p); s.PendingRegs+s.Matches+s.Sends != 0 {
+			t.Errorf("P state = %+v, want nothing held", s)
+		}
+		// A late duplicate after the match is dropped, not stashed.
+		x.recvD(x.req("r2", 40, 0))
+		x.settle()
+	})
+}
+
+// Layer-wise push: each layer's WRITE goes out as soon as the layer is
+// reported saved, before the request finishes; the completion follows the
+// last layer.
+func TestLayerwisePushWritesEachLayerWhenSaved(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) { c.Layerwise = side == "P" })
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		now := time.Now()
+		x.p.step(t, &kvxfer.StepMeta{Step: 7, SchedulerClock: now, Prefill: []kvxfer.SendReq{q.send(time.Time{})}})
+		x.settle()
+		if x.posted() != 0 {
+			t.Fatalf("posted %d before any layer was saved", x.posted())
+		}
+		if err := x.p.workers[0][0].LayerSaved(7, 0); err != nil {
+			t.Fatal(err)
+		}
+		x.settle()
+		if x.posted() != 1 {
+			t.Fatalf("posted %d after layer 0 was saved, want 1", x.posted())
+		}
+		if len(x.recvResult(q)) != 0 {
+			t.Fatal("D done after one of two layers")
+		}
+		if err := x.p.workers[0][0].LayerSaved(7, 1); err != nil {
+			t.Fatal(err)
+		}
+		x.settle()
+		if x.posted() != 2 {
+			t.Fatalf("posted %d after both layers, want 2", x.posted())
+		}
+		x.p.step(t, &kvxfer.StepMeta{Step: 8, SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(30 * time.Second))}})
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if err := x.d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+			t.Error(err)
+		}
+	})
+}
