@@ -145,7 +145,7 @@ func (r *reader) uvarint(field string) uint64 {
 		return 0
 	}
 	v, n := binary.Uvarint(r.b)
-	if n <= 0 {
+	if n <= 0 || n != uvarintLen(v) {
 		r.fail(field, "bad uvarint")
 		return 0
 	}
@@ -158,7 +158,7 @@ func (r *reader) varint(field string) int64 {
 		return 0
 	}
 	v, n := binary.Varint(r.b)
-	if n <= 0 {
+	if n <= 0 || n != uvarintLen(zigzag(v)) {
 		r.fail(field, "bad varint")
 		return 0
 	}
@@ -189,6 +189,19 @@ func (r *reader) str(field string) string {
 	r.b = r.b[n:]
 	return s
 }
+
+// uvarintLen is the length of v's shortest encoding: decoding accepts only
+// that one, so every message has exactly one encoding.
+func uvarintLen(v uint64) int {
+	n := 1
+	for v >= 0x80 {
+		v >>= 7
+		n++
+	}
+	return n
+}
+
+func zigzag(v int64) uint64 { return uint64(v<<1) ^ uint64(v>>63) }
 
 // decodeMsg decodes one peer message. Every error wraps errWire and names
 // the field.
