@@ -35,10 +35,12 @@ func TestChaos(t *testing.T) {
 	}
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
 		for _, tp := range [][2]int{{2, 1}, {1, 2}} {
-			name := fmt.Sprintf("%v/P%d-D%d", mode, tp[0], tp[1])
-			t.Run(name, func(t *testing.T) {
-				synctest.Test(t, func(t *testing.T) { runChaos(t, mode, tp[0], tp[1], n, uint64(tp[0]*10+tp[1])) })
-			})
+			for _, rate := range []int{12, 60} {
+				name := fmt.Sprintf("%v/P%d-D%d/faults-1-in-%d", mode, tp[0], tp[1], rate)
+				t.Run(name, func(t *testing.T) {
+					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)) })
+				})
+			}
 		}
 	}
 }
@@ -63,7 +65,7 @@ const sentinel = 0xA5
 
 var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
 
-func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n int, seed uint64) {
+func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 99))
 	fab := kvxfertest.NewFabric()
 	dir := kvxfer.NewDirectory()
@@ -213,7 +215,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n int, seed uint64) {
 		}
 		// Faults.
 		f := fab.Faults()
-		faultRange := 12
+		faultRange := rate
 		if noFaults {
 			faultRange = 1 << 20
 		}
@@ -330,7 +332,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n int, seed uint64) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				st.Engines, st.Tombstones = 0, 0
+				st.Engines, st.Tombstones, st.Wakeups = 0, 0, 0
 				if st != (kvxfer.WorkerState{}) {
 					t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
 				}

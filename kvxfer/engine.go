@@ -191,14 +191,23 @@ func (st *loopState) dropEngine(e *engine) {
 	delete(st.engines, e.id)
 }
 
-// evictEngines drops engines idle past EngineTTL that nothing uses.
+// evictEngines drops engines idle past EngineTTL that nothing uses, and
+// notes when the next one falls due.
 func (st *loopState) evictEngines(now time.Time) {
+	st.nextEvict = time.Time{}
 	if st.cfg.EngineTTL < 0 {
 		return
 	}
 	for _, id := range sortedKeys(st.engines) {
 		e := st.engines[id]
-		if e.state == hsPending || now.Sub(e.lastActive) <= st.cfg.EngineTTL || st.engineInUse(id) {
+		if e.state == hsPending || st.engineInUse(id) {
+			continue
+		}
+		due := e.lastActive.Add(st.cfg.EngineTTL)
+		if now.Before(due) {
+			if st.nextEvict.IsZero() || due.Before(st.nextEvict) {
+				st.nextEvict = due
+			}
 			continue
 		}
 		st.dropEngine(e)

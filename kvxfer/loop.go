@@ -40,10 +40,12 @@ type loopState struct {
 	// Transfers in flight.
 	handles map[XferID]*handle
 
+	wakeups    uint64 // loop iterations, for the idle test
 	out        Finished
 	notifBuf   []Notif
 	descBuf    []hotpath.Desc
 	nextTick   time.Time
+	nextEvict  time.Time // when the next idle engine passes EngineTTL
 	ticking    bool
 	rankBuf    []int
 	layerSteps map[uint64][]string // layer-wise: step -> P ids prefilled in it
@@ -133,6 +135,7 @@ type rankRef struct{ pp, tp int }
 type handle struct {
 	id     XferID
 	posted time.Time
+	post   time.Duration // building and posting the descriptors
 	bytes  int64
 	descs  int
 	blocks int
@@ -346,7 +349,7 @@ func (st *loopState) pollHandles() {
 		_ = st.w.be.Release(id)
 		ok := s == XferDone && err == nil
 		if ok {
-			st.w.metrics.Transfer(time.Since(h.posted), 0, h.bytes, h.descs, h.blocks)
+			st.w.metrics.Transfer(time.Since(h.posted), h.post, h.bytes, h.descs, h.blocks)
 		} else {
 			st.w.metrics.FailedTransfer()
 			if err == nil {
@@ -384,7 +387,13 @@ func (st *loopState) runTimers() {
 			st.nextTick = now.Add(st.cfg.Lease / 6)
 		}
 	} else {
+		if st.ticking {
+			st.evictEngines(now) // going idle: note when engines fall due
+		}
 		st.ticking = false
+	}
+	if !st.nextEvict.IsZero() && !now.Before(st.nextEvict) {
+		st.evictEngines(now)
 	}
 }
 
@@ -423,6 +432,9 @@ func (st *loopState) nextWake() (time.Time, bool) {
 	}
 	if st.ticking {
 		set(st.nextTick)
+	}
+	if !st.nextEvict.IsZero() {
+		set(st.nextEvict)
 	}
 	return at, ok
 }

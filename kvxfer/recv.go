@@ -185,7 +185,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			continue
 		}
 		r.handles[id] = to
-		st.handles[id] = &handle{id: id, posted: t0, bytes: descBytes(st.descBuf), descs: len(st.descBuf),
+		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(st.descBuf), descs: len(st.descBuf),
 			blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 	}
 	if !r.decided && len(r.got) == len(r.targets) {

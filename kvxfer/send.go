@@ -448,7 +448,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	}
 	r.state = rkPosted
 	r.inflight++
-	st.handles[id] = &handle{id: id, posted: t0, bytes: descBytes(descs), descs: len(descs),
+	st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(descs), descs: len(descs),
 		blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
 }
 

@@ -330,6 +330,7 @@ func (w *Worker) run() {
 	timer.Stop()
 	st := &w.st
 	for {
+		st.wakeups++
 		w.mu.Lock()
 		inbox := w.mu.inbox
 		w.mu.inbox = nil
@@ -480,6 +481,9 @@ type WorkerState struct {
 	Handles, Timers int
 	// Engines are cached peer handshakes.
 	Engines int
+	// Wakeups counts the loop's iterations: it stays put while the
+	// worker is idle (no polling).
+	Wakeups uint64
 }
 
 // State returns what the worker holds, as seen by its loop between two
@@ -494,7 +498,7 @@ func (w *Worker) State() (WorkerState, error) {
 			}
 		}
 		ch <- WorkerState{Sends: len(st.sends), PendingRegs: len(st.regs), Matches: len(st.matched),
-			Tombstones: len(st.tombs), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines)}
+			Tombstones: len(st.tombs), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
 	}})
 	if err != nil {
 		return WorkerState{}, err

@@ -586,3 +586,72 @@ func TestLayerwisePushWritesEachLayerWhenSaved(t *testing.T) {
 		}
 	})
 }
+
+// An idle worker does not poll: its loop does not run while nothing
+// happens (the wake channel is one slot, so no wake-up is lost either).
+func TestIdleWorkerDoesNotPoll(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(_ string, c *kvxfer.WorkerConfig) { c.EngineTTL = -1; c.RegistrationTTL = time.Minute })
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.sendP(q)
+		time.Sleep(2 * time.Minute) // tombstones swept
+		x.settle()
+		before := x.state(x.p).Wakeups
+		time.Sleep(time.Hour)
+		x.settle()
+		// State itself wakes the loop once per call.
+		if after := x.state(x.p).Wakeups; after != before+1 {
+			t.Errorf("idle P loop ran %d times in an hour, want 0", after-before-1)
+		}
+	})
+}
+
+// No lost wake-up: many goroutines hand the worker steps at once; every
+// request is seen and ends.
+func TestNoLostWakeup(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		const n = 64
+		qs := make([]*xreq, n)
+		for i := range qs {
+			qs[i] = x.req(fmt.Sprint("r", i), 16, 0)
+		}
+		done := make(chan struct{})
+		for i := range qs {
+			go func() {
+				x.recvD(qs[i])
+				x.sendP(qs[i])
+				done <- struct{}{}
+			}()
+		}
+		for range qs {
+			<-done
+		}
+		x.settle()
+		for _, q := range qs {
+			wantResult(t, "D "+q.id, x.recvResult(q), kvxfer.ResultDone, "")
+			wantResult(t, "P "+q.id, x.sendResult(q), kvxfer.ResultDone, "")
+		}
+	})
+}
+
+// An idle worker still evicts engines when their TTL passes, with one
+// wake-up, not by polling.
+func TestEngineTTLWhileIdle(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, func(_ string, c *kvxfer.WorkerConfig) { c.EngineTTL = 2 * time.Hour })
+		q := x.req("r1", 40, 0)
+		x.sendP(q)
+		x.recvD(q)
+		x.settle()
+		if s := x.state(x.d); s.Engines != 1 {
+			t.Fatalf("D engines = %d, want 1", s.Engines)
+		}
+		time.Sleep(3 * time.Hour)
+		x.settle()
+		if s := x.state(x.d); s.Engines != 0 || s.Wakeups > 20 {
+			t.Errorf("D state after 3 idle hours = %+v, want no engine and a handful of wake-ups", s)
+		}
+	})
+}
