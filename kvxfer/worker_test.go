@@ -655,3 +655,95 @@ func TestEngineTTLWhileIdle(t *testing.T) {
 		}
 	})
 }
+
+// SPEC §14: a registration that arrives late (after its request matched
+// and finished) is dropped by its tombstone; it never fuzzily matches a
+// later request with the same base id.
+func TestLateDuplicateRegistrationNeverMatchesLater(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		now := time.Now()
+		old := x.req("old", 40, 0)
+		s := old.send(now.Add(30 * time.Second))
+		s.ReqID, s.TransferID = "req-1-aaaaaaaa", ""
+		r := old.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))
+		r.ReqID, r.TransferID, r.Remote.ReqID = "req-1-11111111", "", "req-1-aaaaaaaa"
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
+		x.settle()
+		if got := x.out.send["req-1-aaaaaaaa"]; len(got) != 1 || got[0].Result != kvxfer.ResultDone {
+			t.Fatalf("old request P outcomes = %+v, want one done", got)
+		}
+		// The same registration arrives again, late (a retransmission).
+		replay, err := x.fab.NewAgent("replay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		meta, _ := x.p.agents[0][0].LocalMetadata()
+		peer, err := replay.LoadPeer(meta)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := replay.Notify(peer, kvxfer.AppendRegMsg("D", 0, 1, "", "req-1-11111111", "req-1-aaaaaaaa", r.Local)); err != nil {
+			t.Fatal(err)
+		}
+		x.settle()
+		if s := x.state(x.p); s.PendingRegs != 0 {
+			t.Fatalf("P stashed the late duplicate: %+v", s)
+		}
+		// A new P request with the same base id waits for its own D.
+		newer := x.req("new", 40, 0)
+		ns := newer.send(time.Now().Add(30 * time.Second))
+		ns.ReqID, ns.TransferID = "req-1-bbbbbbbb", ""
+		posted := x.posted()
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: time.Now(), Send: []kvxfer.SendReq{ns}})
+		x.settle()
+		if s := x.state(x.p); s.Matches != 0 || s.Sends != 1 || x.posted() != posted {
+			t.Errorf("P state = %+v after a new request with the old base id, want it unmatched", s)
+		}
+		nr := newer.recv(kvxfer.ModePush, x.p, time.Now().Add(time.Minute))
+		nr.ReqID, nr.TransferID, nr.Remote.ReqID = "req-1-22222222", "", "req-1-bbbbbbbb"
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: time.Now(), Recv: []kvxfer.RecvReq{nr}})
+		x.settle()
+		if x.posted() != posted+1 {
+			t.Errorf("new request posted %d WRITEs, want 1", x.posted()-posted)
+		}
+		if err := x.d.ranks[0][0].CheckRequest(&newer.sim, 16, 16); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+// Bidirectional pull, turn 2 (SPEC §8): D holds its blocks under a TTL and
+// P reads them back; P declines a read that could not finish before D's
+// expiry (5 s margin), and says so.
+func TestPullSecondTurnExpiryMargin(t *testing.T) {
+	for _, left := range []time.Duration{time.Minute, 3 * time.Second} {
+		t.Run(left.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				// Roles swap for turn 2: engine "D" of the pair produces.
+				x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+				q := x.req("t2", 40, 0)
+				now := time.Now()
+				exp := now.Add(left)
+				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(exp)}})
+				r := q.recv(kvxfer.ModePull, x.p, time.Time{})
+				r.Remote.Expiry = exp
+				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
+				time.Sleep(10 * time.Millisecond)
+				x.settle()
+				if left == time.Minute {
+					wantResult(t, "reader", x.recvResult(q), kvxfer.ResultDone, "")
+					wantResult(t, "holder", x.sendResult(q), kvxfer.ResultDone, "")
+					return
+				}
+				wantResult(t, "reader", x.recvResult(q), kvxfer.ResultExpired, "expire")
+				// The holder is told at once and frees its blocks.
+				wantResult(t, "holder", x.sendResult(q), kvxfer.ResultFailed, "expire")
+				if x.posted() != 0 {
+					t.Errorf("posted %d READs past the margin, want 0", x.posted())
+				}
+			})
+		})
+	}
+}

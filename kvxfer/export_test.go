@@ -1,0 +1,12 @@
+//go:build kvxferwip
+
+package kvxfer
+
+import "github.com/kvxfer/kvxfer/topology"
+
+// AppendRegMsg encodes a push registration as D rank tpRank of engine
+// would send it, for tests that replay or forge peer messages.
+func AppendRegMsg(engine string, tpRank, tpSize int, tid, dreq, preq string, spans []topology.Span) []byte {
+	return appendMsg(nil, &msg{Kind: msgReg, Engine: engine, Addr: engine + ":1", TPRank: tpRank, TPSize: tpSize, PPSize: 1,
+		TransferID: tid, DReq: dreq, PReq: preq, Spans: spans})
+}
