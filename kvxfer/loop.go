@@ -31,7 +31,7 @@ type loopState struct {
 	regByTID  map[string][]regKey
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
-	tombs     map[regKey]time.Time
+	tombs     map[regKey]tomb
 	abortedP  map[string]time.Time // producer requests aborted, by id
 
 	// Consumer side.
@@ -59,6 +59,16 @@ type loopState struct {
 }
 
 type regKey struct{ engine, dreq string }
+
+// tomb remembers a finished D request: late registrations are dropped,
+// and a cancel from a D rank whose WRITE landed is answered with the
+// completion notice again (its first one may have been lost).
+type tomb struct {
+	at   time.Time
+	done []int // D ranks our WRITEs completed into
+	tid  string
+	preq string
+}
 
 // regGroup collects the registrations of one D request from its ranks.
 type regGroup struct {
@@ -128,6 +138,9 @@ type recvReq struct {
 	outcome  Outcome
 	fenceBy  time.Time
 	canceled bool
+	// failedRank: a producer rank reported a failure (its bytes are
+	// missing for good).
+	failedRank bool
 }
 
 type rankRef struct{ pp, tp int }
@@ -157,7 +170,7 @@ func (st *loopState) init(w *Worker) {
 	st.regByTID = map[string][]regKey{}
 	st.regByBase = map[string][]regKey{}
 	st.matched = map[regKey]*sendReq{}
-	st.tombs = map[regKey]time.Time{}
+	st.tombs = map[regKey]tomb{}
 	st.abortedP = map[string]time.Time{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
@@ -455,7 +468,7 @@ func (st *loopState) tick(now time.Time) {
 		}
 	}
 	for k, t := range st.tombs {
-		if now.Sub(t) > st.cfg.RegistrationTTL {
+		if now.Sub(t.at) > st.cfg.RegistrationTTL {
 			delete(st.tombs, k)
 		}
 	}

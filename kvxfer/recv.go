@@ -237,8 +237,14 @@ func (st *loopState) onPushDone(m *msg) {
 		return
 	}
 	r.got[ref], r.fenced[ref] = true, true
-	if !r.decided && len(r.got) == len(r.targets) {
-		st.decide(r, ResultDone, "")
+	if len(r.got) == len(r.targets) {
+		if !r.decided {
+			st.decide(r, ResultDone, "")
+		} else if r.canceled && r.outcome.Result != ResultDone && !r.failedRank {
+			// Every byte landed after all (a lost notice was resent in
+			// answer to our cancel): the request is done.
+			r.outcome = Outcome{ReqID: r.req.ReqID, Result: ResultDone}
+		}
 	}
 	st.tryReport(r)
 }
@@ -250,6 +256,7 @@ func (st *loopState) onPushFail(m *msg) {
 		return
 	}
 	r.fenced[ref] = true
+	r.failedRank = true
 	st.decide(r, ResultFailed, fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
 	st.tryReport(r)
 }

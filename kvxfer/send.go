@@ -628,7 +628,13 @@ func (st *loopState) forgetSend(s *sendReq) {
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
-		st.tombs[s.match.key] = time.Now()
+		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID}
+		for _, tp := range s.expect {
+			if s.ranks[tp].state == rkDone {
+				tb.done = append(tb.done, tp)
+			}
+		}
+		st.tombs[s.match.key] = tb
 	}
 	for _, r := range s.ranks {
 		if r.inflight != 0 {
@@ -683,11 +689,18 @@ func (st *loopState) onCancel(m *msg) {
 	s := st.matched[k]
 	if s == nil {
 		// Unmatched or unknown: nothing of ours can be in flight. Drop
-		// its registration, remember it, and confirm.
+		// its registration, remember it, and confirm — with the
+		// completion notice again when our WRITE into that rank landed.
 		st.dropReg(k)
-		st.tombs[k] = time.Now()
+		tb, had := st.tombs[k]
+		if !had {
+			st.tombs[k] = tomb{at: time.Now()}
+		}
 		e := st.ensureEngine(m.Engine, m.Addr)
 		ack := &msg{Kind: msgAck, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq}
+		if slices.Contains(tb.done, m.TPRank) {
+			ack = &msg{Kind: msgDone, TransferID: tb.tid, DReq: m.DReq, PReq: tb.preq}
+		}
 		if e.state == hsReady {
 			if p, ok := e.peers[rankRef{tp: m.TPRank}]; ok {
 				_ = st.notify(p, ack)
@@ -751,7 +764,7 @@ func (st *loopState) producerAborted(id string) {
 func (st *loopState) failRegGroup(g *regGroup, pid, reason string) {
 	k := g.key
 	st.dropReg(k)
-	st.tombs[k] = time.Now()
+	st.tombs[k] = tomb{at: time.Now()}
 	e := st.ensureEngine(k.engine, g.addr)
 	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
 		m := &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason}

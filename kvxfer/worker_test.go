@@ -747,3 +747,28 @@ func TestPullSecondTurnExpiryMargin(t *testing.T) {
 		})
 	}
 }
+
+// A lost completion notice is recovered: D's cancel at its deadline is
+// answered with the notice again, and the request ends done (its bytes
+// did land) instead of failed.
+func TestLostCompletionRecoveredAtDeadline(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.fab.Faults().DropNotifs(1) // the WRITE's completion notice
+		x.sendP(q)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if got := x.recvResult(q); len(got) != 0 {
+			t.Fatalf("D = %+v without its notice", got)
+		}
+		time.Sleep(2 * time.Minute) // past D's one-minute deadline
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		if err := x.d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+			t.Error(err)
+		}
+	})
+}
