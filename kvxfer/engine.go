@@ -90,16 +90,14 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	st.w.metrics.Handshake(h.took, err == nil)
 	if err != nil {
 		e.state, e.err, e.failedAt = hsFailed, err, time.Now()
-		st.w.log.Warn("kvxfer: handshake failed", "engine", e.id, "err", err)
-		e.outbox = nil
+		st.w.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
 	} else {
 		e.state = hsReady
-		for _, o := range e.outbox {
-			if p, ok := e.peers[o.to]; ok {
-				_ = st.notify(p, o.m)
-			}
-		}
-		e.outbox = nil
+	}
+	out := e.outbox
+	e.outbox = nil
+	for _, o := range out {
+		st.sendTo(e, o.to, o.m)
 	}
 	st.redrive(e)
 }
@@ -115,6 +113,7 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 	for i := range res.Ranks {
 		r := &res.Ranks[i]
 		if !st.cfg.SkipCompatCheck && r.CompatHash != st.cfg.CompatHash {
+			st.loadForNotices(e, res)
 			return fmt.Errorf("kvxfer: handshake with %s: compatibility hash %q, want %q", e.id, r.CompatHash, st.cfg.CompatHash)
 		}
 		l := r.Layout
@@ -144,6 +143,35 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
 	e.peers, e.layouts = peers, layouts
 	return nil
+}
+
+// sendTo sends a message to one rank of a peer engine: at once when its
+// agent is loaded (also after a refused handshake, so failure notices
+// still reach it), queued while the handshake is pending, dropped and
+// counted when the engine cannot be reached.
+func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
+	if p, ok := e.peers[to]; ok {
+		_ = st.notify(p, m)
+		return
+	}
+	if e.state == hsPending {
+		e.outbox = append(e.outbox, outMsg{to: to, m: m})
+		return
+	}
+	st.w.metrics.Dropped("notice_unreachable")
+}
+
+// loadForNotices loads a refused peer's agents only so failure notices
+// reach it; no plan is ever built against it.
+func (st *loopState) loadForNotices(e *engine, res *HandshakeResult) {
+	e.peers = map[rankRef]PeerName{}
+	for i := range res.Ranks {
+		l := &res.Ranks[i].Layout
+		if name, err := st.w.be.LoadPeer(res.Ranks[i].Agent); err == nil {
+			e.peers[rankRef{pp: l.PPRank, tp: l.TPRank}] = name
+		}
+	}
+	e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
 }
 
 // redrive re-runs whatever waited for an engine's handshake.

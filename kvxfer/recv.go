@@ -59,14 +59,7 @@ func (st *loopState) releaseProducer(in *RecvReq) {
 		return
 	}
 	for _, to := range targets {
-		m := &msg{Kind: kind, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID}
-		if e.state == hsReady {
-			if p, ok := e.peers[to]; ok {
-				_ = st.notify(p, m)
-			}
-		} else {
-			e.outbox = append(e.outbox, outMsg{to: to, m: m})
-		}
+		st.sendTo(e, to, &msg{Kind: kind, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID})
 	}
 }
 
@@ -92,7 +85,21 @@ func (st *loopState) startRecv(r *recvReq) {
 	case hsPending:
 		return
 	case hsFailed:
-		st.decide(r, ResultFailed, "handshake with producer failed: "+e.err.Error())
+		reason := "handshake with producer failed: " + e.err.Error()
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", "handshake_failed", "req", r.req.ReqID, "engine", e.id, "err", e.err)
+		if len(e.peers) > 0 {
+			// The producer answered but was refused: tell it at once.
+			kind := msgCancel
+			if st.cfg.Mode == ModePull {
+				kind = msgFail
+			}
+			if targets, err := st.targets(e.tpSize, e.ppSize); err == nil {
+				for _, to := range targets {
+					st.tellP(e, r, to, kind, reason)
+				}
+			}
+		}
+		st.decide(r, ResultFailed, reason)
 		st.tryReport(r)
 		return
 	}
@@ -195,14 +202,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 
 // tellP sends a bare message about a request to one producer rank.
 func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, reason string) {
-	m := &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Reason: reason}
-	if e.state != hsReady {
-		e.outbox = append(e.outbox, outMsg{to: to, m: m})
-		return
-	}
-	if p, ok := e.peers[to]; ok {
-		_ = st.notify(p, m)
-	}
+	st.sendTo(e, to, &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Reason: reason})
 }
 
 // recvSettled handles the end of one of a pull consumer's READs.

@@ -304,15 +304,7 @@ func (st *loopState) addRank(s *sendReq, m *msg) {
 // queueing it until the handshake with D is ready.
 func (st *loopState) tellD(s *sendReq, tp int, m *msg) {
 	m.TransferID, m.DReq, m.PReq = s.match.tid, s.match.key.dreq, s.req.ReqID
-	e := st.ensureEngine(s.match.key.engine, s.match.addr)
-	to := rankRef{tp: tp}
-	if e.state == hsReady {
-		if p, ok := e.peers[to]; ok {
-			_ = st.notify(p, m)
-		}
-		return
-	}
-	e.outbox = append(e.outbox, outMsg{to: to, m: m})
+	st.sendTo(st.ensureEngine(s.match.key.engine, s.match.addr), rankRef{tp: tp}, m)
 }
 
 // pushReady posts what a matched request can post now.
@@ -701,12 +693,9 @@ func (st *loopState) onCancel(m *msg) {
 		if slices.Contains(tb.done, m.TPRank) {
 			ack = &msg{Kind: msgDone, TransferID: tb.tid, DReq: m.DReq, PReq: tb.preq}
 		}
-		if e.state == hsReady {
-			if p, ok := e.peers[rankRef{tp: m.TPRank}]; ok {
-				_ = st.notify(p, ack)
-			}
-		} else {
-			e.outbox = append(e.outbox, outMsg{to: rankRef{tp: m.TPRank}, m: ack})
+		st.sendTo(e, rankRef{tp: m.TPRank}, ack)
+		if !had {
+			st.consumerGaveUp(m)
 		}
 		return
 	}
@@ -725,6 +714,20 @@ func (st *loopState) onCancel(m *msg) {
 	}
 	st.tellD(s, m.TPRank, &msg{Kind: msgAck})
 	st.settleSend(s)
+}
+
+// consumerGaveUp: a consumer cancelled a request it never registered (its
+// handshake with us was refused, say): an unmatched producer request it
+// names fails at once instead of waiting for its lease.
+func (st *loopState) consumerGaveUp(m *msg) {
+	probe := &regGroup{key: regKey{engine: m.Engine, dreq: m.DReq}, tid: m.TransferID, preq: m.PReq}
+	s := st.findSend(probe)
+	if s == nil || s.match != nil || s.prefill {
+		return
+	}
+	s.done = true
+	st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultFailed, Reason: "consumer gave up: " + m.Reason})
+	st.forgetSend(s)
 }
 
 // producerAborted handles a producer request the engine aborted after it
@@ -767,14 +770,7 @@ func (st *loopState) failRegGroup(g *regGroup, pid, reason string) {
 	st.tombs[k] = tomb{at: time.Now()}
 	e := st.ensureEngine(k.engine, g.addr)
 	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
-		m := &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason}
-		if e.state == hsReady {
-			if p, ok := e.peers[rankRef{tp: tp}]; ok {
-				_ = st.notify(p, m)
-			}
-		} else {
-			e.outbox = append(e.outbox, outMsg{to: rankRef{tp: tp}, m: m})
-		}
+		st.sendTo(e, rankRef{tp: tp}, &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason})
 	}
 }
 

@@ -772,3 +772,30 @@ func TestLostCompletionRecoveredAtDeadline(t *testing.T) {
 		}
 	})
 }
+
+// SPEC §2: a peer with another compatibility hash is refused; the refusing
+// side fails the request at once and tells the peer, which fails its side
+// at once too instead of waiting for its lease.
+func TestIncompatiblePeerRefusedAndTold(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+					if side == "D" {
+						c.CompatHash = "model-y"
+					}
+				})
+				q := x.req("r1", 40, 0)
+				x.sendP(q)
+				x.recvD(q)
+				time.Sleep(10 * time.Millisecond)
+				x.settle()
+				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "compatibility hash")
+				wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "compatibility hash")
+				if x.posted() != 0 {
+					t.Errorf("posted %d transfers to an incompatible peer", x.posted())
+				}
+			})
+		})
+	}
+}
