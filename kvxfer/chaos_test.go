@@ -30,8 +30,11 @@ import (
 //     ended.
 func TestChaos(t *testing.T) {
 	n := 700
-	if testing.Short() {
+	switch {
+	case testing.Short():
 		n = 150
+	case raceEnabled:
+		n = 250 // 2,000 requests over the cases, at a tenth of the speed
 	}
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
 		for _, tp := range [][2]int{{2, 1}, {1, 2}} {

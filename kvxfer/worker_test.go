@@ -142,6 +142,12 @@ func TestPushRegistrationAfterFinishedBlocksFiresOnce(t *testing.T) {
 		if s := x.state(x.p); s.Sends+s.PendingRegs+s.Matches+s.Handles != 0 {
 			t.Errorf("P state after the transfer = %+v, want nothing held", s)
 		}
+		st := x.p.workers[0][0].Metrics().Snapshot()
+		blocks := uint64(len(q.sim.P[0].IDs) * len(q.sim.P))
+		if st.Transfers != 1 || st.TotalBlocks != blocks || st.TotalDescriptors == 0 || st.TotalBytes == 0 ||
+			st.Outcomes[kvxfer.RoleProducer][kvxfer.ResultDone] != 1 || st.HandshakeSeconds.Count != 1 {
+			t.Errorf("P stats = %+v, want one transfer of %d blocks, one done outcome, one handshake", st, blocks)
+		}
 	})
 }
 
@@ -463,6 +469,9 @@ func TestBadStepMetadata(t *testing.T) {
 		if s := x.state(x.d); s.Recvs != 4 {
 			t.Errorf("D receives %d requests, want the 4 good ones", s.Recvs)
 		}
+		if got := x.d.workers[0][0].Metrics().Snapshot().BadInput["recv_req"]; got != 4 {
+			t.Errorf("bad RecvReqs counted = %d, want 4", got)
+		}
 	})
 }
 
@@ -491,6 +500,9 @@ func TestMalformedPeerMessagesDropped(t *testing.T) {
 		x.settle()
 		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
 		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		if got := x.p.workers[0][0].Metrics().Snapshot().Dropped["malformed"]; got != 5 {
+			t.Errorf("malformed messages counted = %d, want 5", got)
+		}
 	})
 }
 

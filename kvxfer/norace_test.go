@@ -1,0 +1,5 @@
+//go:build !race
+
+package kvxfer_test
+
+const raceEnabled = false
