@@ -1,6 +1,10 @@
 package kvxfer
 
 import (
+	"container/heap"
+	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
@@ -57,4 +61,456 @@ type Alloc struct {
 	// External is the number of tokens the transfer provides
 	// (num_external_tokens).
 	External int
+}
+
+// SchedulerCounters count what a Scheduler rejected or dropped.
+type SchedulerCounters struct {
+	// BadParams: transfer params missing a field a transfer needs.
+	BadParams uint64
+	// UnknownUpdates: outcomes for requests the scheduler does not track.
+	UnknownUpdates uint64
+	// WatchdogExpired: push registrations whose deadline passed.
+	WatchdogExpired uint64
+	// Recomputed: second-turn reads below the recompute threshold.
+	Recomputed uint64
+}
+
+// Scheduler is the scheduler side of the connector for one engine (SPEC
+// §7, §8, §11): it decides per request what to transfer, stages it, and
+// builds the per-step metadata the workers consume. It plays P for
+// requests whose params ask for a remote decode and D for those that ask
+// for a remote prefill, in push or pull mode.
+//
+// A Scheduler is a synchronous state machine with one owner (the engine's
+// scheduler loop): it is not safe for concurrent use and never blocks.
+type Scheduler struct {
+	cfg   SchedulerConfig
+	mamba bool
+	step  uint64
+
+	// Staged for the next BuildMeta.
+	recv         []RecvReq
+	send         []SendReq
+	save         []SaveReq
+	inBatch      []string
+	notProcessed []string
+
+	// held: producer requests whose blocks are held until a worker
+	// reports them sending (the reference's _finished_request_blocks).
+	held map[string]bool
+	// saving: host-buffer requests whose prefill is still being saved.
+	saving map[string]bool
+	// processed: requests whose remote blocks were already staged.
+	processed map[string]bool
+	// watchdog: push registration deadlines by D request id, and a heap
+	// of them by deadline.
+	watch    map[string]time.Time
+	watchQ   deadlineHeap
+	counters SchedulerCounters
+}
+
+// NewScheduler validates cfg, fills its defaults and returns a Scheduler.
+func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
+	if cfg.EngineID == "" {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.EngineID is empty")
+	}
+	if cfg.Addr == "" {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Addr is empty")
+	}
+	if cfg.Mode != ModePush && cfg.Mode != ModePull {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Mode = %d, want push or pull", cfg.Mode)
+	}
+	if cfg.LogicalBlockSize <= 0 {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.LogicalBlockSize = %d, want > 0", cfg.LogicalBlockSize)
+	}
+	if cfg.Bidirectional && cfg.Mode == ModePush {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Bidirectional is not supported in push mode")
+	}
+	for name, v := range map[string]int{"TPSize": cfg.TPSize, "PPSize": cfg.PPSize, "SpecBlocks": cfg.SpecBlocks} {
+		if v < 0 {
+			return nil, fmt.Errorf("kvxfer: SchedulerConfig.%s = %d, want >= 0", name, v)
+		}
+	}
+	for name, d := range map[string]time.Duration{"Lease": cfg.Lease, "DecoderBlocksTTL": cfg.DecoderBlocksTTL, "RegistrationTimeout": cfg.RegistrationTimeout} {
+		if d < 0 {
+			return nil, fmt.Errorf("kvxfer: SchedulerConfig.%s = %v, want >= 0", name, d)
+		}
+	}
+	cfg.TPSize, cfg.PPSize = max(cfg.TPSize, 1), max(cfg.PPSize, 1)
+	if cfg.Lease == 0 {
+		cfg.Lease = 30 * time.Second
+	}
+	if cfg.DecoderBlocksTTL == 0 {
+		cfg.DecoderBlocksTTL = 480 * time.Second
+	}
+	if cfg.RegistrationTimeout == 0 {
+		cfg.RegistrationTimeout = cfg.DecoderBlocksTTL
+	}
+	if cfg.RecomputeThreshold == 0 {
+		cfg.RecomputeThreshold = 64
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if len(cfg.Groups) == 0 {
+		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
+	}
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, watch: map[string]time.Time{}}
+	for i, g := range cfg.Groups {
+		switch g.Kind {
+		case topology.KindFullAttention, topology.KindMLA:
+		case topology.KindSlidingWindow:
+			if g.Window <= 0 {
+				return nil, fmt.Errorf("kvxfer: SchedulerConfig.Groups[%d].Window = %d, want > 0", i, g.Window)
+			}
+		case topology.KindMamba:
+			s.mamba = true
+		default:
+			return nil, fmt.Errorf("kvxfer: SchedulerConfig.Groups[%d].Kind = %v unknown", i, g.Kind)
+		}
+	}
+	return s, nil
+}
+
+// Counters returns what the scheduler rejected or dropped so far.
+func (s *Scheduler) Counters() SchedulerCounters { return s.counters }
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
+}
+
+// BaseRequestID strips a trailing "-" and 8 hex digits (the random suffix
+// an engine appends to a request id; SPEC §7.7), case-insensitively.
+func BaseRequestID(id string) string {
+	n := len(id)
+	if n < 9 || id[n-9] != '-' {
+		return id
+	}
+	for i := n - 8; i < n; i++ {
+		if !isHex(id[i]) {
+			return id
+		}
+	}
+	return id[:n-9]
+}
+
+// clip clips per-group block lists as the exchange does and returns spans
+// starting at token start (plus what clipping dropped).
+func (s *Scheduler) clip(blocks [][]topology.BlockID, start int, clipSSM bool) ([]topology.Span, error) {
+	if len(blocks) != len(s.cfg.Groups) {
+		return nil, fmt.Errorf("kvxfer: %d block groups, want %d", len(blocks), len(s.cfg.Groups))
+	}
+	out := make([]topology.Span, len(blocks))
+	for g, ids := range blocks {
+		kept, dropped := topology.Clip(s.cfg.Groups[g], slices.Clone(ids), s.cfg.LogicalBlockSize, s.cfg.SpecBlocks, clipSSM, false)
+		out[g] = topology.Span{Start: start + dropped*s.cfg.LogicalBlockSize, IDs: kept}
+		if s.cfg.Groups[g].Kind == topology.KindMamba {
+			out[g].Start = 0
+		}
+	}
+	return out, nil
+}
+
+func emptySpans(spans []topology.Span) bool {
+	for _, sp := range spans {
+		if len(sp.IDs) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// MatchedTokens reports how many tokens a request gets from a remote
+// engine beyond the computed ones, and whether they arrive asynchronously
+// (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). Models
+// with Mamba groups recompute the last prompt token.
+func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) {
+	p := r.Params
+	if p == nil {
+		return 0, false
+	}
+	switch {
+	case p.DoRemotePrefill:
+		n = r.PromptTokens
+		if s.mamba {
+			n--
+		}
+		n -= computed
+	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0:
+		// Turn 2 on P: read back what D holds beyond our prefix.
+		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
+		if n > 0 && s.cfg.RecomputeThreshold > 0 && n < s.cfg.RecomputeThreshold {
+			s.counters.Recomputed++
+			return 0, false
+		}
+	default:
+		return 0, false
+	}
+	if n <= 0 {
+		return 0, false
+	}
+	return n, true
+}
+
+func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
+	if p.RemoteEngineID == "" {
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteEngineID is empty")
+	}
+	if p.RemoteAddr == "" {
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteAddr is empty")
+	}
+	if p.RemoteRequestID == "" && p.TransferID == "" {
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteRequestID and TransferID are both empty")
+	}
+	if p.RemoteTPSize < 0 || p.RemotePPSize < 0 || p.RemoteNumTokens < 0 {
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteTPSize/RemotePPSize/RemoteNumTokens = %d/%d/%d, want >= 0",
+			p.RemoteTPSize, p.RemotePPSize, p.RemoteNumTokens)
+	}
+	return RemoteRef{EngineID: p.RemoteEngineID, Addr: p.RemoteAddr, ReqID: p.RemoteRequestID,
+		TPSize: max(p.RemoteTPSize, 1), PPSize: max(p.RemotePPSize, 1), Tokens: p.RemoteNumTokens, Expiry: p.RemoteBlocksExpiry}, nil
+}
+
+// AfterAlloc stages the transfer of a request the engine just allocated
+// blocks for (SPEC §7.1, §8.1-§8.2; update_state_after_alloc). A consumer
+// registers (push) or reads (pull) into a.Blocks; a full prefix hit stages
+// an empty receive so the producer frees its blocks at once. Bad params
+// are an error naming the field; nothing is staged then.
+func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
+	p := r.Params
+	if p == nil {
+		return nil
+	}
+	if p.DoRemoteDecode && !p.DoRemotePrefill {
+		s.inBatch = append(s.inBatch, r.ID)
+		if s.cfg.HostBuffer {
+			s.saving[r.ID] = true
+		}
+		if s.cfg.Bidirectional && len(p.RemoteBlockIDs) > 0 && a.External > 0 && !s.cfg.HostBuffer && !s.processed[r.ID] {
+			// Turn 2 on P: read D's held blocks back.
+			return s.stageRecv(r, a, p.RemoteBlockIDs)
+		}
+		return nil
+	}
+	if !p.DoRemotePrefill {
+		return nil
+	}
+	if s.cfg.Bidirectional {
+		s.inBatch = append(s.inBatch, r.ID)
+	}
+	if s.cfg.Mode == ModePull && len(p.RemoteBlockIDs) == 0 {
+		if a.External > 0 {
+			s.counters.BadParams++
+			return fmt.Errorf("kvxfer: request %q: transfer params: RemoteBlockIDs is empty with %d external tokens", r.ID, a.External)
+		}
+		p.DoRemotePrefill = false
+		return nil
+	}
+	err := s.stageRecv(r, a, p.RemoteBlockIDs)
+	if err == nil {
+		p.DoRemotePrefill = false
+		if s.cfg.Mode == ModePush {
+			p.RemoteBlockIDs = nil
+		}
+	}
+	return err
+}
+
+func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error {
+	p := r.Params
+	ref, err := s.remoteRef(p)
+	if err != nil {
+		s.counters.BadParams++
+		return fmt.Errorf("request %q: %w", r.ID, err)
+	}
+	if s.cfg.Mode == ModePull {
+		ref.Blocks = remote
+	}
+	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
+	if a.External > 0 {
+		rr.Local, err = s.clip(a.Blocks, a.Computed, true)
+		if err != nil {
+			s.counters.BadParams++
+			return fmt.Errorf("request %q: %w", r.ID, err)
+		}
+		if len(ref.Blocks) > 0 && len(ref.Blocks) != len(rr.Local) {
+			s.counters.BadParams++
+			return fmt.Errorf("kvxfer: request %q: transfer params: RemoteBlockIDs has %d groups, want %d", r.ID, len(ref.Blocks), len(rr.Local))
+		}
+		if emptySpans(rr.Local) {
+			rr.Local = nil
+		}
+	}
+	now := s.cfg.Now()
+	switch {
+	case s.cfg.Mode == ModePush && rr.Local != nil:
+		rr.Deadline = now.Add(s.cfg.RegistrationTimeout)
+		s.watch[r.ID] = rr.Deadline
+		heap.Push(&s.watchQ, deadlineEntry{at: rr.Deadline, id: r.ID})
+	case !ref.Expiry.IsZero():
+		rr.Deadline = ref.Expiry
+	}
+	s.processed[r.ID] = true
+	s.recv = append(s.recv, rr)
+	return nil
+}
+
+// Scheduled stages host-buffer saves of the new blocks a producer request
+// got this step (SPEC §11); computed and scheduled are its token counts.
+func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, computed, scheduled int) {
+	if !s.cfg.HostBuffer || !s.saving[r.ID] {
+		return
+	}
+	spans, err := s.clip(newBlocks, 0, false)
+	if err == nil && !emptySpans(spans) {
+		sr := SaveReq{ReqID: r.ID}
+		for _, sp := range spans {
+			sr.Blocks = append(sr.Blocks, sp.IDs)
+		}
+		s.save = append(s.save, sr)
+	}
+	if computed+scheduled >= r.PromptTokens {
+		delete(s.saving, r.ID)
+	}
+}
+
+// RequestFinished handles a finished request (SPEC §7.4, §8.1;
+// request_finished). A producer that finished normally with blocks holds
+// them under a lease (delay = true) and returns the params a consumer
+// needs; an abnormal finish frees them at once. A consumer aborted before
+// its transfer was staged tells its producer at once.
+func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]topology.BlockID, computed int) (delay bool, params *TransferParams, err error) {
+	p := r.Params
+	received := s.processed[r.ID]
+	delete(s.saving, r.ID)
+	delete(s.processed, r.ID)
+	if p == nil {
+		return false, nil, nil
+	}
+	if p.DoRemotePrefill {
+		// Consumer aborted before it was scheduled: receive nothing, so
+		// the producer frees its blocks now (in push too: SPEC §14).
+		p.DoRemotePrefill = false
+		ref, err := s.remoteRef(p)
+		if err != nil {
+			s.counters.BadParams++
+			return false, nil, fmt.Errorf("request %q: %w", r.ID, err)
+		}
+		s.recv = append(s.recv, RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref, Aborted: true})
+		return false, nil, nil
+	}
+	producer := p.DoRemoteDecode || s.cfg.Bidirectional && received
+	if !producer {
+		return false, nil, nil
+	}
+	if !status.normal() {
+		if p.DoRemoteDecode {
+			s.notProcessed = append(s.notProcessed, r.ID)
+		}
+		return false, nil, nil
+	}
+	spans, err := s.clip(blocks, 0, true)
+	if err != nil {
+		s.counters.BadParams++
+		return false, nil, fmt.Errorf("request %q: %w", r.ID, err)
+	}
+	out := &TransferParams{TransferID: p.TransferID, RemoteEngineID: s.cfg.EngineID, RemoteAddr: s.cfg.Addr,
+		RemoteRequestID: r.ID, RemoteBlockIDs: spans, RemoteTPSize: s.cfg.TPSize, RemotePPSize: s.cfg.PPSize,
+		RemoteNumTokens: computed, Mode: s.cfg.Mode}
+	ttl := s.cfg.Lease
+	if p.DoRemoteDecode {
+		out.DoRemotePrefill = true
+	} else {
+		// Bidirectional consumer at the end of a turn: hold our blocks
+		// for the producer's next turn (no heartbeats in this direction).
+		out.DoRemoteDecode = true
+		ttl = s.cfg.DecoderBlocksTTL
+	}
+	if emptySpans(spans) {
+		return false, out, nil
+	}
+	deadline := s.cfg.Now().Add(ttl)
+	if out.DoRemoteDecode {
+		out.RemoteBlocksExpiry = deadline
+	}
+	s.held[r.ID] = true
+	s.send = append(s.send, SendReq{ReqID: r.ID, TransferID: p.TransferID, Deadline: deadline, Blocks: spans, Tokens: computed})
+	return true, out, nil
+}
+
+// BuildMeta drains what was staged into the step's metadata (SPEC §1) and
+// runs the registration watchdog.
+func (s *Scheduler) BuildMeta() *StepMeta {
+	s.step++
+	now := s.cfg.Now()
+	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Save: s.save,
+		InBatch: s.inBatch, NotProcessed: s.notProcessed}
+	s.recv, s.send, s.save, s.inBatch, s.notProcessed = nil, nil, nil, nil, nil
+	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })
+	slices.SortFunc(m.Send, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
+	slices.SortFunc(m.Save, func(a, b SaveReq) int { return strings.Compare(a.ReqID, b.ReqID) })
+	slices.Sort(m.InBatch)
+	slices.Sort(m.NotProcessed)
+	// Watchdog: by deadline, so one long deadline holds back nothing.
+	for len(s.watchQ) > 0 && !s.watchQ[0].at.After(now) {
+		e := heap.Pop(&s.watchQ).(deadlineEntry)
+		if d, ok := s.watch[e.id]; ok && d.Equal(e.at) {
+			delete(s.watch, e.id)
+			s.counters.WatchdogExpired++
+		}
+	}
+	return m
+}
+
+// Update takes the engine-wide finished sets (SPEC §1
+// update_connector_output): sending outcomes release held blocks,
+// receiving outcomes clear the watchdog. Unknown ids are counted.
+func (s *Scheduler) Update(f *Finished) {
+	if f == nil {
+		return
+	}
+	for _, o := range f.Sending {
+		if !s.held[o.ReqID] {
+			s.counters.UnknownUpdates++
+			continue
+		}
+		delete(s.held, o.ReqID)
+	}
+	for _, o := range f.Recving {
+		if _, ok := s.watch[o.ReqID]; !ok {
+			s.counters.UnknownUpdates++
+			continue
+		}
+		delete(s.watch, o.ReqID)
+	}
+}
+
+// HasPendingWork reports whether the engine must keep stepping for
+// kvxfer's sake: blocks held for a transfer, or staged work not built yet
+// (SPEC §7.12).
+func (s *Scheduler) HasPendingWork() bool {
+	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0
+}
+
+// Watching returns the push registrations whose watchdog is armed.
+func (s *Scheduler) Watching() int { return len(s.watch) }
+
+// Held returns the producer requests whose blocks are held.
+func (s *Scheduler) Held() int { return len(s.held) }
+
+type deadlineEntry struct {
+	at time.Time
+	id string
+}
+
+type deadlineHeap []deadlineEntry
+
+func (h deadlineHeap) Len() int           { return len(h) }
+func (h deadlineHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
+func (h deadlineHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *deadlineHeap) Push(x any)        { *h = append(*h, x.(deadlineEntry)) }
+func (h *deadlineHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return e
 }

@@ -1,5 +1,3 @@
-//go:build kvxferwip
-
 package kvxfer
 
 import (
