@@ -213,3 +213,7 @@ func (r *xreq) recv(mode kvxfer.Mode, p *simEngine, deadline time.Time) kvxfer.R
 func (r *xreq) send(deadline time.Time) kvxfer.SendReq {
 	return kvxfer.SendReq{ReqID: "p-" + r.id, TransferID: "t-" + r.id, Deadline: deadline, Blocks: r.sim.P, Tokens: r.tokens}
 }
+
+func newFabricDir() (*kvxfertest.Fabric, *kvxfer.Directory) {
+	return kvxfertest.NewFabric(), kvxfer.NewDirectory()
+}

@@ -8,3 +8,8 @@ func AppendRegMsg(engine string, tpRank, tpSize int, tid, dreq, preq string, spa
 	return appendMsg(nil, &msg{Kind: msgReg, Engine: engine, Addr: engine + ":1", TPRank: tpRank, TPSize: tpSize, PPSize: 1,
 		TransferID: tid, DReq: dreq, PReq: preq, Spans: spans})
 }
+
+// AppendDoneMsg encodes a completion notice from rank tpRank of engine.
+func AppendDoneMsg(engine string, tpRank, tpSize int, tid, dreq, preq string) []byte {
+	return appendMsg(nil, &msg{Kind: msgDone, Engine: engine, TPRank: tpRank, TPSize: tpSize, PPSize: 1, TransferID: tid, DReq: dreq, PReq: preq})
+}

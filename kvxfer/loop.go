@@ -486,6 +486,9 @@ func (st *loopState) shutdown() {
 	clear(st.handles)
 	for _, id := range slices.Sorted(maps.Keys(st.sends)) {
 		s := st.sends[id]
+		for _, r := range s.ranks {
+			r.inflight = 0 // abandoned above
+		}
 		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
 		st.forgetSend(s)
 	}

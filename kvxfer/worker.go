@@ -255,7 +255,10 @@ func (w *Worker) Step(meta *StepMeta) error {
 		return nil
 	}
 	err := w.validate(meta)
-	return errors.Join(err, w.post(event{kind: evStep, meta: meta}))
+	if perr := w.post(event{kind: evStep, meta: meta}); perr != nil {
+		return perr
+	}
+	return err
 }
 
 // LayerSaved tells a layer-wise push producer that layer of the given step

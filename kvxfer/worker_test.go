@@ -809,3 +809,125 @@ func TestIncompatiblePeerRefusedAndTold(t *testing.T) {
 		})
 	}
 }
+
+// forge returns an agent that can send raw peer messages to rank 0 of se.
+func (x *pair) forge(se *simEngine) func(b []byte) {
+	x.t.Helper()
+	a, err := x.fab.NewAgent(fmt.Sprintf("forger-%s-%d", se.id, x.posted()))
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	meta, _ := se.agents[0][0].LocalMetadata()
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	return func(b []byte) {
+		if err := a.Notify(peer, b); err != nil {
+			x.t.Fatal(err)
+		}
+	}
+}
+
+// SPEC §12 push 33 and connector 8: a completion notice for a request the
+// rank does not know is counted and skipped.
+func TestUnknownCompletionSkipped(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, nil)
+				target, engine := x.d, "P"
+				if mode == kvxfer.ModePull {
+					target, engine = x.p, "D"
+				}
+				x.forge(target)(kvxfer.AppendDoneMsg(engine, 0, 1, "t-nope", "d-nope", "p-nope"))
+				x.settle()
+				dropped := target.workers[0][0].Metrics().Snapshot().Dropped
+				if dropped["done_unknown_request"] != 1 {
+					t.Errorf("dropped = %v, want one done_unknown_request", dropped)
+				}
+				if s := x.state(target); s.Recvs+s.Sends != 0 {
+					t.Errorf("state = %+v, want nothing created", s)
+				}
+			})
+		})
+	}
+}
+
+// SPEC §12 push 34: empty metadata is a no-op.
+func TestEmptyStepIsNoop(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		w := x.p.workers[0][0]
+		if err := w.Step(nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Step(&kvxfer.StepMeta{}); err != nil {
+			t.Fatal(err)
+		}
+		x.settle()
+		if s := x.state(x.p); s != (kvxfer.WorkerState{Wakeups: s.Wakeups}) {
+			t.Errorf("state after empty steps = %+v, want nothing", s)
+		}
+	})
+}
+
+// A registration whose blocks do not fit the consumer's layout is refused:
+// P fails the request for that rank and tells D, counts the bad input, and
+// other requests carry on.
+func TestMalformedRegistrationRejected(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		bad := x.req("bad", 40, 0)
+		good := x.req("good", 40, 0)
+		x.recvD(good)
+		// Forge D's registration for "bad" with block ids past D's cache.
+		huge := []topology.Span{{IDs: []topology.BlockID{1 << 30}}}
+		x.forge(x.p)(kvxfer.AppendRegMsg("D", 0, 1, "t-bad", "d-bad", "p-bad", huge))
+		x.sendP(bad, good)
+		x.settle()
+		wantResult(t, "P bad", x.sendResult(bad), kvxfer.ResultFailed, "registration rejected")
+		wantResult(t, "P good", x.sendResult(good), kvxfer.ResultDone, "")
+		wantResult(t, "D good", x.recvResult(good), kvxfer.ResultDone, "")
+		if got := x.p.workers[0][0].Metrics().Snapshot().BadInput["reg.spans"]; got != 1 {
+			t.Errorf("bad registrations counted = %d, want 1", got)
+		}
+	})
+}
+
+// SPEC §12 connector 24: Close fails what is open, releases its transfers,
+// deregisters its memory, stops its goroutines (synctest would report a
+// leak), and is idempotent; calls after Close return ErrClosed.
+func TestCloseReleasesEverything(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.fab.Faults().Stall(x.d.agents[0][0].Name())
+		x.sendP(q)
+		x.settle()
+		w := x.p.workers[0][0]
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Close(); err != nil {
+			t.Fatalf("second Close: %v", err)
+		}
+		f := w.Finished()
+		if len(f.Sending) != 1 || f.Sending[0].Result != kvxfer.ResultFailed || !strings.Contains(f.Sending[0].Reason, "closed") {
+			t.Errorf("Finished after Close = %+v, want p-r1 failed: worker closed", f)
+		}
+		if err := w.Step(&kvxfer.StepMeta{}); err != kvxfer.ErrClosed {
+			t.Errorf("Step after Close = %v, want ErrClosed", err)
+		}
+		if _, err := w.State(); err != kvxfer.ErrClosed {
+			t.Errorf("State after Close = %v, want ErrClosed", err)
+		}
+		// Its memory is deregistered: a transfer into it fails the bounds check.
+		if err := x.p.agents[0][0].Deregister([]kvxfer.MemRegion{{Addr: x.p.ranks[0][0].Layout.Regions[0].Base}}); err == nil {
+			t.Error("region still registered after Close")
+		}
+		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
+	})
+}
