@@ -30,7 +30,8 @@ type loopState struct {
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
-	abortedP  map[string]time.Time // producer requests aborted, by id
+	abortedP  map[string]time.Time   // producer requests aborted, by id
+	early     map[string]*earlyNotes // pull: notices before their request
 
 	// Consumer side.
 	recvs map[string]*recvReq
@@ -57,6 +58,16 @@ type loopState struct {
 }
 
 type regKey struct{ engine, dreq string }
+
+// earlyNotes are pull completion notices for a request the producer does
+// not hold yet; kept for RegistrationTTL.
+type earlyNotes struct {
+	at   time.Time
+	msgs []*msg
+}
+
+// maxEarly caps the requests with early notices kept at once.
+const maxEarly = 1 << 14
 
 // tomb remembers a finished D request: late registrations are dropped,
 // and a cancel from a D rank whose WRITE landed is answered with the
@@ -170,6 +181,7 @@ func (st *loopState) init(w *Worker) {
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]tomb{}
 	st.abortedP = map[string]time.Time{}
+	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
 	st.layerSteps = map[uint64][]string{}
@@ -410,7 +422,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0 || len(st.early) > 0
 }
 
 // nextWake is when the loop must run again without other input.
@@ -473,6 +485,13 @@ func (st *loopState) tick(now time.Time) {
 	for k, t := range st.abortedP {
 		if now.Sub(t) > st.cfg.RegistrationTTL {
 			delete(st.abortedP, k)
+		}
+	}
+	for k, e := range st.early {
+		if now.Sub(e.at) > st.cfg.RegistrationTTL {
+			delete(st.early, k)
+			st.w.metrics.Dropped("done_unknown_request")
+			st.w.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
 		}
 	}
 	st.evictEngines(now)

@@ -65,6 +65,9 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 	b := BaseRequestID(in.ReqID)
 	st.sendBase[b] = append(st.sendBase[b], s)
 	st.armLease(s, deadline)
+	if st.cfg.Mode == ModePull {
+		st.replayEarly(s)
+	}
 	if st.cfg.Mode == ModePush {
 		if k, ok := st.findReg(s); ok {
 			st.attach(s, st.regs[k])
@@ -783,8 +786,9 @@ func (st *loopState) onPullDone(m *msg, failReason string) {
 		s = st.sends[m.PReq]
 	}
 	if s == nil {
-		st.w.metrics.Dropped("done_unknown_request")
-		st.w.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "p_req", m.PReq, "from", m.Engine)
+		// The consumer may read before our engine hands us the request
+		// (its params reach D first): keep the notice for a while.
+		st.stashEarly(m)
 		return
 	}
 	if s.pullSeen == nil {
@@ -804,6 +808,42 @@ func (st *loopState) onPullDone(m *msg, failReason string) {
 		s.pullFail = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason)
 	}
 	st.settlePull(s)
+}
+
+// stashEarly keeps a pull completion notice for a request not held yet.
+func (st *loopState) stashEarly(m *msg) {
+	key := m.PReq
+	if key == "" {
+		key = "tid:" + m.TransferID
+	}
+	if len(st.early) >= maxEarly {
+		st.w.metrics.Dropped("done_unknown_request")
+		return
+	}
+	e := st.early[key]
+	if e == nil {
+		e = &earlyNotes{at: time.Now()}
+		st.early[key] = e
+	}
+	e.msgs = append(e.msgs, m)
+}
+
+// replayEarly applies the notices that arrived before a pull request.
+func (st *loopState) replayEarly(s *sendReq) {
+	for _, key := range []string{s.req.ReqID, "tid:" + s.req.TransferID} {
+		e := st.early[key]
+		if e == nil {
+			continue
+		}
+		delete(st.early, key)
+		for _, m := range e.msgs {
+			reason := ""
+			if m.Kind == msgFail {
+				reason = m.Reason
+			}
+			st.onPullDone(m, reason)
+		}
+	}
 }
 
 func (st *loopState) settlePull(s *sendReq) {

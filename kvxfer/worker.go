@@ -474,8 +474,9 @@ type WorkerState struct {
 	// Producer side: held requests, unmatched registrations, live matches.
 	Sends, PendingRegs, Matches int
 	// Tombstones remember finished matches for RegistrationTTL so late
-	// duplicates are dropped.
-	Tombstones int
+	// duplicates are dropped; Early are pull completion notices for
+	// requests not held yet (kept as long).
+	Tombstones, Early int
 	// Consumer side: requests receiving.
 	Recvs int
 	// Handles are transfers in flight; Timers are armed deadlines.
@@ -499,7 +500,7 @@ func (w *Worker) State() (WorkerState, error) {
 			}
 		}
 		ch <- WorkerState{Sends: len(st.sends), PendingRegs: len(st.regs), Matches: len(st.matched),
-			Tombstones: len(st.tombs), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
+			Tombstones: len(st.tombs), Early: len(st.early), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
 	}})
 	if err != nil {
 		return WorkerState{}, err

@@ -841,12 +841,13 @@ func TestUnknownCompletionSkipped(t *testing.T) {
 					target, engine = x.p, "D"
 				}
 				x.forge(target)(kvxfer.AppendDoneMsg(engine, 0, 1, "t-nope", "d-nope", "p-nope"))
+				time.Sleep(10 * time.Minute) // a pull notice waits for its request a while
 				x.settle()
 				dropped := target.workers[0][0].Metrics().Snapshot().Dropped
 				if dropped["done_unknown_request"] != 1 {
 					t.Errorf("dropped = %v, want one done_unknown_request", dropped)
 				}
-				if s := x.state(target); s.Recvs+s.Sends != 0 {
+				if s := x.state(target); s.Recvs+s.Sends+s.Early != 0 {
 					t.Errorf("state = %+v, want nothing created", s)
 				}
 			})
@@ -929,5 +930,26 @@ func TestCloseReleasesEverything(t *testing.T) {
 			t.Error("region still registered after Close")
 		}
 		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
+	})
+}
+
+// Pull: the consumer may read and report before the producer's engine
+// hands the producer its request (the params reach D first); the notice
+// is kept and counted when the request arrives.
+func TestPullCompletionBeforeProducerHoldsRequest(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 2, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		if s := x.state(x.p); s.Early != 1 {
+			t.Fatalf("P state = %+v, want the early notice kept", s)
+		}
+		x.sendP(q)
+		x.settle()
+		if got := x.sendResult(q); len(got) != 2 || got[0].Result != kvxfer.ResultDone || got[1].Result != kvxfer.ResultDone {
+			t.Errorf("P outcomes = %+v, want done on both ranks at once", got)
+		}
 	})
 }
