@@ -39,7 +39,13 @@ func TestChaos(t *testing.T) {
 			for _, rate := range []int{12, 60} {
 				name := fmt.Sprintf("%v/P%d-D%d/faults-1-in-%d", mode, tp[0], tp[1], rate)
 				t.Run(name, func(t *testing.T) {
-					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)) })
+					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, false, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)) })
+				})
+			}
+			if mode == kvxfer.ModePush {
+				name := fmt.Sprintf("layerwise/P%d-D%d/faults-1-in-20", tp[0], tp[1])
+				t.Run(name, func(t *testing.T) {
+					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, true, tp[0], tp[1], n, 20, uint64(tp[0]*10+tp[1]+7)) })
 				})
 			}
 		}
@@ -48,7 +54,8 @@ func TestChaos(t *testing.T) {
 
 type chaosReq struct {
 	x         *xreq
-	tP, tD    int  // steps at which P finishes and D allocates
+	tP, tD    int  // steps at which P finishes (layer-wise: prefills) and D allocates
+	tFin      int  // layer-wise: step at which P finishes
 	pAbort    bool // P aborts after scheduling (NotProcessed)
 	dAbort    bool // D aborts before schedule (empty Aborted RecvReq)
 	dMissing  bool // D never shows up: P's lease must expire
@@ -66,7 +73,7 @@ const sentinel = 0xA5
 
 var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
 
-func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64) {
+func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate int, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 99))
 	fab := kvxfertest.NewFabric()
 	dir := kvxfer.NewDirectory()
@@ -75,6 +82,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64
 	de := e2eEngine(2, dtp, 1, 16, 16)
 	pe.Blocks, de.Blocks = 160, 160
 	tweak := func(c *kvxfer.WorkerConfig) {
+		c.Layerwise = layerwise
 		c.Lease = 6 * time.Second
 		c.RegistrationTTL = 30 * time.Second
 		c.EngineTTL = time.Minute
@@ -197,6 +205,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64
 				}
 			}
 			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40)}
+			q.tFin = q.tP + 1 + rng.IntN(3)
 			switch rng.IntN(20) {
 			case 0:
 				q.pAbort = true
@@ -258,8 +267,21 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64
 		now := time.Now()
 		var pm, dm kvxfer.StepMeta
 		pm.SchedulerClock, dm.SchedulerClock = now, now
+		pm.Step = uint64(k + 1)
 		for _, q := range order {
-			if q.tP == k {
+			if layerwise {
+				if q.tP == k {
+					pm.Prefill = append(pm.Prefill, q.x.send(time.Time{}))
+					q.pEntered = true
+				}
+				if q.tFin == k {
+					if q.pAbort {
+						pm.NotProcessed = append(pm.NotProcessed, "p-"+q.x.id)
+					} else {
+						pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+					}
+				}
+			} else if q.tP == k {
 				if q.pAbort {
 					pm.NotProcessed = append(pm.NotProcessed, "p-"+q.x.id)
 					// The request never held blocks in kvxfer: free now.
@@ -286,6 +308,17 @@ func runChaos(t *testing.T, mode kvxfer.Mode, ptp, dtp, n, rate int, seed uint64
 		}
 		p.step(t, &pm)
 		d.step(t, &dm)
+		if layerwise && len(pm.Prefill) > 0 {
+			for _, stage := range p.workers {
+				for _, w := range stage {
+					for layer := range layersOf(w.Layout()) {
+						if err := w.LayerSaved(pm.Step, layer); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+			}
+		}
 		time.Sleep(step)
 		synctest.Wait()
 		collect()

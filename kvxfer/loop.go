@@ -122,6 +122,7 @@ type sendReq struct {
 	done     bool
 	// prefill: layer-wise, known from the prefill step, not finished yet.
 	prefill bool
+	step    uint64 // layer-wise: the step it prefilled in
 	saved   []bool // layer-wise: layers the engine reported saved
 
 	// push: the matched D request.

@@ -46,6 +46,7 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 	}
 	st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
 	st.addSend(in, time.Time{}, true)
+	st.sends[in.ReqID].step = step
 }
 
 func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
@@ -64,7 +65,10 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 	}
 	b := BaseRequestID(in.ReqID)
 	st.sendBase[b] = append(st.sendBase[b], s)
-	st.armLease(s, deadline)
+	if !prefill {
+		// A prefilling request has no lease yet: it starts at finish.
+		st.armLease(s, deadline)
+	}
 	if st.cfg.Mode == ModePull {
 		st.replayEarly(s)
 	}
@@ -91,19 +95,11 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		st.w.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
 		return
 	}
-	ids := st.layerSteps[step]
-	all := true
-	for _, id := range ids {
-		s := st.sends[id]
-		if s == nil || !s.prefill {
-			continue
+	for _, id := range slices.Clone(st.layerSteps[step]) {
+		if s := st.sends[id]; s != nil && s.prefill {
+			s.saved[li] = true
+			st.pushReady(s)
 		}
-		s.saved[li] = true
-		st.pushReady(s)
-		all = all && !slices.Contains(s.saved, false)
-	}
-	if all {
-		delete(st.layerSteps, step)
 	}
 }
 
@@ -537,7 +533,9 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 // nothing of it is in flight (fencing: a WRITE in flight still reads our
 // blocks, so an expired lease waits for it).
 func (st *loopState) settleSend(s *sendReq) {
-	if s.done || st.cfg.Mode == ModePull {
+	if s.done || st.cfg.Mode == ModePull || s.prefill {
+		// A prefilling request reports once the engine finishes it (its
+		// SendReq or abort), so the engine's scheduler holds it first.
 		return
 	}
 	if s.match == nil && !s.expired && !s.aborted {
@@ -611,6 +609,14 @@ func allSettledOK(s *sendReq) bool {
 // tombstone for its D request so late duplicates are dropped.
 func (st *loopState) forgetSend(s *sendReq) {
 	delete(st.sends, s.req.ReqID)
+	if s.saved != nil {
+		ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })
+		if len(ids) == 0 {
+			delete(st.layerSteps, s.step)
+		} else {
+			st.layerSteps[s.step] = ids
+		}
+	}
 	if s.req.TransferID != "" && st.sendByTID[s.req.TransferID] == s {
 		delete(st.sendByTID, s.req.TransferID)
 	}
@@ -735,7 +741,7 @@ func (st *loopState) consumerGaveUp(m *msg) {
 // was scheduled: nothing will be sent, so matched consumers are told.
 func (st *loopState) producerAborted(id string) {
 	if s := st.sends[id]; s != nil {
-		s.aborted = true
+		s.aborted, s.prefill = true, false
 		if st.cfg.Mode == ModePull {
 			st.settlePull(s)
 		} else {

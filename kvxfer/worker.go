@@ -477,6 +477,8 @@ type WorkerState struct {
 	// duplicates are dropped; Early are pull completion notices for
 	// requests not held yet (kept as long).
 	Tombstones, Early int
+	// LayerSteps are layer-wise steps with requests still prefilling.
+	LayerSteps int
 	// Consumer side: requests receiving.
 	Recvs int
 	// Handles are transfers in flight; Timers are armed deadlines.
@@ -500,7 +502,7 @@ func (w *Worker) State() (WorkerState, error) {
 			}
 		}
 		ch <- WorkerState{Sends: len(st.sends), PendingRegs: len(st.regs), Matches: len(st.matched),
-			Tombstones: len(st.tombs), Early: len(st.early), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
+			Tombstones: len(st.tombs), Early: len(st.early), LayerSteps: len(st.layerSteps), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
 	}})
 	if err != nil {
 		return WorkerState{}, err
