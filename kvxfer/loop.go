@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -314,7 +315,7 @@ func (st *loopState) notify(peer PeerName, m *msg) error {
 	err := st.w.be.Notify(peer, appendMsg(nil, st.self(m)))
 	if err != nil {
 		st.w.metrics.FailedNotification()
-		st.w.log.Warn("kvxfer: notification failed", "kind", m.Kind, "peer", peer, "err", err)
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", m.Kind, "peer", peer, "d_req", m.DReq, "p_req", m.PReq, "err", err)
 	}
 	return err
 }
@@ -528,4 +529,27 @@ func group0(spans []topology.Span) []topology.BlockID {
 		return nil
 	}
 	return spans[0].IDs
+}
+
+// failureType names a failure for logs the way the reference's
+// _log_failure does (SPEC §10), from the reason kvxfer recorded.
+func failureType(reason string) string {
+	for _, p := range [...]struct{ prefix, typ string }{
+		{"handshake with consumer", "push_handshake_failed"},
+		{"handshake", "handshake_failed"},
+		{"registration:", "push_reg_notif_failed"},
+		{"registration rejected", "transfer_setup_failed"},
+		{"remote blocks rejected", "transfer_setup_failed"},
+		{"post ", "transfer_setup_failed"},
+		{"WRITE failed", "transfer_failed"},
+		{"READ failed", "transfer_failed"},
+		{"completion notice", "notification_failed"},
+		{"producer did not complete", "expired"},
+		{"producer blocks expire", "expired"},
+	} {
+		if strings.HasPrefix(reason, p.prefix) {
+			return p.typ
+		}
+	}
+	return "peer_failure"
 }

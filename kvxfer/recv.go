@@ -304,7 +304,9 @@ func (st *loopState) decide(r *recvReq, res Result, reason string) {
 		st.arm(r.fenceBy, tFence, r.req.ReqID)
 	}
 	if res != ResultDone {
-		st.w.log.Warn("kvxfer: receive failed", "req", r.req.ReqID, "result", res, "reason", reason)
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(reason), "side", "consumer", "request_id", r.req.ReqID,
+			"engine_id", st.cfg.EngineID, "remote_engine_id", r.req.Remote.EngineID, "remote_request_id", r.req.Remote.ReqID,
+			"num_local_blocks", spanBlocks(r.req.Local), "result", res, "reason", reason)
 	}
 }
 

@@ -486,7 +486,9 @@ func (st *loopState) failRank(s *sendReq, tp int, r *dRank, reason string) {
 		return
 	}
 	r.state = rkFailed
-	st.w.log.Warn("kvxfer: push to consumer rank failed", "req", s.req.ReqID, "d_tp_rank", tp, "reason", r.reason)
+	st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(r.reason), "side", "producer", "request_id", s.req.ReqID,
+		"engine_id", st.cfg.EngineID, "remote_engine_id", s.match.key.engine, "remote_request_id", s.match.key.dreq,
+		"d_tp_rank", tp, "num_local_blocks", spanBlocks(s.req.Blocks), "reason", r.reason)
 	st.tellD(s, tp, &msg{Kind: msgFail, Reason: r.reason})
 }
 

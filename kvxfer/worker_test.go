@@ -1,9 +1,12 @@
 package kvxfer_test
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -952,4 +955,76 @@ func TestPullCompletionBeforeProducerHoldsRequest(t *testing.T) {
 			t.Errorf("P outcomes = %+v, want done on both ranks at once", got)
 		}
 	})
+}
+
+// logRecorder keeps the attributes of every log record.
+type logRecorder struct {
+	mu   sync.Mutex
+	recs []map[string]string
+}
+
+func (l *logRecorder) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logRecorder) WithAttrs([]slog.Attr) slog.Handler       { return l }
+func (l *logRecorder) WithGroup(string) slog.Handler            { return l }
+func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
+	m := map[string]string{"msg": r.Message}
+	r.Attrs(func(a slog.Attr) bool { m[a.Key] = a.Value.String(); return true })
+	l.mu.Lock()
+	l.recs = append(l.recs, m)
+	l.mu.Unlock()
+	return nil
+}
+
+func (l *logRecorder) find(typ string) map[string]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range l.recs {
+		if r["failure_type"] == typ {
+			return r
+		}
+	}
+	return nil
+}
+
+// SPEC §10: failures are logged with their type and the request's context.
+func TestFailureLogging(t *testing.T) {
+	tests := []struct {
+		name  string
+		mode  kvxfer.Mode
+		fault func(x *pair)
+		side  string
+		typ   string
+		hit   int
+	}{
+		{"transfer_failed push", kvxfer.ModePush, func(x *pair) { x.fab.Faults().FailTransfers(1) }, "P", "transfer_failed", 0},
+		{"transfer_failed pull", kvxfer.ModePull, func(x *pair) { x.fab.Faults().FailTransfers(1) }, "D", "transfer_failed", 0},
+		{"handshake_failed", kvxfer.ModePush, func(x *pair) { x.dir.FailHandshakes("P", 1) }, "D", "handshake_failed", 0},
+		{"push_reg_notif_failed", kvxfer.ModePush, func(x *pair) { x.fab.Faults().FailNotify(1) }, "D", "push_reg_notif_failed", 0},
+		{"notification_failed", kvxfer.ModePull, func(x *pair) { x.fab.Faults().FailNotify(1) }, "D", "notification_failed", 48},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				logs := &logRecorder{}
+				x := newPair(t, tc.mode, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+					if side == tc.side {
+						c.Logger = slog.New(logs)
+					}
+				})
+				q := x.req("r1", 40, tc.hit)
+				tc.fault(x)
+				x.sendP(q)
+				x.recvD(q)
+				time.Sleep(10 * time.Millisecond)
+				x.settle()
+				r := logs.find(tc.typ)
+				if r == nil {
+					t.Fatalf("no log record with failure_type %s in %v", tc.typ, logs.recs)
+				}
+				if r["msg"] != "kvxfer: transfer failure" {
+					t.Errorf("record = %v, want message %q", r, "kvxfer: transfer failure")
+				}
+			})
+		})
+	}
 }
