@@ -1,0 +1,496 @@
+package netxfer
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Errors. Wrapped with detail; match with errors.Is.
+var (
+	ErrClosed        = errors.New("netxfer: closed")
+	ErrUnknownPeer   = errors.New("netxfer: unknown peer")
+	ErrUnknownXfer   = errors.New("netxfer: unknown transfer")
+	ErrOutOfBounds   = errors.New("netxfer: range outside registered memory")
+	ErrBadMetadata   = errors.New("netxfer: bad peer metadata")
+	ErrXferFailed    = errors.New("netxfer: transfer failed")
+	ErrNotRegistered = errors.New("netxfer: memory not registered")
+	ErrProtocol      = errors.New("netxfer: protocol error")
+)
+
+// Region is a registered memory range.
+type Region struct{ Addr, Len uint64 }
+
+// Desc moves Len bytes between Local (this agent's memory) and Remote
+// (the peer's).
+type Desc struct{ Local, Remote, Len uint64 }
+
+// Op is a transfer's direction.
+type Op uint8
+
+const (
+	// Write moves local bytes to the peer.
+	Write Op = iota + 1
+	// Read moves the peer's bytes here.
+	Read
+)
+
+// State is a transfer's state.
+type State uint8
+
+const (
+	InProgress State = iota + 1
+	Done
+	Failed
+)
+
+// XferID names a posted transfer; 0 is invalid.
+type XferID uint64
+
+// Notif is a notification from a peer.
+type Notif struct {
+	From string
+	Msg  []byte
+}
+
+// Config configures an Agent. Zero fields mean the defaults.
+type Config struct {
+	// Name is the agent's unique name (default: random).
+	Name string
+	// Listen is the TCP address for peers (default "127.0.0.1:0").
+	Listen string
+	// Advertise is the address peers dial (default: the listener's).
+	Advertise string
+	// Conns is the number of connections per peer (default 4).
+	Conns int
+	// DialTimeout bounds one dial (default 5 s).
+	DialTimeout time.Duration
+	// DisableLocal turns off the direct copy between agents of one
+	// process (tests of the TCP path).
+	DisableLocal bool
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Agent is one transfer endpoint. It is safe for concurrent use.
+type Agent struct {
+	cfg    Config
+	ln     net.Listener
+	addr   string
+	log    *slog.Logger
+	events chan struct{}
+	// memMu is held for reading while bytes move into or out of memory;
+	// Unmap holds it for writing, so memory never goes away under a copy.
+	memMu sync.RWMutex
+	wg    sync.WaitGroup
+	mu    struct {
+		sync.Mutex
+		closed   bool
+		chunks   []chunk
+		regs     []Region
+		peers    map[string]*peer
+		xfers    map[XferID]*xfer
+		next     XferID
+		inbox    []Notif
+		incoming map[net.Conn]bool
+		landing  map[landKey]*landing
+	}
+}
+
+type chunk struct {
+	base uint64
+	mem  []byte
+}
+
+type landKey struct {
+	peer string
+	id   XferID
+}
+
+// landing assembles the parts of an incoming WRITE.
+type landing struct {
+	landed, failed, parts int
+}
+
+// local holds the agents of this process, for direct copies.
+var local struct {
+	sync.Mutex
+	agents map[string]*Agent
+}
+
+// New starts an agent listening for peers.
+func New(cfg Config) (*Agent, error) {
+	if cfg.Name == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		cfg.Name = "netxfer-" + hex.EncodeToString(b[:])
+	}
+	if strings.ContainsAny(cfg.Name, "\n") || len(cfg.Name) > maxName {
+		return nil, fmt.Errorf("netxfer: Config.Name %q: want one line of at most %d bytes", cfg.Name, maxName)
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = "127.0.0.1:0"
+	}
+	if cfg.Conns <= 0 {
+		cfg.Conns = 4
+	}
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = 5 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	local.Lock()
+	defer local.Unlock()
+	if local.agents == nil {
+		local.agents = map[string]*Agent{}
+	}
+	if local.agents[cfg.Name] != nil {
+		return nil, fmt.Errorf("netxfer: an agent named %q already exists in this process", cfg.Name)
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("netxfer: listen %s: %w", cfg.Listen, err)
+	}
+	a := &Agent{cfg: cfg, ln: ln, addr: cfg.Advertise, log: cfg.Logger, events: make(chan struct{}, 1)}
+	if a.addr == "" {
+		a.addr = ln.Addr().String()
+	}
+	a.mu.peers = map[string]*peer{}
+	a.mu.xfers = map[XferID]*xfer{}
+	a.mu.incoming = map[net.Conn]bool{}
+	a.mu.landing = map[landKey]*landing{}
+	local.agents[cfg.Name] = a
+	a.wg.Add(1)
+	go a.accept()
+	return a, nil
+}
+
+// Name returns the agent's name.
+func (a *Agent) Name() string { return a.cfg.Name }
+
+// Addr returns the address peers dial.
+func (a *Agent) Addr() string { return a.addr }
+
+// Events receives a value (coalesced) when a notification arrives or a
+// transfer leaves InProgress.
+func (a *Agent) Events() <-chan struct{} { return a.events }
+
+func (a *Agent) signal() {
+	select {
+	case a.events <- struct{}{}:
+	default:
+	}
+}
+
+// Map adopts caller-owned memory at base (kvxferd: a mapped
+// shared-memory file). It must not overlap mapped memory.
+func (a *Agent) Map(base uint64, mem []byte) error {
+	if len(mem) == 0 || base+uint64(len(mem)) < base {
+		return fmt.Errorf("netxfer: map [%#x, +%d): empty or wrapping", base, len(mem))
+	}
+	a.memMu.Lock()
+	defer a.memMu.Unlock()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return ErrClosed
+	}
+	for _, c := range a.mu.chunks {
+		if base < c.base+uint64(len(c.mem)) && c.base < base+uint64(len(mem)) {
+			return fmt.Errorf("netxfer: map [%#x, +%d): overlaps [%#x, +%d)", base, len(mem), c.base, len(c.mem))
+		}
+	}
+	a.mu.chunks = append(a.mu.chunks, chunk{base, mem})
+	slices.SortFunc(a.mu.chunks, func(x, y chunk) int { return cmpU64(x.base, y.base) })
+	return nil
+}
+
+// Unmap forgets memory mapped at base, and every region registered in
+// it. It waits for transfers moving bytes in or out of memory.
+func (a *Agent) Unmap(base uint64) error {
+	a.memMu.Lock()
+	defer a.memMu.Unlock()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	i := slices.IndexFunc(a.mu.chunks, func(c chunk) bool { return c.base == base })
+	if i < 0 {
+		return fmt.Errorf("netxfer: unmap %#x: %w", base, ErrNotRegistered)
+	}
+	c := a.mu.chunks[i]
+	a.mu.chunks = slices.Delete(a.mu.chunks, i, i+1)
+	a.mu.regs = slices.DeleteFunc(a.mu.regs, func(r Region) bool {
+		return r.Addr >= c.base && r.Addr-c.base < uint64(len(c.mem))
+	})
+	return nil
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// sliceLocked returns mapped memory behind [addr, addr+n).
+func (a *Agent) sliceLocked(addr, n uint64) ([]byte, bool) {
+	cs := a.mu.chunks
+	i, _ := slices.BinarySearchFunc(cs, addr, func(c chunk, t uint64) int {
+		if c.base > t {
+			return 1
+		}
+		return -1
+	})
+	if i == 0 {
+		return nil, false
+	}
+	c := cs[i-1]
+	o := addr - c.base
+	if o > uint64(len(c.mem)) || n > uint64(len(c.mem))-o {
+		return nil, false
+	}
+	return c.mem[o : o+n : o+n], true
+}
+
+// registeredLocked returns the bytes of [addr, addr+n) when the range lies
+// inside one registered region.
+func (a *Agent) registeredLocked(addr, n uint64) ([]byte, bool) {
+	for _, r := range a.mu.regs {
+		if addr >= r.Addr && addr-r.Addr <= r.Len && n <= r.Len-(addr-r.Addr) {
+			return a.sliceLocked(addr, n)
+		}
+	}
+	return nil, false
+}
+
+// resolve bounds-checks ranges against registered memory and returns
+// their bytes. Callers hold memMu for reading while they use the bytes.
+func (a *Agent) resolve(dst [][]byte, ranges []rng) ([][]byte, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return dst, ErrClosed
+	}
+	for i, r := range ranges {
+		b, ok := a.registeredLocked(r.addr, r.n)
+		if !ok {
+			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.addr, r.n, a.cfg.Name, ErrOutOfBounds)
+		}
+		dst = append(dst, b)
+	}
+	return dst, nil
+}
+
+type rng struct{ addr, n uint64 }
+
+// Register makes regions usable; each must lie inside mapped memory.
+func (a *Agent) Register(regions []Region) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return ErrClosed
+	}
+	for i, r := range regions {
+		if r.Len == 0 {
+			return fmt.Errorf("netxfer: register region %d: Len = 0", i)
+		}
+		if _, ok := a.sliceLocked(r.Addr, r.Len); !ok {
+			return fmt.Errorf("netxfer: register region %d [%#x, +%d): not mapped", i, r.Addr, r.Len)
+		}
+	}
+	a.mu.regs = append(a.mu.regs, regions...)
+	return nil
+}
+
+// Deregister removes regions.
+func (a *Agent) Deregister(regions []Region) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return ErrClosed
+	}
+	for i, r := range regions {
+		k := slices.Index(a.mu.regs, r)
+		if k < 0 {
+			return fmt.Errorf("netxfer: deregister region %d [%#x, +%d): %w", i, r.Addr, r.Len, ErrNotRegistered)
+		}
+		a.mu.regs = slices.Delete(a.mu.regs, k, k+1)
+	}
+	return nil
+}
+
+const metaPrefix = "netxfer1\n"
+
+// Metadata returns the blob a peer loads to reach this agent.
+func (a *Agent) Metadata() []byte { return []byte(metaPrefix + a.cfg.Name + "\n" + a.addr) }
+
+// LoadPeer loads a peer's metadata and returns its name.
+func (a *Agent) LoadPeer(meta []byte) (string, error) {
+	rest, ok := strings.CutPrefix(string(meta), metaPrefix)
+	name, addr, ok2 := strings.Cut(rest, "\n")
+	if !ok || !ok2 || name == "" || addr == "" || len(name) > maxName || strings.Contains(addr, "\n") {
+		return "", fmt.Errorf("netxfer: load peer: %w (%d bytes)", ErrBadMetadata, len(meta))
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return "", ErrClosed
+	}
+	if p := a.mu.peers[name]; p != nil && p.addr == addr {
+		return name, nil
+	} else if p != nil {
+		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
+	}
+	p := &peer{owner: a, name: name, addr: addr}
+	if !a.cfg.DisableLocal {
+		local.Lock()
+		if l := local.agents[name]; l != nil && l.addr == addr {
+			p.local = l
+		}
+		local.Unlock()
+	}
+	a.mu.peers[name] = p
+	return name, nil
+}
+
+// InvalidatePeer forgets a peer; its transfers in flight fail.
+func (a *Agent) InvalidatePeer(name string) error {
+	a.mu.Lock()
+	p := a.mu.peers[name]
+	delete(a.mu.peers, name)
+	a.mu.Unlock()
+	if p == nil {
+		return fmt.Errorf("netxfer: invalidate %q: %w", name, ErrUnknownPeer)
+	}
+	p.close(fmt.Errorf("%w: peer %s invalidated", ErrXferFailed, name))
+	return nil
+}
+
+func (a *Agent) peer(name string) (*peer, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return nil, ErrClosed
+	}
+	p := a.mu.peers[name]
+	if p == nil {
+		return nil, fmt.Errorf("netxfer: peer %q: %w", name, ErrUnknownPeer)
+	}
+	return p, nil
+}
+
+// Notify sends a bare notification.
+func (a *Agent) Notify(name string, msg []byte) error {
+	if len(msg) > maxNotif {
+		return fmt.Errorf("netxfer: notify %q: %d bytes exceed %d", name, len(msg), maxNotif)
+	}
+	p, err := a.peer(name)
+	if err != nil {
+		return err
+	}
+	if p.local != nil {
+		return p.local.deliver(a.cfg.Name, slices.Clone(msg))
+	}
+	c, err := p.conn()
+	if err != nil {
+		return fmt.Errorf("netxfer: notify %q: %w", name, err)
+	}
+	return c.writeFrame(appendNotif(nil, msg))
+}
+
+// deliver queues a notification from peer.
+func (a *Agent) deliver(from string, msg []byte) error {
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return ErrClosed
+	}
+	a.mu.inbox = append(a.mu.inbox, Notif{From: from, Msg: msg})
+	a.mu.Unlock()
+	a.signal()
+	return nil
+}
+
+// Drain appends the notifications received since the last call.
+func (a *Agent) Drain(dst []Notif) []Notif {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	dst = append(dst, a.mu.inbox...)
+	clear(a.mu.inbox)
+	a.mu.inbox = a.mu.inbox[:0]
+	return dst
+}
+
+// Close stops the agent: the listener and every connection close, every
+// transfer in flight fails. It is idempotent and returns once the agent's
+// goroutines exited.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		a.wg.Wait()
+		return nil
+	}
+	a.mu.closed = true
+	peers := a.mu.peers
+	a.mu.peers = map[string]*peer{}
+	incoming := a.mu.incoming
+	a.mu.incoming = map[net.Conn]bool{}
+	for _, x := range a.mu.xfers {
+		x.failLocked(fmt.Errorf("%w: agent closed", ErrXferFailed))
+	}
+	a.mu.Unlock()
+	_ = a.ln.Close()
+	for _, p := range peers {
+		p.close(fmt.Errorf("%w: agent closed", ErrXferFailed))
+	}
+	for c := range incoming {
+		_ = c.Close()
+	}
+	local.Lock()
+	if local.agents[a.cfg.Name] == a {
+		delete(local.agents, a.cfg.Name)
+	}
+	local.Unlock()
+	a.wg.Wait()
+	a.signal()
+	return nil
+}
+
+// accept serves incoming connections.
+func (a *Agent) accept() {
+	defer a.wg.Done()
+	for {
+		c, err := a.ln.Accept()
+		if err != nil {
+			return
+		}
+		a.mu.Lock()
+		if a.mu.closed {
+			a.mu.Unlock()
+			_ = c.Close()
+			return
+		}
+		a.mu.incoming[c] = true
+		a.wg.Add(1)
+		a.mu.Unlock()
+		go a.serve(c)
+	}
+}
+
+// readFull reads exactly len(b) bytes.
+func readFull(r io.Reader, b []byte) error {
+	_, err := io.ReadFull(r, b)
+	return err
+}

@@ -1,0 +1,231 @@
+package netxfer
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+)
+
+// serve handles one incoming connection: a peer's requests, answered in
+// order on the same connection.
+func (a *Agent) serve(nc net.Conn) {
+	defer a.wg.Done()
+	defer func() {
+		_ = nc.Close()
+		a.mu.Lock()
+		delete(a.mu.incoming, nc)
+		a.mu.Unlock()
+	}()
+	var hdr [32]byte
+	if err := readFull(nc, hdr[:7]); err != nil {
+		return
+	}
+	if string(hdr[:4]) != magic || hdr[4] != version {
+		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason", "bad hello")
+		return
+	}
+	nlen := binary.LittleEndian.Uint16(hdr[5:7])
+	if nlen == 0 || nlen > maxName {
+		return
+	}
+	name := make([]byte, nlen)
+	if err := readFull(nc, name); err != nil {
+		return
+	}
+	from := string(name)
+	// Answers are small; a buffered writer batches them. Payloads of READ
+	// responses bypass it (Flush first, then writev from memory).
+	w := bufio.NewWriterSize(nc, 4096)
+	for {
+		if err := readFull(nc, hdr[:1]); err != nil {
+			return
+		}
+		var err error
+		switch hdr[0] {
+		case tWrite:
+			err = a.serveWrite(nc, w, from, hdr[:])
+		case tReadReq:
+			err = a.serveRead(nc, w, hdr[:])
+		case tNotif:
+			var msg []byte
+			if msg, err = readMsg(nc, hdr[:4]); err == nil {
+				err = a.deliver(from, msg)
+			}
+		case tNotifReq:
+			if err = readFull(nc, hdr[:8]); err != nil {
+				return
+			}
+			var msg []byte
+			if msg, err = readMsg(nc, hdr[8:12]); err == nil {
+				if err = a.deliver(from, msg); err == nil {
+					ack := append([]byte{tNotifAck}, hdr[:8]...)
+					if _, err = w.Write(ack); err == nil {
+						err = w.Flush()
+					}
+				}
+			}
+		default:
+			err = fmt.Errorf("%w: frame type %d from %s", ErrProtocol, hdr[0], from)
+		}
+		if err != nil {
+			a.log.Warn("netxfer: dropped a connection", "from", from, "err", err)
+			return
+		}
+	}
+}
+
+func readMsg(r io.Reader, lenBuf []byte) ([]byte, error) {
+	if err := readFull(r, lenBuf[:4]); err != nil {
+		return nil, err
+	}
+	n := binary.LittleEndian.Uint32(lenBuf[:4])
+	if n > maxNotif {
+		return nil, fmt.Errorf("%w: notification of %d bytes", ErrProtocol, n)
+	}
+	msg := make([]byte, n)
+	return msg, readFull(r, msg)
+}
+
+// readTable reads n (addr, len) pairs.
+func readTable(r io.Reader, n uint32) ([]rng, uint64, error) {
+	if n > maxDescs {
+		return nil, 0, fmt.Errorf("%w: %d descriptors", ErrProtocol, n)
+	}
+	tab := make([]byte, 16*int(n))
+	if err := readFull(r, tab); err != nil {
+		return nil, 0, err
+	}
+	rs := make([]rng, n)
+	var total uint64
+	for i := range rs {
+		rs[i] = rng{binary.LittleEndian.Uint64(tab[16*i:]), binary.LittleEndian.Uint64(tab[16*i+8:])}
+		total += rs[i].n
+		if rs[i].n > maxPayload || total > maxPayload {
+			return nil, 0, fmt.Errorf("%w: payload over %d bytes", ErrProtocol, uint64(maxPayload))
+		}
+	}
+	return rs, total, nil
+}
+
+func answer(w *bufio.Writer, typ byte, id uint64, part uint32, err error) error {
+	var msg string
+	if err != nil {
+		msg = err.Error()
+		if len(msg) > maxErr {
+			msg = msg[:maxErr]
+		}
+	}
+	var b [17]byte
+	b[0] = typ
+	binary.LittleEndian.PutUint64(b[1:], id)
+	binary.LittleEndian.PutUint32(b[9:], part)
+	binary.LittleEndian.PutUint32(b[13:], uint32(len(msg)))
+	if _, werr := w.Write(b[:]); werr != nil {
+		return werr
+	}
+	_, werr := w.WriteString(msg)
+	return werr
+}
+
+// serveWrite lands one WRITE part straight into registered memory.
+func (a *Agent) serveWrite(nc net.Conn, w *bufio.Writer, from string, hdr []byte) error {
+	if err := readFull(nc, hdr[:24]); err != nil {
+		return err
+	}
+	id := binary.LittleEndian.Uint64(hdr[:8])
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	parts := binary.LittleEndian.Uint32(hdr[12:16])
+	n := binary.LittleEndian.Uint32(hdr[16:20])
+	nl := binary.LittleEndian.Uint32(hdr[20:24])
+	if nl > maxNotif || parts == 0 || part >= parts || parts > 1<<16 {
+		return fmt.Errorf("%w: write header part %d/%d, notification %d bytes", ErrProtocol, part, parts, nl)
+	}
+	notif := make([]byte, nl)
+	if err := readFull(nc, notif); err != nil {
+		return err
+	}
+	ranges, total, err := readTable(nc, n)
+	if err != nil {
+		return err
+	}
+	a.memMu.RLock()
+	bufs, berr := a.resolve(nil, ranges)
+	if berr != nil {
+		a.memMu.RUnlock()
+		// Refused: nothing is written; the payload is skipped.
+		if _, err := io.CopyN(io.Discard, nc, int64(total)); err != nil {
+			return err
+		}
+	} else {
+		for _, b := range bufs {
+			if err := readFull(nc, b); err != nil {
+				a.memMu.RUnlock()
+				return err
+			}
+		}
+		a.memMu.RUnlock()
+	}
+	// Deliver the notification once every part landed, before the last
+	// acknowledgement goes out.
+	k := landKey{from, XferID(id)}
+	a.mu.Lock()
+	l := a.mu.landing[k]
+	if l == nil {
+		l = &landing{parts: int(parts)}
+		a.mu.landing[k] = l
+	}
+	if berr != nil {
+		l.failed++
+	} else {
+		l.landed++
+	}
+	deliver := l.landed == l.parts && nl > 0 && nl == uint32(len(notif))
+	if l.landed+l.failed >= l.parts {
+		delete(a.mu.landing, k)
+	}
+	a.mu.Unlock()
+	if deliver {
+		_ = a.deliver(from, notif)
+	}
+	if berr != nil {
+		berr = fmt.Errorf("write refused: %w", berr)
+	}
+	if err := answer(w, tAck, id, part, berr); err != nil {
+		return err
+	}
+	return w.Flush()
+}
+
+// serveRead answers one READ part straight from registered memory.
+func (a *Agent) serveRead(nc net.Conn, w *bufio.Writer, hdr []byte) error {
+	if err := readFull(nc, hdr[:16]); err != nil {
+		return err
+	}
+	id := binary.LittleEndian.Uint64(hdr[:8])
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	n := binary.LittleEndian.Uint32(hdr[12:16])
+	ranges, _, err := readTable(nc, n)
+	if err != nil {
+		return err
+	}
+	a.memMu.RLock()
+	defer a.memMu.RUnlock()
+	bufs, berr := a.resolve(nil, ranges)
+	if berr != nil {
+		if err := answer(w, tReadResp, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
+			return err
+		}
+		return w.Flush()
+	}
+	if err := answer(w, tReadResp, id, part, nil); err != nil {
+		return err
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	nb := net.Buffers(bufs)
+	_, err = nb.WriteTo(nc)
+	return err
+}

@@ -1,0 +1,539 @@
+package netxfer
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"sync"
+)
+
+// Wire format (little endian). A client opens a connection with a hello
+// (magic, version, its name) and then sends requests; the server answers
+// on the same connection.
+const (
+	magic   = "KVXN"
+	version = 1
+
+	tWrite     = 1  // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
+	tReadReq   = 2  // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
+	tNotif     = 3  // len u32 | msg
+	tNotifReq  = 4  // xfer u64, len u32 | msg
+	tAck       = 16 // xfer u64, part u32, errlen u32 | err
+	tReadResp  = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
+	tNotifAck  = 18 // xfer u64
+	notifPart  = ^uint32(0)
+	maxName    = 256
+	maxNotif   = 1 << 20
+	maxDescs   = 1 << 20
+	maxErr     = 4096
+	maxPayload = 1 << 40
+)
+
+// xfer is a posted transfer.
+type xfer struct {
+	id     XferID
+	op     Op
+	peer   *peer
+	parts  int
+	acked  int
+	notif  []byte
+	descs  []Desc // READ: where response payloads land
+	split  []int  // part boundaries into descs
+	state  State
+	err    error
+	direct bool
+}
+
+// failLocked fails a transfer in progress (owner's mu held).
+func (x *xfer) failLocked(err error) {
+	if x.state == InProgress {
+		x.state, x.err = Failed, err
+	}
+}
+
+// peer is a loaded remote agent and its connections.
+type peer struct {
+	owner *Agent
+	name  string
+	addr  string
+	local *Agent
+	mu    sync.Mutex
+	conns []*conn
+	next  int
+	dead  error
+}
+
+// conn is one client connection to a peer.
+type conn struct {
+	p   *peer
+	c   net.Conn
+	wmu sync.Mutex
+	mu  sync.Mutex
+	// pending parts waiting for their answer, by (xfer, part).
+	pending map[partKey]*xfer
+	err     error
+}
+
+type partKey struct {
+	id   XferID
+	part uint32
+}
+
+// conn returns the next connection to the peer, dialing up to Conns.
+func (p *peer) conn() (*conn, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dead != nil {
+		return nil, p.dead
+	}
+	// Drop broken connections.
+	p.conns = slices.DeleteFunc(p.conns, func(c *conn) bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.err != nil
+	})
+	if len(p.conns) < p.owner.cfg.Conns {
+		c, err := p.dial()
+		if err != nil {
+			if len(p.conns) == 0 {
+				return nil, err
+			}
+		} else {
+			p.conns = append(p.conns, c)
+		}
+	}
+	c := p.conns[p.next%len(p.conns)]
+	p.next++
+	return c, nil
+}
+
+func (p *peer) dial() (*conn, error) {
+	a := p.owner
+	nc, err := net.DialTimeout("tcp", p.addr, a.cfg.DialTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("%w: dial %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
+	}
+	if tc, ok := nc.(*net.TCPConn); ok {
+		_ = tc.SetNoDelay(true)
+	}
+	hello := append([]byte(magic), version)
+	hello = binary.LittleEndian.AppendUint16(hello, uint16(len(a.cfg.Name)))
+	hello = append(hello, a.cfg.Name...)
+	if _, err := nc.Write(hello); err != nil {
+		_ = nc.Close()
+		return nil, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
+	}
+	c := &conn{p: p, c: nc, pending: map[partKey]*xfer{}}
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		_ = nc.Close()
+		return nil, ErrClosed
+	}
+	a.wg.Add(1)
+	a.mu.Unlock()
+	go c.read()
+	return c, nil
+}
+
+// close fails the peer's transfers and closes its connections.
+func (p *peer) close(err error) {
+	p.mu.Lock()
+	if p.dead == nil {
+		p.dead = err
+	}
+	conns := p.conns
+	p.conns = nil
+	p.mu.Unlock()
+	for _, c := range conns {
+		c.fail(err)
+	}
+}
+
+// writeFrame writes one frame (several buffers) atomically.
+func (c *conn) writeFrame(bufs ...[]byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	nb := net.Buffers(bufs)
+	if _, err := nb.WriteTo(c.c); err != nil {
+		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+		return err
+	}
+	return nil
+}
+
+// fail breaks the connection and fails every part waiting on it.
+func (c *conn) fail(err error) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.err = err
+	pending := c.pending
+	c.pending = map[partKey]*xfer{}
+	c.mu.Unlock()
+	_ = c.c.Close()
+	a := c.p.owner
+	a.mu.Lock()
+	for _, x := range pending {
+		x.failLocked(err)
+	}
+	a.mu.Unlock()
+	a.signal()
+}
+
+func (c *conn) expect(k partKey, x *xfer) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return c.err
+	}
+	c.pending[k] = x
+	return nil
+}
+
+func (c *conn) take(k partKey) *xfer {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	x := c.pending[k]
+	delete(c.pending, k)
+	return x
+}
+
+// Post starts a transfer to peer. notif, when not nil, reaches the peer
+// after every byte landed (WRITE: there; READ: here). descs are copied.
+func (a *Agent) Post(op Op, name string, descs []Desc, notif []byte) (XferID, error) {
+	if op != Write && op != Read {
+		return 0, fmt.Errorf("netxfer: post op %d", op)
+	}
+	if len(notif) > maxNotif || len(descs) > maxDescs {
+		return 0, fmt.Errorf("netxfer: post: %d descriptors and %d notification bytes exceed %d and %d", len(descs), len(notif), maxDescs, maxNotif)
+	}
+	p, err := a.peer(name)
+	if err != nil {
+		return 0, err
+	}
+	// Local ranges are checked before anything moves.
+	local := make([]rng, len(descs))
+	for i, d := range descs {
+		local[i] = rng{d.Local, d.Len}
+	}
+	a.memMu.RLock()
+	_, err = a.resolve(nil, local)
+	a.memMu.RUnlock()
+	if err != nil {
+		return 0, fmt.Errorf("netxfer: post: %w", err)
+	}
+	x := &xfer{op: op, peer: p, notif: slices.Clone(notif), descs: slices.Clone(descs), state: InProgress}
+	a.mu.Lock()
+	a.mu.next++
+	x.id = a.mu.next
+	a.mu.xfers[x.id] = x
+	a.mu.Unlock()
+	if p.local != nil {
+		x.direct = true
+		err = a.direct(x)
+		a.mu.Lock()
+		if err != nil {
+			x.failLocked(err)
+		} else if x.state == InProgress {
+			x.state = Done
+		}
+		a.mu.Unlock()
+		a.signal()
+		return x.id, nil
+	}
+	a.start(x)
+	return x.id, nil
+}
+
+// direct copies between two agents of this process.
+func (a *Agent) direct(x *xfer) error {
+	b := x.peer.local
+	first, second := a, b
+	if b.cfg.Name < a.cfg.Name {
+		first, second = b, a
+	}
+	first.memMu.RLock()
+	defer first.memMu.RUnlock()
+	if second != first {
+		second.memMu.RLock()
+		defer second.memMu.RUnlock()
+	}
+	loc := make([]rng, len(x.descs))
+	rem := make([]rng, len(x.descs))
+	for i, d := range x.descs {
+		loc[i], rem[i] = rng{d.Local, d.Len}, rng{d.Remote, d.Len}
+	}
+	lb, err := a.resolve(nil, loc)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrXferFailed, err)
+	}
+	rb, err := b.resolve(nil, rem)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrXferFailed, err)
+	}
+	for i := range lb {
+		if x.op == Write {
+			copy(rb[i], lb[i])
+		} else {
+			copy(lb[i], rb[i])
+		}
+	}
+	if x.notif != nil {
+		// WRITE: the peer hears; READ: the peer (the source) hears too.
+		return b.deliver(a.cfg.Name, x.notif)
+	}
+	return nil
+}
+
+// start splits a transfer into parts and sends them.
+func (a *Agent) start(x *xfer) {
+	n := len(x.descs)
+	parts := min(a.cfg.Conns, max(n, 1))
+	// Balance parts by bytes.
+	var total uint64
+	for _, d := range x.descs {
+		total += d.Len
+	}
+	x.split = []int{0}
+	var acc uint64
+	for i, d := range x.descs {
+		acc += d.Len
+		if len(x.split) < parts && acc*uint64(parts) >= total*uint64(len(x.split)) && i+1 < n {
+			x.split = append(x.split, i+1)
+		}
+	}
+	x.split = append(x.split, n)
+	x.parts = len(x.split) - 1
+	for part := range x.parts {
+		c, err := x.peer.conn()
+		if err == nil {
+			err = c.expect(partKey{x.id, uint32(part)}, x)
+		}
+		if err == nil {
+			err = a.sendPart(c, x, part)
+		}
+		if err != nil {
+			a.mu.Lock()
+			x.failLocked(fmt.Errorf("%w: %w", ErrXferFailed, err))
+			a.mu.Unlock()
+			a.signal()
+			return
+		}
+	}
+}
+
+func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
+	ds := x.descs[x.split[part]:x.split[part+1]]
+	if x.op == Read {
+		h := make([]byte, 0, 17+16*len(ds))
+		h = append(h, tReadReq)
+		h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
+		h = binary.LittleEndian.AppendUint32(h, uint32(part))
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(ds)))
+		for _, d := range ds {
+			h = binary.LittleEndian.AppendUint64(h, d.Remote)
+			h = binary.LittleEndian.AppendUint64(h, d.Len)
+		}
+		return c.writeFrame(h)
+	}
+	h := make([]byte, 0, 25+len(x.notif)+16*len(ds))
+	h = append(h, tWrite)
+	h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
+	h = binary.LittleEndian.AppendUint32(h, uint32(part))
+	h = binary.LittleEndian.AppendUint32(h, uint32(x.parts))
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(ds)))
+	notif := x.notif
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(notif)))
+	h = append(h, notif...)
+	for _, d := range ds {
+		h = binary.LittleEndian.AppendUint64(h, d.Remote)
+		h = binary.LittleEndian.AppendUint64(h, d.Len)
+	}
+	loc := make([]rng, len(ds))
+	for i, d := range ds {
+		loc[i] = rng{d.Local, d.Len}
+	}
+	// Payload straight from the source memory (writev), held mapped
+	// until it is on the wire.
+	a.memMu.RLock()
+	defer a.memMu.RUnlock()
+	bufs, err := a.resolve([][]byte{h}, loc)
+	if err != nil {
+		return err
+	}
+	return c.writeFrame(bufs...)
+}
+
+// read handles a client connection's answers.
+func (c *conn) read() {
+	a := c.p.owner
+	defer a.wg.Done()
+	var hdr [16]byte
+	for {
+		if err := readFull(c.c, hdr[:1]); err != nil {
+			c.fail(fmt.Errorf("%w: connection to %s lost: %w", ErrXferFailed, c.p.name, err))
+			return
+		}
+		var err error
+		switch hdr[0] {
+		case tAck, tReadResp:
+			err = c.readAnswer(hdr[0], hdr[:])
+		case tNotifAck:
+			if err = readFull(c.c, hdr[:8]); err == nil {
+				if x := c.take(partKey{XferID(binary.LittleEndian.Uint64(hdr[:8])), notifPart}); x != nil {
+					a.finishPart(x, nil)
+				}
+			}
+		default:
+			err = fmt.Errorf("%w: frame type %d from %s", ErrProtocol, hdr[0], c.p.name)
+		}
+		if err != nil {
+			c.fail(fmt.Errorf("%w: %w", ErrXferFailed, err))
+			return
+		}
+	}
+}
+
+func (c *conn) readAnswer(typ byte, hdr []byte) error {
+	a := c.p.owner
+	if err := readFull(c.c, hdr[:16]); err != nil {
+		return err
+	}
+	id := XferID(binary.LittleEndian.Uint64(hdr[:8]))
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	elen := binary.LittleEndian.Uint32(hdr[12:16])
+	if elen > maxErr {
+		return fmt.Errorf("%w: error of %d bytes", ErrProtocol, elen)
+	}
+	var perr error
+	if elen > 0 {
+		msg := make([]byte, elen)
+		if err := readFull(c.c, msg); err != nil {
+			return err
+		}
+		perr = fmt.Errorf("%w: peer %s: %s", ErrXferFailed, c.p.name, msg)
+	}
+	x := c.take(partKey{id, part})
+	if x == nil {
+		if typ == tReadResp && perr == nil {
+			return fmt.Errorf("%w: unexpected read response %d/%d", ErrProtocol, id, part)
+		}
+		return nil
+	}
+	if typ == tReadResp && perr == nil {
+		// Payload straight into our memory.
+		ds := x.descs[x.split[part]:x.split[part+1]]
+		loc := make([]rng, len(ds))
+		for i, d := range ds {
+			loc[i] = rng{d.Local, d.Len}
+		}
+		a.memMu.RLock()
+		bufs, err := a.resolve(nil, loc)
+		if err != nil {
+			// Our memory went away: drain the payload, fail the part.
+			var n int64
+			for _, d := range ds {
+				n += int64(d.Len)
+			}
+			a.memMu.RUnlock()
+			if _, derr := io.CopyN(io.Discard, c.c, n); derr != nil {
+				return derr
+			}
+			a.finishPart(x, fmt.Errorf("%w: %w", ErrXferFailed, err))
+			return nil
+		}
+		for _, b := range bufs {
+			if err := readFull(c.c, b); err != nil {
+				a.memMu.RUnlock()
+				return err
+			}
+		}
+		a.memMu.RUnlock()
+	}
+	a.finishPart(x, perr)
+	return nil
+}
+
+// finishPart records one answered part; a READ sends its notification
+// once every part landed.
+func (a *Agent) finishPart(x *xfer, err error) {
+	a.mu.Lock()
+	if err != nil {
+		x.failLocked(err)
+		a.mu.Unlock()
+		a.signal()
+		return
+	}
+	x.acked++
+	if x.state != InProgress {
+		a.mu.Unlock()
+		return
+	}
+	switch {
+	case x.acked < x.parts:
+	case x.op == Read && x.notif != nil && x.acked == x.parts:
+		a.mu.Unlock()
+		c, cerr := x.peer.conn()
+		if cerr == nil {
+			cerr = c.expect(partKey{x.id, notifPart}, x)
+		}
+		if cerr == nil {
+			h := make([]byte, 0, 13+len(x.notif))
+			h = append(h, tNotifReq)
+			h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
+			h = binary.LittleEndian.AppendUint32(h, uint32(len(x.notif)))
+			cerr = c.writeFrame(append(h, x.notif...))
+		}
+		if cerr != nil {
+			a.mu.Lock()
+			x.failLocked(fmt.Errorf("%w: notification: %w", ErrXferFailed, cerr))
+			a.mu.Unlock()
+			a.signal()
+		}
+		return
+	default:
+		x.state = Done
+	}
+	a.mu.Unlock()
+	a.signal()
+}
+
+// State polls a transfer.
+func (a *Agent) State(id XferID) (State, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	x := a.mu.xfers[id]
+	if x == nil {
+		if a.mu.closed {
+			return 0, ErrClosed
+		}
+		return 0, fmt.Errorf("netxfer: state of transfer %d: %w", id, ErrUnknownXfer)
+	}
+	return x.state, x.err
+}
+
+// Release forgets a transfer. A transfer still in progress keeps moving
+// (nothing can recall bytes on the wire), but its outcome is dropped.
+func (a *Agent) Release(id XferID) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if _, ok := a.mu.xfers[id]; !ok {
+		return fmt.Errorf("netxfer: release transfer %d: %w", id, ErrUnknownXfer)
+	}
+	delete(a.mu.xfers, id)
+	return nil
+}
+
+
+// frame builders
+
+func appendNotif(b, msg []byte) []byte {
+	b = append(b, tNotif)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(msg)))
+	return append(b, msg...)
+}
