@@ -529,7 +529,6 @@ func (a *Agent) Release(id XferID) error {
 	return nil
 }
 
-
 // frame builders
 
 func appendNotif(b, msg []byte) []byte {
