@@ -35,6 +35,38 @@ type simEngine struct {
 
 func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
+	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		a, err := fab.NewAgent(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Map(r.Base, r.Mem); err != nil {
+			t.Fatal(err)
+		}
+		return a, a
+	})
+}
+
+// startNetEngine runs an engine's ranks on the built-in TCP backend
+// (loopback; the in-process direct copy turned off).
+func startNetEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+	t.Helper()
+	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		b, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2, Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Close() })
+		if err := b.Map(r.Base, r.Mem); err != nil {
+			t.Fatal(err)
+		}
+		return b, nil
+	})
+}
+
+func startEngineOn(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig),
+	backend func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent)) *simEngine {
+	t.Helper()
 	ranks, err := kvsim.Build(m, &e)
 	if err != nil {
 		t.Fatal(err)
@@ -44,14 +76,8 @@ func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m 
 		se.agents = append(se.agents, nil)
 		se.workers = append(se.workers, nil)
 		for tp, r := range stage {
-			a, err := fab.NewAgent(fmt.Sprintf("%s/pp%d/tp%d", id, pp, tp))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := a.Map(r.Base, r.Mem); err != nil {
-				t.Fatal(err)
-			}
-			cfg := kvxfer.WorkerConfig{EngineID: id, Addr: id + ":1", Mode: mode, Layout: r.Layout, Backend: a,
+			be, fake := backend(fmt.Sprintf("%s/pp%d/tp%d", id, pp, tp), r)
+			cfg := kvxfer.WorkerConfig{EngineID: id, Addr: id + ":1", Mode: mode, Layout: r.Layout, Backend: be,
 				Resolver: dir, CompatHash: "model-x", Logger: quiet}
 			if tweak != nil {
 				tweak(&cfg)
@@ -60,14 +86,14 @@ func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m 
 			if err != nil {
 				t.Fatal(err)
 			}
-			meta, err := a.LocalMetadata()
+			meta, err := be.LocalMetadata()
 			if err != nil {
 				t.Fatal(err)
 			}
 			if err := dir.Publish(kvxfer.RankInfo{EngineID: id, CompatHash: "model-x", Layout: r.Layout, Agent: meta}); err != nil {
 				t.Fatal(err)
 			}
-			se.agents[pp] = append(se.agents[pp], a)
+			se.agents[pp] = append(se.agents[pp], fake)
 			se.workers[pp] = append(se.workers[pp], w)
 		}
 	}

@@ -18,6 +18,7 @@ type e2eCase struct {
 	p, d      kvsim.Engine
 	fragment  bool
 	layerwise bool
+	tcp       bool // the built-in backend over loopback TCP, in real time
 }
 
 func e2eEngine(id, tp, pp, logical, kernel int) kvsim.Engine {
@@ -60,11 +61,34 @@ func TestEndToEnd(t *testing.T) {
 	}
 }
 
+// TestEndToEndTCP runs the same transfers over the built-in backend on
+// loopback TCP, in real time: real sockets, several connections per peer,
+// the zero-copy send and receive paths.
+func TestEndToEndTCP(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, c := range e2eCases() {
+			c.tcp = true
+			t.Run(mode.String()+"/"+c.name, func(t *testing.T) { runE2E(t, c, mode) })
+		}
+	}
+	c := e2eCases()[1]
+	c.tcp, c.layerwise = true, true
+	t.Run("layerwise/"+c.name, func(t *testing.T) { runE2E(t, c, kvxfer.ModePush) })
+}
+
 func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	fab := kvxfertest.NewFabric()
 	dir := kvxfer.NewDirectory()
-	p := startEngine(t, fab, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
-	d := startEngine(t, fab, dir, &c.model, c.d, "D", mode, nil)
+	settle := synctest.Wait
+	var p, d *simEngine
+	if c.tcp {
+		settle = func() { time.Sleep(2 * time.Millisecond) }
+		p = startNetEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
+		d = startNetEngine(t, dir, &c.model, c.d, "D", mode, nil)
+	} else {
+		p = startEngine(t, fab, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
+		d = startEngine(t, fab, dir, &c.model, c.d, "D", mode, nil)
+	}
 	defer d.close(t)
 	defer p.close(t)
 
@@ -115,7 +139,7 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 		// saved one by one, then the requests finish.
 		p.step(t, &kvxfer.StepMeta{Step: 1, SchedulerClock: now, Prefill: pm.Send[:n/2]})
 		d.step(t, &dm)
-		synctest.Wait()
+		settle()
 		p.step(t, &kvxfer.StepMeta{Step: 2, SchedulerClock: now, Prefill: pm.Send[n/2:]})
 		for step := uint64(1); step <= 2; step++ {
 			for _, stage := range p.workers {
@@ -125,7 +149,7 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 						if err := w.LayerSaved(step, layer); err != nil {
 							t.Fatal(err)
 						}
-						synctest.Wait()
+						settle()
 					}
 				}
 			}
@@ -138,8 +162,12 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	}
 
 	out := newOutcomes()
-	for range 200 {
-		synctest.Wait()
+	rounds := 200
+	if c.tcp {
+		rounds = 5000 // 10 s of real time at most
+	}
+	for range rounds {
+		settle()
 		out.collect(t, p)
 		out.collect(t, d)
 		if len(out.seen) == expectedReports(reqs, p, d, &dm) {
