@@ -55,9 +55,12 @@ var Rules = []Rule{
 		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "internal/shm imports std and x/sys", Prefix: "internal/shm",
+		Allowed: []string{"golang.org/x/sys/..."}},
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
-		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...",
-			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/..."}},
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...",
+			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
+			"github.com/klauspost/compress/..."}},
 }
 
 // ruleFor returns the rule for a module-relative package path.

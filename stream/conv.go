@@ -1,0 +1,270 @@
+package stream
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// ErrInvalid wraps every error about a malformed message; Status maps it
+// to InvalidArgument.
+var ErrInvalid = errors.New("stream: invalid message")
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrInvalid, fmt.Sprintf(format, args...))
+}
+
+// The proto enums number their values like topology's and kvxfer's, so a
+// checked cast converts them.
+
+func fitInt(field string, v int64) (int, error) {
+	if v < math.MinInt32 || v > math.MaxInt32 {
+		return 0, invalid("%s = %d out of range", field, v)
+	}
+	return int(v), nil
+}
+
+// LayoutFromProto converts and validates a layout.
+func LayoutFromProto(field string, p *pb.KvLayout) (topology.Layout, error) {
+	if p == nil {
+		return topology.Layout{}, invalid("%s is missing", field)
+	}
+	l := topology.Layout{TPRank: int(p.TpRank), TPSize: int(p.TpSize), PPRank: int(p.PpRank), PPSize: int(p.PpSize),
+		TotalKVHeads: int(p.TotalKvHeads), HeadSize: int(p.HeadSize), ElemBytes: int(p.ElemBytes),
+		KVLayout: topology.KVLayout(p.Order), Packing: topology.KVPacking(p.Packing),
+		LogicalBlockSize: int(p.LogicalBlockSize), KernelBlockSize: int(p.KernelBlockSize), RegionOffset: int(p.RegionOffset)}
+	if p.Order < 1 || p.Order > 2 {
+		return l, invalid("%s.order = %v, want HND or NHD", field, p.Order)
+	}
+	if p.Packing < 1 || p.Packing > 3 {
+		return l, invalid("%s.packing = %v, want packed, split or separate", field, p.Packing)
+	}
+	for i, r := range p.Regions {
+		f := fmt.Sprintf("%s.regions[%d]", field, i)
+		if r.Kind < 1 || r.Kind > 4 {
+			return l, invalid("%s.kind = %v unknown", f, r.Kind)
+		}
+		w, err := fitInt(f+".window", r.Window)
+		if err != nil {
+			return l, err
+		}
+		nb, err := fitInt(f+".num_blocks", r.NumBlocks)
+		if err != nil {
+			return l, err
+		}
+		l.Regions = append(l.Regions, topology.Region{Kind: topology.Kind(r.Kind), Window: w, Base: r.Base, BlockLen: r.BlockLen,
+			NumBlocks: nb, DeviceID: r.DeviceId, ConvBytes: r.ConvBytes, SSMBytes: r.SsmBytes})
+	}
+	for i, g := range p.Groups {
+		f := fmt.Sprintf("%s.groups[%d]", field, i)
+		if g.Kind < 1 || g.Kind > 4 {
+			return l, invalid("%s.kind = %v unknown", f, g.Kind)
+		}
+		w, err := fitInt(f+".window", g.Window)
+		if err != nil {
+			return l, err
+		}
+		grp := topology.Group{Kind: topology.Kind(g.Kind), Window: w}
+		for _, r := range g.Regions {
+			grp.Regions = append(grp.Regions, int(r))
+		}
+		l.Groups = append(l.Groups, grp)
+	}
+	if err := l.Validate(); err != nil {
+		return l, fmt.Errorf("%w: %s: %w", ErrInvalid, field, err)
+	}
+	return l, nil
+}
+
+// LayoutToProto converts a layout.
+func LayoutToProto(l *topology.Layout) *pb.KvLayout {
+	p := &pb.KvLayout{TpRank: int32(l.TPRank), TpSize: int32(l.TPSize), PpRank: int32(l.PPRank), PpSize: int32(l.PPSize),
+		TotalKvHeads: int32(l.TotalKVHeads), HeadSize: int32(l.HeadSize), ElemBytes: int32(l.ElemBytes),
+		Order: pb.KvLayoutOrder(l.KVLayout), Packing: pb.KvPacking(l.Packing),
+		LogicalBlockSize: int32(l.LogicalBlockSize), KernelBlockSize: int32(l.KernelBlockSize), RegionOffset: int32(l.RegionOffset)}
+	for _, r := range l.Regions {
+		p.Regions = append(p.Regions, &pb.Region{Kind: pb.CacheKind(r.Kind), Window: int64(r.Window), Base: r.Base, BlockLen: r.BlockLen,
+			NumBlocks: int64(r.NumBlocks), DeviceId: r.DeviceID, ConvBytes: r.ConvBytes, SsmBytes: r.SSMBytes})
+	}
+	for _, g := range l.Groups {
+		pg := &pb.CacheGroup{Kind: pb.CacheKind(g.Kind), Window: int64(g.Window)}
+		for _, r := range g.Regions {
+			pg.Regions = append(pg.Regions, int32(r))
+		}
+		p.Groups = append(p.Groups, pg)
+	}
+	return p
+}
+
+func spansFromProto(field string, ps []*pb.Span) ([]topology.Span, error) {
+	if len(ps) == 0 {
+		return nil, nil
+	}
+	out := make([]topology.Span, len(ps))
+	for i, s := range ps {
+		if s == nil {
+			return nil, invalid("%s[%d] is missing", field, i)
+		}
+		st, err := fitInt(fmt.Sprintf("%s[%d].start", field, i), s.Start)
+		if err != nil {
+			return nil, err
+		}
+		ids := make([]topology.BlockID, len(s.BlockIds))
+		for j, b := range s.BlockIds {
+			ids[j] = topology.BlockID(b)
+		}
+		out[i] = topology.Span{Start: st, IDs: ids}
+	}
+	return out, nil
+}
+
+func spansToProto(ss []topology.Span) []*pb.Span {
+	out := make([]*pb.Span, len(ss))
+	for i, s := range ss {
+		ids := make([]int32, len(s.IDs))
+		for j, b := range s.IDs {
+			ids[j] = int32(b)
+		}
+		out[i] = &pb.Span{Start: int64(s.Start), BlockIds: ids}
+	}
+	return out
+}
+
+func timeFrom(ns int64) time.Time {
+	if ns == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, ns)
+}
+
+func timeTo(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+// StepFromProto converts a step's metadata; errors name the field.
+func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
+	if p == nil {
+		return nil, invalid("step is missing")
+	}
+	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed}
+	for i, r := range p.Recv {
+		f := fmt.Sprintf("step.recv[%d]", i)
+		if r == nil || r.Remote == nil {
+			return nil, invalid("%s.remote is missing", f)
+		}
+		local, err := spansFromProto(f+".local", r.Local)
+		if err != nil {
+			return nil, err
+		}
+		blocks, err := spansFromProto(f+".remote.blocks", r.Remote.Blocks)
+		if err != nil {
+			return nil, err
+		}
+		tok, err := fitInt(f+".remote.tokens", r.Remote.Tokens)
+		if err != nil {
+			return nil, err
+		}
+		m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: r.RequestId, TransferID: r.TransferId, Local: local, Aborted: r.Aborted,
+			Deadline: timeFrom(r.DeadlineUnixNanos),
+			Remote: kvxfer.RemoteRef{EngineID: r.Remote.EngineId, Addr: r.Remote.Addr, ReqID: r.Remote.RequestId,
+				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos)}})
+	}
+	conv := func(name string, in []*pb.SendRequest) ([]kvxfer.SendReq, error) {
+		var out []kvxfer.SendReq
+		for i, s := range in {
+			f := fmt.Sprintf("step.%s[%d]", name, i)
+			if s == nil {
+				return nil, invalid("%s is missing", f)
+			}
+			blocks, err := spansFromProto(f+".blocks", s.Blocks)
+			if err != nil {
+				return nil, err
+			}
+			tok, err := fitInt(f+".tokens", s.Tokens)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, kvxfer.SendReq{ReqID: s.RequestId, TransferID: s.TransferId, Deadline: timeFrom(s.DeadlineUnixNanos), Blocks: blocks, Tokens: tok})
+		}
+		return out, nil
+	}
+	var err error
+	if m.Send, err = conv("send", p.Send); err != nil {
+		return nil, err
+	}
+	if m.Prefill, err = conv("prefill", p.Prefill); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// StepToProto converts a step's metadata.
+func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta {
+	p := &pb.StepMeta{Step: m.Step, SchedulerClockUnixNanos: timeTo(m.SchedulerClock), NotProcessed: m.NotProcessed}
+	for _, r := range m.Recv {
+		p.Recv = append(p.Recv, &pb.RecvRequest{RequestId: r.ReqID, TransferId: r.TransferID, Local: spansToProto(r.Local), Aborted: r.Aborted,
+			DeadlineUnixNanos: timeTo(r.Deadline),
+			Remote: &pb.RemoteRef{EngineId: r.Remote.EngineID, Addr: r.Remote.Addr, RequestId: r.Remote.ReqID, TpSize: int32(r.Remote.TPSize),
+				PpSize: int32(r.Remote.PPSize), Blocks: spansToProto(r.Remote.Blocks), Tokens: int64(r.Remote.Tokens), ExpiryUnixNanos: timeTo(r.Remote.Expiry)}})
+	}
+	conv := func(in []kvxfer.SendReq) []*pb.SendRequest {
+		var out []*pb.SendRequest
+		for _, s := range in {
+			out = append(out, &pb.SendRequest{RequestId: s.ReqID, TransferId: s.TransferID, DeadlineUnixNanos: timeTo(s.Deadline), Blocks: spansToProto(s.Blocks), Tokens: int64(s.Tokens)})
+		}
+		return out
+	}
+	p.Send, p.Prefill = conv(m.Send), conv(m.Prefill)
+	return p
+}
+
+// FinishedToProto converts a rank's finished sets.
+func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
+	p := &pb.Finished{}
+	conv := func(os []kvxfer.Outcome) []*pb.Outcome {
+		var out []*pb.Outcome
+		for _, o := range os {
+			out = append(out, &pb.Outcome{RequestId: o.ReqID, Result: pb.Outcome_Result(o.Result), Reason: o.Reason})
+		}
+		return out
+	}
+	p.Sending, p.Recving = conv(f.Sending), conv(f.Recving)
+	for _, b := range f.InvalidBlocks {
+		p.InvalidBlockIds = append(p.InvalidBlockIds, int32(b))
+	}
+	return p
+}
+
+// FinishedFromProto converts finished sets (client side).
+func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
+	var f kvxfer.Finished
+	conv := func(name string, ps []*pb.Outcome) ([]kvxfer.Outcome, error) {
+		var out []kvxfer.Outcome
+		for i, o := range ps {
+			if o == nil || o.Result < 1 || o.Result > 4 {
+				return nil, invalid("finished.%s[%d].result unknown", name, i)
+			}
+			out = append(out, kvxfer.Outcome{ReqID: o.RequestId, Result: kvxfer.Result(o.Result), Reason: o.Reason})
+		}
+		return out, nil
+	}
+	var err error
+	if f.Sending, err = conv("sending", p.GetSending()); err != nil {
+		return f, err
+	}
+	if f.Recving, err = conv("recving", p.GetRecving()); err != nil {
+		return f, err
+	}
+	for _, b := range p.GetInvalidBlockIds() {
+		f.InvalidBlocks = append(f.InvalidBlocks, topology.BlockID(b))
+	}
+	return f, nil
+}
