@@ -10,6 +10,7 @@ require (
 )
 
 require (
+	github.com/klauspost/compress v1.18.0 // indirect
 	golang.org/x/net v0.42.0 // indirect
 	golang.org/x/text v0.27.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20250804133106-a7a43d27e69b // indirect

@@ -1,0 +1,181 @@
+package stream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Client is an engine's connection to its kvxferd. It is safe for
+// concurrent use.
+type Client struct {
+	cc *grpc.ClientConn
+}
+
+// Dial connects to kvxferd at target ("unix:///run/kvxferd.sock" or
+// host:port). Extra options follow the defaults (insecure transport).
+func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
+	cc, err := grpc.NewClient(target, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts...)...)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{cc: cc}, nil
+}
+
+// Close closes the connection.
+func (c *Client) Close() error { return c.cc.Close() }
+
+// Memory is a shared-memory file holding part of a rank's KV cache,
+// mapped by the engine at Base.
+type Memory struct {
+	Path       string
+	Base, Size uint64
+}
+
+// Hello describes a rank when its stream opens.
+type Hello struct {
+	EngineID   string
+	Mode       kvxfer.Mode
+	Layout     topology.Layout
+	Memory     []Memory
+	CompatHash string
+	Layerwise  bool
+}
+
+// RankStream is one worker rank's stream. Step and LayerSaved may be
+// called from any goroutine; Finished delivers the rank's outcomes.
+type RankStream struct {
+	st       grpc.BidiStreamingClient[pb.ConnectRequest, pb.ConnectResponse]
+	cancel   context.CancelFunc
+	sendMu   sync.Mutex
+	finished chan kvxfer.Finished
+	errs     chan string
+	done     chan struct{}
+	err      error
+}
+
+// Connect opens a rank's stream and waits for kvxferd's ready. Finished
+// sets arrive on the returned stream's Finished channel until it closes.
+func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
+	sctx, cancel := context.WithCancel(context.Background())
+	st, err := pb.NewWorkerServiceClient(c.cc).Connect(sctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise}
+	for _, m := range h.Memory {
+		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size})
+	}
+	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
+		cancel()
+		return nil, err
+	}
+	type first struct {
+		m   *pb.ConnectResponse
+		err error
+	}
+	ch := make(chan first, 1)
+	go func() { m, err := st.Recv(); ch <- first{m, err} }()
+	var f first
+	select {
+	case f = <-ch:
+	case <-ctx.Done():
+		cancel()
+		return nil, ctx.Err()
+	}
+	if f.err != nil {
+		cancel()
+		return nil, f.err
+	}
+	if f.m.GetReady() == nil {
+		cancel()
+		return nil, fmt.Errorf("stream: kvxferd answered hello with %T", f.m.Msg)
+	}
+	r := &RankStream{st: st, cancel: cancel, finished: make(chan kvxfer.Finished, 64), errs: make(chan string, 16), done: make(chan struct{})}
+	go r.read()
+	return r, nil
+}
+
+func (r *RankStream) read() {
+	defer close(r.done)
+	defer close(r.finished)
+	for {
+		m, err := r.st.Recv()
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				r.err = err
+			}
+			return
+		}
+		switch x := m.Msg.(type) {
+		case *pb.ConnectResponse_Finished:
+			f, err := FinishedFromProto(x.Finished)
+			if err != nil {
+				r.err = err
+				return
+			}
+			r.finished <- f
+		case *pb.ConnectResponse_StepError:
+			select {
+			case r.errs <- fmt.Sprintf("step %d: %s", x.StepError.Step, x.StepError.Message):
+			default:
+			}
+		}
+	}
+}
+
+func (r *RankStream) send(m *pb.ConnectRequest) error {
+	r.sendMu.Lock()
+	defer r.sendMu.Unlock()
+	return r.st.Send(m)
+}
+
+// Step hands the rank one step's metadata.
+func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
+	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: StepToProto(meta)}})
+}
+
+// LayerSaved reports a layer of a step saved (layer-wise push).
+func (r *RankStream) LayerSaved(step uint64, layer int) error {
+	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_LayerSaved{LayerSaved: &pb.LayerSaved{Step: step, Layer: int32(layer)}}})
+}
+
+// Finished delivers the rank's finished sets; it closes when the stream
+// ends.
+func (r *RankStream) Finished() <-chan kvxfer.Finished { return r.finished }
+
+// StepErrors delivers rejected step entries (dropped when nobody reads).
+func (r *RankStream) StepErrors() <-chan string { return r.errs }
+
+// Close says bye: kvxferd lets the rank's transfers finish, sends every
+// outcome left and ends the stream. Close returns once it ended (drain
+// Finished meanwhile) or ctx ends.
+func (r *RankStream) Close(ctx context.Context) error {
+	err := r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Bye{Bye: &pb.Bye{}}})
+	if err == nil {
+		r.sendMu.Lock()
+		err = r.st.CloseSend()
+		r.sendMu.Unlock()
+	}
+	select {
+	case <-r.done:
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	r.cancel()
+	<-r.done
+	if err == nil {
+		err = r.err
+	}
+	return err
+}

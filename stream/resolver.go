@@ -1,0 +1,104 @@
+package stream
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/klauspost/compress/zstd"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// maxHandshake caps a decompressed handshake payload.
+const maxHandshake = 256 << 20
+
+// PeerResolver handshakes with peer daemons over PeerService; it keeps one
+// client connection per address. It implements kvxfer.Resolver and is
+// safe for concurrent use.
+type PeerResolver struct {
+	dec *zstd.Decoder
+	mu  struct {
+		sync.Mutex
+		conns map[string]*grpc.ClientConn
+	}
+}
+
+var _ kvxfer.Resolver = (*PeerResolver)(nil)
+
+// NewPeerResolver returns a resolver.
+func NewPeerResolver() *PeerResolver {
+	dec, _ := zstd.NewReader(nil, zstd.WithDecoderMaxMemory(maxHandshake), zstd.WithDecoderConcurrency(1))
+	r := &PeerResolver{dec: dec}
+	r.mu.conns = map[string]*grpc.ClientConn{}
+	return r
+}
+
+func (r *PeerResolver) conn(addr string) (*grpc.ClientConn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c := r.mu.conns[addr]; c != nil {
+		return c, nil
+	}
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	r.mu.conns[addr] = c
+	return c, nil
+}
+
+// Handshake implements kvxfer.Resolver. The clock offset is the peer's
+// clock minus the midpoint of the call.
+func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
+	c, err := r.conn(addr)
+	if err != nil {
+		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+	}
+	t0 := time.Now()
+	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true})
+	t1 := time.Now()
+	if err != nil {
+		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+	}
+	payload := resp.Payload
+	if resp.Zstd {
+		if payload, err = r.dec.DecodeAll(resp.Payload, nil); err != nil {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: payload: %w", kvxfer.ErrBadMetadata, engineID, err)
+		}
+	}
+	var list pb.RankList
+	if err := proto.Unmarshal(payload, &list); err != nil {
+		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: payload: %w", kvxfer.ErrBadMetadata, engineID, err)
+	}
+	out := kvxfer.HandshakeResult{Generation: resp.Generation}
+	mid := t0.Add(t1.Sub(t0) / 2)
+	out.ClockOffset = time.Unix(0, resp.ServerUnixNanos).Sub(mid)
+	for i, ri := range list.Ranks {
+		if ri.EngineId != engineID {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: rank %d is of engine %q", kvxfer.ErrBadMetadata, engineID, i, ri.EngineId)
+		}
+		l, err := LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
+		if err != nil {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: %w", kvxfer.ErrBadMetadata, engineID, err)
+		}
+		out.Ranks = append(out.Ranks, kvxfer.RankInfo{EngineID: ri.EngineId, CompatHash: ri.CompatHash, Layout: l, Agent: ri.Agent})
+	}
+	return out, nil
+}
+
+// Close closes the client connections.
+func (r *PeerResolver) Close() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, c := range r.mu.conns {
+		_ = c.Close()
+	}
+	r.mu.conns = map[string]*grpc.ClientConn{}
+	r.dec.Close()
+}

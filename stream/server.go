@@ -1,0 +1,468 @@
+package stream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/klauspost/compress/zstd"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+var errDraining = errors.New("stream: kvxferd is shutting down")
+
+// Backend is a transfer backend that adopts mapped memory: what the
+// server needs to serve an engine's shared-memory KV cache.
+type Backend interface {
+	kvxfer.Backend
+	Map(base uint64, mem []byte) error
+}
+
+// ServerConfig configures a Server. Zero fields mean the defaults.
+type ServerConfig struct {
+	// PeerAddr is the address of this daemon's Peer service that other
+	// daemons dial (host:port); engines' transfer params carry it.
+	PeerAddr string
+	// ShmDir is the only directory shared-memory files are mapped from
+	// (default /dev/shm).
+	ShmDir string
+	// NewBackend makes the backend of one rank (default: a NetBackend
+	// listening on 127.0.0.1).
+	NewBackend func(engine string, layout *topology.Layout) (Backend, error)
+	// Resolver handshakes with peer engines (default: a PeerResolver).
+	Resolver kvxfer.Resolver
+	// WorkerConfig, when set, adjusts each rank's WorkerConfig (leases,
+	// timeouts) before the Worker starts.
+	WorkerConfig func(*kvxfer.WorkerConfig)
+	// DrainTimeout bounds how long a closing rank waits for its
+	// transfers (default 30 s).
+	DrainTimeout time.Duration
+	// CompressAbove compresses handshake payloads larger than this many
+	// bytes when the caller accepts it (default 1024; negative: never).
+	CompressAbove int
+	Logger        *slog.Logger
+}
+
+// Server implements the kvxfer.v1 WorkerService and PeerService. It is
+// safe for concurrent use.
+type Server struct {
+	pb.UnimplementedWorkerServiceServer
+	pb.UnimplementedPeerServiceServer
+
+	cfg      ServerConfig
+	log      *slog.Logger
+	resolver *PeerResolver
+	enc      *zstd.Encoder
+	draining chan struct{}
+	drainOne sync.Once
+	streams  sync.WaitGroup
+
+	mu struct {
+		sync.Mutex
+		gen     uint64
+		engines map[string]*engineEntry
+	}
+}
+
+type engineEntry struct {
+	gen   uint64
+	ranks map[[2]int]*rankEntry
+}
+
+type rankEntry struct {
+	info   kvxfer.RankInfo
+	worker *kvxfer.Worker
+}
+
+// NewServer returns a Server.
+func NewServer(cfg ServerConfig) (*Server, error) {
+	if cfg.PeerAddr == "" {
+		return nil, errors.New("stream: ServerConfig.PeerAddr is empty")
+	}
+	if cfg.ShmDir == "" {
+		cfg.ShmDir = "/dev/shm"
+	}
+	if cfg.DrainTimeout <= 0 {
+		cfg.DrainTimeout = 30 * time.Second
+	}
+	if cfg.CompressAbove == 0 {
+		cfg.CompressAbove = 1024
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.NewBackend == nil {
+		log := cfg.Logger
+		cfg.NewBackend = func(string, *topology.Layout) (Backend, error) {
+			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: log})
+		}
+	}
+	enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{})}
+	if cfg.Resolver == nil {
+		s.resolver = NewPeerResolver()
+		s.cfg.Resolver = s.resolver
+	}
+	s.mu.engines = map[string]*engineEntry{}
+	return s, nil
+}
+
+// Register adds the server's services to g.
+func (s *Server) Register(g *grpc.Server) {
+	pb.RegisterWorkerServiceServer(g, s)
+	pb.RegisterPeerServiceServer(g, s)
+}
+
+// Workers returns every rank's worker, for metrics.
+func (s *Server) Workers() map[string][]*kvxfer.Worker {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string][]*kvxfer.Worker{}
+	for id, e := range s.mu.engines {
+		for _, r := range e.ranks {
+			out[id] = append(out[id], r.worker)
+		}
+	}
+	return out
+}
+
+// Drain makes every worker stream finish: each rank lets its transfers
+// complete (up to DrainTimeout), reports every outcome, releases its
+// memory and ends its stream. It returns when they all ended or ctx ends.
+func (s *Server) Drain(ctx context.Context) error {
+	s.drainOne.Do(func() { close(s.draining) })
+	done := make(chan struct{})
+	go func() { s.streams.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Close releases the server's own resources (after Drain).
+func (s *Server) Close() error {
+	if s.resolver != nil {
+		s.resolver.Close()
+	}
+	return s.enc.Close()
+}
+
+func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.mu.engines[info.EngineID]
+	if e == nil {
+		e = &engineEntry{ranks: map[[2]int]*rankEntry{}}
+		s.mu.engines[info.EngineID] = e
+	}
+	s.mu.gen++
+	e.gen = s.mu.gen
+	e.ranks[[2]int{info.Layout.PPRank, info.Layout.TPRank}] = &rankEntry{info: info, worker: w}
+}
+
+func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.mu.engines[engine]
+	if e == nil {
+		return
+	}
+	k := [2]int{l.PPRank, l.TPRank}
+	if r := e.ranks[k]; r != nil && r.worker == w {
+		delete(e.ranks, k)
+		s.mu.gen++
+		e.gen = s.mu.gen
+	}
+	if len(e.ranks) == 0 {
+		delete(s.mu.engines, engine)
+	}
+}
+
+// Handshake implements PeerService: an engine's ranks, zstd-compressed
+// when large and the caller accepts it.
+func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
+	if req.GetEngineId() == "" {
+		return nil, Status(invalid("handshake.engine_id is empty"))
+	}
+	s.mu.Lock()
+	e := s.mu.engines[req.EngineId]
+	var list pb.RankList
+	var gen uint64
+	if e != nil {
+		gen = e.gen
+		for _, r := range e.ranks {
+			list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: r.info.EngineID, CompatHash: r.info.CompatHash,
+				Layout: LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
+		}
+	}
+	s.mu.Unlock()
+	if e == nil {
+		return nil, Status(fmt.Errorf("handshake: engine %q: %w", req.EngineId, kvxfer.ErrUnknownEngine))
+	}
+	payload, err := proto.Marshal(&list)
+	if err != nil {
+		return nil, Status(err)
+	}
+	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: gen}
+	if req.AcceptZstd && s.cfg.CompressAbove >= 0 && len(payload) > s.cfg.CompressAbove {
+		payload = s.enc.EncodeAll(payload, nil)
+		resp.Zstd = true
+	}
+	resp.Payload = payload
+	resp.ServerUnixNanos = time.Now().UnixNano()
+	return resp, nil
+}
+
+// Connect implements WorkerService: one engine rank's stream.
+func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
+	select {
+	case <-s.draining:
+		return Status(errDraining)
+	default:
+	}
+	s.streams.Add(1)
+	defer s.streams.Done()
+	first, err := st.Recv()
+	if err != nil {
+		return Status(err)
+	}
+	hello := first.GetHello()
+	if hello == nil {
+		return Status(invalid("the first message of a worker stream must be hello"))
+	}
+	r, err := s.attach(hello)
+	if err != nil {
+		return Status(err)
+	}
+	defer r.detach()
+	if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Ready{Ready: &pb.Ready{AgentName: r.agent}}}); err != nil {
+		return Status(err)
+	}
+	return r.serve(st)
+}
+
+// rank is one attached engine rank.
+type rank struct {
+	s        *Server
+	engine   string
+	layout   topology.Layout
+	backend  Backend
+	worker   *kvxfer.Worker
+	mappings []*shm.Mapping
+	agent    string
+}
+
+// attach validates a hello, maps the rank's memory, starts its backend
+// and worker, and publishes it for handshakes.
+func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
+	if h.EngineId == "" {
+		return nil, invalid("hello.engine_id is empty")
+	}
+	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
+		return nil, invalid("hello.mode = %v, want push or pull", h.Mode)
+	}
+	l, err := LayoutFromProto("hello.layout", h.Layout)
+	if err != nil {
+		return nil, err
+	}
+	r := &rank{s: s, engine: h.EngineId, layout: l}
+	defer func() {
+		if err != nil {
+			r.release()
+		}
+	}()
+	if len(h.Memory) == 0 {
+		return nil, invalid("hello.memory is empty")
+	}
+	for i, m := range h.Memory {
+		if m.GetPath() == "" || m.GetSize() == 0 || m.Base+m.Size < m.Base {
+			return nil, invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
+		}
+	}
+	for i, reg := range l.Regions {
+		end := reg.Base + uint64(reg.BlockLen)*uint64(reg.NumBlocks)
+		inside := false
+		for _, m := range h.Memory {
+			inside = inside || reg.Base >= m.Base && end <= m.Base+m.Size
+		}
+		if !inside {
+			return nil, invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory file", i, reg.Base, end)
+		}
+	}
+	for i, m := range h.Memory {
+		mp, err := shm.Map(s.cfg.ShmDir, m.Path, m.Size)
+		if err != nil {
+			return nil, invalid("hello.memory[%d]: %v", i, err)
+		}
+		r.mappings = append(r.mappings, mp)
+	}
+	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l); err != nil {
+		return nil, fmt.Errorf("stream: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
+	}
+	for i, m := range h.Memory {
+		if err := r.backend.Map(m.Base, r.mappings[i].Bytes); err != nil {
+			return nil, invalid("hello.memory[%d]: %v", i, err)
+		}
+	}
+	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
+		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log}
+	if s.cfg.WorkerConfig != nil {
+		s.cfg.WorkerConfig(&wc)
+	}
+	if r.worker, err = kvxfer.NewWorker(wc); err != nil {
+		return nil, err
+	}
+	meta, err := r.backend.LocalMetadata()
+	if err != nil {
+		return nil, err
+	}
+	r.agent = string(meta)
+	s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker)
+	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions))
+	return r, nil
+}
+
+// release frees what attach acquired, in reverse order.
+func (r *rank) release() {
+	if r.worker != nil {
+		_ = r.worker.Close()
+	}
+	if r.backend != nil {
+		_ = r.backend.Close()
+	}
+	for _, m := range r.mappings {
+		_ = m.Close()
+	}
+}
+
+func (r *rank) detach() {
+	r.s.unpublish(r.engine, &r.layout, r.worker)
+	r.release()
+	r.s.log.Info("kvxferd: rank detached", "engine", r.engine, "tp_rank", r.layout.TPRank, "pp_rank", r.layout.PPRank)
+}
+
+// serve runs the stream: this goroutine receives; one goroutine sends.
+func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
+	ctx := st.Context()
+	out := make(chan *pb.ConnectResponse, 16)
+	sendErr := make(chan error, 1)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // the one sender
+		defer wg.Done()
+		for {
+			var m *pb.ConnectResponse
+			select {
+			case <-r.worker.Ready():
+				f := r.worker.Finished()
+				m = &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: FinishedToProto(&f)}}
+			case m = <-out:
+			case <-stop:
+				return
+			}
+			if err := st.Send(m); err != nil {
+				sendErr <- err
+				return
+			}
+		}
+	}()
+	recvd := make(chan *pb.ConnectRequest)
+	recvErr := make(chan error, 1)
+	go func() { // the one receiver
+		for {
+			m, err := st.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			select {
+			case recvd <- m:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	finish := func(graceful bool) error {
+		if graceful {
+			r.drain()
+		}
+		close(stop)
+		wg.Wait()
+		if graceful {
+			// Everything left, reported once, before the stream ends.
+			_ = r.worker.Close()
+			f := r.worker.Finished()
+			if len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
+				_ = st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: FinishedToProto(&f)}})
+			}
+		}
+		return nil
+	}
+	for {
+		select {
+		case <-r.s.draining:
+			return finish(true)
+		case err := <-sendErr:
+			finish(false)
+			return Status(err)
+		case err := <-recvErr:
+			finish(false)
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return Status(err)
+		case m := <-recvd:
+			switch x := m.Msg.(type) {
+			case *pb.ConnectRequest_Step:
+				meta, err := StepFromProto(x.Step)
+				if err == nil {
+					err = r.worker.Step(meta)
+				}
+				if err != nil {
+					select {
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: err.Error()}}}:
+					case <-ctx.Done():
+					}
+				}
+			case *pb.ConnectRequest_LayerSaved:
+				_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+			case *pb.ConnectRequest_Bye:
+				return finish(true)
+			case *pb.ConnectRequest_Hello:
+				finish(false)
+				return Status(invalid("hello sent twice on one stream"))
+			default:
+				finish(false)
+				return Status(invalid("empty message"))
+			}
+		}
+	}
+}
+
+// drain waits until the rank holds no request, or DrainTimeout.
+func (r *rank) drain() {
+	deadline := time.Now().Add(r.s.cfg.DrainTimeout)
+	for time.Now().Before(deadline) {
+		st, err := r.worker.State()
+		if err != nil || st.Sends+st.Recvs+st.Handles == 0 {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

@@ -1,0 +1,43 @@
+package stream
+
+import (
+	"context"
+	"errors"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// Status maps an error to a gRPC status error: the only place kvxfer's
+// errors become status codes. Bad input is InvalidArgument, a topology
+// mismatch FailedPrecondition, a closed daemon Unavailable, an unknown
+// engine NotFound, context errors their own codes.
+func Status(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	var code codes.Code
+	switch {
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return status.FromContextError(err).Err()
+	case errors.Is(err, ErrInvalid), errors.Is(err, topology.ErrInvalidLayout), errors.Is(err, topology.ErrInvalidBlocks),
+		errors.Is(err, hotpath.ErrInvalidRequest), errors.Is(err, kvxfer.ErrOutOfBounds), errors.Is(err, kvxfer.ErrBadMetadata):
+		code = codes.InvalidArgument
+	case errors.Is(err, topology.ErrIncompatible), errors.Is(err, topology.ErrUnsupported):
+		code = codes.FailedPrecondition
+	case errors.Is(err, kvxfer.ErrClosed), errors.Is(err, errDraining):
+		code = codes.Unavailable
+	case errors.Is(err, kvxfer.ErrUnknownEngine):
+		code = codes.NotFound
+	default:
+		code = codes.Internal
+	}
+	return status.Error(code, err.Error())
+}

@@ -1,0 +1,323 @@
+package stream_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// daemon is a kvxferd in miniature: a Server on a unix socket for engines
+// and on loopback TCP for peers.
+type daemon struct {
+	srv      *stream.Server
+	g        *grpc.Server
+	sock     string
+	peerAddr string
+}
+
+func startDaemon(t *testing.T, shmDir string) *daemon {
+	t.Helper()
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "kvxferd.sock")
+	unix, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet,
+		NewBackend: func(string, *topology.Layout) (stream.Backend, error) {
+			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: quiet, Conns: 2, DisableLocal: true})
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	go func() { _ = g.Serve(tcp) }()
+	go func() { _ = g.Serve(unix) }()
+	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: tcp.Addr().String()}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = srv.Drain(ctx)
+		g.Stop()
+		_ = srv.Close()
+	})
+	return d
+}
+
+// engine is a simulated engine attached to a daemon: kvsim ranks whose
+// memory lives in shared-memory files the daemon maps.
+type engine struct {
+	id      string
+	eng     kvsim.Engine
+	ranks   [][]*kvsim.Rank
+	streams [][]*stream.RankStream
+	client  *stream.Client
+}
+
+func attach(t *testing.T, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
+	t.Helper()
+	ranks, err := kvsim.Build(m, &e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	en := &engine{id: id, eng: e, ranks: ranks, client: c}
+	for pp, stage := range ranks {
+		en.streams = append(en.streams, nil)
+		for tp, r := range stage {
+			name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, pp, tp, rand.Uint64())
+			mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = mp.Close() })
+			copy(mp.Bytes, r.Mem)
+			r.Mem = mp.Bytes // the engine's cache is the shared file now
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
+				Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
+			cancel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			en.streams[pp] = append(en.streams[pp], rs)
+		}
+	}
+	return en
+}
+
+func (e *engine) step(t *testing.T, m *kvxfer.StepMeta) {
+	t.Helper()
+	for _, stage := range e.streams {
+		for _, rs := range stage {
+			if err := rs.Step(m); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// collect gathers outcomes until every rank reported n requests.
+func (e *engine) collect(t *testing.T, n int, send bool) map[string][]kvxfer.Outcome {
+	t.Helper()
+	out := map[string][]kvxfer.Outcome{}
+	deadline := time.After(20 * time.Second)
+	for _, stage := range e.streams {
+		for _, rs := range stage {
+			got := 0
+			for got < n {
+				select {
+				case f, ok := <-rs.Finished():
+					if !ok {
+						t.Fatalf("%s: stream ended after %d of %d outcomes", e.id, got, n)
+					}
+					os := f.Recving
+					if send {
+						os = f.Sending
+					}
+					for _, o := range os {
+						out[o.ReqID] = append(out[o.ReqID], o)
+						got++
+					}
+				case <-deadline:
+					t.Fatalf("%s: %d of %d outcomes after 20 s", e.id, got, n)
+				}
+			}
+		}
+	}
+	return out
+}
+
+func (e *engine) close(t *testing.T) {
+	t.Helper()
+	for _, stage := range e.streams {
+		for _, rs := range stage {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			go func() {
+				for range rs.Finished() {
+				}
+			}()
+			if err := rs.Close(ctx); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+			cancel()
+		}
+	}
+}
+
+// TestDaemonsEndToEnd: two daemons, engines attached over unix sockets
+// with their KV caches in shared memory, handshakes over PeerService,
+// bytes over the built-in TCP backend, in push and pull with P TP 2 ->
+// D TP 1; every byte checked; no goroutine left behind.
+func TestDaemonsEndToEnd(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			before := runtime.NumGoroutine()
+			t.Run("run", func(t *testing.T) { runDaemons(t, mode) }) // its cleanups end with it
+			deadline := time.Now().Add(10 * time.Second)
+			for runtime.NumGoroutine() > before+2 && time.Now().Before(deadline) {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if n := runtime.NumGoroutine(); n > before+2 {
+				buf := make([]byte, 1<<20)
+				t.Errorf("%d goroutines left (was %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
+			}
+		})
+	}
+}
+
+func runDaemons(t *testing.T, mode kvxfer.Mode) {
+	shmDir := t.TempDir()
+	dp, dd := startDaemon(t, shmDir), startDaemon(t, shmDir)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
+	pe := kvsim.Engine{ID: 1, TP: 2, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 64}
+	de := kvsim.Engine{ID: 2, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 64}
+	P := attach(t, dp, shmDir, "P", &model, pe, mode)
+	D := attach(t, dd, shmDir, "D", &model, de, mode)
+	rng := rand.New(rand.NewPCG(1, 2))
+	perm := func(n int) []topology.BlockID {
+		ids := make([]topology.BlockID, 64)
+		for i := range ids {
+			ids[i] = topology.BlockID(i)
+		}
+		rng.Shuffle(len(ids), func(i, j int) { ids[i], ids[j] = ids[j], ids[i] })
+		return ids
+	}
+	pIDs, dIDs := perm(64), perm(64)
+	const n = 10
+	now := time.Now()
+	var pm, dm kvxfer.StepMeta
+	pm.SchedulerClock, dm.SchedulerClock = now, now
+	var sims []*kvsim.Request
+	for i := range n {
+		tokens := 10 + rng.IntN(50)
+		nb := (tokens + 15) / 16
+		ps := []topology.Span{{IDs: pIDs[:nb]}, {IDs: pIDs[nb : 2*nb]}}
+		ds := []topology.Span{{IDs: dIDs[:nb]}, {IDs: dIDs[nb : 2*nb]}}
+		_ = ps
+		// One group over both regions: a single span each.
+		ps, ds = ps[:1], ds[:1]
+		pIDs, dIDs = pIDs[nb:], dIDs[nb:]
+		for _, r := range P.ranks[0] {
+			r.Fill(ps)
+		}
+		sims = append(sims, &kvsim.Request{Tokens: tokens, P: ps, D: ds})
+		id := fmt.Sprint(i)
+		pm.Send = append(pm.Send, kvxfer.SendReq{ReqID: "p-" + id, TransferID: "t-" + id, Deadline: now.Add(30 * time.Second), Blocks: ps, Tokens: tokens})
+		rr := kvxfer.RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: ds, Deadline: now.Add(time.Minute),
+			Remote: kvxfer.RemoteRef{EngineID: "P", Addr: dp.peerAddr, ReqID: "p-" + id, TPSize: 2, Tokens: tokens}}
+		if mode == kvxfer.ModePull {
+			rr.Remote.Blocks = ps
+		}
+		dm.Recv = append(dm.Recv, rr)
+	}
+	before := D.ranks[0][0].Snapshot()
+	P.step(t, &pm)
+	D.step(t, &dm)
+	sent := P.collect(t, n, true)
+	recvd := D.collect(t, n, false)
+	for i := range n {
+		for _, o := range sent[fmt.Sprint("p-", i)] {
+			if o.Result != kvxfer.ResultDone {
+				t.Errorf("P outcome %+v", o)
+			}
+		}
+		if o := recvd[fmt.Sprint("d-", i)]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+			t.Errorf("D outcomes %+v", o)
+		}
+	}
+	if err := D.ranks[0][0].CheckValues(before, sims, 16, 16); err != nil {
+		t.Error(err)
+	}
+	P.close(t)
+	D.close(t)
+}
+
+// A bad hello is refused with InvalidArgument naming the field.
+func TestHelloValidation(t *testing.T) {
+	shmDir := t.TempDir()
+	d := startDaemon(t, shmDir)
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	good := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	mp, err := shm.Create(shmDir, "ok", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Close()
+	mem := []stream.Memory{{Path: filepath.Join(shmDir, "ok"), Base: 1 << 20, Size: 1024}}
+	tests := []struct {
+		name string
+		h    stream.Hello
+		want string
+	}{
+		{"no engine", stream.Hello{Mode: kvxfer.ModePush, Layout: good, Memory: mem}, "engine_id"},
+		{"no mode", stream.Hello{EngineID: "E", Layout: good, Memory: mem}, "hello.mode"},
+		{"bad layout", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{KVLayout: topology.LayoutHND, Packing: topology.PackedKV}, Memory: mem}, "hello.layout"},
+		{"no memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good}, "hello.memory"},
+		{"region outside memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 512}}}, "regions[0]"},
+		{"file too small", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 4096}}}, "declares 4096"},
+		{"file outside shm dir", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: "/etc/passwd", Base: 1 << 20, Size: 1024}}}, "not under"},
+	}
+	for _, tc := range tests {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := c.Connect(ctx, tc.h)
+		cancel()
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Connect error = %v, want InvalidArgument naming %q", tc.name, err, tc.want)
+		}
+	}
+	// The good one works, and the peer service then knows the engine.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: mem, CompatHash: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	if err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
+		t.Errorf("handshake = %+v, %v; want the one rank", res, err)
+	}
+	if _, err := stream.NewPeerResolver().Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
+		t.Errorf("handshake of an unknown engine: %v, want NotFound", err)
+	}
+	go func() {
+		for range rs.Finished() {
+		}
+	}()
+	_ = rs.Close(ctx)
+	_ = pb.Mode_MODE_PUSH
+}
