@@ -179,16 +179,29 @@ func (r *Rank) CheckValues(before []byte, reqs []*Request, srcKernel, srcLogical
 func (r *Rank) check(before []byte, reqs []*Request, srcKernel, srcLogical int, counts bool) error {
 	l := &r.Layout
 	only := before == nil
-	if only {
-		before = r.Mem
-	}
-	want := append([]byte(nil), before...)
 	const (
 		untouched = iota
 		must
 		may
 	)
-	class := make([]uint8, len(r.Mem))
+	var want []byte
+	var class []uint8
+	var errs []error
+	if !only {
+		want = append([]byte(nil), before...)
+		class = make([]uint8, len(r.Mem))
+	}
+	// mark records what byte o must hold; with only, it checks it at once
+	// (cost proportional to the request, not to the rank's memory).
+	mark := func(o int, c uint8, v byte) {
+		if !only {
+			class[o], want[o] = c, v
+			return
+		}
+		if c == must && r.Mem[o] != v && len(errs) < 8 {
+			errs = append(errs, fmt.Errorf("dst tp %d pp %d %s: transferred byte = %#02x, want %#02x", l.TPRank, l.PPRank, r.where(o), r.Mem[o], v))
+		}
+	}
 	for _, req := range reqs {
 		for g, grp := range l.GroupList() {
 			ps, ds := req.P[g], req.D[g]
@@ -217,29 +230,25 @@ func (r *Rank) check(before []byte, reqs []*Request, srcKernel, srcLogical int, 
 					if grp.Kind == topology.KindMamba {
 						// token is the D list index; head is the part.
 						if token >= d0 && token < d0+n {
-							class[o] = must
-							want[o] = Value(layer, s0+token-d0, head, kv, j)
+							mark(o, must, Value(layer, s0+token-d0, head, kv, j))
 						}
 						return
 					}
 					switch {
 					case token >= lo && token < mustHi:
-						class[o] = must
-						want[o] = Value(layer, token, head, kv, j)
+						mark(o, must, Value(layer, token, head, kv, j))
 					case token >= lo && token < mayHi:
-						class[o] = may
-						want[o] = Value(layer, token, head, kv, j)
+						mark(o, may, Value(layer, token, head, kv, j))
 					}
 				})
 			}
 		}
 	}
-	var errs []error
+	if only {
+		return errors.Join(errs...)
+	}
 	for o := range r.Mem {
 		got, w := r.Mem[o], r.writes[o]
-		if only && class[o] != must {
-			continue
-		}
 		if !counts { // only values are known: take the counts as right
 			w = 0
 			if class[o] == must {

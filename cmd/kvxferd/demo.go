@@ -1,0 +1,437 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// The demo: a P and a D kvxferd as separate processes, simulated engines
+// (Go clients of kvxfer.v1 with block allocators, schedulers and KV caches
+// in shared memory filled with a deterministic pattern), a few hundred
+// requests per scenario, every transferred byte verified.
+
+type daemonProc struct {
+	name, sock, peer, log string
+	cmd                   *exec.Cmd
+}
+
+func startDaemonProc(dir, name string) (*daemonProc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	d := &daemonProc{name: name, sock: filepath.Join(dir, name+".sock"), log: filepath.Join(dir, name+".log")}
+	ready := filepath.Join(dir, name+".ready")
+	logf, err := os.Create(d.log)
+	if err != nil {
+		return nil, err
+	}
+	d.cmd = exec.Command(self, "serve", "-socket", d.sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
+		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn")
+	d.cmd.Stdout, d.cmd.Stderr = logf, logf
+	if err := d.cmd.Start(); err != nil {
+		logf.Close()
+		return nil, err
+	}
+	logf.Close()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if b, err := os.ReadFile(ready); err == nil {
+			d.peer = string(b)
+			return d, nil
+		}
+	}
+	d.stop()
+	return nil, fmt.Errorf("daemon %s did not become ready in 20 s (log %s)", name, d.log)
+}
+
+// stop sends SIGTERM and waits for a graceful exit.
+func (d *daemonProc) stop() error {
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- d.cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(20 * time.Second):
+		_ = d.cmd.Process.Kill()
+		return fmt.Errorf("daemon %s ignored SIGTERM for 20 s", d.name)
+	}
+}
+
+type scenario struct {
+	name     string
+	mode     kvxfer.Mode
+	ptp, dtp int
+}
+
+type result struct {
+	scenario
+	requests, done, bad, missing int
+	bytes                        int64
+	elapsed                      time.Duration
+	lat                          []time.Duration
+	failures                     []string
+}
+
+func demoMain(args []string) error {
+	fs := flag.NewFlagSet("kvxferd demo", flag.ContinueOnError)
+	n := fs.Int("requests", 200, "requests per scenario")
+	seed := fs.Uint64("seed", 1, "seed of the request mix")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *n <= 0 {
+		return fmt.Errorf("-requests = %d, want > 0", *n)
+	}
+	base := "/dev/shm"
+	if st, err := os.Stat(base); err != nil || !st.IsDir() {
+		base = os.TempDir()
+	}
+	dir, err := os.MkdirTemp(base, "kvxfer-demo-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes; work dir %s)\n", dir)
+	p, err := startDaemonProc(dir, "P")
+	if err != nil {
+		return err
+	}
+	d, err := startDaemonProc(dir, "D")
+	if err != nil {
+		p.stop()
+		return err
+	}
+	scenarios := []scenario{
+		{"push  P TP1 -> D TP1", kvxfer.ModePush, 1, 1},
+		{"pull  P TP1 -> D TP1", kvxfer.ModePull, 1, 1},
+		{"push  P TP2 -> D TP1", kvxfer.ModePush, 2, 1},
+		{"pull  P TP2 -> D TP1", kvxfer.ModePull, 2, 1},
+	}
+	var results []*result
+	var runErr error
+	for i, sc := range scenarios {
+		r, err := runScenario(dir, p, d, sc, *n, *seed+uint64(i), i)
+		if err != nil {
+			runErr = fmt.Errorf("%s: %w", sc.name, err)
+			break
+		}
+		results = append(results, r)
+	}
+	perr, derr := p.stop(), d.stop()
+	fmt.Println()
+	fmt.Printf("%-22s %8s %6s %6s %8s %10s %9s %9s %9s %9s\n", "scenario", "requests", "done", "bad", "missing", "MiB", "MiB/s", "p50 ms", "p90 ms", "p99 ms")
+	ok := runErr == nil && perr == nil && derr == nil
+	for _, r := range results {
+		slices.Sort(r.lat)
+		pct := func(q float64) float64 {
+			if len(r.lat) == 0 {
+				return 0
+			}
+			return float64(r.lat[min(len(r.lat)-1, int(q*float64(len(r.lat))))].Microseconds()) / 1000
+		}
+		mib := float64(r.bytes) / (1 << 20)
+		fmt.Printf("%-22s %8d %6d %6d %8d %10.1f %9.1f %9.2f %9.2f %9.2f\n", r.name, r.requests, r.done, r.bad, r.missing, mib,
+			mib/r.elapsed.Seconds(), pct(0.5), pct(0.9), pct(0.99))
+		for _, f := range r.failures[:min(len(r.failures), 5)] {
+			fmt.Println("   ", f)
+		}
+		ok = ok && r.bad == 0 && r.missing == 0 && r.done == r.requests
+	}
+	if runErr != nil {
+		fmt.Println("error:", runErr)
+	}
+	if perr != nil || derr != nil {
+		fmt.Println("daemon exit:", perr, derr)
+	}
+	if !ok {
+		return errors.New("demo failed: a byte was wrong, a request lacked its outcome, or a daemon failed")
+	}
+	fmt.Println("\ndemo OK: every request ended done on both sides and every transferred byte matched")
+	return nil
+}
+
+// simEngine is an engine of the demo: ranks in shared memory, a stream
+// per rank, a scheduler, an aggregator and a block allocator.
+type simEngine struct {
+	id      string
+	eng     kvsim.Engine
+	ranks   []*kvsim.Rank
+	streams []*stream.RankStream
+	maps    []*shm.Mapping
+	sched   *kvxfer.Scheduler
+	agg     *kvxfer.Aggregator
+	free    []topology.BlockID
+	client  *stream.Client
+}
+
+func newSimEngine(dir string, dm *daemonProc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
+	ranks, err := kvsim.Build(m, &e)
+	if err != nil {
+		return nil, err
+	}
+	c, err := stream.Dial("unix://" + dm.sock)
+	if err != nil {
+		return nil, err
+	}
+	se := &simEngine{id: id, eng: e, ranks: ranks[0], client: c}
+	for tp, r := range se.ranks {
+		name := fmt.Sprintf("%s-tp%d", id, tp)
+		mp, err := shm.Create(dir, name, uint64(len(r.Mem)))
+		if err != nil {
+			return se, err
+		}
+		se.maps = append(se.maps, mp)
+		r.Mem = mp.Bytes
+		r.Scramble(uint64(tp + 1))
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "demo-model",
+			Memory: []stream.Memory{{Path: filepath.Join(dir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
+		cancel()
+		if err != nil {
+			return se, fmt.Errorf("attach %s rank %d: %w", id, tp, err)
+		}
+		se.streams = append(se.streams, rs)
+	}
+	l := se.ranks[0].Layout
+	if se.sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: id, Addr: dm.peer, Mode: mode, TPSize: e.TP,
+		LogicalBlockSize: e.LogicalBlock, Groups: l.GroupList()}); err != nil {
+		return se, err
+	}
+	se.agg, _ = kvxfer.NewAggregator(e.TP)
+	for i := range e.Blocks {
+		se.free = append(se.free, topology.BlockID(i))
+	}
+	rng.Shuffle(len(se.free), func(i, j int) { se.free[i], se.free[j] = se.free[j], se.free[i] })
+	return se, nil
+}
+
+func (se *simEngine) alloc(n int) []topology.BlockID {
+	if n > len(se.free) {
+		return nil
+	}
+	ids := slices.Clone(se.free[:n])
+	se.free = se.free[n:]
+	return ids
+}
+
+// step builds the scheduler's metadata, hands it to every rank, and folds
+// the ranks' outcomes.
+func (se *simEngine) step() (*kvxfer.Finished, error) {
+	meta := se.sched.BuildMeta()
+	all := &kvxfer.Finished{}
+	for i, rs := range se.streams {
+		if err := rs.Step(meta); err != nil {
+			return nil, err
+		}
+		for drained := false; !drained; {
+			select {
+			case f, ok := <-rs.Finished():
+				if !ok {
+					return nil, fmt.Errorf("%s rank %d: stream ended", se.id, i)
+				}
+				out, err := se.agg.Add(i, &f)
+				if err != nil {
+					return nil, err
+				}
+				if out != nil {
+					se.sched.Update(out)
+					all.Sending = append(all.Sending, out.Sending...)
+					all.Recving = append(all.Recving, out.Recving...)
+				}
+			case msg := <-rs.StepErrors():
+				return nil, fmt.Errorf("%s rank %d: %s", se.id, i, msg)
+			default:
+				drained = true
+			}
+		}
+	}
+	return all, nil
+}
+
+func (se *simEngine) close() {
+	for _, rs := range se.streams {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		go func() {
+			for range rs.Finished() {
+			}
+		}()
+		_ = rs.Close(ctx)
+		cancel()
+	}
+	if se.client != nil {
+		_ = se.client.Close()
+	}
+	for _, m := range se.maps {
+		_ = os.Remove(m.Path)
+		_ = m.Close()
+	}
+}
+
+type demoReq struct {
+	id          string
+	tokens      int
+	pIDs, dIDs  []topology.BlockID
+	pDone, dGot bool
+	ready       time.Time
+	pReq, dReq  *kvxfer.Request
+}
+
+func runScenario(dir string, pd, dd *daemonProc, sc scenario, n int, seed uint64, idx int) (*result, error) {
+	rng := rand.New(rand.NewPCG(seed, 77))
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention},
+		TotalKVHeads: 8, HeadSize: 64, ElemBytes: 2}
+	const blocks, block = 192, 16
+	pe := kvsim.Engine{ID: 1, TP: sc.ptp, PP: 1, LogicalBlock: block, KernelBlock: block, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: blocks}
+	de := kvsim.Engine{ID: 2, TP: sc.dtp, PP: 1, LogicalBlock: block, KernelBlock: block, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: blocks}
+	pid, did := fmt.Sprintf("P%d", idx), fmt.Sprintf("D%d", idx)
+	P, err := newSimEngine(dir, pd, pid, &model, pe, sc.mode, rng)
+	if P != nil {
+		defer P.close()
+	}
+	if err != nil {
+		return nil, err
+	}
+	D, err := newSimEngine(dir, dd, did, &model, de, sc.mode, rng)
+	if D != nil {
+		defer D.close()
+	}
+	if err != nil {
+		return nil, err
+	}
+	fmt.Printf("  %-22s %d requests ...", sc.name, n)
+	res := &result{scenario: sc, requests: n}
+	bytesPerToken := int64(len(model.Kinds) * model.TotalKVHeads * model.HeadSize * model.ElemBytes * 2)
+	reqs := map[string]*demoReq{}
+	var order []*demoReq
+	next, inflight := 0, 0
+	start := time.Now()
+	deadline := start.Add(90 * time.Second)
+	for (next < n || inflight > 0) && time.Now().Before(deadline) {
+		// Admit requests while blocks last.
+		for next < n && inflight < 10 {
+			tokens := 16 + rng.IntN(240)
+			nb := (tokens + block - 1) / block
+			pIDs := P.alloc(nb)
+			if pIDs == nil {
+				break
+			}
+			dIDs := D.alloc(nb)
+			if dIDs == nil {
+				P.free = append(P.free, pIDs...)
+				break
+			}
+			q := &demoReq{id: fmt.Sprint(next), tokens: tokens, pIDs: pIDs, dIDs: dIDs}
+			reqs[q.id] = q
+			order = append(order, q)
+			next++
+			inflight++
+			tid := fmt.Sprintf("%s-t%d", sc.name[:4], next)
+			q.pReq = &kvxfer.Request{ID: "p-" + q.id, PromptTokens: tokens, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
+			q.dReq = &kvxfer.Request{ID: "d-" + q.id, PromptTokens: tokens}
+			if sc.mode == kvxfer.ModePush { // concurrent dispatch: D registers while P prefills
+				q.dReq.Params = &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: pid, RemoteAddr: pd.peer, RemoteTPSize: sc.ptp}
+				ext, _ := D.sched.MatchedTokens(q.dReq, 0)
+				if err := D.sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
+					return nil, err
+				}
+			}
+			// P "prefills": its KV gets the pattern, then it finishes.
+			for _, r := range P.ranks {
+				r.Fill([]topology.Span{{IDs: pIDs}})
+			}
+			_ = P.sched.AfterAlloc(q.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}})
+			delay, params, err := P.sched.RequestFinished(q.pReq, kvxfer.FinishStopped, [][]topology.BlockID{pIDs}, tokens)
+			if err != nil || !delay {
+				return nil, fmt.Errorf("P RequestFinished: %v, %v", delay, err)
+			}
+			q.ready = time.Now()
+			if sc.mode == kvxfer.ModePull { // sequential dispatch: D gets P's params
+				q.dReq.Params = params
+				ext, _ := D.sched.MatchedTokens(q.dReq, 0)
+				if err := D.sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
+					return nil, err
+				}
+			}
+		}
+		pf, err := P.step()
+		if err != nil {
+			return nil, err
+		}
+		df, err := D.step()
+		if err != nil {
+			return nil, err
+		}
+		for _, o := range pf.Sending {
+			q := reqs[strings.TrimPrefix(o.ReqID, "p-")]
+			if q == nil || q.pDone {
+				return nil, fmt.Errorf("unexpected producer outcome %+v", o)
+			}
+			q.pDone = true
+			if o.Result != kvxfer.ResultDone {
+				res.failures = append(res.failures, fmt.Sprintf("P %s: %v %s", o.ReqID, o.Result, o.Reason))
+			}
+			P.free = append(P.free, q.pIDs...)
+			if q.dGot {
+				inflight--
+			}
+		}
+		for _, o := range df.Recving {
+			q := reqs[strings.TrimPrefix(o.ReqID, "d-")]
+			if q == nil || q.dGot {
+				return nil, fmt.Errorf("unexpected consumer outcome %+v", o)
+			}
+			q.dGot = true
+			res.lat = append(res.lat, time.Since(q.ready))
+			if o.Result != kvxfer.ResultDone {
+				res.failures = append(res.failures, fmt.Sprintf("D %s: %v %s", o.ReqID, o.Result, o.Reason))
+			} else {
+				sim := &kvsim.Request{Tokens: q.tokens, P: []topology.Span{{IDs: q.pIDs}}, D: []topology.Span{{IDs: q.dIDs}}}
+				good := true
+				for i, r := range D.ranks {
+					if err := r.CheckRequest(sim, block, block); err != nil {
+						good = false
+						res.failures = append(res.failures, fmt.Sprintf("D rank %d %s: wrong bytes: %v", i, o.ReqID, err))
+					}
+				}
+				if good {
+					res.done++
+					res.bytes += int64(q.tokens) * bytesPerToken
+				} else {
+					res.bad++
+				}
+			}
+			D.free = append(D.free, q.dIDs...)
+			if q.pDone {
+				inflight--
+			}
+		}
+		time.Sleep(500 * time.Microsecond)
+	}
+	res.elapsed = time.Since(start)
+	for _, q := range order {
+		if !q.pDone || !q.dGot {
+			res.missing++
+			res.failures = append(res.failures, fmt.Sprintf("request %s: producer outcome %v, consumer outcome %v", q.id, q.pDone, q.dGot))
+		}
+	}
+	res.missing += n - len(order)
+	fmt.Printf(" %d done in %v\n", res.done, res.elapsed.Round(time.Millisecond))
+	return res, nil
+}

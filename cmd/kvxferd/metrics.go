@@ -1,0 +1,91 @@
+package main
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+)
+
+// collector exports every attached rank's kvxfer.Metrics at scrape time:
+// the metric set of vLLM's NIXL connector (SPEC §10), under kvxfer_ names,
+// plus kvxfer's own.
+type collector struct {
+	srv *stream.Server
+
+	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
+	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
+	outcomes, badInput, dropped                                *prometheus.Desc
+}
+
+func newCollector(srv *stream.Server) *collector {
+	l := []string{"engine", "tp_rank", "pp_rank"}
+	d := func(name, help string, extra ...string) *prometheus.Desc {
+		return prometheus.NewDesc("kvxfer_"+name, help, append(append([]string(nil), l...), extra...), nil)
+	}
+	return &collector{srv: srv,
+		xferTime:          d("xfer_time_seconds", "Time of successful transfers, post to completion (vllm:nixl_xfer_time_seconds)."),
+		postTime:          d("post_time_seconds", "Time to build and post a transfer's descriptors (vllm:nixl_post_time_seconds)."),
+		bytes:             d("bytes_transferred", "Bytes per successful transfer (vllm:nixl_bytes_transferred)."),
+		descs:             d("num_descriptors", "Descriptors per successful transfer (vllm:nixl_num_descriptors)."),
+		amplification:     d("descriptor_amplification", "Descriptors per block moved, per transfer."),
+		handshake:         d("handshake_seconds", "Latency of successful handshakes with peer engines."),
+		failedXfers:       d("num_failed_transfers_total", "Transfers that failed to post or complete (vllm:nixl_num_failed_transfers)."),
+		failedNotifs:      d("num_failed_notifications_total", "Notifications that could not be sent (vllm:nixl_num_failed_notifications)."),
+		expired:           d("num_kv_expired_reqs_total", "Requests whose lease or deadline passed (vllm:nixl_num_kv_expired_reqs)."),
+		handshakeFailures: d("handshake_failures_total", "Handshakes with peer engines that failed."),
+		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
+		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
+		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
+	}
+}
+
+// Describe sends nothing: the collector is unchecked (its label values
+// come and go with ranks).
+func (c *collector) Describe(chan<- *prometheus.Desc) {}
+
+func hist(ch chan<- prometheus.Metric, d *prometheus.Desc, s kvxfer.HistogramSnapshot, labels []string) {
+	buckets := map[float64]uint64{}
+	cum := s.Cumulative()
+	for i, b := range s.Bounds {
+		buckets[b] = cum[i]
+	}
+	ch <- prometheus.MustNewConstHistogram(d, s.Count, s.Sum, buckets, labels...)
+}
+
+// Collect implements prometheus.Collector.
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	for engine, workers := range c.srv.Workers() {
+		for _, w := range workers {
+			l := w.Layout()
+			labels := []string{engine, strconv.Itoa(l.TPRank), strconv.Itoa(l.PPRank)}
+			s := w.Metrics().Snapshot()
+			hist(ch, c.xferTime, s.TransferSeconds, labels)
+			hist(ch, c.postTime, s.PostSeconds, labels)
+			hist(ch, c.bytes, s.Bytes, labels)
+			hist(ch, c.descs, s.Descriptors, labels)
+			hist(ch, c.amplification, s.Amplification, labels)
+			hist(ch, c.handshake, s.HandshakeSeconds, labels)
+			counter := func(d *prometheus.Desc, v uint64, extra ...string) {
+				ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append(append([]string(nil), labels...), extra...)...)
+			}
+			counter(c.failedXfers, s.FailedTransfers)
+			counter(c.failedNotifs, s.FailedNotifications)
+			counter(c.expired, s.ExpiredRequests)
+			counter(c.handshakeFailures, s.HandshakeFailures)
+			for _, side := range []kvxfer.Role{kvxfer.RoleProducer, kvxfer.RoleConsumer} {
+				for _, r := range []kvxfer.Result{kvxfer.ResultDone, kvxfer.ResultFailed, kvxfer.ResultExpired, kvxfer.ResultAborted} {
+					counter(c.outcomes, s.Outcomes[side][r], side.String(), r.String())
+				}
+			}
+			for k, v := range s.BadInput {
+				counter(c.badInput, v, k)
+			}
+			for k, v := range s.Dropped {
+				counter(c.dropped, v, k)
+			}
+		}
+	}
+}
