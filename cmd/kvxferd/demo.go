@@ -359,7 +359,7 @@ func runScenario(dir string, pd, dd *daemonProc, sc scenario, n int, seed uint64
 			_ = P.sched.AfterAlloc(q.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}})
 			delay, params, err := P.sched.RequestFinished(q.pReq, kvxfer.FinishStopped, [][]topology.BlockID{pIDs}, tokens)
 			if err != nil || !delay {
-				return nil, fmt.Errorf("P RequestFinished: %v, %v", delay, err)
+				return nil, fmt.Errorf("producer RequestFinished = %v, %v; want delay", delay, err)
 			}
 			q.ready = time.Now()
 			if sc.mode == kvxfer.ModePull { // sequential dispatch: D gets P's params
