@@ -60,6 +60,7 @@ type Server struct {
 	pb.UnimplementedPeerServiceServer
 
 	cfg      ServerConfig
+	sched    *schedulers
 	log      *slog.Logger
 	resolver *PeerResolver
 	enc      *zstd.Encoder
@@ -111,7 +112,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{})}
+	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}),
+		sched: &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}}}
 	if cfg.Resolver == nil {
 		s.resolver = NewPeerResolver()
 		s.cfg.Resolver = s.resolver
@@ -124,6 +126,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 func (s *Server) Register(g *grpc.Server) {
 	pb.RegisterWorkerServiceServer(g, s)
 	pb.RegisterPeerServiceServer(g, s)
+	pb.RegisterSchedulerServiceServer(g, s.sched)
 }
 
 // Workers returns every rank's worker, for metrics.

@@ -250,6 +250,67 @@ func (CacheKind) EnumDescriptor() ([]byte, []int) {
 	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{3}
 }
 
+// FinishStatus is why an engine finished a request.
+type FinishStatus int32
+
+const (
+	// FINISH_STATUS_UNSPECIFIED is invalid.
+	FinishStatus_FINISH_STATUS_UNSPECIFIED FinishStatus = 0
+	// FINISH_STATUS_STOPPED: a stop condition ended the request.
+	FinishStatus_FINISH_STATUS_STOPPED FinishStatus = 1
+	// FINISH_STATUS_LENGTH_CAPPED: the length limit ended the request.
+	FinishStatus_FINISH_STATUS_LENGTH_CAPPED FinishStatus = 2
+	// FINISH_STATUS_ABORTED: the request was aborted.
+	FinishStatus_FINISH_STATUS_ABORTED FinishStatus = 3
+	// FINISH_STATUS_ERROR: the engine failed the request.
+	FinishStatus_FINISH_STATUS_ERROR FinishStatus = 4
+)
+
+// Enum value maps for FinishStatus.
+var (
+	FinishStatus_name = map[int32]string{
+		0: "FINISH_STATUS_UNSPECIFIED",
+		1: "FINISH_STATUS_STOPPED",
+		2: "FINISH_STATUS_LENGTH_CAPPED",
+		3: "FINISH_STATUS_ABORTED",
+		4: "FINISH_STATUS_ERROR",
+	}
+	FinishStatus_value = map[string]int32{
+		"FINISH_STATUS_UNSPECIFIED":   0,
+		"FINISH_STATUS_STOPPED":       1,
+		"FINISH_STATUS_LENGTH_CAPPED": 2,
+		"FINISH_STATUS_ABORTED":       3,
+		"FINISH_STATUS_ERROR":         4,
+	}
+)
+
+func (x FinishStatus) Enum() *FinishStatus {
+	p := new(FinishStatus)
+	*p = x
+	return p
+}
+
+func (x FinishStatus) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (FinishStatus) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+}
+
+func (FinishStatus) Type() protoreflect.EnumType {
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+}
+
+func (x FinishStatus) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use FinishStatus.Descriptor instead.
+func (FinishStatus) EnumDescriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{4}
+}
+
 // Result kinds.
 type Outcome_Result int32
 
@@ -295,11 +356,11 @@ func (x Outcome_Result) String() string {
 }
 
 func (Outcome_Result) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[5].Descriptor()
 }
 
 func (Outcome_Result) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[5]
 }
 
 func (x Outcome_Result) Number() protoreflect.EnumNumber {
@@ -2034,6 +2095,1296 @@ func (x *HandshakeResponse) GetPayload() []byte {
 	return nil
 }
 
+// TransferParams travel with a request between engines through the router
+// (the reference's kv_transfer_params).
+type TransferParams struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// transfer_id from the router; the matching key when present.
+	TransferId string `protobuf:"bytes,1,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// do_remote_prefill: this engine receives KV for the request.
+	DoRemotePrefill bool `protobuf:"varint,2,opt,name=do_remote_prefill,json=doRemotePrefill,proto3" json:"do_remote_prefill,omitempty"`
+	// do_remote_decode: this engine keeps KV for another to receive.
+	DoRemoteDecode bool `protobuf:"varint,3,opt,name=do_remote_decode,json=doRemoteDecode,proto3" json:"do_remote_decode,omitempty"`
+	// remote_engine_id of the other engine.
+	RemoteEngineId string `protobuf:"bytes,4,opt,name=remote_engine_id,json=remoteEngineId,proto3" json:"remote_engine_id,omitempty"`
+	// remote_addr of the other engine's kvxferd.
+	RemoteAddr string `protobuf:"bytes,5,opt,name=remote_addr,json=remoteAddr,proto3" json:"remote_addr,omitempty"`
+	// remote_request_id of the request there.
+	RemoteRequestId string `protobuf:"bytes,6,opt,name=remote_request_id,json=remoteRequestId,proto3" json:"remote_request_id,omitempty"`
+	// remote_block_ids of the other side per cache group.
+	RemoteBlockIds []*Span `protobuf:"bytes,7,rep,name=remote_block_ids,json=remoteBlockIds,proto3" json:"remote_block_ids,omitempty"`
+	// remote_tp_size of the other engine.
+	RemoteTpSize int32 `protobuf:"varint,8,opt,name=remote_tp_size,json=remoteTpSize,proto3" json:"remote_tp_size,omitempty"`
+	// remote_pp_size of the other engine.
+	RemotePpSize int32 `protobuf:"varint,9,opt,name=remote_pp_size,json=remotePpSize,proto3" json:"remote_pp_size,omitempty"`
+	// remote_num_tokens of KV the other side holds.
+	RemoteNumTokens int64 `protobuf:"varint,10,opt,name=remote_num_tokens,json=remoteNumTokens,proto3" json:"remote_num_tokens,omitempty"`
+	// remote_blocks_expiry_unix_nanos on the other side's clock (0: none).
+	RemoteBlocksExpiryUnixNanos int64 `protobuf:"varint,11,opt,name=remote_blocks_expiry_unix_nanos,json=remoteBlocksExpiryUnixNanos,proto3" json:"remote_blocks_expiry_unix_nanos,omitempty"`
+	// mode the sender used.
+	Mode          Mode `protobuf:"varint,12,opt,name=mode,proto3,enum=kvxfer.v1.Mode" json:"mode,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransferParams) Reset() {
+	*x = TransferParams{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransferParams) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransferParams) ProtoMessage() {}
+
+func (x *TransferParams) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransferParams.ProtoReflect.Descriptor instead.
+func (*TransferParams) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *TransferParams) GetTransferId() string {
+	if x != nil {
+		return x.TransferId
+	}
+	return ""
+}
+
+func (x *TransferParams) GetDoRemotePrefill() bool {
+	if x != nil {
+		return x.DoRemotePrefill
+	}
+	return false
+}
+
+func (x *TransferParams) GetDoRemoteDecode() bool {
+	if x != nil {
+		return x.DoRemoteDecode
+	}
+	return false
+}
+
+func (x *TransferParams) GetRemoteEngineId() string {
+	if x != nil {
+		return x.RemoteEngineId
+	}
+	return ""
+}
+
+func (x *TransferParams) GetRemoteAddr() string {
+	if x != nil {
+		return x.RemoteAddr
+	}
+	return ""
+}
+
+func (x *TransferParams) GetRemoteRequestId() string {
+	if x != nil {
+		return x.RemoteRequestId
+	}
+	return ""
+}
+
+func (x *TransferParams) GetRemoteBlockIds() []*Span {
+	if x != nil {
+		return x.RemoteBlockIds
+	}
+	return nil
+}
+
+func (x *TransferParams) GetRemoteTpSize() int32 {
+	if x != nil {
+		return x.RemoteTpSize
+	}
+	return 0
+}
+
+func (x *TransferParams) GetRemotePpSize() int32 {
+	if x != nil {
+		return x.RemotePpSize
+	}
+	return 0
+}
+
+func (x *TransferParams) GetRemoteNumTokens() int64 {
+	if x != nil {
+		return x.RemoteNumTokens
+	}
+	return 0
+}
+
+func (x *TransferParams) GetRemoteBlocksExpiryUnixNanos() int64 {
+	if x != nil {
+		return x.RemoteBlocksExpiryUnixNanos
+	}
+	return 0
+}
+
+func (x *TransferParams) GetMode() Mode {
+	if x != nil {
+		return x.Mode
+	}
+	return Mode_MODE_UNSPECIFIED
+}
+
+// EngineRequest is an engine's request as the scheduler sees it.
+type EngineRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// request_id on the engine.
+	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// prompt_tokens of the request.
+	PromptTokens int64 `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// params of the request (may be absent).
+	Params        *TransferParams `protobuf:"bytes,3,opt,name=params,proto3" json:"params,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EngineRequest) Reset() {
+	*x = EngineRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EngineRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EngineRequest) ProtoMessage() {}
+
+func (x *EngineRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EngineRequest.ProtoReflect.Descriptor instead.
+func (*EngineRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *EngineRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *EngineRequest) GetPromptTokens() int64 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+func (x *EngineRequest) GetParams() *TransferParams {
+	if x != nil {
+		return x.Params
+	}
+	return nil
+}
+
+// BlockList is one cache group's block ids.
+type BlockList struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// block_ids are logical block ids.
+	BlockIds      []int32 `protobuf:"varint,1,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockList) Reset() {
+	*x = BlockList{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockList) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockList) ProtoMessage() {}
+
+func (x *BlockList) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockList.ProtoReflect.Descriptor instead.
+func (*BlockList) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *BlockList) GetBlockIds() []int32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+// SchedulerConfig configures an engine's scheduler.
+type SchedulerConfig struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the engine.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// mode of the engine's transfers.
+	Mode Mode `protobuf:"varint,2,opt,name=mode,proto3,enum=kvxfer.v1.Mode" json:"mode,omitempty"`
+	// tp_size of the engine.
+	TpSize int32 `protobuf:"varint,3,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	// pp_size of the engine.
+	PpSize int32 `protobuf:"varint,4,opt,name=pp_size,json=ppSize,proto3" json:"pp_size,omitempty"`
+	// logical_block_size in tokens.
+	LogicalBlockSize int32 `protobuf:"varint,5,opt,name=logical_block_size,json=logicalBlockSize,proto3" json:"logical_block_size,omitempty"`
+	// groups of the engine's KV cache (kind and window).
+	Groups []*CacheGroup `protobuf:"bytes,6,rep,name=groups,proto3" json:"groups,omitempty"`
+	// spec_blocks kept by Mamba groups beyond their state block.
+	SpecBlocks int32 `protobuf:"varint,7,opt,name=spec_blocks,json=specBlocks,proto3" json:"spec_blocks,omitempty"`
+	// lease_millis of producer leases (0: 30 s).
+	LeaseMillis int64 `protobuf:"varint,8,opt,name=lease_millis,json=leaseMillis,proto3" json:"lease_millis,omitempty"`
+	// decoder_blocks_ttl_millis for bidirectional pull (0: 480 s).
+	DecoderBlocksTtlMillis int64 `protobuf:"varint,9,opt,name=decoder_blocks_ttl_millis,json=decoderBlocksTtlMillis,proto3" json:"decoder_blocks_ttl_millis,omitempty"`
+	// registration_timeout_millis of push consumers (0: the TTL).
+	RegistrationTimeoutMillis int64 `protobuf:"varint,10,opt,name=registration_timeout_millis,json=registrationTimeoutMillis,proto3" json:"registration_timeout_millis,omitempty"`
+	// recompute_threshold in tokens (0: 64; negative disables).
+	RecomputeThreshold int32 `protobuf:"varint,11,opt,name=recompute_threshold,json=recomputeThreshold,proto3" json:"recompute_threshold,omitempty"`
+	// bidirectional multi-turn pull.
+	Bidirectional bool `protobuf:"varint,12,opt,name=bidirectional,proto3" json:"bidirectional,omitempty"`
+	// host_buffer save staging.
+	HostBuffer    bool `protobuf:"varint,13,opt,name=host_buffer,json=hostBuffer,proto3" json:"host_buffer,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SchedulerConfig) Reset() {
+	*x = SchedulerConfig{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SchedulerConfig) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SchedulerConfig) ProtoMessage() {}
+
+func (x *SchedulerConfig) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SchedulerConfig.ProtoReflect.Descriptor instead.
+func (*SchedulerConfig) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *SchedulerConfig) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *SchedulerConfig) GetMode() Mode {
+	if x != nil {
+		return x.Mode
+	}
+	return Mode_MODE_UNSPECIFIED
+}
+
+func (x *SchedulerConfig) GetTpSize() int32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetPpSize() int32 {
+	if x != nil {
+		return x.PpSize
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetLogicalBlockSize() int32 {
+	if x != nil {
+		return x.LogicalBlockSize
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetGroups() []*CacheGroup {
+	if x != nil {
+		return x.Groups
+	}
+	return nil
+}
+
+func (x *SchedulerConfig) GetSpecBlocks() int32 {
+	if x != nil {
+		return x.SpecBlocks
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetLeaseMillis() int64 {
+	if x != nil {
+		return x.LeaseMillis
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetDecoderBlocksTtlMillis() int64 {
+	if x != nil {
+		return x.DecoderBlocksTtlMillis
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetRegistrationTimeoutMillis() int64 {
+	if x != nil {
+		return x.RegistrationTimeoutMillis
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetRecomputeThreshold() int32 {
+	if x != nil {
+		return x.RecomputeThreshold
+	}
+	return 0
+}
+
+func (x *SchedulerConfig) GetBidirectional() bool {
+	if x != nil {
+		return x.Bidirectional
+	}
+	return false
+}
+
+func (x *SchedulerConfig) GetHostBuffer() bool {
+	if x != nil {
+		return x.HostBuffer
+	}
+	return false
+}
+
+// OpenSchedulerRequest creates (or replaces) an engine's scheduler.
+type OpenSchedulerRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// config of the scheduler.
+	Config        *SchedulerConfig `protobuf:"bytes,1,opt,name=config,proto3" json:"config,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenSchedulerRequest) Reset() {
+	*x = OpenSchedulerRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenSchedulerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenSchedulerRequest) ProtoMessage() {}
+
+func (x *OpenSchedulerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenSchedulerRequest.ProtoReflect.Descriptor instead.
+func (*OpenSchedulerRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *OpenSchedulerRequest) GetConfig() *SchedulerConfig {
+	if x != nil {
+		return x.Config
+	}
+	return nil
+}
+
+// OpenSchedulerResponse answers OpenScheduler.
+type OpenSchedulerResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// addr is this daemon's peer address, returned in transfer params.
+	Addr          string `protobuf:"bytes,1,opt,name=addr,proto3" json:"addr,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenSchedulerResponse) Reset() {
+	*x = OpenSchedulerResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenSchedulerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenSchedulerResponse) ProtoMessage() {}
+
+func (x *OpenSchedulerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenSchedulerResponse.ProtoReflect.Descriptor instead.
+func (*OpenSchedulerResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *OpenSchedulerResponse) GetAddr() string {
+	if x != nil {
+		return x.Addr
+	}
+	return ""
+}
+
+// MatchedTokensRequest asks how many tokens a request gets remotely.
+type MatchedTokensRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request in question.
+	Request *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// computed tokens already.
+	Computed      int64 `protobuf:"varint,3,opt,name=computed,proto3" json:"computed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MatchedTokensRequest) Reset() {
+	*x = MatchedTokensRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MatchedTokensRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MatchedTokensRequest) ProtoMessage() {}
+
+func (x *MatchedTokensRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MatchedTokensRequest.ProtoReflect.Descriptor instead.
+func (*MatchedTokensRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *MatchedTokensRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *MatchedTokensRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *MatchedTokensRequest) GetComputed() int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return 0
+}
+
+// MatchedTokensResponse answers MatchedTokens.
+type MatchedTokensResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// tokens provided by the transfer.
+	Tokens int64 `protobuf:"varint,1,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// async: the tokens arrive asynchronously.
+	Async         bool `protobuf:"varint,2,opt,name=async,proto3" json:"async,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MatchedTokensResponse) Reset() {
+	*x = MatchedTokensResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MatchedTokensResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MatchedTokensResponse) ProtoMessage() {}
+
+func (x *MatchedTokensResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MatchedTokensResponse.ProtoReflect.Descriptor instead.
+func (*MatchedTokensResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *MatchedTokensResponse) GetTokens() int64 {
+	if x != nil {
+		return x.Tokens
+	}
+	return 0
+}
+
+func (x *MatchedTokensResponse) GetAsync() bool {
+	if x != nil {
+		return x.Async
+	}
+	return false
+}
+
+// AfterAllocRequest stages a request's transfer after allocation.
+type AfterAllocRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request in question.
+	Request *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// blocks allocated per cache group (past the local prefix hit).
+	Blocks []*BlockList `protobuf:"bytes,3,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	// computed tokens locally (the prefix hit).
+	Computed int64 `protobuf:"varint,4,opt,name=computed,proto3" json:"computed,omitempty"`
+	// external tokens the transfer provides.
+	External      int64 `protobuf:"varint,5,opt,name=external,proto3" json:"external,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AfterAllocRequest) Reset() {
+	*x = AfterAllocRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AfterAllocRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AfterAllocRequest) ProtoMessage() {}
+
+func (x *AfterAllocRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AfterAllocRequest.ProtoReflect.Descriptor instead.
+func (*AfterAllocRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *AfterAllocRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *AfterAllocRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *AfterAllocRequest) GetBlocks() []*BlockList {
+	if x != nil {
+		return x.Blocks
+	}
+	return nil
+}
+
+func (x *AfterAllocRequest) GetComputed() int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return 0
+}
+
+func (x *AfterAllocRequest) GetExternal() int64 {
+	if x != nil {
+		return x.External
+	}
+	return 0
+}
+
+// AfterAllocResponse returns the request's params as updated.
+type AfterAllocResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// params after the call.
+	Params        *TransferParams `protobuf:"bytes,1,opt,name=params,proto3" json:"params,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AfterAllocResponse) Reset() {
+	*x = AfterAllocResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AfterAllocResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AfterAllocResponse) ProtoMessage() {}
+
+func (x *AfterAllocResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AfterAllocResponse.ProtoReflect.Descriptor instead.
+func (*AfterAllocResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *AfterAllocResponse) GetParams() *TransferParams {
+	if x != nil {
+		return x.Params
+	}
+	return nil
+}
+
+// ScheduledRequest stages host-buffer saves of new blocks.
+type ScheduledRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request in question.
+	Request *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// new_blocks per cache group.
+	NewBlocks []*BlockList `protobuf:"bytes,3,rep,name=new_blocks,json=newBlocks,proto3" json:"new_blocks,omitempty"`
+	// computed tokens so far.
+	Computed int64 `protobuf:"varint,4,opt,name=computed,proto3" json:"computed,omitempty"`
+	// scheduled tokens this step.
+	Scheduled     int64 `protobuf:"varint,5,opt,name=scheduled,proto3" json:"scheduled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScheduledRequest) Reset() {
+	*x = ScheduledRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScheduledRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScheduledRequest) ProtoMessage() {}
+
+func (x *ScheduledRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScheduledRequest.ProtoReflect.Descriptor instead.
+func (*ScheduledRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *ScheduledRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *ScheduledRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *ScheduledRequest) GetNewBlocks() []*BlockList {
+	if x != nil {
+		return x.NewBlocks
+	}
+	return nil
+}
+
+func (x *ScheduledRequest) GetComputed() int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return 0
+}
+
+func (x *ScheduledRequest) GetScheduled() int64 {
+	if x != nil {
+		return x.Scheduled
+	}
+	return 0
+}
+
+// ScheduledResponse answers Scheduled.
+type ScheduledResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScheduledResponse) Reset() {
+	*x = ScheduledResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScheduledResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScheduledResponse) ProtoMessage() {}
+
+func (x *ScheduledResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScheduledResponse.ProtoReflect.Descriptor instead.
+func (*ScheduledResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{33}
+}
+
+// RequestFinishedRequest reports a finished request.
+type RequestFinishedRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request in question.
+	Request *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// status it finished with.
+	Status FinishStatus `protobuf:"varint,3,opt,name=status,proto3,enum=kvxfer.v1.FinishStatus" json:"status,omitempty"`
+	// blocks of the request per cache group.
+	Blocks []*BlockList `protobuf:"bytes,4,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	// computed tokens of the request.
+	Computed      int64 `protobuf:"varint,5,opt,name=computed,proto3" json:"computed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RequestFinishedRequest) Reset() {
+	*x = RequestFinishedRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RequestFinishedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RequestFinishedRequest) ProtoMessage() {}
+
+func (x *RequestFinishedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RequestFinishedRequest.ProtoReflect.Descriptor instead.
+func (*RequestFinishedRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *RequestFinishedRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *RequestFinishedRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *RequestFinishedRequest) GetStatus() FinishStatus {
+	if x != nil {
+		return x.Status
+	}
+	return FinishStatus_FINISH_STATUS_UNSPECIFIED
+}
+
+func (x *RequestFinishedRequest) GetBlocks() []*BlockList {
+	if x != nil {
+		return x.Blocks
+	}
+	return nil
+}
+
+func (x *RequestFinishedRequest) GetComputed() int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return 0
+}
+
+// RequestFinishedResponse answers RequestFinished.
+type RequestFinishedResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// delay: keep the blocks until a sending outcome.
+	Delay bool `protobuf:"varint,1,opt,name=delay,proto3" json:"delay,omitempty"`
+	// params to hand to the other engine (absent: none).
+	Params *TransferParams `protobuf:"bytes,2,opt,name=params,proto3" json:"params,omitempty"`
+	// request_params: the request's own params after the call.
+	RequestParams *TransferParams `protobuf:"bytes,3,opt,name=request_params,json=requestParams,proto3" json:"request_params,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RequestFinishedResponse) Reset() {
+	*x = RequestFinishedResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RequestFinishedResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RequestFinishedResponse) ProtoMessage() {}
+
+func (x *RequestFinishedResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RequestFinishedResponse.ProtoReflect.Descriptor instead.
+func (*RequestFinishedResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *RequestFinishedResponse) GetDelay() bool {
+	if x != nil {
+		return x.Delay
+	}
+	return false
+}
+
+func (x *RequestFinishedResponse) GetParams() *TransferParams {
+	if x != nil {
+		return x.Params
+	}
+	return nil
+}
+
+func (x *RequestFinishedResponse) GetRequestParams() *TransferParams {
+	if x != nil {
+		return x.RequestParams
+	}
+	return nil
+}
+
+// BuildMetaRequest builds a step's metadata.
+type BuildMetaRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId      string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BuildMetaRequest) Reset() {
+	*x = BuildMetaRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BuildMetaRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BuildMetaRequest) ProtoMessage() {}
+
+func (x *BuildMetaRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BuildMetaRequest.ProtoReflect.Descriptor instead.
+func (*BuildMetaRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *BuildMetaRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+// BuildMetaResponse carries the step's metadata for every rank.
+type BuildMetaResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// meta of the step.
+	Meta          *StepMeta `protobuf:"bytes,1,opt,name=meta,proto3" json:"meta,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BuildMetaResponse) Reset() {
+	*x = BuildMetaResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BuildMetaResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BuildMetaResponse) ProtoMessage() {}
+
+func (x *BuildMetaResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BuildMetaResponse.ProtoReflect.Descriptor instead.
+func (*BuildMetaResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *BuildMetaResponse) GetMeta() *StepMeta {
+	if x != nil {
+		return x.Meta
+	}
+	return nil
+}
+
+// UpdateRequest reports the engine-wide finished sets.
+type UpdateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// finished sets aggregated over ranks.
+	Finished      *Finished `protobuf:"bytes,2,opt,name=finished,proto3" json:"finished,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateRequest) Reset() {
+	*x = UpdateRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateRequest) ProtoMessage() {}
+
+func (x *UpdateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateRequest.ProtoReflect.Descriptor instead.
+func (*UpdateRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *UpdateRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *UpdateRequest) GetFinished() *Finished {
+	if x != nil {
+		return x.Finished
+	}
+	return nil
+}
+
+// UpdateResponse answers Update.
+type UpdateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// pending: the engine must keep stepping for kvxfer.
+	Pending       bool `protobuf:"varint,1,opt,name=pending,proto3" json:"pending,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateResponse) Reset() {
+	*x = UpdateResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateResponse) ProtoMessage() {}
+
+func (x *UpdateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateResponse.ProtoReflect.Descriptor instead.
+func (*UpdateResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *UpdateResponse) GetPending() bool {
+	if x != nil {
+		return x.Pending
+	}
+	return false
+}
+
+// CloseSchedulerRequest drops an engine's scheduler.
+type CloseSchedulerRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId      string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseSchedulerRequest) Reset() {
+	*x = CloseSchedulerRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseSchedulerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseSchedulerRequest) ProtoMessage() {}
+
+func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseSchedulerRequest.ProtoReflect.Descriptor instead.
+func (*CloseSchedulerRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *CloseSchedulerRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+// CloseSchedulerResponse answers CloseScheduler.
+type CloseSchedulerResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseSchedulerResponse) Reset() {
+	*x = CloseSchedulerResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseSchedulerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseSchedulerResponse) ProtoMessage() {}
+
+func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseSchedulerResponse.ProtoReflect.Descriptor instead.
+func (*CloseSchedulerResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{41}
+}
+
 var File_kvxfer_v1_kvxfer_proto protoreflect.FileDescriptor
 
 const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
@@ -2179,7 +3530,96 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"generation\x12*\n" +
 	"\x11server_unix_nanos\x18\x03 \x01(\x03R\x0fserverUnixNanos\x12\x12\n" +
 	"\x04zstd\x18\x04 \x01(\bR\x04zstd\x12\x18\n" +
-	"\apayload\x18\x05 \x01(\fR\apayload*:\n" +
+	"\apayload\x18\x05 \x01(\fR\apayload\"\x9c\x04\n" +
+	"\x0eTransferParams\x12\x1f\n" +
+	"\vtransfer_id\x18\x01 \x01(\tR\n" +
+	"transferId\x12*\n" +
+	"\x11do_remote_prefill\x18\x02 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
+	"\x10do_remote_decode\x18\x03 \x01(\bR\x0edoRemoteDecode\x12(\n" +
+	"\x10remote_engine_id\x18\x04 \x01(\tR\x0eremoteEngineId\x12\x1f\n" +
+	"\vremote_addr\x18\x05 \x01(\tR\n" +
+	"remoteAddr\x12*\n" +
+	"\x11remote_request_id\x18\x06 \x01(\tR\x0fremoteRequestId\x129\n" +
+	"\x10remote_block_ids\x18\a \x03(\v2\x0f.kvxfer.v1.SpanR\x0eremoteBlockIds\x12$\n" +
+	"\x0eremote_tp_size\x18\b \x01(\x05R\fremoteTpSize\x12$\n" +
+	"\x0eremote_pp_size\x18\t \x01(\x05R\fremotePpSize\x12*\n" +
+	"\x11remote_num_tokens\x18\n" +
+	" \x01(\x03R\x0fremoteNumTokens\x12D\n" +
+	"\x1fremote_blocks_expiry_unix_nanos\x18\v \x01(\x03R\x1bremoteBlocksExpiryUnixNanos\x12#\n" +
+	"\x04mode\x18\f \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\"\x86\x01\n" +
+	"\rEngineRequest\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x01 \x01(\tR\trequestId\x12#\n" +
+	"\rprompt_tokens\x18\x02 \x01(\x03R\fpromptTokens\x121\n" +
+	"\x06params\x18\x03 \x01(\v2\x19.kvxfer.v1.TransferParamsR\x06params\"(\n" +
+	"\tBlockList\x12\x1b\n" +
+	"\tblock_ids\x18\x01 \x03(\x05R\bblockIds\"\x99\x04\n" +
+	"\x0fSchedulerConfig\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12#\n" +
+	"\x04mode\x18\x02 \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12\x17\n" +
+	"\atp_size\x18\x03 \x01(\x05R\x06tpSize\x12\x17\n" +
+	"\app_size\x18\x04 \x01(\x05R\x06ppSize\x12,\n" +
+	"\x12logical_block_size\x18\x05 \x01(\x05R\x10logicalBlockSize\x12-\n" +
+	"\x06groups\x18\x06 \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\x12\x1f\n" +
+	"\vspec_blocks\x18\a \x01(\x05R\n" +
+	"specBlocks\x12!\n" +
+	"\flease_millis\x18\b \x01(\x03R\vleaseMillis\x129\n" +
+	"\x19decoder_blocks_ttl_millis\x18\t \x01(\x03R\x16decoderBlocksTtlMillis\x12>\n" +
+	"\x1bregistration_timeout_millis\x18\n" +
+	" \x01(\x03R\x19registrationTimeoutMillis\x12/\n" +
+	"\x13recompute_threshold\x18\v \x01(\x05R\x12recomputeThreshold\x12$\n" +
+	"\rbidirectional\x18\f \x01(\bR\rbidirectional\x12\x1f\n" +
+	"\vhost_buffer\x18\r \x01(\bR\n" +
+	"hostBuffer\"J\n" +
+	"\x14OpenSchedulerRequest\x122\n" +
+	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"+\n" +
+	"\x15OpenSchedulerResponse\x12\x12\n" +
+	"\x04addr\x18\x01 \x01(\tR\x04addr\"\x83\x01\n" +
+	"\x14MatchedTokensRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12\x1a\n" +
+	"\bcomputed\x18\x03 \x01(\x03R\bcomputed\"E\n" +
+	"\x15MatchedTokensResponse\x12\x16\n" +
+	"\x06tokens\x18\x01 \x01(\x03R\x06tokens\x12\x14\n" +
+	"\x05async\x18\x02 \x01(\bR\x05async\"\xca\x01\n" +
+	"\x11AfterAllocRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12,\n" +
+	"\x06blocks\x18\x03 \x03(\v2\x14.kvxfer.v1.BlockListR\x06blocks\x12\x1a\n" +
+	"\bcomputed\x18\x04 \x01(\x03R\bcomputed\x12\x1a\n" +
+	"\bexternal\x18\x05 \x01(\x03R\bexternal\"G\n" +
+	"\x12AfterAllocResponse\x121\n" +
+	"\x06params\x18\x01 \x01(\v2\x19.kvxfer.v1.TransferParamsR\x06params\"\xd2\x01\n" +
+	"\x10ScheduledRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x123\n" +
+	"\n" +
+	"new_blocks\x18\x03 \x03(\v2\x14.kvxfer.v1.BlockListR\tnewBlocks\x12\x1a\n" +
+	"\bcomputed\x18\x04 \x01(\x03R\bcomputed\x12\x1c\n" +
+	"\tscheduled\x18\x05 \x01(\x03R\tscheduled\"\x13\n" +
+	"\x11ScheduledResponse\"\xe4\x01\n" +
+	"\x16RequestFinishedRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12/\n" +
+	"\x06status\x18\x03 \x01(\x0e2\x17.kvxfer.v1.FinishStatusR\x06status\x12,\n" +
+	"\x06blocks\x18\x04 \x03(\v2\x14.kvxfer.v1.BlockListR\x06blocks\x12\x1a\n" +
+	"\bcomputed\x18\x05 \x01(\x03R\bcomputed\"\xa4\x01\n" +
+	"\x17RequestFinishedResponse\x12\x14\n" +
+	"\x05delay\x18\x01 \x01(\bR\x05delay\x121\n" +
+	"\x06params\x18\x02 \x01(\v2\x19.kvxfer.v1.TransferParamsR\x06params\x12@\n" +
+	"\x0erequest_params\x18\x03 \x01(\v2\x19.kvxfer.v1.TransferParamsR\rrequestParams\"/\n" +
+	"\x10BuildMetaRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\"<\n" +
+	"\x11BuildMetaResponse\x12'\n" +
+	"\x04meta\x18\x01 \x01(\v2\x13.kvxfer.v1.StepMetaR\x04meta\"]\n" +
+	"\rUpdateRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12/\n" +
+	"\bfinished\x18\x02 \x01(\v2\x13.kvxfer.v1.FinishedR\bfinished\"*\n" +
+	"\x0eUpdateResponse\x12\x18\n" +
+	"\apending\x18\x01 \x01(\bR\apending\"4\n" +
+	"\x15CloseSchedulerRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\"\x18\n" +
+	"\x16CloseSchedulerResponse*:\n" +
 	"\x04Mode\x12\x14\n" +
 	"\x10MODE_UNSPECIFIED\x10\x00\x12\r\n" +
 	"\tMODE_PUSH\x10\x01\x12\r\n" +
@@ -2198,11 +3638,27 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x19CACHE_KIND_FULL_ATTENTION\x10\x01\x12\x1d\n" +
 	"\x19CACHE_KIND_SLIDING_WINDOW\x10\x02\x12\x12\n" +
 	"\x0eCACHE_KIND_MLA\x10\x03\x12\x14\n" +
-	"\x10CACHE_KIND_MAMBA\x10\x042U\n" +
+	"\x10CACHE_KIND_MAMBA\x10\x04*\x9d\x01\n" +
+	"\fFinishStatus\x12\x1d\n" +
+	"\x19FINISH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
+	"\x15FINISH_STATUS_STOPPED\x10\x01\x12\x1f\n" +
+	"\x1bFINISH_STATUS_LENGTH_CAPPED\x10\x02\x12\x19\n" +
+	"\x15FINISH_STATUS_ABORTED\x10\x03\x12\x17\n" +
+	"\x13FINISH_STATUS_ERROR\x10\x042U\n" +
 	"\rWorkerService\x12D\n" +
 	"\aConnect\x12\x19.kvxfer.v1.ConnectRequest\x1a\x1a.kvxfer.v1.ConnectResponse(\x010\x012U\n" +
 	"\vPeerService\x12F\n" +
-	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponseB3Z1github.com/kvxfer/kvxfer/stream/kvxferv1;kvxferv1b\x06proto3"
+	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse2\x85\x05\n" +
+	"\x10SchedulerService\x12R\n" +
+	"\rOpenScheduler\x12\x1f.kvxfer.v1.OpenSchedulerRequest\x1a .kvxfer.v1.OpenSchedulerResponse\x12R\n" +
+	"\rMatchedTokens\x12\x1f.kvxfer.v1.MatchedTokensRequest\x1a .kvxfer.v1.MatchedTokensResponse\x12I\n" +
+	"\n" +
+	"AfterAlloc\x12\x1c.kvxfer.v1.AfterAllocRequest\x1a\x1d.kvxfer.v1.AfterAllocResponse\x12F\n" +
+	"\tScheduled\x12\x1b.kvxfer.v1.ScheduledRequest\x1a\x1c.kvxfer.v1.ScheduledResponse\x12X\n" +
+	"\x0fRequestFinished\x12!.kvxfer.v1.RequestFinishedRequest\x1a\".kvxfer.v1.RequestFinishedResponse\x12F\n" +
+	"\tBuildMeta\x12\x1b.kvxfer.v1.BuildMetaRequest\x1a\x1c.kvxfer.v1.BuildMetaResponse\x12=\n" +
+	"\x06Update\x12\x18.kvxfer.v1.UpdateRequest\x1a\x19.kvxfer.v1.UpdateResponse\x12U\n" +
+	"\x0eCloseScheduler\x12 .kvxfer.v1.CloseSchedulerRequest\x1a!.kvxfer.v1.CloseSchedulerResponseB3Z1github.com/kvxfer/kvxfer/stream/kvxferv1;kvxferv1b\x06proto3"
 
 var (
 	file_kvxfer_v1_kvxfer_proto_rawDescOnce sync.Once
@@ -2216,75 +3672,131 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 	return file_kvxfer_v1_kvxfer_proto_rawDescData
 }
 
-var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
-	(Mode)(0),                 // 0: kvxfer.v1.Mode
-	(KvLayoutOrder)(0),        // 1: kvxfer.v1.KvLayoutOrder
-	(KvPacking)(0),            // 2: kvxfer.v1.KvPacking
-	(CacheKind)(0),            // 3: kvxfer.v1.CacheKind
-	(Outcome_Result)(0),       // 4: kvxfer.v1.Outcome.Result
-	(*Region)(nil),            // 5: kvxfer.v1.Region
-	(*CacheGroup)(nil),        // 6: kvxfer.v1.CacheGroup
-	(*KvLayout)(nil),          // 7: kvxfer.v1.KvLayout
-	(*SharedMemory)(nil),      // 8: kvxfer.v1.SharedMemory
-	(*Span)(nil),              // 9: kvxfer.v1.Span
-	(*RemoteRef)(nil),         // 10: kvxfer.v1.RemoteRef
-	(*RecvRequest)(nil),       // 11: kvxfer.v1.RecvRequest
-	(*SendRequest)(nil),       // 12: kvxfer.v1.SendRequest
-	(*StepMeta)(nil),          // 13: kvxfer.v1.StepMeta
-	(*Outcome)(nil),           // 14: kvxfer.v1.Outcome
-	(*Finished)(nil),          // 15: kvxfer.v1.Finished
-	(*WorkerHello)(nil),       // 16: kvxfer.v1.WorkerHello
-	(*LayerSaved)(nil),        // 17: kvxfer.v1.LayerSaved
-	(*ConnectRequest)(nil),    // 18: kvxfer.v1.ConnectRequest
-	(*Bye)(nil),               // 19: kvxfer.v1.Bye
-	(*Ready)(nil),             // 20: kvxfer.v1.Ready
-	(*StepError)(nil),         // 21: kvxfer.v1.StepError
-	(*ConnectResponse)(nil),   // 22: kvxfer.v1.ConnectResponse
-	(*RankInfo)(nil),          // 23: kvxfer.v1.RankInfo
-	(*RankList)(nil),          // 24: kvxfer.v1.RankList
-	(*HandshakeRequest)(nil),  // 25: kvxfer.v1.HandshakeRequest
-	(*HandshakeResponse)(nil), // 26: kvxfer.v1.HandshakeResponse
+	(Mode)(0),                       // 0: kvxfer.v1.Mode
+	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
+	(KvPacking)(0),                  // 2: kvxfer.v1.KvPacking
+	(CacheKind)(0),                  // 3: kvxfer.v1.CacheKind
+	(FinishStatus)(0),               // 4: kvxfer.v1.FinishStatus
+	(Outcome_Result)(0),             // 5: kvxfer.v1.Outcome.Result
+	(*Region)(nil),                  // 6: kvxfer.v1.Region
+	(*CacheGroup)(nil),              // 7: kvxfer.v1.CacheGroup
+	(*KvLayout)(nil),                // 8: kvxfer.v1.KvLayout
+	(*SharedMemory)(nil),            // 9: kvxfer.v1.SharedMemory
+	(*Span)(nil),                    // 10: kvxfer.v1.Span
+	(*RemoteRef)(nil),               // 11: kvxfer.v1.RemoteRef
+	(*RecvRequest)(nil),             // 12: kvxfer.v1.RecvRequest
+	(*SendRequest)(nil),             // 13: kvxfer.v1.SendRequest
+	(*StepMeta)(nil),                // 14: kvxfer.v1.StepMeta
+	(*Outcome)(nil),                 // 15: kvxfer.v1.Outcome
+	(*Finished)(nil),                // 16: kvxfer.v1.Finished
+	(*WorkerHello)(nil),             // 17: kvxfer.v1.WorkerHello
+	(*LayerSaved)(nil),              // 18: kvxfer.v1.LayerSaved
+	(*ConnectRequest)(nil),          // 19: kvxfer.v1.ConnectRequest
+	(*Bye)(nil),                     // 20: kvxfer.v1.Bye
+	(*Ready)(nil),                   // 21: kvxfer.v1.Ready
+	(*StepError)(nil),               // 22: kvxfer.v1.StepError
+	(*ConnectResponse)(nil),         // 23: kvxfer.v1.ConnectResponse
+	(*RankInfo)(nil),                // 24: kvxfer.v1.RankInfo
+	(*RankList)(nil),                // 25: kvxfer.v1.RankList
+	(*HandshakeRequest)(nil),        // 26: kvxfer.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),       // 27: kvxfer.v1.HandshakeResponse
+	(*TransferParams)(nil),          // 28: kvxfer.v1.TransferParams
+	(*EngineRequest)(nil),           // 29: kvxfer.v1.EngineRequest
+	(*BlockList)(nil),               // 30: kvxfer.v1.BlockList
+	(*SchedulerConfig)(nil),         // 31: kvxfer.v1.SchedulerConfig
+	(*OpenSchedulerRequest)(nil),    // 32: kvxfer.v1.OpenSchedulerRequest
+	(*OpenSchedulerResponse)(nil),   // 33: kvxfer.v1.OpenSchedulerResponse
+	(*MatchedTokensRequest)(nil),    // 34: kvxfer.v1.MatchedTokensRequest
+	(*MatchedTokensResponse)(nil),   // 35: kvxfer.v1.MatchedTokensResponse
+	(*AfterAllocRequest)(nil),       // 36: kvxfer.v1.AfterAllocRequest
+	(*AfterAllocResponse)(nil),      // 37: kvxfer.v1.AfterAllocResponse
+	(*ScheduledRequest)(nil),        // 38: kvxfer.v1.ScheduledRequest
+	(*ScheduledResponse)(nil),       // 39: kvxfer.v1.ScheduledResponse
+	(*RequestFinishedRequest)(nil),  // 40: kvxfer.v1.RequestFinishedRequest
+	(*RequestFinishedResponse)(nil), // 41: kvxfer.v1.RequestFinishedResponse
+	(*BuildMetaRequest)(nil),        // 42: kvxfer.v1.BuildMetaRequest
+	(*BuildMetaResponse)(nil),       // 43: kvxfer.v1.BuildMetaResponse
+	(*UpdateRequest)(nil),           // 44: kvxfer.v1.UpdateRequest
+	(*UpdateResponse)(nil),          // 45: kvxfer.v1.UpdateResponse
+	(*CloseSchedulerRequest)(nil),   // 46: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 47: kvxfer.v1.CloseSchedulerResponse
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
 	3,  // 1: kvxfer.v1.CacheGroup.kind:type_name -> kvxfer.v1.CacheKind
 	1,  // 2: kvxfer.v1.KvLayout.order:type_name -> kvxfer.v1.KvLayoutOrder
 	2,  // 3: kvxfer.v1.KvLayout.packing:type_name -> kvxfer.v1.KvPacking
-	5,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
-	6,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
-	9,  // 6: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
-	9,  // 7: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
-	10, // 8: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
-	9,  // 9: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
-	11, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
-	12, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
-	12, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
-	4,  // 13: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
-	14, // 14: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
-	14, // 15: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
+	6,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
+	7,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
+	10, // 6: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
+	10, // 7: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
+	11, // 8: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
+	10, // 9: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
+	12, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
+	13, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
+	13, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
+	5,  // 13: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
+	15, // 14: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
+	15, // 15: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
 	0,  // 16: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	7,  // 17: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	8,  // 18: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	16, // 19: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	13, // 20: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	17, // 21: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	19, // 22: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	20, // 23: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	15, // 24: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	21, // 25: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	7,  // 26: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	23, // 27: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	18, // 28: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	25, // 29: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	22, // 30: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	26, // 31: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	30, // [30:32] is the sub-list for method output_type
-	28, // [28:30] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	8,  // 17: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	9,  // 18: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	17, // 19: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	14, // 20: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	18, // 21: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	20, // 22: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	21, // 23: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	16, // 24: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	22, // 25: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	8,  // 26: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	24, // 27: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	10, // 28: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 29: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	28, // 30: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 31: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	7,  // 32: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	31, // 33: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	29, // 34: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	29, // 35: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	30, // 36: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	28, // 37: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	29, // 38: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	30, // 39: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	29, // 40: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	4,  // 41: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	30, // 42: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	28, // 43: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	28, // 44: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	14, // 45: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	16, // 46: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	19, // 47: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	26, // 48: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	32, // 49: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	34, // 50: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	36, // 51: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	38, // 52: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	40, // 53: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	42, // 54: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	44, // 55: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	46, // 56: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	23, // 57: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	27, // 58: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	33, // 59: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	35, // 60: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	37, // 61: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	39, // 62: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	41, // 63: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	43, // 64: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	45, // 65: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	47, // 66: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	57, // [57:67] is the sub-list for method output_type
+	47, // [47:57] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -2308,10 +3820,10 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
-			NumEnums:      5,
-			NumMessages:   22,
+			NumEnums:      6,
+			NumMessages:   42,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   3,
 		},
 		GoTypes:           file_kvxfer_v1_kvxfer_proto_goTypes,
 		DependencyIndexes: file_kvxfer_v1_kvxfer_proto_depIdxs,

@@ -234,3 +234,393 @@ var PeerService_ServiceDesc = grpc.ServiceDesc{
 	Streams:  []grpc.StreamDesc{},
 	Metadata: "kvxfer/v1/kvxfer.proto",
 }
+
+const (
+	SchedulerService_OpenScheduler_FullMethodName   = "/kvxfer.v1.SchedulerService/OpenScheduler"
+	SchedulerService_MatchedTokens_FullMethodName   = "/kvxfer.v1.SchedulerService/MatchedTokens"
+	SchedulerService_AfterAlloc_FullMethodName      = "/kvxfer.v1.SchedulerService/AfterAlloc"
+	SchedulerService_Scheduled_FullMethodName       = "/kvxfer.v1.SchedulerService/Scheduled"
+	SchedulerService_RequestFinished_FullMethodName = "/kvxfer.v1.SchedulerService/RequestFinished"
+	SchedulerService_BuildMeta_FullMethodName       = "/kvxfer.v1.SchedulerService/BuildMeta"
+	SchedulerService_Update_FullMethodName          = "/kvxfer.v1.SchedulerService/Update"
+	SchedulerService_CloseScheduler_FullMethodName  = "/kvxfer.v1.SchedulerService/CloseScheduler"
+)
+
+// SchedulerServiceClient is the client API for SchedulerService service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// SchedulerService runs the scheduler side of the connector for engines
+// that delegate it (SPEC.md sections 7-8).
+type SchedulerServiceClient interface {
+	// OpenScheduler creates an engine's scheduler.
+	OpenScheduler(ctx context.Context, in *OpenSchedulerRequest, opts ...grpc.CallOption) (*OpenSchedulerResponse, error)
+	// MatchedTokens: get_num_new_matched_tokens.
+	MatchedTokens(ctx context.Context, in *MatchedTokensRequest, opts ...grpc.CallOption) (*MatchedTokensResponse, error)
+	// AfterAlloc: update_state_after_alloc.
+	AfterAlloc(ctx context.Context, in *AfterAllocRequest, opts ...grpc.CallOption) (*AfterAllocResponse, error)
+	// Scheduled: host-buffer save staging.
+	Scheduled(ctx context.Context, in *ScheduledRequest, opts ...grpc.CallOption) (*ScheduledResponse, error)
+	// RequestFinished: request_finished.
+	RequestFinished(ctx context.Context, in *RequestFinishedRequest, opts ...grpc.CallOption) (*RequestFinishedResponse, error)
+	// BuildMeta: build_connector_meta.
+	BuildMeta(ctx context.Context, in *BuildMetaRequest, opts ...grpc.CallOption) (*BuildMetaResponse, error)
+	// Update: update_connector_output; answers has-pending-work.
+	Update(ctx context.Context, in *UpdateRequest, opts ...grpc.CallOption) (*UpdateResponse, error)
+	// CloseScheduler drops an engine's scheduler.
+	CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error)
+}
+
+type schedulerServiceClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewSchedulerServiceClient(cc grpc.ClientConnInterface) SchedulerServiceClient {
+	return &schedulerServiceClient{cc}
+}
+
+func (c *schedulerServiceClient) OpenScheduler(ctx context.Context, in *OpenSchedulerRequest, opts ...grpc.CallOption) (*OpenSchedulerResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(OpenSchedulerResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_OpenScheduler_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) MatchedTokens(ctx context.Context, in *MatchedTokensRequest, opts ...grpc.CallOption) (*MatchedTokensResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(MatchedTokensResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_MatchedTokens_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) AfterAlloc(ctx context.Context, in *AfterAllocRequest, opts ...grpc.CallOption) (*AfterAllocResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AfterAllocResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_AfterAlloc_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) Scheduled(ctx context.Context, in *ScheduledRequest, opts ...grpc.CallOption) (*ScheduledResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ScheduledResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_Scheduled_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) RequestFinished(ctx context.Context, in *RequestFinishedRequest, opts ...grpc.CallOption) (*RequestFinishedResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RequestFinishedResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_RequestFinished_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) BuildMeta(ctx context.Context, in *BuildMetaRequest, opts ...grpc.CallOption) (*BuildMetaResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BuildMetaResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_BuildMeta_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) Update(ctx context.Context, in *UpdateRequest, opts ...grpc.CallOption) (*UpdateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UpdateResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_Update_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CloseSchedulerResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_CloseScheduler_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// SchedulerServiceServer is the server API for SchedulerService service.
+// All implementations must embed UnimplementedSchedulerServiceServer
+// for forward compatibility.
+//
+// SchedulerService runs the scheduler side of the connector for engines
+// that delegate it (SPEC.md sections 7-8).
+type SchedulerServiceServer interface {
+	// OpenScheduler creates an engine's scheduler.
+	OpenScheduler(context.Context, *OpenSchedulerRequest) (*OpenSchedulerResponse, error)
+	// MatchedTokens: get_num_new_matched_tokens.
+	MatchedTokens(context.Context, *MatchedTokensRequest) (*MatchedTokensResponse, error)
+	// AfterAlloc: update_state_after_alloc.
+	AfterAlloc(context.Context, *AfterAllocRequest) (*AfterAllocResponse, error)
+	// Scheduled: host-buffer save staging.
+	Scheduled(context.Context, *ScheduledRequest) (*ScheduledResponse, error)
+	// RequestFinished: request_finished.
+	RequestFinished(context.Context, *RequestFinishedRequest) (*RequestFinishedResponse, error)
+	// BuildMeta: build_connector_meta.
+	BuildMeta(context.Context, *BuildMetaRequest) (*BuildMetaResponse, error)
+	// Update: update_connector_output; answers has-pending-work.
+	Update(context.Context, *UpdateRequest) (*UpdateResponse, error)
+	// CloseScheduler drops an engine's scheduler.
+	CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error)
+	mustEmbedUnimplementedSchedulerServiceServer()
+}
+
+// UnimplementedSchedulerServiceServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedSchedulerServiceServer struct{}
+
+func (UnimplementedSchedulerServiceServer) OpenScheduler(context.Context, *OpenSchedulerRequest) (*OpenSchedulerResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method OpenScheduler not implemented")
+}
+func (UnimplementedSchedulerServiceServer) MatchedTokens(context.Context, *MatchedTokensRequest) (*MatchedTokensResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method MatchedTokens not implemented")
+}
+func (UnimplementedSchedulerServiceServer) AfterAlloc(context.Context, *AfterAllocRequest) (*AfterAllocResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method AfterAlloc not implemented")
+}
+func (UnimplementedSchedulerServiceServer) Scheduled(context.Context, *ScheduledRequest) (*ScheduledResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Scheduled not implemented")
+}
+func (UnimplementedSchedulerServiceServer) RequestFinished(context.Context, *RequestFinishedRequest) (*RequestFinishedResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method RequestFinished not implemented")
+}
+func (UnimplementedSchedulerServiceServer) BuildMeta(context.Context, *BuildMetaRequest) (*BuildMetaResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method BuildMeta not implemented")
+}
+func (UnimplementedSchedulerServiceServer) Update(context.Context, *UpdateRequest) (*UpdateResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Update not implemented")
+}
+func (UnimplementedSchedulerServiceServer) CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CloseScheduler not implemented")
+}
+func (UnimplementedSchedulerServiceServer) mustEmbedUnimplementedSchedulerServiceServer() {}
+func (UnimplementedSchedulerServiceServer) testEmbeddedByValue()                          {}
+
+// UnsafeSchedulerServiceServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to SchedulerServiceServer will
+// result in compilation errors.
+type UnsafeSchedulerServiceServer interface {
+	mustEmbedUnimplementedSchedulerServiceServer()
+}
+
+func RegisterSchedulerServiceServer(s grpc.ServiceRegistrar, srv SchedulerServiceServer) {
+	// If the following call pancis, it indicates UnimplementedSchedulerServiceServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&SchedulerService_ServiceDesc, srv)
+}
+
+func _SchedulerService_OpenScheduler_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(OpenSchedulerRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).OpenScheduler(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_OpenScheduler_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).OpenScheduler(ctx, req.(*OpenSchedulerRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_MatchedTokens_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MatchedTokensRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).MatchedTokens(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_MatchedTokens_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).MatchedTokens(ctx, req.(*MatchedTokensRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_AfterAlloc_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AfterAllocRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).AfterAlloc(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_AfterAlloc_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).AfterAlloc(ctx, req.(*AfterAllocRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_Scheduled_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ScheduledRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).Scheduled(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_Scheduled_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).Scheduled(ctx, req.(*ScheduledRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_RequestFinished_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RequestFinishedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).RequestFinished(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_RequestFinished_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).RequestFinished(ctx, req.(*RequestFinishedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_BuildMeta_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BuildMetaRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).BuildMeta(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_BuildMeta_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).BuildMeta(ctx, req.(*BuildMetaRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_Update_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UpdateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).Update(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_Update_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).Update(ctx, req.(*UpdateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_CloseScheduler_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CloseSchedulerRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).CloseScheduler(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_CloseScheduler_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).CloseScheduler(ctx, req.(*CloseSchedulerRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// SchedulerService_ServiceDesc is the grpc.ServiceDesc for SchedulerService service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var SchedulerService_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "kvxfer.v1.SchedulerService",
+	HandlerType: (*SchedulerServiceServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "OpenScheduler",
+			Handler:    _SchedulerService_OpenScheduler_Handler,
+		},
+		{
+			MethodName: "MatchedTokens",
+			Handler:    _SchedulerService_MatchedTokens_Handler,
+		},
+		{
+			MethodName: "AfterAlloc",
+			Handler:    _SchedulerService_AfterAlloc_Handler,
+		},
+		{
+			MethodName: "Scheduled",
+			Handler:    _SchedulerService_Scheduled_Handler,
+		},
+		{
+			MethodName: "RequestFinished",
+			Handler:    _SchedulerService_RequestFinished_Handler,
+		},
+		{
+			MethodName: "BuildMeta",
+			Handler:    _SchedulerService_BuildMeta_Handler,
+		},
+		{
+			MethodName: "Update",
+			Handler:    _SchedulerService_Update_Handler,
+		},
+		{
+			MethodName: "CloseScheduler",
+			Handler:    _SchedulerService_CloseScheduler_Handler,
+		},
+	},
+	Streams:  []grpc.StreamDesc{},
+	Metadata: "kvxfer/v1/kvxfer.proto",
+}

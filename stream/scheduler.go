@@ -1,0 +1,243 @@
+package stream
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// schedulers are the engines' kvxfer.Schedulers, each used by one call at
+// a time.
+type schedulers struct {
+	pb.UnimplementedSchedulerServiceServer
+	addr string
+	mu   sync.Mutex
+	m    map[string]*lockedScheduler
+}
+
+type lockedScheduler struct {
+	mu sync.Mutex
+	s  *kvxfer.Scheduler
+}
+
+func (ss *schedulers) get(engine string) (*lockedScheduler, error) {
+	if engine == "" {
+		return nil, invalid("engine_id is empty")
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	s := ss.m[engine]
+	if s == nil {
+		return nil, fmt.Errorf("scheduler of engine %q: %w (call OpenScheduler first)", engine, kvxfer.ErrUnknownEngine)
+	}
+	return s, nil
+}
+
+func paramsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
+	if p == nil {
+		return nil, nil
+	}
+	blocks, err := spansFromProto("params.remote_block_ids", p.RemoteBlockIds)
+	if err != nil {
+		return nil, err
+	}
+	if p.Mode < 0 || p.Mode > 2 {
+		return nil, invalid("params.mode = %v unknown", p.Mode)
+	}
+	tok, err := fitInt("params.remote_num_tokens", p.RemoteNumTokens)
+	if err != nil {
+		return nil, err
+	}
+	return &kvxfer.TransferParams{TransferID: p.TransferId, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
+		RemoteEngineID: p.RemoteEngineId, RemoteAddr: p.RemoteAddr, RemoteRequestID: p.RemoteRequestId, RemoteBlockIDs: blocks,
+		RemoteTPSize: int(p.RemoteTpSize), RemotePPSize: int(p.RemotePpSize), RemoteNumTokens: tok,
+		RemoteBlocksExpiry: timeFrom(p.RemoteBlocksExpiryUnixNanos), Mode: kvxfer.Mode(p.Mode)}, nil
+}
+
+func paramsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
+	if p == nil {
+		return nil
+	}
+	return &pb.TransferParams{TransferId: p.TransferID, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
+		RemoteEngineId: p.RemoteEngineID, RemoteAddr: p.RemoteAddr, RemoteRequestId: p.RemoteRequestID, RemoteBlockIds: spansToProto(p.RemoteBlockIDs),
+		RemoteTpSize: int32(p.RemoteTPSize), RemotePpSize: int32(p.RemotePPSize), RemoteNumTokens: int64(p.RemoteNumTokens),
+		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode)}
+}
+
+func requestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
+	if r == nil || r.RequestId == "" {
+		return nil, invalid("request.request_id is empty")
+	}
+	prompt, err := fitInt("request.prompt_tokens", r.PromptTokens)
+	if err != nil {
+		return nil, err
+	}
+	p, err := paramsFromProto(r.Params)
+	if err != nil {
+		return nil, err
+	}
+	return &kvxfer.Request{ID: r.RequestId, PromptTokens: prompt, Params: p}, nil
+}
+
+func blocksFromProto(bl []*pb.BlockList) [][]topology.BlockID {
+	out := make([][]topology.BlockID, len(bl))
+	for g, b := range bl {
+		for _, id := range b.GetBlockIds() {
+			out[g] = append(out[g], topology.BlockID(id))
+		}
+	}
+	return out
+}
+
+func (ss *schedulers) OpenScheduler(_ context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
+	c := req.GetConfig()
+	if c == nil {
+		return nil, Status(invalid("config is missing"))
+	}
+	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
+		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
+		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
+		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer}
+	for i, g := range c.Groups {
+		w, err := fitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
+		if err != nil {
+			return nil, Status(err)
+		}
+		cfg.Groups = append(cfg.Groups, topology.Group{Kind: topology.Kind(g.Kind), Window: w})
+	}
+	s, err := kvxfer.NewScheduler(cfg)
+	if err != nil {
+		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+	}
+	ss.mu.Lock()
+	ss.m[c.EngineId] = &lockedScheduler{s: s}
+	ss.mu.Unlock()
+	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
+}
+
+func (ss *schedulers) MatchedTokens(_ context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	r, err := requestFromProto(req.Request)
+	if err != nil {
+		return nil, Status(err)
+	}
+	computed, err := fitInt("computed", req.Computed)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	n, async := ls.s.MatchedTokens(r, computed)
+	ls.mu.Unlock()
+	return &pb.MatchedTokensResponse{Tokens: int64(n), Async: async}, nil
+}
+
+func (ss *schedulers) AfterAlloc(_ context.Context, req *pb.AfterAllocRequest) (*pb.AfterAllocResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	r, err := requestFromProto(req.Request)
+	if err != nil {
+		return nil, Status(err)
+	}
+	computed, err := fitInt("computed", req.Computed)
+	if err != nil {
+		return nil, Status(err)
+	}
+	external, err := fitInt("external", req.External)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	err = ls.s.AfterAlloc(r, kvxfer.Alloc{Blocks: blocksFromProto(req.Blocks), Computed: computed, External: external})
+	ls.mu.Unlock()
+	if err != nil {
+		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+	}
+	return &pb.AfterAllocResponse{Params: paramsToProto(r.Params)}, nil
+}
+
+func (ss *schedulers) Scheduled(_ context.Context, req *pb.ScheduledRequest) (*pb.ScheduledResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	r, err := requestFromProto(req.Request)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	ls.s.Scheduled(r, blocksFromProto(req.NewBlocks), int(req.Computed), int(req.Scheduled))
+	ls.mu.Unlock()
+	return &pb.ScheduledResponse{}, nil
+}
+
+func (ss *schedulers) RequestFinished(_ context.Context, req *pb.RequestFinishedRequest) (*pb.RequestFinishedResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	r, err := requestFromProto(req.Request)
+	if err != nil {
+		return nil, Status(err)
+	}
+	if req.Status < 1 || req.Status > 4 {
+		return nil, Status(invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
+	}
+	computed, err := fitInt("computed", req.Computed)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	delay, params, err := ls.s.RequestFinished(r, kvxfer.FinishStatus(req.Status), blocksFromProto(req.Blocks), computed)
+	ls.mu.Unlock()
+	if err != nil {
+		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+	}
+	return &pb.RequestFinishedResponse{Delay: delay, Params: paramsToProto(params), RequestParams: paramsToProto(r.Params)}, nil
+}
+
+func (ss *schedulers) BuildMeta(_ context.Context, req *pb.BuildMetaRequest) (*pb.BuildMetaResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	m := ls.s.BuildMeta()
+	ls.mu.Unlock()
+	return &pb.BuildMetaResponse{Meta: StepToProto(m)}, nil
+}
+
+func (ss *schedulers) Update(_ context.Context, req *pb.UpdateRequest) (*pb.UpdateResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	f, err := FinishedFromProto(req.Finished)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	ls.s.Update(&f)
+	pending := ls.s.HasPendingWork()
+	ls.mu.Unlock()
+	return &pb.UpdateResponse{Pending: pending}, nil
+}
+
+func (ss *schedulers) CloseScheduler(_ context.Context, req *pb.CloseSchedulerRequest) (*pb.CloseSchedulerResponse, error) {
+	if _, err := ss.get(req.EngineId); err != nil {
+		return nil, Status(err)
+	}
+	ss.mu.Lock()
+	delete(ss.m, req.EngineId)
+	ss.mu.Unlock()
+	return &pb.CloseSchedulerResponse{}, nil
+}

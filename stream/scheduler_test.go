@@ -1,0 +1,98 @@
+package stream_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// The SchedulerService runs SPEC §7's push flow for a P and a D engine.
+func TestSchedulerService(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	c := pb.NewSchedulerServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, e := range []string{"P", "D"} {
+		resp, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}})
+		if err != nil || resp.Addr != d.peerAddr {
+			t.Fatalf("OpenScheduler(%s) = %v, %v", e, resp, err)
+		}
+	}
+	// D: the router hands it the request with P's coordinates.
+	dreq := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+	mt, err := c.MatchedTokens(ctx, &pb.MatchedTokensRequest{EngineId: "D", Request: dreq})
+	if err != nil || mt.Tokens != 40 || !mt.Async {
+		t.Fatalf("MatchedTokens = %v, %v", mt, err)
+	}
+	aa, err := c.AfterAlloc(ctx, &pb.AfterAllocRequest{EngineId: "D", Request: dreq, Blocks: []*pb.BlockList{{BlockIds: []int32{4, 5, 6}}}, External: 40})
+	if err != nil || aa.Params.DoRemotePrefill {
+		t.Fatalf("AfterAlloc = %v, %v; want do_remote_prefill consumed", aa, err)
+	}
+	// P finishes.
+	preq := &pb.EngineRequest{RequestId: "p-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemoteDecode: true}}
+	rf, err := c.RequestFinished(ctx, &pb.RequestFinishedRequest{EngineId: "P", Request: preq, Status: pb.FinishStatus_FINISH_STATUS_STOPPED,
+		Blocks: []*pb.BlockList{{BlockIds: []int32{1, 2, 3}}}, Computed: 40})
+	if err != nil || !rf.Delay || rf.Params.Mode != pb.Mode_MODE_PUSH || rf.Params.RemoteNumTokens != 40 {
+		t.Fatalf("RequestFinished = %v, %v", rf, err)
+	}
+	pm, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{EngineId: "P"})
+	if err != nil || len(pm.Meta.Send) != 1 || pm.Meta.Send[0].RequestId != "p-1" {
+		t.Fatalf("P BuildMeta = %v, %v", pm, err)
+	}
+	dm, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{EngineId: "D"})
+	if err != nil || len(dm.Meta.Recv) != 1 || dm.Meta.Recv[0].Remote.EngineId != "P" || len(dm.Meta.Recv[0].Local[0].BlockIds) != 3 {
+		t.Fatalf("D BuildMeta = %v, %v", dm, err)
+	}
+	up, err := c.Update(ctx, &pb.UpdateRequest{EngineId: "P", Finished: &pb.Finished{Sending: []*pb.Outcome{{RequestId: "p-1", Result: pb.Outcome_RESULT_DONE}}}})
+	if err != nil || up.Pending {
+		t.Fatalf("Update = %v, %v; want nothing pending", up, err)
+	}
+	// Bad input and unknown engines.
+	for _, tc := range []struct {
+		name string
+		err  error
+		code codes.Code
+		want string
+	}{
+		{"unknown engine", func() error { _, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{EngineId: "X"}); return err }(), codes.NotFound, "OpenScheduler"},
+		{"no engine", func() error { _, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{}); return err }(), codes.InvalidArgument, "engine_id"},
+		{"bad status", func() error {
+			_, err := c.RequestFinished(ctx, &pb.RequestFinishedRequest{EngineId: "P", Request: preq})
+			return err
+		}(), codes.InvalidArgument, "status"},
+		{"no request id", func() error {
+			_, err := c.MatchedTokens(ctx, &pb.MatchedTokensRequest{EngineId: "P", Request: &pb.EngineRequest{}})
+			return err
+		}(), codes.InvalidArgument, "request_id"},
+		{"bad config", func() error {
+			_, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "Y", Mode: pb.Mode_MODE_PUSH}})
+			return err
+		}(), codes.InvalidArgument, "LogicalBlockSize"},
+		{"missing params field", func() error {
+			bad := &pb.EngineRequest{RequestId: "d-2", Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "x"}}
+			_, err := c.AfterAlloc(ctx, &pb.AfterAllocRequest{EngineId: "D", Request: bad, Blocks: []*pb.BlockList{{BlockIds: []int32{1}}}, External: 16})
+			return err
+		}(), codes.InvalidArgument, "RemoteEngineID"},
+	} {
+		if status.Code(tc.err) != tc.code || !strings.Contains(tc.err.Error(), tc.want) {
+			t.Errorf("%s: error = %v, want %v naming %q", tc.name, tc.err, tc.code, tc.want)
+		}
+	}
+	if _, err := c.CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: "P"}); err != nil {
+		t.Fatal(err)
+	}
+}
