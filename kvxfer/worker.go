@@ -61,13 +61,24 @@ type WorkerConfig struct {
 	// LayerOf maps a region index of Layout to its layer for layer-wise
 	// push (default: RegionOffset + index, halved for SeparateKV).
 	LayerOf func(region int) int
+	// Preconnect lists peer engines to handshake with as soon as the
+	// worker starts, so the first request to each pays no handshake.
+	Preconnect []PeerRef
 	// Metrics receives the worker's statistics (default: a new one).
 	Metrics *Metrics
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
 
+// PeerRef names a peer engine and where its kvxferd is reached.
+type PeerRef struct{ EngineID, Addr string }
+
 func (c *WorkerConfig) fill() error {
+	for i, p := range c.Preconnect {
+		if p.EngineID == "" {
+			return fmt.Errorf("kvxfer: WorkerConfig.Preconnect[%d].EngineID is empty", i)
+		}
+	}
 	if c.EngineID == "" {
 		return errors.New("kvxfer: WorkerConfig.EngineID is empty")
 	}
@@ -229,6 +240,9 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.st.init(w)
+	for _, p := range cfg.Preconnect {
+		w.st.ensureEngine(p.EngineID, p.Addr)
+	}
 	go w.run()
 	return w, nil
 }

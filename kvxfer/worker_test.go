@@ -1028,3 +1028,21 @@ func TestFailureLogging(t *testing.T) {
 		})
 	}
 }
+
+// Pre-connect: a worker handshakes with configured peers at start.
+func TestPreconnect(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+			if side == "P" {
+				c.Preconnect = []kvxfer.PeerRef{{EngineID: "D", Addr: "D:1"}}
+			}
+		})
+		x.settle()
+		if s := x.state(x.p); s.Engines != 1 {
+			t.Errorf("P engines after start = %d, want the pre-connected D", s.Engines)
+		}
+		if got := x.p.workers[0][0].Metrics().Snapshot().HandshakeSeconds.Count; got != 1 {
+			t.Errorf("handshakes = %d, want 1", got)
+		}
+	})
+}

@@ -201,7 +201,9 @@ func newSimEngine(dir string, dm *daemonProc, id string, m *kvsim.Model, e kvsim
 		r.Mem = mp.Bytes
 		r.Scramble(uint64(tp + 1))
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "demo-model",
+		hash := kvxfer.CompatHash(kvxfer.CompatFactors{EngineVersion: "kvxfer-demo", Model: "demo-4l", Dtype: "bf16",
+			NumKVHeads: m.TotalKVHeads, HeadSize: m.HeadSize, NumHiddenLayers: len(m.Kinds), Mode: mode})
+		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: hash,
 			Memory: []stream.Memory{{Path: filepath.Join(dir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
 		cancel()
 		if err != nil {

@@ -58,7 +58,7 @@ func main() {
 
 // config is the daemon's configuration.
 type config struct {
-	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel string
+	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	drainTimeout, lease                                                                     time.Duration
 	conns                                                                                   int
 }
@@ -77,6 +77,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	// Environment first, flags override.
 	var envErr error
 	fs.VisitAll(func(f *flag.Flag) {
@@ -96,10 +97,29 @@ func parseFlags(args []string) (*config, error) {
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
 	}
+	if _, err := c.peers(); err != nil {
+		return nil, err
+	}
 	if c.lease < time.Second {
 		return nil, fmt.Errorf("-lease = %v, want at least 1s", c.lease)
 	}
 	return c, nil
+}
+
+// peers parses -preconnect.
+func (c *config) peers() ([]kvxfer.PeerRef, error) {
+	var out []kvxfer.PeerRef
+	for _, item := range strings.Split(c.preconnect, ",") {
+		if item = strings.TrimSpace(item); item == "" {
+			continue
+		}
+		id, addr, ok := strings.Cut(item, "=")
+		if !ok || id == "" || addr == "" {
+			return nil, fmt.Errorf("-preconnect item %q, want engine=host:port", item)
+		}
+		out = append(out, kvxfer.PeerRef{EngineID: id, Addr: addr})
+	}
+	return out, nil
 }
 
 func serveMain(args []string) error {
@@ -127,6 +147,10 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("peer listener: %w", err)
 	}
+	peers, err := c.peers()
+	if err != nil {
+		return err
+	}
 	advertise := c.peerAdvertise
 	if advertise == "" {
 		advertise = peerLn.Addr().String()
@@ -149,7 +173,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		NewBackend: func(string, *topology.Layout) (stream.Backend, error) {
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
 		},
-		WorkerConfig: func(wc *kvxfer.WorkerConfig) { wc.Lease = c.lease },
+		WorkerConfig: func(wc *kvxfer.WorkerConfig) { wc.Lease, wc.Preconnect = c.lease, peers },
 	})
 	if err != nil {
 		return err

@@ -155,7 +155,15 @@ func TestFlagsFromEnvironment(t *testing.T) {
 	if _, err := parseFlags(nil); err == nil || !strings.Contains(err.Error(), "KVXFERD_CONNS") {
 		t.Errorf("bad env error = %v, want one naming KVXFERD_CONNS", err)
 	}
+	t.Setenv("KVXFERD_CONNS", "2")
 	if _, err := parseFlags([]string{"-conns", "0"}); err == nil {
 		t.Error("-conns 0 accepted")
+	}
+	c, err = parseFlags([]string{"-preconnect", "E1=h:1, E2=h:2"})
+	if p, _ := c.peers(); err != nil || len(p) != 2 || p[1] != (kvxfer.PeerRef{EngineID: "E2", Addr: "h:2"}) {
+		t.Errorf("-preconnect parsed to %v, %v", p, err)
+	}
+	if _, err := parseFlags([]string{"-preconnect", "E1"}); err == nil || !strings.Contains(err.Error(), "engine=host:port") {
+		t.Errorf("bad -preconnect error = %v", err)
 	}
 }
