@@ -45,7 +45,8 @@ func (r *PeerResolver) conn(addr string) (*grpc.ClientConn, error) {
 	if c := r.mu.conns[addr]; c != nil {
 		return c, nil
 	}
-	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)))
 	if err != nil {
 		return nil, err
 	}

@@ -321,3 +321,50 @@ func TestHelloValidation(t *testing.T) {
 	_ = rs.Close(ctx)
 	_ = pb.Mode_MODE_PUSH
 }
+
+// Drain (SIGTERM in kvxferd): a rank with a request still open gets the
+// request's outcome before its stream ends; its memory is released.
+func TestDrainReportsEveryOutcome(t *testing.T) {
+	shmDir := t.TempDir()
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "k.sock")
+	unix, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet, DrainTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	go func() { _ = g.Serve(tcp) }()
+	go func() { _ = g.Serve(unix) }()
+	defer g.Stop()
+	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: tcp.Addr().String()}
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2}
+	de := kvsim.Engine{ID: 2, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
+	D := attach(t, d, shmDir, "D", &model, de, kvxfer.ModePush)
+	now := time.Now()
+	D.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{{ReqID: "d-1", Local: []topology.Span{{IDs: []topology.BlockID{1}}},
+		Deadline: now.Add(time.Hour), Remote: kvxfer.RemoteRef{EngineID: "P-nowhere", Addr: "127.0.0.1:1", TPSize: 1}}}})
+	time.Sleep(50 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var got []kvxfer.Outcome
+	for f := range D.streams[0][0].Finished() {
+		got = append(got, f.Recving...)
+	}
+	if len(got) != 1 || got[0].ReqID != "d-1" || got[0].Result == kvxfer.ResultDone {
+		t.Errorf("outcomes before the stream ended = %+v, want d-1 failed", got)
+	}
+	if len(srv.Workers()) != 0 {
+		t.Errorf("workers left after drain: %v", srv.Workers())
+	}
+}
