@@ -1,7 +1,12 @@
 package kvxfer_test
 
 import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
 	"testing"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
@@ -26,3 +31,26 @@ func (h netHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion, 
 
 func TestConformanceNetTCP(t *testing.T)    { kvxfertest.Conformance(t, netHarness{}) }
 func TestConformanceNetDirect(t *testing.T) { kvxfertest.Conformance(t, netHarness{direct: true}) }
+
+// nixlHarness makes NIXL backends (UCX) over Go memory, or skips.
+type nixlHarness struct{ n int }
+
+func (h *nixlHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion, []byte) {
+	h.n++
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d-%d", t.Name(), h.n, rand.Uint64())})
+	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := make([]byte, n)
+	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
+	if err := b.Map(base, mem); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { runtime.KeepAlive(mem) })
+	return b, kvxfer.MemRegion{Addr: base, Len: uint64(n), Kind: kvxfer.MemDRAM}, mem
+}
+
+func TestConformanceNixl(t *testing.T) { kvxfertest.Conformance(t, &nixlHarness{}) }

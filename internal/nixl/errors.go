@@ -1,0 +1,43 @@
+package nixl
+
+import (
+	"errors"
+	"fmt"
+)
+
+var (
+	// ErrUnavailable: NIXL's C library cannot be loaded here.
+	ErrUnavailable = errors.New("nixl: unavailable")
+	// ErrClosed: the agent was closed.
+	ErrClosed = errors.New("nixl: closed")
+)
+
+// Error keeps NIXL's status code.
+type Error struct {
+	Op   string
+	Code int
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("nixl: %s: status %d (%s)", e.Op, e.Code, codeName(e.Code))
+}
+
+func codeName(c int) string {
+	switch c {
+	case 1:
+		return "in progress"
+	case -1:
+		return "invalid parameter"
+	case -2:
+		return "backend error"
+	case -3:
+		return "invalid state"
+	case -4:
+		return "exception"
+	case -5:
+		return "no telemetry"
+	case -6:
+		return "not found"
+	}
+	return "unknown"
+}

@@ -1,0 +1,553 @@
+//go:build cgo
+
+package nixl
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Our own declarations of the subset of NIXL's C API we call, resolved
+// with dlsym: NIXL's headers are not needed to build.
+typedef int st_t;
+typedef void* h_t;
+
+typedef struct {
+	bool enable_prog_thread;
+	bool enable_listen_thread;
+	int listen_port;
+	int thread_sync;
+	unsigned int num_workers;
+	uint64_t pthr_delay_us;
+	uint64_t lthr_delay_us;
+	bool capture_telemetry;
+} kx_agent_cfg;
+
+enum { KX_IN_PROG = 1, KX_MEM_DRAM = 0, KX_MEM_VRAM = 1 };
+
+static struct {
+	void *lib;
+	st_t (*create_configured_agent)(const char*, const kx_agent_cfg*, h_t*);
+	st_t (*destroy_agent)(h_t);
+	st_t (*create_params)(h_t*);
+	st_t (*params_add)(h_t, const char*, const char*);
+	st_t (*destroy_params)(h_t);
+	st_t (*get_plugin_params)(h_t, const char*, h_t*, h_t*);
+	st_t (*destroy_mem_list)(h_t);
+	st_t (*create_backend)(h_t, const char*, h_t, h_t*);
+	st_t (*destroy_backend)(h_t);
+	st_t (*create_opt_args)(h_t*);
+	st_t (*destroy_opt_args)(h_t);
+	st_t (*opt_args_add_backend)(h_t, h_t);
+	st_t (*opt_args_set_notif_msg)(h_t, const void*, size_t);
+	st_t (*opt_args_set_has_notif)(h_t, bool);
+	st_t (*create_reg_dlist)(int, h_t*);
+	st_t (*destroy_reg_dlist)(h_t);
+	st_t (*reg_dlist_add_desc)(h_t, uintptr_t, size_t, uint64_t, const void*, size_t);
+	st_t (*register_mem)(h_t, h_t, h_t);
+	st_t (*deregister_mem)(h_t, h_t, h_t);
+	st_t (*get_local_md)(h_t, void**, size_t*);
+	st_t (*load_remote_md)(h_t, const void*, size_t, char**);
+	st_t (*invalidate_remote_md)(h_t, const char*);
+	st_t (*create_xfer_dlist)(int, h_t*);
+	st_t (*destroy_xfer_dlist)(h_t);
+	st_t (*xfer_dlist_add_desc)(h_t, uintptr_t, size_t, uint64_t);
+	st_t (*create_xfer_req)(h_t, int, h_t, h_t, const char*, h_t*, h_t);
+	st_t (*post_xfer_req)(h_t, h_t, h_t);
+	st_t (*get_xfer_status)(h_t, h_t);
+	st_t (*release_xfer_req)(h_t, h_t);
+	st_t (*destroy_xfer_req)(h_t);
+	st_t (*gen_notif)(h_t, const char*, const void*, size_t, h_t);
+	st_t (*create_notif_map)(h_t*);
+	st_t (*destroy_notif_map)(h_t);
+	st_t (*get_notifs)(h_t, h_t, h_t);
+	st_t (*notif_map_size)(h_t, size_t*);
+	st_t (*notif_map_get_agent_at)(h_t, size_t, const char**);
+	st_t (*notif_map_get_notifs_size)(h_t, const char*, size_t*);
+	st_t (*notif_map_get_notif)(h_t, const char*, size_t, const void**, size_t*);
+	st_t (*notif_map_clear)(h_t);
+} kx;
+
+#define KX_SYM(name) do { *(void**)(&kx.name) = dlsym(kx.lib, "nixl_capi_" #name); if (!kx.name) return "nixl_capi_" #name; } while (0)
+
+// kx_load opens the library and resolves every symbol; it returns NULL or
+// what failed (dlerror's text or the missing symbol).
+static const char* kx_load(const char *path) {
+	if (kx.lib) return NULL;
+	void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!lib) return dlerror();
+	kx.lib = lib;
+	KX_SYM(create_configured_agent); KX_SYM(destroy_agent); KX_SYM(create_params); KX_SYM(params_add);
+	KX_SYM(destroy_params); KX_SYM(get_plugin_params); KX_SYM(destroy_mem_list); KX_SYM(create_backend);
+	KX_SYM(destroy_backend); KX_SYM(create_opt_args); KX_SYM(destroy_opt_args); KX_SYM(opt_args_add_backend);
+	KX_SYM(opt_args_set_notif_msg); KX_SYM(opt_args_set_has_notif); KX_SYM(create_reg_dlist); KX_SYM(destroy_reg_dlist);
+	KX_SYM(reg_dlist_add_desc); KX_SYM(register_mem); KX_SYM(deregister_mem); KX_SYM(get_local_md);
+	KX_SYM(load_remote_md); KX_SYM(invalidate_remote_md); KX_SYM(create_xfer_dlist); KX_SYM(destroy_xfer_dlist);
+	KX_SYM(xfer_dlist_add_desc); KX_SYM(create_xfer_req); KX_SYM(post_xfer_req); KX_SYM(get_xfer_status);
+	KX_SYM(release_xfer_req); KX_SYM(destroy_xfer_req); KX_SYM(gen_notif); KX_SYM(create_notif_map);
+	KX_SYM(destroy_notif_map); KX_SYM(get_notifs); KX_SYM(notif_map_size); KX_SYM(notif_map_get_agent_at);
+	KX_SYM(notif_map_get_notifs_size); KX_SYM(notif_map_get_notif); KX_SYM(notif_map_clear);
+	return NULL;
+}
+
+// kx_new_agent makes an agent with a progress thread and one backend of
+// plugin, configured by n key/value pairs (kv[2i], kv[2i+1]).
+static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, h_t *agent, h_t *backend) {
+	kx_agent_cfg cfg = {true, false, 0, 0, 1, 0, 100000, false};
+	st_t s = kx.create_configured_agent(name, &cfg, agent);
+	if (s != 0) return s;
+	h_t mems = NULL, params = NULL;
+	s = kx.get_plugin_params(*agent, plugin, &mems, &params);
+	if (s != 0) { kx.destroy_agent(*agent); return s; }
+	for (int i = 0; i < n && s == 0; i++) s = kx.params_add(params, kv[2*i], kv[2*i+1]);
+	if (s == 0) s = kx.create_backend(*agent, plugin, params, backend);
+	kx.destroy_mem_list(mems);
+	kx.destroy_params(params);
+	if (s != 0) kx.destroy_agent(*agent);
+	return s;
+}
+
+// kx_reg registers (or deregisters) n (addr, len, dev) triples.
+static st_t kx_reg(h_t agent, h_t backend, int mem, const uint64_t *d, size_t n, bool reg) {
+	h_t list = NULL, opt = NULL;
+	st_t s = kx.create_reg_dlist(mem, &list);
+	if (s != 0) return s;
+	for (size_t i = 0; i < n && s == 0; i++) s = kx.reg_dlist_add_desc(list, (uintptr_t)d[3*i], (size_t)d[3*i+1], d[3*i+2], NULL, 0);
+	if (s == 0) s = kx.create_opt_args(&opt);
+	if (s == 0) s = kx.opt_args_add_backend(opt, backend);
+	if (s == 0) s = reg ? kx.register_mem(agent, list, opt) : kx.deregister_mem(agent, list, opt);
+	if (opt) kx.destroy_opt_args(opt);
+	kx.destroy_reg_dlist(list);
+	return s;
+}
+
+// kx_post creates and posts one transfer of n (local, remote, len) triples:
+// one C call per transfer.
+static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
+		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
+	h_t l = NULL, r = NULL, opt = NULL;
+	st_t s = kx.create_xfer_dlist(mem, &l);
+	if (s == 0) s = kx.create_xfer_dlist(mem, &r);
+	for (size_t i = 0; i < n && s == 0; i++) {
+		s = kx.xfer_dlist_add_desc(l, (uintptr_t)d[3*i], (size_t)d[3*i+2], ldev);
+		if (s == 0) s = kx.xfer_dlist_add_desc(r, (uintptr_t)d[3*i+1], (size_t)d[3*i+2], rdev);
+	}
+	if (s == 0) s = kx.create_opt_args(&opt);
+	if (s == 0) s = kx.opt_args_add_backend(opt, backend);
+	if (s == 0 && has_notif) {
+		s = kx.opt_args_set_has_notif(opt, true);
+		if (s == 0) s = kx.opt_args_set_notif_msg(opt, notif, nlen);
+	}
+	if (s == 0) s = kx.create_xfer_req(agent, op, l, r, remote, req, opt);
+	if (s == 0) {
+		s = kx.post_xfer_req(agent, *req, NULL);
+		if (s == KX_IN_PROG) s = 0;
+		if (s != 0) { kx.release_xfer_req(agent, *req); kx.destroy_xfer_req(*req); *req = NULL; }
+	}
+	if (opt) kx.destroy_opt_args(opt);
+	if (l) kx.destroy_xfer_dlist(l);
+	if (r) kx.destroy_xfer_dlist(r);
+	return s;
+}
+
+static st_t kx_status(h_t agent, h_t req) { return kx.get_xfer_status(agent, req); }
+static st_t kx_release(h_t agent, h_t req) { st_t s = kx.release_xfer_req(agent, req); kx.destroy_xfer_req(req); return s; }
+static st_t kx_notify(h_t agent, const char *remote, const void *msg, size_t len) { return kx.gen_notif(agent, remote, msg, len, NULL); }
+static st_t kx_local_md(h_t agent, void **data, size_t *len) { return kx.get_local_md(agent, data, len); }
+static st_t kx_load_md(h_t agent, const void *data, size_t len, char **name) { return kx.load_remote_md(agent, data, len, name); }
+static st_t kx_invalidate(h_t agent, const char *name) { return kx.invalidate_remote_md(agent, name); }
+static st_t kx_destroy(h_t agent, h_t backend) { (void)backend; return kx.destroy_agent(agent); }
+
+// kx_drain moves every pending notification into one malloc'd buffer of
+// records [u32 agent len][agent][u32 msg len][msg]; *out is NULL when none.
+static st_t kx_drain(h_t agent, h_t map, void **out, size_t *outlen) {
+	*out = NULL; *outlen = 0;
+	st_t s = kx.get_notifs(agent, map, NULL);
+	if (s != 0) return s;
+	size_t na = 0, total = 0;
+	kx.notif_map_size(map, &na);
+	for (int pass = 0; pass < 2; pass++) {
+		char *p = (char*)*out;
+		for (size_t a = 0; a < na; a++) {
+			const char *name = NULL; size_t nn = 0;
+			kx.notif_map_get_agent_at(map, a, &name);
+			kx.notif_map_get_notifs_size(map, name, &nn);
+			uint32_t al = (uint32_t)strlen(name);
+			for (size_t i = 0; i < nn; i++) {
+				const void *m = NULL; size_t ml = 0;
+				kx.notif_map_get_notif(map, name, i, &m, &ml);
+				if (pass == 0) { total += 8 + al + ml; continue; }
+				uint32_t l32 = (uint32_t)ml;
+				memcpy(p, &al, 4); p += 4; memcpy(p, name, al); p += al;
+				memcpy(p, &l32, 4); p += 4; memcpy(p, m, ml); p += ml;
+			}
+		}
+		if (pass == 0) {
+			if (total == 0) break;
+			*out = malloc(total); *outlen = total;
+			if (!*out) { kx.notif_map_clear(map); return -4; }
+		}
+	}
+	kx.notif_map_clear(map);
+	return 0;
+}
+static st_t kx_new_map(h_t *map) { return kx.create_notif_map(map); }
+static void kx_free_map(h_t map) { kx.destroy_notif_map(map); }
+*/
+import "C"
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+var loadOnce struct {
+	sync.Once
+	err  error
+	path string
+}
+
+// load finds and opens libnixl_capi.so once per process.
+func load() error {
+	loadOnce.Do(func() {
+		path, err := findLibrary()
+		if err != nil {
+			loadOnce.err = err
+			return
+		}
+		if os.Getenv("NIXL_PLUGIN_DIR") == "" {
+			_ = os.Setenv("NIXL_PLUGIN_DIR", filepath.Join(filepath.Dir(path), "plugins"))
+		}
+		cpath := C.CString(path)
+		defer C.free(unsafe.Pointer(cpath))
+		if msg := C.kx_load(cpath); msg != nil {
+			loadOnce.err = fmt.Errorf("%w: load %s: %s", ErrUnavailable, path, C.GoString(msg))
+			return
+		}
+		loadOnce.path = path
+	})
+	return loadOnce.err
+}
+
+// findLibrary locates libnixl_capi.so (see the package doc).
+func findLibrary() (string, error) {
+	const lib = "libnixl_capi.so"
+	var tried []string
+	try := func(p string) bool {
+		tried = append(tried, p)
+		st, err := os.Stat(p)
+		return err == nil && !st.IsDir()
+	}
+	if p := os.Getenv("NIXL_CAPI_LIB"); p != "" {
+		if try(p) {
+			return p, nil
+		}
+		return "", fmt.Errorf("%w: NIXL_CAPI_LIB=%s: no such file", ErrUnavailable, p)
+	}
+	if pre := os.Getenv("NIXL_PREFIX"); pre != "" {
+		for _, d := range []string{"lib", "lib64", "lib/x86_64-linux-gnu"} {
+			if p := filepath.Join(pre, d, lib); try(p) {
+				return p, nil
+			}
+		}
+	}
+	// The Python wheel (nixl-cu12): site-packages/.nixl_cu12.mesonpy.libs.
+	var dirs []string
+	for _, pat := range []string{"/root/.pyenv/versions/*/lib/python3*/site-packages", "/usr/local/lib/python3*/site-packages",
+		"/usr/local/lib/python3*/dist-packages", "/usr/lib/python3*/site-packages", "/usr/lib/python3/dist-packages"} {
+		m, _ := filepath.Glob(pat)
+		dirs = append(dirs, m...)
+	}
+	if home, err := os.UserHomeDir(); err == nil {
+		m, _ := filepath.Glob(filepath.Join(home, ".local/lib/python3*/site-packages"))
+		dirs = append(dirs, m...)
+	}
+	if v := os.Getenv("VIRTUAL_ENV"); v != "" {
+		m, _ := filepath.Glob(filepath.Join(v, "lib/python3*/site-packages"))
+		dirs = append(dirs, m...)
+	}
+	for _, d := range dirs {
+		for _, sub := range []string{".nixl_cu12.mesonpy.libs", ".nixl_cu13.mesonpy.libs", ".nixl.mesonpy.libs"} {
+			if p := filepath.Join(d, sub, lib); try(p) {
+				return p, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("%w: %s not found (set NIXL_CAPI_LIB or NIXL_PREFIX, or pip install nixl-cu12); tried %d places", ErrUnavailable, lib, len(tried))
+}
+
+// Library returns the path of the loaded NIXL C library, loading it.
+func Library() (string, error) {
+	if err := load(); err != nil {
+		return "", err
+	}
+	return loadOnce.path, nil
+}
+
+func status(op string, s C.st_t) error {
+	if s == 0 {
+		return nil
+	}
+	return &Error{Op: op, Code: int(s)}
+}
+
+// Agent is one NIXL agent with one backend. It is safe for concurrent
+// use.
+type Agent struct {
+	name    string
+	mu      sync.Mutex
+	agent   C.h_t
+	backend C.h_t
+	notifs  C.h_t
+	closed  bool
+	mem     C.int
+}
+
+// Open makes an agent named name with a backend of plugin (UCX), set up
+// with params (for Debian's UCX 1.13 and shared memory:
+// ucx_error_handling_mode=none).
+func Open(name, plugin string, params map[string]string) (*Agent, error) {
+	if err := load(); err != nil {
+		return nil, err
+	}
+	cname, cplug := C.CString(name), C.CString(plugin)
+	defer C.free(unsafe.Pointer(cname))
+	defer C.free(unsafe.Pointer(cplug))
+	kv := C.malloc(C.size_t(2*len(params)+1) * C.size_t(unsafe.Sizeof(uintptr(0))))
+	defer C.free(kv)
+	slots := unsafe.Slice((**C.char)(kv), 2*len(params)+1)
+	i := 0
+	for k, v := range params {
+		slots[2*i], slots[2*i+1] = C.CString(k), C.CString(v)
+		defer C.free(unsafe.Pointer(slots[2*i]))
+		defer C.free(unsafe.Pointer(slots[2*i+1]))
+		i++
+	}
+	a := &Agent{name: name, mem: C.KX_MEM_DRAM}
+	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(params)), &a.agent, &a.backend)); err != nil {
+		return nil, err
+	}
+	if err := status("create notification map", C.kx_new_map(&a.notifs)); err != nil {
+		C.kx_destroy(a.agent, a.backend)
+		return nil, err
+	}
+	return a, nil
+}
+
+// Name returns the agent's name.
+func (a *Agent) Name() string { return a.name }
+
+// Register registers (addr, len, dev) ranges of host memory.
+func (a *Agent) Register(ranges [][3]uint64) error { return a.reg(ranges, true) }
+
+// Deregister deregisters ranges registered earlier.
+func (a *Agent) Deregister(ranges [][3]uint64) error { return a.reg(ranges, false) }
+
+func (a *Agent) reg(ranges [][3]uint64, reg bool) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return ErrClosed
+	}
+	if len(ranges) == 0 {
+		return nil
+	}
+	buf := cTriples(ranges)
+	defer C.free(unsafe.Pointer(buf))
+	op := "register memory"
+	if !reg {
+		op = "deregister memory"
+	}
+	return status(op, C.kx_reg(a.agent, a.backend, a.mem, buf, C.size_t(len(ranges)), C.bool(reg)))
+}
+
+// cTriples copies triples into C memory (the cgo pointer rules: C keeps
+// no Go pointer).
+func cTriples(t [][3]uint64) *C.uint64_t {
+	p := (*C.uint64_t)(C.malloc(C.size_t(len(t)*24 + 8)))
+	s := unsafe.Slice((*uint64)(unsafe.Pointer(p)), len(t)*3)
+	for i, x := range t {
+		s[3*i], s[3*i+1], s[3*i+2] = x[0], x[1], x[2]
+	}
+	return p
+}
+
+// Metadata returns the agent's metadata blob.
+func (a *Agent) Metadata() ([]byte, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil, ErrClosed
+	}
+	var data unsafe.Pointer
+	var n C.size_t
+	if err := status("get local metadata", C.kx_local_md(a.agent, &data, &n)); err != nil {
+		return nil, err
+	}
+	defer C.free(data)
+	return C.GoBytes(data, C.int(n)), nil
+}
+
+// LoadPeer loads a peer's metadata and returns its name.
+func (a *Agent) LoadPeer(meta []byte) (string, error) {
+	if len(meta) == 0 {
+		return "", &Error{Op: "load remote metadata", Code: -1}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return "", ErrClosed
+	}
+	cmeta := C.CBytes(meta)
+	defer C.free(cmeta)
+	var name *C.char
+	if err := status("load remote metadata", C.kx_load_md(a.agent, cmeta, C.size_t(len(meta)), &name)); err != nil {
+		return "", err
+	}
+	defer C.free(unsafe.Pointer(name))
+	return C.GoString(name), nil
+}
+
+// InvalidatePeer forgets a peer.
+func (a *Agent) InvalidatePeer(name string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return ErrClosed
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return status("invalidate remote metadata", C.kx_invalidate(a.agent, cname))
+}
+
+// Xfer is a posted transfer.
+type Xfer struct{ h C.h_t }
+
+// Post creates and posts one transfer of (local, remote, len) triples in
+// one C call; notif (when not nil) reaches the peer after the bytes.
+func (a *Agent) Post(write bool, peer string, descs [][3]uint64, notif []byte) (Xfer, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return Xfer{}, ErrClosed
+	}
+	buf := cTriples(descs)
+	defer C.free(unsafe.Pointer(buf))
+	cpeer := C.CString(peer)
+	defer C.free(unsafe.Pointer(cpeer))
+	var cnotif unsafe.Pointer
+	if len(notif) > 0 {
+		cnotif = C.CBytes(notif)
+		defer C.free(cnotif)
+	}
+	op := C.int(0)
+	if write {
+		op = 1
+	}
+	var req C.h_t
+	err := status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+	return Xfer{req}, err
+}
+
+// State polls a transfer: done, in progress, or an error with NIXL's
+// status.
+func (a *Agent) State(x Xfer) (done bool, err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return false, ErrClosed
+	}
+	s := C.kx_status(a.agent, x.h)
+	switch {
+	case s == 0:
+		return true, nil
+	case s == C.KX_IN_PROG:
+		return false, nil
+	}
+	return false, &Error{Op: "transfer", Code: int(s)}
+}
+
+// Release frees a transfer.
+func (a *Agent) Release(x Xfer) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return ErrClosed
+	}
+	return status("release transfer", C.kx_release(a.agent, x.h))
+}
+
+// Notify sends a bare notification.
+func (a *Agent) Notify(peer string, msg []byte) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return ErrClosed
+	}
+	cpeer := C.CString(peer)
+	defer C.free(unsafe.Pointer(cpeer))
+	cmsg := C.CBytes(msg)
+	defer C.free(cmsg)
+	return status("notify", C.kx_notify(a.agent, cpeer, cmsg, C.size_t(len(msg))))
+}
+
+// Notif is a received notification.
+type Notif struct {
+	From string
+	Msg  []byte
+}
+
+// Drain appends the notifications received since the last call.
+func (a *Agent) Drain(dst []Notif) ([]Notif, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return dst, ErrClosed
+	}
+	var out unsafe.Pointer
+	var n C.size_t
+	if err := status("get notifications", C.kx_drain(a.agent, a.notifs, &out, &n)); err != nil {
+		return dst, err
+	}
+	if out == nil {
+		return dst, nil
+	}
+	b := C.GoBytes(out, C.int(n))
+	C.free(out)
+	for len(b) >= 8 {
+		al := binary.LittleEndian.Uint32(b)
+		from := string(b[4 : 4+al])
+		b = b[4+al:]
+		ml := binary.LittleEndian.Uint32(b)
+		dst = append(dst, Notif{From: from, Msg: append([]byte(nil), b[4:4+ml]...)})
+		b = b[4+ml:]
+	}
+	return dst, nil
+}
+
+// Close destroys the agent and its backend. It is idempotent.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil
+	}
+	a.closed = true
+	C.kx_free_map(a.notifs)
+	err := status("destroy agent", C.kx_destroy(a.agent, a.backend))
+	runtime.KeepAlive(a)
+	return err
+}
+
+var _ = errors.New

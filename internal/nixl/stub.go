@@ -1,0 +1,37 @@
+//go:build !cgo
+
+package nixl
+
+// Without cgo NIXL cannot be called: every entry point reports
+// ErrUnavailable, so CGO_ENABLED=0 builds work.
+
+// Library reports that NIXL is unavailable without cgo.
+func Library() (string, error) { return "", ErrUnavailable }
+
+// Agent is unavailable without cgo.
+type Agent struct{}
+
+// Xfer is unavailable without cgo.
+type Xfer struct{}
+
+// Notif is a received notification.
+type Notif struct {
+	From string
+	Msg  []byte
+}
+
+// Open reports ErrUnavailable without cgo.
+func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
+
+func (a *Agent) Name() string                                         { return "" }
+func (a *Agent) Register([][3]uint64) error                           { return ErrUnavailable }
+func (a *Agent) Deregister([][3]uint64) error                         { return ErrUnavailable }
+func (a *Agent) Metadata() ([]byte, error)                            { return nil, ErrUnavailable }
+func (a *Agent) LoadPeer([]byte) (string, error)                      { return "", ErrUnavailable }
+func (a *Agent) InvalidatePeer(string) error                          { return ErrUnavailable }
+func (a *Agent) Post(bool, string, [][3]uint64, []byte) (Xfer, error) { return Xfer{}, ErrUnavailable }
+func (a *Agent) State(Xfer) (bool, error)                             { return false, ErrUnavailable }
+func (a *Agent) Release(Xfer) error                                   { return ErrUnavailable }
+func (a *Agent) Notify(string, []byte) error                          { return ErrUnavailable }
+func (a *Agent) Drain(dst []Notif) ([]Notif, error)                   { return dst, ErrUnavailable }
+func (a *Agent) Close() error                                         { return nil }

@@ -1,0 +1,320 @@
+package kvxfer
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/nixl"
+)
+
+// NixlConfig configures a NIXL backend.
+type NixlConfig struct {
+	// Name is the agent's unique name (required).
+	Name string
+	// Plugin is NIXL's transfer plugin (default "UCX").
+	Plugin string
+	// Params configure the plugin; with Debian's UCX 1.13 and shared
+	// memory, set "ucx_error_handling_mode": "none".
+	Params map[string]string
+	// PollInterval is how often notifications and transfers are polled
+	// while busy (default 1 ms); idle polling backs off to 50 ms. NIXL
+	// has no completion callback.
+	PollInterval time.Duration
+}
+
+// NixlBackend is a Backend on NVIDIA NIXL (internal/nixl). Memory is
+// adopted with Map before Register, as with NetBackend, so a registration
+// can never name memory the caller did not hand over. It is safe for
+// concurrent use.
+type NixlBackend struct {
+	a      *nixl.Agent
+	cfg    NixlConfig
+	events chan struct{}
+	stop   chan struct{}
+	done   chan struct{}
+	once   sync.Once
+	mu     struct {
+		sync.Mutex
+		closed bool
+		chunks [][2]uint64 // mapped memory: base, len
+		xfers  map[XferID]*nixlXfer
+		next   XferID
+		inbox  []Notif
+		busy   time.Time
+	}
+}
+
+type nixlXfer struct {
+	x     nixl.Xfer
+	state XferState
+	err   error
+}
+
+var _ Backend = (*NixlBackend)(nil)
+
+// ErrNixlUnavailable is returned where NIXL's library cannot be loaded.
+var ErrNixlUnavailable = nixl.ErrUnavailable
+
+// NewNixlBackend opens a NIXL agent.
+func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
+	if cfg.Name == "" {
+		return nil, errors.New("kvxfer: NixlConfig.Name is empty")
+	}
+	if cfg.Plugin == "" {
+		cfg.Plugin = "UCX"
+	}
+	if cfg.PollInterval <= 0 {
+		cfg.PollInterval = time.Millisecond
+	}
+	a, err := nixl.Open(cfg.Name, cfg.Plugin, cfg.Params)
+	if err != nil {
+		return nil, err
+	}
+	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
+	n.mu.xfers = map[XferID]*nixlXfer{}
+	go n.poll()
+	return n, nil
+}
+
+// Map adopts caller-owned memory at base for registration.
+func (n *NixlBackend) Map(base uint64, mem []byte) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if len(mem) == 0 {
+		return fmt.Errorf("kvxfer: nixl map %#x: empty", base)
+	}
+	n.mu.chunks = append(n.mu.chunks, [2]uint64{base, uint64(len(mem))})
+	return nil
+}
+
+func (n *NixlBackend) mappedLocked(r MemRegion) bool {
+	for _, c := range n.mu.chunks {
+		if r.Addr >= c[0] && r.Addr-c[0] <= c[1] && r.Len <= c[1]-(r.Addr-c[0]) {
+			return true
+		}
+	}
+	return false
+}
+
+func nixlErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, nixl.ErrClosed):
+		return fmt.Errorf("%w: %w", ErrClosed, err)
+	}
+	return err
+}
+
+func (n *NixlBackend) regions(rs []MemRegion) ([][3]uint64, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.mu.closed {
+		return nil, ErrClosed
+	}
+	out := make([][3]uint64, len(rs))
+	for i, r := range rs {
+		if r.Len == 0 || !n.mappedLocked(r) {
+			return nil, fmt.Errorf("kvxfer: nixl region %d [%#x, +%d): not mapped", i, r.Addr, r.Len)
+		}
+		out[i] = [3]uint64{r.Addr, r.Len, uint64(max(r.Dev, 0))}
+	}
+	return out, nil
+}
+
+// Register implements Backend.
+func (n *NixlBackend) Register(rs []MemRegion) error {
+	t, err := n.regions(rs)
+	if err != nil {
+		return err
+	}
+	return nixlErr(n.a.Register(t))
+}
+
+// Deregister implements Backend.
+func (n *NixlBackend) Deregister(rs []MemRegion) error {
+	t, err := n.regions(rs)
+	if err != nil {
+		return err
+	}
+	if err := n.a.Deregister(t); err != nil {
+		return fmt.Errorf("%w: %w", ErrNotRegistered, nixlErr(err))
+	}
+	return nil
+}
+
+// LocalMetadata implements Backend.
+func (n *NixlBackend) LocalMetadata() ([]byte, error) {
+	b, err := n.a.Metadata()
+	return b, nixlErr(err)
+}
+
+// LoadPeer implements Backend.
+func (n *NixlBackend) LoadPeer(meta []byte) (PeerName, error) {
+	name, err := n.a.LoadPeer(meta)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrBadMetadata, nixlErr(err))
+	}
+	return PeerName(name), nil
+}
+
+// InvalidatePeer implements Backend.
+func (n *NixlBackend) InvalidatePeer(peer PeerName) error {
+	if err := n.a.InvalidatePeer(string(peer)); err != nil {
+		return fmt.Errorf("%w: %w", ErrUnknownPeer, nixlErr(err))
+	}
+	return nil
+}
+
+// Post implements Backend: one C call per transfer.
+func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, notif []byte) (XferID, error) {
+	if op != hotpath.OpWrite && op != hotpath.OpRead {
+		return 0, fmt.Errorf("kvxfer: post op %v", op)
+	}
+	t := make([][3]uint64, len(descs))
+	for i, d := range descs {
+		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
+	}
+	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.mu.next++
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, state: XferInProgress}
+	n.mu.busy = time.Now()
+	return n.mu.next, nil
+}
+
+// State implements Backend.
+func (n *NixlBackend) State(id XferID) (XferState, error) {
+	n.mu.Lock()
+	x := n.mu.xfers[id]
+	n.mu.Unlock()
+	if x == nil {
+		return 0, fmt.Errorf("transfer %d: %w", id, ErrUnknownXfer)
+	}
+	if x.state == XferInProgress {
+		done, err := n.a.State(x.x)
+		n.mu.Lock()
+		switch {
+		case err != nil:
+			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, err)
+		case done:
+			x.state = XferDone
+		}
+		n.mu.Unlock()
+	}
+	return x.state, x.err
+}
+
+// Release implements Backend.
+func (n *NixlBackend) Release(id XferID) error {
+	n.mu.Lock()
+	x := n.mu.xfers[id]
+	delete(n.mu.xfers, id)
+	n.mu.Unlock()
+	if x == nil {
+		return fmt.Errorf("release transfer %d: %w", id, ErrUnknownXfer)
+	}
+	return nixlErr(n.a.Release(x.x))
+}
+
+// Notify implements Backend.
+func (n *NixlBackend) Notify(peer PeerName, msg []byte) error {
+	if err := n.a.Notify(string(peer), msg); err != nil {
+		return fmt.Errorf("notify %s: %w", peer, nixlErr(err))
+	}
+	return nil
+}
+
+// DrainNotifs implements Backend.
+func (n *NixlBackend) DrainNotifs(dst []Notif) []Notif {
+	n.pull()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	dst = append(dst, n.mu.inbox...)
+	n.mu.inbox = n.mu.inbox[:0]
+	return dst
+}
+
+// pull moves NIXL's notifications into the inbox; reports whether any.
+func (n *NixlBackend) pull() bool {
+	got, err := n.a.Drain(nil)
+	if err != nil || len(got) == 0 {
+		return false
+	}
+	n.mu.Lock()
+	for _, g := range got {
+		n.mu.inbox = append(n.mu.inbox, Notif{From: PeerName(g.From), Msg: g.Msg})
+	}
+	n.mu.busy = time.Now()
+	n.mu.Unlock()
+	return true
+}
+
+// Events implements Backend.
+func (n *NixlBackend) Events() <-chan struct{} { return n.events }
+
+// poll signals Events on notifications and finished transfers: every
+// PollInterval while there was activity in the last second, backing off
+// to 50 ms when idle.
+func (n *NixlBackend) poll() {
+	defer close(n.done)
+	t := time.NewTimer(n.cfg.PollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+		signal := n.pull()
+		n.mu.Lock()
+		ids := slices.Collect(func(yield func(XferID) bool) {
+			for id, x := range n.mu.xfers {
+				if x.state == XferInProgress && !yield(id) {
+					return
+				}
+			}
+		})
+		idle := time.Since(n.mu.busy) > time.Second
+		n.mu.Unlock()
+		for _, id := range ids {
+			if s, _ := n.State(id); s != XferInProgress {
+				signal = true
+			}
+		}
+		if signal {
+			select {
+			case n.events <- struct{}{}:
+			default:
+			}
+		}
+		next := n.cfg.PollInterval
+		if idle && len(ids) == 0 {
+			next = 50 * time.Millisecond
+		}
+		t.Reset(next)
+	}
+}
+
+// Close implements Backend: it stops polling and destroys the agent. It
+// is idempotent.
+func (n *NixlBackend) Close() error {
+	var err error
+	n.once.Do(func() {
+		close(n.stop)
+		<-n.done
+		n.mu.Lock()
+		n.mu.closed = true
+		n.mu.Unlock()
+		err = n.a.Close()
+	})
+	return err
+}
