@@ -195,20 +195,25 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 func (n *NixlBackend) State(id XferID) (XferState, error) {
 	n.mu.Lock()
 	x := n.mu.xfers[id]
-	n.mu.Unlock()
 	if x == nil {
+		n.mu.Unlock()
 		return 0, fmt.Errorf("transfer %d: %w", id, ErrUnknownXfer)
 	}
+	st, err, h := x.state, x.err, x.x
+	n.mu.Unlock()
+	if st != XferInProgress {
+		return st, err
+	}
+	done, perr := n.a.State(h)
+	n.mu.Lock()
+	defer n.mu.Unlock()
 	if x.state == XferInProgress {
-		done, err := n.a.State(x.x)
-		n.mu.Lock()
 		switch {
-		case err != nil:
-			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, err)
+		case perr != nil:
+			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, perr)
 		case done:
 			x.state = XferDone
 		}
-		n.mu.Unlock()
 	}
 	return x.state, x.err
 }

@@ -59,8 +59,8 @@ func main() {
 // config is the daemon's configuration.
 type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	drainTimeout, lease                                                                     time.Duration
-	conns                                                                                   int
+	drainTimeout, lease                                                                                 time.Duration
+	conns                                                                                               int
 }
 
 func parseFlags(args []string) (*config, error) {
