@@ -193,24 +193,19 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 
 // State implements Backend.
 func (n *NixlBackend) State(id XferID) (XferState, error) {
-	n.mu.Lock()
-	x := n.mu.xfers[id]
-	if x == nil {
-		n.mu.Unlock()
-		return 0, fmt.Errorf("transfer %d: %w", id, ErrUnknownXfer)
-	}
-	st, err, h := x.state, x.err, x.x
-	n.mu.Unlock()
-	if st != XferInProgress {
-		return st, err
-	}
-	done, perr := n.a.State(h)
+	// NIXL calls on a transfer happen under mu, so Release can never free
+	// a request another goroutine is polling.
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	x := n.mu.xfers[id]
+	if x == nil {
+		return 0, fmt.Errorf("transfer %d: %w", id, ErrUnknownXfer)
+	}
 	if x.state == XferInProgress {
+		done, err := n.a.State(x.x)
 		switch {
-		case perr != nil:
-			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, perr)
+		case err != nil:
+			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, err)
 		case done:
 			x.state = XferDone
 		}
@@ -221,12 +216,12 @@ func (n *NixlBackend) State(id XferID) (XferState, error) {
 // Release implements Backend.
 func (n *NixlBackend) Release(id XferID) error {
 	n.mu.Lock()
+	defer n.mu.Unlock()
 	x := n.mu.xfers[id]
-	delete(n.mu.xfers, id)
-	n.mu.Unlock()
 	if x == nil {
 		return fmt.Errorf("release transfer %d: %w", id, ErrUnknownXfer)
 	}
+	delete(n.mu.xfers, id)
 	return nixlErr(n.a.Release(x.x))
 }
 
