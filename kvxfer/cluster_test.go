@@ -1,6 +1,7 @@
 package kvxfer_test
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -8,6 +9,7 @@ import (
 	"slices"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -57,6 +59,28 @@ func startNetEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = b.Close() })
+		if err := b.Map(r.Base, r.Mem); err != nil {
+			t.Fatal(err)
+		}
+		return b, nil
+	})
+}
+
+// startNixlEngine runs an engine's ranks on NIXL (UCX), with the ranks'
+// layouts at the real addresses of their memory; it skips when NIXL is
+// not available.
+func startNixlEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+	t.Helper()
+	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())})
+		if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+			t.Skipf("NIXL is not available here: %v", err)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Close() })
+		r.Rebase(uint64(uintptr(unsafe.Pointer(&r.Mem[0]))))
 		if err := b.Map(r.Base, r.Mem); err != nil {
 			t.Fatal(err)
 		}

@@ -19,6 +19,7 @@ type e2eCase struct {
 	fragment  bool
 	layerwise bool
 	tcp       bool // the built-in backend over loopback TCP, in real time
+	nixl      bool // NIXL (UCX), in real time
 }
 
 func e2eEngine(id, tp, pp, logical, kernel int) kvsim.Engine {
@@ -76,12 +77,27 @@ func TestEndToEndTCP(t *testing.T) {
 	t.Run("layerwise/"+c.name, func(t *testing.T) { runE2E(t, c, kvxfer.ModePush) })
 }
 
+// TestEndToEndNixl runs the transfers through NIXL (UCX) when it is
+// installed (pip install nixl-cu12); it skips otherwise.
+func TestEndToEndNixl(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, c := range e2eCases() {
+			c.nixl = true
+			t.Run(mode.String()+"/"+c.name, func(t *testing.T) { runE2E(t, c, mode) })
+		}
+	}
+}
+
 func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	fab := kvxfertest.NewFabric()
 	dir := kvxfer.NewDirectory()
 	settle := synctest.Wait
 	var p, d *simEngine
-	if c.tcp {
+	if c.nixl {
+		settle = func() { time.Sleep(2 * time.Millisecond) }
+		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
+		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, nil)
+	} else if c.tcp {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		p = startNetEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
 		d = startNetEngine(t, dir, &c.model, c.d, "D", mode, nil)
@@ -163,7 +179,7 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 
 	out := newOutcomes()
 	rounds := 200
-	if c.tcp {
+	if c.tcp || c.nixl {
 		rounds = 5000 // 10 s of real time at most
 	}
 	for range rounds {

@@ -220,3 +220,13 @@ func Copy(dst *Rank, da uint64, src *Rank, sa uint64, n uint64) error {
 	}
 	return nil
 }
+
+// Rebase moves the rank's address space so Base is base (a real address
+// of Mem, for backends that use addresses as they are): every region base
+// shifts by the same amount.
+func (r *Rank) Rebase(base uint64) {
+	for i := range r.Layout.Regions {
+		r.Layout.Regions[i].Base = r.Layout.Regions[i].Base - r.Base + base
+	}
+	r.Base = base
+}
