@@ -80,6 +80,9 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	return n, nil
 }
 
+// Name returns the agent's name (its PeerName at peers).
+func (n *NixlBackend) Name() PeerName { return PeerName(n.a.Name()) }
+
 // Map adopts caller-owned memory at base for registration.
 func (n *NixlBackend) Map(base uint64, mem []byte) error {
 	n.mu.Lock()

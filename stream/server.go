@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
@@ -314,11 +315,24 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 		}
 		r.mappings = append(r.mappings, mp)
 	}
+	// Relocate the layout to where the files are mapped here, so every
+	// backend (NIXL included) sees real addresses; peers get the
+	// relocated layout. The engine keeps talking in block ids.
+	for i := range l.Regions {
+		reg := &l.Regions[i]
+		for j, m := range h.Memory {
+			if reg.Base >= m.Base && reg.Base-m.Base < m.Size {
+				reg.Base = realAddr(r.mappings[j].Bytes) + (reg.Base - m.Base)
+				break
+			}
+		}
+	}
+	r.layout = l
 	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l); err != nil {
 		return nil, fmt.Errorf("stream: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
 	}
-	for i, m := range h.Memory {
-		if err := r.backend.Map(m.Base, r.mappings[i].Bytes); err != nil {
+	for i := range h.Memory {
+		if err := r.backend.Map(realAddr(r.mappings[i].Bytes), r.mappings[i].Bytes); err != nil {
 			return nil, invalid("hello.memory[%d]: %v", i, err)
 		}
 	}
@@ -334,11 +348,16 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 	if err != nil {
 		return nil, err
 	}
-	r.agent = string(meta)
+	if nb, ok := r.backend.(interface{ Name() kvxfer.PeerName }); ok {
+		r.agent = string(nb.Name())
+	}
 	s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker)
 	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions))
 	return r, nil
 }
+
+// realAddr is the address of mapped memory in this process.
+func realAddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 
 // release frees what attach acquired, in reverse order.
 func (r *rank) release() {

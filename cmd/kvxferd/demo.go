@@ -31,7 +31,7 @@ type daemonProc struct {
 	cmd                   *exec.Cmd
 }
 
-func startDaemonProc(dir, name string) (*daemonProc, error) {
+func startDaemonProc(dir, name, backend string) (*daemonProc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -43,7 +43,7 @@ func startDaemonProc(dir, name string) (*daemonProc, error) {
 		return nil, err
 	}
 	d.cmd = exec.Command(self, "serve", "-socket", d.sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
-		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn")
+		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn", "-backend", backend)
 	d.cmd.Stdout, d.cmd.Stderr = logf, logf
 	if err := d.cmd.Start(); err != nil {
 		logf.Close()
@@ -93,6 +93,7 @@ func demoMain(args []string) error {
 	fs := flag.NewFlagSet("kvxferd demo", flag.ContinueOnError)
 	n := fs.Int("requests", 200, "requests per scenario")
 	seed := fs.Uint64("seed", 1, "seed of the request mix")
+	backend := fs.String("backend", "builtin", "transfer backend of both daemons: builtin or nixl")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -108,12 +109,12 @@ func demoMain(args []string) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes; work dir %s)\n", dir)
-	p, err := startDaemonProc(dir, "P")
+	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
+	p, err := startDaemonProc(dir, "P", *backend)
 	if err != nil {
 		return err
 	}
-	d, err := startDaemonProc(dir, "D")
+	d, err := startDaemonProc(dir, "D", *backend)
 	if err != nil {
 		p.stop()
 		return err

@@ -59,6 +59,7 @@ func main() {
 // config is the daemon's configuration.
 type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
+	backend, nixlParams                                                                                 string
 	drainTimeout, lease                                                                                 time.Duration
 	conns                                                                                               int
 }
@@ -78,6 +79,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
+	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
+	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
 	// Environment first, flags override.
 	var envErr error
 	fs.VisitAll(func(f *flag.Flag) {
@@ -100,10 +103,32 @@ func parseFlags(args []string) (*config, error) {
 	if _, err := c.peers(); err != nil {
 		return nil, err
 	}
+	if c.backend != "builtin" && c.backend != "nixl" {
+		return nil, fmt.Errorf("-backend = %q, want builtin or nixl", c.backend)
+	}
+	if _, err := c.params(); err != nil {
+		return nil, err
+	}
 	if c.lease < time.Second {
 		return nil, fmt.Errorf("-lease = %v, want at least 1s", c.lease)
 	}
 	return c, nil
+}
+
+// params parses -nixl-params.
+func (c *config) params() (map[string]string, error) {
+	out := map[string]string{}
+	for _, item := range strings.Split(c.nixlParams, ",") {
+		if item = strings.TrimSpace(item); item == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(item, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("-nixl-params item %q, want key=value", item)
+		}
+		out[k] = v
+	}
+	return out, nil
 }
 
 // peers parses -preconnect.
@@ -170,7 +195,11 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	}
 	defer os.Remove(c.socket)
 	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
-		NewBackend: func(string, *topology.Layout) (stream.Backend, error) {
+		NewBackend: func(engine string, l *topology.Layout) (stream.Backend, error) {
+			if c.backend == "nixl" {
+				params, _ := c.params()
+				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()), Params: params})
+			}
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) { wc.Lease, wc.Preconnect = c.lease, peers },
@@ -202,7 +231,14 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
 	}
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise)
+	if c.backend == "nixl" {
+		lib, err := nixlLibrary()
+		if err != nil {
+			return err
+		}
+		log.Info("kvxferd: NIXL backend", "library", lib)
+	}
+	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend)
 	if c.readyFile != "" {
 		if err := os.WriteFile(c.readyFile+".tmp", []byte(advertise), 0o600); err != nil {
 			return err
@@ -237,4 +273,14 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	}
 	log.Info("kvxferd: stopped")
 	return nil
+}
+
+// nixlLibrary loads NIXL's C library (kvxferd -backend=nixl).
+func nixlLibrary() (string, error) {
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano())})
+	if err != nil {
+		return "", fmt.Errorf("-backend=nixl: %w", err)
+	}
+	_ = b.Close()
+	return "libnixl_capi.so", nil
 }
