@@ -1032,17 +1032,18 @@ func TestFailureLogging(t *testing.T) {
 // Pre-connect: a worker handshakes with configured peers at start.
 func TestPreconnect(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
-			if side == "P" {
-				c.Preconnect = []kvxfer.PeerRef{{EngineID: "D", Addr: "D:1"}}
-			}
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+		q := startEngine(t, x.fab, x.dir, &model, e2eEngine(3, 1, 1, 16, 16), "Q", kvxfer.ModePush, func(c *kvxfer.WorkerConfig) {
+			c.Preconnect = []kvxfer.PeerRef{{EngineID: "D", Addr: "D:1"}}
 		})
+		defer q.close(t)
 		x.settle()
-		if s := x.state(x.p); s.Engines != 1 {
-			t.Errorf("P engines after start = %d, want the pre-connected D", s.Engines)
+		if s := x.state(q); s.Engines != 1 {
+			t.Errorf("Q engines after start = %d, want the pre-connected D", s.Engines)
 		}
-		if got := x.p.workers[0][0].Metrics().Snapshot().HandshakeSeconds.Count; got != 1 {
-			t.Errorf("handshakes = %d, want 1", got)
+		if st := q.workers[0][0].Metrics().Snapshot(); st.HandshakeSeconds.Count != 1 || st.HandshakeFailures != 0 {
+			t.Errorf("handshakes ok/failed = %d/%d, want 1/0", st.HandshakeSeconds.Count, st.HandshakeFailures)
 		}
 	})
 }
