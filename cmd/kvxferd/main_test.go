@@ -167,3 +167,17 @@ func TestFlagsFromEnvironment(t *testing.T) {
 		t.Errorf("bad -preconnect error = %v", err)
 	}
 }
+
+// The demo with the NIXL backend between the two daemons (skips where
+// NIXL is not installed).
+func TestDemoNixl(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	if _, err := nixlLibrary(); err != nil {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	if err := demoMain([]string{"-requests", "20", "-backend", "nixl"}); err != nil {
+		t.Fatal(err)
+	}
+}
