@@ -1,0 +1,222 @@
+//go:build cgo
+
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void* CUcontext;
+typedef unsigned long long CUdeviceptr;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+static struct {
+	void *lib;
+	CUresult (*cuInit)(unsigned int);
+	CUresult (*cuDeviceGetCount)(int*);
+	CUresult (*cuDeviceGet)(CUdevice*, int);
+	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+	CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+	CUresult (*cuCtxSetCurrent)(CUcontext);
+	CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+	CUresult (*cuMemFree)(CUdeviceptr);
+	CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+	CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+	CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
+	CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+	CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
+	CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+	CUresult (*cuGetErrorString)(CUresult, const char**);
+} cu;
+
+#define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
+
+static const char* cu_load(void) {
+	if (cu.lib) return NULL;
+	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (!lib) return dlerror();
+	cu.lib = lib;
+	CU_SYM(cuInit, "cuInit"); CU_SYM(cuDeviceGetCount, "cuDeviceGetCount"); CU_SYM(cuDeviceGet, "cuDeviceGet");
+	CU_SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"); CU_SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+	CU_SYM(cuCtxSetCurrent, "cuCtxSetCurrent"); CU_SYM(cuMemAlloc, "cuMemAlloc_v2"); CU_SYM(cuMemFree, "cuMemFree_v2");
+	CU_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2"); CU_SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2"); CU_SYM(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
+	CU_SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle"); CU_SYM(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+	CU_SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle"); CU_SYM(cuGetErrorString, "cuGetErrorString");
+	return NULL;
+}
+
+static CUresult cu_init(void) { return cu.cuInit(0); }
+static CUresult cu_count(int *n) { return cu.cuDeviceGetCount(n); }
+static CUresult cu_ctx(int ordinal, CUcontext *ctx) {
+	CUdevice d; CUresult r = cu.cuDeviceGet(&d, ordinal);
+	if (r) return r;
+	r = cu.cuDevicePrimaryCtxRetain(ctx, d);
+	if (r) return r;
+	return cu.cuCtxSetCurrent(*ctx);
+}
+static CUresult cu_release(int ordinal) { CUdevice d; CUresult r = cu.cuDeviceGet(&d, ordinal); if (r) return r; return cu.cuDevicePrimaryCtxRelease(d); }
+static CUresult cu_set(CUcontext ctx) { return cu.cuCtxSetCurrent(ctx); }
+static CUresult cu_alloc(CUdeviceptr *p, size_t n) { return cu.cuMemAlloc(p, n); }
+static CUresult cu_free(CUdeviceptr p) { return cu.cuMemFree(p); }
+static CUresult cu_htod(CUdeviceptr d, const void *h, size_t n) { return cu.cuMemcpyHtoD(d, h, n); }
+static CUresult cu_dtoh(void *h, CUdeviceptr d, size_t n) { return cu.cuMemcpyDtoH(h, d, n); }
+static CUresult cu_dtod(CUdeviceptr d, CUdeviceptr s, size_t n) { return cu.cuMemcpyDtoD(d, s, n); }
+static CUresult cu_ipc_get(void *out64, CUdeviceptr p) { CUipcMemHandle h; CUresult r = cu.cuIpcGetMemHandle(&h, p); if (!r) memcpy(out64, &h, 64); return r; }
+static CUresult cu_ipc_open(CUdeviceptr *p, const void *in64) { CUipcMemHandle h; memcpy(&h, in64, 64); return cu.cuIpcOpenMemHandle(p, h, 1); }
+static CUresult cu_ipc_close(CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
+static const char* cu_err(CUresult r) { const char *s = NULL; if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s); return s ? s : "unknown"; }
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+var loadOnce struct {
+	sync.Once
+	err error
+}
+
+func load() error {
+	loadOnce.Do(func() {
+		if msg := C.cu_load(); msg != nil {
+			loadOnce.err = fmt.Errorf("%w: %s", ErrUnavailable, C.GoString(msg))
+			return
+		}
+		if r := C.cu_init(); r != 0 {
+			loadOnce.err = fmt.Errorf("%w: cuInit: %s", ErrUnavailable, C.GoString(C.cu_err(r)))
+			return
+		}
+		var n C.int
+		if r := C.cu_count(&n); r != 0 || n == 0 {
+			loadOnce.err = fmt.Errorf("%w: no CUDA device", ErrUnavailable)
+		}
+	})
+	return loadOnce.err
+}
+
+func check(op string, r C.CUresult) error {
+	if r == 0 {
+		return nil
+	}
+	return &Error{Op: op, Code: int(r), Msg: C.GoString(C.cu_err(r))}
+}
+
+// Device is one GPU's primary context. CUDA contexts are per OS thread:
+// every method locks the goroutine to its thread and makes the context
+// current for the call.
+type Device struct {
+	ordinal int
+	ctx     C.CUcontext
+}
+
+// Open retains device ordinal's primary context.
+func Open(ordinal int) (*Device, error) {
+	if err := load(); err != nil {
+		return nil, err
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	d := &Device{ordinal: ordinal}
+	if err := check("retain context", C.cu_ctx(C.int(ordinal), &d.ctx)); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *Device) do(f func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := check("set context", C.cu_set(d.ctx)); err != nil {
+		return err
+	}
+	return f()
+}
+
+// Alloc allocates n bytes of device memory.
+func (d *Device) Alloc(n int) (ptr uint64, err error) {
+	err = d.do(func() error {
+		var p C.CUdeviceptr
+		e := check("alloc", C.cu_alloc(&p, C.size_t(n)))
+		ptr = uint64(p)
+		return e
+	})
+	return ptr, err
+}
+
+// Free frees device memory from Alloc.
+func (d *Device) Free(ptr uint64) error {
+	return d.do(func() error { return check("free", C.cu_free(C.CUdeviceptr(ptr))) })
+}
+
+// CopyIn copies host bytes to device memory.
+func (d *Device) CopyIn(dst uint64, src []byte) error {
+	if len(src) == 0 {
+		return nil
+	}
+	return d.do(func() error {
+		return check("copy to device", C.cu_htod(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+	})
+}
+
+// CopyOut copies device memory to host bytes.
+func (d *Device) CopyOut(dst []byte, src uint64) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	return d.do(func() error {
+		return check("copy to host", C.cu_dtoh(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
+	})
+}
+
+// CopyDevice copies n bytes between device addresses (imported ones
+// included).
+func (d *Device) CopyDevice(dst, src uint64, n int) error {
+	return d.do(func() error {
+		return check("copy device to device", C.cu_dtod(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n)))
+	})
+}
+
+// Handle is a CUDA IPC memory handle: 64 opaque bytes an engine sends.
+type Handle [64]byte
+
+// Export returns the IPC handle of memory from Alloc.
+func (d *Device) Export(ptr uint64) (h Handle, err error) {
+	err = d.do(func() error {
+		var buf [64]byte
+		e := check("ipc get handle", C.cu_ipc_get(unsafe.Pointer(&buf[0]), C.CUdeviceptr(ptr)))
+		h = buf
+		return e
+	})
+	return h, err
+}
+
+// Import maps another process's device memory from its IPC handle.
+// Close it with Unmap on detach.
+func (d *Device) Import(h Handle) (ptr uint64, err error) {
+	err = d.do(func() error {
+		var p C.CUdeviceptr
+		buf := h
+		e := check("ipc open handle", C.cu_ipc_open(&p, unsafe.Pointer(&buf[0])))
+		ptr = uint64(p)
+		return e
+	})
+	return ptr, err
+}
+
+// Unmap closes imported memory.
+func (d *Device) Unmap(ptr uint64) error {
+	return d.do(func() error { return check("ipc close handle", C.cu_ipc_close(C.CUdeviceptr(ptr))) })
+}
+
+// Close releases the primary context.
+func (d *Device) Close() error {
+	return check("release context", C.cu_release(C.int(d.ordinal)))
+}

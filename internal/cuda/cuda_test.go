@@ -1,0 +1,111 @@
+package cuda
+
+import (
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"testing"
+)
+
+// TestMain runs the child side of the IPC test when asked.
+func TestMain(m *testing.M) {
+	if h := os.Getenv("KVXFER_CUDA_CHILD"); h != "" {
+		if err := child(h); err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+const ipcBytes = 8 << 20
+
+func pattern(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*131 + i>>9)
+	}
+	return b
+}
+
+// child: its own VRAM, filled with the pattern, is copied device to device
+// into the parent's VRAM imported through the IPC handle.
+func child(hexHandle string) error {
+	raw, err := hex.DecodeString(hexHandle)
+	if err != nil || len(raw) != 64 {
+		return fmt.Errorf("handle %q", hexHandle)
+	}
+	var h Handle
+	copy(h[:], raw)
+	d, err := Open(0)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	src, err := d.Alloc(ipcBytes)
+	if err != nil {
+		return err
+	}
+	defer d.Free(src)
+	if err := d.CopyIn(src, pattern(ipcBytes)); err != nil {
+		return err
+	}
+	dst, err := d.Import(h)
+	if err != nil {
+		return err
+	}
+	if err := d.CopyDevice(dst, src, ipcBytes); err != nil {
+		return err
+	}
+	return d.Unmap(dst)
+}
+
+// A VRAM -> VRAM transfer between two processes through CUDA IPC import.
+func TestIPCImportBetweenProcesses(t *testing.T) {
+	d, err := Open(0)
+	if errors.Is(err, ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	dst, err := d.Alloc(ipcBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(dst)
+	if err := d.CopyIn(dst, make([]byte, ipcBytes)); err != nil {
+		t.Fatal(err)
+	}
+	h, err := d.Export(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "KVXFER_CUDA_CHILD="+hex.EncodeToString(h[:]))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	got := make([]byte, ipcBytes)
+	if err := d.CopyOut(got, dst); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, pattern(ipcBytes)) {
+		t.Fatal("the parent's VRAM does not hold what the child copied into it")
+	}
+	t.Logf("%d MiB moved VRAM -> VRAM from a child process into ours through a CUDA IPC import", ipcBytes>>20)
+}
+
+func TestUnavailableWithoutGPU(t *testing.T) {
+	if _, err := Open(0); err != nil && !errors.Is(err, ErrUnavailable) {
+		var ce *Error
+		if !errors.As(err, &ce) {
+			t.Errorf("Open error %v is neither ErrUnavailable nor a driver Error", err)
+		}
+	}
+}

@@ -1,0 +1,25 @@
+//go:build !cgo
+
+package cuda
+
+// Without cgo there is no driver: every entry point reports
+// ErrUnavailable.
+
+// Device is unavailable without cgo.
+type Device struct{}
+
+// Handle is a CUDA IPC memory handle.
+type Handle [64]byte
+
+// Open reports ErrUnavailable.
+func Open(int) (*Device, error) { return nil, ErrUnavailable }
+
+func (d *Device) Alloc(int) (uint64, error)            { return 0, ErrUnavailable }
+func (d *Device) Free(uint64) error                    { return ErrUnavailable }
+func (d *Device) CopyIn(uint64, []byte) error          { return ErrUnavailable }
+func (d *Device) CopyOut([]byte, uint64) error         { return ErrUnavailable }
+func (d *Device) CopyDevice(uint64, uint64, int) error { return ErrUnavailable }
+func (d *Device) Export(uint64) (Handle, error)        { return Handle{}, ErrUnavailable }
+func (d *Device) Import(Handle) (uint64, error)        { return 0, ErrUnavailable }
+func (d *Device) Unmap(uint64) error                   { return ErrUnavailable }
+func (d *Device) Close() error                         { return nil }
