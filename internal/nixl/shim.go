@@ -225,6 +225,15 @@ func load() error {
 			loadOnce.err = err
 			return
 		}
+		if os.Getenv("UCX_MEMTYPE_CACHE") == "" {
+			// UCX's memory-type cache learns GPU memory from the
+			// allocation calls it intercepts; memory imported from a
+			// CUDA IPC handle (an engine's KV cache) is not among them
+			// and would be taken for host memory (verified on an H100).
+			// Without the cache UCX asks the driver. UCX reads this when
+			// it loads, so it is set before the library is opened.
+			_ = os.Setenv("UCX_MEMTYPE_CACHE", "n")
+		}
 		if os.Getenv("NIXL_PLUGIN_DIR") == "" {
 			_ = os.Setenv("NIXL_PLUGIN_DIR", filepath.Join(filepath.Dir(path), "plugins"))
 		}
@@ -315,11 +324,22 @@ type Agent struct {
 
 // Open makes an agent named name with a backend of plugin (UCX), set up
 // with params (for Debian's UCX 1.13 and shared memory:
-// ucx_error_handling_mode=none).
+// ucx_error_handling_mode=none), for host memory.
 func Open(name, plugin string, params map[string]string) (*Agent, error) {
+	return openAgent(name, plugin, params, C.KX_MEM_DRAM)
+}
+
+// OpenVRAM is Open for GPU memory (device pointers, with their device id
+// in each registered range).
+func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) {
+	return openAgent(name, plugin, params, C.KX_MEM_VRAM)
+}
+
+func openAgent(name, plugin string, params map[string]string, mem C.int) (*Agent, error) {
 	if err := load(); err != nil {
 		return nil, err
 	}
+
 	cname, cplug := C.CString(name), C.CString(plugin)
 	defer C.free(unsafe.Pointer(cname))
 	defer C.free(unsafe.Pointer(cplug))
@@ -333,7 +353,7 @@ func Open(name, plugin string, params map[string]string) (*Agent, error) {
 		defer C.free(unsafe.Pointer(slots[2*i+1]))
 		i++
 	}
-	a := &Agent{name: name, mem: C.KX_MEM_DRAM}
+	a := &Agent{name: name, mem: mem}
 	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(params)), &a.agent, &a.backend)); err != nil {
 		return nil, err
 	}
