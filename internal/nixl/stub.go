@@ -21,7 +21,9 @@ type Notif struct {
 }
 
 // OpenVRAM reports ErrUnavailable without cgo.
-func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
+func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) {
+	return nil, ErrUnavailable
+}
 
 // Open reports ErrUnavailable without cgo.
 func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
