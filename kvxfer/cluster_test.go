@@ -72,7 +72,7 @@ func startNetEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim
 func startNixlEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())})
+		b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Params: nixlParams()})
 		if errors.Is(err, kvxfer.ErrNixlUnavailable) {
 			t.Skipf("NIXL is not available here: %v", err)
 		}

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"runtime"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -37,7 +39,7 @@ type nixlHarness struct{ n int }
 
 func (h *nixlHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion, []byte) {
 	h.n++
-	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d-%d", t.Name(), h.n, rand.Uint64())})
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d-%d", t.Name(), h.n, rand.Uint64()), Params: nixlParams()})
 	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
@@ -54,3 +56,16 @@ func (h *nixlHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion
 }
 
 func TestConformanceNixl(t *testing.T) { kvxfertest.Conformance(t, &nixlHarness{}) }
+
+// nixlParams reads UCX backend parameters for the NIXL tests from
+// KVXFER_NIXL_PARAMS (key=value,...): UCX over shared memory needs
+// ucx_error_handling_mode=none.
+func nixlParams() map[string]string {
+	out := map[string]string{}
+	for _, kv := range strings.Split(os.Getenv("KVXFER_NIXL_PARAMS"), ",") {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			out[k] = v
+		}
+	}
+	return out
+}

@@ -180,6 +180,12 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 	}
 	t := make([][3]uint64, len(descs))
 	for i, d := range descs {
+		// NIXL's own check lets a range whose end wraps past 2^64
+		// through, and UCX then writes to a wild address (seen with
+		// UCX over TCP: a segfault). Such a range is refused here.
+		if d.Len == 0 || d.Local+d.Len < d.Local || d.Remote+d.Len < d.Remote {
+			return 0, fmt.Errorf("desc %d [%#x -> %#x, +%d): %w", i, d.Local, d.Remote, d.Len, ErrOutOfBounds)
+		}
 		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
 	}
 	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
