@@ -38,6 +38,11 @@ type daemon struct {
 
 func startDaemon(t *testing.T, shmDir string) *daemon {
 	t.Helper()
+	return startDaemonWith(t, shmDir, nil)
+}
+
+func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfig)) *daemon {
+	t.Helper()
 	tcp, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -47,10 +52,14 @@ func startDaemon(t *testing.T, shmDir string) *daemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet,
+	cfg := stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet,
 		NewBackend: func(string, *topology.Layout) (stream.Backend, error) {
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: quiet, Conns: 2, DisableLocal: true})
-		}})
+		}}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv, err := stream.NewServer(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -326,25 +335,8 @@ func TestHelloValidation(t *testing.T) {
 // request's outcome before its stream ends; its memory is released.
 func TestDrainReportsEveryOutcome(t *testing.T) {
 	shmDir := t.TempDir()
-	tcp, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(t.TempDir(), "k.sock")
-	unix, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet, DrainTimeout: 200 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := grpc.NewServer()
-	srv.Register(g)
-	go func() { _ = g.Serve(tcp) }()
-	go func() { _ = g.Serve(unix) }()
-	defer g.Stop()
-	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: tcp.Addr().String()}
+	d := startDaemonWith(t, shmDir, func(c *stream.ServerConfig) { c.DrainTimeout = 200 * time.Millisecond })
+	srv := d.srv
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2}
 	de := kvsim.Engine{ID: 2, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
 	D := attach(t, d, shmDir, "D", &model, de, kvxfer.ModePush)
