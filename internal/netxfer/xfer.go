@@ -246,7 +246,20 @@ func (a *Agent) Post(op Op, name string, descs []Desc, notif []byte) (XferID, er
 		a.signal()
 		return x.id, nil
 	}
-	a.start(x)
+	// The payload goes out on the agent's goroutines: Post returns at
+	// once, so a caller posting many transfers (the Worker's loop) never
+	// waits for one transfer's bytes to reach the wire.
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return 0, ErrClosed
+	}
+	a.wg.Add(1)
+	a.mu.Unlock()
+	go func() {
+		defer a.wg.Done()
+		a.start(x)
+	}()
 	return x.id, nil
 }
 
