@@ -20,6 +20,8 @@ type NixlConfig struct {
 	// Params configure the plugin; with Debian's UCX 1.13 and shared
 	// memory, set "ucx_error_handling_mode": "none".
 	Params map[string]string
+	// VRAM makes the agent move GPU memory (adopted with MapDevice).
+	VRAM bool
 	// PollInterval is how often notifications and transfers are polled
 	// while busy (default 1 ms); idle polling backs off to 50 ms. NIXL
 	// has no completion callback.
@@ -70,7 +72,11 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Millisecond
 	}
-	a, err := nixl.Open(cfg.Name, cfg.Plugin, cfg.Params)
+	open := nixl.Open
+	if cfg.VRAM {
+		open = nixl.OpenVRAM
+	}
+	a, err := open(cfg.Name, cfg.Plugin, cfg.Params)
 	if err != nil {
 		return nil, err
 	}
@@ -91,6 +97,18 @@ func (n *NixlBackend) Map(base uint64, mem []byte) error {
 		return fmt.Errorf("kvxfer: nixl map %#x: empty", base)
 	}
 	n.mu.chunks = append(n.mu.chunks, [2]uint64{base, uint64(len(mem))})
+	return nil
+}
+
+// MapDevice adopts GPU memory (a device pointer, e.g. imported from a
+// CUDA IPC handle) of size bytes at base for registration.
+func (n *NixlBackend) MapDevice(base, size uint64) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if size == 0 || base+size < base {
+		return fmt.Errorf("kvxfer: nixl map device %#x +%d: empty or wrapping", base, size)
+	}
+	n.mu.chunks = append(n.mu.chunks, [2]uint64{base, size})
 	return nil
 }
 

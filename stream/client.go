@@ -34,11 +34,14 @@ func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
 // Close closes the connection.
 func (c *Client) Close() error { return c.cc.Close() }
 
-// Memory is a shared-memory file holding part of a rank's KV cache,
-// mapped by the engine at Base.
+// Memory holds part of a rank's KV cache, seen by the engine at Base: a
+// shared-memory file (Path), or GPU memory of device Device shared as a
+// CUDA IPC handle (CUDAIPCHandle, 64 bytes; needs kvxferd -backend=nixl).
 type Memory struct {
-	Path       string
-	Base, Size uint64
+	Path          string
+	Base, Size    uint64
+	CUDAIPCHandle []byte
+	Device        int
 }
 
 // Hello describes a rank when its stream opens.
@@ -74,7 +77,7 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 	}
 	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise}
 	for _, m := range h.Memory {
-		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size})
+		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size, CudaIpcHandle: m.CUDAIPCHandle, Device: int32(m.Device)})
 	}
 	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
 		cancel()

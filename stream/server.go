@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -29,6 +30,11 @@ type Backend interface {
 	Map(base uint64, mem []byte) error
 }
 
+// DeviceMapper is a Backend that also adopts GPU memory (NIXL).
+type DeviceMapper interface {
+	MapDevice(base, size uint64) error
+}
+
 // ServerConfig configures a Server. Zero fields mean the defaults.
 type ServerConfig struct {
 	// PeerAddr is the address of this daemon's Peer service that other
@@ -38,8 +44,8 @@ type ServerConfig struct {
 	// (default /dev/shm).
 	ShmDir string
 	// NewBackend makes the backend of one rank (default: a NetBackend
-	// listening on 127.0.0.1).
-	NewBackend func(engine string, layout *topology.Layout) (Backend, error)
+	// listening on 127.0.0.1). vram says the rank's memory is GPU memory.
+	NewBackend func(engine string, layout *topology.Layout, vram bool) (Backend, error)
 	// Resolver handshakes with peer engines (default: a PeerResolver).
 	Resolver kvxfer.Resolver
 	// WorkerConfig, when set, adjusts each rank's WorkerConfig (leases,
@@ -67,6 +73,8 @@ type Server struct {
 	enc      *zstd.Encoder
 	draining chan struct{}
 	drainOne sync.Once
+	gpuMu    sync.Mutex
+	gpus     map[int]*cuda.Device
 	streams  sync.WaitGroup
 
 	mu struct {
@@ -105,7 +113,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if cfg.NewBackend == nil {
 		log := cfg.Logger
-		cfg.NewBackend = func(string, *topology.Layout) (Backend, error) {
+		cfg.NewBackend = func(_ string, _ *topology.Layout, vram bool) (Backend, error) {
+			if vram {
+				return nil, errors.New("the built-in backend moves host memory only (GPU memory needs NIXL)")
+			}
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: log})
 		}
 	}
@@ -268,7 +279,14 @@ type rank struct {
 	backend  Backend
 	worker   *kvxfer.Worker
 	mappings []*shm.Mapping
-	agent    string
+	// gpu: imported CUDA IPC memory (device pointers), unmapped on detach.
+	gpu   []gpuImport
+	agent string
+}
+
+type gpuImport struct {
+	dev *cuda.Device
+	ptr uint64
 }
 
 // attach validates a hello, maps the rank's memory, starts its backend
@@ -293,8 +311,15 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 	if len(h.Memory) == 0 {
 		return nil, invalid("hello.memory is empty")
 	}
+	vram := len(h.Memory[0].CudaIpcHandle) > 0
 	for i, m := range h.Memory {
-		if m.GetPath() == "" || m.GetSize() == 0 || m.Base+m.Size < m.Base {
+		gpu := len(m.CudaIpcHandle) > 0
+		switch {
+		case gpu != vram:
+			return nil, invalid("hello.memory[%d]: a rank's memory must be all host or all GPU memory", i)
+		case gpu && len(m.CudaIpcHandle) != len(cuda.Handle{}):
+			return nil, invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
+		case !gpu && m.GetPath() == "", m.GetSize() == 0, m.Base+m.Size < m.Base:
 			return nil, invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
 		}
 	}
@@ -305,34 +330,65 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 			inside = inside || reg.Base >= m.Base && end <= m.Base+m.Size
 		}
 		if !inside {
-			return nil, invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory file", i, reg.Base, end)
+			return nil, invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory entry", i, reg.Base, end)
 		}
 	}
+	// Where each memory entry lives in this process.
+	real := make([]uint64, len(h.Memory))
 	for i, m := range h.Memory {
+		if vram {
+			dev, err := s.device(int(m.Device))
+			if err != nil {
+				return nil, invalid("hello.memory[%d]: %v", i, err)
+			}
+			var hd cuda.Handle
+			copy(hd[:], m.CudaIpcHandle)
+			ptr, err := dev.Import(hd)
+			if err != nil {
+				return nil, invalid("hello.memory[%d].cuda_ipc_handle: %v", i, err)
+			}
+			r.gpu = append(r.gpu, gpuImport{dev, ptr})
+			real[i] = ptr
+			continue
+		}
 		mp, err := shm.Map(s.cfg.ShmDir, m.Path, m.Size)
 		if err != nil {
 			return nil, invalid("hello.memory[%d]: %v", i, err)
 		}
 		r.mappings = append(r.mappings, mp)
+		real[i] = realAddr(mp.Bytes)
 	}
-	// Relocate the layout to where the files are mapped here, so every
-	// backend (NIXL included) sees real addresses; peers get the
-	// relocated layout. The engine keeps talking in block ids.
+	// Relocate the layout to where the memory is here, so every backend
+	// (NIXL included) sees real addresses; peers get the relocated layout.
+	// The engine keeps talking in block ids.
 	for i := range l.Regions {
 		reg := &l.Regions[i]
 		for j, m := range h.Memory {
 			if reg.Base >= m.Base && reg.Base-m.Base < m.Size {
-				reg.Base = realAddr(r.mappings[j].Bytes) + (reg.Base - m.Base)
+				reg.Base = real[j] + (reg.Base - m.Base)
+				if vram {
+					reg.DeviceID = m.Device
+				}
 				break
 			}
 		}
 	}
 	r.layout = l
-	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l); err != nil {
+	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l, vram); err != nil {
 		return nil, fmt.Errorf("stream: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
 	}
-	for i := range h.Memory {
-		if err := r.backend.Map(realAddr(r.mappings[i].Bytes), r.mappings[i].Bytes); err != nil {
+	for i, m := range h.Memory {
+		var err error
+		if vram {
+			dm, ok := r.backend.(DeviceMapper)
+			if !ok {
+				return nil, invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl)")
+			}
+			err = dm.MapDevice(real[i], m.Size)
+		} else {
+			err = r.backend.Map(real[i], r.mappings[i].Bytes)
+		}
+		if err != nil {
 			return nil, invalid("hello.memory[%d]: %v", i, err)
 		}
 	}
@@ -370,6 +426,27 @@ func (r *rank) release() {
 	for _, m := range r.mappings {
 		_ = m.Close()
 	}
+	for _, g := range r.gpu {
+		_ = g.dev.Unmap(g.ptr)
+	}
+}
+
+// device returns CUDA device ordinal's context, opened once.
+func (s *Server) device(ordinal int) (*cuda.Device, error) {
+	s.gpuMu.Lock()
+	defer s.gpuMu.Unlock()
+	if d := s.gpus[ordinal]; d != nil {
+		return d, nil
+	}
+	d, err := cuda.Open(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	if s.gpus == nil {
+		s.gpus = map[int]*cuda.Device{}
+	}
+	s.gpus[ordinal] = d
+	return d, nil
 }
 
 func (r *rank) detach() {

@@ -53,7 +53,7 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 		t.Fatal(err)
 	}
 	cfg := stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet,
-		NewBackend: func(string, *topology.Layout) (stream.Backend, error) {
+		NewBackend: func(string, *topology.Layout, bool) (stream.Backend, error) {
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: quiet, Conns: 2, DisableLocal: true})
 		}}
 	if tweak != nil {

@@ -195,10 +195,14 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	}
 	defer os.Remove(c.socket)
 	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
-		NewBackend: func(engine string, l *topology.Layout) (stream.Backend, error) {
+		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
-				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()), Params: params})
+				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
+					Params: params, VRAM: vram})
+			}
+			if vram {
+				return nil, errors.New("GPU memory needs -backend=nixl")
 			}
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
 		},

@@ -708,16 +708,23 @@ func (x *KvLayout) GetGroups() []*CacheGroup {
 	return nil
 }
 
-// SharedMemory is a shared-memory file holding part of a rank's KV cache.
+// SharedMemory is memory holding part of a rank's KV cache, shared with
+// kvxferd: a shared-memory file (host memory), or GPU memory shared as a
+// CUDA IPC handle.
 type SharedMemory struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// path of the file (under /dev/shm).
+	// path of the file (under /dev/shm); empty for GPU memory.
 	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
-	// base is the address at which the engine mapped the file; region bases
+	// base is the address at which the engine sees the memory; region bases
 	// inside [base, base+size) refer to it.
 	Base uint64 `protobuf:"varint,2,opt,name=base,proto3" json:"base,omitempty"`
-	// size of the mapping in bytes.
-	Size          uint64 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	// size of the memory in bytes.
+	Size uint64 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	// cuda_ipc_handle, when set, is the 64-byte CUDA IPC memory handle of
+	// GPU memory (then kvxferd imports it and needs the NIXL backend).
+	CudaIpcHandle []byte `protobuf:"bytes,4,opt,name=cuda_ipc_handle,json=cudaIpcHandle,proto3" json:"cuda_ipc_handle,omitempty"`
+	// device is the CUDA device ordinal of GPU memory.
+	Device        int32 `protobuf:"varint,5,opt,name=device,proto3" json:"device,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -769,6 +776,20 @@ func (x *SharedMemory) GetBase() uint64 {
 func (x *SharedMemory) GetSize() uint64 {
 	if x != nil {
 		return x.Size
+	}
+	return 0
+}
+
+func (x *SharedMemory) GetCudaIpcHandle() []byte {
+	if x != nil {
+		return x.CudaIpcHandle
+	}
+	return nil
+}
+
+func (x *SharedMemory) GetDevice() int32 {
+	if x != nil {
+		return x.Device
 	}
 	return 0
 }
@@ -3422,11 +3443,13 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11kernel_block_size\x18\v \x01(\x05R\x0fkernelBlockSize\x12#\n" +
 	"\rregion_offset\x18\f \x01(\x05R\fregionOffset\x12+\n" +
 	"\aregions\x18\r \x03(\v2\x11.kvxfer.v1.RegionR\aregions\x12-\n" +
-	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"J\n" +
+	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"\x8a\x01\n" +
 	"\fSharedMemory\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\x04R\x04base\x12\x12\n" +
-	"\x04size\x18\x03 \x01(\x04R\x04size\"9\n" +
+	"\x04size\x18\x03 \x01(\x04R\x04size\x12&\n" +
+	"\x0fcuda_ipc_handle\x18\x04 \x01(\fR\rcudaIpcHandle\x12\x16\n" +
+	"\x06device\x18\x05 \x01(\x05R\x06device\"9\n" +
 	"\x04Span\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x1b\n" +
 	"\tblock_ids\x18\x02 \x03(\x05R\bblockIds\"\xfa\x01\n" +

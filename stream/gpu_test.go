@@ -1,0 +1,207 @@
+package stream_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+const (
+	gpuBlockLen = 4096 // 16 tokens x 1 head x 64 elements x 2 bytes x K and V
+	gpuBlocks   = 64
+	gpuBytes    = gpuBlockLen * gpuBlocks
+)
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv("KVXFER_GPU_ENGINE"); role != "" {
+		os.Exit(gpuEngine(role, os.Getenv("KVXFER_GPU_DUMP")))
+	}
+	os.Exit(m.Run())
+}
+
+func gpuPattern() []byte {
+	b := make([]byte, gpuBytes)
+	for i := range b {
+		b[i] = byte(i*7 + i>>12)
+	}
+	return b
+}
+
+// gpuEngine plays an engine whose KV cache is GPU memory: it prints the
+// memory's CUDA IPC handle, keeps the memory until stdin closes, and then
+// (consumer) dumps it to a file.
+func gpuEngine(role, dump string) int {
+	d, err := cuda.Open(0)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	defer d.Close()
+	p, err := d.Alloc(gpuBytes)
+	if err == nil {
+		init := make([]byte, gpuBytes)
+		if role == "P" {
+			init = gpuPattern()
+		}
+		err = d.CopyIn(p, init)
+	}
+	var h cuda.Handle
+	if err == nil {
+		h, err = d.Export(p)
+	}
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println(hex.EncodeToString(h[:]))
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	if dump != "" {
+		out := make([]byte, gpuBytes)
+		if err := d.CopyOut(out, p); err != nil {
+			return 1
+		}
+		if err := os.WriteFile(dump, out, 0o600); err != nil {
+			return 1
+		}
+	}
+	_ = d.Free(p)
+	return 0
+}
+
+type gpuProc struct {
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	handle []byte
+}
+
+func startGPUEngine(t *testing.T, role, dump string) *gpuProc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "KVXFER_GPU_ENGINE="+role, "KVXFER_GPU_DUMP="+dump)
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	h, herr := hex.DecodeString(strings.TrimSpace(line))
+	if err != nil || herr != nil || len(h) != 64 {
+		t.Fatalf("engine %s said %q: %v", role, line, err)
+	}
+	return &gpuProc{cmd: cmd, stdin: stdin, handle: h}
+}
+
+// TestDaemonsGPU: two daemons with the NIXL backend serve engines whose KV
+// caches are GPU memory in other processes, shared as CUDA IPC handles;
+// P's blocks are pushed into D's blocks VRAM to VRAM and every byte of D's
+// cache is checked. Needs a GPU and NIXL; skips otherwise.
+func TestDaemonsGPU(t *testing.T) {
+	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	probe, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
+	if err != nil {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	probe.Close()
+	nixlBackend := func(c *stream.ServerConfig) {
+		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+			return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+		}
+	}
+	dp, dd := startDaemonWith(t, t.TempDir(), nixlBackend), startDaemonWith(t, t.TempDir(), nixlBackend)
+	dump := filepath.Join(t.TempDir(), "d.bin")
+	pe, de := startGPUEngine(t, "P", ""), startGPUEngine(t, "D", dump)
+	defer pe.cmd.Wait()
+	defer pe.stdin.Close()
+	layout := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 64, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 40, BlockLen: gpuBlockLen, NumBlocks: gpuBlocks}}}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	connect := func(d *daemon, id string, e *gpuProc) *stream.RankStream {
+		c, err := stream.Dial("unix://" + d.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: kvxfer.ModePush, Layout: layout, CompatHash: "m",
+			Memory: []stream.Memory{{Base: 1 << 40, Size: gpuBytes, CUDAIPCHandle: e.handle}}})
+		if err != nil {
+			t.Fatalf("%s: %v", id, err)
+		}
+		return rs
+	}
+	P, D := connect(dp, "P", pe), connect(dd, "D", de)
+	var pIDs, dIDs []topology.BlockID
+	for i := range 8 {
+		pIDs = append(pIDs, topology.BlockID(3*i+1))
+		dIDs = append(dIDs, topology.BlockID(60-i))
+	}
+	now := time.Now()
+	if err := D.Step(&kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{{ReqID: "d", TransferID: "t", Local: []topology.Span{{IDs: dIDs}},
+		Deadline: now.Add(time.Minute), Remote: kvxfer.RemoteRef{EngineID: "P", Addr: dp.peerAddr, TPSize: 1, Tokens: 128}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := P.Step(&kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{{ReqID: "p", TransferID: "t", Deadline: now.Add(time.Minute),
+		Blocks: []topology.Span{{IDs: pIDs}}, Tokens: 128}}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []struct {
+		name string
+		rs   *stream.RankStream
+		send bool
+	}{{"P", P, true}, {"D", D, false}} {
+		select {
+		case f := <-w.rs.Finished():
+			os := f.Recving
+			if w.send {
+				os = f.Sending
+			}
+			if len(os) != 1 || os[0].Result != kvxfer.ResultDone {
+				t.Fatalf("%s outcomes %+v", w.name, os)
+			}
+		case <-ctx.Done():
+			t.Fatalf("%s: no outcome", w.name)
+		}
+	}
+	for _, rs := range []*stream.RankStream{P, D} {
+		go func() {
+			for range rs.Finished() {
+			}
+		}()
+		_ = rs.Close(ctx)
+	}
+	de.stdin.Close()
+	if err := de.cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(dump)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, gpuBytes)
+	pat := gpuPattern()
+	for i := range pIDs {
+		copy(want[int(dIDs[i])*gpuBlockLen:], pat[int(pIDs[i])*gpuBlockLen:(int(pIDs[i])+1)*gpuBlockLen])
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
+	}
+	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' NIXL agents, from and into engine processes' GPU memory imported through CUDA IPC")
+}
