@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
 )
@@ -124,4 +125,17 @@ type Backend interface {
 	// Close releases everything; it is idempotent. Calls after Close
 	// return ErrClosed.
 	Close() error
+}
+
+// XferTelemetry is a backend's own measurement of a finished transfer.
+type XferTelemetry struct {
+	Post, Transfer time.Duration
+	Bytes, Descs   uint64
+}
+
+// Telemeter is implemented by backends that measure transfers themselves
+// (NIXL): the Worker records their figures for post and transfer time
+// instead of its own. Telemetry is asked before Release.
+type Telemeter interface {
+	Telemetry(id XferID) (XferTelemetry, bool)
 }

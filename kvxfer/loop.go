@@ -371,10 +371,16 @@ func (st *loopState) pollHandles() {
 			continue
 		}
 		delete(st.handles, id)
-		_ = st.w.be.Release(id)
 		ok := s == XferDone && err == nil
+		xfer, post := time.Since(h.posted), h.post
+		if tm, yes := st.w.be.(Telemeter); yes && ok {
+			if t, have := tm.Telemetry(id); have && t.Transfer > 0 {
+				xfer, post = t.Transfer, t.Post
+			}
+		}
+		_ = st.w.be.Release(id)
 		if ok {
-			st.w.metrics.Transfer(time.Since(h.posted), h.post, h.bytes, h.descs, h.blocks)
+			st.w.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
 		} else {
 			st.w.metrics.FailedTransfer()
 			if err == nil {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
@@ -68,4 +69,38 @@ func nixlParams() map[string]string {
 		}
 	}
 	return out
+}
+
+// NIXL's telemetry of a finished transfer reaches the caller.
+func TestNixlTelemetry(t *testing.T) {
+	h := &nixlHarness{}
+	a, ar, _ := h.New(t, 1<<20)
+	b, br, _ := h.New(t, 1<<20)
+	defer a.Close()
+	defer b.Close()
+	if err := a.Register([]kvxfer.MemRegion{ar}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Register([]kvxfer.MemRegion{br}); err != nil {
+		t.Fatal(err)
+	}
+	meta, _ := b.LocalMetadata()
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := a.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 1 << 20}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s, _ := a.State(id); s == kvxfer.XferInProgress; s, _ = a.State(id) {
+	}
+	tm, ok := a.(kvxfer.Telemeter).Telemetry(id)
+	if !ok {
+		t.Skip("this NIXL library keeps no telemetry")
+	}
+	if tm.Bytes != 1<<20 || tm.Descs != 1 {
+		t.Errorf("telemetry = %+v, want 1 MiB in 1 descriptor", tm)
+	}
+	t.Logf("NIXL telemetry: %+v", tm)
 }

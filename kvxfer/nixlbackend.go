@@ -240,6 +240,20 @@ func (n *NixlBackend) State(id XferID) (XferState, error) {
 	return x.state, x.err
 }
 
+// Telemetry implements Telemeter with NIXL's own figures.
+func (n *NixlBackend) Telemetry(id XferID) (XferTelemetry, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	x := n.mu.xfers[id]
+	if x == nil || x.state != XferDone {
+		return XferTelemetry{}, false
+	}
+	t, ok := n.a.Telemetry(x.x)
+	return XferTelemetry{Post: t.Post, Transfer: t.Transfer, Bytes: t.Bytes, Descs: t.Descs}, ok
+}
+
+var _ Telemeter = (*NixlBackend)(nil)
+
 // Release implements Backend.
 func (n *NixlBackend) Release(id XferID) error {
 	n.mu.Lock()

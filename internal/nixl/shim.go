@@ -70,7 +70,16 @@ static struct {
 	st_t (*notif_map_get_notifs_size)(h_t, const char*, size_t*);
 	st_t (*notif_map_get_notif)(h_t, const char*, size_t, const void**, size_t*);
 	st_t (*notif_map_clear)(h_t);
+	st_t (*get_xfer_telemetry)(h_t, h_t, void*);
 } kx;
+
+typedef struct {
+	uint64_t start_time_us;
+	uint64_t post_duration_us;
+	uint64_t xfer_duration_us;
+	uint64_t total_bytes;
+	uint64_t desc_count;
+} kx_telemetry;
 
 #define KX_SYM(name) do { *(void**)(&kx.name) = dlsym(kx.lib, "nixl_capi_" #name); if (!kx.name) return "nixl_capi_" #name; } while (0)
 
@@ -91,13 +100,15 @@ static const char* kx_load(const char *path) {
 	KX_SYM(release_xfer_req); KX_SYM(destroy_xfer_req); KX_SYM(gen_notif); KX_SYM(create_notif_map);
 	KX_SYM(destroy_notif_map); KX_SYM(get_notifs); KX_SYM(notif_map_size); KX_SYM(notif_map_get_agent_at);
 	KX_SYM(notif_map_get_notifs_size); KX_SYM(notif_map_get_notif); KX_SYM(notif_map_clear);
+	// Telemetry is optional: older libraries lack it.
+	*(void**)(&kx.get_xfer_telemetry) = dlsym(kx.lib, "nixl_capi_get_xfer_telemetry");
 	return NULL;
 }
 
 // kx_new_agent makes an agent with a progress thread and one backend of
 // plugin, configured by n key/value pairs (kv[2i], kv[2i+1]).
 static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, h_t *agent, h_t *backend) {
-	kx_agent_cfg cfg = {true, false, 0, 0, 1, 0, 100000, false};
+	kx_agent_cfg cfg = {true, false, 0, 0, 1, 0, 100000, kx.get_xfer_telemetry != NULL};
 	st_t s = kx.create_configured_agent(name, &cfg, agent);
 	if (s != 0) return s;
 	h_t mems = NULL, params = NULL;
@@ -155,6 +166,10 @@ static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint
 }
 
 static st_t kx_status(h_t agent, h_t req) { return kx.get_xfer_status(agent, req); }
+static st_t kx_telemetry_get(h_t agent, h_t req, kx_telemetry *t) {
+	if (!kx.get_xfer_telemetry) return -5;
+	return kx.get_xfer_telemetry(agent, req, t);
+}
 static st_t kx_release(h_t agent, h_t req) { st_t s = kx.release_xfer_req(agent, req); kx.destroy_xfer_req(req); return s; }
 static st_t kx_notify(h_t agent, const char *remote, const void *msg, size_t len) { return kx.gen_notif(agent, remote, msg, len, NULL); }
 static st_t kx_local_md(h_t agent, void **data, size_t *len) { return kx.get_local_md(agent, data, len); }
@@ -208,6 +223,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -496,6 +512,28 @@ func (a *Agent) State(x Xfer) (done bool, err error) {
 		return false, nil
 	}
 	return false, &Error{Op: "transfer", Code: int(s)}
+}
+
+// Telemetry is NIXL's own measurement of a finished transfer.
+type Telemetry struct {
+	Post, Transfer time.Duration
+	Bytes, Descs   uint64
+}
+
+// Telemetry returns NIXL's telemetry of a finished transfer (false when
+// the library has none).
+func (a *Agent) Telemetry(x Xfer) (Telemetry, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return Telemetry{}, false
+	}
+	var t C.kx_telemetry
+	if C.kx_telemetry_get(a.agent, x.h, &t) != 0 {
+		return Telemetry{}, false
+	}
+	return Telemetry{Post: time.Duration(t.post_duration_us) * time.Microsecond, Transfer: time.Duration(t.xfer_duration_us) * time.Microsecond,
+		Bytes: uint64(t.total_bytes), Descs: uint64(t.desc_count)}, true
 }
 
 // Release frees a transfer.

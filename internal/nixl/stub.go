@@ -2,6 +2,8 @@
 
 package nixl
 
+import "time"
+
 // Without cgo NIXL cannot be called: every entry point reports
 // ErrUnavailable, so CGO_ENABLED=0 builds work.
 
@@ -24,6 +26,15 @@ type Notif struct {
 func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) {
 	return nil, ErrUnavailable
 }
+
+// Telemetry is NIXL's own measurement of a finished transfer.
+type Telemetry struct {
+	Post, Transfer time.Duration
+	Bytes, Descs   uint64
+}
+
+// Telemetry is unavailable without cgo.
+func (a *Agent) Telemetry(Xfer) (Telemetry, bool) { return Telemetry{}, false }
 
 // Open reports ErrUnavailable without cgo.
 func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
