@@ -139,3 +139,23 @@ type XferTelemetry struct {
 type Telemeter interface {
 	Telemetry(id XferID) (XferTelemetry, bool)
 }
+
+// PrepID names a prepared descriptor list; 0 is invalid.
+type PrepID uint64
+
+// PreparedPoster is implemented by backends with prepared descriptor
+// lists (NIXL's prep_xfer_dlist): a list of fixed entries is handed over
+// once per peer rank, and each transfer names entries by index, so a
+// post passes only indices. The Worker uses it when
+// WorkerConfig.Prepared is set (hotpath.AppendPrepared and
+// Builder.AppendIndices build the lists and the indices).
+type PreparedPoster interface {
+	// Prepare hands over a list: this agent's own when peer is "", else
+	// one of the peer's registered memory.
+	Prepare(peer PeerName, entries []hotpath.Entry) (PrepID, error)
+	// PostPrepared posts a transfer of the index pairs between a local and
+	// a remote list, with the notification after the bytes.
+	PostPrepared(op hotpath.Op, local, remote PrepID, pairs []hotpath.IndexPair, notif []byte) (XferID, error)
+	// ReleasePrepared releases a list.
+	ReleasePrepared(id PrepID) error
+}

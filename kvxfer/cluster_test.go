@@ -28,11 +28,12 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 // simEngine is one simulated engine: kvsim ranks whose memory is mapped
 // into fake backend agents, with one Worker per rank.
 type simEngine struct {
-	id      string
-	eng     kvsim.Engine
-	ranks   [][]*kvsim.Rank
-	agents  [][]*kvxfertest.Agent
-	workers [][]*kvxfer.Worker
+	id       string
+	eng      kvsim.Engine
+	ranks    [][]*kvsim.Rank
+	agents   [][]*kvxfertest.Agent
+	workers  [][]*kvxfer.Worker
+	backends []kvxfer.Backend
 }
 
 func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
@@ -101,6 +102,7 @@ func startEngineOn(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.
 		se.workers = append(se.workers, nil)
 		for tp, r := range stage {
 			be, fake := backend(fmt.Sprintf("%s/pp%d/tp%d", id, pp, tp), r)
+			se.backends = append(se.backends, be)
 			cfg := kvxfer.WorkerConfig{EngineID: id, Addr: id + ":1", Mode: mode, Layout: r.Layout, Backend: be,
 				Resolver: dir, CompatHash: "model-x", Logger: quiet}
 			if tweak != nil {

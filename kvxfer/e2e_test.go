@@ -1,7 +1,9 @@
 package kvxfer_test
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -20,6 +22,7 @@ type e2eCase struct {
 	layerwise bool
 	tcp       bool // the built-in backend over loopback TCP, in real time
 	nixl      bool // NIXL (UCX), in real time
+	prepared  bool // NIXL with prepared descriptor lists (indices only per transfer)
 }
 
 func e2eEngine(id, tp, pp, logical, kernel int) kvsim.Engine {
@@ -81,9 +84,11 @@ func TestEndToEndTCP(t *testing.T) {
 // installed (pip install nixl-cu12); it skips otherwise.
 func TestEndToEndNixl(t *testing.T) {
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-		for _, c := range e2eCases() {
-			c.nixl = true
-			t.Run(mode.String()+"/"+c.name, func(t *testing.T) { runE2E(t, c, mode) })
+		for _, prepared := range []bool{false, true} {
+			for _, c := range e2eCases() {
+				c.nixl, c.prepared = true, prepared
+				t.Run(fmt.Sprintf("%v/prepared=%v/%s", mode, prepared, c.name), func(t *testing.T) { runE2E(t, c, mode) })
+			}
 		}
 	}
 }
@@ -95,8 +100,8 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	var p, d *simEngine
 	if c.nixl {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
-		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
-		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, nil)
+		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise, cfg.Prepared = c.layerwise, c.prepared })
+		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Prepared = c.prepared })
 	} else if c.tcp {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		p = startNetEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
@@ -204,6 +209,15 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 			if o.Result != kvxfer.ResultDone {
 				t.Errorf("D outcome of %s = %v (%s), want done", q.id, o.Result, o.Reason)
 			}
+		}
+	}
+	if c.prepared {
+		n := 0
+		for _, be := range append(slices.Clone(p.backends), d.backends...) {
+			n += be.(*kvxfer.NixlBackend).PreparedLists()
+		}
+		if n == 0 {
+			t.Error("prepared=true, yet no prepared list was made")
 		}
 	}
 	var sims []*kvsim.Request

@@ -37,6 +37,45 @@ type engine struct {
 	failedAt   time.Time
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
+	// prepped caches the prepared list pairs by plan.
+	prepped map[hotpath.PlanKey]preppedPair
+}
+
+type preppedPair struct{ local, remote PrepID }
+
+// prepared returns (preparing once) the local and remote prepared lists
+// of plan p between this rank and peer rank `to`.
+func (st *loopState) prepared(pp PreparedPoster, e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef) (preppedPair, error) {
+	if pr, ok := e.prepped[key]; ok {
+		return pr, nil
+	}
+	localSide, remoteSide := hotpath.SrcSide, hotpath.DstSide
+	if st.cfg.Mode == ModePull {
+		localSide, remoteSide = hotpath.DstSide, hotpath.SrcSide
+	}
+	le, err := hotpath.AppendPrepared(nil, p, localSide)
+	if err != nil {
+		return preppedPair{}, err
+	}
+	re, err := hotpath.AppendPrepared(nil, p, remoteSide)
+	if err != nil {
+		return preppedPair{}, err
+	}
+	l, err := pp.Prepare("", le)
+	if err != nil {
+		return preppedPair{}, err
+	}
+	r, err := pp.Prepare(e.peers[to], re)
+	if err != nil {
+		_ = pp.ReleasePrepared(l)
+		return preppedPair{}, err
+	}
+	if e.prepped == nil {
+		e.prepped = map[hotpath.PlanKey]preppedPair{}
+	}
+	pr := preppedPair{l, r}
+	e.prepped[key] = pr
+	return pr, nil
 }
 
 type outMsg struct {
@@ -137,6 +176,13 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 	}
 	if e.gen != 0 && e.gen != res.Generation {
 		st.w.registry.DropGeneration(e.id, e.gen)
+		if pp, ok := st.w.be.(PreparedPoster); ok {
+			for _, pr := range e.prepped {
+				_ = pp.ReleasePrepared(pr.local)
+				_ = pp.ReleasePrepared(pr.remote)
+			}
+		}
+		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
 	e.peers, e.layouts = peers, layouts
@@ -191,8 +237,12 @@ func (st *loopState) redrive(e *engine) {
 
 // plan returns the plan from source rank src to destination rank dst,
 // where the remote side is engine e.
+func planKey(e *engine, src rankRef, dstTP int) hotpath.PlanKey {
+	return hotpath.PlanKey{Peer: e.id, Generation: e.gen, SrcTPRank: src.tp, SrcPPRank: src.pp, DstTPRank: dstTP}
+}
+
 func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, error) {
-	key := hotpath.PlanKey{Peer: e.id, Generation: e.gen, SrcTPRank: src.tp, SrcPPRank: src.pp, DstTPRank: dstTP}
+	key := planKey(e, src, dstTP)
 	return st.w.registry.Plan(key, func() (*topology.Plan, error) {
 		if st.cfg.Mode == ModePush {
 			dl := e.layouts[rankRef{tp: dstTP}]
@@ -210,6 +260,13 @@ func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, er
 }
 
 func (st *loopState) dropEngine(e *engine) {
+	if pp, ok := st.w.be.(PreparedPoster); ok {
+		for _, pr := range e.prepped {
+			_ = pp.ReleasePrepared(pr.local)
+			_ = pp.ReleasePrepared(pr.remote)
+		}
+	}
+	e.prepped = nil
 	for _, p := range e.peers {
 		_ = st.w.be.InvalidatePeer(p)
 	}

@@ -44,6 +44,7 @@ type loopState struct {
 	out        Finished
 	notifBuf   []Notif
 	descBuf    []hotpath.Desc
+	idxBuf     []hotpath.IndexPair
 	nextTick   time.Time
 	nextEvict  time.Time // when the next idle engine passes EngineTTL
 	ticking    bool
@@ -376,6 +377,9 @@ func (st *loopState) pollHandles() {
 		if tm, yes := st.w.be.(Telemeter); yes && ok {
 			if t, have := tm.Telemetry(id); have && t.Transfer > 0 {
 				xfer, post = t.Transfer, t.Post
+				if h.bytes == 0 {
+					h.bytes = int64(t.Bytes)
+				}
 			}
 		}
 		_ = st.w.be.Release(id)

@@ -45,6 +45,8 @@ type NixlBackend struct {
 		chunks [][2]uint64 // mapped memory: base, len
 		xfers  map[XferID]*nixlXfer
 		next   XferID
+		preps  map[PrepID]nixl.Prepped
+		nextP  PrepID
 		inbox  []Notif
 		busy   time.Time
 	}
@@ -82,6 +84,7 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	}
 	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 	n.mu.xfers = map[XferID]*nixlXfer{}
+	n.mu.preps = map[PrepID]nixl.Prepped{}
 	go n.poll()
 	return n, nil
 }
@@ -253,6 +256,72 @@ func (n *NixlBackend) Telemetry(id XferID) (XferTelemetry, bool) {
 }
 
 var _ Telemeter = (*NixlBackend)(nil)
+
+var _ PreparedPoster = (*NixlBackend)(nil)
+
+// Prepare implements PreparedPoster.
+func (n *NixlBackend) Prepare(peer PeerName, entries []hotpath.Entry) (PrepID, error) {
+	t := make([][3]uint64, len(entries))
+	for i, e := range entries {
+		if e.Len == 0 || e.Addr+e.Len < e.Addr {
+			return 0, fmt.Errorf("prepared entry %d [%#x, +%d): %w", i, e.Addr, e.Len, ErrOutOfBounds)
+		}
+		t[i] = [3]uint64{e.Addr, e.Len, uint64(max(e.Dev, 0))}
+	}
+	p, err := n.a.Prepare(string(peer), t)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.mu.nextP++
+	n.mu.preps[n.mu.nextP] = p
+	return n.mu.nextP, nil
+}
+
+// PostPrepared implements PreparedPoster.
+func (n *NixlBackend) PostPrepared(op hotpath.Op, local, remote PrepID, pairs []hotpath.IndexPair, notif []byte) (XferID, error) {
+	n.mu.Lock()
+	lp, lok := n.mu.preps[local]
+	rp, rok := n.mu.preps[remote]
+	n.mu.Unlock()
+	if !lok || !rok {
+		return 0, fmt.Errorf("kvxfer: post prepared: unknown list %d or %d", local, remote)
+	}
+	idx := make([][2]int32, len(pairs))
+	for i, p := range pairs {
+		idx[i] = [2]int32{p.Local, p.Remote}
+	}
+	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp, rp, idx, notif)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.mu.next++
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, state: XferInProgress}
+	n.mu.busy = time.Now()
+	return n.mu.next, nil
+}
+
+// PreparedLists returns how many prepared lists the backend holds.
+func (n *NixlBackend) PreparedLists() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return len(n.mu.preps)
+}
+
+// ReleasePrepared implements PreparedPoster.
+func (n *NixlBackend) ReleasePrepared(id PrepID) error {
+	n.mu.Lock()
+	p, ok := n.mu.preps[id]
+	delete(n.mu.preps, id)
+	n.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("kvxfer: release prepared list %d: unknown", id)
+	}
+	return nixlErr(n.a.Unprepare(p))
+}
 
 // Release implements Backend.
 func (n *NixlBackend) Release(id XferID) error {

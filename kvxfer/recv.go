@@ -174,6 +174,18 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			continue
 		}
 		t0 := time.Now()
+		done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
+		if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
+			id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
+			if err != nil {
+				st.tellP(e, r, to, msgFail, err.Error())
+				st.decide(r, ResultFailed, "post READ: "+err.Error())
+				continue
+			}
+			r.handles[id] = to
+			st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+			continue
+		}
 		st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
 		if err != nil {
 			st.w.metrics.BadInput("recv_req.remote.blocks")
@@ -181,7 +193,6 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			st.decide(r, ResultFailed, "remote blocks rejected: "+err.Error())
 			continue
 		}
-		done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
 		id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
 		if err != nil {
 			st.w.metrics.FailedTransfer()

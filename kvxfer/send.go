@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -403,6 +404,24 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	}
 	t0 := time.Now()
 	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
+	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared && !layerwise {
+		id, n, err := st.postPrepared(pp, e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
+		if err != nil {
+			if errors.Is(err, hotpath.ErrInvalidRequest) {
+				st.w.metrics.BadInput("reg.spans")
+				st.failRank(s, tp, r, "registration rejected: "+err.Error())
+				return
+			}
+			st.w.metrics.FailedTransfer()
+			st.failRank(s, tp, r, "post WRITE: "+err.Error())
+			return
+		}
+		r.state = rkPosted
+		r.inflight++
+		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n,
+			blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+		return
+	}
 	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &req)
 	if err != nil {
 		st.w.metrics.BadInput("reg.spans")
@@ -885,4 +904,20 @@ func (st *loopState) pullExpect(s *sendReq) int {
 	}
 	st.rankBuf = t
 	return len(t)
+}
+
+// postPrepared posts a request's transfer through prepared lists (built
+// once per plan): only index pairs cross to the backend.
+func (st *loopState) postPrepared(pp PreparedPoster, e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, error) {
+	var err error
+	st.idxBuf, err = st.w.builder.AppendIndices(st.idxBuf[:0], p, req)
+	if err != nil {
+		return 0, 0, err
+	}
+	pr, err := st.prepared(pp, e, key, p, to)
+	if err != nil {
+		return 0, 0, err
+	}
+	id, err := pp.PostPrepared(opFor(st.cfg.Mode), pr.local, pr.remote, st.idxBuf, notif)
+	return id, len(st.idxBuf), err
 }

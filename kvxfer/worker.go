@@ -61,6 +61,11 @@ type WorkerConfig struct {
 	// LayerOf maps a region index of Layout to its layer for layer-wise
 	// push (default: RegionOffset + index, halved for SeparateKV).
 	LayerOf func(region int) int
+	// Prepared posts through prepared descriptor lists when the backend
+	// has them (PreparedPoster, NIXL): the lists of each peer rank pair
+	// are handed over once, and a transfer passes only indices. Layer-wise
+	// WRITEs keep the plain path.
+	Prepared bool
 	// Preconnect lists peer engines to handshake with as soon as the
 	// worker starts, so the first request to each pays no handshake.
 	Preconnect []PeerRef

@@ -206,7 +206,10 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			}
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
 		},
-		WorkerConfig: func(wc *kvxfer.WorkerConfig) { wc.Lease, wc.Preconnect = c.lease, peers },
+		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
+			wc.Lease, wc.Preconnect = c.lease, peers
+			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
+		},
 	})
 	if err != nil {
 		return err

@@ -71,6 +71,9 @@ static struct {
 	st_t (*notif_map_get_notif)(h_t, const char*, size_t, const void**, size_t*);
 	st_t (*notif_map_clear)(h_t);
 	st_t (*get_xfer_telemetry)(h_t, h_t, void*);
+	st_t (*prep_xfer_dlist)(h_t, const char*, h_t, h_t*, h_t);
+	st_t (*release_xfer_dlist_handle)(h_t, h_t);
+	st_t (*make_xfer_req)(h_t, int, h_t, const int*, size_t, h_t, const int*, size_t, h_t*, h_t);
 } kx;
 
 typedef struct {
@@ -100,6 +103,7 @@ static const char* kx_load(const char *path) {
 	KX_SYM(release_xfer_req); KX_SYM(destroy_xfer_req); KX_SYM(gen_notif); KX_SYM(create_notif_map);
 	KX_SYM(destroy_notif_map); KX_SYM(get_notifs); KX_SYM(notif_map_size); KX_SYM(notif_map_get_agent_at);
 	KX_SYM(notif_map_get_notifs_size); KX_SYM(notif_map_get_notif); KX_SYM(notif_map_clear);
+	KX_SYM(prep_xfer_dlist); KX_SYM(release_xfer_dlist_handle); KX_SYM(make_xfer_req);
 	// Telemetry is optional: older libraries lack it.
 	*(void**)(&kx.get_xfer_telemetry) = dlsym(kx.lib, "nixl_capi_get_xfer_telemetry");
 	return NULL;
@@ -166,6 +170,44 @@ static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint
 }
 
 static st_t kx_status(h_t agent, h_t req) { return kx.get_xfer_status(agent, req); }
+
+// kx_prep prepares a descriptor list of n (addr, len, dev) triples, local
+// (peer "") or of a remote agent, once; transfers then name entries by
+// index.
+static st_t kx_prep(h_t agent, h_t backend, int mem, const char *peer, const uint64_t *d, size_t n, h_t *out) {
+	h_t l = NULL, opt = NULL;
+	st_t s = kx.create_xfer_dlist(mem, &l);
+	for (size_t i = 0; i < n && s == 0; i++) s = kx.xfer_dlist_add_desc(l, (uintptr_t)d[3*i], (size_t)d[3*i+1], d[3*i+2]);
+	if (s == 0) s = kx.create_opt_args(&opt);
+	if (s == 0) s = kx.opt_args_add_backend(opt, backend);
+	if (s == 0) s = kx.prep_xfer_dlist(agent, peer, l, out, opt);
+	if (opt) kx.destroy_opt_args(opt);
+	if (l) kx.destroy_xfer_dlist(l);
+	return s;
+}
+
+static st_t kx_unprep(h_t agent, h_t h) { return kx.release_xfer_dlist_handle(agent, h); }
+
+// kx_post_prepped makes and posts a transfer of n index pairs between two
+// prepared lists: one C call per transfer.
+static st_t kx_post_prepped(h_t agent, h_t backend, int op, h_t lh, const int *li, h_t rh, const int *ri, size_t n,
+		const void *notif, size_t nlen, bool has_notif, h_t *req) {
+	h_t opt = NULL;
+	st_t s = kx.create_opt_args(&opt);
+	if (s == 0) s = kx.opt_args_add_backend(opt, backend);
+	if (s == 0 && has_notif) {
+		s = kx.opt_args_set_has_notif(opt, true);
+		if (s == 0) s = kx.opt_args_set_notif_msg(opt, notif, nlen);
+	}
+	if (s == 0) s = kx.make_xfer_req(agent, op, lh, li, n, rh, ri, n, req, opt);
+	if (s == 0) {
+		s = kx.post_xfer_req(agent, *req, NULL);
+		if (s == KX_IN_PROG) s = 0;
+		if (s != 0) { kx.release_xfer_req(agent, *req); kx.destroy_xfer_req(*req); *req = NULL; }
+	}
+	if (opt) kx.destroy_opt_args(opt);
+	return s;
+}
 static st_t kx_telemetry_get(h_t agent, h_t req, kx_telemetry *t) {
 	if (!kx.get_xfer_telemetry) return -5;
 	return kx.get_xfer_telemetry(agent, req, t);
@@ -534,6 +576,68 @@ func (a *Agent) Telemetry(x Xfer) (Telemetry, bool) {
 	}
 	return Telemetry{Post: time.Duration(t.post_duration_us) * time.Microsecond, Transfer: time.Duration(t.xfer_duration_us) * time.Microsecond,
 		Bytes: uint64(t.total_bytes), Descs: uint64(t.desc_count)}, true
+}
+
+// Prepped is a prepared descriptor list.
+type Prepped struct{ h C.h_t }
+
+// Prepare prepares a list of (addr, len, dev) entries: this agent's own
+// when peer is "", else the loaded peer's.
+func (a *Agent) Prepare(peer string, entries [][3]uint64) (Prepped, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return Prepped{}, ErrClosed
+	}
+	buf := cTriples(entries)
+	defer C.free(unsafe.Pointer(buf))
+	cpeer := C.CString(peer)
+	defer C.free(unsafe.Pointer(cpeer))
+	var h C.h_t
+	err := status("prepare descriptor list", C.kx_prep(a.agent, a.backend, a.mem, cpeer, buf, C.size_t(len(entries)), &h))
+	return Prepped{h}, err
+}
+
+// Unprepare releases a prepared list.
+func (a *Agent) Unprepare(p Prepped) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil
+	}
+	return status("release descriptor list", C.kx_unprep(a.agent, p.h))
+}
+
+// PostPrepared posts a transfer of index pairs between a local and a
+// remote prepared list, in one C call.
+func (a *Agent) PostPrepared(write bool, local, remote Prepped, pairs [][2]int32, notif []byte) (Xfer, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return Xfer{}, ErrClosed
+	}
+	n := len(pairs)
+	li := (*C.int)(C.malloc(C.size_t(4*n + 4)))
+	ri := (*C.int)(C.malloc(C.size_t(4*n + 4)))
+	defer C.free(unsafe.Pointer(li))
+	defer C.free(unsafe.Pointer(ri))
+	ls, rs := unsafe.Slice((*int32)(unsafe.Pointer(li)), n), unsafe.Slice((*int32)(unsafe.Pointer(ri)), n)
+	for i, p := range pairs {
+		ls[i], rs[i] = p[0], p[1]
+	}
+	var cnotif unsafe.Pointer
+	if len(notif) > 0 {
+		cnotif = C.CBytes(notif)
+		defer C.free(cnotif)
+	}
+	op := C.int(0)
+	if write {
+		op = 1
+	}
+	var req C.h_t
+	err := status("post prepared transfer", C.kx_post_prepped(a.agent, a.backend, op, local.h, li, remote.h, ri, C.size_t(n),
+		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+	return Xfer{req}, err
 }
 
 // Release frees a transfer.

@@ -36,6 +36,15 @@ type Telemetry struct {
 // Telemetry is unavailable without cgo.
 func (a *Agent) Telemetry(Xfer) (Telemetry, bool) { return Telemetry{}, false }
 
+// Prepped is unavailable without cgo.
+type Prepped struct{}
+
+func (a *Agent) Prepare(string, [][3]uint64) (Prepped, error) { return Prepped{}, ErrUnavailable }
+func (a *Agent) Unprepare(Prepped) error                      { return nil }
+func (a *Agent) PostPrepared(bool, Prepped, Prepped, [][2]int32, []byte) (Xfer, error) {
+	return Xfer{}, ErrUnavailable
+}
+
 // Open reports ErrUnavailable without cgo.
 func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
 
