@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strconv"
 	"slices"
 	"testing"
 	"testing/synctest"
@@ -39,13 +40,13 @@ func TestChaos(t *testing.T) {
 			for _, rate := range []int{12, 60} {
 				name := fmt.Sprintf("%v/P%d-D%d/faults-1-in-%d", mode, tp[0], tp[1], rate)
 				t.Run(name, func(t *testing.T) {
-					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, false, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)) })
+					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, false, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)+chaosSeed) })
 				})
 			}
 			if mode == kvxfer.ModePush {
 				name := fmt.Sprintf("layerwise/P%d-D%d/faults-1-in-20", tp[0], tp[1])
 				t.Run(name, func(t *testing.T) {
-					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, true, tp[0], tp[1], n, 20, uint64(tp[0]*10+tp[1]+7)) })
+					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, true, tp[0], tp[1], n, 20, uint64(tp[0]*10+tp[1]+7)+chaosSeed) })
 				})
 			}
 		}
@@ -72,6 +73,9 @@ type chaosReq struct {
 const sentinel = 0xA5
 
 var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
+
+// chaosSeed shifts every run's seed (CHAOS_SEED=n), for sweeps.
+var chaosSeed, _ = strconv.ParseUint(os.Getenv("CHAOS_SEED"), 10, 64)
 
 func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate int, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 99))
