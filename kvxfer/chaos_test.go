@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"strconv"
 	"slices"
+	"strconv"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -40,7 +40,9 @@ func TestChaos(t *testing.T) {
 			for _, rate := range []int{12, 60} {
 				name := fmt.Sprintf("%v/P%d-D%d/faults-1-in-%d", mode, tp[0], tp[1], rate)
 				t.Run(name, func(t *testing.T) {
-					synctest.Test(t, func(t *testing.T) { runChaos(t, mode, false, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)+chaosSeed) })
+					synctest.Test(t, func(t *testing.T) {
+						runChaos(t, mode, false, tp[0], tp[1], n, rate, uint64(tp[0]*10+tp[1]+rate)+chaosSeed)
+					})
 				})
 			}
 			if mode == kvxfer.ModePush {
