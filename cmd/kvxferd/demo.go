@@ -7,13 +7,12 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -25,54 +24,6 @@ import (
 // (Go clients of kvxfer.v1 with block allocators, schedulers and KV caches
 // in shared memory filled with a deterministic pattern), a few hundred
 // requests per scenario, every transferred byte verified.
-
-type daemonProc struct {
-	name, sock, peer, log string
-	cmd                   *exec.Cmd
-}
-
-func startDaemonProc(dir, name, backend string) (*daemonProc, error) {
-	self, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	d := &daemonProc{name: name, sock: filepath.Join(dir, name+".sock"), log: filepath.Join(dir, name+".log")}
-	ready := filepath.Join(dir, name+".ready")
-	logf, err := os.Create(d.log)
-	if err != nil {
-		return nil, err
-	}
-	d.cmd = exec.Command(self, "serve", "-socket", d.sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
-		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn", "-backend", backend)
-	d.cmd.Stdout, d.cmd.Stderr = logf, logf
-	if err := d.cmd.Start(); err != nil {
-		logf.Close()
-		return nil, err
-	}
-	logf.Close()
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if b, err := os.ReadFile(ready); err == nil {
-			d.peer = string(b)
-			return d, nil
-		}
-	}
-	d.stop()
-	return nil, fmt.Errorf("daemon %s did not become ready in 20 s (log %s)", name, d.log)
-}
-
-// stop sends SIGTERM and waits for a graceful exit.
-func (d *daemonProc) stop() error {
-	_ = d.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan error, 1)
-	go func() { done <- d.cmd.Wait() }()
-	select {
-	case err := <-done:
-		return err
-	case <-time.After(20 * time.Second):
-		_ = d.cmd.Process.Kill()
-		return fmt.Errorf("daemon %s ignored SIGTERM for 20 s", d.name)
-	}
-}
 
 type scenario struct {
 	name     string
@@ -110,13 +61,13 @@ func demoMain(args []string) error {
 	}
 	defer os.RemoveAll(dir)
 	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
-	p, err := startDaemonProc(dir, "P", *backend)
+	p, err := daemon.Start(dir, "P", *backend)
 	if err != nil {
 		return err
 	}
-	d, err := startDaemonProc(dir, "D", *backend)
+	d, err := daemon.Start(dir, "D", *backend)
 	if err != nil {
-		p.stop()
+		p.Stop()
 		return err
 	}
 	scenarios := []scenario{
@@ -135,7 +86,7 @@ func demoMain(args []string) error {
 		}
 		results = append(results, r)
 	}
-	perr, derr := p.stop(), d.stop()
+	perr, derr := p.Stop(), d.Stop()
 	fmt.Println()
 	fmt.Printf("%-22s %8s %6s %6s %8s %10s %9s %9s %9s %9s\n", "scenario", "requests", "done", "bad", "missing", "MiB", "MiB/s", "p50 ms", "p90 ms", "p99 ms")
 	ok := runErr == nil && perr == nil && derr == nil
@@ -182,12 +133,12 @@ type simEngine struct {
 	client  *stream.Client
 }
 
-func newSimEngine(dir string, dm *daemonProc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
+func newSimEngine(dir string, dm *daemon.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
 	ranks, err := kvsim.Build(m, &e)
 	if err != nil {
 		return nil, err
 	}
-	c, err := stream.Dial("unix://" + dm.sock)
+	c, err := stream.Dial("unix://" + dm.Sock)
 	if err != nil {
 		return nil, err
 	}
@@ -213,7 +164,7 @@ func newSimEngine(dir string, dm *daemonProc, id string, m *kvsim.Model, e kvsim
 		se.streams = append(se.streams, rs)
 	}
 	l := se.ranks[0].Layout
-	if se.sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: id, Addr: dm.peer, Mode: mode, TPSize: e.TP,
+	if se.sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: id, Addr: dm.Peer, Mode: mode, TPSize: e.TP,
 		LogicalBlockSize: e.LogicalBlock, Groups: l.GroupList()}); err != nil {
 		return se, err
 	}
@@ -296,7 +247,7 @@ type demoReq struct {
 	pReq, dReq  *kvxfer.Request
 }
 
-func runScenario(dir string, pd, dd *daemonProc, sc scenario, n int, seed uint64, idx int) (*result, error) {
+func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint64, idx int) (*result, error) {
 	rng := rand.New(rand.NewPCG(seed, 77))
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention},
 		TotalKVHeads: 8, HeadSize: 64, ElemBytes: 2}
@@ -349,7 +300,7 @@ func runScenario(dir string, pd, dd *daemonProc, sc scenario, n int, seed uint64
 			q.pReq = &kvxfer.Request{ID: "p-" + q.id, PromptTokens: tokens, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
 			q.dReq = &kvxfer.Request{ID: "d-" + q.id, PromptTokens: tokens}
 			if sc.mode == kvxfer.ModePush { // concurrent dispatch: D registers while P prefills
-				q.dReq.Params = &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: pid, RemoteAddr: pd.peer, RemoteTPSize: sc.ptp}
+				q.dReq.Params = &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: pid, RemoteAddr: pd.Peer, RemoteTPSize: sc.ptp}
 				ext, _ := D.sched.MatchedTokens(q.dReq, 0)
 				if err := D.sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
 					return nil, err

@@ -1,38 +1,18 @@
 // Command kvxferd is kvxfer's daemon: it serves engine ranks over a unix
 // socket (kvxfer.v1 WorkerService), handshakes with peer daemons over TCP
-// (PeerService), moves KV bytes with the built-in backend, and exports
-// Prometheus metrics.
+// (PeerService), moves KV bytes with the built-in or the NIXL backend, and
+// exports Prometheus metrics.
 //
 //	kvxferd [serve] [flags]   run the daemon (flags also read from KVXFERD_<FLAG>)
 //	kvxferd demo [flags]      run a P and a D daemon with simulated engines
 package main
 
 import (
-	"context"
-	"errors"
-	"flag"
 	"fmt"
-	"log/slog"
-	"net"
-	"net/http"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
-	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"go.uber.org/automaxprocs/maxprocs"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/health"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/reflection"
-
-	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
-	"github.com/kvxfer/kvxfer/topology"
+	"github.com/kvxfer/kvxfer/internal/daemon"
 )
 
 func main() {
@@ -44,7 +24,7 @@ func main() {
 	var err error
 	switch cmd {
 	case "serve":
-		err = serveMain(args)
+		err = daemon.Main(args)
 	case "demo":
 		err = demoMain(args)
 	default:
@@ -54,240 +34,4 @@ func main() {
 		fmt.Fprintln(os.Stderr, "kvxferd:", err)
 		os.Exit(1)
 	}
-}
-
-// config is the daemon's configuration.
-type config struct {
-	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	backend, nixlParams                                                                                 string
-	drainTimeout, lease                                                                                 time.Duration
-	conns                                                                                               int
-}
-
-func parseFlags(args []string) (*config, error) {
-	c := &config{}
-	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
-	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to (mode 0600)")
-	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")
-	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
-	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
-	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
-	fs.StringVar(&c.metricsListen, "metrics-listen", "127.0.0.1:9600", `address of /metrics ("" to disable)`)
-	fs.StringVar(&c.shmDir, "shm-dir", "/dev/shm", "directory engines' shared-memory files must live in")
-	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
-	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
-	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
-	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
-	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
-	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
-	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
-	// Environment first, flags override.
-	var envErr error
-	fs.VisitAll(func(f *flag.Flag) {
-		key := "KVXFERD_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := os.LookupEnv(key); ok {
-			if err := f.Value.Set(v); err != nil && envErr == nil {
-				envErr = fmt.Errorf("%s=%q: %w", key, v, err)
-			}
-		}
-	})
-	if envErr != nil {
-		return nil, envErr
-	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if c.conns <= 0 {
-		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
-	}
-	if _, err := c.peers(); err != nil {
-		return nil, err
-	}
-	if c.backend != "builtin" && c.backend != "nixl" {
-		return nil, fmt.Errorf("-backend = %q, want builtin or nixl", c.backend)
-	}
-	if _, err := c.params(); err != nil {
-		return nil, err
-	}
-	if c.lease < time.Second {
-		return nil, fmt.Errorf("-lease = %v, want at least 1s", c.lease)
-	}
-	return c, nil
-}
-
-// params parses -nixl-params.
-func (c *config) params() (map[string]string, error) {
-	out := map[string]string{}
-	for _, item := range strings.Split(c.nixlParams, ",") {
-		if item = strings.TrimSpace(item); item == "" {
-			continue
-		}
-		k, v, ok := strings.Cut(item, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("-nixl-params item %q, want key=value", item)
-		}
-		out[k] = v
-	}
-	return out, nil
-}
-
-// peers parses -preconnect.
-func (c *config) peers() ([]kvxfer.PeerRef, error) {
-	var out []kvxfer.PeerRef
-	for _, item := range strings.Split(c.preconnect, ",") {
-		if item = strings.TrimSpace(item); item == "" {
-			continue
-		}
-		id, addr, ok := strings.Cut(item, "=")
-		if !ok || id == "" || addr == "" {
-			return nil, fmt.Errorf("-preconnect item %q, want engine=host:port", item)
-		}
-		out = append(out, kvxfer.PeerRef{EngineID: id, Addr: addr})
-	}
-	return out, nil
-}
-
-func serveMain(args []string) error {
-	c, err := parseFlags(args)
-	if err != nil {
-		return err
-	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
-		return fmt.Errorf("-log-level: %w", err)
-	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	slog.SetDefault(log)
-	if _, err := maxprocs.Set(maxprocs.Logger(func(f string, a ...any) { log.Debug(fmt.Sprintf(f, a...)) })); err != nil {
-		log.Warn("kvxferd: automaxprocs", "err", err)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	return serve(ctx, c, log)
-}
-
-// serve runs the daemon until ctx ends, then shuts down gracefully.
-func serve(ctx context.Context, c *config, log *slog.Logger) error {
-	peerLn, err := net.Listen("tcp", c.peerListen)
-	if err != nil {
-		return fmt.Errorf("peer listener: %w", err)
-	}
-	peers, err := c.peers()
-	if err != nil {
-		return err
-	}
-	advertise := c.peerAdvertise
-	if advertise == "" {
-		advertise = peerLn.Addr().String()
-	}
-	if err := os.Remove(c.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("stale socket: %w", err)
-	}
-	old := syscall.Umask(0o177)
-	engLn, err := net.Listen("unix", c.socket)
-	syscall.Umask(old)
-	if err != nil {
-		peerLn.Close()
-		return fmt.Errorf("engine socket: %w", err)
-	}
-	if err := os.Chmod(c.socket, 0o600); err != nil {
-		return err
-	}
-	defer os.Remove(c.socket)
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
-		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
-			if c.backend == "nixl" {
-				params, _ := c.params()
-				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
-					Params: params, VRAM: vram})
-			}
-			if vram {
-				return nil, errors.New("GPU memory needs -backend=nixl")
-			}
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
-		},
-		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
-			wc.Lease, wc.Preconnect = c.lease, peers
-			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
-		},
-	})
-	if err != nil {
-		return err
-	}
-	defer srv.Close()
-	g := grpc.NewServer()
-	srv.Register(g)
-	hs := health.NewServer()
-	healthpb.RegisterHealthServer(g, hs)
-	reflection.Register(g)
-	serveErr := make(chan error, 3)
-	go func() { serveErr <- g.Serve(peerLn) }()
-	go func() { serveErr <- g.Serve(engLn) }()
-	var httpSrv *http.Server
-	if c.metricsListen != "" {
-		reg := prometheus.NewRegistry()
-		reg.MustRegister(newCollector(srv), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-		mln, err := net.Listen("tcp", c.metricsListen)
-		if err != nil {
-			return fmt.Errorf("metrics listener: %w", err)
-		}
-		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() { _ = httpSrv.Serve(mln) }()
-		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
-	}
-	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	if c.backend == "nixl" {
-		lib, err := nixlLibrary()
-		if err != nil {
-			return err
-		}
-		log.Info("kvxferd: NIXL backend", "library", lib)
-	}
-	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend)
-	if c.readyFile != "" {
-		if err := os.WriteFile(c.readyFile+".tmp", []byte(advertise), 0o600); err != nil {
-			return err
-		}
-		if err := os.Rename(c.readyFile+".tmp", c.readyFile); err != nil {
-			return err
-		}
-	}
-	select {
-	case <-ctx.Done():
-	case err := <-serveErr:
-		log.Error("kvxferd: server stopped", "err", err)
-	}
-	// Graceful shutdown: stop taking new work, let transfers in flight
-	// finish (reporting every outcome), release every region.
-	log.Info("kvxferd: shutting down")
-	hs.Shutdown()
-	dctx, cancel := context.WithTimeout(context.Background(), c.drainTimeout+5*time.Second)
-	defer cancel()
-	if err := srv.Drain(dctx); err != nil {
-		log.Warn("kvxferd: drain", "err", err)
-	}
-	stopped := make(chan struct{})
-	go func() { g.GracefulStop(); close(stopped) }()
-	select {
-	case <-stopped:
-	case <-dctx.Done():
-		g.Stop()
-	}
-	if httpSrv != nil {
-		_ = httpSrv.Shutdown(dctx)
-	}
-	log.Info("kvxferd: stopped")
-	return nil
-}
-
-// nixlLibrary loads NIXL's C library (kvxferd -backend=nixl).
-func nixlLibrary() (string, error) {
-	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano())})
-	if err != nil {
-		return "", fmt.Errorf("-backend=nixl: %w", err)
-	}
-	_ = b.Close()
-	return "libnixl_capi.so", nil
 }

@@ -1,133 +1,23 @@
 package main
 
 import (
-	"context"
 	"fmt"
-	"io"
-	"log/slog"
-	"net"
-	"net/http"
 	"os"
-	"path/filepath"
-	"strings"
 	"testing"
-	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-
-	"github.com/kvxfer/kvxfer/internal/shm"
-	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
-	"github.com/kvxfer/kvxfer/topology"
+	"github.com/kvxfer/kvxfer/internal/daemon"
 )
 
 // TestMain lets the demo start this test binary as its daemons.
 func TestMain(m *testing.M) {
 	if len(os.Args) > 1 && os.Args[1] == "serve" {
-		if err := serveMain(os.Args[2:]); err != nil {
+		if err := daemon.Main(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
 		os.Exit(0)
 	}
 	os.Exit(m.Run())
-}
-
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
-// The daemon serves engines on a 0600 unix socket, reports health,
-// exports metrics, and shuts down gracefully on its context (SIGTERM).
-func TestServe(t *testing.T) {
-	dir := t.TempDir()
-	c := &config{socket: filepath.Join(dir, "k.sock"), peerListen: "127.0.0.1:0", dataHost: "127.0.0.1", conns: 2,
-		metricsListen: freePort(t), shmDir: dir, readyFile: filepath.Join(dir, "ready"), drainTimeout: 5 * time.Second, lease: 30 * time.Second}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- serve(ctx, c, slog.New(slog.NewTextHandler(io.Discard, nil))) }()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(c.readyFile); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("not ready after 10 s")
-		}
-	}
-	st, err := os.Stat(c.socket)
-	if err != nil || st.Mode().Perm() != 0o600 {
-		t.Errorf("socket mode = %v, %v; want 0600", st.Mode().Perm(), err)
-	}
-	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	hctx, hcancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer hcancel()
-	h, err := healthpb.NewHealthClient(cc).Check(hctx, &healthpb.HealthCheckRequest{})
-	if err != nil || h.Status != healthpb.HealthCheckResponse_SERVING {
-		t.Errorf("health = %v, %v; want SERVING", h, err)
-	}
-	// Attach a rank and see it in /metrics.
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
-	mp, err := shm.Create(dir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	client, err := stream.Dial("unix://" + c.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	rs, err := client.Connect(hctx, stream.Hello{EngineID: "E1", Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
-		Memory: []stream.Memory{{Path: filepath.Join(dir, "kv"), Base: 1 << 20, Size: 1024}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := http.Get("http://" + c.metricsListen + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	for _, want := range []string{`kvxfer_outcomes_total{engine="E1",pp_rank="0",result="done",side="producer",tp_rank="0"} 0`,
-		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total"} {
-		if !strings.Contains(string(body), want) {
-			t.Errorf("/metrics lacks %q", want)
-		}
-	}
-	// SIGTERM: the attached stream is drained and ended, serve returns.
-	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("serve = %v", err)
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("serve did not stop in 20 s")
-	}
-	select {
-	case _, ok := <-rs.Finished():
-		for ok {
-			_, ok = <-rs.Finished()
-		}
-	case <-time.After(10 * time.Second):
-		t.Error("the rank's stream did not end on shutdown")
-	}
-	if _, err := os.Stat(c.socket); !os.IsNotExist(err) {
-		t.Errorf("socket left behind: %v", err)
-	}
 }
 
 // The README's run command: a P and a D daemon as processes, simulated
@@ -141,40 +31,13 @@ func TestDemo(t *testing.T) {
 	}
 }
 
-func TestFlagsFromEnvironment(t *testing.T) {
-	t.Setenv("KVXFERD_CONNS", "7")
-	t.Setenv("KVXFERD_SOCKET", "/tmp/x.sock")
-	c, err := parseFlags([]string{"-socket", "/tmp/y.sock"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c.conns != 7 || c.socket != "/tmp/y.sock" {
-		t.Errorf("conns %d socket %s; want 7 from the environment and the flag's socket", c.conns, c.socket)
-	}
-	t.Setenv("KVXFERD_CONNS", "x")
-	if _, err := parseFlags(nil); err == nil || !strings.Contains(err.Error(), "KVXFERD_CONNS") {
-		t.Errorf("bad env error = %v, want one naming KVXFERD_CONNS", err)
-	}
-	t.Setenv("KVXFERD_CONNS", "2")
-	if _, err := parseFlags([]string{"-conns", "0"}); err == nil {
-		t.Error("-conns 0 accepted")
-	}
-	c, err = parseFlags([]string{"-preconnect", "E1=h:1, E2=h:2"})
-	if p, _ := c.peers(); err != nil || len(p) != 2 || p[1] != (kvxfer.PeerRef{EngineID: "E2", Addr: "h:2"}) {
-		t.Errorf("-preconnect parsed to %v, %v", p, err)
-	}
-	if _, err := parseFlags([]string{"-preconnect", "E1"}); err == nil || !strings.Contains(err.Error(), "engine=host:port") {
-		t.Errorf("bad -preconnect error = %v", err)
-	}
-}
-
 // The demo with the NIXL backend between the two daemons (skips where
 // NIXL is not installed).
 func TestDemoNixl(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
 	}
-	if _, err := nixlLibrary(); err != nil {
+	if _, err := daemon.NixlLibrary(); err != nil {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
 	if err := demoMain([]string{"-requests", "20", "-backend", "nixl"}); err != nil {

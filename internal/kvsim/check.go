@@ -13,6 +13,11 @@ type Request struct {
 	// Tokens is the source's token count (0: bounded by the lists only).
 	Tokens int
 	P, D   []topology.Span
+	// Salt shifts the pattern's token index by Salt<<24 (see FillSalt),
+	// so requests with different salts hold different bytes at the same
+	// token and a transfer that lands one request's KV in another's
+	// blocks is caught.
+	Salt int
 }
 
 // blockGeom computes byte offsets inside an attention block with explicit
@@ -137,12 +142,17 @@ func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
 }
 
 // Fill writes the pattern into a source rank's request blocks.
-func (r *Rank) Fill(spans []topology.Span) {
+func (r *Rank) Fill(spans []topology.Span) { r.FillSalt(spans, 0) }
+
+// FillSalt writes the pattern of a request with the given salt (see
+// Request.Salt) into a source rank's request blocks.
+func (r *Rank) FillSalt(spans []topology.Span, salt int) {
+	shift := salt << 24
 	for g, grp := range r.Layout.GroupList() {
 		for _, ri := range grp.Regions {
 			layer := r.Layer[ri]
 			r.visit(g, ri, spans[g], func(o, token, head, kv, j int) {
-				r.Mem[o] = Value(layer, token, head, kv, j)
+				r.Mem[o] = Value(layer, token+shift, head, kv, j)
 			})
 		}
 	}
@@ -203,6 +213,7 @@ func (r *Rank) check(before []byte, reqs []*Request, srcKernel, srcLogical int, 
 		}
 	}
 	for _, req := range reqs {
+		shift := req.Salt << 24
 		for g, grp := range l.GroupList() {
 			ps, ds := req.P[g], req.D[g]
 			var lo, mustHi, mayHi int
@@ -230,15 +241,15 @@ func (r *Rank) check(before []byte, reqs []*Request, srcKernel, srcLogical int, 
 					if grp.Kind == topology.KindMamba {
 						// token is the D list index; head is the part.
 						if token >= d0 && token < d0+n {
-							mark(o, must, Value(layer, s0+token-d0, head, kv, j))
+							mark(o, must, Value(layer, s0+token-d0+shift, head, kv, j))
 						}
 						return
 					}
 					switch {
 					case token >= lo && token < mustHi:
-						mark(o, must, Value(layer, token, head, kv, j))
+						mark(o, must, Value(layer, token+shift, head, kv, j))
 					case token >= lo && token < mayHi:
-						mark(o, may, Value(layer, token, head, kv, j))
+						mark(o, may, Value(layer, token+shift, head, kv, j))
 					}
 				})
 			}

@@ -101,3 +101,29 @@ func TestResolveBounds(t *testing.T) {
 		t.Errorf("Resolve of the whole arena = %v", err)
 	}
 }
+
+// A salted request's bytes check only under its own salt: another
+// request's KV (same tokens, other salt) in its blocks is caught.
+func TestSaltSeparatesRequests(t *testing.T) {
+	d, before, req, pr := setup(t)
+	if err := d.CheckRequest(&Request{Tokens: req.Tokens, P: req.P, D: req.D, Salt: 3}, 16, 16); err == nil {
+		t.Fatal("unsalted bytes passed a check under salt 3")
+	}
+	for _, r := range pr[0] {
+		r.FillSalt(req.P, 3)
+	}
+	copy(d.Mem, before)
+	for i := range d.Mem {
+		d.writes[i] = 0
+	}
+	salted := &Request{Tokens: req.Tokens, P: req.P, D: req.D, Salt: 3}
+	if _, _, _, err := Transfer(pr, []*Rank{d}, salted, hotpath.Options{Op: hotpath.OpWrite}, topology.PlanOptions{MaxSegments: 1024}, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Check(before, salted, 16, 16); err != nil {
+		t.Fatalf("salted transfer: %v", err)
+	}
+	if err := d.CheckRequest(req, 16, 16); err == nil || !strings.Contains(err.Error(), "transferred byte") {
+		t.Fatalf("salt-3 bytes checked as salt 0: %v", err)
+	}
+}

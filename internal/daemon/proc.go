@@ -1,0 +1,70 @@
+package daemon
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+// Proc is a kvxferd running as a child process.
+type Proc struct {
+	// Name is the daemon's name; Sock its engine socket; Peer the
+	// address of its Peer service; Log the file its output goes to.
+	Name, Sock, Peer, Log string
+	cmd                   *exec.Cmd
+}
+
+// Start runs "<this executable> serve" as a child process with its engine
+// socket, log and ready file in dir, the given backend, peers on loopback
+// and metrics off, and waits until it serves. The executable's main must
+// hand a first argument "serve" to Main. extra flags are appended.
+func Start(dir, name, backend string, extra ...string) (*Proc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	d := &Proc{Name: name, Sock: filepath.Join(dir, name+".sock"), Log: filepath.Join(dir, name+".log")}
+	ready := filepath.Join(dir, name+".ready")
+	logf, err := os.Create(d.Log)
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{"serve", "-socket", d.Sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
+		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn", "-backend", backend}, extra...)
+	d.cmd = exec.Command(self, args...)
+	d.cmd.Stdout, d.cmd.Stderr = logf, logf
+	err = d.cmd.Start()
+	logf.Close()
+	if err != nil {
+		return nil, err
+	}
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if b, err := os.ReadFile(ready); err == nil {
+			d.Peer = string(b)
+			return d, nil
+		}
+		if d.cmd.ProcessState != nil {
+			break
+		}
+	}
+	_ = d.Stop()
+	return nil, fmt.Errorf("daemon %s did not become ready in 20 s (log %s)", name, d.Log)
+}
+
+// Stop sends SIGTERM and waits for a graceful exit (20 s, then SIGKILL).
+func (d *Proc) Stop() error {
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- d.cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(20 * time.Second):
+		_ = d.cmd.Process.Kill()
+		<-done
+		return fmt.Errorf("daemon %s ignored SIGTERM for 20 s", d.Name)
+	}
+}
