@@ -1,0 +1,99 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestMain lets the simulator start this test binary as its daemons.
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "serve" {
+		main()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// A short run with small shapes in every mode: it must end OK with every
+// request done and its bytes verified, print the table and write the chart;
+// nothing of it may outlive it.
+func TestQuickRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	before := runtime.NumGoroutine()
+	dir := t.TempDir()
+	svg, md := filepath.Join(dir, "ttft.svg"), filepath.Join(dir, "table.md")
+	var out bytes.Buffer
+	if err := pdsimMain(context.Background(), []string{"-quick", "-svg", svg, "-md", md}, &out, io.Discard); err != nil {
+		t.Fatalf("pdsim -quick: %v\n%s", err, out.String())
+	}
+	for _, want := range []string{"OK: every request ended done", "tp1/in256/out8/20qps/hit0/fresh", "p2d1/in512/out8/20qps/hit50/frag",
+		"baseline", "pull", "push", "layerwise", "pull/push mean"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	b, err := os.ReadFile(svg)
+	if err != nil || !bytes.HasPrefix(b, []byte("<svg")) || bytes.Count(b, []byte("<polyline")) != 8 {
+		t.Errorf("chart: %v, %d curves (want 8: 2 shapes x 4 modes)", err, bytes.Count(b, []byte("<polyline")))
+	}
+	if b, err := os.ReadFile(md); err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 12/12 |")) {
+		t.Errorf("markdown table: %v\n%s", err, b)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for runtime.NumGoroutine() > before+2 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before+2 {
+		buf := make([]byte, 1<<20)
+		t.Errorf("%d goroutines left (before: %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// A corrupted byte fails the run loudly, naming the request and the byte.
+func TestCorruptedByteFails(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	var out bytes.Buffer
+	err := pdsimMain(context.Background(), []string{"-tp", "2", "-input", "128", "-output", "4", "-rate", "50", "-requests", "6",
+		"-modes", "push,layerwise,pull", "-corrupt", "-svg", ""}, &out, io.Discard)
+	if err == nil {
+		t.Fatalf("a run with a corrupted source byte passed:\n%s", out.String())
+	}
+	if got := strings.Count(out.String(), "WRONG BYTES"); got != 3 {
+		t.Errorf("%d WRONG BYTES reports, want one per mode (3):\n%s", got, out.String())
+	}
+	if !strings.Contains(out.String(), "FAILED") || strings.Contains(out.String(), "OK: every") {
+		t.Errorf("the run did not fail loudly:\n%s", out.String())
+	}
+}
+
+func TestOptionsValidation(t *testing.T) {
+	for _, args := range [][]string{
+		{"-modes", "push,teleport"},
+		{"-tp", "4", "-rate", "0"},
+		{"-tp", "4", "-hit", "1.5"},
+		{"-layers", "0"},
+		{"-compute-scale", "-1"},
+	} {
+		if _, err := parseOptions(args, io.Discard); err == nil {
+			t.Errorf("parseOptions(%q) accepted", args)
+		}
+	}
+	o, err := parseOptions([]string{"-ptp", "8", "-dtp", "4", "-rate", "4"}, io.Discard)
+	if err != nil || len(o.shapes) != 1 || o.shapes[0].String() != "p8d4/in1024/out128/4qps/hit0/fresh" || o.shapes[0].Requests != 40 {
+		t.Errorf("one shape: %+v, %v", o, err)
+	}
+	if o, _ := parseOptions(nil, io.Discard); len(o.shapes) != len(defaultShapes(1)) || len(o.modes) != 4 {
+		t.Errorf("defaults: %d shapes, %d modes", len(o.shapes), len(o.modes))
+	}
+}
