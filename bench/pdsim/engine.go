@@ -116,6 +116,8 @@ type engine struct {
 	needStep bool // the scheduler staged metadata for the next step
 	finBuf   []rankFin
 	readyBuf []*simReq
+	modelled time.Duration // compute time the model asked for
+	overrun  time.Duration // how much longer the steps took
 }
 
 func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layerwise bool, rng *rand.Rand) (*engine, error) {
@@ -253,4 +255,17 @@ func sleepUntil(ctx context.Context, t time.Time) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// lag records a step that the time model gave want and that took got.
+func (en *engine) lag(want, got time.Duration) {
+	en.modelled += want
+	en.overrun += max(0, got-want)
+}
+
+func (en *engine) lagFraction() float64 {
+	if en.modelled <= 0 {
+		return 0
+	}
+	return float64(en.overrun) / float64(en.modelled)
 }

@@ -10,11 +10,11 @@ import (
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-const rowFmt = "%-40s %-9s %5s %5s %9s %9s %9s %8s %7s %8s | %8s %8s %8s %8s\n"
+const rowFmt = "%-40s %-9s %5s %5s %9s %9s %9s %8s %7s %8s | %8s %8s %8s %8s | %6s %6s\n"
 
 func printHeader(w io.Writer) {
 	fmt.Fprintf(w, rowFmt, "shape", "mode", "reqs", "done", "TTFT mean", "median", "p99", "TPOT", "req/s", "MiB",
-		"P queue", "prefill", "KV wait", "to tok1")
+		"P queue", "prefill", "KV wait", "to tok1", "P lag", "D lag")
 }
 
 func printRow(w io.Writer, r *result, _ []*result) {
@@ -22,7 +22,7 @@ func printRow(w io.Writer, r *result, _ []*result) {
 		fmt.Sprintf("%.1f", ms(mean(r.ttft))), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.5))), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.99))),
 		fmt.Sprintf("%.2f", ms(mean(r.tpot))), fmt.Sprintf("%.2f", r.reqPerSec()), fmt.Sprintf("%.1f", float64(r.kvBytes)/(1<<20)),
 		fmt.Sprintf("%.1f", ms(r.meanQueueP)), fmt.Sprintf("%.1f", ms(r.meanPrefill)), fmt.Sprintf("%.1f", ms(r.meanTransfer)),
-		fmt.Sprintf("%.1f", ms(r.meanWaitStep)))
+		fmt.Sprintf("%.1f", ms(r.meanWaitStep)), fmt.Sprintf("%.1f%%", 100*r.lagP), fmt.Sprintf("%.1f%%", 100*r.lagD))
 }
 
 // byShape groups results by shape, in order.
@@ -77,12 +77,13 @@ func printSummary(w io.Writer, rs []*result) {
 // markdown renders the results as the table of bench/RESULTS.md.
 func markdown(rs []*result) string {
 	var b strings.Builder
-	b.WriteString("| shape | mode | requests | TTFT mean ms | TTFT median ms | TTFT p99 ms | TPOT mean ms | req/s | KV MiB verified | P queue ms | prefill ms | KV wait ms | KV to token 1 ms |\n")
-	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| shape | mode | requests | TTFT mean ms | TTFT median ms | TTFT p99 ms | TPOT mean ms | req/s | KV MiB verified | P queue ms | prefill ms | KV wait ms | KV to token 1 ms | P lag | D lag |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rs {
-		fmt.Fprintf(&b, "| %s | %s | %d/%d | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+		fmt.Fprintf(&b, "| %s | %s | %d/%d | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f%% | %.1f%% |\n",
 			r.shape, r.mode, r.done, r.requests, ms(mean(r.ttft)), ms(pct(r.ttft, 0.5)), ms(pct(r.ttft, 0.99)), ms(mean(r.tpot)),
-			r.reqPerSec(), float64(r.kvBytes)/(1<<20), ms(r.meanQueueP), ms(r.meanPrefill), ms(r.meanTransfer), ms(r.meanWaitStep))
+			r.reqPerSec(), float64(r.kvBytes)/(1<<20), ms(r.meanQueueP), ms(r.meanPrefill), ms(r.meanTransfer), ms(r.meanWaitStep),
+			100*r.lagP, 100*r.lagD)
 	}
 	order, m := byShape(rs)
 	b.WriteString("\n| shape | pull/push TTFT mean | median | p99 | layer-wise vs baseline (mean) | push vs baseline (mean) |\n|---|---:|---:|---:|---:|---:|\n")

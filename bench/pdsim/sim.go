@@ -143,6 +143,12 @@ type result struct {
 	failures                  []string
 	meanQueueP, meanTransfer  time.Duration
 	meanPrefill, meanWaitStep time.Duration
+	// lagP and lagD are how much longer the engines' steps took than the
+	// time model says, as a fraction of the modelled time: the
+	// simulator's own CPU work and the machine's load. A few percent is
+	// timer noise; more means the machine did not keep up and the run's
+	// times are inflated.
+	lagP, lagD float64
 }
 
 func (res *result) reqPerSec() float64 {
@@ -284,7 +290,8 @@ func simulate(ctx context.Context, cfg runConfig) (*result, error) {
 
 // collect turns the requests into a result.
 func (r *run) collect(elapsed time.Duration) *result {
-	res := &result{shape: r.shape, mode: r.mode, requests: len(r.reqs), elapsed: elapsed}
+	res := &result{shape: r.shape, mode: r.mode, requests: len(r.reqs), elapsed: elapsed,
+		lagP: r.P.lagFraction(), lagD: r.D.lagFraction()}
 	bpt := int64(len(r.model.Kinds) * r.model.TotalKVHeads * r.model.HeadSize * r.model.ElemBytes * 2)
 	var q, pf, xf, ws []time.Duration
 	var last time.Time
@@ -421,6 +428,7 @@ func (r *run) runP(ctx context.Context) error {
 			}
 		}
 		end := time.Now()
+		en.lag(dur, end.Sub(begin))
 		for _, x := range batch {
 			x.pEnd = end
 			if r.mode == modeBaseline {
@@ -628,10 +636,12 @@ func (r *run) runD(ctx context.Context) error {
 		begin := time.Now()
 		running = append(running, ready...)
 		ready = ready[:0]
-		if err := sleepUntil(ctx, begin.Add(r.time.decode(len(running), en.tp))); err != nil {
+		dur := r.time.decode(len(running), en.tp)
+		if err := sleepUntil(ctx, begin.Add(dur)); err != nil {
 			return err
 		}
 		end := time.Now()
+		en.lag(dur, end.Sub(begin))
 		kept := running[:0]
 		for _, x := range running {
 			x.generated++

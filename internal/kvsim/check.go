@@ -72,11 +72,25 @@ func globalHead(l *topology.Layout, h int) int {
 	return l.TPRank*(l.TotalKVHeads/l.TPSize) + h
 }
 
-// cell visits every byte of a rank's request blocks in one group's region:
-// fn(offset in Mem, token or pair index, head, kv, byte index).
+// visitFn is called for every byte of a rank's request blocks in one
+// group's region: fn(offset in Mem, token or pair index, head, kv, byte
+// index).
 type visitFn func(o, token, head, kv, j int)
 
 func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
+	r.visitVec(g, ri, span, func(o, token, head, kv, j0, n int) {
+		for j := range n {
+			fn(o+j, token, head, kv, j0+j)
+		}
+	})
+}
+
+// vecFn is called for every contiguous vector of a rank's request blocks
+// in one group's region: bytes o..o+n-1 of Mem are bytes j0..j0+n-1 of the
+// (token or pair index, head, kv) vector.
+type vecFn func(o, token, head, kv, j0, n int)
+
+func (r *Rank) visitVec(g, ri int, span topology.Span, fn vecFn) {
 	l := &r.Layout
 	reg := &l.Regions[ri]
 	base := int(reg.Base - r.Base)
@@ -104,9 +118,7 @@ func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
 								inBlockKV = 0
 							}
 							o := base + kb*int(reg.BlockLen) + geo.off(h, t, inBlockKV)
-							for j := 0; j < geo.headBytes; j++ {
-								fn(o+j, tok0+t, globalHead(l, h), kv, j)
-							}
+							fn(o, tok0+t, globalHead(l, h), kv, 0, geo.headBytes)
 						}
 					}
 				}
@@ -120,10 +132,7 @@ func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
 				kb := int(id)*ppl + k
 				tok0 := span.Start + (i*ppl+k)*l.KernelBlockSize
 				for t := 0; t < l.KernelBlockSize; t++ {
-					o := base + kb*int(reg.BlockLen) + t*bpt
-					for j := 0; j < bpt; j++ {
-						fn(o+j, tok0+t, 0, 0, j)
-					}
+					fn(base+kb*int(reg.BlockLen)+t*bpt, tok0+t, 0, 0, 0, bpt)
 				}
 			}
 		}
@@ -132,9 +141,7 @@ func (r *Rank) visit(g, ri int, span topology.Span, fn visitFn) {
 			o := base + int(id)*int(reg.BlockLen)
 			parts := append(append([]int64(nil), reg.ConvBytes...), reg.SSMBytes)
 			for p, size := range parts {
-				for b := 0; b < int(size); b++ {
-					fn(o+b, i, p, 0, l.TPRank*int(size)+b)
-				}
+				fn(o, i, p, 0, l.TPRank*int(size), int(size))
 				o += int(size)
 			}
 		}
@@ -151,8 +158,12 @@ func (r *Rank) FillSalt(spans []topology.Span, salt int) {
 	for g, grp := range r.Layout.GroupList() {
 		for _, ri := range grp.Regions {
 			layer := r.Layer[ri]
-			r.visit(g, ri, spans[g], func(o, token, head, kv, j int) {
-				r.Mem[o] = Value(layer, token+shift, head, kv, j)
+			r.visitVec(g, ri, spans[g], func(o, token, head, kv, j0, n int) {
+				seed := vecSeed(layer, token+shift, head, kv)
+				dst := r.Mem[o : o+n]
+				for j := range dst {
+					dst[j] = byteOf(seed, j0+j)
+				}
 			})
 		}
 	}
@@ -237,6 +248,32 @@ func (r *Rank) check(before []byte, reqs []*Request, srcKernel, srcLogical int, 
 			}
 			for _, ri := range grp.Regions {
 				layer := r.Layer[ri]
+				if only {
+					// Values only, a vector at a time: cost proportional to
+					// the request.
+					r.visitVec(g, ri, ds, func(o, token, head, kv, j0, size int) {
+						if len(errs) >= 8 {
+							return
+						}
+						vt := token
+						if grp.Kind == topology.KindMamba {
+							if token < d0 || token >= d0+n {
+								return
+							}
+							vt = s0 + token - d0
+						} else if token < lo || token >= mustHi {
+							return
+						}
+						seed := vecSeed(layer, vt+shift, head, kv)
+						for j, got := range r.Mem[o : o+size] {
+							if v := byteOf(seed, j0+j); got != v {
+								errs = append(errs, fmt.Errorf("dst tp %d pp %d %s: transferred byte = %#02x, want %#02x", l.TPRank, l.PPRank, r.where(o+j), got, v))
+								return
+							}
+						}
+					})
+					continue
+				}
 				r.visit(g, ri, ds, func(o, token, head, kv, j int) {
 					if grp.Kind == topology.KindMamba {
 						// token is the D list index; head is the part.

@@ -168,12 +168,25 @@ func isAttn(k topology.Kind) bool {
 // a layer. MLA layers use head 0, kv 0; Mamba layers use token = the
 // state's pair index, head = part, j = the byte's global index in the part.
 func Value(layer, token, head, kv, j int) byte {
+	return byteOf(vecSeed(layer, token, head, kv), j)
+}
+
+// vecSeed hashes a vector's key; byteOf derives its bytes from it, so a
+// whole vector costs one hash.
+func vecSeed(layer, token, head, kv int) uint64 {
 	x := uint64(layer)*0x9E3779B97F4A7C15 ^ uint64(token)*0xBF58476D1CE4E5B9 ^
-		uint64(head)*0x94D049BB133111EB ^ uint64(kv)*0xD6E8FEB86659FD93 ^ uint64(j)*0xA0761D6478BD642F
+		uint64(head)*0x94D049BB133111EB ^ uint64(kv)*0xD6E8FEB86659FD93
 	x ^= x >> 31
 	x *= 0x7FB5D329728EA185
 	x ^= x >> 27
-	return byte(x)
+	return x
+}
+
+func byteOf(seed uint64, j int) byte {
+	x := seed ^ uint64(j)*0xA0761D6478BD642F
+	x ^= x >> 29
+	x *= 0xBF58476D1CE4E5B9
+	return byte(x >> 56)
 }
 
 // Scramble fills a rank's memory with pseudo-random bytes from seed and

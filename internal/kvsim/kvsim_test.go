@@ -45,6 +45,9 @@ func TestCheckPassesAfterACorrectTransfer(t *testing.T) {
 	if err := d.Check(before, req, 16, 16); err != nil {
 		t.Fatal(err)
 	}
+	if err := d.CheckRequest(req, 16, 16); err != nil {
+		t.Fatalf("CheckRequest: %v", err)
+	}
 }
 
 // TestCheckCatchesEveryFault: a corrupted byte, a byte written twice and a
