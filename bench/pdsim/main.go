@@ -63,6 +63,7 @@ type options struct {
 	time      timeModel
 	corrupt   bool
 	timeLimit time.Duration
+	hop       time.Duration
 }
 
 // defaultShapes is the matrix of the seeds' workloads: TP 4 and 8 and P8
@@ -112,10 +113,14 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	speed := fs.Float64("compute-scale", 1, "multiplies every simulated compute time")
 	corrupt := fs.Bool("corrupt", false, "corrupt one source byte of one request per run (the run must fail)")
 	limit := fs.Duration("time-limit", 0, "per run (default: the arrivals' span + 2 minutes)")
+	hop := fs.Duration("dispatch-latency", 0, "the router's latency per dispatch (HTTP, tokenization): pull pays it twice in a row, the concurrent modes once")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
-	o := &options{seed: *seed, svg: *svg, md: *md, block: *block, time: model32B, corrupt: *corrupt, timeLimit: *limit}
+	o := &options{seed: *seed, svg: *svg, md: *md, block: *block, time: model32B, corrupt: *corrupt, timeLimit: *limit, hop: *hop}
+	if *hop < 0 {
+		return nil, fmt.Errorf("-dispatch-latency = %v, want >= 0", *hop)
+	}
 	for _, m := range strings.Split(*modes, ",") {
 		md, err := parseMode(strings.TrimSpace(m))
 		if err != nil {
@@ -184,6 +189,9 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fmt.Fprintf(stdout, "pdsim: P and D kvxferd (built-in backend, separate processes), seed %d\n", o.seed)
 	fmt.Fprintf(stdout, "  time model: 32B-class dense on H100 (prefill %v/token, decode step %v + %v/seq at TP 1; / TP^%.1f)\n",
 		o.time.PrefillPerToken, o.time.DecodeStep, o.time.DecodePerSeq, o.time.TPExp)
+	if o.hop > 0 {
+		fmt.Fprintf(stdout, "  router: %v per dispatch\n", o.hop)
+	}
 	fmt.Fprintf(stdout, "  KV: %d layers x %d heads x %d x bf16 x K,V = %d bytes/token, block %d; every byte D receives is verified\n\n",
 		len(o.model.Kinds), o.model.TotalKVHeads, o.model.HeadSize, bpt, o.block)
 	p, err := daemon.Start(dir, "P", "builtin")
@@ -201,7 +209,7 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for _, s := range o.shapes {
 		for _, m := range o.modes {
 			res, err := simulate(ctx, runConfig{shape: s, mode: m, seed: o.seed, time: o.time, model: o.model, block: o.block,
-				dir: dir, p: p, d: d, corrupt: o.corrupt, progress: stderr, timeLimit: o.timeLimit})
+				dir: dir, p: p, d: d, corrupt: o.corrupt, progress: stderr, timeLimit: o.timeLimit, hop: o.hop})
 			if res != nil {
 				results = append(results, res)
 				printRow(stdout, res, results)

@@ -84,6 +84,7 @@ func TestOptionsValidation(t *testing.T) {
 		{"-tp", "4", "-hit", "1.5"},
 		{"-layers", "0"},
 		{"-compute-scale", "-1"},
+		{"-dispatch-latency", "-1ms"},
 	} {
 		if _, err := parseOptions(args, io.Discard); err == nil {
 			t.Errorf("parseOptions(%q) accepted", args)

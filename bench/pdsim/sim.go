@@ -112,8 +112,9 @@ type runConfig struct {
 	block     int
 	dir       string
 	p, d      *daemon.Proc
-	corrupt   bool      // corrupt one source byte of one request (tests)
-	progress  io.Writer // nil: quiet
+	corrupt   bool          // corrupt one source byte of one request (tests)
+	hop       time.Duration // the router's latency per dispatch
+	progress  io.Writer     // nil: quiet
 	timeLimit time.Duration
 }
 
@@ -244,9 +245,9 @@ func simulate(ctx context.Context, cfg runConfig) (*result, error) {
 				return
 			}
 			q.arrive = time.Now()
-			r.P.inbox <- q
+			r.dispatch(r.P, q)
 			if cfg.mode != modePull { // concurrent dispatch
-				r.D.inbox <- q
+				r.dispatch(r.D, q)
 			}
 		}
 		errs <- nil
@@ -448,11 +449,20 @@ func (r *run) runP(ctx context.Context) error {
 			en.needStep = true
 			if r.mode == modePull { // sequential dispatch: now D gets it
 				x.params = params
-				r.D.inbox <- x
+				r.dispatch(r.D, x)
 			}
 		}
 	}
 	return nil
+}
+
+// dispatch hands a request to an engine after the router's latency.
+func (r *run) dispatch(en *engine, x *simReq) {
+	if r.hop <= 0 {
+		en.inbox <- x
+		return
+	}
+	time.AfterFunc(r.hop, func() { en.inbox <- x })
 }
 
 // producerOutcomes applies P's sending outcomes; it returns how many
