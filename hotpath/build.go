@@ -141,25 +141,25 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		}
 		// Grow once per group for the worst case (no merging), so the
 		// region loops never grow the slice.
-		need := 0
-		for r := range gp.Regions {
-			if gp.Regions[r].Whole {
-				need += len(b.runs)
-			} else {
-				need += int(b.units) * len(gp.Regions[r].Segs)
-			}
-		}
-		dst = slices.Grow(dst, need)
-		for r := range gp.Regions {
+		dst = slices.Grow(dst, gp.MaxDescs(len(b.runs), int(b.units)))
+		for r := 0; r < len(gp.Regions); r++ {
 			rp := &gp.Regions[r]
-			if b.opts.MaxRunBytes == 0 && len(rp.Segs) == 1 && (rp.Whole || gp.SrcUnits == 1 && gp.DstUnits == 1) {
+			start := len(dst)
+			switch {
+			case b.opts.MaxRunBytes == 0 && len(rp.Segs) == 1 && (rp.Whole || gp.SrcUnits == 1 && gp.DstUnits == 1):
 				dst = b.appendSpans(dst, rp)
-				continue
-			}
-			if rp.Whole {
+			case rp.Whole:
 				dst = b.appendWhole(dst, rp)
-			} else {
+			default:
 				dst = b.appendSegs(dst, gp, rp)
+			}
+			// Region pairs that repeat this one shifted in memory get its
+			// descriptors shifted: one flat loop for a stretch of them at
+			// one step; a stretch at another step that follows shifts the
+			// last copy again.
+			for n, sStep, dStep := rp.Repeats(); n > 0; n, sStep, dStep = gp.Regions[r].Repeats() {
+				dst, start = appendShifted(dst, start, n, sStep, dStep)
+				r += n
 			}
 		}
 	}
@@ -282,6 +282,78 @@ func (b *Builder) appendSpans(dst []Desc, rp *topology.RegionPlan) []Desc {
 		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = sBase+sp.s, dBase+sp.d, sp.n, sDev, dDev
 	}
 	return dst
+}
+
+// appendShifted appends n copies of the descriptors dst[start:] (one
+// region pair's), the k-th with k·sStep and k·dStep added to its
+// addresses: the descriptors of the n region pairs that repeat it (see
+// topology.RegionPlan.Repeats). It returns the extended slice and where
+// the last copy starts.
+func appendShifted(dst []Desc, start, n int, sStep, dStep uint64) ([]Desc, int) {
+	k := len(dst) - start
+	if k == 0 {
+		return dst, start
+	}
+	dst = slices.Grow(dst, n*k) // a no-op unless a capped region used more than planned
+	dst = dst[:len(dst)+n*k]
+	if k == 1 {
+		stepOne(dst[start:], sStep, dStep)
+	} else {
+		shiftCopy(dst[start:], k, sStep, dStep)
+	}
+	return dst, len(dst) - k
+}
+
+// shiftCopy fills out[k:] with copies of out[:k], each a step further than
+// the one before. Every descriptor is one k (or a multiple of k) places
+// before it shifted by as many steps, so all copies take one flat loop
+// with no per-region work.
+//
+// The distance is at least farCopy descriptors once out is long enough:
+// on the development machine (Intel Xeon, family 6 model 207), copying
+// the descriptor stored 24 to 32 places before (96 to 128 stores back,
+// about when a store leaves the store buffer) measured up to 1.8x slower
+// than copying one 64 or more places back, which reads settled L1; closer
+// ones are forwarded from the store buffer and fast.
+func shiftCopy(out []Desc, k int, sStep, dStep uint64) {
+	if m := (farCopy + k - 1) / k; m > 1 && m*k < len(out) {
+		copyBack(out[:m*k], k, sStep, dStep)
+		k, sStep, dStep = m*k, uint64(m)*sStep, uint64(m)*dStep
+	}
+	copyBack(out, k, sStep, dStep)
+}
+
+// farCopy is the least distance shiftCopy copies over (see there).
+const farCopy = 64
+
+// copyBack sets out[i] to out[i-k] shifted by (sStep, dStep) for every i
+// from k on, in order (repeated regions share their devices). A leaf of
+// its own: inlined in appendShifted, the live result slice pushed the
+// loop's values out of registers (up to 15% slower).
+//
+//go:noinline
+func copyBack(out []Desc, k int, sStep, dStep uint64) {
+	next := out[k:]
+	prev := out[:len(next)]
+	for i := range next {
+		p, o := &prev[i], &next[i]
+		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = p.Local+sStep, p.Remote+dStep, p.Len, p.LocalDev, p.RemoteDev
+	}
+}
+
+// stepOne is shiftCopy for one descriptor per region (coalesced fresh
+// ids): it steps the descriptor in registers rather than reloading the
+// one just stored.
+//
+//go:noinline
+func stepOne(out []Desc, sStep, dStep uint64) {
+	l, r, n, lDev, rDev := out[0].Local, out[0].Remote, out[0].Len, out[0].LocalDev, out[0].RemoteDev
+	next := out[1:]
+	for i := range next {
+		l, r = l+sStep, r+dStep
+		o := &next[i]
+		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = l, r, n, lDev, rDev
+	}
 }
 
 // appendWhole emits one descriptor per run (split by the cap) for a region

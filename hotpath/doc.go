@@ -7,8 +7,13 @@
 // Align), compresses them into runs consecutive on both sides, and emits
 // region by region: one descriptor per run when a unit is a whole slot on
 // both sides, else one per segment per unit, merged with the previous
-// descriptor whenever both sides are contiguous. Descriptors never cross a
-// region and never exceed Options.MaxRunBytes by merging. Steady-state
+// descriptor whenever both sides are contiguous. A region pair that
+// repeats the one before it in memory (topology.RegionPlan.Repeats: same
+// geometry and devices, e.g. the layers of a cache allocated as one
+// tensor) is not built again: its descriptors are the earlier region's
+// shifted by the base steps, written by one flat loop for a whole stretch
+// of such regions. Descriptors never cross a region and never exceed
+// Options.MaxRunBytes by merging. Steady-state
 // calls allocate nothing (the Builder keeps its scratch; the caller owns
 // and reuses the output slice). AppendReference is the plain, allocating
 // reference; building with -tags invariants makes every AppendDescs call
