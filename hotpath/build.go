@@ -147,7 +147,16 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 			start := len(dst)
 			switch {
 			case b.opts.MaxRunBytes == 0 && len(rp.Segs) == 1 && (rp.Whole || gp.SrcUnits == 1 && gp.DstUnits == 1):
-				dst = b.appendSpans(dst, rp)
+				// The region pairs after this one with its geometry at
+				// steps of their own (each repeated once) take the same
+				// spans: one call writes them all.
+				e := r
+				for n, _, _ := rp.Repeats(); n == 1; n, _, _ = gp.Regions[e].Repeats() {
+					e++
+				}
+				dst = b.appendSpans(dst, gp.Regions[r:e+1])
+				start = len(dst) - len(b.spans)
+				r, rp = e, &gp.Regions[e]
 			case rp.Whole:
 				dst = b.appendWhole(dst, rp)
 			default:
@@ -242,13 +251,15 @@ func appendRuns(runs []run, gp *topology.GroupPlan, src, dst topology.Span, toke
 	return runs, nil
 }
 
-// appendSpans emits a one-segment region without a run cap: a whole region
-// gets one descriptor per run; any other region (one unit per kernel block
-// on both sides) one per unit, since a segment shorter than its block on
-// one side never merges (see appendSegs). Runs are scaled to bytes once per
+// appendSpans emits one-segment regions of one geometry (rs, region pairs
+// that differ only in their bases) without a run cap: a whole region gets
+// one descriptor per run; any other region (one unit per kernel block on
+// both sides) one per unit, since a segment shorter than its block on one
+// side never merges (see appendSegs). Runs are scaled to bytes once per
 // group and geometry, so each region costs one add per address: close to
 // writing the descriptors with no mapping logic at all.
-func (b *Builder) appendSpans(dst []Desc, rp *topology.RegionPlan) []Desc {
+func (b *Builder) appendSpans(dst []Desc, rs []topology.RegionPlan) []Desc {
+	rp := &rs[0]
 	sg := rp.Segs[0]
 	n := uint64(sg.Len)
 	key := spanKey{flat: !rp.Whole, sMul: uint64(rp.SrcBlockLen), dMul: uint64(rp.DstBlockLen), nMul: n}
@@ -267,18 +278,32 @@ func (b *Builder) appendSpans(dst []Desc, rp *topology.RegionPlan) []Desc {
 		b.spansKey, b.spansOK = key, true
 	}
 	spans := b.spans
-	sBase, dBase := rp.SrcBase+uint64(sg.SrcOff), rp.DstBase+uint64(sg.DstOff)
-	sDev, dDev := rp.SrcDev, rp.DstDev
+	sOff, dOff := uint64(sg.SrcOff), uint64(sg.DstOff)
 	start := len(dst)
-	dst = dst[:start+len(spans)] // AppendDescs grew dst exactly for uncapped regions
+	dst = dst[:start+len(spans)*len(rs)] // AppendDescs grew dst exactly for uncapped regions
 	out := dst[start:]
-	out = out[:len(spans)]
-	for i := range spans {
-		sp := &spans[i]
-		o := &out[i]
-		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = sBase+sp.s, dBase+sp.d, sp.n, sDev, dDev
+	for j := range rs {
+		writeSpans(out[:len(spans)], spans, rs[j].SrcBase+sOff, rs[j].DstBase+dOff, rp)
+		out = out[len(spans):]
 	}
 	return dst
+}
+
+// writeSpans writes one region's descriptors: spans shifted by the
+// region's bases, on rp's devices. A leaf of its own: inlined in
+// appendSpans' region loop, the loop's values went to the stack. The
+// devices are read from rp, whose two adjacent fields the compiler loads
+// and stores as one word (as two arguments they took two stores per
+// descriptor, 13% slower).
+//
+//go:noinline
+func writeSpans(out []Desc, spans []span, sBase, dBase uint64, rp *topology.RegionPlan) {
+	sDev, dDev := rp.SrcDev, rp.DstDev
+	out = out[:len(spans)]
+	for i := range spans {
+		sp, o := &spans[i], &out[i]
+		o.Local, o.Remote, o.Len, o.LocalDev, o.RemoteDev = sBase+sp.s, dBase+sp.d, sp.n, sDev, dDev
+	}
 }
 
 // appendRepeats appends the descriptors of the region pairs that repeat
@@ -290,10 +315,12 @@ func (b *Builder) appendSpans(dst []Desc, rp *topology.RegionPlan) []Desc {
 // of the stretch's last pair) shifts the last copy again.
 //
 // A region pair repeated once (the next one lies at a step of its own,
-// as when every layer is allocated on its own) is left to be built as
-// usual: on BenchmarkScattered, shifting each region's descriptors from
-// the one before measured 3-10% slower than building them, and copying
-// each from the first of the stretch up to 20% slower.
+// as when every layer is allocated on its own) is left to be built: on
+// BenchmarkScattered, shifting each region's descriptors from the one
+// before measured 3-10% slower than building them region by region, and
+// copying each from the first of the stretch up to 20% slower (its loads
+// wait on the stores of the region before: a chain through memory).
+// AppendDescs hands such a stretch to one appendSpans call instead.
 func appendRepeats(dst []Desc, start int, rs []topology.RegionPlan, r int) ([]Desc, int) {
 	k := len(dst) - start
 	copies := 0
