@@ -1,10 +1,12 @@
 package hotpath_test
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/bench/shapes"
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 func benchShapes(b *testing.B) []*shapes.Shape {
@@ -111,6 +113,54 @@ func benchBaseline(b *testing.B, count func(opt, ref int) int) {
 				dst = shapes.WriteBaseline(dst[:0], n, 4096)
 			}
 			report(b, n, n)
+		})
+	}
+}
+
+// scattered returns a copy of a shape whose regions lie at uneven gaps on
+// both sides (each layer allocated on its own), so no region pair repeats
+// the one before it at the same step as the one before that.
+func scattered(b *testing.B, s *shapes.Shape) *shapes.Shape {
+	b.Helper()
+	out := *s
+	move := func(l *topology.Layout) *topology.Layout {
+		c := *l
+		c.Regions = slices.Clone(l.Regions)
+		for i := range c.Regions {
+			c.Regions[i].Base += uint64(i*i) << 12
+		}
+		return &c
+	}
+	out.Src, out.Dst = move(s.Src), move(s.Dst)
+	p, err := topology.NewPlan(out.Src, out.Dst, topology.PlanOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	out.Plan = p
+	return &out
+}
+
+// BenchmarkScattered is BenchmarkAppendDescs with every region at its own
+// gap (scattered): no region pair repeats another in memory twice.
+func BenchmarkScattered(b *testing.B) {
+	for _, s := range benchShapes(b) {
+		s := scattered(b, s)
+		b.Run(s.Name, func(b *testing.B) {
+			opt, ref := counts(b, s)
+			bl, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
+			if err != nil {
+				b.Fatal(err)
+			}
+			dst := make([]hotpath.Desc, 0, ref)
+			b.SetBytes(s.Bytes)
+			b.ReportAllocs()
+			for b.Loop() {
+				dst, err = bl.AppendDescs(dst[:0], s.Plan, s.Req)
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+			report(b, opt, ref)
 		})
 	}
 }

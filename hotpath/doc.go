@@ -7,8 +7,13 @@
 // Align), compresses them into runs consecutive on both sides, and emits
 // region by region: one descriptor per run when a unit is a whole slot on
 // both sides, else one per segment per unit, merged with the previous
-// descriptor whenever both sides are contiguous. Descriptors never cross a
-// region and never exceed Options.MaxRunBytes by merging. Steady-state
+// descriptor whenever both sides are contiguous. Region pairs that repeat
+// an earlier one in memory at one step (topology.RegionPlan.Repeats: the
+// same geometry and devices at equally spaced bases, e.g. the layers of a
+// cache allocated as one tensor) are not built again: their descriptors
+// are the first one's shifted by the steps, written by one flat loop for
+// the whole stretch. Descriptors never cross a region and never exceed
+// Options.MaxRunBytes by merging. Steady-state
 // calls allocate nothing (the Builder keeps its scratch; the caller owns
 // and reuses the output slice). AppendReference is the plain, allocating
 // reference; building with -tags invariants makes every AppendDescs call

@@ -3,6 +3,7 @@ package topology
 import (
 	"errors"
 	"fmt"
+	"reflect"
 	"testing"
 )
 
@@ -333,6 +334,43 @@ func checkPlan(t *testing.T, src, dst *Layout, p *Plan) {
 				t.Fatalf("group %d region %d: UnitBytes %d, segments sum to %d", g, rp.Src, rp.UnitBytes, sum)
 			}
 		}
+		checkRepeats(t, g, gp)
+	}
+}
+
+// checkRepeats checks what NewPlan precomputes for a group: every Repeats
+// report holds and is maximal, and MaxDescs equals its region-by-region
+// sum.
+func checkRepeats(t *testing.T, g int, gp *GroupPlan) {
+	t.Helper()
+	rs := gp.Regions
+	for i := range rs {
+		n, ss, ds := rs[i].Repeats()
+		if n < 0 || i+n >= len(rs) {
+			t.Fatalf("group %d region pair %d: %d repeats, %d pairs follow", g, i, n, len(rs)-1-i)
+		}
+		for k := 1; k <= n+1 && i+k < len(rs); k++ {
+			a, b := rs[i], rs[i+k]
+			shifted := b.SrcBase == a.SrcBase+uint64(k)*ss && b.DstBase == a.DstBase+uint64(k)*ds
+			a.Src, a.Dst, a.SrcBase, a.DstBase = b.Src, b.Dst, b.SrcBase, b.DstBase
+			a.repeat, a.repeatSrc, a.repeatDst = b.repeat, b.repeatSrc, b.repeatDst
+			same := reflect.DeepEqual(a, b)
+			if k <= n && (!shifted || !same) {
+				t.Fatalf("group %d region pair %d: pair %d after it is no copy %d steps of (%#x, %#x) on: %+v, %+v", g, i, i+k, k, ss, ds, rs[i], rs[i+k])
+			}
+			if k == n+1 && n > 0 && shifted && same {
+				t.Fatalf("group %d region pair %d: %d repeats, but pair %d repeats it too", g, i, n, i+k)
+			}
+		}
+		if n == 0 && i+1 < len(rs) && sameShape(&rs[i], &rs[i+1]) {
+			t.Fatalf("group %d region pair %d: the next pair has its shape, but Repeats reports none", g, i)
+		}
+	}
+	gp.sized = false
+	loop := gp.MaxDescs(3, 7)
+	gp.sized = true
+	if got := gp.MaxDescs(3, 7); got != loop {
+		t.Fatalf("group %d: MaxDescs(3, 7) = %d, region by region %d", g, got, loop)
 	}
 }
 

@@ -1,6 +1,9 @@
 package topology
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // DefaultMaxSegments is the default bound on the descriptors one unit (one
 // block pair) may need. Exact placement of a layout that scatters a block's
@@ -42,6 +45,54 @@ type RegionPlan struct {
 	Whole bool
 	// UnitBytes is the sum of the segment lengths.
 	UnitBytes int64
+
+	// repeat, repeatSrc and repeatDst are what Repeats reports; NewPlan
+	// sets them.
+	repeat               int
+	repeatSrc, repeatDst uint64
+}
+
+// Repeats reports the region pairs right after r in its group that are
+// copies of r shifted in memory: for k = 1..n, region pair k after r has
+// every field of r except Src, Dst and the bases, and its bases are
+// SrcBase + k·srcStep and DstBase + k·dstStep (mod 2^64). Regions
+// allocated as one tensor per side (equal sizes, equally spaced) repeat
+// the first region of their group this way. A unit's segments land in a
+// copy at the same offsets as in r, so any descriptor list built for r
+// carries over to the k-th copy by adding k·srcStep and k·dstStep to its
+// addresses.
+//
+// NewPlan computes it for every region pair; a RegionPlan not made by
+// NewPlan reports n = 0.
+func (r *RegionPlan) Repeats() (n int, srcStep, dstStep uint64) {
+	return r.repeat, r.repeatSrc, r.repeatDst
+}
+
+// sameShape reports whether a and b differ at most in their region indices
+// and bases.
+func sameShape(a, b *RegionPlan) bool {
+	return a.SrcDev == b.SrcDev && a.DstDev == b.DstDev &&
+		a.SrcBlockLen == b.SrcBlockLen && a.DstBlockLen == b.DstBlockLen &&
+		a.SrcNumBlocks == b.SrcNumBlocks && a.DstNumBlocks == b.DstNumBlocks &&
+		a.SrcSlotStride == b.SrcSlotStride && a.DstSlotStride == b.DstSlotStride &&
+		a.Whole == b.Whole && a.UnitBytes == b.UnitBytes && slices.Equal(a.Segs, b.Segs)
+}
+
+// setRepeats computes Repeats for every region pair of rs, from the last
+// one back: a pair repeated by its successor at the successor's own step
+// has one more repeat than the successor.
+func setRepeats(rs []RegionPlan) {
+	for i := len(rs) - 2; i >= 0; i-- {
+		a, b := &rs[i], &rs[i+1]
+		if !sameShape(a, b) {
+			continue
+		}
+		ss, ds := b.SrcBase-a.SrcBase, b.DstBase-a.DstBase
+		a.repeat, a.repeatSrc, a.repeatDst = 1, ss, ds
+		if b.repeat > 0 && b.repeatSrc == ss && b.repeatDst == ds {
+			a.repeat += b.repeat
+		}
+	}
 }
 
 // GroupPlan is the plan of one cache group.
@@ -62,6 +113,30 @@ type GroupPlan struct {
 	// Regions are the region pairs with something to move; empty when the
 	// source is notify-only for this group.
 	Regions []RegionPlan
+
+	// sized is set by NewPlan: wholeRegions counts the regions with Whole
+	// set, unitSegs sums len(Segs) over the others (see MaxDescs).
+	sized                  bool
+	wholeRegions, unitSegs int
+}
+
+// MaxDescs bounds the descriptors of one request of the group that pairs
+// units unit pairs in runs runs (maximal stretches of unit pairs
+// consecutive on both sides) without a byte cap on merging: one descriptor
+// per run for every Whole region, one per segment per unit for any other.
+func (g *GroupPlan) MaxDescs(runs, units int) int {
+	if g.sized {
+		return g.wholeRegions*runs + g.unitSegs*units
+	}
+	n := 0
+	for r := range g.Regions {
+		if g.Regions[r].Whole {
+			n += runs
+		} else {
+			n += units * len(g.Regions[r].Segs)
+		}
+	}
+	return n
 }
 
 // Plan is how the KV of one source rank (P) lands in one destination rank
@@ -172,7 +247,14 @@ func NewPlan(src, dst *Layout, opts PlanOptions) (*Plan, error) {
 			gp.Regions = append(gp.Regions, rp)
 			p.NotifyOnly = false
 			p.MaxUnitSegments = max(p.MaxUnitSegments, len(rp.Segs))
+			if rp.Whole {
+				gp.wholeRegions++
+			} else {
+				gp.unitSegs += len(rp.Segs)
+			}
 		}
+		gp.sized = true
+		setRepeats(gp.Regions)
 		p.Groups = append(p.Groups, gp)
 	}
 	return p, nil

@@ -518,6 +518,76 @@ func TestPlanHMAPooledRegions(t *testing.T) {
 	}
 }
 
+// TestPlanRepeats checks Repeats on regions placed at equal and unequal
+// steps, on two devices, with a region of another shape in the group, and
+// MaxDescs.
+func TestPlanRepeats(t *testing.T) {
+	const mib = 1 << 20
+	layout := func(tp, rank int, base uint64) *Layout {
+		l := tinyLayout(tp, rank, 16, 16, 4, LayoutHND, PackedKV)
+		reg := l.Regions[0]
+		l.Regions = nil
+		// Steps: 1, 1, 3 (same shape), 1, then a region on device 1
+		// (its own shape), 1 to the next on device 1, an MLA region
+		// (another shape) and one more attention region back on device 0.
+		for i, off := range []uint64{0, 1, 2, 5, 6, 7, 8, 9} {
+			r := reg
+			r.Base = base + off*mib
+			if i == 5 || i == 6 {
+				r.DeviceID = 1
+			}
+			if i == 7 {
+				r.Kind, r.BlockLen = KindMLA, 16*24
+			}
+			l.Regions = append(l.Regions, r)
+		}
+		l.Regions = append(l.Regions, reg)
+		l.Regions[8].Base = base + 10*mib
+		l.Groups = []Group{{Kind: KindFullAttention, Regions: []int{0, 1, 2, 3, 4, 5, 6, 7, 8}}}
+		return l
+	}
+	// P TP 1 -> D TP 2: D's regions are half as large, at its own steps.
+	p := mustPlan(t, layout(1, 0, 1<<30), layout(2, 1, 1<<32), PlanOptions{})
+	type rep struct {
+		n      int
+		ss, ds uint64
+	}
+	var got []rep
+	for _, rp := range p.Groups[0].Regions {
+		n, ss, ds := rp.Repeats()
+		got = append(got, rep{n, ss, ds})
+	}
+	want := []rep{{2, mib, mib}, {1, mib, mib}, {1, 3 * mib, 3 * mib}, {1, mib, mib}, {}, {1, mib, mib}, {}, {}, {}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("Repeats() = %v, want %v", got, want)
+	}
+	// Descending bases: the step wraps.
+	src, dst := layout(1, 0, 1<<30), layout(2, 1, 1<<32)
+	for _, l := range []*Layout{src, dst} {
+		slices.Reverse(l.Groups[0].Regions[:3])
+	}
+	p = mustPlan(t, src, dst, PlanOptions{})
+	back := ^uint64(mib - 1) // -1 MiB mod 2^64
+	if n, ss, ds := p.Groups[0].Regions[0].Repeats(); n != 2 || ss != back || ds != back {
+		t.Fatalf("descending: Repeats() = %d, %#x, %#x, want 2, -1 MiB, -1 MiB", n, ss, ds)
+	}
+	// Not made by NewPlan: no repeats, and MaxDescs sums region by region.
+	byHand := p.Groups[0]
+	byHand.Regions = slices.Clone(byHand.Regions)
+	byHand.sized = false
+	for i := range byHand.Regions {
+		byHand.Regions[i] = RegionPlan{Segs: byHand.Regions[i].Segs, Whole: byHand.Regions[i].Whole}
+		if n, _, _ := byHand.Regions[i].Repeats(); n != 0 {
+			t.Fatalf("a RegionPlan not made by NewPlan reports %d repeats", n)
+		}
+	}
+	// 8 attention pairs with one 128-byte segment (not whole: D holds
+	// half the heads) and one whole MLA pair: 8·units + runs.
+	if got, loop := p.Groups[0].MaxDescs(3, 7), byHand.MaxDescs(3, 7); got != 8*7+3 || loop != got {
+		t.Fatalf("MaxDescs(3, 7) = %d, region by region %d, want %d", got, loop, 8*7+3)
+	}
+}
+
 func TestPlanErrors(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
