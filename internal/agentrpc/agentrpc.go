@@ -362,26 +362,21 @@ func (c *Client) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 func (c *Client) Events() <-chan struct{} { return c.events }
 
 // Close implements kvxfer.Backend: it closes the agent's backend and
-// hangs up, which ends the agent (Serve returns). It is idempotent; it
-// waits at most timeout for the agent's answer.
+// hangs up, which ends the agent (Serve returns). It is idempotent. It
+// waits for the agent's answer as long as the connection lasts: whoever
+// runs the agent bounds that (kvxfertest kills an agent that does not
+// answer, which ends the connection and Close).
 func (c *Client) Close() error {
 	var err error
 	c.once.Do(func() {
 		var r ErrReply
-		call := c.rpc.Go("Agent.Close", 0, &r, make(chan *rpc.Call, 1))
-		select {
-		case <-call.Done:
-			if call.Error == nil {
-				err = fromWire(r.Err)
-			}
-		case <-time.After(closeTimeout):
-			err = fmt.Errorf("agent %d: close: no answer in %v", c.info.Pid, closeTimeout)
+		if err = c.rpc.Call("Agent.Close", 0, &r); err == nil {
+			err = fromWire(r.Err)
+		} else {
+			err = fmt.Errorf("agent %d: close: %w", c.info.Pid, err)
 		}
 		_ = c.rpc.Close()
 		<-c.done
 	})
 	return err
 }
-
-// closeTimeout bounds how long Close waits for the agent.
-const closeTimeout = 10 * time.Second

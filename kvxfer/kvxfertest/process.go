@@ -2,6 +2,7 @@ package kvxfertest
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/agentrpc"
 	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -29,6 +31,11 @@ type ProcessHarness struct {
 	// with its backend flags, and the environment the agent needs (for
 	// NIXL: UCX_TLS). The harness appends -socket, -shm and -size.
 	Command func() *exec.Cmd
+	// CloseHangsAfterCrash, when set, says why closing an agent whose
+	// peer crashed with a transfer in flight is known not to return:
+	// PeerKilled then logs such a hang (and kills the agent) instead of
+	// failing.
+	CloseHangsAfterCrash string
 }
 
 // New implements Harness.
@@ -100,6 +107,7 @@ func (h ProcessHarness) Start(t *testing.T, n int) *ProcAgent {
 	cmd.Env = append([]string{"GORACE=atexit_sleep_ms=0"}, cmd.Env...)
 	out := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
+	dieWithParent(cmd)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -146,15 +154,31 @@ func (a *ProcAgent) Output() string { return a.out.String() }
 
 // Close implements kvxfer.Backend: the agent closes its backend, and its
 // process exits.
-func (a *ProcAgent) Close() error {
-	err := a.Client.Close()
+func (a *ProcAgent) Close() error { return a.CloseWithin(10 * time.Second) }
+
+// ErrCloseHung is CloseWithin's error for an agent that did not close.
+var ErrCloseHung = errors.New("kvxfertest: agent did not close in time")
+
+// CloseWithin is Close, except that an agent whose backend's Close has
+// not returned, or whose process has not exited, after d is killed, and
+// the error is ErrCloseHung.
+func (a *ProcAgent) CloseWithin(d time.Duration) error {
+	deadline := time.Now().Add(d)
+	closed := make(chan error, 1)
+	go func() { closed <- a.Client.Close() }()
+	var err error
+	select {
+	case err = <-closed:
+	case <-time.After(time.Until(deadline)):
+		a.Kill() // the connection breaks: Client.Close returns
+		<-closed
+		return fmt.Errorf("%w: agent %d: its backend's Close had not returned after %v", ErrCloseHung, a.Pid(), d)
+	}
 	select {
 	case <-a.exited:
-	case <-time.After(10 * time.Second):
+	case <-time.After(time.Until(deadline)):
 		a.Kill()
-		if err == nil {
-			err = fmt.Errorf("kvxfertest: agent %d did not exit in 10 s after Close", a.Pid())
-		}
+		return fmt.Errorf("%w: agent %d had not exited %v after Close", ErrCloseHung, a.Pid(), d)
 	}
 	return err
 }
@@ -172,3 +196,76 @@ func (a *ProcAgent) Kill() {
 }
 
 var _ kvxfer.Backend = (*ProcAgent)(nil)
+
+// PeerKilled checks a backend against a peer whose process dies without
+// a goodbye (SIGKILL), which the suite's PeerLoss (a Close) does not
+// cover: a transfer in flight at the crash ends (done or failed) instead
+// of hanging; afterwards a notification to the peer fails within 10 s of
+// retries, and a WRITE and a READ are refused or fail, each within 30 s.
+func PeerKilled(t *testing.T, h ProcessHarness) {
+	const size = 16 << 20
+	a, b := h.Start(t, size), h.Start(t, size)
+	for _, x := range []*ProcAgent{a, b} {
+		if err := x.Register([]kvxfer.MemRegion{x.Info().Region}); err != nil {
+			t.Fatalf("Register: %v", err)
+		}
+	}
+	peer := load(t, a, b)
+	load(t, b, a)
+	ar, br := a.Info().Region, b.Info().Region
+	pattern(a.Mem, 11)
+	id, err := a.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 4096}}, []byte("first"))
+	if err != nil {
+		t.Fatalf("first WRITE: %v", err)
+	}
+	if s, err := waitXfer(t, a, id); s != kvxfer.XferDone {
+		t.Fatalf("first WRITE = %v, %v; want done", s, err)
+	}
+	// A transfer in flight when the peer dies.
+	var descs []hotpath.Desc
+	for off := uint64(0); off < size; off += 1 << 20 {
+		descs = append(descs, hotpath.Desc{Local: ar.Addr + off, Remote: br.Addr + off, Len: 1 << 20})
+	}
+	id, err = a.Post(hotpath.OpWrite, peer, descs, []byte("in flight"))
+	b.Kill()
+	if err == nil {
+		s, err := waitXfer(t, a, id)
+		t.Logf("WRITE in flight at the crash: %v, %v", s, err)
+		if s == kvxfer.XferInProgress {
+			t.Error("a WRITE in flight when the peer was killed is still in progress after 30 s")
+		}
+	}
+	var nerr error
+	for deadline := time.Now().Add(10 * time.Second); nerr == nil && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		nerr = a.Notify(peer, []byte("anyone?"))
+	}
+	if nerr == nil {
+		t.Error("Notify to a killed peer still succeeds after 10 s")
+	} else {
+		t.Logf("Notify: %v", nerr)
+	}
+	for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
+		id, err := a.Post(op, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 4096}}, []byte("x"))
+		if err != nil {
+			t.Logf("%v refused: %v", op, err)
+			continue
+		}
+		s, err := waitXfer(t, a, id)
+		t.Logf("%v: %v, %v", op, s, err)
+		if s != kvxfer.XferFailed || err == nil {
+			t.Errorf("%v to a killed peer = %v, %v; want failed with a reason", op, s, err)
+		}
+	}
+	// The survivor closes (the transfer in flight at the crash was never
+	// released: Close releases everything). A close takes milliseconds;
+	// a known hang is not waited for long.
+	wait := 5 * time.Second
+	if h.CloseHangsAfterCrash != "" {
+		wait = 2 * time.Second
+	}
+	if err := a.CloseWithin(wait); errors.Is(err, ErrCloseHung) && h.CloseHangsAfterCrash != "" {
+		t.Logf("known: %v (%s)", err, h.CloseHangsAfterCrash)
+	} else if err != nil {
+		t.Errorf("closing the surviving agent: %v", err)
+	}
+}
