@@ -1,10 +1,14 @@
 package main
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"testing"
+	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
@@ -26,11 +30,21 @@ func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
 	}}
 }
 
+// skipWithoutNixl skips where NIXL's library cannot be loaded. The probe
+// agent runs without UCX's peer-failure handling, so that whatever
+// UCX_TLS the test's environment sets (the agents get their own) it
+// starts.
 func skipWithoutNixl(t *testing.T) {
 	t.Helper()
-	if _, err := nixlLibrary(); err != nil {
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-test-probe-%d", time.Now().UnixNano()),
+		Params: map[string]string{"ucx_error_handling_mode": "none"}})
+	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
+	if err != nil {
+		t.Fatalf("NIXL is here but an agent does not start: %v", err)
+	}
+	_ = b.Close()
 }
 
 // The conformance suite between two kvxferd processes, neither the
