@@ -14,7 +14,9 @@ import (
 
 // agentHarness runs every agent as `kvxferd agent` (this test binary,
 // through TestMain) with the backend flags, in a child process whose
-// environment is the test's plus env (which wins).
+// environment is the test's plus env (which wins). UCX may use the
+// loopback device only (UCX_NET_DEVICES=lo): with UCX_TLS=tcp it would
+// otherwise also send over the host's own address on eth0.
 //
 // UCX's memory hooks are off in the agents (UCX_MEM_MMAP_HOOK_MODE=none,
 // unless the test's environment sets it): installing them costs about
@@ -25,7 +27,8 @@ import (
 func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
 	return kvxfertest.ProcessHarness{Command: func() *exec.Cmd {
 		cmd := exec.Command(os.Args[0], append([]string{"agent"}, args...)...)
-		cmd.Env = append(append([]string{"UCX_MEM_MMAP_HOOK_MODE=none"}, os.Environ()...), env...)
+		cmd.Env = append(append([]string{"UCX_MEM_MMAP_HOOK_MODE=none"}, os.Environ()...), "UCX_NET_DEVICES=lo")
+		cmd.Env = append(cmd.Env, env...)
 		return cmd
 	}}
 }
