@@ -36,11 +36,18 @@ func TestConformanceNetTCP(t *testing.T)    { kvxfertest.Conformance(t, netHarne
 func TestConformanceNetDirect(t *testing.T) { kvxfertest.Conformance(t, netHarness{direct: true}) }
 
 // nixlHarness makes NIXL backends (UCX) over Go memory, or skips.
-type nixlHarness struct{ n int }
+type nixlHarness struct {
+	n      int
+	params map[string]string // default: nixlParams()
+}
 
 func (h *nixlHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion, []byte) {
 	h.n++
-	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d-%d", t.Name(), h.n, rand.Uint64()), Params: nixlParams()})
+	params := h.params
+	if params == nil {
+		params = nixlParams()
+	}
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d-%d", t.Name(), h.n, rand.Uint64()), Params: params})
 	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
@@ -57,6 +64,15 @@ func (h *nixlHarness) New(t *testing.T, n int) (kvxfer.Backend, kvxfer.MemRegion
 }
 
 func TestConformanceNixl(t *testing.T) { kvxfertest.Conformance(t, &nixlHarness{}) }
+
+// Both agents in this process over UCX's shared memory (which needs
+// ucx_error_handling_mode=none): UCX cannot see a closed peer here (CMA
+// to our own pid succeeds, the memory is still mapped); the backend knows
+// its process's agents (nixlpeer.go), so PeerLoss passes too.
+func TestConformanceNixlShm(t *testing.T) {
+	t.Setenv("UCX_TLS", "sm")
+	kvxfertest.Conformance(t, &nixlHarness{params: map[string]string{"ucx_error_handling_mode": "none"}})
+}
 
 // nixlParams reads UCX backend parameters for the NIXL tests from
 // KVXFER_NIXL_PARAMS (key=value,...): UCX over shared memory needs

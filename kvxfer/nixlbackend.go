@@ -30,8 +30,10 @@ type NixlConfig struct {
 
 // NixlBackend is a Backend on NVIDIA NIXL (internal/nixl). Memory is
 // adopted with Map before Register, as with NetBackend, so a registration
-// can never name memory the caller did not hand over. It is safe for
-// concurrent use.
+// can never name memory the caller did not hand over. Its metadata
+// carries its process's identity, and a peer on the same host is watched
+// through a pidfd, because UCX over shared memory cannot report a dead
+// peer (nixlpeer.go). It is safe for concurrent use.
 type NixlBackend struct {
 	a      *nixl.Agent
 	cfg    NixlConfig
@@ -45,17 +47,24 @@ type NixlBackend struct {
 		chunks [][2]uint64 // mapped memory: base, len
 		xfers  map[XferID]*nixlXfer
 		next   XferID
-		preps  map[PrepID]nixl.Prepped
+		preps  map[PrepID]nixlPrep
 		nextP  PrepID
 		inbox  []Notif
 		busy   time.Time
+		peers  map[PeerName]*peerLife // peers whose process is watched (nixlpeer.go)
 	}
 }
 
 type nixlXfer struct {
 	x     nixl.Xfer
+	peer  PeerName
 	state XferState
 	err   error
+}
+
+type nixlPrep struct {
+	p    nixl.Prepped
+	peer PeerName // "" for a local list
 }
 
 var _ Backend = (*NixlBackend)(nil)
@@ -84,7 +93,9 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	}
 	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 	n.mu.xfers = map[XferID]*nixlXfer{}
-	n.mu.preps = map[PrepID]nixl.Prepped{}
+	n.mu.preps = map[PrepID]nixlPrep{}
+	n.mu.peers = map[PeerName]*peerLife{}
+	nixlOpened(a.Name())
 	go n.poll()
 	return n, nil
 }
@@ -171,25 +182,69 @@ func (n *NixlBackend) Deregister(rs []MemRegion) error {
 	return nil
 }
 
-// LocalMetadata implements Backend.
+// LocalMetadata implements Backend: NIXL's metadata, behind this
+// process's identity where it has one (nixlpeer.go).
 func (n *NixlBackend) LocalMetadata() ([]byte, error) {
 	b, err := n.a.Metadata()
-	return b, nixlErr(err)
+	if err != nil {
+		return nil, nixlErr(err)
+	}
+	if id, ok := selfProc(); ok {
+		return wrapMeta(id, b), nil
+	}
+	return b, nil
 }
 
-// LoadPeer implements Backend.
+// LoadPeer implements Backend. A peer on this host, in this pid
+// namespace, is watched: once its process exits, posts and notifications
+// to it fail (nixlpeer.go).
 func (n *NixlBackend) LoadPeer(meta []byte) (PeerName, error) {
-	name, err := n.a.LoadPeer(meta)
+	id, ok, raw := unwrapMeta(meta)
+	s, err := n.a.LoadPeer(raw)
 	if err != nil {
 		return "", fmt.Errorf("%w: %w", ErrBadMetadata, nixlErr(err))
 	}
-	return PeerName(name), nil
+	name := PeerName(s)
+	var w *peerLife
+	if ok {
+		w = watchPeer(name, id)
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.mu.peers[name].close()
+	delete(n.mu.peers, name)
+	if w != nil {
+		if n.mu.closed {
+			w.close()
+		} else {
+			n.mu.peers[name] = w
+		}
+	}
+	return name, nil
 }
 
 // InvalidatePeer implements Backend.
 func (n *NixlBackend) InvalidatePeer(peer PeerName) error {
+	n.mu.Lock()
+	n.mu.peers[peer].close()
+	delete(n.mu.peers, peer)
+	n.mu.Unlock()
 	if err := n.a.InvalidatePeer(string(peer)); err != nil {
 		return fmt.Errorf("%w: %w", ErrUnknownPeer, nixlErr(err))
+	}
+	return nil
+}
+
+// peerGone returns why peer is known to be gone, or nil.
+func (n *NixlBackend) peerGone(peer PeerName) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.peerGoneLocked(peer)
+}
+
+func (n *NixlBackend) peerGoneLocked(peer PeerName) error {
+	if p := n.mu.peers[peer]; p.gone() {
+		return p.err()
 	}
 	return nil
 }
@@ -209,6 +264,9 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 		}
 		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
 	}
+	if err := n.peerGone(peer); err != nil {
+		return 0, err
+	}
 	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
@@ -216,7 +274,7 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.next++
-	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, state: XferInProgress}
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: peer, state: XferInProgress}
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
@@ -238,6 +296,12 @@ func (n *NixlBackend) State(id XferID) (XferState, error) {
 			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, err)
 		case done:
 			x.state = XferDone
+		default:
+			// Over UCX's shared memory nothing ends a transfer to a
+			// dead peer: its process's exit does.
+			if err := n.peerGoneLocked(x.peer); err != nil {
+				x.state, x.err = XferFailed, err
+			}
 		}
 	}
 	return x.state, x.err
@@ -275,7 +339,7 @@ func (n *NixlBackend) Prepare(peer PeerName, entries []hotpath.Entry) (PrepID, e
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.nextP++
-	n.mu.preps[n.mu.nextP] = p
+	n.mu.preps[n.mu.nextP] = nixlPrep{p: p, peer: peer}
 	return n.mu.nextP, nil
 }
 
@@ -284,22 +348,26 @@ func (n *NixlBackend) PostPrepared(op hotpath.Op, local, remote PrepID, pairs []
 	n.mu.Lock()
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
+	gone := n.peerGoneLocked(rp.peer)
 	n.mu.Unlock()
 	if !lok || !rok {
 		return 0, fmt.Errorf("kvxfer: post prepared: unknown list %d or %d", local, remote)
+	}
+	if gone != nil {
+		return 0, gone
 	}
 	idx := make([][2]int32, len(pairs))
 	for i, p := range pairs {
 		idx[i] = [2]int32{p.Local, p.Remote}
 	}
-	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp, rp, idx, notif)
+	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp.p, rp.p, idx, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.next++
-	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, state: XferInProgress}
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: rp.peer, state: XferInProgress}
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
@@ -320,7 +388,7 @@ func (n *NixlBackend) ReleasePrepared(id PrepID) error {
 	if !ok {
 		return fmt.Errorf("kvxfer: release prepared list %d: unknown", id)
 	}
-	return nixlErr(n.a.Unprepare(p))
+	return nixlErr(n.a.Unprepare(p.p))
 }
 
 // Release implements Backend.
@@ -337,6 +405,9 @@ func (n *NixlBackend) Release(id XferID) error {
 
 // Notify implements Backend.
 func (n *NixlBackend) Notify(peer PeerName, msg []byte) error {
+	if err := n.peerGone(peer); err != nil {
+		return fmt.Errorf("notify %s: %w", peer, err)
+	}
 	if err := n.a.Notify(string(peer), msg); err != nil {
 		return fmt.Errorf("notify %s: %w", peer, nixlErr(err))
 	}
@@ -423,7 +494,12 @@ func (n *NixlBackend) Close() error {
 		<-n.done
 		n.mu.Lock()
 		n.mu.closed = true
+		for name, p := range n.mu.peers {
+			p.close()
+			delete(n.mu.peers, name)
+		}
 		n.mu.Unlock()
+		nixlClosed(n.a.Name())
 		err = n.a.Close()
 	})
 	return err

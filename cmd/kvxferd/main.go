@@ -5,6 +5,9 @@
 //
 //	kvxferd [serve] [flags]   run the daemon (flags also read from KVXFERD_<FLAG>)
 //	kvxferd demo [flags]      run a P and a D daemon with simulated engines
+//
+// A hidden `kvxferd agent` serves one backend agent over a unix socket to
+// a test (agent.go): the cross-process conformance tests run two of them.
 package main
 
 import (
@@ -27,6 +30,8 @@ func main() {
 		err = daemon.Main(args)
 	case "demo":
 		err = demoMain(args)
+	case "agent": // hidden: one backend agent served to a test (agent.go)
+		err = agentMain(args)
 	default:
 		err = fmt.Errorf("unknown command %q (want serve or demo)", cmd)
 	}

@@ -8,10 +8,15 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon"
 )
 
-// TestMain lets the demo start this test binary as its daemons.
+// TestMain lets the demo start this test binary as its daemons, and the
+// cross-process conformance tests as their agents (`kvxferd agent`).
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "serve" {
-		if err := daemon.Main(os.Args[2:]); err != nil {
+	if len(os.Args) > 1 && (os.Args[1] == "serve" || os.Args[1] == "agent") {
+		run := daemon.Main
+		if os.Args[1] == "agent" {
+			run = agentMain
+		}
+		if err := run(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}

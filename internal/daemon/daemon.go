@@ -94,9 +94,12 @@ func parseFlags(args []string) (*config, error) {
 }
 
 // params parses -nixl-params.
-func (c *config) params() (map[string]string, error) {
+func (c *config) params() (map[string]string, error) { return ParseParams(c.nixlParams) }
+
+// ParseParams parses NIXL backend parameters given as key=value,...
+func ParseParams(list string) (map[string]string, error) {
 	out := map[string]string{}
-	for _, item := range strings.Split(c.nixlParams, ",") {
+	for _, item := range strings.Split(list, ",") {
 		if item = strings.TrimSpace(item); item == "" {
 			continue
 		}

@@ -55,6 +55,8 @@ var Rules = []Rule{
 		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "internal/agentrpc imports kvxfer", Prefix: "internal/agentrpc",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "internal/shm imports std and x/sys", Prefix: "internal/shm",
 		Allowed: []string{"golang.org/x/sys/..."}},
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,

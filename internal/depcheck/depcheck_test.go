@@ -63,6 +63,12 @@ func TestCheckRules(t *testing.T) {
 			want:   []string{`kvxfer/kvxfertest: imports ` + m + `stream (rule "kvxfer/kvxfertest imports kvxfer")`},
 		},
 		{
+			name:   "internal/agentrpc may import kvxfer but not gRPC's stream",
+			reason: "the test-agent RPC is net/rpc over kvxfer.Backend, nothing else",
+			pkgs:   []Package{{ImportPath: m + "internal/agentrpc", Deps: []string{m + "kvxfer", m + "hotpath", m + "stream"}}},
+			want:   []string{`internal/agentrpc: imports ` + m + `stream (rule "internal/agentrpc imports kvxfer")`},
+		},
+		{
 			name: "cgo only in nixl and cuda",
 			pkgs: []Package{
 				{ImportPath: m + "internal/nixl", Deps: []string{"C", "runtime/cgo"}, Cgo: true},

@@ -1,0 +1,94 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/agentrpc"
+	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/kvxfer"
+)
+
+// agentMain is the hidden `kvxferd agent` command, for tests: one backend
+// agent in this process, its memory a shared-memory file the caller
+// created (-shm, -size), served with internal/agentrpc to the one client
+// that connects to -socket. It exits when the client hangs up (the
+// client's Close, or the client's process ending), so a test that closes
+// the agent loses a real peer process.
+func agentMain(args []string) error {
+	fs := flag.NewFlagSet("kvxferd agent", flag.ContinueOnError)
+	socket := fs.String("socket", "", "unix socket to serve the agent on (one client)")
+	shmPath := fs.String("shm", "", "shared-memory file holding the agent's memory")
+	size := fs.Uint64("size", 0, "bytes of -shm to map")
+	backend := fs.String("backend", "builtin", "builtin (TCP on 127.0.0.1) or nixl")
+	nixlParams := fs.String("nixl-params", "", "NIXL UCX backend parameters: key=value,...")
+	name := fs.String("name", "", "agent name (default: from the pid)")
+	accept := fs.Duration("accept-timeout", 30*time.Second, "how long to wait for the client")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *socket == "" || *shmPath == "" {
+		return errors.New("agent: -socket and -shm are required")
+	}
+	params, err := daemon.ParseParams(*nixlParams)
+	if err != nil {
+		return err
+	}
+	if *name == "" {
+		*name = fmt.Sprintf("kvxferd-agent-%d-%d", os.Getpid(), time.Now().UnixNano())
+	}
+	m, err := shm.Map("", *shmPath, *size)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	base := uint64(uintptr(unsafe.Pointer(&m.Bytes[0])))
+	var be kvxfer.Backend
+	switch *backend {
+	case "builtin":
+		// The direct copy is for agents of one process; here every peer
+		// is another process, so the TCP path is what runs.
+		nb, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: *name, Conns: 3, DisableLocal: true,
+			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+		if err != nil {
+			return err
+		}
+		be = nb
+		if err := nb.Map(base, m.Bytes); err != nil {
+			_ = nb.Close()
+			return err
+		}
+	case "nixl":
+		nb, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: *name, Params: params})
+		if err != nil {
+			return err
+		}
+		be = nb
+		if err := nb.Map(base, m.Bytes); err != nil {
+			_ = nb.Close()
+			return err
+		}
+	default:
+		return fmt.Errorf("agent: -backend = %q, want builtin or nixl", *backend)
+	}
+	defer be.Close()
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: *socket, Net: "unix"})
+	if err != nil {
+		return err
+	}
+	_ = ln.SetDeadline(time.Now().Add(*accept))
+	conn, err := ln.Accept()
+	ln.Close() // removes the socket file
+	if err != nil {
+		return fmt.Errorf("agent: no client: %w", err)
+	}
+	return agentrpc.Serve(conn, be, agentrpc.Info{Pid: os.Getpid(),
+		Region: kvxfer.MemRegion{Addr: base, Len: *size, Kind: kvxfer.MemDRAM}})
+}

@@ -1,0 +1,100 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+)
+
+// agentHarness runs every agent as `kvxferd agent` (this test binary,
+// through TestMain) with the backend flags, in a child process whose
+// environment is the test's plus env (which wins). UCX may use the
+// loopback device only (UCX_NET_DEVICES=lo): with UCX_TLS=tcp it would
+// otherwise also send over the host's own address on eth0.
+//
+// UCX's memory hooks are off in the agents (UCX_MEM_MMAP_HOOK_MODE=none,
+// unless the test's environment sets it): installing them costs about
+// 0.4 s per process, which is most of an agent's start, and they only
+// tell UCX's registration cache about memory being unmapped, which these
+// agents never do while they live. The in-process NIXL tests
+// (kvxfer.TestConformanceNixl*) keep UCX's defaults.
+func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
+	return kvxfertest.ProcessHarness{Command: func() *exec.Cmd {
+		cmd := exec.Command(os.Args[0], append([]string{"agent"}, args...)...)
+		cmd.Env = append(append([]string{"UCX_MEM_MMAP_HOOK_MODE=none"}, os.Environ()...), "UCX_NET_DEVICES=lo")
+		cmd.Env = append(cmd.Env, env...)
+		return cmd
+	}}
+}
+
+// skipWithoutNixl skips where NIXL's library cannot be loaded. The probe
+// agent runs without UCX's peer-failure handling, so that whatever
+// UCX_TLS the test's environment sets (the agents get their own) it
+// starts.
+func skipWithoutNixl(t *testing.T) {
+	t.Helper()
+	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-test-probe-%d", time.Now().UnixNano()),
+		Params: map[string]string{"ucx_error_handling_mode": "none"}})
+	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("NIXL is here but an agent does not start: %v", err)
+	}
+	_ = b.Close()
+}
+
+// The conformance suite between two kvxferd processes, neither the
+// test's: the built-in backend over loopback TCP.
+func TestConformanceProcessBuiltinTCP(t *testing.T) {
+	kvxfertest.Conformance(t, agentHarness(nil, "-backend", "builtin"))
+}
+
+// NIXL between two kvxferd processes, UCX over TCP (UCX's default error
+// handling: peer failures are reported).
+func TestConformanceProcessNixlTCP(t *testing.T) {
+	skipWithoutNixl(t)
+	kvxfertest.Conformance(t, agentHarness([]string{"UCX_TLS=tcp"}, "-backend", "nixl"))
+}
+
+// NIXL between two kvxferd processes, UCX over shared memory: UCX's
+// shared-memory transports need ucx_error_handling_mode=none.
+func TestConformanceProcessNixlShm(t *testing.T) {
+	skipWithoutNixl(t)
+	kvxfertest.Conformance(t, agentHarness([]string{"UCX_TLS=sm"}, "-backend", "nixl", "-nixl-params", "ucx_error_handling_mode=none"))
+}
+
+// A peer process killed (SIGKILL, no goodbye): transfers and
+// notifications to it fail instead of hanging or vanishing. Over UCX's
+// shared-memory FIFOs alone (posix) nothing in UCX notices the death; the
+// NIXL backend's own peer watch does (kvxfer/nixlpeer.go).
+func TestPeerKilledProcess(t *testing.T) {
+	for _, v := range []struct {
+		name string
+		nixl bool
+		env  []string
+		args []string
+		hang string // why the survivor's Close is known to hang
+	}{
+		{name: "builtin-tcp", args: []string{"-backend", "builtin"}},
+		{name: "nixl-ucx-tcp", nixl: true, env: []string{"UCX_TLS=tcp"}, args: []string{"-backend", "nixl"}},
+		{name: "nixl-ucx-sm", nixl: true, env: []string{"UCX_TLS=sm"}, args: []string{"-backend", "nixl", "-nixl-params", "ucx_error_handling_mode=none"}},
+		{name: "nixl-ucx-posix", nixl: true, env: []string{"UCX_TLS=posix"}, args: []string{"-backend", "nixl", "-nixl-params", "ucx_error_handling_mode=none"},
+			hang: "NIXL 1.5.1/UCX 1.23: with a request to the dead peer stuck in UCX's shared-memory FIFO, destroying the agent joins NIXL's UCX progress thread, which spins in ucp_worker_arm forever (bench/RESULTS.md)"},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			if v.nixl {
+				skipWithoutNixl(t)
+			}
+			h := agentHarness(v.env, v.args...)
+			h.CloseHangsAfterCrash = v.hang
+			kvxfertest.PeerKilled(t, h)
+		})
+	}
+}

@@ -1,0 +1,118 @@
+//go:build linux
+
+package kvxfer
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+)
+
+func TestMetaEnvelope(t *testing.T) {
+	id := procID{Pid: 1234, Start: 987654321, PidNS: 4026531836, Boot: [16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}
+	blob := []byte("nixl's own metadata")
+	got, ok, raw := unwrapMeta(wrapMeta(id, blob))
+	if !ok || got != id || !bytes.Equal(raw, blob) {
+		t.Errorf("round trip = %+v, %v, %q", got, ok, raw)
+	}
+	for _, m := range [][]byte{nil, []byte("not ours"), []byte(metaMagic)} {
+		if _, ok, raw := unwrapMeta(m); ok || !bytes.Equal(raw, m) {
+			t.Errorf("unwrapMeta(%q) = %v, %q; want NIXL's blob as it is", m, ok, raw)
+		}
+	}
+}
+
+func TestSelfProc(t *testing.T) {
+	self, ok := selfProc()
+	if !ok {
+		t.Skip("no /proc or no pidfds here")
+	}
+	if self.Pid != uint32(os.Getpid()) || self.Start == 0 || self.PidNS == 0 || self.Boot == ([16]byte{}) {
+		t.Errorf("selfProc = %+v", self)
+	}
+}
+
+// A peer process is watched through a pidfd: alive until it exits; a
+// reused pid, a pid that is gone, or a process from another namespace or
+// host is never mistaken for the peer.
+func TestWatchPeerProcess(t *testing.T) {
+	self, ok := selfProc()
+	if !ok {
+		t.Skip("no /proc or no pidfds here")
+	}
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Skip("no sleep(1)")
+	}
+	cmd := exec.Command(sleep, "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	pid := cmd.Process.Pid
+	start, err := procStart(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := self
+	peer.Pid, peer.Start = uint32(pid), start
+
+	w := watchPeer("p", peer)
+	if w == nil || w.gone() {
+		t.Fatalf("watch of a live peer = %+v", w)
+	}
+	defer w.close()
+	reused := peer
+	reused.Start++ // the pid now names another process
+	if r := watchPeer("p", reused); r == nil || !r.gone() || r.fd != -1 {
+		t.Errorf("watch of a reused pid = %+v, want gone with no pidfd", r)
+	}
+	for _, other := range []procID{
+		{Pid: peer.Pid, Start: start, PidNS: self.PidNS + 1, Boot: self.Boot},
+		{Pid: peer.Pid, Start: start, PidNS: self.PidNS, Boot: [16]byte{1}},
+	} {
+		if r := watchPeer("p", other); r != nil {
+			t.Errorf("watch of a process in another namespace or boot = %+v, want none", r)
+		}
+	}
+
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	deadline := time.Now().Add(10 * time.Second)
+	for !w.gone() && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if !w.gone() {
+		t.Fatal("a killed peer process is not gone")
+	}
+	if err := w.err(); err == nil || !bytes.Contains([]byte(err.Error()), []byte("exited")) {
+		t.Errorf("err = %v", err)
+	}
+	if r := watchPeer("p", peer); r == nil || !r.gone() {
+		t.Errorf("watch of an exited peer = %+v, want gone", r)
+	}
+}
+
+// A peer agent of this very process is alive while it is open.
+func TestWatchPeerLocal(t *testing.T) {
+	self, ok := selfProc()
+	if !ok {
+		t.Skip("no /proc or no pidfds here")
+	}
+	nixlOpened("local-agent")
+	w := watchPeer("local-agent", self)
+	if w == nil || !w.local || w.gone() {
+		t.Fatalf("watch of an open local agent = %+v", w)
+	}
+	nixlClosed("local-agent")
+	if !w.gone() {
+		t.Error("a closed local agent is not gone")
+	}
+	earlier := self
+	earlier.Start--
+	if r := watchPeer("local-agent", earlier); r == nil || !r.gone() {
+		t.Errorf("watch of an earlier process with our pid = %+v, want gone", r)
+	}
+}
