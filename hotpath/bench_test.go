@@ -46,8 +46,11 @@ func report(b *testing.B, descs, units int) {
 }
 
 // BenchmarkAppendDescs measures the optimised builder on every shape.
-func BenchmarkAppendDescs(b *testing.B) {
-	for _, s := range benchShapes(b) {
+func BenchmarkAppendDescs(b *testing.B) { benchAppendDescs(b, benchShapes(b)) }
+
+// benchAppendDescs times Builder.AppendDescs on each shape.
+func benchAppendDescs(b *testing.B, list []*shapes.Shape) {
+	for _, s := range list {
 		b.Run(s.Name, func(b *testing.B) {
 			opt, ref := counts(b, s)
 			bl, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
@@ -143,24 +146,9 @@ func scattered(b *testing.B, s *shapes.Shape) *shapes.Shape {
 // BenchmarkScattered is BenchmarkAppendDescs with every region at its own
 // gap (scattered): no region pair repeats another in memory twice.
 func BenchmarkScattered(b *testing.B) {
+	var ss []*shapes.Shape
 	for _, s := range benchShapes(b) {
-		s := scattered(b, s)
-		b.Run(s.Name, func(b *testing.B) {
-			opt, ref := counts(b, s)
-			bl, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
-			if err != nil {
-				b.Fatal(err)
-			}
-			dst := make([]hotpath.Desc, 0, ref)
-			b.SetBytes(s.Bytes)
-			b.ReportAllocs()
-			for b.Loop() {
-				dst, err = bl.AppendDescs(dst[:0], s.Plan, s.Req)
-				if err != nil {
-					b.Fatal(err)
-				}
-			}
-			report(b, opt, ref)
-		})
+		ss = append(ss, scattered(b, s))
 	}
+	benchAppendDescs(b, ss)
 }

@@ -50,35 +50,28 @@ func agentMain(args []string) error {
 	}
 	defer m.Close()
 	base := uint64(uintptr(unsafe.Pointer(&m.Bytes[0])))
-	var be kvxfer.Backend
+	var be interface {
+		kvxfer.Backend
+		Map(base uint64, mem []byte) error
+	}
 	switch *backend {
 	case "builtin":
 		// The direct copy is for agents of one process; here every peer
 		// is another process, so the TCP path is what runs.
-		nb, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: *name, Conns: 3, DisableLocal: true,
+		be, err = kvxfer.NewNetBackend(kvxfer.NetConfig{Name: *name, Conns: 3, DisableLocal: true,
 			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-		if err != nil {
-			return err
-		}
-		be = nb
-		if err := nb.Map(base, m.Bytes); err != nil {
-			_ = nb.Close()
-			return err
-		}
 	case "nixl":
-		nb, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: *name, Params: params})
-		if err != nil {
-			return err
-		}
-		be = nb
-		if err := nb.Map(base, m.Bytes); err != nil {
-			_ = nb.Close()
-			return err
-		}
+		be, err = kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: *name, Params: params})
 	default:
 		return fmt.Errorf("agent: -backend = %q, want builtin or nixl", *backend)
 	}
+	if err != nil {
+		return err
+	}
 	defer be.Close()
+	if err := be.Map(base, m.Bytes); err != nil {
+		return err
+	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: *socket, Net: "unix"})
 	if err != nil {
 		return err
