@@ -2,19 +2,15 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
-	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -39,6 +35,7 @@ type simReq struct {
 	params                   *kvxfer.TransferParams // pull: P's params for D, set before D gets the request
 	dReq                     *kvxfer.Request
 	dIDs                     []topology.BlockID // D's new blocks (past the hit)
+	landed                   time.Time          // the KV complete on every D rank, as reported to D's engine
 	dAdmit, kvAt, first, end time.Time
 	dResult                  kvxfer.Result
 	dGot                     bool
@@ -88,22 +85,20 @@ func (a *allocator) release(ids []topology.BlockID) {
 type rankFin struct {
 	rank int
 	f    kvxfer.Finished
+	at   time.Time // when the rank's report reached the engine
 }
 
-// engine is a simulated engine: TP ranks whose KV caches live in shared
-// memory attached to a kvxferd, a kvxfer.Scheduler, an Aggregator, a
-// block allocator and a step loop that sleeps for the time model's
-// compute.
+// engine is a simulated engine: an attached simengine (TP ranks whose KV
+// caches live in shared memory, their streams to a kvxferd, a
+// kvxfer.Scheduler and an Aggregator), a block allocator and a step loop
+// that sleeps for the time model's compute.
 type engine struct {
 	id      string
 	run     *run
 	tp      int
+	se      *simengine.Engine // nil in the baseline: no kvxfer
 	ranks   []*kvsim.Rank
-	streams []*stream.RankStream
-	maps    []*shm.Mapping
-	client  *stream.Client
 	sched   *kvxfer.Scheduler
-	agg     *kvxfer.Aggregator
 	blocks  *allocator
 	fin     chan rankFin
 	inbox   chan *simReq
@@ -116,129 +111,86 @@ type engine struct {
 	needStep bool // the scheduler staged metadata for the next step
 	finBuf   []rankFin
 	readyBuf []*simReq
-	modelled time.Duration // compute time the model asked for
-	overrun  time.Duration // how much longer the steps took
+	landed   map[string]time.Time // D: when the last rank's report of a request's KV arrived
+	modelled time.Duration        // compute time the model asked for
+	overrun  time.Duration        // how much longer the steps took
 }
 
 func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layerwise bool, rng *rand.Rand) (*engine, error) {
-	ranks, err := kvsim.Build(&r.model, &e)
-	if err != nil {
-		return nil, err
-	}
-	en := &engine{id: id, run: r, tp: tp, ranks: ranks[0], byID: map[string]*simReq{},
+	en := &engine{id: id, run: r, tp: tp, byID: map[string]*simReq{}, landed: map[string]time.Time{},
 		fin: make(chan rankFin, 64*tp), inbox: make(chan *simReq, 4096), kvReady: make(chan *simReq, 4096),
 		blocks: newAllocator(e.Blocks, r.shape.Frag, rng)}
 	if r.mode == modeBaseline {
 		return en, nil // no kvxfer: P tells D directly
 	}
-	if en.client, err = stream.Dial("unix://" + dm.Sock); err != nil {
-		return en, err
+	se, err := simengine.Attach(simengine.Config{Dir: r.dir, Sock: dm.Sock, Peer: dm.Peer, ID: id, Model: &r.model, Engine: e,
+		Mode: r.kvMode(), Layerwise: layerwise, Version: "kvxfer-pdsim"})
+	if err != nil {
+		return nil, err
 	}
-	hash := kvxfer.CompatHash(kvxfer.CompatFactors{EngineVersion: "kvxfer-pdsim", Model: "pdsim", Dtype: "bf16",
-		NumKVHeads: r.model.TotalKVHeads, HeadSize: r.model.HeadSize, NumHiddenLayers: len(r.model.Kinds), Mode: r.kvMode()})
-	for rank, kr := range en.ranks {
-		name := fmt.Sprintf("%s-tp%d", id, rank)
-		mp, err := shm.Create(r.dir, name, uint64(len(kr.Mem)))
-		if err != nil {
-			return en, err
-		}
-		en.maps = append(en.maps, mp)
-		kr.Mem = mp.Bytes
-		kr.Scramble(uint64(rank + 1))
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		rs, err := en.client.Connect(ctx, stream.Hello{EngineID: id, Mode: r.kvMode(), Layout: kr.Layout, CompatHash: hash, Layerwise: layerwise,
-			Memory: []stream.Memory{{Path: filepath.Join(r.dir, name), Base: kr.Base, Size: uint64(len(kr.Mem))}}})
-		cancel()
-		if err != nil {
-			return en, fmt.Errorf("attach %s rank %d: %w", id, rank, err)
-		}
-		en.streams = append(en.streams, rs)
+	en.se, en.ranks, en.sched = se, se.Ranks, se.Sched
+	for rank, rs := range se.Streams {
 		en.wg.Add(1)
 		go func() {
 			defer en.wg.Done()
 			for f := range rs.Finished() {
-				en.fin <- rankFin{rank, f}
+				en.fin <- rankFin{rank, f, time.Now()}
 			}
 		}()
 	}
-	if en.sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: id, Addr: dm.Peer, Mode: r.kvMode(), TPSize: tp,
-		LogicalBlockSize: r.block, Groups: en.ranks[0].Layout.GroupList()}); err != nil {
-		return en, err
-	}
-	en.agg, err = kvxfer.NewAggregator(tp)
-	return en, err
+	return en, nil
 }
 
 // step builds the scheduler's metadata (plus prefill, for layer-wise
 // push) and hands it to every rank.
 func (en *engine) step(prefill []kvxfer.SendReq) (uint64, error) {
-	if en.sched == nil {
+	if en.se == nil {
 		return 0, nil
 	}
 	meta := en.sched.BuildMeta()
 	meta.Prefill = prefill
 	en.needStep = false
-	for i, rs := range en.streams {
-		if err := rs.Step(meta); err != nil {
-			return 0, fmt.Errorf("%s rank %d: step: %w", en.id, i, err)
-		}
-	}
-	return meta.Step, nil
-}
-
-// layerSaved reports a layer saved on every rank.
-func (en *engine) layerSaved(step uint64, layer int) error {
-	for i, rs := range en.streams {
-		if err := rs.LayerSaved(step, layer); err != nil {
-			return fmt.Errorf("%s rank %d: layer saved: %w", en.id, i, err)
-		}
-	}
-	return nil
+	return meta.Step, en.se.Step(meta)
 }
 
 // fold adds one rank's finished set; it returns the engine-wide outcomes
 // once every rank reported them.
 func (en *engine) fold(rf rankFin) (*kvxfer.Finished, error) {
-	out, err := en.agg.Add(rf.rank, &rf.f)
-	if err != nil || out == nil {
-		return nil, err
-	}
-	en.sched.Update(out)
-	return out, nil
-}
-
-func (en *engine) stepErrors() error {
-	for i, rs := range en.streams {
-		select {
-		case msg := <-rs.StepErrors():
-			return fmt.Errorf("%s rank %d: step rejected: %s", en.id, i, msg)
-		default:
+	out, err := en.se.Fold(rf.rank, &rf.f)
+	if out != nil {
+		for _, o := range out.Recving {
+			en.landed[o.ReqID] = rf.at // reports fold in arrival order: this one completed it
 		}
 	}
-	return nil
+	return out, err
 }
 
 // close says bye on every rank (kvxferd reports what is left and
 // detaches) and removes the engine's shared memory.
 func (en *engine) close() {
-	for _, rs := range en.streams {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		_ = rs.Close(ctx)
-		cancel()
+	if en.se == nil {
+		return
 	}
+	quit := make(chan struct{})
 	go func() { // the forwarders end with the streams
-		for range en.fin {
+		for {
+			select {
+			case <-en.fin:
+			case <-quit:
+				return
+			}
 		}
 	}()
+	_ = en.se.Close()
 	en.wg.Wait()
-	close(en.fin)
-	if en.client != nil {
-		_ = en.client.Close()
+	close(quit)
+}
+
+func (en *engine) stepErrors() error {
+	if en.se == nil {
+		return nil
 	}
-	for _, m := range en.maps {
-		_ = os.Remove(m.Path)
-		_ = m.Close()
-	}
+	return en.se.StepError()
 }
 
 // sleepUntil waits for t or ctx.
@@ -261,11 +213,4 @@ func sleepUntil(ctx context.Context, t time.Time) error {
 func (en *engine) lag(want, got time.Duration) {
 	en.modelled += want
 	en.overrun += max(0, got-want)
-}
-
-func (en *engine) lagFraction() float64 {
-	if en.modelled <= 0 {
-		return 0
-	}
-	return float64(en.overrun) / float64(en.modelled)
 }

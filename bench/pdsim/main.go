@@ -64,6 +64,7 @@ type options struct {
 	corrupt   bool
 	timeLimit time.Duration
 	hop       time.Duration
+	repeats   int
 }
 
 // defaultShapes is the matrix of the seeds' workloads: TP 4 and 8 and P8
@@ -113,11 +114,15 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	speed := fs.Float64("compute-scale", 1, "multiplies every simulated compute time")
 	corrupt := fs.Bool("corrupt", false, "corrupt one source byte of one request per run (the run must fail)")
 	limit := fs.Duration("time-limit", 0, "per run (default: the arrivals' span + 2 minutes)")
+	repeats := fs.Int("repeats", 1, "runs per shape and mode, with seeds -seed, -seed+1...; the table pools them and the summary gives the range over runs")
 	hop := fs.Duration("dispatch-latency", 0, "the router's latency per dispatch (HTTP, tokenization): pull pays it twice in a row, the concurrent modes once")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
-	o := &options{seed: *seed, svg: *svg, md: *md, block: *block, time: model32B, corrupt: *corrupt, timeLimit: *limit, hop: *hop}
+	o := &options{seed: *seed, svg: *svg, md: *md, block: *block, time: model32B, corrupt: *corrupt, timeLimit: *limit, hop: *hop, repeats: *repeats}
+	if *repeats < 1 {
+		return nil, fmt.Errorf("-repeats = %d, want >= 1", *repeats)
+	}
 	if *hop < 0 {
 		return nil, fmt.Errorf("-dispatch-latency = %v, want >= 0", *hop)
 	}
@@ -203,32 +208,58 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		_ = p.Stop()
 		return err
 	}
-	var results []*result
+	var results []*result // pooled per shape and mode
 	var runErr error
+	if o.repeats > 1 {
+		fmt.Fprintf(stdout, "each run (%d per shape and mode, seeds %d-%d, modes in rotating order):\n", o.repeats, o.seed, o.seed+uint64(o.repeats)-1)
+	}
 	printHeader(stdout)
 	for _, s := range o.shapes {
-		for _, m := range o.modes {
-			res, err := simulate(ctx, runConfig{shape: s, mode: m, seed: o.seed, time: o.time, model: o.model, block: o.block,
-				dir: dir, p: p, d: d, corrupt: o.corrupt, progress: stderr, timeLimit: o.timeLimit, hop: o.hop})
-			if res != nil {
-				results = append(results, res)
-				printRow(stdout, res, results)
-				for _, f := range res.failures[:min(len(res.failures), 5)] {
-					fmt.Fprintln(stdout, "    ", f)
+		runs := make([][]*result, len(o.modes))
+		for rep := range o.repeats {
+			for k := range o.modes {
+				// Each repeat starts with another mode, so that a slow patch
+				// of the machine does not always fall on the same one.
+				i := (k + rep) % len(o.modes)
+				m := o.modes[i]
+				seed := o.seed + uint64(rep)
+				res, err := simulate(ctx, runConfig{shape: s, mode: m, seed: seed, time: o.time, model: o.model, block: o.block,
+					dir: dir, p: p, d: d, corrupt: o.corrupt, progress: stderr, timeLimit: o.timeLimit, hop: o.hop})
+				if res != nil {
+					runs[i] = append(runs[i], res)
+					printRow(stdout, res)
+					for _, f := range res.failures[:min(len(res.failures), 5)] {
+						fmt.Fprintln(stdout, "    ", f)
+					}
 				}
-			}
-			if err == nil && (res.bad > 0 || res.failed > 0 || len(res.failures) > 0) {
-				err = fmt.Errorf("%d requests with wrong bytes, %d without an outcome, %d failures", res.bad, res.failed, len(res.failures))
-			}
-			if err != nil {
-				runErr = errors.Join(runErr, fmt.Errorf("%s %s: %w", s, m, err))
+				if err == nil && (res.bad > 0 || res.failed > 0 || len(res.failures) > 0) {
+					err = fmt.Errorf("%d requests with wrong bytes, %d without an outcome, %d failures", res.bad, res.failed, len(res.failures))
+				}
+				if err != nil {
+					runErr = errors.Join(runErr, fmt.Errorf("%s %s seed %d: %w", s, m, seed, err))
+				}
 				if ctx.Err() != nil {
 					break
 				}
 			}
+			if ctx.Err() != nil {
+				break
+			}
+		}
+		for _, rs := range runs {
+			if len(rs) > 0 {
+				results = append(results, merge(rs))
+			}
 		}
 		if ctx.Err() != nil {
 			break
+		}
+	}
+	if o.repeats > 1 {
+		fmt.Fprintf(stdout, "\npooled over the runs:\n")
+		printHeader(stdout)
+		for _, r := range results {
+			printRow(stdout, r)
 		}
 	}
 	perr, derr := p.Stop(), d.Stop()

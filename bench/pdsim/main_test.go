@@ -45,7 +45,7 @@ func TestQuickRun(t *testing.T) {
 	if err != nil || !bytes.HasPrefix(b, []byte("<svg")) || bytes.Count(b, []byte("<polyline")) != 8 {
 		t.Errorf("chart: %v, %d curves (want 8: 2 shapes x 4 modes)", err, bytes.Count(b, []byte("<polyline")))
 	}
-	if b, err := os.ReadFile(md); err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 12/12 |")) {
+	if b, err := os.ReadFile(md); err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 1 | 12/12 |")) {
 		t.Errorf("markdown table: %v\n%s", err, b)
 	}
 	deadline := time.Now().Add(10 * time.Second)
@@ -55,6 +55,33 @@ func TestQuickRun(t *testing.T) {
 	if n := runtime.NumGoroutine(); n > before+2 {
 		buf := make([]byte, 1<<20)
 		t.Errorf("%d goroutines left (before: %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// Repeats run every mode once per seed and pool them; the summary gives
+// the range over the runs.
+func TestRepeats(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	var out bytes.Buffer
+	err := pdsimMain(context.Background(), []string{"-tp", "1", "-input", "64", "-output", "2", "-rate", "50", "-requests", "4",
+		"-modes", "baseline,push,layerwise", "-repeats", "2", "-svg", ""}, &out, io.Discard)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	o := out.String()
+	n := 0
+	for _, l := range strings.Split(o, "\n") {
+		if f := strings.Fields(l); len(f) > 2 && f[0] == "tp1/in64/out2/50qps/hit0/fresh" && f[1] == "push" {
+			n++
+		}
+	}
+	if n != 3 {
+		t.Errorf("%d push rows, want 3 (2 runs, 1 pooled):\n%s", n, o)
+	}
+	if !strings.Contains(o, "seeds 1-2") || !strings.Contains(o, "pooled over the runs") || !strings.Contains(o, "% to ") {
+		t.Errorf("no pooled table or range:\n%s", o)
 	}
 }
 
@@ -85,6 +112,7 @@ func TestOptionsValidation(t *testing.T) {
 		{"-layers", "0"},
 		{"-compute-scale", "-1"},
 		{"-dispatch-latency", "-1ms"},
+		{"-repeats", "0"},
 	} {
 		if _, err := parseOptions(args, io.Discard); err == nil {
 			t.Errorf("parseOptions(%q) accepted", args)
@@ -96,5 +124,42 @@ func TestOptionsValidation(t *testing.T) {
 	}
 	if o, _ := parseOptions(nil, io.Discard); len(o.shapes) != len(defaultShapes(1)) || len(o.modes) != 4 {
 		t.Errorf("defaults: %d shapes, %d modes", len(o.shapes), len(o.modes))
+	}
+}
+
+// Repeats pool per shape and mode; the summary compares the pooled means
+// and gives the range of the per-run comparisons, paired by seed.
+func TestMergeAndSpread(t *testing.T) {
+	s := shape{PTP: 4, DTP: 4, Input: 1024, Output: 128, Rate: 8, Requests: 2}
+	ms := func(v ...int) []time.Duration {
+		var out []time.Duration
+		for _, x := range v {
+			out = append(out, time.Duration(x)*time.Millisecond)
+		}
+		return out
+	}
+	run := func(m mode, ttft ...int) *result {
+		r := &result{shape: s, mode: m, runs: 1, requests: len(ttft), done: len(ttft), ttft: ms(ttft...), elapsed: time.Second,
+			kvIn: ms(ttft...), modelledD: 100 * time.Millisecond, overrunD: 10 * time.Millisecond}
+		r.runTTFT = []time.Duration{mean(r.ttft)}
+		return r
+	}
+	pull := merge([]*result{run(modePull, 110, 130), run(modePull, 300, 300)})
+	push := merge([]*result{run(modePush, 100, 100), run(modePush, 200, 200)})
+	base := merge([]*result{run(modeBaseline, 100, 100), run(modeBaseline, 150, 150)})
+	if pull.runs != 2 || pull.done != 4 || len(pull.ttft) != 4 || pull.elapsed != 2*time.Second || len(pull.kvIn) != 4 ||
+		pull.lagD() < 0.0999 || pull.lagD() > 0.1001 || pull.ttft[0] != 110*time.Millisecond || pull.ttft[3] != 300*time.Millisecond {
+		t.Fatalf("merged %+v", pull)
+	}
+	cs := compare([]*result{base, pull, push})
+	if len(cs) != 1 {
+		t.Fatalf("%d comparisons", len(cs))
+	}
+	// Pooled: pull 210 ms / push 150 ms = 1.40x; per run 1.20x and 1.50x.
+	if c := cs[0]; c.pullPushMean != "1.40x (1.20x to 1.50x)" || c.pushVsBase != "+20.0% (+0.0% to +33.3%)" || c.layerwiseVsBase != "-" {
+		t.Errorf("comparison %+v", c)
+	}
+	if md := markdown([]*result{base, pull, push}); !strings.Contains(md, "| tp4/in1024/out128/8qps/hit0/fresh | pull | 2 | 4/4 | 210.0 |") {
+		t.Errorf("markdown:\n%s", md)
 	}
 }

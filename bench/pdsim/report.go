@@ -10,19 +10,20 @@ import (
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-const rowFmt = "%-40s %-9s %5s %5s %9s %9s %9s %8s %7s %8s | %8s %8s %8s %8s | %6s %6s\n"
+const rowFmt = "%-40s %-9s %5s %5s %9s %9s %9s %8s %7s %8s | %8s %8s %8s %8s %8s | %6s %6s\n"
 
 func printHeader(w io.Writer) {
 	fmt.Fprintf(w, rowFmt, "shape", "mode", "reqs", "done", "TTFT mean", "median", "p99", "TPOT", "req/s", "MiB",
-		"P queue", "prefill", "KV wait", "to tok1", "P lag", "D lag")
+		"P queue", "prefill", "KV in", "D step", "to tok1", "P lag", "D lag")
 }
 
-func printRow(w io.Writer, r *result, _ []*result) {
+func printRow(w io.Writer, r *result) {
+	f1 := func(d []time.Duration) string { return fmt.Sprintf("%.1f", ms(mean(d))) }
 	fmt.Fprintf(w, rowFmt, r.shape, r.mode, fmt.Sprint(r.requests), fmt.Sprint(r.done),
-		fmt.Sprintf("%.1f", ms(mean(r.ttft))), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.5))), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.99))),
+		f1(r.ttft), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.5))), fmt.Sprintf("%.1f", ms(pct(r.ttft, 0.99))),
 		fmt.Sprintf("%.2f", ms(mean(r.tpot))), fmt.Sprintf("%.2f", r.reqPerSec()), fmt.Sprintf("%.1f", float64(r.kvBytes)/(1<<20)),
-		fmt.Sprintf("%.1f", ms(r.meanQueueP)), fmt.Sprintf("%.1f", ms(r.meanPrefill)), fmt.Sprintf("%.1f", ms(r.meanTransfer)),
-		fmt.Sprintf("%.1f", ms(r.meanWaitStep)), fmt.Sprintf("%.1f%%", 100*r.lagP), fmt.Sprintf("%.1f%%", 100*r.lagD))
+		f1(r.queue), f1(r.prefill), f1(r.kvIn), f1(r.notice), f1(r.tok1),
+		fmt.Sprintf("%.1f%%", 100*r.lagP()), fmt.Sprintf("%.1f%%", 100*r.lagD()))
 }
 
 // byShape groups results by shape, in order.
@@ -53,43 +54,38 @@ func over(a, b time.Duration) string {
 	return fmt.Sprintf("%+.1f%%", 100*(float64(a)/float64(b)-1))
 }
 
-// printSummary compares the modes per shape: pull/push TTFT (the seeds'
-// ratio) and layer-wise push against the no-transfer baseline.
-func printSummary(w io.Writer, rs []*result) {
-	order, m := byShape(rs)
-	f := "%-40s %14s %14s %14s %18s %18s\n"
-	fmt.Fprintf(w, f, "shape", "pull/push mean", "median", "p99", "layerwise vs base", "push vs base")
-	for _, s := range order {
-		pu, ps, lw, b := m[s][modePull], m[s][modePush], m[s][modeLayerwise], m[s][modeBaseline]
-		get := func(r *result, fn func([]time.Duration) time.Duration) time.Duration {
-			if r == nil || len(r.ttft) == 0 {
-				return 0
-			}
-			return fn(r.ttft)
-		}
-		med := func(d []time.Duration) time.Duration { return pct(d, 0.5) }
-		p99 := func(d []time.Duration) time.Duration { return pct(d, 0.99) }
-		fmt.Fprintf(w, f, s, ratio(get(pu, mean), get(ps, mean)), ratio(get(pu, med), get(ps, med)), ratio(get(pu, p99), get(ps, p99)),
-			over(get(lw, mean), get(b, mean)), over(get(ps, mean), get(b, mean)))
+// spread is the range of a per-run comparison over the runs of a and b
+// (paired by seed), or "" for single runs.
+func spread(a, b *result, f func(x, y float64) float64, format string) string {
+	if a == nil || b == nil || len(a.runTTFT) < 2 || len(a.runTTFT) != len(b.runTTFT) {
+		return ""
 	}
+	lo, hi := math.Inf(1), math.Inf(-1)
+	for i := range a.runTTFT {
+		v := f(float64(a.runTTFT[i]), float64(b.runTTFT[i]))
+		lo, hi = math.Min(lo, v), math.Max(hi, v)
+	}
+	return " (" + fmt.Sprintf(format, lo) + " to " + fmt.Sprintf(format, hi) + ")"
 }
 
-// markdown renders the results as the table of bench/RESULTS.md.
-func markdown(rs []*result) string {
-	var b strings.Builder
-	b.WriteString("| shape | mode | requests | TTFT mean ms | TTFT median ms | TTFT p99 ms | TPOT mean ms | req/s | KV MiB verified | P queue ms | prefill ms | KV wait ms | KV to token 1 ms | P lag | D lag |\n")
-	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-	for _, r := range rs {
-		fmt.Fprintf(&b, "| %s | %s | %d/%d | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f%% | %.1f%% |\n",
-			r.shape, r.mode, r.done, r.requests, ms(mean(r.ttft)), ms(pct(r.ttft, 0.5)), ms(pct(r.ttft, 0.99)), ms(mean(r.tpot)),
-			r.reqPerSec(), float64(r.kvBytes)/(1<<20), ms(r.meanQueueP), ms(r.meanPrefill), ms(r.meanTransfer), ms(r.meanWaitStep),
-			100*r.lagP, 100*r.lagD)
-	}
+// comparison is one shape's summary: pull/push TTFT (the seeds' ratio)
+// and push and layer-wise push against the no-transfer baseline; means
+// carry the range over runs when a shape ran more than once.
+type comparison struct {
+	shape                        shape
+	pullPushMean, pullPushMedian string
+	pullPushP99, layerwiseVsBase string
+	pushVsBase                   string
+}
+
+func compare(rs []*result) []comparison {
 	order, m := byShape(rs)
-	b.WriteString("\n| shape | pull/push TTFT mean | median | p99 | layer-wise vs baseline (mean) | push vs baseline (mean) |\n|---|---:|---:|---:|---:|---:|\n")
+	var out []comparison
+	div := func(x, y float64) float64 { return x / y }
+	rel := func(x, y float64) float64 { return 100 * (x/y - 1) }
 	for _, s := range order {
-		get := func(md mode, q float64) time.Duration {
-			r := m[s][md]
+		pu, ps, lw, b := m[s][modePull], m[s][modePush], m[s][modeLayerwise], m[s][modeBaseline]
+		get := func(r *result, q float64) time.Duration {
 			if r == nil || len(r.ttft) == 0 {
 				return 0
 			}
@@ -98,9 +94,49 @@ func markdown(rs []*result) string {
 			}
 			return pct(r.ttft, q)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", s, ratio(get(modePull, -1), get(modePush, -1)),
-			ratio(get(modePull, 0.5), get(modePush, 0.5)), ratio(get(modePull, 0.99), get(modePush, 0.99)),
-			over(get(modeLayerwise, -1), get(modeBaseline, -1)), over(get(modePush, -1), get(modeBaseline, -1)))
+		c := comparison{shape: s,
+			pullPushMean:    ratio(get(pu, -1), get(ps, -1)),
+			pullPushMedian:  ratio(get(pu, 0.5), get(ps, 0.5)),
+			pullPushP99:     ratio(get(pu, 0.99), get(ps, 0.99)),
+			layerwiseVsBase: over(get(lw, -1), get(b, -1)),
+			pushVsBase:      over(get(ps, -1), get(b, -1))}
+		if c.pullPushMean != "-" {
+			c.pullPushMean += spread(pu, ps, div, "%.2fx")
+		}
+		if c.layerwiseVsBase != "-" {
+			c.layerwiseVsBase += spread(lw, b, rel, "%+.1f%%")
+		}
+		if c.pushVsBase != "-" {
+			c.pushVsBase += spread(ps, b, rel, "%+.1f%%")
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+// printSummary compares the modes per shape.
+func printSummary(w io.Writer, rs []*result) {
+	f := "%-40s %-26s %8s %8s %-26s %-26s\n"
+	fmt.Fprintf(w, f, "shape", "pull/push mean", "median", "p99", "layerwise vs base", "push vs base")
+	for _, c := range compare(rs) {
+		fmt.Fprintf(w, f, c.shape, c.pullPushMean, c.pullPushMedian, c.pullPushP99, c.layerwiseVsBase, c.pushVsBase)
+	}
+}
+
+// markdown renders the results as the table of bench/RESULTS.md.
+func markdown(rs []*result) string {
+	var b strings.Builder
+	b.WriteString("| shape | mode | runs | requests | TTFT mean ms | TTFT median ms | TTFT p99 ms | TPOT mean ms | req/s | KV MiB verified | P queue ms | prefill ms | KV in ms | D step ms | to token 1 ms | P lag | D lag |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range rs {
+		fmt.Fprintf(&b, "| %s | %s | %d | %d/%d | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f%% | %.1f%% |\n",
+			r.shape, r.mode, r.runs, r.done, r.requests, ms(mean(r.ttft)), ms(pct(r.ttft, 0.5)), ms(pct(r.ttft, 0.99)), ms(mean(r.tpot)),
+			r.reqPerSec(), float64(r.kvBytes)/(1<<20), ms(mean(r.queue)), ms(mean(r.prefill)), ms(mean(r.kvIn)), ms(mean(r.notice)),
+			ms(mean(r.tok1)), 100*r.lagP(), 100*r.lagD())
+	}
+	b.WriteString("\n| shape | pull/push TTFT mean | median | p99 | layer-wise vs baseline (mean) | push vs baseline (mean) |\n|---|---:|---:|---:|---:|---:|\n")
+	for _, c := range compare(rs) {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", c.shape, c.pullPushMean, c.pullPushMedian, c.pullPushP99, c.layerwiseVsBase, c.pushVsBase)
 	}
 	return b.String()
 }

@@ -131,25 +131,31 @@ func (r *run) kvMode() kvxfer.Mode {
 	return kvxfer.ModePush
 }
 
-// result is what a run measured.
+// result is what a run (or, merged, several runs of a shape and mode)
+// measured.
 type result struct {
-	shape                     shape
-	mode                      mode
-	requests, done, failed    int
-	bad                       int
-	ttft                      []time.Duration // per finished request, sorted
-	tpot                      []time.Duration
-	elapsed                   time.Duration
-	kvBytes                   int64 // bytes D received and verified
-	failures                  []string
-	meanQueueP, meanTransfer  time.Duration
-	meanPrefill, meanWaitStep time.Duration
-	// lagP and lagD are how much longer the engines' steps took than the
-	// time model says, as a fraction of the modelled time: the
-	// simulator's own CPU work and the machine's load. A few percent is
-	// timer noise; more means the machine did not keep up and the run's
-	// times are inflated.
-	lagP, lagD float64
+	shape                  shape
+	mode                   mode
+	runs                   int
+	requests, done, failed int
+	bad                    int
+	ttft                   []time.Duration // per finished request, sorted
+	tpot                   []time.Duration
+	runTTFT                []time.Duration // mean TTFT of each run merged in
+	elapsed                time.Duration   // summed over runs
+	kvBytes                int64           // bytes D received and verified
+	failures               []string
+	// Per finished request: arrival to P's prefill start (queue), the
+	// prefill, P's prefill end to the KV complete on every D rank as
+	// reported to D's engine (kvIn), from there to D's loop taking it
+	// (notice: the rest of D's current step), and to the end of D's step
+	// that emits the first token (tok1).
+	queue, prefill, kvIn, notice, tok1 []time.Duration
+	// modelled is the compute time the time model asked of each engine;
+	// overrun how much longer the engines' steps took: the simulator's own
+	// CPU work and the machine's load. A few percent is timer noise; more
+	// means the machine did not keep up and the run's times are inflated.
+	modelledP, overrunP, modelledD, overrunD time.Duration
 }
 
 func (res *result) reqPerSec() float64 {
@@ -157,6 +163,46 @@ func (res *result) reqPerSec() float64 {
 		return 0
 	}
 	return float64(res.done) / res.elapsed.Seconds()
+}
+
+func frac(over, of time.Duration) float64 {
+	if of <= 0 {
+		return 0
+	}
+	return float64(over) / float64(of)
+}
+
+func (res *result) lagP() float64 { return frac(res.overrunP, res.modelledP) }
+func (res *result) lagD() float64 { return frac(res.overrunD, res.modelledD) }
+
+// merge pools the runs of one shape and mode (repeats with other seeds).
+func merge(rs []*result) *result {
+	m := &result{shape: rs[0].shape, mode: rs[0].mode}
+	for _, r := range rs {
+		m.runs += r.runs
+		m.requests += r.requests
+		m.done += r.done
+		m.failed += r.failed
+		m.bad += r.bad
+		m.ttft = append(m.ttft, r.ttft...)
+		m.tpot = append(m.tpot, r.tpot...)
+		m.runTTFT = append(m.runTTFT, r.runTTFT...)
+		m.elapsed += r.elapsed
+		m.kvBytes += r.kvBytes
+		m.failures = append(m.failures, r.failures...)
+		m.queue = append(m.queue, r.queue...)
+		m.prefill = append(m.prefill, r.prefill...)
+		m.kvIn = append(m.kvIn, r.kvIn...)
+		m.notice = append(m.notice, r.notice...)
+		m.tok1 = append(m.tok1, r.tok1...)
+		m.modelledP += r.modelledP
+		m.overrunP += r.overrunP
+		m.modelledD += r.modelledD
+		m.overrunD += r.overrunD
+	}
+	slices.Sort(m.ttft)
+	slices.Sort(m.tpot)
+	return m
 }
 
 func pct(ds []time.Duration, q float64) time.Duration {
@@ -291,10 +337,9 @@ func simulate(ctx context.Context, cfg runConfig) (*result, error) {
 
 // collect turns the requests into a result.
 func (r *run) collect(elapsed time.Duration) *result {
-	res := &result{shape: r.shape, mode: r.mode, requests: len(r.reqs), elapsed: elapsed,
-		lagP: r.P.lagFraction(), lagD: r.D.lagFraction()}
+	res := &result{shape: r.shape, mode: r.mode, runs: 1, requests: len(r.reqs), elapsed: elapsed,
+		modelledP: r.P.modelled, overrunP: r.P.overrun, modelledD: r.D.modelled, overrunD: r.D.overrun}
 	bpt := int64(len(r.model.Kinds) * r.model.TotalKVHeads * r.model.HeadSize * r.model.ElemBytes * 2)
-	var q, pf, xf, ws []time.Duration
 	var last time.Time
 	for _, x := range r.reqs {
 		switch {
@@ -311,10 +356,11 @@ func (r *run) collect(elapsed time.Duration) *result {
 			if x.output > 1 {
 				res.tpot = append(res.tpot, x.end.Sub(x.first)/time.Duration(x.output-1))
 			}
-			q = append(q, x.pStart.Sub(x.arrive))
-			pf = append(pf, x.pEnd.Sub(x.pStart))
-			xf = append(xf, x.kvAt.Sub(x.pEnd))
-			ws = append(ws, x.first.Sub(x.kvAt))
+			res.queue = append(res.queue, x.pStart.Sub(x.arrive))
+			res.prefill = append(res.prefill, x.pEnd.Sub(x.pStart))
+			res.kvIn = append(res.kvIn, x.landed.Sub(x.pEnd))
+			res.notice = append(res.notice, x.kvAt.Sub(x.landed))
+			res.tok1 = append(res.tok1, x.first.Sub(x.kvAt))
 			if r.mode != modeBaseline {
 				res.kvBytes += int64(x.prompt-x.hit) * bpt
 			}
@@ -329,9 +375,11 @@ func (r *run) collect(elapsed time.Duration) *result {
 	if len(r.reqs) > 0 && !last.IsZero() {
 		res.elapsed = last.Sub(r.reqs[0].arrive)
 	}
+	if len(res.ttft) > 0 {
+		res.runTTFT = []time.Duration{mean(res.ttft)}
+	}
 	slices.Sort(res.ttft)
 	slices.Sort(res.tpot)
-	res.meanQueueP, res.meanPrefill, res.meanTransfer, res.meanWaitStep = mean(q), mean(pf), mean(xf), mean(ws)
 	return res
 }
 
@@ -423,7 +471,7 @@ func (r *run) runP(ctx context.Context) error {
 				return err
 			}
 			if r.mode == modeLayerwise {
-				if err := en.layerSaved(step, l); err != nil {
+				if err := en.se.LayerSaved(step, l); err != nil {
 					return err
 				}
 			}
@@ -569,7 +617,7 @@ func (r *run) runD(ctx context.Context) error {
 				kvIn[x] = true
 				continue
 			}
-			x.kvAt, x.dGot, x.dResult = now, true, kvxfer.ResultDone
+			x.landed, x.kvAt, x.dGot, x.dResult = x.pEnd, now, true, kvxfer.ResultDone
 			ready = append(ready, x)
 		}
 		en.readyBuf = en.readyBuf[:0]
@@ -584,6 +632,8 @@ func (r *run) runD(ctx context.Context) error {
 					continue
 				}
 				delete(en.byID, o.ReqID)
+				x.landed = en.landed[o.ReqID]
+				delete(en.landed, o.ReqID)
 				x.kvAt, x.dGot, x.dResult, x.dReason = now, true, o.Result, o.Reason
 				if o.Result != kvxfer.ResultDone {
 					en.blocks.release(x.dIDs)
@@ -611,7 +661,7 @@ func (r *run) runD(ctx context.Context) error {
 			if r.mode == modeBaseline {
 				if kvIn[x] {
 					delete(kvIn, x)
-					x.kvAt, x.dGot, x.dResult = x.dAdmit, true, kvxfer.ResultDone
+					x.landed, x.kvAt, x.dGot, x.dResult = x.pEnd, x.dAdmit, true, kvxfer.ResultDone
 					ready = append(ready, x)
 				}
 				continue

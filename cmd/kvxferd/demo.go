@@ -1,22 +1,19 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
-	"github.com/kvxfer/kvxfer/internal/shm"
+	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -119,56 +116,21 @@ func demoMain(args []string) error {
 	return nil
 }
 
-// simEngine is an engine of the demo: ranks in shared memory, a stream
-// per rank, a scheduler, an aggregator and a block allocator.
+// simEngine is an engine of the demo: an attached simengine (ranks in
+// shared memory, a stream per rank, a scheduler and an aggregator) and a
+// shuffled free block list.
 type simEngine struct {
-	id      string
-	eng     kvsim.Engine
-	ranks   []*kvsim.Rank
-	streams []*stream.RankStream
-	maps    []*shm.Mapping
-	sched   *kvxfer.Scheduler
-	agg     *kvxfer.Aggregator
-	free    []topology.BlockID
-	client  *stream.Client
+	*simengine.Engine
+	free []topology.BlockID
 }
 
 func newSimEngine(dir string, dm *daemon.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
-	ranks, err := kvsim.Build(m, &e)
+	en, err := simengine.Attach(simengine.Config{Dir: dir, Sock: dm.Sock, Peer: dm.Peer, ID: id, Model: m, Engine: e, Mode: mode,
+		Version: "kvxfer-demo"})
 	if err != nil {
 		return nil, err
 	}
-	c, err := stream.Dial("unix://" + dm.Sock)
-	if err != nil {
-		return nil, err
-	}
-	se := &simEngine{id: id, eng: e, ranks: ranks[0], client: c}
-	for tp, r := range se.ranks {
-		name := fmt.Sprintf("%s-tp%d", id, tp)
-		mp, err := shm.Create(dir, name, uint64(len(r.Mem)))
-		if err != nil {
-			return se, err
-		}
-		se.maps = append(se.maps, mp)
-		r.Mem = mp.Bytes
-		r.Scramble(uint64(tp + 1))
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		hash := kvxfer.CompatHash(kvxfer.CompatFactors{EngineVersion: "kvxfer-demo", Model: "demo-4l", Dtype: "bf16",
-			NumKVHeads: m.TotalKVHeads, HeadSize: m.HeadSize, NumHiddenLayers: len(m.Kinds), Mode: mode})
-		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: hash,
-			Memory: []stream.Memory{{Path: filepath.Join(dir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
-		cancel()
-		if err != nil {
-			return se, fmt.Errorf("attach %s rank %d: %w", id, tp, err)
-		}
-		se.streams = append(se.streams, rs)
-	}
-	l := se.ranks[0].Layout
-	if se.sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: id, Addr: dm.Peer, Mode: mode, TPSize: e.TP,
-		LogicalBlockSize: e.LogicalBlock, Groups: l.GroupList()}); err != nil {
-		return se, err
-	}
-	se.agg, _ = kvxfer.NewAggregator(e.TP)
+	se := &simEngine{Engine: en}
 	for i := range e.Blocks {
 		se.free = append(se.free, topology.BlockID(i))
 	}
@@ -188,54 +150,34 @@ func (se *simEngine) alloc(n int) []topology.BlockID {
 // step builds the scheduler's metadata, hands it to every rank, and folds
 // the ranks' outcomes.
 func (se *simEngine) step() (*kvxfer.Finished, error) {
-	meta := se.sched.BuildMeta()
+	if err := se.Step(se.Sched.BuildMeta()); err != nil {
+		return nil, err
+	}
+	if err := se.StepError(); err != nil {
+		return nil, err
+	}
 	all := &kvxfer.Finished{}
-	for i, rs := range se.streams {
-		if err := rs.Step(meta); err != nil {
-			return nil, err
-		}
+	for i, rs := range se.Streams {
 		for drained := false; !drained; {
 			select {
 			case f, ok := <-rs.Finished():
 				if !ok {
-					return nil, fmt.Errorf("%s rank %d: stream ended", se.id, i)
+					return nil, fmt.Errorf("%s rank %d: stream ended", se.ID, i)
 				}
-				out, err := se.agg.Add(i, &f)
+				out, err := se.Fold(i, &f)
 				if err != nil {
 					return nil, err
 				}
 				if out != nil {
-					se.sched.Update(out)
 					all.Sending = append(all.Sending, out.Sending...)
 					all.Recving = append(all.Recving, out.Recving...)
 				}
-			case msg := <-rs.StepErrors():
-				return nil, fmt.Errorf("%s rank %d: %s", se.id, i, msg)
 			default:
 				drained = true
 			}
 		}
 	}
 	return all, nil
-}
-
-func (se *simEngine) close() {
-	for _, rs := range se.streams {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		go func() {
-			for range rs.Finished() {
-			}
-		}()
-		_ = rs.Close(ctx)
-		cancel()
-	}
-	if se.client != nil {
-		_ = se.client.Close()
-	}
-	for _, m := range se.maps {
-		_ = os.Remove(m.Path)
-		_ = m.Close()
-	}
 }
 
 type demoReq struct {
@@ -257,14 +199,14 @@ func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint6
 	pid, did := fmt.Sprintf("P%d", idx), fmt.Sprintf("D%d", idx)
 	P, err := newSimEngine(dir, pd, pid, &model, pe, sc.mode, rng)
 	if P != nil {
-		defer P.close()
+		defer P.Close()
 	}
 	if err != nil {
 		return nil, err
 	}
 	D, err := newSimEngine(dir, dd, did, &model, de, sc.mode, rng)
 	if D != nil {
-		defer D.close()
+		defer D.Close()
 	}
 	if err != nil {
 		return nil, err
@@ -301,25 +243,25 @@ func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint6
 			q.dReq = &kvxfer.Request{ID: "d-" + q.id, PromptTokens: tokens}
 			if sc.mode == kvxfer.ModePush { // concurrent dispatch: D registers while P prefills
 				q.dReq.Params = &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: pid, RemoteAddr: pd.Peer, RemoteTPSize: sc.ptp}
-				ext, _ := D.sched.MatchedTokens(q.dReq, 0)
-				if err := D.sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
+				ext, _ := D.Sched.MatchedTokens(q.dReq, 0)
+				if err := D.Sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
 					return nil, err
 				}
 			}
 			// P "prefills": its KV gets the pattern, then it finishes.
-			for _, r := range P.ranks {
+			for _, r := range P.Ranks {
 				r.Fill([]topology.Span{{IDs: pIDs}})
 			}
-			_ = P.sched.AfterAlloc(q.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}})
-			delay, params, err := P.sched.RequestFinished(q.pReq, kvxfer.FinishStopped, [][]topology.BlockID{pIDs}, tokens)
+			_ = P.Sched.AfterAlloc(q.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}})
+			delay, params, err := P.Sched.RequestFinished(q.pReq, kvxfer.FinishStopped, [][]topology.BlockID{pIDs}, tokens)
 			if err != nil || !delay {
 				return nil, fmt.Errorf("producer RequestFinished = %v, %v; want delay", delay, err)
 			}
 			q.ready = time.Now()
 			if sc.mode == kvxfer.ModePull { // sequential dispatch: D gets P's params
 				q.dReq.Params = params
-				ext, _ := D.sched.MatchedTokens(q.dReq, 0)
-				if err := D.sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
+				ext, _ := D.Sched.MatchedTokens(q.dReq, 0)
+				if err := D.Sched.AfterAlloc(q.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
 					return nil, err
 				}
 			}
@@ -358,7 +300,7 @@ func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint6
 			} else {
 				sim := &kvsim.Request{Tokens: q.tokens, P: []topology.Span{{IDs: q.pIDs}}, D: []topology.Span{{IDs: q.dIDs}}}
 				good := true
-				for i, r := range D.ranks {
+				for i, r := range D.Ranks {
 					if err := r.CheckRequest(sim, block, block); err != nil {
 						good = false
 						res.failures = append(res.failures, fmt.Sprintf("D rank %d %s: wrong bytes: %v", i, o.ReqID, err))

@@ -44,7 +44,7 @@ func TestCheckRules(t *testing.T) {
 				{ImportPath: m + "kvxfer", Deps: []string{"google.golang.org/grpc/codes"}},
 			},
 			want: []string{
-				`kvxfer: imports google.golang.org/grpc/codes (only stream/, cmd/, internal/daemon, bench/, test/ and fuzz/ may use gRPC)`,
+				`kvxfer: imports google.golang.org/grpc/codes (only stream/, cmd/, internal/daemon, internal/simengine, bench/, test/ and fuzz/ may use gRPC)`,
 				`kvxfer: imports google.golang.org/grpc/codes (rule "kvxfer imports topology, hotpath and internal packages")`,
 			},
 		},
