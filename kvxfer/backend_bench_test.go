@@ -1,7 +1,6 @@
 package kvxfer_test
 
 import (
-	"errors"
 	"testing"
 	"time"
 
@@ -9,80 +8,92 @@ import (
 	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
-// BenchmarkBackend: one 8 MiB WRITE between two agents on this host,
-// posted and waited for, through the built-in backend (loopback TCP) and
-// NIXL (UCX, its default same-host transports); descriptors coalesced (8
-// runs of 1 MiB) or not (2,048 blocks of 4 KiB). Reports the post cost
-// (building the request and handing it over) beside the whole transfer.
+// BenchmarkBackend: one 8 MiB WRITE (and, as "-read", READ) between two
+// agents on this host, posted and waited for, through the built-in backend
+// (loopback TCP) and NIXL (UCX, its default same-host transports);
+// descriptors coalesced (8 runs of 1 MiB) or not (2,048 blocks of 4 KiB,
+// or 16,384 of 512 B: one head's slice of a block in a small model, or a
+// P rank's half of a D block under heterogeneous TP). Reports the post
+// cost (building the request and handing it over) beside the whole
+// transfer.
 func BenchmarkBackend(b *testing.B) {
-	const size = 8 << 20
 	backends := []struct {
 		name string
-		h    interface {
-			New(*testing.T, int) (kvxfer.Backend, kvxfer.MemRegion, []byte)
-		}
+		h    harness
 	}{{"builtin-tcp", netHarness{}}, {"nixl-ucx", &nixlHarness{}}}
 	for _, be := range backends {
-		for _, shape := range []struct {
-			name string
-			desc uint64
-		}{{"coalesced-1MiB", 1 << 20}, {"uncoalesced-4KiB", 4 << 10}} {
-			b.Run(be.name+"/"+shape.name, func(b *testing.B) {
-				t := &testing.T{}
-				src, sr, _ := newOrSkip(b, t, be.h, size)
-				if src == nil {
-					return
+		for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
+			for _, shape := range []struct {
+				name string
+				desc uint64
+			}{{"coalesced-1MiB", 1 << 20}, {"uncoalesced-4KiB", 4 << 10}, {"uncoalesced-512B", 512}} {
+				name := be.name
+				if op == hotpath.OpRead {
+					name += "-read"
 				}
-				dst, dr, _ := newOrSkip(b, t, be.h, size)
-				defer src.Close()
-				defer dst.Close()
-				if err := src.Register([]kvxfer.MemRegion{sr}); err != nil {
-					b.Fatal(err)
-				}
-				if err := dst.Register([]kvxfer.MemRegion{dr}); err != nil {
-					b.Fatal(err)
-				}
-				meta, _ := dst.LocalMetadata()
-				peer, err := src.LoadPeer(meta)
-				if err != nil {
-					b.Fatal(err)
-				}
-				var descs []hotpath.Desc
-				for off := uint64(0); off < size; off += shape.desc {
-					descs = append(descs, hotpath.Desc{Local: sr.Addr + off, Remote: dr.Addr + off, Len: shape.desc})
-				}
-				b.SetBytes(size)
-				var post time.Duration
-				for b.Loop() {
-					t0 := time.Now()
-					id, err := src.Post(hotpath.OpWrite, peer, descs, nil)
-					post += time.Since(t0)
-					if err != nil {
-						b.Fatal(err)
-					}
-					for {
-						s, err := src.State(id)
-						if s == kvxfer.XferDone {
-							break
-						}
-						if s == kvxfer.XferFailed || err != nil {
-							b.Fatalf("state %v: %v", s, err)
-						}
-					}
-					_ = src.Release(id)
-				}
-				b.ReportMetric(float64(post.Nanoseconds())/float64(b.N), "post-ns/op")
-				b.ReportMetric(float64(len(descs)), "descs")
-			})
+				b.Run(name+"/"+shape.name, func(b *testing.B) { benchTransfer(b, be.h, op, shape.desc) })
+			}
 		}
 	}
 }
 
+type harness interface {
+	New(*testing.T, int) (kvxfer.Backend, kvxfer.MemRegion, []byte)
+}
+
+// benchTransfer times one 8 MiB transfer in descriptors of desc bytes.
+func benchTransfer(b *testing.B, h harness, op hotpath.Op, desc uint64) {
+	const size = 8 << 20
+	t := &testing.T{}
+	src, sr, _ := newOrSkip(b, t, h, size)
+	if src == nil {
+		return
+	}
+	dst, dr, _ := newOrSkip(b, t, h, size)
+	defer src.Close()
+	defer dst.Close()
+	if err := src.Register([]kvxfer.MemRegion{sr}); err != nil {
+		b.Fatal(err)
+	}
+	if err := dst.Register([]kvxfer.MemRegion{dr}); err != nil {
+		b.Fatal(err)
+	}
+	meta, _ := dst.LocalMetadata()
+	peer, err := src.LoadPeer(meta)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var descs []hotpath.Desc
+	for off := uint64(0); off < size; off += desc {
+		descs = append(descs, hotpath.Desc{Local: sr.Addr + off, Remote: dr.Addr + off, Len: desc})
+	}
+	b.SetBytes(size)
+	var post time.Duration
+	for b.Loop() {
+		t0 := time.Now()
+		id, err := src.Post(op, peer, descs, nil)
+		post += time.Since(t0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for {
+			s, err := src.State(id)
+			if s == kvxfer.XferDone {
+				break
+			}
+			if s == kvxfer.XferFailed || err != nil {
+				b.Fatalf("state %v: %v", s, err)
+			}
+		}
+		_ = src.Release(id)
+	}
+	b.ReportMetric(float64(post.Nanoseconds())/float64(b.N), "post-ns/op")
+	b.ReportMetric(float64(len(descs)), "descs")
+}
+
 // newOrSkip makes a backend through a test harness inside a benchmark,
 // skipping when the harness skips (NIXL absent).
-func newOrSkip(b *testing.B, t *testing.T, h interface {
-	New(*testing.T, int) (kvxfer.Backend, kvxfer.MemRegion, []byte)
-}, n int) (kvxfer.Backend, kvxfer.MemRegion, []byte) {
+func newOrSkip(b *testing.B, t *testing.T, h harness, n int) (kvxfer.Backend, kvxfer.MemRegion, []byte) {
 	var be kvxfer.Backend
 	var r kvxfer.MemRegion
 	var mem []byte
@@ -97,5 +108,3 @@ func newOrSkip(b *testing.B, t *testing.T, h interface {
 	}
 	return be, r, mem
 }
-
-var _ = errors.New
