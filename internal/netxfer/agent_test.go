@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
 	"runtime"
@@ -355,5 +356,114 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	if n := runtime.NumGoroutine(); n > before {
 		buf := make([]byte, 1<<16)
 		t.Errorf("%d goroutines left after Close (was %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// Pieces of every size class in one transfer, both ways over TCP: many
+// below the read buffer's direct threshold (copied through the buffer),
+// some at and above it (read straight into memory, after what the buffer
+// already holds), in a scattered order, so that pieces of both kinds
+// follow each other inside one frame.
+func TestMixedPieceSizes(t *testing.T) {
+	const size = 8 << 20
+	a, b, am, bm := pairOf(t, size, false)
+	fill(am, 5)
+	fill(bm, 6)
+	rng := rand.New(rand.NewPCG(7, 8))
+	lens := []uint64{1, 7, 512, 4096, directRead - 1, directRead, directRead + 1, readBufSize - 3, readBufSize + 5, 700 << 10}
+	var descs []Desc
+	off := uint64(0)
+	for i := range 200 {
+		n := lens[rng.IntN(len(lens))]
+		if i%3 == 0 {
+			n = uint64(1 + rng.IntN(300))
+		}
+		if off+n > size/2 {
+			break
+		}
+		descs = append(descs, Desc{Local: base + off, Len: n})
+		off += n + uint64(rng.IntN(64))
+	}
+	// Destinations: the same pieces in reverse order in the upper half.
+	doff := uint64(size / 2)
+	for i := len(descs) - 1; i >= 0; i-- {
+		descs[i].Remote = base + doff
+		doff += descs[i].Len + 3
+	}
+	want := bytes.Clone(bm)
+	for _, d := range descs {
+		copy(want[d.Remote-base:d.Remote-base+d.Len], am[d.Local-base:d.Local-base+d.Len])
+	}
+	id, err := a.Post(Write, b.Name(), descs, []byte("w"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done || err != nil {
+		t.Fatalf("write state = %v, %v", s, err)
+	}
+	if !bytes.Equal(bm, want) {
+		t.Fatal("WRITE: destination bytes differ")
+	}
+	// READ the pieces back over the sources, scrambled first.
+	fill(am[:size/2], 9)
+	rid, err := a.Post(Read, b.Name(), descs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, rid); s != Done || err != nil {
+		t.Fatalf("read state = %v, %v", s, err)
+	}
+	for i, d := range descs {
+		if !bytes.Equal(am[d.Local-base:d.Local-base+d.Len], bm[d.Remote-base:d.Remote-base+d.Len]) {
+			t.Fatalf("READ: piece %d (%d bytes) differs", i, d.Len)
+		}
+	}
+	_ = a.Release(id)
+	_ = a.Release(rid)
+}
+
+// trickle returns at most a few bytes per Read, as a busy socket may.
+type trickle struct {
+	src []byte
+	rng *rand.Rand
+}
+
+func (r *trickle) Read(p []byte) (int, error) {
+	if len(r.src) == 0 {
+		return 0, io.EOF
+	}
+	n := min(len(p), len(r.src), 1+r.rng.IntN(3*directRead))
+	copy(p, r.src[:n])
+	r.src = r.src[n:]
+	return n, nil
+}
+
+// The reader hands every piece its exact bytes whatever the sizes and
+// however the source splits them, and reports a short source.
+func TestScatterReader(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	src := make([]byte, 4<<20)
+	for i := range src {
+		src[i] = byte(rng.Uint32())
+	}
+	r := newScatterReader(&trickle{src: src, rng: rng})
+	off := 0
+	for off < len(src) {
+		n := min(len(src)-off, []int{1, 100, directRead - 1, directRead, 3 * directRead, readBufSize + 1}[rng.IntN(6)])
+		b := make([]byte, n)
+		if rng.IntN(4) == 0 {
+			if _, err := io.ReadFull(r, b); err != nil {
+				t.Fatal(err)
+			}
+		} else if err := r.fill(b); err != nil {
+			t.Fatalf("fill %d bytes at %d: %v", n, off, err)
+		}
+		if !bytes.Equal(b, src[off:off+n]) {
+			t.Fatalf("%d bytes at %d differ", n, off)
+		}
+		off += n
+	}
+	if err := r.fill(make([]byte, directRead)); !errors.Is(err, io.EOF) {
+		t.Errorf("fill past the end: %v, want EOF", err)
 	}
 }

@@ -18,8 +18,9 @@ func (a *Agent) serve(nc net.Conn) {
 		delete(a.mu.incoming, nc)
 		a.mu.Unlock()
 	}()
+	r := newScatterReader(nc)
 	var hdr [32]byte
-	if err := readFull(nc, hdr[:7]); err != nil {
+	if err := readFull(r, hdr[:7]); err != nil {
 		return
 	}
 	if string(hdr[:4]) != magic || hdr[4] != version {
@@ -31,7 +32,7 @@ func (a *Agent) serve(nc net.Conn) {
 		return
 	}
 	name := make([]byte, nlen)
-	if err := readFull(nc, name); err != nil {
+	if err := readFull(r, name); err != nil {
 		return
 	}
 	from := string(name)
@@ -39,26 +40,26 @@ func (a *Agent) serve(nc net.Conn) {
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)
 	for {
-		if err := readFull(nc, hdr[:1]); err != nil {
+		if err := readFull(r, hdr[:1]); err != nil {
 			return
 		}
 		var err error
 		switch hdr[0] {
 		case tWrite:
-			err = a.serveWrite(nc, w, from, hdr[:])
+			err = a.serveWrite(r, w, from, hdr[:])
 		case tReadReq:
-			err = a.serveRead(nc, w, hdr[:])
+			err = a.serveRead(r, nc, w, hdr[:])
 		case tNotif:
 			var msg []byte
-			if msg, err = readMsg(nc, hdr[:4]); err == nil {
+			if msg, err = readMsg(r, hdr[:4]); err == nil {
 				err = a.deliver(from, msg)
 			}
 		case tNotifReq:
-			if err = readFull(nc, hdr[:8]); err != nil {
+			if err = readFull(r, hdr[:8]); err != nil {
 				return
 			}
 			var msg []byte
-			if msg, err = readMsg(nc, hdr[8:12]); err == nil {
+			if msg, err = readMsg(r, hdr[8:12]); err == nil {
 				if err = a.deliver(from, msg); err == nil {
 					ack := append([]byte{tNotifAck}, hdr[:8]...)
 					if _, err = w.Write(ack); err == nil {
@@ -130,8 +131,8 @@ func answer(w *bufio.Writer, typ byte, id uint64, part uint32, err error) error 
 }
 
 // serveWrite lands one WRITE part straight into registered memory.
-func (a *Agent) serveWrite(nc net.Conn, w *bufio.Writer, from string, hdr []byte) error {
-	if err := readFull(nc, hdr[:24]); err != nil {
+func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+	if err := readFull(r, hdr[:24]); err != nil {
 		return err
 	}
 	id := binary.LittleEndian.Uint64(hdr[:8])
@@ -143,10 +144,10 @@ func (a *Agent) serveWrite(nc net.Conn, w *bufio.Writer, from string, hdr []byte
 		return fmt.Errorf("%w: write header part %d/%d, notification %d bytes", ErrProtocol, part, parts, nl)
 	}
 	notif := make([]byte, nl)
-	if err := readFull(nc, notif); err != nil {
+	if err := readFull(r, notif); err != nil {
 		return err
 	}
-	ranges, total, err := readTable(nc, n)
+	ranges, total, err := readTable(r, n)
 	if err != nil {
 		return err
 	}
@@ -155,12 +156,12 @@ func (a *Agent) serveWrite(nc net.Conn, w *bufio.Writer, from string, hdr []byte
 	if berr != nil {
 		a.memMu.RUnlock()
 		// Refused: nothing is written; the payload is skipped.
-		if _, err := io.CopyN(io.Discard, nc, int64(total)); err != nil {
+		if _, err := io.CopyN(io.Discard, r, int64(total)); err != nil {
 			return err
 		}
 	} else {
 		for _, b := range bufs {
-			if err := readFull(nc, b); err != nil {
+			if err := r.fill(b); err != nil {
 				a.memMu.RUnlock()
 				return err
 			}
@@ -199,14 +200,14 @@ func (a *Agent) serveWrite(nc net.Conn, w *bufio.Writer, from string, hdr []byte
 }
 
 // serveRead answers one READ part straight from registered memory.
-func (a *Agent) serveRead(nc net.Conn, w *bufio.Writer, hdr []byte) error {
-	if err := readFull(nc, hdr[:16]); err != nil {
+func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, hdr []byte) error {
+	if err := readFull(r, hdr[:16]); err != nil {
 		return err
 	}
 	id := binary.LittleEndian.Uint64(hdr[:8])
 	part := binary.LittleEndian.Uint32(hdr[8:12])
 	n := binary.LittleEndian.Uint32(hdr[12:16])
-	ranges, _, err := readTable(nc, n)
+	ranges, _, err := readTable(r, n)
 	if err != nil {
 		return err
 	}
@@ -227,5 +228,42 @@ func (a *Agent) serveRead(nc net.Conn, w *bufio.Writer, hdr []byte) error {
 	}
 	nb := net.Buffers(bufs)
 	_, err = nb.WriteTo(nc)
+	return err
+}
+
+// Incoming frames are read through a buffer, so that a payload of many
+// small pieces (one per descriptor: a head's slice of a block, or a P
+// rank's share of a D block) costs a read call per buffer, not one per
+// piece; pieces of directRead bytes or more go straight from the socket
+// into their destination.
+const (
+	readBufSize = 64 << 10
+	directRead  = 16 << 10
+)
+
+// scatterReader reads one connection's frames.
+type scatterReader struct {
+	raw io.Reader
+	br  *bufio.Reader
+}
+
+func newScatterReader(c io.Reader) *scatterReader {
+	return &scatterReader{raw: c, br: bufio.NewReaderSize(c, readBufSize)}
+}
+
+func (s *scatterReader) Read(p []byte) (int, error) { return s.br.Read(p) }
+
+// fill reads exactly len(b) bytes into b: what is buffered first, then,
+// for a large piece, the rest straight from the connection.
+func (s *scatterReader) fill(b []byte) error {
+	if len(b) < directRead {
+		_, err := io.ReadFull(s.br, b)
+		return err
+	}
+	n := 0
+	if k := s.br.Buffered(); k > 0 {
+		n, _ = s.br.Read(b[:min(k, len(b))]) // copies from the buffer only
+	}
+	_, err := io.ReadFull(s.raw, b[n:])
 	return err
 }

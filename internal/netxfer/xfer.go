@@ -69,6 +69,7 @@ type peer struct {
 type conn struct {
 	p   *peer
 	c   net.Conn
+	r   *scatterReader // the answers, read by c.read alone
 	wmu sync.Mutex
 	mu  sync.Mutex
 	// pending parts waiting for their answer, by (xfer, part).
@@ -125,7 +126,7 @@ func (p *peer) dial() (*conn, error) {
 		_ = nc.Close()
 		return nil, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
 	}
-	c := &conn{p: p, c: nc, pending: map[partKey]*xfer{}}
+	c := &conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}}
 	a.mu.Lock()
 	if a.mu.closed {
 		a.mu.Unlock()
@@ -388,7 +389,7 @@ func (c *conn) read() {
 	defer a.wg.Done()
 	var hdr [16]byte
 	for {
-		if err := readFull(c.c, hdr[:1]); err != nil {
+		if err := readFull(c.r, hdr[:1]); err != nil {
 			c.fail(fmt.Errorf("%w: connection to %s lost: %w", ErrXferFailed, c.p.name, err))
 			return
 		}
@@ -397,7 +398,7 @@ func (c *conn) read() {
 		case tAck, tReadResp:
 			err = c.readAnswer(hdr[0], hdr[:])
 		case tNotifAck:
-			if err = readFull(c.c, hdr[:8]); err == nil {
+			if err = readFull(c.r, hdr[:8]); err == nil {
 				if x := c.take(partKey{XferID(binary.LittleEndian.Uint64(hdr[:8])), notifPart}); x != nil {
 					a.finishPart(x, nil)
 				}
@@ -414,7 +415,7 @@ func (c *conn) read() {
 
 func (c *conn) readAnswer(typ byte, hdr []byte) error {
 	a := c.p.owner
-	if err := readFull(c.c, hdr[:16]); err != nil {
+	if err := readFull(c.r, hdr[:16]); err != nil {
 		return err
 	}
 	id := XferID(binary.LittleEndian.Uint64(hdr[:8]))
@@ -426,7 +427,7 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 	var perr error
 	if elen > 0 {
 		msg := make([]byte, elen)
-		if err := readFull(c.c, msg); err != nil {
+		if err := readFull(c.r, msg); err != nil {
 			return err
 		}
 		perr = fmt.Errorf("%w: peer %s: %s", ErrXferFailed, c.p.name, msg)
@@ -454,14 +455,14 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 				n += int64(d.Len)
 			}
 			a.memMu.RUnlock()
-			if _, derr := io.CopyN(io.Discard, c.c, n); derr != nil {
+			if _, derr := io.CopyN(io.Discard, c.r, n); derr != nil {
 				return derr
 			}
 			a.finishPart(x, fmt.Errorf("%w: %w", ErrXferFailed, err))
 			return nil
 		}
 		for _, b := range bufs {
-			if err := readFull(c.c, b); err != nil {
+			if err := c.r.fill(b); err != nil {
 				a.memMu.RUnlock()
 				return err
 			}
