@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -192,14 +193,7 @@ func TestDaemonsEndToEnd(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			before := runtime.NumGoroutine()
 			t.Run("run", func(t *testing.T) { runDaemons(t, mode) }) // its cleanups end with it
-			deadline := time.Now().Add(10 * time.Second)
-			for runtime.NumGoroutine() > before+2 && time.Now().Before(deadline) {
-				time.Sleep(20 * time.Millisecond)
-			}
-			if n := runtime.NumGoroutine(); n > before+2 {
-				buf := make([]byte, 1<<20)
-				t.Errorf("%d goroutines left (was %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
-			}
+			leakcheck.Check(t, before, 2, 10*time.Second)
 		})
 	}
 }

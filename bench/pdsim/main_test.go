@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // TestMain lets the simulator start this test binary as its daemons.
@@ -48,14 +50,7 @@ func TestQuickRun(t *testing.T) {
 	if b, err := os.ReadFile(md); err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 1 | 12/12 |")) {
 		t.Errorf("markdown table: %v\n%s", err, b)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for runtime.NumGoroutine() > before+2 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before+2 {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines left (before: %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
-	}
+	leakcheck.Check(t, before, 2, 10*time.Second)
 }
 
 // Repeats run every mode once per seed and pool them; the summary gives

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -33,8 +35,10 @@ func freePort(t *testing.T) string {
 }
 
 // The daemon serves engines on a 0600 unix socket, reports health,
-// exports metrics, and shuts down gracefully on its context (SIGTERM).
+// exports metrics, and shuts down gracefully on its context (SIGTERM),
+// leaving no goroutine behind.
 func TestServe(t *testing.T) {
+	before := runtime.NumGoroutine()
 	dir := t.TempDir()
 	c := &config{socket: filepath.Join(dir, "k.sock"), peerListen: "127.0.0.1:0", dataHost: "127.0.0.1", conns: 2,
 		metricsListen: freePort(t), shmDir: dir, readyFile: filepath.Join(dir, "ready"), drainTimeout: 5 * time.Second, lease: 30 * time.Second}
@@ -115,6 +119,10 @@ func TestServe(t *testing.T) {
 	if _, err := os.Stat(c.socket); !os.IsNotExist(err) {
 		t.Errorf("socket left behind: %v", err)
 	}
+	_ = client.Close()
+	_ = cc.Close()
+	http.DefaultClient.CloseIdleConnections()
+	leakcheck.Check(t, before, 0, 10*time.Second)
 }
 
 func TestFlagsFromEnvironment(t *testing.T) {

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // pairOf returns two agents with one mapped, registered region each.
@@ -349,14 +351,7 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 			t.Errorf("second Close = %v", err)
 		}
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before {
-		buf := make([]byte, 1<<16)
-		t.Errorf("%d goroutines left after Close (was %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
-	}
+	leakcheck.Check(t, before, 0, 10*time.Second)
 }
 
 // Pieces of every size class in one transfer, both ways over TCP: many

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
@@ -166,14 +167,7 @@ func TestAttachPushAndClose(t *testing.T) {
 	if len(left) > 0 {
 		t.Errorf("shared memory left after Close: %v", left)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before+2 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if n := runtime.NumGoroutine(); n > before+2 {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines left (before: %d):\n%s", n, before, buf[:runtime.Stack(buf, true)])
-	}
+	leakcheck.Check(t, before, 2, 5*time.Second)
 }
 
 // A daemon that is not there: Attach fails, naming it, and leaves no
