@@ -26,6 +26,11 @@ type NixlConfig struct {
 	// while busy (default 1 ms); idle polling backs off to 50 ms. NIXL
 	// has no completion callback.
 	PollInterval time.Duration
+	// ProgressDelay is how long NIXL's progress thread pauses between
+	// rounds (default 100 µs, whole microseconds). Negative makes it spin:
+	// the lowest latency where cores are to spare, but a whole core per
+	// agent even when idle.
+	ProgressDelay time.Duration
 }
 
 // NixlBackend is a Backend on NVIDIA NIXL (internal/nixl). Memory is
@@ -83,11 +88,14 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Millisecond
 	}
-	open := nixl.Open
-	if cfg.VRAM {
-		open = nixl.OpenVRAM
+	delay := cfg.ProgressDelay
+	switch {
+	case delay == 0:
+		delay = nixl.DefaultProgressDelay
+	case delay < 0:
+		delay = 0
 	}
-	a, err := open(cfg.Name, cfg.Plugin, cfg.Params)
+	a, err := nixl.OpenConfig(nixl.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM, ProgressDelay: delay})
 	if err != nil {
 		return nil, err
 	}

@@ -38,7 +38,7 @@ import (
 type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams                                                                                 string
-	drainTimeout, lease                                                                                 time.Duration
+	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
 	conns                                                                                               int
 }
 
@@ -58,6 +58,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
+	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
+		"pause of NIXL's progress thread between rounds, per rank (0: it spins, a core per rank even when idle)")
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
 	// Environment first, flags override.
 	var envErr error
@@ -90,7 +92,19 @@ func parseFlags(args []string) (*config, error) {
 	if c.lease < time.Second {
 		return nil, fmt.Errorf("-lease = %v, want at least 1s", c.lease)
 	}
+	if c.nixlProgressDelay < 0 || c.nixlProgressDelay > time.Second {
+		return nil, fmt.Errorf("-nixl-progress-delay = %v, want 0 to 1s", c.nixlProgressDelay)
+	}
 	return c, nil
+}
+
+// progressDelay is NixlConfig.ProgressDelay for -nixl-progress-delay
+// (whose 0 means spin).
+func (c *config) progressDelay() time.Duration {
+	if c.nixlProgressDelay == 0 {
+		return -1
+	}
+	return c.nixlProgressDelay
 }
 
 // params parses -nixl-params.
@@ -182,7 +196,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			if c.backend == "nixl" {
 				params, _ := c.params()
 				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
-					Params: params, VRAM: vram})
+					Params: params, VRAM: vram, ProgressDelay: c.progressDelay()})
 			}
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")

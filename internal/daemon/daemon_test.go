@@ -151,3 +151,22 @@ func TestFlagsFromEnvironment(t *testing.T) {
 		t.Errorf("bad -preconnect error = %v", err)
 	}
 }
+
+// -nixl-progress-delay: 100 µs by default, 0 asks for a spinning progress
+// thread (NixlConfig's negative), out-of-range values are refused.
+func TestNixlProgressDelayFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want time.Duration
+	}{{nil, 100 * time.Microsecond}, {[]string{"-nixl-progress-delay", "0"}, -1}, {[]string{"-nixl-progress-delay", "2ms"}, 2 * time.Millisecond}} {
+		c, err := parseFlags(tc.args)
+		if err != nil || c.progressDelay() != tc.want {
+			t.Errorf("%q: progress delay %v, %v; want %v", tc.args, c.progressDelay(), err, tc.want)
+		}
+	}
+	for _, bad := range []string{"-1us", "2s"} {
+		if _, err := parseFlags([]string{"-nixl-progress-delay", bad}); err == nil || !strings.Contains(err.Error(), "-nixl-progress-delay") {
+			t.Errorf("-nixl-progress-delay %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}

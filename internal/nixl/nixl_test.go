@@ -86,3 +86,31 @@ func TestWriteBetweenAgents(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// BenchmarkIdleAgent: the CPU an agent with nothing to do costs, with the
+// progress thread spinning (delay 0) and pausing 100 µs between rounds
+// (the default). Each op is 100 ms of idling; cpu-% is the process's CPU
+// time over that wall time.
+func BenchmarkIdleAgent(b *testing.B) {
+	for _, d := range []time.Duration{0, DefaultProgressDelay} {
+		b.Run(fmt.Sprintf("delay=%v", d), func(b *testing.B) {
+			a, err := OpenConfig(Config{Name: fmt.Sprint("idle-", rand.Uint64()), Plugin: "UCX", ProgressDelay: d})
+			if errors.Is(err, ErrUnavailable) {
+				b.Skipf("NIXL is not available here: %v", err)
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer a.Close()
+			time.Sleep(100 * time.Millisecond) // let it settle
+			var cpu, wall time.Duration
+			for b.Loop() {
+				c0, t0 := processCPU(), time.Now()
+				time.Sleep(100 * time.Millisecond)
+				cpu += processCPU() - c0
+				wall += time.Since(t0)
+			}
+			b.ReportMetric(100*float64(cpu)/float64(wall), "cpu-%")
+		})
+	}
+}

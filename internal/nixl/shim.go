@@ -109,10 +109,11 @@ static const char* kx_load(const char *path) {
 	return NULL;
 }
 
-// kx_new_agent makes an agent with a progress thread and one backend of
-// plugin, configured by n key/value pairs (kv[2i], kv[2i+1]).
-static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, h_t *agent, h_t *backend) {
-	kx_agent_cfg cfg = {true, false, 0, 0, 1, 0, 100000, kx.get_xfer_telemetry != NULL};
+// kx_new_agent makes an agent with a progress thread (pausing
+// pthr_delay_us between rounds) and one backend of plugin, configured by
+// n key/value pairs (kv[2i], kv[2i+1]).
+static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, uint64_t pthr_delay_us, h_t *agent, h_t *backend) {
+	kx_agent_cfg cfg = {true, false, 0, 0, 1, pthr_delay_us, 100000, kx.get_xfer_telemetry != NULL};
 	st_t s = kx.create_configured_agent(name, &cfg, agent);
 	if (s != 0) return s;
 	h_t mems = NULL, params = NULL;
@@ -384,20 +385,25 @@ type Agent struct {
 // with params (for Debian's UCX 1.13 and shared memory:
 // ucx_error_handling_mode=none), for host memory.
 func Open(name, plugin string, params map[string]string) (*Agent, error) {
-	return openAgent(name, plugin, params, C.KX_MEM_DRAM)
+	return OpenConfig(Config{Name: name, Plugin: plugin, Params: params, ProgressDelay: DefaultProgressDelay})
 }
 
 // OpenVRAM is Open for GPU memory (device pointers, with their device id
 // in each registered range).
 func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) {
-	return openAgent(name, plugin, params, C.KX_MEM_VRAM)
+	return OpenConfig(Config{Name: name, Plugin: plugin, Params: params, VRAM: true, ProgressDelay: DefaultProgressDelay})
 }
 
-func openAgent(name, plugin string, params map[string]string, mem C.int) (*Agent, error) {
+// OpenConfig makes an agent as c says.
+func OpenConfig(c Config) (*Agent, error) {
 	if err := load(); err != nil {
 		return nil, err
 	}
-
+	name, plugin, params := c.Name, c.Plugin, c.Params
+	mem := C.int(C.KX_MEM_DRAM)
+	if c.VRAM {
+		mem = C.KX_MEM_VRAM
+	}
 	cname, cplug := C.CString(name), C.CString(plugin)
 	defer C.free(unsafe.Pointer(cname))
 	defer C.free(unsafe.Pointer(cplug))
@@ -412,7 +418,7 @@ func openAgent(name, plugin string, params map[string]string, mem C.int) (*Agent
 		i++
 	}
 	a := &Agent{name: name, mem: mem}
-	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(params)), &a.agent, &a.backend)); err != nil {
+	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend)); err != nil {
 		return nil, err
 	}
 	if err := status("create notification map", C.kx_new_map(&a.notifs)); err != nil {

@@ -48,6 +48,9 @@ func (a *Agent) PostPrepared(bool, Prepped, Prepped, [][2]int32, []byte) (Xfer, 
 // Open reports ErrUnavailable without cgo.
 func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }
 
+// OpenConfig reports ErrUnavailable without cgo.
+func OpenConfig(Config) (*Agent, error) { return nil, ErrUnavailable }
+
 func (a *Agent) Name() string                                         { return "" }
 func (a *Agent) Register([][3]uint64) error                           { return ErrUnavailable }
 func (a *Agent) Deregister([][3]uint64) error                         { return ErrUnavailable }
