@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -47,9 +49,11 @@ func TestQuickRun(t *testing.T) {
 	if err != nil || !bytes.HasPrefix(b, []byte("<svg")) || bytes.Count(b, []byte("<polyline")) != 8 {
 		t.Errorf("chart: %v, %d curves (want 8: 2 shapes x 4 modes)", err, bytes.Count(b, []byte("<polyline")))
 	}
-	if b, err := os.ReadFile(md); err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 1 | 12/12 |")) {
+	b, err = os.ReadFile(md)
+	if err != nil || !bytes.Contains(b, []byte("| p2d1/in512/out8/20qps/hit50/frag | layerwise | 1 | 12/12 |")) {
 		t.Errorf("markdown table: %v\n%s", err, b)
 	}
+	checkBreakdown(t, string(b))
 	leakcheck.Check(t, before, 2, 10*time.Second)
 }
 
@@ -156,5 +160,43 @@ func TestMergeAndSpread(t *testing.T) {
 	}
 	if md := markdown([]*result{base, pull, push}); !strings.Contains(md, "| tp4/in1024/out128/8qps/hit0/fresh | pull | 2 | 4/4 | 210.0 |") {
 		t.Errorf("markdown:\n%s", md)
+	}
+}
+
+// checkBreakdown checks every row of a Markdown table: the five parts of
+// the TTFT breakdown (P queue, prefill, KV in, D step, to token 1) add up
+// to the mean TTFT, none is negative, and the baseline moves no KV.
+func checkBreakdown(t *testing.T, md string) {
+	t.Helper()
+	rows := 0
+	for _, l := range strings.Split(md, "\n") {
+		f := strings.Split(l, "|")
+		if len(f) != 19 || !strings.Contains(f[4], "/") { // data rows of the first table
+			continue
+		}
+		num := func(i int) float64 {
+			v, err := strconv.ParseFloat(strings.TrimSpace(f[i]), 64)
+			if err != nil {
+				t.Fatalf("column %d of %q: %v", i, l, err)
+			}
+			return v
+		}
+		rows++
+		ttft, sum := num(5), 0.0
+		for i := 11; i <= 15; i++ {
+			if num(i) < 0 {
+				t.Errorf("negative part (column %d) in %q", i, l)
+			}
+			sum += num(i)
+		}
+		if math.Abs(sum-ttft) > 0.35 { // six values rounded to 0.1
+			t.Errorf("breakdown adds up to %.1f ms, TTFT mean is %.1f ms: %q", sum, ttft, l)
+		}
+		if strings.TrimSpace(f[2]) == "baseline" && num(13) != 0 {
+			t.Errorf("the baseline's KV in is %v ms, want 0: %q", num(13), l)
+		}
+	}
+	if rows == 0 {
+		t.Errorf("no rows in:\n%s", md)
 	}
 }
