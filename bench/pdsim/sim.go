@@ -627,13 +627,13 @@ func (r *run) runD(ctx context.Context) error {
 				return err
 			}
 			for _, o := range out.Recving {
-				x := en.byID[o.ReqID]
+				x, landed := en.byID[o.ReqID], en.landed[o.ReqID]
+				delete(en.landed, o.ReqID)
 				if x == nil || x.dGot {
 					continue
 				}
 				delete(en.byID, o.ReqID)
-				x.landed = en.landed[o.ReqID]
-				delete(en.landed, o.ReqID)
+				x.landed = landed
 				x.kvAt, x.dGot, x.dResult, x.dReason = now, true, o.Result, o.Reason
 				if o.Result != kvxfer.ResultDone {
 					en.blocks.release(x.dIDs)
