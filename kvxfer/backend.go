@@ -127,6 +127,19 @@ type Backend interface {
 	Close() error
 }
 
+// Awaiter is implemented by backends that learn of notifications only by
+// polling for them (NIXL has no completion callback), and that poll less
+// often while nothing happens. A Worker says when it awaits messages from
+// its peers (a consumer waiting for a WRITE's completion notice, a
+// producer holding requests or registrations, acknowledgements due) and
+// when it no longer does, so the backend keeps polling at its busy rate
+// for exactly as long as a notice could be on the critical path. Calls
+// from several Workers sharing a backend nest: each Awaiting(true) is
+// matched by an Awaiting(false).
+type Awaiter interface {
+	Awaiting(on bool)
+}
+
 // XferTelemetry is a backend's own measurement of a finished transfer.
 type XferTelemetry struct {
 	Post, Transfer time.Duration

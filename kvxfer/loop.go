@@ -19,6 +19,8 @@ type loopState struct {
 	cfg    *WorkerConfig
 	layout *topology.Layout
 
+	awaiting bool // told the backend (an Awaiter) that we await peer messages
+
 	engines map[string]*engine
 	timers  timerHeap
 

@@ -343,6 +343,18 @@ func (w *Worker) Close() error {
 	return err
 }
 
+// await tells an Awaiter backend when the loop starts and stops awaiting
+// messages from its peers.
+func (st *loopState) await(on bool) {
+	if on == st.awaiting {
+		return
+	}
+	if a, ok := st.w.be.(Awaiter); ok {
+		a.Awaiting(on)
+		st.awaiting = on
+	}
+}
+
 // run is the loop goroutine.
 func (w *Worker) run() {
 	defer close(w.stopped)
@@ -362,6 +374,7 @@ func (w *Worker) run() {
 		st.pollHandles()
 		st.runTimers()
 		st.flush()
+		st.await(st.busy())
 		next, ok := st.nextWake()
 		if ok {
 			timer.Reset(max(0, time.Until(next)))
@@ -371,6 +384,7 @@ func (w *Worker) run() {
 			timer.Stop()
 			st.shutdown()
 			st.flush()
+			st.await(false)
 			return
 		case <-w.wake:
 		case <-w.be.Events():

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -1044,6 +1045,60 @@ func TestPreconnect(t *testing.T) {
 		}
 		if st := q.workers[0][0].Metrics().Snapshot(); st.HandshakeSeconds.Count != 1 || st.HandshakeFailures != 0 {
 			t.Errorf("handshakes ok/failed = %d/%d, want 1/0", st.HandshakeSeconds.Count, st.HandshakeFailures)
+		}
+	})
+}
+
+// awaitRecorder is a Backend that records what the Worker says through
+// Awaiter.
+type awaitRecorder struct {
+	kvxfer.Backend
+	mu    sync.Mutex
+	calls []bool
+}
+
+func (a *awaitRecorder) Awaiting(on bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, on)
+}
+
+func (a *awaitRecorder) said() []bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.calls)
+}
+
+// A Worker tells an Awaiter backend (NIXL, which only polls for
+// notifications) when it starts awaiting its peers' messages — D once it
+// holds a request whose KV is to be written, P once it holds a request —
+// and when it stops, once nothing is left; the calls pair up.
+func TestWorkerTellsAwaiter(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		rec := map[string]*awaitRecorder{}
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+			r := &awaitRecorder{Backend: c.Backend}
+			rec[side], c.Backend = r, r
+		})
+		x.settle()
+		if got := rec["D"].said(); len(got) != 0 {
+			t.Fatalf("D said %v before holding anything", got)
+		}
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		if got := rec["D"].said(); !slices.Equal(got, []bool{true}) {
+			t.Fatalf("D said %v while awaiting P's WRITE, want [true]", got)
+		}
+		x.sendP(q)
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		time.Sleep(10 * time.Minute) // every tombstone and timer runs out
+		x.settle()
+		for _, side := range []string{"P", "D"} {
+			if got := rec[side].said(); !slices.Equal(got, []bool{true, false}) {
+				t.Errorf("%s said %v, want [true false]: awaiting while it held the request, then not", side, got)
+			}
 		}
 	})
 }

@@ -2,7 +2,7 @@
 // decode (D) engines — block allocators with a prefix cache and a free
 // queue that fragments over time, a prefill time model per token and TP
 // size, a decode time per step, step-loop schedulers — drive two real
-// kvxferd daemons (child processes, built-in backend) that move real KV
+// kvxferd daemons (child processes; built-in or NIXL backend) that move real KV
 // bytes between the engines' shared memory. A router dispatches each
 // request sequentially (pull: P, then D with P's transfer params) or
 // concurrently (push, layer-wise push, and the no-transfer baseline: P and
@@ -54,17 +54,19 @@ func main() {
 
 // options are pdsim's flags.
 type options struct {
-	modes     []mode
-	shapes    []shape
-	seed      uint64
-	svg, md   string
-	model     kvsim.Model
-	block     int
-	time      timeModel
-	corrupt   bool
-	timeLimit time.Duration
-	hop       time.Duration
-	repeats   int
+	modes      []mode
+	shapes     []shape
+	seed       uint64
+	svg, md    string
+	model      kvsim.Model
+	block      int
+	time       timeModel
+	corrupt    bool
+	timeLimit  time.Duration
+	hop        time.Duration
+	repeats    int
+	backend    string
+	daemonArgs []string // extra kvxferd flags (-nixl-params)
 }
 
 // defaultShapes is the matrix of the seeds' workloads: TP 4 and 8 and P8
@@ -114,6 +116,8 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	speed := fs.Float64("compute-scale", 1, "multiplies every simulated compute time")
 	corrupt := fs.Bool("corrupt", false, "corrupt one source byte of one request per run (the run must fail)")
 	limit := fs.Duration("time-limit", 0, "per run (default: the arrivals' span + 2 minutes)")
+	backend := fs.String("backend", "builtin", "the daemons' transfer backend: builtin (TCP between the two processes) or nixl (NVIDIA NIXL, UCX; needs libnixl_capi.so)")
+	nixlParams := fs.String("nixl-params", "", "with -backend nixl: the UCX backend's parameters, key=value,...")
 	repeats := fs.Int("repeats", 1, "runs per shape and mode, with seeds -seed, -seed+1...; the table pools them and the summary gives the range over runs")
 	hop := fs.Duration("dispatch-latency", 0, "the router's latency per dispatch (HTTP, tokenization): pull pays it twice in a row, the concurrent modes once")
 	if err := fs.Parse(args); err != nil {
@@ -122,6 +126,21 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	o := &options{seed: *seed, svg: *svg, md: *md, block: *block, time: model32B, corrupt: *corrupt, timeLimit: *limit, hop: *hop, repeats: *repeats}
 	if *repeats < 1 {
 		return nil, fmt.Errorf("-repeats = %d, want >= 1", *repeats)
+	}
+	switch o.backend = *backend; o.backend {
+	case "builtin":
+		if *nixlParams != "" {
+			return nil, errors.New("-nixl-params needs -backend nixl")
+		}
+	case "nixl":
+		if _, err := daemon.ParseParams(*nixlParams); err != nil {
+			return nil, err
+		}
+		if *nixlParams != "" {
+			o.daemonArgs = []string{"-nixl-params", *nixlParams}
+		}
+	default:
+		return nil, fmt.Errorf("-backend = %q, want builtin or nixl", *backend)
 	}
 	if *hop < 0 {
 		return nil, fmt.Errorf("-dispatch-latency = %v, want >= 0", *hop)
@@ -191,7 +210,7 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	defer os.RemoveAll(dir)
 	bpt := len(o.model.Kinds) * o.model.TotalKVHeads * o.model.HeadSize * o.model.ElemBytes * 2
-	fmt.Fprintf(stdout, "pdsim: P and D kvxferd (built-in backend, separate processes), seed %d\n", o.seed)
+	fmt.Fprintf(stdout, "pdsim: P and D kvxferd (%s backend, separate processes), seed %d\n", o.backend, o.seed)
 	fmt.Fprintf(stdout, "  time model: 32B-class dense on H100 (prefill %v/token, decode step %v + %v/seq at TP 1; / TP^%.1f)\n",
 		o.time.PrefillPerToken, o.time.DecodeStep, o.time.DecodePerSeq, o.time.TPExp)
 	if o.hop > 0 {
@@ -199,11 +218,11 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	fmt.Fprintf(stdout, "  KV: %d layers x %d heads x %d x bf16 x K,V = %d bytes/token, block %d; every byte D receives is verified\n\n",
 		len(o.model.Kinds), o.model.TotalKVHeads, o.model.HeadSize, bpt, o.block)
-	p, err := daemon.Start(dir, "P", "builtin")
+	p, err := daemon.Start(dir, "P", o.backend, o.daemonArgs...)
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(dir, "D", "builtin")
+	d, err := daemon.Start(dir, "D", o.backend, o.daemonArgs...)
 	if err != nil {
 		_ = p.Stop()
 		return err

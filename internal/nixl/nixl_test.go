@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/proctime"
 )
 
 // open returns an agent, or skips when NIXL is not installed here.
@@ -105,9 +107,9 @@ func BenchmarkIdleAgent(b *testing.B) {
 			time.Sleep(100 * time.Millisecond) // let it settle
 			var cpu, wall time.Duration
 			for b.Loop() {
-				c0, t0 := processCPU(), time.Now()
+				c0, t0 := proctime.CPU(), time.Now()
 				time.Sleep(100 * time.Millisecond)
-				cpu += processCPU() - c0
+				cpu += proctime.CPU() - c0
 				wall += time.Since(t0)
 			}
 			b.ReportMetric(100*float64(cpu)/float64(wall), "cpu-%")

@@ -1,0 +1,36 @@
+package kvxfer_test
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/proctime"
+	"github.com/kvxfer/kvxfer/kvxfer"
+)
+
+// BenchmarkNixlIdle: the CPU a NixlBackend with nothing to do costs (its
+// NIXL agent's progress thread and its own polling for notifications),
+// after two seconds without activity. Each op is 100 ms of idling; cpu-%
+// is the process's CPU time over that wall time.
+func BenchmarkNixlIdle(b *testing.B) {
+	be, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("idle-", rand.Uint64()), Params: nixlParams()})
+	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+		b.Skipf("NIXL is not available here: %v", err)
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer be.Close()
+	time.Sleep(2 * time.Second)
+	var cpu, wall time.Duration
+	for b.Loop() {
+		c0, t0 := proctime.CPU(), time.Now()
+		time.Sleep(100 * time.Millisecond)
+		cpu += proctime.CPU() - c0
+		wall += time.Since(t0)
+	}
+	b.ReportMetric(100*float64(cpu)/float64(wall), "cpu-%")
+}
