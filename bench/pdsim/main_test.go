@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
@@ -84,6 +85,23 @@ func TestRepeats(t *testing.T) {
 	}
 }
 
+// The simulator over NIXL (skips where NIXL is not installed): every mode
+// on a small shape, every byte verified.
+func TestNixlRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	if _, err := daemon.NixlLibrary(); err != nil {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	var out bytes.Buffer
+	err := pdsimMain(context.Background(), []string{"-backend", "nixl", "-ptp", "2", "-dtp", "1", "-input", "256", "-output", "4",
+		"-rate", "40", "-requests", "8", "-svg", ""}, &out, io.Discard)
+	if err != nil || !strings.Contains(out.String(), "nixl backend") || !strings.Contains(out.String(), "OK: every request ended done") {
+		t.Fatalf("pdsim -backend nixl: %v\n%s", err, out.String())
+	}
+}
+
 // A corrupted byte fails the run loudly, naming the request and the byte.
 func TestCorruptedByteFails(t *testing.T) {
 	if testing.Short() {
@@ -112,6 +130,9 @@ func TestOptionsValidation(t *testing.T) {
 		{"-compute-scale", "-1"},
 		{"-dispatch-latency", "-1ms"},
 		{"-repeats", "0"},
+		{"-backend", "rdma"},
+		{"-nixl-params", "a=b"},
+		{"-backend", "nixl", "-nixl-params", "novalue"},
 	} {
 		if _, err := parseOptions(args, io.Discard); err == nil {
 			t.Errorf("parseOptions(%q) accepted", args)
