@@ -25,12 +25,5 @@ func BenchmarkNixlIdle(b *testing.B) {
 	}
 	defer be.Close()
 	time.Sleep(2 * time.Second)
-	var cpu, wall time.Duration
-	for b.Loop() {
-		c0, t0 := proctime.CPU(), time.Now()
-		time.Sleep(100 * time.Millisecond)
-		cpu += proctime.CPU() - c0
-		wall += time.Since(t0)
-	}
-	b.ReportMetric(100*float64(cpu)/float64(wall), "cpu-%")
+	proctime.BenchIdle(b)
 }

@@ -105,14 +105,7 @@ func BenchmarkIdleAgent(b *testing.B) {
 			}
 			defer a.Close()
 			time.Sleep(100 * time.Millisecond) // let it settle
-			var cpu, wall time.Duration
-			for b.Loop() {
-				c0, t0 := proctime.CPU(), time.Now()
-				time.Sleep(100 * time.Millisecond)
-				cpu += proctime.CPU() - c0
-				wall += time.Since(t0)
-			}
-			b.ReportMetric(100*float64(cpu)/float64(wall), "cpu-%")
+			proctime.BenchIdle(b)
 		})
 	}
 }
