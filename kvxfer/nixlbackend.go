@@ -43,6 +43,7 @@ type NixlBackend struct {
 	a      *nixl.Agent
 	cfg    NixlConfig
 	events chan struct{}
+	wake   chan struct{} // Awaiting(true): poll now, at the busy rate from here on
 	stop   chan struct{}
 	done   chan struct{}
 	once   sync.Once
@@ -100,7 +101,8 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
+	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), wake: make(chan struct{}, 1),
+		stop: make(chan struct{}), done: make(chan struct{})}
 	n.mu.xfers = map[XferID]*nixlXfer{}
 	n.mu.preps = map[PrepID]nixlPrep{}
 	n.mu.peers = map[PeerName]*peerLife{}
@@ -461,6 +463,12 @@ func (n *NixlBackend) Awaiting(on bool) {
 		n.mu.await--
 	}
 	n.mu.busy = time.Now()
+	if on {
+		select { // the poll loop may be sleeping its idle interval
+		case n.wake <- struct{}{}:
+		default:
+		}
+	}
 }
 
 var _ Awaiter = (*NixlBackend)(nil)
@@ -485,6 +493,13 @@ func (n *NixlBackend) poll() {
 		case <-n.stop:
 			return
 		case <-t.C:
+		case <-n.wake:
+			if !t.Stop() {
+				select {
+				case <-t.C:
+				default:
+				}
+			}
 		}
 		signal := n.pull()
 		n.mu.Lock()
