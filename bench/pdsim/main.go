@@ -11,6 +11,7 @@
 //	go run ./bench/pdsim                 the default matrix, every mode
 //	go run ./bench/pdsim -quick          a short run (small shapes)
 //	go run ./bench/pdsim -tp 8 -input 2048 -output 64 -rate 16 -modes push,pull
+//	go run ./bench/pdsim -backend nixl -quick   the daemons move KV over NIXL
 //
 // It prints a table (mean, median and p99 TTFT, mean TPOT, requests per
 // second) per shape and mode, and writes an SVG of the TTFT distributions.
