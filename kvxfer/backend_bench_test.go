@@ -52,17 +52,7 @@ func benchTransfer(b *testing.B, h harness, op hotpath.Op, desc uint64) {
 	dst, dr, _ := newOrSkip(b, t, h, size)
 	defer src.Close()
 	defer dst.Close()
-	if err := src.Register([]kvxfer.MemRegion{sr}); err != nil {
-		b.Fatal(err)
-	}
-	if err := dst.Register([]kvxfer.MemRegion{dr}); err != nil {
-		b.Fatal(err)
-	}
-	meta, _ := dst.LocalMetadata()
-	peer, err := src.LoadPeer(meta)
-	if err != nil {
-		b.Fatal(err)
-	}
+	peer := link(b, src, dst, sr, dr)
 	var descs []hotpath.Desc
 	for off := uint64(0); off < size; off += desc {
 		descs = append(descs, hotpath.Desc{Local: sr.Addr + off, Remote: dr.Addr + off, Len: desc})
@@ -89,6 +79,27 @@ func benchTransfer(b *testing.B, h harness, op hotpath.Op, desc uint64) {
 	}
 	b.ReportMetric(float64(post.Nanoseconds())/float64(b.N), "post-ns/op")
 	b.ReportMetric(float64(len(descs)), "descs")
+}
+
+// link registers one region on each backend and loads dst as src's
+// peer.
+func link(tb testing.TB, src, dst kvxfer.Backend, sr, dr kvxfer.MemRegion) kvxfer.PeerName {
+	tb.Helper()
+	if err := src.Register([]kvxfer.MemRegion{sr}); err != nil {
+		tb.Fatal(err)
+	}
+	if err := dst.Register([]kvxfer.MemRegion{dr}); err != nil {
+		tb.Fatal(err)
+	}
+	meta, err := dst.LocalMetadata()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	peer, err := src.LoadPeer(meta)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return peer
 }
 
 // newOrSkip makes a backend through a test harness inside a benchmark,

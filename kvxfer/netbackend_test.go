@@ -94,17 +94,7 @@ func TestNixlTelemetry(t *testing.T) {
 	b, br, _ := h.New(t, 1<<20)
 	defer a.Close()
 	defer b.Close()
-	if err := a.Register([]kvxfer.MemRegion{ar}); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Register([]kvxfer.MemRegion{br}); err != nil {
-		t.Fatal(err)
-	}
-	meta, _ := b.LocalMetadata()
-	peer, err := a.LoadPeer(meta)
-	if err != nil {
-		t.Fatal(err)
-	}
+	peer := link(t, a, b, ar, br)
 	id, err := a.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 1 << 20}}, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -23,14 +23,28 @@ type NixlConfig struct {
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
 	// PollInterval is how often notifications and transfers are polled
-	// while busy (default 1 ms); idle polling backs off to 50 ms. NIXL
-	// has no completion callback.
+	// while busy: while a Worker awaits peer messages (Awaiter), a
+	// transfer is in flight, or within a second of activity (default 1
+	// ms); otherwise every 10 ms. NIXL has no completion callback.
 	PollInterval time.Duration
 	// ProgressDelay is how long NIXL's progress thread pauses between
 	// rounds (default 100 µs, whole microseconds). Negative makes it spin:
 	// the lowest latency where cores are to spare, but a whole core per
 	// agent even when idle.
 	ProgressDelay time.Duration
+}
+
+// progressDelay is the pause NIXL's progress thread gets: the default for
+// 0, none (a spin) for a negative value.
+func (cfg *NixlConfig) progressDelay() time.Duration {
+	switch d := cfg.ProgressDelay; {
+	case d == 0:
+		return nixl.DefaultProgressDelay
+	case d < 0:
+		return 0
+	default:
+		return d
+	}
 }
 
 // NixlBackend is a Backend on NVIDIA NIXL (internal/nixl). Memory is
@@ -90,14 +104,8 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Millisecond
 	}
-	delay := cfg.ProgressDelay
-	switch {
-	case delay == 0:
-		delay = nixl.DefaultProgressDelay
-	case delay < 0:
-		delay = 0
-	}
-	a, err := nixl.OpenConfig(nixl.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM, ProgressDelay: delay})
+	a, err := nixl.OpenConfig(nixl.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM,
+		ProgressDelay: cfg.progressDelay()})
 	if err != nil {
 		return nil, err
 	}
@@ -459,16 +467,14 @@ func (n *NixlBackend) Awaiting(on bool) {
 	defer n.mu.Unlock()
 	if on {
 		n.mu.await++
-	} else if n.mu.await > 0 {
-		n.mu.await--
-	}
-	n.mu.busy = time.Now()
-	if on {
 		select { // the poll loop may be sleeping its idle interval
 		case n.wake <- struct{}{}:
 		default:
 		}
+	} else if n.mu.await > 0 {
+		n.mu.await--
 	}
+	n.mu.busy = time.Now()
 }
 
 var _ Awaiter = (*NixlBackend)(nil)
@@ -493,13 +499,7 @@ func (n *NixlBackend) poll() {
 		case <-n.stop:
 			return
 		case <-t.C:
-		case <-n.wake:
-			if !t.Stop() {
-				select {
-				case <-t.C:
-				default:
-				}
-			}
+		case <-n.wake: // the Reset below replaces the pending tick
 		}
 		signal := n.pull()
 		n.mu.Lock()

@@ -94,11 +94,8 @@ type rankFin struct {
 // that sleeps for the time model's compute.
 type engine struct {
 	id      string
-	run     *run
 	tp      int
 	se      *simengine.Engine // nil in the baseline: no kvxfer
-	ranks   []*kvsim.Rank
-	sched   *kvxfer.Scheduler
 	blocks  *allocator
 	fin     chan rankFin
 	inbox   chan *simReq
@@ -117,7 +114,7 @@ type engine struct {
 }
 
 func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layerwise bool, rng *rand.Rand) (*engine, error) {
-	en := &engine{id: id, run: r, tp: tp, byID: map[string]*simReq{}, landed: map[string]time.Time{},
+	en := &engine{id: id, tp: tp, byID: map[string]*simReq{}, landed: map[string]time.Time{},
 		fin: make(chan rankFin, 64*tp), inbox: make(chan *simReq, 4096), kvReady: make(chan *simReq, 4096),
 		blocks: newAllocator(e.Blocks, r.shape.Frag, rng)}
 	if r.mode == modeBaseline {
@@ -128,7 +125,7 @@ func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layer
 	if err != nil {
 		return nil, err
 	}
-	en.se, en.ranks, en.sched = se, se.Ranks, se.Sched
+	en.se = se
 	for rank, rs := range se.Streams {
 		en.wg.Add(1)
 		go func() {
@@ -147,7 +144,7 @@ func (en *engine) step(prefill []kvxfer.SendReq) (uint64, error) {
 	if en.se == nil {
 		return 0, nil
 	}
-	meta := en.sched.BuildMeta()
+	meta := en.se.Sched.BuildMeta()
 	meta.Prefill = prefill
 	en.needStep = false
 	return meta.Step, en.se.Step(meta)

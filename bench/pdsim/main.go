@@ -38,13 +38,7 @@ import (
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "serve" { // the daemons are this binary
-		if err := daemon.Main(os.Args[2:]); err != nil {
-			fmt.Fprintln(os.Stderr, "kvxferd:", err)
-			os.Exit(1)
-		}
-		return
-	}
+	daemon.ServeIfChild() // the daemons are this binary
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if err := pdsimMain(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {

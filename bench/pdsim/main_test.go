@@ -19,10 +19,7 @@ import (
 
 // TestMain lets the simulator start this test binary as its daemons.
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "serve" {
-		main()
-		return
-	}
+	daemon.ServeIfChild()
 	os.Exit(m.Run())
 }
 

@@ -418,8 +418,8 @@ func (r *run) runP(ctx context.Context) error {
 			x.pIDs, x.pAdmit = ids, time.Now()
 			x.pReq = &kvxfer.Request{ID: "p-" + x.id, PromptTokens: x.prompt,
 				Params: &kvxfer.TransferParams{TransferID: x.tid, DoRemoteDecode: true}}
-			if en.sched != nil {
-				if err := en.sched.AfterAlloc(x.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
+			if en.se != nil {
+				if err := en.se.Sched.AfterAlloc(x.pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
 					return err
 				}
 			}
@@ -453,13 +453,13 @@ func (r *run) runP(ctx context.Context) error {
 		for _, x := range batch {
 			x.pStart = begin
 			if r.mode != modeBaseline {
-				for _, kr := range en.ranks {
+				for _, kr := range en.se.Ranks {
 					kr.FillSalt([]topology.Span{{IDs: x.pIDs}}, x.n+1)
 				}
 				if r.corrupt && x.n == len(r.reqs)/2 {
 					// One source byte of one request goes bad before it
 					// moves: the run must fail on it.
-					kr := en.ranks[0]
+					kr := en.se.Ranks[0]
 					reg := kr.Layout.Regions[0]
 					kr.Mem[reg.Base-kr.Base+uint64(x.pIDs[len(x.pIDs)-1])*uint64(reg.BlockLen)] ^= 0x5a
 				}
@@ -487,7 +487,7 @@ func (r *run) runP(ctx context.Context) error {
 				r.D.kvReady <- x
 				continue
 			}
-			delay, params, err := en.sched.RequestFinished(x.pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{x.pIDs}, x.prompt)
+			delay, params, err := en.se.Sched.RequestFinished(x.pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{x.pIDs}, x.prompt)
 			if err != nil {
 				return err
 			}
@@ -621,7 +621,7 @@ func (r *run) runD(ctx context.Context) error {
 			ready = append(ready, x)
 		}
 		en.readyBuf = en.readyBuf[:0]
-		if en.sched != nil {
+		if en.se != nil {
 			out, err := en.outcomes()
 			if err != nil {
 				return err
@@ -674,8 +674,8 @@ func (r *run) runD(ctx context.Context) error {
 				x.dReq.Params = &kvxfer.TransferParams{TransferID: x.tid, DoRemotePrefill: true, RemoteEngineID: r.P.id,
 					RemoteAddr: r.p.Peer, RemoteTPSize: r.shape.PTP}
 			}
-			ext, _ := en.sched.MatchedTokens(x.dReq, x.hit)
-			if err := en.sched.AfterAlloc(x.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, Computed: x.hit, External: ext}); err != nil {
+			ext, _ := en.se.Sched.MatchedTokens(x.dReq, x.hit)
+			if err := en.se.Sched.AfterAlloc(x.dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, Computed: x.hit, External: ext}); err != nil {
 				return err
 			}
 			en.byID[x.dReq.ID] = x
@@ -731,7 +731,7 @@ func (r *run) verify(x *simReq) {
 	req := &kvsim.Request{Tokens: x.prompt, Salt: x.n + 1,
 		P: []topology.Span{{IDs: make([]topology.BlockID, nb)}}, D: []topology.Span{{Start: x.hit, IDs: x.dIDs}}}
 	var errs []error
-	for _, kr := range r.D.ranks {
+	for _, kr := range r.D.se.Ranks {
 		if err := kr.CheckRequest(req, r.block, r.block); err != nil {
 			errs = append(errs, err)
 		}

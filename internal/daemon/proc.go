@@ -17,10 +17,26 @@ type Proc struct {
 	cmd                   *exec.Cmd
 }
 
+// ServeIfChild makes this process the daemon when Start launched it (its
+// first argument is "serve"): it runs Main and exits. Otherwise it
+// returns at once. A program or test binary that starts daemons with Start
+// calls it first thing in main or TestMain.
+func ServeIfChild() {
+	if len(os.Args) < 2 || os.Args[1] != "serve" {
+		return
+	}
+	if err := Main(os.Args[2:]); err != nil {
+		fmt.Fprintln(os.Stderr, "kvxferd:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
 // Start runs "<this executable> serve" as a child process with its engine
 // socket, log and ready file in dir, the given backend, peers on loopback
-// and metrics off, and waits until it serves. The executable's main must
-// hand a first argument "serve" to Main. extra flags are appended.
+// and metrics off, and waits until it serves. The executable calls
+// ServeIfChild first (or hands a first argument "serve" to Main itself).
+// extra flags are appended.
 func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	self, err := os.Executable()
 	if err != nil {

@@ -399,26 +399,25 @@ func OpenConfig(c Config) (*Agent, error) {
 	if err := load(); err != nil {
 		return nil, err
 	}
-	name, plugin, params := c.Name, c.Plugin, c.Params
 	mem := C.int(C.KX_MEM_DRAM)
 	if c.VRAM {
 		mem = C.KX_MEM_VRAM
 	}
-	cname, cplug := C.CString(name), C.CString(plugin)
+	cname, cplug := C.CString(c.Name), C.CString(c.Plugin)
 	defer C.free(unsafe.Pointer(cname))
 	defer C.free(unsafe.Pointer(cplug))
-	kv := C.malloc(C.size_t(2*len(params)+1) * C.size_t(unsafe.Sizeof(uintptr(0))))
+	kv := C.malloc(C.size_t(2*len(c.Params)+1) * C.size_t(unsafe.Sizeof(uintptr(0))))
 	defer C.free(kv)
-	slots := unsafe.Slice((**C.char)(kv), 2*len(params)+1)
+	slots := unsafe.Slice((**C.char)(kv), 2*len(c.Params)+1)
 	i := 0
-	for k, v := range params {
+	for k, v := range c.Params {
 		slots[2*i], slots[2*i+1] = C.CString(k), C.CString(v)
 		defer C.free(unsafe.Pointer(slots[2*i]))
 		defer C.free(unsafe.Pointer(slots[2*i+1]))
 		i++
 	}
-	a := &Agent{name: name, mem: mem}
-	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend)); err != nil {
+	a := &Agent{name: c.Name, mem: mem}
+	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend)); err != nil {
 		return nil, err
 	}
 	if err := status("create notification map", C.kx_new_map(&a.notifs)); err != nil {

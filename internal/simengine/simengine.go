@@ -47,7 +47,7 @@ type Engine struct {
 	Ranks   []*kvsim.Rank
 	Streams []*stream.RankStream
 	Sched   *kvxfer.Scheduler
-	Agg     *kvxfer.Aggregator
+	agg     *kvxfer.Aggregator
 	maps    []*shm.Mapping
 	client  *stream.Client
 }
@@ -105,7 +105,7 @@ func (e *Engine) attach(cfg *Config) error {
 		TPSize: cfg.Engine.TP, LogicalBlockSize: cfg.Engine.LogicalBlock, Groups: e.Ranks[0].Layout.GroupList()}); err != nil {
 		return err
 	}
-	e.Agg, err = kvxfer.NewAggregator(cfg.Engine.TP)
+	e.agg, err = kvxfer.NewAggregator(cfg.Engine.TP)
 	return err
 }
 
@@ -146,7 +146,7 @@ func (e *Engine) StepError() error {
 // once every rank reported them (nil until then), after handing them to
 // the scheduler.
 func (e *Engine) Fold(rank int, f *kvxfer.Finished) (*kvxfer.Finished, error) {
-	out, err := e.Agg.Add(rank, f)
+	out, err := e.agg.Add(rank, f)
 	if err != nil || out == nil {
 		return nil, err
 	}

@@ -19,13 +19,7 @@ import (
 
 // TestMain lets daemon.Start run this test binary as a kvxferd.
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "serve" {
-		if err := daemon.Main(os.Args[2:]); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
+	daemon.ServeIfChild()
 	os.Exit(m.Run())
 }
 
