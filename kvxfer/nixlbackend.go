@@ -482,7 +482,7 @@ var _ Awaiter = (*NixlBackend)(nil)
 // idlePoll is how often an idle NixlBackend polls for notifications: the
 // longest a first message after a lull (a registration reaching an idle
 // producer) waits to be seen. Polling costs about 45 µs of CPU per round
-// here, so polling every PollInterval while idle would cost about 5% of a
+// here, so polling every PollInterval while idle would cost about 5% more of a
 // core per agent.
 const idlePoll = 10 * time.Millisecond
 
