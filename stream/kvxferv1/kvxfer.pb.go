@@ -723,8 +723,14 @@ type SharedMemory struct {
 	// cuda_ipc_handle, when set, is the 64-byte CUDA IPC memory handle of
 	// GPU memory (then kvxferd imports it and needs the NIXL backend).
 	CudaIpcHandle []byte `protobuf:"bytes,4,opt,name=cuda_ipc_handle,json=cudaIpcHandle,proto3" json:"cuda_ipc_handle,omitempty"`
-	// device is the CUDA device ordinal of GPU memory.
-	Device        int32 `protobuf:"varint,5,opt,name=device,proto3" json:"device,omitempty"`
+	// device is the CUDA device ordinal of GPU memory in the engine's
+	// process; used only when device_uuid is empty.
+	Device int32 `protobuf:"varint,5,opt,name=device,proto3" json:"device,omitempty"`
+	// device_uuid identifies the GPU of GPU memory ("GPU-" and 32 hex digits
+	// in 8-4-4-4-12 groups, as nvidia-smi prints it): ordinals differ between
+	// processes under different CUDA_VISIBLE_DEVICES, UUIDs do not. When set,
+	// kvxferd opens the device with this UUID and ignores device.
+	DeviceUuid    string `protobuf:"bytes,6,opt,name=device_uuid,json=deviceUuid,proto3" json:"device_uuid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -792,6 +798,13 @@ func (x *SharedMemory) GetDevice() int32 {
 		return x.Device
 	}
 	return 0
+}
+
+func (x *SharedMemory) GetDeviceUuid() string {
+	if x != nil {
+		return x.DeviceUuid
+	}
+	return ""
 }
 
 // Span is one cache group's block list.
@@ -1296,8 +1309,11 @@ type Finished struct {
 	Recving []*Outcome `protobuf:"bytes,2,rep,name=recving,proto3" json:"recving,omitempty"`
 	// invalid_block_ids of failed receives (group 0).
 	InvalidBlockIds []int32 `protobuf:"varint,3,rep,packed,name=invalid_block_ids,json=invalidBlockIds,proto3" json:"invalid_block_ids,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// stats of the rank's transfers since its previous Finished (absent: no
+	// transfer ended since).
+	Stats         *TransferStats `protobuf:"bytes,4,opt,name=stats,proto3" json:"stats,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Finished) Reset() {
@@ -1351,6 +1367,104 @@ func (x *Finished) GetInvalidBlockIds() []int32 {
 	return nil
 }
 
+func (x *Finished) GetStats() *TransferStats {
+	if x != nil {
+		return x.Stats
+	}
+	return nil
+}
+
+// TransferStats counts a rank's transfers over an interval.
+type TransferStats struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// transfers that completed.
+	Transfers uint64 `protobuf:"varint,1,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	// failed_transfers that did not.
+	FailedTransfers uint64 `protobuf:"varint,2,opt,name=failed_transfers,json=failedTransfers,proto3" json:"failed_transfers,omitempty"`
+	// bytes moved by completed transfers.
+	Bytes uint64 `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// descriptors posted by completed transfers.
+	Descriptors uint64 `protobuf:"varint,4,opt,name=descriptors,proto3" json:"descriptors,omitempty"`
+	// transfer_seconds is the summed duration of completed transfers.
+	TransferSeconds float64 `protobuf:"fixed64,5,opt,name=transfer_seconds,json=transferSeconds,proto3" json:"transfer_seconds,omitempty"`
+	// expired requests (leases or registrations that timed out).
+	Expired       uint64 `protobuf:"varint,6,opt,name=expired,proto3" json:"expired,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransferStats) Reset() {
+	*x = TransferStats{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransferStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransferStats) ProtoMessage() {}
+
+func (x *TransferStats) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransferStats.ProtoReflect.Descriptor instead.
+func (*TransferStats) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *TransferStats) GetTransfers() uint64 {
+	if x != nil {
+		return x.Transfers
+	}
+	return 0
+}
+
+func (x *TransferStats) GetFailedTransfers() uint64 {
+	if x != nil {
+		return x.FailedTransfers
+	}
+	return 0
+}
+
+func (x *TransferStats) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *TransferStats) GetDescriptors() uint64 {
+	if x != nil {
+		return x.Descriptors
+	}
+	return 0
+}
+
+func (x *TransferStats) GetTransferSeconds() float64 {
+	if x != nil {
+		return x.TransferSeconds
+	}
+	return 0
+}
+
+func (x *TransferStats) GetExpired() uint64 {
+	if x != nil {
+		return x.Expired
+	}
+	return 0
+}
+
 // WorkerHello opens a worker stream.
 type WorkerHello struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1372,7 +1486,7 @@ type WorkerHello struct {
 
 func (x *WorkerHello) Reset() {
 	*x = WorkerHello{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[11]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1384,7 +1498,7 @@ func (x *WorkerHello) String() string {
 func (*WorkerHello) ProtoMessage() {}
 
 func (x *WorkerHello) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[11]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1397,7 +1511,7 @@ func (x *WorkerHello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerHello.ProtoReflect.Descriptor instead.
 func (*WorkerHello) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{11}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *WorkerHello) GetEngineId() string {
@@ -1455,7 +1569,7 @@ type LayerSaved struct {
 
 func (x *LayerSaved) Reset() {
 	*x = LayerSaved{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[12]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1467,7 +1581,7 @@ func (x *LayerSaved) String() string {
 func (*LayerSaved) ProtoMessage() {}
 
 func (x *LayerSaved) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[12]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1480,7 +1594,7 @@ func (x *LayerSaved) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LayerSaved.ProtoReflect.Descriptor instead.
 func (*LayerSaved) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{12}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *LayerSaved) GetStep() uint64 {
@@ -1515,7 +1629,7 @@ type ConnectRequest struct {
 
 func (x *ConnectRequest) Reset() {
 	*x = ConnectRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[13]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1527,7 +1641,7 @@ func (x *ConnectRequest) String() string {
 func (*ConnectRequest) ProtoMessage() {}
 
 func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[13]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1540,7 +1654,7 @@ func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectRequest.ProtoReflect.Descriptor instead.
 func (*ConnectRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{13}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ConnectRequest) GetMsg() isConnectRequest_Msg {
@@ -1627,7 +1741,7 @@ type Bye struct {
 
 func (x *Bye) Reset() {
 	*x = Bye{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[14]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +1753,7 @@ func (x *Bye) String() string {
 func (*Bye) ProtoMessage() {}
 
 func (x *Bye) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[14]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +1766,7 @@ func (x *Bye) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Bye.ProtoReflect.Descriptor instead.
 func (*Bye) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{14}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{15}
 }
 
 // Ready answers a hello.
@@ -1666,7 +1780,7 @@ type Ready struct {
 
 func (x *Ready) Reset() {
 	*x = Ready{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1678,7 +1792,7 @@ func (x *Ready) String() string {
 func (*Ready) ProtoMessage() {}
 
 func (x *Ready) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1691,7 +1805,7 @@ func (x *Ready) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ready.ProtoReflect.Descriptor instead.
 func (*Ready) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{15}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Ready) GetAgentName() string {
@@ -1714,7 +1828,7 @@ type StepError struct {
 
 func (x *StepError) Reset() {
 	*x = StepError{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1726,7 +1840,7 @@ func (x *StepError) String() string {
 func (*StepError) ProtoMessage() {}
 
 func (x *StepError) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1739,7 +1853,7 @@ func (x *StepError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepError.ProtoReflect.Descriptor instead.
 func (*StepError) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{16}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *StepError) GetStep() uint64 {
@@ -1773,7 +1887,7 @@ type ConnectResponse struct {
 
 func (x *ConnectResponse) Reset() {
 	*x = ConnectResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1785,7 +1899,7 @@ func (x *ConnectResponse) String() string {
 func (*ConnectResponse) ProtoMessage() {}
 
 func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1798,7 +1912,7 @@ func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectResponse.ProtoReflect.Descriptor instead.
 func (*ConnectResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{17}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ConnectResponse) GetMsg() isConnectResponse_Msg {
@@ -1877,7 +1991,7 @@ type RankInfo struct {
 
 func (x *RankInfo) Reset() {
 	*x = RankInfo{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1889,7 +2003,7 @@ func (x *RankInfo) String() string {
 func (*RankInfo) ProtoMessage() {}
 
 func (x *RankInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1902,7 +2016,7 @@ func (x *RankInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankInfo.ProtoReflect.Descriptor instead.
 func (*RankInfo) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{18}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RankInfo) GetEngineId() string {
@@ -1944,7 +2058,7 @@ type RankList struct {
 
 func (x *RankList) Reset() {
 	*x = RankList{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1956,7 +2070,7 @@ func (x *RankList) String() string {
 func (*RankList) ProtoMessage() {}
 
 func (x *RankList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1969,7 +2083,7 @@ func (x *RankList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankList.ProtoReflect.Descriptor instead.
 func (*RankList) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{19}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RankList) GetRanks() []*RankInfo {
@@ -1992,7 +2106,7 @@ type HandshakeRequest struct {
 
 func (x *HandshakeRequest) Reset() {
 	*x = HandshakeRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2004,7 +2118,7 @@ func (x *HandshakeRequest) String() string {
 func (*HandshakeRequest) ProtoMessage() {}
 
 func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2017,7 +2131,7 @@ func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeRequest.ProtoReflect.Descriptor instead.
 func (*HandshakeRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{20}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *HandshakeRequest) GetEngineId() string {
@@ -2053,7 +2167,7 @@ type HandshakeResponse struct {
 
 func (x *HandshakeResponse) Reset() {
 	*x = HandshakeResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2065,7 +2179,7 @@ func (x *HandshakeResponse) String() string {
 func (*HandshakeResponse) ProtoMessage() {}
 
 func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2078,7 +2192,7 @@ func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeResponse.ProtoReflect.Descriptor instead.
 func (*HandshakeResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{21}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *HandshakeResponse) GetEngineId() string {
@@ -2150,7 +2264,7 @@ type TransferParams struct {
 
 func (x *TransferParams) Reset() {
 	*x = TransferParams{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2162,7 +2276,7 @@ func (x *TransferParams) String() string {
 func (*TransferParams) ProtoMessage() {}
 
 func (x *TransferParams) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2175,7 +2289,7 @@ func (x *TransferParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferParams.ProtoReflect.Descriptor instead.
 func (*TransferParams) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{22}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TransferParams) GetTransferId() string {
@@ -2277,7 +2391,7 @@ type EngineRequest struct {
 
 func (x *EngineRequest) Reset() {
 	*x = EngineRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2289,7 +2403,7 @@ func (x *EngineRequest) String() string {
 func (*EngineRequest) ProtoMessage() {}
 
 func (x *EngineRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2302,7 +2416,7 @@ func (x *EngineRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineRequest.ProtoReflect.Descriptor instead.
 func (*EngineRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{23}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *EngineRequest) GetRequestId() string {
@@ -2337,7 +2451,7 @@ type BlockList struct {
 
 func (x *BlockList) Reset() {
 	*x = BlockList{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2349,7 +2463,7 @@ func (x *BlockList) String() string {
 func (*BlockList) ProtoMessage() {}
 
 func (x *BlockList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2362,7 +2476,7 @@ func (x *BlockList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockList.ProtoReflect.Descriptor instead.
 func (*BlockList) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{24}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *BlockList) GetBlockIds() []int32 {
@@ -2400,14 +2514,18 @@ type SchedulerConfig struct {
 	// bidirectional multi-turn pull.
 	Bidirectional bool `protobuf:"varint,12,opt,name=bidirectional,proto3" json:"bidirectional,omitempty"`
 	// host_buffer save staging.
-	HostBuffer    bool `protobuf:"varint,13,opt,name=host_buffer,json=hostBuffer,proto3" json:"host_buffer,omitempty"`
+	HostBuffer bool `protobuf:"varint,13,opt,name=host_buffer,json=hostBuffer,proto3" json:"host_buffer,omitempty"`
+	// layerwise push: the scheduler lists producer requests whose prompt
+	// completes in a step in that step's StepMeta.prefill (see
+	// PrefillRequest), so their layers are written as they are saved.
+	Layerwise     bool `protobuf:"varint,14,opt,name=layerwise,proto3" json:"layerwise,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SchedulerConfig) Reset() {
 	*x = SchedulerConfig{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2419,7 +2537,7 @@ func (x *SchedulerConfig) String() string {
 func (*SchedulerConfig) ProtoMessage() {}
 
 func (x *SchedulerConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2432,7 +2550,7 @@ func (x *SchedulerConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerConfig.ProtoReflect.Descriptor instead.
 func (*SchedulerConfig) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{25}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SchedulerConfig) GetEngineId() string {
@@ -2526,6 +2644,13 @@ func (x *SchedulerConfig) GetHostBuffer() bool {
 	return false
 }
 
+func (x *SchedulerConfig) GetLayerwise() bool {
+	if x != nil {
+		return x.Layerwise
+	}
+	return false
+}
+
 // OpenSchedulerRequest creates (or replaces) an engine's scheduler.
 type OpenSchedulerRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2537,7 +2662,7 @@ type OpenSchedulerRequest struct {
 
 func (x *OpenSchedulerRequest) Reset() {
 	*x = OpenSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2549,7 +2674,7 @@ func (x *OpenSchedulerRequest) String() string {
 func (*OpenSchedulerRequest) ProtoMessage() {}
 
 func (x *OpenSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2562,7 +2687,7 @@ func (x *OpenSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*OpenSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{26}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *OpenSchedulerRequest) GetConfig() *SchedulerConfig {
@@ -2583,7 +2708,7 @@ type OpenSchedulerResponse struct {
 
 func (x *OpenSchedulerResponse) Reset() {
 	*x = OpenSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2595,7 +2720,7 @@ func (x *OpenSchedulerResponse) String() string {
 func (*OpenSchedulerResponse) ProtoMessage() {}
 
 func (x *OpenSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2608,7 +2733,7 @@ func (x *OpenSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*OpenSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{27}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *OpenSchedulerResponse) GetAddr() string {
@@ -2633,7 +2758,7 @@ type MatchedTokensRequest struct {
 
 func (x *MatchedTokensRequest) Reset() {
 	*x = MatchedTokensRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2645,7 +2770,7 @@ func (x *MatchedTokensRequest) String() string {
 func (*MatchedTokensRequest) ProtoMessage() {}
 
 func (x *MatchedTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2658,7 +2783,7 @@ func (x *MatchedTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchedTokensRequest.ProtoReflect.Descriptor instead.
 func (*MatchedTokensRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{28}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *MatchedTokensRequest) GetEngineId() string {
@@ -2695,7 +2820,7 @@ type MatchedTokensResponse struct {
 
 func (x *MatchedTokensResponse) Reset() {
 	*x = MatchedTokensResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2707,7 +2832,7 @@ func (x *MatchedTokensResponse) String() string {
 func (*MatchedTokensResponse) ProtoMessage() {}
 
 func (x *MatchedTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2720,7 +2845,7 @@ func (x *MatchedTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchedTokensResponse.ProtoReflect.Descriptor instead.
 func (*MatchedTokensResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{29}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *MatchedTokensResponse) GetTokens() int64 {
@@ -2756,7 +2881,7 @@ type AfterAllocRequest struct {
 
 func (x *AfterAllocRequest) Reset() {
 	*x = AfterAllocRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2768,7 +2893,7 @@ func (x *AfterAllocRequest) String() string {
 func (*AfterAllocRequest) ProtoMessage() {}
 
 func (x *AfterAllocRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2781,7 +2906,7 @@ func (x *AfterAllocRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterAllocRequest.ProtoReflect.Descriptor instead.
 func (*AfterAllocRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{30}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *AfterAllocRequest) GetEngineId() string {
@@ -2830,7 +2955,7 @@ type AfterAllocResponse struct {
 
 func (x *AfterAllocResponse) Reset() {
 	*x = AfterAllocResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2842,7 +2967,7 @@ func (x *AfterAllocResponse) String() string {
 func (*AfterAllocResponse) ProtoMessage() {}
 
 func (x *AfterAllocResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2855,7 +2980,7 @@ func (x *AfterAllocResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterAllocResponse.ProtoReflect.Descriptor instead.
 func (*AfterAllocResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{31}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AfterAllocResponse) GetParams() *TransferParams {
@@ -2884,7 +3009,7 @@ type ScheduledRequest struct {
 
 func (x *ScheduledRequest) Reset() {
 	*x = ScheduledRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2896,7 +3021,7 @@ func (x *ScheduledRequest) String() string {
 func (*ScheduledRequest) ProtoMessage() {}
 
 func (x *ScheduledRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2909,7 +3034,7 @@ func (x *ScheduledRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScheduledRequest.ProtoReflect.Descriptor instead.
 func (*ScheduledRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{32}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ScheduledRequest) GetEngineId() string {
@@ -2956,7 +3081,7 @@ type ScheduledResponse struct {
 
 func (x *ScheduledResponse) Reset() {
 	*x = ScheduledResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2968,7 +3093,7 @@ func (x *ScheduledResponse) String() string {
 func (*ScheduledResponse) ProtoMessage() {}
 
 func (x *ScheduledResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2981,7 +3106,7 @@ func (x *ScheduledResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScheduledResponse.ProtoReflect.Descriptor instead.
 func (*ScheduledResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{33}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{34}
 }
 
 // RequestFinishedRequest reports a finished request.
@@ -3003,7 +3128,7 @@ type RequestFinishedRequest struct {
 
 func (x *RequestFinishedRequest) Reset() {
 	*x = RequestFinishedRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3015,7 +3140,7 @@ func (x *RequestFinishedRequest) String() string {
 func (*RequestFinishedRequest) ProtoMessage() {}
 
 func (x *RequestFinishedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3028,7 +3153,7 @@ func (x *RequestFinishedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestFinishedRequest.ProtoReflect.Descriptor instead.
 func (*RequestFinishedRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{34}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *RequestFinishedRequest) GetEngineId() string {
@@ -3081,7 +3206,7 @@ type RequestFinishedResponse struct {
 
 func (x *RequestFinishedResponse) Reset() {
 	*x = RequestFinishedResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3093,7 +3218,7 @@ func (x *RequestFinishedResponse) String() string {
 func (*RequestFinishedResponse) ProtoMessage() {}
 
 func (x *RequestFinishedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3106,7 +3231,7 @@ func (x *RequestFinishedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestFinishedResponse.ProtoReflect.Descriptor instead.
 func (*RequestFinishedResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{35}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RequestFinishedResponse) GetDelay() bool {
@@ -3141,7 +3266,7 @@ type BuildMetaRequest struct {
 
 func (x *BuildMetaRequest) Reset() {
 	*x = BuildMetaRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3153,7 +3278,7 @@ func (x *BuildMetaRequest) String() string {
 func (*BuildMetaRequest) ProtoMessage() {}
 
 func (x *BuildMetaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3166,7 +3291,7 @@ func (x *BuildMetaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildMetaRequest.ProtoReflect.Descriptor instead.
 func (*BuildMetaRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{36}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *BuildMetaRequest) GetEngineId() string {
@@ -3187,7 +3312,7 @@ type BuildMetaResponse struct {
 
 func (x *BuildMetaResponse) Reset() {
 	*x = BuildMetaResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3199,7 +3324,7 @@ func (x *BuildMetaResponse) String() string {
 func (*BuildMetaResponse) ProtoMessage() {}
 
 func (x *BuildMetaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3212,7 +3337,7 @@ func (x *BuildMetaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildMetaResponse.ProtoReflect.Descriptor instead.
 func (*BuildMetaResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{37}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *BuildMetaResponse) GetMeta() *StepMeta {
@@ -3235,7 +3360,7 @@ type UpdateRequest struct {
 
 func (x *UpdateRequest) Reset() {
 	*x = UpdateRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3247,7 +3372,7 @@ func (x *UpdateRequest) String() string {
 func (*UpdateRequest) ProtoMessage() {}
 
 func (x *UpdateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3260,7 +3385,7 @@ func (x *UpdateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateRequest.ProtoReflect.Descriptor instead.
 func (*UpdateRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{38}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *UpdateRequest) GetEngineId() string {
@@ -3288,7 +3413,7 @@ type UpdateResponse struct {
 
 func (x *UpdateResponse) Reset() {
 	*x = UpdateResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3300,7 +3425,7 @@ func (x *UpdateResponse) String() string {
 func (*UpdateResponse) ProtoMessage() {}
 
 func (x *UpdateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3313,7 +3438,7 @@ func (x *UpdateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateResponse.ProtoReflect.Descriptor instead.
 func (*UpdateResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{39}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *UpdateResponse) GetPending() bool {
@@ -3321,6 +3446,562 @@ func (x *UpdateResponse) GetPending() bool {
 		return x.Pending
 	}
 	return false
+}
+
+// PrefillRequest tells the scheduler a producer request was scheduled in
+// the coming step (layer-wise push): when the step completes its prompt,
+// the step's metadata lists it in prefill with its (clipped) blocks.
+type PrefillRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request in question.
+	Request *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// blocks of the request per cache group: all of them, prefix hit included.
+	Blocks []*BlockList `protobuf:"bytes,3,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	// computed tokens before this step.
+	Computed int64 `protobuf:"varint,4,opt,name=computed,proto3" json:"computed,omitempty"`
+	// scheduled tokens in this step.
+	Scheduled     int64 `protobuf:"varint,5,opt,name=scheduled,proto3" json:"scheduled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PrefillRequest) Reset() {
+	*x = PrefillRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefillRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefillRequest) ProtoMessage() {}
+
+func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefillRequest.ProtoReflect.Descriptor instead.
+func (*PrefillRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *PrefillRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *PrefillRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *PrefillRequest) GetBlocks() []*BlockList {
+	if x != nil {
+		return x.Blocks
+	}
+	return nil
+}
+
+func (x *PrefillRequest) GetComputed() int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return 0
+}
+
+func (x *PrefillRequest) GetScheduled() int64 {
+	if x != nil {
+		return x.Scheduled
+	}
+	return 0
+}
+
+// PrefillResponse answers Prefill.
+type PrefillResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PrefillResponse) Reset() {
+	*x = PrefillResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefillResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefillResponse) ProtoMessage() {}
+
+func (x *PrefillResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefillResponse.ProtoReflect.Descriptor instead.
+func (*PrefillResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{42}
+}
+
+// SchedulerOp is one scheduler call inside a StepRequest. Its engine_id
+// field is ignored: the StepRequest's applies.
+type SchedulerOp struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// op is one of the calls below.
+	//
+	// Types that are valid to be assigned to Op:
+	//
+	//	*SchedulerOp_AfterAlloc
+	//	*SchedulerOp_Scheduled
+	//	*SchedulerOp_RequestFinished
+	//	*SchedulerOp_Update
+	//	*SchedulerOp_Prefill
+	Op            isSchedulerOp_Op `protobuf_oneof:"op"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SchedulerOp) Reset() {
+	*x = SchedulerOp{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SchedulerOp) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SchedulerOp) ProtoMessage() {}
+
+func (x *SchedulerOp) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SchedulerOp.ProtoReflect.Descriptor instead.
+func (*SchedulerOp) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *SchedulerOp) GetOp() isSchedulerOp_Op {
+	if x != nil {
+		return x.Op
+	}
+	return nil
+}
+
+func (x *SchedulerOp) GetAfterAlloc() *AfterAllocRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_AfterAlloc); ok {
+			return x.AfterAlloc
+		}
+	}
+	return nil
+}
+
+func (x *SchedulerOp) GetScheduled() *ScheduledRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_Scheduled); ok {
+			return x.Scheduled
+		}
+	}
+	return nil
+}
+
+func (x *SchedulerOp) GetRequestFinished() *RequestFinishedRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_RequestFinished); ok {
+			return x.RequestFinished
+		}
+	}
+	return nil
+}
+
+func (x *SchedulerOp) GetUpdate() *UpdateRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_Update); ok {
+			return x.Update
+		}
+	}
+	return nil
+}
+
+func (x *SchedulerOp) GetPrefill() *PrefillRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_Prefill); ok {
+			return x.Prefill
+		}
+	}
+	return nil
+}
+
+type isSchedulerOp_Op interface {
+	isSchedulerOp_Op()
+}
+
+type SchedulerOp_AfterAlloc struct {
+	// after_alloc: update_state_after_alloc.
+	AfterAlloc *AfterAllocRequest `protobuf:"bytes,1,opt,name=after_alloc,json=afterAlloc,proto3,oneof"`
+}
+
+type SchedulerOp_Scheduled struct {
+	// scheduled: host-buffer save staging.
+	Scheduled *ScheduledRequest `protobuf:"bytes,2,opt,name=scheduled,proto3,oneof"`
+}
+
+type SchedulerOp_RequestFinished struct {
+	// request_finished: request_finished.
+	RequestFinished *RequestFinishedRequest `protobuf:"bytes,3,opt,name=request_finished,json=requestFinished,proto3,oneof"`
+}
+
+type SchedulerOp_Update struct {
+	// update: update_connector_output.
+	Update *UpdateRequest `protobuf:"bytes,4,opt,name=update,proto3,oneof"`
+}
+
+type SchedulerOp_Prefill struct {
+	// prefill: layer-wise push staging.
+	Prefill *PrefillRequest `protobuf:"bytes,5,opt,name=prefill,proto3,oneof"`
+}
+
+func (*SchedulerOp_AfterAlloc) isSchedulerOp_Op() {}
+
+func (*SchedulerOp_Scheduled) isSchedulerOp_Op() {}
+
+func (*SchedulerOp_RequestFinished) isSchedulerOp_Op() {}
+
+func (*SchedulerOp_Update) isSchedulerOp_Op() {}
+
+func (*SchedulerOp_Prefill) isSchedulerOp_Op() {}
+
+// StepRequest is one engine step's scheduler calls in one round trip: the
+// ops are applied in order, as if each had been its own call, then the
+// step's metadata is built if build_meta is set.
+type StepRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// ops to apply, in order.
+	Ops []*SchedulerOp `protobuf:"bytes,2,rep,name=ops,proto3" json:"ops,omitempty"`
+	// build_meta: build the step's metadata after the ops (BuildMeta).
+	BuildMeta     bool `protobuf:"varint,3,opt,name=build_meta,json=buildMeta,proto3" json:"build_meta,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepRequest) Reset() {
+	*x = StepRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepRequest) ProtoMessage() {}
+
+func (x *StepRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepRequest.ProtoReflect.Descriptor instead.
+func (*StepRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *StepRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *StepRequest) GetOps() []*SchedulerOp {
+	if x != nil {
+		return x.Ops
+	}
+	return nil
+}
+
+func (x *StepRequest) GetBuildMeta() bool {
+	if x != nil {
+		return x.BuildMeta
+	}
+	return false
+}
+
+// OpResult is what one op of a StepRequest returned, for ops that failed
+// and for request_finished ops.
+type OpResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// index of the op in StepRequest.ops.
+	Index int32 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// code is the gRPC status code the op alone would have returned (0: OK).
+	Code int32 `protobuf:"varint,2,opt,name=code,proto3" json:"code,omitempty"`
+	// error message naming the request and field (empty: OK).
+	Error string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	// delay (request_finished): keep the blocks until a sending outcome.
+	Delay bool `protobuf:"varint,4,opt,name=delay,proto3" json:"delay,omitempty"`
+	// params (request_finished): params to hand to the other engine.
+	Params        *TransferParams `protobuf:"bytes,5,opt,name=params,proto3" json:"params,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpResult) Reset() {
+	*x = OpResult{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpResult) ProtoMessage() {}
+
+func (x *OpResult) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpResult.ProtoReflect.Descriptor instead.
+func (*OpResult) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *OpResult) GetIndex() int32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *OpResult) GetCode() int32 {
+	if x != nil {
+		return x.Code
+	}
+	return 0
+}
+
+func (x *OpResult) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *OpResult) GetDelay() bool {
+	if x != nil {
+		return x.Delay
+	}
+	return false
+}
+
+func (x *OpResult) GetParams() *TransferParams {
+	if x != nil {
+		return x.Params
+	}
+	return nil
+}
+
+// SchedulerCounters count what an engine's scheduler rejected or dropped
+// since it was opened.
+type SchedulerCounters struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// bad_params: transfer params missing a field a transfer needs.
+	BadParams uint64 `protobuf:"varint,1,opt,name=bad_params,json=badParams,proto3" json:"bad_params,omitempty"`
+	// unknown_updates: outcomes for requests the scheduler does not track.
+	UnknownUpdates uint64 `protobuf:"varint,2,opt,name=unknown_updates,json=unknownUpdates,proto3" json:"unknown_updates,omitempty"`
+	// watchdog_expired: push registrations whose deadline passed.
+	WatchdogExpired uint64 `protobuf:"varint,3,opt,name=watchdog_expired,json=watchdogExpired,proto3" json:"watchdog_expired,omitempty"`
+	// recomputed: second-turn reads below the recompute threshold.
+	Recomputed    uint64 `protobuf:"varint,4,opt,name=recomputed,proto3" json:"recomputed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SchedulerCounters) Reset() {
+	*x = SchedulerCounters{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SchedulerCounters) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SchedulerCounters) ProtoMessage() {}
+
+func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SchedulerCounters.ProtoReflect.Descriptor instead.
+func (*SchedulerCounters) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *SchedulerCounters) GetBadParams() uint64 {
+	if x != nil {
+		return x.BadParams
+	}
+	return 0
+}
+
+func (x *SchedulerCounters) GetUnknownUpdates() uint64 {
+	if x != nil {
+		return x.UnknownUpdates
+	}
+	return 0
+}
+
+func (x *SchedulerCounters) GetWatchdogExpired() uint64 {
+	if x != nil {
+		return x.WatchdogExpired
+	}
+	return 0
+}
+
+func (x *SchedulerCounters) GetRecomputed() uint64 {
+	if x != nil {
+		return x.Recomputed
+	}
+	return 0
+}
+
+// StepResponse answers Step.
+type StepResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// meta of the step (absent unless build_meta was set).
+	Meta *StepMeta `protobuf:"bytes,1,opt,name=meta,proto3" json:"meta,omitempty"`
+	// results of failed ops and of request_finished ops, by index.
+	Results []*OpResult `protobuf:"bytes,2,rep,name=results,proto3" json:"results,omitempty"`
+	// pending: the engine must keep stepping for kvxfer.
+	Pending bool `protobuf:"varint,3,opt,name=pending,proto3" json:"pending,omitempty"`
+	// counters of the scheduler after the step.
+	Counters      *SchedulerCounters `protobuf:"bytes,4,opt,name=counters,proto3" json:"counters,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepResponse) Reset() {
+	*x = StepResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepResponse) ProtoMessage() {}
+
+func (x *StepResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepResponse.ProtoReflect.Descriptor instead.
+func (*StepResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *StepResponse) GetMeta() *StepMeta {
+	if x != nil {
+		return x.Meta
+	}
+	return nil
+}
+
+func (x *StepResponse) GetResults() []*OpResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+func (x *StepResponse) GetPending() bool {
+	if x != nil {
+		return x.Pending
+	}
+	return false
+}
+
+func (x *StepResponse) GetCounters() *SchedulerCounters {
+	if x != nil {
+		return x.Counters
+	}
+	return nil
 }
 
 // CloseSchedulerRequest drops an engine's scheduler.
@@ -3334,7 +4015,7 @@ type CloseSchedulerRequest struct {
 
 func (x *CloseSchedulerRequest) Reset() {
 	*x = CloseSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3346,7 +4027,7 @@ func (x *CloseSchedulerRequest) String() string {
 func (*CloseSchedulerRequest) ProtoMessage() {}
 
 func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3359,7 +4040,7 @@ func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{40}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *CloseSchedulerRequest) GetEngineId() string {
@@ -3378,7 +4059,7 @@ type CloseSchedulerResponse struct {
 
 func (x *CloseSchedulerResponse) Reset() {
 	*x = CloseSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3390,7 +4071,7 @@ func (x *CloseSchedulerResponse) String() string {
 func (*CloseSchedulerResponse) ProtoMessage() {}
 
 func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3403,7 +4084,7 @@ func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{41}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
 }
 
 var File_kvxfer_v1_kvxfer_proto protoreflect.FileDescriptor
@@ -3443,13 +4124,15 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11kernel_block_size\x18\v \x01(\x05R\x0fkernelBlockSize\x12#\n" +
 	"\rregion_offset\x18\f \x01(\x05R\fregionOffset\x12+\n" +
 	"\aregions\x18\r \x03(\v2\x11.kvxfer.v1.RegionR\aregions\x12-\n" +
-	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"\x8a\x01\n" +
+	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"\xab\x01\n" +
 	"\fSharedMemory\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\x04R\x04base\x12\x12\n" +
 	"\x04size\x18\x03 \x01(\x04R\x04size\x12&\n" +
 	"\x0fcuda_ipc_handle\x18\x04 \x01(\fR\rcudaIpcHandle\x12\x16\n" +
-	"\x06device\x18\x05 \x01(\x05R\x06device\"9\n" +
+	"\x06device\x18\x05 \x01(\x05R\x06device\x12\x1f\n" +
+	"\vdevice_uuid\x18\x06 \x01(\tR\n" +
+	"deviceUuid\"9\n" +
 	"\x04Span\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x1b\n" +
 	"\tblock_ids\x18\x02 \x03(\x05R\bblockIds\"\xfa\x01\n" +
@@ -3497,11 +4180,19 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\vRESULT_DONE\x10\x01\x12\x11\n" +
 	"\rRESULT_FAILED\x10\x02\x12\x12\n" +
 	"\x0eRESULT_EXPIRED\x10\x03\x12\x12\n" +
-	"\x0eRESULT_ABORTED\x10\x04\"\x92\x01\n" +
+	"\x0eRESULT_ABORTED\x10\x04\"\xc2\x01\n" +
 	"\bFinished\x12,\n" +
 	"\asending\x18\x01 \x03(\v2\x12.kvxfer.v1.OutcomeR\asending\x12,\n" +
 	"\arecving\x18\x02 \x03(\v2\x12.kvxfer.v1.OutcomeR\arecving\x12*\n" +
-	"\x11invalid_block_ids\x18\x03 \x03(\x05R\x0finvalidBlockIds\"\xec\x01\n" +
+	"\x11invalid_block_ids\x18\x03 \x03(\x05R\x0finvalidBlockIds\x12.\n" +
+	"\x05stats\x18\x04 \x01(\v2\x18.kvxfer.v1.TransferStatsR\x05stats\"\xd5\x01\n" +
+	"\rTransferStats\x12\x1c\n" +
+	"\ttransfers\x18\x01 \x01(\x04R\ttransfers\x12)\n" +
+	"\x10failed_transfers\x18\x02 \x01(\x04R\x0ffailedTransfers\x12\x14\n" +
+	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12 \n" +
+	"\vdescriptors\x18\x04 \x01(\x04R\vdescriptors\x12)\n" +
+	"\x10transfer_seconds\x18\x05 \x01(\x01R\x0ftransferSeconds\x12\x18\n" +
+	"\aexpired\x18\x06 \x01(\x04R\aexpired\"\xec\x01\n" +
 	"\vWorkerHello\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12#\n" +
 	"\x04mode\x18\x02 \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12+\n" +
@@ -3576,7 +4267,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\rprompt_tokens\x18\x02 \x01(\x03R\fpromptTokens\x121\n" +
 	"\x06params\x18\x03 \x01(\v2\x19.kvxfer.v1.TransferParamsR\x06params\"(\n" +
 	"\tBlockList\x12\x1b\n" +
-	"\tblock_ids\x18\x01 \x03(\x05R\bblockIds\"\x99\x04\n" +
+	"\tblock_ids\x18\x01 \x03(\x05R\bblockIds\"\xb7\x04\n" +
 	"\x0fSchedulerConfig\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12#\n" +
 	"\x04mode\x18\x02 \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12\x17\n" +
@@ -3593,7 +4284,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x13recompute_threshold\x18\v \x01(\x05R\x12recomputeThreshold\x12$\n" +
 	"\rbidirectional\x18\f \x01(\bR\rbidirectional\x12\x1f\n" +
 	"\vhost_buffer\x18\r \x01(\bR\n" +
-	"hostBuffer\"J\n" +
+	"hostBuffer\x12\x1c\n" +
+	"\tlayerwise\x18\x0e \x01(\bR\tlayerwise\"J\n" +
 	"\x14OpenSchedulerRequest\x122\n" +
 	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"+\n" +
 	"\x15OpenSchedulerResponse\x12\x12\n" +
@@ -3639,7 +4331,46 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12/\n" +
 	"\bfinished\x18\x02 \x01(\v2\x13.kvxfer.v1.FinishedR\bfinished\"*\n" +
 	"\x0eUpdateResponse\x12\x18\n" +
-	"\apending\x18\x01 \x01(\bR\apending\"4\n" +
+	"\apending\x18\x01 \x01(\bR\apending\"\xc9\x01\n" +
+	"\x0ePrefillRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12,\n" +
+	"\x06blocks\x18\x03 \x03(\v2\x14.kvxfer.v1.BlockListR\x06blocks\x12\x1a\n" +
+	"\bcomputed\x18\x04 \x01(\x03R\bcomputed\x12\x1c\n" +
+	"\tscheduled\x18\x05 \x01(\x03R\tscheduled\"\x11\n" +
+	"\x0fPrefillResponse\"\xcc\x02\n" +
+	"\vSchedulerOp\x12?\n" +
+	"\vafter_alloc\x18\x01 \x01(\v2\x1c.kvxfer.v1.AfterAllocRequestH\x00R\n" +
+	"afterAlloc\x12;\n" +
+	"\tscheduled\x18\x02 \x01(\v2\x1b.kvxfer.v1.ScheduledRequestH\x00R\tscheduled\x12N\n" +
+	"\x10request_finished\x18\x03 \x01(\v2!.kvxfer.v1.RequestFinishedRequestH\x00R\x0frequestFinished\x122\n" +
+	"\x06update\x18\x04 \x01(\v2\x18.kvxfer.v1.UpdateRequestH\x00R\x06update\x125\n" +
+	"\aprefill\x18\x05 \x01(\v2\x19.kvxfer.v1.PrefillRequestH\x00R\aprefillB\x04\n" +
+	"\x02op\"s\n" +
+	"\vStepRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12(\n" +
+	"\x03ops\x18\x02 \x03(\v2\x16.kvxfer.v1.SchedulerOpR\x03ops\x12\x1d\n" +
+	"\n" +
+	"build_meta\x18\x03 \x01(\bR\tbuildMeta\"\x93\x01\n" +
+	"\bOpResult\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
+	"\x04code\x18\x02 \x01(\x05R\x04code\x12\x14\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\x12\x14\n" +
+	"\x05delay\x18\x04 \x01(\bR\x05delay\x121\n" +
+	"\x06params\x18\x05 \x01(\v2\x19.kvxfer.v1.TransferParamsR\x06params\"\xa6\x01\n" +
+	"\x11SchedulerCounters\x12\x1d\n" +
+	"\n" +
+	"bad_params\x18\x01 \x01(\x04R\tbadParams\x12'\n" +
+	"\x0funknown_updates\x18\x02 \x01(\x04R\x0eunknownUpdates\x12)\n" +
+	"\x10watchdog_expired\x18\x03 \x01(\x04R\x0fwatchdogExpired\x12\x1e\n" +
+	"\n" +
+	"recomputed\x18\x04 \x01(\x04R\n" +
+	"recomputed\"\xba\x01\n" +
+	"\fStepResponse\x12'\n" +
+	"\x04meta\x18\x01 \x01(\v2\x13.kvxfer.v1.StepMetaR\x04meta\x12-\n" +
+	"\aresults\x18\x02 \x03(\v2\x13.kvxfer.v1.OpResultR\aresults\x12\x18\n" +
+	"\apending\x18\x03 \x01(\bR\apending\x128\n" +
+	"\bcounters\x18\x04 \x01(\v2\x1c.kvxfer.v1.SchedulerCountersR\bcounters\"4\n" +
 	"\x15CloseSchedulerRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\"\x18\n" +
 	"\x16CloseSchedulerResponse*:\n" +
@@ -3671,7 +4402,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\rWorkerService\x12D\n" +
 	"\aConnect\x12\x19.kvxfer.v1.ConnectRequest\x1a\x1a.kvxfer.v1.ConnectResponse(\x010\x012U\n" +
 	"\vPeerService\x12F\n" +
-	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse2\x85\x05\n" +
+	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse2\x80\x06\n" +
 	"\x10SchedulerService\x12R\n" +
 	"\rOpenScheduler\x12\x1f.kvxfer.v1.OpenSchedulerRequest\x1a .kvxfer.v1.OpenSchedulerResponse\x12R\n" +
 	"\rMatchedTokens\x12\x1f.kvxfer.v1.MatchedTokensRequest\x1a .kvxfer.v1.MatchedTokensResponse\x12I\n" +
@@ -3680,7 +4411,9 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tScheduled\x12\x1b.kvxfer.v1.ScheduledRequest\x1a\x1c.kvxfer.v1.ScheduledResponse\x12X\n" +
 	"\x0fRequestFinished\x12!.kvxfer.v1.RequestFinishedRequest\x1a\".kvxfer.v1.RequestFinishedResponse\x12F\n" +
 	"\tBuildMeta\x12\x1b.kvxfer.v1.BuildMetaRequest\x1a\x1c.kvxfer.v1.BuildMetaResponse\x12=\n" +
-	"\x06Update\x12\x18.kvxfer.v1.UpdateRequest\x1a\x19.kvxfer.v1.UpdateResponse\x12U\n" +
+	"\x06Update\x12\x18.kvxfer.v1.UpdateRequest\x1a\x19.kvxfer.v1.UpdateResponse\x12@\n" +
+	"\aPrefill\x12\x19.kvxfer.v1.PrefillRequest\x1a\x1a.kvxfer.v1.PrefillResponse\x127\n" +
+	"\x04Step\x12\x16.kvxfer.v1.StepRequest\x1a\x17.kvxfer.v1.StepResponse\x12U\n" +
 	"\x0eCloseScheduler\x12 .kvxfer.v1.CloseSchedulerRequest\x1a!.kvxfer.v1.CloseSchedulerResponseB3Z1github.com/kvxfer/kvxfer/stream/kvxferv1;kvxferv1b\x06proto3"
 
 var (
@@ -3696,7 +4429,7 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
@@ -3715,37 +4448,45 @@ var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(*StepMeta)(nil),                // 14: kvxfer.v1.StepMeta
 	(*Outcome)(nil),                 // 15: kvxfer.v1.Outcome
 	(*Finished)(nil),                // 16: kvxfer.v1.Finished
-	(*WorkerHello)(nil),             // 17: kvxfer.v1.WorkerHello
-	(*LayerSaved)(nil),              // 18: kvxfer.v1.LayerSaved
-	(*ConnectRequest)(nil),          // 19: kvxfer.v1.ConnectRequest
-	(*Bye)(nil),                     // 20: kvxfer.v1.Bye
-	(*Ready)(nil),                   // 21: kvxfer.v1.Ready
-	(*StepError)(nil),               // 22: kvxfer.v1.StepError
-	(*ConnectResponse)(nil),         // 23: kvxfer.v1.ConnectResponse
-	(*RankInfo)(nil),                // 24: kvxfer.v1.RankInfo
-	(*RankList)(nil),                // 25: kvxfer.v1.RankList
-	(*HandshakeRequest)(nil),        // 26: kvxfer.v1.HandshakeRequest
-	(*HandshakeResponse)(nil),       // 27: kvxfer.v1.HandshakeResponse
-	(*TransferParams)(nil),          // 28: kvxfer.v1.TransferParams
-	(*EngineRequest)(nil),           // 29: kvxfer.v1.EngineRequest
-	(*BlockList)(nil),               // 30: kvxfer.v1.BlockList
-	(*SchedulerConfig)(nil),         // 31: kvxfer.v1.SchedulerConfig
-	(*OpenSchedulerRequest)(nil),    // 32: kvxfer.v1.OpenSchedulerRequest
-	(*OpenSchedulerResponse)(nil),   // 33: kvxfer.v1.OpenSchedulerResponse
-	(*MatchedTokensRequest)(nil),    // 34: kvxfer.v1.MatchedTokensRequest
-	(*MatchedTokensResponse)(nil),   // 35: kvxfer.v1.MatchedTokensResponse
-	(*AfterAllocRequest)(nil),       // 36: kvxfer.v1.AfterAllocRequest
-	(*AfterAllocResponse)(nil),      // 37: kvxfer.v1.AfterAllocResponse
-	(*ScheduledRequest)(nil),        // 38: kvxfer.v1.ScheduledRequest
-	(*ScheduledResponse)(nil),       // 39: kvxfer.v1.ScheduledResponse
-	(*RequestFinishedRequest)(nil),  // 40: kvxfer.v1.RequestFinishedRequest
-	(*RequestFinishedResponse)(nil), // 41: kvxfer.v1.RequestFinishedResponse
-	(*BuildMetaRequest)(nil),        // 42: kvxfer.v1.BuildMetaRequest
-	(*BuildMetaResponse)(nil),       // 43: kvxfer.v1.BuildMetaResponse
-	(*UpdateRequest)(nil),           // 44: kvxfer.v1.UpdateRequest
-	(*UpdateResponse)(nil),          // 45: kvxfer.v1.UpdateResponse
-	(*CloseSchedulerRequest)(nil),   // 46: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 47: kvxfer.v1.CloseSchedulerResponse
+	(*TransferStats)(nil),           // 17: kvxfer.v1.TransferStats
+	(*WorkerHello)(nil),             // 18: kvxfer.v1.WorkerHello
+	(*LayerSaved)(nil),              // 19: kvxfer.v1.LayerSaved
+	(*ConnectRequest)(nil),          // 20: kvxfer.v1.ConnectRequest
+	(*Bye)(nil),                     // 21: kvxfer.v1.Bye
+	(*Ready)(nil),                   // 22: kvxfer.v1.Ready
+	(*StepError)(nil),               // 23: kvxfer.v1.StepError
+	(*ConnectResponse)(nil),         // 24: kvxfer.v1.ConnectResponse
+	(*RankInfo)(nil),                // 25: kvxfer.v1.RankInfo
+	(*RankList)(nil),                // 26: kvxfer.v1.RankList
+	(*HandshakeRequest)(nil),        // 27: kvxfer.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),       // 28: kvxfer.v1.HandshakeResponse
+	(*TransferParams)(nil),          // 29: kvxfer.v1.TransferParams
+	(*EngineRequest)(nil),           // 30: kvxfer.v1.EngineRequest
+	(*BlockList)(nil),               // 31: kvxfer.v1.BlockList
+	(*SchedulerConfig)(nil),         // 32: kvxfer.v1.SchedulerConfig
+	(*OpenSchedulerRequest)(nil),    // 33: kvxfer.v1.OpenSchedulerRequest
+	(*OpenSchedulerResponse)(nil),   // 34: kvxfer.v1.OpenSchedulerResponse
+	(*MatchedTokensRequest)(nil),    // 35: kvxfer.v1.MatchedTokensRequest
+	(*MatchedTokensResponse)(nil),   // 36: kvxfer.v1.MatchedTokensResponse
+	(*AfterAllocRequest)(nil),       // 37: kvxfer.v1.AfterAllocRequest
+	(*AfterAllocResponse)(nil),      // 38: kvxfer.v1.AfterAllocResponse
+	(*ScheduledRequest)(nil),        // 39: kvxfer.v1.ScheduledRequest
+	(*ScheduledResponse)(nil),       // 40: kvxfer.v1.ScheduledResponse
+	(*RequestFinishedRequest)(nil),  // 41: kvxfer.v1.RequestFinishedRequest
+	(*RequestFinishedResponse)(nil), // 42: kvxfer.v1.RequestFinishedResponse
+	(*BuildMetaRequest)(nil),        // 43: kvxfer.v1.BuildMetaRequest
+	(*BuildMetaResponse)(nil),       // 44: kvxfer.v1.BuildMetaResponse
+	(*UpdateRequest)(nil),           // 45: kvxfer.v1.UpdateRequest
+	(*UpdateResponse)(nil),          // 46: kvxfer.v1.UpdateResponse
+	(*PrefillRequest)(nil),          // 47: kvxfer.v1.PrefillRequest
+	(*PrefillResponse)(nil),         // 48: kvxfer.v1.PrefillResponse
+	(*SchedulerOp)(nil),             // 49: kvxfer.v1.SchedulerOp
+	(*StepRequest)(nil),             // 50: kvxfer.v1.StepRequest
+	(*OpResult)(nil),                // 51: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 52: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 53: kvxfer.v1.StepResponse
+	(*CloseSchedulerRequest)(nil),   // 54: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 55: kvxfer.v1.CloseSchedulerResponse
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
@@ -3764,62 +4505,79 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	5,  // 13: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
 	15, // 14: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
 	15, // 15: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
-	0,  // 16: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	8,  // 17: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	9,  // 18: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	17, // 19: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	14, // 20: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	18, // 21: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	20, // 22: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	21, // 23: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	16, // 24: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	22, // 25: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	8,  // 26: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	24, // 27: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	10, // 28: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 29: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	28, // 30: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 31: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	7,  // 32: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	31, // 33: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	29, // 34: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	29, // 35: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	30, // 36: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	28, // 37: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	29, // 38: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	30, // 39: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	29, // 40: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	4,  // 41: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	30, // 42: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	28, // 43: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	28, // 44: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	14, // 45: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	16, // 46: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	19, // 47: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	26, // 48: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	32, // 49: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	34, // 50: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	36, // 51: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	38, // 52: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	40, // 53: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	42, // 54: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	44, // 55: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	46, // 56: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	23, // 57: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	27, // 58: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	33, // 59: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	35, // 60: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	37, // 61: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	39, // 62: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	41, // 63: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	43, // 64: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	45, // 65: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	47, // 66: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	57, // [57:67] is the sub-list for method output_type
-	47, // [47:57] is the sub-list for method input_type
-	47, // [47:47] is the sub-list for extension type_name
-	47, // [47:47] is the sub-list for extension extendee
-	0,  // [0:47] is the sub-list for field type_name
+	17, // 16: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
+	0,  // 17: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
+	8,  // 18: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	9,  // 19: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	18, // 20: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	14, // 21: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	19, // 22: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	21, // 23: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	22, // 24: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	16, // 25: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	23, // 26: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	8,  // 27: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	25, // 28: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	10, // 29: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 30: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	29, // 31: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 32: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	7,  // 33: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	32, // 34: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	30, // 35: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	30, // 36: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	31, // 37: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	29, // 38: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	30, // 39: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	31, // 40: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	30, // 41: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	4,  // 42: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	31, // 43: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	29, // 44: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	29, // 45: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	14, // 46: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	16, // 47: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	30, // 48: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	31, // 49: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	37, // 50: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	39, // 51: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	41, // 52: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	45, // 53: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	47, // 54: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	49, // 55: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	29, // 56: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	14, // 57: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	51, // 58: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	52, // 59: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	20, // 60: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	27, // 61: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	33, // 62: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	35, // 63: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	37, // 64: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	39, // 65: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	41, // 66: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	43, // 67: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	45, // 68: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	47, // 69: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	50, // 70: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	54, // 71: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	24, // 72: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	28, // 73: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	34, // 74: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	36, // 75: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	38, // 76: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	40, // 77: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	42, // 78: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	44, // 79: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	46, // 80: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	48, // 81: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	53, // 82: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	55, // 83: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	72, // [72:84] is the sub-list for method output_type
+	60, // [60:72] is the sub-list for method input_type
+	60, // [60:60] is the sub-list for extension type_name
+	60, // [60:60] is the sub-list for extension extendee
+	0,  // [0:60] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -3827,16 +4585,23 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 	if File_kvxfer_v1_kvxfer_proto != nil {
 		return
 	}
-	file_kvxfer_v1_kvxfer_proto_msgTypes[13].OneofWrappers = []any{
+	file_kvxfer_v1_kvxfer_proto_msgTypes[14].OneofWrappers = []any{
 		(*ConnectRequest_Hello)(nil),
 		(*ConnectRequest_Step)(nil),
 		(*ConnectRequest_LayerSaved)(nil),
 		(*ConnectRequest_Bye)(nil),
 	}
-	file_kvxfer_v1_kvxfer_proto_msgTypes[17].OneofWrappers = []any{
+	file_kvxfer_v1_kvxfer_proto_msgTypes[18].OneofWrappers = []any{
 		(*ConnectResponse_Ready)(nil),
 		(*ConnectResponse_Finished)(nil),
 		(*ConnectResponse_StepError)(nil),
+	}
+	file_kvxfer_v1_kvxfer_proto_msgTypes[43].OneofWrappers = []any{
+		(*SchedulerOp_AfterAlloc)(nil),
+		(*SchedulerOp_Scheduled)(nil),
+		(*SchedulerOp_RequestFinished)(nil),
+		(*SchedulerOp_Update)(nil),
+		(*SchedulerOp_Prefill)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3844,7 +4609,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   42,
+			NumMessages:   50,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

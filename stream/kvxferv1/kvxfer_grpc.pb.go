@@ -243,6 +243,8 @@ const (
 	SchedulerService_RequestFinished_FullMethodName = "/kvxfer.v1.SchedulerService/RequestFinished"
 	SchedulerService_BuildMeta_FullMethodName       = "/kvxfer.v1.SchedulerService/BuildMeta"
 	SchedulerService_Update_FullMethodName          = "/kvxfer.v1.SchedulerService/Update"
+	SchedulerService_Prefill_FullMethodName         = "/kvxfer.v1.SchedulerService/Prefill"
+	SchedulerService_Step_FullMethodName            = "/kvxfer.v1.SchedulerService/Step"
 	SchedulerService_CloseScheduler_FullMethodName  = "/kvxfer.v1.SchedulerService/CloseScheduler"
 )
 
@@ -267,6 +269,11 @@ type SchedulerServiceClient interface {
 	BuildMeta(ctx context.Context, in *BuildMetaRequest, opts ...grpc.CallOption) (*BuildMetaResponse, error)
 	// Update: update_connector_output; answers has-pending-work.
 	Update(ctx context.Context, in *UpdateRequest, opts ...grpc.CallOption) (*UpdateResponse, error)
+	// Prefill: layer-wise push staging of a producer request's prefill.
+	Prefill(ctx context.Context, in *PrefillRequest, opts ...grpc.CallOption) (*PrefillResponse, error)
+	// Step applies one engine step's calls and builds its metadata in one
+	// round trip (at most one per engine step).
+	Step(ctx context.Context, in *StepRequest, opts ...grpc.CallOption) (*StepResponse, error)
 	// CloseScheduler drops an engine's scheduler.
 	CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error)
 }
@@ -349,6 +356,26 @@ func (c *schedulerServiceClient) Update(ctx context.Context, in *UpdateRequest, 
 	return out, nil
 }
 
+func (c *schedulerServiceClient) Prefill(ctx context.Context, in *PrefillRequest, opts ...grpc.CallOption) (*PrefillResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PrefillResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_Prefill_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *schedulerServiceClient) Step(ctx context.Context, in *StepRequest, opts ...grpc.CallOption) (*StepResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(StepResponse)
+	err := c.cc.Invoke(ctx, SchedulerService_Step_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *schedulerServiceClient) CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(CloseSchedulerResponse)
@@ -380,6 +407,11 @@ type SchedulerServiceServer interface {
 	BuildMeta(context.Context, *BuildMetaRequest) (*BuildMetaResponse, error)
 	// Update: update_connector_output; answers has-pending-work.
 	Update(context.Context, *UpdateRequest) (*UpdateResponse, error)
+	// Prefill: layer-wise push staging of a producer request's prefill.
+	Prefill(context.Context, *PrefillRequest) (*PrefillResponse, error)
+	// Step applies one engine step's calls and builds its metadata in one
+	// round trip (at most one per engine step).
+	Step(context.Context, *StepRequest) (*StepResponse, error)
 	// CloseScheduler drops an engine's scheduler.
 	CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error)
 	mustEmbedUnimplementedSchedulerServiceServer()
@@ -412,6 +444,12 @@ func (UnimplementedSchedulerServiceServer) BuildMeta(context.Context, *BuildMeta
 }
 func (UnimplementedSchedulerServiceServer) Update(context.Context, *UpdateRequest) (*UpdateResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Update not implemented")
+}
+func (UnimplementedSchedulerServiceServer) Prefill(context.Context, *PrefillRequest) (*PrefillResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Prefill not implemented")
+}
+func (UnimplementedSchedulerServiceServer) Step(context.Context, *StepRequest) (*StepResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Step not implemented")
 }
 func (UnimplementedSchedulerServiceServer) CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method CloseScheduler not implemented")
@@ -563,6 +601,42 @@ func _SchedulerService_Update_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _SchedulerService_Prefill_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PrefillRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).Prefill(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_Prefill_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).Prefill(ctx, req.(*PrefillRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SchedulerService_Step_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StepRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServiceServer).Step(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SchedulerService_Step_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServiceServer).Step(ctx, req.(*StepRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _SchedulerService_CloseScheduler_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(CloseSchedulerRequest)
 	if err := dec(in); err != nil {
@@ -615,6 +689,14 @@ var SchedulerService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Update",
 			Handler:    _SchedulerService_Update_Handler,
+		},
+		{
+			MethodName: "Prefill",
+			Handler:    _SchedulerService_Prefill_Handler,
+		},
+		{
+			MethodName: "Step",
+			Handler:    _SchedulerService_Step_Handler,
 		},
 		{
 			MethodName: "CloseScheduler",
