@@ -465,12 +465,15 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	wg.Add(1)
 	go func() { // the one sender
 		defer wg.Done()
+		var prev kvxfer.Stats
 		for {
 			var m *pb.ConnectResponse
 			select {
 			case <-r.worker.Ready():
 				f := r.worker.Finished()
-				m = &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: FinishedToProto(&f)}}
+				fp := FinishedToProto(&f)
+				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
+				m = &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: fp}}
 			case m = <-out:
 			case <-stop:
 				return
@@ -564,4 +567,16 @@ func (r *rank) drain() {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// statsSince returns the transfer stats between prev and now (nil when no
+// transfer ended in between) and the snapshot to diff against next.
+func statsSince(now, prev kvxfer.Stats) (*pb.TransferStats, kvxfer.Stats) {
+	d := &pb.TransferStats{Transfers: now.Transfers - prev.Transfers, FailedTransfers: now.FailedTransfers - prev.FailedTransfers,
+		Bytes: now.TotalBytes - prev.TotalBytes, Descriptors: now.TotalDescriptors - prev.TotalDescriptors,
+		TransferSeconds: now.TransferSeconds.Sum - prev.TransferSeconds.Sum, Expired: now.ExpiredRequests - prev.ExpiredRequests}
+	if d.Transfers+d.FailedTransfers+d.Expired == 0 {
+		return nil, now
+	}
+	return d, now
 }

@@ -1,0 +1,83 @@
+package stream_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// Step applies a step's calls in order in one round trip: the same push
+// flow as TestSchedulerService, with a bad op in the middle that is
+// reported by index and code while the ops around it still apply.
+func TestSchedulerStep(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	c := pb.NewSchedulerServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, e := range []string{"P", "D"} {
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dreq := func(id string) *pb.EngineRequest {
+		return &pb.EngineRequest{RequestId: id, PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t-" + id, DoRemotePrefill: true,
+			RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+	}
+	bad := &pb.EngineRequest{RequestId: "d-bad", PromptTokens: 40, Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "x"}}
+	alloc := func(r *pb.EngineRequest, ids ...int32) *pb.SchedulerOp {
+		return &pb.SchedulerOp{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{Request: r, Blocks: []*pb.BlockList{{BlockIds: ids}}, External: 40}}}
+	}
+	resp, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", BuildMeta: true, Ops: []*pb.SchedulerOp{
+		alloc(dreq("d-1"), 4, 5, 6), alloc(bad, 7, 8, 9), {}, alloc(dreq("d-2"), 10, 11, 12),
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Results) != 2 || resp.Results[0].Index != 1 || resp.Results[0].Code != int32(codes.InvalidArgument) ||
+		!strings.Contains(resp.Results[0].Error, "RemoteEngineID") || resp.Results[1].Index != 2 || !strings.Contains(resp.Results[1].Error, "ops[2] is empty") {
+		t.Fatalf("Step results = %v, want ops 1 (RemoteEngineID) and 2 (empty) refused", resp.Results)
+	}
+	if got := resp.GetMeta().GetRecv(); len(got) != 2 || got[0].RequestId != "d-1" || got[1].RequestId != "d-2" || resp.Meta.Step != 1 {
+		t.Fatalf("Step meta = %v, want step 1 receiving d-1 and d-2", resp.Meta)
+	}
+	if resp.Counters.GetBadParams() != 1 {
+		t.Errorf("counters = %v, want bad_params 1", resp.Counters)
+	}
+	// P: a request finishes, then the next step reports it sent; both in
+	// one Step each, ops in order.
+	preq := &pb.EngineRequest{RequestId: "p-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t-d-1", DoRemoteDecode: true}}
+	resp, err = c.Step(ctx, &pb.StepRequest{EngineId: "P", BuildMeta: true, Ops: []*pb.SchedulerOp{
+		{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{Request: preq, Status: pb.FinishStatus_FINISH_STATUS_STOPPED,
+			Blocks: []*pb.BlockList{{BlockIds: []int32{1, 2, 3}}}, Computed: 40}}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Results) != 1 || !resp.Results[0].Delay || resp.Results[0].Params.GetRemoteRequestId() != "p-1" || !resp.Results[0].Params.GetDoRemotePrefill() {
+		t.Fatalf("Step results = %v, want request_finished's delay and params", resp.Results)
+	}
+	if len(resp.Meta.GetSend()) != 1 || !resp.Pending {
+		t.Fatalf("Step = meta %v pending %v, want p-1 held and pending", resp.Meta, resp.Pending)
+	}
+	resp, err = c.Step(ctx, &pb.StepRequest{EngineId: "P", Ops: []*pb.SchedulerOp{
+		{Op: &pb.SchedulerOp_Update{Update: &pb.UpdateRequest{Finished: &pb.Finished{Sending: []*pb.Outcome{{RequestId: "p-1", Result: pb.Outcome_RESULT_DONE}}}}}},
+	}})
+	if err != nil || resp.Pending || resp.Meta != nil {
+		t.Fatalf("Step(update) = %v, %v; want nothing pending and no meta", resp, err)
+	}
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "nobody"}); err == nil || !strings.Contains(err.Error(), "OpenScheduler") {
+		t.Errorf("Step(unknown engine) = %v, want NotFound naming OpenScheduler", err)
+	}
+}
