@@ -1,0 +1,301 @@
+"""A plain Python client for kvxferd's kvxfer.v1 services.
+
+    c = Client("/run/kvxferd.sock")           # the daemon's unix socket
+    s = c.scheduler("engine-0")              # SchedulerService for one engine
+    s.open(pb.SchedulerConfig(...))
+    w = c.connect(pb.WorkerHello(...))       # one WorkerService stream per rank
+    w.step(pb.StepMeta(...)); f = w.poll()   # finished sets as they arrive
+    w.bye(); c.close()
+
+Any engine can use it; nothing here is vLLM-specific. Every failed call raises a
+typed :mod:`kvxfer.errors` error carrying the daemon's status code. KV bytes
+never cross these calls: the engine shares its KV memory with the daemon
+(:mod:`kvxfer.shm` for host memory, :mod:`kvxfer.cuda` for GPU memory).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import grpc
+
+from kvxfer import errors
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as rpc
+
+DEFAULT_SOCKET = "/run/kvxferd/kvxferd.sock"
+# Finished sets and handshakes can be large (20k outcomes is a few MB).
+_MAX_MESSAGE = 256 << 20
+
+
+def _target(address: str) -> str:
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.startswith("."):
+        return "unix:" + address
+    return address
+
+
+class Client:
+    """A connection to one kvxferd. Safe for concurrent use by threads.
+
+    ``address`` is the daemon's unix socket path (engines talk to their
+    daemon over it) or a gRPC target (``host:port`` reaches PeerService).
+    ``timeout`` bounds every unary call, in seconds.
+    """
+
+    def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0):
+        self.address = address
+        self.timeout = timeout
+        opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        self._channel = grpc.insecure_channel(_target(address), options=opts)
+        self._sched = rpc.SchedulerServiceStub(self._channel)
+        self._worker = rpc.WorkerServiceStub(self._channel)
+        self._peer = rpc.PeerServiceStub(self._channel)
+
+    def call(self, op: str, fn, req, timeout: float | None = None):
+        try:
+            return fn(req, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(op, e) from None
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Blocks until the channel connects, or raises Unavailable."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable("connect", f"no daemon at {self.address} within {timeout}s") from None
+
+    def scheduler(self, engine_id: str) -> "Scheduler":
+        return Scheduler(self, engine_id)
+
+    def connect(self, hello: pb.WorkerHello, ready_timeout: float = 30.0) -> "WorkerStream":
+        """Opens a rank's stream and waits for the daemon's Ready."""
+        return WorkerStream(self, hello, ready_timeout)
+
+    def handshake(self, engine_id: str) -> pb.HandshakeResponse:
+        """PeerService.Handshake (what peer daemons call)."""
+        return self.call("Handshake", self._peer.Handshake, pb.HandshakeRequest(engine_id=engine_id))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class StepResult:
+    """What SchedulerService.Step returned."""
+
+    meta: pb.StepMeta | None
+    pending: bool
+    counters: pb.SchedulerCounters
+    # Per op index: the error of a failed op.
+    errors: dict[int, errors.DaemonError] = field(default_factory=dict)
+    # Per op index: (delay, params) of a request_finished op.
+    finished: dict[int, tuple[bool, pb.TransferParams | None]] = field(default_factory=dict)
+
+
+class Scheduler:
+    """SchedulerService calls for one engine (an engine that delegates its
+    scheduler-side connector logic to kvxfer). Not thread-safe: one owner,
+    the engine's scheduler loop."""
+
+    def __init__(self, client: Client, engine_id: str):
+        self._c = client
+        self.engine_id = engine_id
+
+    def open(self, config: pb.SchedulerConfig) -> str:
+        """Creates (or replaces) the engine's scheduler; returns the daemon's peer address."""
+        config.engine_id = self.engine_id
+        return self._c.call("OpenScheduler", self._c._sched.OpenScheduler, pb.OpenSchedulerRequest(config=config)).addr
+
+    def matched_tokens(self, request: pb.EngineRequest, computed: int) -> tuple[int, bool]:
+        r = self._c.call("MatchedTokens", self._c._sched.MatchedTokens,
+                         pb.MatchedTokensRequest(engine_id=self.engine_id, request=request, computed=computed))
+        return r.tokens, r.async_ if hasattr(r, "async_") else getattr(r, "async")
+
+    def after_alloc(self, request: pb.EngineRequest, blocks: Iterable[Iterable[int]], computed: int, external: int) -> pb.TransferParams:
+        r = self._c.call("AfterAlloc", self._c._sched.AfterAlloc, pb.AfterAllocRequest(
+            engine_id=self.engine_id, request=request, blocks=block_lists(blocks), computed=computed, external=external))
+        return r.params
+
+    def request_finished(self, request: pb.EngineRequest, status: int, blocks: Iterable[Iterable[int]], computed: int):
+        """Returns (delay, params for the other engine or None, the request's own params)."""
+        r = self._c.call("RequestFinished", self._c._sched.RequestFinished, pb.RequestFinishedRequest(
+            engine_id=self.engine_id, request=request, status=status, blocks=block_lists(blocks), computed=computed))
+        return r.delay, (r.params if r.HasField("params") else None), r.request_params
+
+    def build_meta(self) -> pb.StepMeta:
+        return self._c.call("BuildMeta", self._c._sched.BuildMeta, pb.BuildMetaRequest(engine_id=self.engine_id)).meta
+
+    def update(self, finished: pb.Finished) -> bool:
+        """Returns whether the engine must keep stepping for kvxfer."""
+        return self._c.call("Update", self._c._sched.Update, pb.UpdateRequest(engine_id=self.engine_id, finished=finished)).pending
+
+    def step(self, ops: list[pb.SchedulerOp], build_meta: bool = True) -> StepResult:
+        """One round trip: applies ops in order, then builds the step's metadata."""
+        r = self._c.call("Step", self._c._sched.Step, pb.StepRequest(engine_id=self.engine_id, ops=ops, build_meta=build_meta))
+        out = StepResult(meta=r.meta if r.HasField("meta") else None, pending=r.pending, counters=r.counters)
+        for res in r.results:
+            if res.code != 0:
+                out.errors[res.index] = errors.from_code("Step.ops[%d]" % res.index, res.code, res.error)
+            else:
+                out.finished[res.index] = (res.delay, res.params if res.HasField("params") else None)
+        return out
+
+    def close(self) -> None:
+        self._c.call("CloseScheduler", self._c._sched.CloseScheduler, pb.CloseSchedulerRequest(engine_id=self.engine_id))
+
+
+def block_lists(blocks: Iterable[Iterable[int]]) -> list[pb.BlockList]:
+    return [pb.BlockList(block_ids=list(b)) for b in blocks]
+
+
+@dataclass
+class Finished:
+    """Outcomes a rank reported since the last poll."""
+
+    sending: list[pb.Outcome] = field(default_factory=list)
+    recving: list[pb.Outcome] = field(default_factory=list)
+    invalid_block_ids: list[int] = field(default_factory=list)
+    step_errors: list[pb.StepError] = field(default_factory=list)
+    stats: list[pb.TransferStats] = field(default_factory=list)
+
+
+_BYE = object()
+
+
+class WorkerStream:
+    """One rank's WorkerService.Connect stream.
+
+    The calling thread sends (step, layer_saved, bye never block on the
+    network: messages are queued to gRPC's sender); one daemon thread reads
+    the daemon's messages and accumulates them for :meth:`poll`. When the
+    stream ends, :attr:`error` holds why (None after a clean bye) and
+    :meth:`poll` raises :class:`kvxfer.errors.StreamClosed` once every
+    outcome received before the end was taken.
+    """
+
+    def __init__(self, client: Client, hello: pb.WorkerHello, ready_timeout: float):
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = Finished()
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._arrived = threading.Condition(self._lock)
+        self.error: errors.KvxferError | None = None
+        self.agent_name = ""
+        self._closed_send = False
+        self._out.put(pb.ConnectRequest(hello=hello))
+        self._call = client._worker.Connect(self._requests())
+        self._reader = threading.Thread(target=self._read, name=f"kvxfer-stream-{hello.engine_id}", daemon=True)
+        self._reader.start()
+        if not self._ready.wait(ready_timeout) or self.error is not None:
+            err = self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+            self._call.cancel()
+            raise err
+
+    def _requests(self) -> Iterator[pb.ConnectRequest]:
+        while True:
+            m = self._out.get()
+            if m is _BYE:
+                return
+            yield m
+
+    def _read(self) -> None:
+        try:
+            for m in self._call:
+                kind = m.WhichOneof("msg")
+                with self._lock:
+                    if kind == "ready":
+                        self.agent_name = m.ready.agent_name
+                        self._ready.set()
+                    elif kind == "finished":
+                        f = m.finished
+                        self._pending.sending.extend(f.sending)
+                        self._pending.recving.extend(f.recving)
+                        self._pending.invalid_block_ids.extend(f.invalid_block_ids)
+                        if f.HasField("stats"):
+                            self._pending.stats.append(f.stats)
+                    elif kind == "step_error":
+                        self._pending.step_errors.append(m.step_error)
+                    self._arrived.notify_all()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED or not self._closed_send:
+                self.error = errors.from_rpc_error("Connect", e)
+        finally:
+            with self._lock:
+                if self.error is None and not self._closed_send:
+                    self.error = errors.StreamClosed("kvxferd ended the stream")
+                self._done.set()
+                self._ready.set()
+                self._arrived.notify_all()
+
+    def _send(self, m) -> None:
+        if self._done.is_set():
+            raise errors.StreamClosed("stream is closed", self.error)
+        if self._closed_send:
+            raise errors.StreamClosed("bye already sent")
+        self._out.put(m)
+
+    def step(self, meta: pb.StepMeta) -> None:
+        """Hands the rank one step's metadata."""
+        self._send(pb.ConnectRequest(step=meta))
+
+    def layer_saved(self, step: int, layer: int) -> None:
+        """Layer-wise push: layer (global index) of step is in memory."""
+        self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
+
+    def poll(self, wait: float = 0.0) -> Finished:
+        """Takes what arrived since the last poll, waiting up to ``wait``
+        seconds for something when nothing has. Raises StreamClosed when the
+        stream ended and nothing is left to take."""
+        with self._lock:
+            if wait > 0 and self._empty() and not self._done.is_set():
+                self._arrived.wait(wait)
+            f, self._pending = self._pending, Finished()
+            if self._done.is_set() and self._empty_f(f) and self.error is not None:
+                raise errors.StreamClosed(str(self.error), self.error)
+            return f
+
+    def _empty(self) -> bool:
+        return self._empty_f(self._pending)
+
+    @staticmethod
+    def _empty_f(f: Finished) -> bool:
+        return not (f.sending or f.recving or f.invalid_block_ids or f.step_errors or f.stats)
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+    def bye(self, timeout: float = 60.0) -> Finished:
+        """Asks the daemon to end the stream once the rank's transfers are
+        done, waits for the end (up to ``timeout``) and returns every outcome
+        not yet polled."""
+        if not self._done.is_set() and not self._closed_send:
+            self._out.put(pb.ConnectRequest(bye=pb.Bye()))
+            self._closed_send = True
+            self._out.put(_BYE)
+        if not self._done.wait(timeout):
+            self._call.cancel()
+            self._done.wait(5)
+        with self._lock:
+            f, self._pending = self._pending, Finished()
+        return f
+
+    def cancel(self) -> None:
+        """Ends the stream at once (the daemon fails what the rank held)."""
+        self._closed_send = True
+        self._out.put(_BYE)
+        self._call.cancel()
+        self._done.wait(5)

@@ -1,0 +1,147 @@
+"""kv_transfer_params: the dict a request carries between engines through the
+router, in the shape vLLM's routers already send, converted to and from
+kvxfer.v1's TransferParams.
+
+Keys (all optional unless a transfer needs them):
+
+- ``do_remote_prefill`` (D: receive this request's KV), ``do_remote_decode``
+  (P: keep this request's KV for a D);
+- ``transfer_id``: the router's id for the transfer, the matching key on both
+  engines when present (push routers must set it: D registers before P knows
+  its own request id);
+- ``remote_engine_id``, ``remote_host``, ``remote_port``: the other engine and
+  its kvxferd's peer address;
+- ``remote_request_id``: the request's id on the other engine;
+- ``remote_block_ids``: the other side's block ids, one list per KV-cache
+  group (a flat list means one group); ``remote_block_starts``: the token index
+  of each list's first block (default 0);
+- ``tp_size`` (the other engine's TP size), ``remote_pp_size``,
+  ``remote_num_tokens``, ``remote_blocks_expiry_unix_nanos``;
+- ``mode``: ``"push"`` or ``"pull"``, the mode the sender used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+MODES = {"push": pb.MODE_PUSH, "pull": pb.MODE_PULL}
+MODE_NAMES = {v: k for k, v in MODES.items()}
+
+
+class ParamsError(ValueError):
+    """A kv_transfer_params field is missing or malformed; the message names it."""
+
+
+def _int(p: dict, key: str, default: int = 0, minimum: int = 0) -> int:
+    v = p.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            v = int(v)
+        except (TypeError, ValueError):
+            raise ParamsError(f"kv_transfer_params.{key} = {p.get(key)!r}, want an integer") from None
+    if v < minimum:
+        raise ParamsError(f"kv_transfer_params.{key} = {v}, want >= {minimum}")
+    return v
+
+
+def _addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def block_lists(p: dict) -> tuple[list[list[int]], list[int]]:
+    ids = p.get("remote_block_ids") or []
+    if not isinstance(ids, (list, tuple)):
+        raise ParamsError(f"kv_transfer_params.remote_block_ids = {ids!r}, want a list")
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]
+    out = []
+    for g, lst in enumerate(ids):
+        if not isinstance(lst, (list, tuple)):
+            raise ParamsError(f"kv_transfer_params.remote_block_ids[{g}] = {lst!r}, want a list")
+        for i, b in enumerate(lst):
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b >= 1 << 31:
+                raise ParamsError(f"kv_transfer_params.remote_block_ids[{g}][{i}] = {b!r}, want an int32 >= 0")
+        out.append(list(lst))
+    starts = p.get("remote_block_starts") or [0] * len(out)
+    if not isinstance(starts, (list, tuple)) or len(starts) != len(out):
+        raise ParamsError(f"kv_transfer_params.remote_block_starts = {starts!r}, want {len(out)} integers")
+    return out, [int(s) for s in starts]
+
+
+def validate_remote(p: dict, mode: int) -> None:
+    """Checks what a consumer needs to reach its producer; raises ParamsError."""
+    if not p.get("remote_engine_id"):
+        raise ParamsError("kv_transfer_params.remote_engine_id is missing")
+    if not p.get("remote_host"):
+        raise ParamsError("kv_transfer_params.remote_host is missing")
+    port = _int(p, "remote_port", 0)
+    if not 0 < port < 65536:
+        raise ParamsError(f"kv_transfer_params.remote_port = {p.get('remote_port')!r}, want 1..65535")
+    if not p.get("transfer_id") and not p.get("remote_request_id"):
+        raise ParamsError("kv_transfer_params.transfer_id and remote_request_id are both missing")
+    _int(p, "tp_size", 1)
+    _int(p, "remote_pp_size", 1)
+    _int(p, "remote_num_tokens", 0)
+    m = p.get("mode")
+    if m is not None and m not in MODES:
+        raise ParamsError(f"kv_transfer_params.mode = {m!r}, want push or pull")
+    if m is not None and MODES[m] != mode:
+        raise ParamsError(f"kv_transfer_params.mode = {m!r}, but this engine runs {MODE_NAMES[mode]}")
+    ids, _ = block_lists(p)
+    if mode == pb.MODE_PULL and not any(ids):
+        raise ParamsError("kv_transfer_params.remote_block_ids is empty (pull mode reads the producer's blocks)")
+
+
+def to_proto(p: dict[str, Any] | None) -> pb.TransferParams | None:
+    if p is None:
+        return None
+    out = pb.TransferParams(
+        transfer_id=str(p.get("transfer_id") or ""),
+        do_remote_prefill=bool(p.get("do_remote_prefill")),
+        do_remote_decode=bool(p.get("do_remote_decode")),
+        remote_engine_id=str(p.get("remote_engine_id") or ""),
+        remote_request_id=str(p.get("remote_request_id") or ""),
+        remote_tp_size=_int(p, "tp_size", 0),
+        remote_pp_size=_int(p, "remote_pp_size", 0),
+        remote_num_tokens=_int(p, "remote_num_tokens", 0),
+        remote_blocks_expiry_unix_nanos=_int(p, "remote_blocks_expiry_unix_nanos", 0),
+        mode=MODES.get(p.get("mode"), pb.MODE_UNSPECIFIED),
+    )
+    if p.get("remote_host"):
+        out.remote_addr = _addr(str(p["remote_host"]), _int(p, "remote_port", 0))
+    ids, starts = block_lists(p)
+    for lst, s in zip(ids, starts):
+        out.remote_block_ids.append(pb.Span(start=s, block_ids=lst))
+    return out
+
+
+def from_proto(t: pb.TransferParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "do_remote_prefill": t.do_remote_prefill,
+        "do_remote_decode": t.do_remote_decode,
+        "remote_engine_id": t.remote_engine_id,
+        "remote_request_id": t.remote_request_id,
+        "remote_block_ids": [list(s.block_ids) for s in t.remote_block_ids],
+        "remote_block_starts": [s.start for s in t.remote_block_ids],
+        "tp_size": t.remote_tp_size or 1,
+        "remote_pp_size": t.remote_pp_size or 1,
+        "remote_num_tokens": t.remote_num_tokens,
+    }
+    if t.transfer_id:
+        out["transfer_id"] = t.transfer_id
+    if t.remote_addr:
+        out["remote_host"], out["remote_port"] = split_addr(t.remote_addr)
+    if t.mode in MODE_NAMES:
+        out["mode"] = MODE_NAMES[t.mode]
+    if t.remote_blocks_expiry_unix_nanos:
+        out["remote_blocks_expiry_unix_nanos"] = t.remote_blocks_expiry_unix_nanos
+    return out

@@ -1,0 +1,857 @@
+"""vLLM's KV connector over kvxferd: ``KvxferConnector``.
+
+Load it without patching vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.vllm",
+                           "kv_role": "kv_both", "engine_id": "p0",
+                           "kv_connector_extra_config": {"socket": "/run/kvxferd.sock"}}'
+
+``kv_connector_extra_config`` keys (all optional):
+
+=========================  ===============================  ======================================
+key                        default                          meaning
+=========================  ===============================  ======================================
+``socket``                 ``$KVXFERD_SOCKET`` or           kvxferd's unix socket
+                           ``/run/kvxferd.sock``
+``shm_dir``                ``$KVXFERD_SHM_DIR`` or          kvxferd's shm dir (host KV memory must
+                           ``/dev/shm``                     be a file mapped from under it)
+``mode``                   ``push``                         ``push`` or ``pull``
+``layerwise``              false                            push each layer as it is saved (P)
+``timeout_s``              10                               bound of every daemon call; a dead
+                                                            daemon fails requests, never hangs
+``lease_s``                30                               P holds finished blocks this long
+                                                            without D's heartbeat (pull)
+``registration_timeout_s`` 480                              D waits this long for P's WRITE (push)
+=========================  ===============================  ======================================
+
+The scheduler side makes at most one daemon round trip per engine step
+(SchedulerService.Step, sent from ``build_connector_meta``): what vLLM needs
+at once (matched tokens, request_finished's answer) is computed here by the
+same rules the daemon's Scheduler applies, and the calls themselves are
+batched in order. The worker side opens one WorkerService stream per rank,
+shares the rank's KV cache with the daemon (host memory as shared-memory
+files, GPU memory as CUDA IPC handles) and turns the stream's finished sets
+into vLLM's finished/failed sets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvxfer import errors, params
+from kvxfer.client import Client, WorkerStream
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                              KVConnectorRole, KVConnectorTransferResults,
+                                                              SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvxfer.vllm")
+
+CONNECTOR_VERSION = "kvxfer.vllm/1"
+
+
+@dataclass
+class Config:
+    socket: str
+    shm_dir: str
+    mode: int
+    layerwise: bool
+    timeout_s: float
+    lease_s: float
+    registration_timeout_s: float
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
+        e = dict(extra or {})
+        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s"}
+        unknown = sorted(set(e) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}, want some of {sorted(known)}")
+        mode = e.get("mode", "push")
+        if mode not in params.MODES:
+            raise ValueError(f"kv_connector_extra_config.mode = {mode!r}, want push or pull")
+        layerwise = e.get("layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ValueError(f"kv_connector_extra_config.layerwise = {layerwise!r}, want true or false")
+        if layerwise and mode != "push":
+            raise ValueError("kv_connector_extra_config.layerwise needs mode push")
+
+        def num(key: str, default: float) -> float:
+            v = e.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} = {v!r}, want a number > 0")
+            return float(v)
+
+        return cls(socket=str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock"),
+                   shm_dir=str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm"),
+                   mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10),
+                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480))
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    """One step's metadata from the scheduler side to every worker rank."""
+
+    # The daemon's StepMeta, serialized (empty: none this step).
+    step_meta: bytes = b""
+    # Requests vLLM now waits on: receives (WAITING_FOR_REMOTE_KVS) and
+    # sends (blocks held by request_finished). Workers report only these.
+    expect_recv: list[str] = field(default_factory=list)
+    expect_send: list[str] = field(default_factory=list)
+    # Requests the daemon refused or never got: workers report them at once
+    # (receives as failed, so vLLM's kv_load_failure_policy applies; sends
+    # as finished, so their blocks are freed).
+    fail_recv: dict[str, str] = field(default_factory=dict)
+    fail_send: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class KvxferStats(KVConnectorStats):
+    """Transfer counters summed over ranks (worker side) plus the daemon
+    scheduler's counters (scheduler side)."""
+
+    KEYS = ("transfers", "failed_transfers", "bytes", "descriptors", "transfer_seconds", "expired",
+            "failed_recv", "failed_send", "bad_params", "daemon_errors")
+
+    def __post_init__(self):
+        for k in self.KEYS:
+            self.data.setdefault(k, 0)
+
+    def reset(self):
+        self.data = {k: 0 for k in self.KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvxferStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = dict(self.data)
+        n = self.data.get("transfers", 0)
+        out["avg_transfer_ms"] = 1000 * self.data.get("transfer_seconds", 0) / n if n else 0.0
+        out["avg_mib"] = self.data.get("bytes", 0) / n / (1 << 20) if n else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in self.KEYS)
+
+
+_FINISH = {
+    RequestStatus.FINISHED_STOPPED: pb.FINISH_STATUS_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED: pb.FINISH_STATUS_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED: pb.FINISH_STATUS_ABORTED,
+    RequestStatus.FINISHED_ERROR: pb.FINISH_STATUS_ERROR,
+}
+
+
+def _group_kinds(kv_cache_config: "KVCacheConfig | None") -> list[tuple[int, int]]:
+    """(CacheKind, window) per KV-cache group."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    out = []
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, MLAAttentionSpec):
+            out.append((pb.CACHE_KIND_MLA, 0))
+        elif isinstance(spec, SlidingWindowSpec):
+            out.append((pb.CACHE_KIND_SLIDING_WINDOW, int(spec.sliding_window)))
+        elif isinstance(spec, MambaSpec):
+            out.append((pb.CACHE_KIND_MAMBA, 0))
+        else:
+            out.append((pb.CACHE_KIND_FULL_ATTENTION, 0))
+    return out or [(pb.CACHE_KIND_FULL_ATTENTION, 0)]
+
+
+def _window_blocks(window: int, block_size: int) -> int:
+    # The blocks a window of tokens can touch, plus the partial block.
+    return (window + block_size - 1) // block_size + 1
+
+
+def compat_hash(vllm_config: "VllmConfig", mode: int) -> str:
+    """Engines handshake only when these match (SPEC §2's factors)."""
+    mc = vllm_config.model_config
+    f = {
+        "connector": CONNECTOR_VERSION, "mode": params.MODE_NAMES[mode],
+        "model": getattr(mc, "model", ""), "dtype": str(getattr(mc, "dtype", "")),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "num_layers": mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") else 0,
+        "kv_heads": mc.get_total_num_kv_heads() if hasattr(mc, "get_total_num_kv_heads") else 0,
+        "head_size": mc.get_head_size() if hasattr(mc, "get_head_size") else 0,
+    }
+    return hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()
+
+
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector that hands transfers to kvxferd (push or pull)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = Config.from_extra(ktc.kv_connector_extra_config)
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.groups = _group_kinds(kv_cache_config)
+        self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self, vllm_config)
+        else:
+            self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    # ---- class-level hooks ----
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # Layer-outermost, heads before tokens: one contiguous region per
+        # layer whose blocks are [H][N][K|V], what P and D must agree on.
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool((extra_config or {}).get("layerwise", False))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferStats(data=dict(data)) if data is not None else KvxferStats()
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._sched.build_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def on_new_request(self, request: "Request") -> None:
+        self._sched.new_request(request)
+
+    def update_connector_output(self, connector_output):
+        self._sched.update(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.pending()
+
+    def get_finished_count(self) -> int | None:
+        return None
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_step(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata, **kwargs: Any) -> None:
+        self._worker.layer_saved(layer_name, kv_layer)
+
+    def wait_for_save(self):
+        self._worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self._worker.results()
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker or self._sched
+        return side.take_stats() if side is not None else None
+
+    def shutdown(self):
+        try:
+            if self._worker is not None:
+                self._worker.shutdown()
+            if self._sched is not None:
+                self._sched.shutdown()
+        finally:
+            self.client.close()
+
+
+class _SchedulerSide:
+    """The scheduler-side state: ops batched for the next Step, and the
+    requests vLLM waits on."""
+
+    def __init__(self, conn: KvxferConnector, vllm_config: "VllmConfig"):
+        self.c = conn
+        self.cfg = conn.cfg
+        self.mamba = any(k == pb.CACHE_KIND_MAMBA for k, _ in conn.groups)
+        self.ops: list[pb.SchedulerOp] = []
+        # For each op index: (kind, request id) to act on its error.
+        self.op_req: list[tuple[str, str]] = []
+        self.expect_recv: list[str] = []
+        self.expect_send: list[str] = []
+        self.fail_recv: dict[str, str] = {}
+        self.fail_send: dict[str, str] = {}
+        self.local_finished: dict[int, tuple[bool, dict | None]] = {}
+        self.daemon_pending = False
+        # Producer requests by id, for layer-wise push's prefill entries.
+        self.requests: dict[str, "Request"] = {}
+        self.stats = KvxferStats()
+        self.addr = ""
+        self.sched = conn.client.scheduler(conn.engine_id)
+        self._open()
+
+    def _open(self) -> None:
+        cfg = pb.SchedulerConfig(
+            mode=self.cfg.mode, tp_size=self.c.tp_size, pp_size=self.c.pp_size, logical_block_size=self.c.block_size,
+            groups=[pb.CacheGroup(kind=k, window=w) for k, w in self.c.groups],
+            lease_millis=int(self.cfg.lease_s * 1000), registration_timeout_millis=int(self.cfg.registration_timeout_s * 1000),
+            layerwise=self.cfg.layerwise)
+        try:
+            self.addr = self.sched.open(cfg)
+        except errors.DaemonError as e:
+            # A daemon that is down at start fails every transfer cleanly;
+            # we retry opening at each step.
+            log.error("kvxfer: cannot open the scheduler of engine %s on %s: %s", self.c.engine_id, self.cfg.socket, e)
+
+    # -- local answers --
+
+    def matched_tokens(self, request: "Request", computed: int) -> tuple[int, bool]:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return 0, False
+        try:
+            params.validate_remote(p, self.cfg.mode)
+        except params.ParamsError as e:
+            # Nothing can be received: the request prefills locally.
+            self.stats.data["bad_params"] += 1
+            log.warning("kvxfer: request %s: %s; computing it locally", request.request_id, e)
+            p["do_remote_prefill"] = False
+            return 0, False
+        n = request.num_prompt_tokens - (1 if self.mamba else 0) - computed
+        if n <= 0:
+            return 0, False
+        return n, True
+
+    def _engine_request(self, request: "Request") -> pb.EngineRequest:
+        return pb.EngineRequest(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
+                                params=params.to_proto(request.kv_transfer_params))
+
+    def _add(self, kind: str, req_id: str, op: pb.SchedulerOp) -> int:
+        self.ops.append(op)
+        self.op_req.append((kind, req_id))
+        return len(self.ops) - 1
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
+        p = request.kv_transfer_params
+        if not p:
+            return
+        if p.get("do_remote_prefill"):
+            # vLLM passes all the request's blocks before it records the
+            # local prefix hit: what the transfer does not fill is the hit.
+            computed = max(request.num_prompt_tokens - (1 if self.mamba else 0) - external, 0) if external > 0 else 0
+            ids = blocks.get_block_ids() if external > 0 else ()
+            # The blocks past the local prefix hit, per group.
+            skip = computed // self.c.block_size
+            local = [list(g[skip:]) for g in ids]
+            self._add("recv" if external > 0 else "other", request.request_id, pb.SchedulerOp(after_alloc=pb.AfterAllocRequest(
+                request=self._engine_request(request), blocks=[pb.BlockList(block_ids=g) for g in local],
+                computed=computed, external=external)))
+            if external > 0:
+                self.expect_recv.append(request.request_id)
+            p["do_remote_prefill"] = False
+        elif p.get("do_remote_decode"):
+            self._add("other", request.request_id, pb.SchedulerOp(after_alloc=pb.AfterAllocRequest(
+                request=self._engine_request(request), computed=request.num_computed_tokens, external=external)))
+
+    def _clip(self, blocks: tuple[list[int], ...]) -> tuple[list[list[int]], list[int]]:
+        ids, starts = [], []
+        for (kind, window), g in zip(self.c.groups, blocks):
+            g = list(g)
+            start = 0
+            if kind == pb.CACHE_KIND_SLIDING_WINDOW:
+                n = _window_blocks(window, self.c.block_size)
+                if len(g) > n:
+                    start = (len(g) - n) * self.c.block_size
+                    g = g[len(g) - n:]
+            elif kind == pb.CACHE_KIND_MAMBA and g:
+                g = g[-1:]
+            ids.append(g)
+            starts.append(start)
+        return ids, starts
+
+    def new_request(self, request: "Request") -> None:
+        if self.cfg.layerwise and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            self.requests[request.request_id] = request
+
+    def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        self.requests.pop(request.request_id, None)
+        p = request.kv_transfer_params
+        if not p:
+            return False, None
+        status = _FINISH.get(request.status, pb.FINISH_STATUS_ABORTED)
+        rf = pb.RequestFinishedRequest(request=self._engine_request(request), status=status,
+                                       blocks=[pb.BlockList(block_ids=list(g)) for g in block_ids],
+                                       computed=request.num_computed_tokens)
+        if p.get("do_remote_prefill"):
+            # D aborted before it was scheduled: the daemon tells P to free.
+            p["do_remote_prefill"] = False
+            self._add("other", request.request_id, pb.SchedulerOp(request_finished=rf))
+            return False, None
+        if not p.get("do_remote_decode") or status not in (pb.FINISH_STATUS_STOPPED, pb.FINISH_STATUS_LENGTH_CAPPED):
+            self._add("other", request.request_id, pb.SchedulerOp(request_finished=rf))
+            return False, None
+        ids, starts = self._clip(block_ids)
+        host, port = params.split_addr(self.addr) if self.addr else ("", 0)
+        out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.c.engine_id,
+               "remote_host": host, "remote_port": port, "remote_request_id": request.request_id,
+               "remote_block_ids": ids, "remote_block_starts": starts, "tp_size": self.c.tp_size,
+               "remote_pp_size": self.c.pp_size, "remote_num_tokens": request.num_computed_tokens,
+               "mode": params.MODE_NAMES[self.cfg.mode]}
+        if p.get("transfer_id"):
+            out["transfer_id"] = p["transfer_id"]
+        delay = any(ids)
+        i = self._add("send" if delay else "other", request.request_id, pb.SchedulerOp(request_finished=rf))
+        self.local_finished[i] = (delay, out)
+        if delay:
+            self.expect_send.append(request.request_id)
+        return delay, out
+
+    def update(self, out) -> None:
+        f = pb.Finished()
+        failed = set(getattr(out, "failed_recving", None) or ())
+        for r in out.finished_sending or ():
+            f.sending.append(pb.Outcome(request_id=r, result=pb.Outcome.RESULT_DONE))
+        for r in out.finished_recving or ():
+            f.recving.append(pb.Outcome(request_id=r, result=pb.Outcome.RESULT_FAILED if r in failed else pb.Outcome.RESULT_DONE))
+        if f.sending or f.recving:
+            self._add("other", "", pb.SchedulerOp(update=pb.UpdateRequest(finished=f)))
+        stats = getattr(out, "kv_connector_stats", None)
+        if stats is not None and hasattr(stats, "data"):
+            pass  # vLLM logs worker stats itself.
+
+    def _prefill_ops(self, so: "SchedulerOutput") -> None:
+        mgr = self.c._kv_cache_manager
+        if not self.cfg.layerwise or mgr is None:
+            return
+        sched = so.num_scheduled_tokens
+        reqs = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        reqs += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, computed in reqs:
+            req = self.requests.get(rid)
+            if req is None or not (req.kv_transfer_params or {}).get("do_remote_decode"):
+                continue
+            if computed + sched.get(rid, 0) < req.num_prompt_tokens:
+                continue
+            blocks = mgr.get_block_ids(rid)
+            self._add("other", rid, pb.SchedulerOp(prefill=pb.PrefillRequest(
+                request=self._engine_request(req), blocks=[pb.BlockList(block_ids=list(g)) for g in blocks],
+                computed=computed, scheduled=sched.get(rid, 0))))
+
+    def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
+        self._prefill_ops(so)
+        ops, kinds, local = self.ops, self.op_req, self.local_finished
+        self.ops, self.op_req, self.local_finished = [], [], {}
+        meta = KvxferConnectorMetadata(expect_recv=self.expect_recv, expect_send=self.expect_send,
+                                       fail_recv=self.fail_recv, fail_send=self.fail_send)
+        self.expect_recv, self.expect_send, self.fail_recv, self.fail_send = [], [], {}, {}
+        try:
+            if not self.addr:
+                self._open()
+                if not self.addr:
+                    raise errors.Unavailable("OpenScheduler", f"no scheduler for engine {self.c.engine_id}")
+            res = self.sched.step(ops, build_meta=True)
+        except errors.DaemonError as e:
+            # The daemon is gone or refused the whole step: nothing staged
+            # reaches it, so every request vLLM now waits on ends here.
+            self.stats.data["daemon_errors"] += 1
+            log.error("kvxfer: step of engine %s failed (%d ops lost): %s", self.c.engine_id, len(ops), e)
+            for i, (kind, rid) in enumerate(kinds):
+                if kind == "recv":
+                    meta.fail_recv[rid] = f"kvxferd step failed: {e}"
+                elif kind == "send":
+                    meta.fail_send[rid] = f"kvxferd step failed: {e}"
+            self.daemon_pending = False
+            if isinstance(e, errors.NotFound):
+                self.addr = ""  # the daemon restarted: reopen next step
+            return meta
+        for i, err in res.errors.items():
+            kind, rid = kinds[i]
+            log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
+            if kind == "recv":
+                meta.fail_recv[rid] = err.details
+            elif kind == "send":
+                meta.fail_send[rid] = err.details
+        for i, (delay, p) in res.finished.items():
+            want = local.get(i)
+            if want is not None and want[0] != delay:
+                log.warning("kvxfer: request %s: daemon says delay=%s, connector said %s", kinds[i][1], delay, want[0])
+        self.daemon_pending = res.pending
+        self.stats.data["bad_params"] = max(self.stats.data["bad_params"], res.counters.bad_params)
+        if res.meta is not None:
+            meta.step_meta = res.meta.SerializeToString()
+        return meta
+
+    def pending(self) -> bool:
+        return bool(self.ops) or self.daemon_pending
+
+    def take_stats(self) -> KvxferStats | None:
+        if self.stats.is_empty():
+            return None
+        s, self.stats = self.stats, KvxferStats()
+        return s
+
+    def shutdown(self) -> None:
+        try:
+            self.sched.close()
+        except errors.KvxferError as e:
+            log.info("kvxfer: closing the scheduler of engine %s: %s", self.c.engine_id, e)
+
+
+class _WorkerSide:
+    """One worker rank: its stream, and the requests vLLM waits on."""
+
+    def __init__(self, conn: KvxferConnector, vllm_config: "VllmConfig", kv_cache_config):
+        self.c = conn
+        self.cfg = conn.cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        pc = vllm_config.parallel_config
+        self.tp_rank = getattr(pc, "rank", 0) % max(conn.tp_size, 1)
+        self.pp_rank = getattr(pc, "rank", 0) // max(conn.tp_size, 1)
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+            self.tp_rank = get_tp_group().rank_in_group
+            self.pp_rank = get_pp_group().rank_in_group
+        except Exception:  # noqa: BLE001 - not initialized (tests, single process)
+            pass
+        self.stream: WorkerStream | None = None
+        self.layer_index: dict[str, int] = {}
+        self.waiting_recv: set[str] = set()
+        self.waiting_send: set[str] = set()
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.invalid: set[int] = set()
+        self.stats = KvxferStats()
+        self.step = 0
+        self.layer_steps: list[int] = []
+        self.saver: _LayerSaver | None = None
+        self.dead: str | None = None
+
+    # -- memory and layout --
+
+    def register(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        hello = build_hello(self, kv_caches)
+        try:
+            self.stream = self.c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))
+        except errors.KvxferError as e:
+            raise RuntimeError(f"kvxfer: rank tp={self.tp_rank} pp={self.pp_rank} of engine {self.c.engine_id} "
+                               f"cannot attach to kvxferd at {self.cfg.socket}: {e}") from e
+        if self.cfg.layerwise:
+            self.saver = _LayerSaver(self.stream)
+
+    # -- per step --
+
+    def start_step(self, meta: KvxferConnectorMetadata) -> None:
+        self.waiting_recv.update(meta.expect_recv)
+        self.waiting_send.update(meta.expect_send)
+        for rid, why in meta.fail_recv.items():
+            self._recv_done(rid, failed=True, why=why)
+        for rid, why in meta.fail_send.items():
+            self._send_done(rid)
+        self.layer_steps = []
+        if not meta.step_meta:
+            return
+        sm = pb.StepMeta.FromString(meta.step_meta)
+        self.step = sm.step
+        if self.dead is not None:
+            self._fail_all(self.dead)
+            return
+        try:
+            self.stream.step(sm)
+        except errors.KvxferError as e:
+            self._die(str(e))
+        if sm.prefill:
+            self.layer_steps.append(sm.step)
+
+    def layer_saved(self, layer_name: str, kv_layer) -> None:
+        if self.saver is None or not self.layer_steps or self.dead is not None:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        for step in self.layer_steps:
+            self.saver.saved(step, layer, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self.saver is not None:
+            self.saver.flush()
+
+    def _recv_done(self, rid: str, failed: bool, why: str = "") -> None:
+        if rid not in self.waiting_recv:
+            return
+        self.waiting_recv.discard(rid)
+        self.recving.add(rid)
+        if failed:
+            self.failed.add(rid)
+            self.stats.data["failed_recv"] += 1
+            log.warning("kvxfer: receive of request %s failed: %s", rid, why)
+
+    def _send_done(self, rid: str, failed: bool = False, why: str = "") -> None:
+        if rid not in self.waiting_send:
+            return
+        self.waiting_send.discard(rid)
+        self.sending.add(rid)
+        if failed:
+            self.stats.data["failed_send"] += 1
+            log.info("kvxfer: send of request %s ended %s", rid, why)
+
+    def _fail_all(self, why: str) -> None:
+        for rid in list(self.waiting_recv):
+            self._recv_done(rid, failed=True, why=why)
+        for rid in list(self.waiting_send):
+            self._send_done(rid, failed=True, why=why)
+
+    def _die(self, why: str) -> None:
+        if self.dead is None:
+            log.error("kvxfer: the stream of engine %s rank tp=%d pp=%d ended: %s; failing its requests",
+                      self.c.engine_id, self.tp_rank, self.pp_rank, why)
+        self.dead = why
+        self._fail_all(why)
+
+    def _poll(self) -> None:
+        if self.stream is None or self.dead is not None:
+            if self.dead is not None:
+                self._fail_all(self.dead)
+            return
+        try:
+            f = self.stream.poll()
+        except errors.StreamClosed as e:
+            self._die(str(e))
+            return
+        ok = pb.Outcome.RESULT_DONE
+        for o in f.recving:
+            self._recv_done(o.request_id, failed=o.result != ok, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+        for o in f.sending:
+            self._send_done(o.request_id, failed=o.result != ok, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+        self.invalid.update(f.invalid_block_ids)
+        for e in f.step_errors:
+            log.error("kvxfer: step %d refused by kvxferd: %s", e.step, e.message)
+        for s in f.stats:
+            d = self.stats.data
+            d["transfers"] += s.transfers
+            d["failed_transfers"] += s.failed_transfers
+            d["bytes"] += s.bytes
+            d["descriptors"] += s.descriptors
+            d["transfer_seconds"] += s.transfer_seconds
+            d["expired"] += s.expired
+
+    def results(self) -> KVConnectorTransferResults:
+        self._poll()
+        out = KVConnectorTransferResults(finished_sending=self.sending, finished_recving=self.recving,
+                                         failed_recving=self.failed & self.recving)
+        self.sending, self.recving, self.failed = set(), set(), self.failed - out.failed_recving
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        # Block ids are unique only within a group: with several groups,
+        # failures travel by request (failed_recving) alone.
+        inv, self.invalid = self.invalid, set()
+        if self.kv_cache_config is not None and len(self.kv_cache_config.kv_cache_groups) > 1:
+            return set()
+        return inv
+
+    def take_stats(self) -> KvxferStats | None:
+        if self.stats.is_empty():
+            return None
+        s, self.stats = self.stats, KvxferStats()
+        return s
+
+    def shutdown(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+        if self.stream is not None and self.dead is None:
+            self.stream.bye(timeout=self.cfg.timeout_s + 30)
+        for b in getattr(self, "owned", []):
+            b.close()
+
+
+class _LayerSaver:
+    """Sends LayerSaved once a layer's KV is in memory: at once for host
+    memory; for GPU memory after a CUDA event recorded on the compute
+    stream completes, from a helper thread, so the forward pass never
+    waits."""
+
+    def __init__(self, stream: WorkerStream):
+        self.stream = stream
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread: threading.Thread | None = None
+
+    def saved(self, step: int, layer: int, kv_layer) -> None:
+        if kv_layer is None or not getattr(kv_layer, "is_cuda", False):
+            try:
+                self.stream.layer_saved(step, layer)
+            except errors.KvxferError as e:
+                log.warning("kvxfer: LayerSaved(%d, %d): %s", step, layer, e)
+            return
+        import torch
+        ev = torch.cuda.Event()
+        ev.record()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="kvxfer-layer-saver", daemon=True)
+            self.thread.start()
+        self.idle.clear()
+        self.q.put((ev, step, layer))
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            ev, step, layer = item
+            ev.synchronize()
+            try:
+                self.stream.layer_saved(step, layer)
+            except errors.KvxferError as e:
+                log.warning("kvxfer: LayerSaved(%d, %d): %s", step, layer, e)
+            if self.q.empty():
+                self.idle.set()
+
+    def flush(self) -> None:
+        self.idle.wait(60)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join(5)
+
+
+def _dtype_size(t) -> int:
+    return t.element_size()
+
+
+def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.WorkerHello:
+    """Turns vLLM's per-layer KV views into a kvxfer layout and shares the
+    memory holding them. Each attention layer's view is [B, H, N, C] (C: K
+    then V of one head and token); under LBHNC each layer is one region of
+    B contiguous blocks of H·N·C bytes."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    cfg = w.kv_cache_config
+    if not kv_caches:
+        raise ValueError("kvxfer: register_kv_caches got no KV caches")
+    group_of: dict[str, int] = {}
+    spec_of: dict[str, Any] = {}
+    if cfg is not None:
+        for gi, g in enumerate(cfg.kv_cache_groups):
+            for name in g.layer_names:
+                group_of[name] = gi
+                spec_of[name] = g.kv_cache_spec
+    names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
+    regions, groups = [], [[] for _ in w.c.groups]
+    head_size = elem = heads = kernel_bs = 0
+    order = None
+    seen = set()
+    for name in names:
+        t = kv_caches[name]
+        spec = spec_of.get(name)
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            # Layers that share one cache (KV sharing) are one region.
+            continue
+        seen.add(key)
+        if t.dim() != 4:
+            raise ValueError(f"kvxfer: layer {name}: KV cache has shape {tuple(t.shape)}, want [blocks, heads, tokens, K|V]"
+                             " (vLLM >= 0.32's per-layer views)")
+        b, h, n, c = t.shape
+        sb, sh, sn, sc = t.stride()
+        es = _dtype_size(t)
+        if sc != 1:
+            raise ValueError(f"kvxfer: layer {name}: the K|V content is not contiguous (stride {sc})")
+        lay = pb.KV_LAYOUT_ORDER_HND if sh >= sn * n else pb.KV_LAYOUT_ORDER_NHD
+        block_bytes = h * n * c * es
+        if sb * es != block_bytes:
+            raise ValueError(
+                f"kvxfer: layer {name}: blocks are {sb * es} bytes apart but hold {block_bytes}: the KV cache layout "
+                "interleaves layers or pads blocks (block-outermost VLLM_KV_CACHE_LAYOUT); kvxfer needs a layer-outermost "
+                "layout (LBHNC, which this connector asks vLLM for)")
+        if order is None:
+            order, heads, kernel_bs, elem = lay, h, n, es
+            head_size = c // 2
+        elif (lay, h, n, es) != (order, heads, kernel_bs, elem):
+            raise ValueError(f"kvxfer: layer {name}: layout differs from the first layer's "
+                             f"(order/heads/tokens/elem {lay}/{h}/{n}/{es} vs {order}/{heads}/{kernel_bs}/{elem})")
+        if isinstance(spec, AttentionSpec) and spec.head_size_v != spec.head_size:
+            raise ValueError(f"kvxfer: layer {name}: K and V head sizes differ ({spec.head_size} vs {spec.head_size_v})")
+        gi = group_of.get(name, 0)
+        kind, window = w.c.groups[gi] if gi < len(w.c.groups) else w.c.groups[0]
+        groups[min(gi, len(groups) - 1)].append(len(regions))
+        w.layer_index[name] = extract_layer_index(name)
+        regions.append(pb.Region(kind=kind, window=window, base=t.data_ptr(), block_len=block_bytes,
+                                 num_blocks=b, device_id=t.device.index or 0 if t.is_cuda else 0))
+    memory = share_memory(w, [kv_caches[n] for n in names], [(r.base, r.block_len * r.num_blocks) for r in regions])
+    layout = pb.KvLayout(tp_rank=w.tp_rank, tp_size=w.c.tp_size, pp_rank=w.pp_rank, pp_size=w.c.pp_size,
+                         total_kv_heads=heads * w.c.tp_size, head_size=head_size, elem_bytes=elem, order=order,
+                         packing=pb.KV_PACKING_PACKED, logical_block_size=w.c.block_size, kernel_block_size=kernel_bs,
+                         region_offset=0, regions=regions,
+                         groups=[pb.CacheGroup(kind=k, window=wd, regions=g) for (k, wd), g in zip(w.c.groups, groups)])
+    return pb.WorkerHello(engine_id=w.c.engine_id, mode=w.cfg.mode, layout=layout, memory=memory,
+                          compat_hash=compat_hash(w.vllm_config, w.cfg.mode), layerwise=w.cfg.layerwise)
+
+
+def share_memory(w: _WorkerSide, tensors: list, ranges: list[tuple[int, int]]) -> list[pb.SharedMemory]:
+    """The memory holding the tensors, as the daemon can map it: the
+    shared-memory files they live in (host), or CUDA IPC handles (GPU)."""
+    from kvxfer import shm
+    if tensors[0].is_cuda:
+        from kvxfer import cuda
+        return [pb.SharedMemory(base=s.base, size=s.size, cuda_ipc_handle=s.handle, device_uuid=s.device_uuid)
+                for s in cuda.export_tensors(tensors)]
+    out: dict[str, pb.SharedMemory] = {}
+    for lo, n in ranges:
+        found = shm.find_mapping(lo, max(n, 1), w.cfg.shm_dir)
+        if found is None:
+            raise ValueError(
+                f"kvxfer: the KV cache at 0x{lo:x} is not in a shared-memory file under {w.cfg.shm_dir}, so kvxferd cannot "
+                "map it: allocate host KV caches over kvxfer.shm.create() (torch.frombuffer), or run on GPUs")
+        path, base, size = found
+        out.setdefault(path, pb.SharedMemory(path=path, base=base, size=size))
+    return list(out.values())

@@ -1,0 +1,32 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kvxferd(tmp_path_factory) -> Path:
+    """The kvxferd binary, built once from this checkout."""
+    return harness.build_kvxferd(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture
+def daemons(kvxferd, tmp_path):
+    """A P and a D kvxferd; stopped (and their logs shown on failure) after."""
+    started = []
+
+    def start(name, extra=None):
+        d = harness.Daemon(kvxferd, tmp_path, name, extra)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+        if os.environ.get("KVXFER_SHOW_LOGS"):
+            print((d.dir / "log").read_text())

@@ -1,0 +1,308 @@
+"""Test harness: real kvxferd processes, and vLLM's own v1 Scheduler (with its
+real KV cache manager) plus worker-role connectors over real CPU tensors
+shared with the daemons, driven step by step as vLLM's engine core and model
+runner drive them. Nothing here fakes kvxfer: only the model's forward pass is
+replaced by writing a known pattern into P's KV cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The model: an OPT-like config (12 layers, 12 KV heads of 64), no weights.
+LAYERS = 12
+HEADS = 12
+HEAD_SIZE = 64
+BLOCK = 16
+DTYPE = torch.float16
+
+
+def build_kvxferd(out_dir: Path) -> Path:
+    exe = out_dir / "kvxferd"
+    subprocess.run(["go", "build", "-o", str(exe), "./cmd/kvxferd"], cwd=REPO, check=True)
+    return exe
+
+
+class Daemon:
+    """One kvxferd serve process on a unix socket and a loopback peer port."""
+
+    def __init__(self, exe: Path, work: Path, name: str, extra: list[str] | None = None):
+        self.dir = work / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = str(self.dir / "kvxferd.sock")
+        self.shm_dir = str(self.dir / "shm")
+        os.makedirs(self.shm_dir, exist_ok=True)
+        ready = self.dir / "ready"
+        self.log = open(self.dir / "log", "w")
+        self.proc = subprocess.Popen(
+            [str(exe), "serve", "-socket", self.socket, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
+             "-shm-dir", self.shm_dir, "-ready-file", str(ready), "-log-level", "warn", *(extra or [])],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvxferd {name} did not start: {(self.dir / 'log').read_text()}")
+            time.sleep(0.02)
+        self.peer = ready.read_text().strip()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def model_dir(work: Path) -> Path:
+    d = work / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "num_hidden_layers": LAYERS, "hidden_size": HEADS * HEAD_SIZE,
+        "num_attention_heads": HEADS, "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
+        "word_embed_proj_dim": HEADS * HEAD_SIZE, "torch_dtype": "float16", "do_layer_norm_before": True,
+    }))
+    return d
+
+
+def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
+                policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96):
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             VllmConfig)
+    mc = ModelConfig(model=str(model_dir(work)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+    extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
+             "registration_timeout_s": 20}
+    if layerwise:
+        extra["layerwise"] = True
+    ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
+                           engine_id=engine_id, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cc.num_gpu_blocks = num_blocks
+    sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024, is_encoder_decoder=False,
+                         enable_chunked_prefill=True)
+    pc = ParallelConfig(tensor_parallel_size=tp)
+    cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
+                     device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc)
+    # As the engine core does: the attention backend offers its layouts
+    # (NHD first, as FlashAttention does) and the connector's required one
+    # wins.
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]])
+    assert cfg.cache_config.kv_cache_layout in ("LBHNC", "HND"), cfg.cache_config.kv_cache_layout
+    return cfg
+
+
+def kv_cache_config(cfg, tp: int, num_blocks: int):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD_SIZE, dtype=DTYPE)
+    names = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes
+    return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(names, spec)], page * LAYERS * num_blocks)
+
+
+def pattern(layer: int, heads: np.ndarray, pos: np.ndarray, toks: np.ndarray) -> np.ndarray:
+    """The K|V content P writes for (layer, global heads, positions): [H, N,
+    2D] float16, a function of the token id at each position, so prefix hits
+    on D (same prompt prefix) hold the same bytes and any mix-up of
+    requests, layers, heads or positions shows."""
+    base = (layer * 131 + heads[:, None] * 31 + pos[None, :] * 7 + toks[None, :] * 13) % 2039
+    return ((np.arange(2 * HEAD_SIZE, dtype=np.int64)[None, None, :] * 3 + base[:, :, None]) % 2048).astype(np.float16)
+
+
+def _runs(blocks: list[int], start: int, end: int):
+    """(block, first offset, positions) for positions [start, end)."""
+    pos = start
+    while pos < end:
+        b, off = blocks[pos // BLOCK], pos % BLOCK
+        n = min(BLOCK - off, end - pos)
+        yield b, off, np.arange(pos, pos + n)
+        pos += n
+
+
+@dataclass
+class Rank:
+    connector: object
+    kv: dict
+    buf: object
+    tp_rank: int
+
+
+@dataclass
+class Engine:
+    """One vLLM engine: its real Scheduler and one worker connector per rank."""
+
+    name: str
+    role: str  # "P" or "D"
+    sched: object
+    ranks: list[Rank]
+    tp: int
+    kvc: object
+    aggregator: object
+    initial_free: int
+    sent: set = field(default_factory=set)
+    recvd: set = field(default_factory=set)
+    finished: dict = field(default_factory=dict)  # request id -> finish status
+    layers_saved: int = 0
+
+
+def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
+                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5) -> Engine:
+    from kvxfer import shm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks)
+    kvc = kv_cache_config(cfg, tp, num_blocks)
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
+                      block_size=BLOCK, log_stats=True)
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    ranks = []
+    for r in range(tp):
+        cfg.parallel_config.rank = r
+        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+        conn._worker.tp_rank = r
+        buf = shm.create(kvc.kv_cache_tensors[0].size, daemon.shm_dir)
+        raw = torch.frombuffer(buf.buffer, dtype=torch.int8, count=kvc.kv_cache_tensors[0].size)
+        kv = {}
+        for t in kvc.kv_cache_tensors:
+            spec = kvc.kv_cache_groups[0].kv_cache_spec
+            kv.update(zip(t.layers, create_kv_cache_views(raw, spec, kvc.num_blocks, layout, t)))
+        conn.register_kv_caches(kv)
+        ranks.append(Rank(conn, kv, buf, r))
+    cfg.parallel_config.rank = 0
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return Engine(name, role, sched, ranks, tp, kvc, KVOutputAggregator(tp), free)
+
+
+_HASH_READY = False
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int, kv_params: dict | None):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    global _HASH_READY
+    if not _HASH_READY:
+        init_none_hash(sha256)  # once per process, as the engine core does
+        _HASH_READY = True
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.extra_args = {"kv_transfer_params": kv_params} if kv_params is not None else None
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def _layers(rank) -> list[tuple[int, object]]:
+    return sorted(((int(n.split(".")[3]), t) for n, t in rank.kv.items()), key=lambda x: x[0])
+
+
+def write_kv(e: Engine, rid: str, tokens: list[int], start: int, n: int) -> None:
+    """P's forward pass: the KV of positions [start, start+n) of request rid."""
+    blocks = e.sched.kv_cache_manager.get_block_ids(rid)[0]
+    per = HEADS // e.tp
+    toks = np.asarray(tokens)
+    for rank in e.ranks:
+        heads = np.arange(rank.tp_rank * per, (rank.tp_rank + 1) * per)
+        for li, v in _layers(rank):  # v: [B, H, N, 2D] float16
+            for b, off, pos in _runs(blocks, start, start + n):
+                v[b, :, off:off + len(pos)] = torch.from_numpy(pattern(li, heads, pos, toks[pos]))
+
+
+def check_kv(e: Engine, rid: str, tokens: list[int], upto: int) -> int:
+    """Every byte of D's blocks for positions [0, upto) equals P's pattern;
+    returns the bytes checked. Raises AssertionError naming the first bad
+    (layer, head, position)."""
+    blocks = e.sched.kv_cache_manager.get_block_ids(rid)[0]
+    per = HEADS // e.tp
+    toks = np.asarray(tokens)
+    checked = 0
+    for rank in e.ranks:
+        heads = np.arange(rank.tp_rank * per, (rank.tp_rank + 1) * per)
+        for li, v in _layers(rank):
+            for b, off, pos in _runs(blocks, 0, upto):
+                got = v[b, :, off:off + len(pos)].numpy()
+                want = pattern(li, heads, pos, toks[pos])
+                if not np.array_equal(got, want):
+                    h, n = [int(x[0]) for x in np.nonzero((got != want).any(axis=2))]
+                    raise AssertionError(f"{e.name} request {rid}: layer {li} head {heads[h]} position {pos[n]} (block {b}) "
+                                         f"holds {got[h, n, :4]}..., want {want[h, n, :4]}...")
+                checked += want.nbytes
+    return checked
+
+
+def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
+    """One engine step: schedule, the workers' connector calls around a
+    forward pass that writes P's KV (and signals each layer saved), vLLM's
+    own output aggregation, then update_from_output."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    so = e.sched.schedule()
+    outs = []
+    for rank in e.ranks:
+        c = rank.connector
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        c.start_load_kv(None)
+    if fill:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = e.sched.requests[rid]
+            start = req.num_computed_tokens - n
+            upto = min(start + n, req.num_prompt_tokens)
+            if start < upto:
+                write_kv(e, rid, prompts[rid], start, upto - start)
+    for rank in e.ranks:
+        c = rank.connector
+        for li, (name, t) in enumerate(sorted(rank.kv.items(), key=lambda kv: int(kv[0].split(".")[3]))):
+            c.save_kv_layer(name, t, None)
+        c.wait_for_save()
+    for rank in e.ranks:
+        c = rank.connector
+        res = c.get_transfer_results(so.finished_req_ids)
+        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
+                                failed_recving=res.failed_recving, invalid_block_ids=c.get_block_ids_with_load_errors(),
+                                kv_connector_stats=c.get_kv_connector_stats())
+        c.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = e.sched.requests[rid]
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        outs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=sampled, kv_connector_output=kvo))
+    out = e.aggregator.aggregate(outs)
+    kvo = out.kv_connector_output
+    if kvo is not None:
+        e.sent |= set(kvo.finished_sending or ())
+        e.recvd |= set(kvo.finished_recving or ())
+    eco = e.sched.update_from_output(so, out)
+    for outs_ in eco.values():
+        for o in outs_.outputs:
+            if o.finish_reason is not None:
+                e.finished[o.request_id] = o
+    return so, out
+
+
+def shutdown(e: Engine) -> None:
+    for r in e.ranks:
+        r.connector.shutdown()
+    e.sched.shutdown()
+    for r in e.ranks:
+        r.buf.close()

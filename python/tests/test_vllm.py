@@ -1,0 +1,229 @@
+"""KvxferConnector under vLLM's own v1 Scheduler, against real kvxferd processes.
+
+P and D are two vLLM engines (real Scheduler, real KV cache manager and block
+pool, connector loaded through kv_connector_module_path), each rank's KV cache
+a real CPU tensor in a shared-memory file the daemon maps. Only the model's
+forward pass is replaced: P writes a known pattern into its KV. Every byte D
+receives is checked per layer, head and position."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+import harness as H
+
+import vllm  # noqa: E402,F401  (a missing vLLM fails the run: CI installs it)
+
+
+def _push_params(p_daemon, tid):
+    host, port = p_daemon.peer.rsplit(":", 1)
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid, "remote_engine_id": "p0",
+            "remote_host": host, "remote_port": int(port), "tp_size": None, "mode": "push"}
+
+
+class Run:
+    """Drives a P and a D engine as a router and two engine cores would."""
+
+    def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5):
+        self.mode = mode
+        self.dp, self.dd = daemons("p"), daemons("d")
+        self.P = H.make_engine(tmp_path, "p0", "P", self.dp, mode, p_tp, layerwise)
+        self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, 1, policy=policy, timeout_s=d_timeout)
+        self.p_tp = p_tp
+        self.prompts: dict[str, list[int]] = {}
+        self.checked_bytes = 0
+        self.checked: set[str] = set()
+        self.pending_d: dict[str, tuple] = {}  # pull: D requests waiting for P's params
+        self.p_done_params: dict[str, dict] = {}
+        self.held_violations: list[str] = []
+
+    def add(self, n, tokens, max_tokens=3, abort_d_before=False):
+        tid = f"t{n}"
+        self.prompts[f"p-{n}"] = tokens
+        self.prompts[f"d-{n}"] = tokens
+        self.P.sched.add_request(H.make_request(f"p-{n}", tokens, 1, {"do_remote_decode": True, "transfer_id": tid}))
+        if self.mode == "push":
+            params = _push_params(self.dp, tid)
+            params["tp_size"] = self.p_tp
+            self.D.sched.add_request(H.make_request(f"d-{n}", tokens, max_tokens, params))
+            if abort_d_before:
+                self.abort_d(f"d-{n}")
+        else:
+            self.pending_d[f"p-{n}"] = (f"d-{n}", tokens, max_tokens, abort_d_before)
+
+    def abort_d(self, rid):
+        from vllm.v1.request import RequestStatus
+        for req in self.D.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
+            self.D.finished[req.request_id] = req
+
+    def step(self):
+        H.step(self.P, self.prompts)
+        for rid, o in list(self.P.finished.items()):
+            if rid in self.pending_d and o.kv_transfer_params is not None:
+                did, tokens, mt, abort = self.pending_d.pop(rid)
+                self.D.sched.add_request(H.make_request(did, tokens, mt, dict(o.kv_transfer_params)))
+                if abort:
+                    self.abort_d(did)
+        # Blocks held for a transfer stay allocated until P reports the send.
+        for rid, o in self.P.finished.items():
+            if o.kv_transfer_params is not None and rid not in self.P.sent and rid not in self.P.sched.requests:
+                self.held_violations.append(rid)
+        before = set(self.D.recvd)
+        H.step(self.D, self.prompts, fill=False)
+        for rid in self.D.recvd - before:
+            if rid in self.D.sched.requests:
+                tokens = self.prompts[rid]
+                self.checked_bytes += H.check_kv(self.D, rid, tokens, len(tokens))
+                self.checked.add(rid)
+
+    def run_until(self, done, limit_s=90):
+        deadline = time.monotonic() + limit_s
+        while not done():
+            assert time.monotonic() < deadline, f"not done: P finished {sorted(self.P.finished)}, D finished {sorted(self.D.finished)}, " \
+                f"P sent {sorted(self.P.sent)}, D recvd {sorted(self.D.recvd)}, P waiting {len(self.P.sched.requests)}, " \
+                f"D waiting {len(self.D.sched.requests)}"
+            self.step()
+            time.sleep(0.002)
+
+    def close(self):
+        H.shutdown(self.P)
+        H.shutdown(self.D)
+
+
+CASES = [
+    ("push", 1, False), ("push", 2, False),
+    ("pull", 1, False), ("pull", 2, False),
+    ("push", 1, True), ("push", 2, True),
+]
+
+
+@pytest.mark.parametrize("mode,p_tp,layerwise", CASES, ids=[f"{m}-tp{t}to1{'-layerwise' if lw else ''}" for m, t, lw in CASES])
+def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
+    rng = random.Random(f"{mode}{p_tp}{layerwise}")
+    r = Run(tmp_path, daemons, mode, p_tp, layerwise)
+    try:
+        shared = [rng.randrange(100, 50000) for _ in range(2 * H.BLOCK)]
+        # A first wave, then requests sharing its prefix (prefix hits on D),
+        # plus one D request aborted before it is scheduled.
+        r.add(0, shared + [rng.randrange(100, 50000) for _ in range(21)])
+        for n in range(1, 4):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(rng.randrange(10, 90))])
+        r.run_until(lambda: {"d-0", "d-1", "d-2", "d-3"} <= set(r.D.finished))
+        for n in range(4, 8):
+            r.add(n, shared + [rng.randrange(100, 50000) for _ in range(rng.randrange(1, 60))])
+        r.add(8, [rng.randrange(100, 50000) for _ in range(50)], abort_d_before=True)
+        want_d = {f"d-{n}" for n in range(9)}
+        want_p = {f"p-{n}" for n in range(9)}
+        r.run_until(lambda: want_d <= set(r.D.finished) and want_p <= set(r.P.finished)
+                    and not r.P.sched.requests and not r.D.sched.requests)
+        # Every request reached vLLM's finished state on both sides.
+        assert all(r.D.finished[f"d-{n}"].finish_reason is not None for n in range(8))
+        assert r.D.finished["d-8"].is_finished()
+        # Every received request's bytes were checked; prefix hits moved less.
+        assert {f"d-{n}" for n in range(8)} <= r.checked, sorted(r.checked)
+        assert r.checked_bytes > 0
+        hits = r.D.sched.kv_cache_manager.prefix_cache_stats
+        assert r.D.recvd >= {f"d-{n}" for n in range(8)}
+        # Blocks were held for the transfer until P reported the send, and
+        # every block went back to the pool on both sides.
+        assert not r.held_violations, r.held_violations
+        assert r.P.sent >= {f"p-{n}" for n in range(8)}
+        assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
+        assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
+        del hits
+    finally:
+        r.close()
+
+
+def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
+    """D already holds the shared prefix: the transfer fills only the blocks
+    after it (checked through the connector's metadata), and D's bytes are
+    right over the whole prompt."""
+    rng = random.Random(7)
+    r = Run(tmp_path, daemons, "push", 1)
+    try:
+        shared = [rng.randrange(100, 50000) for _ in range(3 * H.BLOCK)]
+        r.add(0, shared + [1, 2, 3])
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests)
+        # Same prefix again: D's prefix cache holds 3 blocks.
+        r.add(1, shared + [4, 5, 6, 7])
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        seen = []
+        orig = r.D.ranks[0].connector._worker.start_step
+
+        def spy(meta):
+            if meta.step_meta:
+                sm = pb.StepMeta.FromString(meta.step_meta)
+                seen.extend((x.request_id, [list(s.block_ids) for s in x.local], [s.start for s in x.local]) for x in sm.recv)
+            return orig(meta)
+
+        r.D.ranks[0].connector._worker.start_step = spy
+        r.run_until(lambda: "d-1" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
+        d1 = [s for s in seen if s[0] == "d-1"]
+        assert d1 and d1[0][2] == [3 * H.BLOCK] and len(d1[0][1][0]) == 1, d1
+        assert "d-1" in r.checked
+    finally:
+        r.close()
+
+
+def test_factory_loads_the_module_path(tmp_path, daemons):
+    """vLLM's KVConnectorFactory loads the connector from
+    kv_connector_module_path, exactly as a user's --kv-transfer-config."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+
+    from kvxfer.vllm import KvxferConnector
+    ktc = KVTransferConfig.model_validate_json(
+        '{"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_both"}') \
+        if hasattr(KVTransferConfig, "model_validate_json") else KVTransferConfig(
+            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(ktc) is KvxferConnector
+    assert issubclass(KvxferConnector, SupportsHMA)
+    d = daemons("p")
+    cfg = H.vllm_config(tmp_path, "p0", d, "push", 1)
+    kvc = H.kv_cache_config(cfg, 1, 32)
+    c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kvc)
+    assert isinstance(c, KvxferConnector) and c._sched.addr == d.peer
+    c.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_daemon_killed(tmp_path, daemons, policy):
+    """D's kvxferd dies while D waits for KV: every affected request ends
+    (recomputed or failed, per kv_load_failure_policy), nothing hangs, and
+    shutdown returns."""
+    rng = random.Random(policy)
+    r = Run(tmp_path, daemons, "push", 1, policy=policy, d_timeout=2)
+    try:
+        # P never runs: D's requests stay waiting for their KV.
+        for n in range(4):
+            r.prompts[f"d-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            p = _push_params(r.dp, f"t{n}")
+            p["tp_size"] = 1
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        for _ in range(5):
+            H.step(r.D, r.prompts, fill=False)
+        assert len(r.D.sched.requests) == 4 and not r.D.finished
+        r.dd.kill()
+        deadline = time.monotonic() + 30
+        while len(r.D.finished) < 4:
+            assert time.monotonic() < deadline, f"D finished only {sorted(r.D.finished)} after its daemon died"
+            H.step(r.D, r.prompts, fill=False)
+            time.sleep(0.01)
+        reasons = {o.finish_reason for o in r.D.finished.values()}
+        if policy == "fail":
+            assert all(str(x).lower().endswith("error") for x in reasons), reasons
+        else:
+            assert not any(str(x).lower().endswith("error") for x in reasons), reasons
+        # Steps go on without a daemon: no exception, no hang.
+        t0 = time.monotonic()
+        H.step(r.D, r.prompts, fill=False)
+        assert time.monotonic() - t0 < 10
+    finally:
+        t0 = time.monotonic()
+        r.close()
+        assert time.monotonic() - t0 < 60
