@@ -1,0 +1,111 @@
+"""The plain Python client against a real kvxferd: scheduler calls, the
+batched Step, worker streams, peer handshakes and typed errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kvxfer
+from kvxfer import errors, params, shm
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+
+def _hello(d, engine="e1", size=1 << 20):
+    buf = shm.create(size, d.shm_dir)
+    layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                         order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                         kernel_block_size=16,
+                         regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=buf.base, block_len=1024, num_blocks=64)])
+    return buf, pb.WorkerHello(engine_id=engine, mode=pb.MODE_PUSH, layout=layout,
+                               memory=[pb.SharedMemory(path=buf.path, base=buf.base, size=buf.size)], compat_hash="h")
+
+
+def test_scheduler_and_step(daemons):
+    d = daemons("a")
+    with kvxfer.Client(d.socket) as c:
+        s = c.scheduler("D")
+        assert s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16)) == d.peer
+        host, port = d.peer.rsplit(":", 1)
+        good = pb.EngineRequest(request_id="d-1", prompt_tokens=40, params=params.to_proto(
+            {"do_remote_prefill": True, "transfer_id": "t1", "remote_engine_id": "P", "remote_host": host,
+             "remote_port": int(port), "tp_size": 1}))
+        bad = pb.EngineRequest(request_id="d-2", prompt_tokens=40, params=pb.TransferParams(do_remote_prefill=True, remote_addr="x:1"))
+        op = lambda r: pb.SchedulerOp(after_alloc=pb.AfterAllocRequest(request=r, blocks=[pb.BlockList(block_ids=[1, 2, 3])], external=40))
+        res = s.step([op(good), op(bad)])
+        assert list(res.errors) == [1]
+        assert isinstance(res.errors[1], errors.InvalidArgument) and "RemoteEngineID" in res.errors[1].details
+        assert [r.request_id for r in res.meta.recv] == ["d-1"] and res.counters.bad_params == 1
+        with pytest.raises(errors.NotFound, match="OpenScheduler"):
+            c.scheduler("nobody").build_meta()
+        with pytest.raises(errors.InvalidArgument, match="engine_id"):
+            c.scheduler("").build_meta()
+        s.close()
+
+
+def test_worker_stream_and_handshake(daemons):
+    d = daemons("a")
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    try:
+        w = c.connect(hello)
+        assert w.agent_name
+        # The rank is published to peers (PeerService on the TCP port).
+        peer = kvxfer.Client(d.peer)
+        hs = peer.handshake("e1")
+        assert hs.engine_id == "e1" and hs.payload
+        peer.close()
+        # A step with a bad entry gets a StepError naming it; the stream lives.
+        w.step(pb.StepMeta(step=1, send=[pb.SendRequest(request_id="")]))
+        deadline = time.monotonic() + 10
+        f = w.poll()
+        while not f.step_errors and time.monotonic() < deadline:
+            f = w.poll(wait=0.5)
+        assert f.step_errors and "ReqID" in f.step_errors[0].message
+        w.bye()
+        assert w.closed
+        with pytest.raises(errors.StreamClosed):
+            w.step(pb.StepMeta(step=2))
+    finally:
+        c.close()
+        buf.close()
+
+
+def test_bad_hello_is_typed(daemons):
+    d = daemons("a")
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    hello.memory[0].size = buf.size * 4  # larger than the file
+    try:
+        with pytest.raises(errors.DaemonError) as ei:
+            c.connect(hello)
+        assert ei.value.code.name in ("INVALID_ARGUMENT", "FAILED_PRECONDITION"), ei.value
+    finally:
+        c.close()
+        buf.close()
+
+
+def test_no_daemon_is_unavailable(tmp_path):
+    c = kvxfer.Client(str(tmp_path / "none.sock"), timeout=2)
+    with pytest.raises(errors.Unavailable):
+        c.scheduler("x").build_meta()
+    c.close()
+
+
+def test_params_round_trip():
+    p = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t", "remote_engine_id": "p0",
+         "remote_host": "::1", "remote_port": 7600, "remote_request_id": "r", "remote_block_ids": [[1, 2], [3]],
+         "remote_block_starts": [0, 16], "tp_size": 2, "remote_pp_size": 1, "remote_num_tokens": 30, "mode": "pull"}
+    t = params.to_proto(p)
+    assert t.remote_addr == "[::1]:7600" and [list(s.block_ids) for s in t.remote_block_ids] == [[1, 2], [3]]
+    assert params.from_proto(t) == p
+    # vLLM's NIXL shape: a flat list is one group.
+    assert [list(s.block_ids) for s in params.to_proto({"remote_block_ids": [4, 5]}).remote_block_ids] == [[4, 5]]
+    for bad, field in [({"remote_block_ids": [[1, -2]]}, "remote_block_ids[0][1]"), ({"remote_host": "h", "remote_port": "x"}, "remote_port")]:
+        with pytest.raises(params.ParamsError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            params.to_proto(bad)
+    with pytest.raises(params.ParamsError, match="remote_engine_id"):
+        params.validate_remote({"remote_host": "h", "remote_port": 1, "transfer_id": "t"}, pb.MODE_PUSH)
+    with pytest.raises(params.ParamsError, match="remote_block_ids"):
+        params.validate_remote({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "transfer_id": "t"}, pb.MODE_PULL)
