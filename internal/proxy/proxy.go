@@ -56,17 +56,17 @@ type upstream struct {
 // Proxy is the OpenAI-compatible router in front of P and D servers. It is
 // an http.Handler and safe for concurrent use.
 type Proxy struct {
-	cfg      Config
-	log      *slog.Logger
-	prefill  []*upstream
-	decode   []*upstream
-	ppool    *pool
-	dpool    *pool
-	client   *http.Client
-	own      *http.Transport // the default transport, closed by Close; nil with Config.Transport
-	m        *metrics
-	mux      *http.ServeMux
-	mu       struct {
+	cfg     Config
+	log     *slog.Logger
+	prefill []*upstream
+	decode  []*upstream
+	ppool   *pool
+	dpool   *pool
+	client  *http.Client
+	own     *http.Transport // the default transport, closed by Close; nil with Config.Transport
+	m       *metrics
+	mux     *http.ServeMux
+	mu      struct {
 		sync.Mutex
 		active  int  // requests admitted and not yet ended
 		closed  bool // Close was called: admit nothing more
@@ -188,6 +188,7 @@ type record struct {
 	pTime, dTTFB           time.Duration
 	outcome                string
 	err                    error
+	cut                    bool // the response started and broke off: abort the client's connection
 }
 
 func (p *Proxy) finish(rec *record, start time.Time) {
@@ -475,6 +476,12 @@ func (p *Proxy) generate(ep endpoint) http.HandlerFunc {
 		} else {
 			p.push(w, r, rec, ep, body)
 		}
+		if rec.cut {
+			// Close the connection without ending the response properly
+			// (no last chunk), so the client sees a broken response, not a
+			// short one. The deferred calls above still run.
+			panic(http.ErrAbortHandler)
+		}
 	}
 }
 
@@ -617,9 +624,11 @@ func (p *Proxy) failed(w http.ResponseWriter, rec *record, ctx context.Context, 
 		rec.outcome = outcomeCanceled
 		return
 	}
-	if !started {
-		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+	if started {
+		rec.cut = true
+		return
 	}
+	writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
 }
 
 // models forwards GET /v1/models to a D server.
@@ -636,6 +645,9 @@ func (p *Proxy) models(w http.ResponseWriter, r *http.Request) {
 	defer releaseD()
 	rec.decode = du.base
 	p.runDecode(w, r, r.Context(), r.Context(), du, "/v1/models", nil, rec, nil)
+	if rec.cut {
+		panic(http.ErrAbortHandler) // as in generate
+	}
 }
 
 // relay copies D's response to the client: status and headers once D's
