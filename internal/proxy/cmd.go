@@ -5,11 +5,13 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -52,18 +54,44 @@ func (l *listFlag) Set(v string) error {
 	return nil
 }
 
-func parseFlags(args []string) (*flags, error) {
+// choiceFlag is a flag with a fixed set of values.
+type choiceFlag struct {
+	v       *string
+	allowed []string
+}
+
+func (c choiceFlag) String() string {
+	if c.v == nil {
+		return ""
+	}
+	return *c.v
+}
+
+func (c choiceFlag) Set(s string) error {
+	if !slices.Contains(c.allowed, s) {
+		return fmt.Errorf("want %s", strings.Join(c.allowed, " or "))
+	}
+	*c.v = s
+	return nil
+}
+
+// parseFlags parses `kvxferd proxy`'s flags, writing usage to usage on
+// -h and on errors.
+func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	f := &flags{}
 	fs := flag.NewFlagSet("kvxferd proxy", flag.ContinueOnError)
-	var mode, policy string
+	fs.SetOutput(usage)
+	mode, policy := string(ModePush), string(PolicyRoundRobin)
 	var timeout time.Duration
 	prefill := &listFlag{check: func(s string) error { _, err := ParsePrefill(s); return err }}
 	decode := &listFlag{check: func(s string) error { _, err := checkURL(s); return err }}
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:8000", "address of the OpenAI-compatible HTTP front")
-	fs.StringVar(&mode, "mode", string(ModePush), "push (P and D at once, P WRITEs the KV) or pull (P first, D READs the KV)")
+	fs.Var(choiceFlag{&mode, []string{string(ModePush), string(ModePull)}}, "mode",
+		"push (P and D at once, P WRITEs the KV) or pull (P first, D READs the KV)")
 	fs.Var(prefill, "prefill", "P server, repeatable: URL,engine=ID,kv=HOST:PORT[,tp=N] (engine and kv, P's kvxferd, required in push mode; tp default 1)")
 	fs.Var(decode, "decode", "D server's base URL, repeatable, e.g. http://10.0.0.2:8200")
-	fs.StringVar(&policy, "policy", string(PolicyRoundRobin), "how P and D servers are picked: round-robin or least-loaded (fewest in flight, ties in turn)")
+	fs.Var(choiceFlag{&policy, []string{string(PolicyRoundRobin), string(PolicyLeastLoaded)}}, "policy",
+		"how P and D servers are picked: round-robin or least-loaded (fewest in flight, ties in turn)")
 	fs.DurationVar(&timeout, "timeout", DefaultTimeout, "limit on each upstream request, its response read whole included (0: none)")
 	fs.Int64Var(&f.cfg.MaxBody, "max-body", DefaultMaxBody, "largest request body in bytes (413 above)")
 	fs.IntVar(&f.cfg.MaxConcurrent, "max-concurrent", DefaultMaxConcurrent, "requests served at once (503 above)")
@@ -92,17 +120,7 @@ func parseFlags(args []string) (*flags, error) {
 	if _, _, err := net.SplitHostPort(f.listen); err != nil {
 		return nil, fmt.Errorf("-listen = %q: %w", f.listen, err)
 	}
-	f.cfg.Mode, f.cfg.Policy = Mode(mode), Policy(policy)
-	switch f.cfg.Mode {
-	case ModePush, ModePull:
-	default:
-		return nil, fmt.Errorf("-mode = %q, want push or pull", mode)
-	}
-	switch f.cfg.Policy {
-	case PolicyRoundRobin, PolicyLeastLoaded:
-	default:
-		return nil, fmt.Errorf("-policy = %q, want round-robin or least-loaded", policy)
-	}
+	f.cfg.Mode, f.cfg.Policy = Mode(mode), Policy(policy) // checked by Set
 	if len(prefill.items) == 0 {
 		return nil, errors.New("-prefill: no P server given, want at least one")
 	}
@@ -116,7 +134,10 @@ func parseFlags(args []string) (*flags, error) {
 		}
 		f.cfg.Prefill = append(f.cfg.Prefill, pf)
 	}
-	f.cfg.Decode = decode.items
+	for _, s := range decode.items {
+		u, _ := checkURL(s) // checked by Set
+		f.cfg.Decode = append(f.cfg.Decode, u)
+	}
 	switch {
 	case timeout < 0:
 		return nil, fmt.Errorf("-timeout = %v, want >= 0 (0: no limit)", timeout)
@@ -146,7 +167,7 @@ func parseFlags(args []string) (*flags, error) {
 // KVXFERD_PROXY_<FLAG>) until SIGTERM or SIGINT, then shuts down
 // gracefully.
 func Main(args []string) error {
-	f, err := parseFlags(args)
+	f, err := parseFlags(args, os.Stderr)
 	if err != nil {
 		return err
 	}

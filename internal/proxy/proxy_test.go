@@ -204,7 +204,7 @@ func newEnv(t *testing.T, mode Mode, nP, nD int, edit func(*Config)) *env {
 	before := runtime.NumGoroutine()
 	t.Cleanup(func() { leakcheck.Check(t, before, 0, 10*time.Second) })
 	e := &env{t: t, log: &reqLog{}}
-	cfg := Config{Mode: mode, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	cfg := Config{Mode: mode, Logger: discardLogger()}
 	for i := range nP {
 		f := &fake{name: fmt.Sprintf("p%d", i), role: rolePrefill, log: e.log}
 		f.srv = httptest.NewServer(http.HandlerFunc(f.serve))
@@ -267,6 +267,8 @@ func (e *env) do(ctx context.Context, path, body string) (int, string) {
 	}
 	return resp.StatusCode, string(data)
 }
+
+func discardLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 func testCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
