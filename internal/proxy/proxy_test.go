@@ -906,3 +906,71 @@ func TestRequestID(t *testing.T) {
 		}
 	}
 }
+
+// Config.Timeout bounds an upstream request: a P that never answers
+// fails the request with 502 and counts a timeout.
+func TestUpstreamTimeout(t *testing.T) {
+	e := newEnv(t, ModePull, 1, 1, func(c *Config) { c.Timeout = 100 * time.Millisecond })
+	e.ps[0].setHook(func(w http.ResponseWriter, r *http.Request, _ map[string]any) bool {
+		<-r.Context().Done() // the proxy gives up and closes the connection
+		return true
+	})
+	ctx := testCtx(t)
+	if status, resp := e.do(ctx, epCompletions.path, `{"prompt":"x"}`); status != http.StatusBadGateway || !strings.Contains(resp, "deadline") {
+		t.Errorf("response = %d %s, want 502 naming the deadline", status, resp)
+	}
+	resp, err := e.client.Get(e.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if want := `kvxfer_proxy_upstream_errors_total{kind="timeout",role="prefill",upstream="` + e.ps[0].srv.URL + `"} 1`; !strings.Contains(string(b), want) {
+		t.Errorf("/metrics lacks %q", want)
+	}
+}
+
+// syncBuffer is a bytes.Buffer for a logger written from handlers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Each request logs one line with its ids, upstreams, statuses, times and
+// outcome.
+func TestRequestLog(t *testing.T) {
+	var buf syncBuffer
+	e := newEnv(t, ModePush, 1, 1, func(c *Config) { c.Logger = slog.New(slog.NewJSONHandler(&buf, nil)) })
+	if status, resp := e.do(testCtx(t), epCompletions.path, `{"prompt":"x"}`); status != http.StatusOK {
+		t.Fatalf("status = %d (%s)", status, resp)
+	}
+	e.p.Close() // waits for the handler, which logs as it ends
+	line := decodeJSON(t, buf.String())
+	tid := e.log.of(rolePrefill)[0].body["kv_transfer_params"].(map[string]any)["transfer_id"]
+	for k, want := range map[string]any{
+		"msg": "proxy: request", "transfer_id": tid, "mode": "push", "endpoint": epCompletions.path,
+		"prefill": e.ps[0].srv.URL, "decode": e.ds[0].srv.URL, "p_status": json.Number("200"),
+		"d_status": json.Number("200"), "outcome": "ok",
+	} {
+		if line[k] != want {
+			t.Errorf("log %s = %v, want %v (line %s)", k, line[k], want, buf.String())
+		}
+	}
+	for _, k := range []string{"request_id", "p_time", "d_ttfb", "total"} {
+		if _, ok := line[k]; !ok {
+			t.Errorf("log lacks %s (line %s)", k, buf.String())
+		}
+	}
+}
