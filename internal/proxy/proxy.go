@@ -243,19 +243,30 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// admitAndRead admits a client request and reads its JSON object body;
-// on failure it has answered the client and set rec.outcome. A request it
-// admitted calls p.leave once.
-func (p *Proxy) admitAndRead(w http.ResponseWriter, r *http.Request, rec *record, wantBody bool) (map[string]any, bool) {
+// admit admits a client request unless Config.MaxConcurrent are in
+// flight or the proxy is closed, in which case it answers 503, records and
+// returns false. An admitted request ends with p.end.
+func (p *Proxy) admit(w http.ResponseWriter, rec *record, start time.Time) bool {
 	if err := p.enter(); err != nil {
 		rec.outcome, rec.err = outcomeOverloaded, err
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusServiceUnavailable, "overloaded", "proxy: "+err.Error())
-		return nil, false
+		p.finish(rec, start)
+		return false
 	}
-	if !wantBody {
-		return nil, true
-	}
+	return true
+}
+
+// end logs and counts an admitted request, then lets Close go on: Close
+// returns after every request's log line.
+func (p *Proxy) end(rec *record, start time.Time) {
+	p.finish(rec, start)
+	p.leave()
+}
+
+// readJSON reads the client's body; on failure it has answered the client
+// and set rec.outcome.
+func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record) (map[string]any, bool) {
 	body, status, err := p.readBody(w, r)
 	if err != nil {
 		rec.outcome, rec.err = outcomeBadRequest, err
@@ -263,7 +274,6 @@ func (p *Proxy) admitAndRead(w http.ResponseWriter, r *http.Request, rec *record
 			rec.outcome = outcomeTooLarge
 		}
 		writeError(w, status, "invalid_request_error", err.Error())
-		p.leave()
 		return nil, false
 	}
 	return body, true
@@ -465,12 +475,14 @@ func (p *Proxy) generate(ep endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		rec := newRecord(w, r, ep.path)
-		defer p.finish(rec, start)
-		body, ok := p.admitAndRead(w, r, rec, true)
+		if !p.admit(w, rec, start) {
+			return
+		}
+		defer p.end(rec, start)
+		body, ok := p.readJSON(w, r, rec)
 		if !ok {
 			return
 		}
-		defer p.leave()
 		if p.cfg.Mode == ModePull {
 			p.pull(w, r, rec, ep, body)
 		} else {
@@ -636,11 +648,10 @@ func (p *Proxy) models(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	rec := newRecord(w, r, "/v1/models")
 	rec.transfer = ""
-	defer p.finish(rec, start)
-	if _, ok := p.admitAndRead(w, r, rec, false); !ok {
+	if !p.admit(w, rec, start) {
 		return
 	}
-	defer p.leave()
+	defer p.end(rec, start)
 	du, releaseD := p.pick(roleDecode)
 	defer releaseD()
 	rec.decode = du.base
