@@ -5,38 +5,56 @@
 //
 //	kvxferd [serve] [flags]   run the daemon (flags also read from KVXFERD_<FLAG>)
 //	kvxferd demo [flags]      run a P and a D daemon with simulated engines
+//	kvxferd proxy [flags]     an OpenAI-compatible router over P and D vLLM
+//	                          servers, push or pull (flags also read from
+//	                          KVXFERD_PROXY_<FLAG>)
 //
 // A hidden `kvxferd agent` serves one backend agent over a unix socket to
 // a test (agent.go): the cross-process conformance tests run two of them.
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"strings"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/proxy"
 )
 
 func main() {
-	args := os.Args[1:]
-	cmd := "serve"
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
-		cmd, args = args[0], args[1:]
-	}
-	var err error
-	switch cmd {
-	case "serve":
-		err = daemon.Main(args)
-	case "demo":
-		err = demoMain(args)
-	case "agent": // hidden: one backend agent served to a test (agent.go)
-		err = agentMain(args)
-	default:
-		err = fmt.Errorf("unknown command %q (want serve or demo)", cmd)
+	err := run(os.Args[1:])
+	if errors.Is(err, flag.ErrHelp) {
+		return // the flag set printed the usage
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kvxferd:", err)
 		os.Exit(1)
+	}
+}
+
+// run runs the command named by args[0] (serve by default).
+func run(args []string) error {
+	cmd := "serve"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	switch cmd {
+	case "serve":
+		return daemon.Main(args)
+	case "demo":
+		return demoMain(args)
+	case "proxy":
+		err := proxy.Main(args)
+		if err != nil && !errors.Is(err, flag.ErrHelp) {
+			err = fmt.Errorf("proxy: %w", err)
+		}
+		return err
+	case "agent": // hidden: one backend agent served to a test (agent.go)
+		return agentMain(args)
+	default:
+		return fmt.Errorf("unknown command %q (want serve, demo or proxy)", cmd)
 	}
 }

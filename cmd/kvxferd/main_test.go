@@ -1,8 +1,11 @@
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
@@ -47,5 +50,33 @@ func TestDemoNixl(t *testing.T) {
 	}
 	if err := demoMain([]string{"-requests", "20", "-backend", "nixl"}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// `kvxferd proxy` refuses bad flags naming the flag; -h is not an error
+// for main (it printed the usage).
+func TestProxyFlags(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string // "" means flag.ErrHelp
+	}{
+		{"help", []string{"proxy", "-h"}, ""},
+		{"bad mode", []string{"proxy", "-mode", "sideways"}, `proxy: invalid value "sideways" for flag -mode: want push or pull`},
+		{"no servers", []string{"proxy"}, "proxy: -prefill: no P server given"},
+		{"push without kv", []string{"proxy", "-prefill", "http://p:1,engine=e", "-decode", "http://d:2"}, `proxy: -prefill "http://p:1,engine=e": kv=HOST:PORT`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := run(tc.args)
+			if tc.want == "" {
+				if !errors.Is(err, flag.ErrHelp) {
+					t.Errorf("run(%q) = %v, want flag.ErrHelp", tc.args, err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("run(%q) = %v, want an error containing %q", tc.args, err, tc.want)
+			}
+		})
 	}
 }

@@ -59,6 +59,9 @@ var Rules = []Rule{
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "internal/shm imports std and x/sys", Prefix: "internal/shm",
 		Allowed: []string{"golang.org/x/sys/..."}},
+	// Direct: Prometheus brings dependencies of its own (protobuf, procfs).
+	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
+		Allowed: []string{"github.com/prometheus/client_golang/..."}},
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
