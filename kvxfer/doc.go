@@ -25,8 +25,9 @@
 //  1. NewWorker for each rank, publish each rank's RankInfo where peers'
 //     Resolvers find it (kvxferd's Peer service; a Directory in process).
 //  2. Every engine step: Scheduler calls as the engine's scheduler makes
-//     them, then BuildMeta, and Worker.Step(meta) on every rank (each rank
-//     gets its own copy: Step takes ownership). Layer-wise push: call
+//     them, then BuildMeta, and Worker.Step(meta) on every rank (one
+//     StepMeta may go to every rank: Step never modifies it; do not modify
+//     it afterwards, Clone it to reuse it). Layer-wise push: call
 //     Worker.LayerSaved as each layer of the step is saved.
 //  3. After the step: Worker.Finished on every rank, Aggregator.Add, and
 //     Scheduler.Update with the aggregate. Free blocks only for requests
