@@ -27,8 +27,11 @@
 //  2. Every engine step: Scheduler calls as the engine's scheduler makes
 //     them, then BuildMeta, and Worker.Step(meta) on every rank (one
 //     StepMeta may go to every rank: Step never modifies it; do not modify
-//     it afterwards, Clone it to reuse it). Layer-wise push: call
-//     Worker.LayerSaved as each layer of the step is saved.
+//     it afterwards, Clone it to reuse it). Layer-wise push
+//     (SchedulerConfig.Layerwise and WorkerConfig.Layerwise): call
+//     Scheduler.Prefill for every producer request the step schedules,
+//     before BuildMeta, and Worker.LayerSaved as each layer of the step is
+//     saved.
 //  3. After the step: Worker.Finished on every rank, Aggregator.Add, and
 //     Scheduler.Update with the aggregate. Free blocks only for requests
 //     listed there; never before.

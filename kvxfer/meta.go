@@ -183,7 +183,8 @@ type StepMeta struct {
 	Recv           []RecvReq
 	Send           []SendReq
 	// Prefill lists, for layer-wise push, the producer requests whose
-	// prefill completes in this step, with their blocks: the worker
+	// prefill completes in this step, with their blocks (Scheduler.Prefill
+	// stages them, with SchedulerConfig.Layerwise): the worker
 	// WRITEs each layer as soon as Worker.LayerSaved reports it, before
 	// the request finishes (Deadline is ignored; the lease starts with
 	// the request's SendReq).

@@ -56,7 +56,9 @@ type WorkerConfig struct {
 	// MaxRunBytes caps the bytes of one coalesced descriptor (0: none).
 	MaxRunBytes int64
 	// Layerwise makes a push producer WRITE each layer as the engine
-	// reports it saved (LayerSaved) instead of all at once.
+	// reports it saved (LayerSaved) instead of all at once, for the
+	// requests its scheduler lists in StepMeta.Prefill
+	// (SchedulerConfig.Layerwise).
 	Layerwise bool
 	// LayerOf maps a region index of Layout to its layer for layer-wise
 	// push (default: RegionOffset + index, halved for SeparateKV).

@@ -101,7 +101,7 @@ func (e *Engine) attach(cfg *Config) error {
 		}
 		e.Streams = append(e.Streams, rs)
 	}
-	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode,
+	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise,
 		TPSize: cfg.Engine.TP, LogicalBlockSize: cfg.Engine.LogicalBlock, Groups: e.Ranks[0].Layout.GroupList()}); err != nil {
 		return err
 	}
