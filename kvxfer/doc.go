@@ -55,6 +55,12 @@
 //     and suffix-stripped id fallbacks; registrations are per D rank, so
 //     D TP > P TP needs no duplicate handling, and finished matches leave a
 //     tombstone that drops late duplicates.
+//   - Incompatible peers are refused at handshake: a peer engine whose KV
+//     layout cannot take (or give) this rank's KV within
+//     WorkerConfig.MaxSegments descriptors per block fails every request
+//     that needs it at once, with one error (ErrIncompatibleLayouts) that
+//     names both layouts and what to change; it is logged and counted
+//     (BadInput "handshake.layout") once per peer generation.
 //
 // # Known limits
 //

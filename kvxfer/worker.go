@@ -55,6 +55,16 @@ type WorkerConfig struct {
 	PollInterval time.Duration
 	// MaxRunBytes caps the bytes of one coalesced descriptor (0: none).
 	MaxRunBytes int64
+	// MaxSegments bounds the descriptors one unit (a kernel block's worth
+	// of one region) may need to land exactly in the consumer's layout
+	// (topology.PlanOptions.MaxSegments; 0 means
+	// topology.DefaultMaxSegments, 128). Layouts that scatter a block's
+	// bytes (HND on one side and NHD on the other, or NHD with a TP
+	// mismatch) need one descriptor per token or cell; a peer engine past
+	// the bound is refused at handshake (ErrIncompatibleLayouts). Raising
+	// it admits such pairs at the cost of that many descriptors per block;
+	// set it alike on both engines, since either side may check.
+	MaxSegments int
 	// Layerwise makes a push producer WRITE each layer as the engine
 	// reports it saved (LayerSaved) instead of all at once, for the
 	// requests its scheduler lists in StepMeta.Prefill
@@ -124,6 +134,9 @@ func (c *WorkerConfig) fill() error {
 		if d < 0 {
 			return fmt.Errorf("kvxfer: WorkerConfig.%s = %v, want > 0", name, d)
 		}
+	}
+	if c.MaxSegments < 0 {
+		return fmt.Errorf("kvxfer: WorkerConfig.MaxSegments = %d, want >= 0", c.MaxSegments)
 	}
 	if c.Lease < 6*time.Millisecond {
 		return fmt.Errorf("kvxfer: WorkerConfig.Lease = %v, want at least 6ms", c.Lease)

@@ -170,3 +170,24 @@ func TestNixlProgressDelayFlag(t *testing.T) {
 		}
 	}
 }
+
+// -max-segments (KVXFERD_MAX_SEGMENTS): topology's default, read from the
+// environment, overridden by the flag, positive only.
+func TestMaxSegmentsFlag(t *testing.T) {
+	c, err := parseFlags(nil)
+	if err != nil || c.maxSegments != topology.DefaultMaxSegments {
+		t.Fatalf("default -max-segments = %d, %v; want %d", c.maxSegments, err, topology.DefaultMaxSegments)
+	}
+	t.Setenv("KVXFERD_MAX_SEGMENTS", "512")
+	if c, err := parseFlags(nil); err != nil || c.maxSegments != 512 {
+		t.Errorf("KVXFERD_MAX_SEGMENTS=512: -max-segments = %d, %v; want 512", c.maxSegments, err)
+	}
+	if c, err := parseFlags([]string{"-max-segments", "1024"}); err != nil || c.maxSegments != 1024 {
+		t.Errorf("-max-segments 1024 over the environment's 512 = %d, %v; want 1024", c.maxSegments, err)
+	}
+	for _, bad := range []string{"0", "-3"} {
+		if _, err := parseFlags([]string{"-max-segments", bad}); err == nil || !strings.Contains(err.Error(), "-max-segments") {
+			t.Errorf("-max-segments %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
