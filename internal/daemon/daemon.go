@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -51,7 +52,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
 	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
 	fs.StringVar(&c.metricsListen, "metrics-listen", "127.0.0.1:9600", `address of /metrics ("" to disable)`)
-	fs.StringVar(&c.shmDir, "shm-dir", "/dev/shm", "directory engines' shared-memory files must live in")
+	fs.StringVar(&c.shmDir, "shm-dir", shm.DefaultDir, "directory engines' shared-memory files must live in (rules: package shm)")
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
