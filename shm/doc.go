@@ -57,7 +57,4 @@
 //	os.fchmod(fd, 0o600)
 //	os.ftruncate(fd, size)
 //	buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-//
-// Mappings are not safe for concurrent Close or Remove; their Bytes may be
-// read and written from any goroutine (and by the daemon) at any time.
 package shm

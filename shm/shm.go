@@ -23,7 +23,9 @@ const (
 )
 
 // Mapping is one mapped file. Its Bytes alias the file's memory: what the
-// engine writes there, the daemon reads, and the other way round.
+// engine writes there, the daemon reads, and the other way round. Bytes
+// may be used from any goroutine until Close or Remove, which must not
+// run concurrently with each other or with uses of Bytes.
 type Mapping struct {
 	Path  string
 	Bytes []byte
