@@ -25,9 +25,13 @@
 //  1. NewWorker for each rank, publish each rank's RankInfo where peers'
 //     Resolvers find it (kvxferd's Peer service; a Directory in process).
 //  2. Every engine step: Scheduler calls as the engine's scheduler makes
-//     them, then BuildMeta, and Worker.Step(meta) on every rank (each rank
-//     gets its own copy: Step takes ownership). Layer-wise push: call
-//     Worker.LayerSaved as each layer of the step is saved.
+//     them, then BuildMeta, and Worker.Step(meta) on every rank (one
+//     StepMeta may go to every rank: Step never modifies it; do not modify
+//     it afterwards, Clone it to reuse it). Layer-wise push
+//     (SchedulerConfig.Layerwise and WorkerConfig.Layerwise): call
+//     Scheduler.Prefill for every producer request the step schedules,
+//     before BuildMeta, and Worker.LayerSaved as each layer of the step is
+//     saved.
 //  3. After the step: Worker.Finished on every rank, Aggregator.Add, and
 //     Scheduler.Update with the aggregate. Free blocks only for requests
 //     listed there; never before.
@@ -51,6 +55,12 @@
 //     and suffix-stripped id fallbacks; registrations are per D rank, so
 //     D TP > P TP needs no duplicate handling, and finished matches leave a
 //     tombstone that drops late duplicates.
+//   - Incompatible peers are refused at handshake: a peer engine whose KV
+//     layout cannot take (or give) this rank's KV within
+//     WorkerConfig.MaxSegments descriptors per block fails every request
+//     that needs it at once, with one error (ErrIncompatibleLayouts) that
+//     names both layouts and what to change; it is logged and counted
+//     (BadInput "handshake.layout") once per peer generation.
 //
 // # Known limits
 //

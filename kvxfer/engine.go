@@ -39,6 +39,11 @@ type engine struct {
 	outbox []outMsg
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
+	// refused says, by role (asProducer, asConsumer), why KV cannot move
+	// between this rank and the engine's (checkPlans, at each handshake);
+	// refusalSeen whether that was logged and counted yet.
+	refused     [numRoles]error
+	refusalSeen [numRoles]bool
 }
 
 type preppedPair struct{ local, remote PrepID }
@@ -130,6 +135,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		st.w.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
 	} else {
 		e.state = hsReady
+		st.checkPlans(e)
 	}
 	out := e.outbox
 	e.outbox = nil
@@ -249,13 +255,13 @@ func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, er
 			if dl == nil {
 				return nil, fmt.Errorf("kvxfer: engine %s has no rank tp %d pp 0", e.id, dstTP)
 			}
-			return topology.NewPlan(st.layout, dl, topology.PlanOptions{})
+			return topology.NewPlan(st.layout, dl, st.planOptions())
 		}
 		sl := e.layouts[src]
 		if sl == nil {
 			return nil, fmt.Errorf("kvxfer: engine %s has no rank tp %d pp %d", e.id, src.tp, src.pp)
 		}
-		return topology.NewPlan(sl, st.layout, topology.PlanOptions{})
+		return topology.NewPlan(sl, st.layout, st.planOptions())
 	})
 }
 

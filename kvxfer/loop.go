@@ -116,6 +116,7 @@ type dRank struct {
 	posted   []bool // layer-wise: layers posted, by layer index
 	reason   string // why it failed (set while WRITEs still drain)
 	ackOwed  bool   // D cancelled while a WRITE was in flight
+	quiet    bool   // its failure is one of many logged once (a refused peer)
 }
 
 type sendReq struct {
@@ -155,6 +156,8 @@ type recvReq struct {
 	// failedRank: a producer rank reported a failure (its bytes are
 	// missing for good).
 	failedRank bool
+	// quiet: its failure is one of many logged once (a refused peer).
+	quiet bool
 }
 
 type rankRef struct{ pp, tp int }
@@ -548,6 +551,7 @@ func group0(spans []topology.Span) []topology.BlockID {
 func failureType(reason string) string {
 	for _, p := range [...]struct{ prefix, typ string }{
 		{"handshake with consumer", "push_handshake_failed"},
+		{ErrIncompatibleLayouts.Error(), "handshake_setup_failed"},
 		{"handshake", "handshake_failed"},
 		{"registration:", "push_reg_notif_failed"},
 		{"registration rejected", "transfer_setup_failed"},

@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
@@ -182,7 +183,8 @@ type StepMeta struct {
 	Recv           []RecvReq
 	Send           []SendReq
 	// Prefill lists, for layer-wise push, the producer requests whose
-	// prefill completes in this step, with their blocks: the worker
+	// prefill completes in this step, with their blocks (Scheduler.Prefill
+	// stages them, with SchedulerConfig.Layerwise): the worker
 	// WRITEs each layer as soon as Worker.LayerSaved reports it, before
 	// the request finishes (Deadline is ignored; the lease starts with
 	// the request's SendReq).
@@ -242,4 +244,52 @@ type Finished struct {
 	// InvalidBlocks are logical block ids (of group 0) of failed receives
 	// whose contents must not be used.
 	InvalidBlocks []topology.BlockID
+}
+
+// Clone returns a deep copy of m: no slice of the copy shares memory with
+// m, so either may be modified without affecting the other. Nil slices
+// stay nil. Clone of a nil StepMeta is nil.
+func (m *StepMeta) Clone() *StepMeta {
+	if m == nil {
+		return nil
+	}
+	c := *m
+	c.Recv = cloneEach(m.Recv, func(r RecvReq) RecvReq {
+		r.Local = cloneSpans(r.Local)
+		r.Remote.Blocks = cloneSpans(r.Remote.Blocks)
+		return r
+	})
+	c.Send = cloneEach(m.Send, cloneSendReq)
+	c.Prefill = cloneEach(m.Prefill, cloneSendReq)
+	c.Save = cloneEach(m.Save, func(s SaveReq) SaveReq {
+		s.Blocks = cloneEach(s.Blocks, slices.Clone[[]topology.BlockID])
+		return s
+	})
+	c.InBatch = slices.Clone(m.InBatch)
+	c.NotProcessed = slices.Clone(m.NotProcessed)
+	return &c
+}
+
+func cloneSendReq(s SendReq) SendReq {
+	s.Blocks = cloneSpans(s.Blocks)
+	return s
+}
+
+func cloneSpans(spans []topology.Span) []topology.Span {
+	return cloneEach(spans, func(s topology.Span) topology.Span {
+		s.IDs = slices.Clone(s.IDs)
+		return s
+	})
+}
+
+// cloneEach copies s (nil stays nil) and applies deep to every element.
+func cloneEach[T any](s []T, deep func(T) T) []T {
+	if s == nil {
+		return nil
+	}
+	out := make([]T, len(s))
+	for i, v := range s {
+		out[i] = deep(v)
+	}
+	return out
 }

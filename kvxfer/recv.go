@@ -86,22 +86,22 @@ func (st *loopState) startRecv(r *recvReq) {
 		reason := "handshake with producer failed: " + e.err.Error()
 		st.w.log.Warn("kvxfer: transfer failure", "failure_type", "handshake_failed", "req", r.req.ReqID, "engine", e.id, "err", e.err)
 		if len(e.peers) > 0 {
-			// The producer answered but was refused: tell it at once.
-			kind := msgCancel
-			if st.cfg.Mode == ModePull {
-				kind = msgFail
-			}
-			if targets, err := st.targets(e.tpSize, e.ppSize); err == nil {
-				for _, to := range targets {
-					st.tellP(e, r, to, kind, reason)
-				}
-			}
+			st.refuseProducer(e, r, reason) // it answered but was refused
 		}
 		st.decide(r, ResultFailed, reason)
 		st.tryReport(r)
 		return
 	}
 	e.lastActive = time.Now()
+	if err := st.refusal(e, asConsumer); err != nil {
+		// Refused at handshake: fail at once, logged once per peer
+		// generation (refusal), not per request.
+		st.refuseProducer(e, r, err.Error())
+		r.quiet = true
+		st.decide(r, ResultFailed, err.Error())
+		st.tryReport(r)
+		return
+	}
 	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
 		st.w.metrics.BadInput("recv_req.remote.tp_size")
 		st.decide(r, ResultFailed, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
@@ -121,6 +121,21 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.read(r, e)
 	}
 	st.tryReport(r)
+}
+
+// refuseProducer tells every producer rank of a request that this rank
+// gives up before it registered or read anything, so they fail their
+// side at once instead of waiting for their lease.
+func (st *loopState) refuseProducer(e *engine, r *recvReq, reason string) {
+	kind := msgCancel
+	if st.cfg.Mode == ModePull {
+		kind = msgFail
+	}
+	if targets, err := st.targets(e.tpSize, e.ppSize); err == nil {
+		for _, to := range targets {
+			st.tellP(e, r, to, kind, reason)
+		}
+	}
 }
 
 // register sends D's registration to every producer rank it needs.
@@ -314,7 +329,7 @@ func (st *loopState) decide(r *recvReq, res Result, reason string) {
 		r.fenceBy = time.Now().Add(st.cfg.FenceTimeout)
 		st.arm(r.fenceBy, tFence, r.req.ReqID)
 	}
-	if res != ResultDone {
+	if res != ResultDone && !r.quiet {
 		st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(reason), "side", "consumer", "request_id", r.req.ReqID,
 			"engine_id", st.cfg.EngineID, "remote_engine_id", r.req.Remote.EngineID, "remote_request_id", r.req.Remote.ReqID,
 			"num_local_blocks", spanBlocks(r.req.Local), "result", res, "reason", reason)

@@ -46,6 +46,11 @@ type SchedulerConfig struct {
 	Bidirectional bool
 	// HostBuffer stages producer saves to a host buffer (SPEC §11).
 	HostBuffer bool
+	// Layerwise is layer-wise push: the step metadata lists, in
+	// StepMeta.Prefill, the producer requests whose prompt completes in
+	// the step (see Prefill), so workers with WorkerConfig.Layerwise
+	// WRITE each layer as soon as it is saved. Refused in pull mode.
+	Layerwise bool
 	// Now is the scheduler clock (default time.Now).
 	Now func() time.Time
 }
@@ -92,6 +97,7 @@ type Scheduler struct {
 	recv         []RecvReq
 	send         []SendReq
 	save         []SaveReq
+	prefill      []SendReq
 	inBatch      []string
 	notProcessed []string
 
@@ -102,6 +108,9 @@ type Scheduler struct {
 	saving map[string]bool
 	// processed: requests whose remote blocks were already staged.
 	processed map[string]bool
+	// prefilled: layer-wise producer requests listed in a Prefill
+	// already, until they finish.
+	prefilled map[string]bool
 	// watchdog: push registration deadlines by D request id, and a heap
 	// of them by deadline.
 	watch    map[string]time.Time
@@ -125,6 +134,9 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	}
 	if cfg.Bidirectional && cfg.Mode == ModePush {
 		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Bidirectional is not supported in push mode")
+	}
+	if cfg.Layerwise && cfg.Mode == ModePull {
+		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Layerwise is not supported in pull mode (it is layer-wise push)")
 	}
 	for name, v := range map[string]int{"TPSize": cfg.TPSize, "PPSize": cfg.PPSize, "SpecBlocks": cfg.SpecBlocks} {
 		if v < 0 {
@@ -155,7 +167,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, watch: map[string]time.Time{}}
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}}
 	for i, g := range cfg.Groups {
 		switch g.Kind {
 		case topology.KindFullAttention, topology.KindMLA:
@@ -373,6 +385,51 @@ func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, comput
 	}
 }
 
+// Prefill stages, for layer-wise push, a producer request (params with
+// DoRemoteDecode) scheduled in the coming step: blocks are all its blocks
+// per cache group (the prefix hit included), computed the tokens computed
+// before the step and scheduled the tokens the step computes. When the
+// step completes the prompt (computed+scheduled >= r.PromptTokens), the
+// next BuildMeta lists the request in StepMeta.Prefill with its blocks
+// clipped as RequestFinished clips them, so the workers WRITE each layer
+// as it is saved; RequestFinished then hands over its lease as usual.
+//
+// The engine calls it for every producer request of every step; calls for
+// other requests, when the scheduler is not layer-wise, for steps that do
+// not complete the prompt, or for a request listed already are no-ops.
+// Bad input is an error naming the field, counted in BadParams; nothing
+// is staged then.
+func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, scheduled int) error {
+	p := r.Params
+	if !s.cfg.Layerwise || p == nil || !p.DoRemoteDecode || p.DoRemotePrefill || s.prefilled[r.ID] {
+		return nil
+	}
+	var err error
+	switch {
+	case len(blocks) != len(s.cfg.Groups):
+		err = fmt.Errorf("kvxfer: request %q: Prefill: blocks has %d groups, want %d (one per cache group)", r.ID, len(blocks), len(s.cfg.Groups))
+	case computed < 0 || scheduled < 0:
+		err = fmt.Errorf("kvxfer: request %q: Prefill: computed/scheduled = %d/%d, want >= 0", r.ID, computed, scheduled)
+	case r.PromptTokens < 0:
+		err = fmt.Errorf("kvxfer: request %q: Prefill: PromptTokens = %d, want >= 0", r.ID, r.PromptTokens)
+	}
+	if err != nil {
+		s.counters.BadParams++
+		return err
+	}
+	if computed+scheduled < r.PromptTokens {
+		return nil
+	}
+	spans, err := s.clip(blocks, 0, true)
+	if err != nil {
+		s.counters.BadParams++
+		return fmt.Errorf("request %q: %w", r.ID, err)
+	}
+	s.prefilled[r.ID] = true
+	s.prefill = append(s.prefill, SendReq{ReqID: r.ID, TransferID: p.TransferID, Blocks: spans, Tokens: r.PromptTokens})
+	return nil
+}
+
 // RequestFinished handles a finished request (SPEC §7.4, §8.1;
 // request_finished). A producer that finished normally with blocks holds
 // them under a lease (delay = true) and returns the params a consumer
@@ -383,6 +440,7 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	received := s.processed[r.ID]
 	delete(s.saving, r.ID)
 	delete(s.processed, r.ID)
+	delete(s.prefilled, r.ID)
 	if p == nil {
 		return false, nil, nil
 	}
@@ -442,11 +500,12 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 func (s *Scheduler) BuildMeta() *StepMeta {
 	s.step++
 	now := s.cfg.Now()
-	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Save: s.save,
+	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Prefill: s.prefill, Save: s.save,
 		InBatch: s.inBatch, NotProcessed: s.notProcessed}
-	s.recv, s.send, s.save, s.inBatch, s.notProcessed = nil, nil, nil, nil, nil
+	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed = nil, nil, nil, nil, nil, nil
 	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Send, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
+	slices.SortFunc(m.Prefill, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Save, func(a, b SaveReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.Sort(m.InBatch)
 	slices.Sort(m.NotProcessed)
@@ -488,7 +547,7 @@ func (s *Scheduler) Update(f *Finished) {
 // kvxfer's sake: blocks held for a transfer, or staged work not built yet
 // (SPEC §7.12).
 func (s *Scheduler) HasPendingWork() bool {
-	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0
+	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0
 }
 
 // Watching returns the push registrations whose watchdog is armed.

@@ -49,6 +49,7 @@ func TestNewSchedulerValidates(t *testing.T) {
 		{"bidirectional push", func(c *SchedulerConfig) { c.Mode, c.Bidirectional = ModePush, true }, "Bidirectional"},
 		{"window", func(c *SchedulerConfig) { c.Groups = []topology.Group{{Kind: topology.KindSlidingWindow}} }, "Groups[0].Window = 0"},
 		{"negative lease", func(c *SchedulerConfig) { c.Lease = -1 }, "Lease"},
+		{"layerwise pull", func(c *SchedulerConfig) { c.Mode, c.Layerwise = ModePull, true }, "Layerwise is not supported in pull mode"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -311,6 +312,132 @@ func TestHostBufferSaveStaging(t *testing.T) {
 	want := []SaveReq{{ReqID: "p-1", Blocks: [][]topology.BlockID{ids(1, 2)}}, {ReqID: "p-1", Blocks: [][]topology.BlockID{ids(3)}}}
 	if !reflect.DeepEqual(m.Save, want) {
 		t.Errorf("Save = %+v, want %+v", m.Save, want)
+	}
+}
+
+// Layer-wise push: Prefill lists a producer request in the metadata of
+// the step that completes its prompt, with its blocks clipped as
+// RequestFinished clips them, once.
+func TestPrefillLayerwise(t *testing.T) {
+	groups := []topology.Group{{Kind: topology.KindFullAttention}, {Kind: topology.KindSlidingWindow, Window: 32}}
+	blocks := [][]topology.BlockID{ids(1, 2, 3, 4, 5, 6), ids(11, 12, 13, 14, 15, 16)}
+	clipped := []topology.Span{{IDs: ids(1, 2, 3, 4, 5, 6)}, {Start: 48, IDs: ids(14, 15, 16)}}
+	producer := func(id string) *Request {
+		return &Request{ID: id, PromptTokens: 96, Params: &TransferParams{TransferID: "t-" + id, DoRemoteDecode: true}}
+	}
+	tests := []struct {
+		name   string
+		mode   Mode
+		off    bool // Layerwise off
+		r      *Request
+		blocks [][]topology.BlockID
+		// (computed, scheduled) of each step
+		steps [][2]int
+		// the Prefill of each step's BuildMeta
+		want [][]SendReq
+	}{
+		{name: "one step completes the prompt", mode: ModePush, r: producer("p-1"), blocks: blocks,
+			steps: [][2]int{{0, 96}, {96, 1}},
+			want:  [][]SendReq{{{ReqID: "p-1", TransferID: "t-p-1", Blocks: clipped, Tokens: 96}}, nil}},
+		{name: "chunked prefill: listed in the last chunk's step only", mode: ModePush, r: producer("p-1"), blocks: blocks,
+			steps: [][2]int{{0, 32}, {32, 32}, {64, 32}, {96, 1}},
+			want:  [][]SendReq{nil, nil, {{ReqID: "p-1", TransferID: "t-p-1", Blocks: clipped, Tokens: 96}}, nil}},
+		{name: "prefix hit counts as computed", mode: ModePush, r: producer("p-1"), blocks: blocks,
+			steps: [][2]int{{64, 31}, {64, 32}},
+			want:  [][]SendReq{nil, {{ReqID: "p-1", TransferID: "t-p-1", Blocks: clipped, Tokens: 96}}}},
+		{name: "not layer-wise", mode: ModePush, off: true, r: producer("p-1"), blocks: blocks,
+			steps: [][2]int{{0, 96}}, want: [][]SendReq{nil}},
+		{name: "consumer request", mode: ModePush, r: &Request{ID: "d-1", PromptTokens: 96, Params: pParams(ModePush)}, blocks: blocks,
+			steps: [][2]int{{0, 96}}, want: [][]SendReq{nil}},
+		{name: "no params", mode: ModePush, r: &Request{ID: "x", PromptTokens: 96}, blocks: blocks,
+			steps: [][2]int{{0, 96}}, want: [][]SendReq{nil}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s, _ := newSched(t, tc.mode, func(c *SchedulerConfig) { c.Groups, c.Layerwise = groups, !tc.off })
+			for i, st := range tc.steps {
+				if err := s.Prefill(tc.r, tc.blocks, st[0], st[1]); err != nil {
+					t.Fatalf("step %d: Prefill(%d, %d) = %v", i, st[0], st[1], err)
+				}
+				if got := s.BuildMeta().Prefill; !reflect.DeepEqual(got, tc.want[i]) {
+					t.Errorf("step %d (computed %d, scheduled %d): Prefill = %+v, want %+v", i, st[0], st[1], got, tc.want[i])
+				}
+			}
+			if s.HasPendingWork() {
+				t.Errorf("pending work after the builds, want none")
+			}
+		})
+	}
+}
+
+func TestPrefillDuplicatesAndOrder(t *testing.T) {
+	s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+	b, a := &Request{ID: "p-b", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true}},
+		&Request{ID: "p-a", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true}}
+	for _, r := range []*Request{b, a, b} { // b twice in one step
+		if err := s.Prefill(r, [][]topology.BlockID{ids(1)}, 0, 16); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !s.HasPendingWork() {
+		t.Errorf("staged prefill is not pending work")
+	}
+	m := s.BuildMeta()
+	if len(m.Prefill) != 2 || m.Prefill[0].ReqID != "p-a" || m.Prefill[1].ReqID != "p-b" {
+		t.Errorf("Prefill = %+v, want p-a and p-b once each, sorted", m.Prefill)
+	}
+	// A later step (the engine reschedules it: preemption) lists it no more.
+	_ = s.Prefill(a, [][]topology.BlockID{ids(1)}, 0, 16)
+	if m := s.BuildMeta(); len(m.Prefill) != 0 {
+		t.Errorf("Prefill after a request was listed = %+v, want nothing", m.Prefill)
+	}
+	// Once finished, the id may be used again.
+	if _, _, err := s.RequestFinished(a, FinishStopped, [][]topology.BlockID{ids(1)}, 16); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Prefill(a, [][]topology.BlockID{ids(2)}, 0, 16)
+	if m := s.BuildMeta(); len(m.Prefill) != 1 || len(m.Send) != 1 {
+		t.Errorf("after finish and reuse: Prefill %+v, Send %+v; want one each", m.Prefill, m.Send)
+	}
+	if s.Counters().BadParams != 0 {
+		t.Errorf("BadParams = %d, want 0", s.Counters().BadParams)
+	}
+}
+
+func TestPrefillBadInput(t *testing.T) {
+	s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+	r := &Request{ID: "p-1", PromptTokens: 32, Params: &TransferParams{DoRemoteDecode: true}}
+	tests := []struct {
+		name                string
+		blocks              [][]topology.BlockID
+		computed, scheduled int
+		want                string
+	}{
+		{"group count", [][]topology.BlockID{ids(1), ids(2)}, 0, 32, "blocks has 2 groups, want 1"},
+		{"no groups", nil, 0, 32, "blocks has 0 groups, want 1"},
+		{"negative computed", [][]topology.BlockID{ids(1)}, -1, 32, "computed/scheduled = -1/32"},
+		{"negative scheduled", [][]topology.BlockID{ids(1)}, 0, -5, "computed/scheduled = 0/-5"},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := s.Prefill(r, tc.blocks, tc.computed, tc.scheduled)
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), `"p-1"`) {
+				t.Errorf("Prefill(%v, %d, %d) = %v, want an error naming the request and %q", tc.blocks, tc.computed, tc.scheduled, err, tc.want)
+			}
+			if got := s.Counters().BadParams; got != uint64(i+1) {
+				t.Errorf("BadParams = %d, want %d", got, i+1)
+			}
+		})
+	}
+	if m := s.BuildMeta(); len(m.Prefill) != 0 {
+		t.Errorf("Prefill after bad input = %+v, want nothing staged", m.Prefill)
+	}
+	// Bad input still lets a good call through afterwards.
+	if err := s.Prefill(r, [][]topology.BlockID{ids(1, 2)}, 0, 32); err != nil {
+		t.Fatal(err)
+	}
+	if m := s.BuildMeta(); len(m.Prefill) != 1 {
+		t.Errorf("Prefill = %+v, want the request", m.Prefill)
 	}
 }
 

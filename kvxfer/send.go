@@ -327,6 +327,17 @@ func (st *loopState) pushReady(s *sendReq) {
 			}
 		case hsReady:
 			e.lastActive = time.Now()
+			if err := st.refusal(e, asProducer); err != nil {
+				// Refused at handshake: logged once per peer generation
+				// (refusal), not per request.
+				for _, tp := range s.expect {
+					if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 {
+						r.quiet = true
+						st.failRank(s, tp, r, err.Error())
+					}
+				}
+				break
+			}
 			for _, tp := range s.expect {
 				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted {
 					st.postWrite(s, e, tp, r)
@@ -505,9 +516,11 @@ func (st *loopState) failRank(s *sendReq, tp int, r *dRank, reason string) {
 		return
 	}
 	r.state = rkFailed
-	st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(r.reason), "side", "producer", "request_id", s.req.ReqID,
-		"engine_id", st.cfg.EngineID, "remote_engine_id", s.match.key.engine, "remote_request_id", s.match.key.dreq,
-		"d_tp_rank", tp, "num_local_blocks", spanBlocks(s.req.Blocks), "reason", r.reason)
+	if !r.quiet {
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(r.reason), "side", "producer", "request_id", s.req.ReqID,
+			"engine_id", st.cfg.EngineID, "remote_engine_id", s.match.key.engine, "remote_request_id", s.match.key.dreq,
+			"d_tp_rank", tp, "num_local_blocks", spanBlocks(s.req.Blocks), "reason", r.reason)
+	}
 	st.tellD(s, tp, &msg{Kind: msgFail, Reason: r.reason})
 }
 

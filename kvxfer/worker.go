@@ -55,8 +55,20 @@ type WorkerConfig struct {
 	PollInterval time.Duration
 	// MaxRunBytes caps the bytes of one coalesced descriptor (0: none).
 	MaxRunBytes int64
+	// MaxSegments bounds the descriptors one unit (a kernel block's worth
+	// of one region) may need to land exactly in the consumer's layout
+	// (topology.PlanOptions.MaxSegments; 0 means
+	// topology.DefaultMaxSegments, 128). Layouts that scatter a block's
+	// bytes (HND on one side and NHD on the other, or NHD with a TP
+	// mismatch) need one descriptor per token or cell; a peer engine past
+	// the bound is refused at handshake (ErrIncompatibleLayouts). Raising
+	// it admits such pairs at the cost of that many descriptors per block;
+	// set it alike on both engines, since either side may check.
+	MaxSegments int
 	// Layerwise makes a push producer WRITE each layer as the engine
-	// reports it saved (LayerSaved) instead of all at once.
+	// reports it saved (LayerSaved) instead of all at once, for the
+	// requests its scheduler lists in StepMeta.Prefill
+	// (SchedulerConfig.Layerwise).
 	Layerwise bool
 	// LayerOf maps a region index of Layout to its layer for layer-wise
 	// push (default: RegionOffset + index, halved for SeparateKV).
@@ -122,6 +134,9 @@ func (c *WorkerConfig) fill() error {
 		if d < 0 {
 			return fmt.Errorf("kvxfer: WorkerConfig.%s = %v, want > 0", name, d)
 		}
+	}
+	if c.MaxSegments < 0 {
+		return fmt.Errorf("kvxfer: WorkerConfig.MaxSegments = %d, want >= 0", c.MaxSegments)
 	}
 	if c.Lease < 6*time.Millisecond {
 		return fmt.Errorf("kvxfer: WorkerConfig.Lease = %v, want at least 6ms", c.Lease)
@@ -266,14 +281,19 @@ func opFor(m Mode) hotpath.Op {
 	return hotpath.OpWrite
 }
 
-// Step hands the loop one step's metadata. The Worker takes ownership of
-// meta. Malformed entries are rejected with an error naming the request
-// and field, counted, and skipped; the rest of the step proceeds.
+// Step hands the loop one step's metadata. Malformed entries are rejected
+// with an error naming the request and field, counted, and skipped; the
+// rest of the step proceeds.
+//
+// Step never modifies meta or anything it references, so one StepMeta may
+// be handed to the workers of every rank of an engine. The loop reads it
+// after Step returns: the caller must not modify it afterwards (Clone
+// first to reuse it).
 func (w *Worker) Step(meta *StepMeta) error {
 	if meta == nil {
 		return nil
 	}
-	err := w.validate(meta)
+	meta, err := w.validate(meta)
 	if perr := w.post(event{kind: evStep, meta: meta}); perr != nil {
 		return perr
 	}
@@ -399,9 +419,11 @@ func (w *Worker) run() {
 	}
 }
 
-// validate checks a step's entries against the layout and drops bad ones
-// from meta, returning why.
-func (w *Worker) validate(meta *StepMeta) error {
+// validate checks a step's entries against the layout and returns the
+// metadata to run: meta itself when every entry is good, else a copy
+// without the bad entries (meta is never modified: ranks may share it),
+// and why they were dropped.
+func (w *Worker) validate(meta *StepMeta) (*StepMeta, error) {
 	var errs []error
 	ng := len(w.groupBlocks)
 	checkSpans := func(what, id string, spans []topology.Span) error {
@@ -423,8 +445,7 @@ func (w *Worker) validate(meta *StepMeta) error {
 		}
 		return nil
 	}
-	keep := meta.Recv[:0]
-	for _, r := range meta.Recv {
+	recv := keepValid(meta.Recv, func(r *RecvReq) error {
 		var err error
 		switch {
 		case r.ReqID == "":
@@ -441,13 +462,10 @@ func (w *Worker) validate(meta *StepMeta) error {
 		if err != nil {
 			errs = append(errs, err)
 			w.metrics.BadInput("recv_req")
-			continue
 		}
-		keep = append(keep, r)
-	}
-	meta.Recv = keep
-	keepS := meta.Send[:0]
-	for _, s := range meta.Send {
+		return err
+	})
+	send := keepValid(meta.Send, func(s *SendReq) error {
 		var err error
 		if s.ReqID == "" {
 			err = errors.New("kvxfer: SendReq.ReqID is empty")
@@ -460,12 +478,39 @@ func (w *Worker) validate(meta *StepMeta) error {
 		if err != nil {
 			errs = append(errs, err)
 			w.metrics.BadInput("send_req")
+		}
+		return err
+	})
+	if len(errs) == 0 {
+		return meta, nil
+	}
+	// A shallow copy is enough: the loop only reads what the kept
+	// entries reference.
+	m := *meta
+	m.Recv, m.Send = recv, send
+	return &m, errors.Join(errs...)
+}
+
+// keepValid returns the entries of s that check accepts: s itself when it
+// accepts them all, else a new slice (s is never modified).
+func keepValid[T any](s []T, check func(*T) error) []T {
+	var kept []T
+	for i := range s {
+		if check(&s[i]) != nil {
+			if kept == nil {
+				kept = make([]T, i, len(s))
+				copy(kept, s[:i])
+			}
 			continue
 		}
-		keepS = append(keepS, s)
+		if kept != nil {
+			kept = append(kept, s[i])
+		}
 	}
-	meta.Send = keepS
-	return errors.Join(errs...)
+	if kept == nil {
+		return s
+	}
+	return kept
 }
 
 // timer heap ---------------------------------------------------------------

@@ -32,9 +32,14 @@ type pair struct {
 
 func newPair(t *testing.T, mode kvxfer.Mode, ptp, dtp int, tweak func(side string, c *kvxfer.WorkerConfig)) *pair {
 	t.Helper()
+	return newPairOf(t, mode, e2eEngine(1, ptp, 1, 16, 16), e2eEngine(2, dtp, 1, 16, 16), tweak)
+}
+
+// newPairOf is newPair with the engines given.
+func newPairOf(t *testing.T, mode kvxfer.Mode, pe, de kvsim.Engine, tweak func(side string, c *kvxfer.WorkerConfig)) *pair {
+	t.Helper()
 	x := &pair{t: t, mode: mode, fab: kvxfertest.NewFabric(), dir: kvxfer.NewDirectory(), out: newOutcomes()}
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
-	pe, de := e2eEngine(1, ptp, 1, 16, 16), e2eEngine(2, dtp, 1, 16, 16)
 	tw := func(side string) func(*kvxfer.WorkerConfig) {
 		return func(c *kvxfer.WorkerConfig) {
 			if tweak != nil {

@@ -35,7 +35,8 @@ func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
 func (c *Client) Close() error { return c.cc.Close() }
 
 // Memory holds part of a rank's KV cache, seen by the engine at Base: a
-// shared-memory file (Path), or GPU memory of device Device shared as a
+// shared-memory file (Path; make it with shm.Create, whose package doc
+// gives the rules kvxferd applies), or GPU memory of device Device shared as a
 // CUDA IPC handle (CUDAIPCHandle, 64 bytes; needs kvxferd -backend=nixl).
 type Memory struct {
 	Path          string

@@ -102,7 +102,8 @@ func (ss *schedulers) OpenScheduler(_ context.Context, req *pb.OpenSchedulerRequ
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
-		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer}
+		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
+		Layerwise: c.Layerwise}
 	for i, g := range c.Groups {
 		w, err := fitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
 		if err != nil {
@@ -178,6 +179,55 @@ func (ss *schedulers) Scheduled(_ context.Context, req *pb.ScheduledRequest) (*p
 	ls.s.Scheduled(r, blocksFromProto(req.NewBlocks), int(req.Computed), int(req.Scheduled))
 	ls.mu.Unlock()
 	return &pb.ScheduledResponse{}, nil
+}
+
+// prefillCall is a converted PrefillRequest.
+type prefillCall struct {
+	r                   *kvxfer.Request
+	blocks              [][]topology.BlockID
+	computed, scheduled int
+}
+
+func prefillFromProto(req *pb.PrefillRequest) (prefillCall, error) {
+	r, err := requestFromProto(req.Request)
+	if err != nil {
+		return prefillCall{}, err
+	}
+	computed, err := fitInt("computed", req.Computed)
+	if err != nil {
+		return prefillCall{}, err
+	}
+	scheduled, err := fitInt("scheduled", req.Scheduled)
+	if err != nil {
+		return prefillCall{}, err
+	}
+	return prefillCall{r: r, blocks: blocksFromProto(req.Blocks), computed: computed, scheduled: scheduled}, nil
+}
+
+// apply runs the call on s (held by the caller).
+func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
+	if err := s.Prefill(c.r, c.blocks, c.computed, c.scheduled); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return nil
+}
+
+func (ss *schedulers) Prefill(_ context.Context, req *pb.PrefillRequest) (*pb.PrefillResponse, error) {
+	ls, err := ss.get(req.EngineId)
+	if err != nil {
+		return nil, Status(err)
+	}
+	c, err := prefillFromProto(req)
+	if err != nil {
+		return nil, Status(err)
+	}
+	ls.mu.Lock()
+	err = c.apply(ls.s)
+	ls.mu.Unlock()
+	if err != nil {
+		return nil, Status(err)
+	}
+	return &pb.PrefillResponse{}, nil
 }
 
 func (ss *schedulers) RequestFinished(_ context.Context, req *pb.RequestFinishedRequest) (*pb.RequestFinishedResponse, error) {

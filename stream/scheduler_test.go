@@ -2,6 +2,7 @@ package stream_test
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,5 +95,87 @@ func TestSchedulerService(t *testing.T) {
 	}
 	if _, err := c.CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: "P"}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Layer-wise push through the SchedulerService: Prefill lists a producer
+// request in the metadata of the step that completes its prompt, with its
+// sliding-window group clipped; bad input is InvalidArgument naming the
+// field.
+func TestSchedulerServicePrefill(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	c := pb.NewSchedulerServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	groups := []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}, {Kind: pb.CacheKind_CACHE_KIND_SLIDING_WINDOW, Window: 32}}
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "P", Mode: pb.Mode_MODE_PUSH, TpSize: 1,
+		LogicalBlockSize: 16, Groups: groups, Layerwise: true}}); err != nil {
+		t.Fatal(err)
+	}
+	preq := &pb.EngineRequest{RequestId: "p-1", PromptTokens: 96, Params: &pb.TransferParams{TransferId: "t1", DoRemoteDecode: true}}
+	blocks := []*pb.BlockList{{BlockIds: []int32{1, 2, 3, 4, 5, 6}}, {BlockIds: []int32{11, 12, 13, 14, 15, 16}}}
+	build := func() *pb.StepMeta {
+		t.Helper()
+		m, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{EngineId: "P"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Meta
+	}
+	// A first chunk: the prompt is not complete yet.
+	if _, err := c.Prefill(ctx, &pb.PrefillRequest{EngineId: "P", Request: preq, Blocks: blocks, Computed: 0, Scheduled: 64}); err != nil {
+		t.Fatal(err)
+	}
+	if m := build(); len(m.Prefill) != 0 {
+		t.Fatalf("prefill after a first chunk = %v, want none", m.Prefill)
+	}
+	if _, err := c.Prefill(ctx, &pb.PrefillRequest{EngineId: "P", Request: preq, Blocks: blocks, Computed: 64, Scheduled: 32}); err != nil {
+		t.Fatal(err)
+	}
+	m := build()
+	if len(m.Prefill) != 1 {
+		t.Fatalf("prefill of the completing step = %v, want p-1", m.Prefill)
+	}
+	got := m.Prefill[0]
+	if got.RequestId != "p-1" || got.TransferId != "t1" || got.Tokens != 96 ||
+		!slices.Equal(got.Blocks[0].BlockIds, []int32{1, 2, 3, 4, 5, 6}) ||
+		!slices.Equal(got.Blocks[1].BlockIds, []int32{14, 15, 16}) || got.Blocks[1].Start != 48 {
+		t.Errorf("prefill = %v, want p-1 (t1, 96 tokens) with group 1 clipped to blocks 14..16 from token 48", got)
+	}
+	if _, err := c.Prefill(ctx, &pb.PrefillRequest{EngineId: "P", Request: preq, Blocks: blocks, Computed: 96, Scheduled: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if m := build(); len(m.Prefill) != 0 {
+		t.Errorf("prefill of a decode step = %v, want none (listed once)", m.Prefill)
+	}
+	for _, tc := range []struct {
+		name string
+		req  *pb.PrefillRequest
+		code codes.Code
+		want string
+	}{
+		{"group count", &pb.PrefillRequest{EngineId: "P", Request: &pb.EngineRequest{RequestId: "p-2", PromptTokens: 16,
+			Params: &pb.TransferParams{DoRemoteDecode: true}}, Blocks: blocks[:1], Scheduled: 16}, codes.InvalidArgument, "blocks has 1 groups, want 2"},
+		{"negative scheduled", &pb.PrefillRequest{EngineId: "P", Request: &pb.EngineRequest{RequestId: "p-2", PromptTokens: 16,
+			Params: &pb.TransferParams{DoRemoteDecode: true}}, Blocks: blocks, Scheduled: -1}, codes.InvalidArgument, "scheduled"},
+		{"computed out of range", &pb.PrefillRequest{EngineId: "P", Request: preq, Blocks: blocks, Computed: 1 << 40}, codes.InvalidArgument, "computed"},
+		{"no request id", &pb.PrefillRequest{EngineId: "P", Request: &pb.EngineRequest{}}, codes.InvalidArgument, "request_id"},
+		{"no engine", &pb.PrefillRequest{Request: preq}, codes.InvalidArgument, "engine_id"},
+		{"unknown engine", &pb.PrefillRequest{EngineId: "X", Request: preq}, codes.NotFound, "OpenScheduler"},
+	} {
+		_, err := c.Prefill(ctx, tc.req)
+		if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Prefill error = %v, want %v naming %q", tc.name, err, tc.code, tc.want)
+		}
+	}
+	_, err = c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "Q", Mode: pb.Mode_MODE_PULL, TpSize: 1,
+		LogicalBlockSize: 16, Layerwise: true}})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "Layerwise") {
+		t.Errorf("OpenScheduler(pull, layerwise) error = %v, want InvalidArgument naming Layerwise", err)
 	}
 }

@@ -15,8 +15,8 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
-	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -41,7 +41,7 @@ type ServerConfig struct {
 	// daemons dial (host:port); engines' transfer params carry it.
 	PeerAddr string
 	// ShmDir is the only directory shared-memory files are mapped from
-	// (default /dev/shm).
+	// (default shm.DefaultDir, /dev/shm), by shm.Map.
 	ShmDir string
 	// NewBackend makes the backend of one rank (default: a NetBackend
 	// listening on 127.0.0.1). vram says the rank's memory is GPU memory.
@@ -100,7 +100,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		return nil, errors.New("stream: ServerConfig.PeerAddr is empty")
 	}
 	if cfg.ShmDir == "" {
-		cfg.ShmDir = "/dev/shm"
+		cfg.ShmDir = shm.DefaultDir
 	}
 	if cfg.DrainTimeout <= 0 {
 		cfg.DrainTimeout = 30 * time.Second

@@ -1,6 +1,9 @@
 package topology
 
-import "testing"
+import (
+	"errors"
+	"testing"
+)
 
 // twoRegions returns tinyLayout with a second region: kind k (window w)
 // at a distinct base, in the default group.
@@ -255,6 +258,10 @@ func TestLayoutMismatchAcceptedButBounded(t *testing.T) {
 	}
 	_, err := NewPlan(src, dst, PlanOptions{})
 	wantErr(t, "NewPlan(HND, NHD, default MaxSegments)", err, ErrUnsupported, "more than 128 descriptors", "src HND/packed", "dst NHD/packed")
+	var seg *SegmentsError
+	if !errors.As(err, &seg) || *seg != (SegmentsError{Region: 0, Max: 128, UnitTokens: 32, msg: seg.msg}) {
+		t.Errorf("NewPlan(HND, NHD) error as *SegmentsError = %+v, want region 0, max 128, 32-token units", seg)
+	}
 	p, err := NewPlan(src, dst, PlanOptions{MaxSegments: 256})
 	if err != nil {
 		t.Fatalf("NewPlan(HND, NHD, MaxSegments 256) = %v, want a plan", err)

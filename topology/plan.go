@@ -19,6 +19,23 @@ type PlanOptions struct {
 	MaxSegments int
 }
 
+// SegmentsError is NewPlan's refusal of a combination whose exact
+// placement needs more than PlanOptions.MaxSegments descriptors per unit
+// (a block's bytes are scattered: HND on one side and NHD on the other,
+// or NHD with a TP mismatch). It matches ErrUnsupported.
+type SegmentsError struct {
+	// Region is the destination region that needs too many segments.
+	Region int
+	// Max is the bound that was exceeded; UnitTokens the unit's tokens.
+	Max, UnitTokens int
+	msg             string
+}
+
+func (e *SegmentsError) Error() string { return e.msg }
+
+// Unwrap returns ErrUnsupported.
+func (e *SegmentsError) Unwrap() error { return ErrUnsupported }
+
 // Segment is one contiguous byte range that moves for every unit: SrcOff
 // and DstOff are relative to the unit's start on each side.
 type Segment struct {
@@ -361,10 +378,11 @@ func regionPlan(src, dst *Layout, i, j int, gp *GroupPlan, slice HeadSlice, firs
 		}
 	}
 	if b.over {
-		return rp, fmt.Errorf("%w: region %d needs more than %d descriptors per %d-token unit "+
-			"(src %s/%s TP %d block %d -> dst %s/%s TP %d block %d); raise PlanOptions.MaxSegments or use HND on both sides",
+		return rp, &SegmentsError{Region: j, Max: maxSeg, UnitTokens: gp.UnitTokens, msg: fmt.Sprintf(
+			"%v: region %d needs more than %d descriptors per %d-token unit "+
+				"(src %s/%s TP %d block %d -> dst %s/%s TP %d block %d); raise PlanOptions.MaxSegments or use HND on both sides",
 			ErrUnsupported, j, maxSeg, gp.UnitTokens, src.KVLayout, src.Packing, src.TPSize, src.KernelBlockSize,
-			dst.KVLayout, dst.Packing, dst.TPSize, dst.KernelBlockSize)
+			dst.KVLayout, dst.Packing, dst.TPSize, dst.KernelBlockSize)}
 	}
 	rp.Segs = b.segs
 	for _, sg := range rp.Segs {

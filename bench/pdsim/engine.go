@@ -138,14 +138,12 @@ func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layer
 	return en, nil
 }
 
-// step builds the scheduler's metadata (plus prefill, for layer-wise
-// push) and hands it to every rank.
-func (en *engine) step(prefill []kvxfer.SendReq) (uint64, error) {
+// step builds the scheduler's metadata and hands it to every rank.
+func (en *engine) step() (uint64, error) {
 	if en.se == nil {
 		return 0, nil
 	}
 	meta := en.se.Sched.BuildMeta()
-	meta.Prefill = prefill
 	en.needStep = false
 	return meta.Step, en.se.Step(meta)
 }

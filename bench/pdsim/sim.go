@@ -434,15 +434,17 @@ func (r *run) runP(ctx context.Context) error {
 			}
 			continue
 		}
-		// The step: metadata out, then the forward pass.
-		var prefill []kvxfer.SendReq
-		if r.mode == modeLayerwise {
+		// The step: metadata out, then the forward pass. Each prefill
+		// completes its prompt in this step: a layer-wise scheduler lists
+		// it in the step's metadata (a no-op in the other modes).
+		if en.se != nil {
 			for _, x := range batch {
-				prefill = append(prefill, kvxfer.SendReq{ReqID: x.pReq.ID, TransferID: x.tid,
-					Blocks: []topology.Span{{IDs: x.pIDs}}, Tokens: x.prompt})
+				if err := en.se.Sched.Prefill(x.pReq, [][]topology.BlockID{x.pIDs}, 0, x.prompt); err != nil {
+					return err
+				}
 			}
 		}
-		step, err := en.step(prefill)
+		step, err := en.step()
 		if err != nil {
 			return err
 		}
@@ -687,7 +689,7 @@ func (r *run) runD(ctx context.Context) error {
 			}
 			continue
 		}
-		if _, err := en.step(nil); err != nil {
+		if _, err := en.step(); err != nil {
 			return err
 		}
 		if len(running) == 0 && len(ready) == 0 {

@@ -12,8 +12,8 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/agentrpc"
 	"github.com/kvxfer/kvxfer/internal/daemon"
-	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 )
 
 // agentMain is the hidden `kvxferd agent` command, for tests: one backend

@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -39,7 +40,7 @@ type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams                                                                                 string
 	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
-	conns                                                                                               int
+	conns, maxSegments                                                                                  int
 }
 
 func parseFlags(args []string) (*config, error) {
@@ -51,11 +52,14 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
 	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
 	fs.StringVar(&c.metricsListen, "metrics-listen", "127.0.0.1:9600", `address of /metrics ("" to disable)`)
-	fs.StringVar(&c.shmDir, "shm-dir", "/dev/shm", "directory engines' shared-memory files must live in")
+	fs.StringVar(&c.shmDir, "shm-dir", shm.DefaultDir, "directory engines' shared-memory files must live in (rules: package shm)")
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
+		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
+			"peers past it are refused at handshake. Set it alike on P and D")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
@@ -79,6 +83,9 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
+	}
+	if c.maxSegments <= 0 {
+		return nil, fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
 	}
 	if _, err := c.peers(); err != nil {
 		return nil, err
@@ -204,7 +211,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
-			wc.Lease, wc.Preconnect = c.lease, peers
+			wc.Lease, wc.Preconnect, wc.MaxSegments = c.lease, peers, c.maxSegments
 			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
 		},
 	})

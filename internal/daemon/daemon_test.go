@@ -18,8 +18,8 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
-	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -167,6 +167,27 @@ func TestNixlProgressDelayFlag(t *testing.T) {
 	for _, bad := range []string{"-1us", "2s"} {
 		if _, err := parseFlags([]string{"-nixl-progress-delay", bad}); err == nil || !strings.Contains(err.Error(), "-nixl-progress-delay") {
 			t.Errorf("-nixl-progress-delay %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
+
+// -max-segments (KVXFERD_MAX_SEGMENTS): topology's default, read from the
+// environment, overridden by the flag, positive only.
+func TestMaxSegmentsFlag(t *testing.T) {
+	c, err := parseFlags(nil)
+	if err != nil || c.maxSegments != topology.DefaultMaxSegments {
+		t.Fatalf("default -max-segments = %d, %v; want %d", c.maxSegments, err, topology.DefaultMaxSegments)
+	}
+	t.Setenv("KVXFERD_MAX_SEGMENTS", "512")
+	if c, err := parseFlags(nil); err != nil || c.maxSegments != 512 {
+		t.Errorf("KVXFERD_MAX_SEGMENTS=512: -max-segments = %d, %v; want 512", c.maxSegments, err)
+	}
+	if c, err := parseFlags([]string{"-max-segments", "1024"}); err != nil || c.maxSegments != 1024 {
+		t.Errorf("-max-segments 1024 over the environment's 512 = %d, %v; want 1024", c.maxSegments, err)
+	}
+	for _, bad := range []string{"0", "-3"} {
+		if _, err := parseFlags([]string{"-max-segments", bad}); err == nil || !strings.Contains(err.Error(), "-max-segments") {
+			t.Errorf("-max-segments %s: %v, want an error naming the flag", bad, err)
 		}
 	}
 }

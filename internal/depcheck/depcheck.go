@@ -54,16 +54,19 @@ var Rules = []Rule{
 	{Name: "kvxfer imports topology, hotpath and internal packages", Prefix: "kvxfer",
 		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
-		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "shm", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "internal/agentrpc imports kvxfer", Prefix: "internal/agentrpc",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
-	{Name: "internal/shm imports std and x/sys", Prefix: "internal/shm",
+	// shm is public so engines outside the module (and their tests) can
+	// make the files kvxferd maps: it must stay a leaf they can import
+	// without kvxfer or gRPC.
+	{Name: "shm imports std and x/sys", Prefix: "shm",
 		Allowed: []string{"golang.org/x/sys/..."}},
 	// Direct: Prometheus brings dependencies of its own (protobuf, procfs).
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
 		Allowed: []string{"github.com/prometheus/client_golang/..."}},
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
-		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...", "shm",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
 			"github.com/klauspost/compress/..."}},
 }

@@ -69,6 +69,16 @@ func TestCheckRules(t *testing.T) {
 			want:   []string{`internal/agentrpc: imports ` + m + `stream (rule "internal/agentrpc imports kvxfer")`},
 		},
 		{
+			name:   "shm is a leaf: std and x/sys only",
+			reason: "engines import it without kvxfer or gRPC",
+			pkgs: []Package{
+				{ImportPath: m + "shm", Deps: []string{"os", "golang.org/x/sys/unix", m + "kvxfer"}},
+				{ImportPath: m + "stream", Imports: []string{m + "shm", m + "kvxfer"}},
+				{ImportPath: m + "kvxfer/kvxfertest", Deps: []string{m + "shm", m + "kvxfer"}},
+			},
+			want: []string{`shm: imports ` + m + `kvxfer (rule "shm imports std and x/sys")`},
+		},
+		{
 			name: "cgo only in nixl and cuda",
 			pkgs: []Package{
 				{ImportPath: m + "internal/nixl", Deps: []string{"C", "runtime/cgo"}, Cgo: true},

@@ -10,13 +10,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
-	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 )
 
@@ -101,7 +100,7 @@ func (e *Engine) attach(cfg *Config) error {
 		}
 		e.Streams = append(e.Streams, rs)
 	}
-	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode,
+	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise,
 		TPSize: cfg.Engine.TP, LogicalBlockSize: cfg.Engine.LogicalBlock, Groups: e.Ranks[0].Layout.GroupList()}); err != nil {
 		return err
 	}
@@ -177,10 +176,7 @@ func (e *Engine) Close() error {
 		}
 	}
 	for _, m := range e.maps {
-		if err := os.Remove(m.Path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, err)
-		}
-		if err := m.Close(); err != nil {
+		if err := m.Remove(); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -16,8 +16,8 @@ import (
 
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/agentrpc"
-	"github.com/kvxfer/kvxfer/internal/shm"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
 )
 
 // ProcessHarness is a Harness whose every agent runs in a child process
@@ -89,7 +89,7 @@ func (h ProcessHarness) Start(t *testing.T, n int) *ProcAgent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { m.Close(); os.Remove(m.Path) })
+	t.Cleanup(func() { _ = m.Remove() })
 	// A short directory: a unix socket's path has at most 107 bytes.
 	dir, err := os.MkdirTemp("", "kvxa")
 	if err != nil {

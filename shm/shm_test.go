@@ -1,0 +1,129 @@
+package shm
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// What Create makes, the daemon's Map accepts: both mappings share the
+// file's memory, and the file has the mode and size the rules want.
+func TestCreateMapShares(t *testing.T) {
+	dir := t.TempDir()
+	old := syscall.Umask(0o277) // a umask that would take the owner's write bit
+	a, err := Create(dir, "kv", 1<<16)
+	syscall.Umask(old)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	st, err := os.Stat(filepath.Join(dir, "kv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode() != Mode || st.Size() != 1<<16 {
+		t.Errorf("created file: mode %v, size %d; want %v, %d", st.Mode(), st.Size(), Mode, 1<<16)
+	}
+	if a.Path != filepath.Join(dir, "kv") || len(a.Bytes) != 1<<16 {
+		t.Errorf("Create() = path %s, %d bytes; want %s, %d", a.Path, len(a.Bytes), filepath.Join(dir, "kv"), 1<<16)
+	}
+	b, err := Map(dir, a.Path, 1<<16) // as kvxferd maps it
+	if err != nil {
+		t.Fatalf("Map of a created file = %v, want it accepted", err)
+	}
+	defer b.Close()
+	a.Bytes[100] = 42
+	b.Bytes[200] = 7
+	if b.Bytes[100] != 42 || a.Bytes[200] != 7 {
+		t.Error("two mappings of one file do not share memory")
+	}
+	if _, err := Map(dir, a.Path, 1<<16+1); err == nil || !strings.Contains(err.Error(), "file has 65536 bytes, the layout declares 65537") {
+		t.Errorf("Map with a size past the file = %v, want it refused", err)
+	}
+	if err := b.Close(); err != nil || b.Close() != nil {
+		t.Error("Close is not idempotent")
+	}
+	if err := a.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(a.Path); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("file after Remove: %v, want it gone", err)
+	}
+	if err := a.Remove(); err != nil {
+		t.Errorf("second Remove = %v, want nil", err)
+	}
+}
+
+func TestMapRefuses(t *testing.T) {
+	dir := t.TempDir()
+	m, err := Create(dir, "kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	other := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "ro"), make([]byte, 4096), 0o400); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name, dir, path string
+		size            uint64
+		want            string
+	}{
+		{"too small", dir, filepath.Join(dir, "kv"), 8192, "declares 8192"},
+		{"outside dir", other, filepath.Join(dir, "kv"), 4096, "not under"},
+		{"escape", dir, filepath.Join(dir, "..", "x"), 4096, "not under"},
+		{"missing", dir, filepath.Join(dir, "nope"), 4096, "no such file"},
+		{"zero", dir, filepath.Join(dir, "kv"), 0, "size 0"},
+		{"too large", dir, filepath.Join(dir, "kv"), MaxSize + 1, "want 1..2^46"},
+		{"directory", filepath.Dir(dir), dir, 4096, "directory"},
+		{"not writable", dir, filepath.Join(dir, "ro"), 4096, "permission denied"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.name == "not writable" && os.Geteuid() == 0 {
+				t.Skip("root may write any file")
+			}
+			if _, err := Map(tc.dir, tc.path, tc.size); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Map(%s, %s, %d) error = %v, want %q", tc.dir, tc.path, tc.size, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestCreateRefuses(t *testing.T) {
+	dir := t.TempDir()
+	m, err := Create(dir, "kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if _, err := Create(dir, "kv", 4096); !errors.Is(err, fs.ErrExist) {
+		t.Errorf("Create over an existing file = %v, want fs.ErrExist", err)
+	}
+	for _, name := range []string{"", ".", "..", "a/b", "../kv2", "x\x00"} {
+		if _, err := Create(dir, name, 4096); err == nil || !strings.Contains(err.Error(), "one path element") {
+			t.Errorf("Create(%q) = %v, want a refusal naming the name", name, err)
+		}
+	}
+	if _, err := Create(dir, "big", 0); err == nil || !strings.Contains(err.Error(), "size 0") {
+		t.Errorf("Create of 0 bytes = %v, want refused", err)
+	}
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 1 {
+		t.Errorf("files left in dir: %v, want only kv", entries)
+	}
+}
+
+func TestPageAlign(t *testing.T) {
+	p := uint64(os.Getpagesize())
+	for in, want := range map[uint64]uint64{0: 0, 1: p, p - 1: p, p: p, p + 1: 2 * p, 3 * p: 3 * p} {
+		if got := PageAlign(in); got != want {
+			t.Errorf("PageAlign(%d) = %d, want %d", in, got, want)
+		}
+	}
+}
