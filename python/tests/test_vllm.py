@@ -39,6 +39,17 @@ class Run:
         self.pending_d: dict[str, tuple] = {}  # pull: D requests waiting for P's params
         self.p_done_params: dict[str, dict] = {}
         self.held_violations: list[str] = []
+        # Layer-wise push: count the LayerSaved signals P's ranks send.
+        self.layer_signals = 0
+        for rank in self.P.ranks:
+            stream = rank.connector._worker.stream
+            orig = stream.layer_saved
+
+            def counted(step, layer, _orig=orig):
+                self.layer_signals += 1
+                return _orig(step, layer)
+
+            stream.layer_saved = counted
 
     def add(self, n, tokens, max_tokens=3, abort_d_before=False):
         tid = f"t{n}"
@@ -134,6 +145,12 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
         assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
         assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
         del hits
+        if layerwise:
+            # Every prefill completed in a step of its own here: each P rank
+            # signalled all its layers for each request's prefill step.
+            assert r.layer_signals >= H.LAYERS * p_tp, r.layer_signals
+        else:
+            assert r.layer_signals == 0
     finally:
         r.close()
 
