@@ -18,6 +18,9 @@ Keys (all optional unless a transfer needs them):
 - ``tp_size`` (the other engine's TP size), ``remote_pp_size``,
   ``remote_num_tokens``, ``remote_blocks_expiry_unix_nanos``;
 - ``mode``: ``"push"`` or ``"pull"``, the mode the sender used.
+
+vLLM's NixlConnector spellings are accepted too: ``pp_size`` for
+``remote_pp_size`` and ``transfer_mode`` for ``mode``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ MODE_NAMES = {v: k for k, v in MODES.items()}
 
 class ParamsError(ValueError):
     """A kv_transfer_params field is missing or malformed; the message names it."""
+
+
+def _canonical(p: dict) -> dict:
+    if "transfer_mode" in p and "mode" not in p:
+        p = {**p, "mode": p["transfer_mode"]}
+    if "pp_size" in p and "remote_pp_size" not in p:
+        p = {**p, "remote_pp_size": p["pp_size"]}
+    return p
 
 
 def _int(p: dict, key: str, default: int = 0, minimum: int = 0) -> int:
@@ -79,6 +90,7 @@ def block_lists(p: dict) -> tuple[list[list[int]], list[int]]:
 
 def validate_remote(p: dict, mode: int) -> None:
     """Checks what a consumer needs to reach its producer; raises ParamsError."""
+    p = _canonical(p)
     if not p.get("remote_engine_id"):
         raise ParamsError("kv_transfer_params.remote_engine_id is missing")
     if not p.get("remote_host"):
@@ -104,6 +116,7 @@ def validate_remote(p: dict, mode: int) -> None:
 def to_proto(p: dict[str, Any] | None) -> pb.TransferParams | None:
     if p is None:
         return None
+    p = _canonical(p)
     out = pb.TransferParams(
         transfer_id=str(p.get("transfer_id") or ""),
         do_remote_prefill=bool(p.get("do_remote_prefill")),

@@ -41,9 +41,12 @@ class ShmBuffer:
     def contains(self, addr: int, length: int) -> bool:
         return self.base <= addr and addr + length <= self.base + self.size
 
-    def close(self, remove: bool = True) -> None:
-        """Unmaps the file (once nothing exports the buffer) and removes it."""
-        if self._mm is not None:
+    def close(self, remove: bool = True, unmap: bool = True) -> None:
+        """Removes the file's name and unmaps it. Tensors made over the
+        buffer with torch.frombuffer do not keep it mapped: pass
+        unmap=False while any may still be used (the memory then stays
+        mapped until this object is collected or the process ends)."""
+        if self._mm is not None and unmap:
             try:
                 self._mm.close()
             except BufferError:

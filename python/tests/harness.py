@@ -81,12 +81,13 @@ def model_dir(work: Path) -> Path:
 
 
 def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
-                policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96):
+                policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96, lease_s: float = 30,
+                registration_timeout_s: float = 20, layout: str | None = None):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              VllmConfig)
     mc = ModelConfig(model=str(model_dir(work)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
     extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
-             "registration_timeout_s": 20}
+             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s}
     if layerwise:
         extra["layerwise"] = True
     ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
@@ -102,8 +103,10 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     # (NHD first, as FlashAttention does) and the connector's required one
     # wins.
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    if layout is not None:
+        cfg.cache_config.kv_cache_layout = layout  # as VLLM_KV_CACHE_LAYOUT would
     resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]])
-    assert cfg.cache_config.kv_cache_layout in ("LBHNC", "HND"), cfg.cache_config.kv_cache_layout
+    assert layout is not None or cfg.cache_config.kv_cache_layout in ("LBHNC", "HND"), cfg.cache_config.kv_cache_layout
     return cfg
 
 
@@ -157,12 +160,13 @@ class Engine:
     initial_free: int
     sent: set = field(default_factory=set)
     recvd: set = field(default_factory=set)
+    failed: set = field(default_factory=set)  # receives reported failed
     finished: dict = field(default_factory=dict)  # request id -> finish status
     layers_saved: int = 0
 
 
 def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
-                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5) -> Engine:
+                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5, **kw) -> Engine:
     from kvxfer import shm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -171,7 +175,7 @@ def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp:
     from vllm.v1.kv_cache_interface import create_kv_cache_views
     from vllm.v1.structured_output import StructuredOutputManager
 
-    cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks)
+    cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks, **kw)
     kvc = kv_cache_config(cfg, tp, num_blocks)
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
                       block_size=BLOCK, log_stats=True)
@@ -292,6 +296,7 @@ def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
     if kvo is not None:
         e.sent |= set(kvo.finished_sending or ())
         e.recvd |= set(kvo.finished_recving or ())
+        e.failed |= set(kvo.failed_recving or ())
     eco = e.sched.update_from_output(so, out)
     for outs_ in eco.values():
         for o in outs_.outputs:
@@ -305,4 +310,54 @@ def shutdown(e: Engine) -> None:
         r.connector.shutdown()
     e.sched.shutdown()
     for r in e.ranks:
-        r.buf.close()
+        r.buf.close(unmap=False)  # tensors over it may outlive the engine
+
+
+def attach_nixl_shadow(e: Engine, mode: str) -> list[str]:
+    """Runs vLLM's own NixlConnector (scheduler side, push or pull) beside
+    ours on every get_num_new_matched_tokens and request_finished call, on a
+    copy of the request, and records every decision where they differ: how
+    many tokens arrive remotely, and whether blocks are held for a transfer
+    (delay_free_blocks). Returns the list the mismatches go to and the
+    number of calls compared."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector, NixlPushConnector
+
+    cfg = copy.deepcopy(e.sched.vllm_config)
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    nixl = (NixlPushConnector if mode == "push" else NixlPullConnector)(cfg, KVConnectorRole.SCHEDULER, e.kvc)
+    ours = e.sched.connector
+    diffs: list[str] = []
+    calls = {"matched": 0, "finished": 0}
+
+    def twin(request):
+        r = copy.copy(request)
+        r.kv_transfer_params = copy.deepcopy(request.kv_transfer_params)
+        return r
+
+    orig_match, orig_alloc, orig_fin = ours.get_num_new_matched_tokens, ours.update_state_after_alloc, ours.request_finished_all_groups
+
+    def match(request, computed):
+        calls["matched"] += 1
+        want = nixl.get_num_new_matched_tokens(twin(request), computed)
+        got = orig_match(request, computed)
+        if tuple(got) != tuple(want):
+            diffs.append(f"{e.name} {request.request_id}: matched tokens {got}, NixlConnector {want}")
+        return got
+
+    def alloc(request, blocks, external):
+        nixl.update_state_after_alloc(twin(request), blocks, external)
+        return orig_alloc(request, blocks, external)
+
+    def fin(request, block_ids):
+        calls["finished"] += 1
+        want, _ = nixl.request_finished_all_groups(twin(request), block_ids)
+        got, params = orig_fin(request, block_ids)
+        if got != want:
+            diffs.append(f"{e.name} {request.request_id} ({request.status.name}): delay_free_blocks {got}, NixlConnector {want}")
+        return got, params
+
+    ours.get_num_new_matched_tokens, ours.update_state_after_alloc, ours.request_finished_all_groups = match, alloc, fin
+    return diffs, calls

@@ -100,7 +100,9 @@ def test_params_round_trip():
     t = params.to_proto(p)
     assert t.remote_addr == "[::1]:7600" and [list(s.block_ids) for s in t.remote_block_ids] == [[1, 2], [3]]
     assert params.from_proto(t) == p
-    # vLLM's NIXL shape: a flat list is one group.
+    # vLLM's NIXL shape: a flat list is one group; its key spellings.
+    t = params.to_proto({"transfer_mode": "push", "pp_size": 2})
+    assert t.mode == pb.MODE_PUSH and t.remote_pp_size == 2
     assert [list(s.block_ids) for s in params.to_proto({"remote_block_ids": [4, 5]}).remote_block_ids] == [[4, 5]]
     for bad, field in [({"remote_block_ids": [[1, -2]]}, "remote_block_ids[0][1]"), ({"remote_host": "h", "remote_port": "x"}, "remote_port")]:
         with pytest.raises(params.ParamsError, match=field.replace("[", r"\[").replace("]", r"\]")):

@@ -27,11 +27,11 @@ def _push_params(p_daemon, tid):
 class Run:
     """Drives a P and a D engine as a router and two engine cores would."""
 
-    def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5):
+    def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5, p_kw=None, d_kw=None):
         self.mode = mode
         self.dp, self.dd = daemons("p"), daemons("d")
-        self.P = H.make_engine(tmp_path, "p0", "P", self.dp, mode, p_tp, layerwise)
-        self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, 1, policy=policy, timeout_s=d_timeout)
+        self.P = H.make_engine(tmp_path, "p0", "P", self.dp, mode, p_tp, layerwise, **(p_kw or {}))
+        self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, 1, policy=policy, timeout_s=d_timeout, **(d_kw or {}))
         self.p_tp = p_tp
         self.prompts: dict[str, list[int]] = {}
         self.checked_bytes = 0
@@ -39,6 +39,21 @@ class Run:
         self.pending_d: dict[str, tuple] = {}  # pull: D requests waiting for P's params
         self.p_done_params: dict[str, dict] = {}
         self.held_violations: list[str] = []
+        # vLLM's own NixlConnector decides beside ours, on both engines.
+        self.nixl_diffs, self.nixl_calls = H.attach_nixl_shadow(self.P, mode)
+        self.nixl_diffs_d, self.nixl_calls_d = H.attach_nixl_shadow(self.D, mode)
+        # Daemon round trips of each scheduler-side connector, per step.
+        self.trips = {"p0": 0, "d0": 0}
+        self.max_trips = 0
+        for e in (self.P, self.D):
+            client = e.sched.connector.client
+            orig_call = client.call
+
+            def call(*a, _orig=orig_call, _name=e.name, **k):
+                self.trips[_name] += 1
+                return _orig(*a, **k)
+
+            client.call = call
         # Layer-wise push: count the LayerSaved signals P's ranks send.
         self.layer_signals = 0
         for rank in self.P.ranks:
@@ -70,8 +85,13 @@ class Run:
         for req in self.D.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
             self.D.finished[req.request_id] = req
 
+    def _stepped(self, e):
+        self.max_trips = max(self.max_trips, self.trips[e.name])
+        self.trips[e.name] = 0
+
     def step(self):
         H.step(self.P, self.prompts)
+        self._stepped(self.P)
         for rid, o in list(self.P.finished.items()):
             if rid in self.pending_d and o.kv_transfer_params is not None:
                 did, tokens, mt, abort = self.pending_d.pop(rid)
@@ -84,8 +104,9 @@ class Run:
                 self.held_violations.append(rid)
         before = set(self.D.recvd)
         H.step(self.D, self.prompts, fill=False)
+        self._stepped(self.D)
         for rid in self.D.recvd - before:
-            if rid in self.D.sched.requests:
+            if rid in self.D.sched.requests and rid not in self.D.failed:
                 tokens = self.prompts[rid]
                 self.checked_bytes += H.check_kv(self.D, rid, tokens, len(tokens))
                 self.checked.add(rid)
@@ -134,6 +155,7 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
         assert all(r.D.finished[f"d-{n}"].finish_reason is not None for n in range(8))
         assert r.D.finished["d-8"].is_finished()
         # Every received request's bytes were checked; prefix hits moved less.
+        assert not r.D.failed, r.D.failed
         assert {f"d-{n}" for n in range(8)} <= r.checked, sorted(r.checked)
         assert r.checked_bytes > 0
         hits = r.D.sched.kv_cache_manager.prefix_cache_stats
@@ -141,10 +163,16 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
         # Blocks were held for the transfer until P reported the send, and
         # every block went back to the pool on both sides.
         assert not r.held_violations, r.held_violations
+        # Blocks are held and freed exactly when vLLM's NixlConnector would.
+        assert not r.nixl_diffs and not r.nixl_diffs_d, r.nixl_diffs + r.nixl_diffs_d
+        assert r.nixl_calls["finished"] >= 9 and r.nixl_calls_d["matched"] >= 8 and r.nixl_calls_d["finished"] >= 9, \
+            (r.nixl_calls, r.nixl_calls_d)
         assert r.P.sent >= {f"p-{n}" for n in range(8)}
         assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
         assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
         del hits
+        # The scheduler side made at most one daemon round trip per step.
+        assert r.max_trips == 1, r.max_trips
         if layerwise:
             # Every prefill completed in a step of its own here: each P rank
             # signalled all its layers for each request's prefill step.
@@ -244,3 +272,105 @@ def test_daemon_killed(tmp_path, daemons, policy):
         t0 = time.monotonic()
         r.close()
         assert time.monotonic() - t0 < 60
+
+
+def _free_both(r):
+    return (r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
+            and r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free)
+
+
+def test_bad_params_lose_nothing_else(tmp_path, daemons, caplog):
+    """Pull: P's params reach D tampered for one request (a second block
+    group the engine does not have). The daemon refuses that request alone:
+    it is recomputed on D, its P blocks go back when P's lease expires, and
+    the request beside it in the same step moves and checks byte for byte."""
+    rng = random.Random(3)
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2})
+    try:
+        for n in range(2):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", r.prompts[f"p-{n}"], 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+        r.run_until(lambda: {"p-0", "p-1"} <= set(r.P.finished))
+        good = dict(r.P.finished["p-0"].kv_transfer_params)
+        bad = dict(r.P.finished["p-1"].kv_transfer_params)
+        bad["remote_block_ids"] = [list(bad["remote_block_ids"][0]), [1, 2]]
+        bad["remote_block_starts"] = [0, 0]
+        r.D.sched.add_request(H.make_request("d-0", r.prompts["d-0"], 2, good))
+        r.D.sched.add_request(H.make_request("d-1", r.prompts["d-1"], 2, bad))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
+        assert "d-0" in r.checked and "d-1" in r.D.failed
+        assert not str(r.D.finished["d-1"].finish_reason).lower().endswith("error")
+        assert any("d-1" in m and "RemoteBlockIDs has 2 groups" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def test_d_abort_while_waiting(tmp_path, daemons):
+    """A D request aborted while it waits for its KV keeps its blocks (vLLM
+    delays the free) until kvxfer reports the receive ended; then they go."""
+    rng = random.Random(5)
+    r = Run(tmp_path, daemons, "push", 1)
+    try:
+        r.prompts["d-0"] = r.prompts["p-0"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+        p = _push_params(r.dp, "t0")
+        p["tp_size"] = 1
+        r.D.sched.add_request(H.make_request("d-0", toks, 3, p))
+        for _ in range(3):
+            H.step(r.D, r.prompts, fill=False)
+        r.abort_d("d-0")
+        assert "d-0" in r.D.sched.requests  # blocks held: a WRITE may still land
+        r.P.sched.add_request(H.make_request("p-0", toks, 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        r.run_until(lambda: not r.P.sched.requests and not r.D.sched.requests)
+        assert "d-0" in r.D.recvd and "p-0" in r.P.sent
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def test_incompatible_layouts_refused_with_one_clear_error(tmp_path, daemons, caplog):
+    """D runs NHD (VLLM_KV_CACHE_LAYOUT=LBNHC), P HND: the pair is refused at
+    handshake with an error naming both layouts; D recomputes, P frees."""
+    rng = random.Random(9)
+    r = Run(tmp_path, daemons, "push", 1, d_kw={"layout": "LBNHC"})
+    try:
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            for n in range(3):
+                r.add(n, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: {"d-0", "d-1", "d-2"} <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
+        msgs = [m for m in caplog.messages if "incompatible KV layouts" in m]
+        assert msgs, caplog.messages
+        assert "HND" in msgs[0] and "NHD" in msgs[0], msgs[0]
+        assert not r.checked and r.D.failed == {"d-0", "d-1", "d-2"}  # nothing was received
+        assert all(not str(o.finish_reason).lower().endswith("error") for o in r.D.finished.values())
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def test_p_daemon_killed(tmp_path, daemons):
+    """P's kvxferd dies while P holds blocks for transfers and D waits: P
+    frees them, D's requests end within its registration timeout
+    (recomputed), nothing hangs."""
+    rng = random.Random(11)
+    r = Run(tmp_path, daemons, "push", 1, d_kw={"registration_timeout_s": 3})
+    try:
+        for n in range(3):
+            r.prompts[f"p-{n}"] = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", r.prompts[f"p-{n}"], 1, {"do_remote_decode": True, "transfer_id": f"x{n}"}))
+        r.run_until(lambda: {"p-0", "p-1", "p-2"} <= set(r.P.finished))
+        assert len(r.P.sched.requests) == 3  # held for D's registrations
+        r.dp.kill()
+        for n in range(3):
+            r.prompts[f"d-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            p = _push_params(r.dp, f"t{n}")
+            p["tp_size"] = 1
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        t0 = time.monotonic()
+        r.run_until(lambda: not r.P.sched.requests and {"d-0", "d-1", "d-2"} <= set(r.D.finished)
+                    and not r.D.sched.requests, limit_s=30)
+        assert time.monotonic() - t0 < 3 + 10
+        assert _free_both(r)
+    finally:
+        r.close()
