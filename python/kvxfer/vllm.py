@@ -458,10 +458,7 @@ class _SchedulerSide:
         for r in out.finished_recving or ():
             f.recving.append(pb.Outcome(request_id=r, result=pb.Outcome.RESULT_FAILED if r in failed else pb.Outcome.RESULT_DONE))
         if f.sending or f.recving:
-            self._add("other", "", pb.SchedulerOp(update=pb.UpdateRequest(finished=f)))
-        stats = getattr(out, "kv_connector_stats", None)
-        if stats is not None and hasattr(stats, "data"):
-            pass  # vLLM logs worker stats itself.
+            self._add("update", "", pb.SchedulerOp(update=pb.UpdateRequest(finished=f)))
 
     def _prefill_ops(self, so: "SchedulerOutput") -> None:
         mgr = self.c._kv_cache_manager
@@ -505,6 +502,11 @@ class _SchedulerSide:
                     meta.fail_recv[rid] = f"kvxferd step failed: {e}"
                 elif kind == "send":
                     meta.fail_send[rid] = f"kvxferd step failed: {e}"
+                elif kind == "update" and isinstance(e, errors.DeadlineExceeded) and len(self.ops) < 1024:
+                    # A live but slow daemon must still learn which held
+                    # blocks were freed (else it reports pending work
+                    # forever); updates are safe to apply late.
+                    self._add("update", "", ops[i])
             self.daemon_pending = False
             if isinstance(e, errors.NotFound):
                 self.addr = ""  # the daemon restarted: reopen next step
