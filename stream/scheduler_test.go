@@ -15,17 +15,24 @@ import (
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
-// The SchedulerService runs SPEC §7's push flow for a P and a D engine.
-func TestSchedulerService(t *testing.T) {
+// schedulerClient starts a daemon and returns a SchedulerService client on
+// its unix socket, and a context bounded for the test.
+func schedulerClient(t *testing.T) (*daemon, pb.SchedulerServiceClient, context.Context) {
+	t.Helper()
 	d := startDaemon(t, t.TempDir())
 	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cc.Close()
-	c := pb.NewSchedulerServiceClient(cc)
+	t.Cleanup(func() { cc.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	t.Cleanup(cancel)
+	return d, pb.NewSchedulerServiceClient(cc), ctx
+}
+
+// The SchedulerService runs SPEC §7's push flow for a P and a D engine.
+func TestSchedulerService(t *testing.T) {
+	d, c, ctx := schedulerClient(t)
 	for _, e := range []string{"P", "D"} {
 		resp, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}})
 		if err != nil || resp.Addr != d.peerAddr {
@@ -103,15 +110,7 @@ func TestSchedulerService(t *testing.T) {
 // sliding-window group clipped; bad input is InvalidArgument naming the
 // field.
 func TestSchedulerServicePrefill(t *testing.T) {
-	d := startDaemon(t, t.TempDir())
-	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	c := pb.NewSchedulerServiceClient(cc)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	_, c, ctx := schedulerClient(t)
 	groups := []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}, {Kind: pb.CacheKind_CACHE_KIND_SLIDING_WINDOW, Window: 32}}
 	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "P", Mode: pb.Mode_MODE_PUSH, TpSize: 1,
 		LogicalBlockSize: 16, Groups: groups, Layerwise: true}}); err != nil {
@@ -173,7 +172,7 @@ func TestSchedulerServicePrefill(t *testing.T) {
 			t.Errorf("%s: Prefill error = %v, want %v naming %q", tc.name, err, tc.code, tc.want)
 		}
 	}
-	_, err = c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "Q", Mode: pb.Mode_MODE_PULL, TpSize: 1,
+	_, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "Q", Mode: pb.Mode_MODE_PULL, TpSize: 1,
 		LogicalBlockSize: 16, Layerwise: true}})
 	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "Layerwise") {
 		t.Errorf("OpenScheduler(pull, layerwise) error = %v, want InvalidArgument naming Layerwise", err)

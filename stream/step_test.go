@@ -1,14 +1,10 @@
 package stream_test
 
 import (
-	"context"
 	"strings"
 	"testing"
-	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
@@ -17,15 +13,7 @@ import (
 // flow as TestSchedulerService, with a bad op in the middle that is
 // reported by index and code while the ops around it still apply.
 func TestSchedulerStep(t *testing.T) {
-	d := startDaemon(t, t.TempDir())
-	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	c := pb.NewSchedulerServiceClient(cc)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	d, c, ctx := schedulerClient(t)
 	for _, e := range []string{"P", "D"} {
 		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
 			t.Fatal(err)
