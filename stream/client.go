@@ -149,6 +149,12 @@ func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: StepToProto(meta)}})
 }
 
+// StepRef hands the rank the step metadata its engine's scheduler
+// published on the same daemon (StepRequest.PublishStep).
+func (r *RankStream) StepRef(step uint64) error {
+	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: step}}})
+}
+
 // LayerSaved reports a layer of a step saved (layer-wise push).
 func (r *RankStream) LayerSaved(step uint64, layer int) error {
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_LayerSaved{LayerSaved: &pb.LayerSaved{Step: step, Layer: int32(layer)}}})

@@ -23,6 +23,14 @@ type schedulers struct {
 type lockedScheduler struct {
 	mu sync.Mutex
 	s  *kvxfer.Scheduler
+	// pub holds the step metadata published for the engine's ranks
+	// (StepRequest.publish_step), the last maxPublished steps.
+	pub struct {
+		sync.Mutex
+		last    uint64
+		metas   map[uint64]*pb.StepMeta
+		changed chan struct{} // closed and replaced at each publish
+	}
 }
 
 func (ss *schedulers) get(engine string) (*lockedScheduler, error) {
@@ -116,7 +124,10 @@ func (ss *schedulers) OpenScheduler(_ context.Context, req *pb.OpenSchedulerRequ
 		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
 	}
 	ss.mu.Lock()
-	ss.m[c.EngineId] = &lockedScheduler{s: s}
+	ls := &lockedScheduler{s: s}
+	ls.pub.metas = map[uint64]*pb.StepMeta{}
+	ls.pub.changed = make(chan struct{})
+	ss.m[c.EngineId] = ls
 	ss.mu.Unlock()
 	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
 }

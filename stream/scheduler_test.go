@@ -19,7 +19,12 @@ import (
 // its unix socket, and a context bounded for the test.
 func schedulerClient(t *testing.T) (*daemon, pb.SchedulerServiceClient, context.Context) {
 	t.Helper()
-	d := startDaemon(t, t.TempDir())
+	return schedulerClientOn(t, startDaemon(t, t.TempDir()))
+}
+
+// schedulerClientOn is schedulerClient on a daemon the test started.
+func schedulerClientOn(t *testing.T, d *daemon) (*daemon, pb.SchedulerServiceClient, context.Context) {
+	t.Helper()
 	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)

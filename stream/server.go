@@ -542,6 +542,18 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 					case <-ctx.Done():
 					}
 				}
+			case *pb.ConnectRequest_StepRef:
+				step := x.StepRef.GetStep()
+				meta, err := r.s.sched.published(ctx, r.engine, step)
+				if err == nil {
+					err = r.worker.Step(meta)
+				}
+				if err != nil {
+					select {
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: err.Error()}}}:
+					case <-ctx.Done():
+					}
+				}
 			case *pb.ConnectRequest_LayerSaved:
 				_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
 			case *pb.ConnectRequest_Bye:

@@ -2,11 +2,24 @@ package stream
 
 import (
 	"context"
+	"fmt"
+	"time"
 
-	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
+
+// maxPublished bounds the published steps kept per engine: a rank that
+// falls further behind its scheduler than this gets a StepError.
+const maxPublished = 1024
+
+// publishWait bounds how long a rank's step_ref waits for its scheduler's
+// Step to arrive (they travel on different streams).
+const publishWait = 10 * time.Second
 
 // maxStepOps bounds the ops of one StepRequest: an engine step staging more
 // than this is a bug or an attack, and is refused whole.
@@ -63,7 +76,13 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	if req.BuildMeta {
+	switch {
+	case req.PublishStep > 0:
+		if err := ls.publish(req.PublishStep); err != nil {
+			return nil, Status(err)
+		}
+		out.PublishStep = req.PublishStep
+	case req.BuildMeta:
 		out.Meta = StepToProto(ls.s.BuildMeta())
 	}
 	out.Pending = ls.s.HasPendingWork()
@@ -71,4 +90,82 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	out.Counters = &pb.SchedulerCounters{BadParams: c.BadParams, UnknownUpdates: c.UnknownUpdates,
 		WatchdogExpired: c.WatchdogExpired, Recomputed: c.Recomputed}
 	return out, nil
+}
+
+// publish builds the step's metadata, numbers it step and keeps it for the
+// engine's ranks. ls.mu is held.
+func (ls *lockedScheduler) publish(step uint64) error {
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	if step <= ls.pub.last {
+		return invalid("publish_step = %d, want > %d (the last published)", step, ls.pub.last)
+	}
+	m := StepToProto(ls.s.BuildMeta())
+	m.Step = step
+	ls.pub.metas[step] = m
+	if old := step - maxPublished; step > maxPublished {
+		for k := range ls.pub.metas {
+			if k <= old {
+				delete(ls.pub.metas, k)
+			}
+		}
+	}
+	ls.pub.last = step
+	close(ls.pub.changed)
+	ls.pub.changed = make(chan struct{})
+	return nil
+}
+
+// published returns the metadata engine's scheduler published for step,
+// waiting up to publishWait for it: a rank's step_ref may arrive before its
+// scheduler's Step.
+func (ss *schedulers) published(ctx context.Context, engine string, step uint64) (*kvxfer.StepMeta, error) {
+	ls, err := ss.get(engine)
+	if err != nil {
+		return nil, fmt.Errorf("step_ref.step = %d: %w (a scheduler publishes steps only to ranks attached to its own daemon)", step, err)
+	}
+	timer := time.NewTimer(publishWait)
+	defer timer.Stop()
+	for {
+		ls.pub.Lock()
+		m, ok := ls.pub.metas[step]
+		last, changed := ls.pub.last, ls.pub.changed
+		ls.pub.Unlock()
+		if ok {
+			return StepFromProto(m)
+		}
+		if step <= last {
+			return nil, invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return nil, fmt.Errorf("step_ref.step = %d: not published within %v (last %d): %w", step, publishWait, last, context.DeadlineExceeded)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// Steps is Step over a stream: requests apply in order and are answered
+// in order. An error that would end a Step call for the whole engine
+// (unknown engine, bad publish_step) ends the stream.
+func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.StepsResponse]) error {
+	ctx := st.Context()
+	for {
+		m, err := st.Recv()
+		if err != nil {
+			return nil // the engine closed its side, or the stream broke
+		}
+		if m.GetStep() == nil {
+			return Status(invalid("step is missing"))
+		}
+		resp, err := ss.Step(ctx, m.Step)
+		if err != nil {
+			return err
+		}
+		if err := st.Send(&pb.StepsResponse{Step: resp}); err != nil {
+			return err
+		}
+	}
 }

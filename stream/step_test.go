@@ -3,10 +3,15 @@ package stream_test
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // Step applies a step's calls in order in one round trip: the same push
@@ -67,5 +72,73 @@ func TestSchedulerStep(t *testing.T) {
 	}
 	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "nobody"}); err == nil || !strings.Contains(err.Error(), "OpenScheduler") {
 		t.Errorf("Step(unknown engine) = %v, want NotFound naming OpenScheduler", err)
+	}
+}
+
+// Steps applies a stream of steps in order; with publish_step the
+// metadata stays on the daemon and the engine's ranks take it by
+// reference, even when a rank's step_ref arrives before its step.
+func TestStepsPublishAndStepRef(t *testing.T) {
+	shmDir := t.TempDir()
+	d := startDaemon(t, shmDir)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	rs := e.streams[0][0]
+	_, c, ctx := schedulerClientOn(t, d)
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Steps(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publish := func(step uint64) *pb.StepResponse {
+		t.Helper()
+		if err := st.Send(&pb.StepsRequest{Step: &pb.StepRequest{EngineId: "E", PublishStep: step}}); err != nil {
+			t.Fatal(err)
+		}
+		r, err := st.Recv()
+		if err != nil {
+			t.Fatalf("publish %d: %v", step, err)
+		}
+		return r.Step
+	}
+	if r := publish(1); r.PublishStep != 1 || r.Meta != nil {
+		t.Fatalf("publish(1) = %v, want publish_step 1 and no meta", r)
+	}
+	if err := rs.StepRef(1); err != nil {
+		t.Fatal(err)
+	}
+	// The rank asks for step 3 before the scheduler published it.
+	if err := rs.StepRef(3); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	publish(3)
+	// Step 2 was never published: the rank gets a StepError naming it, and
+	// nothing else (steps 1 and 3 applied).
+	if err := rs.StepRef(2); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case msg := <-rs.StepErrors():
+		if !strings.Contains(msg, "step_ref.step = 2") {
+			t.Errorf("StepError = %q, want one naming step_ref.step = 2", msg)
+		}
+	case <-ctx.Done():
+		t.Fatal("no StepError for an unpublished step")
+	}
+	select {
+	case msg := <-rs.StepErrors():
+		t.Errorf("unexpected StepError %q", msg)
+	default:
+	}
+	// Steps must increase: the stream ends with InvalidArgument.
+	if err := st.Send(&pb.StepsRequest{Step: &pb.StepRequest{EngineId: "E", PublishStep: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "publish_step = 3") {
+		t.Errorf("publish(3) again: %v, want InvalidArgument naming publish_step", err)
 	}
 }

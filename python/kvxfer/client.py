@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -141,19 +142,112 @@ class Scheduler:
         """Returns whether the engine must keep stepping for kvxfer."""
         return self._c.call("Update", self._c._sched.Update, pb.UpdateRequest(engine_id=self.engine_id, finished=finished)).pending
 
+    def step_request(self, req: pb.StepRequest) -> StepResult:
+        """One round trip with a StepRequest built by the caller."""
+        req.engine_id = self.engine_id
+        return step_result(self._c.call("Step", self._c._sched.Step, req))
+
     def step(self, ops: list[pb.SchedulerOp], build_meta: bool = True) -> StepResult:
         """One round trip: applies ops in order, then builds the step's metadata."""
         r = self._c.call("Step", self._c._sched.Step, pb.StepRequest(engine_id=self.engine_id, ops=ops, build_meta=build_meta))
-        out = StepResult(meta=r.meta if r.HasField("meta") else None, pending=r.pending, counters=r.counters)
-        for res in r.results:
-            if res.code != 0:
-                out.errors[res.index] = errors.from_code("Step.ops[%d]" % res.index, res.code, res.error)
-            else:
-                out.finished[res.index] = (res.delay, res.params if res.HasField("params") else None)
-        return out
+        return step_result(r)
+
+    def stream(self) -> "StepStream":
+        """Opens a Steps stream: steps sent without waiting for answers."""
+        return StepStream(self._c, self.engine_id)
 
     def close(self) -> None:
         self._c.call("CloseScheduler", self._c._sched.CloseScheduler, pb.CloseSchedulerRequest(engine_id=self.engine_id))
+
+
+def step_result(r: pb.StepResponse) -> StepResult:
+    out = StepResult(meta=r.meta if r.HasField("meta") else None, pending=r.pending, counters=r.counters)
+    for res in r.results:
+        if res.code != 0:
+            out.errors[res.index] = errors.from_code("Step.ops[%d]" % res.index, res.code, res.error)
+        else:
+            out.finished[res.index] = (res.delay, res.params if res.HasField("params") else None)
+    return out
+
+
+class StepStream:
+    """SchedulerService.Steps for one engine: :meth:`send` queues a step
+    and returns at once (no round trip on the engine's critical path); the
+    daemon applies steps in order and answers in order, and :meth:`results`
+    takes the answers that arrived. When the stream ends, :attr:`error`
+    says why and :meth:`results` raises it once the answers are taken.
+    """
+
+    def __init__(self, client: Client, engine_id: str):
+        self.engine_id = engine_id
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._answers: list[pb.StepResponse] = []
+        self._arrived = threading.Condition(self._lock)
+        self._done = threading.Event()
+        self._closing = False
+        self.error: errors.KvxferError | None = None
+        self._call = client._sched.Steps(self._requests())
+        self._reader = threading.Thread(target=self._read, name=f"kvxfer-steps-{engine_id}", daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[pb.StepsRequest]:
+        while True:
+            m = self._out.get()
+            if m is _BYE:
+                return
+            yield m
+
+    def _read(self) -> None:
+        try:
+            for m in self._call:
+                with self._lock:
+                    self._answers.append(m.step)
+                    self._arrived.notify_all()
+        except grpc.RpcError as e:
+            if not self._closing:
+                self.error = errors.from_rpc_error("Steps", e)
+        finally:
+            with self._lock:
+                if self.error is None and not self._closing:
+                    self.error = errors.StreamClosed("kvxferd ended the Steps stream")
+                self._done.set()
+                self._arrived.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+    def send(self, req: pb.StepRequest) -> None:
+        """Queues one step (req.engine_id is set here)."""
+        if self._done.is_set():
+            raise self.error or errors.StreamClosed("Steps stream is closed")
+        req.engine_id = self.engine_id
+        self._out.put(pb.StepsRequest(step=req))
+
+    def results(self, wait: float = 0.0, count: int = 1) -> list[pb.StepResponse]:
+        """Takes the answers that arrived, waiting up to ``wait`` seconds
+        for at least ``count``. Raises the stream's error once it ended and
+        every answer was taken."""
+        with self._lock:
+            if wait > 0:
+                deadline = time.monotonic() + wait
+                while len(self._answers) < count and not self._done.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._arrived.wait(left)
+            out, self._answers = self._answers, []
+            if not out and self._done.is_set() and self.error is not None:
+                raise self.error
+            return out
+
+    def close(self) -> None:
+        self._closing = True
+        self._out.put(_BYE)
+        self._done.wait(5)
+        if not self._done.is_set():
+            self._call.cancel()
 
 
 def block_lists(blocks: Iterable[Iterable[int]]) -> list[pb.BlockList]:
@@ -250,6 +344,11 @@ class WorkerStream:
     def step(self, meta: pb.StepMeta) -> None:
         """Hands the rank one step's metadata."""
         self._send(pb.ConnectRequest(step=meta))
+
+    def step_ref(self, step: int) -> None:
+        """Hands the rank the metadata its scheduler published for step
+        (StepStream with publish_step) on this daemon."""
+        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step)))
 
     def layer_saved(self, step: int, layer: int) -> None:
         """Layer-wise push: layer (global index) of step is in memory."""

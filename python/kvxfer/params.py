@@ -116,25 +116,51 @@ def validate_remote(p: dict, mode: int) -> None:
 def to_proto(p: dict[str, Any] | None) -> pb.TransferParams | None:
     if p is None:
         return None
-    p = _canonical(p)
-    out = pb.TransferParams(
-        transfer_id=str(p.get("transfer_id") or ""),
-        do_remote_prefill=bool(p.get("do_remote_prefill")),
-        do_remote_decode=bool(p.get("do_remote_decode")),
-        remote_engine_id=str(p.get("remote_engine_id") or ""),
-        remote_request_id=str(p.get("remote_request_id") or ""),
-        remote_tp_size=_int(p, "tp_size", 0),
-        remote_pp_size=_int(p, "remote_pp_size", 0),
-        remote_num_tokens=_int(p, "remote_num_tokens", 0),
-        remote_blocks_expiry_unix_nanos=_int(p, "remote_blocks_expiry_unix_nanos", 0),
-        mode=MODES.get(p.get("mode"), pb.MODE_UNSPECIFIED),
-    )
-    if p.get("remote_host"):
-        out.remote_addr = _addr(str(p["remote_host"]), _int(p, "remote_port", 0))
-    ids, starts = block_lists(p)
-    for lst, s in zip(ids, starts):
-        out.remote_block_ids.append(pb.Span(start=s, block_ids=lst))
+    out = pb.TransferParams()
+    fill_proto(out, p)
     return out
+
+
+def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
+    """Sets out's fields from p, in place: the scheduler's per-request path,
+    so it sets only what is present and converts only what is not already
+    of its type (to_proto's checks still apply to anything else)."""
+    if not p:
+        return
+    get = p.get
+    if get("do_remote_prefill"):
+        out.do_remote_prefill = True
+    if get("do_remote_decode"):
+        out.do_remote_decode = True
+    for key, attr in _STR_FIELDS:
+        v = get(key)
+        if v:
+            setattr(out, attr, v if type(v) is str else str(v))
+    for key, attr in _INT_FIELDS:
+        v = get(key)
+        if v is not None:
+            setattr(out, attr, v if type(v) is int and v >= 0 else _int(p, key, 0))
+    m = get("mode") or get("transfer_mode")
+    if m is not None:
+        out.mode = MODES.get(m, pb.MODE_UNSPECIFIED)
+    host = get("remote_host")
+    if host:
+        port = get("remote_port")
+        out.remote_addr = _addr(str(host), port if type(port) is int else _int(p, "remote_port", 0))
+    if get("remote_block_ids"):
+        ids, starts = block_lists(p)
+        for lst, st in zip(ids, starts):
+            sp = out.remote_block_ids.add()
+            sp.start = st
+            sp.block_ids.extend(lst)
+
+
+_STR_FIELDS = (("transfer_id", "transfer_id"), ("remote_engine_id", "remote_engine_id"),
+               ("remote_request_id", "remote_request_id"))
+# pp_size (NixlConnector's spelling) first: remote_pp_size wins when both are set.
+_INT_FIELDS = (("tp_size", "remote_tp_size"), ("pp_size", "remote_pp_size"), ("remote_pp_size", "remote_pp_size"),
+               ("remote_num_tokens", "remote_num_tokens"),
+               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos"))
 
 
 def from_proto(t: pb.TransferParams) -> dict[str, Any]:

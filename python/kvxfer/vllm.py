@@ -23,13 +23,20 @@ key                        default                          meaning
 ``lease_s``                30                               P holds finished blocks this long
                                                             without D's heartbeat (pull)
 ``registration_timeout_s`` 480                              D waits this long for P's WRITE (push)
+``relay``                  ``auto``                         ``daemon``: the scheduler's step goes
+                                                            out without waiting and the ranks take
+                                                            its metadata from the daemon (ranks on
+                                                            the scheduler's host); ``metadata``:
+                                                            one Step call per step, the metadata
+                                                            inside vLLM's; ``auto``: daemon on one
+                                                            node, else metadata
 =========================  ===============================  ======================================
 
-The scheduler side makes at most one daemon round trip per engine step
-(SchedulerService.Step, sent from ``build_connector_meta``): what vLLM needs
-at once (matched tokens, request_finished's answer) is computed here by the
-same rules the daemon's Scheduler applies, and the calls themselves are
-batched in order. The worker side opens one WorkerService stream per rank,
+The scheduler side sends one message per engine step to the daemon (from
+``build_connector_meta``) and, by default, does not wait for its answer:
+what vLLM needs at once (matched tokens, request_finished's answer) is
+computed here by the same rules the daemon's Scheduler applies, and the calls
+themselves are batched in order. The worker side opens one WorkerService stream per rank,
 shares the rank's KV cache with the daemon (host memory as shared-memory
 files, GPU memory as CUDA IPC handles) and turns the stream's finished sets
 into vLLM's finished/failed sets.
@@ -43,7 +50,7 @@ import logging
 import os
 import queue
 import threading
-import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,11 +87,12 @@ class Config:
     timeout_s: float
     lease_s: float
     registration_timeout_s: float
+    relay: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
         e = dict(extra or {})
-        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s"}
+        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay"}
         unknown = sorted(set(e) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}, want some of {sorted(known)}")
@@ -96,6 +104,9 @@ class Config:
             raise ValueError(f"kv_connector_extra_config.layerwise = {layerwise!r}, want true or false")
         if layerwise and mode != "push":
             raise ValueError("kv_connector_extra_config.layerwise needs mode push")
+        relay = e.get("relay", "auto")
+        if relay not in ("auto", "daemon", "metadata"):
+            raise ValueError(f"kv_connector_extra_config.relay = {relay!r}, want auto, daemon or metadata")
 
         def num(key: str, default: float) -> float:
             v = e.get(key, default)
@@ -106,15 +117,19 @@ class Config:
         return cls(socket=str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock"),
                    shm_dir=str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm"),
                    mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10),
-                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480))
+                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480), relay=relay)
 
 
 @dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """One step's metadata from the scheduler side to every worker rank."""
 
-    # The daemon's StepMeta, serialized (empty: none this step).
+    # The daemon's StepMeta, serialized (relay "metadata"; empty: none).
     step_meta: bytes = b""
+    # The step the daemon keeps the metadata under (relay "daemon"; 0: none).
+    step_ref: int = 0
+    # The step may list layer-wise prefills (P then signals saved layers).
+    prefill: bool = False
     # Requests vLLM now waits on: receives (WAITING_FOR_REMOTE_KVS) and
     # sends (blocks held by request_finished). Workers report only these.
     expect_recv: list[str] = field(default_factory=list)
@@ -311,26 +326,46 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 class _SchedulerSide:
-    """The scheduler-side state: ops batched for the next Step, and the
-    requests vLLM waits on."""
+    """The scheduler-side state: the calls of the coming step, batched in
+    place into one StepRequest, and the steps the daemon has not answered.
+
+    With the default relay ("daemon") each step goes out on a Steps stream
+    without waiting: the daemon builds the step's metadata and keeps it for
+    the engine's ranks, which take it by reference (ConnectRequest.step_ref)
+    on the same daemon, so no daemon round trip sits on the step's critical
+    path. Answers (errors of single calls, pending work) are read at the
+    next step. With relay "metadata" (ranks on other hosts than the
+    scheduler) each step is one Step call and the metadata travels inside
+    vLLM's connector metadata.
+    """
 
     def __init__(self, conn: KvxferConnector, vllm_config: "VllmConfig"):
         self.c = conn
         self.cfg = conn.cfg
+        self.relay = self.cfg.relay
+        if self.relay == "auto":
+            nnodes = getattr(vllm_config.parallel_config, "nnodes", 1) or 1
+            self.relay = "daemon" if nnodes <= 1 else "metadata"
         self.mamba = any(k == pb.CACHE_KIND_MAMBA for k, _ in conn.groups)
-        self.ops: list[pb.SchedulerOp] = []
-        # For each op index: (kind, request id) to act on its error.
+        self.req = pb.StepRequest()
+        # For each op of req: (kind, request id) to act on its error.
         self.op_req: list[tuple[str, str]] = []
+        self.local_finished: dict[int, bool] = {}
+        self.prefill_ops = False
         self.expect_recv: list[str] = []
         self.expect_send: list[str] = []
         self.fail_recv: dict[str, str] = {}
         self.fail_send: dict[str, str] = {}
-        self.local_finished: dict[int, tuple[bool, dict | None]] = {}
+        # Steps sent and not answered: (step, kinds, local delay decisions).
+        self.inflight: deque = deque()
+        self.step_no = 0
+        self.stream = None
         self.daemon_pending = False
         # Producer requests by id, for layer-wise push's prefill entries.
         self.requests: dict[str, "Request"] = {}
         self.stats = KvxferStats()
         self.addr = ""
+        self.host, self.port = "", 0
         self.sched = conn.client.scheduler(conn.engine_id)
         self._open()
 
@@ -342,9 +377,14 @@ class _SchedulerSide:
             layerwise=self.cfg.layerwise)
         try:
             self.addr = self.sched.open(cfg)
-        except errors.DaemonError as e:
-            # A daemon that is down at start fails every transfer cleanly;
-            # we retry opening at each step.
+            self.host, self.port = params.split_addr(self.addr)
+            self.step_no = 0
+            if self.relay == "daemon":
+                self.stream = self.sched.stream()
+        except errors.KvxferError as e:
+            # A daemon that is down fails every transfer cleanly; opening
+            # is retried at each step.
+            self.addr = ""
             log.error("kvxfer: cannot open the scheduler of engine %s on %s: %s", self.c.engine_id, self.cfg.socket, e)
 
     # -- local answers --
@@ -366,36 +406,39 @@ class _SchedulerSide:
             return 0, False
         return n, True
 
-    def _engine_request(self, request: "Request") -> pb.EngineRequest:
-        return pb.EngineRequest(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
-                                params=params.to_proto(request.kv_transfer_params))
-
-    def _add(self, kind: str, req_id: str, op: pb.SchedulerOp) -> int:
-        self.ops.append(op)
+    def _op(self, kind: str, req_id: str) -> pb.SchedulerOp:
         self.op_req.append((kind, req_id))
-        return len(self.ops) - 1
+        return self.req.ops.add()
+
+    @staticmethod
+    def _request(dst: pb.EngineRequest, request: "Request") -> None:
+        dst.request_id = request.request_id
+        dst.prompt_tokens = request.num_prompt_tokens
+        params.fill_proto(dst.params, request.kv_transfer_params)
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
         p = request.kv_transfer_params
         if not p:
             return
         if p.get("do_remote_prefill"):
-            # vLLM passes all the request's blocks before it records the
-            # local prefix hit: what the transfer does not fill is the hit.
-            computed = max(request.num_prompt_tokens - (1 if self.mamba else 0) - external, 0) if external > 0 else 0
-            ids = blocks.get_block_ids() if external > 0 else ()
-            # The blocks past the local prefix hit, per group.
-            skip = computed // self.c.block_size
-            local = [list(g[skip:]) for g in ids]
-            self._add("recv" if external > 0 else "other", request.request_id, pb.SchedulerOp(after_alloc=pb.AfterAllocRequest(
-                request=self._engine_request(request), blocks=[pb.BlockList(block_ids=g) for g in local],
-                computed=computed, external=external)))
+            aa = self._op("recv" if external > 0 else "other", request.request_id).after_alloc
+            self._request(aa.request, request)
             if external > 0:
+                # vLLM passes all the request's blocks before it records the
+                # local prefix hit: what the transfer does not fill is the hit.
+                computed = max(request.num_prompt_tokens - (1 if self.mamba else 0) - external, 0)
+                skip = computed // self.c.block_size
+                for g in blocks.get_block_ids():
+                    aa.blocks.add().block_ids.extend(g[skip:])
+                aa.computed = computed
+                aa.external = external
                 self.expect_recv.append(request.request_id)
             p["do_remote_prefill"] = False
         elif p.get("do_remote_decode"):
-            self._add("other", request.request_id, pb.SchedulerOp(after_alloc=pb.AfterAllocRequest(
-                request=self._engine_request(request), computed=request.num_computed_tokens, external=external)))
+            aa = self._op("other", request.request_id).after_alloc
+            self._request(aa.request, request)
+            aa.computed = request.num_computed_tokens
+            aa.external = external
 
     def _clip(self, blocks: tuple[list[int], ...]) -> tuple[list[list[int]], list[int]]:
         ids, starts = [], []
@@ -423,46 +466,51 @@ class _SchedulerSide:
         if not p:
             return False, None
         status = _FINISH.get(request.status, pb.FINISH_STATUS_ABORTED)
-        rf = pb.RequestFinishedRequest(request=self._engine_request(request), status=status,
-                                       blocks=[pb.BlockList(block_ids=list(g)) for g in block_ids],
-                                       computed=request.num_computed_tokens)
-        if p.get("do_remote_prefill"):
-            # D aborted before it was scheduled: the daemon tells P to free.
-            p["do_remote_prefill"] = False
-            self._add("other", request.request_id, pb.SchedulerOp(request_finished=rf))
-            return False, None
-        if not p.get("do_remote_decode") or status not in (pb.FINISH_STATUS_STOPPED, pb.FINISH_STATUS_LENGTH_CAPPED):
-            self._add("other", request.request_id, pb.SchedulerOp(request_finished=rf))
-            return False, None
-        ids, starts = self._clip(block_ids)
-        host, port = params.split_addr(self.addr) if self.addr else ("", 0)
-        out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.c.engine_id,
-               "remote_host": host, "remote_port": port, "remote_request_id": request.request_id,
-               "remote_block_ids": ids, "remote_block_starts": starts, "tp_size": self.c.tp_size,
-               "remote_pp_size": self.c.pp_size, "remote_num_tokens": request.num_computed_tokens,
-               "mode": params.MODE_NAMES[self.cfg.mode]}
-        if p.get("transfer_id"):
-            out["transfer_id"] = p["transfer_id"]
-        delay = any(ids)
-        i = self._add("send" if delay else "other", request.request_id, pb.SchedulerOp(request_finished=rf))
-        self.local_finished[i] = (delay, out)
+        producer = not p.get("do_remote_prefill") and p.get("do_remote_decode") and \
+            status in (pb.FINISH_STATUS_STOPPED, pb.FINISH_STATUS_LENGTH_CAPPED)
+        out, delay = None, False
+        if producer:
+            ids, starts = self._clip(block_ids)
+            out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.c.engine_id,
+                   "remote_host": self.host, "remote_port": self.port, "remote_request_id": request.request_id,
+                   "remote_block_ids": ids, "remote_block_starts": starts, "tp_size": self.c.tp_size,
+                   "remote_pp_size": self.c.pp_size, "remote_num_tokens": request.num_computed_tokens,
+                   "mode": params.MODE_NAMES[self.cfg.mode]}
+            if p.get("transfer_id"):
+                out["transfer_id"] = p["transfer_id"]
+            delay = any(ids)
+        i = len(self.req.ops)
+        rf = self._op("send" if delay else "other", request.request_id).request_finished
+        # The daemon sees the params as they are now: a D request aborted
+        # before it was scheduled still has do_remote_prefill (the daemon
+        # then tells P to free its blocks).
+        self._request(rf.request, request)
+        rf.status = status
+        for g in block_ids:
+            rf.blocks.add().block_ids.extend(g)
+        rf.computed = request.num_computed_tokens
+        p["do_remote_prefill"] = False
+        if producer:
+            self.local_finished[i] = delay
         if delay:
             self.expect_send.append(request.request_id)
         return delay, out
 
     def update(self, out) -> None:
-        f = pb.Finished()
-        failed = set(getattr(out, "failed_recving", None) or ())
+        failed = getattr(out, "failed_recving", None) or ()
+        if not out.finished_sending and not out.finished_recving:
+            return
+        f = self._op("update", "").update.finished
         for r in out.finished_sending or ():
-            f.sending.append(pb.Outcome(request_id=r, result=pb.Outcome.RESULT_DONE))
+            o = f.sending.add()
+            o.request_id, o.result = r, pb.Outcome.RESULT_DONE
         for r in out.finished_recving or ():
-            f.recving.append(pb.Outcome(request_id=r, result=pb.Outcome.RESULT_FAILED if r in failed else pb.Outcome.RESULT_DONE))
-        if f.sending or f.recving:
-            self._add("update", "", pb.SchedulerOp(update=pb.UpdateRequest(finished=f)))
+            o = f.recving.add()
+            o.request_id, o.result = r, pb.Outcome.RESULT_FAILED if r in failed else pb.Outcome.RESULT_DONE
 
     def _prefill_ops(self, so: "SchedulerOutput") -> None:
         mgr = self.c._kv_cache_manager
-        if not self.cfg.layerwise or mgr is None:
+        if not self.cfg.layerwise or mgr is None or not self.requests:
             return
         sched = so.num_scheduled_tokens
         reqs = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
@@ -470,78 +518,121 @@ class _SchedulerSide:
         reqs += list(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, computed in reqs:
             req = self.requests.get(rid)
-            if req is None or not (req.kv_transfer_params or {}).get("do_remote_decode"):
+            if req is None or computed + sched.get(rid, 0) < req.num_prompt_tokens:
                 continue
-            if computed + sched.get(rid, 0) < req.num_prompt_tokens:
-                continue
-            blocks = mgr.get_block_ids(rid)
-            self._add("other", rid, pb.SchedulerOp(prefill=pb.PrefillRequest(
-                request=self._engine_request(req), blocks=[pb.BlockList(block_ids=list(g)) for g in blocks],
-                computed=computed, scheduled=sched.get(rid, 0))))
+            pf = self._op("other", rid).prefill
+            self._request(pf.request, req)
+            for g in mgr.get_block_ids(rid):
+                pf.blocks.add().block_ids.extend(g)
+            pf.computed = computed
+            pf.scheduled = sched.get(rid, 0)
+            self.prefill_ops = True
+
+    def _fail(self, kinds, why: str) -> None:
+        for kind, rid in kinds:
+            if kind == "recv":
+                self.fail_recv[rid] = why
+            elif kind == "send":
+                self.fail_send[rid] = why
+
+    def _answered(self, res, kinds, local) -> None:
+        for i, err in res.errors.items():
+            kind, rid = kinds[i]
+            log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
+            self._fail([(kind, rid)], err.details)
+        for i, (delay, _) in res.finished.items():
+            want = local.get(i)
+            if want is not None and want != delay:
+                log.warning("kvxfer: request %s: daemon says delay=%s, connector said %s", kinds[i][1], delay, want)
+        self.daemon_pending = res.pending
+        self.stats.data["bad_params"] = max(self.stats.data["bad_params"], res.counters.bad_params)
+
+    def _lost(self, e: errors.KvxferError, kinds) -> None:
+        """The daemon is gone or refused a whole step: nothing it did not
+        answer reached it, so every request vLLM waits on there ends."""
+        self.stats.data["daemon_errors"] += 1
+        lost = list(kinds)
+        for _, k, _ in self.inflight:
+            lost += k
+        self.inflight.clear()
+        log.error("kvxfer: steps of engine %s lost (%d calls): %s", self.c.engine_id, len(lost), e)
+        self._fail(lost, f"kvxferd step failed: {e}")
+        self.daemon_pending = False
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        self.addr = ""  # reopen (a restarted daemon has no scheduler for us)
+
+    def _drain(self) -> None:
+        if self.stream is None:
+            return
+        try:
+            answers = self.stream.results()
+        except errors.KvxferError as e:
+            self._lost(e, [])
+            return
+        for a in answers:
+            step, kinds, local = self.inflight.popleft()
+            if a.publish_step != step:
+                self._lost(errors.DaemonError("Steps", f"answer for step {a.publish_step}, want {step}"), [])
+                return
+            from kvxfer.client import step_result
+            self._answered(step_result(a), kinds, local)
 
     def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
         self._prefill_ops(so)
-        ops, kinds, local = self.ops, self.op_req, self.local_finished
-        self.ops, self.op_req, self.local_finished = [], [], {}
-        meta = KvxferConnectorMetadata(expect_recv=self.expect_recv, expect_send=self.expect_send,
-                                       fail_recv=self.fail_recv, fail_send=self.fail_send)
-        self.expect_recv, self.expect_send, self.fail_recv, self.fail_send = [], [], {}, {}
+        req, kinds, local, prefill = self.req, self.op_req, self.local_finished, self.prefill_ops
+        self.req, self.op_req, self.local_finished, self.prefill_ops = pb.StepRequest(), [], {}, False
+        self._drain()
         try:
             if not self.addr:
                 self._open()
                 if not self.addr:
                     raise errors.Unavailable("OpenScheduler", f"no scheduler for engine {self.c.engine_id}")
-            res = self.sched.step(ops, build_meta=True)
-        except errors.DaemonError as e:
-            # The daemon is gone or refused the whole step: nothing staged
-            # reaches it, so every request vLLM now waits on ends here.
-            self.stats.data["daemon_errors"] += 1
-            log.error("kvxfer: step of engine %s failed (%d ops lost): %s", self.c.engine_id, len(ops), e)
-            for i, (kind, rid) in enumerate(kinds):
-                if kind == "recv":
-                    meta.fail_recv[rid] = f"kvxferd step failed: {e}"
-                elif kind == "send":
-                    meta.fail_send[rid] = f"kvxferd step failed: {e}"
-                elif kind == "update" and isinstance(e, errors.DeadlineExceeded) and len(self.ops) < 1024:
-                    # A live but slow daemon must still learn which held
-                    # blocks were freed (else it reports pending work
-                    # forever); updates are safe to apply late.
-                    self._add("update", "", ops[i])
-            self.daemon_pending = False
-            if isinstance(e, errors.NotFound):
-                self.addr = ""  # the daemon restarted: reopen next step
-            return meta
-        for i, err in res.errors.items():
-            kind, rid = kinds[i]
-            log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
-            if kind == "recv":
-                meta.fail_recv[rid] = err.details
-            elif kind == "send":
-                meta.fail_send[rid] = err.details
-        for i, (delay, p) in res.finished.items():
-            want = local.get(i)
-            if want is not None and want[0] != delay:
-                log.warning("kvxfer: request %s: daemon says delay=%s, connector said %s", kinds[i][1], delay, want[0])
-        self.daemon_pending = res.pending
-        self.stats.data["bad_params"] = max(self.stats.data["bad_params"], res.counters.bad_params)
-        if res.meta is not None:
-            meta.step_meta = res.meta.SerializeToString()
+            if self.relay == "daemon" and not req.ops:
+                # Nothing staged: the daemon's metadata would be empty and
+                # its pending work is what the last answer said.
+                step_ref, step_meta = 0, b""
+            elif self.relay == "daemon":
+                self.step_no += 1
+                req.publish_step = self.step_no
+                self.stream.send(req)
+                self.inflight.append((self.step_no, kinds, local))
+                step_ref, step_meta = self.step_no, b""
+            else:
+                req.build_meta = True
+                res = self.sched.step_request(req)
+                self._answered(res, kinds, local)
+                step_ref, step_meta = 0, res.meta.SerializeToString() if res.meta is not None else b""
+        except errors.KvxferError as e:
+            self._lost(e, kinds)
+            step_ref, step_meta = 0, b""
+        meta = KvxferConnectorMetadata(step_meta=step_meta, step_ref=step_ref, prefill=prefill,
+                                       expect_recv=self.expect_recv, expect_send=self.expect_send,
+                                       fail_recv=self.fail_recv, fail_send=self.fail_send)
+        self.expect_recv, self.expect_send, self.fail_recv, self.fail_send = [], [], {}, {}
         return meta
 
     def pending(self) -> bool:
-        return bool(self.ops) or self.daemon_pending
+        return bool(self.req.ops) or self.daemon_pending or bool(self.inflight)
 
     def take_stats(self) -> KvxferStats | None:
-        if self.stats.is_empty():
-            return None
-        s, self.stats = self.stats, KvxferStats()
-        return s
+        return _take_stats(self)
 
     def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         try:
             self.sched.close()
         except errors.KvxferError as e:
             log.info("kvxfer: closing the scheduler of engine %s: %s", self.c.engine_id, e)
+
+
+def _take_stats(side) -> KvxferStats | None:
+    if side.stats.is_empty():
+        return None
+    s, side.stats = side.stats, KvxferStats()
+    return s
 
 
 class _WorkerSide:
@@ -597,19 +688,26 @@ class _WorkerSide:
         for rid, why in meta.fail_send.items():
             self._send_done(rid)
         self.layer_steps = []
-        if not meta.step_meta:
+        if not meta.step_meta and not meta.step_ref:
             return
-        sm = pb.StepMeta.FromString(meta.step_meta)
-        self.step = sm.step
         if self.dead is not None:
             self._fail_all(self.dead)
             return
         try:
-            self.stream.step(sm)
+            if meta.step_ref:
+                self.step = meta.step_ref
+                self.stream.step_ref(meta.step_ref)
+                prefill = meta.prefill
+            else:
+                sm = pb.StepMeta.FromString(meta.step_meta)
+                self.step = sm.step
+                self.stream.step(sm)
+                prefill = bool(sm.prefill)
         except errors.KvxferError as e:
             self._die(str(e))
-        if sm.prefill:
-            self.layer_steps.append(sm.step)
+            return
+        if prefill:
+            self.layer_steps.append(self.step)
 
     def layer_saved(self, layer_name: str, kv_layer) -> None:
         if self.saver is None or not self.layer_steps or self.dead is not None:
@@ -668,9 +766,15 @@ class _WorkerSide:
             return
         ok = pb.Outcome.RESULT_DONE
         for o in f.recving:
-            self._recv_done(o.request_id, failed=o.result != ok, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+            if o.result == ok:
+                self._recv_done(o.request_id, failed=False)
+            else:
+                self._recv_done(o.request_id, failed=True, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
         for o in f.sending:
-            self._send_done(o.request_id, failed=o.result != ok, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+            if o.result == ok:
+                self._send_done(o.request_id)
+            else:
+                self._send_done(o.request_id, failed=True, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
         self.invalid.update(f.invalid_block_ids)
         for e in f.step_errors:
             log.error("kvxfer: step %d refused by kvxferd: %s", e.step, e.message)
@@ -699,10 +803,7 @@ class _WorkerSide:
         return inv
 
     def take_stats(self) -> KvxferStats | None:
-        if self.stats.is_empty():
-            return None
-        s, self.stats = self.stats, KvxferStats()
-        return s
+        return _take_stats(self)
 
     def shutdown(self) -> None:
         if self.saver is not None:

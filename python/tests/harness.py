@@ -82,12 +82,12 @@ def model_dir(work: Path) -> Path:
 
 def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
                 policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96, lease_s: float = 30,
-                registration_timeout_s: float = 20, layout: str | None = None):
+                registration_timeout_s: float = 20, layout: str | None = None, relay: str = "auto"):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              VllmConfig)
     mc = ModelConfig(model=str(model_dir(work)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
     extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
-             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s}
+             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s, "relay": relay}
     if layerwise:
         extra["layerwise"] = True
     ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",

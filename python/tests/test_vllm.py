@@ -42,10 +42,13 @@ class Run:
         # vLLM's own NixlConnector decides beside ours, on both engines.
         self.nixl_diffs, self.nixl_calls = H.attach_nixl_shadow(self.P, mode)
         self.nixl_diffs_d, self.nixl_calls_d = H.attach_nixl_shadow(self.D, mode)
-        # Daemon round trips of each scheduler-side connector, per step.
+        # What each scheduler-side connector sends the daemon per step:
+        # unary calls (round trips) and messages on its Steps stream.
         self.trips = {"p0": 0, "d0": 0}
-        self.max_trips = 0
+        self.sends = {"p0": 0, "d0": 0}
+        self.max_trips = self.max_sends = 0
         for e in (self.P, self.D):
+            side = e.sched.connector._sched
             client = e.sched.connector.client
             orig_call = client.call
 
@@ -54,6 +57,14 @@ class Run:
                 return _orig(*a, **k)
 
             client.call = call
+            if side.stream is not None:
+                orig_send = side.stream.send
+
+                def send(*a, _orig=orig_send, _name=e.name, **k):
+                    self.sends[_name] += 1
+                    return _orig(*a, **k)
+
+                side.stream.send = send
         # Layer-wise push: count the LayerSaved signals P's ranks send.
         self.layer_signals = 0
         for rank in self.P.ranks:
@@ -87,7 +98,8 @@ class Run:
 
     def _stepped(self, e):
         self.max_trips = max(self.max_trips, self.trips[e.name])
-        self.trips[e.name] = 0
+        self.max_sends = max(self.max_sends, self.sends[e.name])
+        self.trips[e.name] = self.sends[e.name] = 0
 
     def step(self):
         H.step(self.P, self.prompts)
@@ -126,16 +138,19 @@ class Run:
 
 
 CASES = [
-    ("push", 1, False), ("push", 2, False),
-    ("pull", 1, False), ("pull", 2, False),
-    ("push", 1, True), ("push", 2, True),
+    ("push", 1, False, "daemon"), ("push", 2, False, "daemon"),
+    ("pull", 1, False, "daemon"), ("pull", 2, False, "daemon"),
+    ("push", 1, True, "daemon"), ("push", 2, True, "daemon"),
+    # The metadata relay (ranks on other hosts than the scheduler).
+    ("push", 2, False, "metadata"), ("pull", 2, False, "metadata"), ("push", 2, True, "metadata"),
 ]
 
 
-@pytest.mark.parametrize("mode,p_tp,layerwise", CASES, ids=[f"{m}-tp{t}to1{'-layerwise' if lw else ''}" for m, t, lw in CASES])
-def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
-    rng = random.Random(f"{mode}{p_tp}{layerwise}")
-    r = Run(tmp_path, daemons, mode, p_tp, layerwise)
+@pytest.mark.parametrize("mode,p_tp,layerwise,relay", CASES,
+                         ids=[f"{m}-tp{t}to1{'-layerwise' if lw else ''}-{rl}" for m, t, lw, rl in CASES])
+def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
+    rng = random.Random(f"{mode}{p_tp}{layerwise}{relay}")
+    r = Run(tmp_path, daemons, mode, p_tp, layerwise, p_kw={"relay": relay}, d_kw={"relay": relay})
     try:
         shared = [rng.randrange(100, 50000) for _ in range(2 * H.BLOCK)]
         # A first wave, then requests sharing its prefix (prefix hits on D),
@@ -171,8 +186,13 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
         assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
         assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
         del hits
-        # The scheduler side made at most one daemon round trip per step.
-        assert r.max_trips == 1, r.max_trips
+        # The scheduler side talked to the daemon once per step: one message
+        # on its Steps stream and no round trip (relay "daemon"), or one
+        # Step call (relay "metadata").
+        if relay == "daemon":
+            assert (r.max_trips, r.max_sends) == (0, 1), (r.max_trips, r.max_sends)
+        else:
+            assert (r.max_trips, r.max_sends) == (1, 0), (r.max_trips, r.max_sends)
         if layerwise:
             # Every prefill completed in a step of its own here: each P rank
             # signalled all its layers for each request's prefill step.
@@ -185,8 +205,8 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise):
 
 def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
     """D already holds the shared prefix: the transfer fills only the blocks
-    after it (checked through the connector's metadata), and D's bytes are
-    right over the whole prompt."""
+    after it (checked in what the connector sends the daemon), and D's
+    bytes are right over the whole prompt."""
     rng = random.Random(7)
     r = Run(tmp_path, daemons, "push", 1)
     try:
@@ -195,20 +215,19 @@ def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
         r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests)
         # Same prefix again: D's prefix cache holds 3 blocks.
         r.add(1, shared + [4, 5, 6, 7])
-        from kvxfer.v1 import kvxfer_pb2 as pb
         seen = []
-        orig = r.D.ranks[0].connector._worker.start_step
+        side = r.D.sched.connector._sched
+        orig = side.stream.send
 
-        def spy(meta):
-            if meta.step_meta:
-                sm = pb.StepMeta.FromString(meta.step_meta)
-                seen.extend((x.request_id, [list(s.block_ids) for s in x.local], [s.start for s in x.local]) for x in sm.recv)
-            return orig(meta)
+        def spy(req):
+            seen.extend((op.after_alloc.request.request_id, [list(b.block_ids) for b in op.after_alloc.blocks],
+                         op.after_alloc.computed) for op in req.ops if op.WhichOneof("op") == "after_alloc")
+            return orig(req)
 
-        r.D.ranks[0].connector._worker.start_step = spy
+        side.stream.send = spy
         r.run_until(lambda: "d-1" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
-        d1 = [s for s in seen if s[0] == "d-1"]
-        assert d1 and d1[0][2] == [3 * H.BLOCK] and len(d1[0][1][0]) == 1, d1
+        d1 = [x for x in seen if x[0] == "d-1"]
+        assert d1 and d1[0][2] == 3 * H.BLOCK and len(d1[0][1][0]) == 1, d1
         assert "d-1" in r.checked
     finally:
         r.close()

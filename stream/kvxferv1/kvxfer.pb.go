@@ -1622,6 +1622,7 @@ type ConnectRequest struct {
 	//	*ConnectRequest_Step
 	//	*ConnectRequest_LayerSaved
 	//	*ConnectRequest_Bye
+	//	*ConnectRequest_StepRef
 	Msg           isConnectRequest_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1700,6 +1701,15 @@ func (x *ConnectRequest) GetBye() *Bye {
 	return nil
 }
 
+func (x *ConnectRequest) GetStepRef() *StepRef {
+	if x != nil {
+		if x, ok := x.Msg.(*ConnectRequest_StepRef); ok {
+			return x.StepRef
+		}
+	}
+	return nil
+}
+
 type isConnectRequest_Msg interface {
 	isConnectRequest_Msg()
 }
@@ -1724,6 +1734,13 @@ type ConnectRequest_Bye struct {
 	Bye *Bye `protobuf:"bytes,4,opt,name=bye,proto3,oneof"`
 }
 
+type ConnectRequest_StepRef struct {
+	// step_ref hands the rank the step metadata its engine's scheduler
+	// published on this daemon (StepRequest.publish_step), instead of the
+	// metadata itself.
+	StepRef *StepRef `protobuf:"bytes,5,opt,name=step_ref,json=stepRef,proto3,oneof"`
+}
+
 func (*ConnectRequest_Hello) isConnectRequest_Msg() {}
 
 func (*ConnectRequest_Step) isConnectRequest_Msg() {}
@@ -1731,6 +1748,54 @@ func (*ConnectRequest_Step) isConnectRequest_Msg() {}
 func (*ConnectRequest_LayerSaved) isConnectRequest_Msg() {}
 
 func (*ConnectRequest_Bye) isConnectRequest_Msg() {}
+
+func (*ConnectRequest_StepRef) isConnectRequest_Msg() {}
+
+// StepRef names a step whose metadata the engine's scheduler published.
+type StepRef struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// step as given in StepRequest.publish_step.
+	Step          uint64 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepRef) Reset() {
+	*x = StepRef{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepRef) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepRef) ProtoMessage() {}
+
+func (x *StepRef) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepRef.ProtoReflect.Descriptor instead.
+func (*StepRef) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *StepRef) GetStep() uint64 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
 
 // Bye asks kvxferd to end the stream once the rank's transfers are done.
 type Bye struct {
@@ -1741,7 +1806,7 @@ type Bye struct {
 
 func (x *Bye) Reset() {
 	*x = Bye{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1753,7 +1818,7 @@ func (x *Bye) String() string {
 func (*Bye) ProtoMessage() {}
 
 func (x *Bye) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[15]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1766,7 +1831,7 @@ func (x *Bye) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Bye.ProtoReflect.Descriptor instead.
 func (*Bye) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{15}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{16}
 }
 
 // Ready answers a hello.
@@ -1780,7 +1845,7 @@ type Ready struct {
 
 func (x *Ready) Reset() {
 	*x = Ready{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1792,7 +1857,7 @@ func (x *Ready) String() string {
 func (*Ready) ProtoMessage() {}
 
 func (x *Ready) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[16]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1805,7 +1870,7 @@ func (x *Ready) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ready.ProtoReflect.Descriptor instead.
 func (*Ready) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{16}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Ready) GetAgentName() string {
@@ -1828,7 +1893,7 @@ type StepError struct {
 
 func (x *StepError) Reset() {
 	*x = StepError{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1840,7 +1905,7 @@ func (x *StepError) String() string {
 func (*StepError) ProtoMessage() {}
 
 func (x *StepError) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[17]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1853,7 +1918,7 @@ func (x *StepError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepError.ProtoReflect.Descriptor instead.
 func (*StepError) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{17}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *StepError) GetStep() uint64 {
@@ -1887,7 +1952,7 @@ type ConnectResponse struct {
 
 func (x *ConnectResponse) Reset() {
 	*x = ConnectResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1899,7 +1964,7 @@ func (x *ConnectResponse) String() string {
 func (*ConnectResponse) ProtoMessage() {}
 
 func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[18]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1912,7 +1977,7 @@ func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectResponse.ProtoReflect.Descriptor instead.
 func (*ConnectResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{18}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ConnectResponse) GetMsg() isConnectResponse_Msg {
@@ -1991,7 +2056,7 @@ type RankInfo struct {
 
 func (x *RankInfo) Reset() {
 	*x = RankInfo{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2068,7 @@ func (x *RankInfo) String() string {
 func (*RankInfo) ProtoMessage() {}
 
 func (x *RankInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[19]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2081,7 @@ func (x *RankInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankInfo.ProtoReflect.Descriptor instead.
 func (*RankInfo) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{19}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RankInfo) GetEngineId() string {
@@ -2058,7 +2123,7 @@ type RankList struct {
 
 func (x *RankList) Reset() {
 	*x = RankList{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2070,7 +2135,7 @@ func (x *RankList) String() string {
 func (*RankList) ProtoMessage() {}
 
 func (x *RankList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[20]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2083,7 +2148,7 @@ func (x *RankList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankList.ProtoReflect.Descriptor instead.
 func (*RankList) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{20}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RankList) GetRanks() []*RankInfo {
@@ -2106,7 +2171,7 @@ type HandshakeRequest struct {
 
 func (x *HandshakeRequest) Reset() {
 	*x = HandshakeRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2118,7 +2183,7 @@ func (x *HandshakeRequest) String() string {
 func (*HandshakeRequest) ProtoMessage() {}
 
 func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[21]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2131,7 +2196,7 @@ func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeRequest.ProtoReflect.Descriptor instead.
 func (*HandshakeRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{21}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *HandshakeRequest) GetEngineId() string {
@@ -2167,7 +2232,7 @@ type HandshakeResponse struct {
 
 func (x *HandshakeResponse) Reset() {
 	*x = HandshakeResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2179,7 +2244,7 @@ func (x *HandshakeResponse) String() string {
 func (*HandshakeResponse) ProtoMessage() {}
 
 func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[22]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2192,7 +2257,7 @@ func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeResponse.ProtoReflect.Descriptor instead.
 func (*HandshakeResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{22}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *HandshakeResponse) GetEngineId() string {
@@ -2264,7 +2329,7 @@ type TransferParams struct {
 
 func (x *TransferParams) Reset() {
 	*x = TransferParams{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2276,7 +2341,7 @@ func (x *TransferParams) String() string {
 func (*TransferParams) ProtoMessage() {}
 
 func (x *TransferParams) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[23]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2289,7 +2354,7 @@ func (x *TransferParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferParams.ProtoReflect.Descriptor instead.
 func (*TransferParams) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{23}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *TransferParams) GetTransferId() string {
@@ -2391,7 +2456,7 @@ type EngineRequest struct {
 
 func (x *EngineRequest) Reset() {
 	*x = EngineRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2403,7 +2468,7 @@ func (x *EngineRequest) String() string {
 func (*EngineRequest) ProtoMessage() {}
 
 func (x *EngineRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[24]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2416,7 +2481,7 @@ func (x *EngineRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineRequest.ProtoReflect.Descriptor instead.
 func (*EngineRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{24}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *EngineRequest) GetRequestId() string {
@@ -2451,7 +2516,7 @@ type BlockList struct {
 
 func (x *BlockList) Reset() {
 	*x = BlockList{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2463,7 +2528,7 @@ func (x *BlockList) String() string {
 func (*BlockList) ProtoMessage() {}
 
 func (x *BlockList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[25]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2476,7 +2541,7 @@ func (x *BlockList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockList.ProtoReflect.Descriptor instead.
 func (*BlockList) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{25}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *BlockList) GetBlockIds() []int32 {
@@ -2525,7 +2590,7 @@ type SchedulerConfig struct {
 
 func (x *SchedulerConfig) Reset() {
 	*x = SchedulerConfig{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2537,7 +2602,7 @@ func (x *SchedulerConfig) String() string {
 func (*SchedulerConfig) ProtoMessage() {}
 
 func (x *SchedulerConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[26]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2550,7 +2615,7 @@ func (x *SchedulerConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerConfig.ProtoReflect.Descriptor instead.
 func (*SchedulerConfig) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{26}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SchedulerConfig) GetEngineId() string {
@@ -2662,7 +2727,7 @@ type OpenSchedulerRequest struct {
 
 func (x *OpenSchedulerRequest) Reset() {
 	*x = OpenSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2674,7 +2739,7 @@ func (x *OpenSchedulerRequest) String() string {
 func (*OpenSchedulerRequest) ProtoMessage() {}
 
 func (x *OpenSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[27]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2687,7 +2752,7 @@ func (x *OpenSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*OpenSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{27}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *OpenSchedulerRequest) GetConfig() *SchedulerConfig {
@@ -2708,7 +2773,7 @@ type OpenSchedulerResponse struct {
 
 func (x *OpenSchedulerResponse) Reset() {
 	*x = OpenSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2720,7 +2785,7 @@ func (x *OpenSchedulerResponse) String() string {
 func (*OpenSchedulerResponse) ProtoMessage() {}
 
 func (x *OpenSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[28]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2733,7 +2798,7 @@ func (x *OpenSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*OpenSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{28}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *OpenSchedulerResponse) GetAddr() string {
@@ -2758,7 +2823,7 @@ type MatchedTokensRequest struct {
 
 func (x *MatchedTokensRequest) Reset() {
 	*x = MatchedTokensRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2770,7 +2835,7 @@ func (x *MatchedTokensRequest) String() string {
 func (*MatchedTokensRequest) ProtoMessage() {}
 
 func (x *MatchedTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[29]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2783,7 +2848,7 @@ func (x *MatchedTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchedTokensRequest.ProtoReflect.Descriptor instead.
 func (*MatchedTokensRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{29}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *MatchedTokensRequest) GetEngineId() string {
@@ -2820,7 +2885,7 @@ type MatchedTokensResponse struct {
 
 func (x *MatchedTokensResponse) Reset() {
 	*x = MatchedTokensResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2832,7 +2897,7 @@ func (x *MatchedTokensResponse) String() string {
 func (*MatchedTokensResponse) ProtoMessage() {}
 
 func (x *MatchedTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[30]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2845,7 +2910,7 @@ func (x *MatchedTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchedTokensResponse.ProtoReflect.Descriptor instead.
 func (*MatchedTokensResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{30}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *MatchedTokensResponse) GetTokens() int64 {
@@ -2881,7 +2946,7 @@ type AfterAllocRequest struct {
 
 func (x *AfterAllocRequest) Reset() {
 	*x = AfterAllocRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2893,7 +2958,7 @@ func (x *AfterAllocRequest) String() string {
 func (*AfterAllocRequest) ProtoMessage() {}
 
 func (x *AfterAllocRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[31]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2906,7 +2971,7 @@ func (x *AfterAllocRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterAllocRequest.ProtoReflect.Descriptor instead.
 func (*AfterAllocRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{31}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AfterAllocRequest) GetEngineId() string {
@@ -2955,7 +3020,7 @@ type AfterAllocResponse struct {
 
 func (x *AfterAllocResponse) Reset() {
 	*x = AfterAllocResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2967,7 +3032,7 @@ func (x *AfterAllocResponse) String() string {
 func (*AfterAllocResponse) ProtoMessage() {}
 
 func (x *AfterAllocResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[32]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2980,7 +3045,7 @@ func (x *AfterAllocResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterAllocResponse.ProtoReflect.Descriptor instead.
 func (*AfterAllocResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{32}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *AfterAllocResponse) GetParams() *TransferParams {
@@ -3009,7 +3074,7 @@ type ScheduledRequest struct {
 
 func (x *ScheduledRequest) Reset() {
 	*x = ScheduledRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3021,7 +3086,7 @@ func (x *ScheduledRequest) String() string {
 func (*ScheduledRequest) ProtoMessage() {}
 
 func (x *ScheduledRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[33]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3034,7 +3099,7 @@ func (x *ScheduledRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScheduledRequest.ProtoReflect.Descriptor instead.
 func (*ScheduledRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{33}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ScheduledRequest) GetEngineId() string {
@@ -3081,7 +3146,7 @@ type ScheduledResponse struct {
 
 func (x *ScheduledResponse) Reset() {
 	*x = ScheduledResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3093,7 +3158,7 @@ func (x *ScheduledResponse) String() string {
 func (*ScheduledResponse) ProtoMessage() {}
 
 func (x *ScheduledResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[34]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3106,7 +3171,7 @@ func (x *ScheduledResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScheduledResponse.ProtoReflect.Descriptor instead.
 func (*ScheduledResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{34}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{35}
 }
 
 // RequestFinishedRequest reports a finished request.
@@ -3128,7 +3193,7 @@ type RequestFinishedRequest struct {
 
 func (x *RequestFinishedRequest) Reset() {
 	*x = RequestFinishedRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3140,7 +3205,7 @@ func (x *RequestFinishedRequest) String() string {
 func (*RequestFinishedRequest) ProtoMessage() {}
 
 func (x *RequestFinishedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[35]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3153,7 +3218,7 @@ func (x *RequestFinishedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestFinishedRequest.ProtoReflect.Descriptor instead.
 func (*RequestFinishedRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{35}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RequestFinishedRequest) GetEngineId() string {
@@ -3206,7 +3271,7 @@ type RequestFinishedResponse struct {
 
 func (x *RequestFinishedResponse) Reset() {
 	*x = RequestFinishedResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3218,7 +3283,7 @@ func (x *RequestFinishedResponse) String() string {
 func (*RequestFinishedResponse) ProtoMessage() {}
 
 func (x *RequestFinishedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[36]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3231,7 +3296,7 @@ func (x *RequestFinishedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestFinishedResponse.ProtoReflect.Descriptor instead.
 func (*RequestFinishedResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{36}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RequestFinishedResponse) GetDelay() bool {
@@ -3266,7 +3331,7 @@ type BuildMetaRequest struct {
 
 func (x *BuildMetaRequest) Reset() {
 	*x = BuildMetaRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3278,7 +3343,7 @@ func (x *BuildMetaRequest) String() string {
 func (*BuildMetaRequest) ProtoMessage() {}
 
 func (x *BuildMetaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[37]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3291,7 +3356,7 @@ func (x *BuildMetaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildMetaRequest.ProtoReflect.Descriptor instead.
 func (*BuildMetaRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{37}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *BuildMetaRequest) GetEngineId() string {
@@ -3312,7 +3377,7 @@ type BuildMetaResponse struct {
 
 func (x *BuildMetaResponse) Reset() {
 	*x = BuildMetaResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3324,7 +3389,7 @@ func (x *BuildMetaResponse) String() string {
 func (*BuildMetaResponse) ProtoMessage() {}
 
 func (x *BuildMetaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[38]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3337,7 +3402,7 @@ func (x *BuildMetaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildMetaResponse.ProtoReflect.Descriptor instead.
 func (*BuildMetaResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{38}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *BuildMetaResponse) GetMeta() *StepMeta {
@@ -3360,7 +3425,7 @@ type UpdateRequest struct {
 
 func (x *UpdateRequest) Reset() {
 	*x = UpdateRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3372,7 +3437,7 @@ func (x *UpdateRequest) String() string {
 func (*UpdateRequest) ProtoMessage() {}
 
 func (x *UpdateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[39]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3385,7 +3450,7 @@ func (x *UpdateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateRequest.ProtoReflect.Descriptor instead.
 func (*UpdateRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{39}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *UpdateRequest) GetEngineId() string {
@@ -3413,7 +3478,7 @@ type UpdateResponse struct {
 
 func (x *UpdateResponse) Reset() {
 	*x = UpdateResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3425,7 +3490,7 @@ func (x *UpdateResponse) String() string {
 func (*UpdateResponse) ProtoMessage() {}
 
 func (x *UpdateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[40]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3438,7 +3503,7 @@ func (x *UpdateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateResponse.ProtoReflect.Descriptor instead.
 func (*UpdateResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{40}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *UpdateResponse) GetPending() bool {
@@ -3469,7 +3534,7 @@ type PrefillRequest struct {
 
 func (x *PrefillRequest) Reset() {
 	*x = PrefillRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3481,7 +3546,7 @@ func (x *PrefillRequest) String() string {
 func (*PrefillRequest) ProtoMessage() {}
 
 func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[41]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3494,7 +3559,7 @@ func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefillRequest.ProtoReflect.Descriptor instead.
 func (*PrefillRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{41}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *PrefillRequest) GetEngineId() string {
@@ -3541,7 +3606,7 @@ type PrefillResponse struct {
 
 func (x *PrefillResponse) Reset() {
 	*x = PrefillResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3553,7 +3618,7 @@ func (x *PrefillResponse) String() string {
 func (*PrefillResponse) ProtoMessage() {}
 
 func (x *PrefillResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[42]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3566,7 +3631,7 @@ func (x *PrefillResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefillResponse.ProtoReflect.Descriptor instead.
 func (*PrefillResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{42}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{43}
 }
 
 // SchedulerOp is one scheduler call inside a StepRequest. Its engine_id
@@ -3589,7 +3654,7 @@ type SchedulerOp struct {
 
 func (x *SchedulerOp) Reset() {
 	*x = SchedulerOp{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3601,7 +3666,7 @@ func (x *SchedulerOp) String() string {
 func (*SchedulerOp) ProtoMessage() {}
 
 func (x *SchedulerOp) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[43]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3614,7 +3679,7 @@ func (x *SchedulerOp) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerOp.ProtoReflect.Descriptor instead.
 func (*SchedulerOp) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{43}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *SchedulerOp) GetOp() isSchedulerOp_Op {
@@ -3718,14 +3783,19 @@ type StepRequest struct {
 	// ops to apply, in order.
 	Ops []*SchedulerOp `protobuf:"bytes,2,rep,name=ops,proto3" json:"ops,omitempty"`
 	// build_meta: build the step's metadata after the ops (BuildMeta).
-	BuildMeta     bool `protobuf:"varint,3,opt,name=build_meta,json=buildMeta,proto3" json:"build_meta,omitempty"`
+	BuildMeta bool `protobuf:"varint,3,opt,name=build_meta,json=buildMeta,proto3" json:"build_meta,omitempty"`
+	// publish_step, when not 0, builds the step's metadata after the ops,
+	// numbers it publish_step (increasing per engine) and keeps it on this
+	// daemon for the engine's ranks (ConnectRequest.step_ref) instead of
+	// returning it: the metadata then never travels through the engine.
+	PublishStep   uint64 `protobuf:"varint,4,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepRequest) Reset() {
 	*x = StepRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3737,7 +3807,7 @@ func (x *StepRequest) String() string {
 func (*StepRequest) ProtoMessage() {}
 
 func (x *StepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[44]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3750,7 +3820,7 @@ func (x *StepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepRequest.ProtoReflect.Descriptor instead.
 func (*StepRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{44}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *StepRequest) GetEngineId() string {
@@ -3774,6 +3844,13 @@ func (x *StepRequest) GetBuildMeta() bool {
 	return false
 }
 
+func (x *StepRequest) GetPublishStep() uint64 {
+	if x != nil {
+		return x.PublishStep
+	}
+	return 0
+}
+
 // OpResult is what one op of a StepRequest returned, for ops that failed
 // and for request_finished ops.
 type OpResult struct {
@@ -3794,7 +3871,7 @@ type OpResult struct {
 
 func (x *OpResult) Reset() {
 	*x = OpResult{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3806,7 +3883,7 @@ func (x *OpResult) String() string {
 func (*OpResult) ProtoMessage() {}
 
 func (x *OpResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3819,7 +3896,7 @@ func (x *OpResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpResult.ProtoReflect.Descriptor instead.
 func (*OpResult) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{45}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *OpResult) GetIndex() int32 {
@@ -3875,7 +3952,7 @@ type SchedulerCounters struct {
 
 func (x *SchedulerCounters) Reset() {
 	*x = SchedulerCounters{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3887,7 +3964,7 @@ func (x *SchedulerCounters) String() string {
 func (*SchedulerCounters) ProtoMessage() {}
 
 func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3900,7 +3977,7 @@ func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerCounters.ProtoReflect.Descriptor instead.
 func (*SchedulerCounters) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *SchedulerCounters) GetBadParams() uint64 {
@@ -3941,14 +4018,16 @@ type StepResponse struct {
 	// pending: the engine must keep stepping for kvxfer.
 	Pending bool `protobuf:"varint,3,opt,name=pending,proto3" json:"pending,omitempty"`
 	// counters of the scheduler after the step.
-	Counters      *SchedulerCounters `protobuf:"bytes,4,opt,name=counters,proto3" json:"counters,omitempty"`
+	Counters *SchedulerCounters `protobuf:"bytes,4,opt,name=counters,proto3" json:"counters,omitempty"`
+	// publish_step of the request answered (0: none).
+	PublishStep   uint64 `protobuf:"varint,5,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepResponse) Reset() {
 	*x = StepResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3960,7 +4039,7 @@ func (x *StepResponse) String() string {
 func (*StepResponse) ProtoMessage() {}
 
 func (x *StepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3973,7 +4052,7 @@ func (x *StepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepResponse.ProtoReflect.Descriptor instead.
 func (*StepResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *StepResponse) GetMeta() *StepMeta {
@@ -4004,6 +4083,105 @@ func (x *StepResponse) GetCounters() *SchedulerCounters {
 	return nil
 }
 
+func (x *StepResponse) GetPublishStep() uint64 {
+	if x != nil {
+		return x.PublishStep
+	}
+	return 0
+}
+
+// StepsRequest is one message of a Steps stream.
+type StepsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// step to apply, as Step would.
+	Step          *StepRequest `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepsRequest) Reset() {
+	*x = StepsRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepsRequest) ProtoMessage() {}
+
+func (x *StepsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepsRequest.ProtoReflect.Descriptor instead.
+func (*StepsRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *StepsRequest) GetStep() *StepRequest {
+	if x != nil {
+		return x.Step
+	}
+	return nil
+}
+
+// StepsResponse answers one StepsRequest, in order.
+type StepsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// step is what Step would have returned.
+	Step          *StepResponse `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepsResponse) Reset() {
+	*x = StepsResponse{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepsResponse) ProtoMessage() {}
+
+func (x *StepsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepsResponse.ProtoReflect.Descriptor instead.
+func (*StepsResponse) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *StepsResponse) GetStep() *StepResponse {
+	if x != nil {
+		return x.Step
+	}
+	return nil
+}
+
 // CloseSchedulerRequest drops an engine's scheduler.
 type CloseSchedulerRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -4015,7 +4193,7 @@ type CloseSchedulerRequest struct {
 
 func (x *CloseSchedulerRequest) Reset() {
 	*x = CloseSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4027,7 +4205,7 @@ func (x *CloseSchedulerRequest) String() string {
 func (*CloseSchedulerRequest) ProtoMessage() {}
 
 func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4040,7 +4218,7 @@ func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *CloseSchedulerRequest) GetEngineId() string {
@@ -4059,7 +4237,7 @@ type CloseSchedulerResponse struct {
 
 func (x *CloseSchedulerResponse) Reset() {
 	*x = CloseSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4071,7 +4249,7 @@ func (x *CloseSchedulerResponse) String() string {
 func (*CloseSchedulerResponse) ProtoMessage() {}
 
 func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4084,7 +4262,7 @@ func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{52}
 }
 
 var File_kvxfer_v1_kvxfer_proto protoreflect.FileDescriptor
@@ -4204,14 +4382,17 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\n" +
 	"LayerSaved\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x14\n" +
-	"\x05layer\x18\x02 \x01(\x05R\x05layer\"\xd0\x01\n" +
+	"\x05layer\x18\x02 \x01(\x05R\x05layer\"\x81\x02\n" +
 	"\x0eConnectRequest\x12.\n" +
 	"\x05hello\x18\x01 \x01(\v2\x16.kvxfer.v1.WorkerHelloH\x00R\x05hello\x12)\n" +
 	"\x04step\x18\x02 \x01(\v2\x13.kvxfer.v1.StepMetaH\x00R\x04step\x128\n" +
 	"\vlayer_saved\x18\x03 \x01(\v2\x15.kvxfer.v1.LayerSavedH\x00R\n" +
 	"layerSaved\x12\"\n" +
-	"\x03bye\x18\x04 \x01(\v2\x0e.kvxfer.v1.ByeH\x00R\x03byeB\x05\n" +
-	"\x03msg\"\x05\n" +
+	"\x03bye\x18\x04 \x01(\v2\x0e.kvxfer.v1.ByeH\x00R\x03bye\x12/\n" +
+	"\bstep_ref\x18\x05 \x01(\v2\x12.kvxfer.v1.StepRefH\x00R\astepRefB\x05\n" +
+	"\x03msg\"\x1d\n" +
+	"\aStepRef\x12\x12\n" +
+	"\x04step\x18\x01 \x01(\x04R\x04step\"\x05\n" +
 	"\x03Bye\"&\n" +
 	"\x05Ready\x12\x1d\n" +
 	"\n" +
@@ -4346,12 +4527,13 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x10request_finished\x18\x03 \x01(\v2!.kvxfer.v1.RequestFinishedRequestH\x00R\x0frequestFinished\x122\n" +
 	"\x06update\x18\x04 \x01(\v2\x18.kvxfer.v1.UpdateRequestH\x00R\x06update\x125\n" +
 	"\aprefill\x18\x05 \x01(\v2\x19.kvxfer.v1.PrefillRequestH\x00R\aprefillB\x04\n" +
-	"\x02op\"s\n" +
+	"\x02op\"\x96\x01\n" +
 	"\vStepRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12(\n" +
 	"\x03ops\x18\x02 \x03(\v2\x16.kvxfer.v1.SchedulerOpR\x03ops\x12\x1d\n" +
 	"\n" +
-	"build_meta\x18\x03 \x01(\bR\tbuildMeta\"\x93\x01\n" +
+	"build_meta\x18\x03 \x01(\bR\tbuildMeta\x12!\n" +
+	"\fpublish_step\x18\x04 \x01(\x04R\vpublishStep\"\x93\x01\n" +
 	"\bOpResult\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\x05R\x04code\x12\x14\n" +
@@ -4365,12 +4547,17 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x10watchdog_expired\x18\x03 \x01(\x04R\x0fwatchdogExpired\x12\x1e\n" +
 	"\n" +
 	"recomputed\x18\x04 \x01(\x04R\n" +
-	"recomputed\"\xba\x01\n" +
+	"recomputed\"\xdd\x01\n" +
 	"\fStepResponse\x12'\n" +
 	"\x04meta\x18\x01 \x01(\v2\x13.kvxfer.v1.StepMetaR\x04meta\x12-\n" +
 	"\aresults\x18\x02 \x03(\v2\x13.kvxfer.v1.OpResultR\aresults\x12\x18\n" +
 	"\apending\x18\x03 \x01(\bR\apending\x128\n" +
-	"\bcounters\x18\x04 \x01(\v2\x1c.kvxfer.v1.SchedulerCountersR\bcounters\"4\n" +
+	"\bcounters\x18\x04 \x01(\v2\x1c.kvxfer.v1.SchedulerCountersR\bcounters\x12!\n" +
+	"\fpublish_step\x18\x05 \x01(\x04R\vpublishStep\":\n" +
+	"\fStepsRequest\x12*\n" +
+	"\x04step\x18\x01 \x01(\v2\x16.kvxfer.v1.StepRequestR\x04step\"<\n" +
+	"\rStepsResponse\x12+\n" +
+	"\x04step\x18\x01 \x01(\v2\x17.kvxfer.v1.StepResponseR\x04step\"4\n" +
 	"\x15CloseSchedulerRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\"\x18\n" +
 	"\x16CloseSchedulerResponse*:\n" +
@@ -4402,7 +4589,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\rWorkerService\x12D\n" +
 	"\aConnect\x12\x19.kvxfer.v1.ConnectRequest\x1a\x1a.kvxfer.v1.ConnectResponse(\x010\x012U\n" +
 	"\vPeerService\x12F\n" +
-	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse2\x80\x06\n" +
+	"\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse2\xc0\x06\n" +
 	"\x10SchedulerService\x12R\n" +
 	"\rOpenScheduler\x12\x1f.kvxfer.v1.OpenSchedulerRequest\x1a .kvxfer.v1.OpenSchedulerResponse\x12R\n" +
 	"\rMatchedTokens\x12\x1f.kvxfer.v1.MatchedTokensRequest\x1a .kvxfer.v1.MatchedTokensResponse\x12I\n" +
@@ -4413,7 +4600,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tBuildMeta\x12\x1b.kvxfer.v1.BuildMetaRequest\x1a\x1c.kvxfer.v1.BuildMetaResponse\x12=\n" +
 	"\x06Update\x12\x18.kvxfer.v1.UpdateRequest\x1a\x19.kvxfer.v1.UpdateResponse\x12@\n" +
 	"\aPrefill\x12\x19.kvxfer.v1.PrefillRequest\x1a\x1a.kvxfer.v1.PrefillResponse\x127\n" +
-	"\x04Step\x12\x16.kvxfer.v1.StepRequest\x1a\x17.kvxfer.v1.StepResponse\x12U\n" +
+	"\x04Step\x12\x16.kvxfer.v1.StepRequest\x1a\x17.kvxfer.v1.StepResponse\x12>\n" +
+	"\x05Steps\x12\x17.kvxfer.v1.StepsRequest\x1a\x18.kvxfer.v1.StepsResponse(\x010\x01\x12U\n" +
 	"\x0eCloseScheduler\x12 .kvxfer.v1.CloseSchedulerRequest\x1a!.kvxfer.v1.CloseSchedulerResponseB3Z1github.com/kvxfer/kvxfer/stream/kvxferv1;kvxferv1b\x06proto3"
 
 var (
@@ -4429,7 +4617,7 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
@@ -4452,41 +4640,44 @@ var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(*WorkerHello)(nil),             // 18: kvxfer.v1.WorkerHello
 	(*LayerSaved)(nil),              // 19: kvxfer.v1.LayerSaved
 	(*ConnectRequest)(nil),          // 20: kvxfer.v1.ConnectRequest
-	(*Bye)(nil),                     // 21: kvxfer.v1.Bye
-	(*Ready)(nil),                   // 22: kvxfer.v1.Ready
-	(*StepError)(nil),               // 23: kvxfer.v1.StepError
-	(*ConnectResponse)(nil),         // 24: kvxfer.v1.ConnectResponse
-	(*RankInfo)(nil),                // 25: kvxfer.v1.RankInfo
-	(*RankList)(nil),                // 26: kvxfer.v1.RankList
-	(*HandshakeRequest)(nil),        // 27: kvxfer.v1.HandshakeRequest
-	(*HandshakeResponse)(nil),       // 28: kvxfer.v1.HandshakeResponse
-	(*TransferParams)(nil),          // 29: kvxfer.v1.TransferParams
-	(*EngineRequest)(nil),           // 30: kvxfer.v1.EngineRequest
-	(*BlockList)(nil),               // 31: kvxfer.v1.BlockList
-	(*SchedulerConfig)(nil),         // 32: kvxfer.v1.SchedulerConfig
-	(*OpenSchedulerRequest)(nil),    // 33: kvxfer.v1.OpenSchedulerRequest
-	(*OpenSchedulerResponse)(nil),   // 34: kvxfer.v1.OpenSchedulerResponse
-	(*MatchedTokensRequest)(nil),    // 35: kvxfer.v1.MatchedTokensRequest
-	(*MatchedTokensResponse)(nil),   // 36: kvxfer.v1.MatchedTokensResponse
-	(*AfterAllocRequest)(nil),       // 37: kvxfer.v1.AfterAllocRequest
-	(*AfterAllocResponse)(nil),      // 38: kvxfer.v1.AfterAllocResponse
-	(*ScheduledRequest)(nil),        // 39: kvxfer.v1.ScheduledRequest
-	(*ScheduledResponse)(nil),       // 40: kvxfer.v1.ScheduledResponse
-	(*RequestFinishedRequest)(nil),  // 41: kvxfer.v1.RequestFinishedRequest
-	(*RequestFinishedResponse)(nil), // 42: kvxfer.v1.RequestFinishedResponse
-	(*BuildMetaRequest)(nil),        // 43: kvxfer.v1.BuildMetaRequest
-	(*BuildMetaResponse)(nil),       // 44: kvxfer.v1.BuildMetaResponse
-	(*UpdateRequest)(nil),           // 45: kvxfer.v1.UpdateRequest
-	(*UpdateResponse)(nil),          // 46: kvxfer.v1.UpdateResponse
-	(*PrefillRequest)(nil),          // 47: kvxfer.v1.PrefillRequest
-	(*PrefillResponse)(nil),         // 48: kvxfer.v1.PrefillResponse
-	(*SchedulerOp)(nil),             // 49: kvxfer.v1.SchedulerOp
-	(*StepRequest)(nil),             // 50: kvxfer.v1.StepRequest
-	(*OpResult)(nil),                // 51: kvxfer.v1.OpResult
-	(*SchedulerCounters)(nil),       // 52: kvxfer.v1.SchedulerCounters
-	(*StepResponse)(nil),            // 53: kvxfer.v1.StepResponse
-	(*CloseSchedulerRequest)(nil),   // 54: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 55: kvxfer.v1.CloseSchedulerResponse
+	(*StepRef)(nil),                 // 21: kvxfer.v1.StepRef
+	(*Bye)(nil),                     // 22: kvxfer.v1.Bye
+	(*Ready)(nil),                   // 23: kvxfer.v1.Ready
+	(*StepError)(nil),               // 24: kvxfer.v1.StepError
+	(*ConnectResponse)(nil),         // 25: kvxfer.v1.ConnectResponse
+	(*RankInfo)(nil),                // 26: kvxfer.v1.RankInfo
+	(*RankList)(nil),                // 27: kvxfer.v1.RankList
+	(*HandshakeRequest)(nil),        // 28: kvxfer.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),       // 29: kvxfer.v1.HandshakeResponse
+	(*TransferParams)(nil),          // 30: kvxfer.v1.TransferParams
+	(*EngineRequest)(nil),           // 31: kvxfer.v1.EngineRequest
+	(*BlockList)(nil),               // 32: kvxfer.v1.BlockList
+	(*SchedulerConfig)(nil),         // 33: kvxfer.v1.SchedulerConfig
+	(*OpenSchedulerRequest)(nil),    // 34: kvxfer.v1.OpenSchedulerRequest
+	(*OpenSchedulerResponse)(nil),   // 35: kvxfer.v1.OpenSchedulerResponse
+	(*MatchedTokensRequest)(nil),    // 36: kvxfer.v1.MatchedTokensRequest
+	(*MatchedTokensResponse)(nil),   // 37: kvxfer.v1.MatchedTokensResponse
+	(*AfterAllocRequest)(nil),       // 38: kvxfer.v1.AfterAllocRequest
+	(*AfterAllocResponse)(nil),      // 39: kvxfer.v1.AfterAllocResponse
+	(*ScheduledRequest)(nil),        // 40: kvxfer.v1.ScheduledRequest
+	(*ScheduledResponse)(nil),       // 41: kvxfer.v1.ScheduledResponse
+	(*RequestFinishedRequest)(nil),  // 42: kvxfer.v1.RequestFinishedRequest
+	(*RequestFinishedResponse)(nil), // 43: kvxfer.v1.RequestFinishedResponse
+	(*BuildMetaRequest)(nil),        // 44: kvxfer.v1.BuildMetaRequest
+	(*BuildMetaResponse)(nil),       // 45: kvxfer.v1.BuildMetaResponse
+	(*UpdateRequest)(nil),           // 46: kvxfer.v1.UpdateRequest
+	(*UpdateResponse)(nil),          // 47: kvxfer.v1.UpdateResponse
+	(*PrefillRequest)(nil),          // 48: kvxfer.v1.PrefillRequest
+	(*PrefillResponse)(nil),         // 49: kvxfer.v1.PrefillResponse
+	(*SchedulerOp)(nil),             // 50: kvxfer.v1.SchedulerOp
+	(*StepRequest)(nil),             // 51: kvxfer.v1.StepRequest
+	(*OpResult)(nil),                // 52: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 53: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 54: kvxfer.v1.StepResponse
+	(*StepsRequest)(nil),            // 55: kvxfer.v1.StepsRequest
+	(*StepsResponse)(nil),           // 56: kvxfer.v1.StepsResponse
+	(*CloseSchedulerRequest)(nil),   // 57: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 58: kvxfer.v1.CloseSchedulerResponse
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
@@ -4512,72 +4703,77 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	18, // 20: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
 	14, // 21: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
 	19, // 22: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	21, // 23: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	22, // 24: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	16, // 25: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	23, // 26: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	8,  // 27: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	25, // 28: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	10, // 29: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 30: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	29, // 31: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 32: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	7,  // 33: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	32, // 34: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	30, // 35: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	30, // 36: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	31, // 37: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	29, // 38: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	30, // 39: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	31, // 40: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	30, // 41: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	4,  // 42: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	31, // 43: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	29, // 44: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	29, // 45: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	14, // 46: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	16, // 47: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	30, // 48: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	31, // 49: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	37, // 50: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	39, // 51: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	41, // 52: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	45, // 53: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	47, // 54: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	49, // 55: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	29, // 56: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	14, // 57: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	51, // 58: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	52, // 59: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	20, // 60: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	27, // 61: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	33, // 62: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	35, // 63: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	37, // 64: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	39, // 65: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	41, // 66: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	43, // 67: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	45, // 68: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	47, // 69: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	50, // 70: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	54, // 71: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	24, // 72: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	28, // 73: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	34, // 74: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	36, // 75: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	38, // 76: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	40, // 77: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	42, // 78: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	44, // 79: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	46, // 80: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	48, // 81: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	53, // 82: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	55, // 83: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	72, // [72:84] is the sub-list for method output_type
-	60, // [60:72] is the sub-list for method input_type
-	60, // [60:60] is the sub-list for extension type_name
-	60, // [60:60] is the sub-list for extension extendee
-	0,  // [0:60] is the sub-list for field type_name
+	22, // 23: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	21, // 24: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
+	23, // 25: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	16, // 26: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	24, // 27: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	8,  // 28: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	26, // 29: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	10, // 30: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 31: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	30, // 32: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 33: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	7,  // 34: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	33, // 35: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	31, // 36: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	31, // 37: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 38: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	30, // 39: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	31, // 40: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 41: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	31, // 42: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	4,  // 43: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	32, // 44: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	30, // 45: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	30, // 46: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	14, // 47: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	16, // 48: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	31, // 49: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 50: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	38, // 51: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	40, // 52: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	42, // 53: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	46, // 54: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	48, // 55: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	50, // 56: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	30, // 57: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	14, // 58: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	52, // 59: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	53, // 60: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	51, // 61: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	54, // 62: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	20, // 63: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	28, // 64: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	34, // 65: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	36, // 66: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	38, // 67: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	40, // 68: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	42, // 69: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	44, // 70: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	46, // 71: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	48, // 72: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	51, // 73: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	55, // 74: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	57, // 75: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	25, // 76: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	29, // 77: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	35, // 78: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	37, // 79: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	39, // 80: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	41, // 81: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	43, // 82: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	45, // 83: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	47, // 84: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	49, // 85: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	54, // 86: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	56, // 87: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	58, // 88: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	76, // [76:89] is the sub-list for method output_type
+	63, // [63:76] is the sub-list for method input_type
+	63, // [63:63] is the sub-list for extension type_name
+	63, // [63:63] is the sub-list for extension extendee
+	0,  // [0:63] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -4590,13 +4786,14 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 		(*ConnectRequest_Step)(nil),
 		(*ConnectRequest_LayerSaved)(nil),
 		(*ConnectRequest_Bye)(nil),
+		(*ConnectRequest_StepRef)(nil),
 	}
-	file_kvxfer_v1_kvxfer_proto_msgTypes[18].OneofWrappers = []any{
+	file_kvxfer_v1_kvxfer_proto_msgTypes[19].OneofWrappers = []any{
 		(*ConnectResponse_Ready)(nil),
 		(*ConnectResponse_Finished)(nil),
 		(*ConnectResponse_StepError)(nil),
 	}
-	file_kvxfer_v1_kvxfer_proto_msgTypes[43].OneofWrappers = []any{
+	file_kvxfer_v1_kvxfer_proto_msgTypes[44].OneofWrappers = []any{
 		(*SchedulerOp_AfterAlloc)(nil),
 		(*SchedulerOp_Scheduled)(nil),
 		(*SchedulerOp_RequestFinished)(nil),
@@ -4609,7 +4806,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   50,
+			NumMessages:   53,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -245,6 +245,7 @@ const (
 	SchedulerService_Update_FullMethodName          = "/kvxfer.v1.SchedulerService/Update"
 	SchedulerService_Prefill_FullMethodName         = "/kvxfer.v1.SchedulerService/Prefill"
 	SchedulerService_Step_FullMethodName            = "/kvxfer.v1.SchedulerService/Step"
+	SchedulerService_Steps_FullMethodName           = "/kvxfer.v1.SchedulerService/Steps"
 	SchedulerService_CloseScheduler_FullMethodName  = "/kvxfer.v1.SchedulerService/CloseScheduler"
 )
 
@@ -274,6 +275,10 @@ type SchedulerServiceClient interface {
 	// Step applies one engine step's calls and builds its metadata in one
 	// round trip (at most one per engine step).
 	Step(ctx context.Context, in *StepRequest, opts ...grpc.CallOption) (*StepResponse, error)
+	// Steps is Step as a stream: requests apply in order and are answered in
+	// order, so an engine sends each step without waiting for its answer
+	// (with publish_step, its ranks fetch the metadata from the daemon).
+	Steps(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StepsRequest, StepsResponse], error)
 	// CloseScheduler drops an engine's scheduler.
 	CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error)
 }
@@ -376,6 +381,19 @@ func (c *schedulerServiceClient) Step(ctx context.Context, in *StepRequest, opts
 	return out, nil
 }
 
+func (c *schedulerServiceClient) Steps(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StepsRequest, StepsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &SchedulerService_ServiceDesc.Streams[0], SchedulerService_Steps_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[StepsRequest, StepsResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type SchedulerService_StepsClient = grpc.BidiStreamingClient[StepsRequest, StepsResponse]
+
 func (c *schedulerServiceClient) CloseScheduler(ctx context.Context, in *CloseSchedulerRequest, opts ...grpc.CallOption) (*CloseSchedulerResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(CloseSchedulerResponse)
@@ -412,6 +430,10 @@ type SchedulerServiceServer interface {
 	// Step applies one engine step's calls and builds its metadata in one
 	// round trip (at most one per engine step).
 	Step(context.Context, *StepRequest) (*StepResponse, error)
+	// Steps is Step as a stream: requests apply in order and are answered in
+	// order, so an engine sends each step without waiting for its answer
+	// (with publish_step, its ranks fetch the metadata from the daemon).
+	Steps(grpc.BidiStreamingServer[StepsRequest, StepsResponse]) error
 	// CloseScheduler drops an engine's scheduler.
 	CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error)
 	mustEmbedUnimplementedSchedulerServiceServer()
@@ -450,6 +472,9 @@ func (UnimplementedSchedulerServiceServer) Prefill(context.Context, *PrefillRequ
 }
 func (UnimplementedSchedulerServiceServer) Step(context.Context, *StepRequest) (*StepResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Step not implemented")
+}
+func (UnimplementedSchedulerServiceServer) Steps(grpc.BidiStreamingServer[StepsRequest, StepsResponse]) error {
+	return status.Errorf(codes.Unimplemented, "method Steps not implemented")
 }
 func (UnimplementedSchedulerServiceServer) CloseScheduler(context.Context, *CloseSchedulerRequest) (*CloseSchedulerResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method CloseScheduler not implemented")
@@ -637,6 +662,13 @@ func _SchedulerService_Step_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _SchedulerService_Steps_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(SchedulerServiceServer).Steps(&grpc.GenericServerStream[StepsRequest, StepsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type SchedulerService_StepsServer = grpc.BidiStreamingServer[StepsRequest, StepsResponse]
+
 func _SchedulerService_CloseScheduler_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(CloseSchedulerRequest)
 	if err := dec(in); err != nil {
@@ -703,6 +735,13 @@ var SchedulerService_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _SchedulerService_CloseScheduler_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Steps",
+			Handler:       _SchedulerService_Steps_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+	},
 	Metadata: "kvxfer/v1/kvxfer.proto",
 }

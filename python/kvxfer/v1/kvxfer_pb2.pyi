@@ -289,16 +289,24 @@ class LayerSaved(_message.Message):
     def __init__(self, step: _Optional[int] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("hello", "step", "layer_saved", "bye")
+    __slots__ = ("hello", "step", "layer_saved", "bye", "step_ref")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYER_SAVED_FIELD_NUMBER: _ClassVar[int]
     BYE_FIELD_NUMBER: _ClassVar[int]
+    STEP_REF_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     step: StepMeta
     layer_saved: LayerSaved
     bye: Bye
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., step: _Optional[_Union[StepMeta, _Mapping]] = ..., layer_saved: _Optional[_Union[LayerSaved, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ...) -> None: ...
+    step_ref: StepRef
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., step: _Optional[_Union[StepMeta, _Mapping]] = ..., layer_saved: _Optional[_Union[LayerSaved, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ..., step_ref: _Optional[_Union[StepRef, _Mapping]] = ...) -> None: ...
+
+class StepRef(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class Bye(_message.Message):
     __slots__ = ()
@@ -594,14 +602,16 @@ class SchedulerOp(_message.Message):
     def __init__(self, after_alloc: _Optional[_Union[AfterAllocRequest, _Mapping]] = ..., scheduled: _Optional[_Union[ScheduledRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., update: _Optional[_Union[UpdateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("engine_id", "ops", "build_meta")
+    __slots__ = ("engine_id", "ops", "build_meta", "publish_step")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     BUILD_META_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_STEP_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ops: _containers.RepeatedCompositeFieldContainer[SchedulerOp]
     build_meta: bool
-    def __init__(self, engine_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SchedulerOp, _Mapping]]] = ..., build_meta: _Optional[bool] = ...) -> None: ...
+    publish_step: int
+    def __init__(self, engine_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SchedulerOp, _Mapping]]] = ..., build_meta: _Optional[bool] = ..., publish_step: _Optional[int] = ...) -> None: ...
 
 class OpResult(_message.Message):
     __slots__ = ("index", "code", "error", "delay", "params")
@@ -630,16 +640,30 @@ class SchedulerCounters(_message.Message):
     def __init__(self, bad_params: _Optional[int] = ..., unknown_updates: _Optional[int] = ..., watchdog_expired: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("meta", "results", "pending", "counters")
+    __slots__ = ("meta", "results", "pending", "counters", "publish_step")
     META_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_STEP_FIELD_NUMBER: _ClassVar[int]
     meta: StepMeta
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     pending: bool
     counters: SchedulerCounters
-    def __init__(self, meta: _Optional[_Union[StepMeta, _Mapping]] = ..., results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., pending: _Optional[bool] = ..., counters: _Optional[_Union[SchedulerCounters, _Mapping]] = ...) -> None: ...
+    publish_step: int
+    def __init__(self, meta: _Optional[_Union[StepMeta, _Mapping]] = ..., results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., pending: _Optional[bool] = ..., counters: _Optional[_Union[SchedulerCounters, _Mapping]] = ..., publish_step: _Optional[int] = ...) -> None: ...
+
+class StepsRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepRequest
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class StepsResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepResponse
+    def __init__(self, step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
 
 class CloseSchedulerRequest(_message.Message):
     __slots__ = ("engine_id",)

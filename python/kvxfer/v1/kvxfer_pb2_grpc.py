@@ -234,6 +234,11 @@ class SchedulerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/kvxfer.v1.SchedulerService/Steps',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepsRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepsResponse.FromString,
+                _registered_method=True)
         self.CloseScheduler = channel.unary_unary(
                 '/kvxfer.v1.SchedulerService/CloseScheduler',
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.CloseSchedulerRequest.SerializeToString,
@@ -310,6 +315,15 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Steps is Step as a stream: requests apply in order and are answered in
+        order, so an engine sends each step without waiting for its answer
+        (with publish_step, its ranks fetch the metadata from the daemon).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseScheduler(self, request, context):
         """CloseScheduler drops an engine's scheduler.
         """
@@ -364,6 +378,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepsRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StepsResponse.SerializeToString,
             ),
             'CloseScheduler': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseScheduler,
@@ -616,6 +635,33 @@ class SchedulerService:
             '/kvxfer.v1.SchedulerService/Step',
             kvxfer_dot_v1_dot_kvxfer__pb2.StepRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvxfer.v1.SchedulerService/Steps',
+            kvxfer_dot_v1_dot_kvxfer__pb2.StepsRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.StepsResponse.FromString,
             options,
             channel_credentials,
             insecure,
