@@ -38,15 +38,24 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	if err != nil {
 		return nil, Status(err)
 	}
-	if n := len(req.GetOps()); n > maxStepOps {
+	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
+		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
 		return nil, Status(invalid("ops has %d entries, want at most %d", n, maxStepOps))
+	}
+	colOps, err := columnOps(req.GetColumns())
+	if err != nil {
+		return nil, Status(err)
+	}
+	ops := req.GetOps()
+	if len(colOps) > 0 {
+		ops = append(ops[:len(ops):len(ops)], colOps...)
 	}
 	out := &pb.StepResponse{}
 	fail := func(i int, err error) {
 		st, _ := status.FromError(err)
 		out.Results = append(out.Results, &pb.OpResult{Index: int32(i), Code: int32(st.Code()), Error: st.Message()})
 	}
-	for i, op := range req.GetOps() {
+	for i, op := range ops {
 		var err error
 		switch x := op.GetOp().(type) {
 		case *pb.SchedulerOp_AfterAlloc:
@@ -58,7 +67,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 		case *pb.SchedulerOp_RequestFinished:
 			x.RequestFinished.EngineId = req.EngineId
 			var r *pb.RequestFinishedResponse
-			if r, err = ss.RequestFinished(ctx, x.RequestFinished); err == nil {
+			if r, err = ss.RequestFinished(ctx, x.RequestFinished); err == nil && !req.ErrorsOnly {
 				out.Results = append(out.Results, &pb.OpResult{Index: int32(i), Delay: r.Delay, Params: r.Params})
 			}
 		case *pb.SchedulerOp_Update:

@@ -7,6 +7,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -140,5 +141,91 @@ func TestStepsPublishAndStepRef(t *testing.T) {
 	}
 	if _, err := st.Recv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "publish_step = 3") {
 		t.Errorf("publish(3) again: %v, want InvalidArgument naming publish_step", err)
+	}
+}
+
+// A step's calls sent as columns do exactly what the same calls sent as
+// ops do; malformed columns are refused whole, naming the column.
+func TestStepColumns(t *testing.T) {
+	d, c, ctx := schedulerClient(t)
+	for _, e := range []string{"ops", "cols"} {
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PULL, TpSize: 1, LogicalBlockSize: 16,
+			Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}, {Kind: pb.CacheKind_CACHE_KIND_SLIDING_WINDOW, Window: 16}}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	recv := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteRequestId: "p-1", RemoteTpSize: 2, RemoteNumTokens: 40, Mode: pb.Mode_MODE_PULL,
+		RemoteBlockIds: []*pb.Span{{BlockIds: []int32{7, 8, 9}}, {Start: 16, BlockIds: []int32{3, 4}}}}}
+	bad := &pb.EngineRequest{RequestId: "d-2", PromptTokens: 40, Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "x:1"}}
+	send := &pb.EngineRequest{RequestId: "p-9", PromptTokens: 20, Params: &pb.TransferParams{TransferId: "t9", DoRemoteDecode: true}}
+	none := &pb.EngineRequest{RequestId: "x-1", PromptTokens: 5}
+	two := func(a, b []int32) []*pb.BlockList { return []*pb.BlockList{{BlockIds: a}, {BlockIds: b}} }
+	ops := []*pb.SchedulerOp{
+		{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{Request: send, Status: pb.FinishStatus_FINISH_STATUS_STOPPED, Blocks: two([]int32{1, 2}, []int32{5, 6}), Computed: 20}}},
+		{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{Request: none, Status: pb.FinishStatus_FINISH_STATUS_ABORTED, Blocks: two(nil, nil)}}},
+		{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{Request: recv, Blocks: two([]int32{10, 11, 12}, []int32{13, 14}), External: 40}}},
+		{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{Request: bad, Blocks: two([]int32{20}, []int32{21}), External: 40}}},
+	}
+	cols := &pb.StepColumns{
+		RequestFinished: &pb.RequestColumns{RequestId: []string{"p-9", "x-1"}, PromptTokens: []int64{20, 5}, Flags: []uint32{2, 4},
+			TransferId: []string{"t9", ""}, RemoteEngineId: []string{"", ""}, RemoteAddr: []string{"", ""}, RemoteRequestId: []string{"", ""},
+			RemoteTpSize: []int32{0, 0}, RemotePpSize: []int32{0, 0}, RemoteNumTokens: []int64{0, 0}, Mode: []pb.Mode{0, 0},
+			BlockLens: []int32{2, 2, 0, 0}, BlockIds: []int32{1, 2, 5, 6}, Computed: []int64{20, 0}, Count: []int64{0, 0},
+			Status: []pb.FinishStatus{pb.FinishStatus_FINISH_STATUS_STOPPED, pb.FinishStatus_FINISH_STATUS_ABORTED}},
+		AfterAlloc: &pb.RequestColumns{RequestId: []string{"d-1", "d-2"}, PromptTokens: []int64{40, 40}, Flags: []uint32{1, 1},
+			TransferId: []string{"t1", ""}, RemoteEngineId: []string{"P", ""}, RemoteAddr: []string{d.peerAddr, "x:1"}, RemoteRequestId: []string{"p-1", ""},
+			RemoteTpSize: []int32{2, 0}, RemotePpSize: []int32{0, 0}, RemoteNumTokens: []int64{40, 0}, Mode: []pb.Mode{pb.Mode_MODE_PULL, 0},
+			RemoteBlockLens: []int32{3, 2, 0, 0}, RemoteBlockStarts: []int64{0, 16, 0, 0}, RemoteBlockIds: []int32{7, 8, 9, 3, 4},
+			BlockLens: []int32{3, 2, 1, 1}, BlockIds: []int32{10, 11, 12, 13, 14, 20, 21}, Computed: []int64{0, 0}, Count: []int64{40, 40}},
+	}
+	a, err := c.Step(ctx, &pb.StepRequest{EngineId: "ops", BuildMeta: true, Ops: ops})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.Step(ctx, &pb.StepRequest{EngineId: "cols", BuildMeta: true, Columns: cols})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.Meta.SchedulerClockUnixNanos, b.Meta.SchedulerClockUnixNanos = 0, 0
+	for _, r := range append(a.Meta.Recv, b.Meta.Recv...) {
+		r.DeadlineUnixNanos = 0
+	}
+	for _, r := range append(a.Meta.Send, b.Meta.Send...) {
+		r.DeadlineUnixNanos = 0
+	}
+	a.Results[0].Params.RemoteEngineId = "cols" // the engines' own names
+	if !proto.Equal(a, b) {
+		t.Errorf("columns and ops differ:\nops  %v\ncols %v", a, b)
+	}
+	if len(b.Results) != 3 || b.Results[2].Index != 3 || !strings.Contains(b.Results[2].Error, `request "d-2"`) || len(b.Meta.Recv) != 1 {
+		t.Errorf("columns: results %v, recv %v; want request_finished's answer and d-2 refused at index 3", b.Results, b.Meta.Recv)
+	}
+	// errors_only: the failed op alone is answered.
+	quiet, err := c.Step(ctx, &pb.StepRequest{EngineId: "cols", ErrorsOnly: true, Columns: cols})
+	if err != nil || len(quiet.Results) != 1 || quiet.Results[0].Index != 3 {
+		t.Errorf("Step(errors_only) = %v, %v; want only op 3's error", quiet.GetResults(), err)
+	}
+	for _, tc := range []struct {
+		name string
+		cols *pb.StepColumns
+		want string
+	}{
+		{"short column", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a"}}}, "columns.after_alloc.prompt_tokens has 0 entries, want 1"},
+		{"ids left over", func() *pb.StepColumns {
+			x := proto.Clone(cols).(*pb.StepColumns)
+			x.AfterAlloc.BlockIds = append(x.AfterAlloc.BlockIds, 99)
+			return x
+		}(), "left over"},
+		{"list too long", func() *pb.StepColumns {
+			x := proto.Clone(cols).(*pb.StepColumns)
+			x.AfterAlloc.BlockLens[0] = 100
+			return x
+		}(), "a list of 100 ids"},
+	} {
+		_, err := c.Step(ctx, &pb.StepRequest{EngineId: "cols", Columns: tc.cols})
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error = %v, want InvalidArgument with %q", tc.name, err, tc.want)
+		}
 	}
 }

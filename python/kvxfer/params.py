@@ -63,6 +63,12 @@ def _addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def addr(p: dict) -> str:
+    """The remote kvxferd's address (host:port) from remote_host and remote_port."""
+    port = p.get("remote_port")
+    return _addr(str(p["remote_host"]), port if type(port) is int else _int(p, "remote_port", 0))
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
@@ -88,8 +94,20 @@ def block_lists(p: dict) -> tuple[list[list[int]], list[int]]:
     return out, [int(s) for s in starts]
 
 
+# Keys a push registration's fast check covers; any other key takes the
+# full check.
+_FAST_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id", "remote_host",
+                        "remote_port", "tp_size", "mode", "remote_request_id"))
+
+
 def validate_remote(p: dict, mode: int) -> None:
     """Checks what a consumer needs to reach its producer; raises ParamsError."""
+    get = p.get
+    port, tp = get("remote_port"), get("tp_size")
+    if (mode == pb.MODE_PUSH and get("remote_engine_id") and get("remote_host") and type(port) is int
+            and 0 < port < 65536 and (get("transfer_id") or get("remote_request_id")) and get("mode", "push") == "push"
+            and (tp is None or type(tp) is int and tp >= 0) and _FAST_KEYS.issuperset(p)):
+        return  # a well-formed push registration, the common case, checked fast
     p = _canonical(p)
     if not p.get("remote_engine_id"):
         raise ParamsError("kv_transfer_params.remote_engine_id is missing")

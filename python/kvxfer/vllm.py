@@ -62,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                               KVConnectorRole, KVConnectorTransferResults,
                                                               SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -220,6 +221,10 @@ def compat_hash(vllm_config: "VllmConfig", mode: int) -> str:
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that hands transfers to kvxferd (push or pull)."""
 
+    # KV that arrives over kvxfer comes from a peer engine (vLLM's cache-hit
+    # metrics label it so).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
@@ -229,6 +234,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.groups = _group_kinds(kv_cache_config)
+        self._all_groups = tuple(range(len(kv_cache_config.kv_cache_groups))) if kv_cache_config is not None else (0,)
         self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -259,6 +265,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # A transfer fills the request's blocks in every group.
+        return self._all_groups
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        return {CacheHitSource.P2P: num_external_tokens} if num_external_tokens else {}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._sched.after_alloc(request, blocks, num_external_tokens)
@@ -325,6 +338,111 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.client.close()
 
 
+class _Columns:
+    """One kind of per-request scheduler call, column by column
+    (kvxfer.v1 RequestColumns). A row costs one tuple and a few list
+    operations; the step transposes the rows once (zip) and encodes each
+    column with one extend."""
+
+    __slots__ = ("groups", "kinds", "local", "rows", "remote_block_lens", "remote_block_starts", "remote_block_ids",
+                 "block_lens", "block_ids")
+
+    # The fixed columns, in the order of a row's tuple.
+    _FIXED = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr",
+              "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "computed", "count",
+              "status")
+    _LISTS = ("remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids")
+
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.kinds: list[tuple[str, str]] = []
+        self.local: dict[int, bool] = {}
+        self.rows: list[tuple] = []
+        for c in self._LISTS:
+            setattr(self, c, [])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, kind: str, request: "Request", p: dict | None, blocks, computed: int, count: int = 0,
+            status: int = 0, addrs: dict | None = None) -> bool:
+        """Adds a row; False (nothing added) when p's remote block lists do
+        not have one list per cache group: the caller sends an op."""
+        g = self.groups
+        rid = request.request_id
+        if not p:
+            self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status))
+            self.remote_block_lens.extend([0] * g)
+            self.remote_block_starts.extend([0] * g)
+        else:
+            get = p.get
+            ids = get("remote_block_ids")
+            remote = None
+            if ids:
+                remote = params.block_lists(p)
+                if len(remote[0]) != g:
+                    return False
+            host = get("remote_host")
+            addr = ""
+            if host:
+                key = (host, get("remote_port"))
+                addr = addrs.get(key) if addrs is not None else None
+                if addr is None:
+                    addr = params.addr(p)
+                    if addrs is not None:
+                        addrs[key] = addr
+            pp = get("remote_pp_size")
+            self.rows.append((rid, request.num_prompt_tokens,
+                              (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0),
+                              _s(get("transfer_id")), _s(get("remote_engine_id")), addr, _s(get("remote_request_id")),
+                              _n(get("tp_size")), _n(pp if pp is not None else get("pp_size")), _n(get("remote_num_tokens")),
+                              params.MODES.get(get("mode") or get("transfer_mode"), 0), computed, count, status))
+            if remote is not None:
+                for lst, st in zip(*remote):
+                    self.remote_block_lens.append(len(lst))
+                    self.remote_block_starts.append(st)
+                    self.remote_block_ids.extend(lst)
+            else:
+                self.remote_block_lens.extend([0] * g)
+                self.remote_block_starts.extend([0] * g)
+        self.kinds.append((kind, rid))
+        n = 0
+        for lst in blocks:
+            self.block_lens.append(len(lst))
+            self.block_ids.extend(lst)
+            n += 1
+        if n < g:
+            self.block_lens.extend([0] * (g - n))
+        return True
+
+    def encode(self, dst: pb.RequestColumns, with_status: bool) -> None:
+        for name, col in zip(self._FIXED, zip(*self.rows)):
+            if name != "status" or with_status:
+                getattr(dst, name).extend(col)
+        for c in self._LISTS:
+            v = getattr(self, c)
+            if v:
+                getattr(dst, c).extend(v)
+
+
+def _s(v) -> str:
+    return v if type(v) is str else ("" if v is None else str(v))
+
+
+def _n(v) -> int:
+    """A transfer param's integer; anything else counts as absent (0) here,
+    and was refused with a message where it matters (validate_remote)."""
+    if type(v) is int and 0 <= v < 1 << 31:
+        return v
+    if v is None:
+        return 0
+    try:
+        v = int(v)
+        return v if 0 <= v < 1 << 31 else 0
+    except (TypeError, ValueError):
+        return 0
+
+
 class _SchedulerSide:
     """The scheduler-side state: the calls of the coming step, batched in
     place into one StepRequest, and the steps the daemon has not answered.
@@ -347,10 +465,15 @@ class _SchedulerSide:
             nnodes = getattr(vllm_config.parallel_config, "nnodes", 1) or 1
             self.relay = "daemon" if nnodes <= 1 else "metadata"
         self.mamba = any(k == pb.CACHE_KIND_MAMBA for k, _ in conn.groups)
+        self.full = all(k in (pb.CACHE_KIND_FULL_ATTENTION, pb.CACHE_KIND_MLA) for k, _ in conn.groups)
         self.req = pb.StepRequest()
         # For each op of req: (kind, request id) to act on its error.
         self.op_req: list[tuple[str, str]] = []
         self.local_finished: dict[int, bool] = {}
+        # Per-request calls, column by column (they apply after req.ops).
+        self.ngroups = len(conn.groups)
+        self.rf, self.aa, self.pf = _Columns(self.ngroups), _Columns(self.ngroups), _Columns(self.ngroups)
+        self.addrs: dict = {}
         self.prefill_ops = False
         self.expect_recv: list[str] = []
         self.expect_send: list[str] = []
@@ -421,26 +544,31 @@ class _SchedulerSide:
         if not p:
             return
         if p.get("do_remote_prefill"):
-            aa = self._op("recv" if external > 0 else "other", request.request_id).after_alloc
-            self._request(aa.request, request)
+            local, computed = (), 0
             if external > 0:
                 # vLLM passes all the request's blocks before it records the
                 # local prefix hit: what the transfer does not fill is the hit.
                 computed = max(request.num_prompt_tokens - (1 if self.mamba else 0) - external, 0)
                 skip = computed // self.c.block_size
-                for g in blocks.get_block_ids():
-                    aa.blocks.add().block_ids.extend(g[skip:])
-                aa.computed = computed
-                aa.external = external
+                local = [g[skip:] for g in blocks.get_block_ids()]
+            kind = "recv" if external > 0 else "other"
+            if not self.aa.add(kind, request, p, local, computed, external, addrs=self.addrs):
+                aa = self._op(kind, request.request_id).after_alloc
+                self._request(aa.request, request)
+                for g in local:
+                    aa.blocks.add().block_ids.extend(g)
+                aa.computed, aa.external = computed, external
+            if external > 0:
                 self.expect_recv.append(request.request_id)
             p["do_remote_prefill"] = False
-        elif p.get("do_remote_decode"):
-            aa = self._op("other", request.request_id).after_alloc
-            self._request(aa.request, request)
-            aa.computed = request.num_computed_tokens
-            aa.external = external
+        # A producer's allocation tells the daemon nothing this connector
+        # uses (it stages host-buffer saves and bidirectional turns, which
+        # the connector does not offer): no op.
 
     def _clip(self, blocks: tuple[list[int], ...]) -> tuple[list[list[int]], list[int]]:
+        if self.full:
+            # Full attention only (the common case): nothing is clipped.
+            return list(blocks), [0] * len(blocks)
         ids, starts = [], []
         for (kind, window), g in zip(self.c.groups, blocks):
             g = list(g)
@@ -479,19 +607,25 @@ class _SchedulerSide:
             if p.get("transfer_id"):
                 out["transfer_id"] = p["transfer_id"]
             delay = any(ids)
-        i = len(self.req.ops)
-        rf = self._op("send" if delay else "other", request.request_id).request_finished
         # The daemon sees the params as they are now: a D request aborted
         # before it was scheduled still has do_remote_prefill (the daemon
         # then tells P to free its blocks).
-        self._request(rf.request, request)
-        rf.status = status
-        for g in block_ids:
-            rf.blocks.add().block_ids.extend(g)
-        rf.computed = request.num_computed_tokens
+        kind = "send" if delay else "other"
+        row = len(self.rf)
+        if self.rf.add(kind, request, p, block_ids, request.num_computed_tokens, status=status, addrs=self.addrs):
+            if producer:
+                self.rf.local[row] = delay
+        else:
+            i = len(self.req.ops)
+            rf = self._op(kind, request.request_id).request_finished
+            self._request(rf.request, request)
+            rf.status = status
+            for g in block_ids:
+                rf.blocks.add().block_ids.extend(g)
+            rf.computed = request.num_computed_tokens
+            if producer:
+                self.local_finished[i] = delay
         p["do_remote_prefill"] = False
-        if producer:
-            self.local_finished[i] = delay
         if delay:
             self.expect_send.append(request.request_id)
         return delay, out
@@ -520,12 +654,8 @@ class _SchedulerSide:
             req = self.requests.get(rid)
             if req is None or computed + sched.get(rid, 0) < req.num_prompt_tokens:
                 continue
-            pf = self._op("other", rid).prefill
-            self._request(pf.request, req)
-            for g in mgr.get_block_ids(rid):
-                pf.blocks.add().block_ids.extend(g)
-            pf.computed = computed
-            pf.scheduled = sched.get(rid, 0)
+            self.pf.add("other", req, req.kv_transfer_params, mgr.get_block_ids(rid), computed, sched.get(rid, 0),
+                        addrs=self.addrs)
             self.prefill_ops = True
 
     def _fail(self, kinds, why: str) -> None:
@@ -582,20 +712,36 @@ class _SchedulerSide:
     def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
         self._prefill_ops(so)
         req, kinds, local, prefill = self.req, self.op_req, self.local_finished, self.prefill_ops
+        rf, aa, pf = self.rf, self.aa, self.pf
         self.req, self.op_req, self.local_finished, self.prefill_ops = pb.StepRequest(), [], {}, False
+        self.rf, self.aa, self.pf = _Columns(self.ngroups), _Columns(self.ngroups), _Columns(self.ngroups)
+        # Columns apply after the ops, request_finished rows first: their
+        # answers' indices continue the ops'.
+        base = len(kinds)
+        for row, d in rf.local.items():
+            local[base + row] = d
+        kinds = kinds + rf.kinds + aa.kinds + pf.kinds
+        if len(rf):
+            rf.encode(req.columns.request_finished, True)
+        if len(aa):
+            aa.encode(req.columns.after_alloc, False)
+        if len(pf):
+            pf.encode(req.columns.prefill, False)
+        staged = bool(kinds)
         self._drain()
         try:
             if not self.addr:
                 self._open()
                 if not self.addr:
                     raise errors.Unavailable("OpenScheduler", f"no scheduler for engine {self.c.engine_id}")
-            if self.relay == "daemon" and not req.ops:
+            if self.relay == "daemon" and not staged:
                 # Nothing staged: the daemon's metadata would be empty and
                 # its pending work is what the last answer said.
                 step_ref, step_meta = 0, b""
             elif self.relay == "daemon":
                 self.step_no += 1
                 req.publish_step = self.step_no
+                req.errors_only = True  # request_finished's answers were computed here
                 self.stream.send(req)
                 self.inflight.append((self.step_no, kinds, local))
                 step_ref, step_meta = self.step_no, b""
@@ -614,7 +760,7 @@ class _SchedulerSide:
         return meta
 
     def pending(self) -> bool:
-        return bool(self.req.ops) or self.daemon_pending or bool(self.inflight)
+        return bool(self.op_req or len(self.rf) or len(self.aa) or len(self.pf)) or self.daemon_pending or bool(self.inflight)
 
     def take_stats(self) -> KvxferStats | None:
         return _take_stats(self)

@@ -220,8 +220,11 @@ def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
         orig = side.stream.send
 
         def spy(req):
-            seen.extend((op.after_alloc.request.request_id, [list(b.block_ids) for b in op.after_alloc.blocks],
-                         op.after_alloc.computed) for op in req.ops if op.WhichOneof("op") == "after_alloc")
+            c = req.columns.after_alloc  # one cache group: one block list per row
+            ids, pos = list(c.block_ids), 0
+            for i, rid in enumerate(c.request_id):
+                seen.append((rid, [ids[pos:pos + c.block_lens[i]]], c.computed[i]))
+                pos += c.block_lens[i]
             return orig(req)
 
         side.stream.send = spy

@@ -3784,11 +3784,17 @@ type StepRequest struct {
 	Ops []*SchedulerOp `protobuf:"bytes,2,rep,name=ops,proto3" json:"ops,omitempty"`
 	// build_meta: build the step's metadata after the ops (BuildMeta).
 	BuildMeta bool `protobuf:"varint,3,opt,name=build_meta,json=buildMeta,proto3" json:"build_meta,omitempty"`
+	// columns: more calls of the step, column by column (cheap for an engine
+	// to build per request), applied after ops.
+	Columns *StepColumns `protobuf:"bytes,5,opt,name=columns,proto3" json:"columns,omitempty"`
 	// publish_step, when not 0, builds the step's metadata after the ops,
 	// numbers it publish_step (increasing per engine) and keeps it on this
 	// daemon for the engine's ranks (ConnectRequest.step_ref) instead of
 	// returning it: the metadata then never travels through the engine.
-	PublishStep   uint64 `protobuf:"varint,4,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
+	PublishStep uint64 `protobuf:"varint,4,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
+	// errors_only: answer only the ops that failed (no request_finished
+	// answers for the ops that did not).
+	ErrorsOnly    bool `protobuf:"varint,6,opt,name=errors_only,json=errorsOnly,proto3" json:"errors_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3844,11 +3850,309 @@ func (x *StepRequest) GetBuildMeta() bool {
 	return false
 }
 
+func (x *StepRequest) GetColumns() *StepColumns {
+	if x != nil {
+		return x.Columns
+	}
+	return nil
+}
+
 func (x *StepRequest) GetPublishStep() uint64 {
 	if x != nil {
 		return x.PublishStep
 	}
 	return 0
+}
+
+func (x *StepRequest) GetErrorsOnly() bool {
+	if x != nil {
+		return x.ErrorsOnly
+	}
+	return false
+}
+
+// RequestColumns holds one kind of scheduler call for several requests,
+// one row per request: every repeated field below has one entry per row,
+// except the block fields, which have one length per row and cache group
+// (groups as the scheduler was opened with) and the ids of every list
+// concatenated. A row is the call its kind names (StepColumns), with an
+// EngineRequest and TransferParams made of the row's fields.
+type RequestColumns struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// request_id per row.
+	RequestId []string `protobuf:"bytes,1,rep,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// prompt_tokens per row.
+	PromptTokens []int64 `protobuf:"varint,2,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// flags per row: 1 do_remote_prefill, 2 do_remote_decode, 4 the row has
+	// no transfer params at all.
+	Flags []uint32 `protobuf:"varint,3,rep,packed,name=flags,proto3" json:"flags,omitempty"`
+	// transfer_id per row (params).
+	TransferId []string `protobuf:"bytes,4,rep,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// remote_engine_id per row (params).
+	RemoteEngineId []string `protobuf:"bytes,5,rep,name=remote_engine_id,json=remoteEngineId,proto3" json:"remote_engine_id,omitempty"`
+	// remote_addr per row (params).
+	RemoteAddr []string `protobuf:"bytes,6,rep,name=remote_addr,json=remoteAddr,proto3" json:"remote_addr,omitempty"`
+	// remote_request_id per row (params).
+	RemoteRequestId []string `protobuf:"bytes,7,rep,name=remote_request_id,json=remoteRequestId,proto3" json:"remote_request_id,omitempty"`
+	// remote_tp_size per row (params).
+	RemoteTpSize []int32 `protobuf:"varint,8,rep,packed,name=remote_tp_size,json=remoteTpSize,proto3" json:"remote_tp_size,omitempty"`
+	// remote_pp_size per row (params).
+	RemotePpSize []int32 `protobuf:"varint,9,rep,packed,name=remote_pp_size,json=remotePpSize,proto3" json:"remote_pp_size,omitempty"`
+	// remote_num_tokens per row (params).
+	RemoteNumTokens []int64 `protobuf:"varint,10,rep,packed,name=remote_num_tokens,json=remoteNumTokens,proto3" json:"remote_num_tokens,omitempty"`
+	// mode per row (params).
+	Mode []Mode `protobuf:"varint,11,rep,packed,name=mode,proto3,enum=kvxfer.v1.Mode" json:"mode,omitempty"`
+	// remote_block_lens: per row and group, the length of the row's
+	// remote_block_ids list (params); all zero for none.
+	RemoteBlockLens []int32 `protobuf:"varint,12,rep,packed,name=remote_block_lens,json=remoteBlockLens,proto3" json:"remote_block_lens,omitempty"`
+	// remote_block_starts: per row and group, the list's first token.
+	RemoteBlockStarts []int64 `protobuf:"varint,13,rep,packed,name=remote_block_starts,json=remoteBlockStarts,proto3" json:"remote_block_starts,omitempty"`
+	// remote_block_ids of every row and group, concatenated.
+	RemoteBlockIds []int32 `protobuf:"varint,14,rep,packed,name=remote_block_ids,json=remoteBlockIds,proto3" json:"remote_block_ids,omitempty"`
+	// block_lens: per row and group, the length of the row's block list
+	// (after_alloc: blocks; request_finished: blocks; prefill: blocks).
+	BlockLens []int32 `protobuf:"varint,15,rep,packed,name=block_lens,json=blockLens,proto3" json:"block_lens,omitempty"`
+	// block_ids of every row and group, concatenated.
+	BlockIds []int32 `protobuf:"varint,16,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	// computed tokens per row.
+	Computed []int64 `protobuf:"varint,17,rep,packed,name=computed,proto3" json:"computed,omitempty"`
+	// count per row: after_alloc's external, prefill's scheduled (else 0).
+	Count []int64 `protobuf:"varint,18,rep,packed,name=count,proto3" json:"count,omitempty"`
+	// status per row (request_finished only).
+	Status        []FinishStatus `protobuf:"varint,19,rep,packed,name=status,proto3,enum=kvxfer.v1.FinishStatus" json:"status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RequestColumns) Reset() {
+	*x = RequestColumns{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RequestColumns) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RequestColumns) ProtoMessage() {}
+
+func (x *RequestColumns) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RequestColumns.ProtoReflect.Descriptor instead.
+func (*RequestColumns) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *RequestColumns) GetRequestId() []string {
+	if x != nil {
+		return x.RequestId
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetPromptTokens() []int64 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetFlags() []uint32 {
+	if x != nil {
+		return x.Flags
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetTransferId() []string {
+	if x != nil {
+		return x.TransferId
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteEngineId() []string {
+	if x != nil {
+		return x.RemoteEngineId
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteAddr() []string {
+	if x != nil {
+		return x.RemoteAddr
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteRequestId() []string {
+	if x != nil {
+		return x.RemoteRequestId
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteTpSize() []int32 {
+	if x != nil {
+		return x.RemoteTpSize
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemotePpSize() []int32 {
+	if x != nil {
+		return x.RemotePpSize
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteNumTokens() []int64 {
+	if x != nil {
+		return x.RemoteNumTokens
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetMode() []Mode {
+	if x != nil {
+		return x.Mode
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteBlockLens() []int32 {
+	if x != nil {
+		return x.RemoteBlockLens
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteBlockStarts() []int64 {
+	if x != nil {
+		return x.RemoteBlockStarts
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteBlockIds() []int32 {
+	if x != nil {
+		return x.RemoteBlockIds
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetBlockLens() []int32 {
+	if x != nil {
+		return x.BlockLens
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetBlockIds() []int32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetComputed() []int64 {
+	if x != nil {
+		return x.Computed
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetCount() []int64 {
+	if x != nil {
+		return x.Count
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetStatus() []FinishStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+// StepColumns holds a step's per-request calls column by column; they
+// apply after StepRequest.ops, in this order: every request_finished row,
+// then every after_alloc row, then every prefill row (the order in which
+// an engine makes them within a step). Their OpResult indices continue
+// those of ops, in the same order.
+type StepColumns struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// request_finished rows.
+	RequestFinished *RequestColumns `protobuf:"bytes,1,opt,name=request_finished,json=requestFinished,proto3" json:"request_finished,omitempty"`
+	// after_alloc rows.
+	AfterAlloc *RequestColumns `protobuf:"bytes,2,opt,name=after_alloc,json=afterAlloc,proto3" json:"after_alloc,omitempty"`
+	// prefill rows.
+	Prefill       *RequestColumns `protobuf:"bytes,3,opt,name=prefill,proto3" json:"prefill,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StepColumns) Reset() {
+	*x = StepColumns{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StepColumns) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StepColumns) ProtoMessage() {}
+
+func (x *StepColumns) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StepColumns.ProtoReflect.Descriptor instead.
+func (*StepColumns) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *StepColumns) GetRequestFinished() *RequestColumns {
+	if x != nil {
+		return x.RequestFinished
+	}
+	return nil
+}
+
+func (x *StepColumns) GetAfterAlloc() *RequestColumns {
+	if x != nil {
+		return x.AfterAlloc
+	}
+	return nil
+}
+
+func (x *StepColumns) GetPrefill() *RequestColumns {
+	if x != nil {
+		return x.Prefill
+	}
+	return nil
 }
 
 // OpResult is what one op of a StepRequest returned, for ops that failed
@@ -3871,7 +4175,7 @@ type OpResult struct {
 
 func (x *OpResult) Reset() {
 	*x = OpResult{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3883,7 +4187,7 @@ func (x *OpResult) String() string {
 func (*OpResult) ProtoMessage() {}
 
 func (x *OpResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3896,7 +4200,7 @@ func (x *OpResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpResult.ProtoReflect.Descriptor instead.
 func (*OpResult) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *OpResult) GetIndex() int32 {
@@ -3952,7 +4256,7 @@ type SchedulerCounters struct {
 
 func (x *SchedulerCounters) Reset() {
 	*x = SchedulerCounters{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3964,7 +4268,7 @@ func (x *SchedulerCounters) String() string {
 func (*SchedulerCounters) ProtoMessage() {}
 
 func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3977,7 +4281,7 @@ func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerCounters.ProtoReflect.Descriptor instead.
 func (*SchedulerCounters) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *SchedulerCounters) GetBadParams() uint64 {
@@ -4027,7 +4331,7 @@ type StepResponse struct {
 
 func (x *StepResponse) Reset() {
 	*x = StepResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4039,7 +4343,7 @@ func (x *StepResponse) String() string {
 func (*StepResponse) ProtoMessage() {}
 
 func (x *StepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4052,7 +4356,7 @@ func (x *StepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepResponse.ProtoReflect.Descriptor instead.
 func (*StepResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *StepResponse) GetMeta() *StepMeta {
@@ -4101,7 +4405,7 @@ type StepsRequest struct {
 
 func (x *StepsRequest) Reset() {
 	*x = StepsRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4113,7 +4417,7 @@ func (x *StepsRequest) String() string {
 func (*StepsRequest) ProtoMessage() {}
 
 func (x *StepsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4126,7 +4430,7 @@ func (x *StepsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepsRequest.ProtoReflect.Descriptor instead.
 func (*StepsRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *StepsRequest) GetStep() *StepRequest {
@@ -4147,7 +4451,7 @@ type StepsResponse struct {
 
 func (x *StepsResponse) Reset() {
 	*x = StepsResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4159,7 +4463,7 @@ func (x *StepsResponse) String() string {
 func (*StepsResponse) ProtoMessage() {}
 
 func (x *StepsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4172,7 +4476,7 @@ func (x *StepsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepsResponse.ProtoReflect.Descriptor instead.
 func (*StepsResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{50}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *StepsResponse) GetStep() *StepResponse {
@@ -4193,7 +4497,7 @@ type CloseSchedulerRequest struct {
 
 func (x *CloseSchedulerRequest) Reset() {
 	*x = CloseSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4205,7 +4509,7 @@ func (x *CloseSchedulerRequest) String() string {
 func (*CloseSchedulerRequest) ProtoMessage() {}
 
 func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4218,7 +4522,7 @@ func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{51}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *CloseSchedulerRequest) GetEngineId() string {
@@ -4237,7 +4541,7 @@ type CloseSchedulerResponse struct {
 
 func (x *CloseSchedulerResponse) Reset() {
 	*x = CloseSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4249,7 +4553,7 @@ func (x *CloseSchedulerResponse) String() string {
 func (*CloseSchedulerResponse) ProtoMessage() {}
 
 func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4262,7 +4566,7 @@ func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{52}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{54}
 }
 
 var File_kvxfer_v1_kvxfer_proto protoreflect.FileDescriptor
@@ -4527,13 +4831,46 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x10request_finished\x18\x03 \x01(\v2!.kvxfer.v1.RequestFinishedRequestH\x00R\x0frequestFinished\x122\n" +
 	"\x06update\x18\x04 \x01(\v2\x18.kvxfer.v1.UpdateRequestH\x00R\x06update\x125\n" +
 	"\aprefill\x18\x05 \x01(\v2\x19.kvxfer.v1.PrefillRequestH\x00R\aprefillB\x04\n" +
-	"\x02op\"\x96\x01\n" +
+	"\x02op\"\xe9\x01\n" +
 	"\vStepRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12(\n" +
 	"\x03ops\x18\x02 \x03(\v2\x16.kvxfer.v1.SchedulerOpR\x03ops\x12\x1d\n" +
 	"\n" +
-	"build_meta\x18\x03 \x01(\bR\tbuildMeta\x12!\n" +
-	"\fpublish_step\x18\x04 \x01(\x04R\vpublishStep\"\x93\x01\n" +
+	"build_meta\x18\x03 \x01(\bR\tbuildMeta\x120\n" +
+	"\acolumns\x18\x05 \x01(\v2\x16.kvxfer.v1.StepColumnsR\acolumns\x12!\n" +
+	"\fpublish_step\x18\x04 \x01(\x04R\vpublishStep\x12\x1f\n" +
+	"\verrors_only\x18\x06 \x01(\bR\n" +
+	"errorsOnly\"\xc4\x05\n" +
+	"\x0eRequestColumns\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x01 \x03(\tR\trequestId\x12#\n" +
+	"\rprompt_tokens\x18\x02 \x03(\x03R\fpromptTokens\x12\x14\n" +
+	"\x05flags\x18\x03 \x03(\rR\x05flags\x12\x1f\n" +
+	"\vtransfer_id\x18\x04 \x03(\tR\n" +
+	"transferId\x12(\n" +
+	"\x10remote_engine_id\x18\x05 \x03(\tR\x0eremoteEngineId\x12\x1f\n" +
+	"\vremote_addr\x18\x06 \x03(\tR\n" +
+	"remoteAddr\x12*\n" +
+	"\x11remote_request_id\x18\a \x03(\tR\x0fremoteRequestId\x12$\n" +
+	"\x0eremote_tp_size\x18\b \x03(\x05R\fremoteTpSize\x12$\n" +
+	"\x0eremote_pp_size\x18\t \x03(\x05R\fremotePpSize\x12*\n" +
+	"\x11remote_num_tokens\x18\n" +
+	" \x03(\x03R\x0fremoteNumTokens\x12#\n" +
+	"\x04mode\x18\v \x03(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12*\n" +
+	"\x11remote_block_lens\x18\f \x03(\x05R\x0fremoteBlockLens\x12.\n" +
+	"\x13remote_block_starts\x18\r \x03(\x03R\x11remoteBlockStarts\x12(\n" +
+	"\x10remote_block_ids\x18\x0e \x03(\x05R\x0eremoteBlockIds\x12\x1d\n" +
+	"\n" +
+	"block_lens\x18\x0f \x03(\x05R\tblockLens\x12\x1b\n" +
+	"\tblock_ids\x18\x10 \x03(\x05R\bblockIds\x12\x1a\n" +
+	"\bcomputed\x18\x11 \x03(\x03R\bcomputed\x12\x14\n" +
+	"\x05count\x18\x12 \x03(\x03R\x05count\x12/\n" +
+	"\x06status\x18\x13 \x03(\x0e2\x17.kvxfer.v1.FinishStatusR\x06status\"\xc4\x01\n" +
+	"\vStepColumns\x12D\n" +
+	"\x10request_finished\x18\x01 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\x0frequestFinished\x12:\n" +
+	"\vafter_alloc\x18\x02 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\n" +
+	"afterAlloc\x123\n" +
+	"\aprefill\x18\x03 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\aprefill\"\x93\x01\n" +
 	"\bOpResult\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\x05R\x04code\x12\x14\n" +
@@ -4617,7 +4954,7 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 55)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
@@ -4671,13 +5008,15 @@ var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(*PrefillResponse)(nil),         // 49: kvxfer.v1.PrefillResponse
 	(*SchedulerOp)(nil),             // 50: kvxfer.v1.SchedulerOp
 	(*StepRequest)(nil),             // 51: kvxfer.v1.StepRequest
-	(*OpResult)(nil),                // 52: kvxfer.v1.OpResult
-	(*SchedulerCounters)(nil),       // 53: kvxfer.v1.SchedulerCounters
-	(*StepResponse)(nil),            // 54: kvxfer.v1.StepResponse
-	(*StepsRequest)(nil),            // 55: kvxfer.v1.StepsRequest
-	(*StepsResponse)(nil),           // 56: kvxfer.v1.StepsResponse
-	(*CloseSchedulerRequest)(nil),   // 57: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 58: kvxfer.v1.CloseSchedulerResponse
+	(*RequestColumns)(nil),          // 52: kvxfer.v1.RequestColumns
+	(*StepColumns)(nil),             // 53: kvxfer.v1.StepColumns
+	(*OpResult)(nil),                // 54: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 55: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 56: kvxfer.v1.StepResponse
+	(*StepsRequest)(nil),            // 57: kvxfer.v1.StepsRequest
+	(*StepsResponse)(nil),           // 58: kvxfer.v1.StepsResponse
+	(*CloseSchedulerRequest)(nil),   // 59: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 60: kvxfer.v1.CloseSchedulerResponse
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
@@ -4737,43 +5076,49 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	46, // 54: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
 	48, // 55: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
 	50, // 56: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	30, // 57: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	14, // 58: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	52, // 59: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	53, // 60: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	51, // 61: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	54, // 62: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	20, // 63: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	28, // 64: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	34, // 65: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	36, // 66: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	38, // 67: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	40, // 68: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	42, // 69: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	44, // 70: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	46, // 71: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	48, // 72: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	51, // 73: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	55, // 74: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	57, // 75: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	25, // 76: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	29, // 77: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	35, // 78: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	37, // 79: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	39, // 80: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	41, // 81: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	43, // 82: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	45, // 83: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	47, // 84: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	49, // 85: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	54, // 86: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	56, // 87: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	58, // 88: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	76, // [76:89] is the sub-list for method output_type
-	63, // [63:76] is the sub-list for method input_type
-	63, // [63:63] is the sub-list for extension type_name
-	63, // [63:63] is the sub-list for extension extendee
-	0,  // [0:63] is the sub-list for field type_name
+	53, // 57: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 58: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	4,  // 59: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	52, // 60: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	52, // 61: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	52, // 62: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	30, // 63: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	14, // 64: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	54, // 65: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	55, // 66: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	51, // 67: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	56, // 68: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	20, // 69: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	28, // 70: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	34, // 71: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	36, // 72: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	38, // 73: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	40, // 74: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	42, // 75: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	44, // 76: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	46, // 77: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	48, // 78: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	51, // 79: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	57, // 80: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	59, // 81: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	25, // 82: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	29, // 83: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	35, // 84: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	37, // 85: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	39, // 86: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	41, // 87: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	43, // 88: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	45, // 89: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	47, // 90: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	49, // 91: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	56, // 92: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	58, // 93: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	60, // 94: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	82, // [82:95] is the sub-list for method output_type
+	69, // [69:82] is the sub-list for method input_type
+	69, // [69:69] is the sub-list for extension type_name
+	69, // [69:69] is the sub-list for extension extendee
+	0,  // [0:69] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -4806,7 +5151,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   53,
+			NumMessages:   55,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

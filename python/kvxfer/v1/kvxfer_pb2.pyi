@@ -602,16 +602,72 @@ class SchedulerOp(_message.Message):
     def __init__(self, after_alloc: _Optional[_Union[AfterAllocRequest, _Mapping]] = ..., scheduled: _Optional[_Union[ScheduledRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., update: _Optional[_Union[UpdateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("engine_id", "ops", "build_meta", "publish_step")
+    __slots__ = ("engine_id", "ops", "build_meta", "columns", "publish_step", "errors_only")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     BUILD_META_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_STEP_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_ONLY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ops: _containers.RepeatedCompositeFieldContainer[SchedulerOp]
     build_meta: bool
+    columns: StepColumns
     publish_step: int
-    def __init__(self, engine_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SchedulerOp, _Mapping]]] = ..., build_meta: _Optional[bool] = ..., publish_step: _Optional[int] = ...) -> None: ...
+    errors_only: bool
+    def __init__(self, engine_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SchedulerOp, _Mapping]]] = ..., build_meta: _Optional[bool] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ..., publish_step: _Optional[int] = ..., errors_only: _Optional[bool] = ...) -> None: ...
+
+class RequestColumns(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr", "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids", "computed", "count", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_LENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_STARTS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: _containers.RepeatedScalarFieldContainer[str]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    flags: _containers.RepeatedScalarFieldContainer[int]
+    transfer_id: _containers.RepeatedScalarFieldContainer[str]
+    remote_engine_id: _containers.RepeatedScalarFieldContainer[str]
+    remote_addr: _containers.RepeatedScalarFieldContainer[str]
+    remote_request_id: _containers.RepeatedScalarFieldContainer[str]
+    remote_tp_size: _containers.RepeatedScalarFieldContainer[int]
+    remote_pp_size: _containers.RepeatedScalarFieldContainer[int]
+    remote_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    mode: _containers.RepeatedScalarFieldContainer[Mode]
+    remote_block_lens: _containers.RepeatedScalarFieldContainer[int]
+    remote_block_starts: _containers.RepeatedScalarFieldContainer[int]
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_lens: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    computed: _containers.RepeatedScalarFieldContainer[int]
+    count: _containers.RepeatedScalarFieldContainer[int]
+    status: _containers.RepeatedScalarFieldContainer[FinishStatus]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[_Iterable[str]] = ..., remote_engine_id: _Optional[_Iterable[str]] = ..., remote_addr: _Optional[_Iterable[str]] = ..., remote_request_id: _Optional[_Iterable[str]] = ..., remote_tp_size: _Optional[_Iterable[int]] = ..., remote_pp_size: _Optional[_Iterable[int]] = ..., remote_num_tokens: _Optional[_Iterable[int]] = ..., mode: _Optional[_Iterable[_Union[Mode, str]]] = ..., remote_block_lens: _Optional[_Iterable[int]] = ..., remote_block_starts: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_lens: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., computed: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., status: _Optional[_Iterable[_Union[FinishStatus, str]]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("request_finished", "after_alloc", "prefill")
+    REQUEST_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ALLOC_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    request_finished: RequestColumns
+    after_alloc: RequestColumns
+    prefill: RequestColumns
+    def __init__(self, request_finished: _Optional[_Union[RequestColumns, _Mapping]] = ..., after_alloc: _Optional[_Union[RequestColumns, _Mapping]] = ..., prefill: _Optional[_Union[RequestColumns, _Mapping]] = ...) -> None: ...
 
 class OpResult(_message.Message):
     __slots__ = ("index", "code", "error", "delay", "params")

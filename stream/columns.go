@@ -1,0 +1,113 @@
+package stream
+
+import (
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// Row flags of RequestColumns.flags.
+const (
+	colRemotePrefill = 1 << iota
+	colRemoteDecode
+	colNoParams
+)
+
+// columnOps expands a step's columns into the ops they stand for, in the
+// order they apply: request_finished rows, after_alloc rows, prefill rows.
+// Columns whose lengths disagree are refused whole, naming the column.
+func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
+	if c == nil {
+		return nil, nil
+	}
+	var ops []*pb.SchedulerOp
+	for _, kind := range []struct {
+		name string
+		rc   *pb.RequestColumns
+		op   func(r *pb.EngineRequest, blocks []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp
+	}{
+		{"request_finished", c.RequestFinished, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
+			return &pb.SchedulerOp{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{
+				Request: r, Blocks: b, Computed: rc.Computed[i], Status: rc.Status[i]}}}
+		}},
+		{"after_alloc", c.AfterAlloc, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
+			return &pb.SchedulerOp{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{
+				Request: r, Blocks: b, Computed: rc.Computed[i], External: rc.Count[i]}}}
+		}},
+		{"prefill", c.Prefill, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
+			return &pb.SchedulerOp{Op: &pb.SchedulerOp_Prefill{Prefill: &pb.PrefillRequest{
+				Request: r, Blocks: b, Computed: rc.Computed[i], Scheduled: rc.Count[i]}}}
+		}},
+	} {
+		rc := kind.rc
+		if rc == nil || len(rc.RequestId) == 0 {
+			continue
+		}
+		rows := len(rc.RequestId)
+		field := func(f string) string { return "columns." + kind.name + "." + f }
+		for _, col := range []struct {
+			name string
+			n    int
+		}{
+			{"prompt_tokens", len(rc.PromptTokens)}, {"flags", len(rc.Flags)}, {"transfer_id", len(rc.TransferId)},
+			{"remote_engine_id", len(rc.RemoteEngineId)}, {"remote_addr", len(rc.RemoteAddr)},
+			{"remote_request_id", len(rc.RemoteRequestId)}, {"remote_tp_size", len(rc.RemoteTpSize)},
+			{"remote_pp_size", len(rc.RemotePpSize)}, {"remote_num_tokens", len(rc.RemoteNumTokens)}, {"mode", len(rc.Mode)},
+			{"computed", len(rc.Computed)}, {"count", len(rc.Count)},
+		} {
+			if col.n != rows {
+				return nil, invalid("%s has %d entries, want %d (one per request_id)", field(col.name), col.n, rows)
+			}
+		}
+		if kind.name == "request_finished" && len(rc.Status) != rows {
+			return nil, invalid("%s has %d entries, want %d (one per request_id)", field("status"), len(rc.Status), rows)
+		}
+		if len(rc.BlockLens)%rows != 0 || len(rc.RemoteBlockLens)%rows != 0 || len(rc.RemoteBlockStarts) != len(rc.RemoteBlockLens) {
+			return nil, invalid("%s: block_lens has %d entries, remote_block_lens %d, remote_block_starts %d, want multiples of %d rows (one per row and group)",
+				field(""), len(rc.BlockLens), len(rc.RemoteBlockLens), len(rc.RemoteBlockStarts), rows)
+		}
+		groups, rgroups := len(rc.BlockLens)/rows, len(rc.RemoteBlockLens)/rows
+		ids, rids := rc.BlockIds, rc.RemoteBlockIds
+		take := func(name string, from *[]int32, n int32) ([]int32, error) {
+			if n < 0 || int(n) > len(*from) {
+				return nil, invalid("%s: a list of %d ids, but %d are left", field(name), n, len(*from))
+			}
+			out := (*from)[:n:n]
+			*from = (*from)[n:]
+			return out, nil
+		}
+		for i := range rows {
+			var params *pb.TransferParams
+			if rc.Flags[i]&colNoParams == 0 {
+				params = &pb.TransferParams{TransferId: rc.TransferId[i], DoRemotePrefill: rc.Flags[i]&colRemotePrefill != 0,
+					DoRemoteDecode: rc.Flags[i]&colRemoteDecode != 0, RemoteEngineId: rc.RemoteEngineId[i], RemoteAddr: rc.RemoteAddr[i],
+					RemoteRequestId: rc.RemoteRequestId[i], RemoteTpSize: rc.RemoteTpSize[i], RemotePpSize: rc.RemotePpSize[i],
+					RemoteNumTokens: rc.RemoteNumTokens[i], Mode: rc.Mode[i]}
+				hasRemote := false
+				for g := range rgroups {
+					if rc.RemoteBlockLens[i*rgroups+g] != 0 {
+						hasRemote = true
+					}
+				}
+				for g := 0; hasRemote && g < rgroups; g++ {
+					l, err := take("remote_block_ids", &rids, rc.RemoteBlockLens[i*rgroups+g])
+					if err != nil {
+						return nil, err
+					}
+					params.RemoteBlockIds = append(params.RemoteBlockIds, &pb.Span{Start: rc.RemoteBlockStarts[i*rgroups+g], BlockIds: l})
+				}
+			}
+			blocks := make([]*pb.BlockList, groups)
+			for g := range groups {
+				l, err := take("block_ids", &ids, rc.BlockLens[i*groups+g])
+				if err != nil {
+					return nil, err
+				}
+				blocks[g] = &pb.BlockList{BlockIds: l}
+			}
+			ops = append(ops, kind.op(&pb.EngineRequest{RequestId: rc.RequestId[i], PromptTokens: rc.PromptTokens[i], Params: params}, blocks, rc, i))
+		}
+		if len(ids) != 0 || len(rids) != 0 {
+			return nil, invalid("%s: %d block ids and %d remote block ids left over after every row", field(""), len(ids), len(rids))
+		}
+	}
+	return ops, nil
+}
