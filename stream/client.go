@@ -36,13 +36,16 @@ func (c *Client) Close() error { return c.cc.Close() }
 
 // Memory holds part of a rank's KV cache, seen by the engine at Base: a
 // shared-memory file (Path; make it with shm.Create, whose package doc
-// gives the rules kvxferd applies), or GPU memory of device Device shared as a
-// CUDA IPC handle (CUDAIPCHandle, 64 bytes; needs kvxferd -backend=nixl).
+// gives the rules kvxferd applies), or GPU memory shared as a CUDA IPC
+// handle (CUDAIPCHandle, 64 bytes; needs kvxferd -backend=nixl) on the GPU
+// with DeviceUUID ("GPU-..." as cuda.FormatUUID writes it), or, when that
+// is empty, on device ordinal Device as the engine numbers it.
 type Memory struct {
 	Path          string
 	Base, Size    uint64
 	CUDAIPCHandle []byte
 	Device        int
+	DeviceUUID    string
 }
 
 // Hello describes a rank when its stream opens.
@@ -78,7 +81,8 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 	}
 	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise}
 	for _, m := range h.Memory {
-		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size, CudaIpcHandle: m.CUDAIPCHandle, Device: int32(m.Device)})
+		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size, CudaIpcHandle: m.CUDAIPCHandle,
+			Device: int32(m.Device), DeviceUuid: m.DeviceUUID})
 	}
 	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
 		cancel()

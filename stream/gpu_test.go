@@ -15,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -42,9 +45,9 @@ func gpuPattern() []byte {
 	return b
 }
 
-// gpuEngine plays an engine whose KV cache is GPU memory: it prints the
-// memory's CUDA IPC handle, keeps the memory until stdin closes, and then
-// (consumer) dumps it to a file.
+// gpuEngine plays an engine whose KV cache is GPU memory on its device 0:
+// it prints the memory's CUDA IPC handle and the device's UUID, keeps the
+// memory until stdin closes, and then (consumer) dumps it to a file.
 func gpuEngine(role, dump string) int {
 	d, err := cuda.Open(0)
 	if err != nil {
@@ -64,11 +67,15 @@ func gpuEngine(role, dump string) int {
 	if err == nil {
 		h, err = d.Export(p)
 	}
+	var u [16]byte
+	if err == nil {
+		u, err = d.UUID()
+	}
 	if err != nil {
 		fmt.Println("error", err)
 		return 1
 	}
-	fmt.Println(hex.EncodeToString(h[:]))
+	fmt.Println(hex.EncodeToString(h[:]), cuda.FormatUUID(u))
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	if dump != "" {
 		out := make([]byte, gpuBytes)
@@ -87,12 +94,15 @@ type gpuProc struct {
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	handle []byte
+	uuid   string // of the engine's device 0
 }
 
-func startGPUEngine(t *testing.T, role, dump string) *gpuProc {
+// startGPUEngine starts gpuEngine in a child process; env adds to its
+// environment (CUDA_VISIBLE_DEVICES).
+func startGPUEngine(t *testing.T, role, dump string, env ...string) *gpuProc {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "KVXFER_GPU_ENGINE="+role, "KVXFER_GPU_DUMP="+dump)
+	cmd.Env = append(append(os.Environ(), "KVXFER_GPU_ENGINE="+role, "KVXFER_GPU_DUMP="+dump), env...)
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
 	cmd.Stderr = os.Stderr
@@ -100,11 +110,17 @@ func startGPUEngine(t *testing.T, role, dump string) *gpuProc {
 		t.Fatal(err)
 	}
 	line, err := bufio.NewReader(stdout).ReadString('\n')
-	h, herr := hex.DecodeString(strings.TrimSpace(line))
-	if err != nil || herr != nil || len(h) != 64 {
-		t.Fatalf("engine %s said %q: %v", role, line, err)
+	f := strings.Fields(line)
+	var h []byte
+	var herr, uerr error = errors.New("want a handle and a UUID"), nil
+	if len(f) == 2 {
+		h, herr = hex.DecodeString(f[0])
+		_, uerr = cuda.ParseUUID(f[1])
 	}
-	return &gpuProc{cmd: cmd, stdin: stdin, handle: h}
+	if err != nil || herr != nil || uerr != nil || len(h) != 64 {
+		t.Fatalf("engine %s said %q: %v %v %v", role, line, err, herr, uerr)
+	}
+	return &gpuProc{cmd: cmd, stdin: stdin, handle: h, uuid: f[1]}
 }
 
 // TestDaemonsGPU: two daemons with the NIXL backend serve engines whose KV
@@ -134,20 +150,21 @@ func TestDaemonsGPU(t *testing.T) {
 		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 40, BlockLen: gpuBlockLen, NumBlocks: gpuBlocks}}}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	connect := func(d *daemon, id string, e *gpuProc) *stream.RankStream {
+	connect := func(d *daemon, id string, e *gpuProc, uuid string) *stream.RankStream {
 		c, err := stream.Dial("unix://" + d.sock)
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { c.Close() })
 		rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: kvxfer.ModePush, Layout: layout, CompatHash: "m",
-			Memory: []stream.Memory{{Base: 1 << 40, Size: gpuBytes, CUDAIPCHandle: e.handle}}})
+			Memory: []stream.Memory{{Base: 1 << 40, Size: gpuBytes, CUDAIPCHandle: e.handle, DeviceUUID: uuid}}})
 		if err != nil {
 			t.Fatalf("%s: %v", id, err)
 		}
 		return rs
 	}
-	P, D := connect(dp, "P", pe), connect(dd, "D", de)
+	// P names its GPU by ordinal, D by UUID: both ways move the bytes.
+	P, D := connect(dp, "P", pe, ""), connect(dd, "D", de, de.uuid)
 	var pIDs, dIDs []topology.BlockID
 	for i := range 8 {
 		pIDs = append(pIDs, topology.BlockID(3*i+1))
@@ -204,4 +221,81 @@ func TestDaemonsGPU(t *testing.T) {
 		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
 	}
 	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' NIXL agents, from and into engine processes' GPU memory imported through CUDA IPC")
+}
+
+// TestAttachGPUByUUID: an engine whose process sees only the last GPU (as
+// its device 0, through CUDA_VISIBLE_DEVICES) names it by UUID; kvxferd,
+// which sees every GPU, imports the memory on the right device and
+// publishes its own ordinal for it. The engine's ordinal (0) is wrong for
+// the daemon whenever there are two GPUs or more, so this is the case the
+// UUID exists for. A UUID no GPU has is FailedPrecondition. Needs a GPU
+// and NIXL; skips otherwise.
+func TestAttachGPUByUUID(t *testing.T) {
+	var uuids []string
+	for i := 0; ; i++ {
+		u, err := cuda.DeviceUUID(i)
+		if errors.Is(err, cuda.ErrUnavailable) {
+			t.Skipf("no GPU here: %v", err)
+		}
+		if err != nil {
+			break // past the last device (CUDA_ERROR_INVALID_DEVICE)
+		}
+		uuids = append(uuids, cuda.FormatUUID(u))
+	}
+	if len(uuids) == 0 {
+		t.Skip("no GPU here")
+	}
+	probe, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
+	if err != nil {
+		t.Skipf("NIXL is not available here: %v", err)
+	}
+	probe.Close()
+	last := len(uuids) - 1
+	d := startDaemonWith(t, t.TempDir(), func(c *stream.ServerConfig) {
+		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+			return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+		}
+	})
+	e := startGPUEngine(t, "D", "", "CUDA_VISIBLE_DEVICES="+uuids[last])
+	defer e.cmd.Wait()
+	defer e.stdin.Close()
+	if e.uuid != uuids[last] {
+		t.Fatalf("the engine's device 0 is %s, want the last GPU %s", e.uuid, uuids[last])
+	}
+	layout := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 64, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 40, BlockLen: gpuBlockLen, NumBlocks: gpuBlocks}}}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	hello := func(uuid string) stream.Hello {
+		return stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: layout, CompatHash: "m",
+			Memory: []stream.Memory{{Base: 1 << 40, Size: gpuBytes, CUDAIPCHandle: e.handle, Device: 0, DeviceUUID: uuid}}}
+	}
+	const nilUUID = "GPU-00000000-0000-0000-0000-000000000000"
+	if _, err := c.Connect(ctx, hello(nilUUID)); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), nilUUID) {
+		t.Errorf("Connect with GPU memory on %s: %v, want FailedPrecondition naming it", nilUUID, err)
+	}
+	rs, err := c.Connect(ctx, hello(e.uuid))
+	if err != nil {
+		t.Fatalf("Connect by UUID %s: %v", e.uuid, err)
+	}
+	defer func() {
+		go func() {
+			for range rs.Finished() {
+			}
+		}()
+		_ = rs.Close(ctx)
+	}()
+	res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	if err != nil || len(res.Ranks) != 1 {
+		t.Fatalf("handshake = %+v, %v; want the one rank", res, err)
+	}
+	if got := res.Ranks[0].Layout.Regions[0].DeviceID; got != int32(last) {
+		t.Errorf("published region device = %d, want %d (the daemon's ordinal of %s)", got, last, e.uuid)
+	}
+	t.Logf("engine memory on %s (its device 0, the daemon's device %d of %d) attached by UUID", e.uuid, last, len(uuids))
 }

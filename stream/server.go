@@ -74,7 +74,8 @@ type Server struct {
 	draining chan struct{}
 	drainOne sync.Once
 	gpuMu    sync.Mutex
-	gpus     map[int]*cuda.Device
+	gpus     map[int]*cuda.Device // by this process's ordinal
+	gpuUUIDs map[[16]byte]int     // UUID -> ordinal, resolved once
 	streams  sync.WaitGroup
 
 	mu struct {
@@ -321,6 +322,13 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 			return nil, invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
 		case !gpu && m.GetPath() == "", m.GetSize() == 0, m.Base+m.Size < m.Base:
 			return nil, invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
+		case !gpu && m.DeviceUuid != "":
+			return nil, invalid("hello.memory[%d].device_uuid = %q on host memory (no cuda_ipc_handle)", i, m.DeviceUuid)
+		}
+		if m.DeviceUuid != "" {
+			if _, err := cuda.ParseUUID(m.DeviceUuid); err != nil {
+				return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", ErrInvalid, i, err)
+			}
 		}
 	}
 	for i, reg := range l.Regions {
@@ -337,9 +345,9 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 	real := make([]uint64, len(h.Memory))
 	for i, m := range h.Memory {
 		if vram {
-			dev, err := s.device(int(m.Device))
+			dev, err := s.gpuOf(i, m)
 			if err != nil {
-				return nil, invalid("hello.memory[%d]: %v", i, err)
+				return nil, err
 			}
 			var hd cuda.Handle
 			copy(hd[:], m.CudaIpcHandle)
@@ -367,7 +375,9 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 			if reg.Base >= m.Base && reg.Base-m.Base < m.Size {
 				reg.Base = real[j] + (reg.Base - m.Base)
 				if vram {
-					reg.DeviceID = m.Device
+					// The device as this process numbers it: backends
+					// register the imported memory with it, and peers get it.
+					reg.DeviceID = int32(r.gpu[j].dev.Ordinal())
 				}
 				break
 			}
@@ -431,10 +441,48 @@ func (r *rank) release() {
 	}
 }
 
-// device returns CUDA device ordinal's context, opened once.
-func (s *Server) device(ordinal int) (*cuda.Device, error) {
+// gpuOf returns the device of GPU memory entry i, m: the one with
+// m.DeviceUuid when set (already validated), else ordinal m.Device as the
+// engine numbers it (right only when the engine and kvxferd see the same
+// CUDA_VISIBLE_DEVICES). No driver here, or no local GPU with that UUID,
+// is an error wrapping cuda.ErrUnavailable or cuda.ErrNoDevice, which
+// Status maps to FailedPrecondition.
+func (s *Server) gpuOf(i int, m *pb.SharedMemory) (*cuda.Device, error) {
 	s.gpuMu.Lock()
 	defer s.gpuMu.Unlock()
+	if m.DeviceUuid == "" {
+		d, err := s.deviceLocked(int(m.Device))
+		switch {
+		case errors.Is(err, cuda.ErrUnavailable):
+			return nil, fmt.Errorf("hello.memory[%d].device %d: %w", i, m.Device, err)
+		case err != nil:
+			return nil, invalid("hello.memory[%d].device %d: %v", i, m.Device, err)
+		}
+		return d, nil
+	}
+	u, err := cuda.ParseUUID(m.DeviceUuid)
+	if err != nil {
+		return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", ErrInvalid, i, err)
+	}
+	ordinal, ok := s.gpuUUIDs[u]
+	if !ok {
+		if ordinal, err = cuda.OrdinalOf(u); err != nil {
+			return nil, fmt.Errorf("hello.memory[%d].device_uuid %q: %w", i, m.DeviceUuid, err)
+		}
+		if s.gpuUUIDs == nil {
+			s.gpuUUIDs = map[[16]byte]int{}
+		}
+		s.gpuUUIDs[u] = ordinal
+	}
+	d, err := s.deviceLocked(ordinal)
+	if err != nil {
+		return nil, fmt.Errorf("hello.memory[%d].device_uuid %q (device %d here): %w", i, m.DeviceUuid, ordinal, err)
+	}
+	return d, nil
+}
+
+// deviceLocked returns CUDA device ordinal's context, opened once.
+func (s *Server) deviceLocked(ordinal int) (*cuda.Device, error) {
 	if d := s.gpus[ordinal]; d != nil {
 		return d, nil
 	}

@@ -8,13 +8,15 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
 // Status maps an error to a gRPC status error: the only place kvxfer's
 // errors become status codes. Bad input is InvalidArgument, a topology
-// mismatch FailedPrecondition, a closed daemon Unavailable, an unknown
+// mismatch or a GPU this host lacks (no driver, no device with the
+// engine's UUID) FailedPrecondition, a closed daemon Unavailable, an unknown
 // engine NotFound, context errors their own codes.
 func Status(err error) error {
 	if err == nil {
@@ -30,7 +32,8 @@ func Status(err error) error {
 	case errors.Is(err, ErrInvalid), errors.Is(err, topology.ErrInvalidLayout), errors.Is(err, topology.ErrInvalidBlocks),
 		errors.Is(err, hotpath.ErrInvalidRequest), errors.Is(err, kvxfer.ErrOutOfBounds), errors.Is(err, kvxfer.ErrBadMetadata):
 		code = codes.InvalidArgument
-	case errors.Is(err, topology.ErrIncompatible), errors.Is(err, topology.ErrUnsupported):
+	case errors.Is(err, topology.ErrIncompatible), errors.Is(err, topology.ErrUnsupported),
+		errors.Is(err, cuda.ErrNoDevice), errors.Is(err, cuda.ErrUnavailable):
 		code = codes.FailedPrecondition
 	case errors.Is(err, kvxfer.ErrClosed), errors.Is(err, errDraining):
 		code = codes.Unavailable

@@ -9,6 +9,7 @@ import (
 	"net"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -294,6 +295,14 @@ func TestHelloValidation(t *testing.T) {
 		{"region outside memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 512}}}, "regions[0]"},
 		{"file too small", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 4096}}}, "declares 4096"},
 		{"file outside shm dir", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: "/etc/passwd", Base: 1 << 20, Size: 1024}}}, "not under"},
+		{"malformed device_uuid", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good,
+			Memory: []stream.Memory{{Base: 1 << 20, Size: 1024, CUDAIPCHandle: make([]byte, 64), DeviceUUID: "GPU-1234"}}}, `hello.memory[0].device_uuid: cuda: invalid device UUID "GPU-1234"`},
+		{"device_uuid without the GPU- prefix", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good,
+			Memory: []stream.Memory{{Base: 1 << 20, Size: 1024, CUDAIPCHandle: make([]byte, 64), DeviceUUID: "5f0e4b6a-1c2d-3e4f-8a9b-0c1d2e3f4a5b"}}},
+			`hello.memory[0].device_uuid: cuda: invalid device UUID "5f0e4b6a-1c2d-3e4f-8a9b-0c1d2e3f4a5b"`},
+		{"device_uuid on host memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good,
+			Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 1024, DeviceUUID: "GPU-5f0e4b6a-1c2d-3e4f-8a9b-0c1d2e3f4a5b"}}},
+			`hello.memory[0].device_uuid = "GPU-5f0e4b6a-1c2d-3e4f-8a9b-0c1d2e3f4a5b" on host memory`},
 	}
 	for _, tc := range tests {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -323,6 +332,28 @@ func TestHelloValidation(t *testing.T) {
 	}()
 	_ = rs.Close(ctx)
 	_ = pb.Mode_MODE_PUSH
+}
+
+// GPU memory on a GPU this daemon does not have is FailedPrecondition: with
+// no driver here the daemon has no GPU at all; with one, no visible device
+// has the nil UUID.
+func TestHelloGPUNotHere(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	layout := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	const nilUUID = "GPU-00000000-0000-0000-0000-000000000000"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: layout, CompatHash: "m",
+		Memory: []stream.Memory{{Base: 1 << 20, Size: 1024, CUDAIPCHandle: make([]byte, 64), DeviceUUID: nilUUID}}})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "hello.memory[0].device_uuid "+strconv.Quote(nilUUID)) {
+		t.Errorf("Connect with GPU memory on %s: %v, want FailedPrecondition naming hello.memory[0].device_uuid and the value", nilUUID, err)
+	}
 }
 
 // Drain (SIGTERM in kvxferd): a rank with a request still open gets the

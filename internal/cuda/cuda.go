@@ -13,12 +13,14 @@ typedef int CUdevice;
 typedef void* CUcontext;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char bytes[16]; } CUuuid;
 
 static struct {
 	void *lib;
 	CUresult (*cuInit)(unsigned int);
 	CUresult (*cuDeviceGetCount)(int*);
 	CUresult (*cuDeviceGet)(CUdevice*, int);
+	CUresult (*cuDeviceGetUuid)(CUuuid*, CUdevice);
 	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
 	CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
 	CUresult (*cuCtxSetCurrent)(CUcontext);
@@ -46,6 +48,10 @@ static const char* cu_load(void) {
 	CU_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2"); CU_SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2"); CU_SYM(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
 	CU_SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle"); CU_SYM(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	CU_SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle"); CU_SYM(cuGetErrorString, "cuGetErrorString");
+	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
+	// and CUDA 12+ headers do; on whole GPUs both versions agree.
+	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
+	if (!cu.cuDeviceGetUuid) CU_SYM(cuDeviceGetUuid, "cuDeviceGetUuid");
 	return NULL;
 }
 
@@ -59,6 +65,27 @@ static CUresult cu_ctx(int ordinal, CUcontext *ctx) {
 	return cu.cuCtxSetCurrent(*ctx);
 }
 static CUresult cu_release(int ordinal) { CUdevice d; CUresult r = cu.cuDeviceGet(&d, ordinal); if (r) return r; return cu.cuDevicePrimaryCtxRelease(d); }
+static CUresult cu_uuid(int ordinal, void *out16) {
+	CUdevice d; CUuuid u; CUresult r = cu.cuDeviceGet(&d, ordinal);
+	if (r) return r;
+	r = cu.cuDeviceGetUuid(&u, d);
+	if (!r) memcpy(out16, &u, 16);
+	return r;
+}
+// cu_find_uuid sets *ordinal to the device with UUID want16, or -1; *n to
+// the number of devices. One C call for the whole search.
+static CUresult cu_find_uuid(const void *want16, int *ordinal, int *n) {
+	*ordinal = -1;
+	CUresult r = cu.cuDeviceGetCount(n);
+	if (r) return r;
+	for (int i = 0; i < *n; i++) {
+		char u[16];
+		r = cu_uuid(i, u);
+		if (r) return r;
+		if (memcmp(u, want16, 16) == 0) { *ordinal = i; return 0; }
+	}
+	return 0;
+}
 static CUresult cu_set(CUcontext ctx) { return cu.cuCtxSetCurrent(ctx); }
 static CUresult cu_alloc(CUdeviceptr *p, size_t n) { return cu.cuMemAlloc(p, n); }
 static CUresult cu_free(CUdeviceptr p) { return cu.cuMemFree(p); }
@@ -130,6 +157,49 @@ func Open(ordinal int) (*Device, error) {
 	}
 	return d, nil
 }
+
+// OpenUUID retains the primary context of the device with UUID u (see
+// OrdinalOf).
+func OpenUUID(u [16]byte) (*Device, error) {
+	ordinal, err := OrdinalOf(u)
+	if err != nil {
+		return nil, err
+	}
+	return Open(ordinal)
+}
+
+// OrdinalOf returns the ordinal, in this process, of the device with UUID
+// u: an engine names its GPU by UUID because ordinals depend on each
+// process's CUDA_VISIBLE_DEVICES. It wraps ErrNoDevice when no visible
+// device has u.
+func OrdinalOf(u [16]byte) (int, error) {
+	if err := load(); err != nil {
+		return 0, err
+	}
+	var ordinal, n C.int
+	if err := check("find device by uuid", C.cu_find_uuid(unsafe.Pointer(&u[0]), &ordinal, &n)); err != nil {
+		return 0, err
+	}
+	if ordinal < 0 {
+		return 0, fmt.Errorf("%w: %s (%d devices visible)", ErrNoDevice, FormatUUID(u), int(n))
+	}
+	return int(ordinal), nil
+}
+
+// DeviceUUID returns the UUID of device ordinal (cuDeviceGetUuid).
+func DeviceUUID(ordinal int) (u [16]byte, err error) {
+	if err := load(); err != nil {
+		return u, err
+	}
+	err = check("device uuid", C.cu_uuid(C.int(ordinal), unsafe.Pointer(&u[0])))
+	return u, err
+}
+
+// Ordinal is the device's ordinal in this process.
+func (d *Device) Ordinal() int { return d.ordinal }
+
+// UUID returns the device's UUID.
+func (d *Device) UUID() ([16]byte, error) { return DeviceUUID(d.ordinal) }
 
 func (d *Device) do(f func() error) error {
 	runtime.LockOSThread()

@@ -4,6 +4,13 @@
 // package builds everywhere; without a driver or a GPU every entry point
 // reports ErrUnavailable and tests skip.
 //
+// # Devices by UUID
+//
+// Device ordinals are per process (CUDA_VISIBLE_DEVICES renumbers them),
+// so an engine names its GPU by UUID, "GPU-" and 8-4-4-4-12 hex digits
+// (FormatUUID, ParseUUID: pure Go, no driver needed), and kvxferd finds
+// its own ordinal for it with OrdinalOf or OpenUUID.
+//
 // # cgo
 //
 // Only integers and C memory cross: device pointers are integers, IPC

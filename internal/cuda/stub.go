@@ -14,6 +14,17 @@ type Handle [64]byte
 // Open reports ErrUnavailable.
 func Open(int) (*Device, error) { return nil, ErrUnavailable }
 
+// OpenUUID reports ErrUnavailable.
+func OpenUUID([16]byte) (*Device, error) { return nil, ErrUnavailable }
+
+// OrdinalOf reports ErrUnavailable.
+func OrdinalOf([16]byte) (int, error) { return 0, ErrUnavailable }
+
+// DeviceUUID reports ErrUnavailable.
+func DeviceUUID(int) ([16]byte, error) { return [16]byte{}, ErrUnavailable }
+
+func (d *Device) Ordinal() int                         { return 0 }
+func (d *Device) UUID() ([16]byte, error)              { return [16]byte{}, ErrUnavailable }
 func (d *Device) Alloc(int) (uint64, error)            { return 0, ErrUnavailable }
 func (d *Device) Free(uint64) error                    { return ErrUnavailable }
 func (d *Device) CopyIn(uint64, []byte) error          { return ErrUnavailable }

@@ -9,6 +9,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 
+def _gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# GPU-only tests are collected only where there is a GPU (CPU CI must skip
+# nothing); run them on a GPU machine with test/run -k gpu.
+collect_ignore_glob = [] if _gpu() else ["gpu_test_*.py"]
+
+
 @pytest.fixture(scope="session")
 def kvxferd(tmp_path_factory) -> Path:
     """The kvxferd binary, built once from this checkout."""
