@@ -218,10 +218,16 @@ class StepStream:
     def closed(self) -> bool:
         return self._done.is_set()
 
-    def send(self, req: pb.StepRequest) -> None:
-        """Queues one step (req.engine_id is set here)."""
+    def send(self, req: pb.StepRequest | pb.StepsRequest) -> None:
+        """Queues one step (its engine_id is set here). A StepsRequest is
+        queued as it is: build the step inside one (``m.step``) to spare a
+        copy; gRPC serializes it on its own thread."""
         if self._done.is_set():
             raise self.error or errors.StreamClosed("Steps stream is closed")
+        if isinstance(req, pb.StepsRequest):
+            req.step.engine_id = self.engine_id
+            self._out.put(req)
+            return
         req.engine_id = self.engine_id
         self._out.put(pb.StepsRequest(step=req))
 

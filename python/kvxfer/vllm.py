@@ -466,7 +466,10 @@ class _SchedulerSide:
             self.relay = "daemon" if nnodes <= 1 else "metadata"
         self.mamba = any(k == pb.CACHE_KIND_MAMBA for k, _ in conn.groups)
         self.full = all(k in (pb.CACHE_KIND_FULL_ATTENTION, pb.CACHE_KIND_MLA) for k, _ in conn.groups)
-        self.req = pb.StepRequest()
+        # The coming step's request, built inside the message the Steps
+        # stream sends (no copy at send time).
+        self.outer = pb.StepsRequest()
+        self.req = self.outer.step
         # For each op of req: (kind, request id) to act on its error.
         self.op_req: list[tuple[str, str]] = []
         self.local_finished: dict[int, bool] = {}
@@ -713,7 +716,9 @@ class _SchedulerSide:
         self._prefill_ops(so)
         req, kinds, local, prefill = self.req, self.op_req, self.local_finished, self.prefill_ops
         rf, aa, pf = self.rf, self.aa, self.pf
-        self.req, self.op_req, self.local_finished, self.prefill_ops = pb.StepRequest(), [], {}, False
+        outer = self.outer
+        self.outer = pb.StepsRequest()
+        self.req, self.op_req, self.local_finished, self.prefill_ops = self.outer.step, [], {}, False
         self.rf, self.aa, self.pf = _Columns(self.ngroups), _Columns(self.ngroups), _Columns(self.ngroups)
         # Columns apply after the ops, request_finished rows first: their
         # answers' indices continue the ops'.
@@ -742,7 +747,7 @@ class _SchedulerSide:
                 self.step_no += 1
                 req.publish_step = self.step_no
                 req.errors_only = True  # request_finished's answers were computed here
-                self.stream.send(req)
+                self.stream.send(outer)
                 self.inflight.append((self.step_no, kinds, local))
                 step_ref, step_meta = self.step_no, b""
             else:

@@ -220,7 +220,8 @@ def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
         orig = side.stream.send
 
         def spy(req):
-            c = req.columns.after_alloc  # one cache group: one block list per row
+            step = req.step if req.DESCRIPTOR.name == "StepsRequest" else req
+            c = step.columns.after_alloc  # one cache group: one block list per row
             ids, pos = list(c.block_ids), 0
             for i, rid in enumerate(c.request_id):
                 seen.append((rid, [ids[pos:pos + c.block_lens[i]]], c.computed[i]))
