@@ -187,16 +187,9 @@ class StepStream:
         self._done = threading.Event()
         self._closing = False
         self.error: errors.KvxferError | None = None
-        self._call = client._sched.Steps(self._requests())
+        self._call = client._sched.Steps(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-steps-{engine_id}", daemon=True)
         self._reader.start()
-
-    def _requests(self) -> Iterator[pb.StepsRequest]:
-        while True:
-            m = self._out.get()
-            if m is _BYE:
-                return
-            yield m
 
     def _read(self) -> None:
         try:
@@ -274,6 +267,12 @@ class Finished:
 _BYE = object()
 
 
+def _requests(q: queue.SimpleQueue) -> Iterator:
+    """A stream's requests: what q receives, until _BYE."""
+    while (m := q.get()) is not _BYE:
+        yield m
+
+
 class WorkerStream:
     """One rank's WorkerService.Connect stream.
 
@@ -296,20 +295,13 @@ class WorkerStream:
         self.agent_name = ""
         self._closed_send = False
         self._out.put(pb.ConnectRequest(hello=hello))
-        self._call = client._worker.Connect(self._requests())
+        self._call = client._worker.Connect(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-stream-{hello.engine_id}", daemon=True)
         self._reader.start()
         if not self._ready.wait(ready_timeout) or self.error is not None:
             err = self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
             self._call.cancel()
             raise err
-
-    def _requests(self) -> Iterator[pb.ConnectRequest]:
-        while True:
-            m = self._out.get()
-            if m is _BYE:
-                return
-            yield m
 
     def _read(self) -> None:
         try:

@@ -961,8 +961,6 @@ class _WorkerSide:
             self.saver.close()
         if self.stream is not None and self.dead is None:
             self.stream.bye(timeout=self.cfg.timeout_s + 30)
-        for b in getattr(self, "owned", []):
-            b.close()
 
 
 class _LayerSaver:
