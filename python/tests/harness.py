@@ -163,6 +163,7 @@ class Engine:
     failed: set = field(default_factory=set)  # receives reported failed
     finished: dict = field(default_factory=dict)  # request id -> finish status
     layers_saved: int = 0
+    stats: dict = field(default_factory=dict)  # the workers' KvxferStats, summed
 
 
 def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
@@ -280,9 +281,13 @@ def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
     for rank in e.ranks:
         c = rank.connector
         res = c.get_transfer_results(so.finished_req_ids)
+        stats = c.get_kv_connector_stats()
+        if stats is not None:
+            for k, v in stats.data.items():
+                e.stats[k] = e.stats.get(k, 0) + v
         kvo = KVConnectorOutput(finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
                                 failed_recving=res.failed_recving, invalid_block_ids=c.get_block_ids_with_load_errors(),
-                                kv_connector_stats=c.get_kv_connector_stats())
+                                kv_connector_stats=stats)
         c.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
         sampled = []

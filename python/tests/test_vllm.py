@@ -186,6 +186,14 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
         assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
         assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
         del hits
+        # The connector's stats (vLLM logs them) count the transfers, on the
+        # side that posts them: P writes in push, D reads in pull.
+        poster = r.P if mode == "push" else r.D
+        assert poster.stats.get("transfers", 0) >= 8 * (p_tp if mode == "push" else 1), poster.stats
+        assert poster.stats.get("bytes", 0) > 0 and poster.stats.get("failed_transfers", 0) == 0, poster.stats
+        from kvxfer.vllm import KvxferConnector
+        summary = KvxferConnector.build_kv_connector_stats(dict(poster.stats)).reduce()
+        assert summary["avg_transfer_ms"] > 0 and summary["avg_mib"] > 0, summary
         # The scheduler side talked to the daemon once per step: one message
         # on its Steps stream and no round trip (relay "daemon"), or one
         # Step call (relay "metadata").
