@@ -50,6 +50,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -816,11 +817,13 @@ class _WorkerSide:
         self.layer_steps: list[int] = []
         self.saver: _LayerSaver | None = None
         self.dead: str | None = None
+        self.hello: pb.WorkerHello | None = None
+        self.retry_at = 0.0
 
     # -- memory and layout --
 
     def register(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        hello = build_hello(self, kv_caches)
+        hello = self.hello = build_hello(self, kv_caches)
         try:
             self.stream = self.c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))
         except errors.KvxferError as e:
@@ -841,7 +844,7 @@ class _WorkerSide:
         self.layer_steps = []
         if not meta.step_meta and not meta.step_ref:
             return
-        if self.dead is not None:
+        if self.dead is not None and not self._reattach():
             self._fail_all(self.dead)
             return
         try:
@@ -897,6 +900,27 @@ class _WorkerSide:
             self._recv_done(rid, failed=True, why=why)
         for rid in list(self.waiting_send):
             self._send_done(rid, failed=True, why=why)
+
+    def _reattach(self) -> bool:
+        """After the stream ended (kvxferd restarted, say), attaches the rank
+        again, at most once a second: the memory is the same files, so the
+        same hello serves. Requests failed meanwhile stay failed."""
+        now = time.monotonic()
+        if now < self.retry_at:
+            return False
+        self.retry_at = now + 1.0
+        try:
+            stream = self.c.client.connect(self.hello, ready_timeout=min(self.cfg.timeout_s, 5))
+        except errors.KvxferError as e:
+            log.info("kvxfer: rank tp=%d pp=%d of engine %s cannot attach again yet: %s",
+                     self.tp_rank, self.pp_rank, self.c.engine_id, e)
+            return False
+        self.stream, self.dead = stream, None
+        if self.saver is not None:
+            self.saver.stream = stream
+        log.warning("kvxfer: rank tp=%d pp=%d of engine %s attached to kvxferd again", self.tp_rank, self.pp_rank,
+                    self.c.engine_id)
+        return True
 
     def _die(self, why: str) -> None:
         if self.dead is None:

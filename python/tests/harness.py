@@ -41,22 +41,33 @@ class Daemon:
         self.socket = str(self.dir / "kvxferd.sock")
         self.shm_dir = str(self.dir / "shm")
         os.makedirs(self.shm_dir, exist_ok=True)
-        ready = self.dir / "ready"
+        self.exe, self.extra, self.name = exe, extra, name
         self.log = open(self.dir / "log", "w")
+        self._start()
+
+    def _start(self) -> None:
+        ready = self.dir / "ready"
+        ready.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [str(exe), "serve", "-socket", self.socket, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
-             "-shm-dir", self.shm_dir, "-ready-file", str(ready), "-log-level", "warn", *(extra or [])],
+            [str(self.exe), "serve", "-socket", self.socket, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
+             "-shm-dir", self.shm_dir, "-ready-file", str(ready), "-log-level", "warn", *(self.extra or [])],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not ready.exists() or not ready.read_text().strip():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvxferd {name} did not start: {(self.dir / 'log').read_text()}")
+                raise RuntimeError(f"kvxferd {self.name} did not start: {(self.dir / 'log').read_text()}")
             time.sleep(0.02)
         self.peer = ready.read_text().strip()
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+    def restart(self) -> None:
+        """A new kvxferd on the same socket and shm dir (a new peer port)."""
+        if self.proc.poll() is None:
+            self.kill()
+        self._start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -405,3 +405,34 @@ def test_p_daemon_killed(tmp_path, daemons):
         assert _free_both(r)
     finally:
         r.close()
+
+
+def test_d_daemon_restarted(tmp_path, daemons, caplog):
+    """D's kvxferd restarts mid-run (pull): the requests it held end (here
+    recomputed), D's scheduler side opens a new scheduler and its rank
+    attaches again with the same memory, and the requests after that move
+    and check byte for byte: the engine does not stay broken."""
+    rng = random.Random(13)
+    # P's lease is short: what the old daemon left held on P expires soon.
+    r = Run(tmp_path, daemons, "pull", 1, d_timeout=2, p_kw={"lease_s": 3})
+    try:
+        r.add(0, [rng.randrange(100, 50000) for _ in range(40)])
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
+        assert "d-0" in r.checked
+        r.dd.restart()
+        caplog.set_level("WARNING", logger="kvxfer.vllm")
+        for n in range(1, 4):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(40)])
+        r.run_until(lambda: {"d-1", "d-2", "d-3"} <= set(r.D.finished) and not r.P.sched.requests
+                    and not r.D.sched.requests, limit_s=60)
+        # Whatever was in flight when the old daemon went failed and was
+        # recomputed; once attached again, transfers go through.
+        for n in range(4, 7):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(40)])
+        r.run_until(lambda: {"d-4", "d-5", "d-6"} <= set(r.D.finished) and not r.P.sched.requests
+                    and not r.D.sched.requests, limit_s=60)
+        assert {"d-4", "d-5", "d-6"} <= r.checked, (sorted(r.checked), sorted(r.D.failed))
+        assert any("attached to kvxferd again" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()
