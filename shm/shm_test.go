@@ -2,9 +2,12 @@ package shm
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -86,7 +89,9 @@ func TestMapRefuses(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.name == "not writable" && os.Geteuid() == 0 {
-				t.Skip("root may write any file")
+				// Root may write any file: map it as an unprivileged user.
+				mapAsNobody(t, tc.dir, tc.path, tc.size, tc.want)
+				return
 			}
 			if _, err := Map(tc.dir, tc.path, tc.size); err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("Map(%s, %s, %d) error = %v, want %q", tc.dir, tc.path, tc.size, err, tc.want)
@@ -125,5 +130,41 @@ func TestPageAlign(t *testing.T) {
 		if got := PageAlign(in); got != want {
 			t.Errorf("PageAlign(%d) = %d, want %d", in, got, want)
 		}
+	}
+}
+
+// mapAsNobody runs Map(dir, path, size) in this test binary re-executed as
+// uid/gid 65534 (setpriv) and checks its error contains want.
+func mapAsNobody(t *testing.T, dir, path string, size uint64, want string) {
+	t.Helper()
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		t.Fatalf("setpriv is needed to drop root for this case: %v", err)
+	}
+	for d := dir; d != "/" && d != "."; d = filepath.Dir(d) { // let nobody reach the file
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", os.Args[0], "-test.run=^TestMapAsChild$")
+	cmd.Env = append(os.Environ(), "SHM_TEST_MAP_DIR="+dir, "SHM_TEST_MAP_PATH="+path, "SHM_TEST_MAP_SIZE="+strconv.FormatUint(size, 10))
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), want) {
+		t.Errorf("Map(%s, %s, %d) as uid 65534: %v\n%s\nwant an error with %q", dir, path, size, err, out, want)
+	}
+}
+
+// TestMapAsChild is mapAsNobody's child: it prints Map's error.
+func TestMapAsChild(t *testing.T) {
+	dir, ok := os.LookupEnv("SHM_TEST_MAP_DIR")
+	if !ok {
+		return // run only as mapAsNobody's child
+	}
+	size, _ := strconv.ParseUint(os.Getenv("SHM_TEST_MAP_SIZE"), 10, 64)
+	if m, err := Map(dir, os.Getenv("SHM_TEST_MAP_PATH"), size); err != nil {
+		fmt.Println("Map error:", err)
+	} else {
+		m.Close()
+		fmt.Println("Map succeeded")
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -41,6 +40,14 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
 		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
 		return nil, Status(invalid("ops has %d entries, want at most %d", n, maxStepOps))
+	}
+	if req.PublishStep > 0 {
+		// Refused before any op applies: ops staged for a step that is
+		// never published would reach the ranks with the next one, after
+		// the engine was told they failed.
+		if err := ls.publishable(req.PublishStep); err != nil {
+			return nil, Status(err)
+		}
 	}
 	colOps, err := columnOps(req.GetColumns())
 	if err != nil {
@@ -77,7 +84,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 			x.Prefill.EngineId = req.EngineId
 			_, err = ss.Prefill(ctx, x.Prefill)
 		default:
-			err = status.Errorf(codes.InvalidArgument, "ops[%d] is empty", i)
+			err = Status(invalid("ops[%d] is empty", i))
 		}
 		if err != nil {
 			fail(i, err)
@@ -104,11 +111,11 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 // publish builds the step's metadata, numbers it step and keeps it for the
 // engine's ranks. ls.mu is held.
 func (ls *lockedScheduler) publish(step uint64) error {
+	if err := ls.publishable(step); err != nil {
+		return err
+	}
 	ls.pub.Lock()
 	defer ls.pub.Unlock()
-	if step <= ls.pub.last {
-		return invalid("publish_step = %d, want > %d (the last published)", step, ls.pub.last)
-	}
 	m := StepToProto(ls.s.BuildMeta())
 	m.Step = step
 	ls.pub.metas[step] = m
@@ -122,6 +129,16 @@ func (ls *lockedScheduler) publish(step uint64) error {
 	ls.pub.last = step
 	close(ls.pub.changed)
 	ls.pub.changed = make(chan struct{})
+	return nil
+}
+
+// publishable checks that step comes after the last published one.
+func (ls *lockedScheduler) publishable(step uint64) error {
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	if step <= ls.pub.last {
+		return invalid("publish_step = %d, want > %d (the last published)", step, ls.pub.last)
+	}
 	return nil
 }
 

@@ -142,6 +142,18 @@ func TestStepsPublishAndStepRef(t *testing.T) {
 	if _, err := st.Recv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "publish_step = 3") {
 		t.Errorf("publish(3) again: %v, want InvalidArgument naming publish_step", err)
 	}
+	// A refused publish_step applies none of its ops: the request staged
+	// with it is not in the next published step.
+	reg := &pb.EngineRequest{RequestId: "d-9", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t9", DoRemotePrefill: true,
+		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+	stale := &pb.StepRequest{EngineId: "E", PublishStep: 2, Ops: []*pb.SchedulerOp{{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{
+		Request: reg, Blocks: []*pb.BlockList{{BlockIds: []int32{1}}}, External: 40}}}}}
+	if _, err := c.Step(ctx, stale); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Step(publish_step 2 after 3) = %v, want InvalidArgument", err)
+	}
+	if r, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", BuildMeta: true}); err != nil || len(r.Meta.GetRecv()) != 0 {
+		t.Errorf("next step = %v, %v; want nothing staged by the refused one", r.GetMeta(), err)
+	}
 }
 
 // A step's calls sent as columns do exactly what the same calls sent as

@@ -122,7 +122,7 @@ class Scheduler:
     def matched_tokens(self, request: pb.EngineRequest, computed: int) -> tuple[int, bool]:
         r = self._c.call("MatchedTokens", self._c._sched.MatchedTokens,
                          pb.MatchedTokensRequest(engine_id=self.engine_id, request=request, computed=computed))
-        return r.tokens, r.async_ if hasattr(r, "async_") else getattr(r, "async")
+        return r.tokens, getattr(r, "async")  # a Python keyword: not an attribute name
 
     def after_alloc(self, request: pb.EngineRequest, blocks: Iterable[Iterable[int]], computed: int, external: int) -> pb.TransferParams:
         r = self._c.call("AfterAlloc", self._c._sched.AfterAlloc, pb.AfterAllocRequest(

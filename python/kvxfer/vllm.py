@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxfer import errors, params
-from kvxfer.client import Client, WorkerStream
+from kvxfer.client import Client, WorkerStream, step_result
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -345,8 +345,8 @@ class _Columns:
     operations; the step transposes the rows once (zip) and encodes each
     column with one extend."""
 
-    __slots__ = ("groups", "kinds", "local", "rows", "remote_block_lens", "remote_block_starts", "remote_block_ids",
-                 "block_lens", "block_ids")
+    __slots__ = ("groups", "kinds", "local", "rows", "bad", "remote_block_lens", "remote_block_starts",
+                 "remote_block_ids", "block_lens", "block_ids")
 
     # The fixed columns, in the order of a row's tuple.
     _FIXED = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr",
@@ -359,6 +359,7 @@ class _Columns:
         self.kinds: list[tuple[str, str]] = []
         self.local: dict[int, bool] = {}
         self.rows: list[tuple] = []
+        self.bad = 0  # rows whose params were malformed
         for c in self._LISTS:
             setattr(self, c, [])
 
@@ -371,6 +372,18 @@ class _Columns:
         not have one list per cache group: the caller sends an op."""
         g = self.groups
         rid = request.request_id
+        try:
+            return self._add(kind, request, rid, g, p, blocks, computed, count, status, addrs)
+        except params.ParamsError as e:
+            # A router's params the connector does not use here (P's own
+            # request carrying junk remote fields): counted and dropped,
+            # never an exception in vLLM's scheduler loop.
+            self.bad += 1
+            log.warning("kvxfer: request %s: %s; its remote fields are ignored", rid, e)
+            return self._add(kind, request, rid, g, {k: v for k, v in p.items() if k in _FLAG_KEYS}, blocks, computed,
+                             count, status, addrs)
+
+    def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs) -> bool:
         if not p:
             self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status))
             self.remote_block_lens.extend([0] * g)
@@ -424,6 +437,11 @@ class _Columns:
             v = getattr(self, c)
             if v:
                 getattr(dst, c).extend(v)
+
+
+# The params that say what a request is; enough for a row when the rest is
+# malformed.
+_FLAG_KEYS = ("do_remote_prefill", "do_remote_decode", "transfer_id")
 
 
 def _s(v) -> str:
@@ -491,6 +509,7 @@ class _SchedulerSide:
         # Producer requests by id, for layer-wise push's prefill entries.
         self.requests: dict[str, "Request"] = {}
         self.stats = KvxferStats()
+        self.daemon_bad_params = 0  # the daemon scheduler's count at its last answer
         self.addr = ""
         self.host, self.port = "", 0
         self.sched = conn.client.scheduler(conn.engine_id)
@@ -505,7 +524,7 @@ class _SchedulerSide:
         try:
             self.addr = self.sched.open(cfg)
             self.host, self.port = params.split_addr(self.addr)
-            self.step_no = 0
+            self.step_no = self.daemon_bad_params = 0
             if self.relay == "daemon":
                 self.stream = self.sched.stream()
         except errors.KvxferError as e:
@@ -537,11 +556,17 @@ class _SchedulerSide:
         self.op_req.append((kind, req_id))
         return self.req.ops.add()
 
-    @staticmethod
-    def _request(dst: pb.EngineRequest, request: "Request") -> None:
+    def _request(self, dst: pb.EngineRequest, request: "Request") -> None:
         dst.request_id = request.request_id
         dst.prompt_tokens = request.num_prompt_tokens
-        params.fill_proto(dst.params, request.kv_transfer_params)
+        p = request.kv_transfer_params
+        try:
+            params.fill_proto(dst.params, p)
+        except params.ParamsError as e:
+            self.stats.data["bad_params"] += 1
+            log.warning("kvxfer: request %s: %s; its remote fields are ignored", request.request_id, e)
+            dst.ClearField("params")
+            params.fill_proto(dst.params, {k: v for k, v in p.items() if k in _FLAG_KEYS})
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
         p = request.kv_transfer_params
@@ -679,7 +704,9 @@ class _SchedulerSide:
             if want is not None and want != delay:
                 log.warning("kvxfer: request %s: daemon says delay=%s, connector said %s", kinds[i][1], delay, want)
         self.daemon_pending = res.pending
-        self.stats.data["bad_params"] = max(self.stats.data["bad_params"], res.counters.bad_params)
+        # The daemon's counter is cumulative; stats report intervals.
+        self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
+        self.daemon_bad_params = res.counters.bad_params
 
     def _lost(self, e: errors.KvxferError, kinds) -> None:
         """The daemon is gone or refused a whole step: nothing it did not
@@ -710,7 +737,6 @@ class _SchedulerSide:
             if a.publish_step != step:
                 self._lost(errors.DaemonError("Steps", f"answer for step {a.publish_step}, want {step}"), [])
                 return
-            from kvxfer.client import step_result
             self._answered(step_result(a), kinds, local)
 
     def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
@@ -734,6 +760,7 @@ class _SchedulerSide:
         if len(pf):
             pf.encode(req.columns.prefill, False)
         staged = bool(kinds)
+        self.stats.data["bad_params"] += rf.bad + aa.bad + pf.bad
         self._drain()
         try:
             if not self.addr:

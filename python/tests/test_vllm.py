@@ -253,10 +253,7 @@ def test_factory_loads_the_module_path(tmp_path, daemons):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
 
     from kvxfer.vllm import KvxferConnector
-    ktc = KVTransferConfig.model_validate_json(
-        '{"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_both"}') \
-        if hasattr(KVTransferConfig, "model_validate_json") else KVTransferConfig(
-            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both")
+    ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(ktc) is KvxferConnector
     assert issubclass(KvxferConnector, SupportsHMA)
     d = daemons("p")
@@ -433,6 +430,36 @@ def test_d_daemon_restarted(tmp_path, daemons, caplog):
                     and not r.D.sched.requests, limit_s=60)
         assert {"d-4", "d-5", "d-6"} <= r.checked, (sorted(r.checked), sorted(r.D.failed))
         assert any("attached to kvxferd again" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
+    """A router hands P requests whose remote fields are junk (P does not use
+    them): vLLM's scheduler loop never sees an exception, the requests
+    finish, their blocks come back, and the junk is counted in the
+    connector's stats."""
+    rng = random.Random(17)
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2})
+    seen = {}
+    orig = r.P.sched.connector.get_kv_connector_stats
+
+    def stats():
+        s = orig()
+        for k, v in (s.data if s is not None else {}).items():
+            seen[k] = seen.get(k, 0) + v
+        return s
+
+    r.P.sched.connector.get_kv_connector_stats = stats
+    try:
+        junk = [{"remote_block_ids": "junk"}, {"remote_host": "h", "remote_port": "not a port"},
+                {"remote_block_ids": [[1, -5]], "tp_size": "x"}]
+        for n, extra in enumerate(junk):
+            r.prompts[f"p-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", toks, 1, {"do_remote_decode": True, "transfer_id": f"j{n}", **extra}))
+        r.run_until(lambda: {"p-0", "p-1", "p-2"} <= set(r.P.finished) and not r.P.sched.requests)
+        assert seen.get("bad_params", 0) >= 3, seen
         assert _free_both(r)
     finally:
         r.close()
