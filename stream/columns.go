@@ -11,6 +11,16 @@ const (
 	colNoParams
 )
 
+// at is column col's entry for row i; an empty column holds the zero value
+// in every row (clients leave out columns that are all defaults).
+func at[T any](col []T, i int) T {
+	if len(col) == 0 {
+		var zero T
+		return zero
+	}
+	return col[i]
+}
+
 // columnOps expands a step's columns into the ops they stand for, in the
 // order they apply: request_finished rows, after_alloc rows, prefill rows.
 // Columns whose lengths disagree are refused whole, naming the column.
@@ -26,15 +36,15 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 	}{
 		{"request_finished", c.RequestFinished, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
 			return &pb.SchedulerOp{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{
-				Request: r, Blocks: b, Computed: rc.Computed[i], Status: rc.Status[i]}}}
+				Request: r, Blocks: b, Computed: at(rc.Computed, i), Status: rc.Status[i]}}}
 		}},
 		{"after_alloc", c.AfterAlloc, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
 			return &pb.SchedulerOp{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{
-				Request: r, Blocks: b, Computed: rc.Computed[i], External: rc.Count[i]}}}
+				Request: r, Blocks: b, Computed: at(rc.Computed, i), External: at(rc.Count, i)}}}
 		}},
 		{"prefill", c.Prefill, func(r *pb.EngineRequest, b []*pb.BlockList, rc *pb.RequestColumns, i int) *pb.SchedulerOp {
 			return &pb.SchedulerOp{Op: &pb.SchedulerOp_Prefill{Prefill: &pb.PrefillRequest{
-				Request: r, Blocks: b, Computed: rc.Computed[i], Scheduled: rc.Count[i]}}}
+				Request: r, Blocks: b, Computed: at(rc.Computed, i), Scheduled: at(rc.Count, i)}}}
 		}},
 	} {
 		rc := kind.rc
@@ -53,8 +63,9 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			{"remote_pp_size", len(rc.RemotePpSize)}, {"remote_num_tokens", len(rc.RemoteNumTokens)}, {"mode", len(rc.Mode)},
 			{"computed", len(rc.Computed)}, {"count", len(rc.Count)},
 		} {
-			if col.n != rows {
-				return nil, invalid("%s has %d entries, want %d (one per request_id)", field(col.name), col.n, rows)
+			if col.n != rows && col.n != 0 {
+				return nil, invalid("%s has %d entries, want %d (one per request_id) or none (the default in every row)",
+					field(col.name), col.n, rows)
 			}
 		}
 		if kind.name == "request_finished" && len(rc.Status) != rows {
@@ -76,11 +87,11 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 		}
 		for i := range rows {
 			var params *pb.TransferParams
-			if rc.Flags[i]&colNoParams == 0 {
-				params = &pb.TransferParams{TransferId: rc.TransferId[i], DoRemotePrefill: rc.Flags[i]&colRemotePrefill != 0,
-					DoRemoteDecode: rc.Flags[i]&colRemoteDecode != 0, RemoteEngineId: rc.RemoteEngineId[i], RemoteAddr: rc.RemoteAddr[i],
-					RemoteRequestId: rc.RemoteRequestId[i], RemoteTpSize: rc.RemoteTpSize[i], RemotePpSize: rc.RemotePpSize[i],
-					RemoteNumTokens: rc.RemoteNumTokens[i], Mode: rc.Mode[i]}
+			if flags := at(rc.Flags, i); flags&colNoParams == 0 {
+				params = &pb.TransferParams{TransferId: at(rc.TransferId, i), DoRemotePrefill: flags&colRemotePrefill != 0,
+					DoRemoteDecode: flags&colRemoteDecode != 0, RemoteEngineId: at(rc.RemoteEngineId, i), RemoteAddr: at(rc.RemoteAddr, i),
+					RemoteRequestId: at(rc.RemoteRequestId, i), RemoteTpSize: at(rc.RemoteTpSize, i), RemotePpSize: at(rc.RemotePpSize, i),
+					RemoteNumTokens: at(rc.RemoteNumTokens, i), Mode: at(rc.Mode, i)}
 				hasRemote := false
 				for g := range rgroups {
 					if rc.RemoteBlockLens[i*rgroups+g] != 0 {
@@ -103,7 +114,7 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 				}
 				blocks[g] = &pb.BlockList{BlockIds: l}
 			}
-			ops = append(ops, kind.op(&pb.EngineRequest{RequestId: rc.RequestId[i], PromptTokens: rc.PromptTokens[i], Params: params}, blocks, rc, i))
+			ops = append(ops, kind.op(&pb.EngineRequest{RequestId: rc.RequestId[i], PromptTokens: at(rc.PromptTokens, i), Params: params}, blocks, rc, i))
 		}
 		if len(ids) != 0 || len(rids) != 0 {
 			return nil, invalid("%s: %d block ids and %d remote block ids left over after every row", field(""), len(ids), len(rids))

@@ -160,7 +160,7 @@ func TestStepsPublishAndStepRef(t *testing.T) {
 // ops do; malformed columns are refused whole, naming the column.
 func TestStepColumns(t *testing.T) {
 	d, c, ctx := schedulerClient(t)
-	for _, e := range []string{"ops", "cols"} {
+	for _, e := range []string{"ops", "cols", "sparse"} {
 		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PULL, TpSize: 1, LogicalBlockSize: 16,
 			Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}, {Kind: pb.CacheKind_CACHE_KIND_SLIDING_WINDOW, Window: 16}}}}); err != nil {
 			t.Fatal(err)
@@ -206,9 +206,30 @@ func TestStepColumns(t *testing.T) {
 	for _, r := range append(a.Meta.Send, b.Meta.Send...) {
 		r.DeadlineUnixNanos = 0
 	}
+	// Columns that hold only defaults may be left out.
+	sparse := proto.Clone(cols).(*pb.StepColumns)
+	rf := sparse.RequestFinished
+	rf.RemoteEngineId, rf.RemoteAddr, rf.RemoteRequestId, rf.RemoteTpSize, rf.RemotePpSize, rf.RemoteNumTokens, rf.Mode, rf.Count =
+		nil, nil, nil, nil, nil, nil, nil, nil
+	sparse.AfterAlloc.RemotePpSize, sparse.AfterAlloc.Computed = nil, nil
+	s, err := c.Step(ctx, &pb.StepRequest{EngineId: "sparse", BuildMeta: true, Columns: sparse})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Meta.SchedulerClockUnixNanos = 0
+	for _, r := range s.Meta.Recv {
+		r.DeadlineUnixNanos = 0
+	}
+	for _, r := range s.Meta.Send {
+		r.DeadlineUnixNanos = 0
+	}
+	s.Results[0].Params.RemoteEngineId = "cols"
 	a.Results[0].Params.RemoteEngineId = "cols" // the engines' own names
 	if !proto.Equal(a, b) {
 		t.Errorf("columns and ops differ:\nops  %v\ncols %v", a, b)
+	}
+	if !proto.Equal(s, b) {
+		t.Errorf("sparse columns and full ones differ:\nsparse %v\ncols   %v", s, b)
 	}
 	if len(b.Results) != 3 || b.Results[2].Index != 3 || !strings.Contains(b.Results[2].Error, `request "d-2"`) || len(b.Meta.Recv) != 1 {
 		t.Errorf("columns: results %v, recv %v; want request_finished's answer and d-2 refused at index 3", b.Results, b.Meta.Recv)
@@ -223,7 +244,10 @@ func TestStepColumns(t *testing.T) {
 		cols *pb.StepColumns
 		want string
 	}{
-		{"short column", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a"}}}, "columns.after_alloc.prompt_tokens has 0 entries, want 1"},
+		{"short column", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a", "b"}, PromptTokens: []int64{4}}},
+			"columns.after_alloc.prompt_tokens has 1 entries, want 2 (one per request_id) or none"},
+		{"no status", &pb.StepColumns{RequestFinished: &pb.RequestColumns{RequestId: []string{"a"}}},
+			"columns.request_finished.status has 0 entries, want 1"},
 		{"ids left over", func() *pb.StepColumns {
 			x := proto.Clone(cols).(*pb.StepColumns)
 			x.AfterAlloc.BlockIds = append(x.AfterAlloc.BlockIds, 99)

@@ -33,6 +33,15 @@ MODES = {"push": pb.MODE_PUSH, "pull": pb.MODE_PULL}
 MODE_NAMES = {v: k for k, v in MODES.items()}
 
 
+def mode_of(v) -> int:
+    """The kvxfer.v1 Mode a params mode names (push, pull); anything else
+    is MODE_UNSPECIFIED."""
+    try:
+        return MODES.get(v, pb.MODE_UNSPECIFIED)
+    except TypeError:  # unhashable
+        return pb.MODE_UNSPECIFIED
+
+
 class ParamsError(ValueError):
     """A kv_transfer_params field is missing or malformed; the message names it."""
 
@@ -160,7 +169,7 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
             setattr(out, attr, v if type(v) is int and v >= 0 else _int(p, key, 0))
     m = get("mode") or get("transfer_mode")
     if m is not None:
-        out.mode = MODES.get(m, pb.MODE_UNSPECIFIED)
+        out.mode = mode_of(m)
     host = get("remote_host")
     if host:
         port = get("remote_port")

@@ -367,13 +367,15 @@ class _Columns:
         return len(self.rows)
 
     def add(self, kind: str, request: "Request", p: dict | None, blocks, computed: int, count: int = 0,
-            status: int = 0, addrs: dict | None = None) -> bool:
+            status: int = 0, addrs: dict | None = None, flags: int = 0) -> bool:
         """Adds a row; False (nothing added) when p's remote block lists do
-        not have one list per cache group: the caller sends an op."""
+        not have one list per cache group: the caller sends an op. flags
+        are ORed into the row's (p's do_remote_prefill as it was when vLLM
+        made the call, since cleared)."""
         g = self.groups
         rid = request.request_id
         try:
-            return self._add(kind, request, rid, g, p, blocks, computed, count, status, addrs)
+            return self._add(kind, request, rid, g, p, blocks, computed, count, status, addrs, flags)
         except params.ParamsError as e:
             # A router's params the connector does not use here (P's own
             # request carrying junk remote fields): counted and dropped,
@@ -381,9 +383,9 @@ class _Columns:
             self.bad += 1
             log.warning("kvxfer: request %s: %s; its remote fields are ignored", rid, e)
             return self._add(kind, request, rid, g, {k: v for k, v in p.items() if k in _FLAG_KEYS}, blocks, computed,
-                             count, status, addrs)
+                             count, status, addrs, flags)
 
-    def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs) -> bool:
+    def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs, flags) -> bool:
         if not p:
             self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status))
             self.remote_block_lens.extend([0] * g)
@@ -400,17 +402,20 @@ class _Columns:
             addr = ""
             if host:
                 key = (host, get("remote_port"))
-                addr = addrs.get(key) if addrs is not None else None
+                try:
+                    addr = addrs.get(key) if addrs is not None else None
+                except TypeError:  # an unhashable host or port
+                    addr, addrs = None, None
                 if addr is None:
                     addr = params.addr(p)
                     if addrs is not None:
-                        addrs[key] = addr
+                        _remember(addrs, key, addr)
             pp = get("remote_pp_size")
             self.rows.append((rid, request.num_prompt_tokens,
-                              (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0),
+                              (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0) | flags,
                               _s(get("transfer_id")), _s(get("remote_engine_id")), addr, _s(get("remote_request_id")),
                               _n(get("tp_size")), _n(pp if pp is not None else get("pp_size")), _n(get("remote_num_tokens")),
-                              params.MODES.get(get("mode") or get("transfer_mode"), 0), computed, count, status))
+                              params.mode_of(get("mode") or get("transfer_mode")), computed, count, status))
             if remote is not None:
                 for lst, st in zip(*remote):
                     self.remote_block_lens.append(len(lst))
@@ -462,6 +467,99 @@ def _n(v) -> int:
         return 0
 
 
+# The params keys the columnar fast path reads (encode_rows); a row with any
+# other key (remote block lists included) takes _Columns' row-by-row path.
+_COLUMN_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id", "remote_host",
+                          "remote_port", "remote_request_id", "tp_size", "remote_pp_size", "pp_size",
+                          "remote_num_tokens", "mode", "transfer_mode"))
+_INT31 = 1 << 31
+# Distinct remote addresses remembered per scheduler (a router can name any
+# number of producers: the cache is bounded, and emptied when full).
+_ADDR_CACHE = 1024
+
+
+def _remember(addrs: dict, key, addr: str) -> None:
+    if len(addrs) >= _ADDR_CACHE:
+        addrs.clear()
+    addrs[key] = addr
+
+
+def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, count, status, blocks,
+                addrs: dict) -> bool:
+    """Encodes one kind of per-request call for all the step's requests at
+    once, each column one comprehension and one extend: the common case's
+    fast path. The arguments are columns (one entry per request); status
+    None leaves that column out. Returns False, dst left empty, when a row
+    is anything but plain (params keys outside _COLUMN_KEYS, a value not of
+    its plain type or range, block lists not one per group): the caller then
+    takes _Columns' row-by-row path, which converts, counts and refuses
+    field by field. Encodes what _Columns would for the same rows."""
+    if not all(ps) or not all(map(_COLUMN_KEYS.issuperset, ps)):
+        return False
+    mode_of = params.MODES.get
+    try:
+        # One pass over the params makes a tuple per row; zip turns them
+        # into columns.
+        (tid, eng, rreq, tp, pp, nt, mode, fl, keys) = zip(*[(
+            p.get("transfer_id") or "", p.get("remote_engine_id") or "", p.get("remote_request_id") or "",
+            p.get("tp_size") or 0,
+            (p["remote_pp_size"] if p.get("remote_pp_size") is not None else p.get("pp_size")) or 0,
+            p.get("remote_num_tokens") or 0, mode_of(p.get("mode") or p.get("transfer_mode"), 0),
+            (1 if p.get("do_remote_prefill") else 0) | (2 if p.get("do_remote_decode") else 0),
+            (p.get("remote_host"), p.get("remote_port"))) for p in ps])
+        amap = {}
+        for k in set(keys):
+            a = addrs.get(k)
+            if a is None:
+                a = params.addr({"remote_host": k[0], "remote_port": k[1]}) if k[0] else ""
+                _remember(addrs, k, a)
+            amap[k] = a
+        for col in (tp, pp, nt):
+            if min(col) < 0 or max(col) >= _INT31:
+                return False
+        if any(flags):
+            fl = [x | y for x, y in zip(fl, flags)]
+
+        def put(field, col):
+            # A column of defaults only is left out (the daemon reads it as
+            # the default in every row).
+            if any(col):
+                field.extend(col)
+
+        dst.request_id.extend([r.request_id for r in reqs])
+        put(dst.prompt_tokens, [r.num_prompt_tokens for r in reqs])
+        put(dst.flags, fl)
+        put(dst.transfer_id, tid)
+        put(dst.remote_engine_id, eng)
+        put(dst.remote_addr, [amap[k] for k in keys])
+        put(dst.remote_request_id, rreq)
+        put(dst.remote_tp_size, tp)
+        put(dst.remote_pp_size, pp)
+        put(dst.remote_num_tokens, nt)
+        put(dst.mode, mode)
+        put(dst.computed, computed)
+        put(dst.count, count)
+        if status is not None:
+            dst.status.extend(status)
+        if all(len(b) == groups for b in blocks):
+            dst.block_lens.extend([len(g) for b in blocks for g in b])
+            dst.block_ids.extend([i for b in blocks for g in b for i in g])
+        else:
+            for b in blocks:
+                if len(b) > groups:
+                    raise ValueError("more block lists than groups")
+                dst.block_lens.extend([len(g) for g in b])
+                dst.block_lens.extend([0] * (groups - len(b)))
+                for g in b:
+                    dst.block_ids.extend(g)
+    except (TypeError, ValueError, params.ParamsError):
+        # Not plain (a str where an int goes, an unhashable value, a port
+        # that is not a number...): the row-by-row path sorts it out.
+        dst.Clear()
+        return False
+    return True
+
+
 class _SchedulerSide:
     """The scheduler-side state: the calls of the coming step, batched in
     place into one StepRequest, and the steps the daemon has not answered.
@@ -494,7 +592,11 @@ class _SchedulerSide:
         self.local_finished: dict[int, bool] = {}
         # Per-request calls, column by column (they apply after req.ops).
         self.ngroups = len(conn.groups)
-        self.rf, self.aa, self.pf = _Columns(self.ngroups), _Columns(self.ngroups), _Columns(self.ngroups)
+        self.pf = _Columns(self.ngroups)
+        # The step's request_finished and update_state_after_alloc calls,
+        # made into rows by build_meta.
+        self.rf_calls: list[tuple] = []
+        self.aa_calls: list[tuple] = []
         self.addrs: dict = {}
         self.prefill_ops = False
         self.expect_recv: list[str] = []
@@ -573,26 +675,52 @@ class _SchedulerSide:
         if not p:
             return
         if p.get("do_remote_prefill"):
-            local, computed = (), 0
-            if external > 0:
-                # vLLM passes all the request's blocks before it records the
-                # local prefix hit: what the transfer does not fill is the hit.
-                computed = max(request.num_prompt_tokens - (1 if self.mamba else 0) - external, 0)
-                skip = computed // self.c.block_size
-                local = [g[skip:] for g in blocks.get_block_ids()]
-            kind = "recv" if external > 0 else "other"
-            if not self.aa.add(kind, request, p, local, computed, external, addrs=self.addrs):
-                aa = self._op(kind, request.request_id).after_alloc
-                self._request(aa.request, request)
-                for g in local:
-                    aa.blocks.add().block_ids.extend(g)
-                aa.computed, aa.external = computed, external
+            # Only noted here; build_meta makes the row with the step's
+            # others, in one loop. The blocks stay as vLLM gave them until
+            # then: within schedule(), nothing frees or adds to the blocks of
+            # a request it just admitted.
+            self.aa_calls.append((request, p, blocks, external))
             if external > 0:
                 self.expect_recv.append(request.request_id)
             p["do_remote_prefill"] = False
         # A producer's allocation tells the daemon nothing this connector
         # uses (it stages host-buffer saves and bidirectional turns, which
         # the connector does not offer): no op.
+
+    def _after_alloc_rows(self, calls: list) -> list[tuple[str, str]]:
+        """Encodes the step's update_state_after_alloc calls (rows of
+        columns.after_alloc; rows the columns cannot carry become ops).
+        Returns each row's (kind, request id)."""
+        bs, last = self.c.block_size, (1 if self.mamba else 0)
+        reqs, ps, blocks, external = zip(*calls)
+        computed, local = [], []
+        for r, b, e in zip(reqs, blocks, external):
+            if e > 0:
+                # vLLM passes all the request's blocks before it records the
+                # local prefix hit: what the transfer does not fill is the hit.
+                c = max(r.num_prompt_tokens - last - e, 0)
+                skip = c // bs
+                computed.append(c)
+                local.append([[x.block_id for x in g[skip:]] for g in b.blocks])
+            else:
+                computed.append(0)
+                local.append(())
+        kinds = [("recv" if e > 0 else "other", r.request_id) for r, e in zip(reqs, external)]
+        dst = self.req.columns.after_alloc
+        if encode_rows(dst, self.ngroups, reqs, ps, [1] * len(reqs), computed, external, None, local, self.addrs):
+            return kinds
+        aa = _Columns(self.ngroups)
+        for (kind, rid), r, p, lb, c, e in zip(kinds, reqs, ps, local, computed, external):
+            if not aa.add(kind, r, p, lb, c, e, addrs=self.addrs, flags=1):
+                op = self._op(kind, rid).after_alloc
+                self._request(op.request, r)
+                op.request.params.do_remote_prefill = True
+                for g in lb:
+                    op.blocks.add().block_ids.extend(g)
+                op.computed, op.external = c, e
+        aa.encode(dst, False)
+        self.stats.data["bad_params"] += aa.bad
+        return aa.kinds
 
     def _clip(self, blocks: tuple[list[int], ...]) -> tuple[list[list[int]], list[int]]:
         if self.full:
@@ -638,26 +766,47 @@ class _SchedulerSide:
             delay = any(ids)
         # The daemon sees the params as they are now: a D request aborted
         # before it was scheduled still has do_remote_prefill (the daemon
-        # then tells P to free its blocks).
-        kind = "send" if delay else "other"
-        row = len(self.rf)
-        if self.rf.add(kind, request, p, block_ids, request.num_computed_tokens, status=status, addrs=self.addrs):
-            if producer:
-                self.rf.local[row] = delay
-        else:
-            i = len(self.req.ops)
-            rf = self._op(kind, request.request_id).request_finished
-            self._request(rf.request, request)
-            rf.status = status
-            for g in block_ids:
-                rf.blocks.add().block_ids.extend(g)
-            rf.computed = request.num_computed_tokens
-            if producer:
-                self.local_finished[i] = delay
+        # then tells P to free its blocks). The row is made in build_meta
+        # (vLLM's block-id lists are new ones, the request is done).
+        self.rf_calls.append((request, p, block_ids, status, 1 if p.get("do_remote_prefill") else 0,
+                              delay if producer else None))
         p["do_remote_prefill"] = False
         if delay:
             self.expect_send.append(request.request_id)
         return delay, out
+
+    def _finished_rows(self, calls: list) -> tuple[list[tuple[str, str]], dict[int, bool]]:
+        """Encodes the step's request_finished calls (rows of
+        columns.request_finished; rows the columns cannot carry become ops).
+        Returns each row's (kind, request id) and the rows' delay decisions
+        made here (producers'), by row."""
+        reqs, ps, blocks, status, flags, delays = zip(*calls)
+        kinds = [("send" if d else "other", r.request_id) for r, d in zip(reqs, delays)]
+        computed = [r.num_computed_tokens for r in reqs]
+        dst = self.req.columns.request_finished
+        if encode_rows(dst, self.ngroups, reqs, ps, flags, computed, [0] * len(reqs), status, blocks, self.addrs):
+            return kinds, {i: d for i, d in enumerate(delays) if d is not None}
+        rf = _Columns(self.ngroups)
+        for (kind, rid), r, p, b, st, f, d, c in zip(kinds, reqs, ps, blocks, status, flags, delays, computed):
+            row = len(rf)
+            if rf.add(kind, r, p, b, c, status=st, addrs=self.addrs, flags=f):
+                if d is not None:
+                    rf.local[row] = d
+            else:
+                i = len(self.req.ops)
+                op = self._op(kind, rid).request_finished
+                self._request(op.request, r)
+                if f:
+                    op.request.params.do_remote_prefill = True
+                op.status = st
+                for g in b:
+                    op.blocks.add().block_ids.extend(g)
+                op.computed = c
+                if d is not None:
+                    self.local_finished[i] = d
+        rf.encode(dst, True)
+        self.stats.data["bad_params"] += rf.bad
+        return rf.kinds, rf.local
 
     def update(self, out) -> None:
         failed = getattr(out, "failed_recving", None) or ()
@@ -740,27 +889,30 @@ class _SchedulerSide:
             self._answered(step_result(a), kinds, local)
 
     def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
+        # The step's rows: request_finished's, then update_state_after_alloc's,
+        # then layer-wise prefill's; the daemon applies them in that order,
+        # after req.ops, their answers' indices continuing the ops'.
+        rf_kinds, rf_local, aa_kinds = [], {}, []
+        if self.rf_calls:
+            rf_kinds, rf_local = self._finished_rows(self.rf_calls)
+            self.rf_calls = []
+        if self.aa_calls:
+            aa_kinds = self._after_alloc_rows(self.aa_calls)
+            self.aa_calls = []
         self._prefill_ops(so)
-        req, kinds, local, prefill = self.req, self.op_req, self.local_finished, self.prefill_ops
-        rf, aa, pf = self.rf, self.aa, self.pf
+        req, kinds, local, prefill, pf = self.req, self.op_req, self.local_finished, self.prefill_ops, self.pf
         outer = self.outer
         self.outer = pb.StepsRequest()
         self.req, self.op_req, self.local_finished, self.prefill_ops = self.outer.step, [], {}, False
-        self.rf, self.aa, self.pf = _Columns(self.ngroups), _Columns(self.ngroups), _Columns(self.ngroups)
-        # Columns apply after the ops, request_finished rows first: their
-        # answers' indices continue the ops'.
+        self.pf = _Columns(self.ngroups)
         base = len(kinds)
-        for row, d in rf.local.items():
+        for row, d in rf_local.items():
             local[base + row] = d
-        kinds = kinds + rf.kinds + aa.kinds + pf.kinds
-        if len(rf):
-            rf.encode(req.columns.request_finished, True)
-        if len(aa):
-            aa.encode(req.columns.after_alloc, False)
+        kinds = kinds + rf_kinds + aa_kinds + pf.kinds
         if len(pf):
             pf.encode(req.columns.prefill, False)
+            self.stats.data["bad_params"] += pf.bad
         staged = bool(kinds)
-        self.stats.data["bad_params"] += rf.bad + aa.bad + pf.bad
         self._drain()
         try:
             if not self.addr:
@@ -793,7 +945,8 @@ class _SchedulerSide:
         return meta
 
     def pending(self) -> bool:
-        return bool(self.op_req or len(self.rf) or len(self.aa) or len(self.pf)) or self.daemon_pending or bool(self.inflight)
+        return bool(self.op_req or self.rf_calls or self.aa_calls or len(self.pf)) or self.daemon_pending or \
+            bool(self.inflight)
 
     def take_stats(self) -> KvxferStats | None:
         return _take_stats(self)

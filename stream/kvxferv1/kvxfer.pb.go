@@ -3876,7 +3876,10 @@ func (x *StepRequest) GetErrorsOnly() bool {
 // except the block fields, which have one length per row and cache group
 // (groups as the scheduler was opened with) and the ids of every list
 // concatenated. A row is the call its kind names (StepColumns), with an
-// EngineRequest and TransferParams made of the row's fields.
+// EngineRequest and TransferParams made of the row's fields. A column left
+// empty holds its default (0, "", none) in every row: clients need not
+// send columns that are all defaults. request_id, and status in
+// request_finished rows, are always sent.
 type RequestColumns struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// request_id per row.
