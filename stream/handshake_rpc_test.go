@@ -41,7 +41,7 @@ func BenchmarkHandshakeRPC(b *testing.B) {
 					srv.PublishForTest(kvxfer.RankInfo{EngineID: r.EngineId, CompatHash: r.CompatHash, Layout: l, Agent: r.Agent})
 				}
 				g := grpc.NewServer()
-				srv.Register(g)
+				srv.RegisterPeer(g)
 				go func() { _ = g.Serve(ln) }()
 				defer g.Stop()
 				res := stream.NewPeerResolver()
@@ -76,7 +76,7 @@ func TestLargeHandshake(t *testing.T) {
 			srv.PublishForTest(kvxfer.RankInfo{EngineID: r.EngineId, CompatHash: r.CompatHash, Layout: l, Agent: r.Agent})
 		}
 		g := grpc.NewServer()
-		srv.Register(g)
+		srv.RegisterPeer(g)
 		go func() { _ = g.Serve(ln) }()
 		res := stream.NewPeerResolver()
 		out, err := res.Handshake(context.Background(), "prefill-0", ln.Addr().String())

@@ -15,14 +15,16 @@ import (
 // a time.
 type schedulers struct {
 	pb.UnimplementedSchedulerServiceServer
-	addr string
-	mu   sync.Mutex
-	m    map[string]*lockedScheduler
+	addr   string
+	owners *owners
+	mu     sync.Mutex
+	m      map[string]*lockedScheduler
 }
 
 type lockedScheduler struct {
-	mu sync.Mutex
-	s  *kvxfer.Scheduler
+	mu  sync.Mutex
+	s   *kvxfer.Scheduler
+	uid uint32 // of the engine process that opened it
 	// pub holds the step metadata published for the engine's ranks
 	// (StepRequest.publish_step), the last maxPublished steps.
 	pub struct {
@@ -33,7 +35,17 @@ type lockedScheduler struct {
 	}
 }
 
-func (ss *schedulers) get(engine string) (*lockedScheduler, error) {
+// get returns engine's scheduler for a call from ctx, which must come from
+// the uid that opened it.
+func (ss *schedulers) get(ctx context.Context, engine string) (*lockedScheduler, error) {
+	uid, err := callerUID(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return ss.getAs(engine, uid)
+}
+
+func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error) {
 	if engine == "" {
 		return nil, invalid("engine_id is empty")
 	}
@@ -42,6 +54,9 @@ func (ss *schedulers) get(engine string) (*lockedScheduler, error) {
 	s := ss.m[engine]
 	if s == nil {
 		return nil, fmt.Errorf("scheduler of engine %q: %w (call OpenScheduler first)", engine, kvxfer.ErrUnknownEngine)
+	}
+	if s.uid != uid {
+		return nil, fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not use it)", ErrPermission, engine, uid)
 	}
 	return s, nil
 }
@@ -102,7 +117,11 @@ func blocksFromProto(bl []*pb.BlockList) [][]topology.BlockID {
 	return out
 }
 
-func (ss *schedulers) OpenScheduler(_ context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
+func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
+	uid, err := callerUID(ctx)
+	if err != nil {
+		return nil, Status(err)
+	}
 	c := req.GetConfig()
 	if c == nil {
 		return nil, Status(invalid("config is missing"))
@@ -123,17 +142,25 @@ func (ss *schedulers) OpenScheduler(_ context.Context, req *pb.OpenSchedulerRequ
 	if err != nil {
 		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
 	}
-	ss.mu.Lock()
-	ls := &lockedScheduler{s: s}
+	ls := &lockedScheduler{s: s, uid: uid}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
 	ls.pub.changed = make(chan struct{})
-	ss.m[c.EngineId] = ls
-	ss.mu.Unlock()
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if old := ss.m[c.EngineId]; old == nil {
+		// The engine's first scheduler: it claims the engine for uid.
+		if err := ss.owners.claim(c.EngineId, uid); err != nil {
+			return nil, Status(err)
+		}
+	} else if old.uid != uid {
+		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
+	}
+	ss.m[c.EngineId] = ls // the same engine process opening again replaces its scheduler
 	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
 }
 
-func (ss *schedulers) MatchedTokens(_ context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -151,8 +178,8 @@ func (ss *schedulers) MatchedTokens(_ context.Context, req *pb.MatchedTokensRequ
 	return &pb.MatchedTokensResponse{Tokens: int64(n), Async: async}, nil
 }
 
-func (ss *schedulers) AfterAlloc(_ context.Context, req *pb.AfterAllocRequest) (*pb.AfterAllocResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest) (*pb.AfterAllocResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -177,8 +204,8 @@ func (ss *schedulers) AfterAlloc(_ context.Context, req *pb.AfterAllocRequest) (
 	return &pb.AfterAllocResponse{Params: paramsToProto(r.Params)}, nil
 }
 
-func (ss *schedulers) Scheduled(_ context.Context, req *pb.ScheduledRequest) (*pb.ScheduledResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (*pb.ScheduledResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -223,8 +250,8 @@ func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
 	return nil
 }
 
-func (ss *schedulers) Prefill(_ context.Context, req *pb.PrefillRequest) (*pb.PrefillResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) Prefill(ctx context.Context, req *pb.PrefillRequest) (*pb.PrefillResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -241,8 +268,8 @@ func (ss *schedulers) Prefill(_ context.Context, req *pb.PrefillRequest) (*pb.Pr
 	return &pb.PrefillResponse{}, nil
 }
 
-func (ss *schedulers) RequestFinished(_ context.Context, req *pb.RequestFinishedRequest) (*pb.RequestFinishedResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinishedRequest) (*pb.RequestFinishedResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -266,8 +293,8 @@ func (ss *schedulers) RequestFinished(_ context.Context, req *pb.RequestFinished
 	return &pb.RequestFinishedResponse{Delay: delay, Params: paramsToProto(params), RequestParams: paramsToProto(r.Params)}, nil
 }
 
-func (ss *schedulers) BuildMeta(_ context.Context, req *pb.BuildMetaRequest) (*pb.BuildMetaResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) BuildMeta(ctx context.Context, req *pb.BuildMetaRequest) (*pb.BuildMetaResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -277,8 +304,8 @@ func (ss *schedulers) BuildMeta(_ context.Context, req *pb.BuildMetaRequest) (*p
 	return &pb.BuildMetaResponse{Meta: StepToProto(m)}, nil
 }
 
-func (ss *schedulers) Update(_ context.Context, req *pb.UpdateRequest) (*pb.UpdateResponse, error) {
-	ls, err := ss.get(req.EngineId)
+func (ss *schedulers) Update(ctx context.Context, req *pb.UpdateRequest) (*pb.UpdateResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -293,12 +320,16 @@ func (ss *schedulers) Update(_ context.Context, req *pb.UpdateRequest) (*pb.Upda
 	return &pb.UpdateResponse{Pending: pending}, nil
 }
 
-func (ss *schedulers) CloseScheduler(_ context.Context, req *pb.CloseSchedulerRequest) (*pb.CloseSchedulerResponse, error) {
-	if _, err := ss.get(req.EngineId); err != nil {
+func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseSchedulerRequest) (*pb.CloseSchedulerResponse, error) {
+	ls, err := ss.get(ctx, req.EngineId)
+	if err != nil {
 		return nil, Status(err)
 	}
 	ss.mu.Lock()
-	delete(ss.m, req.EngineId)
+	if ss.m[req.EngineId] == ls {
+		delete(ss.m, req.EngineId)
+		ss.owners.release(req.EngineId)
+	}
 	ss.mu.Unlock()
 	return &pb.CloseSchedulerResponse{}, nil
 }

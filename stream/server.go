@@ -68,6 +68,7 @@ type Server struct {
 
 	cfg      ServerConfig
 	sched    *schedulers
+	owners   *owners
 	log      *slog.Logger
 	resolver *PeerResolver
 	enc      *zstd.Encoder
@@ -125,8 +126,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}),
-		sched: &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}}}
+	own := &owners{m: map[string]*owner{}}
+	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), owners: own,
+		sched: &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}, owners: own}}
 	if cfg.Resolver == nil {
 		s.resolver = NewPeerResolver()
 		s.cfg.Resolver = s.resolver
@@ -135,11 +137,20 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	return s, nil
 }
 
-// Register adds the server's services to g.
-func (s *Server) Register(g *grpc.Server) {
+// RegisterEngine adds the engine-facing services (WorkerService,
+// SchedulerService) to g: serve g on kvxferd's unix socket only, built
+// with grpc.Creds(EngineCredentials()), which identify each engine's uid;
+// the services refuse calls that did not come through them.
+func (s *Server) RegisterEngine(g *grpc.Server) {
 	pb.RegisterWorkerServiceServer(g, s)
-	pb.RegisterPeerServiceServer(g, s)
 	pb.RegisterSchedulerServiceServer(g, s.sched)
+}
+
+// RegisterPeer adds PeerService, what other daemons call, to g: serve g
+// on the peer listener, with the peers' authentication as its
+// credentials.
+func (s *Server) RegisterPeer(g *grpc.Server) {
+	pb.RegisterPeerServiceServer(g, s)
 }
 
 // Workers returns every rank's worker, for metrics.
@@ -178,7 +189,26 @@ func (s *Server) Close() error {
 	return s.enc.Close()
 }
 
-func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) {
+// ErrAttached is the error of a hello for a rank that is attached
+// already: a rank is never replaced, and only its own stream detaches it
+// (Status: AlreadyExists).
+var ErrAttached = errors.New("rank attached already")
+
+// attached is an ErrAttached error when engine's rank at l is attached.
+func (s *Server) attached(engine string, l *topology.Layout) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e := s.mu.engines[engine]; e != nil && e.ranks[[2]int{l.PPRank, l.TPRank}] != nil {
+		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d has a stream open (a rank detaches only by closing its own stream; retry once it has)",
+			ErrAttached, engine, l.TPRank, l.PPRank)
+	}
+	return nil
+}
+
+func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) error {
+	if err := s.attached(info.EngineID, &info.Layout); err != nil {
+		return err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.mu.engines[info.EngineID]
@@ -186,9 +216,14 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) {
 		e = &engineEntry{ranks: map[[2]int]*rankEntry{}}
 		s.mu.engines[info.EngineID] = e
 	}
+	k := [2]int{info.Layout.PPRank, info.Layout.TPRank}
+	if e.ranks[k] != nil { // attached between the check and here
+		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d", ErrAttached, info.EngineID, info.Layout.TPRank, info.Layout.PPRank)
+	}
 	s.mu.gen++
 	e.gen = s.mu.gen
-	e.ranks[[2]int{info.Layout.PPRank, info.Layout.TPRank}] = &rankEntry{info: info, worker: w}
+	e.ranks[k] = &rankEntry{info: info, worker: w}
+	return nil
 }
 
 func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) {
@@ -251,6 +286,10 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 		return Status(errDraining)
 	default:
 	}
+	uid, err := callerUID(st.Context())
+	if err != nil {
+		return Status(err)
+	}
 	s.streams.Add(1)
 	defer s.streams.Done()
 	first, err := st.Recv()
@@ -261,7 +300,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	if hello == nil {
 		return Status(invalid("the first message of a worker stream must be hello"))
 	}
-	r, err := s.attach(hello)
+	r, err := s.attach(hello, uid)
 	if err != nil {
 		return Status(err)
 	}
@@ -276,6 +315,8 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 type rank struct {
 	s        *Server
 	engine   string
+	uid      uint32 // the engine process's, from the unix socket
+	claimed  bool   // r.uid holds a claim on engine (owners)
 	layout   topology.Layout
 	backend  Backend
 	worker   *kvxfer.Worker
@@ -290,9 +331,10 @@ type gpuImport struct {
 	ptr uint64
 }
 
-// attach validates a hello, maps the rank's memory, starts its backend
-// and worker, and publishes it for handshakes.
-func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
+// attach validates a hello from an engine process of uid, maps the rank's
+// memory (files uid owns only), starts its backend and worker, and
+// publishes it for handshakes.
+func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	if h.EngineId == "" {
 		return nil, invalid("hello.engine_id is empty")
 	}
@@ -303,12 +345,19 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &rank{s: s, engine: h.EngineId, layout: l}
+	r := &rank{s: s, engine: h.EngineId, layout: l, uid: uid}
 	defer func() {
 		if err != nil {
 			r.release()
 		}
 	}()
+	if err := s.owners.claim(h.EngineId, uid); err != nil {
+		return nil, err
+	}
+	r.claimed = true
+	if err := s.attached(h.EngineId, &l); err != nil {
+		return nil, err
+	}
 	if len(h.Memory) == 0 {
 		return nil, invalid("hello.memory is empty")
 	}
@@ -417,8 +466,10 @@ func (s *Server) attach(h *pb.WorkerHello) (_ *rank, err error) {
 	if nb, ok := r.backend.(interface{ Name() kvxfer.PeerName }); ok {
 		r.agent = string(nb.Name())
 	}
-	s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker)
-	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions))
+	if err := s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker); err != nil {
+		return nil, err
+	}
+	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions), "uid", uid)
 	return r, nil
 }
 
@@ -438,6 +489,48 @@ func (r *rank) release() {
 	}
 	for _, g := range r.gpu {
 		_ = g.dev.Unmap(g.ptr)
+	}
+	if r.claimed {
+		r.s.owners.release(r.engine)
+		r.claimed = false
+	}
+}
+
+// owners records the uid each engine id belongs to: that of the first of
+// its ranks or its scheduler to arrive, for as long as any of them stays.
+// Another uid's rank or scheduler for the engine is refused, so one user's
+// engine cannot read, replace or close another's.
+type owners struct {
+	mu sync.Mutex
+	m  map[string]*owner
+}
+
+type owner struct {
+	uid  uint32
+	refs int
+}
+
+func (o *owners) claim(engine string, uid uint32) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if w := o.m[engine]; w != nil {
+		if w.uid != uid {
+			return fmt.Errorf("%w: engine %q belongs to another user (uid %d may not attach its ranks or use its scheduler)", ErrPermission, engine, uid)
+		}
+		w.refs++
+		return nil
+	}
+	o.m[engine] = &owner{uid: uid, refs: 1}
+	return nil
+}
+
+func (o *owners) release(engine string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if w := o.m[engine]; w != nil {
+		if w.refs--; w.refs <= 0 {
+			delete(o.m, engine)
+		}
 	}
 }
 
@@ -592,7 +685,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				}
 			case *pb.ConnectRequest_StepRef:
 				step := x.StepRef.GetStep()
-				meta, err := r.s.sched.published(ctx, r.engine, step)
+				meta, err := r.s.sched.published(ctx, r.engine, r.uid, step)
 				if err == nil {
 					err = r.worker.Step(meta)
 				}

@@ -17,7 +17,8 @@ import (
 // errors become status codes. Bad input is InvalidArgument, a topology
 // mismatch or a GPU this host lacks (no driver, no device with the
 // engine's UUID) FailedPrecondition, a closed daemon Unavailable, an unknown
-// engine NotFound, context errors their own codes.
+// engine NotFound, a call the caller may not make PermissionDenied, a
+// rank attached already AlreadyExists, context errors their own codes.
 func Status(err error) error {
 	if err == nil {
 		return nil
@@ -39,6 +40,10 @@ func Status(err error) error {
 		code = codes.Unavailable
 	case errors.Is(err, kvxfer.ErrUnknownEngine):
 		code = codes.NotFound
+	case errors.Is(err, ErrPermission):
+		code = codes.PermissionDenied
+	case errors.Is(err, ErrAttached):
+		code = codes.AlreadyExists
 	default:
 		code = codes.Internal
 	}

@@ -33,7 +33,7 @@ const maxStepOps = 1 << 20
 // params) is returned too, so an engine that computed it locally can
 // check it.
 func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepResponse, error) {
-	ls, err := ss.get(req.GetEngineId())
+	ls, err := ss.get(ctx, req.GetEngineId())
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -142,11 +142,12 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 	return nil
 }
 
-// published returns the metadata engine's scheduler published for step,
+// published returns the metadata engine's scheduler published for step
+// to a rank of uid,
 // waiting up to publishWait for it: a rank's step_ref may arrive before its
 // scheduler's Step.
-func (ss *schedulers) published(ctx context.Context, engine string, step uint64) (*kvxfer.StepMeta, error) {
-	ls, err := ss.get(engine)
+func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*kvxfer.StepMeta, error) {
+	ls, err := ss.getAs(engine, uid)
 	if err != nil {
 		return nil, fmt.Errorf("step_ref.step = %d: %w (a scheduler publishes steps only to ranks attached to its own daemon)", step, err)
 	}

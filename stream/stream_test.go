@@ -16,6 +16,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
@@ -65,9 +66,11 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer()
-	srv.Register(g)
-	go func() { _ = g.Serve(tcp) }()
+	g := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	srv.RegisterEngine(g)
+	pg := grpc.NewServer()
+	srv.RegisterPeer(pg)
+	go func() { _ = pg.Serve(tcp) }()
 	go func() { _ = g.Serve(unix) }()
 	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: tcp.Addr().String()}
 	t.Cleanup(func() {
@@ -75,6 +78,7 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 		defer cancel()
 		_ = srv.Drain(ctx)
 		g.Stop()
+		pg.Stop()
 		_ = srv.Close()
 	})
 	return d
@@ -326,12 +330,87 @@ func TestHelloValidation(t *testing.T) {
 	if _, err := stream.NewPeerResolver().Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
 		t.Errorf("handshake of an unknown engine: %v, want NotFound", err)
 	}
+	// An attached rank is never replaced: a second hello for it is refused
+	// and the first stays.
+	if _, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: mem, CompatHash: "x"}); status.Code(err) != codes.AlreadyExists ||
+		!strings.Contains(err.Error(), `engine "E" tp rank 0 pp rank 0 has a stream open`) {
+		t.Errorf("second hello for an attached rank: %v, want AlreadyExists", err)
+	}
+	if res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr); err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
+		t.Errorf("handshake after the refused replacement = %+v, %v; want the first rank", res, err)
+	}
+	// Engine services are not on the peer port.
+	tc, err := stream.Dial(d.peerAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	if _, err := tc.Connect(ctx, stream.Hello{EngineID: "F", Mode: kvxfer.ModePush, Layout: good, Memory: mem}); status.Code(err) != codes.Unimplemented {
+		t.Errorf("WorkerService over the peer port: %v, want Unimplemented", err)
+	}
 	go func() {
 		for range rs.Finished() {
 		}
 	}()
 	_ = rs.Close(ctx)
 	_ = pb.Mode_MODE_PUSH
+}
+
+// Engine services served over TCP by mistake (a server built with
+// EngineCredentials on a TCP listener) refuse every connection: they need
+// the unix socket's credentials.
+func TestEngineServicesNeedTheUnixSocket(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: ln.Addr().String(), Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	g := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	srv.RegisterEngine(g)
+	go func() { _ = g.Serve(ln) }()
+	defer g.Stop()
+	c, err := stream.Dial(ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush})
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("Connect over TCP: %v, want Unavailable (the handshake refused)", err)
+	}
+	// And without the credentials at all, every call is PermissionDenied.
+	g2 := grpc.NewServer()
+	srv.RegisterEngine(g2)
+	ln2, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = g2.Serve(ln2) }()
+	defer g2.Stop()
+	c2, err := stream.Dial(ln2.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if _, err := c2.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush}); status.Code(err) != codes.PermissionDenied ||
+		!strings.Contains(err.Error(), "unix socket") {
+		t.Errorf("Connect without engine credentials: %v, want PermissionDenied naming the unix socket", err)
+	}
+	cc, err := grpc.NewClient(ln2.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	sc := pb.NewSchedulerServiceClient(cc)
+	if _, err := sc.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E"}}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("OpenScheduler without engine credentials: %v, want PermissionDenied", err)
+	}
 }
 
 // GPU memory on a GPU this daemon does not have is FailedPrecondition: with

@@ -37,6 +37,7 @@ import (
 
 // config is the daemon's configuration.
 type config struct {
+	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams                                                                                 string
 	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
@@ -46,7 +47,9 @@ type config struct {
 func parseFlags(args []string) (*config, error) {
 	c := &config{}
 	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
-	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to (mode 0600)")
+	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to")
+	fs.UintVar(&c.socketMode, "socket-mode", 0o600, "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
+		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns)")
 	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")
 	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
@@ -80,6 +83,9 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if c.socketMode&^0o777 != 0 {
+		return nil, fmt.Errorf("-socket-mode = %#o, want permission bits only (e.g. 0600, 0660, 0666)", c.socketMode)
 	}
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
@@ -194,7 +200,11 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		peerLn.Close()
 		return fmt.Errorf("engine socket: %w", err)
 	}
-	if err := os.Chmod(c.socket, 0o600); err != nil {
+	mode := os.FileMode(c.socketMode)
+	if mode == 0 {
+		mode = 0o600 // a config made without parseFlags: its default
+	}
+	if err := os.Chmod(c.socket, mode); err != nil {
 		return err
 	}
 	defer os.Remove(c.socket)
@@ -219,14 +229,20 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		return err
 	}
 	defer srv.Close()
-	g := grpc.NewServer()
-	srv.Register(g)
+	// Listeners by trust: engines on the unix socket (their uid from the
+	// socket's credentials), peer daemons on TCP (PeerService and health
+	// only).
+	eng := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	srv.RegisterEngine(eng)
 	hs := health.NewServer()
-	healthpb.RegisterHealthServer(g, hs)
-	reflection.Register(g)
+	healthpb.RegisterHealthServer(eng, hs)
+	reflection.Register(eng)
+	peer := grpc.NewServer()
+	srv.RegisterPeer(peer)
+	healthpb.RegisterHealthServer(peer, hs)
 	serveErr := make(chan error, 3)
-	go func() { serveErr <- g.Serve(peerLn) }()
-	go func() { serveErr <- g.Serve(engLn) }()
+	go func() { serveErr <- peer.Serve(peerLn) }()
+	go func() { serveErr <- eng.Serve(engLn) }()
 	var httpSrv *http.Server
 	if c.metricsListen != "" {
 		reg := prometheus.NewRegistry()
@@ -273,11 +289,12 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		log.Warn("kvxferd: drain", "err", err)
 	}
 	stopped := make(chan struct{})
-	go func() { g.GracefulStop(); close(stopped) }()
+	go func() { eng.GracefulStop(); peer.GracefulStop(); close(stopped) }()
 	select {
 	case <-stopped:
 	case <-dctx.Done():
-		g.Stop()
+		eng.Stop()
+		peer.Stop()
 	}
 	if httpSrv != nil {
 		_ = httpSrv.Shutdown(dctx)

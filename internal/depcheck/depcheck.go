@@ -68,7 +68,8 @@ var Rules = []Rule{
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...", "shm",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
-			"github.com/klauspost/compress/..."}},
+			"github.com/klauspost/compress/...",
+			"golang.org/x/sys/unix"}}, // the unix socket's peer credentials (SO_PEERCRED)
 }
 
 // ruleFor returns the rule for a module-relative package path.
