@@ -1,0 +1,323 @@
+package test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+func TestMain(m *testing.M) {
+	daemon.ServeIfChild()
+	os.Exit(m.Run())
+}
+
+// The security suite: each test performs an attack on a real kvxferd
+// process as an outsider would (another local user, or anyone who reaches
+// the peer port) and checks it is refused and the victim engine's bytes
+// and requests are untouched.
+
+// nobody is the uid/gid attacks from another local user run as.
+const nobody = 65534
+
+// world is a directory every local user can reach and create files in
+// (like /dev/shm: mode 1777), holding a daemon's socket and shm files. It
+// is removed when the test ends.
+func world(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvxfer-sec-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// startDaemon runs a kvxferd whose socket every local user may connect to
+// (-socket-mode 0666: engines are told apart by uid).
+func startDaemon(t *testing.T, dir, name string, extra ...string) *daemon.Proc {
+	t.Helper()
+	d, err := daemon.Start(dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := d.Stop(); err != nil {
+			t.Errorf("stop %s: %v", name, err)
+		}
+		if t.Failed() {
+			b, _ := os.ReadFile(d.Log)
+			t.Logf("%s log:\n%s", name, b)
+		}
+	})
+	return d
+}
+
+// layout is a small one-rank layout whose region starts at base.
+func layout(base uint64) topology.Layout {
+	return topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND,
+		Packing: topology.PackedKV, LogicalBlockSize: 16, KernelBlockSize: 16,
+		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: 256, NumBlocks: 16}}}
+}
+
+// victim is an engine of this test's user (root in CI) attached to a
+// daemon: its scheduler open and one rank whose KV cache is a 0600 shm
+// file holding a known pattern.
+type victim struct {
+	id     string
+	client *stream.Client
+	rank   *stream.RankStream
+	mem    *shm.Mapping
+	sched  pb.SchedulerServiceClient
+}
+
+const victimBase = 1 << 20
+
+func attachVictim(t *testing.T, d *daemon.Proc, dir, id string) *victim {
+	t.Helper()
+	mp, err := shm.Create(dir, id+"-kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mp.Remove() })
+	for i := range mp.Bytes {
+		mp.Bytes[i] = byte(i*7 + 3)
+	}
+	c, err := stream.Dial("unix://" + d.Sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cc, err := grpc.NewClient("unix://"+d.Sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close() })
+	sc := pb.NewSchedulerServiceClient(cc)
+	if _, err := sc.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: id, Mode: pb.Mode_MODE_PUSH,
+		TpSize: 1, PpSize: 1, LogicalBlockSize: 16, Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}}}}); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: kvxfer.ModePush, Layout: layout(victimBase), CompatHash: "m",
+		Memory: []stream.Memory{{Path: mp.Path, Base: victimBase, Size: 4096}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for range rs.Finished() {
+		}
+	}()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = rs.Close(ctx)
+	})
+	return &victim{id: id, client: c, rank: rs, mem: mp, sched: sc}
+}
+
+func (v *victim) sum() [32]byte { return sha256.Sum256(v.mem.Bytes) }
+
+// intact checks the victim's bytes still hash to before and its scheduler
+// and rank still work.
+func (v *victim) intact(t *testing.T, before [32]byte) {
+	t.Helper()
+	if v.sum() != before {
+		t.Errorf("victim %s: its KV bytes changed", v.id)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := v.sched.Step(ctx, &pb.StepRequest{EngineId: v.id, BuildMeta: true}); err != nil {
+		t.Errorf("victim %s: its scheduler: %v", v.id, err)
+	}
+	if err := v.rank.Step(&kvxfer.StepMeta{}); err != nil {
+		t.Errorf("victim %s: its rank: %v", v.id, err)
+	}
+}
+
+// asNobody runs attack name in this test binary re-executed as uid/gid
+// 65534 (setpriv), with env, and returns what it printed. It skips the
+// test when this process cannot switch users.
+func asNobody(t *testing.T, name string, env ...string) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("attacks from another local user need root to switch to uid 65534 (setpriv); CI runs as root")
+	}
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		t.Fatalf("setpriv (util-linux) is needed to run as another user: %v", err)
+	}
+	cmd := exec.Command(setpriv, fmt.Sprintf("--reuid=%d", nobody), fmt.Sprintf("--regid=%d", nobody), "--clear-groups",
+		os.Args[0], "-test.run=^TestAttackChild$", "-test.v")
+	cmd.Env = append(os.Environ(), append([]string{"KVXFER_ATTACK=" + name}, env...)...)
+	cmd.Dir = "/"
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	done := make(chan error, 1)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { done <- cmd.Wait() }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		t.Fatalf("attack %s did not end in 60 s:\n%s", name, out.String())
+	}
+	if !strings.Contains(out.String(), "ATTACK DONE") {
+		t.Fatalf("attack %s did not run to its end:\n%s", name, out.String())
+	}
+	return out.String()
+}
+
+// attacks are the child's side of asNobody: each prints one line per
+// attempt, "<what>: <grpc code>: <message>".
+var attacks = map[string]func(ctx context.Context, p func(what string, err error)){
+	// Attach a rank under the victim's engine id (its own rank's slot, and
+	// one not taken yet), with the attacker's own shm file.
+	"attach-victim-engine": func(ctx context.Context, p func(string, error)) {
+		c, err := stream.Dial("unix://" + os.Getenv("KVXFER_SOCK"))
+		if err != nil {
+			p("dial", err)
+			return
+		}
+		defer c.Close()
+		dir := os.Getenv("KVXFER_DIR")
+		mp, err := shm.Create(dir, fmt.Sprintf("nobody-%d", os.Getpid()), 4096)
+		if err != nil {
+			p("create", err)
+			return
+		}
+		defer mp.Remove()
+		l := layout(victimBase)
+		_, err = c.Connect(ctx, stream.Hello{EngineID: os.Getenv("KVXFER_VICTIM"), Mode: kvxfer.ModePush, Layout: l,
+			Memory: []stream.Memory{{Path: mp.Path, Base: victimBase, Size: 4096}}})
+		p("same rank", err)
+		l.TPSize, l.TPRank, l.TotalKVHeads = 2, 1, 2
+		_, err = c.Connect(ctx, stream.Hello{EngineID: os.Getenv("KVXFER_VICTIM"), Mode: kvxfer.ModePush, Layout: l,
+			Memory: []stream.Memory{{Path: mp.Path, Base: victimBase, Size: 4096}}})
+		p("free rank", err)
+	},
+	// Use, replace and close the victim's scheduler.
+	"victim-scheduler": func(ctx context.Context, p func(string, error)) {
+		cc, err := grpc.NewClient("unix://"+os.Getenv("KVXFER_SOCK"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			p("dial", err)
+			return
+		}
+		defer cc.Close()
+		sc := pb.NewSchedulerServiceClient(cc)
+		id := os.Getenv("KVXFER_VICTIM")
+		_, err = sc.Step(ctx, &pb.StepRequest{EngineId: id, BuildMeta: true})
+		p("step", err)
+		_, err = sc.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: id, Mode: pb.Mode_MODE_PUSH,
+			TpSize: 1, PpSize: 1, LogicalBlockSize: 16, Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}}}})
+		p("open", err)
+		_, err = sc.CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: id})
+		p("close", err)
+	},
+}
+
+// TestAttackChild runs one attack for asNobody (KVXFER_ATTACK names it);
+// run directly, it does nothing.
+func TestAttackChild(t *testing.T) {
+	name := os.Getenv("KVXFER_ATTACK")
+	if name == "" {
+		return
+	}
+	attack := attacks[name]
+	if attack == nil {
+		t.Fatalf("no attack %q", name)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	attack(ctx, func(what string, err error) {
+		fmt.Printf("%s: %v: %v\n", what, status.Code(err), err)
+	})
+	fmt.Println("ATTACK DONE")
+}
+
+// refused checks out has the line "<what>: <code>: ..." for each of whats.
+func refused(t *testing.T, out string, code codes.Code, whats ...string) {
+	t.Helper()
+	for _, w := range whats {
+		if !strings.Contains(out, "\n"+w+": "+code.String()+": ") && !strings.HasPrefix(out, w+": "+code.String()+": ") {
+			t.Errorf("%s: want %v; the attack printed:\n%s", w, code, out)
+		}
+	}
+}
+
+// Another local user cannot attach ranks under an engine id that belongs
+// to the victim, neither its attached rank's slot nor a free one.
+func TestAnotherUserCannotJoinAnEngine(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	out := asNobody(t, "attach-victim-engine", "KVXFER_SOCK="+d.Sock, "KVXFER_DIR="+dir, "KVXFER_VICTIM="+v.id)
+	refused(t, out, codes.PermissionDenied, "same rank", "free rank")
+	v.intact(t, before)
+}
+
+// Another local user cannot use, replace or close the victim's scheduler.
+func TestAnotherUserCannotTouchASchedulerItDidNotOpen(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	out := asNobody(t, "victim-scheduler", "KVXFER_SOCK="+d.Sock, "KVXFER_VICTIM="+v.id)
+	refused(t, out, codes.PermissionDenied, "step", "open", "close")
+	v.intact(t, before)
+}
+
+// The peer port serves no engine service: an outsider who reaches it
+// cannot attach ranks or drive schedulers.
+func TestPeerPortServesNoEngineService(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := stream.Dial(d.Peer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, err = c.Connect(ctx, stream.Hello{EngineID: "x", Mode: kvxfer.ModePush, Layout: layout(victimBase),
+		Memory: []stream.Memory{{Path: v.mem.Path, Base: victimBase, Size: 4096}}})
+	if status.Code(err) != codes.Unimplemented {
+		t.Errorf("WorkerService.Connect on the peer port: %v, want Unimplemented", err)
+	}
+	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	if _, err := pb.NewSchedulerServiceClient(cc).CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: v.id}); status.Code(err) != codes.Unimplemented {
+		t.Errorf("SchedulerService.CloseScheduler on the peer port: %v, want Unimplemented", err)
+	}
+	v.intact(t, before)
+}
