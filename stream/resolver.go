@@ -8,6 +8,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
@@ -23,6 +24,7 @@ const maxHandshake = 256 << 20
 // safe for concurrent use.
 type PeerResolver struct {
 	dec *zstd.Decoder
+	cfg ResolverConfig
 	mu  struct {
 		sync.Mutex
 		conns map[string]*grpc.ClientConn
@@ -31,10 +33,29 @@ type PeerResolver struct {
 
 var _ kvxfer.Resolver = (*PeerResolver)(nil)
 
-// NewPeerResolver returns a resolver.
-func NewPeerResolver() *PeerResolver {
+// ResolverConfig configures a PeerResolver. Zero fields mean the
+// defaults.
+type ResolverConfig struct {
+	// Creds authenticate this daemon to its peers, and them to it
+	// (default: none, insecure credentials).
+	Creds credentials.TransportCredentials
+	// Allow, when set, is asked about every peer address before it is
+	// dialed (addresses come from engines' transfer params); its error
+	// refuses the handshake and is part of the handshake's error.
+	Allow func(addr string) error
+}
+
+// NewPeerResolver returns a resolver with the default config: no
+// authentication, any address.
+func NewPeerResolver() *PeerResolver { return NewPeerResolverWith(ResolverConfig{}) }
+
+// NewPeerResolverWith returns a resolver with cfg.
+func NewPeerResolverWith(cfg ResolverConfig) *PeerResolver {
+	if cfg.Creds == nil {
+		cfg.Creds = insecure.NewCredentials()
+	}
 	dec, _ := zstd.NewReader(nil, zstd.WithDecoderMaxMemory(maxHandshake), zstd.WithDecoderConcurrency(1))
-	r := &PeerResolver{dec: dec}
+	r := &PeerResolver{dec: dec, cfg: cfg}
 	r.mu.conns = map[string]*grpc.ClientConn{}
 	return r
 }
@@ -45,7 +66,12 @@ func (r *PeerResolver) conn(addr string) (*grpc.ClientConn, error) {
 	if c := r.mu.conns[addr]; c != nil {
 		return c, nil
 	}
-	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+	if r.cfg.Allow != nil {
+		if err := r.cfg.Allow(addr); err != nil {
+			return nil, err
+		}
+	}
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)))
 	if err != nil {
 		return nil, err

@@ -2,6 +2,7 @@ package stream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -17,6 +18,7 @@ type schedulers struct {
 	pb.UnimplementedSchedulerServiceServer
 	addr   string
 	owners *owners
+	limits *limits
 	mu     sync.Mutex
 	m      map[string]*lockedScheduler
 }
@@ -40,9 +42,14 @@ type lockedScheduler struct {
 func (ss *schedulers) get(ctx context.Context, engine string) (*lockedScheduler, error) {
 	uid, err := callerUID(ctx)
 	if err != nil {
+		ss.limits.refuse("permission")
 		return nil, err
 	}
-	return ss.getAs(engine, uid)
+	ls, err := ss.getAs(engine, uid)
+	if errors.Is(err, ErrPermission) {
+		ss.limits.refuse("permission")
+	}
+	return ls, err
 }
 
 func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error) {
@@ -120,6 +127,7 @@ func blocksFromProto(bl []*pb.BlockList) [][]topology.BlockID {
 func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
 	uid, err := callerUID(ctx)
 	if err != nil {
+		ss.limits.refuse("permission")
 		return nil, Status(err)
 	}
 	c := req.GetConfig()
@@ -150,9 +158,11 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	if old := ss.m[c.EngineId]; old == nil {
 		// The engine's first scheduler: it claims the engine for uid.
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
+			ss.limits.refuse("permission")
 			return nil, Status(err)
 		}
 	} else if old.uid != uid {
+		ss.limits.refuse("permission")
 		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
 	}
 	ss.m[c.EngineId] = ls // the same engine process opening again replaces its scheduler

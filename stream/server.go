@@ -12,6 +12,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
@@ -57,7 +58,22 @@ type ServerConfig struct {
 	// CompressAbove compresses handshake payloads larger than this many
 	// bytes when the caller accepts it (default 1024; negative: never).
 	CompressAbove int
-	Logger        *slog.Logger
+	// PeerCreds authenticate the default resolver to peer daemons
+	// (default: none). Ignored when Resolver is set.
+	PeerCreds credentials.TransportCredentials
+	// AllowPeer, when set, vets every engine-supplied peer address before
+	// the default resolver dials it (kvxferd -peer-allow). Ignored when
+	// Resolver is set.
+	AllowPeer func(addr string) error
+	// HelloTimeout bounds the wait for a worker stream's hello (default
+	// 10 s): a stream that never says hello holds nothing for long.
+	HelloTimeout time.Duration
+	// MaxStreams bounds the engine streams (worker streams and Steps
+	// streams) open at once (default 4096); MaxStreamsPerUID bounds those
+	// of one uid (default 1024). Past them, a stream is refused with
+	// ResourceExhausted.
+	MaxStreams, MaxStreamsPerUID int
+	Logger                       *slog.Logger
 }
 
 // Server implements the kvxfer.v1 WorkerService and PeerService. It is
@@ -69,6 +85,7 @@ type Server struct {
 	cfg      ServerConfig
 	sched    *schedulers
 	owners   *owners
+	limits   *limits
 	log      *slog.Logger
 	resolver *PeerResolver
 	enc      *zstd.Encoder
@@ -110,6 +127,15 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.CompressAbove == 0 {
 		cfg.CompressAbove = 1024
 	}
+	if cfg.HelloTimeout <= 0 {
+		cfg.HelloTimeout = 10 * time.Second
+	}
+	if cfg.MaxStreams <= 0 {
+		cfg.MaxStreams = 4096
+	}
+	if cfg.MaxStreamsPerUID <= 0 {
+		cfg.MaxStreamsPerUID = 1024
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -128,9 +154,20 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), owners: own,
-		sched: &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}, owners: own}}
+		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{}}}
+	s.sched = &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}, owners: own, limits: s.limits}
 	if cfg.Resolver == nil {
-		s.resolver = NewPeerResolver()
+		allow := cfg.AllowPeer
+		if allow != nil {
+			allow = func(addr string) error {
+				err := cfg.AllowPeer(addr)
+				if err != nil {
+					s.limits.refuse("peer_not_allowed")
+				}
+				return err
+			}
+		}
+		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
 	s.mu.engines = map[string]*engineEntry{}
@@ -288,11 +325,17 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	}
 	uid, err := callerUID(st.Context())
 	if err != nil {
+		s.limits.refuse("permission")
 		return Status(err)
 	}
+	done, err := s.limits.admit(uid)
+	if err != nil {
+		return Status(err)
+	}
+	defer done()
 	s.streams.Add(1)
 	defer s.streams.Done()
-	first, err := st.Recv()
+	first, err := s.recvHello(st)
 	if err != nil {
 		return Status(err)
 	}
@@ -302,6 +345,12 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	}
 	r, err := s.attach(hello, uid)
 	if err != nil {
+		switch {
+		case errors.Is(err, ErrPermission):
+			s.limits.refuse("permission")
+		case errors.Is(err, ErrAttached):
+			s.limits.refuse("rank_attached")
+		}
 		return Status(err)
 	}
 	defer r.detach()
@@ -309,6 +358,101 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 		return Status(err)
 	}
 	return r.serve(st)
+}
+
+// recvHello receives a worker stream's first message, waiting at most
+// HelloTimeout.
+func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) (*pb.ConnectRequest, error) {
+	type recvd struct {
+		m   *pb.ConnectRequest
+		err error
+	}
+	ch := make(chan recvd, 1)
+	go func() { // ends with the stream at the latest
+		m, err := st.Recv()
+		ch <- recvd{m, err}
+	}()
+	t := time.NewTimer(s.cfg.HelloTimeout)
+	defer t.Stop()
+	select {
+	case r := <-ch:
+		return r.m, r.err
+	case <-t.C:
+		s.limits.refuse("hello_timeout")
+		return nil, fmt.Errorf("no hello within %v: %w", s.cfg.HelloTimeout, context.DeadlineExceeded)
+	}
+}
+
+// Refusals returns how many calls and streams the server refused since it
+// started, by reason: permission (another uid's engine, or not on the
+// unix socket), rank_attached, memory (a shared-memory file refused),
+// hello_timeout, streams and streams_per_uid (limits), peer_not_allowed
+// (AllowPeer).
+func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
+
+// ErrLimit is the error of a stream refused by a limit (Status:
+// ResourceExhausted).
+var ErrLimit = errors.New("limit reached")
+
+// limits bounds the engine streams open at once, in all and per uid, and
+// counts refusals by reason.
+type limits struct {
+	mu      sync.Mutex
+	max     int
+	perUID  int
+	total   int
+	by      map[uint32]int
+	refused map[string]uint64
+}
+
+// admit counts a new stream of uid, or refuses it; done undoes it.
+func (l *limits) admit(uid uint32) (done func(), err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case l.total >= l.max:
+		l.refuseLocked("streams")
+		return nil, fmt.Errorf("%w: %d engine streams open, the daemon's most (kvxferd -max-streams)", ErrLimit, l.total)
+	case l.by[uid] >= l.perUID:
+		l.refuseLocked("streams_per_uid")
+		return nil, fmt.Errorf("%w: uid %d has %d engine streams open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, l.by[uid])
+	}
+	l.total++
+	l.by[uid]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			l.total--
+			if l.by[uid]--; l.by[uid] <= 0 {
+				delete(l.by, uid)
+			}
+		})
+	}, nil
+}
+
+func (l *limits) refuse(reason string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.refuseLocked(reason)
+}
+
+func (l *limits) refuseLocked(reason string) {
+	if l.refused == nil {
+		l.refused = map[string]uint64{}
+	}
+	l.refused[reason]++
+}
+
+func (l *limits) counts() map[string]uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make(map[string]uint64, len(l.refused))
+	for k, v := range l.refused {
+		out[k] = v
+	}
+	return out
 }
 
 // rank is one attached engine rank.

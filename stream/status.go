@@ -44,6 +44,8 @@ func Status(err error) error {
 		code = codes.PermissionDenied
 	case errors.Is(err, ErrAttached):
 		code = codes.AlreadyExists
+	case errors.Is(err, ErrLimit):
+		code = codes.ResourceExhausted
 	default:
 		code = codes.Internal
 	}

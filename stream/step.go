@@ -179,6 +179,16 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 // (unknown engine, bad publish_step) ends the stream.
 func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.StepsResponse]) error {
 	ctx := st.Context()
+	uid, err := callerUID(ctx)
+	if err != nil {
+		ss.limits.refuse("permission")
+		return Status(err)
+	}
+	done, err := ss.limits.admit(uid)
+	if err != nil {
+		return Status(err)
+	}
+	defer done()
 	for {
 		m, err := st.Recv()
 		if err != nil {

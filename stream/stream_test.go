@@ -2,6 +2,7 @@ package stream_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -462,5 +463,101 @@ func TestDrainReportsEveryOutcome(t *testing.T) {
 	}
 	if len(srv.Workers()) != 0 {
 		t.Errorf("workers left after drain: %v", srv.Workers())
+	}
+}
+
+// Engine streams are bounded: one that never says hello is closed after
+// HelloTimeout, and past MaxStreamsPerUID a uid's new stream is refused;
+// each refusal is counted by reason.
+func TestEngineStreamLimits(t *testing.T) {
+	shmDir := t.TempDir()
+	d := startDaemonWith(t, shmDir, func(c *stream.ServerConfig) {
+		c.HelloTimeout = 200 * time.Millisecond
+		c.MaxStreamsPerUID = 2
+	})
+	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	wc := pb.NewWorkerServiceClient(cc)
+	silent, err := wc.Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := silent.Recv(); status.Code(err) != codes.DeadlineExceeded || !strings.Contains(err.Error(), "no hello within 200ms") {
+		t.Errorf("a stream that never says hello: %v, want DeadlineExceeded", err)
+	}
+	// Two Steps streams of this uid are the most; the third is refused.
+	sc := pb.NewSchedulerServiceClient(cc)
+	var open []grpc.BidiStreamingClient[pb.StepsRequest, pb.StepsResponse]
+	for range 2 {
+		st, err := sc.Steps(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, st)
+	}
+	// The server admits a stream when its handler starts: send on each so
+	// both are surely running before the third.
+	for _, st := range open {
+		_ = st.Send(&pb.StepsRequest{Step: &pb.StepRequest{EngineId: "none"}})
+		if _, err := st.Recv(); status.Code(err) != codes.NotFound {
+			t.Fatalf("step on an unknown engine: %v, want NotFound (the stream ends)", err)
+		}
+	}
+	// Those two ended (NotFound ends a Steps stream): open two more that
+	// stay, then the third.
+	open = open[:0]
+	for range 2 {
+		st, err := sc.Steps(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, st)
+	}
+	third := func() error {
+		st, err := wc.Connect(ctx)
+		if err != nil {
+			return err
+		}
+		_, err = st.Recv()
+		return err
+	}
+	var refusedErr error
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		// The two Steps streams are admitted once their handlers run.
+		if refusedErr = third(); status.Code(refusedErr) == codes.ResourceExhausted {
+			break
+		}
+	}
+	if status.Code(refusedErr) != codes.ResourceExhausted || !strings.Contains(refusedErr.Error(), "-max-streams-per-uid") {
+		t.Errorf("a third stream of one uid past MaxStreamsPerUID 2: %v, want ResourceExhausted", refusedErr)
+	}
+	for _, st := range open {
+		_ = st.CloseSend()
+	}
+	r := d.srv.Refusals()
+	if r["hello_timeout"] < 1 || r["streams_per_uid"] < 1 {
+		t.Errorf("refusals = %v, want hello_timeout and streams_per_uid counted", r)
+	}
+}
+
+// An engine-supplied peer address outside the allow-list is refused
+// before anything is dialed, with an error naming it.
+func TestResolverAllowList(t *testing.T) {
+	al, err := stream.ParseAllowList("10.0.0.0/8")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := stream.NewPeerResolverWith(stream.ResolverConfig{Allow: al.Check})
+	defer r.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = r.Handshake(ctx, "P", "127.0.0.1:1")
+	if !errors.Is(err, stream.ErrPeerNotAllowed) || !strings.Contains(err.Error(), "127.0.0.1:1 is not in kvxferd's -peer-allow list") {
+		t.Errorf("handshake with a peer outside the allow-list: %v", err)
 	}
 }

@@ -39,7 +39,9 @@ import (
 type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	backend, nixlParams                                                                                 string
+	backend, nixlParams, peerAllow                                                                      string
+	helloTimeout                                                                                        time.Duration
+	maxStreams, maxStreamsPerUID                                                                        int
 	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
 	conns, maxSegments                                                                                  int
 }
@@ -63,6 +65,11 @@ func parseFlags(args []string) (*config, error) {
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
 		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
 			"peers past it are refused at handshake. Set it alike on P and D")
+	fs.StringVar(&c.peerAllow, "peer-allow", "", "peer daemons engines may name, comma-separated IPs, IP prefixes (10.0.0.0/8) and host names "+
+		`(matched as written, not resolved); unset: any. Transfers naming another address fail with "not in kvxferd's -peer-allow list"`)
+	fs.DurationVar(&c.helloTimeout, "hello-timeout", 10*time.Second, "how long a new worker stream may take to say hello")
+	fs.IntVar(&c.maxStreams, "max-streams", 4096, "engine streams (worker and scheduler streams) open at once, all users")
+	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid)")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
@@ -89,6 +96,14 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
+	}
+	if c.peerAllow != "" {
+		if _, err := stream.ParseAllowList(c.peerAllow); err != nil {
+			return nil, fmt.Errorf("-peer-allow: %w", err)
+		}
+	}
+	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 {
+		return nil, fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d: want each > 0", c.helloTimeout, c.maxStreams, c.maxStreamsPerUID)
 	}
 	if c.maxSegments <= 0 {
 		return nil, fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
@@ -208,7 +223,16 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		return err
 	}
 	defer os.Remove(c.socket)
+	var allow func(string) error
+	if c.peerAllow != "" {
+		al, err := stream.ParseAllowList(c.peerAllow)
+		if err != nil {
+			return fmt.Errorf("-peer-allow: %w", err)
+		}
+		allow = al.Check
+	}
 	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()

@@ -18,6 +18,7 @@ type collector struct {
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, badInput, dropped                                *prometheus.Desc
+	refused                                                    *prometheus.Desc
 }
 
 func newCollector(srv *stream.Server) *collector {
@@ -39,6 +40,9 @@ func newCollector(srv *stream.Server) *collector {
 		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
 		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
+		refused: prometheus.NewDesc("kvxfer_refused_total",
+			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, hello_timeout, streams, streams_per_uid, peer_not_allowed).",
+			[]string{"reason"}, nil),
 	}
 }
 
@@ -57,6 +61,9 @@ func hist(ch chan<- prometheus.Metric, d *prometheus.Desc, s kvxfer.HistogramSna
 
 // Collect implements prometheus.Collector.
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	for reason, n := range c.srv.Refusals() {
+		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)
+	}
 	for engine, workers := range c.srv.Workers() {
 		for _, w := range workers {
 			l := w.Layout()
