@@ -492,28 +492,21 @@ func TestEngineStreamLimits(t *testing.T) {
 	}
 	// Two Steps streams of this uid are the most; the third is refused.
 	sc := pb.NewSchedulerServiceClient(cc)
+	if _, err := sc.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "L", Mode: pb.Mode_MODE_PUSH,
+		TpSize: 1, PpSize: 1, LogicalBlockSize: 16, Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}}}}); err != nil {
+		t.Fatal(err)
+	}
 	var open []grpc.BidiStreamingClient[pb.StepsRequest, pb.StepsResponse]
 	for range 2 {
 		st, err := sc.Steps(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		open = append(open, st)
-	}
-	// The server admits a stream when its handler starts: send on each so
-	// both are surely running before the third.
-	for _, st := range open {
-		_ = st.Send(&pb.StepsRequest{Step: &pb.StepRequest{EngineId: "none"}})
-		if _, err := st.Recv(); status.Code(err) != codes.NotFound {
-			t.Fatalf("step on an unknown engine: %v, want NotFound (the stream ends)", err)
+		// Answered: the server admitted the stream and it stays open.
+		if err := st.Send(&pb.StepsRequest{Step: &pb.StepRequest{EngineId: "L"}}); err != nil {
+			t.Fatal(err)
 		}
-	}
-	// Those two ended (NotFound ends a Steps stream): open two more that
-	// stay, then the third.
-	open = open[:0]
-	for range 2 {
-		st, err := sc.Steps(ctx)
-		if err != nil {
+		if _, err := st.Recv(); err != nil {
 			t.Fatal(err)
 		}
 		open = append(open, st)
@@ -526,13 +519,7 @@ func TestEngineStreamLimits(t *testing.T) {
 		_, err = st.Recv()
 		return err
 	}
-	var refusedErr error
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		// The two Steps streams are admitted once their handlers run.
-		if refusedErr = third(); status.Code(refusedErr) == codes.ResourceExhausted {
-			break
-		}
-	}
+	refusedErr := third()
 	if status.Code(refusedErr) != codes.ResourceExhausted || !strings.Contains(refusedErr.Error(), "-max-streams-per-uid") {
 		t.Errorf("a third stream of one uid past MaxStreamsPerUID 2: %v, want ResourceExhausted", refusedErr)
 	}
