@@ -387,8 +387,12 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // started, by reason: permission (another uid's engine, or not on the
 // unix socket), rank_attached, memory (a shared-memory file refused),
 // hello_timeout, streams and streams_per_uid (limits), peer_not_allowed
-// (AllowPeer).
+// (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
+
+// Refuse counts a refusal the daemon made around the server (e.g.
+// peer_conns_per_addr: a peer connection past its bound).
+func (s *Server) Refuse(reason string) { s.limits.refuse(reason) }
 
 // ErrLimit is the error of a stream refused by a limit (Status:
 // ResourceExhausted).

@@ -41,7 +41,7 @@ type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow                                                                      string
 	helloTimeout                                                                                        time.Duration
-	maxStreams, maxStreamsPerUID                                                                        int
+	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
 	conns, maxSegments                                                                                  int
 }
@@ -70,6 +70,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.DurationVar(&c.helloTimeout, "hello-timeout", 10*time.Second, "how long a new worker stream may take to say hello")
 	fs.IntVar(&c.maxStreams, "max-streams", 4096, "engine streams (worker and scheduler streams) open at once, all users")
 	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid)")
+	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
@@ -102,8 +103,9 @@ func parseFlags(args []string) (*config, error) {
 			return nil, fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
-	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 {
-		return nil, fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d: want each > 0", c.helloTimeout, c.maxStreams, c.maxStreamsPerUID)
+	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 {
+		return nil, fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
+			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns)
 	}
 	if c.maxSegments <= 0 {
 		return nil, fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
@@ -265,7 +267,13 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	srv.RegisterPeer(peer)
 	healthpb.RegisterHealthServer(peer, hs)
 	serveErr := make(chan error, 3)
-	go func() { serveErr <- peer.Serve(peerLn) }()
+	perAddr := c.maxPeerConns
+	if perAddr <= 0 {
+		perAddr = 64 // a config made without parseFlags: its default
+	}
+	go func() {
+		serveErr <- peer.Serve(newLimitListener(peerLn, perAddr, func() { srv.Refuse("peer_conns_per_addr") }))
+	}()
 	go func() { serveErr <- eng.Serve(engLn) }()
 	var httpSrv *http.Server
 	if c.metricsListen != "" {
