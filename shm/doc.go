@@ -22,25 +22,34 @@
 //
 // # The rules kvxferd applies (engines in any language)
 //
-// kvxferd maps a SharedMemory entry only if all of these hold; Map checks
-// them, and its error names the one that failed:
+// kvxferd maps a SharedMemory entry only if all of these hold; MapOwned
+// checks them:
 //
 //   - Size: size is 1..MaxSize (2^46) bytes.
-//   - Directory: path, cleaned lexically (no symlink resolution), lies
-//     beneath the daemon's -shm-dir (KVXFERD_SHM_DIR; default /dev/shm).
-//     Give an absolute path as the daemon sees it: engine and daemon share
-//     the directory (same host, same mount). Put the file directly in the
-//     directory, under a name of your choice (one path element, unique per
-//     rank: Create refuses to replace an existing file).
-//   - Permissions: the daemon opens the file read-write, so its user must
-//     be allowed to (kvxferd runs as the engine's user, or root). Create
-//     makes files with Mode (0600: read-write for the owner only, whatever
-//     the umask), which is what an engine should use: no other user may
-//     read or write its KV cache.
-//   - Type: a regular file (not a directory, device or FIFO). Create it in
-//     place; do not point at it through a symlink.
+//   - Directory: path is absolute and lies beneath the daemon's -shm-dir
+//     (KVXFERD_SHM_DIR; default /dev/shm), with no symlink anywhere on the
+//     way beneath it and no ".." leaving it (the daemon opens it with
+//     openat2's RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS). Give the path as
+//     the daemon sees it: engine and daemon share the directory (same
+//     host, same mount). Put the file directly in the directory, under a
+//     name of your choice (one path element, unique per rank: Create
+//     refuses to replace an existing file).
+//   - Owner: the file belongs to the engine's user, the uid kvxferd sees
+//     on its unix socket (SO_PEERCRED). A daemon running as root maps no
+//     other user's file either, so no engine can make it touch memory its
+//     own user could not. Create makes files with Mode (0600: read-write
+//     for the owner only, whatever the umask), which is what an engine
+//     should use: no other user may read or write its KV cache.
+//   - Type: a regular file (not a directory, device or FIFO: it is checked
+//     before it is opened read-write). Create it in place; do not point at
+//     it through a symlink.
 //   - Length: the file is at least size bytes long (ftruncate it to size
 //     before the hello).
+//
+// A file that fails any rule but size and length is refused with one
+// message (ErrRefused, PermissionDenied on the wire) whatever the reason,
+// so an engine learns nothing about other users' files: not whether they
+// exist, nor their size.
 //
 // The daemon then maps bytes [0, size) of the file shared and read-write,
 // so its mapping starts on a page boundary. Every region of the layout

@@ -31,39 +31,143 @@ type Mapping struct {
 	Bytes []byte
 }
 
+// ErrRefused is the error of a file MapOwned will not map. Its message
+// is the same whatever the reason (missing, a symlink, outside the
+// directory, not a regular file, another user's), so it reveals nothing
+// about files the caller does not own.
+var ErrRefused = errors.New("refused")
+
 // Map maps bytes [0, size) of the file at path, shared and read-write,
-// applying kvxferd's rules (see the package doc): size in 1..MaxSize, path
-// beneath dir (unchecked when dir is empty), a regular file the caller
-// may read and write, at least size bytes long. kvxferd calls it with its
-// -shm-dir for every SharedMemory entry of a hello; an engine may call it
-// to map a file it made earlier.
+// applying kvxferd's rules (see the package doc) with the caller's
+// effective uid as the owner: MapOwned(dir, path, size, euid). With dir
+// empty (a program mapping a path it chose itself) only the size and the
+// file's type are checked. An engine may call it to map a file it made
+// earlier.
 func Map(dir, path string, size uint64) (*Mapping, error) {
+	if dir != "" {
+		return MapOwned(dir, path, size, uint32(os.Geteuid()))
+	}
 	if size == 0 || size > MaxSize {
 		return nil, fmt.Errorf("shm: map %s: size %d, want 1..2^46", path, size)
 	}
 	clean := filepath.Clean(path)
-	if dir != "" {
-		d := filepath.Clean(dir) + string(filepath.Separator)
-		if !strings.HasPrefix(clean, d) {
-			return nil, fmt.Errorf("shm: map %s: not under %s", path, dir)
-		}
-	}
-	f, err := os.OpenFile(clean, os.O_RDWR, 0)
+	pfd, err := unix.Open(clean, unix.O_PATH|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("shm: map: %w", err)
+		return nil, fmt.Errorf("shm: map %s: %w", path, err)
 	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("shm: map: %w", err)
+	defer unix.Close(pfd)
+	var st unix.Stat_t
+	if err := unix.Fstat(pfd, &st); err != nil {
+		return nil, fmt.Errorf("shm: map %s: %w", path, err)
 	}
-	if !st.Mode().IsRegular() {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil, fmt.Errorf("shm: map %s: not a regular file", path)
 	}
-	if uint64(st.Size()) < size {
-		return nil, fmt.Errorf("shm: map %s: file has %d bytes, the layout declares %d", path, st.Size(), size)
+	fd, err := unix.Open(clean, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("shm: map %s: %w", path, err)
 	}
-	b, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	defer unix.Close(fd)
+	return mapFD(fd, path, clean, size, &st)
+}
+
+// MapOwned maps bytes [0, size) of the file at path, shared and
+// read-write, as kvxferd does for an engine of uid owner. It maps only a
+// regular file owned by owner that lies beneath dir with no symlink on the
+// way (openat2 with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS, or a walk of
+// every component with O_NOFOLLOW where openat2 is missing). The file is
+// checked before it is opened read-write (a FIFO or a device is never
+// opened), and the read-write open is checked to be the same file.
+// Anything else is an ErrRefused error that says the same for every
+// reason; once the file is known to be owner's, errors are specific
+// (e.g. the file is shorter than size).
+func MapOwned(dir, path string, size uint64, owner uint32) (*Mapping, error) {
+	if size == 0 || size > MaxSize {
+		return nil, fmt.Errorf("shm: map %s: size %d, want 1..2^46", path, size)
+	}
+	refused := fmt.Errorf("shm: map %s: %w (want a regular file owned by uid %d beneath %s, no symlinks)", path, ErrRefused, owner, dir)
+	if dir == "" {
+		return nil, refused
+	}
+	cdir, clean := filepath.Clean(dir), filepath.Clean(path)
+	rel, err := filepath.Rel(cdir, clean)
+	if err != nil || !filepath.IsAbs(clean) || rel == "." || rel == ".." || strings.HasPrefix(rel, "../") {
+		return nil, refused
+	}
+	dfd, err := unix.Open(cdir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, refused
+	}
+	defer unix.Close(dfd)
+	pfd, err := openBeneath(dfd, rel, unix.O_PATH)
+	if err != nil {
+		return nil, refused
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(pfd, &st)
+	unix.Close(pfd)
+	if err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Uid != owner {
+		return nil, refused
+	}
+	fd, err := openBeneath(dfd, rel, unix.O_RDWR|unix.O_NONBLOCK|unix.O_NOCTTY)
+	if err != nil {
+		return nil, refused
+	}
+	defer unix.Close(fd)
+	var st2 unix.Stat_t
+	if err := unix.Fstat(fd, &st2); err != nil || st2.Dev != st.Dev || st2.Ino != st.Ino {
+		return nil, refused // replaced between the two opens
+	}
+	return mapFD(fd, path, clean, size, &st2)
+}
+
+// walkOnly makes openBeneath walk the components even where openat2
+// exists (tests of the fallback).
+var walkOnly bool
+
+// openBeneath opens rel (relative, cleaned) beneath the directory dfd
+// with flags, following no symlink and never leaving the directory.
+func openBeneath(dfd int, rel string, flags int) (int, error) {
+	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC | unix.O_NOFOLLOW),
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS}
+	if !walkOnly {
+		fd, err := unix.Openat2(dfd, rel, &how)
+		if err != unix.ENOSYS {
+			return fd, err
+		}
+	}
+	// No openat2 (Linux < 5.6): walk the components, none a symlink.
+	parts := strings.Split(rel, "/")
+	cur := dfd
+	for i, p := range parts {
+		if p == "" || p == "." || p == ".." {
+			if cur != dfd {
+				unix.Close(cur)
+			}
+			return -1, unix.EACCES
+		}
+		f := unix.O_PATH | unix.O_DIRECTORY
+		if i == len(parts)-1 {
+			f = flags
+		}
+		next, err := unix.Openat(cur, p, f|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+		if cur != dfd {
+			unix.Close(cur)
+		}
+		if err != nil {
+			return -1, err
+		}
+		cur = next
+	}
+	return cur, nil
+}
+
+// mapFD maps [0, size) of the open regular file fd (st its stat).
+func mapFD(fd int, path, clean string, size uint64, st *unix.Stat_t) (*Mapping, error) {
+	if uint64(st.Size) < size {
+		return nil, fmt.Errorf("shm: map %s: file has %d bytes, the layout declares %d", path, st.Size, size)
+	}
+	b, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("shm: mmap %s (%d bytes): %w", path, size, err)
 	}

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // What Create makes, the daemon's Map accepts: both mappings share the
@@ -78,13 +80,15 @@ func TestMapRefuses(t *testing.T) {
 		want            string
 	}{
 		{"too small", dir, filepath.Join(dir, "kv"), 8192, "declares 8192"},
-		{"outside dir", other, filepath.Join(dir, "kv"), 4096, "not under"},
-		{"escape", dir, filepath.Join(dir, "..", "x"), 4096, "not under"},
-		{"missing", dir, filepath.Join(dir, "nope"), 4096, "no such file"},
+		{"outside dir", other, filepath.Join(dir, "kv"), 4096, "refused"},
+		{"escape", dir, filepath.Join(dir, "..", "x"), 4096, "refused"},
+		{"missing", dir, filepath.Join(dir, "nope"), 4096, "refused"},
 		{"zero", dir, filepath.Join(dir, "kv"), 0, "size 0"},
 		{"too large", dir, filepath.Join(dir, "kv"), MaxSize + 1, "want 1..2^46"},
-		{"directory", filepath.Dir(dir), dir, 4096, "directory"},
-		{"not writable", dir, filepath.Join(dir, "ro"), 4096, "permission denied"},
+		{"directory", filepath.Dir(dir), dir, 4096, "refused"},
+		{"relative", dir, "kv", 4096, "refused"},
+		// Root's file, mapped by uid 65534: not the caller's.
+		{"not writable", dir, filepath.Join(dir, "ro"), 4096, "refused"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -166,5 +170,86 @@ func TestMapAsChild(t *testing.T) {
 	} else {
 		m.Close()
 		fmt.Println("Map succeeded")
+	}
+}
+
+// MapOwned maps only a regular file of the owner beneath the directory,
+// reached through no symlink; every refusal reads the same, so it reveals
+// nothing about files that are not the owner's. Both ways of opening
+// (openat2, and the component walk where openat2 is missing) are checked.
+func TestMapOwnedRefuses(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("files of another owner need root to make (chown); CI runs as root")
+	}
+	for _, walk := range []bool{false, true} {
+		t.Run(fmt.Sprintf("walk=%v", walk), func(t *testing.T) {
+			walkOnly = walk
+			defer func() { walkOnly = false }()
+			dir := t.TempDir()
+			outside := t.TempDir()
+			mine := filepath.Join(dir, "mine") // uid 65534's
+			if err := os.WriteFile(mine, make([]byte, 8192), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(mine, 65534, 65534); err != nil {
+				t.Fatal(err)
+			}
+			theirs := filepath.Join(dir, "theirs") // root's
+			if err := os.WriteFile(theirs, make([]byte, 8192), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			secret := filepath.Join(outside, "secret")
+			if err := os.WriteFile(secret, make([]byte, 8192), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			must := func(err error) {
+				t.Helper()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			must(os.Symlink(theirs, filepath.Join(dir, "link")))
+			must(os.Symlink(mine, filepath.Join(dir, "link-to-mine")))
+			must(os.Symlink(outside, filepath.Join(dir, "dirlink")))
+			must(os.Mkdir(filepath.Join(dir, "sub"), 0o755))
+			must(os.Symlink(dir, filepath.Join(dir, "sub", "up")))
+			must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o666))
+			must(os.Chown(filepath.Join(dir, "fifo"), 65534, 65534))
+			must(unix.Mknod(filepath.Join(dir, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+			must(os.Chown(filepath.Join(dir, "null"), 65534, 65534))
+			for _, p := range []string{
+				theirs,                                                     // another user's file beneath the dir
+				filepath.Join(dir, "link"),                                 // a symlink to it
+				filepath.Join(dir, "link-to-mine"),                         // a symlink even to the owner's own file
+				filepath.Join(dir, "dirlink", "secret"),                    // through a symlinked directory
+				filepath.Join(dir, "sub", "up", "theirs"),                  // through a symlink deeper down
+				filepath.Join(dir, "..", filepath.Base(outside), "secret"), // out with ..
+				secret,                     // outside the dir
+				filepath.Join(dir, "nope"), // missing
+				filepath.Join(dir, "fifo"), // a FIFO (opening it read-write must not block)
+				filepath.Join(dir, "null"), // a device
+				filepath.Join(dir, "sub"),  // a directory
+			} {
+				_, err := MapOwned(dir, p, 4096, 65534)
+				want := fmt.Sprintf("shm: map %s: refused (want a regular file owned by uid 65534 beneath %s, no symlinks)", p, dir)
+				if !errors.Is(err, ErrRefused) || err.Error() != want {
+					t.Errorf("MapOwned(%s) = %v\nwant %s", p, err, want)
+				}
+			}
+			// The owner's own file maps, and the memory is the file's.
+			m, err := MapOwned(dir, mine, 4096, 65534)
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(m.Bytes, "kv")
+			m.Close()
+			if b, _ := os.ReadFile(mine); string(b[:2]) != "kv" {
+				t.Errorf("the mapping does not share the file's bytes")
+			}
+			// Once the file is the owner's, errors say what is wrong.
+			if _, err := MapOwned(dir, mine, 16384, 65534); err == nil || !strings.Contains(err.Error(), "file has 8192 bytes, the layout declares 16384") {
+				t.Errorf("MapOwned past the owner's file's end = %v", err)
+			}
+		})
 	}
 }

@@ -42,7 +42,8 @@ type ServerConfig struct {
 	// daemons dial (host:port); engines' transfer params carry it.
 	PeerAddr string
 	// ShmDir is the only directory shared-memory files are mapped from
-	// (default shm.DefaultDir, /dev/shm), by shm.Map.
+	// (default shm.DefaultDir, /dev/shm), by shm.MapOwned: an engine's
+	// files only (owned by its uid).
 	ShmDir string
 	// NewBackend makes the backend of one rank (default: a NetBackend
 	// listening on 127.0.0.1). vram says the rank's memory is GPU memory.
@@ -346,6 +347,8 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	r, err := s.attach(hello, uid)
 	if err != nil {
 		switch {
+		case errors.Is(err, shm.ErrRefused):
+			s.limits.refuse("memory")
 		case errors.Is(err, ErrPermission):
 			s.limits.refuse("permission")
 		case errors.Is(err, ErrAttached):
@@ -556,8 +559,11 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 			real[i] = ptr
 			continue
 		}
-		mp, err := shm.Map(s.cfg.ShmDir, m.Path, m.Size)
-		if err != nil {
+		mp, err := shm.MapOwned(s.cfg.ShmDir, m.Path, m.Size, r.uid)
+		switch {
+		case errors.Is(err, shm.ErrRefused):
+			return nil, fmt.Errorf("%w: hello.memory[%d]: %w", ErrPermission, i, err)
+		case err != nil:
 			return nil, invalid("hello.memory[%d]: %v", i, err)
 		}
 		r.mappings = append(r.mappings, mp)

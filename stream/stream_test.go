@@ -299,7 +299,6 @@ func TestHelloValidation(t *testing.T) {
 		{"no memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good}, "hello.memory"},
 		{"region outside memory", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 512}}}, "regions[0]"},
 		{"file too small", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: mem[0].Path, Base: 1 << 20, Size: 4096}}}, "declares 4096"},
-		{"file outside shm dir", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: "/etc/passwd", Base: 1 << 20, Size: 1024}}}, "not under"},
 		{"malformed device_uuid", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good,
 			Memory: []stream.Memory{{Base: 1 << 20, Size: 1024, CUDAIPCHandle: make([]byte, 64), DeviceUUID: "GPU-1234"}}}, `hello.memory[0].device_uuid: cuda: invalid device UUID "GPU-1234"`},
 		{"device_uuid without the GPU- prefix", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good,
@@ -316,6 +315,13 @@ func TestHelloValidation(t *testing.T) {
 		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: Connect error = %v, want InvalidArgument naming %q", tc.name, err, tc.want)
 		}
+	}
+	// A file the daemon may not map is PermissionDenied, saying nothing more.
+	ctx0, cancel0 := context.WithTimeout(context.Background(), 10*time.Second)
+	_, err = c.Connect(ctx0, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: []stream.Memory{{Path: "/etc/passwd", Base: 1 << 20, Size: 1024}}})
+	cancel0()
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "shm: map /etc/passwd: refused") {
+		t.Errorf("file outside the shm dir: %v, want PermissionDenied, refused", err)
 	}
 	// The good one works, and the peer service then knows the engine.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

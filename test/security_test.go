@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -240,6 +241,61 @@ var attacks = map[string]func(ctx context.Context, p func(what string, err error
 	},
 }
 
+// mapAs attaches a rank of the attacker's own engine whose memory is the
+// file at path and prints the daemon's answer.
+func mapAs(ctx context.Context, p func(string, error), what, engine, path string) {
+	c, err := stream.Dial("unix://" + os.Getenv("KVXFER_SOCK"))
+	if err != nil {
+		p("dial", err)
+		return
+	}
+	defer c.Close()
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: engine, Mode: kvxfer.ModePush, Layout: layout(victimBase),
+		Memory: []stream.Memory{{Path: path, Base: victimBase, Size: 4096}}})
+	if err == nil {
+		_ = rs.Close(ctx)
+	}
+	// The path, which differs by case, is left out of what is compared.
+	if err != nil {
+		err = status.Error(status.Code(err), strings.ReplaceAll(status.Convert(err).Message(), path, "PATH"))
+	}
+	p(what, err)
+}
+
+func init() {
+	// Make the root daemon map files of another user: the victim's
+	// (named directly, and through a symlink the attacker made in the shm
+	// dir), a root-only file outside the shm dir through a symlink, and a
+	// file that does not exist. Then the attacker's own file, which works.
+	attacks["map-others-files"] = func(ctx context.Context, p func(string, error)) {
+		dir := os.Getenv("KVXFER_DIR")
+		victimFile, secret := os.Getenv("KVXFER_VICTIM_FILE"), os.Getenv("KVXFER_SECRET")
+		link := filepath.Join(dir, fmt.Sprintf("link-%d", os.Getpid()))
+		if err := os.Symlink(victimFile, link); err != nil {
+			p("symlink", err)
+			return
+		}
+		defer os.Remove(link)
+		link2 := filepath.Join(dir, fmt.Sprintf("link2-%d", os.Getpid()))
+		if err := os.Symlink(secret, link2); err != nil {
+			p("symlink", err)
+			return
+		}
+		defer os.Remove(link2)
+		mapAs(ctx, p, "victim's file", "nobody-a", victimFile)
+		mapAs(ctx, p, "symlink to it", "nobody-b", link)
+		mapAs(ctx, p, "symlink out of the dir", "nobody-c", link2)
+		mapAs(ctx, p, "missing file", "nobody-d", filepath.Join(dir, "no-such-file"))
+		mp, err := shm.Create(dir, fmt.Sprintf("own-%d", os.Getpid()), 4096)
+		if err != nil {
+			p("create", err)
+			return
+		}
+		defer mp.Remove()
+		mapAs(ctx, p, "own file", "nobody-e", mp.Path)
+	}
+}
+
 // TestAttackChild runs one attack for asNobody (KVXFER_ATTACK names it);
 // run directly, it does nothing.
 func TestAttackChild(t *testing.T) {
@@ -289,6 +345,41 @@ func TestAnotherUserCannotTouchASchedulerItDidNotOpen(t *testing.T) {
 	before := v.sum()
 	out := asNobody(t, "victim-scheduler", "KVXFER_SOCK="+d.Sock, "KVXFER_VICTIM="+v.id)
 	refused(t, out, codes.PermissionDenied, "step", "open", "close")
+	v.intact(t, before)
+}
+
+// Another local user cannot make the daemon (root) map a file it does not
+// own: the victim's KV cache file named directly or through a symlink, a
+// root-only file outside the shm dir, nor learn whether a file exists (the
+// errors are identical); its own file maps.
+func TestAnotherUserCannotMapOthersFiles(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	secret := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(secret, bytes.Repeat([]byte("s"), 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := asNobody(t, "map-others-files", "KVXFER_SOCK="+d.Sock, "KVXFER_DIR="+dir, "KVXFER_VICTIM_FILE="+v.mem.Path, "KVXFER_SECRET="+secret)
+	refused(t, out, codes.PermissionDenied, "victim's file", "symlink to it", "symlink out of the dir", "missing file")
+	var msgs []string
+	for _, line := range strings.Split(out, "\n") {
+		if _, msg, ok := strings.Cut(line, ": PermissionDenied: "); ok {
+			msgs = append(msgs, msg)
+		}
+	}
+	for _, m := range msgs[1:] {
+		if m != msgs[0] {
+			t.Errorf("refusals differ (they must reveal nothing):\n%s\n%s", msgs[0], m)
+		}
+	}
+	if !strings.Contains(out, "own file: OK: <nil>") {
+		t.Errorf("the attacker's own file was not mapped:\n%s", out)
+	}
+	if b, _ := os.ReadFile(secret); !bytes.Equal(b, bytes.Repeat([]byte("s"), 4096)) {
+		t.Error("the root-only file changed")
+	}
 	v.intact(t, before)
 }
 
