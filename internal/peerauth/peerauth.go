@@ -1,7 +1,7 @@
 // Package peerauth authenticates kvxferd daemons to each other with a
 // shared secret, on every connection between them: the gRPC Peer service
-// (as gRPC transport credentials) and every data-plane connection of the
-// built-in backend.
+// (stream.PeerCredentials: gRPC transport credentials over it) and every
+// data-plane connection of the built-in backend.
 //
 // # Protocol
 //
@@ -139,6 +139,9 @@ func LoadSecret(path string) ([]byte, error) {
 	return b, nil
 }
 
+// Limit returns the bound of one exchange.
+func (a *Authenticator) Limit() time.Duration { return a.timeout() }
+
 func (a *Authenticator) timeout() time.Duration {
 	if a.Timeout > 0 {
 		return a.Timeout
@@ -162,10 +165,11 @@ func (a *Authenticator) fail(format string, args ...any) error {
 // ("grpc" or "data"), naming itself name. It returns nil once both sides
 // proved they hold the same secret.
 func (a *Authenticator) Client(conn net.Conn, purpose, name string) error {
-	return a.client(conn, purpose, name, a.timeout())
+	return a.ClientWithin(conn, purpose, name, a.timeout())
 }
 
-func (a *Authenticator) client(conn net.Conn, purpose, name string, timeout time.Duration) error {
+// ClientWithin is Client bounded by timeout instead of a.Timeout.
+func (a *Authenticator) ClientWithin(conn net.Conn, purpose, name string, timeout time.Duration) error {
 	if a.insecure {
 		return nil
 	}

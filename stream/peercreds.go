@@ -1,4 +1,4 @@
-package peerauth
+package stream
 
 import (
 	"context"
@@ -7,46 +7,49 @@ import (
 
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
-// AuthInfo is what an authenticated gRPC connection knows of its peer:
+// PeerAuthInfo is what an authenticated gRPC connection knows of its peer:
 // the name the client gave (on the server's side). The exchange protects
 // who may connect, not the bytes after it: the security level is
 // NoSecurity.
-type AuthInfo struct {
+type PeerAuthInfo struct {
 	credentials.CommonAuthInfo
 	Name string
 }
 
 // AuthType implements credentials.AuthInfo.
-func (AuthInfo) AuthType() string { return "kvxfer-psk" }
+func (PeerAuthInfo) AuthType() string { return "kvxfer-psk" }
 
-// TransportCredentials returns gRPC transport credentials that run the
-// exchange (purpose "grpc") on every connection, naming this side name
-// when it dials. An insecure Authenticator returns insecure credentials.
-func (a *Authenticator) TransportCredentials(name string) credentials.TransportCredentials {
-	if a.insecure {
+// PeerCredentials returns the gRPC transport credentials of the Peer
+// service and of the resolver that calls it: they run a's exchange
+// (purpose "grpc") on every connection, naming this side name when it
+// dials. An insecure Authenticator gives insecure credentials.
+func PeerCredentials(a *peerauth.Authenticator, name string) credentials.TransportCredentials {
+	if !a.Enabled() {
 		return insecure.NewCredentials()
 	}
 	return &grpcCreds{a: a, name: name}
 }
 
 type grpcCreds struct {
-	a    *Authenticator
+	a    *peerauth.Authenticator
 	name string
 }
 
 func (c *grpcCreds) ClientHandshake(ctx context.Context, _ string, conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
-	timeout := c.a.timeout()
+	timeout := c.a.Limit()
 	if d, ok := ctx.Deadline(); ok {
 		if t := time.Until(d); t > 0 && t < timeout {
 			timeout = t
 		}
 	}
-	if err := c.a.client(conn, "grpc", c.name, timeout); err != nil {
+	if err := c.a.ClientWithin(conn, "grpc", c.name, timeout); err != nil {
 		return nil, nil, err
 	}
-	return conn, AuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}}, nil
+	return conn, PeerAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}}, nil
 }
 
 func (c *grpcCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
@@ -54,7 +57,7 @@ func (c *grpcCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthIn
 	if err != nil {
 		return nil, nil, err
 	}
-	return conn, AuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}, Name: name}, nil
+	return conn, PeerAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}, Name: name}, nil
 }
 
 func (c *grpcCreds) Info() credentials.ProtocolInfo {
