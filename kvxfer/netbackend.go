@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/netxfer"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
 // NetConfig configures the built-in backend (see NewNetBackend).
@@ -23,7 +24,10 @@ type NetConfig struct {
 	// DisableLocal turns off the direct memory copy between agents of
 	// one process.
 	DisableLocal bool
-	Logger       *slog.Logger
+	// Auth authenticates the connections between agents (nil: none; the
+	// daemon always sets it, insecure only with -insecure-peers).
+	Auth   *peerauth.Authenticator
+	Logger *slog.Logger
 }
 
 // NetBackend is the built-in Backend: TCP between kvxferd processes with
@@ -40,7 +44,7 @@ var _ Backend = (*NetBackend)(nil)
 // NewNetBackend starts a built-in backend agent.
 func NewNetBackend(cfg NetConfig) (*NetBackend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Auth: cfg.Auth, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}

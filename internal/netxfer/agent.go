@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
 // Errors. Wrapped with detail; match with errors.Is.
@@ -76,6 +78,15 @@ type Config struct {
 	// DisableLocal turns off the direct copy between agents of one
 	// process (tests of the TCP path).
 	DisableLocal bool
+	// Auth authenticates every connection between agents (kvxfer's
+	// peerauth, purpose "data"): the dialer proves it holds the shared
+	// secret and names itself, and only that name's messages are accepted
+	// on the connection. nil: no authentication (tests in one process).
+	Auth *peerauth.Authenticator
+	// FrameTimeout bounds how long one incoming frame (a request and its
+	// payload) and the connection's hello may take to arrive once started
+	// (default 30 s): a peer that stalls mid-frame is cut off.
+	FrameTimeout time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -144,6 +155,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.DialTimeout <= 0 {
 		cfg.DialTimeout = 5 * time.Second
+	}
+	if cfg.FrameTimeout <= 0 {
+		cfg.FrameTimeout = 30 * time.Second
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

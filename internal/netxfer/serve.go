@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"time"
 )
 
 // serve handles one incoming connection: a peer's requests, answered in
@@ -18,8 +19,18 @@ func (a *Agent) serve(nc net.Conn) {
 		delete(a.mu.incoming, nc)
 		a.mu.Unlock()
 	}()
+	authed := ""
+	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() {
+		name, err := a.cfg.Auth.Server(nc, "data")
+		if err != nil {
+			a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "err", err)
+			return
+		}
+		authed = name
+	}
 	r := newScatterReader(nc)
 	var hdr [32]byte
+	_ = nc.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
 	if err := readFull(r, hdr[:7]); err != nil {
 		return
 	}
@@ -36,13 +47,22 @@ func (a *Agent) serve(nc net.Conn) {
 		return
 	}
 	from := string(name)
+	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() && from != authed {
+		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason",
+			fmt.Sprintf("its hello names %q, it authenticated as %q", from, authed))
+		return
+	}
 	// Answers are small; a buffered writer batches them. Payloads of READ
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)
 	for {
+		// Idle between frames as long as it likes; a frame, once begun,
+		// must arrive within FrameTimeout.
+		_ = nc.SetReadDeadline(time.Time{})
 		if err := readFull(r, hdr[:1]); err != nil {
 			return
 		}
+		_ = nc.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
 		var err error
 		switch hdr[0] {
 		case tWrite:

@@ -119,6 +119,12 @@ func (p *peer) dial() (*conn, error) {
 	if tc, ok := nc.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
 	}
+	if a.cfg.Auth != nil {
+		if err := a.cfg.Auth.Client(nc, "data", a.cfg.Name); err != nil {
+			_ = nc.Close()
+			return nil, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
+		}
+	}
 	hello := append([]byte(magic), version)
 	hello = binary.LittleEndian.AppendUint16(hello, uint16(len(a.cfg.Name)))
 	hello = append(hello, a.cfg.Name...)

@@ -1,0 +1,267 @@
+package netxfer
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/peerauth"
+)
+
+func auth(t testing.TB, secret string) *peerauth.Authenticator {
+	t.Helper()
+	a, err := peerauth.New([]byte(secret))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// authPair returns two agents (TCP between them) with one mapped,
+// registered region each, authenticating with their own Authenticators.
+func authPair(t *testing.T, size int, aa, ba *peerauth.Authenticator, frame time.Duration) (a, b *Agent, am, bm []byte) {
+	t.Helper()
+	mk := func(name string, au *peerauth.Authenticator) (*Agent, []byte) {
+		ag, err := New(Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2,
+			Auth: au, FrameTimeout: frame})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ag.Close() })
+		mem := make([]byte, size)
+		if err := ag.Map(base, mem); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.Register([]Region{{base, uint64(size)}}); err != nil {
+			t.Fatal(err)
+		}
+		return ag, mem
+	}
+	a, am = mk("a", aa)
+	b, bm = mk("b", ba)
+	if _, err := a.LoadPeer(b.Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.LoadPeer(a.Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	return a, b, am, bm
+}
+
+// Agents with the same secret move bytes and notifications as before;
+// with another secret every transfer fails with the reason and nothing
+// lands.
+func TestAuthenticatedTransfers(t *testing.T) {
+	const s = "0123456789abcdef-shared"
+	a, b, am, bm := authPair(t, 1<<16, auth(t, s), auth(t, s), 0)
+	fill(am, 1)
+	id, err := a.Post(Write, b.Name(), []Desc{{Local: base, Remote: base, Len: 1 << 15}}, []byte("done"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := waitNotif(t, b); len(n) != 1 || string(n[0].Msg) != "done" || n[0].From != a.Name() {
+		t.Fatalf("notifications = %+v", n)
+	}
+	if st, err := wait(t, a, id); st != Done || !bytes.Equal(bm[:1<<15], am[:1<<15]) {
+		t.Fatalf("write: %v, %v; bytes equal %v", st, err, bytes.Equal(bm[:1<<15], am[:1<<15]))
+	}
+	rid, err := a.Post(Read, b.Name(), []Desc{{Local: base + 1<<15, Remote: base, Len: 1 << 15}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, a, rid); st != Done || !bytes.Equal(am[1<<15:], am[:1<<15]) {
+		t.Fatalf("read: %v, %v", st, err)
+	}
+	if err := a.Notify(b.Name(), []byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	if n := waitNotif(t, b); len(n) != 1 || string(n[0].Msg) != "hi" {
+		t.Fatalf("notify: %+v", n)
+	}
+
+	x, y, xm, ym := authPair(t, 1<<16, auth(t, s), auth(t, "0123456789abcdef-other"), 0)
+	fill(xm, 3)
+	before := bytes.Clone(ym)
+	id, err = x.Post(Write, y.Name(), []Desc{{Local: base, Remote: base, Len: 4096}}, []byte("done"))
+	if err == nil {
+		var st State
+		st, err = wait(t, x, id)
+		if st != Failed {
+			t.Fatalf("write with another secret: state %v", st)
+		}
+	}
+	if !errors.Is(err, peerauth.ErrAuth) || !errors.Is(err, ErrXferFailed) {
+		t.Errorf("write with another secret: %v, want ErrAuth and ErrXferFailed", err)
+	}
+	if !bytes.Equal(ym, before) || len(y.Drain(nil)) != 0 {
+		t.Error("bytes or a notification landed from a peer with another secret")
+	}
+}
+
+// Without the secret, a client speaking the old plain hello (or any
+// name) writes nothing and is disconnected; a client with the secret
+// cannot pose as another agent in its hello.
+func TestUnauthenticatedClientRefused(t *testing.T) {
+	const s = "0123456789abcdef-shared"
+	_, b, _, bm := authPair(t, 4096, auth(t, s), auth(t, s), 0)
+	before := bytes.Clone(bm)
+	hello := func(name string) []byte {
+		h := append([]byte(magic), version)
+		h = binary.LittleEndian.AppendUint16(h, uint16(len(name)))
+		return append(h, name...)
+	}
+	write := func(name string) []byte {
+		w := append(hello(name), tWrite)
+		w = binary.LittleEndian.AppendUint64(w, 1)
+		w = binary.LittleEndian.AppendUint32(w, 0)
+		w = binary.LittleEndian.AppendUint32(w, 1)
+		w = binary.LittleEndian.AppendUint32(w, 1)
+		w = binary.LittleEndian.AppendUint32(w, 0)
+		w = binary.LittleEndian.AppendUint64(w, base)
+		w = binary.LittleEndian.AppendUint64(w, 8)
+		w = append(w, "XXXXXXXX"...)
+		m := []byte("forged")
+		w = append(w, tNotif)
+		w = binary.LittleEndian.AppendUint32(w, uint32(len(m)))
+		return append(w, m...)
+	}
+	drained := func(nc net.Conn) {
+		_ = nc.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 4096)
+		for {
+			if _, err := nc.Read(buf); err != nil {
+				if ne, ok := err.(net.Error); ok && ne.Timeout() {
+					t.Error("the server kept the connection open")
+				}
+				return
+			}
+		}
+	}
+	nc, err := net.Dial("tcp", b.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = nc.Write(write("evil"))
+	drained(nc)
+	nc.Close()
+	// With the secret, but naming another agent in the hello.
+	nc, err = net.Dial("tcp", b.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := auth(t, s).Client(nc, "data", "insider"); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = nc.Write(write("someone-else"))
+	drained(nc)
+	nc.Close()
+	time.Sleep(50 * time.Millisecond)
+	if !bytes.Equal(bm, before) {
+		t.Error("an unauthenticated or mis-named client wrote into memory")
+	}
+	if n := b.Drain(nil); len(n) != 0 {
+		t.Errorf("forged notifications delivered: %+v", n)
+	}
+}
+
+// A peer that starts a frame and stalls is cut off after FrameTimeout;
+// an idle connection between frames is not.
+func TestStalledFrameCutOff(t *testing.T) {
+	a, b, _, _ := authPair(t, 4096, nil, nil, 200*time.Millisecond)
+	_ = a
+	nc, err := net.Dial("tcp", b.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	h := append([]byte(magic), version)
+	h = binary.LittleEndian.AppendUint16(h, 4)
+	h = append(h, "slow"...)
+	if _, err := nc.Write(h); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(400 * time.Millisecond) // idle between frames: kept
+	if _, err := nc.Write([]byte{tNotif, 10, 0}); err != nil { // a frame begun, its length half sent
+		t.Fatalf("the idle connection was cut: %v", err)
+	}
+	start := time.Now()
+	_ = nc.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := nc.Read(make([]byte, 1)); err == nil {
+		t.Fatal("the server answered a half frame")
+	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatal("the server kept a stalled frame open for 10 s")
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("cut off after %v", d)
+	}
+}
+
+// FuzzServeHello: whatever bytes open a connection, serve never panics
+// and lands nothing.
+func FuzzServeHello(f *testing.F) {
+	f.Add([]byte("KVXN\x01\x04\x00evil\x01"), true)
+	f.Add([]byte("KVXA\x01\x04data\x04evil"), true)
+	f.Add([]byte("KVXN\x01\x04\x00evil\x03\x02\x00\x00\x00hi"), false)
+	a1, err := New(Config{Name: "fuzz-auth", DisableLocal: true, Auth: auth(f, "0123456789abcdef-fuzz"), FrameTimeout: 100 * time.Millisecond})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer a1.Close()
+	a1.cfg.Auth.Timeout = 100 * time.Millisecond
+	a2, err := New(Config{Name: "fuzz-plain", DisableLocal: true, FrameTimeout: 100 * time.Millisecond})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer a2.Close()
+	mem := make([]byte, 4096)
+	for _, ag := range []*Agent{a1, a2} {
+		if err := ag.Map(base, mem); err != nil {
+			f.Fatal(err)
+		}
+		if err := ag.Register([]Region{{base, 4096}}); err != nil {
+			f.Fatal(err)
+		}
+	}
+	f.Fuzz(func(t *testing.T, in []byte, authed bool) {
+		ag := a2
+		if authed {
+			ag = a1
+		}
+		cc, sc := net.Pipe()
+		ag.mu.Lock()
+		ag.mu.incoming[sc] = true
+		ag.wg.Add(1)
+		ag.mu.Unlock()
+		done := make(chan struct{})
+		go func() { ag.serve(sc); close(done) }()
+		go func() {
+			buf := make([]byte, 4096)
+			for {
+				if _, err := cc.Read(buf); err != nil {
+					return
+				}
+			}
+		}()
+		_, _ = cc.Write(in)
+		cc.Close()
+		<-done
+		if authed {
+			for _, b := range mem {
+				if b != 0 {
+					t.Fatalf("unauthenticated bytes landed: %q", in)
+				}
+			}
+			if n := ag.Drain(nil); len(n) != 0 {
+				t.Fatalf("unauthenticated notification: %+v", n)
+			}
+		} else {
+			clear(mem)
+			ag.Drain(nil)
+		}
+	})
+}
