@@ -185,7 +185,7 @@ func TestStalledFrameCutOff(t *testing.T) {
 	if _, err := nc.Write(h); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(400 * time.Millisecond) // idle between frames: kept
+	time.Sleep(400 * time.Millisecond)                         // idle between frames: kept
 	if _, err := nc.Write([]byte{tNotif, 10, 0}); err != nil { // a frame begun, its length half sent
 		t.Fatalf("the idle connection was cut: %v", err)
 	}
