@@ -2,6 +2,7 @@ package stream
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"time"
 
@@ -55,6 +56,7 @@ func (c *grpcCreds) ClientHandshake(ctx context.Context, _ string, conn net.Conn
 func (c *grpcCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	name, err := c.a.Server(conn, "grpc")
 	if err != nil {
+		slog.Warn("kvxferd: refused a Peer service connection", "from", conn.RemoteAddr().String(), "err", err)
 		return nil, nil, err
 	}
 	return conn, PeerAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}, Name: name}, nil

@@ -8,8 +8,10 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -39,6 +41,10 @@ type ResolverConfig struct {
 	// Creds authenticate this daemon to its peers, and them to it
 	// (default: none, insecure credentials).
 	Creds credentials.TransportCredentials
+	// Insecure says Creds authenticate nothing (kvxferd -insecure-peers):
+	// a handshake refused at the transport then says so, since a peer
+	// that authenticates refuses such a daemon.
+	Insecure bool
 	// Allow, when set, is asked about every peer address before it is
 	// dialed (addresses come from engines' transfer params); its error
 	// refuses the handshake and is part of the handshake's error.
@@ -91,6 +97,10 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true})
 	t1 := time.Now()
 	if err != nil {
+		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
+				"a peer that authenticates its peers refuses it; give both the same -peer-secret-file)", engineID, addr, err)
+		}
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	payload := resp.Payload

@@ -62,6 +62,9 @@ type ServerConfig struct {
 	// PeerCreds authenticate the default resolver to peer daemons
 	// (default: none). Ignored when Resolver is set.
 	PeerCreds credentials.TransportCredentials
+	// PeerInsecure says PeerCreds authenticate nothing (-insecure-peers),
+	// for clearer handshake errors (ResolverConfig.Insecure).
+	PeerInsecure bool
 	// AllowPeer, when set, vets every engine-supplied peer address before
 	// the default resolver dials it (kvxferd -peer-allow). Ignored when
 	// Resolver is set.
@@ -168,7 +171,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 				return err
 			}
 		}
-		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Allow: allow})
+		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
 	s.mu.engines = map[string]*engineEntry{}

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
@@ -383,32 +384,65 @@ func TestAnotherUserCannotMapOthersFiles(t *testing.T) {
 	v.intact(t, before)
 }
 
-// The peer port serves no engine service: an outsider who reaches it
-// cannot attach ranks or drive schedulers.
-func TestPeerPortServesNoEngineService(t *testing.T) {
+// The peer port answers only daemons holding the secret: an outsider
+// learns nothing from a handshake (no layout, no address) and reaches no
+// engine service; a daemon with the secret reaches the Peer service only.
+func TestPeerPortNeedsTheSecret(t *testing.T) {
 	dir := world(t)
 	d := startDaemon(t, dir, "d")
 	v := attachVictim(t, d, dir, "victim")
 	before := v.sum()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := stream.Dial(d.Peer)
+	outsider, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	_, err = c.Connect(ctx, stream.Hello{EngineID: "x", Mode: kvxfer.ModePush, Layout: layout(victimBase),
-		Memory: []stream.Memory{{Path: v.mem.Path, Base: victimBase, Size: 4096}}})
-	if status.Code(err) != codes.Unimplemented {
-		t.Errorf("WorkerService.Connect on the peer port: %v, want Unimplemented", err)
+	defer outsider.Close()
+	if r, err := pb.NewPeerServiceClient(outsider).Handshake(ctx, &pb.HandshakeRequest{EngineId: v.id}); err == nil || status.Code(err) != codes.Unavailable {
+		t.Errorf("handshake without the secret = %v, %v; want the connection refused (Unavailable)", r, err)
 	}
-	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if _, err := pb.NewSchedulerServiceClient(outsider).CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: v.id}); status.Code(err) != codes.Unavailable {
+		t.Errorf("SchedulerService without the secret: %v, want Unavailable", err)
+	}
+	wrong, err := peerauth.New([]byte("not-the-secret-of-this-daemon"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cc.Close()
-	if _, err := pb.NewSchedulerServiceClient(cc).CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: v.id}); status.Code(err) != codes.Unimplemented {
-		t.Errorf("SchedulerService.CloseScheduler on the peer port: %v, want Unimplemented", err)
+	wc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(wrong, "x")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wc.Close()
+	if _, err := pb.NewPeerServiceClient(wc).Handshake(ctx, &pb.HandshakeRequest{EngineId: v.id}); status.Code(err) != codes.Unavailable ||
+		!strings.Contains(err.Error(), "its proof does not match our secret") {
+		t.Errorf("handshake with another secret: %v", err)
+	}
+	// A peer with the secret: the Peer service answers, engine services
+	// are not there.
+	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := peerauth.New(secret)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(good, "peer")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	if r, err := pb.NewPeerServiceClient(pc).Handshake(ctx, &pb.HandshakeRequest{EngineId: v.id}); err != nil || len(r.Payload) == 0 {
+		t.Errorf("handshake with the secret = %v, %v", r, err)
+	}
+	if _, err := pb.NewSchedulerServiceClient(pc).CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: v.id}); status.Code(err) != codes.Unimplemented {
+		t.Errorf("SchedulerService on the peer port: %v, want Unimplemented", err)
+	}
+	if st, err := pb.NewWorkerServiceClient(pc).Connect(ctx); err == nil {
+		if _, err := st.Recv(); status.Code(err) != codes.Unimplemented {
+			t.Errorf("WorkerService on the peer port: %v, want Unimplemented", err)
+		}
 	}
 	v.intact(t, before)
 }

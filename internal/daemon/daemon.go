@@ -29,6 +29,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
 
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
@@ -39,7 +40,8 @@ import (
 type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	backend, nixlParams, peerAllow                                                                      string
+	backend, nixlParams, peerAllow, peerSecretFile                                                      string
+	insecurePeers                                                                                       bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
@@ -65,6 +67,9 @@ func parseFlags(args []string) (*config, error) {
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
 		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
 			"peers past it are refused at handshake. Set it alike on P and D")
+	fs.StringVar(&c.peerSecretFile, "peer-secret-file", "", "file holding the secret peer daemons share (readable by its owner only; 16+ bytes): "+
+		"every connection between daemons, Peer service and data plane, is authenticated with it. Unset: a random secret, so no other daemon can peer with this one")
+	fs.BoolVar(&c.insecurePeers, "insecure-peers", false, "turn peer authentication off: anyone who reaches the peer and data ports can read and write attached engines' KV caches")
 	fs.StringVar(&c.peerAllow, "peer-allow", "", "peer daemons engines may name, comma-separated IPs, IP prefixes (10.0.0.0/8) and host names "+
 		`(matched as written, not resolved); unset: any. Transfers naming another address fail with "not in kvxferd's -peer-allow list"`)
 	fs.DurationVar(&c.helloTimeout, "hello-timeout", 10*time.Second, "how long a new worker stream may take to say hello")
@@ -97,6 +102,9 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
+	}
+	if c.insecurePeers && c.peerSecretFile != "" {
+		return nil, errors.New("-insecure-peers and -peer-secret-file: choose one")
 	}
 	if c.peerAllow != "" {
 		if _, err := stream.ParseAllowList(c.peerAllow); err != nil {
@@ -193,8 +201,35 @@ func Main(args []string) error {
 	return serve(ctx, c, log)
 }
 
+// peerAuth is the daemon's peer authentication: with the shared secret of
+// -peer-secret-file, off with -insecure-peers (warned at every start), or
+// else a random secret no other daemon holds.
+func (c *config) peerAuth(log *slog.Logger) (*peerauth.Authenticator, error) {
+	switch {
+	case c.insecurePeers:
+		log.Warn("kvxferd: -insecure-peers: peer authentication is OFF; anyone who reaches the peer and data ports " +
+			"can read handshakes and read or write attached engines' KV caches. Use -peer-secret-file outside an isolated test network")
+		return peerauth.Insecure(), nil
+	case c.peerSecretFile != "":
+		secret, err := peerauth.LoadSecret(c.peerSecretFile)
+		if err != nil {
+			return nil, fmt.Errorf("-peer-secret-file: %w", err)
+		}
+		return peerauth.New(secret)
+	default:
+		log.Info("kvxferd: peer authentication with a random secret: no other daemon can peer with this one. " +
+			"To let daemons transfer, give each the same -peer-secret-file (KVXFERD_PEER_SECRET_FILE), e.g. " +
+			"head -c 32 /dev/urandom | base64 > kvxfer.secret; chmod 600 kvxfer.secret")
+		return peerauth.New(peerauth.RandomSecret())
+	}
+}
+
 // serve runs the daemon until ctx ends, then shuts down gracefully.
 func serve(ctx context.Context, c *config, log *slog.Logger) error {
+	auth, err := c.peerAuth(log)
+	if err != nil {
+		return err
+	}
 	peerLn, err := net.Listen("tcp", c.peerListen)
 	if err != nil {
 		return fmt.Errorf("peer listener: %w", err)
@@ -235,6 +270,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	}
 	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
+		PeerCreds: stream.PeerCredentials(auth, advertise), PeerInsecure: !auth.Enabled(),
 		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
@@ -244,7 +280,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")
 			}
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Logger: log})
+			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments = c.lease, peers, c.maxSegments
@@ -263,7 +299,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(eng, hs)
 	reflection.Register(eng)
-	peer := grpc.NewServer()
+	peer := grpc.NewServer(grpc.Creds(stream.PeerCredentials(auth, advertise)))
 	srv.RegisterPeer(peer)
 	healthpb.RegisterHealthServer(peer, hs)
 	serveErr := make(chan error, 3)
@@ -278,7 +314,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	var httpSrv *http.Server
 	if c.metricsListen != "" {
 		reg := prometheus.NewRegistry()
-		reg.MustRegister(newCollector(srv), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		reg.MustRegister(newCollector(srv, auth), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mln, err := net.Listen("tcp", c.metricsListen)
@@ -297,7 +333,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		}
 		log.Info("kvxferd: NIXL backend", "library", lib)
 	}
-	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend)
+	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend, "peer_auth", auth.Enabled())
 	if c.readyFile != "" {
 		if err := os.WriteFile(c.readyFile+".tmp", []byte(advertise), 0o600); err != nil {
 			return err

@@ -5,6 +5,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 )
@@ -13,20 +14,23 @@ import (
 // the metric set of vLLM's NIXL connector (SPEC §10), under kvxfer_ names,
 // plus kvxfer's own.
 type collector struct {
-	srv *stream.Server
+	srv  *stream.Server
+	auth *peerauth.Authenticator
 
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, badInput, dropped                                *prometheus.Desc
-	refused                                                    *prometheus.Desc
+	refused, authFailures                                      *prometheus.Desc
 }
 
-func newCollector(srv *stream.Server) *collector {
+func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
 	l := []string{"engine", "tp_rank", "pp_rank"}
 	d := func(name, help string, extra ...string) *prometheus.Desc {
 		return prometheus.NewDesc("kvxfer_"+name, help, append(append([]string(nil), l...), extra...), nil)
 	}
-	return &collector{srv: srv,
+	return &collector{srv: srv, auth: auth,
+		authFailures: prometheus.NewDesc("kvxfer_peer_auth_failures_total",
+			"Connections between daemons (Peer service and data plane, either side) whose authentication failed.", nil, nil),
 		xferTime:          d("xfer_time_seconds", "Time of successful transfers, post to completion (vllm:nixl_xfer_time_seconds)."),
 		postTime:          d("post_time_seconds", "Time to build and post a transfer's descriptors (vllm:nixl_post_time_seconds)."),
 		bytes:             d("bytes_transferred", "Bytes per successful transfer (vllm:nixl_bytes_transferred)."),
@@ -61,6 +65,9 @@ func hist(ch chan<- prometheus.Metric, d *prometheus.Desc, s kvxfer.HistogramSna
 
 // Collect implements prometheus.Collector.
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	if c.auth != nil {
+		ch <- prometheus.MustNewConstMetric(c.authFailures, prometheus.CounterValue, float64(c.auth.Failures()))
+	}
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)
 	}

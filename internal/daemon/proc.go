@@ -1,12 +1,18 @@
 package daemon
 
 import (
+	"encoding/base64"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"syscall"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
 // Proc is a kvxferd running as a child process.
@@ -33,14 +39,25 @@ func ServeIfChild() {
 }
 
 // Start runs "<this executable> serve" as a child process with its engine
-// socket, log and ready file in dir, the given backend, peers on loopback
-// and metrics off, and waits until it serves. The executable calls
-// ServeIfChild first (or hands a first argument "serve" to Main itself).
-// extra flags are appended.
+// socket, log and ready file in dir, the given backend, peers on loopback,
+// metrics off and the peer secret of dir (SecretFile: daemons started in
+// one dir peer with each other), and waits until it serves. The
+// executable calls ServeIfChild first (or hands a first argument "serve"
+// to Main itself). extra flags are appended; with -insecure-peers or
+// -peer-secret-file among them, no secret of dir is used.
 func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
+	}
+	if !slices.ContainsFunc(extra, func(a string) bool {
+		return strings.Contains(a, "insecure-peers") || strings.Contains(a, "peer-secret-file")
+	}) {
+		secret, err := SecretFile(dir)
+		if err != nil {
+			return nil, err
+		}
+		extra = append([]string{"-peer-secret-file", secret}, extra...)
 	}
 	d := &Proc{Name: name, Sock: filepath.Join(dir, name+".sock"), Log: filepath.Join(dir, name+".log")}
 	ready := filepath.Join(dir, name+".ready")
@@ -68,6 +85,24 @@ func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	}
 	_ = d.Stop()
 	return nil, fmt.Errorf("daemon %s did not become ready in 20 s (log %s)", name, d.Log)
+}
+
+// SecretFile returns dir's peer secret file (dir/peer.secret), making it
+// with a random secret, readable by its owner only, the first time.
+func SecretFile(dir string) (string, error) {
+	path := filepath.Join(dir, "peer.secret")
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if errors.Is(err, os.ErrExist) {
+		return path, nil
+	}
+	if err != nil {
+		return "", err
+	}
+	_, err = f.WriteString(base64.StdEncoding.EncodeToString(peerauth.RandomSecret()) + "\n")
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return path, err
 }
 
 // Stop sends SIGTERM and waits for a graceful exit (20 s, then SIGKILL).

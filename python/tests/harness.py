@@ -32,8 +32,21 @@ def build_kvxferd(out_dir: Path) -> Path:
     return exe
 
 
+def secret_file(work: Path) -> str:
+    """The peer secret every daemon of work shares (made once, mode 0600):
+    kvxferd authenticates its peers, and daemons peer only with the same
+    secret."""
+    path = work / "peer.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+    return str(path)
+
+
 class Daemon:
-    """One kvxferd serve process on a unix socket and a loopback peer port."""
+    """One kvxferd serve process on a unix socket and a loopback peer port,
+    peering with the other daemons of work (one shared secret)."""
 
     def __init__(self, exe: Path, work: Path, name: str, extra: list[str] | None = None):
         self.dir = work / name
@@ -42,6 +55,7 @@ class Daemon:
         self.shm_dir = str(self.dir / "shm")
         os.makedirs(self.shm_dir, exist_ok=True)
         self.exe, self.extra, self.name = exe, extra, name
+        self.secret = secret_file(work)
         self.log = open(self.dir / "log", "w")
         self._start()
 
@@ -50,7 +64,8 @@ class Daemon:
         ready.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [str(self.exe), "serve", "-socket", self.socket, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
-             "-shm-dir", self.shm_dir, "-ready-file", str(ready), "-log-level", "warn", *(self.extra or [])],
+             "-shm-dir", self.shm_dir, "-ready-file", str(ready), "-log-level", "warn", "-peer-secret-file", self.secret,
+             *(self.extra or [])],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not ready.exists() or not ready.read_text().strip():

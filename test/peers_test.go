@@ -1,0 +1,248 @@
+package test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
+	"github.com/kvxfer/kvxfer/internal/simengine"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// dataPort returns the built-in backend's data address of the victim's
+// rank, read from a handshake made with the daemon's secret (an outsider
+// could also scan for it: the port is no secret, only what it serves).
+func dataPort(t *testing.T, d *daemon.Proc, dir, engine string) string {
+	t.Helper()
+	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := peerauth.New(secret)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(a, "test")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	r, err := pb.NewPeerServiceClient(cc).Handshake(ctx, &pb.HandshakeRequest{EngineId: engine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list pb.RankList
+	if err := proto.Unmarshal(r.Payload, &list); err != nil || len(list.Ranks) != 1 {
+		t.Fatalf("handshake payload: %v, %d ranks", err, len(list.Ranks))
+	}
+	lines := strings.Split(string(list.Ranks[0].Agent), "\n")
+	return lines[len(lines)-1]
+}
+
+// An outsider who finds a rank's data port cannot write into its KV cache
+// nor send it notifications: without the secret the connection is cut
+// before any request is read.
+func TestDataPortNeedsTheSecret(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	addr := dataPort(t, d, dir, v.id)
+	nc, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	// The built-in backend's plain hello, then a WRITE of 8 bytes at the
+	// start of the victim's region (the address a handshake would give).
+	name := "evil"
+	w := append([]byte("KVXN"), 1)
+	w = binary.LittleEndian.AppendUint16(w, uint16(len(name)))
+	w = append(w, name...)
+	w = append(w, 1) // WRITE
+	w = binary.LittleEndian.AppendUint64(w, 1)
+	w = binary.LittleEndian.AppendUint32(w, 0)
+	w = binary.LittleEndian.AppendUint32(w, 1)
+	w = binary.LittleEndian.AppendUint32(w, 1)
+	w = binary.LittleEndian.AppendUint32(w, 0)
+	w = binary.LittleEndian.AppendUint64(w, uint64(v.realBase(t, d, dir)))
+	w = binary.LittleEndian.AppendUint64(w, 8)
+	w = append(w, "XXXXXXXX"...)
+	_, _ = nc.Write(w)
+	_ = nc.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 64)
+	for {
+		if _, err := nc.Read(buf); err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				t.Error("the data port kept an unauthenticated connection open")
+			}
+			break
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+	v.intact(t, before)
+}
+
+// realBase is where the victim's region lives in the daemon (what a
+// handshake tells peers).
+func (v *victim) realBase(t *testing.T, d *daemon.Proc, dir string) uint64 {
+	t.Helper()
+	secret, _ := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
+	a, _ := peerauth.New(secret)
+	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(a, "t")}).Handshake(context.Background(), v.id, d.Peer)
+	if err != nil || len(res.Ranks) != 1 {
+		t.Fatalf("handshake: %v", err)
+	}
+	return res.Ranks[0].Layout.Regions[0].Base
+}
+
+var simModel = kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+
+func simEngine(id, tp int) kvsim.Engine {
+	return kvsim.Engine{ID: id, TP: tp, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 16}
+}
+
+// outcome steps e until its ranks report req's outcome (bounded).
+func outcome(e *simengine.Engine, req string, within time.Duration) (kvxfer.Outcome, error) {
+	for deadline := time.Now().Add(within); time.Now().Before(deadline); {
+		if err := e.Step(e.Sched.BuildMeta()); err != nil {
+			return kvxfer.Outcome{}, err
+		}
+		for i, rs := range e.Streams {
+			select {
+			case f := <-rs.Finished():
+				out, err := e.Fold(i, &f)
+				if err != nil {
+					return kvxfer.Outcome{}, err
+				}
+				if out == nil {
+					continue
+				}
+				for _, o := range append(out.Sending, out.Recving...) {
+					if o.ReqID == req {
+						return o, nil
+					}
+				}
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}
+	return kvxfer.Outcome{}, fmt.Errorf("no outcome for %s in %v", req, within)
+}
+
+// Two daemons with different secrets (or one with none) cannot transfer:
+// D's request fails at once with the reason, P's daemon logs the refusal,
+// and nothing hangs. The same pair with one secret transfers.
+func TestDaemonsNeedTheSameSecret(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		pArgs, dArgs  []string
+		ok            bool
+		dReason, pLog string
+	}{
+		{name: "same secret", ok: true},
+		{name: "different secrets", dArgs: []string{"-peer-secret-file", "OTHER"},
+			dReason: "its proof does not match our secret", pLog: "same -peer-secret-file"},
+		{name: "D insecure", dArgs: []string{"-insecure-peers"},
+			dReason: "this daemon runs with -insecure-peers", pLog: "not a kvxfer peer"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := world(t)
+			other := filepath.Join(t.TempDir(), "other.secret")
+			if err := os.WriteFile(other, []byte("another secret, 16+ bytes long"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			for i, a := range tc.dArgs {
+				if a == "OTHER" {
+					tc.dArgs[i] = other
+				}
+			}
+			p := startDaemon(t, dir, "P", tc.pArgs...)
+			d := startDaemon(t, dir, "D", tc.dArgs...)
+			m := simModel
+			P, err := simengine.Attach(simengine.Config{Dir: dir, Sock: p.Sock, Peer: p.Peer, ID: "P", Model: &m, Engine: simEngine(1, 1),
+				Mode: kvxfer.ModePush, Version: "test"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer P.Close()
+			D, err := simengine.Attach(simengine.Config{Dir: dir, Sock: d.Sock, Peer: d.Peer, ID: "D", Model: &m, Engine: simEngine(2, 1),
+				Mode: kvxfer.ModePush, Version: "test"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer D.Close()
+			ids := []topology.BlockID{1, 2}
+			dReq := &kvxfer.Request{ID: "d-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemotePrefill: true,
+				RemoteEngineID: "P", RemoteAddr: p.Peer, RemoteTPSize: 1}}
+			ext, _ := D.Sched.MatchedTokens(dReq, 0)
+			if err := D.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, External: ext}); err != nil {
+				t.Fatal(err)
+			}
+			if err := D.Step(D.Sched.BuildMeta()); err != nil {
+				t.Fatal(err)
+			}
+			pReq := &kvxfer.Request{ID: "p-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemoteDecode: true}}
+			if err := P.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := P.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{ids}, 32); err != nil {
+				t.Fatal(err)
+			}
+			pDone := make(chan kvxfer.Outcome, 1)
+			pWait := 10 * time.Second
+			if !tc.ok {
+				// P's request waits for a registration that cannot come; its
+				// registration timeout ends it (not waited for here).
+				pWait = time.Second
+			}
+			go func() { o, _ := outcome(P, "p-1", pWait); pDone <- o }()
+			start := time.Now()
+			o, err := outcome(D, "d-1", 20*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.ok {
+				if o.Result != kvxfer.ResultDone {
+					t.Errorf("D: %+v, want done", o)
+				}
+				if po := <-pDone; po.Result != kvxfer.ResultDone {
+					t.Errorf("P: %+v, want done", po)
+				}
+				return
+			}
+			if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, tc.dReason) {
+				t.Errorf("D: %+v, want failed with %q", o, tc.dReason)
+			}
+			t.Logf("D failed after %v: %s", time.Since(start).Round(time.Millisecond), o.Reason)
+			<-pDone
+			var log []byte
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+				if log, _ = os.ReadFile(p.Log); bytes.Contains(log, []byte(tc.pLog)) {
+					break
+				}
+			}
+			if !bytes.Contains(log, []byte(tc.pLog)) {
+				t.Errorf("P's log does not say %q:\n%s", tc.pLog, log)
+			}
+		})
+	}
+}
