@@ -45,15 +45,24 @@ class Client:
 
     ``address`` is the daemon's unix socket path (engines talk to their
     daemon over it) or a gRPC target (``host:port`` reaches PeerService).
-    ``timeout`` bounds every unary call, in seconds.
+    ``timeout`` bounds every unary call, in seconds. ``peer_secret`` (the
+    bytes of the daemon's -peer-secret-file, :func:`kvxfer.peerauth.load_secret`)
+    authenticates this client to a PeerService; it is needed there unless
+    the daemon runs with -insecure-peers.
     """
 
-    def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0):
+    def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0, peer_secret: bytes | None = None):
         self.address = address
         self.timeout = timeout
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                 ("grpc.max_send_message_length", _MAX_MESSAGE)]
-        self._channel = grpc.insecure_channel(_target(address), options=opts)
+        self._bridge = None
+        target = _target(address)
+        if peer_secret is not None:
+            from kvxfer.peerauth import Bridge
+            self._bridge = Bridge(address, peer_secret)
+            target = self._bridge.address
+        self._channel = grpc.insecure_channel(target, options=opts)
         self._sched = rpc.SchedulerServiceStub(self._channel)
         self._worker = rpc.WorkerServiceStub(self._channel)
         self._peer = rpc.PeerServiceStub(self._channel)
@@ -80,10 +89,17 @@ class Client:
 
     def handshake(self, engine_id: str) -> pb.HandshakeResponse:
         """PeerService.Handshake (what peer daemons call)."""
-        return self.call("Handshake", self._peer.Handshake, pb.HandshakeRequest(engine_id=engine_id))
+        try:
+            return self.call("Handshake", self._peer.Handshake, pb.HandshakeRequest(engine_id=engine_id))
+        except errors.Unavailable as e:
+            if self._bridge is not None and self._bridge.errors:
+                raise errors.Unavailable("Handshake", f"peer authentication failed: {self._bridge.errors[-1]}") from e
+            raise
 
     def close(self) -> None:
         self._channel.close()
+        if self._bridge is not None:
+            self._bridge.close()
 
     def __enter__(self):
         return self

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import kvxfer
+from kvxfer.peerauth import load_secret
 from kvxfer import errors, params, shm
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -51,11 +52,19 @@ def test_worker_stream_and_handshake(daemons):
     try:
         w = c.connect(hello)
         assert w.agent_name
-        # The rank is published to peers (PeerService on the TCP port).
-        peer = kvxfer.Client(d.peer)
+        # The rank is published to peers (PeerService on the TCP port),
+        # which answers only clients holding the daemon's peer secret.
+        peer = kvxfer.Client(d.peer, peer_secret=load_secret(d.secret))
         hs = peer.handshake("e1")
         assert hs.engine_id == "e1" and hs.payload
         peer.close()
+        for secret in (None, b"not the daemon's secret at all"):
+            outsider = kvxfer.Client(d.peer, timeout=5, peer_secret=secret)
+            with pytest.raises(errors.Unavailable) as ei:
+                outsider.handshake("e1")
+            if secret is not None:
+                assert "its proof does not match our secret" in str(ei.value)
+            outsider.close()
         # A step with a bad entry gets a StepError naming it; the stream lives.
         w.step(pb.StepMeta(step=1, send=[pb.SendRequest(request_id="")]))
         deadline = time.monotonic() + 10

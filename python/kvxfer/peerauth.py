@@ -1,0 +1,137 @@
+"""kvxferd's peer authentication, client side, for Python tools that call a
+daemon's PeerService (kvxferd authenticates every peer connection with the
+shared secret of its -peer-secret-file).
+
+The exchange (see the Go package internal/peerauth for the whole protocol):
+the client sends "KVXA", version 1, the purpose ("grpc"), its name and a fresh
+nonce; the server answers with its nonce and an HMAC-SHA256 proof over both;
+the client checks it, sends its own proof and reads the server's verdict.
+
+gRPC's Python API cannot run an exchange on a connection before HTTP/2
+starts, so :class:`Bridge` listens on loopback and, for each connection a
+channel opens to it, connects to the daemon, authenticates, and relays the
+bytes both ways. Engines never need this: they talk to their own daemon over
+its unix socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import threading
+
+MAGIC = b"KVXA"
+VERSION = 1
+NONCE = 32
+MAC = 32
+
+
+class AuthError(Exception):
+    """The peer authentication failed; the message says why."""
+
+
+def load_secret(path: str) -> bytes:
+    """A secret file as kvxferd reads it: surrounding whitespace trimmed,
+    at least 16 bytes, readable by its owner only."""
+    st = os.stat(path, follow_symlinks=False)
+    if st.st_mode & 0o077:
+        raise AuthError(f"peer secret file {path}: mode {oct(st.st_mode & 0o777)} lets other users read it")
+    with open(path, "rb") as f:
+        secret = f.read(64 << 10).strip()
+    if len(secret) < 16:
+        raise AuthError(f"peer secret file {path}: {len(secret)} bytes, want at least 16")
+    return secret
+
+
+def _mac(secret: bytes, label: str, transcript: bytes) -> bytes:
+    return hmac.new(secret, b"kvxfer peer auth v1 " + label.encode() + transcript, hashlib.sha256).digest()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        b = sock.recv(n - len(out))
+        if not b:
+            raise AuthError("the peer closed the connection during authentication")
+        out += b
+    return out
+
+
+def client_handshake(sock: socket.socket, secret: bytes, purpose: str = "grpc", name: str = "python") -> None:
+    """Runs the client's side of the exchange on a connected socket; raises
+    AuthError unless both sides hold the same secret."""
+    p, n = purpose.encode(), name.encode()
+    if len(p) > 255 or len(n) > 255:
+        raise ValueError("purpose and name are at most 255 bytes")
+    msg = MAGIC + bytes([VERSION, len(p)]) + p + bytes([len(n)]) + n + os.urandom(NONCE)
+    sock.sendall(msg)
+    reply = _read(sock, 5 + NONCE + MAC)
+    if reply[:4] != MAGIC or reply[4] != VERSION:
+        raise AuthError("not a kvxfer peer (its answer is not the exchange's)")
+    transcript = msg + reply[5:5 + NONCE]
+    if not hmac.compare_digest(reply[5 + NONCE:], _mac(secret, "server", transcript)):
+        raise AuthError("its proof does not match our secret (the same -peer-secret-file as the daemon's?)")
+    sock.sendall(_mac(secret, "client", transcript))
+    if _read(sock, 1) != b"\x01":
+        raise AuthError("it refused our proof")
+
+
+class Bridge:
+    """A loopback address whose connections reach ``target`` (host:port)
+    authenticated with ``secret``. Use ``bridge.address`` as a gRPC target;
+    ``close`` stops it."""
+
+    def __init__(self, target: str, secret: bytes, name: str = "python", timeout: float = 10.0):
+        host, _, port = target.rpartition(":")
+        self._target = (host.strip("[]"), int(port))
+        self._secret, self._name, self._timeout = secret, name, timeout
+        self._ln = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self._ln.getsockname()[1]
+        self.errors: list[str] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="kvxfer-peerauth-bridge").start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                local, _ = self._ln.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(local,), daemon=True).start()
+
+    def _serve(self, local: socket.socket) -> None:
+        try:
+            remote = socket.create_connection(self._target, timeout=self._timeout)
+            client_handshake(remote, self._secret, "grpc", self._name)
+            remote.settimeout(None)
+        except (OSError, AuthError) as e:
+            self.errors.append(f"{self._target[0]}:{self._target[1]}: {e}")
+            local.close()
+            return
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while True:
+                    b = src.recv(1 << 16)
+                    if not b:
+                        break
+                    dst.sendall(b)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pipe, args=(remote, local), daemon=True).start()
+        pipe(local, remote)
+        local.close()
+        remote.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ln.close()
