@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -26,8 +27,11 @@ type NetConfig struct {
 	DisableLocal bool
 	// Auth authenticates the connections between agents (nil: none; the
 	// daemon always sets it, insecure only with -insecure-peers).
-	Auth   *peerauth.Authenticator
-	Logger *slog.Logger
+	Auth *peerauth.Authenticator
+	// ClientTLS and ServerTLS run the connections between agents over
+	// mutual TLS (kvxferd -tls-*), see netxfer.Config.
+	ClientTLS, ServerTLS *tls.Config
+	Logger               *slog.Logger
 }
 
 // NetBackend is the built-in Backend: TCP between kvxferd processes with
@@ -44,7 +48,7 @@ var _ Backend = (*NetBackend)(nil)
 // NewNetBackend starts a built-in backend agent.
 func NewNetBackend(cfg NetConfig) (*NetBackend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Auth: cfg.Auth, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}

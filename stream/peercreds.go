@@ -2,6 +2,7 @@ package stream
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"time"
@@ -71,3 +72,26 @@ func (c *grpcCreds) Clone() credentials.TransportCredentials {
 }
 
 func (c *grpcCreds) OverrideServerName(string) error { return nil }
+
+// LoggedServerCredentials wraps server credentials (mutual TLS) so that
+// every refused connection is logged with its address and reason, as
+// PeerCredentials' are.
+func LoggedServerCredentials(c credentials.TransportCredentials) credentials.TransportCredentials {
+	return loggedCreds{c}
+}
+
+type loggedCreds struct {
+	credentials.TransportCredentials
+}
+
+func (l loggedCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	c, ai, err := l.TransportCredentials.ServerHandshake(conn)
+	if err != nil {
+		slog.Warn("kvxferd: refused a Peer service connection", "from", conn.RemoteAddr().String(), "err", fmt.Errorf("TLS: %w", err))
+	}
+	return c, ai, err
+}
+
+func (l loggedCreds) Clone() credentials.TransportCredentials {
+	return loggedCreds{l.TransportCredentials.Clone()}
+}

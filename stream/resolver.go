@@ -45,6 +45,9 @@ type ResolverConfig struct {
 	// a handshake refused at the transport then says so, since a peer
 	// that authenticates refuses such a daemon.
 	Insecure bool
+	// TLS says Creds are mutual TLS (kvxferd -tls-*): a handshake refused
+	// at the transport then says which certificates to check.
+	TLS bool
 	// Allow, when set, is asked about every peer address before it is
 	// dialed (addresses come from engines' transfer params); its error
 	// refuses the handshake and is part of the handshake's error.
@@ -100,6 +103,10 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
 				"a peer that authenticates its peers refuses it; give both the same -peer-secret-file)", engineID, addr, err)
+		}
+		if r.cfg.TLS && status.Code(err) == codes.Unavailable {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
+				"of this daemon's -tls-ca, and this daemon one of the peer's)", engineID, addr, err)
 		}
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}

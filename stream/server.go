@@ -65,6 +65,8 @@ type ServerConfig struct {
 	// PeerInsecure says PeerCreds authenticate nothing (-insecure-peers),
 	// for clearer handshake errors (ResolverConfig.Insecure).
 	PeerInsecure bool
+	// PeerTLS says PeerCreds are mutual TLS (ResolverConfig.TLS).
+	PeerTLS bool
 	// AllowPeer, when set, vets every engine-supplied peer address before
 	// the default resolver dials it (kvxferd -peer-allow). Ignored when
 	// Resolver is set.
@@ -171,7 +173,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 				return err
 			}
 		}
-		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, Allow: allow})
+		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
 	s.mu.engines = map[string]*engineEntry{}

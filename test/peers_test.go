@@ -18,6 +18,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
+	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -152,12 +153,22 @@ func outcome(e *simengine.Engine, req string, within time.Duration) (kvxfer.Outc
 // D's request fails at once with the reason, P's daemon logs the refusal,
 // and nothing hangs. The same pair with one secret transfers.
 func TestDaemonsNeedTheSameSecret(t *testing.T) {
+	tlsArgs := func(t *testing.T, ca *pkitest.CA, dir, name string) []string {
+		f, err := ca.Issue(dir, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return []string{"-tls-cert", f.Cert, "-tls-key", f.Key, "-tls-ca", f.CA}
+	}
 	for _, tc := range []struct {
 		name          string
 		pArgs, dArgs  []string
+		tls           string // "": no TLS; "same": both certificates of one CA; "rogue": D's of another
 		ok            bool
 		dReason, pLog string
 	}{
+		{name: "mutual TLS", tls: "same", ok: true},
+		{name: "TLS, D's certificate of another CA", tls: "rogue", dReason: "mutual TLS: the peer must present a certificate", pLog: "TLS: "},
 		{name: "same secret", ok: true},
 		{name: "different secrets", dArgs: []string{"-peer-secret-file", "OTHER"},
 			dReason: "its proof does not match our secret", pLog: "same -peer-secret-file"},
@@ -174,6 +185,22 @@ func TestDaemonsNeedTheSameSecret(t *testing.T) {
 				if a == "OTHER" {
 					tc.dArgs[i] = other
 				}
+			}
+			if tc.tls != "" {
+				certs := t.TempDir()
+				ca, err := pkitest.NewCA(certs, "cluster")
+				if err != nil {
+					t.Fatal(err)
+				}
+				dca := ca
+				if tc.tls == "rogue" {
+					if dca, err = pkitest.NewCA(certs, "rogue"); err != nil {
+						t.Fatal(err)
+					}
+				}
+				tc.pArgs = tlsArgs(t, ca, certs, "p")
+				tc.dArgs = tlsArgs(t, dca, certs, "d")
+				tc.dArgs[len(tc.dArgs)-1] = ca.Path // D trusts the cluster's CA; its own certificate is the rogue's
 			}
 			p := startDaemon(t, dir, "P", tc.pArgs...)
 			d := startDaemon(t, dir, "D", tc.dArgs...)

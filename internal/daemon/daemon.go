@@ -8,6 +8,7 @@ package daemon
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -25,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/automaxprocs/maxprocs"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
@@ -40,7 +42,7 @@ import (
 type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	backend, nixlParams, peerAllow, peerSecretFile                                                      string
+	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA                              string
 	insecurePeers                                                                                       bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
@@ -69,6 +71,10 @@ func parseFlags(args []string) (*config, error) {
 			"peers past it are refused at handshake. Set it alike on P and D")
 	fs.StringVar(&c.peerSecretFile, "peer-secret-file", "", "file holding the secret peer daemons share (readable by its owner only; 16+ bytes): "+
 		"every connection between daemons, Peer service and data plane, is authenticated with it. Unset: a random secret, so no other daemon can peer with this one")
+	fs.StringVar(&c.tlsCert, "tls-cert", "", "this daemon's certificate (PEM) for mutual TLS between daemons, Peer service and data plane; "+
+		"with -tls-key and -tls-ca, instead of -peer-secret-file (encrypts KV bytes: costs bandwidth, see bench/RESULTS.md)")
+	fs.StringVar(&c.tlsKey, "tls-key", "", "the key of -tls-cert (PEM, readable by its owner only)")
+	fs.StringVar(&c.tlsCA, "tls-ca", "", "the CA (PEM) that signed every peer daemon's certificate; peers' names are checked against the addresses dialed")
 	fs.BoolVar(&c.insecurePeers, "insecure-peers", false, "turn peer authentication off: anyone who reaches the peer and data ports can read and write attached engines' KV caches")
 	fs.StringVar(&c.peerAllow, "peer-allow", "", "peer daemons engines may name, comma-separated IPs, IP prefixes (10.0.0.0/8) and host names "+
 		`(matched as written, not resolved); unset: any. Transfers naming another address fail with "not in kvxferd's -peer-allow list"`)
@@ -103,8 +109,12 @@ func parseFlags(args []string) (*config, error) {
 	if c.conns <= 0 {
 		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
 	}
-	if c.insecurePeers && c.peerSecretFile != "" {
-		return nil, errors.New("-insecure-peers and -peer-secret-file: choose one")
+	tls := c.tlsCert != "" || c.tlsKey != "" || c.tlsCA != ""
+	if n := btoi(c.insecurePeers) + btoi(c.peerSecretFile != "") + btoi(tls); n > 1 {
+		return nil, errors.New("-insecure-peers, -peer-secret-file and -tls-*: choose one way to secure peers")
+	}
+	if tls && (c.tlsCert == "" || c.tlsKey == "" || c.tlsCA == "") {
+		return nil, errors.New("-tls-cert, -tls-key and -tls-ca: mutual TLS needs all three")
 	}
 	if c.peerAllow != "" {
 		if _, err := stream.ParseAllowList(c.peerAllow); err != nil {
@@ -201,6 +211,42 @@ func Main(args []string) error {
 	return serve(ctx, c, log)
 }
 
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// peerSecurity is how the daemon secures its peer connections: mutual TLS
+// (-tls-*), or else the shared-secret exchange (peerAuth).
+type peerSecurity struct {
+	auth           *peerauth.Authenticator // Insecure when TLS is used
+	client, server *tls.Config
+}
+
+func (c *config) peerSecurity(log *slog.Logger) (peerSecurity, error) {
+	if c.tlsCert != "" {
+		client, server, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA)
+		if err != nil {
+			return peerSecurity{}, err
+		}
+		log.Info("kvxferd: peers use mutual TLS", "cert", c.tlsCert, "ca", c.tlsCA)
+		return peerSecurity{auth: peerauth.Insecure(), client: client, server: server}, nil
+	}
+	a, err := c.peerAuth(log)
+	return peerSecurity{auth: a}, err
+}
+
+// grpcCreds are the Peer service's and the resolver's credentials.
+func (p peerSecurity) grpcCreds(name string) (server, client credentials.TransportCredentials) {
+	if p.server != nil {
+		return stream.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
+	}
+	c := stream.PeerCredentials(p.auth, name)
+	return c, c
+}
+
 // peerAuth is the daemon's peer authentication: with the shared secret of
 // -peer-secret-file, off with -insecure-peers (warned at every start), or
 // else a random secret no other daemon holds.
@@ -226,10 +272,11 @@ func (c *config) peerAuth(log *slog.Logger) (*peerauth.Authenticator, error) {
 
 // serve runs the daemon until ctx ends, then shuts down gracefully.
 func serve(ctx context.Context, c *config, log *slog.Logger) error {
-	auth, err := c.peerAuth(log)
+	sec, err := c.peerSecurity(log)
 	if err != nil {
 		return err
 	}
+	auth := sec.auth
 	peerLn, err := net.Listen("tcp", c.peerListen)
 	if err != nil {
 		return fmt.Errorf("peer listener: %w", err)
@@ -268,9 +315,10 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		}
 		allow = al.Check
 	}
+	serverCreds, clientCreds := sec.grpcCreds(advertise)
 	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
-		PeerCreds: stream.PeerCredentials(auth, advertise), PeerInsecure: !auth.Enabled(),
+		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
@@ -280,7 +328,8 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")
 			}
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, Logger: log})
+			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth,
+				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments = c.lease, peers, c.maxSegments
@@ -299,7 +348,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(eng, hs)
 	reflection.Register(eng)
-	peer := grpc.NewServer(grpc.Creds(stream.PeerCredentials(auth, advertise)))
+	peer := grpc.NewServer(grpc.Creds(serverCreds))
 	srv.RegisterPeer(peer)
 	healthpb.RegisterHealthServer(peer, hs)
 	serveErr := make(chan error, 3)
@@ -333,7 +382,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		}
 		log.Info("kvxferd: NIXL backend", "library", lib)
 	}
-	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend, "peer_auth", auth.Enabled())
+	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend, "peer_auth", auth.Enabled(), "peer_tls", sec.server != nil)
 	if c.readyFile != "" {
 		if err := os.WriteFile(c.readyFile+".tmp", []byte(advertise), 0o600); err != nil {
 			return err

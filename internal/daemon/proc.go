@@ -43,15 +43,15 @@ func ServeIfChild() {
 // metrics off and the peer secret of dir (SecretFile: daemons started in
 // one dir peer with each other), and waits until it serves. The
 // executable calls ServeIfChild first (or hands a first argument "serve"
-// to Main itself). extra flags are appended; with -insecure-peers or
-// -peer-secret-file among them, no secret of dir is used.
+// to Main itself). extra flags are appended; with -insecure-peers,
+// -peer-secret-file or -tls-* among them, no secret of dir is used.
 func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
 	if !slices.ContainsFunc(extra, func(a string) bool {
-		return strings.Contains(a, "insecure-peers") || strings.Contains(a, "peer-secret-file")
+		return strings.Contains(a, "insecure-peers") || strings.Contains(a, "peer-secret-file") || strings.HasPrefix(strings.TrimLeft(a, "-"), "tls-")
 	}) {
 		secret, err := SecretFile(dir)
 		if err != nil {

@@ -2,6 +2,7 @@ package netxfer
 
 import (
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/peerauth"
@@ -83,6 +85,11 @@ type Config struct {
 	// secret and names itself, and only that name's messages are accepted
 	// on the connection. nil: no authentication (tests in one process).
 	Auth *peerauth.Authenticator
+	// ClientTLS and ServerTLS, when set, run every connection between
+	// agents over TLS (mutual TLS: ServerTLS should require and verify
+	// client certificates). ClientTLS's ServerName defaults to the host of
+	// the address dialed.
+	ClientTLS, ServerTLS *tls.Config
 	// FrameTimeout bounds how long one incoming frame (a request and its
 	// payload) and the connection's hello may take to arrive once started
 	// (default 30 s): a peer that stalls mid-frame is cut off.
@@ -100,9 +107,10 @@ type Agent struct {
 	events chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;
 	// Unmap holds it for writing, so memory never goes away under a copy.
-	memMu sync.RWMutex
-	wg    sync.WaitGroup
-	mu    struct {
+	memMu       sync.RWMutex
+	wg          sync.WaitGroup
+	tlsFailures atomic.Uint64
+	mu          struct {
 		sync.Mutex
 		closed   bool
 		chunks   []chunk
@@ -187,6 +195,9 @@ func New(cfg Config) (*Agent, error) {
 	go a.accept()
 	return a, nil
 }
+
+// TLSFailures returns how many TLS handshakes failed, dialing or served.
+func (a *Agent) TLSFailures() uint64 { return a.tlsFailures.Load() }
 
 // Name returns the agent's name.
 func (a *Agent) Name() string { return a.cfg.Name }

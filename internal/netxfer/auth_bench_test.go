@@ -1,30 +1,47 @@
 package netxfer
 
 import (
+	"crypto/tls"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/peerauth"
+	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
 )
 
-// BenchmarkAuth: what peer authentication costs the built-in backend over
-// loopback TCP, against no authentication: steady-state bandwidth (one
+// BenchmarkAuth: what peer authentication (shared secret: psk; mutual
+// TLS: mtls) costs the built-in backend over loopback TCP, against none: steady-state bandwidth (one
 // 8 MiB WRITE in 1 MiB pieces, or 4 KiB pieces, over connections already
 // open) and connection setup (a fresh peer: dial, authenticate, hello and
 // a 4 KiB WRITE).
 func BenchmarkAuth(b *testing.B) {
-	for _, mode := range []string{"insecure", "psk"} {
-		var au func() *peerauth.Authenticator
-		if mode == "psk" {
-			au = func() *peerauth.Authenticator { return auth(b, "0123456789abcdef-bench") }
-		} else {
-			au = func() *peerauth.Authenticator { return nil }
+	dir := b.TempDir()
+	ca, err := pkitest.NewCA(dir, "bench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, mode := range []string{"insecure", "psk", "mtls"} {
+		sec := func(b *testing.B) security {
+			switch mode {
+			case "psk":
+				return security{auth: auth(b, "0123456789abcdef-bench")}
+			case "mtls":
+				c, s := tlsConfigs(b, ca, dir, "bench")
+				return security{client: c, server: s}
+			}
+			return security{}
 		}
 		for _, piece := range []uint64{1 << 20, 4 << 10} {
-			b.Run(mode+"/write-"+sizeName(piece), func(b *testing.B) { benchWrite(b, au(), au(), piece) })
+			b.Run(mode+"/write-"+sizeName(piece), func(b *testing.B) { benchWrite(b, sec(b), sec(b), piece) })
 		}
-		b.Run(mode+"/connect", func(b *testing.B) { benchConnect(b, au(), au()) })
+		b.Run(mode+"/connect", func(b *testing.B) { benchConnect(b, sec(b), sec(b)) })
 	}
+}
+
+// security is one agent's way of securing its connections.
+type security struct {
+	auth           *peerauth.Authenticator
+	client, server *tls.Config
 }
 
 func sizeName(n uint64) string {
@@ -34,10 +51,11 @@ func sizeName(n uint64) string {
 	return "4KiB"
 }
 
-func benchPair(b *testing.B, aa, ba *peerauth.Authenticator, size int) (a, c *Agent) {
+func benchPair(b *testing.B, aa, ba security, size int) (a, c *Agent) {
 	b.Helper()
-	mk := func(name string, au *peerauth.Authenticator) *Agent {
-		ag, err := New(Config{Name: name + "-" + time.Now().Format("150405.000000000"), DisableLocal: true, Conns: 4, Auth: au})
+	mk := func(name string, s security) *Agent {
+		ag, err := New(Config{Name: name + "-" + time.Now().Format("150405.000000000"), DisableLocal: true, Conns: 4, Auth: s.auth,
+			ClientTLS: s.client, ServerTLS: s.server})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -75,7 +93,7 @@ func post(b *testing.B, a *Agent, peer string, descs []Desc) {
 	_ = a.Release(id)
 }
 
-func benchWrite(b *testing.B, aa, ba *peerauth.Authenticator, piece uint64) {
+func benchWrite(b *testing.B, aa, ba security, piece uint64) {
 	const size = 8 << 20
 	a, c := benchPair(b, aa, ba, size)
 	var descs []Desc
@@ -89,7 +107,7 @@ func benchWrite(b *testing.B, aa, ba *peerauth.Authenticator, piece uint64) {
 	}
 }
 
-func benchConnect(b *testing.B, aa, ba *peerauth.Authenticator) {
+func benchConnect(b *testing.B, aa, ba security) {
 	a, c := benchPair(b, aa, ba, 1<<16)
 	descs := []Desc{{Local: base, Remote: base, Len: 4096}}
 	for b.Loop() {

@@ -2,6 +2,7 @@ package netxfer
 
 import (
 	"bufio"
+	"crypto/tls"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -11,14 +12,26 @@ import (
 
 // serve handles one incoming connection: a peer's requests, answered in
 // order on the same connection.
-func (a *Agent) serve(nc net.Conn) {
+func (a *Agent) serve(raw net.Conn) {
 	defer a.wg.Done()
 	defer func() {
-		_ = nc.Close()
+		_ = raw.Close()
 		a.mu.Lock()
-		delete(a.mu.incoming, nc)
+		delete(a.mu.incoming, raw)
 		a.mu.Unlock()
 	}()
+	nc := raw
+	if a.cfg.ServerTLS != nil {
+		tc := tls.Server(raw, a.cfg.ServerTLS)
+		_ = raw.SetDeadline(time.Now().Add(a.cfg.FrameTimeout))
+		if err := tc.Handshake(); err != nil {
+			a.tlsFailures.Add(1)
+			a.log.Warn("netxfer: refused a connection", "from", raw.RemoteAddr(), "err", fmt.Errorf("TLS: %w", err))
+			return
+		}
+		_ = raw.SetDeadline(time.Time{})
+		nc = tc
+	}
 	authed := ""
 	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() {
 		name, err := a.cfg.Auth.Server(nc, "data")

@@ -1,6 +1,8 @@
 package netxfer
 
 import (
+	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -118,6 +120,22 @@ func (p *peer) dial() (*conn, error) {
 	}
 	if tc, ok := nc.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
+	}
+	if a.cfg.ClientTLS != nil {
+		cfg := a.cfg.ClientTLS.Clone()
+		if cfg.ServerName == "" {
+			cfg.ServerName, _, _ = net.SplitHostPort(p.addr)
+		}
+		tc := tls.Client(nc, cfg)
+		ctx, cancel := context.WithTimeout(context.Background(), a.cfg.DialTimeout)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			_ = nc.Close()
+			a.tlsFailures.Add(1)
+			return nil, fmt.Errorf("%w: %s (%s): TLS: %w", ErrXferFailed, p.name, p.addr, err)
+		}
+		nc = tc
 	}
 	if a.cfg.Auth != nil {
 		if err := a.cfg.Auth.Client(nc, "data", a.cfg.Name); err != nil {
