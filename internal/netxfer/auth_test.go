@@ -265,3 +265,61 @@ func FuzzServeHello(f *testing.F) {
 		}
 	})
 }
+
+// A peer that starts multi-part WRITEs and never finishes them cannot
+// grow the agent's table of unfinished writes past maxLanding: past it,
+// its connection is dropped.
+func TestUnfinishedWritesBounded(t *testing.T) {
+	_, b, _, _ := authPair(t, 4096, nil, nil, 0)
+	nc, err := net.Dial("tcp", b.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	h := append([]byte(magic), version)
+	h = binary.LittleEndian.AppendUint16(h, 4)
+	h = append(h, "slow"...)
+	go func() { // answers are read and dropped
+		buf := make([]byte, 1<<16)
+		for {
+			if _, err := nc.Read(buf); err != nil {
+				return
+			}
+		}
+	}()
+	var w []byte
+	w = append(w, h...)
+	for id := range maxLanding + 1 {
+		w = append(w, tWrite)
+		w = binary.LittleEndian.AppendUint64(w, uint64(id+1))
+		w = binary.LittleEndian.AppendUint32(w, 0) // part 0
+		w = binary.LittleEndian.AppendUint32(w, 2) // of 2
+		w = binary.LittleEndian.AppendUint32(w, 0) // no descriptors
+		w = binary.LittleEndian.AppendUint32(w, 0) // no notification
+	}
+	_, _ = nc.Write(w)
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		b.mu.Lock()
+		n := len(b.mu.landing)
+		b.mu.Unlock()
+		if n == maxLanding {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond)
+	b.mu.Lock()
+	n := len(b.mu.landing)
+	b.mu.Unlock()
+	if n != maxLanding {
+		t.Errorf("unfinished writes = %d, want the bound %d", n, maxLanding)
+	}
+	if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
+		// The server closed its side; a later write fails.
+		time.Sleep(100 * time.Millisecond)
+		if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
+			t.Error("the connection past the bound stayed open")
+		}
+	}
+}

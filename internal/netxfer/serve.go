@@ -184,6 +184,15 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if err != nil {
 		return err
 	}
+	// Unfinished multi-part WRITEs are bounded: a peer cannot grow the
+	// table by starting transfers it never finishes.
+	k := landKey{from, XferID(id)}
+	a.mu.Lock()
+	full := a.mu.landing[k] == nil && parts > 1 && len(a.mu.landing) >= maxLanding
+	a.mu.Unlock()
+	if full {
+		return fmt.Errorf("%w: %d multi-part writes unfinished, the most an agent keeps", ErrProtocol, maxLanding)
+	}
 	a.memMu.RLock()
 	bufs, berr := a.resolve(nil, ranges)
 	if berr != nil {
@@ -203,7 +212,6 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	}
 	// Deliver the notification once every part landed, before the last
 	// acknowledgement goes out.
-	k := landKey{from, XferID(id)}
 	a.mu.Lock()
 	l := a.mu.landing[k]
 	if l == nil {

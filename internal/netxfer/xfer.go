@@ -18,17 +18,19 @@ const (
 	magic   = "KVXN"
 	version = 1
 
-	tWrite     = 1  // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
-	tReadReq   = 2  // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
-	tNotif     = 3  // len u32 | msg
-	tNotifReq  = 4  // xfer u64, len u32 | msg
-	tAck       = 16 // xfer u64, part u32, errlen u32 | err
-	tReadResp  = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
-	tNotifAck  = 18 // xfer u64
-	notifPart  = ^uint32(0)
-	maxName    = 256
-	maxNotif   = 1 << 20
-	maxDescs   = 1 << 20
+	tWrite    = 1  // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
+	tReadReq  = 2  // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
+	tNotif    = 3  // len u32 | msg
+	tNotifReq = 4  // xfer u64, len u32 | msg
+	tAck      = 16 // xfer u64, part u32, errlen u32 | err
+	tReadResp = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
+	tNotifAck = 18 // xfer u64
+	notifPart = ^uint32(0)
+	maxName   = 256
+	maxNotif  = 1 << 20
+	maxDescs  = 1 << 20
+	// maxLanding bounds the multi-part WRITEs an agent is landing at once.
+	maxLanding = 1 << 14
 	maxErr     = 4096
 	maxPayload = 1 << 40
 )
