@@ -114,6 +114,9 @@ type Scheduler struct {
 	// watchdog: push registration deadlines by D request id, and a heap
 	// of them by deadline.
 	watch    map[string]time.Time
+	// recving: every receive staged and not yet reported (push and pull),
+	// so Update knows each consumer outcome it is handed.
+	recving map[string]bool
 	watchQ   deadlineHeap
 	counters SchedulerCounters
 }
@@ -167,7 +170,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}}
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{}}
 	for i, g := range cfg.Groups {
 		switch g.Kind {
 		case topology.KindFullAttention, topology.KindMLA:
@@ -363,6 +366,7 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	}
 	s.processed[r.ID] = true
 	s.recv = append(s.recv, rr)
+	s.recving[r.ID] = true
 	return nil
 }
 
@@ -535,10 +539,11 @@ func (s *Scheduler) Update(f *Finished) {
 		delete(s.held, o.ReqID)
 	}
 	for _, o := range f.Recving {
-		if _, ok := s.watch[o.ReqID]; !ok {
+		if !s.recving[o.ReqID] {
 			s.counters.UnknownUpdates++
 			continue
 		}
+		delete(s.recving, o.ReqID)
 		delete(s.watch, o.ReqID)
 	}
 }

@@ -452,3 +452,33 @@ func TestBaseRequestID(t *testing.T) {
 		}
 	}
 }
+
+// Update knows every receive the scheduler staged, pull ones included:
+// only outcomes of requests it never saw count as unknown.
+func TestUpdateKnowsPullReceives(t *testing.T) {
+	for _, mode := range []Mode{ModePull, ModePush} {
+		s, _ := newSched(t, mode, nil)
+		for _, id := range []string{"d-1", "d-2"} {
+			r := &Request{ID: id, PromptTokens: 40, Params: pParams(mode)}
+			if err := s.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3)}, External: 40}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if m := s.BuildMeta(); len(m.Recv) != 2 {
+			t.Fatalf("%v: %d receives staged, want 2", mode, len(m.Recv))
+		}
+		s.Update(&Finished{Recving: []Outcome{{ReqID: "d-1", Result: ResultDone}, {ReqID: "d-2", Result: ResultFailed}}})
+		if n := s.Counters().UnknownUpdates; n != 0 {
+			t.Errorf("%v: %d unknown updates for receives the scheduler staged, want 0", mode, n)
+		}
+		// Each outcome is known once; a second report, or an id never
+		// staged, is unknown.
+		s.Update(&Finished{Recving: []Outcome{{ReqID: "d-1"}, {ReqID: "never"}}})
+		if n := s.Counters().UnknownUpdates; n != 2 {
+			t.Errorf("%v: unknown updates = %d, want 2", mode, n)
+		}
+		if s.Watching() != 0 {
+			t.Errorf("%v: watching %d after the outcomes, want 0", mode, s.Watching())
+		}
+	}
+}
