@@ -107,10 +107,11 @@ type Agent struct {
 	events chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;
 	// Unmap holds it for writing, so memory never goes away under a copy.
-	memMu       sync.RWMutex
-	wg          sync.WaitGroup
-	tlsFailures atomic.Uint64
-	mu          struct {
+	memMu        sync.RWMutex
+	wg           sync.WaitGroup
+	tlsFailures  atomic.Uint64
+	acceptErrors atomic.Uint64
+	mu           struct {
 		sync.Mutex
 		closed   bool
 		chunks   []chunk
@@ -195,6 +196,10 @@ func New(cfg Config) (*Agent, error) {
 	go a.accept()
 	return a, nil
 }
+
+// AcceptErrors returns how many times accepting a connection failed
+// (e.g. out of descriptors); the agent retried each time.
+func (a *Agent) AcceptErrors() uint64 { return a.acceptErrors.Load() }
 
 // TLSFailures returns how many TLS handshakes failed, dialing or served.
 func (a *Agent) TLSFailures() uint64 { return a.tlsFailures.Load() }
@@ -496,11 +501,28 @@ func (a *Agent) Close() error {
 // accept serves incoming connections.
 func (a *Agent) accept() {
 	defer a.wg.Done()
+	var backoff time.Duration
 	for {
 		c, err := a.ln.Accept()
 		if err != nil {
-			return
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of descriptors (EMFILE, ENFILE) or another passing error:
+			// wait and accept again, never stop serving for good.
+			a.mu.Lock()
+			closed := a.mu.closed
+			a.mu.Unlock()
+			if closed {
+				return
+			}
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			a.acceptErrors.Add(1)
+			a.log.Warn("netxfer: accept failed; retrying", "err", err, "in", backoff)
+			time.Sleep(backoff)
+			continue
 		}
+		backoff = 0
 		a.mu.Lock()
 		if a.mu.closed {
 			a.mu.Unlock()

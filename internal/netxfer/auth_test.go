@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"os"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
@@ -321,5 +324,54 @@ func TestUnfinishedWritesBounded(t *testing.T) {
 		if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
 			t.Error("the connection past the bound stayed open")
 		}
+	}
+}
+
+// Out of descriptors for a moment, the agent keeps accepting once some
+// are free again: the accept loop retries instead of stopping for good.
+func TestAcceptSurvivesDescriptorExhaustion(t *testing.T) {
+	a, b, am, bm := authPair(t, 4096, nil, nil, 0)
+	var old unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skip("no /proc/self/fd:", err)
+	}
+	lim := old
+	lim.Cur = uint64(len(entries) + 40)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	var idle []net.Conn
+	for range 200 { // each takes a descriptor here and one in the agent
+		c, err := net.Dial("tcp", b.Addr())
+		if err != nil {
+			break
+		}
+		idle = append(idle, c)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for b.AcceptErrors() == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, c := range idle {
+		c.Close()
+	}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	if b.AcceptErrors() == 0 {
+		t.Fatalf("accept never failed with %d idle connections under a limit of %d descriptors", len(idle), lim.Cur)
+	}
+	// The agent still serves.
+	fill(am, 4)
+	id, err := a.Post(Write, b.Name(), []Desc{{Local: base, Remote: base, Len: 4096}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, a, id); st != Done || !bytes.Equal(am, bm) {
+		t.Errorf("write after descriptors ran out: %v, %v", st, err)
 	}
 }
