@@ -22,15 +22,22 @@ import (
 const maxHandshake = 256 << 20
 
 // PeerResolver handshakes with peer daemons over PeerService; it keeps one
-// client connection per address. It implements kvxfer.Resolver and is
-// safe for concurrent use.
+// client connection per address, at most MaxConns of them, closing the
+// least recently used idle one to make room. It implements
+// kvxfer.Resolver and is safe for concurrent use.
 type PeerResolver struct {
 	dec *zstd.Decoder
 	cfg ResolverConfig
 	mu  struct {
 		sync.Mutex
-		conns map[string]*grpc.ClientConn
+		conns map[string]*peerConn
 	}
+}
+
+type peerConn struct {
+	cc       *grpc.ClientConn
+	lastUsed time.Time
+	inUse    int
 }
 
 var _ kvxfer.Resolver = (*PeerResolver)(nil)
@@ -52,6 +59,10 @@ type ResolverConfig struct {
 	// dialed (addresses come from engines' transfer params); its error
 	// refuses the handshake and is part of the handshake's error.
 	Allow func(addr string) error
+	// MaxConns bounds the peer addresses the resolver keeps a connection
+	// to (default 256): engines name the addresses, so their number is
+	// theirs to grow.
+	MaxConns int
 }
 
 // NewPeerResolver returns a resolver with the default config: no
@@ -63,39 +74,79 @@ func NewPeerResolverWith(cfg ResolverConfig) *PeerResolver {
 	if cfg.Creds == nil {
 		cfg.Creds = insecure.NewCredentials()
 	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 256
+	}
 	dec, _ := zstd.NewReader(nil, zstd.WithDecoderMaxMemory(maxHandshake), zstd.WithDecoderConcurrency(1))
 	r := &PeerResolver{dec: dec, cfg: cfg}
-	r.mu.conns = map[string]*grpc.ClientConn{}
+	r.mu.conns = map[string]*peerConn{}
 	return r
 }
 
-func (r *PeerResolver) conn(addr string) (*grpc.ClientConn, error) {
+// conn returns addr's connection, marked in use until done is called.
+func (r *PeerResolver) conn(addr string) (cc *grpc.ClientConn, done func(), err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if c := r.mu.conns[addr]; c != nil {
-		return c, nil
+	pc := r.mu.conns[addr]
+	if pc == nil {
+		if r.cfg.Allow != nil {
+			if err := r.cfg.Allow(addr); err != nil {
+				return nil, nil, err
+			}
+		}
+		if len(r.mu.conns) >= r.cfg.MaxConns && !r.evictLocked() {
+			return nil, nil, fmt.Errorf("%d peer connections in use, the most this daemon keeps", len(r.mu.conns))
+		}
+		c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)))
+		if err != nil {
+			return nil, nil, err
+		}
+		pc = &peerConn{cc: c}
+		r.mu.conns[addr] = pc
 	}
-	if r.cfg.Allow != nil {
-		if err := r.cfg.Allow(addr); err != nil {
-			return nil, err
+	pc.inUse++
+	pc.lastUsed = time.Now()
+	return pc.cc, func() {
+		r.mu.Lock()
+		pc.inUse--
+		r.mu.Unlock()
+	}, nil
+}
+
+// evictLocked closes the least recently used connection not in use; false
+// when every one is in use.
+func (r *PeerResolver) evictLocked() bool {
+	var oldest string
+	var at time.Time
+	for addr, pc := range r.mu.conns {
+		if pc.inUse == 0 && (oldest == "" || pc.lastUsed.Before(at)) {
+			oldest, at = addr, pc.lastUsed
 		}
 	}
-	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)))
-	if err != nil {
-		return nil, err
+	if oldest == "" {
+		return false
 	}
-	r.mu.conns[addr] = c
-	return c, nil
+	_ = r.mu.conns[oldest].cc.Close()
+	delete(r.mu.conns, oldest)
+	return true
+}
+
+// Conns returns how many peer connections the resolver keeps.
+func (r *PeerResolver) Conns() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.mu.conns)
 }
 
 // Handshake implements kvxfer.Resolver. The clock offset is the peer's
 // clock minus the midpoint of the call.
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
-	c, err := r.conn(addr)
+	c, done, err := r.conn(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
+	defer done()
 	t0 := time.Now()
 	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true})
 	t1 := time.Now()
@@ -141,8 +192,8 @@ func (r *PeerResolver) Close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, c := range r.mu.conns {
-		_ = c.Close()
+		_ = c.cc.Close()
 	}
-	r.mu.conns = map[string]*grpc.ClientConn{}
+	r.mu.conns = map[string]*peerConn{}
 	r.dec.Close()
 }

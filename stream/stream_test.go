@@ -554,3 +554,30 @@ func TestResolverAllowList(t *testing.T) {
 		t.Errorf("handshake with a peer outside the allow-list: %v", err)
 	}
 }
+
+// The resolver keeps at most MaxConns peer connections: engines name the
+// addresses, and a thousand of them leave no thousand connections (nor
+// their goroutines) behind.
+func TestResolverConnsBounded(t *testing.T) {
+	before := runtime.NumGoroutine()
+	r := stream.NewPeerResolverWith(stream.ResolverConfig{MaxConns: 4})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i := range 200 {
+		// Nothing listens there: each handshake fails, its connection stays cached.
+		cctx, ccancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		_, _ = r.Handshake(cctx, "P", fmt.Sprintf("127.0.0.1:%d", 1+i))
+		ccancel()
+		if n := r.Conns(); n > 4 {
+			t.Fatalf("after %d addresses the resolver keeps %d connections, want at most 4", i+1, n)
+		}
+	}
+	r.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for runtime.NumGoroutine() > before+5 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before+5 {
+		t.Errorf("goroutines: %d before, %d after 200 addresses and Close", before, n)
+	}
+}
