@@ -113,10 +113,10 @@ type Scheduler struct {
 	prefilled map[string]bool
 	// watchdog: push registration deadlines by D request id, and a heap
 	// of them by deadline.
-	watch    map[string]time.Time
+	watch map[string]time.Time
 	// recving: every receive staged and not yet reported (push and pull),
 	// so Update knows each consumer outcome it is handed.
-	recving map[string]bool
+	recving  map[string]bool
 	watchQ   deadlineHeap
 	counters SchedulerCounters
 }
