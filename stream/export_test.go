@@ -7,3 +7,9 @@ func (s *Server) PublishForTest(info kvxfer.RankInfo) { _ = s.publish(info, nil)
 
 // HandshakePayloadForTest is handshakePayload for external tests.
 var HandshakePayloadForTest = handshakePayload
+
+// SplitFinishedForTest is splitFinished for external tests.
+var SplitFinishedForTest = splitFinished
+
+// ClipForTest is clip for external tests.
+var ClipForTest = clip

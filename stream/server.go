@@ -467,6 +467,68 @@ func (l *limits) counts() map[string]uint64 {
 	return out
 }
 
+// maxFinishedBytes bounds one Finished message on a worker stream, well
+// under gRPC's default 4 MiB limit of the engine's client: a bigger set of
+// outcomes goes out as several messages (each a delta, as always).
+const maxFinishedBytes = 1 << 20
+
+// sendFinished sends f, split into messages of at most maxFinishedBytes.
+func sendFinished(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse], f *pb.Finished) error {
+	for _, part := range splitFinished(f, maxFinishedBytes) {
+		if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// splitFinished splits f into messages of about max bytes or less (one
+// outcome bigger than max alone excepted), in order: sending outcomes,
+// receiving outcomes, invalid block ids; the stats go with the first.
+func splitFinished(f *pb.Finished, max int) []*pb.Finished {
+	if proto.Size(f) <= max {
+		return []*pb.Finished{f}
+	}
+	var out []*pb.Finished
+	cur := &pb.Finished{Stats: f.Stats}
+	size := proto.Size(cur)
+	flush := func(add int) {
+		if size+add > max && size > 0 && (len(cur.Sending)+len(cur.Recving)+len(cur.InvalidBlockIds) > 0) {
+			out = append(out, cur)
+			cur, size = &pb.Finished{}, 0
+		}
+		size += add
+	}
+	for _, o := range f.Sending {
+		flush(proto.Size(o) + 8)
+		cur.Sending = append(cur.Sending, o)
+	}
+	for _, o := range f.Recving {
+		flush(proto.Size(o) + 8)
+		cur.Recving = append(cur.Recving, o)
+	}
+	for _, id := range f.InvalidBlockIds {
+		flush(6)
+		cur.InvalidBlockIds = append(cur.InvalidBlockIds, id)
+	}
+	return append(out, cur)
+}
+
+// maxStepError bounds the message of a StepError.
+const maxStepError = 64 << 10
+
+// clip shortens an error message to maxStepError bytes.
+func clip(msg string) string {
+	if len(msg) <= maxStepError {
+		return msg
+	}
+	cut := maxStepError
+	for cut > 0 && msg[cut]&0xC0 == 0x80 { // not inside a UTF-8 sequence
+		cut--
+	}
+	return fmt.Sprintf("%s... (%d more bytes)", msg[:cut], len(msg)-cut)
+}
+
 // rank is one attached engine rank.
 type rank struct {
 	s        *Server
@@ -773,7 +835,11 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				f := r.worker.Finished()
 				fp := FinishedToProto(&f)
 				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
-				m = &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: fp}}
+				if err := sendFinished(st, fp); err != nil {
+					sendErr <- err
+					return
+				}
+				continue
 			case m = <-out:
 			case <-stop:
 				return
@@ -811,7 +877,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			_ = r.worker.Close()
 			f := r.worker.Finished()
 			if len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
-				_ = st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: FinishedToProto(&f)}})
+				_ = sendFinished(st, FinishedToProto(&f))
 			}
 		}
 		return nil
@@ -838,7 +904,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				}
 				if err != nil {
 					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: err.Error()}}}:
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: clip(err.Error())}}}:
 					case <-ctx.Done():
 					}
 				}
@@ -850,7 +916,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				}
 				if err != nil {
 					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: err.Error()}}}:
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clip(err.Error())}}}:
 					case <-ctx.Done():
 					}
 				}

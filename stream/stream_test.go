@@ -14,11 +14,13 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
@@ -579,5 +581,42 @@ func TestResolverConnsBounded(t *testing.T) {
 	}
 	if n := runtime.NumGoroutine(); n > before+5 {
 		t.Errorf("goroutines: %d before, %d after 200 addresses and Close", before, n)
+	}
+}
+
+// A big set of outcomes (20,000 failed receives with long reasons) goes
+// out as several Finished messages under 1 MiB each, nothing lost, in
+// order; a huge step error is clipped.
+func TestLargeFinishedSplit(t *testing.T) {
+	f := &pb.Finished{Stats: &pb.TransferStats{Transfers: 7}}
+	for i := range 20000 {
+		f.Recving = append(f.Recving, &pb.Outcome{RequestId: fmt.Sprintf("d-%d", i), Result: pb.Outcome_RESULT_FAILED,
+			Reason: strings.Repeat("handshake with producer failed: x ", 6)})
+		f.InvalidBlockIds = append(f.InvalidBlockIds, int32(i))
+	}
+	f.Sending = append(f.Sending, &pb.Outcome{RequestId: "p-1", Result: pb.Outcome_RESULT_DONE})
+	if proto.Size(f) < 4<<20 {
+		t.Fatalf("the test's set is %d bytes, want over 4 MiB", proto.Size(f))
+	}
+	parts := stream.SplitFinishedForTest(f, 1<<20)
+	var got pb.Finished
+	for i, p := range parts {
+		if n := proto.Size(p); n > 1<<20 {
+			t.Errorf("part %d: %d bytes, want at most 1 MiB", i, n)
+		}
+		if i > 0 && p.Stats != nil {
+			t.Errorf("part %d carries stats again", i)
+		}
+		got.Sending = append(got.Sending, p.Sending...)
+		got.Recving = append(got.Recving, p.Recving...)
+		got.InvalidBlockIds = append(got.InvalidBlockIds, p.InvalidBlockIds...)
+	}
+	got.Stats = parts[0].Stats
+	if len(parts) < 5 || !proto.Equal(&got, f) {
+		t.Errorf("%d parts; their union equals the set: %v", len(parts), proto.Equal(&got, f))
+	}
+	msg := stream.ClipForTest(strings.Repeat("é", 1<<20))
+	if len(msg) > 70<<10 || !strings.Contains(msg, "more bytes)") || !utf8.ValidString(msg) {
+		t.Errorf("clipped step error: %d bytes, valid UTF-8 %v", len(msg), utf8.ValidString(msg))
 	}
 }
