@@ -13,3 +13,32 @@ func AppendRegMsg(engine string, tpRank, tpSize int, tid, dreq, preq string, spa
 func AppendDoneMsg(engine string, tpRank, tpSize int, tid, dreq, preq string) []byte {
 	return appendMsg(nil, &msg{Kind: msgDone, Engine: engine, TPRank: tpRank, TPSize: tpSize, PPSize: 1, TransferID: tid, DReq: dreq, PReq: preq})
 }
+
+// RaceStepWithClose makes w's loop, the next time it is about to wait,
+// accept meta as Step does and then be closed as Close begins, with the
+// step's wake-up consumed: the loop then sees only the close while the
+// step's events wait in its inbox (what a Close racing a Step can do). It
+// returns Step's error; call Close after it.
+func RaceStepWithClose(w *Worker, meta *StepMeta) error {
+	errc := make(chan error, 1)
+	var once bool
+	hook := func(hw *Worker) {
+		if hw != w || once {
+			return
+		}
+		once = true
+		errc <- w.Step(meta)
+		select {
+		case <-w.wake:
+		default:
+		}
+		w.mu.Lock()
+		w.mu.closed = true
+		w.mu.Unlock()
+		w.cancel()
+	}
+	hookBeforeWait.Store(&hook)
+	defer hookBeforeWait.Store(nil)
+	w.signal()
+	return <-errc
+}

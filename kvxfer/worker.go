@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -375,6 +376,10 @@ func (st *loopState) await(on bool) {
 	}
 }
 
+// hookBeforeWait, set only by tests, runs on the loop goroutine before
+// each wait.
+var hookBeforeWait atomic.Pointer[func(*Worker)]
+
 // run is the loop goroutine.
 func (w *Worker) run() {
 	defer close(w.stopped)
@@ -399,9 +404,23 @@ func (w *Worker) run() {
 		if ok {
 			timer.Reset(max(0, time.Until(next)))
 		}
+		if h := hookBeforeWait.Load(); h != nil {
+			(*h)(w)
+		}
 		select {
 		case <-w.ctx.Done():
 			timer.Stop()
+			// Events accepted before the close (Step returned nil for them)
+			// join the state first, so shutdown ends their requests too;
+			// none can be accepted after this.
+			w.mu.Lock()
+			w.mu.closed = true
+			inbox := w.mu.inbox
+			w.mu.inbox = nil
+			w.mu.Unlock()
+			for i := range inbox {
+				st.handle(&inbox[i])
+			}
 			st.shutdown()
 			st.flush()
 			st.await(false)

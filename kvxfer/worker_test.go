@@ -1107,3 +1107,25 @@ func TestWorkerTellsAwaiter(t *testing.T) {
 		}
 	})
 }
+
+// A Step accepted just before Close (Step returned nil) still ends in an
+// outcome: the loop may see the close before it took the step's events,
+// and they must join the state before shutdown fails what is open.
+func TestCloseRacingStepLosesNoOutcome(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		w := x.d.workers[0][0]
+		now := time.Now()
+		if err := kvxfer.RaceStepWithClose(w, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(x.mode, x.p, now.Add(time.Minute))}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		f := w.Finished()
+		if len(f.Recving) != 1 || f.Recving[0].Result != kvxfer.ResultFailed || !strings.Contains(f.Recving[0].Reason, "closed") {
+			t.Errorf("Finished after a Step racing Close = %+v, want the request failed: worker closed", f)
+		}
+	})
+}
