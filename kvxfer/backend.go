@@ -81,6 +81,9 @@ var (
 	ErrBadMetadata   = errors.New("kvxfer: bad peer metadata")
 	ErrXferFailed    = errors.New("kvxfer: transfer failed")
 	ErrNotRegistered = errors.New("kvxfer: memory not registered")
+	// ErrNotGranted: a peer named memory the receiving Worker's grants do
+	// not cover (see Guarded).
+	ErrNotGranted = errors.New("kvxfer: no grant for the memory")
 )
 
 // Backend moves bytes between registered memory regions of agents. It

@@ -220,6 +220,22 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 			t.Error("prepared=true, yet no prepared list was made")
 		}
 	}
+	// Each D rank hears one completion notice per producer rank: a second
+	// one means a producer WRITEs twice (the second could land after D
+	// handed its blocks back). In push, no WRITE is refused by the grants.
+	for _, stage := range d.workers {
+		for _, w := range stage {
+			s := w.Metrics().Snapshot()
+			for _, k := range []string{"done_duplicate", "done_unknown_request"} {
+				if s.Dropped[k] != 0 {
+					t.Errorf("D rank %d dropped %d notices as %s", w.Layout().TPRank, s.Dropped[k], k)
+				}
+			}
+			if mode == kvxfer.ModePush && len(s.RefusedAccess) > 0 {
+				t.Errorf("D rank %d refused WRITEs: %v", w.Layout().TPRank, s.RefusedAccess)
+			}
+		}
+	}
 	var sims []*kvsim.Request
 	for _, q := range reqs {
 		if q.tokens > q.hit {

@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"container/heap"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -158,6 +159,12 @@ type recvReq struct {
 	failedRank bool
 	// quiet: its failure is one of many logged once (a refused peer).
 	quiet bool
+	// grant lets the producer ranks WRITE into its blocks (push).
+	grant uint32
+	// retries and retryAt: READs refused for want of a grant (pull), by
+	// producer rank: how many times, and when the next goes.
+	retries map[rankRef]int
+	retryAt map[rankRef]time.Time
 }
 
 type rankRef struct{ pp, tp int }
@@ -391,9 +398,11 @@ func (st *loopState) pollHandles() {
 		if ok {
 			st.w.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
 		} else {
-			st.w.metrics.FailedTransfer()
 			if err == nil {
 				err = fmt.Errorf("%w: state %v", ErrXferFailed, s)
+			}
+			if h.send != "" || !errors.Is(err, ErrNotGranted) {
+				st.w.metrics.FailedTransfer() // a refused READ: recvSettled counts it if not retried
 			}
 		}
 		if h.send != "" {
@@ -416,6 +425,8 @@ func (st *loopState) runTimers() {
 			st.recvDeadline(e)
 		case tFence:
 			st.fenceTimer(e)
+		case tReadRetry:
+			st.readRetry(e)
 		}
 	}
 	if st.busy() {
@@ -532,6 +543,7 @@ func (st *loopState) shutdown() {
 		r := st.recvs[id]
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
 		st.report(RoleConsumer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
+		st.revoke(r)
 		delete(st.recvs, id)
 	}
 	for _, e := range st.engines {

@@ -2,10 +2,13 @@ package kvxfer
 
 import (
 	"math"
+
 	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
 )
 
 // Histogram counts observations in fixed exponential buckets. Observe is
@@ -179,7 +182,7 @@ type Metrics struct {
 	totalBytes, totalDescs, totalBlocks               atomic.Uint64
 	outcomes                                          [3][5]atomic.Uint64 // [role][result]
 
-	badInput, dropped labelled
+	badInput, dropped, refused labelled
 }
 
 // NewMetrics returns an empty recorder. Bucket layouts: seconds from 10 µs
@@ -243,6 +246,22 @@ func (m *Metrics) BadInput(field string) { m.badInput.inc(field) }
 // Dropped counts a peer message dropped for the named reason.
 func (m *Metrics) Dropped(reason string) { m.dropped.inc(reason) }
 
+// RefusedAccess counts a peer's transfer refused by the Worker's grants
+// (see Guarded): labels "write_late", "write_deny", "read_late",
+// "read_deny".
+func (m *Metrics) RefusedAccess(op hotpath.Op, a Access) {
+	dir := "read_"
+	if op == hotpath.OpWrite {
+		dir = "write_"
+	}
+	m.refused.inc(dir + a.String())
+}
+
+// RetriedRead counts a pull consumer's READ refused because the producer
+// did not hold the blocks yet, and tried again (label "read_retried" of
+// RefusedAccess).
+func (m *Metrics) RetriedRead() { m.refused.inc("read_retried") }
+
 // Stats is a snapshot of Metrics: cumulative values since the recorder
 // was made (Prometheus counters). Sub gives the delta between two.
 type Stats struct {
@@ -257,6 +276,9 @@ type Stats struct {
 	Outcomes [3][5]uint64
 	// BadInput and Dropped count by field or reason.
 	BadInput, Dropped map[string]uint64
+	// RefusedAccess counts peers' transfers refused by the data-plane
+	// grants, by direction and verdict (see Metrics.RefusedAccess).
+	RefusedAccess map[string]uint64
 }
 
 // Snapshot returns the current values.
@@ -267,7 +289,7 @@ func (m *Metrics) Snapshot() Stats {
 		Transfers: m.transfers.Load(), FailedTransfers: m.failedTransfers.Load(), FailedNotifications: m.failedNotifs.Load(),
 		ExpiredRequests: m.expired.Load(), HandshakeFailures: m.handshakeFailures.Load(),
 		TotalBytes: m.totalBytes.Load(), TotalDescriptors: m.totalDescs.Load(), TotalBlocks: m.totalBlocks.Load(),
-		BadInput: m.badInput.snapshot(), Dropped: m.dropped.snapshot(),
+		BadInput: m.badInput.snapshot(), Dropped: m.dropped.snapshot(), RefusedAccess: m.refused.snapshot(),
 	}
 	for i := range m.outcomes {
 		for j := range m.outcomes[i] {
@@ -310,6 +332,7 @@ func (s Stats) Sub(prev Stats) Stats {
 		HandshakeFailures: s.HandshakeFailures - prev.HandshakeFailures, TotalBytes: s.TotalBytes - prev.TotalBytes,
 		TotalDescriptors: s.TotalDescriptors - prev.TotalDescriptors, TotalBlocks: s.TotalBlocks - prev.TotalBlocks,
 		BadInput: subMap(s.BadInput, prev.BadInput), Dropped: subMap(s.Dropped, prev.Dropped),
+		RefusedAccess: subMap(s.RefusedAccess, prev.RefusedAccess),
 	}
 	for i := range s.Outcomes {
 		for j := range s.Outcomes[i] {
@@ -330,6 +353,7 @@ func (s Stats) Add(o Stats) Stats {
 		HandshakeFailures: s.HandshakeFailures + o.HandshakeFailures, TotalBytes: s.TotalBytes + o.TotalBytes,
 		TotalDescriptors: s.TotalDescriptors + o.TotalDescriptors, TotalBlocks: s.TotalBlocks + o.TotalBlocks,
 		BadInput: addMap(s.BadInput, o.BadInput), Dropped: addMap(s.Dropped, o.Dropped),
+		RefusedAccess: addMap(s.RefusedAccess, o.RefusedAccess),
 	}
 	for i := range s.Outcomes {
 		for j := range s.Outcomes[i] {

@@ -43,7 +43,10 @@ type NetBackend struct {
 	pool sync.Pool // *[]netxfer.Desc
 }
 
-var _ Backend = (*NetBackend)(nil)
+var (
+	_ Backend = (*NetBackend)(nil)
+	_ Guarded = (*NetBackend)(nil)
+)
 
 // NewNetBackend starts a built-in backend agent.
 func NewNetBackend(cfg NetConfig) (*NetBackend, error) {
@@ -75,7 +78,7 @@ func mapNetErr(err error) error {
 	for _, p := range [...]struct{ from, to error }{
 		{netxfer.ErrOutOfBounds, ErrOutOfBounds}, {netxfer.ErrClosed, ErrClosed}, {netxfer.ErrUnknownPeer, ErrUnknownPeer},
 		{netxfer.ErrUnknownXfer, ErrUnknownXfer}, {netxfer.ErrBadMetadata, ErrBadMetadata},
-		{netxfer.ErrNotRegistered, ErrNotRegistered}, {netxfer.ErrXferFailed, ErrXferFailed},
+		{netxfer.ErrNotRegistered, ErrNotRegistered}, {netxfer.ErrNotGranted, ErrNotGranted}, {netxfer.ErrXferFailed, ErrXferFailed},
 	} {
 		if errors.Is(err, p.from) {
 			return fmt.Errorf("%w: %w", p.to, err)
@@ -176,3 +179,29 @@ func (n *NetBackend) Events() <-chan struct{} { return n.a.Events() }
 
 // Close implements Backend.
 func (n *NetBackend) Close() error { return n.a.Close() }
+
+// SetGuard implements Guarded: the agent asks c about every range a peer
+// names in a WRITE into or a READ of its memory, and about direct copies
+// between agents of one process.
+func (n *NetBackend) SetGuard(c AccessChecker) error { return n.a.SetGuard(netGuard{c}) }
+
+// GuardRefusals returns how many peer transfers the guard refused: late
+// (the part failed, the connection kept) and denied (the connection
+// dropped).
+func (n *NetBackend) GuardRefusals() (late, denied uint64) { return n.a.Refusals() }
+
+type netGuard struct{ c AccessChecker }
+
+func (g netGuard) Check(peer string, op netxfer.Op, addr, n uint64) netxfer.Verdict {
+	hop := hotpath.OpWrite
+	if op == netxfer.Read {
+		hop = hotpath.OpRead
+	}
+	switch g.c.CheckAccess(PeerName(peer), hop, addr, n) {
+	case AccessAllow:
+		return netxfer.Allow
+	case AccessLate:
+		return netxfer.Late
+	}
+	return netxfer.Deny
+}

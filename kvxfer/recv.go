@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"errors"
 	"fmt"
 	"time"
 
@@ -142,6 +143,17 @@ func (st *loopState) refuseProducer(e *engine, r *recvReq, reason string) {
 func (st *loopState) register(r *recvReq, e *engine) {
 	m := &msg{Kind: msgReg, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Spans: r.req.Local}
 	b := appendMsg(nil, st.self(m))
+	if a := st.w.access; a != nil && r.grant == 0 {
+		// The producer ranks may WRITE into these blocks from before they
+		// hear of them until the request ends.
+		peers := make([]PeerName, 0, len(r.targets))
+		for _, to := range r.targets {
+			if p, ok := e.peers[to]; ok {
+				peers = append(peers, p)
+			}
+		}
+		r.grant = a.grantWrite(peers, r.req.Local)
+	}
 	for _, to := range r.targets {
 		p, ok := e.peers[to]
 		var err error
@@ -171,57 +183,62 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			return
 		}
 	}
-	hreq := hotpath.Request{Tokens: r.req.Remote.Tokens, Src: r.req.Remote.Blocks, Dst: r.req.Local}
 	for _, to := range r.targets {
-		if r.decided {
-			st.tellP(e, r, to, msgFail, r.outcome.Reason)
-			continue
-		}
-		p, err := st.plan(e, to, st.layout.TPRank)
-		if err != nil {
-			st.tellP(e, r, to, msgFail, err.Error())
-			st.decide(r, ResultFailed, err.Error())
-			continue
-		}
-		if p.NotifyOnly {
-			st.tellP(e, r, to, msgDone, "")
-			r.got[to] = true
-			continue
-		}
-		t0 := time.Now()
-		done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
-		if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
-			id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
-			if err != nil {
-				st.tellP(e, r, to, msgFail, err.Error())
-				st.decide(r, ResultFailed, "post READ: "+err.Error())
-				continue
-			}
-			r.handles[id] = to
-			st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
-			continue
-		}
-		st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
-		if err != nil {
-			st.w.metrics.BadInput("recv_req.remote.blocks")
-			st.tellP(e, r, to, msgFail, err.Error())
-			st.decide(r, ResultFailed, "remote blocks rejected: "+err.Error())
-			continue
-		}
-		id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
-		if err != nil {
-			st.w.metrics.FailedTransfer()
-			st.tellP(e, r, to, msgFail, "post READ: "+err.Error())
-			st.decide(r, ResultFailed, "post READ: "+err.Error())
-			continue
-		}
-		r.handles[id] = to
-		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(st.descBuf), descs: len(st.descBuf),
-			blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+		st.readFrom(r, e, to)
 	}
 	if !r.decided && len(r.got) == len(r.targets) {
 		st.decide(r, ResultDone, "")
 	}
+}
+
+// readFrom posts the READ of one producer rank's share of a request.
+func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
+	hreq := hotpath.Request{Tokens: r.req.Remote.Tokens, Src: r.req.Remote.Blocks, Dst: r.req.Local}
+	if r.decided {
+		st.tellP(e, r, to, msgFail, r.outcome.Reason)
+		return
+	}
+	p, err := st.plan(e, to, st.layout.TPRank)
+	if err != nil {
+		st.tellP(e, r, to, msgFail, err.Error())
+		st.decide(r, ResultFailed, err.Error())
+		return
+	}
+	if p.NotifyOnly {
+		st.tellP(e, r, to, msgDone, "")
+		r.got[to] = true
+		return
+	}
+	t0 := time.Now()
+	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
+	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
+		id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
+		if err != nil {
+			st.tellP(e, r, to, msgFail, err.Error())
+			st.decide(r, ResultFailed, "post READ: "+err.Error())
+			return
+		}
+		r.handles[id] = to
+		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+		return
+	}
+	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
+	if err != nil {
+		st.w.metrics.BadInput("recv_req.remote.blocks")
+		st.tellP(e, r, to, msgFail, err.Error())
+		st.decide(r, ResultFailed, "remote blocks rejected: "+err.Error())
+		return
+	}
+	id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
+	if err != nil {
+		st.w.metrics.FailedTransfer()
+		st.tellP(e, r, to, msgFail, "post READ: "+err.Error())
+		st.decide(r, ResultFailed, "post READ: "+err.Error())
+		return
+	}
+	r.handles[id] = to
+	st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(st.descBuf), descs: len(st.descBuf),
+		blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 }
 
 // tellP sends a bare message about a request to one producer rank.
@@ -241,11 +258,60 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		if !r.decided && len(r.got) == len(r.targets) {
 			st.decide(r, ResultDone, "")
 		}
+	} else if !r.decided && errors.Is(err, ErrNotGranted) && r.retries[h.src] < maxReadRetries {
+		// The producer does not hold the blocks (yet): its rank may not
+		// have taken the step that holds them when our READ arrived.
+		// Read again shortly; the deadline still bounds the request.
+		if r.retries == nil {
+			r.retries, r.retryAt = map[rankRef]int{}, map[rankRef]time.Time{}
+		}
+		at := time.Now().Add(readRetryDelay(r.retries[h.src]))
+		r.retries[h.src]++
+		r.retryAt[h.src] = at
+		st.w.metrics.RetriedRead()
+		st.arm(at, tReadRetry, r.req.ReqID)
+		return
 	} else {
+		if errors.Is(err, ErrNotGranted) {
+			st.w.metrics.FailedTransfer() // not counted by pollHandles
+		}
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			st.tellP(e, r, h.src, msgFail, "READ failed: "+err.Error())
 		}
 		st.decide(r, ResultFailed, "READ failed: "+err.Error())
+	}
+	st.tryReport(r)
+}
+
+// A pull consumer's READ refused because the producer does not hold the
+// blocks is tried again maxReadRetries times, readRetryDelay apart.
+const maxReadRetries = 16
+
+func readRetryDelay(try int) time.Duration {
+	return min(5*time.Millisecond<<min(try, 10), 500*time.Millisecond)
+}
+
+// readRetry posts the READs due again.
+func (st *loopState) readRetry(t timerEntry) {
+	r := st.recvs[t.id]
+	if r == nil || r.decided {
+		return
+	}
+	e := st.engines[r.req.Remote.EngineID]
+	for _, to := range r.targets {
+		at, ok := r.retryAt[to]
+		if !ok || at.After(t.at) {
+			continue
+		}
+		delete(r.retryAt, to)
+		if e == nil || e.state != hsReady {
+			st.decide(r, ResultFailed, "producer handshake lost before a READ was retried")
+			continue
+		}
+		st.readFrom(r, e, to)
+	}
+	if !r.decided && len(r.got) == len(r.targets) {
+		st.decide(r, ResultDone, "")
 	}
 	st.tryReport(r)
 }
@@ -367,10 +433,20 @@ func (st *loopState) tryReport(r *recvReq) {
 
 func (st *loopState) finishRecv(r *recvReq, o Outcome) {
 	delete(st.recvs, r.req.ReqID)
+	st.revoke(r)
 	if o.Result != ResultDone {
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
 	}
 	st.report(RoleConsumer, o)
+}
+
+// revoke ends a consumer request's WRITE grant: from here its blocks may
+// go back to the engine, and a producer's late WRITE is refused.
+func (st *loopState) revoke(r *recvReq) {
+	if a := st.w.access; a != nil && r.grant != 0 {
+		a.revokeWrite(r.grant)
+		r.grant = 0
+	}
 }
 
 // recvDeadline: the producer did not complete in time.

@@ -71,6 +71,10 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 		st.armLease(s, deadline)
 	}
 	if st.cfg.Mode == ModePull {
+		if a := st.w.access; a != nil {
+			// Consumers may READ the blocks while they are held.
+			a.hold(s.req.Blocks, 1)
+		}
 		st.replayEarly(s)
 	}
 	if st.cfg.Mode == ModePush {
@@ -338,8 +342,12 @@ func (st *loopState) pushReady(s *sendReq) {
 				}
 				break
 			}
+			layerwise := st.cfg.Layerwise && s.saved != nil
 			for _, tp := range s.expect {
-				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted {
+				// A rank posted at once has its one WRITE in flight: post
+				// again only layer by layer (a second WRITE could land
+				// after D handed its blocks back).
+				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted && layerwise {
 					st.postWrite(s, e, tp, r)
 				}
 			}
@@ -643,6 +651,9 @@ func allSettledOK(s *sendReq) bool {
 // tombstone for its D request so late duplicates are dropped.
 func (st *loopState) forgetSend(s *sendReq) {
 	delete(st.sends, s.req.ReqID)
+	if a := st.w.access; a != nil && st.cfg.Mode == ModePull {
+		a.hold(s.req.Blocks, -1)
+	}
 	if s.saved != nil {
 		ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })
 		if len(ids) == 0 {

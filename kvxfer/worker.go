@@ -79,6 +79,12 @@ type WorkerConfig struct {
 	// are handed over once, and a transfer passes only indices. Layer-wise
 	// WRITEs keep the plain path.
 	Prepared bool
+	// OpenDataPlane turns off the data-plane grants (see Guarded): by
+	// default, on a backend that enforces them, a peer may WRITE only into
+	// blocks registered for its request (push) or READ only blocks held
+	// for a request (pull). Set it only where every peer is trusted with
+	// all of this rank's memory.
+	OpenDataPlane bool
 	// Preconnect lists peer engines to handshake with as soon as the
 	// worker starts, so the first request to each pays no handshake.
 	Preconnect []PeerRef
@@ -179,6 +185,9 @@ type Worker struct {
 	groupBlocks []int
 	registry    *hotpath.Registry
 	builder     *hotpath.Builder
+	// access is the data-plane grants (nil: the backend does not enforce
+	// them, or OpenDataPlane).
+	access *accessTable
 
 	wake    chan struct{} // 1-slot: new input for the loop
 	ready   chan struct{} // 1-slot: outcomes are waiting
@@ -258,6 +267,13 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	if err := w.be.Register(w.regions); err != nil {
 		return nil, fmt.Errorf("kvxfer: register %d regions: %w", len(w.regions), err)
+	}
+	if g, ok := w.be.(Guarded); ok && !cfg.OpenDataPlane {
+		w.access = newAccessTable(l, w.groupBlocks, cfg.Mode, w.metrics)
+		if err := g.SetGuard(w.access); err != nil {
+			_ = w.be.Deregister(w.regions)
+			return nil, fmt.Errorf("kvxfer: data-plane grants: %w", err)
+		}
 	}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.st.init(w)
@@ -540,6 +556,7 @@ const (
 	tLease timerKind = iota + 1
 	tRecvDeadline
 	tFence
+	tReadRetry
 )
 
 type timerEntry struct {
@@ -624,6 +641,16 @@ func (st *loopState) timerLive(t timerEntry) bool {
 	case tFence:
 		r := st.recvs[t.id]
 		return r != nil && r.fenceBy.Equal(t.at)
+	case tReadRetry:
+		r := st.recvs[t.id]
+		if r == nil || r.decided {
+			return false
+		}
+		for _, at := range r.retryAt {
+			if at.Equal(t.at) {
+				return true
+			}
+		}
 	}
 	return false
 }

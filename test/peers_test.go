@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
@@ -271,5 +272,74 @@ func TestDaemonsNeedTheSameSecret(t *testing.T) {
 				t.Errorf("P's log does not say %q:\n%s", tc.pLog, log)
 			}
 		})
+	}
+}
+
+// Even a peer that holds the secret reaches only what a request grants it
+// on the built-in data plane: with no request of the victim's in flight,
+// its WRITE into the victim's KV cache and its READ of it are refused,
+// nothing lands, and the daemon drops the connection and logs why.
+func TestAuthenticatedPeerNeedsAGrant(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	au, err := peerauth.New(secret)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), v.id, d.Peer)
+	if err != nil || len(res.Ranks) != 1 {
+		t.Fatalf("handshake: %v", err)
+	}
+	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer evil.Close()
+	mine := bytes.Repeat([]byte{0xEE}, 4096)
+	const myBase = 1 << 30
+	if err := evil.Map(myBase, mine); err != nil {
+		t.Fatal(err)
+	}
+	if err := evil.Register([]kvxfer.MemRegion{{Addr: myBase, Len: 4096, Kind: kvxfer.MemDRAM}}); err != nil {
+		t.Fatal(err)
+	}
+	peer, err := evil.LoadPeer(res.Ranks[0].Agent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := res.Ranks[0].Layout.Regions[0].Base
+	for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
+		id, err := evil.Post(op, peer, []hotpath.Desc{{Local: myBase, Remote: target, Len: 256}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		state := kvxfer.XferInProgress
+		for deadline := time.Now().Add(10 * time.Second); state == kvxfer.XferInProgress && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			state, err = evil.State(id)
+		}
+		if state != kvxfer.XferFailed {
+			t.Errorf("%v of the victim's cache by an authenticated peer: %v (%v), want failed", op, state, err)
+		}
+	}
+	if !bytes.Equal(mine, bytes.Repeat([]byte{0xEE}, 4096)) {
+		t.Error("the READ brought the victim's bytes")
+	}
+	v.intact(t, before)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		log, _ := os.ReadFile(d.Log)
+		if bytes.Count(log, []byte("no grant for the range")) >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the daemon's log does not say why it refused twice:\n%s", log)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -19,7 +19,7 @@ type collector struct {
 
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
-	outcomes, badInput, dropped                                *prometheus.Desc
+	outcomes, badInput, dropped, refusedAccess                 *prometheus.Desc
 	refused, authFailures                                      *prometheus.Desc
 }
 
@@ -44,6 +44,8 @@ func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
 		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
 		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
+		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
+			"(write_late, write_deny, read_late, read_deny; deny drops the connection).", "verdict"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
 			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, hello_timeout, streams, streams_per_uid, peer_not_allowed).",
 			[]string{"reason"}, nil),
@@ -99,6 +101,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			for k, v := range s.Dropped {
 				counter(c.dropped, v, k)
+			}
+			for k, v := range s.RefusedAccess {
+				counter(c.refusedAccess, v, k)
 			}
 		}
 	}

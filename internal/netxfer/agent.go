@@ -111,6 +111,8 @@ type Agent struct {
 	wg           sync.WaitGroup
 	tlsFailures  atomic.Uint64
 	acceptErrors atomic.Uint64
+	guard        atomic.Pointer[guardBox]
+	refusals     [Deny + 1]atomic.Uint64 // by Verdict
 	mu           struct {
 		sync.Mutex
 		closed   bool
@@ -306,23 +308,21 @@ func (a *Agent) registeredLocked(addr, n uint64) ([]byte, bool) {
 
 // resolve bounds-checks ranges against registered memory and returns
 // their bytes. Callers hold memMu for reading while they use the bytes.
-func (a *Agent) resolve(dst [][]byte, ranges []rng) ([][]byte, error) {
+func (a *Agent) resolve(dst [][]byte, ranges []Region) ([][]byte, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.mu.closed {
 		return dst, ErrClosed
 	}
 	for i, r := range ranges {
-		b, ok := a.registeredLocked(r.addr, r.n)
+		b, ok := a.registeredLocked(r.Addr, r.Len)
 		if !ok {
-			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.addr, r.n, a.cfg.Name, ErrOutOfBounds)
+			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
 		}
 		dst = append(dst, b)
 	}
 	return dst, nil
 }
-
-type rng struct{ addr, n uint64 }
 
 // Register makes regions usable; each must lie inside mapped memory.
 func (a *Agent) Register(regions []Region) error {

@@ -81,7 +81,7 @@ func (a *Agent) serve(raw net.Conn) {
 		case tWrite:
 			err = a.serveWrite(r, w, from, hdr[:])
 		case tReadReq:
-			err = a.serveRead(r, nc, w, hdr[:])
+			err = a.serveRead(r, nc, w, from, hdr[:])
 		case tNotif:
 			var msg []byte
 			if msg, err = readMsg(r, hdr[:4]); err == nil {
@@ -123,7 +123,7 @@ func readMsg(r io.Reader, lenBuf []byte) ([]byte, error) {
 }
 
 // readTable reads n (addr, len) pairs.
-func readTable(r io.Reader, n uint32) ([]rng, uint64, error) {
+func readTable(r io.Reader, n uint32) ([]Region, uint64, error) {
 	if n > maxDescs {
 		return nil, 0, fmt.Errorf("%w: %d descriptors", ErrProtocol, n)
 	}
@@ -131,12 +131,12 @@ func readTable(r io.Reader, n uint32) ([]rng, uint64, error) {
 	if err := readFull(r, tab); err != nil {
 		return nil, 0, err
 	}
-	rs := make([]rng, n)
+	rs := make([]Region, n)
 	var total uint64
 	for i := range rs {
-		rs[i] = rng{binary.LittleEndian.Uint64(tab[16*i:]), binary.LittleEndian.Uint64(tab[16*i+8:])}
-		total += rs[i].n
-		if rs[i].n > maxPayload || total > maxPayload {
+		rs[i] = Region{binary.LittleEndian.Uint64(tab[16*i:]), binary.LittleEndian.Uint64(tab[16*i+8:])}
+		total += rs[i].Len
+		if rs[i].Len > maxPayload || total > maxPayload {
 			return nil, 0, fmt.Errorf("%w: payload over %d bytes", ErrProtocol, uint64(maxPayload))
 		}
 	}
@@ -193,8 +193,17 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if full {
 		return fmt.Errorf("%w: %d multi-part writes unfinished, the most an agent keeps", ErrProtocol, maxLanding)
 	}
+	// The guard first: a range the peer holds no grant for is refused
+	// before any byte lands; one it never held drops the connection.
+	v, berr := a.checkGuard(from, Write, ranges)
+	if v == Deny {
+		return berr
+	}
 	a.memMu.RLock()
-	bufs, berr := a.resolve(nil, ranges)
+	var bufs [][]byte
+	if berr == nil {
+		bufs, berr = a.resolve(nil, ranges)
+	}
 	if berr != nil {
 		a.memMu.RUnlock()
 		// Refused: nothing is written; the payload is skipped.
@@ -231,17 +240,21 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if deliver {
 		_ = a.deliver(from, notif)
 	}
+	typ := byte(tAck)
+	if v == Late {
+		typ = tAckRefused
+	}
 	if berr != nil {
 		berr = fmt.Errorf("write refused: %w", berr)
 	}
-	if err := answer(w, tAck, id, part, berr); err != nil {
+	if err := answer(w, typ, id, part, berr); err != nil {
 		return err
 	}
 	return w.Flush()
 }
 
 // serveRead answers one READ part straight from registered memory.
-func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, hdr []byte) error {
+func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte) error {
 	if err := readFull(r, hdr[:16]); err != nil {
 		return err
 	}
@@ -252,11 +265,22 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, hdr []
 	if err != nil {
 		return err
 	}
+	v, berr := a.checkGuard(from, Read, ranges)
+	if v == Deny {
+		return berr
+	}
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
-	bufs, berr := a.resolve(nil, ranges)
+	var bufs [][]byte
+	if berr == nil {
+		bufs, berr = a.resolve(nil, ranges)
+	}
 	if berr != nil {
-		if err := answer(w, tReadResp, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
+		typ := byte(tReadResp)
+		if v == Late {
+			typ = tReadRefused
+		}
+		if err := answer(w, typ, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
 			return err
 		}
 		return w.Flush()

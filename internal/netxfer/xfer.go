@@ -25,10 +25,14 @@ const (
 	tAck      = 16 // xfer u64, part u32, errlen u32 | err
 	tReadResp = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
 	tNotifAck = 18 // xfer u64
-	notifPart = ^uint32(0)
-	maxName   = 256
-	maxNotif  = 1 << 20
-	maxDescs  = 1 << 20
+	// A part the server's guard refused (Late: the connection is kept):
+	// as tAck and tReadResp, with the refusal as the error.
+	tAckRefused  = 19
+	tReadRefused = 20
+	notifPart    = ^uint32(0)
+	maxName      = 256
+	maxNotif     = 1 << 20
+	maxDescs     = 1 << 20
 	// maxLanding bounds the multi-part WRITEs an agent is landing at once.
 	maxLanding = 1 << 14
 	maxErr     = 4096
@@ -244,9 +248,9 @@ func (a *Agent) Post(op Op, name string, descs []Desc, notif []byte) (XferID, er
 		return 0, err
 	}
 	// Local ranges are checked before anything moves.
-	local := make([]rng, len(descs))
+	local := make([]Region, len(descs))
 	for i, d := range descs {
-		local[i] = rng{d.Local, d.Len}
+		local[i] = Region{d.Local, d.Len}
 	}
 	a.memMu.RLock()
 	_, err = a.resolve(nil, local)
@@ -303,13 +307,16 @@ func (a *Agent) direct(x *xfer) error {
 		second.memMu.RLock()
 		defer second.memMu.RUnlock()
 	}
-	loc := make([]rng, len(x.descs))
-	rem := make([]rng, len(x.descs))
+	loc := make([]Region, len(x.descs))
+	rem := make([]Region, len(x.descs))
 	for i, d := range x.descs {
-		loc[i], rem[i] = rng{d.Local, d.Len}, rng{d.Remote, d.Len}
+		loc[i], rem[i] = Region{d.Local, d.Len}, Region{d.Remote, d.Len}
 	}
 	lb, err := a.resolve(nil, loc)
 	if err != nil {
+		return fmt.Errorf("%w: %w", ErrXferFailed, err)
+	}
+	if _, err := b.checkGuard(a.cfg.Name, x.op, rem); err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
 	rb, err := b.resolve(nil, rem)
@@ -394,9 +401,9 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 		h = binary.LittleEndian.AppendUint64(h, d.Remote)
 		h = binary.LittleEndian.AppendUint64(h, d.Len)
 	}
-	loc := make([]rng, len(ds))
+	loc := make([]Region, len(ds))
 	for i, d := range ds {
-		loc[i] = rng{d.Local, d.Len}
+		loc[i] = Region{d.Local, d.Len}
 	}
 	// Payload straight from the source memory (writev), held mapped
 	// until it is on the wire.
@@ -421,7 +428,7 @@ func (c *conn) read() {
 		}
 		var err error
 		switch hdr[0] {
-		case tAck, tReadResp:
+		case tAck, tReadResp, tAckRefused, tReadRefused:
 			err = c.readAnswer(hdr[0], hdr[:])
 		case tNotifAck:
 			if err = readFull(c.r, hdr[:8]); err == nil {
@@ -457,6 +464,11 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 			return err
 		}
 		perr = fmt.Errorf("%w: peer %s: %s", ErrXferFailed, c.p.name, msg)
+		if typ == tAckRefused || typ == tReadRefused {
+			perr = fmt.Errorf("%w: %w: peer %s: %s", ErrXferFailed, ErrNotGranted, c.p.name, msg)
+		}
+	} else if typ == tAckRefused || typ == tReadRefused {
+		return fmt.Errorf("%w: a refusal without its reason", ErrProtocol)
 	}
 	x := c.take(partKey{id, part})
 	if x == nil {
@@ -468,9 +480,9 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 	if typ == tReadResp && perr == nil {
 		// Payload straight into our memory.
 		ds := x.descs[x.split[part]:x.split[part+1]]
-		loc := make([]rng, len(ds))
+		loc := make([]Region, len(ds))
 		for i, d := range ds {
-			loc[i] = rng{d.Local, d.Len}
+			loc[i] = Region{d.Local, d.Len}
 		}
 		a.memMu.RLock()
 		bufs, err := a.resolve(nil, loc)

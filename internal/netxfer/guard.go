@@ -1,0 +1,71 @@
+package netxfer
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrNotGranted: a peer named memory its grants do not cover.
+var ErrNotGranted = errors.New("netxfer: no grant for the range")
+
+// Verdict is a Guard's answer about one range a peer names.
+type Verdict uint8
+
+const (
+	// Allow: the peer may move the range's bytes.
+	Allow Verdict = iota + 1
+	// Late: refused, but an honest peer can ask this (a grant it held has
+	// ended): the part fails and the connection is kept.
+	Late
+	// Deny: refused, and the connection is dropped.
+	Deny
+)
+
+// Guard decides which peer may move which bytes of the agent's registered
+// memory: op Write for a peer's WRITE into it, Read for a peer's READ of
+// it. It is called from the agent's connection goroutines, once per range
+// of every incoming frame, before a byte moves; it must be quick and safe
+// for concurrent use.
+type Guard interface {
+	Check(peer string, op Op, addr, n uint64) Verdict
+}
+
+type guardBox struct{ g Guard }
+
+// SetGuard installs the agent's guard. An agent takes one: a second
+// call fails. Without a guard, every peer may move any registered bytes.
+func (a *Agent) SetGuard(g Guard) error {
+	if g == nil {
+		return errors.New("netxfer: SetGuard(nil)")
+	}
+	if !a.guard.CompareAndSwap(nil, &guardBox{g}) {
+		return fmt.Errorf("netxfer: agent %s already has a guard (one per agent: give each Worker its own backend)", a.cfg.Name)
+	}
+	return nil
+}
+
+// checkGuard asks the guard about every range; it returns Allow, or the
+// verdict on the first range refused with an error naming it.
+func (a *Agent) checkGuard(peer string, op Op, ranges []Region) (Verdict, error) {
+	b := a.guard.Load()
+	if b == nil {
+		return Allow, nil
+	}
+	for i, r := range ranges {
+		if v := b.g.Check(peer, op, r.Addr, r.Len); v != Allow {
+			what := "write into"
+			if op == Read {
+				what = "read of"
+			}
+			a.refusals[min(v, Deny)].Add(1)
+			return v, fmt.Errorf("%w: %s range %d [%#x, +%d) of %s by %s", ErrNotGranted, what, i, r.Addr, r.Len, a.cfg.Name, peer)
+		}
+	}
+	return Allow, nil
+}
+
+// Refusals returns how many incoming frames (and direct copies) the guard
+// refused: late (the connection kept) and denied (the connection dropped).
+func (a *Agent) Refusals() (late, denied uint64) {
+	return a.refusals[Late].Load(), a.refusals[Deny].Load()
+}

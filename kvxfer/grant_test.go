@@ -1,0 +1,144 @@
+package kvxfer
+
+import (
+	"testing"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// accessLayout: an attention group (two regions of kernel blocks, two per
+// logical block, 256 bytes each) and a Mamba group (one region of 1 KiB
+// pages), 8 logical blocks each.
+func accessLayout() (*topology.Layout, []int) {
+	l := &topology.Layout{LogicalBlockSize: 32, KernelBlockSize: 16,
+		Regions: []topology.Region{
+			{Kind: topology.KindFullAttention, Base: 0x10000, BlockLen: 256, NumBlocks: 16},
+			{Kind: topology.KindFullAttention, Base: 0x20000, BlockLen: 256, NumBlocks: 16},
+			{Kind: topology.KindMamba, Base: 0x30000, BlockLen: 1024, NumBlocks: 8},
+		},
+		Groups: []topology.Group{{Kind: topology.KindFullAttention, Regions: []int{0, 1}}, {Kind: topology.KindMamba, Regions: []int{2}}},
+	}
+	return l, []int{8, 8}
+}
+
+func spansOf(g0, g1 []topology.BlockID) []topology.Span {
+	return []topology.Span{{IDs: g0}, {IDs: g1}}
+}
+
+// A push table: WRITE grants by peer and block, kernel blocks mapped to
+// their logical block, late WRITEs of a revoked grant told apart from
+// WRITEs that never had one, and every refusal counted.
+func TestAccessTablePush(t *testing.T) {
+	l, gb := accessLayout()
+	m := NewMetrics()
+	tab := newAccessTable(l, gb, ModePush, m)
+	const p1, p2, evil = PeerName("p1"), PeerName("p2"), PeerName("evil")
+	g := tab.grantWrite([]PeerName{p1, p2}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}))
+	w := hotpath.OpWrite
+	for _, c := range []struct {
+		name string
+		peer PeerName
+		op   hotpath.Op
+		addr uint64
+		n    uint64
+		want Access
+	}{
+		{"logical block 2 = kernel blocks 4-5", p1, w, 0x10000 + 4*256, 512, AccessAllow},
+		{"blocks 2-3 in one run", p2, w, 0x10000 + 4*256, 4 * 256, AccessAllow},
+		{"second region, block 6 tail", p1, w, 0x20000 + 13*256 + 100, 156, AccessAllow},
+		{"run past the grant into block 4", p1, w, 0x10000 + 6*256, 3 * 256, AccessDeny},
+		{"block 1", p1, w, 0x10000 + 2*256, 1, AccessDeny},
+		{"Mamba block 5", p2, w, 0x30000 + 5*1024, 1024, AccessAllow},
+		{"Mamba block 2 (granted in the other group only)", p1, w, 0x30000 + 2*1024, 8, AccessDeny},
+		{"another peer", evil, w, 0x10000 + 4*256, 512, AccessDeny},
+		{"READ in push", p1, hotpath.OpRead, 0x10000 + 4*256, 512, AccessDeny},
+		{"between regions", p1, w, 0x18000, 16, AccessDeny},
+		{"across a region's end", p1, w, 0x10000 + 15*256, 512, AccessDeny},
+		{"below every region", p1, w, 0x100, 16, AccessDeny},
+		{"nothing", evil, w, 0x100, 0, AccessAllow},
+	} {
+		if got := tab.CheckAccess(c.peer, c.op, c.addr, c.n); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+	tab.revokeWrite(g)
+	if got := tab.CheckAccess(p1, w, 0x10000+4*256, 512); got != AccessLate {
+		t.Errorf("after revoke, its peer: %v, want late", got)
+	}
+	if got := tab.CheckAccess(evil, w, 0x10000+4*256, 512); got != AccessDeny {
+		t.Errorf("after revoke, another peer: %v, want deny", got)
+	}
+	// The block goes to another request of another producer.
+	g2 := tab.grantWrite([]PeerName{evil}, spansOf([]topology.BlockID{2}, nil))
+	if got := tab.CheckAccess(p1, w, 0x10000+4*256, 512); got != AccessDeny {
+		t.Errorf("block regranted, old peer: %v, want deny", got)
+	}
+	if got := tab.CheckAccess(p1, w, 0x10000+6*256, 512); got != AccessLate {
+		t.Errorf("block 3 still the old grant's: %v, want late", got)
+	}
+	if got := tab.CheckAccess(evil, w, 0x10000+4*256, 512); got != AccessAllow {
+		t.Errorf("block regranted, new peer: %v, want allow", got)
+	}
+	tab.revokeWrite(g2)
+	tab.revokeWrite(g2) // idempotent
+	// Ended grants are remembered up to a bound, then forgotten (deny).
+	for range maxRevoked {
+		tab.revokeWrite(tab.grantWrite([]PeerName{p2}, spansOf([]topology.BlockID{7}, nil)))
+	}
+	if got := tab.CheckAccess(p1, w, 0x10000+6*256, 512); got != AccessDeny {
+		t.Errorf("a forgotten grant: %v, want deny", got)
+	}
+	if n := len(tab.grants); n != maxRevoked {
+		t.Errorf("%d grants remembered, want %d", n, maxRevoked)
+	}
+	s := m.Snapshot().RefusedAccess
+	if s["write_deny"] == 0 || s["write_late"] == 0 || s["read_deny"] != 1 {
+		t.Errorf("refusals counted: %v", s)
+	}
+}
+
+// A pull table: READs of held blocks only, holds counted (blocks shared by
+// two requests stay readable until both let go), WRITEs never.
+func TestAccessTablePull(t *testing.T) {
+	l, gb := accessLayout()
+	tab := newAccessTable(l, gb, ModePull, NewMetrics())
+	r := hotpath.OpRead
+	a := spansOf([]topology.BlockID{1, 2}, []topology.BlockID{3})
+	b := spansOf([]topology.BlockID{2}, nil)
+	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
+		t.Errorf("before any hold: %v, want late (the producer may not have taken its step yet)", got)
+	}
+	tab.hold(a, 1)
+	tab.hold(b, 1)
+	for _, c := range []struct {
+		addr, n uint64
+		op      hotpath.Op
+		want    Access
+	}{
+		{0x10000 + 2*256, 4 * 256, r, AccessAllow},
+		{0x20000 + 5*256, 10, r, AccessAllow},
+		{0x30000 + 3*1024, 1024, r, AccessAllow},
+		{0x30000 + 2*1024, 1024, r, AccessLate},
+		{0x10000 + 2*256, 6 * 256, r, AccessLate},
+		{0x10000 + 2*256, 256, hotpath.OpWrite, AccessDeny},
+		{0x50000, 256, r, AccessDeny},
+	} {
+		if got := tab.CheckAccess("d", c.op, c.addr, c.n); got != c.want {
+			t.Errorf("%v [%#x, +%d): %v, want %v", c.op, c.addr, c.n, got, c.want)
+		}
+	}
+	tab.hold(a, -1)
+	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
+		t.Errorf("block 2 still held by b: %v", got)
+	}
+	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
+		t.Errorf("block 1 released: %v, want late", got)
+	}
+	tab.hold(b, -1)
+	tab.hold(b, -1) // never below zero
+	tab.hold(b, 1)
+	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
+		t.Errorf("block 2 held again: %v", got)
+	}
+}
