@@ -37,6 +37,12 @@ type engine struct {
 	failedAt   time.Time
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
+	// loadedAt is when a handshake was last loaded; refreshing says a new
+	// one was started because a message came from an agent the loaded one
+	// does not list, and parked holds such messages until it answers.
+	loadedAt   time.Time
+	refreshing bool
+	parked     []parkedMsg
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
 	// refused says, by role (asProducer, asConsumer), why KV cannot move
@@ -104,7 +110,15 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 		e = &engine{id: id}
 		st.engines[id] = e
 	}
-	e.addr, e.state, e.err = addr, hsPending, nil
+	e.addr = addr
+	st.startHandshake(e)
+	return e
+}
+
+// startHandshake (re)starts the handshake with an engine.
+func (st *loopState) startHandshake(e *engine) {
+	id, addr := e.id, e.addr
+	e.state, e.err = hsPending, nil
 	e.lastActive = time.Now()
 	w := st.w
 	w.hsWG.Add(1)
@@ -116,7 +130,6 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
 		_ = w.post(event{kind: evHandshake, hs: &hsResult{engine: id, res: res, err: err, took: time.Since(t0)}})
 	}()
-	return e
 }
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.
@@ -137,12 +150,14 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		e.state = hsReady
 		st.checkPlans(e)
 	}
+	e.loadedAt = time.Now()
 	out := e.outbox
 	e.outbox = nil
 	for _, o := range out {
 		st.sendTo(e, o.to, o.m)
 	}
 	st.redrive(e)
+	st.unpark(e)
 }
 
 // load checks a handshake's ranks and loads their agents.

@@ -14,6 +14,11 @@ func AppendDoneMsg(engine string, tpRank, tpSize int, tid, dreq, preq string) []
 	return appendMsg(nil, &msg{Kind: msgDone, Engine: engine, TPRank: tpRank, TPSize: tpSize, PPSize: 1, TransferID: tid, DReq: dreq, PReq: preq})
 }
 
+// AppendFailMsg encodes a failure notice from rank tpRank of engine.
+func AppendFailMsg(engine string, tpRank, tpSize int, tid, dreq, preq, reason string) []byte {
+	return appendMsg(nil, &msg{Kind: msgFail, Engine: engine, TPRank: tpRank, TPSize: tpSize, PPSize: 1, TransferID: tid, DReq: dreq, PReq: preq, Reason: reason})
+}
+
 // RaceStepWithClose makes w's loop, the next time it is about to wait,
 // accept meta as Step does and then be closed as Close begins, with the
 // step's wake-up consumed: the loop then sees only the close while the

@@ -36,6 +36,7 @@ type loopState struct {
 	tombs     map[regKey]tomb
 	abortedP  map[string]time.Time   // producer requests aborted, by id
 	early     map[string]*earlyNotes // pull: notices before their request
+	pins      map[senderKey]pin      // agents speaking for ranks of engines not handshaken with
 
 	// Consumer side.
 	recvs map[string]*recvReq
@@ -196,6 +197,7 @@ func (st *loopState) init(w *Worker) {
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]tomb{}
 	st.abortedP = map[string]time.Time{}
+	st.pins = map[senderKey]pin{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
@@ -343,6 +345,17 @@ func (st *loopState) drainNotifs() {
 			st.w.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
 			continue
 		}
+		if !st.admit(PeerName(n.From), m) {
+			continue
+		}
+		st.dispatch(m)
+	}
+	clear(st.notifBuf)
+}
+
+// dispatch handles one admitted peer message.
+func (st *loopState) dispatch(m *msg) {
+	{
 		if e := st.engines[m.Engine]; e != nil {
 			e.lastActive = time.Now()
 		}
@@ -369,7 +382,6 @@ func (st *loopState) drainNotifs() {
 			st.onAck(m)
 		}
 	}
-	clear(st.notifBuf)
 }
 
 // pollHandles polls every in-flight transfer once.
@@ -522,6 +534,7 @@ func (st *loopState) tick(now time.Time) {
 			st.w.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
 		}
 	}
+	st.sweepPins(now, max(st.cfg.RegistrationTTL, pinIdle))
 	st.evictEngines(now)
 }
 

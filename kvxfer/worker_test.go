@@ -693,11 +693,9 @@ func TestLateDuplicateRegistrationNeverMatchesLater(t *testing.T) {
 		if got := x.out.send["req-1-aaaaaaaa"]; len(got) != 1 || got[0].Result != kvxfer.ResultDone {
 			t.Fatalf("old request P outcomes = %+v, want one done", got)
 		}
-		// The same registration arrives again, late (a retransmission).
-		replay, err := x.fab.NewAgent("replay")
-		if err != nil {
-			t.Fatal(err)
-		}
+		// The same registration arrives again from D, late (a
+		// retransmission).
+		replay := x.d.agents[0][0]
 		meta, _ := x.p.agents[0][0].LocalMetadata()
 		peer, err := replay.LoadPeer(meta)
 		if err != nil {
@@ -891,9 +889,18 @@ func TestMalformedRegistrationRejected(t *testing.T) {
 		bad := x.req("bad", 40, 0)
 		good := x.req("good", 40, 0)
 		x.recvD(good)
-		// Forge D's registration for "bad" with block ids past D's cache.
+		// D's registration for "bad" with block ids past D's cache, sent
+		// from D's own agent (a buggy D: a forger's would not count).
 		huge := []topology.Span{{IDs: []topology.BlockID{1 << 30}}}
-		x.forge(x.p)(kvxfer.AppendRegMsg("D", 0, 1, "t-bad", "d-bad", "p-bad", huge))
+		da := x.d.agents[0][0]
+		meta, _ := x.p.agents[0][0].LocalMetadata()
+		peer, err := da.LoadPeer(meta)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := da.Notify(peer, kvxfer.AppendRegMsg("D", 0, 1, "t-bad", "d-bad", "p-bad", huge)); err != nil {
+			t.Fatal(err)
+		}
 		x.sendP(bad, good)
 		x.settle()
 		wantResult(t, "P bad", x.sendResult(bad), kvxfer.ResultFailed, "registration rejected")

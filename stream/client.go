@@ -85,6 +85,13 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 			Device: int32(m.Device), DeviceUuid: m.DeviceUUID})
 	}
 	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
+		if errors.Is(err, io.EOF) {
+			// The daemon ended the stream first (a refusal): its status
+			// comes from Recv, not Send.
+			if _, rerr := st.Recv(); rerr != nil {
+				err = rerr
+			}
+		}
 		cancel()
 		return nil, err
 	}
