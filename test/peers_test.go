@@ -343,3 +343,101 @@ func TestAuthenticatedPeerNeedsAGrant(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// forgedNotice encodes a peer message as the wire format describes it
+// (kvxfer/wire.go): magic, version, kind, the sender's engine, address and
+// ranks, the request's ids, no spans, no ids, a reason.
+func forgedNotice(kind byte, engine, addr, tid, dreq, preq, reason string) []byte {
+	str := func(b []byte, s string) []byte { return append(binary.AppendUvarint(b, uint64(len(s))), s...) }
+	b := []byte{'K', 1, kind}
+	b = str(str(b, engine), addr)
+	for _, v := range []int64{0, 1, 0, 1} { // tp rank, tp size, pp rank, pp size
+		b = binary.AppendVarint(b, v)
+	}
+	b = str(str(str(b, tid), dreq), preq)
+	b = binary.AppendUvarint(b, 0) // spans
+	b = binary.AppendUvarint(b, 0) // ids
+	return str(b, reason)
+}
+
+// A daemon that holds the secret still cannot speak for another engine:
+// its forged completion and failure notices, naming the producer of a
+// request D waits for, change nothing; D's log says why, and the real
+// transfer ends done.
+func TestForgedNoticeFromAuthenticatedPeer(t *testing.T) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	m := simModel
+	P, err := simengine.Attach(simengine.Config{Dir: dir, Sock: p.Sock, Peer: p.Peer, ID: "P", Model: &m, Engine: simEngine(1, 1),
+		Mode: kvxfer.ModePush, Version: "test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer P.Close()
+	D, err := simengine.Attach(simengine.Config{Dir: dir, Sock: d.Sock, Peer: d.Peer, ID: "D", Model: &m, Engine: simEngine(2, 1),
+		Mode: kvxfer.ModePush, Version: "test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer D.Close()
+	ids := []topology.BlockID{1, 2}
+	dReq := &kvxfer.Request{ID: "d-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemotePrefill: true,
+		RemoteEngineID: "P", RemoteAddr: p.Peer, RemoteTPSize: 1}}
+	ext, _ := D.Sched.MatchedTokens(dReq, 0)
+	if err := D.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, External: ext}); err != nil {
+		t.Fatal(err)
+	}
+	if err := D.Step(D.Sched.BuildMeta()); err != nil {
+		t.Fatal(err)
+	}
+	// The forger: the cluster's secret, its own agent, D's rank loaded from
+	// a handshake.
+	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	au, err := peerauth.New(secret)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), "D", d.Peer)
+	if err != nil || len(res.Ranks) != 1 {
+		t.Fatalf("handshake: %v", err)
+	}
+	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer evil.Close()
+	peer, err := evil.LoadPeer(res.Ranks[0].Agent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const done, fail = 2, 6
+	for _, kind := range []byte{done, fail} {
+		if err := evil.Notify(peer, forgedNotice(kind, "P", p.Peer, "t1", "d-1", "p-1", "forged")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if o, err := outcome(D, "d-1", 2*time.Second); err == nil {
+		t.Fatalf("D reported %+v on forged notices", o)
+	}
+	// The real producer finishes: D's request is done.
+	pReq := &kvxfer.Request{ID: "p-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemoteDecode: true}}
+	if err := P.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := P.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{ids}, 32); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _, _ = outcome(P, "p-1", 20*time.Second) }()
+	o, err := outcome(D, "d-1", 20*time.Second)
+	if err != nil || o.Result != kvxfer.ResultDone {
+		t.Fatalf("D: %+v, %v; want done", o, err)
+	}
+	log, _ := os.ReadFile(d.Log)
+	if n := bytes.Count(log, []byte("does not speak for its sender")); n != 2 {
+		t.Errorf("D's log names %d forged notices, want 2:\n%s", n, log)
+	}
+}
