@@ -43,6 +43,10 @@ type engine struct {
 	loadedAt   time.Time
 	refreshing bool
 	parked     []parkedMsg
+	// Liveness (liveness.go): watched while requests wait on it; when it
+	// last answered or spoke; the next probe; a probe out.
+	watching, probing  bool
+	lastAlive, probeAt time.Time
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
 	// refused says, by role (asProducer, asConsumer), why KV cannot move
@@ -134,6 +138,10 @@ func (st *loopState) startHandshake(e *engine) {
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.
 func (st *loopState) handshakeDone(h *hsResult) {
+	if h.probe {
+		st.probeDone(h)
+		return
+	}
 	e := st.engines[h.engine]
 	if e == nil || e.state != hsPending {
 		return
@@ -151,6 +159,9 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		st.checkPlans(e)
 	}
 	e.loadedAt = time.Now()
+	if err == nil {
+		e.alive()
+	}
 	out := e.outbox
 	e.outbox = nil
 	for _, o := range out {

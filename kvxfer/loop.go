@@ -358,6 +358,7 @@ func (st *loopState) dispatch(m *msg) {
 	{
 		if e := st.engines[m.Engine]; e != nil {
 			e.lastActive = time.Now()
+			e.alive()
 		}
 		switch m.Kind {
 		case msgReg:
@@ -439,6 +440,8 @@ func (st *loopState) runTimers() {
 			st.fenceTimer(e)
 		case tReadRetry:
 			st.readRetry(e)
+		case tProbe:
+			st.probeTimer(e)
 		}
 	}
 	if st.busy() {

@@ -116,6 +116,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	}
 	r.targets, r.sent = targets, true
+	st.watch(e)
 	if st.cfg.Mode == ModePush {
 		st.register(r, e)
 	} else {
@@ -159,8 +160,8 @@ func (st *loopState) register(r *recvReq, e *engine) {
 		var err error
 		if !ok {
 			err = fmt.Errorf("producer %s has no rank tp %d pp %d", e.id, to.tp, to.pp)
-		} else {
-			err = st.w.be.Notify(p, b)
+		} else if err = st.w.be.Notify(p, b); err != nil {
+			st.probe(e) // is the producer gone?
 		}
 		if err != nil {
 			st.w.metrics.FailedNotification()
@@ -274,6 +275,8 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 	} else {
 		if errors.Is(err, ErrNotGranted) {
 			st.w.metrics.FailedTransfer() // not counted by pollHandles
+		} else {
+			st.probeSoon(r.req.Remote.EngineID) // is the producer gone?
 		}
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			st.tellP(e, r, h.src, msgFail, "READ failed: "+err.Error())

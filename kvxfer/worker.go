@@ -46,6 +46,11 @@ type WorkerConfig struct {
 	EngineTTL time.Duration
 	// HandshakeTimeout bounds one handshake (default 5 s).
 	HandshakeTimeout time.Duration
+	// PeerTimeout is how long a producer engine that requests wait on may
+	// stay silent (its daemon not answering, nothing heard from it) before
+	// they fail, naming it (default 5 s; negative: never). It is asked
+	// about every PeerTimeout/5 meanwhile (see liveness.go).
+	PeerTimeout time.Duration
 	// FenceTimeout bounds how long a consumer that gave up on a request
 	// waits for every producer rank to confirm that no WRITE into its
 	// blocks can still land (default 2·Lease). Cancels are resent every
@@ -129,6 +134,9 @@ func (c *WorkerConfig) fill() error {
 	}
 	if c.HandshakeTimeout == 0 {
 		c.HandshakeTimeout = 5 * time.Second
+	}
+	if c.PeerTimeout == 0 {
+		c.PeerTimeout = 5 * time.Second
 	}
 	if c.FenceTimeout == 0 {
 		c.FenceTimeout = 2 * c.Lease
@@ -227,6 +235,7 @@ type event struct {
 }
 
 type hsResult struct {
+	probe  bool // a liveness probe (liveness.go), not a handshake
 	engine string
 	res    HandshakeResult
 	err    error
@@ -557,6 +566,7 @@ const (
 	tRecvDeadline
 	tFence
 	tReadRetry
+	tProbe
 )
 
 type timerEntry struct {
@@ -641,6 +651,9 @@ func (st *loopState) timerLive(t timerEntry) bool {
 	case tFence:
 		r := st.recvs[t.id]
 		return r != nil && r.fenceBy.Equal(t.at)
+	case tProbe:
+		e := st.engines[t.id]
+		return e != nil && e.watching && e.probeAt.Equal(t.at)
 	case tReadRetry:
 		r := st.recvs[t.id]
 		if r == nil || r.decided {

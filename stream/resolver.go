@@ -8,6 +8,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -97,8 +98,13 @@ func (r *PeerResolver) conn(addr string) (cc *grpc.ClientConn, done func(), err 
 		if len(r.mu.conns) >= r.cfg.MaxConns && !r.evictLocked() {
 			return nil, nil, fmt.Errorf("%d peer connections in use, the most this daemon keeps", len(r.mu.conns))
 		}
+		// Reconnect within a second of a peer daemon coming back (gRPC's
+		// default backoff grows to two minutes): a restarted peer is
+		// handshaken again on the next request.
 		c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)))
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)),
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6,
+				Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 2 * time.Second}))
 		if err != nil {
 			return nil, nil, err
 		}
@@ -147,8 +153,22 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	defer done()
+	req := &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true}
 	t0 := time.Now()
-	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true})
+	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, req)
+	if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+		// The connection may be waiting out its backoff after the peer
+		// went away: if the peer is back (a restarted daemon), reconnect
+		// now and ask again, waiting a moment for the connection.
+		c.ResetConnectBackoff()
+		wctx, cancel := context.WithTimeout(ctx, time.Second)
+		t0 = time.Now()
+		again, err2 := pb.NewPeerServiceClient(c).Handshake(wctx, req, grpc.WaitForReady(true))
+		cancel()
+		if err2 == nil || (status.Code(err2) != codes.Unavailable && status.Code(err2) != codes.DeadlineExceeded) {
+			resp, err = again, err2
+		} // else the first answer says more (why the connection fails)
+	}
 	t1 := time.Now()
 	if err != nil {
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {

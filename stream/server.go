@@ -161,6 +161,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), owners: own,
 		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{}}}
+	// Generations start from the clock, so a restarted daemon never gives
+	// an engine a generation its peers saw from the previous process: a
+	// peer that asks again learns the engine's ranks changed.
+	s.mu.gen = uint64(time.Now().UnixNano())
 	s.sched = &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}, owners: own, limits: s.limits}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer

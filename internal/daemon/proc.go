@@ -21,6 +21,7 @@ type Proc struct {
 	// address of its Peer service; Log the file its output goes to.
 	Name, Sock, Peer, Log string
 	cmd                   *exec.Cmd
+	killed                bool
 }
 
 // ServeIfChild makes this process the daemon when Start launched it (its
@@ -105,8 +106,22 @@ func SecretFile(dir string) (string, error) {
 	return path, err
 }
 
+// Kill sends SIGKILL and waits for the process to go (a crash).
+func (d *Proc) Kill() error {
+	if d.killed {
+		return nil
+	}
+	d.killed = true
+	_ = d.cmd.Process.Kill()
+	_ = d.cmd.Wait()
+	return nil
+}
+
 // Stop sends SIGTERM and waits for a graceful exit (20 s, then SIGKILL).
 func (d *Proc) Stop() error {
+	if d.killed {
+		return nil
+	}
 	_ = d.cmd.Process.Signal(syscall.SIGTERM)
 	done := make(chan error, 1)
 	go func() { done <- d.cmd.Wait() }()

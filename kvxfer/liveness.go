@@ -1,0 +1,195 @@
+package kvxfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Peer liveness: while a consumer rank waits on a producer engine (a push
+// registration waiting for its WRITE, a pull READ), it asks the
+// producer's daemon about the engine every PeerTimeout/5 (a handshake, so
+// the answer also says whether the engine's ranks changed). The peer is
+// alive while it answers with the same generation, or speaks to us.
+//
+//   - Silent for PeerTimeout (no answer, no message): it is gone. Every
+//     request waiting on it fails, with a reason naming it; the handshake
+//     is dropped, so a new request handshakes again.
+//   - It answers with another generation (it restarted, or a rank of it
+//     re-attached): requests waiting on a rank whose agent changed fail
+//     (the old agent can no longer complete them), and the new handshake
+//     is loaded for the next requests.
+//   - A transfer or notice to it failing (a refused dial, a lost
+//     connection) asks at once instead of at the next tick.
+//
+// With the data-plane grants in force (the built-in backend) a request
+// failed this way is reported at once: a WRITE the producer might still
+// land later is refused. Without them (NIXL), a peer that is only
+// unreachable may still WRITE once it is back, so the consumer waits for
+// its fence as for any cancel; a producer that restarted cannot.
+
+// probeEvery is how often a watched engine is asked about.
+func (st *loopState) probeEvery() time.Duration {
+	return max(st.cfg.PeerTimeout/5, 10*time.Millisecond)
+}
+
+// watch starts watching an engine a request now waits on.
+func (st *loopState) watch(e *engine) {
+	if st.cfg.PeerTimeout < 0 || e.watching {
+		return
+	}
+	e.watching = true
+	if e.lastAlive.IsZero() {
+		e.lastAlive = time.Now()
+	}
+	e.probeAt = time.Now().Add(st.probeEvery())
+	st.arm(e.probeAt, tProbe, e.id)
+}
+
+// waitsOn reports whether a consumer request waits on a transfer from e.
+func (st *loopState) waitsOn(e *engine) bool {
+	for _, r := range st.recvs {
+		if r.req.Remote.EngineID == e.id && r.sent && !r.decided {
+			return true
+		}
+	}
+	return false
+}
+
+// probeTimer asks about a watched engine, and keeps watching while
+// requests wait on it.
+func (st *loopState) probeTimer(t timerEntry) {
+	e := st.engines[t.id]
+	if e == nil || !e.watching || !e.probeAt.Equal(t.at) {
+		return
+	}
+	if !st.waitsOn(e) {
+		e.watching = false
+		return
+	}
+	st.probe(e)
+	e.probeAt = time.Now().Add(st.probeEvery())
+	st.arm(e.probeAt, tProbe, e.id)
+}
+
+// probe asks e's daemon about it, unless a question is out already.
+func (st *loopState) probe(e *engine) {
+	if e.probing || e.state != hsReady || st.cfg.PeerTimeout < 0 {
+		return
+	}
+	e.probing = true
+	w, id, addr := st.w, e.id, e.addr
+	timeout := min(st.cfg.HandshakeTimeout, max(st.cfg.PeerTimeout/2, 10*time.Millisecond))
+	w.hsWG.Add(1)
+	go func() {
+		defer w.hsWG.Done()
+		ctx, cancel := context.WithTimeout(w.ctx, timeout)
+		defer cancel()
+		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
+		_ = w.post(event{kind: evHandshake, hs: &hsResult{engine: id, res: res, err: err, probe: true}})
+	}()
+}
+
+// probeSoon asks about the engine of a failed transfer or notice at once.
+func (st *loopState) probeSoon(engineID string) {
+	if e := st.engines[engineID]; e != nil && e.watching {
+		st.probe(e)
+	}
+}
+
+// alive notes that e answered or spoke.
+func (e *engine) alive() { e.lastAlive = time.Now() }
+
+// probeDone handles the answer to a probe.
+func (st *loopState) probeDone(h *hsResult) {
+	e := st.engines[h.engine]
+	if e == nil {
+		return
+	}
+	e.probing = false
+	if e.state != hsReady {
+		return // a handshake of its own is under way or failed
+	}
+	if h.err != nil {
+		if errors.Is(h.err, context.Canceled) && st.w.ctx.Err() != nil {
+			return // closing
+		}
+		if silent := time.Since(e.lastAlive); silent >= st.cfg.PeerTimeout {
+			st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), h.err))
+		}
+		return
+	}
+	e.alive()
+	if h.res.Generation == e.gen {
+		return
+	}
+	// Its ranks changed: requests waiting on a rank whose agent is not
+	// the one they dealt with cannot complete.
+	changed := map[rankRef]bool{}
+	for ref, old := range e.peers {
+		changed[ref] = true
+		for i := range h.res.Ranks {
+			l := &h.res.Ranks[i].Layout
+			if l.TPRank == ref.tp && l.PPRank == ref.pp {
+				if name, err := st.w.be.LoadPeer(h.res.Ranks[i].Agent); err == nil && name == old {
+					changed[ref] = false
+				}
+			}
+		}
+	}
+	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached a rank (generation %d -> %d): the transfer cannot complete",
+		e.id, e.addr, e.gen, h.res.Generation)
+	n := st.failWaiting(e, reason, true, func(r *recvReq) bool {
+		for _, t := range r.targets {
+			if changed[t] && !r.got[t] {
+				return true
+			}
+		}
+		return false
+	})
+	st.w.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
+		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
+	e.state = hsPending
+	st.handshakeDone(&hsResult{engine: h.engine, res: h.res})
+}
+
+// peerGone fails what waits on an engine that stopped answering, and
+// drops its handshake so the next request handshakes again.
+func (st *loopState) peerGone(e *engine, err error) {
+	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
+	n := st.failWaiting(e, reason, st.w.access != nil, func(*recvReq) bool { return true })
+	st.w.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
+	st.w.metrics.Dropped("peer_gone")
+	// The next request handshakes again at once (the peer may be back by
+	// then); if that fails too, handshakeRetry applies as usual.
+	e.state, e.err, e.failedAt = hsFailed, fmt.Errorf("kvxfer: engine %s: %w", e.id, err), time.Time{}
+	e.watching = false
+}
+
+// failWaiting fails the consumer requests that wait on e and match,
+// fenced at once when fence says nothing of e's can land any more, and
+// returns how many.
+func (st *loopState) failWaiting(e *engine, reason string, fence bool, match func(*recvReq) bool) int {
+	n := 0
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		if r.req.Remote.EngineID != e.id || !r.sent || r.decided || !match(r) {
+			continue
+		}
+		n++
+		if fence {
+			for _, t := range r.targets {
+				r.fenced[t] = true
+			}
+			for h := range r.handles {
+				_ = st.w.be.Release(h)
+				delete(st.handles, h)
+				delete(r.handles, h)
+			}
+		}
+		st.decide(r, ResultFailed, reason)
+		st.tryReport(r)
+	}
+	return n
+}

@@ -1,0 +1,97 @@
+package kvxfer_test
+
+import (
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// livePair: a push P and D on the built-in backend, D watching P with a
+// short PeerTimeout, and one D request registered with P that P has not
+// finished (it waits on P).
+func livePair(t *testing.T, timeout time.Duration) (dir *kvxfer.Directory, p, d *simEngine, q *xreq) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir = kvxfer.NewDirectory()
+	p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
+	d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, func(c *kvxfer.WorkerConfig) { c.PeerTimeout = timeout })
+	t.Cleanup(func() { d.close(t) })
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(5, 6))
+	q = makeRequest("a", 40, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Hour))}})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if s, _ := p.workers[0][0].State(); s.PendingRegs == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("P never got D's registration")
+		}
+	}
+	return dir, p, d, q
+}
+
+// A producer that stops answering (its daemon gone: handshakes fail, its
+// agents silent) fails what waits on it within PeerTimeout and a probe,
+// naming it, and without waiting for a fence (its late WRITEs would be
+// refused by the grants).
+func TestPeerGoneFailsWaitingRequests(t *testing.T) {
+	const timeout = 500 * time.Millisecond
+	dir, p, d, _ := livePair(t, timeout)
+	p.close(t)
+	dir.FailHandshakes("P", 1<<20)
+	gone := time.Now()
+	out := awaitOutcomes(t, 1, d)
+	took := time.Since(gone)
+	o := out.recv["d-a"]
+	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, "producer engine P") || !strings.Contains(o[0].Reason, "gone") {
+		t.Fatalf("D outcome %+v, want failed: producer engine P is gone", o)
+	}
+	if limit := timeout + timeout/5 + time.Second; took > limit {
+		t.Errorf("D's request ended %v after P went silent, want within %v", took, limit)
+	}
+	if s, _ := d.workers[0][0].State(); s.Recvs != 0 {
+		t.Errorf("D still holds %d requests", s.Recvs)
+	}
+}
+
+// A producer that restarts under the same engine id (new agents, a new
+// generation) fails the requests registered with its old agents at the
+// next probe, well before PeerTimeout, and a new request goes to the new
+// agents and is done.
+func TestPeerRestartFailsOldRequests(t *testing.T) {
+	const timeout = 5 * time.Second
+	dir, p, d, _ := livePair(t, timeout)
+	p.close(t)
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
+	defer p2.close(t)
+	back := time.Now()
+	out := awaitOutcomes(t, 1, d)
+	o := out.recv["d-a"]
+	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, "restarted") {
+		t.Fatalf("D outcome %+v, want failed: producer restarted", o)
+	}
+	if took := time.Since(back); took > timeout/2 {
+		t.Errorf("the old request ended %v after P came back, want at the next probe (%v)", took, timeout/5)
+	}
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(7, 8))
+	q := makeRequest("b", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p2.ranks[0][0].Fill(q.sim.P)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p2, now.Add(time.Minute))}})
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	out = awaitOutcomes(t, 2, p2, d)
+	if o := out.recv["d-b"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("new request: D outcome %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+}
