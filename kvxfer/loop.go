@@ -83,6 +83,9 @@ type tomb struct {
 	done []int // D ranks our WRITEs completed into
 	tid  string
 	preq string
+	// fail is why the request failed (empty: done): a D rank that
+	// registers only now is told it, instead of waiting for its timeout.
+	fail string
 }
 
 // regGroup collects the registrations of one D request from its ranks.
@@ -136,6 +139,9 @@ type sendReq struct {
 	match  *regGroup
 	expect []int
 	ranks  map[int]*dRank
+
+	// failReason is why the request failed, once it did (push).
+	failReason string
 
 	// pull: D ranks that reported.
 	pullTP   int

@@ -344,6 +344,14 @@ func (st *loopState) onPushDone(m *msg) {
 
 // onPushFail: a producer rank cannot complete and has nothing in flight.
 func (st *loopState) onPushFail(m *msg) {
+	if r := st.recvs[m.DReq]; r != nil && r.req.Remote.EngineID == m.Engine && !r.sent && m.TPRank >= 0 && m.TPRank < max(m.TPSize, 1) {
+		// The producer failed the request before this rank registered
+		// (its handshake still pending): nothing was registered, nothing
+		// can land; fail it now.
+		st.decide(r, ResultFailed, fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
+		st.tryReport(r)
+		return
+	}
 	r, ref, ok := st.recvFor(m)
 	if !ok {
 		return

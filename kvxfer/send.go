@@ -210,8 +210,19 @@ func (st *loopState) onReg(m *msg) {
 		st.w.metrics.Dropped("reg_without_request")
 		return
 	}
-	if _, dead := st.tombs[k]; dead {
+	if tb, dead := st.tombs[k]; dead {
 		st.w.metrics.Dropped("reg_after_finish")
+		if !slices.Contains(tb.done, m.TPRank) && len(m.Spans) > 0 {
+			// This rank registers after we finished without it (its
+			// handshake was late, our failure notice lost): tell it now,
+			// so it does not wait for its timeout.
+			why := tb.fail
+			if why == "" {
+				why = "the producer finished the request before this rank registered"
+			}
+			st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
+				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why})
+		}
 		return
 	}
 	if s := st.matched[k]; s != nil {
@@ -631,6 +642,9 @@ func (st *loopState) settleSend(s *sendReq) {
 		st.w.metrics.ExpiredRequest()
 	}
 	s.done = true
+	if o.Result != ResultDone {
+		s.failReason = o.Reason
+	}
 	st.report(RoleProducer, o)
 	st.forgetSend(s)
 }
@@ -672,7 +686,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
-		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID}
+		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason}
 		for _, tp := range s.expect {
 			if s.ranks[tp].state == rkDone {
 				tb.done = append(tb.done, tp)

@@ -46,7 +46,7 @@ type config struct {
 	insecurePeers                                                                                       bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
-	drainTimeout, lease, nixlProgressDelay                                                              time.Duration
+	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
 	conns, maxSegments                                                                                  int
 }
 
@@ -64,6 +64,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.shmDir, "shm-dir", shm.DefaultDir, "directory engines' shared-memory files must live in (rules: package shm)")
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
+	fs.DurationVar(&c.peerTimeout, "peer-timeout", 5*time.Second,
+		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail; negative: never")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
@@ -332,7 +334,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
-			wc.Lease, wc.Preconnect, wc.MaxSegments = c.lease, peers, c.maxSegments
+			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout
 			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
 		},
 	})
