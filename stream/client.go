@@ -24,7 +24,8 @@ type Client struct {
 // Dial connects to kvxferd at target ("unix:///run/kvxferd.sock" or
 // host:port). Extra options follow the defaults (insecure transport).
 func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
-	cc, err := grpc.NewClient(target, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts...)...)
+	cc, err := grpc.NewClient(target, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(DefaultMaxMessage))}, opts...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -56,7 +57,15 @@ type Hello struct {
 	Memory     []Memory
 	CompatHash string
 	Layerwise  bool
+	// MaxMessageBytes is the largest message this client accepts on the
+	// stream (0: DefaultMaxMessage, what Dial sets); kvxferd keeps its
+	// messages within half of it. Set it when Dial's options set another
+	// grpc.MaxCallRecvMsgSize.
+	MaxMessageBytes uint32
 }
+
+// DefaultMaxMessage is the receive limit Dial sets (gRPC's default).
+const DefaultMaxMessage = 4 << 20
 
 // RankStream is one worker rank's stream. Step and LayerSaved may be
 // called from any goroutine; Finished delivers the rank's outcomes.
@@ -79,7 +88,11 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 		cancel()
 		return nil, err
 	}
-	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise}
+	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise,
+		MaxMessageBytes: h.MaxMessageBytes}
+	if hello.MaxMessageBytes == 0 {
+		hello.MaxMessageBytes = DefaultMaxMessage
+	}
 	for _, m := range h.Memory {
 		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size, CudaIpcHandle: m.CUDAIPCHandle,
 			Device: int32(m.Device), DeviceUuid: m.DeviceUUID})
@@ -174,6 +187,13 @@ func (r *RankStream) LayerSaved(step uint64, layer int) error {
 // Finished delivers the rank's finished sets; it closes when the stream
 // ends.
 func (r *RankStream) Finished() <-chan kvxfer.Finished { return r.finished }
+
+// Err waits for the stream to end (Finished closed) and returns why: nil
+// after a graceful end.
+func (r *RankStream) Err() error {
+	<-r.done
+	return r.err
+}
 
 // StepErrors delivers rejected step entries (dropped when nobody reads).
 func (r *RankStream) StepErrors() <-chan string { return r.errs }

@@ -366,7 +366,8 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 		return Status(err)
 	}
 	defer r.detach()
-	if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Ready{Ready: &pb.Ready{AgentName: r.agent}}}); err != nil {
+	r.maxMsg, r.maxErr = messageLimits(hello.GetMaxMessageBytes())
+	if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Ready{Ready: &pb.Ready{AgentName: r.agent, MaxMessageBytes: uint32(r.maxMsg)}}}); err != nil {
 		return Status(err)
 	}
 	return r.serve(st)
@@ -476,9 +477,27 @@ func (l *limits) counts() map[string]uint64 {
 // outcomes goes out as several messages (each a delta, as always).
 const maxFinishedBytes = 1 << 20
 
-// sendFinished sends f, split into messages of at most maxFinishedBytes.
-func sendFinished(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse], f *pb.Finished) error {
-	for _, part := range splitFinished(f, maxFinishedBytes) {
+// defaultClientMax is the limit of a client that does not say its own
+// (WorkerHello.max_message_bytes 0): gRPC's default.
+const defaultClientMax = 4 << 20
+
+// messageLimits returns, for a client that accepts messages up to max
+// bytes (0: defaultClientMax), the most one Finished message may carry
+// and the longest step error: half the client's limit (the rest for
+// framing and one outcome over the mark), maxFinishedBytes at most, 16 KiB
+// at least; step errors half of that, maxStepError at most.
+func messageLimits(client uint32) (finished, stepErr int) {
+	limit := int(client)
+	if limit == 0 {
+		limit = defaultClientMax
+	}
+	finished = min(maxFinishedBytes, max(limit/2, 16<<10))
+	return finished, min(maxStepError, finished/2)
+}
+
+// sendFinished sends f, split into messages of at most max bytes.
+func sendFinished(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse], max int, f *pb.Finished) error {
+	for _, part := range splitFinished(f, max) {
 		if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}); err != nil {
 			return err
 		}
@@ -522,11 +541,14 @@ func splitFinished(f *pb.Finished, max int) []*pb.Finished {
 const maxStepError = 64 << 10
 
 // clip shortens an error message to maxStepError bytes.
-func clip(msg string) string {
-	if len(msg) <= maxStepError {
+func clip(msg string) string { return clipTo(msg, maxStepError) }
+
+// clipTo shortens an error message to about n bytes.
+func clipTo(msg string, n int) string {
+	if len(msg) <= n {
 		return msg
 	}
-	cut := maxStepError
+	cut := n
 	for cut > 0 && msg[cut]&0xC0 == 0x80 { // not inside a UTF-8 sequence
 		cut--
 	}
@@ -535,14 +557,17 @@ func clip(msg string) string {
 
 // rank is one attached engine rank.
 type rank struct {
-	s        *Server
-	engine   string
-	uid      uint32 // the engine process's, from the unix socket
-	claimed  bool   // r.uid holds a claim on engine (owners)
-	layout   topology.Layout
-	backend  Backend
-	worker   *kvxfer.Worker
-	mappings []*shm.Mapping
+	s      *Server
+	engine string
+	uid    uint32 // the engine process's, from the unix socket
+	// maxMsg and maxErr bound a Finished message and a step error on the
+	// stream (messageLimits of the hello's max_message_bytes).
+	maxMsg, maxErr int
+	claimed        bool // r.uid holds a claim on engine (owners)
+	layout         topology.Layout
+	backend        Backend
+	worker         *kvxfer.Worker
+	mappings       []*shm.Mapping
 	// gpu: imported CUDA IPC memory (device pointers), unmapped on detach.
 	gpu   []gpuImport
 	agent string
@@ -839,7 +864,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				f := r.worker.Finished()
 				fp := FinishedToProto(&f)
 				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
-				if err := sendFinished(st, fp); err != nil {
+				if err := sendFinished(st, r.maxMsg, fp); err != nil {
 					sendErr <- err
 					return
 				}
@@ -881,7 +906,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			_ = r.worker.Close()
 			f := r.worker.Finished()
 			if len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
-				_ = sendFinished(st, FinishedToProto(&f))
+				_ = sendFinished(st, r.maxMsg, FinishedToProto(&f))
 			}
 		}
 		return nil
@@ -908,7 +933,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				}
 				if err != nil {
 					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: clip(err.Error())}}}:
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: clipTo(err.Error(), r.maxErr)}}}:
 					case <-ctx.Done():
 					}
 				}
@@ -920,7 +945,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				}
 				if err != nil {
 					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clip(err.Error())}}}:
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
 					case <-ctx.Done():
 					}
 				}

@@ -620,3 +620,84 @@ func TestLargeFinishedSplit(t *testing.T) {
 		t.Errorf("clipped step error: %d bytes, valid UTF-8 %v", len(msg), utf8.ValidString(msg))
 	}
 }
+
+// 100,000 requests fail at once (their producer cannot be reached), on a
+// stream whose client accepts messages of 256 KiB at most and says so in
+// its hello: every outcome arrives, exactly once, in messages that fit
+// (a message over the client's limit would end the stream instead).
+func TestHundredThousandOutcomes(t *testing.T) {
+	const limit = 256 << 10
+	shmDir := t.TempDir()
+	d := startDaemon(t, shmDir)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2}
+	de := kvsim.Engine{ID: 2, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
+	ranks, err := kvsim.Build(&model, &de)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := ranks[0][0]
+	mp, err := shm.Create(shmDir, "big-d", uint64(len(r.Mem)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Close()
+	c, err := stream.Dial("unix://"+d.sock, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(limit)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: "D", Mode: kvxfer.ModePush, Layout: r.Layout, CompatHash: "m", MaxMessageBytes: limit,
+		Memory: []stream.Memory{{Path: filepath.Join(shmDir, "big-d"), Base: r.Base, Size: uint64(len(r.Mem))}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n, per = 100000, 10000
+	now := time.Now()
+	for s := range n / per {
+		m := &kvxfer.StepMeta{Step: uint64(s + 1), SchedulerClock: now}
+		for i := range per {
+			m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: fmt.Sprintf("d-%06d", s*per+i), Local: []topology.Span{{IDs: []topology.BlockID{1}}},
+				Deadline: now.Add(time.Hour), Remote: kvxfer.RemoteRef{EngineID: "P-nowhere", Addr: "127.0.0.1:1", TPSize: 1}})
+		}
+		if err := rs.Step(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := make(map[string]bool, n)
+	messages := 0
+	timeout := time.After(60 * time.Second)
+	for len(seen) < n {
+		select {
+		case f, ok := <-rs.Finished():
+			if !ok {
+				t.Fatalf("the stream ended after %d of %d outcomes: %v", len(seen), n, rs.Err())
+			}
+			messages++
+			for _, o := range f.Recving {
+				if seen[o.ReqID] {
+					t.Fatalf("%s reported twice", o.ReqID)
+				}
+				if o.Result != kvxfer.ResultFailed {
+					t.Fatalf("%s: %+v, want failed", o.ReqID, o)
+				}
+				seen[o.ReqID] = true
+			}
+		case <-timeout:
+			t.Fatalf("%d of %d outcomes after 60 s", len(seen), n)
+		}
+	}
+	if messages < 10 {
+		t.Errorf("%d outcomes came in %d messages: the sets were not split to fit %d bytes", n, messages, limit)
+	}
+	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer ccancel()
+	go func() {
+		for range rs.Finished() {
+		}
+	}()
+	if err := rs.Close(cctx); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+}

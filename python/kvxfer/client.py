@@ -84,7 +84,11 @@ class Client:
         return Scheduler(self, engine_id)
 
     def connect(self, hello: pb.WorkerHello, ready_timeout: float = 30.0) -> "WorkerStream":
-        """Opens a rank's stream and waits for the daemon's Ready."""
+        """Opens a rank's stream and waits for the daemon's Ready. The hello
+        says how large a message this client accepts (unless it says so
+        itself), so the daemon splits its outcome sets to fit."""
+        if not hello.max_message_bytes:
+            hello.max_message_bytes = _MAX_MESSAGE
         return WorkerStream(self, hello, ready_timeout)
 
     def handshake(self, engine_id: str) -> pb.HandshakeResponse:

@@ -1479,9 +1479,14 @@ type WorkerHello struct {
 	// compat_hash of the engine (SPEC.md section 2).
 	CompatHash string `protobuf:"bytes,5,opt,name=compat_hash,json=compatHash,proto3" json:"compat_hash,omitempty"`
 	// layerwise makes a push producer write each layer when it is saved.
-	Layerwise     bool `protobuf:"varint,6,opt,name=layerwise,proto3" json:"layerwise,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Layerwise bool `protobuf:"varint,6,opt,name=layerwise,proto3" json:"layerwise,omitempty"`
+	// max_message_bytes is the largest message the engine's client accepts
+	// on this stream (0: 4 MiB, gRPC's default). kvxferd keeps every message
+	// it sends here within half of it: bigger sets of outcomes go out as
+	// several Finished messages, and step errors are clipped.
+	MaxMessageBytes uint32 `protobuf:"varint,7,opt,name=max_message_bytes,json=maxMessageBytes,proto3" json:"max_message_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *WorkerHello) Reset() {
@@ -1554,6 +1559,13 @@ func (x *WorkerHello) GetLayerwise() bool {
 		return x.Layerwise
 	}
 	return false
+}
+
+func (x *WorkerHello) GetMaxMessageBytes() uint32 {
+	if x != nil {
+		return x.MaxMessageBytes
+	}
+	return 0
 }
 
 // LayerSaved reports that a layer of a step is in memory.
@@ -1838,9 +1850,12 @@ func (*Bye) Descriptor() ([]byte, []int) {
 type Ready struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// agent_name of the rank's backend agent.
-	AgentName     string `protobuf:"bytes,1,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	AgentName string `protobuf:"bytes,1,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	// max_message_bytes is the most kvxferd puts in one message on this
+	// stream (from the hello's max_message_bytes).
+	MaxMessageBytes uint32 `protobuf:"varint,2,opt,name=max_message_bytes,json=maxMessageBytes,proto3" json:"max_message_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Ready) Reset() {
@@ -1878,6 +1893,13 @@ func (x *Ready) GetAgentName() string {
 		return x.AgentName
 	}
 	return ""
+}
+
+func (x *Ready) GetMaxMessageBytes() uint32 {
+	if x != nil {
+		return x.MaxMessageBytes
+	}
+	return 0
 }
 
 // StepError reports entries of a step that were rejected.
@@ -4677,7 +4699,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12 \n" +
 	"\vdescriptors\x18\x04 \x01(\x04R\vdescriptors\x12)\n" +
 	"\x10transfer_seconds\x18\x05 \x01(\x01R\x0ftransferSeconds\x12\x18\n" +
-	"\aexpired\x18\x06 \x01(\x04R\aexpired\"\xec\x01\n" +
+	"\aexpired\x18\x06 \x01(\x04R\aexpired\"\x98\x02\n" +
 	"\vWorkerHello\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12#\n" +
 	"\x04mode\x18\x02 \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12+\n" +
@@ -4685,7 +4707,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x06memory\x18\x04 \x03(\v2\x17.kvxfer.v1.SharedMemoryR\x06memory\x12\x1f\n" +
 	"\vcompat_hash\x18\x05 \x01(\tR\n" +
 	"compatHash\x12\x1c\n" +
-	"\tlayerwise\x18\x06 \x01(\bR\tlayerwise\"6\n" +
+	"\tlayerwise\x18\x06 \x01(\bR\tlayerwise\x12*\n" +
+	"\x11max_message_bytes\x18\a \x01(\rR\x0fmaxMessageBytes\"6\n" +
 	"\n" +
 	"LayerSaved\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x14\n" +
@@ -4700,10 +4723,11 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x03msg\"\x1d\n" +
 	"\aStepRef\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\"\x05\n" +
-	"\x03Bye\"&\n" +
+	"\x03Bye\"R\n" +
 	"\x05Ready\x12\x1d\n" +
 	"\n" +
-	"agent_name\x18\x01 \x01(\tR\tagentName\"9\n" +
+	"agent_name\x18\x01 \x01(\tR\tagentName\x12*\n" +
+	"\x11max_message_bytes\x18\x02 \x01(\rR\x0fmaxMessageBytes\"9\n" +
 	"\tStepError\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\"\xac\x01\n" +

@@ -265,20 +265,22 @@ class TransferStats(_message.Message):
     def __init__(self, transfers: _Optional[int] = ..., failed_transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., expired: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("engine_id", "mode", "layout", "memory", "compat_hash", "layerwise")
+    __slots__ = ("engine_id", "mode", "layout", "memory", "compat_hash", "layerwise", "max_message_bytes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     mode: Mode
     layout: KvLayout
     memory: _containers.RepeatedCompositeFieldContainer[SharedMemory]
     compat_hash: str
     layerwise: bool
-    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[SharedMemory, _Mapping]]] = ..., compat_hash: _Optional[str] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[SharedMemory, _Mapping]]] = ..., compat_hash: _Optional[str] = ..., layerwise: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerSaved(_message.Message):
     __slots__ = ("step", "layer")
@@ -313,10 +315,12 @@ class Bye(_message.Message):
     def __init__(self) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("agent_name",)
+    __slots__ = ("agent_name", "max_message_bytes")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
-    def __init__(self, agent_name: _Optional[str] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, agent_name: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("step", "message")
