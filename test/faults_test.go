@@ -1,11 +1,16 @@
 package test
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"net"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
@@ -142,4 +147,126 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 		t.Errorf("P's new request: %+v, want done", po)
 	}
 	t.Logf("a new request was done %v after P came back", time.Since(back).Round(time.Millisecond))
+}
+
+// netLink is two network namespaces joined by a veth pair: two hosts
+// whose link the test can cut and heal.
+type netLink struct {
+	a, b       string // namespaces
+	aIP, bIP   string
+	aDev, bDev string
+}
+
+func newNetLink(t *testing.T) *netLink {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("a network partition needs root to make network namespaces and a veth pair; CI runs as root")
+	}
+	id := fmt.Sprintf("%d", rand.IntN(1<<20))
+	n := &netLink{a: "kvxa" + id, b: "kvxb" + id, aDev: "kva" + id, bDev: "kvb" + id}
+	sub := 1 + rand.IntN(250)
+	n.aIP, n.bIP = fmt.Sprintf("10.213.%d.1", sub), fmt.Sprintf("10.213.%d.2", sub)
+	t.Cleanup(func() {
+		_ = exec.Command("ip", "netns", "del", n.a).Run()
+		_ = exec.Command("ip", "netns", "del", n.b).Run()
+	})
+	for _, c := range [][]string{
+		{"netns", "add", n.a}, {"netns", "add", n.b},
+		{"link", "add", n.aDev, "type", "veth", "peer", "name", n.bDev},
+		{"link", "set", n.aDev, "netns", n.a}, {"link", "set", n.bDev, "netns", n.b},
+		{"-n", n.a, "addr", "add", n.aIP + "/24", "dev", n.aDev}, {"-n", n.b, "addr", "add", n.bIP + "/24", "dev", n.bDev},
+		{"-n", n.a, "link", "set", "lo", "up"}, {"-n", n.b, "link", "set", "lo", "up"},
+		{"-n", n.a, "link", "set", n.aDev, "up"}, {"-n", n.b, "link", "set", n.bDev, "up"},
+	} {
+		if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
+			t.Skipf("cannot make the test's network (ip %s: %v: %s)", strings.Join(c, " "), err, out)
+		}
+	}
+	return n
+}
+
+// cut takes the link down (both ends), or brings it back up.
+func (n *netLink) set(t *testing.T, up bool) {
+	t.Helper()
+	state := "down"
+	if up {
+		state = "up"
+	}
+	for _, c := range [][]string{{"-n", n.a, "link", "set", n.aDev, state}, {"-n", n.b, "link", "set", n.bDev, state}} {
+		if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(c, " "), err, out)
+		}
+	}
+}
+
+func startDaemonIn(t *testing.T, netns, dir, name string, extra ...string) *daemon.Proc {
+	t.Helper()
+	d, err := daemon.StartIn(netns, dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = d.Stop()
+		if t.Failed() {
+			b, _ := os.ReadFile(d.Log)
+			t.Logf("%s log:\n%s", name, b)
+		}
+	})
+	return d
+}
+
+// P and D on two hosts (network namespaces joined by a veth pair). The
+// link goes down while D requests wait on P: each ends failed within 10 s,
+// naming P, none twice. The link comes back: a new request is done within
+// 10 s, byte for byte.
+func TestNetworkPartitionAndHeal(t *testing.T) {
+	n := newNetLink(t)
+	dir := world(t)
+	p := startDaemonIn(t, n.a, dir, "P", "-peer-listen", n.aIP+":0", "-data-host", n.aIP)
+	d := startDaemonIn(t, n.b, dir, "D", "-peer-listen", n.bIP+":0", "-data-host", n.bIP)
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	defer D.Close()
+	// One request through first: the link works.
+	ids := []topology.BlockID{0, 1}
+	registerD(t, D, "d-first", "t-first", p.Peer, ids)
+	finishP(t, P, "p-first", "t-first", ids)
+	go func() { _ = outcomesOf(P, 10*time.Second, "p-first") }()
+	if got := outcomesOf(D, 10*time.Second, "d-first"); got["d-first"].Result != kvxfer.ResultDone {
+		t.Fatalf("before the partition: %+v, want done", got)
+	}
+	for i := range 3 {
+		id := string(rune('a' + i))
+		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
+	}
+	time.Sleep(300 * time.Millisecond)
+	n.set(t, false)
+	cut := time.Now()
+	got := outcomesOf(D, 10*time.Second, "d-a", "d-b", "d-c")
+	for _, id := range []string{"d-a", "d-b", "d-c"} {
+		o, ok := got[id]
+		if !ok {
+			t.Fatalf("%s: no outcome 10 s into the partition", id)
+		}
+		if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "producer engine P") {
+			t.Errorf("%s: %+v, want failed naming producer engine P", id, o)
+		}
+	}
+	t.Logf("D's requests ended %v into the partition", time.Since(cut).Round(time.Millisecond))
+	n.set(t, true)
+	healed := time.Now()
+	ids = []topology.BlockID{10, 11}
+	registerD(t, D, "d-new", "t-new", p.Peer, ids)
+	finishP(t, P, "p-new", "t-new", ids)
+	pOut := make(chan map[string]kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
+	if got := outcomesOf(D, 10*time.Second, "d-new"); got["d-new"].Result != kvxfer.ResultDone {
+		t.Fatalf("after the link came back: %+v, want done within 10 s", got)
+	}
+	t.Logf("a new request was done %v after the link came back", time.Since(healed).Round(time.Millisecond))
+	po := <-pOut
+	if po["p-new"].Result != kvxfer.ResultDone {
+		t.Errorf("P's new request: %+v, want done", po["p-new"])
+	}
 }

@@ -47,6 +47,13 @@ func ServeIfChild() {
 // to Main itself). extra flags are appended; with -insecure-peers,
 // -peer-secret-file or -tls-* among them, no secret of dir is used.
 func Start(dir, name, backend string, extra ...string) (*Proc, error) {
+	return StartIn("", dir, name, backend, extra...)
+}
+
+// StartIn is Start inside network namespace netns ("": this one), run
+// through "ip netns exec" (root only): daemons of a test on hosts it
+// models, joined by links it can cut.
+func StartIn(netns, dir, name, backend string, extra ...string) (*Proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -68,6 +75,10 @@ func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	}
 	args := append([]string{"serve", "-socket", d.Sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
 		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn", "-backend", backend}, extra...)
+	if netns != "" {
+		args = append([]string{"netns", "exec", netns, self}, args...)
+		self = "ip"
+	}
 	d.cmd = exec.Command(self, args...)
 	d.cmd.Stdout, d.cmd.Stderr = logf, logf
 	err = d.cmd.Start()
