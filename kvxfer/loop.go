@@ -448,6 +448,8 @@ func (st *loopState) runTimers() {
 			st.readRetry(e)
 		case tProbe:
 			st.probeTimer(e)
+		case tRehandshake:
+			st.rehandshake(e)
 		}
 	}
 	if st.busy() {

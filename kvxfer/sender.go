@@ -8,10 +8,12 @@ import "time"
 // which agent each of its ranks is (authoritative); a message from another
 // agent makes the worker handshake again (the peer may have restarted
 // with new agents) and waits for the answer, at most once per
-// handshakeRetry. For an engine it never needed to handshake with (a pull
-// producer hears from its consumers only), the first agent that speaks
-// for a rank is pinned to it; another is refused while the pinned one is
-// heard from (pinIdle).
+// handshakeRetry. While the first handshake with an engine is under way,
+// its messages wait for it. For an engine it has no handshake with (a
+// pull producer hears from its consumers only), the first agent that
+// speaks for a rank is pinned to it; another, while the pinned one is
+// heard from (pinIdle), makes it handshake with the engine to settle
+// which (the message waits), and is refused if that fails.
 //
 // What an agent is called is authenticated by the transport (the shared
 // secret or mutual TLS of kvxferd's data plane and NIXL's metadata,
@@ -40,23 +42,34 @@ type pin struct {
 }
 
 type parkedMsg struct {
-	from PeerName
-	m    *msg
+	from  PeerName
+	m     *msg
+	tries int // handshakes it waited for
 }
+
+// maxParkTries is how many handshakes a message may wait for before it is
+// refused (its engine never answers to say who speaks for the rank).
+const maxParkTries = 3
 
 // admit reports whether m, received from agent from, may be handled now.
 // A message it does not admit is dropped (counted) or parked until a
 // handshake with its engine says who speaks for its rank.
 func (st *loopState) admit(from PeerName, m *msg) bool {
+	return st.readmit(parkedMsg{from: from, m: m})
+}
+
+// readmit is admit for a message that may have waited already.
+func (st *loopState) readmit(pm parkedMsg) bool {
+	from, m := pm.from, pm.m
 	e := st.engines[m.Engine]
-	if e != nil && e.refreshing {
-		return st.park(e, from, m) // a handshake on its way decides
+	if e != nil && (e.refreshing || e.state == hsPending && e.peers == nil) {
+		return st.parkMsg(e, pm) // a handshake on its way decides
 	}
 	if e != nil && e.peers != nil {
 		if want, ok := e.peers[rankRef{pp: m.PPRank, tp: m.TPRank}]; ok && want == from {
 			return true
 		}
-		return st.verifyAgain(e, from, m, time.Since(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
+		return st.verifyAgainTry(e, pm, time.Since(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
 	}
 	k := senderKey{engine: m.Engine, pp: m.PPRank, tp: m.TPRank}
 	now := time.Now()
@@ -66,7 +79,7 @@ func (st *loopState) admit(from PeerName, m *msg) bool {
 		if e == nil {
 			e = st.ensureEngine(m.Engine, m.Addr)
 		}
-		return st.verifyAgain(e, from, m, true, "another agent speaks for that rank")
+		return st.verifyAgainTry(e, pm, true, "another agent speaks for that rank")
 	}
 	if !ok && len(st.pins) >= maxPins {
 		st.forgetOldestPin()
@@ -75,19 +88,39 @@ func (st *loopState) admit(from PeerName, m *msg) bool {
 	return true
 }
 
-// verifyAgain parks m until a handshake with e says who speaks for its
+// verifyAgainTry parks m until a handshake with e says who speaks for its
 // rank: the one under way, or a new one when start allows it and the last
 // one did not fail just now. Without one, m is refused.
-func (st *loopState) verifyAgain(e *engine, from PeerName, m *msg, start bool, why string) bool {
-	if e.state != hsPending && start && (e.state != hsFailed || time.Since(e.failedAt) >= handshakeRetry) {
+func (st *loopState) verifyAgainTry(e *engine, p parkedMsg, start bool, why string) bool {
+	if p.tries >= maxParkTries {
+		st.refuseSender(p.from, p.m, why)
+		return false
+	}
+	if e.state != hsPending && start {
+		if e.state == hsFailed && time.Since(e.failedAt) < handshakeRetry {
+			// Too soon after a failed handshake: ask again once allowed
+			// (a peer restarting may be back by then); the message waits.
+			if !e.refreshing {
+				st.arm(e.failedAt.Add(handshakeRetry), tRehandshake, e.id)
+			}
+			e.refreshing = true
+			return st.parkMsg(e, p)
+		}
 		st.startHandshake(e)
 	}
 	if e.state == hsPending {
 		e.refreshing = true
-		return st.park(e, from, m)
+		return st.parkMsg(e, p)
 	}
-	st.refuseSender(from, m, why)
+	st.refuseSender(p.from, p.m, why)
 	return false
+}
+
+// rehandshake starts the handshake a parked message waits for.
+func (st *loopState) rehandshake(t timerEntry) {
+	if e := st.engines[t.id]; e != nil && e.refreshing && e.state != hsPending {
+		st.startHandshake(e)
+	}
 }
 
 func (st *loopState) refuseSender(from PeerName, m *msg, why string) {
@@ -96,12 +129,13 @@ func (st *loopState) refuseSender(from PeerName, m *msg, why string) {
 		"engine", m.Engine, "tp_rank", m.TPRank, "pp_rank", m.PPRank, "agent", from, "why", why)
 }
 
-func (st *loopState) park(e *engine, from PeerName, m *msg) bool {
+func (st *loopState) parkMsg(e *engine, p parkedMsg) bool {
 	if len(e.parked) >= maxParked {
 		st.w.metrics.Dropped("sender_parked_full")
 		return false
 	}
-	e.parked = append(e.parked, parkedMsg{from: from, m: m})
+	p.tries++
+	e.parked = append(e.parked, p)
 	return false
 }
 
@@ -111,7 +145,7 @@ func (st *loopState) unpark(e *engine) {
 	parked := e.parked
 	e.parked, e.refreshing = nil, false
 	for _, p := range parked {
-		if st.admit(p.from, p.m) {
+		if st.readmit(p) {
 			st.dispatch(p.m)
 		}
 	}

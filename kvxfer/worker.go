@@ -567,6 +567,7 @@ const (
 	tFence
 	tReadRetry
 	tProbe
+	tRehandshake
 )
 
 type timerEntry struct {
@@ -654,6 +655,9 @@ func (st *loopState) timerLive(t timerEntry) bool {
 	case tProbe:
 		e := st.engines[t.id]
 		return e != nil && e.watching && e.probeAt.Equal(t.at)
+	case tRehandshake:
+		e := st.engines[t.id]
+		return e != nil && e.refreshing && e.state != hsPending
 	case tReadRetry:
 		r := st.recvs[t.id]
 		if r == nil || r.decided {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,16 +18,20 @@ import (
 )
 
 // freeAddr returns a loopback address nothing listens on now (for a
-// daemon that must come back on the same address).
+// daemon that must come back on the same address), on a port below the
+// kernel's ephemeral range, so that no socket of the test's own daemons
+// takes it meanwhile.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 100 {
+		addr := fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(10000))
+		if ln, err := net.Listen("tcp", addr); err == nil {
+			ln.Close()
+			return addr
+		}
 	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
+	t.Fatal("no free port in 20000-29999")
+	return ""
 }
 
 // registerD schedules a D request for the push producer P at pAddr: D's
@@ -269,4 +274,100 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	if po["p-new"].Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", po["p-new"])
 	}
+}
+
+// The P daemon is frozen (SIGSTOP) for two seconds, less than the peer
+// timeout, while D requests wait on it and P's engine finishes them: once
+// it thaws every request is done, none lost or failed.
+func TestProducerDaemonFrozenBriefly(t *testing.T) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	defer D.Close()
+	var dIDs, pIDs []string
+	for i := range 4 {
+		id := string(rune('a' + i))
+		ids := []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
+		registerD(t, D, "d-"+id, "t-"+id, p.Peer, ids)
+		dIDs, pIDs = append(dIDs, "d-"+id), append(pIDs, "p-"+id)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if err := p.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 4 {
+		id := string(rune('a' + i))
+		finishP(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
+	}
+	time.Sleep(2 * time.Second)
+	if err := p.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	pOut := make(chan map[string]kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(P, 20*time.Second, pIDs...) }()
+	got := outcomesOf(D, 20*time.Second, dIDs...)
+	po := <-pOut
+	for i, id := range dIDs {
+		if o := got[id]; o.Result != kvxfer.ResultDone {
+			t.Errorf("D %s: %+v, want done", id, o)
+		}
+		if o := po[pIDs[i]]; o.Result != kvxfer.ResultDone {
+			t.Errorf("P %s: %+v, want done", pIDs[i], o)
+		}
+	}
+}
+
+// The D daemon is SIGKILLed while P holds requests for it: P's engine
+// finishes them after the kill and each ends failed at once (its WRITE
+// cannot reach D), none twice. D's daemon comes back on the same address
+// with its engine re-attached: a new request is done within 10 s.
+func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
+	dir := world(t)
+	dAddr := freeAddr(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D", "-peer-listen", dAddr)
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	var pIDs []string
+	for i := range 3 {
+		id := string(rune('a' + i))
+		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
+		pIDs = append(pIDs, "p-"+id)
+	}
+	time.Sleep(300 * time.Millisecond)
+	_ = d.Kill()
+	D.Close()
+	killed := time.Now()
+	for i := range 3 {
+		id := string(rune('a' + i))
+		finishP(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
+	}
+	got := outcomesOf(P, 10*time.Second, pIDs...)
+	for _, id := range pIDs {
+		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed {
+			t.Errorf("P %s: %+v (reported %v), want failed within 10 s of D's death", id, o, ok)
+		}
+	}
+	t.Logf("P's requests ended %v after the kill", time.Since(killed).Round(time.Millisecond))
+
+	d2 := startDaemon(t, dir, "D2", "-peer-listen", dAddr)
+	D2 := attachSim(t, dir, d2.Sock, d2.Peer, "D", 2, kvxfer.ModePush)
+	defer D2.Close()
+	back := time.Now()
+	ids := []topology.BlockID{8, 9}
+	registerD(t, D2, "d-new", "t-new", p.Peer, ids)
+	finishP(t, P, "p-new", "t-new", ids)
+	pOut := make(chan map[string]kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
+	if o := outcomesOf(D2, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("new request after D's restart: %+v, want done within 10 s", o)
+	}
+	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
+		t.Errorf("P's new request: %+v, want done", o)
+	}
+	t.Logf("a new request was done %v after D came back", time.Since(back).Round(time.Millisecond))
 }

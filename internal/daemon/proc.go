@@ -117,6 +117,10 @@ func SecretFile(dir string) (string, error) {
 	return path, err
 }
 
+// Signal sends sig to the daemon (SIGSTOP, SIGCONT: a daemon frozen for
+// a while).
+func (d *Proc) Signal(sig os.Signal) error { return d.cmd.Process.Signal(sig) }
+
 // Kill sends SIGKILL and waits for the process to go (a crash).
 func (d *Proc) Kill() error {
 	if d.killed {
