@@ -1,11 +1,14 @@
 package test
 
 import (
+	"bufio"
+	"bytes"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -370,4 +373,111 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
 	t.Logf("a new request was done %v after D came back", time.Since(back).Round(time.Millisecond))
+}
+
+// TestEngineChild is the child side of TestConsumerEngineKilled: a D
+// engine in its own process that registers three requests with P and
+// waits to be killed.
+func TestEngineChild(t *testing.T) {
+	if os.Getenv("KVXFER_ENGINE_CHILD") == "" {
+		return
+	}
+	dir, sock, peer, pAddr := os.Getenv("KVXFER_DIR"), os.Getenv("KVXFER_SOCK"), os.Getenv("KVXFER_PEER"), os.Getenv("KVXFER_P")
+	D := attachSim(t, dir, sock, peer, "D", 2, kvxfer.ModePush)
+	for i := range 3 {
+		id := string(rune('a' + i))
+		registerD(t, D, "d-"+id, "t-"+id, pAddr, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
+	}
+	fmt.Println("ENGINE READY")
+	time.Sleep(time.Minute)
+}
+
+// A D engine is SIGKILLed (its own process) while P holds requests it
+// registered: P's engine finishes them and each ends failed within 10 s;
+// D's daemon unmaps the dead engine's memory; an engine attached again
+// under the same id gets its next request done.
+func TestConsumerEngineKilled(t *testing.T) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestEngineChild$", "-test.v")
+	cmd.Env = append(os.Environ(), "KVXFER_ENGINE_CHILD=1", "KVXFER_DIR="+dir, "KVXFER_SOCK="+d.Sock, "KVXFER_PEER="+d.Peer, "KVXFER_P="+p.Peer)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	ready := make(chan bool, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "ENGINE READY") {
+				ready <- true
+			}
+		}
+		close(ready)
+	}()
+	select {
+	case ok := <-ready:
+		if !ok {
+			t.Fatal("the engine child ended before it was ready")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the engine child was not ready in 20 s")
+	}
+	time.Sleep(300 * time.Millisecond) // its registrations reach P
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	killed := time.Now()
+	var pIDs []string
+	for i := range 3 {
+		id := string(rune('a' + i))
+		finishP(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
+		pIDs = append(pIDs, "p-"+id)
+	}
+	got := outcomesOf(P, 10*time.Second, pIDs...)
+	for _, id := range pIDs {
+		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed {
+			t.Errorf("P %s: %+v (reported %v), want failed within 10 s of D's engine dying", id, o, ok)
+		}
+	}
+	t.Logf("P's requests ended %v after D's engine died", time.Since(killed).Round(time.Millisecond))
+	// D's daemon let go of the dead engine's memory.
+	file := filepath.Join(dir, "D-tp0")
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", d.Pid()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Contains(maps, []byte(file)) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("D's daemon still maps %s 10 s after its engine died", file)
+		}
+	}
+	// The engine comes back under the same id (its stale file removed, as
+	// an engine restarting does).
+	_ = os.Remove(file)
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	defer D.Close()
+	ids := []topology.BlockID{8, 9}
+	registerD(t, D, "d-new", "t-new", p.Peer, ids)
+	finishP(t, P, "p-new", "t-new", ids)
+	pOut := make(chan map[string]kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
+	if o := outcomesOf(D, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("new request after D's engine came back: %+v, want done within 10 s", o)
+	}
+	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
+		t.Errorf("P's new request: %+v, want done", o)
+	}
 }

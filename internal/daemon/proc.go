@@ -117,6 +117,9 @@ func SecretFile(dir string) (string, error) {
 	return path, err
 }
 
+// Pid is the daemon's process id.
+func (d *Proc) Pid() int { return d.cmd.Process.Pid }
+
 // Signal sends sig to the daemon (SIGSTOP, SIGCONT: a daemon frozen for
 // a while).
 func (d *Proc) Signal(sig os.Signal) error { return d.cmd.Process.Signal(sig) }
