@@ -1,0 +1,374 @@
+// Command soak runs a P and a D kvxferd (child processes) with simulated
+// engines transferring real KV bytes in push mode for a while, injecting
+// faults at random across the processes: the P or the D daemon SIGKILLed
+// and restarted on the same address (its engine re-attached under the same
+// id), the P daemon frozen (SIGSTOP) for up to three seconds, a graceful
+// restart. It accounts for every request on both sides and exits non-zero
+// on a violation:
+//
+//   - a request ends more than once on one side, or not within -bound of
+//     its issue (45 s: a P request whose consumer died before registering
+//     ends only at its 30 s lease; ending means an outcome from kvxferd,
+//     or, for requests of an engine whose daemon was killed, that
+//     engine's own failure);
+//   - a request reported done has a wrong byte (each request's pattern is
+//     salted, so stale bytes of an earlier request in its blocks count);
+//   - a block stays held by a request that ended.
+//
+// Usage: go run ./test/soak -duration 10m
+package main
+
+import (
+	"flag"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/simengine"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+var model = kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+
+const blocks = 64
+
+func engineOf(id int) kvsim.Engine {
+	return kvsim.Engine{ID: id, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: blocks}
+}
+
+// side is one engine and the daemon it is attached to.
+type side struct {
+	name, addr, dir string
+	id              int
+	d               *daemon.Proc
+	e               *simengine.Engine
+	epoch           int
+	free            []topology.BlockID
+}
+
+func (s *side) start() error {
+	d, err := daemon.Start(s.dir, fmt.Sprintf("%s%d", s.name, s.epoch), "builtin", "-peer-listen", s.addr, "-lease", "10s")
+	if err != nil {
+		return err
+	}
+	_ = os.Remove(filepath.Join(s.dir, s.name+"-tp0")) // a killed engine's file
+	m := model
+	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id),
+		Mode: kvxfer.ModePush, Version: "soak"})
+	if err != nil {
+		_ = d.Stop()
+		return err
+	}
+	s.d, s.e = d, e
+	s.epoch++
+	return nil
+}
+
+func (s *side) take(n int) []topology.BlockID {
+	if len(s.free) < n {
+		return nil
+	}
+	ids := slices.Clone(s.free[:n])
+	s.free = s.free[n:]
+	return ids
+}
+
+func (s *side) give(ids []topology.BlockID) { s.free = append(s.free, ids...) }
+
+// request is one transfer and what each side knows of it.
+type request struct {
+	n                int
+	pIDs, dIDs       []topology.BlockID
+	issued           time.Time
+	pEpoch, dEpoch   int
+	pEnded, dEnded   bool
+	pResult, dResult kvxfer.Result
+}
+
+type soak struct {
+	p, d       *side
+	reqs       map[string]*request // by D id ("d-N"); P's is "p-N"
+	next       int
+	faults     map[string]int
+	results    map[string]int
+	violations []string
+	bound      time.Duration
+	rng        *rand.Rand
+}
+
+func (s *soak) violate(format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	s.violations = append(s.violations, msg)
+	fmt.Fprintln(os.Stderr, "VIOLATION:", msg)
+}
+
+// issue starts one request: D registers its blocks, P finishes it with
+// the request's salted pattern in its blocks.
+func (s *soak) issue() {
+	pIDs, dIDs := s.p.take(2), s.d.take(2)
+	if pIDs == nil || dIDs == nil {
+		s.p.give(pIDs)
+		s.d.give(dIDs)
+		return
+	}
+	s.next++
+	n := s.next
+	r := &request{n: n, pIDs: pIDs, dIDs: dIDs, issued: time.Now(), pEpoch: s.p.epoch, dEpoch: s.d.epoch}
+	s.reqs[fmt.Sprintf("d-%d", n)] = r
+	tid := fmt.Sprintf("t-%d", n)
+	dReq := &kvxfer.Request{ID: fmt.Sprintf("d-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true,
+		RemoteEngineID: "P", RemoteAddr: s.p.d.Peer, RemoteTPSize: 1}}
+	ext, _ := s.d.e.Sched.MatchedTokens(dReq, 0)
+	if err := s.d.e.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
+		s.violate("D AfterAlloc %d: %v", n, err)
+	}
+	s.p.e.Ranks[0].FillSalt([]topology.Span{{IDs: pIDs}}, n)
+	pReq := &kvxfer.Request{ID: fmt.Sprintf("p-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
+	if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
+		s.violate("P AfterAlloc %d: %v", n, err)
+	}
+	if _, _, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, 32); err != nil {
+		s.violate("P RequestFinished %d: %v", n, err)
+	}
+}
+
+// drive steps both engines and takes in their outcomes.
+func (s *soak) drive() {
+	for _, sd := range []*side{s.p, s.d} {
+		_ = sd.e.Step(sd.e.Sched.BuildMeta()) // a dead daemon: its loss is handled by the fault
+		for i, rs := range sd.e.Streams {
+			for more := true; more; {
+				select {
+				case f, ok := <-rs.Finished():
+					if !ok {
+						more = false
+						break
+					}
+					out, err := sd.e.Fold(i, &f)
+					if err != nil {
+						s.violate("%s fold: %v", sd.name, err)
+					}
+					if out != nil {
+						s.outcomes(sd, out)
+					}
+				default:
+					more = false
+				}
+			}
+		}
+	}
+}
+
+func (s *soak) outcomes(sd *side, f *kvxfer.Finished) {
+	for _, o := range append(slices.Clone(f.Sending), f.Recving...) {
+		var r *request
+		var n int
+		if _, err := fmt.Sscanf(o.ReqID[2:], "%d", &n); err == nil {
+			r = s.reqs[fmt.Sprintf("d-%d", n)]
+		}
+		if r == nil {
+			s.violate("%s: outcome for an unknown request %q", sd.name, o.ReqID)
+			continue
+		}
+		if sd == s.p {
+			s.endP(r, o.Result, "outcome")
+		} else {
+			s.endD(r, o.Result, "outcome")
+		}
+	}
+}
+
+func (s *soak) endP(r *request, res kvxfer.Result, how string) {
+	if r.pEnded {
+		s.violate("P request %d ended twice (%s %v after %v)", r.n, how, res, r.pResult)
+		return
+	}
+	r.pEnded, r.pResult = true, res
+	s.results["P "+how+" "+res.String()]++
+	s.p.give(r.pIDs)
+}
+
+func (s *soak) endD(r *request, res kvxfer.Result, how string) {
+	if r.dEnded {
+		s.violate("D request %d ended twice (%s %v after %v)", r.n, how, res, r.dResult)
+		return
+	}
+	r.dEnded, r.dResult = true, res
+	s.results["D "+how+" "+res.String()]++
+	if res == kvxfer.ResultDone {
+		req := &kvsim.Request{Tokens: 32, P: []topology.Span{{IDs: r.pIDs}}, D: []topology.Span{{IDs: r.dIDs}}, Salt: r.n}
+		if err := s.d.e.Ranks[0].CheckRequest(req, 16, 16); err != nil {
+			s.violate("D request %d done with wrong bytes: %v", r.n, err)
+		}
+	}
+	s.d.give(r.dIDs)
+}
+
+// lose ends, engine side, the requests of an engine whose daemon died.
+func (s *soak) lose(sd *side) {
+	for _, r := range s.reqs {
+		if sd == s.p && !r.pEnded && r.pEpoch == sd.epoch {
+			s.endP(r, kvxfer.ResultFailed, "lost-with-daemon")
+		}
+		if sd == s.d && !r.dEnded && r.dEpoch == sd.epoch {
+			s.endD(r, kvxfer.ResultFailed, "lost-with-daemon")
+		}
+	}
+}
+
+func (s *soak) kill(sd *side) error {
+	_ = sd.d.Kill()
+	_ = sd.e.Close()
+	s.lose(sd)
+	return sd.start()
+}
+
+func (s *soak) restart(sd *side) error {
+	_ = sd.e.Close()
+	s.lose(sd) // a graceful stop reports what is left, but the engine said bye first
+	_ = sd.d.Stop()
+	return sd.start()
+}
+
+func (s *soak) fault() error {
+	switch k := s.rng.IntN(5); k {
+	case 0:
+		s.faults["kill P daemon"]++
+		return s.kill(s.p)
+	case 1:
+		s.faults["kill D daemon"]++
+		return s.kill(s.d)
+	case 2:
+		s.faults["freeze P daemon"]++
+		d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
+		_ = s.p.d.Signal(syscall.SIGSTOP)
+		go func(p *daemon.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.p.d)
+	case 3:
+		s.faults["restart P daemon"]++
+		return s.restart(s.p)
+	default:
+		s.faults["none"]++
+	}
+	return nil
+}
+
+// check flags requests past their bound.
+func (s *soak) check(now time.Time) {
+	for _, r := range s.reqs {
+		if (!r.pEnded || !r.dEnded) && now.Sub(r.issued) > s.bound {
+			s.violate("request %d not ended %v after its issue (P ended %v, D ended %v)", r.n, s.bound, r.pEnded, r.dEnded)
+			r.issued = now.Add(time.Hour) // report once
+		}
+	}
+}
+
+func freePort() string {
+	for {
+		addr := fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(10000))
+		if ln, err := net.Listen("tcp", addr); err == nil {
+			ln.Close()
+			return addr
+		}
+	}
+}
+
+func main() {
+	daemon.ServeIfChild()
+	duration := flag.Duration("duration", time.Minute, "how long to inject faults")
+	every := flag.Duration("fault-every", 4*time.Second, "mean time between faults")
+	// A P request whose consumer died before it registered ends only when
+	// its lease (30 s, the scheduler's default) runs out: nothing tells P
+	// about a consumer it never heard from.
+	bound := flag.Duration("bound", 45*time.Second, "how long a request may take to end on both sides (the lease and a margin)")
+	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "random seed")
+	flag.Parse()
+	dir, err := os.MkdirTemp("/dev/shm", "kvxfer-soak-")
+	if err != nil {
+		dir, err = os.MkdirTemp("", "kvxfer-soak-")
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	defer os.RemoveAll(dir)
+	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1))}
+	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir}
+	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir}
+	for i := range blocks {
+		s.p.free = append(s.p.free, topology.BlockID(i))
+		s.d.free = append(s.d.free, topology.BlockID(i))
+	}
+	for _, sd := range []*side{s.p, s.d} {
+		if err := sd.start(); err != nil {
+			fmt.Fprintln(os.Stderr, "start:", err)
+			os.Exit(2)
+		}
+	}
+	fmt.Printf("soak: seed %d, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *duration, *every, *bound, dir)
+	start := time.Now()
+	nextFault := start.Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
+	for time.Since(start) < *duration {
+		if len(s.p.free) >= 2 && len(s.d.free) >= 2 {
+			s.issue()
+		}
+		s.drive()
+		now := time.Now()
+		if now.After(nextFault) {
+			if err := s.fault(); err != nil {
+				s.violate("fault: could not bring a daemon back: %v", err)
+				break
+			}
+			nextFault = time.Now().Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
+		}
+		s.check(now)
+		time.Sleep(2 * time.Millisecond)
+	}
+	// Settle: no more faults or requests; everything must end.
+	for deadline := time.Now().Add(*bound + 10*time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		s.drive()
+		s.check(time.Now())
+		open := 0
+		for _, r := range s.reqs {
+			if !r.pEnded || !r.dEnded {
+				open++
+			}
+		}
+		if open == 0 {
+			break
+		}
+	}
+	for _, r := range s.reqs {
+		if !r.pEnded || !r.dEnded {
+			s.violate("request %d never ended (P %v, D %v)", r.n, r.pEnded, r.dEnded)
+		}
+	}
+	if len(s.p.free) != blocks || len(s.d.free) != blocks {
+		s.violate("blocks held after every request ended: P %d of %d free, D %d of %d", len(s.p.free), blocks, len(s.d.free), blocks)
+	}
+	_ = s.p.e.Close()
+	_ = s.d.e.Close()
+	_ = s.p.d.Stop()
+	_ = s.d.d.Stop()
+	fmt.Printf("soak: %d requests in %v\n", s.next, time.Since(start).Round(time.Second))
+	fmt.Println("faults:")
+	for _, k := range slices.Sorted(maps.Keys(s.faults)) {
+		fmt.Printf("  %-20s %d\n", k, s.faults[k])
+	}
+	fmt.Println("endings:")
+	for _, k := range slices.Sorted(maps.Keys(s.results)) {
+		fmt.Printf("  %-32s %d\n", k, s.results[k])
+	}
+	fmt.Printf("violations: %d\n", len(s.violations))
+	if len(s.violations) > 0 {
+		os.Exit(1)
+	}
+}
