@@ -481,3 +481,55 @@ func TestConsumerEngineKilled(t *testing.T) {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
 }
+
+// The D daemon runs short of descriptors (a 200-descriptor limit, 300
+// idle connections opened to its rank's data port): its accept loop backs
+// off instead of stopping for good, and once the idle connections go, a
+// request is done.
+func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d, err := daemon.StartWrapped([]string{"prlimit", "--nofile=200:200"}, dir, "D", "builtin", "-socket-mode", "0666")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	defer D.Close()
+	addr := dataPort(t, d, dir, "D")
+	var idle []net.Conn
+	defer func() {
+		for _, c := range idle {
+			c.Close()
+		}
+	}()
+	for range 300 {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			break
+		}
+		idle = append(idle, c)
+	}
+	time.Sleep(500 * time.Millisecond) // the daemon hits its limit and backs off
+	for _, c := range idle {
+		c.Close()
+	}
+	idle = nil
+	ids := []topology.BlockID{0, 1}
+	registerD(t, D, "d-1", "t-1", p.Peer, ids)
+	finishP(t, P, "p-1", "t-1", ids)
+	pOut := make(chan map[string]kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(P, 15*time.Second, "p-1") }()
+	if o := outcomesOf(D, 15*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("after the descriptors came back: %+v, want done", o)
+	}
+	if o := (<-pOut)["p-1"]; o.Result != kvxfer.ResultDone {
+		t.Errorf("P: %+v, want done", o)
+	}
+	log, _ := os.ReadFile(d.Log)
+	if !bytes.Contains(log, []byte("accept failed; retrying")) {
+		t.Errorf("the daemon never ran out of descriptors (the test did not test); its log:\n%s", log)
+	}
+}

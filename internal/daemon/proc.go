@@ -54,6 +54,16 @@ func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 // through "ip netns exec" (root only): daemons of a test on hosts it
 // models, joined by links it can cut.
 func StartIn(netns, dir, name, backend string, extra ...string) (*Proc, error) {
+	var wrap []string
+	if netns != "" {
+		wrap = []string{"ip", "netns", "exec", netns}
+	}
+	return StartWrapped(wrap, dir, name, backend, extra...)
+}
+
+// StartWrapped is Start with the daemon run through the command wrap
+// (e.g. "prlimit --nofile=300": a daemon short of descriptors).
+func StartWrapped(wrap []string, dir, name, backend string, extra ...string) (*Proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -75,9 +85,9 @@ func StartIn(netns, dir, name, backend string, extra ...string) (*Proc, error) {
 	}
 	args := append([]string{"serve", "-socket", d.Sock, "-peer-listen", "127.0.0.1:0", "-metrics-listen", "",
 		"-shm-dir", dir, "-ready-file", ready, "-drain-timeout", "5s", "-log-level", "warn", "-backend", backend}, extra...)
-	if netns != "" {
-		args = append([]string{"netns", "exec", netns, self}, args...)
-		self = "ip"
+	if len(wrap) > 0 {
+		args = append(append(slices.Clone(wrap[1:]), self), args...)
+		self = wrap[0]
 	}
 	d.cmd = exec.Command(self, args...)
 	d.cmd.Stdout, d.cmd.Stderr = logf, logf
