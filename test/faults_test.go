@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"hash/fnv"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
@@ -53,9 +55,29 @@ func registerD(t *testing.T, D *simengine.Engine, id, tid, pAddr string, ids []t
 	}
 }
 
-// finishP hands P's scheduler a finished request to keep for D.
+// salt is a request's pattern salt, from its transfer id: each request's
+// bytes differ, so stale bytes of an earlier request do not pass.
+func salt(tid string) int {
+	h := fnv.New32a()
+	h.Write([]byte(tid))
+	return int(h.Sum32()%4096) + 1
+}
+
+// wantBytes checks that D's blocks ids hold the KV P's blocks ids held for
+// transfer tid (finishP wrote it).
+func wantBytes(t *testing.T, D *simengine.Engine, tid string, ids []topology.BlockID) {
+	t.Helper()
+	req := &kvsim.Request{Tokens: 32, P: []topology.Span{{IDs: ids}}, D: []topology.Span{{IDs: ids}}, Salt: salt(tid)}
+	if err := D.Ranks[0].CheckRequest(req, 16, 16); err != nil {
+		t.Errorf("transfer %s done with wrong bytes: %v", tid, err)
+	}
+}
+
+// finishP hands P's scheduler a finished request to keep for D, its
+// blocks holding the request's pattern.
 func finishP(t *testing.T, P *simengine.Engine, id, tid string, ids []topology.BlockID) {
 	t.Helper()
+	P.Ranks[0].FillSalt([]topology.Span{{IDs: ids}}, salt(tid))
 	req := &kvxfer.Request{ID: id, PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
 	if err := P.Sched.AfterAlloc(req, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
 		t.Fatal(err)
@@ -151,6 +173,7 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 	if err != nil || o.Result != kvxfer.ResultDone {
 		t.Fatalf("new request after P's restart: %+v, %v; want done within 10 s", o, err)
 	}
+	wantBytes(t, D, "t-new", ids)
 	if po := <-pDone; po.Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", po)
 	}
@@ -244,6 +267,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	if got := outcomesOf(D, 10*time.Second, "d-first"); got["d-first"].Result != kvxfer.ResultDone {
 		t.Fatalf("before the partition: %+v, want done", got)
 	}
+	wantBytes(t, D, "t-first", ids)
 	for i := range 3 {
 		id := string(rune('a' + i))
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
@@ -272,6 +296,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	if got := outcomesOf(D, 10*time.Second, "d-new"); got["d-new"].Result != kvxfer.ResultDone {
 		t.Fatalf("after the link came back: %+v, want done within 10 s", got)
 	}
+	wantBytes(t, D, "t-new", ids)
 	t.Logf("a new request was done %v after the link came back", time.Since(healed).Round(time.Millisecond))
 	po := <-pOut
 	if po["p-new"].Result != kvxfer.ResultDone {
@@ -316,6 +341,8 @@ func TestProducerDaemonFrozenBriefly(t *testing.T) {
 	for i, id := range dIDs {
 		if o := got[id]; o.Result != kvxfer.ResultDone {
 			t.Errorf("D %s: %+v, want done", id, o)
+		} else {
+			wantBytes(t, D, "t-"+id[2:], []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
 		}
 		if o := po[pIDs[i]]; o.Result != kvxfer.ResultDone {
 			t.Errorf("P %s: %+v, want done", pIDs[i], o)
@@ -369,6 +396,7 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 	if o := outcomesOf(D2, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("new request after D's restart: %+v, want done within 10 s", o)
 	}
+	wantBytes(t, D2, "t-new", ids)
 	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
@@ -477,6 +505,7 @@ func TestConsumerEngineKilled(t *testing.T) {
 	if o := outcomesOf(D, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("new request after D's engine came back: %+v, want done within 10 s", o)
 	}
+	wantBytes(t, D, "t-new", ids)
 	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
@@ -525,6 +554,7 @@ func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 	if o := outcomesOf(D, 15*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("after the descriptors came back: %+v, want done", o)
 	}
+	wantBytes(t, D, "t-1", ids)
 	if o := (<-pOut)["p-1"]; o.Result != kvxfer.ResultDone {
 		t.Errorf("P: %+v, want done", o)
 	}
