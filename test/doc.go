@@ -4,8 +4,11 @@
 // user, run as uid 65534 through setpriv when the suite runs as root, or
 // anyone who reaches the peer port) and checks it is refused and the
 // victim engine's bytes and requests are untouched. faults_test.go is the
-// fault suite: daemons killed and restarted, links cut and healed between
-// daemons in network namespaces the test makes (as root), each scenario
-// with a time bound on its outcomes, each request ending once. The foundation's
+// fault suite: daemons and engines killed and restarted, a daemon frozen
+// or out of descriptors, links cut and healed between daemons in network
+// namespaces the test makes (as root), and, in relay_test.go, delay and
+// packet loss injected by a relay between TUN devices; each scenario with
+// a time bound on its outcomes and the bytes of its done requests
+// checked. soak/ runs them at random for a while. The foundation's
 // byte-level semantic tests live beside the code (hotpath/semantic_test.go).
 package test
