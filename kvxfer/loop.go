@@ -35,6 +35,7 @@ type loopState struct {
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
 	abortedP  map[string]time.Time   // producer requests aborted, by id
+	abortedT  map[string]time.Time   // and by transfer id
 	early     map[string]*earlyNotes // pull: notices before their request
 	pins      map[senderKey]pin      // agents speaking for ranks of engines not handshaken with
 
@@ -203,6 +204,7 @@ func (st *loopState) init(w *Worker) {
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]tomb{}
 	st.abortedP = map[string]time.Time{}
+	st.abortedT = map[string]time.Time{}
 	st.pins = map[senderKey]pin{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
@@ -290,7 +292,7 @@ func rebase(d, clock time.Time, now time.Time) time.Time {
 func (st *loopState) step(meta *StepMeta) {
 	now := time.Now()
 	for _, id := range meta.NotProcessed {
-		st.producerAborted(id)
+		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
 		st.newPrefill(&meta.Prefill[i], meta.Step)
@@ -473,7 +475,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0 || len(st.early) > 0
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0
 }
 
 // nextWake is when the loop must run again without other input.
@@ -536,6 +538,11 @@ func (st *loopState) tick(now time.Time) {
 	for k, t := range st.abortedP {
 		if now.Sub(t) > st.cfg.RegistrationTTL {
 			delete(st.abortedP, k)
+		}
+	}
+	for k, t := range st.abortedT {
+		if now.Sub(t) > st.cfg.RegistrationTTL {
+			delete(st.abortedT, k)
 		}
 	}
 	for k, e := range st.early {

@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -195,6 +196,10 @@ type StepMeta struct {
 	// NotProcessed lists producer requests that finished abnormally; their
 	// blocks are freed at once.
 	NotProcessed []string
+	// NotProcessedTransferIDs maps those of NotProcessed that carry a
+	// transfer id to it, so that consumer ranks that registered by transfer
+	// id alone hear of the abort at once.
+	NotProcessedTransferIDs map[string]string
 }
 
 // Result is a terminal outcome kind.
@@ -267,6 +272,7 @@ func (m *StepMeta) Clone() *StepMeta {
 	})
 	c.InBatch = slices.Clone(m.InBatch)
 	c.NotProcessed = slices.Clone(m.NotProcessed)
+	c.NotProcessedTransferIDs = maps.Clone(m.NotProcessedTransferIDs)
 	return &c
 }
 

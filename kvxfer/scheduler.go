@@ -100,6 +100,8 @@ type Scheduler struct {
 	prefill      []SendReq
 	inBatch      []string
 	notProcessed []string
+	// notProcessedTID: their transfer ids, by request id.
+	notProcessedTID map[string]string
 
 	// held: producer requests whose blocks are held until a worker
 	// reports them sending (the reference's _finished_request_blocks).
@@ -467,6 +469,12 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	if !status.normal() {
 		if p.DoRemoteDecode {
 			s.notProcessed = append(s.notProcessed, r.ID)
+			if p.TransferID != "" {
+				if s.notProcessedTID == nil {
+					s.notProcessedTID = map[string]string{}
+				}
+				s.notProcessedTID[r.ID] = p.TransferID
+			}
 		}
 		return false, nil, nil
 	}
@@ -505,8 +513,8 @@ func (s *Scheduler) BuildMeta() *StepMeta {
 	s.step++
 	now := s.cfg.Now()
 	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Prefill: s.prefill, Save: s.save,
-		InBatch: s.inBatch, NotProcessed: s.notProcessed}
-	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed = nil, nil, nil, nil, nil, nil
+		InBatch: s.inBatch, NotProcessed: s.notProcessed, NotProcessedTransferIDs: s.notProcessedTID}
+	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed, s.notProcessedTID = nil, nil, nil, nil, nil, nil, nil
 	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Send, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Prefill, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })

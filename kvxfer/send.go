@@ -233,7 +233,8 @@ func (st *loopState) onReg(m *msg) {
 	g := st.regs[k]
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: time.Now()}
-		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" {
+		_, goneT := st.abortedT[m.TransferID]
+		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" || goneT && m.TransferID != "" {
 			g.ranks[m.TPRank] = m
 			st.failRegGroup(g, m.PReq, "producer aborted the request")
 			return
@@ -798,7 +799,7 @@ func (st *loopState) consumerGaveUp(m *msg) {
 
 // producerAborted handles a producer request the engine aborted after it
 // was scheduled: nothing will be sent, so matched consumers are told.
-func (st *loopState) producerAborted(id string) {
+func (st *loopState) producerAborted(id, tid string) {
 	if s := st.sends[id]; s != nil {
 		s.aborted, s.prefill = true, false
 		if st.cfg.Mode == ModePull {
@@ -813,7 +814,18 @@ func (st *loopState) producerAborted(id string) {
 	}
 	st.abortedP[id] = time.Now()
 	var found *regGroup
+	if tid != "" {
+		// Registrations name the transfer id (push: D may not know P's
+		// request id): the one that matches is this request's.
+		st.abortedT[tid] = time.Now()
+		if ks := st.regByTID[tid]; len(ks) > 0 {
+			found = st.regs[ks[0]]
+		}
+	}
 	for _, k := range st.regByBase[BaseRequestID(id)] {
+		if found != nil {
+			break
+		}
 		g := st.regs[k]
 		if g.preq == id || g.preq == "" && g.key.dreq == id {
 			found = g

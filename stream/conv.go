@@ -154,7 +154,8 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 	if p == nil {
 		return nil, invalid("step is missing")
 	}
-	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed}
+	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed,
+		NotProcessedTransferIDs: p.NotProcessedTransferIds}
 	for i, r := range p.Recv {
 		f := fmt.Sprintf("step.recv[%d]", i)
 		if r == nil || r.Remote == nil {
@@ -208,7 +209,8 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 
 // StepToProto converts a step's metadata.
 func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta {
-	p := &pb.StepMeta{Step: m.Step, SchedulerClockUnixNanos: timeTo(m.SchedulerClock), NotProcessed: m.NotProcessed}
+	p := &pb.StepMeta{Step: m.Step, SchedulerClockUnixNanos: timeTo(m.SchedulerClock), NotProcessed: m.NotProcessed,
+		NotProcessedTransferIds: m.NotProcessedTransferIDs}
 	for _, r := range m.Recv {
 		p.Recv = append(p.Recv, &pb.RecvRequest{RequestId: r.ReqID, TransferId: r.TransferID, Local: spansToProto(r.Local), Aborted: r.Aborted,
 			DeadlineUnixNanos: timeTo(r.Deadline),

@@ -563,3 +563,55 @@ func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 		t.Errorf("the daemon never ran out of descriptors (the test did not test); its log:\n%s", log)
 	}
 }
+
+// P TP1, D TP2 over real daemons: D's rank 1 takes the request and
+// registers, P aborts it (failing rank 1), and only then does rank 0 take
+// the same step and register. P answers rank 0's late registration with
+// the failure, so the request ends on D within seconds, not at its
+// registration timeout.
+func TestLateRankRegistrationAnswered(t *testing.T) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	m := simModel
+	D, err := simengine.Attach(simengine.Config{Dir: dir, Sock: d.Sock, Peer: d.Peer, ID: "D", Model: &m, Engine: simEngine(2, 2),
+		Mode: kvxfer.ModePush, Version: "test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer D.Close()
+	ids := []topology.BlockID{0, 1}
+	req := &kvxfer.Request{ID: "d-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t-1", DoRemotePrefill: true,
+		RemoteEngineID: "P", RemoteAddr: p.Peer, RemoteTPSize: 1}}
+	ext, _ := D.Sched.MatchedTokens(req, 0)
+	if err := D.Sched.AfterAlloc(req, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, External: ext}); err != nil {
+		t.Fatal(err)
+	}
+	meta := D.Sched.BuildMeta()
+	if err := D.Streams[1].Step(meta); err != nil { // rank 1 only
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // rank 1's registration reaches P
+	pReq := &kvxfer.Request{ID: "p-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t-1", DoRemoteDecode: true}}
+	if err := P.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := P.Sched.RequestFinished(pReq, kvxfer.FinishAborted, [][]topology.BlockID{ids}, 32); err != nil {
+		t.Fatal(err)
+	}
+	if err := P.Step(P.Sched.BuildMeta()); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)              // P failed rank 1
+	if err := D.Streams[0].Step(meta); err != nil { // rank 0, late
+		t.Fatal(err)
+	}
+	late := time.Now()
+	o, ok := outcomesOf(D, 10*time.Second, "d-1")["d-1"]
+	if !ok || o.Result != kvxfer.ResultFailed {
+		t.Fatalf("D: %+v (reported %v), want failed within 10 s of rank 0's late registration", o, ok)
+	}
+	t.Logf("D's request ended %v after rank 0 registered late: %s", time.Since(late).Round(time.Millisecond), o.Reason)
+}

@@ -1159,9 +1159,12 @@ type StepMeta struct {
 	// prefill: layer-wise push requests prefilling in this step.
 	Prefill []*SendRequest `protobuf:"bytes,5,rep,name=prefill,proto3" json:"prefill,omitempty"`
 	// not_processed: producer requests aborted after scheduling.
-	NotProcessed  []string `protobuf:"bytes,6,rep,name=not_processed,json=notProcessed,proto3" json:"not_processed,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	NotProcessed []string `protobuf:"bytes,6,rep,name=not_processed,json=notProcessed,proto3" json:"not_processed,omitempty"`
+	// not_processed_transfer_ids: the transfer ids of those that have one,
+	// by request id.
+	NotProcessedTransferIds map[string]string `protobuf:"bytes,7,rep,name=not_processed_transfer_ids,json=notProcessedTransferIds,proto3" json:"not_processed_transfer_ids,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *StepMeta) Reset() {
@@ -1232,6 +1235,13 @@ func (x *StepMeta) GetPrefill() []*SendRequest {
 func (x *StepMeta) GetNotProcessed() []string {
 	if x != nil {
 		return x.NotProcessed
+	}
+	return nil
+}
+
+func (x *StepMeta) GetNotProcessedTransferIds() map[string]string {
+	if x != nil {
+		return x.NotProcessedTransferIds
 	}
 	return nil
 }
@@ -4669,14 +4679,18 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"transferId\x12.\n" +
 	"\x13deadline_unix_nanos\x18\x03 \x01(\x03R\x11deadlineUnixNanos\x12'\n" +
 	"\x06blocks\x18\x04 \x03(\v2\x0f.kvxfer.v1.SpanR\x06blocks\x12\x16\n" +
-	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\x8a\x02\n" +
+	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\xc5\x03\n" +
 	"\bStepMeta\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12;\n" +
 	"\x1ascheduler_clock_unix_nanos\x18\x02 \x01(\x03R\x17schedulerClockUnixNanos\x12*\n" +
 	"\x04recv\x18\x03 \x03(\v2\x16.kvxfer.v1.RecvRequestR\x04recv\x12*\n" +
 	"\x04send\x18\x04 \x03(\v2\x16.kvxfer.v1.SendRequestR\x04send\x120\n" +
 	"\aprefill\x18\x05 \x03(\v2\x16.kvxfer.v1.SendRequestR\aprefill\x12#\n" +
-	"\rnot_processed\x18\x06 \x03(\tR\fnotProcessed\"\xe1\x01\n" +
+	"\rnot_processed\x18\x06 \x03(\tR\fnotProcessed\x12m\n" +
+	"\x1anot_processed_transfer_ids\x18\a \x03(\v20.kvxfer.v1.StepMeta.NotProcessedTransferIdsEntryR\x17notProcessedTransferIds\x1aJ\n" +
+	"\x1cNotProcessedTransferIdsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x01\n" +
 	"\aOutcome\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x121\n" +
@@ -4981,7 +4995,7 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 55)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
@@ -5044,6 +5058,7 @@ var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(*StepsResponse)(nil),           // 58: kvxfer.v1.StepsResponse
 	(*CloseSchedulerRequest)(nil),   // 59: kvxfer.v1.CloseSchedulerRequest
 	(*CloseSchedulerResponse)(nil),  // 60: kvxfer.v1.CloseSchedulerResponse
+	nil,                             // 61: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
@@ -5059,93 +5074,94 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	12, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
 	13, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
 	13, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
-	5,  // 13: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
-	15, // 14: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
-	15, // 15: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
-	17, // 16: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
-	0,  // 17: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	8,  // 18: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	9,  // 19: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	18, // 20: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	14, // 21: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	19, // 22: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	22, // 23: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	21, // 24: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
-	23, // 25: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	16, // 26: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	24, // 27: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	8,  // 28: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	26, // 29: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	10, // 30: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 31: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	30, // 32: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 33: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	7,  // 34: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	33, // 35: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	31, // 36: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	31, // 37: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 38: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	30, // 39: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	31, // 40: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 41: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	31, // 42: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	4,  // 43: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	32, // 44: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	30, // 45: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	30, // 46: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	14, // 47: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	16, // 48: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	31, // 49: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 50: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	38, // 51: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	40, // 52: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	42, // 53: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	46, // 54: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	48, // 55: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	50, // 56: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	53, // 57: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
-	0,  // 58: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
-	4,  // 59: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
-	52, // 60: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
-	52, // 61: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
-	52, // 62: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
-	30, // 63: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	14, // 64: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	54, // 65: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	55, // 66: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	51, // 67: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	56, // 68: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	20, // 69: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	28, // 70: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	34, // 71: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	36, // 72: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	38, // 73: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	40, // 74: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	42, // 75: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	44, // 76: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	46, // 77: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	48, // 78: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	51, // 79: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	57, // 80: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	59, // 81: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	25, // 82: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	29, // 83: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	35, // 84: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	37, // 85: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	39, // 86: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	41, // 87: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	43, // 88: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	45, // 89: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	47, // 90: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	49, // 91: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	56, // 92: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	58, // 93: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	60, // 94: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	82, // [82:95] is the sub-list for method output_type
-	69, // [69:82] is the sub-list for method input_type
-	69, // [69:69] is the sub-list for extension type_name
-	69, // [69:69] is the sub-list for extension extendee
-	0,  // [0:69] is the sub-list for field type_name
+	61, // 13: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	5,  // 14: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
+	15, // 15: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
+	15, // 16: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
+	17, // 17: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
+	0,  // 18: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
+	8,  // 19: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	9,  // 20: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	18, // 21: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	14, // 22: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	19, // 23: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	22, // 24: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	21, // 25: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
+	23, // 26: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	16, // 27: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	24, // 28: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	8,  // 29: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	26, // 30: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	10, // 31: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 32: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	30, // 33: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 34: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	7,  // 35: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	33, // 36: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	31, // 37: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	31, // 38: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 39: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	30, // 40: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	31, // 41: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 42: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	31, // 43: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	4,  // 44: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	32, // 45: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	30, // 46: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	30, // 47: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	14, // 48: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	16, // 49: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	31, // 50: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 51: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	38, // 52: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	40, // 53: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	42, // 54: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	46, // 55: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	48, // 56: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	50, // 57: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	53, // 58: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 59: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	4,  // 60: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	52, // 61: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	52, // 62: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	52, // 63: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	30, // 64: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	14, // 65: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	54, // 66: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	55, // 67: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	51, // 68: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	56, // 69: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	20, // 70: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	28, // 71: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	34, // 72: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	36, // 73: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	38, // 74: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	40, // 75: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	42, // 76: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	44, // 77: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	46, // 78: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	48, // 79: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	51, // 80: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	57, // 81: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	59, // 82: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	25, // 83: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	29, // 84: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	35, // 85: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	37, // 86: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	39, // 87: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	41, // 88: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	43, // 89: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	45, // 90: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	47, // 91: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	49, // 92: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	56, // 93: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	58, // 94: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	60, // 95: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	83, // [83:96] is the sub-list for method output_type
+	70, // [70:83] is the sub-list for method input_type
+	70, // [70:70] is the sub-list for extension type_name
+	70, // [70:70] is the sub-list for extension extendee
+	0,  // [0:70] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -5178,7 +5194,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   55,
+			NumMessages:   56,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -199,20 +199,29 @@ class SendRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepMeta(_message.Message):
-    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed")
+    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed", "not_processed_transfer_ids")
+    class NotProcessedTransferIdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLOCK_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     RECV_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     NOT_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    NOT_PROCESSED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     scheduler_clock_unix_nanos: int
     recv: _containers.RepeatedCompositeFieldContainer[RecvRequest]
     send: _containers.RepeatedCompositeFieldContainer[SendRequest]
     prefill: _containers.RepeatedCompositeFieldContainer[SendRequest]
     not_processed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ...) -> None: ...
+    not_processed_transfer_ids: _containers.ScalarMap[str, str]
+    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("request_id", "result", "reason")
