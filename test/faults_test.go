@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -130,54 +131,68 @@ func attachSim(t *testing.T, dir, sock, peer, id string, eng int, mode kvxfer.Mo
 // The P daemon is SIGKILLed while D requests wait on it (registered,
 // their WRITEs never coming): each ends failed within 10 s, with a reason
 // naming P. P's daemon comes back on the same address with its engine
-// re-attached under the same id: a new request is done within 10 s.
+// re-attached under the same id: a new request is done within 10 s. Twice:
+// after the second round D's daemon holds no request and no more
+// goroutines than after the first (nothing of a dead peer stays).
 func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 	dir := world(t)
-	pAddr := freeAddr(t)
+	pAddr, dMetrics := freeAddr(t), freeAddr(t)
 	p := startDaemon(t, dir, "P", "-peer-listen", pAddr)
-	d := startDaemon(t, dir, "D")
+	d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
 	defer D.Close()
-	for i := range 3 {
-		id := string(rune('a' + i))
-		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
-	}
-	time.Sleep(300 * time.Millisecond) // the registrations reach P
-	_ = p.Kill()
-	killed := time.Now()
-	P.Close()
-	got := outcomesOf(D, 10*time.Second-time.Since(killed), "d-a", "d-b", "d-c")
-	for _, id := range []string{"d-a", "d-b", "d-c"} {
-		o, ok := got[id]
-		if !ok {
-			t.Fatalf("%s: no outcome 10 s after P's daemon was killed", id)
+	var baseline float64
+	for round := range 2 {
+		first := topology.BlockID(8 * round)
+		var dIDs []string
+		for i := range 3 {
+			id := fmt.Sprintf("r%d%c", round, 'a'+i)
+			registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{first + topology.BlockID(2*i), first + topology.BlockID(2*i+1)})
+			dIDs = append(dIDs, "d-"+id)
 		}
-		if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "producer engine P") {
-			t.Errorf("%s: %+v, want failed naming producer engine P", id, o)
+		time.Sleep(300 * time.Millisecond) // the registrations reach P
+		_ = p.Kill()
+		killed := time.Now()
+		P.Close()
+		got := outcomesOf(D, 10*time.Second-time.Since(killed), dIDs...)
+		for _, id := range dIDs {
+			o, ok := got[id]
+			if !ok {
+				t.Fatalf("%s: no outcome 10 s after P's daemon was killed", id)
+			}
+			if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "producer engine P") {
+				t.Errorf("%s: %+v, want failed naming producer engine P", id, o)
+			}
 		}
-	}
-	t.Logf("D's requests ended %v after the kill", time.Since(killed).Round(time.Millisecond))
+		t.Logf("round %d: D's requests ended %v after the kill", round, time.Since(killed).Round(time.Millisecond))
 
-	// P comes back on the same address; its engine re-attaches.
-	p2 := startDaemon(t, dir, "P2", "-peer-listen", pAddr)
-	P2 := attachSim(t, dir, p2.Sock, p2.Peer, "P", 1, kvxfer.ModePush)
-	defer P2.Close()
-	back := time.Now()
-	ids := []topology.BlockID{8, 9}
-	registerD(t, D, "d-new", "t-new", p2.Peer, ids)
-	finishP(t, P2, "p-new", "t-new", ids)
-	pDone := make(chan kvxfer.Outcome, 1)
-	go func() { o, _ := outcome(P2, "p-new", 10*time.Second); pDone <- o }()
-	o, err := outcome(D, "d-new", 10*time.Second)
-	if err != nil || o.Result != kvxfer.ResultDone {
-		t.Fatalf("new request after P's restart: %+v, %v; want done within 10 s", o, err)
+		// P comes back on the same address; its engine re-attaches.
+		p = startDaemon(t, dir, fmt.Sprintf("P%d", round+1), "-peer-listen", pAddr)
+		P = attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+		back := time.Now()
+		ids := []topology.BlockID{first + 6, first + 7}
+		tid := fmt.Sprintf("t-r%dnew", round)
+		registerD(t, D, "d-new", tid, p.Peer, ids)
+		finishP(t, P, "p-new", tid, ids)
+		pDone := make(chan kvxfer.Outcome, 1)
+		go func(P *simengine.Engine) { o, _ := outcome(P, "p-new", 10*time.Second); pDone <- o }(P)
+		o, err := outcome(D, "d-new", 10*time.Second)
+		if err != nil || o.Result != kvxfer.ResultDone {
+			t.Fatalf("round %d: new request after P's restart: %+v, %v; want done within 10 s", round, o, err)
+		}
+		wantBytes(t, D, tid, ids)
+		if po := <-pDone; po.Result != kvxfer.ResultDone {
+			t.Errorf("round %d: P's new request: %+v, want done", round, po)
+		}
+		t.Logf("round %d: a new request was done %v after P came back", round, time.Since(back).Round(time.Millisecond))
+		if round == 0 {
+			baseline = settled(t, "D's daemon", dMetrics, 1e9, 0)
+		} else {
+			settled(t, "D's daemon", dMetrics, baseline, 5)
+		}
 	}
-	wantBytes(t, D, "t-new", ids)
-	if po := <-pDone; po.Result != kvxfer.ResultDone {
-		t.Errorf("P's new request: %+v, want done", po)
-	}
-	t.Logf("a new request was done %v after P came back", time.Since(back).Round(time.Millisecond))
+	P.Close()
 }
 
 // netLink is two network namespaces joined by a veth pair: two hosts
@@ -356,12 +371,13 @@ func TestProducerDaemonFrozenBriefly(t *testing.T) {
 // with its engine re-attached: a new request is done within 10 s.
 func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 	dir := world(t)
-	dAddr := freeAddr(t)
-	p := startDaemon(t, dir, "P")
+	dAddr, pMetrics := freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-metrics-listen", pMetrics)
 	d := startDaemon(t, dir, "D", "-peer-listen", dAddr)
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	baseline := metricsOf(t, pMetrics)["go_goroutines"]
 	var pIDs []string
 	for i := range 3 {
 		id := string(rune('a' + i))
@@ -401,6 +417,7 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
 	t.Logf("a new request was done %v after D came back", time.Since(back).Round(time.Millisecond))
+	settled(t, "P's daemon", pMetrics, baseline, 15) // the new peer's connections
 }
 
 // TestEngineChild is the child side of TestConsumerEngineKilled: a D
@@ -426,10 +443,12 @@ func TestEngineChild(t *testing.T) {
 // under the same id gets its next request done.
 func TestConsumerEngineKilled(t *testing.T) {
 	dir := world(t)
-	p := startDaemon(t, dir, "P")
-	d := startDaemon(t, dir, "D")
+	pMetrics, dMetrics := freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-metrics-listen", pMetrics)
+	d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
+	pBase, dBase := metricsOf(t, pMetrics)["go_goroutines"], metricsOf(t, dMetrics)["go_goroutines"]
 	cmd := exec.Command(os.Args[0], "-test.run=^TestEngineChild$", "-test.v")
 	cmd.Env = append(os.Environ(), "KVXFER_ENGINE_CHILD=1", "KVXFER_DIR="+dir, "KVXFER_SOCK="+d.Sock, "KVXFER_PEER="+d.Peer, "KVXFER_P="+p.Peer)
 	out, err := cmd.StdoutPipe()
@@ -509,6 +528,8 @@ func TestConsumerEngineKilled(t *testing.T) {
 	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", o)
 	}
+	settled(t, "P's daemon", pMetrics, pBase, 15) // the new peer's connections
+	settled(t, "D's daemon", dMetrics, dBase, 20) // a rank attached since, and its peer's connections
 }
 
 // The D daemon runs short of descriptors (a 200-descriptor limit, 300
@@ -614,4 +635,57 @@ func TestLateRankRegistrationAnswered(t *testing.T) {
 		t.Fatalf("D: %+v (reported %v), want failed within 10 s of rank 0's late registration", o, ok)
 	}
 	t.Logf("D's request ended %v after rank 0 registered late: %s", time.Since(late).Round(time.Millisecond), o.Reason)
+}
+
+// metricsOf scrapes a daemon's /metrics and sums each metric's samples by
+// name (labels dropped).
+func metricsOf(t *testing.T, addr string) map[string]float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, rest, _ := strings.Cut(line, " ")
+		if i := strings.IndexByte(name, '{'); i >= 0 {
+			name = name[:i]
+		}
+		if i := strings.LastIndexByte(line, ' '); i >= 0 {
+			rest = line[i+1:]
+		}
+		var v float64
+		if _, err := fmt.Sscanf(rest, "%g", &v); err == nil {
+			out[name] += v
+		}
+	}
+	return out
+}
+
+// settled checks a surviving daemon after a scenario: it holds no request
+// and no transfer, and its goroutines came back to within slack of
+// baseline (no goroutine outlives the peer it served). It returns the
+// goroutines it counted.
+func settled(t *testing.T, name, addr string, baseline, slack float64) float64 {
+	t.Helper()
+	var m map[string]float64
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		m = metricsOf(t, addr)
+		if m["kvxfer_requests_open"] == 0 && m["kvxfer_transfers_in_flight"] == 0 && m["go_goroutines"] <= baseline+slack {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s after the scenario: %v requests open, %v transfers in flight, %v goroutines (%v before)",
+				name, m["kvxfer_requests_open"], m["kvxfer_transfers_in_flight"], m["go_goroutines"], baseline)
+			return m["go_goroutines"]
+		}
+	}
+	t.Logf("%s after the scenario: no request open, %v goroutines", name, m["go_goroutines"])
+	return m["go_goroutines"]
 }

@@ -21,6 +21,7 @@ type collector struct {
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, badInput, dropped, refusedAccess                 *prometheus.Desc
 	refused, authFailures                                      *prometheus.Desc
+	open, inFlight                                             *prometheus.Desc
 }
 
 func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
@@ -44,6 +45,8 @@ func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
 		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
 		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
+		open:              d("requests_open", "Requests a rank holds now, by side (producer: held for a consumer; consumer: receiving).", "side"),
+		inFlight:          d("transfers_in_flight", "Transfers a rank has posted that have not ended."),
 		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
 			"(write_late, write_deny, read_late, read_deny; deny drops the connection).", "verdict"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
@@ -77,6 +80,14 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		for _, w := range workers {
 			l := w.Layout()
 			labels := []string{engine, strconv.Itoa(l.TPRank), strconv.Itoa(l.PPRank)}
+			if st, err := w.State(); err == nil {
+				gauge := func(d *prometheus.Desc, v int, extra ...string) {
+					ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), append(append([]string(nil), labels...), extra...)...)
+				}
+				gauge(c.open, st.Sends, "producer")
+				gauge(c.open, st.Recvs, "consumer")
+				gauge(c.inFlight, st.Handles)
+			}
 			s := w.Metrics().Snapshot()
 			hist(ch, c.xferTime, s.TransferSeconds, labels)
 			hist(ch, c.postTime, s.PostSeconds, labels)
