@@ -89,9 +89,9 @@ func finishP(t *testing.T, P *simengine.Engine, id, tid string, ids []topology.B
 }
 
 // outcomesOf steps e until its ranks reported every request of ids, or
-// within passed, and returns the outcomes reported (each exactly once:
-// a second report of one is an error outcome).
-func outcomesOf(e *simengine.Engine, within time.Duration, ids ...string) map[string]kvxfer.Outcome {
+// within passed, and returns the outcomes reported; a request reported
+// twice fails the test.
+func outcomesOf(t *testing.T, e *simengine.Engine, within time.Duration, ids ...string) map[string]kvxfer.Outcome {
 	got := map[string]kvxfer.Outcome{}
 	for deadline := time.Now().Add(within); len(got) < len(ids) && time.Now().Before(deadline); {
 		if err := e.Step(e.Sched.BuildMeta()); err != nil {
@@ -105,8 +105,8 @@ func outcomesOf(e *simengine.Engine, within time.Duration, ids ...string) map[st
 					continue
 				}
 				for _, o := range append(out.Sending, out.Recving...) {
-					if _, twice := got[o.ReqID]; twice {
-						o = kvxfer.Outcome{ReqID: o.ReqID, Result: kvxfer.ResultFailed, Reason: "reported twice"}
+					if first, twice := got[o.ReqID]; twice {
+						t.Errorf("%s: %s reported twice: %+v, then %+v", e.ID, o.ReqID, first, o)
 					}
 					got[o.ReqID] = o
 				}
@@ -155,7 +155,7 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 		_ = p.Kill()
 		killed := time.Now()
 		P.Close()
-		got := outcomesOf(D, 10*time.Second-time.Since(killed), dIDs...)
+		got := outcomesOf(t, D, 10*time.Second-time.Since(killed), dIDs...)
 		for _, id := range dIDs {
 			o, ok := got[id]
 			if !ok {
@@ -278,8 +278,8 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	ids := []topology.BlockID{0, 1}
 	registerD(t, D, "d-first", "t-first", p.Peer, ids)
 	finishP(t, P, "p-first", "t-first", ids)
-	go func() { _ = outcomesOf(P, 10*time.Second, "p-first") }()
-	if got := outcomesOf(D, 10*time.Second, "d-first"); got["d-first"].Result != kvxfer.ResultDone {
+	go func() { _ = outcomesOf(t, P, 10*time.Second, "p-first") }()
+	if got := outcomesOf(t, D, 10*time.Second, "d-first"); got["d-first"].Result != kvxfer.ResultDone {
 		t.Fatalf("before the partition: %+v, want done", got)
 	}
 	wantBytes(t, D, "t-first", ids)
@@ -290,7 +290,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	n.set(t, false)
 	cut := time.Now()
-	got := outcomesOf(D, 10*time.Second, "d-a", "d-b", "d-c")
+	got := outcomesOf(t, D, 10*time.Second, "d-a", "d-b", "d-c")
 	for _, id := range []string{"d-a", "d-b", "d-c"} {
 		o, ok := got[id]
 		if !ok {
@@ -307,8 +307,8 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	registerD(t, D, "d-new", "t-new", p.Peer, ids)
 	finishP(t, P, "p-new", "t-new", ids)
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
-	if got := outcomesOf(D, 10*time.Second, "d-new"); got["d-new"].Result != kvxfer.ResultDone {
+	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
+	if got := outcomesOf(t, D, 10*time.Second, "d-new"); got["d-new"].Result != kvxfer.ResultDone {
 		t.Fatalf("after the link came back: %+v, want done within 10 s", got)
 	}
 	wantBytes(t, D, "t-new", ids)
@@ -350,8 +350,8 @@ func TestProducerDaemonFrozenBriefly(t *testing.T) {
 		t.Fatal(err)
 	}
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 20*time.Second, pIDs...) }()
-	got := outcomesOf(D, 20*time.Second, dIDs...)
+	go func() { pOut <- outcomesOf(t, P, 20*time.Second, pIDs...) }()
+	got := outcomesOf(t, D, 20*time.Second, dIDs...)
 	po := <-pOut
 	for i, id := range dIDs {
 		if o := got[id]; o.Result != kvxfer.ResultDone {
@@ -392,7 +392,7 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 		id := string(rune('a' + i))
 		finishP(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
 	}
-	got := outcomesOf(P, 10*time.Second, pIDs...)
+	got := outcomesOf(t, P, 10*time.Second, pIDs...)
 	for _, id := range pIDs {
 		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed {
 			t.Errorf("P %s: %+v (reported %v), want failed within 10 s of D's death", id, o, ok)
@@ -408,8 +408,8 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 	registerD(t, D2, "d-new", "t-new", p.Peer, ids)
 	finishP(t, P, "p-new", "t-new", ids)
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
-	if o := outcomesOf(D2, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
+	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
+	if o := outcomesOf(t, D2, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("new request after D's restart: %+v, want done within 10 s", o)
 	}
 	wantBytes(t, D2, "t-new", ids)
@@ -490,7 +490,7 @@ func TestConsumerEngineKilled(t *testing.T) {
 		finishP(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
 		pIDs = append(pIDs, "p-"+id)
 	}
-	got := outcomesOf(P, 10*time.Second, pIDs...)
+	got := outcomesOf(t, P, 10*time.Second, pIDs...)
 	for _, id := range pIDs {
 		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed {
 			t.Errorf("P %s: %+v (reported %v), want failed within 10 s of D's engine dying", id, o, ok)
@@ -520,8 +520,8 @@ func TestConsumerEngineKilled(t *testing.T) {
 	registerD(t, D, "d-new", "t-new", p.Peer, ids)
 	finishP(t, P, "p-new", "t-new", ids)
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 10*time.Second, "p-new") }()
-	if o := outcomesOf(D, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
+	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
+	if o := outcomesOf(t, D, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("new request after D's engine came back: %+v, want done within 10 s", o)
 	}
 	wantBytes(t, D, "t-new", ids)
@@ -571,8 +571,8 @@ func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 	registerD(t, D, "d-1", "t-1", p.Peer, ids)
 	finishP(t, P, "p-1", "t-1", ids)
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 15*time.Second, "p-1") }()
-	if o := outcomesOf(D, 15*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
+	go func() { pOut <- outcomesOf(t, P, 15*time.Second, "p-1") }()
+	if o := outcomesOf(t, D, 15*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("after the descriptors came back: %+v, want done", o)
 	}
 	wantBytes(t, D, "t-1", ids)
@@ -630,7 +630,7 @@ func TestLateRankRegistrationAnswered(t *testing.T) {
 		t.Fatal(err)
 	}
 	late := time.Now()
-	o, ok := outcomesOf(D, 10*time.Second, "d-1")["d-1"]
+	o, ok := outcomesOf(t, D, 10*time.Second, "d-1")["d-1"]
 	if !ok || o.Result != kvxfer.ResultFailed {
 		t.Fatalf("D: %+v (reported %v), want failed within 10 s of rank 0's late registration", o, ok)
 	}

@@ -167,8 +167,8 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 		dIDs, pIDs = append(dIDs, "d-"+id), append(pIDs, "p-"+id)
 	}
 	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(P, 30*time.Second, pIDs...) }()
-	got := outcomesOf(D, 30*time.Second, dIDs...)
+	go func() { pOut <- outcomesOf(t, P, 30*time.Second, pIDs...) }()
+	got := outcomesOf(t, D, 30*time.Second, dIDs...)
 	po := <-pOut
 	for i, id := range dIDs {
 		if got[id].Result != kvxfer.ResultDone || po[pIDs[i]].Result != kvxfer.ResultDone {
@@ -189,7 +189,7 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 	time.Sleep(500 * time.Millisecond) // the registrations reach P
 	r.cut.Store(true)
 	cut := time.Now()
-	got = outcomesOf(D, 10*time.Second, "d-w0", "d-w1")
+	got = outcomesOf(t, D, 10*time.Second, "d-w0", "d-w1")
 	for _, id := range []string{"d-w0", "d-w1"} {
 		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "producer engine P") {
 			t.Errorf("%s: %+v (reported %v), want failed within 10 s naming producer engine P", id, o, ok)
@@ -200,8 +200,8 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 	ids := []topology.BlockID{14, 15}
 	registerD(t, D, "d-new", "t-new", p.Peer, ids)
 	finishP(t, P, "p-new", "t-new", ids)
-	go func() { pOut <- outcomesOf(P, 20*time.Second, "p-new") }()
-	if o := outcomesOf(D, 20*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
+	go func() { pOut <- outcomesOf(t, P, 20*time.Second, "p-new") }()
+	if o := outcomesOf(t, D, 20*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
 		t.Fatalf("after the partition healed: %+v, want done", o)
 	}
 	wantBytes(t, D, "t-new", ids)
