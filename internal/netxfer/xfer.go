@@ -356,21 +356,37 @@ func (a *Agent) start(x *xfer) {
 	}
 	x.split = append(x.split, n)
 	x.parts = len(x.split) - 1
+	fail := func(err error) {
+		a.mu.Lock()
+		x.failLocked(fmt.Errorf("%w: %w", ErrXferFailed, err))
+		a.mu.Unlock()
+		a.signal()
+	}
+	// Each part goes out on its own connection at once (one goroutine
+	// each, the last on this one): the connections carry the transfer in
+	// parallel instead of one after another.
 	for part := range x.parts {
 		c, err := x.peer.conn()
 		if err == nil {
 			err = c.expect(partKey{x.id, uint32(part)}, x)
 		}
-		if err == nil {
-			err = a.sendPart(c, x, part)
-		}
 		if err != nil {
-			a.mu.Lock()
-			x.failLocked(fmt.Errorf("%w: %w", ErrXferFailed, err))
-			a.mu.Unlock()
-			a.signal()
+			fail(err)
 			return
 		}
+		if part == x.parts-1 {
+			if err := a.sendPart(c, x, part); err != nil {
+				fail(err)
+			}
+			return
+		}
+		a.wg.Add(1) // this goroutine is counted: the agent cannot have finished waiting
+		go func() {
+			defer a.wg.Done()
+			if err := a.sendPart(c, x, part); err != nil {
+				fail(err)
+			}
+		}()
 	}
 }
 
