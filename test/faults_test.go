@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"fmt"
 	"hash/fnv"
+	"io"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -268,8 +269,8 @@ func startDaemonIn(t *testing.T, netns, dir, name string, extra ...string) *daem
 func TestNetworkPartitionAndHeal(t *testing.T) {
 	n := newNetLink(t)
 	dir := world(t)
-	p := startDaemonIn(t, n.a, dir, "P", "-peer-listen", n.aIP+":0", "-data-host", n.aIP)
-	d := startDaemonIn(t, n.b, dir, "D", "-peer-listen", n.bIP+":0", "-data-host", n.bIP)
+	p := startDaemonIn(t, n.a, dir, "P", "-peer-listen", n.aIP+":0", "-data-host", n.aIP, "-metrics-listen", "127.0.0.1:9700")
+	d := startDaemonIn(t, n.b, dir, "D", "-peer-listen", n.bIP+":0", "-data-host", n.bIP, "-metrics-listen", "127.0.0.1:9700")
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -283,6 +284,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 		t.Fatalf("before the partition: %+v, want done", got)
 	}
 	wantBytes(t, D, "t-first", ids)
+	pBase, dBase := metricsIn(t, n.a, "127.0.0.1:9700")["go_goroutines"], metricsIn(t, n.b, "127.0.0.1:9700")["go_goroutines"]
 	for i := range 3 {
 		id := string(rune('a' + i))
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
@@ -317,6 +319,8 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	if po["p-new"].Result != kvxfer.ResultDone {
 		t.Errorf("P's new request: %+v, want done", po["p-new"])
 	}
+	settledIn(t, "P's daemon", n.a, "127.0.0.1:9700", pBase, 10)
+	settledIn(t, "D's daemon", n.b, "127.0.0.1:9700", dBase, 10)
 }
 
 // The P daemon is frozen (SIGSTOP) for two seconds, less than the peer
@@ -646,8 +650,18 @@ func metricsOf(t *testing.T, addr string) map[string]float64 {
 		t.Fatalf("scrape %s: %v", addr, err)
 	}
 	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	return parseMetrics(string(b))
+}
+
+// parseMetrics sums the samples of a Prometheus text exposition by
+// metric name (labels dropped).
+func parseMetrics(text string) map[string]float64 {
 	out := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
+	sc := bufio.NewScanner(strings.NewReader(text))
 	for sc.Scan() {
 		line := sc.Text()
 		if line == "" || line[0] == '#' {

@@ -2,7 +2,9 @@ package test
 
 import (
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"runtime"
@@ -152,8 +154,8 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 	r.delay.Store(int64(20 * time.Millisecond))
 	r.loss.Store(20)
 	dir := world(t)
-	p := startDaemonIn(t, r.a, dir, "P", "-peer-listen", r.aIP+":0", "-data-host", r.aIP)
-	d := startDaemonIn(t, r.b, dir, "D", "-peer-listen", r.bIP+":0", "-data-host", r.bIP)
+	p := startDaemonIn(t, r.a, dir, "P", "-peer-listen", r.aIP+":0", "-data-host", r.aIP, "-metrics-listen", "127.0.0.1:9700")
+	d := startDaemonIn(t, r.b, dir, "D", "-peer-listen", r.bIP+":0", "-data-host", r.bIP, "-metrics-listen", "127.0.0.1:9700")
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -180,6 +182,7 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 		t.Error("the relay dropped no packet: the loss was not tested")
 	}
 	t.Logf("over 20 ms each way and 2%% loss: %d packets passed, %d dropped", r.passed.Load(), r.dropped.Load())
+	pBase, dBase := metricsIn(t, r.a, "127.0.0.1:9700")["go_goroutines"], metricsIn(t, r.b, "127.0.0.1:9700")["go_goroutines"]
 
 	// A partition: everything is dropped.
 	for i := range 2 {
@@ -206,4 +209,63 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 	}
 	wantBytes(t, D, "t-new", ids)
 	<-pOut
+	settledIn(t, "P's daemon", r.a, "127.0.0.1:9700", pBase, 10)
+	settledIn(t, "D's daemon", r.b, "127.0.0.1:9700", dBase, 10)
+}
+
+// metricsIn scrapes the /metrics of a daemon in network namespace ns
+// (from a thread that enters it: the namespaces are not reachable from
+// here otherwise), summed by metric name.
+func metricsIn(t *testing.T, ns, addr string) map[string]float64 {
+	t.Helper()
+	type res struct {
+		body string
+		err  error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with this goroutine
+		fd, err := unix.Open("/var/run/netns/"+ns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err == nil {
+			err = unix.Setns(fd, unix.CLONE_NEWNET)
+			unix.Close(fd)
+		}
+		if err != nil {
+			ch <- res{err: err}
+			return
+		}
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			ch <- res{err: err}
+			return
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(c, "GET /metrics HTTP/1.0\r\nHost: %s\r\n\r\n", addr)
+		b, err := io.ReadAll(c)
+		ch <- res{string(b), err}
+	}()
+	r := <-ch
+	if r.err != nil {
+		t.Fatalf("scrape %s in %s: %v", addr, ns, r.err)
+	}
+	return parseMetrics(r.body)
+}
+
+// settledIn is settled for a daemon in a network namespace.
+func settledIn(t *testing.T, name, ns, addr string, baseline, slack float64) {
+	t.Helper()
+	var m map[string]float64
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		m = metricsIn(t, ns, addr)
+		if m["kvxfer_requests_open"] == 0 && m["kvxfer_transfers_in_flight"] == 0 && m["go_goroutines"] <= baseline+slack {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s after the scenario: %v requests open, %v transfers in flight, %v goroutines (%v before)",
+				name, m["kvxfer_requests_open"], m["kvxfer_transfers_in_flight"], m["go_goroutines"], baseline)
+			return
+		}
+	}
+	t.Logf("%s after the scenario: no request open, %v goroutines (%v before)", name, m["go_goroutines"], baseline)
 }
