@@ -95,3 +95,53 @@ func TestPeerRestartFailsOldRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A producer restarts (new agents, a new generation) while the consumer
+// has nothing waiting on it, so no probe notices: the consumer's next
+// request finds its handshake stale (its registration or READ cannot reach
+// the old agent), handshakes again and goes through, instead of failing.
+func TestIdleConsumerMeetsRestartedProducer(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+			dir := kvxfer.NewDirectory()
+			d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", mode, nil)
+			defer d.close(t)
+			rng := rand.New(rand.NewPCG(9, 10))
+			run := func(p *simEngine, id string) kvxfer.Outcome {
+				t.Helper()
+				groups := d.ranks[0][0].Layout.GroupList()
+				q := makeRequest(id, 40, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+				p.ranks[0][0].Fill(q.sim.P)
+				now := time.Now()
+				p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+				d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(mode, p, now.Add(time.Minute))}})
+				out := awaitOutcomes(t, 2, p, d)
+				o := out.recv["d-"+id]
+				if len(o) != 1 {
+					t.Fatalf("D outcomes %+v", o)
+				}
+				if o[0].Result == kvxfer.ResultDone {
+					if err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return o[0]
+			}
+			p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", mode, nil)
+			if o := run(p, "before"); o.Result != kvxfer.ResultDone {
+				t.Fatalf("before the restart: %+v", o)
+			}
+			p.close(t)
+			for _, b := range p.backends {
+				_ = b.Close() // the old agents are gone
+			}
+			p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", mode, nil)
+			defer p2.close(t)
+			time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+			if o := run(p2, "after"); o.Result != kvxfer.ResultDone {
+				t.Fatalf("the first request after the producer restarted: %+v, want done", o)
+			}
+		})
+	}
+}

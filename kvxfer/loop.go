@@ -173,6 +173,8 @@ type recvReq struct {
 	// producer rank: how many times, and when the next goes.
 	retries map[rankRef]int
 	retryAt map[rankRef]time.Time
+	// rehandshook: it was restarted once after a new handshake.
+	rehandshook bool
 }
 
 type rankRef struct{ pp, tp int }

@@ -155,6 +155,8 @@ func (st *loopState) register(r *recvReq, e *engine) {
 		}
 		r.grant = a.grantWrite(peers, r.req.Local)
 	}
+	var errs []error
+	sent := 0
 	for _, to := range r.targets {
 		p, ok := e.peers[to]
 		var err error
@@ -162,13 +164,41 @@ func (st *loopState) register(r *recvReq, e *engine) {
 			err = fmt.Errorf("producer %s has no rank tp %d pp %d", e.id, to.tp, to.pp)
 		} else if err = st.w.be.Notify(p, b); err != nil {
 			st.probe(e) // is the producer gone?
+		} else {
+			sent++
 		}
-		if err != nil {
+		errs = append(errs, err)
+	}
+	if sent == 0 && st.retryAfterHandshake(r, e) {
+		return // nothing registered: asked again once the producer answers
+	}
+	for i, to := range r.targets {
+		if err := errs[i]; err != nil {
 			st.w.metrics.FailedNotification()
 			r.fenced[to] = true // nothing registered there
 			st.decide(r, ResultFailed, "registration: "+err.Error())
 		}
 	}
+}
+
+// retryAfterHandshake restarts a request that reached none of its
+// producer's ranks (its first registration or READs failed to get through)
+// once a new handshake with the producer answers, when the one it used is
+// not fresh: a producer that restarted while this rank was idle is at new
+// agents, and the old handshake still names the gone ones. Once per
+// request; false when it does not apply.
+func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
+	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || time.Since(e.loadedAt) < handshakeRetry {
+		return false
+	}
+	r.rehandshook = true
+	st.revoke(r) // the grant names the old agents
+	r.sent, r.targets = false, nil
+	clear(r.fenced)
+	if e.state != hsPending {
+		st.startHandshake(e)
+	}
+	return true
 }
 
 // read posts the READs of a pull consumer.
@@ -277,6 +307,9 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 			st.w.metrics.FailedTransfer() // not counted by pollHandles
 		} else {
 			st.probeSoon(r.req.Remote.EngineID) // is the producer gone?
+			if e := st.engines[r.req.Remote.EngineID]; e != nil && errors.Is(err, ErrXferFailed) && st.retryAfterHandshake(r, e) {
+				return // read again once the producer answers
+			}
 		}
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			st.tellP(e, r, h.src, msgFail, "READ failed: "+err.Error())
