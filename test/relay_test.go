@@ -21,7 +21,7 @@ import (
 
 // relay joins two network namespaces through a TUN device in each, the
 // test copying IP packets between them: it delays every packet, drops a
-// share of them at random, or drops them all (a partition). This kernel
+// share of them (spread evenly), or drops them all (a partition). This kernel
 // has no netem; this is the network the fault suite needs.
 type relay struct {
 	a, b     string // namespaces
@@ -32,6 +32,7 @@ type relay struct {
 	cut      atomic.Bool
 	dropped  atomic.Int64
 	passed   atomic.Int64
+	count    atomic.Int64 // packets seen
 }
 
 // openTun makes TUN device name in namespace ns and returns its file.
@@ -131,7 +132,10 @@ func (r *relay) pump(src, dst *os.File, done chan<- struct{}) {
 		if err != nil {
 			return
 		}
-		if r.cut.Load() || rand.Int64N(1000) < r.loss.Load() {
+		// Loss: exactly loss‰ of the packets, spread evenly (a packet whose
+		// count crosses the next multiple), so a short run always loses some.
+		c, loss := r.count.Add(1), r.loss.Load()
+		if r.cut.Load() || c*loss/1000 != (c-1)*loss/1000 {
 			r.dropped.Add(1)
 			continue
 		}
