@@ -121,18 +121,24 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 
 // startHandshake (re)starts the handshake with an engine.
 func (st *loopState) startHandshake(e *engine) {
-	id, addr := e.id, e.addr
 	e.state, e.err = hsPending, nil
 	e.lastActive = time.Now()
-	w := st.w
+	st.askResolver(e, st.cfg.HandshakeTimeout, false)
+}
+
+// askResolver asks the resolver for e's ranks off the loop, within
+// timeout; the answer comes back as an evHandshake event (a liveness
+// probe's when probe).
+func (st *loopState) askResolver(e *engine, timeout time.Duration, probe bool) {
+	w, id, addr := st.w, e.id, e.addr
 	w.hsWG.Add(1)
 	go func() {
 		defer w.hsWG.Done()
-		ctx, cancel := context.WithTimeout(w.ctx, st.cfg.HandshakeTimeout)
+		ctx, cancel := context.WithTimeout(w.ctx, timeout)
 		defer cancel()
 		t0 := time.Now()
 		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
-		_ = w.post(event{kind: evHandshake, hs: &hsResult{engine: id, res: res, err: err, took: time.Since(t0)}})
+		_ = w.post(event{kind: evHandshake, hs: &hsResult{probe: probe, engine: id, res: res, err: err, took: time.Since(t0)}})
 	}()
 }
 

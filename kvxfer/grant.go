@@ -213,8 +213,9 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	verdict := AccessAllow
+	// A run's blocks mostly share one grant: its answer is kept.
 	var lastID uint32
-	lastAccess := AccessDeny
+	var lastAccess Access
 	for b := first; b <= last; b++ {
 		best := AccessDeny
 		for _, g := range r.groups {
@@ -223,8 +224,7 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 				if g >= len(t.writeTo) || b >= uint64(len(t.writeTo[g])) {
 					continue
 				}
-				id := t.writeTo[g][b]
-				if id != lastID || lastID == 0 {
+				if id := t.writeTo[g][b]; id != lastID || lastAccess == 0 {
 					lastID, lastAccess = id, t.writeAccess(id, peer)
 				}
 				a = lastAccess

@@ -90,3 +90,41 @@ func TestLateRankGetsTheFailure(t *testing.T) {
 		})
 	}
 }
+
+// Push, P TP1 -> D TP2: D rank 0 registers, P's WRITE into it is held in
+// flight, then rank 1 registers. P posts exactly one WRITE per rank: a
+// second into rank 0 could land after D handed its blocks back.
+func TestOneWritePerRank(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 2, nil)
+		q := x.req("a", 40, 0)
+		now := time.Now()
+		meta := &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))}}
+		rank0 := x.d.agents[0][0].Name()
+		x.fab.Faults().Stall(rank0)
+		if err := x.d.workers[0][0].Step(meta); err != nil {
+			t.Fatal(err)
+		}
+		x.sendP(q)
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		if n := x.posted(); n != 1 {
+			t.Fatalf("%d WRITEs posted after rank 0 registered, want 1", n)
+		}
+		if err := x.d.workers[0][1].Step(meta); err != nil { // rank 1 registers while rank 0's WRITE is in flight
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		x.fab.Faults().Unstall(rank0)
+		time.Sleep(time.Second)
+		x.settle()
+		if n := x.posted(); n != 2 {
+			t.Errorf("%d WRITEs posted, want one per D rank (2)", n)
+		}
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if got := x.recvResult(q); len(got) != 2 {
+			t.Errorf("D outcomes %+v, want one per rank", got)
+		}
+	})
+}

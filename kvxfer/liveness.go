@@ -79,16 +79,7 @@ func (st *loopState) probe(e *engine) {
 		return
 	}
 	e.probing = true
-	w, id, addr := st.w, e.id, e.addr
-	timeout := min(st.cfg.HandshakeTimeout, max(st.cfg.PeerTimeout/2, 10*time.Millisecond))
-	w.hsWG.Add(1)
-	go func() {
-		defer w.hsWG.Done()
-		ctx, cancel := context.WithTimeout(w.ctx, timeout)
-		defer cancel()
-		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
-		_ = w.post(event{kind: evHandshake, hs: &hsResult{engine: id, res: res, err: err, probe: true}})
-	}()
+	st.askResolver(e, min(st.cfg.HandshakeTimeout, max(st.cfg.PeerTimeout/2, 10*time.Millisecond)), true)
 }
 
 // probeSoon asks about the engine of a failed transfer or notice at once.
@@ -160,7 +151,6 @@ func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
 	n := st.failWaiting(e, reason, st.w.access != nil, func(*recvReq) bool { return true })
 	st.w.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
-	st.w.metrics.Dropped("peer_gone")
 	// The next request handshakes again at once (the peer may be back by
 	// then); if that fails too, handshakeRetry applies as usual.
 	e.state, e.err, e.failedAt = hsFailed, fmt.Errorf("kvxfer: engine %s: %w", e.id, err), time.Time{}

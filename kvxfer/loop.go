@@ -355,7 +355,7 @@ func (st *loopState) drainNotifs() {
 			st.w.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
 			continue
 		}
-		if !st.admit(PeerName(n.From), m) {
+		if !st.admit(parkedMsg{from: PeerName(n.From), m: m}) {
 			continue
 		}
 		st.dispatch(m)
@@ -365,33 +365,31 @@ func (st *loopState) drainNotifs() {
 
 // dispatch handles one admitted peer message.
 func (st *loopState) dispatch(m *msg) {
-	{
-		if e := st.engines[m.Engine]; e != nil {
-			e.lastActive = time.Now()
-			e.alive()
+	if e := st.engines[m.Engine]; e != nil {
+		e.lastActive = time.Now()
+		e.alive()
+	}
+	switch m.Kind {
+	case msgReg:
+		st.onReg(m)
+	case msgDone:
+		if st.cfg.Mode == ModePush {
+			st.onPushDone(m)
+		} else {
+			st.onPullDone(m, "")
 		}
-		switch m.Kind {
-		case msgReg:
-			st.onReg(m)
-		case msgDone:
-			if st.cfg.Mode == ModePush {
-				st.onPushDone(m)
-			} else {
-				st.onPullDone(m, "")
-			}
-		case msgFail:
-			if st.cfg.Mode == ModePush {
-				st.onPushFail(m)
-			} else {
-				st.onPullDone(m, m.Reason)
-			}
-		case msgHeartbeat:
-			st.onHeartbeat(m)
-		case msgCancel:
-			st.onCancel(m)
-		case msgAck:
-			st.onAck(m)
+	case msgFail:
+		if st.cfg.Mode == ModePush {
+			st.onPushFail(m)
+		} else {
+			st.onPullDone(m, m.Reason)
 		}
+	case msgHeartbeat:
+		st.onHeartbeat(m)
+	case msgCancel:
+		st.onCancel(m)
+	case msgAck:
+		st.onAck(m)
 	}
 }
 
@@ -537,16 +535,8 @@ func (st *loopState) tick(now time.Time) {
 			delete(st.tombs, k)
 		}
 	}
-	for k, t := range st.abortedP {
-		if now.Sub(t) > st.cfg.RegistrationTTL {
-			delete(st.abortedP, k)
-		}
-	}
-	for k, t := range st.abortedT {
-		if now.Sub(t) > st.cfg.RegistrationTTL {
-			delete(st.abortedT, k)
-		}
-	}
+	maps.DeleteFunc(st.abortedP, func(_ string, t time.Time) bool { return now.Sub(t) > st.cfg.RegistrationTTL })
+	maps.DeleteFunc(st.abortedT, func(_ string, t time.Time) bool { return now.Sub(t) > st.cfg.RegistrationTTL })
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
 			delete(st.early, k)

@@ -2,7 +2,6 @@ package kvxfer
 
 import (
 	"math"
-
 	"sort"
 	"sync"
 	"sync/atomic"

@@ -185,11 +185,6 @@ func (n *NetBackend) Close() error { return n.a.Close() }
 // between agents of one process.
 func (n *NetBackend) SetGuard(c AccessChecker) error { return n.a.SetGuard(netGuard{c}) }
 
-// GuardRefusals returns how many peer transfers the guard refused: late
-// (the part failed, the connection kept) and denied (the connection
-// dropped).
-func (n *NetBackend) GuardRefusals() (late, denied uint64) { return n.a.Refusals() }
-
 type netGuard struct{ c AccessChecker }
 
 func (g netGuard) Check(peer string, op netxfer.Op, addr, n uint64) netxfer.Verdict {

@@ -354,12 +354,8 @@ func (st *loopState) pushReady(s *sendReq) {
 				}
 				break
 			}
-			layerwise := st.cfg.Layerwise && s.saved != nil
 			for _, tp := range s.expect {
-				// A rank posted at once has its one WRITE in flight: post
-				// again only layer by layer (a second WRITE could land
-				// after D handed its blocks back).
-				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted && layerwise {
+				if r := s.ranks[tp]; r.state == rkReady || r.state == rkPosted {
 					st.postWrite(s, e, tp, r)
 				}
 			}
@@ -399,6 +395,12 @@ func (s *sendReq) layersSaved() []bool { return s.saved }
 // once, or, layer-wise, the saved layers not posted yet, with the
 // completion notice sent once the last layer landed.
 func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
+	layerwise := st.cfg.Layerwise && s.saved != nil
+	if r.state == rkPosted && !layerwise {
+		// Posted at once: its one WRITE is in flight. Never a second (it
+		// could land after D handed its blocks back).
+		return
+	}
 	peer, ok := e.peers[rankRef{tp: tp}]
 	if !ok {
 		st.failRank(s, tp, r, fmt.Sprintf("consumer engine %s has no rank tp %d", e.id, tp))
@@ -410,7 +412,6 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		return
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
-	layerwise := st.cfg.Layerwise && s.saved != nil
 	if layerwise && r.posted == nil {
 		r.posted = make([]bool, st.nLayers)
 	}

@@ -24,7 +24,7 @@ const (
 	// pinIdle is how long a pinned agent must be silent before another
 	// agent may speak for its rank (a restarted peer).
 	pinIdle = 30 * time.Second
-	// maxPins bounds the pins; the oldest are forgotten first.
+	// maxPins bounds the pins (any one is forgotten when full).
 	maxPins = 1 << 16
 	// maxParked bounds the messages of one engine waiting for a new
 	// handshake to say who sent them.
@@ -51,15 +51,11 @@ type parkedMsg struct {
 // refused (its engine never answers to say who speaks for the rank).
 const maxParkTries = 3
 
-// admit reports whether m, received from agent from, may be handled now.
-// A message it does not admit is dropped (counted) or parked until a
-// handshake with its engine says who speaks for its rank.
-func (st *loopState) admit(from PeerName, m *msg) bool {
-	return st.readmit(parkedMsg{from: from, m: m})
-}
-
-// readmit is admit for a message that may have waited already.
-func (st *loopState) readmit(pm parkedMsg) bool {
+// admit reports whether pm.m, received from agent pm.from (and parked
+// pm.tries times already), may be handled now. A message it does not admit
+// is dropped (counted) or parked until a handshake with its engine says
+// who speaks for its rank.
+func (st *loopState) admit(pm parkedMsg) bool {
 	from, m := pm.from, pm.m
 	e := st.engines[m.Engine]
 	if e != nil && (e.refreshing || e.state == hsPending && e.peers == nil) {
@@ -69,7 +65,7 @@ func (st *loopState) readmit(pm parkedMsg) bool {
 		if want, ok := e.peers[rankRef{pp: m.PPRank, tp: m.TPRank}]; ok && want == from {
 			return true
 		}
-		return st.verifyAgainTry(e, pm, time.Since(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
+		return st.verifyAgain(e, pm, time.Since(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
 	}
 	k := senderKey{engine: m.Engine, pp: m.PPRank, tp: m.TPRank}
 	now := time.Now()
@@ -79,19 +75,25 @@ func (st *loopState) readmit(pm parkedMsg) bool {
 		if e == nil {
 			e = st.ensureEngine(m.Engine, m.Addr)
 		}
-		return st.verifyAgainTry(e, pm, true, "another agent speaks for that rank")
+		return st.verifyAgain(e, pm, true, "another agent speaks for that rank")
 	}
 	if !ok && len(st.pins) >= maxPins {
-		st.forgetOldestPin()
+		// Full (pins are swept when silent): forget any one, in O(1); its
+		// rank's next message is pinned anew.
+		for k := range st.pins {
+			delete(st.pins, k)
+			break
+		}
 	}
 	st.pins[k] = pin{agent: from, seen: now}
 	return true
 }
 
-// verifyAgainTry parks m until a handshake with e says who speaks for its
-// rank: the one under way, or a new one when start allows it and the last
-// one did not fail just now. Without one, m is refused.
-func (st *loopState) verifyAgainTry(e *engine, p parkedMsg, start bool, why string) bool {
+// verifyAgain parks p until a handshake with e says who speaks for its
+// rank: the one under way, or a new one when start allows it (after a
+// failed one, once handshakeRetry passed). Past maxParkTries, or without
+// a handshake to wait for, p is refused.
+func (st *loopState) verifyAgain(e *engine, p parkedMsg, start bool, why string) bool {
 	if p.tries >= maxParkTries {
 		st.refuseSender(p.from, p.m, why)
 		return false
@@ -145,21 +147,10 @@ func (st *loopState) unpark(e *engine) {
 	parked := e.parked
 	e.parked, e.refreshing = nil, false
 	for _, p := range parked {
-		if st.readmit(p) {
+		if st.admit(p) {
 			st.dispatch(p.m)
 		}
 	}
-}
-
-func (st *loopState) forgetOldestPin() {
-	var oldest senderKey
-	var at time.Time
-	for k, p := range st.pins {
-		if at.IsZero() || p.seen.Before(at) {
-			oldest, at = k, p.seen
-		}
-	}
-	delete(st.pins, oldest)
 }
 
 // sweepPins forgets pins silent for longer than ttl.

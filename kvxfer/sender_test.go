@@ -115,3 +115,38 @@ func TestRestartedPeerHandshakenAgain(t *testing.T) {
 		t.Errorf("P dropped %d messages of the restarted consumer", n)
 	}
 }
+
+// Messages that wait for a handshake to say who sent them are bounded per
+// engine: past maxParked (1024) they are dropped and counted, and once the
+// handshake answers, the parked ones from an agent it does not list are
+// refused; the real transfer still ends done.
+func TestParkedMessagesBounded(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		release := x.dir.Hold("P")
+		q := x.req("a", 40, 0)
+		x.recvD(q) // D's handshake with P now waits
+		x.settle()
+		forge := x.forge(x.d)
+		for range 1100 {
+			forge(kvxfer.AppendDoneMsg("P", 0, 1, "t-a", "d-a", "p-a"))
+		}
+		x.settle()
+		dropped := x.d.workers[0][0].Metrics().Snapshot().Dropped
+		if dropped["sender_parked_full"] != 1100-1024 {
+			t.Errorf("dropped %v, want %d sender_parked_full", dropped, 1100-1024)
+		}
+		release()
+		x.settle()
+		if n := x.d.workers[0][0].Metrics().Snapshot().Dropped["sender_mismatch"]; n != 1024 {
+			t.Errorf("%d parked forgeries refused once the handshake answered, want 1024", n)
+		}
+		if got := x.recvResult(q); len(got) != 0 {
+			t.Fatalf("D reported %+v on forged notices", got)
+		}
+		x.sendP(q)
+		time.Sleep(time.Second)
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}

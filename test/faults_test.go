@@ -118,6 +118,24 @@ func outcomesOf(t *testing.T, e *simengine.Engine, within time.Duration, ids ...
 	return got
 }
 
+// transferOnce runs one push request, d-<id> on D and p-<id> on P
+// (transfer t-<id>), from P's blocks ids to D's, and checks that both
+// sides end done within within and that the bytes landed.
+func transferOnce(t *testing.T, P, D *simengine.Engine, pPeer, id string, ids []topology.BlockID, within time.Duration, when string) {
+	t.Helper()
+	registerD(t, D, "d-"+id, "t-"+id, pPeer, ids)
+	finishP(t, P, "p-"+id, "t-"+id, ids)
+	pOut := make(chan kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(t, P, within, "p-"+id)["p-"+id] }()
+	if o := outcomesOf(t, D, within, "d-"+id)["d-"+id]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("%s: D's request %+v, want done within %v", when, o, within)
+	}
+	wantBytes(t, D, "t-"+id, ids)
+	if o := <-pOut; o.Result != kvxfer.ResultDone {
+		t.Errorf("%s: P's request %+v, want done", when, o)
+	}
+}
+
 func attachSim(t *testing.T, dir, sock, peer, id string, eng int, mode kvxfer.Mode) *simengine.Engine {
 	t.Helper()
 	m := simModel
@@ -172,20 +190,8 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 		p = startDaemon(t, dir, fmt.Sprintf("P%d", round+1), "-peer-listen", pAddr)
 		P = attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 		back := time.Now()
-		ids := []topology.BlockID{first + 6, first + 7}
-		tid := fmt.Sprintf("t-r%dnew", round)
-		registerD(t, D, "d-new", tid, p.Peer, ids)
-		finishP(t, P, "p-new", tid, ids)
-		pDone := make(chan kvxfer.Outcome, 1)
-		go func(P *simengine.Engine) { o, _ := outcome(P, "p-new", 10*time.Second); pDone <- o }(P)
-		o, err := outcome(D, "d-new", 10*time.Second)
-		if err != nil || o.Result != kvxfer.ResultDone {
-			t.Fatalf("round %d: new request after P's restart: %+v, %v; want done within 10 s", round, o, err)
-		}
-		wantBytes(t, D, tid, ids)
-		if po := <-pDone; po.Result != kvxfer.ResultDone {
-			t.Errorf("round %d: P's new request: %+v, want done", round, po)
-		}
+		transferOnce(t, P, D, p.Peer, fmt.Sprintf("r%dnew", round), []topology.BlockID{first + 6, first + 7}, 10*time.Second,
+			fmt.Sprintf("round %d, after P's restart", round))
 		t.Logf("round %d: a new request was done %v after P came back", round, time.Since(back).Round(time.Millisecond))
 		if round == 0 {
 			baseline = settled(t, "D's daemon", dMetrics, 1e9, 0)
@@ -276,14 +282,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
 	defer D.Close()
 	// One request through first: the link works.
-	ids := []topology.BlockID{0, 1}
-	registerD(t, D, "d-first", "t-first", p.Peer, ids)
-	finishP(t, P, "p-first", "t-first", ids)
-	go func() { _ = outcomesOf(t, P, 10*time.Second, "p-first") }()
-	if got := outcomesOf(t, D, 10*time.Second, "d-first"); got["d-first"].Result != kvxfer.ResultDone {
-		t.Fatalf("before the partition: %+v, want done", got)
-	}
-	wantBytes(t, D, "t-first", ids)
+	transferOnce(t, P, D, p.Peer, "first", []topology.BlockID{0, 1}, 10*time.Second, "before the partition")
 	pBase, dBase := metricsIn(t, n.a, "127.0.0.1:9700")["go_goroutines"], metricsIn(t, n.b, "127.0.0.1:9700")["go_goroutines"]
 	for i := range 3 {
 		id := string(rune('a' + i))
@@ -305,20 +304,8 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	t.Logf("D's requests ended %v into the partition", time.Since(cut).Round(time.Millisecond))
 	n.set(t, true)
 	healed := time.Now()
-	ids = []topology.BlockID{10, 11}
-	registerD(t, D, "d-new", "t-new", p.Peer, ids)
-	finishP(t, P, "p-new", "t-new", ids)
-	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
-	if got := outcomesOf(t, D, 10*time.Second, "d-new"); got["d-new"].Result != kvxfer.ResultDone {
-		t.Fatalf("after the link came back: %+v, want done within 10 s", got)
-	}
-	wantBytes(t, D, "t-new", ids)
+	transferOnce(t, P, D, p.Peer, "new", []topology.BlockID{10, 11}, 10*time.Second, "after the link came back")
 	t.Logf("a new request was done %v after the link came back", time.Since(healed).Round(time.Millisecond))
-	po := <-pOut
-	if po["p-new"].Result != kvxfer.ResultDone {
-		t.Errorf("P's new request: %+v, want done", po["p-new"])
-	}
 	settledIn(t, "P's daemon", n.a, "127.0.0.1:9700", pBase, 10)
 	settledIn(t, "D's daemon", n.b, "127.0.0.1:9700", dBase, 10)
 }
@@ -408,18 +395,7 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 	D2 := attachSim(t, dir, d2.Sock, d2.Peer, "D", 2, kvxfer.ModePush)
 	defer D2.Close()
 	back := time.Now()
-	ids := []topology.BlockID{8, 9}
-	registerD(t, D2, "d-new", "t-new", p.Peer, ids)
-	finishP(t, P, "p-new", "t-new", ids)
-	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
-	if o := outcomesOf(t, D2, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
-		t.Fatalf("new request after D's restart: %+v, want done within 10 s", o)
-	}
-	wantBytes(t, D2, "t-new", ids)
-	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
-		t.Errorf("P's new request: %+v, want done", o)
-	}
+	transferOnce(t, P, D2, p.Peer, "new", []topology.BlockID{8, 9}, 10*time.Second, "after D's restart")
 	t.Logf("a new request was done %v after D came back", time.Since(back).Round(time.Millisecond))
 	settled(t, "P's daemon", pMetrics, baseline, 15) // the new peer's connections
 }
@@ -520,18 +496,7 @@ func TestConsumerEngineKilled(t *testing.T) {
 	_ = os.Remove(file)
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
 	defer D.Close()
-	ids := []topology.BlockID{8, 9}
-	registerD(t, D, "d-new", "t-new", p.Peer, ids)
-	finishP(t, P, "p-new", "t-new", ids)
-	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(t, P, 10*time.Second, "p-new") }()
-	if o := outcomesOf(t, D, 10*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
-		t.Fatalf("new request after D's engine came back: %+v, want done within 10 s", o)
-	}
-	wantBytes(t, D, "t-new", ids)
-	if o := (<-pOut)["p-new"]; o.Result != kvxfer.ResultDone {
-		t.Errorf("P's new request: %+v, want done", o)
-	}
+	transferOnce(t, P, D, p.Peer, "new", []topology.BlockID{8, 9}, 10*time.Second, "after D's engine came back")
 	settled(t, "P's daemon", pMetrics, pBase, 15) // the new peer's connections
 	settled(t, "D's daemon", dMetrics, dBase, 20) // a rank attached since, and its peer's connections
 }
@@ -571,18 +536,7 @@ func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 		c.Close()
 	}
 	idle = nil
-	ids := []topology.BlockID{0, 1}
-	registerD(t, D, "d-1", "t-1", p.Peer, ids)
-	finishP(t, P, "p-1", "t-1", ids)
-	pOut := make(chan map[string]kvxfer.Outcome, 1)
-	go func() { pOut <- outcomesOf(t, P, 15*time.Second, "p-1") }()
-	if o := outcomesOf(t, D, 15*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
-		t.Fatalf("after the descriptors came back: %+v, want done", o)
-	}
-	wantBytes(t, D, "t-1", ids)
-	if o := (<-pOut)["p-1"]; o.Result != kvxfer.ResultDone {
-		t.Errorf("P: %+v, want done", o)
-	}
+	transferOnce(t, P, D, p.Peer, "1", []topology.BlockID{0, 1}, 15*time.Second, "after the descriptors came back")
 	log, _ := os.ReadFile(d.Log)
 	if !bytes.Contains(log, []byte("accept failed; retrying")) {
 		t.Errorf("the daemon never ran out of descriptors (the test did not test); its log:\n%s", log)

@@ -107,13 +107,7 @@ func TestDataPortNeedsTheSecret(t *testing.T) {
 // handshake tells peers).
 func (v *victim) realBase(t *testing.T, d *daemon.Proc, dir string) uint64 {
 	t.Helper()
-	secret, _ := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
-	a, _ := peerauth.New(secret)
-	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(a, "t")}).Handshake(context.Background(), v.id, d.Peer)
-	if err != nil || len(res.Ranks) != 1 {
-		t.Fatalf("handshake: %v", err)
-	}
-	return res.Ranks[0].Layout.Regions[0].Base
+	return rankOf(t, clusterAuth(t, dir), v.id, d.Peer).Layout.Regions[0].Base
 }
 
 var simModel = kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
@@ -284,18 +278,8 @@ func TestAuthenticatedPeerNeedsAGrant(t *testing.T) {
 	d := startDaemon(t, dir, "d")
 	v := attachVictim(t, d, dir, "victim")
 	before := v.sum()
-	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	au, err := peerauth.New(secret)
-	if err != nil {
-		t.Fatal(err)
-	}
-	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), v.id, d.Peer)
-	if err != nil || len(res.Ranks) != 1 {
-		t.Fatalf("handshake: %v", err)
-	}
+	au := clusterAuth(t, dir)
+	rank := rankOf(t, au, v.id, d.Peer)
 	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
 	if err != nil {
 		t.Fatal(err)
@@ -309,11 +293,11 @@ func TestAuthenticatedPeerNeedsAGrant(t *testing.T) {
 	if err := evil.Register([]kvxfer.MemRegion{{Addr: myBase, Len: 4096, Kind: kvxfer.MemDRAM}}); err != nil {
 		t.Fatal(err)
 	}
-	peer, err := evil.LoadPeer(res.Ranks[0].Agent)
+	peer, err := evil.LoadPeer(rank.Agent)
 	if err != nil {
 		t.Fatal(err)
 	}
-	target := res.Ranks[0].Layout.Regions[0].Base
+	target := rank.Layout.Regions[0].Base
 	for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
 		id, err := evil.Post(op, peer, []hotpath.Desc{{Local: myBase, Remote: target, Len: 256}}, nil)
 		if err != nil {
@@ -368,31 +352,50 @@ func TestForgedNoticeFromAuthenticatedPeer(t *testing.T) {
 	dir := world(t)
 	p := startDaemon(t, dir, "P")
 	d := startDaemon(t, dir, "D")
-	m := simModel
-	P, err := simengine.Attach(simengine.Config{Dir: dir, Sock: p.Sock, Peer: p.Peer, ID: "P", Model: &m, Engine: simEngine(1, 1),
-		Mode: kvxfer.ModePush, Version: "test"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
-	D, err := simengine.Attach(simengine.Config{Dir: dir, Sock: d.Sock, Peer: d.Peer, ID: "D", Model: &m, Engine: simEngine(2, 1),
-		Mode: kvxfer.ModePush, Version: "test"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
 	defer D.Close()
 	ids := []topology.BlockID{1, 2}
-	dReq := &kvxfer.Request{ID: "d-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemotePrefill: true,
-		RemoteEngineID: "P", RemoteAddr: p.Peer, RemoteTPSize: 1}}
-	ext, _ := D.Sched.MatchedTokens(dReq, 0)
-	if err := D.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}, External: ext}); err != nil {
-		t.Fatal(err)
-	}
-	if err := D.Step(D.Sched.BuildMeta()); err != nil {
-		t.Fatal(err)
-	}
+	registerD(t, D, "d-1", "t-1", p.Peer, ids)
 	// The forger: the cluster's secret, its own agent, D's rank loaded from
 	// a handshake.
+	au := clusterAuth(t, dir)
+	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer evil.Close()
+	peer, err := evil.LoadPeer(rankOf(t, au, "D", d.Peer).Agent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const done, fail = 2, 6
+	for _, kind := range []byte{done, fail} {
+		if err := evil.Notify(peer, forgedNotice(kind, "P", p.Peer, "t-1", "d-1", "p-1", "forged")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if o, ok := outcomesOf(t, D, 2*time.Second, "d-1")["d-1"]; ok {
+		t.Fatalf("D reported %+v on forged notices", o)
+	}
+	// The real producer finishes: D's request is done.
+	finishP(t, P, "p-1", "t-1", ids)
+	go func() { _ = outcomesOf(t, P, 20*time.Second, "p-1") }()
+	if o := outcomesOf(t, D, 20*time.Second, "d-1")["d-1"]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("D: %+v; want done", o)
+	}
+	wantBytes(t, D, "t-1", ids)
+	log, _ := os.ReadFile(d.Log)
+	if n := bytes.Count(log, []byte("does not speak for its sender")); n != 2 {
+		t.Errorf("D's log names %d forged notices, want 2:\n%s", n, log)
+	}
+}
+
+// clusterAuth is what a peer holding dir's shared secret authenticates
+// with.
+func clusterAuth(t *testing.T, dir string) *peerauth.Authenticator {
+	t.Helper()
 	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
 	if err != nil {
 		t.Fatal(err)
@@ -401,43 +404,16 @@ func TestForgedNoticeFromAuthenticatedPeer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), "D", d.Peer)
+	return au
+}
+
+// rankOf handshakes, as au, with a one-rank engine at addr and returns the
+// rank.
+func rankOf(t *testing.T, au *peerauth.Authenticator, engine, addr string) kvxfer.RankInfo {
+	t.Helper()
+	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), engine, addr)
 	if err != nil || len(res.Ranks) != 1 {
-		t.Fatalf("handshake: %v", err)
+		t.Fatalf("handshake %s: %v", engine, err)
 	}
-	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer evil.Close()
-	peer, err := evil.LoadPeer(res.Ranks[0].Agent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const done, fail = 2, 6
-	for _, kind := range []byte{done, fail} {
-		if err := evil.Notify(peer, forgedNotice(kind, "P", p.Peer, "t1", "d-1", "p-1", "forged")); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if o, err := outcome(D, "d-1", 2*time.Second); err == nil {
-		t.Fatalf("D reported %+v on forged notices", o)
-	}
-	// The real producer finishes: D's request is done.
-	pReq := &kvxfer.Request{ID: "p-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t1", DoRemoteDecode: true}}
-	if err := P.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := P.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{ids}, 32); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _, _ = outcome(P, "p-1", 20*time.Second) }()
-	o, err := outcome(D, "d-1", 20*time.Second)
-	if err != nil || o.Result != kvxfer.ResultDone {
-		t.Fatalf("D: %+v, %v; want done", o, err)
-	}
-	log, _ := os.ReadFile(d.Log)
-	if n := bytes.Count(log, []byte("does not speak for its sender")); n != 2 {
-		t.Errorf("D's log names %d forged notices, want 2:\n%s", n, log)
-	}
+	return res.Ranks[0]
 }

@@ -204,15 +204,7 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 	}
 	t.Logf("waiting requests ended %v into the partition", time.Since(cut).Round(time.Millisecond))
 	r.cut.Store(false)
-	ids := []topology.BlockID{14, 15}
-	registerD(t, D, "d-new", "t-new", p.Peer, ids)
-	finishP(t, P, "p-new", "t-new", ids)
-	go func() { pOut <- outcomesOf(t, P, 20*time.Second, "p-new") }()
-	if o := outcomesOf(t, D, 20*time.Second, "d-new")["d-new"]; o.Result != kvxfer.ResultDone {
-		t.Fatalf("after the partition healed: %+v, want done", o)
-	}
-	wantBytes(t, D, "t-new", ids)
-	<-pOut
+	transferOnce(t, P, D, p.Peer, "new", []topology.BlockID{14, 15}, 20*time.Second, "after the partition healed")
 	settledIn(t, "P's daemon", r.a, "127.0.0.1:9700", pBase, 10)
 	settledIn(t, "D's daemon", r.b, "127.0.0.1:9700", dBase, 10)
 }
