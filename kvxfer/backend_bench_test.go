@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
 // BenchmarkBackend: one 8 MiB WRITE (and, as "-read", READ) between two
@@ -20,7 +21,7 @@ func BenchmarkBackend(b *testing.B) {
 	backends := []struct {
 		name string
 		h    harness
-	}{{"builtin-tcp", netHarness{}}, {"nixl-ucx", &nixlHarness{}}}
+	}{{"builtin-tcp", kvxfertest.TCPHarness{}}, {"nixl-ucx", &kvxfertest.NixlHarness{}}}
 	for _, be := range backends {
 		for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
 			for _, shape := range []struct {
@@ -52,7 +53,7 @@ func benchTransfer(b *testing.B, h harness, op hotpath.Op, desc uint64) {
 	dst, dr, _ := newOrSkip(b, t, h, size)
 	defer src.Close()
 	defer dst.Close()
-	peer := link(b, src, dst, sr, dr)
+	peer := kvxfertest.Link(b, src, dst, sr, dr)
 	var descs []hotpath.Desc
 	for off := uint64(0); off < size; off += desc {
 		descs = append(descs, hotpath.Desc{Local: sr.Addr + off, Remote: dr.Addr + off, Len: desc})
@@ -79,27 +80,6 @@ func benchTransfer(b *testing.B, h harness, op hotpath.Op, desc uint64) {
 	}
 	b.ReportMetric(float64(post.Nanoseconds())/float64(b.N), "post-ns/op")
 	b.ReportMetric(float64(len(descs)), "descs")
-}
-
-// link registers one region on each backend and loads dst as src's
-// peer.
-func link(tb testing.TB, src, dst kvxfer.Backend, sr, dr kvxfer.MemRegion) kvxfer.PeerName {
-	tb.Helper()
-	if err := src.Register([]kvxfer.MemRegion{sr}); err != nil {
-		tb.Fatal(err)
-	}
-	if err := dst.Register([]kvxfer.MemRegion{dr}); err != nil {
-		tb.Fatal(err)
-	}
-	meta, err := dst.LocalMetadata()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	peer, err := src.LoadPeer(meta)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	return peer
 }
 
 // newOrSkip makes a backend through a test harness inside a benchmark,

@@ -82,7 +82,7 @@ var chaosSeed, _ = strconv.ParseUint(os.Getenv("CHAOS_SEED"), 10, 64)
 func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate int, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 99))
 	fab := kvxfertest.NewFabric()
-	dir := kvxfer.NewDirectory()
+	dir := kvxfertest.NewDirectory()
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
 	pe := e2eEngine(1, ptp, 1, 16, 16)
 	de := e2eEngine(2, dtp, 1, 16, 16)

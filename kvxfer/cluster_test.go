@@ -11,6 +11,9 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
@@ -36,7 +39,7 @@ type simEngine struct {
 	backends []kvxfer.Backend
 }
 
-func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
 		a, err := fab.NewAgent(name)
@@ -52,10 +55,10 @@ func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfer.Directory, m 
 
 // startNetEngine runs an engine's ranks on the built-in TCP backend
 // (loopback; the in-process direct copy turned off).
-func startNetEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+func startNetEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2, Logger: quiet})
+		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2, Logger: quiet})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -70,11 +73,11 @@ func startNetEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim
 // startNixlEngine runs an engine's ranks on NIXL (UCX), with the ranks'
 // layouts at the real addresses of their memory; it skips when NIXL is
 // not available.
-func startNixlEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+func startNixlEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Params: nixlParams()})
-		if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+		b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Params: kvxfertest.NixlParams()})
+		if errors.Is(err, nixl.ErrUnavailable) {
 			t.Skipf("NIXL is not available here: %v", err)
 		}
 		if err != nil {
@@ -89,7 +92,7 @@ func startNixlEngine(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsi
 	})
 }
 
-func startEngineOn(t *testing.T, dir *kvxfer.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig),
+func startEngineOn(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig),
 	backend func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent)) *simEngine {
 	t.Helper()
 	ranks, err := kvsim.Build(m, &e)
@@ -264,6 +267,6 @@ func (r *xreq) send(deadline time.Time) kvxfer.SendReq {
 	return kvxfer.SendReq{ReqID: "p-" + r.id, TransferID: "t-" + r.id, Deadline: deadline, Blocks: r.sim.P, Tokens: r.tokens}
 }
 
-func newFabricDir() (*kvxfertest.Fabric, *kvxfer.Directory) {
-	return kvxfertest.NewFabric(), kvxfer.NewDirectory()
+func newFabricDir() (*kvxfertest.Fabric, *kvxfertest.Directory) {
+	return kvxfertest.NewFabric(), kvxfertest.NewDirectory()
 }

@@ -23,7 +23,7 @@
 // # Caller obligations, in order
 //
 //  1. NewWorker for each rank, publish each rank's RankInfo where peers'
-//     Resolvers find it (kvxferd's Peer service; a Directory in process).
+//     Resolvers find it (kvxferd's Peer service; kvxfertest.Directory in process).
 //  2. Every engine step: Scheduler calls as the engine's scheduler makes
 //     them, then BuildMeta, and Worker.Step(meta) on every rank (one
 //     StepMeta may go to every rank: Step never modifies it; do not modify

@@ -8,6 +8,8 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
@@ -95,7 +97,7 @@ func TestEndToEndNixl(t *testing.T) {
 
 func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	fab := kvxfertest.NewFabric()
-	dir := kvxfer.NewDirectory()
+	dir := kvxfertest.NewDirectory()
 	settle := synctest.Wait
 	var p, d *simEngine
 	if c.nixl {
@@ -214,7 +216,7 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	if c.prepared {
 		n := 0
 		for _, be := range append(slices.Clone(p.backends), d.backends...) {
-			n += be.(*kvxfer.NixlBackend).PreparedLists()
+			n += be.(*nixl.Backend).PreparedLists()
 		}
 		if n == 0 {
 			t.Error("prepared=true, yet no prepared list was made")

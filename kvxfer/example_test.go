@@ -13,7 +13,7 @@ import (
 // Example pushes one request's KV from a P rank to a D rank in one
 // process: both Workers share an in-memory fabric and a Directory.
 func Example() {
-	fab, dir := kvxfertest.NewFabric(), kvxfer.NewDirectory()
+	fab, dir := kvxfertest.NewFabric(), kvxfertest.NewDirectory()
 	// One layer, one KV head of 4 two-byte elements, 16-token blocks:
 	// a block is 16 tokens x (K and V) x 8 bytes = 256 bytes.
 	start := func(engine string) (*kvxfer.Worker, []byte) {

@@ -47,3 +47,12 @@ func RaceStepWithClose(w *Worker, meta *StepMeta) error {
 	w.signal()
 	return <-errc
 }
+
+// WriteGrants returns the access table of a push rank of layout l (groupBlocks
+// blocks per group) in which writer may write blocks ids of group 0
+// (BenchmarkGrants).
+func WriteGrants(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID) AccessChecker {
+	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
+	tab.grantWrite([]PeerName{writer}, []topology.Span{{IDs: ids}})
+	return tab
+}

@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -79,8 +82,8 @@ func awaitOutcomes(t *testing.T, want int, engines ...*simEngine) *outcomes {
 // tried again until it succeeds.
 func TestDataPlaneGrants(t *testing.T) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	setup := func(t *testing.T, mode kvxfer.Mode) (p, d *simEngine, q *xreq, rogue *kvxfer.NetBackend, rogueBase uint64) {
-		dir := kvxfer.NewDirectory()
+	setup := func(t *testing.T, mode kvxfer.Mode) (p, d *simEngine, q *xreq, rogue *tcp.Backend, rogueBase uint64) {
+		dir := kvxfertest.NewDirectory()
 		p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", mode, nil)
 		d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", mode, nil)
 		t.Cleanup(func() { d.close(t); p.close(t) })
@@ -91,7 +94,7 @@ func TestDataPlaneGrants(t *testing.T) {
 		p.ranks[0][0].Fill(q.sim.P)
 		d.ranks[0][0].Scramble(2)
 		var err error
-		rogue, err = kvxfer.NewNetBackend(kvxfer.NetConfig{Name: fmt.Sprintf("%s-rogue-%d", t.Name(), rand.Uint64()), DisableLocal: true, Logger: quiet})
+		rogue, err = tcp.New(tcp.Config{Name: fmt.Sprintf("%s-rogue-%d", t.Name(), rand.Uint64()), DisableLocal: true, Logger: quiet})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,17 +7,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+
 	"github.com/kvxfer/kvxfer/internal/proctime"
-	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
-// BenchmarkNixlIdle: the CPU a NixlBackend with nothing to do costs (its
+// BenchmarkNixlIdle: the CPU a nixl.Backend with nothing to do costs (its
 // NIXL agent's progress thread and its own polling for notifications),
 // after two seconds without activity. Each op is 100 ms of idling; cpu-%
 // is the process's CPU time over that wall time.
 func BenchmarkNixlIdle(b *testing.B) {
-	be, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("idle-", rand.Uint64()), Params: nixlParams()})
-	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+	be, err := nixl.New(nixl.Config{Name: fmt.Sprint("idle-", rand.Uint64()), Params: kvxfertest.NixlParams()})
+	if errors.Is(err, nixl.ErrUnavailable) {
 		b.Skipf("NIXL is not available here: %v", err)
 	}
 	if err != nil {

@@ -8,15 +8,16 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
 // livePair: a push P and D on the built-in backend, D watching P with a
 // short PeerTimeout, and one D request registered with P that P has not
 // finished (it waits on P).
-func livePair(t *testing.T, timeout time.Duration) (dir *kvxfer.Directory, p, d *simEngine, q *xreq) {
+func livePair(t *testing.T, timeout time.Duration) (dir *kvxfertest.Directory, p, d *simEngine, q *xreq) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir = kvxfer.NewDirectory()
+	dir = kvxfertest.NewDirectory()
 	p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
 	d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, func(c *kvxfer.WorkerConfig) { c.PeerTimeout = timeout })
 	t.Cleanup(func() { d.close(t) })
@@ -104,7 +105,7 @@ func TestIdleConsumerMeetsRestartedProducer(t *testing.T) {
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
 		t.Run(mode.String(), func(t *testing.T) {
 			model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-			dir := kvxfer.NewDirectory()
+			dir := kvxfertest.NewDirectory()
 			d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", mode, nil)
 			defer d.close(t)
 			rng := rand.New(rand.NewPCG(9, 10))

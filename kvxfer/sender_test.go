@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -84,7 +85,7 @@ func TestForgedNoticesRefused(t *testing.T) {
 // request goes through (not dropped, not left to its timeout).
 func TestRestartedPeerHandshakenAgain(t *testing.T) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir := kvxfer.NewDirectory()
+	dir := kvxfertest.NewDirectory()
 	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
 	defer p.close(t)
 	run := func(d *simEngine, id string) {

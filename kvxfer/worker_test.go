@@ -23,7 +23,7 @@ type pair struct {
 	t      *testing.T
 	mode   kvxfer.Mode
 	fab    *kvxfertest.Fabric
-	dir    *kvxfer.Directory
+	dir    *kvxfertest.Directory
 	p, d   *simEngine
 	pp, dp *blockPool
 	groups []topology.Group
@@ -38,7 +38,7 @@ func newPair(t *testing.T, mode kvxfer.Mode, ptp, dtp int, tweak func(side strin
 // newPairOf is newPair with the engines given.
 func newPairOf(t *testing.T, mode kvxfer.Mode, pe, de kvsim.Engine, tweak func(side string, c *kvxfer.WorkerConfig)) *pair {
 	t.Helper()
-	x := &pair{t: t, mode: mode, fab: kvxfertest.NewFabric(), dir: kvxfer.NewDirectory(), out: newOutcomes()}
+	x := &pair{t: t, mode: mode, fab: kvxfertest.NewFabric(), dir: kvxfertest.NewDirectory(), out: newOutcomes()}
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
 	tw := func(side string) func(*kvxfer.WorkerConfig) {
 		return func(c *kvxfer.WorkerConfig) {

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -131,14 +133,14 @@ func TestDaemonsGPU(t *testing.T) {
 	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
 		t.Skipf("no GPU here: %v", err)
 	}
-	probe, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
+	probe, err := nixl.New(nixl.Config{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
 	if err != nil {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
 	probe.Close()
 	nixlBackend := func(c *stream.ServerConfig) {
 		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
-			return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
 		}
 	}
 	dp, dd := startDaemonWith(t, t.TempDir(), nixlBackend), startDaemonWith(t, t.TempDir(), nixlBackend)
@@ -245,7 +247,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 	if len(uuids) == 0 {
 		t.Skip("no GPU here")
 	}
-	probe, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
+	probe, err := nixl.New(nixl.Config{Name: fmt.Sprint("probe-", time.Now().UnixNano())})
 	if err != nil {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
@@ -253,7 +255,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 	last := len(uuids) - 1
 	d := startDaemonWith(t, t.TempDir(), func(c *stream.ServerConfig) {
 		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
-			return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
 		}
 	})
 	e := startGPUEngine(t, "D", "", "CUDA_VISIBLE_DEVICES="+uuids[last])

@@ -10,6 +10,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -45,7 +47,7 @@ type ServerConfig struct {
 	// (default shm.DefaultDir, /dev/shm), by shm.MapOwned: an engine's
 	// files only (owned by its uid).
 	ShmDir string
-	// NewBackend makes the backend of one rank (default: a NetBackend
+	// NewBackend makes the backend of one rank (default: a tcp.Backend
 	// listening on 127.0.0.1). vram says the rank's memory is GPU memory.
 	NewBackend func(engine string, layout *topology.Layout, vram bool) (Backend, error)
 	// Resolver handshakes with peer engines (default: a PeerResolver).
@@ -151,7 +153,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 			if vram {
 				return nil, errors.New("the built-in backend moves host memory only (GPU memory needs NIXL)")
 			}
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: log})
+			return tcp.New(tcp.Config{Logger: log})
 		}
 	}
 	enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))

@@ -16,6 +16,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -49,7 +51,7 @@ func startDaemon(t *testing.T, shmDir string) *daemon {
 
 func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfig)) *daemon {
 	t.Helper()
-	tcp, err := net.Listen("tcp", "127.0.0.1:0")
+	pl, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,9 +60,9 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := stream.ServerConfig{PeerAddr: tcp.Addr().String(), ShmDir: shmDir, Logger: quiet,
+	cfg := stream.ServerConfig{PeerAddr: pl.Addr().String(), ShmDir: shmDir, Logger: quiet,
 		NewBackend: func(string, *topology.Layout, bool) (stream.Backend, error) {
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Logger: quiet, Conns: 2, DisableLocal: true})
+			return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
 		}}
 	if tweak != nil {
 		tweak(&cfg)
@@ -73,9 +75,9 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 	srv.RegisterEngine(g)
 	pg := grpc.NewServer()
 	srv.RegisterPeer(pg)
-	go func() { _ = pg.Serve(tcp) }()
+	go func() { _ = pg.Serve(pl) }()
 	go func() { _ = g.Serve(unix) }()
-	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: tcp.Addr().String()}
+	d := &daemon{srv: srv, g: g, sock: sock, peerAddr: pl.Addr().String()}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
@@ -280,7 +282,7 @@ func TestAuthenticatedPeerNeedsAGrant(t *testing.T) {
 	before := v.sum()
 	au := clusterAuth(t, dir)
 	rank := rankOf(t, au, v.id, d.Peer)
-	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
+	evil, err := tcp.New(tcp.Config{Name: "evil", Auth: au, DisableLocal: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +363,7 @@ func TestForgedNoticeFromAuthenticatedPeer(t *testing.T) {
 	// The forger: the cluster's secret, its own agent, D's rank loaded from
 	// a handshake.
 	au := clusterAuth(t, dir)
-	evil, err := kvxfer.NewNetBackend(kvxfer.NetConfig{Name: "evil", Auth: au, DisableLocal: true})
+	evil, err := tcp.New(tcp.Config{Name: "evil", Auth: au, DisableLocal: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,9 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"github.com/kvxfer/kvxfer/internal/agentrpc"
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -58,10 +61,10 @@ func agentMain(args []string) error {
 	case "builtin":
 		// The direct copy is for agents of one process; here every peer
 		// is another process, so the TCP path is what runs.
-		be, err = kvxfer.NewNetBackend(kvxfer.NetConfig{Name: *name, Conns: 3, DisableLocal: true,
+		be, err = tcp.New(tcp.Config{Name: *name, Conns: 3, DisableLocal: true,
 			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	case "nixl":
-		be, err = kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: *name, Params: params})
+		be, err = nixl.New(nixl.Config{Name: *name, Params: params})
 	default:
 		return fmt.Errorf("agent: -backend = %q, want builtin or nixl", *backend)
 	}

@@ -8,7 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
@@ -39,9 +40,9 @@ func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
 // starts.
 func skipWithoutNixl(t *testing.T) {
 	t.Helper()
-	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-test-probe-%d", time.Now().UnixNano()),
+	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxferd-test-probe-%d", time.Now().UnixNano()),
 		Params: map[string]string{"ucx_error_handling_mode": "none"}})
-	if errors.Is(err, kvxfer.ErrNixlUnavailable) {
+	if errors.Is(err, nixl.ErrUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
 	if err != nil {
@@ -73,7 +74,7 @@ func TestConformanceProcessNixlShm(t *testing.T) {
 // A peer process killed (SIGKILL, no goodbye): transfers and
 // notifications to it fail instead of hanging or vanishing. Over UCX's
 // shared-memory FIFOs alone (posix) nothing in UCX notices the death; the
-// NIXL backend's own peer watch does (kvxfer/nixlpeer.go).
+// NIXL backend's own peer watch does (kvxfer/backend/nixl/peer.go).
 func TestPeerKilledProcess(t *testing.T) {
 	for _, v := range []struct {
 		name string

@@ -21,6 +21,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -148,7 +151,7 @@ func parseFlags(args []string) (*config, error) {
 	return c, nil
 }
 
-// progressDelay is NixlConfig.ProgressDelay for -nixl-progress-delay
+// progressDelay is nixl.Config.ProgressDelay for -nixl-progress-delay
 // (whose 0 means spin).
 func (c *config) progressDelay() time.Duration {
 	if c.nixlProgressDelay == 0 {
@@ -324,13 +327,13 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
-				return kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
+				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
 					Params: params, VRAM: vram, ProgressDelay: c.progressDelay()})
 			}
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")
 			}
-			return kvxfer.NewNetBackend(kvxfer.NetConfig{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth,
+			return tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth,
 				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
@@ -424,7 +427,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 
 // NixlLibrary loads NIXL's C library (kvxferd -backend=nixl).
 func NixlLibrary() (string, error) {
-	b, err := kvxfer.NewNixlBackend(kvxfer.NixlConfig{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano())})
+	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano())})
 	if err != nil {
 		return "", fmt.Errorf("-backend=nixl: %w", err)
 	}

@@ -153,7 +153,7 @@ func TestFlagsFromEnvironment(t *testing.T) {
 }
 
 // -nixl-progress-delay: 100 µs by default, 0 asks for a spinning progress
-// thread (NixlConfig's negative), out-of-range values are refused.
+// thread (nixl.Config's negative), out-of-range values are refused.
 func TestNixlProgressDelayFlag(t *testing.T) {
 	for _, tc := range []struct {
 		args []string

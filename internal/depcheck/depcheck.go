@@ -52,10 +52,18 @@ var Rules = []Rule{
 	{Name: "internal/peerauth imports only the standard library", Prefix: "internal/peerauth"},
 	{Name: "internal/nixl imports only the standard library and C", Prefix: "internal/nixl"},
 	{Name: "internal/cuda imports only the standard library and C", Prefix: "internal/cuda"},
-	{Name: "kvxfer imports topology, hotpath and internal packages", Prefix: "kvxfer",
-		Allowed: []string{"topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
-	{Name: "kvxfer/kvxfertest imports kvxfer", Prefix: "kvxfer/kvxfertest",
-		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "shm", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	// The connector core links no backend, no cgo and no transport: an
+	// engine that wants only the Scheduler links nothing else.
+	{Name: "kvxfer (the core) imports topology and hotpath only", Prefix: "kvxfer",
+		Allowed: []string{"topology", "hotpath", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
+	{Name: "kvxfer/backend/tcp imports kvxfer and the built-in transport", Prefix: "kvxfer/backend/tcp",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/invariants", "internal/netxfer", "internal/peerauth",
+			"github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "kvxfer/backend/nixl imports kvxfer and NIXL's binding", Prefix: "kvxfer/backend/nixl",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/invariants", "internal/nixl",
+			"github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	{Name: "kvxfer/kvxfertest imports kvxfer and its backends", Prefix: "kvxfer/kvxfertest",
+		Allowed: []string{"kvxfer", "kvxfer/backend/...", "topology", "hotpath", "internal/...", "shm", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "internal/agentrpc imports kvxfer", Prefix: "internal/agentrpc",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	// shm is public so engines outside the module (and their tests) can
@@ -67,7 +75,7 @@ var Rules = []Rule{
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
 		Allowed: []string{"github.com/prometheus/client_golang/..."}},
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
-		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "stream/...", "shm",
+		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/...", "stream/...", "shm",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
 			"github.com/klauspost/compress/...",
 			"golang.org/x/sys/unix"}}, // the unix socket's peer credentials (SO_PEERCRED)

@@ -45,7 +45,7 @@ func TestCheckRules(t *testing.T) {
 			},
 			want: []string{
 				`kvxfer: imports google.golang.org/grpc/codes (only stream/, cmd/, internal/daemon, internal/simengine, bench/, test/ and fuzz/ may use gRPC)`,
-				`kvxfer: imports google.golang.org/grpc/codes (rule "kvxfer imports topology, hotpath and internal packages")`,
+				`kvxfer: imports google.golang.org/grpc/codes (rule "kvxfer (the core) imports topology and hotpath only")`,
 			},
 		},
 		{
@@ -60,7 +60,24 @@ func TestCheckRules(t *testing.T) {
 			name:   "kvxfertest has its own rule, not kvxfer's",
 			reason: "rules match whole package paths, not prefixes",
 			pkgs:   []Package{{ImportPath: m + "kvxfer/kvxfertest", Deps: []string{m + "kvxfer", m + "stream"}}},
-			want:   []string{`kvxfer/kvxfertest: imports ` + m + `stream (rule "kvxfer/kvxfertest imports kvxfer")`},
+			want:   []string{`kvxfer/kvxfertest: imports ` + m + `stream (rule "kvxfer/kvxfertest imports kvxfer and its backends")`},
+		},
+		{
+			name:   "the core imports no backend, transport, cgo binding or x/sys; backends import the core",
+			reason: "an engine that wants only the Scheduler links none of them (issue 15)",
+			pkgs: []Package{
+				{ImportPath: m + "kvxfer", Deps: []string{m + "hotpath", m + "kvxfer/backend/tcp", m + "internal/netxfer",
+					m + "internal/nixl", "golang.org/x/sys/unix"}},
+				{ImportPath: m + "kvxfer/backend/tcp", Deps: []string{m + "kvxfer", m + "internal/netxfer", m + "internal/peerauth", "golang.org/x/sys/unix"}},
+				{ImportPath: m + "kvxfer/backend/nixl", Deps: []string{m + "kvxfer", m + "internal/nixl", m + "internal/netxfer"}},
+			},
+			want: []string{
+				`kvxfer/backend/nixl: imports ` + m + `internal/netxfer (rule "kvxfer/backend/nixl imports kvxfer and NIXL's binding")`,
+				`kvxfer: imports ` + m + `internal/netxfer (rule "kvxfer (the core) imports topology and hotpath only")`,
+				`kvxfer: imports ` + m + `internal/nixl (rule "kvxfer (the core) imports topology and hotpath only")`,
+				`kvxfer: imports ` + m + `kvxfer/backend/tcp (rule "kvxfer (the core) imports topology and hotpath only")`,
+				`kvxfer: imports golang.org/x/sys/unix (rule "kvxfer (the core) imports topology and hotpath only")`,
+			},
 		},
 		{
 			name:   "internal/agentrpc may import kvxfer but not gRPC's stream",

@@ -1,4 +1,4 @@
-package kvxfer
+package nixl
 
 import (
 	"bytes"

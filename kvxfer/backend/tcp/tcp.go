@@ -1,4 +1,4 @@
-package kvxfer
+package tcp
 
 import (
 	"crypto/tls"
@@ -7,13 +7,15 @@ import (
 	"log/slog"
 	"sync"
 
+	"github.com/kvxfer/kvxfer/kvxfer"
+
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/netxfer"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
-// NetConfig configures the built-in backend (see NewNetBackend).
-type NetConfig struct {
+// Config configures the built-in backend (see New).
+type Config struct {
 	// Name is the agent's unique name (default: random).
 	Name string
 	// Listen is the TCP address peers connect to (default
@@ -34,41 +36,41 @@ type NetConfig struct {
 	Logger               *slog.Logger
 }
 
-// NetBackend is the built-in Backend: TCP between kvxferd processes with
+// Backend is the built-in kvxfer.Backend: TCP between kvxferd processes with
 // zero-copy sends and receives, and a direct copy between agents of one
 // process. Memory is caller-owned and adopted with Map before Register.
 // It is safe for concurrent use.
-type NetBackend struct {
+type Backend struct {
 	a    *netxfer.Agent
 	pool sync.Pool // *[]netxfer.Desc
 }
 
 var (
-	_ Backend = (*NetBackend)(nil)
-	_ Guarded = (*NetBackend)(nil)
+	_ kvxfer.Backend = (*Backend)(nil)
+	_ kvxfer.Guarded = (*Backend)(nil)
 )
 
-// NewNetBackend starts a built-in backend agent.
-func NewNetBackend(cfg NetConfig) (*NetBackend, error) {
+// New starts a built-in backend agent.
+func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
 		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
-	return &NetBackend{a: a}, nil
+	return &Backend{a: a}, nil
 }
 
-// Name returns the agent's name (its PeerName at peers).
-func (n *NetBackend) Name() PeerName { return PeerName(n.a.Name()) }
+// Name returns the agent's name (its kvxfer.PeerName at peers).
+func (n *Backend) Name() kvxfer.PeerName { return kvxfer.PeerName(n.a.Name()) }
 
 // Addr returns the TCP address peers dial.
-func (n *NetBackend) Addr() string { return n.a.Addr() }
+func (n *Backend) Addr() string { return n.a.Addr() }
 
 // Map adopts caller-owned memory at base (a mapped shared-memory file).
-func (n *NetBackend) Map(base uint64, mem []byte) error { return mapNetErr(n.a.Map(base, mem)) }
+func (n *Backend) Map(base uint64, mem []byte) error { return mapNetErr(n.a.Map(base, mem)) }
 
 // Unmap forgets memory mapped at base, waiting for transfers using it.
-func (n *NetBackend) Unmap(base uint64) error { return mapNetErr(n.a.Unmap(base)) }
+func (n *Backend) Unmap(base uint64) error { return mapNetErr(n.a.Unmap(base)) }
 
 // mapNetErr gives netxfer's errors kvxfer's sentinels.
 func mapNetErr(err error) error {
@@ -76,9 +78,9 @@ func mapNetErr(err error) error {
 		return nil
 	}
 	for _, p := range [...]struct{ from, to error }{
-		{netxfer.ErrOutOfBounds, ErrOutOfBounds}, {netxfer.ErrClosed, ErrClosed}, {netxfer.ErrUnknownPeer, ErrUnknownPeer},
-		{netxfer.ErrUnknownXfer, ErrUnknownXfer}, {netxfer.ErrBadMetadata, ErrBadMetadata},
-		{netxfer.ErrNotRegistered, ErrNotRegistered}, {netxfer.ErrNotGranted, ErrNotGranted}, {netxfer.ErrXferFailed, ErrXferFailed},
+		{netxfer.ErrOutOfBounds, kvxfer.ErrOutOfBounds}, {netxfer.ErrClosed, kvxfer.ErrClosed}, {netxfer.ErrUnknownPeer, kvxfer.ErrUnknownPeer},
+		{netxfer.ErrUnknownXfer, kvxfer.ErrUnknownXfer}, {netxfer.ErrBadMetadata, kvxfer.ErrBadMetadata},
+		{netxfer.ErrNotRegistered, kvxfer.ErrNotRegistered}, {netxfer.ErrNotGranted, kvxfer.ErrNotGranted}, {netxfer.ErrXferFailed, kvxfer.ErrXferFailed},
 	} {
 		if errors.Is(err, p.from) {
 			return fmt.Errorf("%w: %w", p.to, err)
@@ -87,7 +89,7 @@ func mapNetErr(err error) error {
 	return err
 }
 
-func netRegions(rs []MemRegion) []netxfer.Region {
+func netRegions(rs []kvxfer.MemRegion) []netxfer.Region {
 	out := make([]netxfer.Region, len(rs))
 	for i, r := range rs {
 		out[i] = netxfer.Region{Addr: r.Addr, Len: r.Len}
@@ -95,32 +97,32 @@ func netRegions(rs []MemRegion) []netxfer.Region {
 	return out
 }
 
-// Register implements Backend.
-func (n *NetBackend) Register(regions []MemRegion) error {
+// Register implements kvxfer.Backend.
+func (n *Backend) Register(regions []kvxfer.MemRegion) error {
 	return mapNetErr(n.a.Register(netRegions(regions)))
 }
 
-// Deregister implements Backend.
-func (n *NetBackend) Deregister(regions []MemRegion) error {
+// Deregister implements kvxfer.Backend.
+func (n *Backend) Deregister(regions []kvxfer.MemRegion) error {
 	return mapNetErr(n.a.Deregister(netRegions(regions)))
 }
 
-// LocalMetadata implements Backend.
-func (n *NetBackend) LocalMetadata() ([]byte, error) { return n.a.Metadata(), nil }
+// LocalMetadata implements kvxfer.Backend.
+func (n *Backend) LocalMetadata() ([]byte, error) { return n.a.Metadata(), nil }
 
-// LoadPeer implements Backend.
-func (n *NetBackend) LoadPeer(meta []byte) (PeerName, error) {
+// LoadPeer implements kvxfer.Backend.
+func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
 	name, err := n.a.LoadPeer(meta)
-	return PeerName(name), mapNetErr(err)
+	return kvxfer.PeerName(name), mapNetErr(err)
 }
 
-// InvalidatePeer implements Backend.
-func (n *NetBackend) InvalidatePeer(peer PeerName) error {
+// InvalidatePeer implements kvxfer.Backend.
+func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 	return mapNetErr(n.a.InvalidatePeer(string(peer)))
 }
 
-// Post implements Backend.
-func (n *NetBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, notif []byte) (XferID, error) {
+// Post implements kvxfer.Backend.
+func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc, notif []byte) (kvxfer.XferID, error) {
 	nop := netxfer.Write
 	switch op {
 	case hotpath.OpWrite:
@@ -140,62 +142,62 @@ func (n *NetBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, no
 	id, err := n.a.Post(nop, string(peer), buf, notif)
 	*bp = buf[:0]
 	n.pool.Put(bp)
-	return XferID(id), mapNetErr(err)
+	return kvxfer.XferID(id), mapNetErr(err)
 }
 
-// State implements Backend.
-func (n *NetBackend) State(id XferID) (XferState, error) {
+// State implements kvxfer.Backend.
+func (n *Backend) State(id kvxfer.XferID) (kvxfer.XferState, error) {
 	s, err := n.a.State(netxfer.XferID(id))
 	if err != nil && s == 0 {
 		return 0, mapNetErr(err)
 	}
 	switch s {
 	case netxfer.Done:
-		return XferDone, nil
+		return kvxfer.XferDone, nil
 	case netxfer.Failed:
-		return XferFailed, mapNetErr(err)
+		return kvxfer.XferFailed, mapNetErr(err)
 	}
-	return XferInProgress, nil
+	return kvxfer.XferInProgress, nil
 }
 
-// Release implements Backend.
-func (n *NetBackend) Release(id XferID) error { return mapNetErr(n.a.Release(netxfer.XferID(id))) }
+// Release implements kvxfer.Backend.
+func (n *Backend) Release(id kvxfer.XferID) error { return mapNetErr(n.a.Release(netxfer.XferID(id))) }
 
-// Notify implements Backend.
-func (n *NetBackend) Notify(peer PeerName, msg []byte) error {
+// Notify implements kvxfer.Backend.
+func (n *Backend) Notify(peer kvxfer.PeerName, msg []byte) error {
 	return mapNetErr(n.a.Notify(string(peer), msg))
 }
 
-// DrainNotifs implements Backend.
-func (n *NetBackend) DrainNotifs(dst []Notif) []Notif {
+// DrainNotifs implements kvxfer.Backend.
+func (n *Backend) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 	for _, x := range n.a.Drain(nil) {
-		dst = append(dst, Notif{From: PeerName(x.From), Msg: x.Msg})
+		dst = append(dst, kvxfer.Notif{From: kvxfer.PeerName(x.From), Msg: x.Msg})
 	}
 	return dst
 }
 
-// Events implements Backend.
-func (n *NetBackend) Events() <-chan struct{} { return n.a.Events() }
+// Events implements kvxfer.Backend.
+func (n *Backend) Events() <-chan struct{} { return n.a.Events() }
 
-// Close implements Backend.
-func (n *NetBackend) Close() error { return n.a.Close() }
+// Close implements kvxfer.Backend.
+func (n *Backend) Close() error { return n.a.Close() }
 
-// SetGuard implements Guarded: the agent asks c about every range a peer
+// SetGuard implements kvxfer.Guarded: the agent asks c about every range a peer
 // names in a WRITE into or a READ of its memory, and about direct copies
 // between agents of one process.
-func (n *NetBackend) SetGuard(c AccessChecker) error { return n.a.SetGuard(netGuard{c}) }
+func (n *Backend) SetGuard(c kvxfer.AccessChecker) error { return n.a.SetGuard(netGuard{c}) }
 
-type netGuard struct{ c AccessChecker }
+type netGuard struct{ c kvxfer.AccessChecker }
 
 func (g netGuard) Check(peer string, op netxfer.Op, addr, n uint64) netxfer.Verdict {
 	hop := hotpath.OpWrite
 	if op == netxfer.Read {
 		hop = hotpath.OpRead
 	}
-	switch g.c.CheckAccess(PeerName(peer), hop, addr, n) {
-	case AccessAllow:
+	switch g.c.CheckAccess(kvxfer.PeerName(peer), hop, addr, n) {
+	case kvxfer.AccessAllow:
 		return netxfer.Allow
-	case AccessLate:
+	case kvxfer.AccessLate:
 		return netxfer.Late
 	}
 	return netxfer.Deny

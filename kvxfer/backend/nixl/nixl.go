@@ -1,4 +1,4 @@
-package kvxfer
+package nixl
 
 import (
 	"errors"
@@ -7,12 +7,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvxfer"
+
 	"github.com/kvxfer/kvxfer/hotpath"
-	"github.com/kvxfer/kvxfer/internal/nixl"
+	capi "github.com/kvxfer/kvxfer/internal/nixl"
 )
 
-// NixlConfig configures a NIXL backend.
-type NixlConfig struct {
+// Config configures a NIXL backend.
+type Config struct {
 	// Name is the agent's unique name (required).
 	Name string
 	// Plugin is NIXL's transfer plugin (default "UCX").
@@ -23,7 +25,7 @@ type NixlConfig struct {
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
 	// PollInterval is how often notifications and transfers are polled
-	// while busy: while a Worker awaits peer messages (Awaiter), a
+	// while busy: while a Worker awaits peer messages (kvxfer.Awaiter), a
 	// transfer is in flight, or within a second of activity (default 1
 	// ms); otherwise every 10 ms. NIXL has no completion callback.
 	PollInterval time.Duration
@@ -36,10 +38,10 @@ type NixlConfig struct {
 
 // progressDelay is the pause NIXL's progress thread gets: the default for
 // 0, none (a spin) for a negative value.
-func (cfg *NixlConfig) progressDelay() time.Duration {
+func (cfg *Config) progressDelay() time.Duration {
 	switch d := cfg.ProgressDelay; {
 	case d == 0:
-		return nixl.DefaultProgressDelay
+		return capi.DefaultProgressDelay
 	case d < 0:
 		return 0
 	default:
@@ -47,15 +49,15 @@ func (cfg *NixlConfig) progressDelay() time.Duration {
 	}
 }
 
-// NixlBackend is a Backend on NVIDIA NIXL (internal/nixl). Memory is
+// Backend is a kvxfer.Backend on NVIDIA NIXL (internal/nixl). Memory is
 // adopted with Map before Register, as with NetBackend, so a registration
 // can never name memory the caller did not hand over. Its metadata
 // carries its process's identity, and a peer on the same host is watched
 // through a pidfd, because UCX over shared memory cannot report a dead
 // peer (nixlpeer.go). It is safe for concurrent use.
-type NixlBackend struct {
-	a      *nixl.Agent
-	cfg    NixlConfig
+type Backend struct {
+	a      *capi.Agent
+	cfg    Config
 	events chan struct{}
 	wake   chan struct{} // Awaiting(true): poll now, at the busy rate from here on
 	stop   chan struct{}
@@ -65,38 +67,38 @@ type NixlBackend struct {
 		sync.Mutex
 		closed bool
 		chunks [][2]uint64 // mapped memory: base, len
-		xfers  map[XferID]*nixlXfer
-		next   XferID
-		preps  map[PrepID]nixlPrep
-		nextP  PrepID
-		inbox  []Notif
+		xfers  map[kvxfer.XferID]*nixlXfer
+		next   kvxfer.XferID
+		preps  map[kvxfer.PrepID]nixlPrep
+		nextP  kvxfer.PrepID
+		inbox  []kvxfer.Notif
 		busy   time.Time
-		await  int                    // Workers awaiting peer messages (Awaiting)
-		peers  map[PeerName]*peerLife // peers whose process is watched (nixlpeer.go)
+		await  int                           // Workers awaiting peer messages (Awaiting)
+		peers  map[kvxfer.PeerName]*peerLife // peers whose process is watched (nixlpeer.go)
 	}
 }
 
 type nixlXfer struct {
-	x     nixl.Xfer
-	peer  PeerName
-	state XferState
+	x     capi.Xfer
+	peer  kvxfer.PeerName
+	state kvxfer.XferState
 	err   error
 }
 
 type nixlPrep struct {
-	p    nixl.Prepped
-	peer PeerName // "" for a local list
+	p    capi.Prepped
+	peer kvxfer.PeerName // "" for a local list
 }
 
-var _ Backend = (*NixlBackend)(nil)
+var _ kvxfer.Backend = (*Backend)(nil)
 
-// ErrNixlUnavailable is returned where NIXL's library cannot be loaded.
-var ErrNixlUnavailable = nixl.ErrUnavailable
+// ErrUnavailable is returned where NIXL's library cannot be loaded.
+var ErrUnavailable = capi.ErrUnavailable
 
-// NewNixlBackend opens a NIXL agent.
-func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
+// New opens a NIXL agent.
+func New(cfg Config) (*Backend, error) {
 	if cfg.Name == "" {
-		return nil, errors.New("kvxfer: NixlConfig.Name is empty")
+		return nil, errors.New("kvxfer: Config.Name is empty")
 	}
 	if cfg.Plugin == "" {
 		cfg.Plugin = "UCX"
@@ -104,26 +106,26 @@ func NewNixlBackend(cfg NixlConfig) (*NixlBackend, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Millisecond
 	}
-	a, err := nixl.OpenConfig(nixl.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM,
+	a, err := capi.OpenConfig(capi.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM,
 		ProgressDelay: cfg.progressDelay()})
 	if err != nil {
 		return nil, err
 	}
-	n := &NixlBackend{a: a, cfg: cfg, events: make(chan struct{}, 1), wake: make(chan struct{}, 1),
+	n := &Backend{a: a, cfg: cfg, events: make(chan struct{}, 1), wake: make(chan struct{}, 1),
 		stop: make(chan struct{}), done: make(chan struct{})}
-	n.mu.xfers = map[XferID]*nixlXfer{}
-	n.mu.preps = map[PrepID]nixlPrep{}
-	n.mu.peers = map[PeerName]*peerLife{}
+	n.mu.xfers = map[kvxfer.XferID]*nixlXfer{}
+	n.mu.preps = map[kvxfer.PrepID]nixlPrep{}
+	n.mu.peers = map[kvxfer.PeerName]*peerLife{}
 	nixlOpened(a.Name())
 	go n.poll()
 	return n, nil
 }
 
-// Name returns the agent's name (its PeerName at peers).
-func (n *NixlBackend) Name() PeerName { return PeerName(n.a.Name()) }
+// Name returns the agent's name (its kvxfer.PeerName at peers).
+func (n *Backend) Name() kvxfer.PeerName { return kvxfer.PeerName(n.a.Name()) }
 
 // Map adopts caller-owned memory at base for registration.
-func (n *NixlBackend) Map(base uint64, mem []byte) error {
+func (n *Backend) Map(base uint64, mem []byte) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if len(mem) == 0 {
@@ -135,7 +137,7 @@ func (n *NixlBackend) Map(base uint64, mem []byte) error {
 
 // MapDevice adopts GPU memory (a device pointer, e.g. imported from a
 // CUDA IPC handle) of size bytes at base for registration.
-func (n *NixlBackend) MapDevice(base, size uint64) error {
+func (n *Backend) MapDevice(base, size uint64) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if size == 0 || base+size < base {
@@ -145,7 +147,7 @@ func (n *NixlBackend) MapDevice(base, size uint64) error {
 	return nil
 }
 
-func (n *NixlBackend) mappedLocked(r MemRegion) bool {
+func (n *Backend) mappedLocked(r kvxfer.MemRegion) bool {
 	for _, c := range n.mu.chunks {
 		if r.Addr >= c[0] && r.Addr-c[0] <= c[1] && r.Len <= c[1]-(r.Addr-c[0]) {
 			return true
@@ -158,17 +160,17 @@ func nixlErr(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, nixl.ErrClosed):
-		return fmt.Errorf("%w: %w", ErrClosed, err)
+	case errors.Is(err, capi.ErrClosed):
+		return fmt.Errorf("%w: %w", kvxfer.ErrClosed, err)
 	}
 	return err
 }
 
-func (n *NixlBackend) regions(rs []MemRegion) ([][3]uint64, error) {
+func (n *Backend) regions(rs []kvxfer.MemRegion) ([][3]uint64, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.mu.closed {
-		return nil, ErrClosed
+		return nil, kvxfer.ErrClosed
 	}
 	out := make([][3]uint64, len(rs))
 	for i, r := range rs {
@@ -180,8 +182,8 @@ func (n *NixlBackend) regions(rs []MemRegion) ([][3]uint64, error) {
 	return out, nil
 }
 
-// Register implements Backend.
-func (n *NixlBackend) Register(rs []MemRegion) error {
+// Register implements kvxfer.Backend.
+func (n *Backend) Register(rs []kvxfer.MemRegion) error {
 	t, err := n.regions(rs)
 	if err != nil {
 		return err
@@ -189,21 +191,21 @@ func (n *NixlBackend) Register(rs []MemRegion) error {
 	return nixlErr(n.a.Register(t))
 }
 
-// Deregister implements Backend.
-func (n *NixlBackend) Deregister(rs []MemRegion) error {
+// Deregister implements kvxfer.Backend.
+func (n *Backend) Deregister(rs []kvxfer.MemRegion) error {
 	t, err := n.regions(rs)
 	if err != nil {
 		return err
 	}
 	if err := n.a.Deregister(t); err != nil {
-		return fmt.Errorf("%w: %w", ErrNotRegistered, nixlErr(err))
+		return fmt.Errorf("%w: %w", kvxfer.ErrNotRegistered, nixlErr(err))
 	}
 	return nil
 }
 
-// LocalMetadata implements Backend: NIXL's metadata, behind this
+// LocalMetadata implements kvxfer.Backend: NIXL's metadata, behind this
 // process's identity where it has one (nixlpeer.go).
-func (n *NixlBackend) LocalMetadata() ([]byte, error) {
+func (n *Backend) LocalMetadata() ([]byte, error) {
 	b, err := n.a.Metadata()
 	if err != nil {
 		return nil, nixlErr(err)
@@ -214,16 +216,16 @@ func (n *NixlBackend) LocalMetadata() ([]byte, error) {
 	return b, nil
 }
 
-// LoadPeer implements Backend. A peer on this host, in this pid
+// LoadPeer implements kvxfer.Backend. A peer on this host, in this pid
 // namespace, is watched: once its process exits, posts and notifications
 // to it fail (nixlpeer.go).
-func (n *NixlBackend) LoadPeer(meta []byte) (PeerName, error) {
+func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
 	id, ok, raw := unwrapMeta(meta)
 	s, err := n.a.LoadPeer(raw)
 	if err != nil {
-		return "", fmt.Errorf("%w: %w", ErrBadMetadata, nixlErr(err))
+		return "", fmt.Errorf("%w: %w", kvxfer.ErrBadMetadata, nixlErr(err))
 	}
-	name := PeerName(s)
+	name := kvxfer.PeerName(s)
 	var w *peerLife
 	if ok {
 		w = watchPeer(name, id)
@@ -242,34 +244,34 @@ func (n *NixlBackend) LoadPeer(meta []byte) (PeerName, error) {
 	return name, nil
 }
 
-// InvalidatePeer implements Backend.
-func (n *NixlBackend) InvalidatePeer(peer PeerName) error {
+// InvalidatePeer implements kvxfer.Backend.
+func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 	n.mu.Lock()
 	n.mu.peers[peer].close()
 	delete(n.mu.peers, peer)
 	n.mu.Unlock()
 	if err := n.a.InvalidatePeer(string(peer)); err != nil {
-		return fmt.Errorf("%w: %w", ErrUnknownPeer, nixlErr(err))
+		return fmt.Errorf("%w: %w", kvxfer.ErrUnknownPeer, nixlErr(err))
 	}
 	return nil
 }
 
 // peerGone returns why peer is known to be gone, or nil.
-func (n *NixlBackend) peerGone(peer PeerName) error {
+func (n *Backend) peerGone(peer kvxfer.PeerName) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return n.peerGoneLocked(peer)
 }
 
-func (n *NixlBackend) peerGoneLocked(peer PeerName) error {
+func (n *Backend) peerGoneLocked(peer kvxfer.PeerName) error {
 	if p := n.mu.peers[peer]; p.gone() {
 		return p.err()
 	}
 	return nil
 }
 
-// Post implements Backend: one C call per transfer.
-func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, notif []byte) (XferID, error) {
+// Post implements kvxfer.Backend: one C call per transfer.
+func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc, notif []byte) (kvxfer.XferID, error) {
 	if op != hotpath.OpWrite && op != hotpath.OpRead {
 		return 0, fmt.Errorf("kvxfer: post op %v", op)
 	}
@@ -279,7 +281,7 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 		// through, and UCX then writes to a wild address (seen with
 		// UCX over TCP: a segfault). Such a range is refused here.
 		if d.Len == 0 || d.Local+d.Len < d.Local || d.Remote+d.Len < d.Remote {
-			return 0, fmt.Errorf("desc %d [%#x -> %#x, +%d): %w", i, d.Local, d.Remote, d.Len, ErrOutOfBounds)
+			return 0, fmt.Errorf("desc %d [%#x -> %#x, +%d): %w", i, d.Local, d.Remote, d.Len, kvxfer.ErrOutOfBounds)
 		}
 		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
 	}
@@ -288,72 +290,72 @@ func (n *NixlBackend) Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, n
 	}
 	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
 	if err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.next++
-	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: peer, state: XferInProgress}
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: peer, state: kvxfer.XferInProgress}
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
 
-// State implements Backend.
-func (n *NixlBackend) State(id XferID) (XferState, error) {
+// State implements kvxfer.Backend.
+func (n *Backend) State(id kvxfer.XferID) (kvxfer.XferState, error) {
 	// NIXL calls on a transfer happen under mu, so Release can never free
 	// a request another goroutine is polling.
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	x := n.mu.xfers[id]
 	if x == nil {
-		return 0, fmt.Errorf("transfer %d: %w", id, ErrUnknownXfer)
+		return 0, fmt.Errorf("transfer %d: %w", id, kvxfer.ErrUnknownXfer)
 	}
-	if x.state == XferInProgress {
+	if x.state == kvxfer.XferInProgress {
 		done, err := n.a.State(x.x)
 		switch {
 		case err != nil:
-			x.state, x.err = XferFailed, fmt.Errorf("%w: %w", ErrXferFailed, err)
+			x.state, x.err = kvxfer.XferFailed, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, err)
 		case done:
-			x.state = XferDone
+			x.state = kvxfer.XferDone
 		default:
 			// Over UCX's shared memory nothing ends a transfer to a
 			// dead peer: its process's exit does.
 			if err := n.peerGoneLocked(x.peer); err != nil {
-				x.state, x.err = XferFailed, err
+				x.state, x.err = kvxfer.XferFailed, err
 			}
 		}
 	}
 	return x.state, x.err
 }
 
-// Telemetry implements Telemeter with NIXL's own figures.
-func (n *NixlBackend) Telemetry(id XferID) (XferTelemetry, bool) {
+// Telemetry implements kvxfer.Telemeter with NIXL's own figures.
+func (n *Backend) Telemetry(id kvxfer.XferID) (kvxfer.XferTelemetry, bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	x := n.mu.xfers[id]
-	if x == nil || x.state != XferDone {
-		return XferTelemetry{}, false
+	if x == nil || x.state != kvxfer.XferDone {
+		return kvxfer.XferTelemetry{}, false
 	}
 	t, ok := n.a.Telemetry(x.x)
-	return XferTelemetry{Post: t.Post, Transfer: t.Transfer, Bytes: t.Bytes, Descs: t.Descs}, ok
+	return kvxfer.XferTelemetry{Post: t.Post, Transfer: t.Transfer, Bytes: t.Bytes, Descs: t.Descs}, ok
 }
 
-var _ Telemeter = (*NixlBackend)(nil)
+var _ kvxfer.Telemeter = (*Backend)(nil)
 
-var _ PreparedPoster = (*NixlBackend)(nil)
+var _ kvxfer.PreparedPoster = (*Backend)(nil)
 
-// Prepare implements PreparedPoster.
-func (n *NixlBackend) Prepare(peer PeerName, entries []hotpath.Entry) (PrepID, error) {
+// Prepare implements kvxfer.PreparedPoster.
+func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer.PrepID, error) {
 	t := make([][3]uint64, len(entries))
 	for i, e := range entries {
 		if e.Len == 0 || e.Addr+e.Len < e.Addr {
-			return 0, fmt.Errorf("prepared entry %d [%#x, +%d): %w", i, e.Addr, e.Len, ErrOutOfBounds)
+			return 0, fmt.Errorf("prepared entry %d [%#x, +%d): %w", i, e.Addr, e.Len, kvxfer.ErrOutOfBounds)
 		}
 		t[i] = [3]uint64{e.Addr, e.Len, uint64(max(e.Dev, 0))}
 	}
 	p, err := n.a.Prepare(string(peer), t)
 	if err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -362,8 +364,8 @@ func (n *NixlBackend) Prepare(peer PeerName, entries []hotpath.Entry) (PrepID, e
 	return n.mu.nextP, nil
 }
 
-// PostPrepared implements PreparedPoster.
-func (n *NixlBackend) PostPrepared(op hotpath.Op, local, remote PrepID, pairs []hotpath.IndexPair, notif []byte) (XferID, error) {
+// PostPrepared implements kvxfer.PreparedPoster.
+func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs []hotpath.IndexPair, notif []byte) (kvxfer.XferID, error) {
 	n.mu.Lock()
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
@@ -381,25 +383,25 @@ func (n *NixlBackend) PostPrepared(op hotpath.Op, local, remote PrepID, pairs []
 	}
 	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp.p, rp.p, idx, notif)
 	if err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrXferFailed, nixlErr(err))
+		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.next++
-	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: rp.peer, state: XferInProgress}
+	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: rp.peer, state: kvxfer.XferInProgress}
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
 
 // PreparedLists returns how many prepared lists the backend holds.
-func (n *NixlBackend) PreparedLists() int {
+func (n *Backend) PreparedLists() int {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return len(n.mu.preps)
 }
 
-// ReleasePrepared implements PreparedPoster.
-func (n *NixlBackend) ReleasePrepared(id PrepID) error {
+// ReleasePrepared implements kvxfer.PreparedPoster.
+func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 	n.mu.Lock()
 	p, ok := n.mu.preps[id]
 	delete(n.mu.preps, id)
@@ -410,20 +412,20 @@ func (n *NixlBackend) ReleasePrepared(id PrepID) error {
 	return nixlErr(n.a.Unprepare(p.p))
 }
 
-// Release implements Backend.
-func (n *NixlBackend) Release(id XferID) error {
+// Release implements kvxfer.Backend.
+func (n *Backend) Release(id kvxfer.XferID) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	x := n.mu.xfers[id]
 	if x == nil {
-		return fmt.Errorf("release transfer %d: %w", id, ErrUnknownXfer)
+		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrUnknownXfer)
 	}
 	delete(n.mu.xfers, id)
 	return nixlErr(n.a.Release(x.x))
 }
 
-// Notify implements Backend.
-func (n *NixlBackend) Notify(peer PeerName, msg []byte) error {
+// Notify implements kvxfer.Backend.
+func (n *Backend) Notify(peer kvxfer.PeerName, msg []byte) error {
 	if err := n.peerGone(peer); err != nil {
 		return fmt.Errorf("notify %s: %w", peer, err)
 	}
@@ -433,8 +435,8 @@ func (n *NixlBackend) Notify(peer PeerName, msg []byte) error {
 	return nil
 }
 
-// DrainNotifs implements Backend.
-func (n *NixlBackend) DrainNotifs(dst []Notif) []Notif {
+// DrainNotifs implements kvxfer.Backend.
+func (n *Backend) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 	n.pull()
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -444,25 +446,25 @@ func (n *NixlBackend) DrainNotifs(dst []Notif) []Notif {
 }
 
 // pull moves NIXL's notifications into the inbox; reports whether any.
-func (n *NixlBackend) pull() bool {
+func (n *Backend) pull() bool {
 	got, err := n.a.Drain(nil)
 	if err != nil || len(got) == 0 {
 		return false
 	}
 	n.mu.Lock()
 	for _, g := range got {
-		n.mu.inbox = append(n.mu.inbox, Notif{From: PeerName(g.From), Msg: g.Msg})
+		n.mu.inbox = append(n.mu.inbox, kvxfer.Notif{From: kvxfer.PeerName(g.From), Msg: g.Msg})
 	}
 	n.mu.busy = time.Now()
 	n.mu.Unlock()
 	return true
 }
 
-// Events implements Backend.
-func (n *NixlBackend) Events() <-chan struct{} { return n.events }
+// Events implements kvxfer.Backend.
+func (n *Backend) Events() <-chan struct{} { return n.events }
 
-// Awaiting implements Awaiter.
-func (n *NixlBackend) Awaiting(on bool) {
+// Awaiting implements kvxfer.Awaiter.
+func (n *Backend) Awaiting(on bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if on {
@@ -477,9 +479,9 @@ func (n *NixlBackend) Awaiting(on bool) {
 	n.mu.busy = time.Now()
 }
 
-var _ Awaiter = (*NixlBackend)(nil)
+var _ kvxfer.Awaiter = (*Backend)(nil)
 
-// idlePoll is how often an idle NixlBackend polls for notifications: the
+// idlePoll is how often an idle Backend polls for notifications: the
 // longest a first message after a lull (a registration reaching an idle
 // producer) waits to be seen. Polling costs about 45 µs of CPU per round
 // here, so polling every PollInterval while idle would cost about 5% more of a
@@ -490,7 +492,7 @@ const idlePoll = 10 * time.Millisecond
 // PollInterval while a Worker awaits peer messages (Awaiting), a transfer
 // is in flight, or there was activity in the last second; every idlePoll
 // otherwise.
-func (n *NixlBackend) poll() {
+func (n *Backend) poll() {
 	defer close(n.done)
 	t := time.NewTimer(n.cfg.PollInterval)
 	defer t.Stop()
@@ -503,9 +505,9 @@ func (n *NixlBackend) poll() {
 		}
 		signal := n.pull()
 		n.mu.Lock()
-		ids := slices.Collect(func(yield func(XferID) bool) {
+		ids := slices.Collect(func(yield func(kvxfer.XferID) bool) {
 			for id, x := range n.mu.xfers {
-				if x.state == XferInProgress && !yield(id) {
+				if x.state == kvxfer.XferInProgress && !yield(id) {
 					return
 				}
 			}
@@ -513,7 +515,7 @@ func (n *NixlBackend) poll() {
 		idle := time.Since(n.mu.busy) > time.Second && n.mu.await == 0
 		n.mu.Unlock()
 		for _, id := range ids {
-			if s, _ := n.State(id); s != XferInProgress {
+			if s, _ := n.State(id); s != kvxfer.XferInProgress {
 				signal = true
 			}
 		}
@@ -531,9 +533,9 @@ func (n *NixlBackend) poll() {
 	}
 }
 
-// Close implements Backend: it stops polling and destroys the agent. It
+// Close implements kvxfer.Backend: it stops polling and destroys the agent. It
 // is idempotent.
-func (n *NixlBackend) Close() error {
+func (n *Backend) Close() error {
 	var err error
 	n.once.Do(func() {
 		close(n.stop)

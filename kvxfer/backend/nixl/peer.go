@@ -1,9 +1,11 @@
-package kvxfer
+package nixl
 
 import (
 	"encoding/binary"
 	"fmt"
 	"sync"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
 // Peer liveness for the NIXL backend.
@@ -42,7 +44,7 @@ type procID struct {
 	Boot  [16]byte
 }
 
-// metaMagic starts a NixlBackend's metadata: procID, then NIXL's blob.
+// metaMagic starts a Backend's metadata: procID, then NIXL's blob.
 const metaMagic = "kvxnixl\x01"
 
 const metaHeader = len(metaMagic) + 4 + 8 + 8 + 16
@@ -101,7 +103,7 @@ func nixlIsOpen(name string) bool {
 
 // peerLife watches one peer's process.
 type peerLife struct {
-	name  PeerName
+	name  kvxfer.PeerName
 	pid   uint32
 	local bool // the peer is an agent of this process
 	fd    int  // pidfd of the peer's process; -1 without one
@@ -111,7 +113,7 @@ type peerLife struct {
 // watchPeer returns a watch of the peer named name, whose process is id,
 // or nil when id is not a process this one can watch (another host or
 // pid namespace, or no pidfd here).
-func watchPeer(name PeerName, id procID) *peerLife {
+func watchPeer(name kvxfer.PeerName, id procID) *peerLife {
 	self, ok := selfProc()
 	if !ok || id.Boot != self.Boot || id.PidNS != self.PidNS || id.Pid == 0 {
 		return nil
@@ -158,9 +160,9 @@ func (p *peerLife) gone() bool {
 
 func (p *peerLife) err() error {
 	if p.local {
-		return fmt.Errorf("%w: peer %s: the agent (in this process) was closed", ErrXferFailed, p.name)
+		return fmt.Errorf("%w: peer %s: the agent (in this process) was closed", kvxfer.ErrXferFailed, p.name)
 	}
-	return fmt.Errorf("%w: peer %s: its process %d exited", ErrXferFailed, p.name, p.pid)
+	return fmt.Errorf("%w: peer %s: its process %d exited", kvxfer.ErrXferFailed, p.name, p.pid)
 }
 
 func (p *peerLife) close() {

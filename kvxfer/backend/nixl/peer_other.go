@@ -1,6 +1,6 @@
 //go:build !linux
 
-package kvxfer
+package nixl
 
 import "errors"
 

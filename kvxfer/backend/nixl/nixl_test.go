@@ -1,0 +1,44 @@
+package nixl_test
+
+import (
+	"testing"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+)
+
+func TestConformanceNixl(t *testing.T) { kvxfertest.Conformance(t, &kvxfertest.NixlHarness{}) }
+
+// Both agents in this process over UCX's shared memory (which needs
+// ucx_error_handling_mode=none): UCX cannot see a closed peer here (CMA
+// to our own pid succeeds, the memory is still mapped); the backend knows
+// its process's agents (nixlpeer.go), so PeerLoss passes too.
+func TestConformanceNixlShm(t *testing.T) {
+	t.Setenv("UCX_TLS", "sm")
+	kvxfertest.Conformance(t, &kvxfertest.NixlHarness{Params: map[string]string{"ucx_error_handling_mode": "none"}})
+}
+
+// NIXL's telemetry of a finished transfer reaches the caller.
+func TestNixlTelemetry(t *testing.T) {
+	h := &kvxfertest.NixlHarness{}
+	a, ar, _ := h.New(t, 1<<20)
+	b, br, _ := h.New(t, 1<<20)
+	defer a.Close()
+	defer b.Close()
+	peer := kvxfertest.Link(t, a, b, ar, br)
+	id, err := a.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 1 << 20}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s, _ := a.State(id); s == kvxfer.XferInProgress; s, _ = a.State(id) {
+	}
+	tm, ok := a.(kvxfer.Telemeter).Telemetry(id)
+	if !ok {
+		t.Skip("this NIXL library keeps no telemetry")
+	}
+	if tm.Bytes != 1<<20 || tm.Descs != 1 {
+		t.Errorf("telemetry = %+v, want 1 MiB in 1 descriptor", tm)
+	}
+	t.Logf("NIXL telemetry: %+v", tm)
+}
