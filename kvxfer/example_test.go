@@ -57,7 +57,7 @@ func Example() {
 	fmt.Println("D:", wait(d).Recving)
 	fmt.Println("D blocks 5-6 hold P's KV:", bytes.Equal(dMem[5*256:7*256], pMem[2*256:4*256]))
 	// Output:
-	// P: [{p-1 done }]
-	// D: [{d-1 done }]
+	// P: [{p-1 done none }]
+	// D: [{d-1 done none }]
 	// D blocks 5-6 hold P's KV: true
 }

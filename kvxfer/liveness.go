@@ -131,7 +131,7 @@ func (st *loopState) probeDone(h *hsResult) {
 	}
 	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached a rank (generation %d -> %d): the transfer cannot complete",
 		e.id, e.addr, e.gen, h.res.Generation)
-	n := st.failWaiting(e, reason, true, func(r *recvReq) bool {
+	n := st.failWaiting(e, FailurePeerGone, reason, true, func(r *recvReq) bool {
 		for _, t := range r.targets {
 			if changed[t] && !r.got[t] {
 				return true
@@ -149,7 +149,7 @@ func (st *loopState) probeDone(h *hsResult) {
 // drops its handshake so the next request handshakes again.
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
-	n := st.failWaiting(e, reason, st.w.access != nil, func(*recvReq) bool { return true })
+	n := st.failWaiting(e, FailurePeerGone, reason, st.w.access != nil, func(*recvReq) bool { return true })
 	st.w.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by
 	// then); if that fails too, handshakeRetry applies as usual.
@@ -160,7 +160,7 @@ func (st *loopState) peerGone(e *engine, err error) {
 // failWaiting fails the consumer requests that wait on e and match,
 // fenced at once when fence says nothing of e's can land any more, and
 // returns how many.
-func (st *loopState) failWaiting(e *engine, reason string, fence bool, match func(*recvReq) bool) int {
+func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fence bool, match func(*recvReq) bool) int {
 	n := 0
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
@@ -178,7 +178,7 @@ func (st *loopState) failWaiting(e *engine, reason string, fence bool, match fun
 				delete(r.handles, h)
 			}
 		}
-		st.decide(r, ResultFailed, reason)
+		st.decide(r, ResultFailed, kind, reason)
 		st.tryReport(r)
 	}
 	return n

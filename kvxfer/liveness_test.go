@@ -50,7 +50,8 @@ func TestPeerGoneFailsWaitingRequests(t *testing.T) {
 	out := awaitOutcomes(t, 1, d)
 	took := time.Since(gone)
 	o := out.recv["d-a"]
-	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, "producer engine P") || !strings.Contains(o[0].Reason, "gone") {
+	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone ||
+		!strings.Contains(o[0].Reason, "producer engine P") || !strings.Contains(o[0].Reason, "gone") {
 		t.Fatalf("D outcome %+v, want failed: producer engine P is gone", o)
 	}
 	if limit := timeout + timeout/5 + time.Second; took > limit {
@@ -75,7 +76,7 @@ func TestPeerRestartFailsOldRequests(t *testing.T) {
 	back := time.Now()
 	out := awaitOutcomes(t, 1, d)
 	o := out.recv["d-a"]
-	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, "restarted") {
+	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
 		t.Fatalf("D outcome %+v, want failed: producer restarted", o)
 	}
 	if took := time.Since(back); took > timeout/2 {

@@ -6,10 +6,10 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/invariants"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -86,7 +86,8 @@ type tomb struct {
 	preq string
 	// fail is why the request failed (empty: done): a D rank that
 	// registers only now is told it, instead of waiting for its timeout.
-	fail string
+	fail     string
+	failKind FailureKind
 }
 
 // regGroup collects the registrations of one D request from its ranks.
@@ -121,8 +122,9 @@ type dRank struct {
 	inflight int    // WRITEs in flight into this rank
 	posted   []bool // layer-wise: layers posted, by layer index
 	reason   string // why it failed (set while WRITEs still drain)
-	ackOwed  bool   // D cancelled while a WRITE was in flight
-	quiet    bool   // its failure is one of many logged once (a refused peer)
+	kind     FailureKind
+	ackOwed  bool // D cancelled while a WRITE was in flight
+	quiet    bool // its failure is one of many logged once (a refused peer)
 }
 
 type sendReq struct {
@@ -143,11 +145,13 @@ type sendReq struct {
 
 	// failReason is why the request failed, once it did (push).
 	failReason string
+	failKind   FailureKind
 
 	// pull: D ranks that reported.
 	pullTP   int
 	pullSeen map[int]bool
 	pullFail string
+	pullKind FailureKind
 }
 
 type recvReq struct {
@@ -309,7 +313,10 @@ func (st *loopState) step(meta *StepMeta) {
 
 // report queues one terminal outcome.
 func (st *loopState) report(role Role, o Outcome) {
-	st.w.metrics.Outcome(role, o.Result)
+	if invariants.Enabled && (o.Result == ResultFailed || o.Result == ResultExpired) && o.Kind == FailureNone {
+		panic(fmt.Sprintf("kvxfer: %v outcome of %s without a failure kind: %q", o.Result, o.ReqID, o.Reason))
+	}
+	st.w.metrics.Outcome(role, o.Result, o.Kind)
 	if role == RoleProducer {
 		st.out.Sending = append(st.out.Sending, o)
 	} else {
@@ -376,13 +383,13 @@ func (st *loopState) dispatch(m *msg) {
 		if st.cfg.Mode == ModePush {
 			st.onPushDone(m)
 		} else {
-			st.onPullDone(m, "")
+			st.onPullDone(m, "", FailureNone)
 		}
 	case msgFail:
 		if st.cfg.Mode == ModePush {
 			st.onPushFail(m)
 		} else {
-			st.onPullDone(m, m.Reason)
+			st.onPullDone(m, m.Reason, m.failKind())
 		}
 	case msgHeartbeat:
 		st.onHeartbeat(m)
@@ -559,13 +566,13 @@ func (st *loopState) shutdown() {
 		for _, r := range s.ranks {
 			r.inflight = 0 // abandoned above
 		}
-		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
+		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: "worker closed"})
 		st.forgetSend(s)
 	}
 	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
 		r := st.recvs[id]
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
-		st.report(RoleConsumer, Outcome{ReqID: id, Result: ResultFailed, Reason: "worker closed"})
+		st.report(RoleConsumer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: "worker closed"})
 		st.revoke(r)
 		delete(st.recvs, id)
 	}
@@ -579,28 +586,4 @@ func group0(spans []topology.Span) []topology.BlockID {
 		return nil
 	}
 	return spans[0].IDs
-}
-
-// failureType names a failure for logs the way the reference's
-// _log_failure does (SPEC §10), from the reason kvxfer recorded.
-func failureType(reason string) string {
-	for _, p := range [...]struct{ prefix, typ string }{
-		{"handshake with consumer", "push_handshake_failed"},
-		{ErrIncompatibleLayouts.Error(), "handshake_setup_failed"},
-		{"handshake", "handshake_failed"},
-		{"registration:", "push_reg_notif_failed"},
-		{"registration rejected", "transfer_setup_failed"},
-		{"remote blocks rejected", "transfer_setup_failed"},
-		{"post ", "transfer_setup_failed"},
-		{"WRITE failed", "transfer_failed"},
-		{"READ failed", "transfer_failed"},
-		{"completion notice", "notification_failed"},
-		{"producer did not complete", "expired"},
-		{"producer blocks expire", "expired"},
-	} {
-		if strings.HasPrefix(reason, p.prefix) {
-			return p.typ
-		}
-	}
-	return "peer_failure"
 }

@@ -236,6 +236,9 @@ func (r Result) String() string {
 type Outcome struct {
 	ReqID  string
 	Result Result
+	// Kind says why a failed or expired outcome did not complete
+	// (FailureNone for done and aborted ones).
+	Kind   FailureKind
 	Reason string
 }
 

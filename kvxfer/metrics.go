@@ -179,7 +179,8 @@ type Metrics struct {
 	transfers, failedTransfers, failedNotifs, expired atomic.Uint64
 	handshakeFailures                                 atomic.Uint64
 	totalBytes, totalDescs, totalBlocks               atomic.Uint64
-	outcomes                                          [3][5]atomic.Uint64 // [role][result]
+	outcomes                                          [3][5]atomic.Uint64               // [role][result]
+	failures                                          [3][numFailureKinds]atomic.Uint64 // [role][kind]
 
 	badInput, dropped, refused labelled
 }
@@ -232,10 +233,14 @@ func (m *Metrics) Handshake(d time.Duration, ok bool) {
 	}
 }
 
-// Outcome counts a terminal outcome of one side.
-func (m *Metrics) Outcome(side Role, r Result) {
+// Outcome counts a terminal outcome of one side, and a failed or
+// expired one by its kind too.
+func (m *Metrics) Outcome(side Role, r Result, kind FailureKind) {
 	if int(side) < len(m.outcomes) && int(r) < len(m.outcomes[0]) {
 		m.outcomes[side][r].Add(1)
+	}
+	if kind != FailureNone && int(side) < len(m.failures) && kind < numFailureKinds {
+		m.failures[side][kind].Add(1)
 	}
 }
 
@@ -273,6 +278,9 @@ type Stats struct {
 	// Outcomes counts terminal outcomes by role and result:
 	// Outcomes[RoleProducer][ResultDone], ...
 	Outcomes [3][5]uint64
+	// Failures counts failed and expired outcomes by role and kind:
+	// Failures[RoleConsumer][FailureTransfer], ...
+	Failures [3][numFailureKinds]uint64
 	// BadInput and Dropped count by field or reason.
 	BadInput, Dropped map[string]uint64
 	// RefusedAccess counts peers' transfers refused by the data-plane
@@ -293,6 +301,9 @@ func (m *Metrics) Snapshot() Stats {
 	for i := range m.outcomes {
 		for j := range m.outcomes[i] {
 			s.Outcomes[i][j] = m.outcomes[i][j].Load()
+		}
+		for j := range m.failures[i] {
+			s.Failures[i][j] = m.failures[i][j].Load()
 		}
 	}
 	return s
@@ -337,6 +348,9 @@ func (s Stats) Sub(prev Stats) Stats {
 		for j := range s.Outcomes[i] {
 			out.Outcomes[i][j] = s.Outcomes[i][j] - prev.Outcomes[i][j]
 		}
+		for j := range s.Failures[i] {
+			out.Failures[i][j] = s.Failures[i][j] - prev.Failures[i][j]
+		}
 	}
 	return out
 }
@@ -357,6 +371,9 @@ func (s Stats) Add(o Stats) Stats {
 	for i := range s.Outcomes {
 		for j := range s.Outcomes[i] {
 			out.Outcomes[i][j] = s.Outcomes[i][j] + o.Outcomes[i][j]
+		}
+		for j := range s.Failures[i] {
+			out.Failures[i][j] = s.Failures[i][j] + o.Failures[i][j]
 		}
 	}
 	return out

@@ -124,7 +124,8 @@ func TestMetricsTransferAllocatesNothing(t *testing.T) {
 	m := NewMetrics()
 	if n := testing.AllocsPerRun(100, func() {
 		m.Transfer(time.Millisecond, time.Microsecond, 4096, 3, 2)
-		m.Outcome(RoleProducer, ResultDone)
+		m.Outcome(RoleProducer, ResultDone, FailureNone)
+		m.Outcome(RoleConsumer, ResultFailed, FailureTransfer)
 		m.FailedTransfer()
 	}); n != 0 {
 		t.Errorf("recording allocates %v times, want 0", n)

@@ -84,12 +84,12 @@ func (st *loopState) startRecv(r *recvReq) {
 	case hsPending:
 		return
 	case hsFailed:
-		reason := "handshake with producer failed: " + e.err.Error()
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", "handshake_failed", "req", r.req.ReqID, "engine", e.id, "err", e.err)
+		reason, kind := "handshake with producer failed: "+e.err.Error(), FailureHandshake
 		if len(e.peers) > 0 {
-			st.refuseProducer(e, r, reason) // it answered but was refused
+			kind = FailureIncompatible // it answered but was refused
+			st.refuseProducer(e, r, kind, reason)
 		}
-		st.decide(r, ResultFailed, reason)
+		st.decide(r, ResultFailed, kind, reason)
 		st.tryReport(r)
 		return
 	}
@@ -97,21 +97,21 @@ func (st *loopState) startRecv(r *recvReq) {
 	if err := st.refusal(e, asConsumer); err != nil {
 		// Refused at handshake: fail at once, logged once per peer
 		// generation (refusal), not per request.
-		st.refuseProducer(e, r, err.Error())
+		st.refuseProducer(e, r, FailureIncompatible, err.Error())
 		r.quiet = true
-		st.decide(r, ResultFailed, err.Error())
+		st.decide(r, ResultFailed, FailureIncompatible, err.Error())
 		st.tryReport(r)
 		return
 	}
 	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
 		st.w.metrics.BadInput("recv_req.remote.tp_size")
-		st.decide(r, ResultFailed, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
+		st.decide(r, ResultFailed, FailureIncompatible, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
 		st.tryReport(r)
 		return
 	}
 	targets, err := st.targets(e.tpSize, e.ppSize)
 	if err != nil {
-		st.decide(r, ResultFailed, err.Error())
+		st.decide(r, ResultFailed, FailureIncompatible, err.Error())
 		st.tryReport(r)
 		return
 	}
@@ -128,14 +128,14 @@ func (st *loopState) startRecv(r *recvReq) {
 // refuseProducer tells every producer rank of a request that this rank
 // gives up before it registered or read anything, so they fail their
 // side at once instead of waiting for their lease.
-func (st *loopState) refuseProducer(e *engine, r *recvReq, reason string) {
+func (st *loopState) refuseProducer(e *engine, r *recvReq, fk FailureKind, reason string) {
 	kind := msgCancel
 	if st.cfg.Mode == ModePull {
 		kind = msgFail
 	}
 	if targets, err := st.targets(e.tpSize, e.ppSize); err == nil {
 		for _, to := range targets {
-			st.tellP(e, r, to, kind, reason)
+			st.tellP(e, r, to, kind, fk, reason)
 		}
 	}
 }
@@ -176,7 +176,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 		if err := errs[i]; err != nil {
 			st.w.metrics.FailedNotification()
 			r.fenced[to] = true // nothing registered there
-			st.decide(r, ResultFailed, "registration: "+err.Error())
+			st.decide(r, ResultFailed, FailureRegistration, "registration: "+err.Error())
 		}
 	}
 }
@@ -208,9 +208,9 @@ func (st *loopState) read(r *recvReq, e *engine) {
 		if !time.Now().Add(expirySafety).Before(local) {
 			st.w.metrics.ExpiredRequest()
 			for _, to := range r.targets {
-				st.tellP(e, r, to, msgFail, "producer blocks expire before the read")
+				st.tellP(e, r, to, msgFail, FailureExpired, "producer blocks expire before the read")
 			}
-			st.decide(r, ResultExpired, "producer blocks expire before the read could finish")
+			st.decide(r, ResultExpired, FailureExpired, "producer blocks expire before the read could finish")
 			return
 		}
 	}
@@ -218,7 +218,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 		st.readFrom(r, e, to)
 	}
 	if !r.decided && len(r.got) == len(r.targets) {
-		st.decide(r, ResultDone, "")
+		st.decide(r, ResultDone, FailureNone, "")
 	}
 }
 
@@ -226,17 +226,17 @@ func (st *loopState) read(r *recvReq, e *engine) {
 func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	hreq := hotpath.Request{Tokens: r.req.Remote.Tokens, Src: r.req.Remote.Blocks, Dst: r.req.Local}
 	if r.decided {
-		st.tellP(e, r, to, msgFail, r.outcome.Reason)
+		st.tellP(e, r, to, msgFail, r.outcome.Kind, r.outcome.Reason)
 		return
 	}
 	p, err := st.plan(e, to, st.layout.TPRank)
 	if err != nil {
-		st.tellP(e, r, to, msgFail, err.Error())
-		st.decide(r, ResultFailed, err.Error())
+		st.tellP(e, r, to, msgFail, FailureIncompatible, err.Error())
+		st.decide(r, ResultFailed, FailureIncompatible, err.Error())
 		return
 	}
 	if p.NotifyOnly {
-		st.tellP(e, r, to, msgDone, "")
+		st.tellP(e, r, to, msgDone, FailureNone, "")
 		r.got[to] = true
 		return
 	}
@@ -245,8 +245,8 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
 		id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
 		if err != nil {
-			st.tellP(e, r, to, msgFail, err.Error())
-			st.decide(r, ResultFailed, "post READ: "+err.Error())
+			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
+			st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
 			return
 		}
 		r.handles[id] = to
@@ -256,15 +256,15 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
 	if err != nil {
 		st.w.metrics.BadInput("recv_req.remote.blocks")
-		st.tellP(e, r, to, msgFail, err.Error())
-		st.decide(r, ResultFailed, "remote blocks rejected: "+err.Error())
+		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
+		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
 		return
 	}
 	id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
 	if err != nil {
 		st.w.metrics.FailedTransfer()
-		st.tellP(e, r, to, msgFail, "post READ: "+err.Error())
-		st.decide(r, ResultFailed, "post READ: "+err.Error())
+		st.tellP(e, r, to, msgFail, FailureSetup, "post READ: "+err.Error())
+		st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
 		return
 	}
 	r.handles[id] = to
@@ -273,8 +273,8 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 }
 
 // tellP sends a bare message about a request to one producer rank.
-func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, reason string) {
-	st.sendTo(e, to, &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Reason: reason})
+func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, fk FailureKind, reason string) {
+	st.sendTo(e, to, &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: fk, Reason: reason})
 }
 
 // recvSettled handles the end of one of a pull consumer's READs.
@@ -287,7 +287,7 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 	if ok {
 		r.got[h.src] = true
 		if !r.decided && len(r.got) == len(r.targets) {
-			st.decide(r, ResultDone, "")
+			st.decide(r, ResultDone, FailureNone, "")
 		}
 	} else if !r.decided && errors.Is(err, ErrNotGranted) && r.retries[h.src] < maxReadRetries {
 		// The producer does not hold the blocks (yet): its rank may not
@@ -312,9 +312,9 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 			}
 		}
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
-			st.tellP(e, r, h.src, msgFail, "READ failed: "+err.Error())
+			st.tellP(e, r, h.src, msgFail, FailureTransfer, "READ failed: "+err.Error())
 		}
-		st.decide(r, ResultFailed, "READ failed: "+err.Error())
+		st.decide(r, ResultFailed, FailureTransfer, "READ failed: "+err.Error())
 	}
 	st.tryReport(r)
 }
@@ -341,13 +341,13 @@ func (st *loopState) readRetry(t timerEntry) {
 		}
 		delete(r.retryAt, to)
 		if e == nil || e.state != hsReady {
-			st.decide(r, ResultFailed, "producer handshake lost before a READ was retried")
+			st.decide(r, ResultFailed, FailurePeerGone, "producer handshake lost before a READ was retried")
 			continue
 		}
 		st.readFrom(r, e, to)
 	}
 	if !r.decided && len(r.got) == len(r.targets) {
-		st.decide(r, ResultDone, "")
+		st.decide(r, ResultDone, FailureNone, "")
 	}
 	st.tryReport(r)
 }
@@ -365,7 +365,7 @@ func (st *loopState) onPushDone(m *msg) {
 	r.got[ref], r.fenced[ref] = true, true
 	if len(r.got) == len(r.targets) {
 		if !r.decided {
-			st.decide(r, ResultDone, "")
+			st.decide(r, ResultDone, FailureNone, "")
 		} else if r.canceled && r.outcome.Result != ResultDone && !r.failedRank {
 			// Every byte landed after all (a lost notice was resent in
 			// answer to our cancel): the request is done.
@@ -381,7 +381,7 @@ func (st *loopState) onPushFail(m *msg) {
 		// The producer failed the request before this rank registered
 		// (its handshake still pending): nothing was registered, nothing
 		// can land; fail it now.
-		st.decide(r, ResultFailed, fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
+		st.decide(r, ResultFailed, m.failKind(), fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
 		st.tryReport(r)
 		return
 	}
@@ -391,7 +391,7 @@ func (st *loopState) onPushFail(m *msg) {
 	}
 	r.fenced[ref] = true
 	r.failedRank = true
-	st.decide(r, ResultFailed, fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
+	st.decide(r, ResultFailed, m.failKind(), fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
 	st.tryReport(r)
 }
 
@@ -427,12 +427,15 @@ func (st *loopState) recvFor(m *msg) (*recvReq, rankRef, bool) {
 // decide fixes a consumer request's outcome (first decision wins). A
 // push consumer that gives up cancels every producer rank that may still
 // WRITE, and reports only once they confirm (fencing).
-func (st *loopState) decide(r *recvReq, res Result, reason string) {
+func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason string) {
 	if r.decided {
 		return
 	}
 	r.decided = true
-	r.outcome = Outcome{ReqID: r.req.ReqID, Result: res, Reason: reason}
+	if res == ResultDone {
+		kind = FailureNone
+	}
+	r.outcome = Outcome{ReqID: r.req.ReqID, Result: res, Kind: kind, Reason: reason}
 	if res != ResultDone && st.cfg.Mode == ModePush && r.sent {
 		r.canceled = true
 		st.sendCancels(r)
@@ -440,7 +443,7 @@ func (st *loopState) decide(r *recvReq, res Result, reason string) {
 		st.arm(r.fenceBy, tFence, r.req.ReqID)
 	}
 	if res != ResultDone && !r.quiet {
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(reason), "side", "consumer", "request_id", r.req.ReqID,
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", kind.String(), "side", "consumer", "request_id", r.req.ReqID,
 			"engine_id", st.cfg.EngineID, "remote_engine_id", r.req.Remote.EngineID, "remote_request_id", r.req.Remote.ReqID,
 			"num_local_blocks", spanBlocks(r.req.Local), "result", res, "reason", reason)
 	}
@@ -454,7 +457,7 @@ func (st *loopState) sendCancels(r *recvReq) {
 	}
 	for _, to := range r.targets {
 		if !r.fenced[to] {
-			st.tellP(e, r, to, msgCancel, r.outcome.Reason)
+			st.tellP(e, r, to, msgCancel, r.outcome.Kind, r.outcome.Reason)
 		}
 	}
 }
@@ -502,7 +505,7 @@ func (st *loopState) recvDeadline(e timerEntry) {
 	st.w.metrics.ExpiredRequest()
 	if !r.sent {
 		// Nothing was registered or read: no fence to wait for.
-		st.decide(r, ResultExpired, "producer did not complete before the deadline")
+		st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
 		st.tryReport(r)
 		return
 	}
@@ -510,12 +513,12 @@ func (st *loopState) recvDeadline(e timerEntry) {
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			for _, to := range r.targets {
 				if !r.got[to] && !st.reading(r, to) {
-					st.tellP(e, r, to, msgFail, "consumer deadline passed")
+					st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
 				}
 			}
 		}
 	}
-	st.decide(r, ResultExpired, "producer did not complete before the deadline")
+	st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
 	st.tryReport(r)
 }
 

@@ -216,12 +216,12 @@ func (st *loopState) onReg(m *msg) {
 			// This rank registers after we finished without it (its
 			// handshake was late, our failure notice lost): tell it now,
 			// so it does not wait for its timeout.
-			why := tb.fail
+			why, kind := tb.fail, tb.failKind
 			if why == "" {
-				why = "the producer finished the request before this rank registered"
+				why, kind = "the producer finished the request before this rank registered", FailureCancelled
 			}
 			st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
-				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why})
+				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why, FailKind: kind})
 		}
 		return
 	}
@@ -236,7 +236,7 @@ func (st *loopState) onReg(m *msg) {
 		_, goneT := st.abortedT[m.TransferID]
 		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" || goneT && m.TransferID != "" {
 			g.ranks[m.TPRank] = m
-			st.failRegGroup(g, m.PReq, "producer aborted the request")
+			st.failRegGroup(g, m.PReq, FailureCancelled, "producer aborted the request")
 			return
 		}
 		if s := st.findSend(g); s != nil {
@@ -273,7 +273,7 @@ func (st *loopState) attach(s *sendReq, g *regGroup) {
 		// A D TP size we cannot connect to: fail every rank that
 		// registered, and the request.
 		for tp, m := range g.ranks {
-			s.ranks[tp] = &dRank{state: rkFailed, reg: m, reason: err.Error()}
+			s.ranks[tp] = &dRank{state: rkFailed, reg: m, reason: err.Error(), kind: FailureIncompatible}
 		}
 		s.expect = nil
 		for tp := range g.ranks {
@@ -282,7 +282,7 @@ func (st *loopState) attach(s *sendReq, g *regGroup) {
 		slices.Sort(s.expect)
 		st.ensureEngine(g.key.engine, g.addr)
 		for tp := range g.ranks {
-			st.tellD(s, tp, &msg{Kind: msgFail, Reason: err.Error()})
+			st.tellD(s, tp, &msg{Kind: msgFail, Reason: err.Error(), FailKind: FailureIncompatible})
 		}
 		st.settleSend(s)
 		return
@@ -338,7 +338,7 @@ func (st *loopState) pushReady(s *sendReq) {
 		case hsFailed:
 			for _, tp := range s.expect {
 				if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 {
-					st.failRank(s, tp, r, "handshake with consumer failed: "+e.err.Error())
+					st.failRank(s, tp, r, FailureHandshake, "handshake with consumer failed: "+e.err.Error())
 				}
 			}
 		case hsReady:
@@ -349,7 +349,7 @@ func (st *loopState) pushReady(s *sendReq) {
 				for _, tp := range s.expect {
 					if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 {
 						r.quiet = true
-						st.failRank(s, tp, r, err.Error())
+						st.failRank(s, tp, r, FailureIncompatible, err.Error())
 					}
 				}
 				break
@@ -403,12 +403,12 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	}
 	peer, ok := e.peers[rankRef{tp: tp}]
 	if !ok {
-		st.failRank(s, tp, r, fmt.Sprintf("consumer engine %s has no rank tp %d", e.id, tp))
+		st.failRank(s, tp, r, FailureIncompatible, fmt.Sprintf("consumer engine %s has no rank tp %d", e.id, tp))
 		return
 	}
 	p, err := st.plan(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp)
 	if err != nil {
-		st.failRank(s, tp, r, err.Error())
+		st.failRank(s, tp, r, FailureIncompatible, err.Error())
 		return
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
@@ -428,7 +428,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		}
 		if err := st.w.be.Notify(peer, done); err != nil {
 			st.w.metrics.FailedNotification()
-			st.failRank(s, tp, r, "completion notice: "+err.Error())
+			st.failRank(s, tp, r, FailureNotification, "completion notice: "+err.Error())
 			return
 		}
 		r.state = rkDone
@@ -441,11 +441,11 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		if err != nil {
 			if errors.Is(err, hotpath.ErrInvalidRequest) {
 				st.w.metrics.BadInput("reg.spans")
-				st.failRank(s, tp, r, "registration rejected: "+err.Error())
+				st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
 				return
 			}
 			st.w.metrics.FailedTransfer()
-			st.failRank(s, tp, r, "post WRITE: "+err.Error())
+			st.failRank(s, tp, r, FailureSetup, "post WRITE: "+err.Error())
 			return
 		}
 		r.state = rkPosted
@@ -457,7 +457,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &req)
 	if err != nil {
 		st.w.metrics.BadInput("reg.spans")
-		st.failRank(s, tp, r, "registration rejected: "+err.Error())
+		st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
 		return
 	}
 	descs := st.descBuf
@@ -483,7 +483,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	id, err := st.w.be.Post(hotpath.OpWrite, peer, descs, notif)
 	if err != nil {
 		st.w.metrics.FailedTransfer()
-		st.failRank(s, tp, r, "post WRITE: "+err.Error())
+		st.failRank(s, tp, r, FailureSetup, "post WRITE: "+err.Error())
 		return
 	}
 	r.state = rkPosted
@@ -505,7 +505,7 @@ func (st *loopState) pushLayerDone(s *sendReq, tp int, r *dRank) {
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
 	if err := st.w.be.Notify(e.peers[rankRef{tp: tp}], done); err != nil {
 		st.w.metrics.FailedNotification()
-		st.failRank(s, tp, r, "completion notice: "+err.Error())
+		st.failRank(s, tp, r, FailureNotification, "completion notice: "+err.Error())
 		return
 	}
 	r.state = rkDone
@@ -529,20 +529,20 @@ func spanBlocks(spans []topology.Span) int {
 
 // failRank fails one D rank and tells D at once — once nothing of ours
 // is in flight into it (until then the reason waits).
-func (st *loopState) failRank(s *sendReq, tp int, r *dRank, reason string) {
+func (st *loopState) failRank(s *sendReq, tp int, r *dRank, kind FailureKind, reason string) {
 	if r.reason == "" {
-		r.reason = reason
+		r.reason, r.kind = reason, kind
 	}
 	if r.inflight > 0 {
 		return
 	}
 	r.state = rkFailed
 	if !r.quiet {
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", failureType(r.reason), "side", "producer", "request_id", s.req.ReqID,
+		st.w.log.Warn("kvxfer: transfer failure", "failure_type", r.kind.String(), "side", "producer", "request_id", s.req.ReqID,
 			"engine_id", st.cfg.EngineID, "remote_engine_id", s.match.key.engine, "remote_request_id", s.match.key.dreq,
 			"d_tp_rank", tp, "num_local_blocks", spanBlocks(s.req.Blocks), "reason", r.reason)
 	}
-	st.tellD(s, tp, &msg{Kind: msgFail, Reason: r.reason})
+	st.tellD(s, tp, &msg{Kind: msgFail, Reason: r.reason, FailKind: r.kind})
 }
 
 // sendSettled handles the end of one of a producer's WRITEs.
@@ -557,7 +557,7 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 	}
 	r.inflight--
 	if !ok && r.reason == "" {
-		r.reason = "WRITE failed: " + err.Error()
+		r.reason, r.kind = "WRITE failed: "+err.Error(), FailureTransfer
 	}
 	if r.inflight > 0 {
 		return
@@ -565,7 +565,7 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 	switch {
 	case r.reason != "":
 		r.state = rkFailed
-		st.failRank(s, h.dtp, r, r.reason)
+		st.failRank(s, h.dtp, r, r.kind, r.reason)
 	case st.cfg.Layerwise && r.posted != nil:
 		st.pushLayerDone(s, h.dtp, r)
 		if r.state == rkPosted && !s.expired && !s.aborted {
@@ -577,7 +577,7 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 	if r.ackOwed && r.inflight == 0 {
 		r.ackOwed = false
 		if r.state == rkPosted {
-			r.state, r.reason = rkCancelled, "consumer cancelled"
+			r.state, r.reason, r.kind = rkCancelled, "consumer cancelled", FailureCancelled
 		}
 		st.tellD(s, h.dtp, &msg{Kind: msgAck})
 	}
@@ -612,40 +612,43 @@ func (st *loopState) settleSend(s *sendReq) {
 		return
 	}
 	o := Outcome{ReqID: s.req.ReqID, Result: ResultDone}
-	why := "producer lease expired"
+	why, whyKind := "producer lease expired", FailureExpired
 	switch {
 	case s.aborted:
-		why = "producer aborted"
+		why, whyKind = "producer aborted", FailureCancelled
 	case !s.expired:
-		why = "another consumer rank failed"
+		why, whyKind = "another consumer rank failed", FailureCancelled
 	}
 	for _, tp := range s.expect {
 		r := s.ranks[tp]
 		switch r.state {
 		case rkFailed:
 			if o.Result == ResultDone {
-				o.Result, o.Reason = ResultFailed, fmt.Sprintf("consumer rank %d: %s", tp, r.reason)
+				o.Result, o.Kind, o.Reason = ResultFailed, r.kind, fmt.Sprintf("consumer rank %d: %s", tp, r.reason)
 			}
 		case rkCancelled:
 			if o.Result == ResultDone {
-				o.Result, o.Reason = ResultFailed, fmt.Sprintf("consumer rank %d cancelled: %s", tp, r.reason)
+				o.Result, o.Kind, o.Reason = ResultFailed, FailureCancelled, fmt.Sprintf("consumer rank %d cancelled: %s", tp, r.reason)
 			}
 		case rkWaiting, rkReady, rkPosted:
 			// Never (fully) posted, and never will be: tell the D rank now.
-			r.state, r.reason = rkFailed, why
-			st.tellD(s, tp, &msg{Kind: msgFail, Reason: why})
+			r.state, r.reason, r.kind = rkFailed, why, whyKind
+			st.tellD(s, tp, &msg{Kind: msgFail, Reason: why, FailKind: whyKind})
 		}
 	}
 	switch {
 	case s.aborted:
-		o.Result, o.Reason = ResultAborted, why
+		o.Result, o.Kind, o.Reason = ResultAborted, FailureNone, why
 	case s.expired && !allSettledOK(s):
-		o.Result, o.Reason = ResultExpired, why
+		o.Result, o.Kind, o.Reason = ResultExpired, FailureExpired, why
 		st.w.metrics.ExpiredRequest()
 	}
 	s.done = true
 	if o.Result != ResultDone {
-		s.failReason = o.Reason
+		s.failReason, s.failKind = o.Reason, o.Kind
+		if s.failKind == FailureNone {
+			s.failKind = FailureCancelled // aborted by its engine
+		}
 	}
 	st.report(RoleProducer, o)
 	st.forgetSend(s)
@@ -688,7 +691,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
-		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason}
+		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}
 		for _, tp := range s.expect {
 			if s.ranks[tp].state == rkDone {
 				tb.done = append(tb.done, tp)
@@ -778,7 +781,7 @@ func (st *loopState) onCancel(m *msg) {
 	}
 	switch r.state {
 	case rkWaiting, rkReady, rkPosted:
-		r.state, r.reason = rkCancelled, m.Reason
+		r.state, r.reason, r.kind = rkCancelled, m.Reason, FailureCancelled
 	}
 	st.tellD(s, m.TPRank, &msg{Kind: msgAck})
 	st.settleSend(s)
@@ -794,7 +797,7 @@ func (st *loopState) consumerGaveUp(m *msg) {
 		return
 	}
 	s.done = true
-	st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultFailed, Reason: "consumer gave up: " + m.Reason})
+	st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultFailed, Kind: FailureCancelled, Reason: "consumer gave up: " + m.Reason})
 	st.forgetSend(s)
 }
 
@@ -837,25 +840,25 @@ func (st *loopState) producerAborted(id, tid string) {
 		}
 	}
 	if found != nil {
-		st.failRegGroup(found, id, "producer aborted the request")
+		st.failRegGroup(found, id, FailureCancelled, "producer aborted the request")
 	}
 }
 
 // failRegGroup answers an unmatched registration with a failure notice to
 // each D rank that sent it, and forgets it.
-func (st *loopState) failRegGroup(g *regGroup, pid, reason string) {
+func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, reason string) {
 	k := g.key
 	st.dropReg(k)
 	st.tombs[k] = tomb{at: time.Now()}
 	e := st.ensureEngine(k.engine, g.addr)
 	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
-		st.sendTo(e, rankRef{tp: tp}, &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason})
+		st.sendTo(e, rankRef{tp: tp}, &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason, FailKind: kind})
 	}
 }
 
 // Pull producer: D ranks report with msgDone (or msgFail) after reading.
 
-func (st *loopState) onPullDone(m *msg, failReason string) {
+func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind) {
 	var s *sendReq
 	if m.TransferID != "" {
 		s = st.sendByTID[m.TransferID]
@@ -883,7 +886,7 @@ func (st *loopState) onPullDone(m *msg, failReason string) {
 	}
 	s.pullSeen[m.TPRank] = true
 	if failReason != "" && s.pullFail == "" {
-		s.pullFail = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason)
+		s.pullFail, s.pullKind = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), failKind
 	}
 	st.settlePull(s)
 }
@@ -915,11 +918,11 @@ func (st *loopState) replayEarly(s *sendReq) {
 		}
 		delete(st.early, key)
 		for _, m := range e.msgs {
-			reason := ""
+			reason, kind := "", FailureNone
 			if m.Kind == msgFail {
-				reason = m.Reason
+				reason, kind = m.Reason, m.failKind()
 			}
-			st.onPullDone(m, reason)
+			st.onPullDone(m, reason, kind)
 		}
 	}
 }
@@ -935,10 +938,10 @@ func (st *loopState) settlePull(s *sendReq) {
 	case s.pullSeen != nil && len(s.pullSeen) >= st.pullExpect(s):
 		o.Result = ResultDone
 		if s.pullFail != "" {
-			o.Result, o.Reason = ResultFailed, s.pullFail
+			o.Result, o.Kind, o.Reason = ResultFailed, s.pullKind, s.pullFail
 		}
 	case s.expired:
-		o.Result, o.Reason = ResultExpired, "lease expired"
+		o.Result, o.Kind, o.Reason = ResultExpired, FailureExpired, "lease expired"
 		st.w.metrics.ExpiredRequest()
 	default:
 		return

@@ -17,7 +17,9 @@ import (
 // Layout: magic 'K', version, kind, then the fields of msg in order:
 // strings as uvarint length + bytes, integers as varints, spans as a group
 // count, then per group the start token, the id count and the ids as
-// zig-zag deltas from the previous id.
+// zig-zag deltas from the previous id. A failure kind (FailureKind) ends
+// a fail or cancel message as one uvarint when it is not FailureNone;
+// absent, the sender did not say (a peer of an earlier build).
 
 const (
 	wireMagic   = 'K'
@@ -89,6 +91,18 @@ type msg struct {
 	// IDs are the requests a heartbeat names (P ids, or transfer ids).
 	IDs    []string
 	Reason string
+	// FailKind classifies a msgFail or msgCancel (FailureNone: unsaid).
+	FailKind FailureKind
+}
+
+// failKind is the kind a failure notice gives the receiver's outcome:
+// the sender's own, or FailurePeer when it named none (or one this
+// build does not know).
+func (m *msg) failKind() FailureKind {
+	if m.FailKind == FailureNone || m.FailKind >= numFailureKinds {
+		return FailurePeer
+	}
+	return m.FailKind
 }
 
 var errWire = errors.New("kvxfer: malformed peer message")
@@ -123,7 +137,11 @@ func appendMsg(b []byte, m *msg) []byte {
 	for _, id := range m.IDs {
 		b = appendStr(b, id)
 	}
-	return appendStr(b, m.Reason)
+	b = appendStr(b, m.Reason)
+	if m.FailKind != FailureNone && (m.Kind == msgFail || m.Kind == msgCancel) {
+		b = binary.AppendUvarint(b, uint64(m.FailKind))
+	}
+	return b
 }
 
 // reader decodes fields, remembering the first error.
@@ -265,6 +283,15 @@ func decodeMsg(b []byte) (*msg, error) {
 		m.IDs = append(m.IDs, r.str("ids"))
 	}
 	m.Reason = r.str("reason")
+	if r.err == nil && len(r.b) > 0 && (m.Kind == msgFail || m.Kind == msgCancel) {
+		// Kinds this build does not know (a newer peer's) are kept as
+		// sent and read as FailurePeer (failKind); 0 is never encoded.
+		if k := r.uvarint("fail_kind"); r.err == nil && (k == 0 || k > 255) {
+			r.fail("fail_kind", "%d out of range [1, 255]", k)
+		} else {
+			m.FailKind = FailureKind(k)
+		}
+	}
 	if r.err != nil {
 		return nil, r.err
 	}

@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"reflect"
 	"strings"
@@ -20,6 +21,9 @@ func TestWireRoundTrip(t *testing.T) {
 		{"empty reg releases", msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d-1"}},
 		{"heartbeat", msg{Kind: msgHeartbeat, Engine: "D", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d", "", "p2", "d2"}}},
 		{"fail", msg{Kind: msgFail, Engine: "P", TPRank: 3, TPSize: 4, PPRank: 1, PPSize: 2, DReq: "x", Reason: "WRITE failed"}},
+		{"fail with kind", msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, DReq: "x", Reason: "WRITE failed", FailKind: FailureTransfer}},
+		{"cancel with kind", msg{Kind: msgCancel, Engine: "D", TPSize: 1, PPSize: 1, DReq: "x", Reason: "expired", FailKind: FailureExpired}},
+		{"fail with a newer build's kind", msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, FailKind: 200}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -59,6 +63,9 @@ func TestWireRejects(t *testing.T) {
 		{"no engine", appendMsg(nil, &msg{Kind: msgDone, TPSize: 1, PPSize: 1}), "field engine"},
 		{"negative id", appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, Spans: []topology.Span{{IDs: []topology.BlockID{-1}}}}), "spans.ids"},
 		{"huge string", append([]byte{'K', 1, 1}, 0xff, 0xff, 0xff, 0x7f), "field engine"},
+		{"fail kind zero", append(appendMsg(nil, &msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1}), 0), "field fail_kind"},
+		{"fail kind too big", binary.AppendUvarint(appendMsg(nil, &msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1}), 256), "field fail_kind"},
+		{"kind on a done", append(bytes.Clone(good), byte(FailureTransfer)), "trailing"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -85,4 +92,48 @@ func FuzzWire(f *testing.F) {
 			t.Fatalf("re-encoding %q gave %q", b, again)
 		}
 	})
+}
+
+// A failure notice's kind becomes the receiver's outcome kind; one that
+// says none (an earlier build) or one this build does not know reads as
+// FailurePeer. Only fail and cancel messages carry one.
+func TestWireFailKind(t *testing.T) {
+	for _, tc := range []struct {
+		sent FailureKind
+		want FailureKind
+	}{{FailureNone, FailurePeer}, {FailureTransfer, FailureTransfer}, {FailureExpired, FailureExpired}, {200, FailurePeer}} {
+		m, err := decodeMsg(appendMsg(nil, &msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, FailKind: tc.sent}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := m.failKind(); got != tc.want {
+			t.Errorf("sent %v: failKind() = %v, want %v", tc.sent, got, tc.want)
+		}
+	}
+	b := appendMsg(nil, &msg{Kind: msgDone, Engine: "P", TPSize: 1, PPSize: 1, FailKind: FailureTransfer})
+	if m, err := decodeMsg(b); err != nil || m.FailKind != FailureNone {
+		t.Errorf("a done notice carried a kind: %+v, %v", m, err)
+	}
+}
+
+// Every kind has a name, distinct from the others; the names of the
+// reference's failure types are kept.
+func TestFailureKindNames(t *testing.T) {
+	seen := map[string]FailureKind{}
+	for _, k := range FailureKinds() {
+		n := k.String()
+		if n == "" || strings.HasPrefix(n, "FailureKind(") {
+			t.Errorf("kind %d has no name", k)
+		}
+		if o, dup := seen[n]; dup {
+			t.Errorf("kinds %d and %d share the name %q", o, k, n)
+		}
+		seen[n] = k
+	}
+	for _, n := range []string{"handshake_failed", "handshake_setup_failed", "push_reg_notif_failed", "transfer_setup_failed",
+		"transfer_failed", "notification_failed", "expired"} {
+		if _, ok := seen[n]; !ok {
+			t.Errorf("no kind named %q (the reference's failure type)", n)
+		}
+	}
 }

@@ -120,6 +120,19 @@ func wantResult(t *testing.T, what string, got []kvxfer.Outcome, want kvxfer.Res
 	t.Helper()
 	if len(got) != 1 || got[0].Result != want || !strings.Contains(got[0].Reason, reason) {
 		t.Errorf("%s outcomes = %+v, want one %v with reason containing %q", what, got, want, reason)
+		return
+	}
+	failed := want == kvxfer.ResultFailed || want == kvxfer.ResultExpired
+	if k := got[0].Kind; failed != (k != kvxfer.FailureNone) {
+		t.Errorf("%s outcome %+v: a %v outcome with failure kind %v", what, got[0], want, k)
+	}
+}
+
+// wantKind checks the failure kind of a request's one outcome.
+func wantKind(t *testing.T, what string, got []kvxfer.Outcome, want kvxfer.FailureKind) {
+	t.Helper()
+	if len(got) != 1 || got[0].Kind != want {
+		t.Errorf("%s outcomes = %+v, want one of failure kind %v", what, got, want)
 	}
 }
 
@@ -250,6 +263,7 @@ func TestConsumerHandshakeFailureFailsAtOnce(t *testing.T) {
 				x.recvD(q)
 				x.settle()
 				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "handshake")
+				wantKind(t, "D", x.recvResult(q), kvxfer.FailureHandshake)
 				if len(x.out.invalid) != len(q.sim.D[0].IDs) {
 					t.Errorf("invalid blocks = %v, want D's group-0 blocks %v", x.out.invalid, q.sim.D[0].IDs)
 				}
@@ -304,6 +318,8 @@ func TestFailedWriteReportedOnBothSides(t *testing.T) {
 		x.settle()
 		wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "WRITE failed")
 		wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "WRITE failed")
+		wantKind(t, "P", x.sendResult(q), kvxfer.FailureTransfer)
+		wantKind(t, "D", x.recvResult(q), kvxfer.FailureTransfer) // P's notice says so
 		if el := time.Since(start); el > time.Second {
 			t.Errorf("D learned of the failure after %v, want at once", el)
 		}
@@ -372,6 +388,7 @@ func TestLeaseRebasedToWorkerClock(t *testing.T) {
 		time.Sleep(20 * time.Second)
 		x.settle()
 		wantResult(t, "P", x.sendResult(q), kvxfer.ResultExpired, "lease")
+		wantKind(t, "P", x.sendResult(q), kvxfer.FailureExpired)
 	})
 }
 
@@ -809,6 +826,7 @@ func TestIncompatiblePeerRefusedAndTold(t *testing.T) {
 				x.settle()
 				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "compatibility hash")
 				wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "compatibility hash")
+				wantKind(t, "D", x.recvResult(q), kvxfer.FailureIncompatible)
 				if x.posted() != 0 {
 					t.Errorf("posted %d transfers to an incompatible peer", x.posted())
 				}
@@ -904,6 +922,7 @@ func TestMalformedRegistrationRejected(t *testing.T) {
 		x.sendP(bad, good)
 		x.settle()
 		wantResult(t, "P bad", x.sendResult(bad), kvxfer.ResultFailed, "registration rejected")
+		wantKind(t, "P bad", x.sendResult(bad), kvxfer.FailureSetup)
 		wantResult(t, "P good", x.sendResult(good), kvxfer.ResultDone, "")
 		wantResult(t, "D good", x.recvResult(good), kvxfer.ResultDone, "")
 		if got := x.p.workers[0][0].Metrics().Snapshot().BadInput["reg.spans"]; got != 1 {
@@ -932,7 +951,8 @@ func TestCloseReleasesEverything(t *testing.T) {
 			t.Fatalf("second Close: %v", err)
 		}
 		f := w.Finished()
-		if len(f.Sending) != 1 || f.Sending[0].Result != kvxfer.ResultFailed || !strings.Contains(f.Sending[0].Reason, "closed") {
+		if len(f.Sending) != 1 || f.Sending[0].Result != kvxfer.ResultFailed || f.Sending[0].Kind != kvxfer.FailureClosed ||
+			!strings.Contains(f.Sending[0].Reason, "closed") {
 			t.Errorf("Finished after Close = %+v, want p-r1 failed: worker closed", f)
 		}
 		if err := w.Step(&kvxfer.StepMeta{}); err != kvxfer.ErrClosed {

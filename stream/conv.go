@@ -234,7 +234,8 @@ func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
 	conv := func(os []kvxfer.Outcome) []*pb.Outcome {
 		var out []*pb.Outcome
 		for _, o := range os {
-			out = append(out, &pb.Outcome{RequestId: o.ReqID, Result: pb.Outcome_Result(o.Result), Reason: o.Reason})
+			out = append(out, &pb.Outcome{RequestId: o.ReqID, Result: pb.Outcome_Result(o.Result), Reason: o.Reason,
+				FailureKind: pb.FailureKind(o.Kind)})
 		}
 		return out
 	}
@@ -254,7 +255,11 @@ func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
 			if o == nil || o.Result < 1 || o.Result > 4 {
 				return nil, invalid("finished.%s[%d].result unknown", name, i)
 			}
-			out = append(out, kvxfer.Outcome{ReqID: o.RequestId, Result: kvxfer.Result(o.Result), Reason: o.Reason})
+			if o.FailureKind < 0 || o.FailureKind > 255 {
+				return nil, invalid("finished.%s[%d].failure_kind %d out of range", name, i, o.FailureKind)
+			}
+			out = append(out, kvxfer.Outcome{ReqID: o.RequestId, Result: kvxfer.Result(o.Result), Reason: o.Reason,
+				Kind: kvxfer.FailureKind(o.FailureKind)})
 		}
 		return out, nil
 	}

@@ -180,8 +180,8 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 			if !ok {
 				t.Fatalf("%s: no outcome 10 s after P's daemon was killed", id)
 			}
-			if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "producer engine P") {
-				t.Errorf("%s: %+v, want failed naming producer engine P", id, o)
+			if o.Result != kvxfer.ResultFailed || o.Kind != kvxfer.FailurePeerGone || !strings.Contains(o.Reason, "producer engine P") {
+				t.Errorf("%s: %+v, want failed (peer_gone) naming producer engine P", id, o)
 			}
 		}
 		t.Logf("round %d: D's requests ended %v after the kill", round, time.Since(killed).Round(time.Millisecond))

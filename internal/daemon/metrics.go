@@ -19,7 +19,7 @@ type collector struct {
 
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
-	outcomes, badInput, dropped, refusedAccess                 *prometheus.Desc
+	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
 	refused, authFailures                                      *prometheus.Desc
 	open, inFlight                                             *prometheus.Desc
 }
@@ -43,6 +43,7 @@ func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
 		expired:           d("num_kv_expired_reqs_total", "Requests whose lease or deadline passed (vllm:nixl_num_kv_expired_reqs)."),
 		handshakeFailures: d("handshake_failures_total", "Handshakes with peer engines that failed."),
 		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
+		failures:          d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
 		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
 		open:              d("requests_open", "Requests a rank holds now, by side (producer: held for a consumer; consumer: receiving).", "side"),
@@ -105,6 +106,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			for _, side := range []kvxfer.Role{kvxfer.RoleProducer, kvxfer.RoleConsumer} {
 				for _, r := range []kvxfer.Result{kvxfer.ResultDone, kvxfer.ResultFailed, kvxfer.ResultExpired, kvxfer.ResultAborted} {
 					counter(c.outcomes, s.Outcomes[side][r], side.String(), r.String())
+				}
+				for _, k := range kvxfer.FailureKinds()[1:] {
+					counter(c.failures, s.Failures[side][k], side.String(), k.String())
 				}
 			}
 			for k, v := range s.BadInput {

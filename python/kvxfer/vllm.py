@@ -1124,12 +1124,12 @@ class _WorkerSide:
             if o.result == ok:
                 self._recv_done(o.request_id, failed=False)
             else:
-                self._recv_done(o.request_id, failed=True, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+                self._recv_done(o.request_id, failed=True, why=_why(o))
         for o in f.sending:
             if o.result == ok:
                 self._send_done(o.request_id)
             else:
-                self._send_done(o.request_id, failed=True, why=f"{pb.Outcome.Result.Name(o.result)}: {o.reason}")
+                self._send_done(o.request_id, failed=True, why=_why(o))
         self.invalid.update(f.invalid_block_ids)
         for e in f.step_errors:
             log.error("kvxfer: step %d refused by kvxferd: %s", e.step, e.message)
@@ -1217,6 +1217,12 @@ class _LayerSaver:
         if self.thread is not None:
             self.q.put(None)
             self.thread.join(5)
+
+
+def _why(o: pb.Outcome) -> str:
+    """A failed outcome for a log line: result, failure kind, reason."""
+    kind = pb.FailureKind.Name(o.failure_kind) if o.failure_kind in pb.FailureKind.values() else str(o.failure_kind)
+    return f"{pb.Outcome.Result.Name(o.result)} ({kind.removeprefix('FAILURE_KIND_').lower()}): {o.reason}"
 
 
 def _dtype_size(t) -> int:

@@ -250,6 +250,97 @@ func (CacheKind) EnumDescriptor() ([]byte, []int) {
 	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{3}
 }
 
+// FailureKind classifies failed and expired outcomes (kvxfer.FailureKind).
+type FailureKind int32
+
+const (
+	// FAILURE_KIND_UNSPECIFIED: not a failure, or not said.
+	FailureKind_FAILURE_KIND_UNSPECIFIED FailureKind = 0
+	// FAILURE_KIND_HANDSHAKE: the handshake with the peer engine failed.
+	FailureKind_FAILURE_KIND_HANDSHAKE FailureKind = 1
+	// FAILURE_KIND_INCOMPATIBLE: the peer's layout, TP size or
+	// compatibility hash rules out a transfer.
+	FailureKind_FAILURE_KIND_INCOMPATIBLE FailureKind = 2
+	// FAILURE_KIND_REGISTRATION: a push registration could not be sent.
+	FailureKind_FAILURE_KIND_REGISTRATION FailureKind = 3
+	// FAILURE_KIND_SETUP: the transfer could not be set up (blocks or
+	// registration refused, post refused).
+	FailureKind_FAILURE_KIND_SETUP FailureKind = 4
+	// FAILURE_KIND_TRANSFER: a WRITE or READ failed while moving bytes.
+	FailureKind_FAILURE_KIND_TRANSFER FailureKind = 5
+	// FAILURE_KIND_NOTIFICATION: a completion notice could not be sent.
+	FailureKind_FAILURE_KIND_NOTIFICATION FailureKind = 6
+	// FAILURE_KIND_EXPIRED: a lease or deadline passed first.
+	FailureKind_FAILURE_KIND_EXPIRED FailureKind = 7
+	// FAILURE_KIND_PEER_GONE: the peer stopped answering or restarted.
+	FailureKind_FAILURE_KIND_PEER_GONE FailureKind = 8
+	// FAILURE_KIND_PEER: the peer failed the request without a kind.
+	FailureKind_FAILURE_KIND_PEER FailureKind = 9
+	// FAILURE_KIND_CANCELLED: the other side gave up on the request.
+	FailureKind_FAILURE_KIND_CANCELLED FailureKind = 10
+	// FAILURE_KIND_CLOSED: the rank's worker closed with the request open.
+	FailureKind_FAILURE_KIND_CLOSED FailureKind = 11
+)
+
+// Enum value maps for FailureKind.
+var (
+	FailureKind_name = map[int32]string{
+		0:  "FAILURE_KIND_UNSPECIFIED",
+		1:  "FAILURE_KIND_HANDSHAKE",
+		2:  "FAILURE_KIND_INCOMPATIBLE",
+		3:  "FAILURE_KIND_REGISTRATION",
+		4:  "FAILURE_KIND_SETUP",
+		5:  "FAILURE_KIND_TRANSFER",
+		6:  "FAILURE_KIND_NOTIFICATION",
+		7:  "FAILURE_KIND_EXPIRED",
+		8:  "FAILURE_KIND_PEER_GONE",
+		9:  "FAILURE_KIND_PEER",
+		10: "FAILURE_KIND_CANCELLED",
+		11: "FAILURE_KIND_CLOSED",
+	}
+	FailureKind_value = map[string]int32{
+		"FAILURE_KIND_UNSPECIFIED":  0,
+		"FAILURE_KIND_HANDSHAKE":    1,
+		"FAILURE_KIND_INCOMPATIBLE": 2,
+		"FAILURE_KIND_REGISTRATION": 3,
+		"FAILURE_KIND_SETUP":        4,
+		"FAILURE_KIND_TRANSFER":     5,
+		"FAILURE_KIND_NOTIFICATION": 6,
+		"FAILURE_KIND_EXPIRED":      7,
+		"FAILURE_KIND_PEER_GONE":    8,
+		"FAILURE_KIND_PEER":         9,
+		"FAILURE_KIND_CANCELLED":    10,
+		"FAILURE_KIND_CLOSED":       11,
+	}
+)
+
+func (x FailureKind) Enum() *FailureKind {
+	p := new(FailureKind)
+	*p = x
+	return p
+}
+
+func (x FailureKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (FailureKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+}
+
+func (FailureKind) Type() protoreflect.EnumType {
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+}
+
+func (x FailureKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use FailureKind.Descriptor instead.
+func (FailureKind) EnumDescriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{4}
+}
+
 // FinishStatus is why an engine finished a request.
 type FinishStatus int32
 
@@ -295,11 +386,11 @@ func (x FinishStatus) String() string {
 }
 
 func (FinishStatus) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[5].Descriptor()
 }
 
 func (FinishStatus) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[5]
 }
 
 func (x FinishStatus) Number() protoreflect.EnumNumber {
@@ -308,7 +399,7 @@ func (x FinishStatus) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishStatus.Descriptor instead.
 func (FinishStatus) EnumDescriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{4}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{5}
 }
 
 // Result kinds.
@@ -356,11 +447,11 @@ func (x Outcome_Result) String() string {
 }
 
 func (Outcome_Result) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[5].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[6].Descriptor()
 }
 
 func (Outcome_Result) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[5]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[6]
 }
 
 func (x Outcome_Result) Number() protoreflect.EnumNumber {
@@ -1253,8 +1344,11 @@ type Outcome struct {
 	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// result of the transfer.
 	Result Outcome_Result `protobuf:"varint,2,opt,name=result,proto3,enum=kvxfer.v1.Outcome_Result" json:"result,omitempty"`
-	// reason of a result other than done.
-	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// reason of a result other than done, for people.
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// failure_kind says why a failed or expired outcome did not complete,
+	// as a value to act on (FAILURE_KIND_UNSPECIFIED for done and aborted).
+	FailureKind   FailureKind `protobuf:"varint,4,opt,name=failure_kind,json=failureKind,proto3,enum=kvxfer.v1.FailureKind" json:"failure_kind,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1308,6 +1402,13 @@ func (x *Outcome) GetReason() string {
 		return x.Reason
 	}
 	return ""
+}
+
+func (x *Outcome) GetFailureKind() FailureKind {
+	if x != nil {
+		return x.FailureKind
+	}
+	return FailureKind_FAILURE_KIND_UNSPECIFIED
 }
 
 // Finished is what a rank reports: requests whose blocks may be freed.
@@ -4690,12 +4791,13 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x1anot_processed_transfer_ids\x18\a \x03(\v20.kvxfer.v1.StepMeta.NotProcessedTransferIdsEntryR\x17notProcessedTransferIds\x1aJ\n" +
 	"\x1cNotProcessedTransferIdsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x02\n" +
 	"\aOutcome\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x121\n" +
 	"\x06result\x18\x02 \x01(\x0e2\x19.kvxfer.v1.Outcome.ResultR\x06result\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"l\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x129\n" +
+	"\ffailure_kind\x18\x04 \x01(\x0e2\x16.kvxfer.v1.FailureKindR\vfailureKind\"l\n" +
 	"\x06Result\x12\x16\n" +
 	"\x12RESULT_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vRESULT_DONE\x10\x01\x12\x11\n" +
@@ -4957,7 +5059,21 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x19CACHE_KIND_FULL_ATTENTION\x10\x01\x12\x1d\n" +
 	"\x19CACHE_KIND_SLIDING_WINDOW\x10\x02\x12\x12\n" +
 	"\x0eCACHE_KIND_MLA\x10\x03\x12\x14\n" +
-	"\x10CACHE_KIND_MAMBA\x10\x04*\x9d\x01\n" +
+	"\x10CACHE_KIND_MAMBA\x10\x04*\xd9\x02\n" +
+	"\vFailureKind\x12\x1c\n" +
+	"\x18FAILURE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n" +
+	"\x16FAILURE_KIND_HANDSHAKE\x10\x01\x12\x1d\n" +
+	"\x19FAILURE_KIND_INCOMPATIBLE\x10\x02\x12\x1d\n" +
+	"\x19FAILURE_KIND_REGISTRATION\x10\x03\x12\x16\n" +
+	"\x12FAILURE_KIND_SETUP\x10\x04\x12\x19\n" +
+	"\x15FAILURE_KIND_TRANSFER\x10\x05\x12\x1d\n" +
+	"\x19FAILURE_KIND_NOTIFICATION\x10\x06\x12\x18\n" +
+	"\x14FAILURE_KIND_EXPIRED\x10\a\x12\x1a\n" +
+	"\x16FAILURE_KIND_PEER_GONE\x10\b\x12\x15\n" +
+	"\x11FAILURE_KIND_PEER\x10\t\x12\x1a\n" +
+	"\x16FAILURE_KIND_CANCELLED\x10\n" +
+	"\x12\x17\n" +
+	"\x13FAILURE_KIND_CLOSED\x10\v*\x9d\x01\n" +
 	"\fFinishStatus\x12\x1d\n" +
 	"\x19FINISH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15FINISH_STATUS_STOPPED\x10\x01\x12\x1f\n" +
@@ -4994,174 +5110,176 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 	return file_kvxfer_v1_kvxfer_proto_rawDescData
 }
 
-var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
+var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 7)
 var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
 	(KvPacking)(0),                  // 2: kvxfer.v1.KvPacking
 	(CacheKind)(0),                  // 3: kvxfer.v1.CacheKind
-	(FinishStatus)(0),               // 4: kvxfer.v1.FinishStatus
-	(Outcome_Result)(0),             // 5: kvxfer.v1.Outcome.Result
-	(*Region)(nil),                  // 6: kvxfer.v1.Region
-	(*CacheGroup)(nil),              // 7: kvxfer.v1.CacheGroup
-	(*KvLayout)(nil),                // 8: kvxfer.v1.KvLayout
-	(*SharedMemory)(nil),            // 9: kvxfer.v1.SharedMemory
-	(*Span)(nil),                    // 10: kvxfer.v1.Span
-	(*RemoteRef)(nil),               // 11: kvxfer.v1.RemoteRef
-	(*RecvRequest)(nil),             // 12: kvxfer.v1.RecvRequest
-	(*SendRequest)(nil),             // 13: kvxfer.v1.SendRequest
-	(*StepMeta)(nil),                // 14: kvxfer.v1.StepMeta
-	(*Outcome)(nil),                 // 15: kvxfer.v1.Outcome
-	(*Finished)(nil),                // 16: kvxfer.v1.Finished
-	(*TransferStats)(nil),           // 17: kvxfer.v1.TransferStats
-	(*WorkerHello)(nil),             // 18: kvxfer.v1.WorkerHello
-	(*LayerSaved)(nil),              // 19: kvxfer.v1.LayerSaved
-	(*ConnectRequest)(nil),          // 20: kvxfer.v1.ConnectRequest
-	(*StepRef)(nil),                 // 21: kvxfer.v1.StepRef
-	(*Bye)(nil),                     // 22: kvxfer.v1.Bye
-	(*Ready)(nil),                   // 23: kvxfer.v1.Ready
-	(*StepError)(nil),               // 24: kvxfer.v1.StepError
-	(*ConnectResponse)(nil),         // 25: kvxfer.v1.ConnectResponse
-	(*RankInfo)(nil),                // 26: kvxfer.v1.RankInfo
-	(*RankList)(nil),                // 27: kvxfer.v1.RankList
-	(*HandshakeRequest)(nil),        // 28: kvxfer.v1.HandshakeRequest
-	(*HandshakeResponse)(nil),       // 29: kvxfer.v1.HandshakeResponse
-	(*TransferParams)(nil),          // 30: kvxfer.v1.TransferParams
-	(*EngineRequest)(nil),           // 31: kvxfer.v1.EngineRequest
-	(*BlockList)(nil),               // 32: kvxfer.v1.BlockList
-	(*SchedulerConfig)(nil),         // 33: kvxfer.v1.SchedulerConfig
-	(*OpenSchedulerRequest)(nil),    // 34: kvxfer.v1.OpenSchedulerRequest
-	(*OpenSchedulerResponse)(nil),   // 35: kvxfer.v1.OpenSchedulerResponse
-	(*MatchedTokensRequest)(nil),    // 36: kvxfer.v1.MatchedTokensRequest
-	(*MatchedTokensResponse)(nil),   // 37: kvxfer.v1.MatchedTokensResponse
-	(*AfterAllocRequest)(nil),       // 38: kvxfer.v1.AfterAllocRequest
-	(*AfterAllocResponse)(nil),      // 39: kvxfer.v1.AfterAllocResponse
-	(*ScheduledRequest)(nil),        // 40: kvxfer.v1.ScheduledRequest
-	(*ScheduledResponse)(nil),       // 41: kvxfer.v1.ScheduledResponse
-	(*RequestFinishedRequest)(nil),  // 42: kvxfer.v1.RequestFinishedRequest
-	(*RequestFinishedResponse)(nil), // 43: kvxfer.v1.RequestFinishedResponse
-	(*BuildMetaRequest)(nil),        // 44: kvxfer.v1.BuildMetaRequest
-	(*BuildMetaResponse)(nil),       // 45: kvxfer.v1.BuildMetaResponse
-	(*UpdateRequest)(nil),           // 46: kvxfer.v1.UpdateRequest
-	(*UpdateResponse)(nil),          // 47: kvxfer.v1.UpdateResponse
-	(*PrefillRequest)(nil),          // 48: kvxfer.v1.PrefillRequest
-	(*PrefillResponse)(nil),         // 49: kvxfer.v1.PrefillResponse
-	(*SchedulerOp)(nil),             // 50: kvxfer.v1.SchedulerOp
-	(*StepRequest)(nil),             // 51: kvxfer.v1.StepRequest
-	(*RequestColumns)(nil),          // 52: kvxfer.v1.RequestColumns
-	(*StepColumns)(nil),             // 53: kvxfer.v1.StepColumns
-	(*OpResult)(nil),                // 54: kvxfer.v1.OpResult
-	(*SchedulerCounters)(nil),       // 55: kvxfer.v1.SchedulerCounters
-	(*StepResponse)(nil),            // 56: kvxfer.v1.StepResponse
-	(*StepsRequest)(nil),            // 57: kvxfer.v1.StepsRequest
-	(*StepsResponse)(nil),           // 58: kvxfer.v1.StepsResponse
-	(*CloseSchedulerRequest)(nil),   // 59: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 60: kvxfer.v1.CloseSchedulerResponse
-	nil,                             // 61: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	(FailureKind)(0),                // 4: kvxfer.v1.FailureKind
+	(FinishStatus)(0),               // 5: kvxfer.v1.FinishStatus
+	(Outcome_Result)(0),             // 6: kvxfer.v1.Outcome.Result
+	(*Region)(nil),                  // 7: kvxfer.v1.Region
+	(*CacheGroup)(nil),              // 8: kvxfer.v1.CacheGroup
+	(*KvLayout)(nil),                // 9: kvxfer.v1.KvLayout
+	(*SharedMemory)(nil),            // 10: kvxfer.v1.SharedMemory
+	(*Span)(nil),                    // 11: kvxfer.v1.Span
+	(*RemoteRef)(nil),               // 12: kvxfer.v1.RemoteRef
+	(*RecvRequest)(nil),             // 13: kvxfer.v1.RecvRequest
+	(*SendRequest)(nil),             // 14: kvxfer.v1.SendRequest
+	(*StepMeta)(nil),                // 15: kvxfer.v1.StepMeta
+	(*Outcome)(nil),                 // 16: kvxfer.v1.Outcome
+	(*Finished)(nil),                // 17: kvxfer.v1.Finished
+	(*TransferStats)(nil),           // 18: kvxfer.v1.TransferStats
+	(*WorkerHello)(nil),             // 19: kvxfer.v1.WorkerHello
+	(*LayerSaved)(nil),              // 20: kvxfer.v1.LayerSaved
+	(*ConnectRequest)(nil),          // 21: kvxfer.v1.ConnectRequest
+	(*StepRef)(nil),                 // 22: kvxfer.v1.StepRef
+	(*Bye)(nil),                     // 23: kvxfer.v1.Bye
+	(*Ready)(nil),                   // 24: kvxfer.v1.Ready
+	(*StepError)(nil),               // 25: kvxfer.v1.StepError
+	(*ConnectResponse)(nil),         // 26: kvxfer.v1.ConnectResponse
+	(*RankInfo)(nil),                // 27: kvxfer.v1.RankInfo
+	(*RankList)(nil),                // 28: kvxfer.v1.RankList
+	(*HandshakeRequest)(nil),        // 29: kvxfer.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),       // 30: kvxfer.v1.HandshakeResponse
+	(*TransferParams)(nil),          // 31: kvxfer.v1.TransferParams
+	(*EngineRequest)(nil),           // 32: kvxfer.v1.EngineRequest
+	(*BlockList)(nil),               // 33: kvxfer.v1.BlockList
+	(*SchedulerConfig)(nil),         // 34: kvxfer.v1.SchedulerConfig
+	(*OpenSchedulerRequest)(nil),    // 35: kvxfer.v1.OpenSchedulerRequest
+	(*OpenSchedulerResponse)(nil),   // 36: kvxfer.v1.OpenSchedulerResponse
+	(*MatchedTokensRequest)(nil),    // 37: kvxfer.v1.MatchedTokensRequest
+	(*MatchedTokensResponse)(nil),   // 38: kvxfer.v1.MatchedTokensResponse
+	(*AfterAllocRequest)(nil),       // 39: kvxfer.v1.AfterAllocRequest
+	(*AfterAllocResponse)(nil),      // 40: kvxfer.v1.AfterAllocResponse
+	(*ScheduledRequest)(nil),        // 41: kvxfer.v1.ScheduledRequest
+	(*ScheduledResponse)(nil),       // 42: kvxfer.v1.ScheduledResponse
+	(*RequestFinishedRequest)(nil),  // 43: kvxfer.v1.RequestFinishedRequest
+	(*RequestFinishedResponse)(nil), // 44: kvxfer.v1.RequestFinishedResponse
+	(*BuildMetaRequest)(nil),        // 45: kvxfer.v1.BuildMetaRequest
+	(*BuildMetaResponse)(nil),       // 46: kvxfer.v1.BuildMetaResponse
+	(*UpdateRequest)(nil),           // 47: kvxfer.v1.UpdateRequest
+	(*UpdateResponse)(nil),          // 48: kvxfer.v1.UpdateResponse
+	(*PrefillRequest)(nil),          // 49: kvxfer.v1.PrefillRequest
+	(*PrefillResponse)(nil),         // 50: kvxfer.v1.PrefillResponse
+	(*SchedulerOp)(nil),             // 51: kvxfer.v1.SchedulerOp
+	(*StepRequest)(nil),             // 52: kvxfer.v1.StepRequest
+	(*RequestColumns)(nil),          // 53: kvxfer.v1.RequestColumns
+	(*StepColumns)(nil),             // 54: kvxfer.v1.StepColumns
+	(*OpResult)(nil),                // 55: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 56: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 57: kvxfer.v1.StepResponse
+	(*StepsRequest)(nil),            // 58: kvxfer.v1.StepsRequest
+	(*StepsResponse)(nil),           // 59: kvxfer.v1.StepsResponse
+	(*CloseSchedulerRequest)(nil),   // 60: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 61: kvxfer.v1.CloseSchedulerResponse
+	nil,                             // 62: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
 	3,  // 1: kvxfer.v1.CacheGroup.kind:type_name -> kvxfer.v1.CacheKind
 	1,  // 2: kvxfer.v1.KvLayout.order:type_name -> kvxfer.v1.KvLayoutOrder
 	2,  // 3: kvxfer.v1.KvLayout.packing:type_name -> kvxfer.v1.KvPacking
-	6,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
-	7,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
-	10, // 6: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
-	10, // 7: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
-	11, // 8: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
-	10, // 9: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
-	12, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
-	13, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
-	13, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
-	61, // 13: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
-	5,  // 14: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
-	15, // 15: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
-	15, // 16: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
-	17, // 17: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
-	0,  // 18: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	8,  // 19: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	9,  // 20: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	18, // 21: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	14, // 22: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	19, // 23: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	22, // 24: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	21, // 25: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
-	23, // 26: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	16, // 27: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	24, // 28: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	8,  // 29: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	26, // 30: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	10, // 31: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 32: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	30, // 33: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 34: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	7,  // 35: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	33, // 36: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	31, // 37: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	31, // 38: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 39: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	30, // 40: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	31, // 41: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 42: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	31, // 43: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	4,  // 44: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	32, // 45: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	30, // 46: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	30, // 47: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	14, // 48: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	16, // 49: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	31, // 50: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 51: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	38, // 52: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	40, // 53: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	42, // 54: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	46, // 55: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	48, // 56: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	50, // 57: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	53, // 58: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
-	0,  // 59: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
-	4,  // 60: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
-	52, // 61: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
-	52, // 62: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
-	52, // 63: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
-	30, // 64: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	14, // 65: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	54, // 66: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	55, // 67: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	51, // 68: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	56, // 69: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	20, // 70: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	28, // 71: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	34, // 72: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	36, // 73: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	38, // 74: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	40, // 75: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	42, // 76: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	44, // 77: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	46, // 78: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	48, // 79: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	51, // 80: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	57, // 81: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	59, // 82: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	25, // 83: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	29, // 84: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	35, // 85: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	37, // 86: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	39, // 87: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	41, // 88: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	43, // 89: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	45, // 90: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	47, // 91: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	49, // 92: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	56, // 93: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	58, // 94: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	60, // 95: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	83, // [83:96] is the sub-list for method output_type
-	70, // [70:83] is the sub-list for method input_type
-	70, // [70:70] is the sub-list for extension type_name
-	70, // [70:70] is the sub-list for extension extendee
-	0,  // [0:70] is the sub-list for field type_name
+	7,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
+	8,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
+	11, // 6: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
+	11, // 7: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
+	12, // 8: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
+	11, // 9: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
+	13, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
+	14, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
+	14, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
+	62, // 13: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	6,  // 14: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
+	4,  // 15: kvxfer.v1.Outcome.failure_kind:type_name -> kvxfer.v1.FailureKind
+	16, // 16: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
+	16, // 17: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
+	18, // 18: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
+	0,  // 19: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
+	9,  // 20: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	10, // 21: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	19, // 22: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	15, // 23: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	20, // 24: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	23, // 25: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	22, // 26: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
+	24, // 27: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	17, // 28: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	25, // 29: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	9,  // 30: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	27, // 31: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	11, // 32: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 33: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	31, // 34: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 35: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	8,  // 36: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	34, // 37: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	32, // 38: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	32, // 39: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 40: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	31, // 41: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	32, // 42: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 43: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	32, // 44: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	5,  // 45: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	33, // 46: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	31, // 47: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	31, // 48: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	15, // 49: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	17, // 50: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	32, // 51: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 52: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	39, // 53: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	41, // 54: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	43, // 55: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	47, // 56: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	49, // 57: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	51, // 58: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	54, // 59: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 60: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	5,  // 61: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	53, // 62: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	53, // 63: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	53, // 64: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	31, // 65: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	15, // 66: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	55, // 67: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	56, // 68: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	52, // 69: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	57, // 70: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	21, // 71: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	29, // 72: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	35, // 73: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	37, // 74: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	39, // 75: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	41, // 76: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	43, // 77: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	45, // 78: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	47, // 79: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	49, // 80: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	52, // 81: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	58, // 82: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	60, // 83: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	26, // 84: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	30, // 85: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	36, // 86: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	38, // 87: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	40, // 88: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	42, // 89: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	44, // 90: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	46, // 91: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	48, // 92: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	50, // 93: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	57, // 94: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	59, // 95: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	61, // 96: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	84, // [84:97] is the sub-list for method output_type
+	71, // [71:84] is the sub-list for method input_type
+	71, // [71:71] is the sub-list for extension type_name
+	71, // [71:71] is the sub-list for extension extendee
+	0,  // [0:71] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -5193,7 +5311,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
-			NumEnums:      6,
+			NumEnums:      7,
 			NumMessages:   56,
 			NumExtensions: 0,
 			NumServices:   3,

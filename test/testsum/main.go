@@ -43,12 +43,12 @@ type skip struct {
 }
 
 type summary struct {
-	out                  map[key][]string // output so far, per test ("" test: the package's own)
-	passedNames          []string
-	passed, failed       int
-	skips                []skip
-	failedTests          []key
-	failedPkgs, buildErr []string
+	out            map[key][]string // output so far, per test ("" test: the package's own)
+	passedNames    []string
+	passed, failed int
+	skips          []skip
+	failedTests    []key
+	failedPkgs     []string
 }
 
 func newSummary() *summary { return &summary{out: map[key][]string{}} }

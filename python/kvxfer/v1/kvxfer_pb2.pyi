@@ -34,6 +34,21 @@ class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_KIND_MLA: _ClassVar[CacheKind]
     CACHE_KIND_MAMBA: _ClassVar[CacheKind]
 
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_KIND_HANDSHAKE: _ClassVar[FailureKind]
+    FAILURE_KIND_INCOMPATIBLE: _ClassVar[FailureKind]
+    FAILURE_KIND_REGISTRATION: _ClassVar[FailureKind]
+    FAILURE_KIND_SETUP: _ClassVar[FailureKind]
+    FAILURE_KIND_TRANSFER: _ClassVar[FailureKind]
+    FAILURE_KIND_NOTIFICATION: _ClassVar[FailureKind]
+    FAILURE_KIND_EXPIRED: _ClassVar[FailureKind]
+    FAILURE_KIND_PEER_GONE: _ClassVar[FailureKind]
+    FAILURE_KIND_PEER: _ClassVar[FailureKind]
+    FAILURE_KIND_CANCELLED: _ClassVar[FailureKind]
+    FAILURE_KIND_CLOSED: _ClassVar[FailureKind]
+
 class FinishStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_STATUS_UNSPECIFIED: _ClassVar[FinishStatus]
@@ -56,6 +71,18 @@ CACHE_KIND_FULL_ATTENTION: CacheKind
 CACHE_KIND_SLIDING_WINDOW: CacheKind
 CACHE_KIND_MLA: CacheKind
 CACHE_KIND_MAMBA: CacheKind
+FAILURE_KIND_UNSPECIFIED: FailureKind
+FAILURE_KIND_HANDSHAKE: FailureKind
+FAILURE_KIND_INCOMPATIBLE: FailureKind
+FAILURE_KIND_REGISTRATION: FailureKind
+FAILURE_KIND_SETUP: FailureKind
+FAILURE_KIND_TRANSFER: FailureKind
+FAILURE_KIND_NOTIFICATION: FailureKind
+FAILURE_KIND_EXPIRED: FailureKind
+FAILURE_KIND_PEER_GONE: FailureKind
+FAILURE_KIND_PEER: FailureKind
+FAILURE_KIND_CANCELLED: FailureKind
+FAILURE_KIND_CLOSED: FailureKind
 FINISH_STATUS_UNSPECIFIED: FinishStatus
 FINISH_STATUS_STOPPED: FinishStatus
 FINISH_STATUS_LENGTH_CAPPED: FinishStatus
@@ -224,7 +251,7 @@ class StepMeta(_message.Message):
     def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "result", "reason")
+    __slots__ = ("request_id", "result", "reason", "failure_kind")
     class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RESULT_UNSPECIFIED: _ClassVar[Outcome.Result]
@@ -240,10 +267,12 @@ class Outcome(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_KIND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     result: Outcome.Result
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., result: _Optional[_Union[Outcome.Result, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    failure_kind: FailureKind
+    def __init__(self, request_id: _Optional[str] = ..., result: _Optional[_Union[Outcome.Result, str]] = ..., reason: _Optional[str] = ..., failure_kind: _Optional[_Union[FailureKind, str]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("sending", "recving", "invalid_block_ids", "stats")
