@@ -19,9 +19,9 @@
 // reference; building with -tags invariants makes every AppendDescs call
 // check itself against it.
 //
-// Registry holds what writers read concurrently: peer layouts and plans,
-// in lock-free maps, computed once per key and dropped by peer or
-// generation.
+// Registry holds a Worker's peer layouts and plans, computed once per key
+// and dropped by peer or generation; its one owner (the Worker's loop)
+// reads it without a lock.
 //
 // Callers, in order: build or look up the Plan for the (P rank, D rank)
 // pair (Registry.Plan); keep one Builder per goroutine; per request, fill a
@@ -29,5 +29,6 @@
 // count; call AppendDescs (or AppendIndices with lists from AppendPrepared)
 // with a reused slice; post the batch; reuse the slice.
 //
-// Builder is not safe for concurrent use; Registry is; the functions are.
+// Builder and Registry are not safe for concurrent use (one per
+// goroutine); the functions are.
 package hotpath

@@ -2,8 +2,7 @@ package hotpath
 
 import (
 	"fmt"
-
-	"github.com/puzpuzpuz/xsync/v4"
+	"maps"
 
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -27,23 +26,20 @@ type PlanKey struct {
 	DstTPRank  int
 }
 
-// Registry holds what the hot path reads concurrently: the region tables
-// (layouts) of peer ranks and the plans computed from them. Reads are
-// lock-free; a plan is computed once per key and reused.
+// Registry holds a Worker's tables of peer ranks: their layouts and the
+// plans computed from them, a plan computed once per key and reused.
 //
-// A Registry is safe for concurrent use. Stored layouts and plans are
+// A Registry is owned by one goroutine (a Worker's loop): it is not safe
+// for concurrent use, and needs no lock. Stored layouts and plans are
 // immutable: never modify one after storing it.
 type Registry struct {
-	layouts *xsync.Map[RankKey, *topology.Layout]
-	plans   *xsync.Map[PlanKey, *topology.Plan]
+	layouts map[RankKey]*topology.Layout
+	plans   map[PlanKey]*topology.Plan
 }
 
 // NewRegistry returns an empty Registry.
 func NewRegistry() *Registry {
-	return &Registry{
-		layouts: xsync.NewMap[RankKey, *topology.Layout](),
-		plans:   xsync.NewMap[PlanKey, *topology.Plan](),
-	}
+	return &Registry{layouts: map[RankKey]*topology.Layout{}, plans: map[PlanKey]*topology.Plan{}}
 }
 
 // StoreLayout validates and records a peer rank's layout, replacing an
@@ -53,81 +49,46 @@ func (r *Registry) StoreLayout(k RankKey, l *topology.Layout) error {
 	if err := l.Validate(); err != nil {
 		return fmt.Errorf("hotpath: layout of %s gen %d rank %d/%d: %w", k.Peer, k.Generation, k.TPRank, k.PPRank, err)
 	}
-	r.layouts.Store(k, l)
-	r.plans.Range(func(pk PlanKey, _ *topology.Plan) bool {
-		if pk.Peer == k.Peer && pk.Generation == k.Generation {
-			r.plans.Delete(pk)
-		}
-		return true
-	})
+	r.layouts[k] = l
+	maps.DeleteFunc(r.plans, func(pk PlanKey, _ *topology.Plan) bool { return pk.Peer == k.Peer && pk.Generation == k.Generation })
 	return nil
 }
 
 // Layout returns a peer rank's layout.
 func (r *Registry) Layout(k RankKey) (*topology.Layout, bool) {
-	return r.layouts.Load(k)
+	l, ok := r.layouts[k]
+	return l, ok
 }
 
-// Plan returns the plan for k, computing it with build on first use.
-// Concurrent callers for the same key wait for one build. A failed build
-// is not cached.
+// Plan returns the plan for k, computing it with build on first use. A
+// failed build is not cached.
 func (r *Registry) Plan(k PlanKey, build func() (*topology.Plan, error)) (*topology.Plan, error) {
-	if p, ok := r.plans.Load(k); ok {
+	if p, ok := r.plans[k]; ok {
 		return p, nil
 	}
-	var buildErr error
-	p, _ := r.plans.LoadOrCompute(k, func() (*topology.Plan, bool) {
-		p, err := build()
-		if err != nil {
-			buildErr = err
-			return nil, true
-		}
-		return p, false
-	})
-	if buildErr != nil {
-		return nil, buildErr
+	p, err := build()
+	if err != nil {
+		return nil, err
 	}
+	r.plans[k] = p
 	return p, nil
 }
 
 // DropPeer forgets every layout and plan of a peer (all generations), as
 // on engine eviction. It returns how many entries it removed.
 func (r *Registry) DropPeer(peer string) int {
-	n := 0
-	r.layouts.Range(func(k RankKey, _ *topology.Layout) bool {
-		if k.Peer == peer {
-			r.layouts.Delete(k)
-			n++
-		}
-		return true
-	})
-	r.plans.Range(func(k PlanKey, _ *topology.Plan) bool {
-		if k.Peer == peer {
-			r.plans.Delete(k)
-			n++
-		}
-		return true
-	})
-	return n
+	return r.drop(func(p string, _ uint64) bool { return p == peer })
 }
 
 // DropGeneration forgets a peer's entries older than gen, as when a peer
 // restarts and handshakes again.
 func (r *Registry) DropGeneration(peer string, gen uint64) int {
-	n := 0
-	r.layouts.Range(func(k RankKey, _ *topology.Layout) bool {
-		if k.Peer == peer && k.Generation < gen {
-			r.layouts.Delete(k)
-			n++
-		}
-		return true
-	})
-	r.plans.Range(func(k PlanKey, _ *topology.Plan) bool {
-		if k.Peer == peer && k.Generation < gen {
-			r.plans.Delete(k)
-			n++
-		}
-		return true
-	})
-	return n
+	return r.drop(func(p string, g uint64) bool { return p == peer && g < gen })
+}
+
+func (r *Registry) drop(match func(peer string, gen uint64) bool) int {
+	n := len(r.layouts) + len(r.plans)
+	maps.DeleteFunc(r.layouts, func(k RankKey, _ *topology.Layout) bool { return match(k.Peer, k.Generation) })
+	maps.DeleteFunc(r.plans, func(k PlanKey, _ *topology.Plan) bool { return match(k.Peer, k.Generation) })
+	return n - len(r.layouts) - len(r.plans)
 }

@@ -2,8 +2,6 @@ package hotpath_test
 
 import (
 	"errors"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -14,39 +12,22 @@ func TestRegistryPlanComputedOnce(t *testing.T) {
 	src, dst := pairOf(t, eng(1, 2, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 16, 16, topology.LayoutHND, topology.PackedKV), 4, fa)
 	reg := hotpath.NewRegistry()
 	key := hotpath.PlanKey{Peer: "d-engine", Generation: 1, SrcTPRank: 0, DstTPRank: 0}
-	var builds atomic.Int32
+	builds := 0
 	build := func() (*topology.Plan, error) {
-		builds.Add(1)
+		builds++
 		return topology.NewPlan(src, dst, topology.PlanOptions{})
 	}
-	workers := 8
-	if testing.Short() {
-		workers = 4
+	first, err := reg.Plan(key, build)
+	if err != nil {
+		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	plans := make([]*topology.Plan, workers*50)
-	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; i < 50; i++ {
-				p, err := reg.Plan(key, build)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				plans[w*50+i] = p
-			}
-		}()
-	}
-	wg.Wait()
-	if n := builds.Load(); n != 1 {
-		t.Fatalf("plan built %d times, want 1", n)
-	}
-	for i, p := range plans {
-		if p != plans[0] {
-			t.Fatalf("caller %d got a different plan", i)
+	for range 50 {
+		if p, err := reg.Plan(key, build); err != nil || p != first {
+			t.Fatalf("Plan = %p, %v; want the first plan %p", p, err, first)
 		}
+	}
+	if builds != 1 {
+		t.Fatalf("plan built %d times, want 1", builds)
 	}
 }
 

@@ -10,17 +10,20 @@ import (
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
+	"github.com/puzpuzpuz/xsync/v4"
 )
 
 // schedulers are the engines' kvxfer.Schedulers, each used by one call at
-// a time.
+// a time. The table is read without a lock by every scheduler call and by
+// every rank's step (StepRequest by reference); opening and closing, the
+// only writers, take turns under mu.
 type schedulers struct {
 	pb.UnimplementedSchedulerServiceServer
 	addr   string
 	owners *owners
 	limits *limits
 	mu     sync.Mutex
-	m      map[string]*lockedScheduler
+	m      *xsync.Map[string, *lockedScheduler]
 }
 
 type lockedScheduler struct {
@@ -56,9 +59,7 @@ func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error)
 	if engine == "" {
 		return nil, invalid("engine_id is empty")
 	}
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	s := ss.m[engine]
+	s, _ := ss.m.Load(engine)
 	if s == nil {
 		return nil, fmt.Errorf("scheduler of engine %q: %w (call OpenScheduler first)", engine, kvxfer.ErrUnknownEngine)
 	}
@@ -155,7 +156,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	ls.pub.changed = make(chan struct{})
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	if old := ss.m[c.EngineId]; old == nil {
+	if old, _ := ss.m.Load(c.EngineId); old == nil {
 		// The engine's first scheduler: it claims the engine for uid.
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
 			ss.limits.refuse("permission")
@@ -165,7 +166,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		ss.limits.refuse("permission")
 		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
 	}
-	ss.m[c.EngineId] = ls // the same engine process opening again replaces its scheduler
+	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
 	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
 }
 
@@ -336,8 +337,8 @@ func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseScheduler
 		return nil, Status(err)
 	}
 	ss.mu.Lock()
-	if ss.m[req.EngineId] == ls {
-		delete(ss.m, req.EngineId)
+	if cur, _ := ss.m.Load(req.EngineId); cur == ls {
+		ss.m.Delete(req.EngineId)
 		ss.owners.release(req.EngineId)
 	}
 	ss.mu.Unlock()

@@ -1,16 +1,20 @@
 package stream
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+	"github.com/puzpuzpuz/xsync/v4"
 
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
@@ -104,16 +108,44 @@ type Server struct {
 	gpuUUIDs map[[16]byte]int     // UUID -> ordinal, resolved once
 	streams  sync.WaitGroup
 
-	mu struct {
+	// engines are the attached engines' ranks, read without a lock by
+	// every peer handshake and probe, and written (copy on write, one
+	// writer at a time under mu) when a rank attaches or detaches.
+	engines *xsync.Map[string, *engineEntry]
+	mu      struct {
 		sync.Mutex
-		gen     uint64
-		engines map[string]*engineEntry
+		gen uint64
 	}
 }
 
+// engineEntry is one engine's ranks, never changed once stored: a change
+// stores a new entry. Its handshake answer is encoded once, by the first
+// handshake that asks for it, not per handshake (liveness probes ask
+// every PeerTimeout/5 per waiting consumer rank).
 type engineEntry struct {
-	gen   uint64
-	ranks map[[2]int]*rankEntry
+	gen     uint64
+	ranks   map[[2]int]*rankEntry
+	encode  sync.Once
+	payload []byte // the marshaled RankList
+	zstd    []byte // payload compressed, when larger than CompressAbove
+}
+
+// answer returns e's handshake payload, and its compressed form (nil
+// when not larger than compressAbove, or compressAbove is negative).
+func (e *engineEntry) answer(enc *zstd.Encoder, compressAbove int) (payload, compressed []byte) {
+	e.encode.Do(func() {
+		var list pb.RankList
+		for _, k := range slices.SortedFunc(maps.Keys(e.ranks), func(a, b [2]int) int { return cmp.Compare(a[0]<<16|a[1], b[0]<<16|b[1]) }) {
+			r := e.ranks[k]
+			list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: r.info.EngineID, CompatHash: r.info.CompatHash,
+				Layout: LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
+		}
+		e.payload, _ = proto.Marshal(&list) // a RankList of valid layouts always marshals
+		if compressAbove >= 0 && len(e.payload) > compressAbove {
+			e.zstd = enc.EncodeAll(e.payload, nil)
+		}
+	})
+	return e.payload, e.zstd
 }
 
 type rankEntry struct {
@@ -167,7 +199,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	// an engine a generation its peers saw from the previous process: a
 	// peer that asks again learns the engine's ranks changed.
 	s.mu.gen = uint64(time.Now().UnixNano())
-	s.sched = &schedulers{addr: cfg.PeerAddr, m: map[string]*lockedScheduler{}, owners: own, limits: s.limits}
+	s.sched = &schedulers{addr: cfg.PeerAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -182,7 +214,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
-	s.mu.engines = map[string]*engineEntry{}
+	s.engines = xsync.NewMap[string, *engineEntry]()
 	return s, nil
 }
 
@@ -204,14 +236,13 @@ func (s *Server) RegisterPeer(g *grpc.Server) {
 
 // Workers returns every rank's worker, for metrics.
 func (s *Server) Workers() map[string][]*kvxfer.Worker {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	out := map[string][]*kvxfer.Worker{}
-	for id, e := range s.mu.engines {
+	s.engines.Range(func(id string, e *engineEntry) bool {
 		for _, r := range e.ranks {
 			out[id] = append(out[id], r.worker)
 		}
-	}
+		return true
+	})
 	return out
 }
 
@@ -245,9 +276,7 @@ var ErrAttached = errors.New("rank attached already")
 
 // attached is an ErrAttached error when engine's rank at l is attached.
 func (s *Server) attached(engine string, l *topology.Layout) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if e := s.mu.engines[engine]; e != nil && e.ranks[[2]int{l.PPRank, l.TPRank}] != nil {
+	if e, _ := s.engines.Load(engine); e != nil && e.ranks[[2]int{l.PPRank, l.TPRank}] != nil {
 		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d has a stream open (a rank detaches only by closing its own stream; retry once it has)",
 			ErrAttached, engine, l.TPRank, l.PPRank)
 	}
@@ -260,36 +289,43 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e := s.mu.engines[info.EngineID]
-	if e == nil {
-		e = &engineEntry{ranks: map[[2]int]*rankEntry{}}
-		s.mu.engines[info.EngineID] = e
-	}
+	old, _ := s.engines.Load(info.EngineID)
 	k := [2]int{info.Layout.PPRank, info.Layout.TPRank}
-	if e.ranks[k] != nil { // attached between the check and here
+	if old != nil && old.ranks[k] != nil { // attached between the check and here
 		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d", ErrAttached, info.EngineID, info.Layout.TPRank, info.Layout.PPRank)
 	}
-	s.mu.gen++
-	e.gen = s.mu.gen
-	e.ranks[k] = &rankEntry{info: info, worker: w}
+	ranks := map[[2]int]*rankEntry{}
+	if old != nil {
+		maps.Copy(ranks, old.ranks)
+	}
+	ranks[k] = &rankEntry{info: info, worker: w}
+	s.storeLocked(info.EngineID, ranks)
 	return nil
+}
+
+// storeLocked stores engine's new entry of ranks (none: it is gone),
+// under a new generation. Caller holds mu.
+func (s *Server) storeLocked(engine string, ranks map[[2]int]*rankEntry) {
+	if len(ranks) == 0 {
+		s.engines.Delete(engine)
+		return
+	}
+	s.mu.gen++
+	s.engines.Store(engine, &engineEntry{gen: s.mu.gen, ranks: ranks})
 }
 
 func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e := s.mu.engines[engine]
+	e, _ := s.engines.Load(engine)
 	if e == nil {
 		return
 	}
 	k := [2]int{l.PPRank, l.TPRank}
 	if r := e.ranks[k]; r != nil && r.worker == w {
-		delete(e.ranks, k)
-		s.mu.gen++
-		e.gen = s.mu.gen
-	}
-	if len(e.ranks) == 0 {
-		delete(s.mu.engines, engine)
+		ranks := maps.Clone(e.ranks)
+		delete(ranks, k)
+		s.storeLocked(engine, ranks)
 	}
 }
 
@@ -299,31 +335,15 @@ func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.Han
 	if req.GetEngineId() == "" {
 		return nil, Status(invalid("handshake.engine_id is empty"))
 	}
-	s.mu.Lock()
-	e := s.mu.engines[req.EngineId]
-	var list pb.RankList
-	var gen uint64
-	if e != nil {
-		gen = e.gen
-		for _, r := range e.ranks {
-			list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: r.info.EngineID, CompatHash: r.info.CompatHash,
-				Layout: LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
-		}
-	}
-	s.mu.Unlock()
+	e, _ := s.engines.Load(req.EngineId)
 	if e == nil {
 		return nil, Status(fmt.Errorf("handshake: engine %q: %w", req.EngineId, kvxfer.ErrUnknownEngine))
 	}
-	payload, err := proto.Marshal(&list)
-	if err != nil {
-		return nil, Status(err)
+	payload, compressed := e.answer(s.enc, s.cfg.CompressAbove)
+	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: e.gen, Payload: payload}
+	if req.AcceptZstd && compressed != nil {
+		resp.Payload, resp.Zstd = compressed, true
 	}
-	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: gen}
-	if req.AcceptZstd && s.cfg.CompressAbove >= 0 && len(payload) > s.cfg.CompressAbove {
-		payload = s.enc.EncodeAll(payload, nil)
-		resp.Zstd = true
-	}
-	resp.Payload = payload
 	resp.ServerUnixNanos = time.Now().UnixNano()
 	return resp, nil
 }

@@ -17,10 +17,13 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
 
+	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 
@@ -46,7 +49,7 @@ type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA                              string
-	insecurePeers                                                                                       bool
+	insecurePeers, nixlAnyVersion                                                                       bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
@@ -91,6 +94,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
 		"pause of NIXL's progress thread between rounds, per rank (0: it spins, a core per rank even when idle)")
+	fs.BoolVar(&c.nixlAnyVersion, "nixl-any-version", false, "open a NIXL library whose version this build does not declare the C API of, "+
+		"or cannot tell (undefined behaviour where the C API differs)")
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
 	// Environment first, flags override.
 	var envErr error
@@ -208,12 +213,50 @@ func Main(args []string) error {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	slog.SetDefault(log)
-	if _, err := maxprocs.Set(maxprocs.Logger(func(f string, a ...any) { log.Debug(fmt.Sprintf(f, a...)) })); err != nil {
-		log.Warn("kvxferd: automaxprocs", "err", err)
-	}
+	setMaxProcs(log)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	return serve(ctx, c, log)
+}
+
+// setMaxProcs leaves GOMAXPROCS to the Go runtime, which follows the
+// container's CPU limit itself (Go 1.25 and later), and calls automaxprocs
+// only where that is turned off (GODEBUG=containermaxprocs=0, in the
+// environment or built in): calling runtime.GOMAXPROCS would turn off the
+// runtime's own updates when the limit changes.
+func setMaxProcs(log *slog.Logger) {
+	def := ""
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range bi.Settings {
+			if s.Key == "DefaultGODEBUG" {
+				def = s.Value
+			}
+		}
+	}
+	if !containerMaxProcsOff(def, os.Getenv("GODEBUG")) {
+		log.Info("kvxferd: GOMAXPROCS", "value", runtime.GOMAXPROCS(0), "set_by", "go runtime (container-aware)")
+		return
+	}
+	if _, err := maxprocs.Set(maxprocs.Logger(func(f string, a ...any) { log.Debug(fmt.Sprintf(f, a...)) })); err != nil {
+		log.Warn("kvxferd: automaxprocs", "err", err)
+	}
+	log.Info("kvxferd: GOMAXPROCS", "value", runtime.GOMAXPROCS(0), "set_by", "automaxprocs (containermaxprocs=0)")
+}
+
+// containerMaxProcsOff reports whether the runtime's container-aware
+// GOMAXPROCS is off, from the binary's default GODEBUG (build info) and
+// the GODEBUG environment variable, the later setting of a key winning as
+// the runtime reads them.
+func containerMaxProcsOff(buildDefault, env string) bool {
+	off := false
+	for _, list := range []string{buildDefault, env} {
+		for _, kv := range strings.Split(list, ",") {
+			if k, v, ok := strings.Cut(strings.TrimSpace(kv), "="); ok && k == "containermaxprocs" {
+				off = v == "0"
+			}
+		}
+	}
+	return off
 }
 
 func btoi(b bool) int {
@@ -328,7 +371,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			if c.backend == "nixl" {
 				params, _ := c.params()
 				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
-					Params: params, VRAM: vram, ProgressDelay: c.progressDelay()})
+					Params: params, VRAM: vram, ProgressDelay: c.progressDelay(), AnyVersion: c.nixlAnyVersion})
 			}
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")
@@ -381,11 +424,11 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	}
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	if c.backend == "nixl" {
-		lib, err := NixlLibrary()
+		lib, err := setupNixl(c.nixlAnyVersion, log)
 		if err != nil {
 			return err
 		}
-		log.Info("kvxferd: NIXL backend", "library", lib)
+		log.Info("kvxferd: NIXL backend", "library", lib, "version", capi.LibraryVersion(lib))
 	}
 	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend, "peer_auth", auth.Enabled(), "peer_tls", sec.server != nil)
 	if c.readyFile != "" {
@@ -425,12 +468,34 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	return nil
 }
 
-// NixlLibrary loads NIXL's C library (kvxferd -backend=nixl).
-func NixlLibrary() (string, error) {
-	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano())})
+// NixlLibrary prepares this process for NIXL as kvxferd -backend=nixl
+// does, and opens a probe agent: it returns the library's path, or why
+// NIXL cannot be used here (tests skip on it).
+func NixlLibrary() (string, error) { return setupNixl(false, nil) }
+
+// setupNixl is the daemon's process setup for NIXL: it finds NIXL's C
+// library, sets the environment NIXL and UCX read when they load
+// (capi.ProcessEnv: the wheel's plugin directory, UCX's memory-type cache
+// off) where it is not set already, and opens a probe agent, which checks
+// the library's version (anyVersion: -nixl-any-version).
+func setupNixl(anyVersion bool, log *slog.Logger) (string, error) {
+	lib, err := capi.FindLibrary()
+	if err != nil {
+		return "", fmt.Errorf("-backend=nixl: %w", err)
+	}
+	for _, kv := range capi.ProcessEnv(lib) {
+		k, v, _ := strings.Cut(kv, "=")
+		if err := os.Setenv(k, v); err != nil {
+			return "", fmt.Errorf("-backend=nixl: %s: %w", kv, err)
+		}
+		if log != nil {
+			log.Info("kvxferd: NIXL environment", "set", kv)
+		}
+	}
+	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxferd-probe-%d", time.Now().UnixNano()), AnyVersion: anyVersion})
 	if err != nil {
 		return "", fmt.Errorf("-backend=nixl: %w", err)
 	}
 	_ = b.Close()
-	return "libnixl_capi.so", nil
+	return lib, nil
 }

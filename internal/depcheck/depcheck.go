@@ -43,8 +43,8 @@ type Rule struct {
 var Rules = []Rule{
 	{Name: "topology imports only the standard library", Prefix: "topology"},
 	{Name: "internal/invariants imports only the standard library", Prefix: "internal/invariants"},
-	{Name: "hotpath imports topology, invariants and xsync", Prefix: "hotpath",
-		Allowed: []string{"topology", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
+	{Name: "hotpath imports topology and invariants", Prefix: "hotpath",
+		Allowed: []string{"topology", "internal/invariants"}},
 	{Name: "internal/kvsim imports topology and hotpath", Prefix: "internal/kvsim",
 		Allowed: []string{"topology", "hotpath", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
 	{Name: "internal/netxfer imports std, x/sys and peerauth", Prefix: "internal/netxfer",
@@ -55,7 +55,7 @@ var Rules = []Rule{
 	// The connector core links no backend, no cgo and no transport: an
 	// engine that wants only the Scheduler links nothing else.
 	{Name: "kvxfer (the core) imports topology and hotpath only", Prefix: "kvxfer",
-		Allowed: []string{"topology", "hotpath", "internal/invariants", "github.com/puzpuzpuz/xsync/v4/..."}},
+		Allowed: []string{"topology", "hotpath", "internal/invariants"}},
 	{Name: "kvxfer/backend/tcp imports kvxfer and the built-in transport", Prefix: "kvxfer/backend/tcp",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/invariants", "internal/netxfer", "internal/peerauth",
 			"github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
@@ -77,7 +77,7 @@ var Rules = []Rule{
 	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
 		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/...", "stream/...", "shm",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
-			"github.com/klauspost/compress/...",
+			"github.com/klauspost/compress/...", "github.com/puzpuzpuz/xsync/v4",
 			"golang.org/x/sys/unix"}}, // the unix socket's peer credentials (SO_PEERCRED)
 }
 

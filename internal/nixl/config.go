@@ -18,6 +18,10 @@ type Config struct {
 	// rounds, in whole microseconds; 0 makes it spin, which costs a core
 	// per agent even when idle. Open uses DefaultProgressDelay.
 	ProgressDelay time.Duration
+	// AnyVersion opens a library whose version is not in
+	// SupportedVersions, or cannot be told (undefined behaviour where
+	// its C API differs from the one this package declares).
+	AnyVersion bool
 }
 
 // DefaultProgressDelay is the progress thread's pause between rounds:

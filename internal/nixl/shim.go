@@ -263,8 +263,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -272,29 +272,27 @@ import (
 
 var loadOnce struct {
 	sync.Once
-	err  error
-	path string
+	err           error
+	path, version string
 }
 
-// load finds and opens libnixl_capi.so once per process.
+// load finds and opens libnixl_capi.so once per process. It changes no
+// environment: what NIXL and UCX read when they load (ProcessEnv) must be
+// set by then, and a plugin directory left unset is refused here rather
+// than found missing by NIXL later.
 func load() error {
 	loadOnce.Do(func() {
-		path, err := findLibrary()
+		path, err := FindLibrary()
 		if err != nil {
 			loadOnce.err = err
 			return
 		}
-		if os.Getenv("UCX_MEMTYPE_CACHE") == "" {
-			// UCX's memory-type cache learns GPU memory from the
-			// allocation calls it intercepts; memory imported from a
-			// CUDA IPC handle (an engine's KV cache) is not among them
-			// and would be taken for host memory (verified on an H100).
-			// Without the cache UCX asks the driver. UCX reads this when
-			// it loads, so it is set before the library is opened.
-			_ = os.Setenv("UCX_MEMTYPE_CACHE", "n")
-		}
-		if os.Getenv("NIXL_PLUGIN_DIR") == "" {
-			_ = os.Setenv("NIXL_PLUGIN_DIR", filepath.Join(filepath.Dir(path), "plugins"))
+		for _, kv := range ProcessEnv(path) {
+			if k, v, _ := strings.Cut(kv, "="); k == "NIXL_PLUGIN_DIR" {
+				loadOnce.err = fmt.Errorf("%w: %s: NIXL_PLUGIN_DIR is not set, and NIXL would not find its UCX plugin; "+
+					"set NIXL_PLUGIN_DIR=%s before the process starts (kvxferd sets it itself)", ErrUnavailable, path, v)
+				return
+			}
 		}
 		cpath := C.CString(path)
 		defer C.free(unsafe.Pointer(cpath))
@@ -302,56 +300,9 @@ func load() error {
 			loadOnce.err = fmt.Errorf("%w: load %s: %s", ErrUnavailable, path, C.GoString(msg))
 			return
 		}
-		loadOnce.path = path
+		loadOnce.path, loadOnce.version = path, LibraryVersion(path)
 	})
 	return loadOnce.err
-}
-
-// findLibrary locates libnixl_capi.so (see the package doc).
-func findLibrary() (string, error) {
-	const lib = "libnixl_capi.so"
-	var tried []string
-	try := func(p string) bool {
-		tried = append(tried, p)
-		st, err := os.Stat(p)
-		return err == nil && !st.IsDir()
-	}
-	if p := os.Getenv("NIXL_CAPI_LIB"); p != "" {
-		if try(p) {
-			return p, nil
-		}
-		return "", fmt.Errorf("%w: NIXL_CAPI_LIB=%s: no such file", ErrUnavailable, p)
-	}
-	if pre := os.Getenv("NIXL_PREFIX"); pre != "" {
-		for _, d := range []string{"lib", "lib64", "lib/x86_64-linux-gnu"} {
-			if p := filepath.Join(pre, d, lib); try(p) {
-				return p, nil
-			}
-		}
-	}
-	// The Python wheel (nixl-cu12): site-packages/.nixl_cu12.mesonpy.libs.
-	var dirs []string
-	for _, pat := range []string{"/root/.pyenv/versions/*/lib/python3*/site-packages", "/usr/local/lib/python3*/site-packages",
-		"/usr/local/lib/python3*/dist-packages", "/usr/lib/python3*/site-packages", "/usr/lib/python3/dist-packages"} {
-		m, _ := filepath.Glob(pat)
-		dirs = append(dirs, m...)
-	}
-	if home, err := os.UserHomeDir(); err == nil {
-		m, _ := filepath.Glob(filepath.Join(home, ".local/lib/python3*/site-packages"))
-		dirs = append(dirs, m...)
-	}
-	if v := os.Getenv("VIRTUAL_ENV"); v != "" {
-		m, _ := filepath.Glob(filepath.Join(v, "lib/python3*/site-packages"))
-		dirs = append(dirs, m...)
-	}
-	for _, d := range dirs {
-		for _, sub := range []string{".nixl_cu12.mesonpy.libs", ".nixl_cu13.mesonpy.libs", ".nixl.mesonpy.libs"} {
-			if p := filepath.Join(d, sub, lib); try(p) {
-				return p, nil
-			}
-		}
-	}
-	return "", fmt.Errorf("%w: %s not found (set NIXL_CAPI_LIB or NIXL_PREFIX, or pip install nixl-cu12); tried %d places", ErrUnavailable, lib, len(tried))
 }
 
 // Library returns the path of the loaded NIXL C library, loading it.
@@ -398,6 +349,13 @@ func OpenVRAM(name, plugin string, params map[string]string) (*Agent, error) {
 func OpenConfig(c Config) (*Agent, error) {
 	if err := load(); err != nil {
 		return nil, err
+	}
+	if err := checkVersion(loadOnce.path, loadOnce.version, c.AnyVersion); err != nil {
+		return nil, err
+	}
+	if c.VRAM && os.Getenv("UCX_MEMTYPE_CACHE") != "n" {
+		return nil, fmt.Errorf("nixl: a GPU memory agent needs UCX_MEMTYPE_CACHE=n in the environment before the process " +
+			"loads NIXL (UCX takes memory imported from CUDA IPC handles for host memory otherwise); kvxferd sets it itself")
 	}
 	mem := C.int(C.KX_MEM_DRAM)
 	if c.VRAM {

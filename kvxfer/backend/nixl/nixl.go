@@ -34,6 +34,10 @@ type Config struct {
 	// the lowest latency where cores are to spare, but a whole core per
 	// agent even when idle.
 	ProgressDelay time.Duration
+	// AnyVersion opens a NIXL library whose version is not one whose C
+	// API this build declares (capi.SupportedVersions), or cannot be
+	// told: undefined behaviour where the C API differs.
+	AnyVersion bool
 }
 
 // progressDelay is the pause NIXL's progress thread gets: the default for
@@ -106,7 +110,7 @@ func New(cfg Config) (*Backend, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Millisecond
 	}
-	a, err := capi.OpenConfig(capi.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM,
+	a, err := capi.OpenConfig(capi.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM, AnyVersion: cfg.AnyVersion,
 		ProgressDelay: cfg.progressDelay()})
 	if err != nil {
 		return nil, err
