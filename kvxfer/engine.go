@@ -1,7 +1,6 @@
 package kvxfer
 
 import (
-	"context"
 	"fmt"
 	"slices"
 	"time"
@@ -102,7 +101,7 @@ type outMsg struct {
 // is none (or the last one failed).
 func (st *loopState) ensureEngine(id, addr string) *engine {
 	e := st.engines[id]
-	if e != nil && (e.state != hsFailed || time.Since(e.failedAt) < handshakeRetry) {
+	if e != nil && (e.state != hsFailed || st.now.Sub(e.failedAt) < handshakeRetry) {
 		// A failed handshake is retried only after handshakeRetry, so
 		// what waited on it fails instead of waiting on a retry.
 		if e.addr == "" {
@@ -122,7 +121,7 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 // startHandshake (re)starts the handshake with an engine.
 func (st *loopState) startHandshake(e *engine) {
 	e.state, e.err = hsPending, nil
-	e.lastActive = time.Now()
+	e.lastActive = st.now
 	st.askResolver(e, st.cfg.HandshakeTimeout, false)
 }
 
@@ -130,16 +129,7 @@ func (st *loopState) startHandshake(e *engine) {
 // timeout; the answer comes back as an evHandshake event (a liveness
 // probe's when probe).
 func (st *loopState) askResolver(e *engine, timeout time.Duration, probe bool) {
-	w, id, addr := st.w, e.id, e.addr
-	w.hsWG.Add(1)
-	go func() {
-		defer w.hsWG.Done()
-		ctx, cancel := context.WithTimeout(w.ctx, timeout)
-		defer cancel()
-		t0 := time.Now()
-		res, err := st.cfg.Resolver.Handshake(ctx, id, addr)
-		_ = w.post(event{kind: evHandshake, hs: &hsResult{probe: probe, engine: id, res: res, err: err, took: time.Since(t0)}})
-	}()
+	st.asks = append(st.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe})
 }
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.
@@ -158,15 +148,15 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	}
 	st.w.metrics.Handshake(h.took, err == nil)
 	if err != nil {
-		e.state, e.err, e.failedAt = hsFailed, err, time.Now()
+		e.state, e.err, e.failedAt = hsFailed, err, st.now
 		st.w.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
 	} else {
 		e.state = hsReady
 		st.checkPlans(e)
 	}
-	e.loadedAt = time.Now()
+	e.loadedAt = st.now
 	if err == nil {
-		e.alive()
+		e.alive(st.now)
 	}
 	out := e.outbox
 	e.outbox = nil

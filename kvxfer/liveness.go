@@ -41,9 +41,9 @@ func (st *loopState) watch(e *engine) {
 	}
 	e.watching = true
 	if e.lastAlive.IsZero() {
-		e.lastAlive = time.Now()
+		e.lastAlive = st.now
 	}
-	e.probeAt = time.Now().Add(st.probeEvery())
+	e.probeAt = st.now.Add(st.probeEvery())
 	st.arm(e.probeAt, tProbe, e.id)
 }
 
@@ -69,7 +69,7 @@ func (st *loopState) probeTimer(t timerEntry) {
 		return
 	}
 	st.probe(e)
-	e.probeAt = time.Now().Add(st.probeEvery())
+	e.probeAt = st.now.Add(st.probeEvery())
 	st.arm(e.probeAt, tProbe, e.id)
 }
 
@@ -90,7 +90,7 @@ func (st *loopState) probeSoon(engineID string) {
 }
 
 // alive notes that e answered or spoke.
-func (e *engine) alive() { e.lastAlive = time.Now() }
+func (e *engine) alive(now time.Time) { e.lastAlive = now }
 
 // probeDone handles the answer to a probe.
 func (st *loopState) probeDone(h *hsResult) {
@@ -103,15 +103,15 @@ func (st *loopState) probeDone(h *hsResult) {
 		return // a handshake of its own is under way or failed
 	}
 	if h.err != nil {
-		if errors.Is(h.err, context.Canceled) && st.w.ctx.Err() != nil {
+		if errors.Is(h.err, context.Canceled) && h.closing {
 			return // closing
 		}
-		if silent := time.Since(e.lastAlive); silent >= st.cfg.PeerTimeout {
+		if silent := st.now.Sub(e.lastAlive); silent >= st.cfg.PeerTimeout {
 			st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), h.err))
 		}
 		return
 	}
-	e.alive()
+	e.alive(st.now)
 	if h.res.Generation == e.gen {
 		return
 	}

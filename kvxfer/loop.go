@@ -22,6 +22,13 @@ type loopState struct {
 
 	awaiting bool // told the backend (an Awaiter) that we await peer messages
 
+	// now is the time of the input being handled, set by the driver: the
+	// core reads no clock.
+	now time.Time
+	// asks are handshakes and probes for the driver to run; each answer
+	// comes back as an evHandshake event.
+	asks []hsAsk
+
 	engines map[string]*engine
 	timers  timerHeap
 
@@ -296,7 +303,7 @@ func rebase(d, clock time.Time, now time.Time) time.Time {
 }
 
 func (st *loopState) step(meta *StepMeta) {
-	now := time.Now()
+	now := st.now
 	for _, id := range meta.NotProcessed {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
@@ -321,24 +328,6 @@ func (st *loopState) report(role Role, o Outcome) {
 		st.out.Sending = append(st.out.Sending, o)
 	} else {
 		st.out.Recving = append(st.out.Recving, o)
-	}
-}
-
-// flush publishes queued outcomes.
-func (st *loopState) flush() {
-	if len(st.out.Sending)+len(st.out.Recving)+len(st.out.InvalidBlocks) == 0 {
-		return
-	}
-	w := st.w
-	w.mu.Lock()
-	w.mu.out.Sending = append(w.mu.out.Sending, st.out.Sending...)
-	w.mu.out.Recving = append(w.mu.out.Recving, st.out.Recving...)
-	w.mu.out.InvalidBlocks = append(w.mu.out.InvalidBlocks, st.out.InvalidBlocks...)
-	w.mu.Unlock()
-	st.out = Finished{}
-	select {
-	case w.ready <- struct{}{}:
-	default:
 	}
 }
 
@@ -373,8 +362,8 @@ func (st *loopState) drainNotifs() {
 // dispatch handles one admitted peer message.
 func (st *loopState) dispatch(m *msg) {
 	if e := st.engines[m.Engine]; e != nil {
-		e.lastActive = time.Now()
-		e.alive()
+		e.lastActive = st.now
+		e.alive(st.now)
 	}
 	switch m.Kind {
 	case msgReg:
@@ -443,7 +432,7 @@ func (st *loopState) pollHandles() {
 
 // runTimers fires due deadlines and the periodic tick.
 func (st *loopState) runTimers() {
-	now := time.Now()
+	now := st.now
 	for len(st.timers) > 0 && !st.timers[0].at.After(now) {
 		e := heap.Pop(&st.timers).(timerEntry)
 		switch e.kind {
@@ -495,7 +484,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 		}
 	}
 	if len(st.handles) > 0 {
-		set(time.Now().Add(st.cfg.PollInterval))
+		set(st.now.Add(st.cfg.PollInterval))
 	}
 	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
 		heap.Pop(&st.timers)

@@ -93,7 +93,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
-	e.lastActive = time.Now()
+	e.lastActive = st.now
 	if err := st.refusal(e, asConsumer); err != nil {
 		// Refused at handshake: fail at once, logged once per peer
 		// generation (refusal), not per request.
@@ -188,7 +188,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 // agents, and the old handshake still names the gone ones. Once per
 // request; false when it does not apply.
 func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
-	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || time.Since(e.loadedAt) < handshakeRetry {
+	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || st.now.Sub(e.loadedAt) < handshakeRetry {
 		return false
 	}
 	r.rehandshook = true
@@ -205,7 +205,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
 func (st *loopState) read(r *recvReq, e *engine) {
 	if exp := r.req.Remote.Expiry; !exp.IsZero() {
 		local := exp.Add(-e.offset)
-		if !time.Now().Add(expirySafety).Before(local) {
+		if !st.now.Add(expirySafety).Before(local) {
 			st.w.metrics.ExpiredRequest()
 			for _, to := range r.targets {
 				st.tellP(e, r, to, msgFail, FailureExpired, "producer blocks expire before the read")
@@ -240,7 +240,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		r.got[to] = true
 		return
 	}
-	t0 := time.Now()
+	t0 := time.Now() // post timing: moves to the driver with the post
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
 	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
 		id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
@@ -296,7 +296,7 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		if r.retries == nil {
 			r.retries, r.retryAt = map[rankRef]int{}, map[rankRef]time.Time{}
 		}
-		at := time.Now().Add(readRetryDelay(r.retries[h.src]))
+		at := st.now.Add(readRetryDelay(r.retries[h.src]))
 		r.retries[h.src]++
 		r.retryAt[h.src] = at
 		st.w.metrics.RetriedRead()
@@ -439,7 +439,7 @@ func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason str
 	if res != ResultDone && st.cfg.Mode == ModePush && r.sent {
 		r.canceled = true
 		st.sendCancels(r)
-		r.fenceBy = time.Now().Add(st.cfg.FenceTimeout)
+		r.fenceBy = st.now.Add(st.cfg.FenceTimeout)
 		st.arm(r.fenceBy, tFence, r.req.ReqID)
 	}
 	if res != ResultDone && !r.quiet {

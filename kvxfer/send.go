@@ -110,7 +110,7 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 
 func (st *loopState) armLease(s *sendReq, deadline time.Time) {
 	if deadline.IsZero() {
-		deadline = time.Now().Add(st.cfg.Lease)
+		deadline = st.now.Add(st.cfg.Lease)
 	}
 	s.deadline = deadline
 	st.arm(deadline, tLease, s.req.ReqID)
@@ -232,7 +232,7 @@ func (st *loopState) onReg(m *msg) {
 	}
 	g := st.regs[k]
 	if g == nil {
-		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: time.Now()}
+		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now}
 		_, goneT := st.abortedT[m.TransferID]
 		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" || goneT && m.TransferID != "" {
 			g.ranks[m.TPRank] = m
@@ -342,7 +342,7 @@ func (st *loopState) pushReady(s *sendReq) {
 				}
 			}
 		case hsReady:
-			e.lastActive = time.Now()
+			e.lastActive = st.now
 			if err := st.refusal(e, asProducer); err != nil {
 				// Refused at handshake: logged once per peer generation
 				// (refusal), not per request.
@@ -434,7 +434,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		r.state = rkDone
 		return
 	}
-	t0 := time.Now()
+	t0 := time.Now() // post timing: moves to the driver with the post
 	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
 	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared && !layerwise {
 		id, n, err := st.postPrepared(pp, e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
@@ -691,7 +691,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
-		tb := tomb{at: time.Now(), tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}
+		tb := tomb{at: st.now, tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}
 		for _, tp := range s.expect {
 			if s.ranks[tp].state == rkDone {
 				tb.done = append(tb.done, tp)
@@ -724,7 +724,7 @@ func (st *loopState) leaseTimer(e timerEntry) {
 // onHeartbeat extends the leases a consumer still wants (SPEC §9), by the
 // max of the old deadline and now + Lease·2/3.
 func (st *loopState) onHeartbeat(m *msg) {
-	ext := time.Now().Add(st.cfg.Lease * 2 / 3)
+	ext := st.now.Add(st.cfg.Lease * 2 / 3)
 	for i := 0; i+2 < len(m.IDs); i += 3 {
 		tid, preq, dreq := m.IDs[i], m.IDs[i+1], m.IDs[i+2]
 		var s *sendReq
@@ -757,7 +757,7 @@ func (st *loopState) onCancel(m *msg) {
 		st.dropReg(k)
 		tb, had := st.tombs[k]
 		if !had {
-			st.tombs[k] = tomb{at: time.Now()}
+			st.tombs[k] = tomb{at: st.now}
 		}
 		e := st.ensureEngine(m.Engine, m.Addr)
 		ack := &msg{Kind: msgAck, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq}
@@ -816,12 +816,12 @@ func (st *loopState) producerAborted(id, tid string) {
 	if st.cfg.Mode != ModePush {
 		return
 	}
-	st.abortedP[id] = time.Now()
+	st.abortedP[id] = st.now
 	var found *regGroup
 	if tid != "" {
 		// Registrations name the transfer id (push: D may not know P's
 		// request id): the one that matches is this request's.
-		st.abortedT[tid] = time.Now()
+		st.abortedT[tid] = st.now
 		if ks := st.regByTID[tid]; len(ks) > 0 {
 			found = st.regs[ks[0]]
 		}
@@ -849,7 +849,7 @@ func (st *loopState) producerAborted(id, tid string) {
 func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, reason string) {
 	k := g.key
 	st.dropReg(k)
-	st.tombs[k] = tomb{at: time.Now()}
+	st.tombs[k] = tomb{at: st.now}
 	e := st.ensureEngine(k.engine, g.addr)
 	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
 		st.sendTo(e, rankRef{tp: tp}, &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason, FailKind: kind})
@@ -903,7 +903,7 @@ func (st *loopState) stashEarly(m *msg) {
 	}
 	e := st.early[key]
 	if e == nil {
-		e = &earlyNotes{at: time.Now()}
+		e = &earlyNotes{at: st.now}
 		st.early[key] = e
 	}
 	e.msgs = append(e.msgs, m)

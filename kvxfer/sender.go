@@ -65,10 +65,10 @@ func (st *loopState) admit(pm parkedMsg) bool {
 		if want, ok := e.peers[rankRef{pp: m.PPRank, tp: m.TPRank}]; ok && want == from {
 			return true
 		}
-		return st.verifyAgain(e, pm, time.Since(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
+		return st.verifyAgain(e, pm, st.now.Sub(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
 	}
 	k := senderKey{engine: m.Engine, pp: m.PPRank, tp: m.TPRank}
-	now := time.Now()
+	now := st.now
 	p, ok := st.pins[k]
 	if ok && p.agent != from && now.Sub(p.seen) < pinIdle {
 		// Two agents speak for one rank: ask the engine which.
@@ -99,7 +99,7 @@ func (st *loopState) verifyAgain(e *engine, p parkedMsg, start bool, why string)
 		return false
 	}
 	if e.state != hsPending && start {
-		if e.state == hsFailed && time.Since(e.failedAt) < handshakeRetry {
+		if e.state == hsFailed && st.now.Sub(e.failedAt) < handshakeRetry {
 			// Too soon after a failed handshake: ask again once allowed
 			// (a peer restarting may be back by then); the message waits.
 			if !e.refreshing {

@@ -234,12 +234,20 @@ type event struct {
 	fn    func(*loopState)
 }
 
+// hsAsk is a handshake (or liveness probe) the core wants run.
+type hsAsk struct {
+	engine, addr string
+	timeout      time.Duration
+	probe        bool
+}
+
 type hsResult struct {
-	probe  bool // a liveness probe (liveness.go), not a handshake
-	engine string
-	res    HandshakeResult
-	err    error
-	took   time.Duration
+	probe   bool // a liveness probe (liveness.go), not a handshake
+	closing bool // the Worker was closing when the answer came
+	engine  string
+	res     HandshakeResult
+	err     error
+	took    time.Duration
 }
 
 // NewWorker validates cfg, registers the layout's regions with the
@@ -286,9 +294,11 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.st.init(w)
+	w.st.now = time.Now()
 	for _, p := range cfg.Preconnect {
 		w.st.ensureEngine(p.EngineID, p.Addr)
 	}
+	w.runAsks()
 	go w.run()
 	return w, nil
 }
@@ -417,13 +427,15 @@ func (w *Worker) run() {
 		inbox := w.mu.inbox
 		w.mu.inbox = nil
 		w.mu.Unlock()
+		st.now = time.Now()
 		for i := range inbox {
 			st.handle(&inbox[i])
 		}
 		st.drainNotifs()
 		st.pollHandles()
 		st.runTimers()
-		st.flush()
+		w.publish()
+		w.runAsks()
 		st.await(st.busy())
 		next, ok := st.nextWake()
 		if ok {
@@ -443,11 +455,12 @@ func (w *Worker) run() {
 			inbox := w.mu.inbox
 			w.mu.inbox = nil
 			w.mu.Unlock()
+			st.now = time.Now()
 			for i := range inbox {
 				st.handle(&inbox[i])
 			}
 			st.shutdown()
-			st.flush()
+			w.publish()
 			st.await(false)
 			return
 		case <-w.wake:
@@ -461,6 +474,44 @@ func (w *Worker) run() {
 			}
 		}
 	}
+}
+
+// publish hands the outcomes the core reported to Finished, and signals
+// Ready.
+func (w *Worker) publish() {
+	out := &w.st.out
+	if len(out.Sending)+len(out.Recving)+len(out.InvalidBlocks) == 0 {
+		return
+	}
+	w.mu.Lock()
+	w.mu.out.Sending = append(w.mu.out.Sending, out.Sending...)
+	w.mu.out.Recving = append(w.mu.out.Recving, out.Recving...)
+	w.mu.out.InvalidBlocks = append(w.mu.out.InvalidBlocks, out.InvalidBlocks...)
+	w.mu.Unlock()
+	*out = Finished{}
+	select {
+	case w.ready <- struct{}{}:
+	default:
+	}
+}
+
+// runAsks runs the handshakes the core asked for, each on a goroutine of
+// its own; the answer comes back as an evHandshake event.
+func (w *Worker) runAsks() {
+	for _, a := range w.st.asks {
+		w.hsWG.Add(1)
+		go func() {
+			defer w.hsWG.Done()
+			ctx, cancel := context.WithTimeout(w.ctx, a.timeout)
+			defer cancel()
+			t0 := time.Now()
+			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
+			_ = w.post(event{kind: evHandshake, hs: &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0),
+				closing: w.ctx.Err() != nil}})
+		}()
+	}
+	clear(w.st.asks)
+	w.st.asks = w.st.asks[:0]
 }
 
 // validate checks a step's entries against the layout and returns the
