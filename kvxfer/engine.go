@@ -129,7 +129,7 @@ func (st *loopState) startHandshake(e *engine) {
 // timeout; the answer comes back as an evHandshake event (a liveness
 // probe's when probe).
 func (st *loopState) askResolver(e *engine, timeout time.Duration, probe bool) {
-	st.asks = append(st.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe})
+	st.fx.asks = append(st.fx.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe})
 }
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.
@@ -144,7 +144,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	}
 	err := h.err
 	if err == nil {
-		err = st.load(e, &h.res)
+		err = st.load(e, h)
 	}
 	st.w.metrics.Handshake(h.took, err == nil)
 	if err != nil {
@@ -167,8 +167,10 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	st.unpark(e)
 }
 
-// load checks a handshake's ranks and loads their agents.
-func (st *loopState) load(e *engine, res *HandshakeResult) error {
+// load checks a handshake's ranks and takes their agents (loaded by the
+// driver).
+func (st *loopState) load(e *engine, h *hsResult) error {
+	res := &h.res
 	if len(res.Ranks) == 0 {
 		return fmt.Errorf("kvxfer: handshake with %s: no ranks", e.id)
 	}
@@ -178,7 +180,7 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 	for i := range res.Ranks {
 		r := &res.Ranks[i]
 		if !st.cfg.SkipCompatCheck && r.CompatHash != st.cfg.CompatHash {
-			st.loadForNotices(e, res)
+			st.loadForNotices(e, h)
 			return fmt.Errorf("kvxfer: handshake with %s: compatibility hash %q, want %q", e.id, r.CompatHash, st.cfg.CompatHash)
 		}
 		l := r.Layout
@@ -192,7 +194,7 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 		if _, dup := layouts[ref]; dup {
 			return fmt.Errorf("kvxfer: handshake with %s: rank tp %d pp %d listed twice", e.id, l.TPRank, l.PPRank)
 		}
-		name, err := st.w.be.LoadPeer(r.Agent)
+		name, err := h.agent(i)
 		if err != nil {
 			return fmt.Errorf("kvxfer: handshake with %s rank tp %d pp %d: %w", e.id, l.TPRank, l.PPRank, err)
 		}
@@ -204,11 +206,8 @@ func (st *loopState) load(e *engine, res *HandshakeResult) error {
 	}
 	if e.gen != 0 && e.gen != res.Generation {
 		st.w.registry.DropGeneration(e.id, e.gen)
-		if pp, ok := st.w.be.(PreparedPoster); ok {
-			for _, pr := range e.prepped {
-				_ = pp.ReleasePrepared(pr.local)
-				_ = pp.ReleasePrepared(pr.remote)
-			}
+		for _, pr := range e.prepped {
+			st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
 		}
 		e.prepped = nil
 	}
@@ -235,11 +234,12 @@ func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 
 // loadForNotices loads a refused peer's agents only so failure notices
 // reach it; no plan is ever built against it.
-func (st *loopState) loadForNotices(e *engine, res *HandshakeResult) {
+func (st *loopState) loadForNotices(e *engine, h *hsResult) {
+	res := &h.res
 	e.peers = map[rankRef]PeerName{}
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
-		if name, err := st.w.be.LoadPeer(res.Ranks[i].Agent); err == nil {
+		if name, err := h.agent(i); err == nil {
 			e.peers[rankRef{pp: l.PPRank, tp: l.TPRank}] = name
 		}
 	}
@@ -288,15 +288,12 @@ func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, er
 }
 
 func (st *loopState) dropEngine(e *engine) {
-	if pp, ok := st.w.be.(PreparedPoster); ok {
-		for _, pr := range e.prepped {
-			_ = pp.ReleasePrepared(pr.local)
-			_ = pp.ReleasePrepared(pr.remote)
-		}
+	for _, pr := range e.prepped {
+		st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
 	}
 	e.prepped = nil
 	for _, p := range e.peers {
-		_ = st.w.be.InvalidatePeer(p)
+		st.fx.invalidate = append(st.fx.invalidate, p)
 	}
 	st.w.registry.DropPeer(e.id)
 	delete(st.engines, e.id)

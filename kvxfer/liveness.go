@@ -123,7 +123,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		for i := range h.res.Ranks {
 			l := &h.res.Ranks[i].Layout
 			if l.TPRank == ref.tp && l.PPRank == ref.pp {
-				if name, err := st.w.be.LoadPeer(h.res.Ranks[i].Agent); err == nil && name == old {
+				if name, err := h.agent(i); err == nil && name == old {
 					changed[ref] = false
 				}
 			}
@@ -142,7 +142,7 @@ func (st *loopState) probeDone(h *hsResult) {
 	st.w.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
 		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
 	e.state = hsPending
-	st.handshakeDone(&hsResult{engine: h.engine, res: h.res})
+	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
 }
 
 // peerGone fails what waits on an engine that stopped answering, and
@@ -173,7 +173,7 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 				r.fenced[t] = true
 			}
 			for h := range r.handles {
-				_ = st.w.be.Release(h)
+				st.fx.releases = append(st.fx.releases, h)
 				delete(st.handles, h)
 				delete(r.handles, h)
 			}

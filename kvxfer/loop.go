@@ -20,14 +20,12 @@ type loopState struct {
 	cfg    *WorkerConfig
 	layout *topology.Layout
 
-	awaiting bool // told the backend (an Awaiter) that we await peer messages
-
 	// now is the time of the input being handled, set by the driver: the
 	// core reads no clock.
 	now time.Time
-	// asks are handshakes and probes for the driver to run; each answer
-	// comes back as an evHandshake event.
-	asks []hsAsk
+	// fx is what the core asks the driver to do once it has handled an
+	// input: the core calls no backend to start or end anything.
+	fx effects
 
 	engines map[string]*engine
 	timers  timerHeap
@@ -54,7 +52,6 @@ type loopState struct {
 
 	wakeups    uint64 // loop iterations, for the idle test
 	out        Finished
-	notifBuf   []Notif
 	descBuf    []hotpath.Desc
 	idxBuf     []hotpath.IndexPair
 	nextTick   time.Time
@@ -341,10 +338,9 @@ func (st *loopState) notify(peer PeerName, m *msg) error {
 	return err
 }
 
-// drainNotifs handles every peer message that arrived.
-func (st *loopState) drainNotifs() {
-	st.notifBuf = st.w.be.DrainNotifs(st.notifBuf[:0])
-	for _, n := range st.notifBuf {
+// onNotifs handles peer messages that arrived.
+func (st *loopState) onNotifs(notifs []Notif) {
+	for _, n := range notifs {
 		m, err := decodeMsg(n.Msg)
 		if err != nil {
 			st.w.metrics.Dropped("malformed")
@@ -356,7 +352,6 @@ func (st *loopState) drainNotifs() {
 		}
 		st.dispatch(m)
 	}
-	clear(st.notifBuf)
 }
 
 // dispatch handles one admitted peer message.
@@ -389,45 +384,52 @@ func (st *loopState) dispatch(m *msg) {
 	}
 }
 
-// pollHandles polls every in-flight transfer once.
-func (st *loopState) pollHandles() {
-	if len(st.handles) == 0 {
+// xferEnded handles the end of an in-flight transfer the driver saw
+// leave XferInProgress (tm: the backend's own figures, when it keeps
+// them). The driver releases it.
+func (st *loopState) xferEnded(id XferID, s XferState, err error, tm *XferTelemetry) {
+	h := st.handles[id]
+	if h == nil {
 		return
 	}
-	for _, id := range slices.Sorted(maps.Keys(st.handles)) {
-		h := st.handles[id]
-		s, err := st.w.be.State(id)
-		if s == XferInProgress && err == nil {
-			continue
-		}
-		delete(st.handles, id)
-		ok := s == XferDone && err == nil
-		xfer, post := time.Since(h.posted), h.post
-		if tm, yes := st.w.be.(Telemeter); yes && ok {
-			if t, have := tm.Telemetry(id); have && t.Transfer > 0 {
-				xfer, post = t.Transfer, t.Post
-				if h.bytes == 0 {
-					h.bytes = int64(t.Bytes)
-				}
-			}
-		}
-		_ = st.w.be.Release(id)
-		if ok {
-			st.w.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
-		} else {
-			if err == nil {
-				err = fmt.Errorf("%w: state %v", ErrXferFailed, s)
-			}
-			if h.send != "" || !errors.Is(err, ErrNotGranted) {
-				st.w.metrics.FailedTransfer() // a refused READ: recvSettled counts it if not retried
-			}
-		}
-		if h.send != "" {
-			st.sendSettled(h, ok, err)
-		} else {
-			st.recvSettled(h, ok, err)
+	delete(st.handles, id)
+	ok := s == XferDone && err == nil
+	xfer, post := st.now.Sub(h.posted), h.post
+	if tm != nil && ok && tm.Transfer > 0 {
+		xfer, post = tm.Transfer, tm.Post
+		if h.bytes == 0 {
+			h.bytes = int64(tm.Bytes)
 		}
 	}
+	if ok {
+		st.w.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
+	} else {
+		if err == nil {
+			err = fmt.Errorf("%w: state %v", ErrXferFailed, s)
+		}
+		if h.send != "" || !errors.Is(err, ErrNotGranted) {
+			st.w.metrics.FailedTransfer() // a refused READ: recvSettled counts it if not retried
+		}
+	}
+	if h.send != "" {
+		st.sendSettled(h, ok, err)
+	} else {
+		st.recvSettled(h, ok, err)
+	}
+}
+
+// effects are what the core asks its driver to do after an input: the
+// core starts, ends and waits for nothing itself.
+type effects struct {
+	// asks are handshakes and probes to run; each answer comes back as
+	// an evHandshake event.
+	asks []hsAsk
+	// releases are transfers to abandon (their requests were fenced).
+	releases []XferID
+	// invalidate are peers to forget (an evicted engine's agents).
+	invalidate []PeerName
+	// unprepare are prepared descriptor lists to release.
+	unprepare []PrepID
 }
 
 // runTimers fires due deadlines and the periodic tick.
@@ -547,7 +549,7 @@ func (st *loopState) tick(now time.Time) {
 // shutdown fails every request still open and abandons transfers.
 func (st *loopState) shutdown() {
 	for id := range st.handles {
-		_ = st.w.be.Release(id)
+		st.fx.releases = append(st.fx.releases, id)
 	}
 	clear(st.handles)
 	for _, id := range slices.Sorted(maps.Keys(st.sends)) {

@@ -304,7 +304,7 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		return
 	} else {
 		if errors.Is(err, ErrNotGranted) {
-			st.w.metrics.FailedTransfer() // not counted by pollHandles
+			st.w.metrics.FailedTransfer() // not counted by xferEnded
 		} else {
 			st.probeSoon(r.req.Remote.EngineID) // is the producer gone?
 			if e := st.engines[r.req.Remote.EngineID]; e != nil && errors.Is(err, ErrXferFailed) && st.retryAfterHandshake(r, e) {

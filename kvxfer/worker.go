@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -212,8 +214,11 @@ type Worker struct {
 	}
 	closeOnce sync.Once
 
-	// Everything below is owned by the loop goroutine.
-	st loopState
+	// Everything below is owned by the loop goroutine: the driver's own
+	// state, then the core's.
+	awaiting bool    // told the backend (an Awaiter) that we await peer messages
+	notifs   []Notif // drained notifications, reused
+	st       loopState
 }
 
 type eventKind uint8
@@ -248,6 +253,18 @@ type hsResult struct {
 	res     HandshakeResult
 	err     error
 	took    time.Duration
+	// names and loadErrs are res.Ranks' agents as the driver loaded them
+	// into the backend (LoadPeer), by rank index.
+	names    []PeerName
+	loadErrs []error
+}
+
+// agent is rank i's agent as loaded.
+func (h *hsResult) agent(i int) (PeerName, error) {
+	if i >= len(h.names) {
+		return "", fmt.Errorf("%w: rank %d's agent was not loaded", ErrBadMetadata, i)
+	}
+	return h.names[i], h.loadErrs[i]
 }
 
 // NewWorker validates cfg, registers the layout's regions with the
@@ -298,7 +315,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	for _, p := range cfg.Preconnect {
 		w.st.ensureEngine(p.EngineID, p.Addr)
 	}
-	w.runAsks()
+	w.apply()
 	go w.run()
 	return w, nil
 }
@@ -401,13 +418,13 @@ func (w *Worker) Close() error {
 
 // await tells an Awaiter backend when the loop starts and stops awaiting
 // messages from its peers.
-func (st *loopState) await(on bool) {
-	if on == st.awaiting {
+func (w *Worker) await(on bool) {
+	if on == w.awaiting {
 		return
 	}
-	if a, ok := st.w.be.(Awaiter); ok {
+	if a, ok := w.be.(Awaiter); ok {
 		a.Awaiting(on)
-		st.awaiting = on
+		w.awaiting = on
 	}
 }
 
@@ -431,12 +448,14 @@ func (w *Worker) run() {
 		for i := range inbox {
 			st.handle(&inbox[i])
 		}
-		st.drainNotifs()
-		st.pollHandles()
+		w.notifs = w.be.DrainNotifs(w.notifs[:0])
+		st.onNotifs(w.notifs)
+		clear(w.notifs)
+		w.pollXfers()
 		st.runTimers()
+		w.apply()
 		w.publish()
-		w.runAsks()
-		st.await(st.busy())
+		w.await(st.busy())
 		next, ok := st.nextWake()
 		if ok {
 			timer.Reset(max(0, time.Until(next)))
@@ -460,8 +479,9 @@ func (w *Worker) run() {
 				st.handle(&inbox[i])
 			}
 			st.shutdown()
+			w.apply()
 			w.publish()
-			st.await(false)
+			w.await(false)
 			return
 		case <-w.wake:
 		case <-w.be.Events():
@@ -495,10 +515,24 @@ func (w *Worker) publish() {
 	}
 }
 
-// runAsks runs the handshakes the core asked for, each on a goroutine of
-// its own; the answer comes back as an evHandshake event.
-func (w *Worker) runAsks() {
-	for _, a := range w.st.asks {
+// apply does what the core asked for after an input (its effects): runs
+// handshakes, each on a goroutine of its own whose answer comes back as an
+// evHandshake event; releases abandoned transfers and prepared lists;
+// forgets peers.
+func (w *Worker) apply() {
+	fx := &w.st.fx
+	for _, id := range fx.releases {
+		_ = w.be.Release(id)
+	}
+	if pp, ok := w.be.(PreparedPoster); ok {
+		for _, id := range fx.unprepare {
+			_ = pp.ReleasePrepared(id)
+		}
+	}
+	for _, p := range fx.invalidate {
+		_ = w.be.InvalidatePeer(p)
+	}
+	for _, a := range fx.asks {
 		w.hsWG.Add(1)
 		go func() {
 			defer w.hsWG.Done()
@@ -506,12 +540,42 @@ func (w *Worker) runAsks() {
 			defer cancel()
 			t0 := time.Now()
 			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
-			_ = w.post(event{kind: evHandshake, hs: &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0),
-				closing: w.ctx.Err() != nil}})
+			h := &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0), closing: w.ctx.Err() != nil}
+			if err == nil {
+				h.names, h.loadErrs = make([]PeerName, len(res.Ranks)), make([]error, len(res.Ranks))
+				for i := range res.Ranks {
+					h.names[i], h.loadErrs[i] = w.be.LoadPeer(res.Ranks[i].Agent)
+				}
+			}
+			_ = w.post(event{kind: evHandshake, hs: h})
 		}()
 	}
-	clear(w.st.asks)
-	w.st.asks = w.st.asks[:0]
+	clear(fx.asks)
+	*fx = effects{asks: fx.asks[:0], releases: fx.releases[:0], invalidate: fx.invalidate[:0], unprepare: fx.unprepare[:0]}
+}
+
+// pollXfers polls every in-flight transfer once and hands those that
+// ended to the core, then releases them.
+func (w *Worker) pollXfers() {
+	st := &w.st
+	if len(st.handles) == 0 {
+		return
+	}
+	tm, _ := w.be.(Telemeter)
+	for _, id := range slices.Sorted(maps.Keys(st.handles)) {
+		s, err := w.be.State(id)
+		if s == XferInProgress && err == nil {
+			continue
+		}
+		var tel *XferTelemetry
+		if tm != nil && s == XferDone && err == nil {
+			if t, ok := tm.Telemetry(id); ok {
+				tel = &t
+			}
+		}
+		st.xferEnded(id, s, err, tel)
+		_ = w.be.Release(id)
+	}
 }
 
 // validate checks a step's entries against the layout and returns the
