@@ -59,7 +59,7 @@ type preppedPair struct{ local, remote PrepID }
 
 // prepared returns (preparing once) the local and remote prepared lists
 // of plan p between this rank and peer rank `to`.
-func (st *loopState) prepared(pp PreparedPoster, e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef) (preppedPair, error) {
+func (st *loopState) prepared(e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef) (preppedPair, error) {
 	if pr, ok := e.prepped[key]; ok {
 		return pr, nil
 	}
@@ -75,15 +75,7 @@ func (st *loopState) prepared(pp PreparedPoster, e *engine, key hotpath.PlanKey,
 	if err != nil {
 		return preppedPair{}, err
 	}
-	l, err := pp.Prepare("", le)
-	if err != nil {
-		return preppedPair{}, err
-	}
-	r, err := pp.Prepare(e.peers[to], re)
-	if err != nil {
-		_ = pp.ReleasePrepared(l)
-		return preppedPair{}, err
-	}
+	l, r := st.prepareOp("", le), st.prepareOp(e.peers[to], re)
 	if e.prepped == nil {
 		e.prepped = map[hotpath.PlanKey]preppedPair{}
 	}
@@ -222,7 +214,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 // counted when the engine cannot be reached.
 func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 	if p, ok := e.peers[to]; ok {
-		_ = st.notify(p, m)
+		st.notify(p, m)
 		return
 	}
 	if e.state == hsPending {
@@ -343,4 +335,18 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	slices.Sort(keys)
 	return keys
+}
+
+// prepFailed: the backend could not prepare list id (a post through it
+// fails too, and says why); the pair holding it is forgotten, so the next
+// transfer between those ranks prepares its lists again.
+func (st *loopState) prepFailed(id PrepID) {
+	for _, e := range st.engines {
+		for k, pr := range e.prepped {
+			if pr.local == id || pr.remote == id {
+				delete(e.prepped, k)
+				st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
+			}
+		}
+	}
 }

@@ -23,6 +23,9 @@ type loopState struct {
 	// now is the time of the input being handled, set by the driver: the
 	// core reads no clock.
 	now time.Time
+	// prepare: transfers go through prepared lists (WorkerConfig.Prepared
+	// and a PreparedPoster backend).
+	prepare bool
 	// fx is what the core asks the driver to do once it has handled an
 	// input: the core calls no backend to start or end anything.
 	fx effects
@@ -47,12 +50,13 @@ type loopState struct {
 	// Consumer side.
 	recvs map[string]*recvReq
 
-	// Transfers in flight.
-	handles map[XferID]*handle
+	// Transfers in flight, by the core's names for them.
+	handles  map[XferID]*handle
+	nextXfer XferID
+	nextPrep PrepID
 
 	wakeups    uint64 // loop iterations, for the idle test
 	out        Finished
-	descBuf    []hotpath.Desc
 	idxBuf     []hotpath.IndexPair
 	nextTick   time.Time
 	nextEvict  time.Time // when the next idle engine passes EngineTTL
@@ -183,6 +187,11 @@ type recvReq struct {
 	retryAt map[rankRef]time.Time
 	// rehandshook: it was restarted once after a new handshake.
 	rehandshook bool
+	// regErrs and regWait: the registration notices' results by target,
+	// and how many are still to come (the driver reports them before
+	// any other input).
+	regErrs []error
+	regWait int
 }
 
 type rankRef struct{ pp, tp int }
@@ -190,7 +199,6 @@ type rankRef struct{ pp, tp int }
 type handle struct {
 	id     XferID
 	posted time.Time
-	post   time.Duration // building and posting the descriptors
 	bytes  int64
 	descs  int
 	blocks int
@@ -328,14 +336,9 @@ func (st *loopState) report(role Role, o Outcome) {
 	}
 }
 
-// notify sends a bare message; failures are counted and returned.
-func (st *loopState) notify(peer PeerName, m *msg) error {
-	err := st.w.be.Notify(peer, appendMsg(nil, st.self(m)))
-	if err != nil {
-		st.w.metrics.FailedNotification()
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", m.Kind, "peer", peer, "d_req", m.DReq, "p_req", m.PReq, "err", err)
-	}
-	return err
+// notify sends a bare message; a failure is counted and logged.
+func (st *loopState) notify(peer PeerName, m *msg) {
+	st.notifyOp(peer, appendMsg(nil, st.self(m)), noticePlain, "", 0, m)
 }
 
 // onNotifs handles peer messages that arrived.
@@ -387,14 +390,14 @@ func (st *loopState) dispatch(m *msg) {
 // xferEnded handles the end of an in-flight transfer the driver saw
 // leave XferInProgress (tm: the backend's own figures, when it keeps
 // them). The driver releases it.
-func (st *loopState) xferEnded(id XferID, s XferState, err error, tm *XferTelemetry) {
+func (st *loopState) xferEnded(id XferID, s XferState, err error, tm *XferTelemetry, post time.Duration) {
 	h := st.handles[id]
 	if h == nil {
 		return
 	}
 	delete(st.handles, id)
 	ok := s == XferDone && err == nil
-	xfer, post := st.now.Sub(h.posted), h.post
+	xfer := st.now.Sub(h.posted)
 	if tm != nil && ok && tm.Transfer > 0 {
 		xfer, post = tm.Transfer, tm.Post
 		if h.bytes == 0 {
@@ -420,7 +423,18 @@ func (st *loopState) xferEnded(id XferID, s XferState, err error, tm *XferTeleme
 
 // effects are what the core asks its driver to do after an input: the
 // core starts, ends and waits for nothing itself.
+//
+// The driver carries out ops in order and hands their results back
+// (opsDone) before it gives the core any other input, so a continuation
+// runs as if the call had returned in place; until then, what an op
+// started counts as in flight (a post's transfer, a completion notice).
 type effects struct {
+	// ops are posts, notifications and list preparations, in order.
+	ops []op
+	// descs and pairs hold the ops' descriptors and index pairs
+	// (op.from:op.to), reused from input to input.
+	descs []hotpath.Desc
+	pairs []hotpath.IndexPair
 	// asks are handshakes and probes to run; each answer comes back as
 	// an evHandshake event.
 	asks []hsAsk
@@ -577,4 +591,116 @@ func group0(spans []topology.Span) []topology.BlockID {
 		return nil
 	}
 	return spans[0].IDs
+}
+
+type opKind uint8
+
+const (
+	opNotify       opKind = iota + 1 // a bare notification
+	opPost                           // a transfer of descs
+	opPostPrepared                   // a transfer of index pairs of prepared lists
+	opPrepare                        // a prepared descriptor list
+)
+
+// notice says what a notification's result means to the core.
+type notice uint8
+
+const (
+	noticePlain     notice = iota // a failure is counted and logged
+	noticeHeartbeat               // a failure is counted
+	noticeReg                     // a registration (recv req, target tp)
+	noticeDone                    // a completion notice (send req, D rank tp)
+)
+
+// op is one call the core asks of the backend. Transfers and prepared
+// lists are named by the core (id, prep, local, remote); the driver maps
+// those names to the backend's.
+type op struct {
+	kind   opKind
+	peer   PeerName
+	msg    []byte // the notification; a post's notification after the bytes
+	notice notice
+	req    string // noticeReg, noticeDone: the request's id
+	tp     int    // noticeReg: the target's index; noticeDone: the D rank
+	m      *msg   // noticePlain: the message, for the log
+
+	xop           hotpath.Op
+	id            XferID // posts: the core's name for the transfer
+	from, to      int    // posts: fx.descs[from:to] or fx.pairs[from:to]
+	local, remote PrepID // opPostPrepared: the lists (core names)
+
+	prep    PrepID          // opPrepare: the core's name for the list
+	entries []hotpath.Entry // opPrepare: the list
+}
+
+// notifyOp asks for a notification.
+func (st *loopState) notifyOp(peer PeerName, b []byte, n notice, req string, tp int, m *msg) {
+	st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: peer, msg: b, notice: n, req: req, tp: tp, m: m})
+}
+
+// postOp asks for a transfer of the descriptors built at fx.descs[from:]
+// (built there in place: no copy) and returns the core's name for it.
+func (st *loopState) postOp(xop hotpath.Op, peer PeerName, from int, notif []byte) XferID {
+	st.nextXfer++
+	st.fx.ops = append(st.fx.ops, op{kind: opPost, xop: xop, peer: peer, msg: notif, id: st.nextXfer, from: from, to: len(st.fx.descs)})
+	return st.nextXfer
+}
+
+// postPreparedOp asks for a transfer of index pairs between prepared
+// lists and returns the core's name for it.
+func (st *loopState) postPreparedOp(xop hotpath.Op, local, remote PrepID, pairs []hotpath.IndexPair, notif []byte) XferID {
+	st.nextXfer++
+	from := len(st.fx.pairs)
+	st.fx.pairs = append(st.fx.pairs, pairs...)
+	st.fx.ops = append(st.fx.ops, op{kind: opPostPrepared, xop: xop, msg: notif, id: st.nextXfer, from: from, to: len(st.fx.pairs),
+		local: local, remote: remote})
+	return st.nextXfer
+}
+
+// prepareOp asks for a prepared list (peer "": of local memory) and
+// returns the core's name for it.
+func (st *loopState) prepareOp(peer PeerName, entries []hotpath.Entry) PrepID {
+	st.nextPrep++
+	st.fx.ops = append(st.fx.ops, op{kind: opPrepare, peer: peer, prep: st.nextPrep, entries: entries})
+	return st.nextPrep
+}
+
+// opsDone takes the results of the ops the driver carried out (errs[i]
+// of ops[i]) and continues what each started.
+func (st *loopState) opsDone(ops []op, errs []error) {
+	for i := range ops {
+		o, err := &ops[i], errs[i]
+		switch o.kind {
+		case opNotify:
+			st.noticeDone(o, err)
+		case opPost, opPostPrepared:
+			if err != nil {
+				st.postFailed(o.id, err)
+			}
+		case opPrepare:
+			if err != nil {
+				st.prepFailed(o.prep)
+			}
+		}
+	}
+}
+
+// noticeDone continues after a notification was sent or failed.
+func (st *loopState) noticeDone(o *op, err error) {
+	switch o.notice {
+	case noticePlain:
+		if err != nil {
+			st.w.metrics.FailedNotification()
+			st.w.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", o.m.Kind, "peer", o.peer,
+				"d_req", o.m.DReq, "p_req", o.m.PReq, "err", err)
+		}
+	case noticeHeartbeat:
+		if err != nil {
+			st.w.metrics.FailedNotification()
+		}
+	case noticeReg:
+		st.registered(o.req, o.tp, err)
+	case noticeDone:
+		st.completionSent(o.req, o.tp, err)
+	}
 }

@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -155,21 +156,50 @@ func (st *loopState) register(r *recvReq, e *engine) {
 		}
 		r.grant = a.grantWrite(peers, r.req.Local)
 	}
-	var errs []error
-	sent := 0
-	for _, to := range r.targets {
-		p, ok := e.peers[to]
-		var err error
-		if !ok {
-			err = fmt.Errorf("producer %s has no rank tp %d pp %d", e.id, to.tp, to.pp)
-		} else if err = st.w.be.Notify(p, b); err != nil {
-			st.probe(e) // is the producer gone?
+	r.regErrs, r.regWait = make([]error, len(r.targets)), 0
+	for i, to := range r.targets {
+		if p, ok := e.peers[to]; !ok {
+			r.regErrs[i] = fmt.Errorf("producer %s has no rank tp %d pp %d", e.id, to.tp, to.pp)
 		} else {
-			sent++
+			st.notifyOp(p, b, noticeReg, r.req.ReqID, i, nil)
+			r.regWait++
 		}
-		errs = append(errs, err)
 	}
-	if sent == 0 && st.retryAfterHandshake(r, e) {
+	if r.regWait == 0 {
+		st.registerSettled(r, e)
+	}
+}
+
+// registered takes the result of one registration notice of request id
+// to its target i; once all are in, registerSettled.
+func (st *loopState) registered(id string, i int, err error) {
+	r := st.recvs[id]
+	if r == nil || r.regWait == 0 {
+		return
+	}
+	e := st.engines[r.req.Remote.EngineID]
+	if err != nil {
+		r.regErrs[i] = err
+		if e != nil {
+			st.probe(e) // is the producer gone?
+		}
+	}
+	if r.regWait--; r.regWait > 0 {
+		return
+	}
+	if e != nil {
+		st.registerSettled(r, e)
+	}
+	st.tryReport(r)
+}
+
+// registerSettled fails the request at the targets its registration did
+// not reach, or, when it reached none, restarts it after a new handshake
+// if that applies.
+func (st *loopState) registerSettled(r *recvReq, e *engine) {
+	errs := r.regErrs
+	r.regErrs = nil
+	if !slices.ContainsFunc(errs, func(err error) bool { return err == nil }) && st.retryAfterHandshake(r, e) {
 		return // nothing registered: asked again once the producer answers
 	}
 	for i, to := range r.targets {
@@ -240,36 +270,64 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		r.got[to] = true
 		return
 	}
-	t0 := time.Now() // post timing: moves to the driver with the post
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
-	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared {
-		id, n, err := st.postPrepared(pp, e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
+	if st.prepare {
+		id, n, err := st.postPrepared(e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
 		if err != nil {
 			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
 			st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
 			return
 		}
 		r.handles[id] = to
-		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+		st.handles[id] = &handle{id: id, posted: st.now, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
-	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &hreq)
+	from := len(st.fx.descs)
+	st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, &hreq)
 	if err != nil {
+		st.fx.descs = st.fx.descs[:from]
 		st.w.metrics.BadInput("recv_req.remote.blocks")
 		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
 		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
 		return
 	}
-	id, err := st.w.be.Post(hotpath.OpRead, e.peers[to], st.descBuf, done)
-	if err != nil {
-		st.w.metrics.FailedTransfer()
-		st.tellP(e, r, to, msgFail, FailureSetup, "post READ: "+err.Error())
-		st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
+	descs := st.fx.descs[from:]
+	id := st.postOp(hotpath.OpRead, e.peers[to], from, done)
+	r.handles[id] = to
+	st.handles[id] = &handle{id: id, posted: st.now, bytes: descBytes(descs), descs: len(descs),
+		blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+}
+
+// postFailed: the backend refused a post the core asked for (its bytes
+// never moved); the request fails as if the post had failed in place.
+func (st *loopState) postFailed(id XferID, err error) {
+	h := st.handles[id]
+	if h == nil {
 		return
 	}
-	r.handles[id] = to
-	st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(st.descBuf), descs: len(st.descBuf),
-		blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+	delete(st.handles, id)
+	st.w.metrics.FailedTransfer()
+	if h.send != "" {
+		s := st.sends[h.send]
+		if s == nil || s.ranks == nil {
+			return
+		}
+		if r := s.ranks[h.dtp]; r != nil && r.reason == "" {
+			r.reason, r.kind = "post WRITE: "+err.Error(), FailureSetup
+		}
+		st.sendSettled(h, false, err)
+		return
+	}
+	r := st.recvs[h.recv]
+	if r == nil {
+		return
+	}
+	delete(r.handles, id)
+	if e := st.engines[r.req.Remote.EngineID]; e != nil {
+		st.tellP(e, r, h.src, msgFail, FailureSetup, "post READ: "+err.Error())
+	}
+	st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
+	st.tryReport(r)
 }
 
 // tellP sends a bare message about a request to one producer rank.
@@ -562,9 +620,7 @@ func (st *loopState) sendHeartbeats() {
 		}
 		b := appendMsg(nil, st.self(&msg{Kind: msgHeartbeat, IDs: by[id]}))
 		for _, ref := range sortedRefs(e.peers) {
-			if err := st.w.be.Notify(e.peers[ref], b); err != nil {
-				st.w.metrics.FailedNotification()
-			}
+			st.notifyOp(e.peers[ref], b, noticeHeartbeat, "", 0, nil)
 		}
 	}
 }

@@ -426,18 +426,12 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		if layerwise && (s.prefill || r.inflight > 0 || slices.Contains(r.posted, false) && !p.NotifyOnly) {
 			return // more layers to come, or still landing
 		}
-		if err := st.w.be.Notify(peer, done); err != nil {
-			st.w.metrics.FailedNotification()
-			st.failRank(s, tp, r, FailureNotification, "completion notice: "+err.Error())
-			return
-		}
-		r.state = rkDone
+		st.sendCompletion(s, tp, r, peer, done)
 		return
 	}
-	t0 := time.Now() // post timing: moves to the driver with the post
 	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
-	if pp, ok := st.w.be.(PreparedPoster); ok && st.cfg.Prepared && !layerwise {
-		id, n, err := st.postPrepared(pp, e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
+	if st.prepare && !layerwise {
+		id, n, err := st.postPrepared(e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
 		if err != nil {
 			if errors.Is(err, hotpath.ErrInvalidRequest) {
 				st.w.metrics.BadInput("reg.spans")
@@ -450,17 +444,18 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		}
 		r.state = rkPosted
 		r.inflight++
-		st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), descs: n,
-			blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+		st.handles[id] = &handle{id: id, posted: st.now, descs: n, blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
 		return
 	}
-	st.descBuf, err = st.w.builder.AppendDescs(st.descBuf[:0], p, &req)
+	from := len(st.fx.descs)
+	st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, &req)
 	if err != nil {
+		st.fx.descs = st.fx.descs[:from]
 		st.w.metrics.BadInput("reg.spans")
 		st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
 		return
 	}
-	descs := st.descBuf
+	descs := st.fx.descs[from:]
 	notif := done
 	if layerwise {
 		notif = nil // the notice follows the last layer, bare
@@ -471,6 +466,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 			}
 		}
 		descs = kept
+		st.fx.descs = st.fx.descs[:from+len(kept)]
 		for li := range mask {
 			r.posted[li] = r.posted[li] || mask[li]
 		}
@@ -480,16 +476,52 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 			return
 		}
 	}
-	id, err := st.w.be.Post(hotpath.OpWrite, peer, descs, notif)
-	if err != nil {
-		st.w.metrics.FailedTransfer()
-		st.failRank(s, tp, r, FailureSetup, "post WRITE: "+err.Error())
-		return
-	}
+	id := st.postOp(hotpath.OpWrite, peer, from, notif)
 	r.state = rkPosted
 	r.inflight++
-	st.handles[id] = &handle{id: id, posted: t0, post: time.Since(t0), bytes: descBytes(descs), descs: len(descs),
+	st.handles[id] = &handle{id: id, posted: st.now, bytes: descBytes(descs), descs: len(descs),
 		blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+}
+
+// sendCompletion sends a D rank the completion notice of a request with
+// nothing (more) to WRITE; the notice counts as in flight until the
+// driver says it went (completionSent).
+func (st *loopState) sendCompletion(s *sendReq, tp int, r *dRank, peer PeerName, done []byte) {
+	r.state = rkPosted
+	r.inflight++
+	st.notifyOp(peer, done, noticeDone, s.req.ReqID, tp, nil)
+}
+
+// completionSent: the completion notice of send request id to D rank tp
+// went, or failed; the rank is done, or fails, once nothing else of it
+// is in flight.
+func (st *loopState) completionSent(id string, tp int, err error) {
+	s := st.sends[id]
+	if s == nil || s.ranks == nil {
+		return
+	}
+	r := s.ranks[tp]
+	if r == nil || r.inflight == 0 {
+		return
+	}
+	if err != nil {
+		st.w.metrics.FailedNotification()
+		if r.reason == "" {
+			r.reason, r.kind = "completion notice: "+err.Error(), FailureNotification
+		}
+	}
+	r.inflight--
+	if r.inflight > 0 {
+		return
+	}
+	if r.reason != "" {
+		r.state = rkFailed
+		st.failRank(s, tp, r, r.kind, r.reason)
+	} else {
+		r.state = rkDone
+	}
+	st.answerAckOwed(s, tp, r)
+	st.settleSend(s)
 }
 
 // pushLayerDone sends a layer-wise rank's completion notice once every
@@ -503,12 +535,7 @@ func (st *loopState) pushLayerDone(s *sendReq, tp int, r *dRank) {
 		return
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
-	if err := st.w.be.Notify(e.peers[rankRef{tp: tp}], done); err != nil {
-		st.w.metrics.FailedNotification()
-		st.failRank(s, tp, r, FailureNotification, "completion notice: "+err.Error())
-		return
-	}
-	r.state = rkDone
+	st.sendCompletion(s, tp, r, e.peers[rankRef{tp: tp}], done)
 }
 
 func descBytes(d []hotpath.Desc) int64 {
@@ -574,14 +601,20 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 	default:
 		r.state = rkDone
 	}
+	st.answerAckOwed(s, h.dtp, r)
+	st.settleSend(s)
+}
+
+// answerAckOwed answers a D rank's cancel that waited for our WRITEs to
+// it to end, once none is in flight.
+func (st *loopState) answerAckOwed(s *sendReq, tp int, r *dRank) {
 	if r.ackOwed && r.inflight == 0 {
 		r.ackOwed = false
 		if r.state == rkPosted {
 			r.state, r.reason, r.kind = rkCancelled, "consumer cancelled", FailureCancelled
 		}
-		st.tellD(s, h.dtp, &msg{Kind: msgAck})
+		st.tellD(s, tp, &msg{Kind: msgAck})
 	}
-	st.settleSend(s)
 }
 
 // settleSend reports a producer request once its outcome is decided and
@@ -962,16 +995,15 @@ func (st *loopState) pullExpect(s *sendReq) int {
 
 // postPrepared posts a request's transfer through prepared lists (built
 // once per plan): only index pairs cross to the backend.
-func (st *loopState) postPrepared(pp PreparedPoster, e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, error) {
+func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, error) {
 	var err error
 	st.idxBuf, err = st.w.builder.AppendIndices(st.idxBuf[:0], p, req)
 	if err != nil {
 		return 0, 0, err
 	}
-	pr, err := st.prepared(pp, e, key, p, to)
+	pr, err := st.prepared(e, key, p, to)
 	if err != nil {
 		return 0, 0, err
 	}
-	id, err := pp.PostPrepared(opFor(st.cfg.Mode), pr.local, pr.remote, st.idxBuf, notif)
-	return id, len(st.idxBuf), err
+	return st.postPreparedOp(opFor(st.cfg.Mode), pr.local, pr.remote, st.idxBuf, notif), len(st.idxBuf), nil
 }

@@ -1,7 +1,7 @@
 package kvxfer
 
 import (
-	"container/heap"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -216,8 +216,12 @@ type Worker struct {
 
 	// Everything below is owned by the loop goroutine: the driver's own
 	// state, then the core's.
-	awaiting bool    // told the backend (an Awaiter) that we await peer messages
-	notifs   []Notif // drained notifications, reused
+	awaiting bool                 // told the backend (an Awaiter) that we await peer messages
+	notifs   []Notif              // drained notifications, reused
+	xfers    map[XferID]xferEntry // posted transfers, by the core's names
+	preps    map[PrepID]prepEntry // prepared lists, by the core's names
+	opsBuf   []op
+	errsBuf  []error
 	st       loopState
 }
 
@@ -278,7 +282,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{cfg: cfg, be: cfg.Backend, log: cfg.Logger, metrics: cfg.Metrics,
-		registry: hotpath.NewRegistry(), builder: b,
+		registry: hotpath.NewRegistry(), builder: b, xfers: map[XferID]xferEntry{}, preps: map[PrepID]prepEntry{},
 		wake: make(chan struct{}, 1), ready: make(chan struct{}, 1), stopped: make(chan struct{})}
 	l := &cfg.Layout
 	for i, r := range l.Regions {
@@ -311,6 +315,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.st.init(w)
+	_, canPrepare := w.be.(PreparedPoster)
+	w.st.prepare = canPrepare && cfg.Prepared
 	w.st.now = time.Now()
 	for _, p := range cfg.Preconnect {
 		w.st.ensureEngine(p.EngineID, p.Addr)
@@ -445,11 +451,17 @@ func (w *Worker) run() {
 		w.mu.inbox = nil
 		w.mu.Unlock()
 		st.now = time.Now()
+		// One input at a time, each followed by its effects (and their
+		// results) before the next.
 		for i := range inbox {
 			st.handle(&inbox[i])
+			w.apply()
 		}
 		w.notifs = w.be.DrainNotifs(w.notifs[:0])
-		st.onNotifs(w.notifs)
+		for i := range w.notifs {
+			st.onNotifs(w.notifs[i : i+1])
+			w.apply()
+		}
 		clear(w.notifs)
 		w.pollXfers()
 		st.runTimers()
@@ -477,6 +489,7 @@ func (w *Worker) run() {
 			st.now = time.Now()
 			for i := range inbox {
 				st.handle(&inbox[i])
+				w.apply()
 			}
 			st.shutdown()
 			w.apply()
@@ -520,13 +533,37 @@ func (w *Worker) publish() {
 // evHandshake event; releases abandoned transfers and prepared lists;
 // forgets peers.
 func (w *Worker) apply() {
-	fx := &w.st.fx
+	st := &w.st
+	for len(st.fx.ops) > 0 {
+		// Carry out the ops in order, then hand back their results; what
+		// the core does with them may ask for more.
+		ops := append(w.opsBuf[:0], st.fx.ops...)
+		st.fx.ops = st.fx.ops[:0]
+		errs := w.errsBuf[:0]
+		for i := range ops {
+			errs = append(errs, w.do(&ops[i]))
+		}
+		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
+		st.opsDone(ops, errs)
+		clear(ops)
+		clear(errs)
+		w.opsBuf, w.errsBuf = ops[:0], errs[:0]
+	}
+	fx := &st.fx
 	for _, id := range fx.releases {
-		_ = w.be.Release(id)
+		if x, ok := w.xfers[id]; ok {
+			_ = w.be.Release(x.be)
+			delete(w.xfers, id)
+		}
 	}
 	if pp, ok := w.be.(PreparedPoster); ok {
 		for _, id := range fx.unprepare {
-			_ = pp.ReleasePrepared(id)
+			if p, ok := w.preps[id]; ok {
+				if p.err == nil {
+					_ = pp.ReleasePrepared(p.be)
+				}
+				delete(w.preps, id)
+			}
 		}
 	}
 	for _, p := range fx.invalidate {
@@ -551,30 +588,83 @@ func (w *Worker) apply() {
 		}()
 	}
 	clear(fx.asks)
-	*fx = effects{asks: fx.asks[:0], releases: fx.releases[:0], invalidate: fx.invalidate[:0], unprepare: fx.unprepare[:0]}
+	clear(fx.invalidate)
+	fx.asks, fx.releases, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.invalidate[:0], fx.unprepare[:0]
+}
+
+// xferEntry is a transfer the driver posted for the core.
+type xferEntry struct {
+	be   XferID        // the backend's name for it
+	post time.Duration // how long the post took
+}
+
+// prepEntry is a list the driver prepared for the core.
+type prepEntry struct {
+	be  PrepID
+	err error // Prepare failed: posts through it fail with this
+}
+
+// do carries out one op of the core's and returns its error.
+func (w *Worker) do(o *op) error {
+	fx := &w.st.fx
+	switch o.kind {
+	case opNotify:
+		return w.be.Notify(o.peer, o.msg)
+	case opPost:
+		t0 := time.Now()
+		id, err := w.be.Post(o.xop, o.peer, fx.descs[o.from:o.to], o.msg)
+		if err == nil {
+			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+		}
+		return err
+	case opPostPrepared:
+		pp, _ := w.be.(PreparedPoster)
+		local, remote := w.preps[o.local], w.preps[o.remote]
+		if pp == nil || local.err != nil || remote.err != nil {
+			return cmp.Or(local.err, remote.err, fmt.Errorf("kvxfer: %w: no prepared lists", ErrXferFailed))
+		}
+		t0 := time.Now()
+		id, err := pp.PostPrepared(o.xop, local.be, remote.be, fx.pairs[o.from:o.to], o.msg)
+		if err == nil {
+			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+		}
+		return err
+	case opPrepare:
+		pp, _ := w.be.(PreparedPoster)
+		if pp == nil {
+			return fmt.Errorf("kvxfer: the backend has no prepared lists")
+		}
+		id, err := pp.Prepare(o.peer, o.entries)
+		w.preps[o.prep] = prepEntry{be: id, err: err}
+		return err
+	}
+	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
 }
 
 // pollXfers polls every in-flight transfer once and hands those that
 // ended to the core, then releases them.
 func (w *Worker) pollXfers() {
 	st := &w.st
-	if len(st.handles) == 0 {
+	if len(w.xfers) == 0 {
 		return
 	}
 	tm, _ := w.be.(Telemeter)
-	for _, id := range slices.Sorted(maps.Keys(st.handles)) {
-		s, err := w.be.State(id)
+	for _, id := range slices.Sorted(maps.Keys(w.xfers)) {
+		x := w.xfers[id]
+		s, err := w.be.State(x.be)
 		if s == XferInProgress && err == nil {
 			continue
 		}
 		var tel *XferTelemetry
 		if tm != nil && s == XferDone && err == nil {
-			if t, ok := tm.Telemetry(id); ok {
+			if t, ok := tm.Telemetry(x.be); ok {
 				tel = &t
 			}
 		}
-		st.xferEnded(id, s, err, tel)
-		_ = w.be.Release(id)
+		delete(w.xfers, id)
+		st.xferEnded(id, s, err, tel, x.post)
+		_ = w.be.Release(x.be)
+		w.apply()
 	}
 }
 
@@ -672,42 +762,6 @@ func keepValid[T any](s []T, check func(*T) error) []T {
 	return kept
 }
 
-// timer heap ---------------------------------------------------------------
-
-type timerKind uint8
-
-const (
-	tLease timerKind = iota + 1
-	tRecvDeadline
-	tFence
-	tReadRetry
-	tProbe
-	tRehandshake
-)
-
-type timerEntry struct {
-	at   time.Time
-	kind timerKind
-	id   string
-}
-
-type timerHeap []timerEntry
-
-func (h timerHeap) Len() int           { return len(h) }
-func (h timerHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
-func (h timerHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
-func (h *timerHeap) Push(x any)        { *h = append(*h, x.(timerEntry)) }
-func (h *timerHeap) Pop() any {
-	old := *h
-	e := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return e
-}
-
-func (st *loopState) arm(at time.Time, k timerKind, id string) {
-	heap.Push(&st.timers, timerEntry{at: at, kind: k, id: id})
-}
-
 // WorkerState counts what a Worker holds. Once every request has its
 // outcome, everything but Engines and Tombstones is zero.
 type WorkerState struct {
@@ -753,38 +807,6 @@ func (w *Worker) State() (WorkerState, error) {
 	case <-w.stopped:
 		return WorkerState{}, ErrClosed
 	}
-}
-
-// timerLive reports whether a timer entry still refers to live state.
-func (st *loopState) timerLive(t timerEntry) bool {
-	switch t.kind {
-	case tLease:
-		s := st.sends[t.id]
-		return s != nil && s.deadline.Equal(t.at)
-	case tRecvDeadline:
-		r := st.recvs[t.id]
-		return r != nil && r.deadline.Equal(t.at)
-	case tFence:
-		r := st.recvs[t.id]
-		return r != nil && r.fenceBy.Equal(t.at)
-	case tProbe:
-		e := st.engines[t.id]
-		return e != nil && e.watching && e.probeAt.Equal(t.at)
-	case tRehandshake:
-		e := st.engines[t.id]
-		return e != nil && e.refreshing && e.state != hsPending
-	case tReadRetry:
-		r := st.recvs[t.id]
-		if r == nil || r.decided {
-			return false
-		}
-		for _, at := range r.retryAt {
-			if at.Equal(t.at) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // Layout returns the rank's layout (read-only).
