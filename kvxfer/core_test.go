@@ -4,8 +4,7 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
-	"io/fs"
-	"path/filepath"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -63,28 +62,30 @@ func TestCoreIsPure(t *testing.T) {
 // the driver declares none.
 func TestCoreFilesListed(t *testing.T) {
 	fset := token.NewFileSet()
-	pkgs, err := parser.ParseDir(fset, ".", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	entries, err := os.ReadDir(".")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range pkgs {
-		for path, f := range p.Files {
-			name := filepath.Base(path)
-			for _, d := range f.Decls {
-				fd, ok := d.(*ast.FuncDecl)
-				if !ok || fd.Recv == nil {
-					continue
-				}
-				star, ok := fd.Recv.List[0].Type.(*ast.StarExpr)
-				if !ok {
-					continue
-				}
-				if id, ok := star.X.(*ast.Ident); !ok || id.Name != "loopState" {
-					continue
-				}
-				if !slices.Contains(coreFiles, name) {
-					t.Errorf("%s declares the core's method %s but is not in coreFiles", name, fd.Name.Name)
-				}
+	for _, de := range entries {
+		name := de.Name()
+		if !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			fd, ok := d.(*ast.FuncDecl)
+			if !ok || fd.Recv == nil {
+				continue
+			}
+			star, ok := fd.Recv.List[0].Type.(*ast.StarExpr)
+			if !ok {
+				continue
+			}
+			if id, ok := star.X.(*ast.Ident); ok && id.Name == "loopState" && !slices.Contains(coreFiles, name) {
+				t.Errorf("%s declares the core's method %s but is not in coreFiles", name, fd.Name.Name)
 			}
 		}
 	}
