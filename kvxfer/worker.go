@@ -450,21 +450,21 @@ func (w *Worker) run() {
 		inbox := w.mu.inbox
 		w.mu.inbox = nil
 		w.mu.Unlock()
-		st.now = time.Now()
+		now := time.Now()
 		// One input at a time, each followed by its effects (and their
 		// results) before the next.
 		for i := range inbox {
-			st.handle(&inbox[i])
+			st.Step(now, input{kind: inEvent, ev: &inbox[i]})
 			w.apply()
 		}
 		w.notifs = w.be.DrainNotifs(w.notifs[:0])
 		for i := range w.notifs {
-			st.onNotifs(w.notifs[i : i+1])
+			st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
 			w.apply()
 		}
 		clear(w.notifs)
-		w.pollXfers()
-		st.runTimers()
+		w.pollXfers(now)
+		st.Step(now, input{kind: inTimers})
 		w.apply()
 		w.publish()
 		w.await(st.busy())
@@ -486,12 +486,12 @@ func (w *Worker) run() {
 			inbox := w.mu.inbox
 			w.mu.inbox = nil
 			w.mu.Unlock()
-			st.now = time.Now()
+			now := time.Now()
 			for i := range inbox {
-				st.handle(&inbox[i])
+				st.Step(now, input{kind: inEvent, ev: &inbox[i]})
 				w.apply()
 			}
-			st.shutdown()
+			st.Step(now, input{kind: inClose})
 			w.apply()
 			w.publish()
 			w.await(false)
@@ -544,7 +544,7 @@ func (w *Worker) apply() {
 			errs = append(errs, w.do(&ops[i]))
 		}
 		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
-		st.opsDone(ops, errs)
+		st.Step(st.now, input{kind: inOpsDone, ops: ops, errs: errs})
 		clear(ops)
 		clear(errs)
 		w.opsBuf, w.errsBuf = ops[:0], errs[:0]
@@ -643,7 +643,7 @@ func (w *Worker) do(o *op) error {
 
 // pollXfers polls every in-flight transfer once and hands those that
 // ended to the core, then releases them.
-func (w *Worker) pollXfers() {
+func (w *Worker) pollXfers(now time.Time) {
 	st := &w.st
 	if len(w.xfers) == 0 {
 		return
@@ -662,7 +662,7 @@ func (w *Worker) pollXfers() {
 			}
 		}
 		delete(w.xfers, id)
-		st.xferEnded(id, s, err, tel, x.post)
+		st.Step(now, input{kind: inXferEnded, xfer: id, state: s, err: err, tel: tel, post: x.post})
 		_ = w.be.Release(x.be)
 		w.apply()
 	}

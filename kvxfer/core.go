@@ -1,0 +1,60 @@
+package kvxfer
+
+import "time"
+
+// The Worker's core (loopState, in the files TestCoreIsPure lists) is the
+// per-rank protocol as a deterministic state machine: Step takes one
+// input, stamped with its time, and leaves what the driver must do in
+// its effects (ops to carry out and hand back, transfers to release,
+// handshakes to run), its outcomes (out) and when it wants to run again
+// (nextWake). It starts no goroutine, reads no clock and calls no
+// backend; worker.go is its driver.
+
+// inputKind says what happened.
+type inputKind uint8
+
+const (
+	inEvent     inputKind = iota + 1 // a Worker event: a step, a saved layer, a handshake's answer
+	inNotifs                         // peers' notifications
+	inXferEnded                      // a posted transfer left XferInProgress
+	inOpsDone                        // the results of the ops the core asked for
+	inTimers                         // time passed: fire what is due
+	inClose                          // the Worker closes: end every request
+)
+
+// input is one thing that happened, for Step.
+type input struct {
+	kind   inputKind
+	ev     *event
+	notifs []Notif
+	// inXferEnded
+	xfer  XferID
+	state XferState
+	err   error
+	tel   *XferTelemetry
+	post  time.Duration
+	// inOpsDone: errs[i] is ops[i]'s result
+	ops  []op
+	errs []error
+}
+
+// Step handles one input at time now. The driver carries out the effects
+// it leaves (st.fx), handing op results back as an inOpsDone input before
+// any other, publishes st.out, and calls Step with inTimers at nextWake.
+func (st *loopState) Step(now time.Time, in input) {
+	st.now = now
+	switch in.kind {
+	case inEvent:
+		st.handle(in.ev)
+	case inNotifs:
+		st.onNotifs(in.notifs)
+	case inXferEnded:
+		st.xferEnded(in.xfer, in.state, in.err, in.tel, in.post)
+	case inOpsDone:
+		st.opsDone(in.ops, in.errs)
+	case inTimers:
+		st.runTimers()
+	case inClose:
+		st.shutdown()
+	}
+}
