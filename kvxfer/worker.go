@@ -274,6 +274,38 @@ func (h *hsResult) agent(i int) (PeerName, error) {
 // NewWorker validates cfg, registers the layout's regions with the
 // backend and starts the worker's loop. Close stops it.
 func NewWorker(cfg WorkerConfig) (*Worker, error) {
+	w, err := newWorker(cfg)
+	if err != nil {
+		return nil, err
+	}
+	cfg = w.cfg
+	l := &cfg.Layout
+	if err := w.be.Register(w.regions); err != nil {
+		return nil, fmt.Errorf("kvxfer: register %d regions: %w", len(w.regions), err)
+	}
+	if g, ok := w.be.(Guarded); ok && !cfg.OpenDataPlane {
+		w.access = newAccessTable(l, w.groupBlocks, cfg.Mode, w.metrics)
+		if err := g.SetGuard(w.access); err != nil {
+			_ = w.be.Deregister(w.regions)
+			return nil, fmt.Errorf("kvxfer: data-plane grants: %w", err)
+		}
+	}
+	w.ctx, w.cancel = context.WithCancel(context.Background())
+	w.st.init(w)
+	_, canPrepare := w.be.(PreparedPoster)
+	w.st.prepare = canPrepare && cfg.Prepared
+	w.st.now = time.Now()
+	for _, p := range cfg.Preconnect {
+		w.st.ensureEngine(p.EngineID, p.Addr)
+	}
+	w.apply()
+	go w.run()
+	return w, nil
+}
+
+// newWorker validates cfg and makes a Worker, its core not yet
+// initialised and nothing registered with the backend or started.
+func newWorker(cfg WorkerConfig) (*Worker, error) {
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
@@ -303,26 +335,6 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		}
 		w.groupBlocks = append(w.groupBlocks, n)
 	}
-	if err := w.be.Register(w.regions); err != nil {
-		return nil, fmt.Errorf("kvxfer: register %d regions: %w", len(w.regions), err)
-	}
-	if g, ok := w.be.(Guarded); ok && !cfg.OpenDataPlane {
-		w.access = newAccessTable(l, w.groupBlocks, cfg.Mode, w.metrics)
-		if err := g.SetGuard(w.access); err != nil {
-			_ = w.be.Deregister(w.regions)
-			return nil, fmt.Errorf("kvxfer: data-plane grants: %w", err)
-		}
-	}
-	w.ctx, w.cancel = context.WithCancel(context.Background())
-	w.st.init(w)
-	_, canPrepare := w.be.(PreparedPoster)
-	w.st.prepare = canPrepare && cfg.Prepared
-	w.st.now = time.Now()
-	for _, p := range cfg.Preconnect {
-		w.st.ensureEngine(p.EngineID, p.Addr)
-	}
-	w.apply()
-	go w.run()
 	return w, nil
 }
 

@@ -1,0 +1,425 @@
+package kvxfer
+
+import (
+	"bufio"
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testdata/trace scripts")
+
+// TestTraces steps the Worker's core alone through the scripts in
+// testdata/trace: the script plays its peers, the clock and the backend,
+// and after each command the test prints what the core asked for (the
+// ops it wants carried out, handshakes, releases) and the outcomes it
+// reported. No goroutine, clock or backend is involved: the core's
+// backend panics if called. `go test ./kvxfer -run TestTraces -rewrite`
+// records new output.
+//
+// Commands (one per case, then "----" and the expected output, then a
+// blank line):
+//
+//	core mode=push|pull engine=D tp=0/1        a fresh core
+//	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N]
+//	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
+//	step abort=ID [tid=T]                      the engine aborted a producer request
+//	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
+//	handshake ENGINE fail=REASON
+//	notif from=ENGINE/RANK [agent=NAME] kind=reg|done|fail|cancel|ack|heartbeat [tid=] [dreq=] [preq=] [spans=1,2] [reason=] [failkind=] [tp=N]
+//	ended xfer=N [fail=REASON]                 a posted transfer ended
+//	advance DURATION                           time passes; due timers fire
+//	fail notify|post                           the next op of that kind fails
+type traceCore struct {
+	st     *loopState
+	now    time.Time
+	fail   map[opKind]int // ops of a kind to fail, next first
+	engine string
+}
+
+func TestTraces(t *testing.T) {
+	files, err := filepath.Glob("testdata/trace/*.txt")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no trace scripts: %v", err)
+	}
+	for _, f := range files {
+		t.Run(strings.TrimSuffix(filepath.Base(f), ".txt"), func(t *testing.T) { runTrace(t, f) })
+	}
+}
+
+// traceCase is one command of a script and its expected output.
+type traceCase struct {
+	pre      []string // comments and blank lines before it
+	line     int
+	cmd      string
+	expected string
+}
+
+func parseTrace(t *testing.T, path string) (cases []traceCase) {
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	n := 0
+	var cur *traceCase
+	var pre []string
+	inOut := false
+	var out []string
+	for sc.Scan() {
+		n++
+		l := sc.Text()
+		switch {
+		case inOut && l == "":
+			cur.expected = strings.Join(out, "\n")
+			cases = append(cases, *cur)
+			cur, inOut, out = nil, false, nil
+		case inOut:
+			out = append(out, l)
+		case l == "----":
+			if cur == nil {
+				t.Fatalf("%s:%d: ---- without a command", path, n)
+			}
+			inOut = true
+		case cur == nil && (l == "" || strings.HasPrefix(l, "#")):
+			pre = append(pre, l)
+		case cur == nil:
+			cur = &traceCase{pre: pre, line: n, cmd: l}
+			pre = nil
+		default:
+			t.Fatalf("%s:%d: one command per case", path, n)
+		}
+	}
+	if inOut {
+		cur.expected = strings.Join(out, "\n")
+		cases = append(cases, *cur)
+	} else if cur != nil {
+		cases = append(cases, *cur)
+	}
+	return cases
+}
+
+func runTrace(t *testing.T, path string) {
+	cases := parseTrace(t, path)
+	tc := &traceCore{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), fail: map[opKind]int{}}
+	var rewritten strings.Builder
+	for _, c := range cases {
+		got := tc.run(t, c.cmd)
+		if *rewrite {
+			for _, l := range c.pre {
+				if l != "" {
+					rewritten.WriteString(l + "\n")
+				}
+			}
+			fmt.Fprintf(&rewritten, "%s\n----\n%s\n\n", c.cmd, got)
+			continue
+		}
+		if got != c.expected {
+			t.Errorf("%s:%d: %s\ngot:\n%s\nwant:\n%s", path, c.line, c.cmd, got, c.expected)
+		}
+	}
+	if *rewrite {
+		if err := os.WriteFile(path, []byte(strings.TrimRight(rewritten.String(), "\n")+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// traceLayout is every engine's layout in the scripts: one full-attention
+// group of 16 blocks of 16 tokens, 256 bytes a block, at base.
+func traceLayout(tp, tpSize int, base uint64) topology.Layout {
+	return topology.Layout{TPRank: tp, TPSize: tpSize, PPSize: 1, TotalKVHeads: tpSize, HeadSize: 4, ElemBytes: 2,
+		KVLayout: topology.LayoutHND, Packing: topology.PackedKV, LogicalBlockSize: 16, KernelBlockSize: 16,
+		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: 256, NumBlocks: 16}}}
+}
+
+// panicBackend is the core's backend in the traces: the core must never
+// call it.
+type panicBackend struct{ Backend }
+
+type noResolver struct{}
+
+func (noResolver) Handshake(context.Context, string, string) (HandshakeResult, error) {
+	panic("the core ran a handshake itself")
+}
+
+func args(fields []string) map[string]string {
+	m := map[string]string{}
+	for _, f := range fields {
+		k, v, _ := strings.Cut(f, "=")
+		m[k] = v
+	}
+	return m
+}
+
+func traceIDs(s string) []topology.BlockID {
+	var out []topology.BlockID
+	for _, f := range strings.Split(s, ",") {
+		if f == "" {
+			continue
+		}
+		n, _ := strconv.Atoi(f)
+		out = append(out, topology.BlockID(n))
+	}
+	return out
+}
+
+func dur(t *testing.T, s string) time.Duration {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		t.Fatalf("duration %q: %v", s, err)
+	}
+	return d
+}
+
+func (tc *traceCore) run(t *testing.T, line string) string {
+	f := strings.Fields(line)
+	a := args(f[1:])
+	var out []string
+	switch f[0] {
+	case "core":
+		rank, size, _ := strings.Cut(a["tp"], "/")
+		r, _ := strconv.Atoi(rank)
+		n, _ := strconv.Atoi(size)
+		mode := ModePush
+		if a["mode"] == "pull" {
+			mode = ModePull
+		}
+		cfg := WorkerConfig{EngineID: a["engine"], Addr: a["engine"] + ":1", Mode: mode, Layout: traceLayout(r, n, 1<<20),
+			CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()}
+		w, err := newWorker(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w.st.init(w)
+		tc.st, tc.engine = &w.st, a["engine"]
+		tc.st.now = tc.now
+		return "ok"
+	case "step":
+		meta := &StepMeta{SchedulerClock: tc.now}
+		deadline := tc.now.Add(30 * time.Second)
+		if d, ok := a["deadline"]; ok {
+			deadline = tc.now.Add(dur(t, d))
+		}
+		tokens, _ := strconv.Atoi(a["tokens"])
+		switch {
+		case a["recv"] != "":
+			remoteTP := 1
+			if v, ok := a["remote-tp"]; ok {
+				remoteTP, _ = strconv.Atoi(v)
+			}
+			rr := RecvReq{ReqID: a["recv"], TransferID: a["tid"], Local: []topology.Span{{IDs: traceIDs(a["blocks"])}}, Deadline: deadline,
+				Remote: RemoteRef{EngineID: a["remote"], Addr: a["remote"] + ":1", ReqID: a["preq"], TPSize: remoteTP, PPSize: 1, Tokens: tokens}}
+			if rb, ok := a["remote-blocks"]; ok {
+				rr.Remote.Blocks = []topology.Span{{IDs: traceIDs(rb)}}
+			}
+			meta.Recv = []RecvReq{rr}
+		case a["send"] != "":
+			meta.Send = []SendReq{{ReqID: a["send"], TransferID: a["tid"], Deadline: deadline, Tokens: tokens,
+				Blocks: []topology.Span{{IDs: traceIDs(a["blocks"])}}}}
+		case a["abort"] != "":
+			meta.NotProcessed = []string{a["abort"]}
+			meta.NotProcessedTransferIDs = map[string]string{a["abort"]: a["tid"]}
+		}
+		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	case "handshake":
+		h := &hsResult{engine: f[1]}
+		if reason, ok := a["fail"]; ok {
+			h.err = fmt.Errorf("%s", reason)
+		} else {
+			n, _ := strconv.Atoi(a["tp"])
+			gen, _ := strconv.Atoi(cmpOr(a["gen"], "1"))
+			for r := range n {
+				agent := fmt.Sprintf("%s/%d", f[1], r)
+				if g := a["agents"]; g != "" {
+					agent = fmt.Sprintf("%s/%d", g, r)
+				}
+				h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: f[1], CompatHash: cmpOr(a["hash"], "h"),
+					Layout: traceLayout(r, n, 1<<30), Agent: []byte(agent)})
+				h.names = append(h.names, PeerName(agent))
+				h.loadErrs = append(h.loadErrs, nil)
+			}
+			h.res.Generation = uint64(gen)
+		}
+		h.probe = a["probe"] == "true"
+		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
+	case "notif":
+		from, rank, _ := strings.Cut(a["from"], "/")
+		r, _ := strconv.Atoi(rank)
+		size, _ := strconv.Atoi(cmpOr(a["tp"], "1"))
+		kinds := map[string]msgKind{"reg": msgReg, "done": msgDone, "fail": msgFail, "cancel": msgCancel, "ack": msgAck, "heartbeat": msgHeartbeat}
+		m := &msg{Kind: kinds[a["kind"]], Engine: from, Addr: from + ":1", TPRank: r, TPSize: size, PPSize: 1, TransferID: a["tid"],
+			DReq: a["dreq"], PReq: a["preq"], Reason: a["reason"]}
+		if s, ok := a["spans"]; ok {
+			m.Spans = []topology.Span{{IDs: traceIDs(s)}}
+		}
+		if v, ok := a["ids"]; ok {
+			m.IDs = strings.Split(v, ",")
+		}
+		for _, k := range FailureKinds() {
+			if k.String() == a["failkind"] {
+				m.FailKind = k
+			}
+		}
+		n := Notif{From: PeerName(cmpOr(a["agent"], a["from"])), Msg: appendMsg(nil, m)}
+		tc.st.Step(tc.now, input{kind: inNotifs, notifs: []Notif{n}})
+	case "ended":
+		id, _ := strconv.Atoi(a["xfer"])
+		in := input{kind: inXferEnded, xfer: XferID(id), state: XferDone}
+		if reason, ok := a["fail"]; ok {
+			in.state, in.err = XferFailed, fmt.Errorf("%w: %s", ErrXferFailed, reason)
+		}
+		tc.st.Step(tc.now, in)
+	case "advance":
+		tc.now = tc.now.Add(dur(t, f[1]))
+		tc.st.Step(tc.now, input{kind: inTimers})
+	case "fail":
+		k := map[string]opKind{"notify": opNotify, "post": opPost}[f[1]]
+		tc.fail[k]++
+		return "ok"
+	default:
+		t.Fatalf("unknown command %q", line)
+	}
+	out = tc.drive(out, "")
+	if len(out) == 0 {
+		return "(nothing)"
+	}
+	return strings.Join(out, "\n")
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// drive plays the driver: it prints the ops the core asked for and hands
+// back their results (each succeeds unless a "fail" is pending for its
+// kind), then prints the rest of the core's effects and its outcomes.
+func (tc *traceCore) drive(out []string, indent string) []string {
+	st := tc.st
+	for len(st.fx.ops) > 0 {
+		ops := slices.Clone(st.fx.ops)
+		st.fx.ops = st.fx.ops[:0]
+		errs := make([]error, len(ops))
+		for i := range ops {
+			o := &ops[i]
+			k := o.kind
+			if k == opPostPrepared {
+				k = opPost
+			}
+			line := indent + tc.describe(o)
+			if tc.fail[k] > 0 {
+				tc.fail[k]--
+				errs[i] = fmt.Errorf("injected %s failure", map[opKind]string{opNotify: "notify", opPost: "post"}[k])
+				line += " -> fails"
+			}
+			out = append(out, line)
+		}
+		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
+		st.Step(tc.now, input{kind: inOpsDone, ops: ops, errs: errs})
+		indent += "  "
+	}
+	fx := &st.fx
+	for _, a := range fx.asks {
+		what := "handshake"
+		if a.probe {
+			what = "probe"
+		}
+		out = append(out, fmt.Sprintf("%s %s at %s", what, a.engine, a.addr))
+	}
+	for _, id := range fx.releases {
+		out = append(out, fmt.Sprintf("release #%d", id))
+	}
+	for _, p := range fx.invalidate {
+		out = append(out, fmt.Sprintf("forget peer %s", p))
+	}
+	fx.asks, fx.releases, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.invalidate[:0], fx.unprepare[:0]
+	for _, o := range st.out.Sending {
+		out = append(out, "outcome send "+describeOutcome(o))
+	}
+	for _, o := range st.out.Recving {
+		out = append(out, "outcome recv "+describeOutcome(o))
+	}
+	if len(st.out.InvalidBlocks) > 0 {
+		out = append(out, fmt.Sprintf("invalid blocks %v", st.out.InvalidBlocks))
+	}
+	st.out = Finished{}
+	return out
+}
+
+func describeOutcome(o Outcome) string {
+	s := o.ReqID + " " + o.Result.String()
+	if o.Kind != FailureNone {
+		s += " (" + o.Kind.String() + ")"
+	}
+	if o.Reason != "" {
+		s += ": " + o.Reason
+	}
+	return s
+}
+
+// describe prints an op: notifications decoded, posts by their size.
+func (tc *traceCore) describe(o *op) string {
+	switch o.kind {
+	case opNotify:
+		return "notify " + string(o.peer) + " " + describeMsg(o.msg)
+	case opPost, opPostPrepared:
+		verb := "write"
+		if o.xop == hotpath.OpRead {
+			verb = "read"
+		}
+		descs := tc.st.fx.descs[o.from:o.to]
+		var bytes uint64
+		for _, d := range descs {
+			bytes += d.Len
+		}
+		s := fmt.Sprintf("post #%d %s %s: %d descs, %d bytes", o.id, verb, o.peer, len(descs), bytes)
+		if o.msg != nil {
+			s += ", then " + describeMsg(o.msg)
+		}
+		return s
+	}
+	return fmt.Sprintf("op %d", o.kind)
+}
+
+func describeMsg(b []byte) string {
+	m, err := decodeMsg(b)
+	if err != nil {
+		return "malformed: " + err.Error()
+	}
+	s := m.Kind.String()
+	for _, kv := range [][2]string{{"tid", m.TransferID}, {"dreq", m.DReq}, {"preq", m.PReq}} {
+		if kv[1] != "" {
+			s += " " + kv[0] + "=" + kv[1]
+		}
+	}
+	if len(m.Spans) > 0 {
+		s += fmt.Sprintf(" spans=%v", m.Spans[0].IDs)
+	}
+	if len(m.IDs) > 0 {
+		s += " ids=" + strings.Join(m.IDs, ",")
+	}
+	if m.Reason != "" {
+		s += fmt.Sprintf(" reason=%q", m.Reason)
+	}
+	if m.FailKind != FailureNone {
+		s += " kind=" + m.FailKind.String()
+	}
+	return s
+}
