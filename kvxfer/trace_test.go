@@ -138,12 +138,13 @@ func runTrace(t *testing.T, path string) {
 	}
 }
 
-// traceLayout is every engine's layout in the scripts: one full-attention
-// group of 16 blocks of 16 tokens, 256 bytes a block, at base.
+// traceLayout is every engine's layout in the scripts: one model (2 KV
+// heads of size 4, 2-byte elements), one full-attention group of 16
+// blocks of 16 tokens at base, the heads split over tpSize ranks.
 func traceLayout(tp, tpSize int, base uint64) topology.Layout {
-	return topology.Layout{TPRank: tp, TPSize: tpSize, PPSize: 1, TotalKVHeads: tpSize, HeadSize: 4, ElemBytes: 2,
+	return topology.Layout{TPRank: tp, TPSize: tpSize, PPSize: 1, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2,
 		KVLayout: topology.LayoutHND, Packing: topology.PackedKV, LogicalBlockSize: 16, KernelBlockSize: 16,
-		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: 256, NumBlocks: 16}}}
+		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: int64(2 * 16 * 4 * 2 * 2 / tpSize), NumBlocks: 16}}}
 }
 
 // panicBackend is the core's backend in the traces: the core must never
