@@ -12,6 +12,22 @@ import (
 )
 
 // pairOf builds a P rank and a D rank layout for a small attention model.
+func kinds(k ...topology.Kind) []topology.Kind { return k }
+
+const (
+	fa  = topology.KindFullAttention
+	swa = topology.KindSlidingWindow
+	mla = topology.KindMLA
+	mmb = topology.KindMamba
+)
+
+// attnModel is kvsim.SmallModel (the kind names the case, for the reader).
+func attnModel(_ topology.Kind, heads int, layers ...topology.Kind) kvsim.Model {
+	return kvsim.SmallModel(heads, layers...)
+}
+
+var eng = kvsim.SmallEngine
+
 func pairOf(t *testing.T, p, d kvsim.Engine, heads int, layers ...topology.Kind) (*topology.Layout, *topology.Layout) {
 	t.Helper()
 	m := attnModel(fa, heads, layers...)
@@ -309,7 +325,9 @@ func TestCapInMixedGroup(t *testing.T) {
 	if len(got) != 5 || got[4].Len != 4*latent {
 		t.Fatalf("AppendDescs = %d descs (last %+v), want 4 capped attention descs and 1 MLA desc of %d bytes", len(got), got[len(got)-1], 4*latent)
 	}
-	hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: capBytes})
+	if err := hotpath.VerifyAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: capBytes}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // TestNotifyOnlyRankStillRejectsBadInput: a source rank that moves nothing
@@ -317,7 +335,14 @@ func TestCapInMixedGroup(t *testing.T) {
 func TestNotifyOnlyRankStillRejectsBadInput(t *testing.T) {
 	m := attnModel(fa, 2, fa)
 	pe, de := eng(1, 4, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 16, 16, topology.LayoutHND, topology.PackedKV)
-	pr, dr := buildEngines(t, &semCase{model: m, p: pe, d: de})
+	pr, err := kvsim.Build(&m, &pe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dr, err := kvsim.Build(&m, &de)
+	if err != nil {
+		t.Fatal(err)
+	}
 	plan, err := topology.NewPlan(&pr[0][1].Layout, &dr[0][0].Layout, topology.PlanOptions{})
 	if err != nil {
 		t.Fatal(err)

@@ -6,28 +6,23 @@ import (
 	"sync"
 	"time"
 
-	"github.com/klauspost/compress/zstd"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
-
-// maxHandshake caps a decompressed handshake payload.
-const maxHandshake = 256 << 20
 
 // PeerResolver handshakes with peer daemons over PeerService; it keeps one
 // client connection per address, at most MaxConns of them, closing the
 // least recently used idle one to make room. It implements
 // kvxfer.Resolver and is safe for concurrent use.
 type PeerResolver struct {
-	dec *zstd.Decoder
+	dec *HandshakeDecoder
 	cfg ResolverConfig
 	mu  struct {
 		sync.Mutex
@@ -78,8 +73,7 @@ func NewPeerResolverWith(cfg ResolverConfig) *PeerResolver {
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = 256
 	}
-	dec, _ := zstd.NewReader(nil, zstd.WithDecoderMaxMemory(maxHandshake), zstd.WithDecoderConcurrency(1))
-	r := &PeerResolver{dec: dec, cfg: cfg}
+	r := &PeerResolver{dec: NewHandshakeDecoder(), cfg: cfg}
 	r.mu.conns = map[string]*peerConn{}
 	return r
 }
@@ -181,29 +175,12 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		}
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
-	payload := resp.Payload
-	if resp.Zstd {
-		if payload, err = r.dec.DecodeAll(resp.Payload, nil); err != nil {
-			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: payload: %w", kvxfer.ErrBadMetadata, engineID, err)
-		}
+	out, err := r.dec.Decode(engineID, resp)
+	if err != nil {
+		return kvxfer.HandshakeResult{}, err
 	}
-	var list pb.RankList
-	if err := proto.Unmarshal(payload, &list); err != nil {
-		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: payload: %w", kvxfer.ErrBadMetadata, engineID, err)
-	}
-	out := kvxfer.HandshakeResult{Generation: resp.Generation}
 	mid := t0.Add(t1.Sub(t0) / 2)
 	out.ClockOffset = time.Unix(0, resp.ServerUnixNanos).Sub(mid)
-	for i, ri := range list.Ranks {
-		if ri.EngineId != engineID {
-			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: rank %d is of engine %q", kvxfer.ErrBadMetadata, engineID, i, ri.EngineId)
-		}
-		l, err := LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
-		if err != nil {
-			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: %w", kvxfer.ErrBadMetadata, engineID, err)
-		}
-		out.Ranks = append(out.Ranks, kvxfer.RankInfo{EngineID: ri.EngineId, CompatHash: ri.CompatHash, Layout: l, Agent: ri.Agent})
-	}
 	return out, nil
 }
 

@@ -10,5 +10,5 @@
 // packet loss injected by a relay between TUN devices; each scenario with
 // a time bound on its outcomes and the bytes of its done requests
 // checked. soak/ runs them at random for a while. The foundation's
-// byte-level semantic tests live beside the code (hotpath/semantic_test.go).
+// byte-level semantic tests live with the block-mapping fuzz targets in fuzz/.
 package test

@@ -126,7 +126,7 @@ func TestCheckCompatible(t *testing.T) {
 func withHead(l *Layout, headSize, elemBytes int) *Layout {
 	l.HeadSize, l.ElemBytes = headSize, elemBytes
 	if headSize > 0 && elemBytes > 0 {
-		l.Regions[0].BlockLen = l.attentionBlockLen()
+		l.Regions[0].BlockLen = l.AttentionBlockLen()
 	}
 	return l
 }

@@ -222,8 +222,10 @@ const (
 	maxRegions     = 1 << 16
 )
 
-// attentionBlockLen is the byte size an attention block must have.
-func (l *Layout) attentionBlockLen() int64 {
+// AttentionBlockLen is the byte length of one kernel block of an
+// attention region of l: K and V (or one of them, SeparateKV) for the
+// rank's heads, KernelBlockSize tokens, HeadSize elements of ElemBytes.
+func (l *Layout) AttentionBlockLen() int64 {
 	kv := int64(2)
 	if l.Packing == SeparateKV {
 		kv = 1
@@ -312,7 +314,7 @@ func (l *Layout) validateRegion(i int) error {
 		}
 		fallthrough
 	case KindFullAttention:
-		if want := l.attentionBlockLen(); r.BlockLen != want {
+		if want := l.AttentionBlockLen(); r.BlockLen != want {
 			return layoutErr("Regions[%d].BlockLen = %d, want %d (%s: %d local heads · %d tokens · head size %d · %d bytes)",
 				i, r.BlockLen, want, l.Packing, l.LocalHeads(), l.KernelBlockSize, l.HeadSize, l.ElemBytes)
 		}

@@ -12,7 +12,7 @@ import (
 func tinyLayout(tp, rank, logical, kernel, heads int, kv KVLayout, packing KVPacking) *Layout {
 	l := &Layout{TPRank: rank, TPSize: tp, PPSize: 1, TotalKVHeads: heads, HeadSize: 2, ElemBytes: 2,
 		KVLayout: kv, Packing: packing, LogicalBlockSize: logical, KernelBlockSize: kernel}
-	l.Regions = []Region{{Kind: KindFullAttention, Base: 1 << 20, BlockLen: l.attentionBlockLen(), NumBlocks: 64}}
+	l.Regions = []Region{{Kind: KindFullAttention, Base: 1 << 20, BlockLen: l.AttentionBlockLen(), NumBlocks: 64}}
 	return l
 }
 
@@ -20,7 +20,7 @@ func tinyLayout(tp, rank, logical, kernel, heads int, kv KVLayout, packing KVPac
 // Mamba regions in explicit groups.
 func validLayout() *Layout {
 	l := tinyLayout(2, 1, 32, 16, 8, LayoutHND, PackedKV)
-	bl := l.attentionBlockLen()
+	bl := l.AttentionBlockLen()
 	l.Regions = []Region{
 		{Kind: KindFullAttention, Base: 1 << 20, BlockLen: bl, NumBlocks: 64},
 		{Kind: KindSlidingWindow, Window: 64, Base: 2 << 20, BlockLen: bl, NumBlocks: 64},

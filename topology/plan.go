@@ -85,9 +85,9 @@ func (r *RegionPlan) Repeats() (n int, srcStep, dstStep uint64) {
 	return r.repeat, r.repeatSrc, r.repeatDst
 }
 
-// sameShape reports whether a and b differ at most in their region indices
-// and bases.
-func sameShape(a, b *RegionPlan) bool {
+// SameShape reports whether a and b differ at most in their region
+// indices and bases (what makes one the repeat of the other).
+func (a *RegionPlan) SameShape(b *RegionPlan) bool {
 	return a.SrcDev == b.SrcDev && a.DstDev == b.DstDev &&
 		a.SrcBlockLen == b.SrcBlockLen && a.DstBlockLen == b.DstBlockLen &&
 		a.SrcNumBlocks == b.SrcNumBlocks && a.DstNumBlocks == b.DstNumBlocks &&
@@ -101,7 +101,7 @@ func sameShape(a, b *RegionPlan) bool {
 func setRepeats(rs []RegionPlan) {
 	for i := len(rs) - 2; i >= 0; i-- {
 		a, b := &rs[i], &rs[i+1]
-		if !sameShape(a, b) {
+		if !a.SameShape(b) {
 			continue
 		}
 		ss, ds := b.SrcBase-a.SrcBase, b.DstBase-a.DstBase

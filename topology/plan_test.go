@@ -143,7 +143,7 @@ func TestPlanGroupGeometry(t *testing.T) {
 	src := validLayout() // logical 32, kernel 16: ppl 2; attention regions 64 kernel blocks, Mamba 32
 	dst := validLayout()
 	dst.LogicalBlockSize, dst.KernelBlockSize = 64, 64
-	dst.Regions[0].BlockLen, dst.Regions[1].BlockLen = dst.attentionBlockLen(), dst.attentionBlockLen()
+	dst.Regions[0].BlockLen, dst.Regions[1].BlockLen = dst.AttentionBlockLen(), dst.AttentionBlockLen()
 	dst.Regions[2].BlockLen = 64 * 24
 	dst.Regions[0].NumBlocks = 40 // the group limit is the smallest region's
 	p := mustPlan(t, src, dst, PlanOptions{})
@@ -648,8 +648,8 @@ func TestPlanGolden(t *testing.T) {
 		l := validLayout()
 		l.TPSize, l.TPRank, l.LogicalBlockSize, l.KernelBlockSize, l.KVLayout = tp, rank, bs, bs, kv
 		n := int64(tp)
-		l.Regions[0].BlockLen = l.attentionBlockLen()
-		l.Regions[1].BlockLen = l.attentionBlockLen()
+		l.Regions[0].BlockLen = l.AttentionBlockLen()
+		l.Regions[1].BlockLen = l.AttentionBlockLen()
 		l.Regions[2].BlockLen = int64(bs) * 24
 		l.Regions[3].ConvBytes = []int64{64 / n, 32 / n, 32 / n}
 		l.Regions[3].SSMBytes = 128 / n

@@ -1,4 +1,4 @@
-package hotpath_test
+package fuzz_test
 
 import (
 	"fmt"
@@ -25,15 +25,6 @@ type semCase struct {
 	maxSegs   int // PlanOptions.MaxSegments
 	seed      uint64
 }
-
-func kinds(k ...topology.Kind) []topology.Kind { return k }
-
-const (
-	fa  = topology.KindFullAttention
-	swa = topology.KindSlidingWindow
-	mla = topology.KindMLA
-	mmb = topology.KindMamba
-)
 
 // pickIDs returns n distinct block ids below limit: consecutive from a
 // random start, or shuffled.
@@ -153,17 +144,6 @@ func runSemantic(t *testing.T, c *semCase) {
 			}
 		}
 	}
-}
-
-func attnModel(k topology.Kind, heads int, layers ...topology.Kind) kvsim.Model {
-	m := kvsim.Model{Kinds: layers, Window: 40, TotalKVHeads: heads, HeadSize: 4, ElemBytes: 2,
-		MLABytesPerToken: 12, MambaConv: []int64{48, 16, 16}, MambaSSM: 64, MambaPad: 8}
-	_ = k
-	return m
-}
-
-func eng(id, tp, logical, kernel int, layout topology.KVLayout, packing topology.KVPacking) kvsim.Engine {
-	return kvsim.Engine{ID: id, TP: tp, PP: 1, LogicalBlock: logical, KernelBlock: kernel, Layout: layout, Packing: packing, Blocks: 24}
 }
 
 // TestSemanticMatrix is the acceptance matrix: hetero TP both ways (with

@@ -1,10 +1,11 @@
-package topology
+package fuzz_test
 
 import (
 	"errors"
 	"fmt"
-	"reflect"
 	"testing"
+
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // bytesReader decodes fuzz input into bounded values; it yields zeros once
@@ -52,7 +53,7 @@ func (r *bytesReader) wild() int {
 // sizes: a unit m, the two kernel blocks m·a and m·b with one of a, b equal
 // to 1 (so one divides the other, powers of two or not), each logical block
 // 1..3 kernel blocks. Lists of 0..8 random ids start at random multiples of
-// their logical block size. The unit pairs, expanded with UnitBlock, must
+// their logical block size. The unit pairs, expanded with topology.UnitBlock, must
 // cover exactly the tokens both lists hold (below the token bound rounded up
 // to a unit when tokens > 0), each once, in token order, with both sides of
 // a pair holding the same token at the same offset.
@@ -75,23 +76,23 @@ func FuzzBlockMapping(f *testing.F) {
 		}
 		sk, dk := m*a, m*b
 		sppl, dppl := 1+r.intn(3), 1+r.intn(3)
-		src := tinyLayout(1, 0, sk*sppl, sk, 2, LayoutHND, PackedKV)
-		dst := tinyLayout(1, 0, dk*dppl, dk, 2, LayoutHND, PackedKV)
-		p, err := NewPlan(src, dst, PlanOptions{})
+		src := tinyLayout(1, 0, sk*sppl, sk, 2, topology.LayoutHND, topology.PackedKV)
+		dst := tinyLayout(1, 0, dk*dppl, dk, 2, topology.LayoutHND, topology.PackedKV)
+		p, err := topology.NewPlan(src, dst, topology.PlanOptions{})
 		if err != nil {
-			t.Fatalf("NewPlan(kernel %d logical %d -> kernel %d logical %d) = %v", sk, sk*sppl, dk, dk*dppl, err)
+			t.Fatalf("topology.NewPlan(kernel %d logical %d -> kernel %d logical %d) = %v", sk, sk*sppl, dk, dk*dppl, err)
 		}
 		g := &p.Groups[0]
 		if g.UnitTokens != m || g.SrcUnits*m != sk || g.DstUnits*m != dk || g.SrcPPL != sppl || g.DstPPL != dppl {
 			t.Fatalf("group plan %+v, want unit %d, src %d·%d, dst %d·%d", g, m, sppl, sk, dppl, dk)
 		}
-		ss := Span{Start: r.intn(6) * src.LogicalBlockSize}
-		ds := Span{Start: r.intn(6) * dst.LogicalBlockSize}
+		ss := topology.Span{Start: r.intn(6) * src.LogicalBlockSize}
+		ds := topology.Span{Start: r.intn(6) * dst.LogicalBlockSize}
 		for i := r.intn(9); i > 0; i-- {
-			ss.IDs = append(ss.IDs, BlockID(r.intn(int(g.SrcLimit))))
+			ss.IDs = append(ss.IDs, topology.BlockID(r.intn(int(g.SrcLimit))))
 		}
 		for i := r.intn(9); i > 0; i-- {
-			ds.IDs = append(ds.IDs, BlockID(r.intn(int(g.DstLimit))))
+			ds.IDs = append(ds.IDs, topology.BlockID(r.intn(int(g.DstLimit))))
 		}
 		sEnd := ss.Start + len(ss.IDs)*src.LogicalBlockSize
 		dEnd := ds.Start + len(ds.IDs)*dst.LogicalBlockSize
@@ -108,18 +109,18 @@ func FuzzBlockMapping(f *testing.F) {
 			ss, src.LogicalBlockSize, sk, ds, dst.LogicalBlockSize, dk, tokens, s0, d0, n)
 		// where is the naive model: the kernel block and offset in it at
 		// which a side's list holds token tok.
-		where := func(sp Span, l *Layout, tok int) (kernel BlockID, in int, ok bool) {
+		where := func(sp topology.Span, l *topology.Layout, tok int) (kernel topology.BlockID, in int, ok bool) {
 			if tok < sp.Start || tok >= sp.Start+len(sp.IDs)*l.LogicalBlockSize {
 				return 0, 0, false
 			}
 			idx, off := (tok-sp.Start)/l.LogicalBlockSize, (tok-sp.Start)%l.LogicalBlockSize
-			return sp.IDs[idx]*BlockID(l.PagesPerBlock()) + BlockID(off/l.KernelBlockSize), off % l.KernelBlockSize, true
+			return sp.IDs[idx]*topology.BlockID(l.PagesPerBlock()) + topology.BlockID(off/l.KernelBlockSize), off % l.KernelBlockSize, true
 		}
 		covered := make([]bool, end)
 		prev := -1
 		for k := 0; k < n; k++ {
-			skb, su := UnitBlock(ss.IDs, s0+k, g.SrcPPL, g.SrcUnits)
-			dkb, du := UnitBlock(ds.IDs, d0+k, g.DstPPL, g.DstUnits)
+			skb, su := topology.UnitBlock(ss.IDs, s0+k, g.SrcPPL, g.SrcUnits)
+			dkb, du := topology.UnitBlock(ds.IDs, d0+k, g.DstPPL, g.DstUnits)
 			t0 := ss.Start + (s0+k)*m
 			if t1 := ds.Start + (d0+k)*m; t1 != t0 {
 				t.Fatalf("%s: pair %d: src unit starts at token %d, dst unit at %d", desc, k, t0, t1)
@@ -162,11 +163,11 @@ func FuzzBlockMapping(f *testing.F) {
 
 // wildLayout decodes an arbitrary layout: any field may be negative, zero
 // or huge; region and group counts stay small.
-func wildLayout(r *bytesReader) *Layout {
-	l := &Layout{
+func wildLayout(r *bytesReader) *topology.Layout {
+	l := &topology.Layout{
 		TPRank: r.wild(), TPSize: r.wild(), PPRank: r.wild() % 4, PPSize: r.wild() % 4,
 		TotalKVHeads: r.wild(), HeadSize: r.wild(), ElemBytes: r.wild() % 17,
-		KVLayout: KVLayout(r.byte() % 4), Packing: KVPacking(r.byte() % 5),
+		KVLayout: topology.KVLayout(r.byte() % 4), Packing: topology.KVPacking(r.byte() % 5),
 		LogicalBlockSize: r.wild(), KernelBlockSize: r.wild(), RegionOffset: r.wild() % 8,
 	}
 	// Often make the core shape valid so later checks are reached.
@@ -176,7 +177,7 @@ func wildLayout(r *bytesReader) *Layout {
 		l.PPSize, l.PPRank = 1, 0
 		l.TotalKVHeads = pick(r, 1, 2, 4, 8)
 		l.HeadSize, l.ElemBytes = pick(r, 1, 2, 4), pick(r, 1, 2)
-		l.KVLayout, l.Packing = pick(r, LayoutHND, LayoutNHD), pick(r, PackedKV, SplitKV, SeparateKV)
+		l.KVLayout, l.Packing = pick(r, topology.LayoutHND, topology.LayoutNHD), pick(r, topology.PackedKV, topology.SplitKV, topology.SeparateKV)
 		l.KernelBlockSize = pick(r, 1, 2, 4, 16)
 		l.LogicalBlockSize = l.KernelBlockSize * pick(r, 1, 2)
 		l.RegionOffset = 0
@@ -184,7 +185,7 @@ func wildLayout(r *bytesReader) *Layout {
 	nr := r.intn(4)
 	tame := l.KernelBlockSize > 0 && l.TPSize > 0 && l.TotalKVHeads > 0
 	for i := 0; i < nr; i++ {
-		reg := Region{Kind: Kind(r.byte() % 6), Window: r.wild(), Base: uint64(r.wild()), NumBlocks: r.wild() % 64,
+		reg := topology.Region{Kind: topology.Kind(r.byte() % 6), Window: r.wild(), Base: uint64(r.wild()), NumBlocks: r.wild() % 64,
 			BlockLen: int64(r.wild()), DeviceID: int32(r.byte())}
 		for j := r.intn(4); j > 0; j-- {
 			reg.ConvBytes = append(reg.ConvBytes, int64(r.wild()))
@@ -192,17 +193,17 @@ func wildLayout(r *bytesReader) *Layout {
 		reg.SSMBytes = int64(r.wild())
 		if tame && r.byte()%4 != 0 {
 			// A region valid for the layout, of a random kind.
-			reg.Kind = pick(r, KindFullAttention, KindSlidingWindow, KindMLA, KindMamba)
+			reg.Kind = pick(r, topology.KindFullAttention, topology.KindSlidingWindow, topology.KindMLA, topology.KindMamba)
 			reg.Base, reg.NumBlocks, reg.Window = uint64(r.u16())<<20, 1+r.intn(16), 0
 			switch reg.Kind {
-			case KindSlidingWindow:
+			case topology.KindSlidingWindow:
 				reg.Window = 1 + r.intn(64)
 				fallthrough
-			case KindFullAttention:
-				reg.BlockLen = l.attentionBlockLen()
-			case KindMLA:
+			case topology.KindFullAttention:
+				reg.BlockLen = l.AttentionBlockLen()
+			case topology.KindMLA:
 				reg.BlockLen = int64(l.KernelBlockSize) * int64(1+r.intn(8))
-			case KindMamba:
+			case topology.KindMamba:
 				reg.ConvBytes = reg.ConvBytes[:0]
 				for j := r.intn(4); j > 0; j-- {
 					reg.ConvBytes = append(reg.ConvBytes, int64(1+r.intn(8)))
@@ -218,20 +219,20 @@ func wildLayout(r *bytesReader) *Layout {
 		l.Regions = append(l.Regions, reg)
 	}
 	if tame && r.byte()%2 == 0 {
-		// Groups by kind (and window), as an engine registers them, with
+		// topology.Groups by kind (and window), as an engine registers them, with
 		// attention and MLA regions sometimes pooled into one group.
 		pool := r.byte()%2 == 0
 		at := map[[2]int]int{}
 		for i, reg := range l.Regions {
 			key := [2]int{int(reg.Kind), reg.Window}
-			if pool && reg.Kind != KindMamba {
+			if pool && reg.Kind != topology.KindMamba {
 				key = [2]int{0, 0}
 			}
 			g, ok := at[key]
 			if !ok {
 				g = len(l.Groups)
 				at[key] = g
-				l.Groups = append(l.Groups, Group{Kind: reg.Kind, Window: reg.Window})
+				l.Groups = append(l.Groups, topology.Group{Kind: reg.Kind, Window: reg.Window})
 			}
 			l.Groups[g].Regions = append(l.Groups[g].Regions, i)
 		}
@@ -239,7 +240,7 @@ func wildLayout(r *bytesReader) *Layout {
 	}
 	ng := r.intn(3)
 	for g := 0; g < ng; g++ {
-		grp := Group{Kind: Kind(r.byte() % 6), Window: r.wild()}
+		grp := topology.Group{Kind: topology.Kind(r.byte() % 6), Window: r.wild()}
 		for j := r.intn(4); j > 0; j-- {
 			grp.Regions = append(grp.Regions, r.wild()%5)
 		}
@@ -249,11 +250,11 @@ func wildLayout(r *bytesReader) *Layout {
 }
 
 // derivedLayout returns a copy of l with a few fields changed: a peer that
-// is often compatible with l, so that NewPlan's planning is reached.
-func derivedLayout(r *bytesReader, l *Layout) *Layout {
+// is often compatible with l, so that topology.NewPlan's planning is reached.
+func derivedLayout(r *bytesReader, l *topology.Layout) *topology.Layout {
 	d := *l
-	d.Regions = append([]Region(nil), l.Regions...)
-	d.Groups = append([]Group(nil), l.Groups...)
+	d.Regions = append([]topology.Region(nil), l.Regions...)
+	d.Groups = append([]topology.Group(nil), l.Groups...)
 	d.PPSize, d.PPRank, d.RegionOffset = 1, 0, 0
 	if r.byte()%2 == 0 {
 		d.TPSize = pick(r, 1, 2, 4, 8)
@@ -264,17 +265,17 @@ func derivedLayout(r *bytesReader, l *Layout) *Layout {
 		d.LogicalBlockSize = d.KernelBlockSize * pick(r, 1, 2, 4)
 	}
 	if r.byte()%2 == 0 {
-		d.KVLayout = pick(r, LayoutHND, LayoutNHD)
+		d.KVLayout = pick(r, topology.LayoutHND, topology.LayoutNHD)
 	}
 	if r.byte()%2 == 0 {
-		d.Packing = pick(r, PackedKV, SplitKV, SeparateKV)
+		d.Packing = pick(r, topology.PackedKV, topology.SplitKV, topology.SeparateKV)
 	}
 	for i := range d.Regions {
 		reg := &d.Regions[i]
 		switch {
-		case reg.Kind.attention() && d.KernelBlockSize > 0 && d.TPSize > 0 && d.TotalKVHeads > 0:
-			reg.BlockLen = d.attentionBlockLen()
-		case reg.Kind == KindMLA && l.KernelBlockSize > 0 && d.KernelBlockSize > 0:
+		case (reg.Kind == topology.KindFullAttention || reg.Kind == topology.KindSlidingWindow) && d.KernelBlockSize > 0 && d.TPSize > 0 && d.TotalKVHeads > 0:
+			reg.BlockLen = d.AttentionBlockLen()
+		case reg.Kind == topology.KindMLA && l.KernelBlockSize > 0 && d.KernelBlockSize > 0:
 			reg.BlockLen = reg.BlockLen / int64(l.KernelBlockSize) * int64(d.KernelBlockSize)
 		}
 		if r.byte()%4 == 0 {
@@ -284,18 +285,18 @@ func derivedLayout(r *bytesReader, l *Layout) *Layout {
 	return &d
 }
 
-// checkPlan checks the structure of a plan NewPlan returned: region
+// checkPlan checks the structure of a plan topology.NewPlan returned: region
 // indices in range, unit geometry consistent with the layouts, every
 // segment of every unit inside its block on both sides, and no destination
 // byte of a unit covered twice.
-func checkPlan(t *testing.T, src, dst *Layout, p *Plan) {
+func checkPlan(t *testing.T, src, dst *topology.Layout, p *topology.Plan) {
 	t.Helper()
 	if len(p.Groups) != len(src.GroupList()) {
 		t.Fatalf("plan has %d groups, src %d", len(p.Groups), len(src.GroupList()))
 	}
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		if gp.Kind != KindMamba {
+		if gp.Kind != topology.KindMamba {
 			if gp.UnitTokens <= 0 || gp.SrcUnits*gp.UnitTokens != src.KernelBlockSize || gp.DstUnits*gp.UnitTokens != dst.KernelBlockSize {
 				t.Fatalf("group %d: unit %d tokens, %d·unit src, %d·unit dst, kernels %d and %d", g, gp.UnitTokens, gp.SrcUnits, gp.DstUnits, src.KernelBlockSize, dst.KernelBlockSize)
 			}
@@ -331,17 +332,17 @@ func checkPlan(t *testing.T, src, dst *Layout, p *Plan) {
 				}
 			}
 			if sum != rp.UnitBytes {
-				t.Fatalf("group %d region %d: UnitBytes %d, segments sum to %d", g, rp.Src, rp.UnitBytes, sum)
+				t.Fatalf("group %d region %d: topology.UnitBytes %d, segments sum to %d", g, rp.Src, rp.UnitBytes, sum)
 			}
 		}
-		checkRepeats(t, g, gp)
+		checkGroupRepeats(t, g, gp)
 	}
 }
 
-// checkRepeats checks what NewPlan precomputes for a group: every Repeats
+// checkGroupRepeats checks what topology.NewPlan precomputes for a group: every Repeats
 // report holds and is maximal, and MaxDescs equals its region-by-region
 // sum.
-func checkRepeats(t *testing.T, g int, gp *GroupPlan) {
+func checkGroupRepeats(t *testing.T, g int, gp *topology.GroupPlan) {
 	t.Helper()
 	rs := gp.Regions
 	for i := range rs {
@@ -352,9 +353,7 @@ func checkRepeats(t *testing.T, g int, gp *GroupPlan) {
 		for k := 1; k <= n+1 && i+k < len(rs); k++ {
 			a, b := rs[i], rs[i+k]
 			shifted := b.SrcBase == a.SrcBase+uint64(k)*ss && b.DstBase == a.DstBase+uint64(k)*ds
-			a.Src, a.Dst, a.SrcBase, a.DstBase = b.Src, b.Dst, b.SrcBase, b.DstBase
-			a.repeat, a.repeatSrc, a.repeatDst = b.repeat, b.repeatSrc, b.repeatDst
-			same := reflect.DeepEqual(a, b)
+			same := a.SameShape(&b)
 			if k <= n && (!shifted || !same) {
 				t.Fatalf("group %d region pair %d: pair %d after it is no copy %d steps of (%#x, %#x) on: %+v, %+v", g, i, i+k, k, ss, ds, rs[i], rs[i+k])
 			}
@@ -362,20 +361,25 @@ func checkRepeats(t *testing.T, g int, gp *GroupPlan) {
 				t.Fatalf("group %d region pair %d: %d repeats, but pair %d repeats it too", g, i, n, i+k)
 			}
 		}
-		if n == 0 && i+1 < len(rs) && sameShape(&rs[i], &rs[i+1]) {
+		if n == 0 && i+1 < len(rs) && rs[i].SameShape(&rs[i+1]) {
 			t.Fatalf("group %d region pair %d: the next pair has its shape, but Repeats reports none", g, i)
 		}
 	}
-	gp.sized = false
-	loop := gp.MaxDescs(3, 7)
-	gp.sized = true
+	loop := 0 // MaxDescs by its definition, region by region
+	for _, r := range rs {
+		if r.Whole {
+			loop += 3
+		} else {
+			loop += 7 * len(r.Segs)
+		}
+	}
 	if got := gp.MaxDescs(3, 7); got != loop {
 		t.Fatalf("group %d: MaxDescs(3, 7) = %d, region by region %d", g, got, loop)
 	}
 }
 
 // FuzzValidate: validation and planning never panic on any input,
-// CheckCompatible fails whenever either layout is invalid, NewPlan's errors
+// topology.CheckCompatible fails whenever either layout is invalid, topology.NewPlan's errors
 // wrap a topology sentinel, and any plan it returns is well formed.
 func FuzzValidate(f *testing.F) {
 	f.Add([]byte{})
@@ -387,7 +391,7 @@ func FuzzValidate(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := &bytesReader{data}
 		src := wildLayout(r)
-		var dst *Layout
+		var dst *topology.Layout
 		if r.byte()%2 == 0 {
 			dst = wildLayout(r)
 		} else {
@@ -395,37 +399,37 @@ func FuzzValidate(f *testing.F) {
 		}
 		se, de := src.Validate(), dst.Validate()
 		for _, e := range []error{se, de} {
-			if e != nil && !errors.Is(e, ErrInvalidLayout) {
-				t.Fatalf("Validate = %v, want an error wrapping ErrInvalidLayout", e)
+			if e != nil && !errors.Is(e, topology.ErrInvalidLayout) {
+				t.Fatalf("Validate = %v, want an error wrapping topology.ErrInvalidLayout", e)
 			}
 		}
-		_ = CheckSameEngine(src, dst)
-		err := CheckCompatible(src, dst)
+		_ = topology.CheckSameEngine(src, dst)
+		err := topology.CheckCompatible(src, dst)
 		if (se != nil || de != nil) && err == nil {
-			t.Fatalf("CheckCompatible = nil with invalid layouts (src %v, dst %v)", se, de)
+			t.Fatalf("topology.CheckCompatible = nil with invalid layouts (src %v, dst %v)", se, de)
 		}
 		maxSeg := pick(r, 0, 1, 4, 128, 1<<12, -1)
-		p, perr := NewPlan(src, dst, PlanOptions{MaxSegments: maxSeg})
+		p, perr := topology.NewPlan(src, dst, topology.PlanOptions{MaxSegments: maxSeg})
 		if err != nil && perr == nil {
-			t.Fatalf("NewPlan succeeded where CheckCompatible failed: %v", err)
+			t.Fatalf("topology.NewPlan succeeded where topology.CheckCompatible failed: %v", err)
 		}
 		if perr != nil {
-			if !errors.Is(perr, ErrInvalidLayout) && !errors.Is(perr, ErrIncompatible) && !errors.Is(perr, ErrUnsupported) {
-				t.Fatalf("NewPlan error %v wraps no topology sentinel", perr)
+			if !errors.Is(perr, topology.ErrInvalidLayout) && !errors.Is(perr, topology.ErrIncompatible) && !errors.Is(perr, topology.ErrUnsupported) {
+				t.Fatalf("topology.NewPlan error %v wraps no topology sentinel", perr)
 			}
 			if p != nil {
-				t.Fatalf("NewPlan returned a plan with error %v", perr)
+				t.Fatalf("topology.NewPlan returned a plan with error %v", perr)
 			}
 			return
 		}
 		checkPlan(t, src, dst, p)
 		for g := range p.Groups {
-			ss := Span{Start: r.wild(), IDs: make([]BlockID, r.intn(5))}
-			ds := Span{Start: r.wild(), IDs: make([]BlockID, r.intn(5))}
+			ss := topology.Span{Start: r.wild(), IDs: make([]topology.BlockID, r.intn(5))}
+			ds := topology.Span{Start: r.wild(), IDs: make([]topology.BlockID, r.intn(5))}
 			s0, d0, n, err := p.Groups[g].Align(ss, ds, r.wild())
 			if err != nil {
-				if !errors.Is(err, ErrInvalidBlocks) {
-					t.Fatalf("Align error %v does not wrap ErrInvalidBlocks", err)
+				if !errors.Is(err, topology.ErrInvalidBlocks) {
+					t.Fatalf("Align error %v does not wrap topology.ErrInvalidBlocks", err)
 				}
 				continue
 			}
@@ -436,4 +440,12 @@ func FuzzValidate(f *testing.F) {
 			}
 		}
 	})
+}
+
+// tinyLayout is a rank of one full-attention region of 64 blocks.
+func tinyLayout(tp, rank, logical, kernel, heads int, kv topology.KVLayout, packing topology.KVPacking) *topology.Layout {
+	l := &topology.Layout{TPRank: rank, TPSize: tp, PPSize: 1, TotalKVHeads: heads, HeadSize: 2, ElemBytes: 2,
+		KVLayout: kv, Packing: packing, LogicalBlockSize: logical, KernelBlockSize: kernel}
+	l.Regions = []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: l.AttentionBlockLen(), NumBlocks: 64}}
+	return l
 }

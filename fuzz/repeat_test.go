@@ -1,4 +1,4 @@
-package hotpath_test
+package fuzz_test
 
 import (
 	"slices"
@@ -223,7 +223,7 @@ func FuzzRepeats(f *testing.F) {
 		}
 		got := out[1:]
 		checkCoalesced(t, got, ref, maxRun)
-		hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: maxRun})
+		checkAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: maxRun})
 		if !c.overlap {
 			checkRegions(t, got, plan, c.src, c.dst)
 			checkMaximal(t, got, ref, maxRun, c.src, c.dst)

@@ -1,4 +1,4 @@
-package hotpath_test
+package fuzz_test
 
 import (
 	"errors"
@@ -478,7 +478,7 @@ func FuzzCoalesce(f *testing.F) {
 		checkRegions(t, got, plan, src, dst)
 		checkMaximal(t, got, ref, maxRun, src, dst)
 		// The package's own invariant check agrees (it panics otherwise).
-		hotpath.CheckAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: maxRun})
+		checkAgainstReference(got, plan, req, hotpath.Options{Op: hotpath.OpWrite, MaxRunBytes: maxRun})
 
 		// A Builder's scratch state carries nothing from one call to the next.
 		other := fuzzRequest(rng, c, dst.GroupList(), (idMode+1)%5)
