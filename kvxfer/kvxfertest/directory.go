@@ -5,27 +5,32 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
+
+	"github.com/puzpuzpuz/xsync/v4"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
 // Directory is an in-process Resolver: the workers of engines in one
-// process publish their ranks in it. It is safe for concurrent use.
+// process publish their ranks in it, and every worker's handshakes read
+// it. It is safe for concurrent use: handshakes read it without a lock
+// (an engine's entry is never changed once stored; Publish stores a new
+// one), and its fault hooks cost nothing while none is set.
 type Directory struct {
-	mu struct {
-		sync.Mutex
-		engines map[string]*kvxfer.HandshakeResult
-		gen     uint64
-		// fail makes the next n handshakes to an engine fail (tests).
-		fail  map[string]int
-		delay map[string]chan struct{}
+	engines *xsync.Map[string, *kvxfer.HandshakeResult]
+	hooks   atomic.Int32 // fault hooks set (FailHandshakes, Hold)
+	mu      struct {
+		sync.Mutex // writers take turns; the hooks' maps
+		gen        uint64
+		fail       map[string]int
+		delay      map[string]chan struct{}
 	}
 }
 
 // NewDirectory returns an empty directory.
 func NewDirectory() *Directory {
-	d := &Directory{}
-	d.mu.engines = map[string]*kvxfer.HandshakeResult{}
+	d := &Directory{engines: xsync.NewMap[string, *kvxfer.HandshakeResult]()}
 	d.mu.fail = map[string]int{}
 	d.mu.delay = map[string]chan struct{}{}
 	return d
@@ -35,26 +40,31 @@ func NewDirectory() *Directory {
 // a new generation of the engine.
 func (d *Directory) Publish(r kvxfer.RankInfo) error {
 	if r.EngineID == "" {
-		return fmt.Errorf("kvxfertest: publish: kvxfer.RankInfo.EngineID is empty")
+		return fmt.Errorf("kvxfertest: publish: RankInfo.EngineID is empty")
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	e := d.mu.engines[r.EngineID]
-	if e == nil {
-		d.mu.gen++
-		e = &kvxfer.HandshakeResult{Generation: d.mu.gen}
-		d.mu.engines[r.EngineID] = e
-	}
 	r.Agent = slices.Clone(r.Agent)
-	for i, have := range e.Ranks {
+	next := &kvxfer.HandshakeResult{}
+	if old, ok := d.engines.Load(r.EngineID); ok {
+		next.Generation, next.Ranks = old.Generation, slices.Clone(old.Ranks)
+	} else {
+		d.mu.gen++
+		next.Generation = d.mu.gen
+	}
+	replaced := false
+	for i, have := range next.Ranks {
 		if have.Layout.TPRank == r.Layout.TPRank && have.Layout.PPRank == r.Layout.PPRank {
 			d.mu.gen++
-			e.Generation = d.mu.gen
-			e.Ranks[i] = r
-			return nil
+			next.Generation = d.mu.gen
+			next.Ranks[i] = r
+			replaced = true
 		}
 	}
-	e.Ranks = append(e.Ranks, r)
+	if !replaced {
+		next.Ranks = append(next.Ranks, r)
+	}
+	d.engines.Store(r.EngineID, next)
 	return nil
 }
 
@@ -62,7 +72,7 @@ func (d *Directory) Publish(r kvxfer.RankInfo) error {
 func (d *Directory) Remove(engineID string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	delete(d.mu.engines, engineID)
+	d.engines.Delete(engineID)
 }
 
 // FailHandshakes makes the next n handshakes to engineID fail.
@@ -70,6 +80,7 @@ func (d *Directory) FailHandshakes(engineID string, n int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.mu.fail[engineID] += n
+	d.hooks.Add(int32(n))
 }
 
 // Hold makes handshakes to engineID block until the returned function is
@@ -79,6 +90,7 @@ func (d *Directory) Hold(engineID string) (release func()) {
 	d.mu.Lock()
 	d.mu.delay[engineID] = ch
 	d.mu.Unlock()
+	d.hooks.Add(1)
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -87,6 +99,7 @@ func (d *Directory) Hold(engineID string) (release func()) {
 				delete(d.mu.delay, engineID)
 			}
 			d.mu.Unlock()
+			d.hooks.Add(-1)
 			close(ch)
 		})
 	}
@@ -94,26 +107,31 @@ func (d *Directory) Hold(engineID string) (release func()) {
 
 // Handshake implements kvxfer.Resolver. addr is ignored.
 func (d *Directory) Handshake(ctx context.Context, engineID, _ string) (kvxfer.HandshakeResult, error) {
-	d.mu.Lock()
-	hold := d.mu.delay[engineID]
-	d.mu.Unlock()
-	if hold != nil {
-		select {
-		case <-hold:
-		case <-ctx.Done():
-			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, ctx.Err())
+	if d.hooks.Load() > 0 {
+		d.mu.Lock()
+		hold := d.mu.delay[engineID]
+		d.mu.Unlock()
+		if hold != nil {
+			select {
+			case <-hold:
+			case <-ctx.Done():
+				return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, ctx.Err())
+			}
+		}
+		d.mu.Lock()
+		failing := d.mu.fail[engineID] > 0
+		if failing {
+			d.mu.fail[engineID]--
+			d.hooks.Add(-1)
+		}
+		d.mu.Unlock()
+		if failing {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: injected failure", engineID)
 		}
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.mu.fail[engineID] > 0 {
-		d.mu.fail[engineID]--
-		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: injected failure", engineID)
-	}
-	e := d.mu.engines[engineID]
-	if e == nil {
+	e, ok := d.engines.Load(engineID)
+	if !ok {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, kvxfer.ErrUnknownEngine)
 	}
-	out := kvxfer.HandshakeResult{Generation: e.Generation, Ranks: slices.Clone(e.Ranks)}
-	return out, nil
+	return kvxfer.HandshakeResult{Generation: e.Generation, Ranks: slices.Clone(e.Ranks)}, nil
 }
