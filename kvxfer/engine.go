@@ -155,8 +155,11 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	for _, o := range out {
 		st.sendTo(e, o.to, o.m)
 	}
-	st.redrive(e)
+	// Messages that waited for this handshake first (a producer's failure
+	// notice spares the registration it would answer), then what waited
+	// to register or read.
 	st.unpark(e)
+	st.redrive(e)
 }
 
 // load checks a handshake's ranks and takes their agents (loaded by the
