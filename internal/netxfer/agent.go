@@ -295,31 +295,60 @@ func (a *Agent) sliceLocked(addr, n uint64) ([]byte, bool) {
 	return c.mem[o : o+n : o+n], true
 }
 
-// registeredLocked returns the bytes of [addr, addr+n) when the range lies
-// inside one registered region.
-func (a *Agent) registeredLocked(addr, n uint64) ([]byte, bool) {
-	for _, r := range a.mu.regs {
-		if addr >= r.Addr && addr-r.Addr <= r.Len && n <= r.Len-(addr-r.Addr) {
-			return a.sliceLocked(addr, n)
+// inside reports whether [addr, addr+n) lies inside r.
+func (r Region) inside(addr, n uint64) bool {
+	return addr >= r.Addr && addr-r.Addr <= r.Len && n <= r.Len-(addr-r.Addr)
+}
+
+// regionLocked returns a registered region holding [addr, addr+n): the
+// regions are kept sorted by address, so a binary search finds the one
+// starting last at or below addr; registrations that overlap (allowed)
+// fall back to a scan.
+func (a *Agent) regionLocked(addr, n uint64) (Region, bool) {
+	regs := a.mu.regs
+	i, _ := slices.BinarySearchFunc(regs, addr, func(r Region, t uint64) int {
+		if r.Addr > t {
+			return 1
+		}
+		return -1
+	})
+	if i > 0 && regs[i-1].inside(addr, n) {
+		return regs[i-1], true
+	}
+	for _, r := range regs {
+		if r.inside(addr, n) {
+			return r, true
 		}
 	}
-	return nil, false
+	return Region{}, false
 }
 
 // resolve bounds-checks ranges against registered memory and returns
 // their bytes. Callers hold memMu for reading while they use the bytes.
+// A range in the region of the one before it (a sorted or coalesced list)
+// costs one comparison; any other, a binary search.
 func (a *Agent) resolve(dst [][]byte, ranges []Region) ([][]byte, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.mu.closed {
 		return dst, ErrClosed
 	}
+	var cur Region    // the last range's region
+	var curMem []byte // its bytes (a region lies inside one mapped chunk)
 	for i, r := range ranges {
-		b, ok := a.registeredLocked(r.Addr, r.Len)
-		if !ok {
-			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+		if curMem == nil || !cur.inside(r.Addr, r.Len) {
+			reg, ok := a.regionLocked(r.Addr, r.Len)
+			var mem []byte
+			if ok {
+				mem, ok = a.sliceLocked(reg.Addr, reg.Len)
+			}
+			if !ok {
+				return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+			}
+			cur, curMem = reg, mem
 		}
-		dst = append(dst, b)
+		o := r.Addr - cur.Addr
+		dst = append(dst, curMem[o:o+r.Len:o+r.Len])
 	}
 	return dst, nil
 }
@@ -339,7 +368,10 @@ func (a *Agent) Register(regions []Region) error {
 			return fmt.Errorf("netxfer: register region %d [%#x, +%d): not mapped", i, r.Addr, r.Len)
 		}
 	}
-	a.mu.regs = append(a.mu.regs, regions...)
+	for _, r := range regions {
+		i, _ := slices.BinarySearchFunc(a.mu.regs, r.Addr, func(x Region, t uint64) int { return cmpU64(x.Addr, t) })
+		a.mu.regs = slices.Insert(a.mu.regs, i, r)
+	}
 	return nil
 }
 
