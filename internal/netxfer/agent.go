@@ -333,24 +333,55 @@ func (a *Agent) resolve(dst [][]byte, ranges []Region) ([][]byte, error) {
 	if a.mu.closed {
 		return dst, ErrClosed
 	}
-	var cur Region    // the last range's region
-	var curMem []byte // its bytes (a region lies inside one mapped chunk)
+	var c cursor
 	for i, r := range ranges {
-		if curMem == nil || !cur.inside(r.Addr, r.Len) {
-			reg, ok := a.regionLocked(r.Addr, r.Len)
-			var mem []byte
-			if ok {
-				mem, ok = a.sliceLocked(reg.Addr, reg.Len)
-			}
-			if !ok {
-				return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
-			}
-			cur, curMem = reg, mem
+		b, ok := c.bytes(a, r.Addr, r.Len)
+		if !ok {
+			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
 		}
-		o := r.Addr - cur.Addr
-		dst = append(dst, curMem[o:o+r.Len:o+r.Len])
+		dst = append(dst, b)
 	}
 	return dst, nil
+}
+
+// checkLocal bounds-checks the local side of descs, allocating nothing.
+func (a *Agent) checkLocal(descs []Desc) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return ErrClosed
+	}
+	var c cursor
+	for i, d := range descs {
+		if _, ok := c.bytes(a, d.Local, d.Len); !ok {
+			return fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, d.Local, d.Len, a.cfg.Name, ErrOutOfBounds)
+		}
+	}
+	return nil
+}
+
+// cursor finds the bytes of ranges, remembering the last range's region:
+// a range in it (a sorted or coalesced list) costs one comparison.
+type cursor struct {
+	cur Region
+	mem []byte // cur's bytes (a region lies inside one mapped chunk)
+}
+
+// bytes returns the registered bytes of [addr, addr+n) (a.mu held).
+func (c *cursor) bytes(a *Agent, addr, n uint64) ([]byte, bool) {
+	if c.mem == nil || !c.cur.inside(addr, n) {
+		reg, ok := a.regionLocked(addr, n)
+		var mem []byte
+		if ok {
+			mem, ok = a.sliceLocked(reg.Addr, reg.Len)
+		}
+		if !ok {
+			return nil, false
+		}
+		c.cur, c.mem = reg, mem
+	}
+	o := addr - c.cur.Addr
+	return c.mem[o : o+n : o+n], true
 }
 
 // Register makes regions usable; each must lie inside mapped memory.

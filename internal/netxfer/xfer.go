@@ -237,6 +237,13 @@ func (c *conn) take(k partKey) *xfer {
 // Post starts a transfer to peer. notif, when not nil, reaches the peer
 // after every byte landed (WRITE: there; READ: here). descs are copied.
 func (a *Agent) Post(op Op, name string, descs []Desc, notif []byte) (XferID, error) {
+	return a.PostOwned(op, name, slices.Clone(descs), notif)
+}
+
+// PostOwned is Post taking descs over: the caller must not use them after
+// (no copy is made). Each descriptor is walked once before Post returns,
+// to bounds-check its local side.
+func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferID, error) {
 	if op != Write && op != Read {
 		return 0, fmt.Errorf("netxfer: post op %d", op)
 	}
@@ -248,17 +255,13 @@ func (a *Agent) Post(op Op, name string, descs []Desc, notif []byte) (XferID, er
 		return 0, err
 	}
 	// Local ranges are checked before anything moves.
-	local := make([]Region, len(descs))
-	for i, d := range descs {
-		local[i] = Region{d.Local, d.Len}
-	}
 	a.memMu.RLock()
-	_, err = a.resolve(nil, local)
+	err = a.checkLocal(descs)
 	a.memMu.RUnlock()
 	if err != nil {
 		return 0, fmt.Errorf("netxfer: post: %w", err)
 	}
-	x := &xfer{op: op, peer: p, notif: slices.Clone(notif), descs: slices.Clone(descs), state: InProgress}
+	x := &xfer{op: op, peer: p, notif: slices.Clone(notif), descs: descs, state: InProgress}
 	a.mu.Lock()
 	a.mu.next++
 	x.id = a.mu.next

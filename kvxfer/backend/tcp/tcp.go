@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 
@@ -41,8 +40,7 @@ type Config struct {
 // process. Memory is caller-owned and adopted with Map before Register.
 // It is safe for concurrent use.
 type Backend struct {
-	a    *netxfer.Agent
-	pool sync.Pool // *[]netxfer.Desc
+	a *netxfer.Agent
 }
 
 var (
@@ -131,17 +129,12 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 	default:
 		return 0, fmt.Errorf("kvxfer: post op %v", op)
 	}
-	bp, _ := n.pool.Get().(*[]netxfer.Desc)
-	if bp == nil {
-		bp = new([]netxfer.Desc)
+	// One walk and one copy: the agent keeps this list (PostOwned).
+	own := make([]netxfer.Desc, len(descs))
+	for i, d := range descs {
+		own[i] = netxfer.Desc{Local: d.Local, Remote: d.Remote, Len: d.Len}
 	}
-	buf := (*bp)[:0]
-	for _, d := range descs {
-		buf = append(buf, netxfer.Desc{Local: d.Local, Remote: d.Remote, Len: d.Len})
-	}
-	id, err := n.a.Post(nop, string(peer), buf, notif)
-	*bp = buf[:0]
-	n.pool.Put(bp)
+	id, err := n.a.PostOwned(nop, string(peer), own, notif)
 	return kvxfer.XferID(id), mapNetErr(err)
 }
 
