@@ -19,12 +19,12 @@ import (
 
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -42,7 +42,7 @@ func dataPort(t *testing.T, d *daemon.Proc, dir, engine string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(a, "test")))
+	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(a, "test")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +413,7 @@ func clusterAuth(t *testing.T, dir string) *peerauth.Authenticator {
 // rank.
 func rankOf(t *testing.T, au *peerauth.Authenticator, engine, addr string) kvxfer.RankInfo {
 	t.Helper()
-	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), engine, addr)
+	res, err := server.NewPeerResolverWith(server.ResolverConfig{Creds: server.PeerCredentials(au, "t")}).Handshake(context.Background(), engine, addr)
 	if err != nil || len(res.Ranks) != 1 {
 		t.Fatalf("handshake %s: %v", engine, err)
 	}

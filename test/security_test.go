@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
@@ -409,7 +410,7 @@ func TestPeerPortNeedsTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(wrong, "x")))
+	wc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(wrong, "x")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,7 +429,7 @@ func TestPeerPortNeedsTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(good, "peer")))
+	pc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(good, "peer")))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -40,7 +41,6 @@ import (
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
-	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -127,7 +127,7 @@ func parseFlags(args []string) (*config, error) {
 		return nil, errors.New("-tls-cert, -tls-key and -tls-ca: mutual TLS needs all three")
 	}
 	if c.peerAllow != "" {
-		if _, err := stream.ParseAllowList(c.peerAllow); err != nil {
+		if _, err := server.ParseAllowList(c.peerAllow); err != nil {
 			return nil, fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
@@ -275,23 +275,23 @@ type peerSecurity struct {
 
 func (c *config) peerSecurity(log *slog.Logger) (peerSecurity, error) {
 	if c.tlsCert != "" {
-		client, server, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA)
+		client, srv, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA)
 		if err != nil {
 			return peerSecurity{}, err
 		}
 		log.Info("kvxferd: peers use mutual TLS", "cert", c.tlsCert, "ca", c.tlsCA)
-		return peerSecurity{auth: peerauth.Insecure(), client: client, server: server}, nil
+		return peerSecurity{auth: peerauth.Insecure(), client: client, server: srv}, nil
 	}
 	a, err := c.peerAuth(log)
 	return peerSecurity{auth: a}, err
 }
 
 // grpcCreds are the Peer service's and the resolver's credentials.
-func (p peerSecurity) grpcCreds(name string) (server, client credentials.TransportCredentials) {
+func (p peerSecurity) grpcCreds(name string) (serverCreds, clientCreds credentials.TransportCredentials) {
 	if p.server != nil {
-		return stream.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
+		return server.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
 	}
-	c := stream.PeerCredentials(p.auth, name)
+	c := server.PeerCredentials(p.auth, name)
 	return c, c
 }
 
@@ -357,17 +357,17 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	defer os.Remove(c.socket)
 	var allow func(string) error
 	if c.peerAllow != "" {
-		al, err := stream.ParseAllowList(c.peerAllow)
+		al, err := server.ParseAllowList(c.peerAllow)
 		if err != nil {
 			return fmt.Errorf("-peer-allow: %w", err)
 		}
 		allow = al.Check
 	}
 	serverCreds, clientCreds := sec.grpcCreds(advertise)
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+	srv, err := server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
-		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+		NewBackend: func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
 				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
@@ -391,7 +391,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	// Listeners by trust: engines on the unix socket (their uid from the
 	// socket's credentials), peer daemons on TCP (PeerService and health
 	// only).
-	eng := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	eng := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
 	srv.RegisterEngine(eng)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(eng, hs)

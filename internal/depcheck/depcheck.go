@@ -74,8 +74,15 @@ var Rules = []Rule{
 	// Direct: Prometheus brings dependencies of its own (protobuf, procfs).
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
 		Allowed: []string{"github.com/prometheus/client_golang/..."}},
-	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
-		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/...", "stream/...", "shm",
+	// The protocol and the Go client: what an engine written in Go links.
+	// The daemon's side of the protocol is internal/daemon/server.
+	{Name: "stream (protocol, conversions, Go client) imports kvxfer and gRPC", Prefix: "stream", Direct: true,
+		Allowed: []string{"kvxfer", "topology", "stream/...",
+			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/..."}},
+	// kvxferd's side of the protocol: the daemon (internal/daemon) wires
+	// the NIXL backend in, the server links only its default backend.
+	{Name: "internal/daemon/server imports kvxfer, stream and gRPC", Prefix: "internal/daemon/server", Direct: true,
+		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/cuda", "internal/peerauth", "shm", "stream/...",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
 			"github.com/klauspost/compress/...", "github.com/puzpuzpuz/xsync/v4",
 			"golang.org/x/sys/unix"}}, // the unix socket's peer credentials (SO_PEERCRED)
@@ -108,8 +115,8 @@ func allowed(dep string, list []string) bool {
 }
 
 // grpcAllowed lists the subtrees that may depend on gRPC.
-// internal/daemon serves kvxfer.v1; internal/simengine is the simulated
-// engines' client of it (demo, simulator).
+// internal/daemon (and its server) serves kvxfer.v1; internal/simengine
+// is the simulated engines' client of it (demo, simulator).
 var grpcAllowed = []string{"stream", "cmd", "internal/daemon", "internal/simengine", "bench", "test", "fuzz"}
 
 // cgoAllowed lists the packages that may use cgo.

@@ -57,7 +57,24 @@ func TestCheckRules(t *testing.T) {
 			pkgs: []Package{{ImportPath: m + "stream",
 				Imports: []string{"context", "google.golang.org/grpc", m + "kvxfer", "golang.org/x/net/http2"},
 				Deps:    []string{"context", "google.golang.org/grpc", "golang.org/x/net/http2", m + "kvxfer"}}},
-			want: []string{`stream: imports golang.org/x/net/http2 (rule "stream imports kvxfer and gRPC")`},
+			want: []string{`stream: imports golang.org/x/net/http2 (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`},
+		},
+		{
+			name:   "stream holds no daemon side: no backend, shared memory, CUDA or compression",
+			reason: "an engine's Go client links the protocol, not kvxferd's server (issue 15)",
+			pkgs: []Package{
+				{ImportPath: m + "stream", Imports: []string{"google.golang.org/grpc", m + "kvxfer", m + "stream/kvxferv1",
+					m + "kvxfer/backend/tcp", m + "shm", m + "internal/cuda", "github.com/klauspost/compress/zstd"}},
+				{ImportPath: m + "internal/daemon/server", Imports: []string{"google.golang.org/grpc", m + "stream", m + "kvxfer/backend/tcp",
+					m + "shm", m + "internal/cuda", "github.com/klauspost/compress/zstd", m + "kvxfer/backend/nixl"}},
+			},
+			want: []string{
+				`internal/daemon/server: imports ` + m + `kvxfer/backend/nixl (rule "internal/daemon/server imports kvxfer, stream and gRPC")`,
+				`stream: imports github.com/klauspost/compress/zstd (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `internal/cuda (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `kvxfer/backend/tcp (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `shm (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+			},
 		},
 		{
 			name:   "kvxfertest has its own rule, not kvxfer's",
@@ -93,7 +110,7 @@ func TestCheckRules(t *testing.T) {
 			reason: "engines import it without kvxfer or gRPC",
 			pkgs: []Package{
 				{ImportPath: m + "shm", Deps: []string{"os", "golang.org/x/sys/unix", m + "kvxfer"}},
-				{ImportPath: m + "stream", Imports: []string{m + "shm", m + "kvxfer"}},
+				{ImportPath: m + "internal/daemon/server", Imports: []string{m + "shm", m + "kvxfer"}},
 				{ImportPath: m + "kvxfer/kvxfertest", Deps: []string{m + "shm", m + "kvxfer"}},
 			},
 			want: []string{`shm: imports ` + m + `kvxfer (rule "shm imports std and x/sys")`},

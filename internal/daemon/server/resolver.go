@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
@@ -198,7 +199,7 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		if ri.EngineId != engineID {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: rank %d is of engine %q", kvxfer.ErrBadMetadata, engineID, i, ri.EngineId)
 		}
-		l, err := LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
+		l, err := stream.LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
 		if err != nil {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: %w", kvxfer.ErrBadMetadata, engineID, err)
 		}
