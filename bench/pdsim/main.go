@@ -34,6 +34,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -128,8 +129,8 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 			return nil, errors.New("-nixl-params needs -backend nixl")
 		}
 	case "nixl":
-		if _, err := daemon.ParseParams(*nixlParams); err != nil {
-			return nil, err
+		if _, err := nixl.ParseParams(*nixlParams); err != nil {
+			return nil, fmt.Errorf("-nixl-params: %w", err)
 		}
 		if *nixlParams != "" {
 			o.daemonArgs = []string{"-nixl-params", *nixlParams}

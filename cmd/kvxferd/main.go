@@ -8,9 +8,6 @@
 //	kvxferd proxy [flags]     an OpenAI-compatible router over P and D vLLM
 //	                          servers, push or pull (flags also read from
 //	                          KVXFERD_PROXY_<FLAG>)
-//
-// A hidden `kvxferd agent` serves one backend agent over a unix socket to
-// a test (agent.go): the cross-process conformance tests run two of them.
 package main
 
 import (
@@ -52,8 +49,6 @@ func run(args []string) error {
 			err = fmt.Errorf("proxy: %w", err)
 		}
 		return err
-	case "agent": // hidden: one backend agent served to a test (agent.go)
-		return agentMain(args)
 	default:
 		return fmt.Errorf("unknown command %q (want serve, demo or proxy)", cmd)
 	}

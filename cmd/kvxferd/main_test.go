@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"flag"
-	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -11,20 +10,9 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon"
 )
 
-// TestMain lets the demo start this test binary as its daemons, and the
-// cross-process conformance tests as their agents (`kvxferd agent`).
+// TestMain lets the demo start this test binary as its daemons.
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && (os.Args[1] == "serve" || os.Args[1] == "agent") {
-		run := daemon.Main
-		if os.Args[1] == "agent" {
-			run = agentMain
-		}
-		if err := run(os.Args[2:]); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
+	daemon.ServeIfChild()
 	os.Exit(m.Run())
 }
 

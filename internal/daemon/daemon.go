@@ -166,22 +166,12 @@ func (c *config) progressDelay() time.Duration {
 }
 
 // params parses -nixl-params.
-func (c *config) params() (map[string]string, error) { return ParseParams(c.nixlParams) }
-
-// ParseParams parses NIXL backend parameters given as key=value,...
-func ParseParams(list string) (map[string]string, error) {
-	out := map[string]string{}
-	for _, item := range strings.Split(list, ",") {
-		if item = strings.TrimSpace(item); item == "" {
-			continue
-		}
-		k, v, ok := strings.Cut(item, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("-nixl-params item %q, want key=value", item)
-		}
-		out[k] = v
+func (c *config) params() (map[string]string, error) {
+	p, err := nixl.ParseParams(c.nixlParams)
+	if err != nil {
+		return nil, fmt.Errorf("-nixl-params: %w", err)
 	}
-	return out, nil
+	return p, nil
 }
 
 // peers parses -preconnect.
