@@ -17,11 +17,6 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-// The demo: a P and a D kvxferd as separate processes, simulated engines
-// (Go clients of kvxfer.v1 with block allocators, schedulers and KV caches
-// in shared memory filled with a deterministic pattern), a few hundred
-// requests per scenario, every transferred byte verified.
-
 type scenario struct {
 	name     string
 	mode     kvxfer.Mode
@@ -37,8 +32,9 @@ type result struct {
 	failures                     []string
 }
 
-func demoMain(args []string) error {
-	fs := flag.NewFlagSet("kvxferd demo", flag.ContinueOnError)
+// run runs the demo with command-line flags.
+func run(args []string) error {
+	fs := flag.NewFlagSet("kvxfer-demo", flag.ContinueOnError)
 	n := fs.Int("requests", 200, "requests per scenario")
 	seed := fs.Uint64("seed", 1, "seed of the request mix")
 	backend := fs.String("backend", "builtin", "transfer backend of both daemons: builtin or nixl")
@@ -57,7 +53,7 @@ func demoMain(args []string) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
+	fmt.Printf("kvxfer-demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
 	p, err := daemon.Start(dir, "P", *backend)
 	if err != nil {
 		return err
