@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -54,11 +54,11 @@ func run(args []string) error {
 	}
 	defer os.RemoveAll(dir)
 	fmt.Printf("kvxfer-demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
-	p, err := daemon.Start(dir, "P", *backend)
+	p, err := daemontest.Start(dir, "P", *backend)
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(dir, "D", *backend)
+	d, err := daemontest.Start(dir, "D", *backend)
 	if err != nil {
 		p.Stop()
 		return err
@@ -120,7 +120,7 @@ type simEngine struct {
 	free []topology.BlockID
 }
 
-func newSimEngine(dir string, dm *daemon.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
+func newSimEngine(dir string, dm *daemontest.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
 	en, err := simengine.Attach(simengine.Config{Dir: dir, Sock: dm.Sock, Peer: dm.Peer, ID: id, Model: m, Engine: e, Mode: mode,
 		Version: "kvxfer-demo"})
 	if err != nil {
@@ -185,7 +185,7 @@ type demoReq struct {
 	pReq, dReq  *kvxfer.Request
 }
 
-func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint64, idx int) (*result, error) {
+func runScenario(dir string, pd, dd *daemontest.Proc, sc scenario, n int, seed uint64, idx int) (*result, error) {
 	rng := rand.New(rand.NewPCG(seed, 77))
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention},
 		TotalKVHeads: 8, HeadSize: 64, ElemBytes: 2}

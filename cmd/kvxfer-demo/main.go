@@ -17,11 +17,11 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 )
 
 func main() {
-	daemon.ServeIfChild() // the demo's daemons are this binary
+	daemontest.ServeIfChild() // the demo's daemons are this binary
 	err := run(os.Args[1:])
 	if errors.Is(err, flag.ErrHelp) {
 		return // the flag set printed the usage

@@ -5,11 +5,12 @@ import (
 	"testing"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 )
 
 // TestMain lets the demo start this test binary as its daemons.
 func TestMain(m *testing.M) {
-	daemon.ServeIfChild()
+	daemontest.ServeIfChild()
 	os.Exit(m.Run())
 }
 

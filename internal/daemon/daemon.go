@@ -1,9 +1,10 @@
 // Package daemon is kvxferd's serve command: it serves engine ranks over
 // a unix socket (kvxfer.v1 WorkerService), handshakes with peer daemons
 // over TCP (PeerService), moves KV bytes with the built-in or the NIXL
-// backend, and exports Prometheus metrics. Start runs it as a child
-// process of any binary whose main hands "serve" to Main (kvxferd, the
-// P/D simulator, tests).
+// backend, and exports Prometheus metrics. Its server side of kvxfer.v1
+// is package server; package daemontest runs it as a child process of
+// any binary whose main hands "serve" to Main (the demo, the P/D
+// simulator, tests).
 package daemon
 
 import (

@@ -292,7 +292,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 		}()
 		_ = rs.Close(ctx)
 	}()
-	res, err := server.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr)
 	if err != nil || len(res.Ranks) != 1 {
 		t.Fatalf("handshake = %+v, %v; want the one rank", res, err)
 	}

@@ -45,7 +45,7 @@ func BenchmarkHandshakeRPC(b *testing.B) {
 				srv.RegisterPeer(g)
 				go func() { _ = g.Serve(ln) }()
 				defer g.Stop()
-				res := server.NewPeerResolver()
+				res := server.NewPeerResolver(server.ResolverConfig{})
 				defer res.Close()
 				for b.Loop() {
 					out, err := res.Handshake(context.Background(), "prefill-0", ln.Addr().String())
@@ -79,7 +79,7 @@ func TestLargeHandshake(t *testing.T) {
 		g := grpc.NewServer()
 		srv.RegisterPeer(g)
 		go func() { _ = g.Serve(ln) }()
-		res := server.NewPeerResolver()
+		res := server.NewPeerResolver(server.ResolverConfig{})
 		out, err := res.Handshake(context.Background(), "prefill-0", ln.Addr().String())
 		if err != nil || len(out.Ranks) != 8 || len(out.Ranks[0].Agent) < 1<<20 {
 			t.Errorf("compress above %d: handshake of 16 MB: %d ranks, %v", compress, len(out.Ranks), err)

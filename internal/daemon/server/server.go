@@ -211,7 +211,7 @@ func New(cfg Config) (*Server, error) {
 				return err
 			}
 		}
-		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
+		s.resolver = NewPeerResolver(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
 	s.engines = xsync.NewMap[string, *engineEntry]()

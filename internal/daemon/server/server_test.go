@@ -334,11 +334,11 @@ func TestHelloValidation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := server.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr)
 	if err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
 		t.Errorf("handshake = %+v, %v; want the one rank", res, err)
 	}
-	if _, err := server.NewPeerResolver().Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
+	if _, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
 		t.Errorf("handshake of an unknown engine: %v, want NotFound", err)
 	}
 	// An attached rank is never replaced: a second hello for it is refused
@@ -347,7 +347,7 @@ func TestHelloValidation(t *testing.T) {
 		!strings.Contains(err.Error(), `engine "E" tp rank 0 pp rank 0 has a stream open`) {
 		t.Errorf("second hello for an attached rank: %v, want AlreadyExists", err)
 	}
-	if res, err := server.NewPeerResolver().Handshake(ctx, "E", d.peerAddr); err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
+	if res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr); err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
 		t.Errorf("handshake after the refused replacement = %+v, %v; want the first rank", res, err)
 	}
 	// Engine services are not on the peer port.
@@ -549,7 +549,7 @@ func TestResolverAllowList(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := server.NewPeerResolverWith(server.ResolverConfig{Allow: al.Check})
+	r := server.NewPeerResolver(server.ResolverConfig{Allow: al.Check})
 	defer r.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -564,7 +564,7 @@ func TestResolverAllowList(t *testing.T) {
 // their goroutines) behind.
 func TestResolverConnsBounded(t *testing.T) {
 	before := runtime.NumGoroutine()
-	r := server.NewPeerResolverWith(server.ResolverConfig{MaxConns: 4})
+	r := server.NewPeerResolver(server.ResolverConfig{MaxConns: 4})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for i := range 200 {
