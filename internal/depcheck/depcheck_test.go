@@ -140,6 +140,23 @@ func TestCheckRules(t *testing.T) {
 			want: []string{`cmd/kvxferd: imports ` + m + `bench/shapes (nothing imports cmd/ or bench/)`},
 		},
 		{
+			name:   "kvxferd links no simulator, test agent or other test code; the demo and tests may",
+			reason: "issue 15: the production binary holds the daemon and the proxy only",
+			pkgs: []Package{
+				{ImportPath: m + "cmd/kvxferd", Deps: []string{m + "internal/daemon", m + "internal/daemon/server", m + "internal/simengine",
+					m + "internal/kvsim", m + "internal/agentrpc", m + "internal/daemon/daemontest", m + "kvxfer/kvxfertest"}},
+				{ImportPath: m + "cmd/kvxfer-demo", Deps: []string{m + "internal/daemon/daemontest", m + "internal/simengine", m + "internal/kvsim"}},
+				{ImportPath: m + "test", Deps: []string{m + "internal/daemon/daemontest", m + "internal/simengine", m + "kvxfer/kvxfertest"}},
+			},
+			want: []string{
+				`cmd/kvxferd: links internal/agentrpc (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/daemon/daemontest (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/kvsim (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/simengine (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links kvxfer/kvxfertest (a production command links no test, demo or simulator code)`,
+			},
+		},
+		{
 			name: "packages outside the module are skipped",
 			pkgs: []Package{{ImportPath: "example.com/x", Deps: []string{"google.golang.org/grpc"}}},
 		},
@@ -187,6 +204,37 @@ func TestModuleDependencies(t *testing.T) {
 	}
 	for _, v := range Check(pkgs) {
 		t.Error(v)
+	}
+}
+
+// TestProductionLinksNoTestCode checks the acceptance of issue 15 on the
+// real build: `go list -deps ./cmd/kvxferd` names neither the simulator
+// (internal/simengine, internal/kvsim) nor the test agent
+// (internal/agentrpc), nor any other TestOnly package.
+func TestProductionLinksNoTestCode(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("go command not found")
+	}
+	touchModuleFiles(t)
+	for _, cmdPath := range Production {
+		out, err := exec.Command("go", "list", "-deps", Module+"/"+cmdPath).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", cmdPath, err)
+		}
+		deps := strings.Fields(string(out))
+		if !slices.Contains(deps, Module+"/internal/daemon/server") {
+			t.Fatalf("go list -deps %s lacks internal/daemon/server: not the daemon's dependencies?\n%s", cmdPath, out)
+		}
+		for _, d := range deps {
+			if rel, ok := strings.CutPrefix(d, m); ok && under(rel, TestOnly) {
+				t.Errorf("%s links %s", cmdPath, rel)
+			}
+		}
+	}
+	for _, must := range []string{"internal/simengine", "internal/kvsim", "internal/agentrpc"} {
+		if !under(must, TestOnly) {
+			t.Errorf("TestOnly lacks %s", must)
+		}
 	}
 }
 
