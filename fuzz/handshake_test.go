@@ -8,6 +8,7 @@ import (
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -41,7 +42,7 @@ func FuzzHandshake(f *testing.F) {
 	f.Add([]byte{}, false)
 	f.Add([]byte{0x0a, 0xff, 0xff, 0xff, 0x0f}, false)
 	f.Add([]byte{0x28, 0xb5, 0x2f, 0xfd, 0x00, 0x00}, true)
-	dec := stream.NewHandshakeDecoder()
+	dec := server.NewHandshakeDecoder()
 	f.Fuzz(func(t *testing.T, payload []byte, compressed bool) {
 		res, err := dec.Decode("P", &pb.HandshakeResponse{EngineId: "P", Payload: payload, Zstd: compressed, Generation: 7})
 		if err != nil {
@@ -70,7 +71,7 @@ func FuzzHandshake(f *testing.F) {
 // The seeds decode: raw and compressed answers of 1, 2 and 8 ranks.
 func TestHandshakeSeedsDecode(t *testing.T) {
 	enc, _ := zstd.NewWriter(nil)
-	dec := stream.NewHandshakeDecoder()
+	dec := server.NewHandshakeDecoder()
 	for _, tp := range []int{1, 2, 8} {
 		for _, z := range []bool{false, true} {
 			p := handshakeSeed(tp)

@@ -11,8 +11,8 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-// ErrInvalid wraps every error about a malformed message; Status maps it
-// to InvalidArgument.
+// ErrInvalid wraps every error about a malformed message; kvxferd answers
+// it with InvalidArgument.
 var ErrInvalid = errors.New("stream: invalid message")
 
 func invalid(format string, args ...any) error {
@@ -274,4 +274,67 @@ func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
 		f.InvalidBlocks = append(f.InvalidBlocks, topology.BlockID(b))
 	}
 	return f, nil
+}
+
+// ParamsFromProto converts and validates a request's transfer params (nil
+// stays nil); errors name the field.
+func ParamsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
+	if p == nil {
+		return nil, nil
+	}
+	blocks, err := spansFromProto("params.remote_block_ids", p.RemoteBlockIds)
+	if err != nil {
+		return nil, err
+	}
+	if p.Mode < 0 || p.Mode > 2 {
+		return nil, invalid("params.mode = %v unknown", p.Mode)
+	}
+	tok, err := fitInt("params.remote_num_tokens", p.RemoteNumTokens)
+	if err != nil {
+		return nil, err
+	}
+	return &kvxfer.TransferParams{TransferID: p.TransferId, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
+		RemoteEngineID: p.RemoteEngineId, RemoteAddr: p.RemoteAddr, RemoteRequestID: p.RemoteRequestId, RemoteBlockIDs: blocks,
+		RemoteTPSize: int(p.RemoteTpSize), RemotePPSize: int(p.RemotePpSize), RemoteNumTokens: tok,
+		RemoteBlocksExpiry: timeFrom(p.RemoteBlocksExpiryUnixNanos), Mode: kvxfer.Mode(p.Mode)}, nil
+}
+
+// ParamsToProto converts a request's transfer params (nil stays nil).
+func ParamsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
+	if p == nil {
+		return nil
+	}
+	return &pb.TransferParams{TransferId: p.TransferID, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
+		RemoteEngineId: p.RemoteEngineID, RemoteAddr: p.RemoteAddr, RemoteRequestId: p.RemoteRequestID, RemoteBlockIds: spansToProto(p.RemoteBlockIDs),
+		RemoteTpSize: int32(p.RemoteTPSize), RemotePpSize: int32(p.RemotePPSize), RemoteNumTokens: int64(p.RemoteNumTokens),
+		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode)}
+}
+
+// RequestFromProto converts and validates an engine request; errors name
+// the field.
+func RequestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
+	if r == nil || r.RequestId == "" {
+		return nil, invalid("request.request_id is empty")
+	}
+	prompt, err := fitInt("request.prompt_tokens", r.PromptTokens)
+	if err != nil {
+		return nil, err
+	}
+	p, err := ParamsFromProto(r.Params)
+	if err != nil {
+		return nil, err
+	}
+	return &kvxfer.Request{ID: r.RequestId, PromptTokens: prompt, Params: p}, nil
+}
+
+// BlocksFromProto converts a request's block ids, one list per KV cache
+// group.
+func BlocksFromProto(bl []*pb.BlockList) [][]topology.BlockID {
+	out := make([][]topology.BlockID, len(bl))
+	for g, b := range bl {
+		for _, id := range b.GetBlockIds() {
+			out[g] = append(out[g], topology.BlockID(id))
+		}
+	}
+	return out
 }

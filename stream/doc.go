@@ -1,11 +1,11 @@
 // Package stream is kvxfer's engine protocol, kvxfer.v1 (proto/kvxfer/v1,
-// generated into kvxferv1): the gRPC Server behind kvxferd (one
-// WorkerService.Connect stream per engine rank, PeerService handshakes
-// between daemons), the PeerResolver that handshakes with peer daemons,
-// the Client engines written in Go use, the conversions between the
-// protobuf messages and kvxfer's types (which validate every incoming
-// field and name it in errors), and Status, the one function that maps
-// errors to gRPC status codes. It is the only package that imports gRPC.
+// generated into kvxferv1), as both sides of it need it: the Client
+// engines written in Go use (Dial, then one RankStream per rank, opened
+// with a Hello), and the conversions between the protobuf messages and
+// kvxfer's types (layouts, step metadata, finished sets, requests and
+// their transfer params), which validate every incoming field and name it
+// in errors (ErrInvalid). kvxferd's side, the services' implementation,
+// is internal/daemon/server.
 //
 // Regenerate the protobuf code after editing the .proto (protoc 3.21 from
 // Debian's protobuf-compiler, protoc-gen-go v1.36.10, protoc-gen-go-grpc

@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -252,9 +252,9 @@ func (n *netLink) set(t *testing.T, up bool) {
 	}
 }
 
-func startDaemonIn(t *testing.T, netns, dir, name string, extra ...string) *daemon.Proc {
+func startDaemonIn(t *testing.T, netns, dir, name string, extra ...string) *daemontest.Proc {
 	t.Helper()
-	d, err := daemon.StartIn(netns, dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	d, err := daemontest.StartIn(netns, dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -508,7 +508,7 @@ func TestConsumerEngineKilled(t *testing.T) {
 func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 	dir := world(t)
 	p := startDaemon(t, dir, "P")
-	d, err := daemon.StartWrapped([]string{"prlimit", "--nofile=200:200"}, dir, "D", "builtin", "-socket-mode", "0666")
+	d, err := daemontest.StartWrapped([]string{"prlimit", "--nofile=200:200"}, dir, "D", "builtin", "-socket-mode", "0666")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,13 +18,13 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/hotpath"
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -32,7 +32,7 @@ import (
 // dataPort returns the built-in backend's data address of the victim's
 // rank, read from a handshake made with the daemon's secret (an outsider
 // could also scan for it: the port is no secret, only what it serves).
-func dataPort(t *testing.T, d *daemon.Proc, dir, engine string) string {
+func dataPort(t *testing.T, d *daemontest.Proc, dir, engine string) string {
 	t.Helper()
 	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
 	if err != nil {
@@ -42,7 +42,7 @@ func dataPort(t *testing.T, d *daemon.Proc, dir, engine string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(a, "test")))
+	cc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(a, "test")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestDataPortNeedsTheSecret(t *testing.T) {
 
 // realBase is where the victim's region lives in the daemon (what a
 // handshake tells peers).
-func (v *victim) realBase(t *testing.T, d *daemon.Proc, dir string) uint64 {
+func (v *victim) realBase(t *testing.T, d *daemontest.Proc, dir string) uint64 {
 	t.Helper()
 	return rankOf(t, clusterAuth(t, dir), v.id, d.Peer).Layout.Regions[0].Base
 }
@@ -413,7 +413,7 @@ func clusterAuth(t *testing.T, dir string) *peerauth.Authenticator {
 // rank.
 func rankOf(t *testing.T, au *peerauth.Authenticator, engine, addr string) kvxfer.RankInfo {
 	t.Helper()
-	res, err := stream.NewPeerResolverWith(stream.ResolverConfig{Creds: stream.PeerCredentials(au, "t")}).Handshake(context.Background(), engine, addr)
+	res, err := server.NewPeerResolver(server.ResolverConfig{Creds: server.PeerCredentials(au, "t")}).Handshake(context.Background(), engine, addr)
 	if err != nil || len(res.Ranks) != 1 {
 		t.Fatalf("handshake %s: %v", engine, err)
 	}

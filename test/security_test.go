@@ -17,7 +17,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
@@ -27,7 +28,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	daemon.ServeIfChild()
+	daemontest.ServeIfChild()
 	os.Exit(m.Run())
 }
 
@@ -57,9 +58,9 @@ func world(t *testing.T) string {
 
 // startDaemon runs a kvxferd whose socket every local user may connect to
 // (-socket-mode 0666: engines are told apart by uid).
-func startDaemon(t *testing.T, dir, name string, extra ...string) *daemon.Proc {
+func startDaemon(t *testing.T, dir, name string, extra ...string) *daemontest.Proc {
 	t.Helper()
-	d, err := daemon.Start(dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	d, err := daemontest.Start(dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,7 +96,7 @@ type victim struct {
 
 const victimBase = 1 << 20
 
-func attachVictim(t *testing.T, d *daemon.Proc, dir, id string) *victim {
+func attachVictim(t *testing.T, d *daemontest.Proc, dir, id string) *victim {
 	t.Helper()
 	mp, err := shm.Create(dir, id+"-kv", 4096)
 	if err != nil {
@@ -409,7 +410,7 @@ func TestPeerPortNeedsTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(wrong, "x")))
+	wc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(wrong, "x")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,7 +429,7 @@ func TestPeerPortNeedsTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(stream.PeerCredentials(good, "peer")))
+	pc, err := grpc.NewClient(d.Peer, grpc.WithTransportCredentials(server.PeerCredentials(good, "peer")))
 	if err != nil {
 		t.Fatal(err)
 	}

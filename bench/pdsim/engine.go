@@ -7,7 +7,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -113,7 +113,7 @@ type engine struct {
 	overrun  time.Duration        // how much longer the steps took
 }
 
-func newEngine(r *run, dm *daemon.Proc, id string, tp int, e kvsim.Engine, layerwise bool, rng *rand.Rand) (*engine, error) {
+func newEngine(r *run, dm *daemontest.Proc, id string, tp int, e kvsim.Engine, layerwise bool, rng *rand.Rand) (*engine, error) {
 	en := &engine{id: id, tp: tp, byID: map[string]*simReq{}, landed: map[string]time.Time{},
 		fin: make(chan rankFin, 64*tp), inbox: make(chan *simReq, 4096), kvReady: make(chan *simReq, 4096),
 		blocks: newAllocator(e.Blocks, r.shape.Frag, rng)}

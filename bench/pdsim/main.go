@@ -32,13 +32,14 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
 func main() {
-	daemon.ServeIfChild() // the daemons are this binary
+	daemontest.ServeIfChild() // the daemons are this binary
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if err := pdsimMain(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
@@ -128,8 +129,8 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 			return nil, errors.New("-nixl-params needs -backend nixl")
 		}
 	case "nixl":
-		if _, err := daemon.ParseParams(*nixlParams); err != nil {
-			return nil, err
+		if _, err := nixl.ParseParams(*nixlParams); err != nil {
+			return nil, fmt.Errorf("-nixl-params: %w", err)
 		}
 		if *nixlParams != "" {
 			o.daemonArgs = []string{"-nixl-params", *nixlParams}
@@ -213,11 +214,11 @@ func pdsimMain(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	fmt.Fprintf(stdout, "  KV: %d layers x %d heads x %d x bf16 x K,V = %d bytes/token, block %d; every byte D receives is verified\n\n",
 		len(o.model.Kinds), o.model.TotalKVHeads, o.model.HeadSize, bpt, o.block)
-	p, err := daemon.Start(dir, "P", o.backend, o.daemonArgs...)
+	p, err := daemontest.Start(dir, "P", o.backend, o.daemonArgs...)
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(dir, "D", o.backend, o.daemonArgs...)
+	d, err := daemontest.Start(dir, "D", o.backend, o.daemonArgs...)
 	if err != nil {
 		_ = p.Stop()
 		return err

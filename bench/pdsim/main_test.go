@@ -14,12 +14,13 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // TestMain lets the simulator start this test binary as its daemons.
 func TestMain(m *testing.M) {
-	daemon.ServeIfChild()
+	daemontest.ServeIfChild()
 	os.Exit(m.Run())
 }
 

@@ -12,7 +12,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
@@ -111,7 +111,7 @@ type runConfig struct {
 	model     kvsim.Model
 	block     int
 	dir       string
-	p, d      *daemon.Proc
+	p, d      *daemontest.Proc
 	corrupt   bool          // corrupt one source byte of one request (tests)
 	hop       time.Duration // the router's latency per dispatch
 	progress  io.Writer     // nil: quiet

@@ -4,13 +4,12 @@
 // exports Prometheus metrics.
 //
 //	kvxferd [serve] [flags]   run the daemon (flags also read from KVXFERD_<FLAG>)
-//	kvxferd demo [flags]      run a P and a D daemon with simulated engines
 //	kvxferd proxy [flags]     an OpenAI-compatible router over P and D vLLM
 //	                          servers, push or pull (flags also read from
 //	                          KVXFERD_PROXY_<FLAG>)
 //
-// A hidden `kvxferd agent` serves one backend agent over a unix socket to
-// a test (agent.go): the cross-process conformance tests run two of them.
+// It links no simulated engine and no test code: the demo is a command of
+// its own (cmd/kvxfer-demo), and `kvxferd demo` says so.
 package main
 
 import (
@@ -45,16 +44,15 @@ func run(args []string) error {
 	case "serve":
 		return daemon.Main(args)
 	case "demo":
-		return demoMain(args)
+		// The demo simulates engines, which kvxferd does not link.
+		return errors.New("the demo is a command of its own: go run ./cmd/kvxfer-demo (in kvxfer's source tree; same flags)")
 	case "proxy":
 		err := proxy.Main(args)
 		if err != nil && !errors.Is(err, flag.ErrHelp) {
 			err = fmt.Errorf("proxy: %w", err)
 		}
 		return err
-	case "agent": // hidden: one backend agent served to a test (agent.go)
-		return agentMain(args)
 	default:
-		return fmt.Errorf("unknown command %q (want serve, demo or proxy)", cmd)
+		return fmt.Errorf("unknown command %q (want serve or proxy)", cmd)
 	}
 }

@@ -3,53 +3,18 @@ package main
 import (
 	"errors"
 	"flag"
-	"fmt"
-	"os"
 	"strings"
 	"testing"
-
-	"github.com/kvxfer/kvxfer/internal/daemon"
 )
 
-// TestMain lets the demo start this test binary as its daemons, and the
-// cross-process conformance tests as their agents (`kvxferd agent`).
-func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && (os.Args[1] == "serve" || os.Args[1] == "agent") {
-		run := daemon.Main
-		if os.Args[1] == "agent" {
-			run = agentMain
-		}
-		if err := run(os.Args[2:]); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+// kvxferd links no simulator and no test agent: `kvxferd demo` names the
+// demo's own command, and the test agent is no command of kvxferd's.
+func TestDemoAndAgentAreNotHere(t *testing.T) {
+	if err := run([]string{"demo", "-requests", "30"}); err == nil || !strings.Contains(err.Error(), "go run ./cmd/kvxfer-demo") {
+		t.Errorf("run(demo) = %v, want an error naming go run ./cmd/kvxfer-demo", err)
 	}
-	os.Exit(m.Run())
-}
-
-// The README's run command: a P and a D daemon as processes, simulated
-// engines, bytes verified.
-func TestDemo(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts processes")
-	}
-	if err := demoMain([]string{"-requests", "30"}); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// The demo with the NIXL backend between the two daemons (skips where
-// NIXL is not installed).
-func TestDemoNixl(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts processes")
-	}
-	if _, err := daemon.NixlLibrary(); err != nil {
-		t.Skipf("NIXL is not available here: %v", err)
-	}
-	if err := demoMain([]string{"-requests", "20", "-backend", "nixl"}); err != nil {
-		t.Fatal(err)
+	if err := run([]string{"agent"}); err == nil || !strings.Contains(err.Error(), `unknown command "agent"`) {
+		t.Errorf("run(agent) = %v, want unknown command", err)
 	}
 }
 

@@ -1,9 +1,10 @@
 // Package daemon is kvxferd's serve command: it serves engine ranks over
 // a unix socket (kvxfer.v1 WorkerService), handshakes with peer daemons
 // over TCP (PeerService), moves KV bytes with the built-in or the NIXL
-// backend, and exports Prometheus metrics. Start runs it as a child
-// process of any binary whose main hands "serve" to Main (kvxferd, the
-// P/D simulator, tests).
+// backend, and exports Prometheus metrics. Its server side of kvxfer.v1
+// is package server; package daemontest runs it as a child process of
+// any binary whose main hands "serve" to Main (the demo, the P/D
+// simulator, tests).
 package daemon
 
 import (
@@ -23,6 +24,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -40,7 +42,6 @@ import (
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
-	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -127,7 +128,7 @@ func parseFlags(args []string) (*config, error) {
 		return nil, errors.New("-tls-cert, -tls-key and -tls-ca: mutual TLS needs all three")
 	}
 	if c.peerAllow != "" {
-		if _, err := stream.ParseAllowList(c.peerAllow); err != nil {
+		if _, err := server.ParseAllowList(c.peerAllow); err != nil {
 			return nil, fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
@@ -166,22 +167,12 @@ func (c *config) progressDelay() time.Duration {
 }
 
 // params parses -nixl-params.
-func (c *config) params() (map[string]string, error) { return ParseParams(c.nixlParams) }
-
-// ParseParams parses NIXL backend parameters given as key=value,...
-func ParseParams(list string) (map[string]string, error) {
-	out := map[string]string{}
-	for _, item := range strings.Split(list, ",") {
-		if item = strings.TrimSpace(item); item == "" {
-			continue
-		}
-		k, v, ok := strings.Cut(item, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("-nixl-params item %q, want key=value", item)
-		}
-		out[k] = v
+func (c *config) params() (map[string]string, error) {
+	p, err := nixl.ParseParams(c.nixlParams)
+	if err != nil {
+		return nil, fmt.Errorf("-nixl-params: %w", err)
 	}
-	return out, nil
+	return p, nil
 }
 
 // peers parses -preconnect.
@@ -275,23 +266,23 @@ type peerSecurity struct {
 
 func (c *config) peerSecurity(log *slog.Logger) (peerSecurity, error) {
 	if c.tlsCert != "" {
-		client, server, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA)
+		client, srv, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA)
 		if err != nil {
 			return peerSecurity{}, err
 		}
 		log.Info("kvxferd: peers use mutual TLS", "cert", c.tlsCert, "ca", c.tlsCA)
-		return peerSecurity{auth: peerauth.Insecure(), client: client, server: server}, nil
+		return peerSecurity{auth: peerauth.Insecure(), client: client, server: srv}, nil
 	}
 	a, err := c.peerAuth(log)
 	return peerSecurity{auth: a}, err
 }
 
 // grpcCreds are the Peer service's and the resolver's credentials.
-func (p peerSecurity) grpcCreds(name string) (server, client credentials.TransportCredentials) {
+func (p peerSecurity) grpcCreds(name string) (serverCreds, clientCreds credentials.TransportCredentials) {
 	if p.server != nil {
-		return stream.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
+		return server.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
 	}
-	c := stream.PeerCredentials(p.auth, name)
+	c := server.PeerCredentials(p.auth, name)
 	return c, c
 }
 
@@ -357,17 +348,17 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	defer os.Remove(c.socket)
 	var allow func(string) error
 	if c.peerAllow != "" {
-		al, err := stream.ParseAllowList(c.peerAllow)
+		al, err := server.ParseAllowList(c.peerAllow)
 		if err != nil {
 			return fmt.Errorf("-peer-allow: %w", err)
 		}
 		allow = al.Check
 	}
 	serverCreds, clientCreds := sec.grpcCreds(advertise)
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+	srv, err := server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
-		NewBackend: func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+		NewBackend: func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
 			if c.backend == "nixl" {
 				params, _ := c.params()
 				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
@@ -391,7 +382,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	// Listeners by trust: engines on the unix socket (their uid from the
 	// socket's credentials), peer daemons on TCP (PeerService and health
 	// only).
-	eng := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	eng := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
 	srv.RegisterEngine(eng)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(eng, hs)

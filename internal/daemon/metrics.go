@@ -5,16 +5,16 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/stream"
 )
 
 // collector exports every attached rank's kvxfer.Metrics at scrape time:
 // the metric set of vLLM's NIXL connector (SPEC §10), under kvxfer_ names,
 // plus kvxfer's own.
 type collector struct {
-	srv  *stream.Server
+	srv  *server.Server
 	auth *peerauth.Authenticator
 
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
@@ -24,7 +24,7 @@ type collector struct {
 	open, inFlight                                             *prometheus.Desc
 }
 
-func newCollector(srv *stream.Server, auth *peerauth.Authenticator) *collector {
+func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 	l := []string{"engine", "tp_rank", "pp_rank"}
 	d := func(name, help string, extra ...string) *prometheus.Desc {
 		return prometheus.NewDesc("kvxfer_"+name, help, append(append([]string(nil), l...), extra...), nil)

@@ -39,7 +39,7 @@ type Rule struct {
 // table; a rule applies as soon as its package exists. cmd/, bench/,
 // test/ and fuzz/ may import anything and have no rule here; they and
 // every package not listed are checked only by the global rules (gRPC,
-// cgo, cmd/bench).
+// cgo, cmd/bench, and what Production commands link).
 var Rules = []Rule{
 	{Name: "topology imports only the standard library", Prefix: "topology"},
 	{Name: "internal/invariants imports only the standard library", Prefix: "internal/invariants"},
@@ -74,8 +74,15 @@ var Rules = []Rule{
 	// Direct: Prometheus brings dependencies of its own (protobuf, procfs).
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
 		Allowed: []string{"github.com/prometheus/client_golang/..."}},
-	{Name: "stream imports kvxfer and gRPC", Prefix: "stream", Direct: true,
-		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/...", "stream/...", "shm",
+	// The protocol and the Go client: what an engine written in Go links.
+	// The daemon's side of the protocol is internal/daemon/server.
+	{Name: "stream (protocol, conversions, Go client) imports kvxfer and gRPC", Prefix: "stream", Direct: true,
+		Allowed: []string{"kvxfer", "topology", "stream/...",
+			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/..."}},
+	// kvxferd's side of the protocol: the daemon (internal/daemon) wires
+	// the NIXL backend in, the server links only its default backend.
+	{Name: "internal/daemon/server imports kvxfer, stream and gRPC", Prefix: "internal/daemon/server", Direct: true,
+		Allowed: []string{"kvxfer", "kvxfer/backend/tcp", "topology", "hotpath", "internal/cuda", "internal/peerauth", "shm", "stream/...",
 			"google.golang.org/grpc/...", "google.golang.org/protobuf/...", "google.golang.org/genproto/...",
 			"github.com/klauspost/compress/...", "github.com/puzpuzpuz/xsync/v4",
 			"golang.org/x/sys/unix"}}, // the unix socket's peer credentials (SO_PEERCRED)
@@ -107,9 +114,20 @@ func allowed(dep string, list []string) bool {
 	return false
 }
 
+// TestOnly lists the subtrees that exist for tests, the demo and the
+// simulator: simulated engines, the test agent and its RPC, test doubles
+// and harnesses, daemons run as child processes with their fault hooks.
+var TestOnly = []string{"internal/simengine", "internal/kvsim", "internal/agentrpc", "internal/leakcheck",
+	"internal/daemon/daemontest", "internal/peerauth/pkitest", "kvxfer/kvxfertest"}
+
+// Production lists the commands kvxfer ships: they link no TestOnly
+// package (issue 15: kvxferd links neither the simulator nor the test
+// agent).
+var Production = []string{"cmd/kvxferd"}
+
 // grpcAllowed lists the subtrees that may depend on gRPC.
-// internal/daemon serves kvxfer.v1; internal/simengine is the simulated
-// engines' client of it (demo, simulator).
+// internal/daemon (and its server) serves kvxfer.v1; internal/simengine
+// is the simulated engines' client of it (demo, simulator).
 var grpcAllowed = []string{"stream", "cmd", "internal/daemon", "internal/simengine", "bench", "test", "fuzz"}
 
 // cgoAllowed lists the packages that may use cgo.
@@ -150,6 +168,13 @@ func Check(pkgs []Package) []string {
 				if d == "google.golang.org/grpc" || strings.HasPrefix(d, "google.golang.org/grpc/") {
 					out = append(out, fmt.Sprintf("%s: imports %s (only stream/, cmd/, internal/daemon, internal/simengine, bench/, test/ and fuzz/ may use gRPC)", rel, d))
 					break
+				}
+			}
+		}
+		if under(rel, Production) {
+			for _, d := range p.Deps {
+				if drel, ok := strings.CutPrefix(d, Module+"/"); ok && under(drel, TestOnly) {
+					out = append(out, fmt.Sprintf("%s: links %s (a production command links no test, demo or simulator code)", rel, drel))
 				}
 			}
 		}

@@ -57,7 +57,24 @@ func TestCheckRules(t *testing.T) {
 			pkgs: []Package{{ImportPath: m + "stream",
 				Imports: []string{"context", "google.golang.org/grpc", m + "kvxfer", "golang.org/x/net/http2"},
 				Deps:    []string{"context", "google.golang.org/grpc", "golang.org/x/net/http2", m + "kvxfer"}}},
-			want: []string{`stream: imports golang.org/x/net/http2 (rule "stream imports kvxfer and gRPC")`},
+			want: []string{`stream: imports golang.org/x/net/http2 (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`},
+		},
+		{
+			name:   "stream holds no daemon side: no backend, shared memory, CUDA or compression",
+			reason: "an engine's Go client links the protocol, not kvxferd's server (issue 15)",
+			pkgs: []Package{
+				{ImportPath: m + "stream", Imports: []string{"google.golang.org/grpc", m + "kvxfer", m + "stream/kvxferv1",
+					m + "kvxfer/backend/tcp", m + "shm", m + "internal/cuda", "github.com/klauspost/compress/zstd"}},
+				{ImportPath: m + "internal/daemon/server", Imports: []string{"google.golang.org/grpc", m + "stream", m + "kvxfer/backend/tcp",
+					m + "shm", m + "internal/cuda", "github.com/klauspost/compress/zstd", m + "kvxfer/backend/nixl"}},
+			},
+			want: []string{
+				`internal/daemon/server: imports ` + m + `kvxfer/backend/nixl (rule "internal/daemon/server imports kvxfer, stream and gRPC")`,
+				`stream: imports github.com/klauspost/compress/zstd (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `internal/cuda (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `kvxfer/backend/tcp (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+				`stream: imports ` + m + `shm (rule "stream (protocol, conversions, Go client) imports kvxfer and gRPC")`,
+			},
 		},
 		{
 			name:   "kvxfertest has its own rule, not kvxfer's",
@@ -93,7 +110,7 @@ func TestCheckRules(t *testing.T) {
 			reason: "engines import it without kvxfer or gRPC",
 			pkgs: []Package{
 				{ImportPath: m + "shm", Deps: []string{"os", "golang.org/x/sys/unix", m + "kvxfer"}},
-				{ImportPath: m + "stream", Imports: []string{m + "shm", m + "kvxfer"}},
+				{ImportPath: m + "internal/daemon/server", Imports: []string{m + "shm", m + "kvxfer"}},
 				{ImportPath: m + "kvxfer/kvxfertest", Deps: []string{m + "shm", m + "kvxfer"}},
 			},
 			want: []string{`shm: imports ` + m + `kvxfer (rule "shm imports std and x/sys")`},
@@ -121,6 +138,23 @@ func TestCheckRules(t *testing.T) {
 				Imports: []string{m + "stream", m + "kvxfer", m + "internal/netxfer", "google.golang.org/grpc", m + "bench/shapes"},
 				Deps:    []string{m + "stream", m + "kvxfer", m + "internal/netxfer", "google.golang.org/grpc", "golang.org/x/net/http2", m + "bench/shapes"}}},
 			want: []string{`cmd/kvxferd: imports ` + m + `bench/shapes (nothing imports cmd/ or bench/)`},
+		},
+		{
+			name:   "kvxferd links no simulator, test agent or other test code; the demo and tests may",
+			reason: "issue 15: the production binary holds the daemon and the proxy only",
+			pkgs: []Package{
+				{ImportPath: m + "cmd/kvxferd", Deps: []string{m + "internal/daemon", m + "internal/daemon/server", m + "internal/simengine",
+					m + "internal/kvsim", m + "internal/agentrpc", m + "internal/daemon/daemontest", m + "kvxfer/kvxfertest"}},
+				{ImportPath: m + "cmd/kvxfer-demo", Deps: []string{m + "internal/daemon/daemontest", m + "internal/simengine", m + "internal/kvsim"}},
+				{ImportPath: m + "test", Deps: []string{m + "internal/daemon/daemontest", m + "internal/simengine", m + "kvxfer/kvxfertest"}},
+			},
+			want: []string{
+				`cmd/kvxferd: links internal/agentrpc (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/daemon/daemontest (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/kvsim (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links internal/simengine (a production command links no test, demo or simulator code)`,
+				`cmd/kvxferd: links kvxfer/kvxfertest (a production command links no test, demo or simulator code)`,
+			},
 		},
 		{
 			name: "packages outside the module are skipped",
@@ -170,6 +204,37 @@ func TestModuleDependencies(t *testing.T) {
 	}
 	for _, v := range Check(pkgs) {
 		t.Error(v)
+	}
+}
+
+// TestProductionLinksNoTestCode checks the acceptance of issue 15 on the
+// real build: `go list -deps ./cmd/kvxferd` names neither the simulator
+// (internal/simengine, internal/kvsim) nor the test agent
+// (internal/agentrpc), nor any other TestOnly package.
+func TestProductionLinksNoTestCode(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("go command not found")
+	}
+	touchModuleFiles(t)
+	for _, cmdPath := range Production {
+		out, err := exec.Command("go", "list", "-deps", Module+"/"+cmdPath).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", cmdPath, err)
+		}
+		deps := strings.Fields(string(out))
+		if !slices.Contains(deps, Module+"/internal/daemon/server") {
+			t.Fatalf("go list -deps %s lacks internal/daemon/server: not the daemon's dependencies?\n%s", cmdPath, out)
+		}
+		for _, d := range deps {
+			if rel, ok := strings.CutPrefix(d, m); ok && under(rel, TestOnly) {
+				t.Errorf("%s links %s", cmdPath, rel)
+			}
+		}
+	}
+	for _, must := range []string{"internal/simengine", "internal/kvsim", "internal/agentrpc"} {
+		if !under(must, TestOnly) {
+			t.Errorf("TestOnly lacks %s", must)
+		}
 	}
 }
 

@@ -1,6 +1,6 @@
 // Package peerauth authenticates kvxferd daemons to each other with a
 // shared secret, on every connection between them: the gRPC Peer service
-// (stream.PeerCredentials: gRPC transport credentials over it) and every
+// (server.PeerCredentials: gRPC transport credentials over it) and every
 // data-plane connection of the built-in backend.
 //
 // # Protocol

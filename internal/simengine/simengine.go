@@ -1,7 +1,7 @@
 // Package simengine attaches a simulated inference engine to a kvxferd:
 // one kvsim rank per TP rank, its KV cache a shared-memory file the
 // daemon maps, a kvxfer.v1 stream per rank, and the engine-side
-// kvxfer.Scheduler and Aggregator. The demo (kvxferd demo) and the P/D
+// kvxfer.Scheduler and Aggregator. The demo (cmd/kvxfer-demo) and the P/D
 // simulator (bench/pdsim) build their engines on it; what they do with
 // the engine (step loops, allocators, verification) is theirs.
 package simengine

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/simengine"
@@ -17,9 +17,9 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-// TestMain lets daemon.Start run this test binary as a kvxferd.
+// TestMain lets daemontest.Start run this test binary as a kvxferd.
 func TestMain(m *testing.M) {
-	daemon.ServeIfChild()
+	daemontest.ServeIfChild()
 	os.Exit(m.Run())
 }
 
@@ -70,12 +70,12 @@ func TestAttachPushAndClose(t *testing.T) {
 	}
 	before := runtime.NumGoroutine()
 	dir := t.TempDir()
-	p, err := daemon.Start(dir, "P", "builtin")
+	p, err := daemontest.Start(dir, "P", "builtin")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer p.Stop()
-	d, err := daemon.Start(dir, "D", "builtin")
+	d, err := daemontest.Start(dir, "D", "builtin")
 	if err != nil {
 		t.Fatal(err)
 	}

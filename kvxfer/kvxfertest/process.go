@@ -21,15 +21,15 @@ import (
 )
 
 // ProcessHarness is a Harness whose every agent runs in a child process
-// of its own (`kvxferd agent`, internal/agentrpc), so the suite checks
+// of its own (AgentCommand, internal/agentrpc), so the suite checks
 // two backends in two processes, neither of them the test's. An agent's
 // memory is a shared-memory file mapped in its process and in the
 // test's: the suite reads and writes the bytes directly, descriptors name
 // the agent process's addresses. Closing an agent ends its process.
 type ProcessHarness struct {
-	// Command returns the command serving one agent: `kvxferd agent`
-	// with its backend flags, and the environment the agent needs (for
-	// NIXL: UCX_TLS). The harness appends -socket, -shm and -size.
+	// Command returns the command serving one agent: AgentCommand with
+	// its backend flags, and the environment the agent needs (for NIXL:
+	// UCX_TLS). The harness appends -socket, -shm and -size.
 	Command func() *exec.Cmd
 	// CloseHangsAfterCrash, when set, says why closing an agent whose
 	// peer crashed with a transfer in flight is known not to return:

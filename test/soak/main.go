@@ -30,7 +30,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -49,14 +49,14 @@ func engineOf(id int) kvsim.Engine {
 type side struct {
 	name, addr, dir string
 	id              int
-	d               *daemon.Proc
+	d               *daemontest.Proc
 	e               *simengine.Engine
 	epoch           int
 	free            []topology.BlockID
 }
 
 func (s *side) start() error {
-	d, err := daemon.Start(s.dir, fmt.Sprintf("%s%d", s.name, s.epoch), "builtin", "-peer-listen", s.addr, "-lease", "10s")
+	d, err := daemontest.Start(s.dir, fmt.Sprintf("%s%d", s.name, s.epoch), "builtin", "-peer-listen", s.addr, "-lease", "10s")
 	if err != nil {
 		return err
 	}
@@ -251,7 +251,7 @@ func (s *soak) fault() error {
 		s.faults["freeze P daemon"]++
 		d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
 		_ = s.p.d.Signal(syscall.SIGSTOP)
-		go func(p *daemon.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.p.d)
+		go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.p.d)
 	case 3:
 		s.faults["restart P daemon"]++
 		return s.restart(s.p)
@@ -282,7 +282,7 @@ func freePort() string {
 }
 
 func main() {
-	daemon.ServeIfChild()
+	daemontest.ServeIfChild()
 	duration := flag.Duration("duration", time.Minute, "how long to inject faults")
 	every := flag.Duration("fault-every", 4*time.Second, "mean time between faults")
 	// A P request whose consumer died before it registered ends only when

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -38,6 +39,23 @@ type Config struct {
 	// API this build declares (capi.SupportedVersions), or cannot be
 	// told: undefined behaviour where the C API differs.
 	AnyVersion bool
+}
+
+// ParseParams parses plugin parameters (Config.Params) written as
+// key=value,... (kvxferd -nixl-params); an empty list is none.
+func ParseParams(list string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, item := range strings.Split(list, ",") {
+		if item = strings.TrimSpace(item); item == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(item, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("item %q, want key=value", item)
+		}
+		out[k] = v
+	}
+	return out, nil
 }
 
 // progressDelay is the pause NIXL's progress thread gets: the default for

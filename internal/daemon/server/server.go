@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"cmp"
@@ -13,22 +13,22 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
-	"github.com/puzpuzpuz/xsync/v4"
-
 	"github.com/klauspost/compress/zstd"
+	"github.com/puzpuzpuz/xsync/v4"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 	"github.com/kvxfer/kvxfer/shm"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-var errDraining = errors.New("stream: kvxferd is shutting down")
+var errDraining = errors.New("server: kvxferd is shutting down")
 
 // Backend is a transfer backend that adopts mapped memory: what the
 // server needs to serve an engine's shared-memory KV cache.
@@ -42,8 +42,8 @@ type DeviceMapper interface {
 	MapDevice(base, size uint64) error
 }
 
-// ServerConfig configures a Server. Zero fields mean the defaults.
-type ServerConfig struct {
+// Config configures a Server. Zero fields mean the defaults.
+type Config struct {
 	// PeerAddr is the address of this daemon's Peer service that other
 	// daemons dial (host:port); engines' transfer params carry it.
 	PeerAddr string
@@ -94,7 +94,7 @@ type Server struct {
 	pb.UnimplementedWorkerServiceServer
 	pb.UnimplementedPeerServiceServer
 
-	cfg      ServerConfig
+	cfg      Config
 	sched    *schedulers
 	owners   *owners
 	limits   *limits
@@ -138,7 +138,7 @@ func (e *engineEntry) answer(enc *zstd.Encoder, compressAbove int) (payload, com
 		for _, k := range slices.SortedFunc(maps.Keys(e.ranks), func(a, b [2]int) int { return cmp.Compare(a[0]<<16|a[1], b[0]<<16|b[1]) }) {
 			r := e.ranks[k]
 			list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: r.info.EngineID, CompatHash: r.info.CompatHash,
-				Layout: LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
+				Layout: stream.LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
 		}
 		e.payload, _ = proto.Marshal(&list) // a RankList of valid layouts always marshals
 		if compressAbove >= 0 && len(e.payload) > compressAbove {
@@ -153,10 +153,10 @@ type rankEntry struct {
 	worker *kvxfer.Worker
 }
 
-// NewServer returns a Server.
-func NewServer(cfg ServerConfig) (*Server, error) {
+// New returns a Server.
+func New(cfg Config) (*Server, error) {
 	if cfg.PeerAddr == "" {
-		return nil, errors.New("stream: ServerConfig.PeerAddr is empty")
+		return nil, errors.New("server: Config.PeerAddr is empty")
 	}
 	if cfg.ShmDir == "" {
 		cfg.ShmDir = shm.DefaultDir
@@ -211,7 +211,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 				return err
 			}
 		}
-		s.resolver = NewPeerResolverWith(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
+		s.resolver = NewPeerResolver(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
 		s.cfg.Resolver = s.resolver
 	}
 	s.engines = xsync.NewMap[string, *engineEntry]()
@@ -610,7 +610,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
 		return nil, invalid("hello.mode = %v, want push or pull", h.Mode)
 	}
-	l, err := LayoutFromProto("hello.layout", h.Layout)
+	l, err := stream.LayoutFromProto("hello.layout", h.Layout)
 	if err != nil {
 		return nil, err
 	}
@@ -645,7 +645,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		}
 		if m.DeviceUuid != "" {
 			if _, err := cuda.ParseUUID(m.DeviceUuid); err != nil {
-				return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", ErrInvalid, i, err)
+				return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", stream.ErrInvalid, i, err)
 			}
 		}
 	}
@@ -706,7 +706,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	}
 	r.layout = l
 	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l, vram); err != nil {
-		return nil, fmt.Errorf("stream: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
+		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
 	}
 	for i, m := range h.Memory {
 		var err error
@@ -827,7 +827,7 @@ func (s *Server) gpuOf(i int, m *pb.SharedMemory) (*cuda.Device, error) {
 	}
 	u, err := cuda.ParseUUID(m.DeviceUuid)
 	if err != nil {
-		return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", ErrInvalid, i, err)
+		return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", stream.ErrInvalid, i, err)
 	}
 	ordinal, ok := s.gpuUUIDs[u]
 	if !ok {
@@ -884,7 +884,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			select {
 			case <-r.worker.Ready():
 				f := r.worker.Finished()
-				fp := FinishedToProto(&f)
+				fp := stream.FinishedToProto(&f)
 				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
 				if err := sendFinished(st, r.maxMsg, fp); err != nil {
 					sendErr <- err
@@ -928,7 +928,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			_ = r.worker.Close()
 			f := r.worker.Finished()
 			if len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
-				_ = sendFinished(st, r.maxMsg, FinishedToProto(&f))
+				_ = sendFinished(st, r.maxMsg, stream.FinishedToProto(&f))
 			}
 		}
 		return nil
@@ -949,7 +949,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 		case m := <-recvd:
 			switch x := m.Msg.(type) {
 			case *pb.ConnectRequest_Step:
-				meta, err := StepFromProto(x.Step)
+				meta, err := stream.StepFromProto(x.Step)
 				if err == nil {
 					err = r.worker.Step(meta)
 				}

@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
@@ -99,7 +100,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 		}
 		out.PublishStep = req.PublishStep
 	case req.BuildMeta:
-		out.Meta = StepToProto(ls.s.BuildMeta())
+		out.Meta = stream.StepToProto(ls.s.BuildMeta())
 	}
 	out.Pending = ls.s.HasPendingWork()
 	c := ls.s.Counters()
@@ -116,7 +117,7 @@ func (ls *lockedScheduler) publish(step uint64) error {
 	}
 	ls.pub.Lock()
 	defer ls.pub.Unlock()
-	m := StepToProto(ls.s.BuildMeta())
+	m := stream.StepToProto(ls.s.BuildMeta())
 	m.Step = step
 	ls.pub.metas[step] = m
 	if old := step - maxPublished; step > maxPublished {
@@ -159,7 +160,7 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 		last, changed := ls.pub.last, ls.pub.changed
 		ls.pub.Unlock()
 		if ok {
-			return StepFromProto(m)
+			return stream.StepFromProto(m)
 		}
 		if step <= last {
 			return nil, invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)

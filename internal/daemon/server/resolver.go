@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -61,12 +61,9 @@ type ResolverConfig struct {
 	MaxConns int
 }
 
-// NewPeerResolver returns a resolver with the default config: no
-// authentication, any address.
-func NewPeerResolver() *PeerResolver { return NewPeerResolverWith(ResolverConfig{}) }
-
-// NewPeerResolverWith returns a resolver with cfg.
-func NewPeerResolverWith(cfg ResolverConfig) *PeerResolver {
+// NewPeerResolver returns a resolver with cfg (the zero ResolverConfig:
+// no authentication, any address).
+func NewPeerResolver(cfg ResolverConfig) *PeerResolver {
 	if cfg.Creds == nil {
 		cfg.Creds = insecure.NewCredentials()
 	}

@@ -1,4 +1,4 @@
-package daemon
+package daemon_test
 
 import (
 	"context"
@@ -9,11 +9,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 )
 
+// TestMain lets daemontest.Start run this test binary as a kvxferd.
 func TestMain(m *testing.M) {
-	ServeIfChild()
+	daemontest.ServeIfChild()
 	os.Exit(m.Run())
 }
 
@@ -60,7 +62,7 @@ func TestNixlVersionChecked(t *testing.T) {
 		!strings.Contains(string(out), "1.5") {
 		t.Fatalf("kvxferd with NIXL 1.4.0: %v\n%s\nwant a refusal naming 1.4.0, the declared 1.5 and -nixl-any-version", err, out)
 	}
-	d, err := Start(dir, "any", "nixl", "-nixl-any-version", "-log-level", "info")
+	d, err := daemontest.Start(dir, "any", "nixl", "-nixl-any-version", "-log-level", "info")
 	if err != nil {
 		b, _ := os.ReadFile(filepath.Join(dir, "any.log"))
 		t.Fatalf("kvxferd -nixl-any-version: %v\n%s", err, b)
@@ -77,27 +79,6 @@ func dirExists(p string) bool {
 	return err == nil && st.IsDir()
 }
 
-// GOMAXPROCS is left to the runtime unless its container-aware setting
-// is off, in the environment or in the binary's default GODEBUG.
-func TestContainerMaxProcsOff(t *testing.T) {
-	for _, tc := range []struct {
-		def, env string
-		want     bool
-	}{
-		{"", "", false},
-		{"", "containermaxprocs=0", true},
-		{"", "gctrace=1,containermaxprocs=0", true},
-		{"containermaxprocs=0", "", true},
-		{"containermaxprocs=0", "containermaxprocs=1", false},
-		{"", "containermaxprocs=1", false},
-		{"", "updatemaxprocs=0", false},
-	} {
-		if got := containerMaxProcsOff(tc.def, tc.env); got != tc.want {
-			t.Errorf("default %q, GODEBUG %q: off = %v, want %v", tc.def, tc.env, got, tc.want)
-		}
-	}
-}
-
 // In a daemon: the runtime's own setting by default, automaxprocs under
 // GODEBUG=containermaxprocs=0.
 func TestDaemonMaxProcs(t *testing.T) {
@@ -110,7 +91,7 @@ func TestDaemonMaxProcs(t *testing.T) {
 	} {
 		t.Setenv("GODEBUG", tc.godebug)
 		dir := t.TempDir()
-		d, err := Start(dir, "m", "builtin", "-log-level", "info")
+		d, err := daemontest.Start(dir, "m", "builtin", "-log-level", "info")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,4 +1,4 @@
-package stream_test
+package server_test
 
 import (
 	"bufio"
@@ -15,13 +15,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
-
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -138,8 +138,8 @@ func TestDaemonsGPU(t *testing.T) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
 	probe.Close()
-	nixlBackend := func(c *stream.ServerConfig) {
-		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+	nixlBackend := func(c *server.Config) {
+		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
 			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
 		}
 	}
@@ -253,8 +253,8 @@ func TestAttachGPUByUUID(t *testing.T) {
 	}
 	probe.Close()
 	last := len(uuids) - 1
-	d := startDaemonWith(t, t.TempDir(), func(c *stream.ServerConfig) {
-		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (stream.Backend, error) {
+	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) {
+		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
 			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
 		}
 	})
@@ -292,7 +292,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 		}()
 		_ = rs.Close(ctx)
 	}()
-	res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr)
 	if err != nil || len(res.Ranks) != 1 {
 		t.Fatalf("handshake = %+v, %v; want the one rank", res, err)
 	}

@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"fmt"
@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
@@ -46,7 +47,7 @@ func (d *HandshakeDecoder) Decode(engineID string, resp *pb.HandshakeResponse) (
 		if ri.EngineId != engineID {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: ranks[%d].engine_id %q", kvxfer.ErrBadMetadata, engineID, i, ri.EngineId)
 		}
-		l, err := LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
+		l, err := stream.LayoutFromProto(fmt.Sprintf("ranks[%d].layout", i), ri.Layout)
 		if err != nil {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s: %w", kvxfer.ErrBadMetadata, engineID, err)
 		}

@@ -1,4 +1,11 @@
-package daemon
+// Package daemontest runs kvxferd daemons as child processes, for tests,
+// the demo (cmd/kvxfer-demo) and the P/D simulator (bench/pdsim): Start
+// re-executes this binary as "serve" (which ServeIfChild, called first
+// in main or TestMain, hands to daemon.Main), and Proc injects a
+// daemon's faults: a crash (Kill), a freeze (Signal with SIGSTOP), a
+// network namespace whose links a test cuts (StartIn), a descriptor limit
+// (StartWrapped). kvxferd links none of it.
+package daemontest
 
 import (
 	"encoding/base64"
@@ -12,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
@@ -25,14 +33,14 @@ type Proc struct {
 }
 
 // ServeIfChild makes this process the daemon when Start launched it (its
-// first argument is "serve"): it runs Main and exits. Otherwise it
+// first argument is "serve"): it runs daemon.Main and exits. Otherwise it
 // returns at once. A program or test binary that starts daemons with Start
 // calls it first thing in main or TestMain.
 func ServeIfChild() {
 	if len(os.Args) < 2 || os.Args[1] != "serve" {
 		return
 	}
-	if err := Main(os.Args[2:]); err != nil {
+	if err := daemon.Main(os.Args[2:]); err != nil {
 		fmt.Fprintln(os.Stderr, "kvxferd:", err)
 		os.Exit(1)
 	}
@@ -44,7 +52,7 @@ func ServeIfChild() {
 // metrics off and the peer secret of dir (SecretFile: daemons started in
 // one dir peer with each other), and waits until it serves. The
 // executable calls ServeIfChild first (or hands a first argument "serve"
-// to Main itself). extra flags are appended; with -insecure-peers,
+// to daemon.Main itself, as kvxferd does). extra flags are appended; with -insecure-peers,
 // -peer-secret-file or -tls-* among them, no secret of dir is used.
 func Start(dir, name, backend string, extra ...string) (*Proc, error) {
 	return StartIn("", dir, name, backend, extra...)

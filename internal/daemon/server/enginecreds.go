@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -58,7 +58,7 @@ func (engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, 
 		return nil, nil, err
 	}
 	if cerr != nil {
-		return nil, nil, fmt.Errorf("stream: SO_PEERCRED: %w", cerr)
+		return nil, nil, fmt.Errorf("server: SO_PEERCRED: %w", cerr)
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid}, nil

@@ -1,4 +1,4 @@
-package stream_test
+package server_test
 
 import (
 	"context"

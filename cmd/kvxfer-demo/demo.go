@@ -10,17 +10,12 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
 )
-
-// The demo: a P and a D kvxferd as separate processes, simulated engines
-// (Go clients of kvxfer.v1 with block allocators, schedulers and KV caches
-// in shared memory filled with a deterministic pattern), a few hundred
-// requests per scenario, every transferred byte verified.
 
 type scenario struct {
 	name     string
@@ -37,8 +32,9 @@ type result struct {
 	failures                     []string
 }
 
-func demoMain(args []string) error {
-	fs := flag.NewFlagSet("kvxferd demo", flag.ContinueOnError)
+// run runs the demo with command-line flags.
+func run(args []string) error {
+	fs := flag.NewFlagSet("kvxfer-demo", flag.ContinueOnError)
 	n := fs.Int("requests", 200, "requests per scenario")
 	seed := fs.Uint64("seed", 1, "seed of the request mix")
 	backend := fs.String("backend", "builtin", "transfer backend of both daemons: builtin or nixl")
@@ -57,12 +53,12 @@ func demoMain(args []string) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	fmt.Printf("kvxferd demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
-	p, err := daemon.Start(dir, "P", *backend)
+	fmt.Printf("kvxfer-demo: starting a P and a D kvxferd (separate processes, %s backend; work dir %s)\n", *backend, dir)
+	p, err := daemontest.Start(dir, "P", *backend)
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(dir, "D", *backend)
+	d, err := daemontest.Start(dir, "D", *backend)
 	if err != nil {
 		p.Stop()
 		return err
@@ -124,7 +120,7 @@ type simEngine struct {
 	free []topology.BlockID
 }
 
-func newSimEngine(dir string, dm *daemon.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
+func newSimEngine(dir string, dm *daemontest.Proc, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, rng *rand.Rand) (*simEngine, error) {
 	en, err := simengine.Attach(simengine.Config{Dir: dir, Sock: dm.Sock, Peer: dm.Peer, ID: id, Model: m, Engine: e, Mode: mode,
 		Version: "kvxfer-demo"})
 	if err != nil {
@@ -189,7 +185,7 @@ type demoReq struct {
 	pReq, dReq  *kvxfer.Request
 }
 
-func runScenario(dir string, pd, dd *daemon.Proc, sc scenario, n int, seed uint64, idx int) (*result, error) {
+func runScenario(dir string, pd, dd *daemontest.Proc, sc scenario, n int, seed uint64, idx int) (*result, error) {
 	rng := rand.New(rand.NewPCG(seed, 77))
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention, topology.KindFullAttention},
 		TotalKVHeads: 8, HeadSize: 64, ElemBytes: 2}

@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"encoding/binary"
@@ -10,6 +10,7 @@ import (
 	"github.com/klauspost/compress/zstd"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -36,7 +37,7 @@ func handshakePayload(tp, layers, descs int) []byte {
 		for range 32 {
 			agent = binary.LittleEndian.AppendUint64(agent, rng.Uint64())
 		}
-		list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: "prefill-0", CompatHash: "3f9a", Layout: LayoutToProto(&l), Agent: agent})
+		list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: "prefill-0", CompatHash: "3f9a", Layout: stream.LayoutToProto(&l), Agent: agent})
 	}
 	b, _ := proto.Marshal(&list)
 	return b

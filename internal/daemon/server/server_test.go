@@ -1,4 +1,4 @@
-package stream_test
+package server_test
 
 import (
 	"context"
@@ -16,17 +16,17 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
-
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -38,7 +38,7 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 // daemon is a kvxferd in miniature: a Server on a unix socket for engines
 // and on loopback TCP for peers.
 type daemon struct {
-	srv      *stream.Server
+	srv      *server.Server
 	g        *grpc.Server
 	sock     string
 	peerAddr string
@@ -49,7 +49,7 @@ func startDaemon(t *testing.T, shmDir string) *daemon {
 	return startDaemonWith(t, shmDir, nil)
 }
 
-func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfig)) *daemon {
+func startDaemonWith(t *testing.T, shmDir string, tweak func(*server.Config)) *daemon {
 	t.Helper()
 	pl, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -60,18 +60,18 @@ func startDaemonWith(t *testing.T, shmDir string, tweak func(*stream.ServerConfi
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := stream.ServerConfig{PeerAddr: pl.Addr().String(), ShmDir: shmDir, Logger: quiet,
-		NewBackend: func(string, *topology.Layout, bool) (stream.Backend, error) {
+	cfg := server.Config{PeerAddr: pl.Addr().String(), ShmDir: shmDir, Logger: quiet,
+		NewBackend: func(string, *topology.Layout, bool) (server.Backend, error) {
 			return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
 		}}
 	if tweak != nil {
 		tweak(&cfg)
 	}
-	srv, err := stream.NewServer(cfg)
+	srv, err := server.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	g := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
 	srv.RegisterEngine(g)
 	pg := grpc.NewServer()
 	srv.RegisterPeer(pg)
@@ -334,11 +334,11 @@ func TestHelloValidation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr)
+	res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr)
 	if err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
 		t.Errorf("handshake = %+v, %v; want the one rank", res, err)
 	}
-	if _, err := stream.NewPeerResolver().Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
+	if _, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "nope", d.peerAddr); status.Code(err) != codes.NotFound {
 		t.Errorf("handshake of an unknown engine: %v, want NotFound", err)
 	}
 	// An attached rank is never replaced: a second hello for it is refused
@@ -347,7 +347,7 @@ func TestHelloValidation(t *testing.T) {
 		!strings.Contains(err.Error(), `engine "E" tp rank 0 pp rank 0 has a stream open`) {
 		t.Errorf("second hello for an attached rank: %v, want AlreadyExists", err)
 	}
-	if res, err := stream.NewPeerResolver().Handshake(ctx, "E", d.peerAddr); err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
+	if res, err := server.NewPeerResolver(server.ResolverConfig{}).Handshake(ctx, "E", d.peerAddr); err != nil || len(res.Ranks) != 1 || res.Ranks[0].CompatHash != "m" {
 		t.Errorf("handshake after the refused replacement = %+v, %v; want the first rank", res, err)
 	}
 	// Engine services are not on the peer port.
@@ -375,12 +375,12 @@ func TestEngineServicesNeedTheUnixSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: ln.Addr().String(), Logger: quiet})
+	srv, err := server.New(server.Config{PeerAddr: ln.Addr().String(), Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	g := grpc.NewServer(grpc.Creds(stream.EngineCredentials()))
+	g := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
 	srv.RegisterEngine(g)
 	go func() { _ = g.Serve(ln) }()
 	defer g.Stop()
@@ -450,7 +450,7 @@ func TestHelloGPUNotHere(t *testing.T) {
 // request's outcome before its stream ends; its memory is released.
 func TestDrainReportsEveryOutcome(t *testing.T) {
 	shmDir := t.TempDir()
-	d := startDaemonWith(t, shmDir, func(c *stream.ServerConfig) { c.DrainTimeout = 200 * time.Millisecond })
+	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 200 * time.Millisecond })
 	srv := d.srv
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2}
 	de := kvsim.Engine{ID: 2, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
@@ -481,7 +481,7 @@ func TestDrainReportsEveryOutcome(t *testing.T) {
 // each refusal is counted by reason.
 func TestEngineStreamLimits(t *testing.T) {
 	shmDir := t.TempDir()
-	d := startDaemonWith(t, shmDir, func(c *stream.ServerConfig) {
+	d := startDaemonWith(t, shmDir, func(c *server.Config) {
 		c.HelloTimeout = 200 * time.Millisecond
 		c.MaxStreamsPerUID = 2
 	})
@@ -545,16 +545,16 @@ func TestEngineStreamLimits(t *testing.T) {
 // An engine-supplied peer address outside the allow-list is refused
 // before anything is dialed, with an error naming it.
 func TestResolverAllowList(t *testing.T) {
-	al, err := stream.ParseAllowList("10.0.0.0/8")
+	al, err := server.ParseAllowList("10.0.0.0/8")
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := stream.NewPeerResolverWith(stream.ResolverConfig{Allow: al.Check})
+	r := server.NewPeerResolver(server.ResolverConfig{Allow: al.Check})
 	defer r.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	_, err = r.Handshake(ctx, "P", "127.0.0.1:1")
-	if !errors.Is(err, stream.ErrPeerNotAllowed) || !strings.Contains(err.Error(), "127.0.0.1:1 is not in kvxferd's -peer-allow list") {
+	if !errors.Is(err, server.ErrPeerNotAllowed) || !strings.Contains(err.Error(), "127.0.0.1:1 is not in kvxferd's -peer-allow list") {
 		t.Errorf("handshake with a peer outside the allow-list: %v", err)
 	}
 }
@@ -564,7 +564,7 @@ func TestResolverAllowList(t *testing.T) {
 // their goroutines) behind.
 func TestResolverConnsBounded(t *testing.T) {
 	before := runtime.NumGoroutine()
-	r := stream.NewPeerResolverWith(stream.ResolverConfig{MaxConns: 4})
+	r := server.NewPeerResolver(server.ResolverConfig{MaxConns: 4})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for i := range 200 {
@@ -600,7 +600,7 @@ func TestLargeFinishedSplit(t *testing.T) {
 	if proto.Size(f) < 4<<20 {
 		t.Fatalf("the test's set is %d bytes, want over 4 MiB", proto.Size(f))
 	}
-	parts := stream.SplitFinishedForTest(f, 1<<20)
+	parts := server.SplitFinishedForTest(f, 1<<20)
 	var got pb.Finished
 	for i, p := range parts {
 		if n := proto.Size(p); n > 1<<20 {
@@ -617,7 +617,7 @@ func TestLargeFinishedSplit(t *testing.T) {
 	if len(parts) < 5 || !proto.Equal(&got, f) {
 		t.Errorf("%d parts; their union equals the set: %v", len(parts), proto.Equal(&got, f))
 	}
-	msg := stream.ClipForTest(strings.Repeat("é", 1<<20))
+	msg := server.ClipForTest(strings.Repeat("é", 1<<20))
 	if len(msg) > 70<<10 || !strings.Contains(msg, "more bytes)") || !utf8.ValidString(msg) {
 		t.Errorf("clipped step error: %d bytes, valid UTF-8 %v", len(msg), utf8.ValidString(msg))
 	}

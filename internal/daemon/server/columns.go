@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"

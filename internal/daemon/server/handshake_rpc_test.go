@@ -1,4 +1,4 @@
-package stream_test
+package server_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -25,12 +26,12 @@ func BenchmarkHandshakeRPC(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: ln.Addr().String(), CompressAbove: compress, Logger: quiet})
+				srv, err := server.New(server.Config{PeerAddr: ln.Addr().String(), CompressAbove: compress, Logger: quiet})
 				if err != nil {
 					b.Fatal(err)
 				}
 				var list pb.RankList
-				if err := proto.Unmarshal(stream.HandshakePayloadForTest(8, 80, descs), &list); err != nil {
+				if err := proto.Unmarshal(server.HandshakePayloadForTest(8, 80, descs), &list); err != nil {
 					b.Fatal(err)
 				}
 				for _, r := range list.Ranks {
@@ -44,7 +45,7 @@ func BenchmarkHandshakeRPC(b *testing.B) {
 				srv.RegisterPeer(g)
 				go func() { _ = g.Serve(ln) }()
 				defer g.Stop()
-				res := stream.NewPeerResolver()
+				res := server.NewPeerResolver(server.ResolverConfig{})
 				defer res.Close()
 				for b.Loop() {
 					out, err := res.Handshake(context.Background(), "prefill-0", ln.Addr().String())
@@ -65,12 +66,12 @@ func TestLargeHandshake(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, compress := range []int{-1, 1024} {
-		srv, err := stream.NewServer(stream.ServerConfig{PeerAddr: ln.Addr().String(), CompressAbove: compress, Logger: quiet})
+		srv, err := server.New(server.Config{PeerAddr: ln.Addr().String(), CompressAbove: compress, Logger: quiet})
 		if err != nil {
 			t.Fatal(err)
 		}
 		var list pb.RankList
-		_ = proto.Unmarshal(stream.HandshakePayloadForTest(8, 80, 100000), &list)
+		_ = proto.Unmarshal(server.HandshakePayloadForTest(8, 80, 100000), &list)
 		for _, r := range list.Ranks {
 			l, _ := stream.LayoutFromProto("layout", r.Layout)
 			srv.PublishForTest(kvxfer.RankInfo{EngineID: r.EngineId, CompatHash: r.CompatHash, Layout: l, Agent: r.Agent})
@@ -78,7 +79,7 @@ func TestLargeHandshake(t *testing.T) {
 		g := grpc.NewServer()
 		srv.RegisterPeer(g)
 		go func() { _ = g.Serve(ln) }()
-		res := stream.NewPeerResolver()
+		res := server.NewPeerResolver(server.ResolverConfig{})
 		out, err := res.Handshake(context.Background(), "prefill-0", ln.Addr().String())
 		if err != nil || len(out.Ranks) != 8 || len(out.Ranks[0].Agent) < 1<<20 {
 			t.Errorf("compress above %d: handshake of 16 MB: %d ranks, %v", compress, len(out.Ranks), err)

@@ -1,4 +1,4 @@
-package stream_test
+package server_test
 
 import (
 	"context"
@@ -12,8 +12,8 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
-	"github.com/kvxfer/kvxfer/stream"
 )
 
 func mustAuth(t testing.TB, secret string) *peerauth.Authenticator {
@@ -28,12 +28,12 @@ func mustAuth(t testing.TB, secret string) *peerauth.Authenticator {
 // gRPC over the credentials: the same secret works; another secret, or no
 // authentication, fails on both sides with the reason.
 func TestGRPCCredentials(t *testing.T) {
-	server := mustAuth(t, "0123456789abcdef-grpc")
+	auth := mustAuth(t, "0123456789abcdef-grpc")
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer(grpc.Creds(stream.PeerCredentials(server, "server")))
+	g := grpc.NewServer(grpc.Creds(server.PeerCredentials(auth, "server")))
 	healthpb.RegisterHealthServer(g, health.NewServer())
 	go func() { _ = g.Serve(ln) }()
 	defer g.Stop()
@@ -48,11 +48,11 @@ func TestGRPCCredentials(t *testing.T) {
 		_, err = healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{})
 		return err
 	}
-	if err := check(grpc.WithTransportCredentials(stream.PeerCredentials(mustAuth(t, "0123456789abcdef-grpc"), "c"))); err != nil {
+	if err := check(grpc.WithTransportCredentials(server.PeerCredentials(mustAuth(t, "0123456789abcdef-grpc"), "c"))); err != nil {
 		t.Errorf("same secret: %v", err)
 	}
-	before := server.Failures()
-	if err := check(grpc.WithTransportCredentials(stream.PeerCredentials(mustAuth(t, "0123456789abcdef-other"), "c"))); err == nil ||
+	before := auth.Failures()
+	if err := check(grpc.WithTransportCredentials(server.PeerCredentials(mustAuth(t, "0123456789abcdef-other"), "c"))); err == nil ||
 		!strings.Contains(err.Error(), "its proof does not match our secret") {
 		t.Errorf("another secret: %v", err)
 	}
@@ -60,10 +60,10 @@ func TestGRPCCredentials(t *testing.T) {
 		t.Error("no authentication: the call went through")
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	for server.Failures() < before+2 && time.Now().Before(deadline) {
+	for auth.Failures() < before+2 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	if server.Failures() < before+2 {
-		t.Errorf("server failures = %d, want 2 more than %d", server.Failures(), before)
+	if auth.Failures() < before+2 {
+		t.Errorf("server failures = %d, want 2 more than %d", auth.Failures(), before)
 	}
 }

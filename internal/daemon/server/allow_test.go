@@ -1,14 +1,14 @@
-package stream_test
+package server_test
 
 import (
 	"errors"
 	"testing"
 
-	"github.com/kvxfer/kvxfer/stream"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
 
 func TestAllowList(t *testing.T) {
-	a, err := stream.ParseAllowList(" 10.0.0.0/8, 192.168.1.7 ,::1, prefill-0.example")
+	a, err := server.ParseAllowList(" 10.0.0.0/8, 192.168.1.7 ,::1, prefill-0.example")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -18,12 +18,12 @@ func TestAllowList(t *testing.T) {
 		"prefill-1.example:7600": false, "10.1.2.3": false, "": false,
 	} {
 		err := a.Check(addr)
-		if (err == nil) != want || (err != nil && !errors.Is(err, stream.ErrPeerNotAllowed)) {
+		if (err == nil) != want || (err != nil && !errors.Is(err, server.ErrPeerNotAllowed)) {
 			t.Errorf("Check(%q) = %v, want allowed %v", addr, err, want)
 		}
 	}
 	for _, bad := range []string{"", " , ", "10.0.0.0/33", "a b", "host:1"} {
-		if _, err := stream.ParseAllowList(bad); err == nil {
+		if _, err := server.ParseAllowList(bad); err == nil {
 			t.Errorf("ParseAllowList(%q) = nil error", bad)
 		}
 	}

@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -7,10 +7,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/puzpuzpuz/xsync/v4"
+
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
-	"github.com/puzpuzpuz/xsync/v4"
 )
 
 // schedulers are the engines' kvxfer.Schedulers, each used by one call at
@@ -69,62 +71,6 @@ func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error)
 	return s, nil
 }
 
-func paramsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
-	if p == nil {
-		return nil, nil
-	}
-	blocks, err := spansFromProto("params.remote_block_ids", p.RemoteBlockIds)
-	if err != nil {
-		return nil, err
-	}
-	if p.Mode < 0 || p.Mode > 2 {
-		return nil, invalid("params.mode = %v unknown", p.Mode)
-	}
-	tok, err := fitInt("params.remote_num_tokens", p.RemoteNumTokens)
-	if err != nil {
-		return nil, err
-	}
-	return &kvxfer.TransferParams{TransferID: p.TransferId, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
-		RemoteEngineID: p.RemoteEngineId, RemoteAddr: p.RemoteAddr, RemoteRequestID: p.RemoteRequestId, RemoteBlockIDs: blocks,
-		RemoteTPSize: int(p.RemoteTpSize), RemotePPSize: int(p.RemotePpSize), RemoteNumTokens: tok,
-		RemoteBlocksExpiry: timeFrom(p.RemoteBlocksExpiryUnixNanos), Mode: kvxfer.Mode(p.Mode)}, nil
-}
-
-func paramsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
-	if p == nil {
-		return nil
-	}
-	return &pb.TransferParams{TransferId: p.TransferID, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
-		RemoteEngineId: p.RemoteEngineID, RemoteAddr: p.RemoteAddr, RemoteRequestId: p.RemoteRequestID, RemoteBlockIds: spansToProto(p.RemoteBlockIDs),
-		RemoteTpSize: int32(p.RemoteTPSize), RemotePpSize: int32(p.RemotePPSize), RemoteNumTokens: int64(p.RemoteNumTokens),
-		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode)}
-}
-
-func requestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
-	if r == nil || r.RequestId == "" {
-		return nil, invalid("request.request_id is empty")
-	}
-	prompt, err := fitInt("request.prompt_tokens", r.PromptTokens)
-	if err != nil {
-		return nil, err
-	}
-	p, err := paramsFromProto(r.Params)
-	if err != nil {
-		return nil, err
-	}
-	return &kvxfer.Request{ID: r.RequestId, PromptTokens: prompt, Params: p}, nil
-}
-
-func blocksFromProto(bl []*pb.BlockList) [][]topology.BlockID {
-	out := make([][]topology.BlockID, len(bl))
-	for g, b := range bl {
-		for _, id := range b.GetBlockIds() {
-			out[g] = append(out[g], topology.BlockID(id))
-		}
-	}
-	return out
-}
-
 func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
 	uid, err := callerUID(ctx)
 	if err != nil {
@@ -149,7 +95,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	}
 	s, err := kvxfer.NewScheduler(cfg)
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	ls := &lockedScheduler{s: s, uid: uid}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
@@ -175,7 +121,7 @@ func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRe
 	if err != nil {
 		return nil, Status(err)
 	}
-	r, err := requestFromProto(req.Request)
+	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -194,7 +140,7 @@ func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest)
 	if err != nil {
 		return nil, Status(err)
 	}
-	r, err := requestFromProto(req.Request)
+	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -207,12 +153,12 @@ func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest)
 		return nil, Status(err)
 	}
 	ls.mu.Lock()
-	err = ls.s.AfterAlloc(r, kvxfer.Alloc{Blocks: blocksFromProto(req.Blocks), Computed: computed, External: external})
+	err = ls.s.AfterAlloc(r, kvxfer.Alloc{Blocks: stream.BlocksFromProto(req.Blocks), Computed: computed, External: external})
 	ls.mu.Unlock()
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
-	return &pb.AfterAllocResponse{Params: paramsToProto(r.Params)}, nil
+	return &pb.AfterAllocResponse{Params: stream.ParamsToProto(r.Params)}, nil
 }
 
 func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (*pb.ScheduledResponse, error) {
@@ -220,12 +166,12 @@ func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (
 	if err != nil {
 		return nil, Status(err)
 	}
-	r, err := requestFromProto(req.Request)
+	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
 		return nil, Status(err)
 	}
 	ls.mu.Lock()
-	ls.s.Scheduled(r, blocksFromProto(req.NewBlocks), int(req.Computed), int(req.Scheduled))
+	ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), int(req.Computed), int(req.Scheduled))
 	ls.mu.Unlock()
 	return &pb.ScheduledResponse{}, nil
 }
@@ -238,7 +184,7 @@ type prefillCall struct {
 }
 
 func prefillFromProto(req *pb.PrefillRequest) (prefillCall, error) {
-	r, err := requestFromProto(req.Request)
+	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
 		return prefillCall{}, err
 	}
@@ -250,13 +196,13 @@ func prefillFromProto(req *pb.PrefillRequest) (prefillCall, error) {
 	if err != nil {
 		return prefillCall{}, err
 	}
-	return prefillCall{r: r, blocks: blocksFromProto(req.Blocks), computed: computed, scheduled: scheduled}, nil
+	return prefillCall{r: r, blocks: stream.BlocksFromProto(req.Blocks), computed: computed, scheduled: scheduled}, nil
 }
 
 // apply runs the call on s (held by the caller).
 func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
 	if err := s.Prefill(c.r, c.blocks, c.computed, c.scheduled); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalid, err)
+		return fmt.Errorf("%w: %w", stream.ErrInvalid, err)
 	}
 	return nil
 }
@@ -284,7 +230,7 @@ func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinish
 	if err != nil {
 		return nil, Status(err)
 	}
-	r, err := requestFromProto(req.Request)
+	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -296,12 +242,12 @@ func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinish
 		return nil, Status(err)
 	}
 	ls.mu.Lock()
-	delay, params, err := ls.s.RequestFinished(r, kvxfer.FinishStatus(req.Status), blocksFromProto(req.Blocks), computed)
+	delay, params, err := ls.s.RequestFinished(r, kvxfer.FinishStatus(req.Status), stream.BlocksFromProto(req.Blocks), computed)
 	ls.mu.Unlock()
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", ErrInvalid, err))
+		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
-	return &pb.RequestFinishedResponse{Delay: delay, Params: paramsToProto(params), RequestParams: paramsToProto(r.Params)}, nil
+	return &pb.RequestFinishedResponse{Delay: delay, Params: stream.ParamsToProto(params), RequestParams: stream.ParamsToProto(r.Params)}, nil
 }
 
 func (ss *schedulers) BuildMeta(ctx context.Context, req *pb.BuildMetaRequest) (*pb.BuildMetaResponse, error) {
@@ -312,7 +258,7 @@ func (ss *schedulers) BuildMeta(ctx context.Context, req *pb.BuildMetaRequest) (
 	ls.mu.Lock()
 	m := ls.s.BuildMeta()
 	ls.mu.Unlock()
-	return &pb.BuildMetaResponse{Meta: StepToProto(m)}, nil
+	return &pb.BuildMetaResponse{Meta: stream.StepToProto(m)}, nil
 }
 
 func (ss *schedulers) Update(ctx context.Context, req *pb.UpdateRequest) (*pb.UpdateResponse, error) {
@@ -320,7 +266,7 @@ func (ss *schedulers) Update(ctx context.Context, req *pb.UpdateRequest) (*pb.Up
 	if err != nil {
 		return nil, Status(err)
 	}
-	f, err := FinishedFromProto(req.Finished)
+	f, err := stream.FinishedFromProto(req.Finished)
 	if err != nil {
 		return nil, Status(err)
 	}

@@ -1,4 +1,4 @@
-package main
+package kvxfertest
 
 import (
 	"errors"
@@ -7,26 +7,57 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/exec"
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/internal/agentrpc"
+	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
-
-	"github.com/kvxfer/kvxfer/internal/agentrpc"
-	"github.com/kvxfer/kvxfer/internal/daemon"
-	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
 )
 
-// agentMain is the hidden `kvxferd agent` command, for tests: one backend
-// agent in this process, its memory a shared-memory file the caller
-// created (-shm, -size), served with internal/agentrpc to the one client
-// that connects to -socket. It exits when the client hangs up (the
-// client's Close, or the client's process ending), so a test that closes
-// the agent loses a real peer process.
-func agentMain(args []string) error {
-	fs := flag.NewFlagSet("kvxferd agent", flag.ContinueOnError)
+// agentArg is the first argument of an agent process: AgentCommand puts
+// it there, ServeAgentIfChild looks for it.
+const agentArg = "kvxfertest-agent"
+
+// AgentCommand returns the command that runs one agent for a
+// ProcessHarness: this executable (a test binary whose TestMain calls
+// ServeAgentIfChild first) with the agent's flags args: -backend builtin
+// (TCP on 127.0.0.1, default) or nixl, -nixl-params key=value,..., -name.
+// The harness appends -socket, -shm and -size.
+func AgentCommand(args ...string) *exec.Cmd {
+	self, err := os.Executable()
+	if err != nil {
+		self = os.Args[0]
+	}
+	return exec.Command(self, append([]string{agentArg}, args...)...)
+}
+
+// ServeAgentIfChild makes this process an agent when AgentCommand
+// launched it (its first argument says so): it serves the agent until the
+// client hangs up, then exits. Otherwise it returns at once. A test binary
+// whose harnesses use AgentCommand calls it first thing in TestMain.
+func ServeAgentIfChild() {
+	if len(os.Args) < 2 || os.Args[1] != agentArg {
+		return
+	}
+	if err := serveAgent(os.Args[2:]); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// serveAgent is an agent process: one backend agent, its memory a
+// shared-memory file the caller created (-shm, -size), served with
+// internal/agentrpc to the one client that connects to -socket. It
+// returns when the client hangs up (the client's Close, or the client's
+// process ending), so a test that closes the agent loses a real peer
+// process.
+func serveAgent(args []string) error {
+	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
 	socket := fs.String("socket", "", "unix socket to serve the agent on (one client)")
 	shmPath := fs.String("shm", "", "shared-memory file holding the agent's memory")
 	size := fs.Uint64("size", 0, "bytes of -shm to map")
@@ -40,12 +71,12 @@ func agentMain(args []string) error {
 	if *socket == "" || *shmPath == "" {
 		return errors.New("agent: -socket and -shm are required")
 	}
-	params, err := daemon.ParseParams(*nixlParams)
+	params, err := nixl.ParseParams(*nixlParams)
 	if err != nil {
-		return err
+		return fmt.Errorf("agent: -nixl-params: %w", err)
 	}
 	if *name == "" {
-		*name = fmt.Sprintf("kvxferd-agent-%d-%d", os.Getpid(), time.Now().UnixNano())
+		*name = fmt.Sprintf("kvxfertest-agent-%d-%d", os.Getpid(), time.Now().UnixNano())
 	}
 	m, err := shm.Map("", *shmPath, *size)
 	if err != nil {

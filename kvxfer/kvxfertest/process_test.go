@@ -1,4 +1,4 @@
-package main
+package kvxfertest_test
 
 import (
 	"errors"
@@ -9,13 +9,19 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
-
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
-// agentHarness runs every agent as `kvxferd agent` (this test binary,
-// through TestMain) with the backend flags, in a child process whose
-// environment is the test's plus env (which wins). UCX may use the
+// TestMain lets the cross-process tests start this test binary as their
+// agents (kvxfertest.AgentCommand).
+func TestMain(m *testing.M) {
+	kvxfertest.ServeAgentIfChild()
+	os.Exit(m.Run())
+}
+
+// agentHarness runs every agent as this test binary re-executed
+// (kvxfertest.AgentCommand) with the backend flags, in a child process
+// whose environment is the test's plus env (which wins). UCX may use the
 // loopback device only (UCX_NET_DEVICES=lo): with UCX_TLS=tcp it would
 // otherwise also send over the host's own address on eth0.
 //
@@ -27,7 +33,7 @@ import (
 // (kvxfer.TestConformanceNixl*) keep UCX's defaults.
 func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
 	return kvxfertest.ProcessHarness{Command: func() *exec.Cmd {
-		cmd := exec.Command(os.Args[0], append([]string{"agent"}, args...)...)
+		cmd := kvxfertest.AgentCommand(args...)
 		cmd.Env = append(append([]string{"UCX_MEM_MMAP_HOOK_MODE=none"}, os.Environ()...), "UCX_NET_DEVICES=lo")
 		cmd.Env = append(cmd.Env, env...)
 		return cmd
@@ -40,7 +46,7 @@ func agentHarness(env []string, args ...string) kvxfertest.ProcessHarness {
 // starts.
 func skipWithoutNixl(t *testing.T) {
 	t.Helper()
-	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxferd-test-probe-%d", time.Now().UnixNano()),
+	b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("kvxfertest-probe-%d", time.Now().UnixNano()),
 		Params: map[string]string{"ucx_error_handling_mode": "none"}})
 	if errors.Is(err, nixl.ErrUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
@@ -51,20 +57,20 @@ func skipWithoutNixl(t *testing.T) {
 	_ = b.Close()
 }
 
-// The conformance suite between two kvxferd processes, neither the
-// test's: the built-in backend over loopback TCP.
+// The conformance suite between two agent processes, neither the test's:
+// the built-in backend over loopback TCP.
 func TestConformanceProcessBuiltinTCP(t *testing.T) {
 	kvxfertest.Conformance(t, agentHarness(nil, "-backend", "builtin"))
 }
 
-// NIXL between two kvxferd processes, UCX over TCP (UCX's default error
+// NIXL between two agent processes, UCX over TCP (UCX's default error
 // handling: peer failures are reported).
 func TestConformanceProcessNixlTCP(t *testing.T) {
 	skipWithoutNixl(t)
 	kvxfertest.Conformance(t, agentHarness([]string{"UCX_TLS=tcp"}, "-backend", "nixl"))
 }
 
-// NIXL between two kvxferd processes, UCX over shared memory: UCX's
+// NIXL between two agent processes, UCX over shared memory: UCX's
 // shared-memory transports need ucx_error_handling_mode=none.
 func TestConformanceProcessNixlShm(t *testing.T) {
 	skipWithoutNixl(t)

@@ -1,4 +1,4 @@
-package stream
+package server
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -30,7 +31,7 @@ func Status(err error) error {
 	switch {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
-	case errors.Is(err, ErrInvalid), errors.Is(err, topology.ErrInvalidLayout), errors.Is(err, topology.ErrInvalidBlocks),
+	case errors.Is(err, stream.ErrInvalid), errors.Is(err, topology.ErrInvalidLayout), errors.Is(err, topology.ErrInvalidBlocks),
 		errors.Is(err, hotpath.ErrInvalidRequest), errors.Is(err, kvxfer.ErrOutOfBounds), errors.Is(err, kvxfer.ErrBadMetadata):
 		code = codes.InvalidArgument
 	case errors.Is(err, topology.ErrIncompatible), errors.Is(err, topology.ErrUnsupported),
