@@ -34,6 +34,7 @@ type engine struct {
 	layouts    map[rankRef]*topology.Layout
 	lastActive time.Time
 	failedAt   time.Time
+	answered   bool // the last handshake answered, and its answer ruled a transfer out
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
 	// loadedAt is when a handshake was last loaded; refreshing says a new
@@ -139,6 +140,8 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		err = st.load(e, h)
 	}
 	st.w.metrics.Handshake(h.took, err == nil)
+	// answered: the peer answered, and its answer rules a transfer out.
+	e.answered = h.err == nil && err != nil
 	if err != nil {
 		e.state, e.err, e.failedAt = hsFailed, err, st.now
 		st.w.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
@@ -287,8 +290,8 @@ func (st *loopState) dropEngine(e *engine) {
 		st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
 	}
 	e.prepped = nil
-	for _, p := range e.peers {
-		st.fx.invalidate = append(st.fx.invalidate, p)
+	for _, ref := range sortedRefs(e.peers) {
+		st.fx.invalidate = append(st.fx.invalidate, e.peers[ref])
 	}
 	st.w.registry.DropPeer(e.id)
 	delete(st.engines, e.id)

@@ -581,8 +581,8 @@ func (st *loopState) shutdown() {
 		st.revoke(r)
 		delete(st.recvs, id)
 	}
-	for _, e := range st.engines {
-		st.dropEngine(e)
+	for _, id := range sortedKeys(st.engines) {
+		st.dropEngine(st.engines[id])
 	}
 }
 

@@ -86,9 +86,11 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	case hsFailed:
 		reason, kind := "handshake with producer failed: "+e.err.Error(), FailureHandshake
-		if len(e.peers) > 0 {
+		if e.answered {
 			kind = FailureIncompatible // it answered but was refused
-			st.refuseProducer(e, r, kind, reason)
+		}
+		if len(e.peers) > 0 {
+			st.refuseProducer(e, r, kind, reason) // its agents are known: tell them
 		}
 		st.decide(r, ResultFailed, kind, reason)
 		st.tryReport(r)

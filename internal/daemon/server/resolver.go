@@ -34,6 +34,7 @@ type peerConn struct {
 	cc       *grpc.ClientConn
 	lastUsed time.Time
 	inUse    int
+	retired  bool // out of the cache: closed when no call uses it
 }
 
 var _ kvxfer.Resolver = (*PeerResolver)(nil)
@@ -76,10 +77,10 @@ func NewPeerResolver(cfg ResolverConfig) *PeerResolver {
 }
 
 // conn returns addr's connection, marked in use until done is called.
-func (r *PeerResolver) conn(addr string) (cc *grpc.ClientConn, done func(), err error) {
+func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	pc := r.mu.conns[addr]
+	pc = r.mu.conns[addr]
 	if pc == nil {
 		if r.cfg.Allow != nil {
 			if err := r.cfg.Allow(addr); err != nil {
@@ -104,11 +105,33 @@ func (r *PeerResolver) conn(addr string) (cc *grpc.ClientConn, done func(), err 
 	}
 	pc.inUse++
 	pc.lastUsed = time.Now()
-	return pc.cc, func() {
+	return pc, func() {
 		r.mu.Lock()
 		pc.inUse--
+		if pc.retired && pc.inUse == 0 {
+			_ = pc.cc.Close()
+		}
 		r.mu.Unlock()
 	}, nil
+}
+
+// retire takes addr's connection pc out of the cache (the next handshake
+// dials a new one) and closes it once no call uses it: a handshake that
+// timed out may have gone into a connection that is dead without knowing
+// it (a partition: TCP keeps retransmitting, further and further apart),
+// and a peer that is back is reached at once over a new one.
+func (r *PeerResolver) retire(addr string, pc *peerConn) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.mu.conns[addr] == pc {
+		delete(r.mu.conns, addr)
+	}
+	if !pc.retired {
+		pc.retired = true
+		if pc.inUse == 0 {
+			_ = pc.cc.Close()
+		}
+	}
 }
 
 // evictLocked closes the least recently used connection not in use; false
@@ -139,11 +162,12 @@ func (r *PeerResolver) Conns() int {
 // Handshake implements kvxfer.Resolver. The clock offset is the peer's
 // clock minus the midpoint of the call.
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
-	c, done, err := r.conn(addr)
+	pc, done, err := r.conn(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	defer done()
+	c := pc.cc
 	req := &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true}
 	t0 := time.Now()
 	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, req)
@@ -161,6 +185,9 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		} // else the first answer says more (why the connection fails)
 	}
 	t1 := time.Now()
+	if status.Code(err) == codes.DeadlineExceeded {
+		r.retire(addr, pc)
+	}
 	if err != nil {
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
