@@ -1,5 +1,8 @@
-// Package test holds kvxfer's end-to-end suites over real kvxferd
-// processes and loopback or unix sockets. security_test.go is the security
+// Package test holds kvxfer's cross-process suites over real kvxferd
+// processes and loopback or unix sockets. conformance_test.go runs the
+// backend conformance suite between two agent processes (this test binary
+// re-executed) and kills a peer under transfer; peers_test.go runs daemon
+// pairs end to end. security_test.go is the security
 // suite: each test performs an attack as an outsider would (another local
 // user, run as uid 65534 through setpriv when the suite runs as root, or
 // anyone who reaches the peer port) and checks it is refused and the

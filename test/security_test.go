@@ -21,14 +21,18 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
+// TestMain lets the suites start this test binary as kvxferd daemons
+// (daemontest) and as backend agents (kvxfertest.AgentCommand).
 func TestMain(m *testing.M) {
 	daemontest.ServeIfChild()
+	kvxfertest.ServeAgentIfChild()
 	os.Exit(m.Run())
 }
 

@@ -1,4 +1,4 @@
-package kvxfertest_test
+package test
 
 import (
 	"errors"
@@ -12,12 +12,8 @@ import (
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
-// TestMain lets the cross-process tests start this test binary as their
-// agents (kvxfertest.AgentCommand).
-func TestMain(m *testing.M) {
-	kvxfertest.ServeAgentIfChild()
-	os.Exit(m.Run())
-}
+// The backend conformance suite between two processes: every agent runs
+// as this test binary re-executed (TestMain serves it).
 
 // agentHarness runs every agent as this test binary re-executed
 // (kvxfertest.AgentCommand) with the backend flags, in a child process
