@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -15,26 +16,60 @@ import (
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/puzpuzpuz/xsync/v4"
 )
 
 // PeerResolver handshakes with peer daemons over PeerService; it keeps one
 // client connection per address, at most MaxConns of them, closing the
 // least recently used idle one to make room. It implements
-// kvxfer.Resolver and is safe for concurrent use.
+// kvxfer.Resolver and is safe for concurrent use: a handshake to a
+// connected address (every liveness probe) takes its connection without a
+// lock; dialing, evicting and retiring connections take turns.
 type PeerResolver struct {
-	dec *HandshakeDecoder
-	cfg ResolverConfig
-	mu  struct {
-		sync.Mutex
-		conns map[string]*peerConn
+	dec   *HandshakeDecoder
+	cfg   ResolverConfig
+	conns *xsync.Map[string, *peerConn]
+	mu    sync.Mutex // dialing, eviction, retirement, Close
+}
+
+// peerConn is one cached connection. refs counts the calls using it; -1
+// means closed (evicted, or retired and idle): it takes no new call.
+type peerConn struct {
+	cc       *grpc.ClientConn
+	refs     atomic.Int32
+	retired  atomic.Bool  // out of the cache: closed when no call uses it
+	lastUsed atomic.Int64 // unix nanoseconds
+}
+
+// acquire counts a call on pc unless it is closed.
+func (pc *peerConn) acquire() bool {
+	for {
+		n := pc.refs.Load()
+		if n < 0 {
+			return false
+		}
+		if pc.refs.CompareAndSwap(n, n+1) {
+			pc.lastUsed.Store(time.Now().UnixNano())
+			return true
+		}
 	}
 }
 
-type peerConn struct {
-	cc       *grpc.ClientConn
-	lastUsed time.Time
-	inUse    int
-	retired  bool // out of the cache: closed when no call uses it
+// release ends a call on pc, closing pc if it was retired and this was
+// its last call.
+func (pc *peerConn) release() {
+	if pc.refs.Add(-1) == 0 && pc.retired.Load() {
+		pc.closeIdle()
+	}
+}
+
+// closeIdle closes pc if no call uses it (once: the CAS claims it).
+func (pc *peerConn) closeIdle() bool {
+	if pc.refs.CompareAndSwap(0, -1) {
+		_ = pc.cc.Close()
+		return true
+	}
+	return false
 }
 
 var _ kvxfer.Resolver = (*PeerResolver)(nil)
@@ -71,48 +106,43 @@ func NewPeerResolver(cfg ResolverConfig) *PeerResolver {
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = 256
 	}
-	r := &PeerResolver{dec: NewHandshakeDecoder(), cfg: cfg}
-	r.mu.conns = map[string]*peerConn{}
+	r := &PeerResolver{dec: NewHandshakeDecoder(), cfg: cfg, conns: xsync.NewMap[string, *peerConn]()}
 	return r
 }
 
 // conn returns addr's connection, marked in use until done is called.
 func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), err error) {
+	if pc, ok := r.conns.Load(addr); ok && !pc.retired.Load() && pc.acquire() {
+		return pc, pc.release, nil
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	pc = r.mu.conns[addr]
-	if pc == nil {
-		if r.cfg.Allow != nil {
-			if err := r.cfg.Allow(addr); err != nil {
-				return nil, nil, err
-			}
-		}
-		if len(r.mu.conns) >= r.cfg.MaxConns && !r.evictLocked() {
-			return nil, nil, fmt.Errorf("%d peer connections in use, the most this daemon keeps", len(r.mu.conns))
-		}
-		// Reconnect within a second of a peer daemon coming back (gRPC's
-		// default backoff grows to two minutes): a restarted peer is
-		// handshaken again on the next request.
-		c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)),
-			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6,
-				Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 2 * time.Second}))
-		if err != nil {
+	if pc, ok := r.conns.Load(addr); ok && !pc.retired.Load() && pc.acquire() {
+		return pc, pc.release, nil // dialed meanwhile
+	}
+	r.conns.Delete(addr) // closed by eviction, if anything
+	if r.cfg.Allow != nil {
+		if err := r.cfg.Allow(addr); err != nil {
 			return nil, nil, err
 		}
-		pc = &peerConn{cc: c}
-		r.mu.conns[addr] = pc
 	}
-	pc.inUse++
-	pc.lastUsed = time.Now()
-	return pc, func() {
-		r.mu.Lock()
-		pc.inUse--
-		if pc.retired && pc.inUse == 0 {
-			_ = pc.cc.Close()
-		}
-		r.mu.Unlock()
-	}, nil
+	if r.conns.Size() >= r.cfg.MaxConns && !r.evictLocked() {
+		return nil, nil, fmt.Errorf("%d peer connections in use, the most this daemon keeps", r.conns.Size())
+	}
+	// Reconnect within a second of a peer daemon coming back (gRPC's
+	// default backoff grows to two minutes): a restarted peer is
+	// handshaken again on the next request.
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6,
+			Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 2 * time.Second}))
+	if err != nil {
+		return nil, nil, err
+	}
+	pc = &peerConn{cc: c}
+	pc.acquire()
+	r.conns.Store(addr, pc)
+	return pc, pc.release, nil
 }
 
 // retire takes addr's connection pc out of the cache (the next handshake
@@ -123,40 +153,38 @@ func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), err error) 
 func (r *PeerResolver) retire(addr string, pc *peerConn) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.mu.conns[addr] == pc {
-		delete(r.mu.conns, addr)
+	if cur, ok := r.conns.Load(addr); ok && cur == pc {
+		r.conns.Delete(addr)
 	}
-	if !pc.retired {
-		pc.retired = true
-		if pc.inUse == 0 {
-			_ = pc.cc.Close()
-		}
-	}
+	pc.retired.Store(true)
+	pc.closeIdle()
 }
 
 // evictLocked closes the least recently used connection not in use; false
 // when every one is in use.
 func (r *PeerResolver) evictLocked() bool {
-	var oldest string
-	var at time.Time
-	for addr, pc := range r.mu.conns {
-		if pc.inUse == 0 && (oldest == "" || pc.lastUsed.Before(at)) {
-			oldest, at = addr, pc.lastUsed
+	for {
+		var oldest string
+		var victim *peerConn
+		r.conns.Range(func(addr string, pc *peerConn) bool {
+			if pc.refs.Load() == 0 && (victim == nil || pc.lastUsed.Load() < victim.lastUsed.Load()) {
+				oldest, victim = addr, pc
+			}
+			return true
+		})
+		if victim == nil {
+			return false
+		}
+		if victim.closeIdle() { // else a call took it meanwhile: look again
+			r.conns.Delete(oldest)
+			return true
 		}
 	}
-	if oldest == "" {
-		return false
-	}
-	_ = r.mu.conns[oldest].cc.Close()
-	delete(r.mu.conns, oldest)
-	return true
 }
 
 // Conns returns how many peer connections the resolver keeps.
 func (r *PeerResolver) Conns() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return len(r.mu.conns)
+	return r.conns.Size()
 }
 
 // Handshake implements kvxfer.Resolver. The clock offset is the peer's
@@ -212,9 +240,10 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 func (r *PeerResolver) Close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, c := range r.mu.conns {
-		_ = c.cc.Close()
-	}
-	r.mu.conns = map[string]*peerConn{}
+	r.conns.Range(func(addr string, pc *peerConn) bool {
+		_ = pc.cc.Close()
+		r.conns.Delete(addr)
+		return true
+	})
 	r.dec.Close()
 }
