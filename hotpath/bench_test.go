@@ -152,3 +152,29 @@ func BenchmarkScattered(b *testing.B) {
 	}
 	benchAppendDescs(b, ss)
 }
+
+// BenchmarkAppendIndices measures Builder.AppendIndices (prepared lists:
+// one index pair per reference descriptor) on every shape; ns per pair.
+func BenchmarkAppendIndices(b *testing.B) {
+	for _, s := range benchShapes(b) {
+		b.Run(s.Name, func(b *testing.B) {
+			bl, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
+			if err != nil {
+				b.Fatal(err)
+			}
+			dst, err := bl.AppendIndices(nil, s.Plan, s.Req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			pairs := len(dst)
+			b.ReportAllocs()
+			for b.Loop() {
+				if dst, err = bl.AppendIndices(dst[:0], s.Plan, s.Req); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(pairs), "ns/pair")
+			b.ReportMetric(float64(pairs), "pairs/op")
+		})
+	}
+}

@@ -87,6 +87,10 @@ type Builder struct {
 	spans    []span
 	spansKey spanKey
 	spansOK  bool
+	// idxS and idxD are the current group's index pairs relative to a
+	// region pair's first entries, for regions of idxSegs segments
+	// (AppendIndices): every region of the group adds its bases to them.
+	idxS, idxD []int32
 }
 
 // span is a run (or unit) in bytes: offsets from each region's base and a

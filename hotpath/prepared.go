@@ -3,6 +3,7 @@ package hotpath
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -97,6 +98,7 @@ func (b *Builder) AppendIndices(dst []IndexPair, p *topology.Plan, req *Request)
 		return dst, fmt.Errorf("%w: groups: src %d, dst %d, plan %d", ErrInvalidRequest, len(req.Src), len(req.Dst), len(p.Groups))
 	}
 	start := len(dst)
+	read := b.opts.Op == OpRead
 	var sBase, dBase int64
 	for g := range p.Groups {
 		gp := &p.Groups[g]
@@ -106,18 +108,51 @@ func (b *Builder) AppendIndices(dst []IndexPair, p *topology.Plan, req *Request)
 		if err != nil {
 			return dst[:start], err
 		}
+		// Size the group's pairs once, then write them in place: no
+		// append per pair. The pairs of one region pair are the same
+		// relative indices for every region with as many segments (the
+		// runs' units, segment by segment), plus the region's bases.
+		var units, segs int64
+		for _, rn := range b.runs {
+			units += rn.n
+		}
+		for r := range gp.Regions {
+			segs += int64(len(gp.Regions[r].Segs))
+		}
+		n := len(dst)
+		dst = slices.Grow(dst, int(units*segs))[:n+int(units*segs)]
+		out := dst[n:]
+		j, expanded := 0, int64(-1)
+		if units >= 8*int64(len(b.runs)) {
+			// Long runs: each is one stretch of consecutive indices.
+			for r := range gp.Regions {
+				rp := &gp.Regions[r]
+				j = b.runIndices(out, j, rp, sBase, dBase, read)
+				sBase += regionEntries(gp, rp, SrcSide)
+				dBase += regionEntries(gp, rp, DstSide)
+			}
+			continue
+		}
 		for r := range gp.Regions {
 			rp := &gp.Regions[r]
-			nseg := int64(len(rp.Segs))
-			for _, rn := range b.runs {
-				for i := int64(0); i < rn.n; i++ {
-					si := sBase + (rn.s+i)*nseg
-					di := dBase + (rn.d+i)*nseg
-					for k := int64(0); k < nseg; k++ {
-						dst = append(dst, IndexPair{Local: int32(si + k), Remote: int32(di + k)})
-					}
+			if nseg := int64(len(rp.Segs)); nseg != expanded {
+				b.expandIndices(nseg)
+				expanded = nseg
+			}
+			sb, db := int32(sBase), int32(dBase)
+			rs, rd := b.idxS, b.idxD
+			w := out[j : j+len(rs) : j+len(rs)]
+			rd = rd[:len(w)]
+			if read {
+				for i := range w {
+					w[i] = IndexPair{Local: db + rd[i], Remote: sb + rs[i]}
+				}
+			} else {
+				for i := range w {
+					w[i] = IndexPair{Local: sb + rs[i], Remote: db + rd[i]}
 				}
 			}
+			j += len(w)
 			sBase += regionEntries(gp, rp, SrcSide)
 			dBase += regionEntries(gp, rp, DstSide)
 		}
@@ -125,11 +160,39 @@ func (b *Builder) AppendIndices(dst []IndexPair, p *topology.Plan, req *Request)
 	if sBase > math.MaxInt32 || dBase > math.MaxInt32 {
 		return dst[:start], fmt.Errorf("hotpath: prepared lists of %d and %d entries exceed %d", sBase, dBase, math.MaxInt32)
 	}
-	if b.opts.Op == OpRead {
-		out := dst[start:]
-		for i := range out {
-			out[i].Local, out[i].Remote = out[i].Remote, out[i].Local
+	return dst, nil
+}
+
+// expandIndices fills idxS and idxD with the group's runs as index pairs
+// relative to a region pair of nseg segments: unit u of a run starting at
+// s covers entries (s+u)·nseg … (s+u)·nseg+nseg-1, consecutive on both
+// sides along the run.
+func (b *Builder) expandIndices(nseg int64) {
+	b.idxS, b.idxD = b.idxS[:0], b.idxD[:0]
+	for _, rn := range b.runs {
+		s, d := rn.s*nseg, rn.d*nseg
+		for i := range rn.n * nseg {
+			b.idxS = append(b.idxS, int32(s+i))
+			b.idxD = append(b.idxD, int32(d+i))
 		}
 	}
-	return dst, nil
+}
+
+// runIndices writes the pairs of region pair rp (its first entries at
+// sBase and dBase) run by run into out from j, and returns the new j.
+func (b *Builder) runIndices(out []IndexPair, j int, rp *topology.RegionPlan, sBase, dBase int64, read bool) int {
+	nseg := int64(len(rp.Segs))
+	for _, rn := range b.runs {
+		si, di := int32(sBase+rn.s*nseg), int32(dBase+rn.d*nseg)
+		m := int(rn.n * nseg) // consecutive on both sides
+		w := out[j : j+m : j+m]
+		if read {
+			si, di = di, si
+		}
+		for i := range w {
+			w[i] = IndexPair{Local: si + int32(i), Remote: di + int32(i)}
+		}
+		j += m
+	}
+	return j
 }
