@@ -149,27 +149,33 @@ func timeTo(t time.Time) int64 {
 	return t.UnixNano()
 }
 
-// StepFromProto converts a step's metadata; errors name the field.
+// StepFromProto converts a step's metadata; errors name the field. A
+// step's block lists share two allocations (one for its spans, one for
+// their ids), so the conversion allocates per step, not per request.
 func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 	if p == nil {
 		return nil, invalid("step is missing")
 	}
+	var a spanArena
+	a.size(p)
 	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed,
 		NotProcessedTransferIDs: p.NotProcessedTransferIds}
+	if len(p.Recv) > 0 {
+		m.Recv = make([]kvxfer.RecvReq, 0, len(p.Recv))
+	}
 	for i, r := range p.Recv {
-		f := fmt.Sprintf("step.recv[%d]", i)
 		if r == nil || r.Remote == nil {
-			return nil, invalid("%s.remote is missing", f)
+			return nil, invalid("%s.remote is missing", field{"step.recv", i, ""})
 		}
-		local, err := spansFromProto(f+".local", r.Local)
+		local, err := a.spans(field{"step.recv", i, ".local"}, r.Local)
 		if err != nil {
 			return nil, err
 		}
-		blocks, err := spansFromProto(f+".remote.blocks", r.Remote.Blocks)
+		blocks, err := a.spans(field{"step.recv", i, ".remote.blocks"}, r.Remote.Blocks)
 		if err != nil {
 			return nil, err
 		}
-		tok, err := fitInt(f+".remote.tokens", r.Remote.Tokens)
+		tok, err := fitField(field{"step.recv", i, ".remote.tokens"}, r.Remote.Tokens)
 		if err != nil {
 			return nil, err
 		}
@@ -179,17 +185,19 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos)}})
 	}
 	conv := func(name string, in []*pb.SendRequest) ([]kvxfer.SendReq, error) {
-		var out []kvxfer.SendReq
+		if len(in) == 0 {
+			return nil, nil
+		}
+		out := make([]kvxfer.SendReq, 0, len(in))
 		for i, s := range in {
-			f := fmt.Sprintf("step.%s[%d]", name, i)
 			if s == nil {
-				return nil, invalid("%s is missing", f)
+				return nil, invalid("%s is missing", field{name, i, ""})
 			}
-			blocks, err := spansFromProto(f+".blocks", s.Blocks)
+			blocks, err := a.spans(field{name, i, ".blocks"}, s.Blocks)
 			if err != nil {
 				return nil, err
 			}
-			tok, err := fitInt(f+".tokens", s.Tokens)
+			tok, err := fitField(field{name, i, ".tokens"}, s.Tokens)
 			if err != nil {
 				return nil, err
 			}
@@ -198,13 +206,82 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 		return out, nil
 	}
 	var err error
-	if m.Send, err = conv("send", p.Send); err != nil {
+	if m.Send, err = conv("step.send", p.Send); err != nil {
 		return nil, err
 	}
-	if m.Prefill, err = conv("prefill", p.Prefill); err != nil {
+	if m.Prefill, err = conv("step.prefill", p.Prefill); err != nil {
 		return nil, err
 	}
 	return m, nil
+}
+
+// field names a field of a list entry, formatted only for an error.
+type field struct {
+	list string
+	i    int
+	sub  string
+}
+
+func (f field) String() string { return fmt.Sprintf("%s[%d]%s", f.list, f.i, f.sub) }
+
+func fitField(f field, v int64) (int, error) {
+	if v < math.MinInt32 || v > math.MaxInt32 {
+		return 0, invalid("%s = %d out of range", f, v)
+	}
+	return int(v), nil
+}
+
+// spanArena holds a step's spans and block ids, each in one allocation;
+// what it hands out is capped at its own length (appending to one span's
+// ids never reaches the next one's).
+type spanArena struct {
+	list []topology.Span
+	ids  []topology.BlockID
+}
+
+// size allocates for every block list of p.
+func (a *spanArena) size(p *pb.StepMeta) {
+	var spans, ids int
+	count := func(ss []*pb.Span) {
+		spans += len(ss)
+		for _, s := range ss {
+			ids += len(s.GetBlockIds())
+		}
+	}
+	for _, r := range p.Recv {
+		count(r.GetLocal())
+		count(r.GetRemote().GetBlocks())
+	}
+	for _, s := range p.Send {
+		count(s.GetBlocks())
+	}
+	for _, s := range p.Prefill {
+		count(s.GetBlocks())
+	}
+	a.list = make([]topology.Span, 0, spans)
+	a.ids = make([]topology.BlockID, 0, ids)
+}
+
+// spans converts ps (nil for none), as spansFromProto does.
+func (a *spanArena) spans(f field, ps []*pb.Span) ([]topology.Span, error) {
+	if len(ps) == 0 {
+		return nil, nil
+	}
+	first := len(a.list)
+	for j, s := range ps {
+		if s == nil {
+			return nil, invalid("%s[%d] is missing", f, j)
+		}
+		if s.Start < math.MinInt32 || s.Start > math.MaxInt32 {
+			return nil, invalid("%s[%d].start = %d out of range", f, j, s.Start)
+		}
+		k := len(a.ids)
+		for _, b := range s.BlockIds {
+			a.ids = append(a.ids, topology.BlockID(b))
+		}
+		a.list = append(a.list, topology.Span{Start: int(s.Start), IDs: a.ids[k:len(a.ids):len(a.ids)]})
+	}
+	return a.list[first:len(a.list):len(a.list)], nil
 }
 
 // StepToProto converts a step's metadata.

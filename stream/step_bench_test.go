@@ -1,0 +1,94 @@
+package stream_test
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+	"google.golang.org/protobuf/proto"
+)
+
+// benchStep is a step of n receives and n sends, each with 2 groups of 8
+// blocks, as the daemon hands it to each rank (StepFromProto).
+func benchStep(n int) *pb.StepMeta {
+	m := &kvxfer.StepMeta{Step: 7, SchedulerClock: time.Unix(0, 1)}
+	spans := func(i int) []topology.Span {
+		var out []topology.Span
+		for g := range 2 {
+			ids := make([]topology.BlockID, 8)
+			for j := range ids {
+				ids[j] = topology.BlockID(i*16 + g*8 + j)
+			}
+			out = append(out, topology.Span{Start: 0, IDs: ids})
+		}
+		return out
+	}
+	for i := range n {
+		m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: fmt.Sprintf("d-%d", i), TransferID: fmt.Sprintf("t-%d", i), Local: spans(i),
+			Deadline: time.Unix(0, 5), Remote: kvxfer.RemoteRef{EngineID: "P", Addr: "p:1", ReqID: fmt.Sprintf("p-%d", i), TPSize: 1, PPSize: 1, Tokens: 128}})
+		m.Send = append(m.Send, kvxfer.SendReq{ReqID: fmt.Sprintf("p-%d", i), TransferID: fmt.Sprintf("t-%d", i), Deadline: time.Unix(0, 5),
+			Blocks: spans(i), Tokens: 128})
+	}
+	return stream.StepToProto(m)
+}
+
+// BenchmarkStepFromProto: the daemon's conversion of a step's metadata
+// for a rank, at 16 and 256 requests a side; allocations per request.
+func BenchmarkStepFromProto(b *testing.B) {
+	for _, n := range []int{16, 256} {
+		b.Run(fmt.Sprintf("%d", n), func(b *testing.B) {
+			p := benchStep(n)
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := stream.StepFromProto(p); err != nil {
+					b.Fatal(err)
+				}
+			}
+			allocs := testing.AllocsPerRun(10, func() { _, _ = stream.StepFromProto(p) })
+			b.ReportMetric(allocs/float64(2*n), "allocs/request")
+		})
+	}
+}
+
+// A step survives the round trip through kvxfer.v1 (block lists sharing
+// one allocation included: appending to one span's ids leaves the next
+// one's alone), and each malformed field is refused by its name.
+func TestStepConversion(t *testing.T) {
+	p := benchStep(3)
+	m, err := stream.StepFromProto(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back := stream.StepToProto(m); !proto.Equal(back, p) {
+		t.Fatalf("round trip changed the step:\n%v\n%v", back, p)
+	}
+	first := m.Recv[0].Local[0].IDs
+	next := m.Recv[0].Local[1].IDs[0]
+	_ = append(first, 999)
+	if m.Recv[0].Local[1].IDs[0] != next {
+		t.Fatal("appending to one span's ids overwrote the next span's")
+	}
+	for _, tc := range []struct {
+		name   string
+		mutate func(*pb.StepMeta)
+		field  string
+	}{
+		{"tokens", func(p *pb.StepMeta) { p.Recv[2].Remote.Tokens = 1 << 40 }, "step.recv[2].remote.tokens"},
+		{"remote", func(p *pb.StepMeta) { p.Recv[1].Remote = nil }, "step.recv[1].remote is missing"},
+		{"start", func(p *pb.StepMeta) { p.Send[1].Blocks[1].Start = -1 << 40 }, "step.send[1].blocks[1].start"},
+		{"span", func(p *pb.StepMeta) { p.Recv[0].Local[1] = nil }, "step.recv[0].local[1] is missing"},
+		{"send", func(p *pb.StepMeta) { p.Send[2] = nil }, "step.send[2] is missing"},
+	} {
+		q := benchStep(3)
+		tc.mutate(q)
+		if _, err := stream.StepFromProto(q); !errors.Is(err, stream.ErrInvalid) || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("%s: %v, want ErrInvalid naming %s", tc.name, err, tc.field)
+		}
+	}
+}
