@@ -17,11 +17,6 @@ const (
 	mmb = topology.KindMamba
 )
 
-// attnModel is kvsim.SmallModel (the kind names the case, for the reader).
-func attnModel(_ topology.Kind, heads int, layers ...topology.Kind) kvsim.Model {
-	return kvsim.SmallModel(heads, layers...)
-}
-
 var eng = kvsim.SmallEngine
 
 func mustBuilder(t *testing.T, o hotpath.Options) *hotpath.Builder {

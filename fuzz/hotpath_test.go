@@ -660,7 +660,7 @@ func FuzzBuilderInput(f *testing.F) {
 }
 
 func layoutsForFuzz(f *testing.F) (*topology.Layout, *topology.Layout) {
-	m := attnModel(fa, 4, fa, mmb)
+	m := kvsim.SmallModel(4, fa, mmb)
 	pe, de := eng(1, 2, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 32, 16, topology.LayoutNHD, topology.PackedKV)
 	pr, err := kvsim.Build(&m, &pe)
 	if err != nil {

@@ -21,16 +21,11 @@ const (
 	mmb = topology.KindMamba
 )
 
-// attnModel is kvsim.SmallModel (the kind names the case, for the reader).
-func attnModel(_ topology.Kind, heads int, layers ...topology.Kind) kvsim.Model {
-	return kvsim.SmallModel(heads, layers...)
-}
-
 var eng = kvsim.SmallEngine
 
 func pairOf(t *testing.T, p, d kvsim.Engine, heads int, layers ...topology.Kind) (*topology.Layout, *topology.Layout) {
 	t.Helper()
-	m := attnModel(fa, heads, layers...)
+	m := kvsim.SmallModel(heads, layers...)
 	pr, err := kvsim.Build(&m, &p)
 	if err != nil {
 		t.Fatal(err)
@@ -288,7 +283,7 @@ func TestTooManySegmentsRefused(t *testing.T) {
 }
 
 func ExampleAppendReference() {
-	m := attnModel(fa, 2, fa)
+	m := kvsim.SmallModel(2, fa)
 	pe, de := eng(1, 1, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 16, 16, topology.LayoutHND, topology.PackedKV)
 	pr, _ := kvsim.Build(&m, &pe)
 	dr, _ := kvsim.Build(&m, &de)
@@ -333,7 +328,7 @@ func TestCapInMixedGroup(t *testing.T) {
 // TestNotifyOnlyRankStillRejectsBadInput: a source rank that moves nothing
 // (a GQA duplicate) refuses the same bad request the writing rank refuses.
 func TestNotifyOnlyRankStillRejectsBadInput(t *testing.T) {
-	m := attnModel(fa, 2, fa)
+	m := kvsim.SmallModel(2, fa)
 	pe, de := eng(1, 4, 16, 16, topology.LayoutHND, topology.PackedKV), eng(2, 1, 16, 16, topology.LayoutHND, topology.PackedKV)
 	pr, err := kvsim.Build(&m, &pe)
 	if err != nil {

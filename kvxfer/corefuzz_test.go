@@ -3,8 +3,6 @@ package kvxfer
 import (
 	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"slices"
 	"strings"
 	"testing"
@@ -91,19 +89,13 @@ func newCoreSim(t *testing.T, in []byte) *coreSim {
 		stepped: map[string]bool{}, reported: map[string]int{}, acked: map[string]bool{}, timedOut: map[string]bool{}}
 	s.n = 1 + int(s.byte())%3
 	for _, name := range []string{"P", "D"} {
-		cfg := WorkerConfig{EngineID: name, Addr: name + ":1", Mode: ModePush, Layout: traceLayout(0, 1, map[string]uint64{"P": 1 << 20, "D": 1 << 30}[name]),
-			CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
-			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()}
-		w, err := newWorker(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		w.st.init(w)
-		w.st.now = s.now
-		s.cores[name] = &w.st
+		s.cores[name] = newTestCore(t, name, ModePush, traceLayout(0, 1, simBase[name]), s.now)
 	}
 	return s
 }
+
+// simBase is where each simulated engine's KV cache lies.
+var simBase = map[string]uint64{"P": 1 << 20, "D": 1 << 30}
 
 func other(name string) string {
 	if name == "P" {
@@ -116,16 +108,7 @@ func other(name string) string {
 func (s *coreSim) step(name string, in input) {
 	st := s.cores[name]
 	st.Step(s.now, in)
-	for len(st.fx.ops) > 0 {
-		ops := slices.Clone(st.fx.ops)
-		st.fx.ops = st.fx.ops[:0]
-		errs := make([]error, len(ops))
-		for i := range ops {
-			errs[i] = s.do(name, &ops[i])
-		}
-		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
-		st.Step(s.now, input{kind: inOpsDone, ops: ops, errs: errs})
-	}
+	carryOut(st, nil, nil, func(_ int, o *op) error { return s.do(name, o) })
 	s.asks[name] = append(s.asks[name], st.fx.asks...)
 	for _, id := range st.fx.releases {
 		for _, x := range s.xfers {
@@ -146,7 +129,6 @@ func (s *coreSim) step(name string, in input) {
 
 // do carries out one op on the simulated fabric.
 func (s *coreSim) do(name string, o *op) error {
-	st := s.cores[name]
 	switch o.kind {
 	case opNotify:
 		if s.failNotify[name] > 0 {
@@ -180,7 +162,6 @@ func (s *coreSim) do(name string, o *op) error {
 		if s.reported["D/"+m.DReq] > 0 && !s.timedOut[m.DReq] {
 			s.t.Fatalf("P posted a WRITE into %s's blocks after D reported it", m.DReq)
 		}
-		_ = st
 		s.xfers = append(s.xfers, &simXfer{id: o.id, dreq: m.DReq, posted: s.now, notif: o.msg})
 		return nil
 	}
@@ -322,7 +303,7 @@ func (s *coreSim) answer(ok bool) {
 		h := &hsResult{engine: peer, probe: a.probe}
 		if ok {
 			h.res = HandshakeResult{Generation: 1, Ranks: []RankInfo{{EngineID: peer, CompatHash: "h",
-				Layout: traceLayout(0, 1, map[string]uint64{"P": 1 << 20, "D": 1 << 30}[peer]), Agent: []byte(peer + "/0")}}}
+				Layout: traceLayout(0, 1, simBase[peer]), Agent: []byte(peer + "/0")}}}
 			h.names, h.loadErrs = []PeerName{PeerName(peer + "/0")}, []error{nil}
 		} else {
 			h.err = fmt.Errorf("injected: %w", context.DeadlineExceeded)

@@ -122,7 +122,7 @@ func (st *loopState) startHandshake(e *engine) {
 // timeout; the answer comes back as an evHandshake event (a liveness
 // probe's when probe).
 func (st *loopState) askResolver(e *engine, timeout time.Duration, probe bool) {
-	st.fx.asks = append(st.fx.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe})
+	st.fx.asks = append(st.fx.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe, gen: e.gen})
 }
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.

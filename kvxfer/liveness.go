@@ -115,6 +115,12 @@ func (st *loopState) probeDone(h *hsResult) {
 	if h.res.Generation == e.gen {
 		return
 	}
+	if h.names == nil {
+		// Its generation changed after the probe was asked (a handshake
+		// meanwhile), and the driver loaded no agents: ask again in full.
+		st.startHandshake(e)
+		return
+	}
 	// Its ranks changed: requests waiting on a rank whose agent is not
 	// the one they dealt with cannot complete.
 	changed := map[rankRef]bool{}

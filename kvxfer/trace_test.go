@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -147,6 +146,20 @@ func traceLayout(tp, tpSize int, base uint64) topology.Layout {
 		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: int64(2 * 16 * 4 * 2 * 2 / tpSize), NumBlocks: 16}}}
 }
 
+// newTestCore is a Worker's core alone, at time now: its backend panics
+// if called and it has no resolver (its driver is the test).
+func newTestCore(t testing.TB, engine string, mode Mode, l topology.Layout, now time.Time) *loopState {
+	w, err := newWorker(WorkerConfig{EngineID: engine, Addr: engine + ":1", Mode: mode, Layout: l, CompatHash: "h",
+		Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.st.init(w)
+	w.st.now = now
+	return &w.st
+}
+
 // panicBackend is the core's backend in the traces: the core must never
 // call it.
 type panicBackend struct{ Backend }
@@ -199,16 +212,7 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		if a["mode"] == "pull" {
 			mode = ModePull
 		}
-		cfg := WorkerConfig{EngineID: a["engine"], Addr: a["engine"] + ":1", Mode: mode, Layout: traceLayout(r, n, 1<<20),
-			CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
-			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()}
-		w, err := newWorker(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		w.st.init(w)
-		tc.st, tc.engine = &w.st, a["engine"]
-		tc.st.now = tc.now
+		tc.st, tc.engine = newTestCore(t, a["engine"], mode, traceLayout(r, n, 1<<20), tc.now), a["engine"]
 		return "ok"
 	case "step":
 		meta := &StepMeta{SchedulerClock: tc.now}
@@ -314,28 +318,21 @@ func cmpOr(a, b string) string {
 // kind), then prints the rest of the core's effects and its outcomes.
 func (tc *traceCore) drive(out []string, indent string) []string {
 	st := tc.st
-	for len(st.fx.ops) > 0 {
-		ops := slices.Clone(st.fx.ops)
-		st.fx.ops = st.fx.ops[:0]
-		errs := make([]error, len(ops))
-		for i := range ops {
-			o := &ops[i]
-			k := o.kind
-			if k == opPostPrepared {
-				k = opPost
-			}
-			line := indent + tc.describe(o)
-			if tc.fail[k] > 0 {
-				tc.fail[k]--
-				errs[i] = fmt.Errorf("injected %s failure", map[opKind]string{opNotify: "notify", opPost: "post"}[k])
-				line += " -> fails"
-			}
-			out = append(out, line)
+	carryOut(st, nil, nil, func(round int, o *op) error {
+		k := o.kind
+		if k == opPostPrepared {
+			k = opPost
 		}
-		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
-		st.Step(tc.now, input{kind: inOpsDone, ops: ops, errs: errs})
-		indent += "  "
-	}
+		line := indent + strings.Repeat("  ", round) + tc.describe(o)
+		var err error
+		if tc.fail[k] > 0 {
+			tc.fail[k]--
+			err = fmt.Errorf("injected %s failure", map[opKind]string{opNotify: "notify", opPost: "post"}[k])
+			line += " -> fails"
+		}
+		out = append(out, line)
+		return err
+	})
 	fx := &st.fx
 	for _, a := range fx.asks {
 		what := "handshake"

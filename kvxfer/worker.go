@@ -248,6 +248,9 @@ type hsAsk struct {
 	engine, addr string
 	timeout      time.Duration
 	probe        bool
+	// gen is the generation the core holds: a probe that finds it
+	// unchanged needs no agent loaded (most probes).
+	gen uint64
 }
 
 type hsResult struct {
@@ -546,21 +549,7 @@ func (w *Worker) publish() {
 // forgets peers.
 func (w *Worker) apply() {
 	st := &w.st
-	for len(st.fx.ops) > 0 {
-		// Carry out the ops in order, then hand back their results; what
-		// the core does with them may ask for more.
-		ops := append(w.opsBuf[:0], st.fx.ops...)
-		st.fx.ops = st.fx.ops[:0]
-		errs := w.errsBuf[:0]
-		for i := range ops {
-			errs = append(errs, w.do(&ops[i]))
-		}
-		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
-		st.Step(st.now, input{kind: inOpsDone, ops: ops, errs: errs})
-		clear(ops)
-		clear(errs)
-		w.opsBuf, w.errsBuf = ops[:0], errs[:0]
-	}
+	w.opsBuf, w.errsBuf = carryOut(st, w.opsBuf, w.errsBuf, w.do)
 	fx := &st.fx
 	for _, id := range fx.releases {
 		if x, ok := w.xfers[id]; ok {
@@ -590,7 +579,7 @@ func (w *Worker) apply() {
 			t0 := time.Now()
 			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
 			h := &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0), closing: w.ctx.Err() != nil}
-			if err == nil {
+			if err == nil && (!a.probe || res.Generation != a.gen) {
 				h.names, h.loadErrs = make([]PeerName, len(res.Ranks)), make([]error, len(res.Ranks))
 				for i := range res.Ranks {
 					h.names[i], h.loadErrs[i] = w.be.LoadPeer(res.Ranks[i].Agent)
@@ -602,6 +591,28 @@ func (w *Worker) apply() {
 	clear(fx.asks)
 	clear(fx.invalidate)
 	fx.asks, fx.releases, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.invalidate[:0], fx.unprepare[:0]
+}
+
+// carryOut is every driver's loop over the core's ops: it hands each op
+// to do (the driver's own call; round counts the hand-backs before it),
+// in order, then their results back to the core (inOpsDone, at the
+// input's time), until the core asks for nothing more. ops and errs are
+// scratch, returned for reuse.
+func carryOut(st *loopState, ops []op, errs []error, do func(round int, o *op) error) ([]op, []error) {
+	for round := 0; len(st.fx.ops) > 0; round++ {
+		ops = append(ops[:0], st.fx.ops...)
+		st.fx.ops = st.fx.ops[:0]
+		errs = errs[:0]
+		for i := range ops {
+			errs = append(errs, do(round, &ops[i]))
+		}
+		// The ops' descriptors were read: the arena is free again.
+		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
+		st.Step(st.now, input{kind: inOpsDone, ops: ops, errs: errs})
+		clear(ops)
+		clear(errs)
+	}
+	return ops[:0], errs[:0]
 }
 
 // xferEntry is a transfer the driver posted for the core.
@@ -617,7 +628,7 @@ type prepEntry struct {
 }
 
 // do carries out one op of the core's and returns its error.
-func (w *Worker) do(o *op) error {
+func (w *Worker) do(_ int, o *op) error {
 	fx := &w.st.fx
 	switch o.kind {
 	case opNotify:

@@ -15,16 +15,24 @@ import (
 // it with InvalidArgument.
 var ErrInvalid = errors.New("stream: invalid message")
 
-func invalid(format string, args ...any) error {
+// Invalid is an error about a malformed message (it wraps ErrInvalid);
+// format names the field.
+func Invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalid, fmt.Sprintf(format, args...))
 }
 
 // The proto enums number their values like topology's and kvxfer's, so a
 // checked cast converts them.
 
-func fitInt(field string, v int64) (int, error) {
+// FitInt converts field's value v to an int, refusing values outside
+// int32's range with an error naming the field.
+func FitInt(name string, v int64) (int, error) { return fitField(field{list: name, i: -1}, v) }
+
+// fitField is FitInt for a field of a list entry, its name formatted only
+// for an error (no allocation per field).
+func fitField(f field, v int64) (int, error) {
 	if v < math.MinInt32 || v > math.MaxInt32 {
-		return 0, invalid("%s = %d out of range", field, v)
+		return 0, Invalid("%v = %d out of range", f, v)
 	}
 	return int(v), nil
 }
@@ -32,28 +40,28 @@ func fitInt(field string, v int64) (int, error) {
 // LayoutFromProto converts and validates a layout.
 func LayoutFromProto(field string, p *pb.KvLayout) (topology.Layout, error) {
 	if p == nil {
-		return topology.Layout{}, invalid("%s is missing", field)
+		return topology.Layout{}, Invalid("%s is missing", field)
 	}
 	l := topology.Layout{TPRank: int(p.TpRank), TPSize: int(p.TpSize), PPRank: int(p.PpRank), PPSize: int(p.PpSize),
 		TotalKVHeads: int(p.TotalKvHeads), HeadSize: int(p.HeadSize), ElemBytes: int(p.ElemBytes),
 		KVLayout: topology.KVLayout(p.Order), Packing: topology.KVPacking(p.Packing),
 		LogicalBlockSize: int(p.LogicalBlockSize), KernelBlockSize: int(p.KernelBlockSize), RegionOffset: int(p.RegionOffset)}
 	if p.Order < 1 || p.Order > 2 {
-		return l, invalid("%s.order = %v, want HND or NHD", field, p.Order)
+		return l, Invalid("%s.order = %v, want HND or NHD", field, p.Order)
 	}
 	if p.Packing < 1 || p.Packing > 3 {
-		return l, invalid("%s.packing = %v, want packed, split or separate", field, p.Packing)
+		return l, Invalid("%s.packing = %v, want packed, split or separate", field, p.Packing)
 	}
 	for i, r := range p.Regions {
 		f := fmt.Sprintf("%s.regions[%d]", field, i)
 		if r.Kind < 1 || r.Kind > 4 {
-			return l, invalid("%s.kind = %v unknown", f, r.Kind)
+			return l, Invalid("%s.kind = %v unknown", f, r.Kind)
 		}
-		w, err := fitInt(f+".window", r.Window)
+		w, err := FitInt(f+".window", r.Window)
 		if err != nil {
 			return l, err
 		}
-		nb, err := fitInt(f+".num_blocks", r.NumBlocks)
+		nb, err := FitInt(f+".num_blocks", r.NumBlocks)
 		if err != nil {
 			return l, err
 		}
@@ -63,9 +71,9 @@ func LayoutFromProto(field string, p *pb.KvLayout) (topology.Layout, error) {
 	for i, g := range p.Groups {
 		f := fmt.Sprintf("%s.groups[%d]", field, i)
 		if g.Kind < 1 || g.Kind > 4 {
-			return l, invalid("%s.kind = %v unknown", f, g.Kind)
+			return l, Invalid("%s.kind = %v unknown", f, g.Kind)
 		}
-		w, err := fitInt(f+".window", g.Window)
+		w, err := FitInt(f+".window", g.Window)
 		if err != nil {
 			return l, err
 		}
@@ -101,28 +109,6 @@ func LayoutToProto(l *topology.Layout) *pb.KvLayout {
 	return p
 }
 
-func spansFromProto(field string, ps []*pb.Span) ([]topology.Span, error) {
-	if len(ps) == 0 {
-		return nil, nil
-	}
-	out := make([]topology.Span, len(ps))
-	for i, s := range ps {
-		if s == nil {
-			return nil, invalid("%s[%d] is missing", field, i)
-		}
-		st, err := fitInt(fmt.Sprintf("%s[%d].start", field, i), s.Start)
-		if err != nil {
-			return nil, err
-		}
-		ids := make([]topology.BlockID, len(s.BlockIds))
-		for j, b := range s.BlockIds {
-			ids[j] = topology.BlockID(b)
-		}
-		out[i] = topology.Span{Start: st, IDs: ids}
-	}
-	return out, nil
-}
-
 func spansToProto(ss []topology.Span) []*pb.Span {
 	out := make([]*pb.Span, len(ss))
 	for i, s := range ss {
@@ -154,7 +140,7 @@ func timeTo(t time.Time) int64 {
 // their ids), so the conversion allocates per step, not per request.
 func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 	if p == nil {
-		return nil, invalid("step is missing")
+		return nil, Invalid("step is missing")
 	}
 	var a spanArena
 	a.size(p)
@@ -165,7 +151,7 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 	}
 	for i, r := range p.Recv {
 		if r == nil || r.Remote == nil {
-			return nil, invalid("%s.remote is missing", field{"step.recv", i, ""})
+			return nil, Invalid("%s.remote is missing", field{"step.recv", i, ""})
 		}
 		local, err := a.spans(field{"step.recv", i, ".local"}, r.Local)
 		if err != nil {
@@ -191,7 +177,7 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 		out := make([]kvxfer.SendReq, 0, len(in))
 		for i, s := range in {
 			if s == nil {
-				return nil, invalid("%s is missing", field{name, i, ""})
+				return nil, Invalid("%s is missing", field{name, i, ""})
 			}
 			blocks, err := a.spans(field{name, i, ".blocks"}, s.Blocks)
 			if err != nil {
@@ -215,20 +201,19 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 	return m, nil
 }
 
-// field names a field of a list entry, formatted only for an error.
+// field names a field of a list entry (list[i]sub), or, with i < 0, the
+// field list; formatted only for an error.
 type field struct {
 	list string
 	i    int
 	sub  string
 }
 
-func (f field) String() string { return fmt.Sprintf("%s[%d]%s", f.list, f.i, f.sub) }
-
-func fitField(f field, v int64) (int, error) {
-	if v < math.MinInt32 || v > math.MaxInt32 {
-		return 0, invalid("%s = %d out of range", f, v)
+func (f field) String() string {
+	if f.i < 0 {
+		return f.list
 	}
-	return int(v), nil
+	return fmt.Sprintf("%s[%d]%s", f.list, f.i, f.sub)
 }
 
 // spanArena holds a step's spans and block ids, each in one allocation;
@@ -262,7 +247,8 @@ func (a *spanArena) size(p *pb.StepMeta) {
 	a.ids = make([]topology.BlockID, 0, ids)
 }
 
-// spans converts ps (nil for none), as spansFromProto does.
+// spans converts ps (nil for none) into the arena; f names the list in
+// errors. A zero arena grows as it goes.
 func (a *spanArena) spans(f field, ps []*pb.Span) ([]topology.Span, error) {
 	if len(ps) == 0 {
 		return nil, nil
@@ -270,10 +256,10 @@ func (a *spanArena) spans(f field, ps []*pb.Span) ([]topology.Span, error) {
 	first := len(a.list)
 	for j, s := range ps {
 		if s == nil {
-			return nil, invalid("%s[%d] is missing", f, j)
+			return nil, Invalid("%v[%d] is missing", f, j)
 		}
 		if s.Start < math.MinInt32 || s.Start > math.MaxInt32 {
-			return nil, invalid("%s[%d].start = %d out of range", f, j, s.Start)
+			return nil, Invalid("%v[%d].start = %d out of range", f, j, s.Start)
 		}
 		k := len(a.ids)
 		for _, b := range s.BlockIds {
@@ -330,10 +316,10 @@ func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
 		var out []kvxfer.Outcome
 		for i, o := range ps {
 			if o == nil || o.Result < 1 || o.Result > 4 {
-				return nil, invalid("finished.%s[%d].result unknown", name, i)
+				return nil, Invalid("finished.%s[%d].result unknown", name, i)
 			}
 			if o.FailureKind < 0 || o.FailureKind > 255 {
-				return nil, invalid("finished.%s[%d].failure_kind %d out of range", name, i, o.FailureKind)
+				return nil, Invalid("finished.%s[%d].failure_kind %d out of range", name, i, o.FailureKind)
 			}
 			out = append(out, kvxfer.Outcome{ReqID: o.RequestId, Result: kvxfer.Result(o.Result), Reason: o.Reason,
 				Kind: kvxfer.FailureKind(o.FailureKind)})
@@ -359,14 +345,14 @@ func ParamsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
 	if p == nil {
 		return nil, nil
 	}
-	blocks, err := spansFromProto("params.remote_block_ids", p.RemoteBlockIds)
+	blocks, err := new(spanArena).spans(field{list: "params.remote_block_ids", i: -1}, p.RemoteBlockIds)
 	if err != nil {
 		return nil, err
 	}
 	if p.Mode < 0 || p.Mode > 2 {
-		return nil, invalid("params.mode = %v unknown", p.Mode)
+		return nil, Invalid("params.mode = %v unknown", p.Mode)
 	}
-	tok, err := fitInt("params.remote_num_tokens", p.RemoteNumTokens)
+	tok, err := FitInt("params.remote_num_tokens", p.RemoteNumTokens)
 	if err != nil {
 		return nil, err
 	}
@@ -391,9 +377,9 @@ func ParamsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
 // the field.
 func RequestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
 	if r == nil || r.RequestId == "" {
-		return nil, invalid("request.request_id is empty")
+		return nil, Invalid("request.request_id is empty")
 	}
-	prompt, err := fitInt("request.prompt_tokens", r.PromptTokens)
+	prompt, err := FitInt("request.prompt_tokens", r.PromptTokens)
 	if err != nil {
 		return nil, err
 	}

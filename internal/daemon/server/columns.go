@@ -1,6 +1,7 @@
 package server
 
 import (
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
@@ -64,22 +65,22 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			{"computed", len(rc.Computed)}, {"count", len(rc.Count)},
 		} {
 			if col.n != rows && col.n != 0 {
-				return nil, invalid("%s has %d entries, want %d (one per request_id) or none (the default in every row)",
+				return nil, stream.Invalid("%s has %d entries, want %d (one per request_id) or none (the default in every row)",
 					field(col.name), col.n, rows)
 			}
 		}
 		if kind.name == "request_finished" && len(rc.Status) != rows {
-			return nil, invalid("%s has %d entries, want %d (one per request_id)", field("status"), len(rc.Status), rows)
+			return nil, stream.Invalid("%s has %d entries, want %d (one per request_id)", field("status"), len(rc.Status), rows)
 		}
 		if len(rc.BlockLens)%rows != 0 || len(rc.RemoteBlockLens)%rows != 0 || len(rc.RemoteBlockStarts) != len(rc.RemoteBlockLens) {
-			return nil, invalid("%s: block_lens has %d entries, remote_block_lens %d, remote_block_starts %d, want multiples of %d rows (one per row and group)",
+			return nil, stream.Invalid("%s: block_lens has %d entries, remote_block_lens %d, remote_block_starts %d, want multiples of %d rows (one per row and group)",
 				field(""), len(rc.BlockLens), len(rc.RemoteBlockLens), len(rc.RemoteBlockStarts), rows)
 		}
 		groups, rgroups := len(rc.BlockLens)/rows, len(rc.RemoteBlockLens)/rows
 		ids, rids := rc.BlockIds, rc.RemoteBlockIds
 		take := func(name string, from *[]int32, n int32) ([]int32, error) {
 			if n < 0 || int(n) > len(*from) {
-				return nil, invalid("%s: a list of %d ids, but %d are left", field(name), n, len(*from))
+				return nil, stream.Invalid("%s: a list of %d ids, but %d are left", field(name), n, len(*from))
 			}
 			out := (*from)[:n:n]
 			*from = (*from)[n:]
@@ -117,7 +118,7 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			ops = append(ops, kind.op(&pb.EngineRequest{RequestId: rc.RequestId[i], PromptTokens: at(rc.PromptTokens, i), Params: params}, blocks, rc, i))
 		}
 		if len(ids) != 0 || len(rids) != 0 {
-			return nil, invalid("%s: %d block ids and %d remote block ids left over after every row", field(""), len(ids), len(rids))
+			return nil, stream.Invalid("%s: %d block ids and %d remote block ids left over after every row", field(""), len(ids), len(rids))
 		}
 	}
 	return ops, nil

@@ -59,7 +59,7 @@ func (ss *schedulers) get(ctx context.Context, engine string) (*lockedScheduler,
 
 func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error) {
 	if engine == "" {
-		return nil, invalid("engine_id is empty")
+		return nil, stream.Invalid("engine_id is empty")
 	}
 	s, _ := ss.m.Load(engine)
 	if s == nil {
@@ -79,7 +79,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	}
 	c := req.GetConfig()
 	if c == nil {
-		return nil, Status(invalid("config is missing"))
+		return nil, Status(stream.Invalid("config is missing"))
 	}
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
@@ -87,7 +87,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
 		Layerwise: c.Layerwise}
 	for i, g := range c.Groups {
-		w, err := fitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
+		w, err := stream.FitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
 		if err != nil {
 			return nil, Status(err)
 		}
@@ -125,7 +125,7 @@ func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRe
 	if err != nil {
 		return nil, Status(err)
 	}
-	computed, err := fitInt("computed", req.Computed)
+	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -144,11 +144,11 @@ func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest)
 	if err != nil {
 		return nil, Status(err)
 	}
-	computed, err := fitInt("computed", req.Computed)
+	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
 		return nil, Status(err)
 	}
-	external, err := fitInt("external", req.External)
+	external, err := stream.FitInt("external", req.External)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -188,11 +188,11 @@ func prefillFromProto(req *pb.PrefillRequest) (prefillCall, error) {
 	if err != nil {
 		return prefillCall{}, err
 	}
-	computed, err := fitInt("computed", req.Computed)
+	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
 		return prefillCall{}, err
 	}
-	scheduled, err := fitInt("scheduled", req.Scheduled)
+	scheduled, err := stream.FitInt("scheduled", req.Scheduled)
 	if err != nil {
 		return prefillCall{}, err
 	}
@@ -235,9 +235,9 @@ func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinish
 		return nil, Status(err)
 	}
 	if req.Status < 1 || req.Status > 4 {
-		return nil, Status(invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
+		return nil, Status(stream.Invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
 	}
-	computed, err := fitInt("computed", req.Computed)
+	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
 		return nil, Status(err)
 	}

@@ -333,7 +333,7 @@ func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) 
 // when large and the caller accepts it.
 func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
 	if req.GetEngineId() == "" {
-		return nil, Status(invalid("handshake.engine_id is empty"))
+		return nil, Status(stream.Invalid("handshake.engine_id is empty"))
 	}
 	e, _ := s.engines.Load(req.EngineId)
 	if e == nil {
@@ -373,7 +373,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	}
 	hello := first.GetHello()
 	if hello == nil {
-		return Status(invalid("the first message of a worker stream must be hello"))
+		return Status(stream.Invalid("the first message of a worker stream must be hello"))
 	}
 	r, err := s.attach(hello, uid)
 	if err != nil {
@@ -605,10 +605,10 @@ type gpuImport struct {
 // publishes it for handshakes.
 func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	if h.EngineId == "" {
-		return nil, invalid("hello.engine_id is empty")
+		return nil, stream.Invalid("hello.engine_id is empty")
 	}
 	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
-		return nil, invalid("hello.mode = %v, want push or pull", h.Mode)
+		return nil, stream.Invalid("hello.mode = %v, want push or pull", h.Mode)
 	}
 	l, err := stream.LayoutFromProto("hello.layout", h.Layout)
 	if err != nil {
@@ -628,20 +628,20 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		return nil, err
 	}
 	if len(h.Memory) == 0 {
-		return nil, invalid("hello.memory is empty")
+		return nil, stream.Invalid("hello.memory is empty")
 	}
 	vram := len(h.Memory[0].CudaIpcHandle) > 0
 	for i, m := range h.Memory {
 		gpu := len(m.CudaIpcHandle) > 0
 		switch {
 		case gpu != vram:
-			return nil, invalid("hello.memory[%d]: a rank's memory must be all host or all GPU memory", i)
+			return nil, stream.Invalid("hello.memory[%d]: a rank's memory must be all host or all GPU memory", i)
 		case gpu && len(m.CudaIpcHandle) != len(cuda.Handle{}):
-			return nil, invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
+			return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
 		case !gpu && m.GetPath() == "", m.GetSize() == 0, m.Base+m.Size < m.Base:
-			return nil, invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
+			return nil, stream.Invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
 		case !gpu && m.DeviceUuid != "":
-			return nil, invalid("hello.memory[%d].device_uuid = %q on host memory (no cuda_ipc_handle)", i, m.DeviceUuid)
+			return nil, stream.Invalid("hello.memory[%d].device_uuid = %q on host memory (no cuda_ipc_handle)", i, m.DeviceUuid)
 		}
 		if m.DeviceUuid != "" {
 			if _, err := cuda.ParseUUID(m.DeviceUuid); err != nil {
@@ -656,7 +656,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 			inside = inside || reg.Base >= m.Base && end <= m.Base+m.Size
 		}
 		if !inside {
-			return nil, invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory entry", i, reg.Base, end)
+			return nil, stream.Invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory entry", i, reg.Base, end)
 		}
 	}
 	// Where each memory entry lives in this process.
@@ -671,7 +671,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 			copy(hd[:], m.CudaIpcHandle)
 			ptr, err := dev.Import(hd)
 			if err != nil {
-				return nil, invalid("hello.memory[%d].cuda_ipc_handle: %v", i, err)
+				return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %v", i, err)
 			}
 			r.gpu = append(r.gpu, gpuImport{dev, ptr})
 			real[i] = ptr
@@ -682,7 +682,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		case errors.Is(err, shm.ErrRefused):
 			return nil, fmt.Errorf("%w: hello.memory[%d]: %w", ErrPermission, i, err)
 		case err != nil:
-			return nil, invalid("hello.memory[%d]: %v", i, err)
+			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
 		}
 		r.mappings = append(r.mappings, mp)
 		real[i] = realAddr(mp.Bytes)
@@ -713,14 +713,14 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		if vram {
 			dm, ok := r.backend.(DeviceMapper)
 			if !ok {
-				return nil, invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl)")
+				return nil, stream.Invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl)")
 			}
 			err = dm.MapDevice(real[i], m.Size)
 		} else {
 			err = r.backend.Map(real[i], r.mappings[i].Bytes)
 		}
 		if err != nil {
-			return nil, invalid("hello.memory[%d]: %v", i, err)
+			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
 		}
 	}
 	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
@@ -821,7 +821,7 @@ func (s *Server) gpuOf(i int, m *pb.SharedMemory) (*cuda.Device, error) {
 		case errors.Is(err, cuda.ErrUnavailable):
 			return nil, fmt.Errorf("hello.memory[%d].device %d: %w", i, m.Device, err)
 		case err != nil:
-			return nil, invalid("hello.memory[%d].device %d: %v", i, m.Device, err)
+			return nil, stream.Invalid("hello.memory[%d].device %d: %v", i, m.Device, err)
 		}
 		return d, nil
 	}
@@ -977,10 +977,10 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				return finish(true)
 			case *pb.ConnectRequest_Hello:
 				finish(false)
-				return Status(invalid("hello sent twice on one stream"))
+				return Status(stream.Invalid("hello sent twice on one stream"))
 			default:
 				finish(false)
-				return Status(invalid("empty message"))
+				return Status(stream.Invalid("empty message"))
 			}
 		}
 	}

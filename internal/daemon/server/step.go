@@ -40,7 +40,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	}
 	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
 		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
-		return nil, Status(invalid("ops has %d entries, want at most %d", n, maxStepOps))
+		return nil, Status(stream.Invalid("ops has %d entries, want at most %d", n, maxStepOps))
 	}
 	if req.PublishStep > 0 {
 		// Refused before any op applies: ops staged for a step that is
@@ -85,7 +85,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 			x.Prefill.EngineId = req.EngineId
 			_, err = ss.Prefill(ctx, x.Prefill)
 		default:
-			err = Status(invalid("ops[%d] is empty", i))
+			err = Status(stream.Invalid("ops[%d] is empty", i))
 		}
 		if err != nil {
 			fail(i, err)
@@ -138,7 +138,7 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 	ls.pub.Lock()
 	defer ls.pub.Unlock()
 	if step <= ls.pub.last {
-		return invalid("publish_step = %d, want > %d (the last published)", step, ls.pub.last)
+		return stream.Invalid("publish_step = %d, want > %d (the last published)", step, ls.pub.last)
 	}
 	return nil
 }
@@ -163,7 +163,7 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 			return stream.StepFromProto(m)
 		}
 		if step <= last {
-			return nil, invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)
+			return nil, stream.Invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)
 		}
 		select {
 		case <-changed:
@@ -196,7 +196,7 @@ func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.Step
 			return nil // the engine closed its side, or the stream broke
 		}
 		if m.GetStep() == nil {
-			return Status(invalid("step is missing"))
+			return Status(stream.Invalid("step is missing"))
 		}
 		resp, err := ss.Step(ctx, m.Step)
 		if err != nil {
