@@ -35,7 +35,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 //	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N]
 //	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
 //	step abort=ID [tid=T]                      the engine aborted a producer request
-//	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
+//	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true] [loaded=false]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
 //	handshake ENGINE fail=REASON
 //	notif from=ENGINE/RANK [agent=NAME] kind=reg|done|fail|cancel|ack|heartbeat [tid=] [dreq=] [preq=] [spans=1,2] [reason=] [failkind=] [tp=N]
 //	ended xfer=N [fail=REASON]                 a posted transfer ended
@@ -255,8 +255,10 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 				}
 				h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: f[1], CompatHash: cmpOr(a["hash"], "h"),
 					Layout: traceLayout(r, n, 1<<30), Agent: []byte(agent)})
-				h.names = append(h.names, PeerName(agent))
-				h.loadErrs = append(h.loadErrs, nil)
+				if a["loaded"] != "false" { // the driver loaded the agents
+					h.names = append(h.names, PeerName(agent))
+					h.loadErrs = append(h.loadErrs, nil)
+				}
 			}
 			h.res.Generation = uint64(gen)
 		}
