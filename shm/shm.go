@@ -29,7 +29,14 @@ const (
 type Mapping struct {
 	Path  string
 	Bytes []byte
+	file  *os.File
 }
+
+// File returns the mapped file, open (read-write) until Close or Remove:
+// Bytes is its range [0, len(Bytes)). kvxferd hands a read-only reopening
+// of it to a peer daemon of the same user on the same host, which then
+// copies straight out of it (netxfer's same-host path).
+func (m *Mapping) File() *os.File { return m.file }
 
 // ErrRefused is the error of a file MapOwned will not map. Its message
 // is the same whatever the reason (missing, a symlink, outside the
@@ -171,7 +178,12 @@ func mapFD(fd int, path, clean string, size uint64, st *unix.Stat_t) (*Mapping, 
 	if err != nil {
 		return nil, fmt.Errorf("shm: mmap %s (%d bytes): %w", path, size, err)
 	}
-	return &Mapping{Path: clean, Bytes: b}, nil
+	kept, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		_ = unix.Munmap(b)
+		return nil, fmt.Errorf("shm: map %s: keep the file open: %w", path, err)
+	}
+	return &Mapping{Path: clean, Bytes: b, file: os.NewFile(uintptr(kept), clean)}, nil
 }
 
 // Close unmaps the file; the file stays. It is idempotent. Bytes must not
@@ -182,6 +194,10 @@ func (m *Mapping) Close() error {
 	}
 	err := unix.Munmap(m.Bytes)
 	m.Bytes = nil
+	if m.file != nil {
+		err = errors.Join(err, m.file.Close())
+		m.file = nil
+	}
 	return err
 }
 

@@ -1,6 +1,7 @@
 package test
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -8,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
@@ -59,6 +62,68 @@ func TestConformanceProcessBuiltinTCP(t *testing.T) {
 	kvxfertest.Conformance(t, agentHarness(nil, "-backend", "builtin"))
 }
 
+// The same suite over the built-in backend's same-host path: each agent
+// adopts its shared-memory file (MapFile), so a WRITE is copied by the
+// receiving process straight out of the sender's file.
+func TestConformanceProcessBuiltinSameHost(t *testing.T) {
+	kvxfertest.Conformance(t, agentHarness(nil, "-backend", "builtin", "-same-host"))
+}
+
+// The same-host path is what moved the bytes between the two processes,
+// and the bytes are right.
+func TestSameHostProcess(t *testing.T) {
+	h := agentHarness(nil, "-backend", "builtin", "-same-host")
+	const size = 1 << 20
+	a, b := h.Start(t, size), h.Start(t, size)
+	for _, x := range []*kvxfertest.ProcAgent{a, b} {
+		if err := x.Register([]kvxfer.MemRegion{x.Info().Region}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	meta, err := b.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range a.Mem {
+		a.Mem[i] = byte(i*7 + i>>9)
+	}
+	ar, br := a.Info().Region, b.Info().Region
+	var descs []hotpath.Desc
+	for off := uint64(0); off+1024 <= size; off += 2048 {
+		descs = append(descs, hotpath.Desc{Local: ar.Addr + off, Remote: br.Addr + off + 1024, Len: 1024})
+	}
+	id, err := a.Post(hotpath.OpWrite, peer, descs, []byte("done"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		s, err := a.State(id)
+		if s == kvxfer.XferDone {
+			break
+		}
+		if s != kvxfer.XferInProgress || time.Now().After(deadline) {
+			t.Fatalf("WRITE: %v, %v", s, err)
+		}
+		select {
+		case <-a.Events():
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	for off := 0; off+1024 <= size; off += 2048 {
+		if !bytes.Equal(a.Mem[off:off+1024], b.Mem[off+1024:off+2048]) {
+			t.Fatalf("piece at %d differs", off)
+		}
+	}
+	if n, err := b.SameHostParts(); err != nil || n == 0 {
+		t.Fatalf("same-host parts at the receiver: %d, %v; want the WRITE's parts", n, err)
+	}
+}
+
 // NIXL between two agent processes, UCX over TCP (UCX's default error
 // handling: peer failures are reported).
 func TestConformanceProcessNixlTCP(t *testing.T) {
@@ -86,6 +151,7 @@ func TestPeerKilledProcess(t *testing.T) {
 		hang string // why the survivor's Close is known to hang
 	}{
 		{name: "builtin-tcp", args: []string{"-backend", "builtin"}},
+		{name: "builtin-same-host", args: []string{"-backend", "builtin", "-same-host"}},
 		{name: "nixl-ucx-tcp", nixl: true, env: []string{"UCX_TLS=tcp"}, args: []string{"-backend", "nixl"}},
 		{name: "nixl-ucx-sm", nixl: true, env: []string{"UCX_TLS=sm"}, args: []string{"-backend", "nixl", "-nixl-params", "ucx_error_handling_mode=none"}},
 		{name: "nixl-ucx-posix", nixl: true, env: []string{"UCX_TLS=posix"}, args: []string{"-backend", "nixl", "-nixl-params", "ucx_error_handling_mode=none"},

@@ -194,6 +194,11 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 			fmt.Sprintf("round %d, after P's restart", round))
 		t.Logf("round %d: a new request was done %v after P came back", round, time.Since(back).Round(time.Millisecond))
 		if round == 0 {
+			// Both daemons on this host: P's WRITEs were copied by D's
+			// daemon straight out of P's engine's memory file.
+			if n := metricsOf(t, dMetrics)["kvxfer_same_host_parts_total"]; n == 0 {
+				t.Error("D's daemon landed no part by the same-host path")
+			}
 			baseline = settled(t, "D's daemon", dMetrics, 1e9, 0)
 		} else {
 			settled(t, "D's daemon", dMetrics, baseline, 5)
@@ -306,6 +311,11 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 	healed := time.Now()
 	transferOnce(t, P, D, p.Peer, "new", []topology.BlockID{10, 11}, 10*time.Second, "after the link came back")
 	t.Logf("a new request was done %v after the link came back", time.Since(healed).Round(time.Millisecond))
+	// Two network namespaces: the same-host socket is out of reach, TCP
+	// carried every part.
+	if n := metricsIn(t, n.b, "127.0.0.1:9700")["kvxfer_same_host_parts_total"]; n != 0 {
+		t.Errorf("D's daemon in another network namespace landed %v parts by the same-host path", n)
+	}
 	settledIn(t, "P's daemon", n.a, "127.0.0.1:9700", pBase, 10)
 	settledIn(t, "D's daemon", n.b, "127.0.0.1:9700", dBase, 10)
 }

@@ -189,6 +189,15 @@ func (s *service) Wait(timeout time.Duration, got *bool) error {
 	return nil
 }
 
+// SameHostParts answers how many WRITE parts same-host peers copied into
+// the agent's memory (0 for a backend without a same-host path).
+func (s *service) SameHostParts(_ int, r *uint64) error {
+	if b, ok := s.be.(interface{ SameHostParts() uint64 }); ok {
+		*r = b.SameHostParts()
+	}
+	return nil
+}
+
 func (s *service) Close(_ int, r *ErrReply) error {
 	r.Err = toWire(s.be.Close())
 	s.once.Do(func() { close(s.closed) })
@@ -356,6 +365,14 @@ func (c *Client) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 		return dst
 	}
 	return append(dst, r.Notifs...)
+}
+
+// SameHostParts returns how many WRITE parts same-host peers copied into
+// the agent's memory (the built-in backend's same-host path).
+func (c *Client) SameHostParts() (uint64, error) {
+	var n uint64
+	err := c.call("SameHostParts", 0, &n)
+	return n, err
 }
 
 // Events implements kvxfer.Backend.

@@ -50,7 +50,7 @@ type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA                              string
-	insecurePeers, nixlAnyVersion                                                                       bool
+	insecurePeers, nixlAnyVersion, noSameHost                                                           bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
@@ -67,6 +67,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
 	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
+	fs.BoolVar(&c.noSameHost, "no-same-host", false, "built-in backend: move KV bytes to peers on this host over TCP too, not by a direct copy out of the engine's shared-memory file")
 	fs.StringVar(&c.metricsListen, "metrics-listen", "127.0.0.1:9600", `address of /metrics ("" to disable)`)
 	fs.StringVar(&c.shmDir, "shm-dir", shm.DefaultDir, "directory engines' shared-memory files must live in (rules: package shm)")
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
@@ -367,7 +368,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 			if vram {
 				return nil, errors.New("GPU memory needs -backend=nixl")
 			}
-			return tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth,
+			return tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
 				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {

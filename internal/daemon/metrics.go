@@ -20,7 +20,7 @@ type collector struct {
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
-	refused, authFailures                                      *prometheus.Desc
+	refused, authFailures, sameHost                            *prometheus.Desc
 	open, inFlight                                             *prometheus.Desc
 }
 
@@ -42,12 +42,14 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		failedNotifs:      d("num_failed_notifications_total", "Notifications that could not be sent (vllm:nixl_num_failed_notifications)."),
 		expired:           d("num_kv_expired_reqs_total", "Requests whose lease or deadline passed (vllm:nixl_num_kv_expired_reqs)."),
 		handshakeFailures: d("handshake_failures_total", "Handshakes with peer engines that failed."),
-		outcomes:          d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
-		failures:          d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
-		badInput:          d("bad_input_total", "Inputs rejected, by field.", "field"),
-		dropped:           d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
-		open:              d("requests_open", "Requests a rank holds now, by side (producer: held for a consumer; consumer: receiving).", "side"),
-		inFlight:          d("transfers_in_flight", "Transfers a rank has posted that have not ended."),
+		sameHost: prometheus.NewDesc("kvxfer_same_host_parts_total",
+			"WRITE parts that peer daemons on this host copied straight out of their engines' memory files into this daemon's engines' memory (the built-in backend's same-host path).", nil, nil),
+		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
+		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
+		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),
+		dropped:  d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
+		open:     d("requests_open", "Requests a rank holds now, by side (producer: held for a consumer; consumer: receiving).", "side"),
+		inFlight: d("transfers_in_flight", "Transfers a rank has posted that have not ended."),
 		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
 			"(write_late, write_deny, read_late, read_deny; deny drops the connection).", "verdict"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
@@ -74,6 +76,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	if c.auth != nil {
 		ch <- prometheus.MustNewConstMetric(c.authFailures, prometheus.CounterValue, float64(c.auth.Failures()))
 	}
+	ch <- prometheus.MustNewConstMetric(c.sameHost, prometheus.CounterValue, float64(c.srv.SameHostParts()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)
 	}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -80,6 +81,10 @@ type Config struct {
 	// DisableLocal turns off the direct copy between agents of one
 	// process (tests of the TCP path).
 	DisableLocal bool
+	// DisableSameHost turns off the same-host path (see MapFile): the
+	// agent neither listens on nor dials same-host sockets, and peers on
+	// its host reach it over TCP.
+	DisableSameHost bool
 	// Auth authenticates every connection between agents (kvxfer's
 	// peerauth, purpose "data"): the dialer proves it holds the shared
 	// secret and names itself, and only that name's messages are accepted
@@ -100,11 +105,16 @@ type Config struct {
 
 // Agent is one transfer endpoint. It is safe for concurrent use.
 type Agent struct {
-	cfg    Config
-	ln     net.Listener
-	addr   string
-	log    *slog.Logger
-	events chan struct{}
+	cfg  Config
+	ln   net.Listener
+	addr string
+	// uln and uaddr: the same-host socket (nil and "" without one).
+	uln        net.Listener
+	uaddr      string
+	files      atomic.Int32  // chunks with a file (same-host shareable)
+	localParts atomic.Uint64 // WRITE parts copied in from same-host peers
+	log        *slog.Logger
+	events     chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;
 	// Unmap holds it for writing, so memory never goes away under a copy.
 	memMu        sync.RWMutex
@@ -115,21 +125,27 @@ type Agent struct {
 	refusals     [Deny + 1]atomic.Uint64 // by Verdict
 	mu           struct {
 		sync.Mutex
-		closed   bool
-		chunks   []chunk
-		regs     []Region
-		peers    map[string]*peer
-		xfers    map[XferID]*xfer
-		next     XferID
-		inbox    []Notif
-		incoming map[net.Conn]bool
-		landing  map[landKey]*landing
+		closed    bool
+		chunks    []chunk
+		regs      []Region
+		nextChunk uint32
+		peers     map[string]*peer
+		xfers     map[XferID]*xfer
+		next      XferID
+		inbox     []Notif
+		incoming  map[net.Conn]bool
+		landing   map[landKey]*landing
 	}
 }
 
 type chunk struct {
 	base uint64
 	mem  []byte
+	// id names the chunk on same-host connections; file (nil if none) is
+	// a read-only reopening of the file mem maps from offset off.
+	id   uint32
+	file *os.File
+	off  int64
 }
 
 type landKey struct {
@@ -193,9 +209,18 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.xfers = map[XferID]*xfer{}
 	a.mu.incoming = map[net.Conn]bool{}
 	a.mu.landing = map[landKey]*landing{}
+	if !cfg.DisableSameHost {
+		if err := a.listenLocal(); err != nil {
+			a.log.Debug("netxfer: no same-host socket", "err", err)
+		}
+	}
 	local.agents[cfg.Name] = a
 	a.wg.Add(1)
-	go a.accept()
+	go a.accept(a.ln)
+	if a.uln != nil {
+		a.wg.Add(1)
+		go a.accept(a.uln)
+	}
 	return a, nil
 }
 
@@ -205,6 +230,10 @@ func (a *Agent) AcceptErrors() uint64 { return a.acceptErrors.Load() }
 
 // TLSFailures returns how many TLS handshakes failed, dialing or served.
 func (a *Agent) TLSFailures() uint64 { return a.tlsFailures.Load() }
+
+// SameHostParts returns how many WRITE parts same-host peers landed here
+// by a direct copy out of their memory files.
+func (a *Agent) SameHostParts() uint64 { return a.localParts.Load() }
 
 // Name returns the agent's name.
 func (a *Agent) Name() string { return a.cfg.Name }
@@ -226,6 +255,11 @@ func (a *Agent) signal() {
 // Map adopts caller-owned memory at base (kvxferd: a mapped
 // shared-memory file). It must not overlap mapped memory.
 func (a *Agent) Map(base uint64, mem []byte) error {
+	return a.mapChunk(chunk{base: base, mem: mem})
+}
+
+func (a *Agent) mapChunk(ch chunk) error {
+	base, mem := ch.base, ch.mem
 	if len(mem) == 0 || base+uint64(len(mem)) < base {
 		return fmt.Errorf("netxfer: map [%#x, +%d): empty or wrapping", base, len(mem))
 	}
@@ -241,20 +275,28 @@ func (a *Agent) Map(base uint64, mem []byte) error {
 			return fmt.Errorf("netxfer: map [%#x, +%d): overlaps [%#x, +%d)", base, len(mem), c.base, len(c.mem))
 		}
 	}
-	a.mu.chunks = append(a.mu.chunks, chunk{base, mem})
+	a.mu.nextChunk++
+	ch.id = a.mu.nextChunk
+	if ch.file != nil {
+		a.files.Add(1)
+	}
+	a.mu.chunks = append(a.mu.chunks, ch)
 	slices.SortFunc(a.mu.chunks, func(x, y chunk) int { return cmpU64(x.base, y.base) })
 	return nil
 }
 
 // Unmap forgets memory mapped at base, and every region registered in
-// it. It waits for transfers moving bytes in or out of memory.
+// it. It waits for transfers moving bytes in or out of memory. Memory
+// adopted with MapFile may still be read by same-host peers copying a
+// WRITE: Unmap breaks the agent's same-host connections (their WRITEs in
+// flight fail, and what a peer copies from now on does not count).
 func (a *Agent) Unmap(base uint64) error {
 	a.memMu.Lock()
 	defer a.memMu.Unlock()
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	i := slices.IndexFunc(a.mu.chunks, func(c chunk) bool { return c.base == base })
 	if i < 0 {
+		a.mu.Unlock()
 		return fmt.Errorf("netxfer: unmap %#x: %w", base, ErrNotRegistered)
 	}
 	c := a.mu.chunks[i]
@@ -262,6 +304,20 @@ func (a *Agent) Unmap(base uint64) error {
 	a.mu.regs = slices.DeleteFunc(a.mu.regs, func(r Region) bool {
 		return r.Addr >= c.base && r.Addr-c.base < uint64(len(c.mem))
 	})
+	var peers []*peer
+	if c.file != nil {
+		a.files.Add(-1)
+		for _, p := range a.mu.peers {
+			peers = append(peers, p)
+		}
+	}
+	a.mu.Unlock()
+	if c.file != nil {
+		for _, p := range peers {
+			p.dropLocal(fmt.Errorf("%w: memory at %#x unmapped", ErrXferFailed, base))
+		}
+		_ = c.file.Close()
+	}
 	return nil
 }
 
@@ -426,26 +482,43 @@ func (a *Agent) Deregister(regions []Region) error {
 const metaPrefix = "netxfer1\n"
 
 // Metadata returns the blob a peer loads to reach this agent.
-func (a *Agent) Metadata() []byte { return []byte(metaPrefix + a.cfg.Name + "\n" + a.addr) }
+// A same-host socket, when the agent has one, follows on a third line:
+// "unix <name>".
+func (a *Agent) Metadata() []byte {
+	m := metaPrefix + a.cfg.Name + "\n" + a.addr
+	if a.uaddr != "" {
+		m += "\nunix " + a.uaddr
+	}
+	return []byte(m)
+}
 
 // LoadPeer loads a peer's metadata and returns its name.
 func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	rest, ok := strings.CutPrefix(string(meta), metaPrefix)
 	name, addr, ok2 := strings.Cut(rest, "\n")
-	if !ok || !ok2 || name == "" || addr == "" || len(name) > maxName || strings.Contains(addr, "\n") {
+	addr, uline, hasU := strings.Cut(addr, "\n")
+	uaddr, okU := strings.CutPrefix(uline, "unix @")
+	if !ok || !ok2 || name == "" || addr == "" || len(name) > maxName ||
+		hasU && (!okU || uaddr == "" || len(uaddr) > 100 || strings.ContainsAny(uaddr, "\n\x00")) {
 		return "", fmt.Errorf("netxfer: load peer: %w (%d bytes)", ErrBadMetadata, len(meta))
+	}
+	if hasU {
+		uaddr = "@" + uaddr
+	}
+	if a.cfg.DisableSameHost {
+		uaddr = ""
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.mu.closed {
 		return "", ErrClosed
 	}
-	if p := a.mu.peers[name]; p != nil && p.addr == addr {
+	if p := a.mu.peers[name]; p != nil && p.addr == addr && p.uaddr == uaddr {
 		return name, nil
 	} else if p != nil {
 		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
-	p := &peer{owner: a, name: name, addr: addr}
+	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr}
 	if !a.cfg.DisableLocal {
 		local.Lock()
 		if l := local.agents[name]; l != nil && l.addr == addr {
@@ -545,6 +618,9 @@ func (a *Agent) Close() error {
 	}
 	a.mu.Unlock()
 	_ = a.ln.Close()
+	if a.uln != nil {
+		_ = a.uln.Close()
+	}
 	for _, p := range peers {
 		p.close(fmt.Errorf("%w: agent closed", ErrXferFailed))
 	}
@@ -557,16 +633,26 @@ func (a *Agent) Close() error {
 	}
 	local.Unlock()
 	a.wg.Wait()
+	a.memMu.Lock()
+	a.mu.Lock()
+	for i := range a.mu.chunks {
+		if f := a.mu.chunks[i].file; f != nil {
+			_ = f.Close()
+			a.mu.chunks[i].file = nil
+		}
+	}
+	a.mu.Unlock()
+	a.memMu.Unlock()
 	a.signal()
 	return nil
 }
 
-// accept serves incoming connections.
-func (a *Agent) accept() {
+// accept serves incoming connections on ln.
+func (a *Agent) accept(ln net.Listener) {
 	defer a.wg.Done()
 	var backoff time.Duration
 	for {
-		c, err := a.ln.Accept()
+		c, err := ln.Accept()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return

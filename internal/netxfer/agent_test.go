@@ -462,3 +462,75 @@ func TestScatterReader(t *testing.T) {
 		t.Errorf("fill past the end: %v, want EOF", err)
 	}
 }
+
+// fillv over a real socket (readv straight into the pieces) hands every
+// piece its exact bytes: pieces of any size, lists longer than one readv
+// takes, bytes buffered ahead of the payload, and a source that trickles.
+func TestScatterReaderReadv(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	rng := rand.New(rand.NewPCG(3, 4))
+	src := make([]byte, 8<<20)
+	for i := range src {
+		src[i] = byte(rng.Uint32())
+	}
+	go func() {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		wr := rand.New(rand.NewPCG(5, 6))
+		for off := 0; off < len(src); {
+			n := min(len(src)-off, 1+wr.IntN(200<<10))
+			if _, err := c.Write(src[off : off+n]); err != nil {
+				return
+			}
+			off += n
+		}
+	}()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	r := newScatterReader(c)
+	if r.rc == nil {
+		t.Fatal("no raw connection for readv")
+	}
+	off := 0
+	for off < len(src) {
+		// A header read through the buffer, then a payload of pieces.
+		h := make([]byte, min(len(src)-off, 1+rng.IntN(64)))
+		if err := readFull(r, h); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(h, src[off:off+len(h)]) {
+			t.Fatalf("header at %d differs", off)
+		}
+		off += len(h)
+		var bufs [][]byte
+		start := off
+		for n := rng.IntN(3000); n > 0 && off < len(src); n-- {
+			k := min(len(src)-off, []int{0, 1, 512, 4096, 70 << 10}[rng.IntN(5)])
+			bufs = append(bufs, make([]byte, k))
+			off += k
+		}
+		if err := r.fillv(bufs); err != nil {
+			t.Fatalf("fillv of %d pieces at %d: %v", len(bufs), start, err)
+		}
+		for _, b := range bufs {
+			if !bytes.Equal(b, src[start:start+len(b)]) {
+				t.Fatalf("piece at %d differs", start)
+			}
+			start += len(b)
+		}
+	}
+	if err := r.fillv([][]byte{make([]byte, 10)}); err == nil {
+		t.Error("fillv past the end succeeded")
+	}
+}

@@ -5,11 +5,23 @@
 // # Zero copy
 //
 // Memory is caller-owned (kvxferd maps the engine's shared-memory files)
-// and adopted with Map. A WRITE goes out with writev straight from the
-// source region (net.Buffers over slices of it) and is read on the other
-// side straight into the destination region after a bounds check; a READ
-// is the mirror image. No payload byte passes through an intermediate
-// buffer.
+// and adopted with Map (or MapFile). A WRITE goes out with writev straight
+// from the source region (net.Buffers over slices of it) and is read on
+// the other side with readv straight into the destination pieces after a
+// bounds check; a READ is the mirror image. Payload bytes pass through an
+// intermediate buffer only where a frame's header read ran ahead into
+// them (at most 64 KiB a frame), and on TLS connections for pieces under
+// 16 KiB.
+//
+// # Same host
+//
+// Agents of one user on one host (the same network namespace) reach each
+// other over an abstract unix socket instead of TCP. A WRITE from memory
+// adopted with MapFile then carries no payload: the receiver maps the
+// sender's file read-only (passed once per connection with SCM_RIGHTS) and
+// copies each piece straight into its own memory, after the same bounds
+// and guard checks; a fence page the sender sets when it withdraws keeps
+// bytes copied after that from counting. See samehost.go.
 //
 // # Ordering and completion
 //
@@ -28,6 +40,6 @@
 // transfer and moves nothing into or out of memory. Unmap waits for the
 // transfers touching memory to finish.
 //
-// netxfer depends on the standard library only; kvxfer adapts it to its
-// Backend interface.
+// netxfer depends on the standard library and golang.org/x/sys/unix (readv,
+// SCM_RIGHTS, memfd); kvxfer adapts it to its Backend interface.
 package netxfer

@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // serve handles one incoming connection: a peer's requests, answered in
@@ -21,7 +24,15 @@ func (a *Agent) serve(raw net.Conn) {
 		a.mu.Unlock()
 	}()
 	nc := raw
-	if a.cfg.ServerTLS != nil {
+	uc, isLocal := raw.(*net.UnixConn)
+	if isLocal {
+		// The same-host socket: only this agent's own user, no TLS (the
+		// bytes never leave the kernel).
+		if err := checkPeerUser(uc); err != nil {
+			a.log.Warn("netxfer: refused a same-host connection", "err", err)
+			return
+		}
+	} else if a.cfg.ServerTLS != nil {
 		tc := tls.Server(raw, a.cfg.ServerTLS)
 		_ = raw.SetDeadline(time.Now().Add(a.cfg.FrameTimeout))
 		if err := tc.Handshake(); err != nil {
@@ -41,7 +52,15 @@ func (a *Agent) serve(raw net.Conn) {
 		}
 		authed = name
 	}
-	r := newScatterReader(nc)
+	var r *scatterReader
+	var ls *localServer
+	if isLocal {
+		ls = newLocalServer(uc)
+		defer ls.close()
+		r = newScatterReader(ls.fr)
+	} else {
+		r = newScatterReader(nc)
+	}
 	var hdr [32]byte
 	_ = nc.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
 	if err := readFull(r, hdr[:7]); err != nil {
@@ -99,6 +118,12 @@ func (a *Agent) serve(raw net.Conn) {
 						err = w.Flush()
 					}
 				}
+			}
+		case tFence, tChunk, tWriteLocal:
+			if ls == nil {
+				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], from)
+			} else {
+				err = a.serveLocal(ls, r, w, from, hdr[0], hdr[:])
 			}
 		default:
 			err = fmt.Errorf("%w: frame type %d from %s", ErrProtocol, hdr[0], from)
@@ -163,35 +188,92 @@ func answer(w *bufio.Writer, typ byte, id uint64, part uint32, err error) error 
 	return werr
 }
 
-// serveWrite lands one WRITE part straight into registered memory.
-func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+// writeHeader is a WRITE part's header, as read by the receiver.
+type writeHeader struct {
+	id          uint64
+	part, parts uint32
+	n, nl       uint32
+	notif       []byte
+}
+
+// readWriteHeader reads a WRITE part's header and notification (the
+// frame type read already).
+func readWriteHeader(r io.Reader, hdr []byte) (writeHeader, error) {
 	if err := readFull(r, hdr[:24]); err != nil {
-		return err
+		return writeHeader{}, err
 	}
-	id := binary.LittleEndian.Uint64(hdr[:8])
-	part := binary.LittleEndian.Uint32(hdr[8:12])
-	parts := binary.LittleEndian.Uint32(hdr[12:16])
-	n := binary.LittleEndian.Uint32(hdr[16:20])
-	nl := binary.LittleEndian.Uint32(hdr[20:24])
-	if nl > maxNotif || parts == 0 || part >= parts || parts > 1<<16 {
-		return fmt.Errorf("%w: write header part %d/%d, notification %d bytes", ErrProtocol, part, parts, nl)
+	h := writeHeader{id: binary.LittleEndian.Uint64(hdr[:8]), part: binary.LittleEndian.Uint32(hdr[8:12]),
+		parts: binary.LittleEndian.Uint32(hdr[12:16]), n: binary.LittleEndian.Uint32(hdr[16:20]), nl: binary.LittleEndian.Uint32(hdr[20:24])}
+	if h.nl > maxNotif || h.parts == 0 || h.part >= h.parts || h.parts > 1<<16 {
+		return h, fmt.Errorf("%w: write header part %d/%d, notification %d bytes", ErrProtocol, h.part, h.parts, h.nl)
 	}
-	notif := make([]byte, nl)
-	if err := readFull(r, notif); err != nil {
-		return err
-	}
-	ranges, total, err := readTable(r, n)
-	if err != nil {
-		return err
-	}
-	// Unfinished multi-part WRITEs are bounded: a peer cannot grow the
-	// table by starting transfers it never finishes.
-	k := landKey{from, XferID(id)}
+	h.notif = make([]byte, h.nl)
+	return h, readFull(r, h.notif)
+}
+
+// landingRoom refuses a part that would start one multi-part WRITE too
+// many: a peer cannot grow the table by starting transfers it never
+// finishes.
+func (a *Agent) landingRoom(from string, h writeHeader) error {
+	k := landKey{from, XferID(h.id)}
 	a.mu.Lock()
-	full := a.mu.landing[k] == nil && parts > 1 && len(a.mu.landing) >= maxLanding
+	full := a.mu.landing[k] == nil && h.parts > 1 && len(a.mu.landing) >= maxLanding
 	a.mu.Unlock()
 	if full {
 		return fmt.Errorf("%w: %d multi-part writes unfinished, the most an agent keeps", ErrProtocol, maxLanding)
+	}
+	return nil
+}
+
+// landed records a WRITE part that landed (berr nil) or was refused,
+// delivers the notification once every part landed, and acknowledges
+// the part.
+func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, berr error) error {
+	k := landKey{from, XferID(h.id)}
+	a.mu.Lock()
+	l := a.mu.landing[k]
+	if l == nil {
+		l = &landing{parts: int(h.parts)}
+		a.mu.landing[k] = l
+	}
+	if berr != nil {
+		l.failed++
+	} else {
+		l.landed++
+	}
+	deliver := l.landed == l.parts && h.nl > 0
+	if l.landed+l.failed >= l.parts {
+		delete(a.mu.landing, k)
+	}
+	a.mu.Unlock()
+	if deliver {
+		_ = a.deliver(from, h.notif)
+	}
+	typ := byte(tAck)
+	if v == Late {
+		typ = tAckRefused
+	}
+	if berr != nil {
+		berr = fmt.Errorf("write refused: %w", berr)
+	}
+	if err := answer(w, typ, h.id, h.part, berr); err != nil {
+		return err
+	}
+	return w.Flush()
+}
+
+// serveWrite lands one WRITE part straight into registered memory.
+func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+	h, err := readWriteHeader(r, hdr)
+	if err != nil {
+		return err
+	}
+	ranges, total, err := readTable(r, h.n)
+	if err != nil {
+		return err
+	}
+	if err := a.landingRoom(from, h); err != nil {
+		return err
 	}
 	// The guard first: a range the peer holds no grant for is refused
 	// before any byte lands; one it never held drops the connection.
@@ -211,46 +293,13 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 			return err
 		}
 	} else {
-		for _, b := range bufs {
-			if err := r.fill(b); err != nil {
-				a.memMu.RUnlock()
-				return err
-			}
+		if err := r.fillv(bufs); err != nil {
+			a.memMu.RUnlock()
+			return err
 		}
 		a.memMu.RUnlock()
 	}
-	// Deliver the notification once every part landed, before the last
-	// acknowledgement goes out.
-	a.mu.Lock()
-	l := a.mu.landing[k]
-	if l == nil {
-		l = &landing{parts: int(parts)}
-		a.mu.landing[k] = l
-	}
-	if berr != nil {
-		l.failed++
-	} else {
-		l.landed++
-	}
-	deliver := l.landed == l.parts && nl > 0 && nl == uint32(len(notif))
-	if l.landed+l.failed >= l.parts {
-		delete(a.mu.landing, k)
-	}
-	a.mu.Unlock()
-	if deliver {
-		_ = a.deliver(from, notif)
-	}
-	typ := byte(tAck)
-	if v == Late {
-		typ = tAckRefused
-	}
-	if berr != nil {
-		berr = fmt.Errorf("write refused: %w", berr)
-	}
-	if err := answer(w, typ, id, part, berr); err != nil {
-		return err
-	}
-	return w.Flush()
+	return a.landed(w, from, h, v, berr)
 }
 
 // serveRead answers one READ part straight from registered memory.
@@ -296,24 +345,36 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	return err
 }
 
-// Incoming frames are read through a buffer, so that a payload of many
+// Incoming frames are read through a buffer, so that headers and small
+// frames cost a read call per buffer, not one per field. A payload goes
+// straight from the socket into its destinations: whatever the buffer
+// read ahead is copied out, and the rest is read with readv into the
+// destination pieces themselves, up to maxIOV pieces per call, so many
 // small pieces (one per descriptor: a head's slice of a block, or a P
-// rank's share of a D block) costs a read call per buffer, not one per
-// piece; pieces of directRead bytes or more go straight from the socket
-// into their destination.
+// rank's share of a D block) cost neither a call nor a copy each. A
+// connection without a file descriptor (TLS) reads pieces of directRead
+// bytes or more straight into their destination, smaller ones through
+// the buffer.
 const (
 	readBufSize = 64 << 10
 	directRead  = 16 << 10
+	maxIOV      = 1024
 )
 
 // scatterReader reads one connection's frames.
 type scatterReader struct {
 	raw io.Reader
 	br  *bufio.Reader
+	rc  syscall.RawConn // nil: no readv (TLS, tests)
+	iov [][]byte
 }
 
 func newScatterReader(c io.Reader) *scatterReader {
-	return &scatterReader{raw: c, br: bufio.NewReaderSize(c, readBufSize)}
+	s := &scatterReader{raw: c, br: bufio.NewReaderSize(c, readBufSize)}
+	if tc, ok := c.(*net.TCPConn); ok {
+		s.rc, _ = tc.SyscallConn()
+	}
+	return s
 }
 
 func (s *scatterReader) Read(p []byte) (int, error) { return s.br.Read(p) }
@@ -331,4 +392,78 @@ func (s *scatterReader) fill(b []byte) error {
 	}
 	_, err := io.ReadFull(s.raw, b[n:])
 	return err
+}
+
+// fillv reads exactly the bytes of every piece of bufs, in order.
+func (s *scatterReader) fillv(bufs [][]byte) error {
+	if s.rc == nil {
+		for _, b := range bufs {
+			if err := s.fill(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// What the buffer read ahead, copied out.
+	var head []byte
+	for len(bufs) > 0 && s.br.Buffered() > 0 {
+		b := bufs[0]
+		n, _ := s.br.Read(b[:min(len(b), s.br.Buffered())])
+		bufs = bufs[1:]
+		if n < len(b) {
+			head = b[n:]
+			break
+		}
+	}
+	for len(bufs) > 0 || head != nil {
+		s.iov = s.iov[:0]
+		if head != nil {
+			s.iov, head = append(s.iov, head), nil
+		}
+		k := min(len(bufs), maxIOV-len(s.iov))
+		s.iov, bufs = append(s.iov, bufs[:k]...), bufs[k:]
+		if err := s.readv(s.iov); err != nil {
+			clear(s.iov)
+			return err
+		}
+	}
+	clear(s.iov)
+	return nil
+}
+
+// readv fills every piece of iov (at most maxIOV, modified) straight
+// from the socket, waiting for it as a plain read would (deadlines hold).
+func (s *scatterReader) readv(iov [][]byte) error {
+	for len(iov) > 0 && len(iov[0]) == 0 {
+		iov = iov[1:]
+	}
+	for len(iov) > 0 {
+		var n int
+		var rerr error
+		err := s.rc.Read(func(fd uintptr) bool {
+			n, rerr = unix.Readv(int(fd), iov)
+			return rerr != unix.EAGAIN
+		})
+		if err != nil {
+			return err
+		}
+		if rerr == unix.EINTR {
+			continue
+		}
+		if rerr != nil {
+			return rerr
+		}
+		if n == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		for n > 0 {
+			k := min(n, len(iov[0]))
+			iov[0] = iov[0][k:]
+			n -= k
+			for len(iov) > 0 && len(iov[0]) == 0 {
+				iov = iov[1:]
+			}
+		}
+	}
+	return nil
 }

@@ -67,10 +67,14 @@ type peer struct {
 	name  string
 	addr  string
 	local *Agent
-	mu    sync.Mutex
-	conns []*conn
-	next  int
-	dead  error
+	// uaddr is the peer's same-host socket ("" if none); noLocal is set
+	// once dialing it failed (another host or network namespace).
+	uaddr   string
+	mu      sync.Mutex
+	noLocal bool
+	conns   []*conn
+	next    int
+	dead    error
 }
 
 // conn is one client connection to a peer.
@@ -83,6 +87,12 @@ type conn struct {
 	// pending parts waiting for their answer, by (xfer, part).
 	pending map[partKey]*xfer
 	err     error
+	// A same-host connection (uc non-nil): the fence page it passed (set
+	// by fail, see withdraw) and the memory files passed already (under
+	// wmu).
+	uc    *net.UnixConn
+	fence []byte
+	sent  map[uint32]bool
 }
 
 type partKey struct {
@@ -120,6 +130,14 @@ func (p *peer) conn() (*conn, error) {
 
 func (p *peer) dial() (*conn, error) {
 	a := p.owner
+	if p.uaddr != "" && !p.noLocal && a.files.Load() > 0 {
+		c, err := p.dialLocal()
+		if err == nil {
+			return p.started(c)
+		}
+		p.noLocal = true
+		a.log.Debug("netxfer: no same-host path; TCP", "peer", p.name, "err", err)
+	}
 	nc, err := net.DialTimeout("tcp", p.addr, a.cfg.DialTimeout)
 	if err != nil {
 		return nil, fmt.Errorf("%w: dial %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
@@ -149,24 +167,34 @@ func (p *peer) dial() (*conn, error) {
 			return nil, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 		}
 	}
-	hello := append([]byte(magic), version)
-	hello = binary.LittleEndian.AppendUint16(hello, uint16(len(a.cfg.Name)))
-	hello = append(hello, a.cfg.Name...)
-	if _, err := nc.Write(hello); err != nil {
+	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
 		_ = nc.Close()
 		return nil, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
 	}
-	c := &conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}}
+	return p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
+}
+
+// started starts reading a new connection's answers.
+func (p *peer) started(c *conn) (*conn, error) {
+	a := p.owner
 	a.mu.Lock()
 	if a.mu.closed {
 		a.mu.Unlock()
-		_ = nc.Close()
+		c.withdraw()
+		_ = c.c.Close()
 		return nil, ErrClosed
 	}
 	a.wg.Add(1)
 	a.mu.Unlock()
 	go c.read()
 	return c, nil
+}
+
+// helloFrame opens a connection: magic, version, the dialer's name.
+func helloFrame(name string) []byte {
+	hello := append([]byte(magic), version)
+	hello = binary.LittleEndian.AppendUint16(hello, uint16(len(name)))
+	return append(hello, name...)
 }
 
 // close fails the peer's transfers and closes its connections.
@@ -206,6 +234,10 @@ func (c *conn) fail(err error) {
 	pending := c.pending
 	c.pending = map[partKey]*xfer{}
 	c.mu.Unlock()
+	// A same-host receiver may still be copying out of our memory: the
+	// fence tells it not to count what it copies, before anyone learns
+	// the parts failed and reuses the memory.
+	c.withdraw()
 	_ = c.c.Close()
 	a := c.p.owner
 	a.mu.Lock()
@@ -407,15 +439,13 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 		}
 		return c.writeFrame(h)
 	}
+	if c.uc != nil {
+		if sent, err := a.sendPartLocal(c, x, part); sent {
+			return err
+		}
+	}
 	h := make([]byte, 0, 25+len(x.notif)+16*len(ds))
-	h = append(h, tWrite)
-	h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
-	h = binary.LittleEndian.AppendUint32(h, uint32(part))
-	h = binary.LittleEndian.AppendUint32(h, uint32(x.parts))
-	h = binary.LittleEndian.AppendUint32(h, uint32(len(ds)))
-	notif := x.notif
-	h = binary.LittleEndian.AppendUint32(h, uint32(len(notif)))
-	h = append(h, notif...)
+	h = appendWriteHeader(h, tWrite, x, part, len(ds))
 	for _, d := range ds {
 		h = binary.LittleEndian.AppendUint64(h, d.Remote)
 		h = binary.LittleEndian.AppendUint64(h, d.Len)
@@ -433,6 +463,17 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 		return err
 	}
 	return c.writeFrame(bufs...)
+}
+
+// appendWriteHeader appends a WRITE part's header and notification.
+func appendWriteHeader(h []byte, typ byte, x *xfer, part, ndesc int) []byte {
+	h = append(h, typ)
+	h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
+	h = binary.LittleEndian.AppendUint32(h, uint32(part))
+	h = binary.LittleEndian.AppendUint32(h, uint32(x.parts))
+	h = binary.LittleEndian.AppendUint32(h, uint32(ndesc))
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(x.notif)))
+	return append(h, x.notif...)
 }
 
 // read handles a client connection's answers.
@@ -518,11 +559,9 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 			a.finishPart(x, fmt.Errorf("%w: %w", ErrXferFailed, err))
 			return nil
 		}
-		for _, b := range bufs {
-			if err := c.r.fill(b); err != nil {
-				a.memMu.RUnlock()
-				return err
-			}
+		if err := c.r.fillv(bufs); err != nil {
+			a.memMu.RUnlock()
+			return err
 		}
 		a.memMu.RUnlock()
 	}
@@ -606,4 +645,21 @@ func appendNotif(b, msg []byte) []byte {
 	b = append(b, tNotif)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(msg)))
 	return append(b, msg...)
+}
+
+// dropLocal breaks the peer's same-host connections.
+func (p *peer) dropLocal(err error) {
+	p.mu.Lock()
+	var drop []*conn
+	p.conns = slices.DeleteFunc(p.conns, func(c *conn) bool {
+		if c.uc != nil {
+			drop = append(drop, c)
+			return true
+		}
+		return false
+	})
+	p.mu.Unlock()
+	for _, c := range drop {
+		c.fail(err)
+	}
 }

@@ -64,6 +64,7 @@ func serveAgent(args []string) error {
 	backend := fs.String("backend", "builtin", "builtin (TCP on 127.0.0.1) or nixl")
 	nixlParams := fs.String("nixl-params", "", "NIXL UCX backend parameters: key=value,...")
 	name := fs.String("name", "", "agent name (default: from the pid)")
+	sameHost := fs.Bool("same-host", false, "builtin: adopt -shm with its file, so WRITEs between agents take the same-host path (default: TCP)")
 	accept := fs.Duration("accept-timeout", 30*time.Second, "how long to wait for the client")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -92,7 +93,7 @@ func serveAgent(args []string) error {
 	case "builtin":
 		// The direct copy is for agents of one process; here every peer
 		// is another process, so the TCP path is what runs.
-		be, err = tcp.New(tcp.Config{Name: *name, Conns: 3, DisableLocal: true,
+		be, err = tcp.New(tcp.Config{Name: *name, Conns: 3, DisableLocal: true, DisableSameHost: !*sameHost,
 			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	case "nixl":
 		be, err = nixl.New(nixl.Config{Name: *name, Params: params})
@@ -103,7 +104,14 @@ func serveAgent(args []string) error {
 		return err
 	}
 	defer be.Close()
-	if err := be.Map(base, m.Bytes); err != nil {
+	if fm, ok := be.(interface {
+		MapFile(base uint64, mem []byte, f *os.File, off int64) error
+	}); ok && *sameHost {
+		err = fm.MapFile(base, m.Bytes, m.File(), 0)
+	} else {
+		err = be.Map(base, m.Bytes)
+	}
+	if err != nil {
 		return err
 	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: *socket, Net: "unix"})

@@ -3,7 +3,7 @@ package server
 import "github.com/kvxfer/kvxfer/kvxfer"
 
 // PublishForTest publishes a rank without a worker (handshake benchmarks).
-func (s *Server) PublishForTest(info kvxfer.RankInfo) { _ = s.publish(info, nil) }
+func (s *Server) PublishForTest(info kvxfer.RankInfo) { _ = s.publish(info, nil, nil) }
 
 // HandshakePayloadForTest is handshakePayload for external tests.
 var HandshakePayloadForTest = handshakePayload

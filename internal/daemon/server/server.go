@@ -8,8 +8,10 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -35,6 +37,12 @@ var errDraining = errors.New("server: kvxferd is shutting down")
 type Backend interface {
 	kvxfer.Backend
 	Map(base uint64, mem []byte) error
+}
+
+// FileMapper is a Backend that adopts memory with the file it maps (the
+// built-in backend: same-host peers copy out of the file directly).
+type FileMapper interface {
+	MapFile(base uint64, mem []byte, f *os.File, off int64) error
 }
 
 // DeviceMapper is a Backend that also adopts GPU memory (NIXL).
@@ -94,19 +102,21 @@ type Server struct {
 	pb.UnimplementedWorkerServiceServer
 	pb.UnimplementedPeerServiceServer
 
-	cfg      Config
-	sched    *schedulers
-	owners   *owners
-	limits   *limits
-	log      *slog.Logger
-	resolver *PeerResolver
-	enc      *zstd.Encoder
-	draining chan struct{}
-	drainOne sync.Once
-	gpuMu    sync.Mutex
-	gpus     map[int]*cuda.Device // by this process's ordinal
-	gpuUUIDs map[[16]byte]int     // UUID -> ordinal, resolved once
-	streams  sync.WaitGroup
+	cfg   Config
+	sched *schedulers
+	// sameHostGone: same-host parts landed by ranks that detached.
+	sameHostGone atomic.Uint64
+	owners       *owners
+	limits       *limits
+	log          *slog.Logger
+	resolver     *PeerResolver
+	enc          *zstd.Encoder
+	draining     chan struct{}
+	drainOne     sync.Once
+	gpuMu        sync.Mutex
+	gpus         map[int]*cuda.Device // by this process's ordinal
+	gpuUUIDs     map[[16]byte]int     // UUID -> ordinal, resolved once
+	streams      sync.WaitGroup
 
 	// engines are the attached engines' ranks, read without a lock by
 	// every peer handshake and probe, and written (copy on write, one
@@ -149,8 +159,9 @@ func (e *engineEntry) answer(enc *zstd.Encoder, compressAbove int) (payload, com
 }
 
 type rankEntry struct {
-	info   kvxfer.RankInfo
-	worker *kvxfer.Worker
+	info    kvxfer.RankInfo
+	worker  *kvxfer.Worker
+	backend Backend
 }
 
 // New returns a Server.
@@ -234,6 +245,24 @@ func (s *Server) RegisterPeer(g *grpc.Server) {
 	pb.RegisterPeerServiceServer(g, s)
 }
 
+type sameHostCounter interface{ SameHostParts() uint64 }
+
+// SameHostParts returns how many WRITE parts peer daemons on this host
+// copied straight into this daemon's engines' memory (the built-in
+// backend's same-host path), over the daemon's life.
+func (s *Server) SameHostParts() uint64 {
+	n := s.sameHostGone.Load()
+	s.engines.Range(func(_ string, e *engineEntry) bool {
+		for _, r := range e.ranks {
+			if sp, ok := r.backend.(sameHostCounter); ok {
+				n += sp.SameHostParts()
+			}
+		}
+		return true
+	})
+	return n
+}
+
 // Workers returns every rank's worker, for metrics.
 func (s *Server) Workers() map[string][]*kvxfer.Worker {
 	out := map[string][]*kvxfer.Worker{}
@@ -283,7 +312,7 @@ func (s *Server) attached(engine string, l *topology.Layout) error {
 	return nil
 }
 
-func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) error {
+func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker, be Backend) error {
 	if err := s.attached(info.EngineID, &info.Layout); err != nil {
 		return err
 	}
@@ -298,7 +327,7 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker) error {
 	if old != nil {
 		maps.Copy(ranks, old.ranks)
 	}
-	ranks[k] = &rankEntry{info: info, worker: w}
+	ranks[k] = &rankEntry{info: info, worker: w, backend: be}
 	s.storeLocked(info.EngineID, ranks)
 	return nil
 }
@@ -716,6 +745,8 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 				return nil, stream.Invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl)")
 			}
 			err = dm.MapDevice(real[i], m.Size)
+		} else if fm, ok := r.backend.(FileMapper); ok && r.mappings[i].File() != nil {
+			err = fm.MapFile(real[i], r.mappings[i].Bytes, r.mappings[i].File(), 0)
 		} else {
 			err = r.backend.Map(real[i], r.mappings[i].Bytes)
 		}
@@ -738,7 +769,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	if nb, ok := r.backend.(interface{ Name() kvxfer.PeerName }); ok {
 		r.agent = string(nb.Name())
 	}
-	if err := s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker); err != nil {
+	if err := s.publish(kvxfer.RankInfo{EngineID: h.EngineId, CompatHash: h.CompatHash, Layout: l, Agent: meta}, r.worker, r.backend); err != nil {
 		return nil, err
 	}
 	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions), "uid", uid)
@@ -755,6 +786,9 @@ func (r *rank) release() {
 	}
 	if r.backend != nil {
 		_ = r.backend.Close()
+		if sp, ok := r.backend.(sameHostCounter); ok && r.s != nil {
+			r.s.sameHostGone.Add(sp.SameHostParts())
+		}
 	}
 	for _, m := range r.mappings {
 		_ = m.Close()

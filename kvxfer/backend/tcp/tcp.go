@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 
@@ -26,6 +27,11 @@ type Config struct {
 	// DisableLocal turns off the direct memory copy between agents of
 	// one process.
 	DisableLocal bool
+	// DisableSameHost turns off the same-host path: by default a WRITE to
+	// a peer agent of the same user on this host (same network namespace)
+	// from memory adopted with MapFile is copied by the peer straight out
+	// of that memory's file (one copy, no socket payload); see netxfer.
+	DisableSameHost bool
 	// Auth authenticates the connections between agents (nil: none; the
 	// daemon always sets it, insecure only with -insecure-peers).
 	Auth *peerauth.Authenticator
@@ -51,7 +57,7 @@ var (
 // New starts a built-in backend agent.
 func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -66,6 +72,17 @@ func (n *Backend) Addr() string { return n.a.Addr() }
 
 // Map adopts caller-owned memory at base (a mapped shared-memory file).
 func (n *Backend) Map(base uint64, mem []byte) error { return mapNetErr(n.a.Map(base, mem)) }
+
+// MapFile adopts caller-owned memory at base that maps f's bytes
+// [off, off+len(mem)): as Map, and same-host peers may copy out of it
+// directly (the backend keeps a read-only reopening of f).
+func (n *Backend) MapFile(base uint64, mem []byte, f *os.File, off int64) error {
+	return mapNetErr(n.a.MapFile(base, mem, f, off))
+}
+
+// SameHostParts returns how many WRITE parts same-host peers copied into
+// this backend's memory.
+func (n *Backend) SameHostParts() uint64 { return n.a.SameHostParts() }
 
 // Unmap forgets memory mapped at base, waiting for transfers using it.
 func (n *Backend) Unmap(base uint64) error { return mapNetErr(n.a.Unmap(base)) }

@@ -1,0 +1,499 @@
+package netxfer
+
+import (
+	"bufio"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime/debug"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The same-host path. An agent also listens on an abstract unix socket
+// (named in its metadata); a peer in the same network namespace (so on
+// the same host) dials it instead of TCP. Both ends check with
+// SO_PEERCRED that the other runs as their own user, then authenticate
+// as on TCP. On such a connection a WRITE from file-backed memory
+// (MapFile) sends no payload: the sender passes its memory's file,
+// reopened read-only, over the socket (SCM_RIGHTS) once per connection,
+// and each part names its source as (file, offset). The receiver maps
+// the file read-only and copies straight from it into its own memory:
+// one copy, done by the side whose memory changes, after the same bounds
+// and guard checks as a TCP part. Everything else (READs, notifications,
+// WRITEs from memory without a file) uses the TCP frames over the same
+// socket.
+//
+// Fencing. The sender also passes a page of its own (a memfd) with the
+// connection, and sets it when the connection fails or its memory is
+// unmapped, before it fails the transfers waiting on the connection (so
+// before its caller can reuse the memory). The receiver reads the page
+// after it copied a part and fails the part if it is set: bytes copied
+// from memory the sender had already withdrawn are never counted as
+// landed, and the transfer's notification is never delivered for them.
+//
+// A sender's file that shrinks under the receiver's mapping faults the
+// copy (SIGBUS); the receiver copies with the runtime's panic-on-fault
+// set, so the part fails and the daemon stays up.
+
+const (
+	tFence      = 5 // | fd (SCM_RIGHTS): the sender's fence page
+	tChunk      = 6 // chunk u32, off u64, len u64 | fd: memory the sender's parts name
+	tWriteLocal = 7 // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64, chunk u32, off u64)
+
+	localDescSize = 28
+	fenceSize     = 4096
+	// maxChunks bounds the files one connection may pass; maxQueuedFDs the
+	// descriptors received ahead of their frames.
+	maxChunks    = 1024
+	maxQueuedFDs = 16
+)
+
+// listenLocal starts the agent's abstract unix socket.
+func (a *Agent) listenLocal() error {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	name := "@kvxfer-netxfer-" + hex.EncodeToString(b[:])
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	if err != nil {
+		return err
+	}
+	a.uln, a.uaddr = ln, name
+	return nil
+}
+
+// peerUID returns the uid of the process at the other end of c.
+func peerUID(c *net.UnixConn) (uint32, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if cerr != nil {
+		return 0, cerr
+	}
+	return cred.Uid, nil
+}
+
+// checkPeerUser refuses a local connection from or to another user: the
+// same-host path shares memory, so only with the agent's own user.
+func checkPeerUser(c *net.UnixConn) error {
+	uid, err := peerUID(c)
+	if err != nil {
+		return fmt.Errorf("peer credentials: %w", err)
+	}
+	if me := uint32(os.Geteuid()); uid != me {
+		return fmt.Errorf("peer runs as uid %d, this agent as uid %d: the same-host path is only between agents of one user", uid, me)
+	}
+	return nil
+}
+
+// MapFile adopts caller-owned memory at base, as Map, that is the shared
+// mapping of f's bytes [off, off+len(mem)) (off a multiple of the page
+// size). Peers on the same host then copy WRITEs out of it directly (the
+// agent keeps its own read-only reopening of f, until Unmap or Close).
+// Memory whose file cannot be reopened read-only is adopted as by Map.
+func (a *Agent) MapFile(base uint64, mem []byte, f *os.File, off int64) error {
+	if f == nil {
+		return a.Map(base, mem)
+	}
+	if off < 0 || off%int64(os.Getpagesize()) != 0 {
+		return fmt.Errorf("netxfer: map file at offset %d: want a multiple of the page size", off)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("netxfer: map file: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < off+int64(len(mem)) {
+		return fmt.Errorf("netxfer: map file: not a regular file of at least %d bytes", off+int64(len(mem)))
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		a.log.Debug("netxfer: memory not shareable on the same host", "base", base, "err", err)
+		return a.Map(base, mem)
+	}
+	ro := os.NewFile(uintptr(fd), f.Name())
+	if err := a.mapChunk(chunk{base: base, mem: mem, file: ro, off: off}); err != nil {
+		ro.Close()
+		return err
+	}
+	return nil
+}
+
+// fdReader reads a local connection, keeping the descriptors that come
+// with its bytes, in order.
+type fdReader struct {
+	c   *net.UnixConn
+	oob []byte
+	fds []int
+}
+
+func newFDReader(c *net.UnixConn) *fdReader {
+	return &fdReader{c: c, oob: make([]byte, unix.CmsgSpace(4*maxQueuedFDs))}
+}
+
+func (f *fdReader) Read(p []byte) (int, error) {
+	n, oobn, flags, _, err := f.c.ReadMsgUnix(p, f.oob)
+	n = max(n, 0)
+	if n == 0 && oobn == 0 && err == nil && len(p) > 0 {
+		err = io.EOF // a stream socket's end
+	}
+	if oobn > 0 {
+		msgs, perr := unix.ParseSocketControlMessage(f.oob[:oobn])
+		if perr != nil {
+			return n, fmt.Errorf("%w: control message: %w", ErrProtocol, perr)
+		}
+		for i := range msgs {
+			fds, ferr := unix.ParseUnixRights(&msgs[i])
+			if ferr != nil {
+				continue
+			}
+			for _, fd := range fds {
+				unix.CloseOnExec(fd)
+			}
+			f.fds = append(f.fds, fds...)
+		}
+	}
+	if flags&unix.MSG_CTRUNC != 0 || len(f.fds) > maxQueuedFDs {
+		return n, fmt.Errorf("%w: more than %d descriptors ahead of their frames", ErrProtocol, maxQueuedFDs)
+	}
+	return n, err
+}
+
+// take returns the oldest descriptor received and not yet taken.
+func (f *fdReader) take() (int, error) {
+	if len(f.fds) == 0 {
+		return -1, fmt.Errorf("%w: a frame without its descriptor", ErrProtocol)
+	}
+	fd := f.fds[0]
+	f.fds = f.fds[1:]
+	return fd, nil
+}
+
+func (f *fdReader) close() {
+	for _, fd := range f.fds {
+		unix.Close(fd)
+	}
+	f.fds = nil
+}
+
+// localServer is what a local connection's server holds: the sender's
+// fence and the memory it passed, mapped read-only.
+type localServer struct {
+	fr     *fdReader
+	fence  []byte
+	chunks map[uint32][]byte
+	refs   []localRef
+	dst    [][]byte
+	src    [][]byte
+}
+
+type localRef struct {
+	chunk uint32
+	off   uint64
+}
+
+func newLocalServer(c *net.UnixConn) *localServer {
+	return &localServer{fr: newFDReader(c), chunks: map[uint32][]byte{}}
+}
+
+func (s *localServer) close() {
+	s.fr.close()
+	if s.fence != nil {
+		_ = unix.Munmap(s.fence)
+	}
+	for _, m := range s.chunks {
+		_ = unix.Munmap(m)
+	}
+	s.chunks = nil
+}
+
+// withdrawn reads the sender's fence, after the bytes it guards were
+// copied: a read-modify-write, so that no load of the copy is ordered
+// after it.
+func (s *localServer) withdrawn() bool {
+	return atomic.AddUint32((*uint32)(unsafe.Pointer(&s.fence[0])), 0) != 0
+}
+
+// serveLocal handles the frames only local connections carry.
+func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, from string, typ byte, hdr []byte) error {
+	switch typ {
+	case tFence:
+		fd, err := s.fr.take()
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if s.fence != nil {
+			return fmt.Errorf("%w: a second fence", ErrProtocol)
+		}
+		m, err := mapShared(fd, 0, fenceSize, unix.PROT_READ|unix.PROT_WRITE)
+		if err != nil {
+			return fmt.Errorf("fence: %w", err)
+		}
+		s.fence = m
+		return nil
+	case tChunk:
+		if err := readFull(r, hdr[:20]); err != nil {
+			return err
+		}
+		fd, err := s.fr.take()
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		id := binary.LittleEndian.Uint32(hdr[:4])
+		off := binary.LittleEndian.Uint64(hdr[4:12])
+		n := binary.LittleEndian.Uint64(hdr[12:20])
+		old := s.chunks[id]
+		if old == nil && len(s.chunks) >= maxChunks {
+			return fmt.Errorf("%w: more than %d memory files on one connection", ErrProtocol, maxChunks)
+		}
+		if n == 0 || n > 1<<46 || off > 1<<46 || off%uint64(os.Getpagesize()) != 0 {
+			return fmt.Errorf("%w: memory file %d at offset %d, %d bytes", ErrProtocol, id, off, n)
+		}
+		m, err := mapShared(fd, int64(off), int(n), unix.PROT_READ)
+		if err != nil {
+			return fmt.Errorf("memory file %d: %w", id, err)
+		}
+		if old != nil {
+			_ = unix.Munmap(old)
+		}
+		s.chunks[id] = m
+		return nil
+	case tWriteLocal:
+		if s.fence == nil {
+			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
+		}
+		return a.serveWriteLocal(s, r, w, from, hdr)
+	}
+	return fmt.Errorf("%w: frame type %d", ErrProtocol, typ)
+}
+
+// mapShared maps n bytes of the regular file fd at off, checking first
+// that the file holds them.
+func mapShared(fd int, off int64, n int, prot int) ([]byte, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < off+int64(n) {
+		return nil, fmt.Errorf("%w: not a regular file of at least %d bytes", ErrProtocol, off+int64(n))
+	}
+	return unix.Mmap(fd, off, n, prot, unix.MAP_SHARED)
+}
+
+// serveWriteLocal lands one local WRITE part: each piece copied from the
+// sender's file into registered memory.
+func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+	h, err := readWriteHeader(r, hdr)
+	if err != nil {
+		return err
+	}
+	if h.n > maxDescs {
+		return fmt.Errorf("%w: %d descriptors", ErrProtocol, h.n)
+	}
+	tab := make([]byte, localDescSize*int(h.n))
+	if err := readFull(r, tab); err != nil {
+		return err
+	}
+	ranges := make([]Region, h.n)
+	s.refs = s.refs[:0]
+	for i := range ranges {
+		e := tab[localDescSize*i:]
+		ranges[i] = Region{binary.LittleEndian.Uint64(e), binary.LittleEndian.Uint64(e[8:])}
+		s.refs = append(s.refs, localRef{binary.LittleEndian.Uint32(e[16:]), binary.LittleEndian.Uint64(e[20:])})
+	}
+	if err := a.landingRoom(from, h); err != nil {
+		return err
+	}
+	v, berr := a.checkGuard(from, Write, ranges)
+	if v == Deny {
+		return berr
+	}
+	a.memMu.RLock()
+	if berr == nil {
+		s.dst, berr = a.resolve(s.dst[:0], ranges)
+	}
+	if berr == nil {
+		s.src = s.src[:0]
+		for i, ref := range s.refs {
+			m := s.chunks[ref.chunk]
+			n := ranges[i].Len
+			if m == nil || ref.off > uint64(len(m)) || n > uint64(len(m))-ref.off {
+				berr = fmt.Errorf("%w: piece %d names [%d, +%d) of memory file %d, which the peer did not pass",
+					ErrProtocol, i, ref.off, n, ref.chunk)
+				break
+			}
+			s.src = append(s.src, m[ref.off:ref.off+n])
+		}
+		if berr != nil {
+			a.memMu.RUnlock()
+			return berr
+		}
+		berr = copyPieces(s.dst, s.src)
+		if berr == nil && s.withdrawn() {
+			berr = fmt.Errorf("%w: the sender withdrew its memory during the copy", ErrXferFailed)
+		}
+		if berr == nil {
+			a.localParts.Add(1)
+		}
+	}
+	a.memMu.RUnlock()
+	clear(s.dst)
+	clear(s.src)
+	return a.landed(w, from, h, v, berr)
+}
+
+// copyPieces copies src[i] into dst[i], turning a fault on either side
+// (a file shrunk under its mapping) into an error.
+func copyPieces(dst, src [][]byte) (err error) {
+	old := debug.SetPanicOnFault(true)
+	defer func() {
+		debug.SetPanicOnFault(old)
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: copy faulted (a memory file shrank): %v", ErrXferFailed, r)
+		}
+	}()
+	for i := range dst {
+		copy(dst[i], src[i])
+	}
+	return nil
+}
+
+// dialLocal opens a local connection to the peer: credentials,
+// authentication, hello, then the fence.
+func (p *peer) dialLocal() (*conn, error) {
+	a := p.owner
+	d := net.Dialer{Timeout: a.cfg.DialTimeout}
+	nc, err := d.Dial("unix", p.uaddr)
+	if err != nil {
+		return nil, err
+	}
+	uc := nc.(*net.UnixConn)
+	fail := func(err error) (*conn, error) {
+		_ = nc.Close()
+		return nil, err
+	}
+	if err := checkPeerUser(uc); err != nil {
+		return fail(err)
+	}
+	if a.cfg.Auth != nil {
+		if err := a.cfg.Auth.Client(nc, "data", a.cfg.Name); err != nil {
+			return fail(err)
+		}
+	}
+	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
+		return fail(err)
+	}
+	ffd, err := unix.MemfdCreate("kvxfer-fence", unix.MFD_CLOEXEC)
+	if err != nil {
+		return fail(err)
+	}
+	defer unix.Close(ffd)
+	if err := unix.Ftruncate(ffd, fenceSize); err != nil {
+		return fail(err)
+	}
+	fence, err := unix.Mmap(ffd, 0, fenceSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fail(err)
+	}
+	if _, _, err := uc.WriteMsgUnix([]byte{tFence}, unix.UnixRights(ffd), nil); err != nil {
+		_ = unix.Munmap(fence)
+		return fail(err)
+	}
+	return &conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{},
+		uc: uc, fence: fence, sent: map[uint32]bool{}}, nil
+}
+
+// withdraw sets the connection's fence (once): parts copied from now on
+// do not count. Called before the parts waiting on the connection fail.
+func (c *conn) withdraw() {
+	if c.fence == nil {
+		return
+	}
+	atomic.StoreUint32((*uint32)(unsafe.Pointer(&c.fence[0])), 1)
+	_ = unix.Munmap(c.fence)
+	c.fence = nil
+}
+
+// sendPartLocal sends a WRITE part as references into the agent's memory
+// files. It reports false, sending nothing, when a piece lies in memory
+// without a file (the caller sends the bytes instead).
+func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
+	ds := x.descs[x.split[part]:x.split[part+1]]
+	h := make([]byte, 0, 25+len(x.notif)+localDescSize*len(ds))
+	h = appendWriteHeader(h, tWriteLocal, x, part, len(ds))
+	a.memMu.RLock()
+	defer a.memMu.RUnlock()
+	a.mu.Lock()
+	var cur cursor
+	var ch *chunk
+	var need []*chunk
+	for i, d := range ds {
+		if _, ok := cur.bytes(a, d.Local, d.Len); !ok {
+			a.mu.Unlock()
+			return true, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, d.Local, d.Len, a.cfg.Name, ErrOutOfBounds)
+		}
+		if ch == nil || d.Local < ch.base || d.Local-ch.base+d.Len > uint64(len(ch.mem)) {
+			ch = a.chunkLocked(d.Local)
+			if ch == nil || ch.file == nil {
+				a.mu.Unlock()
+				return false, nil
+			}
+			if len(need) == 0 || need[len(need)-1] != ch {
+				need = append(need, ch)
+			}
+		}
+		h = binary.LittleEndian.AppendUint64(h, d.Remote)
+		h = binary.LittleEndian.AppendUint64(h, d.Len)
+		h = binary.LittleEndian.AppendUint32(h, ch.id)
+		h = binary.LittleEndian.AppendUint64(h, uint64(ch.off)+d.Local-ch.base)
+	}
+	a.mu.Unlock()
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	for _, ch := range need {
+		if c.sent[ch.id] {
+			continue
+		}
+		f := make([]byte, 0, 21)
+		f = append(f, tChunk)
+		f = binary.LittleEndian.AppendUint32(f, ch.id)
+		f = binary.LittleEndian.AppendUint64(f, uint64(ch.off))
+		f = binary.LittleEndian.AppendUint64(f, uint64(len(ch.mem)))
+		if _, _, err := c.uc.WriteMsgUnix(f, unix.UnixRights(int(ch.file.Fd())), nil); err != nil {
+			c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+			return true, err
+		}
+		c.sent[ch.id] = true
+	}
+	if _, err := c.c.Write(h); err != nil {
+		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+		return true, err
+	}
+	return true, nil
+}
+
+// chunkLocked returns the mapped chunk holding addr (a.mu held).
+func (a *Agent) chunkLocked(addr uint64) *chunk {
+	for i := range a.mu.chunks {
+		c := &a.mu.chunks[i]
+		if addr >= c.base && addr-c.base < uint64(len(c.mem)) {
+			return c
+		}
+	}
+	return nil
+}

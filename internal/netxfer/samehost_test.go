@@ -1,0 +1,421 @@
+package netxfer
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// memFile returns size bytes of a new memfd mapped shared, and the file.
+func memFile(t *testing.T, size int) ([]byte, *os.File) {
+	t.Helper()
+	fd, err := unix.MemfdCreate("netxfer-test", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd")
+	if err := f.Truncate(int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem); _ = f.Close() })
+	return mem, f
+}
+
+// localPair returns two agents of one process (no direct copy) whose
+// memory is file-backed: their WRITEs take the same-host path.
+func localPair(t *testing.T, size int, cfg Config) (a, b *Agent, am, bm []byte) {
+	t.Helper()
+	mk := func(name string) (*Agent, []byte) {
+		c := cfg
+		c.Name = fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())
+		c.DisableLocal = true
+		if c.Conns == 0 {
+			c.Conns = 3
+		}
+		ag, err := New(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ag.Close() })
+		mem, f := memFile(t, size)
+		if err := ag.MapFile(base, mem, f, 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.Register([]Region{{base, uint64(size)}}); err != nil {
+			t.Fatal(err)
+		}
+		return ag, mem
+	}
+	a, am = mk("a")
+	b, bm = mk("b")
+	if _, err := a.LoadPeer(b.Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.LoadPeer(a.Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	return a, b, am, bm
+}
+
+// scattered returns n descriptors of piece bytes, every other slot, the
+// remote side shifted by one slot.
+func scattered(n, piece int) []Desc {
+	ds := make([]Desc, n)
+	for i := range ds {
+		ds[i] = Desc{Local: base + uint64(2*i*piece), Remote: base + uint64((2*i+1)*piece), Len: uint64(piece)}
+	}
+	return ds
+}
+
+func fillRandom(b []byte) {
+	for i := range b {
+		b[i] = byte(rand.Uint32())
+	}
+}
+
+func checkMoved(t *testing.T, ds []Desc, src, dst []byte) {
+	t.Helper()
+	for i, d := range ds {
+		s, r := src[d.Local-base:][:d.Len], dst[d.Remote-base:][:d.Len]
+		if !bytes.Equal(s, r) {
+			t.Fatalf("piece %d: bytes differ", i)
+		}
+	}
+}
+
+func TestSameHostWrite(t *testing.T) {
+	const size = 1 << 20
+	a, b, am, bm := localPair(t, size, Config{})
+	if !strings.Contains(string(a.Metadata()), "\nunix @") {
+		t.Fatalf("metadata %q names no same-host socket", a.Metadata())
+	}
+	fillRandom(am)
+	for _, piece := range []int{512, 4096, 64 << 10} {
+		ds := scattered(size/(2*piece)-1, piece)
+		before := b.SameHostParts()
+		id, err := a.Post(Write, b.Name(), ds, []byte("landed"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("piece %d: state %v, %v", piece, s, err)
+		}
+		checkMoved(t, ds, am, bm)
+		if n := waitNotif(t, b); len(n) != 1 || string(n[0].Msg) != "landed" || n[0].From != a.Name() {
+			t.Fatalf("notifications %+v", n)
+		}
+		if got := b.SameHostParts() - before; got != 3 {
+			t.Fatalf("piece %d: %d parts copied on the same-host path, want 3 (one per connection)", piece, got)
+		}
+	}
+	// A READ on the same connections: the bytes come over the socket.
+	fillRandom(bm)
+	ds := scattered(64, 4096)
+	id, err := a.Post(Read, b.Name(), ds, []byte("read"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("read: %v, %v", s, err)
+	}
+	for i, d := range ds {
+		if !bytes.Equal(am[d.Local-base:][:d.Len], bm[d.Remote-base:][:d.Len]) {
+			t.Fatalf("read piece %d differs", i)
+		}
+	}
+}
+
+// Memory without a file still moves, as bytes over the same socket.
+func TestSameHostWithoutFile(t *testing.T) {
+	const size = 1 << 18
+	a, b, _, bm := localPair(t, size, Config{})
+	extra := make([]byte, size)
+	fillRandom(extra)
+	const xb = 0x4000_0000
+	if err := a.Map(xb, extra); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Register([]Region{{xb, size}}); err != nil {
+		t.Fatal(err)
+	}
+	ds := []Desc{{Local: xb, Remote: base, Len: 4096}, {Local: xb + 8192, Remote: base + 4096, Len: 100}}
+	id, err := a.Post(Write, b.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("state %v, %v", s, err)
+	}
+	if !bytes.Equal(bm[:4096], extra[:4096]) || !bytes.Equal(bm[4096:4196], extra[8192:8292]) {
+		t.Fatal("bytes differ")
+	}
+	if n := b.SameHostParts(); n != 0 {
+		t.Fatalf("%d parts copied on the same-host path, want 0", n)
+	}
+}
+
+func TestSameHostDisabled(t *testing.T) {
+	a, b, am, bm := localPair(t, 1<<16, Config{DisableSameHost: true})
+	if strings.Contains(string(a.Metadata()), "unix") {
+		t.Fatalf("metadata %q names a same-host socket", a.Metadata())
+	}
+	fillRandom(am)
+	ds := scattered(4, 4096)
+	id, err := a.Post(Write, b.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("state %v, %v", s, err)
+	}
+	checkMoved(t, ds, am, bm)
+	if b.SameHostParts() != 0 {
+		t.Fatal("a part took the same-host path")
+	}
+}
+
+type verdictGuard struct{ v Verdict }
+
+func (g verdictGuard) Check(string, Op, uint64, uint64) Verdict { return g.v }
+
+func TestSameHostGuard(t *testing.T) {
+	for _, v := range []Verdict{Late, Deny} {
+		t.Run(fmt.Sprint(v), func(t *testing.T) {
+			a, b, am, bm := localPair(t, 1<<16, Config{})
+			if err := b.SetGuard(verdictGuard{v}); err != nil {
+				t.Fatal(err)
+			}
+			fillRandom(am)
+			ds := scattered(4, 4096)
+			id, err := a.Post(Write, b.Name(), ds, []byte("n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := wait(t, a, id)
+			if s != Failed {
+				t.Fatalf("state %v, want Failed", s)
+			}
+			if v == Late && !errors.Is(err, ErrNotGranted) {
+				t.Fatalf("err %v, want ErrNotGranted", err)
+			}
+			if !bytes.Equal(bm, make([]byte, len(bm))) {
+				t.Fatal("a refused write landed")
+			}
+			if n := b.Drain(nil); len(n) != 0 {
+				t.Fatalf("notifications %+v after a refused write", n)
+			}
+		})
+	}
+}
+
+// rawLocal dials b's same-host socket as a bare client and sends the
+// hello and a fence page, set when withdrawn.
+func rawLocal(t *testing.T, b *Agent, withdrawn bool) (*net.UnixConn, *scatterReader) {
+	t.Helper()
+	nc, err := net.Dial("unix", b.uaddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = nc.Close() })
+	uc := nc.(*net.UnixConn)
+	if _, err := uc.Write(helloFrame("raw")); err != nil {
+		t.Fatal(err)
+	}
+	fence, ff := memFile(t, fenceSize)
+	if withdrawn {
+		fence[0] = 1
+	}
+	if _, _, err := uc.WriteMsgUnix([]byte{tFence}, unix.UnixRights(int(ff.Fd())), nil); err != nil {
+		t.Fatal(err)
+	}
+	_ = uc.SetDeadline(time.Now().Add(20 * time.Second))
+	return uc, newScatterReader(uc)
+}
+
+func sendChunk(t *testing.T, uc *net.UnixConn, id uint32, f *os.File, n uint64) {
+	t.Helper()
+	h := []byte{tChunk}
+	h = binary.LittleEndian.AppendUint32(h, id)
+	h = binary.LittleEndian.AppendUint64(h, 0)
+	h = binary.LittleEndian.AppendUint64(h, n)
+	if _, _, err := uc.WriteMsgUnix(h, unix.UnixRights(int(f.Fd())), nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func sendWriteLocal(t *testing.T, uc *net.UnixConn, id uint64, notif string, refs ...[4]uint64) {
+	t.Helper()
+	h := []byte{tWriteLocal}
+	h = binary.LittleEndian.AppendUint64(h, id)
+	h = binary.LittleEndian.AppendUint32(h, 0)
+	h = binary.LittleEndian.AppendUint32(h, 1)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(refs)))
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(notif)))
+	h = append(h, notif...)
+	for _, r := range refs { // remote, len, chunk, off
+		h = binary.LittleEndian.AppendUint64(h, r[0])
+		h = binary.LittleEndian.AppendUint64(h, r[1])
+		h = binary.LittleEndian.AppendUint32(h, uint32(r[2]))
+		h = binary.LittleEndian.AppendUint64(h, r[3])
+	}
+	if _, err := uc.Write(h); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readAck reads one answer: its type and error text.
+func readAck(t *testing.T, r *scatterReader) (byte, string, error) {
+	t.Helper()
+	var h [17]byte
+	if err := readFull(r, h[:]); err != nil {
+		return 0, "", err
+	}
+	msg := make([]byte, binary.LittleEndian.Uint32(h[13:]))
+	err := readFull(r, msg)
+	return h[0], string(msg), err
+}
+
+// A sender that withdrew its memory (its fence set) gets its part
+// refused after the copy, and no notification is delivered.
+func TestSameHostFence(t *testing.T) {
+	_, b, _, _ := localPair(t, 1<<16, Config{})
+	for _, withdrawn := range []bool{false, true} {
+		uc, r := rawLocal(t, b, withdrawn)
+		src, f := memFile(t, 1<<16)
+		fillRandom(src)
+		sendChunk(t, uc, 7, f, 1<<16)
+		sendWriteLocal(t, uc, 1, "done", [4]uint64{base + 4096, 4096, 7, 8192})
+		typ, msg, err := readAck(t, r)
+		if err != nil || typ != tAck {
+			t.Fatalf("withdrawn %v: answer %d %q, %v", withdrawn, typ, msg, err)
+		}
+		notifs := b.Drain(nil)
+		if withdrawn {
+			if !strings.Contains(msg, "withdrew") || len(notifs) != 0 {
+				t.Fatalf("withdrawn: answer %q, notifications %+v", msg, notifs)
+			}
+		} else if msg != "" || len(notifs) != 1 || string(notifs[0].Msg) != "done" {
+			t.Fatalf("answer %q, notifications %+v", msg, notifs)
+		}
+	}
+}
+
+// A peer naming memory it never passed, or beyond what it passed, loses
+// its connection; nothing is written.
+func TestSameHostBadReference(t *testing.T) {
+	_, b, _, bm := localPair(t, 1<<16, Config{})
+	for _, ref := range [][4]uint64{
+		{base, 4096, 9, 0},            // chunk never passed
+		{base, 4096, 7, 1<<16 - 4095}, // past its end
+		{base, 4096, 7, 1 << 62},      // offset overflowing
+	} {
+		uc, r := rawLocal(t, b, false)
+		_, f := memFile(t, 1<<16)
+		sendChunk(t, uc, 7, f, 1<<16)
+		sendWriteLocal(t, uc, 1, "", ref)
+		if typ, msg, err := readAck(t, r); err == nil {
+			t.Fatalf("ref %v: answered %d %q, want the connection dropped", ref, typ, msg)
+		}
+	}
+	// A file shorter than the memory it is said to hold is refused too.
+	uc, r := rawLocal(t, b, false)
+	_, f := memFile(t, 4096)
+	sendChunk(t, uc, 7, f, 1<<16)
+	sendWriteLocal(t, uc, 1, "", [4]uint64{base, 4096, 7, 0})
+	if _, _, err := readAck(t, r); err == nil {
+		t.Fatal("a short file was mapped")
+	}
+	if !bytes.Equal(bm, make([]byte, len(bm))) {
+		t.Fatal("bytes landed")
+	}
+}
+
+// A sender's file that shrinks under the receiver's mapping fails the
+// part; the receiver stays up.
+func TestSameHostShrunkFile(t *testing.T) {
+	_, b, _, _ := localPair(t, 1<<16, Config{})
+	uc, r := rawLocal(t, b, false)
+	_, f := memFile(t, 1<<16)
+	sendChunk(t, uc, 7, f, 1<<16)
+	sendWriteLocal(t, uc, 1, "", [4]uint64{base, 4096, 7, 0})
+	if typ, msg, err := readAck(t, r); err != nil || msg != "" {
+		t.Fatalf("answer %d %q, %v", typ, msg, err)
+	}
+	if err := f.Truncate(0); err != nil {
+		t.Fatal(err)
+	}
+	sendWriteLocal(t, uc, 2, "", [4]uint64{base, 4096, 7, 8192})
+	typ, msg, err := readAck(t, r)
+	if err != nil || typ != tAck || !strings.Contains(msg, "faulted") {
+		t.Fatalf("answer %d %q, %v; want the part failed by a fault", typ, msg, err)
+	}
+}
+
+// Unmap breaks the same-host connections; the next WRITE dials again.
+func TestSameHostUnmap(t *testing.T) {
+	a, b, am, bm := localPair(t, 1<<16, Config{})
+	mem, f := memFile(t, 1<<16)
+	const xb = 0x4000_0000
+	if err := a.MapFile(xb, mem, f, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Register([]Region{{xb, 1 << 16}}); err != nil {
+		t.Fatal(err)
+	}
+	fillRandom(am)
+	fillRandom(mem)
+	post := func(ds []Desc) {
+		t.Helper()
+		id, err := a.Post(Write, b.Name(), ds, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("state %v, %v", s, err)
+		}
+	}
+	post([]Desc{{Local: xb, Remote: base, Len: 4096}})
+	if err := a.Unmap(xb); err != nil {
+		t.Fatal(err)
+	}
+	ds := scattered(4, 4096)
+	post(ds)
+	checkMoved(t, ds, am, bm)
+	if n := b.SameHostParts(); n < 2 {
+		t.Fatalf("%d same-host parts, want the WRITEs before and after Unmap", n)
+	}
+}
+
+func TestSameHostMetadata(t *testing.T) {
+	a, err := New(Config{DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	for _, m := range []string{
+		metaPrefix + "p\n127.0.0.1:1\nunix x",
+		metaPrefix + "p\n127.0.0.1:1\nunix @",
+		metaPrefix + "p\n127.0.0.1:1\nunix @a\nmore",
+		metaPrefix + "p\n127.0.0.1:1\ntcp @a",
+	} {
+		if _, err := a.LoadPeer([]byte(m)); !errors.Is(err, ErrBadMetadata) {
+			t.Errorf("LoadPeer(%q) = %v, want ErrBadMetadata", m, err)
+		}
+	}
+	if _, err := a.LoadPeer([]byte(metaPrefix + "p\n127.0.0.1:1\nunix @abc")); err != nil {
+		t.Fatal(err)
+	}
+}
