@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -417,5 +418,87 @@ func TestSameHostMetadata(t *testing.T) {
 	}
 	if _, err := a.LoadPeer([]byte(metaPrefix + "p\n127.0.0.1:1\nunix @abc")); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The same-host path is only between agents of one user: an agent of
+// another user reaching this one's socket is refused (the server's
+// check), and one dialing it falls back to TCP (the client's check); its
+// WRITE still lands, over TCP.
+func TestSameHostOtherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to run a peer as another user (setpriv)")
+	}
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		t.Fatalf("setpriv is needed to run a peer as another user: %v", err)
+	}
+	_, b, _, bm := localPair(t, 1<<16, Config{})
+	cmd := exec.Command(setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", os.Args[0], "-test.run=^TestSameHostOtherUserChild$")
+	cmd.Env = append(os.Environ(), "NETXFER_TEST_PEER="+string(b.Metadata()), "NETXFER_TEST_UADDR="+b.uaddr)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	for _, want := range []string{"raw same-host connection: refused", "WRITE: done"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("child output lacks %q:\n%s", want, out)
+		}
+	}
+	if n := b.SameHostParts(); n != 0 {
+		t.Errorf("%d parts from another user took the same-host path", n)
+	}
+	if !bytes.Equal(bm[:4096], bytes.Repeat([]byte{0xab}, 4096)) {
+		t.Error("the WRITE over TCP did not land")
+	}
+}
+
+// TestSameHostOtherUserChild is TestSameHostOtherUser's peer, run as
+// uid 65534.
+func TestSameHostOtherUserChild(t *testing.T) {
+	meta, ok := os.LookupEnv("NETXFER_TEST_PEER")
+	if !ok {
+		return // only as TestSameHostOtherUser's child
+	}
+	// A bare client on the socket: the server hangs up after the hello.
+	if nc, err := net.Dial("unix", os.Getenv("NETXFER_TEST_UADDR")); err != nil {
+		fmt.Println("raw same-host connection: dial:", err)
+	} else {
+		_, _ = nc.Write(helloFrame("stranger"))
+		_ = nc.SetReadDeadline(time.Now().Add(10 * time.Second))
+		var b [1]byte
+		if _, err := nc.Read(b[:]); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			fmt.Println("raw same-host connection: refused")
+		}
+		nc.Close()
+	}
+	a, err := New(Config{DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	mem, f := memFile(t, 1<<16)
+	for i := range 4096 {
+		mem[i] = 0xab
+	}
+	if err := a.MapFile(base, mem, f, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Register([]Region{{base, 1 << 16}}); err != nil {
+		t.Fatal(err)
+	}
+	name, err := a.LoadPeer([]byte(meta))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := a.Post(Write, name, []Desc{{Local: base, Remote: base, Len: 4096}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := wait(t, a, id)
+	if s == Done {
+		fmt.Println("WRITE: done")
+	} else {
+		fmt.Println("WRITE:", s, err)
 	}
 }
