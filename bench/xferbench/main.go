@@ -16,8 +16,8 @@
 //
 // Usage:
 //
-//	go run ./bench/xferbench                      # -mode quick: 8 and 64 MiB, 11 rounds
-//	go run ./bench/xferbench -mode full           # 41 rounds
+//	go run ./bench/xferbench                      # -mode quick: 8 and 64 MiB, 21 rounds
+//	go run ./bench/xferbench -mode full           # 81 rounds
 //	go run ./bench/xferbench -contenders builtin,rawtcp -pieces 512,4KiB -rounds 20 -cpuprofile /tmp/xb
 //
 // -cpuprofile P writes the sender's CPU profile (this process) to
@@ -72,14 +72,14 @@ var modes = map[string]struct {
 	sizes  string
 	rounds int
 }{
-	"quick": {"8MiB,64MiB", 11},
-	"full":  {"8MiB,64MiB", 41},
+	"quick": {"8MiB,64MiB", 21},
+	"full":  {"8MiB,64MiB", 81},
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("xferbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	mode := fs.String("mode", "quick", "quick (11 rounds, about half a minute on 2 vCPUs) or full (41 rounds)")
+	mode := fs.String("mode", "quick", "quick (21 rounds, about half a minute on 2 vCPUs) or full (81 rounds, about 2 minutes)")
 	sizes := fs.String("sizes", "", "total bytes of one WRITE, comma-separated (default: the mode's)")
 	pieces := fs.String("pieces", "1MiB,4KiB,512", "piece sizes, comma-separated")
 	rounds := fs.Int("rounds", 0, "rounds (default: the mode's)")
