@@ -53,8 +53,9 @@ type peerInfo struct {
 // sides are the mappings as the parent sees them, and the child's
 // address of its destination mapping (where descriptors point).
 type sides struct {
-	src, dst []byte // the parent's mappings of the source and destination files
-	dstBase  uint64 // the child's address of dst
+	src, dst []byte   // the parent's mappings of the source and destination files
+	srcFile  *os.File // the file src maps
+	dstBase  uint64   // the child's address of dst
 }
 
 // mover is an open contender.
@@ -71,7 +72,9 @@ const xferTimeout = 2 * time.Minute
 // contenders are the contenders in the order they are printed.
 var contenders = []contender{
 	builtinContender("builtin", "kvxfer/backend/tcp over loopback: one Post of every descriptor, Events until done",
-		func(o opts) tcp.Config { return tcp.Config{Conns: o.Conns} }),
+		func(o opts) tcp.Config { return tcp.Config{Conns: o.Conns, DisableSameHost: true} }, false),
+	builtinContender("samehost", "kvxfer/backend/tcp, same-host path: the source adopted with its file (MapFile), the receiver copies out of it",
+		func(o opts) tcp.Config { return tcp.Config{Conns: o.Conns} }, true),
 	rawContender("rawtcp", "Go TCP, same connections: writev per part, bufio(64 KiB)+ReadFull per piece, 1-byte ack", 64<<10),
 	{name: "nixl", what: "kvxfer/backend/nixl (UCX, CPU memory; UCX_TLS=sm unless set): one Post, State polled until done",
 		avail: nixlAvail, peer: nixlPeer, open: nixlOpen},
@@ -91,7 +94,7 @@ func findContender(name string) (contender, bool) {
 // builtinContender is kvxfer's built-in backend with the configuration
 // cfg makes: a variant (another netxfer option) is one more call in the
 // table.
-func builtinContender(name, what string, cfg func(opts) tcp.Config) contender {
+func builtinContender(name, what string, cfg func(opts) tcp.Config, withFile bool) contender {
 	return contender{name: name, what: what,
 		peer: func(o opts, dst []byte) (peerInfo, io.Closer, error) {
 			b, err := tcp.New(cfg(o))
@@ -110,7 +113,11 @@ func builtinContender(name, what string, cfg func(opts) tcp.Config) contender {
 			if err != nil {
 				return nil, err
 			}
-			return openBackend(b, b.Map, e, info, false)
+			mapMem := b.Map
+			if withFile {
+				mapMem = func(base uint64, mem []byte) error { return b.MapFile(base, mem, e.srcFile, 0) }
+			}
+			return openBackend(b, mapMem, e, info, false)
 		},
 	}
 }

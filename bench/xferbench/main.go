@@ -212,7 +212,7 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 			err = cerr
 		}
 	}()
-	e := &sides{src: srcMap.Bytes, dst: dstMap.Bytes, dstBase: ch.base}
+	e := &sides{src: srcMap.Bytes, srcFile: srcMap.File(), dst: dstMap.Bytes, dstBase: ch.base}
 
 	movers := make([]mover, len(run))
 	defer func() {
