@@ -389,6 +389,7 @@ func (a *Agent) resolve(dst [][]byte, ranges []Region) ([][]byte, error) {
 	if a.mu.closed {
 		return dst, ErrClosed
 	}
+	dst = slices.Grow(dst, len(ranges))
 	var c cursor
 	for i, r := range ranges {
 		b, ok := c.bytes(a, r.Addr, r.Len)

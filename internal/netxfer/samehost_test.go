@@ -248,15 +248,18 @@ func rawLocal(t *testing.T, b *Agent, withdrawn bool) (*net.UnixConn, *scatterRe
 
 func sendChunk(t *testing.T, uc *net.UnixConn, id uint32, f *os.File, n uint64) {
 	t.Helper()
+	// (An error: the agent dropped the connection already; readAck tells.)
 	h := []byte{tChunk}
 	h = binary.LittleEndian.AppendUint32(h, id)
 	h = binary.LittleEndian.AppendUint64(h, 0)
 	h = binary.LittleEndian.AppendUint64(h, n)
 	if _, _, err := uc.WriteMsgUnix(h, unix.UnixRights(int(f.Fd())), nil); err != nil {
-		t.Fatal(err)
+		t.Logf("write: %v", err)
 	}
 }
 
+// sendWriteLocal sends a local WRITE part; a connection the agent
+// dropped already is no error here (readAck tells).
 func sendWriteLocal(t *testing.T, uc *net.UnixConn, id uint64, notif string, refs ...[4]uint64) {
 	t.Helper()
 	h := []byte{tWriteLocal}
@@ -273,7 +276,7 @@ func sendWriteLocal(t *testing.T, uc *net.UnixConn, id uint64, notif string, ref
 		h = binary.LittleEndian.AppendUint64(h, r[3])
 	}
 	if _, err := uc.Write(h); err != nil {
-		t.Fatal(err)
+		t.Logf("write: %v", err)
 	}
 }
 

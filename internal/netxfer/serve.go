@@ -87,6 +87,7 @@ func (a *Agent) serve(raw net.Conn) {
 	// Answers are small; a buffered writer batches them. Payloads of READ
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)
+	var sc scratch
 	for {
 		// Idle between frames as long as it likes; a frame, once begun,
 		// must arrive within FrameTimeout.
@@ -98,9 +99,9 @@ func (a *Agent) serve(raw net.Conn) {
 		var err error
 		switch hdr[0] {
 		case tWrite:
-			err = a.serveWrite(r, w, from, hdr[:])
+			err = a.serveWrite(r, w, from, hdr[:], &sc)
 		case tReadReq:
-			err = a.serveRead(r, nc, w, from, hdr[:])
+			err = a.serveRead(r, nc, w, from, hdr[:], &sc)
 		case tNotif:
 			var msg []byte
 			if msg, err = readMsg(r, hdr[:4]); err == nil {
@@ -147,16 +148,41 @@ func readMsg(r io.Reader, lenBuf []byte) ([]byte, error) {
 	return msg, readFull(r, msg)
 }
 
-// readTable reads n (addr, len) pairs.
-func readTable(r io.Reader, n uint32) ([]Region, uint64, error) {
+// scratch is a connection's buffers for the frames it serves, reused
+// from frame to frame (kept up to keepScratch descriptors).
+type scratch struct {
+	tab    []byte
+	ranges []Region
+	bufs   [][]byte
+}
+
+const keepScratch = 1 << 16
+
+// done clears what the frame left and drops buffers grown past
+// keepScratch.
+func (sc *scratch) done() {
+	clear(sc.bufs)
+	if cap(sc.ranges) > keepScratch {
+		*sc = scratch{}
+	}
+}
+
+// readTable reads n (addr, len) pairs into sc.
+func readTable(r io.Reader, n uint32, sc *scratch) ([]Region, uint64, error) {
 	if n > maxDescs {
 		return nil, 0, fmt.Errorf("%w: %d descriptors", ErrProtocol, n)
 	}
-	tab := make([]byte, 16*int(n))
+	if cap(sc.tab) < 16*int(n) {
+		sc.tab = make([]byte, 16*int(n))
+	}
+	tab := sc.tab[:16*int(n)]
 	if err := readFull(r, tab); err != nil {
 		return nil, 0, err
 	}
-	rs := make([]Region, n)
+	if cap(sc.ranges) < int(n) {
+		sc.ranges = make([]Region, n)
+	}
+	rs := sc.ranges[:n]
 	var total uint64
 	for i := range rs {
 		rs[i] = Region{binary.LittleEndian.Uint64(tab[16*i:]), binary.LittleEndian.Uint64(tab[16*i+8:])}
@@ -263,12 +289,13 @@ func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, b
 }
 
 // serveWrite lands one WRITE part straight into registered memory.
-func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte, sc *scratch) error {
+	defer sc.done()
 	h, err := readWriteHeader(r, hdr)
 	if err != nil {
 		return err
 	}
-	ranges, total, err := readTable(r, h.n)
+	ranges, total, err := readTable(r, h.n, sc)
 	if err != nil {
 		return err
 	}
@@ -284,7 +311,8 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	a.memMu.RLock()
 	var bufs [][]byte
 	if berr == nil {
-		bufs, berr = a.resolve(nil, ranges)
+		bufs, berr = a.resolve(sc.bufs[:0], ranges)
+		sc.bufs = bufs
 	}
 	if berr != nil {
 		a.memMu.RUnlock()
@@ -303,14 +331,15 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 }
 
 // serveRead answers one READ part straight from registered memory.
-func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte) error {
+func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, sc *scratch) error {
+	defer sc.done()
 	if err := readFull(r, hdr[:16]); err != nil {
 		return err
 	}
 	id := binary.LittleEndian.Uint64(hdr[:8])
 	part := binary.LittleEndian.Uint32(hdr[8:12])
 	n := binary.LittleEndian.Uint32(hdr[12:16])
-	ranges, _, err := readTable(r, n)
+	ranges, _, err := readTable(r, n, sc)
 	if err != nil {
 		return err
 	}
@@ -322,7 +351,8 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	defer a.memMu.RUnlock()
 	var bufs [][]byte
 	if berr == nil {
-		bufs, berr = a.resolve(nil, ranges)
+		bufs, berr = a.resolve(sc.bufs[:0], ranges)
+		sc.bufs = bufs
 	}
 	if berr != nil {
 		typ := byte(tReadResp)

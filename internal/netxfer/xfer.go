@@ -458,7 +458,7 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 	// until it is on the wire.
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
-	bufs, err := a.resolve([][]byte{h}, loc)
+	bufs, err := a.resolve(append(make([][]byte, 0, len(loc)+1), h), loc)
 	if err != nil {
 		return err
 	}
