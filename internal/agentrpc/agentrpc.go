@@ -189,8 +189,8 @@ func (s *service) Wait(timeout time.Duration, got *bool) error {
 	return nil
 }
 
-// SameHostParts answers how many WRITE parts same-host peers copied into
-// the agent's memory (0 for a backend without a same-host path).
+// SameHostParts answers how many transfer parts the agent copied out of
+// same-host peers' memory files (0 for a backend without that path).
 func (s *service) SameHostParts(_ int, r *uint64) error {
 	if b, ok := s.be.(interface{ SameHostParts() uint64 }); ok {
 		*r = b.SameHostParts()
@@ -367,8 +367,8 @@ func (c *Client) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 	return append(dst, r.Notifs...)
 }
 
-// SameHostParts returns how many WRITE parts same-host peers copied into
-// the agent's memory (the built-in backend's same-host path).
+// SameHostParts returns how many transfer parts the agent copied out of
+// same-host peers' memory files (the built-in backend's same-host path).
 func (c *Client) SameHostParts() (uint64, error) {
 	var n uint64
 	err := c.call("SameHostParts", 0, &n)

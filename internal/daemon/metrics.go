@@ -43,7 +43,7 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		expired:           d("num_kv_expired_reqs_total", "Requests whose lease or deadline passed (vllm:nixl_num_kv_expired_reqs)."),
 		handshakeFailures: d("handshake_failures_total", "Handshakes with peer engines that failed."),
 		sameHost: prometheus.NewDesc("kvxfer_same_host_parts_total",
-			"WRITE parts that peer daemons on this host copied straight out of their engines' memory files into this daemon's engines' memory (the built-in backend's same-host path).", nil, nil),
+			"Transfer parts (WRITEs from peer daemons on this host, READs of them) this daemon copied straight out of a peer engine's memory file into its engines' memory (the built-in backend's same-host path).", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),

@@ -112,7 +112,7 @@ type Agent struct {
 	uln        net.Listener
 	uaddr      string
 	files      atomic.Int32  // chunks with a file (same-host shareable)
-	localParts atomic.Uint64 // WRITE parts copied in from same-host peers
+	localParts atomic.Uint64 // parts copied in from same-host peers' files
 	log        *slog.Logger
 	events     chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;
@@ -134,6 +134,7 @@ type Agent struct {
 		next      XferID
 		inbox     []Notif
 		incoming  map[net.Conn]bool
+		localIn   map[*localServer]bool // same-host connections served
 		landing   map[landKey]*landing
 	}
 }
@@ -208,6 +209,7 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.peers = map[string]*peer{}
 	a.mu.xfers = map[XferID]*xfer{}
 	a.mu.incoming = map[net.Conn]bool{}
+	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
 	if !cfg.DisableSameHost {
 		if err := a.listenLocal(); err != nil {
@@ -231,8 +233,9 @@ func (a *Agent) AcceptErrors() uint64 { return a.acceptErrors.Load() }
 // TLSFailures returns how many TLS handshakes failed, dialing or served.
 func (a *Agent) TLSFailures() uint64 { return a.tlsFailures.Load() }
 
-// SameHostParts returns how many WRITE parts same-host peers landed here
-// by a direct copy out of their memory files.
+// SameHostParts returns how many transfer parts this agent copied
+// straight out of a same-host peer's memory files into its own memory:
+// WRITEs from the peer, READs of the peer.
 func (a *Agent) SameHostParts() uint64 { return a.localParts.Load() }
 
 // Name returns the agent's name.
@@ -288,8 +291,9 @@ func (a *Agent) mapChunk(ch chunk) error {
 // Unmap forgets memory mapped at base, and every region registered in
 // it. It waits for transfers moving bytes in or out of memory. Memory
 // adopted with MapFile may still be read by same-host peers copying a
-// WRITE: Unmap breaks the agent's same-host connections (their WRITEs in
-// flight fail, and what a peer copies from now on does not count).
+// WRITE or a READ: Unmap breaks the agent's same-host connections (their
+// transfers in flight fail, and what a peer copies from now on does not
+// count).
 func (a *Agent) Unmap(base uint64) error {
 	a.memMu.Lock()
 	defer a.memMu.Unlock()
@@ -305,16 +309,23 @@ func (a *Agent) Unmap(base uint64) error {
 		return r.Addr >= c.base && r.Addr-c.base < uint64(len(c.mem))
 	})
 	var peers []*peer
+	var served []*localServer
 	if c.file != nil {
 		a.files.Add(-1)
 		for _, p := range a.mu.peers {
 			peers = append(peers, p)
+		}
+		for s := range a.mu.localIn {
+			served = append(served, s)
 		}
 	}
 	a.mu.Unlock()
 	if c.file != nil {
 		for _, p := range peers {
 			p.dropLocal(fmt.Errorf("%w: memory at %#x unmapped", ErrXferFailed, base))
+		}
+		for _, s := range served {
+			s.withdraw()
 		}
 		_ = c.file.Close()
 	}
@@ -614,6 +625,9 @@ func (a *Agent) Close() error {
 	a.mu.peers = map[string]*peer{}
 	incoming := a.mu.incoming
 	a.mu.incoming = map[net.Conn]bool{}
+	for s := range a.mu.localIn {
+		s.withdraw() // before any connection closes: READs being copied do not count
+	}
 	for _, x := range a.mu.xfers {
 		x.failLocked(fmt.Errorf("%w: agent closed", ErrXferFailed))
 	}

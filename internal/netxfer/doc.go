@@ -20,8 +20,10 @@
 // adopted with MapFile then carries no payload: the receiver maps the
 // sender's file read-only (passed once per connection with SCM_RIGHTS) and
 // copies each piece straight into its own memory, after the same bounds
-// and guard checks; a fence page the sender sets when it withdraws keeps
-// bytes copied after that from counting. See samehost.go.
+// and guard checks. A READ of such memory is the mirror image: the server
+// checks the ranges and answers with where they lie in its files, and the
+// client copies them. A fence page the side being read sets when it
+// withdraws keeps bytes copied after that from counting. See samehost.go.
 //
 // # Ordering and completion
 //

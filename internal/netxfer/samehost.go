@@ -10,6 +10,8 @@ import (
 	"net"
 	"os"
 	"runtime/debug"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -26,17 +28,20 @@ import (
 // and each part names its source as (file, offset). The receiver maps
 // the file read-only and copies straight from it into its own memory:
 // one copy, done by the side whose memory changes, after the same bounds
-// and guard checks as a TCP part. Everything else (READs, notifications,
-// WRITEs from memory without a file) uses the TCP frames over the same
-// socket.
+// and guard checks as a TCP part. A READ is the mirror image: the server
+// checks the ranges against its guard and its memory, and answers with
+// where they lie in its files (passed the same way, server to client);
+// the client copies them into its own memory. Everything else
+// (notifications, transfers touching memory without a file) uses the TCP
+// frames over the same socket.
 //
-// Fencing. The sender also passes a page of its own (a memfd) with the
-// connection, and sets it when the connection fails or its memory is
-// unmapped, before it fails the transfers waiting on the connection (so
-// before its caller can reuse the memory). The receiver reads the page
-// after it copied a part and fails the part if it is set: bytes copied
-// from memory the sender had already withdrawn are never counted as
-// landed, and the transfer's notification is never delivered for them.
+// Fencing. The side whose memory is read (a WRITE's client, a READ's
+// server) also passes a page of its own (a memfd), and sets it when the
+// connection fails or its memory is unmapped or closed, before it fails
+// the transfers waiting on the connection (so before its caller can reuse
+// the memory). The copying side reads the page after it copied a part and
+// fails the part if it is set: bytes copied from memory already withdrawn
+// are never counted as landed, and no notification is delivered for them.
 //
 // A sender's file that shrinks under the receiver's mapping faults the
 // copy (SIGBUS); the receiver copies with the runtime's panic-on-fault
@@ -46,6 +51,12 @@ const (
 	tFence      = 5 // | fd (SCM_RIGHTS): the sender's fence page
 	tChunk      = 6 // chunk u32, off u64, len u64 | fd: memory the sender's parts name
 	tWriteLocal = 7 // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64, chunk u32, off u64)
+	// Server to client, answering a tReadReq on a local connection whose
+	// ranges all lie in memory with a file (tFence and tChunk first, as
+	// needed): where each range's bytes are, for the client to copy.
+	tReadLocal = 21 // xfer u64, part u32, ndesc u32 | ndesc×(chunk u32, off u64)
+
+	localRefSize = 12
 
 	localDescSize = 28
 	fenceSize     = 4096
@@ -192,12 +203,21 @@ func (f *fdReader) close() {
 // localServer is what a local connection's server holds: the sender's
 // fence and the memory it passed, mapped read-only.
 type localServer struct {
+	c      *net.UnixConn
 	fr     *fdReader
 	fence  []byte
 	chunks map[uint32][]byte
 	refs   []localRef
 	dst    [][]byte
 	src    [][]byte
+	// For READs from this agent's memory: the memory files passed to the
+	// client, and this side's fence (under mu: Unmap and Close set it).
+	sent map[uint32]bool
+	mu   struct {
+		sync.Mutex
+		fence     []byte
+		withdrawn bool
+	}
 }
 
 type localRef struct {
@@ -206,10 +226,29 @@ type localRef struct {
 }
 
 func newLocalServer(c *net.UnixConn) *localServer {
-	return &localServer{fr: newFDReader(c), chunks: map[uint32][]byte{}}
+	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, sent: map[uint32]bool{}}
+}
+
+// withdraw sets this side's fence and ends the connection: a READ the
+// client is copying out of this agent's memory does not count.
+func (s *localServer) withdraw() {
+	s.mu.Lock()
+	s.mu.withdrawn = true
+	if s.mu.fence != nil {
+		setFence(s.mu.fence)
+	}
+	s.mu.Unlock()
+	_ = s.c.Close()
 }
 
 func (s *localServer) close() {
+	s.withdraw()
+	s.mu.Lock()
+	if s.mu.fence != nil {
+		_ = unix.Munmap(s.mu.fence)
+		s.mu.fence = nil
+	}
+	s.mu.Unlock()
 	s.fr.close()
 	if s.fence != nil {
 		_ = unix.Munmap(s.fence)
@@ -221,10 +260,29 @@ func (s *localServer) close() {
 }
 
 // withdrawn reads the sender's fence, after the bytes it guards were
-// copied: a read-modify-write, so that no load of the copy is ordered
-// after it.
-func (s *localServer) withdrawn() bool {
-	return atomic.AddUint32((*uint32)(unsafe.Pointer(&s.fence[0])), 0) != 0
+// copied.
+func (s *localServer) withdrawn() bool { return fenceSet(s.fence) }
+
+// fenceSet reads a fence page after the bytes it guards were copied: a
+// read-modify-write, so that no load of the copy is ordered after it.
+func fenceSet(f []byte) bool { return atomic.AddUint32((*uint32)(unsafe.Pointer(&f[0])), 0) != 0 }
+
+func setFence(f []byte) { atomic.StoreUint32((*uint32)(unsafe.Pointer(&f[0])), 1) }
+
+// newFence makes a fence page: a memfd, mapped here, to pass on.
+func newFence() (fd int, page []byte, err error) {
+	fd, err = unix.MemfdCreate("kvxfer-fence", unix.MFD_CLOEXEC)
+	if err != nil {
+		return -1, nil, err
+	}
+	if err = unix.Ftruncate(fd, fenceSize); err == nil {
+		page, err = unix.Mmap(fd, 0, fenceSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, nil, err
+	}
+	return fd, page, nil
 }
 
 // serveLocal handles the frames only local connections carry.
@@ -398,24 +456,18 @@ func (p *peer) dialLocal() (*conn, error) {
 	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
 		return fail(err)
 	}
-	ffd, err := unix.MemfdCreate("kvxfer-fence", unix.MFD_CLOEXEC)
+	ffd, fence, err := newFence()
 	if err != nil {
 		return fail(err)
 	}
 	defer unix.Close(ffd)
-	if err := unix.Ftruncate(ffd, fenceSize); err != nil {
-		return fail(err)
-	}
-	fence, err := unix.Mmap(ffd, 0, fenceSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return fail(err)
-	}
 	if _, _, err := uc.WriteMsgUnix([]byte{tFence}, unix.UnixRights(ffd), nil); err != nil {
 		_ = unix.Munmap(fence)
 		return fail(err)
 	}
-	return &conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{},
-		uc: uc, fence: fence, sent: map[uint32]bool{}}, nil
+	in := newLocalServer(uc) // the server's fence and files, for READs
+	return &conn{p: p, c: nc, r: newScatterReader(in.fr), pending: map[partKey]*xfer{},
+		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in}, nil
 }
 
 // withdraw sets the connection's fence (once): parts copied from now on
@@ -424,7 +476,7 @@ func (c *conn) withdraw() {
 	if c.fence == nil {
 		return
 	}
-	atomic.StoreUint32((*uint32)(unsafe.Pointer(&c.fence[0])), 1)
+	setFence(c.fence)
 	_ = unix.Munmap(c.fence)
 	c.fence = nil
 }
@@ -440,33 +492,41 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 	defer a.memMu.RUnlock()
 	a.mu.Lock()
 	var cur cursor
-	var ch *chunk
-	var need []*chunk
+	var m refMaker
 	for i, d := range ds {
 		if _, ok := cur.bytes(a, d.Local, d.Len); !ok {
 			a.mu.Unlock()
 			return true, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, d.Local, d.Len, a.cfg.Name, ErrOutOfBounds)
 		}
-		if ch == nil || d.Local < ch.base || d.Local-ch.base+d.Len > uint64(len(ch.mem)) {
-			ch = a.chunkLocked(d.Local)
-			if ch == nil || ch.file == nil {
-				a.mu.Unlock()
-				return false, nil
-			}
-			if len(need) == 0 || need[len(need)-1] != ch {
-				need = append(need, ch)
-			}
+		ref, ok := m.ref(a, d.Local, d.Len)
+		if !ok {
+			a.mu.Unlock()
+			return false, nil
 		}
 		h = binary.LittleEndian.AppendUint64(h, d.Remote)
 		h = binary.LittleEndian.AppendUint64(h, d.Len)
-		h = binary.LittleEndian.AppendUint32(h, ch.id)
-		h = binary.LittleEndian.AppendUint64(h, uint64(ch.off)+d.Local-ch.base)
+		h = binary.LittleEndian.AppendUint32(h, ref.chunk)
+		h = binary.LittleEndian.AppendUint64(h, ref.off)
 	}
+	need := m.need
 	a.mu.Unlock()
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if err := sendChunks(c.uc, c.sent, need); err != nil {
+		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+		return true, err
+	}
+	if _, err := c.c.Write(h); err != nil {
+		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+		return true, err
+	}
+	return true, nil
+}
+
+// sendChunks passes the memory files of need not passed yet on c.
+func sendChunks(c *net.UnixConn, sent map[uint32]bool, need []*chunk) error {
 	for _, ch := range need {
-		if c.sent[ch.id] {
+		if sent[ch.id] {
 			continue
 		}
 		f := make([]byte, 0, 21)
@@ -474,17 +534,155 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 		f = binary.LittleEndian.AppendUint32(f, ch.id)
 		f = binary.LittleEndian.AppendUint64(f, uint64(ch.off))
 		f = binary.LittleEndian.AppendUint64(f, uint64(len(ch.mem)))
-		if _, _, err := c.uc.WriteMsgUnix(f, unix.UnixRights(int(ch.file.Fd())), nil); err != nil {
-			c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
-			return true, err
+		if _, _, err := c.WriteMsgUnix(f, unix.UnixRights(int(ch.file.Fd())), nil); err != nil {
+			return err
 		}
-		c.sent[ch.id] = true
+		sent[ch.id] = true
 	}
-	if _, err := c.c.Write(h); err != nil {
-		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+	return nil
+}
+
+// refMaker names ranges of the agent's memory as (file, offset), for a
+// peer on the same host, remembering the last range's chunk (a.mu held).
+type refMaker struct {
+	ch   *chunk
+	need []*chunk
+}
+
+// ref returns where [addr, addr+n) (registered memory) lies in its
+// chunk's file; false if the chunk has none.
+func (m *refMaker) ref(a *Agent, addr, n uint64) (localRef, bool) {
+	if m.ch == nil || addr < m.ch.base || addr-m.ch.base+n > uint64(len(m.ch.mem)) {
+		m.ch = a.chunkLocked(addr)
+		if m.ch == nil || m.ch.file == nil {
+			return localRef{}, false
+		}
+		if !slices.Contains(m.need, m.ch) {
+			m.need = append(m.need, m.ch)
+		}
+	}
+	return localRef{m.ch.id, uint64(m.ch.off) + addr - m.ch.base}, true
+}
+
+// answerReadLocal answers a READ part on a local connection with where
+// its ranges (checked already; memMu held for reading) lie in the
+// agent's memory files: false if one lies in memory without a file (the
+// caller sends the bytes instead).
+func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part uint32, ranges []Region) (bool, error) {
+	h := make([]byte, 0, 17+localRefSize*len(ranges))
+	h = append(h, tReadLocal)
+	h = binary.LittleEndian.AppendUint64(h, id)
+	h = binary.LittleEndian.AppendUint32(h, part)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(ranges)))
+	a.mu.Lock()
+	var m refMaker
+	for _, r := range ranges {
+		ref, ok := m.ref(a, r.Addr, r.Len)
+		if !ok {
+			a.mu.Unlock()
+			return false, nil
+		}
+		h = binary.LittleEndian.AppendUint32(h, ref.chunk)
+		h = binary.LittleEndian.AppendUint64(h, ref.off)
+	}
+	a.mu.Unlock()
+	if err := w.Flush(); err != nil {
 		return true, err
 	}
-	return true, nil
+	s.mu.Lock()
+	if s.mu.withdrawn {
+		s.mu.Unlock()
+		return true, ErrClosed
+	}
+	if s.mu.fence == nil {
+		fd, page, err := newFence()
+		if err != nil {
+			s.mu.Unlock()
+			return true, err
+		}
+		_, _, err = s.c.WriteMsgUnix([]byte{tFence}, unix.UnixRights(fd), nil)
+		unix.Close(fd)
+		if err != nil {
+			_ = unix.Munmap(page)
+			s.mu.Unlock()
+			return true, err
+		}
+		s.mu.fence = page
+	}
+	s.mu.Unlock()
+	if err := sendChunks(s.c, s.sent, m.need); err != nil {
+		return true, err
+	}
+	if _, err := w.Write(h); err != nil {
+		return true, err
+	}
+	return true, w.Flush()
+}
+
+// readLocal lands a tReadLocal answer: each piece copied out of the
+// server's file into the transfer's memory here.
+func (c *conn) readLocal(hdr []byte) error {
+	a := c.p.owner
+	if err := readFull(c.r, hdr[:16]); err != nil {
+		return err
+	}
+	id := XferID(binary.LittleEndian.Uint64(hdr[:8]))
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	n := binary.LittleEndian.Uint32(hdr[12:16])
+	if n > maxDescs {
+		return fmt.Errorf("%w: %d descriptors", ErrProtocol, n)
+	}
+	tab := make([]byte, localRefSize*int(n))
+	if err := readFull(c.r, tab); err != nil {
+		return err
+	}
+	x := c.take(partKey{id, part})
+	if x == nil {
+		return nil // released or failed meanwhile
+	}
+	ds := x.descs[x.split[part]:x.split[part+1]]
+	if int(n) != len(ds) {
+		return fmt.Errorf("%w: read answer with %d pieces for a part of %d", ErrProtocol, n, len(ds))
+	}
+	s := c.in
+	loc := make([]Region, len(ds))
+	for i, d := range ds {
+		loc[i] = Region{d.Local, d.Len}
+	}
+	s.src = s.src[:0]
+	for i, d := range ds {
+		e := tab[localRefSize*i:]
+		chunk, off := binary.LittleEndian.Uint32(e), binary.LittleEndian.Uint64(e[4:])
+		m := s.chunks[chunk]
+		if m == nil || off > uint64(len(m)) || d.Len > uint64(len(m))-off {
+			clear(s.src)
+			return fmt.Errorf("%w: piece %d names [%d, +%d) of memory file %d, which the peer did not pass", ErrProtocol, i, off, d.Len, chunk)
+		}
+		s.src = append(s.src, m[off:off+d.Len])
+	}
+	if s.fence == nil {
+		clear(s.src)
+		return fmt.Errorf("%w: a local read answer before the fence", ErrProtocol)
+	}
+	a.memMu.RLock()
+	var err error
+	s.dst, err = a.resolve(s.dst[:0], loc)
+	if err == nil {
+		err = copyPieces(s.dst, s.src)
+		if err == nil && s.withdrawn() {
+			err = fmt.Errorf("%w: the peer withdrew its memory during the copy", ErrXferFailed)
+		}
+	} else {
+		err = fmt.Errorf("%w: %w", ErrXferFailed, err)
+	}
+	a.memMu.RUnlock()
+	clear(s.dst)
+	clear(s.src)
+	if err == nil {
+		a.localParts.Add(1)
+	}
+	a.finishPart(x, err)
+	return nil
 }
 
 // chunkLocked returns the mapped chunk holding addr (a.mu held).

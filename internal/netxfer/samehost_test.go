@@ -122,20 +122,112 @@ func TestSameHostWrite(t *testing.T) {
 			t.Fatalf("piece %d: %d parts copied on the same-host path, want 3 (one per connection)", piece, got)
 		}
 	}
-	// A READ on the same connections: the bytes come over the socket.
+	// READs: a copies straight out of b's file.
 	fillRandom(bm)
-	ds := scattered(64, 4096)
-	id, err := a.Post(Read, b.Name(), ds, []byte("read"))
+	for _, piece := range []int{512, 4096, 64 << 10} {
+		ds := scattered(size/(2*piece)-1, piece)
+		before := a.SameHostParts()
+		id, err := a.Post(Read, b.Name(), ds, []byte("read"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("read: %v, %v", s, err)
+		}
+		for i, d := range ds {
+			if !bytes.Equal(am[d.Local-base:][:d.Len], bm[d.Remote-base:][:d.Len]) {
+				t.Fatalf("read piece %d differs", i)
+			}
+		}
+		if n := waitNotif(t, b); len(n) != 1 || string(n[0].Msg) != "read" {
+			t.Fatalf("read notifications %+v", n)
+		}
+		if got := a.SameHostParts() - before; got != 3 {
+			t.Fatalf("read, piece %d: %d parts copied on the same-host path, want 3", piece, got)
+		}
+	}
+}
+
+// A READ of memory its owner unmaps fails or completes with the bytes
+// from before (never silently with bytes copied after); the next READ of
+// memory still mapped works over a new connection.
+func TestSameHostReadUnmap(t *testing.T) {
+	a, b, am, bm := localPair(t, 1<<16, Config{})
+	mem, f := memFile(t, 1<<16)
+	const xb = 0x4000_0000
+	if err := b.MapFile(xb, mem, f, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Register([]Region{{xb, 1 << 16}}); err != nil {
+		t.Fatal(err)
+	}
+	fillRandom(mem)
+	fillRandom(bm)
+	read := func(ds []Desc) (State, error) {
+		t.Helper()
+		id, err := a.Post(Read, b.Name(), ds, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return wait(t, a, id)
+	}
+	if s, err := read([]Desc{{Local: base, Remote: xb, Len: 4096}}); s != Done {
+		t.Fatalf("read: %v, %v", s, err)
+	}
+	if !bytes.Equal(am[:4096], mem[:4096]) {
+		t.Fatal("bytes differ")
+	}
+	if err := b.Unmap(xb); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := read([]Desc{{Local: base, Remote: xb, Len: 4096}}); s != Failed {
+		t.Fatalf("read of unmapped memory: %v, %v; want failed", s, err)
+	}
+	// The unmap ended b's same-host connections: a READ on one a has not
+	// seen end yet fails; the next ones dial anew.
+	ds := scattered(4, 4096)
+	s, err := read(ds)
+	for i := 0; s != Done && i < 3; i++ {
+		t.Logf("read after the unmap: %v, %v", s, err)
+		s, err = read(ds)
+	}
+	if s != Done {
+		t.Fatalf("read after the unmap: %v, %v", s, err)
+	}
+	for i, d := range ds {
+		if !bytes.Equal(am[d.Local-base:][:d.Len], bm[d.Remote-base:][:d.Len]) {
+			t.Fatalf("piece %d differs", i)
+		}
+	}
+}
+
+// A READ answer whose server withdrew its memory during the copy fails.
+func TestSameHostReadFence(t *testing.T) {
+	a, b, _, _ := localPair(t, 1<<16, Config{})
+	ds := scattered(2, 4096)
+	id, err := a.Post(Read, b.Name(), ds, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s, err := wait(t, a, id); s != Done {
 		t.Fatalf("read: %v, %v", s, err)
 	}
-	for i, d := range ds {
-		if !bytes.Equal(am[d.Local-base:][:d.Len], bm[d.Remote-base:][:d.Len]) {
-			t.Fatalf("read piece %d differs", i)
-		}
+	// Set b's fences as its Unmap or Close would, without ending the
+	// connections: the next answer's copy must not count.
+	b.mu.Lock()
+	for s := range b.mu.localIn {
+		s.mu.Lock()
+		setFence(s.mu.fence)
+		s.mu.Unlock()
+	}
+	b.mu.Unlock()
+	id, err = a.Post(Read, b.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := wait(t, a, id)
+	if s != Failed || !strings.Contains(fmt.Sprint(err), "withdrew") {
+		t.Fatalf("read after the fence: %v, %v; want failed, withdrawn", s, err)
 	}
 }
 

@@ -56,7 +56,20 @@ func (a *Agent) serve(raw net.Conn) {
 	var ls *localServer
 	if isLocal {
 		ls = newLocalServer(uc)
-		defer ls.close()
+		a.mu.Lock()
+		if a.mu.closed {
+			a.mu.Unlock()
+			ls.close()
+			return
+		}
+		a.mu.localIn[ls] = true
+		a.mu.Unlock()
+		defer func() {
+			a.mu.Lock()
+			delete(a.mu.localIn, ls)
+			a.mu.Unlock()
+			ls.close()
+		}()
 		r = newScatterReader(ls.fr)
 	} else {
 		r = newScatterReader(nc)
@@ -101,7 +114,7 @@ func (a *Agent) serve(raw net.Conn) {
 		case tWrite:
 			err = a.serveWrite(r, w, from, hdr[:], &sc)
 		case tReadReq:
-			err = a.serveRead(r, nc, w, from, hdr[:], &sc)
+			err = a.serveRead(r, nc, w, from, hdr[:], &sc, ls)
 		case tNotif:
 			var msg []byte
 			if msg, err = readMsg(r, hdr[:4]); err == nil {
@@ -331,7 +344,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 }
 
 // serveRead answers one READ part straight from registered memory.
-func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, sc *scratch) error {
+func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, sc *scratch, ls *localServer) error {
 	defer sc.done()
 	if err := readFull(r, hdr[:16]); err != nil {
 		return err
@@ -363,6 +376,12 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 			return err
 		}
 		return w.Flush()
+	}
+	if ls != nil {
+		// Same host: where the bytes are, for the client to copy.
+		if done, err := a.answerReadLocal(ls, w, id, part, ranges); done {
+			return err
+		}
 	}
 	if err := answer(w, tReadResp, id, part, nil); err != nil {
 		return err

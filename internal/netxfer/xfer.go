@@ -93,6 +93,9 @@ type conn struct {
 	uc    *net.UnixConn
 	fence []byte
 	sent  map[uint32]bool
+	// in holds what the server passed for READs (its fence and memory
+	// files), read by c.read alone.
+	in *localServer
 }
 
 type partKey struct {
@@ -480,7 +483,10 @@ func appendWriteHeader(h []byte, typ byte, x *xfer, part, ndesc int) []byte {
 func (c *conn) read() {
 	a := c.p.owner
 	defer a.wg.Done()
-	var hdr [16]byte
+	if c.in != nil {
+		defer c.in.close()
+	}
+	var hdr [32]byte
 	for {
 		if err := readFull(c.r, hdr[:1]); err != nil {
 			c.fail(fmt.Errorf("%w: connection to %s lost: %w", ErrXferFailed, c.p.name, err))
@@ -495,6 +501,15 @@ func (c *conn) read() {
 				if x := c.take(partKey{XferID(binary.LittleEndian.Uint64(hdr[:8])), notifPart}); x != nil {
 					a.finishPart(x, nil)
 				}
+			}
+		case tFence, tChunk, tReadLocal:
+			switch {
+			case c.in == nil:
+				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], c.p.name)
+			case hdr[0] == tReadLocal:
+				err = c.readLocal(hdr[:])
+			default:
+				err = a.serveLocal(c.in, c.r, nil, c.p.name, hdr[0], hdr[:])
 			}
 		default:
 			err = fmt.Errorf("%w: frame type %d from %s", ErrProtocol, hdr[0], c.p.name)

@@ -247,9 +247,10 @@ func (s *Server) RegisterPeer(g *grpc.Server) {
 
 type sameHostCounter interface{ SameHostParts() uint64 }
 
-// SameHostParts returns how many WRITE parts peer daemons on this host
-// copied straight into this daemon's engines' memory (the built-in
-// backend's same-host path), over the daemon's life.
+// SameHostParts returns how many transfer parts this daemon copied
+// straight out of a peer engine's memory file on this host into its
+// engines' memory (the built-in backend's same-host path: WRITEs from
+// peers, READs of them), over the daemon's life.
 func (s *Server) SameHostParts() uint64 {
 	n := s.sameHostGone.Load()
 	s.engines.Range(func(_ string, e *engineEntry) bool {

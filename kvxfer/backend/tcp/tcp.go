@@ -80,8 +80,9 @@ func (n *Backend) MapFile(base uint64, mem []byte, f *os.File, off int64) error 
 	return mapNetErr(n.a.MapFile(base, mem, f, off))
 }
 
-// SameHostParts returns how many WRITE parts same-host peers copied into
-// this backend's memory.
+// SameHostParts returns how many transfer parts (WRITEs from same-host
+// peers, READs of them) this backend copied straight out of a peer's
+// memory file into its own memory.
 func (n *Backend) SameHostParts() uint64 { return n.a.SameHostParts() }
 
 // Unmap forgets memory mapped at base, waiting for transfers using it.
