@@ -34,6 +34,25 @@ import (
 // could also scan for it: the port is no secret, only what it serves).
 func dataPort(t *testing.T, d *daemontest.Proc, dir, engine string) string {
 	t.Helper()
+	return agentLines(t, d, dir, engine)[2]
+}
+
+// dataSocket returns the rank's same-host socket (an abstract unix
+// socket: any process of the host's network namespace can find it).
+func dataSocket(t *testing.T, d *daemontest.Proc, dir, engine string) string {
+	t.Helper()
+	lines := agentLines(t, d, dir, engine)
+	if len(lines) < 4 || !strings.HasPrefix(lines[3], "unix @") {
+		t.Fatalf("the rank's agent metadata names no same-host socket: %q", lines)
+	}
+	return strings.TrimPrefix(lines[3], "unix ")
+}
+
+// agentLines returns the lines of the rank's built-in agent metadata:
+// the format's name, the agent's name, its TCP address, and its same-host
+// socket.
+func agentLines(t *testing.T, d *daemontest.Proc, dir, engine string) []string {
+	t.Helper()
 	secret, err := peerauth.LoadSecret(filepath.Join(dir, "peer.secret"))
 	if err != nil {
 		t.Fatal(err)
@@ -58,19 +77,33 @@ func dataPort(t *testing.T, d *daemontest.Proc, dir, engine string) string {
 		t.Fatalf("handshake payload: %v, %d ranks", err, len(list.Ranks))
 	}
 	lines := strings.Split(string(list.Ranks[0].Agent), "\n")
-	return lines[len(lines)-1]
+	if len(lines) < 3 {
+		t.Fatalf("agent metadata %q", list.Ranks[0].Agent)
+	}
+	return lines
 }
 
-// An outsider who finds a rank's data port cannot write into its KV cache
-// nor send it notifications: without the secret the connection is cut
-// before any request is read.
+// An outsider who finds a rank's data port (or its same-host socket)
+// cannot write into its KV cache nor send it notifications: without the
+// secret the connection is cut before any request is read.
 func TestDataPortNeedsTheSecret(t *testing.T) {
 	dir := world(t)
 	d := startDaemon(t, dir, "d")
 	v := attachVictim(t, d, dir, "victim")
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) {
+			addr := dataPort(t, d, dir, v.id)
+			if network == "unix" {
+				addr = dataSocket(t, d, dir, v.id)
+			}
+			unauthenticatedWrite(t, d, dir, v, network, addr)
+		})
+	}
+}
+
+func unauthenticatedWrite(t *testing.T, d *daemontest.Proc, dir string, v *victim, network, addr string) {
 	before := v.sum()
-	addr := dataPort(t, d, dir, v.id)
-	nc, err := net.Dial("tcp", addr)
+	nc, err := net.Dial(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
