@@ -29,6 +29,9 @@ var (
 	ErrXferFailed    = errors.New("netxfer: transfer failed")
 	ErrNotRegistered = errors.New("netxfer: memory not registered")
 	ErrProtocol      = errors.New("netxfer: protocol error")
+	// ErrDeviceMemory: GPU memory (MapDevice) named where only host
+	// memory can go (TCP, the direct copy in one process).
+	ErrDeviceMemory = errors.New("netxfer: GPU memory moves only on the same-host path (agents of one user on one host)")
 )
 
 // Region is a registered memory range.
@@ -85,6 +88,10 @@ type Config struct {
 	// agent neither listens on nor dials same-host sockets, and peers on
 	// its host reach it over TCP.
 	DisableSameHost bool
+	// Devices returns this process's handle on the GPU of a UUID: a
+	// same-host peer's GPU memory (MapDevice) is imported on it and copied
+	// from or into. nil: GPU memory from peers is refused.
+	Devices func(uuid [16]byte) (Device, error)
 	// Auth authenticates every connection between agents (kvxfer's
 	// peerauth, purpose "data"): the dialer proves it holds the shared
 	// secret and names itself, and only that name's messages are accepted
@@ -141,7 +148,13 @@ type Agent struct {
 
 type chunk struct {
 	base uint64
-	mem  []byte
+	mem  []byte // nil for GPU memory
+	size uint64
+	// dev, uuid and handle: GPU memory (mem nil), the CUDA IPC export of
+	// the allocation it is (see MapDevice).
+	dev    Device
+	uuid   [16]byte
+	handle [64]byte
 	// id names the chunk on same-host connections; file (nil if none) is
 	// a read-only reopening of the file mem maps from offset off.
 	id   uint32
@@ -258,13 +271,13 @@ func (a *Agent) signal() {
 // Map adopts caller-owned memory at base (kvxferd: a mapped
 // shared-memory file). It must not overlap mapped memory.
 func (a *Agent) Map(base uint64, mem []byte) error {
-	return a.mapChunk(chunk{base: base, mem: mem})
+	return a.mapChunk(chunk{base: base, mem: mem, size: uint64(len(mem))})
 }
 
 func (a *Agent) mapChunk(ch chunk) error {
-	base, mem := ch.base, ch.mem
-	if len(mem) == 0 || base+uint64(len(mem)) < base {
-		return fmt.Errorf("netxfer: map [%#x, +%d): empty or wrapping", base, len(mem))
+	base, size := ch.base, ch.size
+	if size == 0 || base+size < base {
+		return fmt.Errorf("netxfer: map [%#x, +%d): empty or wrapping", base, size)
 	}
 	a.memMu.Lock()
 	defer a.memMu.Unlock()
@@ -274,8 +287,8 @@ func (a *Agent) mapChunk(ch chunk) error {
 		return ErrClosed
 	}
 	for _, c := range a.mu.chunks {
-		if base < c.base+uint64(len(c.mem)) && c.base < base+uint64(len(mem)) {
-			return fmt.Errorf("netxfer: map [%#x, +%d): overlaps [%#x, +%d)", base, len(mem), c.base, len(c.mem))
+		if base < c.base+c.size && c.base < base+size {
+			return fmt.Errorf("netxfer: map [%#x, +%d): overlaps [%#x, +%d)", base, size, c.base, c.size)
 		}
 	}
 	a.mu.nextChunk++
@@ -306,7 +319,7 @@ func (a *Agent) Unmap(base uint64) error {
 	c := a.mu.chunks[i]
 	a.mu.chunks = slices.Delete(a.mu.chunks, i, i+1)
 	a.mu.regs = slices.DeleteFunc(a.mu.regs, func(r Region) bool {
-		return r.Addr >= c.base && r.Addr-c.base < uint64(len(c.mem))
+		return r.Addr >= c.base && r.Addr-c.base < c.size
 	})
 	var peers []*peer
 	var served []*localServer
@@ -405,27 +418,56 @@ func (a *Agent) resolve(dst [][]byte, ranges []Region) ([][]byte, error) {
 	for i, r := range ranges {
 		b, ok := c.bytes(a, r.Addr, r.Len)
 		if !ok {
-			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+			return dst, a.outOfBoundsLocked(i, r.Addr, r.Len)
 		}
 		dst = append(dst, b)
 	}
 	return dst, nil
 }
 
-// checkLocal bounds-checks the local side of descs, allocating nothing.
+// outOfBoundsLocked is the error of range i, whose bytes resolve did not
+// find: GPU memory (moved only on the same-host path) or memory not
+// registered.
+func (a *Agent) outOfBoundsLocked(i int, addr, n uint64) error {
+	if _, ok := a.regionLocked(addr, n); ok {
+		if c := a.chunkLocked(addr); c != nil && c.dev != nil {
+			return fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, addr, n, a.cfg.Name, ErrDeviceMemory)
+		}
+	}
+	return fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, addr, n, a.cfg.Name, ErrOutOfBounds)
+}
+
+// checkLocal bounds-checks the local side of descs (registered memory,
+// host or GPU), allocating nothing.
 func (a *Agent) checkLocal(descs []Desc) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.mu.closed {
 		return ErrClosed
 	}
-	var c cursor
+	var c regionCursor
 	for i, d := range descs {
-		if _, ok := c.bytes(a, d.Local, d.Len); !ok {
+		if !c.inside(a, d.Local, d.Len) {
 			return fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, d.Local, d.Len, a.cfg.Name, ErrOutOfBounds)
 		}
 	}
 	return nil
+}
+
+// regionCursor checks ranges against registered regions, remembering the
+// last range's region (a sorted or coalesced list costs one comparison a
+// range).
+type regionCursor struct {
+	cur Region
+	ok  bool
+}
+
+func (c *regionCursor) inside(a *Agent, addr, n uint64) bool {
+	if c.ok && c.cur.inside(addr, n) {
+		return true
+	}
+	c.cur, c.ok = a.regionLocked(addr, n)
+	return c.ok
 }
 
 // cursor finds the bytes of ranges, remembering the last range's region:
@@ -463,7 +505,7 @@ func (a *Agent) Register(regions []Region) error {
 		if r.Len == 0 {
 			return fmt.Errorf("netxfer: register region %d: Len = 0", i)
 		}
-		if _, ok := a.sliceLocked(r.Addr, r.Len); !ok {
+		if c := a.chunkLocked(r.Addr); c == nil || r.Len > c.size-(r.Addr-c.base) {
 			return fmt.Errorf("netxfer: register region %d [%#x, +%d): not mapped", i, r.Addr, r.Len)
 		}
 	}

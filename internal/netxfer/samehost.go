@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -55,6 +56,9 @@ const (
 	// ranges all lie in memory with a file (tFence and tChunk first, as
 	// needed): where each range's bytes are, for the client to copy.
 	tReadLocal = 21 // xfer u64, part u32, ndesc u32 | ndesc×(chunk u32, off u64)
+	// GPU memory: the CUDA IPC export of an allocation (no descriptor
+	// passed), imported by the peer on the GPU of that UUID.
+	tChunkDev = 8 // chunk u32, uuid [16]byte, handle [64]byte, size u64
 
 	localRefSize = 12
 
@@ -136,11 +140,38 @@ func (a *Agent) MapFile(base uint64, mem []byte, f *os.File, off int64) error {
 		return a.Map(base, mem)
 	}
 	ro := os.NewFile(uintptr(fd), f.Name())
-	if err := a.mapChunk(chunk{base: base, mem: mem, file: ro, off: off}); err != nil {
+	if err := a.mapChunk(chunk{base: base, mem: mem, size: uint64(len(mem)), file: ro, off: off}); err != nil {
 		ro.Close()
 		return err
 	}
 	return nil
+}
+
+// Device is a GPU as the same-host path uses it (kvxferd: a CUDA device
+// of its process). Addresses are device addresses in this process
+// (unified addressing: a copy may name memory of two GPUs).
+type Device interface {
+	// Import maps an allocation another process of this host exported
+	// (a CUDA IPC handle) and returns its address here.
+	Import(handle [64]byte) (uint64, error)
+	// Unmap unmaps what Import mapped.
+	Unmap(ptr uint64) error
+	CopyDevice(dst, src uint64, n int) error
+	CopyIn(dst uint64, src []byte) error
+	CopyOut(dst []byte, src uint64) error
+}
+
+// MapDevice adopts GPU memory at base (its address in this process:
+// kvxferd imported the engine's allocation there) of size bytes, which
+// is the allocation exported as handle on the GPU of uuid. Such memory
+// moves only on the same-host path: a peer imports handle on its own
+// process's device for uuid (Config.Devices) and copies with the GPU; a
+// TCP transfer naming it fails with ErrDeviceMemory.
+func (a *Agent) MapDevice(base, size uint64, dev Device, uuid [16]byte, handle [64]byte) error {
+	if dev == nil {
+		return errors.New("netxfer: map device memory: no device")
+	}
+	return a.mapChunk(chunk{base: base, size: size, dev: dev, uuid: uuid, handle: handle})
 }
 
 // fdReader reads a local connection, keeping the descriptors that come
@@ -207,9 +238,10 @@ type localServer struct {
 	fr     *fdReader
 	fence  []byte
 	chunks map[uint32][]byte
+	devs   map[uint32]devImport // the peer's GPU memory, imported here
 	refs   []localRef
-	dst    [][]byte
-	src    [][]byte
+	dst    []target
+	src    []target
 	// For READs from this agent's memory: the memory files passed to the
 	// client, and this side's fence (under mu: Unmap and Close set it).
 	sent map[uint32]bool
@@ -226,7 +258,36 @@ type localRef struct {
 }
 
 func newLocalServer(c *net.UnixConn) *localServer {
-	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, sent: map[uint32]bool{}}
+	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, devs: map[uint32]devImport{}, sent: map[uint32]bool{}}
+}
+
+// devImport is a peer's GPU allocation imported in this process.
+type devImport struct {
+	dev       Device
+	ptr, size uint64
+}
+
+// target is one piece's memory: bytes (host), or n bytes at a device
+// address.
+type target struct {
+	b   []byte
+	dev Device
+	ptr uint64
+	n   uint64
+}
+
+// piece returns [off, off+n) of the peer's memory passed as chunk id.
+func (s *localServer) piece(id uint32, off, n uint64) (target, bool) {
+	if m := s.chunks[id]; m != nil {
+		if off > uint64(len(m)) || n > uint64(len(m))-off {
+			return target{}, false
+		}
+		return target{b: m[off : off+n]}, true
+	}
+	if d, ok := s.devs[id]; ok && off <= d.size && n <= d.size-off {
+		return target{dev: d.dev, ptr: d.ptr + off, n: n}, true
+	}
+	return target{}, false
 }
 
 // withdraw sets this side's fence and ends the connection: a READ the
@@ -257,6 +318,10 @@ func (s *localServer) close() {
 		_ = unix.Munmap(m)
 	}
 	s.chunks = nil
+	for _, d := range s.devs {
+		_ = d.dev.Unmap(d.ptr)
+	}
+	s.devs = nil
 }
 
 // withdrawn reads the sender's fence, after the bytes it guards were
@@ -316,7 +381,7 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 		off := binary.LittleEndian.Uint64(hdr[4:12])
 		n := binary.LittleEndian.Uint64(hdr[12:20])
 		old := s.chunks[id]
-		if old == nil && len(s.chunks) >= maxChunks {
+		if old == nil && len(s.chunks)+len(s.devs) >= maxChunks {
 			return fmt.Errorf("%w: more than %d memory files on one connection", ErrProtocol, maxChunks)
 		}
 		if n == 0 || n > 1<<46 || off > 1<<46 || off%uint64(os.Getpagesize()) != 0 {
@@ -330,6 +395,40 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			_ = unix.Munmap(old)
 		}
 		s.chunks[id] = m
+		return nil
+	case tChunkDev:
+		var b [92]byte
+		if err := readFull(r, b[:]); err != nil {
+			return err
+		}
+		id := binary.LittleEndian.Uint32(b[:4])
+		var uuid [16]byte
+		var h [64]byte
+		copy(uuid[:], b[4:20])
+		copy(h[:], b[20:84])
+		n := binary.LittleEndian.Uint64(b[84:92])
+		old, had := s.devs[id]
+		if !had && len(s.chunks)+len(s.devs) >= maxChunks {
+			return fmt.Errorf("%w: more than %d memory files on one connection", ErrProtocol, maxChunks)
+		}
+		if a.cfg.Devices == nil {
+			return fmt.Errorf("%w: GPU memory from %s, and this agent takes none (no devices)", ErrProtocol, from)
+		}
+		if n == 0 || n > 1<<46 {
+			return fmt.Errorf("%w: GPU memory %d of %d bytes", ErrProtocol, id, n)
+		}
+		dev, err := a.cfg.Devices(uuid)
+		if err != nil {
+			return fmt.Errorf("GPU memory %d: device %x: %w", id, uuid, err)
+		}
+		ptr, err := dev.Import(h)
+		if err != nil {
+			return fmt.Errorf("GPU memory %d: import: %w", id, err)
+		}
+		if had {
+			_ = old.dev.Unmap(old.ptr)
+		}
+		s.devs[id] = devImport{dev, ptr, n}
 		return nil
 	case tWriteLocal:
 		if s.fence == nil {
@@ -383,19 +482,18 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	}
 	a.memMu.RLock()
 	if berr == nil {
-		s.dst, berr = a.resolve(s.dst[:0], ranges)
+		s.dst, berr = a.targets(s.dst[:0], ranges)
 	}
 	if berr == nil {
 		s.src = s.src[:0]
 		for i, ref := range s.refs {
-			m := s.chunks[ref.chunk]
-			n := ranges[i].Len
-			if m == nil || ref.off > uint64(len(m)) || n > uint64(len(m))-ref.off {
-				berr = fmt.Errorf("%w: piece %d names [%d, +%d) of memory file %d, which the peer did not pass",
-					ErrProtocol, i, ref.off, n, ref.chunk)
+			p, ok := s.piece(ref.chunk, ref.off, ranges[i].Len)
+			if !ok {
+				berr = fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
+					ErrProtocol, i, ref.off, ranges[i].Len, ref.chunk)
 				break
 			}
-			s.src = append(s.src, m[ref.off:ref.off+n])
+			s.src = append(s.src, p)
 		}
 		if berr != nil {
 			a.memMu.RUnlock()
@@ -415,9 +513,10 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	return a.landed(w, from, h, v, berr)
 }
 
-// copyPieces copies src[i] into dst[i], turning a fault on either side
-// (a file shrunk under its mapping) into an error.
-func copyPieces(dst, src [][]byte) (err error) {
+// copyPieces copies src[i] into dst[i], host bytes with copy and GPU
+// memory with its device, turning a fault on either side (a file shrunk
+// under its mapping) into an error.
+func copyPieces(dst, src []target) (err error) {
 	old := debug.SetPanicOnFault(true)
 	defer func() {
 		debug.SetPanicOnFault(old)
@@ -425,10 +524,53 @@ func copyPieces(dst, src [][]byte) (err error) {
 			err = fmt.Errorf("%w: copy faulted (a memory file shrank): %v", ErrXferFailed, r)
 		}
 	}()
-	for i := range dst {
-		copy(dst[i], src[i])
+	for i, d := range dst {
+		sp := src[i]
+		switch {
+		case d.dev == nil && sp.dev == nil:
+			copy(d.b, sp.b)
+		case d.dev != nil && sp.dev != nil:
+			err = d.dev.CopyDevice(d.ptr, sp.ptr, int(d.n))
+		case d.dev != nil:
+			err = d.dev.CopyIn(d.ptr, sp.b)
+		default:
+			err = sp.dev.CopyOut(d.b, sp.ptr)
+		}
+		if err != nil {
+			return fmt.Errorf("%w: piece %d: %w", ErrXferFailed, i, err)
+		}
 	}
 	return nil
+}
+
+// targets resolves ranges of registered memory, host or GPU (as resolve
+// does for host memory). Callers hold memMu for reading while they use
+// the targets.
+func (a *Agent) targets(dst []target, ranges []Region) ([]target, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return dst, ErrClosed
+	}
+	var c regionCursor
+	var ch *chunk
+	for i, r := range ranges {
+		if !c.inside(a, r.Addr, r.Len) {
+			return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+		}
+		if ch == nil || r.Addr < ch.base || r.Addr-ch.base+r.Len > ch.size {
+			if ch = a.chunkLocked(r.Addr); ch == nil || r.Addr-ch.base+r.Len > ch.size {
+				return dst, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+			}
+		}
+		o := r.Addr - ch.base
+		if ch.dev != nil {
+			dst = append(dst, target{dev: ch.dev, ptr: r.Addr, n: r.Len})
+		} else {
+			dst = append(dst, target{b: ch.mem[o : o+r.Len : o+r.Len]})
+		}
+	}
+	return dst, nil
 }
 
 // dialLocal opens a local connection to the peer: credentials,
@@ -491,10 +633,10 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
 	a.mu.Lock()
-	var cur cursor
+	var cur regionCursor
 	var m refMaker
 	for i, d := range ds {
-		if _, ok := cur.bytes(a, d.Local, d.Len); !ok {
+		if !cur.inside(a, d.Local, d.Len) {
 			a.mu.Unlock()
 			return true, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, d.Local, d.Len, a.cfg.Name, ErrOutOfBounds)
 		}
@@ -529,6 +671,19 @@ func sendChunks(c *net.UnixConn, sent map[uint32]bool, need []*chunk) error {
 		if sent[ch.id] {
 			continue
 		}
+		if ch.dev != nil {
+			f := make([]byte, 0, 93)
+			f = append(f, tChunkDev)
+			f = binary.LittleEndian.AppendUint32(f, ch.id)
+			f = append(f, ch.uuid[:]...)
+			f = append(f, ch.handle[:]...)
+			f = binary.LittleEndian.AppendUint64(f, ch.size)
+			if _, err := c.Write(f); err != nil {
+				return err
+			}
+			sent[ch.id] = true
+			continue
+		}
 		f := make([]byte, 0, 21)
 		f = append(f, tChunk)
 		f = binary.LittleEndian.AppendUint32(f, ch.id)
@@ -552,9 +707,10 @@ type refMaker struct {
 // ref returns where [addr, addr+n) (registered memory) lies in its
 // chunk's file; false if the chunk has none.
 func (m *refMaker) ref(a *Agent, addr, n uint64) (localRef, bool) {
-	if m.ch == nil || addr < m.ch.base || addr-m.ch.base+n > uint64(len(m.ch.mem)) {
+	if m.ch == nil || addr < m.ch.base || addr-m.ch.base+n > m.ch.size {
 		m.ch = a.chunkLocked(addr)
-		if m.ch == nil || m.ch.file == nil {
+		if m.ch == nil || m.ch.file == nil && m.ch.dev == nil || addr-m.ch.base+n > m.ch.size {
+			m.ch = nil
 			return localRef{}, false
 		}
 		if !slices.Contains(m.need, m.ch) {
@@ -653,12 +809,12 @@ func (c *conn) readLocal(hdr []byte) error {
 	for i, d := range ds {
 		e := tab[localRefSize*i:]
 		chunk, off := binary.LittleEndian.Uint32(e), binary.LittleEndian.Uint64(e[4:])
-		m := s.chunks[chunk]
-		if m == nil || off > uint64(len(m)) || d.Len > uint64(len(m))-off {
+		p, ok := s.piece(chunk, off, d.Len)
+		if !ok {
 			clear(s.src)
-			return fmt.Errorf("%w: piece %d names [%d, +%d) of memory file %d, which the peer did not pass", ErrProtocol, i, off, d.Len, chunk)
+			return fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, off, d.Len, chunk)
 		}
-		s.src = append(s.src, m[off:off+d.Len])
+		s.src = append(s.src, p)
 	}
 	if s.fence == nil {
 		clear(s.src)
@@ -666,7 +822,7 @@ func (c *conn) readLocal(hdr []byte) error {
 	}
 	a.memMu.RLock()
 	var err error
-	s.dst, err = a.resolve(s.dst[:0], loc)
+	s.dst, err = a.targets(s.dst[:0], loc)
 	if err == nil {
 		err = copyPieces(s.dst, s.src)
 		if err == nil && s.withdrawn() {
@@ -689,7 +845,7 @@ func (c *conn) readLocal(hdr []byte) error {
 func (a *Agent) chunkLocked(addr uint64) *chunk {
 	for i := range a.mu.chunks {
 		c := &a.mu.chunks[i]
-		if addr >= c.base && addr-c.base < uint64(len(c.mem)) {
+		if addr >= c.base && addr-c.base < c.size {
 			return c
 		}
 	}

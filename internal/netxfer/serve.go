@@ -133,7 +133,7 @@ func (a *Agent) serve(raw net.Conn) {
 					}
 				}
 			}
-		case tFence, tChunk, tWriteLocal:
+		case tFence, tChunk, tChunkDev, tWriteLocal:
 			if ls == nil {
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], from)
 			} else {
@@ -167,6 +167,7 @@ type scratch struct {
 	tab    []byte
 	ranges []Region
 	bufs   [][]byte
+	tg     []target
 }
 
 const keepScratch = 1 << 16
@@ -175,6 +176,7 @@ const keepScratch = 1 << 16
 // keepScratch.
 func (sc *scratch) done() {
 	clear(sc.bufs)
+	clear(sc.tg)
 	if cap(sc.ranges) > keepScratch {
 		*sc = scratch{}
 	}
@@ -362,6 +364,15 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	}
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
+	if berr == nil && ls != nil {
+		// Same host: where the bytes are (host files or GPU memory), for
+		// the client to copy.
+		if sc.tg, berr = a.targets(sc.tg[:0], ranges); berr == nil {
+			if done, err := a.answerReadLocal(ls, w, id, part, ranges); done {
+				return err
+			}
+		}
+	}
 	var bufs [][]byte
 	if berr == nil {
 		bufs, berr = a.resolve(sc.bufs[:0], ranges)
@@ -376,12 +387,6 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 			return err
 		}
 		return w.Flush()
-	}
-	if ls != nil {
-		// Same host: where the bytes are, for the client to copy.
-		if done, err := a.answerReadLocal(ls, w, id, part, ranges); done {
-			return err
-		}
 	}
 	if err := answer(w, tReadResp, id, part, nil); err != nil {
 		return err

@@ -502,7 +502,7 @@ func (c *conn) read() {
 					a.finishPart(x, nil)
 				}
 			}
-		case tFence, tChunk, tReadLocal:
+		case tFence, tChunk, tChunkDev, tReadLocal:
 			switch {
 			case c.in == nil:
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], c.p.name)
