@@ -356,7 +356,8 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		allow = al.Check
 	}
 	serverCreds, clientCreds := sec.grpcCreds(advertise)
-	srv, err := server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
+	srv, err = server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
@@ -365,11 +366,12 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
 					Params: params, VRAM: vram, ProgressDelay: c.progressDelay(), AnyVersion: c.nixlAnyVersion})
 			}
-			if vram {
-				return nil, errors.New("GPU memory needs -backend=nixl")
+			if vram && c.noSameHost {
+				return nil, errors.New("GPU memory needs -backend=nixl, or the built-in backend's same-host path (without -no-same-host) between daemons of one host")
 			}
 			return tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
-				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log})
+				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log,
+				Devices: func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }})
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout

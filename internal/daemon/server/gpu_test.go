@@ -22,6 +22,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -143,7 +144,37 @@ func TestDaemonsGPU(t *testing.T) {
 			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
 		}
 	}
-	dp, dd := startDaemonWith(t, t.TempDir(), nixlBackend), startDaemonWith(t, t.TempDir(), nixlBackend)
+	daemonsGPU(t, startDaemonWith(t, t.TempDir(), nixlBackend), startDaemonWith(t, t.TempDir(), nixlBackend), "NIXL agents")
+}
+
+// TestDaemonsGPUSameHost: the same with the built-in backend's same-host
+// path: D's daemon imports P's engine's allocation (its CUDA IPC handle,
+// passed by P's daemon) and copies device to device. Needs a GPU; skips
+// otherwise.
+func TestDaemonsGPUSameHost(t *testing.T) {
+	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	builtin := func(srv **server.Server) func(*server.Config) {
+		return func(c *server.Config) {
+			c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
+				return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true,
+					Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }})
+			}
+		}
+	}
+	var ps, ds *server.Server
+	dp, dd := startDaemonWith(t, t.TempDir(), builtin(&ps)), startDaemonWith(t, t.TempDir(), builtin(&ds))
+	ps, ds = dp.srv, dd.srv
+	daemonsGPU(t, dp, dd, "built-in agents' same-host path")
+	if n := dd.srv.SameHostParts(); n == 0 {
+		t.Error("D's daemon copied no part on the same-host path")
+	}
+}
+
+// daemonsGPU pushes 8 blocks from a P engine's GPU KV cache into a D
+// engine's, through daemons dp and dd, and checks every byte of D's cache.
+func daemonsGPU(t *testing.T, dp, dd *daemon, how string) {
 	dump := filepath.Join(t.TempDir(), "d.bin")
 	pe, de := startGPUEngine(t, "P", ""), startGPUEngine(t, "D", dump)
 	defer pe.cmd.Wait()
@@ -222,7 +253,7 @@ func TestDaemonsGPU(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
 	}
-	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' NIXL agents, from and into engine processes' GPU memory imported through CUDA IPC")
+	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' %s, from and into engine processes' GPU memory imported through CUDA IPC", how)
 }
 
 // TestAttachGPUByUUID: an engine whose process sees only the last GPU (as

@@ -45,6 +45,41 @@ type FileMapper interface {
 	MapFile(base uint64, mem []byte, f *os.File, off int64) error
 }
 
+// IPCMapper is a Backend that adopts GPU memory by its CUDA IPC export
+// (the built-in backend: moved on the same-host path only).
+type IPCMapper interface {
+	MapIPC(base, size uint64, dev tcp.Device, uuid [16]byte, handle [64]byte) error
+}
+
+// cudaDevice is a CUDA device as the built-in backend uses it.
+type cudaDevice struct{ *cuda.Device }
+
+func (d cudaDevice) Import(h [64]byte) (uint64, error) { return d.Device.Import(cuda.Handle(h)) }
+
+// IPCDevice returns this process's device for the GPU of uuid (opened
+// once), for the built-in backend to import same-host peers' GPU memory
+// on.
+func (s *Server) IPCDevice(uuid [16]byte) (tcp.Device, error) {
+	s.gpuMu.Lock()
+	defer s.gpuMu.Unlock()
+	ordinal, ok := s.gpuUUIDs[uuid]
+	if !ok {
+		var err error
+		if ordinal, err = cuda.OrdinalOf(uuid); err != nil {
+			return nil, err
+		}
+		if s.gpuUUIDs == nil {
+			s.gpuUUIDs = map[[16]byte]int{}
+		}
+		s.gpuUUIDs[uuid] = ordinal
+	}
+	d, err := s.deviceLocked(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	return cudaDevice{d}, nil
+}
+
 // DeviceMapper is a Backend that also adopts GPU memory (NIXL).
 type DeviceMapper interface {
 	MapDevice(base, size uint64) error
@@ -740,10 +775,18 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	}
 	for i, m := range h.Memory {
 		var err error
-		if vram {
+		if im, ok := r.backend.(IPCMapper); ok && vram {
+			// The built-in backend: GPU memory moves on the same host only.
+			var u [16]byte
+			if u, err = r.gpu[i].dev.UUID(); err == nil {
+				var hd [64]byte
+				copy(hd[:], m.CudaIpcHandle)
+				err = im.MapIPC(real[i], m.Size, cudaDevice{r.gpu[i].dev}, u, hd)
+			}
+		} else if vram {
 			dm, ok := r.backend.(DeviceMapper)
 			if !ok {
-				return nil, stream.Invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl)")
+				return nil, stream.Invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl, or the built-in backend between daemons of one host)")
 			}
 			err = dm.MapDevice(real[i], m.Size)
 		} else if fm, ok := r.backend.(FileMapper); ok && r.mappings[i].File() != nil {

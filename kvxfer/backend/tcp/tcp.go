@@ -32,6 +32,9 @@ type Config struct {
 	// from memory adopted with MapFile is copied by the peer straight out
 	// of that memory's file (one copy, no socket payload); see netxfer.
 	DisableSameHost bool
+	// Devices returns this process's GPU of a UUID, on which a same-host
+	// peer's GPU memory (MapIPC) is imported and copied (nil: refused).
+	Devices func(uuid [16]byte) (Device, error)
 	// Auth authenticates the connections between agents (nil: none; the
 	// daemon always sets it, insecure only with -insecure-peers).
 	Auth *peerauth.Authenticator
@@ -57,7 +60,7 @@ var (
 // New starts a built-in backend agent.
 func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -78,6 +81,19 @@ func (n *Backend) Map(base uint64, mem []byte) error { return mapNetErr(n.a.Map(
 // directly (the backend keeps a read-only reopening of f).
 func (n *Backend) MapFile(base uint64, mem []byte, f *os.File, off int64) error {
 	return mapNetErr(n.a.MapFile(base, mem, f, off))
+}
+
+// Device is a GPU as the same-host path uses it (kvxferd: a CUDA device of
+// its process; addresses are device addresses, unified).
+type Device = netxfer.Device
+
+// MapIPC adopts GPU memory at base (its address in this process) of size
+// bytes: the allocation exported as handle (CUDA IPC) on the GPU of uuid.
+// It moves only to and from peers on this host (the same-host path: the
+// peer imports handle and copies with its GPU); a transfer to a peer on
+// another host fails, naming that limit.
+func (n *Backend) MapIPC(base, size uint64, dev Device, uuid [16]byte, handle [64]byte) error {
+	return mapNetErr(n.a.MapDevice(base, size, dev, uuid, handle))
 }
 
 // SameHostParts returns how many transfer parts (WRITEs from same-host
