@@ -325,8 +325,28 @@ func (s *localServer) close() {
 }
 
 // withdrawn reads the sender's fence, after the bytes it guards were
-// copied.
-func (s *localServer) withdrawn() bool { return fenceSet(s.fence) }
+// copied, and whether its process hung up meanwhile (killed: it could
+// set no fence, and its engine may reuse the memory once it notices).
+func (s *localServer) withdrawn() bool { return fenceSet(s.fence) || hungUp(s.c) }
+
+// hungUp reports whether the other end of c closed (or died), without
+// reading: the kernel reports it at once, whatever is still unread.
+func hungUp(c *net.UnixConn) bool {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return true
+	}
+	gone := false
+	if err := rc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+		if n, err := unix.Poll(p, 0); err == nil && n > 0 {
+			gone = p[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+		}
+	}); err != nil {
+		return true
+	}
+	return gone
+}
 
 // fenceSet reads a fence page after the bytes it guards were copied: a
 // read-modify-write, so that no load of the copy is ordered after it.
@@ -501,7 +521,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		}
 		berr = copyPieces(s.dst, s.src)
 		if berr == nil && s.withdrawn() {
-			berr = fmt.Errorf("%w: the sender withdrew its memory during the copy", ErrXferFailed)
+			berr = fmt.Errorf("%w: the sender withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
 		}
 		if berr == nil {
 			a.localParts.Add(1)
@@ -826,7 +846,7 @@ func (c *conn) readLocal(hdr []byte) error {
 	if err == nil {
 		err = copyPieces(s.dst, s.src)
 		if err == nil && s.withdrawn() {
-			err = fmt.Errorf("%w: the peer withdrew its memory during the copy", ErrXferFailed)
+			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
 		}
 	} else {
 		err = fmt.Errorf("%w: %w", ErrXferFailed, err)

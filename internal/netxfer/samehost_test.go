@@ -409,6 +409,27 @@ func TestSameHostFence(t *testing.T) {
 	}
 }
 
+// A sender that hung up (killed: no fence) after its frame was sent gets
+// nothing counted: the part fails and no notification is delivered.
+func TestSameHostSenderHungUp(t *testing.T) {
+	_, b, _, _ := localPair(t, 1<<16, Config{})
+	uc, r := rawLocal(t, b, false)
+	src, f := memFile(t, 1<<16)
+	fillRandom(src)
+	sendChunk(t, uc, 7, f, 1<<16)
+	sendWriteLocal(t, uc, 1, "done", [4]uint64{base + 4096, 4096, 7, 8192})
+	if err := uc.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	typ, msg, err := readAck(t, r)
+	if err != nil || typ != tAck || !strings.Contains(msg, "hung up") {
+		t.Fatalf("answer %d %q, %v; want the part failed, the sender gone", typ, msg, err)
+	}
+	if n := b.Drain(nil); len(n) != 0 {
+		t.Fatalf("notifications %+v from a sender that hung up", n)
+	}
+}
+
 // A peer naming memory it never passed, or beyond what it passed, loses
 // its connection; nothing is written.
 func TestSameHostBadReference(t *testing.T) {
