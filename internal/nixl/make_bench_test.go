@@ -16,6 +16,9 @@ type makeRig struct {
 	peer          string
 	src, dst      []byte
 	local, remote Prepped
+	// runLocal and runRemote are lists of makeEntries contiguous entries
+	// (the kind "runs": consecutive indices, which NIXL may merge).
+	runLocal, runRemote Prepped
 }
 
 const (
@@ -65,6 +68,15 @@ func newMakeRig(tb testing.TB) *makeRig {
 	if r.remote, err = r.a.Prepare(r.peer, re); err != nil {
 		tb.Fatal(err)
 	}
+	for i := range le {
+		le[i][0], re[i][0] = addr(r.src)+uint64(i)*makeLen, addr(r.dst)+uint64(i)*makeLen
+	}
+	if r.runLocal, err = r.a.Prepare("", le); err != nil {
+		tb.Fatal(err)
+	}
+	if r.runRemote, err = r.a.Prepare(r.peer, re); err != nil {
+		tb.Fatal(err)
+	}
 	return r
 }
 
@@ -81,10 +93,23 @@ func (r *makeRig) lists(n int) ([][3]uint64, [][2]int32) {
 }
 
 func (r *makeRig) make(kind string, ds [][3]uint64, ps [][2]int32, notif []byte) (Xfer, error) {
-	if kind == "onthefly" {
+	switch kind {
+	case "onthefly":
 		return r.a.Make(true, r.peer, ds, notif)
+	case "runs":
+		return r.a.MakePrepared(true, r.runLocal, r.runRemote, ps[:len(ps):len(ps)], notif)
 	}
 	return r.a.MakePrepared(true, r.local, r.remote, ps, notif)
+}
+
+// runPairs returns n consecutive index pairs from 0: one run of
+// contiguous entries in the "runs" lists.
+func runPairs(n int) [][2]int32 {
+	ps := make([][2]int32, n)
+	for i := range ps {
+		ps[i] = [2]int32{int32(i), int32(i)}
+	}
+	return ps
 }
 
 // wait waits out a posted transfer.
@@ -106,13 +131,18 @@ var makeSizes = []int{1, 16, 128, 1024, 4096, 16384}
 // then released untimed; never posted) by descriptor or index-pair count,
 // for NIXL's two request kinds: onthefly is create_xfer_req over fresh
 // descriptor lists (Agent.Make: what Agent.Post creates), prepared is
-// make_xfer_req over index pairs into prepared lists (Agent.MakePrepared).
+// make_xfer_req over index pairs into prepared lists (Agent.MakePrepared),
+// runs is prepared with consecutive pairs into lists of contiguous
+// entries (one run).
 func BenchmarkMake(b *testing.B) {
-	for _, kind := range []string{"onthefly", "prepared"} {
+	for _, kind := range []string{"onthefly", "prepared", "runs"} {
 		for _, n := range makeSizes {
 			b.Run(fmt.Sprintf("%s/n=%d", kind, n), func(b *testing.B) {
 				r := newMakeRig(b)
 				ds, ps := r.lists(n)
+				if kind == "runs" {
+					ps = runPairs(n)
+				}
 				notif := []byte("done:0123456789abcdef")
 				b.ReportAllocs()
 				for b.Loop() {
@@ -136,11 +166,14 @@ func BenchmarkMake(b *testing.B) {
 // post_xfer_req) of n 64-byte descriptors, made and, after the transfer,
 // released untimed.
 func BenchmarkStart(b *testing.B) {
-	for _, kind := range []string{"onthefly", "prepared"} {
+	for _, kind := range []string{"onthefly", "prepared", "runs"} {
 		for _, n := range makeSizes {
 			b.Run(fmt.Sprintf("%s/n=%d", kind, n), func(b *testing.B) {
 				r := newMakeRig(b)
 				ds, ps := r.lists(n)
+				if kind == "runs" {
+					ps = runPairs(n)
+				}
 				notif := []byte("done:0123456789abcdef")
 				b.ReportAllocs()
 				for b.Loop() {
