@@ -175,3 +175,34 @@ type PreparedPoster interface {
 	// ReleasePrepared releases a list.
 	ReleasePrepared(id PrepID) error
 }
+
+// PostCost models what one post costs its poster (request creation and
+// posting, not the bytes' flight), by kind: Fixed + PerDesc per
+// descriptor for an on-the-fly post of a coalesced list (Backend.Post),
+// PreparedFixed + PerPair per index pair for a prepared one
+// (PreparedPoster.PostPrepared). A prepared post names every unit's
+// segment (hotpath.Builder.AppendIndices), an on-the-fly one only the
+// coalesced runs (hotpath.Builder.AppendDescs), so which is cheaper
+// depends on the request: scattered blocks coalesce little and favour
+// the prepared kind's cheaper entries; long runs favour the fewer
+// descriptors of the on-the-fly kind.
+type PostCost struct {
+	Fixed, PerDesc         time.Duration
+	PreparedFixed, PerPair time.Duration
+}
+
+// Prepared reports whether a prepared post of pairs index pairs costs no
+// more than an on-the-fly post of descs descriptors.
+func (c PostCost) Prepared(descs, pairs int) bool {
+	return c.PreparedFixed+c.PerPair*time.Duration(pairs) <= c.Fixed+c.PerDesc*time.Duration(descs)
+}
+
+// PostCoster is implemented by PreparedPosters that model the cost of
+// their two kinds of post. With WorkerConfig.Prepared set, a Worker over
+// one builds both a request's index pairs and its coalesced descriptors
+// and posts the kind PostCost says is cheaper; over a PreparedPoster
+// without it, every post is prepared. PostCost is asked once, when the
+// Worker starts.
+type PostCoster interface {
+	PostCost() PostCost
+}

@@ -73,10 +73,10 @@ func startNetEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e k
 // startNixlEngine runs an engine's ranks on NIXL (UCX), with the ranks'
 // layouts at the real addresses of their memory; it skips when NIXL is
 // not available.
-func startNixlEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+func startNixlEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, cost kvxfer.PostCost, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Params: kvxfertest.NixlParams()})
+		b, err := nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Params: kvxfertest.NixlParams(), PostCost: cost})
 		if errors.Is(err, nixl.ErrUnavailable) {
 			t.Skipf("NIXL is not available here: %v", err)
 		}

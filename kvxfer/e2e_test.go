@@ -25,6 +25,10 @@ type e2eCase struct {
 	tcp       bool // the built-in backend over loopback TCP, in real time
 	nixl      bool // NIXL (UCX), in real time
 	prepared  bool // NIXL with prepared descriptor lists (indices only per transfer)
+	// post, with prepared: which posts the NIXL backend's cost model
+	// (kvxfer.PostCoster) picks: "model" its default, per request;
+	// "prepared" or "onthefly" every one.
+	post string
 }
 
 func e2eEngine(id, tp, pp, logical, kernel int) kvsim.Engine {
@@ -83,16 +87,29 @@ func TestEndToEndTCP(t *testing.T) {
 }
 
 // TestEndToEndNixl runs the transfers through NIXL (UCX) when it is
-// installed (pip install nixl-cu12); it skips otherwise.
+// installed (pip install nixl-cu12); it skips otherwise. With prepared
+// lists, the backend's cost model picks each request's kind of post;
+// models that always pick one kind check that both move the right bytes.
 func TestEndToEndNixl(t *testing.T) {
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-		for _, prepared := range []bool{false, true} {
+		for _, post := range []string{"plain", "model", "prepared", "onthefly"} {
 			for _, c := range e2eCases() {
-				c.nixl, c.prepared = true, prepared
-				t.Run(fmt.Sprintf("%v/prepared=%v/%s", mode, prepared, c.name), func(t *testing.T) { runE2E(t, c, mode) })
+				c.nixl, c.prepared, c.post = true, post != "plain", post
+				t.Run(fmt.Sprintf("%v/%s/%s", mode, post, c.name), func(t *testing.T) { runE2E(t, c, mode) })
 			}
 		}
 	}
+}
+
+// e2ePostCost is the NIXL backends' post cost model for a case's post.
+func e2ePostCost(post string) kvxfer.PostCost {
+	switch post {
+	case "prepared":
+		return kvxfer.PostCost{Fixed: time.Hour}
+	case "onthefly":
+		return kvxfer.PostCost{PreparedFixed: time.Hour}
+	}
+	return kvxfer.PostCost{}
 }
 
 func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
@@ -102,8 +119,8 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	var p, d *simEngine
 	if c.nixl {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
-		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise, cfg.Prepared = c.layerwise, c.prepared })
-		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Prepared = c.prepared })
+		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, e2ePostCost(c.post), func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise, cfg.Prepared = c.layerwise, c.prepared })
+		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, e2ePostCost(c.post), func(cfg *kvxfer.WorkerConfig) { cfg.Prepared = c.prepared })
 	} else if c.tcp {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		p = startNetEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
@@ -213,13 +230,16 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 			}
 		}
 	}
-	if c.prepared {
+	if c.prepared && c.post != "model" {
 		n := 0
 		for _, be := range append(slices.Clone(p.backends), d.backends...) {
 			n += be.(*nixl.Backend).PreparedLists()
 		}
-		if n == 0 {
-			t.Error("prepared=true, yet no prepared list was made")
+		if c.post == "prepared" && n == 0 {
+			t.Error("every post prepared, yet no prepared list was made")
+		}
+		if c.post == "onthefly" && n != 0 {
+			t.Errorf("every post on the fly, yet %d prepared lists were made", n)
 		}
 	}
 	// Each D rank hears one completion notice per producer rank: a second

@@ -26,6 +26,11 @@ type loopState struct {
 	// prepare: transfers go through prepared lists (WorkerConfig.Prepared
 	// and a PreparedPoster backend).
 	prepare bool
+	// cost is the backend's model of its two kinds of post (PostCoster),
+	// when costed: with prepare, each request takes the cheaper kind;
+	// without a model every post is prepared.
+	cost   PostCost
+	costed bool
 	// fx is what the core asks the driver to do once it has handled an
 	// input: the core calls no backend to start or end anything.
 	fx effects

@@ -274,14 +274,14 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
 	if st.prepare {
-		id, n, err := st.postPrepared(e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
+		id, n, bytes, err := st.postPrepared(e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)
 		if err != nil {
 			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
 			st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
 			return
 		}
 		r.handles[id] = to
-		st.handles[id] = &handle{id: id, posted: st.now, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
 	from := len(st.fx.descs)

@@ -431,7 +431,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	}
 	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
 	if st.prepare && !layerwise {
-		id, n, err := st.postPrepared(e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
+		id, n, bytes, err := st.postPrepared(e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
 		if err != nil {
 			if errors.Is(err, hotpath.ErrInvalidRequest) {
 				st.w.metrics.BadInput("reg.spans")
@@ -444,7 +444,7 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		}
 		r.state = rkPosted
 		r.inflight++
-		st.handles[id] = &handle{id: id, posted: st.now, descs: n, blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
 		return
 	}
 	from := len(st.fx.descs)
@@ -993,17 +993,33 @@ func (st *loopState) pullExpect(s *sendReq) int {
 	return len(t)
 }
 
-// postPrepared posts a request's transfer through prepared lists (built
-// once per plan): only index pairs cross to the backend.
-func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, error) {
+// postPrepared posts a request's transfer to peer rank `to` on the
+// prepared path: through prepared lists (built once per plan), so that
+// only index pairs cross to the backend; or, where the backend models
+// its costs (PostCoster) and says a coalesced descriptor list posts for
+// less, on the fly. It returns the transfer, how many descriptors or
+// pairs it names, and its bytes (0 when prepared: not summed).
+func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, int64, error) {
 	var err error
 	st.idxBuf, err = st.w.builder.AppendIndices(st.idxBuf[:0], p, req)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
+	}
+	if st.costed {
+		from := len(st.fx.descs)
+		st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, req)
+		if err != nil {
+			st.fx.descs = st.fx.descs[:from]
+			return 0, 0, 0, err
+		}
+		if descs := st.fx.descs[from:]; !st.cost.Prepared(len(descs), len(st.idxBuf)) {
+			return st.postOp(opFor(st.cfg.Mode), e.peers[to], from, notif), len(descs), descBytes(descs), nil
+		}
+		st.fx.descs = st.fx.descs[:from]
 	}
 	pr, err := st.prepared(e, key, p, to)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
-	return st.postPreparedOp(opFor(st.cfg.Mode), pr.local, pr.remote, st.idxBuf, notif), len(st.idxBuf), nil
+	return st.postPreparedOp(opFor(st.cfg.Mode), pr.local, pr.remote, st.idxBuf, notif), len(st.idxBuf), 0, nil
 }

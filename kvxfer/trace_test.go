@@ -31,7 +31,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 // Commands (one per case, then "----" and the expected output, then a
 // blank line):
 //
-//	core mode=push|pull engine=D tp=0/1        a fresh core
+//	core mode=push|pull engine=D tp=0/1 [prepared=always|model]   a fresh core; prepared: posts go through prepared lists, always or where traceCost says they cost less
 //	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N]
 //	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
 //	step abort=ID [tid=T]                      the engine aborted a producer request
@@ -160,6 +160,11 @@ func newTestCore(t testing.TB, engine string, mode Mode, l topology.Layout, now 
 	return &w.st
 }
 
+// traceCost is the post cost model of prepared=model cores: a pair costs
+// half a descriptor, so a prepared post wins unless coalescing more than
+// halves the count.
+var traceCost = PostCost{Fixed: time.Microsecond, PerDesc: 2 * time.Microsecond, PreparedFixed: time.Microsecond, PerPair: time.Microsecond}
+
 // panicBackend is the core's backend in the traces: the core must never
 // call it.
 type panicBackend struct{ Backend }
@@ -213,6 +218,12 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 			mode = ModePull
 		}
 		tc.st, tc.engine = newTestCore(t, a["engine"], mode, traceLayout(r, n, 1<<20), tc.now), a["engine"]
+		switch a["prepared"] {
+		case "always":
+			tc.st.prepare = true
+		case "model":
+			tc.st.prepare, tc.st.cost, tc.st.costed = true, traceCost, true
+		}
 		return "ok"
 	case "step":
 		meta := &StepMeta{SchedulerClock: tc.now}
@@ -379,7 +390,19 @@ func (tc *traceCore) describe(o *op) string {
 	switch o.kind {
 	case opNotify:
 		return "notify " + string(o.peer) + " " + describeMsg(o.msg)
-	case opPost, opPostPrepared:
+	case opPrepare:
+		return fmt.Sprintf("prepare list %d of %q: %d entries", o.prep, o.peer, len(o.entries))
+	case opPostPrepared:
+		verb := "write"
+		if o.xop == hotpath.OpRead {
+			verb = "read"
+		}
+		s := fmt.Sprintf("post #%d %s prepared %d and %d: %d pairs", o.id, verb, o.local, o.remote, o.to-o.from)
+		if o.msg != nil {
+			s += ", then " + describeMsg(o.msg)
+		}
+		return s
+	case opPost:
 		verb := "write"
 		if o.xop == hotpath.OpRead {
 			verb = "read"

@@ -83,8 +83,10 @@ type WorkerConfig struct {
 	LayerOf func(region int) int
 	// Prepared posts through prepared descriptor lists when the backend
 	// has them (PreparedPoster, NIXL): the lists of each peer rank pair
-	// are handed over once, and a transfer passes only indices. Layer-wise
-	// WRITEs keep the plain path.
+	// are handed over once, and a transfer passes only indices. Where the
+	// backend models its post costs (PostCoster), each request goes the
+	// cheaper way: prepared, or on the fly with its coalesced
+	// descriptors. Layer-wise WRITEs keep the plain path.
 	Prepared bool
 	// OpenDataPlane turns off the data-plane grants (see Guarded): by
 	// default, on a backend that enforces them, a peer may WRITE only into
@@ -297,6 +299,9 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	w.st.init(w)
 	_, canPrepare := w.be.(PreparedPoster)
 	w.st.prepare = canPrepare && cfg.Prepared
+	if pc, ok := w.be.(PostCoster); ok && w.st.prepare {
+		w.st.cost, w.st.costed = pc.PostCost(), true
+	}
 	w.st.now = time.Now()
 	for _, p := range cfg.Preconnect {
 		w.st.ensureEngine(p.EngineID, p.Addr)

@@ -141,9 +141,9 @@ static st_t kx_reg(h_t agent, h_t backend, int mem, const uint64_t *d, size_t n,
 	return s;
 }
 
-// kx_post creates and posts one transfer of n (local, remote, len) triples:
-// one C call per transfer.
-static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
+// kx_make creates (does not post) one transfer of n (local, remote, len)
+// triples: create_xfer_req over two fresh descriptor lists.
+static st_t kx_make(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
 		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
 	h_t l = NULL, r = NULL, opt = NULL;
 	st_t s = kx.create_xfer_dlist(mem, &l);
@@ -159,14 +159,26 @@ static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint
 		if (s == 0) s = kx.opt_args_set_notif_msg(opt, notif, nlen);
 	}
 	if (s == 0) s = kx.create_xfer_req(agent, op, l, r, remote, req, opt);
-	if (s == 0) {
-		s = kx.post_xfer_req(agent, *req, NULL);
-		if (s == KX_IN_PROG) s = 0;
-		if (s != 0) { kx.release_xfer_req(agent, *req); kx.destroy_xfer_req(*req); *req = NULL; }
-	}
 	if (opt) kx.destroy_opt_args(opt);
 	if (l) kx.destroy_xfer_dlist(l);
 	if (r) kx.destroy_xfer_dlist(r);
+	return s;
+}
+
+// kx_start posts a created transfer; on failure it frees it.
+static st_t kx_start(h_t agent, h_t *req) {
+	st_t s = kx.post_xfer_req(agent, *req, NULL);
+	if (s == KX_IN_PROG) s = 0;
+	if (s != 0) { kx.release_xfer_req(agent, *req); kx.destroy_xfer_req(*req); *req = NULL; }
+	return s;
+}
+
+// kx_post creates and posts one transfer of n (local, remote, len) triples:
+// one C call per transfer.
+static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
+		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
+	st_t s = kx_make(agent, backend, op, mem, ldev, rdev, d, n, remote, notif, nlen, has_notif, req);
+	if (s == 0) s = kx_start(agent, req);
 	return s;
 }
 
@@ -189,9 +201,9 @@ static st_t kx_prep(h_t agent, h_t backend, int mem, const char *peer, const uin
 
 static st_t kx_unprep(h_t agent, h_t h) { return kx.release_xfer_dlist_handle(agent, h); }
 
-// kx_post_prepped makes and posts a transfer of n index pairs between two
-// prepared lists: one C call per transfer.
-static st_t kx_post_prepped(h_t agent, h_t backend, int op, h_t lh, const int *li, h_t rh, const int *ri, size_t n,
+// kx_make_prepped makes (does not post) a transfer of n index pairs
+// between two prepared lists: make_xfer_req.
+static st_t kx_make_prepped(h_t agent, h_t backend, int op, h_t lh, const int *li, h_t rh, const int *ri, size_t n,
 		const void *notif, size_t nlen, bool has_notif, h_t *req) {
 	h_t opt = NULL;
 	st_t s = kx.create_opt_args(&opt);
@@ -201,14 +213,19 @@ static st_t kx_post_prepped(h_t agent, h_t backend, int op, h_t lh, const int *l
 		if (s == 0) s = kx.opt_args_set_notif_msg(opt, notif, nlen);
 	}
 	if (s == 0) s = kx.make_xfer_req(agent, op, lh, li, n, rh, ri, n, req, opt);
-	if (s == 0) {
-		s = kx.post_xfer_req(agent, *req, NULL);
-		if (s == KX_IN_PROG) s = 0;
-		if (s != 0) { kx.release_xfer_req(agent, *req); kx.destroy_xfer_req(*req); *req = NULL; }
-	}
 	if (opt) kx.destroy_opt_args(opt);
 	return s;
 }
+
+// kx_post_prepped makes and posts a transfer of n index pairs between two
+// prepared lists: one C call per transfer.
+static st_t kx_post_prepped(h_t agent, h_t backend, int op, h_t lh, const int *li, h_t rh, const int *ri, size_t n,
+		const void *notif, size_t nlen, bool has_notif, h_t *req) {
+	st_t s = kx_make_prepped(agent, backend, op, lh, li, rh, ri, n, notif, nlen, has_notif, req);
+	if (s == 0) s = kx_start(agent, req);
+	return s;
+}
+
 static st_t kx_telemetry_get(h_t agent, h_t req, kx_telemetry *t) {
 	if (!kx.get_xfer_telemetry) return -5;
 	return kx.get_xfer_telemetry(agent, req, t);
@@ -477,6 +494,17 @@ type Xfer struct{ h C.h_t }
 // Post creates and posts one transfer of (local, remote, len) triples in
 // one C call; notif (when not nil) reaches the peer after the bytes.
 func (a *Agent) Post(write bool, peer string, descs [][3]uint64, notif []byte) (Xfer, error) {
+	return a.post(write, peer, descs, notif, true)
+}
+
+// Make creates the transfer Post would (NIXL's create_xfer_req) without
+// posting it: Start posts it, Release frees it. Post's two halves apart,
+// for measuring them (BenchmarkMake).
+func (a *Agent) Make(write bool, peer string, descs [][3]uint64, notif []byte) (Xfer, error) {
+	return a.post(write, peer, descs, notif, false)
+}
+
+func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, start bool) (Xfer, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
@@ -496,9 +524,25 @@ func (a *Agent) Post(write bool, peer string, descs [][3]uint64, notif []byte) (
 		op = 1
 	}
 	var req C.h_t
+	if !start {
+		err := status("make transfer", C.kx_make(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+		return Xfer{req}, err
+	}
 	err := status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
 		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 	return Xfer{req}, err
+}
+
+// Start posts a transfer made by Make or MakePrepared. On failure the
+// transfer is freed: do not Release it.
+func (a *Agent) Start(x Xfer) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return ErrClosed
+	}
+	return status("post transfer", C.kx_start(a.agent, &x.h))
 }
 
 // State polls a transfer: done, in progress, or an error with NIXL's
@@ -574,6 +618,16 @@ func (a *Agent) Unprepare(p Prepped) error {
 // PostPrepared posts a transfer of index pairs between a local and a
 // remote prepared list, in one C call.
 func (a *Agent) PostPrepared(write bool, local, remote Prepped, pairs [][2]int32, notif []byte) (Xfer, error) {
+	return a.postPrepared(write, local, remote, pairs, notif, true)
+}
+
+// MakePrepared makes the transfer PostPrepared would (NIXL's
+// make_xfer_req) without posting it: Start posts it, Release frees it.
+func (a *Agent) MakePrepared(write bool, local, remote Prepped, pairs [][2]int32, notif []byte) (Xfer, error) {
+	return a.postPrepared(write, local, remote, pairs, notif, false)
+}
+
+func (a *Agent) postPrepared(write bool, local, remote Prepped, pairs [][2]int32, notif []byte, start bool) (Xfer, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
@@ -598,6 +652,11 @@ func (a *Agent) PostPrepared(write bool, local, remote Prepped, pairs [][2]int32
 		op = 1
 	}
 	var req C.h_t
+	if !start {
+		err := status("make prepared transfer", C.kx_make_prepped(a.agent, a.backend, op, local.h, li, remote.h, ri, C.size_t(n),
+			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+		return Xfer{req}, err
+	}
 	err := status("post prepared transfer", C.kx_post_prepped(a.agent, a.backend, op, local.h, li, remote.h, ri, C.size_t(n),
 		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 	return Xfer{req}, err

@@ -44,6 +44,11 @@ func (a *Agent) Unprepare(Prepped) error                      { return nil }
 func (a *Agent) PostPrepared(bool, Prepped, Prepped, [][2]int32, []byte) (Xfer, error) {
 	return Xfer{}, ErrUnavailable
 }
+func (a *Agent) MakePrepared(bool, Prepped, Prepped, [][2]int32, []byte) (Xfer, error) {
+	return Xfer{}, ErrUnavailable
+}
+func (a *Agent) Make(bool, string, [][3]uint64, []byte) (Xfer, error) { return Xfer{}, ErrUnavailable }
+func (a *Agent) Start(Xfer) error                                     { return ErrUnavailable }
 
 // Open reports ErrUnavailable without cgo.
 func Open(name, plugin string, params map[string]string) (*Agent, error) { return nil, ErrUnavailable }

@@ -35,6 +35,12 @@ type Config struct {
 	// the lowest latency where cores are to spare, but a whole core per
 	// agent even when idle.
 	ProgressDelay time.Duration
+	// PostCost is the model by which a Worker with WorkerConfig.Prepared
+	// picks, per request, a prepared or an on-the-fly post
+	// (kvxfer.PostCoster); zero means DefaultPostCost. Set it where the
+	// transport's cost per posted descriptor differs from UCX's over host
+	// memory (RDMA, NVLink): see DefaultPostCost.
+	PostCost kvxfer.PostCost
 	// AnyVersion opens a NIXL library whose version is not one whose C
 	// API this build declares (capi.SupportedVersions), or cannot be
 	// told: undefined behaviour where the C API differs.
@@ -414,6 +420,33 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
+
+// DefaultPostCost is what a post cost through NIXL 1.5.1 (nixl-cu12) and
+// UCX between host-memory agents (UCX's cma transport: a system call per
+// descriptor) on the development machine (2 cores of an AMD EPYC;
+// bench/results/nixl-prepared.md). Request creation (internal/nixl's
+// BenchmarkMake): create_xfer_req about 3 µs + 40 ns per descriptor,
+// make_xfer_req about 1.3 µs + 20.5 ns per index pair. Posting
+// (BenchmarkStart): about 20 µs + 2 µs per descriptor either way,
+// which dominates: here a prepared post wins only where coalescing
+// saves (almost) nothing, as with scattered blocks.
+var DefaultPostCost = kvxfer.PostCost{
+	Fixed:         23 * time.Microsecond,
+	PerDesc:       2040 * time.Nanosecond,
+	PreparedFixed: 21300 * time.Nanosecond,
+	PerPair:       2020 * time.Nanosecond,
+}
+
+// PostCost implements kvxfer.PostCoster: Config.PostCost, or
+// DefaultPostCost.
+func (n *Backend) PostCost() kvxfer.PostCost {
+	if n.cfg.PostCost == (kvxfer.PostCost{}) {
+		return DefaultPostCost
+	}
+	return n.cfg.PostCost
+}
+
+var _ kvxfer.PostCoster = (*Backend)(nil)
 
 // PreparedLists returns how many prepared lists the backend holds.
 func (n *Backend) PreparedLists() int {
