@@ -274,37 +274,129 @@ func (a *spanArena) spans(f field, ps []*pb.Span) ([]topology.Span, error) {
 func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta {
 	p := &pb.StepMeta{Step: m.Step, SchedulerClockUnixNanos: timeTo(m.SchedulerClock), NotProcessed: m.NotProcessed,
 		NotProcessedTransferIds: m.NotProcessedTransferIDs}
+	// One allocation per kind of message for the whole step, not one per
+	// request: the messages, their pointers, the spans and the block ids
+	// each come out of one slice sized first.
+	var a protoArena
 	for _, r := range m.Recv {
-		p.Recv = append(p.Recv, &pb.RecvRequest{RequestId: r.ReqID, TransferId: r.TransferID, Local: spansToProto(r.Local), Aborted: r.Aborted,
-			DeadlineUnixNanos: timeTo(r.Deadline),
-			Remote: &pb.RemoteRef{EngineId: r.Remote.EngineID, Addr: r.Remote.Addr, RequestId: r.Remote.ReqID, TpSize: int32(r.Remote.TPSize),
-				PpSize: int32(r.Remote.PPSize), Blocks: spansToProto(r.Remote.Blocks), Tokens: int64(r.Remote.Tokens), ExpiryUnixNanos: timeTo(r.Remote.Expiry)}})
+		a.count(r.Local)
+		a.count(r.Remote.Blocks)
 	}
-	conv := func(in []kvxfer.SendReq) []*pb.SendRequest {
-		var out []*pb.SendRequest
-		for _, s := range in {
-			out = append(out, &pb.SendRequest{RequestId: s.ReqID, TransferId: s.TransferID, DeadlineUnixNanos: timeTo(s.Deadline), Blocks: spansToProto(s.Blocks), Tokens: int64(s.Tokens)})
+	for _, s := range m.Send {
+		a.count(s.Blocks)
+	}
+	for _, s := range m.Prefill {
+		a.count(s.Blocks)
+	}
+	a.alloc()
+	if n := len(m.Recv); n > 0 {
+		recvs, remotes := make([]pb.RecvRequest, n), make([]pb.RemoteRef, n)
+		p.Recv = make([]*pb.RecvRequest, n)
+		for i := range m.Recv {
+			r := &m.Recv[i]
+			rm := &remotes[i]
+			rm.EngineId, rm.Addr, rm.RequestId = r.Remote.EngineID, r.Remote.Addr, r.Remote.ReqID
+			rm.TpSize, rm.PpSize, rm.Tokens, rm.ExpiryUnixNanos = int32(r.Remote.TPSize), int32(r.Remote.PPSize), int64(r.Remote.Tokens), timeTo(r.Remote.Expiry)
+			rm.Blocks = a.spans(r.Remote.Blocks)
+			q := &recvs[i]
+			q.RequestId, q.TransferId, q.Aborted, q.DeadlineUnixNanos = r.ReqID, r.TransferID, r.Aborted, timeTo(r.Deadline)
+			q.Local, q.Remote = a.spans(r.Local), rm
+			p.Recv[i] = q
 		}
-		return out
 	}
-	p.Send, p.Prefill = conv(m.Send), conv(m.Prefill)
+	if n := len(m.Send) + len(m.Prefill); n > 0 {
+		sends, ptrs := make([]pb.SendRequest, n), make([]*pb.SendRequest, n)
+		k := 0
+		conv := func(in []kvxfer.SendReq) []*pb.SendRequest {
+			if len(in) == 0 {
+				return nil
+			}
+			from := k
+			for i := range in {
+				s := &in[i]
+				q := &sends[k]
+				q.RequestId, q.TransferId, q.DeadlineUnixNanos, q.Tokens = s.ReqID, s.TransferID, timeTo(s.Deadline), int64(s.Tokens)
+				q.Blocks = a.spans(s.Blocks)
+				ptrs[k] = q
+				k++
+			}
+			return ptrs[from:k:k]
+		}
+		p.Send, p.Prefill = conv(m.Send), conv(m.Prefill)
+	}
 	return p
 }
 
-// FinishedToProto converts a rank's finished sets.
+// protoArena hands out a message's spans and block ids from slices sized
+// once (count every list, alloc, then spans for each list in turn).
+type protoArena struct {
+	nspans, nids int
+	spanv        []pb.Span
+	ptrs         []*pb.Span
+	ids          []int32
+}
+
+func (a *protoArena) count(ss []topology.Span) {
+	a.nspans += len(ss)
+	for _, s := range ss {
+		a.nids += len(s.IDs)
+	}
+}
+
+func (a *protoArena) alloc() {
+	a.spanv, a.ptrs, a.ids = make([]pb.Span, a.nspans), make([]*pb.Span, a.nspans), make([]int32, 0, a.nids)
+}
+
+// spans converts ss into the arena: each list of ids capped, so that
+// appending to one never reaches the next.
+func (a *protoArena) spans(ss []topology.Span) []*pb.Span {
+	if len(ss) == 0 {
+		return nil
+	}
+	out := a.ptrs[:len(ss):len(ss)]
+	a.ptrs = a.ptrs[len(ss):]
+	for i, s := range ss {
+		from := len(a.ids)
+		for _, b := range s.IDs {
+			a.ids = append(a.ids, int32(b))
+		}
+		sp := &a.spanv[i]
+		sp.Start, sp.BlockIds = int64(s.Start), a.ids[from:len(a.ids):len(a.ids)]
+		out[i] = sp
+	}
+	a.spanv = a.spanv[len(ss):]
+	return out
+}
+
+// FinishedToProto converts a rank's finished sets: a few allocations per
+// set, none per outcome.
 func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
 	p := &pb.Finished{}
-	conv := func(os []kvxfer.Outcome) []*pb.Outcome {
-		var out []*pb.Outcome
-		for _, o := range os {
-			out = append(out, &pb.Outcome{RequestId: o.ReqID, Result: pb.Outcome_Result(o.Result), Reason: o.Reason,
-				FailureKind: pb.FailureKind(o.Kind)})
+	n := len(f.Sending) + len(f.Recving)
+	if n > 0 {
+		msgs, ptrs := make([]pb.Outcome, n), make([]*pb.Outcome, n)
+		k := 0
+		conv := func(os []kvxfer.Outcome) []*pb.Outcome {
+			if len(os) == 0 {
+				return nil
+			}
+			from := k
+			for i := range os {
+				o := &os[i]
+				m := &msgs[k]
+				m.RequestId, m.Result, m.Reason, m.FailureKind = o.ReqID, pb.Outcome_Result(o.Result), o.Reason, pb.FailureKind(o.Kind)
+				ptrs[k] = m
+				k++
+			}
+			return ptrs[from:k:k]
 		}
-		return out
+		p.Sending, p.Recving = conv(f.Sending), conv(f.Recving)
 	}
-	p.Sending, p.Recving = conv(f.Sending), conv(f.Recving)
-	for _, b := range f.InvalidBlocks {
-		p.InvalidBlockIds = append(p.InvalidBlockIds, int32(b))
+	if len(f.InvalidBlocks) > 0 {
+		p.InvalidBlockIds = make([]int32, len(f.InvalidBlocks))
+		for i, b := range f.InvalidBlocks {
+			p.InvalidBlockIds[i] = int32(b)
+		}
 	}
 	return p
 }
@@ -313,7 +405,10 @@ func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
 func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
 	var f kvxfer.Finished
 	conv := func(name string, ps []*pb.Outcome) ([]kvxfer.Outcome, error) {
-		var out []kvxfer.Outcome
+		if len(ps) == 0 {
+			return nil, nil
+		}
+		out := make([]kvxfer.Outcome, 0, len(ps))
 		for i, o := range ps {
 			if o == nil || o.Result < 1 || o.Result > 4 {
 				return nil, Invalid("finished.%s[%d].result unknown", name, i)
@@ -333,8 +428,11 @@ func FinishedFromProto(p *pb.Finished) (kvxfer.Finished, error) {
 	if f.Recving, err = conv("recving", p.GetRecving()); err != nil {
 		return f, err
 	}
-	for _, b := range p.GetInvalidBlockIds() {
-		f.InvalidBlocks = append(f.InvalidBlocks, topology.BlockID(b))
+	if ids := p.GetInvalidBlockIds(); len(ids) > 0 {
+		f.InvalidBlocks = make([]topology.BlockID, len(ids))
+		for i, b := range ids {
+			f.InvalidBlocks[i] = topology.BlockID(b)
+		}
 	}
 	return f, nil
 }

@@ -92,3 +92,82 @@ func TestStepConversion(t *testing.T) {
 		}
 	}
 }
+
+// benchFinished is a rank's finished sets of n outcomes a side (a
+// quarter failed with a reason) and a few invalid blocks.
+func benchFinished(n int) *kvxfer.Finished {
+	f := &kvxfer.Finished{InvalidBlocks: []topology.BlockID{3, 4, 5}}
+	for i := range n {
+		o := kvxfer.Outcome{ReqID: fmt.Sprintf("r-%d", i), Result: kvxfer.ResultDone}
+		if i%4 == 0 {
+			o.Result, o.Reason, o.Kind = kvxfer.ResultFailed, "peer gone", kvxfer.FailurePeerGone
+		}
+		f.Sending = append(f.Sending, o)
+		f.Recving = append(f.Recving, o)
+	}
+	return f
+}
+
+// conversions are the stream's per-step conversions, each over a step
+// or finished set of n requests a side.
+func conversions(n int) map[string]func() {
+	p := benchStep(n)
+	m, _ := stream.StepFromProto(p)
+	f := benchFinished(n)
+	fp := stream.FinishedToProto(f)
+	return map[string]func(){
+		"StepFromProto":     func() { _, _ = stream.StepFromProto(p) },
+		"StepToProto":       func() { _ = stream.StepToProto(m) },
+		"FinishedToProto":   func() { _ = stream.FinishedToProto(f) },
+		"FinishedFromProto": func() { _, _ = stream.FinishedFromProto(fp) },
+	}
+}
+
+// BenchmarkConversions: the client's step encoding (StepToProto), the
+// daemon's finished sets (FinishedToProto) and the client's decoding of
+// them (FinishedFromProto), at 16 and 256 requests a side.
+func BenchmarkConversions(b *testing.B) {
+	for _, n := range []int{16, 256} {
+		for name, f := range conversions(n) {
+			b.Run(fmt.Sprintf("%s/%d", name, n), func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					f()
+				}
+				b.ReportMetric(testing.AllocsPerRun(10, f)/float64(2*n), "allocs/request")
+			})
+		}
+	}
+}
+
+// TestConversionsZeroAllocsPerRequest: every per-step conversion
+// allocates the same at 256 requests a side as at 16 (per step, never per
+// request), and a handful of times at most.
+func TestConversionsZeroAllocsPerRequest(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are not meaningful under -race")
+	}
+	small, large := conversions(16), conversions(256)
+	for name := range small {
+		a16, a256 := testing.AllocsPerRun(20, small[name]), testing.AllocsPerRun(20, large[name])
+		if a256 != a16 || a256 > 12 {
+			t.Errorf("%s: %v allocations at 16 requests a side, %v at 256; want the same, at most 12", name, a16, a256)
+		}
+	}
+}
+
+// Finished sets survive the round trip through kvxfer.v1.
+func TestFinishedConversion(t *testing.T) {
+	f := benchFinished(5)
+	back, err := stream.FinishedFromProto(stream.FinishedToProto(f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(back) != fmt.Sprint(*f) {
+		t.Fatalf("round trip changed the sets:\n%v\n%v", back, *f)
+	}
+	empty, err := stream.FinishedFromProto(stream.FinishedToProto(&kvxfer.Finished{}))
+	if err != nil || empty.Sending != nil || empty.Recving != nil || empty.InvalidBlocks != nil {
+		t.Fatalf("empty sets: %+v, %v", empty, err)
+	}
+}
