@@ -44,12 +44,12 @@ type daemon struct {
 	peerAddr string
 }
 
-func startDaemon(t *testing.T, shmDir string) *daemon {
+func startDaemon(t testing.TB, shmDir string) *daemon {
 	t.Helper()
 	return startDaemonWith(t, shmDir, nil)
 }
 
-func startDaemonWith(t *testing.T, shmDir string, tweak func(*server.Config)) *daemon {
+func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *daemon {
 	t.Helper()
 	pl, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -99,7 +99,7 @@ type engine struct {
 	client  *stream.Client
 }
 
-func attach(t *testing.T, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
+func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
 	t.Helper()
 	ranks, err := kvsim.Build(m, &e)
 	if err != nil {
