@@ -34,6 +34,8 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
@@ -46,6 +48,10 @@ const (
 	block    = 16
 	blockLen = 2 * 2 * block * 128 * 2 // K and V, 2 of 8 heads at TP4, bf16
 )
+
+// hugepages advises the pools to use transparent huge pages, as numpy
+// does the reference's.
+var hugepages = flag.Bool("hugepages", true, "advise the pools to use transparent huge pages, as numpy does the reference's")
 
 func main() {
 	rounds := flag.Int("rounds", 10, "rounds, each side once per round")
@@ -67,7 +73,10 @@ type side struct {
 }
 
 func newSide(name string, nb int) (*side, error) {
-	mem := make([]byte, layers*nb*blockLen)
+	mem, err := poolMemory(layers * nb * blockLen)
+	if err != nil {
+		return nil, err
+	}
 	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
 	l := &topology.Layout{TPRank: 0, TPSize: 4, PPSize: 1, TotalKVHeads: 8, HeadSize: 128, ElemBytes: 2,
 		KVLayout: topology.LayoutHND, Packing: topology.PackedKV, LogicalBlockSize: block, KernelBlockSize: block}
@@ -305,4 +314,20 @@ func stat(v []float64) string {
 func row(w io.Writer, name string, ours, theirs []float64) {
 	m := func(v []float64) float64 { s := slices.Sorted(slices.Values(v)); return s[len(s)/2] }
 	fmt.Fprintf(w, "| %s | %s | %s | %.2fx |\n", name, stat(ours), stat(theirs), m(theirs)/m(ours))
+}
+
+// poolMemory returns n bytes of anonymous memory as numpy gives the
+// reference's pools: mapped, and advised to use transparent huge pages
+// (numpy does so for arrays of 4 MiB and more on Linux). A Go slice of
+// the same size lives on the Go heap, which is not advised: its post
+// moved the same bytes about 20% slower through UCX's cma transport.
+func poolMemory(n int) ([]byte, error) {
+	mem, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, err
+	}
+	if *hugepages {
+		_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
+	}
+	return mem, nil
 }
