@@ -118,7 +118,7 @@ type Agent struct {
 	// uln and uaddr: the same-host socket (nil and "" without one).
 	uln        net.Listener
 	uaddr      string
-	files      atomic.Int32  // chunks with a file (same-host shareable)
+	shared     atomic.Int32  // chunks a same-host peer can copy from (a file or GPU memory)
 	localParts atomic.Uint64 // parts copied in from same-host peers' files
 	log        *slog.Logger
 	events     chan struct{}
@@ -161,6 +161,9 @@ type chunk struct {
 	file *os.File
 	off  int64
 }
+
+// shareable reports whether a same-host peer can copy out of the chunk.
+func (c *chunk) shareable() bool { return c.file != nil || c.dev != nil }
 
 type landKey struct {
 	peer string
@@ -293,8 +296,8 @@ func (a *Agent) mapChunk(ch chunk) error {
 	}
 	a.mu.nextChunk++
 	ch.id = a.mu.nextChunk
-	if ch.file != nil {
-		a.files.Add(1)
+	if ch.shareable() {
+		a.shared.Add(1)
 	}
 	a.mu.chunks = append(a.mu.chunks, ch)
 	slices.SortFunc(a.mu.chunks, func(x, y chunk) int { return cmpU64(x.base, y.base) })
@@ -323,8 +326,8 @@ func (a *Agent) Unmap(base uint64) error {
 	})
 	var peers []*peer
 	var served []*localServer
-	if c.file != nil {
-		a.files.Add(-1)
+	if c.shareable() {
+		a.shared.Add(-1)
 		for _, p := range a.mu.peers {
 			peers = append(peers, p)
 		}
@@ -333,13 +336,13 @@ func (a *Agent) Unmap(base uint64) error {
 		}
 	}
 	a.mu.Unlock()
+	for _, p := range peers {
+		p.dropLocal(fmt.Errorf("%w: memory at %#x unmapped", ErrXferFailed, base))
+	}
+	for _, s := range served {
+		s.withdraw()
+	}
 	if c.file != nil {
-		for _, p := range peers {
-			p.dropLocal(fmt.Errorf("%w: memory at %#x unmapped", ErrXferFailed, base))
-		}
-		for _, s := range served {
-			s.withdraw()
-		}
 		_ = c.file.Close()
 	}
 	return nil

@@ -250,3 +250,57 @@ func TestDeviceRefused(t *testing.T) {
 		t.Fatalf("%d imports", imports)
 	}
 }
+
+// Agents whose only memory is GPU memory (GPU engines) take the
+// same-host path too: WRITE and READ between two GPUs' allocations.
+func TestSameHostDeviceOnly(t *testing.T) {
+	g := newFakeGPU()
+	devices := func(u [16]byte) (Device, error) {
+		if u != fakeUUID {
+			return nil, fmt.Errorf("no GPU %x here", u)
+		}
+		return g, nil
+	}
+	var ags [2]*Agent
+	var ptrs [2]uint64
+	for i := range ags {
+		a, err := New(Config{Name: fmt.Sprintf("%s-%d-%d", t.Name(), i, rand.Uint64()), DisableLocal: true, Devices: devices})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = a.Close() })
+		ptr, h, _ := g.alloc(1 << 16)
+		if err := a.MapDevice(ptr, 1<<16, g, fakeUUID, h); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Register([]Region{{ptr, 1 << 16}}); err != nil {
+			t.Fatal(err)
+		}
+		ags[i], ptrs[i] = a, ptr
+	}
+	a, b := ags[0], ags[1]
+	if _, err := a.LoadPeer(b.Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	g.fill(ptrs[0], 1<<16)
+	g.fill(ptrs[1], 1<<16)
+	for _, op := range []Op{Write, Read} {
+		if op == Read {
+			g.fill(ptrs[1]+8192, 4096) // new bytes for the READ to bring back
+		}
+		ds := []Desc{{Local: ptrs[0] + 4096, Remote: ptrs[1] + 8192, Len: 4096}}
+		id, err := a.Post(op, b.Name(), ds, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("%v between GPU-only agents: %v, %v", op, s, err)
+		}
+		if !bytes.Equal(g.view(ptrs[0]+4096, 4096), g.view(ptrs[1]+8192, 4096)) {
+			t.Fatalf("%v: bytes differ", op)
+		}
+	}
+	if a.SameHostParts()+b.SameHostParts() != 2 {
+		t.Fatalf("same-host parts %d + %d, want 2", a.SameHostParts(), b.SameHostParts())
+	}
+}

@@ -729,7 +729,7 @@ type refMaker struct {
 func (m *refMaker) ref(a *Agent, addr, n uint64) (localRef, bool) {
 	if m.ch == nil || addr < m.ch.base || addr-m.ch.base+n > m.ch.size {
 		m.ch = a.chunkLocked(addr)
-		if m.ch == nil || m.ch.file == nil && m.ch.dev == nil || addr-m.ch.base+n > m.ch.size {
+		if m.ch == nil || !m.ch.shareable() || addr-m.ch.base+n > m.ch.size {
 			m.ch = nil
 			return localRef{}, false
 		}

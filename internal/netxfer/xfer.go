@@ -133,7 +133,7 @@ func (p *peer) conn() (*conn, error) {
 
 func (p *peer) dial() (*conn, error) {
 	a := p.owner
-	if p.uaddr != "" && !p.noLocal && a.files.Load() > 0 {
+	if p.uaddr != "" && !p.noLocal && a.shared.Load() > 0 {
 		c, err := p.dialLocal()
 		if err == nil {
 			return p.started(c)
