@@ -74,7 +74,9 @@ func BenchmarkStreamRoundTrip(b *testing.B) {
 
 func reportLatencies(b *testing.B, lat []time.Duration) {
 	slices.Sort(lat)
-	q := func(p float64) float64 { return float64(lat[min(len(lat)-1, int(p*float64(len(lat))))].Nanoseconds()) / 1e3 }
+	q := func(p float64) float64 {
+		return float64(lat[min(len(lat)-1, int(p*float64(len(lat))))].Nanoseconds()) / 1e3
+	}
 	b.ReportMetric(q(0.5), "p50-µs")
 	b.ReportMetric(q(0.99), "p99-µs")
 }
