@@ -112,7 +112,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	speed := fs.Float64("compute-scale", 1, "multiplies every simulated compute time")
 	corrupt := fs.Bool("corrupt", false, "corrupt one source byte of one request per run (the run must fail)")
 	limit := fs.Duration("time-limit", 0, "per run (default: the arrivals' span + 2 minutes)")
-	backend := fs.String("backend", "builtin", "the daemons' transfer backend: builtin (TCP between the two processes) or nixl (NVIDIA NIXL, UCX; needs libnixl_capi.so)")
+	backend := fs.String("backend", "builtin", "the daemons' transfer backend: builtin (between the two processes: its same-host path, one copy out of the engine's memory file) or nixl (NVIDIA NIXL, UCX; needs libnixl_capi.so)")
 	nixlParams := fs.String("nixl-params", "", "with -backend nixl: the UCX backend's parameters, key=value,...")
 	repeats := fs.Int("repeats", 1, "runs per shape and mode, with seeds -seed, -seed+1...; the table pools them and the summary gives the range over runs")
 	hop := fs.Duration("dispatch-latency", 0, "the router's latency per dispatch (HTTP, tokenization): pull pays it twice in a row, the concurrent modes once")
