@@ -1,7 +1,6 @@
 package kvxfer
 
 import (
-	"container/heap"
 	"errors"
 	"fmt"
 	"maps"
@@ -141,6 +140,9 @@ type dRank struct {
 }
 
 type sendReq struct {
+	// self backs the sendBase entry of a base id held by this request
+	// alone (most are): no slice allocated per request.
+	self     [1]*sendReq
 	req      SendReq
 	deadline time.Time
 	expired  bool
@@ -455,7 +457,7 @@ type effects struct {
 func (st *loopState) runTimers() {
 	now := st.now
 	for len(st.timers) > 0 && !st.timers[0].at.After(now) {
-		e := heap.Pop(&st.timers).(timerEntry)
+		e := st.timers.pop()
 		switch e.kind {
 		case tLease:
 			st.leaseTimer(e)
@@ -508,7 +510,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 		set(st.now.Add(st.cfg.PollInterval))
 	}
 	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
-		heap.Pop(&st.timers)
+		st.timers.pop()
 	}
 	if n := len(st.timers); n > 64 && n > 4*(len(st.sends)+2*len(st.recvs)) {
 		live := st.timers[:0]
@@ -518,7 +520,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 			}
 		}
 		st.timers = live
-		heap.Init(&st.timers)
+		st.timers.init()
 	}
 	if len(st.timers) > 0 {
 		set(st.timers[0].at)
