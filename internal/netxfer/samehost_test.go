@@ -17,7 +17,7 @@ import (
 )
 
 // memFile returns size bytes of a new memfd mapped shared, and the file.
-func memFile(t *testing.T, size int) ([]byte, *os.File) {
+func memFile(t testing.TB, size int) ([]byte, *os.File) {
 	t.Helper()
 	fd, err := unix.MemfdCreate("netxfer-test", unix.MFD_CLOEXEC)
 	if err != nil {
@@ -37,7 +37,7 @@ func memFile(t *testing.T, size int) ([]byte, *os.File) {
 
 // localPair returns two agents of one process (no direct copy) whose
 // memory is file-backed: their WRITEs take the same-host path.
-func localPair(t *testing.T, size int, cfg Config) (a, b *Agent, am, bm []byte) {
+func localPair(t testing.TB, size int, cfg Config) (a, b *Agent, am, bm []byte) {
 	t.Helper()
 	mk := func(name string) (*Agent, []byte) {
 		c := cfg
