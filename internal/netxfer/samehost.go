@@ -770,22 +770,25 @@ func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part
 		s.mu.Unlock()
 		return true, ErrClosed
 	}
-	if s.mu.fence == nil {
+	if s.mu.fence != nil {
+		s.mu.Unlock()
+	} else {
+		// The page is recorded before it is sent, and the lock is not
+		// held while sending (withdraw, from Unmap or Close, must never
+		// wait for a socket): a withdraw from now on sets it.
 		fd, page, err := newFence()
 		if err != nil {
 			s.mu.Unlock()
 			return true, err
 		}
+		s.mu.fence = page
+		s.mu.Unlock()
 		_, _, err = s.c.WriteMsgUnix([]byte{tFence}, unix.UnixRights(fd), nil)
 		unix.Close(fd)
 		if err != nil {
-			_ = unix.Munmap(page)
-			s.mu.Unlock()
 			return true, err
 		}
-		s.mu.fence = page
 	}
-	s.mu.Unlock()
 	if err := sendChunks(s.c, s.sent, m.need); err != nil {
 		return true, err
 	}
