@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"container/heap"
 	"errors"
 	"fmt"
 	"maps"
@@ -140,9 +141,6 @@ type dRank struct {
 }
 
 type sendReq struct {
-	// self backs the sendBase entry of a base id held by this request
-	// alone (most are): no slice allocated per request.
-	self     [1]*sendReq
 	req      SendReq
 	deadline time.Time
 	expired  bool
@@ -457,7 +455,7 @@ type effects struct {
 func (st *loopState) runTimers() {
 	now := st.now
 	for len(st.timers) > 0 && !st.timers[0].at.After(now) {
-		e := st.timers.pop()
+		e := heap.Pop(&st.timers).(timerEntry)
 		switch e.kind {
 		case tLease:
 			st.leaseTimer(e)
@@ -510,7 +508,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 		set(st.now.Add(st.cfg.PollInterval))
 	}
 	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
-		st.timers.pop()
+		heap.Pop(&st.timers)
 	}
 	if n := len(st.timers); n > 64 && n > 4*(len(st.sends)+2*len(st.recvs)) {
 		live := st.timers[:0]
@@ -520,7 +518,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 			}
 		}
 		st.timers = live
-		st.timers.init()
+		heap.Init(&st.timers)
 	}
 	if len(st.timers) > 0 {
 		set(st.timers[0].at)

@@ -65,12 +65,7 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 		}
 	}
 	b := BaseRequestID(in.ReqID)
-	if same := st.sendBase[b]; len(same) > 0 {
-		st.sendBase[b] = append(same, s)
-	} else {
-		s.self[0] = s
-		st.sendBase[b] = s.self[:1:1]
-	}
+	st.sendBase[b] = append(st.sendBase[b], s)
 	if !prefill {
 		// A prefilling request has no lease yet: it starts at finish.
 		st.armLease(s, deadline)
