@@ -1,8 +1,10 @@
 package kvxfer
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"slices"
 	"time"
@@ -65,7 +67,14 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 		}
 	}
 	b := BaseRequestID(in.ReqID)
-	st.sendBase[b] = append(st.sendBase[b], s)
+	if head := st.sendBase[b]; head == nil {
+		st.sendBase[b] = s
+	} else {
+		for head.nextBase != nil {
+			head = head.nextBase
+		}
+		head.nextBase = s
+	}
 	if !prefill {
 		// A prefilling request has no lease yet: it starts at finish.
 		st.armLease(s, deadline)
@@ -172,7 +181,7 @@ func (st *loopState) findSend(g *regGroup) *sendReq {
 	} else if s := st.sends[g.key.dreq]; s != nil && s.match == nil && !s.done {
 		return s
 	}
-	for _, s := range st.sendBase[g.base()] {
+	for s := st.sendBase[g.base()]; s != nil; s = s.nextBase {
 		if s.match == nil && !s.done && regMatches(g, s) {
 			return s
 		}
@@ -718,10 +727,21 @@ func (st *loopState) forgetSend(s *sendReq) {
 		delete(st.sendByTID, s.req.TransferID)
 	}
 	b := BaseRequestID(s.req.ReqID)
-	st.sendBase[b] = slices.DeleteFunc(st.sendBase[b], func(x *sendReq) bool { return x == s })
-	if len(st.sendBase[b]) == 0 {
-		delete(st.sendBase, b)
+	if head := st.sendBase[b]; head == s {
+		if s.nextBase == nil {
+			delete(st.sendBase, b)
+		} else {
+			st.sendBase[b] = s.nextBase
+		}
+	} else {
+		for ; head != nil; head = head.nextBase {
+			if head.nextBase == s {
+				head.nextBase = s.nextBase
+				break
+			}
+		}
 	}
+	s.nextBase = nil
 	if s.match != nil {
 		delete(st.matched, s.match.key)
 		tb := tomb{at: st.now, tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}
@@ -746,7 +766,9 @@ func (st *loopState) leaseTimer(e timerEntry) {
 		return // stale entry: finished or extended
 	}
 	s.expired = true
-	st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	if st.w.log.Enabled(context.Background(), slog.LevelInfo) { // its arguments are an allocation
+		st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	}
 	if st.cfg.Mode == ModePull {
 		st.settlePull(s)
 		return
