@@ -584,12 +584,34 @@ func messageLimits(client uint32) (finished, stepErr int) {
 
 // sendFinished sends f, split into messages of at most max bytes.
 func sendFinished(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse], max int, f *pb.Finished) error {
+	if finishedBound(f) <= max { // the usual case, without sizing it twice
+		return st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: f}})
+	}
 	for _, part := range splitFinished(f, max) {
 		if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// finishedBound is at least f's encoded size (proto.Size), for a fraction
+// of the work: each outcome counted at its strings' lengths and the most
+// its other fields, tags and lengths take; each block id at 10 bytes.
+func finishedBound(f *pb.Finished) int {
+	const (
+		outcome = 2*(1+5) + 2*(1+10) + (1 + 5) // two strings' tags and lengths, result, kind; its own tag and length
+		stats   = 5*(1+10) + (1 + 8) + (1 + 5)
+		ids     = 1 + 5
+	)
+	n := stats + ids + 10*len(f.InvalidBlockIds)
+	for _, os := range [2][]*pb.Outcome{f.Sending, f.Recving} {
+		n += len(os) * outcome
+		for _, o := range os {
+			n += len(o.GetRequestId()) + len(o.GetReason())
+		}
+	}
+	return n
 }
 
 // splitFinished splits f into messages of about max bytes or less (one
@@ -957,14 +979,27 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	go func() { // the one sender
 		defer wg.Done()
 		var prev kvxfer.Stats
+		// What a Finished message is made of, reused from one to the next
+		// (gRPC has encoded a message when Send returns): outcomes drained
+		// and converted allocate nothing per request.
+		var (
+			f     kvxfer.Finished
+			enc   stream.FinishedEncoder
+			stats pb.TransferStats
+		)
 		for {
 			var m *pb.ConnectResponse
 			select {
 			case <-r.worker.Ready():
-				f := r.worker.Finished()
-				fp := stream.FinishedToProto(&f)
-				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
-				if err := sendFinished(st, r.maxMsg, fp); err != nil {
+				f = r.worker.AppendFinished(f)
+				fp := enc.Encode(&f)
+				var moved bool
+				if moved, prev = statsSince(&stats, r.worker.Metrics().Snapshot(), prev); moved {
+					fp.Stats = &stats
+				}
+				err := sendFinished(st, r.maxMsg, fp)
+				f.Clear()
+				if err != nil {
 					sendErr <- err
 					return
 				}
@@ -1076,14 +1111,12 @@ func (r *rank) drain() {
 	}
 }
 
-// statsSince returns the transfer stats between prev and now (nil when no
-// transfer ended in between) and the snapshot to diff against next.
-func statsSince(now, prev kvxfer.Stats) (*pb.TransferStats, kvxfer.Stats) {
-	d := &pb.TransferStats{Transfers: now.Transfers - prev.Transfers, FailedTransfers: now.FailedTransfers - prev.FailedTransfers,
-		Bytes: now.TotalBytes - prev.TotalBytes, Descriptors: now.TotalDescriptors - prev.TotalDescriptors,
-		TransferSeconds: now.TransferSeconds.Sum - prev.TransferSeconds.Sum, Expired: now.ExpiredRequests - prev.ExpiredRequests}
-	if d.Transfers+d.FailedTransfers+d.Expired == 0 {
-		return nil, now
-	}
-	return d, now
+// statsSince sets d to the transfer stats between prev and now, and
+// returns whether a transfer ended in between and the snapshot to diff
+// against next.
+func statsSince(d *pb.TransferStats, now, prev kvxfer.Stats) (bool, kvxfer.Stats) {
+	d.Transfers, d.FailedTransfers = now.Transfers-prev.Transfers, now.FailedTransfers-prev.FailedTransfers
+	d.Bytes, d.Descriptors = now.TotalBytes-prev.TotalBytes, now.TotalDescriptors-prev.TotalDescriptors
+	d.TransferSeconds, d.Expired = now.TransferSeconds.Sum-prev.TransferSeconds.Sum, now.ExpiredRequests-prev.ExpiredRequests
+	return d.Transfers+d.FailedTransfers+d.Expired > 0, now
 }
