@@ -1014,20 +1014,27 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 		}
 	}()
+	// The one receiver hands steps and layer signals to the worker itself,
+	// in order (a step goes to the worker without a hop through this
+	// goroutine); what ends the stream (bye, a second hello, an empty
+	// message) comes here, and it receives nothing after it.
 	recvd := make(chan *pb.ConnectRequest)
 	recvErr := make(chan error, 1)
-	go func() { // the one receiver
+	go func() {
 		for {
 			m, err := st.Recv()
 			if err != nil {
 				recvErr <- err
 				return
 			}
+			if r.handle(ctx, m, out) {
+				continue
+			}
 			select {
 			case recvd <- m:
 			case <-ctx.Done():
-				return
 			}
+			return
 		}
 	}()
 	finish := func(graceful bool) error {
@@ -1060,32 +1067,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 			return Status(err)
 		case m := <-recvd:
-			switch x := m.Msg.(type) {
-			case *pb.ConnectRequest_Step:
-				meta, err := stream.StepFromProto(x.Step)
-				if err == nil {
-					err = r.worker.Step(meta)
-				}
-				if err != nil {
-					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: clipTo(err.Error(), r.maxErr)}}}:
-					case <-ctx.Done():
-					}
-				}
-			case *pb.ConnectRequest_StepRef:
-				step := x.StepRef.GetStep()
-				meta, err := r.s.sched.published(ctx, r.engine, r.uid, step)
-				if err == nil {
-					err = r.worker.Step(meta)
-				}
-				if err != nil {
-					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
-					case <-ctx.Done():
-					}
-				}
-			case *pb.ConnectRequest_LayerSaved:
-				_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+			switch m.Msg.(type) {
 			case *pb.ConnectRequest_Bye:
 				return finish(true)
 			case *pb.ConnectRequest_Hello:
@@ -1097,6 +1079,41 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 		}
 	}
+}
+
+// handle hands a step (its metadata, or a published step it names) or a
+// layer signal to the worker, a rejected step's error to out, and reports
+// whether m was one of them.
+func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.ConnectResponse) bool {
+	var (
+		step uint64
+		err  error
+	)
+	switch x := m.Msg.(type) {
+	case *pb.ConnectRequest_Step:
+		step = x.Step.GetStep()
+		var meta *kvxfer.StepMeta
+		if meta, err = stream.StepFromProto(x.Step); err == nil {
+			err = r.worker.Step(meta)
+		}
+	case *pb.ConnectRequest_StepRef:
+		step = x.StepRef.GetStep()
+		var meta *kvxfer.StepMeta
+		if meta, err = r.s.sched.published(ctx, r.engine, r.uid, step); err == nil {
+			err = r.worker.Step(meta)
+		}
+	case *pb.ConnectRequest_LayerSaved:
+		_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+	default:
+		return false
+	}
+	if err != nil {
+		select {
+		case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
+		case <-ctx.Done():
+		}
+	}
+	return true
 }
 
 // drain waits until the rank holds no request, or DrainTimeout.
