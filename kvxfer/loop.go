@@ -169,8 +169,12 @@ type sendReq struct {
 	pullFail string
 	pullKind FailureKind
 
-	// nextBase is the next request of the same base id (sendBase).
-	nextBase *sendReq
+	// prevBase and nextBase are the requests of the same base id before
+	// and after this one (sendBase), while inBase; byTID: the request is
+	// sendByTID's for its transfer id. They let forgetSend unindex it
+	// without looking it up.
+	prevBase, nextBase *sendReq
+	inBase, byTID      bool
 }
 
 type recvReq struct {

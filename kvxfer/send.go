@@ -64,17 +64,19 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 			st.w.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
 		} else {
 			st.sendByTID[in.TransferID] = s
+			s.byTID = true
 		}
 	}
 	b := BaseRequestID(in.ReqID)
-	if head := st.sendBase[b]; head == nil {
+	if last := st.sendBase[b]; last == nil {
 		st.sendBase[b] = s
 	} else {
-		for head.nextBase != nil {
-			head = head.nextBase
+		for last.nextBase != nil {
+			last = last.nextBase
 		}
-		head.nextBase = s
+		last.nextBase, s.prevBase = s, last
 	}
+	s.inBase = true
 	if !prefill {
 		// A prefilling request has no lease yet: it starts at finish.
 		st.armLease(s, deadline)
@@ -723,25 +725,25 @@ func (st *loopState) forgetSend(s *sendReq) {
 			st.layerSteps[s.step] = ids
 		}
 	}
-	if s.req.TransferID != "" && st.sendByTID[s.req.TransferID] == s {
+	if s.byTID {
 		delete(st.sendByTID, s.req.TransferID)
+		s.byTID = false
 	}
-	b := BaseRequestID(s.req.ReqID)
-	if head := st.sendBase[b]; head == s {
-		if s.nextBase == nil {
-			delete(st.sendBase, b)
-		} else {
-			st.sendBase[b] = s.nextBase
+	if s.inBase {
+		prev, next := s.prevBase, s.nextBase
+		switch {
+		case prev != nil:
+			prev.nextBase = next
+		case next != nil:
+			st.sendBase[BaseRequestID(s.req.ReqID)] = next
+		default:
+			delete(st.sendBase, BaseRequestID(s.req.ReqID))
 		}
-	} else {
-		for ; head != nil; head = head.nextBase {
-			if head.nextBase == s {
-				head.nextBase = s.nextBase
-				break
-			}
+		if next != nil {
+			next.prevBase = prev
 		}
+		s.prevBase, s.nextBase, s.inBase = nil, nil, false
 	}
-	s.nextBase = nil
 	if s.match != nil {
 		delete(st.matched, s.match.key)
 		tb := tomb{at: st.now, tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}
