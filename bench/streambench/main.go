@@ -23,7 +23,7 @@
 //
 //	go run ./bench/streambench              # -quick: 16 and 256 requests, 7 rounds of 300 round trips
 //	go run ./bench/streambench -full        # 21 rounds of 1,000
-//	go run ./bench/streambench -sizes 256 -rounds 3 -iters 2000 -cpuprofile /tmp/sb.pprof
+//	go run ./bench/streambench -sizes 256 -rounds 3 -iters 2000 -only kvxfer -cpuprofile /tmp/sb.pprof
 package main
 
 import (
@@ -69,6 +69,7 @@ type config struct {
 	sizes         []int
 	rounds, iters int
 	cpuprofile    string
+	only          string // one side alone ("kvxfer" or "bare"), for profiles
 }
 
 func parse(args []string) (config, error) {
@@ -79,13 +80,17 @@ func parse(args []string) (config, error) {
 	rounds := fs.Int("rounds", 0, "rounds (0: as -quick or -full says)")
 	iters := fs.Int("iters", 0, "round trips per size, side and round (0: as -quick or -full says)")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the whole run here")
+	only := fs.String("only", "", "run one side alone, kvxfer or bare (for a profile; no ratios)")
 	if err := fs.Parse(args); err != nil {
 		return config{}, err
 	}
 	if *quick && *full {
 		return config{}, errors.New("-quick and -full: pick one")
 	}
-	c := config{rounds: 7, iters: 300, cpuprofile: *cpuprofile}
+	if *only != "" && *only != "kvxfer" && *only != "bare" {
+		return config{}, fmt.Errorf("-only %q: want kvxfer or bare", *only)
+	}
+	c := config{rounds: 7, iters: 300, cpuprofile: *cpuprofile, only: *only}
 	if *full {
 		c.rounds, c.iters = 21, 1000
 	}
@@ -159,6 +164,9 @@ func run(args []string, stdout io.Writer) error {
 				order = []side{sides[1], sides[0]}
 			}
 			for _, s := range order {
+				if c.only != "" && s.name != c.only {
+					continue
+				}
 				rt := s.rt[n]
 				if err := rt.one(); err != nil { // warm
 					return fmt.Errorf("%s, %d requests: %w", s.name, n, err)
@@ -172,6 +180,13 @@ func run(args []string, stdout io.Writer) error {
 				}
 			}
 		}
+	}
+	if c.only != "" {
+		for _, n := range c.sizes {
+			l := lat[key(c.only, n)]
+			fmt.Fprintf(stdout, "%s, %d requests: p50 %s, p99 %s\n", c.only, n, us(quantile(l, 0.5)), us(quantile(l, 0.99)))
+		}
+		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "requests\tp50 kvxfer\tp50 bare\tp50 ratio\tp99 kvxfer\tp99 bare\tp99 ratio\tgoal\t")

@@ -18,7 +18,7 @@ func TestRun(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
 	}
-	for _, args := range [][]string{{"-quick", "-full"}, {"-sizes", "x"}, {"-sizes", "0"}} {
+	for _, args := range [][]string{{"-quick", "-full"}, {"-sizes", "x"}, {"-sizes", "0"}, {"-only", "x"}} {
 		if err := run(args, &out); err == nil {
 			t.Errorf("run(%q) = nil, want an error", args)
 		}

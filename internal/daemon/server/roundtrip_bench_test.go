@@ -159,15 +159,15 @@ func bareRoundTrip(tb testing.TB, n int) func() {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	// The reply: what kvxferd sends for such a step (n expired outcomes
-	// and the stats).
+	// The reply: what kvxferd sends for such a step (n expired outcomes,
+	// their reason as the producer gives it, and the stats).
 	var f kvxfer.Finished
 	for i := range n {
 		f.Sending = append(f.Sending, kvxfer.Outcome{ReqID: fmt.Sprintf("s0-%d", i), Result: kvxfer.ResultExpired,
-			Reason: "lease expired before D registered", Kind: kvxfer.FailureExpired})
+			Reason: "producer lease expired", Kind: kvxfer.FailureExpired})
 	}
 	fp := stream.FinishedToProto(&f)
-	fp.Stats = &pb.TransferStats{}
+	fp.Stats = &pb.TransferStats{Expired: uint64(n)}
 	g := grpc.NewServer()
 	pb.RegisterWorkerServiceServer(g, &bareWorker{reply: &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: fp}}})
 	go func() { _ = g.Serve(ln) }()
