@@ -363,6 +363,9 @@ func (s *coreSim) settled() bool {
 }
 
 func (s *coreSim) checkAll() {
+	if p := s.cores["P"]; len(p.sendByTID)+len(p.sendBase) != 0 {
+		s.t.Errorf("settled P still indexes requests: %d by transfer id, %d base ids", len(p.sendByTID), len(p.sendBase))
+	}
 	for i := 1; i <= s.n; i++ {
 		for _, key := range []string{fmt.Sprintf("P/p-%d", i), fmt.Sprintf("D/d-%d", i)} {
 			if s.reported[key] != 1 {

@@ -1,6 +1,10 @@
 package kvxfer
 
-import "github.com/kvxfer/kvxfer/topology"
+import (
+	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
 
 // AppendRegMsg encodes a push registration as D rank tpRank of engine
 // would send it, for tests that replay or forge peer messages.
@@ -55,4 +59,19 @@ func WriteGrants(l *topology.Layout, groupBlocks []int, writer PeerName, ids []t
 	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
 	tab.grantWrite([]PeerName{writer}, []topology.Span{{IDs: ids}})
 	return tab
+}
+
+// ArmAndFireForTest arms n lease timers on a heap kept across calls, due
+// at a few distinct times, and fires them all.
+func ArmAndFireForTest() func(n int) {
+	var h timerHeap
+	at := time.Unix(1000, 0)
+	return func(n int) {
+		for i := range n {
+			h.push(timerEntry{at: at.Add(time.Duration(i%7) * time.Second), kind: tLease, id: "r"})
+		}
+		for len(h) > 0 {
+			h.pop()
+		}
+	}
 }

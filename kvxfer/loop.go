@@ -39,10 +39,13 @@ type loopState struct {
 	timers  timerHeap
 
 	// Producer side.
-	sends     map[string]*sendReq   // by P request id
-	sendByTID map[string]*sendReq   // by transfer id
-	sendBase  map[string][]*sendReq // by base id
-	regs      map[regKey]*regGroup  // unmatched registrations
+	sends     map[string]*sendReq // by P request id
+	sendByTID map[string]*sendReq // by transfer id
+	// sendBase: by base id, the oldest request of each base, the others
+	// after it through their nextBase (most bases have one request: a
+	// list needs no allocation of its own).
+	sendBase  map[string]*sendReq
+	regs      map[regKey]*regGroup // unmatched registrations
 	regByTID  map[string][]regKey
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
@@ -165,6 +168,13 @@ type sendReq struct {
 	pullSeen map[int]bool
 	pullFail string
 	pullKind FailureKind
+
+	// prevBase and nextBase are the requests of the same base id before
+	// and after this one (sendBase), while inBase; byTID: the request is
+	// sendByTID's for its transfer id. They let forgetSend unindex it
+	// without looking it up.
+	prevBase, nextBase *sendReq
+	inBase, byTID      bool
 }
 
 type recvReq struct {
@@ -220,7 +230,7 @@ func (st *loopState) init(w *Worker) {
 	st.engines = map[string]*engine{}
 	st.sends = map[string]*sendReq{}
 	st.sendByTID = map[string]*sendReq{}
-	st.sendBase = map[string][]*sendReq{}
+	st.sendBase = map[string]*sendReq{}
 	st.regs = map[regKey]*regGroup{}
 	st.regByTID = map[string][]regKey{}
 	st.regByBase = map[string][]regKey{}
@@ -455,7 +465,7 @@ type effects struct {
 func (st *loopState) runTimers() {
 	now := st.now
 	for len(st.timers) > 0 && !st.timers[0].at.After(now) {
-		e := heap.Pop(&st.timers).(timerEntry)
+		e := st.timers.pop()
 		switch e.kind {
 		case tLease:
 			st.leaseTimer(e)
@@ -508,7 +518,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 		set(st.now.Add(st.cfg.PollInterval))
 	}
 	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
-		heap.Pop(&st.timers)
+		st.timers.pop()
 	}
 	if n := len(st.timers); n > 64 && n > 4*(len(st.sends)+2*len(st.recvs)) {
 		live := st.timers[:0]

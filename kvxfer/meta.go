@@ -254,6 +254,28 @@ type Finished struct {
 	InvalidBlocks []topology.BlockID
 }
 
+// maxKeptOutcomes bounds the lists Clear keeps for reuse: past a burst
+// bigger than that, they go.
+const maxKeptOutcomes = 4096
+
+// Clear empties f's lists, keeping their memory (up to 4096 entries each;
+// bigger lists go) for appending to again, as AppendFinished does.
+func (f *Finished) Clear() {
+	f.Sending, f.Recving = reuseOutcomes(f.Sending), reuseOutcomes(f.Recving)
+	if cap(f.InvalidBlocks) > maxKeptOutcomes {
+		f.InvalidBlocks = nil
+	}
+	f.InvalidBlocks = f.InvalidBlocks[:0]
+}
+
+func reuseOutcomes(os []Outcome) []Outcome {
+	if cap(os) > maxKeptOutcomes {
+		return nil
+	}
+	clear(os) // their strings
+	return os[:0]
+}
+
 // Clone returns a deep copy of m: no slice of the copy shares memory with
 // m, so either may be modified without affecting the other. Nil slices
 // stay nil. Clone of a nil StepMeta is nil.

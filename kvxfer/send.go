@@ -1,8 +1,10 @@
 package kvxfer
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"slices"
 	"time"
@@ -62,10 +64,19 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 			st.w.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
 		} else {
 			st.sendByTID[in.TransferID] = s
+			s.byTID = true
 		}
 	}
 	b := BaseRequestID(in.ReqID)
-	st.sendBase[b] = append(st.sendBase[b], s)
+	if last := st.sendBase[b]; last == nil {
+		st.sendBase[b] = s
+	} else {
+		for last.nextBase != nil {
+			last = last.nextBase
+		}
+		last.nextBase, s.prevBase = s, last
+	}
+	s.inBase = true
 	if !prefill {
 		// A prefilling request has no lease yet: it starts at finish.
 		st.armLease(s, deadline)
@@ -172,7 +183,7 @@ func (st *loopState) findSend(g *regGroup) *sendReq {
 	} else if s := st.sends[g.key.dreq]; s != nil && s.match == nil && !s.done {
 		return s
 	}
-	for _, s := range st.sendBase[g.base()] {
+	for s := st.sendBase[g.base()]; s != nil; s = s.nextBase {
 		if s.match == nil && !s.done && regMatches(g, s) {
 			return s
 		}
@@ -714,13 +725,24 @@ func (st *loopState) forgetSend(s *sendReq) {
 			st.layerSteps[s.step] = ids
 		}
 	}
-	if s.req.TransferID != "" && st.sendByTID[s.req.TransferID] == s {
+	if s.byTID {
 		delete(st.sendByTID, s.req.TransferID)
+		s.byTID = false
 	}
-	b := BaseRequestID(s.req.ReqID)
-	st.sendBase[b] = slices.DeleteFunc(st.sendBase[b], func(x *sendReq) bool { return x == s })
-	if len(st.sendBase[b]) == 0 {
-		delete(st.sendBase, b)
+	if s.inBase {
+		prev, next := s.prevBase, s.nextBase
+		switch {
+		case prev != nil:
+			prev.nextBase = next
+		case next != nil:
+			st.sendBase[BaseRequestID(s.req.ReqID)] = next
+		default:
+			delete(st.sendBase, BaseRequestID(s.req.ReqID))
+		}
+		if next != nil {
+			next.prevBase = prev
+		}
+		s.prevBase, s.nextBase, s.inBase = nil, nil, false
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
@@ -746,7 +768,9 @@ func (st *loopState) leaseTimer(e timerEntry) {
 		return // stale entry: finished or extended
 	}
 	s.expired = true
-	st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	if st.w.log.Enabled(context.Background(), slog.LevelInfo) { // its arguments are an allocation
+		st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	}
 	if st.cfg.Mode == ModePull {
 		st.settlePull(s)
 		return

@@ -415,6 +415,21 @@ func (w *Worker) Finished() Finished {
 	return f
 }
 
+// AppendFinished is Finished appending to dst's lists (the caller owns
+// them; the worker keeps none of their memory): a caller that reuses dst
+// drains outcomes without allocating, where Finished hands over lists it
+// allocated.
+func (w *Worker) AppendFinished(dst Finished) Finished {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := &w.mu.out
+	dst.Sending = append(dst.Sending, out.Sending...)
+	dst.Recving = append(dst.Recving, out.Recving...)
+	dst.InvalidBlocks = append(dst.InvalidBlocks, out.InvalidBlocks...)
+	out.Clear()
+	return dst
+}
+
 // Ready receives a value (coalesced) when outcomes are waiting for
 // Finished.
 func (w *Worker) Ready() <-chan struct{} { return w.ready }
@@ -541,7 +556,7 @@ func (w *Worker) publish() {
 	w.mu.out.Recving = append(w.mu.out.Recving, out.Recving...)
 	w.mu.out.InvalidBlocks = append(w.mu.out.InvalidBlocks, out.InvalidBlocks...)
 	w.mu.Unlock()
-	*out = Finished{}
+	out.Clear()
 	select {
 	case w.ready <- struct{}{}:
 	default:

@@ -70,9 +70,18 @@ const DefaultMaxMessage = 4 << 20
 // RankStream is one worker rank's stream. Step and LayerSaved may be
 // called from any goroutine; Finished delivers the rank's outcomes.
 type RankStream struct {
-	st       grpc.BidiStreamingClient[pb.ConnectRequest, pb.ConnectResponse]
-	cancel   context.CancelFunc
-	sendMu   sync.Mutex
+	st     grpc.BidiStreamingClient[pb.ConnectRequest, pb.ConnectResponse]
+	cancel context.CancelFunc
+	sendMu sync.Mutex
+	// step is the message Step sends, its parts reused from one step to
+	// the next under sendMu: gRPC has encoded a message when SendMsg
+	// returns, so it may change then (a stats handler of the caller's
+	// that kept messages past its callback would see them change).
+	step struct {
+		enc StepEncoder
+		msg pb.ConnectRequest_Step
+		req pb.ConnectRequest
+	}
 	finished chan kvxfer.Finished
 	errs     chan string
 	done     chan struct{}
@@ -168,9 +177,17 @@ func (r *RankStream) send(m *pb.ConnectRequest) error {
 	return r.st.Send(m)
 }
 
-// Step hands the rank one step's metadata.
+// Step hands the rank one step's metadata: encoded and sent when it
+// returns (meta is the caller's again), allocating nothing per request.
 func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
-	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: StepToProto(meta)}})
+	r.sendMu.Lock()
+	defer r.sendMu.Unlock()
+	s := &r.step
+	s.msg.Step = s.enc.Encode(meta)
+	s.req.Msg = &s.msg
+	err := r.st.Send(&s.req)
+	s.msg.Step = nil
+	return err
 }
 
 // StepRef hands the rank the step metadata its engine's scheduler

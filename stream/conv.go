@@ -270,42 +270,77 @@ func (a *spanArena) spans(f field, ps []*pb.Span) ([]topology.Span, error) {
 	return a.list[first:len(a.list):len(a.list)], nil
 }
 
-// StepToProto converts a step's metadata.
-func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta {
-	p := &pb.StepMeta{Step: m.Step, SchedulerClockUnixNanos: timeTo(m.SchedulerClock), NotProcessed: m.NotProcessed,
-		NotProcessedTransferIds: m.NotProcessedTransferIDs}
-	// One allocation per kind of message for the whole step, not one per
-	// request: the messages, their pointers, the spans and the block ids
-	// each come out of one slice sized first.
-	var a protoArena
-	for _, r := range m.Recv {
-		a.count(r.Local)
-		a.count(r.Remote.Blocks)
+// StepToProto converts a step's metadata into a message of its own (one
+// StepEncoder's).
+func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta { return new(StepEncoder).Encode(m) }
+
+// keepCap bounds what an encoder keeps between messages, in entries of
+// each of its slices: memory for a bigger message is made for it alone.
+const keepCap = 1 << 14
+
+// reuse returns s resliced to n entries when it holds them and is not
+// bigger than it need be (keepCap or n), else a new slice of n.
+func reuse[T any](s []T, n int) []T {
+	if cap(s) < n || cap(s) > max(n, keepCap) {
+		return make([]T, n)
 	}
-	for _, s := range m.Send {
-		a.count(s.Blocks)
+	return s[:n]
+}
+
+// StepEncoder converts steps' metadata to kvxfer.v1 into memory it keeps
+// from one step to the next: past the first steps (the biggest so far,
+// up to keepCap requests), encoding allocates nothing. The message Encode
+// returns, and every list in it, is the encoder's: valid until the next
+// Encode, and read-only (the caller may send it, and must be done with
+// it, before the next Encode). A StepEncoder is not safe for concurrent
+// use; its zero value is ready.
+type StepEncoder struct {
+	msg      pb.StepMeta
+	recvs    []pb.RecvRequest
+	remotes  []pb.RemoteRef
+	recvPtrs []*pb.RecvRequest
+	sends    []pb.SendRequest
+	sendPtrs []*pb.SendRequest
+	spans    protoSpans
+}
+
+// Encode converts m; see StepEncoder for how long the result is valid.
+func (e *StepEncoder) Encode(m *kvxfer.StepMeta) *pb.StepMeta {
+	p := &e.msg
+	p.Step, p.SchedulerClockUnixNanos, p.NotProcessed, p.NotProcessedTransferIds = m.Step, timeTo(m.SchedulerClock), m.NotProcessed, m.NotProcessedTransferIDs
+	p.Recv, p.Send, p.Prefill = nil, nil, nil
+	// The messages, their pointers, the spans and the block ids each come
+	// out of one slice sized first.
+	a := &e.spans
+	a.reset()
+	for i := range m.Recv {
+		a.count(m.Recv[i].Local)
+		a.count(m.Recv[i].Remote.Blocks)
 	}
-	for _, s := range m.Prefill {
-		a.count(s.Blocks)
+	for i := range m.Send {
+		a.count(m.Send[i].Blocks)
+	}
+	for i := range m.Prefill {
+		a.count(m.Prefill[i].Blocks)
 	}
 	a.alloc()
 	if n := len(m.Recv); n > 0 {
-		recvs, remotes := make([]pb.RecvRequest, n), make([]pb.RemoteRef, n)
-		p.Recv = make([]*pb.RecvRequest, n)
+		e.recvs, e.remotes, e.recvPtrs = reuse(e.recvs, n), reuse(e.remotes, n), reuse(e.recvPtrs, n)
 		for i := range m.Recv {
 			r := &m.Recv[i]
-			rm := &remotes[i]
+			rm := &e.remotes[i]
 			rm.EngineId, rm.Addr, rm.RequestId = r.Remote.EngineID, r.Remote.Addr, r.Remote.ReqID
 			rm.TpSize, rm.PpSize, rm.Tokens, rm.ExpiryUnixNanos = int32(r.Remote.TPSize), int32(r.Remote.PPSize), int64(r.Remote.Tokens), timeTo(r.Remote.Expiry)
 			rm.Blocks = a.spans(r.Remote.Blocks)
-			q := &recvs[i]
+			q := &e.recvs[i]
 			q.RequestId, q.TransferId, q.Aborted, q.DeadlineUnixNanos = r.ReqID, r.TransferID, r.Aborted, timeTo(r.Deadline)
 			q.Local, q.Remote = a.spans(r.Local), rm
-			p.Recv[i] = q
+			e.recvPtrs[i] = q
 		}
+		p.Recv = e.recvPtrs
 	}
 	if n := len(m.Send) + len(m.Prefill); n > 0 {
-		sends, ptrs := make([]pb.SendRequest, n), make([]*pb.SendRequest, n)
+		e.sends, e.sendPtrs = reuse(e.sends, n), reuse(e.sendPtrs, n)
 		k := 0
 		conv := func(in []kvxfer.SendReq) []*pb.SendRequest {
 			if len(in) == 0 {
@@ -314,67 +349,90 @@ func StepToProto(m *kvxfer.StepMeta) *pb.StepMeta {
 			from := k
 			for i := range in {
 				s := &in[i]
-				q := &sends[k]
+				q := &e.sends[k]
 				q.RequestId, q.TransferId, q.DeadlineUnixNanos, q.Tokens = s.ReqID, s.TransferID, timeTo(s.Deadline), int64(s.Tokens)
 				q.Blocks = a.spans(s.Blocks)
-				ptrs[k] = q
+				e.sendPtrs[k] = q
 				k++
 			}
-			return ptrs[from:k:k]
+			return e.sendPtrs[from:k:k]
 		}
 		p.Send, p.Prefill = conv(m.Send), conv(m.Prefill)
 	}
 	return p
 }
 
-// protoArena hands out a message's spans and block ids from slices sized
-// once (count every list, alloc, then spans for each list in turn).
-type protoArena struct {
+// protoSpans hands out a message's spans and block ids from slices sized
+// once per message and kept (reset, count every list, alloc, then spans
+// for each list in turn).
+type protoSpans struct {
 	nspans, nids int
 	spanv        []pb.Span
 	ptrs         []*pb.Span
 	ids          []int32
+	// next span and pointer to hand out
+	next int
 }
 
-func (a *protoArena) count(ss []topology.Span) {
+func (a *protoSpans) reset() { a.nspans, a.nids, a.next = 0, 0, 0 }
+
+func (a *protoSpans) count(ss []topology.Span) {
 	a.nspans += len(ss)
 	for _, s := range ss {
 		a.nids += len(s.IDs)
 	}
 }
 
-func (a *protoArena) alloc() {
-	a.spanv, a.ptrs, a.ids = make([]pb.Span, a.nspans), make([]*pb.Span, a.nspans), make([]int32, 0, a.nids)
+func (a *protoSpans) alloc() {
+	a.spanv, a.ptrs = reuse(a.spanv, a.nspans), reuse(a.ptrs, a.nspans)
+	a.ids = reuse(a.ids, a.nids)[:0]
 }
 
 // spans converts ss into the arena: each list of ids capped, so that
 // appending to one never reaches the next.
-func (a *protoArena) spans(ss []topology.Span) []*pb.Span {
+func (a *protoSpans) spans(ss []topology.Span) []*pb.Span {
 	if len(ss) == 0 {
 		return nil
 	}
-	out := a.ptrs[:len(ss):len(ss)]
-	a.ptrs = a.ptrs[len(ss):]
+	out := a.ptrs[a.next : a.next+len(ss) : a.next+len(ss)]
 	for i, s := range ss {
 		from := len(a.ids)
 		for _, b := range s.IDs {
 			a.ids = append(a.ids, int32(b))
 		}
-		sp := &a.spanv[i]
+		sp := &a.spanv[a.next+i]
 		sp.Start, sp.BlockIds = int64(s.Start), a.ids[from:len(a.ids):len(a.ids)]
 		out[i] = sp
 	}
-	a.spanv = a.spanv[len(ss):]
+	a.next += len(ss)
 	return out
 }
 
-// FinishedToProto converts a rank's finished sets: a few allocations per
-// set, none per outcome.
-func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
-	p := &pb.Finished{}
-	n := len(f.Sending) + len(f.Recving)
-	if n > 0 {
-		msgs, ptrs := make([]pb.Outcome, n), make([]*pb.Outcome, n)
+// FinishedToProto converts a rank's finished sets into a message of its
+// own (one FinishedEncoder's): a few allocations per set, none per
+// outcome.
+func FinishedToProto(f *kvxfer.Finished) *pb.Finished { return new(FinishedEncoder).Encode(f) }
+
+// FinishedEncoder converts a rank's finished sets to kvxfer.v1 into
+// memory it keeps from one set to the next: past the first sets (the
+// biggest so far, up to keepCap outcomes), encoding allocates nothing.
+// The message Encode returns is the encoder's, as StepEncoder's is: valid
+// until the next Encode; the caller may set its Stats. Not safe for
+// concurrent use; its zero value is ready.
+type FinishedEncoder struct {
+	msg      pb.Finished
+	outcomes []pb.Outcome
+	ptrs     []*pb.Outcome
+	ids      []int32
+}
+
+// Encode converts f; see FinishedEncoder for how long the result is
+// valid.
+func (e *FinishedEncoder) Encode(f *kvxfer.Finished) *pb.Finished {
+	p := &e.msg
+	p.Sending, p.Recving, p.InvalidBlockIds, p.Stats = nil, nil, nil, nil
+	if n := len(f.Sending) + len(f.Recving); n > 0 {
+		e.outcomes, e.ptrs = reuse(e.outcomes, n), reuse(e.ptrs, n)
 		k := 0
 		conv := func(os []kvxfer.Outcome) []*pb.Outcome {
 			if len(os) == 0 {
@@ -383,20 +441,21 @@ func FinishedToProto(f *kvxfer.Finished) *pb.Finished {
 			from := k
 			for i := range os {
 				o := &os[i]
-				m := &msgs[k]
+				m := &e.outcomes[k]
 				m.RequestId, m.Result, m.Reason, m.FailureKind = o.ReqID, pb.Outcome_Result(o.Result), o.Reason, pb.FailureKind(o.Kind)
-				ptrs[k] = m
+				e.ptrs[k] = m
 				k++
 			}
-			return ptrs[from:k:k]
+			return e.ptrs[from:k:k]
 		}
 		p.Sending, p.Recving = conv(f.Sending), conv(f.Recving)
 	}
-	if len(f.InvalidBlocks) > 0 {
-		p.InvalidBlockIds = make([]int32, len(f.InvalidBlocks))
+	if n := len(f.InvalidBlocks); n > 0 {
+		e.ids = reuse(e.ids, n)
 		for i, b := range f.InvalidBlocks {
-			p.InvalidBlockIds[i] = int32(b)
+			e.ids[i] = int32(b)
 		}
+		p.InvalidBlockIds = e.ids
 	}
 	return p
 }

@@ -115,13 +115,21 @@ func conversions(n int) map[string]func() {
 	m, _ := stream.StepFromProto(p)
 	f := benchFinished(n)
 	fp := stream.FinishedToProto(f)
+	var se stream.StepEncoder
+	var fe stream.FinishedEncoder
 	return map[string]func(){
 		"StepFromProto":     func() { _, _ = stream.StepFromProto(p) },
 		"StepToProto":       func() { _ = stream.StepToProto(m) },
+		"StepEncoder":       func() { _ = se.Encode(m) },
 		"FinishedToProto":   func() { _ = stream.FinishedToProto(f) },
+		"FinishedEncoder":   func() { _ = fe.Encode(f) },
 		"FinishedFromProto": func() { _, _ = stream.FinishedFromProto(fp) },
 	}
 }
+
+// reusing names the conversions whose memory is kept from one message to
+// the next: the client's steps, the daemon's finished sets.
+var reusing = map[string]bool{"StepEncoder": true, "FinishedEncoder": true}
 
 // BenchmarkConversions: the client's step encoding (StepToProto), the
 // daemon's finished sets (FinishedToProto) and the client's decoding of
@@ -142,16 +150,49 @@ func BenchmarkConversions(b *testing.B) {
 
 // TestConversionsZeroAllocsPerRequest: every per-step conversion
 // allocates the same at 256 requests a side as at 16 (per step, never per
-// request), and a handful of times at most.
+// request), and a handful of times at most; the encoders that keep their
+// memory (the client's steps, the daemon's finished sets) allocate
+// nothing at all once warm.
 func TestConversionsZeroAllocsPerRequest(t *testing.T) {
 	if raceEnabled {
 		t.Skip("allocation counts are not meaningful under -race")
 	}
 	small, large := conversions(16), conversions(256)
 	for name := range small {
+		small[name]() // warm: the encoders size their memory
+		large[name]()
 		a16, a256 := testing.AllocsPerRun(20, small[name]), testing.AllocsPerRun(20, large[name])
 		if a256 != a16 || a256 > 12 {
 			t.Errorf("%s: %v allocations at 16 requests a side, %v at 256; want the same, at most 12", name, a16, a256)
+		}
+		if reusing[name] && a256 != 0 {
+			t.Errorf("%s: %v allocations per set once warm, want 0", name, a256)
+		}
+	}
+}
+
+// An encoder reused across steps and finished sets of changing sizes
+// (bigger, smaller, empty) gives each the message StepToProto and
+// FinishedToProto give it alone: nothing of an earlier one stays.
+func TestEncodersReused(t *testing.T) {
+	var se stream.StepEncoder
+	var fe stream.FinishedEncoder
+	for _, n := range []int{3, 40, 1, 0, 17} {
+		m, err := stream.StepFromProto(benchStep(n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Prefill = m.Send[:n/2]
+		m.NotProcessed = []string{"x"}
+		if got, want := se.Encode(m), stream.StepToProto(m); !proto.Equal(got, want) {
+			t.Errorf("step of %d requests a side through a reused StepEncoder:\n%v\nwant\n%v", n, got, want)
+		}
+		f := benchFinished(n)
+		if n == 0 {
+			f.InvalidBlocks = nil
+		}
+		if got, want := fe.Encode(f), stream.FinishedToProto(f); !proto.Equal(got, want) {
+			t.Errorf("finished sets of %d outcomes a side through a reused FinishedEncoder:\n%v\nwant\n%v", n, got, want)
 		}
 	}
 }

@@ -13,3 +13,6 @@ var SplitFinishedForTest = splitFinished
 
 // ClipForTest is clip for external tests.
 var ClipForTest = clip
+
+// FinishedBoundForTest is finishedBound for external tests.
+var FinishedBoundForTest = finishedBound

@@ -584,12 +584,34 @@ func messageLimits(client uint32) (finished, stepErr int) {
 
 // sendFinished sends f, split into messages of at most max bytes.
 func sendFinished(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse], max int, f *pb.Finished) error {
+	if finishedBound(f) <= max { // the usual case, without sizing it twice
+		return st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: f}})
+	}
 	for _, part := range splitFinished(f, max) {
 		if err := st.Send(&pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// finishedBound is at least f's encoded size (proto.Size), for a fraction
+// of the work: each outcome counted at its strings' lengths and the most
+// its other fields, tags and lengths take; each block id at 10 bytes.
+func finishedBound(f *pb.Finished) int {
+	const (
+		outcome = 2*(1+5) + 2*(1+10) + (1 + 5) // two strings' tags and lengths, result, kind; its own tag and length
+		stats   = 5*(1+10) + (1 + 8) + (1 + 5)
+		ids     = 1 + 5
+	)
+	n := stats + ids + 10*len(f.InvalidBlockIds)
+	for _, os := range [2][]*pb.Outcome{f.Sending, f.Recving} {
+		n += len(os) * outcome
+		for _, o := range os {
+			n += len(o.GetRequestId()) + len(o.GetReason())
+		}
+	}
+	return n
 }
 
 // splitFinished splits f into messages of about max bytes or less (one
@@ -957,14 +979,27 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	go func() { // the one sender
 		defer wg.Done()
 		var prev kvxfer.Stats
+		// What a Finished message is made of, reused from one to the next
+		// (gRPC has encoded a message when Send returns): outcomes drained
+		// and converted allocate nothing per request.
+		var (
+			f     kvxfer.Finished
+			enc   stream.FinishedEncoder
+			stats pb.TransferStats
+		)
 		for {
 			var m *pb.ConnectResponse
 			select {
 			case <-r.worker.Ready():
-				f := r.worker.Finished()
-				fp := stream.FinishedToProto(&f)
-				fp.Stats, prev = statsSince(r.worker.Metrics().Snapshot(), prev)
-				if err := sendFinished(st, r.maxMsg, fp); err != nil {
+				f = r.worker.AppendFinished(f)
+				fp := enc.Encode(&f)
+				var moved bool
+				if moved, prev = statsSince(&stats, r.worker.Metrics().Snapshot(), prev); moved {
+					fp.Stats = &stats
+				}
+				err := sendFinished(st, r.maxMsg, fp)
+				f.Clear()
+				if err != nil {
 					sendErr <- err
 					return
 				}
@@ -979,20 +1014,27 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 		}
 	}()
+	// The one receiver hands steps and layer signals to the worker itself,
+	// in order (a step goes to the worker without a hop through this
+	// goroutine); what ends the stream (bye, a second hello, an empty
+	// message) comes here, and it receives nothing after it.
 	recvd := make(chan *pb.ConnectRequest)
 	recvErr := make(chan error, 1)
-	go func() { // the one receiver
+	go func() {
 		for {
 			m, err := st.Recv()
 			if err != nil {
 				recvErr <- err
 				return
 			}
+			if r.handle(ctx, m, out) {
+				continue
+			}
 			select {
 			case recvd <- m:
 			case <-ctx.Done():
-				return
 			}
+			return
 		}
 	}()
 	finish := func(graceful bool) error {
@@ -1025,32 +1067,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 			return Status(err)
 		case m := <-recvd:
-			switch x := m.Msg.(type) {
-			case *pb.ConnectRequest_Step:
-				meta, err := stream.StepFromProto(x.Step)
-				if err == nil {
-					err = r.worker.Step(meta)
-				}
-				if err != nil {
-					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: x.Step.GetStep(), Message: clipTo(err.Error(), r.maxErr)}}}:
-					case <-ctx.Done():
-					}
-				}
-			case *pb.ConnectRequest_StepRef:
-				step := x.StepRef.GetStep()
-				meta, err := r.s.sched.published(ctx, r.engine, r.uid, step)
-				if err == nil {
-					err = r.worker.Step(meta)
-				}
-				if err != nil {
-					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
-					case <-ctx.Done():
-					}
-				}
-			case *pb.ConnectRequest_LayerSaved:
-				_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+			switch m.Msg.(type) {
 			case *pb.ConnectRequest_Bye:
 				return finish(true)
 			case *pb.ConnectRequest_Hello:
@@ -1062,6 +1079,41 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			}
 		}
 	}
+}
+
+// handle hands a step (its metadata, or a published step it names) or a
+// layer signal to the worker, a rejected step's error to out, and reports
+// whether m was one of them.
+func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.ConnectResponse) bool {
+	var (
+		step uint64
+		err  error
+	)
+	switch x := m.Msg.(type) {
+	case *pb.ConnectRequest_Step:
+		step = x.Step.GetStep()
+		var meta *kvxfer.StepMeta
+		if meta, err = stream.StepFromProto(x.Step); err == nil {
+			err = r.worker.Step(meta)
+		}
+	case *pb.ConnectRequest_StepRef:
+		step = x.StepRef.GetStep()
+		var meta *kvxfer.StepMeta
+		if meta, err = r.s.sched.published(ctx, r.engine, r.uid, step); err == nil {
+			err = r.worker.Step(meta)
+		}
+	case *pb.ConnectRequest_LayerSaved:
+		_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+	default:
+		return false
+	}
+	if err != nil {
+		select {
+		case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
+		case <-ctx.Done():
+		}
+	}
+	return true
 }
 
 // drain waits until the rank holds no request, or DrainTimeout.
@@ -1076,14 +1128,12 @@ func (r *rank) drain() {
 	}
 }
 
-// statsSince returns the transfer stats between prev and now (nil when no
-// transfer ended in between) and the snapshot to diff against next.
-func statsSince(now, prev kvxfer.Stats) (*pb.TransferStats, kvxfer.Stats) {
-	d := &pb.TransferStats{Transfers: now.Transfers - prev.Transfers, FailedTransfers: now.FailedTransfers - prev.FailedTransfers,
-		Bytes: now.TotalBytes - prev.TotalBytes, Descriptors: now.TotalDescriptors - prev.TotalDescriptors,
-		TransferSeconds: now.TransferSeconds.Sum - prev.TransferSeconds.Sum, Expired: now.ExpiredRequests - prev.ExpiredRequests}
-	if d.Transfers+d.FailedTransfers+d.Expired == 0 {
-		return nil, now
-	}
-	return d, now
+// statsSince sets d to the transfer stats between prev and now, and
+// returns whether a transfer ended in between and the snapshot to diff
+// against next.
+func statsSince(d *pb.TransferStats, now, prev kvxfer.Stats) (bool, kvxfer.Stats) {
+	d.Transfers, d.FailedTransfers = now.Transfers-prev.Transfers, now.FailedTransfers-prev.FailedTransfers
+	d.Bytes, d.Descriptors = now.TotalBytes-prev.TotalBytes, now.TotalDescriptors-prev.TotalDescriptors
+	d.TransferSeconds, d.Expired = now.TransferSeconds.Sum-prev.TransferSeconds.Sum, now.ExpiredRequests-prev.ExpiredRequests
+	return d.Transfers+d.FailedTransfers+d.Expired > 0, now
 }

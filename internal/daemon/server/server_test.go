@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"net"
 	"path/filepath"
@@ -583,6 +584,37 @@ func TestResolverConnsBounded(t *testing.T) {
 	}
 	if n := runtime.NumGoroutine(); n > before+5 {
 		t.Errorf("goroutines: %d before, %d after 200 addresses and Close", before, n)
+	}
+}
+
+// The bound sendFinished checks a set against before sending it whole is
+// never below the set's encoded size: for sets of every shape (empty,
+// outcomes of either side with or without reasons, the largest field
+// values, negative block ids, stats at their largest).
+func TestFinishedBound(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range 500 {
+		f := &pb.Finished{}
+		if rng.IntN(2) == 0 {
+			f.Stats = &pb.TransferStats{Transfers: rng.Uint64(), FailedTransfers: math.MaxUint64, Bytes: math.MaxUint64,
+				Descriptors: math.MaxUint64, TransferSeconds: rng.Float64(), Expired: math.MaxUint64}
+		}
+		outcome := func() *pb.Outcome {
+			return &pb.Outcome{RequestId: strings.Repeat("r", rng.IntN(300)), Result: pb.Outcome_Result(rng.IntN(5) - rng.IntN(2)*1000),
+				Reason: strings.Repeat("x", rng.IntN(3)*rng.IntN(200)), FailureKind: pb.FailureKind(rng.IntN(12))}
+		}
+		for range rng.IntN(40) {
+			f.Sending = append(f.Sending, outcome())
+		}
+		for range rng.IntN(40) {
+			f.Recving = append(f.Recving, outcome())
+		}
+		for range rng.IntN(20) {
+			f.InvalidBlockIds = append(f.InvalidBlockIds, rng.Int32()-rng.Int32())
+		}
+		if b, n := server.FinishedBoundForTest(f), proto.Size(f); b < n {
+			t.Fatalf("set %d: bound %d < encoded size %d: %v", i, b, n, f)
+		}
 	}
 }
 
