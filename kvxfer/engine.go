@@ -156,6 +156,18 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	out := e.outbox
 	e.outbox = nil
 	for _, o := range out {
+		if o.m.Kind == msgAck || o.m.Kind == msgDone {
+			// A cancel confirmed only now: its tombstone, which drops a
+			// registration of that request arriving late, lives a full
+			// RegistrationTTL from the confirmation, not from the cancel.
+			k := regKey{engine: e.id, dreq: o.m.DReq}
+			if tb, ok := st.tombs[k]; ok {
+				tb.at = st.now
+				st.tombs[k] = tb
+			} else if o.m.Kind == msgAck {
+				st.tombs[k] = tomb{at: st.now}
+			}
+		}
 		st.sendTo(e, o.to, o.m)
 	}
 	// Messages that waited for this handshake first (a producer's failure
