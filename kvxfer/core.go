@@ -57,4 +57,22 @@ func (st *loopState) Step(now time.Time, in input) {
 	case inClose:
 		st.shutdown()
 	}
+	st.recycleSends()
+}
+
+// maxFreeSends bounds the producer records kept for reuse.
+const maxFreeSends = 4096
+
+// recycleSends clears the records of the requests forgotten during an
+// input, once it is handled, and keeps them for the next requests: a
+// record is the one allocation a producer request costs the core.
+func (st *loopState) recycleSends() {
+	for i, s := range st.deadSends {
+		if len(st.freeSends) < maxFreeSends {
+			*s = sendReq{}
+			st.freeSends = append(st.freeSends, s)
+		}
+		st.deadSends[i] = nil
+	}
+	st.deadSends = st.deadSends[:0]
 }

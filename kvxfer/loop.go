@@ -44,7 +44,12 @@ type loopState struct {
 	// sendBase: by base id, the oldest request of each base, the others
 	// after it through their nextBase (most bases have one request: a
 	// list needs no allocation of its own).
-	sendBase  map[string]*sendReq
+	sendBase map[string]*sendReq
+	// deadSends: requests forgotten during the input being handled, kept
+	// from reuse until it ends (a caller up the stack may still read
+	// one); freeSends: records of earlier inputs, cleared, for addSend.
+	deadSends []*sendReq
+	freeSends []*sendReq
 	regs      map[regKey]*regGroup // unmatched registrations
 	regByTID  map[string][]regKey
 	regByBase map[string][]regKey
@@ -170,11 +175,16 @@ type sendReq struct {
 	pullKind FailureKind
 
 	// prevBase and nextBase are the requests of the same base id before
-	// and after this one (sendBase), while inBase; byTID: the request is
+	// and after this one (sendBase), while inBase (a request with a
+	// transfer id is matched by it alone, so only those without one are
+	// listed by base id); byTID: the request is
 	// sendByTID's for its transfer id. They let forgetSend unindex it
 	// without looking it up.
 	prevBase, nextBase *sendReq
 	inBase, byTID      bool
+	// dead: forgotten; the record is cleared and reused once the input
+	// that forgot it is handled (recycleSends).
+	dead bool
 }
 
 type recvReq struct {

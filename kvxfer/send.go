@@ -53,7 +53,15 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 }
 
 func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
-	s := &sendReq{req: *in, prefill: prefill}
+	var s *sendReq
+	if n := len(st.freeSends); n > 0 {
+		s = st.freeSends[n-1]
+		st.freeSends[n-1] = nil
+		st.freeSends = st.freeSends[:n-1]
+	} else {
+		s = new(sendReq)
+	}
+	s.req, s.prefill = *in, prefill
 	if prefill {
 		s.saved = make([]bool, st.nLayers)
 	}
@@ -67,16 +75,20 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 			s.byTID = true
 		}
 	}
-	b := BaseRequestID(in.ReqID)
-	if last := st.sendBase[b]; last == nil {
-		st.sendBase[b] = s
-	} else {
-		for last.nextBase != nil {
-			last = last.nextBase
+	if in.TransferID == "" {
+		// Only a registration without a transfer id looks requests up by
+		// base id, and it matches only requests without one (regMatches).
+		b := BaseRequestID(in.ReqID)
+		if last := st.sendBase[b]; last == nil {
+			st.sendBase[b] = s
+		} else {
+			for last.nextBase != nil {
+				last = last.nextBase
+			}
+			last.nextBase, s.prevBase = s, last
 		}
-		last.nextBase, s.prevBase = s, last
+		s.inBase = true
 	}
-	s.inBase = true
 	if !prefill {
 		// A prefilling request has no lease yet: it starts at finish.
 		st.armLease(s, deadline)
@@ -149,6 +161,9 @@ func (g *regGroup) base() string {
 
 // findReg finds the oldest unmatched registration for s.
 func (st *loopState) findReg(s *sendReq) (regKey, bool) {
+	if len(st.regs) == 0 {
+		return regKey{}, false // nothing waits: the usual case, no lookup
+	}
 	var cands []regKey
 	if s.req.TransferID != "" {
 		cands = st.regByTID[s.req.TransferID]
@@ -759,6 +774,11 @@ func (st *loopState) forgetSend(s *sendReq) {
 			panic("kvxfer: forgetSend with a WRITE in flight")
 		}
 	}
+	if s.dead {
+		panic("kvxfer: forgetSend twice for " + s.req.ReqID)
+	}
+	s.dead = true
+	st.deadSends = append(st.deadSends, s)
 }
 
 // leaseTimer expires a producer request whose lease ran out.

@@ -1,0 +1,5 @@
+//go:build race
+
+package kvxfer
+
+const raceOn = true
