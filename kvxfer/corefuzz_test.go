@@ -355,16 +355,16 @@ func (s *coreSim) drain() {
 		}
 		s.advance(5 * time.Second)
 	}
-	s.t.Fatalf("the cores did not settle: P holds %d sends, D %d receives", len(s.cores["P"].sends), len(s.cores["D"].recvs))
+	s.t.Fatalf("the cores did not settle: P holds %d sends, D %d receives", s.cores["P"].sends.len(), len(s.cores["D"].recvs))
 }
 
 func (s *coreSim) settled() bool {
-	return len(s.cores["P"].sends) == 0 && len(s.cores["D"].recvs) == 0 && len(s.msgs) == 0 && len(s.xfers) == 0
+	return s.cores["P"].sends.len() == 0 && len(s.cores["D"].recvs) == 0 && len(s.msgs) == 0 && len(s.xfers) == 0
 }
 
 func (s *coreSim) checkAll() {
-	if p := s.cores["P"]; len(p.sendByTID)+len(p.sendBase) != 0 {
-		s.t.Errorf("settled P still indexes requests: %d by transfer id, %d base ids", len(p.sendByTID), len(p.sendBase))
+	if p := s.cores["P"]; p.sendByTID.len()+len(p.sendBase) != 0 {
+		s.t.Errorf("settled P still indexes requests: %d by transfer id, %d base ids", p.sendByTID.len(), len(p.sendBase))
 	}
 	for i := 1; i <= s.n; i++ {
 		for _, key := range []string{fmt.Sprintf("P/p-%d", i), fmt.Sprintf("D/d-%d", i)} {

@@ -264,8 +264,8 @@ func (st *loopState) redrive(e *engine) {
 			st.startRecv(r)
 		}
 	}
-	for _, id := range sortedKeys(st.sends) {
-		s := st.sends[id]
+	for _, id := range st.sendIDs() {
+		s := st.sends.get(id)
 		if s.match != nil && s.match.key.engine == e.id {
 			st.pushReady(s)
 		}
@@ -338,12 +338,22 @@ func (st *loopState) engineInUse(id string) bool {
 			return true
 		}
 	}
-	for _, s := range st.sends {
+	for s := range st.sends.all() {
 		if s.match != nil && s.match.key.engine == id {
 			return true
 		}
 	}
 	return false
+}
+
+// sendIDs returns the ids of the producer requests held, sorted.
+func (st *loopState) sendIDs() []string {
+	ids := make([]string, 0, st.sends.len())
+	for s := range st.sends.all() {
+		ids = append(ids, s.req.ReqID)
+	}
+	slices.Sort(ids)
+	return ids
 }
 
 func sortedKeys[V any](m map[string]V) []string {

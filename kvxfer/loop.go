@@ -39,8 +39,8 @@ type loopState struct {
 	timers  timerHeap
 
 	// Producer side.
-	sends     map[string]*sendReq // by P request id
-	sendByTID map[string]*sendReq // by transfer id
+	sends     sendTable // by P request id
+	sendByTID sendTable // by transfer id
 	// sendBase: by base id, the oldest request of each base, the others
 	// after it through their nextBase (most bases have one request: a
 	// list needs no allocation of its own).
@@ -182,6 +182,8 @@ type sendReq struct {
 	// without looking it up.
 	prevBase, nextBase *sendReq
 	inBase, byTID      bool
+	// hID and hTID: the request's ids hashed for sends and sendByTID.
+	hID, hTID uint64
 	// dead: forgotten; the record is cleared and reused once the input
 	// that forgot it is handled (recycleSends).
 	dead bool
@@ -238,8 +240,8 @@ type handle struct {
 func (st *loopState) init(w *Worker) {
 	st.w, st.cfg, st.layout = w, &w.cfg, &w.cfg.Layout
 	st.engines = map[string]*engine{}
-	st.sends = map[string]*sendReq{}
-	st.sendByTID = map[string]*sendReq{}
+	st.sends = newSendTable(false)
+	st.sendByTID = newSendTable(true)
 	st.sendBase = map[string]*sendReq{}
 	st.regs = map[regKey]*regGroup{}
 	st.regByTID = map[string][]regKey{}
@@ -512,7 +514,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || len(st.sends) > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0
 }
 
 // nextWake is when the loop must run again without other input.
@@ -530,7 +532,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 	for len(st.timers) > 0 && !st.timerLive(st.timers[0]) {
 		st.timers.pop()
 	}
-	if n := len(st.timers); n > 64 && n > 4*(len(st.sends)+2*len(st.recvs)) {
+	if n := len(st.timers); n > 64 && n > 4*(st.sends.len()+2*len(st.recvs)) {
 		live := st.timers[:0]
 		for _, t := range st.timers {
 			if st.timerLive(t) {
@@ -591,8 +593,8 @@ func (st *loopState) shutdown() {
 		st.fx.releases = append(st.fx.releases, id)
 	}
 	clear(st.handles)
-	for _, id := range slices.Sorted(maps.Keys(st.sends)) {
-		s := st.sends[id]
+	for _, id := range st.sendIDs() {
+		s := st.sends.get(id)
 		for _, r := range s.ranks {
 			r.inflight = 0 // abandoned above
 		}

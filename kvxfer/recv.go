@@ -310,7 +310,7 @@ func (st *loopState) postFailed(id XferID, err error) {
 	delete(st.handles, id)
 	st.w.metrics.FailedTransfer()
 	if h.send != "" {
-		s := st.sends[h.send]
+		s := st.sends.get(h.send)
 		if s == nil || s.ranks == nil {
 			return
 		}

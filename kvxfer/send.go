@@ -17,7 +17,8 @@ import (
 // consumer's completion notices (pull).
 
 func (st *loopState) newSend(in *SendReq, deadline time.Time) {
-	if s := st.sends[in.ReqID]; s != nil {
+	h := st.sends.hash(in.ReqID)
+	if s := st.sends.getH(in.ReqID, h); s != nil {
 		if s.prefill {
 			// Layer-wise: the prefill entry is followed by the finish;
 			// every layer is saved by now.
@@ -34,7 +35,7 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 		st.w.log.Warn("kvxfer: SendReq for a request already held", "req", in.ReqID)
 		return
 	}
-	st.addSend(in, deadline, false)
+	st.addSend(in, h, deadline, false)
 }
 
 // newPrefill holds a layer-wise request from its prefill step on, so its
@@ -43,16 +44,17 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 	if !st.cfg.Layerwise || st.cfg.Mode != ModePush {
 		return
 	}
-	if st.sends[in.ReqID] != nil {
+	h := st.sends.hash(in.ReqID)
+	if st.sends.getH(in.ReqID, h) != nil {
 		st.w.metrics.BadInput("prefill.duplicate")
 		return
 	}
 	st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
-	st.addSend(in, time.Time{}, true)
-	st.sends[in.ReqID].step = step
+	st.addSend(in, h, time.Time{}, true).step = step
 }
 
-func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
+// addSend holds a new producer request, whose id hashes to h in sends.
+func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill bool) *sendReq {
 	var s *sendReq
 	if n := len(st.freeSends); n > 0 {
 		s = st.freeSends[n-1]
@@ -65,13 +67,16 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 	if prefill {
 		s.saved = make([]bool, st.nLayers)
 	}
-	st.sends[in.ReqID] = s
+	s.hID = h
+	st.sends.insert(s, h)
 	if in.TransferID != "" {
-		if old := st.sendByTID[in.TransferID]; old != nil {
+		ht := st.sendByTID.hash(in.TransferID)
+		if old := st.sendByTID.getH(in.TransferID, ht); old != nil {
 			st.w.metrics.BadInput("send_req.transfer_id")
 			st.w.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
 		} else {
-			st.sendByTID[in.TransferID] = s
+			s.hTID = ht
+			st.sendByTID.insert(s, ht)
 			s.byTID = true
 		}
 	}
@@ -107,6 +112,7 @@ func (st *loopState) addSend(in *SendReq, deadline time.Time, prefill bool) {
 		}
 		st.pushReady(s)
 	}
+	return s
 }
 
 // layerSaved posts one layer's WRITEs for the requests prefilled in step.
@@ -124,7 +130,7 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		return
 	}
 	for _, id := range slices.Clone(st.layerSteps[step]) {
-		if s := st.sends[id]; s != nil && s.prefill {
+		if s := st.sends.get(id); s != nil && s.prefill {
 			s.saved[li] = true
 			st.pushReady(s)
 		}
@@ -186,16 +192,16 @@ func (st *loopState) findReg(s *sendReq) (regKey, bool) {
 // findSend finds the unmatched P request for a registration.
 func (st *loopState) findSend(g *regGroup) *sendReq {
 	if g.tid != "" {
-		if s := st.sendByTID[g.tid]; s != nil && s.match == nil && !s.done {
+		if s := st.sendByTID.get(g.tid); s != nil && s.match == nil && !s.done {
 			return s
 		}
 		return nil
 	}
 	if g.preq != "" {
-		if s := st.sends[g.preq]; s != nil && s.match == nil && !s.done {
+		if s := st.sends.get(g.preq); s != nil && s.match == nil && !s.done {
 			return s
 		}
-	} else if s := st.sends[g.key.dreq]; s != nil && s.match == nil && !s.done {
+	} else if s := st.sends.get(g.key.dreq); s != nil && s.match == nil && !s.done {
 		return s
 	}
 	for s := st.sendBase[g.base()]; s != nil; s = s.nextBase {
@@ -522,7 +528,7 @@ func (st *loopState) sendCompletion(s *sendReq, tp int, r *dRank, peer PeerName,
 // went, or failed; the rank is done, or fails, once nothing else of it
 // is in flight.
 func (st *loopState) completionSent(id string, tp int, err error) {
-	s := st.sends[id]
+	s := st.sends.get(id)
 	if s == nil || s.ranks == nil {
 		return
 	}
@@ -600,7 +606,7 @@ func (st *loopState) failRank(s *sendReq, tp int, r *dRank, kind FailureKind, re
 
 // sendSettled handles the end of one of a producer's WRITEs.
 func (st *loopState) sendSettled(h *handle, ok bool, err error) {
-	s := st.sends[h.send]
+	s := st.sends.get(h.send)
 	if s == nil || s.ranks == nil {
 		return
 	}
@@ -728,7 +734,7 @@ func allSettledOK(s *sendReq) bool {
 // forgetSend drops every trace of a finished producer request, keeping a
 // tombstone for its D request so late duplicates are dropped.
 func (st *loopState) forgetSend(s *sendReq) {
-	delete(st.sends, s.req.ReqID)
+	st.sends.remove(s, s.hID)
 	if a := st.w.access; a != nil && st.cfg.Mode == ModePull {
 		a.hold(s.req.Blocks, -1)
 	}
@@ -741,7 +747,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 		}
 	}
 	if s.byTID {
-		delete(st.sendByTID, s.req.TransferID)
+		st.sendByTID.remove(s, s.hTID)
 		s.byTID = false
 	}
 	if s.inBase {
@@ -783,7 +789,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 
 // leaseTimer expires a producer request whose lease ran out.
 func (st *loopState) leaseTimer(e timerEntry) {
-	s := st.sends[e.id]
+	s := st.sends.get(e.id)
 	if s == nil || s.done || !s.deadline.Equal(e.at) {
 		return // stale entry: finished or extended
 	}
@@ -807,9 +813,9 @@ func (st *loopState) onHeartbeat(m *msg) {
 		var s *sendReq
 		switch {
 		case tid != "":
-			s = st.sendByTID[tid]
+			s = st.sendByTID.get(tid)
 		case preq != "":
-			s = st.sends[preq]
+			s = st.sends.get(preq)
 		}
 		if s == nil && dreq != "" {
 			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
@@ -881,7 +887,7 @@ func (st *loopState) consumerGaveUp(m *msg) {
 // producerAborted handles a producer request the engine aborted after it
 // was scheduled: nothing will be sent, so matched consumers are told.
 func (st *loopState) producerAborted(id, tid string) {
-	if s := st.sends[id]; s != nil {
+	if s := st.sends.get(id); s != nil {
 		s.aborted, s.prefill = true, false
 		if st.cfg.Mode == ModePull {
 			st.settlePull(s)
@@ -938,10 +944,10 @@ func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, rea
 func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind) {
 	var s *sendReq
 	if m.TransferID != "" {
-		s = st.sendByTID[m.TransferID]
+		s = st.sendByTID.get(m.TransferID)
 	}
 	if s == nil && m.PReq != "" {
-		s = st.sends[m.PReq]
+		s = st.sends.get(m.PReq)
 	}
 	if s == nil {
 		// The consumer may read before our engine hands us the request

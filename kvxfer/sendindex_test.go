@@ -26,7 +26,7 @@ func TestSendIndexes(t *testing.T) {
 			if rng.IntN(3) == 0 {
 				id = fmt.Sprintf("r%d", rng.IntN(4)) // its own base
 			}
-			if st.sends[id] != nil {
+			if st.sends.get(id) != nil {
 				continue
 			}
 			req := SendReq{ReqID: id, TransferID: fmt.Sprintf("t%d", rng.IntN(6))}
@@ -46,7 +46,7 @@ func TestSendIndexes(t *testing.T) {
 			i := rng.IntN(len(held))
 			id := held[i]
 			held = slices.Delete(held, i, i+1)
-			s := st.sends[id]
+			s := st.sends.get(id)
 			t := s.req.TransferID
 			st.forgetSend(s)
 			if rng.IntN(8) == 0 {
@@ -61,8 +61,8 @@ func TestSendIndexes(t *testing.T) {
 				delete(tid, t)
 			}
 		}
-		if len(st.sendBase) != len(base) || len(st.sendByTID) != len(tid) {
-			t.Fatalf("op %d: %d base ids and %d transfer ids indexed, want %d and %d", op, len(st.sendBase), len(st.sendByTID), len(base), len(tid))
+		if len(st.sendBase) != len(base) || st.sendByTID.len() != len(tid) {
+			t.Fatalf("op %d: %d base ids and %d transfer ids indexed, want %d and %d", op, len(st.sendBase), st.sendByTID.len(), len(base), len(tid))
 		}
 		for b, want := range base {
 			var got []string
@@ -78,7 +78,7 @@ func TestSendIndexes(t *testing.T) {
 			}
 		}
 		for k, id := range tid {
-			if s := st.sendByTID[k]; s == nil || s.req.ReqID != id {
+			if s := st.sendByTID.get(k); s == nil || s.req.ReqID != id {
 				t.Fatalf("op %d: transfer id %s indexes %v, want %s", op, k, s, id)
 			}
 		}
@@ -111,8 +111,8 @@ func TestProducerRequestZeroAllocs(t *testing.T) {
 		st.Step(now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
 		now = now.Add(time.Minute) // past every lease
 		st.Step(now, input{kind: inTimers})
-		if len(st.out.Sending) != n || len(st.sends)+len(st.sendByTID)+len(st.sendBase) != 0 {
-			t.Fatalf("round %d: %d outcomes, %d requests still held", round, len(st.out.Sending), len(st.sends))
+		if len(st.out.Sending) != n || st.sends.len()+st.sendByTID.len()+len(st.sendBase) != 0 {
+			t.Fatalf("round %d: %d outcomes, %d requests still held", round, len(st.out.Sending), st.sends.len())
 		}
 		st.out.Clear()
 	}

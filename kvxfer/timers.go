@@ -94,7 +94,7 @@ func (st *loopState) arm(at time.Time, k timerKind, id string) {
 func (st *loopState) timerLive(t timerEntry) bool {
 	switch t.kind {
 	case tLease:
-		s := st.sends[t.id]
+		s := st.sends.get(t.id)
 		return s != nil && s.deadline.Equal(t.at)
 	case tRecvDeadline:
 		r := st.recvs[t.id]

@@ -838,7 +838,7 @@ func (w *Worker) State() (WorkerState, error) {
 				live++
 			}
 		}
-		ch <- WorkerState{Sends: len(st.sends), PendingRegs: len(st.regs), Matches: len(st.matched),
+		ch <- WorkerState{Sends: st.sends.len(), PendingRegs: len(st.regs), Matches: len(st.matched),
 			Tombstones: len(st.tombs), Early: len(st.early), LayerSteps: len(st.layerSteps), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
 	}})
 	if err != nil {
