@@ -533,6 +533,9 @@ func FuzzCoalesce(f *testing.F) {
 		if len(idx) != len(ref) {
 			t.Fatalf("AppendIndices = %d pairs, reference %d descriptors", len(idx), len(ref))
 		}
+		if runs := hotpath.IndexRuns(idx); runs > len(got) {
+			t.Fatalf("IndexRuns = %d, more than the %d descriptors AppendDescs gives (it must be a lower bound)", runs, len(got))
+		}
 		for i, p := range idx {
 			if int(p.Local) >= len(sl) || int(p.Remote) >= len(dl) || p.Local < 0 || p.Remote < 0 {
 				t.Fatalf("index pair %d = %+v outside the prepared lists (%d, %d)", i, p, len(sl), len(dl))

@@ -357,3 +357,24 @@ func TestNotifyOnlyRankStillRejectsBadInput(t *testing.T) {
 		t.Errorf("AppendReference = %v, want ErrInvalidRequest", err)
 	}
 }
+
+// IndexRuns counts the runs of pairs consecutive on both sides.
+func TestIndexRuns(t *testing.T) {
+	p := func(l, r int32) hotpath.IndexPair { return hotpath.IndexPair{Local: l, Remote: r} }
+	for _, tc := range []struct {
+		pairs []hotpath.IndexPair
+		want  int
+	}{
+		{nil, 0},
+		{[]hotpath.IndexPair{p(3, 9)}, 1},
+		{[]hotpath.IndexPair{p(3, 9), p(4, 10), p(5, 11)}, 1},
+		{[]hotpath.IndexPair{p(3, 9), p(4, 11), p(5, 12)}, 2}, // remote jumps
+		{[]hotpath.IndexPair{p(3, 9), p(5, 10), p(6, 11)}, 2}, // local jumps
+		{[]hotpath.IndexPair{p(3, 9), p(2, 8), p(1, 7)}, 3},   // going down
+		{[]hotpath.IndexPair{p(0, 0), p(1, 1), p(0, 2), p(1, 3)}, 2},
+	} {
+		if got := hotpath.IndexRuns(tc.pairs); got != tc.want {
+			t.Errorf("IndexRuns(%v) = %d, want %d", tc.pairs, got, tc.want)
+		}
+	}
+}

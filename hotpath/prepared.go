@@ -21,6 +21,27 @@ type IndexPair struct {
 	Local, Remote int32
 }
 
+// IndexRuns returns the number of maximal runs of pairs whose local and
+// remote indices both go up by one from each pair to the next. It is a
+// lower bound on the descriptors AppendDescs gives for the same request
+// (AppendDescs merges only pieces contiguous on both sides, and those are
+// neighbours in both prepared lists), so a caller choosing between a
+// prepared post and an on-the-fly one can often decide from the pairs
+// alone, without building descriptors.
+func IndexRuns(pairs []IndexPair) int {
+	if len(pairs) == 0 {
+		return 0
+	}
+	n := 1
+	for k := 1; k < len(pairs); k++ {
+		p, q := pairs[k-1], pairs[k]
+		if q.Local != p.Local+1 || q.Remote != p.Remote+1 {
+			n++
+		}
+	}
+	return n
+}
+
 // Side selects one side of a plan.
 type Side uint8
 

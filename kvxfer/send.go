@@ -1055,7 +1055,10 @@ func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Pl
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	if st.costed {
+	// Coalescing gives at least IndexRuns descriptors: when a prepared
+	// post wins even against that many (scattered blocks), the
+	// descriptors need not be built to know it.
+	if st.costed && !st.cost.Prepared(hotpath.IndexRuns(st.idxBuf), len(st.idxBuf)) {
 		from := len(st.fx.descs)
 		st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, req)
 		if err != nil {

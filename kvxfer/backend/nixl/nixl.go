@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 
@@ -405,10 +406,9 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	if gone != nil {
 		return 0, gone
 	}
-	idx := make([][2]int32, len(pairs))
-	for i, p := range pairs {
-		idx[i] = [2]int32{p.Local, p.Remote}
-	}
+	// An IndexPair is two int32s, as a [2]int32 is: the pairs go to the
+	// binding as they are, not copied.
+	idx := unsafe.Slice((*[2]int32)(unsafe.Pointer(unsafe.SliceData(pairs))), len(pairs))
 	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp.p, rp.p, idx, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
@@ -420,6 +420,9 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	n.mu.busy = time.Now()
 	return n.mu.next, nil
 }
+
+// An IndexPair must stay laid out as a [2]int32 (PostPrepared).
+var _ = [1]struct{}{}[unsafe.Sizeof(hotpath.IndexPair{})-unsafe.Sizeof([2]int32{})]
 
 // DefaultPostCost is what a post cost through NIXL 1.5.1 (nixl-cu12) and
 // UCX between host-memory agents (UCX's cma transport: a system call per
