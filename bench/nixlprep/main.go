@@ -51,6 +51,10 @@ const (
 
 // hugepages advises the pools to use transparent huge pages, as numpy
 // does the reference's.
+// progressDelay is the kvxfer side's NIXL progress thread pause
+// (nixl.Config.ProgressDelay; 0: the backend's default).
+var progressDelay = flag.Duration("progress-delay", 0, "the kvxfer side's NIXL progress thread pause (0: the backend's default, 100µs; negative: spin)")
+
 var hugepages = flag.Bool("hugepages", true, "advise the pools to use transparent huge pages, as numpy does the reference's")
 
 func main() {
@@ -80,7 +84,7 @@ func newSide(name string, nb int) (*side, error) {
 	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
 	l := &topology.Layout{TPRank: 0, TPSize: 4, PPSize: 1, TotalKVHeads: 8, HeadSize: 128, ElemBytes: 2,
 		KVLayout: topology.LayoutHND, Packing: topology.PackedKV, LogicalBlockSize: block, KernelBlockSize: block}
-	be, err := nixl.New(nixl.Config{Name: fmt.Sprintf("nixlprep-%s-%d", name, rand.Uint64())})
+	be, err := nixl.New(nixl.Config{Name: fmt.Sprintf("nixlprep-%s-%d", name, rand.Uint64()), ProgressDelay: *progressDelay})
 	if err != nil {
 		return nil, err
 	}
