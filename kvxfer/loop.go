@@ -120,6 +120,8 @@ type regGroup struct {
 	dTP     int
 	ranks   map[int]*msg
 	arrived time.Time
+	// until: the earliest of its registrations' limits (msg.Until).
+	until time.Time
 }
 
 // rank states of one D rank of a matched producer request.

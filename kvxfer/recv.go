@@ -146,6 +146,12 @@ func (st *loopState) refuseProducer(e *engine, r *recvReq, fk FailureKind, reaso
 // register sends D's registration to every producer rank it needs.
 func (st *loopState) register(r *recvReq, e *engine) {
 	m := &msg{Kind: msgReg, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Spans: r.req.Local}
+	if !r.deadline.IsZero() {
+		// Past our deadline we give the request up: the producer must not
+		// act on this registration then, however late it reaches it. On
+		// its clock (the handshake's offset: its clock minus ours).
+		m.Until = r.deadline.Add(e.offset)
+	}
 	b := appendMsg(nil, st.self(m))
 	if a := st.w.access; a != nil && r.grant == 0 {
 		// The producer ranks may WRITE into these blocks from before they

@@ -106,9 +106,22 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 		st.replayEarly(s)
 	}
 	if st.cfg.Mode == ModePush {
-		if k, ok := st.findReg(s); ok {
-			st.attach(s, st.regs[k])
+		for {
+			k, ok := st.findReg(s)
+			if !ok {
+				break
+			}
+			g := st.regs[k]
+			if !g.until.IsZero() && !st.now.Before(g.until) {
+				// It waited past the consumer's deadline: the consumer gave
+				// the request up; fail it and look again.
+				st.w.metrics.Dropped("reg_expired")
+				st.failRegGroup(g, s.req.ReqID, FailureExpired, "the consumer's deadline passed before the producer's request arrived")
+				continue
+			}
+			st.attach(s, g)
 			st.dropReg(k)
+			break
 		}
 		st.pushReady(s)
 	}
@@ -242,6 +255,11 @@ func (st *loopState) onReg(m *msg) {
 		st.w.metrics.Dropped("reg_without_request")
 		return
 	}
+	// Past its Until the consumer gave the request up and may have freed
+	// the blocks (its cancel, and our tombstone of it, may be long gone):
+	// such a registration starts nothing. A copy of one we already act
+	// on is only a duplicate.
+	late := !m.Until.IsZero() && !st.now.Before(m.Until)
 	if tb, dead := st.tombs[k]; dead {
 		st.w.metrics.Dropped("reg_after_finish")
 		if !slices.Contains(tb.done, m.TPRank) && len(m.Spans) > 0 {
@@ -258,13 +276,23 @@ func (st *loopState) onReg(m *msg) {
 		return
 	}
 	if s := st.matched[k]; s != nil {
+		if r := s.ranks[m.TPRank]; late && r != nil && r.state == rkWaiting && m.TPSize == s.match.dTP {
+			st.w.metrics.Dropped("reg_expired")
+			st.failRank(s, m.TPRank, r, FailureExpired, regLate)
+			st.settleSend(s)
+			return
+		}
 		st.addRank(s, m)
 		st.pushReady(s)
 		return
 	}
 	g := st.regs[k]
+	if g == nil && late {
+		st.refuseLateReg(m)
+		return
+	}
 	if g == nil {
-		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now}
+		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now, until: m.Until}
 		_, goneT := st.abortedT[m.TransferID]
 		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" || goneT && m.TransferID != "" {
 			g.ranks[m.TPRank] = m
@@ -291,7 +319,25 @@ func (st *loopState) onReg(m *msg) {
 		st.w.metrics.Dropped("reg_duplicate")
 		return
 	}
+	if late {
+		st.refuseLateReg(m)
+		return
+	}
 	g.ranks[m.TPRank] = m
+	if !m.Until.IsZero() && (g.until.IsZero() || m.Until.Before(g.until)) {
+		g.until = m.Until
+	}
+}
+
+// regLate is why a registration past its Until is refused.
+const regLate = "the registration reached the producer after the consumer's deadline"
+
+// refuseLateReg drops a registration past its Until that nothing of ours
+// acts on yet, telling its rank, in case it still waits.
+func (st *loopState) refuseLateReg(m *msg) {
+	st.w.metrics.Dropped("reg_expired")
+	st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
+		&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, Reason: regLate, FailKind: FailureExpired})
 }
 
 // attach matches a P request with a D request's registrations.

@@ -113,7 +113,7 @@ func parseTrace(t *testing.T, path string) (cases []traceCase) {
 
 func runTrace(t *testing.T, path string) {
 	cases := parseTrace(t, path)
-	tc := &traceCore{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), fail: map[opKind]int{}}
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
 	var rewritten strings.Builder
 	for _, c := range cases {
 		got := tc.run(t, c.cmd)
@@ -272,6 +272,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 				}
 			}
 			h.res.Generation = uint64(gen)
+			if v, ok := a["offset"]; ok { // the peer's clock minus ours
+				h.res.ClockOffset = dur(t, v)
+			}
 		}
 		h.probe = a["probe"] == "true"
 		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
@@ -292,6 +295,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 			if k.String() == a["failkind"] {
 				m.FailKind = k
 			}
+		}
+		if v, ok := a["until"]; ok { // a registration's limit, from the scripts' start
+			m.Until = traceEpoch.Add(dur(t, v))
 		}
 		n := Notif{From: PeerName(cmpOr(a["agent"], a["from"])), Msg: appendMsg(nil, m)}
 		tc.st.Step(tc.now, input{kind: inNotifs, notifs: []Notif{n}})
@@ -444,5 +450,11 @@ func describeMsg(b []byte) string {
 	if m.FailKind != FailureNone {
 		s += " kind=" + m.FailKind.String()
 	}
+	if !m.Until.IsZero() {
+		s += " until=" + m.Until.Sub(traceEpoch).String()
+	}
 	return s
 }
+
+// traceEpoch is the scripts' start: times in them are offsets from it.
+var traceEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -19,7 +20,9 @@ import (
 // count, then per group the start token, the id count and the ids as
 // zig-zag deltas from the previous id. A failure kind (FailureKind) ends
 // a fail or cancel message as one uvarint when it is not FailureNone;
-// absent, the sender did not say (a peer of an earlier build).
+// absent, the sender did not say (a peer of an earlier build). A
+// registration's Until ends it as one varint of Unix nanoseconds when it
+// is set; absent, the registration has no limit.
 
 const (
 	wireMagic   = 'K'
@@ -93,6 +96,12 @@ type msg struct {
 	Reason string
 	// FailKind classifies a msgFail or msgCancel (FailureNone: unsaid).
 	FailKind FailureKind
+	// Until is when a registration (msgReg) stops being valid, on the
+	// receiver's clock: the consumer's deadline for the request. A
+	// producer drops one that reaches it, or waits for its request, past
+	// then (zero: no limit). However late a registration is delivered,
+	// it cannot make the producer WRITE into blocks the consumer gave up.
+	Until time.Time
 }
 
 // failKind is the kind a failure notice gives the receiver's outcome:
@@ -140,6 +149,9 @@ func appendMsg(b []byte, m *msg) []byte {
 	b = appendStr(b, m.Reason)
 	if m.FailKind != FailureNone && (m.Kind == msgFail || m.Kind == msgCancel) {
 		b = binary.AppendUvarint(b, uint64(m.FailKind))
+	}
+	if m.Kind == msgReg && !m.Until.IsZero() {
+		b = binary.AppendVarint(b, m.Until.UnixNano())
 	}
 	return b
 }
@@ -290,6 +302,13 @@ func decodeMsg(b []byte) (*msg, error) {
 			r.fail("fail_kind", "%d out of range [1, 255]", k)
 		} else {
 			m.FailKind = FailureKind(k)
+		}
+	}
+	if r.err == nil && len(r.b) > 0 && m.Kind == msgReg {
+		if v := r.varint("until"); r.err == nil && v == 0 {
+			r.fail("until", "0: an unset limit is not encoded")
+		} else {
+			m.Until = time.Unix(0, v)
 		}
 	}
 	if r.err != nil {

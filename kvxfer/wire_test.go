@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -19,6 +20,8 @@ func TestWireRoundTrip(t *testing.T) {
 		{"reg", msg{Kind: msgReg, Engine: "D", Addr: "d:1", TPRank: 1, TPSize: 2, PPRank: 0, PPSize: 1, TransferID: "t", DReq: "d-1", PReq: "p-1",
 			Spans: []topology.Span{{Start: 16, IDs: []topology.BlockID{5, 3, 9, 0}}, {Start: 0, IDs: nil}}}},
 		{"empty reg releases", msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d-1"}},
+		{"reg with a limit", msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d-1", Spans: []topology.Span{{IDs: []topology.BlockID{4}}},
+			Until: time.Unix(0, 1_790_000_000_123_456_789)}},
 		{"heartbeat", msg{Kind: msgHeartbeat, Engine: "D", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d", "", "p2", "d2"}}},
 		{"fail", msg{Kind: msgFail, Engine: "P", TPRank: 3, TPSize: 4, PPRank: 1, PPSize: 2, DReq: "x", Reason: "WRITE failed"}},
 		{"fail with kind", msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, DReq: "x", Reason: "WRITE failed", FailKind: FailureTransfer}},
@@ -66,6 +69,10 @@ func TestWireRejects(t *testing.T) {
 		{"fail kind zero", append(appendMsg(nil, &msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1}), 0), "field fail_kind"},
 		{"fail kind too big", binary.AppendUvarint(appendMsg(nil, &msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1}), 256), "field fail_kind"},
 		{"kind on a done", append(bytes.Clone(good), byte(FailureTransfer)), "trailing"},
+		{"until zero", append(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d"}), 0), "field until"},
+		{"until truncated", append(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d"}), 0x80), "field until"},
+		{"until then more", append(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d", Until: time.Unix(5, 0)}), 1), "trailing"},
+		{"until on a done", binary.AppendVarint(bytes.Clone(good), 5), "trailing"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -83,6 +90,7 @@ func FuzzWire(f *testing.F) {
 	f.Add(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 2, PPSize: 1, DReq: "d", Spans: []topology.Span{{Start: 3, IDs: []topology.BlockID{1, 2, 7}}}}))
 	f.Add(appendMsg(nil, &msg{Kind: msgHeartbeat, Engine: "D", TPSize: 1, PPSize: 1, IDs: []string{"a", "b", "c"}}))
 	f.Add([]byte("K\x01\x06"))
+	f.Add(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d", Until: time.Unix(1_790_000_000, 7)}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := decodeMsg(b)
 		if err != nil {
