@@ -139,7 +139,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		e.id, e.addr, e.gen, h.res.Generation)
 	n := st.failWaiting(e, FailurePeerGone, reason, true, func(r *recvReq) bool {
 		for _, t := range r.targets {
-			if changed[t] && !r.got[t] {
+			if changed[t] && !r.got.has(t) {
 				return true
 			}
 		}
@@ -176,7 +176,7 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 		n++
 		if fence {
 			for _, t := range r.targets {
-				r.fenced[t] = true
+				r.fenced = r.fenced.add(t)
 			}
 			for h := range r.handles {
 				st.fx.releases = append(st.fx.releases, h)

@@ -196,13 +196,15 @@ type recvReq struct {
 	deadline time.Time
 	targets  []rankRef
 	sent     bool // registrations or reads issued
-	got      map[rankRef]bool
-	fenced   map[rankRef]bool
-	handles  map[XferID]rankRef
-	decided  bool
-	outcome  Outcome
-	fenceBy  time.Time
-	canceled bool
+	got      rankSet
+	fenced   rankSet
+	handles  map[XferID]rankRef // pull: READs in flight (nil until one is)
+	// gotBuf and fencedBuf hold got and fenced while they are small.
+	gotBuf, fencedBuf [rankSetLen]rankRef
+	decided           bool
+	outcome           Outcome
+	fenceBy           time.Time
+	canceled          bool
 	// failedRank: a producer rank reported a failure (its bytes are
 	// missing for good).
 	failedRank bool
@@ -224,6 +226,29 @@ type recvReq struct {
 }
 
 type rankRef struct{ pp, tp int }
+
+// rankSet is a set of producer ranks: a request has a few, so a list
+// searched in order, kept in the request's own storage up to rankSetLen.
+type rankSet []rankRef
+
+const rankSetLen = 4
+
+func (s rankSet) has(t rankRef) bool {
+	for _, x := range s {
+		if x == t {
+			return true
+		}
+	}
+	return false
+}
+
+// add returns s with t in it.
+func (s rankSet) add(t rankRef) rankSet {
+	if s.has(t) {
+		return s
+	}
+	return append(s, t)
+}
 
 type handle struct {
 	id     XferID

@@ -32,12 +32,21 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		st.report(RoleConsumer, Outcome{ReqID: in.ReqID, Result: res, Reason: why})
 		return
 	}
-	r := &recvReq{req: *in, deadline: deadline, got: map[rankRef]bool{}, fenced: map[rankRef]bool{}, handles: map[XferID]rankRef{}}
+	r := &recvReq{req: *in, deadline: deadline}
+	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
 	st.recvs[in.ReqID] = r
 	if !deadline.IsZero() {
 		st.arm(deadline, tRecvDeadline, in.ReqID)
 	}
 	st.startRecv(r)
+}
+
+// addHandle notes a READ in flight from producer rank to.
+func (r *recvReq) addHandle(id XferID, to rankRef) {
+	if r.handles == nil {
+		r.handles = map[XferID]rankRef{}
+	}
+	r.handles[id] = to
 }
 
 // releaseProducer tells P at once that D needs nothing for a request (a
@@ -213,7 +222,7 @@ func (st *loopState) registerSettled(r *recvReq, e *engine) {
 	for i, to := range r.targets {
 		if err := errs[i]; err != nil {
 			st.w.metrics.FailedNotification()
-			r.fenced[to] = true // nothing registered there
+			r.fenced = r.fenced.add(to) // nothing registered there
 			st.decide(r, ResultFailed, FailureRegistration, "registration: "+err.Error())
 		}
 	}
@@ -232,7 +241,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
 	r.rehandshook = true
 	st.revoke(r) // the grant names the old agents
 	r.sent, r.targets = false, nil
-	clear(r.fenced)
+	r.fenced = r.fenced[:0]
 	if e.state != hsPending {
 		st.startHandshake(e)
 	}
@@ -275,7 +284,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	}
 	if p.NotifyOnly {
 		st.tellP(e, r, to, msgDone, FailureNone, "")
-		r.got[to] = true
+		r.got = r.got.add(to)
 		return
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
@@ -286,7 +295,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 			st.decide(r, ResultFailed, FailureSetup, "post READ: "+err.Error())
 			return
 		}
-		r.handles[id] = to
+		r.addHandle(id, to)
 		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
@@ -301,7 +310,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	}
 	descs := st.fx.descs[from:]
 	id := st.postOp(hotpath.OpRead, e.peers[to], from, done)
-	r.handles[id] = to
+	r.addHandle(id, to)
 	st.handles[id] = &handle{id: id, posted: st.now, bytes: descBytes(descs), descs: len(descs),
 		blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 }
@@ -351,7 +360,7 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 	}
 	delete(r.handles, h.id)
 	if ok {
-		r.got[h.src] = true
+		r.got = r.got.add(h.src)
 		if !r.decided && len(r.got) == len(r.targets) {
 			st.decide(r, ResultDone, FailureNone, "")
 		}
@@ -424,11 +433,11 @@ func (st *loopState) onPushDone(m *msg) {
 	if !ok {
 		return
 	}
-	if r.got[ref] {
+	if r.got.has(ref) {
 		st.w.metrics.Dropped("done_duplicate")
 		return
 	}
-	r.got[ref], r.fenced[ref] = true, true
+	r.got, r.fenced = r.got.add(ref), r.fenced.add(ref)
 	if len(r.got) == len(r.targets) {
 		if !r.decided {
 			st.decide(r, ResultDone, FailureNone, "")
@@ -455,7 +464,7 @@ func (st *loopState) onPushFail(m *msg) {
 	if !ok {
 		return
 	}
-	r.fenced[ref] = true
+	r.fenced = r.fenced.add(ref)
 	r.failedRank = true
 	st.decide(r, ResultFailed, m.failKind(), fmt.Sprintf("producer %s rank tp %d pp %d: %s", m.Engine, m.TPRank, m.PPRank, m.Reason))
 	st.tryReport(r)
@@ -467,7 +476,7 @@ func (st *loopState) onAck(m *msg) {
 	if !ok {
 		return
 	}
-	r.fenced[ref] = true
+	r.fenced = r.fenced.add(ref)
 	st.tryReport(r)
 }
 
@@ -522,7 +531,7 @@ func (st *loopState) sendCancels(r *recvReq) {
 		return
 	}
 	for _, to := range r.targets {
-		if !r.fenced[to] {
+		if !r.fenced.has(to) {
 			st.tellP(e, r, to, msgCancel, r.outcome.Kind, r.outcome.Reason)
 		}
 	}
@@ -536,7 +545,7 @@ func (st *loopState) tryReport(r *recvReq) {
 	}
 	if st.cfg.Mode == ModePush && r.sent {
 		for _, t := range r.targets {
-			if !r.fenced[t] {
+			if !r.fenced.has(t) {
 				return
 			}
 		}
@@ -578,7 +587,7 @@ func (st *loopState) recvDeadline(e timerEntry) {
 	if st.cfg.Mode == ModePull {
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			for _, to := range r.targets {
-				if !r.got[to] && !st.reading(r, to) {
+				if !r.got.has(to) && !st.reading(r, to) {
 					st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
 				}
 			}

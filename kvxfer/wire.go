@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
@@ -123,6 +124,7 @@ func appendStr(b []byte, s string) []byte {
 
 // appendMsg encodes m onto b.
 func appendMsg(b []byte, m *msg) []byte {
+	b = slices.Grow(b, msgSizeBound(m))
 	b = append(b, wireMagic, wireVersion, byte(m.Kind))
 	b = appendStr(b, m.Engine)
 	b = appendStr(b, m.Addr)
@@ -154,6 +156,22 @@ func appendMsg(b []byte, m *msg) []byte {
 		b = binary.AppendVarint(b, m.Until.UnixNano())
 	}
 	return b
+}
+
+// msgSizeBound bounds m's encoding, so appendMsg grows its buffer once:
+// a varint takes at most 10 bytes, a block id's delta at most 5 (ids are
+// int32s).
+func msgSizeBound(m *msg) int {
+	n := 3 + 4*10 + 5*binary.MaxVarintLen64 + len(m.Engine) + len(m.Addr) + len(m.TransferID) + len(m.DReq) + len(m.PReq) + len(m.Reason)
+	n += binary.MaxVarintLen64 // spans count
+	for _, sp := range m.Spans {
+		n += 2*binary.MaxVarintLen64 + 5*len(sp.IDs)
+	}
+	n += binary.MaxVarintLen64 // ids count
+	for _, id := range m.IDs {
+		n += binary.MaxVarintLen64 + len(id)
+	}
+	return n + 2*binary.MaxVarintLen64 // fail kind, until
 }
 
 // reader decodes fields, remembering the first error.

@@ -145,3 +145,26 @@ func TestFailureKindNames(t *testing.T) {
 		}
 	}
 }
+
+// appendMsg grows its buffer once: msgSizeBound is never short, however
+// large the ids and spans.
+func TestMsgSizeBound(t *testing.T) {
+	big := make([]topology.BlockID, 1000)
+	for i := range big {
+		big[i] = topology.BlockID((i * 7919 % 1000) << 21) // large deltas, both signs
+	}
+	for _, m := range []msg{
+		{Kind: msgReg, Engine: "D", TPSize: 1 << 16, TPRank: 1<<16 - 1, PPSize: 1, DReq: "d", Spans: []topology.Span{{Start: 1 << 30, IDs: big}, {}},
+			Until: time.Unix(0, -1<<62)},
+		{Kind: msgHeartbeat, Engine: "D", TPSize: 1, PPSize: 1, IDs: []string{"a", strings.Repeat("b", 300), ""}},
+		{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, Reason: strings.Repeat("r", 1000), FailKind: 255},
+	} {
+		b := appendMsg(nil, &m)
+		if bound := msgSizeBound(&m); len(b) > bound {
+			t.Errorf("%v: %d bytes, bound %d", m.Kind, len(b), bound)
+		}
+		if n := testing.AllocsPerRun(10, func() { appendMsg(nil, &m) }); n != 1 && !raceOn {
+			t.Errorf("%v: appendMsg allocated %v times, want 1", m.Kind, n)
+		}
+	}
+}
