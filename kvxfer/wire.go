@@ -178,6 +178,9 @@ func msgSizeBound(m *msg) int {
 type reader struct {
 	b   []byte
 	err error
+	// whole, when set, is the bytes being read (b is its tail) as one
+	// string: str returns pieces of it instead of a copy each.
+	whole string
 }
 
 func (r *reader) fail(field string, format string, args ...any) {
@@ -231,7 +234,13 @@ func (r *reader) str(field string) string {
 		r.fail(field, "length %d exceeds %d or the %d bytes left", n, maxWireString, len(r.b))
 		return ""
 	}
-	s := string(r.b[:n])
+	var s string
+	if r.whole != "" {
+		off := len(r.whole) - len(r.b)
+		s = r.whole[off : off+int(n)]
+	} else {
+		s = string(r.b[:n])
+	}
 	r.b = r.b[n:]
 	return s
 }
@@ -266,6 +275,13 @@ func decodeMsg(b []byte) (*msg, error) {
 		return nil, fmt.Errorf("%w: field kind: %d unknown", errWire, b[2])
 	}
 	r := &reader{b: b[3:]}
+	if m.Kind != msgReg && m.Kind != msgHeartbeat && len(b) <= 4<<10 {
+		// A notice of one request (done, fail, cancel, ack): its strings
+		// come from one copy of the message, which they keep alive; not
+		// for registrations and heartbeats, whose block and id lists can
+		// be large.
+		r.whole = string(b[3:])
+	}
 	m.Engine = r.str("engine")
 	m.Addr = r.str("addr")
 	m.TPRank = r.integer("tp_rank", 0, 1<<16)
