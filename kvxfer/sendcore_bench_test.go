@@ -17,8 +17,7 @@ func BenchmarkProducerRequests(b *testing.B) {
 	for _, n := range []int{16, 256} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
 			now := time.Unix(1000, 0)
-			st := newTestCore(b, "P", ModePush, traceLayout(0, 1, 1<<20), now)
-			st.w.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			st := quietCore(b, "P", 1<<20, now)
 			metas := make([]StepMeta, 4)
 			for k := range metas {
 				for i := range n {
@@ -46,8 +45,7 @@ func BenchmarkConsumerRequests(b *testing.B) {
 	for _, n := range []int{16, 256} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
 			now := time.Unix(1000, 0)
-			st := newTestCore(b, "D", ModePush, traceLayout(0, 1, 1<<30), now)
-			st.w.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			st := quietCore(b, "D", 1<<30, now)
 			metas := make([]StepMeta, 4)
 			dones := make([][]Notif, 4)
 			for k := range metas {
@@ -84,4 +82,12 @@ func BenchmarkConsumerRequests(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/request")
 		})
 	}
+}
+
+// quietCore is a push core logging at Warn, as kvxferd's benchmarks run
+// (expiries log at Info).
+func quietCore(b *testing.B, engine string, base uint64, now time.Time) *loopState {
+	st := newTestCore(b, engine, ModePush, traceLayout(0, 1, base), now)
+	st.w.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	return st
 }
