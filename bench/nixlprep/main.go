@@ -55,6 +55,10 @@ const (
 // (nixl.Config.ProgressDelay; 0: the backend's default).
 var progressDelay = flag.Duration("progress-delay", 0, "the kvxfer side's NIXL progress thread pause (0: the backend's default, 100µs; negative: spin)")
 
+// pollInterval is the kvxfer side's backends' busy poll interval
+// (nixl.Config.PollInterval; 0: the default, 1 ms).
+var pollInterval = flag.Duration("poll-interval", 0, "the kvxfer side's backends' busy poll interval (0: the default, 1ms)")
+
 var hugepages = flag.Bool("hugepages", true, "advise the pools to use transparent huge pages, as numpy does the reference's")
 
 func main() {
@@ -84,7 +88,7 @@ func newSide(name string, nb int) (*side, error) {
 	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
 	l := &topology.Layout{TPRank: 0, TPSize: 4, PPSize: 1, TotalKVHeads: 8, HeadSize: 128, ElemBytes: 2,
 		KVLayout: topology.LayoutHND, Packing: topology.PackedKV, LogicalBlockSize: block, KernelBlockSize: block}
-	be, err := nixl.New(nixl.Config{Name: fmt.Sprintf("nixlprep-%s-%d", name, rand.Uint64()), ProgressDelay: *progressDelay})
+	be, err := nixl.New(nixl.Config{Name: fmt.Sprintf("nixlprep-%s-%d", name, rand.Uint64()), ProgressDelay: *progressDelay, PollInterval: *pollInterval})
 	if err != nil {
 		return nil, err
 	}
