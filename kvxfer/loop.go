@@ -367,14 +367,50 @@ func (st *loopState) step(meta *StepMeta) {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
-		st.newPrefill(&meta.Prefill[i], meta.Step)
+		if !st.overLimit(RoleProducer, meta.Prefill[i].ReqID, nil) {
+			st.newPrefill(&meta.Prefill[i], meta.Step)
+		}
 	}
 	for i := range meta.Send {
-		st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
+		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, nil) {
+			st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
+		}
 	}
 	for i := range meta.Recv {
-		st.newRecv(&meta.Recv[i], rebase(meta.Recv[i].Deadline, meta.SchedulerClock, now))
+		if !st.overLimit(RoleConsumer, meta.Recv[i].ReqID, meta.Recv[i].Local) {
+			st.newRecv(&meta.Recv[i], rebase(meta.Recv[i].Deadline, meta.SchedulerClock, now))
+		}
 	}
+}
+
+// DefaultMaxRequests is WorkerConfig.MaxRequests' default: requests held
+// at once per rank and side.
+const DefaultMaxRequests = 1 << 16
+
+// overLimit fails a new request at once when the rank already holds
+// WorkerConfig.MaxRequests on its side (one it holds already, a
+// duplicate or a layer-wise request's finish, passes, to be handled as
+// such); a consumer's blocks are reported invalid, as for any failure.
+func (st *loopState) overLimit(role Role, id string, local []topology.Span) bool {
+	limit := st.cfg.MaxRequests
+	if limit < 0 || role == RoleConsumer && len(local) == 0 {
+		return false // unbounded; or nothing held (a full prefix hit, an early abort)
+	}
+	held, have := st.sends.len(), st.sends.get(id) != nil
+	field := "send_req.limit"
+	if role == RoleConsumer {
+		held, have, field = len(st.recvs), st.recvs[id] != nil, "recv_req.limit"
+	}
+	if held < limit || have {
+		return false
+	}
+	st.w.metrics.BadInput(field)
+	if role == RoleConsumer {
+		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(local)...)
+	}
+	st.report(role, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureSetup,
+		Reason: fmt.Sprintf("the rank holds %d %s requests, its limit (WorkerConfig.MaxRequests, kvxferd -max-requests)", held, role)})
+	return true
 }
 
 // report queues one terminal outcome.

@@ -6,8 +6,11 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // The producer's request indexes (by transfer id; by base id, oldest
@@ -124,5 +127,67 @@ func TestProducerRequestZeroAllocs(t *testing.T) {
 	}
 	if len(st.freeSends) != n {
 		t.Errorf("%d records kept for reuse, want %d", len(st.freeSends), n)
+	}
+}
+
+// A rank holds at most WorkerConfig.MaxRequests requests a side: one
+// past it fails at once (setup, the bound named, counted), a consumer's
+// blocks reported invalid; the others, duplicates of held ones and
+// consumer requests that hold nothing carry on, and room made by
+// requests ending is taken again.
+func TestRequestLimit(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), now)
+	p.cfg.MaxRequests = 2
+	send := func(ids ...string) {
+		m := &StepMeta{}
+		for _, id := range ids {
+			m.Send = append(m.Send, SendReq{ReqID: id, TransferID: "t" + id, Blocks: []topology.Span{{IDs: []topology.BlockID{1}}}, Tokens: 16})
+		}
+		p.Step(now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	}
+	send("a", "b", "c", "a")
+	if got := p.out.Sending; len(got) != 1 || got[0].ReqID != "c" || got[0].Result != ResultFailed || got[0].Kind != FailureSetup ||
+		!strings.Contains(got[0].Reason, "limit") {
+		t.Fatalf("outcomes %+v, want c failed (setup) naming the limit", got)
+	}
+	if p.sends.len() != 2 {
+		t.Fatalf("P holds %d requests, want 2", p.sends.len())
+	}
+	if s := p.w.metrics.Snapshot(); s.BadInput["send_req.limit"] != 1 || s.BadInput["send_req.duplicate"] != 1 {
+		t.Errorf("bad input counts %v, want one send_req.limit and one send_req.duplicate", s.BadInput)
+	}
+	p.out.Clear()
+	now = now.Add(time.Minute) // a and b expire
+	p.Step(now, input{kind: inTimers})
+	p.out.Clear()
+	send("d")
+	if len(p.out.Sending) != 0 || p.sends.get("d") == nil {
+		t.Fatalf("after the others ended, d: outcomes %+v, held %v", p.out.Sending, p.sends.get("d") != nil)
+	}
+
+	d := newTestCore(t, "D", ModePush, traceLayout(0, 1, 1<<30), now)
+	d.cfg.MaxRequests = 1
+	m := &StepMeta{}
+	for i, id := range []string{"x", "y", "z"} {
+		r := RecvReq{ReqID: id, TransferID: "t" + id, Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
+		if id != "z" { // z: a full prefix hit, nothing to hold
+			r.Local = []topology.Span{{IDs: []topology.BlockID{topology.BlockID(3 + i)}}}
+		}
+		m.Recv = append(m.Recv, r)
+	}
+	d.Step(now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	got := map[string]Outcome{}
+	for _, o := range d.out.Recving {
+		got[o.ReqID] = o
+	}
+	if len(got) != 2 || got["y"].Result != ResultFailed || got["y"].Kind != FailureSetup || got["z"].Result != ResultDone {
+		t.Fatalf("consumer outcomes %+v, want y failed (setup) and z done", d.out.Recving)
+	}
+	if !slices.Equal(d.out.InvalidBlocks, []topology.BlockID{4}) {
+		t.Errorf("invalid blocks %v, want y's [4]", d.out.InvalidBlocks)
+	}
+	if len(d.recvs) != 1 || d.recvs["x"] == nil {
+		t.Errorf("D holds %d requests, want x alone", len(d.recvs))
 	}
 }

@@ -61,6 +61,12 @@ type WorkerConfig struct {
 	// PollInterval is how often in-flight transfers are polled while any
 	// exist (default 1 ms). Nothing is polled while idle.
 	PollInterval time.Duration
+	// MaxRequests bounds the requests the rank holds at once on each side
+	// (producer, consumer; default DefaultMaxRequests, negative: none). A
+	// request past it fails at once (FailureSetup, its reason naming the
+	// bound) and the others carry on: an engine cannot make its daemon
+	// hold an unbounded number.
+	MaxRequests int
 	// MaxRunBytes caps the bytes of one coalesced descriptor (0: none).
 	MaxRunBytes int64
 	// MaxSegments bounds the descriptors one unit (a kernel block's worth
@@ -132,6 +138,9 @@ func (c *WorkerConfig) fill() error {
 	}
 	if c.RegistrationTTL == 0 {
 		c.RegistrationTTL = 480 * time.Second
+	}
+	if c.MaxRequests == 0 {
+		c.MaxRequests = DefaultMaxRequests
 	}
 	if c.EngineTTL == 0 {
 		c.EngineTTL = time.Hour

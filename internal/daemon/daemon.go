@@ -54,7 +54,7 @@ type config struct {
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
-	conns, maxSegments                                                                                  int
+	conns, maxSegments, maxRequests                                                                     int
 }
 
 func parseFlags(args []string) (*config, error) {
@@ -76,6 +76,8 @@ func parseFlags(args []string) (*config, error) {
 		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail; negative: never")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
+		"requests a worker rank holds at once on each side (producer, consumer); one past it fails at once (transfer_setup_failed)")
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
 		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
 			"peers past it are refused at handshake. Set it alike on P and D")
@@ -136,6 +138,9 @@ func parseFlags(args []string) (*config, error) {
 	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 {
 		return nil, fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns)
+	}
+	if c.maxRequests <= 0 {
+		return nil, fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
 	}
 	if c.maxSegments <= 0 {
 		return nil, fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
@@ -375,6 +380,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		},
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout
+			wc.MaxRequests = c.maxRequests
 			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
 		},
 	})

@@ -192,3 +192,24 @@ func TestMaxSegmentsFlag(t *testing.T) {
 		}
 	}
 }
+
+// -max-requests (KVXFERD_MAX_REQUESTS): kvxfer's default, read from the
+// environment, overridden by the flag, positive only.
+func TestMaxRequestsFlag(t *testing.T) {
+	c, err := parseFlags(nil)
+	if err != nil || c.maxRequests != kvxfer.DefaultMaxRequests {
+		t.Fatalf("default -max-requests = %d, %v; want %d", c.maxRequests, err, kvxfer.DefaultMaxRequests)
+	}
+	t.Setenv("KVXFERD_MAX_REQUESTS", "100")
+	if c, err := parseFlags(nil); err != nil || c.maxRequests != 100 {
+		t.Errorf("KVXFERD_MAX_REQUESTS=100: -max-requests = %d, %v; want 100", c.maxRequests, err)
+	}
+	if c, err := parseFlags([]string{"-max-requests", "7"}); err != nil || c.maxRequests != 7 {
+		t.Errorf("-max-requests 7 over the environment's 100 = %d, %v; want 7", c.maxRequests, err)
+	}
+	for _, bad := range []string{"0", "-3"} {
+		if _, err := parseFlags([]string{"-max-requests", bad}); err == nil || !strings.Contains(err.Error(), "-max-requests") {
+			t.Errorf("-max-requests %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
