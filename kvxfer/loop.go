@@ -367,17 +367,17 @@ func (st *loopState) step(meta *StepMeta) {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
-		if !st.overLimit(RoleProducer, meta.Prefill[i].ReqID, nil) {
+		if !st.overLimit(RoleProducer, meta.Prefill[i].ReqID, "", nil) {
 			st.newPrefill(&meta.Prefill[i], meta.Step)
 		}
 	}
 	for i := range meta.Send {
-		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, nil) {
+		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, "", nil) {
 			st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
 		}
 	}
 	for i := range meta.Recv {
-		if !st.overLimit(RoleConsumer, meta.Recv[i].ReqID, meta.Recv[i].Local) {
+		if !st.overLimit(RoleConsumer, meta.Recv[i].ReqID, meta.Recv[i].Remote.EngineID, meta.Recv[i].Local) {
 			st.newRecv(&meta.Recv[i], rebase(meta.Recv[i].Deadline, meta.SchedulerClock, now))
 		}
 	}
@@ -387,30 +387,48 @@ func (st *loopState) step(meta *StepMeta) {
 // at once per rank and side.
 const DefaultMaxRequests = 1 << 16
 
+// maxEngines bounds the peer engines a rank knows at once; a consumer
+// request naming one more fails (idle engines leave after EngineTTL).
+const maxEngines = 1 << 12
+
 // overLimit fails a new request at once when the rank already holds
-// WorkerConfig.MaxRequests on its side (one it holds already, a
-// duplicate or a layer-wise request's finish, passes, to be handled as
-// such); a consumer's blocks are reported invalid, as for any failure.
-func (st *loopState) overLimit(role Role, id string, local []topology.Span) bool {
-	limit := st.cfg.MaxRequests
-	if limit < 0 || role == RoleConsumer && len(local) == 0 {
-		return false // unbounded; or nothing held (a full prefix hit, an early abort)
-	}
-	held, have := st.sends.len(), st.sends.get(id) != nil
-	field := "send_req.limit"
+// WorkerConfig.MaxRequests on its side, or, for a consumer, when it names
+// a producer engine past the bound on peer engines (maxEngines). One the
+// rank holds already (a duplicate, a layer-wise request's finish) passes,
+// to be handled as such.
+func (st *loopState) overLimit(role Role, id, remote string, local []topology.Span) bool {
+	held, have, field := st.sends.len(), st.sends.get(id) != nil, "send_req.limit"
 	if role == RoleConsumer {
 		held, have, field = len(st.recvs), st.recvs[id] != nil, "recv_req.limit"
 	}
-	if held < limit || have {
-		return false
+	if have {
+		return false // a duplicate, handled as such
 	}
+	if role == RoleConsumer && st.engines[remote] == nil && len(st.engines) >= maxEngines {
+		// A producer engine past the bound on peer engines known: the
+		// engine names them, each a handshake and an entry kept until
+		// EngineTTL.
+		st.refuse(role, id, local, "recv_req.remote.engine_id.limit", FailureHandshake,
+			fmt.Sprintf("producer engine %q would be the rank's peer engine number %d, past its limit %d", remote, len(st.engines)+1, maxEngines))
+		return true
+	}
+	limit := st.cfg.MaxRequests
+	if limit < 0 || held < limit || role == RoleConsumer && len(local) == 0 {
+		return false // unbounded, room left, or nothing to hold (a full prefix hit, an early abort)
+	}
+	st.refuse(role, id, local, field, FailureSetup,
+		fmt.Sprintf("the rank holds %d %s requests, its limit (WorkerConfig.MaxRequests, kvxferd -max-requests)", held, role))
+	return true
+}
+
+// refuse fails a request the rank does not take in, counting field; a
+// consumer's blocks are reported invalid, as for any failure.
+func (st *loopState) refuse(role Role, id string, local []topology.Span, field string, kind FailureKind, why string) {
 	st.w.metrics.BadInput(field)
 	if role == RoleConsumer {
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(local)...)
 	}
-	st.report(role, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureSetup,
-		Reason: fmt.Sprintf("the rank holds %d %s requests, its limit (WorkerConfig.MaxRequests, kvxferd -max-requests)", held, role)})
-	return true
+	st.report(role, Outcome{ReqID: id, Result: ResultFailed, Kind: kind, Reason: why})
 }
 
 // report queues one terminal outcome.

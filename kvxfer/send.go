@@ -930,6 +930,10 @@ func (st *loopState) consumerGaveUp(m *msg) {
 	st.forgetSend(s)
 }
 
+// maxAborted bounds the aborted producer requests remembered by id and by
+// transfer id (producerAborted).
+const maxAborted = 1 << 16
+
 // producerAborted handles a producer request the engine aborted after it
 // was scheduled: nothing will be sent, so matched consumers are told.
 func (st *loopState) producerAborted(id, tid string) {
@@ -945,12 +949,21 @@ func (st *loopState) producerAborted(id, tid string) {
 	if st.cfg.Mode != ModePush {
 		return
 	}
-	st.abortedP[id] = st.now
+	// Remembered for RegistrationTTL, so a registration arriving later is
+	// answered at once; the engine names these ids, so they are bounded
+	// (past the bound such a registration waits for its TTL instead).
+	if len(st.abortedP) < maxAborted {
+		st.abortedP[id] = st.now
+	} else {
+		st.w.metrics.BadInput("not_processed.limit")
+	}
 	var found *regGroup
 	if tid != "" {
 		// Registrations name the transfer id (push: D may not know P's
 		// request id): the one that matches is this request's.
-		st.abortedT[tid] = st.now
+		if len(st.abortedT) < maxAborted {
+			st.abortedT[tid] = st.now
+		}
 		if ks := st.regByTID[tid]; len(ks) > 0 {
 			found = st.regs[ks[0]]
 		}

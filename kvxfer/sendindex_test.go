@@ -191,3 +191,48 @@ func TestRequestLimit(t *testing.T) {
 		t.Errorf("D holds %d requests, want x alone", len(d.recvs))
 	}
 }
+
+// The aborted producer requests a push rank remembers (ids an engine
+// names in NotProcessed) are bounded, the excess counted.
+func TestAbortedBound(t *testing.T) {
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), time.Unix(1000, 0))
+	m := &StepMeta{NotProcessedTransferIDs: map[string]string{}}
+	for i := range maxAborted + 10 {
+		id := fmt.Sprintf("gone-%d", i)
+		m.NotProcessed = append(m.NotProcessed, id)
+		m.NotProcessedTransferIDs[id] = "t" + id
+	}
+	p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	if len(p.abortedP) != maxAborted || len(p.abortedT) != maxAborted {
+		t.Errorf("remembers %d aborted ids and %d transfer ids, want %d each", len(p.abortedP), len(p.abortedT), maxAborted)
+	}
+	if n := p.w.metrics.Snapshot().BadInput["not_processed.limit"]; n != 10 {
+		t.Errorf("not_processed.limit counted %d times, want 10", n)
+	}
+}
+
+// The producer engines a consumer rank's requests may name are bounded:
+// a request naming one past the bound fails (handshake, counted), one
+// naming a known engine carries on.
+func TestEngineBound(t *testing.T) {
+	d := newTestCore(t, "D", ModePush, traceLayout(0, 1, 1<<30), time.Unix(1000, 0))
+	recv := func(id, engine string) RecvReq {
+		return RecvReq{ReqID: id, Local: []topology.Span{{IDs: []topology.BlockID{1}}},
+			Remote: RemoteRef{EngineID: engine, Addr: engine + ":1", ReqID: "p" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
+	}
+	m := &StepMeta{}
+	for i := range maxEngines {
+		m.Recv = append(m.Recv, recv(fmt.Sprintf("r%d", i), fmt.Sprintf("P%d", i)))
+	}
+	m.Recv = append(m.Recv, recv("over", "Pnew"), recv("known", "P7"))
+	d.Step(d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	if len(d.out.Recving) != 1 || d.out.Recving[0].ReqID != "over" || d.out.Recving[0].Kind != FailureHandshake {
+		t.Fatalf("outcomes %+v, want over failed (handshake)", d.out.Recving)
+	}
+	if len(d.engines) != maxEngines || d.recvs["known"] == nil {
+		t.Errorf("%d engines known (want %d), known held: %v", len(d.engines), maxEngines, d.recvs["known"] != nil)
+	}
+	if n := d.w.metrics.Snapshot().BadInput["recv_req.remote.engine_id.limit"]; n != 1 {
+		t.Errorf("engine limit counted %d times, want 1", n)
+	}
+}
