@@ -291,6 +291,15 @@ func (st *loopState) onReg(m *msg) {
 		st.refuseLateReg(m)
 		return
 	}
+	if g == nil && len(st.regs) >= maxRegs {
+		// Registrations wait for their request up to RegistrationTTL; peers
+		// cannot make us keep more than maxRegs at once.
+		st.w.metrics.Dropped("reg_limit")
+		st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
+			&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, FailKind: FailureSetup,
+				Reason: fmt.Sprintf("the producer rank holds %d registrations waiting for their requests, its limit", len(st.regs))})
+		return
+	}
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now, until: m.Until}
 		_, goneT := st.abortedT[m.TransferID]
@@ -328,6 +337,10 @@ func (st *loopState) onReg(m *msg) {
 		g.until = m.Until
 	}
 }
+
+// maxRegs bounds the registrations a producer rank keeps waiting for
+// their requests.
+const maxRegs = 1 << 16
 
 // regLate is why a registration past its Until is refused.
 const regLate = "the registration reached the producer after the consumer's deadline"

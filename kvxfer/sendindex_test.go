@@ -236,3 +236,31 @@ func TestEngineBound(t *testing.T) {
 		t.Errorf("engine limit counted %d times, want 1", n)
 	}
 }
+
+// The registrations a producer rank keeps waiting for their requests are
+// bounded: one more is refused (its rank told, counted); a request
+// arriving still finds the ones kept.
+func TestRegistrationBound(t *testing.T) {
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), time.Unix(1000, 0))
+	reg := func(i int) Notif {
+		m := &msg{Kind: msgReg, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, TransferID: fmt.Sprintf("t%d", i), DReq: fmt.Sprintf("d%d", i),
+			PReq: fmt.Sprintf("p%d", i), Spans: []topology.Span{{IDs: []topology.BlockID{1}}}}
+		return Notif{From: "D/0", Msg: appendMsg(nil, m)}
+	}
+	var ns []Notif
+	for i := range maxRegs + 1 {
+		ns = append(ns, reg(i))
+	}
+	p.Step(p.now, input{kind: inNotifs, notifs: ns})
+	if len(p.regs) != maxRegs {
+		t.Fatalf("%d registrations kept, want %d", len(p.regs), maxRegs)
+	}
+	if n := p.w.metrics.Snapshot().Dropped["reg_limit"]; n != 1 {
+		t.Errorf("reg_limit counted %d times, want 1", n)
+	}
+	p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{Send: []SendReq{{ReqID: "p5", TransferID: "t5",
+		Blocks: []topology.Span{{IDs: []topology.BlockID{2}}}, Tokens: 16}}}}})
+	if s := p.sends.get("p5"); s == nil || s.match == nil {
+		t.Errorf("p5 did not find its waiting registration")
+	}
+}
