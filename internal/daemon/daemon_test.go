@@ -172,44 +172,35 @@ func TestNixlProgressDelayFlag(t *testing.T) {
 	}
 }
 
-// -max-segments (KVXFERD_MAX_SEGMENTS): topology's default, read from the
+// -max-segments and -max-requests (KVXFERD_MAX_SEGMENTS,
+// KVXFERD_MAX_REQUESTS): their packages' defaults, read from the
 // environment, overridden by the flag, positive only.
-func TestMaxSegmentsFlag(t *testing.T) {
-	c, err := parseFlags(nil)
-	if err != nil || c.maxSegments != topology.DefaultMaxSegments {
-		t.Fatalf("default -max-segments = %d, %v; want %d", c.maxSegments, err, topology.DefaultMaxSegments)
-	}
-	t.Setenv("KVXFERD_MAX_SEGMENTS", "512")
-	if c, err := parseFlags(nil); err != nil || c.maxSegments != 512 {
-		t.Errorf("KVXFERD_MAX_SEGMENTS=512: -max-segments = %d, %v; want 512", c.maxSegments, err)
-	}
-	if c, err := parseFlags([]string{"-max-segments", "1024"}); err != nil || c.maxSegments != 1024 {
-		t.Errorf("-max-segments 1024 over the environment's 512 = %d, %v; want 1024", c.maxSegments, err)
-	}
-	for _, bad := range []string{"0", "-3"} {
-		if _, err := parseFlags([]string{"-max-segments", bad}); err == nil || !strings.Contains(err.Error(), "-max-segments") {
-			t.Errorf("-max-segments %s: %v, want an error naming the flag", bad, err)
-		}
-	}
-}
-
-// -max-requests (KVXFERD_MAX_REQUESTS): kvxfer's default, read from the
-// environment, overridden by the flag, positive only.
-func TestMaxRequestsFlag(t *testing.T) {
-	c, err := parseFlags(nil)
-	if err != nil || c.maxRequests != kvxfer.DefaultMaxRequests {
-		t.Fatalf("default -max-requests = %d, %v; want %d", c.maxRequests, err, kvxfer.DefaultMaxRequests)
-	}
-	t.Setenv("KVXFERD_MAX_REQUESTS", "100")
-	if c, err := parseFlags(nil); err != nil || c.maxRequests != 100 {
-		t.Errorf("KVXFERD_MAX_REQUESTS=100: -max-requests = %d, %v; want 100", c.maxRequests, err)
-	}
-	if c, err := parseFlags([]string{"-max-requests", "7"}); err != nil || c.maxRequests != 7 {
-		t.Errorf("-max-requests 7 over the environment's 100 = %d, %v; want 7", c.maxRequests, err)
-	}
-	for _, bad := range []string{"0", "-3"} {
-		if _, err := parseFlags([]string{"-max-requests", bad}); err == nil || !strings.Contains(err.Error(), "-max-requests") {
-			t.Errorf("-max-requests %s: %v, want an error naming the flag", bad, err)
-		}
+func TestPositiveIntFlags(t *testing.T) {
+	for _, tc := range []struct {
+		flag, env string
+		def       int
+		get       func(*config) int
+	}{
+		{"-max-segments", "KVXFERD_MAX_SEGMENTS", topology.DefaultMaxSegments, func(c *config) int { return c.maxSegments }},
+		{"-max-requests", "KVXFERD_MAX_REQUESTS", kvxfer.DefaultMaxRequests, func(c *config) int { return c.maxRequests }},
+	} {
+		t.Run(tc.flag, func(t *testing.T) {
+			c, err := parseFlags(nil)
+			if err != nil || tc.get(c) != tc.def {
+				t.Fatalf("default %s = %d, %v; want %d", tc.flag, tc.get(c), err, tc.def)
+			}
+			t.Setenv(tc.env, "512")
+			if c, err := parseFlags(nil); err != nil || tc.get(c) != 512 {
+				t.Errorf("%s=512: %s = %d, %v; want 512", tc.env, tc.flag, tc.get(c), err)
+			}
+			if c, err := parseFlags([]string{tc.flag, "1024"}); err != nil || tc.get(c) != 1024 {
+				t.Errorf("%s 1024 over the environment's 512 = %d, %v; want 1024", tc.flag, tc.get(c), err)
+			}
+			for _, bad := range []string{"0", "-3"} {
+				if _, err := parseFlags([]string{tc.flag, bad}); err == nil || !strings.Contains(err.Error(), tc.flag) {
+					t.Errorf("%s %s: %v, want an error naming the flag", tc.flag, bad, err)
+				}
+			}
+		})
 	}
 }
