@@ -396,25 +396,33 @@ const maxEngines = 1 << 12
 // a producer engine past the bound on peer engines (maxEngines). One the
 // rank holds already (a duplicate, a layer-wise request's finish) passes,
 // to be handled as such.
+//
+// Below the bounds, as almost always, it looks nothing up: the request's
+// own handling does.
 func (st *loopState) overLimit(role Role, id, remote string, local []topology.Span) bool {
-	held, have, field := st.sends.len(), st.sends.get(id) != nil, "send_req.limit"
+	held, field := st.sends.len(), "send_req.limit"
 	if role == RoleConsumer {
-		held, have, field = len(st.recvs), st.recvs[id] != nil, "recv_req.limit"
+		held, field = len(st.recvs), "recv_req.limit"
 	}
-	if have {
+	limit := st.cfg.MaxRequests
+	full := limit >= 0 && held >= limit && (role == RoleProducer || len(local) > 0) // an empty list holds nothing
+	if !full && (role == RoleProducer || len(st.engines) < maxEngines) {
+		return false
+	}
+	newEngine := role == RoleConsumer && len(st.engines) >= maxEngines && st.engines[remote] == nil
+	if !newEngine && !full {
+		return false
+	}
+	if role == RoleProducer && st.sends.get(id) != nil || role == RoleConsumer && st.recvs[id] != nil {
 		return false // a duplicate, handled as such
 	}
-	if role == RoleConsumer && st.engines[remote] == nil && len(st.engines) >= maxEngines {
+	if newEngine {
 		// A producer engine past the bound on peer engines known: the
 		// engine names them, each a handshake and an entry kept until
 		// EngineTTL.
 		st.refuse(role, id, local, "recv_req.remote.engine_id.limit", FailureHandshake,
 			fmt.Sprintf("producer engine %q would be the rank's peer engine number %d, past its limit %d", remote, len(st.engines)+1, maxEngines))
 		return true
-	}
-	limit := st.cfg.MaxRequests
-	if limit < 0 || held < limit || role == RoleConsumer && len(local) == 0 {
-		return false // unbounded, room left, or nothing to hold (a full prefix hit, an early abort)
 	}
 	st.refuse(role, id, local, field, FailureSetup,
 		fmt.Sprintf("the rank holds %d %s requests, its limit (WorkerConfig.MaxRequests, kvxferd -max-requests)", held, role))

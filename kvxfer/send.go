@@ -294,10 +294,8 @@ func (st *loopState) onReg(m *msg) {
 	if g == nil && len(st.regs) >= maxRegs {
 		// Registrations wait for their request up to RegistrationTTL; peers
 		// cannot make us keep more than maxRegs at once.
-		st.w.metrics.Dropped("reg_limit")
-		st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
-			&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, FailKind: FailureSetup,
-				Reason: fmt.Sprintf("the producer rank holds %d registrations waiting for their requests, its limit", len(st.regs))})
+		st.refuseReg(m, "reg_limit", FailureSetup,
+			fmt.Sprintf("the producer rank holds %d registrations waiting for their requests, its limit", len(st.regs)))
 		return
 	}
 	if g == nil {
@@ -348,9 +346,15 @@ const regLate = "the registration reached the producer after the consumer's dead
 // refuseLateReg drops a registration past its Until that nothing of ours
 // acts on yet, telling its rank, in case it still waits.
 func (st *loopState) refuseLateReg(m *msg) {
-	st.w.metrics.Dropped("reg_expired")
+	st.refuseReg(m, "reg_expired", FailureExpired, regLate)
+}
+
+// refuseReg drops a registration, counted as dropped, and tells its rank
+// why.
+func (st *loopState) refuseReg(m *msg, dropped string, kind FailureKind, why string) {
+	st.w.metrics.Dropped(dropped)
 	st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
-		&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, Reason: regLate, FailKind: FailureExpired})
+		&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, Reason: why, FailKind: kind})
 }
 
 // attach matches a P request with a D request's registrations.

@@ -159,19 +159,21 @@ func appendMsg(b []byte, m *msg) []byte {
 }
 
 // msgSizeBound bounds m's encoding, so appendMsg grows its buffer once:
-// a varint takes at most 10 bytes, a block id's delta at most 5 (ids are
-// int32s).
+// a varint takes at most binary.MaxVarintLen64 bytes, a block id's delta
+// at most 5 (ids are int32s).
 func msgSizeBound(m *msg) int {
-	n := 3 + 4*10 + 5*binary.MaxVarintLen64 + len(m.Engine) + len(m.Addr) + len(m.TransferID) + len(m.DReq) + len(m.PReq) + len(m.Reason)
-	n += binary.MaxVarintLen64 // spans count
+	const v = binary.MaxVarintLen64
+	n := 3 + 4*v // header; tp and pp rank and size
+	n += 6*v + len(m.Engine) + len(m.Addr) + len(m.TransferID) + len(m.DReq) + len(m.PReq) + len(m.Reason)
+	n += v // spans count
 	for _, sp := range m.Spans {
-		n += 2*binary.MaxVarintLen64 + 5*len(sp.IDs)
+		n += 2*v + 5*len(sp.IDs)
 	}
-	n += binary.MaxVarintLen64 // ids count
+	n += v // ids count
 	for _, id := range m.IDs {
-		n += binary.MaxVarintLen64 + len(id)
+		n += v + len(id)
 	}
-	return n + 2*binary.MaxVarintLen64 // fail kind, until
+	return n + 2*v // fail kind, until
 }
 
 // reader decodes fields, remembering the first error.

@@ -49,8 +49,6 @@ const (
 	blockLen = 2 * 2 * block * 128 * 2 // K and V, 2 of 8 heads at TP4, bf16
 )
 
-// hugepages advises the pools to use transparent huge pages, as numpy
-// does the reference's.
 // progressDelay is the kvxfer side's NIXL progress thread pause
 // (nixl.Config.ProgressDelay; 0: the backend's default).
 var progressDelay = flag.Duration("progress-delay", 0, "the kvxfer side's NIXL progress thread pause (0: the backend's default, 100µs; negative: spin)")
@@ -59,6 +57,8 @@ var progressDelay = flag.Duration("progress-delay", 0, "the kvxfer side's NIXL p
 // (nixl.Config.PollInterval; 0: the default, 1 ms).
 var pollInterval = flag.Duration("poll-interval", 0, "the kvxfer side's backends' busy poll interval (0: the default, 1ms)")
 
+// hugepages advises the pools to use transparent huge pages, as numpy
+// does the reference's.
 var hugepages = flag.Bool("hugepages", true, "advise the pools to use transparent huge pages, as numpy does the reference's")
 
 func main() {
