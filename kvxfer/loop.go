@@ -55,10 +55,13 @@ type loopState struct {
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
-	abortedP  map[string]time.Time   // producer requests aborted, by id
-	abortedT  map[string]time.Time   // and by transfer id
-	early     map[string]*earlyNotes // pull: notices before their request
-	pins      map[senderKey]pin      // agents speaking for ranks of engines not handshaken with
+	abortedP  map[string]goneSend // producer requests gone unpaired, by id
+	abortedT  map[string]goneSend // and by transfer id
+	// ambRegs and ambSends: scratch for findReg and findSend.
+	ambRegs  []*regGroup
+	ambSends []*sendReq
+	early    map[string]*earlyNotes // pull: notices before their request
+	pins     map[senderKey]pin      // agents speaking for ranks of engines not handshaken with
 
 	// Consumer side.
 	recvs map[string]*recvReq
@@ -122,6 +125,10 @@ type regGroup struct {
 	arrived time.Time
 	// until: the earliest of its registrations' limits (msg.Until).
 	until time.Time
+	// gaveUp: not a registration but the consumer's give-up (a cancel
+	// before it registered), waiting to fail its producer request when
+	// that arrives; why it gave up.
+	gaveUp string
 }
 
 // rank states of one D rank of a matched producer request.
@@ -165,6 +172,12 @@ type sendReq struct {
 	match  *regGroup
 	expect []int
 	ranks  map[int]*dRank
+
+	// doom: why a request still prefilling (layer-wise) fails when its
+	// engine finishes it (its pairing was refused, or its consumer gave
+	// up); it pairs with nothing meanwhile (done).
+	doom     string
+	doomKind FailureKind
 
 	// failReason is why the request failed, once it did (push).
 	failReason string
@@ -275,8 +288,8 @@ func (st *loopState) init(w *Worker) {
 	st.regByBase = map[string][]regKey{}
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]tomb{}
-	st.abortedP = map[string]time.Time{}
-	st.abortedT = map[string]time.Time{}
+	st.abortedP = map[string]goneSend{}
+	st.abortedT = map[string]goneSend{}
 	st.pins = map[senderKey]pin{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
@@ -655,7 +668,9 @@ func (st *loopState) tick(now time.Time) {
 	for k, g := range st.regs {
 		if now.Sub(g.arrived) > st.cfg.RegistrationTTL {
 			st.dropReg(k)
-			st.w.metrics.Dropped("registration_expired")
+			if g.gaveUp == "" {
+				st.w.metrics.Dropped("registration_expired")
+			}
 		}
 	}
 	for k, t := range st.tombs {
@@ -663,8 +678,8 @@ func (st *loopState) tick(now time.Time) {
 			delete(st.tombs, k)
 		}
 	}
-	maps.DeleteFunc(st.abortedP, func(_ string, t time.Time) bool { return now.Sub(t) > st.cfg.RegistrationTTL })
-	maps.DeleteFunc(st.abortedT, func(_ string, t time.Time) bool { return now.Sub(t) > st.cfg.RegistrationTTL })
+	maps.DeleteFunc(st.abortedP, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
+	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
 			delete(st.early, k)

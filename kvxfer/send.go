@@ -23,6 +23,10 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 			// Layer-wise: the prefill entry is followed by the finish;
 			// every layer is saved by now.
 			s.prefill = false
+			if s.doom != "" {
+				st.failUnmatched(s, s.doomKind, s.doom)
+				return
+			}
 			s.req.Tokens = in.Tokens
 			for i := range s.saved {
 				s.saved[i] = true
@@ -82,7 +86,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 	}
 	if in.TransferID == "" {
 		// Only a registration without a transfer id looks requests up by
-		// base id, and it matches only requests without one (regMatches).
+		// base id, and it matches only requests without one (pairOf).
 		b := BaseRequestID(in.ReqID)
 		if last := st.sendBase[b]; last == nil {
 			st.sendBase[b] = s
@@ -107,11 +111,20 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 	}
 	if st.cfg.Mode == ModePush {
 		for {
-			k, ok := st.findReg(s)
-			if !ok {
+			g, amb := st.findReg(s)
+			if amb != nil {
+				st.ambiguousSend(s, amb)
+				return s
+			}
+			if g == nil {
 				break
 			}
-			g := st.regs[k]
+			if g.gaveUp != "" {
+				// The consumer gave the request up before it arrived.
+				st.dropReg(g.key)
+				st.failUnmatched(s, FailureCancelled, g.gaveUp)
+				return s
+			}
 			if !g.until.IsZero() && !st.now.Before(g.until) {
 				// It waited past the consumer's deadline: the consumer gave
 				// the request up; fail it and look again.
@@ -120,7 +133,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 				continue
 			}
 			st.attach(s, g)
-			st.dropReg(k)
+			st.dropReg(g.key)
 			break
 		}
 		st.pushReady(s)
@@ -158,30 +171,71 @@ func (st *loopState) armLease(s *sendReq, deadline time.Time) {
 	st.arm(deadline, tLease, s.req.ReqID)
 }
 
-// regMatches is the matching rule between a D registration and a P
-// request: the router's transfer id when either side has one; else P's id
-// named by D; else equal ids; else equal base ids (SPEC §7.7).
-func regMatches(g *regGroup, s *sendReq) bool {
-	if g.tid != "" || s.req.TransferID != "" {
-		return g.tid == s.req.TransferID
+// pairing is how a D registration names a P request.
+type pairing uint8
+
+const (
+	pairNone pairing = iota
+	// pairBase: the same base id with different suffixes (SPEC §7.7's
+	// fuzzy lookup): the reference pairs D's and P's ids that each
+	// engine suffixed at random.
+	pairBase
+	// pairExact: the router's transfer id, or the very id.
+	pairExact
+)
+
+// pairOf is the matching rule between a D registration and a P request
+// (id, tid): the router's transfer id when either side has one; else the
+// id D names for P's request (its own id when it names none), exactly;
+// else the same base id (SPEC §7.7) — unless D named P's id with a suffix
+// and the request carries another one: D named another request.
+//
+// Exact pairs always win over base pairs, and a base pair is taken only
+// when it is the only one on both sides (findReg, findSend): base ids
+// collide whenever clients reuse request ids, and a guess would WRITE one
+// request's KV into another's blocks.
+func pairOf(g *regGroup, id, tid string) pairing {
+	if g.tid != "" || tid != "" {
+		if g.tid == tid {
+			return pairExact
+		}
+		return pairNone
 	}
+	name, named := g.name()
+	if name == id {
+		return pairExact
+	}
+	nb, ib := BaseRequestID(name), BaseRequestID(id)
+	if nb != ib || named && nb != name && ib != id {
+		// Different bases; or D named P's request by a full id (what
+		// P's engine returned to it) and this is another one.
+		return pairNone
+	}
+	return pairBase
+}
+
+// name is the id g names P's request by: the one D named, else D's own;
+// named says which.
+func (g *regGroup) name() (string, bool) {
 	if g.preq != "" {
-		return g.preq == s.req.ReqID || BaseRequestID(g.preq) == BaseRequestID(s.req.ReqID)
+		return g.preq, true
 	}
-	return g.key.dreq == s.req.ReqID || BaseRequestID(g.key.dreq) == BaseRequestID(s.req.ReqID)
+	return g.key.dreq, false
 }
 
 func (g *regGroup) base() string {
-	if g.preq != "" {
-		return BaseRequestID(g.preq)
-	}
-	return BaseRequestID(g.key.dreq)
+	n, _ := g.name()
+	return BaseRequestID(n)
 }
 
-// findReg finds the oldest unmatched registration for s.
-func (st *loopState) findReg(s *sendReq) (regKey, bool) {
+// findReg finds the waiting registration s pairs with: the one that names
+// it exactly, else the one that pairs with it by base id, if s is also
+// the only waiting request that registration pairs with. When several
+// pair at the best tier nothing is guessed: they are returned in amb (a
+// scratch slice, valid until the next call), best is nil.
+func (st *loopState) findReg(s *sendReq) (best *regGroup, amb []*regGroup) {
 	if len(st.regs) == 0 {
-		return regKey{}, false // nothing waits: the usual case, no lookup
+		return nil, nil // nothing waits: the usual case, no lookup
 	}
 	var cands []regKey
 	if s.req.TransferID != "" {
@@ -189,40 +243,189 @@ func (st *loopState) findReg(s *sendReq) (regKey, bool) {
 	} else {
 		cands = st.regByBase[BaseRequestID(s.req.ReqID)]
 	}
-	var best *regGroup
+	amb = st.ambRegs[:0]
+	tier := pairBase
 	for _, k := range cands {
 		g := st.regs[k]
-		if g != nil && regMatches(g, s) && (best == nil || g.arrived.Before(best.arrived)) {
-			best = g
+		if g == nil {
+			continue
+		}
+		switch p := pairOf(g, s.req.ReqID, s.req.TransferID); {
+		case p < tier:
+		case p > tier:
+			tier, amb = p, append(amb[:0], g)
+		default:
+			amb = append(amb, g)
 		}
 	}
-	if best == nil {
-		return regKey{}, false
+	st.ambRegs = amb
+	switch {
+	case len(amb) == 0:
+		return nil, nil
+	case len(amb) > 1:
+		return nil, amb
+	case tier == pairBase && st.sendsPairing(amb[0], s) > 0:
+		return nil, amb
 	}
-	return best.key, true
+	return amb[0], nil
 }
 
-// findSend finds the unmatched P request for a registration.
-func (st *loopState) findSend(g *regGroup) *sendReq {
+// sendsPairing counts the waiting producer requests other than s that g
+// pairs with by base id.
+func (st *loopState) sendsPairing(g *regGroup, s *sendReq) int {
+	n := 0
+	for o := st.sendBase[g.base()]; o != nil; o = o.nextBase {
+		if o != s && o.match == nil && !o.done && pairOf(g, o.req.ReqID, o.req.TransferID) != pairNone {
+			n++
+		}
+	}
+	return n
+}
+
+// findSend finds the waiting P request a new registration pairs with:
+// the one it names exactly, else the only one it pairs with by base id,
+// if no other waiting registration pairs with that one. taken is the
+// request it names exactly when that one is paired already; amb lists
+// the requests it pairs with when that is ambiguous (a scratch slice).
+func (st *loopState) findSend(g *regGroup) (s, taken *sendReq, amb []*sendReq) {
+	name, _ := g.name()
+	var x *sendReq
 	if g.tid != "" {
-		if s := st.sendByTID.get(g.tid); s != nil && s.match == nil && !s.done {
-			return s
-		}
-		return nil
+		x = st.sendByTID.get(g.tid)
+	} else {
+		x = st.sends.get(name)
 	}
-	if g.preq != "" {
-		if s := st.sends.get(g.preq); s != nil && s.match == nil && !s.done {
-			return s
+	if x != nil && pairOf(g, x.req.ReqID, x.req.TransferID) == pairExact {
+		if x.match != nil || x.done {
+			return nil, x, nil
 		}
-	} else if s := st.sends.get(g.key.dreq); s != nil && s.match == nil && !s.done {
-		return s
+		return x, nil, nil
 	}
-	for s := st.sendBase[g.base()]; s != nil; s = s.nextBase {
-		if s.match == nil && !s.done && regMatches(g, s) {
-			return s
+	if g.tid != "" {
+		return nil, nil, nil
+	}
+	amb = st.ambSends[:0]
+	for o := st.sendBase[g.base()]; o != nil; o = o.nextBase {
+		if o.match == nil && !o.done && pairOf(g, o.req.ReqID, o.req.TransferID) == pairBase {
+			amb = append(amb, o)
 		}
 	}
-	return nil
+	st.ambSends = amb
+	switch {
+	case len(amb) == 0:
+		return nil, nil, nil
+	case len(amb) > 1 || st.regsPairing(amb[0], g) > 0:
+		return nil, nil, amb
+	}
+	return amb[0], nil, nil
+}
+
+// regsPairing counts the waiting registrations other than g that pair
+// with s.
+func (st *loopState) regsPairing(s *sendReq, g *regGroup) int {
+	n := 0
+	for _, k := range st.regByBase[BaseRequestID(s.req.ReqID)] {
+		if o := st.regs[k]; o != nil && o != g && pairOf(o, s.req.ReqID, s.req.TransferID) != pairNone {
+			n++
+		}
+	}
+	return n
+}
+
+// ambiguousSend fails a new producer request that several waiting
+// registrations pair with at the same tier (regs): which consumer
+// request's blocks are its is not known, and a guess would WRITE one
+// request's KV into another's. The registrations keep waiting for the
+// requests they name exactly. Counted, logged, and the engine told why.
+func (st *loopState) ambiguousSend(s *sendReq, regs []*regGroup) {
+	var why string
+	if pairOf(regs[0], s.req.ReqID, s.req.TransferID) == pairExact {
+		why = fmt.Sprintf("%d consumer requests name producer request %q (transfer id %q): which one it serves is ambiguous, so none is written",
+			len(regs), s.req.ReqID, s.req.TransferID)
+	} else {
+		why = fmt.Sprintf("producer request %q pairs by its base id %q with %d waiting consumer requests, none naming it exactly: ambiguous, so nothing is written (transfer ids pair requests exactly)",
+			s.req.ReqID, BaseRequestID(s.req.ReqID), len(regs))
+		if len(regs) == 1 {
+			why = fmt.Sprintf("producer request %q pairs by its base id %q with consumer request %q, which %d other waiting producer requests pair with too: ambiguous, so nothing is written (transfer ids pair requests exactly)",
+				s.req.ReqID, BaseRequestID(s.req.ReqID), regs[0].key.dreq, st.sendsPairing(regs[0], s))
+		}
+	}
+	st.w.log.Warn("kvxfer: ambiguous pairing refused", "req", s.req.ReqID, "why", why)
+	st.w.metrics.BadInput("send_req.ambiguous")
+	st.failPaired(s, why)
+}
+
+// ambiguousReg refuses a new registration that pairs by base id with
+// several waiting producer requests, or with one that another waiting
+// registration pairs with (sends), as ambiguousSend does; the requests
+// keep waiting for registrations that name them exactly.
+func (st *loopState) ambiguousReg(g *regGroup, sends []*sendReq) {
+	n, _ := g.name()
+	why := fmt.Sprintf("consumer request %q (naming %q) pairs by base id %q with %d waiting producer requests, naming none exactly: ambiguous, so nothing is written (transfer ids pair requests exactly)",
+		g.key.dreq, n, g.base(), len(sends))
+	if len(sends) == 1 {
+		why = fmt.Sprintf("consumer request %q (naming %q) pairs by base id %q with producer request %q, which %d other waiting consumer requests pair with too: ambiguous, so nothing is written (transfer ids pair requests exactly)",
+			g.key.dreq, n, g.base(), sends[0].req.ReqID, st.regsPairing(sends[0], g))
+	}
+	st.w.log.Warn("kvxfer: ambiguous pairing refused", "dreq", g.key.dreq, "engine", g.key.engine, "why", why)
+	st.w.metrics.Dropped("reg_ambiguous")
+	st.failRegGroup(g, "", FailureSetup, why)
+}
+
+// failPaired fails an unmatched producer request whose pairing was
+// refused, and remembers it, so a registration that names it later is
+// told at once.
+func (st *loopState) failPaired(s *sendReq, why string) {
+	st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: why, kind: FailureSetup})
+	st.failUnmatched(s, FailureSetup, why)
+}
+
+// failUnmatched fails a producer request no registration is paired
+// with: at once, or, for one still prefilling (layer-wise), when its
+// engine finishes it (a request reports once its engine's scheduler
+// holds it); meanwhile it pairs with nothing.
+func (st *loopState) failUnmatched(s *sendReq, kind FailureKind, why string) {
+	s.done = true
+	if s.prefill {
+		s.doom, s.doomKind = why, kind
+		return
+	}
+	s.failReason, s.failKind = why, kind
+	st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultFailed, Kind: kind, Reason: why})
+	st.forgetSend(s)
+}
+
+// goneSend remembers a producer request that ended before any
+// registration paired with it (its engine aborted it, or its pairing was
+// refused): a registration naming it later is answered at once.
+type goneSend struct {
+	at   time.Time
+	why  string
+	kind FailureKind
+}
+
+// rememberGone records a gone producer request by id and transfer id,
+// up to maxAborted of each (past the bound a registration for it waits
+// for its TTL instead, counted).
+func (st *loopState) rememberGone(id, tid string, g goneSend) {
+	if len(st.abortedP) < maxAborted {
+		st.abortedP[id] = g
+	} else {
+		st.w.metrics.BadInput("not_processed.limit")
+	}
+	if tid != "" && len(st.abortedT) < maxAborted {
+		st.abortedT[tid] = g
+	}
+}
+
+// addReg keeps a registration (or a consumer's give-up) waiting for its
+// producer request.
+func (st *loopState) addReg(g *regGroup) {
+	st.regs[g.key] = g
+	if g.tid != "" {
+		st.regByTID[g.tid] = append(st.regByTID[g.tid], g.key)
+	}
+	st.regByBase[g.base()] = append(st.regByBase[g.base()], g.key)
 }
 
 func (st *loopState) dropReg(k regKey) {
@@ -300,23 +503,40 @@ func (st *loopState) onReg(m *msg) {
 	}
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now, until: m.Until}
-		_, goneT := st.abortedT[m.TransferID]
-		if _, gone := st.abortedP[m.PReq]; gone && m.PReq != "" || goneT && m.TransferID != "" {
+		gs, gone := st.abortedT[m.TransferID]
+		if n, named := g.name(); !gone && (named || g.tid == "") {
+			gs, gone = st.abortedP[n]
+		}
+		if gone {
 			g.ranks[m.TPRank] = m
-			st.failRegGroup(g, m.PReq, FailureCancelled, "producer aborted the request")
+			st.failRegGroup(g, m.PReq, gs.kind, gs.why)
 			return
 		}
-		if s := st.findSend(g); s != nil {
+		s, taken, amb := st.findSend(g)
+		switch {
+		case s != nil:
 			st.attach(s, g)
 			st.addRank(s, m)
 			st.pushReady(s)
 			return
+		case taken != nil:
+			// It names a request paired with another consumer request:
+			// one of the two is not what it claims; the first keeps it.
+			g.ranks[m.TPRank] = m
+			st.w.metrics.Dropped("reg_taken")
+			why := "the producer request it names has finished"
+			if taken.match != nil {
+				why = fmt.Sprintf("the producer request it names (%s) is paired with consumer request %q of engine %q already",
+					taken.req.ReqID, taken.match.key.dreq, taken.match.key.engine)
+			}
+			st.failRegGroup(g, taken.req.ReqID, FailureSetup, why)
+			return
+		case amb != nil:
+			g.ranks[m.TPRank] = m
+			st.ambiguousReg(g, amb)
+			return
 		}
-		st.regs[k] = g
-		if g.tid != "" {
-			st.regByTID[g.tid] = append(st.regByTID[g.tid], k)
-		}
-		st.regByBase[g.base()] = append(st.regByBase[g.base()], k)
+		st.addReg(g)
 	}
 	if g.dTP != m.TPSize {
 		st.w.metrics.BadInput("reg.tp_size")
@@ -934,17 +1154,28 @@ func (st *loopState) onCancel(m *msg) {
 }
 
 // consumerGaveUp: a consumer cancelled a request it never registered (its
-// handshake with us was refused, say): an unmatched producer request it
-// names fails at once instead of waiting for its lease.
+// handshake with us was refused, say): the producer request it names
+// fails at once instead of waiting for its lease; one still prefilling
+// (layer-wise) fails when its engine finishes it; one we do not hold yet
+// fails when it arrives: the give-up waits for it among the
+// registrations (bounded by maxRegs and RegistrationTTL like them).
+// Which request it names is decided as for a registration (pairOf):
+// exactly, or by base id only where that is not ambiguous.
 func (st *loopState) consumerGaveUp(m *msg) {
-	probe := &regGroup{key: regKey{engine: m.Engine, dreq: m.DReq}, tid: m.TransferID, preq: m.PReq}
-	s := st.findSend(probe)
-	if s == nil || s.match != nil || s.prefill {
-		return
+	why := "consumer gave up: " + m.Reason
+	g := &regGroup{key: regKey{engine: m.Engine, dreq: m.DReq}, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
+		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why}
+	s, _, amb := st.findSend(g)
+	switch {
+	case s != nil:
+		st.failUnmatched(s, FailureCancelled, why)
+	case amb != nil:
+		st.w.metrics.Dropped("cancel_ambiguous")
+	case len(st.regs) >= maxRegs:
+		st.w.metrics.Dropped("reg_limit")
+	default:
+		st.addReg(g)
 	}
-	s.done = true
-	st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultFailed, Kind: FailureCancelled, Reason: "consumer gave up: " + m.Reason})
-	st.forgetSend(s)
 }
 
 // maxAborted bounds the aborted producer requests remembered by id and by
@@ -955,6 +1186,13 @@ const maxAborted = 1 << 16
 // was scheduled: nothing will be sent, so matched consumers are told.
 func (st *loopState) producerAborted(id, tid string) {
 	if s := st.sends.get(id); s != nil {
+		if s.doom != "" {
+			// Its pairing failed while it prefilled: it ends now.
+			s.prefill = false
+			st.report(RoleProducer, Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"})
+			st.forgetSend(s)
+			return
+		}
 		s.aborted, s.prefill = true, false
 		if st.cfg.Mode == ModePull {
 			st.settlePull(s)
@@ -969,37 +1207,42 @@ func (st *loopState) producerAborted(id, tid string) {
 	// Remembered for RegistrationTTL, so a registration arriving later is
 	// answered at once; the engine names these ids, so they are bounded
 	// (past the bound such a registration waits for its TTL instead).
-	if len(st.abortedP) < maxAborted {
-		st.abortedP[id] = st.now
-	} else {
-		st.w.metrics.BadInput("not_processed.limit")
-	}
-	var found *regGroup
+	const why = "producer aborted the request"
+	st.rememberGone(id, tid, goneSend{at: st.now, why: why, kind: FailureCancelled})
+	// Every registration that names it exactly is told; one that pairs
+	// with it only by base id is told only if it pairs with nothing else.
+	var cands []regKey
 	if tid != "" {
-		// Registrations name the transfer id (push: D may not know P's
-		// request id): the one that matches is this request's.
-		if len(st.abortedT) < maxAborted {
-			st.abortedT[tid] = st.now
-		}
-		if ks := st.regByTID[tid]; len(ks) > 0 {
-			found = st.regs[ks[0]]
-		}
+		cands = st.regByTID[tid]
+	} else {
+		cands = st.regByBase[BaseRequestID(id)]
 	}
-	for _, k := range st.regByBase[BaseRequestID(id)] {
-		if found != nil {
-			break
-		}
+	var exact, base []*regGroup
+	for _, k := range cands {
 		g := st.regs[k]
-		if g.preq == id || g.preq == "" && g.key.dreq == id {
-			found = g
-			break
+		p := pairOf(g, id, tid)
+		if tid == "" && g.tid != "" && g.preq == id {
+			// The engine names the aborted request by its id alone: a
+			// registration that names that id is its, whatever its
+			// transfer id.
+			p = pairExact
 		}
-		if found == nil && g.tid == "" {
-			found = g
+		switch p {
+		case pairExact:
+			exact = append(exact, g)
+		case pairBase:
+			base = append(base, g)
 		}
 	}
-	if found != nil {
-		st.failRegGroup(found, id, FailureCancelled, "producer aborted the request")
+	if len(exact) == 0 && len(base) == 1 && st.sendsPairing(base[0], nil) == 0 {
+		exact = base
+	}
+	for _, g := range exact {
+		if g.gaveUp == "" {
+			st.failRegGroup(g, id, FailureCancelled, why)
+		} else {
+			st.dropReg(g.key)
+		}
 	}
 }
 

@@ -193,20 +193,28 @@ func TestPushRegistrationBeforeFinishedBlocksIsStashed(t *testing.T) {
 }
 
 // SPEC §12 push 9, 27 and DESIGN principle 6: matching by transfer id,
-// else by id, else by the suffix-stripped base id.
+// else by id, else by the suffix-stripped base id. D names P's request
+// (dPReq, the id P's engine returned) or names none, and then its own id
+// (dID) stands for it, as in the reference, where each engine suffixed
+// the request's id at random: only that pairing, or a named id without a
+// suffix, strips suffixes; a full id D named is never another request.
 func TestPushMatching(t *testing.T) {
 	tests := []struct {
-		name        string
-		pID, pTID   string
-		dPReq, dTID string
-		match       bool
+		name             string
+		pID, pTID        string
+		dID, dPReq, dTID string
+		match            bool
 	}{
 		{name: "transfer id", pID: "p-1", pTID: "t-9", dPReq: "other", dTID: "t-9", match: true},
 		{name: "transfer id differs", pID: "p-1", pTID: "t-9", dPReq: "p-1", dTID: "t-8", match: false},
 		{name: "exact id", pID: "req-1", dPReq: "req-1", match: true},
-		{name: "random suffix stripped", pID: "req-1-0badf00d", dPReq: "req-1-DEADBEEF", match: true},
-		{name: "base ids differ", pID: "req-1-0badf00d", dPReq: "req-2-0badf00d", match: false},
-		{name: "suffix too short is not stripped", pID: "req-1-0bad", dPReq: "req-1-beef", match: false},
+		{name: "random suffix stripped", pID: "req-1-0badf00d", dID: "req-1-DEADBEEF", match: true},
+		{name: "named base id", pID: "req-1-0badf00d", dPReq: "req-1", match: true},
+		{name: "named id on an unsuffixed request", pID: "req-1", dPReq: "req-1-DEADBEEF", match: true},
+		{name: "named full id is another request", pID: "req-0000000a", dPReq: "req-0000000b", match: false},
+		{name: "base ids differ", pID: "req-1-0badf00d", dID: "req-2-0badf00d", match: false},
+		{name: "named base ids differ", pID: "req-1-0badf00d", dPReq: "req-2-0badf00d", match: false},
+		{name: "suffix too short is not stripped", pID: "req-1-0bad", dID: "req-1-beef", match: false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -218,6 +226,9 @@ func TestPushMatching(t *testing.T) {
 				s.ReqID, s.TransferID = tc.pID, tc.pTID
 				r := q.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))
 				r.Remote.ReqID, r.TransferID = tc.dPReq, tc.dTID
+				if tc.dID != "" {
+					r.ReqID = tc.dID
+				}
 				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
 				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
 				x.settle()
