@@ -231,6 +231,10 @@ type recvReq struct {
 	retryAt map[rankRef]time.Time
 	// rehandshook: it was restarted once after a new handshake.
 	rehandshook bool
+	// hbFailing: the producer ranks our heartbeats for it did not reach
+	// last; hbFailSince: since when one has not (heartbeatSent).
+	hbFailing   []rankRef
+	hbFailSince time.Time
 	// regErrs and regWait: the registration notices' results by target,
 	// and how many are still to come (the driver reports them before
 	// any other input).
@@ -658,6 +662,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 
 // tick sends heartbeats, resends cancels and sweeps stale state.
 func (st *loopState) tick(now time.Time) {
+	st.failUnheard()
 	st.sendHeartbeats()
 	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
 		r := st.recvs[id]
@@ -738,7 +743,8 @@ type notice uint8
 
 const (
 	noticePlain     notice = iota // a failure is counted and logged
-	noticeHeartbeat               // a failure is counted
+	noticeHeartbeat               // heartbeatSent: a failure is retried once at once
+	noticeHeartbeatRetry          // that retry
 	noticeReg                     // a registration (recv req, target tp)
 	noticeDone                    // a completion notice (send req, D rank tp)
 )
@@ -753,7 +759,8 @@ type op struct {
 	notice notice
 	req    string // noticeReg, noticeDone: the request's id
 	tp     int    // noticeReg: the target's index; noticeDone: the D rank
-	m      *msg   // noticePlain: the message, for the log
+	m      *msg   // noticePlain: the message, for the log; heartbeats: the message
+	ref    rankRef // heartbeats: the producer rank
 
 	xop           hotpath.Op
 	id            XferID // posts: the core's name for the transfer
@@ -825,10 +832,8 @@ func (st *loopState) noticeDone(o *op, err error) {
 			st.w.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", o.m.Kind, "peer", o.peer,
 				"d_req", o.m.DReq, "p_req", o.m.PReq, "err", err)
 		}
-	case noticeHeartbeat:
-		if err != nil {
-			st.w.metrics.FailedNotification()
-		}
+	case noticeHeartbeat, noticeHeartbeatRetry:
+		st.heartbeatSent(o, err)
 	case noticeReg:
 		st.registered(o.req, o.tp, err)
 	case noticeDone:

@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -635,10 +636,95 @@ func (st *loopState) sendHeartbeats() {
 		if e == nil || e.state != hsReady {
 			continue
 		}
-		b := appendMsg(nil, st.self(&msg{Kind: msgHeartbeat, IDs: by[id]}))
-		for _, ref := range sortedRefs(e.peers) {
-			st.notifyOp(e.peers[ref], b, noticeHeartbeat, "", 0, nil)
+		ids := by[id]
+		for len(ids) > 0 {
+			n := heartbeatSplit(ids)
+			m := st.self(&msg{Kind: msgHeartbeat, IDs: ids[:n:n]})
+			b := appendMsg(nil, m)
+			for _, ref := range sortedRefs(e.peers) {
+				st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: e.peers[ref], msg: b, notice: noticeHeartbeat, m: m, ref: ref})
+			}
+			ids = ids[n:]
 		}
+	}
+}
+
+// maxHeartbeatBytes bounds the request ids one heartbeat carries: a rank
+// waiting on many requests of one producer sends several heartbeats, each
+// far inside every backend's notification limit (the built-in one's is
+// 1 MiB; 8,000 vLLM-style ids take about 1 MiB).
+const maxHeartbeatBytes = 64 << 10
+
+// heartbeatSplit is how many of ids (triples: transfer id, P id, D id)
+// the next heartbeat carries: whole triples, at least one, within
+// maxHeartbeatBytes and maxWireIDs.
+func heartbeatSplit(ids []string) int {
+	size := 0
+	for i := 0; i+3 <= len(ids); i += 3 {
+		t := 3*binary.MaxVarintLen32 + len(ids[i]) + len(ids[i+1]) + len(ids[i+2])
+		if i > 0 && (size+t > maxHeartbeatBytes || i+3 > maxWireIDs) {
+			return i
+		}
+		size += t
+	}
+	return len(ids)
+}
+
+// heartbeatSent follows a heartbeat to one producer rank: delivered, its
+// requests' lease there is extended; not delivered, it goes once more at
+// once, and a request whose heartbeats to a rank have failed for
+// hbGrace fails (FailureNotification), before the producer's lease on
+// its blocks, extended by the last one delivered, can lapse (a pull
+// consumer's READ would find them freed).
+func (st *loopState) heartbeatSent(o *op, err error) {
+	ids := o.m.IDs
+	for i := 2; i < len(ids); i += 3 {
+		r := st.recvs[ids[i]]
+		if r == nil || r.decided {
+			continue
+		}
+		if err == nil {
+			r.hbFailing = slices.DeleteFunc(r.hbFailing, func(x rankRef) bool { return x == o.ref })
+			if len(r.hbFailing) == 0 {
+				r.hbFailSince = time.Time{}
+			}
+			continue
+		}
+		if !slices.Contains(r.hbFailing, o.ref) {
+			r.hbFailing = append(r.hbFailing, o.ref)
+		}
+		if r.hbFailSince.IsZero() {
+			r.hbFailSince = st.now
+		}
+	}
+	if err == nil {
+		return
+	}
+	st.w.metrics.FailedNotification()
+	if o.notice == noticeHeartbeat {
+		st.w.log.Warn("kvxfer: heartbeat not delivered; sending it again", "peer", o.peer, "requests", len(ids)/3, "err", err)
+		st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: o.peer, msg: o.msg, notice: noticeHeartbeatRetry, m: o.m, ref: o.ref})
+	}
+}
+
+// hbGrace is how long a request's heartbeats to a producer rank may fail
+// before it fails: two heartbeat periods, a third of the lease before the
+// producer's lease (two thirds of it from the last heartbeat delivered)
+// can lapse.
+func (st *loopState) hbGrace() time.Duration { return st.cfg.Lease / 3 }
+
+// failUnheard fails the requests whose heartbeats have not reached a
+// producer rank for hbGrace.
+func (st *loopState) failUnheard() {
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		if r.decided || r.hbFailSince.IsZero() || st.now.Sub(r.hbFailSince) < st.hbGrace() {
+			continue
+		}
+		st.decide(r, ResultFailed, FailureNotification, fmt.Sprintf(
+			"heartbeats to producer engine %s (%s) ranks %v were not delivered for %v: its lease on the request's blocks could lapse",
+			r.req.Remote.EngineID, r.req.Remote.Addr, r.hbFailing, st.now.Sub(r.hbFailSince).Round(time.Millisecond)))
+		st.tryReport(r)
 	}
 }
 
