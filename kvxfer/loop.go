@@ -742,11 +742,11 @@ const (
 type notice uint8
 
 const (
-	noticePlain     notice = iota // a failure is counted and logged
-	noticeHeartbeat               // heartbeatSent: a failure is retried once at once
-	noticeHeartbeatRetry          // that retry
-	noticeReg                     // a registration (recv req, target tp)
-	noticeDone                    // a completion notice (send req, D rank tp)
+	noticePlain          notice = iota // a failure is counted and logged
+	noticeHeartbeat                    // heartbeatSent: a failure is retried once at once
+	noticeHeartbeatRetry               // that retry
+	noticeReg                          // a registration (recv req, target tp)
+	noticeDone                         // a completion notice (send req, D rank tp)
 )
 
 // op is one call the core asks of the backend. Transfers and prepared
@@ -757,9 +757,9 @@ type op struct {
 	peer   PeerName
 	msg    []byte // the notification; a post's notification after the bytes
 	notice notice
-	req    string // noticeReg, noticeDone: the request's id
-	tp     int    // noticeReg: the target's index; noticeDone: the D rank
-	m      *msg   // noticePlain: the message, for the log; heartbeats: the message
+	req    string  // noticeReg, noticeDone: the request's id
+	tp     int     // noticeReg: the target's index; noticeDone: the D rank
+	m      *msg    // noticePlain: the message, for the log; heartbeats: the message
 	ref    rankRef // heartbeats: the producer rank
 
 	xop           hotpath.Op
