@@ -57,7 +57,7 @@ func RaceStepWithClose(w *Worker, meta *StepMeta) error {
 // (BenchmarkGrants).
 func WriteGrants(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID) AccessChecker {
 	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
-	tab.grantWrite([]PeerName{writer}, []topology.Span{{IDs: ids}})
+	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}})
 	return tab
 }
 

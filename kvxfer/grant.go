@@ -54,6 +54,33 @@ type AccessChecker interface {
 	CheckAccess(peer PeerName, op hotpath.Op, addr, n uint64) Access
 }
 
+// Range is [Addr, Addr+Len) of an agent's registered memory.
+type Range struct{ Addr, Len uint64 }
+
+// Admission names a part admitted by an AccessFence (0: none).
+type Admission uint64
+
+// AccessFence is an AccessChecker that also knows which admitted parts of
+// peers' transfers are still moving bytes, so that ending what allowed
+// them waits for them: the Worker's table is one. A backend that moves a
+// peer's bytes over time (a part read off a socket into registered
+// memory, a copy out of another process's) admits each part through it,
+// before a byte moves, and tells it once the last has moved or the part
+// failed; a grant revoked (or a pull hold let go) meanwhile cuts the part
+// short through abort and returns only once it is done, so no byte lands
+// in (or is read out of) blocks the engine was told are free.
+type AccessFence interface {
+	AccessChecker
+	// Admit checks every range as CheckAccess does and, when all are
+	// allowed, notes the part as moving until Done. Otherwise it returns
+	// the verdict and the index of the first range refused. abort, if not
+	// nil, may be called once, from another goroutine, before Done: the
+	// part must then stop moving bytes and fail; it must not block.
+	Admit(peer PeerName, op hotpath.Op, ranges []Range, abort func()) (Access, int, Admission)
+	// Done ends an admission (0: nothing).
+	Done(Admission)
+}
+
 // Guarded is implemented by backends that enforce an AccessChecker on
 // every transfer a peer posts into or out of their memory (the built-in
 // backend). A Worker installs its table at start unless
@@ -78,7 +105,24 @@ type accessTable struct {
 	held    [][]int32  // [group][logical block]: pull holds
 	grants  map[uint32]*writeGrant
 	revoked []uint32 // ended grants still in grants, oldest first
-	next    uint32
+
+	// lands are the admitted parts still moving bytes (slots reused
+	// through freeLands); landed is signalled (under mu) when one ends.
+	lands     []landing
+	freeLands []int
+	landed    *sync.Cond
+}
+
+// landing is a part admitted into (WRITE) or out of (READ) the Worker's
+// memory whose bytes are still moving.
+type landing struct {
+	gen     uint32 // bumped at each reuse of the slot
+	live    bool
+	aborted bool
+	op      hotpath.Op
+	grants  []uint32 // WRITE: the grants it lands under
+	ranges  []Range  // READ: what it reads
+	abort   func()
 }
 
 type accessRegion struct {
@@ -94,6 +138,7 @@ type writeGrant struct {
 
 func newAccessTable(l *topology.Layout, groupBlocks []int, mode Mode, m *Metrics) *accessTable {
 	t := &accessTable{mode: mode, metrics: m, grants: map[uint32]*writeGrant{}}
+	t.landed = sync.NewCond(&t.mu)
 	groups := l.GroupList()
 	for i, r := range l.Regions {
 		ar := accessRegion{base: r.Base, size: uint64(r.BlockLen) * uint64(r.NumBlocks), blockLen: uint64(r.BlockLen), ppl: 1}
@@ -119,15 +164,11 @@ func newAccessTable(l *topology.Layout, groupBlocks []int, mode Mode, m *Metrics
 }
 
 // grantWrite lets peers WRITE into the blocks of spans (one per group)
-// and returns the grant, for revokeWrite.
-func (t *accessTable) grantWrite(peers []PeerName, spans []topology.Span) uint32 {
+// under grant id (the Worker's core names its grants: never 0, never
+// reused while remembered), until revokeWrite(id).
+func (t *accessTable) grantWrite(id uint32, peers []PeerName, spans []topology.Span) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.next++
-	if t.next == 0 {
-		t.next++
-	}
-	id := t.next
 	t.grants[id] = &writeGrant{peers: peers, live: true}
 	for g, s := range spans {
 		if g >= len(t.writeTo) {
@@ -139,11 +180,12 @@ func (t *accessTable) grantWrite(peers []PeerName, spans []topology.Span) uint32
 			}
 		}
 	}
-	return id
 }
 
 // revokeWrite ends a grant. Its blocks keep naming it while it is
-// remembered, so its peers' late WRITEs are told apart.
+// remembered, so its peers' late WRITEs are told apart. It returns once
+// no part admitted under it moves bytes any more: parts still landing are
+// cut short (their abort) and waited for.
 func (t *accessTable) revokeWrite(id uint32) {
 	if id == 0 {
 		return
@@ -160,6 +202,79 @@ func (t *accessTable) revokeWrite(id uint32) {
 		delete(t.grants, t.revoked[0])
 		t.revoked = slices.Delete(t.revoked, 0, 1)
 	}
+	t.drainLocked(func(l *landing) bool { return l.op == hotpath.OpWrite && slices.Contains(l.grants, id) })
+}
+
+// drainLocked cuts short every admitted part that hit says is affected by
+// a change just made, and waits until none is left (t.mu held; no new
+// such part can be admitted: the change refuses it).
+func (t *accessTable) drainLocked(hit func(*landing) bool) {
+	for {
+		busy := false
+		for i := range t.lands {
+			l := &t.lands[i]
+			if !l.live || !hit(l) {
+				continue
+			}
+			busy = true
+			if !l.aborted {
+				l.aborted = true
+				t.metrics.AbortedLanding(l.op)
+				if l.abort != nil {
+					l.abort()
+				}
+			}
+		}
+		if !busy {
+			return
+		}
+		t.landed.Wait()
+	}
+}
+
+// Admit implements AccessFence.
+func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, abort func()) (Access, int, Admission) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var i int
+	if n := len(t.freeLands); n > 0 {
+		i, t.freeLands = t.freeLands[n-1], t.freeLands[:n-1]
+	} else {
+		t.lands = append(t.lands, landing{})
+		i = len(t.lands) - 1
+	}
+	l := &t.lands[i]
+	l.grants, l.ranges = l.grants[:0], l.ranges[:0]
+	for j, r := range ranges {
+		if a := t.checkLocked(peer, op, r.Addr, r.Len, &l.grants); a != AccessAllow {
+			t.freeLands = append(t.freeLands, i)
+			t.metrics.RefusedAccess(op, a)
+			return a, j, 0
+		}
+	}
+	if op == hotpath.OpRead {
+		l.ranges = append(l.ranges, ranges...)
+	}
+	l.gen++
+	l.live, l.aborted, l.op, l.abort = true, false, op, abort
+	return AccessAllow, -1, Admission(uint64(l.gen)<<32 | uint64(i+1))
+}
+
+// Done implements AccessFence.
+func (t *accessTable) Done(a Admission) {
+	if a == 0 {
+		return
+	}
+	i, gen := int(uint32(a))-1, uint32(a>>32)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if i < 0 || i >= len(t.lands) || !t.lands[i].live || t.lands[i].gen != gen {
+		return
+	}
+	l := &t.lands[i]
+	l.live, l.abort = false, nil
+	t.freeLands = append(t.freeLands, i)
+	t.landed.Broadcast()
 }
 
 // hold adds (delta 1) or removes (-1) a pull hold on the blocks of spans.
@@ -176,6 +291,20 @@ func (t *accessTable) hold(spans []topology.Span, delta int32) {
 			}
 		}
 	}
+	if delta < 0 {
+		// READs admitted out of blocks no longer held end first.
+		t.drainLocked(func(l *landing) bool {
+			if l.op != hotpath.OpRead {
+				return false
+			}
+			for _, r := range l.ranges {
+				if t.checkLocked("", hotpath.OpRead, r.Addr, r.Len, nil) != AccessAllow {
+					return true
+				}
+			}
+			return false
+		})
+	}
 }
 
 // CheckAccess implements AccessChecker.
@@ -188,6 +317,14 @@ func (t *accessTable) CheckAccess(peer PeerName, op hotpath.Op, addr, n uint64) 
 }
 
 func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.checkLocked(peer, op, addr, n, nil)
+}
+
+// checkLocked is check with t.mu held; grants, if not nil, collects the
+// WRITE grants an allowed range lands under.
+func (t *accessTable) checkLocked(peer PeerName, op hotpath.Op, addr, n uint64, grants *[]uint32) Access {
 	if n == 0 {
 		return AccessAllow // moves nothing
 	}
@@ -210,8 +347,6 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 	}
 	first := off / r.blockLen / r.ppl
 	last := (off + n - 1) / r.blockLen / r.ppl
-	t.mu.RLock()
-	defer t.mu.RUnlock()
 	verdict := AccessAllow
 	// A run's blocks mostly share one grant: its answer is kept.
 	var lastID uint32
@@ -226,6 +361,9 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 				}
 				if id := t.writeTo[g][b]; id != lastID || lastAccess == 0 {
 					lastID, lastAccess = id, t.writeAccess(id, peer)
+					if grants != nil && lastAccess == AccessAllow && !slices.Contains(*grants, id) {
+						*grants = append(*grants, id)
+					}
 				}
 				a = lastAccess
 			} else {

@@ -1,6 +1,8 @@
 package kvxfer
 
 import (
+	"time"
+
 	"testing"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -34,7 +36,8 @@ func TestAccessTablePush(t *testing.T) {
 	m := NewMetrics()
 	tab := newAccessTable(l, gb, ModePush, m)
 	const p1, p2, evil = PeerName("p1"), PeerName("p2"), PeerName("evil")
-	g := tab.grantWrite([]PeerName{p1, p2}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}))
+	const g, g2 = 1, 2
+	tab.grantWrite(g, []PeerName{p1, p2}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}))
 	w := hotpath.OpWrite
 	for _, c := range []struct {
 		name string
@@ -70,7 +73,7 @@ func TestAccessTablePush(t *testing.T) {
 		t.Errorf("after revoke, another peer: %v, want deny", got)
 	}
 	// The block goes to another request of another producer.
-	g2 := tab.grantWrite([]PeerName{evil}, spansOf([]topology.BlockID{2}, nil))
+	tab.grantWrite(g2, []PeerName{evil}, spansOf([]topology.BlockID{2}, nil))
 	if got := tab.CheckAccess(p1, w, 0x10000+4*256, 512); got != AccessDeny {
 		t.Errorf("block regranted, old peer: %v, want deny", got)
 	}
@@ -83,8 +86,9 @@ func TestAccessTablePush(t *testing.T) {
 	tab.revokeWrite(g2)
 	tab.revokeWrite(g2) // idempotent
 	// Ended grants are remembered up to a bound, then forgotten (deny).
-	for range maxRevoked {
-		tab.revokeWrite(tab.grantWrite([]PeerName{p2}, spansOf([]topology.BlockID{7}, nil)))
+	for i := range maxRevoked {
+		tab.grantWrite(uint32(3+i), []PeerName{p2}, spansOf([]topology.BlockID{7}, nil))
+		tab.revokeWrite(uint32(3 + i))
 	}
 	if got := tab.CheckAccess(p1, w, 0x10000+6*256, 512); got != AccessDeny {
 		t.Errorf("a forgotten grant: %v, want deny", got)
@@ -141,4 +145,75 @@ func TestAccessTablePull(t *testing.T) {
 	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
 		t.Errorf("block 2 held again: %v", got)
 	}
+}
+
+// Revocation and landing are atomic: a revocation (or a pull hold let go)
+// cuts short every part admitted under it and returns only once each has
+// ended; parts of other grants, or of blocks still held, go on untouched;
+// once it returns, nothing more is admitted under it.
+func TestAccessFenceDrains(t *testing.T) {
+	l, gb := accessLayout()
+	t.Run("push", func(t *testing.T) {
+		m := NewMetrics()
+		tab := newAccessTable(l, gb, ModePush, m)
+		tab.grantWrite(1, []PeerName{"p"}, spansOf([]topology.BlockID{2}, nil))
+		tab.grantWrite(2, []PeerName{"p"}, spansOf([]topology.BlockID{3}, nil))
+		aborted := make(chan struct{}, 2)
+		abort := func() { aborted <- struct{}{} }
+		a, i, adm1 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, abort)
+		if a != AccessAllow || i != -1 || adm1 == 0 {
+			t.Fatalf("Admit of a granted part: %v, %d, %d", a, i, adm1)
+		}
+		_, _, adm2 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 6*256, 512}}, func() { t.Error("a part of another grant was cut short") })
+		if a, i, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 16}, {0x10000 + 2*256, 16}}, nil); a != AccessDeny || i != 1 {
+			t.Errorf("a part with an ungranted range: %v at %d, want deny at 1", a, i)
+		}
+		revoked := make(chan struct{})
+		go func() { tab.revokeWrite(1); close(revoked) }()
+		select {
+		case <-aborted:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the part landing under a revoked grant was not cut short")
+		}
+		select {
+		case <-revoked:
+			t.Fatal("revokeWrite returned while a part admitted under the grant still moved bytes")
+		case <-time.After(50 * time.Millisecond):
+		}
+		tab.Done(adm1)
+		<-revoked
+		tab.Done(adm1) // a second Done is ignored
+		if a, _, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, nil); a != AccessLate {
+			t.Errorf("a part after the revocation: %v, want late", a)
+		}
+		tab.Done(adm2)
+		tab.revokeWrite(2) // nothing in flight: at once
+		if s := m.Snapshot().RefusedAccess; s["write_aborted"] != 1 {
+			t.Errorf("refusals %v, want one write_aborted", s)
+		}
+	})
+	t.Run("pull", func(t *testing.T) {
+		tab := newAccessTable(l, gb, ModePull, NewMetrics())
+		a, b := spansOf([]topology.BlockID{1}, nil), spansOf([]topology.BlockID{1, 2}, nil)
+		tab.hold(a, 1)
+		tab.hold(b, 1)
+		aborted := make(chan struct{}, 1)
+		_, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{0x10000 + 2*256, 512}}, func() { aborted <- struct{}{} })
+		tab.hold(a, -1) // block 1 still held by b: the READ goes on
+		select {
+		case <-aborted:
+			t.Fatal("a READ of blocks still held was cut short")
+		default:
+		}
+		released := make(chan struct{})
+		go func() { tab.hold(b, -1); close(released) }()
+		<-aborted
+		select {
+		case <-released:
+			t.Fatal("a hold let go while a READ of its blocks was still admitted")
+		case <-time.After(50 * time.Millisecond):
+		}
+		tab.Done(adm)
+		<-released
+	})
 }

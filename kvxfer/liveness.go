@@ -155,7 +155,7 @@ func (st *loopState) probeDone(h *hsResult) {
 // drops its handshake so the next request handshakes again.
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
-	n := st.failWaiting(e, FailurePeerGone, reason, st.w.access != nil, func(*recvReq) bool { return true })
+	n := st.failWaiting(e, FailurePeerGone, reason, st.guarded, func(*recvReq) bool { return true })
 	st.w.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by
 	// then); if that fails too, handshakeRetry applies as usual.

@@ -66,6 +66,12 @@ type loopState struct {
 	// Consumer side.
 	recvs map[string]*recvReq
 
+	// guarded: the backend enforces the Worker's grants, which the core
+	// changes through ops (opGrant, opRevoke, opHold); nextGrant names
+	// the last grant.
+	guarded   bool
+	nextGrant uint32
+
 	// Transfers in flight, by the core's names for them.
 	handles  map[XferID]*handle
 	nextXfer XferID
@@ -283,6 +289,7 @@ type handle struct {
 
 func (st *loopState) init(w *Worker) {
 	st.w, st.cfg, st.layout = w, &w.cfg, &w.cfg.Layout
+	st.guarded = w.access != nil
 	st.engines = map[string]*engine{}
 	st.sends = newSendTable(false)
 	st.sendByTID = newSendTable(true)
@@ -736,6 +743,13 @@ const (
 	opPost                           // a transfer of descs
 	opPostPrepared                   // a transfer of index pairs of prepared lists
 	opPrepare                        // a prepared descriptor list
+	// The data plane's grants (WorkerConfig's backend Guarded), applied
+	// in order with the other ops: a grant before the registration that
+	// lets the producer WRITE, a revocation before anything that follows
+	// it, and before the outcome it precedes is published.
+	opGrant  // grant (core's name) lets peers WRITE into spans
+	opRevoke // grant ends, once nothing admitted under it moves bytes
+	opHold   // pull: delta holds on spans (a hold let go waits for READs)
 )
 
 // notice says what a notification's result means to the core.
@@ -769,6 +783,31 @@ type op struct {
 
 	prep    PrepID          // opPrepare: the core's name for the list
 	entries []hotpath.Entry // opPrepare: the list
+
+	grant uint32          // opGrant, opRevoke: the core's name for the grant
+	peers []PeerName      // opGrant: who may WRITE
+	spans []topology.Span // opGrant, opHold: the blocks
+	delta int32           // opHold
+}
+
+// grantOp asks for a WRITE grant to peers on spans and returns its name.
+func (st *loopState) grantOp(peers []PeerName, spans []topology.Span) uint32 {
+	st.nextGrant++
+	if st.nextGrant == 0 {
+		st.nextGrant++
+	}
+	st.fx.ops = append(st.fx.ops, op{kind: opGrant, grant: st.nextGrant, peers: peers, spans: spans})
+	return st.nextGrant
+}
+
+// revokeOp ends a grant.
+func (st *loopState) revokeOp(id uint32) {
+	st.fx.ops = append(st.fx.ops, op{kind: opRevoke, grant: id})
+}
+
+// holdOp adds or lets go pull holds on spans.
+func (st *loopState) holdOp(spans []topology.Span, delta int32) {
+	st.fx.ops = append(st.fx.ops, op{kind: opHold, spans: spans, delta: delta})
 }
 
 // notifyOp asks for a notification.

@@ -266,6 +266,17 @@ func (m *Metrics) RefusedAccess(op hotpath.Op, a Access) {
 // RefusedAccess).
 func (m *Metrics) RetriedRead() { m.refused.inc("read_retried") }
 
+// AbortedLanding counts a peer's part cut short while its bytes moved,
+// because the grant (or pull hold) that admitted it ended (labels
+// "write_aborted", "read_aborted" of RefusedAccess).
+func (m *Metrics) AbortedLanding(op hotpath.Op) {
+	if op == hotpath.OpWrite {
+		m.refused.inc("write_aborted")
+	} else {
+		m.refused.inc("read_aborted")
+	}
+}
+
 // Stats is a snapshot of Metrics: cumulative values since the recorder
 // was made (Prometheus counters). Sub gives the delta between two.
 type Stats struct {

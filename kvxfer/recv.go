@@ -163,7 +163,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 		m.Until = r.deadline.Add(e.offset)
 	}
 	b := appendMsg(nil, st.self(m))
-	if a := st.w.access; a != nil && r.grant == 0 {
+	if st.guarded && r.grant == 0 {
 		// The producer ranks may WRITE into these blocks from before they
 		// hear of them until the request ends.
 		peers := make([]PeerName, 0, len(r.targets))
@@ -172,7 +172,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 				peers = append(peers, p)
 			}
 		}
-		r.grant = a.grantWrite(peers, r.req.Local)
+		r.grant = st.grantOp(peers, r.req.Local)
 	}
 	r.regErrs, r.regWait = make([]error, len(r.targets)), 0
 	for i, to := range r.targets {
@@ -566,8 +566,8 @@ func (st *loopState) finishRecv(r *recvReq, o Outcome) {
 // revoke ends a consumer request's WRITE grant: from here its blocks may
 // go back to the engine, and a producer's late WRITE is refused.
 func (st *loopState) revoke(r *recvReq) {
-	if a := st.w.access; a != nil && r.grant != 0 {
-		a.revokeWrite(r.grant)
+	if st.guarded && r.grant != 0 {
+		st.revokeOp(r.grant)
 		r.grant = 0
 	}
 }

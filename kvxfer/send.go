@@ -103,9 +103,9 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 		st.armLease(s, deadline)
 	}
 	if st.cfg.Mode == ModePull {
-		if a := st.w.access; a != nil {
+		if st.guarded {
 			// Consumers may READ the blocks while they are held.
-			a.hold(s.req.Blocks, 1)
+			st.holdOp(s.req.Blocks, 1)
 		}
 		st.replayEarly(s)
 	}
@@ -1018,8 +1018,8 @@ func allSettledOK(s *sendReq) bool {
 // tombstone for its D request so late duplicates are dropped.
 func (st *loopState) forgetSend(s *sendReq) {
 	st.sends.remove(s, s.hID)
-	if a := st.w.access; a != nil && st.cfg.Mode == ModePull {
-		a.hold(s.req.Blocks, -1)
+	if st.guarded && st.cfg.Mode == ModePull {
+		st.holdOp(s.req.Blocks, -1)
 	}
 	if s.saved != nil {
 		ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })

@@ -689,6 +689,15 @@ func (w *Worker) do(_ int, o *op) error {
 		id, err := pp.Prepare(o.peer, o.entries)
 		w.preps[o.prep] = prepEntry{be: id, err: err}
 		return err
+	case opGrant:
+		w.access.grantWrite(o.grant, o.peers, o.spans)
+		return nil
+	case opRevoke:
+		w.access.revokeWrite(o.grant) // waits for parts landing under it
+		return nil
+	case opHold:
+		w.access.hold(o.spans, o.delta)
+		return nil
 	}
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
 }

@@ -30,6 +30,20 @@ type Guard interface {
 	Check(peer string, op Op, addr, n uint64) Verdict
 }
 
+// A Fence is a Guard that also knows which admitted parts still move
+// bytes, so that ending what allowed them can wait for them. The agent
+// admits every incoming part (and every direct or same-host copy)
+// through Admit before a byte moves, and calls Done once its last byte
+// has moved or it failed. Meanwhile the fence may call abort (once, from
+// another goroutine): the part then stops moving bytes and fails.
+type Fence interface {
+	Guard
+	// Admit returns Allow and a ticket for Done, or the verdict on the
+	// first range refused and its index.
+	Admit(peer string, op Op, ranges []Region, abort func()) (v Verdict, refused int, ticket uint64)
+	Done(ticket uint64)
+}
+
 type guardBox struct{ g Guard }
 
 // SetGuard installs the agent's guard. An agent takes one: a second
@@ -44,6 +58,46 @@ func (a *Agent) SetGuard(g Guard) error {
 	return nil
 }
 
+// admitGuard admits a part through the guard: as checkGuard, and with a
+// Fence the part is noted as moving until releaseGuard(ticket), abort
+// cutting it short if what allowed it ends meanwhile.
+func (a *Agent) admitGuard(peer string, op Op, ranges []Region, abort func()) (Verdict, uint64, error) {
+	b := a.guard.Load()
+	if b == nil {
+		return Allow, 0, nil
+	}
+	f, ok := b.g.(Fence)
+	if !ok {
+		v, err := a.checkGuard(peer, op, ranges)
+		return v, 0, err
+	}
+	v, i, ticket := f.Admit(peer, op, ranges, abort)
+	if v == Allow {
+		return Allow, ticket, nil
+	}
+	return v, 0, a.refused(peer, op, v, i, ranges[i])
+}
+
+// releaseGuard ends an admission (0: none).
+func (a *Agent) releaseGuard(ticket uint64) {
+	if ticket == 0 {
+		return
+	}
+	if f, ok := a.guard.Load().g.(Fence); ok {
+		f.Done(ticket)
+	}
+}
+
+// refused counts a refusal and says what was refused.
+func (a *Agent) refused(peer string, op Op, v Verdict, i int, r Region) error {
+	what := "write into"
+	if op == Read {
+		what = "read of"
+	}
+	a.refusals[min(v, Deny)].Add(1)
+	return fmt.Errorf("%w: %s range %d [%#x, +%d) of %s by %s", ErrNotGranted, what, i, r.Addr, r.Len, a.cfg.Name, peer)
+}
+
 // checkGuard asks the guard about every range; it returns Allow, or the
 // verdict on the first range refused with an error naming it.
 func (a *Agent) checkGuard(peer string, op Op, ranges []Region) (Verdict, error) {
@@ -53,12 +107,7 @@ func (a *Agent) checkGuard(peer string, op Op, ranges []Region) (Verdict, error)
 	}
 	for i, r := range ranges {
 		if v := b.g.Check(peer, op, r.Addr, r.Len); v != Allow {
-			what := "write into"
-			if op == Read {
-				what = "read of"
-			}
-			a.refusals[min(v, Deny)].Add(1)
-			return v, fmt.Errorf("%w: %s range %d [%#x, +%d) of %s by %s", ErrNotGranted, what, i, r.Addr, r.Len, a.cfg.Name, peer)
+			return v, a.refused(peer, op, v, i, r)
 		}
 	}
 	return Allow, nil

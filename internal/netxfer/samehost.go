@@ -496,7 +496,9 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if err := a.landingRoom(from, h); err != nil {
 		return err
 	}
-	v, berr := a.checkGuard(from, Write, ranges)
+	// Admitted, the copy ends before the grant that let it in can (no
+	// abort: a copy between mapped memories is short).
+	v, ticket, berr := a.admitGuard(from, Write, ranges, nil)
 	if v == Deny {
 		return berr
 	}
@@ -517,6 +519,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		}
 		if berr != nil {
 			a.memMu.RUnlock()
+			a.releaseGuard(ticket)
 			return berr
 		}
 		berr = copyPieces(s.dst, s.src)
@@ -528,6 +531,9 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		}
 	}
 	a.memMu.RUnlock()
+	// Released before the completion is delivered: the Worker that waits
+	// for it may be the one the delivery goes to.
+	a.releaseGuard(ticket)
 	clear(s.dst)
 	clear(s.src)
 	return a.landed(w, from, h, v, berr)

@@ -101,10 +101,18 @@ func (a *Agent) serve(raw net.Conn) {
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)
 	var sc scratch
+	// A part admitted under a grant that ends while its bytes still move
+	// is cut short: the connection's next read or write fails at once.
+	sc.abort = func() {
+		past := time.Unix(1, 0)
+		_ = nc.SetReadDeadline(past)
+		_ = nc.SetWriteDeadline(past)
+	}
 	for {
 		// Idle between frames as long as it likes; a frame, once begun,
-		// must arrive within FrameTimeout.
-		_ = nc.SetReadDeadline(time.Time{})
+		// must arrive within FrameTimeout. (Both deadlines are cleared: an
+		// abort that came as the part before ended set them in the past.)
+		_ = nc.SetDeadline(time.Time{})
 		if err := readFull(r, hdr[:1]); err != nil {
 			return
 		}
@@ -168,6 +176,7 @@ type scratch struct {
 	ranges []Region
 	bufs   [][]byte
 	tg     []target
+	abort  func() // cuts the connection's part in progress short
 }
 
 const keepScratch = 1 << 16
@@ -318,8 +327,10 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 		return err
 	}
 	// The guard first: a range the peer holds no grant for is refused
-	// before any byte lands; one it never held drops the connection.
-	v, berr := a.checkGuard(from, Write, ranges)
+	// before any byte lands; one it never held drops the connection. An
+	// admitted part lands before the grant that let it in can end (its
+	// revocation waits for it, cutting a part still arriving short).
+	v, ticket, berr := a.admitGuard(from, Write, ranges, sc.abort)
 	if v == Deny {
 		return berr
 	}
@@ -331,16 +342,18 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	}
 	if berr != nil {
 		a.memMu.RUnlock()
+		a.releaseGuard(ticket)
 		// Refused: nothing is written; the payload is skipped.
 		if _, err := io.CopyN(io.Discard, r, int64(total)); err != nil {
 			return err
 		}
 	} else {
-		if err := r.fillv(bufs); err != nil {
-			a.memMu.RUnlock()
+		err := r.fillv(bufs)
+		a.memMu.RUnlock()
+		a.releaseGuard(ticket)
+		if err != nil {
 			return err
 		}
-		a.memMu.RUnlock()
 	}
 	return a.landed(w, from, h, v, berr)
 }
@@ -358,10 +371,11 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	if err != nil {
 		return err
 	}
-	v, berr := a.checkGuard(from, Read, ranges)
+	v, ticket, berr := a.admitGuard(from, Read, ranges, sc.abort)
 	if v == Deny {
 		return berr
 	}
+	defer a.releaseGuard(ticket) // after the bytes went out
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
 	if berr == nil && ls != nil {

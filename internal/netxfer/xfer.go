@@ -354,11 +354,13 @@ func (a *Agent) direct(x *xfer) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
-	if _, err := b.checkGuard(a.cfg.Name, x.op, rem); err != nil {
+	_, ticket, err := b.admitGuard(a.cfg.Name, x.op, rem, nil)
+	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
 	rb, err := b.resolve(nil, rem)
 	if err != nil {
+		b.releaseGuard(ticket)
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
 	for i := range lb {
@@ -368,6 +370,9 @@ func (a *Agent) direct(x *xfer) error {
 			copy(lb[i], rb[i])
 		}
 	}
+	// Released before the completion is delivered: the Worker that waits
+	// for it may be the one the delivery goes to.
+	b.releaseGuard(ticket)
 	if x.notif != nil {
 		// WRITE: the peer hears; READ: the peer (the source) hears too.
 		return b.deliver(a.cfg.Name, x.notif)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 
@@ -212,16 +213,31 @@ func (n *Backend) Close() error { return n.a.Close() }
 // SetGuard implements kvxfer.Guarded: the agent asks c about every range a peer
 // names in a WRITE into or a READ of its memory, and about direct copies
 // between agents of one process.
-func (n *Backend) SetGuard(c kvxfer.AccessChecker) error { return n.a.SetGuard(netGuard{c}) }
+// A checker that is also a kvxfer.AccessFence (the Worker's table) fences
+// the parts it admits: a grant revoked while a part lands returns only
+// once the part has landed or was cut short.
+func (n *Backend) SetGuard(c kvxfer.AccessChecker) error {
+	if f, ok := c.(kvxfer.AccessFence); ok {
+		return n.a.SetGuard(&fenceGuard{netGuard: netGuard{c}, f: f})
+	}
+	return n.a.SetGuard(netGuard{c})
+}
 
 type netGuard struct{ c kvxfer.AccessChecker }
 
 func (g netGuard) Check(peer string, op netxfer.Op, addr, n uint64) netxfer.Verdict {
-	hop := hotpath.OpWrite
+	return verdict(g.c.CheckAccess(kvxfer.PeerName(peer), hotOp(op), addr, n))
+}
+
+func hotOp(op netxfer.Op) hotpath.Op {
 	if op == netxfer.Read {
-		hop = hotpath.OpRead
+		return hotpath.OpRead
 	}
-	switch g.c.CheckAccess(kvxfer.PeerName(peer), hop, addr, n) {
+	return hotpath.OpWrite
+}
+
+func verdict(a kvxfer.Access) netxfer.Verdict {
+	switch a {
 	case kvxfer.AccessAllow:
 		return netxfer.Allow
 	case kvxfer.AccessLate:
@@ -229,3 +245,27 @@ func (g netGuard) Check(peer string, op netxfer.Op, addr, n uint64) netxfer.Verd
 	}
 	return netxfer.Deny
 }
+
+// fenceGuard is a netxfer.Fence over a kvxfer.AccessFence.
+type fenceGuard struct {
+	netGuard
+	f    kvxfer.AccessFence
+	pool sync.Pool // *[]kvxfer.Range, scratch for Admit
+}
+
+func (g *fenceGuard) Admit(peer string, op netxfer.Op, ranges []netxfer.Region, abort func()) (netxfer.Verdict, int, uint64) {
+	p, _ := g.pool.Get().(*[]kvxfer.Range)
+	if p == nil {
+		p = new([]kvxfer.Range)
+	}
+	rs := (*p)[:0]
+	for _, r := range ranges {
+		rs = append(rs, kvxfer.Range{Addr: r.Addr, Len: r.Len})
+	}
+	a, i, adm := g.f.Admit(kvxfer.PeerName(peer), hotOp(op), rs, abort)
+	*p = rs[:0]
+	g.pool.Put(p)
+	return verdict(a), i, uint64(adm)
+}
+
+func (g *fenceGuard) Done(ticket uint64) { g.f.Done(kvxfer.Admission(ticket)) }

@@ -1,0 +1,223 @@
+package kvxfer_test
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// stallProxy forwards TCP connections to target. Armed, it forwards half
+// of the next chunk each connection sends towards target and then holds
+// the rest, until released: a link that goes quiet in the middle of a
+// frame and heals later.
+type stallProxy struct {
+	ln     net.Listener
+	target string
+
+	mu       sync.Mutex
+	armed    bool
+	stalled  int           // connections holding bytes back
+	released chan struct{} // closed by release
+	conns    []net.Conn
+}
+
+func newStallProxy(t *testing.T, target string) *stallProxy {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &stallProxy{ln: ln, target: target, released: make(chan struct{})}
+	go p.accept()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		p.release()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			_ = c.Close()
+		}
+		p.mu.Unlock()
+	})
+	return p
+}
+
+func (p *stallProxy) accept() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", p.target)
+		if err != nil {
+			_ = c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c, s)
+		p.mu.Unlock()
+		go func() { _, _ = io.Copy(c, s); _ = c.Close() }()
+		go p.forward(c, s)
+	}
+}
+
+func (p *stallProxy) forward(from, to net.Conn) {
+	defer func() { _ = to.Close() }()
+	buf := make([]byte, 1<<20)
+	for {
+		n, err := from.Read(buf)
+		if n > 0 {
+			p.mu.Lock()
+			stall := p.armed
+			if stall {
+				p.stalled++
+			}
+			p.mu.Unlock()
+			if stall {
+				if _, err := to.Write(buf[:n/2]); err != nil {
+					return
+				}
+				<-p.released
+				if _, err := to.Write(buf[n/2 : n]); err != nil {
+					return
+				}
+			} else if _, err := to.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (p *stallProxy) arm() { p.mu.Lock(); p.armed = true; p.mu.Unlock() }
+
+func (p *stallProxy) stalledConns() int { p.mu.Lock(); defer p.mu.Unlock(); return p.stalled }
+
+func (p *stallProxy) release() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.armed = false
+	select {
+	case <-p.released:
+	default:
+		close(p.released)
+	}
+}
+
+// A WRITE part admitted into D's blocks, its payload held up by a link
+// that went quiet mid-frame: D gives the producer up (its probes fail for
+// PeerTimeout) and, with the built-in backend's grants, reports at once;
+// the engine reuses the blocks; the link heals well within the data
+// plane's frame timeout. Not one of the part's bytes may land after D
+// reported: the grant's revocation cuts the part short and returns only
+// once it stopped moving bytes.
+func TestRevokeCutsLandingShort(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, DisableSameHost: true, Conns: 1, Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Close() })
+		if err := b.Map(r.Base, r.Mem); err != nil {
+			t.Fatal(err)
+		}
+		return b, nil
+	})
+	var proxy *stallProxy
+	d := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "D", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		// D's agent listens on a port of its own and advertises the proxy.
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		listen := l.Addr().String()
+		_ = l.Close()
+		proxy = newStallProxy(t, listen)
+		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Listen: listen, Advertise: proxy.ln.Addr().String(),
+			DisableLocal: true, DisableSameHost: true, Conns: 1, Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Close() })
+		if err := b.Map(r.Base, r.Mem); err != nil {
+			t.Fatal(err)
+		}
+		return b, nil
+	})
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(1, 2))
+	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if s, _ := p.workers[0][0].State(); s.PendingRegs == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("P never got D's registration")
+		}
+	}
+	proxy.arm()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); proxy.stalledConns() == 0; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's WRITE never reached the proxy")
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // D's agent admits the part and waits for the rest
+	// The partition: D hears nothing more from P.
+	dir.FailHandshakes("P", 1<<20)
+	out := newOutcomes()
+	for deadline := time.Now().Add(20 * time.Second); len(out.recv["d-a"]) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("D never gave the request up")
+		}
+		out.collect(t, d)
+	}
+	if o := out.recv["d-a"][0]; o.Result != kvxfer.ResultFailed {
+		t.Fatalf("D's outcome %+v, want failed", o)
+	}
+	// The engine takes its blocks back at once and reuses them.
+	reused := bytes.Repeat([]byte{0xAB}, len(d.ranks[0][0].Mem))
+	copy(d.ranks[0][0].Mem, reused)
+	// The link heals, long before the frame timeout.
+	proxy.release()
+	for deadline := time.Now().Add(20 * time.Second); len(out.send["p-a"]) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's request never ended")
+		}
+		out.collect(t, p)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
+		n := 0
+		for i, b := range d.ranks[0][0].Mem {
+			if b != reused[i] {
+				n++
+			}
+		}
+		t.Fatalf("%d bytes of P's WRITE landed in D's blocks after D reported them free", n)
+	}
+	if s := d.workers[0][0].Metrics().Snapshot().RefusedAccess; s["write_aborted"] != 1 {
+		t.Errorf("D refusals %v, want one write_aborted", s)
+	}
+}
