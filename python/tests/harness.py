@@ -2,7 +2,29 @@
 real KV cache manager) plus worker-role connectors over real CPU tensors
 shared with the daemons, driven step by step as vLLM's engine core and model
 runner drive them. Nothing here fakes kvxfer: only the model's forward pass is
-replaced by writing a known pattern into P's KV cache."""
+replaced by writing a known pattern into P's KV cache.
+
+What it does not exercise (a real vLLM engine does; none runs on this CPU
+machine):
+
+- vLLM's executors: every worker-role connector lives in the test's process
+  and is called directly; no multiprocess executor, no worker processes, no
+  pickling of the connector metadata between processes (the metadata
+  relay's StepMeta bytes are decoded in-process).
+- Async scheduling: each step here is schedule, then the workers, then
+  update_from_output; vLLM's async scheduler schedules step n+1 before step
+  n's output is back, which this harness never does.
+- vLLM's own call order: step() calls the worker hooks in a fixed order
+  written after kv_connector_model_runner_mixin (bind, start_load_kv, the
+  "forward", save_kv_layer for every layer after it, wait_for_save,
+  get_transfer_results, get_block_ids_with_load_errors,
+  get_kv_connector_stats, clear), not through vLLM's model runner: no
+  forward context, no wait_for_layer_load between layers, save_kv_layer
+  never interleaved with compute, no CUDA graphs, no preemption.
+- Hybrid (Mamba) models' workers: the connector's worker side registers
+  attention caches only, so hybrid engines here are scheduler-only (see
+  make_engine's mamba).
+"""
 
 from __future__ import annotations
 
