@@ -30,6 +30,15 @@ type SchedulerConfig struct {
 	// SpecBlocks is the number of speculative-decoding blocks a Mamba
 	// group keeps beyond its state block (0: none).
 	SpecBlocks int
+	// PrefillBackoff is how many trailing prompt tokens a producer leaves
+	// uncomputed and its consumer computes itself (vLLM's prefill
+	// backoff): 1 for a model with Mamba or bounded-replay layers (the
+	// recurrent state must come over as of token N-1, so that the
+	// consumer derives token N's from it once), the drafter's lookahead
+	// less one for multi-module MTP (the producer must not prefill
+	// unverified drafts into the MTP layers). The scheduler uses at least
+	// 1 when a group is Mamba. See PrefillTokens.
+	PrefillBackoff int
 	// Lease is how long a producer holds finished blocks without a
 	// heartbeat (default 30 s).
 	Lease time.Duration
@@ -89,9 +98,8 @@ type SchedulerCounters struct {
 // A Scheduler is a synchronous state machine with one owner (the engine's
 // scheduler loop): it is not safe for concurrent use and never blocks.
 type Scheduler struct {
-	cfg   SchedulerConfig
-	mamba bool
-	step  uint64
+	cfg  SchedulerConfig
+	step uint64
 
 	// Staged for the next BuildMeta.
 	recv         []RecvReq
@@ -143,7 +151,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if cfg.Layerwise && cfg.Mode == ModePull {
 		return nil, fmt.Errorf("kvxfer: SchedulerConfig.Layerwise is not supported in pull mode (it is layer-wise push)")
 	}
-	for name, v := range map[string]int{"TPSize": cfg.TPSize, "PPSize": cfg.PPSize, "SpecBlocks": cfg.SpecBlocks} {
+	for name, v := range map[string]int{"TPSize": cfg.TPSize, "PPSize": cfg.PPSize, "SpecBlocks": cfg.SpecBlocks, "PrefillBackoff": cfg.PrefillBackoff} {
 		if v < 0 {
 			return nil, fmt.Errorf("kvxfer: SchedulerConfig.%s = %d, want >= 0", name, v)
 		}
@@ -173,6 +181,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
 	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{}}
+	mamba := false
 	for i, g := range cfg.Groups {
 		switch g.Kind {
 		case topology.KindFullAttention, topology.KindMLA:
@@ -181,12 +190,31 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 				return nil, fmt.Errorf("kvxfer: SchedulerConfig.Groups[%d].Window = %d, want > 0", i, g.Window)
 			}
 		case topology.KindMamba:
-			s.mamba = true
+			mamba = true
 		default:
 			return nil, fmt.Errorf("kvxfer: SchedulerConfig.Groups[%d].Kind = %v unknown", i, g.Kind)
 		}
 	}
+	if mamba {
+		s.cfg.PrefillBackoff = max(s.cfg.PrefillBackoff, 1)
+	}
 	return s, nil
+}
+
+// PrefillTokens returns how many of a prompt's tokens a producer computes
+// and its consumer receives: all but the trailing PrefillBackoff, which
+// the consumer computes itself, unless the prompt is no longer than the
+// backoff (then all of it). A producer engine trims its request's prompt
+// to this many tokens (and its output to one token) when the request
+// arrives, so that the RemoteNumTokens it returns from RequestFinished is
+// what MatchedTokens on the consumer expects. The rule is vLLM 0.32's
+// NixlConnector's (_get_remote_prefill_token_count), so kvxfer and vLLM's
+// own connector agree on both sides.
+func (s *Scheduler) PrefillTokens(promptTokens int) int {
+	if b := s.cfg.PrefillBackoff; b > 0 && promptTokens > b {
+		return promptTokens - b
+	}
+	return promptTokens
 }
 
 // Counters returns what the scheduler rejected or dropped so far.
@@ -239,8 +267,9 @@ func emptySpans(spans []topology.Span) bool {
 
 // MatchedTokens reports how many tokens a request gets from a remote
 // engine beyond the computed ones, and whether they arrive asynchronously
-// (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). Models
-// with Mamba groups recompute the last prompt token.
+// (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). A
+// consumer receives PrefillTokens of its prompt and computes the rest (the
+// last token for a model with Mamba groups).
 func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) {
 	p := r.Params
 	if p == nil {
@@ -248,11 +277,7 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	}
 	switch {
 	case p.DoRemotePrefill:
-		n = r.PromptTokens
-		if s.mamba {
-			n--
-		}
-		n -= computed
+		n = s.PrefillTokens(r.PromptTokens) - computed
 	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0:
 		// Turn 2 on P: read back what D holds beyond our prefix.
 		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
@@ -496,6 +521,9 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		ttl = s.cfg.DecoderBlocksTTL
 	}
 	if emptySpans(spans) {
+		// Nothing is held, so nothing can be read from us (the
+		// reference returns 0 too).
+		out.RemoteNumTokens = 0
 		return false, out, nil
 	}
 	deadline := s.cfg.Now().Add(ttl)

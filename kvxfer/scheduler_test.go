@@ -49,6 +49,7 @@ func TestNewSchedulerValidates(t *testing.T) {
 		{"bidirectional push", func(c *SchedulerConfig) { c.Mode, c.Bidirectional = ModePush, true }, "Bidirectional"},
 		{"window", func(c *SchedulerConfig) { c.Groups = []topology.Group{{Kind: topology.KindSlidingWindow}} }, "Groups[0].Window = 0"},
 		{"negative lease", func(c *SchedulerConfig) { c.Lease = -1 }, "Lease"},
+		{"negative backoff", func(c *SchedulerConfig) { c.PrefillBackoff = -1 }, "PrefillBackoff = -1"},
 		{"layerwise pull", func(c *SchedulerConfig) { c.Mode, c.Layerwise = ModePull, true }, "Layerwise is not supported in pull mode"},
 	}
 	for _, tc := range tests {
@@ -62,32 +63,118 @@ func TestNewSchedulerValidates(t *testing.T) {
 	}
 }
 
-// SPEC §7.1, §8.2: N (N-1 with Mamba) minus the computed tokens, async.
+var hybrid = []topology.Group{{Kind: topology.KindFullAttention}, {Kind: topology.KindMamba}}
+
+// SPEC §7.1, §8.2: PrefillTokens(N) minus the computed tokens, async.
 func TestMatchedTokens(t *testing.T) {
 	tests := []struct {
 		name     string
 		groups   []topology.Group
+		backoff  int
 		params   *TransferParams
 		prompt   int
 		computed int
 		n        int
 		async    bool
 	}{
-		{"no params", nil, nil, 100, 0, 0, false},
-		{"remote prefill", nil, pParams(ModePull), 100, 16, 84, true},
-		{"mamba recomputes the last token", []topology.Group{{Kind: topology.KindFullAttention}, {Kind: topology.KindMamba}}, pParams(ModePull), 100, 16, 83, true},
-		{"prompt shorter than a block", nil, pParams(ModePull), 8, 0, 8, true},
-		{"all computed", nil, pParams(ModePull), 32, 32, 0, false},
-		{"producer", nil, &TransferParams{DoRemoteDecode: true}, 100, 0, 0, false},
+		{"no params", nil, 0, nil, 100, 0, 0, false},
+		{"remote prefill", nil, 0, pParams(ModePull), 100, 16, 84, true},
+		{"mamba recomputes the last token", hybrid, 0, pParams(ModePull), 100, 16, 83, true},
+		{"mtp lookahead 3 recomputes 2", nil, 2, pParams(ModePush), 64, 0, 62, true},
+		{"mtp beside mamba: the larger backoff", hybrid, 2, pParams(ModePull), 64, 16, 46, true},
+		{"mamba, one-token prompt: loaded whole", hybrid, 0, pParams(ModePull), 1, 0, 1, true},
+		{"backoff 2, two-token prompt: loaded whole", nil, 2, pParams(ModePull), 2, 0, 2, true},
+		{"backoff 2, three-token prompt", nil, 2, pParams(ModePull), 3, 0, 1, true},
+		{"prompt shorter than a block", nil, 0, pParams(ModePull), 8, 0, 8, true},
+		{"all computed", nil, 0, pParams(ModePull), 32, 32, 0, false},
+		{"mamba, all but the last computed", hybrid, 0, pParams(ModePull), 32, 31, 0, false},
+		{"producer", nil, 0, &TransferParams{DoRemoteDecode: true}, 100, 0, 0, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			s, _ := newSched(t, ModePull, func(c *SchedulerConfig) { c.Groups = tc.groups })
+			s, _ := newSched(t, ModePull, func(c *SchedulerConfig) { c.Groups, c.PrefillBackoff = tc.groups, tc.backoff })
 			n, async := s.MatchedTokens(&Request{ID: "d-1", PromptTokens: tc.prompt, Params: tc.params}, tc.computed)
 			if n != tc.n || async != tc.async {
 				t.Errorf("MatchedTokens = %d, %v; want %d, %v", n, async, tc.n, tc.async)
 			}
 		})
+	}
+}
+
+// PrefillTokens is vLLM 0.32 NixlConnector's count of the prompt tokens a
+// producer computes and a consumer loads: the prompt less the backoff
+// (at least 1 with a Mamba group, the larger of the two), or the whole
+// prompt when it is no longer than the backoff.
+func TestPrefillTokens(t *testing.T) {
+	tests := []struct {
+		name    string
+		groups  []topology.Group
+		backoff int
+		prompt  int
+		want    int
+	}{
+		{"full attention", nil, 0, 64, 64},
+		{"mamba", hybrid, 0, 64, 63},
+		{"mamba, backoff 1 given too", hybrid, 1, 64, 63},
+		{"mtp lookahead 3", nil, 2, 64, 62},
+		{"mtp lookahead 3 beside mamba", hybrid, 2, 64, 62},
+		{"mamba, one token", hybrid, 0, 1, 1},
+		{"mtp, prompt equal to the backoff", nil, 2, 2, 2},
+		{"mtp, prompt one past the backoff", nil, 2, 3, 1},
+		{"empty prompt", hybrid, 2, 0, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Groups, c.PrefillBackoff = tc.groups, tc.backoff })
+			if got := s.PrefillTokens(tc.prompt); got != tc.want {
+				t.Errorf("PrefillTokens(%d) = %d, want %d", tc.prompt, got, tc.want)
+			}
+		})
+	}
+}
+
+// A producer that trims its prompt to PrefillTokens returns as
+// RemoteNumTokens exactly what its consumer's MatchedTokens loads, so the
+// consumer computes the backoff tokens itself on state that holds none of
+// them; with no blocks to hold it returns 0 tokens, as the reference does.
+func TestProducerTokensMatchConsumer(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		groups  []topology.Group
+		backoff int
+		loads   int // of a 64-token prompt
+	}{{"full attention", nil, 0, 64}, {"hybrid", hybrid, 0, 63}, {"mtp lookahead 3", nil, 2, 62}} {
+		for _, mode := range []Mode{ModePush, ModePull} {
+			t.Run(tc.name+"/"+mode.String(), func(t *testing.T) {
+				mut := func(c *SchedulerConfig) { c.Groups, c.PrefillBackoff = tc.groups, tc.backoff }
+				p, _ := newSched(t, mode, mut)
+				d, _ := newSched(t, mode, mut)
+				const prompt = 64
+				computed := p.PrefillTokens(prompt) // what P's engine computes
+				blocks := make([][]topology.BlockID, len(p.cfg.Groups))
+				for g := range blocks {
+					blocks[g] = ids(1, 2, 3, 4)
+				}
+				delay, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: computed,
+					Params: &TransferParams{TransferID: "t1", DoRemoteDecode: true}}, FinishLengthCapped, blocks, computed)
+				if err != nil || !delay {
+					t.Fatalf("RequestFinished = %v, %v; want delay", delay, err)
+				}
+				n, async := d.MatchedTokens(&Request{ID: "d-1", PromptTokens: prompt, Params: params}, 0)
+				if n != params.RemoteNumTokens || !async {
+					t.Errorf("consumer MatchedTokens = %d, %v; want the producer's RemoteNumTokens %d, true", n, async, params.RemoteNumTokens)
+				}
+				if n != tc.loads {
+					t.Errorf("MatchedTokens = %d, want %d", n, tc.loads)
+				}
+				empty := make([][]topology.BlockID, len(p.cfg.Groups))
+				delay, params, err = p.RequestFinished(&Request{ID: "p-2", PromptTokens: computed,
+					Params: &TransferParams{DoRemoteDecode: true}}, FinishLengthCapped, empty, computed)
+				if err != nil || delay || params == nil || params.RemoteNumTokens != 0 {
+					t.Errorf("RequestFinished without blocks = %v, %+v, %v; want no delay and RemoteNumTokens 0", delay, params, err)
+				}
+			})
+		}
 	}
 }
 

@@ -200,6 +200,48 @@ def _group_kinds(kv_cache_config: "KVCacheConfig | None") -> list[tuple[int, int
     return out or [(pb.CACHE_KIND_FULL_ATTENTION, 0)]
 
 
+def prefill_backoff(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    """The trailing prompt tokens a producer (P) leaves uncomputed and its
+    consumer (D) computes itself, as vLLM 0.32's NixlConnector has it
+    (nixl/base_scheduler.py, _prefill_backoff), so that P and D agree with
+    it and with each other:
+
+    - 1 for a model with Mamba (recurrent) layers: D needs the state after
+      token N-1 to derive token N's itself; a state that already holds
+      token N would take it twice.
+    - 1 for a model with a bounded-replay group (a KV-cache spec with
+      prefix_replay_tokens > 0, DeepSeek-V4.1's sliding window): its window
+      is not replayed after a load, so it must be laid out for the token D
+      computes.
+    - the drafter's prefill lookahead less one for multi-module MTP
+      (vllm_config.num_prefill_lookahead_tokens: num_speculative_tokens
+      there, 1 for other EAGLE-family drafters, 0 without one): P must not
+      write unverified drafts into the MTP layers' KV, which D would never
+      rebuild.
+
+    The largest applies. 0 for anything else."""
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    has_mamba = bool(getattr(kv_cache_config, "has_mamba_layers", False)) or \
+        any(k == pb.CACHE_KIND_MAMBA for k, _ in _group_kinds(kv_cache_config))
+    replay = any(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) > 0 for g in groups)
+    lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    return max(1 if has_mamba or replay else 0, lookahead - 1)
+
+
+def prefill_tokens(prompt_tokens: int, backoff: int) -> int:
+    """How many of a prompt's tokens P computes and D loads: all but the
+    trailing backoff, unless the prompt is no longer than the backoff (then
+    P is not trimmed and D loads it all, as NixlConnector does)."""
+    return prompt_tokens - backoff if backoff and prompt_tokens > backoff else prompt_tokens
+
+
+# Marks a producer's params once its prompt was trimmed, so a request seen
+# again (a resumed request re-added with the same params) is not trimmed
+# twice. NixlConnector's own key: with both connectors behind a
+# MultiConnector the prompt is trimmed once.
+_TRIMMED = "_p_side_truncated"
+
+
 def _window_blocks(window: int, block_size: int) -> int:
     # The blocks a window of tokens can touch, plus the partial block.
     return (window + block_size - 1) // block_size + 1
@@ -357,7 +399,7 @@ class _Columns:
     def __init__(self, groups: int):
         self.groups = groups
         self.kinds: list[tuple[str, str]] = []
-        self.local: dict[int, bool] = {}
+        self.local: dict[int, tuple[bool, int]] = {}
         self.rows: list[tuple] = []
         self.bad = 0  # rows whose params were malformed
         for c in self._LISTS:
@@ -467,11 +509,12 @@ def _n(v) -> int:
         return 0
 
 
-# The params keys the columnar fast path reads (encode_rows); a row with any
-# other key (remote block lists included) takes _Columns' row-by-row path.
+# The params keys the columnar fast path reads (encode_rows; _TRIMMED it
+# ignores); a row with any other key (remote block lists included) takes
+# _Columns' row-by-row path.
 _COLUMN_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id", "remote_host",
                           "remote_port", "remote_request_id", "tp_size", "remote_pp_size", "pp_size",
-                          "remote_num_tokens", "mode", "transfer_mode"))
+                          "remote_num_tokens", "mode", "transfer_mode", _TRIMMED))
 _INT31 = 1 << 31
 # Distinct remote addresses remembered per scheduler (a router can name any
 # number of producers: the cache is bounded, and emptied when full).
@@ -581,7 +624,9 @@ class _SchedulerSide:
         if self.relay == "auto":
             nnodes = getattr(vllm_config.parallel_config, "nnodes", 1) or 1
             self.relay = "daemon" if nnodes <= 1 else "metadata"
-        self.mamba = any(k == pb.CACHE_KIND_MAMBA for k, _ in conn.groups)
+        # Trailing prompt tokens P leaves to D (prefill_backoff); the
+        # daemon's Scheduler is told the same (SchedulerConfig).
+        self.backoff = prefill_backoff(vllm_config, conn._kv_cache_config)
         self.full = all(k in (pb.CACHE_KIND_FULL_ATTENTION, pb.CACHE_KIND_MLA) for k, _ in conn.groups)
         # The coming step's request, built inside the message the Steps
         # stream sends (no copy at send time).
@@ -589,7 +634,7 @@ class _SchedulerSide:
         self.req = self.outer.step
         # For each op of req: (kind, request id) to act on its error.
         self.op_req: list[tuple[str, str]] = []
-        self.local_finished: dict[int, bool] = {}
+        self.local_finished: dict[int, tuple[bool, int]] = {}
         # Per-request calls, column by column (they apply after req.ops).
         self.ngroups = len(conn.groups)
         self.pf = _Columns(self.ngroups)
@@ -603,7 +648,7 @@ class _SchedulerSide:
         self.expect_send: list[str] = []
         self.fail_recv: dict[str, str] = {}
         self.fail_send: dict[str, str] = {}
-        # Steps sent and not answered: (step, kinds, local delay decisions).
+        # Steps sent and not answered: (step, kinds, local decisions).
         self.inflight: deque = deque()
         self.step_no = 0
         self.stream = None
@@ -622,7 +667,7 @@ class _SchedulerSide:
             mode=self.cfg.mode, tp_size=self.c.tp_size, pp_size=self.c.pp_size, logical_block_size=self.c.block_size,
             groups=[pb.CacheGroup(kind=k, window=w) for k, w in self.c.groups],
             lease_millis=int(self.cfg.lease_s * 1000), registration_timeout_millis=int(self.cfg.registration_timeout_s * 1000),
-            layerwise=self.cfg.layerwise)
+            layerwise=self.cfg.layerwise, prefill_backoff=self.backoff)
         try:
             self.addr = self.sched.open(cfg)
             self.host, self.port = params.split_addr(self.addr)
@@ -649,7 +694,7 @@ class _SchedulerSide:
             log.warning("kvxfer: request %s: %s; computing it locally", request.request_id, e)
             p["do_remote_prefill"] = False
             return 0, False
-        n = request.num_prompt_tokens - (1 if self.mamba else 0) - computed
+        n = prefill_tokens(request.num_prompt_tokens, self.backoff) - computed
         if n <= 0:
             return 0, False
         return n, True
@@ -691,14 +736,14 @@ class _SchedulerSide:
         """Encodes the step's update_state_after_alloc calls (rows of
         columns.after_alloc; rows the columns cannot carry become ops).
         Returns each row's (kind, request id)."""
-        bs, last = self.c.block_size, (1 if self.mamba else 0)
+        bs, backoff = self.c.block_size, self.backoff
         reqs, ps, blocks, external = zip(*calls)
         computed, local = [], []
         for r, b, e in zip(reqs, blocks, external):
             if e > 0:
                 # vLLM passes all the request's blocks before it records the
                 # local prefix hit: what the transfer does not fill is the hit.
-                c = max(r.num_prompt_tokens - last - e, 0)
+                c = max(prefill_tokens(r.num_prompt_tokens, backoff) - e, 0)
                 skip = c // bs
                 computed.append(c)
                 local.append([[x.block_id for x in g[skip:]] for g in b.blocks])
@@ -742,8 +787,37 @@ class _SchedulerSide:
         return ids, starts
 
     def new_request(self, request: "Request") -> None:
-        if self.cfg.layerwise and (request.kv_transfer_params or {}).get("do_remote_decode"):
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_decode"):
+            return
+        self._trim(request, p)
+        if self.cfg.layerwise:
             self.requests[request.request_id] = request
+
+    def _trim(self, request: "Request", p: dict) -> None:
+        """P's side of the backoff (prefill_backoff): drops the trailing
+        backoff prompt tokens, which D computes itself, and caps the
+        request at one output token (P's sample is not used). Skipped for a
+        prompt no longer than the backoff, for one trimmed already, and for
+        a request that skips reading the prefix cache (prompt logprobs):
+        D loads nothing for it and computes its whole prompt. The same
+        conditions as NixlConnector's, so D's matched tokens
+        (prefill_tokens) are exactly what P computed."""
+        b = self.backoff
+        if not b or p.get(_TRIMMED) or request.num_prompt_tokens <= b or request.get_skip_reading_prefix_cache():
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-b:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-b]
+        else:
+            return
+        # _all_token_ids backs request.all_token_ids (a read-only view) and
+        # num_tokens; it holds the prompt alone before the first step.
+        del request._all_token_ids[-b:]
+        request.num_prompt_tokens -= b
+        request.max_tokens = 1
+        p[_TRIMMED] = True
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
@@ -764,24 +838,27 @@ class _SchedulerSide:
             if p.get("transfer_id"):
                 out["transfer_id"] = p["transfer_id"]
             delay = any(ids)
+            if not delay:
+                # No blocks held: nothing can be loaded from us.
+                out["remote_num_tokens"] = 0
         # The daemon sees the params as they are now: a D request aborted
         # before it was scheduled still has do_remote_prefill (the daemon
         # then tells P to free its blocks). The row is made in build_meta
         # (vLLM's block-id lists are new ones, the request is done).
         self.rf_calls.append((request, p, block_ids, status, 1 if p.get("do_remote_prefill") else 0,
-                              delay if producer else None))
+                              (delay, out["remote_num_tokens"]) if producer else None))
         p["do_remote_prefill"] = False
         if delay:
             self.expect_send.append(request.request_id)
         return delay, out
 
-    def _finished_rows(self, calls: list) -> tuple[list[tuple[str, str]], dict[int, bool]]:
+    def _finished_rows(self, calls: list) -> tuple[list[tuple[str, str]], dict[int, tuple[bool, int]]]:
         """Encodes the step's request_finished calls (rows of
         columns.request_finished; rows the columns cannot carry become ops).
-        Returns each row's (kind, request id) and the rows' delay decisions
-        made here (producers'), by row."""
+        Returns each row's (kind, request id) and the rows' decisions made
+        here (producers': delay, remote_num_tokens), by row."""
         reqs, ps, blocks, status, flags, delays = zip(*calls)
-        kinds = [("send" if d else "other", r.request_id) for r, d in zip(reqs, delays)]
+        kinds = [("send" if d and d[0] else "other", r.request_id) for r, d in zip(reqs, delays)]
         computed = [r.num_computed_tokens for r in reqs]
         dst = self.req.columns.request_finished
         if encode_rows(dst, self.ngroups, reqs, ps, flags, computed, [0] * len(reqs), status, blocks, self.addrs):
@@ -848,10 +925,12 @@ class _SchedulerSide:
             kind, rid = kinds[i]
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
             self._fail([(kind, rid)], err.details)
-        for i, (delay, _) in res.finished.items():
+        for i, (delay, prm) in res.finished.items():
             want = local.get(i)
-            if want is not None and want != delay:
-                log.warning("kvxfer: request %s: daemon says delay=%s, connector said %s", kinds[i][1], delay, want)
+            got = (delay, prm.remote_num_tokens if prm is not None else 0)
+            if want is not None and want != got:
+                log.warning("kvxfer: request %s: daemon says (delay, remote_num_tokens) = %s, connector said %s",
+                            kinds[i][1], got, want)
         self.daemon_pending = res.pending
         # The daemon's counter is cumulative; stats report intervals.
         self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)

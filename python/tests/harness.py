@@ -2,7 +2,29 @@
 real KV cache manager) plus worker-role connectors over real CPU tensors
 shared with the daemons, driven step by step as vLLM's engine core and model
 runner drive them. Nothing here fakes kvxfer: only the model's forward pass is
-replaced by writing a known pattern into P's KV cache."""
+replaced by writing a known pattern into P's KV cache.
+
+What it does not exercise (a real vLLM engine does; none runs on this CPU
+machine):
+
+- vLLM's executors: every worker-role connector lives in the test's process
+  and is called directly; no multiprocess executor, no worker processes, no
+  pickling of the connector metadata between processes (the metadata
+  relay's StepMeta bytes are decoded in-process).
+- Async scheduling: each step here is schedule, then the workers, then
+  update_from_output; vLLM's async scheduler schedules step n+1 before step
+  n's output is back, which this harness never does.
+- vLLM's own call order: step() calls the worker hooks in a fixed order
+  written after kv_connector_model_runner_mixin (bind, start_load_kv, the
+  "forward", save_kv_layer for every layer after it, wait_for_save,
+  get_transfer_results, get_block_ids_with_load_errors,
+  get_kv_connector_stats, clear), not through vLLM's model runner: no
+  forward context, no wait_for_layer_load between layers, save_kv_layer
+  never interleaved with compute, no CUDA graphs, no preemption.
+- Hybrid (Mamba) models' workers: the connector's worker side registers
+  attention caches only, so hybrid engines here are scheduler-only (see
+  make_engine's mamba).
+"""
 
 from __future__ import annotations
 
@@ -95,23 +117,41 @@ class Daemon:
         self.log.close()
 
 
-def model_dir(work: Path) -> Path:
-    d = work / "model"
+def model_dir(work: Path, mtp: int = 0) -> Path:
+    """A model directory holding only a config.json: an OPT-like model, or
+    with mtp > 0 one of the same geometry with mtp multi-token-prediction
+    modules (MiMo's architecture on a Qwen2 config, which vLLM's
+    SpeculativeConfig(method="mtp") turns into a multi-module MTP drafter)."""
+    if not mtp:
+        d = work / "model"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["OPTForCausalLM"], "model_type": "opt", "num_hidden_layers": LAYERS, "hidden_size": HEADS * HEAD_SIZE,
+            "num_attention_heads": HEADS, "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
+            "word_embed_proj_dim": HEADS * HEAD_SIZE, "torch_dtype": "float16", "do_layer_norm_before": True,
+        }))
+        return d
+    d = work / f"model-mtp{mtp}"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({
-        "architectures": ["OPTForCausalLM"], "model_type": "opt", "num_hidden_layers": LAYERS, "hidden_size": HEADS * HEAD_SIZE,
-        "num_attention_heads": HEADS, "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
-        "word_embed_proj_dim": HEADS * HEAD_SIZE, "torch_dtype": "float16", "do_layer_norm_before": True,
+        "architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_hidden_layers": LAYERS, "hidden_size": HEADS * HEAD_SIZE,
+        "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_SIZE, "intermediate_size": 3072,
+        "vocab_size": 50272, "max_position_embeddings": 2048, "torch_dtype": "float16", "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "num_nextn_predict_layers": mtp,
     }))
     return d
 
 
 def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
                 policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96, lease_s: float = 30,
-                registration_timeout_s: float = 20, layout: str | None = None, relay: str = "auto"):
+                registration_timeout_s: float = 20, layout: str | None = None, relay: str = "auto", mtp: int = 0,
+                batched: int = 4096):
+    """The engine's VllmConfig. mtp > 0: a multi-module MTP drafter with mtp
+    speculative tokens (vLLM's num_prefill_lookahead_tokens = mtp).
+    batched: max_num_batched_tokens (small values chunk prefills)."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             VllmConfig)
-    mc = ModelConfig(model=str(model_dir(work)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+                             SpeculativeConfig, VllmConfig)
+    mc = ModelConfig(model=str(model_dir(work, mtp)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
     extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
              "registration_timeout_s": registration_timeout_s, "lease_s": lease_s, "relay": relay}
     if layerwise:
@@ -120,11 +160,14 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
                            engine_id=engine_id, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cc.num_gpu_blocks = num_blocks
-    sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024, is_encoder_decoder=False,
+    sc = SchedulerConfig(max_num_seqs=min(64, batched), max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False,
                          enable_chunked_prefill=True)
     pc = ParallelConfig(tensor_parallel_size=tp)
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=mc, target_parallel_config=pc) \
+        if mtp else None
     cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
-                     device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc)
+                     device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc, speculative_config=spec)
+    assert cfg.num_prefill_lookahead_tokens == mtp, cfg.num_prefill_lookahead_tokens
     # As the engine core does: the attention backend offers its layouts
     # (NHD first, as FlashAttention does) and the connector's required one
     # wins.
@@ -136,10 +179,19 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     return cfg
 
 
-def kv_cache_config(cfg, tp: int, num_blocks: int):
+def kv_cache_config(cfg, tp: int, num_blocks: int, mamba: bool = False):
+    """One full-attention group over LAYERS layers; with mamba, a hybrid
+    model instead: half the layers attention, half Mamba (a MambaSpec
+    group), block lists only (no tensors: no worker can register it)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD_SIZE, dtype=DTYPE)
+    if mamba:
+        half = LAYERS // 2
+        state = MambaSpec(block_size=BLOCK, shapes=((HEADS // tp, HEAD_SIZE),), dtypes=(DTYPE,))
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"model.decoder.layers.{i}.self_attn.attn" for i in range(half)], spec),
+            KVCacheGroupSpec([f"model.decoder.layers.{i}.mixer" for i in range(half, LAYERS)], state)])
     names = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     page = spec.page_size_bytes
     return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(names, spec)], page * LAYERS * num_blocks)
@@ -193,7 +245,9 @@ class Engine:
 
 
 def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
-                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5, **kw) -> Engine:
+                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5, mamba: bool = False, **kw) -> Engine:
+    """An engine over daemon. mamba: a hybrid model (kv_cache_config's),
+    scheduler side only: it has no ranks, so drive it with sched_step."""
     from kvxfer import shm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -203,12 +257,12 @@ def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp:
     from vllm.v1.structured_output import StructuredOutputManager
 
     cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks, **kw)
-    kvc = kv_cache_config(cfg, tp, num_blocks)
+    kvc = kv_cache_config(cfg, tp, num_blocks, mamba)
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
                       block_size=BLOCK, log_stats=True)
     layout = cfg.cache_config.get_resolved_kv_cache_layout()
     ranks = []
-    for r in range(tp):
+    for r in range(0 if mamba else tp):
         cfg.parallel_config.rank = r
         conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
         conn._worker.tp_rank = r
@@ -336,6 +390,27 @@ def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
     return so, out
 
 
+def sched_step(e: Engine, finished_sending=(), finished_recving=()):
+    """One step of an engine without ranks (make_engine's mamba): schedule,
+    then update_from_output with the finished sets given (what its workers
+    would have reported) and a token sampled for each request whose prompt
+    is computed, as vLLM's own connector unit tests drive a scheduler."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    so = e.sched.schedule()
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[7] if e.sched.requests[r].num_computed_tokens >= e.sched.requests[r].num_tokens else [] for r in ids]
+    kvo = KVConnectorOutput(finished_sending=set(finished_sending) or None, finished_recving=set(finished_recving) or None)
+    out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                            kv_connector_output=kvo)
+    e.sent |= set(finished_sending)
+    e.recvd |= set(finished_recving)
+    for outs_ in e.sched.update_from_output(so, out).values():
+        for o in outs_.outputs:
+            if o.finish_reason is not None:
+                e.finished[o.request_id] = o
+    return so
+
+
 def shutdown(e: Engine) -> None:
     for r in e.ranks:
         r.connector.shutdown()
@@ -344,38 +419,83 @@ def shutdown(e: Engine) -> None:
         r.buf.close(unmap=False)  # tensors over it may outlive the engine
 
 
-def attach_nixl_shadow(e: Engine, mode: str) -> list[str]:
+def attach_nixl_shadow(e: Engine, mode: str) -> tuple[list[str], dict]:
     """Runs vLLM's own NixlConnector (scheduler side, push or pull) beside
-    ours on every get_num_new_matched_tokens and request_finished call, on a
-    copy of the request, and records every decision where they differ: how
-    many tokens arrive remotely, and whether blocks are held for a transfer
-    (delay_free_blocks). Returns the list the mismatches go to and the
-    number of calls compared."""
+    ours on every on_new_request, get_num_new_matched_tokens and
+    request_finished call, on a copy of the request, and records every
+    decision where they differ: how P trims a prompt it prefills for a
+    remote decode (prompt length, max_tokens), how many tokens arrive
+    remotely, whether blocks are held for a transfer (delay_free_blocks)
+    and the remote_num_tokens P returns. Each matched-token count is also
+    asked of the daemon's own Scheduler (Go, SchedulerService.MatchedTokens),
+    which must agree with both. Returns the list the mismatches go to and
+    the number of calls compared."""
     import copy
 
+    import grpc
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector, NixlPushConnector
+    from vllm.v1.utils import ConstantList
+
+    from kvxfer import params as kparams
+    from kvxfer.v1 import kvxfer_pb2 as pb
 
     cfg = copy.deepcopy(e.sched.vllm_config)
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     nixl = (NixlPushConnector if mode == "push" else NixlPullConnector)(cfg, KVConnectorRole.SCHEDULER, e.kvc)
     ours = e.sched.connector
+    side = ours._sched
     diffs: list[str] = []
-    calls = {"matched": 0, "finished": 0}
+    calls = {"new": 0, "matched": 0, "finished": 0, "go_matched": 0}
 
-    def twin(request):
+    def twin(request, tokens=False):
         r = copy.copy(request)
         r.kv_transfer_params = copy.deepcopy(request.kv_transfer_params)
+        if tokens:  # NixlConnector trims these in place
+            if request.prompt_token_ids is not None:
+                r.prompt_token_ids = list(request.prompt_token_ids)
+            r._all_token_ids = list(request._all_token_ids)
+            r.all_token_ids = ConstantList(r._all_token_ids)
         return r
 
-    orig_match, orig_alloc, orig_fin = ours.get_num_new_matched_tokens, ours.update_state_after_alloc, ours.request_finished_all_groups
+    def shape(r):
+        return {"prompt": r.num_prompt_tokens, "tokens": r.num_tokens, "max_tokens": r.max_tokens}
+
+    def go_matched(request, computed):
+        """The daemon's answer (bypassing the client's call counting), or
+        None where the params do not convert (bad params are compared
+        elsewhere)."""
+        er = pb.EngineRequest(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
+        try:
+            kparams.fill_proto(er.params, request.kv_transfer_params)
+            r = ours.client._sched.MatchedTokens(
+                pb.MatchedTokensRequest(engine_id=ours.engine_id, request=er, computed=computed), timeout=10)
+        except (kparams.ParamsError, grpc.RpcError):
+            return None
+        return r.tokens, getattr(r, "async")
+
+    orig_new, orig_match = ours.on_new_request, ours.get_num_new_matched_tokens
+    orig_alloc, orig_fin = ours.update_state_after_alloc, ours.request_finished_all_groups
+
+    def new(request):
+        calls["new"] += 1
+        t = twin(request, tokens=True)
+        nixl.on_new_request(t)
+        orig_new(request)
+        if shape(request) != shape(t) or list(request.prompt_token_ids or ()) != list(t.prompt_token_ids or ()):
+            diffs.append(f"{e.name} {request.request_id}: on_new_request left {shape(request)}, NixlConnector {shape(t)}")
 
     def match(request, computed):
         calls["matched"] += 1
         want = nixl.get_num_new_matched_tokens(twin(request), computed)
+        go = go_matched(request, computed)
         got = orig_match(request, computed)
         if tuple(got) != tuple(want):
             diffs.append(f"{e.name} {request.request_id}: matched tokens {got}, NixlConnector {want}")
+        if go is not None:
+            calls["go_matched"] += 1
+            if (got[0], bool(got[1])) != go:
+                diffs.append(f"{e.name} {request.request_id}: matched tokens {got}, the daemon's Scheduler {go}")
         return got
 
     def alloc(request, blocks, external):
@@ -384,11 +504,16 @@ def attach_nixl_shadow(e: Engine, mode: str) -> list[str]:
 
     def fin(request, block_ids):
         calls["finished"] += 1
-        want, _ = nixl.request_finished_all_groups(twin(request), block_ids)
+        want, wparams = nixl.request_finished_all_groups(twin(request), block_ids)
         got, params = orig_fin(request, block_ids)
         if got != want:
             diffs.append(f"{e.name} {request.request_id} ({request.status.name}): delay_free_blocks {got}, NixlConnector {want}")
+        wt = None if wparams is None else wparams.get("remote_num_tokens")
+        gt = None if params is None else params.get("remote_num_tokens")
+        if wt != gt:
+            diffs.append(f"{e.name} {request.request_id} ({request.status.name}): remote_num_tokens {gt}, NixlConnector {wt}")
         return got, params
 
-    ours.get_num_new_matched_tokens, ours.update_state_after_alloc, ours.request_finished_all_groups = match, alloc, fin
+    ours.on_new_request, ours.get_num_new_matched_tokens = new, match
+    ours.update_state_after_alloc, ours.request_finished_all_groups = alloc, fin
     return diffs, calls

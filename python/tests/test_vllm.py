@@ -27,8 +27,13 @@ def _push_params(p_daemon, tid):
 class Run:
     """Drives a P and a D engine as a router and two engine cores would."""
 
-    def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5, p_kw=None, d_kw=None):
+    def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5, p_kw=None, d_kw=None,
+                 backoff=0):
         self.mode = mode
+        # The trailing prompt tokens P leaves to D (kvxfer.vllm's
+        # prefill_backoff) that the test expects: D's bytes are checked
+        # over the rest.
+        self.backoff = backoff
         self.dp, self.dd = daemons("p"), daemons("d")
         self.P = H.make_engine(tmp_path, "p0", "P", self.dp, mode, p_tp, layerwise, **(p_kw or {}))
         self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, 1, policy=policy, timeout_s=d_timeout, **(d_kw or {}))
@@ -39,6 +44,10 @@ class Run:
         self.pending_d: dict[str, tuple] = {}  # pull: D requests waiting for P's params
         self.p_done_params: dict[str, dict] = {}
         self.held_violations: list[str] = []
+        # Prompt tokens each P request computed, and the tokens each D
+        # request's first scheduled step computed (after its KV arrived).
+        self.p_computed: dict[str, int] = {}
+        self.d_first: dict[str, int] = {}
         # vLLM's own NixlConnector decides beside ours, on both engines.
         self.nixl_diffs, self.nixl_calls = H.attach_nixl_shadow(self.P, mode)
         self.nixl_diffs_d, self.nixl_calls_d = H.attach_nixl_shadow(self.D, mode)
@@ -77,11 +86,13 @@ class Run:
 
             stream.layer_saved = counted
 
-    def add(self, n, tokens, max_tokens=3, abort_d_before=False):
+    def add(self, n, tokens, max_tokens=3, abort_d_before=False, p_max_tokens=1):
         tid = f"t{n}"
         self.prompts[f"p-{n}"] = tokens
         self.prompts[f"d-{n}"] = tokens
-        self.P.sched.add_request(H.make_request(f"p-{n}", tokens, 1, {"do_remote_decode": True, "transfer_id": tid}))
+        # P gets its own copy: the connector may trim P's prompt in place.
+        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), p_max_tokens,
+                                                {"do_remote_decode": True, "transfer_id": tid}))
         if self.mode == "push":
             params = _push_params(self.dp, tid)
             params["tp_size"] = self.p_tp
@@ -102,7 +113,9 @@ class Run:
         self.trips[e.name] = self.sends[e.name] = 0
 
     def step(self):
-        H.step(self.P, self.prompts)
+        so, _ = H.step(self.P, self.prompts)
+        for rid, n in so.num_scheduled_tokens.items():
+            self.p_computed[rid] = self.p_computed.get(rid, 0) + n
         self._stepped(self.P)
         for rid, o in list(self.P.finished.items()):
             if rid in self.pending_d and o.kv_transfer_params is not None:
@@ -115,13 +128,21 @@ class Run:
             if o.kv_transfer_params is not None and rid not in self.P.sent and rid not in self.P.sched.requests:
                 self.held_violations.append(rid)
         before = set(self.D.recvd)
-        H.step(self.D, self.prompts, fill=False)
+        so, _ = H.step(self.D, self.prompts, fill=False)
+        for rid, n in so.num_scheduled_tokens.items():
+            # Less the draft slots a speculative decoder schedules beside.
+            self.d_first.setdefault(rid, n - len(so.scheduled_spec_decode_tokens.get(rid, ())))
         self._stepped(self.D)
         for rid in self.D.recvd - before:
             if rid in self.D.sched.requests and rid not in self.D.failed:
                 tokens = self.prompts[rid]
-                self.checked_bytes += H.check_kv(self.D, rid, tokens, len(tokens))
+                loaded = self.loaded(len(tokens))
+                self.checked_bytes += H.check_kv(self.D, rid, tokens, loaded)
                 self.checked.add(rid)
+
+    def loaded(self, prompt: int) -> int:
+        """The prompt tokens D loads (the backoff's rule)."""
+        return prompt - self.backoff if self.backoff and prompt > self.backoff else prompt
 
     def run_until(self, done, limit_s=90):
         deadline = time.monotonic() + limit_s
@@ -169,11 +190,10 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
         # Every request reached vLLM's finished state on both sides.
         assert all(r.D.finished[f"d-{n}"].finish_reason is not None for n in range(8))
         assert r.D.finished["d-8"].is_finished()
-        # Every received request's bytes were checked; prefix hits moved less.
+        # Every received request's bytes were checked.
         assert not r.D.failed, r.D.failed
         assert {f"d-{n}" for n in range(8)} <= r.checked, sorted(r.checked)
         assert r.checked_bytes > 0
-        hits = r.D.sched.kv_cache_manager.prefix_cache_stats
         assert r.D.recvd >= {f"d-{n}" for n in range(8)}
         # Blocks were held for the transfer until P reported the send, and
         # every block went back to the pool on both sides.
@@ -185,12 +205,21 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
         assert r.P.sent >= {f"p-{n}" for n in range(8)}
         assert r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.P.initial_free
         assert r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == r.D.initial_free
-        del hits
         # The connector's stats (vLLM logs them) count the transfers, on the
         # side that posts them: P writes in push, D reads in pull.
         poster = r.P if mode == "push" else r.D
         assert poster.stats.get("transfers", 0) >= 8 * (p_tp if mode == "push" else 1), poster.stats
-        assert poster.stats.get("bytes", 0) > 0 and poster.stats.get("failed_transfers", 0) == 0, poster.stats
+        assert poster.stats.get("failed_transfers", 0) == 0, poster.stats
+        # Prefix hits moved less: d-4..d-7 found the shared prefix (2
+        # blocks, d-0's, cached on D) and received only the blocks after
+        # it; the others received every block of their prompt. A block
+        # holds all layers' K and V of all heads (the P ranks' shares sum
+        # to it), so the bytes moved are exactly those blocks'.
+        block_bytes = H.LAYERS * H.HEADS * H.BLOCK * 2 * H.HEAD_SIZE * H.DTYPE.itemsize
+        hit = {n: (2 if n >= 4 else 0) for n in range(8)}
+        blocks = {n: -(-len(r.prompts[f"d-{n}"]) // H.BLOCK) - hit[n] for n in range(8)}
+        assert poster.stats.get("bytes", 0) == sum(blocks.values()) * block_bytes, \
+            (poster.stats.get("bytes"), blocks, block_bytes)
         from kvxfer.vllm import KvxferConnector
         summary = KvxferConnector.build_kv_connector_stats(dict(poster.stats)).reduce()
         assert summary["avg_transfer_ms"] > 0 and summary["avg_mib"] > 0, summary
@@ -463,3 +492,142 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
         assert _free_both(r)
     finally:
         r.close()
+
+
+def _daemon_disagreements(caplog):
+    """The connector checks the daemon's Scheduler (Go) against its own
+    request_finished answers (relay "metadata") and warns where they
+    differ."""
+    return [m for m in caplog.messages if "daemon says" in m]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_mtp_prefill_backoff(tmp_path, daemons, mode, caplog):
+    """Multi-module MTP with 3 speculative tokens (vLLM's
+    num_prefill_lookahead_tokens = 3): P prefills all but the last 2 prompt
+    tokens, whatever max_tokens the router sent samples one token, and
+    returns remote_num_tokens = N-2; D loads those N-2 tokens' KV (checked
+    byte for byte) and computes the last 2 itself. A prompt of at most 2
+    tokens is not trimmed. At every call the connector decides as vLLM's
+    NixlConnector does, and the daemon's Scheduler as the connector."""
+    from vllm.v1.engine import FinishReason
+    rng = random.Random(f"mtp{mode}")
+    caplog.set_level("WARNING", logger="kvxfer.vllm")
+    kw = {"mtp": 3, "relay": "metadata"}
+    r = Run(tmp_path, daemons, mode, 1, p_kw=kw, d_kw=kw, backoff=2)
+    try:
+        lengths = {0: 64, 1: 33, 2: 17, 3: 3, 4: 2}
+        for n, length in lengths.items():
+            # A trimmed request samples one token, whatever it asked for;
+            # an untrimmed one keeps its max_tokens (the router's 1 here).
+            r.add(n, [rng.randrange(100, 50000) for _ in range(length)], p_max_tokens=8 if length > 2 else 1)
+        want_d = {f"d-{n}" for n in lengths}
+        r.run_until(lambda: want_d <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
+        assert not r.nixl_diffs and not r.nixl_diffs_d, r.nixl_diffs + r.nixl_diffs_d
+        assert r.nixl_calls["new"] >= 5 and r.nixl_calls["finished"] >= 5, r.nixl_calls
+        assert r.nixl_calls_d["matched"] >= 5 and r.nixl_calls_d["go_matched"] >= 5, r.nixl_calls_d
+        assert not _daemon_disagreements(caplog), caplog.messages
+        for n, length in lengths.items():
+            loaded = length - 2 if length > 2 else length
+            p = r.P.finished[f"p-{n}"]
+            assert p.finish_reason == FinishReason.LENGTH, (n, p.finish_reason)
+            assert r.p_computed[f"p-{n}"] == loaded, (n, r.p_computed)
+            assert p.kv_transfer_params["remote_num_tokens"] == loaded, (n, p.kv_transfer_params)
+            # D's first step after its KV arrived computes what was not
+            # loaded (a prompt loaded whole recomputes its last token).
+            assert r.d_first[f"d-{n}"] == max(length - loaded, 1), (n, r.d_first)
+        assert r.checked == want_d and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_hybrid_prefill_backoff(tmp_path, daemons, mode, caplog):
+    """vLLM's test_p_side_chunked_prefill_mamba, carried through to D: a
+    hybrid model (attention and Mamba groups) under vLLM's scheduler with
+    32-token steps. P trims the 64-token prompt to 63 and max_tokens to 1,
+    prefills it in two chunks (32 + 31), finishes LENGTH_CAPPED holding its
+    blocks, and returns remote_num_tokens = 63, so its recurrent state
+    covers tokens 0..62; D loads 63 tokens and computes token 63 itself, on
+    a state that does not hold it yet. Each decision equals
+    NixlConnector's and the daemon's Scheduler's. Scheduler side only: the
+    worker side does not register Mamba state (harness docstring)."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+    caplog.set_level("WARNING", logger="kvxfer.vllm")
+    dp, dd = daemons("p"), daemons("d")
+    kw = {"mamba": True, "batched": 32, "relay": "metadata"}
+    P = H.make_engine(tmp_path, "p0", "P", dp, mode, 1, **kw)
+    D = H.make_engine(tmp_path, "d0", "D", dd, mode, 1, **kw)
+    try:
+        p_diffs, p_calls = H.attach_nixl_shadow(P, mode)
+        d_diffs, d_calls = H.attach_nixl_shadow(D, mode)
+        tokens = list(range(1000, 1064))
+        req = H.make_request("p-0", list(tokens), 128, {"do_remote_decode": True, "transfer_id": "t0"})
+        P.sched.add_request(req)
+        assert (req.num_prompt_tokens, len(req.prompt_token_ids), req.num_tokens, req.max_tokens) == (63, 63, 63, 1)
+        assert H.sched_step(P).num_scheduled_tokens == {"p-0": 32}
+        assert H.sched_step(P).num_scheduled_tokens == {"p-0": 31}
+        out = P.finished["p-0"]
+        assert out.finish_reason == FinishReason.LENGTH
+        assert out.kv_transfer_params["remote_num_tokens"] == 63, out.kv_transfer_params
+        assert "p-0" in P.sched.requests  # held for the transfer
+
+        params = dict(out.kv_transfer_params) if mode == "pull" else {**_push_params(dp, "t0"), "tp_size": 1}
+        D.sched.add_request(H.make_request("d-0", list(tokens), 3, params))
+        assert H.sched_step(D).num_scheduled_tokens == {}
+        assert D.sched.requests["d-0"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        # What kvxfer's workers report once the KV arrived.
+        H.sched_step(D, finished_recving={"d-0"})
+        assert D.sched.requests["d-0"].num_computed_tokens == 63
+        assert H.sched_step(D).num_scheduled_tokens == {"d-0": 1}
+        H.sched_step(P, finished_sending={"p-0"})
+        for _ in range(10):
+            if "d-0" in D.finished:
+                break
+            H.sched_step(D)
+        assert "d-0" in D.finished and not P.sched.requests and not D.sched.requests
+        assert not p_diffs and not d_diffs, p_diffs + d_diffs
+        assert p_calls["new"] == 1 and p_calls["finished"] == 1, p_calls
+        assert d_calls["matched"] >= 1 and d_calls["go_matched"] >= 1, d_calls
+        assert not _daemon_disagreements(caplog), caplog.messages
+        for e in (P, D):
+            assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() == e.initial_free, e.name
+    finally:
+        H.shutdown(P)
+        H.shutdown(D)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_request_finished_without_blocks(tmp_path, daemons, mode, caplog):
+    """A producer that finishes with no blocks to hold returns
+    remote_num_tokens 0 (nothing can be read from it), as NixlConnector
+    does, and the daemon's Scheduler agrees."""
+    import copy
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector, NixlPushConnector
+    from vllm.v1.request import RequestStatus
+    caplog.set_level("WARNING", logger="kvxfer.vllm")
+    d = daemons("p")
+    cfg = H.vllm_config(tmp_path, "p0", d, mode, 1, relay="metadata")
+    kvc = H.kv_cache_config(cfg, 1, 32)
+    c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kvc)
+    ncfg = copy.deepcopy(cfg)
+    ncfg.kv_transfer_config.kv_connector_extra_config = {}
+    nixl = (NixlPushConnector if mode == "push" else NixlPullConnector)(ncfg, KVConnectorRole.SCHEDULER, kvc)
+    try:
+        got = {}
+        for name, conn in (("kvxfer", c), ("nixl", nixl)):
+            req = H.make_request("p-0", list(range(100, 140)), 1, {"do_remote_decode": True, "transfer_id": "t0"})
+            req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 40
+            delay, params = conn.request_finished_all_groups(req, ([],))
+            got[name] = (delay, params["remote_num_tokens"])
+        assert got == {"kvxfer": (False, 0), "nixl": (False, 0)}, got
+        c.build_connector_meta(SimpleNamespace())  # the row goes to the daemon, which answers
+        assert not _daemon_disagreements(caplog), caplog.messages
+    finally:
+        c.shutdown()

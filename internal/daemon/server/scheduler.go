@@ -82,7 +82,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		return nil, Status(stream.Invalid("config is missing"))
 	}
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
-		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
+		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
 		Layerwise: c.Layerwise}

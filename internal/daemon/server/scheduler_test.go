@@ -183,3 +183,24 @@ func TestSchedulerServicePrefill(t *testing.T) {
 		t.Errorf("OpenScheduler(pull, layerwise) error = %v, want InvalidArgument naming Layerwise", err)
 	}
 }
+
+// SchedulerConfig.prefill_backoff reaches the engine's Scheduler: a
+// consumer loads the prompt less the backoff (vLLM's MTP lookahead less
+// one here), and a negative backoff is refused naming the field.
+func TestSchedulerServicePrefillBackoff(t *testing.T) {
+	d, c, ctx := schedulerClient(t)
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH,
+		TpSize: 1, LogicalBlockSize: 16, PrefillBackoff: 2}}); err != nil {
+		t.Fatal(err)
+	}
+	dreq := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 64, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+	if mt, err := c.MatchedTokens(ctx, &pb.MatchedTokensRequest{EngineId: "D", Request: dreq}); err != nil || mt.Tokens != 62 || !mt.Async {
+		t.Errorf("MatchedTokens = %v, %v; want 62 tokens, async", mt, err)
+	}
+	_, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH,
+		TpSize: 1, LogicalBlockSize: 16, PrefillBackoff: -1}})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "PrefillBackoff = -1") {
+		t.Errorf("OpenScheduler(prefill_backoff -1) = %v, want InvalidArgument naming PrefillBackoff", err)
+	}
+}

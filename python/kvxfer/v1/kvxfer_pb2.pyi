@@ -463,7 +463,7 @@ class BlockList(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("engine_id", "mode", "tp_size", "pp_size", "logical_block_size", "groups", "spec_blocks", "lease_millis", "decoder_blocks_ttl_millis", "registration_timeout_millis", "recompute_threshold", "bidirectional", "host_buffer", "layerwise")
+    __slots__ = ("engine_id", "mode", "tp_size", "pp_size", "logical_block_size", "groups", "spec_blocks", "lease_millis", "decoder_blocks_ttl_millis", "registration_timeout_millis", "recompute_threshold", "bidirectional", "host_buffer", "layerwise", "prefill_backoff")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +478,7 @@ class SchedulerConfig(_message.Message):
     BIDIRECTIONAL_FIELD_NUMBER: _ClassVar[int]
     HOST_BUFFER_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BACKOFF_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     mode: Mode
     tp_size: int
@@ -492,7 +493,8 @@ class SchedulerConfig(_message.Message):
     bidirectional: bool
     host_buffer: bool
     layerwise: bool
-    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., logical_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., spec_blocks: _Optional[int] = ..., lease_millis: _Optional[int] = ..., decoder_blocks_ttl_millis: _Optional[int] = ..., registration_timeout_millis: _Optional[int] = ..., recompute_threshold: _Optional[int] = ..., bidirectional: _Optional[bool] = ..., host_buffer: _Optional[bool] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+    prefill_backoff: int
+    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., logical_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., spec_blocks: _Optional[int] = ..., lease_millis: _Optional[int] = ..., decoder_blocks_ttl_millis: _Optional[int] = ..., registration_timeout_millis: _Optional[int] = ..., recompute_threshold: _Optional[int] = ..., bidirectional: _Optional[bool] = ..., host_buffer: _Optional[bool] = ..., layerwise: _Optional[bool] = ..., prefill_backoff: _Optional[int] = ...) -> None: ...
 
 class OpenSchedulerRequest(_message.Message):
     __slots__ = ("config",)
