@@ -79,6 +79,8 @@ type accessTable struct {
 	grants  map[uint32]*writeGrant
 	revoked []uint32 // ended grants still in grants, oldest first
 	next    uint32
+	// closed: the Worker broke (closeAll): nothing is granted any more.
+	closed bool
 }
 
 type accessRegion struct {
@@ -178,6 +180,14 @@ func (t *accessTable) hold(spans []topology.Span, delta int32) {
 	}
 }
 
+// closeAll ends every grant and hold at once, for a Worker that broke:
+// its blocks go back to the engine without waiting for any peer.
+func (t *accessTable) closeAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+}
+
 // CheckAccess implements AccessChecker.
 func (t *accessTable) CheckAccess(peer PeerName, op hotpath.Op, addr, n uint64) Access {
 	a := t.check(peer, op, addr, n)
@@ -212,6 +222,9 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 	last := (off + n - 1) / r.blockLen / r.ppl
 	t.mu.RLock()
 	defer t.mu.RUnlock()
+	if t.closed {
+		return AccessLate // what it granted has ended
+	}
 	verdict := AccessAllow
 	// A run's blocks mostly share one grant: its answer is kept.
 	var lastID uint32
