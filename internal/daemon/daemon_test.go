@@ -94,7 +94,8 @@ func TestServe(t *testing.T) {
 	resp.Body.Close()
 	for _, want := range []string{`kvxfer_outcomes_total{engine="E1",pp_rank="0",result="done",side="producer",tp_rank="0"} 0`,
 		`kvxfer_failures_total{engine="E1",kind="peer_gone",pp_rank="0",side="consumer",tp_rank="0"} 0`,
-		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total"} {
+		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total",
+		"kvxfer_worker_panics_total 0"} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("/metrics lacks %q", want)
 		}

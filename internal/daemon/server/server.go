@@ -141,6 +141,8 @@ type Server struct {
 	sched *schedulers
 	// sameHostGone: same-host parts landed by ranks that detached.
 	sameHostGone atomic.Uint64
+	// workerPanics: ranks whose worker stopped on a panic it contained.
+	workerPanics atomic.Uint64
 	owners       *owners
 	limits       *limits
 	log          *slog.Logger
@@ -298,6 +300,13 @@ func (s *Server) SameHostParts() uint64 {
 	})
 	return n
 }
+
+// WorkerPanics returns how many ranks' workers hit an internal error (a
+// panic, contained: kvxfer.WorkerConfig.ContainPanics) over the daemon's
+// life. Each failed its requests and ended its rank's stream with the
+// error (Internal); the daemon and its other ranks carried on. A rank is
+// counted once it is released, right after its stream ended.
+func (s *Server) WorkerPanics() uint64 { return s.workerPanics.Load() }
 
 // Workers returns every rank's worker, for metrics.
 func (s *Server) Workers() map[string][]*kvxfer.Worker {
@@ -820,8 +829,11 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
 		}
 	}
+	// ContainPanics: a rank whose worker breaks fails its own requests and
+	// ends its own stream (serve); the daemon's other ranks carry on.
 	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
-		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log}
+		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log,
+		ContainPanics: true}
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
 	}
@@ -849,6 +861,9 @@ func realAddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 func (r *rank) release() {
 	if r.worker != nil {
 		_ = r.worker.Close()
+		if errors.Is(r.worker.Err(), kvxfer.ErrInternal) && r.s != nil {
+			r.s.workerPanics.Add(1)
+		}
 	}
 	if r.backend != nil {
 		_ = r.backend.Close()
@@ -1057,6 +1072,20 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 		select {
 		case <-r.s.draining:
 			return finish(true)
+		case <-r.worker.Done():
+			// The worker stopped on its own: it hit an internal error and
+			// failed every request it held (kvxfer.WorkerConfig.ContainPanics).
+			// The engine gets those outcomes, then the error; the daemon's
+			// other ranks carry on.
+			finish(false)
+			_ = r.worker.Close()
+			if f := r.worker.Finished(); len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
+				_ = sendFinished(st, r.maxMsg, stream.FinishedToProto(&f))
+			}
+			err := cmp.Or(r.worker.Err(), kvxfer.ErrClosed)
+			r.s.log.Error("kvxferd: a rank's worker stopped; its stream ends", "engine", r.engine, "tp_rank", r.layout.TPRank,
+				"pp_rank", r.layout.PPRank, "err", err)
+			return Status(err)
 		case err := <-sendErr:
 			finish(false)
 			return Status(err)
