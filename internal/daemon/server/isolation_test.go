@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"strings"
@@ -142,6 +143,54 @@ func TestWorkerPanicEndsOnlyItsStream(t *testing.T) {
 		pushOne(t, d, P, D, 1)
 		P.close(t)
 		D.close(t)
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// A rank whose backend fails to open is refused with an error naming the
+// engine, the rank and the failure; nothing of it stays (its engine may
+// attach again), and the daemon and its other engines carry on. The
+// factory here breaks Go's convention the way kvxferd's once did (a nil
+// *nixl.Backend in a non-nil interface beside the error): the server must
+// not trust, and above all not Close, what comes with an error.
+func TestAttachBackendOpenFails(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		var fail atomic.Bool
+		fail.Store(true)
+		errOpen := errors.New("injected: the agent did not open")
+		d := startDaemonWith(t, shmDir, func(c *server.Config) {
+			c.NewBackend = func(engine string, _ *topology.Layout, _ bool) (server.Backend, error) {
+				if engine == "BAD" && fail.Load() {
+					var none *tcp.Backend
+					var be server.Backend = none // what `return nixl.New(...)` gave when the open failed
+					return be, errOpen
+				}
+				return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+			}
+		})
+		P := attach(t, d, shmDir, "P", &isoModel, isoEngine(1), kvxfer.ModePush)
+		D := attach(t, d, shmDir, "D", &isoModel, isoEngine(2), kvxfer.ModePush)
+		pushOne(t, d, P, D, 0)
+
+		_, err := tryAttach(t, d, shmDir, "BAD", &isoModel, isoEngine(3), kvxfer.ModePush)
+		if err == nil || !strings.Contains(err.Error(), "backend for BAD rank tp 0 pp 0") || !strings.Contains(err.Error(), errOpen.Error()) {
+			t.Fatalf("attaching BAD with a backend that does not open: %v, want an error naming the backend, the rank and why", err)
+		}
+		if d.srv.Workers()["BAD"] != nil {
+			t.Errorf("BAD has workers after its attach failed: %v", d.srv.Workers())
+		}
+		pushOne(t, d, P, D, 1)
+
+		// Nothing of the failed attach stays: BAD attaches once its
+		// backend opens, and works.
+		fail.Store(false)
+		bad := attach(t, d, shmDir, "BAD", &isoModel, isoEngine(3), kvxfer.ModePush)
+		pushOne(t, d, P, bad, 2)
+		P.close(t)
+		D.close(t)
+		bad.close(t)
 	})
 	leakcheck.Check(t, before, 2, 10*time.Second)
 }

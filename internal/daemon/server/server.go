@@ -801,9 +801,16 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		}
 	}
 	r.layout = l
-	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l, vram); err != nil {
+	// What a factory returns beside an error is not a backend: release
+	// must not close it (it may be a nil pointer in a non-nil interface).
+	be, err := s.cfg.NewBackend(h.EngineId, &l, vram)
+	switch {
+	case err != nil:
 		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
+	case be == nil:
+		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: the factory returned none", h.EngineId, l.TPRank, l.PPRank)
 	}
+	r.backend = be
 	for i, m := range h.Memory {
 		var err error
 		if im, ok := r.backend.(IPCMapper); ok && vram {

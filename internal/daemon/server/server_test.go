@@ -102,6 +102,16 @@ type engine struct {
 
 func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
 	t.Helper()
+	en, err := tryAttach(t, d, shmDir, id, m, e, mode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return en
+}
+
+// tryAttach is attach returning Connect's error.
+func tryAttach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) (*engine, error) {
+	t.Helper()
 	ranks, err := kvsim.Build(m, &e)
 	if err != nil {
 		t.Fatal(err)
@@ -128,12 +138,12 @@ func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.
 				Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
 			cancel()
 			if err != nil {
-				t.Fatal(err)
+				return nil, err
 			}
 			en.streams[pp] = append(en.streams[pp], rs)
 		}
 	}
-	return en
+	return en, nil
 }
 
 func (e *engine) step(t *testing.T, m *kvxfer.StepMeta) {
