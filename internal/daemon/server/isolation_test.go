@@ -167,7 +167,7 @@ func TestAttachBackendOpenFails(t *testing.T) {
 					var be server.Backend = none // what `return nixl.New(...)` gave when the open failed
 					return be, errOpen
 				}
-				return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+				return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true}))
 			}
 		})
 		P := attach(t, d, shmDir, "P", &isoModel, isoEngine(1), kvxfer.ModePush)

@@ -233,7 +233,11 @@ func New(cfg Config) (*Server, error) {
 			if vram {
 				return nil, errors.New("the built-in backend moves host memory only (GPU memory needs NIXL)")
 			}
-			return tcp.New(tcp.Config{Logger: log})
+			b, err := tcp.New(tcp.Config{Logger: log})
+			if err != nil {
+				return nil, err // not b: a nil *tcp.Backend would be a non-nil Backend
+			}
+			return b, nil
 		}
 	}
 	enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))

@@ -63,7 +63,7 @@ func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *d
 	}
 	cfg := server.Config{PeerAddr: pl.Addr().String(), ShmDir: shmDir, Logger: quiet,
 		NewBackend: func(string, *topology.Layout, bool) (server.Backend, error) {
-			return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+			return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true}))
 		}}
 	if tweak != nil {
 		tweak(&cfg)
@@ -88,6 +88,16 @@ func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *d
 		_ = srv.Close()
 	})
 	return d
+}
+
+// backendOf is a backend constructor's results as a NewBackend factory
+// returns them: nil beside an error, never a nil *B in a non-nil
+// server.Backend (which the server would Close).
+func backendOf[B server.Backend](b B, err error) (server.Backend, error) {
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
 }
 
 // engine is a simulated engine attached to a daemon: kvsim ranks whose
