@@ -36,6 +36,9 @@
 //     Scheduler.Update with the aggregate. Free blocks only for requests
 //     listed there; never before.
 //  4. Worker.Close on shutdown; it returns once its goroutines exited.
+//     With WorkerConfig.ContainPanics, also watch Worker.Done: a Worker
+//     that hit an internal error has failed its requests (drain Finished)
+//     and stopped; Err says why. Close it and stop using it.
 //
 // # Guarantees beyond the reference (DESIGN.md)
 //
@@ -71,4 +74,9 @@
 //     expiry.
 //   - A consumer whose producer never confirms a cancel reports after
 //     WorkerConfig.FenceTimeout, with the reason saying so, and counts it.
+//   - A Worker that contains a panic (WorkerConfig.ContainPanics) fails its
+//     requests with FailureClosed, the reason saying the worker hit an
+//     internal error (the wire protocol has no kind of its own for it yet),
+//     and tells no peer: its peers' requests with it fail as with a peer
+//     that went away (liveness probes and PeerTimeout, leases).
 package kvxfer

@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"errors"
 	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
@@ -74,4 +75,57 @@ func ArmAndFireForTest() func(n int) {
 			h.pop()
 		}
 	}
+}
+
+// BreakWorker makes w's loop panic as a broken invariant would, in the
+// middle of a batch of inputs: the next time the loop is about to wait,
+// it hands w each of steps (they make one batch of its inbox); the loop
+// then panics right after the core handled the first step that names
+// request id (in Recv or Send), before that step's effects, having
+// handed late to Step first (late waits in the inbox, never taken in). It
+// returns the Steps' errors, joined.
+func BreakWorker(w *Worker, id string, steps []*StepMeta, late *StepMeta) error {
+	names := func(m *StepMeta) bool {
+		for i := range m.Recv {
+			if m.Recv[i].ReqID == id {
+				return true
+			}
+		}
+		for i := range m.Send {
+			if m.Send[i].ReqID == id {
+				return true
+			}
+		}
+		return false
+	}
+	var fired bool
+	core := func(hw *Worker, e *event) {
+		if hw != w || fired || e.kind != evStep || !names(e.meta) {
+			return
+		}
+		fired = true
+		hookAfterEvent.Store(nil)
+		if late != nil {
+			_ = w.Step(late)
+		}
+		panic("kvxfer: injected invariant failure (BreakWorker)")
+	}
+	errc := make(chan error, 1)
+	var once bool
+	driver := func(hw *Worker) {
+		if hw != w || once {
+			return
+		}
+		once = true
+		hookBeforeWait.Store(nil)
+		var errs []error
+		for _, m := range steps {
+			errs = append(errs, w.Step(m))
+		}
+		hookAfterEvent.Store(&core)
+		errc <- errors.Join(errs...)
+	}
+	hookBeforeWait.Store(&driver)
+	w.signal()
+	return <-errc
 }

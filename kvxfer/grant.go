@@ -105,6 +105,8 @@ type accessTable struct {
 	held    [][]int32  // [group][logical block]: pull holds
 	grants  map[uint32]*writeGrant
 	revoked []uint32 // ended grants still in grants, oldest first
+	// closed: the Worker broke (closeAll): nothing is granted any more.
+	closed bool
 
 	// lands are the admitted parts still moving bytes (slots reused
 	// through freeLands); landed is signalled (under mu) when one ends.
@@ -307,6 +309,16 @@ func (t *accessTable) hold(spans []topology.Span, delta int32) {
 	}
 }
 
+// closeAll ends every grant and hold at once, for a Worker that broke:
+// its blocks go back to the engine without waiting for any peer, once
+// every part still moving bytes in or out of them was cut short.
+func (t *accessTable) closeAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+	t.drainLocked(func(*landing) bool { return true })
+}
+
 // CheckAccess implements AccessChecker.
 func (t *accessTable) CheckAccess(peer PeerName, op hotpath.Op, addr, n uint64) Access {
 	a := t.check(peer, op, addr, n)
@@ -347,6 +359,9 @@ func (t *accessTable) checkLocked(peer PeerName, op hotpath.Op, addr, n uint64, 
 	}
 	first := off / r.blockLen / r.ppl
 	last := (off + n - 1) / r.blockLen / r.ppl
+	if t.closed {
+		return AccessLate // what it granted has ended
+	}
 	verdict := AccessAllow
 	// A run's blocks mostly share one grant: its answer is kept.
 	var lastID uint32

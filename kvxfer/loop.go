@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -726,6 +727,68 @@ func (st *loopState) shutdown() {
 	}
 	for _, id := range sortedKeys(st.engines) {
 		st.dropEngine(st.engines[id])
+	}
+}
+
+// abandon ends every request once the core broke: a panic left its state
+// midway through an input (WorkerConfig.ContainPanics), so it reads
+// nothing but the request tables and out, and changes nothing but out.
+// Each request the tables hold, and each one pending names (events the
+// core may not have taken in: the rest of the inbox batch and the queue),
+// gets one failed outcome with reason, unless it has one already (out
+// holds outcomes reported before the panic, not yet published) or gets
+// one from an earlier entry; a consumer's blocks are reported invalid. It
+// tells no peer and starts nothing: the driver releases the transfers and
+// deregisters the memory before the outcomes go out.
+func (st *loopState) abandon(reason string, pending []event) {
+	ended := [2]map[string]bool{{}, {}} // [producer, consumer]
+	for _, o := range st.out.Sending {
+		ended[0][o.ReqID] = true
+	}
+	for _, o := range st.out.Recving {
+		ended[1][o.ReqID] = true
+	}
+	fail := func(role Role, id string, local []topology.Span) {
+		side := 0
+		if role == RoleConsumer {
+			side = 1
+		}
+		if ended[side][id] {
+			return
+		}
+		ended[side][id] = true
+		if role == RoleConsumer {
+			st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(local)...)
+		}
+		st.report(role, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: reason})
+	}
+	var sends []*sendReq
+	for s := range st.sends.all() {
+		sends = append(sends, s)
+	}
+	slices.SortFunc(sends, func(a, b *sendReq) int { return strings.Compare(a.req.ReqID, b.req.ReqID) })
+	for _, s := range sends {
+		fail(RoleProducer, s.req.ReqID, nil)
+	}
+	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+		fail(RoleConsumer, id, st.recvs[id].req.Local)
+	}
+	for i := range pending {
+		m := pending[i].meta
+		if pending[i].kind != evStep || m == nil {
+			continue
+		}
+		if st.cfg.Layerwise && st.cfg.Mode == ModePush { // else the core ignores Prefill
+			for j := range m.Prefill {
+				fail(RoleProducer, m.Prefill[j].ReqID, nil)
+			}
+		}
+		for j := range m.Send {
+			fail(RoleProducer, m.Send[j].ReqID, nil)
+		}
+		for j := range m.Recv {
+			fail(RoleConsumer, m.Recv[j].ReqID, m.Recv[j].Local)
+		}
 	}
 }
 

@@ -177,7 +177,7 @@ type Metrics struct {
 	handshakeSec                                      *Histogram
 
 	transfers, failedTransfers, failedNotifs, expired atomic.Uint64
-	handshakeFailures                                 atomic.Uint64
+	handshakeFailures, panics                         atomic.Uint64
 	totalBytes, totalDescs, totalBlocks               atomic.Uint64
 	outcomes                                          [3][5]atomic.Uint64               // [role][result]
 	failures                                          [3][numFailureKinds]atomic.Uint64 // [role][kind]
@@ -244,6 +244,13 @@ func (m *Metrics) Outcome(side Role, r Result, kind FailureKind) {
 	}
 }
 
+// Panic counts a panic a Worker contained (WorkerConfig.ContainPanics):
+// it stopped, failing its requests.
+func (m *Metrics) Panic() { m.panics.Add(1) }
+
+// Panics returns how many panics Workers recording here contained.
+func (m *Metrics) Panics() uint64 { return m.panics.Load() }
+
 // BadInput counts an input rejected for the named field.
 func (m *Metrics) BadInput(field string) { m.badInput.inc(field) }
 
@@ -286,6 +293,9 @@ type Stats struct {
 	Transfers, FailedTransfers, FailedNotifications, ExpiredRequests uint64
 	HandshakeFailures                                                uint64
 	TotalBytes, TotalDescriptors, TotalBlocks                        uint64
+	// Panics counts panics contained (WorkerConfig.ContainPanics): each
+	// stopped its Worker, failing its requests.
+	Panics uint64
 	// Outcomes counts terminal outcomes by role and result:
 	// Outcomes[RoleProducer][ResultDone], ...
 	Outcomes [3][5]uint64
@@ -306,7 +316,7 @@ func (m *Metrics) Snapshot() Stats {
 		Descriptors: m.descs.Snapshot(), Amplification: m.amplification.Snapshot(), HandshakeSeconds: m.handshakeSec.Snapshot(),
 		Transfers: m.transfers.Load(), FailedTransfers: m.failedTransfers.Load(), FailedNotifications: m.failedNotifs.Load(),
 		ExpiredRequests: m.expired.Load(), HandshakeFailures: m.handshakeFailures.Load(),
-		TotalBytes: m.totalBytes.Load(), TotalDescriptors: m.totalDescs.Load(), TotalBlocks: m.totalBlocks.Load(),
+		TotalBytes: m.totalBytes.Load(), TotalDescriptors: m.totalDescs.Load(), TotalBlocks: m.totalBlocks.Load(), Panics: m.panics.Load(),
 		BadInput: m.badInput.snapshot(), Dropped: m.dropped.snapshot(), RefusedAccess: m.refused.snapshot(),
 	}
 	for i := range m.outcomes {
@@ -352,6 +362,7 @@ func (s Stats) Sub(prev Stats) Stats {
 		FailedNotifications: s.FailedNotifications - prev.FailedNotifications, ExpiredRequests: s.ExpiredRequests - prev.ExpiredRequests,
 		HandshakeFailures: s.HandshakeFailures - prev.HandshakeFailures, TotalBytes: s.TotalBytes - prev.TotalBytes,
 		TotalDescriptors: s.TotalDescriptors - prev.TotalDescriptors, TotalBlocks: s.TotalBlocks - prev.TotalBlocks,
+		Panics:   s.Panics - prev.Panics,
 		BadInput: subMap(s.BadInput, prev.BadInput), Dropped: subMap(s.Dropped, prev.Dropped),
 		RefusedAccess: subMap(s.RefusedAccess, prev.RefusedAccess),
 	}
@@ -376,6 +387,7 @@ func (s Stats) Add(o Stats) Stats {
 		FailedNotifications: s.FailedNotifications + o.FailedNotifications, ExpiredRequests: s.ExpiredRequests + o.ExpiredRequests,
 		HandshakeFailures: s.HandshakeFailures + o.HandshakeFailures, TotalBytes: s.TotalBytes + o.TotalBytes,
 		TotalDescriptors: s.TotalDescriptors + o.TotalDescriptors, TotalBlocks: s.TotalBlocks + o.TotalBlocks,
+		Panics:   s.Panics + o.Panics,
 		BadInput: addMap(s.BadInput, o.BadInput), Dropped: addMap(s.Dropped, o.Dropped),
 		RefusedAccess: addMap(s.RefusedAccess, o.RefusedAccess),
 	}

@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/invariants"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -103,6 +105,20 @@ type WorkerConfig struct {
 	// Preconnect lists peer engines to handshake with as soon as the
 	// worker starts, so the first request to each pays no handshake.
 	Preconnect []PeerRef
+	// ContainPanics keeps a panic on the Worker's loop goroutine (a broken
+	// invariant of the core, or a panic in a Backend method the loop
+	// calls) from ending the process: the Worker logs the panic with its
+	// stack, counts it (Stats.Panics), fails every request it held and
+	// every request handed to Step that it had not taken in (one outcome
+	// each: ResultFailed, FailureClosed, the reason saying the worker hit
+	// an internal error), deregisters its memory, and stops: Done is
+	// closed and Err says why. Other Workers in the process carry on.
+	// kvxferd sets it, so that one engine's broken Worker is not the whole
+	// daemon's end.
+	//
+	// Builds with -tags invariants ignore it: the panic propagates, so
+	// tests see every broken invariant.
+	ContainPanics bool
 	// Metrics receives the worker's statistics (default: a new one).
 	Metrics *Metrics
 	// Logger (default slog.Default()).
@@ -222,6 +238,8 @@ type Worker struct {
 		inbox  []event
 		out    Finished
 		closed bool
+		// err is why the loop stopped on its own (ContainPanics).
+		err error
 	}
 	closeOnce sync.Once
 
@@ -234,6 +252,12 @@ type Worker struct {
 	opsBuf   []op
 	errsBuf  []error
 	st       loopState
+	// unhandled: the events of the inbox batch being handed to the core,
+	// from the one it is handling on (broke fails their requests).
+	unhandled []event
+	// deregistered: broke deregistered the regions already (read by Close
+	// after the loop stopped).
+	deregistered bool
 }
 
 type eventKind uint8
@@ -398,8 +422,9 @@ func (w *Worker) LayerSaved(step uint64, layer int) error {
 func (w *Worker) post(e event) error {
 	w.mu.Lock()
 	if w.mu.closed {
+		err := w.mu.err
 		w.mu.Unlock()
-		return ErrClosed
+		return cmp.Or(err, ErrClosed)
 	}
 	w.mu.inbox = append(w.mu.inbox, e)
 	w.mu.Unlock()
@@ -448,7 +473,8 @@ func (w *Worker) Metrics() *Metrics { return w.metrics }
 
 // Close stops the loop, abandons in-flight transfers (failing their
 // requests), deregisters the regions and returns once every goroutine the
-// Worker started has exited. It is idempotent.
+// Worker started has exited. It is idempotent. After the Worker stopped
+// on its own (Err) it releases what is left and returns nil.
 func (w *Worker) Close() error {
 	var err error
 	w.closeOnce.Do(func() {
@@ -458,12 +484,31 @@ func (w *Worker) Close() error {
 		w.cancel()
 		<-w.stopped
 		w.hsWG.Wait()
+		if w.deregistered {
+			return
+		}
 		err = w.be.Deregister(w.regions)
 		if errors.Is(err, ErrClosed) {
 			err = nil
 		}
 	})
 	return err
+}
+
+// Done is closed once the Worker's loop has stopped: after Close began,
+// or on its own after an internal error (WorkerConfig.ContainPanics; Err
+// then says why, and every request it held has its outcome in Finished).
+// Call Close either way.
+func (w *Worker) Done() <-chan struct{} { return w.stopped }
+
+// Err returns why the Worker stopped on its own: an error wrapping
+// ErrInternal (and ErrClosed) once its loop panicked with
+// WorkerConfig.ContainPanics set, else nil (running, or closed by Close).
+// Step, LayerSaved and State return it from then on.
+func (w *Worker) Err() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.mu.err
 }
 
 // await tells an Awaiter backend when the loop starts and stops awaiting
@@ -482,9 +527,26 @@ func (w *Worker) await(on bool) {
 // each wait.
 var hookBeforeWait atomic.Pointer[func(*Worker)]
 
-// run is the loop goroutine.
+// hookAfterEvent, set only by tests, runs on the loop goroutine after the
+// core handled an event, before its effects are carried out.
+var hookAfterEvent atomic.Pointer[func(*Worker, *event)]
+
+// run is the loop goroutine. With ContainPanics (and without -tags
+// invariants) a panic in it ends the Worker, not the process (broke).
 func (w *Worker) run() {
-	defer close(w.stopped)
+	defer close(w.stopped) // after broke: Done means every outcome is out
+	if w.cfg.ContainPanics && !invariants.Enabled {
+		defer func() {
+			if v := recover(); v != nil {
+				w.broke(v, debug.Stack())
+			}
+		}()
+	}
+	w.loop()
+}
+
+// loop steps the core until the Worker closes.
+func (w *Worker) loop() {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	st := &w.st
@@ -498,9 +560,14 @@ func (w *Worker) run() {
 		// One input at a time, each followed by its effects (and their
 		// results) before the next.
 		for i := range inbox {
+			w.unhandled = inbox[i:]
 			st.Step(now, input{kind: inEvent, ev: &inbox[i]})
+			if h := hookAfterEvent.Load(); h != nil {
+				(*h)(w, &inbox[i])
+			}
 			w.apply()
 		}
+		w.unhandled = nil
 		w.notifs = w.be.DrainNotifs(w.notifs[:0])
 		for i := range w.notifs {
 			st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
@@ -532,9 +599,11 @@ func (w *Worker) run() {
 			w.mu.Unlock()
 			now := time.Now()
 			for i := range inbox {
+				w.unhandled = inbox[i:]
 				st.Step(now, input{kind: inEvent, ev: &inbox[i]})
 				w.apply()
 			}
+			w.unhandled = nil
 			st.Step(now, input{kind: inClose})
 			w.apply()
 			w.publish()
@@ -551,6 +620,94 @@ func (w *Worker) run() {
 			}
 		}
 	}
+}
+
+// ErrInternal is the error of a Worker that hit an internal error and
+// stopped (WorkerConfig.ContainPanics): a bug in kvxfer or its backend,
+// not in the caller's input. errors.Is(err, ErrClosed) holds for it too.
+var ErrInternal = errors.New("kvxfer: internal error")
+
+// internalError is Worker.Err after a panic.
+type internalError struct {
+	engine string
+	tp, pp int
+	panic  string // the panic value, clipped
+}
+
+func (e *internalError) Error() string {
+	return fmt.Sprintf("kvxfer: internal error: the worker of engine %q tp rank %d pp rank %d stopped after a panic (%s); its requests failed",
+		e.engine, e.tp, e.pp, e.panic)
+}
+
+func (e *internalError) Is(target error) bool { return target == ErrInternal || target == ErrClosed }
+
+// maxPanicText bounds the panic value quoted in errors and outcomes (the
+// log has all of it, and the stack).
+const maxPanicText = 256
+
+// broke ends the Worker after its loop panicked (v, with the loop's stack;
+// ContainPanics): nothing of the core's state may be trusted beyond its
+// request tables, so it is never stepped again. Every request it held,
+// and every one handed to Step that it may not have taken in (the rest of
+// the inbox batch, and what is still queued), fails once (abandon); its
+// transfers are released and its memory deregistered and closed to peers
+// before the outcomes are published, so no peer's WRITE lands in blocks
+// the engine gets back. Each part runs on its own (salvage): one that
+// panics too is logged and the rest still run.
+func (w *Worker) broke(v any, stack []byte) {
+	l := &w.cfg.Layout
+	text := fmt.Sprint(v)
+	if len(text) > maxPanicText {
+		text = text[:maxPanicText] + "..."
+	}
+	err := &internalError{engine: w.cfg.EngineID, tp: l.TPRank, pp: l.PPRank, panic: text}
+	w.mu.Lock()
+	w.mu.closed, w.mu.err = true, err
+	pending := slices.Concat(w.unhandled, w.mu.inbox)
+	w.mu.inbox = nil
+	w.mu.Unlock()
+	w.unhandled = nil
+	w.metrics.Panic()
+	w.log.Error("kvxfer: worker hit an internal error and stopped; failing its requests", "engine", w.cfg.EngineID,
+		"tp_rank", l.TPRank, "pp_rank", l.PPRank, "panic", fmt.Sprint(v), "stack", string(stack))
+	w.salvage("fail its requests", func() {
+		w.st.abandon("worker hit an internal error and stopped ("+text+")", pending)
+	})
+	w.salvage("release its transfers", func() {
+		for id, x := range w.xfers {
+			delete(w.xfers, id)
+			_ = w.be.Release(x.be)
+		}
+		if pp, ok := w.be.(PreparedPoster); ok {
+			for id, p := range w.preps {
+				delete(w.preps, id)
+				if p.err == nil {
+					_ = pp.ReleasePrepared(p.be)
+				}
+			}
+		}
+	})
+	if w.access != nil {
+		w.salvage("close its data plane", w.access.closeAll)
+	}
+	w.salvage("deregister its memory", func() {
+		w.deregistered = true // Close does not try again
+		_ = w.be.Deregister(w.regions)
+	})
+	w.publish()
+	w.salvage("stop awaiting", func() { w.await(false) })
+	w.cancel() // ends the handshakes in flight
+}
+
+// salvage runs part of broke, logging a panic in it instead of letting it
+// end the process.
+func (w *Worker) salvage(what string, f func()) {
+	defer func() {
+		if v := recover(); v != nil {
+			w.log.Error("kvxfer: a broken worker panicked again; going on", "engine", w.cfg.EngineID, "while", what, "panic", fmt.Sprint(v))
+		}
+	}()
+	f()
 }
 
 // publish hands the outcomes the core reported to Finished, and signals
@@ -866,7 +1023,7 @@ func (w *Worker) State() (WorkerState, error) {
 	case s := <-ch:
 		return s, nil
 	case <-w.stopped:
-		return WorkerState{}, ErrClosed
+		return WorkerState{}, cmp.Or(w.Err(), ErrClosed)
 	}
 }
 

@@ -242,7 +242,11 @@ func startDaemon(dir string) (*daemon, error) {
 	quiet := slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	srv, err := server.New(server.Config{PeerAddr: "127.0.0.1:1", ShmDir: dir, Logger: quiet,
 		NewBackend: func(string, *topology.Layout, bool) (server.Backend, error) {
-			return tcp.New(tcp.Config{Logger: quiet, Conns: 1, DisableLocal: true})
+			b, err := tcp.New(tcp.Config{Logger: quiet, Conns: 1, DisableLocal: true})
+			if err != nil {
+				return nil, err // not b: a nil *tcp.Backend would be a non-nil server.Backend
+			}
+			return b, nil
 		}})
 	if err != nil {
 		ln.Close()

@@ -315,6 +315,38 @@ func (c *config) peerAuth(log *slog.Logger) (*peerauth.Authenticator, error) {
 	}
 }
 
+// openNixl opens a NIXL agent (tests replace it).
+var openNixl = nixl.New
+
+// backendFactory is server.Config.NewBackend for c: a NIXL agent with
+// -backend=nixl, else the built-in backend (devices: this process's GPUs,
+// for its same-host path). A backend that does not open is an error and
+// no backend: never a nil pointer in a non-nil server.Backend, which the
+// server would Close.
+func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, log *slog.Logger,
+	devices func([16]byte) (tcp.Device, error)) func(string, *topology.Layout, bool) (server.Backend, error) {
+	return func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
+		if c.backend == "nixl" {
+			params, _ := c.params()
+			name := fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano())
+			b, err := openNixl(nixl.Config{Name: name, Params: params, VRAM: vram, ProgressDelay: c.progressDelay(), AnyVersion: c.nixlAnyVersion})
+			if err != nil {
+				return nil, fmt.Errorf("-backend=nixl: agent %s: %w", name, err)
+			}
+			return b, nil
+		}
+		if vram && c.noSameHost {
+			return nil, errors.New("GPU memory needs -backend=nixl, or the built-in backend's same-host path (without -no-same-host) between daemons of one host")
+		}
+		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
+			ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
+		if err != nil {
+			return nil, fmt.Errorf("built-in backend: %w", err)
+		}
+		return b, nil
+	}
+}
+
 // serve runs the daemon until ctx ends, then shuts down gracefully.
 func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	sec, err := c.peerSecurity(log)
@@ -365,19 +397,7 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	srv, err = server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
-		NewBackend: func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-			if c.backend == "nixl" {
-				params, _ := c.params()
-				return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-pp%d-tp%d-%d", engine, l.PPRank, l.TPRank, time.Now().UnixNano()),
-					Params: params, VRAM: vram, ProgressDelay: c.progressDelay(), AnyVersion: c.nixlAnyVersion})
-			}
-			if vram && c.noSameHost {
-				return nil, errors.New("GPU memory needs -backend=nixl, or the built-in backend's same-host path (without -no-same-host) between daemons of one host")
-			}
-			return tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
-				ClientTLS: sec.client, ServerTLS: sec.server, Logger: log,
-				Devices: func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }})
-		},
+		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout
 			wc.MaxRequests = c.maxRequests

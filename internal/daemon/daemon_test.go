@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -18,7 +19,9 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
@@ -94,7 +97,8 @@ func TestServe(t *testing.T) {
 	resp.Body.Close()
 	for _, want := range []string{`kvxfer_outcomes_total{engine="E1",pp_rank="0",result="done",side="producer",tp_rank="0"} 0`,
 		`kvxfer_failures_total{engine="E1",kind="peer_gone",pp_rank="0",side="consumer",tp_rank="0"} 0`,
-		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total"} {
+		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total",
+		"kvxfer_worker_panics_total 0"} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("/metrics lacks %q", want)
 		}
@@ -200,6 +204,32 @@ func TestPositiveIntFlags(t *testing.T) {
 				if _, err := parseFlags([]string{tc.flag, bad}); err == nil || !strings.Contains(err.Error(), tc.flag) {
 					t.Errorf("%s %s: %v, want an error naming the flag", tc.flag, bad, err)
 				}
+			}
+		})
+	}
+}
+
+// A backend that does not open is an error and no backend, for NIXL and
+// the built-in backend alike: the server Closes the backend it holds, and
+// a nil *nixl.Backend in a non-nil server.Backend crashed kvxferd there.
+func TestBackendFactoryOpenFails(t *testing.T) {
+	errOpen := errors.New("injected: the agent did not open")
+	defer func(f func(nixl.Config) (*nixl.Backend, error)) { openNixl = f }(openNixl)
+	openNixl = func(nixl.Config) (*nixl.Backend, error) { return nil, errOpen }
+	tests := []struct {
+		name string
+		c    *config
+		want string
+	}{
+		{"nixl", &config{backend: "nixl"}, "-backend=nixl: agent E-pp0-tp1-"},
+		{"builtin", &config{backend: "builtin", dataHost: "256.0.0.1", conns: 1}, "built-in backend: "},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			newBackend := tc.c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+			be, err := newBackend("E", &topology.Layout{TPRank: 1}, false)
+			if be != nil || err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("NewBackend with a backend that does not open = %#v, %v; want a nil server.Backend and an error containing %q", be, err, tc.want)
 			}
 		})
 	}

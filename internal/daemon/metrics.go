@@ -20,7 +20,7 @@ type collector struct {
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
-	refused, authFailures, sameHost                            *prometheus.Desc
+	refused, authFailures, sameHost, workerPanics              *prometheus.Desc
 	open, inFlight                                             *prometheus.Desc
 }
 
@@ -42,6 +42,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		failedNotifs:      d("num_failed_notifications_total", "Notifications that could not be sent (vllm:nixl_num_failed_notifications)."),
 		expired:           d("num_kv_expired_reqs_total", "Requests whose lease or deadline passed (vllm:nixl_num_kv_expired_reqs)."),
 		handshakeFailures: d("handshake_failures_total", "Handshakes with peer engines that failed."),
+		workerPanics: prometheus.NewDesc("kvxfer_worker_panics_total",
+			"Ranks whose worker hit an internal error (a panic, logged with its stack): each failed its requests and ended its stream; the daemon's other ranks carried on.", nil, nil),
 		sameHost: prometheus.NewDesc("kvxfer_same_host_parts_total",
 			"Transfer parts (WRITEs from peer daemons on this host, READs of them) this daemon copied straight out of a peer engine's memory file into its engines' memory (the built-in backend's same-host path).", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
@@ -77,6 +79,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.authFailures, prometheus.CounterValue, float64(c.auth.Failures()))
 	}
 	ch <- prometheus.MustNewConstMetric(c.sameHost, prometheus.CounterValue, float64(c.srv.SameHostParts()))
+	ch <- prometheus.MustNewConstMetric(c.workerPanics, prometheus.CounterValue, float64(c.srv.WorkerPanics()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)
 	}

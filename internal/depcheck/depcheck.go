@@ -72,6 +72,8 @@ var Rules = []Rule{
 	{Name: "shm imports std and x/sys", Prefix: "shm",
 		Allowed: []string{"golang.org/x/sys/..."}},
 	// Direct: Prometheus brings dependencies of its own (protobuf, procfs).
+	{Name: "internal/lint/typednil imports x/tools' analysis framework", Prefix: "internal/lint/typednil",
+		Allowed: []string{"golang.org/x/tools/..."}},
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
 		Allowed: []string{"github.com/prometheus/client_golang/..."}},
 	// The protocol and the Go client: what an engine written in Go links.

@@ -89,19 +89,26 @@ func serveAgent(args []string) error {
 		kvxfer.Backend
 		Map(base uint64, mem []byte) error
 	}
+	// Each constructor's result is checked before it becomes be: a failed
+	// one is a nil pointer, which in be would not be nil.
 	switch *backend {
 	case "builtin":
 		// The direct copy is for agents of one process; here every peer
 		// is another process, so the TCP path is what runs.
-		be, err = tcp.New(tcp.Config{Name: *name, Conns: 3, DisableLocal: true, DisableSameHost: !*sameHost,
+		b, err := tcp.New(tcp.Config{Name: *name, Conns: 3, DisableLocal: true, DisableSameHost: !*sameHost,
 			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+		if err != nil {
+			return err
+		}
+		be = b
 	case "nixl":
-		be, err = nixl.New(nixl.Config{Name: *name, Params: params})
+		b, err := nixl.New(nixl.Config{Name: *name, Params: params})
+		if err != nil {
+			return err
+		}
+		be = b
 	default:
 		return fmt.Errorf("agent: -backend = %q, want builtin or nixl", *backend)
-	}
-	if err != nil {
-		return err
 	}
 	defer be.Close()
 	if fm, ok := be.(interface {

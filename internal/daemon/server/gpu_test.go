@@ -141,7 +141,7 @@ func TestDaemonsGPU(t *testing.T) {
 	probe.Close()
 	nixlBackend := func(c *server.Config) {
 		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+			return backendOf(nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram}))
 		}
 	}
 	daemonsGPU(t, startDaemonWith(t, t.TempDir(), nixlBackend), startDaemonWith(t, t.TempDir(), nixlBackend), "NIXL agents")
@@ -158,8 +158,8 @@ func TestDaemonsGPUSameHost(t *testing.T) {
 	builtin := func(srv **server.Server) func(*server.Config) {
 		return func(c *server.Config) {
 			c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-				return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true,
-					Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }})
+				return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true,
+					Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }}))
 			}
 		}
 	}
@@ -286,7 +286,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 	last := len(uuids) - 1
 	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) {
 		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-			return nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram})
+			return backendOf(nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, time.Now().UnixNano()), VRAM: vram}))
 		}
 	})
 	e := startGPUEngine(t, "D", "", "CUDA_VISIBLE_DEVICES="+uuids[last])

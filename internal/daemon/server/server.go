@@ -141,6 +141,8 @@ type Server struct {
 	sched *schedulers
 	// sameHostGone: same-host parts landed by ranks that detached.
 	sameHostGone atomic.Uint64
+	// workerPanics: ranks whose worker stopped on a panic it contained.
+	workerPanics atomic.Uint64
 	owners       *owners
 	limits       *limits
 	log          *slog.Logger
@@ -231,7 +233,11 @@ func New(cfg Config) (*Server, error) {
 			if vram {
 				return nil, errors.New("the built-in backend moves host memory only (GPU memory needs NIXL)")
 			}
-			return tcp.New(tcp.Config{Logger: log})
+			b, err := tcp.New(tcp.Config{Logger: log})
+			if err != nil {
+				return nil, err // not b: a nil *tcp.Backend would be a non-nil Backend
+			}
+			return b, nil
 		}
 	}
 	enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))
@@ -298,6 +304,13 @@ func (s *Server) SameHostParts() uint64 {
 	})
 	return n
 }
+
+// WorkerPanics returns how many ranks' workers hit an internal error (a
+// panic, contained: kvxfer.WorkerConfig.ContainPanics) over the daemon's
+// life. Each failed its requests and ended its rank's stream with the
+// error (Internal); the daemon and its other ranks carried on. A rank is
+// counted once it is released, right after its stream ended.
+func (s *Server) WorkerPanics() uint64 { return s.workerPanics.Load() }
 
 // Workers returns every rank's worker, for metrics.
 func (s *Server) Workers() map[string][]*kvxfer.Worker {
@@ -792,9 +805,16 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		}
 	}
 	r.layout = l
-	if r.backend, err = s.cfg.NewBackend(h.EngineId, &l, vram); err != nil {
+	// What a factory returns beside an error is not a backend: release
+	// must not close it (it may be a nil pointer in a non-nil interface).
+	be, err := s.cfg.NewBackend(h.EngineId, &l, vram)
+	switch {
+	case err != nil:
 		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: %w", h.EngineId, l.TPRank, l.PPRank, err)
+	case be == nil:
+		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: the factory returned none", h.EngineId, l.TPRank, l.PPRank)
 	}
+	r.backend = be
 	for i, m := range h.Memory {
 		var err error
 		if im, ok := r.backend.(IPCMapper); ok && vram {
@@ -820,8 +840,11 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
 		}
 	}
+	// ContainPanics: a rank whose worker breaks fails its own requests and
+	// ends its own stream (serve); the daemon's other ranks carry on.
 	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
-		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log}
+		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log,
+		ContainPanics: true}
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
 	}
@@ -849,6 +872,9 @@ func realAddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 func (r *rank) release() {
 	if r.worker != nil {
 		_ = r.worker.Close()
+		if errors.Is(r.worker.Err(), kvxfer.ErrInternal) && r.s != nil {
+			r.s.workerPanics.Add(1)
+		}
 	}
 	if r.backend != nil {
 		_ = r.backend.Close()
@@ -1057,6 +1083,20 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 		select {
 		case <-r.s.draining:
 			return finish(true)
+		case <-r.worker.Done():
+			// The worker stopped on its own: it hit an internal error and
+			// failed every request it held (kvxfer.WorkerConfig.ContainPanics).
+			// The engine gets those outcomes, then the error; the daemon's
+			// other ranks carry on.
+			finish(false)
+			_ = r.worker.Close()
+			if f := r.worker.Finished(); len(f.Sending)+len(f.Recving)+len(f.InvalidBlocks) > 0 {
+				_ = sendFinished(st, r.maxMsg, stream.FinishedToProto(&f))
+			}
+			err := cmp.Or(r.worker.Err(), kvxfer.ErrClosed)
+			r.s.log.Error("kvxferd: a rank's worker stopped; its stream ends", "engine", r.engine, "tp_rank", r.layout.TPRank,
+				"pp_rank", r.layout.PPRank, "err", err)
+			return Status(err)
 		case err := <-sendErr:
 			finish(false)
 			return Status(err)

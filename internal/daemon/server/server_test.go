@@ -63,7 +63,7 @@ func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *d
 	}
 	cfg := server.Config{PeerAddr: pl.Addr().String(), ShmDir: shmDir, Logger: quiet,
 		NewBackend: func(string, *topology.Layout, bool) (server.Backend, error) {
-			return tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+			return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true}))
 		}}
 	if tweak != nil {
 		tweak(&cfg)
@@ -90,6 +90,16 @@ func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *d
 	return d
 }
 
+// backendOf is a backend constructor's results as a NewBackend factory
+// returns them: nil beside an error, never a nil *B in a non-nil
+// server.Backend (which the server would Close).
+func backendOf[B server.Backend](b B, err error) (server.Backend, error) {
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
 // engine is a simulated engine attached to a daemon: kvsim ranks whose
 // memory lives in shared-memory files the daemon maps.
 type engine struct {
@@ -101,6 +111,16 @@ type engine struct {
 }
 
 func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
+	t.Helper()
+	en, err := tryAttach(t, d, shmDir, id, m, e, mode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return en
+}
+
+// tryAttach is attach returning Connect's error.
+func tryAttach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) (*engine, error) {
 	t.Helper()
 	ranks, err := kvsim.Build(m, &e)
 	if err != nil {
@@ -128,12 +148,12 @@ func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.
 				Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
 			cancel()
 			if err != nil {
-				t.Fatal(err)
+				return nil, err
 			}
 			en.streams[pp] = append(en.streams[pp], rs)
 		}
 	}
-	return en
+	return en, nil
 }
 
 func (e *engine) step(t *testing.T, m *kvxfer.StepMeta) {

@@ -17,7 +17,8 @@ import (
 // Status maps an error to a gRPC status error: the only place kvxfer's
 // errors become status codes. Bad input is InvalidArgument, a topology
 // mismatch or a GPU this host lacks (no driver, no device with the
-// engine's UUID) FailedPrecondition, a closed daemon Unavailable, an unknown
+// engine's UUID) FailedPrecondition, a worker that hit an internal error
+// (kvxfer.ErrInternal) Internal, a closed daemon Unavailable, an unknown
 // engine NotFound, a call the caller may not make PermissionDenied, a
 // rank attached already AlreadyExists, context errors their own codes.
 func Status(err error) error {
@@ -37,6 +38,8 @@ func Status(err error) error {
 	case errors.Is(err, topology.ErrIncompatible), errors.Is(err, topology.ErrUnsupported),
 		errors.Is(err, cuda.ErrNoDevice), errors.Is(err, cuda.ErrUnavailable):
 		code = codes.FailedPrecondition
+	case errors.Is(err, kvxfer.ErrInternal): // before ErrClosed, which it also is
+		code = codes.Internal
 	case errors.Is(err, kvxfer.ErrClosed), errors.Is(err, errDraining):
 		code = codes.Unavailable
 	case errors.Is(err, kvxfer.ErrUnknownEngine):
