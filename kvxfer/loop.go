@@ -366,6 +366,9 @@ func (st *loopState) handle(e *event) {
 	switch e.kind {
 	case evStep:
 		st.step(e.meta)
+		for i := range e.bad {
+			st.rejectEntry(&e.bad[i])
+		}
 	case evLayer:
 		st.layerSaved(e.step, e.layer)
 	case evHandshake:
@@ -458,10 +461,33 @@ func (st *loopState) overLimit(role Role, id, remote string, local []topology.Sp
 // consumer's blocks are reported invalid, as for any failure.
 func (st *loopState) refuse(role Role, id string, local []topology.Span, field string, kind FailureKind, why string) {
 	st.w.metrics.BadInput(field)
+	st.failUntaken(role, id, local, kind, why)
+}
+
+// failUntaken reports the one outcome of a request the rank never took in:
+// failed; a consumer's blocks are reported invalid, as for any failure.
+func (st *loopState) failUntaken(role Role, id string, local []topology.Span, kind FailureKind, why string) {
 	if role == RoleConsumer {
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(local)...)
 	}
 	st.report(role, Outcome{ReqID: id, Result: ResultFailed, Kind: kind, Reason: why})
+}
+
+// rejectEntry fails the request of a step entry Worker.Step refused (and
+// counted), after the step's good entries. An entry that names no request
+// has nothing to fail, and a layer-wise prefill entry leaves its request
+// to its SendReq; a malformed entry for a request the rank holds on that
+// side (a duplicate) does not end that request: the outcome is the held
+// request's to give. Step's error reports all three.
+func (st *loopState) rejectEntry(b *rejected) {
+	if b.id == "" || b.role == 0 {
+		return
+	}
+	if b.role == RoleProducer && st.sends.get(b.id) != nil || b.role == RoleConsumer && st.recvs[b.id] != nil {
+		st.w.log.Warn("kvxfer: malformed step entry for a request the rank holds: dropped", "req", b.id, "role", b.role, "why", b.reason)
+		return
+	}
+	st.failUntaken(b.role, b.id, b.local, FailureSetup, b.reason)
 }
 
 // report queues one terminal outcome.

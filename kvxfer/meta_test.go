@@ -119,7 +119,7 @@ func TestStepSharedMetaUnchanged(t *testing.T) {
 		}
 		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
 		for i, w := range x.d.workers[0] {
-			if got := w.Metrics().Snapshot().BadInput["recv_req"]; got != 1 {
+			if got := w.Metrics().Snapshot().BadInput["recv_req.remote.engine_id"]; got != 1 {
 				t.Errorf("rank %d: bad RecvReqs counted = %d, want 1", i, got)
 			}
 		}

@@ -3,12 +3,14 @@ package kvxfer
 import (
 	"bufio"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -66,13 +68,13 @@ type traceCase struct {
 	expected string
 }
 
-func parseTrace(t *testing.T, path string) (cases []traceCase) {
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
+// parseTrace reads a script, checking every command against traceCmds: an
+// unknown command or key, a key given twice, a value that is not of its
+// key's kind (a number, a duration, one of a set) is an error naming the
+// line, the key and the value. A script therefore says exactly what it
+// runs: nothing in it is ignored or read as zero.
+func parseTrace(name string, r io.Reader) (cases []traceCase, err error) {
+	sc := bufio.NewScanner(r)
 	n := 0
 	var cur *traceCase
 	var pre []string
@@ -90,17 +92,23 @@ func parseTrace(t *testing.T, path string) (cases []traceCase) {
 			out = append(out, l)
 		case l == "----":
 			if cur == nil {
-				t.Fatalf("%s:%d: ---- without a command", path, n)
+				return nil, fmt.Errorf("%s:%d: ---- without a command", name, n)
 			}
 			inOut = true
 		case cur == nil && (l == "" || strings.HasPrefix(l, "#")):
 			pre = append(pre, l)
 		case cur == nil:
+			if err := checkTraceCmd(l); err != nil {
+				return nil, fmt.Errorf("%s:%d: %w", name, n, err)
+			}
 			cur = &traceCase{pre: pre, line: n, cmd: l}
 			pre = nil
 		default:
-			t.Fatalf("%s:%d: one command per case", path, n)
+			return nil, fmt.Errorf("%s:%d: one command per case", name, n)
 		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	if inOut {
 		cur.expected = strings.Join(out, "\n")
@@ -108,11 +116,178 @@ func parseTrace(t *testing.T, path string) (cases []traceCase) {
 	} else if cur != nil {
 		cases = append(cases, *cur)
 	}
-	return cases
+	return cases, nil
+}
+
+// traceVal checks a value of a script command.
+type traceVal func(string) error
+
+// traceCmd is what a command takes: its positional arguments, in order,
+// and its key=value arguments, of which req must be given.
+type traceCmd struct {
+	pos  []traceVal
+	keys map[string]traceVal
+	req  []string
+}
+
+var (
+	anyVal traceVal = func(string) error { return nil }
+	intVal traceVal = func(v string) error { _, err := strconv.Atoi(v); return err }
+	durVal traceVal = func(v string) error { _, err := time.ParseDuration(v); return err }
+	// idsVal: block ids, comma-separated (empty: none).
+	idsVal traceVal = func(v string) error {
+		for _, f := range strings.Split(v, ",") {
+			if f == "" {
+				continue
+			}
+			if _, err := strconv.Atoi(f); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// rankVal: R/N for core's tp=.
+	rankVal traceVal = func(v string) error {
+		r, n, ok := strings.Cut(v, "/")
+		if !ok {
+			return errors.New("want RANK/SIZE")
+		}
+		return errors.Join(intVal(r), intVal(n))
+	}
+	// peerRankVal: ENGINE/RANK for notif's from=.
+	peerRankVal traceVal = func(v string) error {
+		e, r, ok := strings.Cut(v, "/")
+		if !ok || e == "" {
+			return errors.New("want ENGINE/RANK")
+		}
+		return intVal(r)
+	}
+	boolVal = oneOf("true", "false")
+)
+
+func oneOf(vals ...string) traceVal {
+	return func(v string) error {
+		if !slices.Contains(vals, v) {
+			return fmt.Errorf("want one of %s", strings.Join(vals, ", "))
+		}
+		return nil
+	}
+}
+
+func failKindNames() []string {
+	var out []string
+	for _, k := range FailureKinds() {
+		out = append(out, k.String())
+	}
+	return out
+}
+
+// traceCmds is every command of the scripts (see TestTraces).
+var traceCmds = map[string]traceCmd{
+	"core": {keys: map[string]traceVal{"mode": oneOf("push", "pull"), "engine": anyVal, "tp": rankVal, "prepared": oneOf("always", "model")},
+		req: []string{"engine", "tp"}},
+	"step": {keys: map[string]traceVal{"recv": anyVal, "send": anyVal, "abort": anyVal, "remote": anyVal, "tid": anyVal, "preq": anyVal,
+		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal}},
+	"handshake": {pos: []traceVal{anyVal}, keys: map[string]traceVal{"tp": intVal, "gen": intVal, "hash": anyVal, "agents": anyVal,
+		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal}},
+	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
+		"tid": anyVal, "dreq": anyVal, "preq": anyVal, "spans": idsVal, "reason": anyVal, "failkind": oneOf(failKindNames()...),
+		"tp": intVal, "ids": anyVal, "until": durVal}, req: []string{"from", "kind"}},
+	"ended":   {keys: map[string]traceVal{"xfer": intVal, "fail": anyVal}, req: []string{"xfer"}},
+	"advance": {pos: []traceVal{durVal}},
+	"fail":    {pos: []traceVal{oneOf("notify", "post")}},
+}
+
+// checkTraceCmd checks one command line against traceCmds.
+func checkTraceCmd(line string) error {
+	f := strings.Fields(line)
+	spec, ok := traceCmds[f[0]]
+	if !ok {
+		return fmt.Errorf("unknown command %q", f[0])
+	}
+	rest := f[1:]
+	if len(rest) < len(spec.pos) {
+		return fmt.Errorf("%s: %d arguments, want %d before its keys", f[0], len(rest), len(spec.pos))
+	}
+	for i, check := range spec.pos {
+		if strings.Contains(rest[i], "=") {
+			return fmt.Errorf("%s: argument %d = %q, want a value before the keys", f[0], i+1, rest[i])
+		}
+		if err := check(rest[i]); err != nil {
+			return fmt.Errorf("%s: argument %d = %q: %v", f[0], i+1, rest[i], err)
+		}
+	}
+	seen := map[string]bool{}
+	for _, kv := range rest[len(spec.pos):] {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return fmt.Errorf("%s: %q is not key=value", f[0], kv)
+		}
+		check, known := spec.keys[k]
+		if !known {
+			return fmt.Errorf("%s: unknown key %q (= %q)", f[0], k, v)
+		}
+		if seen[k] {
+			return fmt.Errorf("%s: key %q given twice (= %q)", f[0], k, v)
+		}
+		seen[k] = true
+		if err := check(v); err != nil {
+			return fmt.Errorf("%s: key %q = %q: %v", f[0], k, v, err)
+		}
+	}
+	for _, k := range spec.req {
+		if !seen[k] {
+			return fmt.Errorf("%s: key %q is missing", f[0], k)
+		}
+	}
+	return nil
+}
+
+// TestTraceParseRejects: a script that says something the parser would
+// otherwise ignore or read as zero fails to parse, naming the line, the
+// key and the value.
+func TestTraceParseRejects(t *testing.T) {
+	for _, c := range []struct {
+		name, script string
+		want         []string
+	}{
+		{"unknown key", "core mode=push engine=D tp=0/1\n----\nok\n\nstep send=p1 tid=t1 blokcs=1,2\n", []string{"x.txt:5:", `unknown key "blokcs"`, `"1,2"`}},
+		{"bad number", "# a comment\nstep send=p1 tid=t1 blocks=1,2 tokens=4o\n", []string{"x.txt:2:", `key "tokens"`, `"4o"`}},
+		{"bad block id", "step send=p1 blocks=1,x\n", []string{"x.txt:1:", `key "blocks"`, `"1,x"`}},
+		{"bad duration", "step send=p1 deadline=30\n", []string{"x.txt:1:", `key "deadline"`, `"30"`}},
+		{"bad positional duration", "advance 5\n", []string{"x.txt:1:", `"5"`}},
+		{"bad rank", "core mode=push engine=D tp=1\n", []string{"x.txt:1:", `key "tp"`, `"1"`}},
+		{"bad enum", "notif from=P/0 kind=regg\n", []string{"x.txt:1:", `key "kind"`, `"regg"`}},
+		{"key twice", "ended xfer=1 xfer=2\n", []string{"x.txt:1:", `key "xfer" given twice`}},
+		{"not key=value", "ended 1\n", []string{"x.txt:1:", `"1" is not key=value`}},
+		{"unknown command", "stpe send=p1\n", []string{"x.txt:1:", `unknown command "stpe"`}},
+		{"missing positional", "advance\n", []string{"x.txt:1:", "0 arguments, want 1"}},
+		{"missing key", "ended fail=boom\n", []string{"x.txt:1:", `key "xfer" is missing`}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parseTrace("x.txt", strings.NewReader(c.script))
+			if err == nil {
+				t.Fatalf("parseTrace(%q) = nil error, want one naming %q", c.script, c.want)
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("parseTrace(%q) = %v, want an error containing %q", c.script, err, w)
+				}
+			}
+		})
+	}
 }
 
 func runTrace(t *testing.T, path string) {
-	cases := parseTrace(t, path)
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases, err := parseTrace(path, f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
 	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
 	var rewritten strings.Builder
 	for _, c := range cases {
@@ -184,14 +359,22 @@ func args(fields []string) map[string]string {
 	return m
 }
 
+// atoi is strconv.Atoi of a number checkTraceCmd accepted.
+func atoi(s string) int {
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		panic(fmt.Sprintf("a trace number parseTrace let through: %v", err))
+	}
+	return n
+}
+
 func traceIDs(s string) []topology.BlockID {
 	var out []topology.BlockID
 	for _, f := range strings.Split(s, ",") {
 		if f == "" {
 			continue
 		}
-		n, _ := strconv.Atoi(f)
-		out = append(out, topology.BlockID(n))
+		out = append(out, topology.BlockID(atoi(f)))
 	}
 	return out
 }
@@ -211,8 +394,7 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 	switch f[0] {
 	case "core":
 		rank, size, _ := strings.Cut(a["tp"], "/")
-		r, _ := strconv.Atoi(rank)
-		n, _ := strconv.Atoi(size)
+		r, n := atoi(rank), atoi(size)
 		mode := ModePush
 		if a["mode"] == "pull" {
 			mode = ModePull
@@ -231,12 +413,12 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		if d, ok := a["deadline"]; ok {
 			deadline = tc.now.Add(dur(t, d))
 		}
-		tokens, _ := strconv.Atoi(a["tokens"])
+		tokens := atoi(cmpOr(a["tokens"], "0"))
 		switch {
 		case a["recv"] != "":
 			remoteTP := 1
 			if v, ok := a["remote-tp"]; ok {
-				remoteTP, _ = strconv.Atoi(v)
+				remoteTP = atoi(v)
 			}
 			rr := RecvReq{ReqID: a["recv"], TransferID: a["tid"], Local: []topology.Span{{IDs: traceIDs(a["blocks"])}}, Deadline: deadline,
 				Remote: RemoteRef{EngineID: a["remote"], Addr: a["remote"] + ":1", ReqID: a["preq"], TPSize: remoteTP, PPSize: 1, Tokens: tokens}}
@@ -257,8 +439,8 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		if reason, ok := a["fail"]; ok {
 			h.err = fmt.Errorf("%s", reason)
 		} else {
-			n, _ := strconv.Atoi(a["tp"])
-			gen, _ := strconv.Atoi(cmpOr(a["gen"], "1"))
+			n := atoi(cmpOr(a["tp"], "0"))
+			gen := atoi(cmpOr(a["gen"], "1"))
 			for r := range n {
 				agent := fmt.Sprintf("%s/%d", f[1], r)
 				if g := a["agents"]; g != "" {
@@ -280,8 +462,8 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
 	case "notif":
 		from, rank, _ := strings.Cut(a["from"], "/")
-		r, _ := strconv.Atoi(rank)
-		size, _ := strconv.Atoi(cmpOr(a["tp"], "1"))
+		r := atoi(rank)
+		size := atoi(cmpOr(a["tp"], "1"))
 		kinds := map[string]msgKind{"reg": msgReg, "done": msgDone, "fail": msgFail, "cancel": msgCancel, "ack": msgAck, "heartbeat": msgHeartbeat}
 		m := &msg{Kind: kinds[a["kind"]], Engine: from, Addr: from + ":1", TPRank: r, TPSize: size, PPSize: 1, TransferID: a["tid"],
 			DReq: a["dreq"], PReq: a["preq"], Reason: a["reason"]}
@@ -302,7 +484,7 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		n := Notif{From: PeerName(cmpOr(a["agent"], a["from"])), Msg: appendMsg(nil, m)}
 		tc.st.Step(tc.now, input{kind: inNotifs, notifs: []Notif{n}})
 	case "ended":
-		id, _ := strconv.Atoi(a["xfer"])
+		id := atoi(a["xfer"])
 		in := input{kind: inXferEnded, xfer: XferID(id), state: XferDone}
 		if reason, ok := a["fail"]; ok {
 			in.state, in.err = XferFailed, fmt.Errorf("%w: %s", ErrXferFailed, reason)

@@ -270,8 +270,10 @@ const (
 )
 
 type event struct {
-	kind  eventKind
-	meta  *StepMeta
+	kind eventKind
+	meta *StepMeta
+	// bad are meta's entries Step refused, to fail.
+	bad   []rejected
 	step  uint64
 	layer int
 	hs    *hsResult
@@ -393,9 +395,15 @@ func opFor(m Mode) hotpath.Op {
 	return hotpath.OpWrite
 }
 
-// Step hands the loop one step's metadata. Malformed entries are rejected
-// with an error naming the request and field, counted, and skipped; the
-// rest of the step proceeds.
+// Step hands the loop one step's metadata. A malformed entry is refused:
+// counted (Metrics.BadInput, by field), named with its request, field and
+// value in the error Step returns, and its request fails (one failed
+// outcome, FailureSetup, its reason naming the field and value; a
+// consumer's blocks, when valid, reported invalid), unless the rank holds
+// a request of that id already (a malformed duplicate is dropped) or the
+// entry names no request. A layer-wise Prefill entry is dropped without an
+// outcome: the request's SendReq, which follows it, decides the request.
+// The rest of the step proceeds.
 //
 // Step never modifies meta or anything it references, so one StepMeta may
 // be handed to the workers of every rank of an engine. The loop reads it
@@ -405,8 +413,8 @@ func (w *Worker) Step(meta *StepMeta) error {
 	if meta == nil {
 		return nil
 	}
-	meta, err := w.validate(meta)
-	if perr := w.post(event{kind: evStep, meta: meta}); perr != nil {
+	meta, bad, err := w.validate(meta)
+	if perr := w.post(event{kind: evStep, meta: meta, bad: bad}); perr != nil {
 		return perr
 	}
 	return err
@@ -886,84 +894,125 @@ func (w *Worker) pollXfers(now time.Time) {
 	}
 }
 
+// rejected is a step entry validate refused. The loop fails its request
+// (rejectEntry): every entry that names a request ends in one outcome.
+type rejected struct {
+	role Role // 0: a layer-wise prefill entry (its SendReq decides the request)
+	id   string
+	// reason names the field and its value.
+	reason string
+	// local are a consumer's blocks, when they passed the checks: they are
+	// reported invalid with the failure, as for any failed receive.
+	local []topology.Span
+}
+
 // validate checks a step's entries against the layout and returns the
 // metadata to run: meta itself when every entry is good, else a copy
 // without the bad entries (meta is never modified: ranks may share it),
-// and why they were dropped.
-func (w *Worker) validate(meta *StepMeta) (*StepMeta, error) {
-	var errs []error
+// the entries it refused, and why. Each refusal is counted (BadInput, by
+// field).
+func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
+	var (
+		errs []error
+		bad  []rejected
+	)
 	ng := len(w.groupBlocks)
-	checkSpans := func(what, id string, spans []topology.Span) error {
-		if len(spans) == 0 {
-			return nil
+	// spans checks a block list of what; it returns the field it fails on
+	// (BadInput's label, under what's) and why, naming the value.
+	spans := func(name string, ss []topology.Span) (field, why string) {
+		if len(ss) == 0 {
+			return "", ""
 		}
-		if len(spans) != ng {
-			return fmt.Errorf("kvxfer: %s %q: %d block groups, want %d", what, id, len(spans), ng)
+		if len(ss) != ng {
+			return name, fmt.Sprintf("%s has %d block groups, want %d", name, len(ss), ng)
 		}
-		for g, s := range spans {
+		for g, s := range ss {
 			if s.Start < 0 {
-				return fmt.Errorf("kvxfer: %s %q: group %d Start = %d, want >= 0", what, id, g, s.Start)
+				return name, fmt.Sprintf("%s group %d Start = %d, want >= 0", name, g, s.Start)
 			}
 			for i, b := range s.IDs {
 				if b < 0 || int(b) >= w.groupBlocks[g] {
-					return fmt.Errorf("kvxfer: %s %q: group %d block %d = %d, want in [0, %d)", what, id, g, i, b, w.groupBlocks[g])
+					return name, fmt.Sprintf("%s group %d block %d = %d, want in [0, %d)", name, g, i, b, w.groupBlocks[g])
 				}
 			}
 		}
-		return nil
+		return "", ""
 	}
-	recv := keepValid(meta.Recv, func(r *RecvReq) error {
-		var err error
+	refuse := func(role Role, what, label, id, field, why string, local []topology.Span) {
+		w.metrics.BadInput(label + "." + field)
+		if id == "" {
+			errs = append(errs, fmt.Errorf("kvxfer: %s.%s", what, why))
+		} else {
+			errs = append(errs, fmt.Errorf("kvxfer: %s %q: %s", what, id, why))
+		}
+		bad = append(bad, rejected{role: role, id: id, reason: fmt.Sprintf("invalid %s: %s", what, why), local: local})
+	}
+	recv := keepValid(meta.Recv, func(r *RecvReq) bool {
+		field, why := "", ""
 		switch {
 		case r.ReqID == "":
-			err = errors.New("kvxfer: RecvReq.ReqID is empty")
+			field, why = "req_id", "ReqID is empty"
 		case r.Remote.EngineID == "":
-			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.EngineID is empty", r.ReqID)
-		case r.Remote.TPSize < 0 || r.Remote.PPSize < 0:
-			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.TPSize/PPSize = %d/%d, want >= 0", r.ReqID, r.Remote.TPSize, r.Remote.PPSize)
+			field, why = "remote.engine_id", "Remote.EngineID is empty"
+		case r.Remote.TPSize < 0:
+			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
+		case r.Remote.PPSize < 0:
+			field, why = "remote.pp_size", fmt.Sprintf("Remote.PPSize = %d, want >= 0", r.Remote.PPSize)
 		case w.cfg.Mode == ModePull && len(r.Local) > 0 && len(r.Remote.Blocks) != len(r.Local):
-			err = fmt.Errorf("kvxfer: RecvReq %q: Remote.Blocks has %d groups, Local %d", r.ReqID, len(r.Remote.Blocks), len(r.Local))
+			field, why = "remote.blocks", fmt.Sprintf("Remote.Blocks has %d groups, Local %d", len(r.Remote.Blocks), len(r.Local))
 		default:
-			err = checkSpans("RecvReq", r.ReqID, r.Local)
+			if _, why = spans("Local", r.Local); why != "" {
+				field = "local"
+			}
 		}
-		if err != nil {
-			errs = append(errs, err)
-			w.metrics.BadInput("recv_req")
+		if why == "" {
+			return true
 		}
-		return err
+		local := r.Local
+		if field == "local" {
+			local = nil // not blocks of this rank: nothing to report invalid
+		}
+		refuse(RoleConsumer, "RecvReq", "recv_req", r.ReqID, field, why, local)
+		return false
 	})
-	send := keepValid(meta.Send, func(s *SendReq) error {
-		var err error
-		if s.ReqID == "" {
-			err = errors.New("kvxfer: SendReq.ReqID is empty")
-		} else {
-			err = checkSpans("SendReq", s.ReqID, s.Blocks)
+	sendCheck := func(role Role, what, label string) func(*SendReq) bool {
+		return func(s *SendReq) bool {
+			field, why := "", ""
+			switch {
+			case s.ReqID == "":
+				field, why = "req_id", "ReqID is empty"
+			case s.Tokens < 0:
+				field, why = "tokens", fmt.Sprintf("Tokens = %d, want >= 0", s.Tokens)
+			default:
+				if _, why = spans("Blocks", s.Blocks); why != "" {
+					field = "blocks"
+				}
+			}
+			if why == "" {
+				return true
+			}
+			refuse(role, what, label, s.ReqID, field, why, nil)
+			return false
 		}
-		if err == nil && s.Tokens < 0 {
-			err = fmt.Errorf("kvxfer: SendReq %q: Tokens = %d, want >= 0", s.ReqID, s.Tokens)
-		}
-		if err != nil {
-			errs = append(errs, err)
-			w.metrics.BadInput("send_req")
-		}
-		return err
-	})
+	}
+	send := keepValid(meta.Send, sendCheck(RoleProducer, "SendReq", "send_req"))
+	prefill := keepValid(meta.Prefill, sendCheck(0, "Prefill", "prefill"))
 	if len(errs) == 0 {
-		return meta, nil
+		return meta, nil, nil
 	}
 	// A shallow copy is enough: the loop only reads what the kept
 	// entries reference.
 	m := *meta
-	m.Recv, m.Send = recv, send
-	return &m, errors.Join(errs...)
+	m.Recv, m.Send, m.Prefill = recv, send, prefill
+	return &m, bad, errors.Join(errs...)
 }
 
-// keepValid returns the entries of s that check accepts: s itself when it
+// keepValid returns the entries of s that ok accepts: s itself when it
 // accepts them all, else a new slice (s is never modified).
-func keepValid[T any](s []T, check func(*T) error) []T {
+func keepValid[T any](s []T, ok func(*T) bool) []T {
 	var kept []T
 	for i := range s {
-		if check(&s[i]) != nil {
+		if !ok(&s[i]) {
 			if kept == nil {
 				kept = make([]T, i, len(s))
 				copy(kept, s[:i])

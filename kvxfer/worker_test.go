@@ -472,42 +472,134 @@ func TestProducerAbortFailsConsumerAtOnce(t *testing.T) {
 	})
 }
 
-// Bad metadata gets an error naming the request and field; the rest of
-// the step proceeds.
-func TestBadStepMetadata(t *testing.T) {
-	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
-		good := x.req("good", 40, 0)
-		now := time.Now()
-		bad := []struct {
-			name string
-			r    kvxfer.RecvReq
-			want string
-		}{
-			{"empty id", kvxfer.RecvReq{Local: good.sim.D, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "ReqID is empty"},
-			{"no engine", kvxfer.RecvReq{ReqID: "x1", Local: good.sim.D}, "Remote.EngineID"},
-			{"group count", kvxfer.RecvReq{ReqID: "x2", Local: good.sim.D[:0:0], Remote: kvxfer.RemoteRef{EngineID: "P"}}, ""},
-			{"out of range", kvxfer.RecvReq{ReqID: "x3", Local: []topology.Span{{IDs: []topology.BlockID{1 << 20}}}, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "block 0 = 1048576"},
-			{"negative start", kvxfer.RecvReq{ReqID: "x4", Local: []topology.Span{{Start: -1, IDs: []topology.BlockID{1}}}, Remote: kvxfer.RemoteRef{EngineID: "P"}}, "Start = -1"},
-		}
-		for _, b := range bad {
-			if b.want == "" {
-				continue
-			}
-			err := x.d.workers[0][0].Step(&kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{b.r, good.recv(kvxfer.ModePush, x.p, now.Add(time.Minute))}})
-			if err == nil || !strings.Contains(err.Error(), b.want) {
-				t.Errorf("%s: Step error = %v, want one containing %q", b.name, err, b.want)
-			}
-			good = x.req(fmt.Sprintf("good-%s", strings.ReplaceAll(b.name, " ", "-")), 40, 0)
-		}
-		x.settle()
-		if s := x.state(x.d); s.Recvs != 4 {
-			t.Errorf("D receives %d requests, want the 4 good ones", s.Recvs)
-		}
-		if got := x.d.workers[0][0].Metrics().Snapshot().BadInput["recv_req"]; got != 4 {
-			t.Errorf("bad RecvReqs counted = %d, want 4", got)
-		}
-	})
+// Every malformed entry of a step is refused: Step's error names its
+// request, field and value; it is counted by field; and its request ends
+// in exactly one failed outcome whose reason names the field and value
+// (issue 23: it used to be dropped with no outcome, leaving the engine
+// waiting). The good entries of the same step carry on. An entry that
+// names no request has nothing to fail, a malformed duplicate of a held
+// request does not end it, and a malformed layer-wise prefill entry leaves
+// its request to its SendReq.
+func TestStepInvalidEntriesFail(t *testing.T) {
+	type entry struct {
+		name  string
+		mode  kvxfer.Mode
+		side  string // "D" (a RecvReq), "P" (a SendReq) or "prefill"
+		id    string // the request id ("" for none)
+		bad   func(r *kvxfer.RecvReq, s *kvxfer.SendReq)
+		field string // the BadInput label
+		want  string // in Step's error and the outcome's reason
+		// outcome: the request fails (else it has no outcome).
+		outcome bool
+	}
+	cases := []entry{
+		{"recv req_id", kvxfer.ModePush, "D", "", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.ReqID = "" }, "recv_req.req_id", "RecvReq.ReqID is empty", false},
+		{"recv engine", kvxfer.ModePush, "D", "d-engine", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.EngineID = "" }, "recv_req.remote.engine_id", "Remote.EngineID is empty", true},
+		{"recv tp size", kvxfer.ModePush, "D", "d-tp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.TPSize = -1 }, "recv_req.remote.tp_size", "Remote.TPSize = -1, want >= 0", true},
+		{"recv pp size", kvxfer.ModePush, "D", "d-pp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.PPSize = -2 }, "recv_req.remote.pp_size", "Remote.PPSize = -2, want >= 0", true},
+		{"recv local groups", kvxfer.ModePush, "D", "d-groups", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Local = append(slices.Clip(r.Local), r.Local[0]) }, "recv_req.local", "Local has 2 block groups, want 1", true},
+		{"recv local start", kvxfer.ModePush, "D", "d-start", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) {
+			r.Local = []topology.Span{{Start: -1, IDs: []topology.BlockID{1}}}
+		}, "recv_req.local", "Local group 0 Start = -1, want >= 0", true},
+		{"recv local block", kvxfer.ModePush, "D", "d-block", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) {
+			r.Local = []topology.Span{{IDs: []topology.BlockID{1, 1 << 20}}}
+		}, "recv_req.local", "Local group 0 block 1 = 1048576, want in [0, ", true},
+		{"recv remote blocks (pull)", kvxfer.ModePull, "D", "d-remote", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.Blocks = nil }, "recv_req.remote.blocks", "Remote.Blocks has 0 groups, Local 1", true},
+		{"recv duplicate of a held request", kvxfer.ModePush, "D", "d-good", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.ReqID, r.Remote.EngineID = "d-good", "" }, "recv_req.remote.engine_id", "Remote.EngineID is empty", false},
+		{"send req_id", kvxfer.ModePush, "P", "", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.ReqID = "" }, "send_req.req_id", "SendReq.ReqID is empty", false},
+		{"send tokens", kvxfer.ModePush, "P", "p-tokens", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.Tokens = -3 }, "send_req.tokens", "Tokens = -3, want >= 0", true},
+		{"send block groups", kvxfer.ModePush, "P", "p-groups", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.Blocks = append(slices.Clip(s.Blocks), s.Blocks[0]) }, "send_req.blocks", "Blocks has 2 block groups, want 1", true},
+		{"send block start", kvxfer.ModePush, "P", "p-start", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.Blocks = []topology.Span{{Start: -16}} }, "send_req.blocks", "Blocks group 0 Start = -16, want >= 0", true},
+		{"send block", kvxfer.ModePush, "P", "p-block", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.Blocks = []topology.Span{{IDs: []topology.BlockID{-1}}} }, "send_req.blocks", "Blocks group 0 block 0 = -1, want in [0, ", true},
+		{"send in pull", kvxfer.ModePull, "P", "p-pull", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.Tokens = -1 }, "send_req.tokens", "Tokens = -1, want >= 0", true},
+		{"prefill block", kvxfer.ModePush, "prefill", "p-prefill", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) {
+			s.Blocks = []topology.Span{{IDs: []topology.BlockID{1 << 20}}}
+		}, "prefill.blocks", "Blocks group 0 block 0 = 1048576, want in [0, ", false},
+	}
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, nil)
+				if len(x.groups) != 1 {
+					t.Fatalf("the pair has %d cache groups, want 1 (the cases assume it)", len(x.groups))
+				}
+				now := time.Now()
+				good := x.req("good", 40, 0)
+				dm := &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute))}}
+				pm := &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second))}}
+				var mine []entry
+				for i, c := range cases {
+					if c.mode != mode {
+						continue
+					}
+					mine = append(mine, c)
+					q := x.req(fmt.Sprintf("bad%d", i), 40, 0)
+					r, s := q.recv(mode, x.p, now.Add(time.Minute)), q.send(now.Add(30*time.Second))
+					r.ReqID, s.ReqID = c.id, c.id
+					c.bad(&r, &s)
+					switch c.side {
+					case "D":
+						dm.Recv = append(dm.Recv, r)
+					case "P":
+						pm.Send = append(pm.Send, s)
+					case "prefill":
+						pm.Prefill = append(pm.Prefill, s)
+					}
+				}
+				var errs string
+				for _, step := range []struct {
+					w *kvxfer.Worker
+					m *kvxfer.StepMeta
+				}{{x.d.workers[0][0], dm}, {x.p.workers[0][0], pm}} {
+					if err := step.w.Step(step.m); err != nil {
+						errs += err.Error() + "\n"
+					}
+				}
+				x.settle()
+				// The good request beside the bad entries moved.
+				wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
+				wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
+				for _, c := range mine {
+					if !strings.Contains(errs, c.want) || c.id != "" && !strings.Contains(errs, fmt.Sprintf("%q", c.id)) {
+						t.Errorf("%s: Step errors %q, want one naming %q and %q", c.name, errs, c.id, c.want)
+					}
+					w := x.d.workers[0][0]
+					if c.side != "D" {
+						w = x.p.workers[0][0]
+					}
+					if got := w.Metrics().Snapshot().BadInput[c.field]; got == 0 {
+						t.Errorf("%s: BadInput[%q] = 0, want it counted", c.name, c.field)
+					}
+					if c.id == "d-good" {
+						continue // the held request's one outcome: checked above
+					}
+					got := x.out.recv[c.id]
+					if c.side != "D" {
+						got = x.out.send[c.id]
+					}
+					if !c.outcome {
+						if len(got) != 0 {
+							t.Errorf("%s: outcomes %+v, want none", c.name, got)
+						}
+						continue
+					}
+					wantResult(t, c.name, got, kvxfer.ResultFailed, c.want)
+					wantKind(t, c.name, got, kvxfer.FailureSetup)
+				}
+				if got := x.out.recv[""]; len(got) != 0 {
+					t.Errorf("outcomes for an entry with no request id: %+v, want none", got)
+				}
+				if slices.Contains(x.out.invalid, 1<<20) {
+					t.Errorf("invalid blocks %v include an id out of the rank's range", x.out.invalid)
+				}
+				for _, se := range []*simEngine{x.p, x.d} {
+					if s := x.state(se); s.Sends+s.Recvs+s.PendingRegs+s.Matches != 0 {
+						t.Errorf("%s holds %+v after every request ended", se.id, s)
+					}
+				}
+			})
+		})
+	}
 }
 
 // Malformed or unknown peer messages are dropped without a panic, and the

@@ -83,7 +83,7 @@ type RankStream struct {
 		req pb.ConnectRequest
 	}
 	finished chan kvxfer.Finished
-	errs     chan string
+	errs     chan *StepError
 	done     chan struct{}
 	err      error
 }
@@ -138,7 +138,7 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 		cancel()
 		return nil, fmt.Errorf("stream: kvxferd answered hello with %T", f.m.Msg)
 	}
-	r := &RankStream{st: st, cancel: cancel, finished: make(chan kvxfer.Finished, 64), errs: make(chan string, 16), done: make(chan struct{})}
+	r := &RankStream{st: st, cancel: cancel, finished: make(chan kvxfer.Finished, 64), errs: make(chan *StepError, 16), done: make(chan struct{})}
 	go r.read()
 	return r, nil
 }
@@ -163,8 +163,20 @@ func (r *RankStream) read() {
 			}
 			r.finished <- f
 		case *pb.ConnectResponse_StepError:
+			e := x.StepError
+			se := &StepError{Step: e.Step, Message: e.Message, Dropped: e.Dropped, Recv: e.RecvRequestIds, Send: e.SendRequestIds}
+			if se.Dropped {
+				// Requests depend on it: delivered, as finished sets are
+				// (or the stream ends: Close cancels it).
+				select {
+				case r.errs <- se:
+				case <-r.st.Context().Done():
+					return
+				}
+				continue
+			}
 			select {
-			case r.errs <- fmt.Sprintf("step %d: %s", x.StepError.Step, x.StepError.Message):
+			case r.errs <- se:
 			default:
 			}
 		}
@@ -191,9 +203,12 @@ func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
 }
 
 // StepRef hands the rank the step metadata its engine's scheduler
-// published on the same daemon (StepRequest.PublishStep).
-func (r *RankStream) StepRef(step uint64) error {
-	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: step}}})
+// published on the same daemon (StepRequest.PublishStep). recv and send
+// are the consumer and producer requests the engine begins waiting on
+// with this step on this rank: should the step be dropped, its StepError
+// names them back (StepErrors), for the engine to fail.
+func (r *RankStream) StepRef(step uint64, recv, send []string) error {
+	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: step, RecvRequestIds: recv, SendRequestIds: send}}})
 }
 
 // LayerSaved reports a layer of a step saved (layer-wise push).
@@ -212,8 +227,39 @@ func (r *RankStream) Err() error {
 	return r.err
 }
 
-// StepErrors delivers rejected step entries (dropped when nobody reads).
-func (r *RankStream) StepErrors() <-chan string { return r.errs }
+// StepErrors delivers the rank's step errors. A dropped step's error is
+// delivered as finished sets are (the stream waits for room: read it, the
+// requests it ends get no outcome otherwise); one about refused entries,
+// whose requests get their failed outcomes in Finished, is dropped when
+// nobody reads.
+func (r *RankStream) StepErrors() <-chan *StepError { return r.errs }
+
+// StepError is a step, or entries of one, that a rank's worker did not
+// take in (pb.StepError).
+type StepError struct {
+	// Step is the step's number (StepMeta.Step, or StepRef's).
+	Step uint64
+	// Message says why, naming the step, or each refused entry's request,
+	// field and value.
+	Message string
+	// Dropped: no entry of the step reached the worker, and no outcome
+	// will come on this rank for any request of it. The engine ends, on
+	// this rank, the requests Recv and Send name: a receive as failed, a
+	// send as ended (its blocks freed).
+	Dropped bool
+	// Recv and Send are the consumer and producer requests of a dropped
+	// step: those its StepRef listed, and those its metadata names when
+	// kvxferd read it. A long list comes in several StepErrors of the
+	// same step.
+	Recv, Send []string
+}
+
+func (e *StepError) Error() string {
+	if e.Dropped {
+		return fmt.Sprintf("step %d dropped: %s", e.Step, e.Message)
+	}
+	return fmt.Sprintf("step %d: %s", e.Step, e.Message)
+}
 
 // Close says bye: kvxferd lets the rank's transfers finish, sends every
 // outcome left and ends the stream. Close returns once it ended (drain

@@ -363,10 +363,13 @@ class WorkerStream:
         """Hands the rank one step's metadata."""
         self._send(pb.ConnectRequest(step=meta))
 
-    def step_ref(self, step: int) -> None:
+    def step_ref(self, step: int, recv: Iterable[str] = (), send: Iterable[str] = ()) -> None:
         """Hands the rank the metadata its scheduler published for step
-        (StepStream with publish_step) on this daemon."""
-        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step)))
+        (StepStream with publish_step) on this daemon. recv and send are the
+        requests the engine begins waiting on with this step on this rank:
+        should the step be dropped, its StepError (dropped) names them back,
+        for the engine to fail."""
+        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
 
     def layer_saved(self, step: int, layer: int) -> None:
         """Layer-wise push: layer (global index) of step is in memory."""

@@ -40,6 +40,16 @@ themselves are batched in order. The worker side opens one WorkerService stream 
 shares the rank's KV cache with the daemon (host memory as shared-memory
 files, GPU memory as CUDA IPC handles) and turns the stream's finished sets
 into vLLM's finished/failed sets.
+
+Every request vLLM waits on ends, on every rank: done or failed as the
+daemon reports it; failed at once when the daemon refused or never got the
+scheduler's call (``fail_recv``/``fail_send``), or the rank's stream ended;
+and failed when the daemon dropped the step that started the wait (a
+StepError with ``dropped``: its metadata was never published to the rank).
+Each rank names, with each step it takes by reference, what vLLM begins
+waiting on with that step, and a dropped step's error names those back. A
+failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
+applies); a failed send is reported finished, so its blocks are freed.
 """
 
 from __future__ import annotations
@@ -1109,7 +1119,9 @@ class _WorkerSide:
         try:
             if meta.step_ref:
                 self.step = meta.step_ref
-                self.stream.step_ref(meta.step_ref)
+                # What this step starts waits on: should the daemon drop the
+                # step, its StepError names them back and _poll ends them.
+                self.stream.step_ref(meta.step_ref, meta.expect_recv, meta.expect_send)
                 prefill = meta.prefill
             else:
                 sm = pb.StepMeta.FromString(meta.step_meta)
@@ -1211,7 +1223,20 @@ class _WorkerSide:
                 self._send_done(o.request_id, failed=True, why=_why(o))
         self.invalid.update(f.invalid_block_ids)
         for e in f.step_errors:
-            log.error("kvxfer: step %d refused by kvxferd: %s", e.step, e.message)
+            if not e.dropped:
+                # Entries refused: each named request failed in f already.
+                log.warning("kvxfer: step %d: kvxferd refused entries: %s", e.step, e.message)
+                continue
+            # Nothing of the step reached the rank's worker: no outcome will
+            # come for its requests, which end here as failed ones do.
+            if e.message:
+                log.error("kvxfer: step %d dropped by kvxferd rank tp=%d pp=%d: %s; failing its requests",
+                          e.step, self.tp_rank, self.pp_rank, e.message)
+            why = f"step {e.step} dropped by kvxferd: {e.message or 'see the step error above'}"
+            for rid in e.recv_request_ids:
+                self._recv_done(rid, failed=True, why=why)
+            for rid in e.send_request_ids:
+                self._send_done(rid, failed=True, why=why)
         for s in f.stats:
             d = self.stats.data
             d["transfers"] += s.transfers

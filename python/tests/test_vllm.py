@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 
 import pytest
 
@@ -631,3 +632,67 @@ def test_request_finished_without_blocks(tmp_path, daemons, mode, caplog):
         assert not _daemon_disagreements(caplog), caplog.messages
     finally:
         c.shutdown()
+
+
+def _names(outer) -> set[str]:
+    """The request ids a scheduler-side StepsRequest carries."""
+    step = outer.step
+    ids = set(step.columns.request_finished.request_id) | set(step.columns.after_alloc.request_id)
+    for op in step.ops:
+        kind = op.WhichOneof("op")
+        if kind in ("after_alloc", "request_finished"):
+            ids.add(getattr(op, kind).request.request_id)
+    return ids
+
+
+def _lose_step_naming(e, rid, lost):
+    """The daemon never gets e's first scheduler-side step that carries rid,
+    and the scheduler side never misses it (its Steps stream lives on,
+    later steps are answered): the step's metadata is never published, and
+    the ranks' step_ref for it finds none. Appends (engine, step) to lost."""
+    side = e.sched.connector._sched
+    orig = side.stream.send
+
+    def send(outer):
+        if rid in _names(outer) and all(name != e.name for name, _ in lost):
+            lost.append((e.name, outer.step.publish_step))
+            return None
+        return orig(outer)
+
+    class Unanswered(deque):  # no answer is awaited for a lost step
+        def append(self, x):
+            if (e.name, x[0]) not in lost:
+                super().append(x)
+
+    side.stream.send = send
+    side.inflight = Unanswered(side.inflight)
+
+
+def test_dropped_step_fails_its_requests(tmp_path, daemons, caplog):
+    """The daemon never publishes the step that starts D's wait for d-0's KV,
+    nor the one that has P hold p-0's blocks for it: each rank's step_ref
+    for it is dropped (a StepError naming the requests the rank listed),
+    and the connector ends those requests as failed ones instead of waiting
+    forever: D recomputes d-0 (kv_load_failure_policy), P frees p-0's
+    blocks. The next pair moves and checks byte for byte."""
+    rng = random.Random(23)
+    r = Run(tmp_path, daemons, "push", 1)
+    lost = []
+    try:
+        _lose_step_naming(r.D, "d-0", lost)
+        _lose_step_naming(r.P, "p-0", lost)
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.add(0, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: {name for name, _ in lost} == {"p0", "d0"}, limit_s=30)
+            # The next steps published end the ranks' wait for the lost ones.
+            r.add(1, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and {"p-0", "p-1"} <= r.P.sent
+                        and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert len(lost) == 2, lost
+        assert "d-0" in r.D.failed and "d-0" not in r.checked
+        assert not str(r.D.finished["d-0"].finish_reason).lower().endswith("error")  # recomputed
+        assert "d-1" in r.checked and "d-1" not in r.D.failed
+        assert any("d-0" in m and "dropped" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()

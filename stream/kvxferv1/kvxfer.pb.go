@@ -1878,9 +1878,19 @@ func (*ConnectRequest_StepRef) isConnectRequest_Msg() {}
 type StepRef struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// step as given in StepRequest.publish_step.
-	Step          uint64 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Step uint64 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
+	// recv_request_ids are the consumer requests the engine begins waiting
+	// on with this step on this rank. kvxferd keeps nothing of them: should
+	// the step be dropped (its metadata not published in time), its
+	// StepError names them back, so that the engine fails them without a
+	// record of its own. Empty: the engine keeps its own record.
+	RecvRequestIds []string `protobuf:"bytes,2,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
+	// send_request_ids are the producer requests the engine begins waiting
+	// on with this step on this rank (blocks it holds for a transfer),
+	// likewise.
+	SendRequestIds []string `protobuf:"bytes,3,rep,name=send_request_ids,json=sendRequestIds,proto3" json:"send_request_ids,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *StepRef) Reset() {
@@ -1918,6 +1928,20 @@ func (x *StepRef) GetStep() uint64 {
 		return x.Step
 	}
 	return 0
+}
+
+func (x *StepRef) GetRecvRequestIds() []string {
+	if x != nil {
+		return x.RecvRequestIds
+	}
+	return nil
+}
+
+func (x *StepRef) GetSendRequestIds() []string {
+	if x != nil {
+		return x.SendRequestIds
+	}
+	return nil
 }
 
 // Bye asks kvxferd to end the stream once the rank's transfers are done.
@@ -2013,15 +2037,36 @@ func (x *Ready) GetMaxMessageBytes() uint32 {
 	return 0
 }
 
-// StepError reports entries of a step that were rejected.
+// StepError reports a step, or entries of one, that the rank's worker did
+// not take in. Every request of a step still ends in exactly one outcome on
+// the rank: a refused entry's request fails in a Finished message (this
+// error only says why: dropped is false); a dropped step's requests get no
+// outcome from kvxferd, and the engine fails those it names (dropped).
 type StepError struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// step the error is about.
+	// step the error is about: StepMeta.step, or StepRef.step.
 	Step uint64 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
-	// message names the request and field.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// message says why, naming the step, or each refused entry's request,
+	// field and value.
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// dropped: no entry of the step reached the rank's worker (a step_ref
+	// whose metadata was not published within kvxferd's wait or is no longer
+	// kept, metadata that could not be read, a worker closing), so kvxferd
+	// reports no outcome on this rank for any request of the step. The
+	// engine ends, on this rank, the requests named below: a receive as
+	// failed, a send as ended (its blocks freed). A dropped step's ids may
+	// come in several StepErrors of the same step (each bounded by the
+	// engine's message size); message is in the first.
+	Dropped bool `protobuf:"varint,3,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// recv_request_ids are the consumer requests of a dropped step: those
+	// its StepRef listed, and those its metadata names (StepMeta.recv) when
+	// kvxferd read it.
+	RecvRequestIds []string `protobuf:"bytes,4,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
+	// send_request_ids are the producer requests of a dropped step (StepRef's
+	// and StepMeta.send's), likewise.
+	SendRequestIds []string `protobuf:"bytes,5,rep,name=send_request_ids,json=sendRequestIds,proto3" json:"send_request_ids,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *StepError) Reset() {
@@ -2066,6 +2111,27 @@ func (x *StepError) GetMessage() string {
 		return x.Message
 	}
 	return ""
+}
+
+func (x *StepError) GetDropped() bool {
+	if x != nil {
+		return x.Dropped
+	}
+	return false
+}
+
+func (x *StepError) GetRecvRequestIds() []string {
+	if x != nil {
+		return x.RecvRequestIds
+	}
+	return nil
+}
+
+func (x *StepError) GetSendRequestIds() []string {
+	if x != nil {
+		return x.SendRequestIds
+	}
+	return nil
 }
 
 // ConnectResponse is one kvxferd->engine message of a worker stream.
@@ -4850,17 +4916,22 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"layerSaved\x12\"\n" +
 	"\x03bye\x18\x04 \x01(\v2\x0e.kvxfer.v1.ByeH\x00R\x03bye\x12/\n" +
 	"\bstep_ref\x18\x05 \x01(\v2\x12.kvxfer.v1.StepRefH\x00R\astepRefB\x05\n" +
-	"\x03msg\"\x1d\n" +
+	"\x03msg\"q\n" +
 	"\aStepRef\x12\x12\n" +
-	"\x04step\x18\x01 \x01(\x04R\x04step\"\x05\n" +
+	"\x04step\x18\x01 \x01(\x04R\x04step\x12(\n" +
+	"\x10recv_request_ids\x18\x02 \x03(\tR\x0erecvRequestIds\x12(\n" +
+	"\x10send_request_ids\x18\x03 \x03(\tR\x0esendRequestIds\"\x05\n" +
 	"\x03Bye\"R\n" +
 	"\x05Ready\x12\x1d\n" +
 	"\n" +
 	"agent_name\x18\x01 \x01(\tR\tagentName\x12*\n" +
-	"\x11max_message_bytes\x18\x02 \x01(\rR\x0fmaxMessageBytes\"9\n" +
+	"\x11max_message_bytes\x18\x02 \x01(\rR\x0fmaxMessageBytes\"\xa7\x01\n" +
 	"\tStepError\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xac\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x18\n" +
+	"\adropped\x18\x03 \x01(\bR\adropped\x12(\n" +
+	"\x10recv_request_ids\x18\x04 \x03(\tR\x0erecvRequestIds\x12(\n" +
+	"\x10send_request_ids\x18\x05 \x03(\tR\x0esendRequestIds\"\xac\x01\n" +
 	"\x0fConnectResponse\x12(\n" +
 	"\x05ready\x18\x01 \x01(\v2\x10.kvxfer.v1.ReadyH\x00R\x05ready\x121\n" +
 	"\bfinished\x18\x02 \x01(\v2\x13.kvxfer.v1.FinishedH\x00R\bfinished\x125\n" +

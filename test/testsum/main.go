@@ -3,9 +3,11 @@
 // failed test (and of a package that failed outside a test), and at the
 // end the counts of passed, failed and skipped tests with every skip and
 // its reason. It exits 1 when a test or package failed, or when a test
-// skipped for a reason -forbid-skip matches (CI: the NIXL tests must run).
+// skipped that must not: its line (`package test: reason`) matches
+// -forbid-skip, or, with -allow-skip, does not match it (CI: only the
+// tests that need a GPU may skip).
 //
-//	go test -json ./... | go run ./test/testsum [-skips FILE] [-forbid-skip REGEXP] [-require-run REGEXP]
+//	go test -json ./... | go run ./test/testsum [-skips FILE] [-forbid-skip REGEXP] [-allow-skip REGEXP] [-require-run REGEXP]
 //
 // test/run pipes the Go suite through it; .ci/run reads its skip list.
 package main
@@ -146,14 +148,69 @@ func (s *summary) report(w io.Writer) {
 	}
 }
 
+// skipLines returns each skip as `package test: reason`.
+func (s *summary) skipLines() []string {
+	var lines []string
+	for _, sk := range s.skips {
+		lines = append(lines, fmt.Sprintf("%s %s: %s", sk.pkg, sk.test, sk.reason))
+	}
+	return lines
+}
+
+// skipRules say which skips fail the run: those forbid matches, and,
+// when allow is set, those it does not match.
+type skipRules struct {
+	forbid, allow *regexp.Regexp
+}
+
+func newSkipRules(forbid, allow string) (skipRules, error) {
+	var r skipRules
+	var err error
+	if forbid != "" {
+		if r.forbid, err = regexp.Compile(forbid); err != nil {
+			return r, fmt.Errorf("-forbid-skip: %w", err)
+		}
+	}
+	if allow != "" {
+		if r.allow, err = regexp.Compile(allow); err != nil {
+			return r, fmt.Errorf("-allow-skip: %w", err)
+		}
+	}
+	return r, nil
+}
+
+// forbidden returns the skip lines the rules refuse.
+func (r skipRules) forbidden(lines []string) []string {
+	var out []string
+	for _, l := range lines {
+		if r.forbid != nil && r.forbid.MatchString(l) || r.allow != nil && !r.allow.MatchString(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func (r skipRules) String() string {
+	var s []string
+	if r.forbid != nil {
+		s = append(s, fmt.Sprintf("-forbid-skip %q matches", r.forbid))
+	}
+	if r.allow != nil {
+		s = append(s, fmt.Sprintf("-allow-skip %q does not match", r.allow))
+	}
+	return strings.Join(s, ", or ")
+}
+
 func main() {
 	skipsFile := flag.String("skips", "", "write the skipped tests here, one `package test: reason` per line")
 	require := flag.String("require-run", "", "fail unless a test whose name matches this regexp passed")
 	forbid := flag.String("forbid-skip", "", "fail when a skipped test's `package test: reason` line matches this regexp")
+	allow := flag.String("allow-skip", "", "fail when a skipped test's `package test: reason` line does not match this regexp")
 	flag.Parse()
-	var re *regexp.Regexp
-	if *forbid != "" {
-		re = regexp.MustCompile(*forbid)
+	rules, err := newSkipRules(*forbid, *allow)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testsum:", err)
+		os.Exit(2)
 	}
 	s := newSummary()
 	sc := bufio.NewScanner(os.Stdin)
@@ -178,17 +235,10 @@ func main() {
 	if s.failed > 0 || len(s.failedPkgs) > 0 {
 		code = 1
 	}
-	var lines, forbidden []string
-	for _, sk := range s.skips {
-		line := fmt.Sprintf("%s %s: %s", sk.pkg, sk.test, sk.reason)
-		lines = append(lines, line)
-		if re != nil && re.MatchString(line) {
-			forbidden = append(forbidden, line)
-		}
-	}
-	if len(forbidden) > 0 {
-		fmt.Printf("testsum: %d tests skipped for a reason -forbid-skip %q says must not be, e.g.\n  %s\n",
-			len(forbidden), *forbid, strings.Join(forbidden[:min(len(forbidden), 3)], "\n  "))
+	lines := s.skipLines()
+	if forbidden := rules.forbidden(lines); len(forbidden) > 0 {
+		fmt.Printf("testsum: %d tests skipped that must not (%s):\n  %s\n",
+			len(forbidden), rules, strings.Join(forbidden[:min(len(forbidden), 20)], "\n  "))
 		code = 1
 	}
 	if *require != "" {

@@ -44,3 +44,42 @@ func TestSummary(t *testing.T) {
 		t.Errorf("counts: passed %d failed %d skips %d failed packages %v", s.passed, s.failed, len(s.skips), s.failedPkgs)
 	}
 }
+
+// A skip fails the run when -forbid-skip matches its line or, with
+// -allow-skip, when -allow-skip does not: CI allows only GPU skips, so a
+// root-only or NIXL test that starts to skip cannot go unnoticed.
+func TestSkipRules(t *testing.T) {
+	lines := []string{
+		"p/cuda TestOpen: cuda_test.go:71: no GPU here: cuda: unavailable",
+		"p/nixl TestAgent: nixl_test.go:20: NIXL is not available here: no library",
+		"p/shm TestMapOwnedRefuses: shm_test.go:182: files of another owner need root to make (chown); CI runs as root",
+		"p/hotpath TestAppendDescsZeroAllocs: alloc_test.go:17: allocation counts are not meaningful under -race",
+	}
+	for _, c := range []struct {
+		name, forbid, allow string
+		want                []int // indices of lines refused
+	}{
+		{"no rules", "", "", nil},
+		{"forbid NIXL", "NIXL is not available", "", []int{1}},
+		{"allow GPU", "", ": no GPU here(:|$)", []int{1, 2, 3}},
+		{"allow GPU and the race alloc proofs", "", `: no GPU here(:|$)|^\S+ Test\w*ZeroAllocs\w*: \S+ allocation counts are not meaningful under -race$`, []int{1, 2}},
+		{"both", "GPU", "GPU|NIXL", []int{0, 2, 3}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r, err := newSkipRules(c.forbid, c.allow)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want []string
+			for _, i := range c.want {
+				want = append(want, lines[i])
+			}
+			if got := r.forbidden(lines); strings.Join(got, "\n") != strings.Join(want, "\n") {
+				t.Errorf("forbidden(-forbid-skip %q, -allow-skip %q) = %q, want %q", c.forbid, c.allow, got, want)
+			}
+		})
+	}
+	if _, err := newSkipRules("", "("); err == nil || !strings.Contains(err.Error(), "-allow-skip") {
+		t.Errorf("newSkipRules with a bad -allow-skip = %v, want an error naming it", err)
+	}
+}

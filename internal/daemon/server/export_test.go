@@ -16,3 +16,6 @@ var ClipForTest = clip
 
 // FinishedBoundForTest is finishedBound for external tests.
 var FinishedBoundForTest = finishedBound
+
+// DroppedStepForTest is droppedStep for external tests.
+var DroppedStepForTest = droppedStep

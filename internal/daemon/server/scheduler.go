@@ -24,8 +24,11 @@ type schedulers struct {
 	addr   string
 	owners *owners
 	limits *limits
-	mu     sync.Mutex
-	m      *xsync.Map[string, *lockedScheduler]
+	// publishWait bounds a rank's wait for a step_ref's metadata
+	// (Config.PublishWait).
+	publishWait time.Duration
+	mu          sync.Mutex
+	m           *xsync.Map[string, *lockedScheduler]
 }
 
 type lockedScheduler struct {

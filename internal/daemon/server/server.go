@@ -123,6 +123,10 @@ type Config struct {
 	// HelloTimeout bounds the wait for a worker stream's hello (default
 	// 10 s): a stream that never says hello holds nothing for long.
 	HelloTimeout time.Duration
+	// PublishWait bounds how long a rank's step_ref waits for its
+	// scheduler to publish the step (default 10 s); past it the rank gets
+	// a dropped StepError and the engine fails the step's requests.
+	PublishWait time.Duration
 	// MaxStreams bounds the engine streams (worker streams and Steps
 	// streams) open at once (default 4096); MaxStreamsPerUID bounds those
 	// of one uid (default 1024). Past them, a stream is refused with
@@ -218,6 +222,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.HelloTimeout <= 0 {
 		cfg.HelloTimeout = 10 * time.Second
 	}
+	if cfg.PublishWait <= 0 {
+		cfg.PublishWait = defaultPublishWait
+	}
 	if cfg.MaxStreams <= 0 {
 		cfg.MaxStreams = 4096
 	}
@@ -251,7 +258,8 @@ func New(cfg Config) (*Server, error) {
 	// an engine a generation its peers saw from the previous process: a
 	// peer that asks again learns the engine's ranks changed.
 	s.mu.gen = uint64(time.Now().UnixNano())
-	s.sched = &schedulers{addr: cfg.PeerAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits}
+	s.sched = &schedulers{addr: cfg.PeerAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
+		publishWait: cfg.PublishWait}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -1122,38 +1130,109 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 }
 
 // handle hands a step (its metadata, or a published step it names) or a
-// layer signal to the worker, a rejected step's error to out, and reports
-// whether m was one of them.
+// layer signal to the worker, a step's error to out, and reports whether m
+// was one of them. A step the worker did not take in at all is reported
+// dropped, naming its requests (those its step_ref lists and those its
+// metadata names, when read): no outcome will come for them, and the
+// engine fails them. One whose entries the worker refused in part is
+// reported for the engine's log only: each refused entry's request gets
+// its failed outcome from the worker.
 func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.ConnectResponse) bool {
 	var (
-		step uint64
-		err  error
+		step    uint64
+		err     error
+		dropped bool
+		ref     *pb.StepRef  // the step's reference (StepRef), for its requests
+		meta    *pb.StepMeta // the step's metadata, when read, for its requests
 	)
+	apply := func(p *pb.StepMeta) {
+		meta = p
+		sm, cerr := stream.StepFromProto(p)
+		if cerr != nil {
+			err, dropped = cerr, true
+			return
+		}
+		err = r.worker.Step(sm)
+		// Step takes a step in, whatever it refuses of it, unless the
+		// worker is closed.
+		dropped = errors.Is(err, kvxfer.ErrClosed)
+	}
 	switch x := m.Msg.(type) {
 	case *pb.ConnectRequest_Step:
 		step = x.Step.GetStep()
-		var meta *kvxfer.StepMeta
-		if meta, err = stream.StepFromProto(x.Step); err == nil {
-			err = r.worker.Step(meta)
-		}
+		apply(x.Step)
 	case *pb.ConnectRequest_StepRef:
-		step = x.StepRef.GetStep()
-		var meta *kvxfer.StepMeta
-		if meta, err = r.s.sched.published(ctx, r.engine, r.uid, step); err == nil {
-			err = r.worker.Step(meta)
+		ref, step = x.StepRef, x.StepRef.GetStep()
+		if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
+			err, dropped = perr, true
+		} else {
+			apply(p)
 		}
 	case *pb.ConnectRequest_LayerSaved:
 		_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
 	default:
 		return false
 	}
-	if err != nil {
+	if err == nil {
+		return true
+	}
+	msg := clipTo(err.Error(), r.maxErr)
+	errs := []*pb.StepError{{Step: step, Message: msg}}
+	if dropped {
+		errs = droppedStep(step, msg, ref, meta, r.maxErr)
+	}
+	for _, e := range errs {
 		select {
-		case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: &pb.StepError{Step: step, Message: clipTo(err.Error(), r.maxErr)}}}:
+		case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_StepError{StepError: e}}:
 		case <-ctx.Done():
+			return true
 		}
 	}
 	return true
+}
+
+// droppedStep is the error of a dropped step: its message and every
+// request it names, each once, from its StepRef's lists (ref; nil: a step
+// sent whole) and its metadata's entries (meta; nil: not read), in as many
+// StepErrors as keep the ids of each within about limit bytes.
+func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, limit int) []*pb.StepError {
+	cur := &pb.StepError{Step: step, Message: msg, Dropped: true}
+	out := []*pb.StepError{cur}
+	n := 0
+	seen := map[string]bool{}
+	add := func(send bool, id string) {
+		k := "r" + id
+		if send {
+			k = "s" + id
+		}
+		if id == "" || seen[k] {
+			return
+		}
+		seen[k] = true
+		if n > 0 && n+len(id)+8 > limit {
+			cur, n = &pb.StepError{Step: step, Dropped: true}, 0
+			out = append(out, cur)
+		}
+		n += len(id) + 8 // the id, its tag and length, with room to spare
+		if send {
+			cur.SendRequestIds = append(cur.SendRequestIds, id)
+		} else {
+			cur.RecvRequestIds = append(cur.RecvRequestIds, id)
+		}
+	}
+	for _, id := range ref.GetRecvRequestIds() {
+		add(false, id)
+	}
+	for _, e := range meta.GetRecv() {
+		add(false, e.GetRequestId())
+	}
+	for _, id := range ref.GetSendRequestIds() {
+		add(true, id)
+	}
+	for _, e := range meta.GetSend() {
+		add(true, e.GetRequestId())
+	}
+	return out
 }
 
 // drain waits until the rank holds no request, or DrainTimeout.

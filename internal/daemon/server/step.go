@@ -8,7 +8,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
@@ -17,9 +16,8 @@ import (
 // falls further behind its scheduler than this gets a StepError.
 const maxPublished = 1024
 
-// publishWait bounds how long a rank's step_ref waits for its scheduler's
-// Step to arrive (they travel on different streams).
-const publishWait = 10 * time.Second
+// defaultPublishWait is Config.PublishWait's default.
+const defaultPublishWait = 10 * time.Second
 
 // maxStepOps bounds the ops of one StepRequest: an engine step staging more
 // than this is a bug or an attack, and is refused whole.
@@ -144,15 +142,15 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 }
 
 // published returns the metadata engine's scheduler published for step
-// to a rank of uid,
-// waiting up to publishWait for it: a rank's step_ref may arrive before its
-// scheduler's Step.
-func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*kvxfer.StepMeta, error) {
+// to a rank of uid, waiting up to Config.PublishWait for it: a rank's
+// step_ref may arrive before its scheduler's Step (they travel on
+// different streams). The metadata is the scheduler's: read only.
+func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*pb.StepMeta, error) {
 	ls, err := ss.getAs(engine, uid)
 	if err != nil {
 		return nil, fmt.Errorf("step_ref.step = %d: %w (a scheduler publishes steps only to ranks attached to its own daemon)", step, err)
 	}
-	timer := time.NewTimer(publishWait)
+	timer := time.NewTimer(ss.publishWait)
 	defer timer.Stop()
 	for {
 		ls.pub.Lock()
@@ -160,7 +158,7 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 		last, changed := ls.pub.last, ls.pub.changed
 		ls.pub.Unlock()
 		if ok {
-			return stream.StepFromProto(m)
+			return m, nil
 		}
 		if step <= last {
 			return nil, stream.Invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)
@@ -168,7 +166,7 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 		select {
 		case <-changed:
 		case <-timer.C:
-			return nil, fmt.Errorf("step_ref.step = %d: not published within %v (last %d): %w", step, publishWait, last, context.DeadlineExceeded)
+			return nil, fmt.Errorf("step_ref.step = %d: not published within %v (last %d): %w", step, ss.publishWait, last, context.DeadlineExceeded)
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}

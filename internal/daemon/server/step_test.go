@@ -1,6 +1,8 @@
 package server_test
 
 import (
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -9,8 +11,11 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -108,31 +113,31 @@ func TestStepsPublishAndStepRef(t *testing.T) {
 	if r := publish(1); r.PublishStep != 1 || r.Meta != nil {
 		t.Fatalf("publish(1) = %v, want publish_step 1 and no meta", r)
 	}
-	if err := rs.StepRef(1); err != nil {
+	if err := rs.StepRef(1, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	// The rank asks for step 3 before the scheduler published it.
-	if err := rs.StepRef(3); err != nil {
+	if err := rs.StepRef(3, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(20 * time.Millisecond)
 	publish(3)
 	// Step 2 was never published: the rank gets a StepError naming it, and
 	// nothing else (steps 1 and 3 applied).
-	if err := rs.StepRef(2); err != nil {
+	if err := rs.StepRef(2, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case msg := <-rs.StepErrors():
-		if !strings.Contains(msg, "step_ref.step = 2") {
-			t.Errorf("StepError = %q, want one naming step_ref.step = 2", msg)
+	case se := <-rs.StepErrors():
+		if !strings.Contains(se.Message, "step_ref.step = 2") || se.Step != 2 || !se.Dropped {
+			t.Errorf("StepError = %+v, want step 2 dropped, naming step_ref.step = 2", se)
 		}
 	case <-ctx.Done():
 		t.Fatal("no StepError for an unpublished step")
 	}
 	select {
-	case msg := <-rs.StepErrors():
-		t.Errorf("unexpected StepError %q", msg)
+	case se := <-rs.StepErrors():
+		t.Errorf("unexpected StepError %+v", se)
 	default:
 	}
 	// Steps must increase: the stream ends with InvalidArgument.
@@ -153,6 +158,122 @@ func TestStepsPublishAndStepRef(t *testing.T) {
 	}
 	if r, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", BuildMeta: true}); err != nil || len(r.Meta.GetRecv()) != 0 {
 		t.Errorf("next step = %v, %v; want nothing staged by the refused one", r.GetMeta(), err)
+	}
+}
+
+// A step a rank's worker never took in (a step_ref whose metadata was not
+// published within the daemon's wait, or not at all) is reported dropped,
+// naming every request the rank's step_ref said it waits on, so that the
+// engine fails them: no outcome will come for them (issue 23: the error
+// named only the step, and the engine, which only logged it, waited
+// forever). A step whose entries the worker refused in part is not
+// dropped: each refused entry's request fails in a Finished message, and
+// the error only says why.
+func TestDroppedStepNamesItsRequests(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) { runDroppedStep(t) }) // its cleanups end with it
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+func runDroppedStep(t *testing.T) {
+	shmDir := t.TempDir()
+	const wait = 200 * time.Millisecond
+	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	rs := e.streams[0][0]
+	_, c, ctx := schedulerClientOn(t, d)
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+		t.Fatal(err)
+	}
+	next := func() *stream.StepError {
+		t.Helper()
+		select {
+		case se := <-rs.StepErrors():
+			return se
+		case <-ctx.Done():
+			t.Fatal("no StepError")
+			return nil
+		}
+	}
+	want := func(se *stream.StepError, step uint64, msg string, recv, send []string) {
+		t.Helper()
+		if se.Step != step || !se.Dropped || !strings.Contains(se.Message, msg) || !slices.Equal(se.Recv, recv) || !slices.Equal(se.Send, send) {
+			t.Errorf("StepError = %+v, want step %d dropped (%q), naming receives %q and sends %q", se, step, msg, recv, send)
+		}
+	}
+	// Nothing published: the rank waits PublishWait, then the step is
+	// dropped, naming what its step_ref listed.
+	t0 := time.Now()
+	if err := rs.StepRef(1, []string{"d-1", "d-2"}, []string{"p-1"}); err != nil {
+		t.Fatal(err)
+	}
+	want(next(), 1, "not published within 200ms", []string{"d-1", "d-2"}, []string{"p-1"})
+	if took := time.Since(t0); took < wait {
+		t.Errorf("dropped after %v, want after PublishWait (%v)", took, wait)
+	}
+	// Step 3 published, step 2 never: dropped at once.
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 3}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.StepRef(2, nil, []string{"p-2"}); err != nil {
+		t.Fatal(err)
+	}
+	want(next(), 2, "step_ref.step = 2: not published", nil, []string{"p-2"})
+	// A step the worker takes in, one entry refused: not dropped; that
+	// request fails in a Finished message, naming the field; the good one
+	// beside it is held (its outcome comes when its transfer ends).
+	good := kvxfer.RecvReq{ReqID: "d-good", Local: []topology.Span{{IDs: []topology.BlockID{1}}}, Remote: kvxfer.RemoteRef{EngineID: "P", Addr: "127.0.0.1:1"}}
+	bad := good
+	bad.ReqID, bad.Remote.EngineID = "d-bad", ""
+	if err := rs.Step(&kvxfer.StepMeta{Step: 4, Recv: []kvxfer.RecvReq{good, bad}}); err != nil {
+		t.Fatal(err)
+	}
+	se := next()
+	if se.Dropped || se.Step != 4 || !strings.Contains(se.Message, `RecvReq "d-bad": Remote.EngineID is empty`) || len(se.Recv)+len(se.Send) > 0 {
+		t.Errorf("StepError = %+v, want step 4 not dropped, naming d-bad's Remote.EngineID", se)
+	}
+	for found := false; !found; {
+		select {
+		case f := <-rs.Finished():
+			for _, o := range f.Recving {
+				if o.ReqID != "d-bad" {
+					continue // d-good's, when its handshake fails
+				}
+				found = true
+				if o.Result != kvxfer.ResultFailed || o.Kind != kvxfer.FailureSetup || !strings.Contains(o.Reason, "Remote.EngineID is empty") {
+					t.Errorf("d-bad's outcome = %+v, want failed (setup), naming Remote.EngineID", o)
+				}
+			}
+		case <-ctx.Done():
+			t.Fatal("no outcome for the refused entry")
+		}
+	}
+}
+
+// A dropped step names each of its requests once, from its step_ref and
+// its metadata, in as many errors as keep each within the bound.
+func TestDroppedStepSplits(t *testing.T) {
+	ref := &pb.StepRef{Step: 9, RecvRequestIds: []string{"d-1", "d-2"}, SendRequestIds: []string{"p-1"}}
+	meta := &pb.StepMeta{Step: 9, Recv: []*pb.RecvRequest{{RequestId: "d-2"}, {RequestId: "d-3"}, {RequestId: ""}},
+		Send: []*pb.SendRequest{{RequestId: "p-1"}, {RequestId: "p-2"}}}
+	got := server.DroppedStepForTest(9, "why", ref, meta, 1<<10)
+	if len(got) != 1 || !got[0].Dropped || got[0].Message != "why" || !slices.Equal(got[0].RecvRequestIds, []string{"d-1", "d-2", "d-3"}) ||
+		!slices.Equal(got[0].SendRequestIds, []string{"p-1", "p-2"}) {
+		t.Errorf("droppedStep = %v, want one error naming d-1, d-2, d-3 and p-1, p-2", got)
+	}
+	// 11 bytes an id at most: two ids an error.
+	got = server.DroppedStepForTest(9, "why", ref, meta, 22)
+	var recv, send []string
+	for i, e := range got {
+		if !e.Dropped || e.Step != 9 || (i == 0) != (e.Message == "why") || len(e.RecvRequestIds)+len(e.SendRequestIds) > 2 {
+			t.Errorf("droppedStep part %d = %v, want step 9 dropped, at most 2 ids, the message in the first only", i, e)
+		}
+		recv, send = append(recv, e.RecvRequestIds...), append(send, e.SendRequestIds...)
+	}
+	if len(got) != 3 || !slices.Equal(recv, []string{"d-1", "d-2", "d-3"}) || !slices.Equal(send, []string{"p-1", "p-2"}) {
+		t.Errorf("droppedStep in parts = %v, want 3 errors naming d-1, d-2, d-3 and p-1, p-2 between them", got)
 	}
 }
 

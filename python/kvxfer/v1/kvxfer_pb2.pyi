@@ -343,10 +343,14 @@ class ConnectRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., step: _Optional[_Union[StepMeta, _Mapping]] = ..., layer_saved: _Optional[_Union[LayerSaved, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ..., step_ref: _Optional[_Union[StepRef, _Mapping]] = ...) -> None: ...
 
 class StepRef(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "recv_request_ids", "send_request_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RECV_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    recv_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    send_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., recv_request_ids: _Optional[_Iterable[str]] = ..., send_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Bye(_message.Message):
     __slots__ = ()
@@ -361,12 +365,18 @@ class Ready(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class StepError(_message.Message):
-    __slots__ = ("step", "message")
+    __slots__ = ("step", "message", "dropped", "recv_request_ids", "send_request_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RECV_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     message: str
-    def __init__(self, step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    dropped: bool
+    recv_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    send_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., message: _Optional[str] = ..., dropped: _Optional[bool] = ..., recv_request_ids: _Optional[_Iterable[str]] = ..., send_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("ready", "finished", "step_error")
