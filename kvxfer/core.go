@@ -19,7 +19,8 @@ const (
 	inXferEnded                      // a posted transfer left XferInProgress
 	inOpsDone                        // the results of the ops the core asked for
 	inTimers                         // time passed: fire what is due
-	inClose                          // the Worker closes: end every request
+	inClose                          // the Worker closes: end every request, transfers in flight fenced
+	inCloseNow                       // the close's fence timed out: abandon what is left
 )
 
 // input is one thing that happened, for Step.
@@ -55,6 +56,8 @@ func (st *loopState) Step(now time.Time, in input) {
 	case inTimers:
 		st.runTimers()
 	case inClose:
+		st.closeDown()
+	case inCloseNow:
 		st.shutdown()
 	}
 	st.recycleSends()

@@ -72,27 +72,51 @@ func (p *stallProxy) accept() {
 
 func (p *stallProxy) forward(from, to net.Conn) {
 	defer func() { _ = to.Close() }()
+	// Armed, it forwards all but the last hold bytes it was sent, and
+	// keeps those until released: the frame stops short of its end.
+	const hold = 256
 	buf := make([]byte, 1<<20)
+	var held []byte
 	for {
 		n, err := from.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			stall := p.armed
-			if stall {
+			armed := p.armed
+			if armed && held == nil {
 				p.stalled++
 			}
 			p.mu.Unlock()
-			if stall {
-				if _, err := to.Write(buf[:n/2]); err != nil {
+			if armed {
+				held = append(held, buf[:n]...)
+				if k := len(held) - hold; k > 0 {
+					if _, err := to.Write(held[:k]); err != nil {
+						return
+					}
+					held = held[k:]
+				}
+				go func() { <-p.released; _ = from.SetReadDeadline(time.Now()) }()
+			} else {
+				if len(held) > 0 {
+					if _, err := to.Write(held); err != nil {
+						return
+					}
+					held = held[:0]
+				}
+				if _, err := to.Write(buf[:n]); err != nil {
 					return
 				}
-				<-p.released
-				if _, err := to.Write(buf[n/2 : n]); err != nil {
-					return
-				}
-			} else if _, err := to.Write(buf[:n]); err != nil {
-				return
 			}
+		}
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			// Released: what was held goes on, and the link carries on.
+			_ = from.SetReadDeadline(time.Time{})
+			if len(held) > 0 {
+				if _, err := to.Write(held); err != nil {
+					return
+				}
+				held = held[:0]
+			}
+			continue
 		}
 		if err != nil {
 			return

@@ -72,6 +72,8 @@ type loopState struct {
 	// the last grant.
 	guarded   bool
 	nextGrant uint32
+	// closing: the Worker closes (closeDown): nothing new is posted.
+	closing bool
 
 	// Transfers in flight, by the core's names for them.
 	handles  map[XferID]*handle
@@ -731,6 +733,64 @@ func (st *loopState) tick(now time.Time) {
 }
 
 // shutdown fails every request still open and abandons transfers.
+// closeDown ends every request as the Worker closes, fencing what moves
+// bytes: a producer request with WRITEs in flight (they read the engine's
+// blocks) tells its consumer ranks and reports once they ended; a pull
+// consumer with READs in flight (they land in its blocks) reports once
+// they ended; a push consumer that registered cancels, and without the
+// data plane's grants waits for its producers to confirm, as after any
+// failure (with grants, revoking them suffices). The rest report at once.
+// What still waits when the close's fence times out is abandoned
+// (shutdown).
+func (st *loopState) closeDown() {
+	st.closing = true
+	const why = "worker closed"
+	for _, id := range st.sendIDs() {
+		s := st.sends.get(id)
+		inflight := false
+		for _, r := range s.ranks {
+			inflight = inflight || r.inflight > 0
+		}
+		if s.match != nil {
+			for _, tp := range s.expect {
+				switch r := s.ranks[tp]; {
+				case r.inflight > 0:
+					// It fails when its WRITEs end (sendSettled), posting
+					// nothing more (layer-wise).
+					r.reason, r.kind = why, FailureClosed
+				case !r.state.settled():
+					r.state, r.reason, r.kind = rkFailed, why, FailureClosed
+					st.tellD(s, tp, &msg{Kind: msgFail, Reason: why, FailKind: FailureClosed})
+				}
+			}
+		}
+		if inflight {
+			s.prefill = false
+			continue // settleSend reports it once its WRITEs ended
+		}
+		s.done = true
+		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: why})
+		st.forgetSend(s)
+	}
+	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+		r := st.recvs[id]
+		st.decide(r, ResultFailed, FailureClosed, why)
+		if st.guarded && st.cfg.Mode == ModePush {
+			st.revoke(r) // no WRITE lands once this returns
+			for _, t := range r.targets {
+				r.fenced = r.fenced.add(t)
+			}
+		}
+		st.tryReport(r)
+	}
+}
+
+// closeWaits reports whether a closing Worker still waits for transfers
+// or confirmations.
+func (st *loopState) closeWaits() bool {
+	return len(st.handles) > 0 || len(st.recvs) > 0 || st.sends.len() > 0
+}
+
 func (st *loopState) shutdown() {
 	for id := range st.handles {
 		st.fx.releases = append(st.fx.releases, id)

@@ -681,6 +681,9 @@ func (st *loopState) pushReady(s *sendReq) {
 
 // wantsPost reports whether some ready rank has something to post.
 func (st *loopState) wantsPost(s *sendReq) bool {
+	if st.closing {
+		return false
+	}
 	for _, r := range s.ranks {
 		if r.state != rkReady && r.state != rkPosted {
 			continue

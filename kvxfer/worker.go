@@ -63,6 +63,13 @@ type WorkerConfig struct {
 	// PollInterval is how often in-flight transfers are polled while any
 	// exist (default 1 ms). Nothing is polled while idle.
 	PollInterval time.Duration
+	// CloseTimeout bounds how long Close waits for the transfers in
+	// flight to end (default 10 s): a producer's WRITE still reads the
+	// engine's blocks, a consumer's READ (or, without grants, a
+	// producer's WRITE) still lands in them, so their requests report
+	// only once they ended. Past it they are abandoned; close the backend
+	// before the memory goes.
+	CloseTimeout time.Duration
 	// MaxRequests bounds the requests the rank holds at once on each side
 	// (producer, consumer; default DefaultMaxRequests, negative: none). A
 	// request past it fails at once (FailureSetup, its reason naming the
@@ -173,8 +180,11 @@ func (c *WorkerConfig) fill() error {
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Millisecond
 	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = 10 * time.Second
+	}
 	for name, d := range map[string]time.Duration{"Lease": c.Lease, "RegistrationTTL": c.RegistrationTTL,
-		"HandshakeTimeout": c.HandshakeTimeout, "FenceTimeout": c.FenceTimeout, "PollInterval": c.PollInterval} {
+		"HandshakeTimeout": c.HandshakeTimeout, "FenceTimeout": c.FenceTimeout, "PollInterval": c.PollInterval, "CloseTimeout": c.CloseTimeout} {
 		if d < 0 {
 			return fmt.Errorf("kvxfer: WorkerConfig.%s = %v, want > 0", name, d)
 		}
@@ -615,6 +625,7 @@ func (w *Worker) loop() {
 			st.Step(now, input{kind: inClose})
 			w.apply()
 			w.publish()
+			w.fenceClose(timer)
 			w.await(false)
 			return
 		case <-w.wake:
@@ -865,6 +876,43 @@ func (w *Worker) do(_ int, o *op) error {
 		return nil
 	}
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
+}
+
+// fenceClose runs the loop on after the close input while transfers are
+// in flight (their requests report as each ends) or consumers wait for
+// their producers' confirmations, for up to CloseTimeout; then abandons
+// what is left (inCloseNow).
+func (w *Worker) fenceClose(timer *time.Timer) {
+	st := &w.st
+	deadline := time.Now().Add(w.cfg.CloseTimeout)
+	for st.closeWaits() {
+		now := time.Now()
+		if !now.Before(deadline) {
+			break
+		}
+		w.notifs = w.be.DrainNotifs(w.notifs[:0])
+		for i := range w.notifs {
+			st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
+			w.apply()
+		}
+		clear(w.notifs)
+		w.pollXfers(now)
+		st.Step(now, input{kind: inTimers})
+		w.apply()
+		w.publish()
+		w.await(true)
+		timer.Reset(min(w.cfg.PollInterval, time.Until(deadline)))
+		select {
+		case <-w.be.Events():
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-timer.C:
+		}
+	}
+	st.Step(time.Now(), input{kind: inCloseNow})
+	w.apply()
+	w.publish()
 }
 
 // pollXfers polls every in-flight transfer once and hands those that
