@@ -4,10 +4,13 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"log/slog"
 	"os"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // coreFiles hold the Worker's core (loopState): the per-rank protocol as a
@@ -41,20 +44,76 @@ func TestCoreIsPure(t *testing.T) {
 				if x, ok := n.X.(*ast.Ident); ok && x.Name == "time" && clock[n.Sel.Name] {
 					bad = "the clock (time." + n.Sel.Name + ")"
 				}
-				// The Worker's backend (w.be, st.w.be) and its channels and
-				// locks belong to the driver.
-				if inner, ok := n.X.(*ast.SelectorExpr); ok && inner.Sel.Name == "w" {
-					switch n.Sel.Name {
-					case "be", "mu", "ready", "wake", "ctx", "hsWG", "xfers", "preps":
-						bad = "the driver's " + n.Sel.Name
-					}
-				}
 			}
 			if bad != "" {
 				t.Errorf("%s: the core uses %s", fset.Position(n.Pos()), bad)
 			}
 			return true
 		})
+	}
+}
+
+// The core cannot reach its driver, a backend or shared state: no value
+// of its type leads to a Worker, a Backend, a Resolver, the grant table,
+// a channel, a lock, a context or a function (which could be any of
+// them) — checked over the type itself, so a field added for one fails
+// here, and code in the core that names one does not compile (it has no
+// path to it). What it may reach beyond its own state: its Metrics
+// (counters it only adds to) and its logger.
+func TestCoreReachesNothingShared(t *testing.T) {
+	allowed := map[reflect.Type]string{
+		reflect.TypeFor[*Metrics]():       "counters the core adds to",
+		reflect.TypeFor[*slog.Logger]():   "the log",
+		reflect.TypeFor[error]():          "an error value",
+		reflect.TypeFor[time.Time]():      "a time value (its zone pointer is read-only)",
+		reflect.TypeFor[*time.Location](): "a time value's zone",
+	}
+	denied := map[reflect.Type]string{
+		reflect.TypeFor[*Worker]():      "the driver",
+		reflect.TypeFor[*accessTable](): "the grant table (shared with the backend's goroutines)",
+	}
+	seen := map[reflect.Type]bool{}
+	var walk func(t0 reflect.Type, path string)
+	walk = func(t0 reflect.Type, path string) {
+		if seen[t0] {
+			return
+		}
+		seen[t0] = true
+		if why, ok := denied[t0]; ok {
+			t.Errorf("the core reaches %s through %s (%v)", why, path, t0)
+			return
+		}
+		if _, ok := allowed[t0]; ok {
+			return
+		}
+		if t0.PkgPath() == "sync" || t0.PkgPath() == "sync/atomic" || t0.PkgPath() == "context" {
+			t.Errorf("the core holds %v through %s: shared state", t0, path)
+			return
+		}
+		switch t0.Kind() {
+		case reflect.Chan:
+			t.Errorf("the core holds a channel through %s", path)
+		case reflect.Func:
+			t.Errorf("the core holds a function through %s (%v): it could reach anything", path, t0)
+		case reflect.Interface:
+			t.Errorf("the core holds an interface through %s (%v): it could be a backend or a resolver", path, t0)
+		case reflect.UnsafePointer:
+			t.Errorf("the core holds an unsafe pointer through %s", path)
+		case reflect.Pointer, reflect.Slice, reflect.Array:
+			walk(t0.Elem(), path+"[]")
+		case reflect.Map:
+			walk(t0.Key(), path+"{key}")
+			walk(t0.Elem(), path+"{}")
+		case reflect.Struct:
+			for i := range t0.NumField() {
+				f := t0.Field(i)
+				walk(f.Type, path+"."+f.Name)
+			}
+		}
+	}
+	walk(reflect.TypeFor[loopState](), "loopState")
+	if !seen[reflect.TypeFor[*Metrics]()] {
+		t.Error("the walk never met the core's Metrics: it is broken")
 	}
 }
 

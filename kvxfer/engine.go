@@ -139,12 +139,12 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	if err == nil {
 		err = st.load(e, h)
 	}
-	st.w.metrics.Handshake(h.took, err == nil)
+	st.metrics.Handshake(h.took, err == nil)
 	// answered: the peer answered, and its answer rules a transfer out.
 	e.answered = h.err == nil && err != nil
 	if err != nil {
 		e.state, e.err, e.failedAt = hsFailed, err, st.now
-		st.w.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
+		st.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
 	} else {
 		e.state = hsReady
 		st.checkPlans(e)
@@ -210,12 +210,12 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		}
 		peers[ref] = name
 		layouts[ref] = &l
-		if err := st.w.registry.StoreLayout(hotpath.RankKey{Peer: e.id, Generation: res.Generation, TPRank: l.TPRank, PPRank: l.PPRank}, &l); err != nil {
+		if err := st.registry.StoreLayout(hotpath.RankKey{Peer: e.id, Generation: res.Generation, TPRank: l.TPRank, PPRank: l.PPRank}, &l); err != nil {
 			return err
 		}
 	}
 	if e.gen != 0 && e.gen != res.Generation {
-		st.w.registry.DropGeneration(e.id, e.gen)
+		st.registry.DropGeneration(e.id, e.gen)
 		for _, pr := range e.prepped {
 			st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
 		}
@@ -239,7 +239,7 @@ func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 		e.outbox = append(e.outbox, outMsg{to: to, m: m})
 		return
 	}
-	st.w.metrics.Dropped("notice_unreachable")
+	st.metrics.Dropped("notice_unreachable")
 }
 
 // loadForNotices loads a refused peer's agents only so failure notices
@@ -281,7 +281,7 @@ func planKey(e *engine, src rankRef, dstTP int) hotpath.PlanKey {
 
 func (st *loopState) plan(e *engine, src rankRef, dstTP int) (*topology.Plan, error) {
 	key := planKey(e, src, dstTP)
-	return st.w.registry.Plan(key, func() (*topology.Plan, error) {
+	return st.registry.Plan(key, func() (*topology.Plan, error) {
 		if st.cfg.Mode == ModePush {
 			dl := e.layouts[rankRef{tp: dstTP}]
 			if dl == nil {
@@ -305,7 +305,7 @@ func (st *loopState) dropEngine(e *engine) {
 	for _, ref := range sortedRefs(e.peers) {
 		st.fx.invalidate = append(st.fx.invalidate, e.peers[ref])
 	}
-	st.w.registry.DropPeer(e.id)
+	st.registry.DropPeer(e.id)
 	delete(st.engines, e.id)
 }
 

@@ -129,3 +129,6 @@ func BreakWorker(w *Worker, id string, steps []*StepMeta, late *StepMeta) error 
 	w.signal()
 	return <-errc
 }
+
+// MaxParked bounds the messages of one engine waiting for a handshake.
+const MaxParked = maxParked

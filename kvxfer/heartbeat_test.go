@@ -86,6 +86,7 @@ func TestHeartbeatsSplitBySize(t *testing.T) {
 		p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: p.now,
 			Send: []SendReq{{ReqID: "p" + ids[i], TransferID: fmt.Sprintf("%036x", i), Blocks: []topology.Span{{IDs: []topology.BlockID{1}}}, Tokens: 16, Deadline: p.now.Add(10 * time.Second)}}}}})
 	}
+	knowEngine(t, p, "D", 1)
 	for _, m := range sent {
 		m.Engine, m.TPRank, m.TPSize = "D", 0, 1
 		p.Step(p.now, input{kind: inNotifs, notifs: []Notif{{From: "D/0", Msg: appendMsg(nil, m)}}})

@@ -145,7 +145,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		}
 		return false
 	})
-	st.w.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
+	st.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
 		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
 	e.state = hsPending
 	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
@@ -156,7 +156,7 @@ func (st *loopState) probeDone(h *hsResult) {
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
 	n := st.failWaiting(e, FailurePeerGone, reason, st.guarded, func(*recvReq) bool { return true })
-	st.w.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
+	st.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by
 	// then); if that fails too, handshakeRetry applies as usual.
 	e.state, e.err, e.failedAt = hsFailed, fmt.Errorf("kvxfer: engine %s: %w", e.id, err), time.Time{}

@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"slices"
 	"strings"
@@ -17,9 +18,17 @@ import (
 // loopState is everything the loop goroutine owns. Nothing here is
 // touched by any other goroutine, so none of it is locked.
 type loopState struct {
-	w      *Worker
-	cfg    *WorkerConfig
-	layout *topology.Layout
+	// What the core reads and writes beyond its own state: its
+	// configuration (no backend, no resolver: coreConfig), the hot
+	// path's builder and layout registry (owned by the loop), and where
+	// it counts and logs. It holds nothing of its driver's: no Worker,
+	// backend, resolver, grant table, channel or lock (TestCoreIsPure).
+	cfg      *coreConfig
+	layout   *topology.Layout
+	metrics  *Metrics
+	log      *slog.Logger
+	builder  *hotpath.Builder
+	registry *hotpath.Registry
 
 	// now is the time of the input being handled, set by the driver: the
 	// core reads no clock.
@@ -62,7 +71,6 @@ type loopState struct {
 	ambRegs  []*regGroup
 	ambSends []*sendReq
 	early    map[string]*earlyNotes // pull: notices before their request
-	pins     map[senderKey]pin      // agents speaking for ranks of engines not handshaken with
 
 	// Consumer side.
 	recvs map[string]*recvReq
@@ -290,8 +298,39 @@ type handle struct {
 	src  rankRef
 }
 
+// coreConfig is what the core reads of its Worker's configuration
+// (WorkerConfig, defaults applied): nothing that reaches a backend, a
+// resolver or user code.
+type coreConfig struct {
+	EngineID, Addr, CompatHash string
+	Mode                       Mode
+	Layout                     topology.Layout
+	Layerwise, SkipCompatCheck bool
+	// LayerOf: WorkerConfig.LayerOf of each region, computed at start.
+	LayerOf []int
+
+	Lease, RegistrationTTL, EngineTTL, HandshakeTimeout, PeerTimeout, FenceTimeout, PollInterval time.Duration
+
+	MaxRequests, MaxSegments int
+}
+
+func newCoreConfig(c *WorkerConfig) *coreConfig {
+	cc := &coreConfig{EngineID: c.EngineID, Addr: c.Addr, CompatHash: c.CompatHash, Mode: c.Mode, Layout: c.Layout,
+		Layerwise: c.Layerwise, SkipCompatCheck: c.SkipCompatCheck,
+		Lease: c.Lease, RegistrationTTL: c.RegistrationTTL, EngineTTL: c.EngineTTL, HandshakeTimeout: c.HandshakeTimeout,
+		PeerTimeout: c.PeerTimeout, FenceTimeout: c.FenceTimeout, PollInterval: c.PollInterval,
+		MaxRequests: c.MaxRequests, MaxSegments: c.MaxSegments}
+	for i := range c.Layout.Regions {
+		cc.LayerOf = append(cc.LayerOf, c.LayerOf(i))
+	}
+	return cc
+}
+
+// init readies the core of w: the only place it sees its Worker.
 func (st *loopState) init(w *Worker) {
-	st.w, st.cfg, st.layout = w, &w.cfg, &w.cfg.Layout
+	st.cfg = newCoreConfig(&w.cfg)
+	st.layout = &st.cfg.Layout
+	st.metrics, st.log, st.builder, st.registry = w.metrics, w.log, w.builder, w.registry
 	st.guarded = w.access != nil
 	st.engines = map[string]*engine{}
 	st.sends = newSendTable(false)
@@ -304,7 +343,6 @@ func (st *loopState) init(w *Worker) {
 	st.tombs = map[regKey]tomb{}
 	st.abortedP = map[string]goneSend{}
 	st.abortedT = map[string]goneSend{}
-	st.pins = map[senderKey]pin{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
@@ -312,7 +350,7 @@ func (st *loopState) init(w *Worker) {
 	layers := map[int]int{}
 	var order []int
 	for i := range st.layout.Regions {
-		l := st.cfg.LayerOf(i)
+		l := st.cfg.LayerOf[i]
 		if _, ok := layers[l]; !ok {
 			layers[l] = 0
 			order = append(order, l)
@@ -324,7 +362,7 @@ func (st *loopState) init(w *Worker) {
 	}
 	st.nLayers = len(order)
 	for i := range st.layout.Regions {
-		st.regionLayer = append(st.regionLayer, layers[st.cfg.LayerOf(i)])
+		st.regionLayer = append(st.regionLayer, layers[st.cfg.LayerOf[i]])
 		st.byBase = append(st.byBase, i)
 	}
 	slices.SortFunc(st.byBase, func(a, b int) int {
@@ -462,7 +500,7 @@ func (st *loopState) overLimit(role Role, id, remote string, local []topology.Sp
 // refuse fails a request the rank does not take in, counting field; a
 // consumer's blocks are reported invalid, as for any failure.
 func (st *loopState) refuse(role Role, id string, local []topology.Span, field string, kind FailureKind, why string) {
-	st.w.metrics.BadInput(field)
+	st.metrics.BadInput(field)
 	st.failUntaken(role, id, local, kind, why)
 }
 
@@ -486,7 +524,7 @@ func (st *loopState) rejectEntry(b *rejected) {
 		return
 	}
 	if b.role == RoleProducer && st.sends.get(b.id) != nil || b.role == RoleConsumer && st.recvs[b.id] != nil {
-		st.w.log.Warn("kvxfer: malformed step entry for a request the rank holds: dropped", "req", b.id, "role", b.role, "why", b.reason)
+		st.log.Warn("kvxfer: malformed step entry for a request the rank holds: dropped", "req", b.id, "role", b.role, "why", b.reason)
 		return
 	}
 	st.failUntaken(b.role, b.id, b.local, FailureSetup, b.reason)
@@ -497,7 +535,7 @@ func (st *loopState) report(role Role, o Outcome) {
 	if invariants.Enabled && (o.Result == ResultFailed || o.Result == ResultExpired) && o.Kind == FailureNone {
 		panic(fmt.Sprintf("kvxfer: %v outcome of %s without a failure kind: %q", o.Result, o.ReqID, o.Reason))
 	}
-	st.w.metrics.Outcome(role, o.Result, o.Kind)
+	st.metrics.Outcome(role, o.Result, o.Kind)
 	if role == RoleProducer {
 		st.out.Sending = append(st.out.Sending, o)
 	} else {
@@ -515,8 +553,8 @@ func (st *loopState) onNotifs(notifs []Notif) {
 	for _, n := range notifs {
 		m, err := decodeMsg(n.Msg)
 		if err != nil {
-			st.w.metrics.Dropped("malformed")
-			st.w.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
+			st.metrics.Dropped("malformed")
+			st.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
 			continue
 		}
 		if !st.admit(parkedMsg{from: PeerName(n.From), m: m}) {
@@ -574,13 +612,13 @@ func (st *loopState) xferEnded(id XferID, s XferState, err error, tm *XferTeleme
 		}
 	}
 	if ok {
-		st.w.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
+		st.metrics.Transfer(xfer, post, h.bytes, h.descs, h.blocks)
 	} else {
 		if err == nil {
 			err = fmt.Errorf("%w: state %v", ErrXferFailed, s)
 		}
 		if h.send != "" || !errors.Is(err, ErrNotGranted) {
-			st.w.metrics.FailedTransfer() // a refused READ: recvSettled counts it if not retried
+			st.metrics.FailedTransfer() // a refused READ: recvSettled counts it if not retried
 		}
 	}
 	if h.send != "" {
@@ -710,7 +748,7 @@ func (st *loopState) tick(now time.Time) {
 		if now.Sub(g.arrived) > st.cfg.RegistrationTTL {
 			st.dropReg(k)
 			if g.gaveUp == "" {
-				st.w.metrics.Dropped("registration_expired")
+				st.metrics.Dropped("registration_expired")
 			}
 		}
 	}
@@ -724,11 +762,10 @@ func (st *loopState) tick(now time.Time) {
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
 			delete(st.early, k)
-			st.w.metrics.Dropped("done_unknown_request")
-			st.w.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
+			st.metrics.Dropped("done_unknown_request")
+			st.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
 		}
 	}
-	st.sweepPins(now, max(st.cfg.RegistrationTTL, pinIdle))
 	st.evictEngines(now)
 }
 
@@ -1016,8 +1053,8 @@ func (st *loopState) noticeDone(o *op, err error) {
 	switch o.notice {
 	case noticePlain:
 		if err != nil {
-			st.w.metrics.FailedNotification()
-			st.w.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", o.m.Kind, "peer", o.peer,
+			st.metrics.FailedNotification()
+			st.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", o.m.Kind, "peer", o.peer,
 				"d_req", o.m.DReq, "p_req", o.m.PReq, "err", err)
 		}
 	case noticeHeartbeat, noticeHeartbeatRetry:

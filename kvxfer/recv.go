@@ -20,8 +20,8 @@ const expirySafety = 5 * time.Second
 
 func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 	if st.recvs[in.ReqID] != nil {
-		st.w.metrics.BadInput("recv_req.duplicate")
-		st.w.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
+		st.metrics.BadInput("recv_req.duplicate")
+		st.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
 		return
 	}
 	if len(in.Local) == 0 {
@@ -65,7 +65,7 @@ func (st *loopState) releaseProducer(in *RecvReq) {
 	}
 	targets, err := st.targets(tp, pp)
 	if err != nil {
-		st.w.log.Warn("kvxfer: cannot release producer", "req", in.ReqID, "err", err)
+		st.log.Warn("kvxfer: cannot release producer", "req", in.ReqID, "err", err)
 		return
 	}
 	for _, to := range targets {
@@ -117,7 +117,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	}
 	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
-		st.w.metrics.BadInput("recv_req.remote.tp_size")
+		st.metrics.BadInput("recv_req.remote.tp_size")
 		st.decide(r, ResultFailed, FailureIncompatible, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
 		st.tryReport(r)
 		return
@@ -222,7 +222,7 @@ func (st *loopState) registerSettled(r *recvReq, e *engine) {
 	}
 	for i, to := range r.targets {
 		if err := errs[i]; err != nil {
-			st.w.metrics.FailedNotification()
+			st.metrics.FailedNotification()
 			r.fenced = r.fenced.add(to) // nothing registered there
 			st.decide(r, ResultFailed, FailureRegistration, "registration: "+err.Error())
 		}
@@ -254,7 +254,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 	if exp := r.req.Remote.Expiry; !exp.IsZero() {
 		local := exp.Add(-e.offset)
 		if !st.now.Add(expirySafety).Before(local) {
-			st.w.metrics.ExpiredRequest()
+			st.metrics.ExpiredRequest()
 			for _, to := range r.targets {
 				st.tellP(e, r, to, msgFail, FailureExpired, "producer blocks expire before the read")
 			}
@@ -301,10 +301,10 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		return
 	}
 	from := len(st.fx.descs)
-	st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, &hreq)
+	st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, &hreq)
 	if err != nil {
 		st.fx.descs = st.fx.descs[:from]
-		st.w.metrics.BadInput("recv_req.remote.blocks")
+		st.metrics.BadInput("recv_req.remote.blocks")
 		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
 		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
 		return
@@ -324,7 +324,7 @@ func (st *loopState) postFailed(id XferID, err error) {
 		return
 	}
 	delete(st.handles, id)
-	st.w.metrics.FailedTransfer()
+	st.metrics.FailedTransfer()
 	if h.send != "" {
 		s := st.sends.get(h.send)
 		if s == nil || s.ranks == nil {
@@ -375,12 +375,12 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		at := st.now.Add(readRetryDelay(r.retries[h.src]))
 		r.retries[h.src]++
 		r.retryAt[h.src] = at
-		st.w.metrics.RetriedRead()
+		st.metrics.RetriedRead()
 		st.arm(at, tReadRetry, r.req.ReqID)
 		return
 	} else {
 		if errors.Is(err, ErrNotGranted) {
-			st.w.metrics.FailedTransfer() // not counted by xferEnded
+			st.metrics.FailedTransfer() // not counted by xferEnded
 		} else {
 			st.probeSoon(r.req.Remote.EngineID) // is the producer gone?
 			if e := st.engines[r.req.Remote.EngineID]; e != nil && errors.Is(err, ErrXferFailed) && st.retryAfterHandshake(r, e) {
@@ -435,7 +435,7 @@ func (st *loopState) onPushDone(m *msg) {
 		return
 	}
 	if r.got.has(ref) {
-		st.w.metrics.Dropped("done_duplicate")
+		st.metrics.Dropped("done_duplicate")
 		return
 	}
 	r.got, r.fenced = r.got.add(ref), r.fenced.add(ref)
@@ -486,8 +486,8 @@ func (st *loopState) onAck(m *msg) {
 func (st *loopState) recvFor(m *msg) (*recvReq, rankRef, bool) {
 	r := st.recvs[m.DReq]
 	if r == nil || r.req.Remote.EngineID != m.Engine {
-		st.w.metrics.Dropped(m.Kind.String() + "_unknown_request")
-		st.w.log.Debug("kvxfer: message for an unknown request", "kind", m.Kind, "d_req", m.DReq, "from", m.Engine)
+		st.metrics.Dropped(m.Kind.String() + "_unknown_request")
+		st.log.Debug("kvxfer: message for an unknown request", "kind", m.Kind, "d_req", m.DReq, "from", m.Engine)
 		return nil, rankRef{}, false
 	}
 	ref := rankRef{pp: m.PPRank, tp: m.TPRank}
@@ -496,7 +496,7 @@ func (st *loopState) recvFor(m *msg) (*recvReq, rankRef, bool) {
 			return r, ref, true
 		}
 	}
-	st.w.metrics.BadInput(m.Kind.String() + ".rank")
+	st.metrics.BadInput(m.Kind.String() + ".rank")
 	return nil, rankRef{}, false
 }
 
@@ -519,7 +519,7 @@ func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason str
 		st.arm(r.fenceBy, tFence, r.req.ReqID)
 	}
 	if res != ResultDone && !r.quiet {
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", kind.String(), "side", "consumer", "request_id", r.req.ReqID,
+		st.log.Warn("kvxfer: transfer failure", "failure_type", kind.String(), "side", "consumer", "request_id", r.req.ReqID,
 			"engine_id", st.cfg.EngineID, "remote_engine_id", r.req.Remote.EngineID, "remote_request_id", r.req.Remote.ReqID,
 			"num_local_blocks", spanBlocks(r.req.Local), "result", res, "reason", reason)
 	}
@@ -578,7 +578,7 @@ func (st *loopState) recvDeadline(e timerEntry) {
 	if r == nil || r.decided || !r.deadline.Equal(e.at) {
 		return
 	}
-	st.w.metrics.ExpiredRequest()
+	st.metrics.ExpiredRequest()
 	if !r.sent {
 		// Nothing was registered or read: no fence to wait for.
 		st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
@@ -613,8 +613,8 @@ func (st *loopState) fenceTimer(e timerEntry) {
 	if r == nil || !r.fenceBy.Equal(e.at) {
 		return
 	}
-	st.w.metrics.Dropped("fence_timeout")
-	st.w.log.Error("kvxfer: producer never confirmed a cancel; reporting the request anyway", "req", r.req.ReqID, "engine", r.req.Remote.EngineID)
+	st.metrics.Dropped("fence_timeout")
+	st.log.Error("kvxfer: producer never confirmed a cancel; reporting the request anyway", "req", r.req.ReqID, "engine", r.req.Remote.EngineID)
 	o := r.outcome
 	o.Reason += " (fence timed out: the producer never confirmed)"
 	st.finishRecv(r, o)
@@ -700,9 +700,9 @@ func (st *loopState) heartbeatSent(o *op, err error) {
 	if err == nil {
 		return
 	}
-	st.w.metrics.FailedNotification()
+	st.metrics.FailedNotification()
 	if o.notice == noticeHeartbeat {
-		st.w.log.Warn("kvxfer: heartbeat not delivered; sending it again", "peer", o.peer, "requests", len(ids)/3, "err", err)
+		st.log.Warn("kvxfer: heartbeat not delivered; sending it again", "peer", o.peer, "requests", len(ids)/3, "err", err)
 		st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: o.peer, msg: o.msg, notice: noticeHeartbeatRetry, m: o.m, ref: o.ref})
 	}
 }

@@ -171,8 +171,8 @@ func (st *loopState) refusal(e *engine, role int) error {
 		return err
 	}
 	e.refusalSeen[role] = true
-	st.w.metrics.BadInput("handshake.layout")
-	st.w.log.Warn("kvxfer: peer engine refused: incompatible KV layouts; every request with it in this role fails",
+	st.metrics.BadInput("handshake.layout")
+	st.log.Warn("kvxfer: peer engine refused: incompatible KV layouts; every request with it in this role fails",
 		"failure_type", "handshake_setup_failed", "engine", e.id, "generation", e.gen, "role", roleNames[role], "err", err)
 	return err
 }

@@ -35,8 +35,8 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 			st.pushReady(s)
 			return
 		}
-		st.w.metrics.BadInput("send_req.duplicate")
-		st.w.log.Warn("kvxfer: SendReq for a request already held", "req", in.ReqID)
+		st.metrics.BadInput("send_req.duplicate")
+		st.log.Warn("kvxfer: SendReq for a request already held", "req", in.ReqID)
 		return
 	}
 	st.addSend(in, h, deadline, false)
@@ -50,7 +50,7 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 	}
 	h := st.sends.hash(in.ReqID)
 	if st.sends.getH(in.ReqID, h) != nil {
-		st.w.metrics.BadInput("prefill.duplicate")
+		st.metrics.BadInput("prefill.duplicate")
 		return
 	}
 	st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
@@ -76,8 +76,8 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 	if in.TransferID != "" {
 		ht := st.sendByTID.hash(in.TransferID)
 		if old := st.sendByTID.getH(in.TransferID, ht); old != nil {
-			st.w.metrics.BadInput("send_req.transfer_id")
-			st.w.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
+			st.metrics.BadInput("send_req.transfer_id")
+			st.log.Warn("kvxfer: transfer id reused", "transfer_id", in.TransferID, "req", in.ReqID, "held_by", old.req.ReqID)
 		} else {
 			s.hTID = ht
 			st.sendByTID.insert(s, ht)
@@ -128,7 +128,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 			if !g.until.IsZero() && !st.now.Before(g.until) {
 				// It waited past the consumer's deadline: the consumer gave
 				// the request up; fail it and look again.
-				st.w.metrics.Dropped("reg_expired")
+				st.metrics.Dropped("reg_expired")
 				st.failRegGroup(g, s.req.ReqID, FailureExpired, "the consumer's deadline passed before the producer's request arrived")
 				continue
 			}
@@ -145,14 +145,14 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 func (st *loopState) layerSaved(step uint64, layer int) {
 	li := -1
 	for i := range st.layout.Regions {
-		if st.cfg.LayerOf(i) == layer {
+		if st.cfg.LayerOf[i] == layer {
 			li = st.regionLayer[i]
 			break
 		}
 	}
 	if li < 0 {
-		st.w.metrics.BadInput("layer_saved.layer")
-		st.w.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
+		st.metrics.BadInput("layer_saved.layer")
+		st.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
 		return
 	}
 	for _, id := range slices.Clone(st.layerSteps[step]) {
@@ -350,8 +350,8 @@ func (st *loopState) ambiguousSend(s *sendReq, regs []*regGroup) {
 				s.req.ReqID, BaseRequestID(s.req.ReqID), regs[0].key.dreq, st.sendsPairing(regs[0], s))
 		}
 	}
-	st.w.log.Warn("kvxfer: ambiguous pairing refused", "req", s.req.ReqID, "why", why)
-	st.w.metrics.BadInput("send_req.ambiguous")
+	st.log.Warn("kvxfer: ambiguous pairing refused", "req", s.req.ReqID, "why", why)
+	st.metrics.BadInput("send_req.ambiguous")
 	st.failPaired(s, why)
 }
 
@@ -367,8 +367,8 @@ func (st *loopState) ambiguousReg(g *regGroup, sends []*sendReq) {
 		why = fmt.Sprintf("consumer request %q (naming %q) pairs by base id %q with producer request %q, which %d other waiting consumer requests pair with too: ambiguous, so nothing is written (transfer ids pair requests exactly)",
 			g.key.dreq, n, g.base(), sends[0].req.ReqID, st.regsPairing(sends[0], g))
 	}
-	st.w.log.Warn("kvxfer: ambiguous pairing refused", "dreq", g.key.dreq, "engine", g.key.engine, "why", why)
-	st.w.metrics.Dropped("reg_ambiguous")
+	st.log.Warn("kvxfer: ambiguous pairing refused", "dreq", g.key.dreq, "engine", g.key.engine, "why", why)
+	st.metrics.Dropped("reg_ambiguous")
 	st.failRegGroup(g, "", FailureSetup, why)
 }
 
@@ -411,7 +411,7 @@ func (st *loopState) rememberGone(id, tid string, g goneSend) {
 	if len(st.abortedP) < maxAborted {
 		st.abortedP[id] = g
 	} else {
-		st.w.metrics.BadInput("not_processed.limit")
+		st.metrics.BadInput("not_processed.limit")
 	}
 	if tid != "" && len(st.abortedT) < maxAborted {
 		st.abortedT[tid] = g
@@ -450,12 +450,12 @@ func (st *loopState) dropReg(k regKey) {
 // onReg handles a D rank's registration (push).
 func (st *loopState) onReg(m *msg) {
 	if st.cfg.Mode != ModePush {
-		st.w.metrics.Dropped("reg_in_pull")
+		st.metrics.Dropped("reg_in_pull")
 		return
 	}
 	k := regKey{engine: m.Engine, dreq: m.DReq}
 	if m.DReq == "" {
-		st.w.metrics.Dropped("reg_without_request")
+		st.metrics.Dropped("reg_without_request")
 		return
 	}
 	// Past its Until the consumer gave the request up and may have freed
@@ -464,7 +464,7 @@ func (st *loopState) onReg(m *msg) {
 	// on is only a duplicate.
 	late := !m.Until.IsZero() && !st.now.Before(m.Until)
 	if tb, dead := st.tombs[k]; dead {
-		st.w.metrics.Dropped("reg_after_finish")
+		st.metrics.Dropped("reg_after_finish")
 		if !slices.Contains(tb.done, m.TPRank) && len(m.Spans) > 0 {
 			// This rank registers after we finished without it (its
 			// handshake was late, our failure notice lost): tell it now,
@@ -480,7 +480,7 @@ func (st *loopState) onReg(m *msg) {
 	}
 	if s := st.matched[k]; s != nil {
 		if r := s.ranks[m.TPRank]; late && r != nil && r.state == rkWaiting && m.TPSize == s.match.dTP {
-			st.w.metrics.Dropped("reg_expired")
+			st.metrics.Dropped("reg_expired")
 			st.failRank(s, m.TPRank, r, FailureExpired, regLate)
 			st.settleSend(s)
 			return
@@ -523,7 +523,7 @@ func (st *loopState) onReg(m *msg) {
 			// It names a request paired with another consumer request:
 			// one of the two is not what it claims; the first keeps it.
 			g.ranks[m.TPRank] = m
-			st.w.metrics.Dropped("reg_taken")
+			st.metrics.Dropped("reg_taken")
 			why := "the producer request it names has finished"
 			if taken.match != nil {
 				why = fmt.Sprintf("the producer request it names (%s) is paired with consumer request %q of engine %q already",
@@ -539,11 +539,11 @@ func (st *loopState) onReg(m *msg) {
 		st.addReg(g)
 	}
 	if g.dTP != m.TPSize {
-		st.w.metrics.BadInput("reg.tp_size")
+		st.metrics.BadInput("reg.tp_size")
 		return
 	}
 	if _, dup := g.ranks[m.TPRank]; dup {
-		st.w.metrics.Dropped("reg_duplicate")
+		st.metrics.Dropped("reg_duplicate")
 		return
 	}
 	if late {
@@ -572,7 +572,7 @@ func (st *loopState) refuseLateReg(m *msg) {
 // refuseReg drops a registration, counted as dropped, and tells its rank
 // why.
 func (st *loopState) refuseReg(m *msg, dropped string, kind FailureKind, why string) {
-	st.w.metrics.Dropped(dropped)
+	st.metrics.Dropped(dropped)
 	st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
 		&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq, Reason: why, FailKind: kind})
 }
@@ -616,12 +616,12 @@ func (st *loopState) addRank(s *sendReq, m *msg) {
 	r := s.ranks[m.TPRank]
 	switch {
 	case r == nil:
-		st.w.metrics.BadInput("reg.tp_rank")
-		st.w.log.Warn("kvxfer: registration from a D rank this rank does not serve", "req", s.req.ReqID, "d_tp_rank", m.TPRank)
+		st.metrics.BadInput("reg.tp_rank")
+		st.log.Warn("kvxfer: registration from a D rank this rank does not serve", "req", s.req.ReqID, "d_tp_rank", m.TPRank)
 	case m.TPSize != s.match.dTP:
-		st.w.metrics.BadInput("reg.tp_size")
+		st.metrics.BadInput("reg.tp_size")
 	case r.state != rkWaiting:
-		st.w.metrics.Dropped("reg_duplicate")
+		st.metrics.Dropped("reg_duplicate")
 	case len(m.Spans) == 0:
 		r.state, r.reg = rkReleased, m
 	default:
@@ -752,11 +752,11 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		id, n, bytes, err := st.postPrepared(e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
 		if err != nil {
 			if errors.Is(err, hotpath.ErrInvalidRequest) {
-				st.w.metrics.BadInput("reg.spans")
+				st.metrics.BadInput("reg.spans")
 				st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
 				return
 			}
-			st.w.metrics.FailedTransfer()
+			st.metrics.FailedTransfer()
 			st.failRank(s, tp, r, FailureSetup, "post WRITE: "+err.Error())
 			return
 		}
@@ -766,10 +766,10 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		return
 	}
 	from := len(st.fx.descs)
-	st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, &req)
+	st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, &req)
 	if err != nil {
 		st.fx.descs = st.fx.descs[:from]
-		st.w.metrics.BadInput("reg.spans")
+		st.metrics.BadInput("reg.spans")
 		st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
 		return
 	}
@@ -823,7 +823,7 @@ func (st *loopState) completionSent(id string, tp int, err error) {
 		return
 	}
 	if err != nil {
-		st.w.metrics.FailedNotification()
+		st.metrics.FailedNotification()
 		if r.reason == "" {
 			r.reason, r.kind = "completion notice: "+err.Error(), FailureNotification
 		}
@@ -883,7 +883,7 @@ func (st *loopState) failRank(s *sendReq, tp int, r *dRank, kind FailureKind, re
 	}
 	r.state = rkFailed
 	if !r.quiet {
-		st.w.log.Warn("kvxfer: transfer failure", "failure_type", r.kind.String(), "side", "producer", "request_id", s.req.ReqID,
+		st.log.Warn("kvxfer: transfer failure", "failure_type", r.kind.String(), "side", "producer", "request_id", s.req.ReqID,
 			"engine_id", st.cfg.EngineID, "remote_engine_id", s.match.key.engine, "remote_request_id", s.match.key.dreq,
 			"d_tp_rank", tp, "num_local_blocks", spanBlocks(s.req.Blocks), "reason", r.reason)
 	}
@@ -992,7 +992,7 @@ func (st *loopState) settleSend(s *sendReq) {
 		o.Result, o.Kind, o.Reason = ResultAborted, FailureNone, why
 	case s.expired && !allSettledOK(s):
 		o.Result, o.Kind, o.Reason = ResultExpired, FailureExpired, why
-		st.w.metrics.ExpiredRequest()
+		st.metrics.ExpiredRequest()
 	}
 	s.done = true
 	if o.Result != ResultDone {
@@ -1080,8 +1080,8 @@ func (st *loopState) leaseTimer(e timerEntry) {
 		return // stale entry: finished or extended
 	}
 	s.expired = true
-	if st.w.log.Enabled(context.Background(), slog.LevelInfo) { // its arguments are an allocation
-		st.w.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
+	if st.log.Enabled(context.Background(), slog.LevelInfo) { // its arguments are an allocation
+		st.log.Info("kvxfer: producer lease expired", "req", s.req.ReqID)
 	}
 	if st.cfg.Mode == ModePull {
 		st.settlePull(s)
@@ -1141,7 +1141,7 @@ func (st *loopState) onCancel(m *msg) {
 	}
 	r := s.ranks[m.TPRank]
 	if r == nil {
-		st.w.metrics.BadInput("cancel.tp_rank")
+		st.metrics.BadInput("cancel.tp_rank")
 		return
 	}
 	if r.inflight > 0 {
@@ -1173,9 +1173,9 @@ func (st *loopState) consumerGaveUp(m *msg) {
 	case s != nil:
 		st.failUnmatched(s, FailureCancelled, why)
 	case amb != nil:
-		st.w.metrics.Dropped("cancel_ambiguous")
+		st.metrics.Dropped("cancel_ambiguous")
 	case len(st.regs) >= maxRegs:
-		st.w.metrics.Dropped("reg_limit")
+		st.metrics.Dropped("reg_limit")
 	default:
 		st.addReg(g)
 	}
@@ -1282,11 +1282,11 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		s.pullTP = m.TPSize
 	}
 	if m.TPSize != s.pullTP {
-		st.w.metrics.BadInput("done.tp_size")
+		st.metrics.BadInput("done.tp_size")
 		return
 	}
 	if s.pullSeen[m.TPRank] {
-		st.w.metrics.Dropped("done_duplicate")
+		st.metrics.Dropped("done_duplicate")
 		return
 	}
 	s.pullSeen[m.TPRank] = true
@@ -1303,7 +1303,7 @@ func (st *loopState) stashEarly(m *msg) {
 		key = "tid:" + m.TransferID
 	}
 	if len(st.early) >= maxEarly {
-		st.w.metrics.Dropped("done_unknown_request")
+		st.metrics.Dropped("done_unknown_request")
 		return
 	}
 	e := st.early[key]
@@ -1347,7 +1347,7 @@ func (st *loopState) settlePull(s *sendReq) {
 		}
 	case s.expired:
 		o.Result, o.Kind, o.Reason = ResultExpired, FailureExpired, "lease expired"
-		st.w.metrics.ExpiredRequest()
+		st.metrics.ExpiredRequest()
 	default:
 		return
 	}
@@ -1373,7 +1373,7 @@ func (st *loopState) pullExpect(s *sendReq) int {
 // pairs it names, and its bytes (0 when prepared: not summed).
 func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Plan, to rankRef, req *hotpath.Request, notif []byte) (XferID, int, int64, error) {
 	var err error
-	st.idxBuf, err = st.w.builder.AppendIndices(st.idxBuf[:0], p, req)
+	st.idxBuf, err = st.builder.AppendIndices(st.idxBuf[:0], p, req)
 	if err != nil {
 		return 0, 0, 0, err
 	}
@@ -1382,7 +1382,7 @@ func (st *loopState) postPrepared(e *engine, key hotpath.PlanKey, p *topology.Pl
 	// descriptors need not be built to know it.
 	if st.costed && !st.cost.Prepared(hotpath.IndexRuns(st.idxBuf), len(st.idxBuf)) {
 		from := len(st.fx.descs)
-		st.fx.descs, err = st.w.builder.AppendDescs(st.fx.descs, p, req)
+		st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, req)
 		if err != nil {
 			st.fx.descs = st.fx.descs[:from]
 			return 0, 0, 0, err

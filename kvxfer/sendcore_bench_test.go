@@ -88,6 +88,6 @@ func BenchmarkConsumerRequests(b *testing.B) {
 // (expiries log at Info).
 func quietCore(b *testing.B, engine string, base uint64, now time.Time) *loopState {
 	st := newTestCore(b, engine, ModePush, traceLayout(0, 1, base), now)
-	st.w.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	st.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	return st
 }

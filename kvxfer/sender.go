@@ -1,7 +1,5 @@
 package kvxfer
 
-import "time"
-
 // Identity binds to messages: a peer message names its sender (engine,
 // TP rank, PP rank), and is accepted only from the agent that rank is
 // known by. For an engine this rank handshook with, the handshake says
@@ -9,11 +7,10 @@ import "time"
 // agent makes the worker handshake again (the peer may have restarted
 // with new agents) and waits for the answer, at most once per
 // handshakeRetry. While the first handshake with an engine is under way,
-// its messages wait for it. For an engine it has no handshake with (a
-// pull producer hears from its consumers only), the first agent that
-// speaks for a rank is pinned to it; another, while the pinned one is
-// heard from (pinIdle), makes it handshake with the engine to settle
-// which (the message waits), and is refused if that fails.
+// its messages wait for it. A message of an engine it has no handshake
+// with (a pull producer hears from its consumers first) starts one and
+// waits for it: an agent is never taken at its word, only as the engine's
+// daemon lists it; what no handshake confirms is refused.
 //
 // What an agent is called is authenticated by the transport (the shared
 // secret or mutual TLS of kvxferd's data plane and NIXL's metadata,
@@ -21,25 +18,11 @@ import "time"
 // from speaking for another over a peer connection.
 
 const (
-	// pinIdle is how long a pinned agent must be silent before another
-	// agent may speak for its rank (a restarted peer).
-	pinIdle = 30 * time.Second
-	// maxPins bounds the pins (any one is forgotten when full).
-	maxPins = 1 << 16
-	// maxParked bounds the messages of one engine waiting for a new
-	// handshake to say who sent them.
-	maxParked = 1024
+	// maxParked bounds the messages of one engine waiting for a
+	// handshake to say who sent them (a consumer's first burst of
+	// registrations waits for the producer's first handshake with it).
+	maxParked = 4096
 )
-
-type senderKey struct {
-	engine string
-	pp, tp int
-}
-
-type pin struct {
-	agent PeerName
-	seen  time.Time
-}
 
 type parkedMsg struct {
 	from  PeerName
@@ -67,26 +50,12 @@ func (st *loopState) admit(pm parkedMsg) bool {
 		}
 		return st.verifyAgain(e, pm, st.now.Sub(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
 	}
-	k := senderKey{engine: m.Engine, pp: m.PPRank, tp: m.TPRank}
-	now := st.now
-	p, ok := st.pins[k]
-	if ok && p.agent != from && now.Sub(p.seen) < pinIdle {
-		// Two agents speak for one rank: ask the engine which.
-		if e == nil {
-			e = st.ensureEngine(m.Engine, m.Addr)
-		}
-		return st.verifyAgain(e, pm, true, "another agent speaks for that rank")
+	// An engine this rank has no handshake with: what its daemon answers,
+	// not the first agent to speak for a rank, says who speaks for it.
+	if e == nil {
+		e = st.ensureEngine(m.Engine, m.Addr)
 	}
-	if !ok && len(st.pins) >= maxPins {
-		// Full (pins are swept when silent): forget any one, in O(1); its
-		// rank's next message is pinned anew.
-		for k := range st.pins {
-			delete(st.pins, k)
-			break
-		}
-	}
-	st.pins[k] = pin{agent: from, seen: now}
-	return true
+	return st.verifyAgain(e, pm, true, "no handshake with its engine names that agent for that rank")
 }
 
 // verifyAgain parks p until a handshake with e says who speaks for its
@@ -126,14 +95,14 @@ func (st *loopState) rehandshake(t timerEntry) {
 }
 
 func (st *loopState) refuseSender(from PeerName, m *msg, why string) {
-	st.w.metrics.Dropped("sender_mismatch")
-	st.w.log.Warn("kvxfer: dropped a peer message from an agent that does not speak for its sender", "kind", m.Kind,
+	st.metrics.Dropped("sender_mismatch")
+	st.log.Warn("kvxfer: dropped a peer message from an agent that does not speak for its sender", "kind", m.Kind,
 		"engine", m.Engine, "tp_rank", m.TPRank, "pp_rank", m.PPRank, "agent", from, "why", why)
 }
 
 func (st *loopState) parkMsg(e *engine, p parkedMsg) bool {
 	if len(e.parked) >= maxParked {
-		st.w.metrics.Dropped("sender_parked_full")
+		st.metrics.Dropped("sender_parked_full")
 		return false
 	}
 	p.tries++
@@ -149,15 +118,6 @@ func (st *loopState) unpark(e *engine) {
 	for _, p := range parked {
 		if st.admit(p) {
 			st.dispatch(p.m)
-		}
-	}
-}
-
-// sweepPins forgets pins silent for longer than ttl.
-func (st *loopState) sweepPins(now time.Time, ttl time.Duration) {
-	for k, p := range st.pins {
-		if now.Sub(p.seen) > ttl {
-			delete(st.pins, k)
 		}
 	}
 }

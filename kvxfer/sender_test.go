@@ -118,7 +118,7 @@ func TestRestartedPeerHandshakenAgain(t *testing.T) {
 }
 
 // Messages that wait for a handshake to say who sent them are bounded per
-// engine: past maxParked (1024) they are dropped and counted, and once the
+// engine: past maxParked they are dropped and counted, and once the
 // handshake answers, the parked ones from an agent it does not list are
 // refused; the real transfer still ends done.
 func TestParkedMessagesBounded(t *testing.T) {
@@ -129,18 +129,18 @@ func TestParkedMessagesBounded(t *testing.T) {
 		x.recvD(q) // D's handshake with P now waits
 		x.settle()
 		forge := x.forge(x.d)
-		for range 1100 {
+		for range kvxfer.MaxParked + 76 {
 			forge(kvxfer.AppendDoneMsg("P", 0, 1, "t-a", "d-a", "p-a"))
 		}
 		x.settle()
 		dropped := x.d.workers[0][0].Metrics().Snapshot().Dropped
-		if dropped["sender_parked_full"] != 1100-1024 {
-			t.Errorf("dropped %v, want %d sender_parked_full", dropped, 1100-1024)
+		if dropped["sender_parked_full"] != 76 {
+			t.Errorf("dropped %v, want 76 sender_parked_full", dropped)
 		}
 		release()
 		x.settle()
-		if n := x.d.workers[0][0].Metrics().Snapshot().Dropped["sender_mismatch"]; n != 1024 {
-			t.Errorf("%d parked forgeries refused once the handshake answered, want 1024", n)
+		if n := x.d.workers[0][0].Metrics().Snapshot().Dropped["sender_mismatch"]; n != kvxfer.MaxParked {
+			t.Errorf("%d parked forgeries refused once the handshake answered, want %d", n, kvxfer.MaxParked)
 		}
 		if got := x.recvResult(q); len(got) != 0 {
 			t.Fatalf("D reported %+v on forged notices", got)
@@ -149,5 +149,39 @@ func TestParkedMessagesBounded(t *testing.T) {
 		time.Sleep(time.Second)
 		x.settle()
 		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+	})
+}
+
+// An authenticated agent cannot claim an engine it does not speak for,
+// even before this rank's first handshake with that engine: it is never
+// taken at its word, only as a handshake with the engine lists it. A
+// forger naming consumer D registers blocks for D's request with a push
+// producer that never handshook with D: P must not WRITE D's KV to it,
+// and D's own registration must still go through.
+func TestForgedIdentityBeforeHandshake(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("a", 40, 0)
+		forge := x.forge(x.p)
+		forge(kvxfer.AppendRegMsg("D", 0, 1, "t-a", "d-a", "p-a", q.sim.D))
+		time.Sleep(time.Second)
+		x.settle()
+		x.sendP(q)
+		time.Sleep(time.Second)
+		x.settle()
+		if n := x.posted(); n != 0 {
+			t.Fatalf("P posted %d WRITEs on a forged registration", n)
+		}
+		if n := x.p.workers[0][0].Metrics().Snapshot().Dropped["sender_mismatch"]; n != 1 {
+			t.Errorf("P dropped %d messages as sender_mismatch, want 1", n)
+		}
+		x.recvD(q)
+		time.Sleep(time.Second)
+		x.settle()
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if err := x.d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+			t.Error(err)
+		}
 	})
 }

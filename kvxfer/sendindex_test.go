@@ -99,7 +99,7 @@ func TestProducerRequestZeroAllocs(t *testing.T) {
 	now := time.Unix(1000, 0)
 	st := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), now)
 	// As kvxferd runs: expiries log at Info, which it leaves off.
-	st.w.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	st.log = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	const n = 256
 	metas := make([]StepMeta, 4)
 	for k := range metas {
@@ -154,7 +154,7 @@ func TestRequestLimit(t *testing.T) {
 	if p.sends.len() != 2 {
 		t.Fatalf("P holds %d requests, want 2", p.sends.len())
 	}
-	if s := p.w.metrics.Snapshot(); s.BadInput["send_req.limit"] != 1 || s.BadInput["send_req.duplicate"] != 1 {
+	if s := p.metrics.Snapshot(); s.BadInput["send_req.limit"] != 1 || s.BadInput["send_req.duplicate"] != 1 {
 		t.Errorf("bad input counts %v, want one send_req.limit and one send_req.duplicate", s.BadInput)
 	}
 	p.out.Clear()
@@ -206,7 +206,7 @@ func TestAbortedBound(t *testing.T) {
 	if len(p.abortedP) != maxAborted || len(p.abortedT) != maxAborted {
 		t.Errorf("remembers %d aborted ids and %d transfer ids, want %d each", len(p.abortedP), len(p.abortedT), maxAborted)
 	}
-	if n := p.w.metrics.Snapshot().BadInput["not_processed.limit"]; n != 10 {
+	if n := p.metrics.Snapshot().BadInput["not_processed.limit"]; n != 10 {
 		t.Errorf("not_processed.limit counted %d times, want 10", n)
 	}
 }
@@ -232,7 +232,7 @@ func TestEngineBound(t *testing.T) {
 	if len(d.engines) != maxEngines || d.recvs["known"] == nil {
 		t.Errorf("%d engines known (want %d), known held: %v", len(d.engines), maxEngines, d.recvs["known"] != nil)
 	}
-	if n := d.w.metrics.Snapshot().BadInput["recv_req.remote.engine_id.limit"]; n != 1 {
+	if n := d.metrics.Snapshot().BadInput["recv_req.remote.engine_id.limit"]; n != 1 {
 		t.Errorf("engine limit counted %d times, want 1", n)
 	}
 }
@@ -242,6 +242,7 @@ func TestEngineBound(t *testing.T) {
 // arriving still finds the ones kept.
 func TestRegistrationBound(t *testing.T) {
 	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), time.Unix(1000, 0))
+	knowEngine(t, p, "D", 1)
 	reg := func(i int) Notif {
 		m := &msg{Kind: msgReg, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, TransferID: fmt.Sprintf("t%d", i), DReq: fmt.Sprintf("d%d", i),
 			PReq: fmt.Sprintf("p%d", i), Spans: []topology.Span{{IDs: []topology.BlockID{1}}}}
@@ -255,7 +256,7 @@ func TestRegistrationBound(t *testing.T) {
 	if len(p.regs) != maxRegs {
 		t.Fatalf("%d registrations kept, want %d", len(p.regs), maxRegs)
 	}
-	if n := p.w.metrics.Snapshot().Dropped["reg_limit"]; n != 1 {
+	if n := p.metrics.Snapshot().Dropped["reg_limit"]; n != 1 {
 		t.Errorf("reg_limit counted %d times, want 1", n)
 	}
 	p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{Send: []SendReq{{ReqID: "p5", TransferID: "t5",

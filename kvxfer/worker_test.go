@@ -964,11 +964,20 @@ func TestUnknownCompletionSkipped(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			inSynctest(t, func(t *testing.T) {
 				x := newPair(t, mode, 1, 1, nil)
-				target, engine := x.d, "P"
+				target, from := x.d, x.p
 				if mode == kvxfer.ModePull {
-					target, engine = x.p, "D"
+					target, from = x.p, x.d
 				}
-				x.forge(target)(kvxfer.AppendDoneMsg(engine, 0, 1, "t-nope", "d-nope", "p-nope"))
+				// From the engine's own agent: a forged one is refused
+				// (TestForgedIdentityRefused).
+				meta, _ := target.agents[0][0].LocalMetadata()
+				peer, err := from.agents[0][0].LoadPeer(meta)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := from.agents[0][0].Notify(peer, kvxfer.AppendDoneMsg(from.id, 0, 1, "t-nope", "d-nope", "p-nope")); err != nil {
+					t.Fatal(err)
+				}
 				time.Sleep(10 * time.Minute) // a pull notice waits for its request a while
 				x.settle()
 				dropped := target.workers[0][0].Metrics().Snapshot().Dropped
