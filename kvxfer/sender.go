@@ -1,5 +1,7 @@
 package kvxfer
 
+import "time"
+
 // Identity binds to messages: a peer message names its sender (engine,
 // TP rank, PP rank), and is accepted only from the agent that rank is
 // known by. For an engine this rank handshook with, the handshake says
@@ -48,43 +50,55 @@ func (st *loopState) admit(pm parkedMsg) bool {
 		if want, ok := e.peers[rankRef{pp: m.PPRank, tp: m.TPRank}]; ok && want == from {
 			return true
 		}
-		return st.verifyAgain(e, pm, st.now.Sub(e.loadedAt) >= handshakeRetry, "its engine's handshake names another agent for that rank")
+		const why = "its engine's handshake names another agent for that rank"
+		if pm.tries > 0 && st.now.Sub(e.loadedAt) < handshakeRetry {
+			// It waited for this very answer, which does not list it.
+			st.refuseSender(from, m, why)
+			return false
+		}
+		return st.verifyAgain(e, pm, e.loadedAt.Add(handshakeRetry), why)
 	}
 	// An engine this rank has no handshake with: what its daemon answers,
 	// not the first agent to speak for a rank, says who speaks for it.
 	if e == nil {
 		e = st.ensureEngine(m.Engine, m.Addr)
 	}
-	return st.verifyAgain(e, pm, true, "no handshake with its engine names that agent for that rank")
+	return st.verifyAgain(e, pm, time.Time{}, "no handshake with its engine names that agent for that rank")
 }
 
 // verifyAgain parks p until a handshake with e says who speaks for its
-// rank: the one under way, or a new one when start allows it (after a
-// failed one, once handshakeRetry passed). Past maxParkTries, or without
-// a handshake to wait for, p is refused.
-func (st *loopState) verifyAgain(e *engine, p parkedMsg, start bool, why string) bool {
+// rank: the one under way, or a new one, started at once or, within
+// handshakeRetry of the last one loaded (from notBefore) or failed, once
+// that passed (a peer that restarts just after we handshook with it is
+// asked again a moment later; its messages wait). Past maxParkTries p is
+// refused.
+func (st *loopState) verifyAgain(e *engine, p parkedMsg, notBefore time.Time, why string) bool {
 	if p.tries >= maxParkTries {
 		st.refuseSender(p.from, p.m, why)
 		return false
 	}
-	if e.state != hsPending && start {
-		if e.state == hsFailed && st.now.Sub(e.failedAt) < handshakeRetry {
-			// Too soon after a failed handshake: ask again once allowed
-			// (a peer restarting may be back by then); the message waits.
+	if e.state != hsPending {
+		if e.state == hsFailed {
+			notBefore = later(notBefore, e.failedAt.Add(handshakeRetry))
+		}
+		if st.now.Before(notBefore) {
 			if !e.refreshing {
-				st.arm(e.failedAt.Add(handshakeRetry), tRehandshake, e.id)
+				st.arm(notBefore, tRehandshake, e.id)
 			}
 			e.refreshing = true
 			return st.parkMsg(e, p)
 		}
 		st.startHandshake(e)
 	}
-	if e.state == hsPending {
-		e.refreshing = true
-		return st.parkMsg(e, p)
+	e.refreshing = true
+	return st.parkMsg(e, p)
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
 	}
-	st.refuseSender(p.from, p.m, why)
-	return false
+	return b
 }
 
 // rehandshake starts the handshake a parked message waits for.

@@ -482,8 +482,11 @@ func TestConsumerEngineKilled(t *testing.T) {
 	}
 	got := outcomesOf(t, P, 10*time.Second, pIDs...)
 	for _, id := range pIDs {
-		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed {
-			t.Errorf("P %s: %+v (reported %v), want failed within 10 s of D's engine dying", id, o, ok)
+		// P handshook with D when its registrations came: a WRITE posted
+		// before D's daemon noticed the engine died lands (done); after,
+		// it is refused (failed). Either way P's blocks go back at once.
+		if o, ok := got[id]; !ok || o.Result != kvxfer.ResultFailed && o.Result != kvxfer.ResultDone {
+			t.Errorf("P %s: %+v (reported %v), want it ended within 10 s of D's engine dying", id, o, ok)
 		}
 	}
 	t.Logf("P's requests ended %v after D's engine died", time.Since(killed).Round(time.Millisecond))
