@@ -9,6 +9,13 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
+// engineCache is the peer engines a rank knows: their handshakes (layouts,
+// agents, generation), liveness, and messages waiting for a handshake.
+type engineCache struct {
+	engines   map[string]*engine
+	nextEvict time.Time // when the next idle engine passes EngineTTL
+}
+
 // handshakeRetry is how long a failed handshake is remembered before a new
 // request may retry it.
 const handshakeRetry = time.Second

@@ -15,14 +15,40 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-// loopState is everything the loop goroutine owns. Nothing here is
-// touched by any other goroutine, so none of it is locked.
+// loopState is the Worker's core: the per-rank protocol as a state
+// machine (Step), split by concern the way raft splits its progress
+// tracker from its log: what it may touch outside itself (coreEnv), the
+// peer engines it knows (engineCache, engine.go), the producer side
+// (producerState, send.go), the consumer side (consumerState, recv.go),
+// the transfers and grants it named (xferState), and its periodic work.
+// Each part's invariants are documented on its type and read alone; the
+// methods that act across them (a producer request posting to an engine,
+// say) are on loopState, in the file of their side. Everything here is
+// the loop goroutine's: nothing is touched by any other, so none of it is
+// locked.
 type loopState struct {
-	// What the core reads and writes beyond its own state: its
-	// configuration (no backend, no resolver: coreConfig), the hot
-	// path's builder and layout registry (owned by the loop), and where
-	// it counts and logs. It holds nothing of its driver's: no Worker,
-	// backend, resolver, grant table, channel or lock (TestCoreIsPure).
+	coreEnv
+	engineCache
+	producerState
+	consumerState
+	xferState
+
+	timers  timerHeap
+	wakeups uint64 // loop iterations, for the idle test
+	out     Finished
+	// nextTick: the next heartbeat and sweep (ticking: while busy).
+	nextTick time.Time
+	ticking  bool
+	rankBuf  []int
+}
+
+// coreEnv is what the core reads and writes beyond its own state: its
+// configuration (no backend, no resolver: coreConfig), the hot path's
+// builder and layout registry (owned by the loop), where it counts and
+// logs, the time of the input being handled, and the effects it asks of
+// its driver. It holds nothing of its driver's: no Worker, backend,
+// resolver, grant table, channel or lock (TestCoreReachesNothingShared).
+type coreEnv struct {
 	cfg      *coreConfig
 	layout   *topology.Layout
 	metrics  *Metrics
@@ -44,58 +70,8 @@ type loopState struct {
 	// fx is what the core asks the driver to do once it has handled an
 	// input: the core calls no backend to start or end anything.
 	fx effects
-
-	engines map[string]*engine
-	timers  timerHeap
-
-	// Producer side.
-	sends     sendTable // by P request id
-	sendByTID sendTable // by transfer id
-	// sendBase: by base id, the oldest request of each base, the others
-	// after it through their nextBase (most bases have one request: a
-	// list needs no allocation of its own).
-	sendBase map[string]*sendReq
-	// deadSends: requests forgotten during the input being handled, kept
-	// from reuse until it ends (a caller up the stack may still read
-	// one); freeSends: records of earlier inputs, cleared, for addSend.
-	deadSends []*sendReq
-	freeSends []*sendReq
-	regs      map[regKey]*regGroup // unmatched registrations
-	regByTID  map[string][]regKey
-	regByBase map[string][]regKey
-	matched   map[regKey]*sendReq // live matches by D request
-	tombs     map[regKey]tomb
-	abortedP  map[string]goneSend // producer requests gone unpaired, by id
-	abortedT  map[string]goneSend // and by transfer id
-	// ambRegs and ambSends: scratch for findReg and findSend.
-	ambRegs  []*regGroup
-	ambSends []*sendReq
-	early    map[string]*earlyNotes // pull: notices before their request
-
-	// Consumer side.
-	recvs map[string]*recvReq
-
-	// guarded: the backend enforces the Worker's grants, which the core
-	// changes through ops (opGrant, opRevoke, opHold); nextGrant names
-	// the last grant.
-	guarded   bool
-	nextGrant uint32
 	// closing: the Worker closes (closeDown): nothing new is posted.
 	closing bool
-
-	// Transfers in flight, by the core's names for them.
-	handles  map[XferID]*handle
-	nextXfer XferID
-	nextPrep PrepID
-
-	wakeups    uint64 // loop iterations, for the idle test
-	out        Finished
-	idxBuf     []hotpath.IndexPair
-	nextTick   time.Time
-	nextEvict  time.Time // when the next idle engine passes EngineTTL
-	ticking    bool
-	rankBuf    []int
-	layerSteps map[uint64][]string // layer-wise: step -> P ids prefilled in it
 
 	// Layer-wise push: layers in order, the layer index of each region,
 	// regions sorted by base for address lookups.
@@ -103,6 +79,21 @@ type loopState struct {
 	regionLayer []int
 	byBase      []int
 	layerMask   []bool
+}
+
+// xferState is what the core named for its driver: transfers in flight
+// (handles), prepared lists, and the data plane's grants it changes
+// through ops (guarded: the backend enforces them).
+type xferState struct {
+	handles  map[XferID]*handle
+	nextXfer XferID
+	nextPrep PrepID
+	idxBuf   []hotpath.IndexPair
+	// guarded: the backend enforces the Worker's grants, which the core
+	// changes through ops (opGrant, opRevoke, opHold); nextGrant names
+	// the last grant.
+	guarded   bool
+	nextGrant uint32
 }
 
 type regKey struct{ engine, dreq string }

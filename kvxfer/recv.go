@@ -11,6 +11,13 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
+// consumerState is the consumer side: D's requests from their RecvReq
+// until their one outcome, which waits for every producer rank that may
+// still WRITE into their blocks to be fenced.
+type consumerState struct {
+	recvs map[string]*recvReq
+}
+
 // Consumer side: registrations (push), READs (pull), completion counting,
 // deadlines, cancels and fencing.
 

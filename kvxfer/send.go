@@ -13,6 +13,38 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
+// producerState is the producer side: P's requests (by id, transfer id and
+// base id), D's registrations waiting for them and the pairs matched,
+// tombstones of finished pairs, and what ended before any registration
+// paired with it. A request is in sends from its SendReq (or layer-wise
+// Prefill) until its one outcome; a registration is in regs or, matched,
+// in matched, never both.
+type producerState struct {
+	sends     sendTable // by P request id
+	sendByTID sendTable // by transfer id
+	// sendBase: by base id, the oldest request of each base, the others
+	// after it through their nextBase (most bases have one request: a
+	// list needs no allocation of its own).
+	sendBase map[string]*sendReq
+	// deadSends: requests forgotten during the input being handled, kept
+	// from reuse until it ends (a caller up the stack may still read
+	// one); freeSends: records of earlier inputs, cleared, for addSend.
+	deadSends []*sendReq
+	freeSends []*sendReq
+	regs      map[regKey]*regGroup // unmatched registrations
+	regByTID  map[string][]regKey
+	regByBase map[string][]regKey
+	matched   map[regKey]*sendReq // live matches by D request
+	tombs     map[regKey]tomb
+	abortedP  map[string]goneSend // producer requests gone unpaired, by id
+	abortedT  map[string]goneSend // and by transfer id
+	// ambRegs and ambSends: scratch for findReg and findSend.
+	ambRegs    []*regGroup
+	ambSends   []*sendReq
+	early      map[string]*earlyNotes // pull: notices before their request
+	layerSteps map[uint64][]string    // layer-wise: step -> P ids prefilled in it
+}
+
 // Producer side: leases, registration matching, WRITEs (push) and the
 // consumer's completion notices (pull).
 
