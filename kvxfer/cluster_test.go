@@ -58,16 +58,25 @@ func startEngine(t *testing.T, fab *kvxfertest.Fabric, dir *kvxfertest.Directory
 func startNetEngine(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 	t.Helper()
 	return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2, Logger: quiet})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = b.Close() })
-		if err := b.Map(r.Base, r.Mem); err != nil {
-			t.Fatal(err)
-		}
-		return b, nil
+		return tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Conns: 2}), nil
 	})
+}
+
+// tcpBackend is a built-in backend for rank r of a test engine (c with a
+// unique name and the quiet logger), its memory mapped, closed at the
+// test's end.
+func tcpBackend(t *testing.T, name string, r *kvsim.Rank, c tcp.Config) *tcp.Backend {
+	t.Helper()
+	c.Name, c.Logger = fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), quiet
+	b, err := tcp.New(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	if err := b.Map(r.Base, r.Mem); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 // startNixlEngine runs an engine's ranks on NIXL (UCX), with the ranks'

@@ -2,7 +2,6 @@ package kvxfer_test
 
 import (
 	"bytes"
-	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -150,16 +149,9 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir := kvxfertest.NewDirectory()
 	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	tcpOnly := tcp.Config{DisableLocal: true, DisableSameHost: true, Conns: 1}
 	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, DisableSameHost: true, Conns: 1, Logger: quiet})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = b.Close() })
-		if err := b.Map(r.Base, r.Mem); err != nil {
-			t.Fatal(err)
-		}
-		return b, nil
+		return tcpBackend(t, name, r, tcpOnly), nil
 	})
 	var proxy *stallProxy
 	d := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "D", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
@@ -171,16 +163,9 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 		listen := l.Addr().String()
 		_ = l.Close()
 		proxy = newStallProxy(t, listen)
-		b, err := tcp.New(tcp.Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Listen: listen, Advertise: proxy.ln.Addr().String(),
-			DisableLocal: true, DisableSameHost: true, Conns: 1, Logger: quiet})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = b.Close() })
-		if err := b.Map(r.Base, r.Mem); err != nil {
-			t.Fatal(err)
-		}
-		return b, nil
+		c := tcpOnly
+		c.Listen, c.Advertise = listen, proxy.ln.Addr().String()
+		return tcpBackend(t, name, r, c), nil
 	})
 	t.Cleanup(func() { d.close(t); p.close(t) })
 	groups := d.ranks[0][0].Layout.GroupList()

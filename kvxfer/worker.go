@@ -586,16 +586,7 @@ func (w *Worker) loop() {
 			w.apply()
 		}
 		w.unhandled = nil
-		w.notifs = w.be.DrainNotifs(w.notifs[:0])
-		for i := range w.notifs {
-			st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
-			w.apply()
-		}
-		clear(w.notifs)
-		w.pollXfers(now)
-		st.Step(now, input{kind: inTimers})
-		w.apply()
-		w.publish()
+		w.turn(now)
 		w.await(st.busy())
 		next, ok := st.nextWake()
 		if ok {
@@ -878,6 +869,23 @@ func (w *Worker) do(_ int, o *op) error {
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
 }
 
+// turn hands the core what the backend brought (notifications, ended
+// transfers) and what time fired, each followed by its effects, and
+// publishes the outcomes.
+func (w *Worker) turn(now time.Time) {
+	st := &w.st
+	w.notifs = w.be.DrainNotifs(w.notifs[:0])
+	for i := range w.notifs {
+		st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
+		w.apply()
+	}
+	clear(w.notifs)
+	w.pollXfers(now)
+	st.Step(now, input{kind: inTimers})
+	w.apply()
+	w.publish()
+}
+
 // fenceClose runs the loop on after the close input while transfers are
 // in flight (their requests report as each ends) or consumers wait for
 // their producers' confirmations, for up to CloseTimeout; then abandons
@@ -890,16 +898,7 @@ func (w *Worker) fenceClose(timer *time.Timer) {
 		if !now.Before(deadline) {
 			break
 		}
-		w.notifs = w.be.DrainNotifs(w.notifs[:0])
-		for i := range w.notifs {
-			st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
-			w.apply()
-		}
-		clear(w.notifs)
-		w.pollXfers(now)
-		st.Step(now, input{kind: inTimers})
-		w.apply()
-		w.publish()
+		w.turn(now)
 		w.await(true)
 		timer.Reset(min(w.cfg.PollInterval, time.Until(deadline)))
 		select {
