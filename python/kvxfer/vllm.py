@@ -50,6 +50,14 @@ Each rank names, with each step it takes by reference, what vLLM begins
 waiting on with that step, and a dropped step's error names those back. A
 failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
 applies); a failed send is reported finished, so its blocks are freed.
+
+No block is freed while the daemon may still move bytes from or into it:
+when the Steps stream breaks (its daemon alive or not), the steps sent on it
+and not answered are left to the ranks' outcomes, never ended by the
+scheduler side, since the daemon may have applied them. Each rank gets one
+outcome per request it named, on its own stream: its worker's (the daemon
+also fails at once what a published step does not stage), the step's
+dropped error, or the rank's stream ending with the daemon.
 """
 
 from __future__ import annotations
@@ -681,7 +689,11 @@ class _SchedulerSide:
         try:
             self.addr = self.sched.open(cfg)
             self.host, self.port = params.split_addr(self.addr)
-            self.step_no = self.daemon_bad_params = 0
+            # Step numbers go on from the last one sent, never again from 1:
+            # a rank still to take an old step by reference must find it
+            # dropped (older than what the new scheduler publishes), never
+            # a new step under its number.
+            self.daemon_bad_params = 0
             if self.relay == "daemon":
                 self.stream = self.sched.stream()
         except errors.KvxferError as e:
@@ -947,15 +959,28 @@ class _SchedulerSide:
         self.daemon_bad_params = res.counters.bad_params
 
     def _lost(self, e: errors.KvxferError, kinds) -> None:
-        """The daemon is gone or refused a whole step: nothing it did not
-        answer reached it, so every request vLLM waits on there ends."""
+        """The daemon is gone, refused a whole step, or the Steps stream
+        broke. kinds are the calls of a step that never reached the daemon
+        (not sent, or its Step call failed: relay "metadata" hands the ranks
+        no metadata then): every request vLLM waits on there ends here.
+
+        The steps sent on the Steps stream and not answered are not ended
+        here: the daemon may have applied them (an answer lost with the
+        stream says nothing of that), and then its workers hold their
+        requests: P's blocks that a WRITE will read, D's blocks granted to a
+        producer's WRITE. Each rank named them in its step_ref and gets
+        exactly one outcome for each from the daemon, on its own stream:
+        the worker's when the step was applied (once the transfer ended, or
+        failed at once when the daemon's Scheduler did not stage it), the
+        step dropped, naming them, when it was not (as soon as a later
+        step is published, within the daemon's PublishWait otherwise), or
+        the rank's stream ending when the daemon does."""
         self.stats.data["daemon_errors"] += 1
-        lost = list(kinds)
-        for _, k, _ in self.inflight:
-            lost += k
+        left = sum(len(k) for _, k, _ in self.inflight)
         self.inflight.clear()
-        log.error("kvxfer: steps of engine %s lost (%d calls): %s", self.c.engine_id, len(lost), e)
-        self._fail(lost, f"kvxferd step failed: {e}")
+        log.error("kvxfer: steps of engine %s lost (%d calls failed here, %d left to the ranks' outcomes): %s",
+                  self.c.engine_id, len(kinds), left, e)
+        self._fail(kinds, f"kvxferd step failed: {e}")
         self.daemon_pending = False
         if self.stream is not None:
             self.stream.close()
