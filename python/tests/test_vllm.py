@@ -239,6 +239,11 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
             assert r.layer_signals == 0
     finally:
         r.close()
+    # Every decision was also the daemon's Scheduler's, in this relay mode:
+    # each matched-token count, and each request_finished answer (the last
+    # ones sent and checked at shutdown).
+    assert _verified(r.P)["finished"] >= 9 and _verified(r.D)["finished"] >= 9, (_verified(r.P), _verified(r.D))
+    assert _verified(r.P)["matched"] >= 9 and _verified(r.D)["matched"] >= 8, (_verified(r.P), _verified(r.D))
 
 
 def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
@@ -496,10 +501,16 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
 
 
 def _daemon_disagreements(caplog):
-    """The connector checks the daemon's Scheduler (Go) against its own
-    request_finished answers (relay "metadata") and warns where they
-    differ."""
+    """The connector checks its decisions against the daemon's Scheduler
+    (Go) and logs where they differ ("daemon says"); with verify (set by the
+    harness) it raises too, and conftest fails the test."""
     return [m for m in caplog.messages if "daemon says" in m]
+
+
+def _verified(e) -> dict:
+    """How many of e's scheduler-side decisions were checked against the
+    daemon's Scheduler (verify), by kind."""
+    return e.sched.connector._sched.verified
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -526,7 +537,7 @@ def test_mtp_prefill_backoff(tmp_path, daemons, mode, caplog):
         r.run_until(lambda: want_d <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
         assert not r.nixl_diffs and not r.nixl_diffs_d, r.nixl_diffs + r.nixl_diffs_d
         assert r.nixl_calls["new"] >= 5 and r.nixl_calls["finished"] >= 5, r.nixl_calls
-        assert r.nixl_calls_d["matched"] >= 5 and r.nixl_calls_d["go_matched"] >= 5, r.nixl_calls_d
+        assert r.nixl_calls_d["matched"] >= 5 and _verified(r.D)["matched"] >= 5, (r.nixl_calls_d, _verified(r.D))
         assert not _daemon_disagreements(caplog), caplog.messages
         for n, length in lengths.items():
             loaded = length - 2 if length > 2 else length
@@ -591,7 +602,10 @@ def test_hybrid_prefill_backoff(tmp_path, daemons, mode, caplog):
         assert "d-0" in D.finished and not P.sched.requests and not D.sched.requests
         assert not p_diffs and not d_diffs, p_diffs + d_diffs
         assert p_calls["new"] == 1 and p_calls["finished"] == 1, p_calls
-        assert d_calls["matched"] >= 1 and d_calls["go_matched"] >= 1, d_calls
+        assert d_calls["matched"] >= 1 and _verified(D)["matched"] >= 1, (d_calls, _verified(D))
+        # P's answer, its Mamba group clipped to the state block, was the
+        # daemon's Scheduler's too.
+        assert _verified(P)["finished"] >= 1, _verified(P)
         assert not _daemon_disagreements(caplog), caplog.messages
         for e in (P, D):
             assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() == e.initial_free, e.name
@@ -843,4 +857,58 @@ def test_steps_stream_breaks_refused_request_ends(tmp_path, daemons, caplog):
         assert any("d-bad" in m and "does not stage it" in m for m in caplog.messages), caplog.messages
         assert _free_both(r)
     finally:
+        r.close()
+
+
+# Decisions the connector makes that the daemon's Scheduler makes too, each
+# made to diverge on purpose: (engine, what diverges, the message's marker).
+_DIVERGE = {
+    # P clips one block too many: kv_transfer_params' remote_block_ids.
+    "clip": ("P", lambda side: setattr(side, "_clip", _drop_last(side._clip)), "remote_block_ids"),
+    # P holds nothing, the daemon holds the blocks: delay (and params).
+    "delay": ("P", lambda side: setattr(side, "_clip", lambda blocks: ([[] for _ in blocks], [0] * len(blocks))),
+              "connector said (False"),
+    # D expects one token fewer than P computes: matched tokens.
+    "matched": ("D", lambda side: setattr(side, "backoff", 1), "matched tokens"),
+}
+
+
+def _drop_last(clip):
+    def clipped(blocks):
+        ids, starts = clip(blocks)
+        return [g[:-1] for g in ids], starts
+    return clipped
+
+
+@pytest.mark.parametrize("relay", ["daemon", "metadata"])
+@pytest.mark.parametrize("what", sorted(_DIVERGE))
+def test_verify_catches_disagreement(tmp_path, daemons, relay, what):
+    """With verify (every engine the tests build has it) each decision the
+    connector makes in place of the daemon's Scheduler is checked against
+    it on every step, in both relays: made to diverge, the connector raises
+    Disagreement out of vLLM's scheduler loop, naming the request and both
+    answers, and records it (conftest fails a test that swallowed it)."""
+    from kvxfer import vllm as V
+    name, diverge, marker = _DIVERGE[what]
+    # A short lease: P's daemon may hold what the connector freed.
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"relay": relay, "lease_s": 1}, d_kw={"relay": relay})
+    e = r.P if name == "P" else r.D
+    side = e.sched.connector._sched
+    try:
+        diverge(side)
+        toks = list(range(1000, 1040))
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        if e is r.P:  # P alone: no consumer waits on what the failed step left
+            e.sched.add_request(H.make_request("p-0", list(toks), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        else:
+            e.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        with pytest.raises(V.Disagreement) as exc:
+            r.run_until(lambda: False, limit_s=20)
+        msg = str(exc.value)
+        assert f"engine {e.name}" in msg and "-0" in msg and "daemon says" in msg and marker in msg, msg
+        assert V.DISAGREEMENTS == [msg], V.DISAGREEMENTS
+    finally:
+        V.DISAGREEMENTS.clear()
+        for x in (r.P, r.D):
+            x.sched.connector._sched.verify = False  # the engines' state is the test's, not theirs
         r.close()
