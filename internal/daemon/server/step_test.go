@@ -331,6 +331,68 @@ func runStepRefUnstaged(t *testing.T) {
 	}
 }
 
+// A rank waiting for a step its engine's scheduler never published stops
+// waiting when the engine opens its scheduler again (a connector does
+// after its Steps stream broke): the step is dropped as soon as the new
+// scheduler publishes a later one, not after PublishWait, which would hold
+// up every step the rank takes after it.
+func TestStepRefOfAReplacedScheduler(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) { runStepRefReplaced(t) }) // its cleanups end with it
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+func runStepRefReplaced(t *testing.T) {
+	shmDir := t.TempDir()
+	const wait = 5 * time.Second
+	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	rs := e.streams[0][0]
+	_, c, ctx := schedulerClientOn(t, d)
+	open := func() {
+		t.Helper()
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	open()
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// Step 2 never reaches this scheduler; the rank waits for it.
+	if err := rs.StepRef(2, nil, []string{"p-2"}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // the rank is waiting
+	t0 := time.Now()
+	open()
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 3}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case se := <-rs.StepErrors():
+		if se.Step != 2 || !se.Dropped || !slices.Equal(se.Send, []string{"p-2"}) {
+			t.Errorf("StepError = %+v, want step 2 dropped, naming p-2", se)
+		}
+		if took := time.Since(t0); took > wait/2 {
+			t.Errorf("step 2 dropped %v after the scheduler was replaced, want at once (PublishWait is %v)", took, wait)
+		}
+	case <-ctx.Done():
+		t.Fatal("no StepError")
+	}
+	// The rank goes on with the new scheduler's steps.
+	if err := rs.StepRef(3, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case se := <-rs.StepErrors():
+		t.Errorf("StepError %+v for step 3, want it taken in", se)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
 // A dropped step names each of its requests once, from its step_ref and
 // its metadata, in as many errors as keep each within the bound.
 func TestDroppedStepSplits(t *testing.T) {
