@@ -30,16 +30,39 @@ key                        default                          meaning
                                                             one Step call per step, the metadata
                                                             inside vLLM's; ``auto``: daemon on one
                                                             node, else metadata
+``verify``                 false                            tests: check every decision made here
+                                                            against the daemon's Scheduler (see
+                                                            below); a disagreement raises
+                                                            ``Disagreement``
 =========================  ===============================  ======================================
 
 The scheduler side sends one message per engine step to the daemon (from
 ``build_connector_meta``) and, by default, does not wait for its answer:
 what vLLM needs at once (matched tokens, request_finished's answer) is
 computed here by the same rules the daemon's Scheduler applies, and the calls
-themselves are batched in order. The worker side opens one WorkerService stream per rank,
-shares the rank's KV cache with the daemon (host memory as shared-memory
-files, GPU memory as CUDA IPC handles) and turns the stream's finished sets
-into vLLM's finished/failed sets.
+themselves are batched in order.
+
+Those rules are the Go Scheduler's, decided twice; the daemon's Scheduler
+still applies every call (it builds the step's metadata) but answers only
+errors. Asking it instead would put a round trip inside each
+get_num_new_matched_tokens and request_finished call, where vLLM waits
+(~0.3 ms each on a loaded 2-core machine, per waiting request per step,
+against a per-step budget of 1 ms at 64 requests: python/bench). With
+``verify`` (the test suite sets it) the two are compared on every call of
+every step: each matched-token count is asked of the daemon's Scheduler
+too (SchedulerService.MatchedTokens, on a channel of its own), the daemon
+answers every request_finished row in full (relay "daemon" as "metadata")
+and its hold decision (delay) and kv_transfer_params (with the clipped
+block ids and starts) must equal those returned to vLLM, answers still in
+flight at shutdown included. A disagreement is logged ("daemon says"),
+recorded in ``DISAGREEMENTS`` and raised as ``Disagreement``. Without
+``verify``, relay "metadata" still compares delay and remote_num_tokens
+and logs a disagreement.
+
+The worker side opens one WorkerService stream per rank, shares the rank's
+KV cache with the daemon (host memory as shared-memory files, GPU memory as
+CUDA IPC handles) and turns the stream's finished sets into vLLM's
+finished/failed sets.
 
 Every request vLLM waits on ends, on every rank: done or failed as the
 daemon reports it; failed at once when the daemon refused or never got the
@@ -50,6 +73,14 @@ Each rank names, with each step it takes by reference, what vLLM begins
 waiting on with that step, and a dropped step's error names those back. A
 failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
 applies); a failed send is reported finished, so its blocks are freed.
+
+No block is freed while the daemon may still move bytes from or into it:
+when the Steps stream breaks (its daemon alive or not), the steps sent on it
+and not answered are left to the ranks' outcomes, never ended by the
+scheduler side, since the daemon may have applied them. Each rank gets one
+outcome per request it named, on its own stream: its worker's (the daemon
+also fails at once what a published step does not stage), the step's
+dropped error, or the rank's stream ending with the daemon.
 """
 
 from __future__ import annotations
@@ -90,6 +121,16 @@ log = logging.getLogger("kvxfer.vllm")
 CONNECTOR_VERSION = "kvxfer.vllm/1"
 
 
+class Disagreement(AssertionError):
+    """A decision of the connector differs from the daemon's Scheduler's
+    (``verify`` only): the two implementations of the same rules diverged."""
+
+
+# Every Disagreement raised in this process, for a test harness to check
+# (an exception can be swallowed on its way out of vLLM's loop).
+DISAGREEMENTS: list[str] = []
+
+
 @dataclass
 class Config:
     socket: str
@@ -100,11 +141,13 @@ class Config:
     lease_s: float
     registration_timeout_s: float
     relay: str = "auto"
+    verify: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
         e = dict(extra or {})
-        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay"}
+        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay",
+                 "verify"}
         unknown = sorted(set(e) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}, want some of {sorted(known)}")
@@ -119,6 +162,9 @@ class Config:
         relay = e.get("relay", "auto")
         if relay not in ("auto", "daemon", "metadata"):
             raise ValueError(f"kv_connector_extra_config.relay = {relay!r}, want auto, daemon or metadata")
+        verify = e.get("verify", False)
+        if not isinstance(verify, bool):
+            raise ValueError(f"kv_connector_extra_config.verify = {verify!r}, want true or false")
 
         def num(key: str, default: float) -> float:
             v = e.get(key, default)
@@ -129,7 +175,8 @@ class Config:
         return cls(socket=str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock"),
                    shm_dir=str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm"),
                    mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10),
-                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480), relay=relay)
+                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480), relay=relay,
+                   verify=verify)
 
 
 @dataclass
@@ -670,6 +717,16 @@ class _SchedulerSide:
         self.addr = ""
         self.host, self.port = "", 0
         self.sched = conn.client.scheduler(conn.engine_id)
+        # verify: decisions compared with the daemon's Scheduler, by kind.
+        # Its MatchedTokens calls go on a channel of their own, apart from
+        # the engine's (whose traffic they are not).
+        self.verify = self.cfg.verify
+        self.verified = {"matched": 0, "finished": 0}
+        self._vclient: Client | None = None
+        self._vsched = None
+        if self.verify:
+            self._vclient = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
+            self._vsched = self._vclient.scheduler(conn.engine_id)
         self._open()
 
     def _open(self) -> None:
@@ -681,7 +738,11 @@ class _SchedulerSide:
         try:
             self.addr = self.sched.open(cfg)
             self.host, self.port = params.split_addr(self.addr)
-            self.step_no = self.daemon_bad_params = 0
+            # Step numbers go on from the last one sent, never again from 1:
+            # a rank still to take an old step by reference must find it
+            # dropped (older than what the new scheduler publishes), never
+            # a new step under its number.
+            self.daemon_bad_params = 0
             if self.relay == "daemon":
                 self.stream = self.sched.stream()
         except errors.KvxferError as e:
@@ -695,19 +756,52 @@ class _SchedulerSide:
     def matched_tokens(self, request: "Request", computed: int) -> tuple[int, bool]:
         p = request.kv_transfer_params
         if not p or not p.get("do_remote_prefill"):
+            if self.verify:
+                self._verify_matched(request, computed, (0, False))
             return 0, False
         try:
             params.validate_remote(p, self.cfg.mode)
         except params.ParamsError as e:
-            # Nothing can be received: the request prefills locally.
+            # Nothing can be received: the request prefills locally. (The
+            # daemon's Scheduler does not validate here, it refuses the
+            # params at after_alloc: nothing to compare.)
             self.stats.data["bad_params"] += 1
             log.warning("kvxfer: request %s: %s; computing it locally", request.request_id, e)
             p["do_remote_prefill"] = False
             return 0, False
         n = prefill_tokens(request.num_prompt_tokens, self.backoff) - computed
-        if n <= 0:
-            return 0, False
-        return n, True
+        out = (n, True) if n > 0 else (0, False)
+        if self.verify:
+            self._verify_matched(request, computed, out)
+        return out
+
+    def _verify_matched(self, request: "Request", computed: int, got: tuple[int, bool]) -> None:
+        """verify: the daemon's Scheduler's count for the same call."""
+        if not self.addr:
+            return  # no scheduler open (the daemon is down): nothing to ask
+        er = pb.EngineRequest(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
+        p = request.kv_transfer_params
+        try:
+            params.fill_proto(er.params, p)
+        except params.ParamsError:
+            # As the step sends such params (_request): the flags alone.
+            er.ClearField("params")
+            params.fill_proto(er.params, {k: v for k, v in p.items() if k in _FLAG_KEYS})
+        try:
+            want = self._vsched.matched_tokens(er, computed)
+        except errors.KvxferError as e:
+            log.info("kvxfer: verify: MatchedTokens of request %s: %s", request.request_id, e)
+            return
+        self.verified["matched"] += 1
+        if (got[0], bool(got[1])) != (want[0], bool(want[1])):
+            self._disagree(f"request {request.request_id}: matched tokens (computed {computed}): daemon says {want}, "
+                           f"connector said {got}")
+
+    def _disagree(self, msg: str) -> None:
+        msg = f"kvxfer: engine {self.c.engine_id}: {msg}"
+        log.error("%s", msg)
+        DISAGREEMENTS.append(msg)
+        raise Disagreement(msg)
 
     def _op(self, kind: str, req_id: str) -> pb.SchedulerOp:
         self.op_req.append((kind, req_id))
@@ -855,8 +949,13 @@ class _SchedulerSide:
         # before it was scheduled still has do_remote_prefill (the daemon
         # then tells P to free its blocks). The row is made in build_meta
         # (vLLM's block-id lists are new ones, the request is done).
-        self.rf_calls.append((request, p, block_ids, status, 1 if p.get("do_remote_prefill") else 0,
-                              (delay, out["remote_num_tokens"]) if producer else None))
+        if self.verify:
+            # Every row's answer is checked, whole (params as a proto: what
+            # vLLM got, whatever becomes of the dict later).
+            decided = delay, params.to_proto(out)
+        else:
+            decided = (delay, out["remote_num_tokens"]) if producer else None
+        self.rf_calls.append((request, p, block_ids, status, 1 if p.get("do_remote_prefill") else 0, decided))
         p["do_remote_prefill"] = False
         if delay:
             self.expect_send.append(request.request_id)
@@ -907,9 +1006,9 @@ class _SchedulerSide:
             o = f.recving.add()
             o.request_id, o.result = r, pb.Outcome.RESULT_FAILED if r in failed else pb.Outcome.RESULT_DONE
 
-    def _prefill_ops(self, so: "SchedulerOutput") -> None:
+    def _prefill_ops(self, so: "SchedulerOutput | None") -> None:
         mgr = self.c._kv_cache_manager
-        if not self.cfg.layerwise or mgr is None or not self.requests:
+        if so is None or not self.cfg.layerwise or mgr is None or not self.requests:
             return
         sched = so.num_scheduled_tokens
         reqs = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
@@ -935,38 +1034,71 @@ class _SchedulerSide:
             kind, rid = kinds[i]
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
             self._fail([(kind, rid)], err.details)
+        if self.verify:
+            self._verify_finished(res, kinds, local)
         for i, (delay, prm) in res.finished.items():
             want = local.get(i)
+            if self.verify or want is None:
+                continue
             got = (delay, prm.remote_num_tokens if prm is not None else 0)
-            if want is not None and want != got:
+            if want != got:
                 log.warning("kvxfer: request %s: daemon says (delay, remote_num_tokens) = %s, connector said %s",
                             kinds[i][1], got, want)
+
+    def _verify_finished(self, res, kinds, local) -> None:
+        """verify: each request_finished row's answer, as vLLM got it,
+        against the daemon's Scheduler's (delay, params). A row the daemon
+        refused holds nothing there (False, None)."""
+        for i, (delay, prm) in local.items():
+            got = res.finished.get(i)
+            if got is None:
+                if i not in res.errors:
+                    self._disagree(f"request {kinds[i][1]}: no answer to request_finished (row {i})")
+                got = (False, None)
+            self.verified["finished"] += 1
+            if (bool(got[0]), got[1]) != (delay, prm):
+                fmt = lambda t: None if t is None else params.from_proto(t)  # noqa: E731
+                self._disagree(f"request {kinds[i][1]}: request_finished: daemon says (delay, params) = "
+                               f"({got[0]}, {fmt(got[1])}), connector said ({delay}, {fmt(prm)})")
         self.daemon_pending = res.pending
         # The daemon's counter is cumulative; stats report intervals.
         self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
         self.daemon_bad_params = res.counters.bad_params
 
     def _lost(self, e: errors.KvxferError, kinds) -> None:
-        """The daemon is gone or refused a whole step: nothing it did not
-        answer reached it, so every request vLLM waits on there ends."""
+        """The daemon is gone, refused a whole step, or the Steps stream
+        broke. kinds are the calls of a step that never reached the daemon
+        (not sent, or its Step call failed: relay "metadata" hands the ranks
+        no metadata then): every request vLLM waits on there ends here.
+
+        The steps sent on the Steps stream and not answered are not ended
+        here: the daemon may have applied them (an answer lost with the
+        stream says nothing of that), and then its workers hold their
+        requests: P's blocks that a WRITE will read, D's blocks granted to a
+        producer's WRITE. Each rank named them in its step_ref and gets
+        exactly one outcome for each from the daemon, on its own stream:
+        the worker's when the step was applied (once the transfer ended, or
+        failed at once when the daemon's Scheduler did not stage it), the
+        step dropped, naming them, when it was not (as soon as a later
+        step is published, within the daemon's PublishWait otherwise), or
+        the rank's stream ending when the daemon does."""
         self.stats.data["daemon_errors"] += 1
-        lost = list(kinds)
-        for _, k, _ in self.inflight:
-            lost += k
+        left = sum(len(k) for _, k, _ in self.inflight)
         self.inflight.clear()
-        log.error("kvxfer: steps of engine %s lost (%d calls): %s", self.c.engine_id, len(lost), e)
-        self._fail(lost, f"kvxferd step failed: {e}")
+        log.error("kvxfer: steps of engine %s lost (%d calls failed here, %d left to the ranks' outcomes): %s",
+                  self.c.engine_id, len(kinds), left, e)
+        self._fail(kinds, f"kvxferd step failed: {e}")
         self.daemon_pending = False
         if self.stream is not None:
             self.stream.close()
             self.stream = None
         self.addr = ""  # reopen (a restarted daemon has no scheduler for us)
 
-    def _drain(self) -> None:
+    def _drain(self, wait: float = 0.0) -> None:
         if self.stream is None:
             return
         try:
-            answers = self.stream.results()
+            answers = self.stream.results(wait=wait, count=len(self.inflight))
         except errors.KvxferError as e:
             self._lost(e, [])
             return
@@ -1015,7 +1147,9 @@ class _SchedulerSide:
             elif self.relay == "daemon":
                 self.step_no += 1
                 req.publish_step = self.step_no
-                req.errors_only = True  # request_finished's answers were computed here
+                # request_finished's answers were computed here (answered
+                # in full to be checked, with verify).
+                req.errors_only = not self.verify
                 self.stream.send(outer)
                 self.inflight.append((self.step_no, kinds, local))
                 step_ref, step_meta = self.step_no, b""
@@ -1041,12 +1175,23 @@ class _SchedulerSide:
         return _take_stats(self)
 
     def shutdown(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
         try:
-            self.sched.close()
-        except errors.KvxferError as e:
-            log.info("kvxfer: closing the scheduler of engine %s: %s", self.c.engine_id, e)
+            if self.verify:
+                # The calls not sent yet go in a last step, and every answer
+                # still to come is checked too.
+                if self.op_req or self.rf_calls or self.aa_calls:
+                    self.build_meta(None)
+                if self.inflight:
+                    self._drain(wait=self.cfg.timeout_s)
+        finally:
+            if self.stream is not None:
+                self.stream.close()
+            try:
+                self.sched.close()
+            except errors.KvxferError as e:
+                log.info("kvxfer: closing the scheduler of engine %s: %s", self.c.engine_id, e)
+            if self._vclient is not None:
+                self._vclient.close()
 
 
 def _take_stats(side) -> KvxferStats | None:

@@ -22,6 +22,22 @@ def _gpu() -> bool:
 collect_ignore_glob = [] if _gpu() else ["gpu_test_*.py"]
 
 
+@pytest.fixture(autouse=True)
+def no_disagreement():
+    """Fails any test in which a connector's decision differed from the
+    daemon's Scheduler's (harness.vllm_config sets verify): the connector
+    raises at once, and this catches what was swallowed on the way."""
+    mod = sys.modules.get("kvxfer.vllm")
+    if mod is not None:
+        mod.DISAGREEMENTS.clear()
+    yield
+    mod = sys.modules.get("kvxfer.vllm")
+    if mod is not None and mod.DISAGREEMENTS:
+        found = list(mod.DISAGREEMENTS)
+        mod.DISAGREEMENTS.clear()
+        pytest.fail("the connector and the daemon's Scheduler disagreed:\n" + "\n".join(found))
+
+
 @pytest.fixture(scope="session")
 def kvxferd(tmp_path_factory) -> Path:
     """The kvxferd binary, built once from this checkout."""

@@ -152,8 +152,11 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
     mc = ModelConfig(model=str(model_dir(work, mtp)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+    # verify: every decision the connector makes is checked against the
+    # daemon's Scheduler, on every step; a disagreement raises (and
+    # conftest fails the test whatever became of the exception).
     extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
-             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s, "relay": relay}
+             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s, "relay": relay, "verify": True}
     if layerwise:
         extra["layerwise"] = True
     ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
@@ -426,27 +429,21 @@ def attach_nixl_shadow(e: Engine, mode: str) -> tuple[list[str], dict]:
     decision where they differ: how P trims a prompt it prefills for a
     remote decode (prompt length, max_tokens), how many tokens arrive
     remotely, whether blocks are held for a transfer (delay_free_blocks)
-    and the remote_num_tokens P returns. Each matched-token count is also
-    asked of the daemon's own Scheduler (Go, SchedulerService.MatchedTokens),
-    which must agree with both. Returns the list the mismatches go to and
-    the number of calls compared."""
+    and the remote_num_tokens P returns. (The daemon's own Scheduler, Go,
+    is compared by the connector itself: vllm_config's verify.) Returns the
+    list the mismatches go to and the number of calls compared."""
     import copy
 
-    import grpc
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector, NixlPushConnector
     from vllm.v1.utils import ConstantList
-
-    from kvxfer import params as kparams
-    from kvxfer.v1 import kvxfer_pb2 as pb
 
     cfg = copy.deepcopy(e.sched.vllm_config)
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     nixl = (NixlPushConnector if mode == "push" else NixlPullConnector)(cfg, KVConnectorRole.SCHEDULER, e.kvc)
     ours = e.sched.connector
-    side = ours._sched
     diffs: list[str] = []
-    calls = {"new": 0, "matched": 0, "finished": 0, "go_matched": 0}
+    calls = {"new": 0, "matched": 0, "finished": 0}
 
     def twin(request, tokens=False):
         r = copy.copy(request)
@@ -460,19 +457,6 @@ def attach_nixl_shadow(e: Engine, mode: str) -> tuple[list[str], dict]:
 
     def shape(r):
         return {"prompt": r.num_prompt_tokens, "tokens": r.num_tokens, "max_tokens": r.max_tokens}
-
-    def go_matched(request, computed):
-        """The daemon's answer (bypassing the client's call counting), or
-        None where the params do not convert (bad params are compared
-        elsewhere)."""
-        er = pb.EngineRequest(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
-        try:
-            kparams.fill_proto(er.params, request.kv_transfer_params)
-            r = ours.client._sched.MatchedTokens(
-                pb.MatchedTokensRequest(engine_id=ours.engine_id, request=er, computed=computed), timeout=10)
-        except (kparams.ParamsError, grpc.RpcError):
-            return None
-        return r.tokens, getattr(r, "async")
 
     orig_new, orig_match = ours.on_new_request, ours.get_num_new_matched_tokens
     orig_alloc, orig_fin = ours.update_state_after_alloc, ours.request_finished_all_groups
@@ -488,14 +472,9 @@ def attach_nixl_shadow(e: Engine, mode: str) -> tuple[list[str], dict]:
     def match(request, computed):
         calls["matched"] += 1
         want = nixl.get_num_new_matched_tokens(twin(request), computed)
-        go = go_matched(request, computed)
         got = orig_match(request, computed)
         if tuple(got) != tuple(want):
             diffs.append(f"{e.name} {request.request_id}: matched tokens {got}, NixlConnector {want}")
-        if go is not None:
-            calls["go_matched"] += 1
-            if (got[0], bool(got[1])) != go:
-                diffs.append(f"{e.name} {request.request_id}: matched tokens {got}, the daemon's Scheduler {go}")
         return got
 
     def alloc(request, blocks, external):

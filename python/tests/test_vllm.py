@@ -239,6 +239,11 @@ def test_transfer(tmp_path, daemons, mode, p_tp, layerwise, relay):
             assert r.layer_signals == 0
     finally:
         r.close()
+    # Every decision was also the daemon's Scheduler's, in this relay mode:
+    # each matched-token count, and each request_finished answer (the last
+    # ones sent and checked at shutdown).
+    assert _verified(r.P)["finished"] >= 9 and _verified(r.D)["finished"] >= 9, (_verified(r.P), _verified(r.D))
+    assert _verified(r.P)["matched"] >= 9 and _verified(r.D)["matched"] >= 8, (_verified(r.P), _verified(r.D))
 
 
 def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
@@ -496,10 +501,16 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
 
 
 def _daemon_disagreements(caplog):
-    """The connector checks the daemon's Scheduler (Go) against its own
-    request_finished answers (relay "metadata") and warns where they
-    differ."""
+    """The connector checks its decisions against the daemon's Scheduler
+    (Go) and logs where they differ ("daemon says"); with verify (set by the
+    harness) it raises too, and conftest fails the test."""
     return [m for m in caplog.messages if "daemon says" in m]
+
+
+def _verified(e) -> dict:
+    """How many of e's scheduler-side decisions were checked against the
+    daemon's Scheduler (verify), by kind."""
+    return e.sched.connector._sched.verified
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -526,7 +537,7 @@ def test_mtp_prefill_backoff(tmp_path, daemons, mode, caplog):
         r.run_until(lambda: want_d <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
         assert not r.nixl_diffs and not r.nixl_diffs_d, r.nixl_diffs + r.nixl_diffs_d
         assert r.nixl_calls["new"] >= 5 and r.nixl_calls["finished"] >= 5, r.nixl_calls
-        assert r.nixl_calls_d["matched"] >= 5 and r.nixl_calls_d["go_matched"] >= 5, r.nixl_calls_d
+        assert r.nixl_calls_d["matched"] >= 5 and _verified(r.D)["matched"] >= 5, (r.nixl_calls_d, _verified(r.D))
         assert not _daemon_disagreements(caplog), caplog.messages
         for n, length in lengths.items():
             loaded = length - 2 if length > 2 else length
@@ -591,7 +602,10 @@ def test_hybrid_prefill_backoff(tmp_path, daemons, mode, caplog):
         assert "d-0" in D.finished and not P.sched.requests and not D.sched.requests
         assert not p_diffs and not d_diffs, p_diffs + d_diffs
         assert p_calls["new"] == 1 and p_calls["finished"] == 1, p_calls
-        assert d_calls["matched"] >= 1 and d_calls["go_matched"] >= 1, d_calls
+        assert d_calls["matched"] >= 1 and _verified(D)["matched"] >= 1, (d_calls, _verified(D))
+        # P's answer, its Mamba group clipped to the state block, was the
+        # daemon's Scheduler's too.
+        assert _verified(P)["finished"] >= 1, _verified(P)
         assert not _daemon_disagreements(caplog), caplog.messages
         for e in (P, D):
             assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() == e.initial_free, e.name
@@ -695,4 +709,206 @@ def test_dropped_step_fails_its_requests(tmp_path, daemons, caplog):
         assert any("d-0" in m and "dropped" in m for m in caplog.messages), caplog.messages
         assert _free_both(r)
     finally:
+        r.close()
+
+
+def _break_steps_after(e, rid, broke):
+    """e's scheduler-side Steps stream breaks right after the daemon applied,
+    published and answered the first step that carries rid, the daemon
+    staying alive: the answer never reaches the connector (it is lost with
+    the stream), but the engine's ranks take the step by reference as
+    usual. Appends the step's number to broke."""
+    side = e.sched.connector._sched
+    stream = side.stream
+    orig = stream.send
+
+    def send(outer):
+        orig(outer)
+        if broke or rid not in _names(outer):
+            return
+        step = outer.step.publish_step
+        with stream._lock:
+            deadline = time.monotonic() + 10
+            while not any(a.publish_step == step for a in stream._answers):
+                assert time.monotonic() < deadline, f"{e.name}: no answer for step {step}"
+                stream._arrived.wait(0.1)
+            # The answer is lost: it arrived, the stream broke before the
+            # connector read it.
+            stream._answers = [a for a in stream._answers if a.publish_step != step]
+        stream._call.cancel()
+        assert stream._done.wait(10)
+        broke.append(step)
+
+    stream.send = send
+
+
+def _step_numbers(e) -> list[int]:
+    """The publish_step of every step e's scheduler side sends, on each
+    Steps stream it opens from now on."""
+    side = e.sched.connector._sched
+    out = []
+
+    def watch(stream):
+        orig = stream.send
+
+        def send(outer):
+            out.append(outer.step.publish_step)
+            return orig(outer)
+
+        stream.send = send
+        return stream
+
+    watch(side.stream)
+    opener = side.sched.stream
+    side.sched.stream = lambda: watch(opener())
+    return out
+
+
+@pytest.mark.parametrize("side", ["p", "d"])
+def test_steps_stream_breaks_daemon_alive(tmp_path, daemons, side, caplog):
+    """The scheduler side's Steps stream breaks, its daemon alive, right
+    after the daemon applied the step that has P hold p-0's blocks for D
+    (side p) or D register d-0's blocks for P's WRITE (side d), and before
+    its answer reached the connector. The daemon's worker holds that
+    request: the connector must not end it (P: free its blocks, which the
+    daemon WRITEs from once D registers; D: fail it, its blocks still
+    granted to P's WRITE). It stays held until the daemon reports it on the
+    rank's stream; the transfer then completes byte for byte, and the pair
+    after it (over the scheduler the connector opened again) too.
+
+    On P the blocks are made scarce: had the connector freed p-0's, the
+    plain request p-x admitted next would be prefilled into them before
+    D registers, and D would receive p-x's bytes."""
+    rng = random.Random(f"break-{side}")
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"num_blocks": 6})
+    broke = []
+    # The step numbers the broken side publishes, over every Steps stream
+    # it opens: they never repeat (a rank still to take an old step by
+    # reference must find it dropped, never a new step under its number).
+    numbers = _step_numbers(r.P if side == "p" else r.D)
+    try:
+        toks = [rng.randrange(100, 50000) for _ in range(40)]  # 3 of P's 5 usable blocks
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        caplog.set_level("WARNING", logger="kvxfer.vllm")
+        if side == "p":
+            _break_steps_after(r.P, "p-0", broke)
+            r.P.sched.add_request(H.make_request("p-0", list(toks), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+            r.run_until(lambda: broke, limit_s=30)
+            # A plain request that needs p-0's blocks, were they free.
+            r.prompts["p-x"] = [rng.randrange(100, 50000) for _ in range(5 * H.BLOCK)]
+            r.P.sched.add_request(H.make_request("p-x", r.prompts["p-x"], 1, None))
+        else:
+            _break_steps_after(r.D, "d-0", broke)
+            p = _push_params(r.dp, "t0")
+            p["tp_size"] = 1
+            r.D.sched.add_request(H.make_request("d-0", toks, 3, p))
+            r.run_until(lambda: broke, limit_s=30)
+        # The connector notices at its next steps and opens a new scheduler;
+        # the request stays held meanwhile.
+        for _ in range(30):
+            r.step()
+            time.sleep(0.01)
+        assert any("Steps" in m or "steps" in m for m in caplog.messages), caplog.messages
+        if side == "p":
+            assert "p-0" not in r.P.sent and "p-0" in r.P.sched.requests, \
+                "P freed p-0's blocks while its daemon held the send (a WRITE from them still to come)"
+            assert "p-x" not in r.P.finished  # it waits for blocks
+            r.D.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        else:
+            assert "d-0" not in r.D.failed and "d-0" not in r.D.recvd, \
+                "D ended d-0 while its daemon had its blocks registered for P's WRITE"
+            r.P.sched.add_request(H.make_request("p-0", list(toks), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent and not r.D.sched.requests
+                    and (side == "d" or "p-x" in r.P.finished), limit_s=40)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        # The next pair moves over the scheduler opened again.
+        r.add(1, [rng.randrange(100, 50000) for _ in range(20)])
+        r.run_until(lambda: "d-1" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests, limit_s=40)
+        assert "d-1" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+        after = [n for n in numbers if n > broke[0]]
+        assert after and numbers == sorted(set(numbers)), (broke, numbers)
+    finally:
+        r.close()
+
+
+def test_steps_stream_breaks_refused_request_ends(tmp_path, daemons, caplog):
+    """Pull: the daemon's Scheduler refuses d-bad (its params name two
+    block groups; D has one) in the step whose answer is then lost with the
+    broken Steps stream, the daemon alive. The connector leaves d-bad to the
+    rank's outcome, and the daemon gives it one (the published step does
+    not stage it): D recomputes it instead of waiting forever."""
+    rng = random.Random("refused")
+    r = Run(tmp_path, daemons, "pull", 1)
+    broke = []
+    try:
+        host, port = r.dp.peer.rsplit(":", 1)
+        r.prompts["d-bad"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+        _break_steps_after(r.D, "d-bad", broke)
+        caplog.set_level("WARNING", logger="kvxfer.vllm")
+        r.D.sched.add_request(H.make_request("d-bad", toks, 2, {
+            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t-bad", "remote_engine_id": "p0",
+            "remote_host": host, "remote_port": int(port), "remote_request_id": "p-bad", "tp_size": 1,
+            "remote_block_ids": [[1, 2, 3], [1, 2]], "remote_block_starts": [0, 0], "remote_num_tokens": 40, "mode": "pull"}))
+        r.run_until(lambda: broke, limit_s=30)
+        r.run_until(lambda: "d-bad" in r.D.finished and not r.D.sched.requests, limit_s=30)
+        assert "d-bad" in r.D.failed and "d-bad" not in r.checked
+        assert not str(r.D.finished["d-bad"].finish_reason).lower().endswith("error")  # recomputed
+        assert any("d-bad" in m and "does not stage it" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+# Decisions the connector makes that the daemon's Scheduler makes too, each
+# made to diverge on purpose: (engine, what diverges, the message's marker).
+_DIVERGE = {
+    # P clips one block too many: kv_transfer_params' remote_block_ids.
+    "clip": ("P", lambda side: setattr(side, "_clip", _drop_last(side._clip)), "remote_block_ids"),
+    # P holds nothing, the daemon holds the blocks: delay (and params).
+    "delay": ("P", lambda side: setattr(side, "_clip", lambda blocks: ([[] for _ in blocks], [0] * len(blocks))),
+              "connector said (False"),
+    # D expects one token fewer than P computes: matched tokens.
+    "matched": ("D", lambda side: setattr(side, "backoff", 1), "matched tokens"),
+}
+
+
+def _drop_last(clip):
+    def clipped(blocks):
+        ids, starts = clip(blocks)
+        return [g[:-1] for g in ids], starts
+    return clipped
+
+
+@pytest.mark.parametrize("relay", ["daemon", "metadata"])
+@pytest.mark.parametrize("what", sorted(_DIVERGE))
+def test_verify_catches_disagreement(tmp_path, daemons, relay, what):
+    """With verify (every engine the tests build has it) each decision the
+    connector makes in place of the daemon's Scheduler is checked against
+    it on every step, in both relays: made to diverge, the connector raises
+    Disagreement out of vLLM's scheduler loop, naming the request and both
+    answers, and records it (conftest fails a test that swallowed it)."""
+    from kvxfer import vllm as V
+    name, diverge, marker = _DIVERGE[what]
+    # A short lease: P's daemon may hold what the connector freed.
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"relay": relay, "lease_s": 1}, d_kw={"relay": relay})
+    e = r.P if name == "P" else r.D
+    side = e.sched.connector._sched
+    try:
+        diverge(side)
+        toks = list(range(1000, 1040))
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        if e is r.P:  # P alone: no consumer waits on what the failed step left
+            e.sched.add_request(H.make_request("p-0", list(toks), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        else:
+            e.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        with pytest.raises(V.Disagreement) as exc:
+            r.run_until(lambda: False, limit_s=20)
+        msg = str(exc.value)
+        assert f"engine {e.name}" in msg and "-0" in msg and "daemon says" in msg and marker in msg, msg
+        assert V.DISAGREEMENTS == [msg], V.DISAGREEMENTS
+    finally:
+        V.DISAGREEMENTS.clear()
+        for x in (r.P, r.D):
+            x.sched.connector._sched.verify = False  # the engines' state is the test's, not theirs
         r.close()

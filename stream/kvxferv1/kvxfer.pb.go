@@ -1883,7 +1883,11 @@ type StepRef struct {
 	// on with this step on this rank. kvxferd keeps nothing of them: should
 	// the step be dropped (its metadata not published in time), its
 	// StepError names them back, so that the engine fails them without a
-	// record of its own. Empty: the engine keeps its own record.
+	// record of its own; should the step's metadata not stage one (its
+	// scheduler refused the call, an answer the engine may never read),
+	// kvxferd reports it failed (FAILURE_KIND_SETUP) on this rank at once.
+	// Either way each gets one outcome on this rank, whatever became of the
+	// engine's Steps stream. Empty: the engine keeps its own record.
 	RecvRequestIds []string `protobuf:"bytes,2,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
 	// send_request_ids are the producer requests the engine begins waiting
 	// on with this step on this rank (blocks it holds for a transfer),

@@ -41,7 +41,24 @@ type lockedScheduler struct {
 		sync.Mutex
 		last    uint64
 		metas   map[uint64]*pb.StepMeta
-		changed chan struct{} // closed and replaced at each publish
+		changed chan struct{} // closed and replaced at each publish, and when retired
+		// retired: the engine opened a new scheduler or closed this one;
+		// ranks waiting here look the engine's scheduler up again.
+		retired bool
+	}
+}
+
+// retire marks ls replaced or closed and wakes the ranks waiting for its
+// steps (published).
+func (ls *lockedScheduler) retire() {
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	if !ls.pub.retired {
+		ls.pub.retired = true
+		close(ls.pub.changed)
+		// A Step of the old scheduler still in flight may publish (and
+		// close this) after.
+		ls.pub.changed = make(chan struct{})
 	}
 }
 
@@ -114,6 +131,8 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	} else if old.uid != uid {
 		ss.limits.refuse("permission")
 		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
+	} else {
+		defer old.retire() // once the new one is in the table
 	}
 	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
 	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
@@ -289,6 +308,7 @@ func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseScheduler
 	if cur, _ := ss.m.Load(req.EngineId); cur == ls {
 		ss.m.Delete(req.EngineId)
 		ss.owners.release(req.EngineId)
+		ls.retire()
 	}
 	ss.mu.Unlock()
 	return &pb.CloseSchedulerResponse{}, nil

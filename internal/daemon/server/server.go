@@ -1165,8 +1165,16 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 		ref, step = x.StepRef, x.StepRef.GetStep()
 		if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
 			err, dropped = perr, true
-		} else {
-			apply(p)
+		} else if apply(p); !dropped {
+			if f := unstaged(step, ref, p); f != nil {
+				for _, part := range splitFinished(f, r.maxMsg) {
+					select {
+					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}:
+					case <-ctx.Done():
+						return true
+					}
+				}
+			}
 		}
 	case *pb.ConnectRequest_LayerSaved:
 		_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
@@ -1189,6 +1197,57 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 		}
 	}
 	return true
+}
+
+// unstaged returns the failed outcomes, on this rank, of the requests a
+// step_ref lists that its published metadata does not stage (nil: none).
+// The engine's Scheduler refused their calls (or never got them): the
+// Step answer said so, but the engine may never read it (it is lost when
+// the Steps stream breaks after the step was applied), and no worker
+// outcome will come, so without these the engine would wait on them
+// forever. No worker took them in with this step, so nothing of the step
+// moves their blocks: they may be freed at once. (A layer-wise producer's
+// WRITEs started by an earlier step's prefill entry are its worker's, and
+// end with their own outcome.)
+func unstaged(step uint64, ref *pb.StepRef, meta *pb.StepMeta) *pb.Finished {
+	if len(ref.GetRecvRequestIds())+len(ref.GetSendRequestIds()) == 0 {
+		return nil
+	}
+	reason := fmt.Sprintf("step %d does not stage it: the engine's scheduler refused its call, or never got it "+
+		"(see the scheduler's error)", step)
+	recv := unstagedOf(ref.GetRecvRequestIds(), meta.GetRecv(), reason)
+	send := unstagedOf(ref.GetSendRequestIds(), meta.GetSend(), reason)
+	if len(recv)+len(send) == 0 {
+		return nil
+	}
+	return &pb.Finished{Recving: recv, Sending: send}
+}
+
+// unstagedOf returns a failed outcome for each of ids that no entry of
+// staged names.
+func unstagedOf[E interface{ GetRequestId() string }](ids []string, staged []E, reason string) []*pb.Outcome {
+	if len(ids) == 0 {
+		return nil
+	}
+	var set map[string]bool
+	if len(ids)*len(staged) > 64 { // a set beats scanning only for large steps
+		set = make(map[string]bool, len(staged))
+		for _, e := range staged {
+			set[e.GetRequestId()] = true
+		}
+	}
+	var out []*pb.Outcome
+	for _, id := range ids {
+		found := set[id]
+		for i := 0; set == nil && !found && i < len(staged); i++ {
+			found = staged[i].GetRequestId() == id
+		}
+		if !found {
+			out = append(out, &pb.Outcome{RequestId: id, Result: pb.Outcome_RESULT_FAILED, Reason: reason,
+				FailureKind: pb.FailureKind_FAILURE_KIND_SETUP})
+		}
+	}
+	return out
 }
 
 // droppedStep is the error of a dropped step: its message and every

@@ -144,7 +144,11 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 // published returns the metadata engine's scheduler published for step
 // to a rank of uid, waiting up to Config.PublishWait for it: a rank's
 // step_ref may arrive before its scheduler's Step (they travel on
-// different streams). The metadata is the scheduler's: read only.
+// different streams). When the engine opens its scheduler again meanwhile
+// (its connector lost its Steps stream), the wait goes on with the new
+// one, whose steps the engine numbers after those it sent before: a step
+// the old one never published is dropped as soon as the new one publishes
+// a later one. The metadata is the scheduler's: read only.
 func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*pb.StepMeta, error) {
 	ls, err := ss.getAs(engine, uid)
 	if err != nil {
@@ -155,10 +159,16 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 	for {
 		ls.pub.Lock()
 		m, ok := ls.pub.metas[step]
-		last, changed := ls.pub.last, ls.pub.changed
+		last, changed, retired := ls.pub.last, ls.pub.changed, ls.pub.retired
 		ls.pub.Unlock()
 		if ok {
 			return m, nil
+		}
+		if retired {
+			if ls, err = ss.getAs(engine, uid); err != nil {
+				return nil, fmt.Errorf("step_ref.step = %d: not published, and then %w", step, err)
+			}
+			continue
 		}
 		if step <= last {
 			return nil, stream.Invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)

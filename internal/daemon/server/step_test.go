@@ -252,6 +252,147 @@ func runDroppedStep(t *testing.T) {
 	}
 }
 
+// A step a rank takes by reference ends, on that rank, every request its
+// step_ref lists that the published metadata does not stage (the engine's
+// Scheduler refused the call): the engine may never read the Step answer
+// that said so (it is lost with a broken Steps stream), and no worker
+// outcome will come. Requests the step stages are held as usual.
+func TestStepRefFailsWhatTheStepDoesNotStage(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) { runStepRefUnstaged(t) }) // its cleanups end with it
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+func runStepRefUnstaged(t *testing.T) {
+	shmDir := t.TempDir()
+	d := startDaemonWith(t, shmDir, nil)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	rs := e.streams[0][0]
+	_, c, ctx := schedulerClientOn(t, d)
+	const lease = 500 * time.Millisecond
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16,
+		LeaseMillis: lease.Milliseconds()}}); err != nil {
+		t.Fatal(err)
+	}
+	// d-bad's params lack the producer's engine id: refused. p-held
+	// finishes normally: its blocks are held for a consumer. p-none's call
+	// never reached the scheduler.
+	bad := &pb.EngineRequest{RequestId: "d-bad", PromptTokens: 40, Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "127.0.0.1:1", TransferId: "t-bad"}}
+	held := &pb.EngineRequest{RequestId: "p-held", PromptTokens: 32, Params: &pb.TransferParams{DoRemoteDecode: true, TransferId: "t-held"}}
+	resp, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 1, ErrorsOnly: true, Ops: []*pb.SchedulerOp{
+		{Op: &pb.SchedulerOp_AfterAlloc{AfterAlloc: &pb.AfterAllocRequest{Request: bad, Blocks: []*pb.BlockList{{BlockIds: []int32{1, 2, 3}}}, External: 40}}},
+		{Op: &pb.SchedulerOp_RequestFinished{RequestFinished: &pb.RequestFinishedRequest{Request: held, Status: pb.FinishStatus_FINISH_STATUS_LENGTH_CAPPED,
+			Blocks: []*pb.BlockList{{BlockIds: []int32{4, 5}}}, Computed: 32}}},
+	}})
+	if err != nil || len(resp.Results) != 1 || resp.Results[0].Index != 0 {
+		t.Fatalf("Step = %v, %v; want op 0 (d-bad) refused", resp.GetResults(), err)
+	}
+	if err := rs.StepRef(1, []string{"d-bad"}, []string{"p-held", "p-none"}); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{"d-bad": false, "p-none": true} // id -> a send
+	for len(want) > 0 {
+		select {
+		case f := <-rs.Finished():
+			for send, os := range map[bool][]kvxfer.Outcome{false: f.Recving, true: f.Sending} {
+				for _, o := range os {
+					s, ok := want[o.ReqID]
+					if !ok || s != send {
+						t.Errorf("outcome %+v (send %v), want only d-bad's receive and p-none's send", o, send)
+						continue
+					}
+					delete(want, o.ReqID)
+					if o.Result != kvxfer.ResultFailed || o.Kind != kvxfer.FailureSetup || !strings.Contains(o.Reason, "step 1") {
+						t.Errorf("%s's outcome = %+v, want failed (setup), naming step 1", o.ReqID, o)
+					}
+				}
+			}
+		case se := <-rs.StepErrors():
+			t.Errorf("StepError %+v, want none (the step was taken in)", se)
+		case <-ctx.Done():
+			t.Fatalf("no outcome for %v", want)
+		}
+	}
+	// p-held is held by the worker until its lease expires (no consumer
+	// comes): its outcome is that, and not before.
+	t0 := time.Now()
+	select {
+	case f := <-rs.Finished():
+		if len(f.Recving) > 0 || len(f.Sending) != 1 || f.Sending[0].ReqID != "p-held" || f.Sending[0].Result != kvxfer.ResultExpired {
+			t.Errorf("Finished %+v, want p-held expired", f)
+		}
+		if took := time.Since(t0); took < lease/2 {
+			t.Errorf("p-held ended after %v, want after its lease (%v)", took, lease)
+		}
+	case <-ctx.Done():
+		t.Fatal("no outcome for p-held")
+	}
+}
+
+// A rank waiting for a step its engine's scheduler never published stops
+// waiting when the engine opens its scheduler again (a connector does
+// after its Steps stream broke): the step is dropped as soon as the new
+// scheduler publishes a later one, not after PublishWait, which would hold
+// up every step the rank takes after it.
+func TestStepRefOfAReplacedScheduler(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) { runStepRefReplaced(t) }) // its cleanups end with it
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+func runStepRefReplaced(t *testing.T) {
+	shmDir := t.TempDir()
+	const wait = 5 * time.Second
+	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	rs := e.streams[0][0]
+	_, c, ctx := schedulerClientOn(t, d)
+	open := func() {
+		t.Helper()
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	open()
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// Step 2 never reaches this scheduler; the rank waits for it.
+	if err := rs.StepRef(2, nil, []string{"p-2"}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // the rank is waiting
+	t0 := time.Now()
+	open()
+	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "E", PublishStep: 3}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case se := <-rs.StepErrors():
+		if se.Step != 2 || !se.Dropped || !slices.Equal(se.Send, []string{"p-2"}) {
+			t.Errorf("StepError = %+v, want step 2 dropped, naming p-2", se)
+		}
+		if took := time.Since(t0); took > wait/2 {
+			t.Errorf("step 2 dropped %v after the scheduler was replaced, want at once (PublishWait is %v)", took, wait)
+		}
+	case <-ctx.Done():
+		t.Fatal("no StepError")
+	}
+	// The rank goes on with the new scheduler's steps.
+	if err := rs.StepRef(3, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case se := <-rs.StepErrors():
+		t.Errorf("StepError %+v for step 3, want it taken in", se)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
 // A dropped step names each of its requests once, from its step_ref and
 // its metadata, in as many errors as keep each within the bound.
 func TestDroppedStepSplits(t *testing.T) {
