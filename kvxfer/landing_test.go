@@ -140,8 +140,8 @@ func (p *stallProxy) release() {
 
 // A WRITE part admitted into D's blocks, its payload held up by a link
 // that went quiet mid-frame: D gives the producer up (its probes fail for
-// PeerTimeout) and, with the built-in backend's grants, reports at once;
-// the engine reuses the blocks; the link heals well within the data
+// PeerTimeout) and, the producer unable to confirm its cancel, reports at
+// its fence timeout, revoking its grant; the engine reuses the blocks; the link heals well within the data
 // plane's frame timeout. Not one of the part's bytes may land after D
 // reported: the grant's revocation cuts the part short and returns only
 // once it stopped moving bytes.
@@ -154,7 +154,8 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 		return tcpBackend(t, name, r, tcpOnly), nil
 	})
 	var proxy *stallProxy
-	d := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "D", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+	fence := func(c *kvxfer.WorkerConfig) { fast(c); c.FenceTimeout = time.Second }
+	d := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "D", kvxfer.ModePush, fence, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
 		// D's agent listens on a port of its own and advertises the proxy.
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {

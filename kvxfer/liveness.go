@@ -23,11 +23,14 @@ import (
 //   - A transfer or notice to it failing (a refused dial, a lost
 //     connection) asks at once instead of at the next tick.
 //
-// With the data-plane grants in force (the built-in backend) a request
-// failed this way is reported at once: a WRITE the producer might still
-// land later is refused. Without them (NIXL), a peer that is only
-// unreachable may still WRITE once it is back, so the consumer waits for
-// its fence as for any cancel; a producer that restarted cannot.
+// A push producer that is only unreachable may still WRITE once it is
+// back, so a push consumer that failed this way waits for its fence as for
+// any cancel, with the data-plane grants in force or not: a grant is by
+// block and peer, and the engine may register the blocks again, with the
+// same producer, for its next request, so the grants would admit the late
+// WRITE (FuzzCores found it). A pull consumer with the grants in force
+// (the built-in backend) abandons its READs in flight, cut short, and
+// reports at once. A producer that restarted cannot complete anything.
 
 // probeEvery is how often a watched engine is asked about.
 func (st *loopState) probeEvery() time.Duration {
@@ -155,7 +158,8 @@ func (st *loopState) probeDone(h *hsResult) {
 // drops its handshake so the next request handshakes again.
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
-	n := st.failWaiting(e, FailurePeerGone, reason, st.guarded, func(*recvReq) bool { return true })
+	fence := st.guarded && st.cfg.Mode == ModePull // push: see above
+	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(*recvReq) bool { return true })
 	st.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by
 	// then); if that fails too, handshakeRetry applies as usual.

@@ -249,6 +249,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
 	r.rehandshook = true
 	st.revoke(r) // the grant names the old agents
 	r.sent, r.targets = false, nil
+	clear(r.retryAt) // the READs all go again
 	r.fenced = r.fenced[:0]
 	if e.state != hsPending {
 		st.startHandshake(e)
@@ -413,8 +414,8 @@ func readRetryDelay(try int) time.Duration {
 // readRetry posts the READs due again.
 func (st *loopState) readRetry(t timerEntry) {
 	r := st.recvs[t.id]
-	if r == nil || r.decided {
-		return
+	if r == nil || r.decided || !r.sent {
+		return // !sent: it reads everything again once a handshake answers
 	}
 	e := st.engines[r.req.Remote.EngineID]
 	for _, to := range r.targets {

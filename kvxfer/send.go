@@ -223,9 +223,10 @@ const (
 // and the request carries another one: D named another request.
 //
 // Exact pairs always win over base pairs, and a base pair is taken only
-// when it is the only one on both sides (findReg, findSend): base ids
-// collide whenever clients reuse request ids, and a guess would WRITE one
-// request's KV into another's blocks.
+// when it is the only one on both sides (findReg, findSend), and only by a
+// producer of one rank (pairsByBase): base ids collide whenever clients
+// reuse request ids, and a guess would WRITE one request's KV into
+// another's blocks.
 func pairOf(g *regGroup, id, tid string) pairing {
 	if g.tid != "" || tid != "" {
 		if g.tid == tid {
@@ -245,6 +246,15 @@ func pairOf(g *regGroup, id, tid string) pairing {
 	}
 	return pairBase
 }
+
+// pairsByBase reports whether this rank pairs by base id at all: only as
+// its producer's one rank. A base pair is a guess each rank makes on its
+// own, from what it holds when it decides; two ranks could guess
+// differently (one gets a registration before a request of its base,
+// another after), and the consumer request would hold one producer
+// request's KV from one rank and another's from the other, reported done.
+// A producer of several ranks pairs by transfer id or the id D names.
+func (st *loopState) pairsByBase() bool { return st.layout.TPSize*st.layout.PPSize == 1 }
 
 // name is the id g names P's request by: the one D named, else D's own;
 // named says which.
@@ -282,7 +292,11 @@ func (st *loopState) findReg(s *sendReq) (best *regGroup, amb []*regGroup) {
 		if g == nil {
 			continue
 		}
-		switch p := pairOf(g, s.req.ReqID, s.req.TransferID); {
+		p := pairOf(g, s.req.ReqID, s.req.TransferID)
+		if p == pairBase && !st.pairsByBase() {
+			continue
+		}
+		switch {
 		case p < tier:
 		case p > tier:
 			tier, amb = p, append(amb[:0], g)
@@ -333,7 +347,7 @@ func (st *loopState) findSend(g *regGroup) (s, taken *sendReq, amb []*sendReq) {
 		}
 		return x, nil, nil
 	}
-	if g.tid != "" {
+	if g.tid != "" || !st.pairsByBase() {
 		return nil, nil, nil
 	}
 	amb = st.ambSends[:0]
@@ -1269,7 +1283,7 @@ func (st *loopState) producerAborted(id, tid string) {
 			base = append(base, g)
 		}
 	}
-	if len(exact) == 0 && len(base) == 1 && st.sendsPairing(base[0], nil) == 0 {
+	if len(exact) == 0 && len(base) == 1 && st.pairsByBase() && st.sendsPairing(base[0], nil) == 0 {
 		exact = base
 	}
 	for _, g := range exact {

@@ -38,9 +38,10 @@ func BenchmarkProducerRequests(b *testing.B) {
 }
 
 // BenchmarkConsumerRequests: a step of n push consumer requests on a
-// rank whose producer is handshaken, each registered, then done by its
+// rank whose producer is handshaken, each registered (the driver sends
+// the registrations and hands their results back), then done by its
 // completion notice, per request: the Worker core's share of a
-// consumer's step.
+// consumer's step, the consumer's side of BenchmarkProducerMatchedWrites.
 func BenchmarkConsumerRequests(b *testing.B) {
 	for _, n := range []int{16, 256} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
@@ -61,13 +62,18 @@ func BenchmarkConsumerRequests(b *testing.B) {
 			hs := &hsResult{engine: "P", names: []PeerName{"P/0"}, loadErrs: []error{nil}}
 			hs.res.Generation = 1
 			hs.res.Ranks = []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte("P/0")}}
+			var ops []op
+			var errs []error
+			sent := func(int, *op) error { return nil }
 			one := func(k int) {
 				st.Step(now, input{kind: inEvent, ev: &event{kind: evStep, meta: &metas[k]}})
+				ops, errs = carryOut(st, ops, errs, sent)
 				if st.engines["P"].state == hsPending {
 					st.Step(now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: hs}})
+					ops, errs = carryOut(st, ops, errs, sent)
 				}
-				st.fx.ops = st.fx.ops[:0]
 				st.Step(now, input{kind: inNotifs, notifs: dones[k]})
+				ops, errs = carryOut(st, ops, errs, sent)
 				if len(st.out.Recving) != n {
 					b.Fatalf("%d outcomes, want %d", len(st.out.Recving), n)
 				}
@@ -78,6 +84,87 @@ func BenchmarkConsumerRequests(b *testing.B) {
 			b.ResetTimer()
 			for i := range b.N {
 				one(i % len(metas))
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/request")
+		})
+	}
+}
+
+// BenchmarkProducerMatchedWrites: the producer's push path, per request,
+// on a rank whose consumer is handshaken: n consumer registrations
+// arrive (one notice per input, as the driver hands them over), a step
+// of the n requests matches each and posts its WRITE (the driver carries
+// the posts out and hands their results back), then each WRITE ends and
+// its request reports done. The Worker core's share of a push transfer
+// on the producer (BenchmarkProducerRequests: requests that never match).
+func BenchmarkProducerMatchedWrites(b *testing.B) {
+	for _, n := range []int{16, 256} {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			now := time.Unix(1000, 0)
+			st := quietCore(b, "P", 1<<20, now)
+			// Enough steps that a request's id comes back only once its
+			// tombstone aged out (RegistrationTTL, 31 s a step).
+			metas := make([]StepMeta, 20)
+			regs := make([][]Notif, len(metas))
+			for k := range metas {
+				for i := range n {
+					id, tid, did := fmt.Sprintf("p%d-%d", k, i), fmt.Sprintf("t%d-%d", k, i), fmt.Sprintf("d%d-%d", k, i)
+					blocks := []topology.Span{{IDs: []topology.BlockID{topology.BlockID(i % 16)}}}
+					metas[k].Send = append(metas[k].Send, SendReq{ReqID: id, TransferID: tid, Blocks: blocks, Tokens: 16})
+					m := &msg{Kind: msgReg, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, TransferID: tid, DReq: did, PReq: id, Spans: blocks}
+					regs[k] = append(regs[k], Notif{From: "D/0", Msg: appendMsg(nil, m)})
+				}
+			}
+			hs := &hsResult{engine: "D", names: []PeerName{"D/0"}, loadErrs: []error{nil}}
+			hs.res.Generation = 1
+			hs.res.Ranks = []RankInfo{{EngineID: "D", CompatHash: "h", Layout: traceLayout(0, 1, 1<<30), Agent: []byte("D/0")}}
+			var ops []op
+			var errs []error
+			var posted []XferID
+			post := func(_ int, o *op) error {
+				if o.kind == opPost {
+					posted = append(posted, o.id)
+				}
+				return nil
+			}
+			one := func(k int) {
+				for i := range regs[k] {
+					st.Step(now, input{kind: inNotifs, notifs: regs[k][i : i+1]})
+					ops, errs = carryOut(st, ops, errs, post)
+					if e := st.engines["D"]; e != nil && e.state == hsPending {
+						// The first registration asks who D/0 is.
+						st.Step(now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: hs}})
+						ops, errs = carryOut(st, ops, errs, post)
+						st.fx.asks = st.fx.asks[:0]
+					}
+				}
+				st.Step(now, input{kind: inEvent, ev: &event{kind: evStep, meta: &metas[k]}})
+				ops, errs = carryOut(st, ops, errs, post)
+				for _, id := range posted {
+					st.Step(now, input{kind: inXferEnded, xfer: id, state: XferDone})
+					ops, errs = carryOut(st, ops, errs, post)
+				}
+				if len(posted) != n || len(st.out.Sending) != n {
+					b.Fatalf("%d WRITEs, %d outcomes, want %d (dropped: %v)", len(posted), len(st.out.Sending), n, st.metrics.Snapshot().Dropped)
+				}
+				for _, o := range st.out.Sending {
+					if o.Result != ResultDone {
+						b.Fatalf("outcome %+v, want done", o)
+					}
+				}
+				posted = posted[:0]
+				st.out.Clear()
+				// Time passes, as between steps: the stale lease timers
+				// fire and the tombstones age out, as in a Worker.
+				now = now.Add(st.cfg.Lease + time.Second)
+				st.Step(now, input{kind: inTimers})
+			}
+			one(0)
+			b.ReportAllocs()
+			i := 1
+			for b.Loop() {
+				one(i % len(metas))
+				i++
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/request")
 		})

@@ -40,7 +40,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 //	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true] [loaded=false]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
 //	handshake ENGINE fail=REASON
 //	notif from=ENGINE/RANK [agent=NAME] kind=reg|done|fail|cancel|ack|heartbeat [tid=] [dreq=] [preq=] [spans=1,2] [reason=] [failkind=] [tp=N]
-//	ended xfer=N [fail=REASON]                 a posted transfer ended
+//	ended xfer=N [fail=REASON [refused=true]]  a posted transfer ended (refused: the peer's grants refused it)
 //	advance DURATION                           time passes; due timers fire
 //	fail notify|post                           the next op of that kind fails
 type traceCore struct {
@@ -193,7 +193,7 @@ var traceCmds = map[string]traceCmd{
 	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
 		"tid": anyVal, "dreq": anyVal, "preq": anyVal, "spans": idsVal, "reason": anyVal, "failkind": oneOf(failKindNames()...),
 		"tp": intVal, "ids": anyVal, "until": durVal}, req: []string{"from", "kind"}},
-	"ended":   {keys: map[string]traceVal{"xfer": intVal, "fail": anyVal}, req: []string{"xfer"}},
+	"ended":   {keys: map[string]traceVal{"xfer": intVal, "fail": anyVal, "refused": boolVal}, req: []string{"xfer"}},
 	"advance": {pos: []traceVal{durVal}},
 	"fail":    {pos: []traceVal{oneOf("notify", "post")}},
 }
@@ -488,6 +488,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		in := input{kind: inXferEnded, xfer: XferID(id), state: XferDone}
 		if reason, ok := a["fail"]; ok {
 			in.state, in.err = XferFailed, fmt.Errorf("%w: %s", ErrXferFailed, reason)
+			if a["refused"] == "true" {
+				in.err = fmt.Errorf("%w: %w: %s", ErrXferFailed, ErrNotGranted, reason)
+			}
 		}
 		tc.st.Step(tc.now, in)
 	case "advance":
