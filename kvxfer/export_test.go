@@ -58,7 +58,7 @@ func RaceStepWithClose(w *Worker, meta *StepMeta) error {
 // (BenchmarkGrants).
 func WriteGrants(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID) AccessChecker {
 	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
-	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}})
+	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}}, "")
 	return tab
 }
 
@@ -132,3 +132,15 @@ func BreakWorker(w *Worker, id string, steps []*StepMeta, late *StepMeta) error 
 
 // MaxParked bounds the messages of one engine waiting for a handshake.
 const MaxParked = maxParked
+
+// RegrantedTable is a push rank's access table (layout l, groupBlocks
+// blocks per group) in which writer held a grant on blocks ids of group 0
+// for consumer request old, revoked, and holds one on the same blocks for
+// request next (TestLateWriteOfEndedRequestRefused).
+func RegrantedTable(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID, old, next string) AccessChecker {
+	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
+	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}}, old)
+	tab.revokeWrite(1)
+	tab.grantWrite(2, []PeerName{writer}, []topology.Span{{IDs: ids}}, next)
+	return tab
+}

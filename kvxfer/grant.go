@@ -73,10 +73,15 @@ type AccessFence interface {
 	AccessChecker
 	// Admit checks every range as CheckAccess does and, when all are
 	// allowed, notes the part as moving until Done. Otherwise it returns
-	// the verdict and the index of the first range refused. abort, if not
-	// nil, may be called once, from another goroutine, before Done: the
-	// part must then stop moving bytes and fail; it must not block.
-	Admit(peer PeerName, op hotpath.Op, ranges []Range, abort func()) (Access, int, Admission)
+	// the verdict and the index of the first range refused (-1: the part
+	// as a whole). tag is the notification the transfer carries (nil:
+	// none): a WRITE's names the request it is for, and is admitted only
+	// into blocks granted for that request, so a producer's late WRITE of
+	// a request that ended cannot land in the blocks the consumer granted
+	// it again for its next one. abort, if not nil, may be called once,
+	// from another goroutine, before Done: the part must then stop moving
+	// bytes and fail; it must not block.
+	Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []byte, abort func()) (Access, int, Admission)
 	// Done ends an admission (0: nothing).
 	Done(Admission)
 }
@@ -136,6 +141,7 @@ type accessRegion struct {
 type writeGrant struct {
 	peers []PeerName
 	live  bool
+	req   string // the consumer request it is for ("": not said)
 }
 
 func newAccessTable(l *topology.Layout, groupBlocks []int, mode Mode, m *Metrics) *accessTable {
@@ -167,11 +173,12 @@ func newAccessTable(l *topology.Layout, groupBlocks []int, mode Mode, m *Metrics
 
 // grantWrite lets peers WRITE into the blocks of spans (one per group)
 // under grant id (the Worker's core names its grants: never 0, never
-// reused while remembered), until revokeWrite(id).
-func (t *accessTable) grantWrite(id uint32, peers []PeerName, spans []topology.Span) {
+// reused while remembered) for consumer request req, until
+// revokeWrite(id).
+func (t *accessTable) grantWrite(id uint32, peers []PeerName, spans []topology.Span, req string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.grants[id] = &writeGrant{peers: peers, live: true}
+	t.grants[id] = &writeGrant{peers: peers, live: true, req: req}
 	for g, s := range spans {
 		if g >= len(t.writeTo) {
 			break
@@ -235,7 +242,18 @@ func (t *accessTable) drainLocked(hit func(*landing) bool) {
 }
 
 // Admit implements AccessFence.
-func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, abort func()) (Access, int, Admission) {
+func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []byte, abort func()) (Access, int, Admission) {
+	// What request a WRITE is for, from the notice it carries (decoded
+	// before the lock: it allocates).
+	var forReq string
+	if op == hotpath.OpWrite && len(tag) > 0 {
+		m, err := decodeMsg(tag)
+		if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
+			t.metrics.RefusedAccess(op, AccessDeny)
+			return AccessDeny, -1, 0
+		}
+		forReq = m.DReq
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var i int
@@ -252,6 +270,17 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, abort 
 			t.freeLands = append(t.freeLands, i)
 			t.metrics.RefusedAccess(op, a)
 			return a, j, 0
+		}
+	}
+	if forReq != "" {
+		for _, id := range l.grants {
+			if g := t.grants[id]; g.req != "" && g.req != forReq {
+				// Its blocks are granted to the peer for another request:
+				// the one it names ended (a late WRITE).
+				t.freeLands = append(t.freeLands, i)
+				t.metrics.RefusedAccess(op, AccessLate)
+				return AccessLate, -1, 0
+			}
 		}
 	}
 	if op == hotpath.OpRead {

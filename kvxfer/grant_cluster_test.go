@@ -5,6 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"slices"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -213,4 +217,97 @@ func TestDataPlaneGrants(t *testing.T) {
 			t.Errorf("P refusals %v, want 1 write_deny and at least 3 read_late", s)
 		}
 	})
+}
+
+// A grant is for a request, not only for blocks and a producer: the
+// consumer hands the blocks of a request it gave up to its next request,
+// registered with the same producer, and the producer's late WRITE of the
+// first (held up, then let through after the consumer reported it) is
+// refused — its notice names the request it is for — while the next
+// request's own WRITE lands. Over the built-in backend's TCP path, the
+// same-host copy and the in-process copy.
+func TestLateWriteOfEndedRequestRefused(t *testing.T) {
+	const base, block, blocks = 2 << 32, 4 << 10, 8
+	l := topology.Layout{LogicalBlockSize: 16, KernelBlockSize: 16,
+		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: block, NumBlocks: blocks}}}
+	for _, path := range []string{"tcp", "same-host", "in-process"} {
+		t.Run(path, func(t *testing.T) {
+			// mk is an agent over n bytes at b (a shared file's mapping for
+			// the same-host path, which copies out of the sender's file).
+			mk := func(b uint64, n int) (*tcp.Backend, []byte) {
+				c := tcp.Config{Name: fmt.Sprintf("%s-%d", strings.ReplaceAll(t.Name(), "/", "-"), rand.Uint64()), DisableLocal: path != "in-process",
+					DisableSameHost: path != "same-host", Conns: 2, Logger: quiet}
+				be, err := tcp.New(c)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = be.Close() })
+				f, err := os.CreateTemp(t.TempDir(), "mem")
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = f.Close() })
+				if err := f.Truncate(int64(n)); err != nil {
+					t.Fatal(err)
+				}
+				mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = syscall.Munmap(mem) })
+				if err := be.MapFile(b, mem, f, 0); err != nil {
+					t.Fatal(err)
+				}
+				if err := be.Register([]kvxfer.MemRegion{{Addr: b, Len: uint64(n), Kind: kvxfer.MemDRAM}}); err != nil {
+					t.Fatal(err)
+				}
+				return be, mem
+			}
+			const sbase = 1 << 32
+			src, smem := mk(sbase, block)
+			copy(smem, bytes.Repeat([]byte{0x5A}, block))
+			dst, dmem := mk(base, block*blocks)
+			if err := dst.SetGuard(kvxfer.RegrantedTable(&l, []int{blocks}, kvxfer.PeerName(src.Name()), []topology.BlockID{3}, "d-old", "d-next")); err != nil {
+				t.Fatal(err)
+			}
+			peer, err := src.LoadPeer(metaOf(t, dst))
+			if err != nil {
+				t.Fatal(err)
+			}
+			post := func(dreq string) error {
+				id, err := src.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: sbase, Remote: base + 3*block, Len: block}},
+					kvxfer.AppendDoneMsg("P", 0, 1, "t-"+dreq, dreq, "p-"+dreq))
+				if err != nil {
+					return err
+				}
+				defer func() { _ = src.Release(id) }()
+				for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+					switch s, err := src.State(id); s {
+					case kvxfer.XferDone:
+						return nil
+					case kvxfer.XferFailed:
+						return err
+					}
+				}
+				t.Fatal("the WRITE did not end")
+				return nil
+			}
+			read := func() []byte { return slices.Clone(dmem[3*block : 4*block]) }
+			if err := post("d-old"); !errors.Is(err, kvxfer.ErrNotGranted) {
+				t.Errorf("the late WRITE of the ended request: %v, want refused (not granted)", err)
+			}
+			if got := read(); !bytes.Equal(got, make([]byte, block)) {
+				t.Fatal("the late WRITE of the ended request landed in the next request's block")
+			}
+			if err := post("d-next"); err != nil {
+				t.Errorf("the next request's WRITE: %v, want done", err)
+			}
+			if got := read(); !bytes.Equal(got, bytes.Repeat([]byte{0x5A}, block)) {
+				t.Error("the next request's WRITE did not land")
+			}
+			if path == "same-host" && dst.SameHostParts() == 0 {
+				t.Error("no part went the same-host path")
+			}
+		})
+	}
 }

@@ -37,7 +37,7 @@ func TestAccessTablePush(t *testing.T) {
 	tab := newAccessTable(l, gb, ModePush, m)
 	const p1, p2, evil = PeerName("p1"), PeerName("p2"), PeerName("evil")
 	const g, g2 = 1, 2
-	tab.grantWrite(g, []PeerName{p1, p2}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}))
+	tab.grantWrite(g, []PeerName{p1, p2}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}), "")
 	w := hotpath.OpWrite
 	for _, c := range []struct {
 		name string
@@ -73,7 +73,7 @@ func TestAccessTablePush(t *testing.T) {
 		t.Errorf("after revoke, another peer: %v, want deny", got)
 	}
 	// The block goes to another request of another producer.
-	tab.grantWrite(g2, []PeerName{evil}, spansOf([]topology.BlockID{2}, nil))
+	tab.grantWrite(g2, []PeerName{evil}, spansOf([]topology.BlockID{2}, nil), "")
 	if got := tab.CheckAccess(p1, w, 0x10000+4*256, 512); got != AccessDeny {
 		t.Errorf("block regranted, old peer: %v, want deny", got)
 	}
@@ -87,7 +87,7 @@ func TestAccessTablePush(t *testing.T) {
 	tab.revokeWrite(g2) // idempotent
 	// Ended grants are remembered up to a bound, then forgotten (deny).
 	for i := range maxRevoked {
-		tab.grantWrite(uint32(3+i), []PeerName{p2}, spansOf([]topology.BlockID{7}, nil))
+		tab.grantWrite(uint32(3+i), []PeerName{p2}, spansOf([]topology.BlockID{7}, nil), "")
 		tab.revokeWrite(uint32(3 + i))
 	}
 	if got := tab.CheckAccess(p1, w, 0x10000+6*256, 512); got != AccessDeny {
@@ -156,16 +156,16 @@ func TestAccessFenceDrains(t *testing.T) {
 	t.Run("push", func(t *testing.T) {
 		m := NewMetrics()
 		tab := newAccessTable(l, gb, ModePush, m)
-		tab.grantWrite(1, []PeerName{"p"}, spansOf([]topology.BlockID{2}, nil))
-		tab.grantWrite(2, []PeerName{"p"}, spansOf([]topology.BlockID{3}, nil))
+		tab.grantWrite(1, []PeerName{"p"}, spansOf([]topology.BlockID{2}, nil), "")
+		tab.grantWrite(2, []PeerName{"p"}, spansOf([]topology.BlockID{3}, nil), "")
 		aborted := make(chan struct{}, 2)
 		abort := func() { aborted <- struct{}{} }
-		a, i, adm1 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, abort)
+		a, i, adm1 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, nil, abort)
 		if a != AccessAllow || i != -1 || adm1 == 0 {
 			t.Fatalf("Admit of a granted part: %v, %d, %d", a, i, adm1)
 		}
-		_, _, adm2 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 6*256, 512}}, func() { t.Error("a part of another grant was cut short") })
-		if a, i, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 16}, {0x10000 + 2*256, 16}}, nil); a != AccessDeny || i != 1 {
+		_, _, adm2 := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 6*256, 512}}, nil, func() { t.Error("a part of another grant was cut short") })
+		if a, i, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 16}, {0x10000 + 2*256, 16}}, nil, nil); a != AccessDeny || i != 1 {
 			t.Errorf("a part with an ungranted range: %v at %d, want deny at 1", a, i)
 		}
 		revoked := make(chan struct{})
@@ -183,7 +183,7 @@ func TestAccessFenceDrains(t *testing.T) {
 		tab.Done(adm1)
 		<-revoked
 		tab.Done(adm1) // a second Done is ignored
-		if a, _, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, nil); a != AccessLate {
+		if a, _, _ := tab.Admit("p", hotpath.OpWrite, []Range{{0x10000 + 4*256, 512}}, nil, nil); a != AccessLate {
 			t.Errorf("a part after the revocation: %v, want late", a)
 		}
 		tab.Done(adm2)
@@ -198,7 +198,7 @@ func TestAccessFenceDrains(t *testing.T) {
 		tab.hold(a, 1)
 		tab.hold(b, 1)
 		aborted := make(chan struct{}, 1)
-		_, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{0x10000 + 2*256, 512}}, func() { aborted <- struct{}{} })
+		_, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{0x10000 + 2*256, 512}}, nil, func() { aborted <- struct{}{} })
 		tab.hold(a, -1) // block 1 still held by b: the READ goes on
 		select {
 		case <-aborted:

@@ -32,7 +32,7 @@ func TestPeerGoneWaitsForConfirmationWithGrants(t *testing.T) {
 		carryOut(d, nil, nil, func(_ int, o *op) error {
 			switch o.kind {
 			case opGrant:
-				table.grantWrite(o.grant, o.peers, o.spans)
+				table.grantWrite(o.grant, o.peers, o.spans, o.req)
 			case opRevoke:
 				table.revokeWrite(o.grant)
 			}

@@ -582,6 +582,9 @@ func (st *loopState) dispatch(m *msg) {
 		st.onCancel(m)
 	case msgAck:
 		st.onAck(m)
+	case msgTag:
+		// A layer's WRITE landed; the request's completion follows the
+		// last one.
 	}
 }
 
@@ -948,7 +951,7 @@ type op struct {
 	peer   PeerName
 	msg    []byte // the notification; a post's notification after the bytes
 	notice notice
-	req    string  // noticeReg, noticeDone: the request's id
+	req    string  // noticeReg, noticeDone: the request's id; opGrant: the consumer request
 	tp     int     // noticeReg: the target's index; noticeDone: the D rank
 	m      *msg    // noticePlain: the message, for the log; heartbeats: the message
 	ref    rankRef // heartbeats: the producer rank
@@ -967,13 +970,14 @@ type op struct {
 	delta int32           // opHold
 }
 
-// grantOp asks for a WRITE grant to peers on spans and returns its name.
-func (st *loopState) grantOp(peers []PeerName, spans []topology.Span) uint32 {
+// grantOp asks for a WRITE grant to peers on spans, for consumer request
+// req, and returns its name.
+func (st *loopState) grantOp(peers []PeerName, spans []topology.Span, req string) uint32 {
 	st.nextGrant++
 	if st.nextGrant == 0 {
 		st.nextGrant++
 	}
-	st.fx.ops = append(st.fx.ops, op{kind: opGrant, grant: st.nextGrant, peers: peers, spans: spans})
+	st.fx.ops = append(st.fx.ops, op{kind: opGrant, grant: st.nextGrant, peers: peers, spans: spans, req: req})
 	return st.nextGrant
 }
 

@@ -822,7 +822,9 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	descs := st.fx.descs[from:]
 	notif := done
 	if layerwise {
-		notif = nil // the notice follows the last layer, bare
+		// The notice follows the last layer, bare; each layer's WRITE
+		// names its request, for the consumer's grants.
+		notif = appendMsg(nil, st.self(&msg{Kind: msgTag, TransferID: s.match.tid, DReq: s.match.key.dreq, PReq: s.req.ReqID}))
 		kept := descs[:0]
 		for _, d := range descs {
 			if mask[st.layerIndexOf(d.Local)] {

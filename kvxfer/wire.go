@@ -60,6 +60,11 @@ const (
 	// flight for it; Reason says why. The receiver fails the request at
 	// once instead of waiting for a timeout.
 	msgFail
+	// msgTag (push, P→D): rides on a layer-wise WRITE that is not the
+	// request's last, naming the request its bytes are for (the data
+	// plane's grants admit it only into that request's blocks); the
+	// receiver drops it once the bytes landed.
+	msgTag
 )
 
 func (k msgKind) String() string {
@@ -72,6 +77,8 @@ func (k msgKind) String() string {
 		return "heartbeat"
 	case msgCancel:
 		return "cancel"
+	case msgTag:
+		return "tag"
 	case msgAck:
 		return "ack"
 	case msgFail:
@@ -273,7 +280,7 @@ func decodeMsg(b []byte) (*msg, error) {
 		return nil, fmt.Errorf("%w: field version: %d, want %d", errWire, b[1], wireVersion)
 	}
 	m := &msg{Kind: msgKind(b[2])}
-	if m.Kind < msgReg || m.Kind > msgFail {
+	if m.Kind < msgReg || m.Kind > msgTag {
 		return nil, fmt.Errorf("%w: field kind: %d unknown", errWire, b[2])
 	}
 	r := &reader{b: b[3:]}

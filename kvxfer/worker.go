@@ -857,7 +857,7 @@ func (w *Worker) do(_ int, o *op) error {
 		w.preps[o.prep] = prepEntry{be: id, err: err}
 		return err
 	case opGrant:
-		w.access.grantWrite(o.grant, o.peers, o.spans)
+		w.access.grantWrite(o.grant, o.peers, o.spans, o.req)
 		return nil
 	case opRevoke:
 		w.access.revokeWrite(o.grant) // waits for parts landing under it

@@ -33,14 +33,15 @@ type Guard interface {
 // A Fence is a Guard that also knows which admitted parts still move
 // bytes, so that ending what allowed them can wait for them. The agent
 // admits every incoming part (and every direct or same-host copy)
-// through Admit before a byte moves, and calls Done once its last byte
-// has moved or it failed. Meanwhile the fence may call abort (once, from
-// another goroutine): the part then stops moving bytes and fails.
+// through Admit before a byte moves, with the notification its transfer
+// carries (tag; nil: none), and calls Done once its last byte has moved
+// or it failed. Meanwhile the fence may call abort (once, from another
+// goroutine): the part then stops moving bytes and fails.
 type Fence interface {
 	Guard
 	// Admit returns Allow and a ticket for Done, or the verdict on the
-	// first range refused and its index.
-	Admit(peer string, op Op, ranges []Region, abort func()) (v Verdict, refused int, ticket uint64)
+	// first range refused and its index (-1: the part as a whole).
+	Admit(peer string, op Op, ranges []Region, tag []byte, abort func()) (v Verdict, refused int, ticket uint64)
 	Done(ticket uint64)
 }
 
@@ -61,7 +62,7 @@ func (a *Agent) SetGuard(g Guard) error {
 // admitGuard admits a part through the guard: as checkGuard, and with a
 // Fence the part is noted as moving until releaseGuard(ticket), abort
 // cutting it short if what allowed it ends meanwhile.
-func (a *Agent) admitGuard(peer string, op Op, ranges []Region, abort func()) (Verdict, uint64, error) {
+func (a *Agent) admitGuard(peer string, op Op, ranges []Region, tag []byte, abort func()) (Verdict, uint64, error) {
 	b := a.guard.Load()
 	if b == nil {
 		return Allow, 0, nil
@@ -71,9 +72,13 @@ func (a *Agent) admitGuard(peer string, op Op, ranges []Region, abort func()) (V
 		v, err := a.checkGuard(peer, op, ranges)
 		return v, 0, err
 	}
-	v, i, ticket := f.Admit(peer, op, ranges, abort)
+	v, i, ticket := f.Admit(peer, op, ranges, tag, abort)
 	if v == Allow {
 		return Allow, ticket, nil
+	}
+	if i < 0 || i >= len(ranges) {
+		a.refusals[min(v, Deny)].Add(1)
+		return v, 0, fmt.Errorf("%w: a part of %d ranges of %s by %s, for a request its grants are not for", ErrNotGranted, len(ranges), a.cfg.Name, peer)
 	}
 	return v, 0, a.refused(peer, op, v, i, ranges[i])
 }

@@ -498,7 +498,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	}
 	// Admitted, the copy ends before the grant that let it in can (no
 	// abort: a copy between mapped memories is short).
-	v, ticket, berr := a.admitGuard(from, Write, ranges, nil)
+	v, ticket, berr := a.admitGuard(from, Write, ranges, h.notif, nil)
 	if v == Deny {
 		return berr
 	}

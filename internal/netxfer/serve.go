@@ -330,7 +330,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	// before any byte lands; one it never held drops the connection. An
 	// admitted part lands before the grant that let it in can end (its
 	// revocation waits for it, cutting a part still arriving short).
-	v, ticket, berr := a.admitGuard(from, Write, ranges, sc.abort)
+	v, ticket, berr := a.admitGuard(from, Write, ranges, h.notif, sc.abort)
 	if v == Deny {
 		return berr
 	}
@@ -371,7 +371,7 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	if err != nil {
 		return err
 	}
-	v, ticket, berr := a.admitGuard(from, Read, ranges, sc.abort)
+	v, ticket, berr := a.admitGuard(from, Read, ranges, nil, sc.abort)
 	if v == Deny {
 		return berr
 	}

@@ -354,7 +354,11 @@ func (a *Agent) direct(x *xfer) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
-	_, ticket, err := b.admitGuard(a.cfg.Name, x.op, rem, nil)
+	var tag []byte
+	if x.op == Write {
+		tag = x.notif
+	}
+	_, ticket, err := b.admitGuard(a.cfg.Name, x.op, rem, tag, nil)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}

@@ -253,7 +253,7 @@ type fenceGuard struct {
 	pool sync.Pool // *[]kvxfer.Range, scratch for Admit
 }
 
-func (g *fenceGuard) Admit(peer string, op netxfer.Op, ranges []netxfer.Region, abort func()) (netxfer.Verdict, int, uint64) {
+func (g *fenceGuard) Admit(peer string, op netxfer.Op, ranges []netxfer.Region, tag []byte, abort func()) (netxfer.Verdict, int, uint64) {
 	p, _ := g.pool.Get().(*[]kvxfer.Range)
 	if p == nil {
 		p = new([]kvxfer.Range)
@@ -262,7 +262,7 @@ func (g *fenceGuard) Admit(peer string, op netxfer.Op, ranges []netxfer.Region, 
 	for _, r := range ranges {
 		rs = append(rs, kvxfer.Range{Addr: r.Addr, Len: r.Len})
 	}
-	a, i, adm := g.f.Admit(kvxfer.PeerName(peer), hotOp(op), rs, abort)
+	a, i, adm := g.f.Admit(kvxfer.PeerName(peer), hotOp(op), rs, tag, abort)
 	*p = rs[:0]
 	g.pool.Put(p)
 	return verdict(a), i, uint64(adm)
