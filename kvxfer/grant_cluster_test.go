@@ -61,6 +61,20 @@ func metaOf(t *testing.T, be kvxfer.Backend) []byte {
 	return m
 }
 
+// awaitRegistration waits (bounded) until P's first rank holds one
+// registration waiting for its request.
+func awaitRegistration(t *testing.T, p *simEngine) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if s, _ := p.workers[0][0].State(); s.PendingRegs == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("P never got D's registration")
+		}
+	}
+}
+
 // awaitOutcomes steps nothing; it collects outcomes until want reports
 // arrived (bounded).
 func awaitOutcomes(t *testing.T, want int, engines ...*simEngine) *outcomes {
@@ -122,14 +136,7 @@ func TestDataPlaneGrants(t *testing.T) {
 		d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
 		// D registered with P (its grant is in place): P holds the
 		// registration, waiting for its own request.
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-			if s, _ := p.workers[0][0].State(); s.PendingRegs == 1 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("P never got D's registration")
-			}
-		}
+		awaitRegistration(t, p)
 		before := d.ranks[0][0].Snapshot()
 		target := blockAddr(dl, q.sim.D[0].IDs[0])
 		notMine := blockAddr(dl, 95) // a D block of no request

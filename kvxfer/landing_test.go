@@ -178,14 +178,7 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 
 	now := time.Now()
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-		if s, _ := p.workers[0][0].State(); s.PendingRegs == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("P never got D's registration")
-		}
-	}
+	awaitRegistration(t, p)
 	proxy.arm()
 	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
 	for deadline := time.Now().Add(10 * time.Second); proxy.stalledConns() == 0; time.Sleep(2 * time.Millisecond) {
