@@ -60,9 +60,12 @@ import (
 // outcome on each rank that was handed it, and none more ever.
 //
 // Documented limits, not checked: without grants, a consumer whose fence
-// timed out reports while a WRITE may still land; a pull READ that
-// reaches the producer after its lease ran out (or its abort, or its
-// restart) may read blocks the engine reused (simREADLate).
+// timed out reports while a WRITE may still land; a pull READ that names
+// no producer request (the consumer does not know its id), reaching the
+// producer after its lease ran out (or its abort, or its restart), may
+// read blocks the engine reused (simREADLate). With grants a WRITE is
+// admitted only for the consumer request it names and a READ only where
+// the producer request it names holds the blocks.
 //
 // -coresim.v logs what the simulated ranks post, land, hold and report:
 // go test ./kvxfer -run FuzzCores/NAME -coresim.v -v.
@@ -354,6 +357,7 @@ type simCore struct {
 	writeTo [simBlocks]uint32
 	grants  map[uint32]*simGrant
 	held    [simBlocks]int32
+	holders [simBlocks][]string // the producer requests holding each block
 	// Requests this rank was handed, and what it reported.
 	handed   map[string]bool
 	reported map[string]int
@@ -649,6 +653,11 @@ func (s *coreSim) do(c *simCore, o *op) error {
 			}
 			for _, b := range o.spans[0].IDs {
 				c.held[b] = max(c.held[b]+o.delta, 0)
+				if o.delta > 0 {
+					c.holders[b] = append(c.holders[b], o.req)
+				} else if i := slices.Index(c.holders[b], o.req); i >= 0 {
+					c.holders[b] = slices.Delete(c.holders[b], i, i+1)
+				}
 			}
 		}
 		return nil
@@ -1185,12 +1194,17 @@ func (s *coreSim) copyBytes(x *simXfer, peer *simCore) error {
 		for i := range x.descs {
 			d := &x.descs[i]
 			for _, b := range pc.blocks(s, src(d), d.Len) {
-				if x.read && pc.held[b] == 0 {
-					return fmt.Errorf("%w: %w: block %d of %s is not held", ErrXferFailed, ErrNotGranted, b, pc.agent)
+				// A READ names the producer request it reads when the
+				// consumer knows its id (its tag), and is admitted only
+				// where that request holds the block.
+				if x.read && (pc.held[b] == 0 || x.preq != "" && len(pc.holders[b]) > 0 && !slices.Contains(pc.holders[b], x.preq)) {
+					return fmt.Errorf("%w: %w: block %d of %s is not held for %q", ErrXferFailed, ErrNotGranted, b, pc.agent, x.preq)
 				}
 			}
 			for _, b := range dc.blocks(s, dst(d), d.Len) {
-				if g := dc.grants[dc.writeTo[b]]; !x.read && (g == nil || !g.live || !slices.Contains(g.peers, pc.agent)) {
+				// A WRITE names the consumer request it is for (its tag) and
+				// lands only under that request's grant.
+				if g := dc.grants[dc.writeTo[b]]; !x.read && (g == nil || !g.live || !slices.Contains(g.peers, pc.agent) || g.dreq != "" && g.dreq != x.dreq) {
 					return fmt.Errorf("%w: %w: block %d of %s is not granted to %s", ErrXferFailed, ErrNotGranted, b, dc.agent, pc.agent)
 				}
 			}
@@ -1202,7 +1216,7 @@ func (s *coreSim) copyBytes(x *simXfer, peer *simCore) error {
 			if pc.eng.owner[b] == x.preq && pc.reported[x.preq] == 0 {
 				continue
 			}
-			if x.read && (pc.reported[x.preq] > 0 && pc.results[x.preq] != ResultDone || !pc.handed[x.preq]) {
+			if x.read && (!s.grants || x.preq == "") && (pc.reported[x.preq] > 0 && pc.results[x.preq] != ResultDone || !pc.handed[x.preq]) {
 				dc.tainted[x.dreq] = true // simREADLate
 				continue
 			}

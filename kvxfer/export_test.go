@@ -136,11 +136,21 @@ const MaxParked = maxParked
 // RegrantedTable is a push rank's access table (layout l, groupBlocks
 // blocks per group) in which writer held a grant on blocks ids of group 0
 // for consumer request old, revoked, and holds one on the same blocks for
-// request next (TestLateWriteOfEndedRequestRefused).
+// request next (TestLateTransferOfEndedRequestRefused).
 func RegrantedTable(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID, old, next string) AccessChecker {
 	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
 	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}}, old)
 	tab.revokeWrite(1)
 	tab.grantWrite(2, []PeerName{writer}, []topology.Span{{IDs: ids}}, next)
+	return tab
+}
+
+// ReheldTable is a pull rank's access table in which blocks ids of group 0
+// were held for producer request old, let go, and are held for next.
+func ReheldTable(l *topology.Layout, groupBlocks []int, ids []topology.BlockID, old, next string) AccessChecker {
+	tab := newAccessTable(l, groupBlocks, ModePull, NewMetrics())
+	tab.hold([]topology.Span{{IDs: ids}}, 1, old)
+	tab.hold([]topology.Span{{IDs: ids}}, -1, old)
+	tab.hold([]topology.Span{{IDs: ids}}, 1, next)
 	return tab
 }

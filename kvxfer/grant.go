@@ -108,6 +108,9 @@ type accessTable struct {
 	mu      sync.RWMutex
 	writeTo [][]uint32 // [group][logical block]: the WRITE grant it was last given (0: none)
 	held    [][]int32  // [group][logical block]: pull holds
+	// holders: [group][logical block]: the producer requests holding it
+	// (pull; those hold names), what a tagged READ must name.
+	holders [][][]string
 	grants  map[uint32]*writeGrant
 	revoked []uint32 // ended grants still in grants, oldest first
 	// closed: the Worker broke (closeAll): nothing is granted any more.
@@ -129,6 +132,7 @@ type landing struct {
 	op      hotpath.Op
 	grants  []uint32 // WRITE: the grants it lands under
 	ranges  []Range  // READ: what it reads
+	forReq  string   // READ: the producer request it names ("": none)
 	abort   func()
 }
 
@@ -166,6 +170,7 @@ func newAccessTable(l *topology.Layout, groupBlocks []int, mode Mode, m *Metrics
 			t.writeTo = append(t.writeTo, make([]uint32, n))
 		} else {
 			t.held = append(t.held, make([]int32, n))
+			t.holders = append(t.holders, make([][]string, n))
 		}
 	}
 	return t
@@ -246,13 +251,19 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 	// What request a WRITE is for, from the notice it carries (decoded
 	// before the lock: it allocates).
 	var forReq string
-	if op == hotpath.OpWrite && len(tag) > 0 {
+	if len(tag) > 0 {
 		m, err := decodeMsg(tag)
 		if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
 			t.metrics.RefusedAccess(op, AccessDeny)
 			return AccessDeny, -1, 0
 		}
+		// A WRITE names the consumer request whose blocks it is for; a
+		// READ the producer request whose blocks it reads (when the
+		// consumer knows its id).
 		forReq = m.DReq
+		if op == hotpath.OpRead {
+			forReq = m.PReq
+		}
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -272,7 +283,18 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 			return a, j, 0
 		}
 	}
-	if forReq != "" {
+	if forReq != "" && op == hotpath.OpRead {
+		for _, r := range ranges {
+			if !t.heldForLocked(r, forReq) {
+				// Its blocks are held for another request: the one it
+				// names let them go (a READ after its lease).
+				t.freeLands = append(t.freeLands, i)
+				t.metrics.RefusedAccess(op, AccessLate)
+				return AccessLate, -1, 0
+			}
+		}
+	}
+	if forReq != "" && op == hotpath.OpWrite {
 		for _, id := range l.grants {
 			if g := t.grants[id]; g.req != "" && g.req != forReq {
 				// Its blocks are granted to the peer for another request:
@@ -283,8 +305,10 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 			}
 		}
 	}
+	l.forReq = ""
 	if op == hotpath.OpRead {
 		l.ranges = append(l.ranges, ranges...)
+		l.forReq = forReq
 	}
 	l.gen++
 	l.live, l.aborted, l.op, l.abort = true, false, op, abort
@@ -308,8 +332,9 @@ func (t *accessTable) Done(a Admission) {
 	t.landed.Broadcast()
 }
 
-// hold adds (delta 1) or removes (-1) a pull hold on the blocks of spans.
-func (t *accessTable) hold(spans []topology.Span, delta int32) {
+// hold adds (delta 1) or removes (-1) a pull hold on the blocks of spans
+// for producer request req ("": not said).
+func (t *accessTable) hold(spans []topology.Span, delta int32, req string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for g, s := range spans {
@@ -319,23 +344,63 @@ func (t *accessTable) hold(spans []topology.Span, delta int32) {
 		for _, b := range s.IDs {
 			if b >= 0 && int(b) < len(t.held[g]) {
 				t.held[g][b] = max(t.held[g][b]+delta, 0)
+				if req == "" {
+					continue
+				}
+				hs := t.holders[g][b]
+				if delta > 0 {
+					t.holders[g][b] = append(hs, req)
+				} else if i := slices.Index(hs, req); i >= 0 {
+					t.holders[g][b] = slices.Delete(hs, i, i+1)
+				}
 			}
 		}
 	}
 	if delta < 0 {
-		// READs admitted out of blocks no longer held end first.
+		// READs admitted out of blocks no longer held (for the request
+		// they name) end first.
 		t.drainLocked(func(l *landing) bool {
 			if l.op != hotpath.OpRead {
 				return false
 			}
 			for _, r := range l.ranges {
-				if t.checkLocked("", hotpath.OpRead, r.Addr, r.Len, nil) != AccessAllow {
+				if t.checkLocked("", hotpath.OpRead, r.Addr, r.Len, nil) != AccessAllow || !t.heldForLocked(r, l.forReq) {
 					return true
 				}
 			}
 			return false
 		})
 	}
+}
+
+// heldForLocked reports whether every block of r is held for producer
+// request req ("": any hold will do; a hold of unnamed requests too).
+func (t *accessTable) heldForLocked(r Range, req string) bool {
+	if req == "" || r.Len == 0 {
+		return true
+	}
+	i, _ := slices.BinarySearchFunc(t.regions, r.Addr, func(x accessRegion, a uint64) int { return cmpU64(x.base, a) })
+	if i < len(t.regions) && t.regions[i].base == r.Addr {
+		i++
+	}
+	if i == 0 {
+		return false
+	}
+	reg := &t.regions[i-1]
+	off := r.Addr - reg.base
+	if off >= reg.size || r.Len > reg.size-off {
+		return false
+	}
+	for b := off / reg.blockLen / reg.ppl; b <= (off+r.Len-1)/reg.blockLen/reg.ppl; b++ {
+		for _, g := range reg.groups {
+			if g < len(t.holders) && b < uint64(len(t.holders[g])) && t.held[g][b] > 0 {
+				if hs := t.holders[g][b]; len(hs) > 0 && !slices.Contains(hs, req) {
+					return false
+				}
+			}
+		}
+	}
+	return true
 }
 
 // closeAll ends every grant and hold at once, for a Worker that broke:

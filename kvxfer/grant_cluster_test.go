@@ -233,88 +233,117 @@ func TestDataPlaneGrants(t *testing.T) {
 // refused — its notice names the request it is for — while the next
 // request's own WRITE lands. Over the built-in backend's TCP path, the
 // same-host copy and the in-process copy.
-func TestLateWriteOfEndedRequestRefused(t *testing.T) {
+//
+// The same for a pull READ: a hold is for a producer request, and a READ
+// (naming the request it reads, when the consumer knows P's id) that
+// comes after that request let its blocks go is refused even though the
+// engine holds them again for another request.
+func TestLateTransferOfEndedRequestRefused(t *testing.T) {
+	for _, op := range []hotpath.Op{hotpath.OpWrite, hotpath.OpRead} {
+		for _, path := range []string{"tcp", "same-host", "in-process"} {
+			t.Run(op.String()+"/"+path, func(t *testing.T) { lateTransfer(t, op, path) })
+		}
+	}
+}
+
+func lateTransfer(t *testing.T, op hotpath.Op, path string) {
 	const base, block, blocks = 2 << 32, 4 << 10, 8
 	l := topology.Layout{LogicalBlockSize: 16, KernelBlockSize: 16,
 		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: block, NumBlocks: blocks}}}
-	for _, path := range []string{"tcp", "same-host", "in-process"} {
-		t.Run(path, func(t *testing.T) {
-			// mk is an agent over n bytes at b (a shared file's mapping for
-			// the same-host path, which copies out of the sender's file).
-			mk := func(b uint64, n int) (*tcp.Backend, []byte) {
-				c := tcp.Config{Name: fmt.Sprintf("%s-%d", strings.ReplaceAll(t.Name(), "/", "-"), rand.Uint64()), DisableLocal: path != "in-process",
-					DisableSameHost: path != "same-host", Conns: 2, Logger: quiet}
-				be, err := tcp.New(c)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = be.Close() })
-				f, err := os.CreateTemp(t.TempDir(), "mem")
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = f.Close() })
-				if err := f.Truncate(int64(n)); err != nil {
-					t.Fatal(err)
-				}
-				mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = syscall.Munmap(mem) })
-				if err := be.MapFile(b, mem, f, 0); err != nil {
-					t.Fatal(err)
-				}
-				if err := be.Register([]kvxfer.MemRegion{{Addr: b, Len: uint64(n), Kind: kvxfer.MemDRAM}}); err != nil {
-					t.Fatal(err)
-				}
-				return be, mem
-			}
-			const sbase = 1 << 32
-			src, smem := mk(sbase, block)
-			copy(smem, bytes.Repeat([]byte{0x5A}, block))
-			dst, dmem := mk(base, block*blocks)
-			if err := dst.SetGuard(kvxfer.RegrantedTable(&l, []int{blocks}, kvxfer.PeerName(src.Name()), []topology.BlockID{3}, "d-old", "d-next")); err != nil {
-				t.Fatal(err)
-			}
-			peer, err := src.LoadPeer(metaOf(t, dst))
-			if err != nil {
-				t.Fatal(err)
-			}
-			post := func(dreq string) error {
-				id, err := src.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: sbase, Remote: base + 3*block, Len: block}},
-					kvxfer.AppendDoneMsg("P", 0, 1, "t-"+dreq, dreq, "p-"+dreq))
-				if err != nil {
-					return err
-				}
-				defer func() { _ = src.Release(id) }()
-				for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-					switch s, err := src.State(id); s {
-					case kvxfer.XferDone:
-						return nil
-					case kvxfer.XferFailed:
-						return err
-					}
-				}
-				t.Fatal("the WRITE did not end")
+	// mk is an agent over n bytes at b (a shared file's mapping for
+	// the same-host path, which copies out of the sender's file).
+	mk := func(b uint64, n int) (*tcp.Backend, []byte) {
+		c := tcp.Config{Name: fmt.Sprintf("%s-%d", strings.ReplaceAll(t.Name(), "/", "-"), rand.Uint64()), DisableLocal: path != "in-process",
+			DisableSameHost: path != "same-host", Conns: 2, Logger: quiet}
+		be, err := tcp.New(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = be.Close() })
+		f, err := os.CreateTemp(t.TempDir(), "mem")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		if err := f.Truncate(int64(n)); err != nil {
+			t.Fatal(err)
+		}
+		mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = syscall.Munmap(mem) })
+		if err := be.MapFile(b, mem, f, 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := be.Register([]kvxfer.MemRegion{{Addr: b, Len: uint64(n), Kind: kvxfer.MemDRAM}}); err != nil {
+			t.Fatal(err)
+		}
+		return be, mem
+	}
+	// The guarded side (dst: D's for a WRITE, P's for a READ) has
+	// block 3; the other (src) posts, its bytes 0x5A.
+	const sbase = 1 << 32
+	src, smem := mk(sbase, block)
+	dst, dmem := mk(base, block*blocks)
+	var table kvxfer.AccessChecker
+	if op == hotpath.OpWrite {
+		copy(smem, bytes.Repeat([]byte{0x5A}, block))
+		table = kvxfer.RegrantedTable(&l, []int{blocks}, kvxfer.PeerName(src.Name()), []topology.BlockID{3}, "d-old", "d-next")
+	} else {
+		copy(dmem[3*block:], bytes.Repeat([]byte{0x5A}, block))
+		table = kvxfer.ReheldTable(&l, []int{blocks}, []topology.BlockID{3}, "p-old", "p-next")
+	}
+	if err := dst.SetGuard(table); err != nil {
+		t.Fatal(err)
+	}
+	peer, err := src.LoadPeer(metaOf(t, dst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	post := func(req string) error {
+		dreq, preq := req, "p-"+req
+		if op == hotpath.OpRead {
+			dreq, preq = "d-"+req, req
+		}
+		id, err := src.Post(op, peer, []hotpath.Desc{{Local: sbase, Remote: base + 3*block, Len: block}},
+			kvxfer.AppendDoneMsg("D", 0, 1, "t-"+req, dreq, preq))
+		if err != nil {
+			return err
+		}
+		defer func() { _ = src.Release(id) }()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			switch s, err := src.State(id); s {
+			case kvxfer.XferDone:
 				return nil
+			case kvxfer.XferFailed:
+				return err
 			}
-			read := func() []byte { return slices.Clone(dmem[3*block : 4*block]) }
-			if err := post("d-old"); !errors.Is(err, kvxfer.ErrNotGranted) {
-				t.Errorf("the late WRITE of the ended request: %v, want refused (not granted)", err)
-			}
-			if got := read(); !bytes.Equal(got, make([]byte, block)) {
-				t.Fatal("the late WRITE of the ended request landed in the next request's block")
-			}
-			if err := post("d-next"); err != nil {
-				t.Errorf("the next request's WRITE: %v, want done", err)
-			}
-			if got := read(); !bytes.Equal(got, bytes.Repeat([]byte{0x5A}, block)) {
-				t.Error("the next request's WRITE did not land")
-			}
-			if path == "same-host" && dst.SameHostParts() == 0 {
-				t.Error("no part went the same-host path")
-			}
-		})
+		}
+		t.Fatal("the WRITE did not end")
+		return nil
+	}
+	// What the transfer wrote: into dst's block (WRITE) or src's
+	// memory (READ).
+	read := func() []byte { return slices.Clone(dmem[3*block : 4*block]) }
+	old, next := "d-old", "d-next"
+	if op == hotpath.OpRead {
+		read = func() []byte { return slices.Clone(smem) }
+		old, next = "p-old", "p-next"
+	}
+	if err := post(old); !errors.Is(err, kvxfer.ErrNotGranted) {
+		t.Errorf("the late %v of the ended request: %v, want refused (not granted)", op, err)
+	}
+	if got := read(); !bytes.Equal(got, make([]byte, block)) {
+		t.Fatalf("the late %v of the ended request moved the next request's bytes", op)
+	}
+	if err := post(next); err != nil {
+		t.Errorf("the next request's %v: %v, want done", op, err)
+	}
+	if got := read(); !bytes.Equal(got, bytes.Repeat([]byte{0x5A}, block)) {
+		t.Errorf("the next request's %v did not move its bytes", op)
+	}
+	if path == "same-host" && dst.SameHostParts()+src.SameHostParts() == 0 {
+		t.Error("no part went the same-host path")
 	}
 }

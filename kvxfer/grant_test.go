@@ -113,8 +113,8 @@ func TestAccessTablePull(t *testing.T) {
 	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
 		t.Errorf("before any hold: %v, want late (the producer may not have taken its step yet)", got)
 	}
-	tab.hold(a, 1)
-	tab.hold(b, 1)
+	tab.hold(a, 1, "")
+	tab.hold(b, 1, "")
 	for _, c := range []struct {
 		addr, n uint64
 		op      hotpath.Op
@@ -132,16 +132,16 @@ func TestAccessTablePull(t *testing.T) {
 			t.Errorf("%v [%#x, +%d): %v, want %v", c.op, c.addr, c.n, got, c.want)
 		}
 	}
-	tab.hold(a, -1)
+	tab.hold(a, -1, "")
 	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
 		t.Errorf("block 2 still held by b: %v", got)
 	}
 	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
 		t.Errorf("block 1 released: %v, want late", got)
 	}
-	tab.hold(b, -1)
-	tab.hold(b, -1) // never below zero
-	tab.hold(b, 1)
+	tab.hold(b, -1, "")
+	tab.hold(b, -1, "") // never below zero
+	tab.hold(b, 1, "")
 	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
 		t.Errorf("block 2 held again: %v", got)
 	}
@@ -195,18 +195,18 @@ func TestAccessFenceDrains(t *testing.T) {
 	t.Run("pull", func(t *testing.T) {
 		tab := newAccessTable(l, gb, ModePull, NewMetrics())
 		a, b := spansOf([]topology.BlockID{1}, nil), spansOf([]topology.BlockID{1, 2}, nil)
-		tab.hold(a, 1)
-		tab.hold(b, 1)
+		tab.hold(a, 1, "")
+		tab.hold(b, 1, "")
 		aborted := make(chan struct{}, 1)
 		_, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{0x10000 + 2*256, 512}}, nil, func() { aborted <- struct{}{} })
-		tab.hold(a, -1) // block 1 still held by b: the READ goes on
+		tab.hold(a, -1, "") // block 1 still held by b: the READ goes on
 		select {
 		case <-aborted:
 			t.Fatal("a READ of blocks still held was cut short")
 		default:
 		}
 		released := make(chan struct{})
-		go func() { tab.hold(b, -1); close(released) }()
+		go func() { tab.hold(b, -1, ""); close(released) }()
 		<-aborted
 		select {
 		case <-released:

@@ -23,14 +23,16 @@ import (
 //   - A transfer or notice to it failing (a refused dial, a lost
 //     connection) asks at once instead of at the next tick.
 //
-// A push producer that is only unreachable may still WRITE once it is
-// back, so a push consumer that failed this way waits for its fence as for
-// any cancel, with the data-plane grants in force or not: a grant is by
-// block and peer, and the engine may register the blocks again, with the
-// same producer, for its next request, so the grants would admit the late
-// WRITE (FuzzCores found it). A pull consumer with the grants in force
-// (the built-in backend) abandons its READs in flight, cut short, and
-// reports at once. A producer that restarted cannot complete anything.
+// With the data-plane grants in force (the built-in backend) a request
+// failed this way is reported at once: revoking its grant cuts short what
+// lands under it and refuses what comes later, even once the engine
+// registered the same blocks, with the same producer, for its next
+// request (a WRITE names the request it is for, and a grant is for one
+// request: FuzzCores found the hole when grants were by block and peer).
+// A pull consumer's READs in flight are cut short the same way. Without
+// grants (NIXL), a producer that is only unreachable may still WRITE once
+// it is back, so a push consumer waits for its fence as for any cancel. A
+// producer that restarted cannot complete anything.
 
 // probeEvery is how often a watched engine is asked about.
 func (st *loopState) probeEvery() time.Duration {
@@ -158,7 +160,7 @@ func (st *loopState) probeDone(h *hsResult) {
 // drops its handshake so the next request handshakes again.
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
-	fence := st.guarded && st.cfg.Mode == ModePull // push: see above
+	fence := st.guarded // see above
 	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(*recvReq) bool { return true })
 	st.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by

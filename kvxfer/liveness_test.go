@@ -41,10 +41,9 @@ func livePair(t *testing.T, timeout time.Duration) (dir *kvxfertest.Directory, p
 
 // A producer that stops answering (its daemon gone: handshakes fail, its
 // agents silent) fails what waits on it within PeerTimeout and a probe,
-// naming it, and reports it once its fence times out: the producer cannot
-// confirm the cancel, and the grants do not refuse a late WRITE into
-// blocks the engine registers again with the same producer
-// (TestPeerGoneWaitsForConfirmationWithGrants).
+// naming it: with the built-in backend's grants at once (its grants are
+// revoked, and refuse a late WRITE even into blocks the engine registers
+// again with the same producer: TestPeerGoneWithGrantsRefusesLateWrites).
 func TestPeerGoneFailsWaitingRequests(t *testing.T) {
 	const timeout = 500 * time.Millisecond
 	dir, p, d, _ := livePair(t, timeout)

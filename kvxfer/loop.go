@@ -548,7 +548,8 @@ func (st *loopState) onNotifs(notifs []Notif) {
 			st.log.Warn("kvxfer: dropped a peer message", "from", n.From, "err", err)
 			continue
 		}
-		if !st.admit(parkedMsg{from: PeerName(n.From), m: m}) {
+		m.from = PeerName(n.From)
+		if !st.admit(parkedMsg{from: m.from, m: m}) {
 			continue
 		}
 		st.dispatch(m)
@@ -986,9 +987,9 @@ func (st *loopState) revokeOp(id uint32) {
 	st.fx.ops = append(st.fx.ops, op{kind: opRevoke, grant: id})
 }
 
-// holdOp adds or lets go pull holds on spans.
-func (st *loopState) holdOp(spans []topology.Span, delta int32) {
-	st.fx.ops = append(st.fx.ops, op{kind: opHold, spans: spans, delta: delta})
+// holdOp adds or lets go pull holds on spans for producer request req.
+func (st *loopState) holdOp(spans []topology.Span, delta int32, req string) {
+	st.fx.ops = append(st.fx.ops, op{kind: opHold, spans: spans, delta: delta, req: req})
 }
 
 // notifyOp asks for a notification.

@@ -137,7 +137,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 	if st.cfg.Mode == ModePull {
 		if st.guarded {
 			// Consumers may READ the blocks while they are held.
-			st.holdOp(s.req.Blocks, 1)
+			st.holdOp(s.req.Blocks, 1, s.req.ReqID)
 		}
 		st.replayEarly(s)
 	}
@@ -770,6 +770,13 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		st.failRank(s, tp, r, FailureIncompatible, fmt.Sprintf("consumer engine %s has no rank tp %d", e.id, tp))
 		return
 	}
+	if r.reg != nil && r.reg.from != "" && r.reg.from != peer {
+		// The rank that registered these blocks is gone (its engine
+		// restarted or re-attached it: another agent speaks for it now);
+		// they may hold another request's KV by now.
+		st.failRank(s, tp, r, FailurePeerGone, fmt.Sprintf("consumer engine %s rank tp %d restarted after it registered (agent %s, now %s)", e.id, tp, r.reg.from, peer))
+		return
+	}
 	p, err := st.plan(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp)
 	if err != nil {
 		st.failRank(s, tp, r, FailureIncompatible, err.Error())
@@ -1070,7 +1077,7 @@ func allSettledOK(s *sendReq) bool {
 func (st *loopState) forgetSend(s *sendReq) {
 	st.sends.remove(s, s.hID)
 	if st.guarded && st.cfg.Mode == ModePull {
-		st.holdOp(s.req.Blocks, -1)
+		st.holdOp(s.req.Blocks, -1, s.req.ReqID)
 	}
 	if s.saved != nil {
 		ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })

@@ -110,6 +110,9 @@ type msg struct {
 	// then (zero: no limit). However late a registration is delivered,
 	// it cannot make the producer WRITE into blocks the consumer gave up.
 	Until time.Time
+
+	// from is the agent it came from, once admitted (not on the wire).
+	from PeerName
 }
 
 // failKind is the kind a failure notice gives the receiver's outcome:

@@ -121,8 +121,8 @@ func (a *Agent) serve(raw net.Conn) {
 		switch hdr[0] {
 		case tWrite:
 			err = a.serveWrite(r, w, from, hdr[:], &sc)
-		case tReadReq:
-			err = a.serveRead(r, nc, w, from, hdr[:], &sc, ls)
+		case tReadReq, tReadReqTag:
+			err = a.serveRead(r, nc, w, from, hdr[:], hdr[0] == tReadReqTag, &sc, ls)
 		case tNotif:
 			var msg []byte
 			if msg, err = readMsg(r, hdr[:4]); err == nil {
@@ -359,7 +359,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 }
 
 // serveRead answers one READ part straight from registered memory.
-func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, sc *scratch, ls *localServer) error {
+func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, tagged bool, sc *scratch, ls *localServer) error {
 	defer sc.done()
 	if err := readFull(r, hdr[:16]); err != nil {
 		return err
@@ -367,11 +367,18 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	id := binary.LittleEndian.Uint64(hdr[:8])
 	part := binary.LittleEndian.Uint32(hdr[8:12])
 	n := binary.LittleEndian.Uint32(hdr[12:16])
+	var tag []byte
+	if tagged {
+		var err error
+		if tag, err = readMsg(r, hdr[:4]); err != nil {
+			return err
+		}
+	}
 	ranges, _, err := readTable(r, n, sc)
 	if err != nil {
 		return err
 	}
-	v, ticket, berr := a.admitGuard(from, Read, ranges, nil, sc.abort)
+	v, ticket, berr := a.admitGuard(from, Read, ranges, tag, sc.abort)
 	if v == Deny {
 		return berr
 	}

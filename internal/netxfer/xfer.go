@@ -20,6 +20,9 @@ const (
 
 	tWrite    = 1  // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
 	tReadReq  = 2  // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
+	// A READ request that carries its transfer's notification (its tag:
+	// what the server's guard admits it for).
+	tReadReqTag = 9 // xfer u64, part u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64)
 	tNotif    = 3  // len u32 | msg
 	tNotifReq = 4  // xfer u64, len u32 | msg
 	tAck      = 16 // xfer u64, part u32, errlen u32 | err
@@ -354,11 +357,7 @@ func (a *Agent) direct(x *xfer) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
-	var tag []byte
-	if x.op == Write {
-		tag = x.notif
-	}
-	_, ticket, err := b.admitGuard(a.cfg.Name, x.op, rem, tag, nil)
+	_, ticket, err := b.admitGuard(a.cfg.Name, x.op, rem, x.notif, nil)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
@@ -440,11 +439,19 @@ func (a *Agent) start(x *xfer) {
 func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 	ds := x.descs[x.split[part]:x.split[part+1]]
 	if x.op == Read {
-		h := make([]byte, 0, 17+16*len(ds))
-		h = append(h, tReadReq)
+		h := make([]byte, 0, 21+len(x.notif)+16*len(ds))
+		typ := byte(tReadReq)
+		if x.notif != nil {
+			typ = tReadReqTag
+		}
+		h = append(h, typ)
 		h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
 		h = binary.LittleEndian.AppendUint32(h, uint32(part))
 		h = binary.LittleEndian.AppendUint32(h, uint32(len(ds)))
+		if x.notif != nil {
+			h = binary.LittleEndian.AppendUint32(h, uint32(len(x.notif)))
+			h = append(h, x.notif...)
+		}
 		for _, d := range ds {
 			h = binary.LittleEndian.AppendUint64(h, d.Remote)
 			h = binary.LittleEndian.AppendUint64(h, d.Len)
