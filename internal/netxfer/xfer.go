@@ -18,16 +18,16 @@ const (
 	magic   = "KVXN"
 	version = 1
 
-	tWrite    = 1  // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
-	tReadReq  = 2  // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
+	tWrite   = 1 // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
+	tReadReq = 2 // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
 	// A READ request that carries its transfer's notification (its tag:
 	// what the server's guard admits it for).
-	tReadReqTag = 9 // xfer u64, part u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64)
-	tNotif    = 3  // len u32 | msg
-	tNotifReq = 4  // xfer u64, len u32 | msg
-	tAck      = 16 // xfer u64, part u32, errlen u32 | err
-	tReadResp = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
-	tNotifAck = 18 // xfer u64
+	tReadReqTag = 9  // xfer u64, part u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64)
+	tNotif      = 3  // len u32 | msg
+	tNotifReq   = 4  // xfer u64, len u32 | msg
+	tAck        = 16 // xfer u64, part u32, errlen u32 | err
+	tReadResp   = 17 // xfer u64, part u32, errlen u32 | err | payload (when no error)
+	tNotifAck   = 18 // xfer u64
 	// A part the server's guard refused (Late: the connection is kept):
 	// as tAck and tReadResp, with the refusal as the error.
 	tAckRefused  = 19
