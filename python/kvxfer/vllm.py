@@ -121,6 +121,12 @@ log = logging.getLogger("kvxfer.vllm")
 CONNECTOR_VERSION = "kvxfer.vllm/1"
 
 
+
+# How long kvxferd may go on moving a rank's bytes after its stream ended:
+# its close of the rank fences the transfers in flight (WorkerConfig's
+# CloseTimeout, 10 s) before it lets the memory go; with a margin.
+_DAEMON_FENCE_S = 12.0
+
 class Disagreement(AssertionError):
     """A decision of the connector differs from the daemon's Scheduler's
     (``verify`` only): the two implementations of the same rules diverged."""
@@ -1231,6 +1237,12 @@ class _WorkerSide:
         self.layer_steps: list[int] = []
         self.saver: _LayerSaver | None = None
         self.dead: str | None = None
+        # A stream that ended: when, the requests kvxferd held then (it may
+        # still move their bytes: see _fail_dead), and whether kvxferd is
+        # unreachable (gone, and its transfers with it).
+        self.dead_at = 0.0
+        self.held_at_death: set[str] = set()
+        self.daemon_gone = False
         self.hello: pb.WorkerHello | None = None
         self.retry_at = 0.0
 
@@ -1259,7 +1271,7 @@ class _WorkerSide:
         if not meta.step_meta and not meta.step_ref:
             return
         if self.dead is not None and not self._reattach():
-            self._fail_all(self.dead)
+            self._fail_dead()
             return
         try:
             if meta.step_ref:
@@ -1328,10 +1340,23 @@ class _WorkerSide:
         try:
             stream = self.c.client.connect(self.hello, ready_timeout=min(self.cfg.timeout_s, 5))
         except errors.KvxferError as e:
+            # Unreachable: kvxferd is gone, and what it moved with it. Else
+            # (the rank still attached: kvxferd still fences its
+            # transfers) the requests it held wait (_fail_dead).
+            self.daemon_gone = self.daemon_gone or isinstance(e, errors.Unavailable)
             log.info("kvxfer: rank tp=%d pp=%d of engine %s cannot attach again yet: %s",
                      self.tp_rank, self.pp_rank, self.c.engine_id, e)
             return False
-        self.stream, self.dead = stream, None
+        # kvxferd let the old rank go: nothing of it moves any more; what it
+        # held ends now (its outcomes were lost with the stream).
+        why = self.dead or "the stream ended"
+        for rid in sorted(self.held_at_death):
+            if rid in self.waiting_recv:
+                self._recv_done(rid, failed=True, why=why)
+            if rid in self.waiting_send:
+                self._send_done(rid, failed=True, why=why)
+        self.stream, self.dead, self.daemon_gone = stream, None, False
+        self.held_at_death = set()
         if self.saver is not None:
             self.saver.stream = stream
         log.warning("kvxfer: rank tp=%d pp=%d of engine %s attached to kvxferd again", self.tp_rank, self.pp_rank,
@@ -1340,15 +1365,36 @@ class _WorkerSide:
 
     def _die(self, why: str) -> None:
         if self.dead is None:
-            log.error("kvxfer: the stream of engine %s rank tp=%d pp=%d ended: %s; failing its requests",
-                      self.c.engine_id, self.tp_rank, self.pp_rank, why)
+            log.error("kvxfer: the stream of engine %s rank tp=%d pp=%d ended: %s; failing its requests once kvxferd "
+                      "let the rank go", self.c.engine_id, self.tp_rank, self.pp_rank, why)
+            self.dead_at = time.monotonic()
+            self.held_at_death = set(self.waiting_recv) | set(self.waiting_send)
         self.dead = why
-        self._fail_all(why)
+        self._fail_dead()
+
+    def _fail_dead(self) -> None:
+        """Ends the requests of a rank whose stream ended. Those kvxferd held
+        then end only once nothing of its can still move their bytes (its
+        close of the rank fences the transfers in flight, up to its close
+        timeout): once it took the rank back (we attached again), cannot be
+        reached, or _DAEMON_FENCE_S passed. Their blocks go back to vLLM
+        then, never while a WRITE may still read or land in them. Requests
+        of later steps (never sent to kvxferd) end at once."""
+        fenced = self.daemon_gone or time.monotonic() - self.dead_at >= _DAEMON_FENCE_S
+        why = self.dead or "the stream ended"
+        for rid in list(self.waiting_recv):
+            if fenced or rid not in self.held_at_death:
+                self._recv_done(rid, failed=True, why=why)
+        for rid in list(self.waiting_send):
+            if fenced or rid not in self.held_at_death:
+                self._send_done(rid, failed=True, why=why)
 
     def _poll(self) -> None:
         if self.stream is None or self.dead is not None:
-            if self.dead is not None:
-                self._fail_all(self.dead)
+            if self.dead is not None and not self._reattach():
+                # Not back yet: ask again (at most once a second) whether
+                # kvxferd let the rank go or is gone, for what it held.
+                self._fail_dead()
             return
         try:
             f = self.stream.poll()

@@ -912,3 +912,55 @@ def test_verify_catches_disagreement(tmp_path, daemons, relay, what):
         for x in (r.P, r.D):
             x.sched.connector._sched.verify = False  # the engines' state is the test's, not theirs
         r.close()
+
+
+def test_rank_stream_breaks_daemon_alive(tmp_path, daemons):
+    """D's rank stream breaks on the engine's side, its kvxferd alive, while
+    d-0 is registered with P (its blocks granted to P's WRITE). kvxferd
+    fences the rank as it lets it go (its grants revoked, what lands cut
+    short); until then the connector must not fail d-0 and hand its blocks
+    back. It ends once kvxferd let the rank go (the rank attaches again),
+    per kv_load_failure_policy, and the next pair transfers byte for byte."""
+    rng = random.Random("rank-break")
+    r = Run(tmp_path, daemons, "push", 1)
+    try:
+        r.prompts["d-0"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+        p = _push_params(r.dp, "t0")
+        p["tp_size"] = 1
+        r.D.sched.add_request(H.make_request("d-0", toks, 2, p))
+        for _ in range(5):
+            H.step(r.D, r.prompts, fill=False)
+        rank = r.D.ranks[0].connector._worker
+        assert "d-0" in rank.waiting_recv, sorted(rank.waiting_recv)
+        # The daemon will be slow to let the rank go: until it does, d-0
+        # must stay held.
+        real_reattach = rank._reattach
+        held = {"until": time.monotonic() + 2.0}
+
+        def slow_reattach():
+            if time.monotonic() < held["until"]:
+                return False  # kvxferd still holds the old rank (fencing)
+            return real_reattach()
+
+        rank._reattach = slow_reattach
+        # The stream breaks under the connector (as a reset transport does).
+        rank.stream._call.cancel()
+        assert rank.stream._done.wait(5)
+        t0 = time.monotonic()
+        while time.monotonic() < held["until"] - 0.2:
+            H.step(r.D, r.prompts, fill=False)
+            assert "d-0" not in r.D.failed and "d-0" not in r.D.finished, \
+                f"D ended d-0 {time.monotonic() - t0:.2f}s after its rank's stream broke, kvxferd still holding it"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while "d-0" not in r.D.finished and "d-0" not in r.D.failed:
+            assert time.monotonic() < deadline, ("d-0 never ended after kvxferd let the rank go", rank.dead,
+                                                 sorted(rank.waiting_recv), sorted(rank.failed), sorted(r.D.sched.requests))
+            H.step(r.D, r.prompts, fill=False)
+            time.sleep(0.01)
+        assert rank.dead is None and rank.stream is not None, "the rank did not attach again"
+        # The next pair goes through the rank attached again.
+        r.add(1, [rng.randrange(100, 50000) for _ in range(40)])
+        r.run_until(lambda: "d-1" in r.checked, limit_s=30)
+    finally:
+        r.close()
