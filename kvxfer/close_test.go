@@ -15,13 +15,7 @@ import (
 // once and reported the blocks free while the backend still read them.
 func TestCloseFencesInFlightWrites(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		x.settle()
-		x.fab.Faults().Stall(x.d.agents[0][0].Name())
-		x.sendP(q)
-		x.settle()
+		x, q := stalledWrite(t, nil)
 		if in := x.p.agents[0][0].InFlight(); in == 0 {
 			t.Fatal("no WRITE in flight")
 		}
@@ -64,13 +58,7 @@ func TestCloseFencesInFlightWrites(t *testing.T) {
 // Close is bounded, and every request still reports once.
 func TestCloseFenceIsBounded(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) { c.CloseTimeout = 3 * time.Second })
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		x.settle()
-		x.fab.Faults().Stall(x.d.agents[0][0].Name())
-		x.sendP(q)
-		x.settle()
+		x, q := stalledWrite(t, func(side string, c *kvxfer.WorkerConfig) { c.CloseTimeout = 3 * time.Second })
 		start := time.Now()
 		if err := x.p.workers[0][0].Close(); err != nil {
 			t.Errorf("Close: %v", err)
@@ -84,4 +72,19 @@ func TestCloseFenceIsBounded(t *testing.T) {
 		}
 		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
 	})
+}
+
+// stalledWrite is a push pair (its configs tweaked) whose producer posted
+// request r1's WRITE into a consumer agent that stalls: it stays in
+// flight until the test unstalls the agent.
+func stalledWrite(t *testing.T, tweak func(side string, c *kvxfer.WorkerConfig)) (*pair, *xreq) {
+	t.Helper()
+	x := newPair(t, kvxfer.ModePush, 1, 1, tweak)
+	q := x.req("r1", 40, 0)
+	x.recvD(q)
+	x.settle()
+	x.fab.Faults().Stall(x.d.agents[0][0].Name())
+	x.sendP(q)
+	x.settle()
+	return x, q
 }

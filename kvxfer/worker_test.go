@@ -1048,13 +1048,7 @@ func TestMalformedRegistrationRejected(t *testing.T) {
 // leak), and is idempotent; calls after Close return ErrClosed.
 func TestCloseReleasesEverything(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		x.settle()
-		x.fab.Faults().Stall(x.d.agents[0][0].Name())
-		x.sendP(q)
-		x.settle()
+		x, _ := stalledWrite(t, nil)
 		w := x.p.workers[0][0]
 		if err := w.Close(); err != nil {
 			t.Fatal(err)
