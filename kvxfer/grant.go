@@ -379,19 +379,11 @@ func (t *accessTable) heldForLocked(r Range, req string) bool {
 	if req == "" || r.Len == 0 {
 		return true
 	}
-	i, _ := slices.BinarySearchFunc(t.regions, r.Addr, func(x accessRegion, a uint64) int { return cmpU64(x.base, a) })
-	if i < len(t.regions) && t.regions[i].base == r.Addr {
-		i++
-	}
-	if i == 0 {
+	reg, first, last, ok := t.blocksOf(r.Addr, r.Len)
+	if !ok {
 		return false
 	}
-	reg := &t.regions[i-1]
-	off := r.Addr - reg.base
-	if off >= reg.size || r.Len > reg.size-off {
-		return false
-	}
-	for b := off / reg.blockLen / reg.ppl; b <= (off+r.Len-1)/reg.blockLen/reg.ppl; b++ {
+	for b := first; b <= last; b++ {
 		for _, g := range reg.groups {
 			if g < len(t.holders) && b < uint64(len(t.holders[g])) && t.held[g][b] > 0 {
 				if hs := t.holders[g][b]; len(hs) > 0 && !slices.Contains(hs, req) {
@@ -428,6 +420,26 @@ func (t *accessTable) check(peer PeerName, op hotpath.Op, addr, n uint64) Access
 	return t.checkLocked(peer, op, addr, n, nil)
 }
 
+// blocksOf finds the region holding [addr, addr+n) (n > 0) and the
+// logical blocks it spans; ok is false when no one region holds it all.
+func (t *accessTable) blocksOf(addr, n uint64) (r *accessRegion, first, last uint64, ok bool) {
+	i, _ := slices.BinarySearchFunc(t.regions, addr, func(r accessRegion, a uint64) int {
+		if r.base > a {
+			return 1
+		}
+		return -1
+	})
+	if i == 0 {
+		return nil, 0, 0, false
+	}
+	r = &t.regions[i-1]
+	off := addr - r.base
+	if off >= r.size || n > r.size-off {
+		return nil, 0, 0, false
+	}
+	return r, off / r.blockLen / r.ppl, (off + n - 1) / r.blockLen / r.ppl, true
+}
+
 // checkLocked is check with t.mu held; grants, if not nil, collects the
 // WRITE grants an allowed range lands under.
 func (t *accessTable) checkLocked(peer PeerName, op hotpath.Op, addr, n uint64, grants *[]uint32) Access {
@@ -437,22 +449,10 @@ func (t *accessTable) checkLocked(peer PeerName, op hotpath.Op, addr, n uint64, 
 	if (op == hotpath.OpWrite) != (t.mode == ModePush) || (op != hotpath.OpWrite && op != hotpath.OpRead) {
 		return AccessDeny // push: peers only WRITE here; pull: only READ
 	}
-	i, _ := slices.BinarySearchFunc(t.regions, addr, func(r accessRegion, a uint64) int {
-		if r.base > a {
-			return 1
-		}
-		return -1
-	})
-	if i == 0 {
+	r, first, last, ok := t.blocksOf(addr, n)
+	if !ok {
 		return AccessDeny
 	}
-	r := &t.regions[i-1]
-	off := addr - r.base
-	if off >= r.size || n > r.size-off {
-		return AccessDeny
-	}
-	first := off / r.blockLen / r.ppl
-	last := (off + n - 1) / r.blockLen / r.ppl
 	if t.closed {
 		return AccessLate // what it granted has ended
 	}

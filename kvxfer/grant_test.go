@@ -217,3 +217,36 @@ func TestAccessFenceDrains(t *testing.T) {
 		<-released
 	})
 }
+
+// A part's tag is the peer's: one that does not decode, is not a notice a
+// transfer carries, or names no request, is refused and its connection
+// dropped (deny); a tag naming the request its blocks are granted for is
+// admitted, one naming another is late.
+func TestAccessFenceTags(t *testing.T) {
+	l, gb := accessLayout()
+	tab := newAccessTable(l, gb, ModePush, NewMetrics())
+	tab.grantWrite(1, []PeerName{"p"}, spansOf([]topology.BlockID{2}, nil), "d-1")
+	part := []Range{{0x10000 + 4*256, 512}}
+	tag := func(k msgKind, dreq string) []byte {
+		return appendMsg(nil, &msg{Kind: k, Engine: "P", TPSize: 1, PPSize: 1, DReq: dreq})
+	}
+	for _, c := range []struct {
+		name string
+		tag  []byte
+		want Access
+	}{
+		{"no tag (a peer of an earlier build)", nil, AccessAllow},
+		{"its request", tag(msgDone, "d-1"), AccessAllow},
+		{"its request, a layer's tag", tag(msgTag, "d-1"), AccessAllow},
+		{"another request", tag(msgDone, "d-2"), AccessLate},
+		{"garbage", []byte{0xff, 0x01, 0x02}, AccessDeny},
+		{"a registration", tag(msgReg, "d-1"), AccessDeny},
+		{"no request named", tag(msgDone, ""), AccessDeny},
+	} {
+		a, _, adm := tab.Admit("p", hotpath.OpWrite, part, c.tag, nil)
+		tab.Done(adm)
+		if a != c.want {
+			t.Errorf("%s: %v, want %v", c.name, a, c.want)
+		}
+	}
+}
