@@ -7,6 +7,7 @@ package cuda
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -14,6 +15,10 @@ typedef void* CUcontext;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char bytes[16]; } CUuuid;
+typedef void* CUmodule;
+typedef void* CUfunction;
+typedef void* CUstream;
+typedef void* CUevent;
 
 static struct {
 	void *lib;
@@ -33,6 +38,21 @@ static struct {
 	CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
 	CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
 	CUresult (*cuGetErrorString)(CUresult, const char**);
+	// The batched copy (batch.go).
+	CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+	CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+	CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void**, void**);
+	CUresult (*cuStreamCreate)(CUstream*, unsigned);
+	CUresult (*cuEventCreate)(CUevent*, unsigned);
+	CUresult (*cuEventRecord)(CUevent, CUstream);
+	CUresult (*cuEventQuery)(CUevent);
+	CUresult (*cuEventSynchronize)(CUevent);
+	CUresult (*cuEventDestroy)(CUevent);
+	CUresult (*cuMemAllocHost)(void**, size_t);
+	CUresult (*cuMemFreeHost)(void*);
+	CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
+	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuStreamSynchronize)(CUstream);
 } cu;
 
 #define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
@@ -48,6 +68,13 @@ static const char* cu_load(void) {
 	CU_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2"); CU_SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2"); CU_SYM(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
 	CU_SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle"); CU_SYM(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	CU_SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle"); CU_SYM(cuGetErrorString, "cuGetErrorString");
+	CU_SYM(cuModuleLoadData, "cuModuleLoadData"); CU_SYM(cuModuleGetFunction, "cuModuleGetFunction");
+	CU_SYM(cuLaunchKernel, "cuLaunchKernel"); CU_SYM(cuStreamCreate, "cuStreamCreate");
+	CU_SYM(cuEventCreate, "cuEventCreate"); CU_SYM(cuEventRecord, "cuEventRecord"); CU_SYM(cuEventQuery, "cuEventQuery");
+	CU_SYM(cuEventSynchronize, "cuEventSynchronize"); CU_SYM(cuEventDestroy, "cuEventDestroy_v2");
+	CU_SYM(cuMemAllocHost, "cuMemAllocHost_v2"); CU_SYM(cuMemFreeHost, "cuMemFreeHost");
+	CU_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"); CU_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+	CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
 	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
 	// and CUDA 12+ headers do; on whole GPUs both versions agree.
 	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
@@ -91,10 +118,78 @@ static CUresult cu_alloc(CUdeviceptr *p, size_t n) { return cu.cuMemAlloc(p, n);
 static CUresult cu_free(CUdeviceptr p) { return cu.cuMemFree(p); }
 static CUresult cu_htod(CUdeviceptr d, const void *h, size_t n) { return cu.cuMemcpyHtoD(d, h, n); }
 static CUresult cu_dtoh(void *h, CUdeviceptr d, size_t n) { return cu.cuMemcpyDtoH(h, d, n); }
-static CUresult cu_dtod(CUdeviceptr d, CUdeviceptr s, size_t n) { return cu.cuMemcpyDtoD(d, s, n); }
+// cu_dtod returns once the bytes landed: a device-to-device cuMemcpy
+// returns to the host before it ran (the legacy stream it went on is
+// synchronised).
+static CUresult cu_dtod(CUdeviceptr d, CUdeviceptr s, size_t n) {
+	CUresult r = cu.cuMemcpyDtoD(d, s, n);
+	if (r) return r;
+	return cu.cuStreamSynchronize(NULL);
+}
 static CUresult cu_ipc_get(void *out64, CUdeviceptr p) { CUipcMemHandle h; CUresult r = cu.cuIpcGetMemHandle(&h, p); if (!r) memcpy(out64, &h, 64); return r; }
 static CUresult cu_ipc_open(CUdeviceptr *p, const void *in64) { CUipcMemHandle h; memcpy(&h, in64, 64); return cu.cuIpcOpenMemHandle(p, h, 1); }
 static CUresult cu_ipc_close(CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
+// The batched copy: the kernel loaded from its PTX image, a stream, and
+// slots (pinned descriptors, their device copy, an event) posted whole.
+static CUresult cu_module(CUcontext ctx, const void *image, CUfunction *f) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	CUmodule m;
+	r = cu.cuModuleLoadData(&m, image);
+	if (r) return r;
+	return cu.cuModuleGetFunction(f, m, "kvxfer_copy");
+}
+static CUresult cu_stream(CUcontext ctx, CUstream *s) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	return cu.cuStreamCreate(s, 1); // CU_STREAM_NON_BLOCKING
+}
+static CUresult cu_slot_new(CUcontext ctx, size_t bytes, void **host, CUdeviceptr *dev, CUevent *ev) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	*host = NULL; *dev = 0; *ev = NULL;
+	if ((r = cu.cuMemAllocHost(host, bytes))) return r;
+	if ((r = cu.cuMemAlloc(dev, bytes))) { cu.cuMemFreeHost(*host); *host = NULL; return r; }
+	if ((r = cu.cuEventCreate(ev, 2))) { // CU_EVENT_DISABLE_TIMING
+		cu.cuMemFree(*dev); cu.cuMemFreeHost(*host); *dev = 0; *host = NULL; return r;
+	}
+	return 0;
+}
+static void cu_slot_free(CUcontext ctx, void *host, CUdeviceptr dev, CUevent ev) {
+	if (cu.cuCtxSetCurrent(ctx)) return;
+	cu.cuEventSynchronize(ev);
+	cu.cuEventDestroy(ev); cu.cuMemFree(dev); cu.cuMemFreeHost(host);
+}
+// cu_post launches the kernel over n descriptors staged in host, after
+// copying them to dev, and records ev behind it on stream s.
+static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUdeviceptr dev, unsigned n,
+		unsigned long long tiles, unsigned shift, unsigned grid, CUevent ev) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	if ((r = cu.cuMemcpyHtoDAsync(dev, host, (size_t)n * 32, s))) return r;
+	void *args[] = { &dev, &n, &tiles, &shift };
+	if ((r = cu.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, args, NULL))) return r;
+	return cu.cuEventRecord(ev, s);
+}
+// cu_post_each is the fallback: one asynchronous copy per descriptor.
+static CUresult cu_post_each(CUcontext ctx, CUstream s, const unsigned long long *d, unsigned n, CUevent ev) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	for (unsigned i = 0; i < n; i++, d += 4) {
+		if ((r = cu.cuMemcpyDtoDAsync(d[0], d[1], d[2], s))) return r;
+	}
+	return cu.cuEventRecord(ev, s);
+}
+static CUresult cu_query(CUcontext ctx, CUevent ev) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	return cu.cuEventQuery(ev);
+}
+static CUresult cu_wait(CUcontext ctx, CUevent ev) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	return cu.cuEventSynchronize(ev);
+}
 static const char* cu_err(CUresult r) { const char *s = NULL; if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s); return s ? s : "unknown"; }
 */
 import "C"
@@ -142,6 +237,7 @@ func check(op string, r C.CUresult) error {
 type Device struct {
 	ordinal int
 	ctx     C.CUcontext
+	copier  copier // the batched copy (batch.go)
 }
 
 // Open retains device ordinal's primary context.
@@ -247,7 +343,7 @@ func (d *Device) CopyOut(dst []byte, src uint64) error {
 }
 
 // CopyDevice copies n bytes between device addresses (imported ones
-// included).
+// included) and returns once they landed.
 func (d *Device) CopyDevice(dst, src uint64, n int) error {
 	return d.do(func() error {
 		return check("copy device to device", C.cu_dtod(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n)))
@@ -289,4 +385,62 @@ func (d *Device) Unmap(ptr uint64) error {
 // Close releases the primary context.
 func (d *Device) Close() error {
 	return check("release context", C.cu_release(C.int(d.ordinal)))
+}
+
+// The batched copy's driver calls (batch.go holds the logic). Each is one
+// C call that makes the context current itself: no thread is locked.
+
+// errNotReady is cuEventQuery's "still running" (CUDA_ERROR_NOT_READY).
+const errNotReady = 600
+
+func (d *Device) loadKernel(image []byte) (fn, stream unsafe.Pointer, err error) {
+	cimg := C.CBytes(append(image[:len(image):len(image)], 0)) // NUL-terminated PTX
+	defer C.free(cimg)
+	var f C.CUfunction
+	if err := check("load copy kernel", C.cu_module(d.ctx, cimg, &f)); err != nil {
+		return nil, nil, err
+	}
+	var s C.CUstream
+	if err := check("create stream", C.cu_stream(d.ctx, &s)); err != nil {
+		return nil, nil, err
+	}
+	return unsafe.Pointer(f), unsafe.Pointer(s), nil
+}
+
+func (d *Device) newSlot(pieces int) (*slot, error) {
+	var host unsafe.Pointer
+	var dev C.CUdeviceptr
+	var ev C.CUevent
+	if err := check("allocate copy descriptors", C.cu_slot_new(d.ctx, C.size_t(pieces*descBytes), &host, &dev, &ev)); err != nil {
+		return nil, err
+	}
+	return &slot{descs: unsafe.Slice((*uint64)(host), pieces*descWords), dev: uint64(dev), ev: unsafe.Pointer(ev)}, nil
+}
+
+func (d *Device) freeSlot(s *slot) {
+	C.cu_slot_free(d.ctx, unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.CUevent(s.ev))
+}
+
+func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, n int, tiles uint64, grid int) error {
+	return check("launch copy kernel", C.cu_post(d.ctx, C.CUstream(stream), C.CUfunction(fn),
+		unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.uint(n), C.ulonglong(tiles), C.uint(tileShift), C.uint(grid),
+		C.CUevent(s.ev)))
+}
+
+func (d *Device) launchEach(stream unsafe.Pointer, s *slot, n int) error {
+	return check("post copies", C.cu_post_each(d.ctx, C.CUstream(stream), (*C.ulonglong)(unsafe.Pointer(&s.descs[0])),
+		C.uint(n), C.CUevent(s.ev)))
+}
+
+// query reports whether s's work ended (and how).
+func (d *Device) query(s *slot) (bool, error) {
+	r := C.cu_query(d.ctx, C.CUevent(s.ev))
+	if r == errNotReady {
+		return false, nil
+	}
+	return true, check("copy", r)
+}
+
+func (d *Device) wait(s *slot) error {
+	return check("copy", C.cu_wait(d.ctx, C.CUevent(s.ev)))
 }

@@ -2,11 +2,16 @@
 
 package cuda
 
+import "unsafe"
+
 // Without cgo there is no driver: every entry point reports
 // ErrUnavailable.
 
 // Device is unavailable without cgo.
-type Device struct{}
+type Device struct {
+	ordinal int
+	copier  copier
+}
 
 // Handle is a CUDA IPC memory handle.
 type Handle [64]byte
@@ -34,3 +39,15 @@ func (d *Device) Export(uint64) (Handle, error)        { return Handle{}, ErrUna
 func (d *Device) Import(Handle) (uint64, error)        { return 0, ErrUnavailable }
 func (d *Device) Unmap(uint64) error                   { return ErrUnavailable }
 func (d *Device) Close() error                         { return nil }
+
+func (d *Device) loadKernel([]byte) (fn, stream unsafe.Pointer, err error) {
+	return nil, nil, ErrUnavailable
+}
+func (d *Device) newSlot(int) (*slot, error) { return nil, ErrUnavailable }
+func (d *Device) freeSlot(*slot)             {}
+func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int, _ uint64, _ int) error {
+	return ErrUnavailable
+}
+func (d *Device) launchEach(unsafe.Pointer, *slot, int) error { return ErrUnavailable }
+func (d *Device) query(*slot) (bool, error)                   { return true, ErrUnavailable }
+func (d *Device) wait(*slot) error                            { return ErrUnavailable }

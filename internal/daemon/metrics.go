@@ -5,6 +5,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -20,7 +21,7 @@ type collector struct {
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
-	refused, authFailures, sameHost, workerPanics              *prometheus.Desc
+	refused, authFailures, sameHost, workerPanics, gpuFallback *prometheus.Desc
 	open, inFlight                                             *prometheus.Desc
 }
 
@@ -46,6 +47,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 			"Ranks whose worker hit an internal error (a panic, logged with its stack): each failed its requests and ended its stream; the daemon's other ranks carried on.", nil, nil),
 		sameHost: prometheus.NewDesc("kvxfer_same_host_parts_total",
 			"Transfer parts (WRITEs from peer daemons on this host, READs of them) this daemon copied straight out of a peer engine's memory file into its engines' memory (the built-in backend's same-host path).", nil, nil),
+		gpuFallback: prometheus.NewDesc("kvxfer_gpu_copy_fallback_total",
+			"Same-host GPU copies (one per transfer part) made piece by piece because the copy kernel did not load on their GPU (logged once; a driver older than CUDA 12 cannot load its PTX).", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),
@@ -79,6 +82,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.authFailures, prometheus.CounterValue, float64(c.auth.Failures()))
 	}
 	ch <- prometheus.MustNewConstMetric(c.sameHost, prometheus.CounterValue, float64(c.srv.SameHostParts()))
+	ch <- prometheus.MustNewConstMetric(c.gpuFallback, prometheus.CounterValue, float64(cuda.CopyFallbacks()))
 	ch <- prometheus.MustNewConstMetric(c.workerPanics, prometheus.CounterValue, float64(c.srv.WorkerPanics()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)

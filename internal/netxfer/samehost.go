@@ -2,6 +2,7 @@ package netxfer
 
 import (
 	"bufio"
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
@@ -10,10 +11,12 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -161,6 +164,36 @@ type Device interface {
 	CopyOut(dst []byte, src uint64) error
 }
 
+// BatchDevice is a Device that copies many pieces between GPU memories
+// with one asynchronous launch (kvxferd: internal/cuda's copy kernel).
+// The GPU pieces of a same-host part are posted as one batch per
+// destination device; the goroutine that read the part goes on serving
+// its connection while the batch runs, and the part ends (its grant
+// released, its memory unpinned, its acknowledgement sent) once the batch
+// is done. Devices of one GPU compare equal (==).
+type BatchDevice interface {
+	Device
+	// PostCopy queues the pieces and returns at once. The agent has
+	// checked every piece against the memory it lies in.
+	PostCopy(pieces []DevPiece) (DevCopy, error)
+}
+
+// DevPiece is one piece of a batch: Len bytes from Src to Dst, device
+// addresses in this process.
+type DevPiece struct{ Dst, Src, Len uint64 }
+
+// DevCopy is a batch in flight.
+type DevCopy interface {
+	// Done reports whether the batch ended and, once it has, its error.
+	// It never blocks.
+	Done() (bool, error)
+}
+
+// maxInFlight bounds the parts of one connection whose GPU batches run
+// while the connection serves on; past it the next part waits for its
+// own.
+const maxInFlight = 64
+
 // MapDevice adopts GPU memory at base (its address in this process:
 // kvxferd imported the engine's allocation there) of size bytes, which
 // is the allocation exported as handle on the GPU of uuid. Such memory
@@ -238,10 +271,20 @@ type localServer struct {
 	fr     *fdReader
 	fence  []byte
 	chunks map[uint32][]byte
-	devs   map[uint32]devImport // the peer's GPU memory, imported here
+	devs   map[uint32]*devImport // the peer's GPU memory, imported here
 	refs   []localRef
 	dst    []target
 	src    []target
+	// GPU batches: the part's pieces grouped by destination device
+	// (reused), and the parts whose batches run while the connection
+	// serves on (slots bounds them; pending lets close wait for them).
+	// wmu orders the answers written by those parts' ends with the
+	// connection's own (the server side).
+	groups  []devGroup
+	slots   chan struct{}
+	pending sync.WaitGroup
+	wmu     sync.Mutex
+	serving bool // wmu is held by the connection's goroutine (server side)
 	// For READs from this agent's memory: the memory files passed to the
 	// client, and this side's fence (under mu: Unmap and Close set it).
 	sent map[uint32]bool
@@ -258,22 +301,69 @@ type localRef struct {
 }
 
 func newLocalServer(c *net.UnixConn) *localServer {
-	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, devs: map[uint32]devImport{}, sent: map[uint32]bool{}}
+	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, devs: map[uint32]*devImport{},
+		sent: map[uint32]bool{}, slots: make(chan struct{}, maxInFlight)}
 }
 
-// devImport is a peer's GPU allocation imported in this process.
+// devImport is a peer's GPU allocation imported in this process: on the
+// device of its GPU, and on other devices that copy out of it (their
+// kernels read it through the import's peer mapping), imported there on
+// first use.
 type devImport struct {
 	dev       Device
 	ptr, size uint64
+	handle    [64]byte
+	on        []devMapping
+}
+
+type devMapping struct {
+	dev Device
+	ptr uint64 // 0: the import failed (copies go piece by piece)
+}
+
+// at returns the allocation's address as mapped on dev, importing it
+// there first if need be; false where it cannot be.
+func (m *devImport) at(dev Device) (uint64, bool) {
+	if dev == m.dev {
+		return m.ptr, true
+	}
+	for _, o := range m.on {
+		if o.dev == dev {
+			return o.ptr, o.ptr != 0
+		}
+	}
+	ptr, err := dev.Import(m.handle)
+	if err != nil {
+		ptr = 0
+	}
+	m.on = append(m.on, devMapping{dev, ptr})
+	return ptr, ptr != 0
+}
+
+func (m *devImport) unmap() {
+	_ = m.dev.Unmap(m.ptr)
+	for _, o := range m.on {
+		if o.ptr != 0 {
+			_ = o.dev.Unmap(o.ptr)
+		}
+	}
 }
 
 // target is one piece's memory: bytes (host), or n bytes at a device
-// address.
+// address (off into imp, where it is a peer's allocation imported here).
 type target struct {
 	b   []byte
 	dev Device
 	ptr uint64
 	n   uint64
+	imp *devImport
+	off uint64
+}
+
+// devGroup is a batch being built: the pieces bound for one device.
+type devGroup struct {
+	dev    BatchDevice
+	pieces []DevPiece
 }
 
 // piece returns [off, off+n) of the peer's memory passed as chunk id.
@@ -285,7 +375,7 @@ func (s *localServer) piece(id uint32, off, n uint64) (target, bool) {
 		return target{b: m[off : off+n]}, true
 	}
 	if d, ok := s.devs[id]; ok && off <= d.size && n <= d.size-off {
-		return target{dev: d.dev, ptr: d.ptr + off, n: n}, true
+		return target{dev: d.dev, ptr: d.ptr + off, n: n, imp: d, off: off}, true
 	}
 	return target{}, false
 }
@@ -304,6 +394,7 @@ func (s *localServer) withdraw() {
 
 func (s *localServer) close() {
 	s.withdraw()
+	s.pending.Wait() // GPU batches still reading or writing memory unmapped below
 	s.mu.Lock()
 	if s.mu.fence != nil {
 		_ = unix.Munmap(s.mu.fence)
@@ -319,7 +410,7 @@ func (s *localServer) close() {
 	}
 	s.chunks = nil
 	for _, d := range s.devs {
-		_ = d.dev.Unmap(d.ptr)
+		d.unmap()
 	}
 	s.devs = nil
 }
@@ -428,6 +519,9 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 		copy(h[:], b[20:84])
 		n := binary.LittleEndian.Uint64(b[84:92])
 		old, had := s.devs[id]
+		if had {
+			s.waitPending() // batches may still read the memory it replaces
+		}
 		if !had && len(s.chunks)+len(s.devs) >= maxChunks {
 			return fmt.Errorf("%w: more than %d memory files on one connection", ErrProtocol, maxChunks)
 		}
@@ -446,9 +540,9 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			return fmt.Errorf("GPU memory %d: import: %w", id, err)
 		}
 		if had {
-			_ = old.dev.Unmap(old.ptr)
+			old.unmap()
 		}
-		s.devs[id] = devImport{dev, ptr, n}
+		s.devs[id] = &devImport{dev: dev, ptr: ptr, size: n, handle: h}
 		return nil
 	case tWriteLocal:
 		if s.fence == nil {
@@ -522,27 +616,55 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 			a.releaseGuard(ticket)
 			return berr
 		}
-		berr = copyPieces(s.dst, s.src)
-		if berr == nil && s.withdrawn() {
-			berr = fmt.Errorf("%w: the sender withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
+		var inflight []DevCopy
+		inflight, berr = s.copyPieces(s.dst, s.src)
+		clear(s.dst)
+		clear(s.src)
+		// The part ends once its bytes are where they go: its memory
+		// unpinned, its grant released (before the completion is
+		// delivered: the Worker that waits for it may be the one the
+		// delivery goes to), then the answer.
+		release := func(berr error) error {
+			if berr == nil && s.withdrawn() {
+				berr = fmt.Errorf("%w: the sender withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
+			}
+			if berr == nil {
+				a.localParts.Add(1)
+			}
+			a.memMu.RUnlock()
+			a.releaseGuard(ticket)
+			return berr
 		}
-		if berr == nil {
-			a.localParts.Add(1)
+		if len(inflight) > 0 {
+			posted := berr
+			if s.async(inflight, func(err error) {
+				// Released first: the connection's goroutine may wait
+				// for this memory (an Unmap waiting for it) holding wmu.
+				err = release(cmp.Or(posted, err))
+				s.wmu.Lock()
+				defer s.wmu.Unlock()
+				if a.landed(w, from, h, v, err) != nil {
+					_ = s.c.Close()
+				}
+			}) {
+				return nil
+			}
+			berr = cmp.Or(berr, waitCopies(inflight))
 		}
+		return a.landed(w, from, h, v, release(berr))
 	}
 	a.memMu.RUnlock()
-	// Released before the completion is delivered: the Worker that waits
-	// for it may be the one the delivery goes to.
 	a.releaseGuard(ticket)
-	clear(s.dst)
-	clear(s.src)
 	return a.landed(w, from, h, v, berr)
 }
 
-// copyPieces copies src[i] into dst[i], host bytes with copy and GPU
-// memory with its device, turning a fault on either side (a file shrunk
-// under its mapping) into an error.
-func copyPieces(dst, src []target) (err error) {
+// copyPieces copies src[i] into dst[i]: host bytes with copy (a fault on
+// either side, a file shrunk under its mapping, is an error), a GPU piece
+// with its device. Pieces between GPU memories whose destination is a
+// BatchDevice are posted as one batch per device and returned in flight
+// (the caller ends the part once they are done, even when err is set);
+// the others are copied one by one.
+func (s *localServer) copyPieces(dst, src []target) (inflight []DevCopy, err error) {
 	old := debug.SetPanicOnFault(true)
 	defer func() {
 		debug.SetPanicOnFault(old)
@@ -550,12 +672,34 @@ func copyPieces(dst, src []target) (err error) {
 			err = fmt.Errorf("%w: copy faulted (a memory file shrank): %v", ErrXferFailed, r)
 		}
 	}()
+	groups := s.groups[:0]
+	defer func() {
+		for i := range groups {
+			groups[i].pieces = groups[i].pieces[:0]
+		}
+		s.groups = groups[:0]
+	}()
 	for i, d := range dst {
 		sp := src[i]
 		switch {
 		case d.dev == nil && sp.dev == nil:
 			copy(d.b, sp.b)
 		case d.dev != nil && sp.dev != nil:
+			if bd, ok := d.dev.(BatchDevice); ok {
+				from, ok := sp.ptr, sp.dev == d.dev
+				if !ok && sp.imp != nil {
+					// Another GPU of this host: read through the
+					// allocation's import on the destination's.
+					var at uint64
+					if at, ok = sp.imp.at(d.dev); ok {
+						from = at + sp.off
+					}
+				}
+				if ok {
+					groups = addPiece(groups, bd, DevPiece{d.ptr, from, d.n})
+					continue
+				}
+			}
 			err = d.dev.CopyDevice(d.ptr, sp.ptr, int(d.n))
 		case d.dev != nil:
 			err = d.dev.CopyIn(d.ptr, sp.b)
@@ -563,10 +707,93 @@ func copyPieces(dst, src []target) (err error) {
 			err = sp.dev.CopyOut(d.b, sp.ptr)
 		}
 		if err != nil {
-			return fmt.Errorf("%w: piece %d: %w", ErrXferFailed, i, err)
+			return nil, fmt.Errorf("%w: piece %d: %w", ErrXferFailed, i, err)
 		}
 	}
+	for _, g := range groups {
+		c, perr := g.dev.PostCopy(g.pieces)
+		if perr != nil {
+			return inflight, fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(g.pieces), perr)
+		}
+		inflight = append(inflight, c)
+	}
+	return inflight, nil
+}
+
+func addPiece(groups []devGroup, dev BatchDevice, p DevPiece) []devGroup {
+	for i := range groups {
+		if groups[i].dev == dev {
+			groups[i].pieces = append(groups[i].pieces, p)
+			return groups
+		}
+	}
+	if len(groups) < cap(groups) {
+		groups = groups[:len(groups)+1]
+		groups[len(groups)-1].dev = dev
+		groups[len(groups)-1].pieces = append(groups[len(groups)-1].pieces[:0], p)
+		return groups
+	}
+	return append(groups, devGroup{dev: dev, pieces: []DevPiece{p}})
+}
+
+// waitCopies waits for batches in flight, polling: at first by yielding
+// (a batch of KV blocks takes tens of microseconds), then sleeping a
+// little longer each time. It returns the first batch's error.
+func waitCopies(cs []DevCopy) error {
+	var first error
+	for _, c := range cs {
+		for spin := 0; ; spin++ {
+			done, err := c.Done()
+			if done {
+				if first == nil {
+					first = err
+				}
+				break
+			}
+			if spin < 64 {
+				runtime.Gosched()
+			} else {
+				time.Sleep(min(time.Duration(spin-63)*10*time.Microsecond, time.Millisecond))
+			}
+		}
+	}
+	if first != nil {
+		return fmt.Errorf("%w: GPU copy: %w", ErrXferFailed, first)
+	}
 	return nil
+}
+
+// async ends a part whose batches are in flight from a goroutine of its
+// own once they are done, so the connection's goroutine serves on; false
+// (nothing started) when maxInFlight parts of the connection already
+// wait: the caller waits for its batches itself.
+func (s *localServer) async(inflight []DevCopy, end func(error)) bool {
+	select {
+	case s.slots <- struct{}{}:
+	default:
+		return false
+	}
+	s.pending.Add(1)
+	cs := slices.Clone(inflight)
+	go func() {
+		defer func() {
+			<-s.slots
+			s.pending.Done()
+		}()
+		end(waitCopies(cs))
+	}()
+	return true
+}
+
+// waitPending waits until no part's batches run. The connection's
+// goroutine serving a frame holds wmu (server side), which those parts'
+// ends take to answer: it is let go meanwhile.
+func (s *localServer) waitPending() {
+	if s.serving {
+		s.wmu.Unlock()
+		defer s.wmu.Lock()
+	}
+	s.pending.Wait()
 }
 
 // targets resolves ranges of registered memory, host or GPU (as resolve
@@ -851,22 +1078,33 @@ func (c *conn) readLocal(hdr []byte) error {
 	}
 	a.memMu.RLock()
 	var err error
+	var inflight []DevCopy
 	s.dst, err = a.targets(s.dst[:0], loc)
 	if err == nil {
-		err = copyPieces(s.dst, s.src)
-		if err == nil && s.withdrawn() {
-			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
-		}
+		inflight, err = s.copyPieces(s.dst, s.src)
 	} else {
 		err = fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
-	a.memMu.RUnlock()
 	clear(s.dst)
 	clear(s.src)
-	if err == nil {
-		a.localParts.Add(1)
+	end := func(err error) {
+		if err == nil && s.withdrawn() {
+			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
+		}
+		a.memMu.RUnlock()
+		if err == nil {
+			a.localParts.Add(1)
+		}
+		a.finishPart(x, err)
 	}
-	a.finishPart(x, err)
+	if len(inflight) > 0 {
+		posted := err
+		if s.async(inflight, func(err error) { end(cmp.Or(posted, err)) }) {
+			return nil
+		}
+		err = cmp.Or(err, waitCopies(inflight))
+	}
+	end(err)
 	return nil
 }
 

@@ -68,6 +68,10 @@ func (a *Agent) serve(raw net.Conn) {
 			a.mu.Lock()
 			delete(a.mu.localIn, ls)
 			a.mu.Unlock()
+			if ls.serving { // left mid-frame: the parts still in flight answer
+				ls.serving = false
+				ls.wmu.Unlock()
+			}
 			ls.close()
 		}()
 		r = newScatterReader(ls.fr)
@@ -117,6 +121,12 @@ func (a *Agent) serve(raw net.Conn) {
 			return
 		}
 		_ = nc.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
+		if ls != nil {
+			// Answers of parts whose GPU batches end later are written
+			// between frames (see localServer.async).
+			ls.wmu.Lock()
+			ls.serving = true
+		}
 		var err error
 		switch hdr[0] {
 		case tWrite:
@@ -149,6 +159,10 @@ func (a *Agent) serve(raw net.Conn) {
 			}
 		default:
 			err = fmt.Errorf("%w: frame type %d from %s", ErrProtocol, hdr[0], from)
+		}
+		if ls != nil {
+			ls.serving = false
+			ls.wmu.Unlock()
 		}
 		if err != nil {
 			a.log.Warn("netxfer: dropped a connection", "from", from, "err", err)

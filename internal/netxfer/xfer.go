@@ -335,6 +335,14 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 	return x.id, nil
 }
 
+// deviceMemory reports whether addr lies in GPU memory (MapDevice).
+func (a *Agent) deviceMemory(addr uint64) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	c := a.chunkLocked(addr)
+	return c != nil && c.dev != nil
+}
+
 // direct copies between two agents of this process.
 func (a *Agent) direct(x *xfer) error {
 	b := x.peer.local
@@ -387,6 +395,11 @@ func (a *Agent) direct(x *xfer) error {
 func (a *Agent) start(x *xfer) {
 	n := len(x.descs)
 	parts := min(a.cfg.Conns, max(n, 1))
+	if n > 0 && a.deviceMemory(x.descs[0].Local) {
+		// GPU memory moves only on the same-host path, where the copying
+		// side posts a part's pieces as one launch: one part, one launch.
+		parts = 1
+	}
 	// Balance parts by bytes.
 	var total uint64
 	for _, d := range x.descs {

@@ -56,6 +56,17 @@ type cudaDevice struct{ *cuda.Device }
 
 func (d cudaDevice) Import(h [64]byte) (uint64, error) { return d.Device.Import(cuda.Handle(h)) }
 
+// PostCopy posts a same-host part's GPU pieces as one launch of the copy
+// kernel (tcp.BatchDevice).
+func (d cudaDevice) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
+	// The two piece types are the same three words.
+	c, err := d.Device.Post(unsafe.Slice((*cuda.Piece)(unsafe.Pointer(unsafe.SliceData(ps))), len(ps)))
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
 // IPCDevice returns this process's device for the GPU of uuid (opened
 // once), for the built-in backend to import same-host peers' GPU memory
 // on.

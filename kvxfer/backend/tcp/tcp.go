@@ -88,6 +88,15 @@ func (n *Backend) MapFile(base uint64, mem []byte, f *os.File, off int64) error 
 // its process; addresses are device addresses, unified).
 type Device = netxfer.Device
 
+// BatchDevice is a Device that copies a part's GPU pieces with one
+// asynchronous launch (see netxfer.BatchDevice); DevPiece and DevCopy are
+// its piece and its batch in flight.
+type (
+	BatchDevice = netxfer.BatchDevice
+	DevPiece    = netxfer.DevPiece
+	DevCopy     = netxfer.DevCopy
+)
+
 // MapIPC adopts GPU memory at base (its address in this process) of size
 // bytes: the allocation exported as handle (CUDA IPC) on the GPU of uuid.
 // It moves only to and from peers on this host (the same-host path: the

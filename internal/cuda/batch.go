@@ -1,0 +1,219 @@
+package cuda
+
+import (
+	_ "embed"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// The batched copy. A transfer's device-to-device pieces go to the GPU as
+// one launch of kvxfer_copy (kernel/copy.cu, compiled to copy.ptx and
+// JIT-compiled by the driver when first used on a device): the pieces'
+// descriptors are written into a pinned staging slot, copied to the
+// device on the device's stream, the kernel runs behind them and an event
+// behind it. Post returns once that is queued; Copy.Done polls the event.
+// Slots are reused once their event completed, so a warm device posts a
+// batch without allocating. Where the kernel does not load (a driver too
+// old for its PTX), each piece is an asynchronous copy on the same stream
+// instead: logged once, counted (CopyFallbacks).
+
+//go:embed copy.ptx
+var copyPTX []byte
+
+const (
+	descWords = 4 // dst, src, len, first tile (kvxfer_piece)
+	descBytes = 8 * descWords
+	// tileShift: a piece is cut into tiles of 16 KiB, one CTA's work
+	// (256 threads, four 16-byte loads each).
+	tileShift = 14
+	maxGrid   = 1 << 16 // CTAs per launch; more tiles loop
+	minSlot   = 256     // pieces a slot holds at least
+)
+
+// Piece is one copy of a batch: Len bytes from Src to Dst, device
+// addresses in this process (unified addressing: Src may be memory
+// imported from another process, mapped on this device).
+type Piece struct{ Dst, Src, Len uint64 }
+
+var (
+	fallbacks   atomic.Uint64
+	warnedOnce  sync.Once
+	kernelLoads atomic.Uint64
+)
+
+// CopyFallbacks returns how many batches were copied piece by piece
+// because the copy kernel did not load on their device.
+func CopyFallbacks() uint64 { return fallbacks.Load() }
+
+// slot is one batch's staging: descriptors in pinned host memory, their
+// copy on the device, the event recorded behind the batch.
+type slot struct {
+	descs []uint64
+	dev   uint64
+	ev    unsafe.Pointer
+}
+
+func (s *slot) cap() int { return len(s.descs) / descWords }
+
+// copier is a device's batched copy: its stream, its kernel (nil where it
+// did not load) and its free slots.
+type copier struct {
+	once   sync.Once
+	err    error // no stream: nothing can be posted
+	fn     unsafe.Pointer
+	stream unsafe.Pointer
+	mu     sync.Mutex
+	free   []*slot
+}
+
+func (d *Device) initCopier() error {
+	c := &d.copier
+	c.once.Do(func() {
+		fn, stream, err := d.loadKernel(copyPTX)
+		if stream == nil {
+			c.err = err
+			return
+		}
+		c.stream = stream
+		if err != nil {
+			warnedOnce.Do(func() {
+				slog.Warn("cuda: the copy kernel did not load: GPU pieces are copied one by one (slower)",
+					"device", d.ordinal, "err", err)
+			})
+			return
+		}
+		c.fn = fn
+		kernelLoads.Add(1)
+	})
+	return c.err
+}
+
+// take returns a free slot for n pieces, or a new one.
+func (d *Device) take(n int) (*slot, error) {
+	c := &d.copier
+	c.mu.Lock()
+	best := -1
+	for i, s := range c.free {
+		if s.cap() >= n && (best < 0 || s.cap() < c.free[best].cap()) {
+			best = i
+		}
+	}
+	if best >= 0 {
+		s := c.free[best]
+		c.free[best] = c.free[len(c.free)-1]
+		c.free = c.free[:len(c.free)-1]
+		c.mu.Unlock()
+		return s, nil
+	}
+	c.mu.Unlock()
+	size := minSlot
+	for size < n {
+		size *= 2
+	}
+	return d.newSlot(size)
+}
+
+func (d *Device) give(s *slot) {
+	c := &d.copier
+	c.mu.Lock()
+	c.free = append(c.free, s)
+	c.mu.Unlock()
+}
+
+// pack writes pieces' descriptors into descs (pieces of no bytes left
+// out) and returns how many it wrote and their tiles in all.
+func pack(descs []uint64, pieces []Piece) (n int, tiles uint64) {
+	const tile = 1 << tileShift
+	for _, p := range pieces {
+		if p.Len == 0 {
+			continue
+		}
+		e := descs[n*descWords : n*descWords+descWords : n*descWords+descWords]
+		e[0], e[1], e[2], e[3] = p.Dst, p.Src, p.Len, tiles
+		tiles += (p.Len + tile - 1) / tile
+		n++
+	}
+	return n, tiles
+}
+
+// Copy is a batch Post queued on its device.
+type Copy struct {
+	d    *Device
+	s    *slot
+	done bool
+	err  error
+}
+
+// Post queues pieces on the device as one kernel launch (or, where the
+// kernel did not load, one asynchronous copy each) and returns at once:
+// Done or Wait say when the bytes landed. Nothing is checked here: the
+// caller keeps every piece within memory it may write (destination) and
+// read (source) until the copy is done. A Copy is used by one goroutine
+// at a time.
+func (d *Device) Post(pieces []Piece) (*Copy, error) {
+	if err := d.initCopier(); err != nil {
+		return nil, err
+	}
+	if len(pieces) > 1<<31 {
+		return nil, fmt.Errorf("cuda: a batch of %d pieces", len(pieces))
+	}
+	s, err := d.take(max(len(pieces), 1))
+	if err != nil {
+		return nil, err
+	}
+	n, tiles := pack(s.descs, pieces)
+	if n == 0 {
+		d.give(s)
+		return &Copy{done: true}, nil
+	}
+	c := &d.copier
+	if c.fn != nil {
+		err = d.launch(c.fn, c.stream, s, n, tiles, int(min(tiles, maxGrid)))
+	} else {
+		fallbacks.Add(1)
+		err = d.launchEach(c.stream, s, n)
+	}
+	if err != nil {
+		// What was queued before the failure may still run: the slot
+		// is freed only once its work ends.
+		d.freeSlot(s)
+		return nil, err
+	}
+	return &Copy{d: d, s: s}, nil
+}
+
+// Done reports whether the copy ended and, once it has, its error (the
+// same from then on).
+func (c *Copy) Done() (bool, error) {
+	if c.done {
+		return true, c.err
+	}
+	ok, err := c.d.query(c.s)
+	if !ok {
+		return false, nil
+	}
+	c.finish(err)
+	return true, c.err
+}
+
+// Wait blocks until the copy ended (the calling thread waits on the
+// GPU: for tests and tools, not for goroutines that serve others).
+func (c *Copy) Wait() error {
+	if !c.done {
+		c.finish(c.d.wait(c.s))
+	}
+	return c.err
+}
+
+func (c *Copy) finish(err error) {
+	c.done, c.err = true, err
+	if err == nil {
+		c.d.give(c.s)
+	} else {
+		c.d.freeSlot(c.s) // a failed context: do not reuse
+	}
+	c.s = nil
+}

@@ -1,0 +1,372 @@
+package netxfer
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// batchGPU is a fake GPU (a view of fakeGPU's memory: several batchGPUs
+// over one fakeGPU are GPUs of one host) that copies batches as a GPU
+// does: asynchronously, the bytes landing only when the batch runs. A
+// held batch runs once release is called; failNext makes the next batch
+// fail after it ran.
+type batchGPU struct {
+	*fakeGPU
+	name     string
+	mu       sync.Mutex
+	posts    int
+	pieces   int
+	imported map[uint64]bool // imports made on this device
+	hold     bool            // hold the batches posted from now on
+	held     []*fakeCopy
+	failNext error
+}
+
+type fakeCopy struct {
+	done atomic.Bool
+	err  error
+}
+
+func (c *fakeCopy) Done() (bool, error) {
+	if c.done.Load() {
+		return true, c.err
+	}
+	return false, nil
+}
+
+func newBatchGPU(g *fakeGPU, name string) *batchGPU {
+	return &batchGPU{fakeGPU: g, name: name, imported: map[uint64]bool{}}
+}
+
+func (d *batchGPU) Import(h [64]byte) (uint64, error) {
+	ptr, err := d.fakeGPU.Import(h)
+	if err == nil {
+		d.mu.Lock()
+		d.imported[ptr] = true
+		d.mu.Unlock()
+	}
+	return ptr, err
+}
+
+func (d *batchGPU) PostCopy(ps []DevPiece) (DevCopy, error) {
+	ps = append([]DevPiece(nil), ps...)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.posts++
+	d.pieces += len(ps)
+	c := &fakeCopy{}
+	run := func(err error) {
+		for _, p := range ps {
+			d.fakeGPU.mu.Lock()
+			copy(d.at(p.Dst, p.Len), d.at(p.Src, p.Len))
+			d.fakeGPU.mu.Unlock()
+		}
+		c.err = err
+		c.done.Store(true)
+	}
+	err := d.failNext
+	d.failNext = nil
+	if d.hold {
+		d.held = append(d.held, c)
+		held := len(d.held) - 1
+		go func() {
+			for {
+				d.mu.Lock()
+				released := d.held[held] == nil
+				d.mu.Unlock()
+				if released {
+					run(err)
+					return
+				}
+				time.Sleep(time.Millisecond)
+			}
+		}()
+		return c, nil
+	}
+	run(err)
+	return c, nil
+}
+
+// release lets the held batches run.
+func (d *batchGPU) release() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.hold = false
+	for i := range d.held {
+		d.held[i] = nil
+	}
+}
+
+func (d *batchGPU) stats() (posts, pieces int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.posts, d.pieces
+}
+
+// batchPair returns two GPU-only agents on the same-host path: a's memory
+// on GPU da, b's on db (the same fake device or two of one host).
+func batchPair(t *testing.T, da, db *batchGPU, cfg Config) (a, b *Agent, pa, pb uint64) {
+	t.Helper()
+	uuids := map[*batchGPU][16]byte{da: {0xda}, db: {0xdb}}
+	devices := func(u [16]byte) (Device, error) {
+		for d, du := range uuids {
+			if du == u {
+				return d, nil
+			}
+		}
+		return nil, fmt.Errorf("no GPU %x here", u)
+	}
+	var ags [2]*Agent
+	var ptrs [2]uint64
+	for i, d := range []*batchGPU{da, db} {
+		c := cfg
+		c.Name = fmt.Sprintf("%s-%d-%d", t.Name(), i, rand.Uint64())
+		c.DisableLocal, c.Devices = true, devices
+		ag, err := New(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ag.Close() })
+		ptr, h, _ := d.alloc(1 << 20)
+		if err := ag.MapDevice(ptr, 1<<20, d, uuids[d], h); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.Register([]Region{{ptr, 1 << 20}}); err != nil {
+			t.Fatal(err)
+		}
+		ags[i], ptrs[i] = ag, ptr
+		d.fill(ptr, 1<<20)
+	}
+	if _, err := ags[0].LoadPeer(ags[1].Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ags[1].LoadPeer(ags[0].Metadata()); err != nil {
+		t.Fatal(err)
+	}
+	return ags[0], ags[1], ptrs[0], ptrs[1]
+}
+
+// blockDescs returns n scattered descriptors of piece bytes between
+// [local, +1 MiB) and [remote, +1 MiB): a permutation on each side.
+func blockDescs(r *rand.Rand, local, remote uint64, n, piece int) []Desc {
+	ls, rs := r.Perm((1<<20)/piece), r.Perm((1<<20)/piece)
+	ds := make([]Desc, n)
+	for i := range ds {
+		ds[i] = Desc{Local: local + uint64(ls[i]*piece), Remote: remote + uint64(rs[i]*piece), Len: uint64(piece)}
+	}
+	return ds
+}
+
+func checkGPUMoved(t *testing.T, g *fakeGPU, op Op, ds []Desc) {
+	t.Helper()
+	for i, d := range ds {
+		if !bytes.Equal(g.view(d.Local, d.Len), g.view(d.Remote, d.Len)) {
+			t.Fatalf("%v: piece %d [%#x -> %#x, %d bytes] differs", op, i, d.Local, d.Remote, d.Len)
+		}
+	}
+}
+
+// A transfer's GPU pieces go to the device as one batch, WRITE and READ,
+// whatever the number of connections: one launch per transfer, no piece
+// copied on its own, every byte where it belongs.
+func TestSameHostDeviceOneBatch(t *testing.T) {
+	g := newFakeGPU()
+	d := newBatchGPU(g, "gpu0")
+	a, b, pa, pb := batchPair(t, d, d, Config{Conns: 4})
+	r := rand.New(rand.NewPCG(3, 4))
+	for i, op := range []Op{Write, Read, Write} {
+		ds := blockDescs(r, pa, pb, 64, 4096)
+		id, err := a.Post(op, b.Name(), ds, []byte("n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("%v: %v, %v", op, s, err)
+		}
+		checkGPUMoved(t, g, op, ds)
+		if posts, pieces := d.stats(); posts != i+1 || pieces != 64*(i+1) {
+			t.Fatalf("after %d transfers of 64 pieces: %d batches of %d pieces in all; want one batch per transfer", i+1, posts, pieces)
+		}
+		g.fill(pa, 1<<20)
+		g.fill(pb, 1<<20)
+	}
+	if _, copies := g.counts(); copies != 0 {
+		t.Fatalf("%d pieces copied one by one", copies)
+	}
+}
+
+// recordFence is a Fence that allows everything and records when each
+// admission ends.
+type recordFence struct {
+	mu       sync.Mutex
+	next     uint64
+	admitted int
+	ended    int
+}
+
+func (f *recordFence) Check(string, Op, uint64, uint64) Verdict { return Allow }
+
+func (f *recordFence) Admit(string, Op, []Region, []byte, func()) (Verdict, int, uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.next++
+	f.admitted++
+	return Allow, 0, f.next
+}
+
+func (f *recordFence) Done(uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.ended++
+}
+
+func (f *recordFence) open() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.admitted - f.ended
+}
+
+// A batch still running holds everything its part holds: the admission
+// (a grant's revocation waits for it), D's memory (Unmap waits), and the
+// part's completion (no acknowledgement, no notification). Meanwhile the
+// connection serves other parts: a second transfer on the one connection
+// completes while the first's batch is held. Once the batch ran, all of
+// it is let go and the bytes are there.
+func TestDeviceBatchHeld(t *testing.T) {
+	g := newFakeGPU()
+	d := newBatchGPU(g, "gpu0")
+	a, b, pa, pb := batchPair(t, d, d, Config{Conns: 1})
+	f := &recordFence{}
+	if err := b.SetGuard(f); err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(5, 6))
+	first := blockDescs(r, pa, pb, 32, 4096)
+	d.mu.Lock()
+	d.hold = true
+	d.mu.Unlock()
+	id, err := a.Post(Write, b.Name(), first, []byte("first"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for posts, _ := d.stats(); posts == 0; posts, _ = d.stats() {
+		if time.Now().After(deadline) {
+			t.Fatal("the first batch was never posted")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// The second transfer on the same connection, not held, ends while
+	// the first's batch still runs.
+	d.mu.Lock()
+	d.hold = false
+	d.mu.Unlock()
+	second := []Desc{{Local: pa, Remote: pb + 4096*255, Len: 4096}}
+	id2, err := a.Post(Write, b.Name(), second, []byte("second"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id2); s != Done {
+		t.Fatalf("second, while the first's batch is held: %v, %v", s, err)
+	}
+	checkGPUMoved(t, g, Write, second)
+	// Unmap takes the memory lock first: it waits for the batch.
+	unmapped := make(chan error, 1)
+	go func() { unmapped <- b.Unmap(pb + 1<<19) }()
+	time.Sleep(50 * time.Millisecond)
+	if s, _ := a.State(id); s != InProgress {
+		t.Fatalf("the first transfer is %v while its batch is held", s)
+	}
+	if n := f.open(); n != 1 {
+		t.Fatalf("%d admissions open while a batch is held; want its part's", n)
+	}
+	select {
+	case err := <-unmapped:
+		t.Fatalf("Unmap returned (%v) while a batch writing that memory was held", err)
+	default:
+	}
+	for _, n := range b.Drain(nil) {
+		if string(n.Msg) == "first" {
+			t.Fatal("the first transfer's notification was delivered while its batch was held")
+		}
+	}
+	d.release()
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("first: %v, %v", s, err)
+	}
+	select {
+	case <-unmapped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Unmap did not return once the batch ran")
+	}
+	checkGPUMoved(t, g, Write, first)
+	if n := f.open(); n != 0 {
+		t.Fatalf("%d admissions left open", n)
+	}
+}
+
+// Agents on two GPUs of one host: the receiving side imports the sender's
+// allocation on its own GPU as well and its batch reads through that
+// import (no piece copied on its own).
+func TestDeviceBatchTwoGPUs(t *testing.T) {
+	g := newFakeGPU()
+	d0, d1 := newBatchGPU(g, "gpu0"), newBatchGPU(g, "gpu1")
+	a, b, pa, pb := batchPair(t, d0, d1, Config{})
+	r := rand.New(rand.NewPCG(7, 8))
+	ds := blockDescs(r, pa, pb, 16, 8192)
+	id, err := a.Post(Write, b.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("%v, %v", s, err)
+	}
+	checkGPUMoved(t, g, Write, ds)
+	if posts, _ := d1.stats(); posts != 1 {
+		t.Fatalf("%d batches on the destination's GPU, want 1", posts)
+	}
+	d1.mu.Lock()
+	imports := len(d1.imported)
+	d1.mu.Unlock()
+	if imports == 0 {
+		t.Fatal("the sender's allocation was not imported on the destination's GPU")
+	}
+	if _, copies := g.counts(); copies != 0 {
+		t.Fatalf("%d pieces copied one by one", copies)
+	}
+}
+
+// A batch that fails fails its transfer, naming it; the connection and
+// the next transfer carry on.
+func TestDeviceBatchFails(t *testing.T) {
+	g := newFakeGPU()
+	d := newBatchGPU(g, "gpu0")
+	a, b, pa, pb := batchPair(t, d, d, Config{Conns: 1})
+	r := rand.New(rand.NewPCG(9, 10))
+	d.mu.Lock()
+	d.failNext = errors.New("an illegal address was encountered")
+	d.mu.Unlock()
+	id, err := a.Post(Write, b.Name(), blockDescs(r, pa, pb, 8, 4096), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Failed || !strings.Contains(fmt.Sprint(err), "GPU copy: an illegal address") {
+		t.Fatalf("a transfer whose batch failed: %v, %v; want failed naming the GPU copy", s, err)
+	}
+	ds := blockDescs(r, pa, pb, 8, 4096)
+	id, err = a.Post(Write, b.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := wait(t, a, id); s != Done {
+		t.Fatalf("the next transfer: %v, %v", s, err)
+	}
+	checkGPUMoved(t, g, Write, ds)
+}
