@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -344,7 +345,7 @@ type localMover struct {
 	host         *[]byte // the parent's host buffer for checks
 }
 
-func (m localMover) prepare(c xcase) error { return mark(m.scratch, c, m.host) }
+func (m localMover) prepare(c xcase) error { return mark(m.scratch, c) }
 
 // The limit: one contiguous device copy of the same bytes.
 type contigMover struct{ localMover }
@@ -400,13 +401,16 @@ func (m perPieceMover) check(c xcase) error { return checkSide(m.scratch, c, m.h
 
 func (perPieceMover) close() error { return nil }
 
+// markers is a host buffer of marker bytes, grown as needed (one
+// goroutine uses it: the parent's or the child's loop).
+var markers []byte
+
 // mark fills a destination region's span of c with the marker.
-func mark(s *side, c xcase, host *[]byte) error {
-	b := grow(host, c.span())
-	for i := range b {
-		b[i] = marker
+func mark(s *side, c xcase) error {
+	if len(markers) < c.span() {
+		markers = bytes.Repeat([]byte{marker}, c.span())
 	}
-	return s.g.CopyIn(s.base, b)
+	return s.g.CopyIn(s.base, markers[:c.span()])
 }
 
 // checkSide reads a destination region back and verifies c there.

@@ -501,7 +501,7 @@ func childMain(o opts, span int) error {
 				delete(open, req.Contender)
 			}
 		case "mark":
-			err = mark(s, req.Case, host)
+			err = mark(s, req.Case)
 		case "verify":
 			err = checkSide(s, req.Case, host)
 		default:
