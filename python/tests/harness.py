@@ -49,6 +49,10 @@ DTYPE = torch.float16
 
 
 def build_kvxferd(out_dir: Path) -> Path:
+    """kvxferd built from this checkout, or $KVXFER_KVXFERD: a binary built
+    already (test/gpu/run: the GPU machine has no Go toolchain)."""
+    if os.environ.get("KVXFER_KVXFERD"):
+        return Path(os.environ["KVXFER_KVXFERD"])
     exe = out_dir / "kvxferd"
     subprocess.run(["go", "build", "-o", str(exe), "./cmd/kvxferd"], cwd=REPO, check=True)
     return exe

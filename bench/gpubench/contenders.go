@@ -1,0 +1,431 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/internal/netxfer"
+	capi "github.com/kvxfer/kvxfer/internal/nixl"
+)
+
+// side is one process's memory for the bench: a region of its GPU.
+type side struct {
+	g      gpu
+	base   uint64
+	size   int
+	handle [64]byte
+	uuid   [16]byte
+}
+
+// mover moves one case's pieces, one transfer per write. prepare marks
+// the destination before a case's transfers, check verifies every byte
+// of its destination pieces after them.
+type mover interface {
+	prepare(c xcase) error
+	write(c xcase) (time.Duration, error)
+	check(c xcase) error
+	close() error
+}
+
+// peerSide is a contender's side in the child (the destination process).
+type peerSide interface {
+	// link hands it the parent side's metadata, where it needs it.
+	link(meta []byte) error
+	close() error
+}
+
+// contender is one way of moving the pieces.
+type contender struct {
+	name, what string
+	// avail says why it cannot run here (nil: it can); run before the
+	// child starts, it may set the environment the child inherits.
+	avail func(o *opts) error
+	// peer opens the child's side (nil: the contender runs in the
+	// parent alone, into its scratch region).
+	peer func(o *opts, s *side) ([]byte, peerSide, error)
+	// open opens the parent's side: meta is the child side's metadata;
+	// it returns the metadata to link the child side with (or nil).
+	open func(o *opts, src, scratch *side, r *remote, meta []byte) (mover, []byte, error)
+}
+
+// opts are what the contenders read.
+type opts struct {
+	fake bool
+}
+
+var contenders = []contender{
+	{name: "samehost", what: "kvxfer same-host (internal/netxfer agents in two processes, GPU memory by MapDevice; one Post of every piece, post to completion)",
+		peer: netxferPeer, open: netxferOpen},
+	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
+		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
+	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
+		avail: nixlAvail, peer: nixlPeer(4), open: nixlOpen(4)},
+	{name: "contig", what: "device copy: one contiguous cuMemcpyDtoD of the same bytes in one process (the limit)",
+		open: contigOpen},
+	{name: "perpiece", what: "per-piece cuMemcpyDtoD in one process, one sync at the end (what the same-host path does per piece)",
+		open: perPieceOpen},
+}
+
+// pythonName is the contender run by nixl_py.py (see python.go).
+const pythonName = "python"
+
+func findContender(name string) (contender, bool) {
+	for _, c := range contenders {
+		if c.name == name {
+			return c, true
+		}
+	}
+	return contender{}, false
+}
+
+var quiet = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+
+// wait polls until done reports true, an error, or 30 s passed.
+func waitDone(done func() (bool, error), wake <-chan struct{}) error {
+	deadline := time.Now().Add(30 * time.Second)
+	t := time.NewTicker(time.Millisecond)
+	defer t.Stop()
+	for {
+		ok, err := done()
+		if ok || err != nil {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return errors.New("not done in 30 s")
+		}
+		if wake == nil {
+			continue // spin, as NIXL's own benchmarks do
+		}
+		select {
+		case <-wake:
+		case <-t.C:
+		}
+	}
+}
+
+// remoteMover is the part of a mover into the child's memory: the child
+// marks and checks its destination.
+type remoteMover struct{ r *remote }
+
+func (m remoteMover) prepare(c xcase) error {
+	_, err := m.r.call(ctlReq{Op: "mark", Case: c})
+	return err
+}
+
+func (m remoteMover) check(c xcase) error {
+	_, err := m.r.call(ctlReq{Op: "verify", Case: c})
+	return err
+}
+
+// kvxfer's built-in backend on its same-host path: each process maps its
+// own GPU memory into its agent with its CUDA IPC handle; the receiver
+// imports the sender's and copies every piece with its GPU.
+func netxferAgent(s *side, role string) (*netxfer.Agent, error) {
+	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d", role, os.Getpid()), Logger: quiet,
+		Devices: func(u [16]byte) (netxfer.Device, error) {
+			if u != s.uuid {
+				return nil, fmt.Errorf("no GPU %s in this process", cuda.FormatUUID(u))
+			}
+			return s.g, nil
+		}})
+	if err != nil {
+		return nil, err
+	}
+	err = a.MapDevice(s.base, uint64(s.size), s.g, s.uuid, s.handle)
+	if err == nil {
+		err = a.Register([]netxfer.Region{{Addr: s.base, Len: uint64(s.size)}})
+	}
+	if err != nil {
+		a.Close()
+		return nil, err
+	}
+	return a, nil
+}
+
+type netxferSide struct{ a *netxfer.Agent }
+
+func (s netxferSide) link(meta []byte) error {
+	_, err := s.a.LoadPeer(meta)
+	return err
+}
+
+func (s netxferSide) close() error { return s.a.Close() }
+
+func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
+	a, err := netxferAgent(s, "d")
+	if err != nil {
+		return nil, nil, err
+	}
+	return a.Metadata(), netxferSide{a}, nil
+}
+
+type netxferMover struct {
+	remoteMover
+	a     *netxfer.Agent
+	peer  string
+	src   uint64
+	dst   uint64
+	descs map[xcase][]netxfer.Desc
+}
+
+func netxferOpen(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
+	a, err := netxferAgent(src, "p")
+	if err != nil {
+		return nil, nil, err
+	}
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		a.Close()
+		return nil, nil, err
+	}
+	return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base,
+		descs: map[xcase][]netxfer.Desc{}}, a.Metadata(), nil
+}
+
+func (m *netxferMover) write(c xcase) (time.Duration, error) {
+	ds, ok := m.descs[c]
+	if !ok {
+		for _, p := range c.pairs() {
+			ds = append(ds, netxfer.Desc{Local: m.src + p.src, Remote: m.dst + p.dst, Len: uint64(c.Piece)})
+		}
+		m.descs[c] = ds
+	}
+	start := time.Now()
+	id, err := m.a.Post(netxfer.Write, m.peer, ds, nil)
+	if err != nil {
+		return 0, err
+	}
+	err = waitDone(func() (bool, error) {
+		s, err := m.a.State(id)
+		if s == netxfer.Failed && err == nil {
+			err = errors.New("failed")
+		}
+		return s == netxfer.Done, err
+	}, m.a.Events())
+	d := time.Since(start)
+	_ = m.a.Release(id)
+	return d, err
+}
+
+func (m *netxferMover) close() error { return m.a.Close() }
+
+// kvxfer's NIXL binding: each process registers its own GPU memory with
+// its agent (VRAM; host memory with -fake-gpu); UCX moves the bytes
+// (cuda_ipc on one GPU).
+func nixlAvail(o *opts) error {
+	lib, err := capi.FindLibrary()
+	if err != nil {
+		return err
+	}
+	env := capi.ProcessEnv(lib)
+	if o.fake && os.Getenv("UCX_TLS") == "" {
+		env = append(env, "UCX_TLS=sm") // host memory between processes (xferbench)
+	}
+	for _, kv := range env {
+		k, v, _ := strings.Cut(kv, "=")
+		if err := os.Setenv(k, v); err != nil {
+			return err
+		}
+	}
+	a, err := capi.OpenConfig(nixlConfig(o, "probe", 0))
+	if err != nil {
+		return err
+	}
+	return a.Close()
+}
+
+func nixlConfig(o *opts, role string, threads int) capi.Config {
+	params := map[string]string{}
+	if threads > 0 {
+		params["num_threads"] = strconv.Itoa(threads)
+	}
+	if o.fake {
+		params["ucx_error_handling_mode"] = "none" // shared memory transports (xferbench)
+	}
+	return capi.Config{Name: fmt.Sprintf("gpubench-%s-t%d-%d", role, threads, os.Getpid()), Plugin: "UCX", Params: params,
+		VRAM: !o.fake, ProgressDelay: capi.DefaultProgressDelay}
+}
+
+func nixlAgent(o *opts, s *side, role string, threads int) (*capi.Agent, error) {
+	a, err := capi.OpenConfig(nixlConfig(o, role, threads))
+	if err != nil {
+		return nil, err
+	}
+	if err := a.Register([][3]uint64{{s.base, uint64(s.size), uint64(s.g.Ordinal())}}); err != nil {
+		a.Close()
+		return nil, fmt.Errorf("register %d MiB: %w", s.size>>20, err)
+	}
+	return a, nil
+}
+
+type nixlSide struct{ a *capi.Agent }
+
+func (nixlSide) link([]byte) error { return nil }
+func (s nixlSide) close() error    { return s.a.Close() }
+func (m *nixlMover) close() error  { return m.a.Close() }
+
+func nixlPeer(threads int) func(*opts, *side) ([]byte, peerSide, error) {
+	return func(o *opts, s *side) ([]byte, peerSide, error) {
+		a, err := nixlAgent(o, s, "d", threads)
+		if err != nil {
+			return nil, nil, err
+		}
+		meta, err := a.Metadata()
+		if err != nil {
+			a.Close()
+			return nil, nil, err
+		}
+		return meta, nixlSide{a}, nil
+	}
+}
+
+type nixlMover struct {
+	remoteMover
+	a      *capi.Agent
+	peer   string
+	src    uint64
+	dst    uint64
+	posted bool
+	descs  map[xcase][][3]uint64
+}
+
+func nixlOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+	return func(o *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
+		a, err := nixlAgent(o, src, "p", threads)
+		if err != nil {
+			return nil, nil, err
+		}
+		peer, err := a.LoadPeer(meta)
+		if err != nil {
+			a.Close()
+			return nil, nil, err
+		}
+		return &nixlMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base,
+			descs: map[xcase][][3]uint64{}}, nil, nil
+	}
+}
+
+func (m *nixlMover) write(c xcase) (time.Duration, error) {
+	ds, ok := m.descs[c]
+	if !ok {
+		for _, p := range c.pairs() {
+			ds = append(ds, [3]uint64{m.src + p.src, m.dst + p.dst, uint64(c.Piece)})
+		}
+		m.descs[c] = ds
+	}
+	start := time.Now()
+	x, err := m.a.Post(true, m.peer, ds, nil)
+	// The first post may find UCX still connecting to the peer.
+	for deadline := time.Now().Add(20 * time.Second); err != nil && !m.posted && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+		start = time.Now()
+		x, err = m.a.Post(true, m.peer, ds, nil)
+	}
+	if err != nil {
+		return 0, err
+	}
+	m.posted = true
+	err = waitDone(func() (bool, error) { return m.a.State(x) }, nil)
+	d := time.Since(start)
+	_ = m.a.Release(x)
+	return d, err
+}
+
+// localMover copies within the parent, from its source region into its
+// scratch region, and checks there.
+type localMover struct {
+	src, scratch *side
+	host         *[]byte // the parent's host buffer for checks
+}
+
+func (m localMover) prepare(c xcase) error { return mark(m.scratch, c) }
+
+// The limit: one contiguous device copy of the same bytes.
+type contigMover struct{ localMover }
+
+func contigOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
+	return contigMover{localMover{src, scratch, new([]byte)}}, nil, nil
+}
+
+func (m contigMover) write(c xcase) (time.Duration, error) {
+	start := time.Now()
+	err := m.src.g.CopyDevice(m.scratch.base, m.src.base, c.total())
+	if err == nil {
+		err = m.src.g.Sync()
+	}
+	return time.Since(start), err
+}
+
+func (m contigMover) check(c xcase) error {
+	got, want := make([]byte, c.total()), make([]byte, c.total())
+	pattern(want, c.seed(), 0)
+	if err := m.src.g.CopyOut(got, m.scratch.base); err != nil {
+		return err
+	}
+	if string(got) != string(want) {
+		return fmt.Errorf("%s: the contiguous copy differs from the source", c)
+	}
+	return nil
+}
+
+func (contigMover) close() error { return nil }
+
+// What the same-host path does per piece, in one process.
+type perPieceMover struct{ localMover }
+
+func perPieceOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
+	return perPieceMover{localMover{src, scratch, new([]byte)}}, nil, nil
+}
+
+func (m perPieceMover) write(c xcase) (time.Duration, error) {
+	ps := c.pairs()
+	g, s, d, n := m.src.g, m.src.base, m.scratch.base, c.Piece
+	start := time.Now()
+	for _, p := range ps {
+		if err := g.CopyDevice(d+p.dst, s+p.src, n); err != nil {
+			return 0, err
+		}
+	}
+	err := g.Sync()
+	return time.Since(start), err
+}
+
+func (m perPieceMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+func (perPieceMover) close() error { return nil }
+
+// markers is a host buffer of marker bytes, grown as needed (one
+// goroutine uses it: the parent's or the child's loop).
+var markers []byte
+
+// mark fills a destination region's span of c with the marker.
+func mark(s *side, c xcase) error {
+	if len(markers) < c.span() {
+		markers = bytes.Repeat([]byte{marker}, c.span())
+	}
+	return s.g.CopyIn(s.base, markers[:c.span()])
+}
+
+// checkSide reads a destination region back and verifies c there.
+func checkSide(s *side, c xcase, host *[]byte) error {
+	b := grow(host, c.span())
+	if err := s.g.CopyOut(b, s.base); err != nil {
+		return err
+	}
+	return verify(c, b)
+}
+
+// grow returns (*buf)[:n], reallocating when it is shorter.
+func grow(buf *[]byte, n int) []byte {
+	if cap(*buf) < n {
+		*buf = make([]byte, n)
+	}
+	return (*buf)[:n]
+}

@@ -1,0 +1,65 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// TestMain serves as the destination process when the bench re-executes
+// the test binary.
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" {
+		if err := run(context.Background(), os.Args[1:], os.Stdout, os.Stderr); err != nil {
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestFakeGPU runs the bench end to end on host memory standing in for
+// the GPU: the child, the same-host agents and the copies, each case
+// checked byte by byte, and the table.
+func TestFakeGPU(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
+		"-contenders", "samehost,contig,perpiece"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
+	}
+	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice) | 4 KiB |", "| per-piece cuMemcpyDtoD, one sync | 520 B |",
+		"5 blocks (15 pieces)"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "FAILED") {
+		t.Errorf("a case failed:\n%s\n%s", out.String(), errb.String())
+	}
+}
+
+// A piece that lands in the wrong place, or not at all, is caught.
+func TestVerify(t *testing.T) {
+	c := xcase{Piece: 64, Blocks: 4, Layers: 2}
+	src, dst := make([]byte, c.span()), bytes.Repeat([]byte{marker}, c.span())
+	pattern(src, c.seed(), 0)
+	for _, p := range c.pairs() {
+		copy(dst[p.dst:p.dst+64], src[p.src:p.src+64])
+	}
+	if err := verify(c, dst); err != nil {
+		t.Fatalf("verify of a correct transfer: %v", err)
+	}
+	p := c.pairs()[5]
+	dst[p.dst+63] ^= 1
+	if err := verify(c, dst); err == nil || !strings.Contains(err.Error(), "piece 5") {
+		t.Errorf("verify with piece 5's last byte flipped = %v, want an error naming piece 5", err)
+	}
+	src2, dst2 := c.ids()
+	if s, d := (xcase{Piece: 64, Blocks: 4, Layers: 2}).ids(); !slices.Equal(s, src2) || !slices.Equal(d, dst2) {
+		t.Error("a case's block ids are not fixed")
+	}
+}

@@ -1,0 +1,113 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	_ "embed"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// nixlPy is the python contender: NIXL's own Python API between two
+// processes, each on a torch CUDA tensor it allocated (see its doc).
+//
+//go:embed nixl_py.py
+var nixlPy []byte
+
+// pyLine prefixes nixl_py.py's result lines on its standard output.
+const pyLine = "gpubench-py "
+
+// pyResult is one line of nixl_py.py: a case's GB/s, or why it could not
+// run (Skip: the whole contender; Error: this case).
+type pyResult struct {
+	Piece, Blocks, Layers int
+	GBps                  []float64
+	Error, Skip           string
+}
+
+// runPython runs nixl_py.py with cfg's cases and returns its results.
+func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]result, error) {
+	if cfg.python == "" {
+		return nil, fmt.Errorf("no -python")
+	}
+	dir, err := os.MkdirTemp("", "gpubench-py-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	script := filepath.Join(dir, "nixl_py.py")
+	if err := os.WriteFile(script, nixlPy, 0o600); err != nil {
+		return nil, err
+	}
+	var pieces, blocks []string
+	seen := map[string]bool{}
+	for _, c := range cfg.cases {
+		if c.Piece < 64<<10 && !cfg.pySmall {
+			continue
+		}
+		if p := fmt.Sprint(c.Piece); !seen["p"+p] {
+			seen["p"+p] = true
+			pieces = append(pieces, p)
+		}
+		if b := fmt.Sprint(c.Blocks); !seen["b"+b] {
+			seen["b"+b] = true
+			blocks = append(blocks, b)
+		}
+	}
+	if len(pieces) == 0 {
+		return nil, fmt.Errorf("no case left (-python-small=false)")
+	}
+	device := "cuda"
+	if cfg.o.fake {
+		device = "cpu"
+	}
+	cmd := exec.CommandContext(ctx, cfg.python, script, "--pieces", strings.Join(pieces, ","), "--blocks", strings.Join(blocks, ","),
+		"--layers", fmt.Sprint(cfg.cases[0].Layers), "--reps", fmt.Sprint(cfg.reps), "--warmup", fmt.Sprint(cfg.warmup),
+		"--threads", "4", "--device", device)
+	cmd.Stderr = stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("%s: %w", cfg.python, err)
+	}
+	res := map[xcase]result{}
+	var skip string
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), pyLine)
+		if !ok {
+			fmt.Fprintln(stderr, "nixl_py:", sc.Text())
+			continue
+		}
+		var r pyResult
+		if err := json.Unmarshal([]byte(line), &r); err != nil {
+			return nil, fmt.Errorf("nixl_py.py said %q: %w", line, err)
+		}
+		if r.Skip != "" {
+			skip = r.Skip
+			continue
+		}
+		res[xcase{Piece: r.Piece, Blocks: r.Blocks, Layers: r.Layers}] = result{gbps: r.GBps, err: r.Error}
+	}
+	werr := cmd.Wait()
+	switch {
+	case skip != "":
+		return nil, fmt.Errorf("%s", skip)
+	case werr != nil && len(res) == 0:
+		return nil, fmt.Errorf("nixl_py.py: %w", werr)
+	case werr != nil:
+		for _, c := range cfg.cases {
+			if _, ok := res[c]; !ok && (c.Piece >= 64<<10 || cfg.pySmall) {
+				res[c] = result{err: fmt.Sprintf("nixl_py.py ended (%v) before this case", werr)}
+			}
+		}
+	}
+	return res, nil
+}
