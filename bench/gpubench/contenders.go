@@ -69,7 +69,9 @@ var contenders = []contender{
 		avail: nixlAvail, peer: nixlPeer(4), open: nixlOpen(4)},
 	{name: "contig", what: "device copy: one contiguous cuMemcpyDtoD of the same bytes in one process (the limit)",
 		open: contigOpen},
-	{name: "perpiece", what: "per-piece cuMemcpyDtoD in one process, one sync at the end (what the same-host path does per piece)",
+	{name: "kernel", what: "kvxfer's copy kernel in one process: one launch of every piece (internal/cuda Post), post to done",
+		open: kernelOpen},
+	{name: "perpiece", what: "one asynchronous cuMemcpyDtoD per piece on one stream, one event at the end (internal/cuda PostEach: the fallback)",
 		open: perPieceOpen},
 }
 
@@ -377,7 +379,22 @@ func (m contigMover) check(c xcase) error {
 
 func (contigMover) close() error { return nil }
 
-// What the same-host path does per piece, in one process.
+// kvxfer's copy kernel alone, in one process.
+type kernelMover struct{ localMover }
+
+func kernelOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
+	return kernelMover{localMover{src, scratch, new([]byte)}}, nil, nil
+}
+
+func (m kernelMover) write(c xcase) (time.Duration, error) {
+	return postPieces(m.localMover, c, m.src.g.PostCopy)
+}
+
+func (m kernelMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+func (kernelMover) close() error { return nil }
+
+// What the same-host path did per piece, in one process.
 type perPieceMover struct{ localMover }
 
 func perPieceOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
@@ -385,15 +402,24 @@ func perPieceOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []by
 }
 
 func (m perPieceMover) write(c xcase) (time.Duration, error) {
+	return postPieces(m.localMover, c, m.src.g.PostEach)
+}
+
+// postPieces posts c's pieces from the source into the scratch region as
+// one batch and waits (spinning) for it.
+func postPieces(m localMover, c xcase, post func([]netxfer.DevPiece) (netxfer.DevCopy, error)) (time.Duration, error) {
 	ps := c.pairs()
-	g, s, d, n := m.src.g, m.src.base, m.scratch.base, c.Piece
-	start := time.Now()
-	for _, p := range ps {
-		if err := g.CopyDevice(d+p.dst, s+p.src, n); err != nil {
-			return 0, err
-		}
+	s, d, n := m.src.base, m.scratch.base, uint64(c.Piece)
+	batch := make([]netxfer.DevPiece, len(ps))
+	for i, p := range ps {
+		batch[i] = netxfer.DevPiece{Dst: d + p.dst, Src: s + p.src, Len: n}
 	}
-	err := g.Sync()
+	start := time.Now()
+	cp, err := post(batch)
+	if err != nil {
+		return 0, err
+	}
+	err = waitDone(cp.Done, nil)
 	return time.Since(start), err
 }
 

@@ -22,7 +22,9 @@ import (
 // are netxfer Devices: the same-host contender hands them to its agents.
 // This file is the only place that adapts a device to netxfer.Device.
 type gpu interface {
-	netxfer.Device
+	netxfer.BatchDevice
+	// PostEach queues one asynchronous copy per piece (the same stream).
+	PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error)
 	Alloc(n int) (uint64, error)
 	Free(ptr uint64) error
 	Export(ptr uint64) ([64]byte, error)
@@ -64,6 +66,27 @@ func (g *cudaGPU) Export(ptr uint64) ([64]byte, error) {
 }
 
 func (g *cudaGPU) Import(h [64]byte) (uint64, error) { return g.Device.Import(cuda.Handle(h)) }
+
+func cudaPieces(ps []netxfer.DevPiece) []cuda.Piece {
+	return unsafe.Slice((*cuda.Piece)(unsafe.Pointer(unsafe.SliceData(ps))), len(ps))
+}
+
+// PostCopy is the same-host path's batch: one launch of the copy kernel.
+func (g *cudaGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
+	c, err := g.Device.Post(cudaPieces(ps))
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (g *cudaGPU) PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
+	c, err := g.Device.PostEach(cudaPieces(ps))
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
 
 // Sync reads 8 bytes back: a device-to-host copy on the legacy default
 // stream waits for the copies queued before it and returns when done.
@@ -212,6 +235,22 @@ func (g *fakeGPU) CopyDevice(dst, src uint64, n int) error {
 	copy(d, s)
 	return nil
 }
+
+// fakeDone is a fake batch: copied when posted.
+type fakeDone struct{}
+
+func (fakeDone) Done() (bool, error) { return true, nil }
+
+func (g *fakeGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
+	for _, p := range ps {
+		if err := g.CopyDevice(p.Dst, p.Src, int(p.Len)); err != nil {
+			return nil, err
+		}
+	}
+	return fakeDone{}, nil
+}
+
+func (g *fakeGPU) PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error) { return g.PostCopy(ps) }
 
 func (g *fakeGPU) CopyIn(dst uint64, src []byte) error {
 	d, err := g.at(dst, len(src))

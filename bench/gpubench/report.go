@@ -14,7 +14,8 @@ var labels = map[string]string{
 	"nixl4":    "kvxfer NIXL (UCX num_threads=4)",
 	pythonName: "NIXL Python API (num_threads=4)",
 	"contig":   "device copy, contiguous (the limit)",
-	"perpiece": "per-piece cuMemcpyDtoD, one sync",
+	"kernel":   "kvxfer copy kernel, one launch (one process)",
+	"perpiece": "per-piece async cuMemcpyDtoD, one event",
 }
 
 // report prints one markdown table: a row per contender and piece size,

@@ -153,7 +153,13 @@ type Copy struct {
 // caller keeps every piece within memory it may write (destination) and
 // read (source) until the copy is done. A Copy is used by one goroutine
 // at a time.
-func (d *Device) Post(pieces []Piece) (*Copy, error) {
+func (d *Device) Post(pieces []Piece) (*Copy, error) { return d.post(pieces, false) }
+
+// PostEach queues pieces as one asynchronous copy each, on the stream
+// Post uses (the fallback, and what the kernel is measured against).
+func (d *Device) PostEach(pieces []Piece) (*Copy, error) { return d.post(pieces, true) }
+
+func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
 	if err := d.initCopier(); err != nil {
 		return nil, err
 	}
@@ -170,9 +176,12 @@ func (d *Device) Post(pieces []Piece) (*Copy, error) {
 		return &Copy{done: true}, nil
 	}
 	c := &d.copier
-	if c.fn != nil {
+	switch {
+	case c.fn != nil && !each:
 		err = d.launch(c.fn, c.stream, s, n, tiles, int(min(tiles, maxGrid)))
-	} else {
+	case each:
+		err = d.launchEach(c.stream, s, n)
+	default:
 		fallbacks.Add(1)
 		err = d.launchEach(c.stream, s, n)
 	}
