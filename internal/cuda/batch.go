@@ -24,8 +24,10 @@ import (
 var copyPTX []byte
 
 const (
-	descWords = 4 // dst, src, len, first tile (kvxfer_piece)
+	descWords = 3 // dst, src, len | first tile << 32 (kvxfer_piece)
 	descBytes = 8 * descWords
+	// maxPiece: a descriptor's length is 32 bits; longer pieces are cut.
+	maxPiece = 1 << 31
 	// tileShift: a piece is cut into tiles of 16 KiB, one CTA's work
 	// (256 threads, four 16-byte loads each).
 	tileShift = 14
@@ -124,7 +126,8 @@ func (d *Device) give(s *slot) {
 }
 
 // pack writes pieces' descriptors into descs (pieces of no bytes left
-// out) and returns how many it wrote and their tiles in all.
+// out; none over maxPiece) and returns how many it wrote and their tiles
+// in all.
 func pack(descs []uint64, pieces []Piece) (n int, tiles uint64) {
 	const tile = 1 << tileShift
 	for _, p := range pieces {
@@ -132,11 +135,34 @@ func pack(descs []uint64, pieces []Piece) (n int, tiles uint64) {
 			continue
 		}
 		e := descs[n*descWords : n*descWords+descWords : n*descWords+descWords]
-		e[0], e[1], e[2], e[3] = p.Dst, p.Src, p.Len, tiles
+		e[0], e[1], e[2] = p.Dst, p.Src, p.Len|tiles<<32
 		tiles += (p.Len + tile - 1) / tile
 		n++
 	}
 	return n, tiles
+}
+
+// cut returns pieces with those over maxPiece cut into pieces of at most
+// maxPiece (a new slice only where there is one).
+func cut(pieces []Piece) []Piece {
+	long := 0
+	for _, p := range pieces {
+		if p.Len > maxPiece {
+			long++
+		}
+	}
+	if long == 0 {
+		return pieces
+	}
+	out := make([]Piece, 0, len(pieces)+long)
+	for _, p := range pieces {
+		for p.Len > maxPiece {
+			out = append(out, Piece{p.Dst, p.Src, maxPiece})
+			p.Dst, p.Src, p.Len = p.Dst+maxPiece, p.Src+maxPiece, p.Len-maxPiece
+		}
+		out = append(out, p)
+	}
+	return out
 }
 
 // Copy is a batch Post queued on its device.
@@ -163,7 +189,8 @@ func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
 	if err := d.initCopier(); err != nil {
 		return nil, err
 	}
-	if len(pieces) > 1<<31 {
+	pieces = cut(pieces)
+	if len(pieces) > 1<<30 {
 		return nil, fmt.Errorf("cuda: a batch of %d pieces", len(pieces))
 	}
 	s, err := d.take(max(len(pieces), 1))
@@ -171,6 +198,10 @@ func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
 		return nil, err
 	}
 	n, tiles := pack(s.descs, pieces)
+	if tiles >= 1<<32 {
+		d.give(s)
+		return nil, fmt.Errorf("cuda: a batch of %d tiles of %d bytes, over 2^32", tiles, 1<<tileShift)
+	}
 	if n == 0 {
 		d.give(s)
 		return &Copy{done: true}, nil

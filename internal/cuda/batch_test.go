@@ -16,9 +16,22 @@ func TestPackTiles(t *testing.T) {
 	if n != 3 || tiles != 4 {
 		t.Fatalf("pack: %d pieces, %d tiles; want 3 and 4 (a piece of no bytes left out)", n, tiles)
 	}
-	want := []uint64{1, 2, tile, 0, 5, 6, tile + 1, 1, 7, 8, 1, 3}
+	want := []uint64{1, 2, tile, 5, 6, tile + 1 | 1<<32, 7, 8, 1 | 3<<32}
 	if got := descs[:n*descWords]; fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("descriptors %v, want %v", got, want)
+	}
+}
+
+func TestCutLongPieces(t *testing.T) {
+	ps := []Piece{{0, 100, 10}, {1 << 40, 2 << 40, 2*maxPiece + 5}}
+	got := cut(ps)
+	want := []Piece{{0, 100, 10}, {1 << 40, 2 << 40, maxPiece}, {1<<40 + maxPiece, 2<<40 + maxPiece, maxPiece},
+		{1<<40 + 2*maxPiece, 2<<40 + 2*maxPiece, 5}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("cut: %v, want %v", got, want)
+	}
+	if short := []Piece{{1, 2, 3}}; &cut(short)[0] != &short[0] {
+		t.Fatal("cut copied pieces none of which is long")
 	}
 }
 

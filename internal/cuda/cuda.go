@@ -163,10 +163,10 @@ static void cu_slot_free(CUcontext ctx, void *host, CUdeviceptr dev, CUevent ev)
 // cu_post launches the kernel over n descriptors staged in host, after
 // copying them to dev, and records ev behind it on stream s.
 static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUdeviceptr dev, unsigned n,
-		unsigned long long tiles, unsigned shift, unsigned grid, CUevent ev) {
+		unsigned tiles, unsigned shift, unsigned grid, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
-	if ((r = cu.cuMemcpyHtoDAsync(dev, host, (size_t)n * 32, s))) return r;
+	if ((r = cu.cuMemcpyHtoDAsync(dev, host, (size_t)n * 24, s))) return r;
 	void *args[] = { &dev, &n, &tiles, &shift };
 	if ((r = cu.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, args, NULL))) return r;
 	return cu.cuEventRecord(ev, s);
@@ -175,8 +175,8 @@ static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUd
 static CUresult cu_post_each(CUcontext ctx, CUstream s, const unsigned long long *d, unsigned n, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
-	for (unsigned i = 0; i < n; i++, d += 4) {
-		if ((r = cu.cuMemcpyDtoDAsync(d[0], d[1], d[2], s))) return r;
+	for (unsigned i = 0; i < n; i++, d += 3) {
+		if ((r = cu.cuMemcpyDtoDAsync(d[0], d[1], d[2] & 0xffffffffu, s))) return r;
 	}
 	return cu.cuEventRecord(ev, s);
 }
@@ -423,7 +423,7 @@ func (d *Device) freeSlot(s *slot) {
 
 func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, n int, tiles uint64, grid int) error {
 	return check("launch copy kernel", C.cu_post(d.ctx, C.CUstream(stream), C.CUfunction(fn),
-		unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.uint(n), C.ulonglong(tiles), C.uint(tileShift), C.uint(grid),
+		unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.uint(n), C.uint(tiles), C.uint(tileShift), C.uint(grid),
 		C.CUevent(s.ev)))
 }
 

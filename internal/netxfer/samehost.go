@@ -273,6 +273,8 @@ type localServer struct {
 	chunks map[uint32][]byte
 	devs   map[uint32]*devImport // the peer's GPU memory, imported here
 	refs   []localRef
+	tab    []byte   // a part's descriptor table (server side)
+	ranges []Region // its ranges
 	dst    []target
 	src    []target
 	// GPU batches: the part's pieces grouped by destination device
@@ -285,6 +287,14 @@ type localServer struct {
 	pending sync.WaitGroup
 	wmu     sync.Mutex
 	serving bool // wmu is held by the connection's goroutine (server side)
+	// last is the memory piece looked up last (pieces come in runs of
+	// one chunk); passing memory clears it.
+	last struct {
+		ok bool
+		id uint32
+		m  []byte
+		d  *devImport
+	}
 	// For READs from this agent's memory: the memory files passed to the
 	// client, and this side's fence (under mu: Unmap and Close set it).
 	sent map[uint32]bool
@@ -368,13 +378,17 @@ type devGroup struct {
 
 // piece returns [off, off+n) of the peer's memory passed as chunk id.
 func (s *localServer) piece(id uint32, off, n uint64) (target, bool) {
-	if m := s.chunks[id]; m != nil {
+	if !s.last.ok || s.last.id != id {
+		s.last.id, s.last.m, s.last.d = id, s.chunks[id], s.devs[id]
+		s.last.ok = true
+	}
+	if m := s.last.m; m != nil {
 		if off > uint64(len(m)) || n > uint64(len(m))-off {
 			return target{}, false
 		}
 		return target{b: m[off : off+n]}, true
 	}
-	if d, ok := s.devs[id]; ok && off <= d.size && n <= d.size-off {
+	if d := s.last.d; d != nil && off <= d.size && n <= d.size-off {
 		return target{dev: d.dev, ptr: d.ptr + off, n: n, imp: d, off: off}, true
 	}
 	return target{}, false
@@ -413,6 +427,7 @@ func (s *localServer) close() {
 		d.unmap()
 	}
 	s.devs = nil
+	s.last.ok, s.last.m, s.last.d = false, nil, nil
 }
 
 // withdrawn reads the sender's fence, after the bytes it guards were
@@ -506,6 +521,7 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			_ = unix.Munmap(old)
 		}
 		s.chunks[id] = m
+		s.last.ok = false
 		return nil
 	case tChunkDev:
 		var b [92]byte
@@ -543,6 +559,7 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			old.unmap()
 		}
 		s.devs[id] = &devImport{dev: dev, ptr: ptr, size: n, handle: h}
+		s.last.ok = false
 		return nil
 	case tWriteLocal:
 		if s.fence == nil {
@@ -576,11 +593,19 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if h.n > maxDescs {
 		return fmt.Errorf("%w: %d descriptors", ErrProtocol, h.n)
 	}
-	tab := make([]byte, localDescSize*int(h.n))
+	// The table and its ranges reuse the connection's buffers (kept up
+	// to keepScratch descriptors).
+	if cap(s.tab) < localDescSize*int(h.n) || cap(s.tab) > localDescSize*keepScratch {
+		s.tab = make([]byte, localDescSize*int(h.n))
+	}
+	tab := s.tab[:localDescSize*int(h.n)]
 	if err := readFull(r, tab); err != nil {
 		return err
 	}
-	ranges := make([]Region, h.n)
+	if cap(s.ranges) < int(h.n) || cap(s.ranges) > keepScratch {
+		s.ranges = make([]Region, h.n)
+	}
+	ranges := s.ranges[:h.n]
 	s.refs = s.refs[:0]
 	for i := range ranges {
 		e := tab[localDescSize*i:]
@@ -597,10 +622,22 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		return berr
 	}
 	a.memMu.RLock()
+	var inflight []DevCopy
+	fast := false
 	if berr == nil {
+		// GPU to GPU (the common case of GPU engines): the batch built
+		// in one pass.
+		fast, inflight, berr = a.devicePart(s, ranges, s.refs)
+		if errors.Is(berr, ErrProtocol) {
+			a.memMu.RUnlock()
+			a.releaseGuard(ticket)
+			return berr
+		}
+	}
+	if berr == nil && !fast {
 		s.dst, berr = a.targets(s.dst[:0], ranges)
 	}
-	if berr == nil {
+	if berr == nil && !fast {
 		s.src = s.src[:0]
 		for i, ref := range s.refs {
 			p, ok := s.piece(ref.chunk, ref.off, ranges[i].Len)
@@ -616,10 +653,11 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 			a.releaseGuard(ticket)
 			return berr
 		}
-		var inflight []DevCopy
 		inflight, berr = s.copyPieces(s.dst, s.src)
 		clear(s.dst)
 		clear(s.src)
+	}
+	if berr == nil || len(inflight) > 0 {
 		// The part ends once its bytes are where they go: its memory
 		// unpinned, its grant released (before the completion is
 		// delivered: the Worker that waits for it may be the one the
@@ -658,6 +696,83 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	return a.landed(w, from, h, v, berr)
 }
 
+// devicePart posts a same-host WRITE part whose pieces all go from a
+// peer's GPU memory into this agent's on one BatchDevice as one batch, in
+// one pass over them (the bounds checked as targets and piece check
+// them). It reports false, having posted nothing, for any other part
+// (the caller takes the general path); an error where a piece is out of
+// bounds. Callers hold memMu for reading.
+func (a *Agent) devicePart(s *localServer, ranges []Region, refs []localRef) (bool, []DevCopy, error) {
+	if len(ranges) == 0 {
+		return false, nil, nil
+	}
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return false, nil, ErrClosed
+	}
+	var c regionCursor
+	var ch *chunk
+	var dev BatchDevice
+	g := s.groups[:0]
+	if len(g) < cap(g) {
+		g = g[:1]
+		g[0].pieces = g[0].pieces[:0]
+	} else {
+		g = append(g, devGroup{})
+	}
+	ps := g[0].pieces
+	var imp *devImport
+	var impID uint32
+	var impAt uint64
+	for i, r := range ranges {
+		if ch == nil || r.Addr < ch.base || r.Addr-ch.base+r.Len > ch.size {
+			if ch = a.chunkLocked(r.Addr); ch == nil || ch.dev == nil {
+				a.mu.Unlock()
+				return false, nil, nil // host memory, or out of bounds: the general path says
+			}
+			bd, ok := ch.dev.(BatchDevice)
+			if !ok || dev != nil && bd != dev {
+				a.mu.Unlock()
+				return false, nil, nil
+			}
+			dev = bd
+		}
+		if !c.inside(a, r.Addr, r.Len) || r.Addr-ch.base+r.Len > ch.size {
+			a.mu.Unlock()
+			return true, nil, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+		}
+		ref := refs[i]
+		if imp == nil || ref.chunk != impID {
+			d := s.devs[ref.chunk]
+			if d == nil {
+				a.mu.Unlock()
+				return false, nil, nil // host memory, or not passed: the general path says
+			}
+			at, ok := d.at(ch.dev)
+			if !ok {
+				a.mu.Unlock()
+				return false, nil, nil
+			}
+			imp, impID, impAt = d, ref.chunk, at
+		}
+		if ref.off > imp.size || r.Len > imp.size-ref.off {
+			a.mu.Unlock()
+			return true, nil, fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
+				ErrProtocol, i, ref.off, r.Len, ref.chunk)
+		}
+		ps = append(ps, DevPiece{r.Addr, impAt + ref.off, r.Len})
+	}
+	a.mu.Unlock()
+	g[0].pieces = ps
+	s.groups = g[:0]
+	cp, err := dev.PostCopy(ps)
+	if err != nil {
+		return true, nil, fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(ps), err)
+	}
+	return true, []DevCopy{cp}, nil
+}
+
 // copyPieces copies src[i] into dst[i]: host bytes with copy (a fault on
 // either side, a file shrunk under its mapping, is an error), a GPU piece
 // with its device. Pieces between GPU memories whose destination is a
@@ -679,13 +794,22 @@ func (s *localServer) copyPieces(dst, src []target) (inflight []DevCopy, err err
 		}
 		s.groups = groups[:0]
 	}()
+	// The destination device of the last piece, as a BatchDevice (nil:
+	// not one), and its group.
+	var lastDev Device
+	var lastBatch BatchDevice
+	lastGroup := -1
 	for i, d := range dst {
 		sp := src[i]
 		switch {
 		case d.dev == nil && sp.dev == nil:
 			copy(d.b, sp.b)
 		case d.dev != nil && sp.dev != nil:
-			if bd, ok := d.dev.(BatchDevice); ok {
+			if d.dev != lastDev {
+				lastDev, lastGroup = d.dev, -1
+				lastBatch, _ = d.dev.(BatchDevice)
+			}
+			if lastBatch != nil {
 				from, ok := sp.ptr, sp.dev == d.dev
 				if !ok && sp.imp != nil {
 					// Another GPU of this host: read through the
@@ -696,7 +820,10 @@ func (s *localServer) copyPieces(dst, src []target) (inflight []DevCopy, err err
 					}
 				}
 				if ok {
-					groups = addPiece(groups, bd, DevPiece{d.ptr, from, d.n})
+					if lastGroup < 0 {
+						groups, lastGroup = groupOf(groups, lastBatch)
+					}
+					groups[lastGroup].pieces = append(groups[lastGroup].pieces, DevPiece{d.ptr, from, d.n})
 					continue
 				}
 			}
@@ -720,47 +847,109 @@ func (s *localServer) copyPieces(dst, src []target) (inflight []DevCopy, err err
 	return inflight, nil
 }
 
-func addPiece(groups []devGroup, dev BatchDevice, p DevPiece) []devGroup {
+// groupOf returns groups with one for dev, and its index.
+func groupOf(groups []devGroup, dev BatchDevice) ([]devGroup, int) {
 	for i := range groups {
 		if groups[i].dev == dev {
-			groups[i].pieces = append(groups[i].pieces, p)
-			return groups
+			return groups, i
 		}
 	}
 	if len(groups) < cap(groups) {
 		groups = groups[:len(groups)+1]
 		groups[len(groups)-1].dev = dev
-		groups[len(groups)-1].pieces = append(groups[len(groups)-1].pieces[:0], p)
-		return groups
+		groups[len(groups)-1].pieces = groups[len(groups)-1].pieces[:0]
+	} else {
+		groups = append(groups, devGroup{dev: dev})
 	}
-	return append(groups, devGroup{dev: dev, pieces: []DevPiece{p}})
+	return groups, len(groups) - 1
 }
 
-// waitCopies waits for batches in flight, polling: at first by yielding
-// (a batch of KV blocks takes tens of microseconds), then sleeping a
-// little longer each time. It returns the first batch's error.
+// waitCopies waits until batches in flight are done and returns the
+// first one's error.
 func waitCopies(cs []DevCopy) error {
-	var first error
-	for _, c := range cs {
-		for spin := 0; ; spin++ {
-			done, err := c.Done()
-			if done {
-				if first == nil {
-					first = err
+	return <-polled.add(cs)
+}
+
+// polled is the process's poller of GPU batches in flight: one goroutine,
+// running while batches are in flight, that asks each whether it is done
+// and hands its result to whoever waits for it. It spins (yielding the
+// processor between rounds) while batches are young, since a batch of KV
+// blocks takes tens to hundreds of microseconds and a timer's wake-up
+// would cost more than that; a batch in flight for over spinFor is
+// polled every pollEvery.
+var polled devPoller
+
+const (
+	spinFor   = 5 * time.Millisecond
+	pollEvery = 50 * time.Microsecond
+)
+
+type devPoller struct {
+	mu      sync.Mutex
+	running bool
+	queue   []*polledBatch
+}
+
+type polledBatch struct {
+	copies []DevCopy // those not done yet
+	err    error     // the first error of those done
+	since  time.Time
+	done   chan error
+}
+
+func (p *devPoller) add(cs []DevCopy) <-chan error {
+	b := &polledBatch{copies: cs, since: time.Now(), done: make(chan error, 1)}
+	p.mu.Lock()
+	p.queue = append(p.queue, b)
+	start := !p.running
+	p.running = true
+	p.mu.Unlock()
+	if start {
+		go p.loop()
+	}
+	return b.done
+}
+
+func (p *devPoller) loop() {
+	var mine []*polledBatch
+	for {
+		p.mu.Lock()
+		mine = append(mine, p.queue...)
+		clear(p.queue)
+		p.queue = p.queue[:0]
+		if len(mine) == 0 {
+			p.running = false
+			p.mu.Unlock()
+			return
+		}
+		p.mu.Unlock()
+		young := false
+		mine = slices.DeleteFunc(mine, func(b *polledBatch) bool {
+			for len(b.copies) > 0 {
+				done, err := b.copies[0].Done()
+				if !done {
+					break
 				}
-				break
+				if b.err == nil && err != nil {
+					b.err = fmt.Errorf("%w: GPU copy: %w", ErrXferFailed, err)
+				}
+				b.copies = b.copies[1:]
 			}
-			if spin < 64 {
-				runtime.Gosched()
-			} else {
-				time.Sleep(min(time.Duration(spin-63)*10*time.Microsecond, time.Millisecond))
+			if len(b.copies) > 0 {
+				young = young || time.Since(b.since) < spinFor
+				return false
 			}
+			b.done <- b.err
+			return true
+		})
+		switch {
+		case len(mine) == 0:
+		case young:
+			runtime.Gosched()
+		default:
+			time.Sleep(pollEvery)
 		}
 	}
-	if first != nil {
-		return fmt.Errorf("%w: GPU copy: %w", ErrXferFailed, first)
-	}
-	return nil
 }
 
 // async ends a part whose batches are in flight from a goroutine of its
@@ -774,13 +963,13 @@ func (s *localServer) async(inflight []DevCopy, end func(error)) bool {
 		return false
 	}
 	s.pending.Add(1)
-	cs := slices.Clone(inflight)
+	done := polled.add(slices.Clone(inflight))
 	go func() {
 		defer func() {
 			<-s.slots
 			s.pending.Done()
 		}()
-		end(waitCopies(cs))
+		end(<-done)
 	}()
 	return true
 }

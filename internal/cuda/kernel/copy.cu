@@ -19,8 +19,8 @@
 struct kvxfer_piece {
   unsigned long long dst;
   unsigned long long src;
-  unsigned long long len;
-  unsigned long long tile0;  // number of this piece's first tile
+  unsigned int len;    // bytes (a piece is under 4 GiB)
+  unsigned int tile0;  // number of this piece's first tile
 };
 
 template <typename T, int U>
@@ -56,9 +56,9 @@ __device__ __forceinline__ void copy_span(unsigned char *d, const unsigned char 
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-kvxfer_copy(const kvxfer_piece *__restrict__ pieces, unsigned int n, unsigned long long tiles, unsigned int tile_shift) {
+kvxfer_copy(const kvxfer_piece *__restrict__ pieces, unsigned int n, unsigned int tiles, unsigned int tile_shift) {
   __shared__ unsigned int found;
-  for (unsigned long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (unsigned int t = blockIdx.x; t < tiles; t += gridDim.x) {
     if (threadIdx.x == 0) {
       // The last piece whose first tile is at most t (pieces of no bytes
       // share their successor's first tile and are passed over).
@@ -75,7 +75,7 @@ kvxfer_copy(const kvxfer_piece *__restrict__ pieces, unsigned int n, unsigned lo
     __syncthreads();
     const kvxfer_piece p = pieces[found];
     __syncthreads();  // found is rewritten by the next tile's search
-    unsigned long long off = (t - p.tile0) << tile_shift;
+    unsigned long long off = (unsigned long long)(t - p.tile0) << tile_shift;
     unsigned long long len = p.len - off;
     if (len > (1ull << tile_shift)) len = 1ull << tile_shift;
     unsigned char *d = (unsigned char *)(p.dst + off);
