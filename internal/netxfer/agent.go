@@ -120,6 +120,7 @@ type Agent struct {
 	uaddr      string
 	shared     atomic.Int32  // chunks a same-host peer can copy from (a file or GPU memory)
 	localParts atomic.Uint64 // parts copied in from same-host peers' files
+	areaTables atomic.Uint64 // their tables read from the peers' descriptor areas
 	log        *slog.Logger
 	events     chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;

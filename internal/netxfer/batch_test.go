@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // batchGPU is a fake GPU (a view of fakeGPU's memory: several batchGPUs
@@ -437,5 +438,69 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 			<-a.Events()
 		}
 		a.Release(id)
+	}
+}
+
+// The descriptor ring: tables go in one after another, wrap to the start
+// when the end has no room for the next, and a table goes inline (false)
+// while the server has not consumed enough of the ring for it.
+func TestDescriptorRing(t *testing.T) {
+	c := &conn{descs: make([]byte, descAreaSize)}
+	consume := func(n uint64) { *(*uint64)(unsafe.Pointer(&c.descs[0])) = n }
+	tab := bytes.Repeat([]byte{7}, 1<<20)
+	var last uint64
+	for i := range 3 {
+		pos, ok := c.putTable(tab)
+		if !ok || pos != uint64(i)<<20 {
+			t.Fatalf("table %d: at %d, %v; want at %d", i, pos, ok, i<<20)
+		}
+		last = pos
+	}
+	// 3 MiB written, 4 MiB - 64 of ring: the fourth does not fit before
+	// the end, and the start is not consumed yet.
+	if _, ok := c.putTable(tab); ok {
+		t.Fatal("a table was written over bytes the server has not consumed")
+	}
+	consume(last + 1<<20) // all three consumed
+	pos, ok := c.putTable(tab)
+	if !ok || pos%descRingSize != 0 || pos != descRingSize {
+		t.Fatalf("after the server consumed the ring: at %d (offset %d), %v; want the ring's start", pos, pos%descRingSize, ok)
+	}
+	if !bytes.Equal(c.descs[descRingOff:descRingOff+1<<20], tab) {
+		t.Fatal("the table is not where its position says")
+	}
+	if _, ok := c.putTable(make([]byte, descRingSize/2+1)); ok {
+		t.Fatal("a table over half the ring went into it")
+	}
+}
+
+// Same-host WRITEs whose tables go through the descriptor area, enough of
+// them to wrap its ring several times, every byte checked.
+func TestSameHostTablesInArea(t *testing.T) {
+	a, b, am, bm := localPair(t, 1<<20, Config{Conns: 1})
+	r := rand.New(rand.NewPCG(11, 12))
+	for i := range 60 {
+		fillRandom(am)
+		ls, rs := r.Perm(1<<20/64), r.Perm(1<<20/64)
+		ds := make([]Desc, 6000) // a table of 168,000 bytes
+		for j := range ds {
+			ds[j] = Desc{Local: base + uint64(ls[j]*64), Remote: base + uint64(rs[j]*64), Len: 64}
+		}
+		id, err := a.Post(Write, b.Name(), ds, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("transfer %d: %v, %v", i, s, err)
+		}
+		for j, d := range ds {
+			if !bytes.Equal(am[d.Local-base:][:64], bm[d.Remote-base:][:64]) {
+				t.Fatalf("transfer %d piece %d differs", i, j)
+			}
+		}
+		_ = a.Release(id)
+	}
+	if n := b.areaTables.Load(); n != 60 {
+		t.Fatalf("%d tables read from the descriptor area, want 60", n)
 	}
 }

@@ -62,6 +62,17 @@ const (
 	// GPU memory: the CUDA IPC export of an allocation (no descriptor
 	// passed), imported by the peer on the GPU of that UUID.
 	tChunkDev = 8 // chunk u32, uuid [16]byte, handle [64]byte, size u64
+	// A client's descriptor area (a memfd both map): a ring its WRITE
+	// parts' tables are written into, so that a table of thousands of
+	// pieces crosses no socket. The server copies a table out before it
+	// reads it and then records how far it consumed the ring (the area's
+	// first 8 bytes); a table that does not fit goes inline.
+	tDescs      = 10 // | fd: the area, descAreaSize bytes
+	tWriteTable = 11 // as tWriteLocal, the table replaced by pos u64: where it starts in the ring (bytes written before it)
+
+	descAreaSize = 4 << 20
+	descRingOff  = 64 // the ring starts here; [0, 8) is the server's consumed count
+	descRingSize = descAreaSize - descRingOff
 
 	localRefSize = 12
 
@@ -274,6 +285,7 @@ type localServer struct {
 	devs   map[uint32]*devImport // the peer's GPU memory, imported here
 	refs   []localRef
 	tab    []byte   // a part's descriptor table (server side)
+	descs  []byte   // the client's descriptor area, mapped here
 	ranges []Region // its ranges
 	dst    []target
 	src    []target
@@ -419,6 +431,10 @@ func (s *localServer) close() {
 	if s.fence != nil {
 		_ = unix.Munmap(s.fence)
 	}
+	if s.descs != nil {
+		_ = unix.Munmap(s.descs)
+		s.descs = nil
+	}
 	for _, m := range s.chunks {
 		_ = unix.Munmap(m)
 	}
@@ -561,11 +577,26 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 		s.devs[id] = &devImport{dev: dev, ptr: ptr, size: n, handle: h}
 		s.last.ok = false
 		return nil
-	case tWriteLocal:
+	case tDescs:
+		fd, err := s.fr.take()
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if s.descs != nil {
+			return fmt.Errorf("%w: a second descriptor area", ErrProtocol)
+		}
+		m, err := mapShared(fd, 0, descAreaSize, unix.PROT_READ|unix.PROT_WRITE)
+		if err != nil {
+			return fmt.Errorf("descriptor area: %w", err)
+		}
+		s.descs = m
+		return nil
+	case tWriteLocal, tWriteTable:
 		if s.fence == nil {
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
 		}
-		return a.serveWriteLocal(s, r, w, from, hdr)
+		return a.serveWriteLocal(s, r, w, from, hdr, typ == tWriteTable)
 	}
 	return fmt.Errorf("%w: frame type %d", ErrProtocol, typ)
 }
@@ -585,7 +616,7 @@ func mapShared(fd int, off int64, n int, prot int) ([]byte, error) {
 
 // serveWriteLocal lands one local WRITE part: each piece copied from the
 // sender's file into registered memory.
-func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Writer, from string, hdr []byte, inArea bool) error {
 	h, err := readWriteHeader(r, hdr)
 	if err != nil {
 		return err
@@ -599,7 +630,21 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		s.tab = make([]byte, localDescSize*int(h.n))
 	}
 	tab := s.tab[:localDescSize*int(h.n)]
-	if err := readFull(r, tab); err != nil {
+	if inArea {
+		// Copied out of the area before a byte of it is read (the client
+		// may write the area at any time), then marked consumed.
+		if err := readFull(r, hdr[:8]); err != nil {
+			return err
+		}
+		pos := binary.LittleEndian.Uint64(hdr[:8])
+		off := pos % descRingSize
+		if s.descs == nil || off+uint64(len(tab)) > descRingSize {
+			return fmt.Errorf("%w: a table of %d bytes at %d of the descriptor area", ErrProtocol, len(tab), pos)
+		}
+		copy(tab, s.descs[descRingOff+off:])
+		atomic.StoreUint64((*uint64)(unsafe.Pointer(&s.descs[0])), pos+uint64(len(tab)))
+		a.areaTables.Add(1)
+	} else if err := readFull(r, tab); err != nil {
 		return err
 	}
 	if cap(s.ranges) < int(h.n) || cap(s.ranges) > keepScratch {
@@ -1049,9 +1094,28 @@ func (p *peer) dialLocal() (*conn, error) {
 		_ = unix.Munmap(fence)
 		return fail(err)
 	}
+	// The descriptor area (none if it cannot be made: tables go inline).
+	var descs []byte
+	if dfd, err := unix.MemfdCreate("kvxfer-descs", unix.MFD_CLOEXEC); err == nil {
+		if err = unix.Ftruncate(dfd, descAreaSize); err == nil {
+			descs, err = unix.Mmap(dfd, 0, descAreaSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		}
+		if err == nil {
+			if _, _, err = uc.WriteMsgUnix([]byte{tDescs}, unix.UnixRights(dfd), nil); err != nil {
+				_ = unix.Munmap(descs)
+				unix.Close(dfd)
+				_ = unix.Munmap(fence)
+				return fail(err)
+			}
+		} else if descs != nil {
+			_ = unix.Munmap(descs)
+			descs = nil
+		}
+		unix.Close(dfd)
+	}
 	in := newLocalServer(uc) // the server's fence and files, for READs
 	return &conn{p: p, c: nc, r: newScatterReader(in.fr), pending: map[partKey]*xfer{},
-		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in}, nil
+		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in, descs: descs}, nil
 }
 
 // withdraw sets the connection's fence (once): parts copied from now on
@@ -1100,11 +1164,39 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return true, err
 	}
+	if hl := len(h) - localDescSize*len(ds); c.descs != nil {
+		if pos, ok := c.putTable(h[hl:]); ok {
+			h[0] = tWriteTable
+			h = binary.LittleEndian.AppendUint64(h[:hl], pos)
+		}
+	}
 	if _, err := c.c.Write(h); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return true, err
 	}
 	return true, nil
+}
+
+// putTable writes a part's descriptor table into the connection's area
+// (c.wmu held) and returns where it starts; false if the ring has no room
+// for it now (the table goes inline).
+func (c *conn) putTable(tab []byte) (uint64, bool) {
+	n := uint64(len(tab))
+	if n == 0 || n > descRingSize/2 {
+		return 0, false
+	}
+	pos := c.head
+	if off := pos % descRingSize; off+n > descRingSize {
+		pos += descRingSize - off // to the ring's start
+	}
+	consumed := atomic.LoadUint64((*uint64)(unsafe.Pointer(&c.descs[0])))
+	if pos+n-consumed > descRingSize {
+		return 0, false
+	}
+	off := pos % descRingSize
+	copy(c.descs[descRingOff+off:], tab)
+	c.head = pos + n
+	return pos, true
 }
 
 // sendChunks passes the memory files of need not passed yet on c.

@@ -9,6 +9,8 @@ import (
 	"net"
 	"slices"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // Wire format (little endian). A client opens a connection with a hello
@@ -96,6 +98,10 @@ type conn struct {
 	uc    *net.UnixConn
 	fence []byte
 	sent  map[uint32]bool
+	// descs is the descriptor area passed to the server (nil: none) and
+	// head how many ring bytes were written into it (under wmu).
+	descs []byte
+	head  uint64
 	// in holds what the server passed for READs (its fence and memory
 	// files), read by c.read alone.
 	in *localServer
@@ -514,6 +520,14 @@ func (c *conn) read() {
 	defer a.wg.Done()
 	if c.in != nil {
 		defer c.in.close()
+	}
+	if c.descs != nil {
+		defer func() { // under wmu: a part being sent may be writing it
+			c.wmu.Lock()
+			_ = unix.Munmap(c.descs)
+			c.descs = nil
+			c.wmu.Unlock()
+		}()
 	}
 	var hdr [32]byte
 	for {
