@@ -720,15 +720,21 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		}
 		if len(inflight) > 0 {
 			posted := berr
-			if s.async(inflight, func(err error) {
+			if s.async(inflight, func(err error, ended func()) {
 				// Released first: the connection's goroutine may wait
 				// for this memory (an Unmap waiting for it) holding wmu.
 				err = release(cmp.Or(posted, err))
-				s.wmu.Lock()
-				defer s.wmu.Unlock()
-				if a.landed(w, from, h, v, err) != nil {
-					_ = s.c.Close()
-				}
+				// Answered from a goroutine of its own: writing to the
+				// socket may block (it runs next on the poller's
+				// processor, which yields between rounds).
+				go func() {
+					s.wmu.Lock()
+					defer ended()
+					defer s.wmu.Unlock()
+					if a.landed(w, from, h, v, err) != nil {
+						_ = s.c.Close()
+					}
+				}()
 			}) {
 				return nil
 			}
@@ -912,16 +918,19 @@ func groupOf(groups []devGroup, dev BatchDevice) ([]devGroup, int) {
 // waitCopies waits until batches in flight are done and returns the
 // first one's error.
 func waitCopies(cs []DevCopy) error {
-	return <-polled.add(cs)
+	done := make(chan error, 1)
+	polled.add(cs, func(err error) { done <- err })
+	return <-done
 }
 
 // polled is the process's poller of GPU batches in flight: one goroutine,
-// running while batches are in flight, that asks each whether it is done
-// and hands its result to whoever waits for it. It spins (yielding the
-// processor between rounds) while batches are young, since a batch of KV
-// blocks takes tens to hundreds of microseconds and a timer's wake-up
-// would cost more than that; a batch in flight for over spinFor is
-// polled every pollEvery.
+// running while batches are in flight, that asks each
+// whether it is done and calls its end with the result. It spins
+// (yielding the processor between rounds) while batches are young, since
+// a batch of KV blocks takes tens to hundreds of microseconds and a
+// timer's wake-up would cost more than that; a batch in flight for over
+// spinFor is polled every pollEvery. Ends run on the poller's goroutine:
+// they must not block (what may, they hand to a goroutine of their own).
 var polled devPoller
 
 const (
@@ -939,11 +948,11 @@ type polledBatch struct {
 	copies []DevCopy // those not done yet
 	err    error     // the first error of those done
 	since  time.Time
-	done   chan error
+	end    func(error)
 }
 
-func (p *devPoller) add(cs []DevCopy) <-chan error {
-	b := &polledBatch{copies: cs, since: time.Now(), done: make(chan error, 1)}
+func (p *devPoller) add(cs []DevCopy, end func(error)) {
+	b := &polledBatch{copies: cs, since: time.Now(), end: end}
 	p.mu.Lock()
 	p.queue = append(p.queue, b)
 	start := !p.running
@@ -952,7 +961,6 @@ func (p *devPoller) add(cs []DevCopy) <-chan error {
 	if start {
 		go p.loop()
 	}
-	return b.done
 }
 
 func (p *devPoller) loop() {
@@ -963,6 +971,8 @@ func (p *devPoller) loop() {
 		clear(p.queue)
 		p.queue = p.queue[:0]
 		if len(mine) == 0 {
+			// No spinning while idle: it would take a processor from
+			// the goroutines that post the next batch.
 			p.running = false
 			p.mu.Unlock()
 			return
@@ -984,7 +994,7 @@ func (p *devPoller) loop() {
 				young = young || time.Since(b.since) < spinFor
 				return false
 			}
-			b.done <- b.err
+			b.end(b.err)
 			return true
 		})
 		switch {
@@ -997,25 +1007,24 @@ func (p *devPoller) loop() {
 	}
 }
 
-// async ends a part whose batches are in flight from a goroutine of its
-// own once they are done, so the connection's goroutine serves on; false
-// (nothing started) when maxInFlight parts of the connection already
-// wait: the caller waits for its batches itself.
-func (s *localServer) async(inflight []DevCopy, end func(error)) bool {
+// async ends a part whose batches are in flight once they are done, so
+// that the connection's goroutine serves on: end is called from the
+// poller with their result and a func to call once the part has ended
+// (end must not block the poller: what may block, it does on a goroutine
+// of its own). False (nothing started) when maxInFlight parts of the
+// connection already wait: the caller waits for its batches itself.
+func (s *localServer) async(inflight []DevCopy, end func(err error, ended func())) bool {
 	select {
 	case s.slots <- struct{}{}:
 	default:
 		return false
 	}
 	s.pending.Add(1)
-	done := polled.add(slices.Clone(inflight))
-	go func() {
-		defer func() {
-			<-s.slots
-			s.pending.Done()
-		}()
-		end(<-done)
-	}()
+	ended := func() {
+		<-s.slots
+		s.pending.Done()
+	}
+	polled.add(slices.Clone(inflight), func(err error) { end(err, ended) })
 	return true
 }
 
@@ -1380,7 +1389,12 @@ func (c *conn) readLocal(hdr []byte) error {
 	}
 	if len(inflight) > 0 {
 		posted := err
-		if s.async(inflight, func(err error) { end(cmp.Or(posted, err)) }) {
+		if s.async(inflight, func(err error, ended func()) {
+			go func() { // finishing a READ may send its notification
+				end(cmp.Or(posted, err))
+				ended()
+			}()
+		}) {
 			return nil
 		}
 		err = cmp.Or(err, waitCopies(inflight))
