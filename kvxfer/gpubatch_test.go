@@ -1,0 +1,194 @@
+package kvxfer_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// heldGPU stands in for a GPU on the same-host path: "device memory" is
+// the ranks' memory at its real addresses (one process: an allocation's
+// handle is its address, and importing it returns that address), and a
+// batch copies its pieces only when it runs, which it does once released
+// after hold was set: a kernel the test keeps running.
+type heldGPU struct {
+	mem     sync.Map // base address -> []byte: the ranks' memory
+	mu      sync.Mutex
+	hold    bool
+	held    int // batches posted while held, not run yet
+	release chan struct{}
+}
+
+type heldCopy struct {
+	mu   sync.Mutex
+	done bool
+}
+
+func (c *heldCopy) Done() (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.done, nil
+}
+
+// at returns the bytes at [addr, addr+n) of a rank's memory.
+func (g *heldGPU) at(addr, n uint64) []byte {
+	var b []byte
+	g.mem.Range(func(k, v any) bool {
+		base, m := k.(uint64), v.([]byte)
+		if addr >= base && addr-base+n <= uint64(len(m)) {
+			b = m[addr-base : addr-base+n]
+			return false
+		}
+		return true
+	})
+	if b == nil {
+		panic("heldGPU: an address outside the ranks' memory")
+	}
+	return b
+}
+
+func (g *heldGPU) Import(h [64]byte) (uint64, error) { return binary.LittleEndian.Uint64(h[:]), nil }
+func (g *heldGPU) Unmap(uint64) error                { return nil }
+func (g *heldGPU) CopyDevice(dst, src uint64, n int) error {
+	copy(g.at(dst, uint64(n)), g.at(src, uint64(n)))
+	return nil
+}
+func (g *heldGPU) CopyIn(dst uint64, src []byte) error {
+	copy(g.at(dst, uint64(len(src))), src)
+	return nil
+}
+func (g *heldGPU) CopyOut(dst []byte, src uint64) error {
+	copy(dst, g.at(src, uint64(len(dst))))
+	return nil
+}
+
+func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
+	ps = append([]tcp.DevPiece(nil), ps...)
+	c := &heldCopy{}
+	run := func() {
+		for _, p := range ps {
+			copy(g.at(p.Dst, p.Len), g.at(p.Src, p.Len))
+		}
+		c.mu.Lock()
+		c.done = true
+		c.mu.Unlock()
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.hold {
+		run()
+		return c, nil
+	}
+	g.held++
+	rel := g.release
+	go func() {
+		<-rel
+		run()
+		g.mu.Lock()
+		g.held--
+		g.mu.Unlock()
+	}()
+	return c, nil
+}
+
+func (g *heldGPU) heldBatches() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.held
+}
+
+// gpuBackend is a built-in backend whose rank memory is "GPU memory" of
+// g, moved on the same-host path as one batch per part.
+func gpuBackend(t *testing.T, name string, r *kvsim.Rank, g *heldGPU) *tcp.Backend {
+	t.Helper()
+	r.Rebase(uint64(uintptr(unsafe.Pointer(&r.Mem[0]))))
+	uuid := [16]byte{0x9b}
+	g.mem.Store(r.Base, r.Mem)
+	// Agents of one process: DisableLocal keeps them off the direct copy
+	// (host memory only), on the same-host path.
+	b := tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Devices: func(u [16]byte) (tcp.Device, error) { return g, nil }})
+	if err := b.Unmap(r.Base); err != nil { // tcpBackend mapped it as host memory
+		t.Fatal(err)
+	}
+	var h [64]byte
+	binary.LittleEndian.PutUint64(h[:], r.Base)
+	if err := b.MapIPC(r.Base, uint64(len(r.Mem)), g, uuid, h); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// A consumer that gives a request up while a GPU batch writing its blocks
+// still runs reports it only once the batch ran: the grant's revocation
+// waits for the batch (a kernel cannot be cut short), so no byte lands in
+// blocks the engine was told are free. Then the engine reuses them and
+// nothing changes them.
+func TestGiveUpWaitsForGPUBatch(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	g := &heldGPU{release: make(chan struct{})}
+	mk := func(id string) *simEngine {
+		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
+			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+				return gpuBackend(t, name, r, g), nil
+			})
+	}
+	p, d := mk("P"), mk("D")
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	var once sync.Once
+	release := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(release) // first: closing waits for the batches
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(3, 4))
+	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+	awaitRegistration(t, p)
+	g.mu.Lock()
+	g.hold = true
+	g.mu.Unlock()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); g.heldBatches() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's WRITE never reached D's GPU")
+		}
+	}
+	// The partition: D hears nothing more from P and gives the request
+	// up after PeerTimeout; its revocation waits for the batch.
+	dir.FailHandshakes("P", 1<<20)
+	out := newOutcomes()
+	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		out.collect(t, d)
+		if len(out.recv["d-a"]) > 0 {
+			t.Fatalf("D reported %+v while a GPU batch writing its blocks still ran", out.recv["d-a"][0])
+		}
+	}
+	release()
+	for deadline := time.Now().Add(20 * time.Second); len(out.recv["d-a"]) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("D never reported the request once the batch ran")
+		}
+		out.collect(t, d)
+	}
+	reused := bytes.Repeat([]byte{0xCD}, len(d.ranks[0][0].Mem))
+	copy(d.ranks[0][0].Mem, reused)
+	time.Sleep(100 * time.Millisecond)
+	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
+		t.Fatal("bytes landed in D's blocks after D reported them free")
+	}
+}
