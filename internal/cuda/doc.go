@@ -1,8 +1,21 @@
 // Package cuda imports GPU memory that an engine shares as CUDA IPC memory
 // handles, so a backend (NIXL) can register it as VRAM, and unmaps it on
-// detach. The CUDA driver (libcuda.so.1) is loaded at run time, so the
-// package builds everywhere; without a driver or a GPU every entry point
-// reports ErrUnavailable and tests skip.
+// detach; and it copies a transfer's GPU pieces with one kernel launch
+// (Device.Post, batch.go: the built-in backend's same-host path). The
+// CUDA driver (libcuda.so.1) is loaded at run time, so the package builds
+// everywhere; without a driver or a GPU every entry point reports
+// ErrUnavailable and tests skip.
+//
+// # The copy kernel
+//
+// kernel/copy.cu is compiled to PTX (copy.ptx, committed, embedded) by
+// kernel/gen with NVRTC from NVIDIA's wheel; the driver JIT-compiles it
+// for the GPU when it is first used on a device, so no CUDA toolkit is
+// needed to build or run. NVRTC 12.0 writes PTX ISA 8.0: any CUDA 12 or
+// later driver loads it, on Volta (sm_70) and later (CI assembles it with
+// ptxas for each). Where it does not load, a batch is one asynchronous
+// copy per piece instead, logged once and counted (CopyFallbacks:
+// kvxferd's kvxfer_gpu_copy_fallback_total).
 //
 // # Devices by UUID
 //
