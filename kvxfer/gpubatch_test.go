@@ -72,6 +72,21 @@ func (g *heldGPU) CopyOut(dst []byte, src uint64) error {
 	return nil
 }
 
+func (g *heldGPU) NewBatch(int) (tcp.DevBatch, error) { return &heldBatch{g: g}, nil }
+
+// heldBatch stages heldGPU's batches as lists of pieces.
+type heldBatch struct {
+	g  *heldGPU
+	ps []tcp.DevPiece
+}
+
+func (b *heldBatch) Add(dst, src, n uint64) bool {
+	b.ps = append(b.ps, tcp.DevPiece{Dst: dst, Src: src, Len: n})
+	return true
+}
+func (b *heldBatch) Post() (tcp.DevCopy, error) { return b.g.PostCopy(b.ps) }
+func (b *heldBatch) Discard()                   {}
+
 func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
 	ps = append([]tcp.DevPiece(nil), ps...)
 	c := &heldCopy{}

@@ -23,6 +23,8 @@ import (
 // This file is the only place that adapts a device to netxfer.Device.
 type gpu interface {
 	netxfer.BatchDevice
+	// PostCopy stages ps as one batch and posts it (the copy kernel).
+	PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error)
 	// PostEach queues one asynchronous copy per piece (the same stream).
 	PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error)
 	Alloc(n int) (uint64, error)
@@ -71,7 +73,25 @@ func cudaPieces(ps []netxfer.DevPiece) []cuda.Piece {
 	return unsafe.Slice((*cuda.Piece)(unsafe.Pointer(unsafe.SliceData(ps))), len(ps))
 }
 
-// PostCopy is the same-host path's batch: one launch of the copy kernel.
+// NewBatch is the same-host path's batch: one launch of the copy kernel.
+func (g *cudaGPU) NewBatch(n int) (netxfer.DevBatch, error) {
+	b, err := g.Device.NewBatch(n)
+	if err != nil {
+		return nil, err
+	}
+	return cudaBatch{b}, nil
+}
+
+type cudaBatch struct{ *cuda.Batch }
+
+func (b cudaBatch) Post() (netxfer.DevCopy, error) {
+	c, err := b.Batch.Post()
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
 func (g *cudaGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
 	c, err := g.Device.Post(cudaPieces(ps))
 	if err != nil {
@@ -251,6 +271,26 @@ func (g *fakeGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
 }
 
 func (g *fakeGPU) PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error) { return g.PostCopy(ps) }
+
+func (g *fakeGPU) NewBatch(n int) (netxfer.DevBatch, error) { return &fakeBatch{g: g, room: n}, nil }
+
+// fakeBatch stages a fake batch as a list of pieces, copied when posted.
+type fakeBatch struct {
+	g    *fakeGPU
+	room int
+	ps   []netxfer.DevPiece
+}
+
+func (b *fakeBatch) Add(dst, src, n uint64) bool {
+	if len(b.ps) == b.room {
+		return false
+	}
+	b.ps = append(b.ps, netxfer.DevPiece{Dst: dst, Src: src, Len: n})
+	return true
+}
+
+func (b *fakeBatch) Post() (netxfer.DevCopy, error) { return b.g.PostCopy(b.ps) }
+func (b *fakeBatch) Discard()                       {}
 
 func (g *fakeGPU) CopyIn(dst uint64, src []byte) error {
 	d, err := g.at(dst, len(src))

@@ -125,46 +125,6 @@ func (d *Device) give(s *slot) {
 	c.mu.Unlock()
 }
 
-// pack writes pieces' descriptors into descs (pieces of no bytes left
-// out; none over maxPiece) and returns how many it wrote and their tiles
-// in all.
-func pack(descs []uint64, pieces []Piece) (n int, tiles uint64) {
-	const tile = 1 << tileShift
-	for _, p := range pieces {
-		if p.Len == 0 {
-			continue
-		}
-		e := descs[n*descWords : n*descWords+descWords : n*descWords+descWords]
-		e[0], e[1], e[2] = p.Dst, p.Src, p.Len|tiles<<32
-		tiles += (p.Len + tile - 1) / tile
-		n++
-	}
-	return n, tiles
-}
-
-// cut returns pieces with those over maxPiece cut into pieces of at most
-// maxPiece (a new slice only where there is one).
-func cut(pieces []Piece) []Piece {
-	long := 0
-	for _, p := range pieces {
-		if p.Len > maxPiece {
-			long++
-		}
-	}
-	if long == 0 {
-		return pieces
-	}
-	out := make([]Piece, 0, len(pieces)+long)
-	for _, p := range pieces {
-		for p.Len > maxPiece {
-			out = append(out, Piece{p.Dst, p.Src, maxPiece})
-			p.Dst, p.Src, p.Len = p.Dst+maxPiece, p.Src+maxPiece, p.Len-maxPiece
-		}
-		out = append(out, p)
-	}
-	return out
-}
-
 // Copy is a batch Post queued on its device.
 type Copy struct {
 	d    *Device
@@ -173,48 +133,94 @@ type Copy struct {
 	err  error
 }
 
-// Post queues pieces on the device as one kernel launch (or, where the
-// kernel did not load, one asynchronous copy each) and returns at once:
-// Done or Wait say when the bytes landed. Nothing is checked here: the
-// caller keeps every piece within memory it may write (destination) and
-// read (source) until the copy is done. A Copy is used by one goroutine
-// at a time.
-func (d *Device) Post(pieces []Piece) (*Copy, error) { return d.post(pieces, false) }
+// Batch is a batch being staged: its pieces written straight into its
+// pinned staging slot as they are added, so that posting it costs the
+// same whatever its number of pieces. Used by one goroutine.
+type Batch struct {
+	d     *Device
+	s     *slot
+	n     int
+	tiles uint64
+}
 
-// PostEach queues pieces as one asynchronous copy each, on the stream
-// Post uses (the fallback, and what the kernel is measured against).
-func (d *Device) PostEach(pieces []Piece) (*Copy, error) { return d.post(pieces, true) }
-
-func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
+// NewBatch returns a batch with room for n pieces (of at most 2 GiB each;
+// Add cuts longer ones and takes the room they need).
+func (d *Device) NewBatch(n int) (*Batch, error) {
 	if err := d.initCopier(); err != nil {
 		return nil, err
 	}
-	pieces = cut(pieces)
-	if len(pieces) > 1<<30 {
-		return nil, fmt.Errorf("cuda: a batch of %d pieces", len(pieces))
+	if n > 1<<30 {
+		return nil, fmt.Errorf("cuda: a batch of %d pieces", n)
 	}
-	s, err := d.take(max(len(pieces), 1))
+	s, err := d.take(max(n, 1))
 	if err != nil {
 		return nil, err
 	}
-	n, tiles := pack(s.descs, pieces)
-	if tiles >= 1<<32 {
-		d.give(s)
-		return nil, fmt.Errorf("cuda: a batch of %d tiles of %d bytes, over 2^32", tiles, 1<<tileShift)
-	}
+	return &Batch{d: d, s: s}, nil
+}
+
+// Add stages one piece: n bytes from src to dst (device addresses in
+// this process). It reports false, staging nothing, when the batch has no
+// room left for it.
+func (b *Batch) Add(dst, src, n uint64) bool {
+	const tile = 1 << tileShift
 	if n == 0 {
+		return true
+	}
+	need := int((n + maxPiece - 1) / maxPiece)
+	if b.s == nil || b.n+need > b.s.cap() {
+		return false
+	}
+	for n > 0 {
+		l := min(n, maxPiece)
+		e := b.s.descs[b.n*descWords : b.n*descWords+descWords : b.n*descWords+descWords]
+		e[0], e[1], e[2] = dst, src, l|b.tiles<<32
+		b.tiles += (l + tile - 1) / tile
+		b.n++
+		dst, src, n = dst+l, src+l, n-l
+	}
+	return true
+}
+
+// Post queues the batch as one kernel launch (or, where the kernel did
+// not load, one asynchronous copy per piece) and returns at once: Done or
+// Wait say when the bytes landed. Nothing is checked here: the caller
+// keeps every piece within memory it may write (destination) and read
+// (source) until the copy is done. The batch is spent.
+func (b *Batch) Post() (*Copy, error) { return b.post(false) }
+
+// Discard gives the batch's staging back unposted.
+func (b *Batch) Discard() {
+	if b.s != nil {
+		b.d.give(b.s)
+		b.s = nil
+	}
+}
+
+func (b *Batch) post(each bool) (*Copy, error) {
+	d, s := b.d, b.s
+	if s == nil {
+		return nil, fmt.Errorf("cuda: a batch posted twice")
+	}
+	b.s = nil
+	if b.tiles >= 1<<32 {
+		d.give(s)
+		return nil, fmt.Errorf("cuda: a batch of %d tiles of %d bytes, over 2^32", b.tiles, 1<<tileShift)
+	}
+	if b.n == 0 {
 		d.give(s)
 		return &Copy{done: true}, nil
 	}
 	c := &d.copier
+	var err error
 	switch {
 	case c.fn != nil && !each:
-		err = d.launch(c.fn, c.stream, s, n, tiles, int(min(tiles, maxGrid)))
+		err = d.launch(c.fn, c.stream, s, b.n, b.tiles, int(min(b.tiles, maxGrid)))
 	case each:
-		err = d.launchEach(c.stream, s, n)
+		err = d.launchEach(c.stream, s, b.n)
 	default:
 		fallbacks.Add(1)
-		err = d.launchEach(c.stream, s, n)
+		err = d.launchEach(c.stream, s, b.n)
 	}
 	if err != nil {
 		// What was queued before the failure may still run: the slot
@@ -223,6 +229,28 @@ func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
 		return nil, err
 	}
 	return &Copy{d: d, s: s}, nil
+}
+
+// Post stages pieces as one batch and posts it (see Batch).
+func (d *Device) Post(pieces []Piece) (*Copy, error) { return d.post(pieces, false) }
+
+// PostEach queues pieces as one asynchronous copy each, on the stream
+// Post uses (the fallback, and what the kernel is measured against).
+func (d *Device) PostEach(pieces []Piece) (*Copy, error) { return d.post(pieces, true) }
+
+func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
+	need := 0
+	for _, p := range pieces {
+		need += int((p.Len + maxPiece - 1) / maxPiece)
+	}
+	b, err := d.NewBatch(need)
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range pieces {
+		b.Add(p.Dst, p.Src, p.Len)
+	}
+	return b.post(each)
 }
 
 // Done reports whether the copy ended and, once it has, its error (the

@@ -9,29 +9,36 @@ import (
 	"time"
 )
 
-func TestPackTiles(t *testing.T) {
-	descs := make([]uint64, 8*descWords)
+func TestBatchStaging(t *testing.T) {
 	const tile = 1 << tileShift
-	n, tiles := pack(descs, []Piece{{1, 2, tile}, {3, 4, 0}, {5, 6, tile + 1}, {7, 8, 1}})
-	if n != 3 || tiles != 4 {
-		t.Fatalf("pack: %d pieces, %d tiles; want 3 and 4 (a piece of no bytes left out)", n, tiles)
+	b := &Batch{s: &slot{descs: make([]uint64, 8*descWords)}}
+	for _, p := range []Piece{{1, 2, tile}, {3, 4, 0}, {5, 6, tile + 1}, {7, 8, 1}} {
+		if !b.Add(p.Dst, p.Src, p.Len) {
+			t.Fatalf("Add %v: no room", p)
+		}
+	}
+	if b.n != 3 || b.tiles != 4 {
+		t.Fatalf("staged %d pieces, %d tiles; want 3 and 4 (a piece of no bytes left out)", b.n, b.tiles)
 	}
 	want := []uint64{1, 2, tile, 5, 6, tile + 1 | 1<<32, 7, 8, 1 | 3<<32}
-	if got := descs[:n*descWords]; fmt.Sprint(got) != fmt.Sprint(want) {
+	if got := b.s.descs[:b.n*descWords]; fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("descriptors %v, want %v", got, want)
 	}
-}
-
-func TestCutLongPieces(t *testing.T) {
-	ps := []Piece{{0, 100, 10}, {1 << 40, 2 << 40, 2*maxPiece + 5}}
-	got := cut(ps)
-	want := []Piece{{0, 100, 10}, {1 << 40, 2 << 40, maxPiece}, {1<<40 + maxPiece, 2<<40 + maxPiece, maxPiece},
-		{1<<40 + 2*maxPiece, 2<<40 + 2*maxPiece, 5}}
-	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Fatalf("cut: %v, want %v", got, want)
+	// A piece over 2 GiB takes several descriptors, cut at 2 GiB.
+	if !b.Add(1<<40, 2<<40, 2*maxPiece+5) || b.n != 6 {
+		t.Fatalf("a piece of 4 GiB + 5: %d descriptors in all, want 6", b.n)
 	}
-	if short := []Piece{{1, 2, 3}}; &cut(short)[0] != &short[0] {
-		t.Fatal("cut copied pieces none of which is long")
+	if got := b.s.descs[4*descWords : 6*descWords]; got[0] != 1<<40+maxPiece || got[3] != 1<<40+2*maxPiece || got[5]&0xffffffff != 5 {
+		t.Fatalf("the cut pieces: %v", got)
+	}
+	added := 0
+	for range 3 {
+		if b.Add(1, 2, 3) {
+			added++
+		}
+	}
+	if added != 2 {
+		t.Fatalf("a batch with room for 2 more pieces took %d", added)
 	}
 }
 
@@ -182,9 +189,14 @@ func TestCopyKernel(t *testing.T) {
 	}
 }
 
-// BenchmarkPost measures the CPU cost of posting one batch (staging its
-// descriptors and queuing the launch), the GPU's time excluded.
-func BenchmarkPost(b *testing.B) {
+// BenchmarkPost measures the CPU cost of posting a staged batch (the
+// copy of its descriptors to the GPU, the launch, the event), and
+// BenchmarkStage that of staging its pieces; the GPU's time is excluded.
+func BenchmarkPost(b *testing.B) { benchBatch(b, false) }
+
+func BenchmarkStage(b *testing.B) { benchBatch(b, true) }
+
+func benchBatch(b *testing.B, stage bool) {
 	d := openGPU(b)
 	const piece = 64 << 10
 	for _, n := range []int{256, 8192} {
@@ -207,17 +219,34 @@ func BenchmarkPost(b *testing.B) {
 			_ = cp.Wait()
 			b.ResetTimer()
 			for range b.N {
-				cp, err := d.Post(ps)
+				if !stage {
+					b.StopTimer()
+				}
+				bt, err := d.NewBatch(n)
 				if err != nil {
 					b.Fatal(err)
 				}
-				b.StopTimer()
+				for _, p := range ps {
+					bt.Add(p.Dst, p.Src, p.Len)
+				}
+				if stage {
+					b.StopTimer()
+				} else {
+					b.StartTimer()
+				}
+				cp, err := bt.Post()
+				if err != nil {
+					b.Fatal(err)
+				}
+				if !stage {
+					b.StopTimer()
+				}
 				if err := cp.Wait(); err != nil {
 					b.Fatal(err)
 				}
 				b.StartTimer()
 			}
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "µs/post")
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "µs/op")
 		})
 	}
 }

@@ -177,16 +177,27 @@ type Device interface {
 
 // BatchDevice is a Device that copies many pieces between GPU memories
 // with one asynchronous launch (kvxferd: internal/cuda's copy kernel).
-// The GPU pieces of a same-host part are posted as one batch per
-// destination device; the goroutine that read the part goes on serving
-// its connection while the batch runs, and the part ends (its grant
-// released, its memory unpinned, its acknowledgement sent) once the batch
-// is done. Devices of one GPU compare equal (==).
+// The GPU pieces of a same-host part are staged as one batch per
+// destination device and posted; the goroutine that read the part goes
+// on serving its connection while the batch runs, and the part ends (its
+// grant released, its memory unpinned, its acknowledgement sent) once the
+// batch is done. Devices of one GPU compare equal (==).
 type BatchDevice interface {
 	Device
-	// PostCopy queues the pieces and returns at once. The agent has
-	// checked every piece against the memory it lies in.
-	PostCopy(pieces []DevPiece) (DevCopy, error)
+	// NewBatch returns an empty batch with room for n pieces.
+	NewBatch(n int) (DevBatch, error)
+}
+
+// DevBatch is a batch being staged. The agent has checked every piece
+// against the memory it lies in before it adds it.
+type DevBatch interface {
+	// Add stages n bytes from src to dst (device addresses in this
+	// process); false: no room left, nothing staged.
+	Add(dst, src, n uint64) bool
+	// Post queues the batch and returns at once; the batch is spent.
+	Post() (DevCopy, error)
+	// Discard gives the batch up unposted.
+	Discard()
 }
 
 // DevPiece is one piece of a batch: Len bytes from Src to Dst, device
@@ -198,6 +209,21 @@ type DevCopy interface {
 	// Done reports whether the batch ended and, once it has, its error.
 	// It never blocks.
 	Done() (bool, error)
+}
+
+// postBatch stages pieces on dev as one batch and posts it.
+func postBatch(dev BatchDevice, ps []DevPiece) (DevCopy, error) {
+	b, err := dev.NewBatch(len(ps))
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range ps {
+		if !b.Add(p.Dst, p.Src, p.Len) {
+			b.Discard()
+			return nil, fmt.Errorf("a batch of room for %d pieces refused piece %d", len(ps), len(ps))
+		}
+	}
+	return b.Post()
 }
 
 // maxInFlight bounds the parts of one connection whose GPU batches run
@@ -765,61 +791,70 @@ func (a *Agent) devicePart(s *localServer, ranges []Region, refs []localRef) (bo
 	var c regionCursor
 	var ch *chunk
 	var dev BatchDevice
-	g := s.groups[:0]
-	if len(g) < cap(g) {
-		g = g[:1]
-		g[0].pieces = g[0].pieces[:0]
-	} else {
-		g = append(g, devGroup{})
+	var b DevBatch
+	// give up returns the part to the general path (nothing posted).
+	giveUp := func() (bool, []DevCopy, error) {
+		a.mu.Unlock()
+		if b != nil {
+			b.Discard()
+		}
+		return false, nil, nil
 	}
-	ps := g[0].pieces
+	fail := func(err error) (bool, []DevCopy, error) {
+		a.mu.Unlock()
+		if b != nil {
+			b.Discard()
+		}
+		return true, nil, err
+	}
 	var imp *devImport
 	var impID uint32
 	var impAt uint64
 	for i, r := range ranges {
 		if ch == nil || r.Addr < ch.base || r.Addr-ch.base+r.Len > ch.size {
 			if ch = a.chunkLocked(r.Addr); ch == nil || ch.dev == nil {
-				a.mu.Unlock()
-				return false, nil, nil // host memory, or out of bounds: the general path says
+				return giveUp() // host memory, or out of bounds: the general path says
 			}
 			bd, ok := ch.dev.(BatchDevice)
 			if !ok || dev != nil && bd != dev {
-				a.mu.Unlock()
-				return false, nil, nil
+				return giveUp()
 			}
-			dev = bd
+			if dev == nil {
+				dev = bd
+				nb, err := dev.NewBatch(len(ranges))
+				if err != nil {
+					return fail(fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(ranges), err))
+				}
+				b = nb
+			}
 		}
 		if !c.inside(a, r.Addr, r.Len) || r.Addr-ch.base+r.Len > ch.size {
-			a.mu.Unlock()
-			return true, nil, fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds)
+			return fail(fmt.Errorf("range %d [%#x, +%d) on %s: %w", i, r.Addr, r.Len, a.cfg.Name, ErrOutOfBounds))
 		}
 		ref := refs[i]
 		if imp == nil || ref.chunk != impID {
 			d := s.devs[ref.chunk]
 			if d == nil {
-				a.mu.Unlock()
-				return false, nil, nil // host memory, or not passed: the general path says
+				return giveUp() // host memory, or not passed: the general path says
 			}
 			at, ok := d.at(ch.dev)
 			if !ok {
-				a.mu.Unlock()
-				return false, nil, nil
+				return giveUp()
 			}
 			imp, impID, impAt = d, ref.chunk, at
 		}
 		if ref.off > imp.size || r.Len > imp.size-ref.off {
-			a.mu.Unlock()
-			return true, nil, fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
-				ErrProtocol, i, ref.off, r.Len, ref.chunk)
+			return fail(fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
+				ErrProtocol, i, ref.off, r.Len, ref.chunk))
 		}
-		ps = append(ps, DevPiece{r.Addr, impAt + ref.off, r.Len})
+		if !b.Add(r.Addr, impAt+ref.off, r.Len) {
+			return fail(fmt.Errorf("%w: GPU copy: a batch of room for %d pieces refused piece %d", ErrXferFailed, len(ranges), i))
+		}
 	}
 	a.mu.Unlock()
-	g[0].pieces = ps
-	s.groups = g[:0]
-	cp, err := dev.PostCopy(ps)
+	cp, err := b.Post()
 	if err != nil {
-		return true, nil, fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(ps), err)
+		return true, nil, fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(ranges), err)
 	}
 	return true, []DevCopy{cp}, nil
 }
@@ -889,7 +924,7 @@ func (s *localServer) copyPieces(dst, src []target) (inflight []DevCopy, err err
 		}
 	}
 	for _, g := range groups {
-		c, perr := g.dev.PostCopy(g.pieces)
+		c, perr := postBatch(g.dev, g.pieces)
 		if perr != nil {
 			return inflight, fmt.Errorf("%w: GPU copy of %d pieces: %w", ErrXferFailed, len(g.pieces), perr)
 		}

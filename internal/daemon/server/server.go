@@ -56,11 +56,23 @@ type cudaDevice struct{ *cuda.Device }
 
 func (d cudaDevice) Import(h [64]byte) (uint64, error) { return d.Device.Import(cuda.Handle(h)) }
 
-// PostCopy posts a same-host part's GPU pieces as one launch of the copy
-// kernel (tcp.BatchDevice).
-func (d cudaDevice) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
-	// The two piece types are the same three words.
-	c, err := d.Device.Post(unsafe.Slice((*cuda.Piece)(unsafe.Pointer(unsafe.SliceData(ps))), len(ps)))
+// NewBatch stages a same-host part's GPU pieces for one launch of the
+// copy kernel (tcp.BatchDevice).
+func (d cudaDevice) NewBatch(n int) (tcp.DevBatch, error) {
+	b, err := d.Device.NewBatch(n)
+	if err != nil {
+		return nil, err
+	}
+	return cudaBatch{b}, nil
+}
+
+var _ tcp.BatchDevice = cudaDevice{} // same-host GPU parts go as one launch
+
+// cudaBatch is a cuda.Batch as the built-in backend stages it.
+type cudaBatch struct{ *cuda.Batch }
+
+func (b cudaBatch) Post() (tcp.DevCopy, error) {
+	c, err := b.Batch.Post()
 	if err != nil {
 		return nil, err
 	}

@@ -89,10 +89,11 @@ func (n *Backend) MapFile(base uint64, mem []byte, f *os.File, off int64) error 
 type Device = netxfer.Device
 
 // BatchDevice is a Device that copies a part's GPU pieces with one
-// asynchronous launch (see netxfer.BatchDevice); DevPiece and DevCopy are
-// its piece and its batch in flight.
+// asynchronous launch (see netxfer.BatchDevice); DevBatch, DevPiece and
+// DevCopy are its batch being staged, a piece and a batch in flight.
 type (
 	BatchDevice = netxfer.BatchDevice
+	DevBatch    = netxfer.DevBatch
 	DevPiece    = netxfer.DevPiece
 	DevCopy     = netxfer.DevCopy
 )
