@@ -521,6 +521,7 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // Refusals returns how many calls and streams the server refused since it
 // started, by reason: permission (another uid's engine, or not on the
 // unix socket), rank_attached, memory (a shared-memory file refused),
+// memory_address (memory named by address from another process),
 // hello_timeout, streams and streams_per_uid (limits), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
