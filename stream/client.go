@@ -41,13 +41,30 @@ func (c *Client) Close() error { return c.cc.Close() }
 // handle (CUDAIPCHandle, 64 bytes; needs kvxferd -backend=nixl) on the GPU
 // with DeviceUUID ("GPU-..." as cuda.FormatUUID writes it), or, when that
 // is empty, on device ordinal Device as the engine numbers it.
+//
+// With a server running inside the engine's own process (libkvxfer),
+// InProcess names the memory by its address instead: [Base, Base+Size) in
+// that process, host or GPU memory (on Device or DeviceUUID), with no
+// Path and no handle; servers refuse it from any other process.
 type Memory struct {
 	Path          string
 	Base, Size    uint64
 	CUDAIPCHandle []byte
 	Device        int
 	DeviceUUID    string
+	InProcess     InProcessMemory
 }
+
+// InProcessMemory says whether a Memory is named by its address in the
+// server's own process, and which kind it is (kvxfer.v1 InProcessMemory).
+type InProcessMemory int32
+
+// The kinds of InProcessMemory.
+const (
+	NotInProcess    InProcessMemory = iota // a file or a CUDA IPC handle
+	InProcessHost                          // host memory
+	InProcessDevice                        // GPU memory
+)
 
 // Hello describes a rank when its stream opens.
 type Hello struct {
@@ -104,7 +121,7 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 	}
 	for _, m := range h.Memory {
 		hello.Memory = append(hello.Memory, &pb.SharedMemory{Path: m.Path, Base: m.Base, Size: m.Size, CudaIpcHandle: m.CUDAIPCHandle,
-			Device: int32(m.Device), DeviceUuid: m.DeviceUUID})
+			Device: int32(m.Device), DeviceUuid: m.DeviceUUID, InProcess: pb.InProcessMemory(m.InProcess)})
 	}
 	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
 		if errors.Is(err, io.EOF) {

@@ -50,15 +50,17 @@ type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA                              string
-	insecurePeers, nixlAnyVersion, noSameHost                                                           bool
+	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
 	conns, maxSegments, maxRequests                                                                     int
 }
 
-func parseFlags(args []string) (*config, error) {
-	c := &config{}
+// flagSet defines kvxferd serve's flags on c, with their defaults: the
+// command line's, the environment's (KVXFERD_<FLAG>) and libkvxfer's
+// JSON configuration's keys are these names.
+func flagSet(c *config) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
 	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to")
 	fs.UintVar(&c.socketMode, "socket-mode", 0o600, "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
@@ -101,6 +103,14 @@ func parseFlags(args []string) (*config, error) {
 	fs.BoolVar(&c.nixlAnyVersion, "nixl-any-version", false, "open a NIXL library whose version this build does not declare the C API of, "+
 		"or cannot tell (undefined behaviour where the C API differs)")
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
+	fs.BoolVar(&c.ownProcessOnly, "own-process-only", false, "serve engine connections from this process only (SO_PEERCRED pid), "+
+		"refusing the others: libkvxfer's in-process placement, whose abstract socket any local process could reach")
+	return fs
+}
+
+func parseFlags(args []string) (*config, error) {
+	c := &config{}
+	fs := flagSet(c)
 	// Environment first, flags override.
 	var envErr error
 	fs.VisitAll(func(f *flag.Flag) {
@@ -117,50 +127,58 @@ func parseFlags(args []string) (*config, error) {
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// validate checks c's values, naming the flag of a bad one.
+func (c *config) validate() error {
 	if c.socketMode&^0o777 != 0 {
-		return nil, fmt.Errorf("-socket-mode = %#o, want permission bits only (e.g. 0600, 0660, 0666)", c.socketMode)
+		return fmt.Errorf("-socket-mode = %#o, want permission bits only (e.g. 0600, 0660, 0666)", c.socketMode)
 	}
 	if c.conns <= 0 {
-		return nil, fmt.Errorf("-conns = %d, want > 0", c.conns)
+		return fmt.Errorf("-conns = %d, want > 0", c.conns)
 	}
 	tls := c.tlsCert != "" || c.tlsKey != "" || c.tlsCA != ""
 	if n := btoi(c.insecurePeers) + btoi(c.peerSecretFile != "") + btoi(tls); n > 1 {
-		return nil, errors.New("-insecure-peers, -peer-secret-file and -tls-*: choose one way to secure peers")
+		return errors.New("-insecure-peers, -peer-secret-file and -tls-*: choose one way to secure peers")
 	}
 	if tls && (c.tlsCert == "" || c.tlsKey == "" || c.tlsCA == "") {
-		return nil, errors.New("-tls-cert, -tls-key and -tls-ca: mutual TLS needs all three")
+		return errors.New("-tls-cert, -tls-key and -tls-ca: mutual TLS needs all three")
 	}
 	if c.peerAllow != "" {
 		if _, err := server.ParseAllowList(c.peerAllow); err != nil {
-			return nil, fmt.Errorf("-peer-allow: %w", err)
+			return fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
 	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 {
-		return nil, fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
+		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns)
 	}
 	if c.maxRequests <= 0 {
-		return nil, fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
+		return fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
 	}
 	if c.maxSegments <= 0 {
-		return nil, fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
+		return fmt.Errorf("-max-segments = %d, want > 0", c.maxSegments)
 	}
 	if _, err := c.peers(); err != nil {
-		return nil, err
+		return err
 	}
 	if c.backend != "builtin" && c.backend != "nixl" {
-		return nil, fmt.Errorf("-backend = %q, want builtin or nixl", c.backend)
+		return fmt.Errorf("-backend = %q, want builtin or nixl", c.backend)
 	}
 	if _, err := c.params(); err != nil {
-		return nil, err
+		return err
 	}
 	if c.lease < time.Second {
-		return nil, fmt.Errorf("-lease = %v, want at least 1s", c.lease)
+		return fmt.Errorf("-lease = %v, want at least 1s", c.lease)
 	}
 	if c.nixlProgressDelay < 0 || c.nixlProgressDelay > time.Second {
-		return nil, fmt.Errorf("-nixl-progress-delay = %v, want 0 to 1s", c.nixlProgressDelay)
+		return fmt.Errorf("-nixl-progress-delay = %v, want 0 to 1s", c.nixlProgressDelay)
 	}
-	return c, nil
+	return nil
 }
 
 // progressDelay is nixl.Config.ProgressDelay for -nixl-progress-delay
@@ -349,52 +367,84 @@ func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, 
 
 // serve runs the daemon until ctx ends, then shuts down gracefully.
 func serve(ctx context.Context, c *config, log *slog.Logger) error {
+	in, err := start(c, log, false)
+	if err != nil {
+		return err
+	}
+	select {
+	case <-ctx.Done():
+	case err := <-in.serveErr:
+		log.Error("kvxferd: server stopped", "err", err)
+	}
+	in.shutdown()
+	return nil
+}
+
+// instance is a started server: what shutdown stops.
+type instance struct {
+	c         *config
+	log       *slog.Logger
+	srv       *server.Server
+	eng, peer *grpc.Server
+	hs        *health.Server
+	httpSrv   *http.Server
+	serveErr  chan error
+	advertise string
+	// cleanup undoes what start did, in reverse order.
+	cleanup []func()
+}
+
+// abstract reports whether a unix socket name is in Linux's abstract
+// namespace ("@name"): no file, no permissions, gone with its listener.
+func abstract(socket string) bool { return strings.HasPrefix(socket, "@") }
+
+// start serves c's listeners and returns once they serve (inProcess:
+// libkvxfer's placement, which leaves the process's environment as it
+// is). On an error, whatever it started is stopped.
+func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error) {
+	in := &instance{c: c, log: log, serveErr: make(chan error, 3)}
+	defer func() {
+		if err != nil {
+			in.undo()
+		}
+	}()
 	sec, err := c.peerSecurity(log)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	auth := sec.auth
-	peerLn, err := net.Listen("tcp", c.peerListen)
-	if err != nil {
-		return fmt.Errorf("peer listener: %w", err)
-	}
 	peers, err := c.peers()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	advertise := c.peerAdvertise
-	if advertise == "" {
-		advertise = peerLn.Addr().String()
-	}
-	if err := os.Remove(c.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("stale socket: %w", err)
-	}
-	old := syscall.Umask(0o177)
-	engLn, err := net.Listen("unix", c.socket)
-	syscall.Umask(old)
+	peerLn, err := net.Listen("tcp", c.peerListen)
 	if err != nil {
-		peerLn.Close()
-		return fmt.Errorf("engine socket: %w", err)
+		return nil, fmt.Errorf("peer listener: %w", err)
 	}
-	mode := os.FileMode(c.socketMode)
-	if mode == 0 {
-		mode = 0o600 // a config made without parseFlags: its default
+	in.cleanup = append(in.cleanup, func() { peerLn.Close() })
+	in.advertise = c.peerAdvertise
+	if in.advertise == "" {
+		in.advertise = peerLn.Addr().String()
 	}
-	if err := os.Chmod(c.socket, mode); err != nil {
-		return err
+	engLn, err := listenEngines(c)
+	if err != nil {
+		return nil, err
 	}
-	defer os.Remove(c.socket)
+	in.cleanup = append(in.cleanup, func() { engLn.Close() })
+	if !abstract(c.socket) {
+		in.cleanup = append(in.cleanup, func() { os.Remove(c.socket) })
+	}
 	var allow func(string) error
 	if c.peerAllow != "" {
 		al, err := server.ParseAllowList(c.peerAllow)
 		if err != nil {
-			return fmt.Errorf("-peer-allow: %w", err)
+			return nil, fmt.Errorf("-peer-allow: %w", err)
 		}
 		allow = al.Check
 	}
-	serverCreds, clientCreds := sec.grpcCreds(advertise)
+	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
-	srv, err = server.New(server.Config{PeerAddr: advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+	srv, err = server.New(server.Config{PeerAddr: in.advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),
@@ -405,106 +455,164 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 		},
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer srv.Close()
+	in.srv = srv
+	in.cleanup = append(in.cleanup, func() { srv.Close() })
+	if c.backend == "nixl" {
+		lib, err := setupNixl(c.nixlAnyVersion, log, inProcess)
+		if err != nil {
+			return nil, err
+		}
+		log.Info("kvxferd: NIXL backend", "library", lib, "version", capi.LibraryVersion(lib))
+	}
 	// Listeners by trust: engines on the unix socket (their uid from the
 	// socket's credentials), peer daemons on TCP (PeerService and health
 	// only).
-	eng := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
-	srv.RegisterEngine(eng)
-	hs := health.NewServer()
-	healthpb.RegisterHealthServer(eng, hs)
-	reflection.Register(eng)
-	peer := grpc.NewServer(grpc.Creds(serverCreds))
-	srv.RegisterPeer(peer)
-	healthpb.RegisterHealthServer(peer, hs)
-	serveErr := make(chan error, 3)
+	engCreds := server.EngineCredentials()
+	if c.ownProcessOnly {
+		engCreds = server.OwnProcessCredentials(func() { srv.Refuse("other_process") })
+	}
+	in.eng = grpc.NewServer(grpc.Creds(engCreds))
+	srv.RegisterEngine(in.eng)
+	in.hs = health.NewServer()
+	healthpb.RegisterHealthServer(in.eng, in.hs)
+	reflection.Register(in.eng)
+	in.peer = grpc.NewServer(grpc.Creds(serverCreds))
+	srv.RegisterPeer(in.peer)
+	healthpb.RegisterHealthServer(in.peer, in.hs)
 	perAddr := c.maxPeerConns
 	if perAddr <= 0 {
 		perAddr = 64 // a config made without parseFlags: its default
 	}
-	go func() {
-		serveErr <- peer.Serve(newLimitListener(peerLn, perAddr, func() { srv.Refuse("peer_conns_per_addr") }))
-	}()
-	go func() { serveErr <- eng.Serve(engLn) }()
-	var httpSrv *http.Server
 	if c.metricsListen != "" {
 		reg := prometheus.NewRegistry()
-		reg.MustRegister(newCollector(srv, auth), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		collectorsFor := []prometheus.Collector{newCollector(srv, auth), collectors.NewGoCollector()}
+		if !inProcess { // the engine's process is not kvxfer's to describe
+			collectorsFor = append(collectorsFor, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		}
+		reg.MustRegister(collectorsFor...)
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mln, err := net.Listen("tcp", c.metricsListen)
 		if err != nil {
-			return fmt.Errorf("metrics listener: %w", err)
+			return nil, fmt.Errorf("metrics listener: %w", err)
 		}
-		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() { _ = httpSrv.Serve(mln) }()
+		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() { _ = in.httpSrv.Serve(mln) }()
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
 	}
-	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	if c.backend == "nixl" {
-		lib, err := setupNixl(c.nixlAnyVersion, log)
-		if err != nil {
-			return err
-		}
-		log.Info("kvxferd: NIXL backend", "library", lib, "version", capi.LibraryVersion(lib))
-	}
-	log.Info("kvxferd: serving", "socket", c.socket, "peer", advertise, "backend", c.backend, "peer_auth", auth.Enabled(), "peer_tls", sec.server != nil)
+	go func() {
+		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, perAddr, func() { srv.Refuse("peer_conns_per_addr") }))
+	}()
+	go func() { in.serveErr <- in.eng.Serve(engLn) }()
+	in.hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	log.Info("kvxferd: serving", "socket", c.socket, "peer", in.advertise, "backend", c.backend, "peer_auth", auth.Enabled(), "peer_tls", sec.server != nil)
 	if c.readyFile != "" {
-		if err := os.WriteFile(c.readyFile+".tmp", []byte(advertise), 0o600); err != nil {
-			return err
+		if err := os.WriteFile(c.readyFile+".tmp", []byte(in.advertise), 0o600); err != nil {
+			in.shutdown()
+			return nil, err
 		}
 		if err := os.Rename(c.readyFile+".tmp", c.readyFile); err != nil {
-			return err
+			in.shutdown()
+			return nil, err
 		}
 	}
-	select {
-	case <-ctx.Done():
-	case err := <-serveErr:
-		log.Error("kvxferd: server stopped", "err", err)
+	return in, nil
+}
+
+// listenEngines opens the engines' unix socket: a file of mode
+// -socket-mode (a stale one replaced), or an abstract name ("@name").
+func listenEngines(c *config) (net.Listener, error) {
+	if abstract(c.socket) {
+		ln, err := net.Listen("unix", c.socket)
+		if err != nil {
+			return nil, fmt.Errorf("engine socket: %w", err)
+		}
+		return ln, nil
 	}
-	// Graceful shutdown: stop taking new work, let transfers in flight
-	// finish (reporting every outcome), release every region.
+	if err := os.Remove(c.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("stale socket: %w", err)
+	}
+	old := syscall.Umask(0o177)
+	engLn, err := net.Listen("unix", c.socket)
+	syscall.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("engine socket: %w", err)
+	}
+	mode := os.FileMode(c.socketMode)
+	if mode == 0 {
+		mode = 0o600 // a config made without parseFlags: its default
+	}
+	if err := os.Chmod(c.socket, mode); err != nil {
+		engLn.Close()
+		return nil, err
+	}
+	return engLn, nil
+}
+
+// undo runs in's cleanups, last first.
+func (in *instance) undo() {
+	for i := len(in.cleanup) - 1; i >= 0; i-- {
+		in.cleanup[i]()
+	}
+	in.cleanup = nil
+}
+
+// shutdown stops in gracefully: it stops taking new work, lets transfers
+// in flight finish (reporting every outcome) and releases every region,
+// within -drain-timeout and 5 s more.
+func (in *instance) shutdown() {
+	log := in.log
 	log.Info("kvxferd: shutting down")
-	hs.Shutdown()
-	dctx, cancel := context.WithTimeout(context.Background(), c.drainTimeout+5*time.Second)
+	in.hs.Shutdown()
+	dctx, cancel := context.WithTimeout(context.Background(), in.c.drainTimeout+5*time.Second)
 	defer cancel()
-	if err := srv.Drain(dctx); err != nil {
+	if err := in.srv.Drain(dctx); err != nil {
 		log.Warn("kvxferd: drain", "err", err)
 	}
 	stopped := make(chan struct{})
-	go func() { eng.GracefulStop(); peer.GracefulStop(); close(stopped) }()
+	go func() { in.eng.GracefulStop(); in.peer.GracefulStop(); close(stopped) }()
 	select {
 	case <-stopped:
 	case <-dctx.Done():
-		eng.Stop()
-		peer.Stop()
+		in.eng.Stop()
+		in.peer.Stop()
 	}
-	if httpSrv != nil {
-		_ = httpSrv.Shutdown(dctx)
+	if in.httpSrv != nil {
+		_ = in.httpSrv.Shutdown(dctx)
 	}
+	in.undo()
 	log.Info("kvxferd: stopped")
-	return nil
 }
 
 // NixlLibrary prepares this process for NIXL as kvxferd -backend=nixl
 // does, and opens a probe agent: it returns the library's path, or why
 // NIXL cannot be used here (tests skip on it).
-func NixlLibrary() (string, error) { return setupNixl(false, nil) }
+func NixlLibrary() (string, error) { return setupNixl(false, nil, false) }
 
 // setupNixl is the daemon's process setup for NIXL: it finds NIXL's C
 // library, sets the environment NIXL and UCX read when they load
 // (capi.ProcessEnv: the wheel's plugin directory, UCX's memory-type cache
 // off) where it is not set already, and opens a probe agent, which checks
 // the library's version (anyVersion: -nixl-any-version).
-func setupNixl(anyVersion bool, log *slog.Logger) (string, error) {
+func setupNixl(anyVersion bool, log *slog.Logger, inProcess bool) (string, error) {
 	lib, err := capi.FindLibrary()
 	if err != nil {
 		return "", fmt.Errorf("-backend=nixl: %w", err)
 	}
 	for _, kv := range capi.ProcessEnv(lib) {
 		k, v, _ := strings.Cut(kv, "=")
+		if inProcess {
+			// The engine's environment is the engine's: libkvxfer only
+			// says what NIXL would want. Memory the process allocated
+			// itself needs no UCX_MEMTYPE_CACHE=n (that is for imported
+			// CUDA IPC memory).
+			if log != nil {
+				log.Warn("kvxfer: NIXL environment not set (the library changes no environment variable): set it before loading NIXL if NIXL needs it", "want", kv)
+			}
+			continue
+		}
 		if err := os.Setenv(k, v); err != nil {
 			return "", fmt.Errorf("-backend=nixl: %s: %w", kv, err)
 		}

@@ -58,7 +58,7 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
 			"(write_late, write_deny, read_late, read_deny; deny drops the connection; write_aborted, read_aborted: cut short when their grant ended; read_retried).", "verdict"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
-			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, hello_timeout, streams, streams_per_uid, peer_not_allowed).",
+			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, memory_address, other_process, hello_timeout, streams, streams_per_uid, peer_not_allowed).",
 			[]string{"reason"}, nil),
 	}
 }

@@ -121,7 +121,7 @@ func TestCheckRules(t *testing.T) {
 				{ImportPath: m + "internal/nixl", Deps: []string{"C", "runtime/cgo"}, Cgo: true},
 				{ImportPath: m + "hotpath", Cgo: true},
 			},
-			want: []string{`hotpath: uses cgo (only internal/nixl and internal/cuda may)`},
+			want: []string{`hotpath: uses cgo (only internal/nixl, internal/cuda and cmd/libkvxfer may)`},
 		},
 		{
 			name: "nothing imports bench or cmd",

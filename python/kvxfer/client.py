@@ -33,7 +33,7 @@ _MAX_MESSAGE = 256 << 20
 
 
 def _target(address: str) -> str:
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
         return address
     if address.startswith("/") or address.startswith("."):
         return "unix:" + address

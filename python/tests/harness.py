@@ -58,6 +58,16 @@ def build_kvxferd(out_dir: Path) -> Path:
     return exe
 
 
+def build_libkvxfer(out_dir: Path) -> Path:
+    """libkvxfer.so built from this checkout (go build -buildmode=c-shared),
+    or $KVXFER_LIBKVXFER: a library built already."""
+    if os.environ.get("KVXFER_LIBKVXFER"):
+        return Path(os.environ["KVXFER_LIBKVXFER"])
+    lib = out_dir / "libkvxfer.so"
+    subprocess.run(["go", "build", "-buildmode=c-shared", "-o", str(lib), "./cmd/libkvxfer"], cwd=REPO, check=True)
+    return lib
+
+
 def secret_file(work: Path) -> str:
     """The peer secret every daemon of work shares (made once, mode 0600):
     kvxferd authenticates its peers, and daemons peer only with the same

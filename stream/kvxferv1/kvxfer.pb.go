@@ -250,6 +250,64 @@ func (CacheKind) EnumDescriptor() ([]byte, []int) {
 	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{3}
 }
 
+// InProcessMemory is the kind of memory a SharedMemory entry names by its
+// address in the server's own process (the in-process placement,
+// libkvxfer).
+type InProcessMemory int32
+
+const (
+	// IN_PROCESS_MEMORY_UNSPECIFIED: not named by address; the entry is a
+	// shared-memory file (path) or a CUDA IPC handle (cuda_ipc_handle).
+	InProcessMemory_IN_PROCESS_MEMORY_UNSPECIFIED InProcessMemory = 0
+	// IN_PROCESS_MEMORY_HOST: host memory of the server's process.
+	InProcessMemory_IN_PROCESS_MEMORY_HOST InProcessMemory = 1
+	// IN_PROCESS_MEMORY_DEVICE: GPU memory the server's process allocated,
+	// on CUDA device ordinal device (or device_uuid) as that process numbers
+	// them.
+	InProcessMemory_IN_PROCESS_MEMORY_DEVICE InProcessMemory = 2
+)
+
+// Enum value maps for InProcessMemory.
+var (
+	InProcessMemory_name = map[int32]string{
+		0: "IN_PROCESS_MEMORY_UNSPECIFIED",
+		1: "IN_PROCESS_MEMORY_HOST",
+		2: "IN_PROCESS_MEMORY_DEVICE",
+	}
+	InProcessMemory_value = map[string]int32{
+		"IN_PROCESS_MEMORY_UNSPECIFIED": 0,
+		"IN_PROCESS_MEMORY_HOST":        1,
+		"IN_PROCESS_MEMORY_DEVICE":      2,
+	}
+)
+
+func (x InProcessMemory) Enum() *InProcessMemory {
+	p := new(InProcessMemory)
+	*p = x
+	return p
+}
+
+func (x InProcessMemory) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (InProcessMemory) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+}
+
+func (InProcessMemory) Type() protoreflect.EnumType {
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+}
+
+func (x InProcessMemory) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use InProcessMemory.Descriptor instead.
+func (InProcessMemory) EnumDescriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{4}
+}
+
 // FailureKind classifies failed and expired outcomes (kvxfer.FailureKind).
 type FailureKind int32
 
@@ -325,11 +383,11 @@ func (x FailureKind) String() string {
 }
 
 func (FailureKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[4].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[5].Descriptor()
 }
 
 func (FailureKind) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[4]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[5]
 }
 
 func (x FailureKind) Number() protoreflect.EnumNumber {
@@ -338,7 +396,7 @@ func (x FailureKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FailureKind.Descriptor instead.
 func (FailureKind) EnumDescriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{4}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{5}
 }
 
 // FinishStatus is why an engine finished a request.
@@ -386,11 +444,11 @@ func (x FinishStatus) String() string {
 }
 
 func (FinishStatus) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[5].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[6].Descriptor()
 }
 
 func (FinishStatus) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[5]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[6]
 }
 
 func (x FinishStatus) Number() protoreflect.EnumNumber {
@@ -399,7 +457,7 @@ func (x FinishStatus) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishStatus.Descriptor instead.
 func (FinishStatus) EnumDescriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{5}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{6}
 }
 
 // Result kinds.
@@ -447,11 +505,11 @@ func (x Outcome_Result) String() string {
 }
 
 func (Outcome_Result) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvxfer_v1_kvxfer_proto_enumTypes[6].Descriptor()
+	return file_kvxfer_v1_kvxfer_proto_enumTypes[7].Descriptor()
 }
 
 func (Outcome_Result) Type() protoreflect.EnumType {
-	return &file_kvxfer_v1_kvxfer_proto_enumTypes[6]
+	return &file_kvxfer_v1_kvxfer_proto_enumTypes[7]
 }
 
 func (x Outcome_Result) Number() protoreflect.EnumNumber {
@@ -800,11 +858,13 @@ func (x *KvLayout) GetGroups() []*CacheGroup {
 }
 
 // SharedMemory is memory holding part of a rank's KV cache, shared with
-// kvxferd: a shared-memory file (host memory), or GPU memory shared as a
-// CUDA IPC handle.
+// kvxferd: a shared-memory file (host memory), GPU memory shared as a
+// CUDA IPC handle, or, for a server running inside the engine's own
+// process, memory named by its address there (in_process).
 type SharedMemory struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// path of the file (under /dev/shm); empty for GPU memory.
+	// path of the file (under /dev/shm); empty for GPU memory and for
+	// memory named by address (in_process).
 	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	// base is the address at which the engine sees the memory; region bases
 	// inside [base, base+size) refer to it.
@@ -821,7 +881,17 @@ type SharedMemory struct {
 	// in 8-4-4-4-12 groups, as nvidia-smi prints it): ordinals differ between
 	// processes under different CUDA_VISIBLE_DEVICES, UUIDs do not. When set,
 	// kvxferd opens the device with this UUID and ignores device.
-	DeviceUuid    string `protobuf:"bytes,6,opt,name=device_uuid,json=deviceUuid,proto3" json:"device_uuid,omitempty"`
+	DeviceUuid string `protobuf:"bytes,6,opt,name=device_uuid,json=deviceUuid,proto3" json:"device_uuid,omitempty"`
+	// in_process, when set, names the memory by its address: [base,
+	// base+size) is memory of the server's own process, taken as it is (no
+	// file, no handle: path and cuda_ipc_handle must be empty), host or GPU
+	// memory as the value says. Only a server running inside the engine's
+	// process (libkvxfer) accepts it, and only on a connection from that
+	// same process (the unix socket's SO_PEERCRED pid is its own); anywhere
+	// else the hello is refused with PermissionDenied naming this field.
+	// The memory must stay allocated until the rank's stream has ended: the
+	// server touches it no more after that.
+	InProcess     InProcessMemory `protobuf:"varint,7,opt,name=in_process,json=inProcess,proto3,enum=kvxfer.v1.InProcessMemory" json:"in_process,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -896,6 +966,13 @@ func (x *SharedMemory) GetDeviceUuid() string {
 		return x.DeviceUuid
 	}
 	return ""
+}
+
+func (x *SharedMemory) GetInProcess() InProcessMemory {
+	if x != nil {
+		return x.InProcess
+	}
+	return InProcessMemory_IN_PROCESS_MEMORY_UNSPECIFIED
 }
 
 // Span is one cache group's block list.
@@ -4826,7 +4903,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11kernel_block_size\x18\v \x01(\x05R\x0fkernelBlockSize\x12#\n" +
 	"\rregion_offset\x18\f \x01(\x05R\fregionOffset\x12+\n" +
 	"\aregions\x18\r \x03(\v2\x11.kvxfer.v1.RegionR\aregions\x12-\n" +
-	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"\xab\x01\n" +
+	"\x06groups\x18\x0e \x03(\v2\x15.kvxfer.v1.CacheGroupR\x06groups\"\xe6\x01\n" +
 	"\fSharedMemory\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04base\x18\x02 \x01(\x04R\x04base\x12\x12\n" +
@@ -4834,7 +4911,9 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x0fcuda_ipc_handle\x18\x04 \x01(\fR\rcudaIpcHandle\x12\x16\n" +
 	"\x06device\x18\x05 \x01(\x05R\x06device\x12\x1f\n" +
 	"\vdevice_uuid\x18\x06 \x01(\tR\n" +
-	"deviceUuid\"9\n" +
+	"deviceUuid\x129\n" +
+	"\n" +
+	"in_process\x18\a \x01(\x0e2\x1a.kvxfer.v1.InProcessMemoryR\tinProcess\"9\n" +
 	"\x04Span\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x1b\n" +
 	"\tblock_ids\x18\x02 \x03(\x05R\bblockIds\"\xfa\x01\n" +
@@ -5149,7 +5228,11 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x19CACHE_KIND_FULL_ATTENTION\x10\x01\x12\x1d\n" +
 	"\x19CACHE_KIND_SLIDING_WINDOW\x10\x02\x12\x12\n" +
 	"\x0eCACHE_KIND_MLA\x10\x03\x12\x14\n" +
-	"\x10CACHE_KIND_MAMBA\x10\x04*\xd9\x02\n" +
+	"\x10CACHE_KIND_MAMBA\x10\x04*n\n" +
+	"\x0fInProcessMemory\x12!\n" +
+	"\x1dIN_PROCESS_MEMORY_UNSPECIFIED\x10\x00\x12\x1a\n" +
+	"\x16IN_PROCESS_MEMORY_HOST\x10\x01\x12\x1c\n" +
+	"\x18IN_PROCESS_MEMORY_DEVICE\x10\x02*\xd9\x02\n" +
 	"\vFailureKind\x12\x1c\n" +
 	"\x18FAILURE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16FAILURE_KIND_HANDSHAKE\x10\x01\x12\x1d\n" +
@@ -5200,176 +5283,178 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 	return file_kvxfer_v1_kvxfer_proto_rawDescData
 }
 
-var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 7)
+var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 8)
 var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
 	(KvPacking)(0),                  // 2: kvxfer.v1.KvPacking
 	(CacheKind)(0),                  // 3: kvxfer.v1.CacheKind
-	(FailureKind)(0),                // 4: kvxfer.v1.FailureKind
-	(FinishStatus)(0),               // 5: kvxfer.v1.FinishStatus
-	(Outcome_Result)(0),             // 6: kvxfer.v1.Outcome.Result
-	(*Region)(nil),                  // 7: kvxfer.v1.Region
-	(*CacheGroup)(nil),              // 8: kvxfer.v1.CacheGroup
-	(*KvLayout)(nil),                // 9: kvxfer.v1.KvLayout
-	(*SharedMemory)(nil),            // 10: kvxfer.v1.SharedMemory
-	(*Span)(nil),                    // 11: kvxfer.v1.Span
-	(*RemoteRef)(nil),               // 12: kvxfer.v1.RemoteRef
-	(*RecvRequest)(nil),             // 13: kvxfer.v1.RecvRequest
-	(*SendRequest)(nil),             // 14: kvxfer.v1.SendRequest
-	(*StepMeta)(nil),                // 15: kvxfer.v1.StepMeta
-	(*Outcome)(nil),                 // 16: kvxfer.v1.Outcome
-	(*Finished)(nil),                // 17: kvxfer.v1.Finished
-	(*TransferStats)(nil),           // 18: kvxfer.v1.TransferStats
-	(*WorkerHello)(nil),             // 19: kvxfer.v1.WorkerHello
-	(*LayerSaved)(nil),              // 20: kvxfer.v1.LayerSaved
-	(*ConnectRequest)(nil),          // 21: kvxfer.v1.ConnectRequest
-	(*StepRef)(nil),                 // 22: kvxfer.v1.StepRef
-	(*Bye)(nil),                     // 23: kvxfer.v1.Bye
-	(*Ready)(nil),                   // 24: kvxfer.v1.Ready
-	(*StepError)(nil),               // 25: kvxfer.v1.StepError
-	(*ConnectResponse)(nil),         // 26: kvxfer.v1.ConnectResponse
-	(*RankInfo)(nil),                // 27: kvxfer.v1.RankInfo
-	(*RankList)(nil),                // 28: kvxfer.v1.RankList
-	(*HandshakeRequest)(nil),        // 29: kvxfer.v1.HandshakeRequest
-	(*HandshakeResponse)(nil),       // 30: kvxfer.v1.HandshakeResponse
-	(*TransferParams)(nil),          // 31: kvxfer.v1.TransferParams
-	(*EngineRequest)(nil),           // 32: kvxfer.v1.EngineRequest
-	(*BlockList)(nil),               // 33: kvxfer.v1.BlockList
-	(*SchedulerConfig)(nil),         // 34: kvxfer.v1.SchedulerConfig
-	(*OpenSchedulerRequest)(nil),    // 35: kvxfer.v1.OpenSchedulerRequest
-	(*OpenSchedulerResponse)(nil),   // 36: kvxfer.v1.OpenSchedulerResponse
-	(*MatchedTokensRequest)(nil),    // 37: kvxfer.v1.MatchedTokensRequest
-	(*MatchedTokensResponse)(nil),   // 38: kvxfer.v1.MatchedTokensResponse
-	(*AfterAllocRequest)(nil),       // 39: kvxfer.v1.AfterAllocRequest
-	(*AfterAllocResponse)(nil),      // 40: kvxfer.v1.AfterAllocResponse
-	(*ScheduledRequest)(nil),        // 41: kvxfer.v1.ScheduledRequest
-	(*ScheduledResponse)(nil),       // 42: kvxfer.v1.ScheduledResponse
-	(*RequestFinishedRequest)(nil),  // 43: kvxfer.v1.RequestFinishedRequest
-	(*RequestFinishedResponse)(nil), // 44: kvxfer.v1.RequestFinishedResponse
-	(*BuildMetaRequest)(nil),        // 45: kvxfer.v1.BuildMetaRequest
-	(*BuildMetaResponse)(nil),       // 46: kvxfer.v1.BuildMetaResponse
-	(*UpdateRequest)(nil),           // 47: kvxfer.v1.UpdateRequest
-	(*UpdateResponse)(nil),          // 48: kvxfer.v1.UpdateResponse
-	(*PrefillRequest)(nil),          // 49: kvxfer.v1.PrefillRequest
-	(*PrefillResponse)(nil),         // 50: kvxfer.v1.PrefillResponse
-	(*SchedulerOp)(nil),             // 51: kvxfer.v1.SchedulerOp
-	(*StepRequest)(nil),             // 52: kvxfer.v1.StepRequest
-	(*RequestColumns)(nil),          // 53: kvxfer.v1.RequestColumns
-	(*StepColumns)(nil),             // 54: kvxfer.v1.StepColumns
-	(*OpResult)(nil),                // 55: kvxfer.v1.OpResult
-	(*SchedulerCounters)(nil),       // 56: kvxfer.v1.SchedulerCounters
-	(*StepResponse)(nil),            // 57: kvxfer.v1.StepResponse
-	(*StepsRequest)(nil),            // 58: kvxfer.v1.StepsRequest
-	(*StepsResponse)(nil),           // 59: kvxfer.v1.StepsResponse
-	(*CloseSchedulerRequest)(nil),   // 60: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 61: kvxfer.v1.CloseSchedulerResponse
-	nil,                             // 62: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	(InProcessMemory)(0),            // 4: kvxfer.v1.InProcessMemory
+	(FailureKind)(0),                // 5: kvxfer.v1.FailureKind
+	(FinishStatus)(0),               // 6: kvxfer.v1.FinishStatus
+	(Outcome_Result)(0),             // 7: kvxfer.v1.Outcome.Result
+	(*Region)(nil),                  // 8: kvxfer.v1.Region
+	(*CacheGroup)(nil),              // 9: kvxfer.v1.CacheGroup
+	(*KvLayout)(nil),                // 10: kvxfer.v1.KvLayout
+	(*SharedMemory)(nil),            // 11: kvxfer.v1.SharedMemory
+	(*Span)(nil),                    // 12: kvxfer.v1.Span
+	(*RemoteRef)(nil),               // 13: kvxfer.v1.RemoteRef
+	(*RecvRequest)(nil),             // 14: kvxfer.v1.RecvRequest
+	(*SendRequest)(nil),             // 15: kvxfer.v1.SendRequest
+	(*StepMeta)(nil),                // 16: kvxfer.v1.StepMeta
+	(*Outcome)(nil),                 // 17: kvxfer.v1.Outcome
+	(*Finished)(nil),                // 18: kvxfer.v1.Finished
+	(*TransferStats)(nil),           // 19: kvxfer.v1.TransferStats
+	(*WorkerHello)(nil),             // 20: kvxfer.v1.WorkerHello
+	(*LayerSaved)(nil),              // 21: kvxfer.v1.LayerSaved
+	(*ConnectRequest)(nil),          // 22: kvxfer.v1.ConnectRequest
+	(*StepRef)(nil),                 // 23: kvxfer.v1.StepRef
+	(*Bye)(nil),                     // 24: kvxfer.v1.Bye
+	(*Ready)(nil),                   // 25: kvxfer.v1.Ready
+	(*StepError)(nil),               // 26: kvxfer.v1.StepError
+	(*ConnectResponse)(nil),         // 27: kvxfer.v1.ConnectResponse
+	(*RankInfo)(nil),                // 28: kvxfer.v1.RankInfo
+	(*RankList)(nil),                // 29: kvxfer.v1.RankList
+	(*HandshakeRequest)(nil),        // 30: kvxfer.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),       // 31: kvxfer.v1.HandshakeResponse
+	(*TransferParams)(nil),          // 32: kvxfer.v1.TransferParams
+	(*EngineRequest)(nil),           // 33: kvxfer.v1.EngineRequest
+	(*BlockList)(nil),               // 34: kvxfer.v1.BlockList
+	(*SchedulerConfig)(nil),         // 35: kvxfer.v1.SchedulerConfig
+	(*OpenSchedulerRequest)(nil),    // 36: kvxfer.v1.OpenSchedulerRequest
+	(*OpenSchedulerResponse)(nil),   // 37: kvxfer.v1.OpenSchedulerResponse
+	(*MatchedTokensRequest)(nil),    // 38: kvxfer.v1.MatchedTokensRequest
+	(*MatchedTokensResponse)(nil),   // 39: kvxfer.v1.MatchedTokensResponse
+	(*AfterAllocRequest)(nil),       // 40: kvxfer.v1.AfterAllocRequest
+	(*AfterAllocResponse)(nil),      // 41: kvxfer.v1.AfterAllocResponse
+	(*ScheduledRequest)(nil),        // 42: kvxfer.v1.ScheduledRequest
+	(*ScheduledResponse)(nil),       // 43: kvxfer.v1.ScheduledResponse
+	(*RequestFinishedRequest)(nil),  // 44: kvxfer.v1.RequestFinishedRequest
+	(*RequestFinishedResponse)(nil), // 45: kvxfer.v1.RequestFinishedResponse
+	(*BuildMetaRequest)(nil),        // 46: kvxfer.v1.BuildMetaRequest
+	(*BuildMetaResponse)(nil),       // 47: kvxfer.v1.BuildMetaResponse
+	(*UpdateRequest)(nil),           // 48: kvxfer.v1.UpdateRequest
+	(*UpdateResponse)(nil),          // 49: kvxfer.v1.UpdateResponse
+	(*PrefillRequest)(nil),          // 50: kvxfer.v1.PrefillRequest
+	(*PrefillResponse)(nil),         // 51: kvxfer.v1.PrefillResponse
+	(*SchedulerOp)(nil),             // 52: kvxfer.v1.SchedulerOp
+	(*StepRequest)(nil),             // 53: kvxfer.v1.StepRequest
+	(*RequestColumns)(nil),          // 54: kvxfer.v1.RequestColumns
+	(*StepColumns)(nil),             // 55: kvxfer.v1.StepColumns
+	(*OpResult)(nil),                // 56: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 57: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 58: kvxfer.v1.StepResponse
+	(*StepsRequest)(nil),            // 59: kvxfer.v1.StepsRequest
+	(*StepsResponse)(nil),           // 60: kvxfer.v1.StepsResponse
+	(*CloseSchedulerRequest)(nil),   // 61: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 62: kvxfer.v1.CloseSchedulerResponse
+	nil,                             // 63: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
 	3,  // 1: kvxfer.v1.CacheGroup.kind:type_name -> kvxfer.v1.CacheKind
 	1,  // 2: kvxfer.v1.KvLayout.order:type_name -> kvxfer.v1.KvLayoutOrder
 	2,  // 3: kvxfer.v1.KvLayout.packing:type_name -> kvxfer.v1.KvPacking
-	7,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
-	8,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
-	11, // 6: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
-	11, // 7: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
-	12, // 8: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
-	11, // 9: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
-	13, // 10: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
-	14, // 11: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
-	14, // 12: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
-	62, // 13: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
-	6,  // 14: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
-	4,  // 15: kvxfer.v1.Outcome.failure_kind:type_name -> kvxfer.v1.FailureKind
-	16, // 16: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
-	16, // 17: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
-	18, // 18: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
-	0,  // 19: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	9,  // 20: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	10, // 21: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	19, // 22: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	15, // 23: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	20, // 24: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	23, // 25: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	22, // 26: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
-	24, // 27: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	17, // 28: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	25, // 29: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	9,  // 30: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	27, // 31: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	11, // 32: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 33: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	31, // 34: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 35: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	8,  // 36: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	34, // 37: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	32, // 38: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	32, // 39: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	33, // 40: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	31, // 41: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	32, // 42: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	33, // 43: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	32, // 44: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	5,  // 45: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	33, // 46: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	31, // 47: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	31, // 48: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	15, // 49: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	17, // 50: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	32, // 51: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	33, // 52: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	39, // 53: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	41, // 54: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	43, // 55: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	47, // 56: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	49, // 57: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	51, // 58: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	54, // 59: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
-	0,  // 60: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
-	5,  // 61: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
-	53, // 62: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
-	53, // 63: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
-	53, // 64: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
-	31, // 65: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	15, // 66: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	55, // 67: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	56, // 68: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	52, // 69: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	57, // 70: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	21, // 71: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	29, // 72: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	35, // 73: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	37, // 74: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	39, // 75: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	41, // 76: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	43, // 77: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	45, // 78: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	47, // 79: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	49, // 80: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	52, // 81: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	58, // 82: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	60, // 83: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	26, // 84: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	30, // 85: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	36, // 86: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	38, // 87: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	40, // 88: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	42, // 89: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	44, // 90: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	46, // 91: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	48, // 92: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	50, // 93: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	57, // 94: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	59, // 95: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	61, // 96: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	84, // [84:97] is the sub-list for method output_type
-	71, // [71:84] is the sub-list for method input_type
-	71, // [71:71] is the sub-list for extension type_name
-	71, // [71:71] is the sub-list for extension extendee
-	0,  // [0:71] is the sub-list for field type_name
+	8,  // 4: kvxfer.v1.KvLayout.regions:type_name -> kvxfer.v1.Region
+	9,  // 5: kvxfer.v1.KvLayout.groups:type_name -> kvxfer.v1.CacheGroup
+	4,  // 6: kvxfer.v1.SharedMemory.in_process:type_name -> kvxfer.v1.InProcessMemory
+	12, // 7: kvxfer.v1.RemoteRef.blocks:type_name -> kvxfer.v1.Span
+	12, // 8: kvxfer.v1.RecvRequest.local:type_name -> kvxfer.v1.Span
+	13, // 9: kvxfer.v1.RecvRequest.remote:type_name -> kvxfer.v1.RemoteRef
+	12, // 10: kvxfer.v1.SendRequest.blocks:type_name -> kvxfer.v1.Span
+	14, // 11: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
+	15, // 12: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
+	15, // 13: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
+	63, // 14: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	7,  // 15: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
+	5,  // 16: kvxfer.v1.Outcome.failure_kind:type_name -> kvxfer.v1.FailureKind
+	17, // 17: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
+	17, // 18: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
+	19, // 19: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
+	0,  // 20: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
+	10, // 21: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	11, // 22: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	20, // 23: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	16, // 24: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	21, // 25: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	24, // 26: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	23, // 27: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
+	25, // 28: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	18, // 29: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	26, // 30: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	10, // 31: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	28, // 32: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	12, // 33: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 34: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	32, // 35: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 36: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	9,  // 37: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	35, // 38: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	33, // 39: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 40: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 41: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 42: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	33, // 43: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 44: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	33, // 45: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	6,  // 46: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	34, // 47: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 48: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	32, // 49: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	16, // 50: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	18, // 51: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	33, // 52: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 53: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	40, // 54: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	42, // 55: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	44, // 56: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	48, // 57: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	50, // 58: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	52, // 59: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	55, // 60: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 61: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	6,  // 62: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	54, // 63: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	54, // 64: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	54, // 65: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	32, // 66: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	16, // 67: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	56, // 68: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	57, // 69: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	53, // 70: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	58, // 71: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	22, // 72: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	30, // 73: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	36, // 74: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	38, // 75: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	40, // 76: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	42, // 77: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	44, // 78: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	46, // 79: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	48, // 80: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	50, // 81: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	53, // 82: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	59, // 83: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	61, // 84: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	27, // 85: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	31, // 86: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	37, // 87: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	39, // 88: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	41, // 89: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	43, // 90: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	45, // 91: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	47, // 92: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	49, // 93: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	51, // 94: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	58, // 95: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	60, // 96: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	62, // 97: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	85, // [85:98] is the sub-list for method output_type
+	72, // [72:85] is the sub-list for method input_type
+	72, // [72:72] is the sub-list for extension type_name
+	72, // [72:72] is the sub-list for extension extendee
+	0,  // [0:72] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -5401,7 +5486,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
-			NumEnums:      7,
+			NumEnums:      8,
 			NumMessages:   56,
 			NumExtensions: 0,
 			NumServices:   3,

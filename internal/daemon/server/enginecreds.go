@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/credentials"
@@ -37,11 +38,23 @@ func (EngineAuthInfo) AuthType() string { return "unix-peercred" }
 // insecure credentials: nothing is exchanged.
 func EngineCredentials() credentials.TransportCredentials { return engineCreds{} }
 
-type engineCreds struct{}
+// OwnProcessCredentials are EngineCredentials that accept connections
+// from this process only (SO_PEERCRED pid == getpid): libkvxfer's
+// in-process placement, whose abstract unix socket every process of the
+// network namespace could reach. refused, when set, is called for each
+// connection refused.
+func OwnProcessCredentials(refused func()) credentials.TransportCredentials {
+	return engineCreds{ownOnly: true, refused: refused}
+}
+
+type engineCreds struct {
+	ownOnly bool
+	refused func()
+}
 
 var errNotUnix = fmt.Errorf("%w: engine services are served on kvxferd's unix socket only", ErrPermission)
 
-func (engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
+func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	uc, ok := c.(*net.UnixConn)
 	if !ok {
 		return nil, nil, errNotUnix
@@ -59,6 +72,13 @@ func (engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, 
 	}
 	if cerr != nil {
 		return nil, nil, fmt.Errorf("server: SO_PEERCRED: %w", cerr)
+	}
+	if e.ownOnly && int(cred.Pid) != os.Getpid() {
+		if e.refused != nil {
+			e.refused()
+		}
+		return nil, nil, fmt.Errorf("%w: engine connection from process %d: this in-process kvxfer serves its own process (%d) only",
+			ErrPermission, cred.Pid, os.Getpid())
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid}, nil
@@ -89,4 +109,19 @@ func callerUID(ctx context.Context) (uint32, error) {
 		return 0, errNotUnix
 	}
 	return ai.UID, nil
+}
+
+// callerPID is the pid of the engine process behind ctx's connection, as
+// the kernel recorded it when the process connected (SO_PEERCRED), or an
+// ErrPermission error as callerUID's.
+func callerPID(ctx context.Context) (int32, error) {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return 0, errNotUnix
+	}
+	ai, ok := p.AuthInfo.(EngineAuthInfo)
+	if !ok {
+		return 0, errNotUnix
+	}
+	return ai.PID, nil
 }

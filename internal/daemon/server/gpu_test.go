@@ -34,6 +34,9 @@ const (
 )
 
 func TestMain(m *testing.M) {
+	if sock := os.Getenv("KVXFER_ADDR_ENGINE"); sock != "" {
+		os.Exit(addressEngine(sock))
+	}
 	if role := os.Getenv("KVXFER_GPU_ENGINE"); role != "" {
 		os.Exit(gpuEngine(role, os.Getenv("KVXFER_GPU_DUMP")))
 	}

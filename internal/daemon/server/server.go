@@ -484,9 +484,12 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	if hello == nil {
 		return Status(stream.Invalid("the first message of a worker stream must be hello"))
 	}
-	r, err := s.attach(hello, uid)
+	pid, _ := callerPID(st.Context()) // an EngineAuthInfo, as callerUID found
+	r, err := s.attach(hello, uid, pid)
 	if err != nil {
 		switch {
+		case errors.Is(err, errForeignAddress):
+			s.limits.refuse("memory_address")
 		case errors.Is(err, shm.ErrRefused):
 			s.limits.refuse("memory")
 		case errors.Is(err, ErrPermission):
@@ -530,6 +533,7 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // Refusals returns how many calls and streams the server refused since it
 // started, by reason: permission (another uid's engine, or not on the
 // unix socket), rank_attached, memory (a shared-memory file refused),
+// memory_address (memory named by address from another process),
 // hello_timeout, streams and streams_per_uid (limits), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
@@ -720,7 +724,9 @@ type rank struct {
 	layout         topology.Layout
 	backend        Backend
 	worker         *kvxfer.Worker
-	mappings       []*shm.Mapping
+	// mappings: the shared-memory files of hello.memory, by entry (nil
+	// for an entry that is not one).
+	mappings []*shm.Mapping
 	// gpu: imported CUDA IPC memory (device pointers), unmapped on detach.
 	gpu   []gpuImport
 	agent string
@@ -731,10 +737,11 @@ type gpuImport struct {
 	ptr uint64
 }
 
-// attach validates a hello from an engine process of uid, maps the rank's
-// memory (files uid owns only), starts its backend and worker, and
-// publishes it for handshakes.
-func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
+// attach validates a hello from engine process pid of uid, maps the
+// rank's memory (files uid owns only; memory named by address only when
+// pid is this process), starts its backend and worker, and publishes it
+// for handshakes.
+func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err error) {
 	if h.EngineId == "" {
 		return nil, stream.Invalid("hello.engine_id is empty")
 	}
@@ -761,18 +768,21 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	if len(h.Memory) == 0 {
 		return nil, stream.Invalid("hello.memory is empty")
 	}
-	vram := len(h.Memory[0].CudaIpcHandle) > 0
+	vram := isGPU(h.Memory[0])
 	for i, m := range h.Memory {
-		gpu := len(m.CudaIpcHandle) > 0
+		if err := checkInProcess(i, m, pid); err != nil {
+			return nil, err
+		}
+		gpu := isGPU(m)
 		switch {
 		case gpu != vram:
 			return nil, stream.Invalid("hello.memory[%d]: a rank's memory must be all host or all GPU memory", i)
 		case gpu && len(m.CudaIpcHandle) != len(cuda.Handle{}):
 			return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
-		case !gpu && m.GetPath() == "", m.GetSize() == 0, m.Base+m.Size < m.Base:
+		case !gpu && m.GetPath() == "" && !byAddress(m), m.GetSize() == 0, m.Base+m.Size < m.Base:
 			return nil, stream.Invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())
 		case !gpu && m.DeviceUuid != "":
-			return nil, stream.Invalid("hello.memory[%d].device_uuid = %q on host memory (no cuda_ipc_handle)", i, m.DeviceUuid)
+			return nil, stream.Invalid("hello.memory[%d].device_uuid = %q on host memory (no cuda_ipc_handle, in_process not device)", i, m.DeviceUuid)
 		}
 		if m.DeviceUuid != "" {
 			if _, err := cuda.ParseUUID(m.DeviceUuid); err != nil {
@@ -792,7 +802,29 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 	}
 	// Where each memory entry lives in this process.
 	real := make([]uint64, len(h.Memory))
+	r.mappings = make([]*shm.Mapping, len(h.Memory))
+	devs := make([]*cuda.Device, len(h.Memory)) // GPU memory's devices
+	// host: each host entry's bytes here.
+	host := make([][]byte, len(h.Memory))
 	for i, m := range h.Memory {
+		switch m.InProcess {
+		case pb.InProcessMemory_IN_PROCESS_MEMORY_HOST:
+			if host[i], err = ownHostMemory(i, m); err != nil {
+				return nil, err
+			}
+			real[i] = m.Base
+			continue
+		case pb.InProcessMemory_IN_PROCESS_MEMORY_DEVICE:
+			dev, err := s.gpuOf(i, m)
+			if err != nil {
+				return nil, err
+			}
+			if err := ownDeviceMemory(i, m, dev); err != nil {
+				return nil, err
+			}
+			devs[i], real[i] = dev, m.Base
+			continue
+		}
 		if vram {
 			dev, err := s.gpuOf(i, m)
 			if err != nil {
@@ -805,7 +837,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 				return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %v", i, err)
 			}
 			r.gpu = append(r.gpu, gpuImport{dev, ptr})
-			real[i] = ptr
+			devs[i], real[i] = dev, ptr
 			continue
 		}
 		mp, err := shm.MapOwned(s.cfg.ShmDir, m.Path, m.Size, r.uid)
@@ -815,7 +847,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		case err != nil:
 			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
 		}
-		r.mappings = append(r.mappings, mp)
+		r.mappings[i], host[i] = mp, mp.Bytes
 		real[i] = realAddr(mp.Bytes)
 	}
 	// Relocate the layout to where the memory is here, so every backend
@@ -829,7 +861,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 				if vram {
 					// The device as this process numbers it: backends
 					// register the imported memory with it, and peers get it.
-					reg.DeviceID = int32(r.gpu[j].dev.Ordinal())
+					reg.DeviceID = int32(devs[j].Ordinal())
 				}
 				break
 			}
@@ -846,15 +878,20 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 		return nil, fmt.Errorf("server: backend for %s rank tp %d pp %d: the factory returned none", h.EngineId, l.TPRank, l.PPRank)
 	}
 	r.backend = be
+	exported := map[uint64]bool{} // in-process GPU allocations mapped already
 	for i, m := range h.Memory {
 		var err error
-		if im, ok := r.backend.(IPCMapper); ok && vram {
+		if im, ok := r.backend.(IPCMapper); ok && vram && byAddress(m) {
+			// The built-in backend, GPU memory of this process: same-host
+			// peers import the engine's own allocation by its IPC handle.
+			err = mapOwnDevice(im, devs[i], m.Base, exported)
+		} else if im, ok := r.backend.(IPCMapper); ok && vram {
 			// The built-in backend: GPU memory moves on the same host only.
 			var u [16]byte
-			if u, err = r.gpu[i].dev.UUID(); err == nil {
+			if u, err = devs[i].UUID(); err == nil {
 				var hd [64]byte
 				copy(hd[:], m.CudaIpcHandle)
-				err = im.MapIPC(real[i], m.Size, cudaDevice{r.gpu[i].dev}, u, hd)
+				err = im.MapIPC(real[i], m.Size, cudaDevice{devs[i]}, u, hd)
 			}
 		} else if vram {
 			dm, ok := r.backend.(DeviceMapper)
@@ -862,10 +899,10 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32) (_ *rank, err error) {
 				return nil, stream.Invalid("hello.memory: GPU memory needs a backend that moves it (kvxferd -backend=nixl, or the built-in backend between daemons of one host)")
 			}
 			err = dm.MapDevice(real[i], m.Size)
-		} else if fm, ok := r.backend.(FileMapper); ok && r.mappings[i].File() != nil {
+		} else if fm, ok := r.backend.(FileMapper); ok && r.mappings[i] != nil && r.mappings[i].File() != nil {
 			err = fm.MapFile(real[i], r.mappings[i].Bytes, r.mappings[i].File(), 0)
 		} else {
-			err = r.backend.Map(real[i], r.mappings[i].Bytes)
+			err = r.backend.Map(real[i], host[i])
 		}
 		if err != nil {
 			return nil, stream.Invalid("hello.memory[%d]: %v", i, err)
@@ -914,7 +951,9 @@ func (r *rank) release() {
 		}
 	}
 	for _, m := range r.mappings {
-		_ = m.Close()
+		if m != nil {
+			_ = m.Close()
+		}
 	}
 	for _, g := range r.gpu {
 		_ = g.dev.Unmap(g.ptr)

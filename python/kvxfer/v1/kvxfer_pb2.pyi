@@ -34,6 +34,12 @@ class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_KIND_MLA: _ClassVar[CacheKind]
     CACHE_KIND_MAMBA: _ClassVar[CacheKind]
 
+class InProcessMemory(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IN_PROCESS_MEMORY_UNSPECIFIED: _ClassVar[InProcessMemory]
+    IN_PROCESS_MEMORY_HOST: _ClassVar[InProcessMemory]
+    IN_PROCESS_MEMORY_DEVICE: _ClassVar[InProcessMemory]
+
 class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
@@ -71,6 +77,9 @@ CACHE_KIND_FULL_ATTENTION: CacheKind
 CACHE_KIND_SLIDING_WINDOW: CacheKind
 CACHE_KIND_MLA: CacheKind
 CACHE_KIND_MAMBA: CacheKind
+IN_PROCESS_MEMORY_UNSPECIFIED: InProcessMemory
+IN_PROCESS_MEMORY_HOST: InProcessMemory
+IN_PROCESS_MEMORY_DEVICE: InProcessMemory
 FAILURE_KIND_UNSPECIFIED: FailureKind
 FAILURE_KIND_HANDSHAKE: FailureKind
 FAILURE_KIND_INCOMPATIBLE: FailureKind
@@ -152,20 +161,22 @@ class KvLayout(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., elem_bytes: _Optional[int] = ..., order: _Optional[_Union[KvLayoutOrder, str]] = ..., packing: _Optional[_Union[KvPacking, str]] = ..., logical_block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., region_offset: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
-    __slots__ = ("path", "base", "size", "cuda_ipc_handle", "device", "device_uuid")
+    __slots__ = ("path", "base", "size", "cuda_ipc_handle", "device", "device_uuid", "in_process")
     PATH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IN_PROCESS_FIELD_NUMBER: _ClassVar[int]
     path: str
     base: int
     size: int
     cuda_ipc_handle: bytes
     device: int
     device_uuid: str
-    def __init__(self, path: _Optional[str] = ..., base: _Optional[int] = ..., size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    in_process: InProcessMemory
+    def __init__(self, path: _Optional[str] = ..., base: _Optional[int] = ..., size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ..., in_process: _Optional[_Union[InProcessMemory, str]] = ...) -> None: ...
 
 class Span(_message.Message):
     __slots__ = ("start", "block_ids")

@@ -1,0 +1,72 @@
+// The C ABI (kvxfer.h): thin wrappers that refuse a forked child before
+// entering Go, and keep each thread's last error in C memory. Go writes
+// into buffers this file owns; nothing here is freed by Go or the caller.
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvxfer.h"
+#include "_cgo_export.h"
+
+// KVXFER_VERSION: main.go's version must say the same (TestVersion).
+#define KVXFER_VERSION "0.1.0 (kvxfer.v1; C ABI 1)"
+
+static pid_t kvxfer_load_pid;
+
+// Each thread's last error: a buffer per thread under a pthread key (not
+// __thread, whose static TLS a library dlopen'd late may not get), freed
+// when the thread exits.
+#define KVXFER_ERR_CAP 2048
+static pthread_key_t kvxfer_err_key;
+static char kvxfer_err_fallback[KVXFER_ERR_CAP]; // if malloc fails
+static const char kvxfer_no_error[] = "";
+
+__attribute__((constructor)) static void kvxfer_loaded(void) {
+	kvxfer_load_pid = getpid();
+	pthread_key_create(&kvxfer_err_key, free);
+}
+
+static char *kvxfer_err_buf(void) {
+	char *b = pthread_getspecific(kvxfer_err_key);
+	if (!b) {
+		b = calloc(1, KVXFER_ERR_CAP);
+		if (!b || pthread_setspecific(kvxfer_err_key, b)) {
+			free(b);
+			return kvxfer_err_fallback;
+		}
+	}
+	return b;
+}
+
+static int kvxfer_forked(char *err) {
+	if (getpid() == kvxfer_load_pid) return 0;
+	snprintf(err, KVXFER_ERR_CAP,
+		"kvxfer: called in a forked child (pid %d) of the process that loaded libkvxfer (pid %d): "
+		"the Go runtime does not survive fork; start kvxfer in a process that exec'd (multiprocessing 'spawn'), not a forked one",
+		(int)getpid(), (int)kvxfer_load_pid);
+	return 1;
+}
+
+int kvxfer_start(const char *config_json, char *endpoint, size_t cap) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	return kvxferGoStart((char *)(config_json ? config_json : ""), endpoint, cap, err, KVXFER_ERR_CAP);
+}
+
+int kvxfer_stop(void) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	return kvxferGoStop(err, KVXFER_ERR_CAP);
+}
+
+const char *kvxfer_version(void) { return KVXFER_VERSION; }
+
+const char *kvxfer_last_error(void) {
+	char *b = pthread_getspecific(kvxfer_err_key);
+	return b ? b : kvxfer_no_error;
+}

@@ -1,0 +1,136 @@
+// Command libkvxfer is kvxfer's server as a C shared library: the
+// in-process placement, where the server kvxferd runs lives inside the
+// engine's own process, so that backends register the engine's memory
+// natively (NIXL/UCX give GPU transports only to memory the registering
+// process allocated). Build it with
+//
+//	go build -buildmode=c-shared -o libkvxfer.so ./cmd/libkvxfer
+//
+// and call it through kvxfer.h (Python: kvxfer.inprocess): kvxfer_start
+// with a JSON configuration whose keys are kvxferd serve's flag names
+// returns the gRPC endpoint the engine's per-rank kvxfer.v1 streams
+// connect to; kvxfer_stop stops it. The endpoint is an abstract unix
+// socket serving this process only (SO_PEERCRED pid), and there the
+// engine may name its memory by address (SharedMemory.in_process).
+//
+// abi.c holds the C entry points: they refuse a forked child before
+// entering Go, and own the per-thread error buffer Go writes into.
+package main
+
+/*
+#include <stddef.h>
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/daemon"
+)
+
+// version is the library's version; abi.c's KVXFER_VERSION says the same.
+const version = "0.1.0 (kvxfer.v1; C ABI 1)"
+
+// Status codes (kvxfer.h).
+const (
+	statusOK      = 0
+	statusConfig  = 1
+	statusStarted = 2
+	statusRange   = 4
+	statusFail    = 5
+)
+
+// running is the process's server, if started.
+var running struct {
+	sync.Mutex
+	p *daemon.InProcess
+}
+
+// errStarted is the error of a start with another configuration.
+var errStarted = errors.New("kvxfer: the in-process server is running with another configuration (kvxfer_stop it first)")
+
+// start starts the server, or returns the running one when config is the
+// configuration it was started with.
+func start(config string) (endpoint string, code int, err error) {
+	running.Lock()
+	defer running.Unlock()
+	if p := running.p; p != nil {
+		if p.Config() == config {
+			return p.Endpoint(), statusOK, nil
+		}
+		return "", statusStarted, fmt.Errorf("%w: running with %q, asked for %q", errStarted, p.Config(), config)
+	}
+	p, err := daemon.StartInProcess([]byte(config))
+	if err != nil {
+		if errors.Is(err, daemon.ErrConfig) {
+			return "", statusConfig, err
+		}
+		return "", statusFail, err
+	}
+	running.p = p
+	return p.Endpoint(), statusOK, nil
+}
+
+// stop stops the running server, if any.
+func stop() error {
+	running.Lock()
+	defer running.Unlock()
+	if running.p == nil {
+		return nil
+	}
+	err := running.p.Stop()
+	running.p = nil
+	return err
+}
+
+// put copies s and a NUL into the C buffer buf of n bytes, if it fits.
+func put(buf *C.char, n C.size_t, s string) bool {
+	if buf == nil || uint64(n) < uint64(len(s))+1 {
+		return false
+	}
+	dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n))
+	copy(dst, s)
+	dst[len(s)] = 0
+	return true
+}
+
+// putErr writes err's message into the C buffer buf of n bytes, cut to
+// fit.
+func putErr(buf *C.char, n C.size_t, err error) {
+	if buf == nil || n == 0 {
+		return
+	}
+	msg := err.Error()
+	if uint64(len(msg)) >= uint64(n) {
+		msg = msg[:n-1]
+	}
+	put(buf, n, msg)
+}
+
+//export kvxferGoStart
+func kvxferGoStart(config *C.char, endpoint *C.char, capacity C.size_t, errBuf *C.char, errCap C.size_t) C.int {
+	ep, code, err := start(C.GoString(config))
+	if err != nil {
+		putErr(errBuf, errCap, err)
+		return C.int(code)
+	}
+	if !put(endpoint, capacity, ep) {
+		putErr(errBuf, errCap, fmt.Errorf("kvxfer: the endpoint %q needs %d bytes, the buffer has %d", ep, len(ep)+1, capacity))
+		return statusRange
+	}
+	return statusOK
+}
+
+//export kvxferGoStop
+func kvxferGoStop(errBuf *C.char, errCap C.size_t) C.int {
+	if err := stop(); err != nil {
+		putErr(errBuf, errCap, err)
+		return statusFail
+	}
+	return statusOK
+}
+
+func main() {}

@@ -1,0 +1,57 @@
+// drive loads libkvxfer with dlopen and drives its C ABI as an engine
+// written in C would (TestCABI). It prints what it checks and exits 0 only
+// when every check holds.
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvxfer.h"
+
+#define CHECK(cond, ...) do { if (!(cond)) { printf("FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); return 1; } } while (0)
+
+int main(int argc, char **argv) {
+	if (argc != 2) return 2;
+	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+	CHECK(lib, "dlopen: %s", dlerror());
+	int (*start)(const char *, char *, size_t) = (int (*)(const char *, char *, size_t))dlsym(lib, "kvxfer_start");
+	int (*stop)(void) = (int (*)(void))dlsym(lib, "kvxfer_stop");
+	const char *(*version)(void) = (const char *(*)(void))dlsym(lib, "kvxfer_version");
+	const char *(*last_error)(void) = (const char *(*)(void))dlsym(lib, "kvxfer_last_error");
+	CHECK(start && stop && version && last_error, "missing symbols");
+	printf("version %s\n", version());
+
+	const char *cfg = "{\"insecure_peers\": true, \"log_level\": \"error\"}";
+	char ep[256], ep2[256], tiny[4];
+	int rc = start(cfg, ep, sizeof ep);
+	CHECK(rc == KVXFER_OK, "start = %d: %s", rc, last_error());
+	CHECK(strncmp(ep, "unix-abstract:", 14) == 0, "endpoint %s", ep);
+	rc = start(cfg, ep2, sizeof ep2);
+	CHECK(rc == KVXFER_OK && strcmp(ep, ep2) == 0, "second start = %d, %s (want %s)", rc, ep2, ep);
+	rc = start(cfg, tiny, sizeof tiny);
+	CHECK(rc == KVXFER_ERANGE && strstr(last_error(), "needs"), "start into 4 bytes = %d: %s", rc, last_error());
+	rc = start("{\"log_level\": \"warn\"}", ep2, sizeof ep2);
+	CHECK(rc == KVXFER_ESTARTED, "start with another configuration = %d: %s", rc, last_error());
+
+	pid_t pid = fork();
+	if (pid == 0) {
+		int r1 = start(cfg, ep2, sizeof ep2);
+		int ok = r1 == KVXFER_EFORK && strstr(last_error(), "forked child") != NULL && stop() == KVXFER_EFORK;
+		_exit(ok ? 0 : 1);
+	}
+	int st = 0;
+	CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "forked child: status %d", st);
+
+	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
+	CHECK(stop() == KVXFER_OK, "second stop: %s", last_error());
+	rc = start("{\"no_such_key\": 1}", ep2, sizeof ep2);
+	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "no_such_key"), "bad key = %d: %s", rc, last_error());
+	CHECK(last_error()[0] != 0, "last_error empty");
+	rc = start(NULL, ep2, sizeof ep2);
+	CHECK(rc == KVXFER_OK && strcmp(ep, ep2) != 0, "restart = %d, %s: %s", rc, ep2, last_error());
+	CHECK(last_error()[0] == 0, "last_error after success = %s", last_error());
+	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
+	printf("ok\n");
+	return 0;
+}

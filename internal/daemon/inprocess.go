@@ -1,0 +1,178 @@
+package daemon
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// The in-process placement (libkvxfer): the daemon's server started
+// inside the engine's own process, configured by JSON instead of flags.
+
+// inProcessDefaults are the JSON configuration's defaults where they
+// differ from kvxferd serve's: an abstract socket of this process's own
+// (engines of this process only), a peer port the system picks, no
+// metrics endpoint, and a shorter drain so that a process exits promptly.
+var inProcessDefaults = map[string]string{
+	"peer-listen":      "127.0.0.1:0",
+	"metrics-listen":   "",
+	"drain-timeout":    "5s",
+	"own-process-only": "true",
+}
+
+// parseJSON reads libkvxfer's configuration: a JSON object whose keys are
+// kvxferd serve's flag names (with "-" or "_"), each value a string, a
+// number or a boolean with the flag's meaning; missing keys take the
+// flags' defaults, or inProcessDefaults. "socket" unset means an abstract
+// socket named after this process. Nothing is read from the environment.
+func parseJSON(b []byte) (*config, error) {
+	c := &config{}
+	fs := flagSet(c)
+	for k, v := range inProcessDefaults {
+		if err := fs.Set(k, v); err != nil {
+			panic(fmt.Sprintf("daemon: in-process default %s=%q: %v", k, v, err))
+		}
+	}
+	c.socket = ""
+	b = bytes.TrimSpace(b)
+	if len(b) > 0 {
+		var m map[string]json.RawMessage
+		dec := json.NewDecoder(bytes.NewReader(b))
+		dec.UseNumber()
+		if err := dec.Decode(&m); err != nil {
+			return nil, fmt.Errorf("want a JSON object: %w", err)
+		}
+		if m == nil {
+			return nil, errors.New("want a JSON object, not null")
+		}
+		for key, raw := range m {
+			name := strings.ReplaceAll(key, "_", "-")
+			f := fs.Lookup(name)
+			if f == nil {
+				return nil, fmt.Errorf("key %q: unknown (the keys are kvxferd serve's flag names)", key)
+			}
+			v, err := jsonScalar(raw)
+			if err != nil {
+				return nil, fmt.Errorf("key %q: %w", key, err)
+			}
+			if err := f.Value.Set(v); err != nil {
+				return nil, fmt.Errorf("key %q = %s: %w", key, raw, err)
+			}
+		}
+	}
+	if c.socket == "" {
+		c.socket = fmt.Sprintf("@kvxfer-%d-%s", os.Getpid(), randomHex(8))
+	}
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// jsonScalar is a JSON string, number or boolean as a flag's text.
+func jsonScalar(raw json.RawMessage) (string, error) {
+	var v any
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	if err := dec.Decode(&v); err != nil {
+		return "", err
+	}
+	switch x := v.(type) {
+	case string:
+		return x, nil
+	case json.Number:
+		return x.String(), nil
+	case bool:
+		return strconv.FormatBool(x), nil
+	default:
+		return "", fmt.Errorf("value %s: want a string, a number or a boolean", raw)
+	}
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// ErrConfig is the error of a bad in-process configuration (its message
+// names the key and the value).
+var ErrConfig = errors.New("kvxfer: configuration")
+
+// InProcess is a server started inside this process (libkvxfer). It is
+// safe for concurrent use.
+type InProcess struct {
+	in       *instance
+	config   string // the configuration it was started with, as given
+	endpoint string
+	stopOnce sync.Once
+	done     chan struct{}
+}
+
+// StartInProcess starts the daemon's server in this process from a JSON
+// configuration (parseJSON's keys), and returns once it serves. It does
+// not touch the process's signals or environment: Stop stops it. Log
+// lines go to stderr at the configuration's log-level.
+func StartInProcess(configJSON []byte) (*InProcess, error) {
+	c, err := parseJSON(configJSON)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, fmt.Errorf("%w: key \"log-level\": %w", ErrConfig, err)
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	in, err := start(c, log, true)
+	if err != nil {
+		return nil, err
+	}
+	p := &InProcess{in: in, config: string(configJSON), endpoint: endpointOf(c.socket), done: make(chan struct{})}
+	go func() {
+		// A listener that stops by itself (not by Stop) stops the rest.
+		select {
+		case err := <-in.serveErr:
+			log.Error("kvxfer: in-process server stopped", "err", err)
+			_ = p.Stop()
+		case <-p.done:
+		}
+	}()
+	return p, nil
+}
+
+// endpointOf is the gRPC target of a unix socket name: unix-abstract:NAME
+// for "@NAME" (grpc-go and gRPC core both read it), else unix:PATH.
+func endpointOf(socket string) string {
+	if name, ok := strings.CutPrefix(socket, "@"); ok {
+		return "unix-abstract:" + name
+	}
+	return "unix:" + socket
+}
+
+// Endpoint is the gRPC target the engine's streams connect to.
+func (p *InProcess) Endpoint() string { return p.endpoint }
+
+// PeerAddr is the address of the server's Peer service that peers dial.
+func (p *InProcess) PeerAddr() string { return p.in.advertise }
+
+// Config is the JSON configuration p was started with, as given.
+func (p *InProcess) Config() string { return p.config }
+
+// Stop shuts p down gracefully (transfers in flight finish within the
+// configuration's drain-timeout, and 5 s more at most) and returns when
+// it has. It is idempotent and safe to call concurrently.
+func (p *InProcess) Stop() error {
+	p.stopOnce.Do(func() {
+		close(p.done)
+		p.in.shutdown()
+	})
+	return nil
+}

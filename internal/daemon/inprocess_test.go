@@ -1,0 +1,89 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+)
+
+// libkvxfer's JSON configuration: kvxferd serve's flag names ("-" or
+// "_"), strings, numbers and booleans, the in-process defaults, and bad
+// keys and values named.
+func TestParseJSON(t *testing.T) {
+	t.Setenv("KVXFERD_CONNS", "0") // the environment is not read
+	c, err := parseJSON([]byte(`{"peer_listen": "127.0.0.1:0", "conns": 3, "insecure-peers": true, "lease": "45s", "log_level": "warn"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.conns != 3 || !c.insecurePeers || c.lease != 45*time.Second || c.logLevel != "warn" || !c.ownProcessOnly ||
+		c.metricsListen != "" || c.drainTimeout != 5*time.Second || !strings.HasPrefix(c.socket, "@kvxfer-") {
+		t.Errorf("parseJSON = %+v, want the values given and the in-process defaults", c)
+	}
+	for _, empty := range []string{"", "{}", "  "} {
+		if _, err := parseJSON([]byte(empty)); err != nil {
+			t.Errorf("parseJSON(%q) = %v, want the defaults", empty, err)
+		}
+	}
+	for _, tc := range []struct{ in, want string }{
+		{`{"no_such": 1}`, `key "no_such": unknown`},
+		{`{"conns": "x"}`, `key "conns"`},
+		{`{"conns": 0}`, "-conns = 0"},
+		{`{"conns": [1]}`, "want a string, a number or a boolean"},
+		{`[1]`, "want a JSON object"},
+		{`null`, "want a JSON object"},
+	} {
+		if _, err := parseJSON([]byte(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("parseJSON(%s) = %v, want an error containing %q", tc.in, err, tc.want)
+		}
+	}
+}
+
+// An in-process server serves its own process on an abstract socket
+// (engines may name memory by address there), stops idempotently, and
+// changes no environment variable.
+func TestStartInProcess(t *testing.T) {
+	env := os.Environ()
+	if _, err := StartInProcess([]byte(`{"conns": -1}`)); !errors.Is(err, ErrConfig) {
+		t.Errorf("StartInProcess(conns -1) = %v, want ErrConfig", err)
+	}
+	p, err := StartInProcess([]byte(`{"insecure_peers": true, "log_level": "error"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(p.Endpoint(), "unix-abstract:kvxfer-") || p.PeerAddr() == "" {
+		t.Errorf("Endpoint() = %q, PeerAddr() = %q", p.Endpoint(), p.PeerAddr())
+	}
+	cc, err := grpc.NewClient(p.Endpoint(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if h, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || h.Status != healthpb.HealthCheckResponse_SERVING {
+		t.Errorf("health on the in-process endpoint = %v, %v; want SERVING", h, err)
+	}
+	done := make(chan error, 2)
+	go func() { done <- p.Stop() }()
+	go func() { done <- p.Stop() }()
+	for range 2 {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Error(err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("Stop did not return in 20 s")
+		}
+	}
+	if got := os.Environ(); strings.Join(got, "\n") != strings.Join(env, "\n") {
+		t.Error("the in-process server changed the environment")
+	}
+}

@@ -1,0 +1,179 @@
+"""kvxfer inside this process (the in-process placement): libkvxfer, the
+server kvxferd runs, loaded as a C shared library.
+
+:func:`start` loads the library once per process (ctypes), starts its
+server (idempotent) and returns the gRPC endpoint the engine's per-rank
+streams connect to (``kvxfer.Client(endpoint)``); there, and only from this
+process, memory may be named by its address (``SharedMemory.in_process``:
+:func:`host_memory`). :func:`stop` stops it; it also stops at interpreter
+exit. A child forked from a process that loaded the library gets
+:class:`ForkedChildError` from every call (the Go runtime does not survive
+fork): start kvxfer in a spawned process instead.
+
+The library is found at ``$KVXFER_LIBKVXFER``, or else ``libkvxfer.so``
+beside this package; build it with
+``go build -buildmode=c-shared -o libkvxfer.so ./cmd/libkvxfer``.
+The library changes no environment variable and leaves Python's signal
+handlers alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+__all__ = ["InProcessError", "ForkedChildError", "library_path", "start", "stop", "endpoint", "version", "host_memory"]
+
+# Status codes (cmd/libkvxfer/kvxfer.h).
+OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL = 0, 1, 2, 3, 4, 5
+
+
+class InProcessError(RuntimeError):
+    """libkvxfer refused a call; ``code`` is its status (kvxfer.h)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class ForkedChildError(InProcessError):
+    """A call in a child forked from a process that loaded libkvxfer."""
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_path: str | None = None
+_endpoint: str | None = None
+_loader_pid: int | None = None
+_exit_registered = False
+
+
+def _forked_error() -> ForkedChildError:
+    return ForkedChildError(EFORK, f"kvxfer: called in a forked child (pid {os.getpid()}) of the process that loaded "
+                            f"libkvxfer (pid {_loader_pid}): the Go runtime does not survive fork; start kvxfer in a "
+                            "spawned process (multiprocessing 'spawn'), not a forked one")
+
+
+def _after_fork_in_child() -> None:
+    # The lock may have been held by another thread at fork: a new one.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def library_path() -> str:
+    """Where libkvxfer is: $KVXFER_LIBKVXFER, else libkvxfer.so beside
+    this package."""
+    p = os.environ.get("KVXFER_LIBKVXFER") or str(Path(__file__).resolve().parent / "libkvxfer.so")
+    if not os.path.exists(p):
+        raise InProcessError(EFAIL, f"kvxfer: libkvxfer not found at {p}: build it with "
+                             "go build -buildmode=c-shared -o libkvxfer.so ./cmd/libkvxfer and set KVXFER_LIBKVXFER")
+    return p
+
+
+def _load() -> ctypes.CDLL:
+    """The library, loaded once per process (its Go runtime with it)."""
+    global _lib, _path, _loader_pid
+    if _lib is not None:
+        if os.getpid() != _loader_pid:
+            raise _forked_error()
+        return _lib
+    path = library_path()
+    lib = ctypes.CDLL(path)
+    lib.kvxfer_start.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.kvxfer_start.restype = ctypes.c_int
+    lib.kvxfer_stop.argtypes = []
+    lib.kvxfer_stop.restype = ctypes.c_int
+    lib.kvxfer_version.restype = ctypes.c_char_p
+    lib.kvxfer_last_error.restype = ctypes.c_char_p
+    _lib, _path, _loader_pid = lib, path, os.getpid()
+    return lib
+
+
+def _error(lib: ctypes.CDLL, code: int) -> InProcessError:
+    msg = (lib.kvxfer_last_error() or b"").decode("utf-8", "replace") or f"kvxfer: status {code}"
+    return (ForkedChildError if code == EFORK else InProcessError)(code, msg)
+
+
+def start(config: dict | None = None) -> str:
+    """Starts this process's kvxfer server (or finds it running with the
+    same configuration) and returns its endpoint, a gRPC target.
+
+    ``config`` keys are kvxferd serve's flag names (``-`` or ``_``), e.g.
+    ``{"peer_listen": "0.0.0.0:7600", "peer_secret_file": "...",
+    "backend": "nixl"}``; the defaults are kvxferd's, except an abstract
+    socket for this process only, a peer port the system picks, no metrics
+    endpoint, and a drain-timeout of 5 s."""
+    global _endpoint, _exit_registered
+    text = json.dumps(config or {}, sort_keys=True)
+    with _lock:
+        lib = _load()
+        buf = ctypes.create_string_buffer(4096)
+        code = lib.kvxfer_start(text.encode(), buf, len(buf))
+        if code != OK:
+            raise _error(lib, code)
+        _endpoint = buf.value.decode()
+        if not _exit_registered:
+            atexit.register(_at_exit)
+            _exit_registered = True
+        return _endpoint
+
+
+def stop() -> None:
+    """Stops this process's server, if one runs: transfers in flight
+    finish (within its drain-timeout), every rank's stream ends, and no
+    memory named by address is touched after it returns."""
+    global _endpoint
+    with _lock:
+        if _lib is None:
+            return
+        lib = _load()
+        code = lib.kvxfer_stop()
+        if code != OK:
+            raise _error(lib, code)
+        _endpoint = None
+
+
+def _at_exit() -> None:
+    if _lib is None or os.getpid() != _loader_pid:
+        return  # a forked child exiting: the server is its parent's
+    try:
+        stop()
+    except InProcessError:
+        pass
+
+
+def endpoint() -> str | None:
+    """The running server's endpoint, or None."""
+    if _lib is not None and os.getpid() != _loader_pid:
+        raise _forked_error()
+    return _endpoint
+
+
+def version() -> str:
+    """libkvxfer's version."""
+    with _lock:
+        return _load().kvxfer_version().decode()
+
+
+def host_memory(base: int, size: int) -> pb.SharedMemory:
+    """A hello.memory entry naming host memory of this process by its
+    address (e.g. ``tensor.data_ptr()``, ``array.ctypes.data``): only this
+    process's in-process server accepts it. Keep the memory alive until
+    the rank's stream has ended."""
+    return pb.SharedMemory(base=base, size=size, in_process=pb.IN_PROCESS_MEMORY_HOST)
+
+
+def device_memory(base: int, size: int, device: int) -> pb.SharedMemory:
+    """A hello.memory entry naming GPU memory this process allocated on
+    CUDA device ordinal ``device`` by its address."""
+    return pb.SharedMemory(base=base, size=size, device=device, in_process=pb.IN_PROCESS_MEMORY_DEVICE)

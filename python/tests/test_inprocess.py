@@ -1,0 +1,181 @@
+"""kvxfer in the engine's own process (libkvxfer through kvxfer.inprocess):
+two Python processes, each with its own in-process server, move real KV
+bytes between host tensors named by address; a forked child gets a clear
+error; another process cannot use a server's endpoint; start, stop and
+interpreter exit never hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import harness
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+
+
+@pytest.fixture(scope="session")
+def libkvxfer(tmp_path_factory) -> Path:
+    return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
+
+
+def _env(lib: Path) -> dict:
+    env = dict(os.environ)
+    env["KVXFER_LIBKVXFER"] = str(lib)
+    env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(lib: Path, code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-c", textwrap.dedent(code)], env=_env(lib), capture_output=True, text=True, timeout=timeout)
+
+
+def _result(out: str) -> dict:
+    for line in out.splitlines():
+        if line.startswith("result "):
+            return json.loads(line[len("result "):])
+    raise AssertionError(f"no result line in:\n{out}")
+
+
+def test_push_between_two_processes(libkvxfer, tmp_path):
+    """P and D, each a Python process with its own in-process server, push
+    P's blocks into D's; both KV caches are tensors named by address (a
+    torch tensor on P, a numpy array on D). Every byte of D's cache is
+    checked, the transferred blocks and the untouched ones; both processes
+    exit (the server stopped at exit) promptly."""
+    secret = harness.secret_file(tmp_path)
+    engine = str(HERE / "inprocess_engine.py")
+    p = subprocess.Popen([PY, engine, "P", secret], env=_env(libkvxfer), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("peer "), line + p.stderr.read()
+        d = subprocess.run([PY, engine, "D", secret, line.split()[1]], env=_env(libkvxfer), capture_output=True, text=True, timeout=90)
+        t0 = time.monotonic()
+        p_out, p_err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert d.returncode == 0, d.stdout + d.stderr
+    assert p.returncode == 0, p_out + p_err
+    assert time.monotonic() - t0 < 30
+    dres, pres = _result(d.stdout), _result(p_out)
+    assert dres["outcomes"] == [["d-1", "RESULT_DONE", ""]], dres
+    assert pres["outcomes"] == [["p-1", "RESULT_DONE", ""]], pres
+    assert dres["bytes"] == 32 * 1024 and dres["wrong_bytes"] == 0, dres
+
+
+def test_forked_child_gets_a_clear_error(libkvxfer):
+    """A child forked from a process that started the server gets
+    ForkedChildError from every call, also straight through the C ABI
+    (KVXFER_EFORK), instead of a hang; the parent's server is unharmed."""
+    r = _run(libkvxfer, """
+        import os, sys
+        from kvxfer import inprocess
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            for call in (lambda: inprocess.start(), lambda: inprocess.stop(), inprocess.endpoint, inprocess.version):
+                try:
+                    call()
+                    code = 10
+                except inprocess.ForkedChildError as e:
+                    if "forked child" not in str(e) or "spawn" not in str(e):
+                        code = 11
+            import ctypes
+            buf = ctypes.create_string_buffer(256)
+            rc = inprocess._lib.kvxfer_start(b"{}", buf, len(buf))
+            msg = inprocess._lib.kvxfer_last_error().decode()
+            if rc != inprocess.EFORK or "forked child" not in msg:
+                code = 12
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert inprocess.start({"insecure_peers": True, "log_level": "error"}) == ep
+        import kvxfer
+        c = kvxfer.Client(ep)
+        c.wait_ready(5)
+        c.close()
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_other_process_is_refused(libkvxfer, tmp_path):
+    """The endpoint serves its own process only: another process's
+    connection is refused (the abstract socket is reachable, the server
+    is not)."""
+    server = subprocess.Popen([PY, "-c", textwrap.dedent("""
+        import sys
+        from kvxfer import inprocess
+        print(inprocess.start({"insecure_peers": True, "log_level": "error"}), flush=True)
+        sys.stdin.read()
+    """)], env=_env(libkvxfer), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ep = server.stdout.readline().strip()
+        assert ep.startswith("unix-abstract:"), ep
+        import kvxfer
+        from kvxfer import errors
+        c = kvxfer.Client(ep, timeout=3)
+        with pytest.raises(errors.DaemonError):
+            c.scheduler("x").build_meta()
+        c.close()
+    finally:
+        server.stdin.close()
+        server.wait(30)
+    assert server.returncode == 0
+
+
+def test_start_stop_and_exit_do_not_hang(libkvxfer):
+    """Start is idempotent (same configuration, same endpoint), refuses a
+    different one while running, and a bad key names it; stop is
+    idempotent and a new start after it works; an interpreter that exits
+    with a rank's stream still open exits promptly; the environment is
+    unchanged."""
+    r = _run(libkvxfer, """
+        import os, time
+        env = dict(os.environ)
+        from kvxfer import inprocess
+        import kvxfer
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        import numpy as np
+        assert inprocess.version().startswith("0.1.0")
+        cfg = {"insecure_peers": True, "log_level": "error"}
+        ep = inprocess.start(cfg)
+        assert inprocess.start(dict(cfg)) == ep == inprocess.endpoint()
+        try:
+            inprocess.start({"insecure_peers": True, "log_level": "warn"})
+            raise SystemExit("a second configuration was accepted")
+        except inprocess.InProcessError as e:
+            assert e.code == inprocess.ESTARTED, e
+        inprocess.stop()
+        inprocess.stop()
+        assert inprocess.endpoint() is None
+        try:
+            inprocess.start({"no_such_key": 1})
+            raise SystemExit("a bad key was accepted")
+        except inprocess.InProcessError as e:
+            assert e.code == inprocess.ECONFIG and "no_such_key" in str(e), e
+        ep2 = inprocess.start(cfg)
+        assert ep2 != ep
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        c = kvxfer.Client(ep2)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        w = c.connect(pb.WorkerHello(engine_id="E", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+        assert w.agent_name
+        assert dict(os.environ) == env, "the library changed the environment"
+        print("ok", flush=True)
+        # Exit with the stream open: atexit stops the server.
+    """, timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
