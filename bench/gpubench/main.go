@@ -152,7 +152,10 @@ func openGPU(o opts) (gpu, error) {
 		return nil, fmt.Errorf("no GPU here (%w): run it on a machine with an NVIDIA GPU and its driver (test/gpu/run), "+
 			"or with -fake-gpu to test the bench itself", err)
 	}
-	return g, err
+	if err != nil {
+		return nil, err
+	}
+	return g, nil
 }
 
 // allocSide allocates and exports a region of n bytes.
