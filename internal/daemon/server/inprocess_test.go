@@ -26,8 +26,14 @@ func addrLayout(base uint64, n int) topology.Layout {
 		Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: base, BlockLen: 256, NumBlocks: n / 256}}}
 }
 
-// helloByAddress connects a rank whose memory is mem, named by address.
+// helloByAddress connects a rank whose memory is mem, named by address
+// (host memory).
 func helloByAddress(sock, engine string, base uint64, size int) error {
+	return helloByAddressKind(sock, engine, base, size, stream.InProcessHost)
+}
+
+// helloByAddressKind is helloByAddress for memory of kind (host or device).
+func helloByAddressKind(sock, engine string, base uint64, size int, kind stream.InProcessMemory) error {
 	c, err := stream.Dial("unix://" + sock)
 	if err != nil {
 		return err
@@ -36,7 +42,7 @@ func helloByAddress(sock, engine string, base uint64, size int) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	rs, err := c.Connect(ctx, stream.Hello{EngineID: engine, Mode: kvxfer.ModePush, Layout: addrLayout(base, size), CompatHash: "m",
-		Memory: []stream.Memory{{Base: base, Size: uint64(size), InProcess: stream.InProcessHost}}})
+		Memory: []stream.Memory{{Base: base, Size: uint64(size), InProcess: kind}}})
 	if err != nil {
 		return err
 	}
@@ -140,3 +146,27 @@ func TestAddressMemoryOwnProcess(t *testing.T) {
 
 // addrOf is the address of b's first byte.
 func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
+
+// GPU memory named by address has no CUDA IPC handle: the hello is not
+// refused for want of one. Here the address is host memory, so it is
+// refused further on: for want of a GPU (no CUDA here), or, on a GPU
+// machine, because it is not device memory.
+func TestAddressDeviceMemoryNeedsNoHandle(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	mem, err := unix.Mmap(-1, 0, 8192, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	err = helloByAddressKind(d.sock, "own-device", addrOf(mem), len(mem), stream.InProcessDevice)
+	if err == nil {
+		t.Fatal("host memory named as in_process device attached")
+	}
+	if strings.Contains(err.Error(), "cuda_ipc_handle") {
+		t.Errorf("hello = %v, want no complaint about a cuda_ipc_handle (memory named by address has none)", err)
+	}
+	if !strings.Contains(err.Error(), "hello.memory[0]") {
+		t.Errorf("hello = %v, want it to name hello.memory[0]", err)
+	}
+	t.Logf("refused as it should be: %v", err)
+}

@@ -777,7 +777,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 		switch {
 		case gpu != vram:
 			return nil, stream.Invalid("hello.memory[%d]: a rank's memory must be all host or all GPU memory", i)
-		case gpu && len(m.CudaIpcHandle) != len(cuda.Handle{}):
+		case gpu && !byAddress(m) && len(m.CudaIpcHandle) != len(cuda.Handle{}):
 			return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %d bytes, want %d", i, len(m.CudaIpcHandle), len(cuda.Handle{}))
 		case !gpu && m.GetPath() == "" && !byAddress(m), m.GetSize() == 0, m.Base+m.Size < m.Base:
 			return nil, stream.Invalid("hello.memory[%d]: path %q, base %#x, size %d", i, m.GetPath(), m.GetBase(), m.GetSize())

@@ -1,0 +1,250 @@
+"""GPU-only: kvxfer in the engine's own process (libkvxfer through
+kvxfer.inprocess) moving GPU memory named by its address. Two Python
+processes, P and D (inprocess_gpu_engine.py), each start their own
+in-process server and attach a rank whose KV cache is torch CUDA memory
+of GPU 0 they allocated, named by address (SharedMemory.in_process =
+DEVICE, with the device's UUID); P pushes scattered blocks into D, and D
+checks every byte of its cache after each transfer. Once per in-process
+backend: the built-in one (its same-host path exports the engine's own
+allocation's CUDA IPC handle; the peer imports it and copies with
+internal/cuda's kernel) and NIXL (registering the memory as VRAM; with
+UCX's default single worker and with num_threads=4, as vLLM sets it).
+
+The first transfer (40 blocks of 256, scattered, a run of adjacent ones
+among them) checks that the untouched blocks stay as they were; the next
+three move all 256 blocks of all 32 layers (64 KiB each: 8,192 pieces,
+512 MiB, source and destination permuted) and are timed from D's step to
+its outcome; the rates are printed (pytest -s; test/gpu/run shows them in
+its summary) and, with $OUT set, written to $OUT/inprocess-gbps.txt. No
+speed is asserted.
+
+conftest.py collects this file only where torch sees a GPU; the library is
+$KVXFER_LIBKVXFER (test/gpu/run: built into its bundle) or built here with
+go. NIXL is found as the server finds it (NIXL_CAPI_LIB, NIXL_PREFIX,
+$VIRTUAL_ENV's nixl-cu12 wheel, the system's site-packages); the
+in-process server sets no environment variable, so the engines get
+NIXL_PLUGIN_DIR (the wheel's plugins) and UCX_MEMTYPE_CACHE=n here where
+they are not set already."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import harness
+
+HERE = Path(__file__).resolve().parent
+PYTHON_DIR = HERE.parent
+ENGINE = HERE / "inprocess_gpu_engine.py"
+
+LAYERS, BLOCKS, BLOCK_LEN = 32, 256, 64 << 10
+CHECK_BLOCKS = 40  # the first transfer's blocks, of BLOCKS
+TIMED = 3  # transfers of every block, timed
+
+# The in-process server's configuration per case (kvxferd serve's flag
+# names: internal/daemon/daemon.go).
+CASES = {
+    "builtin": {"backend": "builtin"},
+    "nixl": {"backend": "nixl"},
+    "nixl-threads4": {"backend": "nixl", "nixl_params": "num_threads=4"},
+}
+
+# Per case: how long D waits for P's Peer address, and the whole pair
+# (seconds; the engines' own deadline is 10 s less). Expected: some 10 s
+# a case on an H100, mostly the processes' start; 60 lets two hung cases
+# still report within test/gpu/run's 120 s phase.
+START_TIMEOUT = 45
+PAIR_TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def libkvxfer(tmp_path_factory) -> Path:
+    return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
+
+
+def nixl_library() -> str | None:
+    """libnixl_capi.so where the server would find it (internal/nixl
+    FindLibrary), or None."""
+    lib = "libnixl_capi.so"
+    if p := os.environ.get("NIXL_CAPI_LIB"):
+        return p if os.path.isfile(p) else None
+    cands = []
+    if pre := os.environ.get("NIXL_PREFIX"):
+        cands += [os.path.join(pre, d, lib) for d in ("lib", "lib64", "lib/x86_64-linux-gnu")]
+    pats = [os.path.join(os.environ["VIRTUAL_ENV"], "lib/python3*/site-packages")] if os.environ.get("VIRTUAL_ENV") else []
+    pats += ["/usr/local/lib/python3*/site-packages", "/usr/local/lib/python3*/dist-packages",
+             "/usr/lib/python3*/site-packages", "/usr/lib/python3/dist-packages"]
+    for pat in pats:
+        for d in sorted(glob.glob(pat)):
+            cands += [os.path.join(d, sub, lib) for sub in (".nixl_cu12.mesonpy.libs", ".nixl_cu13.mesonpy.libs", ".nixl.mesonpy.libs")]
+    return next((c for c in cands if os.path.isfile(c)), None)
+
+
+def engine_env(lib: Path, config: dict) -> dict:
+    """The engines' environment: the library, this checkout's python
+    package and, for NIXL, what NIXL and UCX read when they load (the
+    in-process server sets none of it). Skips when NIXL is wanted and its
+    library is not found."""
+    env = dict(os.environ)
+    env["KVXFER_LIBKVXFER"] = str(lib)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PYTHON_DIR), env.get("PYTHONPATH", "")] if p)
+    if config.get("backend") == "nixl":
+        nl = nixl_library()
+        if nl is None:
+            pytest.skip("NIXL is not available: libnixl_capi.so not found (set NIXL_CAPI_LIB, or VIRTUAL_ENV to an "
+                        "environment with the nixl-cu12 wheel; test/gpu/run sets both)")
+        plugins = os.path.join(os.path.dirname(nl), "plugins")
+        if not env.get("NIXL_PLUGIN_DIR") and os.path.isdir(plugins):
+            env["NIXL_PLUGIN_DIR"] = plugins
+        env.setdefault("UCX_MEMTYPE_CACHE", "n")
+    return env
+
+
+def transfers(layers_blocks: int = BLOCKS, check_blocks: int = CHECK_BLOCKS, timed: int = TIMED, seed: int = 24) -> list:
+    """[p_ids, d_ids] per transfer: a scattered subset with a run of four
+    adjacent blocks on both sides (which kvxfer may coalesce), then timed
+    permutations of every block."""
+    rng = random.Random(seed)
+    n = layers_blocks
+    run_p, run_d = list(range(10, 14)), list(range(n // 2, n // 2 + 4))
+    p = run_p + rng.sample([b for b in range(n) if b not in run_p], check_blocks - 4)
+    d = run_d + rng.sample([b for b in range(n) if b not in run_d], check_blocks - 4)
+    out = [[p, d]]
+    for _ in range(timed):
+        out.append([rng.sample(range(n), n), rng.sample(range(n), n)])
+    return out
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"({path.name}: {e})"
+    return text[-n:] if text else f"({path.name} is empty)"
+
+
+def _stop(p: subprocess.Popen | None) -> None:
+    if p is not None and p.poll() is None:
+        p.kill()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", layers: int = LAYERS, blocks: int = BLOCKS,
+             block_len: int = BLOCK_LEN, xfers: list | None = None, timeout: float = PAIR_TIMEOUT,
+             env: dict | None = None) -> tuple[dict, dict, str]:
+    """Runs P and D (inprocess_gpu_engine.py) side by side with config: D
+    steps its first request once P has stepped its sends and published its
+    Peer address. Returns their results and a text of both logs' tails for
+    failure messages. Both processes are gone when it returns."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = env if env is not None else engine_env(lib, config)
+    secret = harness.secret_file(work)
+    common = {"secret": secret, "memory": memory, "layers": layers, "blocks": blocks, "block_len": block_len,
+              "transfers": xfers if xfers is not None else transfers(blocks), "timeout": timeout - 10,
+              "peer_file": str(work / "p.peer"), "peer_wait": START_TIMEOUT,
+              "config": {"peer_secret_file": secret, "log_level": "warn", **config}}
+    spec = {r: {**common, "role": r, "result": str(work / f"{r}.result.json")} for r in "PD"}
+    logs = {r: work / f"{r}.log" for r in "PD"}
+    procs: dict[str, subprocess.Popen] = {}
+    deadline = time.monotonic() + timeout
+
+    def why() -> str:
+        return "\n".join(f"--- {r}'s log ({logs[r]}):\n{_tail(logs[r])}" for r in "PD")
+
+    try:
+        for r in "PD":
+            with open(logs[r], "w") as log:
+                procs[r] = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(spec[r])], env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
+        p, d = procs["P"], procs["D"]
+        while d.poll() is None:
+            if p.poll() not in (None, 0):
+                break  # D would wait for P's address or outcomes in vain
+            if time.monotonic() > deadline:
+                pytest.fail(f"D did not finish within {timeout} s\n{why()}")
+            time.sleep(0.05)
+        if d.poll() is None or d.returncode != 0:
+            # D failed (or P did): P's sends may never end; a short wait.
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            try:
+                p.wait(max(1.0, min(30.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"P did not finish within 30 s of D\n{why()}")
+    finally:
+        for r in "DP":
+            _stop(procs.get(r))
+    res = {}
+    for r in "PD":
+        f = Path(spec[r]["result"])
+        proc = procs.get(r)
+        res[r] = json.loads(f.read_text()) if f.exists() else {
+            "error": f"{r} wrote no result (exit status {proc.returncode if proc else 'not started'})"}
+    return res["P"], res["D"], why()
+
+
+def check_pair(pres: dict, dres: dict, logs: str, n: int) -> list[dict]:
+    """Fails unless both ran through, every transfer is done and every
+    byte of D's cache is right; returns D's transfer records."""
+    failed = [f"{who} failed: {r['error']}\n{r.get('traceback', '')}" for who, r in (("P", pres), ("D", dres)) if "error" in r]
+    assert not failed, "\n".join(failed) + "\n" + logs
+    recs = dres.get("transfers", [])
+    assert len(recs) == n, f"D ran {len(recs)} transfers of {n}: {recs}\n{logs}"
+    for rec in recs:
+        assert rec["outcome"][0] == "RESULT_DONE", f"transfer {rec['transfer']}: {rec['outcome']}\n{logs}"
+        assert rec["wrong_bytes"] == 0, (f"transfer {rec['transfer']}: {rec['wrong_bytes']} of {rec['checked_bytes']} bytes of "
+                                         f"D's cache wrong, the first: {rec['first_wrong']}\n{logs}")
+    assert [o[1] for o in pres["outcomes"]] == ["RESULT_DONE"] * n, f"P's outcomes: {pres['outcomes']}\n{logs}"
+    return recs
+
+
+def report(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = BLOCK_LEN, note: str = "") -> str:
+    """One line of the timed transfers' rates (GB/s: 1e9 bytes a second,
+    D's step to its outcome), printed and kept under $OUT."""
+    timed = recs[1:]
+    if not timed:
+        return ""
+    mib = timed[0]["bytes"] / (1 << 20)
+    rates = [r["bytes"] / r["seconds"] / 1e9 for r in timed]
+    line = (f"in-process GB/s | {name} | {layers} layers x {timed[0]['blocks']} blocks x {block_len >> 10} KiB scattered "
+            f"({layers * timed[0]['blocks']} pieces, {mib:.0f} MiB), D's step to done | "
+            + " | ".join(f"{g:.2f} ({r['seconds'] * 1e3:.0f} ms)" for g, r in zip(rates, timed)) + " |"
+            + (f" {note}" if note else ""))
+    print("\n" + line, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "inprocess-gbps.txt"), "a") as f:
+            f.write(line + "\n")
+    return line
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_push_gpu_memory_by_address(libkvxfer, tmp_path, name):
+    """P pushes scattered blocks of its torch CUDA memory, named by address,
+    into D's: every byte of D's cache checked after each transfer (the
+    blocks moved equal P's, the others unchanged); the timed transfers'
+    rates are printed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here (torch sees none)")
+    xf = transfers()
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], xfers=xf)
+    recs = check_pair(pres, dres, logs, len(xf))
+    # P's layers are views of one allocation, D's (most likely: the
+    # caching allocator decides) an allocation each.
+    report(name, recs, note=f"P's cache in {pres.get('allocations')} allocation(s), D's in {dres.get('allocations')}; "
+           f"attach P {pres.get('attach_s')} s, D {dres.get('attach_s')} s")

@@ -1,0 +1,245 @@
+"""One engine process with kvxfer in-process (libkvxfer), for
+gpu_test_inprocess.py: a rank whose KV cache is GPU memory this process
+allocated with torch (or, to check this script's logic on a machine
+without a GPU, host memory), named by address (SharedMemory.in_process),
+that produces (P) or receives (D) a series of push transfers.
+
+Usage: python inprocess_gpu_engine.py SPEC_JSON
+SPEC_JSON keys: role ("P" or "D"), secret (peer secret file), config (the
+in-process server's configuration, kvxferd serve's flag names), memory
+("device" or "host"), layers, blocks, block_len, transfers (a list of
+[p_ids, d_ids]: transfer k moves P's blocks p_ids into D's d_ids, in every
+layer), timeout (seconds for the whole run), result (a file for the JSON
+result), and peer_file: where P writes its Peer service address once its
+sends are stepped, and D, started beside P, reads it (waiting up to
+peer_wait seconds) before its first step.
+
+The caches: P's is one tensor, its layers views of it (one allocation, a
+memory entry per layer); D's is one tensor per layer (an allocation and a
+memory entry per layer). Every byte of both is a pattern of its position
+(P's and D's differ). D checks every byte of its cache after each
+transfer: the blocks moved equal P's, all others are what they were.
+Exit status 0 when the run went through (wrong bytes are reported in the
+result, not by the status); the result has "error" when it did not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+import kvxfer
+from kvxfer import inprocess
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+BLOCK, ELEM = 16, 2  # tokens per block, bytes per element
+SEED = {"P": 1, "D": 2}
+
+
+def pattern(layer: int, layer_bytes: int, seed: int, device: str) -> torch.Tensor:
+    """Layer layer's bytes of the cache of seed: each a hash of its
+    position in the whole cache, so a block in the wrong place (layer or
+    block) or from the wrong side is caught."""
+    i = torch.arange(layer * layer_bytes, (layer + 1) * layer_bytes, dtype=torch.int64, device=device)
+    return ((i * 2654435761 + (i >> 10) + seed * 7919) % 251 + 1).to(torch.uint8)
+
+
+def heads_of(block_len: int) -> tuple[int, int]:
+    """total_kv_heads and head_size of a packed HND block of block_len
+    bytes (K and V, BLOCK tokens, ELEM bytes)."""
+    per = block_len // (2 * BLOCK * ELEM)
+    if per * 2 * BLOCK * ELEM != block_len or per == 0:
+        raise ValueError(f"block_len {block_len} is not a multiple of {2 * BLOCK * ELEM}")
+    heads = max(1, per // 128)
+    while per % heads:
+        heads -= 1
+    return heads, per // heads
+
+
+class Run:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.role = spec["role"]
+        self.layers, self.blocks, self.block_len = spec["layers"], spec["blocks"], spec["block_len"]
+        self.layer_bytes = self.blocks * self.block_len
+        self.device = "cuda:0" if spec["memory"] == "device" else "cpu"
+        self.deadline = time.monotonic() + spec["timeout"]
+        self.res: dict = {"role": self.role, "pid": os.getpid()}
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def sync(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    def alloc(self) -> None:
+        """This process's KV cache, filled with its pattern, and its
+        memory entries (one per layer) named by address."""
+        n, lb = self.layers, self.layer_bytes
+        if self.role == "P":
+            self.whole = torch.empty(n * lb, dtype=torch.uint8, device=self.device)
+            self.kv = [self.whole[i * lb:(i + 1) * lb] for i in range(n)]
+        else:
+            # Every layer allocated before anything else, so that each is
+            # an allocation of its own (no temporary's cached segment).
+            self.kv = [torch.empty(lb, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        for i, t in enumerate(self.kv):
+            t.copy_(pattern(i, lb, SEED[self.role], self.device))
+        self.sync()  # the pattern is written before any transfer reads it
+        if self.device == "cpu":
+            self.memory = [inprocess.host_memory(t.data_ptr(), lb) for t in self.kv]
+        else:
+            from kvxfer import cuda as kcuda
+            uuid = kcuda.export_tensor(self.kv[0]).device_uuid
+            self.res["device_uuid"] = uuid
+            self.memory = [pb.SharedMemory(base=t.data_ptr(), size=lb, device=0, device_uuid=uuid,
+                                           in_process=pb.IN_PROCESS_MEMORY_DEVICE) for t in self.kv]
+            self.res["allocations"] = len({kcuda.export_tensor(t).base for t in self.kv})
+
+    def connect(self) -> None:
+        self.endpoint = inprocess.start(self.spec["config"])
+        self.client = kvxfer.Client(self.endpoint)
+        heads, head_size = heads_of(self.block_len)
+        dev = 0
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=heads, head_size=head_size,
+                             elem_bytes=ELEM, order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED,
+                             logical_block_size=BLOCK, kernel_block_size=BLOCK,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=t.data_ptr(), block_len=self.block_len,
+                                                num_blocks=self.blocks, device_id=dev) for t in self.kv])
+        t0 = time.monotonic()
+        self.w = self.client.connect(pb.WorkerHello(engine_id=self.role, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                                    memory=self.memory), ready_timeout=min(60.0, self.left()))
+        self.res["attach_s"] = round(time.monotonic() - t0, 3)
+
+    def wait_outcomes(self, want: set[str]) -> dict[str, tuple[str, str]]:
+        """Polls until every request of want has an outcome (or the run's
+        deadline), failing on a step error."""
+        got: dict[str, tuple[str, str]] = {}
+        while not want <= got.keys():
+            if self.left() <= 0:
+                raise TimeoutError(f"{self.role}: no outcome for {sorted(want - got.keys())} within the run's "
+                                   f"{self.spec['timeout']} s (outcomes so far: {got})")
+            f = self.w.poll(wait=min(0.05, self.left()))
+            if f.step_errors:
+                raise RuntimeError(f"{self.role}: step errors: {[e.message for e in f.step_errors]}")
+            for o in list(f.sending) + list(f.recving):
+                got[o.request_id] = (pb.Outcome.Result.Name(o.result), o.reason)
+        return got
+
+    def produce(self) -> None:
+        """P: every transfer's send stepped at once (each waits for D's
+        request), then the Peer address published, then every outcome."""
+        now = time.time_ns()
+        sends = [pb.SendRequest(request_id=f"p-{k}", transfer_id=f"t-{k}", deadline_unix_nanos=now + int(max(5.0, self.left() - 5) * 1e9),
+                                blocks=[pb.Span(block_ids=p_ids)], tokens=BLOCK * len(p_ids))
+                 for k, (p_ids, _) in enumerate(self.spec["transfers"])]
+        self.w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=now, send=sends))
+        c = kvxfer.Client(self.endpoint)
+        try:
+            peer = c.scheduler("P").open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=BLOCK))
+        finally:
+            c.close()
+        tmp = self.spec["peer_file"] + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(peer)
+        os.replace(tmp, self.spec["peer_file"])
+        got = self.wait_outcomes({s.request_id for s in sends})
+        self.res["outcomes"] = [[k, *got[k]] for k in sorted(got)]
+
+    def await_peer(self) -> str:
+        """P's Peer address, once P has published it."""
+        path = self.spec["peer_file"]
+        by = time.monotonic() + min(self.left(), self.spec.get("peer_wait", 60))
+        t0 = time.monotonic()
+        while not os.path.exists(path):
+            if time.monotonic() > by:
+                raise TimeoutError(f"D: P published no Peer address ({path}) within {time.monotonic() - t0:.0f} s")
+            time.sleep(0.02)
+        self.res["peer_wait_s"] = round(time.monotonic() - t0, 3)
+        with open(path) as f:
+            return f.read().strip()
+
+    def consume(self) -> None:
+        """D: each transfer in turn, timed from its step to its outcome,
+        then every byte of the cache checked."""
+        want = [t.clone() for t in self.kv]  # what D's cache must hold
+        p_peer = self.await_peer()
+        src = None
+        records = []
+        for k, (p_ids, d_ids) in enumerate(self.spec["transfers"]):
+            now = time.time_ns()
+            meta = pb.StepMeta(step=k + 1, scheduler_clock_unix_nanos=now, recv=[pb.RecvRequest(
+                request_id=f"d-{k}", transfer_id=f"t-{k}", local=[pb.Span(block_ids=d_ids)],
+                deadline_unix_nanos=now + int(self.left() * 1e9),
+                remote=pb.RemoteRef(engine_id="P", addr=p_peer, request_id=f"p-{k}", tp_size=1,
+                                    tokens=BLOCK * len(p_ids)))])
+            t0 = time.perf_counter()
+            self.w.step(meta)
+            got = self.wait_outcomes({f"d-{k}"})
+            dt = time.perf_counter() - t0
+            rec = {"transfer": k, "blocks": len(d_ids), "bytes": self.layers * len(d_ids) * self.block_len,
+                   "seconds": dt, "outcome": list(got[f"d-{k}"])}
+            # What D must hold now, then every byte of it.
+            self.sync()
+            pi = torch.tensor(p_ids, dtype=torch.int64, device=self.device)
+            di = torch.tensor(d_ids, dtype=torch.int64, device=self.device)
+            wrong, first = 0, None
+            for i in range(self.layers):
+                src = pattern(i, self.layer_bytes, SEED["P"], self.device).view(self.blocks, self.block_len)
+                if rec["outcome"][0] == "RESULT_DONE":
+                    want[i].view(self.blocks, self.block_len)[di] = src[pi]
+                bad = torch.nonzero(self.kv[i] != want[i])
+                if bad.numel():
+                    wrong += bad.numel()
+                    if first is None:
+                        off = int(bad[0, 0])
+                        first = {"layer": i, "block": off // self.block_len, "offset": off % self.block_len,
+                                 "got": int(self.kv[i][off]), "want": int(want[i][off])}
+            rec["wrong_bytes"], rec["first_wrong"] = wrong, first
+            rec["checked_bytes"] = self.layers * self.layer_bytes
+            records.append(rec)
+            self.res["transfers"] = records
+            if rec["outcome"][0] != "RESULT_DONE":
+                break  # P's remaining sends time out; the test reports this one
+
+    def run(self) -> int:
+        self.alloc()
+        self.connect()
+        if self.role == "P":
+            self.produce()
+        else:
+            self.consume()
+        t0 = time.monotonic()
+        self.w.bye(timeout=max(1.0, min(20.0, self.left())))
+        self.client.close()
+        inprocess.stop()
+        self.res["bye_stop_s"] = round(time.monotonic() - t0, 3)
+        return 0
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    r = Run(spec)
+    code = 0
+    try:
+        code = r.run()
+    except BaseException as e:  # noqa: BLE001 - reported in the result
+        r.res["error"] = f"{type(e).__name__}: {e}"
+        r.res["traceback"] = traceback.format_exc()
+        code = 1
+    tmp = spec["result"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(r.res, f)
+    os.replace(tmp, spec["result"])
+    print("result", json.dumps({k: v for k, v in r.res.items() if k != "traceback"}), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
