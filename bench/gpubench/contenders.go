@@ -379,31 +379,27 @@ func (m contigMover) check(c xcase) error {
 
 func (contigMover) close() error { return nil }
 
-// kvxfer's copy kernel alone, in one process.
-type kernelMover struct{ localMover }
+// batchMover copies c's pieces as one batch in one process: kvxfer's
+// copy kernel alone (PostCopy), or what the same-host path did per piece
+// (PostEach).
+type batchMover struct {
+	localMover
+	post func([]netxfer.DevPiece) (netxfer.DevCopy, error)
+}
 
 func kernelOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
-	return kernelMover{localMover{src, scratch, new([]byte)}}, nil, nil
+	return batchMover{localMover{src, scratch, new([]byte)}, src.g.PostCopy}, nil, nil
 }
-
-func (m kernelMover) write(c xcase) (time.Duration, error) {
-	return postPieces(m.localMover, c, m.src.g.PostCopy)
-}
-
-func (m kernelMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
-
-func (kernelMover) close() error { return nil }
-
-// What the same-host path did per piece, in one process.
-type perPieceMover struct{ localMover }
 
 func perPieceOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
-	return perPieceMover{localMover{src, scratch, new([]byte)}}, nil, nil
+	return batchMover{localMover{src, scratch, new([]byte)}, src.g.PostEach}, nil, nil
 }
 
-func (m perPieceMover) write(c xcase) (time.Duration, error) {
-	return postPieces(m.localMover, c, m.src.g.PostEach)
-}
+func (m batchMover) write(c xcase) (time.Duration, error) { return postPieces(m.localMover, c, m.post) }
+
+func (m batchMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+func (batchMover) close() error { return nil }
 
 // postPieces posts c's pieces from the source into the scratch region as
 // one batch and waits (spinning) for it.
@@ -422,10 +418,6 @@ func postPieces(m localMover, c xcase, post func([]netxfer.DevPiece) (netxfer.De
 	err = waitDone(cp.Done, nil)
 	return time.Since(start), err
 }
-
-func (m perPieceMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
-
-func (perPieceMover) close() error { return nil }
 
 // markers is a host buffer of marker bytes, grown as needed (one
 // goroutine uses it: the parent's or the child's loop).

@@ -2,15 +2,20 @@ package netxfer
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // batchGPU is a fake GPU (a view of fakeGPU's memory: several batchGPUs
@@ -455,21 +460,7 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 				ds[i] = Desc{Local: ptrs[0] + uint64(ls[i]*piece), Remote: ptrs[1] + uint64(rs[i]*piece), Len: piece}
 			}
 			for range b.N {
-				id, err := a.Post(Write, c.Name(), ds, nil)
-				if err != nil {
-					b.Fatal(err)
-				}
-				for {
-					s, err := a.State(id)
-					if s == Done {
-						break
-					}
-					if s != InProgress {
-						b.Fatal(s, err)
-					}
-					<-a.Events()
-				}
-				_ = a.Release(id)
+				postDone(b, a, Write, c.Name(), ds)
 			}
 			if c.SameHostParts() == before {
 				b.Fatal("no part took the same-host path")
@@ -539,5 +530,108 @@ func TestSameHostTablesInArea(t *testing.T) {
 	}
 	if n := b.areaTables.Load(); n != 60 {
 		t.Fatalf("%d tables read from the descriptor area, want 60", n)
+	}
+}
+
+// sendArea passes f as the connection's descriptor area.
+func sendArea(t *testing.T, uc *net.UnixConn, f *os.File) {
+	t.Helper()
+	if _, _, err := uc.WriteMsgUnix([]byte{tDescs}, unix.UnixRights(int(f.Fd())), nil); err != nil {
+		t.Logf("write: %v", err)
+	}
+}
+
+// sendWriteTable sends a local WRITE part of n pieces whose table is at
+// pos of the descriptor ring.
+func sendWriteTable(t *testing.T, uc *net.UnixConn, id, pos uint64, n uint32) {
+	t.Helper()
+	h := []byte{tWriteTable}
+	h = binary.LittleEndian.AppendUint64(h, id)
+	h = binary.LittleEndian.AppendUint32(h, 0)
+	h = binary.LittleEndian.AppendUint32(h, 1)
+	h = binary.LittleEndian.AppendUint32(h, n)
+	h = binary.LittleEndian.AppendUint32(h, 0)
+	h = binary.LittleEndian.AppendUint64(h, pos)
+	if _, err := uc.Write(h); err != nil {
+		t.Logf("write: %v", err)
+	}
+}
+
+// A peer's descriptor area is checked like any other frame of it: a
+// table named in an area never passed, a table running past the ring's
+// end, a second area and an area file shorter than an area are refused
+// (the connection dropped, nothing landed); a table where it belongs
+// lands, and marks the ring consumed up to its end.
+func TestSameHostBadTableArea(t *testing.T) {
+	_, b, _, bm := localPair(t, 1<<16, Config{})
+	table := func(area []byte, pos uint64, ref [4]uint64) {
+		e := area[descRingOff+pos%descRingSize:]
+		binary.LittleEndian.PutUint64(e, ref[0])
+		binary.LittleEndian.PutUint64(e[8:], ref[1])
+		binary.LittleEndian.PutUint32(e[16:], uint32(ref[2]))
+		binary.LittleEndian.PutUint64(e[20:], ref[3])
+	}
+	ref := [4]uint64{base, 4096, 7, 0}
+	refused := func(name string, r *scatterReader) {
+		t.Helper()
+		if typ, msg, err := readAck(t, r); err == nil {
+			t.Fatalf("%s: answered %d %q, want the connection dropped", name, typ, msg)
+		}
+	}
+	{ // no area
+		uc, r := rawLocal(t, b, false)
+		_, f := memFile(t, 1<<16)
+		sendChunk(t, uc, 7, f, 1<<16)
+		sendWriteTable(t, uc, 1, 0, 1)
+		refused("a table without an area", r)
+	}
+	{ // past the ring's end
+		uc, r := rawLocal(t, b, false)
+		_, f := memFile(t, 1<<16)
+		sendChunk(t, uc, 7, f, 1<<16)
+		area, af := memFile(t, descAreaSize)
+		sendArea(t, uc, af)
+		pos := uint64(descRingSize - localDescSize + 1)
+		table(area, 0, ref)
+		sendWriteTable(t, uc, 1, pos, 1)
+		refused("a table past the ring's end", r)
+	}
+	{ // a second area
+		uc, r := rawLocal(t, b, false)
+		_, af := memFile(t, descAreaSize)
+		sendArea(t, uc, af)
+		sendArea(t, uc, af)
+		refused("a second area", r)
+	}
+	{ // a short area file
+		uc, r := rawLocal(t, b, false)
+		_, af := memFile(t, descAreaSize/2)
+		sendArea(t, uc, af)
+		_, f := memFile(t, 1<<16)
+		sendChunk(t, uc, 7, f, 1<<16)
+		sendWriteTable(t, uc, 1, 0, 1)
+		refused("a short area", r)
+	}
+	if !bytes.Equal(bm, make([]byte, len(bm))) {
+		t.Fatal("bytes landed from a refused table")
+	}
+	// Where it belongs: the part lands and the ring is consumed.
+	uc, r := rawLocal(t, b, false)
+	src, f := memFile(t, 1<<16)
+	fillRandom(src)
+	sendChunk(t, uc, 7, f, 1<<16)
+	area, af := memFile(t, descAreaSize)
+	sendArea(t, uc, af)
+	const pos = 3 * localDescSize
+	table(area, pos, ref)
+	sendWriteTable(t, uc, 1, pos, 1)
+	if typ, msg, err := readAck(t, r); err != nil || typ != tAck || msg != "" {
+		t.Fatalf("a table in the area: answer %d %q, %v", typ, msg, err)
+	}
+	if !bytes.Equal(bm[:4096], src[:4096]) {
+		t.Fatal("the part whose table was in the area did not land")
+	}
+	if got := binary.LittleEndian.Uint64(area); got != pos+localDescSize {
+		t.Fatalf("ring consumed up to %d, want %d", got, pos+localDescSize)
 	}
 }

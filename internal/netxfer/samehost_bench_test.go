@@ -30,27 +30,33 @@ func BenchmarkSameHost(b *testing.B) {
 					b.SetBytes(total)
 					b.ResetTimer()
 					for b.Loop() {
-						id, err := a.Post(op, p.Name(), ds, nil)
-						if err != nil {
-							b.Fatal(err)
-						}
-						for {
-							s, err := a.State(id)
-							if s == Done {
-								break
-							}
-							if s != InProgress {
-								b.Fatalf("%v, %v", s, err)
-							}
-							select {
-							case <-a.Events():
-							case <-time.After(time.Second):
-							}
-						}
-						_ = a.Release(id)
+						postDone(b, a, op, p.Name(), ds)
 					}
 				})
 			}
 		}
 	}
+}
+
+// postDone posts a transfer, waits for it to be done (a benchmark's
+// loop: it fails the benchmark otherwise) and releases it.
+func postDone(b *testing.B, a *Agent, op Op, peer string, ds []Desc) {
+	id, err := a.Post(op, peer, ds, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for {
+		s, err := a.State(id)
+		if s == Done {
+			break
+		}
+		if s != InProgress {
+			b.Fatalf("%v, %v", s, err)
+		}
+		select {
+		case <-a.Events():
+		case <-time.After(time.Second):
+		}
+	}
+	_ = a.Release(id)
 }

@@ -57,6 +57,7 @@ type xfer struct {
 	state  State
 	err    error
 	direct bool
+	device bool // its local memory is GPU memory (one part: one launch)
 }
 
 // failLocked fails a transfer in progress (owner's mu held).
@@ -307,6 +308,10 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 	}
 	x := &xfer{op: op, peer: p, notif: slices.Clone(notif), descs: descs, state: InProgress}
 	a.mu.Lock()
+	if len(descs) > 0 {
+		c := a.chunkLocked(descs[0].Local)
+		x.device = c != nil && c.dev != nil
+	}
 	a.mu.next++
 	x.id = a.mu.next
 	a.mu.xfers[x.id] = x
@@ -339,14 +344,6 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 		a.start(x)
 	}()
 	return x.id, nil
-}
-
-// deviceMemory reports whether addr lies in GPU memory (MapDevice).
-func (a *Agent) deviceMemory(addr uint64) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	c := a.chunkLocked(addr)
-	return c != nil && c.dev != nil
 }
 
 // direct copies between two agents of this process.
@@ -401,7 +398,7 @@ func (a *Agent) direct(x *xfer) error {
 func (a *Agent) start(x *xfer) {
 	n := len(x.descs)
 	parts := min(a.cfg.Conns, max(n, 1))
-	if n > 0 && a.deviceMemory(x.descs[0].Local) {
+	if x.device {
 		// GPU memory moves only on the same-host path, where the copying
 		// side posts a part's pieces as one launch: one part, one launch.
 		parts = 1

@@ -96,32 +96,25 @@ func (e engineCreds) Clone() credentials.TransportCredentials { return e }
 
 func (engineCreds) OverrideServerName(string) error { return nil }
 
-// callerUID is the uid of the engine process behind ctx's connection, or
-// an ErrPermission error when ctx did not come through EngineCredentials
-// (a TCP connection, or a server built without them).
-func callerUID(ctx context.Context) (uint32, error) {
+// caller is what the kernel recorded (SO_PEERCRED) of the engine process
+// behind ctx's connection, or an ErrPermission error when ctx did not
+// come through EngineCredentials (a TCP connection, or a server built
+// without them).
+func caller(ctx context.Context) (EngineAuthInfo, error) {
 	p, ok := peer.FromContext(ctx)
 	if !ok {
-		return 0, errNotUnix
+		return EngineAuthInfo{}, errNotUnix
 	}
 	ai, ok := p.AuthInfo.(EngineAuthInfo)
 	if !ok {
-		return 0, errNotUnix
+		return EngineAuthInfo{}, errNotUnix
 	}
-	return ai.UID, nil
+	return ai, nil
 }
 
-// callerPID is the pid of the engine process behind ctx's connection, as
-// the kernel recorded it when the process connected (SO_PEERCRED), or an
-// ErrPermission error as callerUID's.
-func callerPID(ctx context.Context) (int32, error) {
-	p, ok := peer.FromContext(ctx)
-	if !ok {
-		return 0, errNotUnix
-	}
-	ai, ok := p.AuthInfo.(EngineAuthInfo)
-	if !ok {
-		return 0, errNotUnix
-	}
-	return ai.PID, nil
+// callerUID is the uid of the engine process behind ctx's connection (see
+// caller).
+func callerUID(ctx context.Context) (uint32, error) {
+	ai, err := caller(ctx)
+	return ai.UID, err
 }

@@ -464,11 +464,12 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 		return Status(errDraining)
 	default:
 	}
-	uid, err := callerUID(st.Context())
+	engine, err := caller(st.Context())
 	if err != nil {
 		s.limits.refuse("permission")
 		return Status(err)
 	}
+	uid := engine.UID
 	done, err := s.limits.admit(uid)
 	if err != nil {
 		return Status(err)
@@ -484,8 +485,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	if hello == nil {
 		return Status(stream.Invalid("the first message of a worker stream must be hello"))
 	}
-	pid, _ := callerPID(st.Context()) // an EngineAuthInfo, as callerUID found
-	r, err := s.attach(hello, uid, pid)
+	r, err := s.attach(hello, uid, engine.PID)
 	if err != nil {
 		switch {
 		case errors.Is(err, errForeignAddress):
