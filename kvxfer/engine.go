@@ -16,8 +16,9 @@ type engineCache struct {
 	nextEvict time.Time // when the next idle engine passes EngineTTL
 }
 
-// handshakeRetry is how long a failed handshake is remembered before a new
-// request may retry it.
+// handshakeRetry is how long a failed handshake is remembered before a
+// notice or a parked message starts another (a request that comes in
+// meanwhile still gets an attempt of its own: ownAttempt).
 const handshakeRetry = time.Second
 
 type hsState uint8
@@ -42,6 +43,13 @@ type engine struct {
 	lastActive time.Time
 	failedAt   time.Time
 	answered   bool // the last handshake answered, and its answer ruled a transfer out
+	// hsStarted is when the last handshake began. A request fails on a
+	// failed handshake only if that handshake began once it was waiting:
+	// one that came in later (it joined a dial begun, say, during a
+	// partition that has healed since) gets an attempt of its own first;
+	// retryWanted says one did.
+	hsStarted   time.Time
+	retryWanted bool
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
 	// loadedAt is when a handshake was last loaded; refreshing says a new
@@ -102,8 +110,8 @@ type outMsg struct {
 func (st *loopState) ensureEngine(id, addr string) *engine {
 	e := st.engines[id]
 	if e != nil && (e.state != hsFailed || st.now.Sub(e.failedAt) < handshakeRetry) {
-		// A failed handshake is retried only after handshakeRetry, so
-		// what waited on it fails instead of waiting on a retry.
+		// A failed handshake is retried here only after handshakeRetry;
+		// a request decides for itself (ownAttempt).
 		if e.addr == "" {
 			e.addr = addr
 		}
@@ -121,7 +129,7 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 // startHandshake (re)starts the handshake with an engine.
 func (st *loopState) startHandshake(e *engine) {
 	e.state, e.err = hsPending, nil
-	e.lastActive = st.now
+	e.lastActive, e.hsStarted, e.retryWanted = st.now, st.now, false
 	st.askResolver(e, st.cfg.HandshakeTimeout, false)
 }
 
@@ -181,7 +189,29 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	// notice spares the registration it would answer), then what waited
 	// to register or read.
 	st.unpark(e)
+	st.redriving = true
 	st.redrive(e)
+	st.redriving = false
+	if e.state == hsFailed && e.retryWanted {
+		st.startHandshake(e) // for what came in after the failed one began
+	}
+}
+
+// ownAttempt reports whether something that has waited on e since `since`
+// had a handshake attempt of its own, that is one begun once it waited:
+// only then does a failed handshake fail it. An answer that ruled a
+// transfer out is final whenever it began. Otherwise it asks for a new
+// attempt: at once, or (while a failed handshake re-drives what waited on
+// it) once that pass is over, so what had its attempt fails first.
+func (st *loopState) ownAttempt(e *engine, since time.Time) bool {
+	if e.answered || !since.After(e.hsStarted) {
+		return true
+	}
+	e.retryWanted = true
+	if !st.redriving {
+		st.startHandshake(e)
+	}
+	return false
 }
 
 // load checks a handshake's ranks and takes their agents (loaded by the

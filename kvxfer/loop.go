@@ -72,6 +72,9 @@ type coreEnv struct {
 	fx effects
 	// closing: the Worker closes (closeDown): nothing new is posted.
 	closing bool
+	// redriving: a failed handshake's outcome is being dealt out
+	// (ownAttempt).
+	redriving bool
 
 	// Layer-wise push: layers in order, the layer index of each region,
 	// regions sorted by base for address lookups.
@@ -157,9 +160,10 @@ func (s rankState) settled() bool { return s >= rkDone }
 type dRank struct {
 	state    rankState
 	reg      *msg
-	inflight int    // WRITEs in flight into this rank
-	posted   []bool // layer-wise: layers posted, by layer index
-	reason   string // why it failed (set while WRITEs still drain)
+	since    time.Time // when it registered (rkReady)
+	inflight int       // WRITEs in flight into this rank
+	posted   []bool    // layer-wise: layers posted, by layer index
+	reason   string    // why it failed (set while WRITEs still drain)
 	kind     FailureKind
 	ackOwed  bool // D cancelled while a WRITE was in flight
 	quiet    bool // its failure is one of many logged once (a refused peer)
@@ -215,6 +219,7 @@ type sendReq struct {
 type recvReq struct {
 	req      RecvReq
 	deadline time.Time
+	since    time.Time // when it came in
 	targets  []rankRef
 	sent     bool // registrations or reads issued
 	got      rankSet

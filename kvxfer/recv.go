@@ -40,7 +40,7 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		st.report(RoleConsumer, Outcome{ReqID: in.ReqID, Result: res, Reason: why})
 		return
 	}
-	r := &recvReq{req: *in, deadline: deadline}
+	r := &recvReq{req: *in, deadline: deadline, since: st.now}
 	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
 	st.recvs[in.ReqID] = r
 	if !deadline.IsZero() {
@@ -102,6 +102,9 @@ func (st *loopState) startRecv(r *recvReq) {
 	case hsPending:
 		return
 	case hsFailed:
+		if !st.ownAttempt(e, r.since) {
+			return
+		}
 		reason, kind := "handshake with producer failed: "+e.err.Error(), FailureHandshake
 		if e.answered {
 			kind = FailureIncompatible // it answered but was refused

@@ -671,7 +671,7 @@ func (st *loopState) addRank(s *sendReq, m *msg) {
 	case len(m.Spans) == 0:
 		r.state, r.reg = rkReleased, m
 	default:
-		r.state, r.reg = rkReady, m
+		r.state, r.reg, r.since = rkReady, m, st.now
 	}
 }
 
@@ -697,10 +697,18 @@ func (st *loopState) pushReady(s *sendReq) {
 		case hsPending:
 			return
 		case hsFailed:
+			// Every rank is judged on this failed handshake before any
+			// new attempt starts (ownAttempt).
+			was := st.redriving
+			st.redriving = true
 			for _, tp := range s.expect {
-				if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 {
+				if r := s.ranks[tp]; r.state == rkReady && r.inflight == 0 && st.ownAttempt(e, r.since) {
 					st.failRank(s, tp, r, FailureHandshake, "handshake with consumer failed: "+e.err.Error())
 				}
+			}
+			st.redriving = was
+			if !was && e.retryWanted {
+				st.startHandshake(e)
 			}
 		case hsReady:
 			e.lastActive = st.now

@@ -283,6 +283,51 @@ func TestConsumerHandshakeFailureFailsAtOnce(t *testing.T) {
 	}
 }
 
+// A request fails on a failed handshake only if that handshake began once
+// it was waiting: one that came in while a handshake begun earlier was
+// still out (a dial begun during a partition that has healed since) gets
+// an attempt of its own, and is done; the one that started the failed
+// handshake fails. On the producer's side likewise for a registration.
+func TestRequestAfterHandshakeBeganGetsItsOwnAttempt(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, nil)
+				release := x.dir.Hold("P")
+				x.dir.FailHandshakes("P", 1)
+				q1, q2 := x.req("r1", 40, 0), x.req("r2", 40, 0)
+				x.sendP(q1, q2)
+				x.recvD(q1)
+				x.settle()
+				time.Sleep(10 * time.Millisecond)
+				x.recvD(q2) // the handshake q1 started is still out
+				x.settle()
+				release()
+				x.settle()
+				wantResult(t, "D r1", x.recvResult(q1), kvxfer.ResultFailed, "handshake")
+				wantResult(t, "D r2", x.recvResult(q2), kvxfer.ResultDone, "")
+			})
+		})
+		// Just after a failed handshake, a new request is not failed on
+		// it either: it has an attempt of its own.
+		t.Run(mode.String()+"/after", func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := newPair(t, mode, 1, 1, nil)
+				x.dir.FailHandshakes("P", 1)
+				q1, q2 := x.req("r1", 40, 0), x.req("r2", 40, 0)
+				x.sendP(q1, q2)
+				x.recvD(q1)
+				x.settle()
+				wantResult(t, "D r1", x.recvResult(q1), kvxfer.ResultFailed, "handshake")
+				time.Sleep(10 * time.Millisecond)
+				x.recvD(q2)
+				x.settle()
+				wantResult(t, "D r2", x.recvResult(q2), kvxfer.ResultDone, "")
+			})
+		})
+	}
+}
+
 // SPEC §14: a full prefix hit or an abort before schedule in push mode
 // tells P at once, so P frees its blocks instead of waiting for its lease.
 func TestPushNothingToReceiveReleasesProducer(t *testing.T) {

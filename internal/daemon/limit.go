@@ -34,8 +34,8 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		l.mu.Lock()
 		if l.open[host] >= l.perAddr {
 			l.mu.Unlock()
+			l.refused() // counted before the peer can see the close
 			_ = c.Close()
-			l.refused()
 			continue
 		}
 		l.open[host]++
