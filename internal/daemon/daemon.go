@@ -20,6 +20,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -54,7 +55,7 @@ type config struct {
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
-	conns, maxSegments, maxRequests                                                                     int
+	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
 }
 
 // flagSet defines kvxferd serve's flags on c, with their defaults: the
@@ -67,6 +68,12 @@ func flagSet(c *config) *flag.FlagSet {
 		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns)")
 	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")
 	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
+	fs.IntVar(&c.rankPortBase, "rank-port-base", 0, "serve one rank of an engine whose ranks are served each by its own server "+
+		"(the in-process placement): rank (pp, tp) listens at this port + pp_rank*tp_size + tp_rank, on -peer-listen's host; "+
+		"a rank attaches only on its own port, and peers handshake with each rank's port (0: every rank of an engine here)")
+	fs.IntVar(&c.dataPortBase, "data-port-base", 0, "built-in backend: rank (pp, tp) of an engine listens for KV bytes at this port + "+
+		"pp_rank*tp_size + tp_rank, so a firewall can name the ports (0: a port the system picks; with several engines on one daemon, "+
+		"only one may use it)")
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
 	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
 	fs.BoolVar(&c.noSameHost, "no-same-host", false, "built-in backend: move KV bytes to peers on this host over TCP too, not by a direct copy out of the engine's shared-memory file")
@@ -156,6 +163,12 @@ func (c *config) validate() error {
 	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 {
 		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns)
+	}
+	if c.rankPortBase < 0 || c.rankPortBase > 65535 {
+		return fmt.Errorf("-rank-port-base = %d, want 0 (off) or a port", c.rankPortBase)
+	}
+	if c.dataPortBase < 0 || c.dataPortBase > 65535 {
+		return fmt.Errorf("-data-port-base = %d, want 0 (off) or a port", c.dataPortBase)
 	}
 	if c.maxRequests <= 0 {
 		return fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
@@ -356,7 +369,13 @@ func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, 
 		if vram && c.noSameHost {
 			return nil, errors.New("GPU memory needs -backend=nixl, or the built-in backend's same-host path (without -no-same-host) between daemons of one host")
 		}
-		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, "0"), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
+		port := 0
+		if c.dataPortBase != 0 {
+			if port = server.RankPort(c.dataPortBase, l.TPSize, l.PPRank, l.TPRank); port > 65535 {
+				return nil, fmt.Errorf("built-in backend: -data-port-base %d: rank tp %d pp %d would listen at port %d", c.dataPortBase, l.TPRank, l.PPRank, port)
+			}
+		}
+		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, strconv.Itoa(port)), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
 			ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
 		if err != nil {
 			return nil, fmt.Errorf("built-in backend: %w", err)
@@ -444,7 +463,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
-	srv, err = server.New(server.Config{PeerAddr: in.advertise, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
+	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),

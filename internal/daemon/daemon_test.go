@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
@@ -176,6 +178,21 @@ func TestNixlProgressDelayFlag(t *testing.T) {
 	}
 }
 
+// -rank-port-base: off by default, a port or refused naming the flag.
+func TestRankPortBaseFlag(t *testing.T) {
+	if c, err := parseFlags(nil); err != nil || c.rankPortBase != 0 {
+		t.Fatalf("default -rank-port-base %d, %v; want 0", c.rankPortBase, err)
+	}
+	if c, err := parseFlags([]string{"-rank-port-base", "7600"}); err != nil || c.rankPortBase != 7600 {
+		t.Errorf("-rank-port-base 7600: %d, %v", c.rankPortBase, err)
+	}
+	for _, bad := range []string{"-1", "65536"} {
+		if _, err := parseFlags([]string{"-rank-port-base", bad}); err == nil || !strings.Contains(err.Error(), "-rank-port-base") {
+			t.Errorf("-rank-port-base %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
+
 // -max-segments and -max-requests (KVXFERD_MAX_SEGMENTS,
 // KVXFERD_MAX_REQUESTS): their packages' defaults, read from the
 // environment, overridden by the flag, positive only.
@@ -232,5 +249,36 @@ func TestBackendFactoryOpenFails(t *testing.T) {
 				t.Errorf("NewBackend with a backend that does not open = %#v, %v; want a nil server.Backend and an error containing %q", be, err, tc.want)
 			}
 		})
+	}
+}
+
+// -data-port-base: the built-in backend of rank (pp, tp) listens at the
+// base + pp*tp_size + tp, so a firewall can name the data ports.
+func TestDataPortBase(t *testing.T) {
+	var base int
+	for try := 0; ; try++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		base = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if base+3 <= 65535 || try > 20 {
+			break
+		}
+	}
+	c := &config{backend: "builtin", dataHost: "127.0.0.1", conns: 1, dataPortBase: base}
+	newBackend := c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	be, err := newBackend("E", &topology.Layout{TPRank: 1, TPSize: 2, PPRank: 1, PPSize: 2}, false)
+	if err != nil {
+		t.Skipf("port %d taken meanwhile: %v", base+3, err)
+	}
+	defer be.Close()
+	if got, want := be.(*tcp.Backend).Addr(), net.JoinHostPort("127.0.0.1", strconv.Itoa(base+3)); got != want {
+		t.Errorf("rank tp 1 pp 1 of tp 2 listens at %s, want %s", got, want)
+	}
+	c.dataPortBase = 65535
+	if _, err := newBackend("E", &topology.Layout{TPRank: 1, TPSize: 2}, false); err == nil || !strings.Contains(err.Error(), "-data-port-base") {
+		t.Errorf("a rank past port 65535: %v, want an error naming -data-port-base", err)
 	}
 }

@@ -2505,7 +2505,13 @@ type HandshakeResponse struct {
 	// zstd: payload is zstd-compressed.
 	Zstd bool `protobuf:"varint,4,opt,name=zstd,proto3" json:"zstd,omitempty"`
 	// payload is an encoded RankList.
-	Payload       []byte `protobuf:"bytes,5,opt,name=payload,proto3" json:"payload,omitempty"`
+	Payload []byte `protobuf:"bytes,5,opt,name=payload,proto3" json:"payload,omitempty"`
+	// rank_port_base, when not 0: the engine's ranks are served each by its
+	// own server (the in-process placement), rank (pp, tp) at port
+	// rank_port_base + pp * tp_size + tp of the host answering; the payload
+	// lists this server's ranks only, and the caller asks each other rank's
+	// port for the rest.
+	RankPortBase  uint32 `protobuf:"varint,6,opt,name=rank_port_base,json=rankPortBase,proto3" json:"rank_port_base,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2573,6 +2579,13 @@ func (x *HandshakeResponse) GetPayload() []byte {
 		return x.Payload
 	}
 	return nil
+}
+
+func (x *HandshakeResponse) GetRankPortBase() uint32 {
+	if x != nil {
+		return x.RankPortBase
+	}
+	return 0
 }
 
 // TransferParams travel with a request between engines through the router
@@ -5032,7 +5045,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x10HandshakeRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x1f\n" +
 	"\vaccept_zstd\x18\x02 \x01(\bR\n" +
-	"acceptZstd\"\xaa\x01\n" +
+	"acceptZstd\"\xd0\x01\n" +
 	"\x11HandshakeResponse\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x1e\n" +
 	"\n" +
@@ -5040,7 +5053,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"generation\x12*\n" +
 	"\x11server_unix_nanos\x18\x03 \x01(\x03R\x0fserverUnixNanos\x12\x12\n" +
 	"\x04zstd\x18\x04 \x01(\bR\x04zstd\x12\x18\n" +
-	"\apayload\x18\x05 \x01(\fR\apayload\"\x9c\x04\n" +
+	"\apayload\x18\x05 \x01(\fR\apayload\x12$\n" +
+	"\x0erank_port_base\x18\x06 \x01(\rR\frankPortBase\"\x9c\x04\n" +
 	"\x0eTransferParams\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +

@@ -2,7 +2,11 @@ package server
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
+	"hash/fnv"
+	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -189,10 +193,105 @@ func (r *PeerResolver) Conns() int {
 
 // Handshake implements kvxfer.Resolver. The clock offset is the peer's
 // clock minus the midpoint of the call.
+//
+// An engine whose ranks are served each by its own server (the
+// in-process placement: the answer says rank_port_base) is asked at each
+// rank's port for the ranks the first answer does not list, at once; the
+// result lists every rank, under a generation that changes whenever one
+// of theirs does (a rank's process restarted).
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
-	pc, done, err := r.conn(addr)
+	out, base, err := r.handshakeOne(ctx, engineID, addr)
+	if err != nil || base == 0 {
+		return out, err
+	}
+	return r.spread(ctx, engineID, addr, base, out)
+}
+
+// maxSpreadRanks bounds the ranks a spread engine is asked about (a peer
+// names its TP and PP sizes).
+const maxSpreadRanks = 1024
+
+// spread completes first, the answer of one of an engine's per-rank
+// servers at addr, with the other ranks', asked at their ports.
+func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base uint32, first kvxfer.HandshakeResult) (kvxfer.HandshakeResult, error) {
+	if len(first.Ranks) == 0 {
+		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: no ranks", kvxfer.ErrBadMetadata, engineID, addr)
+	}
+	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+	}
+	tpSize, ppSize := first.Ranks[0].Layout.TPSize, first.Ranks[0].Layout.PPSize
+	if tpSize <= 0 || ppSize <= 0 || tpSize*ppSize > maxSpreadRanks {
+		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: tp size %d pp size %d: want 1 to %d ranks in all",
+			kvxfer.ErrBadMetadata, engineID, addr, tpSize, ppSize, maxSpreadRanks)
+	}
+	type rankGen struct {
+		rank kvxfer.RankInfo
+		gen  uint64
+		err  error
+	}
+	got := make([]rankGen, tpSize*ppSize)
+	for _, ri := range first.Ranks {
+		l := &ri.Layout
+		if l.PPRank < 0 || l.PPRank >= ppSize || l.TPRank < 0 || l.TPRank >= tpSize {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: rank tp %d pp %d outside tp size %d pp size %d",
+				kvxfer.ErrBadMetadata, engineID, addr, l.TPRank, l.PPRank, tpSize, ppSize)
+		}
+		got[l.PPRank*tpSize+l.TPRank] = rankGen{rank: ri, gen: first.Generation}
+	}
+	var wg sync.WaitGroup
+	for i := range got {
+		if got[i].gen != 0 || got[i].rank.EngineID != "" {
+			continue
+		}
+		pp, tp := i/tpSize, i%tpSize
+		port := RankPort(int(base), tpSize, pp, tp)
+		if port > 65535 {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: rank tp %d pp %d would be at port %d (rank_port_base %d)",
+				kvxfer.ErrBadMetadata, engineID, addr, tp, pp, port, base)
+		}
+		at := net.JoinHostPort(host, strconv.Itoa(port))
+		wg.Go(func() {
+			res, b, err := r.handshakeOne(ctx, engineID, at)
+			if err == nil && b != base {
+				err = fmt.Errorf("%w: handshake %s at %s: rank_port_base %d, but %s says %d", kvxfer.ErrBadMetadata, engineID, at, b, addr, base)
+			}
+			if err != nil {
+				got[i].err = fmt.Errorf("rank tp %d pp %d (port %d = rank_port_base %d + pp*%d + tp): %w", tp, pp, port, base, tpSize, err)
+				return
+			}
+			for _, ri := range res.Ranks {
+				if ri.Layout.TPRank == tp && ri.Layout.PPRank == pp {
+					got[i] = rankGen{rank: ri, gen: res.Generation}
+					return
+				}
+			}
+			got[i].err = fmt.Errorf("%w: handshake %s at %s: rank tp %d pp %d is not served there", kvxfer.ErrBadMetadata, engineID, at, tp, pp)
+		})
+	}
+	wg.Wait()
+	out := kvxfer.HandshakeResult{ClockOffset: first.ClockOffset}
+	h := fnv.New64a()
+	var b [8]byte
+	for i := range got {
+		if got[i].err != nil {
+			return kvxfer.HandshakeResult{}, got[i].err
+		}
+		out.Ranks = append(out.Ranks, got[i].rank)
+		binary.LittleEndian.PutUint64(b[:], got[i].gen)
+		_, _ = h.Write(b[:])
+	}
+	out.Generation = max(h.Sum64(), 1)
+	return out, nil
+}
+
+// handshakeOne asks the server at addr about an engine, and returns its
+// answer's rank_port_base.
+func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, uint32, error) {
+	pc, done, err := r.conn(addr)
+	if err != nil {
+		return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	defer done()
 	c := pc.cc
@@ -218,22 +317,22 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 	}
 	if err != nil {
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
+			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
 				"a peer that authenticates its peers refuses it; give both the same -peer-secret-file)", engineID, addr, err)
 		}
 		if r.cfg.TLS && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
+			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
 				"of this daemon's -tls-ca, and this daemon one of the peer's)", engineID, addr, err)
 		}
-		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	out, err := r.dec.Decode(engineID, resp)
 	if err != nil {
-		return kvxfer.HandshakeResult{}, err
+		return kvxfer.HandshakeResult{}, 0, err
 	}
 	mid := t0.Add(t1.Sub(t0) / 2)
 	out.ClockOffset = time.Unix(0, resp.ServerUnixNanos).Sub(mid)
-	return out, nil
+	return out, resp.GetRankPortBase(), nil
 }
 
 // Close closes the client connections.

@@ -8,8 +8,10 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"net"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -113,6 +115,13 @@ type Config struct {
 	// PeerAddr is the address of this daemon's Peer service that other
 	// daemons dial (host:port); engines' transfer params carry it.
 	PeerAddr string
+	// RankPortBase, when not 0, says this server is one of an engine's
+	// per-rank servers (the in-process placement): rank (pp, tp) of an
+	// engine is served at port RankPortBase + pp*tp_size + tp of
+	// PeerAddr's host. A rank attaches here only if that port is
+	// PeerAddr's, and handshakes say RankPortBase, so a peer asks each
+	// rank's port (PeerResolver).
+	RankPortBase int
 	// ShmDir is the only directory shared-memory files are mapped from
 	// (default shm.DefaultDir, /dev/shm), by shm.MapOwned: an engine's
 	// files only (owned by its uid).
@@ -281,7 +290,14 @@ func New(cfg Config) (*Server, error) {
 	// an engine a generation its peers saw from the previous process: a
 	// peer that asks again learns the engine's ranks changed.
 	s.mu.gen = uint64(time.Now().UnixNano())
-	s.sched = &schedulers{addr: cfg.PeerAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
+	schedAddr := cfg.PeerAddr
+	if cfg.RankPortBase != 0 {
+		// Transfer params name an engine by its first rank's port.
+		if host, _, err := net.SplitHostPort(cfg.PeerAddr); err == nil {
+			schedAddr = net.JoinHostPort(host, strconv.Itoa(cfg.RankPortBase))
+		}
+	}
+	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
 		publishWait: cfg.PublishWait}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
@@ -378,6 +394,29 @@ func (s *Server) Close() error {
 	return s.enc.Close()
 }
 
+// rankPort checks, on a per-rank server (RankPortBase), that the rank at l
+// is the one this server's port serves.
+func (s *Server) rankPort(l *topology.Layout) error {
+	if s.cfg.RankPortBase == 0 {
+		return nil
+	}
+	_, ps, err := net.SplitHostPort(s.cfg.PeerAddr)
+	port, perr := strconv.Atoi(ps)
+	if err != nil || perr != nil {
+		return fmt.Errorf("server: peer address %q has no port", s.cfg.PeerAddr)
+	}
+	if want := RankPort(s.cfg.RankPortBase, l.TPSize, l.PPRank, l.TPRank); want != port {
+		return stream.Invalid("hello.layout: tp rank %d pp rank %d of tp size %d is served at port %d (rank-port-base %d + pp_rank*tp_size + tp_rank), "+
+			"but this server's peer port is %d: start each rank's server on its own port", l.TPRank, l.PPRank, l.TPSize, want, s.cfg.RankPortBase, port)
+	}
+	return nil
+}
+
+// RankPort is the peer port of rank (pp, tp) of an engine of TP size
+// tpSize whose ranks are served each by its own server from port base
+// (the in-process placement's port scheme).
+func RankPort(base, tpSize, pp, tp int) int { return base + pp*tpSize + tp }
+
 // ErrAttached is the error of a hello for a rank that is attached
 // already: a rank is never replaced, and only its own stream detaches it
 // (Status: AlreadyExists).
@@ -449,7 +488,7 @@ func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.Han
 		return nil, Status(fmt.Errorf("handshake: engine %q: %w", req.EngineId, kvxfer.ErrUnknownEngine))
 	}
 	payload, compressed := e.answer(s.enc, s.cfg.CompressAbove)
-	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: e.gen, Payload: payload}
+	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: e.gen, Payload: payload, RankPortBase: uint32(s.cfg.RankPortBase)}
 	if req.AcceptZstd && compressed != nil {
 		resp.Payload, resp.Zstd = compressed, true
 	}
@@ -763,6 +802,9 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 	}
 	r.claimed = true
 	if err := s.attached(h.EngineId, &l); err != nil {
+		return nil, err
+	}
+	if err := s.rankPort(&l); err != nil {
 		return nil, err
 	}
 	if len(h.Memory) == 0 {

@@ -56,6 +56,12 @@ func startDaemonWith(t testing.TB, shmDir string, tweak func(*server.Config)) *d
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startDaemonOn(t, pl, shmDir, tweak)
+}
+
+// startDaemonOn is startDaemonWith serving peers on pl.
+func startDaemonOn(t testing.TB, pl net.Listener, shmDir string, tweak func(*server.Config)) *daemon {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "kvxferd.sock")
 	unix, err := net.Listen("unix", sock)
 	if err != nil {

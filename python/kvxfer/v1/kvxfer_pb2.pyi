@@ -426,18 +426,20 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., accept_zstd: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "generation", "server_unix_nanos", "zstd", "payload")
+    __slots__ = ("engine_id", "generation", "server_unix_nanos", "zstd", "payload", "rank_port_base")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SERVER_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     ZSTD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RANK_PORT_BASE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     generation: int
     server_unix_nanos: int
     zstd: bool
     payload: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., generation: _Optional[int] = ..., server_unix_nanos: _Optional[int] = ..., zstd: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    rank_port_base: int
+    def __init__(self, engine_id: _Optional[str] = ..., generation: _Optional[int] = ..., server_unix_nanos: _Optional[int] = ..., zstd: _Optional[bool] = ..., payload: _Optional[bytes] = ..., rank_port_base: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
     __slots__ = ("transfer_id", "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_addr", "remote_request_id", "remote_block_ids", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "remote_blocks_expiry_unix_nanos", "mode")
