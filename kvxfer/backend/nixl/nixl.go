@@ -28,9 +28,12 @@ type Config struct {
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
 	// PollInterval is how often notifications and transfers are polled
-	// while busy: while a Worker awaits peer messages (kvxfer.Awaiter), a
-	// transfer is in flight, or within a second of activity (default 1
-	// ms); otherwise every 10 ms. NIXL has no completion callback.
+	// while a Worker awaits peer messages (kvxfer.Awaiter) or a transfer
+	// is in flight (default DefaultPollInterval); within a second of
+	// activity every millisecond, otherwise every 10 ms. NIXL has no
+	// completion callback: each hop of a transfer (a registration reaching
+	// P, P's WRITE ending, its notification reaching D) is seen at the
+	// next poll, so this interval is paid up to three times per transfer.
 	PollInterval time.Duration
 	// ProgressDelay is how long NIXL's progress thread pauses between
 	// rounds (default 100 µs, whole microseconds). Negative makes it spin:
@@ -160,7 +163,7 @@ func New(cfg Config) (*Backend, error) {
 	}
 	cfg.Params = withDefaults(cfg.Plugin, cfg.Params, cfg.VRAM)
 	if cfg.PollInterval <= 0 {
-		cfg.PollInterval = time.Millisecond
+		cfg.PollInterval = DefaultPollInterval
 	}
 	a, err := capi.OpenConfig(capi.Config{Name: cfg.Name, Plugin: cfg.Plugin, Params: cfg.Params, VRAM: cfg.VRAM, AnyVersion: cfg.AnyVersion,
 		ProgressDelay: cfg.progressDelay()})
@@ -566,17 +569,27 @@ func (n *Backend) Awaiting(on bool) {
 
 var _ kvxfer.Awaiter = (*Backend)(nil)
 
+// DefaultPollInterval is Config.PollInterval's default. A poll round costs
+// about 0.1 µs of NIXL calls (no notification waiting) plus a timer's
+// wake-up: an agent awaiting messages used 4.0% of a core polling every
+// 50 µs and 5.2% every 1 ms, 2.3% idle (its progress thread), on the
+// 2-core CI machine (noise dominates). 1 ms, the default before, added up
+// to a millisecond per hop of a transfer (bench/RESULTS.md).
+const DefaultPollInterval = 50 * time.Microsecond
+
+// recentPoll is how often a Backend that was active within the last
+// second, with nothing awaited now, polls.
+const recentPoll = time.Millisecond
+
 // idlePoll is how often an idle Backend polls for notifications: the
 // longest a first message after a lull (a registration reaching an idle
-// producer) waits to be seen. Polling costs about 45 µs of CPU per round
-// here, so polling every PollInterval while idle would cost about 5% more of a
-// core per agent.
+// producer that awaits nothing) waits to be seen.
 const idlePoll = 10 * time.Millisecond
 
 // poll signals Events on notifications and finished transfers: every
-// PollInterval while a Worker awaits peer messages (Awaiting), a transfer
-// is in flight, or there was activity in the last second; every idlePoll
-// otherwise.
+// PollInterval while a Worker awaits peer messages (Awaiting) or a
+// transfer is in flight; every recentPoll within a second of activity;
+// every idlePoll otherwise.
 func (n *Backend) poll() {
 	defer close(n.done)
 	t := time.NewTimer(n.cfg.PollInterval)
@@ -597,7 +610,8 @@ func (n *Backend) poll() {
 				}
 			}
 		})
-		idle := time.Since(n.mu.busy) > time.Second && n.mu.await == 0
+		awaited := n.mu.await > 0
+		idle := time.Since(n.mu.busy) > time.Second && !awaited
 		n.mu.Unlock()
 		for _, id := range ids {
 			if s, _ := n.State(id); s != kvxfer.XferInProgress {
@@ -611,8 +625,12 @@ func (n *Backend) poll() {
 			}
 		}
 		next := n.cfg.PollInterval
-		if idle && len(ids) == 0 {
+		switch {
+		case len(ids) > 0 || awaited:
+		case idle:
 			next = idlePoll
+		default:
+			next = max(recentPoll, n.cfg.PollInterval)
 		}
 		t.Reset(next)
 	}
