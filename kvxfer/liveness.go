@@ -111,7 +111,9 @@ func (st *loopState) probeDone(h *hsResult) {
 		if errors.Is(h.err, context.Canceled) && h.closing {
 			return // closing
 		}
-		if silent := st.now.Sub(e.lastAlive); silent >= st.cfg.PeerTimeout {
+		// Probes off (negative PeerTimeout): only a registry's
+		// PeerGeneration asked, and an unanswered question is no verdict.
+		if silent := st.now.Sub(e.lastAlive); st.cfg.PeerTimeout >= 0 && silent >= st.cfg.PeerTimeout {
 			st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), h.err))
 		}
 		return
