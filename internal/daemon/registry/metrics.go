@@ -41,3 +41,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	return m
 }
+
+// Collectors are m's metrics, for a registry that m was not registered
+// with.
+func (m *Metrics) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.errors, m.badEntries, m.refused, m.events, m.registered, m.engines}
+}
+
+// BadEntry counts an entry refused by its field.
+func (m *Metrics) BadEntry(err error) { m.badEntries.WithLabelValues(Field(err)).Inc() }

@@ -95,6 +95,10 @@ type ResolverConfig struct {
 	// to (default 256): engines name the addresses, so their number is
 	// theirs to grow.
 	MaxConns int
+	// Lookup, when set, finds the address of an engine named without
+	// one (a registry: kvxferd -etcd). The address it gives is dialed
+	// like any other: Allow and the peer credentials still apply.
+	Lookup func(engineID string) (string, error)
 }
 
 // NewPeerResolver returns a resolver with cfg (the zero ResolverConfig:
@@ -190,6 +194,13 @@ func (r *PeerResolver) Conns() int {
 // Handshake implements kvxfer.Resolver. The clock offset is the peer's
 // clock minus the midpoint of the call.
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
+	if addr == "" && r.cfg.Lookup != nil {
+		a, err := r.cfg.Lookup(engineID)
+		if err != nil {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, err)
+		}
+		addr = a
+	}
 	pc, done, err := r.conn(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
