@@ -40,16 +40,20 @@ func (f *fakeFleet) set(list ...Instance) {
 
 // fleetEnv is newEnv whose fakes are a fleet's instances rather than
 // fixed lists; inst makes the instance of a fake in a group.
-func fleetEnv(t *testing.T, nP, nD int) (*env, *fakeFleet) {
+func fleetEnv(t *testing.T, mode Mode, nP, nD int) (*env, *fakeFleet) {
 	fl := newFakeFleet()
-	e := newEnv(t, ModePush, nP, nD, func(c *Config) {
+	e := newEnv(t, mode, nP, nD, func(c *Config) {
 		c.Prefill, c.Decode, c.Fleet, c.Policy = nil, nil, fl, ""
 	})
 	return e, fl
 }
 
 func inst(f *fake, group string) Instance {
-	return Instance{ID: f.name, URL: f.srv.URL, Group: group, Mode: ModePush, Prefill: f.role == rolePrefill, Decode: f.role == roleDecode,
+	return instIn(ModePush, f, group)
+}
+
+func instIn(mode Mode, f *fake, group string) Instance {
+	return Instance{ID: f.name, URL: f.srv.URL, Group: group, Mode: mode, Prefill: f.role == rolePrefill, Decode: f.role == roleDecode,
 		Engine: "engine-" + f.name, KVHost: "10.0.0.1", KVPort: 7400, TP: 1}
 }
 
@@ -99,7 +103,7 @@ func pairs(t *testing.T, e *env, n int) [][2]string {
 // once the fleet says so, one that leaves is not, an instance of another
 // mode never is, and with no pair a request gets 503.
 func TestFleetRoutesCompatiblePairs(t *testing.T) {
-	e, fl := fleetEnv(t, 2, 2)
+	e, fl := fleetEnv(t, ModePush, 2, 2)
 	p0, p1, d0, d1 := e.ps[0], e.ps[1], e.ds[0], e.ds[1]
 	pull := inst(d1, "B")
 	pull.Mode = ModePull
@@ -134,9 +138,9 @@ func TestFleetRoutesCompatiblePairs(t *testing.T) {
 }
 
 // Within a group the proxy takes the instance with the fewest requests
-// in flight.
+// in flight (pull: P is in flight on its own).
 func TestFleetLeastInFlight(t *testing.T) {
-	e, fl := fleetEnv(t, 2, 1)
+	e, fl := fleetEnv(t, ModePull, 2, 1)
 	release := make(chan struct{})
 	arrived := make(chan string, 2)
 	for _, f := range e.ps {
@@ -149,31 +153,30 @@ func TestFleetLeastInFlight(t *testing.T) {
 			return false
 		})
 	}
-	fl.set(inst(e.ps[0], "A"), inst(e.ps[1], "A"), inst(e.ds[0], "A"))
+	fl.set(instIn(ModePull, e.ps[0], "A"), instIn(ModePull, e.ps[1], "A"), instIn(ModePull, e.ds[0], "A"))
 	waitFleet(t, e.p, 2, 1)
 	ctx, cancel := context.WithTimeout(testCtx(t), wait)
 	defer cancel()
 	var wg sync.WaitGroup
+	var got []string
 	for range 2 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			e.do(ctx, "/v1/completions", `{"prompt":"hi"}`)
 		}()
-	}
-	var got []string
-	for len(got) < 2 {
 		select {
-		case name := <-arrived:
+		case name := <-arrived: // in flight at its P until release
 			got = append(got, name)
 		case <-time.After(wait):
 			close(release)
+			wg.Wait()
 			t.Fatalf("requests reached P: %v, want 2", got)
 		}
 	}
-	first, second := got[0], got[1]
 	close(release)
 	wg.Wait()
+	first, second := got[0], got[1]
 	if first == second {
 		t.Errorf("both requests went to %s while the other P had none in flight", first)
 	}
