@@ -66,6 +66,7 @@ type Registrar struct {
 	done    chan struct{} // closed by Close
 	stopped chan struct{} // closed when the loop has exited
 	once    sync.Once
+	cancel  context.CancelFunc // ends the loop's calls in flight (Close)
 	mu      struct {
 		sync.Mutex
 		want map[string][]byte // key -> value
@@ -80,7 +81,9 @@ func NewRegistrar(cfg RegistrarConfig) (*Registrar, error) {
 	}
 	r := &Registrar{cfg: cfg, log: cfg.Logger, wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
 	r.mu.want = map[string][]byte{}
-	go r.loop()
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go r.loop(ctx)
 	return r, nil
 }
 
@@ -115,6 +118,7 @@ func (r *Registrar) Close(ctx context.Context) error {
 	var err error
 	r.once.Do(func() {
 		close(r.done)
+		r.cancel()
 		<-r.stopped
 		if r.lease != 0 {
 			if _, err = r.cfg.Client.Revoke(ctx, r.lease); err != nil {
@@ -128,10 +132,8 @@ func (r *Registrar) Close(ctx context.Context) error {
 }
 
 // loop owns the lease and what was put under it.
-func (r *Registrar) loop() {
+func (r *Registrar) loop(ctx context.Context) {
 	defer close(r.stopped)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
 	m := r.cfg.Metrics
 	var (
 		lease     clientv3.LeaseID
