@@ -197,3 +197,27 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 	}
 	return n
 }
+
+// peerGoneEvent is Worker.PeerGone in the loop: a registry says the
+// engine is gone (its lease ended).
+func (st *loopState) peerGoneEvent(id, why string) {
+	e := st.engines[id]
+	if e == nil || e.state != hsReady {
+		return
+	}
+	st.peerGone(e, errors.New(why))
+}
+
+// peerGenerationEvent is Worker.PeerGeneration in the loop: a registry
+// says the engine is at generation gen; a handshake of another
+// generation is asked about at once (a probe, whose answer handles the
+// change).
+func (st *loopState) peerGenerationEvent(id string, gen uint64) {
+	e := st.engines[id]
+	if e == nil || e.state != hsReady || e.gen == gen || e.probing {
+		return
+	}
+	st.log.Info("kvxfer: peer engine has a new generation; asking it", "engine", id, "addr", e.addr, "generation", e.gen, "new_generation", gen)
+	e.probing = true
+	st.askResolver(e, st.cfg.HandshakeTimeout, true)
+}

@@ -1,7 +1,5 @@
 package kvxfer
 
-import "errors"
-
 // Peer events from outside: a registry of engines (kvxferd -etcd) that
 // holds each engine under a lease tells the worker when an engine's lease
 // ended or its generation changed, so that what waits on it does not
@@ -32,21 +30,3 @@ func (w *Worker) PeerGeneration(engineID string, gen uint64) error {
 
 // Mode is the worker's mode (push or pull).
 func (w *Worker) Mode() Mode { return w.cfg.Mode }
-
-func (st *loopState) peerGoneEvent(id, why string) {
-	e := st.engines[id]
-	if e == nil || e.state != hsReady {
-		return
-	}
-	st.peerGone(e, errors.New(why))
-}
-
-func (st *loopState) peerGenerationEvent(id string, gen uint64) {
-	e := st.engines[id]
-	if e == nil || e.state != hsReady || e.gen == gen || e.probing {
-		return
-	}
-	st.log.Info("kvxfer: peer engine has a new generation; asking it", "engine", id, "addr", e.addr, "generation", e.gen, "new_generation", gen)
-	e.probing = true
-	st.askResolver(e, st.cfg.HandshakeTimeout, true)
-}
