@@ -150,3 +150,37 @@ func TestRegistryForgedEntryRefusedAtHandshake(t *testing.T) {
 	}
 	t.Logf("forged entry: %s: %s", o.Kind, o.Reason)
 }
+
+// etcd goes down and comes back: nothing in flight breaks. D resolves P
+// from its last view meanwhile, the daemons count and log their failed
+// calls to etcd, and once etcd is back they are registered again and
+// requests resolved by id carry on.
+func TestRegistryEtcdDownKeepsServing(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	dir := world(t)
+	pMetrics, dMetrics := freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-etcd", etcd.Endpoint(), "-etcd-ttl", "2s", "-metrics-listen", pMetrics)
+	d := startDaemon(t, dir, "D", "-etcd", etcd.Endpoint(), "-etcd-ttl", "2s", "-metrics-listen", dMetrics)
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	D := attachByID(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	defer D.Close()
+	inView(t, etcd.Endpoint(), "P", 0, 10*time.Second)
+	transferOnce(t, P, D, "", "before", []topology.BlockID{0, 1}, 10*time.Second, "etcd up")
+	etcd.Kill()
+	transferOnce(t, P, D, "", "down", []topology.BlockID{2, 3}, 10*time.Second, "etcd down: D's last view")
+	time.Sleep(3 * time.Second) // past the TTL: the daemons' keepalives fail
+	transferOnce(t, P, D, "", "down-long", []topology.BlockID{4, 5}, 10*time.Second, "etcd down for longer than the TTL")
+	if m := metricsOf(t, pMetrics); m["kvxfer_registry_errors_total"] == 0 || m["kvxfer_registry_registered"] != 0 {
+		t.Errorf("P's daemon with etcd down: errors %v, registered %v; want errors counted, not registered",
+			m["kvxfer_registry_errors_total"], m["kvxfer_registry_registered"])
+	}
+	etcd.Restart()
+	for deadline := time.Now().Add(10 * time.Second); metricsOf(t, pMetrics)["kvxfer_registry_registered"] != 1; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's daemon not registered again 10 s after etcd came back")
+		}
+	}
+	inView(t, etcd.Endpoint(), "P", 0, 10*time.Second)
+	transferOnce(t, P, D, "", "after", []topology.BlockID{6, 7}, 10*time.Second, "etcd back")
+}
