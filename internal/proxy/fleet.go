@@ -63,7 +63,7 @@ type fleetUpstream struct {
 // fleetTable is the fleet as one request sees it (replaced whole).
 type fleetTable struct {
 	prefill, decode []*fleetUpstream
-	hasDecode       map[string]bool // groups with a decode instance
+	decodes         map[string]int // decode instances by group
 }
 
 // fleetRouter keeps the table current from a Fleet.
@@ -108,7 +108,7 @@ func newFleetMetrics(reg *prometheus.Registry) *fleetMetrics {
 func newFleetRouter(p *Proxy, src Fleet, max int) *fleetRouter {
 	f := &fleetRouter{p: p, src: src, max: max, done: make(chan struct{}), stopped: make(chan struct{}),
 		byID: map[string]*fleetUpstream{}, m: newFleetMetrics(p.m.reg)}
-	f.table.Store(&fleetTable{hasDecode: map[string]bool{}})
+	f.table.Store(&fleetTable{decodes: map[string]int{}})
 	changed := src.Changed()
 	f.rebuild()
 	go f.watch(changed)
@@ -139,7 +139,7 @@ func (f *fleetRouter) watch(changed <-chan struct{}) {
 // rebuild makes a new table from the fleet's instances, keeping the
 // upstream (and its in-flight count) of an instance that did not change.
 func (f *fleetRouter) rebuild() {
-	t := &fleetTable{hasDecode: map[string]bool{}}
+	t := &fleetTable{decodes: map[string]int{}}
 	seen := map[string]bool{}
 	log := f.p.log
 	for _, in := range f.src.Instances() {
@@ -184,7 +184,7 @@ func (f *fleetRouter) rebuild() {
 		}
 		if in.Decode {
 			t.decode = append(t.decode, fu)
-			t.hasDecode[fu.group()] = true
+			t.decodes[fu.group()]++
 		}
 	}
 	for id := range f.byID {
@@ -214,9 +214,9 @@ func (f *fleetRouter) pick(role string, with *upstream) (*upstream, func(), erro
 	for k := range n {
 		c := list[(start+k)%n]
 		switch {
-		case with != nil && c.group() != with.group:
-			continue
-		case with == nil && role == rolePrefill && !t.hasDecode[c.group()]:
+		case with != nil && (c.group() != with.group || c.base == with.base):
+			continue // another group, or the instance itself (one of both roles)
+		case with == nil && role == rolePrefill && t.decodes[c.group()]-btoi(c.inst.Decode) <= 0:
 			continue
 		}
 		if best == nil || c.inflight.Load() < best.inflight.Load() {
@@ -236,3 +236,10 @@ func (f *fleetRouter) pick(role string, with *upstream) (*upstream, func(), erro
 }
 
 func (fu *fleetUpstream) group() string { return string(fu.inst.Mode) + "/" + fu.inst.Group }
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}

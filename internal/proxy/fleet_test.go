@@ -181,3 +181,22 @@ func TestFleetLeastInFlight(t *testing.T) {
 		t.Errorf("both requests went to %s while the other P had none in flight", first)
 	}
 }
+
+// An instance of both roles is never paired with itself.
+func TestFleetNoSelfPair(t *testing.T) {
+	e, fl := fleetEnv(t, ModePush, 1, 1)
+	both := inst(e.ps[0], "A")
+	both.Decode = true
+	fl.set(both)
+	waitFleet(t, e.p, 1, 1)
+	if code, body := e.do(testCtx(t), "/v1/completions", `{"prompt":"hi"}`); code != http.StatusServiceUnavailable {
+		t.Errorf("one instance of both roles: status %d (%s), want 503", code, body)
+	}
+	fl.set(both, inst(e.ds[0], "A"))
+	waitFleet(t, e.p, 1, 2)
+	for _, pr := range pairs(t, e, 3) {
+		if pr != [2]string{"p0", "d0"} {
+			t.Errorf("request went to %v, want p0 and d0", pr)
+		}
+	}
+}
