@@ -97,7 +97,7 @@ func register(t *testing.T, ep string, f *fakeVLLM, id, role string) (*registry.
 	}
 	u, _ := url.Parse(f.srv.URL)
 	if err := r.Set([]registry.Entry{{EngineID: id, Role: role, Mode: "push", CompatHash: "h", TPSize: 1, PPSize: 1,
-		Ranks: []registry.Rank{{Peer: u.Host}}, Generation: 1, URL: f.srv.URL}}); err != nil {
+		Ranks: []registry.Rank{{Peer: u.Host}}, Generation: uint64(time.Now().UnixNano()), URL: f.srv.URL}}); err != nil {
 		t.Fatal(err)
 	}
 	return r, cl
@@ -150,8 +150,10 @@ func TestRouterPicksUpNewInstance(t *testing.T) {
 // keepalives stop) at random for a bounded time while clients send
 // requests through the router. Every request gets exactly one answer,
 // every P and D sees each transfer id at most once, and no request is
-// routed to an instance more than 1 s after its lease ended (a clean
-// leave ends it at once, a death within the TTL, 2 s).
+// routed to an instance more than 1 s after its lease ended (when etcd
+// deleted its entry, as watched: at once for a clean leave, about the
+// TTL, 2 s, after a death). A slot that rejoins is a new instance (a new
+// server, a new generation) under the same engine id.
 func TestFleetChurn(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	rt := &routed{rt: http.DefaultTransport}
@@ -216,6 +218,33 @@ func TestFleetChurn(t *testing.T) {
 			}
 		}()
 	}
+	// When each lease ended: when etcd deleted its key, as a watcher sees
+	// it (etcd revokes an expired lease within about half a second of its
+	// TTL).
+	var leftMu sync.Mutex
+	left := map[string]time.Time{}
+	wcl, err := registry.Dial(registry.ClientConfig{Endpoints: etcd.Endpoint()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wcl.Close()
+	wctx, wcancel := context.WithCancel(context.Background())
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		for resp := range wcl.Watch(wctx, registry.EnginesPrefix("/kvxfer"), clientv3.WithPrefix()) {
+			now := time.Now()
+			for _, ev := range resp.Events {
+				if ev.Type == clientv3.EventTypeDelete {
+					k := string(ev.Kv.Key)
+					leftMu.Lock()
+					left[k[strings.LastIndexByte(k, '/')+1:]] = now
+					leftMu.Unlock()
+				}
+			}
+		}
+	}()
+	defer func() { wcancel(); <-watched }()
 	rng := rand.New(rand.NewPCG(1, 2))
 	joins, leaves, deaths := 0, 0, 0
 	for end := time.Now().Add(churn); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
@@ -230,7 +259,9 @@ func TestFleetChurn(t *testing.T) {
 			join(i, s)
 			joins++
 		case rng.IntN(2) == 0: // a clean leave: the lease ends now
-			_ = s.reg.Close(context.Background())
+			if err := s.reg.Close(context.Background()); err != nil {
+				t.Logf("clean leave of %s: %v", u.Host, err)
+			}
 			ended[u.Host] = time.Now()
 			s.cl.Close()
 			s.f.srv.Close()
@@ -266,9 +297,21 @@ func TestFleetChurn(t *testing.T) {
 		}
 		f.mu.Unlock()
 	}
+	time.Sleep(ttl + time.Second) // the last leases end
+	leftMu.Lock()
+	for h, at := range left {
+		if _, ok := ended[h]; ok {
+			ended[h] = at // etcd's time (as watched), not the test's bound
+		}
+	}
+	leftMu.Unlock()
 	late := 0
+	var lag time.Duration // the latest a request was routed past a lease's end
 	rt.mu.Lock()
 	for i, h := range rt.host {
+		if e, ok := ended[h]; ok {
+			lag = max(lag, rt.at[i].Sub(e))
+		}
 		if e, ok := ended[h]; ok && rt.at[i].After(e.Add(time.Second)) {
 			late++
 			t.Errorf("a request was routed to %s %v after its lease ended", h, rt.at[i].Sub(e).Round(time.Millisecond))
@@ -281,6 +324,6 @@ func TestFleetChurn(t *testing.T) {
 		summary = append(summary, fmt.Sprintf("%v: %d", k, v.(*atomic.Int64).Load()))
 		return true
 	})
-	t.Logf("churn %v over %d instance slots: %d joins, %d clean leaves, %d deaths; %d requests (%s), %d upstream calls, %d routed more than 1 s after a lease ended",
-		churn, n, joins, leaves, deaths, sent.Load(), strings.Join(summary, ", "), total, late)
+	t.Logf("churn %v over %d instance slots: %d joins, %d clean leaves, %d deaths; %d requests (%s), %d upstream calls, %d routed more than 1 s after a lease ended (the latest %v after)",
+		churn, n, joins, leaves, deaths, sent.Load(), strings.Join(summary, ", "), total, late, lag.Round(time.Millisecond))
 }
