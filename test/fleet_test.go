@@ -126,6 +126,17 @@ func TestRouterPicksUpNewInstance(t *testing.T) {
 		if code := post(client, base); code != http.StatusServiceUnavailable {
 			t.Fatalf("empty fleet: status %d, want 503", code)
 		}
+		resp, err := client.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, name := range []string{"kvxfer_proxy_fleet_upstreams", "kvxfer_registry_errors_total", "kvxfer_registry_events_total"} {
+			if !strings.Contains(string(b), name) {
+				t.Errorf("the router's /metrics has no %s", name)
+			}
+		}
 		P, D := newFakeVLLM(t), newFakeVLLM(t)
 		rp, cp := register(t, etcd.Endpoint(), P, "p-new", registry.RoleProducer)
 		rd, cd := register(t, etcd.Endpoint(), D, "d-new", registry.RoleConsumer)

@@ -5,6 +5,8 @@ import (
 	"net"
 	"strconv"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/proxy"
 )
@@ -18,17 +20,26 @@ func ProxyFleet(ff proxy.FleetFlags, log *slog.Logger) (proxy.Fleet, func(), err
 	if err != nil {
 		return nil, nil, err
 	}
-	v, err := registry.NewView(registry.ViewConfig{Client: cl, Prefix: ff.Prefix, Logger: log})
+	m := registry.NewMetrics(nil)
+	v, err := registry.NewView(registry.ViewConfig{Client: cl, Prefix: ff.Prefix, Logger: log, Metrics: m})
 	if err != nil {
 		cl.Close()
 		return nil, nil, err
 	}
 	log.Info("kvxferd proxy: fleet from etcd", "endpoints", ff.Endpoints, "prefix", ff.Prefix)
-	return viewFleet{v}, func() { v.Close(); cl.Close() }, nil
+	return viewFleet{v, m}, func() { v.Close(); cl.Close() }, nil
 }
 
 // viewFleet is a registry.View as a proxy.Fleet.
-type viewFleet struct{ v *registry.View }
+type viewFleet struct {
+	v *registry.View
+	m *registry.Metrics
+}
+
+var _ proxy.FleetCollectors = viewFleet{}
+
+// Collectors are the registry's metrics (proxy.FleetCollectors).
+func (f viewFleet) Collectors() []prometheus.Collector { return f.m.Collectors() }
 
 func (f viewFleet) Changed() <-chan struct{} { return f.v.Changed() }
 

@@ -105,9 +105,18 @@ func newFleetMetrics(reg *prometheus.Registry) *fleetMetrics {
 	return m
 }
 
+// FleetCollectors is a Fleet that has metrics of its own (the registry's
+// errors and refusals): the proxy exports them beside its own.
+type FleetCollectors interface {
+	Collectors() []prometheus.Collector
+}
+
 func newFleetRouter(p *Proxy, src Fleet, max int) *fleetRouter {
 	f := &fleetRouter{p: p, src: src, max: max, done: make(chan struct{}), stopped: make(chan struct{}),
 		byID: map[string]*fleetUpstream{}, m: newFleetMetrics(p.m.reg)}
+	if fc, ok := src.(FleetCollectors); ok {
+		p.m.reg.MustRegister(fc.Collectors()...)
+	}
 	f.table.Store(&fleetTable{decodes: map[string]int{}})
 	changed := src.Changed()
 	f.rebuild()
