@@ -111,7 +111,9 @@ func (st *loopState) probeDone(h *hsResult) {
 		if errors.Is(h.err, context.Canceled) && h.closing {
 			return // closing
 		}
-		if silent := st.now.Sub(e.lastAlive); silent >= st.cfg.PeerTimeout {
+		// Probes off (negative PeerTimeout): only a registry's
+		// PeerGeneration asked, and an unanswered question is no verdict.
+		if silent := st.now.Sub(e.lastAlive); st.cfg.PeerTimeout >= 0 && silent >= st.cfg.PeerTimeout {
 			st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), h.err))
 		}
 		return
@@ -194,4 +196,28 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 		st.tryReport(r)
 	}
 	return n
+}
+
+// peerGoneEvent is Worker.PeerGone in the loop: a registry says the
+// engine is gone (its lease ended).
+func (st *loopState) peerGoneEvent(id, why string) {
+	e := st.engines[id]
+	if e == nil || e.state != hsReady {
+		return
+	}
+	st.peerGone(e, errors.New(why))
+}
+
+// peerGenerationEvent is Worker.PeerGeneration in the loop: a registry
+// says the engine is at generation gen; a handshake of another
+// generation is asked about at once (a probe, whose answer handles the
+// change).
+func (st *loopState) peerGenerationEvent(id string, gen uint64) {
+	e := st.engines[id]
+	if e == nil || e.state != hsReady || e.gen == gen || e.probing {
+		return
+	}
+	st.log.Info("kvxfer: peer engine has a new generation; asking it", "engine", id, "addr", e.addr, "generation", e.gen, "new_generation", gen)
+	e.probing = true
+	st.askResolver(e, st.cfg.HandshakeTimeout, true)
 }

@@ -20,7 +20,7 @@ func livePair(t *testing.T, timeout time.Duration) (dir *kvxfertest.Directory, p
 	dir = kvxfertest.NewDirectory()
 	p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
 	d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, func(c *kvxfer.WorkerConfig) {
-		c.PeerTimeout, c.FenceTimeout = timeout, 2*timeout
+		c.PeerTimeout, c.FenceTimeout = timeout, max(2*timeout, time.Second) // negative: probes off
 	})
 	t.Cleanup(func() { d.close(t) })
 	groups := d.ranks[0][0].Layout.GroupList()

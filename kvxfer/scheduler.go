@@ -20,6 +20,10 @@ type SchedulerConfig struct {
 	Addr string
 	// Mode is push or pull (required).
 	Mode Mode
+	// ResolveByID accepts transfer params that name the remote engine
+	// without an address (RemoteAddr empty): the workers' Resolver finds
+	// it by its id (kvxferd -etcd's registry).
+	ResolveByID bool
 	// TPSize and PPSize are this engine's parallelism (0 means 1).
 	TPSize, PPSize int
 	// LogicalBlockSize is the scheduler's block size in tokens (required).
@@ -298,7 +302,7 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 	if p.RemoteEngineID == "" {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteEngineID is empty")
 	}
-	if p.RemoteAddr == "" {
+	if p.RemoteAddr == "" && !s.cfg.ResolveByID {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteAddr is empty")
 	}
 	if p.RemoteRequestID == "" && p.TransferID == "" {

@@ -47,7 +47,7 @@ func run(args []string) error {
 		// The demo simulates engines, which kvxferd does not link.
 		return errors.New("the demo is a command of its own: go run ./cmd/kvxfer-demo (in kvxfer's source tree; same flags)")
 	case "proxy":
-		err := proxy.Main(args)
+		err := proxy.MainWithFleet(args, daemon.ProxyFleet)
 		if err != nil && !errors.Is(err, flag.ErrHelp) {
 			err = fmt.Errorf("proxy: %w", err)
 		}

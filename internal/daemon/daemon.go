@@ -56,6 +56,7 @@ type config struct {
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, peerTimeout                                                 time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
+	etcd                                                                                                etcdConfig
 }
 
 // flagSet defines kvxferd serve's flags on c, with their defaults: the
@@ -112,6 +113,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
 	fs.BoolVar(&c.ownProcessOnly, "own-process-only", false, "serve engine connections from this process only (SO_PEERCRED pid), "+
 		"refusing the others: libkvxfer's in-process placement, whose abstract socket any local process could reach")
+	etcdFlags(fs, &c.etcd)
 	return fs
 }
 
@@ -191,7 +193,7 @@ func (c *config) validate() error {
 	if c.nixlProgressDelay < 0 || c.nixlProgressDelay > time.Second {
 		return fmt.Errorf("-nixl-progress-delay = %v, want 0 to 1s", c.nixlProgressDelay)
 	}
-	return nil
+	return c.etcd.validate()
 }
 
 // progressDelay is nixl.Config.ProgressDelay for -nixl-progress-delay
@@ -407,6 +409,7 @@ type instance struct {
 	eng, peer *grpc.Server
 	hs        *health.Server
 	httpSrv   *http.Server
+	fleet     *fleet // -etcd's registry, or nil
 	serveErr  chan error
 	advertise string
 	// cleanup undoes what start did, in reverse order.
@@ -462,9 +465,19 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		allow = al.Check
 	}
 	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
+	var onEngines func()
+	var lookup func(string) (string, error)
+	if c.etcd.client.Endpoints != "" {
+		if in.fleet, err = startFleet(&c.etcd, in.advertise, log); err != nil {
+			return nil, err
+		}
+		in.cleanup = append(in.cleanup, in.fleet.close)
+		onEngines, lookup = in.fleet.enginesChanged, in.fleet.lookup
+	}
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
+		OnEnginesChanged: onEngines, PeerLookup: lookup,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
@@ -478,6 +491,9 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	in.srv = srv
 	in.cleanup = append(in.cleanup, func() { srv.Close() })
+	if in.fleet != nil {
+		in.fleet.attach(srv)
+	}
 	if c.backend == "nixl" {
 		lib, err := setupNixl(c.nixlAnyVersion, log, inProcess)
 		if err != nil {
@@ -507,6 +523,9 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if c.metricsListen != "" {
 		reg := prometheus.NewRegistry()
 		collectorsFor := []prometheus.Collector{newCollector(srv, auth), collectors.NewGoCollector()}
+		if in.fleet != nil {
+			collectorsFor = append(collectorsFor, in.fleet.metrics.Collectors()...)
+		}
 		if !inProcess { // the engine's process is not kvxfer's to describe
 			collectorsFor = append(collectorsFor, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		}

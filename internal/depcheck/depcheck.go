@@ -120,7 +120,7 @@ func allowed(dep string, list []string) bool {
 // simulator: simulated engines, the test agent and its RPC, test doubles
 // and harnesses, daemons run as child processes with their fault hooks.
 var TestOnly = []string{"internal/simengine", "internal/kvsim", "internal/agentrpc", "internal/leakcheck",
-	"internal/daemon/daemontest", "internal/peerauth/pkitest", "kvxfer/kvxfertest"}
+	"internal/daemon/daemontest", "internal/daemon/registry/etcdtest", "internal/peerauth/pkitest", "kvxfer/kvxfertest"}
 
 // Production lists the commands kvxfer ships: they link no TestOnly
 // package (issue 15: kvxferd links neither the simulator nor the test

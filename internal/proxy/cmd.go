@@ -20,6 +20,7 @@ import (
 // flags is `kvxferd proxy`'s command line.
 type flags struct {
 	cfg          Config
+	fleet        FleetFlags
 	listen       string
 	logLevel     string
 	drainTimeout time.Duration
@@ -97,6 +98,14 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	fs.IntVar(&f.cfg.MaxConcurrent, "max-concurrent", DefaultMaxConcurrent, "requests served at once (503 above)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for requests in flight")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.fleet.Endpoints, "etcd", "", "etcd endpoints, comma-separated: route over the P and D instances registered there "+
+		"(kvxferd -etcd -etcd-url), learned as they register and forgotten when their lease ends, instead of -prefill and -decode")
+	fs.StringVar(&f.fleet.CA, "etcd-ca", "", "CA (PEM) of etcd's certificate: TLS to etcd")
+	fs.StringVar(&f.fleet.Cert, "etcd-cert", "", "client certificate (PEM) for etcd, with -etcd-key")
+	fs.StringVar(&f.fleet.Key, "etcd-key", "", "the key of -etcd-cert (PEM)")
+	fs.BoolVar(&f.fleet.Insecure, "etcd-insecure", false, "allow plain-text -etcd endpoints off loopback")
+	fs.StringVar(&f.fleet.Prefix, "etcd-prefix", "/kvxfer", "key prefix of the registry in etcd")
+	fs.IntVar(&f.cfg.MaxFleet, "max-fleet", DefaultMaxFleet, "instances of the -etcd fleet routed over at most")
 	// Environment first (KVXFERD_PROXY_<FLAG>), flags override.
 	var envErr error
 	fs.VisitAll(func(fl *flag.Flag) {
@@ -121,10 +130,15 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 		return nil, fmt.Errorf("-listen = %q: %w", f.listen, err)
 	}
 	f.cfg.Mode, f.cfg.Policy = Mode(mode), Policy(policy) // checked by Set
-	if len(prefill.items) == 0 {
+	switch {
+	case f.fleet.Endpoints != "" && (len(prefill.items) > 0 || len(decode.items) > 0):
+		return nil, errors.New("-etcd with -prefill or -decode: route over the registry's fleet or over fixed lists, not both")
+	case f.fleet.Endpoints != "" && f.cfg.MaxFleet <= 0:
+		return nil, fmt.Errorf("-max-fleet = %d, want > 0", f.cfg.MaxFleet)
+	case f.fleet.Endpoints != "":
+	case len(prefill.items) == 0:
 		return nil, errors.New("-prefill: no P server given, want at least one")
-	}
-	if len(decode.items) == 0 {
+	case len(decode.items) == 0:
 		return nil, errors.New("-decode: no D server given, want at least one")
 	}
 	for _, s := range prefill.items {
@@ -166,10 +180,35 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 // Main runs `kvxferd proxy` with command-line flags (also read from
 // KVXFERD_PROXY_<FLAG>) until SIGTERM or SIGINT, then shuts down
 // gracefully.
-func Main(args []string) error {
+func Main(args []string) error { return MainWithFleet(args, nil) }
+
+// FleetFlags are `kvxferd proxy`'s -etcd flags, for OpenFleet.
+type FleetFlags struct {
+	Endpoints, CA, Cert, Key, Prefix string
+	Insecure                         bool
+}
+
+// OpenFleet opens the Fleet of -etcd; stop stops it (after the proxy
+// closed).
+type OpenFleet func(FleetFlags, *slog.Logger) (f Fleet, stop func(), err error)
+
+// MainWithFleet is Main, with open opening the fleet of -etcd (nil: the
+// build has none, and -etcd is an error).
+func MainWithFleet(args []string, open OpenFleet) error {
 	f, err := parseFlags(args, os.Stderr)
 	if err != nil {
 		return err
+	}
+	if f.fleet.Endpoints != "" {
+		if open == nil {
+			return errors.New("-etcd: this build of the proxy has no registry")
+		}
+		fl, stop, err := open(f.fleet, f.cfg.Logger)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		f.cfg.Fleet = fl
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -202,7 +241,7 @@ func serve(ctx context.Context, ln net.Listener, cfg Config, drain time.Duration
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ln) }()
 	log.Info("kvxferd proxy: serving", "addr", ln.Addr().String(), "mode", p.cfg.Mode, "policy", p.cfg.Policy,
-		"prefill", len(p.prefill), "decode", len(p.decode))
+		"prefill", len(p.prefill), "decode", len(p.decode), "fleet", p.fleet != nil)
 	var err2 error
 	select {
 	case <-ctx.Done():

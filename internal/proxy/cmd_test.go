@@ -75,6 +75,9 @@ func TestParseFlagsErrors(t *testing.T) {
 		{"max concurrent", []string{"-max-concurrent", "-3", "-prefill", goodP, "-decode", goodD}, []string{"-max-concurrent", "-3"}},
 		{"log level", []string{"-log-level", "loud", "-prefill", goodP, "-decode", goodD}, []string{"-log-level", "loud"}},
 		{"argument", []string{"-prefill", goodP, "-decode", goodD, "extra"}, []string{"extra"}},
+		{"etcd alone", []string{"-etcd", "127.0.0.1:2379"}, nil},
+		{"etcd with fixed lists", []string{"-etcd", "127.0.0.1:2379", "-prefill", goodP}, []string{"-etcd", "-prefill"}},
+		{"etcd max fleet", []string{"-etcd", "127.0.0.1:2379", "-max-fleet", "0"}, []string{"-max-fleet", "0"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := parseFlags(tc.args, io.Discard)

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -207,6 +208,12 @@ type Config struct {
 	// own that ignores HTTP_PROXY (upstreams are cluster-internal).
 	Transport http.RoundTripper
 	Logger    *slog.Logger // nil means slog.Default()
+	// Fleet, when set, is what the proxy routes over instead of Prefill
+	// and Decode (which must then be empty): instances that come and go
+	// (kvxferd proxy -etcd). MaxFleet bounds the instances it takes
+	// (0 means DefaultMaxFleet).
+	Fleet    Fleet
+	MaxFleet int
 }
 
 // fill validates c and fills its defaults, naming the bad field.
@@ -225,10 +232,16 @@ func (c *Config) fill() error {
 	default:
 		return fmt.Errorf("proxy: Config.Policy = %q, want round-robin or least-loaded", c.Policy)
 	}
-	if len(c.Prefill) == 0 {
+	switch {
+	case c.Fleet != nil && (len(c.Prefill) > 0 || len(c.Decode) > 0):
+		return errors.New("proxy: Config.Fleet with Config.Prefill or Config.Decode: route over a fleet or fixed lists, not both")
+	case c.MaxFleet < 0:
+		return fmt.Errorf("proxy: Config.MaxFleet = %d, want >= 0", c.MaxFleet)
+	case c.Fleet != nil:
+		c.MaxFleet = cmp.Or(c.MaxFleet, DefaultMaxFleet)
+	case len(c.Prefill) == 0:
 		return errors.New("proxy: Config.Prefill is empty, want at least one P server")
-	}
-	if len(c.Decode) == 0 {
+	case len(c.Decode) == 0:
 		return errors.New("proxy: Config.Decode is empty, want at least one D server")
 	}
 	c.Prefill = append([]Prefill(nil), c.Prefill...)

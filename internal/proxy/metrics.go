@@ -14,6 +14,7 @@ const (
 	outcomePrefillFail = "prefill_failed" // P failed (HTTP status, connection, no kv_transfer_params)
 	outcomeDecodeFail  = "decode_failed"  // D failed (connection, HTTP status relayed, stream broken)
 	outcomeCanceled    = "canceled"       // the client went away
+	outcomeNoUpstream  = "no_upstream"    // a Fleet has no live, compatible P and D now
 )
 
 // Upstream error kinds (the kind label).

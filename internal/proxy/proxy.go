@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -51,6 +52,10 @@ type upstream struct {
 	base     string  // base URL, no trailing slash
 	prefill  Prefill // P servers only
 	inflight prometheus.Gauge
+	// label is the upstream label of its error metrics (default base):
+	// "fleet" for a Fleet's instances, whose URLs come and go.
+	label string
+	group string // a Fleet's instance: its compatibility group
 }
 
 // Proxy is the OpenAI-compatible router in front of P and D servers. It is
@@ -66,6 +71,7 @@ type Proxy struct {
 	own     *http.Transport // the default transport, closed by Close; nil with Config.Transport
 	m       *metrics
 	mux     *http.ServeMux
+	fleet   *fleetRouter // Config.Fleet's, or nil
 	mu      struct {
 		sync.Mutex
 		active  int  // requests admitted and not yet ended
@@ -82,6 +88,9 @@ func New(cfg Config) (*Proxy, error) {
 	p := &Proxy{cfg: cfg, log: cfg.Logger, m: newMetrics(),
 		ppool: newPool(cfg.Policy, len(cfg.Prefill)), dpool: newPool(cfg.Policy, len(cfg.Decode))}
 	p.mu.drained = make(chan struct{})
+	if cfg.Fleet != nil {
+		p.fleet = newFleetRouter(p, cfg.Fleet, cfg.MaxFleet)
+	}
 	for _, pf := range cfg.Prefill {
 		p.prefill = append(p.prefill, &upstream{role: rolePrefill, base: pf.URL, prefill: pf,
 			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL)})
@@ -134,6 +143,9 @@ func (p *Proxy) Close() error {
 	}
 	p.mu.Unlock()
 	<-p.mu.drained
+	if p.fleet != nil {
+		p.fleet.close()
+	}
 	if p.own != nil {
 		p.own.CloseIdleConnections()
 	}
@@ -165,8 +177,13 @@ func (p *Proxy) leave() {
 }
 
 // pick chooses an upstream of a role and counts a request in flight on
-// it until release is called (once).
-func (p *Proxy) pick(role string) (u *upstream, release func()) {
+// it until release is called (once). With a Fleet, the upstream is one
+// of with's group (with nil: a prefill instance of a group that has a
+// decode instance), and there may be none (errNoPair).
+func (p *Proxy) pick(role string, with *upstream) (u *upstream, release func(), err error) {
+	if p.fleet != nil {
+		return p.fleet.pick(role, with)
+	}
 	pl, list := p.ppool, p.prefill
 	if role == roleDecode {
 		pl, list = p.dpool, p.decode
@@ -177,7 +194,15 @@ func (p *Proxy) pick(role string) (u *upstream, release func()) {
 	return u, func() {
 		u.inflight.Dec()
 		pl.release(i)
-	}
+	}, nil
+}
+
+// noPair answers a request that found no live, compatible P and D (a
+// Fleet's): 503, to retry.
+func (p *Proxy) noPair(w http.ResponseWriter, rec *record, err error) {
+	rec.outcome, rec.err = outcomeNoUpstream, err
+	w.Header().Set("Retry-After", "1")
+	writeError(w, http.StatusServiceUnavailable, "no_upstream", err.Error())
 }
 
 // record is what one client request logs and counts.
@@ -384,7 +409,7 @@ func (c cancelOnClose) Close() error {
 // left or the other side failed, which is not this upstream's fault.
 func (p *Proxy) upstreamError(ctx context.Context, u *upstream, kind string) {
 	if ctx.Err() == nil {
-		p.m.upstreamErrs.WithLabelValues(u.role, u.base, kind).Inc()
+		p.m.upstreamErrs.WithLabelValues(u.role, cmp.Or(u.label, u.base), kind).Inc()
 	}
 }
 
@@ -501,7 +526,11 @@ func (p *Proxy) generate(ep endpoint) http.HandlerFunc {
 // returned.
 func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep endpoint, body map[string]any) {
 	ctx := r.Context()
-	pu, releaseP := p.pick(rolePrefill)
+	pu, releaseP, err := p.pick(rolePrefill, nil)
+	if err != nil {
+		p.noPair(w, rec, err)
+		return
+	}
 	rec.prefill = pu.base
 	pBody := prefillBody(body, ep, map[string]any{
 		"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": rec.transfer,
@@ -513,7 +542,11 @@ func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep end
 		p.failed(w, rec, ctx, outcomePrefillFail, res.err, false)
 		return
 	}
-	du, releaseD := p.pick(roleDecode)
+	du, releaseD, err := p.pick(roleDecode, pu)
+	if err != nil {
+		p.noPair(w, rec, err)
+		return
+	}
 	defer releaseD()
 	rec.decode = du.base
 	p.runDecode(w, r, ctx, ctx, du, ep.path, withParams(body, res.params), rec, nil)
@@ -526,8 +559,17 @@ func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep end
 // stream is cut.
 func (p *Proxy) push(w http.ResponseWriter, r *http.Request, rec *record, ep endpoint, body map[string]any) {
 	ctx := r.Context()
-	pu, releaseP := p.pick(rolePrefill)
-	du, releaseD := p.pick(roleDecode)
+	pu, releaseP, err := p.pick(rolePrefill, nil)
+	if err != nil {
+		p.noPair(w, rec, err)
+		return
+	}
+	du, releaseD, err := p.pick(roleDecode, pu)
+	if err != nil {
+		releaseP()
+		p.noPair(w, rec, err)
+		return
+	}
 	defer releaseD()
 	rec.prefill, rec.decode = pu.base, du.base
 	pBody := prefillBody(body, ep, map[string]any{
@@ -652,7 +694,11 @@ func (p *Proxy) models(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer p.end(rec, start)
-	du, releaseD := p.pick(roleDecode)
+	du, releaseD, err := p.pick(roleDecode, nil)
+	if err != nil {
+		p.noPair(w, rec, err)
+		return
+	}
 	defer releaseD()
 	rec.decode = du.base
 	p.runDecode(w, r, r.Context(), r.Context(), du, "/v1/models", nil, rec, nil)

@@ -36,6 +36,9 @@ type Config struct {
 	// Version is the engine version that goes into the compatibility
 	// hash; both ends of a transfer must agree on it.
 	Version string
+	// ResolveByID lets transfer params name a producer without an
+	// address (its daemon's -etcd registry finds it).
+	ResolveByID bool
 }
 
 // Engine is an attached engine. Its fields are for the engine's own loop;
@@ -100,7 +103,7 @@ func (e *Engine) attach(cfg *Config) error {
 		}
 		e.Streams = append(e.Streams, rs)
 	}
-	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise,
+	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise, ResolveByID: cfg.ResolveByID,
 		TPSize: cfg.Engine.TP, LogicalBlockSize: cfg.Engine.LogicalBlock, Groups: e.Ranks[0].Layout.GroupList()}); err != nil {
 		return err
 	}

@@ -99,6 +99,10 @@ type ResolverConfig struct {
 	// to (default 256): engines name the addresses, so their number is
 	// theirs to grow.
 	MaxConns int
+	// Lookup, when set, finds the address of an engine named without
+	// one (a registry: kvxferd -etcd). The address it gives is dialed
+	// like any other: Allow and the peer credentials still apply.
+	Lookup func(engineID string) (string, error)
 }
 
 // NewPeerResolver returns a resolver with cfg (the zero ResolverConfig:
@@ -200,6 +204,13 @@ func (r *PeerResolver) Conns() int {
 // result lists every rank, under a generation that changes whenever one
 // of theirs does (a rank's process restarted).
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
+	if addr == "" && r.cfg.Lookup != nil {
+		a, err := r.cfg.Lookup(engineID)
+		if err != nil {
+			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, err)
+		}
+		addr = a
+	}
 	out, base, err := r.handshakeOne(ctx, engineID, addr)
 	if err != nil || base == 0 {
 		return out, err

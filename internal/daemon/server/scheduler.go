@@ -27,6 +27,9 @@ type schedulers struct {
 	// publishWait bounds a rank's wait for a step_ref's metadata
 	// (Config.PublishWait).
 	publishWait time.Duration
+	// resolveByID: engines may be named without an address (a registry
+	// finds them: Config.PeerLookup).
+	resolveByID bool
 	mu          sync.Mutex
 	m           *xsync.Map[string, *lockedScheduler]
 }
@@ -105,7 +108,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
-		Layerwise: c.Layerwise}
+		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID}
 	for i, g := range c.Groups {
 		w, err := stream.FitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
 		if err != nil {

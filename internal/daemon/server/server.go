@@ -165,6 +165,15 @@ type Config struct {
 	// ResourceExhausted.
 	MaxStreams, MaxStreamsPerUID int
 	Logger                       *slog.Logger
+	// OnEnginesChanged, when set, is called (under the server's lock:
+	// it must not block) whenever an engine's ranks change, for a
+	// registry to publish Published again (kvxferd -etcd).
+	OnEnginesChanged func()
+	// PeerLookup, when set, finds the Peer service address of an engine
+	// named without one (transfer params without an address), by its id:
+	// kvxferd -etcd's registry. The default resolver uses it; consumers'
+	// schedulers then take params without an address.
+	PeerLookup func(engineID string) (string, error)
 }
 
 // Server implements the kvxfer.v1 WorkerService and PeerService. It is
@@ -298,7 +307,7 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -310,7 +319,8 @@ func New(cfg Config) (*Server, error) {
 				return err
 			}
 		}
-		s.resolver = NewPeerResolver(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow})
+		s.resolver = NewPeerResolver(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow,
+			Lookup: cfg.PeerLookup})
 		s.cfg.Resolver = s.resolver
 	}
 	s.engines = xsync.NewMap[string, *engineEntry]()
@@ -456,10 +466,16 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker, be Backend) err
 func (s *Server) storeLocked(engine string, ranks map[[2]int]*rankEntry) {
 	if len(ranks) == 0 {
 		s.engines.Delete(engine)
+		if s.cfg.OnEnginesChanged != nil {
+			s.cfg.OnEnginesChanged()
+		}
 		return
 	}
 	s.mu.gen++
 	s.engines.Store(engine, &engineEntry{gen: s.mu.gen, ranks: ranks})
+	if s.cfg.OnEnginesChanged != nil {
+		s.cfg.OnEnginesChanged()
+	}
 }
 
 func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) {

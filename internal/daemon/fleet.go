@@ -1,0 +1,200 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"sync/atomic"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvxfer/kvxfer/internal/daemon/registry"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
+)
+
+// The fleet registry (kvxferd -etcd, off by default): the daemon
+// publishes the engines it serves in etcd under a lease, and watches the
+// other engines' entries, so that its consumers resolve producers by id
+// and learn at once when one's lease ends or it registers again. See
+// docs/registry.md for the failure model.
+
+// etcdConfig is the registry's part of the daemon's configuration.
+type etcdConfig struct {
+	client     registry.ClientConfig
+	prefix     string
+	ttl        time.Duration
+	role, url  string
+	maxEngines int
+}
+
+func etcdFlags(fs *flag.FlagSet, c *etcdConfig) {
+	fs.StringVar(&c.client.Endpoints, "etcd", "", "etcd endpoints, comma-separated (host:port, http:// or https://): publish the engines served here "+
+		"in a fleet registry under a lease, and resolve and watch peer engines through it (unset: no registry)")
+	fs.StringVar(&c.client.CA, "etcd-ca", "", "CA (PEM) of etcd's certificate: TLS to etcd")
+	fs.StringVar(&c.client.Cert, "etcd-cert", "", "client certificate (PEM) for etcd, with -etcd-key")
+	fs.StringVar(&c.client.Key, "etcd-key", "", "the key of -etcd-cert (PEM)")
+	fs.BoolVar(&c.client.Insecure, "etcd-insecure", false, "allow plain-text -etcd endpoints off loopback (anyone on the path may read and forge the registry; "+
+		"peer authentication still decides who moves KV)")
+	fs.StringVar(&c.prefix, "etcd-prefix", "/kvxfer", "key prefix of the registry in etcd")
+	fs.DurationVar(&c.ttl, "etcd-ttl", registry.DefaultTTL, "lease of this daemon's entries: an engine whose daemon dies leaves the fleet within it")
+	fs.StringVar(&c.role, "etcd-role", registry.RoleBoth, "role published for the engines served here: producer, consumer or both (routers pair producers with consumers)")
+	fs.StringVar(&c.url, "etcd-url", "", "serving URL (the engine's OpenAI server) published for the engines served here, for routers")
+	fs.IntVar(&c.maxEngines, "etcd-max-engines", registry.DefaultMaxEntries, "registry entries this daemon's view holds at most")
+}
+
+func (c *etcdConfig) validate() error {
+	if c.client.Endpoints == "" {
+		return nil
+	}
+	if err := c.client.Validate(); err != nil {
+		return err
+	}
+	if c.ttl < 2*time.Second || c.ttl%time.Second != 0 {
+		return fmt.Errorf("-etcd-ttl = %v, want whole seconds, at least 2s", c.ttl)
+	}
+	if c.role != registry.RoleProducer && c.role != registry.RoleConsumer && c.role != registry.RoleBoth {
+		return fmt.Errorf("-etcd-role = %q, want producer, consumer or both", c.role)
+	}
+	if c.url != "" {
+		if u, err := url.Parse(c.url); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil || u.RawQuery != "" {
+			return fmt.Errorf("-etcd-url = %q, want an http or https base URL without credentials or query", c.url)
+		}
+	}
+	if c.maxEngines <= 0 {
+		return fmt.Errorf("-etcd-max-engines = %d, want > 0", c.maxEngines)
+	}
+	return nil
+}
+
+// fleet is a started registry.
+type fleet struct {
+	c         *etcdConfig
+	log       *slog.Logger
+	advertise string
+	cl        *clientv3.Client
+	view      *registry.View
+	reg       *registry.Registrar
+	metrics   *registry.Metrics
+	srv       atomic.Pointer[server.Server]
+	wake      chan struct{} // 1-slot: the served engines changed
+	done      chan struct{}
+	stopped   chan struct{}
+}
+
+// startFleet connects to etcd (without waiting for it) and starts the
+// view and the registrar; attach hands it the server once there is one.
+func startFleet(c *etcdConfig, advertise string, log *slog.Logger) (*fleet, error) {
+	if _, _, err := net.SplitHostPort(advertise); err != nil {
+		return nil, fmt.Errorf("-etcd: peer address %q: %w", advertise, err)
+	}
+	cl, err := registry.Dial(c.client)
+	if err != nil {
+		return nil, err
+	}
+	f := &fleet{c: c, log: log, advertise: advertise, cl: cl, metrics: registry.NewMetrics(nil),
+		wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
+	f.view, err = registry.NewView(registry.ViewConfig{Client: cl, Prefix: c.prefix, MaxEntries: c.maxEngines, Logger: log,
+		Metrics: f.metrics, OnChange: f.changed})
+	if err != nil {
+		cl.Close()
+		return nil, err
+	}
+	f.reg, err = registry.NewRegistrar(registry.RegistrarConfig{Client: cl, Prefix: c.prefix, TTL: c.ttl, Logger: log, Metrics: f.metrics})
+	if err != nil {
+		f.view.Close()
+		cl.Close()
+		return nil, err
+	}
+	go f.publish()
+	log.Info("kvxferd: fleet registry on etcd", "endpoints", c.client.Endpoints, "prefix", c.prefix, "ttl", c.ttl, "tls", c.client.CA != "" || c.client.Cert != "")
+	return f, nil
+}
+
+// changed hands a peer engine's change to the server's ranks (the
+// view's goroutine; it does not block).
+func (f *fleet) changed(ch registry.Change) {
+	srv := f.srv.Load()
+	if srv == nil {
+		return
+	}
+	switch ch.Kind {
+	case registry.Leave:
+		srv.PeerGone(ch.Engine, fmt.Sprintf("its registry entry is gone (lease of %s ended or it left)", ch.Entry.Peer()))
+	case registry.Generation:
+		srv.PeerGeneration(ch.Engine, ch.Entry.Generation)
+	}
+}
+
+// lookup is the server's PeerLookup: an engine's address from the view.
+func (f *fleet) lookup(engine string) (string, error) {
+	e, ok := f.view.Lookup(engine)
+	if !ok {
+		return "", fmt.Errorf("engine %q: not in the fleet registry (-etcd), and the transfer params name no address", engine)
+	}
+	return e.Peer(), nil
+}
+
+// enginesChanged is the server's OnEnginesChanged.
+func (f *fleet) enginesChanged() {
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+}
+
+// publish keeps the registrar's entries those of the served engines.
+func (f *fleet) publish() {
+	defer close(f.stopped)
+	for {
+		select {
+		case <-f.done:
+			return
+		case <-f.wake:
+		}
+		srv := f.srv.Load()
+		if srv == nil {
+			continue
+		}
+		var entries []registry.Entry
+		for _, pe := range srv.Published() {
+			e := registry.Entry{EngineID: pe.EngineID, Role: f.c.role, Mode: pe.Mode, CompatHash: pe.CompatHash,
+				TPSize: pe.TPSize, PPSize: pe.PPSize, Generation: pe.Generation, URL: f.c.url}
+			for _, r := range pe.Ranks {
+				e.Ranks = append(e.Ranks, registry.Rank{TP: r[0], PP: r[1], Peer: f.advertise})
+			}
+			entries = append(entries, e)
+		}
+		if err := f.reg.Set(entries); err != nil {
+			var be *registry.BadEntryError
+			if errors.As(err, &be) {
+				f.metrics.BadEntry(be)
+			}
+			f.log.Error("kvxferd: registry: an engine's entry is invalid; not published", "err", err)
+		}
+	}
+}
+
+// attach starts publishing srv's engines and telling its ranks about
+// peers.
+func (f *fleet) attach(srv *server.Server) {
+	f.srv.Store(srv)
+	f.enginesChanged()
+}
+
+// close deletes this daemon's entries (revoking the lease) and stops.
+func (f *fleet) close() {
+	close(f.done)
+	<-f.stopped
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := f.reg.Close(ctx); err != nil {
+		f.log.Warn("kvxferd: registry", "err", err)
+	}
+	f.view.Close()
+	_ = f.cl.Close()
+}

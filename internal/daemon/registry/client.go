@@ -1,0 +1,120 @@
+package registry
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// ClientConfig says how to reach etcd.
+type ClientConfig struct {
+	// Endpoints are etcd's client URLs, comma-separated: host:port,
+	// http://host:port or https://host:port.
+	Endpoints string
+	// CA verifies etcd's certificate; Cert and Key are this process's
+	// client certificate (PEM files). Any of them turns TLS on.
+	CA, Cert, Key string
+	// Insecure allows plain-text endpoints that are not on loopback.
+	Insecure bool
+}
+
+// Validate checks c, naming the flag of a bad value (-etcd, -etcd-ca,
+// -etcd-cert, -etcd-key).
+func (c *ClientConfig) Validate() error {
+	eps, err := c.endpoints()
+	if err != nil {
+		return err
+	}
+	if (c.Cert == "") != (c.Key == "") {
+		return errors.New("-etcd-cert and -etcd-key: a client certificate needs both")
+	}
+	if c.tls() {
+		return nil
+	}
+	for _, ep := range eps {
+		u, _ := url.Parse(ep)
+		if ip := net.ParseIP(u.Hostname()); (ip == nil || !ip.IsLoopback()) && u.Hostname() != "localhost" && !c.Insecure {
+			return fmt.Errorf("-etcd endpoint %q: plain text to a host that is not on loopback; give -etcd-ca (and -etcd-cert, -etcd-key) "+
+				"for TLS, or -etcd-insecure to accept that anyone on the path may read and forge the registry", ep)
+		}
+	}
+	return nil
+}
+
+func (c *ClientConfig) tls() bool { return c.CA != "" || c.Cert != "" }
+
+// endpoints parses Endpoints into URLs.
+func (c *ClientConfig) endpoints() ([]string, error) {
+	var out []string
+	for _, ep := range strings.Split(c.Endpoints, ",") {
+		if ep = strings.TrimSpace(ep); ep == "" {
+			continue
+		}
+		raw := ep
+		if !strings.Contains(ep, "://") {
+			scheme := "http://"
+			if c.tls() {
+				scheme = "https://"
+			}
+			ep = scheme + ep
+		}
+		u, err := url.Parse(ep)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Port() == "" || u.Hostname() == "" || (u.Path != "" && u.Path != "/") {
+			return nil, fmt.Errorf("-etcd endpoint %q: want host:port, http://host:port or https://host:port", raw)
+		}
+		if u.Scheme == "https" && !c.tls() {
+			return nil, fmt.Errorf("-etcd endpoint %q: https needs -etcd-ca", raw)
+		}
+		out = append(out, u.Scheme+"://"+u.Host)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("-etcd = %q: no endpoint", c.Endpoints)
+	}
+	return out, nil
+}
+
+// Dial returns a client of etcd. It does not wait for etcd: calls fail
+// (and are retried by their callers) until it answers.
+func Dial(c ClientConfig) (*clientv3.Client, error) {
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	eps, _ := c.endpoints()
+	cfg := clientv3.Config{Endpoints: eps, DialKeepAliveTime: 2 * time.Second, DialKeepAliveTimeout: 2 * time.Second,
+		Logger: zap.NewNop(), RejectOldCluster: false}
+	if c.tls() {
+		tc := &tls.Config{MinVersion: tls.VersionTLS12}
+		if c.CA != "" {
+			pem, err := os.ReadFile(c.CA)
+			if err != nil {
+				return nil, fmt.Errorf("-etcd-ca: %w", err)
+			}
+			tc.RootCAs = x509.NewCertPool()
+			if !tc.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("-etcd-ca %s: no PEM certificate in it", c.CA)
+			}
+		}
+		if c.Cert != "" {
+			cert, err := tls.LoadX509KeyPair(c.Cert, c.Key)
+			if err != nil {
+				return nil, fmt.Errorf("-etcd-cert, -etcd-key: %w", err)
+			}
+			tc.Certificates = []tls.Certificate{cert}
+		}
+		cfg.TLS = tc
+	}
+	cl, err := clientv3.New(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("-etcd: %w", err)
+	}
+	return cl, nil
+}

@@ -1,0 +1,250 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// DefaultTTL is an entry's lease when RegistrarConfig.TTL is zero: a
+// process that dies without deregistering leaves the fleet within it.
+const DefaultTTL = 5 * time.Second
+
+// maxBackoff bounds the wait between two attempts at etcd.
+const maxBackoff = 2 * time.Second
+
+// RegistrarConfig configures a Registrar. Zero fields mean the defaults.
+type RegistrarConfig struct {
+	Client *clientv3.Client // required
+	Prefix string           // default "/kvxfer"
+	// TTL is the lease the entries live under, kept alive every TTL/3
+	// (default DefaultTTL; at least 2 s: etcd's lease granularity).
+	TTL     time.Duration
+	Logger  *slog.Logger // default slog.Default()
+	Metrics *Metrics     // default: unregistered metrics
+}
+
+func (c *RegistrarConfig) fill() error {
+	if c.Client == nil {
+		return errors.New("registry: RegistrarConfig.Client is nil")
+	}
+	if c.Prefix == "" {
+		c.Prefix = "/kvxfer"
+	}
+	if c.TTL == 0 {
+		c.TTL = DefaultTTL
+	}
+	if c.TTL < 2*time.Second {
+		return fmt.Errorf("registry: RegistrarConfig.TTL = %v, want at least 2s", c.TTL)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics(nil)
+	}
+	return nil
+}
+
+// Registrar keeps a process's entries in etcd under one lease: it
+// grants the lease, puts the entries, keeps the lease alive, and when
+// the lease is lost (etcd unreachable for longer than the TTL, or etcd
+// lost it) grants a new one and puts the entries again, retrying with
+// backoff (100 ms doubling to 2 s) meanwhile. Nothing waits for it: Set
+// returns at once. It is safe for concurrent use.
+type Registrar struct {
+	cfg     RegistrarConfig
+	log     *slog.Logger
+	wake    chan struct{} // 1-slot: Set changed the entries
+	done    chan struct{} // closed by Close
+	stopped chan struct{} // closed when the loop has exited
+	once    sync.Once
+	cancel  context.CancelFunc // ends the loop's calls in flight (Close)
+	mu      struct {
+		sync.Mutex
+		want map[string][]byte // key -> value
+	}
+	lease clientv3.LeaseID // the loop's, read by Close after it exited
+}
+
+// NewRegistrar starts a Registrar with nothing to publish yet.
+func NewRegistrar(cfg RegistrarConfig) (*Registrar, error) {
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	r := &Registrar{cfg: cfg, log: cfg.Logger, wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
+	r.mu.want = map[string][]byte{}
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go r.loop(ctx)
+	return r, nil
+}
+
+// Set replaces the entries r publishes, each under Key(prefix,
+// engine, peer). It returns at once; an entry that does not validate is
+// an error and nothing changes.
+func (r *Registrar) Set(entries []Entry) error {
+	want := make(map[string][]byte, len(entries))
+	for i := range entries {
+		e := entries[i]
+		k := Key(r.cfg.Prefix, e.EngineID, e.Peer())
+		v, err := e.Encode(k)
+		if err != nil {
+			return err
+		}
+		want[k] = v
+	}
+	r.mu.Lock()
+	r.mu.want = want
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// Close stops keeping the entries alive and deletes them (revoking the
+// lease), within ctx. It is idempotent and returns once r's goroutine
+// has exited.
+func (r *Registrar) Close(ctx context.Context) error {
+	var err error
+	r.once.Do(func() {
+		close(r.done)
+		r.cancel()
+		<-r.stopped
+		if r.lease != 0 {
+			if _, err = r.cfg.Client.Revoke(ctx, r.lease); err != nil {
+				r.cfg.Metrics.errors.WithLabelValues("revoke").Inc()
+				err = fmt.Errorf("registry: revoke lease %x (its entries go when it expires, within %v): %w", int64(r.lease), r.cfg.TTL, err)
+			}
+		}
+		r.cfg.Metrics.registered.Set(0)
+	})
+	return err
+}
+
+// loop owns the lease and what was put under it.
+func (r *Registrar) loop(ctx context.Context) {
+	defer close(r.stopped)
+	m := r.cfg.Metrics
+	var (
+		lease     clientv3.LeaseID
+		ka        <-chan *clientv3.LeaseKeepAliveResponse
+		kaCancel  context.CancelFunc = func() {}
+		published                    = map[string][]byte{}
+		backoff   time.Duration
+		failing   bool
+	)
+	retry := time.NewTimer(time.Hour)
+	retry.Stop()
+	defer func() { kaCancel(); retry.Stop(); r.lease = lease }()
+	fail := func(op string, err error) {
+		m.errors.WithLabelValues(op).Inc()
+		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
+		r.log.Warn("kvxfer registry: etcd call failed; retrying (what is registered stays until its lease ends)",
+			"op", op, "err", err, "retry_in", backoff)
+		failing = true
+		retry.Reset(backoff)
+	}
+	for {
+		r.mu.Lock()
+		want := r.mu.want
+		r.mu.Unlock()
+		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, fail)
+		if ok {
+			if failing {
+				r.log.Info("kvxfer registry: registered again", "entries", len(want), "lease", fmt.Sprintf("%x", int64(lease)))
+			}
+			backoff, failing = 0, false
+			m.registered.Set(btof(len(want) > 0))
+		} else {
+			m.registered.Set(0)
+		}
+		select {
+		case <-r.done:
+			return
+		case <-r.wake:
+		case <-retry.C:
+		case _, open := <-ka:
+			if !open {
+				// The lease is gone: etcd unreachable for a TTL, or it
+				// lost or revoked it. Its entries are gone with it.
+				m.errors.WithLabelValues("keepalive").Inc()
+				r.log.Warn("kvxfer registry: lease lost; registering again", "lease", fmt.Sprintf("%x", int64(lease)))
+				kaCancel()
+				lease, ka = 0, nil
+				clear(published)
+				m.registered.Set(0)
+			}
+		}
+	}
+}
+
+// sync makes etcd hold want under a live lease; false when a call failed
+// (fail scheduled a retry).
+func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-chan *clientv3.LeaseKeepAliveResponse,
+	kaCancel *context.CancelFunc, published, want map[string][]byte, fail func(string, error)) bool {
+	cl := r.cfg.Client
+	if len(want) == 0 && *lease == 0 {
+		return true
+	}
+	if *lease == 0 {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		g, err := cl.Grant(cctx, int64((r.cfg.TTL+time.Second-1)/time.Second))
+		cancel()
+		if err != nil {
+			fail("grant", err)
+			return false
+		}
+		kctx, kcancel := context.WithCancel(ctx)
+		ch, err := cl.KeepAlive(kctx, g.ID)
+		if err != nil {
+			kcancel()
+			fail("keepalive", err)
+			return false
+		}
+		*lease, *ka, *kaCancel = g.ID, ch, kcancel
+	}
+	for _, k := range slices.Sorted(maps.Keys(want)) {
+		if v, ok := published[k]; ok && string(v) == string(want[k]) {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		_, err := cl.Put(cctx, k, string(want[k]), clientv3.WithLease(*lease))
+		cancel()
+		if err != nil {
+			fail("put", fmt.Errorf("%s: %w", k, err))
+			return false
+		}
+		published[k] = want[k]
+	}
+	for _, k := range slices.Sorted(maps.Keys(published)) {
+		if _, ok := want[k]; ok {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		_, err := cl.Delete(cctx, k)
+		cancel()
+		if err != nil {
+			fail("delete", fmt.Errorf("%s: %w", k, err))
+			return false
+		}
+		delete(published, k)
+	}
+	return true
+}
+
+func btof(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,226 @@
+package registry_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvxfer/kvxfer/internal/daemon/registry"
+	"github.com/kvxfer/kvxfer/internal/daemon/registry/etcdtest"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
+)
+
+func dial(t *testing.T, ep string) *clientv3.Client {
+	t.Helper()
+	cl, err := registry.Dial(registry.ClientConfig{Endpoints: ep})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	return cl
+}
+
+func entry(engine, peer string, gen uint64) registry.Entry {
+	return registry.Entry{EngineID: engine, Role: registry.RoleProducer, Mode: "push", CompatHash: "h", TPSize: 1, PPSize: 1,
+		Ranks: []registry.Rank{{Peer: peer}}, Generation: gen, URL: "http://127.0.0.1:8100"}
+}
+
+// recorder collects a view's changes.
+type recorder struct {
+	mu  sync.Mutex
+	got []registry.Change
+	ch  chan registry.Change
+}
+
+func newRecorder() *recorder { return &recorder{ch: make(chan registry.Change, 1024)} }
+
+func (r *recorder) on(c registry.Change) {
+	r.mu.Lock()
+	r.got = append(r.got, c)
+	r.mu.Unlock()
+	r.ch <- c
+}
+
+// next waits for the next change, within d.
+func (r *recorder) next(t *testing.T, d time.Duration) registry.Change {
+	t.Helper()
+	select {
+	case c := <-r.ch:
+		return c
+	case <-time.After(d):
+		t.Fatalf("no registry change within %v", d)
+		return registry.Change{}
+	}
+}
+
+func want(t *testing.T, c registry.Change, kind registry.ChangeKind, engine string, gen uint64) {
+	t.Helper()
+	if c.Kind != kind || c.Engine != engine || (gen != 0 && c.Entry.Generation != gen) {
+		t.Fatalf("change = %v %s gen %d, want %v %s gen %d", c.Kind, c.Engine, c.Entry.Generation, kind, engine, gen)
+	}
+}
+
+// Join, rejoin by generation, clean leave, and a lease that ends when
+// its holder stops keeping it alive (a killed process): each is seen by
+// a view as one change, the lease's end within its TTL and a second.
+func TestJoinRejoinLeaveExpire(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	before := runtime.NumGoroutine() // etcd's waiter included
+	func() {
+		rec := newRecorder()
+		vcl, rcl := dial(t, etcd.Endpoint()), dial(t, etcd.Endpoint())
+		defer vcl.Close()
+		defer rcl.Close()
+		v, err := registry.NewView(registry.ViewConfig{Client: vcl, OnChange: rec.on})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer v.Close()
+		r, err := registry.NewRegistrar(registry.RegistrarConfig{Client: rcl, TTL: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 1)}); err != nil {
+			t.Fatal(err)
+		}
+		want(t, rec.next(t, 5*time.Second), registry.Join, "P", 1)
+		if e, ok := v.Lookup("P"); !ok || e.Peer() != "127.0.0.1:7001" {
+			t.Fatalf("Lookup(P) = %+v, %v", e, ok)
+		}
+		_ = r.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 2)})
+		want(t, rec.next(t, 5*time.Second), registry.Generation, "P", 2)
+		if err := r.Close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		want(t, rec.next(t, 5*time.Second), registry.Leave, "P", 2)
+
+		// A process that dies: its lease is granted and kept alive by a
+		// client that is then closed without revoking.
+		dead := dial(t, etcd.Endpoint())
+		defer dead.Close()
+		r2, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: dead, TTL: 2 * time.Second})
+		_ = r2.Set([]registry.Entry{entry("Q", "127.0.0.1:7002", 7)})
+		want(t, rec.next(t, 5*time.Second), registry.Join, "Q", 7)
+		dead.Close() // keepalives stop now
+		died := time.Now()
+		want(t, rec.next(t, 10*time.Second), registry.Leave, "Q", 7)
+		took := time.Since(died)
+		t.Logf("a lease of 2 s ended %v after its keepalives stopped", took.Round(time.Millisecond))
+		if took > 3*time.Second+500*time.Millisecond {
+			t.Errorf("lease end seen %v after the keepalives stopped, want within TTL + 1 s (and slack)", took)
+		}
+		_ = r2.Close(context.Background())
+		if got := v.Engines(); len(got) != 0 {
+			t.Errorf("Engines() = %+v, want none", got)
+		}
+	}()
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+// etcd is killed and restarted (same data): the view keeps its last view
+// meanwhile, the registrar retries, and both carry on once etcd is back;
+// an engine that registers while etcd is down appears once it is back.
+func TestEtcdKilledAndRestarted(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	rec := newRecorder()
+	m := registry.NewMetrics(nil)
+	v, _ := registry.NewView(registry.ViewConfig{Client: dial(t, etcd.Endpoint()), OnChange: rec.on, Metrics: m})
+	defer v.Close()
+	r, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: dial(t, etcd.Endpoint()), TTL: 5 * time.Second, Metrics: m})
+	defer r.Close(context.Background())
+	_ = r.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 1)})
+	want(t, rec.next(t, 5*time.Second), registry.Join, "P", 1)
+	etcd.Kill()
+	// While etcd is down: the view answers from what it saw; a new entry
+	// waits.
+	if _, ok := v.Lookup("P"); !ok {
+		t.Fatal("Lookup(P) failed while etcd is down: the last view must stay")
+	}
+	_ = r.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 1), entry("D", "127.0.0.1:7001", 3)})
+	time.Sleep(1500 * time.Millisecond)
+	select {
+	case c := <-rec.ch:
+		t.Fatalf("change %v %s while etcd was down", c.Kind, c.Engine)
+	default:
+	}
+	etcd.Restart()
+	back := time.Now()
+	want(t, rec.next(t, 10*time.Second), registry.Join, "D", 3)
+	t.Logf("an entry set while etcd was down appeared %v after etcd came back", time.Since(back).Round(time.Millisecond))
+	if _, ok := v.Lookup("P"); !ok {
+		t.Error("P is gone after etcd's restart")
+	}
+}
+
+// Malformed and inconsistent entries are refused with an error naming
+// the field and the value, counted by field; the rest of the view is
+// unaffected.
+func TestBadEntriesRefused(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	cl := dial(t, etcd.Endpoint())
+	rec := newRecorder()
+	v, _ := registry.NewView(registry.ViewConfig{Client: cl, OnChange: rec.on})
+	defer v.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	put := func(k, val string) {
+		if _, err := cl.Put(ctx, k, val); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put("/kvxfer/engines/X/127.0.0.1:1", "not json")
+	put("/kvxfer/engines/Y/127.0.0.1:1", `{"v":1,"engine_id":"Z","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":"127.0.0.1:1"}],"generation":1}`)
+	put("/kvxfer/engines/W/127.0.0.1:1", `{"v":1,"engine_id":"W","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":"127.0.0.1:1"}],"generation":1}`)
+	want(t, rec.next(t, 5*time.Second), registry.Join, "W", 1)
+	if got := v.Engines(); len(got) != 1 {
+		t.Errorf("Engines() = %+v, want W only", got)
+	}
+}
+
+func TestDecode(t *testing.T) {
+	good := entry("P", "127.0.0.1:7001", 1)
+	key := registry.Key("/kvxfer", "P", "127.0.0.1:7001")
+	for _, tc := range []struct {
+		name  string
+		edit  func(*registry.Entry)
+		field string
+	}{
+		{name: "good"},
+		{name: "no generation", edit: func(e *registry.Entry) { e.Generation = 0 }, field: "generation"},
+		{name: "bad role", edit: func(e *registry.Entry) { e.Role = "kv_both" }, field: "role"},
+		{name: "bad mode", edit: func(e *registry.Entry) { e.Mode = "sideways" }, field: "mode"},
+		{name: "tp rank past tp size", edit: func(e *registry.Entry) { e.Ranks[0].TP = 1 }, field: "ranks[0].tp"},
+		{name: "bad peer", edit: func(e *registry.Entry) { e.Ranks[0].Peer = "nowhere" }, field: "ranks[0].peer"},
+		{name: "peer not the key's", edit: func(e *registry.Entry) { e.Ranks[0].Peer = "127.0.0.1:9" }, field: "ranks[0].peer"},
+		{name: "url with credentials", edit: func(e *registry.Entry) { e.URL = "http://u:p@h:1" }, field: "url"},
+		{name: "tp size 0", edit: func(e *registry.Entry) { e.TPSize = 0 }, field: "tp_size"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := good
+			e.Ranks = append([]registry.Rank(nil), good.Ranks...)
+			e.V = registry.Version
+			if tc.edit != nil {
+				tc.edit(&e)
+			}
+			b := []byte(fmt.Sprintf(`{"v":1,"engine_id":%q,"role":%q,"mode":%q,"compat_hash":"h","tp_size":%d,"pp_size":1,"ranks":[{"tp":%d,"pp":0,"peer":%q}],"generation":%d,"url":%q}`,
+				e.EngineID, e.Role, e.Mode, e.TPSize, e.Ranks[0].TP, e.Ranks[0].Peer, e.Generation, e.URL))
+			_, err := registry.Decode("/kvxfer", key, b)
+			if tc.field == "" {
+				if err != nil {
+					t.Fatalf("Decode = %v, want nil", err)
+				}
+				return
+			}
+			var be *registry.BadEntryError
+			if !errors.As(err, &be) || be.Field != tc.field || !errors.Is(err, registry.ErrBadEntry) {
+				t.Fatalf("Decode = %v, want a BadEntryError naming %s", err, tc.field)
+			}
+		})
+	}
+}

@@ -1,0 +1,87 @@
+package registry_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/daemon/registry"
+	"github.com/kvxfer/kvxfer/internal/daemon/registry/etcdtest"
+	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
+)
+
+// etcd over TLS with client certificates: a registrar and a view with a
+// certificate of etcd's CA work; a client with none, or one of another
+// CA, is refused.
+func TestTLSClientCertificates(t *testing.T) {
+	if _, err := etcdtest.Binary(); err != nil {
+		t.Skip(err.Error())
+	}
+	dir := t.TempDir()
+	ca, err := pkitest.NewCA(dir, "etcd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := ca.Issue(dir, "server")
+	cli, _ := ca.Issue(dir, "client")
+	other, _ := pkitest.NewCA(dir, "other")
+	stranger, _ := other.Issue(dir, "stranger")
+	etcd := etcdtest.Start(t, "--cert-file", srv.Cert, "--key-file", srv.Key, "--trusted-ca-file", ca.Path, "--client-cert-auth")
+	good := registry.ClientConfig{Endpoints: etcd.Endpoint(), CA: ca.Path, Cert: cli.Cert, Key: cli.Key}
+	rcl, err := registry.Dial(good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rcl.Close()
+	rec := newRecorder()
+	vcl, _ := registry.Dial(good)
+	defer vcl.Close()
+	v, _ := registry.NewView(registry.ViewConfig{Client: vcl, OnChange: rec.on})
+	defer v.Close()
+	r, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: rcl})
+	defer r.Close(context.Background())
+	_ = r.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 1)})
+	want(t, rec.next(t, 10*time.Second), registry.Join, "P", 1)
+
+	for name, cfg := range map[string]registry.ClientConfig{
+		"no client certificate":            {Endpoints: etcd.Endpoint(), CA: ca.Path},
+		"a client certificate of other CA": {Endpoints: etcd.Endpoint(), CA: ca.Path, Cert: stranger.Cert, Key: stranger.Key},
+	} {
+		cl, err := registry.Dial(cfg)
+		if err != nil {
+			t.Fatalf("%s: Dial = %v", name, err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_, err = cl.Get(ctx, "/kvxfer/")
+		cancel()
+		cl.Close()
+		if err == nil {
+			t.Errorf("%s: etcd answered, want refused", name)
+		}
+	}
+}
+
+func TestClientConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  registry.ClientConfig
+		want string // "" for valid
+	}{
+		{name: "loopback plain text", cfg: registry.ClientConfig{Endpoints: "127.0.0.1:2379,localhost:2379"}},
+		{name: "remote plain text refused", cfg: registry.ClientConfig{Endpoints: "10.0.0.1:2379"}, want: "not on loopback"},
+		{name: "remote plain text, insecure", cfg: registry.ClientConfig{Endpoints: "10.0.0.1:2379", Insecure: true}},
+		{name: "remote with TLS", cfg: registry.ClientConfig{Endpoints: "https://10.0.0.1:2379", CA: "ca.pem"}},
+		{name: "https without a CA", cfg: registry.ClientConfig{Endpoints: "https://127.0.0.1:2379"}, want: "needs -etcd-ca"},
+		{name: "no port", cfg: registry.ClientConfig{Endpoints: "127.0.0.1"}, want: `-etcd endpoint "127.0.0.1"`},
+		{name: "cert without key", cfg: registry.ClientConfig{Endpoints: "127.0.0.1:2379", Cert: "c.pem"}, want: "needs both"},
+		{name: "empty", cfg: registry.ClientConfig{Endpoints: " , "}, want: "no endpoint"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.Validate()
+			if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+				t.Fatalf("Validate() = %v, want %q", err, tc.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,358 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// DefaultMaxEntries bounds a View when ViewConfig.MaxEntries is zero.
+const DefaultMaxEntries = 10000
+
+// ChangeKind is what happened to an engine in the registry.
+type ChangeKind uint8
+
+const (
+	// Join: the engine has an entry now and had none.
+	Join ChangeKind = iota + 1
+	// Leave: the engine's last entry is gone (its lease ended, or it
+	// deregistered).
+	Leave
+	// Generation: the engine's current entry changed generation or
+	// address (it restarted and registered again: a rejoin).
+	Generation
+)
+
+func (k ChangeKind) String() string {
+	switch k {
+	case Join:
+		return "join"
+	case Leave:
+		return "leave"
+	case Generation:
+		return "generation"
+	}
+	return fmt.Sprintf("ChangeKind(%d)", uint8(k))
+}
+
+// Change is one engine's change. Entry is its current entry (the
+// latest generation of its entries); for Leave, the one it had.
+type Change struct {
+	Kind   ChangeKind
+	Engine string
+	Entry  Entry
+}
+
+// ViewConfig configures a View. Zero fields mean the defaults.
+type ViewConfig struct {
+	Client *clientv3.Client // required
+	Prefix string           // default "/kvxfer"
+	// MaxEntries bounds the entries the view holds (default
+	// DefaultMaxEntries); past it new keys are refused, counted
+	// (kvxfer_registry_refused_total{reason="max_entries"}) and logged.
+	MaxEntries int
+	// OnChange, when set, is called on the view's goroutine with each
+	// change, in order; it must not block.
+	OnChange func(Change)
+	Logger   *slog.Logger // default slog.Default()
+	Metrics  *Metrics     // default: unregistered metrics
+}
+
+// View is a process's view of the registry: it lists the entries, then
+// watches them, and keeps the last view while etcd is unreachable (the
+// watch resumes where it was once etcd answers; a compacted or cancelled
+// watch lists again, with backoff). It is safe for concurrent use.
+type View struct {
+	cfg     ViewConfig
+	log     *slog.Logger
+	done    chan struct{}
+	stopped chan struct{}
+	once    sync.Once
+	cancel  context.CancelFunc
+	mu      struct {
+		sync.RWMutex
+		byKey   map[string]Entry
+		engines map[string]map[string]Entry // engine -> key -> entry
+		changed chan struct{}               // closed and replaced at each change
+		synced  bool                        // listed once
+	}
+}
+
+// NewView starts a View; it fills once etcd answers.
+func NewView(cfg ViewConfig) (*View, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("registry: ViewConfig.Client is nil")
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = "/kvxfer"
+	}
+	if cfg.MaxEntries <= 0 {
+		cfg.MaxEntries = DefaultMaxEntries
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NewMetrics(nil)
+	}
+	v := &View{cfg: cfg, log: cfg.Logger, done: make(chan struct{}), stopped: make(chan struct{})}
+	v.mu.byKey, v.mu.engines, v.mu.changed = map[string]Entry{}, map[string]map[string]Entry{}, make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	v.cancel = cancel
+	go v.loop(ctx)
+	return v, nil
+}
+
+// Close stops the view's goroutine and returns once it has exited. It is
+// idempotent.
+func (v *View) Close() {
+	v.once.Do(func() {
+		close(v.done)
+		v.cancel()
+		<-v.stopped
+	})
+}
+
+// Lookup returns engine's current entry: the latest generation among
+// its entries (ties: the least key).
+func (v *View) Lookup(engine string) (Entry, bool) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	return current(v.mu.engines[engine])
+}
+
+// Engines returns every engine's current entry, ordered by engine id.
+func (v *View) Engines() []Entry {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	out := make([]Entry, 0, len(v.mu.engines))
+	for _, id := range slices.Sorted(maps.Keys(v.mu.engines)) {
+		if e, ok := current(v.mu.engines[id]); ok {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// Changed returns a channel closed at the view's next change.
+func (v *View) Changed() <-chan struct{} {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	return v.mu.changed
+}
+
+// Synced reports whether the view has listed the registry once.
+func (v *View) Synced() bool {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	return v.mu.synced
+}
+
+func current(entries map[string]Entry) (Entry, bool) {
+	var best Entry
+	var bestKey string
+	for k, e := range entries {
+		if bestKey == "" || e.Generation > best.Generation || (e.Generation == best.Generation && k < bestKey) {
+			best, bestKey = e, k
+		}
+	}
+	return best, bestKey != ""
+}
+
+func (v *View) loop(ctx context.Context) {
+	defer close(v.stopped)
+	m := v.cfg.Metrics
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	var backoff time.Duration
+	wait := func(op string, err error) bool {
+		m.errors.WithLabelValues(op).Inc()
+		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
+		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying", "op", op, "err", err, "retry_in", backoff)
+		timer.Reset(backoff)
+		select {
+		case <-v.done:
+			return false
+		case <-timer.C:
+			return true
+		}
+	}
+	prefix := EnginesPrefix(v.cfg.Prefix)
+	for {
+		rev, err := v.list(ctx, prefix)
+		if err != nil {
+			if ctx.Err() != nil || !wait("get", err) {
+				return
+			}
+			continue
+		}
+		wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		wch := v.cfg.Client.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+		var werr error
+		for resp := range wch {
+			if err := resp.Err(); err != nil {
+				werr = err
+				break
+			}
+			backoff = 0
+			v.apply(resp.Events)
+		}
+		wcancel()
+		if ctx.Err() != nil {
+			return
+		}
+		if werr == nil {
+			werr = errors.New("watch closed")
+		}
+		if !wait("watch", werr) {
+			return
+		}
+	}
+}
+
+// list replaces the view with what etcd holds, and returns its revision.
+func (v *View) list(ctx context.Context, prefix string) (int64, error) {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	resp, err := v.cfg.Client.Get(cctx, prefix, clientv3.WithPrefix(), clientv3.WithLimit(int64(v.cfg.MaxEntries)))
+	if err != nil {
+		return 0, err
+	}
+	if resp.More {
+		n := resp.Count - int64(len(resp.Kvs))
+		v.cfg.Metrics.refused.WithLabelValues("max_entries").Add(float64(n))
+		v.log.Warn("kvxfer registry: more entries than the view holds; the rest are ignored", "max_entries", v.cfg.MaxEntries, "ignored", n)
+	}
+	now := map[string][]byte{}
+	for _, kv := range resp.Kvs {
+		now[string(kv.Key)] = kv.Value
+	}
+	var changes []Change
+	v.mu.Lock()
+	for k := range v.mu.byKey {
+		if _, ok := now[k]; !ok {
+			changes = v.setLocked(changes, k, nil)
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(now)) {
+		changes = v.putLocked(changes, k, now[k])
+	}
+	v.mu.synced = true
+	v.notifyLocked()
+	v.mu.Unlock()
+	v.emit(changes)
+	return resp.Header.Revision, nil
+}
+
+func (v *View) apply(events []*clientv3.Event) {
+	var changes []Change
+	v.mu.Lock()
+	for _, ev := range events {
+		k := string(ev.Kv.Key)
+		if ev.Type == clientv3.EventTypeDelete {
+			changes = v.setLocked(changes, k, nil)
+		} else {
+			changes = v.putLocked(changes, k, ev.Kv.Value)
+		}
+	}
+	if len(events) > 0 {
+		v.notifyLocked()
+	}
+	v.mu.Unlock()
+	v.emit(changes)
+}
+
+// putLocked decodes and stores key's value; a bad one is counted, logged
+// and dropped (as if deleted).
+func (v *View) putLocked(changes []Change, key string, value []byte) []Change {
+	e, err := Decode(v.cfg.Prefix, key, value)
+	if err != nil {
+		v.cfg.Metrics.badEntries.WithLabelValues(Field(err)).Inc()
+		v.log.Warn("kvxfer registry: entry refused", "key", key, "err", err)
+		return v.setLocked(changes, key, nil)
+	}
+	if old, ok := v.mu.byKey[key]; ok && old.Generation == e.Generation && slices.Equal(old.Ranks, e.Ranks) &&
+		old.Role == e.Role && old.URL == e.URL && old.Mode == e.Mode && old.CompatHash == e.CompatHash {
+		return changes
+	}
+	if _, ok := v.mu.byKey[key]; !ok && len(v.mu.byKey) >= v.cfg.MaxEntries {
+		v.cfg.Metrics.refused.WithLabelValues("max_entries").Inc()
+		v.log.Warn("kvxfer registry: view full; entry ignored", "key", key, "max_entries", v.cfg.MaxEntries)
+		return changes
+	}
+	return v.setLocked(changes, key, &e)
+}
+
+// setLocked stores (e) or removes (nil) key's entry and appends the
+// engine's change, if any.
+func (v *View) setLocked(changes []Change, key string, e *Entry) []Change {
+	var engine string
+	if e != nil {
+		engine = e.EngineID
+	} else if old, ok := v.mu.byKey[key]; ok {
+		engine = old.EngineID
+	} else {
+		return changes
+	}
+	set := v.mu.engines[engine]
+	before, had := current(set)
+	if e != nil {
+		if set == nil {
+			set = map[string]Entry{}
+			v.mu.engines[engine] = set
+		}
+		set[key], v.mu.byKey[key] = *e, *e
+	} else {
+		delete(set, key)
+		delete(v.mu.byKey, key)
+		if len(set) == 0 {
+			delete(v.mu.engines, engine)
+		}
+	}
+	after, has := current(set)
+	m := v.cfg.Metrics
+	switch {
+	case !had && has:
+		m.engines.WithLabelValues(after.Role).Inc()
+		return append(changes, Change{Kind: Join, Engine: engine, Entry: after})
+	case had && !has:
+		m.engines.WithLabelValues(before.Role).Dec()
+		return append(changes, Change{Kind: Leave, Engine: engine, Entry: before})
+	case had && has:
+		if before.Role != after.Role {
+			m.engines.WithLabelValues(before.Role).Dec()
+			m.engines.WithLabelValues(after.Role).Inc()
+		}
+		if before.Generation != after.Generation || before.Peer() != after.Peer() {
+			return append(changes, Change{Kind: Generation, Engine: engine, Entry: after})
+		}
+		if before.URL != after.URL || before.Role != after.Role || before.Mode != after.Mode || before.CompatHash != after.CompatHash {
+			return append(changes, Change{Kind: Generation, Engine: engine, Entry: after})
+		}
+	}
+	return changes
+}
+
+func (v *View) notifyLocked() {
+	close(v.mu.changed)
+	v.mu.changed = make(chan struct{})
+}
+
+func (v *View) emit(changes []Change) {
+	for _, c := range changes {
+		v.cfg.Metrics.events.WithLabelValues(c.Kind.String()).Inc()
+		v.log.Info("kvxfer registry: fleet change", "change", c.Kind.String(), "engine", c.Engine, "generation", c.Entry.Generation,
+			"peer", c.Entry.Peer(), "role", c.Entry.Role)
+		if v.cfg.OnChange != nil {
+			v.cfg.OnChange(c)
+		}
+	}
+}
