@@ -48,6 +48,9 @@ type Entry struct {
 	Generation uint64 `json:"generation"`
 	// URL is the engine's serving URL (its OpenAI server), where known.
 	URL string `json:"url,omitempty"`
+	// created is the etcd revision that created the entry's key (View):
+	// of an engine's entries, the one created last is current.
+	created int64
 }
 
 // Rank is one rank of an engine and the Peer service that serves it.

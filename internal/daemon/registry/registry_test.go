@@ -224,3 +224,41 @@ func TestDecode(t *testing.T) {
 		})
 	}
 }
+
+// An engine that moves from one daemon to another (its old daemon died:
+// its entry stays until the lease ends) is found at its new address at
+// once, even when the new daemon's generation is lower: generations of
+// two daemons start from their own clocks and do not compare, the
+// entry's creation in etcd does. The fleet churn found D handshaking the
+// dead address for the lease's length.
+func TestLookupFollowsTheNewestEntry(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	rec := newRecorder()
+	vcl := dial(t, etcd.Endpoint())
+	v, err := registry.NewView(registry.ViewConfig{Client: vcl, OnChange: rec.on})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	old, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: dial(t, etcd.Endpoint()), TTL: 5 * time.Second})
+	defer old.Close(context.Background())
+	if err := old.Set([]registry.Entry{entry("P", "127.0.0.1:7001", 900)}); err != nil {
+		t.Fatal(err)
+	}
+	want(t, rec.next(t, 5*time.Second), registry.Join, "P", 900)
+	moved, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: dial(t, etcd.Endpoint()), TTL: 5 * time.Second})
+	defer moved.Close(context.Background())
+	if err := moved.Set([]registry.Entry{entry("P", "127.0.0.1:7002", 5)}); err != nil {
+		t.Fatal(err)
+	}
+	want(t, rec.next(t, 5*time.Second), registry.Generation, "P", 5)
+	if e, ok := v.Lookup("P"); !ok || e.Peer() != "127.0.0.1:7002" {
+		t.Fatalf("Lookup(P) = %s, %v; want the entry created last, 127.0.0.1:7002", e.Peer(), ok)
+	}
+	// Its old entry going (the old lease ends) changes nothing.
+	_ = old.Close(context.Background())
+	time.Sleep(300 * time.Millisecond)
+	if e, ok := v.Lookup("P"); !ok || e.Peer() != "127.0.0.1:7002" {
+		t.Fatalf("after the old entry went: Lookup(P) = %s, %v", e.Peer(), ok)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -120,8 +121,12 @@ func (v *View) Close() {
 	})
 }
 
-// Lookup returns engine's current entry: the latest generation among
-// its entries (ties: the least key).
+// Lookup returns engine's current entry: of its entries (several while
+// the lease of a daemon it left, or that died, runs on), the one whose key
+// etcd created last. Generations of different daemons are not comparable
+// (each daemon's count starts from its own clock), so an engine that
+// moved to a daemon started before the one it left is found at its new
+// address at once.
 func (v *View) Lookup(engine string) (Entry, bool) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
@@ -159,7 +164,8 @@ func current(entries map[string]Entry) (Entry, bool) {
 	var best Entry
 	var bestKey string
 	for k, e := range entries {
-		if bestKey == "" || e.Generation > best.Generation || (e.Generation == best.Generation && k < bestKey) {
+		if bestKey == "" || e.created > best.created || e.created == best.created &&
+			(e.Generation > best.Generation || e.Generation == best.Generation && k < bestKey) {
 			best, bestKey = e, k
 		}
 	}
@@ -231,9 +237,9 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 		v.cfg.Metrics.refused.WithLabelValues("max_entries").Add(float64(n))
 		v.log.Warn("kvxfer registry: more entries than the view holds; the rest are ignored", "max_entries", v.cfg.MaxEntries, "ignored", n)
 	}
-	now := map[string][]byte{}
+	now := map[string]*mvccpb.KeyValue{}
 	for _, kv := range resp.Kvs {
-		now[string(kv.Key)] = kv.Value
+		now[string(kv.Key)] = kv
 	}
 	var changes []Change
 	v.mu.Lock()
@@ -243,7 +249,7 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 		}
 	}
 	for _, k := range slices.Sorted(maps.Keys(now)) {
-		changes = v.putLocked(changes, k, now[k])
+		changes = v.putLocked(changes, k, now[k].Value, now[k].CreateRevision)
 	}
 	v.mu.synced = true
 	v.notifyLocked()
@@ -260,7 +266,7 @@ func (v *View) apply(events []*clientv3.Event) {
 		if ev.Type == clientv3.EventTypeDelete {
 			changes = v.setLocked(changes, k, nil)
 		} else {
-			changes = v.putLocked(changes, k, ev.Kv.Value)
+			changes = v.putLocked(changes, k, ev.Kv.Value, ev.Kv.CreateRevision)
 		}
 	}
 	if len(events) > 0 {
@@ -272,14 +278,15 @@ func (v *View) apply(events []*clientv3.Event) {
 
 // putLocked decodes and stores key's value; a bad one is counted, logged
 // and dropped (as if deleted).
-func (v *View) putLocked(changes []Change, key string, value []byte) []Change {
+func (v *View) putLocked(changes []Change, key string, value []byte, created int64) []Change {
 	e, err := Decode(v.cfg.Prefix, key, value)
+	e.created = created
 	if err != nil {
 		v.cfg.Metrics.badEntries.WithLabelValues(Field(err)).Inc()
 		v.log.Warn("kvxfer registry: entry refused", "key", key, "err", err)
 		return v.setLocked(changes, key, nil)
 	}
-	if old, ok := v.mu.byKey[key]; ok && old.Generation == e.Generation && slices.Equal(old.Ranks, e.Ranks) &&
+	if old, ok := v.mu.byKey[key]; ok && old.created == e.created && old.Generation == e.Generation && slices.Equal(old.Ranks, e.Ranks) &&
 		old.Role == e.Role && old.URL == e.URL && old.Mode == e.Mode && old.CompatHash == e.CompatHash {
 		return changes
 	}
