@@ -154,7 +154,9 @@ func TestFleetChurnTransfers(t *testing.T) {
 		for _, r := range batch {
 			if !r.diedWith {
 				nP++
-				go func() { pOut <- map[string]kvxfer.Outcome{r.id: outcomesOf(t, r.producer, 20*time.Second, "p-"+r.id)["p-"+r.id]} }()
+				go func() {
+					pOut <- map[string]kvxfer.Outcome{r.id: outcomesOf(t, r.producer, 20*time.Second, "p-"+r.id)["p-"+r.id]}
+				}()
 			}
 		}
 		var dIDs []string
