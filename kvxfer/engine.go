@@ -50,6 +50,9 @@ type engine struct {
 	// retryWanted says one did.
 	hsStarted   time.Time
 	retryWanted bool
+	// recheck: a registry said the engine has a new generation while a
+	// question to it was out (liveness.go, recheckLater).
+	recheck bool
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
 	// loadedAt is when a handshake was last loaded; refreshing says a new
@@ -189,6 +192,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	// notice spares the registration it would answer), then what waited
 	// to register or read.
 	st.unpark(e)
+	defer st.recheckLater(e)
 	st.redriving = true
 	st.redrive(e)
 	st.redriving = false

@@ -97,6 +97,16 @@ func (st *loopState) probeSoon(engineID string) {
 // alive notes that e answered or spoke.
 func (e *engine) alive(now time.Time) { e.lastAlive = now }
 
+// recheckLater asks e's daemon again when a registry's PeerGeneration
+// came while a question was out (peerGenerationEvent).
+func (st *loopState) recheckLater(e *engine) {
+	if e.recheck && e.state == hsReady && !e.probing {
+		e.recheck = false
+		e.probing = true
+		st.askResolver(e, st.cfg.HandshakeTimeout, true)
+	}
+}
+
 // probeDone handles the answer to a probe.
 func (st *loopState) probeDone(h *hsResult) {
 	e := st.engines[h.engine]
@@ -104,6 +114,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		return
 	}
 	e.probing = false
+	defer st.recheckLater(e)
 	if e.state != hsReady {
 		return // a handshake of its own is under way or failed
 	}
@@ -214,7 +225,14 @@ func (st *loopState) peerGoneEvent(id, why string) {
 // change).
 func (st *loopState) peerGenerationEvent(id string, gen uint64) {
 	e := st.engines[id]
-	if e == nil || e.state != hsReady || e.gen == gen || e.probing {
+	if e == nil || e.state == hsFailed || e.state == hsReady && e.gen == gen {
+		return
+	}
+	if e.state == hsPending || e.probing {
+		// The question out may have been answered by the old address
+		// (an engine that moved off a dead daemon): ask again once it is
+		// answered (recheckLater), not drop the registry's word.
+		e.recheck = true
 		return
 	}
 	st.log.Info("kvxfer: peer engine has a new generation; asking it", "engine", id, "addr", e.addr, "generation", e.gen, "new_generation", gen)
