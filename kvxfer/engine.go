@@ -53,6 +53,9 @@ type engine struct {
 	// recheck: a registry said the engine has a new generation while a
 	// question to it was out (liveness.go, recheckLater).
 	recheck bool
+	// stale: a registry said the engine has a new generation and its
+	// daemon is being asked: new requests wait for the answer.
+	stale bool
 	// outbox holds messages to send once the handshake is ready.
 	outbox []outMsg
 	// loadedAt is when a handshake was last loaded; refreshing says a new
@@ -167,7 +170,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		e.state = hsReady
 		st.checkPlans(e)
 	}
-	e.loadedAt = st.now
+	e.loadedAt, e.stale = st.now, false // a handshake is the engine's word
 	if err == nil {
 		e.alive(st.now)
 	}

@@ -115,6 +115,16 @@ func (st *loopState) probeDone(h *hsResult) {
 	}
 	e.probing = false
 	defer st.recheckLater(e)
+	if e.stale && e.state == hsReady {
+		// What waited for the registry's word goes on with this answer
+		// (an error too: it then goes to the agents it has).
+		defer func() {
+			if e.stale && e.state == hsReady && (h.err != nil || h.res.Generation == e.gen) {
+				e.stale = false
+				st.redrive(e)
+			}
+		}()
+	}
 	if e.state != hsReady {
 		return // a handshake of its own is under way or failed
 	}
@@ -228,13 +238,18 @@ func (st *loopState) peerGenerationEvent(id string, gen uint64) {
 	if e == nil || e.state == hsFailed || e.state == hsReady && e.gen == gen {
 		return
 	}
-	if e.state == hsPending || e.probing {
-		// The question out may have been answered by the old address
-		// (an engine that moved off a dead daemon): ask again once it is
-		// answered (recheckLater), not drop the registry's word.
+	if e.state == hsPending {
+		// The handshake out may be answered by the old address (an
+		// engine that moved off a dead daemon): ask again once it is in
+		// (recheckLater), not drop the registry's word.
 		e.recheck = true
 		return
 	}
+	// Until the answer is in, new requests wait for it instead of going
+	// to agents the registry says are past (stale); a question already
+	// out (a probe of the old, perhaps dead, address: up to a second)
+	// is not waited for: this one goes now.
+	e.stale = true
 	st.log.Info("kvxfer: peer engine has a new generation; asking it", "engine", id, "addr", e.addr, "generation", e.gen, "new_generation", gen)
 	e.probing = true
 	st.askResolver(e, st.cfg.HandshakeTimeout, true)

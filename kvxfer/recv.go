@@ -101,6 +101,10 @@ func (st *loopState) startRecv(r *recvReq) {
 	switch e.state {
 	case hsPending:
 		return
+	case hsReady:
+		if e.stale {
+			return // a registry said it changed: its daemon is asked (liveness.go)
+		}
 	case hsFailed:
 		if !st.ownAttempt(e, r.since) {
 			return
