@@ -2,6 +2,7 @@ package kvxfer_test
 
 import (
 	"context"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -91,5 +92,47 @@ func TestPeerGenerationDuringAProbeIsKept(t *testing.T) {
 	o := out.recv["d-a"]
 	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
 		t.Fatalf("D outcome %+v, want failed: producer restarted", o)
+	}
+}
+
+// After a registry's PeerGeneration, while the engine's daemon is being
+// asked, a new request waits for the answer instead of registering with
+// the agents the registry says are past: here the old producer is gone,
+// its successor serves the new request, which is done (before, it went
+// to the old agent and failed push_reg_notif_failed).
+func TestNewRequestWaitsForTheRegistrysRejoin(t *testing.T) {
+	dir, p, d, _ := livePair(t, -1)
+	p.close(t)
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
+	defer p2.close(t)
+	res, err := dir.Handshake(context.Background(), "P", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(7, 8))
+	q := makeRequest("b", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	for _, stage := range p2.ranks {
+		for _, r := range stage {
+			r.Fill(q.sim.P)
+		}
+	}
+	now := time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	release := dir.Hold("P")
+	if err := d.workers[0][0].PeerGeneration("P", res.Generation); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond) // the question is out, held
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: time.Now(), Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p2, now.Add(time.Minute))}})
+	time.Sleep(50 * time.Millisecond)
+	release()
+	out := awaitOutcomes(t, 2, d)
+	if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, "restarted") {
+		t.Errorf("the old request: %+v, want failed: producer restarted", o)
+	}
+	if o := out.recv["d-b"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Errorf("the new request: %+v, want done by the producer's successor", o)
 	}
 }
