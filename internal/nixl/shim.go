@@ -5,6 +5,7 @@ package nixl
 /*
 #cgo LDFLAGS: -ldl
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -109,10 +110,51 @@ static const char* kx_load(const char *path) {
 	return NULL;
 }
 
+// The signals a process's own handlers answer (an engine's shutdown,
+// reload and debug hooks) that a transport's library may take when it
+// loads: UCX installs its debug handler on SIGHUP (UCX_DEBUG_SIGNO).
+static const int kx_keep[] = {SIGHUP, SIGINT, SIGTERM, SIGQUIT, SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM, SIGCHLD};
+#define KX_NKEEP (sizeof(kx_keep) / sizeof(kx_keep[0]))
+
+// kx_keep_save records the dispositions of kx_keep.
+static void kx_keep_save(struct sigaction *saved) {
+	for (size_t i = 0; i < KX_NKEEP; i++) sigaction(kx_keep[i], NULL, &saved[i]);
+}
+
+// kx_keep_restore puts back those of kx_keep that changed since
+// kx_keep_save and returns them as a bit set (bit i: kx_keep[i]).
+static unsigned kx_keep_restore(const struct sigaction *saved) {
+	unsigned changed = 0;
+	for (size_t i = 0; i < KX_NKEEP; i++) {
+		struct sigaction now;
+		if (sigaction(kx_keep[i], NULL, &now) != 0) continue;
+		if (now.sa_handler != saved[i].sa_handler || now.sa_flags != saved[i].sa_flags) {
+			sigaction(kx_keep[i], &saved[i], NULL);
+			changed |= 1u << i;
+		}
+	}
+	return changed;
+}
+
+static st_t kx_new_agent_raw(const char *name, const char *plugin, const char **kv, int n, uint64_t pthr_delay_us, h_t *agent, h_t *backend);
+
+// kx_keep_signo is kx_keep[i], or 0.
+static int kx_keep_signo(int i) { return i >= 0 && (size_t)i < KX_NKEEP ? kx_keep[i] : 0; }
+
 // kx_new_agent makes an agent with a progress thread (pausing
 // pthr_delay_us between rounds) and one backend of plugin, configured by
-// n key/value pairs (kv[2i], kv[2i+1]).
-static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, uint64_t pthr_delay_us, h_t *agent, h_t *backend) {
+// n key/value pairs (kv[2i], kv[2i+1]). The dispositions of kx_keep are
+// as they were before (restored: bits set in *restored).
+static st_t kx_new_agent(const char *name, const char *plugin, const char **kv, int n, uint64_t pthr_delay_us, h_t *agent, h_t *backend,
+                         unsigned *restored) {
+	struct sigaction saved[KX_NKEEP];
+	kx_keep_save(saved);
+	st_t s = kx_new_agent_raw(name, plugin, kv, n, pthr_delay_us, agent, backend);
+	*restored = kx_keep_restore(saved);
+	return s;
+}
+
+static st_t kx_new_agent_raw(const char *name, const char *plugin, const char **kv, int n, uint64_t pthr_delay_us, h_t *agent, h_t *backend) {
 	kx_agent_cfg cfg = {true, false, 0, 0, 1, pthr_delay_us, 100000, kx.get_xfer_telemetry != NULL};
 	st_t s = kx.create_configured_agent(name, &cfg, agent);
 	if (s != 0) return s;
@@ -279,10 +321,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 )
@@ -392,7 +437,10 @@ func OpenConfig(c Config) (*Agent, error) {
 		i++
 	}
 	a := &Agent{name: c.Name, mem: mem}
-	if err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend)); err != nil {
+	var restored C.unsigned
+	err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend, &restored))
+	noteRestored(uint(restored))
+	if err != nil {
 		return nil, err
 	}
 	if err := status("create notification map", C.kx_new_map(&a.notifs)); err != nil {
@@ -735,3 +783,33 @@ func (a *Agent) Close() error {
 }
 
 var _ = errors.New
+
+// restoredSignals counts, by signal, the handlers a transport library
+// installed when an agent was made and that were put back (kx_keep): the
+// process's own handlers stay in charge (an engine's SIGHUP, SIGTERM...).
+var restoredSignals sync.Map // syscall.Signal -> *atomic.Int64
+
+func noteRestored(bits uint) {
+	for i := 0; bits != 0; i++ {
+		if bits&1 != 0 {
+			sig := syscall.Signal(C.kx_keep_signo(C.int(i)))
+			v, _ := restoredSignals.LoadOrStore(sig, new(atomic.Int64))
+			if v.(*atomic.Int64).Add(1) == 1 {
+				slog.Debug("nixl: a transport library installed a handler for a signal the process answers itself; put back", "signal", sig)
+			}
+		}
+		bits >>= 1
+	}
+}
+
+// RestoredSignals returns how many times each signal's handler was put
+// back after a transport library replaced it while an agent was made.
+func RestoredSignals() map[syscall.Signal]int64 {
+	out := map[syscall.Signal]int64{}
+	restoredSignals.Range(func(k, v any) bool {
+		out[k.(syscall.Signal)] = v.(*atomic.Int64).Load()
+		return true
+	})
+	return out
+}
+

@@ -2,7 +2,10 @@
 
 package nixl
 
-import "time"
+import (
+	"syscall"
+	"time"
+)
 
 // Without cgo NIXL cannot be called: every entry point reports
 // ErrUnavailable, so CGO_ENABLED=0 builds work.
@@ -68,3 +71,6 @@ func (a *Agent) Release(Xfer) error                                   { return E
 func (a *Agent) Notify(string, []byte) error                          { return ErrUnavailable }
 func (a *Agent) Drain(dst []Notif) ([]Notif, error)                   { return dst, ErrUnavailable }
 func (a *Agent) Close() error                                         { return nil }
+
+// RestoredSignals returns nothing without cgo (no agent is ever made).
+func RestoredSignals() map[syscall.Signal]int64 { return nil }
