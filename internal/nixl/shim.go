@@ -812,4 +812,3 @@ func RestoredSignals() map[syscall.Signal]int64 {
 	})
 	return out
 }
-
