@@ -33,7 +33,7 @@ class BuildPyWithLibkvxfer(build_py):
                 raise SystemExit(f"kvxfer: cannot build libkvxfer: {why}")
             print(f"kvxfer: not building libkvxfer ({why}): placement in-process will need $KVXFER_LIBKVXFER")
             return
-        out = Path(self.build_lib) / "kvxfer" / "libkvxfer.so"
+        out = Path(self.build_lib).resolve() / "kvxfer" / "libkvxfer.so"
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"kvxfer: go build -buildmode=c-shared -o {out} ./cmd/libkvxfer")
         r = subprocess.run([go, "build", "-buildmode=c-shared", "-o", str(out), "./cmd/libkvxfer"], cwd=REPO)

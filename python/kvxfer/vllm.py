@@ -1,21 +1,48 @@
-"""vLLM's KV connector over kvxferd: ``KvxferConnector``.
+"""vLLM's KV connector over kvxfer: ``KvxferConnector``.
 
 Load it without patching vLLM::
 
     --kv-transfer-config '{"kv_connector": "KvxferConnector",
                            "kv_connector_module_path": "kvxfer.vllm",
                            "kv_role": "kv_both", "engine_id": "p0",
-                           "kv_connector_extra_config": {"socket": "/run/kvxferd.sock"}}'
+                           "kv_connector_extra_config": {"peer_host": "10.0.0.5", "peer_port": 7600,
+                                                         "peer_secret_file": "/etc/kvxfer/peer.secret"}}'
 
-``kv_connector_extra_config`` keys (all optional):
+Placement ``in-process`` (the default) runs kvxfer's server (libkvxfer,
+kvxfer.inprocess) inside vLLM's processes, no kvxferd: each worker rank
+starts one at the engine's base peer port plus its rank when it registers
+its KV cache (memory named by address: the backend registers the engine's
+own memory, which NIXL/UCX need for GPU transports), and the scheduler side
+shares a rank's server in its process or starts its own (kvxfer.placement).
+Placement ``daemon`` talks to a kvxferd over its unix socket, host KV memory
+shared as shm files, GPU memory as CUDA IPC handles.
+
+``kv_connector_extra_config`` keys (all optional but peer authentication):
 
 =========================  ===============================  ======================================
 key                        default                          meaning
 =========================  ===============================  ======================================
-``socket``                 ``$KVXFERD_SOCKET`` or           kvxferd's unix socket
+``placement``              ``in-process``                   ``in-process`` or ``daemon``
+``peer_host``              ``$KVXFER_PEER_HOST`` or         in-process: this host as peers reach
+                           ``127.0.0.1``                    it (peer and data ports bound there)
+``peer_port``              ``$KVXFER_PEER_PORT`` or 7600    in-process: the engine's base port;
+                                                            rank (pp, tp) at base + pp*tp_size +
+                                                            tp, DP rank r after r*tp*pp ports;
+                                                            0: system-picked, every rank and the
+                                                            scheduler in one process (tests)
+``peer_secret_file``       ``$KVXFER_PEER_SECRET_FILE``     in-process: the peers' shared secret;
+``tls_cert/key/ca``                                         or mutual TLS; or ``insecure_peers``
+``insecure_peers``         false                            true: no peer authentication. One of
+                                                            the three is required
+``backend``                ``nixl`` on GPUs, else           in-process: the transfer backend
+                           ``builtin``
+``server``                 {}                               in-process: more libkvxfer keys
+                                                            (kvxferd serve's flags, e.g.
+                                                            ``peer_timeout``)
+``socket``                 ``$KVXFERD_SOCKET`` or           daemon: kvxferd's unix socket
                            ``/run/kvxferd.sock``
-``shm_dir``                ``$KVXFERD_SHM_DIR`` or          kvxferd's shm dir (host KV memory must
-                           ``/dev/shm``                     be a file mapped from under it)
+``shm_dir``                ``$KVXFERD_SHM_DIR`` or          daemon: kvxferd's shm dir (host KV
+                           ``/dev/shm``                     memory must be a file under it)
 ``mode``                   ``push``                         ``push`` or ``pull``
 ``layerwise``              false                            push each layer as it is saved (P)
 ``timeout_s``              10                               bound of every daemon call; a dead
@@ -26,10 +53,11 @@ key                        default                          meaning
 ``relay``                  ``auto``                         ``daemon``: the scheduler's step goes
                                                             out without waiting and the ranks take
                                                             its metadata from the daemon (ranks on
-                                                            the scheduler's host); ``metadata``:
-                                                            one Step call per step, the metadata
-                                                            inside vLLM's; ``auto``: daemon on one
-                                                            node, else metadata
+                                                            the scheduler's host; placement daemon
+                                                            only); ``metadata``: one Step call per
+                                                            step, the metadata inside vLLM's;
+                                                            ``auto``: daemon on one node with a
+                                                            daemon, else metadata
 ``verify``                 false                            tests: check every decision made here
                                                             against the daemon's Scheduler (see
                                                             below); a disagreement raises
