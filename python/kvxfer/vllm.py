@@ -1,21 +1,48 @@
-"""vLLM's KV connector over kvxferd: ``KvxferConnector``.
+"""vLLM's KV connector over kvxfer: ``KvxferConnector``.
 
 Load it without patching vLLM::
 
     --kv-transfer-config '{"kv_connector": "KvxferConnector",
                            "kv_connector_module_path": "kvxfer.vllm",
                            "kv_role": "kv_both", "engine_id": "p0",
-                           "kv_connector_extra_config": {"socket": "/run/kvxferd.sock"}}'
+                           "kv_connector_extra_config": {"peer_host": "10.0.0.5", "peer_port": 7600,
+                                                         "peer_secret_file": "/etc/kvxfer/peer.secret"}}'
 
-``kv_connector_extra_config`` keys (all optional):
+Placement ``in-process`` (the default) runs kvxfer's server (libkvxfer,
+kvxfer.inprocess) inside vLLM's processes, no kvxferd: each worker rank
+starts one at the engine's base peer port plus its rank when it registers
+its KV cache (memory named by address: the backend registers the engine's
+own memory, which NIXL/UCX need for GPU transports), and the scheduler side
+shares a rank's server in its process or starts its own (kvxfer.placement).
+Placement ``daemon`` talks to a kvxferd over its unix socket, host KV memory
+shared as shm files, GPU memory as CUDA IPC handles.
+
+``kv_connector_extra_config`` keys (all optional but peer authentication):
 
 =========================  ===============================  ======================================
 key                        default                          meaning
 =========================  ===============================  ======================================
-``socket``                 ``$KVXFERD_SOCKET`` or           kvxferd's unix socket
+``placement``              ``in-process``                   ``in-process`` or ``daemon``
+``peer_host``              ``$KVXFER_PEER_HOST`` or         in-process: this host as peers reach
+                           ``127.0.0.1``                    it (peer and data ports bound there)
+``peer_port``              ``$KVXFER_PEER_PORT`` or 7600    in-process: the engine's base port;
+                                                            rank (pp, tp) at base + pp*tp_size +
+                                                            tp, DP rank r after r*tp*pp ports;
+                                                            0: system-picked, every rank and the
+                                                            scheduler in one process (tests)
+``peer_secret_file``       ``$KVXFER_PEER_SECRET_FILE``     in-process: the peers' shared secret;
+``tls_cert/key/ca``                                         or mutual TLS; or ``insecure_peers``
+``insecure_peers``         false                            true: no peer authentication. One of
+                                                            the three is required
+``backend``                ``nixl`` on GPUs, else           in-process: the transfer backend
+                           ``builtin``
+``server``                 {}                               in-process: more libkvxfer keys
+                                                            (kvxferd serve's flags, e.g.
+                                                            ``peer_timeout``)
+``socket``                 ``$KVXFERD_SOCKET`` or           daemon: kvxferd's unix socket
                            ``/run/kvxferd.sock``
-``shm_dir``                ``$KVXFERD_SHM_DIR`` or          kvxferd's shm dir (host KV memory must
-                           ``/dev/shm``                     be a file mapped from under it)
+``shm_dir``                ``$KVXFERD_SHM_DIR`` or          daemon: kvxferd's shm dir (host KV
+                           ``/dev/shm``                     memory must be a file under it)
 ``mode``                   ``push``                         ``push`` or ``pull``
 ``layerwise``              false                            push each layer as it is saved (P)
 ``timeout_s``              10                               bound of every daemon call; a dead
@@ -26,10 +53,11 @@ key                        default                          meaning
 ``relay``                  ``auto``                         ``daemon``: the scheduler's step goes
                                                             out without waiting and the ranks take
                                                             its metadata from the daemon (ranks on
-                                                            the scheduler's host); ``metadata``:
-                                                            one Step call per step, the metadata
-                                                            inside vLLM's; ``auto``: daemon on one
-                                                            node, else metadata
+                                                            the scheduler's host; placement daemon
+                                                            only); ``metadata``: one Step call per
+                                                            step, the metadata inside vLLM's;
+                                                            ``auto``: daemon on one node with a
+                                                            daemon, else metadata
 ``verify``                 false                            tests: check every decision made here
                                                             against the daemon's Scheduler (see
                                                             below); a disagreement raises
@@ -97,6 +125,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxfer import errors, params
+from kvxfer import inprocess
+from kvxfer import placement as placement_mod
 from kvxfer.client import Client, WorkerStream, step_result
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -137,10 +167,16 @@ class Disagreement(AssertionError):
 DISAGREEMENTS: list[str] = []
 
 
+# Keys by placement (the rest apply to both).
+_DAEMON_KEYS = frozenset(("socket", "shm_dir"))
+_INPROCESS_KEYS = frozenset(("peer_host", "peer_port", "peer_secret_file", "insecure_peers", "tls_cert", "tls_key", "tls_ca",
+                             "backend", "server"))
+_COMMON_KEYS = frozenset(("placement", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay",
+                          "verify"))
+
+
 @dataclass
 class Config:
-    socket: str
-    shm_dir: str
     mode: int
     layerwise: bool
     timeout_s: float
@@ -148,15 +184,34 @@ class Config:
     registration_timeout_s: float
     relay: str = "auto"
     verify: bool = False
+    placement: str = "in-process"
+    # placement "daemon"
+    socket: str = ""
+    shm_dir: str = ""
+    # placement "in-process"
+    peer_host: str = "127.0.0.1"
+    peer_port: int = 7600
+    # libkvxfer's keys every server of the engine's processes shares:
+    # authentication, backend (None: by the engine's device), the user's
+    # extra keys (``server``).
+    server: dict = field(default_factory=dict)
+    backend: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
         e = dict(extra or {})
-        known = {"socket", "shm_dir", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay",
-                 "verify"}
+        known = _DAEMON_KEYS | _INPROCESS_KEYS | _COMMON_KEYS
         unknown = sorted(set(e) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}, want some of {sorted(known)}")
+        placement = e.get("placement", "in-process")
+        if placement not in placement_mod.PLACEMENTS:
+            raise ValueError(f"kv_connector_extra_config.placement = {placement!r}, want in-process or daemon")
+        other = _INPROCESS_KEYS if placement == "daemon" else _DAEMON_KEYS
+        wrong = sorted(set(e) & other)
+        if wrong:
+            raise ValueError(f"kv_connector_extra_config: {wrong} apply to placement "
+                             f"{'in-process' if placement == 'daemon' else 'daemon'} only, and placement is {placement!r}")
         mode = e.get("mode", "push")
         if mode not in params.MODES:
             raise ValueError(f"kv_connector_extra_config.mode = {mode!r}, want push or pull")
@@ -168,6 +223,9 @@ class Config:
         relay = e.get("relay", "auto")
         if relay not in ("auto", "daemon", "metadata"):
             raise ValueError(f"kv_connector_extra_config.relay = {relay!r}, want auto, daemon or metadata")
+        if relay == "daemon" and placement == "in-process":
+            raise ValueError("kv_connector_extra_config.relay = 'daemon' needs placement daemon (in-process, the scheduler "
+                             "and the ranks run servers of their own: the metadata travels inside vLLM's)")
         verify = e.get("verify", False)
         if not isinstance(verify, bool):
             raise ValueError(f"kv_connector_extra_config.verify = {verify!r}, want true or false")
@@ -178,11 +236,96 @@ class Config:
                 raise ValueError(f"kv_connector_extra_config.{key} = {v!r}, want a number > 0")
             return float(v)
 
-        return cls(socket=str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock"),
-                   shm_dir=str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm"),
-                   mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10),
-                   lease_s=num("lease_s", 30), registration_timeout_s=num("registration_timeout_s", 480), relay=relay,
-                   verify=verify)
+        c = cls(mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10), lease_s=num("lease_s", 30),
+                registration_timeout_s=num("registration_timeout_s", 480), relay=relay, verify=verify, placement=placement)
+        if placement == "daemon":
+            c.socket = str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock")
+            c.shm_dir = str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm")
+        else:
+            c._in_process(e)
+        return c
+
+    def _in_process(self, e: dict[str, Any]) -> None:
+        """Reads and checks placement in-process's keys."""
+        host = e.get("peer_host", os.environ.get("KVXFER_PEER_HOST") or "127.0.0.1")
+        if not isinstance(host, str) or not host or any(ch in host for ch in " /[]") or host in ("0.0.0.0", "::"):
+            raise ValueError(f"kv_connector_extra_config.peer_host = {host!r}, want a host name or IP address "
+                             "(this host's, as its peers reach it: transfer params carry it; not a wildcard)")
+        self.peer_host = host
+        if "peer_port" in e:
+            port, what = e["peer_port"], "kv_connector_extra_config.peer_port"
+        else:
+            port, what = os.environ.get("KVXFER_PEER_PORT") or 7600, "$KVXFER_PEER_PORT"
+            if isinstance(port, str) and port.strip().isdigit():
+                port = int(port)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"{what} = {port!r}, want a port (0-65535; 0: the system picks one, for an engine "
+                             "whose ranks and scheduler all run in one process)")
+        self.peer_port = port
+        # Peers are authenticated unless the user says otherwise, as
+        # kvxferd's -peer-secret-file / -tls-* / -insecure-peers.
+        secret = e.get("peer_secret_file")
+        if "peer_secret_file" in e and (not isinstance(secret, str) or not secret):
+            raise ValueError(f"kv_connector_extra_config.peer_secret_file = {secret!r}, want a file name")
+        insecure = e.get("insecure_peers", False)
+        if not isinstance(insecure, bool):
+            raise ValueError(f"kv_connector_extra_config.insecure_peers = {insecure!r}, want true or false")
+        tls = {k: e[k] for k in ("tls_cert", "tls_key", "tls_ca") if k in e}
+        for k, v in tls.items():
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"kv_connector_extra_config.{k} = {v!r}, want a file name")
+        if tls and len(tls) != 3:
+            raise ValueError(f"kv_connector_extra_config: mutual TLS needs tls_cert, tls_key and tls_ca; got only "
+                             f"{sorted(tls)}")
+        ways = [w for w, on in (("peer_secret_file", bool(secret)), ("tls_*", bool(tls)), ("insecure_peers", insecure)) if on]
+        if len(ways) > 1:
+            raise ValueError(f"kv_connector_extra_config: {' and '.join(ways)}: choose one way to secure peers")
+        if not ways:
+            # Named by none of the keys: the environment's secret, or none.
+            secret = os.environ.get("KVXFER_PEER_SECRET_FILE") or None
+            if secret is None:
+                raise ValueError(
+                    "kv_connector_extra_config: placement in-process needs peer authentication: peer_secret_file (or "
+                    "$KVXFER_PEER_SECRET_FILE; a file of 16+ random bytes, readable by its owner only, the same on every "
+                    "engine), or tls_cert, tls_key and tls_ca, or insecure_peers: true (anyone who reaches the peer and "
+                    "data ports can then read and write this engine's KV cache)")
+        common: dict[str, Any] = {}
+        if secret:
+            if not os.path.isfile(secret):
+                what = "kv_connector_extra_config.peer_secret_file" if "peer_secret_file" in e else "$KVXFER_PEER_SECRET_FILE"
+                raise ValueError(f"{what} = {secret!r}: no such file")
+            common["peer-secret-file"] = secret
+        elif tls:
+            common.update({k.replace("_", "-"): v for k, v in tls.items()})
+        else:
+            common["insecure-peers"] = True
+        backend = e.get("backend")
+        if backend is not None and backend not in ("builtin", "nixl"):
+            raise ValueError(f"kv_connector_extra_config.backend = {backend!r}, want builtin or nixl")
+        self.backend = backend
+        srv = e.get("server", {})
+        if not isinstance(srv, dict):
+            raise ValueError(f"kv_connector_extra_config.server = {srv!r}, want an object of libkvxfer keys "
+                             "(kvxferd serve's flag names)")
+        for k, v in srv.items():
+            name = str(k).replace("_", "-")
+            if name in placement_mod.OWNED_KEYS:
+                raise ValueError(f"kv_connector_extra_config.server.{k}: set by the connector (peer_host, peer_port, "
+                                 "backend, peer_secret_file, tls_*, insecure_peers)")
+            if isinstance(v, (dict, list)) or v is None:
+                raise ValueError(f"kv_connector_extra_config.server.{k} = {v!r}, want a string, a number or a boolean")
+            common[name] = v
+        common.setdefault("data-host", self.peer_host)
+        self.server = common
+
+    def server_common(self, device: str) -> dict:
+        """libkvxfer's keys shared by the engine's servers, the backend by
+        the engine's device when the config names none: NIXL for GPUs (its
+        GPU transports need the engine's own memory, hence in-process),
+        the built-in one otherwise."""
+        out = dict(self.server)
+        out["backend"] = self.backend or ("nixl" if device == "cuda" else "builtin")
+        return out
 
 
 @dataclass
@@ -341,13 +484,44 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.groups = _group_kinds(kv_cache_config)
         self._all_groups = tuple(range(len(kv_cache_config.kv_cache_groups))) if kv_cache_config is not None else (0,)
-        self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
+        self.in_process = self.cfg.placement == "in-process"
+        # Where this connector's server is: kvxferd's socket, or this
+        # process's in-process server's endpoint (a worker's once it
+        # registers its KV caches, when its server starts).
+        self.address = self.cfg.socket
+        self.client: Client | None = None
+        self._holds_server = False
+        if self.in_process:
+            pc = vllm_config.parallel_config
+            self.device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+            dp = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+            self.base = placement_mod.engine_base(self.cfg.peer_port, dp, self.tp_size, self.pp_size)
+            last = self.base + self.tp_size * self.pp_size - 1
+            if self.base and last > 65535:
+                raise ValueError(f"kv_connector_extra_config.peer_port = {self.cfg.peer_port}: the ranks of data-parallel "
+                                 f"rank {dp} would listen up to port {last}, past 65535")
+        else:
+            self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self.in_process:
+                self._attach(lambda s, common: s.acquire_scheduler(common, self.cfg.peer_host, self.base))
             self._sched = _SchedulerSide(self, vllm_config)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    def _attach(self, acquire) -> None:
+        """In-process: gets this process's server (started, or found
+        running) and a client of it."""
+        try:
+            self.address = acquire(placement_mod.acquire(), self.cfg.server_common(self.device))
+        except inprocess.ForkedChildError as e:
+            raise RuntimeError(f"{e} (vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn)") from e
+        except inprocess.InProcessError as e:
+            raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot start its in-process server: {e}") from e
+        self._holds_server = True
+        self.client = Client(self.address, timeout=self.cfg.timeout_s)
 
     # ---- class-level hooks ----
 
@@ -441,7 +615,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             if self._sched is not None:
                 self._sched.shutdown()
         finally:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
+            if self._holds_server:
+                # The process's last connector stops its server.
+                self._holds_server = False
+                placement_mod.release()
 
 
 class _Columns:
@@ -686,7 +865,8 @@ class _SchedulerSide:
         self.relay = self.cfg.relay
         if self.relay == "auto":
             nnodes = getattr(vllm_config.parallel_config, "nnodes", 1) or 1
-            self.relay = "daemon" if nnodes <= 1 else "metadata"
+            # In-process, the scheduler's server is not its ranks'.
+            self.relay = "daemon" if nnodes <= 1 and not conn.in_process else "metadata"
         # Trailing prompt tokens P leaves to D (prefill_backoff); the
         # daemon's Scheduler is told the same (SchedulerConfig).
         self.backoff = prefill_backoff(vllm_config, conn._kv_cache_config)
@@ -731,7 +911,7 @@ class _SchedulerSide:
         self._vclient: Client | None = None
         self._vsched = None
         if self.verify:
-            self._vclient = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
+            self._vclient = Client(conn.address, timeout=self.cfg.timeout_s)
             self._vsched = self._vclient.scheduler(conn.engine_id)
         self._open()
 
@@ -755,7 +935,7 @@ class _SchedulerSide:
             # A daemon that is down fails every transfer cleanly; opening
             # is retried at each step.
             self.addr = ""
-            log.error("kvxfer: cannot open the scheduler of engine %s on %s: %s", self.c.engine_id, self.cfg.socket, e)
+            log.error("kvxfer: cannot open the scheduler of engine %s on %s: %s", self.c.engine_id, self.c.address, e)
 
     # -- local answers --
 
@@ -1249,12 +1429,19 @@ class _WorkerSide:
     # -- memory and layout --
 
     def register(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        c = self.c
+        if c.in_process and c.client is None:
+            # This rank's server: listening at its own peer port (the
+            # engine's base plus its rank), started now.
+            port = placement_mod.rank_port(c.base, c.tp_size, self.pp_rank, self.tp_rank) if c.base else 0
+            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port))
         hello = self.hello = build_hello(self, kv_caches)
         try:
-            self.stream = self.c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))
+            self.stream = c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))
         except errors.KvxferError as e:
-            raise RuntimeError(f"kvxfer: rank tp={self.tp_rank} pp={self.pp_rank} of engine {self.c.engine_id} "
-                               f"cannot attach to kvxferd at {self.cfg.socket}: {e}") from e
+            where = f"its in-process server ({c.address})" if c.in_process else f"kvxferd at {c.address}"
+            raise RuntimeError(f"kvxfer: rank tp={self.tp_rank} pp={self.pp_rank} of engine {c.engine_id} "
+                               f"cannot attach to {where}: {e}") from e
         if self.cfg.layerwise:
             self.saver = _LayerSaver(self.stream)
 
@@ -1598,6 +1785,8 @@ def share_memory(w: _WorkerSide, tensors: list, ranges: list[tuple[int, int]]) -
     """The memory holding the tensors, as the daemon can map it: the
     shared-memory files they live in (host), or CUDA IPC handles (GPU)."""
     from kvxfer import shm
+    if w is not None and w.c.in_process:
+        return in_process_memory(tensors)
     if tensors[0].is_cuda:
         from kvxfer import cuda
         return [pb.SharedMemory(base=s.base, size=s.size, cuda_ipc_handle=s.handle, device_uuid=s.device_uuid)
@@ -1611,4 +1800,23 @@ def share_memory(w: _WorkerSide, tensors: list, ranges: list[tuple[int, int]]) -
                 "map it: allocate host KV caches over kvxfer.shm.create() (torch.frombuffer), or run on GPUs")
         path, base, size = found
         out.setdefault(path, pb.SharedMemory(path=path, base=base, size=size))
+    return list(out.values())
+
+
+def in_process_memory(tensors: list) -> list[pb.SharedMemory]:
+    """The memory holding the tensors, named by address for this process's
+    own server (placement in-process): one entry per allocation (vLLM
+    0.32's per-layer views share one), host or GPU. No file, no IPC
+    handle: the server registers the engine's own memory."""
+    from kvxfer import inprocess as ip
+    out: dict[int, pb.SharedMemory] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        base, size = st.data_ptr(), st.nbytes()
+        if base in out:
+            continue
+        if t.is_cuda:
+            out[base] = ip.device_memory(base, size, t.device.index or 0)
+        else:
+            out[base] = ip.host_memory(base, size)
     return list(out.values())

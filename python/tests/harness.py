@@ -68,6 +68,14 @@ def build_libkvxfer(out_dir: Path) -> Path:
     return lib
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (the system's pick)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def secret_file(work: Path) -> str:
     """The peer secret every daemon of work shares (made once, mode 0600):
     kvxferd authenticates its peers, and daemons peer only with the same
@@ -131,6 +139,28 @@ class Daemon:
         self.log.close()
 
 
+class InProcess:
+    """Stands in for a Daemon where the engines run placement in-process:
+    each engine's connectors start (or share) this process's libkvxfer
+    server; the peer address is known once the engine's scheduler opened
+    (make_engine sets it). The test's engines all live in this process, so
+    they share one server and peer_port 0 (the system picks)."""
+
+    placement = "in-process"
+
+    def __init__(self, work: Path, name: str, peer_port: int = 0, server: dict | None = None):
+        self.name = name
+        self.peer_port = peer_port
+        self.server = {"log_level": "warn", **(server or {})}
+        self.secret = secret_file(work)
+        self.peer = ""
+        self.dir = work / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def stop(self) -> None:
+        pass
+
+
 def model_dir(work: Path, mtp: int = 0) -> Path:
     """A model directory holding only a config.json: an OPT-like model, or
     with mtp > 0 one of the same geometry with mtp multi-token-prediction
@@ -169,8 +199,13 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     # verify: every decision the connector makes is checked against the
     # daemon's Scheduler, on every step; a disagreement raises (and
     # conftest fails the test whatever became of the exception).
-    extra = {"socket": daemon.socket, "shm_dir": daemon.shm_dir, "mode": mode, "timeout_s": timeout_s,
-             "registration_timeout_s": registration_timeout_s, "lease_s": lease_s, "relay": relay, "verify": True}
+    extra = {"mode": mode, "timeout_s": timeout_s, "registration_timeout_s": registration_timeout_s, "lease_s": lease_s,
+             "relay": relay, "verify": True}
+    if getattr(daemon, "placement", "daemon") == "in-process":
+        extra.update({"placement": "in-process", "peer_host": "127.0.0.1", "peer_port": daemon.peer_port,
+                      "peer_secret_file": daemon.secret, "server": dict(daemon.server)})
+    else:
+        extra.update({"placement": "daemon", "socket": daemon.socket, "shm_dir": daemon.shm_dir})
     if layerwise:
         extra["layerwise"] = True
     ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
@@ -275,16 +310,20 @@ def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp:
 
     cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks, **kw)
     kvc = kv_cache_config(cfg, tp, num_blocks, mamba)
-    sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=BLOCK, log_stats=True)
     layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    in_process = getattr(daemon, "placement", "daemon") == "in-process"
     ranks = []
     for r in range(0 if mamba else tp):
         cfg.parallel_config.rank = r
         conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
         conn._worker.tp_rank = r
-        buf = shm.create(kvc.kv_cache_tensors[0].size, daemon.shm_dir)
-        raw = torch.frombuffer(buf.buffer, dtype=torch.int8, count=kvc.kv_cache_tensors[0].size)
+        if in_process:
+            # A plain host tensor: the in-process server takes it by address.
+            buf = None
+            raw = torch.zeros(kvc.kv_cache_tensors[0].size, dtype=torch.int8)
+        else:
+            buf = shm.create(kvc.kv_cache_tensors[0].size, daemon.shm_dir)
+            raw = torch.frombuffer(buf.buffer, dtype=torch.int8, count=kvc.kv_cache_tensors[0].size)
         kv = {}
         for t in kvc.kv_cache_tensors:
             spec = kvc.kv_cache_groups[0].kv_cache_spec
@@ -292,6 +331,13 @@ def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp:
         conn.register_kv_caches(kv)
         ranks.append(Rank(conn, kv, buf, r))
     cfg.parallel_config.rank = 0
+    # The scheduler after the workers, as vLLM's engine core builds them
+    # (its executor first): in-process, a scheduler side finds the server
+    # of a rank in its process, or starts its own.
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
+                      block_size=BLOCK, log_stats=True)
+    if in_process:
+        daemon.peer = sched.connector._sched.addr
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     return Engine(name, role, sched, ranks, tp, kvc, KVOutputAggregator(tp), free)
 
@@ -433,7 +479,8 @@ def shutdown(e: Engine) -> None:
         r.connector.shutdown()
     e.sched.shutdown()
     for r in e.ranks:
-        r.buf.close(unmap=False)  # tensors over it may outlive the engine
+        if r.buf is not None:
+            r.buf.close(unmap=False)  # tensors over it may outlive the engine
 
 
 def attach_nixl_shadow(e: Engine, mode: str) -> tuple[list[str], dict]:

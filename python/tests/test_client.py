@@ -12,6 +12,9 @@ from kvxfer.peerauth import load_secret
 from kvxfer import errors, params, shm
 from kvxfer.v1 import kvxfer_pb2 as pb
 
+# kvxferd's own services, over its socket.
+pytestmark = pytest.mark.placement("daemon")
+
 
 def _hello(d, engine="e1", size=1 << 20):
     buf = shm.create(size, d.shm_dir)

@@ -1,0 +1,151 @@
+"""KvxferConnector in placement in-process across processes: an engine in a
+process of its own (vllm_engine_proc.py: vLLM's Scheduler and a worker
+connector, libkvxfer started by the connector at the engine's base peer
+port) and an engine in this test's process. No kvxferd and no shared-memory
+file anywhere: both KV caches are plain host tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import harness as H
+
+import vllm  # noqa: E402,F401  (a missing vLLM fails the run: CI installs it)
+
+HERE = Path(__file__).resolve().parent
+# D's server gives up on a producer engine silent this long (libkvxfer's
+# peer-timeout): the liveness bound a killed P's consumers must end within.
+PEER_TIMEOUT_S = 2.0
+
+
+class EngineProc:
+    """vllm_engine_proc.py as a child: its lines, read as they come."""
+
+    def __init__(self, work: Path, name: str, role: str, mode: str, base: int, step_s: float):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(H.REPO / "python"), env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine_proc.py"), str(work), name, role, mode,
+                                      str(base), str(step_s)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(work / f"{name}.log", "w"), text=True)
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.log = work / f"{name}.log"
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.seen:
+                if line.startswith(prefix):
+                    return line
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line within {timeout} s; lines {self.seen}; log:\n{self.log.read_text()}")
+            if line is None:
+                raise AssertionError(f"the engine process exited ({self.proc.wait()}) before {prefix!r}; lines {self.seen}; "
+                                     f"log:\n{self.log.read_text()}")
+            self.seen.append(line)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is not None:
+                self.seen.append(line)
+
+    def send(self, rid: str, tokens: list[int], params: dict, max_tokens: int = 1) -> None:
+        self.proc.stdin.write(json.dumps({"rid": rid, "tokens": tokens, "params": params, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def _push(base: int, tid: str) -> dict:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid, "remote_engine_id": "p0",
+            "remote_host": "127.0.0.1", "remote_port": base, "tp_size": 1, "mode": "push"}
+
+
+def _step_until(e: H.Engine, prompts: dict, done, limit_s: float) -> float:
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < limit_s, f"not done within {limit_s} s: D recvd {e.recvd}, failed {e.failed}, " \
+            f"finished {sorted(e.finished)}"
+        H.step(e, prompts, fill=False)
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_p_killed_mid_transfer_d_ends_within_peer_timeout(tmp_path, libkvxfer):
+    """P and D, each a vLLM engine in a process of its own with kvxfer
+    in-process (P at a base peer port; D in this process). First a push
+    between them lands every byte in D's cache (checked). Then P, its
+    second request mid-prefill (chunked, one chunk a step) and D's blocks
+    registered with it for the WRITE, is SIGKILLed: D's request ends
+    (failed, so vLLM recomputes it) within D's server's peer timeout, well
+    before D's registration watchdog (60 s) could end it, and every block
+    of D's goes back to its pool."""
+    base = H.free_port()
+    p = EngineProc(tmp_path, "p0", "P", "push", base, step_s=0.25)
+    d = None
+    try:
+        addr = p.wait_for("ready ").split()[1]
+        assert addr == f"127.0.0.1:{base}", addr  # transfer params name P by its base
+        srv = H.InProcess(tmp_path, "d", server={"peer_timeout": f"{PEER_TIMEOUT_S}s"})
+        d = H.make_engine(tmp_path, "d0", "D", srv, "push", 1, registration_timeout_s=60)
+        prompts = {}
+        # A whole transfer across the two processes: every byte checked.
+        toks = list(range(2000, 2000 + 3 * H.BLOCK + 5))
+        prompts["d-1"] = toks
+        p.send("p-1", toks, {"do_remote_decode": True, "transfer_id": "t1"})
+        d.sched.add_request(H.make_request("d-1", toks, 2, _push(base, "t1")))
+        _step_until(d, prompts, lambda: "d-1" in d.recvd, 60)
+        assert "d-1" not in d.failed
+        assert H.check_kv(d, "d-1", toks, len(toks)) > 0
+        _step_until(d, prompts, lambda: "d-1" in d.finished, 30)
+        p.wait_for("sent p-1", 30)
+        # The second: P's prefill takes 10 steps of 0.25 s; D registers its
+        # blocks with P at once.
+        toks = list(range(5000, 5000 + 10 * H.BLOCK))
+        prompts["d-2"] = toks
+        p.send("p-2", toks, {"do_remote_decode": True, "transfer_id": "t2"})
+        d.sched.add_request(H.make_request("d-2", toks, 2, _push(base, "t2")))
+        until = time.monotonic() + 1.0
+        _step_until(d, prompts, lambda: time.monotonic() >= until, 10)
+        p.drain()
+        assert not any(x.endswith("p-2") for x in p.seen), p.seen  # mid-transfer: P not done
+        assert "d-2" not in d.recvd
+        p.proc.send_signal(signal.SIGKILL)
+        p.proc.wait(10)
+        took = _step_until(d, prompts, lambda: "d-2" in d.recvd, 30)
+        assert "d-2" in d.failed, (d.recvd, d.failed)
+        # peer-timeout, plus a step's and a probe's slack.
+        assert took < PEER_TIMEOUT_S + 3, took
+        # vLLM recomputes it (policy recompute) and finishes it; nothing of
+        # D's is held any more.
+        _step_until(d, prompts, lambda: "d-2" in d.finished and not d.sched.requests, 30)
+        assert d.sched.kv_cache_manager.block_pool.get_num_free_blocks() == d.initial_free
+    finally:
+        p.close()
+        if d is not None:
+            H.shutdown(d)
+    from kvxfer import placement
+    assert placement.acquire().users == 0  # the engine's shutdown let this process's server go
