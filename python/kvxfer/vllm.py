@@ -39,6 +39,9 @@ key                        default                          meaning
 ``server``                 {}                               in-process: more libkvxfer keys
                                                             (kvxferd serve's flags, e.g.
                                                             ``peer_timeout``)
+``etcd``                   unset                            in-process: the fleet registry's
+                                                            endpoints (kvxferd -etcd); its
+                                                            other keys through ``server``
 ``socket``                 ``$KVXFERD_SOCKET`` or           daemon: kvxferd's unix socket
                            ``/run/kvxferd.sock``
 ``shm_dir``                ``$KVXFERD_SHM_DIR`` or          daemon: kvxferd's shm dir (host KV
@@ -170,7 +173,7 @@ DISAGREEMENTS: list[str] = []
 # Keys by placement (the rest apply to both).
 _DAEMON_KEYS = frozenset(("socket", "shm_dir"))
 _INPROCESS_KEYS = frozenset(("peer_host", "peer_port", "peer_secret_file", "insecure_peers", "tls_cert", "tls_key", "tls_ca",
-                             "backend", "server"))
+                             "backend", "server", "etcd"))
 _COMMON_KEYS = frozenset(("placement", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay",
                           "verify"))
 
@@ -315,6 +318,18 @@ class Config:
             if isinstance(v, (dict, list)) or v is None:
                 raise ValueError(f"kv_connector_extra_config.server.{k} = {v!r}, want a string, a number or a boolean")
             common[name] = v
+        etcd = e.get("etcd")
+        if etcd is not None:
+            # The fleet registry (kvxferd -etcd): the engine's servers
+            # publish it under a lease, resolve producers named by id, and
+            # fail what waits on one whose lease ends. Its other settings
+            # (etcd-ca, etcd-cert, etcd-key, etcd-ttl, etcd-url...) go
+            # through server.
+            if not isinstance(etcd, str) or not etcd.strip():
+                raise ValueError(f"kv_connector_extra_config.etcd = {etcd!r}, want etcd's endpoints, comma-separated (host:port)")
+            if "etcd" in srv:
+                raise ValueError("kv_connector_extra_config: etcd and server.etcd: name the endpoints once")
+            common["etcd"] = etcd
         common.setdefault("data-host", self.peer_host)
         self.server = common
 

@@ -53,6 +53,12 @@ def test_server_keys_pass_through(secret):
     assert c.peer_port == 0
 
 
+def test_etcd(secret):
+    c = Config.from_extra({"peer_secret_file": secret, "etcd": "127.0.0.1:2379",
+                           "server": {"etcd_ttl": "3s", "etcd_role": "producer"}})
+    assert (c.server["etcd"], c.server["etcd-ttl"], c.server["etcd-role"]) == ("127.0.0.1:2379", "3s", "producer")
+
+
 CASES = [
     # (name, extra, what the error must say)
     ("unknown key", {"sockett": "/x"}, "unknown keys ['sockett']"),
@@ -77,6 +83,9 @@ CASES = [
     ("relay", {"SECRET": 1, "relay": "both"}, "relay = 'both', want auto, daemon or metadata"),
     ("mode", {"SECRET": 1, "mode": "poke"}, "mode = 'poke', want push or pull"),
     ("timeout", {"SECRET": 1, "timeout_s": 0}, "timeout_s = 0, want a number > 0"),
+    ("etcd empty", {"SECRET": 1, "etcd": ""}, "etcd = '', want etcd's endpoints"),
+    ("etcd twice", {"SECRET": 1, "etcd": "h:1", "server": {"etcd": "h:2"}}, "etcd and server.etcd: name the endpoints once"),
+    ("etcd in daemon", {"placement": "daemon", "etcd": "h:1"}, "['etcd'] apply to placement in-process only"),
 ]
 
 
