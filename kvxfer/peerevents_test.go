@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -35,19 +36,28 @@ func TestPeerGoneEventFailsAtOnce(t *testing.T) {
 	}
 }
 
-// A registry says the producer has a new generation (it restarted): with
-// probes off, the consumer asks it at once and fails what waited on its
-// old agents; a new request goes to the new ones.
-func TestPeerGenerationEventIsARejoin(t *testing.T) {
+// restartedProducer is livePair with probes off (d-a waiting on P) whose
+// producer then restarts: a new P, at generation res.Generation, that D
+// has not heard of yet.
+func restartedProducer(t *testing.T) (dir *kvxfertest.Directory, d, p2 *simEngine, res kvxfer.HandshakeResult) {
+	t.Helper()
 	dir, p, d, _ := livePair(t, -1)
 	p.close(t)
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
-	defer p2.close(t)
+	p2 = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
+	t.Cleanup(func() { p2.close(t) })
 	res, err := dir.Handshake(context.Background(), "P", "")
 	if err != nil {
 		t.Fatal(err)
 	}
+	return dir, d, p2, res
+}
+
+// A registry says the producer has a new generation (it restarted): with
+// probes off, the consumer asks it at once and fails what waited on its
+// old agents; a new request goes to the new ones.
+func TestPeerGenerationEventIsARejoin(t *testing.T) {
+	_, d, _, res := restartedProducer(t)
 	back := time.Now()
 	if err := d.workers[0][0].PeerGeneration("P", res.Generation); err != nil {
 		t.Fatal(err)
@@ -68,15 +78,7 @@ func TestPeerGenerationEventIsARejoin(t *testing.T) {
 // The 5-minute fleet churn found consumers registering with a dead agent
 // because the event came during such a probe.
 func TestPeerGenerationDuringAProbeIsKept(t *testing.T) {
-	dir, p, d, _ := livePair(t, -1)
-	p.close(t)
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
-	defer p2.close(t)
-	res, err := dir.Handshake(context.Background(), "P", "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	dir, d, _, res := restartedProducer(t)
 	release := dir.Hold("P")
 	dir.FailHandshakes("P", 1) // the question out: the old address, dead
 	if err := d.workers[0][0].PeerGeneration("P", res.Generation+1); err != nil {
@@ -101,15 +103,7 @@ func TestPeerGenerationDuringAProbeIsKept(t *testing.T) {
 // its successor serves the new request, which is done (before, it went
 // to the old agent and failed push_reg_notif_failed).
 func TestNewRequestWaitsForTheRegistrysRejoin(t *testing.T) {
-	dir, p, d, _ := livePair(t, -1)
-	p.close(t)
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
-	defer p2.close(t)
-	res, err := dir.Handshake(context.Background(), "P", "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	dir, d, p2, res := restartedProducer(t)
 	groups := d.ranks[0][0].Layout.GroupList()
 	rng := rand.New(rand.NewPCG(7, 8))
 	q := makeRequest("b", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))

@@ -253,8 +253,8 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 	}
 	var wg sync.WaitGroup
 	for i := range got {
-		if got[i].gen != 0 || got[i].rank.EngineID != "" {
-			continue
+		if got[i].rank.EngineID != "" {
+			continue // the first answer listed it
 		}
 		pp, tp := i/tpSize, i%tpSize
 		port := RankPort(int(base), tpSize, pp, tp)

@@ -140,19 +140,8 @@ func tryAttach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvs
 	en := &engine{id: id, eng: e, ranks: ranks, client: c}
 	for pp, stage := range ranks {
 		en.streams = append(en.streams, nil)
-		for tp, r := range stage {
-			name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, pp, tp, rand.Uint64())
-			mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = mp.Close() })
-			copy(mp.Bytes, r.Mem)
-			r.Mem = mp.Bytes // the engine's cache is the shared file now
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
-				Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
-			cancel()
+		for _, r := range stage {
+			rs, err := connectRank(t, c, shmDir, id, r, mode)
 			if err != nil {
 				return nil, err
 			}
@@ -160,6 +149,24 @@ func tryAttach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvs
 		}
 	}
 	return en, nil
+}
+
+// connectRank moves rank r's cache into a shared-memory file (the
+// engine's cache from then on) and connects its stream over c.
+func connectRank(t testing.TB, c *stream.Client, shmDir, id string, r *kvsim.Rank, mode kvxfer.Mode) (*stream.RankStream, error) {
+	t.Helper()
+	name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, r.Layout.PPRank, r.Layout.TPRank, rand.Uint64())
+	mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mp.Close() })
+	copy(mp.Bytes, r.Mem)
+	r.Mem = mp.Bytes // the engine's cache is the shared file now
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
+		Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
 }
 
 func (e *engine) step(t *testing.T, m *kvxfer.StepMeta) {

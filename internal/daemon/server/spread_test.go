@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -17,7 +16,6 @@ import (
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 	"github.com/kvxfer/kvxfer/topology"
@@ -92,18 +90,7 @@ func attachRank(t *testing.T, d *daemon, shmDir, id string, r *kvsim.Rank, mode 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
-	name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, r.Layout.PPRank, r.Layout.TPRank, rand.Uint64())
-	mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = mp.Close() })
-	copy(mp.Bytes, r.Mem)
-	r.Mem = mp.Bytes
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
-		Memory: []stream.Memory{{Path: filepath.Join(shmDir, name), Base: r.Base, Size: uint64(len(r.Mem))}}})
+	return connectRank(t, c, shmDir, id, r, mode)
 }
 
 // An engine whose ranks are served each by its own server (the in-process
@@ -283,5 +270,78 @@ func closeRank(t *testing.T, rs *stream.RankStream) {
 	defer cancel()
 	if err := rs.Close(ctx); err != nil {
 		t.Errorf("Close: %v", err)
+	}
+}
+
+// forgedBase answers handshakes as srv does, with rank_port_base set to
+// base: a peer's word that the engine's ranks are spread.
+type forgedBase struct {
+	pb.UnimplementedPeerServiceServer
+	srv  *server.Server
+	base uint32
+}
+
+func (f *forgedBase) Handshake(ctx context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
+	resp, err := f.srv.Handshake(ctx, req)
+	if resp != nil {
+		resp.RankPortBase = f.base
+	}
+	return resp, err
+}
+
+// What a peer says of its ranks' ports is bounded and checked: a base
+// whose ranks would lie past port 65535, an answer at a rank's port
+// naming another base, and a rank's port that does not answer are
+// refused, naming the rank and the port.
+func TestSpreadHandshakeRefusals(t *testing.T) {
+	shmDir := t.TempDir()
+	ds := spreadDaemons(t, shmDir, 2)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
+	e := kvsim.Engine{ID: 1, TP: 2, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
+	ranks, err := kvsim.Build(&model, &e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		rs, err := attachRank(t, ds[i], shmDir, "E", ranks[0][i], kvxfer.ModePush)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer closeRank(t, rs)
+	}
+	_, ps, _ := net.SplitHostPort(ds[0].peerAddr)
+	base, _ := strconv.Atoi(ps)
+	serve := func(b uint32) string {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		g := grpc.NewServer()
+		pb.RegisterPeerServiceServer(g, &forgedBase{srv: ds[0].srv, base: b})
+		go func() { _ = g.Serve(l) }()
+		t.Cleanup(g.Stop)
+		return l.Addr().String()
+	}
+	res := server.NewPeerResolver(server.ResolverConfig{})
+	defer res.Close()
+	for _, tc := range []struct {
+		name string
+		base uint32
+		want string
+	}{
+		// Rank 1 at 65535 + 1: no such port.
+		{"past the last port", 65535, "would be at port 65536"},
+		// Rank 1 at ds[0]'s port: a server that says the base is another.
+		{"another base at the rank's port", uint32(base - 1), "rank_port_base " + strconv.Itoa(base) + ", but"},
+		// Rank 1 at a port nobody serves: the handshake fails, naming it.
+		{"no server at the rank's port", uint32(base + 7), "rank tp 1 pp 0 (port " + strconv.Itoa(base+8)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			addr := serve(tc.base)
+			_, err := res.Handshake(context.Background(), "E", addr)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("rank_port_base %d: %v, want an error containing %q", tc.base, err, tc.want)
+			}
+		})
 	}
 }
