@@ -11,34 +11,46 @@ import (
 
 // The batched copy. A transfer's device-to-device pieces go to the GPU as
 // one launch of kvxfer_copy (kernel/copy.cu, compiled to copy.ptx and
-// JIT-compiled by the driver when first used on a device): the pieces'
-// descriptors are written into a pinned staging slot, copied to the
-// device on the device's stream, the kernel runs behind them and an event
-// behind it. Post returns once that is queued; Copy.Done polls the event.
-// Slots are reused once their event completed, so a warm device posts a
-// batch without allocating. Where the kernel does not load (a driver too
-// old for its PTX), each piece is an asynchronous copy on the same stream
+// JIT-compiled by the driver when first used on a device). What is staged
+// is regions and entries (kernel/copy.cu): piece (r, e) of a section
+// copies entry e of region r, so a KV transfer of L layers of n blocks
+// stages L + n descriptors, not L·n (AddLayout); a plain list of pieces
+// (Add) is a section of one region at bases 0. They are written into a
+// pinned staging slot, copied to the device on the device's stream, one
+// launch per section runs behind them and an event behind the last. Post
+// returns once that is queued; Copy.Done polls the event. Slots are
+// reused once their event completed, so a warm device posts a batch
+// without allocating. Where the kernel does not load (a driver too old
+// for its PTX), each piece is an asynchronous copy on the same stream
 // instead: logged once, counted (CopyFallbacks).
 
 //go:embed copy.ptx
 var copyPTX []byte
 
 const (
-	descWords = 3 // dst, src, len | first tile << 32 (kvxfer_piece)
-	descBytes = 8 * descWords
-	// maxPiece: a descriptor's length is 32 bits; longer pieces are cut.
-	maxPiece = 1 << 31
-	// tileShift: a piece is cut into tiles of 16 KiB, one CTA's work
-	// (256 threads, four 16-byte loads each).
-	tileShift = 14
-	maxGrid   = 1 << 16 // CTAs per launch; more tiles loop
-	minSlot   = 256     // pieces a slot holds at least
+	regionWords = 2 // dst, src (kvxfer_region)
+	entryWords  = 3 // dst, src, len (kvxfer_entry)
+	// MaxEntry is the most bytes one entry copies (one CTA's piece:
+	// 256 threads, sixteen 16-byte loads each); longer pieces are cut.
+	MaxEntry = 64 << 10
+	maxGrid  = 1 << 16 // CTAs per launch; more pieces loop
+	minSlot  = 1024    // words a slot holds at least
+	// maxSections bounds the launches of one batch.
+	maxSections = 1 << 12
 )
 
 // Piece is one copy of a batch: Len bytes from Src to Dst, device
 // addresses in this process (unified addressing: Src may be memory
 // imported from another process, mapped on this device).
 type Piece struct{ Dst, Src, Len uint64 }
+
+// Region is a base pair of a layout: the device addresses an entry's
+// offsets are from.
+type Region struct{ Dst, Src uint64 }
+
+// Entry is a piece of a layout, at the same offsets from every region's
+// bases: Len bytes from Src to Dst.
+type Entry struct{ Dst, Src, Len uint64 }
 
 var (
 	fallbacks   atomic.Uint64
@@ -50,15 +62,21 @@ var (
 // because the copy kernel did not load on their device.
 func CopyFallbacks() uint64 { return fallbacks.Load() }
 
-// slot is one batch's staging: descriptors in pinned host memory, their
-// copy on the device, the event recorded behind the batch.
+// slot is one batch's staging: regions and entries in pinned host
+// memory, their copy on the device, the event recorded behind the batch,
+// and its sections (kept for reuse).
 type slot struct {
-	descs []uint64
+	words []uint64
 	dev   uint64
 	ev    unsafe.Pointer
+	secs  []section
 }
 
-func (s *slot) cap() int { return len(s.descs) / descWords }
+func (s *slot) cap() int { return len(s.words) }
+
+// section is one launch: nreg regions from word reg of the slot, nent
+// entries from word ent (the kernel's arguments; cu_post reads them).
+type section struct{ reg, nreg, ent, nent uint32 }
 
 // copier is a device's batched copy: its stream, its kernel (nil where it
 // did not load) and its free slots.
@@ -93,7 +111,7 @@ func (d *Device) initCopier() error {
 	return c.err
 }
 
-// take returns a free slot for n pieces, or a new one.
+// take returns a free slot of at least n words, or a new one.
 func (d *Device) take(n int) (*slot, error) {
 	c := &d.copier
 	c.mu.Lock()
@@ -133,18 +151,18 @@ type Copy struct {
 	err  error
 }
 
-// Batch is a batch being staged: its pieces written straight into its
-// pinned staging slot as they are added, so that posting it costs the
-// same whatever its number of pieces. Used by one goroutine.
+// Batch is a batch being staged: its regions and entries written straight
+// into its pinned staging slot as they are added, so that posting it
+// costs the same whatever its number of pieces. Used by one goroutine.
 type Batch struct {
-	d     *Device
-	s     *slot
-	n     int
-	tiles uint64
+	d   *Device
+	s   *slot
+	w   int  // words staged
+	abs bool // the last section is Add's (one region at bases 0)
 }
 
-// NewBatch returns a batch with room for n pieces (of at most 2 GiB each;
-// Add cuts longer ones and takes the room they need).
+// NewBatch returns a batch with room for n pieces of at most MaxEntry
+// bytes (it grows for more, or longer ones).
 func (d *Device) NewBatch(n int) (*Batch, error) {
 	if err := d.initCopier(); err != nil {
 		return nil, err
@@ -152,41 +170,129 @@ func (d *Device) NewBatch(n int) (*Batch, error) {
 	if n > 1<<30 {
 		return nil, fmt.Errorf("cuda: a batch of %d pieces", n)
 	}
-	s, err := d.take(max(n, 1))
+	s, err := d.take(max(n*entryWords+regionWords, minSlot))
 	if err != nil {
 		return nil, err
 	}
+	s.secs = s.secs[:0]
 	return &Batch{d: d, s: s}, nil
 }
 
-// Add stages one piece: n bytes from src to dst (device addresses in
-// this process). It reports false, staging nothing, when the batch has no
-// room left for it.
-func (b *Batch) Add(dst, src, n uint64) bool {
-	const tile = 1 << tileShift
-	if n == 0 {
-		return true
-	}
-	need := int((n + maxPiece - 1) / maxPiece)
-	if b.s == nil || b.n+need > b.s.cap() {
+// room makes room for n more words, moving the staging to a larger slot
+// if need be; false where none can be had.
+func (b *Batch) room(n int) bool {
+	if b.s == nil {
 		return false
 	}
-	for n > 0 {
-		l := min(n, maxPiece)
-		e := b.s.descs[b.n*descWords : b.n*descWords+descWords : b.n*descWords+descWords]
-		e[0], e[1], e[2] = dst, src, l|b.tiles<<32
-		b.tiles += (l + tile - 1) / tile
-		b.n++
-		dst, src, n = dst+l, src+l, n-l
+	if b.w+n <= b.s.cap() {
+		return true
 	}
+	if b.d == nil || b.w+n > 1<<34 {
+		return false
+	}
+	size := b.s.cap()
+	for size < b.w+n {
+		size *= 2
+	}
+	s, err := b.d.take(size)
+	if err != nil {
+		return false
+	}
+	copy(s.words, b.s.words[:b.w])
+	s.secs = append(s.secs[:0], b.s.secs...)
+	b.d.give(b.s)
+	b.s = s
 	return true
 }
 
-// Post queues the batch as one kernel launch (or, where the kernel did
-// not load, one asynchronous copy per piece) and returns at once: Done or
-// Wait say when the bytes landed. Nothing is checked here: the caller
-// keeps every piece within memory it may write (destination) and read
-// (source) until the copy is done. The batch is spent.
+// entries reports how many entries a piece of n bytes takes.
+func entries(n uint64) uint64 { return (n + MaxEntry - 1) / MaxEntry }
+
+// Add stages one piece: n bytes from src to dst (device addresses in
+// this process). It reports false, staging nothing, when the batch can
+// take no more.
+func (b *Batch) Add(dst, src, n uint64) bool {
+	if n == 0 {
+		return true
+	}
+	k := entries(n)
+	need := k * entryWords
+	if !b.abs {
+		need += regionWords
+	}
+	if k > 1<<31 || !b.room(int(need)) {
+		return false
+	}
+	w := b.s.words
+	if !b.abs {
+		if len(b.s.secs) == maxSections {
+			return false
+		}
+		w[b.w], w[b.w+1] = 0, 0
+		b.s.secs = append(b.s.secs, section{reg: uint32(b.w), nreg: 1, ent: uint32(b.w + regionWords)})
+		b.w += regionWords
+		b.abs = true
+	}
+	sec := &b.s.secs[len(b.s.secs)-1]
+	if uint64(sec.nent)+k > 1<<32-1 {
+		return false
+	}
+	for n > 0 {
+		l := min(n, MaxEntry)
+		e := w[b.w : b.w+entryWords : b.w+entryWords]
+		e[0], e[1], e[2] = dst, src, l
+		b.w += entryWords
+		dst, src, n = dst+l, src+l, n-l
+	}
+	sec.nent += uint32(k)
+	return true
+}
+
+// AddLayout stages every entry at every region's bases (as one launch):
+// for each region r and entry e, e.Len bytes from r.Src+e.Src to
+// r.Dst+e.Dst. It reports false, staging nothing, when the batch can take
+// no more.
+func (b *Batch) AddLayout(regions []Region, ents []Entry) bool {
+	var k uint64
+	for _, e := range ents {
+		k += entries(e.Len)
+	}
+	if k == 0 || len(regions) == 0 {
+		return true
+	}
+	if k > 1<<32-1 || uint64(len(regions)) > 1<<32-1 || b.s != nil && len(b.s.secs) == maxSections {
+		return false
+	}
+	if !b.room(len(regions)*regionWords + int(k)*entryWords) {
+		return false
+	}
+	w := b.s.words
+	sec := section{reg: uint32(b.w), nreg: uint32(len(regions))}
+	for _, r := range regions {
+		w[b.w], w[b.w+1] = r.Dst, r.Src
+		b.w += regionWords
+	}
+	sec.ent, sec.nent = uint32(b.w), uint32(k)
+	for _, e := range ents {
+		dst, src, n := e.Dst, e.Src, e.Len
+		for n > 0 {
+			l := min(n, MaxEntry)
+			x := w[b.w : b.w+entryWords : b.w+entryWords]
+			x[0], x[1], x[2] = dst, src, l
+			b.w += entryWords
+			dst, src, n = dst+l, src+l, n-l
+		}
+	}
+	b.s.secs = append(b.s.secs, sec)
+	b.abs = false
+	return true
+}
+
+// Post queues the batch as one kernel launch per section (or, where the
+// kernel did not load, one asynchronous copy per piece) and returns at
+// once: Done or Wait say when the bytes landed. Nothing is checked here:
+// the caller keeps every piece within memory it may write (destination)
+// and read (source) until the copy is done. The batch is spent.
 func (b *Batch) Post() (*Copy, error) { return b.post(false) }
 
 // Discard gives the batch's staging back unposted.
@@ -203,11 +309,7 @@ func (b *Batch) post(each bool) (*Copy, error) {
 		return nil, fmt.Errorf("cuda: a batch posted twice")
 	}
 	b.s = nil
-	if b.tiles >= 1<<32 {
-		d.give(s)
-		return nil, fmt.Errorf("cuda: a batch of %d tiles of %d bytes, over 2^32", b.tiles, 1<<tileShift)
-	}
-	if b.n == 0 {
+	if len(s.secs) == 0 {
 		d.give(s)
 		return &Copy{done: true}, nil
 	}
@@ -215,12 +317,12 @@ func (b *Batch) post(each bool) (*Copy, error) {
 	var err error
 	switch {
 	case c.fn != nil && !each:
-		err = d.launch(c.fn, c.stream, s, b.n, b.tiles, int(min(b.tiles, maxGrid)))
+		err = d.launch(c.fn, c.stream, s, b.w)
 	case each:
-		err = d.launchEach(c.stream, s, b.n)
+		err = d.launchEach(c.stream, s)
 	default:
 		fallbacks.Add(1)
-		err = d.launchEach(c.stream, s, b.n)
+		err = d.launchEach(c.stream, s)
 	}
 	if err != nil {
 		// What was queued before the failure may still run: the slot
@@ -239,16 +341,15 @@ func (d *Device) Post(pieces []Piece) (*Copy, error) { return d.post(pieces, fal
 func (d *Device) PostEach(pieces []Piece) (*Copy, error) { return d.post(pieces, true) }
 
 func (d *Device) post(pieces []Piece, each bool) (*Copy, error) {
-	need := 0
-	for _, p := range pieces {
-		need += int((p.Len + maxPiece - 1) / maxPiece)
-	}
-	b, err := d.NewBatch(need)
+	b, err := d.NewBatch(len(pieces))
 	if err != nil {
 		return nil, err
 	}
-	for _, p := range pieces {
-		b.Add(p.Dst, p.Src, p.Len)
+	for i, p := range pieces {
+		if !b.Add(p.Dst, p.Src, p.Len) {
+			b.Discard()
+			return nil, fmt.Errorf("cuda: a batch took no piece past %d of %d", i, len(pieces))
+		}
 	}
 	return b.post(each)
 }

@@ -9,36 +9,120 @@ import (
 	"time"
 )
 
+// expand is what the kernel copies for a staged slot: for each section,
+// each region, each entry, (region + entry offsets, length), in launch
+// order. It is the kernel's addressing written in Go.
+func expand(s *slot) []Piece {
+	var ps []Piece
+	for _, sec := range s.secs {
+		for r := range uint64(sec.nreg) {
+			g := s.words[uint64(sec.reg)+r*regionWords:]
+			for e := range uint64(sec.nent) {
+				x := s.words[uint64(sec.ent)+e*entryWords:]
+				if x[2] == 0 || x[2] > MaxEntry {
+					panic(fmt.Sprintf("entry of %d bytes", x[2]))
+				}
+				ps = append(ps, Piece{g[0] + x[0], g[1] + x[1], x[2]})
+			}
+		}
+	}
+	return ps
+}
+
+// merge joins pieces contiguous on both sides (what cutting at MaxEntry
+// split), so that two stagings of the same bytes compare equal.
+func merge(ps []Piece) []Piece {
+	var out []Piece
+	for _, p := range ps {
+		if p.Len == 0 {
+			continue
+		}
+		if n := len(out); n > 0 && out[n-1].Dst+out[n-1].Len == p.Dst && out[n-1].Src+out[n-1].Len == p.Src {
+			out[n-1].Len += p.Len
+			continue
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
 func TestBatchStaging(t *testing.T) {
-	const tile = 1 << tileShift
-	b := &Batch{s: &slot{descs: make([]uint64, 8*descWords)}}
-	for _, p := range []Piece{{1, 2, tile}, {3, 4, 0}, {5, 6, tile + 1}, {7, 8, 1}} {
+	b := &Batch{s: &slot{words: make([]uint64, 64)}}
+	for _, p := range []Piece{{1, 2, MaxEntry}, {3, 4, 0}, {5, 6, MaxEntry + 1}, {7, 8, 1}} {
 		if !b.Add(p.Dst, p.Src, p.Len) {
 			t.Fatalf("Add %v: no room", p)
 		}
 	}
-	if b.n != 3 || b.tiles != 4 {
-		t.Fatalf("staged %d pieces, %d tiles; want 3 and 4 (a piece of no bytes left out)", b.n, b.tiles)
+	// One section of one region at 0: four entries (the piece of no
+	// bytes left out, the one over MaxEntry cut in two).
+	want := []uint64{0, 0, 1, 2, MaxEntry, 5, 6, MaxEntry, 5 + MaxEntry, 6 + MaxEntry, 1, 7, 8, 1}
+	if got := b.s.words[:b.w]; fmt.Sprint(got) != fmt.Sprint(want) || len(b.s.secs) != 1 || b.s.secs[0] != (section{0, 1, 2, 4}) {
+		t.Fatalf("staged %v in %v; want %v in one section of 4 entries", got, b.s.secs, want)
 	}
-	want := []uint64{1, 2, tile, 5, 6, tile + 1 | 1<<32, 7, 8, 1 | 3<<32}
-	if got := b.s.descs[:b.n*descWords]; fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Fatalf("descriptors %v, want %v", got, want)
+	// A layout: its own section, regions then entries.
+	if !b.AddLayout([]Region{{100, 200}, {300, 400}}, []Entry{{10, 20, 30}, {0, 0, 0}, {40, 50, 60}}) {
+		t.Fatal("AddLayout: no room")
 	}
-	// A piece over 2 GiB takes several descriptors, cut at 2 GiB.
-	if !b.Add(1<<40, 2<<40, 2*maxPiece+5) || b.n != 6 {
-		t.Fatalf("a piece of 4 GiB + 5: %d descriptors in all, want 6", b.n)
+	if got := b.s.secs[1]; got != (section{14, 2, 18, 2}) {
+		t.Fatalf("the layout's section %v, want regions at 14 and 2 entries at 18", got)
 	}
-	if got := b.s.descs[4*descWords : 6*descWords]; got[0] != 1<<40+maxPiece || got[3] != 1<<40+2*maxPiece || got[5]&0xffffffff != 5 {
-		t.Fatalf("the cut pieces: %v", got)
+	want2 := []Piece{{1, 2, MaxEntry}, {5, 6, MaxEntry}, {5 + MaxEntry, 6 + MaxEntry, 1}, {7, 8, 1},
+		{110, 220, 30}, {140, 250, 60}, {310, 420, 30}, {340, 450, 60}}
+	if got := expand(b.s); fmt.Sprint(got) != fmt.Sprint(want2) {
+		t.Fatalf("the kernel would copy %v, want %v", got, want2)
 	}
-	added := 0
-	for range 3 {
-		if b.Add(1, 2, 3) {
-			added++
+	// Add after a layout opens a section of its own.
+	if !b.Add(9, 9, 9) || len(b.s.secs) != 3 || b.s.secs[2].nreg != 1 {
+		t.Fatalf("Add after AddLayout: sections %v", b.s.secs)
+	}
+	// No room (and no device to grow on): false, nothing staged.
+	w, secs := b.w, len(b.s.secs)
+	if b.Add(1, 2, 20*MaxEntry) || b.AddLayout([]Region{{1, 2}}, []Entry{{0, 0, 20 * MaxEntry}}) {
+		t.Fatal("a batch without room took more")
+	}
+	if b.w != w || len(b.s.secs) != secs {
+		t.Fatalf("a refused Add staged something: %d words, %d sections; had %d, %d", b.w, len(b.s.secs), w, secs)
+	}
+}
+
+// Random batches of Add and AddLayout: the kernel (expand) copies exactly
+// the pieces asked for, in order, whatever the cutting at MaxEntry.
+func TestBatchStagingRandom(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 200 {
+		b := &Batch{s: &slot{words: make([]uint64, 1<<16)}}
+		var want []Piece
+		for range r.IntN(6) + 1 {
+			if r.IntN(2) == 0 {
+				for range r.IntN(20) {
+					p := Piece{r.Uint64N(1 << 40), r.Uint64N(1 << 40), r.Uint64N(4 * MaxEntry)}
+					if !b.Add(p.Dst, p.Src, p.Len) {
+						t.Fatal("Add: no room")
+					}
+					want = append(want, p)
+				}
+				continue
+			}
+			regs := make([]Region, r.IntN(5))
+			for i := range regs {
+				regs[i] = Region{r.Uint64N(1 << 40), r.Uint64N(1 << 40)}
+			}
+			ents := make([]Entry, r.IntN(20))
+			for i := range ents {
+				ents[i] = Entry{r.Uint64N(1 << 30), r.Uint64N(1 << 30), r.Uint64N(3 * MaxEntry)}
+			}
+			if !b.AddLayout(regs, ents) {
+				t.Fatal("AddLayout: no room")
+			}
+			for _, g := range regs {
+				for _, e := range ents {
+					want = append(want, Piece{g.Dst + e.Dst, g.Src + e.Src, e.Len})
+				}
+			}
 		}
-	}
-	if added != 2 {
-		t.Fatalf("a batch with room for 2 more pieces took %d", added)
+		if got := merge(expand(b.s)); fmt.Sprint(got) != fmt.Sprint(merge(want)) {
+			t.Fatalf("the kernel would copy\n%v\nwant\n%v", got, merge(want))
+		}
 	}
 }
 
@@ -73,7 +157,7 @@ func kernelCase(r *rand.Rand, size uint64, pieces int, maxLen uint64) (ps []Piec
 		case 0:
 			n = uint64(r.IntN(33))
 		case 1:
-			n = 1<<tileShift + uint64(r.IntN(3)) - 1
+			n = MaxEntry + uint64(r.IntN(3)) - 1
 		}
 		at += uint64(r.IntN(40))
 		if at+n > size {
@@ -113,7 +197,7 @@ func TestCopyKernel(t *testing.T) {
 		each   bool
 	}{
 		{"small", 4000, 300, false},
-		{"tiles", 600, 3 << tileShift, false},
+		{"entries", 600, 3 * MaxEntry, false},
 		{"large", 6, 3 << 20, false},
 		{"4KiB-8192", 8192, 4096, false},
 		{"fallback", 500, 40000, true},
@@ -187,6 +271,99 @@ func TestCopyKernel(t *testing.T) {
 	if kernelLoads.Load() == 0 {
 		t.Fatal("the copy kernel never loaded: every batch fell back")
 	}
+}
+
+// TestCopyKernelLayout runs layouts through the kernel: layers (regions)
+// of scattered blocks (entries), blocks of 4 KiB, 64 KiB and of odd
+// sizes at odd offsets, with Add's pieces in the same batch, and checks
+// every byte of the destination.
+func TestCopyKernelLayout(t *testing.T) {
+	d := openGPU(t)
+	const layers, layer = 8, 3 << 20
+	const size = layers * layer
+	src, err := d.Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(src)
+	dst, err := d.Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(dst)
+	r := rand.New(rand.NewPCG(5, 6))
+	hs := make([]byte, size)
+	for i := range hs {
+		hs[i] = byte(r.Uint32())
+	}
+	for _, c := range []struct {
+		name  string
+		block uint64
+		odd   bool
+	}{{"4KiB", 4 << 10, false}, {"64KiB", 64 << 10, false}, {"odd", 3001, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			if err := d.CopyIn(src, hs); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.CopyIn(dst, bytes.Repeat([]byte{0xee}, size)); err != nil {
+				t.Fatal(err)
+			}
+			want := bytes.Repeat([]byte{0xee}, size)
+			blocks := int(layer / c.block)
+			ls, ds := r.Perm(blocks), r.Perm(blocks)
+			var regs []Region
+			for l := range uint64(layers) {
+				regs = append(regs, Region{dst + l*layer, src + l*layer})
+			}
+			var ents []Entry
+			for i := range blocks / 2 {
+				e := Entry{uint64(ds[i]) * c.block, uint64(ls[i]) * c.block, c.block}
+				if c.odd {
+					e.Dst += uint64(r.IntN(7))
+					e.Src += uint64(r.IntN(7))
+					e.Len -= 7
+				}
+				ents = append(ents, e)
+				for l := range uint64(layers) {
+					copy(want[l*layer+e.Dst:l*layer+e.Dst+e.Len], hs[l*layer+e.Src:l*layer+e.Src+e.Len])
+				}
+			}
+			b, err := d.NewBatch(len(ents))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The last layer's last unmoved block by Add, in the same batch.
+			extra := uint64(ds[blocks-1])*c.block + (layers-1)*layer
+			if !b.AddLayout(regs, ents) || !b.Add(dst+extra, src+extra, c.block) {
+				t.Fatal("no room")
+			}
+			copy(want[extra:extra+c.block], hs[extra:extra+c.block])
+			cp, err := b.Post()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cp.Wait(); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, size)
+			if err := d.CopyOut(got, dst); err != nil {
+				t.Fatal(err)
+			}
+			if i := firstDiff(got, want); i >= 0 {
+				t.Fatalf("byte %d is %#x, want %#x", i, got[i], want[i])
+			}
+			t.Logf("%d layers x %d blocks checked byte for byte", layers, len(ents))
+		})
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
 }
 
 // BenchmarkPost measures the CPU cost of posting a staged batch (the

@@ -160,23 +160,38 @@ static void cu_slot_free(CUcontext ctx, void *host, CUdeviceptr dev, CUevent ev)
 	cu.cuEventSynchronize(ev);
 	cu.cuEventDestroy(ev); cu.cuMemFree(dev); cu.cuMemFreeHost(host);
 }
-// cu_post launches the kernel over n descriptors staged in host, after
-// copying them to dev, and records ev behind it on stream s.
-static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUdeviceptr dev, unsigned n,
-		unsigned tiles, unsigned shift, unsigned grid, CUevent ev) {
+// cu_post copies the words staged in host to dev, launches the kernel
+// once per section (4 unsigned each: region word, regions, entry word,
+// entries) and records ev behind the last, on stream s.
+static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUdeviceptr dev, size_t words,
+		const unsigned *secs, unsigned nsec, unsigned long long maxgrid, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
-	if ((r = cu.cuMemcpyHtoDAsync(dev, host, (size_t)n * 24, s))) return r;
-	void *args[] = { &dev, &n, &tiles, &shift };
-	if ((r = cu.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, args, NULL))) return r;
+	if ((r = cu.cuMemcpyHtoDAsync(dev, host, words * 8, s))) return r;
+	for (unsigned i = 0; i < nsec; i++, secs += 4) {
+		CUdeviceptr regions = dev + (CUdeviceptr)secs[0] * 8, entries = dev + (CUdeviceptr)secs[2] * 8;
+		unsigned nreg = secs[1], nent = secs[3];
+		unsigned long long pieces = (unsigned long long)nreg * nent;
+		unsigned grid = (unsigned)(pieces < maxgrid ? pieces : maxgrid);
+		if (grid == 0) continue;
+		void *args[] = { &regions, &nreg, &entries, &nent };
+		if ((r = cu.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, args, NULL))) return r;
+	}
 	return cu.cuEventRecord(ev, s);
 }
-// cu_post_each is the fallback: one asynchronous copy per descriptor.
-static CUresult cu_post_each(CUcontext ctx, CUstream s, const unsigned long long *d, unsigned n, CUevent ev) {
+// cu_post_each is the fallback: one asynchronous copy per piece.
+static CUresult cu_post_each(CUcontext ctx, CUstream s, const unsigned long long *w, const unsigned *secs,
+		unsigned nsec, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
-	for (unsigned i = 0; i < n; i++, d += 3) {
-		if ((r = cu.cuMemcpyDtoDAsync(d[0], d[1], d[2] & 0xffffffffu, s))) return r;
+	for (unsigned i = 0; i < nsec; i++, secs += 4) {
+		const unsigned long long *g = w + secs[0];
+		for (unsigned j = 0; j < secs[1]; j++, g += 2) {
+			const unsigned long long *e = w + secs[2];
+			for (unsigned k = 0; k < secs[3]; k++, e += 3) {
+				if ((r = cu.cuMemcpyDtoDAsync(g[0] + e[0], g[1] + e[1], e[2], s))) return r;
+			}
+		}
 	}
 	return cu.cuEventRecord(ev, s);
 }
@@ -407,29 +422,29 @@ func (d *Device) loadKernel(image []byte) (fn, stream unsafe.Pointer, err error)
 	return unsafe.Pointer(f), unsafe.Pointer(s), nil
 }
 
-func (d *Device) newSlot(pieces int) (*slot, error) {
+func (d *Device) newSlot(words int) (*slot, error) {
 	var host unsafe.Pointer
 	var dev C.CUdeviceptr
 	var ev C.CUevent
-	if err := check("allocate copy descriptors", C.cu_slot_new(d.ctx, C.size_t(pieces*descBytes), &host, &dev, &ev)); err != nil {
+	if err := check("allocate copy descriptors", C.cu_slot_new(d.ctx, C.size_t(words*8), &host, &dev, &ev)); err != nil {
 		return nil, err
 	}
-	return &slot{descs: unsafe.Slice((*uint64)(host), pieces*descWords), dev: uint64(dev), ev: unsafe.Pointer(ev)}, nil
+	return &slot{words: unsafe.Slice((*uint64)(host), words), dev: uint64(dev), ev: unsafe.Pointer(ev)}, nil
 }
 
 func (d *Device) freeSlot(s *slot) {
-	C.cu_slot_free(d.ctx, unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.CUevent(s.ev))
+	C.cu_slot_free(d.ctx, unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.CUevent(s.ev))
 }
 
-func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, n int, tiles uint64, grid int) error {
+func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int) error {
 	return check("launch copy kernel", C.cu_post(d.ctx, C.CUstream(stream), C.CUfunction(fn),
-		unsafe.Pointer(&s.descs[0]), C.CUdeviceptr(s.dev), C.uint(n), C.uint(tiles), C.uint(tileShift), C.uint(grid),
-		C.CUevent(s.ev)))
+		unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.size_t(words),
+		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(maxGrid), C.CUevent(s.ev)))
 }
 
-func (d *Device) launchEach(stream unsafe.Pointer, s *slot, n int) error {
-	return check("post copies", C.cu_post_each(d.ctx, C.CUstream(stream), (*C.ulonglong)(unsafe.Pointer(&s.descs[0])),
-		C.uint(n), C.CUevent(s.ev)))
+func (d *Device) launchEach(stream unsafe.Pointer, s *slot) error {
+	return check("post copies", C.cu_post_each(d.ctx, C.CUstream(stream), (*C.ulonglong)(unsafe.Pointer(&s.words[0])),
+		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.CUevent(s.ev)))
 }
 
 // query reports whether s's work ended (and how).

@@ -1,12 +1,20 @@
 // kvxfer's gather/scatter copy: one launch moves every piece of a
 // transfer between device memories (the same-host path's GPU pieces).
 //
-// A piece is split into tiles of 1 << tile_shift bytes; CTA b takes tiles
-// b, b + gridDim.x, ... and finds each tile's piece by binary search over
-// the pieces' first tile numbers (host-computed prefix sums), so a large
-// piece is spread over many CTAs and small ones cost one CTA each.
+// A launch is given regions and entries: piece (r, e) copies entry e's
+// len bytes from region r's source base + e's source offset to region
+// r's destination base + e's destination offset. A KV cache transfer is
+// naturally this shape: the regions are its layers (one base pair each),
+// the entries its blocks (one offset pair each, the same in every
+// layer), so what the host stages is layers + blocks, not their product.
+// A plain list of pieces is one region of bases 0 with absolute entries.
 //
-// Within a tile the widest access both sides allow is used: 16-byte
+// Every entry is at most 64 KiB (the host cuts longer pieces), and each
+// CTA copies whole pieces: CTA b takes pieces b, b + gridDim.x, ... and
+// finds a piece's region and entry by one division (no search, no
+// per-piece state on the host).
+//
+// Within a piece the widest access both sides allow is used: 16-byte
 // vectors when destination and source agree modulo 16 (after a head of
 // single bytes up to the first 16-byte boundary), then 8, 4, 2 and 1.
 // Loads go through the read-only cache (the source does not change while
@@ -16,11 +24,15 @@
 // from the nvidia-cuda-nvrtc-cu12 wheel); .ci/run checks it is current
 // and assembles it with ptxas for every architecture we support.
 
-struct kvxfer_piece {
+struct kvxfer_region {
   unsigned long long dst;
   unsigned long long src;
-  unsigned int len;    // bytes (a piece is under 4 GiB)
-  unsigned int tile0;  // number of this piece's first tile
+};
+
+struct kvxfer_entry {
+  unsigned long long dst;  // offset from the region's destination base
+  unsigned long long src;  // offset from its source base
+  unsigned long long len;  // bytes, at most 64 KiB
 };
 
 template <typename T, int U>
@@ -56,40 +68,25 @@ __device__ __forceinline__ void copy_span(unsigned char *d, const unsigned char 
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-kvxfer_copy(const kvxfer_piece *__restrict__ pieces, unsigned int n, unsigned int tiles, unsigned int tile_shift) {
-  __shared__ unsigned int found;
-  for (unsigned int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    if (threadIdx.x == 0) {
-      // The last piece whose first tile is at most t (pieces of no bytes
-      // share their successor's first tile and are passed over).
-      unsigned int lo = 0, hi = n;
-      while (hi - lo > 1) {
-        unsigned int mid = lo + (hi - lo) / 2;
-        if (pieces[mid].tile0 <= t)
-          lo = mid;
-        else
-          hi = mid;
-      }
-      found = lo;
-    }
-    __syncthreads();
-    const kvxfer_piece p = pieces[found];
-    __syncthreads();  // found is rewritten by the next tile's search
-    unsigned long long off = (unsigned long long)(t - p.tile0) << tile_shift;
-    unsigned long long len = p.len - off;
-    if (len > (1ull << tile_shift)) len = 1ull << tile_shift;
-    unsigned char *d = (unsigned char *)(p.dst + off);
-    const unsigned char *s = (const unsigned char *)(p.src + off);
-    unsigned long long x = p.dst ^ p.src;
+kvxfer_copy(const kvxfer_region *__restrict__ regions, unsigned int nreg, const kvxfer_entry *__restrict__ entries,
+            unsigned int nent) {
+  const unsigned long long pieces = (unsigned long long)nreg * nent;
+  for (unsigned long long p = blockIdx.x; p < pieces; p += gridDim.x) {
+    const unsigned long long r = p / nent;
+    const kvxfer_region g = regions[r];
+    const kvxfer_entry e = entries[p - r * nent];
+    unsigned char *d = (unsigned char *)(g.dst + e.dst);
+    const unsigned char *s = (const unsigned char *)(g.src + e.src);
+    const unsigned long long x = (unsigned long long)d ^ (unsigned long long)s;
     if ((x & 15) == 0)
-      copy_span<uint4>(d, s, len);
+      copy_span<uint4>(d, s, e.len);
     else if ((x & 7) == 0)
-      copy_span<unsigned long long>(d, s, len);
+      copy_span<unsigned long long>(d, s, e.len);
     else if ((x & 3) == 0)
-      copy_span<unsigned int>(d, s, len);
+      copy_span<unsigned int>(d, s, e.len);
     else if ((x & 1) == 0)
-      copy_span<unsigned short>(d, s, len);
+      copy_span<unsigned short>(d, s, e.len);
     else
-      copy_span<unsigned char>(d, s, len);
+      copy_span<unsigned char>(d, s, e.len);
   }
 }
