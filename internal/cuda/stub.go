@@ -43,9 +43,9 @@ func (d *Device) Close() error                         { return nil }
 func (d *Device) loadKernel([]byte) (fn, stream unsafe.Pointer, err error) {
 	return nil, nil, ErrUnavailable
 }
-func (d *Device) newSlot(int) (*slot, error) { return nil, ErrUnavailable }
-func (d *Device) freeSlot(*slot)             {}
+func (d *Device) newSlot(int) (*slot, error)                       { return nil, ErrUnavailable }
+func (d *Device) freeSlot(*slot)                                   {}
 func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int) error { return ErrUnavailable }
-func (d *Device) launchEach(unsafe.Pointer, *slot) error          { return ErrUnavailable }
-func (d *Device) query(*slot) (bool, error)                   { return true, ErrUnavailable }
-func (d *Device) wait(*slot) error                            { return ErrUnavailable }
+func (d *Device) launchEach(unsafe.Pointer, *slot) error           { return ErrUnavailable }
+func (d *Device) query(*slot) (bool, error)                        { return true, ErrUnavailable }
+func (d *Device) wait(*slot) error                                 { return ErrUnavailable }
