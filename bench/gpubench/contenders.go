@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
@@ -61,8 +62,10 @@ type opts struct {
 }
 
 var contenders = []contender{
-	{name: "samehost", what: "kvxfer same-host (internal/netxfer agents in two processes, GPU memory by MapDevice; one Post of every piece, post to completion)",
-		peer: netxferPeer, open: netxferOpen},
+	{name: "samehost", what: "kvxfer same-host (internal/netxfer agents in two processes, GPU memory by MapDevice; one PostLayout: a base pair per layer, an entry per block; post to completion)",
+		peer: netxferPeer, open: netxferOpen(true)},
+	{name: "samehost-pieces", what: "kvxfer same-host as above, posted as one Post of every piece (layers x blocks descriptors)",
+		peer: netxferPeer, open: netxferOpen(false)},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
 		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
@@ -126,11 +129,15 @@ func (m remoteMover) check(c xcase) error {
 	return err
 }
 
+// agents numbers the netxfer agents of this process (one pair per
+// contender that uses them).
+var agents atomic.Uint64
+
 // kvxfer's built-in backend on its same-host path: each process maps its
 // own GPU memory into its agent with its CUDA IPC handle; the receiver
 // imports the sender's and copies every piece with its GPU.
 func netxferAgent(s *side, role string) (*netxfer.Agent, error) {
-	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d", role, os.Getpid()), Logger: quiet,
+	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d-%d", role, os.Getpid(), agents.Add(1)), Logger: quiet,
 		Devices: func(u [16]byte) (netxfer.Device, error) {
 			if u != s.uuid {
 				return nil, fmt.Errorf("no GPU %s in this process", cuda.FormatUUID(u))
@@ -170,37 +177,52 @@ func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
 
 type netxferMover struct {
 	remoteMover
-	a     *netxfer.Agent
-	peer  string
-	src   uint64
-	dst   uint64
-	descs map[xcase][]netxfer.Desc
+	a      *netxfer.Agent
+	peer   string
+	src    uint64
+	dst    uint64
+	layout bool
+	descs  map[xcase][]netxfer.Desc
+	lays   map[xcase][]netxfer.Layout
 }
 
-func netxferOpen(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
-	a, err := netxferAgent(src, "p")
-	if err != nil {
-		return nil, nil, err
+func netxferOpen(layout bool) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+	return func(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
+		a, err := netxferAgent(src, "p")
+		if err != nil {
+			return nil, nil, err
+		}
+		peer, err := a.LoadPeer(meta)
+		if err != nil {
+			a.Close()
+			return nil, nil, err
+		}
+		return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base, layout: layout,
+			descs: map[xcase][]netxfer.Desc{}, lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
 	}
-	peer, err := a.LoadPeer(meta)
-	if err != nil {
-		a.Close()
-		return nil, nil, err
-	}
-	return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base,
-		descs: map[xcase][]netxfer.Desc{}}, a.Metadata(), nil
 }
 
 func (m *netxferMover) write(c xcase) (time.Duration, error) {
 	ds, ok := m.descs[c]
-	if !ok {
+	if !ok && !m.layout {
 		for _, p := range c.pairs() {
 			ds = append(ds, netxfer.Desc{Local: m.src + p.src, Remote: m.dst + p.dst, Len: uint64(c.Piece)})
 		}
 		m.descs[c] = ds
 	}
+	lays, ok := m.lays[c]
+	if !ok && m.layout {
+		lays = []netxfer.Layout{c.layout(m.src, m.dst)}
+		m.lays[c] = lays
+	}
 	start := time.Now()
-	id, err := m.a.Post(netxfer.Write, m.peer, ds, nil)
+	var id netxfer.XferID
+	var err error
+	if m.layout {
+		id, err = m.a.PostLayout(netxfer.Write, m.peer, lays, nil)
+	} else {
+		id, err = m.a.Post(netxfer.Write, m.peer, ds, nil)
+	}
 	if err != nil {
 		return 0, err
 	}

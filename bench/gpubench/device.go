@@ -84,6 +84,13 @@ func (g *cudaGPU) NewBatch(n int) (netxfer.DevBatch, error) {
 
 type cudaBatch struct{ *cuda.Batch }
 
+// AddLayout stages a layout as the kernel's regions and entries (the same
+// shapes as cuda's).
+func (b cudaBatch) AddLayout(regions []netxfer.DevRegion, entries []netxfer.DevEntry) bool {
+	return b.Batch.AddLayout(unsafe.Slice((*cuda.Region)(unsafe.Pointer(unsafe.SliceData(regions))), len(regions)),
+		unsafe.Slice((*cuda.Entry)(unsafe.Pointer(unsafe.SliceData(entries))), len(entries)))
+}
+
 func (b cudaBatch) Post() (netxfer.DevCopy, error) {
 	c, err := b.Batch.Post()
 	if err != nil {
@@ -286,6 +293,15 @@ func (b *fakeBatch) Add(dst, src, n uint64) bool {
 		return false
 	}
 	b.ps = append(b.ps, netxfer.DevPiece{Dst: dst, Src: src, Len: n})
+	return true
+}
+
+func (b *fakeBatch) AddLayout(regions []netxfer.DevRegion, entries []netxfer.DevEntry) bool {
+	for _, r := range regions {
+		for _, e := range entries {
+			b.ps = append(b.ps, netxfer.DevPiece{Dst: r.Dst + e.Dst, Src: r.Src + e.Src, Len: e.Len})
+		}
+	}
 	return true
 }
 

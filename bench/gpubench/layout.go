@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
+
+	"github.com/kvxfer/kvxfer/internal/netxfer"
 )
 
 // xcase is one shape: layers x blocks pieces of piece bytes, each a
@@ -49,6 +51,21 @@ func (c xcase) pairs() []piecePair {
 		}
 	}
 	return out
+}
+
+// layout is the case as a layout at source and destination bases src and
+// dst: a base pair per layer, an entry per block (the same in every layer).
+func (c xcase) layout(src, dst uint64) netxfer.Layout {
+	s, d := c.ids()
+	var l netxfer.Layout
+	for i := range c.Layers {
+		off := uint64(i * c.pool() * c.Piece)
+		l.Bases = append(l.Bases, netxfer.BasePair{Local: src + off, Remote: dst + off})
+	}
+	for i := range c.Blocks {
+		l.Entries = append(l.Entries, netxfer.LayoutEntry{Local: uint64(s[i] * c.Piece), Remote: uint64(d[i] * c.Piece), Len: uint64(c.Piece)})
+	}
+	return l
 }
 
 // pattern fills b with the source pattern of a case, b being the source

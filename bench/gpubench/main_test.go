@@ -27,11 +27,11 @@ func TestMain(m *testing.M) {
 func TestFakeGPU(t *testing.T) {
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
-		"-contenders", "samehost,kernel,contig,perpiece"}, &out, &errb)
+		"-contenders", "samehost,samehost-pieces,kernel,contig,perpiece"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
-	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice) | 4 KiB |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
+	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice), as a layout | 4 KiB |", "| kvxfer same-host (netxfer, MapDevice), as pieces | 520 B |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
 		"5 blocks (15 pieces)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())

@@ -9,13 +9,14 @@ import (
 
 // labels name the contenders in the table.
 var labels = map[string]string{
-	"samehost": "kvxfer same-host (netxfer, MapDevice)",
-	"nixl":     "kvxfer NIXL (UCX default threads)",
-	"nixl4":    "kvxfer NIXL (UCX num_threads=4)",
-	pythonName: "NIXL Python API (num_threads=4)",
-	"contig":   "device copy, contiguous (the limit)",
-	"kernel":   "kvxfer copy kernel, one launch (one process)",
-	"perpiece": "per-piece async cuMemcpyDtoD, one event",
+	"samehost":        "kvxfer same-host (netxfer, MapDevice), as a layout",
+	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
+	"nixl":            "kvxfer NIXL (UCX default threads)",
+	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
+	pythonName:        "NIXL Python API (num_threads=4)",
+	"contig":          "device copy, contiguous (the limit)",
+	"kernel":          "kvxfer copy kernel, one launch (one process)",
+	"perpiece":        "per-piece async cuMemcpyDtoD, one event",
 }
 
 // report prints one markdown table: a row per contender and piece size,

@@ -120,9 +120,11 @@ type Agent struct {
 	uaddr      string
 	shared     atomic.Int32  // chunks a same-host peer can copy from (a file or GPU memory)
 	localParts atomic.Uint64 // parts copied in from same-host peers' files
-	areaTables atomic.Uint64 // their tables read from the peers' descriptor areas
-	log        *slog.Logger
-	events     chan struct{}
+	// layoutParts counts the layout parts received (tWriteLayout).
+	layoutParts atomic.Uint64
+	areaTables  atomic.Uint64 // their tables read from the peers' descriptor areas
+	log         *slog.Logger
+	events      chan struct{}
 	// memMu is held for reading while bytes move into or out of memory;
 	// Unmap holds it for writing, so memory never goes away under a copy.
 	memMu        sync.RWMutex
@@ -254,6 +256,10 @@ func (a *Agent) TLSFailures() uint64 { return a.tlsFailures.Load() }
 // straight out of a same-host peer's memory files into its own memory:
 // WRITEs from the peer, READs of the peer.
 func (a *Agent) SameHostParts() uint64 { return a.localParts.Load() }
+
+// LayoutParts returns how many WRITE parts same-host peers sent this
+// agent as layouts (PostLayout) rather than as their pieces.
+func (a *Agent) LayoutParts() uint64 { return a.layoutParts.Load() }
 
 // Name returns the agent's name.
 func (a *Agent) Name() string { return a.cfg.Name }

@@ -2,6 +2,7 @@ package netxfer
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -92,9 +93,10 @@ func (d *batchGPU) PostCopy(ps []DevPiece) (DevCopy, error) {
 	c := &fakeCopy{}
 	run := func(err error) {
 		for _, p := range ps {
-			d.fakeGPU.mu.Lock()
-			copy(d.at(p.Dst, p.Len), d.at(p.Src, p.Len))
-			d.fakeGPU.mu.Unlock()
+			if e := d.copyPiece(p); e != nil {
+				err = cmp.Or(err, e)
+				break
+			}
 		}
 		c.err = err
 		c.done.Store(true)
@@ -120,6 +122,23 @@ func (d *batchGPU) PostCopy(ps []DevPiece) (DevCopy, error) {
 	}
 	run(err)
 	return c, nil
+}
+
+// copyPiece copies one piece of a batch; a piece outside every
+// allocation is an illegal address (a GPU's context would be lost):
+// counted, the batch failed.
+func (d *batchGPU) copyPiece(p DevPiece) (err error) {
+	g := d.fakeGPU
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	defer func() {
+		if r := recover(); r != nil {
+			g.illegal++
+			err = fmt.Errorf("%v", r)
+		}
+	}()
+	copy(d.at(p.Dst, p.Len), d.at(p.Src, p.Len))
+	return nil
 }
 
 // release lets the held batches run.
@@ -417,18 +436,21 @@ func (g *nopGPU) NewBatch(int) (DevBatch, error)       { return nopBatch{}, nil 
 // nopBatch stages nothing and is done at once.
 type nopBatch struct{}
 
-func (nopBatch) Add(uint64, uint64, uint64) bool { return true }
-func (nopBatch) Post() (DevCopy, error)          { return nopDone{}, nil }
-func (nopBatch) Discard()                        {}
+func (nopBatch) Add(uint64, uint64, uint64) bool        { return true }
+func (nopBatch) AddLayout([]DevRegion, []DevEntry) bool { return true }
+func (nopBatch) Post() (DevCopy, error)                 { return nopDone{}, nil }
+func (nopBatch) Discard()                               {}
 
 // BenchmarkSameHostDeviceOverhead: a WRITE of 32 layers x n blocks of
-// GPU memory (256 and 8,192 pieces) on the same-host path, post to
-// completion, the GPU's work left out (nopGPU): what the path adds to the
-// kernel.
+// GPU memory (256 and 8,192 pieces of 64 KiB) on the same-host path, post
+// to completion, the GPU's work left out (nopGPU): what the path adds to
+// the kernel, posted as pieces (Post) and as one layout (PostLayout: 32
+// bases, n entries).
 func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 	g := &nopGPU{}
 	devices := func([16]byte) (Device, error) { return g, nil }
-	const piece, size = 64 << 10, 1 << 30
+	const piece, layer, layers = 64 << 10, 32 << 20, 32
+	const size = layers * layer
 	var ags [2]*Agent
 	var ptrs [2]uint64
 	for i := range ags {
@@ -451,21 +473,35 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 		b.Fatal(err)
 	}
 	r := rand.New(rand.NewPCG(1, 1))
-	ls, rs := r.Perm(size/piece), r.Perm(size/piece)
-	for _, n := range []int{256, 8192} {
-		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			before := c.SameHostParts()
-			ds := make([]Desc, n)
-			for i := range ds {
-				ds[i] = Desc{Local: ptrs[0] + uint64(ls[i]*piece), Remote: ptrs[1] + uint64(rs[i]*piece), Len: piece}
-			}
-			for range b.N {
-				postDone(b, a, Write, c.Name(), ds)
-			}
-			if c.SameHostParts() == before {
-				b.Fatal("no part took the same-host path")
-			}
-		})
+	ls, rs := r.Perm(layer/piece), r.Perm(layer/piece)
+	for _, form := range []string{"pieces", "layout"} {
+		for _, blocks := range []int{8, 256} {
+			b.Run(fmt.Sprintf("%s/%d", form, layers*blocks), func(b *testing.B) {
+				var lay Layout
+				for l := range layers {
+					lay.Bases = append(lay.Bases, BasePair{ptrs[0] + uint64(l*layer), ptrs[1] + uint64(l*layer)})
+				}
+				for i := range blocks {
+					lay.Entries = append(lay.Entries, LayoutEntry{uint64(ls[i] * piece), uint64(rs[i] * piece), piece})
+				}
+				ds := ExpandLayouts(nil, []Layout{lay})
+				before, parts := c.SameHostParts(), c.LayoutParts()
+				for range b.N {
+					if form == "pieces" {
+						postDone(b, a, Write, c.Name(), ds)
+						continue
+					}
+					id, err := a.PostLayout(Write, c.Name(), []Layout{lay}, nil)
+					if err != nil {
+						b.Fatal(err)
+					}
+					waitID(b, a, id)
+				}
+				if c.SameHostParts() == before || (form == "layout") != (c.LayoutParts() > parts) {
+					b.Fatal("the transfers did not take the same-host path in their form")
+				}
+			})
+		}
 	}
 }
 

@@ -21,6 +21,7 @@ type fakeGPU struct {
 	exports map[[64]byte][]byte
 	imports int
 	copies  int
+	illegal int // batch pieces that named memory outside every allocation
 }
 
 func newFakeGPU() *fakeGPU {

@@ -310,7 +310,8 @@ type localServer struct {
 	chunks map[uint32][]byte
 	devs   map[uint32]*devImport // the peer's GPU memory, imported here
 	refs   []localRef
-	tab    []byte   // a part's descriptor table (server side)
+	tab    []byte // a part's descriptor table (server side)
+	lay    layoutScratch
 	descs  []byte   // the client's descriptor area, mapped here
 	ranges []Region // its ranges
 	dst    []target
@@ -623,6 +624,11 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
 		}
 		return a.serveWriteLocal(s, r, w, from, hdr, typ == tWriteTable)
+	case tWriteLayout, tWriteLayoutTable:
+		if s.fence == nil {
+			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
+		}
+		return a.serveWriteLayout(s, r, w, from, hdr, typ == tWriteLayoutTable)
 	}
 	return fmt.Errorf("%w: frame type %d", ErrProtocol, typ)
 }
@@ -692,41 +698,55 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if v == Deny {
 		return berr
 	}
-	a.memMu.RLock()
-	var inflight []DevCopy
-	fast := false
-	if berr == nil {
+	return a.landLocal(s, w, from, h, v, ticket, berr, func() (bool, []DevCopy, error) {
 		// GPU to GPU (the common case of GPU engines): the batch built
 		// in one pass.
-		fast, inflight, berr = a.devicePart(s, ranges, s.refs)
+		return a.devicePart(s, ranges, s.refs)
+	}, func() ([]Region, []localRef) { return ranges, s.refs })
+}
+
+// landLocal lands a same-host WRITE part admitted (v, ticket; berr: why
+// not) on its way: fast posts it as one GPU batch where it can (false:
+// it could not, nothing posted), else pieces lists its pieces (ranges in
+// this agent's memory, refs in the sender's) for the general path. The
+// part ends once its bytes are where they go (answered from another
+// goroutine when GPU batches still run).
+func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeHeader, v Verdict, ticket uint64, berr error,
+	fast func() (bool, []DevCopy, error), pieces func() ([]Region, []localRef)) error {
+	a.memMu.RLock()
+	var inflight []DevCopy
+	posted := false
+	if berr == nil {
+		posted, inflight, berr = fast()
 		if errors.Is(berr, ErrProtocol) {
 			a.memMu.RUnlock()
 			a.releaseGuard(ticket)
 			return berr
 		}
 	}
-	if berr == nil && !fast {
+	if berr == nil && !posted {
+		ranges, refs := pieces()
 		s.dst, berr = a.targets(s.dst[:0], ranges)
-	}
-	if berr == nil && !fast {
-		s.src = s.src[:0]
-		for i, ref := range s.refs {
-			p, ok := s.piece(ref.chunk, ref.off, ranges[i].Len)
-			if !ok {
-				berr = fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
-					ErrProtocol, i, ref.off, ranges[i].Len, ref.chunk)
-				break
+		if berr == nil {
+			s.src = s.src[:0]
+			for i, ref := range refs {
+				p, ok := s.piece(ref.chunk, ref.off, ranges[i].Len)
+				if !ok {
+					berr = fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass",
+						ErrProtocol, i, ref.off, ranges[i].Len, ref.chunk)
+					break
+				}
+				s.src = append(s.src, p)
 			}
-			s.src = append(s.src, p)
+			if berr != nil {
+				a.memMu.RUnlock()
+				a.releaseGuard(ticket)
+				return berr
+			}
+			inflight, berr = s.copyPieces(s.dst, s.src)
+			clear(s.dst)
+			clear(s.src)
 		}
-		if berr != nil {
-			a.memMu.RUnlock()
-			a.releaseGuard(ticket)
-			return berr
-		}
-		inflight, berr = s.copyPieces(s.dst, s.src)
-		clear(s.dst)
-		clear(s.src)
 	}
 	if berr == nil || len(inflight) > 0 {
 		// The part ends once its bytes are where they go: its memory

@@ -45,6 +45,11 @@ func postDone(b *testing.B, a *Agent, op Op, peer string, ds []Desc) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	waitID(b, a, id)
+}
+
+// waitID waits for a posted transfer to be done and releases it.
+func waitID(b *testing.B, a *Agent, id XferID) {
 	for {
 		s, err := a.State(id)
 		if s == Done {

@@ -58,6 +58,9 @@ type xfer struct {
 	err    error
 	direct bool
 	device bool // its local memory is GPU memory (one part: one launch)
+	// layouts: a WRITE posted as layouts (PostLayout) and sent as such
+	// on a same-host connection; elsewhere expanded into descs first.
+	layouts []Layout
 }
 
 // failLocked fails a transfer in progress (owner's mu held).
@@ -453,6 +456,23 @@ func (a *Agent) start(x *xfer) {
 }
 
 func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
+	if x.layouts != nil {
+		// One part (GPU memory): as layouts where the connection is a
+		// same-host one, else as the pieces they stand for.
+		if c.uc != nil {
+			if sent, err := a.sendLayoutLocal(c, x); sent {
+				return err
+			}
+		}
+		x.descs = ExpandLayouts(nil, x.layouts)
+		x.split, x.layouts = []int{0, len(x.descs)}, nil
+		a.memMu.RLock()
+		err := a.checkLocal(x.descs)
+		a.memMu.RUnlock()
+		if err != nil {
+			return err
+		}
+	}
 	ds := x.descs[x.split[part]:x.split[part+1]]
 	if x.op == Read {
 		h := make([]byte, 0, 21+len(x.notif)+16*len(ds))

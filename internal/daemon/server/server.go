@@ -73,6 +73,15 @@ var _ tcp.BatchDevice = cudaDevice{} // same-host GPU parts go as one launch
 // cudaBatch is a cuda.Batch as the built-in backend stages it.
 type cudaBatch struct{ *cuda.Batch }
 
+var _ tcp.LayoutBatch = cudaBatch{} // a layout part is staged as its bases and entries
+
+// AddLayout stages a layout as the copy kernel's regions and entries
+// (the same shapes on both sides).
+func (b cudaBatch) AddLayout(regions []tcp.DevRegion, entries []tcp.DevEntry) bool {
+	return b.Batch.AddLayout(unsafe.Slice((*cuda.Region)(unsafe.Pointer(unsafe.SliceData(regions))), len(regions)),
+		unsafe.Slice((*cuda.Entry)(unsafe.Pointer(unsafe.SliceData(entries))), len(entries)))
+}
+
 func (b cudaBatch) Post() (tcp.DevCopy, error) {
 	c, err := b.Batch.Post()
 	if err != nil {

@@ -96,6 +96,12 @@ type (
 	DevBatch    = netxfer.DevBatch
 	DevPiece    = netxfer.DevPiece
 	DevCopy     = netxfer.DevCopy
+	// LayoutBatch is a DevBatch that takes layouts as they are (bases
+	// and entries, see netxfer.LayoutBatch); DevRegion and DevEntry are
+	// their parts.
+	LayoutBatch = netxfer.LayoutBatch
+	DevRegion   = netxfer.DevRegion
+	DevEntry    = netxfer.DevEntry
 )
 
 // MapIPC adopts GPU memory at base (its address in this process) of size
