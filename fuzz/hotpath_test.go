@@ -377,6 +377,15 @@ func swapped(ds []hotpath.Desc) []hotpath.Desc {
 //   - AppendIndices resolved through AppendPrepared gives the reference.
 //
 // Request.Tokens is the request's, none (0), or a bound inside the lists.
+// descBytes sums the descriptors' lengths.
+func descBytes(ds []hotpath.Desc) int64 {
+	var n int64
+	for _, d := range ds {
+		n += int64(d.Len)
+	}
+	return n
+}
+
 func FuzzCoalesce(f *testing.F) {
 	// Each seed is a fuzzCase scenario, then: P stage, P rank, D peer,
 	// group pooling, region placement (+ devices), run cap, id pattern,
@@ -493,6 +502,23 @@ func FuzzCoalesce(f *testing.F) {
 			t.Fatalf("a reused Builder gives %d descriptors, a fresh one %d (first difference at %d)", len(again), len(got), firstDiff(again, got))
 		}
 
+		// Layouts expand to the same descriptors, in order (and to the
+		// read's, from a read Builder), after a prefix left alone.
+		lays := &hotpath.Layouts{Bases: []hotpath.BasePair{{Local: 9}}, Entries: []hotpath.LayoutEntry{{Len: 9}},
+			Spans: []hotpath.LayoutSpan{{B0: 0, B1: 1, E0: 0, E1: 1}}}
+		if err := b.AppendLayouts(lays, plan, req); err != nil {
+			t.Fatal(err)
+		}
+		if lays.Bases[0].Local != 9 || lays.Entries[0].Len != 9 || lays.Spans[0] != (hotpath.LayoutSpan{B0: 0, B1: 1, E0: 0, E1: 1}) {
+			t.Fatal("AppendLayouts changed the layouts before it")
+		}
+		if exp := lays.Expand(nil, lays.Spans[1:]); !slices.Equal(exp, got) {
+			t.Fatalf("the layouts expand to %d descriptors, AppendDescs gives %d (first difference at %d)", len(exp), len(got), firstDiff(exp, got))
+		}
+		if n, bytes := lays.Pieces(lays.Spans[1:]); n != len(got) || bytes != descBytes(got) {
+			t.Fatalf("Pieces = %d, %d bytes; the descriptors are %d, %d bytes", n, bytes, len(got), descBytes(got))
+		}
+
 		// Pull: the same descriptors with local and remote swapped.
 		rb := mustBuilder(t, hotpath.Options{Op: hotpath.OpRead, MaxRunBytes: maxRun})
 		read, err := rb.AppendDescs(nil, plan, req)
@@ -501,6 +527,13 @@ func FuzzCoalesce(f *testing.F) {
 		}
 		if want := swapped(got); !slices.Equal(read, want) {
 			t.Fatalf("OpRead gives %d descriptors, OpWrite swapped %d (first difference at %d)", len(read), len(want), firstDiff(read, want))
+		}
+		var rl hotpath.Layouts
+		if err := rb.AppendLayouts(&rl, plan, req); err != nil {
+			t.Fatal(err)
+		}
+		if exp := rl.Expand(nil, rl.Spans); !slices.Equal(exp, read) {
+			t.Fatalf("OpRead layouts expand to %d descriptors, AppendDescs gives %d", len(exp), len(read))
 		}
 		refRead, err := hotpath.AppendReference(nil, plan, req, hotpath.OpRead)
 		if err != nil {

@@ -45,18 +45,26 @@ func TestAppendDescsZeroAllocs(t *testing.T) {
 				if err != nil {
 					t.Fatalf("AppendIndices(nil) error: %v", err)
 				}
+				var lays hotpath.Layouts
+				if err := b.AppendLayouts(&lays, s.Plan, s.Req); err != nil {
+					t.Fatalf("AppendLayouts error: %v", err)
+				}
 				var callErr error
 				allocs := testing.AllocsPerRun(5, func() {
 					if dst, callErr = b.AppendDescs(dst[:0], s.Plan, s.Req); callErr != nil {
 						return
 					}
-					idx, callErr = b.AppendIndices(idx[:0], s.Plan, s.Req)
+					if idx, callErr = b.AppendIndices(idx[:0], s.Plan, s.Req); callErr != nil {
+						return
+					}
+					lays.Reset()
+					callErr = b.AppendLayouts(&lays, s.Plan, s.Req)
 				})
 				if callErr != nil {
 					t.Fatalf("steady-state call error: %v", callErr)
 				}
 				if allocs != 0 {
-					t.Errorf("AppendDescs+AppendIndices(reused slices) = %.1f allocs per call, want 0", allocs)
+					t.Errorf("AppendDescs+AppendIndices+AppendLayouts(reused slices) = %.1f allocs per call, want 0", allocs)
 				}
 			})
 		}

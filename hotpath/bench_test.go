@@ -153,6 +153,36 @@ func BenchmarkScattered(b *testing.B) {
 	benchAppendDescs(b, ss)
 }
 
+// BenchmarkAppendLayouts measures Builder.AppendLayouts (a base pair per
+// region pair, an entry per descriptor of a stretch's first) on every
+// shape, scattered as BenchmarkScattered's; ns per descriptor the
+// layouts stand for, to compare with AppendDescs'.
+func BenchmarkAppendLayouts(b *testing.B) {
+	for _, s := range benchShapes(b) {
+		s := scattered(b, s)
+		b.Run(s.Name, func(b *testing.B) {
+			bl, err := hotpath.NewBuilder(hotpath.Options{Op: hotpath.OpWrite})
+			if err != nil {
+				b.Fatal(err)
+			}
+			var lays hotpath.Layouts
+			if err := bl.AppendLayouts(&lays, s.Plan, s.Req); err != nil {
+				b.Fatal(err)
+			}
+			pieces, _ := lays.Pieces(lays.Spans)
+			b.ReportAllocs()
+			for b.Loop() {
+				lays.Reset()
+				if err := bl.AppendLayouts(&lays, s.Plan, s.Req); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(max(pieces, 1)), "ns/desc")
+			b.ReportMetric(float64(len(lays.Bases)+len(lays.Entries)), "words/op")
+		})
+	}
+}
+
 // BenchmarkAppendIndices measures Builder.AppendIndices (prepared lists:
 // one index pair per reference descriptor) on every shape; ns per pair.
 func BenchmarkAppendIndices(b *testing.B) {

@@ -91,6 +91,8 @@ type Builder struct {
 	// region pair's first entries, for regions of idxSegs segments
 	// (AppendIndices): every region of the group adds its bases to them.
 	idxS, idxD []int32
+	// scratch holds one region pair's descriptors (AppendLayouts).
+	scratch []Desc
 }
 
 // span is a run (or unit) in bytes: offsets from each region's base and a
