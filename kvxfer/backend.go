@@ -176,6 +176,20 @@ type PreparedPoster interface {
 	ReleasePrepared(id PrepID) error
 }
 
+// LayoutPoster is implemented by backends that take a WRITE in factored
+// form (hotpath.Layouts: base pairs and entries, each entry at each base)
+// and can move it without listing its pieces: the built-in backend's
+// same-host GPU path, where one kernel launch computes every piece's
+// addresses. A push Worker over such a backend (not prepared) posts every
+// WRITE that is not layer-wise this way; the backend expands what it
+// cannot move as layouts.
+type LayoutPoster interface {
+	// PostLayouts posts the layouts of l.Spans (indices into l.Bases and
+	// l.Entries) as one transfer, with the notification after the bytes.
+	// The backend does not keep l after it returns.
+	PostLayouts(op hotpath.Op, peer PeerName, l *hotpath.Layouts, notif []byte) (XferID, error)
+}
+
 // PostCost models what one post costs its poster (request creation and
 // posting, not the bytes' flight), by kind: Fixed + PerDesc per
 // descriptor for an on-the-fly post of a coalesced list (Backend.Post),

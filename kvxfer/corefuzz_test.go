@@ -421,6 +421,7 @@ type coreSim struct {
 	legacy   bool
 	mode     int
 	grants   bool
+	layouts  bool
 	now      time.Time
 	p, d     *simEngine
 	agents   map[PeerName]*simCore
@@ -464,6 +465,8 @@ func newCoreSim(t *testing.T, in []byte) *coreSim {
 		s.grants = v/9%2 == 1
 		s.n = 1 + v/18%5
 	}
+	// Push producers post as layouts with an even number of requests.
+	s.layouts = s.n%2 == 0
 	baseBlocks := map[string]int{}
 	for i := 1; i <= s.n; i++ {
 		r := &simReq{i: i, nblocks: 1}
@@ -522,6 +525,10 @@ func (s *coreSim) startEngine(e *simEngine) {
 		}
 		w.st.init(w)
 		w.st.now, w.st.guarded = s.now, s.grants
+		// Push producers post their WRITEs as layouts in half the cases
+		// (as the built-in backend's Workers do), as descriptors in the
+		// others.
+		w.st.layouts = mode == ModePush && s.layouts
 		agent := PeerName(fmt.Sprintf("%s/%d", e.name, rank))
 		if e.gen > 1 {
 			agent = PeerName(fmt.Sprintf("%s/%d.%d", e.name, rank, e.gen))
@@ -586,7 +593,7 @@ func (s *coreSim) do(c *simCore, o *op) error {
 		}
 		s.msgs = append(s.msgs, simMsg{to: o.peer, n: Notif{From: c.agent, Msg: o.msg}})
 		return nil
-	case opPost:
+	case opPost, opPostLayout:
 		read := s.mode == simPull
 		if (name == "D") != read || o.xop != opFor(c.st.cfg.Mode) {
 			s.t.Fatalf("%s posted op %v in mode %d", c.agent, o.xop, s.mode)
@@ -603,7 +610,13 @@ func (s *coreSim) do(c *simCore, o *op) error {
 		if h == nil {
 			s.t.Fatalf("%s posted transfer %d it does not hold", c.agent, o.id)
 		}
-		x := &simXfer{id: o.id, poster: c, peer: o.peer, read: read, descs: slices.Clone(c.st.fx.descs[o.from:o.to]), notif: o.msg, posted: s.now}
+		var descs []hotpath.Desc
+		if o.kind == opPostLayout {
+			descs = c.st.fx.lays.Expand(nil, c.st.fx.lays.Spans[o.from:o.to])
+		} else {
+			descs = slices.Clone(c.st.fx.descs[o.from:o.to])
+		}
+		x := &simXfer{id: o.id, poster: c, peer: o.peer, read: read, descs: descs, notif: o.msg, posted: s.now}
 		if read {
 			x.dreq = h.recv
 			if r := c.st.recvs[h.recv]; r != nil {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
 	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -24,6 +25,9 @@ type e2eCase struct {
 	layerwise bool
 	tcp       bool // the built-in backend over loopback TCP, in real time
 	nixl      bool // NIXL (UCX), in real time
+	// gpu: the built-in backend's same-host path with every rank's
+	// memory as GPU memory (heldGPU): push WRITEs go as layouts.
+	gpu bool
 	prepared  bool // NIXL with prepared descriptor lists (indices only per transfer)
 	// post, with prepared: which posts the NIXL backend's cost model
 	// (kvxfer.PostCoster) picks: "model" its default, per request;
@@ -86,6 +90,20 @@ func TestEndToEndTCP(t *testing.T) {
 	t.Run("layerwise/"+c.name, func(t *testing.T) { runE2E(t, c, kvxfer.ModePush) })
 }
 
+// TestEndToEndSameHostGPU runs the transfers over the built-in backend's
+// same-host path with the ranks' memory as GPU memory (a stand-in GPU
+// whose batches copy as a kernel would): a push WRITE goes as layouts
+// (one base pair per layer, an entry per run of blocks, admitted by D's
+// grants as layouts, staged as they are), every byte checked.
+func TestEndToEndSameHostGPU(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, c := range e2eCases() {
+			c.gpu = true
+			t.Run(mode.String()+"/"+c.name, func(t *testing.T) { runE2E(t, c, mode) })
+		}
+	}
+}
+
 // TestEndToEndNixl runs the transfers through NIXL (UCX) when it is
 // installed (pip install nixl-cu12); it skips otherwise. With prepared
 // lists, the backend's cost model picks each request's kind of post;
@@ -121,6 +139,23 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		p = startNixlEngine(t, dir, &c.model, c.p, "P", mode, e2ePostCost(c.post), func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise, cfg.Prepared = c.layerwise, c.prepared })
 		d = startNixlEngine(t, dir, &c.model, c.d, "D", mode, e2ePostCost(c.post), func(cfg *kvxfer.WorkerConfig) { cfg.Prepared = c.prepared })
+	} else if c.gpu {
+		settle = func() { time.Sleep(2 * time.Millisecond) }
+		g := &heldGPU{release: make(chan struct{})}
+		on := func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) { return gpuBackend(t, name, r, g), nil }
+		p = startEngineOn(t, dir, &c.model, c.p, "P", mode, nil, on)
+		d = startEngineOn(t, dir, &c.model, c.d, "D", mode, nil, on)
+		defer func() {
+			var parts uint64
+			for _, be := range d.backends {
+				parts += be.(*tcp.Backend).LayoutParts()
+			}
+			if layouts := g.layoutsStaged(); mode == kvxfer.ModePush && (parts == 0 || layouts == 0) {
+				t.Errorf("push over GPU memory: %d layout parts, %d layouts staged; want WRITEs as layouts", parts, layouts)
+			} else if mode == kvxfer.ModePull && parts != 0 {
+				t.Errorf("pull: %d layout parts", parts)
+			}
+		}()
 	} else if c.tcp {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		p = startNetEngine(t, dir, &c.model, c.p, "P", mode, func(cfg *kvxfer.WorkerConfig) { cfg.Layerwise = c.layerwise })
@@ -203,7 +238,7 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 
 	out := newOutcomes()
 	rounds := 200
-	if c.tcp || c.nixl {
+	if c.tcp || c.nixl || c.gpu {
 		rounds = 5000 // 10 s of real time at most
 	}
 	for range rounds {

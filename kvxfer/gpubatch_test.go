@@ -27,6 +27,7 @@ type heldGPU struct {
 	hold    bool
 	held    int // batches posted while held, not run yet
 	release chan struct{}
+	layouts int // layouts staged (AddLayout)
 }
 
 type heldCopy struct {
@@ -85,6 +86,25 @@ func (b *heldBatch) Add(dst, src, n uint64) bool {
 	return true
 }
 func (b *heldBatch) Post() (tcp.DevCopy, error) { return b.g.PostCopy(b.ps) }
+
+// AddLayout stages a layout's pieces as the copy kernel addresses them.
+func (b *heldBatch) AddLayout(regions []tcp.DevRegion, entries []tcp.DevEntry) bool {
+	b.g.mu.Lock()
+	b.g.layouts++
+	b.g.mu.Unlock()
+	for _, r := range regions {
+		for _, e := range entries {
+			b.ps = append(b.ps, tcp.DevPiece{Dst: r.Dst + e.Dst, Src: r.Src + e.Src, Len: e.Len})
+		}
+	}
+	return true
+}
+
+func (g *heldGPU) layoutsStaged() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.layouts
+}
 func (b *heldBatch) Discard()                   {}
 
 func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {

@@ -248,25 +248,144 @@ func (t *accessTable) drainLocked(hit func(*landing) bool) {
 
 // Admit implements AccessFence.
 func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []byte, abort func()) (Access, int, Admission) {
-	// What request a WRITE is for, from the notice it carries (decoded
-	// before the lock: it allocates).
-	var forReq string
-	if len(tag) > 0 {
-		m, err := decodeMsg(tag)
-		if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
-			t.metrics.RefusedAccess(op, AccessDeny)
-			return AccessDeny, -1, 0
-		}
-		// A WRITE names the consumer request whose blocks it is for; a
-		// READ the producer request whose blocks it reads (when the
-		// consumer knows its id).
-		forReq = m.DReq
-		if op == hotpath.OpRead {
-			forReq = m.PReq
-		}
+	forReq, ok := t.tagRequest(op, tag)
+	if !ok {
+		return AccessDeny, -1, 0
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	i := t.takeLandingLocked()
+	l := &t.lands[i]
+	for j, r := range ranges {
+		if a := t.checkLocked(peer, op, r.Addr, r.Len, &l.grants); a != AccessAllow {
+			t.freeLands = append(t.freeLands, i)
+			t.metrics.RefusedAccess(op, a)
+			return a, j, 0
+		}
+	}
+	a, adm := t.admittedLocked(i, op, ranges, forReq, abort)
+	return a, -1, adm
+}
+
+// LayoutRanges is one layout of a part as a LayoutFence sees it: each of
+// Entries (Addr an offset) at each of Bases.
+type LayoutRanges struct {
+	Bases   []uint64
+	Entries []Range
+}
+
+// LayoutFence is an AccessFence that also admits a WRITE given as layouts
+// (every entry at every base), deciding exactly what Admit would for
+// the ranges they expand to, with each entry checked once per distinct
+// place its bases put it in the grant table (a KV cache's layers share
+// their blocks' grants: once for all of them) rather than once per range.
+type LayoutFence interface {
+	AccessFence
+	// AdmitLayout is Admit for layouts: on refusal it returns the
+	// layout, base and entry of the first range refused (-1s: the part as
+	// a whole).
+	AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRanges, tag []byte, abort func()) (a Access, lay, base, entry int, adm Admission)
+}
+
+var _ LayoutFence = (*accessTable)(nil)
+
+// layoutKey is where a base puts a layout's entries in the grant table:
+// the region's blocks and groups, and the base's offset in the region.
+type layoutKey struct {
+	blockLen, ppl, off uint64
+	groups             []int
+}
+
+// AdmitLayout implements LayoutFence.
+func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRanges, tag []byte, abort func()) (Access, int, int, int, Admission) {
+	if op != hotpath.OpWrite {
+		// READs (pull holds, by range) are admitted range by range.
+		var ranges []Range
+		var where [][3]int
+		for li, l := range lays {
+			for bi, b := range l.Bases {
+				for ei, e := range l.Entries {
+					ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
+				}
+			}
+		}
+		a, j, adm := t.Admit(peer, op, ranges, tag, abort)
+		if j >= 0 && j < len(where) {
+			return a, where[j][0], where[j][1], where[j][2], adm
+		}
+		return a, -1, -1, -1, adm
+	}
+	forReq, ok := t.tagRequest(op, tag)
+	if !ok {
+		return AccessDeny, -1, -1, -1, 0
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	i := t.takeLandingLocked()
+	l := &t.lands[i]
+	refuse := func(a Access, li, bi, ei int) (Access, int, int, int, Admission) {
+		t.freeLands = append(t.freeLands, i)
+		t.metrics.RefusedAccess(op, a)
+		return a, li, bi, ei, 0
+	}
+	var seenBuf [4]layoutKey
+	seen := seenBuf[:0]
+	for li, lay := range lays {
+		lo, hi := ^uint64(0), uint64(0)
+		for _, e := range lay.Entries {
+			if e.Len > 0 {
+				lo, hi = min(lo, e.Addr), max(hi, e.Addr+e.Len)
+			}
+		}
+		if hi == 0 {
+			continue // moves nothing
+		}
+		seen = seen[:0]
+		for bi, b := range lay.Bases {
+			// Every range of this base lies in one region: its entries
+			// land where any base at the same place in a region of the
+			// same blocks and groups puts them, checked once.
+			if r, _, _, ok := t.blocksOf(b+lo, hi-lo); ok && b+lo >= b {
+				k := layoutKey{r.blockLen, r.ppl, b - r.base, r.groups}
+				if slices.ContainsFunc(seen, func(s layoutKey) bool {
+					return s.blockLen == k.blockLen && s.ppl == k.ppl && s.off == k.off && slices.Equal(s.groups, k.groups)
+				}) {
+					continue
+				}
+				seen = append(seen, k)
+			}
+			for ei, e := range lay.Entries {
+				if a := t.checkLocked(peer, op, b+e.Addr, e.Len, &l.grants); a != AccessAllow {
+					return refuse(a, li, bi, ei)
+				}
+			}
+		}
+	}
+	a, adm := t.admittedLocked(i, op, nil, forReq, abort)
+	return a, -1, -1, -1, adm
+}
+
+// tagRequest decodes the request a transfer's notification names: the
+// consumer request a WRITE is for, the producer request a READ reads
+// ("": none named); false when the tag is no such notice (denied).
+func (t *accessTable) tagRequest(op hotpath.Op, tag []byte) (string, bool) {
+	if len(tag) == 0 {
+		return "", true
+	}
+	m, err := decodeMsg(tag)
+	if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
+		t.metrics.RefusedAccess(op, AccessDeny)
+		return "", false
+	}
+	if op == hotpath.OpRead {
+		return m.PReq, true
+	}
+	return m.DReq, true
+}
+
+// takeLandingLocked returns a free landing slot, its grants and ranges
+// emptied (t.mu held).
+func (t *accessTable) takeLandingLocked() int {
 	var i int
 	if n := len(t.freeLands); n > 0 {
 		i, t.freeLands = t.freeLands[n-1], t.freeLands[:n-1]
@@ -276,13 +395,15 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 	}
 	l := &t.lands[i]
 	l.grants, l.ranges = l.grants[:0], l.ranges[:0]
-	for j, r := range ranges {
-		if a := t.checkLocked(peer, op, r.Addr, r.Len, &l.grants); a != AccessAllow {
-			t.freeLands = append(t.freeLands, i)
-			t.metrics.RefusedAccess(op, a)
-			return a, j, 0
-		}
-	}
+	return i
+}
+
+// admittedLocked ends the admission of a part whose ranges were allowed
+// (landing slot i, its grants collected): refused as late when the
+// request it names is not the one its blocks are held or granted for,
+// else noted as moving (t.mu held).
+func (t *accessTable) admittedLocked(i int, op hotpath.Op, ranges []Range, forReq string, abort func()) (Access, Admission) {
+	l := &t.lands[i]
 	if forReq != "" && op == hotpath.OpRead {
 		for _, r := range ranges {
 			if !t.heldForLocked(r, forReq) {
@@ -290,7 +411,7 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 				// names let them go (a READ after its lease).
 				t.freeLands = append(t.freeLands, i)
 				t.metrics.RefusedAccess(op, AccessLate)
-				return AccessLate, -1, 0
+				return AccessLate, 0
 			}
 		}
 	}
@@ -301,7 +422,7 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 				// the one it names ended (a late WRITE).
 				t.freeLands = append(t.freeLands, i)
 				t.metrics.RefusedAccess(op, AccessLate)
-				return AccessLate, -1, 0
+				return AccessLate, 0
 			}
 		}
 	}
@@ -312,7 +433,7 @@ func (t *accessTable) Admit(peer PeerName, op hotpath.Op, ranges []Range, tag []
 	}
 	l.gen++
 	l.live, l.aborted, l.op, l.abort = true, false, op, abort
-	return AccessAllow, -1, Admission(uint64(l.gen)<<32 | uint64(i+1))
+	return AccessAllow, Admission(uint64(l.gen)<<32 | uint64(i+1))
 }
 
 // Done implements AccessFence.

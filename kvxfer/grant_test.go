@@ -1,6 +1,8 @@
 package kvxfer
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"time"
 
 	"testing"
@@ -249,4 +251,103 @@ func TestAccessFenceTags(t *testing.T) {
 			t.Errorf("%s: %v, want %v", c.name, a, c.want)
 		}
 	}
+}
+
+// AdmitLayout decides exactly what Admit decides for the ranges the
+// layouts expand to, with the same first refusal, over random grants,
+// revocations, layouts (bases in and across regions, at region starts and
+// inside them, entries in, across and past blocks) and tags.
+func TestAdmitLayoutMatchesAdmit(t *testing.T) {
+	for _, l := range []*topology.Layout{nil, sameShapeGroups()} {
+		testAdmitLayoutMatchesAdmit(t, l)
+	}
+}
+
+// sameShapeGroups: two groups whose regions have the same blocks (a
+// full attention group of two regions, a sliding window one of one).
+func sameShapeGroups() *topology.Layout {
+	return &topology.Layout{LogicalBlockSize: 32, KernelBlockSize: 16,
+		Regions: []topology.Region{
+			{Kind: topology.KindFullAttention, Base: 0x10000, BlockLen: 256, NumBlocks: 16},
+			{Kind: topology.KindFullAttention, Base: 0x20000, BlockLen: 256, NumBlocks: 16},
+			{Kind: topology.KindSlidingWindow, Base: 0x30000, BlockLen: 256, NumBlocks: 16},
+		},
+		Groups: []topology.Group{{Kind: topology.KindFullAttention, Regions: []int{0, 1}}, {Kind: topology.KindSlidingWindow, Regions: []int{2}}},
+	}
+}
+
+func testAdmitLayoutMatchesAdmit(t *testing.T, l *topology.Layout) {
+	gb := []int{8, 8}
+	if l == nil {
+		l, gb = accessLayout()
+	}
+	r := rand.New(rand.NewPCG(11, 12))
+	tag := func(dreq string) []byte {
+		return appendMsg(nil, &msg{Kind: msgDone, Engine: "P", TPSize: 1, PPSize: 1, DReq: dreq})
+	}
+	peers := []PeerName{"p1", "p2"}
+	bases := []uint64{0x10000, 0x20000, 0x30000, 0x10000 + 512, 0x20000 + 1024, 0x30000 + 1024, 0x10000 + 3*256, 0x18000, 0x1f000,
+		0x30000, 0x20000, 0x10000}
+	allowed, refused := 0, 0
+	for range 3000 {
+		tab := newAccessTable(l, gb, ModePush, NewMetrics())
+		for id := uint32(1); id <= uint32(1+r.IntN(3)); id++ {
+			var g0, g1 []topology.BlockID
+			for range r.IntN(8) {
+				g0 = append(g0, topology.BlockID(r.IntN(8)))
+			}
+			for range r.IntN(3) {
+				g1 = append(g1, topology.BlockID(r.IntN(8)))
+			}
+			tab.grantWrite(id, peers[:1+r.IntN(2)], spansOf(g0, g1), fmt.Sprintf("d-%d", id))
+			if r.IntN(4) == 0 {
+				tab.revokeWrite(id)
+			}
+		}
+		var lays []LayoutRanges
+		for range 1 + r.IntN(2) {
+			var lr LayoutRanges
+			for range 1 + r.IntN(4) {
+				lr.Bases = append(lr.Bases, bases[r.IntN(len(bases))])
+			}
+			for range r.IntN(5) {
+				lr.Entries = append(lr.Entries, Range{uint64(r.IntN(16))*256*uint64(r.IntN(2)) + uint64(r.IntN(3))*100, uint64(r.IntN(4)) * 200})
+			}
+			lays = append(lays, lr)
+		}
+		var ranges []Range
+		var where [][3]int
+		for li, lr := range lays {
+			for bi, b := range lr.Bases {
+				for ei, e := range lr.Entries {
+					ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
+				}
+			}
+		}
+		peer := peers[r.IntN(2)]
+		var tg []byte
+		if r.IntN(2) == 0 {
+			tg = tag(fmt.Sprintf("d-%d", 1+r.IntN(3)))
+		}
+		wa, wj, wadm := tab.Admit(peer, hotpath.OpWrite, ranges, tg, nil)
+		tab.Done(wadm)
+		ga, li, bi, ei, gadm := tab.AdmitLayout(peer, hotpath.OpWrite, lays, tg, nil)
+		tab.Done(gadm)
+		want := [3]int{-1, -1, -1}
+		if wj >= 0 {
+			want = where[wj]
+		}
+		if ga != wa || [3]int{li, bi, ei} != want {
+			t.Fatalf("layouts %+v, peer %s, tag %v: AdmitLayout %v at %v, Admit %v at %v", lays, peer, tg != nil, ga, [3]int{li, bi, ei}, wa, want)
+		}
+		if ga == AccessAllow {
+			allowed++
+		} else {
+			refused++
+		}
+	}
+	if allowed < 100 || refused < 100 {
+		t.Fatalf("%d allowed and %d refused: the cases do not cover both", allowed, refused)
+	}
+	t.Logf("%d allowed, %d refused", allowed, refused)
 }

@@ -62,6 +62,9 @@ type coreEnv struct {
 	// prepare: transfers go through prepared lists (WorkerConfig.Prepared
 	// and a PreparedPoster backend).
 	prepare bool
+	// layouts: push WRITEs go as layouts (a LayoutPoster backend, not
+	// prepared; see LayoutPoster).
+	layouts bool
 	// cost is the backend's model of its two kinds of post (PostCoster),
 	// when costed: with prepare, each request takes the cheaper kind;
 	// without a model every post is prepared.
@@ -642,6 +645,8 @@ type effects struct {
 	// (op.from:op.to), reused from input to input.
 	descs []hotpath.Desc
 	pairs []hotpath.IndexPair
+	// lays holds the layout posts' layouts (op.from:op.to of its Spans).
+	lays hotpath.Layouts
 	// asks are handshakes and probes to run; each answer comes back as
 	// an evHandshake event.
 	asks []hsAsk
@@ -928,6 +933,7 @@ const (
 	opNotify       opKind = iota + 1 // a bare notification
 	opPost                           // a transfer of descs
 	opPostPrepared                   // a transfer of index pairs of prepared lists
+	opPostLayout                     // a transfer of layouts (LayoutPoster)
 	opPrepare                        // a prepared descriptor list
 	// The data plane's grants (WorkerConfig's backend Guarded), applied
 	// in order with the other ops: a grant before the registration that
@@ -964,7 +970,7 @@ type op struct {
 
 	xop           hotpath.Op
 	id            XferID // posts: the core's name for the transfer
-	from, to      int    // posts: fx.descs[from:to] or fx.pairs[from:to]
+	from, to      int    // posts: fx.descs[from:to], fx.pairs[from:to] or fx.lays.Spans[from:to]
 	local, remote PrepID // opPostPrepared: the lists (core names)
 
 	prep    PrepID          // opPrepare: the core's name for the list
@@ -1010,6 +1016,14 @@ func (st *loopState) postOp(xop hotpath.Op, peer PeerName, from int, notif []byt
 	return st.nextXfer
 }
 
+// postLayoutOp asks for a transfer of the layouts built at
+// fx.lays.Spans[from:] and returns the core's name for it.
+func (st *loopState) postLayoutOp(xop hotpath.Op, peer PeerName, from int, notif []byte) XferID {
+	st.nextXfer++
+	st.fx.ops = append(st.fx.ops, op{kind: opPostLayout, xop: xop, peer: peer, msg: notif, id: st.nextXfer, from: from, to: len(st.fx.lays.Spans)})
+	return st.nextXfer
+}
+
 // postPreparedOp asks for a transfer of index pairs between prepared
 // lists and returns the core's name for it.
 func (st *loopState) postPreparedOp(xop hotpath.Op, local, remote PrepID, pairs []hotpath.IndexPair, notif []byte) XferID {
@@ -1037,7 +1051,7 @@ func (st *loopState) opsDone(ops []op, errs []error) {
 		switch o.kind {
 		case opNotify:
 			st.noticeDone(o, err)
-		case opPost, opPostPrepared:
+		case opPost, opPostPrepared, opPostLayout:
 			if err != nil {
 				st.postFailed(o.id, err)
 			}

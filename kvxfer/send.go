@@ -826,6 +826,21 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
 		return
 	}
+	if st.layouts && !layerwise {
+		// As layouts: a base pair per layer, an entry per run of blocks.
+		from := len(st.fx.lays.Spans)
+		if err := st.builder.AppendLayouts(&st.fx.lays, p, &req); err != nil {
+			st.metrics.BadInput("reg.spans")
+			st.failRank(s, tp, r, FailureSetup, "registration rejected: "+err.Error())
+			return
+		}
+		n, bytes := st.fx.lays.Pieces(st.fx.lays.Spans[from:])
+		id := st.postLayoutOp(hotpath.OpWrite, peer, from, done)
+		r.state = rkPosted
+		r.inflight++
+		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(s.req.Blocks), send: s.req.ReqID, dtp: tp}
+		return
+	}
 	from := len(st.fx.descs)
 	st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, &req)
 	if err != nil {

@@ -122,7 +122,7 @@ func BenchmarkProducerMatchedWrites(b *testing.B) {
 			var errs []error
 			var posted []XferID
 			post := func(_ int, o *op) error {
-				if o.kind == opPost {
+				if o.kind == opPost || o.kind == opPostLayout {
 					posted = append(posted, o.id)
 				}
 				return nil

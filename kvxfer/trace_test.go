@@ -524,7 +524,7 @@ func (tc *traceCore) drive(out []string, indent string) []string {
 	st := tc.st
 	carryOut(st, nil, nil, func(round int, o *op) error {
 		k := o.kind
-		if k == opPostPrepared {
+		if k == opPostPrepared || k == opPostLayout {
 			k = opPost
 		}
 		line := indent + strings.Repeat("  ", round) + tc.describe(o)
@@ -593,12 +593,17 @@ func (tc *traceCore) describe(o *op) string {
 			s += ", then " + describeMsg(o.msg)
 		}
 		return s
-	case opPost:
+	case opPost, opPostLayout:
 		verb := "write"
 		if o.xop == hotpath.OpRead {
 			verb = "read"
 		}
-		descs := tc.st.fx.descs[o.from:o.to]
+		var descs []hotpath.Desc
+		if o.kind == opPostLayout {
+			descs = tc.st.fx.lays.Expand(nil, tc.st.fx.lays.Spans[o.from:o.to])
+		} else {
+			descs = tc.st.fx.descs[o.from:o.to]
+		}
 		var bytes uint64
 		for _, d := range descs {
 			bytes += d.Len

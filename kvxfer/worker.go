@@ -344,6 +344,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	w.st.init(w)
 	_, canPrepare := w.be.(PreparedPoster)
 	w.st.prepare = canPrepare && cfg.Prepared
+	_, canLayout := w.be.(LayoutPoster)
+	w.st.layouts = canLayout && cfg.Mode == ModePush && !w.st.prepare
 	if pc, ok := w.be.(PostCoster); ok && w.st.prepare {
 		w.st.cost, w.st.costed = pc.PostCost(), true
 	}
@@ -804,6 +806,7 @@ func carryOut(st *loopState, ops []op, errs []error, do func(round int, o *op) e
 		}
 		// The ops' descriptors were read: the arena is free again.
 		st.fx.descs, st.fx.pairs = st.fx.descs[:0], st.fx.pairs[:0]
+		st.fx.lays.Reset()
 		st.Step(st.now, input{kind: inOpsDone, ops: ops, errs: errs})
 		clear(ops)
 		clear(errs)
@@ -832,6 +835,18 @@ func (w *Worker) do(_ int, o *op) error {
 	case opPost:
 		t0 := time.Now()
 		id, err := w.be.Post(o.xop, o.peer, fx.descs[o.from:o.to], o.msg)
+		if err == nil {
+			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+		}
+		return err
+	case opPostLayout:
+		lp, _ := w.be.(LayoutPoster)
+		if lp == nil {
+			return fmt.Errorf("kvxfer: %w: the backend takes no layouts", ErrXferFailed)
+		}
+		view := hotpath.Layouts{Bases: fx.lays.Bases, Entries: fx.lays.Entries, Spans: fx.lays.Spans[o.from:o.to]}
+		t0 := time.Now()
+		id, err := lp.PostLayouts(o.xop, o.peer, &view, o.msg)
 		if err == nil {
 			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
 		}

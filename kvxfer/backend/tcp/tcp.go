@@ -233,6 +233,9 @@ func (n *Backend) Close() error { return n.a.Close() }
 // the parts it admits: a grant revoked while a part lands returns only
 // once the part has landed or was cut short.
 func (n *Backend) SetGuard(c kvxfer.AccessChecker) error {
+	if f, ok := c.(kvxfer.LayoutFence); ok {
+		return n.a.SetGuard(&layoutFenceGuard{fenceGuard{netGuard: netGuard{c}, f: f}, f})
+	}
 	if f, ok := c.(kvxfer.AccessFence); ok {
 		return n.a.SetGuard(&fenceGuard{netGuard: netGuard{c}, f: f})
 	}
@@ -285,3 +288,58 @@ func asRanges(rs []netxfer.Region) []kvxfer.Range {
 var _ = kvxfer.Range(netxfer.Region{})
 
 func (g *fenceGuard) Done(ticket uint64) { g.f.Done(kvxfer.Admission(ticket)) }
+
+// layoutFenceGuard is a netxfer.LayoutFence over a kvxfer.LayoutFence:
+// layout parts are admitted as layouts.
+type layoutFenceGuard struct {
+	fenceGuard
+	lf kvxfer.LayoutFence
+}
+
+func (g *layoutFenceGuard) AdmitLayout(peer string, op netxfer.Op, spans []netxfer.LayoutSpan, tag []byte, abort func()) (netxfer.Verdict, int, int, int, uint64) {
+	var buf [4]kvxfer.LayoutRanges
+	lays := buf[:0]
+	for _, s := range spans {
+		lays = append(lays, kvxfer.LayoutRanges{Bases: s.Bases, Entries: asRanges(s.Entries)})
+	}
+	a, li, bi, ei, adm := g.lf.AdmitLayout(kvxfer.PeerName(peer), hotOp(op), lays, tag, abort)
+	return verdict(a), li, bi, ei, uint64(adm)
+}
+
+// LayoutParts returns how many WRITE parts peers on this host sent this
+// backend as layouts (see PostLayouts).
+func (n *Backend) LayoutParts() uint64 { return n.a.LayoutParts() }
+
+// PostLayouts implements kvxfer.LayoutPoster: a WRITE of layouts goes
+// as layouts where the agent can (GPU memory on the same host: one
+// launch, no piece listed), else as the pieces they stand for.
+func (n *Backend) PostLayouts(op hotpath.Op, peer kvxfer.PeerName, l *hotpath.Layouts, notif []byte) (kvxfer.XferID, error) {
+	nop := netxfer.Write
+	switch op {
+	case hotpath.OpWrite:
+	case hotpath.OpRead:
+		nop = netxfer.Read
+	default:
+		return 0, fmt.Errorf("kvxfer: post op %v", op)
+	}
+	lays := make([]netxfer.Layout, len(l.Spans))
+	for i, s := range l.Spans {
+		bs := make([]netxfer.BasePair, s.B1-s.B0)
+		for j, b := range l.Bases[s.B0:s.B1] {
+			bs[j] = netxfer.BasePair{Local: b.Local, Remote: b.Remote}
+		}
+		lays[i] = netxfer.Layout{Bases: bs, Entries: asEntries(l.Entries[s.E0:s.E1])}
+	}
+	id, err := n.a.PostLayout(nop, string(peer), lays, notif)
+	return kvxfer.XferID(id), mapNetErr(err)
+}
+
+// asEntries views hotpath's layout entries as netxfer's (both are
+// {Local, Remote, Len uint64}) for a call that copies what it keeps.
+func asEntries(es []hotpath.LayoutEntry) []netxfer.LayoutEntry {
+	return unsafe.Slice((*netxfer.LayoutEntry)(unsafe.Pointer(unsafe.SliceData(es))), len(es))
+}
+
+var _ = netxfer.LayoutEntry(hotpath.LayoutEntry{})
+
+var _ kvxfer.LayoutPoster = (*Backend)(nil)
