@@ -27,8 +27,8 @@ type e2eCase struct {
 	nixl      bool // NIXL (UCX), in real time
 	// gpu: the built-in backend's same-host path with every rank's
 	// memory as GPU memory (heldGPU): push WRITEs go as layouts.
-	gpu bool
-	prepared  bool // NIXL with prepared descriptor lists (indices only per transfer)
+	gpu      bool
+	prepared bool // NIXL with prepared descriptor lists (indices only per transfer)
 	// post, with prepared: which posts the NIXL backend's cost model
 	// (kvxfer.PostCoster) picks: "model" its default, per request;
 	// "prepared" or "onthefly" every one.
@@ -142,7 +142,9 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 	} else if c.gpu {
 		settle = func() { time.Sleep(2 * time.Millisecond) }
 		g := &heldGPU{release: make(chan struct{})}
-		on := func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) { return gpuBackend(t, name, r, g), nil }
+		on := func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+			return gpuBackend(t, name, r, g), nil
+		}
 		p = startEngineOn(t, dir, &c.model, c.p, "P", mode, nil, on)
 		d = startEngineOn(t, dir, &c.model, c.d, "D", mode, nil, on)
 		defer func() {

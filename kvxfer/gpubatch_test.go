@@ -105,7 +105,7 @@ func (g *heldGPU) layoutsStaged() int {
 	defer g.mu.Unlock()
 	return g.layouts
 }
-func (b *heldBatch) Discard()                   {}
+func (b *heldBatch) Discard() {}
 
 func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
 	ps = append([]tcp.DevPiece(nil), ps...)
