@@ -367,63 +367,82 @@ func firstDiff(a, b []byte) int {
 }
 
 // BenchmarkPost measures the CPU cost of posting a staged batch (the
-// copy of its descriptors to the GPU, the launch, the event), and
-// BenchmarkStage that of staging its pieces; the GPU's time is excluded.
+// copy of its regions and entries to the GPU, the launch, the event), and
+// BenchmarkStage that of staging it; the GPU's time is excluded. A batch
+// is 32 layers x n/32 blocks of 64 KiB, staged as pieces (Add: n entries)
+// or as one layout (AddLayout: 32 regions, n/32 entries).
 func BenchmarkPost(b *testing.B) { benchBatch(b, false) }
 
 func BenchmarkStage(b *testing.B) { benchBatch(b, true) }
 
 func benchBatch(b *testing.B, stage bool) {
 	d := openGPU(b)
-	const piece = 64 << 10
-	for _, n := range []int{256, 8192} {
-		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			src, err := d.Alloc(n * piece)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer d.Free(src)
-			dst, err := d.Alloc(n * piece)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer d.Free(dst)
-			ps := make([]Piece, n)
-			for i := range ps {
-				ps[i] = Piece{dst + uint64((i*7919)%n)*piece, src + uint64(i)*piece, piece}
-			}
-			cp, _ := d.Post(ps) // warm: the slot exists
-			_ = cp.Wait()
-			b.ResetTimer()
-			for range b.N {
-				if !stage {
-					b.StopTimer()
-				}
-				bt, err := d.NewBatch(n)
+	const piece, layers = 64 << 10, 32
+	for _, form := range []string{"pieces", "layout"} {
+		for _, n := range []int{256, 8192} {
+			b.Run(fmt.Sprintf("%s/%d", form, n), func(b *testing.B) {
+				src, err := d.Alloc(n * piece)
 				if err != nil {
 					b.Fatal(err)
 				}
-				for _, p := range ps {
-					bt.Add(p.Dst, p.Src, p.Len)
+				defer d.Free(src)
+				dst, err := d.Alloc(n * piece)
+				if err != nil {
+					b.Fatal(err)
 				}
-				if stage {
-					b.StopTimer()
-				} else {
+				defer d.Free(dst)
+				blocks := n / layers
+				var regs []Region
+				for l := range layers {
+					regs = append(regs, Region{dst + uint64(l*blocks*piece), src + uint64(l*blocks*piece)})
+				}
+				var ents []Entry
+				for i := range blocks {
+					ents = append(ents, Entry{uint64((i*7919)%blocks) * piece, uint64(i) * piece, piece})
+				}
+				var ps []Piece
+				for _, r := range regs {
+					for _, e := range ents {
+						ps = append(ps, Piece{r.Dst + e.Dst, r.Src + e.Src, e.Len})
+					}
+				}
+				cp, _ := d.Post(ps) // warm: the slot exists
+				_ = cp.Wait()
+				b.ResetTimer()
+				for range b.N {
+					if !stage {
+						b.StopTimer()
+					}
+					bt, err := d.NewBatch(n)
+					if err != nil {
+						b.Fatal(err)
+					}
+					if form == "layout" {
+						bt.AddLayout(regs, ents)
+					} else {
+						for _, p := range ps {
+							bt.Add(p.Dst, p.Src, p.Len)
+						}
+					}
+					if stage {
+						b.StopTimer()
+					} else {
+						b.StartTimer()
+					}
+					cp, err := bt.Post()
+					if err != nil {
+						b.Fatal(err)
+					}
+					if !stage {
+						b.StopTimer()
+					}
+					if err := cp.Wait(); err != nil {
+						b.Fatal(err)
+					}
 					b.StartTimer()
 				}
-				cp, err := bt.Post()
-				if err != nil {
-					b.Fatal(err)
-				}
-				if !stage {
-					b.StopTimer()
-				}
-				if err := cp.Wait(); err != nil {
-					b.Fatal(err)
-				}
-				b.StartTimer()
-			}
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "µs/op")
-		})
+				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "µs/op")
+			})
+		}
 	}
 }
