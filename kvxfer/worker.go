@@ -128,6 +128,11 @@ type WorkerConfig struct {
 	ContainPanics bool
 	// Metrics receives the worker's statistics (default: a new one).
 	Metrics *Metrics
+	// HopTrace, when set, receives an event as each request passes each
+	// point of its path through the Worker (hoptrace.go): what a trace
+	// that times a transfer's hops is made of (kvxferd -hop-trace). Nil,
+	// the default: no trace, each point costs a nil check.
+	HopTrace HopTracer
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -228,6 +233,8 @@ type Worker struct {
 	log     *slog.Logger
 	metrics *Metrics
 	regions []MemRegion
+	// trace is WorkerConfig.HopTrace (nil: off).
+	trace HopTracer
 	// groupBlocks is the number of logical blocks of each group.
 	groupBlocks []int
 	registry    *hotpath.Registry
@@ -368,7 +375,7 @@ func newWorker(cfg WorkerConfig) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Worker{cfg: cfg, be: cfg.Backend, log: cfg.Logger, metrics: cfg.Metrics,
+	w := &Worker{cfg: cfg, be: cfg.Backend, log: cfg.Logger, metrics: cfg.Metrics, trace: cfg.HopTrace,
 		registry: hotpath.NewRegistry(), builder: b, xfers: map[XferID]xferEntry{}, preps: map[PrepID]prepEntry{},
 		wake: make(chan struct{}, 1), ready: make(chan struct{}, 1), stopped: make(chan struct{})}
 	l := &cfg.Layout
@@ -424,6 +431,9 @@ func opFor(m Mode) hotpath.Op {
 func (w *Worker) Step(meta *StepMeta) error {
 	if meta == nil {
 		return nil
+	}
+	if w.trace != nil {
+		w.hopStep(meta, HopRecvStep, HopSendStep)
 	}
 	meta, bad, err := w.validate(meta)
 	if perr := w.post(event{kind: evStep, meta: meta, bad: bad}); perr != nil {
@@ -581,6 +591,9 @@ func (w *Worker) loop() {
 		// results) before the next.
 		for i := range inbox {
 			w.unhandled = inbox[i:]
+			if w.trace != nil && inbox[i].kind == evStep {
+				w.hopStep(inbox[i].meta, HopRecvLoop, HopSendLoop)
+			}
 			st.Step(now, input{kind: inEvent, ev: &inbox[i]})
 			if h := hookAfterEvent.Load(); h != nil {
 				(*h)(w, &inbox[i])
@@ -729,6 +742,9 @@ func (w *Worker) publish() {
 	if len(out.Sending)+len(out.Recving)+len(out.InvalidBlocks) == 0 {
 		return
 	}
+	if w.trace != nil {
+		w.hopOutcomes(out) // before the engine can see them
+	}
 	w.mu.Lock()
 	w.mu.out.Sending = append(w.mu.out.Sending, out.Sending...)
 	w.mu.out.Recving = append(w.mu.out.Recving, out.Recving...)
@@ -818,6 +834,10 @@ func carryOut(st *loopState, ops []op, errs []error, do func(round int, o *op) e
 type xferEntry struct {
 	be   XferID        // the backend's name for it
 	post time.Duration // how long the post took
+	// note is the notification it carries, kept for the hop trace when
+	// on (nil when off), and op its direction.
+	note []byte
+	op   hotpath.Op
 }
 
 // prepEntry is a list the driver prepared for the core.
@@ -831,12 +851,18 @@ func (w *Worker) do(_ int, o *op) error {
 	fx := &w.st.fx
 	switch o.kind {
 	case opNotify:
+		if w.trace != nil {
+			t0 := time.Now()
+			err := w.be.Notify(o.peer, o.msg)
+			w.hopMsg(o.msg, true, time.Since(t0), err)
+			return err
+		}
 		return w.be.Notify(o.peer, o.msg)
 	case opPost:
 		t0 := time.Now()
 		id, err := w.be.Post(o.xop, o.peer, fx.descs[o.from:o.to], o.msg)
 		if err == nil {
-			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
 		}
 		return err
 	case opPostLayout:
@@ -848,7 +874,7 @@ func (w *Worker) do(_ int, o *op) error {
 		t0 := time.Now()
 		id, err := lp.PostLayouts(o.xop, o.peer, &view, o.msg)
 		if err == nil {
-			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
 		}
 		return err
 	case opPostPrepared:
@@ -860,7 +886,7 @@ func (w *Worker) do(_ int, o *op) error {
 		t0 := time.Now()
 		id, err := pp.PostPrepared(o.xop, local.be, remote.be, fx.pairs[o.from:o.to], o.msg)
 		if err == nil {
-			w.xfers[o.id] = xferEntry{be: id, post: time.Since(t0)}
+			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
 		}
 		return err
 	case opPrepare:
@@ -884,12 +910,32 @@ func (w *Worker) do(_ int, o *op) error {
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
 }
 
+// posted is the entry of a transfer the backend took (id) in a post call
+// that took d, reported to the hop trace when on.
+func (w *Worker) posted(id XferID, d time.Duration, o *op) xferEntry {
+	x := xferEntry{be: id, post: d, op: o.xop}
+	if w.trace != nil {
+		x.note = append([]byte(nil), o.msg...)
+		hop, side := HopWritePost, RoleProducer
+		if o.xop == hotpath.OpRead {
+			hop, side = HopReadPost, RoleConsumer
+		}
+		w.hop(HopEvent{Hop: hop, Side: side, Call: d, msg: x.note})
+	}
+	return x
+}
+
 // turn hands the core what the backend brought (notifications, ended
 // transfers) and what time fired, each followed by its effects, and
 // publishes the outcomes.
 func (w *Worker) turn(now time.Time) {
 	st := &w.st
 	w.notifs = w.be.DrainNotifs(w.notifs[:0])
+	if w.trace != nil {
+		for i := range w.notifs {
+			w.hopMsg(w.notifs[i].Msg, false, 0, nil)
+		}
+	}
 	for i := range w.notifs {
 		st.Step(now, input{kind: inNotifs, notifs: w.notifs[i : i+1]})
 		w.apply()
@@ -950,6 +996,9 @@ func (w *Worker) pollXfers(now time.Time) {
 			}
 		}
 		delete(w.xfers, id)
+		if w.trace != nil {
+			w.hopEnded(&x, s, err)
+		}
 		st.Step(now, input{kind: inXferEnded, xfer: id, state: s, err: err, tel: tel, post: x.post})
 		_ = w.be.Release(x.be)
 		w.apply()
