@@ -66,6 +66,10 @@ var Rules = []Rule{
 		Allowed: []string{"kvxfer", "kvxfer/backend/...", "topology", "hotpath", "internal/...", "shm", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
 	{Name: "internal/agentrpc imports kvxfer", Prefix: "internal/agentrpc",
 		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/...", "github.com/puzpuzpuz/xsync/v4/...", "golang.org/x/sys/..."}},
+	// The hop trace's writer: the core hands it events through
+	// kvxfer.HopTracer and reads no clock of its own.
+	{Name: "internal/hoptrace imports kvxfer and x/sys", Prefix: "internal/hoptrace",
+		Allowed: []string{"kvxfer", "topology", "hotpath", "internal/invariants", "golang.org/x/sys/..."}},
 	// shm is public so engines outside the module (and their tests) can
 	// make the files kvxferd maps: it must stay a leaf they can import
 	// without kvxfer or gRPC.
