@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/hoptrace"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -50,7 +51,7 @@ import (
 type config struct {
 	socketMode                                                                                          uint
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
-	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA                              string
+	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA, hopTrace                    string
 	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
@@ -113,6 +114,9 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
 	fs.BoolVar(&c.ownProcessOnly, "own-process-only", false, "serve engine connections from this process only (SO_PEERCRED pid), "+
 		"refusing the others: libkvxfer's in-process placement, whose abstract socket any local process could reach")
+	fs.StringVar(&c.hopTrace, "hop-trace", "", "append a JSON line to this file as each request passes each point of its path "+
+		"(step taken, registration, WRITE/READ posted and ended, notices, outcome published and sent), stamped with CLOCK_MONOTONIC ns, "+
+		"for python/tests/hoptrace.py to time the hops; several processes may share the file. Off when unset (costs nothing then)")
 	etcdFlags(fs, &c.etcd)
 	return fs
 }
@@ -435,6 +439,23 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	auth := sec.auth
+	var trace *hoptrace.Trace
+	if c.hopTrace != "" {
+		if trace, err = hoptrace.Open(c.hopTrace); err != nil {
+			return nil, fmt.Errorf("-hop-trace: %w", err)
+		}
+		// Closed after the server (cleanups run last first), so every
+		// worker's last events are in.
+		in.cleanup = append(in.cleanup, func() {
+			if err := trace.Close(); err != nil {
+				log.Warn("kvxferd: -hop-trace", "err", err)
+			}
+			if n := trace.Dropped(); n > 0 {
+				log.Warn("kvxferd: -hop-trace dropped events: the writer fell behind", "dropped", n)
+			}
+		})
+		log.Info("kvxferd: hop trace on", "file", c.hopTrace)
+	}
 	peers, err := c.peers()
 	if err != nil {
 		return nil, err
@@ -484,6 +505,9 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout
 			wc.MaxRequests = c.maxRequests
 			wc.Prepared = c.backend == "nixl" // NIXL: prepared lists, indices per transfer
+			if trace != nil {
+				wc.HopTrace = trace
+			}
 		},
 	})
 	if err != nil {

@@ -87,3 +87,34 @@ func TestStartInProcess(t *testing.T) {
 		t.Error("the in-process server changed the environment")
 	}
 }
+
+// The hop trace is the JSON key hop_trace as it is kvxferd's -hop-trace:
+// the server opens the file at start (an error naming the flag when it
+// cannot) and closes it, its last line trace.end, when it stops.
+func TestHopTraceConfig(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := StartInProcess([]byte(`{"insecure_peers": true, "log_level": "error", "hop_trace": "` + dir + `/no/such/dir"}`)); err == nil ||
+		!strings.Contains(err.Error(), "-hop-trace") {
+		t.Errorf("StartInProcess with hop_trace in a missing directory = %v, want an error naming -hop-trace", err)
+	}
+	path := dir + "/hops.jsonl"
+	p, err := StartInProcess([]byte(`{"insecure_peers": true, "log_level": "error", "hop_trace": "` + path + `"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) != 2 || !strings.Contains(lines[0], `"ev":"trace.start"`) || !strings.Contains(lines[1], `"ev":"trace.end"`) {
+		t.Errorf("trace of a server that served nothing = %q, want trace.start and trace.end", lines)
+	}
+	c, err := parseFlags([]string{"-hop-trace", path})
+	if err != nil || c.hopTrace != path {
+		t.Errorf("parseFlags(-hop-trace %s) = %+v, %v", path, c, err)
+	}
+}

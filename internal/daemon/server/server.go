@@ -788,6 +788,9 @@ type rank struct {
 	layout         topology.Layout
 	backend        Backend
 	worker         *kvxfer.Worker
+	// trace is the worker's hop trace (nil: off): the stream's sender
+	// adds when outcomes leave on it.
+	trace kvxfer.HopTracer
 	// mappings: the shared-memory files of hello.memory, by entry (nil
 	// for an entry that is not one).
 	mappings []*shm.Mapping
@@ -986,6 +989,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 	if r.worker, err = kvxfer.NewWorker(wc); err != nil {
 		return nil, err
 	}
+	r.trace = wc.HopTrace
 	meta, err := r.backend.LocalMetadata()
 	if err != nil {
 		return nil, err
@@ -1154,6 +1158,10 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			var m *pb.ConnectResponse
 			select {
 			case <-r.worker.Ready():
+				var t0 time.Time
+				if r.trace != nil {
+					t0 = time.Now()
+				}
 				f = r.worker.AppendFinished(f)
 				fp := enc.Encode(&f)
 				var moved bool
@@ -1161,6 +1169,9 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 					fp.Stats = &stats
 				}
 				err := sendFinished(st, r.maxMsg, fp)
+				if r.trace != nil && err == nil {
+					r.hopSent(&f, time.Since(t0))
+				}
 				f.Clear()
 				if err != nil {
 					sendErr <- err
@@ -1255,6 +1266,21 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				return Status(stream.Invalid("empty message"))
 			}
 		}
+	}
+}
+
+// hopSent reports f's outcomes sent on the stream, by a wake of the
+// sender that took d to drain, encode and send them.
+func (r *rank) hopSent(f *kvxfer.Finished, d time.Duration) {
+	e := kvxfer.HopEvent{Hop: kvxfer.HopOutcomeSent, Engine: r.engine, TPRank: r.layout.TPRank, PPRank: r.layout.PPRank, Call: d}
+	for _, o := range f.Sending {
+		e.Side, e.PReq, e.Result = kvxfer.RoleProducer, o.ReqID, o.Result.String()
+		r.trace.Hop(e)
+	}
+	e.PReq = ""
+	for _, o := range f.Recving {
+		e.Side, e.DReq, e.Result = kvxfer.RoleConsumer, o.ReqID, o.Result.String()
+		r.trace.Hop(e)
 	}
 }
 
