@@ -61,7 +61,8 @@ const (
 	HopWritePost = "write.post"
 	HopReadPost  = "read.post"
 	// HopWriteDone and HopReadDone: the loop saw the transfer end
-	// (Result: its state, done or failed).
+	// (Result: its state, done or failed; Xfer: the backend's own measure
+	// of it, where it keeps one).
 	HopWriteDone = "write.done"
 	HopReadDone  = "read.done"
 	// HopDoneSent and HopDoneRecv: a completion notice went bare (Call:
@@ -104,6 +105,10 @@ type HopEvent struct {
 	// Call is how long the backend call the point names took; the event
 	// is when it began (0: the point is no call).
 	Call time.Duration
+	// Xfer is the backend's own measure of a transfer that ended
+	// (HopWriteDone, HopReadDone; Telemeter: NIXL's telemetry), 0 where
+	// it keeps none: beside the time the loop took to see the end.
+	Xfer time.Duration
 
 	// msg is the peer message the point is about, ids not read yet.
 	msg []byte
@@ -201,9 +206,13 @@ func (w *Worker) hopMsg(b []byte, sent bool, call time.Duration, err error) {
 	w.hop(e)
 }
 
-// hopEnded reports a posted transfer that left XferInProgress.
-func (w *Worker) hopEnded(x *xferEntry, s XferState, err error) {
+// hopEnded reports a posted transfer that left XferInProgress (tel: the
+// backend's figures, if any).
+func (w *Worker) hopEnded(x *xferEntry, s XferState, err error, tel *XferTelemetry) {
 	e := HopEvent{Hop: HopWriteDone, Side: RoleProducer, Result: s.String(), msg: x.note}
+	if tel != nil {
+		e.Xfer = tel.Transfer
+	}
 	if x.op == hotpath.OpRead {
 		e.Hop, e.Side = HopReadDone, RoleConsumer
 	}

@@ -997,7 +997,7 @@ func (w *Worker) pollXfers(now time.Time) {
 		}
 		delete(w.xfers, id)
 		if w.trace != nil {
-			w.hopEnded(&x, s, err)
+			w.hopEnded(&x, s, err, tel)
 		}
 		st.Step(now, input{kind: inXferEnded, xfer: id, state: s, err: err, tel: tel, post: x.post})
 		_ = w.be.Release(x.be)

@@ -12,7 +12,9 @@
 // t is when the event happened (for a backend call, when it began; call_ns
 // is how long it took); side is the rank's side of the request (P or D);
 // d_req, p_req and tid name the request where known; result is an
-// outcome's result or a transfer's end state; empty fields are left out.
+// outcome's result or a transfer's end state; xfer_ns is the backend's
+// own measure of a transfer that ended (NIXL's telemetry); empty fields
+// are left out.
 // A trace.start line opens each process's lines and a trace.end line,
 // with the count of events dropped, closes them.
 //
@@ -149,6 +151,7 @@ type line struct {
 	TID    string `json:"tid,omitempty"`
 	Result string `json:"result,omitempty"`
 	CallNS int64  `json:"call_ns,omitempty"`
+	XferNS int64  `json:"xfer_ns,omitempty"`
 	PID    int    `json:"pid"`
 	// Dropped: trace.end's count of the events dropped.
 	Dropped *uint64 `json:"dropped,omitempty"`
@@ -162,7 +165,7 @@ func (t *Trace) lineOf(r *record) line {
 		side = "P"
 	}
 	return line{T: r.t, Ev: e.Hop, Side: side, Engine: e.Engine, TP: &e.TPRank, PP: &e.PPRank,
-		DReq: e.DReq, PReq: e.PReq, TID: e.TransferID, Result: e.Result, CallNS: int64(e.Call), PID: t.pid}
+		DReq: e.DReq, PReq: e.PReq, TID: e.TransferID, Result: e.Result, CallNS: int64(e.Call), XferNS: int64(e.Xfer), PID: t.pid}
 }
 
 // run is the writer: it gathers what is queued into whole lines and

@@ -37,7 +37,7 @@ func TestLine(t *testing.T) {
 	before := Now()
 	tr.Hop(kvxfer.HopEvent{Hop: kvxfer.HopRegSent, Side: kvxfer.RoleConsumer, Engine: "D", TPRank: 1, PPRank: 2, DReq: "d-1", PReq: "p-1",
 		TransferID: "t-1", Call: 50 * time.Millisecond})
-	tr.Hop(kvxfer.HopEvent{Hop: kvxfer.HopOutcome, Side: kvxfer.RoleProducer, Engine: "P", PReq: "p-1", Result: "done"})
+	tr.Hop(kvxfer.HopEvent{Hop: kvxfer.HopWriteDone, Side: kvxfer.RoleProducer, Engine: "P", PReq: "p-1", Result: "done", Xfer: 2 * time.Millisecond})
 	after := Now()
 	if err := tr.Close(); err != nil {
 		t.Fatal(err)
@@ -62,13 +62,16 @@ func TestLine(t *testing.T) {
 	if at := int64(reg["t"].(float64)); at > after-int64(50*time.Millisecond) || at < before-int64(50*time.Millisecond)-int64(time.Millisecond) {
 		t.Errorf("reg.sent t = %d, want its call's start: in [%d, %d] less 50 ms", at, before, after)
 	}
+	if _, ok := reg["xfer_ns"]; ok {
+		t.Errorf("reg.sent line %v has xfer_ns, want it left out (0)", reg)
+	}
 	for _, k := range []string{"d_req", "tid", "call_ns"} {
 		if _, ok := out[k]; ok {
-			t.Errorf("outcome line %v has %s, want it left out (empty)", out, k)
+			t.Errorf("write.done line %v has %s, want it left out (empty)", out, k)
 		}
 	}
-	if out["side"] != "P" || out["result"] != "done" || out["tp"] != 0.0 {
-		t.Errorf("outcome line %v: want side P, result done, tp 0", out)
+	if out["side"] != "P" || out["result"] != "done" || out["tp"] != 0.0 || out["xfer_ns"] != 2e6 {
+		t.Errorf("write.done line %v: want side P, result done, tp 0, xfer_ns 2e6", out)
 	}
 }
 
