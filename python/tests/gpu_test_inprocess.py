@@ -18,6 +18,12 @@ its outcome; the rates are printed (pytest -s; test/gpu/run shows them in
 its summary) and, with $OUT set, written to $OUT/inprocess-gbps.txt. No
 speed is asserted.
 
+Every case runs with the hop trace on (the servers' "hop_trace", the
+engines' own "py.step" and "py.poll" lines): the table of where the timed
+transfers' time went, hop by hop (hoptrace.py), is printed beside the
+rates and, with $OUT set, written to $OUT/inprocess-hops.txt; test/gpu/run
+shows it in its summary too.
+
 conftest.py collects this file only where torch sees a GPU; the library is
 $KVXFER_LIBKVXFER (test/gpu/run: built into its bundle) or built here with
 go. NIXL is found as the server finds it (NIXL_CAPI_LIB, NIXL_PREFIX,
@@ -40,6 +46,7 @@ from pathlib import Path
 import pytest
 
 import harness
+import hoptrace
 
 HERE = Path(__file__).resolve().parent
 PYTHON_DIR = HERE.parent
@@ -143,11 +150,12 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", layers: int = LAYERS, blocks: int = BLOCKS,
              block_len: int = BLOCK_LEN, xfers: list | None = None, timeout: float = PAIR_TIMEOUT,
-             env: dict | None = None) -> tuple[dict, dict, str]:
+             env: dict | None = None, hops: bool = False) -> tuple[dict, dict, str]:
     """Runs P and D (inprocess_gpu_engine.py) side by side with config: D
     steps its first request once P has stepped its sends and published its
     Peer address. Returns their results and a text of both logs' tails for
-    failure messages. Both processes are gone when it returns."""
+    failure messages. Both processes are gone when it returns. hops: each
+    process traces its hops into work (hop_files)."""
     work.mkdir(parents=True, exist_ok=True)
     env = env if env is not None else engine_env(lib, config)
     secret = harness.secret_file(work)
@@ -156,6 +164,10 @@ def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", lay
               "peer_file": str(work / "p.peer"), "peer_wait": START_TIMEOUT,
               "config": {"peer_secret_file": secret, "log_level": "warn", **config}}
     spec = {r: {**common, "role": r, "result": str(work / f"{r}.result.json")} for r in "PD"}
+    if hops:
+        for r in "PD":
+            spec[r]["config"] = {**common["config"], "hop_trace": str(work / f"{r}.hops.jsonl")}
+            spec[r]["py_hop_trace"] = str(work / f"{r}.py.hops.jsonl")
     logs = {r: work / f"{r}.log" for r in "PD"}
     procs: dict[str, subprocess.Popen] = {}
     deadline = time.monotonic() + timeout
@@ -232,6 +244,28 @@ def report(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = B
     return line
 
 
+def hop_files(work: Path) -> list[Path]:
+    """The hop traces a run_pair(hops=True) in work left."""
+    return sorted(work.glob("*.hops.jsonl"))
+
+
+def report_hops(name: str, work: Path, skip: int = 1) -> list[str]:
+    """The hop table of a run_pair(hops=True) in work, over its transfers
+    after the first skip (the first pays the handshake, and is the untimed
+    check): printed, and kept under $OUT (inprocess-hops.txt). A trace
+    that does not make a table says why in its one line instead: the rates
+    stand without it."""
+    try:
+        lines = hoptrace.table(hop_files(work), skip=skip, name=name, prefix="in-process hops")
+    except Exception as e:  # noqa: BLE001 - reported in the table's place
+        lines = [f"in-process hops | {name} | no table: {type(e).__name__}: {e} |"]
+    print("\n" + "\n".join(lines), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "inprocess-hops.txt"), "a") as f:
+            f.write("\n".join(lines) + "\n")
+    return lines
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_push_gpu_memory_by_address(libkvxfer, tmp_path, name):
     """P pushes scattered blocks of its torch CUDA memory, named by address,
@@ -243,12 +277,13 @@ def test_push_gpu_memory_by_address(libkvxfer, tmp_path, name):
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers()
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], xfers=xf)
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], xfers=xf, hops=True)
     recs = check_pair(pres, dres, logs, len(xf))
     # P's layers are views of one allocation, D's (most likely: the
     # caching allocator decides) an allocation each.
     report(name, recs, note=f"P's cache in {pres.get('allocations')} allocation(s), D's in {dres.get('allocations')}; "
            f"attach P {pres.get('attach_s')} s, D {dres.get('attach_s')} s")
+    report_hops(f"{name}, {LAYERS}x{BLOCKS}x{BLOCK_LEN >> 10}KiB", tmp_path)
 
 
 @pytest.mark.parametrize("name", ["nixl", "builtin"])
@@ -261,6 +296,7 @@ def test_push_gpu_memory_by_address_8_blocks(libkvxfer, tmp_path, name):
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers(8, check_blocks=6, timed=7, seed=8)
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], blocks=8, xfers=xf)
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], blocks=8, xfers=xf, hops=True)
     recs = check_pair(pres, dres, logs, len(xf))
     report(name, recs)
+    report_hops(f"{name}, {LAYERS}x8x{BLOCK_LEN >> 10}KiB", tmp_path)

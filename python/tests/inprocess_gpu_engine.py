@@ -12,7 +12,12 @@ in-process server's configuration, kvxferd serve's flag names), memory
 layer), timeout (seconds for the whole run), result (a file for the JSON
 result), and peer_file: where P writes its Peer service address once its
 sends are stepped, and D, started beside P, reads it (waiting up to
-peer_wait seconds) before its first step.
+peer_wait seconds) before its first step. Optional: py_hop_trace, a file
+for this process's own hop-trace lines (hoptrace.py): "py.step" as it
+calls step for a request, "py.poll" as a poll returns a request's
+outcome, stamped with time.monotonic_ns() (CLOCK_MONOTONIC, as the
+in-process server's "hop_trace" lines); kept in memory and written at the
+end, so the timed path does no I/O.
 
 The caches: P's is one tensor, its layers views of it (one allocation, a
 memory entry per layer); D's is one tensor per layer (an allocation and a
@@ -70,6 +75,17 @@ class Run:
         self.device = "cuda:0" if spec["memory"] == "device" else "cpu"
         self.deadline = time.monotonic() + spec["timeout"]
         self.res: dict = {"role": self.role, "pid": os.getpid()}
+        # Hop-trace lines (py_hop_trace), written at the end.
+        self.hops: list[dict] | None = [] if spec.get("py_hop_trace") else None
+
+    def hop(self, t: int, ev: str, side: str, **ids: str) -> None:
+        if self.hops is not None:
+            self.hops.append({"t": t, "ev": ev, "side": side, "engine": self.role, **ids, "pid": os.getpid()})
+
+    def write_hops(self) -> None:
+        if self.hops is not None:
+            with open(self.spec["py_hop_trace"], "a") as f:
+                f.writelines(json.dumps(h) + "\n" for h in self.hops)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -126,6 +142,11 @@ class Run:
                 raise TimeoutError(f"{self.role}: no outcome for {sorted(want - got.keys())} within the run's "
                                    f"{self.spec['timeout']} s (outcomes so far: {got})")
             f = self.w.poll(wait=min(0.05, self.left()))
+            t = time.monotonic_ns()
+            for o in f.recving:
+                self.hop(t, "py.poll", "D", d_req=o.request_id)
+            for o in f.sending:
+                self.hop(t, "py.poll", "P", p_req=o.request_id)
             if f.step_errors:
                 raise RuntimeError(f"{self.role}: step errors: {[e.message for e in f.step_errors]}")
             for o in list(f.sending) + list(f.recving):
@@ -179,6 +200,7 @@ class Run:
                 deadline_unix_nanos=now + int(self.left() * 1e9),
                 remote=pb.RemoteRef(engine_id="P", addr=p_peer, request_id=f"p-{k}", tp_size=1,
                                     tokens=BLOCK * len(p_ids)))])
+            self.hop(time.monotonic_ns(), "py.step", "D", d_req=f"d-{k}", p_req=f"p-{k}", tid=f"t-{k}")
             t0 = time.perf_counter()
             self.w.step(meta)
             got = self.wait_outcomes({f"d-{k}"})
@@ -233,6 +255,7 @@ def main() -> int:
         r.res["error"] = f"{type(e).__name__}: {e}"
         r.res["traceback"] = traceback.format_exc()
         code = 1
+    r.write_hops()
     tmp = spec["result"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(r.res, f)
