@@ -1,0 +1,119 @@
+"""The hop trace on CPU: the in-process engine pair of gpu_test_inprocess.py
+(inprocess_gpu_engine.py) with host memory, 32 layers x 8 blocks x 64 KiB
+pushed from P to D over the built-in backend and NIXL, both servers
+tracing their hops ("hop_trace") and the engines their own; hoptrace.py
+makes the table of every hop of the timed transfers. And hoptrace.py's
+grouping and arithmetic on lines made up here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import gpu_test_inprocess as pair
+import harness
+import hoptrace
+
+# The hops of a push over the in-process pair: each timed transfer passes
+# every one.
+PUSH_HOPS = [
+    "D: python step -> Worker.Step",
+    "D: Worker.Step -> loop took the step",
+    "D: loop took the step -> registration sent",
+    "D: registration Notify call",
+    "D registration sent -> P drained it",
+    "P: registration drained -> WRITE posted",
+    "P: WRITE Post call",
+    "P: WRITE posted -> P saw it done",
+    "P WRITE posted -> D drained its notice",
+    "D: notice drained -> outcome published",
+    "D: outcome published -> stream sender woke",
+    "D: stream sender: drain, encode, Send",
+    "D: stream sender woke -> python poll returned",
+    "P: WRITE seen done -> outcome published",
+    "total D: python step -> python poll returned",
+    "total D: Worker.Step -> outcome published",
+]
+
+
+@pytest.fixture(scope="module")
+def libkvxfer(tmp_path_factory) -> Path:
+    return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
+
+
+def rows(lines: list[str]) -> dict[str, list[float]]:
+    """The table's rows: hop -> [n, median, min, max]."""
+    out = {}
+    for ln in lines[1:]:
+        cells = [c.strip() for c in ln.split("|")]
+        out[cells[2]] = [float(c) for c in cells[3:7]]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["builtin", "nixl"])
+def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend):
+    pytest.importorskip("torch")
+    config = pair.CASES[backend]
+    if backend == "nixl" and pair.nixl_library() is None:
+        if os.environ.get("CI"):
+            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
+        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+    timed = 5
+    xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
+    pres, dres, logs = pair.run_pair(libkvxfer, tmp_path, config, memory="host", blocks=8, xfers=xf, hops=True)
+    pair.check_pair(pres, dres, logs, len(xf))
+    files = pair.hop_files(tmp_path)
+    assert [f.name for f in files] == ["D.hops.jsonl", "D.py.hops.jsonl", "P.hops.jsonl", "P.py.hops.jsonl"], files
+    lines = pair.report_hops(f"{backend} (CPU, host memory), 32x8x64KiB", tmp_path)
+    assert lines[0].startswith(f"in-process hops | {backend}") and f"{timed} transfers timed (1 skipped), 4 files, 0 events dropped" in lines[0], lines
+    got = rows(lines)
+    want = list(PUSH_HOPS)
+    if backend == "nixl":  # NIXL times its transfers itself (telemetry)
+        want.insert(want.index("P: WRITE posted -> P saw it done") + 1, "P: WRITE as the backend timed it (NIXL telemetry)")
+    assert list(got) == want, "\n".join(lines)
+    for hop, (n, med, lo, hi) in got.items():
+        assert n == timed and 0 <= lo <= med <= hi, f"{hop}: n {n}, median {med}, min {lo}, max {hi}\n" + "\n".join(lines)
+    # The parts of D's path add up to no more than its whole.
+    path = sum(got[h][1] for h in PUSH_HOPS[:3])
+    assert path < got["total D: python step -> python poll returned"][1], "\n".join(lines)
+
+
+def _line(t: int, ev: str, side: str, **kw) -> str:
+    return json.dumps({"t": t, "ev": ev, "side": side, "engine": side, "tp": 0, "pp": 0, **kw, "pid": 1})
+
+
+def test_table_of_made_up_lines(tmp_path):
+    """Events join a transfer through any id they share with it (P's
+    outcome names only P's request); a hop runs from its first event to the
+    first of its end at or after it; a call is its call_ns; the first
+    transfers skipped are those that started first; dropped events are
+    summed from trace.end lines."""
+    d, p = tmp_path / "d.jsonl", tmp_path / "p.jsonl"
+    dl, pl = ['{"t": 0, "ev": "trace.start", "pid": 1}'], []
+    for k, base in enumerate([1_000_000, 2_000_000, 3_000_000]):
+        ids = {"d_req": f"d-{k}", "p_req": f"p-{k}", "tid": f"t-{k}"}
+        dl += [_line(base, "py.step", "D", **ids),
+               _line(base + 100_000 * (k + 1), "recv.step", "D", **ids),
+               _line(base + 200_000, "reg.sent", "D", call_ns=7_000 * (k + 1), **ids),
+               _line(base + 900_000, "outcome", "D", d_req=f"d-{k}", result="done")]
+        pl += [_line(base + 250_000, "reg.recv", "P", **ids),
+               _line(base + 260_000, "write.post", "P", d_req=f"d-{k}", p_req=f"p-{k}", tid=f"t-{k}", call_ns=1000),
+               _line(base + 700_000, "write.done", "P", d_req=f"d-{k}", p_req=f"p-{k}", tid=f"t-{k}", xfer_ns=400_000),
+               _line(base + 710_000, "outcome", "P", p_req=f"p-{k}", result="done")]
+    dl.append('{"t": 9000000, "ev": "trace.end", "pid": 1, "dropped": 3}')
+    dl.append('{"t": 9000001, "ev": "outc')  # torn: its process was killed mid-write
+    d.write_text("\n".join(dl) + "\n")
+    p.write_text("\n".join(reversed(pl)) + "\n")  # order in the file does not matter
+    got = rows(hoptrace.table([d, p], skip=1))
+    assert got["D: python step -> Worker.Step"] == [2, 250.0, 200.0, 300.0]
+    assert got["D: registration Notify call"] == [2, 17.5, 14.0, 21.0]
+    assert got["D registration sent -> P drained it"] == [2, 50.0, 50.0, 50.0]
+    assert got["P: WRITE seen done -> outcome published"] == [2, 10.0, 10.0, 10.0]
+    assert got["P: WRITE as the backend timed it (NIXL telemetry)"] == [2, 400.0, 400.0, 400.0]
+    assert got["total D: Worker.Step -> outcome published"] == [2, 650.0, 600.0, 700.0]
+    assert "D: Worker.Step -> loop took the step" not in got  # no transfer passed it
+    head = hoptrace.table([d, p], skip=1)[0]
+    assert "2 transfers timed (1 skipped), 2 files, 3 events dropped, 1 lines unreadable" in head, head
