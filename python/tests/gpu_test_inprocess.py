@@ -21,8 +21,9 @@ speed is asserted.
 Every case runs with the hop trace on (the servers' "hop_trace", the
 engines' own "py.step" and "py.poll" lines): the table of where the timed
 transfers' time went, hop by hop (hoptrace.py), is printed beside the
-rates and, with $OUT set, written to $OUT/inprocess-hops.txt; test/gpu/run
-shows it in its summary too.
+rates and, with $OUT set, written to $OUT/inprocess-hops.txt (the traces
+themselves under $OUT/inprocess-hops/); test/gpu/run shows it in its
+summary too.
 
 conftest.py collects this file only where torch sees a GPU; the library is
 $KVXFER_LIBKVXFER (test/gpu/run: built into its bundle) or built here with
@@ -38,6 +39,8 @@ import glob
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -263,6 +266,11 @@ def report_hops(name: str, work: Path, skip: int = 1) -> list[str]:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "inprocess-hops.txt"), "a") as f:
             f.write("\n".join(lines) + "\n")
+        # The traces themselves, for a closer look (hoptrace.py --each).
+        keep = Path(os.environ["OUT"]) / "inprocess-hops" / re.sub(r"[^A-Za-z0-9.-]+", "_", name)
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in hop_files(work):
+            shutil.copy(f, keep / f.name)
     return lines
 
 

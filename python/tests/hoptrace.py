@@ -6,12 +6,13 @@ poll returned the outcome). Every line is stamped with CLOCK_MONOTONIC
 (Python's time.monotonic_ns()), so the lines of P's and D's processes on
 one host merge into one timeline per transfer.
 
-Usage: python hoptrace.py [--skip N] [--name NAME] FILE...
+Usage: python hoptrace.py [--skip N] [--name NAME] [--each] FILE...
 
 prints, per hop, how many transfers passed it and the median, min and max
 microseconds it took, over the transfers (the first N skipped: the first
-pays the handshake). The events of one transfer are those that share an id
-with it (D's request id, P's, the transfer id), on either side.
+pays the handshake); --each adds every transfer's own microseconds, per
+hop. The events of one transfer are those that share an id with it (D's
+request id, P's, the transfer id), on either side.
 """
 
 from __future__ import annotations
@@ -155,13 +156,30 @@ def table(paths, skip: int = 0, name: str = "-", prefix: str = "hops") -> list[s
     return lines
 
 
+def each(paths, skip: int = 0) -> list[str]:
+    """Every transfer's microseconds per hop (after the first skip): a line
+    per hop, a column per transfer (named by its D request id)."""
+    events, _, _ = load(paths)
+    timed = transfers(events)[skip:]
+    times = [hop_times(g) for g in timed]
+    names = [next((e["d_req"] for e in g if e.get("d_req")), "?") for g in timed]
+    lines = ["hop | " + " | ".join(names) + " |"]
+    for label, _, _ in HOPS:
+        if any(label in t for t in times):
+            lines.append(f"{label} | " + " | ".join(f"{t[label]:.1f}" if label in t else "-" for t in times) + " |")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip", type=int, default=0, help="transfers to leave out first (the first pays the handshake)")
     ap.add_argument("--name", default="-", help="a name for the table's lines")
+    ap.add_argument("--each", action="store_true", help="also every transfer's own microseconds, per hop")
     ap.add_argument("files", nargs="+", type=Path)
     a = ap.parse_args(argv)
     print("\n".join(table(a.files, a.skip, a.name)))
+    if a.each:
+        print("\n".join(each(a.files, a.skip)))
     return 0
 
 

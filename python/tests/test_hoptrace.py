@@ -54,7 +54,7 @@ def rows(lines: list[str]) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("backend", ["builtin", "nixl"])
-def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend):
+def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, monkeypatch):
     pytest.importorskip("torch")
     config = pair.CASES[backend]
     if backend == "nixl" and pair.nixl_library() is None:
@@ -63,11 +63,19 @@ def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend):
         pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
     timed = 5
     xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
-    pres, dres, logs = pair.run_pair(libkvxfer, tmp_path, config, memory="host", blocks=8, xfers=xf, hops=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))  # as test/gpu/run sets it
+    work = tmp_path / "pair"
+    pres, dres, logs = pair.run_pair(libkvxfer, work, config, memory="host", blocks=8, xfers=xf, hops=True)
     pair.check_pair(pres, dres, logs, len(xf))
-    files = pair.hop_files(tmp_path)
-    assert [f.name for f in files] == ["D.hops.jsonl", "D.py.hops.jsonl", "P.hops.jsonl", "P.py.hops.jsonl"], files
-    lines = pair.report_hops(f"{backend} (CPU, host memory), 32x8x64KiB", tmp_path)
+    files = pair.hop_files(work)
+    names = ["D.hops.jsonl", "D.py.hops.jsonl", "P.hops.jsonl", "P.py.hops.jsonl"]
+    assert [f.name for f in files] == names, files
+    lines = pair.report_hops(f"{backend} (CPU, host memory), 32x8x64KiB", work)
+    assert (out / "inprocess-hops.txt").read_text().splitlines() == lines
+    kept = out / "inprocess-hops" / f"{backend}_CPU_host_memory_32x8x64KiB"
+    assert sorted(f.name for f in kept.iterdir()) == names
     assert lines[0].startswith(f"in-process hops | {backend}") and f"{timed} transfers timed (1 skipped), 4 files, 0 events dropped" in lines[0], lines
     got = rows(lines)
     want = list(PUSH_HOPS)
@@ -115,5 +123,8 @@ def test_table_of_made_up_lines(tmp_path):
     assert got["P: WRITE as the backend timed it (NIXL telemetry)"] == [2, 400.0, 400.0, 400.0]
     assert got["total D: Worker.Step -> outcome published"] == [2, 650.0, 600.0, 700.0]
     assert "D: Worker.Step -> loop took the step" not in got  # no transfer passed it
+    per = hoptrace.each([d, p], skip=1)
+    assert per[0] == "hop | d-1 | d-2 |", per
+    assert "D: python step -> Worker.Step | 200.0 | 300.0 |" in per, per
     head = hoptrace.table([d, p], skip=1)[0]
     assert "2 transfers timed (1 skipped), 2 files, 3 events dropped, 1 lines unreadable" in head, head
