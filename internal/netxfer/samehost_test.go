@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -203,7 +204,8 @@ func TestSameHostReadUnmap(t *testing.T) {
 
 // A READ answer whose server withdrew its memory during the copy fails.
 func TestSameHostReadFence(t *testing.T) {
-	a, b, _, _ := localPair(t, 1<<16, Config{})
+	// One connection: the fenced one carries the next READ.
+	a, b, _, _ := localPair(t, 1<<16, Config{Conns: 1})
 	ds := scattered(2, 4096)
 	id, err := a.Post(Read, b.Name(), ds, nil)
 	if err != nil {
@@ -666,5 +668,65 @@ func TestSameHostOtherUserChild(t *testing.T) {
 		fmt.Println("WRITE: done")
 	} else {
 		fmt.Println("WRITE:", s, err)
+	}
+}
+
+// Transfers to a peer with a connection never wait for the dial of
+// another: while every dial after the first is held, transfers go on the
+// connection there is; once let go, the peer gets its Conns connections.
+func TestTransfersDoNotWaitForDials(t *testing.T) {
+	for _, cfg := range []Config{{Conns: 4}, {Conns: 4, DisableSameHost: true}} {
+		var dials atomic.Int32
+		held := make(chan struct{})
+		hook := func() {
+			if dials.Add(1) > 1 {
+				<-held
+			}
+		}
+		dialHook.Store(&hook)
+		a, b, am, bm := localPair(t, 1<<16, cfg)
+		for i := range 6 {
+			fillRandom(am)
+			ds := scattered(4, 4096)
+			id, err := a.Post(Write, b.Name(), ds, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s, err := wait(t, a, id); s != Done {
+				t.Fatalf("transfer %d while a dial is held: %v, %v", i, s, err)
+			}
+			for j, d := range ds {
+				if !bytes.Equal(am[d.Local-base:][:d.Len], bm[d.Remote-base:][:d.Len]) {
+					t.Fatalf("transfer %d piece %d differs", i, j)
+				}
+			}
+		}
+		if n := dials.Load(); n != 2 {
+			t.Fatalf("%d dials while the second was held, want 2 (one at a time)", n)
+		}
+		close(held)
+		p, err := a.peer(b.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			id, err := a.Post(Write, b.Name(), scattered(1, 4096), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s, err := wait(t, a, id); s != Done {
+				t.Fatalf("%v, %v", s, err)
+			}
+			p.mu.Lock()
+			n := len(p.conns)
+			p.mu.Unlock()
+			if n == 4 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d connections 10 s after the dials were let go, want 4", n)
+			}
+		}
+		dialHook.Store(nil)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -81,6 +82,7 @@ type peer struct {
 	uaddr   string
 	mu      sync.Mutex
 	noLocal bool
+	dialing bool // a connection is being dialed in the background
 	conns   []*conn
 	next    int
 	dead    error
@@ -116,7 +118,12 @@ type partKey struct {
 	part uint32
 }
 
-// conn returns the next connection to the peer, dialing up to Conns.
+// conn returns the next connection to the peer. With none, it dials one
+// and waits for it; with fewer than Conns, it dials the next in the
+// background and returns one it has: a transfer never waits for a dial
+// the peer's connections could spare it (a same-host dial and its
+// authentication take about half a millisecond, longer than a GPU
+// transfer of a few MiB).
 func (p *peer) conn() (*conn, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -129,34 +136,80 @@ func (p *peer) conn() (*conn, error) {
 		defer c.mu.Unlock()
 		return c.err != nil
 	})
-	if len(p.conns) < p.owner.cfg.Conns {
-		c, err := p.dial()
+	switch {
+	case len(p.conns) == 0:
+		c, noLocal, err := p.dial(p.tryLocal())
+		p.noLocal = p.noLocal || noLocal
 		if err != nil {
-			if len(p.conns) == 0 {
-				return nil, err
-			}
-		} else {
-			p.conns = append(p.conns, c)
+			return nil, err
 		}
+		p.conns = append(p.conns, c)
+	case len(p.conns) < p.owner.cfg.Conns && !p.dialing:
+		p.dialMore()
 	}
 	c := p.conns[p.next%len(p.conns)]
 	p.next++
 	return c, nil
 }
 
-func (p *peer) dial() (*conn, error) {
+// dialHook, when set (tests), runs at the start of every dial.
+var dialHook atomic.Pointer[func()]
+
+// tryLocal reports whether a dial should try the same-host path first
+// (p.mu held).
+func (p *peer) tryLocal() bool { return p.uaddr != "" && !p.noLocal }
+
+// dialMore dials one more connection on a goroutine of its own and adds
+// it to the peer's (p.mu held; the peer has one already).
+func (p *peer) dialMore() {
 	a := p.owner
-	if p.uaddr != "" && !p.noLocal && a.shared.Load() > 0 {
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return
+	}
+	a.wg.Add(1)
+	a.mu.Unlock()
+	p.dialing = true
+	local := p.tryLocal()
+	go func() {
+		defer a.wg.Done()
+		c, noLocal, err := p.dial(local)
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.dialing = false
+		p.noLocal = p.noLocal || noLocal
+		switch {
+		case err != nil:
+			a.log.Debug("netxfer: dial of another connection failed", "peer", p.name, "err", err)
+		case p.dead != nil:
+			c.fail(p.dead)
+		default:
+			p.conns = append(p.conns, c)
+		}
+	}()
+}
+
+// dial opens a connection to the peer: on the same-host path first when
+// local (noLocal: that failed, the peer is on another host or network
+// namespace), else TCP.
+func (p *peer) dial(local bool) (c *conn, noLocal bool, err error) {
+	a := p.owner
+	if h := dialHook.Load(); h != nil {
+		(*h)()
+	}
+	if local && a.shared.Load() > 0 {
 		c, err := p.dialLocal()
 		if err == nil {
-			return p.started(c)
+			c, err = p.started(c)
+			return c, false, err
 		}
-		p.noLocal = true
+		noLocal = true
 		a.log.Debug("netxfer: no same-host path; TCP", "peer", p.name, "err", err)
 	}
 	nc, err := net.DialTimeout("tcp", p.addr, a.cfg.DialTimeout)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dial %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
+		return nil, noLocal, fmt.Errorf("%w: dial %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 	}
 	if tc, ok := nc.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
@@ -173,21 +226,22 @@ func (p *peer) dial() (*conn, error) {
 		if err != nil {
 			_ = nc.Close()
 			a.tlsFailures.Add(1)
-			return nil, fmt.Errorf("%w: %s (%s): TLS: %w", ErrXferFailed, p.name, p.addr, err)
+			return nil, noLocal, fmt.Errorf("%w: %s (%s): TLS: %w", ErrXferFailed, p.name, p.addr, err)
 		}
 		nc = tc
 	}
 	if a.cfg.Auth != nil {
 		if err := a.cfg.Auth.Client(nc, "data", a.cfg.Name); err != nil {
 			_ = nc.Close()
-			return nil, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
+			return nil, noLocal, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 		}
 	}
 	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
 		_ = nc.Close()
-		return nil, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
+		return nil, noLocal, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
 	}
-	return p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
+	c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
+	return c, noLocal, err
 }
 
 // started starts reading a new connection's answers.
