@@ -3,12 +3,15 @@ package kvxfer_test
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -225,5 +228,116 @@ func TestGiveUpWaitsForGPUBatch(t *testing.T) {
 	time.Sleep(100 * time.Millisecond)
 	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
 		t.Fatal("bytes landed in D's blocks after D reported them free")
+	}
+}
+
+// rawPostLayouts posts one layout WRITE on a backend, outside any Worker,
+// and waits (bounded) for its end.
+func rawPostLayouts(t *testing.T, be *tcp.Backend, peerMeta []byte, l *hotpath.Layouts) error {
+	t.Helper()
+	peer, err := be.LoadPeer(peerMeta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := be.PostLayouts(hotpath.OpWrite, peer, l, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = be.Release(id) }()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+		switch s, err := be.State(id); s {
+		case kvxfer.XferDone:
+			return nil
+		case kvxfer.XferFailed:
+			return err
+		}
+	}
+	t.Fatal("a raw transfer did not end")
+	return nil
+}
+
+// D's grants hold for WRITEs sent as layouts (GPU memory on the same
+// host): its producer's layout into blocks of no request, or one that
+// reaches a single block outside the request's among its own, is denied
+// as a whole (the connection dropped) and nothing lands; the request's own WRITE (as layouts too)
+// lands byte for byte; once it ended, the producer's layout into its
+// blocks is refused as late.
+func TestDataPlaneGrantsLayouts(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	g := &heldGPU{release: make(chan struct{})}
+	on := func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		return gpuBackend(t, name, r, g), nil
+	}
+	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil, on)
+	d := startEngineOn(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, nil, on)
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(1, 2))
+	q := makeRequest("a", 40, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+	dl, pl := &d.ranks[0][0].Layout, &p.ranks[0][0].Layout
+	dMeta, pbe, dbe := metaOf(t, d.backends[0]), p.backends[0].(*tcp.Backend), d.backends[0].(*tcp.Backend)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+	awaitRegistration(t, p)
+	before := d.ranks[0][0].Snapshot()
+	// A layout over every layer (region) of both ranks, entries at the
+	// given D blocks (P's block 0 as the source).
+	layouts := func(blocks ...topology.BlockID) *hotpath.Layouts {
+		l := &hotpath.Layouts{}
+		for i := range dl.Regions {
+			l.Bases = append(l.Bases, hotpath.BasePair{Local: pl.Regions[i].Base, Remote: dl.Regions[i].Base})
+		}
+		blockLen := uint64(dl.Regions[0].BlockLen) * uint64(dl.PagesPerBlock())
+		for _, b := range blocks {
+			l.Entries = append(l.Entries, hotpath.LayoutEntry{Local: 0, Remote: uint64(b) * blockLen, Len: 64})
+		}
+		l.Spans = []hotpath.LayoutSpan{{B0: 0, B1: len(l.Bases), E0: 0, E1: len(l.Entries)}}
+		return l
+	}
+	own := q.sim.D[0].IDs
+	parts := dbe.LayoutParts()
+	for _, c := range []struct {
+		name   string
+		blocks []topology.BlockID
+	}{
+		{"blocks of no request", []topology.BlockID{95, 94}},
+		{"one block outside the request's, among them", append(slices.Clone(own), 95)},
+	} {
+		// Denied: the part fails and D drops the connection.
+		if err := rawPostLayouts(t, pbe, dMeta, layouts(c.blocks...)); err == nil {
+			t.Errorf("%s: the WRITE succeeded", c.name)
+		}
+		if !bytes.Equal(d.ranks[0][0].Mem, before) {
+			t.Fatalf("%s: D's memory changed", c.name)
+		}
+	}
+	if n := dbe.LayoutParts() - parts; n != 2 {
+		t.Fatalf("%d of the refused WRITEs came as layouts, want 2", n)
+	}
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	out := awaitOutcomes(t, 2, p, d)
+	if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("D outcome %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckValues(before, []*kvsim.Request{&q.sim}, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+	if n := dbe.LayoutParts() - parts; n != 3 {
+		t.Fatalf("the request's WRITE: %d layout parts in all, want 3", n)
+	}
+	after := d.ranks[0][0].Snapshot()
+	if err := rawPostLayouts(t, pbe, dMeta, layouts(own[0])); !errors.Is(err, kvxfer.ErrNotGranted) {
+		t.Errorf("a late layout WRITE of the producer: %v, want ErrNotGranted", err)
+	}
+	if !bytes.Equal(d.ranks[0][0].Mem, after) {
+		t.Fatal("a late WRITE landed")
+	}
+	s := d.workers[0][0].Metrics().Snapshot().RefusedAccess
+	if s["write_deny"] != 2 || s["write_late"] != 1 {
+		t.Errorf("D refusals %v, want 2 write_deny and 1 write_late", s)
 	}
 }
