@@ -372,3 +372,37 @@ func TestLayoutSourceOutOfBounds(t *testing.T) {
 		}
 	}
 }
+
+// FuzzParseLayouts: any table a peer sends parses to layouts or a
+// protocol error, never a panic; what parses stays within the part's
+// bounds (pieces, offsets) and its spans cover its entries.
+func FuzzParseLayouts(f *testing.F) {
+	f.Add(layoutTable([]wireBase{{0x1000, localRef{3, 0}}}, []DevEntry{{0, 4096, 4096}, {8192, 0, 100}}))
+	f.Add(layoutTable(nil, nil))
+	f.Add([]byte{2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0})
+	f.Fuzz(func(t *testing.T, tab []byte) {
+		s := newLocalServer(nil)
+		lays, err := s.parseLayouts(tab)
+		if err != nil {
+			if !errors.Is(err, ErrProtocol) {
+				t.Fatalf("not a protocol error: %v", err)
+			}
+			return
+		}
+		pieces := 0
+		for _, l := range lays {
+			pieces += l.pieces
+			for _, e := range l.ents {
+				if e.Len == 0 || e.Dst > maxLayoutOff || e.Src > maxLayoutOff || e.Len > maxLayoutOff {
+					t.Fatalf("entry %+v accepted", e)
+				}
+				if e.Dst < l.dspan[0] || e.Dst+e.Len > l.dspan[1] || e.Src < l.sspan[0] || e.Src+e.Len > l.sspan[1] {
+					t.Fatalf("entry %+v outside the spans %v %v", e, l.dspan, l.sspan)
+				}
+			}
+		}
+		if pieces > maxDescs {
+			t.Fatalf("%d pieces accepted", pieces)
+		}
+	})
+}
