@@ -442,6 +442,11 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	var v Verdict
 	var ticket uint64
 	var berr error
+	// Expanded pieces reuse the connection's buffers (kept up to
+	// keepScratch pieces, as the tables of pieces are).
+	if cap(s.ranges) > keepScratch || cap(s.refs) > keepScratch {
+		s.ranges, s.refs = nil, nil
+	}
 	ranges, refs := s.ranges[:0], s.refs[:0]
 	expanded := false
 	if f, ok := a.layoutFence(); ok {

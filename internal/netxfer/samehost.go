@@ -310,10 +310,10 @@ type localServer struct {
 	chunks map[uint32][]byte
 	devs   map[uint32]*devImport // the peer's GPU memory, imported here
 	refs   []localRef
-	tab    []byte // a part's descriptor table (server side)
-	lay    layoutScratch
-	descs  []byte   // the client's descriptor area, mapped here
-	ranges []Region // its ranges
+	tab    []byte        // a part's descriptor table (server side)
+	lay    layoutScratch // a layout part's parse (reused)
+	descs  []byte        // the client's descriptor area, mapped here
+	ranges []Region      // its ranges
 	dst    []target
 	src    []target
 	// GPU batches: the part's pieces grouped by destination device
