@@ -19,6 +19,12 @@
 // reference; building with -tags invariants makes every AppendDescs call
 // check itself against it.
 //
+// Builder.AppendLayouts gives the same descriptors in factored form
+// (Layouts): per stretch of region pairs of one shape, their base pairs
+// and the first pair's descriptors as offsets, so that a backend that
+// moves layouts as they are (the built-in backend's same-host GPU path)
+// handles layers + blocks rather than their product.
+//
 // Registry holds a Worker's peer layouts and plans, computed once per key
 // and dropped by peer or generation; its one owner (the Worker's loop)
 // reads it without a lock.
@@ -26,8 +32,9 @@
 // Callers, in order: build or look up the Plan for the (P rank, D rank)
 // pair (Registry.Plan); keep one Builder per goroutine; per request, fill a
 // Request with each side's topology.Span per group and the source's token
-// count; call AppendDescs (or AppendIndices with lists from AppendPrepared)
-// with a reused slice; post the batch; reuse the slice.
+// count; call AppendDescs (or AppendIndices with lists from
+// AppendPrepared, or AppendLayouts) with a reused slice; post the batch;
+// reuse the slice.
 //
 // Builder and Registry are not safe for concurrent use (one per
 // goroutine); the functions are.
