@@ -180,9 +180,9 @@ type PreparedPoster interface {
 // form (hotpath.Layouts: base pairs and entries, each entry at each base)
 // and can move it without listing its pieces: the built-in backend's
 // same-host GPU path, where one kernel launch computes every piece's
-// addresses. A push Worker over such a backend (not prepared) posts every
-// WRITE that is not layer-wise this way; the backend expands what it
-// cannot move as layouts.
+// addresses. A Worker over such a backend (not prepared) posts every
+// WRITE that is not layer-wise (push) and every READ (pull) this way; the
+// backend expands what it cannot move as layouts.
 type LayoutPoster interface {
 	// PostLayouts posts the layouts of l.Spans (indices into l.Bases and
 	// l.Entries) as one transfer, with the notification after the bytes.

@@ -465,7 +465,7 @@ func newCoreSim(t *testing.T, in []byte) *coreSim {
 		s.grants = v/9%2 == 1
 		s.n = 1 + v/18%5
 	}
-	// Push producers post as layouts with an even number of requests.
+	// Transfers go as layouts with an even number of requests.
 	s.layouts = s.n%2 == 0
 	baseBlocks := map[string]int{}
 	for i := 1; i <= s.n; i++ {
@@ -525,10 +525,9 @@ func (s *coreSim) startEngine(e *simEngine) {
 		}
 		w.st.init(w)
 		w.st.now, w.st.guarded = s.now, s.grants
-		// Push producers post their WRITEs as layouts in half the cases
-		// (as the built-in backend's Workers do), as descriptors in the
-		// others.
-		w.st.layouts = mode == ModePush && s.layouts
+		// Transfers are posted as layouts in half the cases (as the
+		// built-in backend's Workers do), as descriptors in the others.
+		w.st.layouts = s.layouts
 		agent := PeerName(fmt.Sprintf("%s/%d", e.name, rank))
 		if e.gen > 1 {
 			agent = PeerName(fmt.Sprintf("%s/%d.%d", e.name, rank, e.gen))

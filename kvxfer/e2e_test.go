@@ -92,9 +92,10 @@ func TestEndToEndTCP(t *testing.T) {
 
 // TestEndToEndSameHostGPU runs the transfers over the built-in backend's
 // same-host path with the ranks' memory as GPU memory (a stand-in GPU
-// whose batches copy as a kernel would): a push WRITE goes as layouts
-// (one base pair per layer, an entry per run of blocks, admitted by D's
-// grants as layouts, staged as they are), every byte checked.
+// whose batches copy as a kernel would): a push WRITE or a pull READ goes
+// as layouts (one base pair per layer, an entry per run of blocks,
+// admitted by the grants or holds as layouts, staged as they are), every
+// byte checked.
 func TestEndToEndSameHostGPU(t *testing.T) {
 	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
 		for _, c := range e2eCases() {
@@ -152,10 +153,14 @@ func runE2E(t *testing.T, c e2eCase, mode kvxfer.Mode) {
 			for _, be := range d.backends {
 				parts += be.(*tcp.Backend).LayoutParts()
 			}
-			if layouts := g.layoutsStaged(); mode == kvxfer.ModePush && (parts == 0 || layouts == 0) {
-				t.Errorf("push over GPU memory: %d layout parts, %d layouts staged; want WRITEs as layouts", parts, layouts)
-			} else if mode == kvxfer.ModePull && parts != 0 {
-				t.Errorf("pull: %d layout parts", parts)
+			if mode == kvxfer.ModePull {
+				parts = 0
+				for _, be := range p.backends { // READs are served by P
+					parts += be.(*tcp.Backend).LayoutParts()
+				}
+			}
+			if layouts := g.layoutsStaged(); parts == 0 || layouts == 0 {
+				t.Errorf("%v over GPU memory: %d layout parts, %d layouts staged; want its transfers as layouts", mode, parts, layouts)
 			}
 		}()
 	} else if c.tcp {

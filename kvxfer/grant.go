@@ -298,23 +298,6 @@ type layoutKey struct {
 
 // AdmitLayout implements LayoutFence.
 func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRanges, tag []byte, abort func()) (Access, int, int, int, Admission) {
-	if op != hotpath.OpWrite {
-		// READs (pull holds, by range) are admitted range by range.
-		var ranges []Range
-		var where [][3]int
-		for li, l := range lays {
-			for bi, b := range l.Bases {
-				for ei, e := range l.Entries {
-					ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
-				}
-			}
-		}
-		a, j, adm := t.Admit(peer, op, ranges, tag, abort)
-		if j >= 0 && j < len(where) {
-			return a, where[j][0], where[j][1], where[j][2], adm
-		}
-		return a, -1, -1, -1, adm
-	}
 	forReq, ok := t.tagRequest(op, tag)
 	if !ok {
 		return AccessDeny, -1, -1, -1, 0
@@ -328,6 +311,9 @@ func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRan
 		t.metrics.RefusedAccess(op, a)
 		return a, li, bi, ei, 0
 	}
+	// checked are the ranges checked (a READ's: the holds it needs);
+	// a range skipped as another's twin needs what its twin does.
+	var checked []Range
 	var seenBuf [4]layoutKey
 	seen := seenBuf[:0]
 	for li, lay := range lays {
@@ -358,10 +344,13 @@ func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRan
 				if a := t.checkLocked(peer, op, b+e.Addr, e.Len, &l.grants); a != AccessAllow {
 					return refuse(a, li, bi, ei)
 				}
+				if op == hotpath.OpRead {
+					checked = append(checked, Range{b + e.Addr, e.Len})
+				}
 			}
 		}
 	}
-	a, adm := t.admittedLocked(i, op, nil, forReq, abort)
+	a, adm := t.admittedLocked(i, op, checked, forReq, abort)
 	return a, -1, -1, -1, adm
 }
 

@@ -351,3 +351,112 @@ func testAdmitLayoutMatchesAdmit(t *testing.T, l *topology.Layout) {
 	}
 	t.Logf("%d allowed, %d refused", allowed, refused)
 }
+
+// AdmitLayout for a pull producer's READs decides what Admit decides for
+// the expanded ranges (holds, the request a READ names), and a layout it
+// admitted is cut short by the release of a hold exactly when the same
+// ranges admitted one by one are.
+func TestAdmitLayoutMatchesAdmitRead(t *testing.T) {
+	for _, lay := range []*topology.Layout{nil, sameShapeGroups()} {
+		gb := []int{8, 8}
+		l := lay
+		if l == nil {
+			l, gb = accessLayout()
+		}
+		r := rand.New(rand.NewPCG(13, 14))
+		bases := []uint64{0x10000, 0x20000, 0x30000, 0x10000 + 512, 0x20000 + 1024, 0x30000 + 1024, 0x18000, 0x30000, 0x20000, 0x10000}
+		tag := func(preq string) []byte {
+			return appendMsg(nil, &msg{Kind: msgDone, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d", PReq: preq})
+		}
+		allowed, cut := 0, 0
+		for range 2000 {
+			type hold struct {
+				spans []topology.Span
+				req   string
+			}
+			var holds []hold
+			mk := func() *accessTable {
+				tab := newAccessTable(l, gb, ModePull, NewMetrics())
+				for _, h := range holds {
+					tab.hold(h.spans, 1, h.req)
+				}
+				return tab
+			}
+			for k := range 1 + r.IntN(3) {
+				var g0, g1 []topology.BlockID
+				for range r.IntN(8) {
+					g0 = append(g0, topology.BlockID(r.IntN(8)))
+				}
+				for range r.IntN(3) {
+					g1 = append(g1, topology.BlockID(r.IntN(8)))
+				}
+				holds = append(holds, hold{spansOf(g0, g1), fmt.Sprintf("p-%d", k)})
+			}
+			var lays []LayoutRanges
+			for range 1 + r.IntN(2) {
+				var lr LayoutRanges
+				for range 1 + r.IntN(4) {
+					lr.Bases = append(lr.Bases, bases[r.IntN(len(bases))])
+				}
+				for range r.IntN(5) {
+					lr.Entries = append(lr.Entries, Range{uint64(r.IntN(16))*256*uint64(r.IntN(2)) + uint64(r.IntN(3))*100, uint64(r.IntN(4)) * 200})
+				}
+				lays = append(lays, lr)
+			}
+			var ranges []Range
+			var where [][3]int
+			for li, lr := range lays {
+				for bi, b := range lr.Bases {
+					for ei, e := range lr.Entries {
+						ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
+					}
+				}
+			}
+			var tg []byte
+			if r.IntN(2) == 0 {
+				tg = tag(fmt.Sprintf("p-%d", r.IntN(3)))
+			}
+			release := holds[r.IntN(len(holds))]
+			// Admit, then let one hold go: was the part cut short?
+			run := func(layout bool) (Access, [3]int, bool) {
+				tab := mk()
+				var adm Admission
+				aborted := false
+				abort := func() { aborted = true; go tab.Done(adm) }
+				var a Access
+				at := [3]int{-1, -1, -1}
+				if layout {
+					var li, bi, ei int
+					a, li, bi, ei, adm = tab.AdmitLayout("d", hotpath.OpRead, lays, tg, abort)
+					at = [3]int{li, bi, ei}
+				} else {
+					var j int
+					a, j, adm = tab.Admit("d", hotpath.OpRead, ranges, tg, abort)
+					if j >= 0 {
+						at = where[j]
+					}
+				}
+				if a == AccessAllow {
+					tab.hold(release.spans, -1, release.req)
+					tab.Done(adm)
+				}
+				return a, at, aborted
+			}
+			wa, wat, wcut := run(false)
+			ga, gat, gcut := run(true)
+			if ga != wa || gat != wat || gcut != wcut {
+				t.Fatalf("layouts %+v, tag %v: AdmitLayout %v at %v (cut %v), Admit %v at %v (cut %v)", lays, tg != nil, ga, gat, gcut, wa, wat, wcut)
+			}
+			if ga == AccessAllow {
+				allowed++
+			}
+			if gcut {
+				cut++
+			}
+		}
+		if allowed < 50 || cut < 20 {
+			t.Fatalf("%d allowed, %d cut short: the cases do not cover both", allowed, cut)
+		}
+		t.Logf("%d allowed, %d cut short by a hold's release", allowed, cut)
+	}
+}

@@ -62,8 +62,8 @@ type coreEnv struct {
 	// prepare: transfers go through prepared lists (WorkerConfig.Prepared
 	// and a PreparedPoster backend).
 	prepare bool
-	// layouts: push WRITEs go as layouts (a LayoutPoster backend, not
-	// prepared; see LayoutPoster).
+	// layouts: WRITEs (push) and READs (pull) go as layouts (a
+	// LayoutPoster backend, not prepared; see LayoutPoster).
 	layouts bool
 	// cost is the backend's model of its two kinds of post (PostCoster),
 	// when costed: with prepare, each request takes the cheaper kind;

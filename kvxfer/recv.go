@@ -315,6 +315,21 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
+	if st.layouts {
+		// As layouts: a base pair per layer, an entry per run of blocks.
+		from := len(st.fx.lays.Spans)
+		if err := st.builder.AppendLayouts(&st.fx.lays, p, &hreq); err != nil {
+			st.metrics.BadInput("recv_req.remote.blocks")
+			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
+			st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+			return
+		}
+		n, bytes := st.fx.lays.Pieces(st.fx.lays.Spans[from:])
+		id := st.postLayoutOp(hotpath.OpRead, e.peers[to], from, done)
+		r.addHandle(id, to)
+		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
+		return
+	}
 	from := len(st.fx.descs)
 	st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, &hreq)
 	if err != nil {

@@ -352,7 +352,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	_, canPrepare := w.be.(PreparedPoster)
 	w.st.prepare = canPrepare && cfg.Prepared
 	_, canLayout := w.be.(LayoutPoster)
-	w.st.layouts = canLayout && cfg.Mode == ModePush && !w.st.prepare
+	w.st.layouts = canLayout && !w.st.prepare
 	if pc, ok := w.be.(PostCoster); ok && w.st.prepare {
 		w.st.cost, w.st.costed = pc.PostCost(), true
 	}

@@ -474,7 +474,7 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 	}
 	r := rand.New(rand.NewPCG(1, 1))
 	ls, rs := r.Perm(layer/piece), r.Perm(layer/piece)
-	for _, form := range []string{"pieces", "layout"} {
+	for _, form := range []string{"pieces", "layout", "read-pieces", "read-layout"} {
 		for _, blocks := range []int{8, 256} {
 			b.Run(fmt.Sprintf("%s/%d", form, layers*blocks), func(b *testing.B) {
 				var lay Layout
@@ -486,18 +486,29 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 				}
 				ds := ExpandLayouts(nil, []Layout{lay})
 				before, parts := c.SameHostParts(), c.LayoutParts()
+				if strings.HasPrefix(form, "read-") {
+					before = a.SameHostParts()
+				}
+				op := Write
+				if strings.HasPrefix(form, "read-") {
+					op = Read
+				}
 				for range b.N {
-					if form == "pieces" {
-						postDone(b, a, Write, c.Name(), ds)
+					if strings.HasSuffix(form, "pieces") {
+						postDone(b, a, op, c.Name(), ds)
 						continue
 					}
-					id, err := a.PostLayout(Write, c.Name(), []Layout{lay}, nil)
+					id, err := a.PostLayout(op, c.Name(), []Layout{lay}, nil)
 					if err != nil {
 						b.Fatal(err)
 					}
 					waitID(b, a, id)
 				}
-				if c.SameHostParts() == before || (form == "layout") != (c.LayoutParts() > parts) {
+				moved := c.SameHostParts()
+				if op == Read {
+					moved = a.SameHostParts()
+				}
+				if moved == before || strings.HasSuffix(form, "layout") != (c.LayoutParts() > parts) {
 					b.Fatal("the transfers did not take the same-host path in their form")
 				}
 			})

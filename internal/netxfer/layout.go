@@ -2,8 +2,10 @@ package netxfer
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/binary"
 	"fmt"
+	"net"
 	"slices"
 	"sync/atomic"
 	"unsafe"
@@ -86,6 +88,17 @@ const (
 	// tWriteLayoutTable: as tWriteLayout, the table replaced by pos u64:
 	// where it starts in the descriptor area's ring.
 	tWriteLayoutTable = 13
+	// tReadLayout: a READ part as layouts (same-host, into GPU memory):
+	// xfer u64, part u32, table bytes u32, notif u32 | notif | the table
+	// as tWriteLayout's (remote: the server's memory; chunk and off 0;
+	// local: the client's, which the server ignores). The server answers
+	// tReadLayoutLocal, or as it answers a READ of the pieces.
+	tReadLayout = 14
+	// tReadLayoutLocal: where each base's span lies in the server's
+	// memory files: xfer u64, part u32, nlay u32 | nlay×(nbase u32,
+	// nbase×(chunk u32, off u64)), off from the chunk's start to the
+	// base (modulo 2^64).
+	tReadLayoutLocal = 22
 
 	layoutBaseSize  = 20
 	layoutEntrySize = 24
@@ -163,8 +176,8 @@ func (a *Agent) PostLayout(op Op, name string, lays []Layout, notif []byte) (Xfe
 	if _, ok := layoutPieces(lays); !ok {
 		return 0, fmt.Errorf("netxfer: post layouts: more than %d layouts or %d pieces", maxLayouts, maxDescs)
 	}
-	if op != Write {
-		return a.PostOwned(op, name, ExpandLayouts(nil, lays), notif)
+	if op != Write && op != Read {
+		return 0, fmt.Errorf("netxfer: post op %d", op)
 	}
 	if len(notif) > maxNotif {
 		return 0, fmt.Errorf("netxfer: post: %d notification bytes exceed %d", len(notif), maxNotif)
@@ -596,6 +609,424 @@ func (a *Agent) deviceLayout(s *localServer, lays []wireLayout) (bool, []DevCopy
 	a.mu.Unlock()
 	if lb == nil {
 		return false, nil, nil // no bytes on a GPU: the general path
+	}
+	cp, err := lb.Post()
+	if err != nil {
+		return true, nil, fmt.Errorf("%w: GPU copy of a layout: %w", ErrXferFailed, err)
+	}
+	return true, []DevCopy{cp}, nil
+}
+
+// sendReadLayout sends a layout READ on a same-host connection; it is
+// always sent (true): the server answers as layouts or piece by piece.
+func (a *Agent) sendReadLayout(c *conn, x *xfer) (bool, error) {
+	tl := 4
+	for _, l := range x.layouts {
+		tl += 8 + layoutBaseSize*len(l.Bases) + layoutEntrySize*len(l.Entries)
+	}
+	if tl > maxLayoutTable {
+		return false, nil
+	}
+	h := make([]byte, 0, 21+len(x.notif)+tl)
+	h = append(h, tReadLayout)
+	h = binary.LittleEndian.AppendUint64(h, uint64(x.id))
+	h = binary.LittleEndian.AppendUint32(h, 0)
+	h = binary.LittleEndian.AppendUint32(h, uint32(tl))
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(x.notif)))
+	h = append(h, x.notif...)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(x.layouts)))
+	for _, l := range x.layouts {
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(l.Bases)))
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(l.Entries)))
+		for _, b := range l.Bases {
+			h = binary.LittleEndian.AppendUint64(h, b.Remote)
+			h = binary.LittleEndian.AppendUint32(h, 0)
+			h = binary.LittleEndian.AppendUint64(h, 0)
+		}
+		for _, e := range l.Entries {
+			h = binary.LittleEndian.AppendUint64(h, e.Remote)
+			h = binary.LittleEndian.AppendUint64(h, e.Local)
+			h = binary.LittleEndian.AppendUint64(h, e.Len)
+		}
+	}
+	return true, c.writeFrame(h)
+}
+
+// serveReadLayout answers a layout READ part (tReadLayout): admitted as
+// layouts where the guard can, each base's span checked against this
+// agent's memory, and answered with where each base lies in its memory
+// files (tReadLayoutLocal); where a span lies in memory without a file,
+// piece by piece, as serveRead answers.
+func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Writer, from string, hdr []byte) error {
+	if err := readFull(r, hdr[:20]); err != nil {
+		return err
+	}
+	id := binary.LittleEndian.Uint64(hdr[:8])
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	n := binary.LittleEndian.Uint32(hdr[12:16])
+	nl := binary.LittleEndian.Uint32(hdr[16:20])
+	if n > maxLayoutTable || nl > maxNotif || part != 0 {
+		return fmt.Errorf("%w: a layout read part %d of %d table bytes, notification %d bytes", ErrProtocol, part, n, nl)
+	}
+	tag := make([]byte, nl)
+	if err := readFull(r, tag); err != nil {
+		return err
+	}
+	if nl == 0 {
+		tag = nil
+	}
+	if cap(s.tab) < int(n) || cap(s.tab) > localDescSize*keepScratch {
+		s.tab = make([]byte, n)
+	}
+	tab := s.tab[:n]
+	if err := readFull(r, tab); err != nil {
+		return err
+	}
+	lays, err := s.parseLayouts(tab)
+	if err != nil {
+		return err
+	}
+	a.layoutParts.Add(1)
+	if cap(s.ranges) > keepScratch {
+		s.ranges = nil
+	}
+	ranges := s.ranges[:0]
+	var v Verdict
+	var ticket uint64
+	var berr error
+	if f, ok := a.layoutFence(); ok {
+		var li, bi, ei int
+		v, li, bi, ei, ticket = f.AdmitLayout(from, Read, s.layoutSpans(lays), tag, nil)
+		if v != Allow {
+			a.refusals[min(v, Deny)].Add(1)
+			berr = fmt.Errorf("%w: read of layout %d base %d entry %d of %s by %s", ErrNotGranted, li, bi, ei, a.cfg.Name, from)
+		}
+	} else {
+		ranges, _ = expandLayouts(ranges, nil, lays)
+		v, ticket, berr = a.admitGuard(from, Read, ranges, tag, nil)
+	}
+	if v == Deny {
+		return berr
+	}
+	defer a.releaseGuard(ticket) // after the answer went out
+	a.memMu.RLock()
+	defer a.memMu.RUnlock()
+	if berr == nil {
+		h, need, ok := a.layoutRefs(lays, id, part)
+		if ok {
+			return a.sendLocalAnswer(s, w, h, need)
+		}
+		// Not every span lies in one memory file: piece by piece.
+		if len(ranges) == 0 {
+			ranges, _ = expandLayouts(ranges, nil, lays)
+		}
+		s.ranges = ranges
+		s.dst, berr = a.targets(s.dst[:0], ranges)
+		clear(s.dst)
+		if berr == nil {
+			if done, err := a.answerReadLocal(s, w, id, part, ranges); done {
+				return err
+			}
+			var bufs [][]byte
+			if bufs, berr = a.resolve(nil, ranges); berr == nil {
+				if err := answer(w, tReadResp, id, part, nil); err != nil {
+					return err
+				}
+				if err := w.Flush(); err != nil {
+					return err
+				}
+				nb := net.Buffers(bufs)
+				_, err := nb.WriteTo(s.c)
+				return err
+			}
+		}
+	}
+	typ := byte(tReadResp)
+	if v == Late {
+		typ = tReadRefused
+	}
+	if err := answer(w, typ, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
+		return err
+	}
+	return w.Flush()
+}
+
+// layoutSpans is lays as a LayoutFence sees them (in s's scratch).
+func (s *localServer) layoutSpans(lays []wireLayout) []LayoutSpan {
+	sp := s.lay.spans[:0]
+	addrs, offs := s.lay.addrs[:0], s.lay.offs[:0]
+	for i := range lays {
+		l := &lays[i]
+		a0 := len(addrs)
+		for _, b := range l.bases {
+			addrs = append(addrs, b.dst)
+		}
+		o0 := len(offs)
+		for _, e := range l.ents {
+			offs = append(offs, Region{e.Dst, e.Len})
+		}
+		sp = append(sp, LayoutSpan{Bases: addrs[a0:len(addrs):len(addrs)], Entries: offs[o0:len(offs):len(offs)]})
+	}
+	s.lay.spans, s.lay.addrs, s.lay.offs = sp, addrs, offs
+	return sp
+}
+
+// layoutRefs returns the tReadLayoutLocal answer for lays (bases in this
+// agent's memory; each base's span checked to lie in registered memory
+// and in one memory file) and the files it names; false where a span
+// does not (the caller answers piece by piece). Callers hold memMu for
+// reading.
+func (a *Agent) layoutRefs(lays []wireLayout, id uint64, part uint32) ([]byte, []*chunk, bool) {
+	n := 17
+	for i := range lays {
+		n += 4 + localRefSize*len(lays[i].bases)
+	}
+	h := make([]byte, 0, n)
+	h = append(h, tReadLayoutLocal)
+	h = binary.LittleEndian.AppendUint64(h, id)
+	h = binary.LittleEndian.AppendUint32(h, part)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(lays)))
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.closed {
+		return nil, nil, false
+	}
+	var c regionCursor
+	var m refMaker
+	for i := range lays {
+		l := &lays[i]
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(l.bases)))
+		dn := l.dspan[1] - l.dspan[0]
+		for _, b := range l.bases {
+			var ref localRef
+			if dn > 0 {
+				at := b.dst + l.dspan[0]
+				if at < b.dst || at+dn < at || !c.inside(a, at, dn) {
+					return nil, nil, false
+				}
+				r, ok := m.ref(a, at, dn)
+				if !ok {
+					return nil, nil, false
+				}
+				ref = localRef{r.chunk, r.off - l.dspan[0]}
+			}
+			h = binary.LittleEndian.AppendUint32(h, ref.chunk)
+			h = binary.LittleEndian.AppendUint64(h, ref.off)
+		}
+	}
+	return h, m.need, true
+}
+
+// readLayoutLocal lands a tReadLayoutLocal answer: the layouts copied out
+// of the server's memory (passed on this connection) into the
+// transfer's GPU memory here as one batch of the layouts as they are,
+// each base's span checked against the memory passed; where that cannot
+// be (host memory on either side), piece by piece.
+func (c *conn) readLayoutLocal(hdr []byte) error {
+	a := c.p.owner
+	if err := readFull(c.r, hdr[:16]); err != nil {
+		return err
+	}
+	id := XferID(binary.LittleEndian.Uint64(hdr[:8]))
+	part := binary.LittleEndian.Uint32(hdr[8:12])
+	nlay := binary.LittleEndian.Uint32(hdr[12:16])
+	if nlay > maxLayouts {
+		return fmt.Errorf("%w: a layout read answer of %d layouts", ErrProtocol, nlay)
+	}
+	refs := make([][]localRef, nlay)
+	for i := range refs {
+		if err := readFull(c.r, hdr[:4]); err != nil {
+			return err
+		}
+		nb := binary.LittleEndian.Uint32(hdr[:4])
+		if nb > maxDescs {
+			return fmt.Errorf("%w: a layout read answer of %d bases", ErrProtocol, nb)
+		}
+		tab := make([]byte, localRefSize*int(nb))
+		if err := readFull(c.r, tab); err != nil {
+			return err
+		}
+		refs[i] = make([]localRef, nb)
+		for j := range refs[i] {
+			e := tab[localRefSize*j:]
+			refs[i][j] = localRef{binary.LittleEndian.Uint32(e), binary.LittleEndian.Uint64(e[4:])}
+		}
+	}
+	x := c.take(partKey{id, part})
+	if x == nil {
+		return nil // released or failed meanwhile
+	}
+	if x.layouts == nil || len(x.layouts) != len(refs) {
+		return fmt.Errorf("%w: a layout read answer of %d layouts for a transfer of %d", ErrProtocol, len(refs), len(x.layouts))
+	}
+	for i, l := range x.layouts {
+		if len(refs[i]) != len(l.Bases) {
+			return fmt.Errorf("%w: layout %d answered with %d bases, asked with %d", ErrProtocol, i, len(refs[i]), len(l.Bases))
+		}
+	}
+	s := c.in
+	if s.fence == nil {
+		return fmt.Errorf("%w: a local read answer before the fence", ErrProtocol)
+	}
+	a.memMu.RLock()
+	posted, inflight, err := a.readLayoutDevice(s, x, refs)
+	if err == nil && !posted {
+		// Piece by piece, each checked as readLocal checks it.
+		lays := x.layouts
+		x.expand()
+		s.src = s.src[:0]
+		for i, l := range lays {
+			for j := range l.Bases {
+				for _, e := range l.Entries {
+					if e.Len == 0 {
+						continue
+					}
+					p, ok := s.piece(refs[i][j].chunk, refs[i][j].off+e.Remote, e.Len)
+					if !ok {
+						err = fmt.Errorf("%w: %w: layout %d base %d names [%d, +%d) of memory %d, which the peer did not pass",
+							ErrXferFailed, ErrProtocol, i, j, refs[i][j].off+e.Remote, e.Len, refs[i][j].chunk)
+						break
+					}
+					s.src = append(s.src, p)
+				}
+			}
+		}
+		if err == nil {
+			loc := make([]Region, len(x.descs))
+			for i, d := range x.descs {
+				loc[i] = Region{d.Local, d.Len}
+			}
+			s.dst, err = a.targets(s.dst[:0], loc)
+			if err == nil {
+				inflight, err = s.copyPieces(s.dst, s.src)
+			} else {
+				err = fmt.Errorf("%w: %w", ErrXferFailed, err)
+			}
+		}
+		clear(s.dst)
+		clear(s.src)
+	}
+	end := func(err error) {
+		if err == nil && s.withdrawn() {
+			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
+		}
+		a.memMu.RUnlock()
+		if err == nil {
+			a.localParts.Add(1)
+		}
+		a.finishPart(x, err)
+	}
+	if len(inflight) > 0 {
+		posted := err
+		if s.async(inflight, func(err error, ended func()) {
+			go func() { // finishing a READ may send its notification
+				end(cmp.Or(posted, err))
+				ended()
+			}()
+		}) {
+			return nil
+		}
+		err = cmp.Or(err, waitCopies(inflight))
+	}
+	end(err)
+	return nil
+}
+
+// readLayoutDevice posts a layout READ answered as layouts whose every
+// base lies in this agent's GPU memory on one device that takes layouts
+// (checked at PostLayout) and in the server's GPU memory imported there,
+// as one batch of the layouts as they are, each base's span in the
+// server's memory checked against what it passed. It reports false,
+// having posted nothing, for any other answer. Callers hold memMu for
+// reading.
+func (a *Agent) readLayoutDevice(s *localServer, x *xfer, refs [][]localRef) (bool, []DevCopy, error) {
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return false, nil, ErrClosed
+	}
+	var c regionCursor
+	var dev BatchDevice
+	var lb LayoutBatch
+	giveUp := func() (bool, []DevCopy, error) {
+		a.mu.Unlock()
+		if lb != nil {
+			lb.Discard()
+		}
+		return false, nil, nil
+	}
+	var regs []DevRegion
+	var ents []DevEntry
+	for i, l := range x.layouts {
+		llo, lhi, ok := span(l.Entries, true)
+		rlo, rhi, ok2 := span(l.Entries, false)
+		if !ok || !ok2 {
+			return giveUp()
+		}
+		if lhi == llo {
+			continue
+		}
+		regs = regs[:0]
+		for j, b := range l.Bases {
+			at := b.Local + llo
+			if at < b.Local || !c.inside(a, at, lhi-llo) {
+				return giveUp()
+			}
+			ch := a.chunkLocked(at)
+			if ch == nil || ch.dev == nil || at-ch.base+(lhi-llo) > ch.size {
+				return giveUp()
+			}
+			bd, ok := ch.dev.(BatchDevice)
+			if !ok || dev != nil && bd != dev {
+				return giveUp()
+			}
+			ref := refs[i][j]
+			d := s.devs[ref.chunk]
+			if d == nil {
+				return giveUp()
+			}
+			from, ok := d.at(ch.dev)
+			if !ok {
+				return giveUp()
+			}
+			s0 := ref.off + rlo
+			if s0 < ref.off || s0 > d.size || rhi-rlo > d.size-s0 {
+				a.mu.Unlock()
+				if lb != nil {
+					lb.Discard()
+				}
+				return true, nil, fmt.Errorf("%w: %w: layout %d base %d names [%d, +%d) of memory %d, which the peer did not pass",
+					ErrXferFailed, ErrProtocol, i, j, s0, rhi-rlo, ref.chunk)
+			}
+			if dev == nil {
+				dev = bd
+				nb, err := dev.NewBatch(len(l.Entries))
+				if err != nil {
+					a.mu.Unlock()
+					return true, nil, fmt.Errorf("%w: GPU copy of a layout: %w", ErrXferFailed, err)
+				}
+				if lb, ok = nb.(LayoutBatch); !ok {
+					nb.Discard()
+					return giveUp()
+				}
+			}
+			regs = append(regs, DevRegion{Dst: b.Local, Src: from + ref.off})
+		}
+		ents = ents[:0]
+		for _, e := range l.Entries {
+			if e.Len > 0 {
+				ents = append(ents, DevEntry{Dst: e.Local, Src: e.Remote, Len: e.Len})
+			}
+		}
+		if !lb.AddLayout(regs, ents) {
+			a.mu.Unlock()
+			lb.Discard()
+			return true, nil, fmt.Errorf("%w: GPU copy: a batch refused layout %d (%d bases, %d entries)", ErrXferFailed, i, len(regs), len(ents))
+		}
+	}
+	a.mu.Unlock()
+	if lb == nil {
+		return false, nil, nil
 	}
 	cp, err := lb.Post()
 	if err != nil {

@@ -70,50 +70,66 @@ func kvLayout(r *rand.Rand, local, remote uint64, layers, n, piece int) Layout {
 // with a fence that is not a LayoutFence, the part is admitted piece by
 // piece.
 func TestPostLayoutDevice(t *testing.T) {
-	for _, fenced := range []bool{false, true} {
-		g := newFakeGPU()
-		d := &layoutGPU{batchGPU: newBatchGPU(g, "gpu0")}
-		a, b, pa, pb := layoutPair(t, d)
-		f := &recordFence{}
-		if fenced {
-			if err := b.SetGuard(f); err != nil {
-				t.Fatal(err)
+	for _, op := range []Op{Write, Read} {
+		for _, fenced := range []bool{false, true} {
+			testPostLayoutDevice(t, op, fenced)
+		}
+	}
+}
+
+func testPostLayoutDevice(t *testing.T, op Op, fenced bool) {
+	g := newFakeGPU()
+	d := &layoutGPU{batchGPU: newBatchGPU(g, "gpu0")}
+	a, b, pa, pb := layoutPair(t, d)
+	f := &recordFence{}
+	if fenced {
+		if err := b.SetGuard(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := rand.New(rand.NewPCG(7, 8))
+	for i := range 3 {
+		// Two layouts, the second's 512-byte pieces in blocks the
+		// first does not write.
+		lays := []Layout{kvLayout(r, pa, pb, 8, 15, 4096)}
+		second := Layout{Bases: lays[0].Bases[2:4], Entries: lays[0].Entries[12:]}
+		for i := range second.Entries {
+			second.Entries[i].Len = 512
+			second.Entries[i].Remote += uint64(r.IntN(8)) * 512
+		}
+		lays[0].Entries = lays[0].Entries[:12]
+		lays = append(lays, second)
+		dst := pb // the memory that changes
+		if op == Read {
+			dst = pa
+		}
+		before := g.view(dst, 1<<20)
+		id, err := a.PostLayout(op, b.Name(), lays, []byte("n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, err := wait(t, a, id); s != Done {
+			t.Fatalf("%v: %v, %v", op, s, err)
+		}
+		ds := ExpandLayouts(nil, lays)
+		checkGPUMoved(t, g, op, ds)
+		if op == Read {
+			for i := range ds {
+				ds[i].Local, ds[i].Remote = ds[i].Remote, ds[i].Local
 			}
 		}
-		r := rand.New(rand.NewPCG(7, 8))
-		for i := range 3 {
-			// Two layouts, the second's 512-byte pieces in blocks the
-			// first does not write.
-			lays := []Layout{kvLayout(r, pa, pb, 8, 15, 4096)}
-			second := Layout{Bases: lays[0].Bases[2:4], Entries: lays[0].Entries[12:]}
-			for i := range second.Entries {
-				second.Entries[i].Len = 512
-				second.Entries[i].Remote += uint64(r.IntN(8)) * 512
-			}
-			lays[0].Entries = lays[0].Entries[:12]
-			lays = append(lays, second)
-			before := g.view(pb, 1<<20)
-			id, err := a.PostLayout(Write, b.Name(), lays, []byte("n"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if s, err := wait(t, a, id); s != Done {
-				t.Fatalf("%v, %v", s, err)
-			}
-			ds := ExpandLayouts(nil, lays)
-			checkGPUMoved(t, g, Write, ds)
-			checkUntouched(t, g.view(pb, 1<<20), before, pb, ds)
-			if b.LayoutParts() != uint64(i+1) || d.count() != 2*(i+1) {
-				t.Fatalf("after %d transfers: %d layout parts, %d layouts staged; want %d and %d", i+1, b.LayoutParts(), d.count(), i+1, 2*(i+1))
-			}
-			if posts, _ := d.stats(); posts != i+1 {
-				t.Fatalf("%d batches for %d transfers", posts, i+1)
-			}
-			g.fill(pa, 1<<20)
+		checkUntouched(t, g.view(dst, 1<<20), before, dst, ds)
+		if b.LayoutParts() != uint64(i+1) || d.count() != 2*(i+1) {
+			t.Fatalf("%v: after %d transfers: %d layout parts, %d layouts staged; want %d and %d", op, i+1, b.LayoutParts(), d.count(), i+1, 2*(i+1))
 		}
-		if fenced && (f.admitted != 3 || f.open() != 0) {
-			t.Fatalf("the fence admitted %d parts (%d still open), want 3, none open", f.admitted, f.open())
+		if posts, _ := d.stats(); posts != i+1 {
+			t.Fatalf("%v: %d batches for %d transfers", op, posts, i+1)
 		}
+		g.fill(pa, 1<<20)
+		g.fill(pb, 1<<20)
+	}
+	if fenced && (f.admitted != 3 || f.open() != 0) {
+		t.Fatalf("%v: the fence admitted %d parts (%d still open), want 3, none open", op, f.admitted, f.open())
 	}
 }
 
@@ -215,30 +231,32 @@ func TestPostLayoutOutOfBounds(t *testing.T) {
 	d := &layoutGPU{batchGPU: newBatchGPU(g, "gpu0")}
 	a, b, pa, pb := layoutPair(t, d)
 	r := rand.New(rand.NewPCG(3, 4))
-	for _, c := range []struct {
-		name string
-		mod  func(*Layout)
-	}{
-		{"base past the end", func(l *Layout) { l.Bases[3].Remote = pb + 1<<20 - 4096 }},
-		{"entry past the end", func(l *Layout) { l.Entries[5].Remote = 1<<20 - 100 }},
-		{"base before the start", func(l *Layout) { l.Bases[0].Remote = pb - 1<<20 }},
-		{"wrapping base", func(l *Layout) { l.Bases[1].Remote = ^uint64(0) - 4095 }},
-	} {
-		lay := kvLayout(r, pa, pb, 8, 12, 4096)
-		c.mod(&lay)
-		before := g.view(pb, 1<<20)
-		id, err := a.PostLayout(Write, b.Name(), []Layout{lay}, []byte("n"))
-		if err != nil {
-			t.Fatal(err)
+	for _, op := range []Op{Write, Read} {
+		for _, c := range []struct {
+			name string
+			mod  func(*Layout)
+		}{
+			{"base past the end", func(l *Layout) { l.Bases[3].Remote = pb + 1<<20 - 4096 }},
+			{"entry past the end", func(l *Layout) { l.Entries[5].Remote = 1<<20 - 100 }},
+			{"base before the start", func(l *Layout) { l.Bases[0].Remote = pb - 1<<20 }},
+			{"wrapping base", func(l *Layout) { l.Bases[1].Remote = ^uint64(0) - 4095 }},
+		} {
+			lay := kvLayout(r, pa, pb, 8, 12, 4096)
+			c.mod(&lay)
+			before, beforeA := g.view(pb, 1<<20), g.view(pa, 1<<20)
+			id, err := a.PostLayout(op, b.Name(), []Layout{lay}, []byte("n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := wait(t, a, id)
+			if s != Failed || !strings.Contains(err.Error(), "outside") && !errors.Is(err, ErrOutOfBounds) {
+				t.Fatalf("%v %s: %v, %v; want failed out of bounds", op, c.name, s, err)
+			}
+			if !bytes.Equal(g.view(pb, 1<<20), before) || !bytes.Equal(g.view(pa, 1<<20), beforeA) {
+				t.Fatalf("%v %s: bytes landed", op, c.name)
+			}
+			t.Logf("%v %s: %v", op, c.name, err)
 		}
-		s, err := wait(t, a, id)
-		if s != Failed || !strings.Contains(err.Error(), "outside") && !errors.Is(err, ErrOutOfBounds) {
-			t.Fatalf("%s: %v, %v; want failed out of bounds", c.name, s, err)
-		}
-		if !bytes.Equal(g.view(pb, 1<<20), before) {
-			t.Fatalf("%s: bytes landed", c.name)
-		}
-		t.Logf("%s: %v", c.name, err)
 	}
 	lay := kvLayout(r, pa, pb, 8, 12, 4096)
 	lay.Bases[7].Local = pa + 1<<20 - 4096

@@ -624,6 +624,8 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
 		}
 		return a.serveWriteLocal(s, r, w, from, hdr, typ == tWriteTable)
+	case tReadLayout:
+		return a.serveReadLayout(s, r, w, from, hdr)
 	case tWriteLayout, tWriteLayoutTable:
 		if s.fence == nil {
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
@@ -1340,13 +1342,20 @@ func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part
 		h = binary.LittleEndian.AppendUint64(h, ref.off)
 	}
 	a.mu.Unlock()
+	return true, a.sendLocalAnswer(s, w, h, m.need)
+}
+
+// sendLocalAnswer sends a READ answer naming memory of this agent's (h:
+// tReadLocal or tReadLayoutLocal) on a local connection, after this
+// side's fence and the memory files it names that were not passed yet.
+func (a *Agent) sendLocalAnswer(s *localServer, w *bufio.Writer, h []byte, need []*chunk) error {
 	if err := w.Flush(); err != nil {
-		return true, err
+		return err
 	}
 	s.mu.Lock()
 	if s.mu.withdrawn {
 		s.mu.Unlock()
-		return true, ErrClosed
+		return ErrClosed
 	}
 	if s.mu.fence != nil {
 		s.mu.Unlock()
@@ -1357,23 +1366,23 @@ func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part
 		fd, page, err := newFence()
 		if err != nil {
 			s.mu.Unlock()
-			return true, err
+			return err
 		}
 		s.mu.fence = page
 		s.mu.Unlock()
 		_, _, err = s.c.WriteMsgUnix([]byte{tFence}, unix.UnixRights(fd), nil)
 		unix.Close(fd)
 		if err != nil {
-			return true, err
+			return err
 		}
 	}
-	if err := sendChunks(s.c, s.sent, m.need); err != nil {
-		return true, err
+	if err := sendChunks(s.c, s.sent, need); err != nil {
+		return err
 	}
 	if _, err := w.Write(h); err != nil {
-		return true, err
+		return err
 	}
-	return true, w.Flush()
+	return w.Flush()
 }
 
 // readLocal lands a tReadLocal answer: each piece copied out of the
@@ -1397,6 +1406,7 @@ func (c *conn) readLocal(hdr []byte) error {
 	if x == nil {
 		return nil // released or failed meanwhile
 	}
+	x.expand() // a layout READ the server answered piece by piece
 	ds := x.descs[x.split[part]:x.split[part+1]]
 	if int(n) != len(ds) {
 		return fmt.Errorf("%w: read answer with %d pieces for a part of %d", ErrProtocol, n, len(ds))

@@ -151,7 +151,7 @@ func (a *Agent) serve(raw net.Conn) {
 					}
 				}
 			}
-		case tFence, tChunk, tChunkDev, tWriteLocal, tDescs, tWriteTable, tWriteLayout, tWriteLayoutTable:
+		case tFence, tChunk, tChunkDev, tWriteLocal, tDescs, tWriteTable, tWriteLayout, tWriteLayoutTable, tReadLayout:
 			if ls == nil {
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], from)
 			} else {

@@ -64,6 +64,15 @@ type xfer struct {
 	layouts []Layout
 }
 
+// expand turns a layout transfer into the pieces it stands for (the
+// goroutine that sends or lands its one part).
+func (x *xfer) expand() {
+	if x.layouts != nil {
+		x.descs = ExpandLayouts(nil, x.layouts)
+		x.split, x.layouts = []int{0, len(x.descs)}, nil
+	}
+}
+
 // failLocked fails a transfer in progress (owner's mu held).
 func (x *xfer) failLocked(err error) {
 	if x.state == InProgress {
@@ -514,12 +523,15 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 		// One part (GPU memory): as layouts where the connection is a
 		// same-host one, else as the pieces they stand for.
 		if c.uc != nil {
-			if sent, err := a.sendLayoutLocal(c, x); sent {
+			send := a.sendLayoutLocal
+			if x.op == Read {
+				send = a.sendReadLayout
+			}
+			if sent, err := send(c, x); sent {
 				return err
 			}
 		}
-		x.descs = ExpandLayouts(nil, x.layouts)
-		x.split, x.layouts = []int{0, len(x.descs)}, nil
+		x.expand()
 		a.memMu.RLock()
 		err := a.checkLocal(x.descs)
 		a.memMu.RUnlock()
@@ -616,12 +628,14 @@ func (c *conn) read() {
 					a.finishPart(x, nil)
 				}
 			}
-		case tFence, tChunk, tChunkDev, tReadLocal:
+		case tFence, tChunk, tChunkDev, tReadLocal, tReadLayoutLocal:
 			switch {
 			case c.in == nil:
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], c.p.name)
 			case hdr[0] == tReadLocal:
 				err = c.readLocal(hdr[:])
+			case hdr[0] == tReadLayoutLocal:
+				err = c.readLayoutLocal(hdr[:])
 			default:
 				err = a.serveLocal(c.in, c.r, nil, c.p.name, hdr[0], hdr[:])
 			}
@@ -668,6 +682,7 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 	}
 	if typ == tReadResp && perr == nil {
 		// Payload straight into our memory.
+		x.expand()
 		ds := x.descs[x.split[part]:x.split[part+1]]
 		loc := make([]Region, len(ds))
 		for i, d := range ds {
