@@ -54,6 +54,14 @@ func FuzzFrames(f *testing.F) {
 		f.Add(false, seed)
 		f.Add(true, seed)
 	}
+	// Layout parts (same-host only: refused on TCP) into the region.
+	lay := layoutTable([]wireBase{{fuzzReg, localRef{1, 0}}}, []DevEntry{{0, 0, 8}, {16, 8, 8}})
+	layWrite := append(u32(u32(le([]byte{tWriteLayout}, 4), 0, 1, uint32(len(lay)), 0)), lay...)
+	layRead := append(u32(le([]byte{tReadLayout}, 5), 0, uint32(len(lay)), 0), lay...)
+	for _, seed := range [][]byte{layWrite, layRead} {
+		f.Add(false, seed)
+		f.Add(true, seed)
+	}
 	f.Add(true, le(u32([]byte{tChunk}, 9), 0, 4096))
 	f.Add(true, []byte{tChunkDev})
 	f.Fuzz(func(t *testing.T, sameHost bool, frames []byte) {

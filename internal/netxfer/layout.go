@@ -2,13 +2,10 @@ package netxfer
 
 import (
 	"bufio"
-	"cmp"
 	"encoding/binary"
 	"fmt"
 	"net"
 	"slices"
-	"sync/atomic"
-	"unsafe"
 )
 
 // Layout transfers. A KV cache transfer moves the same blocks in every
@@ -194,19 +191,11 @@ func (a *Agent) PostLayout(op Op, name string, lays []Layout, notif []byte) (Xfe
 		x.layouts[i] = Layout{Bases: slices.Clone(l.Bases), Entries: slices.Clone(l.Entries)}
 	}
 	a.mu.Lock()
-	if a.mu.closed {
-		a.mu.Unlock()
-		return 0, ErrClosed
-	}
-	a.mu.next++
-	x.id = a.mu.next
-	a.mu.xfers[x.id] = x
-	a.wg.Add(1)
+	a.recordLocked(x)
 	a.mu.Unlock()
-	go func() {
-		defer a.wg.Done()
-		a.start(x)
-	}()
+	if err := a.goStart(x); err != nil {
+		return 0, err
+	}
 	return x.id, nil
 }
 
@@ -225,7 +214,7 @@ func (a *Agent) layoutOnDevice(lays []Layout) bool {
 	bytes := false
 	for _, l := range lays {
 		lo, hi, ok := span(l.Entries, true)
-		if !ok {
+		if _, _, rok := span(l.Entries, false); !ok || !rok {
 			return false
 		}
 		if lo == hi {
@@ -423,23 +412,8 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	if h.n > maxLayoutTable || h.parts != 1 {
 		return fmt.Errorf("%w: a layout part of %d table bytes, part %d of %d", ErrProtocol, h.n, h.part, h.parts)
 	}
-	if cap(s.tab) < int(h.n) || cap(s.tab) > localDescSize*keepScratch {
-		s.tab = make([]byte, h.n)
-	}
-	tab := s.tab[:h.n]
-	if inArea {
-		if err := readFull(r, hdr[:8]); err != nil {
-			return err
-		}
-		pos := binary.LittleEndian.Uint64(hdr[:8])
-		off := pos % descRingSize
-		if s.descs == nil || off+uint64(len(tab)) > descRingSize {
-			return fmt.Errorf("%w: a table of %d bytes at %d of the descriptor area", ErrProtocol, len(tab), pos)
-		}
-		copy(tab, s.descs[descRingOff+off:])
-		atomic.StoreUint64((*uint64)(unsafe.Pointer(&s.descs[0])), pos+uint64(len(tab)))
-		a.areaTables.Add(1)
-	} else if err := readFull(r, tab); err != nil {
+	tab, err := a.readTable(s, r, hdr, int(h.n), inArea)
+	if err != nil {
 		return err
 	}
 	lays, err := s.parseLayouts(tab)
@@ -463,23 +437,8 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	ranges, refs := s.ranges[:0], s.refs[:0]
 	expanded := false
 	if f, ok := a.layoutFence(); ok {
-		sp := s.lay.spans[:0]
-		addrs, offs := s.lay.addrs[:0], s.lay.offs[:0]
-		for i := range lays {
-			l := &lays[i]
-			a0 := len(addrs)
-			for _, b := range l.bases {
-				addrs = append(addrs, b.dst)
-			}
-			o0 := len(offs)
-			for _, e := range l.ents {
-				offs = append(offs, Region{e.Dst, e.Len})
-			}
-			sp = append(sp, LayoutSpan{Bases: addrs[a0:len(addrs):len(addrs)], Entries: offs[o0:len(offs):len(offs)]})
-		}
-		s.lay.spans, s.lay.addrs, s.lay.offs = sp, addrs, offs
 		var li, bi, ei int
-		v, li, bi, ei, ticket = f.AdmitLayout(from, Write, sp, h.notif, nil)
+		v, li, bi, ei, ticket = f.AdmitLayout(from, Write, s.layoutSpans(lays), h.notif, nil)
 		if v != Allow {
 			a.refusals[min(v, Deny)].Add(1)
 			berr = fmt.Errorf("%w: write into layout %d base %d entry %d of %s by %s", ErrNotGranted, li, bi, ei, a.cfg.Name, from)
@@ -675,11 +634,8 @@ func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Write
 	if nl == 0 {
 		tag = nil
 	}
-	if cap(s.tab) < int(n) || cap(s.tab) > localDescSize*keepScratch {
-		s.tab = make([]byte, n)
-	}
-	tab := s.tab[:n]
-	if err := readFull(r, tab); err != nil {
+	tab, err := a.readTable(s, r, hdr, int(n), false)
+	if err != nil {
 		return err
 	}
 	lays, err := s.parseLayouts(tab)
@@ -741,14 +697,7 @@ func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Write
 			}
 		}
 	}
-	typ := byte(tReadResp)
-	if v == Late {
-		typ = tReadRefused
-	}
-	if err := answer(w, typ, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
-		return err
-	}
-	return w.Flush()
+	return answerReadRefused(w, v, id, part, berr)
 }
 
 // layoutSpans is lays as a LayoutFence sees them (in s's scratch).
@@ -819,11 +768,10 @@ func (a *Agent) layoutRefs(lays []wireLayout, id uint64, part uint32) ([]byte, [
 
 // readLayoutLocal lands a tReadLayoutLocal answer: the layouts copied out
 // of the server's memory (passed on this connection) into the
-// transfer's GPU memory here as one batch of the layouts as they are,
-// each base's span checked against the memory passed; where that cannot
-// be (host memory on either side), piece by piece.
+// transfer's GPU memory here as one batch of the layouts as they are
+// (deviceLayout, as a layout WRITE's receiver does), or piece by piece
+// where that cannot be (landRead).
 func (c *conn) readLayoutLocal(hdr []byte) error {
-	a := c.p.owner
 	if err := readFull(c.r, hdr[:16]); err != nil {
 		return err
 	}
@@ -834,15 +782,16 @@ func (c *conn) readLayoutLocal(hdr []byte) error {
 		return fmt.Errorf("%w: a layout read answer of %d layouts", ErrProtocol, nlay)
 	}
 	refs := make([][]localRef, nlay)
+	bases := 0
 	for i := range refs {
 		if err := readFull(c.r, hdr[:4]); err != nil {
 			return err
 		}
-		nb := binary.LittleEndian.Uint32(hdr[:4])
-		if nb > maxDescs {
-			return fmt.Errorf("%w: a layout read answer of %d bases", ErrProtocol, nb)
+		nb := int(binary.LittleEndian.Uint32(hdr[:4]))
+		if bases += nb; bases > maxDescs {
+			return fmt.Errorf("%w: a layout read answer of more than %d bases", ErrProtocol, maxDescs)
 		}
-		tab := make([]byte, localRefSize*int(nb))
+		tab := make([]byte, localRefSize*nb)
 		if err := readFull(c.r, tab); err != nil {
 			return err
 		}
@@ -856,181 +805,52 @@ func (c *conn) readLayoutLocal(hdr []byte) error {
 	if x == nil {
 		return nil // released or failed meanwhile
 	}
-	if x.layouts == nil || len(x.layouts) != len(refs) {
-		return fmt.Errorf("%w: a layout read answer of %d layouts for a transfer of %d", ErrProtocol, len(refs), len(x.layouts))
+	lays, err := c.in.answeredLayouts(x.layouts, refs)
+	if err != nil {
+		return err
 	}
-	for i, l := range x.layouts {
-		if len(refs[i]) != len(l.Bases) {
-			return fmt.Errorf("%w: layout %d answered with %d bases, asked with %d", ErrProtocol, i, len(refs[i]), len(l.Bases))
-		}
-	}
-	s := c.in
-	if s.fence == nil {
-		return fmt.Errorf("%w: a local read answer before the fence", ErrProtocol)
-	}
-	a.memMu.RLock()
-	posted, inflight, err := a.readLayoutDevice(s, x, refs)
-	if err == nil && !posted {
-		// Piece by piece, each checked as readLocal checks it.
-		lays := x.layouts
-		x.expand()
-		s.src = s.src[:0]
-		for i, l := range lays {
-			for j := range l.Bases {
-				for _, e := range l.Entries {
-					if e.Len == 0 {
-						continue
-					}
-					p, ok := s.piece(refs[i][j].chunk, refs[i][j].off+e.Remote, e.Len)
-					if !ok {
-						err = fmt.Errorf("%w: %w: layout %d base %d names [%d, +%d) of memory %d, which the peer did not pass",
-							ErrXferFailed, ErrProtocol, i, j, refs[i][j].off+e.Remote, e.Len, refs[i][j].chunk)
-						break
-					}
-					s.src = append(s.src, p)
-				}
-			}
-		}
-		if err == nil {
-			loc := make([]Region, len(x.descs))
-			for i, d := range x.descs {
-				loc[i] = Region{d.Local, d.Len}
-			}
-			s.dst, err = a.targets(s.dst[:0], loc)
-			if err == nil {
-				inflight, err = s.copyPieces(s.dst, s.src)
-			} else {
-				err = fmt.Errorf("%w: %w", ErrXferFailed, err)
-			}
-		}
-		clear(s.dst)
-		clear(s.src)
-	}
-	end := func(err error) {
-		if err == nil && s.withdrawn() {
-			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
-		}
-		a.memMu.RUnlock()
-		if err == nil {
-			a.localParts.Add(1)
-		}
-		a.finishPart(x, err)
-	}
-	if len(inflight) > 0 {
-		posted := err
-		if s.async(inflight, func(err error, ended func()) {
-			go func() { // finishing a READ may send its notification
-				end(cmp.Or(posted, err))
-				ended()
-			}()
-		}) {
-			return nil
-		}
-		err = cmp.Or(err, waitCopies(inflight))
-	}
-	end(err)
-	return nil
+	return c.landRead(x, lays, func() ([]Region, []localRef) { return expandLayouts(nil, nil, lays) })
 }
 
-// readLayoutDevice posts a layout READ answered as layouts whose every
-// base lies in this agent's GPU memory on one device that takes layouts
-// (checked at PostLayout) and in the server's GPU memory imported there,
-// as one batch of the layouts as they are, each base's span in the
-// server's memory checked against what it passed. It reports false,
-// having posted nothing, for any other answer. Callers hold memMu for
-// reading.
-func (a *Agent) readLayoutDevice(s *localServer, x *xfer, refs [][]localRef) (bool, []DevCopy, error) {
-	a.mu.Lock()
-	if a.mu.closed {
-		a.mu.Unlock()
-		return false, nil, ErrClosed
+// answeredLayouts is a layout READ's layouts as a WRITE's receiver sees
+// them (in s's scratch): bases here and where the server says they lie,
+// entries by their offsets here and there. An answer that does not match
+// what was asked is a protocol error.
+func (s *localServer) answeredLayouts(asked []Layout, refs [][]localRef) ([]wireLayout, error) {
+	if len(asked) != len(refs) {
+		return nil, fmt.Errorf("%w: a layout read answer of %d layouts for a transfer of %d", ErrProtocol, len(refs), len(asked))
 	}
-	var c regionCursor
-	var dev BatchDevice
-	var lb LayoutBatch
-	giveUp := func() (bool, []DevCopy, error) {
-		a.mu.Unlock()
-		if lb != nil {
-			lb.Discard()
+	lays := s.lay.lays[:0]
+	for i, l := range asked {
+		if len(refs[i]) != len(l.Bases) {
+			return nil, fmt.Errorf("%w: layout %d answered with %d bases, asked with %d", ErrProtocol, i, len(refs[i]), len(l.Bases))
 		}
-		return false, nil, nil
-	}
-	var regs []DevRegion
-	var ents []DevEntry
-	for i, l := range x.layouts {
-		llo, lhi, ok := span(l.Entries, true)
-		rlo, rhi, ok2 := span(l.Entries, false)
-		if !ok || !ok2 {
-			return giveUp()
+		if len(lays) < cap(lays) {
+			lays = lays[:len(lays)+1]
+		} else {
+			lays = append(lays, wireLayout{})
 		}
-		if lhi == llo {
-			continue
-		}
-		regs = regs[:0]
+		w := &lays[len(lays)-1]
+		w.bases, w.ents = w.bases[:0], w.ents[:0]
 		for j, b := range l.Bases {
-			at := b.Local + llo
-			if at < b.Local || !c.inside(a, at, lhi-llo) {
-				return giveUp()
-			}
-			ch := a.chunkLocked(at)
-			if ch == nil || ch.dev == nil || at-ch.base+(lhi-llo) > ch.size {
-				return giveUp()
-			}
-			bd, ok := ch.dev.(BatchDevice)
-			if !ok || dev != nil && bd != dev {
-				return giveUp()
-			}
-			ref := refs[i][j]
-			d := s.devs[ref.chunk]
-			if d == nil {
-				return giveUp()
-			}
-			from, ok := d.at(ch.dev)
-			if !ok {
-				return giveUp()
-			}
-			s0 := ref.off + rlo
-			if s0 < ref.off || s0 > d.size || rhi-rlo > d.size-s0 {
-				a.mu.Unlock()
-				if lb != nil {
-					lb.Discard()
-				}
-				return true, nil, fmt.Errorf("%w: %w: layout %d base %d names [%d, +%d) of memory %d, which the peer did not pass",
-					ErrXferFailed, ErrProtocol, i, j, s0, rhi-rlo, ref.chunk)
-			}
-			if dev == nil {
-				dev = bd
-				nb, err := dev.NewBatch(len(l.Entries))
-				if err != nil {
-					a.mu.Unlock()
-					return true, nil, fmt.Errorf("%w: GPU copy of a layout: %w", ErrXferFailed, err)
-				}
-				if lb, ok = nb.(LayoutBatch); !ok {
-					nb.Discard()
-					return giveUp()
-				}
-			}
-			regs = append(regs, DevRegion{Dst: b.Local, Src: from + ref.off})
+			w.bases = append(w.bases, wireBase{dst: b.Local, ref: refs[i][j]})
 		}
-		ents = ents[:0]
+		w.dspan, w.sspan = [2]uint64{^uint64(0), 0}, [2]uint64{^uint64(0), 0}
 		for _, e := range l.Entries {
-			if e.Len > 0 {
-				ents = append(ents, DevEntry{Dst: e.Local, Src: e.Remote, Len: e.Len})
+			if e.Len == 0 {
+				continue
 			}
+			w.ents = append(w.ents, DevEntry{Dst: e.Local, Src: e.Remote, Len: e.Len})
+			// Offsets and lengths are under 2^47 (layoutOnDevice): no
+			// span wraps.
+			w.dspan = [2]uint64{min(w.dspan[0], e.Local), max(w.dspan[1], e.Local+e.Len)}
+			w.sspan = [2]uint64{min(w.sspan[0], e.Remote), max(w.sspan[1], e.Remote+e.Len)}
 		}
-		if !lb.AddLayout(regs, ents) {
-			a.mu.Unlock()
-			lb.Discard()
-			return true, nil, fmt.Errorf("%w: GPU copy: a batch refused layout %d (%d bases, %d entries)", ErrXferFailed, i, len(regs), len(ents))
+		if len(w.ents) == 0 {
+			w.dspan, w.sspan = [2]uint64{}, [2]uint64{}
 		}
+		w.pieces = len(w.bases) * len(w.ents)
 	}
-	a.mu.Unlock()
-	if lb == nil {
-		return false, nil, nil
-	}
-	cp, err := lb.Post()
-	if err != nil {
-		return true, nil, fmt.Errorf("%w: GPU copy of a layout: %w", ErrXferFailed, err)
-	}
-	return true, []DevCopy{cp}, nil
+	s.lay.lays = lays
+	return lays, nil
 }

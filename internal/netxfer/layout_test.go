@@ -433,3 +433,41 @@ func FuzzParseLayouts(f *testing.F) {
 		}
 	})
 }
+
+// A layout READ answer is bounded before anything is allocated for it:
+// more than maxLayouts layouts, or more than maxDescs bases in all (each
+// layout's count under the limit), is a protocol error.
+func TestReadLayoutAnswerBounded(t *testing.T) {
+	a, err := New(Config{Name: fmt.Sprintf("%s-%d", t.Name(), rand.Uint64()), DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	answer := func(counts ...uint32) []byte {
+		b := binary.LittleEndian.AppendUint64(nil, 7)
+		b = binary.LittleEndian.AppendUint32(b, 0)
+		b = binary.LittleEndian.AppendUint32(b, uint32(len(counts)))
+		for i, n := range counts {
+			b = binary.LittleEndian.AppendUint32(b, n)
+			if i < len(counts)-1 { // the last one's bases never arrive
+				b = append(b, make([]byte, localRefSize*int(n))...)
+			}
+		}
+		return b
+	}
+	tooMany := binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(nil, 7), 0), maxLayouts+1)
+	for _, c := range []struct {
+		name, want string
+		frame      []byte
+	}{
+		{"layouts", "layouts", tooMany},
+		{"bases in all", "bases", answer(4, maxDescs/2, maxDescs/2+1)},
+	} {
+		conn := &conn{p: &peer{owner: a}, r: newScatterReader(bytes.NewReader(c.frame)), in: newLocalServer(nil)}
+		var hdr [32]byte
+		err := conn.readLayoutLocal(hdr[:])
+		if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v; want a protocol error naming the %s", c.name, err, c.want)
+		}
+	}
+}

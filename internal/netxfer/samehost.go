@@ -658,27 +658,8 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if h.n > maxDescs {
 		return fmt.Errorf("%w: %d descriptors", ErrProtocol, h.n)
 	}
-	// The table and its ranges reuse the connection's buffers (kept up
-	// to keepScratch descriptors).
-	if cap(s.tab) < localDescSize*int(h.n) || cap(s.tab) > localDescSize*keepScratch {
-		s.tab = make([]byte, localDescSize*int(h.n))
-	}
-	tab := s.tab[:localDescSize*int(h.n)]
-	if inArea {
-		// Copied out of the area before a byte of it is read (the client
-		// may write the area at any time), then marked consumed.
-		if err := readFull(r, hdr[:8]); err != nil {
-			return err
-		}
-		pos := binary.LittleEndian.Uint64(hdr[:8])
-		off := pos % descRingSize
-		if s.descs == nil || off+uint64(len(tab)) > descRingSize {
-			return fmt.Errorf("%w: a table of %d bytes at %d of the descriptor area", ErrProtocol, len(tab), pos)
-		}
-		copy(tab, s.descs[descRingOff+off:])
-		atomic.StoreUint64((*uint64)(unsafe.Pointer(&s.descs[0])), pos+uint64(len(tab)))
-		a.areaTables.Add(1)
-	} else if err := readFull(r, tab); err != nil {
+	tab, err := a.readTable(s, r, hdr, localDescSize*int(h.n), inArea)
+	if err != nil {
 		return err
 	}
 	if cap(s.ranges) < int(h.n) || cap(s.ranges) > keepScratch {
@@ -705,6 +686,33 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		// in one pass.
 		return a.devicePart(s, ranges, s.refs)
 	}, func() ([]Region, []localRef) { return ranges, s.refs })
+}
+
+// readTable reads a part's table of n bytes into the connection's buffer
+// (kept up to keepScratch descriptors): inline, or out of the client's
+// descriptor area (inArea: its position follows), copied out before a
+// byte of it is read (the client may write the area at any time), then
+// marked consumed.
+func (a *Agent) readTable(s *localServer, r *scatterReader, hdr []byte, n int, inArea bool) ([]byte, error) {
+	if cap(s.tab) < n || cap(s.tab) > localDescSize*keepScratch {
+		s.tab = make([]byte, n)
+	}
+	tab := s.tab[:n]
+	if !inArea {
+		return tab, readFull(r, tab)
+	}
+	if err := readFull(r, hdr[:8]); err != nil {
+		return nil, err
+	}
+	pos := binary.LittleEndian.Uint64(hdr[:8])
+	off := pos % descRingSize
+	if s.descs == nil || off+uint64(n) > descRingSize {
+		return nil, fmt.Errorf("%w: a table of %d bytes at %d of the descriptor area", ErrProtocol, n, pos)
+	}
+	copy(tab, s.descs[descRingOff+off:])
+	atomic.StoreUint64((*uint64)(unsafe.Pointer(&s.descs[0])), pos+uint64(n))
+	a.areaTables.Add(1)
+	return tab, nil
 }
 
 // landLocal lands a same-host WRITE part admitted (v, ticket; berr: why
@@ -1388,7 +1396,6 @@ func (a *Agent) sendLocalAnswer(s *localServer, w *bufio.Writer, h []byte, need 
 // readLocal lands a tReadLocal answer: each piece copied out of the
 // server's file into the transfer's memory here.
 func (c *conn) readLocal(hdr []byte) error {
-	a := c.p.owner
 	if err := readFull(c.r, hdr[:16]); err != nil {
 		return err
 	}
@@ -1411,37 +1418,57 @@ func (c *conn) readLocal(hdr []byte) error {
 	if int(n) != len(ds) {
 		return fmt.Errorf("%w: read answer with %d pieces for a part of %d", ErrProtocol, n, len(ds))
 	}
-	s := c.in
-	loc := make([]Region, len(ds))
-	for i, d := range ds {
-		loc[i] = Region{d.Local, d.Len}
-	}
-	s.src = s.src[:0]
-	for i, d := range ds {
-		e := tab[localRefSize*i:]
-		chunk, off := binary.LittleEndian.Uint32(e), binary.LittleEndian.Uint64(e[4:])
-		p, ok := s.piece(chunk, off, d.Len)
-		if !ok {
-			clear(s.src)
-			return fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, off, d.Len, chunk)
+	return c.landRead(x, nil, func() ([]Region, []localRef) {
+		loc := make([]Region, len(ds))
+		refs := make([]localRef, len(ds))
+		for i, d := range ds {
+			e := tab[localRefSize*i:]
+			loc[i], refs[i] = Region{d.Local, d.Len}, localRef{binary.LittleEndian.Uint32(e), binary.LittleEndian.Uint64(e[4:])}
 		}
-		s.src = append(s.src, p)
-	}
+		return loc, refs
+	})
+}
+
+// landRead copies a same-host READ part out of the server's memory
+// (passed on this connection) into this agent's: as one GPU batch of its
+// layouts as they are where it has them and they allow (deviceLayout),
+// else piece by piece (pieces: the ranges here, where each lies in the
+// server's memory). A piece naming memory the server did not pass breaks
+// the protocol. The part finishes once its bytes landed (from another
+// goroutine while GPU batches run).
+func (c *conn) landRead(x *xfer, lays []wireLayout, pieces func() ([]Region, []localRef)) error {
+	a, s := c.p.owner, c.in
 	if s.fence == nil {
-		clear(s.src)
 		return fmt.Errorf("%w: a local read answer before the fence", ErrProtocol)
 	}
 	a.memMu.RLock()
-	var err error
+	var posted bool
 	var inflight []DevCopy
-	s.dst, err = a.targets(s.dst[:0], loc)
-	if err == nil {
-		inflight, err = s.copyPieces(s.dst, s.src)
-	} else {
-		err = fmt.Errorf("%w: %w", ErrXferFailed, err)
+	var err error
+	if lays != nil {
+		posted, inflight, err = a.deviceLayout(s, lays)
 	}
-	clear(s.dst)
-	clear(s.src)
+	if !posted && err == nil {
+		loc, refs := pieces()
+		s.src = s.src[:0]
+		for i, ref := range refs {
+			p, ok := s.piece(ref.chunk, ref.off, loc[i].Len)
+			if !ok {
+				a.memMu.RUnlock()
+				clear(s.src)
+				return fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, ref.off, loc[i].Len, ref.chunk)
+			}
+			s.src = append(s.src, p)
+		}
+		s.dst, err = a.targets(s.dst[:0], loc)
+		if err == nil {
+			inflight, err = s.copyPieces(s.dst, s.src)
+		} else {
+			err = fmt.Errorf("%w: %w", ErrXferFailed, err)
+		}
+		clear(s.dst)
+		clear(s.src)
+	}
 	end := func(err error) {
 		if err == nil && s.withdrawn() {
 			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)

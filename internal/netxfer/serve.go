@@ -372,6 +372,20 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	return a.landed(w, from, h, v, berr)
 }
 
+// answerReadRefused answers a READ part with why it was refused (v: the
+// guard's verdict; a Late refusal keeps the part's transfer able to try
+// again).
+func answerReadRefused(w *bufio.Writer, v Verdict, id uint64, part uint32, berr error) error {
+	typ := byte(tReadResp)
+	if v == Late {
+		typ = tReadRefused
+	}
+	if err := answer(w, typ, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
+		return err
+	}
+	return w.Flush()
+}
+
 // serveRead answers one READ part straight from registered memory.
 func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from string, hdr []byte, tagged bool, sc *scratch, ls *localServer) error {
 	defer sc.done()
@@ -414,14 +428,7 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 		sc.bufs = bufs
 	}
 	if berr != nil {
-		typ := byte(tReadResp)
-		if v == Late {
-			typ = tReadRefused
-		}
-		if err := answer(w, typ, id, part, fmt.Errorf("read refused: %w", berr)); err != nil {
-			return err
-		}
-		return w.Flush()
+		return answerReadRefused(w, v, id, part, berr)
 	}
 	if err := answer(w, tReadResp, id, part, nil); err != nil {
 		return err

@@ -378,9 +378,7 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 		c := a.chunkLocked(descs[0].Local)
 		x.device = c != nil && c.dev != nil
 	}
-	a.mu.next++
-	x.id = a.mu.next
-	a.mu.xfers[x.id] = x
+	a.recordLocked(x)
 	a.mu.Unlock()
 	if p.local != nil {
 		x.direct = true
@@ -395,13 +393,28 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 		a.signal()
 		return x.id, nil
 	}
-	// The payload goes out on the agent's goroutines: Post returns at
-	// once, so a caller posting many transfers (the Worker's loop) never
-	// waits for one transfer's bytes to reach the wire.
+	if err := a.goStart(x); err != nil {
+		return 0, err
+	}
+	return x.id, nil
+}
+
+// recordLocked names a posted transfer and records it (a.mu held).
+func (a *Agent) recordLocked(x *xfer) {
+	a.mu.next++
+	x.id = a.mu.next
+	a.mu.xfers[x.id] = x
+}
+
+// goStart sends a recorded transfer on a goroutine of the agent's (or
+// reports ErrClosed): the poster returns at once, so a caller posting
+// many transfers (the Worker's loop) never waits for one transfer's bytes
+// to reach the wire.
+func (a *Agent) goStart(x *xfer) error {
 	a.mu.Lock()
 	if a.mu.closed {
 		a.mu.Unlock()
-		return 0, ErrClosed
+		return ErrClosed
 	}
 	a.wg.Add(1)
 	a.mu.Unlock()
@@ -409,7 +422,7 @@ func (a *Agent) PostOwned(op Op, name string, descs []Desc, notif []byte) (XferI
 		defer a.wg.Done()
 		a.start(x)
 	}()
-	return x.id, nil
+	return nil
 }
 
 // direct copies between two agents of this process.
