@@ -131,19 +131,11 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		// A group with nothing to move (this source only notifies) still
 		// has its ids and starts checked: bad input is never silently
 		// accepted on one rank and refused on another.
-		var err error
-		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
-		b.flatOK, b.spansOK = false, false
-		if err != nil {
+		if err := b.groupRuns(gp, req, g); err != nil {
 			return dst[:start], err
 		}
 		if len(b.runs) == 0 || len(gp.Regions) == 0 {
 			continue
-		}
-		b.units, b.maxRun = 0, 0
-		for _, r := range b.runs {
-			b.units += r.n
-			b.maxRun = max(b.maxRun, r.n)
 		}
 		// Grow once per group for the worst case (no merging), so the
 		// region loops never grow the slice.
@@ -187,6 +179,21 @@ func (b *Builder) AppendDescs(dst []Desc, p *topology.Plan, req *Request) ([]Des
 		}
 	}
 	return dst, nil
+}
+
+// groupRuns sets the Builder's runs (and their unit count and longest
+// run) to group g of req under gp, resetting what it derived from the
+// previous group's.
+func (b *Builder) groupRuns(gp *topology.GroupPlan, req *Request, g int) error {
+	var err error
+	b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
+	b.flatOK, b.spansOK = false, false
+	b.units, b.maxRun = 0, 0
+	for _, r := range b.runs {
+		b.units += r.n
+		b.maxRun = max(b.maxRun, r.n)
+	}
+	return err
 }
 
 // checkIDs bounds-checks every id of a list.

@@ -85,20 +85,12 @@ func (b *Builder) AppendLayouts(dst *Layouts, p *topology.Plan, req *Request) er
 	read := b.opts.Op == OpRead
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		var err error
-		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
-		b.flatOK, b.spansOK = false, false
-		if err != nil {
+		if err := b.groupRuns(gp, req, g); err != nil {
 			dst.Bases, dst.Entries, dst.Spans = dst.Bases[:nb], dst.Entries[:ne], dst.Spans[:ns]
 			return err
 		}
 		if len(b.runs) == 0 || len(gp.Regions) == 0 {
 			continue
-		}
-		b.units, b.maxRun = 0, 0
-		for _, r := range b.runs {
-			b.units += r.n
-			b.maxRun = max(b.maxRun, r.n)
 		}
 		for r := 0; r < len(gp.Regions); {
 			// A stretch of region pairs of r's shape: one layout.

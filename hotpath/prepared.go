@@ -123,20 +123,14 @@ func (b *Builder) AppendIndices(dst []IndexPair, p *topology.Plan, req *Request)
 	var sBase, dBase int64
 	for g := range p.Groups {
 		gp := &p.Groups[g]
-		var err error
-		b.runs, err = appendRuns(b.runs[:0], gp, req.Src[g], req.Dst[g], req.Tokens, g)
-		b.flatOK, b.spansOK = false, false
-		if err != nil {
+		if err := b.groupRuns(gp, req, g); err != nil {
 			return dst[:start], err
 		}
 		// Size the group's pairs once, then write them in place: no
 		// append per pair. The pairs of one region pair are the same
 		// relative indices for every region with as many segments (the
 		// runs' units, segment by segment), plus the region's bases.
-		var units, segs int64
-		for _, rn := range b.runs {
-			units += rn.n
-		}
+		units, segs := b.units, int64(0)
 		for r := range gp.Regions {
 			segs += int64(len(gp.Regions[r].Segs))
 		}

@@ -243,17 +243,7 @@ func rawPostLayouts(t *testing.T, be *tcp.Backend, peerMeta []byte, l *hotpath.L
 	if err != nil {
 		return err
 	}
-	defer func() { _ = be.Release(id) }()
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
-		switch s, err := be.State(id); s {
-		case kvxfer.XferDone:
-			return nil
-		case kvxfer.XferFailed:
-			return err
-		}
-	}
-	t.Fatal("a raw transfer did not end")
-	return nil
+	return awaitRaw(t, be, id)
 }
 
 // D's grants hold for WRITEs sent as layouts (GPU memory on the same

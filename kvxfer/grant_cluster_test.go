@@ -33,6 +33,13 @@ func rawPost(t *testing.T, be kvxfer.Backend, op hotpath.Op, peerMeta []byte, lo
 	if err != nil {
 		return err
 	}
+	return awaitRaw(t, be, id)
+}
+
+// awaitRaw waits (bounded) for a raw transfer's end, releases it and
+// returns its error.
+func awaitRaw(t *testing.T, be kvxfer.Backend, id kvxfer.XferID) error {
+	t.Helper()
 	defer func() { _ = be.Release(id) }()
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
 		switch s, err := be.State(id); s {

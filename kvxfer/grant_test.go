@@ -292,38 +292,12 @@ func testAdmitLayoutMatchesAdmit(t *testing.T, l *topology.Layout) {
 	for range 3000 {
 		tab := newAccessTable(l, gb, ModePush, NewMetrics())
 		for id := uint32(1); id <= uint32(1+r.IntN(3)); id++ {
-			var g0, g1 []topology.BlockID
-			for range r.IntN(8) {
-				g0 = append(g0, topology.BlockID(r.IntN(8)))
-			}
-			for range r.IntN(3) {
-				g1 = append(g1, topology.BlockID(r.IntN(8)))
-			}
-			tab.grantWrite(id, peers[:1+r.IntN(2)], spansOf(g0, g1), fmt.Sprintf("d-%d", id))
+			tab.grantWrite(id, peers[:1+r.IntN(2)], randomSpans(r), fmt.Sprintf("d-%d", id))
 			if r.IntN(4) == 0 {
 				tab.revokeWrite(id)
 			}
 		}
-		var lays []LayoutRanges
-		for range 1 + r.IntN(2) {
-			var lr LayoutRanges
-			for range 1 + r.IntN(4) {
-				lr.Bases = append(lr.Bases, bases[r.IntN(len(bases))])
-			}
-			for range r.IntN(5) {
-				lr.Entries = append(lr.Entries, Range{uint64(r.IntN(16))*256*uint64(r.IntN(2)) + uint64(r.IntN(3))*100, uint64(r.IntN(4)) * 200})
-			}
-			lays = append(lays, lr)
-		}
-		var ranges []Range
-		var where [][3]int
-		for li, lr := range lays {
-			for bi, b := range lr.Bases {
-				for ei, e := range lr.Entries {
-					ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
-				}
-			}
-		}
+		lays, ranges, where := randomLayouts(r, bases)
 		peer := peers[r.IntN(2)]
 		var tg []byte
 		if r.IntN(2) == 0 {
@@ -383,35 +357,9 @@ func TestAdmitLayoutMatchesAdmitRead(t *testing.T) {
 				return tab
 			}
 			for k := range 1 + r.IntN(3) {
-				var g0, g1 []topology.BlockID
-				for range r.IntN(8) {
-					g0 = append(g0, topology.BlockID(r.IntN(8)))
-				}
-				for range r.IntN(3) {
-					g1 = append(g1, topology.BlockID(r.IntN(8)))
-				}
-				holds = append(holds, hold{spansOf(g0, g1), fmt.Sprintf("p-%d", k)})
+				holds = append(holds, hold{randomSpans(r), fmt.Sprintf("p-%d", k)})
 			}
-			var lays []LayoutRanges
-			for range 1 + r.IntN(2) {
-				var lr LayoutRanges
-				for range 1 + r.IntN(4) {
-					lr.Bases = append(lr.Bases, bases[r.IntN(len(bases))])
-				}
-				for range r.IntN(5) {
-					lr.Entries = append(lr.Entries, Range{uint64(r.IntN(16))*256*uint64(r.IntN(2)) + uint64(r.IntN(3))*100, uint64(r.IntN(4)) * 200})
-				}
-				lays = append(lays, lr)
-			}
-			var ranges []Range
-			var where [][3]int
-			for li, lr := range lays {
-				for bi, b := range lr.Bases {
-					for ei, e := range lr.Entries {
-						ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
-					}
-				}
-			}
+			lays, ranges, where := randomLayouts(r, bases)
 			var tg []byte
 			if r.IntN(2) == 0 {
 				tg = tag(fmt.Sprintf("p-%d", r.IntN(3)))
@@ -459,4 +407,41 @@ func TestAdmitLayoutMatchesAdmitRead(t *testing.T) {
 		}
 		t.Logf("%d allowed, %d cut short by a hold's release", allowed, cut)
 	}
+}
+
+// randomSpans is a random set of blocks of accessLayout's two groups
+// (or sameShapeGroups').
+func randomSpans(r *rand.Rand) []topology.Span {
+	var g0, g1 []topology.BlockID
+	for range r.IntN(8) {
+		g0 = append(g0, topology.BlockID(r.IntN(8)))
+	}
+	for range r.IntN(3) {
+		g1 = append(g1, topology.BlockID(r.IntN(8)))
+	}
+	return spansOf(g0, g1)
+}
+
+// randomLayouts is one or two layouts at some of bases, entries in, across
+// and past 256-byte blocks, the ranges they expand to, and where each
+// range comes from (layout, base, entry).
+func randomLayouts(r *rand.Rand, bases []uint64) (lays []LayoutRanges, ranges []Range, where [][3]int) {
+	for range 1 + r.IntN(2) {
+		var lr LayoutRanges
+		for range 1 + r.IntN(4) {
+			lr.Bases = append(lr.Bases, bases[r.IntN(len(bases))])
+		}
+		for range r.IntN(5) {
+			lr.Entries = append(lr.Entries, Range{uint64(r.IntN(16))*256*uint64(r.IntN(2)) + uint64(r.IntN(3))*100, uint64(r.IntN(4)) * 200})
+		}
+		lays = append(lays, lr)
+	}
+	for li, lr := range lays {
+		for bi, b := range lr.Bases {
+			for ei, e := range lr.Entries {
+				ranges, where = append(ranges, Range{b + e.Addr, e.Len}), append(where, [3]int{li, bi, ei})
+			}
+		}
+	}
+	return lays, ranges, where
 }

@@ -237,15 +237,22 @@ func (b *Batch) Add(dst, src, n uint64) bool {
 	if uint64(sec.nent)+k > 1<<32-1 {
 		return false
 	}
+	b.putEntry(dst, src, n)
+	sec.nent += uint32(k)
+	return true
+}
+
+// putEntry stages n bytes from src to dst as entries of at most MaxEntry
+// (the room for entries(n) of them made already).
+func (b *Batch) putEntry(dst, src, n uint64) {
+	w := b.s.words
 	for n > 0 {
 		l := min(n, MaxEntry)
-		e := w[b.w : b.w+entryWords : b.w+entryWords]
-		e[0], e[1], e[2] = dst, src, l
+		x := w[b.w : b.w+entryWords : b.w+entryWords]
+		x[0], x[1], x[2] = dst, src, l
 		b.w += entryWords
 		dst, src, n = dst+l, src+l, n-l
 	}
-	sec.nent += uint32(k)
-	return true
 }
 
 // AddLayout stages every entry at every region's bases (as one launch):
@@ -274,14 +281,7 @@ func (b *Batch) AddLayout(regions []Region, ents []Entry) bool {
 	}
 	sec.ent, sec.nent = uint32(b.w), uint32(k)
 	for _, e := range ents {
-		dst, src, n := e.Dst, e.Src, e.Len
-		for n > 0 {
-			l := min(n, MaxEntry)
-			x := w[b.w : b.w+entryWords : b.w+entryWords]
-			x[0], x[1], x[2] = dst, src, l
-			b.w += entryWords
-			dst, src, n = dst+l, src+l, n-l
-		}
+		b.putEntry(e.Dst, e.Src, e.Len)
 	}
 	b.s.secs = append(b.s.secs, sec)
 	b.abs = false

@@ -179,16 +179,7 @@ func kernelCase(r *rand.Rand, size uint64, pieces int, maxLen uint64) (ps []Piec
 func TestCopyKernel(t *testing.T) {
 	d := openGPU(t)
 	const size = 24 << 20
-	src, err := d.Alloc(size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free(src)
-	dst, err := d.Alloc(size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free(dst)
+	src, dst := allocPair(t, d, size)
 	r := rand.New(rand.NewPCG(1, 2))
 	cases := []struct {
 		name   string
@@ -225,6 +216,7 @@ func TestCopyKernel(t *testing.T) {
 				ps[i].Src += src
 			}
 			var cp *Copy
+			var err error
 			if c.each {
 				saved := d.copier.fn
 				d.copier.fn = nil
@@ -281,16 +273,7 @@ func TestCopyKernelLayout(t *testing.T) {
 	d := openGPU(t)
 	const layers, layer = 8, 3 << 20
 	const size = layers * layer
-	src, err := d.Alloc(size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free(src)
-	dst, err := d.Alloc(size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free(dst)
+	src, dst := allocPair(t, d, size)
 	r := rand.New(rand.NewPCG(5, 6))
 	hs := make([]byte, size)
 	for i := range hs {
@@ -355,6 +338,21 @@ func TestCopyKernelLayout(t *testing.T) {
 			t.Logf("%d layers x %d blocks checked byte for byte", layers, len(ents))
 		})
 	}
+}
+
+// allocPair allocates a source and a destination of size bytes on d,
+// freed when the test ends.
+func allocPair(t testing.TB, d *Device, size int) (src, dst uint64) {
+	t.Helper()
+	for _, p := range []*uint64{&src, &dst} {
+		ptr, err := d.Alloc(size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = d.Free(ptr) })
+		*p = ptr
+	}
+	return src, dst
 }
 
 func firstDiff(a, b []byte) int {

@@ -157,11 +157,18 @@ func (d *batchGPU) stats() (posts, pieces int) {
 	return d.posts, d.pieces
 }
 
+// pairGPU is a fake GPU that batchPair puts agents' memory on.
+type pairGPU interface {
+	Device
+	alloc(n int) (uint64, [64]byte, []byte)
+	fill(ptr, n uint64)
+}
+
 // batchPair returns two GPU-only agents on the same-host path: a's memory
 // on GPU da, b's on db (the same fake device or two of one host).
-func batchPair(t *testing.T, da, db *batchGPU, cfg Config) (a, b *Agent, pa, pb uint64) {
+func batchPair(t *testing.T, da, db pairGPU, cfg Config) (a, b *Agent, pa, pb uint64) {
 	t.Helper()
-	uuids := map[*batchGPU][16]byte{da: {0xda}, db: {0xdb}}
+	uuids := map[pairGPU][16]byte{da: {0xda}, db: {0xdb}}
 	devices := func(u [16]byte) (Device, error) {
 		for d, du := range uuids {
 			if du == u {
@@ -172,7 +179,7 @@ func batchPair(t *testing.T, da, db *batchGPU, cfg Config) (a, b *Agent, pa, pb 
 	}
 	var ags [2]*Agent
 	var ptrs [2]uint64
-	for i, d := range []*batchGPU{da, db} {
+	for i, d := range []pairGPU{da, db} {
 		c := cfg
 		c.Name = fmt.Sprintf("%s-%d-%d", t.Name(), i, rand.Uint64())
 		c.DisableLocal, c.Devices = true, devices

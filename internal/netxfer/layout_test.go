@@ -142,16 +142,10 @@ func testPostLayoutDevice(t *testing.T, op Op, fenced bool) {
 	}
 }
 
-// layoutPair is batchPair over a device that takes layouts.
+// layoutPair is batchPair over a device that takes layouts, failing the
+// test if a batch named memory outside the allocations.
 func layoutPair(t *testing.T, d *layoutGPU) (a, b *Agent, pa, pb uint64) {
 	t.Helper()
-	uuid := [16]byte{0xd1}
-	devices := func(u [16]byte) (Device, error) {
-		if u == uuid {
-			return d, nil
-		}
-		return nil, errors.New("no such GPU")
-	}
 	// Run last (cleanups run in reverse): no batch of the test named
 	// memory outside the allocations.
 	t.Cleanup(func() {
@@ -161,28 +155,7 @@ func layoutPair(t *testing.T, d *layoutGPU) (a, b *Agent, pa, pb uint64) {
 			t.Errorf("%d pieces of GPU batches named memory outside every allocation", d.fakeGPU.illegal)
 		}
 	})
-	var ags [2]*Agent
-	var ptrs [2]uint64
-	for i := range ags {
-		ag, err := New(Config{Name: fmt.Sprintf("%s-%d-%d", t.Name(), i, rand.Uint64()), DisableLocal: true, Devices: devices})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ag.Close() })
-		ptr, h, _ := d.alloc(1 << 20)
-		if err := ag.MapDevice(ptr, 1<<20, d, uuid, h); err != nil {
-			t.Fatal(err)
-		}
-		if err := ag.Register([]Region{{ptr, 1 << 20}}); err != nil {
-			t.Fatal(err)
-		}
-		d.fill(ptr, 1<<20)
-		ags[i], ptrs[i] = ag, ptr
-	}
-	if _, err := ags[0].LoadPeer(ags[1].Metadata()); err != nil {
-		t.Fatal(err)
-	}
-	return ags[0], ags[1], ptrs[0], ptrs[1]
+	return batchPair(t, d, d, Config{})
 }
 
 // checkUntouched fails unless after equals before outside the

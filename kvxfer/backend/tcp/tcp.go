@@ -172,13 +172,9 @@ func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 
 // Post implements kvxfer.Backend.
 func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc, notif []byte) (kvxfer.XferID, error) {
-	nop := netxfer.Write
-	switch op {
-	case hotpath.OpWrite:
-	case hotpath.OpRead:
-		nop = netxfer.Read
-	default:
-		return 0, fmt.Errorf("kvxfer: post op %v", op)
+	nop, err := netOp(op)
+	if err != nil {
+		return 0, err
 	}
 	// One walk and one copy: the agent keeps this list (PostOwned).
 	own := make([]netxfer.Desc, len(descs))
@@ -187,6 +183,17 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 	}
 	id, err := n.a.PostOwned(nop, string(peer), own, notif)
 	return kvxfer.XferID(id), mapNetErr(err)
+}
+
+// netOp is a transfer's direction as the agent names it.
+func netOp(op hotpath.Op) (netxfer.Op, error) {
+	switch op {
+	case hotpath.OpWrite:
+		return netxfer.Write, nil
+	case hotpath.OpRead:
+		return netxfer.Read, nil
+	}
+	return 0, fmt.Errorf("kvxfer: post op %v", op)
 }
 
 // State implements kvxfer.Backend.
@@ -314,13 +321,9 @@ func (n *Backend) LayoutParts() uint64 { return n.a.LayoutParts() }
 // as layouts where the agent can (GPU memory on the same host: one
 // launch, no piece listed), else as the pieces they stand for.
 func (n *Backend) PostLayouts(op hotpath.Op, peer kvxfer.PeerName, l *hotpath.Layouts, notif []byte) (kvxfer.XferID, error) {
-	nop := netxfer.Write
-	switch op {
-	case hotpath.OpWrite:
-	case hotpath.OpRead:
-		nop = netxfer.Read
-	default:
-		return 0, fmt.Errorf("kvxfer: post op %v", op)
+	nop, err := netOp(op)
+	if err != nil {
+		return 0, err
 	}
 	lays := make([]netxfer.Layout, len(l.Spans))
 	for i, s := range l.Spans {
