@@ -103,6 +103,10 @@ type ResolverConfig struct {
 	// one (a registry: kvxferd -etcd). The address it gives is dialed
 	// like any other: Allow and the peer credentials still apply.
 	Lookup func(engineID string) (string, error)
+
+	// dial, when set, replaces the TCP dial of peer connections (tests:
+	// a link that drops what is sent).
+	dial func(ctx context.Context, addr string) (net.Conn, error)
 }
 
 // NewPeerResolver returns a resolver with cfg (the zero ResolverConfig:
@@ -118,39 +122,44 @@ func NewPeerResolver(cfg ResolverConfig) *PeerResolver {
 	return r
 }
 
-// conn returns addr's connection, marked in use until done is called.
-func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), err error) {
+// conn returns addr's connection, marked in use until done is called;
+// fresh says it was dialed by this call.
+func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), fresh bool, err error) {
 	if pc, ok := r.conns.Load(addr); ok && !pc.retired.Load() && pc.acquire() {
-		return pc, pc.release, nil
+		return pc, pc.release, false, nil
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if pc, ok := r.conns.Load(addr); ok && !pc.retired.Load() && pc.acquire() {
-		return pc, pc.release, nil // dialed meanwhile
+		return pc, pc.release, false, nil // dialed meanwhile
 	}
 	r.conns.Delete(addr) // closed by eviction, if anything
 	if r.cfg.Allow != nil {
 		if err := r.cfg.Allow(addr); err != nil {
-			return nil, nil, err
+			return nil, nil, false, err
 		}
 	}
 	if r.conns.Size() >= r.cfg.MaxConns && !r.evictLocked() {
-		return nil, nil, fmt.Errorf("%d peer connections in use, the most this daemon keeps", r.conns.Size())
+		return nil, nil, false, fmt.Errorf("%d peer connections in use, the most this daemon keeps", r.conns.Size())
 	}
 	// Reconnect within a second of a peer daemon coming back (gRPC's
 	// default backoff grows to two minutes): a restarted peer is
 	// handshaken again on the next request.
-	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(r.cfg.Creds),
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(r.cfg.Creds),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxHandshake)),
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6,
-			Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 2 * time.Second}))
+			Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 2 * time.Second})}
+	if r.cfg.dial != nil {
+		opts = append(opts, grpc.WithContextDialer(r.cfg.dial))
+	}
+	c, err := grpc.NewClient(addr, opts...)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, false, err
 	}
 	pc = &peerConn{cc: c}
 	pc.acquire()
 	r.conns.Store(addr, pc)
-	return pc, pc.release, nil
+	return pc, pc.release, true, nil
 }
 
 // retire takes addr's connection pc out of the cache (the next handshake
@@ -300,28 +309,34 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 // handshakeOne asks the server at addr about an engine, and returns its
 // answer's rank_port_base.
 func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, uint32, error) {
-	pc, done, err := r.conn(addr)
+	pc, done, fresh, err := r.conn(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
-	defer done()
-	c := pc.cc
 	req := &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true}
 	t0 := time.Now()
-	resp, err := pb.NewPeerServiceClient(c).Handshake(ctx, req)
-	if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
-		// The connection may be waiting out its backoff after the peer
-		// went away: if the peer is back (a restarted daemon), reconnect
-		// now and ask again, waiting a moment for the connection.
-		c.ResetConnectBackoff()
-		wctx, cancel := context.WithTimeout(ctx, time.Second)
+	resp, err := pb.NewPeerServiceClient(pc.cc).Handshake(ctx, req)
+	if status.Code(err) == codes.Unavailable && ctx.Err() == nil && !fresh {
+		// A cached connection that fails at once says little of the peer
+		// now: it may be waiting out its backoff after the peer went away
+		// (a restarted daemon), or be stuck in a connection attempt begun
+		// during a partition (its SYN lost, the next one seconds away,
+		// while gRPC fails calls at once until an attempt succeeds). Ask
+		// again over a new connection: one whole attempt, within ctx, so
+		// a peer that is back is reached now and one that refuses still
+		// fails fast.
+		r.retire(addr, pc)
+		done()
+		var again *peerConn
+		again, done, _, err = r.conn(addr)
+		if err != nil {
+			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		}
+		pc = again
 		t0 = time.Now()
-		again, err2 := pb.NewPeerServiceClient(c).Handshake(wctx, req, grpc.WaitForReady(true))
-		cancel()
-		if err2 == nil || (status.Code(err2) != codes.Unavailable && status.Code(err2) != codes.DeadlineExceeded) {
-			resp, err = again, err2
-		} // else the first answer says more (why the connection fails)
+		resp, err = pb.NewPeerServiceClient(pc.cc).Handshake(ctx, req)
 	}
+	defer done()
 	t1 := time.Now()
 	if status.Code(err) == codes.DeadlineExceeded {
 		r.retire(addr, pc)

@@ -20,7 +20,7 @@ func TestResolverCacheConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range 300 {
 				addr := fmt.Sprintf("127.0.0.1:%d", 1+(g+i)%8)
-				pc, done, err := r.conn(addr)
+				pc, done, _, err := r.conn(addr)
 				if err != nil {
 					continue // all four in use: refused, as it should be
 				}
@@ -61,7 +61,7 @@ func BenchmarkResolverConn(b *testing.B) {
 	addrs := make([]string, 8)
 	for i := range addrs {
 		addrs[i] = fmt.Sprintf("127.0.0.1:%d", 1+i)
-		_, done, err := r.conn(addrs[i])
+		_, done, _, err := r.conn(addrs[i])
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -69,7 +69,7 @@ func BenchmarkResolverConn(b *testing.B) {
 	}
 	b.RunParallel(func(p *testing.PB) {
 		for i := 0; p.Next(); i++ {
-			_, done, err := r.conn(addrs[i%len(addrs)])
+			_, done, _, err := r.conn(addrs[i%len(addrs)])
 			if err != nil {
 				b.Fatal(err)
 			}
