@@ -78,8 +78,14 @@ var contenders = []contender{
 		open: perPieceOpen},
 }
 
-// pythonName is the contender run by nixl_py.py (see python.go).
-const pythonName = "python"
+// pythonName and pushName are the contenders run by nixl_py.py (see
+// python.go): NIXL's Python API posting a WRITE and polling it to
+// completion, and the push round trip (a registration notification from
+// the destination, the WRITE with its notification back).
+const (
+	pythonName = "python"
+	pushName   = "python-push"
+)
 
 func findContender(name string) (contender, bool) {
 	for _, c := range contenders {

@@ -10,8 +10,11 @@
 // kvxfer's built-in backend on its same-host path (internal/netxfer:
 // MapDevice, CUDA IPC), kvxfer's NIXL binding (internal/nixl, UCX) with
 // the backend's default threads and with num_threads=4, NIXL's own
-// Python API (nixl_py.py, torch CUDA tensors, num_threads=4 as vLLM),
-// and two copies in one process: one contiguous cuMemcpyDtoD of the same
+// Python API (nixl_py.py, torch CUDA tensors, num_threads=4 as vLLM:
+// "python" posts the WRITE and polls it to completion, "python-push" times
+// the push round trip through the same API, from the destination's
+// registration notification to its seeing the WRITE's notification, the
+// work kvxfer's whole path does), and two copies in one process: one contiguous cuMemcpyDtoD of the same
 // bytes (the limit) and one cuMemcpyDtoD per piece. Every byte of the
 // destination pieces is checked once per case and contender, after its
 // timed transfers (the destination is marked before them, and every case
@@ -77,7 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 32, "layers")
 	reps := fs.Int("reps", 5, "timed transfers per case and contender")
 	warmup := fs.Int("warmup", 1, "untimed transfers before them")
-	names := fs.String("contenders", "samehost,samehost-pieces,nixl,nixl4,python,kernel,contig,perpiece", "contenders, comma-separated")
+	names := fs.String("contenders", "samehost,samehost-pieces,nixl,nixl4,python,python-push,kernel,contig,perpiece", "contenders, comma-separated")
 	python := fs.String("python", "python3", "the Python of the python contender (torch and nixl_cu12)")
 	pySmall := fs.Bool("python-small", true, "run the python contender's pieces under 64 KiB too")
 	fake := fs.Bool("fake-gpu", false, "host memory stands in for the GPU (tests; the numbers mean nothing)")
@@ -113,8 +116,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	for _, n := range strings.Split(*names, ",") {
 		n = strings.TrimSpace(n)
-		if _, ok := findContender(n); !ok && n != pythonName {
-			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, nixl, nixl4, python, kernel, contig, perpiece)", n)
+		if _, ok := findContender(n); !ok && n != pythonName && n != pushName {
+			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, nixl, nixl4, python, python-push, kernel, contig, perpiece)", n)
 		}
 		cfg.names = append(cfg.names, n)
 	}
@@ -288,12 +291,16 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 		}
 	}
 	fmt.Fprintf(stdout, "gpubench: the Go contenders took %v\n", time.Since(started).Round(time.Millisecond))
-	if slices.Contains(cfg.names, pythonName) {
+	if slices.Contains(cfg.names, pythonName) || slices.Contains(cfg.names, pushName) {
 		pr, perr := runPython(ctx, cfg, stderr)
-		if perr != nil {
-			why[pythonName] = perr.Error()
-		} else {
-			res[pythonName] = pr
+		for n := range pyModes {
+			switch {
+			case !slices.Contains(cfg.names, n):
+			case perr != nil:
+				why[n] = perr.Error()
+			default:
+				res[n] = pr[n]
+			}
 		}
 	}
 	fmt.Fprintln(stdout)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -62,4 +63,36 @@ func TestVerify(t *testing.T) {
 	if s, d := (xcase{Piece: 64, Blocks: 4, Layers: 2}).ids(); !slices.Equal(s, src2) || !slices.Equal(d, dst2) {
 		t.Error("a case's block ids are not fixed")
 	}
+}
+
+// The python contenders (NIXL's own Python API) on host memory, where the
+// Python here has torch and nixl_cu12: both modes run every case and
+// check every byte (a case that failed, or wrong bytes, is FAILED).
+func TestPythonContendersOnHost(t *testing.T) {
+	py := os.Getenv("KVXFER_TEST_PYTHON")
+	if py == "" {
+		py = "python3"
+	}
+	if out, err := exec.Command(py, "-c", "import torch, numpy, nixl_cu12._api").CombinedOutput(); err != nil {
+		t.Skipf("%s lacks torch, numpy or nixl_cu12 (the NIXL wheel .ci/run installs): %v: %s", py, err, lastLine(out))
+	}
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"-fake-gpu", "-python", py, "-blocks", "2,5", "-pieces", "4KiB", "-layers", "3", "-reps", "3",
+		"-contenders", "python,python-push"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
+	}
+	for _, want := range []string{"| NIXL Python API (num_threads=4) | 4 KiB |", "| NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it) | 4 KiB |"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "FAILED") || strings.Contains(out.String(), "did not run") || strings.Contains(out.String(), "not run") {
+		t.Errorf("a case failed or did not run:\n%s\n%s", out.String(), errb.String())
+	}
+}
+
+func lastLine(b []byte) string {
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return lines[len(lines)-1]
 }

@@ -13,9 +13,18 @@ Post and State. The UCX backend is created with num_threads (vLLM sets
 4). After the timed transfers the destination checks every byte of its
 destination pieces against the pattern it recomputes.
 
-Prints one line per case, "gpubench-py " + JSON: {"Piece", "Blocks",
-"Layers", "GBps": [...]} or with "Error"; or one {"Skip": reason} when it
-cannot run here (no torch, no nixl_cu12, no GPU).
+With --modes push (or write,push) it also times, per case, the push
+round trip a disaggregated engine pays through this API, which is what
+kvxfer's whole path does (its in-process check times D's step to D's
+outcome): the destination sends the source a notification (the
+registration), the source waits for it, posts the same WRITE with a
+notification of its own, and the destination waits for that one; timed at
+the destination, from its send to the notification's arrival. Both agents
+poll without sleeping.
+
+Prints one line per case and mode, "gpubench-py " + JSON: {"Mode",
+"Piece", "Blocks", "Layers", "GBps": [...]} or with "Error"; or one
+{"Skip": reason} when it cannot run here (no torch, no nixl_cu12, no GPU).
 """
 
 from __future__ import annotations
@@ -82,9 +91,25 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def push_rounds(agent, peer, reps, deadline_s=30.0):
+    """The destination's side of the push round trips: for each rep, a
+    registration notification to the source, then a wait for the source's
+    WRITE notification; returns the seconds of each."""
+    out = []
+    for rep in range(reps):
+        want = f"done {rep}".encode()
+        t0 = time.perf_counter()
+        agent.send_notif(peer, f"reg {rep}".encode())
+        while not any(want in msgs for msgs in agent.get_new_notifs().values()):
+            if time.perf_counter() - t0 > deadline_s:
+                raise RuntimeError(f"no WRITE notification for round {rep} within {deadline_s} s")
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def destination(conn, span, threads, device):
-    """The destination process: its own tensor, its agent; marks and checks
-    on request."""
+    """The destination process: its own tensor, its agent; marks, checks and
+    push round trips on request."""
     try:
         import torch
 
@@ -95,13 +120,19 @@ def destination(conn, span, threads, device):
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    peer = None
     while True:
         msg = conn.recv()
         try:
             if msg[0] == "exit":
                 conn.send(("ok",))
                 return
-            if msg[0] == "mark":
+            if msg[0] == "peer":
+                peer = agent.add_remote_agent(msg[1])
+                conn.send(("ok",))
+            elif msg[0] == "push":
+                conn.send(("ok", push_rounds(agent, peer, msg[1])))
+            elif msg[0] == "mark":
                 buf[: msg[1]].fill_(MARKER)
                 sync(device)
                 conn.send(("ok",))
@@ -129,6 +160,39 @@ def ask(conn, *msg):
     r = conn.recv()
     if r[0] != "ok":
         raise RuntimeError(f"destination: {r[1]}")
+    return r
+
+
+def write_once(agent, local, remote, peer, notif=b""):
+    """One timed WRITE: prepared, posted and polled until DONE."""
+    t0 = time.perf_counter()
+    h = agent.initialize_xfer("WRITE", local, remote, peer, notif)
+    state = agent.transfer(h)
+    deadline = t0 + 30
+    while state == "PROC" and time.perf_counter() < deadline:
+        state = agent.check_xfer_state(h)
+    dt = time.perf_counter() - t0
+    agent.release_xfer_handle(h)
+    if state != "DONE":
+        raise RuntimeError(f"transfer state {state}")
+    return dt
+
+
+def push_source(conn, agent, local, remote, peer, reps):
+    """The source's side of the push round trips (push_rounds): it answers
+    each registration with the WRITE and its notification; returns the
+    destination's timings."""
+    conn.send(("push", reps))
+    for rep in range(reps):
+        want, t0 = f"reg {rep}".encode(), time.perf_counter()
+        while not any(want in msgs for msgs in agent.get_new_notifs().values()):
+            if time.perf_counter() - t0 > 30:
+                raise RuntimeError(f"no registration for round {rep} within 30 s")
+        write_once(agent, local, remote, peer, f"done {rep}".encode())
+    r = conn.recv()
+    if r[0] != "ok":
+        raise RuntimeError(f"destination: {r[1]}")
+    return r[1]
 
 
 def main():
@@ -140,7 +204,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--modes", default="write", help="write (post to completion), push (the round trip), or both")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not modes or any(m not in ("write", "push") for m in modes):
+        ap.error(f"--modes {args.modes!r}: want write, push or write,push")
     pieces = [int(x) for x in args.pieces.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     try:
@@ -172,40 +240,33 @@ def main():
         agent = make_agent("p", args.threads, dev)
         agent.register_memory(src)
         peer = agent.add_remote_agent(meta)
+        if "push" in modes:
+            ask(conn, "peer", agent.get_agent_metadata())
         src_base = src.data_ptr()
         for piece in pieces:
             for nb in blocks:
                 case = dict(Piece=piece, Blocks=nb, Layers=args.layers)
-                try:
-                    pool, src_rows, dst_rows = shape(piece, nb, args.layers)
-                    n = args.layers * pool * piece
-                    src[:n].copy_(source_pattern(n, seed_of(piece, nb, args.layers), dev))
-                    sync(dev)
-                    ask(conn, "mark", n)
-                    col = lambda base, rows: np.stack(  # noqa: E731
-                        [base + rows * piece, np.full(len(rows), piece), np.full(len(rows), dev_id)], axis=1).astype(np.uint64)
-                    local = agent.get_xfer_descs(col(src_base, src_rows), mem)
-                    remote = agent.get_xfer_descs(col(dst_base, dst_rows), mem)
-                    total = len(src_rows) * piece
-                    gbps = []
-                    for rep in range(args.warmup + args.reps):
-                        t0 = time.perf_counter()
-                        h = agent.initialize_xfer("WRITE", local, remote, peer)
-                        state = agent.transfer(h)
-                        deadline = t0 + 30
-                        while state == "PROC" and time.perf_counter() < deadline:
-                            state = agent.check_xfer_state(h)
-                        dt = time.perf_counter() - t0
-                        agent.release_xfer_handle(h)
-                        if state != "DONE":
-                            raise RuntimeError(f"transfer state {state}")
-                        if rep >= args.warmup:
-                            gbps.append(total / dt / 1e9)
-                    ask(conn, "verify", piece, nb, args.layers)
-                    emit(**case, GBps=gbps)
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    emit(**case, Error=f"{type(e).__name__}: {e}")
+                for mode in modes:
+                    try:
+                        pool, src_rows, dst_rows = shape(piece, nb, args.layers)
+                        n = args.layers * pool * piece
+                        src[:n].copy_(source_pattern(n, seed_of(piece, nb, args.layers), dev))
+                        sync(dev)
+                        ask(conn, "mark", n)
+                        col = lambda base, rows: np.stack(  # noqa: E731
+                            [base + rows * piece, np.full(len(rows), piece), np.full(len(rows), dev_id)], axis=1).astype(np.uint64)
+                        local = agent.get_xfer_descs(col(src_base, src_rows), mem)
+                        remote = agent.get_xfer_descs(col(dst_base, dst_rows), mem)
+                        total = len(src_rows) * piece
+                        if mode == "write":
+                            times = [write_once(agent, local, remote, peer) for _ in range(args.warmup + args.reps)]
+                        else:
+                            times = push_source(conn, agent, local, remote, peer, args.warmup + args.reps)
+                        ask(conn, "verify", piece, nb, args.layers)
+                        emit(Mode=mode, **case, GBps=[total / dt / 1e9 for dt in times[args.warmup:]])
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        emit(Mode=mode, **case, Error=f"{type(e).__name__}: {e}")
     finally:
         try:
             ask(conn, "exit")

@@ -22,16 +22,22 @@ var nixlPy []byte
 // pyLine prefixes nixl_py.py's result lines on its standard output.
 const pyLine = "gpubench-py "
 
-// pyResult is one line of nixl_py.py: a case's GB/s, or why it could not
-// run (Skip: the whole contender; Error: this case).
+// pyResult is one line of nixl_py.py: a case's GB/s in a mode, or why it
+// could not run (Skip: the whole contender; Error: this case).
 type pyResult struct {
+	Mode                  string
 	Piece, Blocks, Layers int
 	GBps                  []float64
 	Error, Skip           string
 }
 
-// runPython runs nixl_py.py with cfg's cases and returns its results.
-func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]result, error) {
+// pyModes are nixl_py.py's modes by contender: post to completion, and
+// the push round trip.
+var pyModes = map[string]string{pythonName: "write", pushName: "push"}
+
+// runPython runs nixl_py.py with cfg's cases in the modes of the python
+// contenders cfg names, and returns their results by contender.
+func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]map[xcase]result, error) {
 	if cfg.python == "" {
 		return nil, fmt.Errorf("no -python")
 	}
@@ -62,13 +68,19 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]res
 	if len(pieces) == 0 {
 		return nil, fmt.Errorf("no case left (-python-small=false)")
 	}
+	var modes []string
+	for _, n := range cfg.names {
+		if m, ok := pyModes[n]; ok {
+			modes = append(modes, m)
+		}
+	}
 	device := "cuda"
 	if cfg.o.fake {
 		device = "cpu"
 	}
 	cmd := exec.CommandContext(ctx, cfg.python, script, "--pieces", strings.Join(pieces, ","), "--blocks", strings.Join(blocks, ","),
 		"--layers", fmt.Sprint(cfg.cases[0].Layers), "--reps", fmt.Sprint(cfg.reps), "--warmup", fmt.Sprint(cfg.warmup),
-		"--threads", "4", "--device", device)
+		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","))
 	cmd.Stderr = stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -77,7 +89,11 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]res
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("%s: %w", cfg.python, err)
 	}
-	res := map[xcase]result{}
+	res := map[string]map[xcase]result{}
+	byMode := map[string]string{}
+	for n, m := range pyModes {
+		byMode[m] = n
+	}
 	var skip string
 	sc := bufio.NewScanner(out)
 	for sc.Scan() {
@@ -94,7 +110,14 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]res
 			skip = r.Skip
 			continue
 		}
-		res[xcase{Piece: r.Piece, Blocks: r.Blocks, Layers: r.Layers}] = result{gbps: r.GBps, err: r.Error}
+		n, ok := byMode[r.Mode]
+		if !ok {
+			return nil, fmt.Errorf("nixl_py.py said %q: unknown mode %q", line, r.Mode)
+		}
+		if res[n] == nil {
+			res[n] = map[xcase]result{}
+		}
+		res[n][xcase{Piece: r.Piece, Blocks: r.Blocks, Layers: r.Layers}] = result{gbps: r.GBps, err: r.Error}
 	}
 	werr := cmd.Wait()
 	switch {
@@ -103,9 +126,15 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[xcase]res
 	case werr != nil && len(res) == 0:
 		return nil, fmt.Errorf("nixl_py.py: %w", werr)
 	case werr != nil:
-		for _, c := range cfg.cases {
-			if _, ok := res[c]; !ok && (c.Piece >= 64<<10 || cfg.pySmall) {
-				res[c] = result{err: fmt.Sprintf("nixl_py.py ended (%v) before this case", werr)}
+		for _, m := range modes {
+			n := byMode[m]
+			if res[n] == nil {
+				res[n] = map[xcase]result{}
+			}
+			for _, c := range cfg.cases {
+				if _, ok := res[n][c]; !ok && (c.Piece >= 64<<10 || cfg.pySmall) {
+					res[n][c] = result{err: fmt.Sprintf("nixl_py.py ended (%v) before this case", werr)}
+				}
 			}
 		}
 	}

@@ -14,6 +14,7 @@ var labels = map[string]string{
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
 	pythonName:        "NIXL Python API (num_threads=4)",
+	pushName:          "NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it)",
 	"contig":          "device copy, contiguous (the limit)",
 	"kernel":          "kvxfer copy kernel, one launch (one process)",
 	"perpiece":        "per-piece async cuMemcpyDtoD, one event",
@@ -54,7 +55,7 @@ func report(w io.Writer, cfg config, res map[string]map[xcase]result, why map[st
 				c := xcase{Piece: p, Blocks: b, Layers: layers}
 				r, ok := res[n][c]
 				switch {
-				case !ok && n == pythonName && !cfg.pySmall && p < 64<<10:
+				case !ok && pyModes[n] != "" && !cfg.pySmall && p < 64<<10:
 					row = append(row, "skipped (-python-small=false)")
 				case !ok:
 					row = append(row, "not run")
