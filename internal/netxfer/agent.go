@@ -108,6 +108,12 @@ type Config struct {
 	FrameTimeout time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+
+	// noLayouts makes the agent act as a build from before layout frames
+	// (tests of mixed builds): its same-host socket's name lacks
+	// layoutsMark, and a layout frame drops the connection, as such a
+	// build's does on a frame type it does not know.
+	noLayouts bool
 }
 
 // Agent is one transfer endpoint. It is safe for concurrent use.
@@ -569,6 +575,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	if hasU {
 		uaddr = "@" + uaddr
 	}
+	layouts := strings.HasSuffix(uaddr, layoutsMark)
 	if a.cfg.DisableSameHost {
 		uaddr = ""
 	}
@@ -582,7 +589,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	} else if p != nil {
 		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
-	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr}
+	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts}
 	if !a.cfg.DisableLocal {
 		local.Lock()
 		if l := local.agents[name]; l != nil && l.addr == addr {

@@ -168,6 +168,12 @@ type pairGPU interface {
 // on GPU da, b's on db (the same fake device or two of one host).
 func batchPair(t *testing.T, da, db pairGPU, cfg Config) (a, b *Agent, pa, pb uint64) {
 	t.Helper()
+	return batchPairCfgs(t, da, db, cfg, cfg)
+}
+
+// batchPairCfgs is batchPair with a config for each agent.
+func batchPairCfgs(t *testing.T, da, db pairGPU, cfgA, cfgB Config) (a, b *Agent, pa, pb uint64) {
+	t.Helper()
 	uuids := map[pairGPU][16]byte{da: {0xda}, db: {0xdb}}
 	devices := func(u [16]byte) (Device, error) {
 		for d, du := range uuids {
@@ -180,7 +186,7 @@ func batchPair(t *testing.T, da, db pairGPU, cfg Config) (a, b *Agent, pa, pb ui
 	var ags [2]*Agent
 	var ptrs [2]uint64
 	for i, d := range []pairGPU{da, db} {
-		c := cfg
+		c := []Config{cfgA, cfgB}[i]
 		c.Name = fmt.Sprintf("%s-%d-%d", t.Name(), i, rand.Uint64())
 		c.DisableLocal, c.Devices = true, devices
 		ag, err := New(c)

@@ -167,7 +167,7 @@ func span(es []LayoutEntry, local bool) (lo, hi uint64, ok bool) {
 
 // PostLayout posts a transfer of layouts (see Layout): as Post of
 // ExpandLayouts(nil, lays), and on the same-host path from GPU memory in
-// the layouts' own form. Each base's local span (its entries' extent) is
+// the layouts' own form (to a peer that takes it: layoutsMark). Each base's local span (its entries' extent) is
 // checked before PostLayout returns.
 func (a *Agent) PostLayout(op Op, name string, lays []Layout, notif []byte) (XferID, error) {
 	if _, ok := layoutPieces(lays); !ok {
@@ -183,7 +183,7 @@ func (a *Agent) PostLayout(op Op, name string, lays []Layout, notif []byte) (Xfe
 	if err != nil {
 		return 0, err
 	}
-	if p.local != nil || !a.layoutOnDevice(lays) {
+	if p.local != nil || !p.layouts || !a.layoutOnDevice(lays) {
 		return a.PostOwned(op, name, ExpandLayouts(nil, lays), notif)
 	}
 	x := &xfer{op: op, peer: p, notif: slices.Clone(notif), state: InProgress, device: true, layouts: make([]Layout, len(lays))}

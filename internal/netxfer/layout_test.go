@@ -146,6 +146,12 @@ func testPostLayoutDevice(t *testing.T, op Op, fenced bool) {
 // test if a batch named memory outside the allocations.
 func layoutPair(t *testing.T, d *layoutGPU) (a, b *Agent, pa, pb uint64) {
 	t.Helper()
+	return layoutPairCfg(t, d, Config{})
+}
+
+// layoutPairCfg is layoutPair with cfgB for b.
+func layoutPairCfg(t *testing.T, d *layoutGPU, cfgB Config) (a, b *Agent, pa, pb uint64) {
+	t.Helper()
 	// Run last (cleanups run in reverse): no batch of the test named
 	// memory outside the allocations.
 	t.Cleanup(func() {
@@ -155,7 +161,7 @@ func layoutPair(t *testing.T, d *layoutGPU) (a, b *Agent, pa, pb uint64) {
 			t.Errorf("%d pieces of GPU batches named memory outside every allocation", d.fakeGPU.illegal)
 		}
 	})
-	return batchPair(t, d, d, Config{})
+	return batchPairCfgs(t, d, d, Config{}, cfgB)
 }
 
 // checkUntouched fails unless after equals before outside the
@@ -441,6 +447,40 @@ func TestReadLayoutAnswerBounded(t *testing.T) {
 		err := conn.readLayoutLocal(hdr[:])
 		if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v; want a protocol error naming the %s", c.name, err, c.want)
+		}
+	}
+}
+
+// Builds from before layout frames and after reach each other: an agent
+// that does not take them (noLayouts: its socket's name lacks
+// layoutsMark, and a layout frame drops its connection) is sent the
+// pieces the layouts stand for, WRITE and READ, every byte where it
+// belongs and its connections kept; one that takes them gets layouts.
+func TestPostLayoutToOlderBuild(t *testing.T) {
+	for _, old := range []bool{true, false} {
+		g := newFakeGPU()
+		d := &layoutGPU{batchGPU: newBatchGPU(g, "gpu0")}
+		a, b, pa, pb := layoutPairCfg(t, d, Config{noLayouts: old})
+		r := rand.New(rand.NewPCG(3, 4))
+		for i, op := range []Op{Write, Read, Write} {
+			lays := []Layout{kvLayout(r, pa, pb, 8, 15, 4096)}
+			id, err := a.PostLayout(op, b.Name(), lays, []byte("n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s, err := wait(t, a, id); s != Done {
+				t.Fatalf("older build %v, %v: %v, %v", old, op, s, err)
+			}
+			checkGPUMoved(t, g, op, ExpandLayouts(nil, lays))
+			want := uint64(i + 1)
+			if old {
+				want = 0
+			}
+			if got := b.LayoutParts(); got != want {
+				t.Fatalf("older build %v: %d layout parts after %d transfers, want %d", old, got, i+1, want)
+			}
+			g.fill(pa, 1<<20)
+			g.fill(pb, 1<<20)
 		}
 	}
 }

@@ -84,11 +84,21 @@ const (
 	maxQueuedFDs = 16
 )
 
+// layoutsMark ends the name of the same-host socket of an agent that
+// takes layout frames (tWriteLayout, tWriteLayoutTable, tReadLayout):
+// the name travels in the agent's metadata, which a build from before
+// them loads and dials like any other name, so builds old and new reach
+// each other, and only agents that take them are sent layouts.
+const layoutsMark = ".layouts"
+
 // listenLocal starts the agent's abstract unix socket.
 func (a *Agent) listenLocal() error {
 	var b [12]byte
 	_, _ = rand.Read(b[:])
 	name := "@kvxfer-netxfer-" + hex.EncodeToString(b[:])
+	if !a.cfg.noLayouts {
+		name += layoutsMark
+	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
 	if err != nil {
 		return err
@@ -625,8 +635,14 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 		}
 		return a.serveWriteLocal(s, r, w, from, hdr, typ == tWriteTable)
 	case tReadLayout:
+		if a.cfg.noLayouts {
+			break
+		}
 		return a.serveReadLayout(s, r, w, from, hdr)
 	case tWriteLayout, tWriteLayoutTable:
+		if a.cfg.noLayouts {
+			break
+		}
 		if s.fence == nil {
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
 		}

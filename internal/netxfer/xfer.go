@@ -88,7 +88,11 @@ type peer struct {
 	local *Agent
 	// uaddr is the peer's same-host socket ("" if none); noLocal is set
 	// once dialing it failed (another host or network namespace).
-	uaddr   string
+	uaddr string
+	// layouts: the peer takes layout frames (its same-host socket's name
+	// ends in layoutsMark); to a peer of an older build, layouts go as the
+	// pieces they stand for.
+	layouts bool
 	mu      sync.Mutex
 	noLocal bool
 	dialing bool // a connection is being dialed in the background
