@@ -153,18 +153,19 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", layers: int = LAYERS, blocks: int = BLOCKS,
              block_len: int = BLOCK_LEN, xfers: list | None = None, timeout: float = PAIR_TIMEOUT,
-             env: dict | None = None, hops: bool = False) -> tuple[dict, dict, str]:
+             env: dict | None = None, hops: bool = False, mode: str = "push") -> tuple[dict, dict, str]:
     """Runs P and D (inprocess_gpu_engine.py) side by side with config: D
     steps its first request once P has stepped its sends and published its
     Peer address. Returns their results and a text of both logs' tails for
     failure messages. Both processes are gone when it returns. hops: each
-    process traces its hops into work (hop_files)."""
+    process traces its hops into work (hop_files). mode: "push" (P
+    WRITEs) or "pull" (D READs)."""
     work.mkdir(parents=True, exist_ok=True)
     env = env if env is not None else engine_env(lib, config)
     secret = harness.secret_file(work)
     common = {"secret": secret, "memory": memory, "layers": layers, "blocks": blocks, "block_len": block_len,
               "transfers": xfers if xfers is not None else transfers(blocks), "timeout": timeout - 10,
-              "peer_file": str(work / "p.peer"), "peer_wait": START_TIMEOUT,
+              "peer_file": str(work / "p.peer"), "peer_wait": START_TIMEOUT, "mode": mode,
               "config": {"peer_secret_file": secret, "log_level": "warn", **config}}
     spec = {r: {**common, "role": r, "result": str(work / f"{r}.result.json")} for r in "PD"}
     if hops:
@@ -308,3 +309,20 @@ def test_push_gpu_memory_by_address_8_blocks(libkvxfer, tmp_path, name):
     recs = check_pair(pres, dres, logs, len(xf))
     report(name, recs)
     report_hops(f"{name}, {LAYERS}x8x{BLOCK_LEN >> 10}KiB", tmp_path)
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, 8])
+def test_pull_gpu_memory_by_address(libkvxfer, tmp_path, blocks):
+    """Pull, vLLM's default mode, over NIXL: D READs P's scattered blocks
+    of torch CUDA memory named by address, no registration leg before the
+    transfer (D knows P's blocks from the params); every byte of D checked
+    after each transfer, the timed ones printed beside push's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here (torch sees none)")
+    xf = transfers() if blocks == BLOCKS else transfers(8, check_blocks=6, timed=7, seed=8)
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES["nixl"], blocks=blocks, xfers=xf, hops=True, mode="pull")
+    recs = check_pair(pres, dres, logs, len(xf))
+    report("nixl, pull", recs)
+    report_hops(f"nixl, pull, {LAYERS}x{blocks}x{BLOCK_LEN >> 10}KiB", tmp_path)

@@ -2,7 +2,8 @@
 gpu_test_inprocess.py: a rank whose KV cache is GPU memory this process
 allocated with torch (or, to check this script's logic on a machine
 without a GPU, host memory), named by address (SharedMemory.in_process),
-that produces (P) or receives (D) a series of push transfers.
+that produces (P) or receives (D) a series of transfers, pushed (P
+WRITEs into D's blocks) or pulled (D READs P's).
 
 Usage: python inprocess_gpu_engine.py SPEC_JSON
 SPEC_JSON keys: role ("P" or "D"), secret (peer secret file), config (the
@@ -10,7 +11,7 @@ in-process server's configuration, kvxferd serve's flag names), memory
 ("device" or "host"), layers, blocks, block_len, transfers (a list of
 [p_ids, d_ids]: transfer k moves P's blocks p_ids into D's d_ids, in every
 layer), timeout (seconds for the whole run), result (a file for the JSON
-result), and peer_file: where P writes its Peer service address once its
+result), mode ("push", the default, or "pull"), and peer_file: where P writes its Peer service address once its
 sends are stepped, and D, started beside P, reads it (waiting up to
 peer_wait seconds) before its first step. Optional: py_hop_trace, a file
 for this process's own hop-trace lines (hoptrace.py): "py.step" as it
@@ -74,6 +75,7 @@ class Run:
         self.layer_bytes = self.blocks * self.block_len
         self.device = "cuda:0" if spec["memory"] == "device" else "cpu"
         self.deadline = time.monotonic() + spec["timeout"]
+        self.mode = {"push": pb.MODE_PUSH, "pull": pb.MODE_PULL}[spec.get("mode", "push")]
         self.res: dict = {"role": self.role, "pid": os.getpid()}
         # Hop-trace lines (py_hop_trace), written at the end.
         self.hops: list[dict] | None = [] if spec.get("py_hop_trace") else None
@@ -129,7 +131,7 @@ class Run:
                              regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=t.data_ptr(), block_len=self.block_len,
                                                 num_blocks=self.blocks, device_id=dev) for t in self.kv])
         t0 = time.monotonic()
-        self.w = self.client.connect(pb.WorkerHello(engine_id=self.role, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+        self.w = self.client.connect(pb.WorkerHello(engine_id=self.role, mode=self.mode, layout=layout, compat_hash="h",
                                                     memory=self.memory), ready_timeout=min(60.0, self.left()))
         self.res["attach_s"] = round(time.monotonic() - t0, 3)
 
@@ -163,7 +165,7 @@ class Run:
         self.w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=now, send=sends))
         c = kvxfer.Client(self.endpoint)
         try:
-            peer = c.scheduler("P").open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=BLOCK))
+            peer = c.scheduler("P").open(pb.SchedulerConfig(mode=self.mode, tp_size=1, logical_block_size=BLOCK))
         finally:
             c.close()
         tmp = self.spec["peer_file"] + ".tmp"
@@ -199,7 +201,8 @@ class Run:
                 request_id=f"d-{k}", transfer_id=f"t-{k}", local=[pb.Span(block_ids=d_ids)],
                 deadline_unix_nanos=now + int(self.left() * 1e9),
                 remote=pb.RemoteRef(engine_id="P", addr=p_peer, request_id=f"p-{k}", tp_size=1,
-                                    tokens=BLOCK * len(p_ids)))])
+                                    tokens=BLOCK * len(p_ids),
+                                    blocks=[pb.Span(block_ids=p_ids)] if self.mode == pb.MODE_PULL else []))])
             self.hop(time.monotonic_ns(), "py.step", "D", d_req=f"d-{k}", p_req=f"p-{k}", tid=f"t-{k}")
             t0 = time.perf_counter()
             self.w.step(meta)

@@ -39,6 +39,23 @@ PUSH_HOPS = [
 ]
 
 
+# The hops of a pull: D READs, P hears the READ is done.
+PULL_HOPS = [
+    "D: python step -> Worker.Step",
+    "D: Worker.Step -> loop took the step",
+    "D: loop took the step -> READ posted",
+    "D: READ Post call",
+    "D: READ posted -> D saw it done",
+    "D READ posted -> P drained its notice",
+    "D: READ seen done -> outcome published",
+    "D: outcome published -> stream sender woke",
+    "D: stream sender: drain, encode, Send",
+    "D: stream sender woke -> python poll returned",
+    "total D: python step -> python poll returned",
+    "total D: Worker.Step -> outcome published",
+]
+
+
 @pytest.fixture(scope="module")
 def libkvxfer(tmp_path_factory) -> Path:
     return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
@@ -53,8 +70,8 @@ def rows(lines: list[str]) -> dict[str, list[float]]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["builtin", "nixl"])
-def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, monkeypatch):
+@pytest.mark.parametrize("backend,mode", [("builtin", "push"), ("nixl", "push"), ("nixl", "pull")])
+def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, monkeypatch):
     pytest.importorskip("torch")
     config = pair.CASES[backend]
     if backend == "nixl" and pair.nixl_library() is None:
@@ -67,25 +84,27 @@ def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, monkeypat
     out.mkdir()
     monkeypatch.setenv("OUT", str(out))  # as test/gpu/run sets it
     work = tmp_path / "pair"
-    pres, dres, logs = pair.run_pair(libkvxfer, work, config, memory="host", blocks=8, xfers=xf, hops=True)
+    pres, dres, logs = pair.run_pair(libkvxfer, work, config, memory="host", blocks=8, xfers=xf, hops=True, mode=mode)
     pair.check_pair(pres, dres, logs, len(xf))
     files = pair.hop_files(work)
     names = ["D.hops.jsonl", "D.py.hops.jsonl", "P.hops.jsonl", "P.py.hops.jsonl"]
     assert [f.name for f in files] == names, files
-    lines = pair.report_hops(f"{backend} (CPU, host memory), 32x8x64KiB", work)
+    lines = pair.report_hops(f"{backend} {mode} (CPU, host memory), 32x8x64KiB", work)
     assert (out / "inprocess-hops.txt").read_text().splitlines() == lines
-    kept = out / "inprocess-hops" / f"{backend}_CPU_host_memory_32x8x64KiB"
+    kept = out / "inprocess-hops" / f"{backend}_{mode}_CPU_host_memory_32x8x64KiB"
     assert sorted(f.name for f in kept.iterdir()) == names
     assert lines[0].startswith(f"in-process hops | {backend}") and f"{timed} transfers timed (1 skipped), 4 files, 0 events dropped" in lines[0], lines
     got = rows(lines)
-    want = list(PUSH_HOPS)
-    if backend == "nixl":  # NIXL times its transfers itself (telemetry)
+    want = list(PUSH_HOPS if mode == "push" else PULL_HOPS)
+    if backend == "nixl" and mode == "push":  # NIXL times its transfers itself (telemetry)
         want.insert(want.index("P: WRITE posted -> P saw it done") + 1, "P: WRITE as the backend timed it (NIXL telemetry)")
+    if backend == "nixl" and mode == "pull":
+        want.insert(want.index("D: READ posted -> D saw it done") + 1, "D: READ as the backend timed it (NIXL telemetry)")
     assert list(got) == want, "\n".join(lines)
     for hop, (n, med, lo, hi) in got.items():
         assert n == timed and 0 <= lo <= med <= hi, f"{hop}: n {n}, median {med}, min {lo}, max {hi}\n" + "\n".join(lines)
     # The parts of D's path add up to no more than its whole.
-    path = sum(got[h][1] for h in PUSH_HOPS[:3])
+    path = sum(got[h][1] for h in want[:3])
     assert path < got["total D: python step -> python poll returned"][1], "\n".join(lines)
 
 
