@@ -11,7 +11,20 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 )
+
+// lockedWriter serializes writes to w.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
 
 // nixlPy is the python contender: NIXL's own Python API between two
 // processes, each on a torch CUDA tensor it allocated (see its doc).
@@ -81,6 +94,9 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 	cmd := exec.CommandContext(ctx, cfg.python, script, "--pieces", strings.Join(pieces, ","), "--blocks", strings.Join(blocks, ","),
 		"--layers", fmt.Sprint(cfg.cases[0].Layers), "--reps", fmt.Sprint(cfg.reps), "--warmup", fmt.Sprint(cfg.warmup),
 		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","))
+	// The child's standard error is copied by a goroutine of exec's while
+	// lines of its standard output that are no result go there too.
+	stderr = &lockedWriter{w: stderr}
 	cmd.Stderr = stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
