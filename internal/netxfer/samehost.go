@@ -20,6 +20,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvxfer/kvxfer/internal/finesleep"
 )
 
 // The same-host path. An agent also listens on an abstract unix socket
@@ -1083,7 +1085,7 @@ func (p *devPoller) loop() {
 		case young:
 			runtime.Gosched()
 		default:
-			time.Sleep(pollEvery)
+			finesleep.Sleep(pollEvery) // time.Sleep would take a millisecond
 		}
 	}
 }

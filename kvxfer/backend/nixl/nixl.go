@@ -12,6 +12,7 @@ import (
 	"github.com/kvxfer/kvxfer/kvxfer"
 
 	"github.com/kvxfer/kvxfer/hotpath"
+	"github.com/kvxfer/kvxfer/internal/finesleep"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 )
 
@@ -28,12 +29,16 @@ type Config struct {
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
 	// PollInterval is how often notifications and transfers are polled
-	// while a Worker awaits peer messages (kvxfer.Awaiter) or a transfer
-	// is in flight (default DefaultPollInterval); within a second of
-	// activity every millisecond, otherwise every 10 ms. NIXL has no
-	// completion callback: each hop of a transfer (a registration reaching
-	// P, P's WRITE ending, its notification reaching D) is seen at the
-	// next poll, so this interval is paid up to three times per transfer.
+	// while a transfer is in flight, or a Worker awaits peer messages
+	// (kvxfer.Awaiter) within 50 ms of activity (default
+	// DefaultPollInterval); four times less often while a Worker awaits
+	// within a second of activity; while a Worker awaits longer, or within
+	// a second of activity, every millisecond; otherwise every 10 ms. NIXL
+	// has no completion callback: each hop of a transfer (a registration
+	// reaching P, P's WRITE ending, its notification reaching D) is seen
+	// at the next poll, so this interval is paid up to three times per
+	// transfer. Intervals under a millisecond are slept in nanosleep
+	// (internal/finesleep): Go's timers would round them up to one.
 	PollInterval time.Duration
 	// ProgressDelay is how long NIXL's progress thread pauses between
 	// rounds (default 100 µs, whole microseconds). Negative makes it spin:
@@ -356,6 +361,7 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 	n.mu.next++
 	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: peer, state: kvxfer.XferInProgress}
 	n.mu.busy = time.Now()
+	n.woken()
 	return n.mu.next, nil
 }
 
@@ -448,6 +454,7 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	n.mu.next++
 	n.mu.xfers[n.mu.next] = &nixlXfer{x: x, peer: rp.peer, state: kvxfer.XferInProgress}
 	n.mu.busy = time.Now()
+	n.woken()
 	return n.mu.next, nil
 }
 
@@ -520,6 +527,9 @@ func (n *Backend) Notify(peer kvxfer.PeerName, msg []byte) error {
 	if err := n.a.Notify(string(peer), msg); err != nil {
 		return fmt.Errorf("notify %s: %w", peer, nixlErr(err))
 	}
+	n.mu.Lock()
+	n.mu.busy = time.Now() // an answer may come soon (hotPoll)
+	n.mu.Unlock()
 	return nil
 }
 
@@ -557,10 +567,7 @@ func (n *Backend) Awaiting(on bool) {
 	defer n.mu.Unlock()
 	if on {
 		n.mu.await++
-		select { // the poll loop may be sleeping its idle interval
-		case n.wake <- struct{}{}:
-		default:
-		}
+		n.woken() // the poll loop may be sleeping its idle interval
 	} else if n.mu.await > 0 {
 		n.mu.await--
 	}
@@ -569,17 +576,29 @@ func (n *Backend) Awaiting(on bool) {
 
 var _ kvxfer.Awaiter = (*Backend)(nil)
 
-// DefaultPollInterval is Config.PollInterval's default. A poll round costs
-// about 0.1 µs of NIXL calls (no notification waiting) plus a timer's
-// wake-up: an agent awaiting messages used 4.0% of a core polling every
-// 50 µs and 5.2% every 1 ms, 2.3% idle (its progress thread), on the
-// 2-core CI machine (noise dominates). 1 ms, the default before, added up
-// to a millisecond per hop of a transfer (bench/RESULTS.md).
+// DefaultPollInterval is Config.PollInterval's default. A poll round's
+// NIXL calls cost about 0.1 µs; its wake-up from nanosleep costs more:
+// about 25 µs of CPU on the 2-vCPU CI machine (a virtual machine), so a
+// Backend polling every 50 µs takes a third of a core there, for as long
+// as it polls at this rate (hotPoll). Each hop of a transfer is seen
+// about 140 µs after it came, against 0.5 ms on average (up to 1.1 ms)
+// when Go's timers paced the polls (bench/RESULTS.md).
 const DefaultPollInterval = 50 * time.Microsecond
 
 // recentPoll is how often a Backend that was active within the last
 // second, with nothing awaited now, polls.
 const recentPoll = time.Millisecond
+
+// hotPoll is how long after its last activity (a post, a notification
+// sent or received, Awaiting) a Backend whose Worker awaits peer messages
+// polls at PollInterval: an answer to what it did comes within it (a
+// WRITE of 512 MiB at 20 GB/s takes 25 ms). Up to a second after, it
+// polls four times less often (a peer's next request, say a registration
+// reaching a producer between transfers); past that, every recentPoll. A
+// Worker that waits long for a peer with nothing to say costs a poll a
+// millisecond, not one every PollInterval: each is a nanosleep wake-up,
+// about 25 µs of CPU on the 2-vCPU CI machine (a third of a core at 50 µs).
+const hotPoll = 50 * time.Millisecond
 
 // idlePoll is how often an idle Backend polls for notifications: the
 // longest a first message after a lull (a registration reaching an idle
@@ -587,19 +606,40 @@ const recentPoll = time.Millisecond
 const idlePoll = 10 * time.Millisecond
 
 // poll signals Events on notifications and finished transfers: every
-// PollInterval while a Worker awaits peer messages (Awaiting) or a
-// transfer is in flight; every recentPoll within a second of activity;
-// every idlePoll otherwise.
+// PollInterval while a transfer is in flight, or a Worker awaits peer
+// messages (Awaiting) within hotPoll of activity; every 4 PollIntervals
+// while a Worker awaits within a second of activity; every recentPoll
+// within a second of activity or while a Worker awaits; every idlePoll
+// otherwise. Pauses under a millisecond are slept in
+// nanosleep on the loop's own thread (finesleep): Go's timers would wake
+// an otherwise idle process only a millisecond later, and a 50 µs
+// interval became a millisecond at each hop of a transfer. A Post or an
+// Awaiting ends a longer pause at once (wake).
 func (n *Backend) poll() {
 	defer close(n.done)
-	t := time.NewTimer(n.cfg.PollInterval)
+	// This goroutine keeps its thread while it runs, the thread's timer
+	// slack tightened so that short pauses end on time.
+	defer finesleep.Tighten()()
+	t := time.NewTimer(time.Hour)
 	defer t.Stop()
+	next := n.cfg.PollInterval
 	for {
-		select {
-		case <-n.stop:
-			return
-		case <-t.C:
-		case <-n.wake: // the Reset below replaces the pending tick
+		if next < finesleep.Fine {
+			finesleep.Sleep(next)
+			select {
+			case <-n.stop:
+				return
+			case <-n.wake: // no pause to end: drop it
+			default:
+			}
+		} else {
+			t.Reset(next)
+			select {
+			case <-n.stop:
+				return
+			case <-t.C:
+			case <-n.wake:
+			}
 		}
 		signal := n.pull()
 		n.mu.Lock()
@@ -610,8 +650,7 @@ func (n *Backend) poll() {
 				}
 			}
 		})
-		awaited := n.mu.await > 0
-		idle := time.Since(n.mu.busy) > time.Second && !awaited
+		awaited, since := n.mu.await > 0, time.Since(n.mu.busy)
 		n.mu.Unlock()
 		for _, id := range ids {
 			if s, _ := n.State(id); s != kvxfer.XferInProgress {
@@ -624,15 +663,25 @@ func (n *Backend) poll() {
 			default:
 			}
 		}
-		next := n.cfg.PollInterval
+		next = n.cfg.PollInterval
 		switch {
-		case len(ids) > 0 || awaited:
-		case idle:
+		case len(ids) > 0 || awaited && since < hotPoll:
+		case awaited && since < time.Second:
+			next = min(4*n.cfg.PollInterval, max(recentPoll, n.cfg.PollInterval))
+		case !awaited && since > time.Second:
 			next = idlePoll
 		default:
 			next = max(recentPoll, n.cfg.PollInterval)
 		}
-		t.Reset(next)
+	}
+}
+
+// woken ends the poll loop's pause (a transfer was posted): it polls at
+// PollInterval from then on.
+func (n *Backend) woken() {
+	select {
+	case n.wake <- struct{}{}:
+	default:
 	}
 }
 
