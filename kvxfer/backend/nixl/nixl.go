@@ -663,16 +663,23 @@ func (n *Backend) poll() {
 			default:
 			}
 		}
-		next = n.cfg.PollInterval
-		switch {
-		case len(ids) > 0 || awaited && since < hotPoll:
-		case awaited && since < time.Second:
-			next = min(4*n.cfg.PollInterval, max(recentPoll, n.cfg.PollInterval))
-		case !awaited && since > time.Second:
-			next = idlePoll
-		default:
-			next = max(recentPoll, n.cfg.PollInterval)
-		}
+		next = pollAfter(n.cfg.PollInterval, len(ids) > 0, awaited, since)
+	}
+}
+
+// pollAfter is how long the poll loop pauses before its next round, with
+// transfers in flight or not, a Worker awaiting peer messages or not, and
+// since the Backend's last activity (see poll).
+func pollAfter(interval time.Duration, inFlight, awaited bool, since time.Duration) time.Duration {
+	switch {
+	case inFlight || awaited && since < hotPoll:
+		return interval
+	case awaited && since < time.Second:
+		return min(4*interval, max(recentPoll, interval))
+	case !awaited && since > time.Second:
+		return idlePoll
+	default:
+		return max(recentPoll, interval)
 	}
 }
 
