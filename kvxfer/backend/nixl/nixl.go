@@ -97,7 +97,7 @@ type Backend struct {
 	a      *capi.Agent
 	cfg    Config
 	events chan struct{}
-	wake   chan struct{} // Awaiting(true): poll now, at the busy rate from here on
+	wake   chan struct{} // Awaiting(true) or a post: end a long pause (woken)
 	stop   chan struct{}
 	done   chan struct{}
 	once   sync.Once
