@@ -6,13 +6,13 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 
 	"github.com/kvxfer/kvxfer/hotpath"
-	"github.com/kvxfer/kvxfer/internal/finesleep"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 )
 
@@ -37,7 +37,8 @@ type Config struct {
 	// has no completion callback: each hop of a transfer (a registration
 	// reaching P, P's WRITE ending, its notification reaching D) is seen
 	// at the next poll, so this interval is paid up to three times per
-	// transfer. Intervals under a millisecond are slept in nanosleep
+	// transfer. One poller serves every Backend of the process, each at
+	// its pace; its pauses under a millisecond are slept in nanosleep
 	// (internal/finesleep): Go's timers would round them up to one.
 	PollInterval time.Duration
 	// ProgressDelay is how long NIXL's progress thread pauses between
@@ -97,11 +98,15 @@ type Backend struct {
 	a      *capi.Agent
 	cfg    Config
 	events chan struct{}
-	wake   chan struct{} // Awaiting(true) or a post: end a long pause (woken)
-	stop   chan struct{}
-	done   chan struct{}
 	once   sync.Once
-	mu     struct {
+	// due is when the process's poller next polls this Backend (unix ns;
+	// 0: at once); round serializes a poll round with Close (pollOut).
+	due   atomic.Int64
+	round struct {
+		sync.Mutex
+		out bool // taken out of the poller: no more rounds
+	}
+	mu struct {
 		sync.Mutex
 		closed bool
 		chunks [][2]uint64 // mapped memory: base, len
@@ -175,13 +180,12 @@ func New(cfg Config) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &Backend{a: a, cfg: cfg, events: make(chan struct{}, 1), wake: make(chan struct{}, 1),
-		stop: make(chan struct{}), done: make(chan struct{})}
+	n := &Backend{a: a, cfg: cfg, events: make(chan struct{}, 1)}
 	n.mu.xfers = map[kvxfer.XferID]*nixlXfer{}
 	n.mu.preps = map[kvxfer.PrepID]nixlPrep{}
 	n.mu.peers = map[kvxfer.PeerName]*peerLife{}
 	nixlOpened(a.Name())
-	go n.poll()
+	polls.add(n)
 	return n, nil
 }
 
@@ -577,12 +581,13 @@ func (n *Backend) Awaiting(on bool) {
 var _ kvxfer.Awaiter = (*Backend)(nil)
 
 // DefaultPollInterval is Config.PollInterval's default. A poll round's
-// NIXL calls cost about 0.1 µs; its wake-up from nanosleep costs more:
-// about 25 µs of CPU on the 2-vCPU CI machine (a virtual machine), so a
-// Backend polling every 50 µs takes a third of a core there, for as long
-// as it polls at this rate (hotPoll). Each hop of a transfer is seen
-// about 140 µs after it came, against 0.5 ms on average (up to 1.1 ms)
-// when Go's timers paced the polls (bench/RESULTS.md).
+// NIXL calls cost about 0.1 µs; the poller's wake-up from nanosleep costs
+// more: about 25 µs of CPU on the 2-vCPU CI machine (a virtual machine),
+// so polling every 50 µs takes a third of a core there, for as long as a
+// Backend of the process polls at this rate (hotPoll; one poller serves
+// them all: poller.go). Each hop of a transfer is seen about 140 µs after
+// it came, against 0.5 ms on average (up to 1.1 ms) when Go's timers
+// paced the polls (bench/RESULTS.md).
 const DefaultPollInterval = 50 * time.Microsecond
 
 // recentPoll is how often a Backend that was active within the last
@@ -605,66 +610,40 @@ const hotPoll = 50 * time.Millisecond
 // producer that awaits nothing) waits to be seen.
 const idlePoll = 10 * time.Millisecond
 
-// poll signals Events on notifications and finished transfers: every
-// PollInterval while a transfer is in flight, or a Worker awaits peer
-// messages (Awaiting) within hotPoll of activity; every 4 PollIntervals
-// while a Worker awaits within a second of activity; every recentPoll
-// within a second of activity or while a Worker awaits; every idlePoll
-// otherwise. Pauses under a millisecond are slept in
-// nanosleep on the loop's own thread (finesleep): Go's timers would wake
-// an otherwise idle process only a millisecond later, and a 50 µs
-// interval became a millisecond at each hop of a transfer. A Post or an
-// Awaiting ends a longer pause at once (wake).
-func (n *Backend) poll() {
-	defer close(n.done)
-	// This goroutine keeps its thread while it runs, the thread's timer
-	// slack tightened so that short pauses end on time.
-	defer finesleep.Tighten()()
-	t := time.NewTimer(time.Hour)
-	defer t.Stop()
-	next := n.cfg.PollInterval
-	for {
-		if next < finesleep.Fine {
-			finesleep.Sleep(next)
-			select {
-			case <-n.stop:
+// pollRound is one poll of the Backend (by the process's poller, at its
+// due time): Events signalled on notifications and finished transfers;
+// it returns how long until the next (pollAfter).
+func (n *Backend) pollRound() time.Duration {
+	signal := n.pull()
+	n.mu.Lock()
+	ids := slices.Collect(func(yield func(kvxfer.XferID) bool) {
+		for id, x := range n.mu.xfers {
+			if x.state == kvxfer.XferInProgress && !yield(id) {
 				return
-			case <-n.wake: // no pause to end: drop it
-			default:
-			}
-		} else {
-			t.Reset(next)
-			select {
-			case <-n.stop:
-				return
-			case <-t.C:
-			case <-n.wake:
 			}
 		}
-		signal := n.pull()
-		n.mu.Lock()
-		ids := slices.Collect(func(yield func(kvxfer.XferID) bool) {
-			for id, x := range n.mu.xfers {
-				if x.state == kvxfer.XferInProgress && !yield(id) {
-					return
-				}
-			}
-		})
-		awaited, since := n.mu.await > 0, time.Since(n.mu.busy)
-		n.mu.Unlock()
-		for _, id := range ids {
-			if s, _ := n.State(id); s != kvxfer.XferInProgress {
-				signal = true
-			}
+	})
+	awaited, since := n.mu.await > 0, time.Since(n.mu.busy)
+	n.mu.Unlock()
+	for _, id := range ids {
+		if s, _ := n.State(id); s != kvxfer.XferInProgress {
+			signal = true
 		}
-		if signal {
-			select {
-			case n.events <- struct{}{}:
-			default:
-			}
-		}
-		next = pollAfter(n.cfg.PollInterval, len(ids) > 0, awaited, since)
 	}
+	if signal {
+		select {
+		case n.events <- struct{}{}:
+		default:
+		}
+	}
+	return pollAfter(n.cfg.PollInterval, len(ids) > 0, awaited, since)
+}
+
+// woken has the Backend polled at once (a transfer was posted, a Worker
+// began awaiting): it ends the poller's pause if that is a long one.
+func (n *Backend) woken() {
+	n.due.Store(0)
+	polls.wakeUp()
 }
 
 // pollAfter is how long the poll loop pauses before its next round, with
@@ -683,22 +662,12 @@ func pollAfter(interval time.Duration, inFlight, awaited bool, since time.Durati
 	}
 }
 
-// woken ends the poll loop's pause (a transfer was posted): it polls at
-// PollInterval from then on.
-func (n *Backend) woken() {
-	select {
-	case n.wake <- struct{}{}:
-	default:
-	}
-}
-
 // Close implements kvxfer.Backend: it stops polling and destroys the agent. It
 // is idempotent.
 func (n *Backend) Close() error {
 	var err error
 	n.once.Do(func() {
-		close(n.stop)
-		<-n.done
+		polls.remove(n)
 		n.mu.Lock()
 		n.mu.closed = true
 		for name, p := range n.mu.peers {
