@@ -235,14 +235,32 @@ func (a *Agent) layoutOnDevice(lays []Layout) bool {
 	return bytes
 }
 
+// layoutTableLen is the bytes of lays' table in a layout part: their
+// count, then per layout its counts, bases and entries.
+func layoutTableLen(lays []Layout) int {
+	n := 4
+	for _, l := range lays {
+		n += 8 + layoutBaseSize*len(l.Bases) + layoutEntrySize*len(l.Entries)
+	}
+	return n
+}
+
+// appendLayoutEntries appends a layout part's entries: the receiver's
+// offset, the sender's, the length.
+func appendLayoutEntries(h []byte, es []LayoutEntry) []byte {
+	for _, e := range es {
+		h = binary.LittleEndian.AppendUint64(h, e.Remote)
+		h = binary.LittleEndian.AppendUint64(h, e.Local)
+		h = binary.LittleEndian.AppendUint64(h, e.Len)
+	}
+	return h
+}
+
 // sendLayoutLocal sends a layout WRITE on a same-host connection; false
 // (nothing sent) if a base's memory cannot be passed (the caller sends
 // the pieces instead).
 func (a *Agent) sendLayoutLocal(c *conn, x *xfer) (bool, error) {
-	tl := 4
-	for _, l := range x.layouts {
-		tl += 8 + layoutBaseSize*len(l.Bases) + layoutEntrySize*len(l.Entries)
-	}
+	tl := layoutTableLen(x.layouts)
 	if tl > maxLayoutTable {
 		return false, nil
 	}
@@ -272,31 +290,11 @@ func (a *Agent) sendLayoutLocal(c *conn, x *xfer) (bool, error) {
 			h = binary.LittleEndian.AppendUint32(h, ref.chunk)
 			h = binary.LittleEndian.AppendUint64(h, ref.off)
 		}
-		for _, e := range l.Entries {
-			h = binary.LittleEndian.AppendUint64(h, e.Remote)
-			h = binary.LittleEndian.AppendUint64(h, e.Local)
-			h = binary.LittleEndian.AppendUint64(h, e.Len)
-		}
+		h = appendLayoutEntries(h, l.Entries)
 	}
 	need := m.need
 	a.mu.Unlock()
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	if err := sendChunks(c.uc, c.sent, need); err != nil {
-		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
-		return true, err
-	}
-	if c.descs != nil {
-		if pos, ok := c.putTable(h[hl:]); ok {
-			h[0] = tWriteLayoutTable
-			h = binary.LittleEndian.AppendUint64(h[:hl], pos)
-		}
-	}
-	if _, err := c.c.Write(h); err != nil {
-		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
-		return true, err
-	}
-	return true, nil
+	return true, c.sendPart(need, h, hl, tWriteLayoutTable)
 }
 
 // wireLayout is a layout part's layout as the receiver parsed it.
@@ -576,13 +574,11 @@ func (a *Agent) deviceLayout(s *localServer, lays []wireLayout) (bool, []DevCopy
 	return true, []DevCopy{cp}, nil
 }
 
-// sendReadLayout sends a layout READ on a same-host connection; it is
-// always sent (true): the server answers as layouts or piece by piece.
+// sendReadLayout sends a layout READ on a same-host connection (false,
+// nothing sent, when its table is too long: the caller sends the pieces);
+// the server answers as layouts or piece by piece.
 func (a *Agent) sendReadLayout(c *conn, x *xfer) (bool, error) {
-	tl := 4
-	for _, l := range x.layouts {
-		tl += 8 + layoutBaseSize*len(l.Bases) + layoutEntrySize*len(l.Entries)
-	}
+	tl := layoutTableLen(x.layouts)
 	if tl > maxLayoutTable {
 		return false, nil
 	}
@@ -602,11 +598,7 @@ func (a *Agent) sendReadLayout(c *conn, x *xfer) (bool, error) {
 			h = binary.LittleEndian.AppendUint32(h, 0)
 			h = binary.LittleEndian.AppendUint64(h, 0)
 		}
-		for _, e := range l.Entries {
-			h = binary.LittleEndian.AppendUint64(h, e.Remote)
-			h = binary.LittleEndian.AppendUint64(h, e.Local)
-			h = binary.LittleEndian.AppendUint64(h, e.Len)
-		}
+		h = appendLayoutEntries(h, l.Entries)
 	}
 	return true, c.writeFrame(h)
 }

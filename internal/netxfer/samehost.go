@@ -1250,23 +1250,32 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 	}
 	need := m.need
 	a.mu.Unlock()
+	return true, c.sendPart(need, h, len(h)-localDescSize*len(ds), tWriteTable)
+}
+
+// sendPart sends a same-host part whose header is h[:hl] and whose table
+// is h[hl:]: first the files its table names that the peer lacks, then
+// the part, its table through the descriptor ring (the frame's type then
+// tableType) when there is room, else inline. A failure fails the
+// connection.
+func (c *conn) sendPart(need []*chunk, h []byte, hl int, tableType byte) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	if err := sendChunks(c.uc, c.sent, need); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
-		return true, err
+		return err
 	}
-	if hl := len(h) - localDescSize*len(ds); c.descs != nil {
+	if c.descs != nil {
 		if pos, ok := c.putTable(h[hl:]); ok {
-			h[0] = tWriteTable
+			h[0] = tableType
 			h = binary.LittleEndian.AppendUint64(h[:hl], pos)
 		}
 	}
 	if _, err := c.c.Write(h); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
-		return true, err
+		return err
 	}
-	return true, nil
+	return nil
 }
 
 // putTable writes a part's descriptor table into the connection's area
