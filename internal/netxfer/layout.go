@@ -401,6 +401,21 @@ func expandLayouts(ranges []Region, refs []localRef, lays []wireLayout) ([]Regio
 	return ranges, refs
 }
 
+// readLayouts reads a layout part's table of n bytes (inline, or from the
+// descriptor area when inArea) and parses it, counting the part.
+func (a *Agent) readLayouts(s *localServer, r *scatterReader, hdr []byte, n int, inArea bool) ([]wireLayout, error) {
+	tab, err := a.readTable(s, r, hdr, n, inArea)
+	if err != nil {
+		return nil, err
+	}
+	lays, err := s.parseLayouts(tab)
+	if err != nil {
+		return nil, err
+	}
+	a.layoutParts.Add(1)
+	return lays, nil
+}
+
 // serveWriteLayout lands one layout WRITE part (tWriteLayout).
 func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writer, from string, hdr []byte, inArea bool) error {
 	h, err := readWriteHeader(r, hdr)
@@ -410,15 +425,10 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	if h.n > maxLayoutTable || h.parts != 1 {
 		return fmt.Errorf("%w: a layout part of %d table bytes, part %d of %d", ErrProtocol, h.n, h.part, h.parts)
 	}
-	tab, err := a.readTable(s, r, hdr, int(h.n), inArea)
+	lays, err := a.readLayouts(s, r, hdr, int(h.n), inArea)
 	if err != nil {
 		return err
 	}
-	lays, err := s.parseLayouts(tab)
-	if err != nil {
-		return err
-	}
-	a.layoutParts.Add(1)
 	if err := a.landingRoom(from, h); err != nil {
 		return err
 	}
@@ -626,15 +636,10 @@ func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Write
 	if nl == 0 {
 		tag = nil
 	}
-	tab, err := a.readTable(s, r, hdr, int(n), false)
+	lays, err := a.readLayouts(s, r, hdr, int(n), false)
 	if err != nil {
 		return err
 	}
-	lays, err := s.parseLayouts(tab)
-	if err != nil {
-		return err
-	}
-	a.layoutParts.Add(1)
 	if cap(s.ranges) > keepScratch {
 		s.ranges = nil
 	}
