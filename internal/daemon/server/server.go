@@ -204,6 +204,7 @@ type Server struct {
 	enc          *zstd.Encoder
 	draining     chan struct{}
 	drainOne     sync.Once
+	drainMu      sync.Mutex // a stream counted (enter) and draining begun take turns
 	gpuMu        sync.Mutex
 	gpus         map[int]*cuda.Device // by this process's ordinal
 	gpuUUIDs     map[[16]byte]int     // UUID -> ordinal, resolved once
@@ -394,14 +395,32 @@ func (s *Server) Workers() map[string][]*kvxfer.Worker {
 // complete (up to DrainTimeout), reports every outcome, releases its
 // memory and ends its stream. It returns when they all ended or ctx ends.
 func (s *Server) Drain(ctx context.Context) error {
+	s.drainMu.Lock()
 	s.drainOne.Do(func() { close(s.draining) })
-	done := make(chan struct{})
+	s.drainMu.Unlock()
+	done := make(chan struct{}) // no stream is counted from here on (enter)
 	go func() { s.streams.Wait(); close(done) }()
 	select {
 	case <-done:
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
+	}
+}
+
+// enter counts a worker stream that Drain waits for, unless the server
+// drains already (false). A stream that came as Drain began is either
+// counted before its Wait or refused, never counted under it (a
+// WaitGroup's Add racing its Wait at zero).
+func (s *Server) enter() bool {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
+	select {
+	case <-s.draining:
+		return false
+	default:
+		s.streams.Add(1)
+		return true
 	}
 }
 
@@ -523,11 +542,10 @@ func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.Han
 
 // Connect implements WorkerService: one engine rank's stream.
 func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
-	select {
-	case <-s.draining:
+	if !s.enter() {
 		return Status(errDraining)
-	default:
 	}
+	defer s.streams.Done()
 	engine, err := caller(st.Context())
 	if err != nil {
 		s.limits.refuse("permission")
@@ -539,8 +557,6 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 		return Status(err)
 	}
 	defer done()
-	s.streams.Add(1)
-	defer s.streams.Done()
 	first, err := s.recvHello(st)
 	if err != nil {
 		return Status(err)
