@@ -130,14 +130,24 @@ func (f *fleet) changed(ch registry.Change) {
 	}
 }
 
-// lookup is the server's PeerLookup: an engine's address from the view.
+// lookup is the server's PeerLookup: an engine's address from the view,
+// or from etcd itself when the view has none yet (it has just joined).
 func (f *fleet) lookup(engine string) (string, error) {
-	e, ok := f.view.Lookup(engine)
-	if !ok {
+	ctx, cancel := context.WithTimeout(context.Background(), lookupTimeout)
+	defer cancel()
+	e, ok, err := f.view.LookupNow(ctx, engine)
+	switch {
+	case err != nil:
+		return "", fmt.Errorf("engine %q: not in this daemon's view of the fleet registry (-etcd), and etcd could not be asked: %w", engine, err)
+	case !ok:
 		return "", fmt.Errorf("engine %q: not in the fleet registry (-etcd), and the transfer params name no address", engine)
 	}
 	return e.Peer(), nil
 }
+
+// lookupTimeout bounds a lookup's read from etcd (within the handshake's
+// own timeout, 5 s by default).
+const lookupTimeout = 2 * time.Second
 
 // enginesChanged is the server's OnEnginesChanged.
 func (f *fleet) enginesChanged() {

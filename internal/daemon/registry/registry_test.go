@@ -262,3 +262,43 @@ func TestLookupFollowsTheNewestEntry(t *testing.T) {
 		t.Fatalf("after the old entry went: Lookup(P) = %s, %v", e.Peer(), ok)
 	}
 }
+
+// LookupNow finds an engine the view has not seen yet (its watch lags,
+// here stopped) by asking etcd, as the view would decode it; an engine
+// etcd has no entry for, or no key could name, is not found.
+func TestLookupNowSeesWhatTheViewHasNot(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	v, err := registry.NewView(registry.ViewConfig{Client: dial(t, etcd.Endpoint())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); !v.Synced(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the view did not list etcd within 10 s")
+		}
+	}
+	v.Close() // its view stays as it is: nothing of what follows reaches it
+	r, _ := registry.NewRegistrar(registry.RegistrarConfig{Client: dial(t, etcd.Endpoint()), TTL: 5 * time.Second})
+	defer r.Close(context.Background())
+	if err := r.Set([]registry.Entry{entry("P", "127.0.0.1:7003", 7)}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var e registry.Entry
+	var ok bool
+	for ; !ok && err == nil && ctx.Err() == nil; time.Sleep(10 * time.Millisecond) { // the registrar puts it in the background
+		e, ok, err = v.LookupNow(ctx, "P")
+	}
+	if err != nil || !ok || e.Peer() != "127.0.0.1:7003" || e.Generation != 7 {
+		t.Fatalf("LookupNow(P) = %s gen %d, %v, %v; want 127.0.0.1:7003 gen 7", e.Peer(), e.Generation, ok, err)
+	}
+	if _, ok := v.Lookup("P"); ok {
+		t.Fatal("Lookup(P) found it: the view was meant to lag")
+	}
+	for _, id := range []string{"Q", "P/127.0.0.1:7003", "", "a b"} {
+		if e, ok, err := v.LookupNow(ctx, id); ok || err != nil {
+			t.Errorf("LookupNow(%q) = %s, %v, %v; want not found", id, e.Peer(), ok, err)
+		}
+	}
+}

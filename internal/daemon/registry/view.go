@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -131,6 +132,42 @@ func (v *View) Lookup(engine string) (Entry, bool) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	return current(v.mu.engines[engine])
+}
+
+// maxLookupNow bounds the entries LookupNow reads for one engine (one per
+// daemon it registered from whose lease still runs).
+const maxLookupNow = 64
+
+// LookupNow is Lookup, asking etcd itself when the view has no entry for
+// engine: the view follows etcd through a watch, a few milliseconds
+// behind, and an engine that has just joined (a producer back after a
+// restart, a request naming it routed at once) would be refused for that
+// lag. It reads the engine's entries (at most maxLookupNow, each decoded
+// as the view does), within ctx; found says whether it has one. The view
+// itself is left to its watch.
+func (v *View) LookupNow(ctx context.Context, engine string) (e Entry, found bool, err error) {
+	if e, ok := v.Lookup(engine); ok {
+		return e, true, nil
+	}
+	if engine == "" || len(engine) > maxIDBytes || strings.ContainsFunc(engine, func(r rune) bool { return r <= ' ' || r == '/' }) {
+		return Entry{}, false, nil // no key holds it
+	}
+	resp, err := v.cfg.Client.Get(ctx, EnginesPrefix(v.cfg.Prefix)+engine+"/", clientv3.WithPrefix(), clientv3.WithLimit(maxLookupNow))
+	if err != nil {
+		return Entry{}, false, err
+	}
+	set := map[string]Entry{}
+	for _, kv := range resp.Kvs {
+		k := string(kv.Key)
+		e, err := Decode(v.cfg.Prefix, k, kv.Value)
+		if err != nil {
+			continue // the view counts and logs it when its watch brings it
+		}
+		e.created = kv.CreateRevision
+		set[k] = e
+	}
+	e, found = current(set)
+	return e, found, nil
 }
 
 // Engines returns every engine's current entry, ordered by engine id.
