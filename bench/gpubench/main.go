@@ -269,6 +269,10 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 	}
 	host := new([]byte)
 	started := time.Now()
+	// Out of time, the cases measured so far are still reported (the rest
+	// read "not run"), and the run fails.
+	var late error
+cases:
 	for _, c := range cfg.cases {
 		b := grow(host, c.span())
 		pattern(b, c.seed(), 0)
@@ -281,7 +285,8 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 				continue
 			}
 			if err := ctx.Err(); err != nil {
-				return err
+				late = fmt.Errorf("out of time (-timeout %v) before %s on %s: the cases left read \"not run\"", cfg.timeout, ct.name, c)
+				break cases
 			}
 			out := measure(m, c, cfg)
 			res[ct.name][c] = out
@@ -291,7 +296,15 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 		}
 	}
 	fmt.Fprintf(stdout, "gpubench: the Go contenders took %v\n", time.Since(started).Round(time.Millisecond))
-	if slices.Contains(cfg.names, pythonName) || slices.Contains(cfg.names, pushName) {
+	if late != nil {
+		fmt.Fprintf(stdout, "gpubench: %v\n", late)
+		for n := range pyModes {
+			if slices.Contains(cfg.names, n) {
+				why[n] = "out of time before it started"
+			}
+		}
+	}
+	if late == nil && (slices.Contains(cfg.names, pythonName) || slices.Contains(cfg.names, pushName)) {
 		pr, perr := runPython(ctx, cfg, stderr)
 		for n := range pyModes {
 			switch {
@@ -305,6 +318,9 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 	}
 	fmt.Fprintln(stdout)
 	failed := report(stdout, cfg, res, why)
+	if late != nil {
+		return late
+	}
 	if failed > 0 {
 		return fmt.Errorf("%d case(s) failed (see the table)", failed)
 	}

@@ -43,6 +43,24 @@ func TestFakeGPU(t *testing.T) {
 	}
 }
 
+// Out of time, the bench still prints its table, the cases it did not
+// reach reading "not run", and fails saying why.
+func TestOutOfTimeStillReports(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2", "-pieces", "4KiB", "-layers", "2", "-reps", "1",
+		"-contenders", "kernel,contig,python", "-timeout", "1ns"}, &out, &errb)
+	if err == nil || !strings.Contains(err.Error(), "out of time") {
+		t.Fatalf("run with -timeout 1ns = %v, want an out-of-time error\n%s", err, out.String())
+	}
+	for _, want := range []string{"| kvxfer copy kernel, one launch (one process) | 4 KiB | not run |",
+		"| device copy, contiguous (the limit) | 4 KiB | not run |",
+		"| NIXL Python API (num_threads=4) | all | did not run: out of time before it started |"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
 // A piece that lands in the wrong place, or not at all, is caught.
 func TestVerify(t *testing.T) {
 	c := xcase{Piece: 64, Blocks: 4, Layers: 2}
