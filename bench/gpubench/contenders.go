@@ -14,6 +14,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/cuda"
 	"github.com/kvxfer/kvxfer/internal/netxfer"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
+	kvnixl "github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 )
 
 // side is one process's memory for the bench: a region of its GPU.
@@ -70,10 +71,14 @@ var contenders = []contender{
 		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
 		avail: nixlAvail, peer: nixlPeer(4), open: nixlOpen(4)},
+	{name: "nixl4-read", what: "kvxfer NIXL, num_threads=4, pulling: the parent READs the child's source region into its own scratch (vLLM's default mode)",
+		avail: nixlAvail, peer: nixlPeer(4), open: nixlReadOpen(4)},
 	{name: "contig", what: "device copy: one contiguous cuMemcpyDtoD of the same bytes in one process (the limit)",
 		open: contigOpen},
 	{name: "kernel", what: "kvxfer's copy kernel in one process: one launch of every piece (internal/cuda Post), post to done",
 		open: kernelOpen},
+	{name: "kernel-layout", what: "kvxfer's copy kernel in one process, staged as a layout (a region per layer, an entry per block: what the same-host path stages), post to done",
+		open: kernelLayoutOpen},
 	{name: "perpiece", what: "one asynchronous cuMemcpyDtoD per piece on one stream, one event at the end (internal/cuda PostEach: the fallback)",
 		open: perPieceOpen},
 }
@@ -85,6 +90,7 @@ var contenders = []contender{
 const (
 	pythonName = "python"
 	pushName   = "python-push"
+	readName   = "python-read"
 )
 
 func findContender(name string) (contender, bool) {
@@ -279,7 +285,10 @@ func nixlConfig(o *opts, role string, threads int) capi.Config {
 	if o.fake {
 		params["ucx_error_handling_mode"] = "none" // shared memory transports (xferbench)
 	}
-	return capi.Config{Name: fmt.Sprintf("gpubench-%s-t%d-%d", role, threads, os.Getpid()), Plugin: "UCX", Params: params,
+	if ec := engineConfig(o); ec != "" {
+		params["engine_config"] = ec
+	}
+	return capi.Config{Name: fmt.Sprintf("gpubench-%s-t%d-%d-%d", role, threads, os.Getpid(), agents.Add(1)), Plugin: "UCX", Params: params,
 		VRAM: !o.fake, ProgressDelay: capi.DefaultProgressDelay}
 }
 
@@ -293,6 +302,17 @@ func nixlAgent(o *opts, s *side, role string, threads int) (*capi.Agent, error) 
 		return nil, fmt.Errorf("register %d MiB: %w", s.size>>20, err)
 	}
 	return a, nil
+}
+
+// engineConfig is the UCX plugin's engine_config every NIXL contender
+// gets, Go's and Python's alike: on a GPU kvxfer's VRAM defaults
+// (nixl.GPUEngineConfig: READs over cuda_ipc without NVLink), unless
+// UCX_CUDA_IPC_ENABLE_GET_ZCOPY in the environment decides.
+func engineConfig(o *opts) string {
+	if o.fake || os.Getenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") != "" {
+		return ""
+	}
+	return strings.Join(kvnixl.GPUEngineConfig, ",")
 }
 
 type nixlSide struct{ a *capi.Agent }
@@ -368,6 +388,69 @@ func (m *nixlMover) write(c xcase) (time.Duration, error) {
 	return d, err
 }
 
+// nixlReadMover pulls: the parent READs the pieces from the child's
+// region (filled with the source pattern) into its own scratch region,
+// where they are checked.
+type nixlReadMover struct {
+	r       *remote
+	a       *capi.Agent
+	peer    string
+	scratch *side
+	host    *[]byte
+	posted  bool
+	descs   map[xcase][][3]uint64
+}
+
+func nixlReadOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+	return func(o *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
+		a, err := nixlAgent(o, scratch, "p-read", threads)
+		if err != nil {
+			return nil, nil, err
+		}
+		peer, err := a.LoadPeer(meta)
+		if err != nil {
+			a.Close()
+			return nil, nil, err
+		}
+		return &nixlReadMover{r: r, a: a, peer: peer, scratch: scratch, host: new([]byte), descs: map[xcase][][3]uint64{}}, nil, nil
+	}
+}
+
+func (m *nixlReadMover) prepare(c xcase) error {
+	if _, err := m.r.call(ctlReq{Op: "fill", Case: c}); err != nil {
+		return err
+	}
+	return mark(m.scratch, c)
+}
+
+func (m *nixlReadMover) write(c xcase) (time.Duration, error) {
+	ds, ok := m.descs[c]
+	if !ok {
+		for _, p := range c.pairs() {
+			ds = append(ds, [3]uint64{m.scratch.base + p.dst, m.r.base + p.src, uint64(c.Piece)})
+		}
+		m.descs[c] = ds
+	}
+	start := time.Now()
+	x, err := m.a.Post(false, m.peer, ds, nil)
+	for deadline := time.Now().Add(20 * time.Second); err != nil && !m.posted && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+		start = time.Now()
+		x, err = m.a.Post(false, m.peer, ds, nil)
+	}
+	if err != nil {
+		return 0, err
+	}
+	m.posted = true
+	err = waitDone(func() (bool, error) { return m.a.State(x) }, nil)
+	d := time.Since(start)
+	_ = m.a.Release(x)
+	return d, err
+}
+
+func (m *nixlReadMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+func (m *nixlReadMover) close() error        { return m.a.Close() }
+
 // localMover copies within the parent, from its source region into its
 // scratch region, and checks there.
 type localMover struct {
@@ -418,6 +501,46 @@ type batchMover struct {
 func kernelOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
 	return batchMover{localMover{src, scratch, new([]byte)}, src.g.PostCopy}, nil, nil
 }
+
+func kernelLayoutOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
+	return kernelLayoutMover{localMover{src, scratch, new([]byte)}}, nil, nil
+}
+
+// kernelLayoutMover posts a case as the same-host path stages it: one
+// region per layer, one entry per block.
+type kernelLayoutMover struct{ localMover }
+
+func (m kernelLayoutMover) write(c xcase) (time.Duration, error) {
+	l := c.layout(m.src.base, m.scratch.base)
+	regs := make([]netxfer.DevRegion, len(l.Bases))
+	for i, b := range l.Bases {
+		regs[i] = netxfer.DevRegion{Dst: b.Remote, Src: b.Local}
+	}
+	ents := make([]netxfer.DevEntry, len(l.Entries))
+	for i, e := range l.Entries {
+		ents[i] = netxfer.DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len}
+	}
+	start := time.Now()
+	b, err := m.src.g.NewBatch(len(regs) + len(ents))
+	if err != nil {
+		return 0, err
+	}
+	lb, ok := b.(netxfer.LayoutBatch)
+	if !ok || !lb.AddLayout(regs, ents) {
+		b.Discard()
+		return 0, fmt.Errorf("%s: the device's batch took no layout of %d regions and %d entries", c, len(regs), len(ents))
+	}
+	cp, err := b.Post()
+	if err != nil {
+		return 0, err
+	}
+	err = waitDone(cp.Done, nil)
+	return time.Since(start), err
+}
+
+func (m kernelLayoutMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+func (kernelLayoutMover) close() error { return nil }
 
 func perPieceOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
 	return batchMover{localMover{src, scratch, new([]byte)}, src.g.PostEach}, nil, nil

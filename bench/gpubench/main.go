@@ -80,7 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 32, "layers")
 	reps := fs.Int("reps", 5, "timed transfers per case and contender")
 	warmup := fs.Int("warmup", 1, "untimed transfers before them")
-	names := fs.String("contenders", "samehost,samehost-pieces,nixl,nixl4,python,python-push,kernel,contig,perpiece", "contenders, comma-separated")
+	names := fs.String("contenders", "samehost,samehost-pieces,nixl,nixl4,nixl4-read,python,python-push,python-read,kernel,kernel-layout,contig,perpiece", "contenders, comma-separated")
 	python := fs.String("python", "python3", "the Python of the python contender (torch and nixl_cu12)")
 	pySmall := fs.Bool("python-small", true, "run the python contender's pieces under 64 KiB too")
 	fake := fs.Bool("fake-gpu", false, "host memory stands in for the GPU (tests; the numbers mean nothing)")
@@ -116,8 +116,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	for _, n := range strings.Split(*names, ",") {
 		n = strings.TrimSpace(n)
-		if _, ok := findContender(n); !ok && n != pythonName && n != pushName {
-			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, nixl, nixl4, python, python-push, kernel, contig, perpiece)", n)
+		if _, ok := findContender(n); !ok && pyModes[n] == "" {
+			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, nixl, nixl4, nixl4-read, python, python-push, python-read, kernel, kernel-layout, contig, perpiece)", n)
 		}
 		cfg.names = append(cfg.names, n)
 	}
@@ -304,7 +304,7 @@ cases:
 			}
 		}
 	}
-	if late == nil && (slices.Contains(cfg.names, pythonName) || slices.Contains(cfg.names, pushName)) {
+	if late == nil && slices.ContainsFunc(cfg.names, func(n string) bool { return pyModes[n] != "" }) {
 		pr, perr := runPython(ctx, cfg, stderr)
 		for n := range pyModes {
 			switch {
@@ -530,6 +530,11 @@ func childMain(o opts, span int) error {
 			err = mark(s, req.Case)
 		case "verify":
 			err = checkSide(s, req.Case, host)
+		case "fill":
+			// The source pattern in this region (a READ's remote side).
+			b := grow(host, req.Case.span())
+			pattern(b, req.Case.seed(), 0)
+			err = s.g.CopyIn(s.base, b)
 		default:
 			err = fmt.Errorf("unknown request %q", req.Op)
 		}

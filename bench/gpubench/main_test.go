@@ -28,11 +28,12 @@ func TestMain(m *testing.M) {
 func TestFakeGPU(t *testing.T) {
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
-		"-contenders", "samehost,samehost-pieces,kernel,contig,perpiece"}, &out, &errb)
+		"-contenders", "samehost,samehost-pieces,kernel,kernel-layout,contig,perpiece"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
 	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice), as a layout | 4 KiB |", "| kvxfer same-host (netxfer, MapDevice), as pieces | 520 B |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
+		"| kvxfer copy kernel, one launch of a layout (one process) | 520 B |",
 		"5 blocks (15 pieces)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())
@@ -83,8 +84,9 @@ func TestVerify(t *testing.T) {
 	}
 }
 
-// The python contenders (NIXL's own Python API) on host memory, where the
-// Python here has torch and nixl_cu12: both modes run every case and
+// The python contenders (NIXL's own Python API: WRITE, the push round
+// trip, READ) and kvxfer's NIXL READ on host memory, where the
+// Python here has torch and nixl_cu12: every mode runs every case and
 // check every byte (a case that failed, or wrong bytes, is FAILED).
 func TestPythonContendersOnHost(t *testing.T) {
 	py := os.Getenv("KVXFER_TEST_PYTHON")
@@ -96,11 +98,12 @@ func TestPythonContendersOnHost(t *testing.T) {
 	}
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-fake-gpu", "-python", py, "-blocks", "2,5", "-pieces", "4KiB", "-layers", "3", "-reps", "3",
-		"-contenders", "python,python-push"}, &out, &errb)
+		"-contenders", "python,python-push,python-read,nixl4-read"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
-	for _, want := range []string{"| NIXL Python API (num_threads=4) | 4 KiB |", "| NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it) | 4 KiB |"} {
+	for _, want := range []string{"| NIXL Python API (num_threads=4) | 4 KiB |", "| NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it) | 4 KiB |",
+		"| NIXL Python API (num_threads=4), READ (pull) | 4 KiB |", "| kvxfer NIXL (UCX num_threads=4), READ (pull) | 4 KiB |"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())
 		}

@@ -73,11 +73,13 @@ def seed_of(piece, blocks, layers):
     return (piece * 1_000_003 + blocks * 131 + layers) & 0xFFFFFFFF
 
 
-def make_agent(role, threads, device):
+def make_agent(role, threads, device, engine_config=""):
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
     a = nixl_agent(f"gpubench-py-{role}-{os.getpid()}-{time.time_ns()}", nixl_agent_config(backends=[]))
     params = {"num_threads": str(threads)} if threads > 0 else {}
+    if engine_config:
+        params["engine_config"] = engine_config  # UCX settings, as kvxfer's agents get them
     if device == "cpu":
         params["ucx_error_handling_mode"] = "none"  # host memory over shared memory transports
     a.create_backend("UCX", params)
@@ -107,14 +109,14 @@ def push_rounds(agent, peer, reps, deadline_s=30.0):
     return out
 
 
-def destination(conn, span, threads, device):
+def destination(conn, span, threads, device, engine_config):
     """The destination process: its own tensor, its agent; marks, checks and
     push round trips on request."""
     try:
         import torch
 
         buf = torch.empty(span, dtype=torch.uint8, device=device)
-        agent = make_agent("d", threads, device)
+        agent = make_agent("d", threads, device, engine_config)
         agent.register_memory(buf)
         conn.send(("hello", agent.get_agent_metadata(), buf.data_ptr()))
     except Exception as e:  # noqa: BLE001
@@ -137,22 +139,36 @@ def destination(conn, span, threads, device):
                 sync(device)
                 conn.send(("ok",))
             elif msg[0] == "verify":
+                bad = misplaced(buf, *msg[1:], device)
+                conn.send(("error", bad) if bad else ("ok",))
+            elif msg[0] == "fill":
+                # The source pattern here: the remote side of a READ.
                 piece, blocks, layers = msg[1:]
-                pool, src_rows, dst_rows = shape(piece, blocks, layers)
+                pool, _, _ = shape(piece, blocks, layers)
                 n = layers * pool * piece
-                want = source_pattern(n, seed_of(piece, blocks, layers), device).view(-1, piece)
-                got = buf[:n].view(-1, piece)
-                si, di = torch.as_tensor(src_rows, device=device), torch.as_tensor(dst_rows, device=device)
-                bad = (got[di] != want[si]).any(dim=1).nonzero()
-                if bad.numel():
-                    i = int(bad[0])
-                    conn.send(("error", f"piece {i} of {len(dst_rows)} (destination row {int(dst_rows[i])}) differs"))
-                else:
-                    conn.send(("ok",))
+                buf[:n].copy_(source_pattern(n, seed_of(piece, blocks, layers), device))
+                sync(device)
+                conn.send(("ok",))
             else:
                 conn.send(("error", f"unknown request {msg[0]!r}"))
         except Exception as e:  # noqa: BLE001
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def misplaced(buf, piece, blocks, layers, device):
+    """Why buf does not hold a case's pieces where they belong, or None."""
+    import torch
+
+    pool, src_rows, dst_rows = shape(piece, blocks, layers)
+    n = layers * pool * piece
+    want = source_pattern(n, seed_of(piece, blocks, layers), device).view(-1, piece)
+    got = buf[:n].view(-1, piece)
+    si, di = torch.as_tensor(src_rows, device=device), torch.as_tensor(dst_rows, device=device)
+    bad = (got[di] != want[si]).any(dim=1).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        return f"piece {i} of {len(dst_rows)} (destination row {int(dst_rows[i])}) differs"
+    return None
 
 
 def ask(conn, *msg):
@@ -163,10 +179,10 @@ def ask(conn, *msg):
     return r
 
 
-def write_once(agent, local, remote, peer, notif=b""):
-    """One timed WRITE: prepared, posted and polled until DONE."""
+def write_once(agent, local, remote, peer, notif=b"", op="WRITE"):
+    """One timed WRITE (or READ): prepared, posted and polled until DONE."""
     t0 = time.perf_counter()
-    h = agent.initialize_xfer("WRITE", local, remote, peer, notif)
+    h = agent.initialize_xfer(op, local, remote, peer, notif)
     state = agent.transfer(h)
     deadline = t0 + 30
     while state == "PROC" and time.perf_counter() < deadline:
@@ -204,11 +220,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--modes", default="write", help="write (post to completion), push (the round trip), or both")
+    ap.add_argument("--modes", default="write", help="comma-separated: write (post to completion), push (the round trip), "
+                    "read (a READ of the destination's copy of the source, post to completion)")
+    ap.add_argument("--engine-config", default="", help="the UCX plugin's engine_config (UCX settings, KEY=VALUE,...)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if not modes or any(m not in ("write", "push") for m in modes):
-        ap.error(f"--modes {args.modes!r}: want write, push or write,push")
+    if not modes or any(m not in ("write", "push", "read") for m in modes):
+        ap.error(f"--modes {args.modes!r}: want some of write, push and read")
     pieces = [int(x) for x in args.pieces.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     try:
@@ -228,7 +246,7 @@ def main():
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=destination, args=(child_conn, span, args.threads, dev), daemon=True)
+    proc = ctx.Process(target=destination, args=(child_conn, span, args.threads, dev, args.engine_config), daemon=True)
     proc.start()
     try:
         hello = conn.recv()
@@ -237,7 +255,7 @@ def main():
             return 0
         _, meta, dst_base = hello
         src = torch.empty(span, dtype=torch.uint8, device=dev)
-        agent = make_agent("p", args.threads, dev)
+        agent = make_agent("p", args.threads, dev, args.engine_config)
         agent.register_memory(src)
         peer = agent.add_remote_agent(meta)
         if "push" in modes:
@@ -260,9 +278,23 @@ def main():
                         total = len(src_rows) * piece
                         if mode == "write":
                             times = [write_once(agent, local, remote, peer) for _ in range(args.warmup + args.reps)]
-                        else:
+                        elif mode == "push":
                             times = push_source(conn, agent, local, remote, peer, args.warmup + args.reps)
-                        ask(conn, "verify", piece, nb, args.layers)
+                        else:
+                            # Pull: the destination holds the source
+                            # pattern, this side READs it into its own
+                            # (marked) tensor and checks there.
+                            ask(conn, "fill", piece, nb, args.layers)
+                            src[:n].fill_(MARKER)
+                            sync(dev)
+                            mine = agent.get_xfer_descs(col(src_base, dst_rows), mem)
+                            theirs = agent.get_xfer_descs(col(dst_base, src_rows), mem)
+                            times = [write_once(agent, mine, theirs, peer, op="READ") for _ in range(args.warmup + args.reps)]
+                            bad = misplaced(src, piece, nb, args.layers, dev)
+                            if bad:
+                                raise RuntimeError(bad)
+                        if mode != "read":
+                            ask(conn, "verify", piece, nb, args.layers)
                         emit(Mode=mode, **case, GBps=[total / dt / 1e9 for dt in times[args.warmup:]])
                     except Exception as e:  # noqa: BLE001
                         traceback.print_exc()

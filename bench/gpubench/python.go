@@ -46,7 +46,7 @@ type pyResult struct {
 
 // pyModes are nixl_py.py's modes by contender: post to completion, and
 // the push round trip.
-var pyModes = map[string]string{pythonName: "write", pushName: "push"}
+var pyModes = map[string]string{pythonName: "write", pushName: "push", readName: "read"}
 
 // runPython runs nixl_py.py with cfg's cases in the modes of the python
 // contenders cfg names, and returns their results by contender.
@@ -93,7 +93,7 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 	}
 	cmd := exec.CommandContext(ctx, cfg.python, script, "--pieces", strings.Join(pieces, ","), "--blocks", strings.Join(blocks, ","),
 		"--layers", fmt.Sprint(cfg.cases[0].Layers), "--reps", fmt.Sprint(cfg.reps), "--warmup", fmt.Sprint(cfg.warmup),
-		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","))
+		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","), "--engine-config", engineConfig(&cfg.o))
 	// The child's standard error is copied by a goroutine of exec's while
 	// lines of its standard output that are no result go there too.
 	stderr = &lockedWriter{w: stderr}

@@ -13,10 +13,13 @@ var labels = map[string]string{
 	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
+	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
 	pythonName:        "NIXL Python API (num_threads=4)",
 	pushName:          "NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it)",
+	readName:          "NIXL Python API (num_threads=4), READ (pull)",
 	"contig":          "device copy, contiguous (the limit)",
 	"kernel":          "kvxfer copy kernel, one launch (one process)",
+	"kernel-layout":   "kvxfer copy kernel, one launch of a layout (one process)",
 	"perpiece":        "per-piece async cuMemcpyDtoD, one event",
 }
 

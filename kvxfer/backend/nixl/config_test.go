@@ -20,7 +20,7 @@ func TestNixlProgressDelay(t *testing.T) {
 }
 
 // A VRAM agent of the UCX plugin gets num_threads=GPUThreads unless its
-// parameters set one; host-memory agents and other plugins get exactly
+// parameters set one, and GPUEngineConfig in engine_config; host-memory agents and other plugins get exactly
 // what they asked for; the caller's map is never changed.
 func TestGPUDefaults(t *testing.T) {
 	mine := map[string]string{"ucx_error_handling_mode": "none"}
@@ -33,6 +33,39 @@ func TestGPUDefaults(t *testing.T) {
 	}
 	if got := withDefaults("UCX", mine, false); len(got) != 1 {
 		t.Fatalf("a host-memory agent's parameters became %v", got)
+	}
+	// UCX settings through engine_config: the GPU defaults added unless
+	// named (with or without UCX_, any case), ';' accepted as a separator.
+	for _, tc := range []struct {
+		vram     bool
+		ec, want string
+	}{
+		{true, "", "CUDA_IPC_ENABLE_GET_ZCOPY=y"},
+		{true, "RNDV_THRESH=8k", "RNDV_THRESH=8k,CUDA_IPC_ENABLE_GET_ZCOPY=y"},
+		{true, "RNDV_THRESH=8k;MAX_RMA_RAILS=1", "RNDV_THRESH=8k,MAX_RMA_RAILS=1,CUDA_IPC_ENABLE_GET_ZCOPY=y"},
+		{true, "cuda_ipc_enable_get_zcopy=n", "cuda_ipc_enable_get_zcopy=n"},
+		{true, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto", "CUDA_IPC_ENABLE_GET_ZCOPY=auto"},
+		{false, "A=1;B=2", "A=1,B=2"},
+	} {
+		p := map[string]string{}
+		if tc.ec != "" {
+			p["engine_config"] = tc.ec
+		}
+		got := withDefaults("UCX", p, tc.vram)
+		if got["engine_config"] != tc.want {
+			t.Errorf("VRAM %v, engine_config %q: %q, want %q", tc.vram, tc.ec, got["engine_config"], tc.want)
+		}
+		if tc.ec != "" && p["engine_config"] != tc.ec {
+			t.Errorf("the caller's engine_config became %q", p["engine_config"])
+		}
+	}
+	// The environment's setting decides: ours is left out.
+	t.Setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+	if got := withDefaults("UCX", nil, true); got["engine_config"] != "" {
+		t.Errorf("with UCX_CUDA_IPC_ENABLE_GET_ZCOPY set, engine_config became %q", got["engine_config"])
+	}
+	if got := withDefaults("UCX", nil, false); got != nil {
+		t.Fatalf("a host-memory agent with no parameters got %v", got)
 	}
 	if got := withDefaults("POSIX", nil, true); got != nil {
 		t.Fatalf("another plugin's parameters became %v", got)

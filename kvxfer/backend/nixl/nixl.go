@@ -3,6 +3,7 @@ package nixl
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -145,21 +146,67 @@ var ErrUnavailable = capi.ErrUnavailable
 // or 2,048 pieces (bench/RESULTS.md, issue 25's GPU table).
 const GPUThreads = "4"
 
+// GPUEngineConfig are the UCX settings a VRAM agent of the UCX plugin
+// gets through the plugin's "engine_config" parameter (UCX's own names
+// without the UCX_ prefix), each unless that parameter sets it already.
+// CUDA_IPC_ENABLE_GET_ZCOPY=y: UCX disables READs over cuda_ipc on GPUs
+// without an active NVLink (its "auto"), so a pull between two processes
+// of such a GPU (one H100 or H200 alone, PCIe cards) fell back to an
+// emulation over TCP: 0.09 GB/s on an H200 where WRITEs moved 19 GB/s
+// (bench/RESULTS.md). A UCX_CUDA_IPC_ENABLE_GET_ZCOPY in the environment
+// still decides: the setting is then left out (NIXL applies engine_config
+// over the environment).
+var GPUEngineConfig = []string{"CUDA_IPC_ENABLE_GET_ZCOPY=y"}
+
 // withDefaults returns the plugin parameters an agent opens with: params,
 // and for a VRAM agent of the UCX plugin num_threads=GPUThreads unless
-// params set it (a copy: the caller's map is not changed).
+// params set it and GPUEngineConfig's settings added to engine_config
+// unless it names them (a copy: the caller's map is not changed). For the
+// UCX plugin, engine_config's settings may be separated by ';' as well as
+// ',' (kvxferd -nixl-params is itself a comma-separated list): NIXL gets
+// them comma-separated.
 func withDefaults(plugin string, params map[string]string, vram bool) map[string]string {
-	if !vram || plugin != "UCX" {
+	if plugin != "UCX" {
 		return params
 	}
-	if _, ok := params["num_threads"]; ok {
+	_, threads := params["num_threads"]
+	ec, hasEC := params["engine_config"]
+	var settings []string
+	for _, kv := range strings.FieldsFunc(ec, func(r rune) bool { return r == ',' || r == ';' }) {
+		if kv = strings.TrimSpace(kv); kv != "" {
+			// UCX's names without its prefix (what ucp_config_modify takes).
+			if k, v, ok := strings.Cut(kv, "="); ok && len(k) > 4 && strings.EqualFold(k[:4], "UCX_") {
+				kv = k[4:] + "=" + v
+			}
+			settings = append(settings, kv)
+		}
+	}
+	if vram {
+		for _, d := range GPUEngineConfig {
+			key, _, _ := strings.Cut(d, "=")
+			if os.Getenv("UCX_"+key) != "" || slices.ContainsFunc(settings, func(kv string) bool {
+				k, _, _ := strings.Cut(kv, "=")
+				return strings.EqualFold(strings.TrimSpace(k), key)
+			}) {
+				continue // the user's: NIXL 1.5 would apply ours over the environment's
+			}
+			settings = append(settings, d)
+		}
+	}
+	joined := strings.Join(settings, ",")
+	if (!vram || threads) && joined == ec {
 		return params
 	}
-	out := make(map[string]string, len(params)+1)
+	out := make(map[string]string, len(params)+2)
 	for k, v := range params {
 		out[k] = v
 	}
-	out["num_threads"] = GPUThreads
+	if vram && !threads {
+		out["num_threads"] = GPUThreads
+	}
+	if joined != "" || hasEC {
+		out["engine_config"] = joined
+	}
 	return out
 }
 
