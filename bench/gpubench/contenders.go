@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/internal/hoptrace"
 	"github.com/kvxfer/kvxfer/internal/netxfer"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	kvnixl "github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
@@ -180,7 +182,10 @@ func (s netxferSide) link(meta []byte) error {
 func (s netxferSide) close() error { return s.a.Close() }
 
 func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
-	a, err := netxferAgent(s, "d")
+	// Its GPU batches stamped (stamps.go): where the time goes.
+	st := *s
+	st.g = stampGPU{s.g}
+	a, err := netxferAgent(&st, "d")
 	if err != nil {
 		return nil, nil, err
 	}
@@ -196,6 +201,34 @@ type netxferMover struct {
 	layout bool
 	descs  map[xcase][]netxfer.Desc
 	lays   map[xcase][]netxfer.Layout
+	times  [][2]int64 // this case's transfers: posted, seen done (hoptrace.Now)
+}
+
+// hopper is a mover that can say where its last case's time went.
+type hopper interface {
+	// hops returns, per hop of hopNames, the microseconds of each of
+	// the case's transfers after the warm-up ones.
+	hops(warmup int) ([][]float64, error)
+}
+
+func (m *netxferMover) prepare(c xcase) error {
+	m.times = m.times[:0]
+	if _, err := m.r.call(ctlReq{Op: "stamps"}); err != nil { // the child's log emptied
+		return err
+	}
+	return m.remoteMover.prepare(c)
+}
+
+func (m *netxferMover) hops(warmup int) ([][]float64, error) {
+	resp, err := m.r.call(ctlReq{Op: "stamps"})
+	if err != nil {
+		return nil, err
+	}
+	var st []batchStamp
+	if err := json.Unmarshal(resp.Meta, &st); err != nil {
+		return nil, err
+	}
+	return hopsOf(m.times, st, warmup), nil
 }
 
 func netxferOpen(layout bool) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
@@ -227,7 +260,7 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 		lays = []netxfer.Layout{c.layout(m.src, m.dst)}
 		m.lays[c] = lays
 	}
-	start := time.Now()
+	start, t0 := time.Now(), hoptrace.Now()
 	var id netxfer.XferID
 	var err error
 	if m.layout {
@@ -246,6 +279,7 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 		return s == netxfer.Done, err
 	}, m.a.Events())
 	d := time.Since(start)
+	m.times = append(m.times, [2]int64{t0, hoptrace.Now()})
 	_ = m.a.Release(id)
 	return d, err
 }

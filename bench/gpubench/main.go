@@ -272,6 +272,7 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 	// Out of time, the cases measured so far are still reported (the rest
 	// read "not run"), and the run fails.
 	var late error
+	var hops []hopReport
 cases:
 	for _, c := range cfg.cases {
 		b := grow(host, c.span())
@@ -290,6 +291,13 @@ cases:
 			}
 			out := measure(m, c, cfg)
 			res[ct.name][c] = out
+			if h, ok := m.(hopper); ok && out.err == "" {
+				if hs, err := h.hops(cfg.warmup); err != nil {
+					fmt.Fprintf(stderr, "gpubench: %s, %s: hops: %v\n", ct.name, c, err)
+				} else {
+					hops = append(hops, hopReport{name: ct.name, c: c, hops: hs})
+				}
+			}
 			if out.err != "" {
 				fmt.Fprintf(stderr, "gpubench: %s, %s: %s\n", ct.name, c, out.err)
 			}
@@ -318,6 +326,7 @@ cases:
 	}
 	fmt.Fprintln(stdout)
 	failed := report(stdout, cfg, res, why)
+	reportHops(stdout, hops)
 	if late != nil {
 		return late
 	}
@@ -362,7 +371,7 @@ func machine(o opts) string {
 
 // ctlReq is one request to the child; ctlResp its answer.
 type ctlReq struct {
-	Op        string // open, link, mark, verify, close, exit
+	Op        string // open, link, mark, verify, fill, stamps, close, exit
 	Contender string `json:",omitempty"`
 	Case      xcase
 	Meta      []byte `json:",omitempty"`
@@ -530,6 +539,8 @@ func childMain(o opts, span int) error {
 			err = mark(s, req.Case)
 		case "verify":
 			err = checkSide(s, req.Case, host)
+		case "stamps":
+			resp.Meta = encodeStamps(takeStamps())
 		case "fill":
 			// The source pattern in this region (a READ's remote side).
 			b := grow(host, req.Case.span())

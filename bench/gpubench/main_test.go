@@ -34,6 +34,9 @@ func TestFakeGPU(t *testing.T) {
 	}
 	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice), as a layout | 4 KiB |", "| kvxfer same-host (netxfer, MapDevice), as pieces | 520 B |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
 		"| kvxfer copy kernel, one launch of a layout (one process) | 520 B |",
+		// The same-host hops, from both processes' stamps.
+		"| samehost | 4 KiB x 5 blocks x 3 layers | D posted -> D saw it done (the GPU, D's poller) | 2 |",
+		"| samehost-pieces | 520 B x 2 blocks x 3 layers | total: P post -> P saw it done | 2 |",
 		"5 blocks (15 pieces)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())
