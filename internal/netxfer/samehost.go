@@ -259,7 +259,8 @@ func (a *Agent) MapDevice(base, size uint64, dev Device, uuid [16]byte, handle [
 
 // fdReader reads a local connection, keeping the descriptors that come
 // with its bytes, in order. With a spin (Config.SpinWait), a read that
-// finds nothing waiting spins, trying without blocking, until spin after
+// finds nothing waiting spins, trying without blocking (holding its
+// processor), until spin after
 // the connection's last activity (bytes received, or a part sent: touch),
 // before it blocks.
 type fdReader struct {
@@ -319,7 +320,10 @@ func (f *fdReader) spinRecv(p []byte) (n, oobn, flags int, err error, ok bool) {
 				if !f.spinning() {
 					return true // nothing came: ok stays false
 				}
-				runtime.Gosched()
+				// No runtime.Gosched: a yielding spinner puts itself on
+				// the global run queue each round and wakes idle
+				// processors to look for work, which on the GPU machine
+				// cost more than the thread wake-up it saves.
 				continue
 			}
 			err, ok = rerr, true
