@@ -108,7 +108,7 @@ type Config struct {
 	// (default 30 s): a peer that stalls mid-frame is cut off.
 	FrameTimeout time.Duration
 	// SpinWait is how long a same-host connection's reader spins (non-
-	// blocking reads, holding its processor) for the next
+	// blocking reads, yielding its processor between tries) for the next
 	// frame after the last one it received or the last part it sent,
 	// before it sleeps until the kernel wakes it: a peer's next part, or
 	// the answer to a part, often comes within microseconds, and waking a

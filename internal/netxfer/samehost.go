@@ -259,8 +259,7 @@ func (a *Agent) MapDevice(base, size uint64, dev Device, uuid [16]byte, handle [
 
 // fdReader reads a local connection, keeping the descriptors that come
 // with its bytes, in order. With a spin (Config.SpinWait), a read that
-// finds nothing waiting spins, trying without blocking (holding its
-// processor), until spin after
+// finds nothing waiting spins, trying without blocking, until spin after
 // the connection's last activity (bytes received, or a part sent: touch),
 // before it blocks.
 type fdReader struct {
@@ -320,10 +319,7 @@ func (f *fdReader) spinRecv(p []byte) (n, oobn, flags int, err error, ok bool) {
 				if !f.spinning() {
 					return true // nothing came: ok stays false
 				}
-				// No runtime.Gosched: a yielding spinner puts itself on
-				// the global run queue each round and wakes idle
-				// processors to look for work, which on the GPU machine
-				// cost more than the thread wake-up it saves.
+				runtime.Gosched()
 				continue
 			}
 			err, ok = rerr, true
