@@ -67,8 +67,6 @@ type opts struct {
 var contenders = []contender{
 	{name: "samehost", what: "kvxfer same-host (internal/netxfer agents in two processes, GPU memory by MapDevice; one PostLayout: a base pair per layer, an entry per block; post to completion)",
 		peer: netxferPeer, open: netxferOpen(true)},
-	{name: "samehost-nospin", what: "kvxfer same-host as a layout, its connections never spinning for the next frame (netxfer Config.SpinWait -1): what the default's spin saves",
-		peer: netxferPeerSpin(-1), open: netxferOpenSpin(true, -1)},
 	{name: "samehost-pieces", what: "kvxfer same-host as above, posted as one Post of every piece (layers x blocks descriptors)",
 		peer: netxferPeer, open: netxferOpen(false)},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
@@ -152,8 +150,8 @@ var agents atomic.Uint64
 // kvxfer's built-in backend on its same-host path: each process maps its
 // own GPU memory into its agent with its CUDA IPC handle; the receiver
 // imports the sender's and copies every piece with its GPU.
-func netxferAgent(s *side, role string, spin time.Duration) (*netxfer.Agent, error) {
-	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d-%d", role, os.Getpid(), agents.Add(1)), Logger: quiet, SpinWait: spin,
+func netxferAgent(s *side, role string) (*netxfer.Agent, error) {
+	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d-%d", role, os.Getpid(), agents.Add(1)), Logger: quiet,
 		Devices: func(u [16]byte) (netxfer.Device, error) {
 			if u != s.uuid {
 				return nil, fmt.Errorf("no GPU %s in this process", cuda.FormatUUID(u))
@@ -183,20 +181,15 @@ func (s netxferSide) link(meta []byte) error {
 
 func (s netxferSide) close() error { return s.a.Close() }
 
-func netxferPeer(o *opts, s *side) ([]byte, peerSide, error) { return netxferPeerSpin(0)(o, s) }
-
-// netxferPeerSpin opens the destination's agent with Config.SpinWait spin.
-func netxferPeerSpin(spin time.Duration) func(*opts, *side) ([]byte, peerSide, error) {
-	return func(_ *opts, s *side) ([]byte, peerSide, error) {
-		// Its GPU batches stamped (stamps.go): where the time goes.
-		st := *s
-		st.g = stampGPU{s.g}
-		a, err := netxferAgent(&st, "d", spin)
-		if err != nil {
-			return nil, nil, err
-		}
-		return a.Metadata(), netxferSide{a}, nil
+func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
+	// Its GPU batches stamped (stamps.go): where the time goes.
+	st := *s
+	st.g = stampGPU{s.g}
+	a, err := netxferAgent(&st, "d")
+	if err != nil {
+		return nil, nil, err
 	}
+	return a.Metadata(), netxferSide{a}, nil
 }
 
 type netxferMover struct {
@@ -239,12 +232,8 @@ func (m *netxferMover) hops(warmup int) ([][]float64, error) {
 }
 
 func netxferOpen(layout bool) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
-	return netxferOpenSpin(layout, 0)
-}
-
-func netxferOpenSpin(layout bool, spin time.Duration) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, err := netxferAgent(src, "p", spin)
+		a, err := netxferAgent(src, "p")
 		if err != nil {
 			return nil, nil, err
 		}

@@ -11,7 +11,6 @@ import (
 var labels = map[string]string{
 	"samehost":        "kvxfer same-host (netxfer, MapDevice), as a layout",
 	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
-	"samehost-nospin": "kvxfer same-host, as a layout, never spinning (SpinWait -1)",
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
 	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",

@@ -55,7 +55,7 @@ type config struct {
 	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
-	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout, samehostSpin                         time.Duration
+	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
 	etcd                                                                                                etcdConfig
 }
@@ -112,10 +112,6 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.nixlPoll, "nixl-poll-interval", nixl.DefaultPollInterval,
 		"how often a rank's NIXL backend polls for notifications and transfer ends while a transfer is in flight or its Worker "+
 			"awaits a peer's answer (each hop of a transfer waits up to this long; each poll costs a thread wake-up, ~25 us of CPU on a small VM)")
-	fs.DurationVar(&c.samehostSpin, "samehost-spin", 0,
-		"how long a built-in backend's same-host connection spins for its next frame after activity before it sleeps "+
-			"(0: 250us where GOMAXPROCS >= 4, none below; negative: never; each hop between two processes then skips a thread wake-up, "+
-			"tens of microseconds on a VM, for up to this much CPU per frame)")
 	fs.BoolVar(&c.nixlAnyVersion, "nixl-any-version", false, "open a NIXL library whose version this build does not declare the C API of, "+
 		"or cannot tell (undefined behaviour where the C API differs)")
 	fs.StringVar(&c.nixlParams, "nixl-params", "", "NIXL UCX backend parameters: key=value,... (Debian's UCX 1.13 over shared memory: ucx_error_handling_mode=none)")
@@ -206,9 +202,6 @@ func (c *config) validate() error {
 	}
 	if c.nixlPoll < 10*time.Microsecond || c.nixlPoll > 100*time.Millisecond {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
-	}
-	if c.samehostSpin > 10*time.Millisecond {
-		return fmt.Errorf("-samehost-spin = %v, want at most 10ms (0: the default, negative: never)", c.samehostSpin)
 	}
 	return c.etcd.validate()
 }
@@ -396,7 +389,7 @@ func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, 
 			}
 		}
 		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, strconv.Itoa(port)), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
-			SpinWait: c.samehostSpin, ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
+			ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
 		if err != nil {
 			return nil, fmt.Errorf("built-in backend: %w", err)
 		}

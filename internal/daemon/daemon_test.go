@@ -194,20 +194,6 @@ func TestNixlPollIntervalFlag(t *testing.T) {
 	}
 }
 
-// -samehost-spin: netxfer's default (0), a duration, negative (never), or
-// refused naming the flag and value above 10ms.
-func TestSameHostSpinFlag(t *testing.T) {
-	for args, want := range map[string]time.Duration{"": 0, "-samehost-spin 100us": 100 * time.Microsecond, "-samehost-spin -1ns": -1} {
-		c, err := parseFlags(strings.Fields(args))
-		if err != nil || c.samehostSpin != want {
-			t.Errorf("%q: %v, %v; want %v", args, c.samehostSpin, err, want)
-		}
-	}
-	if _, err := parseFlags([]string{"-samehost-spin", "11ms"}); err == nil || !strings.Contains(err.Error(), "-samehost-spin = 11ms") {
-		t.Errorf("-samehost-spin 11ms: %v, want an error naming the flag and value", err)
-	}
-}
-
 // -rank-port-base: off by default, a port or refused naming the flag.
 func TestRankPortBaseFlag(t *testing.T) {
 	if c, err := parseFlags(nil); err != nil || c.rankPortBase != 0 {

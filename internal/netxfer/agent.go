@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -107,17 +106,6 @@ type Config struct {
 	// payload) and the connection's hello may take to arrive once started
 	// (default 30 s): a peer that stalls mid-frame is cut off.
 	FrameTimeout time.Duration
-	// SpinWait is how long a same-host connection's reader spins (non-
-	// blocking reads, yielding its processor between tries) for the next
-	// frame after the last one it received or the last part it sent,
-	// before it sleeps until the kernel wakes it: a peer's next part, or
-	// the answer to a part, often comes within microseconds, and waking a
-	// sleeping thread costs tens of them on a virtual machine (the
-	// same-host GPU path's two hops between processes, bench/RESULTS.md).
-	// Zero: DefaultSpinWait where the process has at least SpinMinProcs
-	// processors (GOMAXPROCS), none below; negative: none. The price is
-	// up to SpinWait of a processor per frame and connection.
-	SpinWait time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 
@@ -127,21 +115,6 @@ type Config struct {
 	// build's does on a frame type it does not know.
 	noLayouts bool
 }
-
-// DefaultSpinWait is Config.SpinWait's default where the process has at
-// least SpinMinProcs processors: a small transfer's answer, or the next
-// part of a burst, comes within it.
-const DefaultSpinWait = 250 * time.Microsecond
-
-// SpinMinProcs is the fewest processors (GOMAXPROCS) with which a
-// same-host connection spins by default: with fewer, a spinning reader
-// takes the processor the peer's answer or the copy needs.
-const SpinMinProcs = 4
-
-// testSpinWait, set only by tests, is every agent's SpinWait where its
-// Config leaves it zero (the same-host tests run again spinning on the
-// 2-core machines that would not spin by default).
-var testSpinWait time.Duration
 
 // Agent is one transfer endpoint. It is safe for concurrent use.
 type Agent struct {
@@ -238,14 +211,6 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.FrameTimeout <= 0 {
 		cfg.FrameTimeout = 30 * time.Second
-	}
-	switch {
-	case cfg.SpinWait < 0:
-		cfg.SpinWait = 0
-	case cfg.SpinWait == 0 && testSpinWait != 0:
-		cfg.SpinWait = testSpinWait
-	case cfg.SpinWait == 0 && runtime.GOMAXPROCS(0) >= SpinMinProcs:
-		cfg.SpinWait = DefaultSpinWait
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -279,7 +279,7 @@ func layoutTable(bases []wireBase, ents []DevEntry) []byte {
 // sent; malformed ones (truncated, bytes past the end, too many layouts
 // or pieces, offsets past 2^47) are protocol errors naming what.
 func TestParseLayouts(t *testing.T) {
-	s := newLocalServer(nil, 0)
+	s := newLocalServer(nil)
 	bases := []wireBase{{0x1000, localRef{3, 0}}, {0x9000, localRef{3, 1 << 20}}}
 	ents := []DevEntry{{0, 4096, 4096}, {8192, 0, 100}, {5, 5, 0}}
 	lays, err := s.parseLayouts(layoutTable(bases, ents))
@@ -387,7 +387,7 @@ func FuzzParseLayouts(f *testing.F) {
 	f.Add(layoutTable(nil, nil))
 	f.Add([]byte{2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, tab []byte) {
-		s := newLocalServer(nil, 0)
+		s := newLocalServer(nil)
 		lays, err := s.parseLayouts(tab)
 		if err != nil {
 			if !errors.Is(err, ErrProtocol) {
@@ -442,7 +442,7 @@ func TestReadLayoutAnswerBounded(t *testing.T) {
 		{"layouts", "layouts", tooMany},
 		{"bases in all", "bases", answer(4, maxDescs/2, maxDescs/2+1)},
 	} {
-		conn := &conn{p: &peer{owner: a}, r: newScatterReader(bytes.NewReader(c.frame)), in: newLocalServer(nil, 0)}
+		conn := &conn{p: &peer{owner: a}, r: newScatterReader(bytes.NewReader(c.frame)), in: newLocalServer(nil)}
 		var hdr [32]byte
 		err := conn.readLayoutLocal(hdr[:])
 		if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), c.want) {

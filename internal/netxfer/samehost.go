@@ -16,7 +16,6 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 	"unsafe"
 
@@ -258,100 +257,20 @@ func (a *Agent) MapDevice(base, size uint64, dev Device, uuid [16]byte, handle [
 }
 
 // fdReader reads a local connection, keeping the descriptors that come
-// with its bytes, in order. With a spin (Config.SpinWait), a read that
-// finds nothing waiting spins, trying without blocking, until spin after
-// the connection's last activity (bytes received, or a part sent: touch),
-// before it blocks.
+// with its bytes, in order.
 type fdReader struct {
-	c    *net.UnixConn
-	oob  []byte
-	fds  []int
-	spin time.Duration
-	rc   syscall.RawConn
-	last atomic.Int64 // the last activity, monotonic ns since spinEpoch
-	spun atomic.Int64 // reads that found their bytes spinning (tests)
+	c   *net.UnixConn
+	oob []byte
+	fds []int
 }
 
-// spunReads counts the reads of every same-host connection that found
-// their bytes spinning (tests).
-var spunReads atomic.Int64
-
-// spinEpoch is the origin of fdReader.last (monotonic time).
-var spinEpoch = time.Now()
-
-func newFDReader(c *net.UnixConn, spin time.Duration) *fdReader {
-	f := &fdReader{c: c, oob: make([]byte, unix.CmsgSpace(4*maxQueuedFDs))}
-	if spin > 0 {
-		if rc, err := c.SyscallConn(); err == nil {
-			f.rc, f.spin = rc, spin
-		}
-	}
-	return f
-}
-
-// touch marks activity on the connection: its reader spins for what
-// comes next (a part sent: its answer).
-func (f *fdReader) touch() {
-	if f.spin > 0 {
-		f.last.Store(int64(time.Since(spinEpoch)))
-	}
-}
-
-// spinning reports whether a read now should still spin.
-func (f *fdReader) spinning() bool {
-	return time.Since(spinEpoch) < time.Duration(f.last.Load())+f.spin
-}
-
-// spinRecv reads without blocking until something comes or the spin
-// ends; ok false: nothing came (read blocking).
-func (f *fdReader) spinRecv(p []byte) (n, oobn, flags int, err error, ok bool) {
-	if !f.spinning() {
-		return 0, 0, 0, nil, false
-	}
-	cerr := f.rc.Read(func(fd uintptr) bool {
-		for {
-			var rerr error
-			n, oobn, flags, _, rerr = unix.Recvmsg(int(fd), p, f.oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC)
-			switch {
-			case rerr == unix.EINTR:
-				continue
-			case rerr == unix.EAGAIN:
-				if !f.spinning() {
-					return true // nothing came: ok stays false
-				}
-				runtime.Gosched()
-				continue
-			}
-			err, ok = rerr, true
-			return true
-		}
-	})
-	if cerr != nil { // closed, or past its deadline
-		return 0, 0, 0, cerr, true
-	}
-	if ok && err != nil {
-		err = &net.OpError{Op: "read", Net: "unix", Source: f.c.LocalAddr(), Addr: f.c.RemoteAddr(), Err: os.NewSyscallError("recvmsg", err)}
-	}
-	return n, oobn, flags, err, ok
+func newFDReader(c *net.UnixConn) *fdReader {
+	return &fdReader{c: c, oob: make([]byte, unix.CmsgSpace(4*maxQueuedFDs))}
 }
 
 func (f *fdReader) Read(p []byte) (int, error) {
-	var n, oobn, flags int
-	var err error
-	var ok bool
-	if f.spin > 0 && len(p) > 0 {
-		n, oobn, flags, err, ok = f.spinRecv(p)
-	}
-	if ok {
-		f.spun.Add(1)
-		spunReads.Add(1)
-	} else {
-		n, oobn, flags, _, err = f.c.ReadMsgUnix(p, f.oob)
-	}
+	n, oobn, flags, _, err := f.c.ReadMsgUnix(p, f.oob)
 	n = max(n, 0)
-	if n > 0 {
-		f.touch()
-	}
 	if n == 0 && oobn == 0 && err == nil && len(p) > 0 {
 		err = io.EOF // a stream socket's end
 	}
@@ -442,8 +361,8 @@ type localRef struct {
 	off   uint64
 }
 
-func newLocalServer(c *net.UnixConn, spin time.Duration) *localServer {
-	return &localServer{c: c, fr: newFDReader(c, spin), chunks: map[uint32][]byte{}, devs: map[uint32]*devImport{},
+func newLocalServer(c *net.UnixConn) *localServer {
+	return &localServer{c: c, fr: newFDReader(c), chunks: map[uint32][]byte{}, devs: map[uint32]*devImport{},
 		sent: map[uint32]bool{}, slots: make(chan struct{}, maxInFlight)}
 }
 
@@ -1286,7 +1205,7 @@ func (p *peer) dialLocal() (*conn, error) {
 		}
 		unix.Close(dfd)
 	}
-	in := newLocalServer(uc, a.cfg.SpinWait) // the server's fence and files, for READs
+	in := newLocalServer(uc) // the server's fence and files, for READs
 	return &conn{p: p, c: nc, r: newScatterReader(in.fr), pending: map[partKey]*xfer{},
 		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in, descs: descs}, nil
 }
@@ -1356,7 +1275,6 @@ func (c *conn) sendPart(need []*chunk, h []byte, hl int, tableType byte) error {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return err
 	}
-	c.in.fr.touch() // its answer may come soon: the reader spins for it
 	return nil
 }
 

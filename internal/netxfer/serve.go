@@ -55,7 +55,7 @@ func (a *Agent) serve(raw net.Conn) {
 	var r *scatterReader
 	var ls *localServer
 	if isLocal {
-		ls = newLocalServer(uc, a.cfg.SpinWait)
+		ls = newLocalServer(uc)
 		a.mu.Lock()
 		if a.mu.closed {
 			a.mu.Unlock()

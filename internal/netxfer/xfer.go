@@ -303,9 +303,6 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return err
 	}
-	if c.in != nil {
-		c.in.fr.touch() // a same-host request: its answer may come soon
-	}
 	return nil
 }
 

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"time"
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -34,11 +33,6 @@ type Config struct {
 	// from memory adopted with MapFile is copied by the peer straight out
 	// of that memory's file (one copy, no socket payload); see netxfer.
 	DisableSameHost bool
-	// SpinWait is how long a same-host connection's reader spins for its
-	// next frame after activity before it sleeps (netxfer.Config.SpinWait:
-	// zero is netxfer's default, spinning only where GOMAXPROCS >= 4;
-	// negative never spins).
-	SpinWait time.Duration
 	// Devices returns this process's GPU of a UUID, on which a same-host
 	// peer's GPU memory (MapIPC) is imported and copied (nil: refused).
 	Devices func(uuid [16]byte) (Device, error)
@@ -67,7 +61,7 @@ var (
 // New starts a built-in backend agent.
 func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, SpinWait: cfg.SpinWait, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
