@@ -370,6 +370,21 @@ func nixlPeer(threads int) func(*opts, *side) ([]byte, peerSide, error) {
 	}
 }
 
+// nixlInitiator opens the parent's agent on s and loads the child's
+// (meta): the side that posts.
+func nixlInitiator(o *opts, s *side, role string, threads int, meta []byte) (*capi.Agent, string, error) {
+	a, err := nixlAgent(o, s, role, threads)
+	if err != nil {
+		return nil, "", err
+	}
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		a.Close()
+		return nil, "", err
+	}
+	return a, peer, nil
+}
+
 type nixlMover struct {
 	remoteMover
 	a      *capi.Agent
@@ -382,13 +397,8 @@ type nixlMover struct {
 
 func nixlOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(o *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, err := nixlAgent(o, src, "p", threads)
+		a, peer, err := nixlInitiator(o, src, "p", threads, meta)
 		if err != nil {
-			return nil, nil, err
-		}
-		peer, err := a.LoadPeer(meta)
-		if err != nil {
-			a.Close()
 			return nil, nil, err
 		}
 		return &nixlMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base,
@@ -404,21 +414,27 @@ func (m *nixlMover) write(c xcase) (time.Duration, error) {
 		}
 		m.descs[c] = ds
 	}
+	return timedPost(m.a, true, m.peer, ds, &m.posted)
+}
+
+// timedPost posts one transfer of ds and polls it to its end, timed from
+// the post. The first post may find UCX still connecting to the peer: it
+// is tried again for up to 20 s (posted records that one went through).
+func timedPost(a *capi.Agent, write bool, peer string, ds [][3]uint64, posted *bool) (time.Duration, error) {
 	start := time.Now()
-	x, err := m.a.Post(true, m.peer, ds, nil)
-	// The first post may find UCX still connecting to the peer.
-	for deadline := time.Now().Add(20 * time.Second); err != nil && !m.posted && time.Now().Before(deadline); {
+	x, err := a.Post(write, peer, ds, nil)
+	for deadline := time.Now().Add(20 * time.Second); err != nil && !*posted && time.Now().Before(deadline); {
 		time.Sleep(time.Millisecond)
 		start = time.Now()
-		x, err = m.a.Post(true, m.peer, ds, nil)
+		x, err = a.Post(write, peer, ds, nil)
 	}
 	if err != nil {
 		return 0, err
 	}
-	m.posted = true
-	err = waitDone(func() (bool, error) { return m.a.State(x) }, nil)
+	*posted = true
+	err = waitDone(func() (bool, error) { return a.State(x) }, nil)
 	d := time.Since(start)
-	_ = m.a.Release(x)
+	_ = a.Release(x)
 	return d, err
 }
 
@@ -437,13 +453,8 @@ type nixlReadMover struct {
 
 func nixlReadOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(o *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, err := nixlAgent(o, scratch, "p-read", threads)
+		a, peer, err := nixlInitiator(o, scratch, "p-read", threads, meta)
 		if err != nil {
-			return nil, nil, err
-		}
-		peer, err := a.LoadPeer(meta)
-		if err != nil {
-			a.Close()
 			return nil, nil, err
 		}
 		return &nixlReadMover{r: r, a: a, peer: peer, scratch: scratch, host: new([]byte), descs: map[xcase][][3]uint64{}}, nil, nil
@@ -465,21 +476,7 @@ func (m *nixlReadMover) write(c xcase) (time.Duration, error) {
 		}
 		m.descs[c] = ds
 	}
-	start := time.Now()
-	x, err := m.a.Post(false, m.peer, ds, nil)
-	for deadline := time.Now().Add(20 * time.Second); err != nil && !m.posted && time.Now().Before(deadline); {
-		time.Sleep(time.Millisecond)
-		start = time.Now()
-		x, err = m.a.Post(false, m.peer, ds, nil)
-	}
-	if err != nil {
-		return 0, err
-	}
-	m.posted = true
-	err = waitDone(func() (bool, error) { return m.a.State(x) }, nil)
-	d := time.Since(start)
-	_ = m.a.Release(x)
-	return d, err
+	return timedPost(m.a, false, m.peer, ds, &m.posted)
 }
 
 func (m *nixlReadMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
