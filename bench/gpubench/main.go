@@ -73,6 +73,11 @@ type config struct {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	// One lock for every writer of stderr: the bench, the child's copier
+	// and the python contender's (exec's goroutines).
+	if _, ok := stderr.(*lockedWriter); !ok {
+		stderr = &lockedWriter{w: stderr}
+	}
 	fs := flag.NewFlagSet("gpubench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	pieces := fs.String("pieces", "64KiB,4KiB", "piece (layer-block) sizes, comma-separated")

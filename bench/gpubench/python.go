@@ -96,7 +96,9 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","), "--engine-config", engineConfig(&cfg.o))
 	// The child's standard error is copied by a goroutine of exec's while
 	// lines of its standard output that are no result go there too.
-	stderr = &lockedWriter{w: stderr}
+	if _, ok := stderr.(*lockedWriter); !ok {
+		stderr = &lockedWriter{w: stderr}
+	}
 	cmd.Stderr = stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
