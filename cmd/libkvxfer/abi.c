@@ -12,7 +12,7 @@
 #include "_cgo_export.h"
 
 // KVXFER_VERSION: main.go's version must say the same (TestVersion).
-#define KVXFER_VERSION "0.1.0 (kvxfer.v1; C ABI 1)"
+#define KVXFER_VERSION "0.2.0 (kvxfer.v1; C ABI 2)"
 
 static pid_t kvxfer_load_pid;
 
@@ -70,3 +70,49 @@ const char *kvxfer_last_error(void) {
 	char *b = pthread_getspecific(kvxfer_err_key);
 	return b ? b : kvxfer_no_error;
 }
+
+long long kvxfer_stream_open(void) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return 0;
+	return kvxferGoStreamOpen(err, KVXFER_ERR_CAP);
+}
+
+int kvxfer_stream_put(long long stream, const void *msg, size_t len) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	if (!msg && len) {
+		snprintf(err, KVXFER_ERR_CAP, "kvxfer: a NULL message of %zu bytes", len);
+		return KVXFER_EFAIL;
+	}
+	return kvxferGoStreamPut(stream, (char *)msg, len, err, KVXFER_ERR_CAP);
+}
+
+int kvxfer_stream_take(long long stream, long long wait_us, void **msg, size_t *len, int *code) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	if (!msg || !len || !code) {
+		snprintf(err, KVXFER_ERR_CAP, "kvxfer: kvxfer_stream_take needs msg, len and code");
+		return KVXFER_EFAIL;
+	}
+	*msg = NULL;
+	*len = 0;
+	*code = 0;
+	return kvxferGoStreamTake(stream, wait_us, (char **)msg, len, code, err, KVXFER_ERR_CAP);
+}
+
+void kvxfer_stream_close_send(long long stream) {
+	char err[8];
+	if (kvxfer_forked(err)) return;
+	kvxferGoStreamCloseSend(stream);
+}
+
+void kvxfer_stream_release(long long stream) {
+	char err[8];
+	if (kvxfer_forked(err)) return;
+	kvxferGoStreamRelease(stream);
+}
+
+void kvxfer_free(void *p) { free(p); }

@@ -28,7 +28,9 @@ extern "C" {
 #define KVXFER_ESTARTED 2  /* started already with another configuration (stop it first) */
 #define KVXFER_EFORK 3     /* called in a forked child of the process that loaded the library */
 #define KVXFER_ERANGE 4    /* the endpoint does not fit in cap bytes (with its NUL) */
-#define KVXFER_EFAIL 5     /* the server could not start or stop (listeners, backend, ...) */
+#define KVXFER_EFAIL 5     /* the server could not start or stop (listeners, backend, ...); a bad call */
+#define KVXFER_EAGAIN 6    /* kvxfer_stream_take: nothing came within the wait */
+#define KVXFER_EENDED 7    /* the stream ended (kvxfer_stream_take: its gRPC status code in *code) */
 
 /*
  * kvxfer_start starts the server from config_json (NULL or "" or "{}":
@@ -46,6 +48,34 @@ int kvxfer_start(const char *config_json, char *endpoint, size_t cap);
  * after it returns. Idempotent: KVXFER_OK when none runs.
  */
 int kvxfer_stop(void);
+
+/*
+ * Direct streams (C ABI 2): a rank's WorkerService.Connect stream without
+ * gRPC, for an engine in this process that would rather not cross gRPC's
+ * threads (Python's gRPC moves each message through three threads: 0.2 to
+ * 0.5 ms each way). The same kvxfer.v1 messages, marshalled: the engine
+ * puts ConnectRequests (hello first) and takes ConnectResponses (ready
+ * first), as on the gRPC stream.
+ *
+ * kvxfer_stream_open opens one on the running server: its id, or 0 (see
+ * kvxfer_last_error). kvxfer_stream_put hands it one marshalled
+ * ConnectRequest (KVXFER_EENDED once it ended or close_send was called).
+ * kvxfer_stream_take waits up to wait_us microseconds (negative: without
+ * limit) for the next ConnectResponse: KVXFER_OK with *msg (free it with
+ * kvxfer_free) and *len; KVXFER_EAGAIN when none came; KVXFER_EENDED once
+ * the stream ended and every message before its end was taken, with its
+ * gRPC status code in *code (0: a clean end) and its message in
+ * kvxfer_last_error. kvxfer_stream_close_send ends what the engine sends
+ * (a half-close: after its bye). kvxfer_stream_release forgets the stream,
+ * ending it first if it runs (a hang-up). Stopping the server ends every
+ * stream.
+ */
+long long kvxfer_stream_open(void);
+int kvxfer_stream_put(long long stream, const void *msg, size_t len);
+int kvxfer_stream_take(long long stream, long long wait_us, void **msg, size_t *len, int *code);
+void kvxfer_stream_close_send(long long stream);
+void kvxfer_stream_release(long long stream);
+void kvxfer_free(void *p);
 
 /* kvxfer_version is the library's version (a static string). */
 const char *kvxfer_version(void);

@@ -32,7 +32,7 @@ import (
 )
 
 // version is the library's version; abi.c's KVXFER_VERSION says the same.
-const version = "0.1.0 (kvxfer.v1; C ABI 1)"
+const version = "0.2.0 (kvxfer.v1; C ABI 2)"
 
 // Status codes (kvxfer.h).
 const (

@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
 
 // The in-process placement (libkvxfer): the daemon's server started
@@ -165,6 +167,11 @@ func (p *InProcess) PeerAddr() string { return p.in.advertise }
 
 // Config is the JSON configuration p was started with, as given.
 func (p *InProcess) Config() string { return p.config }
+
+// OpenDirect opens a worker stream served without gRPC, for an engine of
+// this process that calls the library (server.DirectStream: the same
+// kvxfer.v1 messages, marshalled; the caller is this process).
+func (p *InProcess) OpenDirect() *server.DirectStream { return p.in.srv.OpenDirect() }
 
 // Stop shuts p down gracefully (transfers in flight finish within the
 // configuration's drain-timeout, and 5 s more at most) and returns when

@@ -45,15 +45,19 @@ class Client:
 
     ``address`` is the daemon's unix socket path (engines talk to their
     daemon over it) or a gRPC target (``host:port`` reaches PeerService).
-    ``timeout`` bounds every unary call, in seconds. ``peer_secret`` (the
+    ``timeout`` bounds every unary call, in seconds. ``direct=False``
+    keeps rank streams to this process's in-process server on gRPC
+    (:meth:`connect`). ``peer_secret`` (the
     bytes of the daemon's -peer-secret-file, :func:`kvxfer.peerauth.load_secret`)
     authenticates this client to a PeerService; it is needed there unless
     the daemon runs with -insecure-peers.
     """
 
-    def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0, peer_secret: bytes | None = None):
+    def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0, peer_secret: bytes | None = None,
+                 direct: bool | None = None):
         self.address = address
         self.timeout = timeout
+        self._direct = direct
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                 ("grpc.max_send_message_length", _MAX_MESSAGE)]
         self._bridge = None
@@ -86,9 +90,19 @@ class Client:
     def connect(self, hello: pb.WorkerHello, ready_timeout: float = 30.0) -> "WorkerStream":
         """Opens a rank's stream and waits for the daemon's Ready. The hello
         says how large a message this client accepts (unless it says so
-        itself), so the daemon splits its outcome sets to fit."""
+        itself), so the daemon splits its outcome sets to fit.
+
+        To this process's own in-process server (kvxfer.inprocess) the
+        stream is direct, not gRPC (:class:`DirectWorkerStream`: the same
+        messages through the library's calls, no thread between), unless
+        the client was made with ``direct=False`` or the library predates
+        direct streams."""
         if not hello.max_message_bytes:
             hello.max_message_bytes = _MAX_MESSAGE
+        if self._direct is not False:
+            from kvxfer import inprocess
+            if self.address == inprocess.endpoint() and inprocess.has_direct_streams():
+                return DirectWorkerStream(hello, ready_timeout)
         return WorkerStream(self, hello, ready_timeout)
 
     def handshake(self, engine_id: str) -> pb.HandshakeResponse:
@@ -419,3 +433,154 @@ class WorkerStream:
         self._out.put(_BYE)
         self._call.cancel()
         self._done.wait(5)
+
+
+class DirectWorkerStream:
+    """One rank's WorkerService.Connect stream to this process's in-process
+    server, without gRPC: the same kvxfer.v1 messages handed to libkvxfer
+    and taken from it by its calls (kvxfer.h, kvxfer_stream_*), which
+    release the GIL while they wait. No thread of its own: :meth:`poll`
+    takes what arrived. Through gRPC, each message crossed three Python
+    threads (0.2 to 0.5 ms each way on a GPU machine). Its methods and
+    errors are :class:`WorkerStream`'s.
+    """
+
+    def __init__(self, hello: pb.WorkerHello, ready_timeout: float):
+        from kvxfer import inprocess
+        self._ip = inprocess
+        self._lock = threading.Lock()  # _pending, error, _done
+        self._take_lock = threading.Lock()  # one taker at a time
+        self._pending = Finished()
+        self._done = threading.Event()
+        self.error: errors.KvxferError | None = None
+        self.agent_name = ""
+        self._closed_send = False
+        self._id = inprocess.stream_open()
+        try:
+            self._put(pb.ConnectRequest(hello=hello))
+            deadline = time.monotonic() + ready_timeout
+            while not self.agent_name:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._take(left):
+                    if self.agent_name:
+                        break
+                    raise self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+        except BaseException:
+            self._ip.stream_release(self._id)
+            self._done.set()
+            raise
+
+    def __del__(self):
+        ip = getattr(self, "_ip", None)
+        if ip is not None and getattr(self, "_id", 0):
+            try:
+                ip.stream_release(self._id)
+            except Exception:  # noqa: BLE001 - at interpreter exit, or in a forked child
+                pass
+
+    def _take(self, wait: float) -> bool:
+        """Takes the stream's messages: waits up to wait seconds for the
+        first, then takes what else arrived. False once the stream ended
+        (or nothing came within wait)."""
+        got = False
+        with self._take_lock:
+            while True:
+                r = self._ip.stream_take(self._id, wait if not got else 0.0)
+                if r is None:  # nothing (more) within the wait
+                    return got
+                kind, payload = r
+                if kind == "ended":
+                    code, msg = payload
+                    with self._lock:
+                        if self.error is None and not (code == 0 and self._closed_send):
+                            self.error = (errors.from_code("Connect", code, msg) if code != 0
+                                          else errors.StreamClosed("kvxfer ended the stream"))
+                        self._done.set()
+                    return got
+                m = pb.ConnectResponse.FromString(payload)
+                k = m.WhichOneof("msg")
+                with self._lock:
+                    if k == "ready":
+                        self.agent_name = m.ready.agent_name
+                    elif k == "finished":
+                        f = m.finished
+                        self._pending.sending.extend(f.sending)
+                        self._pending.recving.extend(f.recving)
+                        self._pending.invalid_block_ids.extend(f.invalid_block_ids)
+                        if f.HasField("stats"):
+                            self._pending.stats.append(f.stats)
+                    elif k == "step_error":
+                        self._pending.step_errors.append(m.step_error)
+                got = True
+
+    def _put(self, m) -> None:
+        code = self._ip.stream_put(self._id, m.SerializeToString())
+        if code is not None:  # the stream ended: why, from its end
+            self._take(0.0)
+            raise errors.StreamClosed("stream is closed", self.error)
+
+    def _send(self, m) -> None:
+        if self._done.is_set():
+            raise errors.StreamClosed("stream is closed", self.error)
+        if self._closed_send:
+            raise errors.StreamClosed("bye already sent")
+        self._put(m)
+
+    def step(self, meta: pb.StepMeta) -> None:
+        self._send(pb.ConnectRequest(step=meta))
+
+    def step_ref(self, step: int, recv: Iterable[str] = (), send: Iterable[str] = ()) -> None:
+        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
+
+    def layer_saved(self, step: int, layer: int) -> None:
+        self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
+
+    def poll(self, wait: float = 0.0) -> Finished:
+        """Takes what arrived since the last poll, waiting up to ``wait``
+        seconds for something when nothing has. Raises StreamClosed when
+        the stream ended and nothing is left to take."""
+        if not self._done.is_set():
+            with self._lock:
+                empty = WorkerStream._empty_f(self._pending)
+            self._take(wait if empty else 0.0)
+        with self._lock:
+            f, self._pending = self._pending, Finished()
+            if self._done.is_set() and WorkerStream._empty_f(f) and self.error is not None:
+                raise errors.StreamClosed(str(self.error), self.error)
+            return f
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+    def bye(self, timeout: float = 60.0) -> Finished:
+        """Asks the server to end the stream once the rank's transfers are
+        done, waits for the end (up to ``timeout``) and returns every
+        outcome not yet polled."""
+        if not self._done.is_set() and not self._closed_send:
+            try:
+                self._put(pb.ConnectRequest(bye=pb.Bye()))
+            except errors.StreamClosed:
+                pass
+            self._closed_send = True
+            self._ip.stream_close_send(self._id)
+        deadline = time.monotonic() + timeout
+        while not self._done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._ip.stream_release(self._id)  # a hang-up, as gRPC's cancel
+                with self._lock:
+                    self._done.set()
+                break
+            self._take(min(left, 1.0))
+        with self._lock:
+            f, self._pending = self._pending, Finished()
+        return f
+
+    def cancel(self) -> None:
+        """Ends the stream at once (the server fails what the rank held)."""
+        self._closed_send = True
+        self._ip.stream_release(self._id)
+        with self._lock:
+            self._done.set()
+

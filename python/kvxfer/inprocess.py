@@ -31,7 +31,7 @@ from kvxfer.v1 import kvxfer_pb2 as pb
 __all__ = ["InProcessError", "ForkedChildError", "library_path", "start", "stop", "endpoint", "version", "host_memory"]
 
 # Status codes (cmd/libkvxfer/kvxfer.h).
-OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL = 0, 1, 2, 3, 4, 5
+OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL, EAGAIN, EENDED = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 class InProcessError(RuntimeError):
@@ -95,6 +95,20 @@ def _load() -> ctypes.CDLL:
     lib.kvxfer_stop.restype = ctypes.c_int
     lib.kvxfer_version.restype = ctypes.c_char_p
     lib.kvxfer_last_error.restype = ctypes.c_char_p
+    if hasattr(lib, "kvxfer_stream_open"):  # C ABI 2: direct streams
+        lib.kvxfer_stream_open.argtypes = []
+        lib.kvxfer_stream_open.restype = ctypes.c_longlong
+        lib.kvxfer_stream_put.argtypes = [ctypes.c_longlong, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvxfer_stream_put.restype = ctypes.c_int
+        lib.kvxfer_stream_take.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.POINTER(ctypes.c_void_p),
+                                           ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)]
+        lib.kvxfer_stream_take.restype = ctypes.c_int
+        lib.kvxfer_stream_close_send.argtypes = [ctypes.c_longlong]
+        lib.kvxfer_stream_close_send.restype = None
+        lib.kvxfer_stream_release.argtypes = [ctypes.c_longlong]
+        lib.kvxfer_stream_release.restype = None
+        lib.kvxfer_free.argtypes = [ctypes.c_void_p]
+        lib.kvxfer_free.restype = None
     _lib, _path, _loader_pid = lib, path, os.getpid()
     return lib
 
@@ -157,6 +171,74 @@ def endpoint() -> str | None:
     if _lib is not None and os.getpid() != _loader_pid:
         raise _forked_error()
     return _endpoint
+
+
+def has_direct_streams() -> bool:
+    """Whether the loaded library serves direct streams (C ABI 2)."""
+    return _lib is not None and hasattr(_lib, "kvxfer_stream_open")
+
+
+# Direct streams (kvxfer.h, kvxfer_stream_*): the calls behind
+# kvxfer.client.DirectWorkerStream. ctypes releases the GIL while they run.
+
+def _direct_lib() -> ctypes.CDLL:
+    lib = _load() if _lib is not None else None
+    if lib is None or not hasattr(lib, "kvxfer_stream_open"):
+        raise InProcessError(EFAIL, "kvxfer: no in-process library with direct streams is loaded")
+    return lib
+
+
+def stream_open() -> int:
+    """Opens a direct stream on the running server; its id."""
+    lib = _direct_lib()
+    sid = lib.kvxfer_stream_open()
+    if sid == 0:
+        raise _error(lib, EFAIL)
+    return sid
+
+
+def stream_put(sid: int, msg: bytes) -> int | None:
+    """Hands the stream one marshalled ConnectRequest: None, or EENDED
+    when the stream ended."""
+    lib = _direct_lib()
+    code = lib.kvxfer_stream_put(sid, msg, len(msg))
+    if code == OK:
+        return None
+    if code == EENDED:
+        return code
+    raise _error(lib, code)
+
+
+def stream_take(sid: int, wait: float):
+    """The stream's next ConnectResponse, waiting up to wait seconds
+    (negative: without limit): ("msg", bytes), ("ended", (code,
+    message)) once it ended, or None when nothing came."""
+    lib = _direct_lib()
+    out, n, code = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_int()
+    wait_us = -1 if wait < 0 else int(wait * 1e6)
+    rc = lib.kvxfer_stream_take(sid, wait_us, ctypes.byref(out), ctypes.byref(n), ctypes.byref(code))
+    if rc == OK:
+        try:
+            return "msg", ctypes.string_at(out, n.value)
+        finally:
+            lib.kvxfer_free(out)
+    if rc == EAGAIN:
+        return None
+    if rc == EENDED:
+        return "ended", (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
+    raise _error(lib, rc)
+
+
+def stream_close_send(sid: int) -> None:
+    """Ends what the engine sends on the stream (after its bye)."""
+    _direct_lib().kvxfer_stream_close_send(sid)
+
+
+def stream_release(sid: int) -> None:
+    """Forgets the stream, ending it first if it runs (a hang-up)."""
+    if _lib is None or os.getpid() != _loader_pid:
+        return
+    _direct_lib().kvxfer_stream_release(sid)
 
 
 def version() -> str:

@@ -147,7 +147,7 @@ def test_start_stop_and_exit_do_not_hang(libkvxfer):
         import kvxfer
         from kvxfer.v1 import kvxfer_pb2 as pb
         import numpy as np
-        assert inprocess.version().startswith("0.1.0")
+        assert inprocess.version().startswith("0.2.0")
         cfg = {"insecure_peers": True, "log_level": "error"}
         ep = inprocess.start(cfg)
         assert inprocess.start(dict(cfg)) == ep == inprocess.endpoint()
@@ -179,3 +179,75 @@ def test_start_stop_and_exit_do_not_hang(libkvxfer):
         # Exit with the stream open: atexit stops the server.
     """, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_direct_streams(libkvxfer):
+    """A rank's stream to this process's own server is direct (no gRPC:
+    kvxfer_stream_* through the library) and behaves as the gRPC one:
+    Ready names the agent, steps go in, a refused hello raises the typed
+    error with the server's reason, bye ends it cleanly (nothing after it
+    is taken), cancel ends it at once, the server's stop ends what is still
+    open (poll then raises StreamClosed); ``direct=False`` keeps gRPC, with the same answers."""
+    r = _run(libkvxfer, """
+        import time
+        import numpy as np
+        import kvxfer
+        from kvxfer import errors, inprocess
+        from kvxfer.client import DirectWorkerStream, WorkerStream
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        assert inprocess.has_direct_streams()
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+
+        def hello(engine, base=kv.ctypes.data, size=kv.nbytes):
+            layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                                 order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                                 kernel_block_size=16,
+                                 regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=base, block_len=1024, num_blocks=64)])
+            return pb.WorkerHello(engine_id=engine, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                  memory=[inprocess.host_memory(base, size)])
+
+        for direct, kind in [(None, DirectWorkerStream), (False, WorkerStream)]:
+            c = kvxfer.Client(ep, direct=direct)
+            w = c.connect(hello(f"E-{kind.__name__}"))
+            assert type(w) is kind, type(w)
+            assert w.agent_name
+            w.step(pb.StepMeta(step=1))
+            assert w.poll(0.01).step_errors == []
+            w.bye(10)
+            assert w.closed and w.error is None, w.error
+            assert w.poll().step_errors == []  # a clean end: nothing left, no error
+            try:
+                w.step(pb.StepMeta(step=2))
+                raise SystemExit(f"{kind.__name__}: a step after bye was taken")
+            except errors.StreamClosed:
+                pass
+            # A hello whose memory is not this process's memory (a range
+            # past the array) is refused with the server's reason.
+            try:
+                c.connect(hello(f"bad-{kind.__name__}", size=kv.nbytes * 4096))
+                raise SystemExit(f"{kind.__name__}: a bad hello was accepted")
+            except errors.KvxferError as e:
+                assert "memory" in str(e), (kind.__name__, e)
+                bad = type(e).__name__
+            print(kind.__name__, "refused as", bad, flush=True)
+            c.close()
+
+        c = kvxfer.Client(ep)
+        w = c.connect(hello("cancelled"))
+        w.cancel()
+        assert w.closed
+        w2 = c.connect(hello("open-at-stop"))
+        inprocess.stop()
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 20:
+                w2.poll(0.2)
+            raise SystemExit("the server's stop left a direct stream open")
+        except errors.StreamClosed as e:
+            assert w2.closed and w2.error is not None, e
+        print("ok", flush=True)
+    """, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    kinds = dict(line.split(" refused as ") for line in r.stdout.splitlines() if " refused as " in line)
+    assert kinds["DirectWorkerStream"] == kinds["WorkerStream"], kinds

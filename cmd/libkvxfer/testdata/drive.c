@@ -48,9 +48,37 @@ int main(int argc, char **argv) {
 	rc = start("{\"no_such_key\": 1}", ep2, sizeof ep2);
 	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "no_such_key"), "bad key = %d: %s", rc, last_error());
 	CHECK(last_error()[0] != 0, "last_error empty");
+	// Direct streams (C ABI 2).
+	long long (*sopen)(void) = (long long (*)(void))dlsym(lib, "kvxfer_stream_open");
+	int (*sput)(long long, const void *, size_t) = (int (*)(long long, const void *, size_t))dlsym(lib, "kvxfer_stream_put");
+	int (*stake)(long long, long long, void **, size_t *, int *) =
+		(int (*)(long long, long long, void **, size_t *, int *))dlsym(lib, "kvxfer_stream_take");
+	void (*srelease)(long long) = (void (*)(long long))dlsym(lib, "kvxfer_stream_release");
+	void (*sfree)(void *) = (void (*)(void *))dlsym(lib, "kvxfer_free");
+	CHECK(sopen && sput && stake && srelease && sfree, "missing stream symbols");
+	CHECK(sopen() == 0 && strstr(last_error(), "no in-process server"), "a stream with no server: %s", last_error());
 	rc = start(NULL, ep2, sizeof ep2);
 	CHECK(rc == KVXFER_OK && strcmp(ep, ep2) != 0, "restart = %d, %s: %s", rc, ep2, last_error());
 	CHECK(last_error()[0] == 0, "last_error after success = %s", last_error());
+	long long s = sopen();
+	CHECK(s > 0, "stream open: %s", last_error());
+	rc = sput(s, "\xff\xff\xff", 3);
+	CHECK(rc == KVXFER_EFAIL && strstr(last_error(), "does not parse"), "garbage put = %d: %s", rc, last_error());
+	void *msg = NULL;
+	size_t len = 0;
+	int code = -1;
+	rc = stake(s, 1000, &msg, &len, &code);
+	CHECK(rc == KVXFER_EAGAIN && msg == NULL, "take before any hello = %d", rc);
+	// An empty ConnectRequest (no hello): the server ends the stream, InvalidArgument (3).
+	rc = sput(s, "", 0);
+	CHECK(rc == KVXFER_OK, "empty put = %d: %s", rc, last_error());
+	rc = stake(s, 10000000, &msg, &len, &code);
+	CHECK(rc == KVXFER_EENDED && code == 3 && strstr(last_error(), "hello"), "take after no hello = %d, code %d: %s", rc, code,
+		last_error());
+	srelease(s);
+	rc = stake(s, 0, &msg, &len, &code);
+	CHECK(rc == KVXFER_EFAIL && strstr(last_error(), "no stream"), "take on a released stream = %d: %s", rc, last_error());
+	sfree(NULL);
 	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
 	printf("ok\n");
 	return 0;

@@ -209,6 +209,10 @@ type Server struct {
 	gpus         map[int]*cuda.Device // by this process's ordinal
 	gpuUUIDs     map[[16]byte]int     // UUID -> ordinal, resolved once
 	streams      sync.WaitGroup
+	// life ends with Close: the direct streams' contexts (OpenDirect),
+	// as stopping the gRPC server ends its streams'.
+	life    context.Context
+	endLife context.CancelFunc
 
 	// engines are the attached engines' ranks, read without a lock by
 	// every peer handshake and probe, and written (copy on write, one
@@ -305,6 +309,7 @@ func New(cfg Config) (*Server, error) {
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), owners: own,
 		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{}}}
+	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
 	// peer that asks again learns the engine's ranks changed.
@@ -424,8 +429,10 @@ func (s *Server) enter() bool {
 	}
 }
 
-// Close releases the server's own resources (after Drain).
+// Close releases the server's own resources (after Drain), and ends the
+// direct streams still open.
 func (s *Server) Close() error {
+	s.endLife()
 	if s.resolver != nil {
 		s.resolver.Close()
 	}

@@ -1,0 +1,212 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// A direct worker stream: WorkerService.Connect served to an engine in
+// this process without gRPC (libkvxfer's in-process placement: the
+// engine's Python calls the library, which hands it the kvxfer.v1
+// messages, marshalled, in both directions). The same messages, the same
+// server code (Connect), the caller known by construction: this
+// process, its uid. Through gRPC in one process, each message crossed
+// three Python threads (gRPC's sender, its poller, the stream's reader):
+// 0.2-0.5 ms each way on the GPU machine (bench/RESULTS.md).
+
+// MaxDirectMessage bounds one message an engine hands a direct stream:
+// what the engine's gRPC stream takes (gRPC's default receive limit).
+const MaxDirectMessage = 4 << 20
+
+// directOut is how many marshalled messages a direct stream holds for
+// its engine: past it the server's Send waits, as gRPC's flow control
+// would make it.
+const directOut = 1024
+
+// ErrDirectEnded is the error of a message handed to a direct stream
+// that ended (or whose sending side the engine closed).
+var ErrDirectEnded = errors.New("server: the stream ended")
+
+// DirectStream is one direct worker stream (OpenDirect). Its methods are
+// safe for concurrent use.
+type DirectStream struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	in     chan *pb.ConnectRequest
+	out    chan []byte
+	ended  chan struct{}
+
+	mu       sync.Mutex
+	inClosed bool
+	code     codes.Code // how the stream ended (after ended is closed)
+	msg      string
+}
+
+// directAddr is a direct stream's peer address.
+type directAddr struct{}
+
+func (directAddr) Network() string { return "direct" }
+func (directAddr) String() string  { return fmt.Sprintf("pid %d (in process)", os.Getpid()) }
+
+var _ net.Addr = directAddr{}
+
+// OpenDirect opens a direct worker stream and serves it (Connect) until
+// it ends: the engine's bye and hang-up (CloseSend), Cancel, or the
+// server's Close.
+func (s *Server) OpenDirect() *DirectStream {
+	ai := EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
+		UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), PID: int32(os.Getpid())}
+	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ai}))
+	d := &DirectStream{ctx: ctx, cancel: cancel, in: make(chan *pb.ConnectRequest, 64), out: make(chan []byte, directOut),
+		ended: make(chan struct{})}
+	go func() {
+		err := s.Connect(d)
+		st := status.Convert(err)
+		d.mu.Lock()
+		d.code, d.msg = st.Code(), st.Message()
+		d.mu.Unlock()
+		close(d.ended)
+		cancel()
+	}()
+	return d
+}
+
+// Put hands the server one marshalled ConnectRequest.
+func (d *DirectStream) Put(b []byte) error {
+	if len(b) > MaxDirectMessage {
+		return fmt.Errorf("server: a ConnectRequest of %d bytes (at most %d)", len(b), MaxDirectMessage)
+	}
+	m := new(pb.ConnectRequest)
+	if err := proto.Unmarshal(b, m); err != nil {
+		return fmt.Errorf("server: a ConnectRequest that does not parse: %w", err)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.inClosed {
+		return ErrDirectEnded
+	}
+	select {
+	case d.in <- m:
+		return nil
+	case <-d.ended:
+		return ErrDirectEnded
+	case <-d.ctx.Done():
+		return ErrDirectEnded
+	}
+}
+
+// CloseSend ends what the engine sends (gRPC's half-close): the server
+// reads io.EOF after the messages handed before.
+func (d *DirectStream) CloseSend() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.inClosed {
+		d.inClosed = true
+		close(d.in)
+	}
+}
+
+// Cancel ends the stream at once (the engine hung up).
+func (d *DirectStream) Cancel() { d.cancel() }
+
+// Take returns the server's next message, marshalled, waiting up to
+// wait for one (negative: as long as it takes). ok false and ended false:
+// none came within wait. ended true: the stream ended and every message
+// before its end was taken; code and msg say how (codes.OK: cleanly).
+func (d *DirectStream) Take(wait time.Duration) (b []byte, ok, ended bool, code codes.Code, msg string) {
+	select {
+	case b = <-d.out:
+		return b, true, false, 0, ""
+	default:
+	}
+	var timeout <-chan time.Time
+	if wait >= 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case b = <-d.out:
+		return b, true, false, 0, ""
+	case <-d.ended:
+		select { // what the server sent before it ended comes first
+		case b = <-d.out:
+			return b, true, false, 0, ""
+		default:
+		}
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		return nil, false, true, d.code, d.msg
+	case <-timeout:
+		return nil, false, false, 0, ""
+	}
+}
+
+// The server's side: grpc.BidiStreamingServer.
+
+func (d *DirectStream) Context() context.Context { return d.ctx }
+
+func (d *DirectStream) Recv() (*pb.ConnectRequest, error) {
+	select {
+	case m, ok := <-d.in:
+		if !ok {
+			return nil, io.EOF
+		}
+		return m, nil
+	case <-d.ctx.Done():
+		return nil, status.FromContextError(d.ctx.Err()).Err()
+	}
+}
+
+func (d *DirectStream) Send(m *pb.ConnectResponse) error {
+	b, err := proto.Marshal(m)
+	if err != nil {
+		return err
+	}
+	select {
+	case d.out <- b:
+		return nil
+	case <-d.ctx.Done():
+		return status.FromContextError(d.ctx.Err()).Err()
+	}
+}
+
+func (d *DirectStream) SetHeader(metadata.MD) error  { return nil }
+func (d *DirectStream) SendHeader(metadata.MD) error { return nil }
+func (d *DirectStream) SetTrailer(metadata.MD)       {}
+
+func (d *DirectStream) SendMsg(m any) error {
+	r, ok := m.(*pb.ConnectResponse)
+	if !ok {
+		return fmt.Errorf("server: a direct stream sends ConnectResponse, not %T", m)
+	}
+	return d.Send(r)
+}
+
+func (d *DirectStream) RecvMsg(m any) error {
+	r, ok := m.(*pb.ConnectRequest)
+	if !ok {
+		return fmt.Errorf("server: a direct stream receives ConnectRequest, not %T", m)
+	}
+	got, err := d.Recv()
+	if err != nil {
+		return err
+	}
+	proto.Merge(r, got)
+	return nil
+}
