@@ -11,7 +11,10 @@
 // returns the gRPC endpoint the engine's per-rank kvxfer.v1 streams
 // connect to; kvxfer_stop stops it. The endpoint is an abstract unix
 // socket serving this process only (SO_PEERCRED pid), and there the
-// engine may name its memory by address (SharedMemory.in_process).
+// engine may name its memory by address (SharedMemory.in_process). A
+// rank's stream may also skip gRPC (direct.go, kvxfer_stream_*): the same
+// kvxfer.v1 messages, marshalled, handed to the library and taken from
+// it, served by the same server code.
 //
 // abi.c holds the C entry points: they refuse a forked child before
 // entering Go, and own the per-thread error buffer Go writes into.
