@@ -301,6 +301,21 @@ class Finished:
 _BYE = object()
 
 
+def _gather(pending: Finished, m: pb.ConnectResponse) -> str:
+    """Adds what a ConnectResponse reports to pending; returns its kind."""
+    kind = m.WhichOneof("msg")
+    if kind == "finished":
+        f = m.finished
+        pending.sending.extend(f.sending)
+        pending.recving.extend(f.recving)
+        pending.invalid_block_ids.extend(f.invalid_block_ids)
+        if f.HasField("stats"):
+            pending.stats.append(f.stats)
+    elif kind == "step_error":
+        pending.step_errors.append(m.step_error)
+    return kind
+
+
 def _requests(q: queue.SimpleQueue) -> Iterator:
     """A stream's requests: what q receives, until _BYE."""
     while (m := q.get()) is not _BYE:
@@ -340,20 +355,10 @@ class WorkerStream:
     def _read(self) -> None:
         try:
             for m in self._call:
-                kind = m.WhichOneof("msg")
                 with self._lock:
-                    if kind == "ready":
+                    if _gather(self._pending, m) == "ready":
                         self.agent_name = m.ready.agent_name
                         self._ready.set()
-                    elif kind == "finished":
-                        f = m.finished
-                        self._pending.sending.extend(f.sending)
-                        self._pending.recving.extend(f.recving)
-                        self._pending.invalid_block_ids.extend(f.invalid_block_ids)
-                        if f.HasField("stats"):
-                            self._pending.stats.append(f.stats)
-                    elif kind == "step_error":
-                        self._pending.step_errors.append(m.step_error)
                     self._arrived.notify_all()
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED or not self._closed_send:
@@ -498,19 +503,9 @@ class DirectWorkerStream:
                         self._done.set()
                     return got
                 m = pb.ConnectResponse.FromString(payload)
-                k = m.WhichOneof("msg")
                 with self._lock:
-                    if k == "ready":
+                    if _gather(self._pending, m) == "ready":
                         self.agent_name = m.ready.agent_name
-                    elif k == "finished":
-                        f = m.finished
-                        self._pending.sending.extend(f.sending)
-                        self._pending.recving.extend(f.recving)
-                        self._pending.invalid_block_ids.extend(f.invalid_block_ids)
-                        if f.HasField("stats"):
-                            self._pending.stats.append(f.stats)
-                    elif k == "step_error":
-                        self._pending.step_errors.append(m.step_error)
                 got = True
 
     def _put(self, m) -> None:
