@@ -497,7 +497,9 @@ class DirectWorkerStream:
                 if kind == "ended":
                     code, msg = payload
                     with self._lock:
-                        if self.error is None and not (code == 0 and self._closed_send):
+                        # After bye or cancel, a clean or cancelled end is
+                        # no error (as on the gRPC stream).
+                        if self.error is None and not (code in (0, 1) and self._closed_send):
                             self.error = (errors.from_code("Connect", code, msg) if code != 0
                                           else errors.StreamClosed("kvxfer ended the stream"))
                         self._done.set()
