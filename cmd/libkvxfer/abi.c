@@ -116,3 +116,17 @@ void kvxfer_stream_release(long long stream) {
 }
 
 void kvxfer_free(void *p) { free(p); }
+
+int kvxfer_call(const char *method, const void *req, size_t len, long long wait_us, void **resp, size_t *resp_len, int *code) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	if (!method || (!req && len) || !resp || !resp_len || !code) {
+		snprintf(err, KVXFER_ERR_CAP, "kvxfer: kvxfer_call needs method, req (or len 0), resp, resp_len and code");
+		return KVXFER_EFAIL;
+	}
+	*resp = NULL;
+	*resp_len = 0;
+	*code = 0;
+	return kvxferGoCall((char *)method, (char *)req, len, wait_us, (char **)resp, resp_len, code, err, KVXFER_ERR_CAP);
+}

@@ -22,8 +22,9 @@ import (
 
 // More status codes (kvxfer.h).
 const (
-	statusAgain = 6 // nothing within the wait
-	statusEnded = 7 // the stream ended
+	statusAgain  = 6 // nothing within the wait
+	statusEnded  = 7 // the stream ended
+	statusStatus = 8 // kvxfer_call: the call failed with a gRPC status
 )
 
 var directs struct {
@@ -126,4 +127,29 @@ func kvxferGoStreamRelease(id C.longlong) {
 	if d != nil {
 		d.Cancel()
 	}
+}
+
+//export kvxferGoCall
+func kvxferGoCall(method *C.char, req *C.char, n C.size_t, waitMicros C.longlong, out **C.char, outLen *C.size_t, code *C.int,
+	errBuf *C.char, errCap C.size_t) C.int {
+	running.Lock()
+	p := running.p
+	running.Unlock()
+	if p == nil {
+		putErr(errBuf, errCap, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)"))
+		return statusFail
+	}
+	if uint64(n) > server.MaxDirectMessage {
+		putErr(errBuf, errCap, fmt.Errorf("kvxfer: a request of %d bytes (at most %d)", uint64(n), server.MaxDirectMessage))
+		return statusFail
+	}
+	b, c, msg := p.CallDirect(C.GoString(method), C.GoBytes(unsafe.Pointer(req), C.int(n)), time.Duration(max(waitMicros, 0))*time.Microsecond)
+	if c != 0 {
+		*code = C.int(c)
+		putErr(errBuf, errCap, errors.New(msg))
+		return statusStatus
+	}
+	*out = (*C.char)(C.CBytes(b))
+	*outLen = C.size_t(len(b))
+	return statusOK
 }

@@ -31,6 +31,7 @@ extern "C" {
 #define KVXFER_EFAIL 5     /* the server could not start or stop (listeners, backend, ...); a bad call */
 #define KVXFER_EAGAIN 6    /* kvxfer_stream_take: nothing came within the wait */
 #define KVXFER_EENDED 7    /* the stream ended (kvxfer_stream_take: its gRPC status code in *code) */
+#define KVXFER_ESTATUS 8   /* kvxfer_call: the call failed; its gRPC status code in *code */
 
 /*
  * kvxfer_start starts the server from config_json (NULL or "" or "{}":
@@ -50,7 +51,7 @@ int kvxfer_start(const char *config_json, char *endpoint, size_t cap);
 int kvxfer_stop(void);
 
 /*
- * Direct streams (C ABI 2): a rank's WorkerService.Connect stream without
+ * Direct streams and calls (C ABI 2): a rank's WorkerService.Connect stream without
  * gRPC, for an engine in this process that would rather not cross gRPC's
  * threads (Python's gRPC moves each message through three threads: 0.2 to
  * 0.5 ms each way). The same kvxfer.v1 messages, marshalled: the engine
@@ -76,6 +77,16 @@ int kvxfer_stream_take(long long stream, long long wait_us, void **msg, size_t *
 void kvxfer_stream_close_send(long long stream);
 void kvxfer_stream_release(long long stream);
 void kvxfer_free(void *p);
+
+/*
+ * kvxfer_call makes one SchedulerService call (method: its name, as "Step")
+ * on the running server without gRPC: req is the marshalled request;
+ * KVXFER_OK with the marshalled response in *resp (free it with
+ * kvxfer_free) and *resp_len, or KVXFER_ESTATUS with the call's gRPC status
+ * code in *code and its message in kvxfer_last_error. wait_us bounds the
+ * call as a deadline would (0: none).
+ */
+int kvxfer_call(const char *method, const void *req, size_t len, long long wait_us, void **resp, size_t *resp_len, int *code);
 
 /* kvxfer_version is the library's version (a static string). */
 const char *kvxfer_version(void);

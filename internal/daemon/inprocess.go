@@ -12,6 +12,9 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
@@ -172,6 +175,12 @@ func (p *InProcess) Config() string { return p.config }
 // this process that calls the library (server.DirectStream: the same
 // kvxfer.v1 messages, marshalled; the caller is this process).
 func (p *InProcess) OpenDirect() *server.DirectStream { return p.in.srv.OpenDirect() }
+
+// CallDirect makes one SchedulerService call without gRPC
+// (server.Server.CallDirect).
+func (p *InProcess) CallDirect(method string, req []byte, wait time.Duration) ([]byte, codes.Code, string) {
+	return p.in.srv.CallDirect(method, req, wait)
+}
 
 // Stop shuts p down gracefully (transfers in flight finish within the
 // configuration's drain-timeout, and 5 s more at most) and returns when

@@ -72,10 +72,30 @@ class Client:
         self._peer = rpc.PeerServiceStub(self._channel)
 
     def call(self, op: str, fn, req, timeout: float | None = None):
+        timeout = self.timeout if timeout is None else timeout
+        method = self._direct_methods().get(id(fn))
+        if method is not None:
+            from kvxfer import inprocess
+            kind, r = inprocess.call(method, req.SerializeToString(), timeout)
+            if kind == "status":
+                raise errors.from_code(op, *r)
+            return _SCHED_OUT[method].FromString(r)
         try:
-            return fn(req, timeout=self.timeout if timeout is None else timeout)
+            return fn(req, timeout=timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(op, e) from None
+
+    def _direct_methods(self) -> dict:
+        """SchedulerService's unary methods by their stub's id, where this
+        client's calls go to its own process's in-process server without
+        gRPC (libkvxfer's kvxfer_call: the same handler, the caller this
+        process); empty elsewhere, or with direct=False."""
+        if self._direct is False:
+            return {}
+        from kvxfer import inprocess
+        if self.address != inprocess.endpoint() or not inprocess.has_direct_streams():
+            return {}
+        return {id(getattr(self._sched, m)): m for m in _SCHED_OUT}
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel connects, or raises Unavailable."""
@@ -299,6 +319,12 @@ class Finished:
 
 
 _BYE = object()
+
+# SchedulerService's unary methods and their response types (a call of
+# one of them can go to an in-process server without gRPC: Client.call).
+_SCHED_OUT = {m.name: getattr(pb, m.output_type.name)
+              for m in pb.DESCRIPTOR.services_by_name["SchedulerService"].methods
+              if not m.client_streaming and not m.server_streaming}
 
 
 def _gather(pending: Finished, m: pb.ConnectResponse) -> str:

@@ -31,7 +31,7 @@ from kvxfer.v1 import kvxfer_pb2 as pb
 __all__ = ["InProcessError", "ForkedChildError", "library_path", "start", "stop", "endpoint", "version", "host_memory"]
 
 # Status codes (cmd/libkvxfer/kvxfer.h).
-OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL, EAGAIN, EENDED = 0, 1, 2, 3, 4, 5, 6, 7
+OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL, EAGAIN, EENDED, ESTATUS = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 class InProcessError(RuntimeError):
@@ -109,6 +109,9 @@ def _load() -> ctypes.CDLL:
         lib.kvxfer_stream_release.restype = None
         lib.kvxfer_free.argtypes = [ctypes.c_void_p]
         lib.kvxfer_free.restype = None
+        lib.kvxfer_call.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_longlong,
+                                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)]
+        lib.kvxfer_call.restype = ctypes.c_int
     _lib, _path, _loader_pid = lib, path, os.getpid()
     return lib
 
@@ -226,6 +229,23 @@ def stream_take(sid: int, wait: float):
         return None
     if rc == EENDED:
         return "ended", (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
+    raise _error(lib, rc)
+
+
+def call(method: str, req: bytes, timeout: float | None):
+    """One SchedulerService call (method: its name) without gRPC: ("ok",
+    response bytes) or ("status", (code, message))."""
+    lib = _direct_lib()
+    out, n, code = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_int()
+    wait_us = 0 if not timeout or timeout <= 0 else int(timeout * 1e6)
+    rc = lib.kvxfer_call(method.encode(), req, len(req), wait_us, ctypes.byref(out), ctypes.byref(n), ctypes.byref(code))
+    if rc == OK:
+        try:
+            return "ok", ctypes.string_at(out, n.value)
+        finally:
+            lib.kvxfer_free(out)
+    if rc == ESTATUS:
+        return "status", (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
     raise _error(lib, rc)
 
 

@@ -187,7 +187,9 @@ def test_direct_streams(libkvxfer):
     Ready names the agent, steps go in, a refused hello raises the typed
     error with the server's reason, bye ends it cleanly (nothing after it
     is taken), cancel ends it at once, the server's stop ends what is still
-    open (poll then raises StreamClosed); ``direct=False`` keeps gRPC, with the same answers."""
+    open (poll then raises StreamClosed); ``direct=False`` keeps gRPC, with the same answers.
+    Scheduler calls go direct too (kvxfer_call), with gRPC's answers and
+    errors."""
     r = _run(libkvxfer, """
         import time
         import numpy as np
@@ -238,6 +240,30 @@ def test_direct_streams(libkvxfer):
             assert w.poll().recving == []
             c.close()
 
+        # Scheduler calls: direct (kvxfer_call) and over gRPC, the same
+        # answers and the same typed errors; direct is quicker.
+        answers = {}
+        for direct in (None, False):
+            c = kvxfer.Client(ep, direct=direct)
+            assert bool(c._direct_methods()) == (direct is None)
+            s = c.scheduler(f"S{direct}")
+            addr = s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+            req = pb.EngineRequest(request_id="d-1", prompt_tokens=40, params=pb.TransferParams(
+                transfer_id="t1", do_remote_prefill=True, remote_engine_id="P", remote_addr=addr, remote_tp_size=1))
+            got = s.matched_tokens(req, 0)
+            try:
+                c.scheduler("nobody").matched_tokens(req, 0)
+                raise SystemExit("a call for an engine with no scheduler succeeded")
+            except errors.KvxferError as e:
+                err = type(e).__name__
+            t0 = time.perf_counter()
+            for _ in range(200):
+                s.matched_tokens(req, 0)
+            answers[direct] = (addr, got, err)
+            print("calls", "direct" if direct is None else "grpc", round((time.perf_counter() - t0) / 200 * 1e6), "us", flush=True)
+            c.close()
+        assert answers[None] == answers[False], answers
+
         c = kvxfer.Client(ep)
         w2 = c.connect(hello("open-at-stop"))
         inprocess.stop()
@@ -251,5 +277,6 @@ def test_direct_streams(libkvxfer):
         print("ok", flush=True)
     """, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("calls ")))
     kinds = dict(line.split(" refused as ") for line in r.stdout.splitlines() if " refused as " in line)
     assert kinds["DirectWorkerStream"] == kinds["WorkerStream"], kinds

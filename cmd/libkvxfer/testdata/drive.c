@@ -79,6 +79,16 @@ int main(int argc, char **argv) {
 	rc = stake(s, 0, &msg, &len, &code);
 	CHECK(rc == KVXFER_EFAIL && strstr(last_error(), "no stream"), "take on a released stream = %d: %s", rc, last_error());
 	sfree(NULL);
+	// A scheduler call without gRPC: an unknown method is Unimplemented (12).
+	int (*call)(const char *, const void *, size_t, long long, void **, size_t *, int *) =
+		(int (*)(const char *, const void *, size_t, long long, void **, size_t *, int *))dlsym(lib, "kvxfer_call");
+	CHECK(call, "missing kvxfer_call");
+	rc = call("NoSuchMethod", "", 0, 0, &msg, &len, &code);
+	CHECK(rc == KVXFER_ESTATUS && code == 12 && strstr(last_error(), "NoSuchMethod"), "unknown method = %d, code %d: %s", rc, code,
+		last_error());
+	// BuildMeta of an engine with no scheduler: a status, not a crash.
+	rc = call("BuildMeta", "", 0, 1000000, &msg, &len, &code);
+	CHECK(rc == KVXFER_ESTATUS && code != 0, "BuildMeta of no engine = %d, code %d: %s", rc, code, last_error());
 	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
 	printf("ok\n");
 	return 0;

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -69,9 +70,7 @@ var _ net.Addr = directAddr{}
 // it ends: the engine's bye and hang-up (CloseSend), Cancel, or the
 // server's Close.
 func (s *Server) OpenDirect() *DirectStream {
-	ai := EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
-		UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), PID: int32(os.Getpid())}
-	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ai}))
+	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownAuth()}))
 	d := &DirectStream{ctx: ctx, cancel: cancel, in: make(chan *pb.ConnectRequest, 64), out: make(chan []byte, directOut),
 		ended: make(chan struct{})}
 	go func() {
@@ -209,4 +208,52 @@ func (d *DirectStream) RecvMsg(m any) error {
 	}
 	proto.Merge(r, got)
 	return nil
+}
+
+// CallDirect makes one SchedulerService call (method: its name, as
+// "Step") without gRPC, for an engine of this process (libkvxfer's
+// kvxfer_call): req is the marshalled request, the answer the
+// marshalled response, or the call's gRPC status. The same handler as
+// over gRPC, the caller this process; wait bounds it as a deadline would
+// (0: none).
+func (s *Server) CallDirect(method string, req []byte, wait time.Duration) (resp []byte, code codes.Code, msg string) {
+	if len(req) > MaxDirectMessage {
+		return nil, codes.ResourceExhausted, fmt.Sprintf("server: a request of %d bytes (at most %d)", len(req), MaxDirectMessage)
+	}
+	var h func(any, context.Context, func(any) error, grpc.UnaryServerInterceptor) (any, error)
+	for _, m := range pb.SchedulerService_ServiceDesc.Methods {
+		if m.MethodName == method {
+			h = m.Handler
+		}
+	}
+	if h == nil {
+		return nil, codes.Unimplemented, fmt.Sprintf("server: no SchedulerService method %q", method)
+	}
+	ctx := peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownAuth()})
+	if wait > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, wait)
+		defer cancel()
+	}
+	out, err := h(s.sched, ctx, func(v any) error {
+		if err := proto.Unmarshal(req, v.(proto.Message)); err != nil {
+			return status.Errorf(codes.InvalidArgument, "server: a %s request that does not parse: %v", method, err)
+		}
+		return nil
+	}, nil)
+	if err != nil {
+		st := status.Convert(err)
+		return nil, st.Code(), st.Message()
+	}
+	b, err := proto.Marshal(out.(proto.Message))
+	if err != nil {
+		return nil, codes.Internal, err.Error()
+	}
+	return b, codes.OK, ""
+}
+
+// ownAuth is what a direct call's caller is: this process.
+func ownAuth() EngineAuthInfo {
+	return EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
+		UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), PID: int32(os.Getpid())}
 }

@@ -138,3 +138,46 @@ func TestDirectStream(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// A SchedulerService call without gRPC (CallDirect) runs the handler the
+// gRPC call does, for this process: OpenScheduler names the peer
+// address, MatchedTokens answers as over gRPC; an unknown method, a
+// request that does not parse and a call the handler refuses come back
+// with their gRPC status.
+func TestCallDirect(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	call := func(method string, req, resp proto.Message) (codes.Code, string) {
+		t.Helper()
+		b, err := proto.Marshal(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, code, msg := d.srv.CallDirect(method, b, 5*time.Second)
+		if code == codes.OK {
+			if err := proto.Unmarshal(out, resp); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return code, msg
+	}
+	var open pb.OpenSchedulerResponse
+	if code, msg := call("OpenScheduler", &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH,
+		TpSize: 1, LogicalBlockSize: 16}}, &open); code != codes.OK || open.Addr != d.peerAddr {
+		t.Fatalf("OpenScheduler: %v %s, %v; want the peer address %s", code, msg, &open, d.peerAddr)
+	}
+	var mt pb.MatchedTokensResponse
+	req := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+	if code, msg := call("MatchedTokens", &pb.MatchedTokensRequest{EngineId: "D", Request: req}, &mt); code != codes.OK || mt.Tokens != 40 || !mt.Async {
+		t.Fatalf("MatchedTokens: %v %s, %v", code, msg, &mt)
+	}
+	if code, msg := call("MatchedTokens", &pb.MatchedTokensRequest{EngineId: "nobody", Request: req}, &mt); code == codes.OK {
+		t.Fatalf("MatchedTokens of an engine with no scheduler: OK (%s)", msg)
+	}
+	if _, code, msg := d.srv.CallDirect("NoSuchMethod", nil, 0); code != codes.Unimplemented || !strings.Contains(msg, "NoSuchMethod") {
+		t.Fatalf("an unknown method: %v %q", code, msg)
+	}
+	if _, code, msg := d.srv.CallDirect("Step", []byte{0xff, 0xff}, 0); code != codes.InvalidArgument || !strings.Contains(msg, "does not parse") {
+		t.Fatalf("bytes that are no StepRequest: %v %q", code, msg)
+	}
+}
