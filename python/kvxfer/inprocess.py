@@ -220,16 +220,9 @@ def stream_take(sid: int, wait: float):
     out, n, code = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_int()
     wait_us = -1 if wait < 0 else int(wait * 1e6)
     rc = lib.kvxfer_stream_take(sid, wait_us, ctypes.byref(out), ctypes.byref(n), ctypes.byref(code))
-    if rc == OK:
-        try:
-            return "msg", ctypes.string_at(out, n.value)
-        finally:
-            lib.kvxfer_free(out)
     if rc == EAGAIN:
         return None
-    if rc == EENDED:
-        return "ended", (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
-    raise _error(lib, rc)
+    return _answer(lib, rc, out, n, code, ("msg", EENDED, "ended"))
 
 
 def call(method: str, req: bytes, timeout: float | None):
@@ -239,13 +232,21 @@ def call(method: str, req: bytes, timeout: float | None):
     out, n, code = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_int()
     wait_us = 0 if not timeout or timeout <= 0 else int(timeout * 1e6)
     rc = lib.kvxfer_call(method.encode(), req, len(req), wait_us, ctypes.byref(out), ctypes.byref(n), ctypes.byref(code))
+    return _answer(lib, rc, out, n, code, ("ok", ESTATUS, "status"))
+
+
+def _answer(lib: ctypes.CDLL, rc: int, out, n, code, kinds: tuple[str, int, str]):
+    """What a take or a call returned: (kinds[0], the message's bytes,
+    copied and freed) for OK; (kinds[2], (gRPC code, message)) for the
+    status kinds[1]; else the call's error raised."""
+    ok, end_rc, end = kinds
     if rc == OK:
         try:
-            return "ok", ctypes.string_at(out, n.value)
+            return ok, ctypes.string_at(out, n.value)
         finally:
             lib.kvxfer_free(out)
-    if rc == ESTATUS:
-        return "status", (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
+    if rc == end_rc:
+        return end, (code.value, (lib.kvxfer_last_error() or b"").decode("utf-8", "replace"))
     raise _error(lib, rc)
 
 
