@@ -93,7 +93,7 @@ class Client:
         if self._direct is False:
             return {}
         from kvxfer import inprocess
-        if self.address != inprocess.endpoint() or not inprocess.has_direct_streams():
+        if self.address != inprocess.direct_endpoint():
             return {}
         return {id(getattr(self._sched, m)): m for m in _SCHED_OUT}
 
@@ -121,7 +121,7 @@ class Client:
             hello.max_message_bytes = _MAX_MESSAGE
         if self._direct is not False:
             from kvxfer import inprocess
-            if self.address == inprocess.endpoint() and inprocess.has_direct_streams():
+            if self.address == inprocess.direct_endpoint():
                 return DirectWorkerStream(hello, ready_timeout)
         return WorkerStream(self, hello, ready_timeout)
 

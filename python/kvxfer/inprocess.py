@@ -181,6 +181,16 @@ def has_direct_streams() -> bool:
     return _lib is not None and hasattr(_lib, "kvxfer_stream_open")
 
 
+def direct_endpoint() -> str | None:
+    """The running server's endpoint where this process may reach it
+    without gRPC (direct streams and calls), else None: no server, a
+    library without them, or a forked child (which never raises here: its
+    clients take gRPC, as before direct streams)."""
+    if _lib is None or os.getpid() != _loader_pid or not hasattr(_lib, "kvxfer_stream_open"):
+        return None
+    return _endpoint
+
+
 # Direct streams (kvxfer.h, kvxfer_stream_*): the calls behind
 # kvxfer.client.DirectWorkerStream. ctypes releases the GIL while they run.
 

@@ -90,6 +90,18 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
                 except inprocess.ForkedChildError as e:
                     if "forked child" not in str(e) or "spawn" not in str(e):
                         code = 11
+            # A client of a kvxferd (any address but the parent's
+            # server) still works here: no ForkedChildError from the
+            # direct-call check (this one refuses: nothing listens).
+            import kvxfer
+            from kvxfer import errors
+            try:
+                kvxfer.Client("/nonexistent/kvxferd.sock", timeout=1).scheduler("E").build_meta()
+                code = 13
+            except inprocess.ForkedChildError:
+                code = 14
+            except errors.KvxferError:
+                pass
             import ctypes
             buf = ctypes.create_string_buffer(256)
             rc = inprocess._lib.kvxfer_start(b"{}", buf, len(buf))
