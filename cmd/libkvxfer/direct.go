@@ -13,6 +13,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
 
@@ -27,10 +28,34 @@ const (
 	statusStatus = 8 // kvxfer_call: the call failed with a gRPC status
 )
 
+// maxDirects bounds the streams the library holds for the process (open
+// and not yet released): past it kvxfer_stream_open refuses.
+var maxDirects = 1 << 16 // a variable for tests
+
 var directs struct {
 	sync.Mutex
 	next int64
 	m    map[int64]*server.DirectStream
+}
+
+// runningServer is the process's in-process server, or why there is none.
+func runningServer() (*daemon.InProcess, error) {
+	running.Lock()
+	defer running.Unlock()
+	if running.p == nil {
+		return nil, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)")
+	}
+	return running.p, nil
+}
+
+// engineBytes is the n bytes at p, which the engine owns, without a copy:
+// the server decodes them before the call returns (and refuses a length
+// over server.MaxDirectMessage, counting it).
+func engineBytes(p *C.char, n C.size_t) []byte {
+	if n == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(p)), int(n))
 }
 
 func directOf(id C.longlong) (*server.DirectStream, error) {
@@ -44,19 +69,21 @@ func directOf(id C.longlong) (*server.DirectStream, error) {
 
 //export kvxferGoStreamOpen
 func kvxferGoStreamOpen(errBuf *C.char, errCap C.size_t) C.longlong {
-	running.Lock()
-	p := running.p
-	running.Unlock()
-	if p == nil {
-		putErr(errBuf, errCap, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)"))
+	p, err := runningServer()
+	if err != nil {
+		putErr(errBuf, errCap, err)
 		return 0
 	}
-	d := p.OpenDirect()
 	directs.Lock()
 	defer directs.Unlock()
+	if len(directs.m) >= maxDirects {
+		putErr(errBuf, errCap, fmt.Errorf("kvxfer: %d streams open (kvxfer_stream_release those that ended)", len(directs.m)))
+		return 0
+	}
 	if directs.m == nil {
 		directs.m = map[int64]*server.DirectStream{}
 	}
+	d := p.OpenDirect()
 	directs.next++
 	directs.m[directs.next] = d
 	return C.longlong(directs.next)
@@ -66,11 +93,7 @@ func kvxferGoStreamOpen(errBuf *C.char, errCap C.size_t) C.longlong {
 func kvxferGoStreamPut(id C.longlong, msg *C.char, n C.size_t, errBuf *C.char, errCap C.size_t) C.int {
 	d, err := directOf(id)
 	if err == nil {
-		if uint64(n) > server.MaxDirectMessage {
-			err = fmt.Errorf("kvxfer: a message of %d bytes (at most %d)", uint64(n), server.MaxDirectMessage)
-		} else {
-			err = d.Put(C.GoBytes(unsafe.Pointer(msg), C.int(n)))
-		}
+		err = d.Put(engineBytes(msg, n))
 	}
 	switch {
 	case err == nil:
@@ -132,18 +155,12 @@ func kvxferGoStreamRelease(id C.longlong) {
 //export kvxferGoCall
 func kvxferGoCall(method *C.char, req *C.char, n C.size_t, waitMicros C.longlong, out **C.char, outLen *C.size_t, code *C.int,
 	errBuf *C.char, errCap C.size_t) C.int {
-	running.Lock()
-	p := running.p
-	running.Unlock()
-	if p == nil {
-		putErr(errBuf, errCap, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)"))
+	p, err := runningServer()
+	if err != nil {
+		putErr(errBuf, errCap, err)
 		return statusFail
 	}
-	if uint64(n) > server.MaxDirectMessage {
-		putErr(errBuf, errCap, fmt.Errorf("kvxfer: a request of %d bytes (at most %d)", uint64(n), server.MaxDirectMessage))
-		return statusFail
-	}
-	b, c, msg := p.CallDirect(C.GoString(method), C.GoBytes(unsafe.Pointer(req), C.int(n)), time.Duration(max(waitMicros, 0))*time.Microsecond)
+	b, c, msg := p.CallDirect(C.GoString(method), engineBytes(req, n), time.Duration(max(waitMicros, 0))*time.Microsecond)
 	if c != 0 {
 		*code = C.int(c)
 		putErr(errBuf, errCap, errors.New(msg))

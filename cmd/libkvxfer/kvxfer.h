@@ -59,7 +59,7 @@ int kvxfer_stop(void);
  * first), as on the gRPC stream.
  *
  * kvxfer_stream_open opens one on the running server: its id, or 0 (see
- * kvxfer_last_error). kvxfer_stream_put hands it one marshalled
+ * kvxfer_last_error; at most 65536 streams are held until released). kvxfer_stream_put hands it one marshalled
  * ConnectRequest (KVXFER_EENDED once it ended or close_send was called).
  * kvxfer_stream_take waits up to wait_us microseconds (negative: without
  * limit) for the next ConnectResponse: KVXFER_OK with *msg (free it with

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import grpc
 
-from kvxfer import errors
+from kvxfer import errors, inprocess
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as rpc
 
@@ -58,6 +58,7 @@ class Client:
         self.address = address
         self.timeout = timeout
         self._direct = direct
+        self._sched_ids: dict | None = None  # _direct_methods' table, made once
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                 ("grpc.max_send_message_length", _MAX_MESSAGE)]
         self._bridge = None
@@ -75,7 +76,6 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         method = self._direct_methods().get(id(fn))
         if method is not None:
-            from kvxfer import inprocess
             kind, r = inprocess.call(method, req.SerializeToString(), timeout)
             if kind == "status":
                 raise errors.from_code(op, *r)
@@ -90,12 +90,11 @@ class Client:
         client's calls go to its own process's in-process server without
         gRPC (libkvxfer's kvxfer_call: the same handler, the caller this
         process); empty elsewhere, or with direct=False."""
-        if self._direct is False:
+        if self._direct is False or self.address != inprocess.direct_endpoint():
             return {}
-        from kvxfer import inprocess
-        if self.address != inprocess.direct_endpoint():
-            return {}
-        return {id(getattr(self._sched, m)): m for m in _SCHED_OUT}
+        if self._sched_ids is None:
+            self._sched_ids = {id(getattr(self._sched, m)): m for m in _SCHED_OUT}
+        return self._sched_ids
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel connects, or raises Unavailable."""
@@ -119,10 +118,8 @@ class Client:
         direct streams."""
         if not hello.max_message_bytes:
             hello.max_message_bytes = _MAX_MESSAGE
-        if self._direct is not False:
-            from kvxfer import inprocess
-            if self.address == inprocess.direct_endpoint():
-                return DirectWorkerStream(hello, ready_timeout)
+        if self._direct is not False and self.address == inprocess.direct_endpoint():
+            return DirectWorkerStream(hello, ready_timeout)
         return WorkerStream(self, hello, ready_timeout)
 
     def handshake(self, engine_id: str) -> pb.HandshakeResponse:
@@ -348,7 +345,62 @@ def _requests(q: queue.SimpleQueue) -> Iterator:
         yield m
 
 
-class WorkerStream:
+class _RankStream:
+    """What a rank's stream does whatever carries it (gRPC: WorkerStream;
+    libkvxfer's calls: DirectWorkerStream): the messages the engine sends,
+    checked against the stream's state, and what poll hands back. A
+    subclass sets _lock, _pending, _done, error and _closed_send, and
+    writes a message with _write."""
+
+    _closed_send: bool
+
+    def _write(self, m) -> None:
+        raise NotImplementedError
+
+    def _send(self, m) -> None:
+        if self._done.is_set():
+            raise errors.StreamClosed("stream is closed", self.error)
+        if self._closed_send:
+            raise errors.StreamClosed("bye already sent")
+        self._write(m)
+
+    def step(self, meta: pb.StepMeta) -> None:
+        """Hands the rank one step's metadata."""
+        self._send(pb.ConnectRequest(step=meta))
+
+    def step_ref(self, step: int, recv: Iterable[str] = (), send: Iterable[str] = ()) -> None:
+        """Hands the rank the metadata its scheduler published for step
+        (StepStream with publish_step) on this daemon. recv and send are the
+        requests the engine begins waiting on with this step on this rank:
+        should the step be dropped, its StepError (dropped) names them back,
+        for the engine to fail."""
+        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
+
+    def layer_saved(self, step: int, layer: int) -> None:
+        """Layer-wise push: layer (global index) of step is in memory."""
+        self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
+
+    def _take_pending(self) -> Finished:
+        """What arrived since the last poll (self._lock held); raises
+        StreamClosed when the stream ended and nothing is left."""
+        f, self._pending = self._pending, Finished()
+        if self._done.is_set() and self._empty_f(f) and self.error is not None:
+            raise errors.StreamClosed(str(self.error), self.error)
+        return f
+
+    def _empty(self) -> bool:
+        return self._empty_f(self._pending)
+
+    @staticmethod
+    def _empty_f(f: Finished) -> bool:
+        return not (f.sending or f.recving or f.invalid_block_ids or f.step_errors or f.stats)
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+
+class WorkerStream(_RankStream):
     """One rank's WorkerService.Connect stream.
 
     The calling thread sends (step, layer_saved, bye never block on the
@@ -397,28 +449,8 @@ class WorkerStream:
                 self._ready.set()
                 self._arrived.notify_all()
 
-    def _send(self, m) -> None:
-        if self._done.is_set():
-            raise errors.StreamClosed("stream is closed", self.error)
-        if self._closed_send:
-            raise errors.StreamClosed("bye already sent")
+    def _write(self, m) -> None:
         self._out.put(m)
-
-    def step(self, meta: pb.StepMeta) -> None:
-        """Hands the rank one step's metadata."""
-        self._send(pb.ConnectRequest(step=meta))
-
-    def step_ref(self, step: int, recv: Iterable[str] = (), send: Iterable[str] = ()) -> None:
-        """Hands the rank the metadata its scheduler published for step
-        (StepStream with publish_step) on this daemon. recv and send are the
-        requests the engine begins waiting on with this step on this rank:
-        should the step be dropped, its StepError (dropped) names them back,
-        for the engine to fail."""
-        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
-
-    def layer_saved(self, step: int, layer: int) -> None:
-        """Layer-wise push: layer (global index) of step is in memory."""
-        self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
 
     def poll(self, wait: float = 0.0) -> Finished:
         """Takes what arrived since the last poll, waiting up to ``wait``
@@ -427,21 +459,7 @@ class WorkerStream:
         with self._lock:
             if wait > 0 and self._empty() and not self._done.is_set():
                 self._arrived.wait(wait)
-            f, self._pending = self._pending, Finished()
-            if self._done.is_set() and self._empty_f(f) and self.error is not None:
-                raise errors.StreamClosed(str(self.error), self.error)
-            return f
-
-    def _empty(self) -> bool:
-        return self._empty_f(self._pending)
-
-    @staticmethod
-    def _empty_f(f: Finished) -> bool:
-        return not (f.sending or f.recving or f.invalid_block_ids or f.step_errors or f.stats)
-
-    @property
-    def closed(self) -> bool:
-        return self._done.is_set()
+            return self._take_pending()
 
     def bye(self, timeout: float = 60.0) -> Finished:
         """Asks the daemon to end the stream once the rank's transfers are
@@ -466,7 +484,7 @@ class WorkerStream:
         self._done.wait(5)
 
 
-class DirectWorkerStream:
+class DirectWorkerStream(_RankStream):
     """One rank's WorkerService.Connect stream to this process's in-process
     server, without gRPC: the same kvxfer.v1 messages handed to libkvxfer
     and taken from it by its calls (kvxfer.h, kvxfer_stream_*), which
@@ -477,7 +495,6 @@ class DirectWorkerStream:
     """
 
     def __init__(self, hello: pb.WorkerHello, ready_timeout: float):
-        from kvxfer import inprocess
         self._ip = inprocess
         self._lock = threading.Lock()  # _pending, error, _done
         self._take_lock = threading.Lock()  # one taker at a time
@@ -488,14 +505,13 @@ class DirectWorkerStream:
         self._closed_send = False
         self._id = inprocess.stream_open()
         try:
-            self._put(pb.ConnectRequest(hello=hello))
+            self._write(pb.ConnectRequest(hello=hello))
             deadline = time.monotonic() + ready_timeout
             while not self.agent_name:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._take(left):
-                    if self.agent_name:
-                        break
+                if left <= 0 or self._done.is_set():
                     raise self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+                self._take(left)
         except BaseException:
             self._ip.stream_release(self._id)
             self._done.set()
@@ -509,16 +525,15 @@ class DirectWorkerStream:
             except Exception:  # noqa: BLE001 - at interpreter exit, or in a forked child
                 pass
 
-    def _take(self, wait: float) -> bool:
+    def _take(self, wait: float) -> None:
         """Takes the stream's messages: waits up to wait seconds for the
-        first, then takes what else arrived. False once the stream ended
-        (or nothing came within wait)."""
+        first, then takes what else arrived, up to the stream's end."""
         got = False
         with self._take_lock:
             while True:
                 r = self._ip.stream_take(self._id, wait if not got else 0.0)
                 if r is None:  # nothing (more) within the wait
-                    return got
+                    return
                 kind, payload = r
                 if kind == "ended":
                     code, msg = payload
@@ -529,34 +544,17 @@ class DirectWorkerStream:
                             self.error = (errors.from_code("Connect", code, msg) if code != 0
                                           else errors.StreamClosed("kvxfer ended the stream"))
                         self._done.set()
-                    return got
+                    return
                 m = pb.ConnectResponse.FromString(payload)
                 with self._lock:
                     if _gather(self._pending, m) == "ready":
                         self.agent_name = m.ready.agent_name
                 got = True
 
-    def _put(self, m) -> None:
-        code = self._ip.stream_put(self._id, m.SerializeToString())
-        if code is not None:  # the stream ended: why, from its end
-            self._take(0.0)
+    def _write(self, m) -> None:
+        if self._ip.stream_put(self._id, m.SerializeToString()) is not None:
+            self._take(0.0)  # the stream ended: why, from its end
             raise errors.StreamClosed("stream is closed", self.error)
-
-    def _send(self, m) -> None:
-        if self._done.is_set():
-            raise errors.StreamClosed("stream is closed", self.error)
-        if self._closed_send:
-            raise errors.StreamClosed("bye already sent")
-        self._put(m)
-
-    def step(self, meta: pb.StepMeta) -> None:
-        self._send(pb.ConnectRequest(step=meta))
-
-    def step_ref(self, step: int, recv: Iterable[str] = (), send: Iterable[str] = ()) -> None:
-        self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
-
-    def layer_saved(self, step: int, layer: int) -> None:
-        self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
 
     def poll(self, wait: float = 0.0) -> Finished:
         """Takes what arrived since the last poll, waiting up to ``wait``
@@ -564,17 +562,10 @@ class DirectWorkerStream:
         the stream ended and nothing is left to take."""
         if not self._done.is_set():
             with self._lock:
-                empty = WorkerStream._empty_f(self._pending)
+                empty = self._empty()
             self._take(wait if empty else 0.0)
         with self._lock:
-            f, self._pending = self._pending, Finished()
-            if self._done.is_set() and WorkerStream._empty_f(f) and self.error is not None:
-                raise errors.StreamClosed(str(self.error), self.error)
-            return f
-
-    @property
-    def closed(self) -> bool:
-        return self._done.is_set()
+            return self._take_pending()
 
     def bye(self, timeout: float = 60.0) -> Finished:
         """Asks the server to end the stream once the rank's transfers are
@@ -582,7 +573,7 @@ class DirectWorkerStream:
         outcome not yet polled."""
         if not self._done.is_set() and not self._closed_send:
             try:
-                self._put(pb.ConnectRequest(bye=pb.Bye()))
+                self._write(pb.ConnectRequest(bye=pb.Bye()))
             except errors.StreamClosed:
                 pass
             self._closed_send = True

@@ -186,7 +186,7 @@ def direct_endpoint() -> str | None:
     without gRPC (direct streams and calls), else None: no server, a
     library without them, or a forked child (which never raises here: its
     clients take gRPC, as before direct streams)."""
-    if _lib is None or os.getpid() != _loader_pid or not hasattr(_lib, "kvxfer_stream_open"):
+    if not has_direct_streams() or os.getpid() != _loader_pid:
         return None
     return _endpoint
 

@@ -52,6 +52,8 @@ type DirectStream struct {
 	out    chan []byte
 	ended  chan struct{}
 
+	limits *limits // counts what the engine hands that is refused
+
 	mu       sync.Mutex
 	inClosed bool
 	code     codes.Code // how the stream ended (after ended is closed)
@@ -72,7 +74,7 @@ var _ net.Addr = directAddr{}
 func (s *Server) OpenDirect() *DirectStream {
 	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownAuth()}))
 	d := &DirectStream{ctx: ctx, cancel: cancel, in: make(chan *pb.ConnectRequest, 64), out: make(chan []byte, directOut),
-		ended: make(chan struct{})}
+		ended: make(chan struct{}), limits: s.limits}
 	go func() {
 		err := s.Connect(d)
 		st := status.Convert(err)
@@ -85,14 +87,13 @@ func (s *Server) OpenDirect() *DirectStream {
 	return d
 }
 
-// Put hands the server one marshalled ConnectRequest.
+// Put hands the server one marshalled ConnectRequest. One too large, or
+// that does not parse, is refused (counted: kvxfer_refused_total
+// {reason="bad_message"}) and the stream goes on.
 func (d *DirectStream) Put(b []byte) error {
-	if len(b) > MaxDirectMessage {
-		return fmt.Errorf("server: a ConnectRequest of %d bytes (at most %d)", len(b), MaxDirectMessage)
-	}
 	m := new(pb.ConnectRequest)
-	if err := proto.Unmarshal(b, m); err != nil {
-		return fmt.Errorf("server: a ConnectRequest that does not parse: %w", err)
+	if err := d.limits.parse("ConnectRequest", b, m); err != nil {
+		return err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -217,9 +218,6 @@ func (d *DirectStream) RecvMsg(m any) error {
 // over gRPC, the caller this process; wait bounds it as a deadline would
 // (0: none).
 func (s *Server) CallDirect(method string, req []byte, wait time.Duration) (resp []byte, code codes.Code, msg string) {
-	if len(req) > MaxDirectMessage {
-		return nil, codes.ResourceExhausted, fmt.Sprintf("server: a request of %d bytes (at most %d)", len(req), MaxDirectMessage)
-	}
 	var h func(any, context.Context, func(any) error, grpc.UnaryServerInterceptor) (any, error)
 	for _, m := range pb.SchedulerService_ServiceDesc.Methods {
 		if m.MethodName == method {
@@ -236,8 +234,8 @@ func (s *Server) CallDirect(method string, req []byte, wait time.Duration) (resp
 		defer cancel()
 	}
 	out, err := h(s.sched, ctx, func(v any) error {
-		if err := proto.Unmarshal(req, v.(proto.Message)); err != nil {
-			return status.Errorf(codes.InvalidArgument, "server: a %s request that does not parse: %v", method, err)
+		if err := s.limits.parse(method+" request", req, v.(proto.Message)); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
 		}
 		return nil
 	}, nil)
@@ -256,4 +254,20 @@ func (s *Server) CallDirect(method string, req []byte, wait time.Duration) (resp
 func ownAuth() EngineAuthInfo {
 	return EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), PID: int32(os.Getpid())}
+}
+
+// parse decodes what an engine handed without gRPC into m: one over
+// MaxDirectMessage, or that does not parse, is refused and counted
+// (bad_message).
+func (l *limits) parse(what string, b []byte, m proto.Message) error {
+	var err error
+	if len(b) > MaxDirectMessage {
+		err = fmt.Errorf("server: a %s of %d bytes (at most %d)", what, len(b), MaxDirectMessage)
+	} else if perr := proto.Unmarshal(b, m); perr != nil {
+		err = fmt.Errorf("server: a %s that does not parse: %w", what, perr)
+	}
+	if err != nil {
+		l.refuse("bad_message")
+	}
+	return err
 }

@@ -75,6 +75,12 @@ func TestDirectStream(t *testing.T) {
 	if err := ds.Put([]byte{0xff, 0xff, 0xff}); err == nil || !strings.Contains(err.Error(), "does not parse") {
 		t.Fatalf("bytes that are no ConnectRequest: %v", err)
 	}
+	if err := ds.Put(make([]byte, server.MaxDirectMessage+1)); err == nil || !strings.Contains(err.Error(), "at most") {
+		t.Fatalf("a message over MaxDirectMessage: %v", err)
+	}
+	if got := d.srv.Refusals()["bad_message"]; got != 2 {
+		t.Fatalf("refusals of bad messages: %d, want 2", got)
+	}
 	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Bye{Bye: &pb.Bye{}}})); err != nil {
 		t.Fatal(err)
 	}
@@ -179,5 +185,12 @@ func TestCallDirect(t *testing.T) {
 	}
 	if _, code, msg := d.srv.CallDirect("Step", []byte{0xff, 0xff}, 0); code != codes.InvalidArgument || !strings.Contains(msg, "does not parse") {
 		t.Fatalf("bytes that are no StepRequest: %v %q", code, msg)
+	}
+	if _, code, msg := d.srv.CallDirect("Step", make([]byte, server.MaxDirectMessage+1), 0); code != codes.InvalidArgument ||
+		!strings.Contains(msg, "at most") {
+		t.Fatalf("a request over MaxDirectMessage: %v %q", code, msg)
+	}
+	if got := d.srv.Refusals()["bad_message"]; got != 2 {
+		t.Fatalf("refusals of bad requests: %d, want 2", got)
 	}
 }

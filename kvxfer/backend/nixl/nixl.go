@@ -695,7 +695,7 @@ func (n *Backend) woken() {
 
 // pollAfter is how long the poll loop pauses before its next round, with
 // transfers in flight or not, a Worker awaiting peer messages or not, and
-// since the Backend's last activity (see poll).
+// since the Backend's last activity (see Config.PollInterval and hotPoll).
 func pollAfter(interval time.Duration, inFlight, awaited bool, since time.Duration) time.Duration {
 	switch {
 	case inFlight || awaited && since < hotPoll:
