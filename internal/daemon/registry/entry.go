@@ -150,7 +150,7 @@ func (e *Entry) validate(key string) error {
 	switch {
 	case e.V != Version:
 		return bad(key, "v", e.V, strconv.Itoa(Version))
-	case e.EngineID == "" || len(e.EngineID) > maxIDBytes || strings.ContainsFunc(e.EngineID, func(r rune) bool { return r <= ' ' || r == '/' }):
+	case !validEngineID(e.EngineID):
 		return bad(key, "engine_id", e.EngineID, fmt.Sprintf("1 to %d bytes, no space, control character or slash", maxIDBytes))
 	case e.Role != RoleProducer && e.Role != RoleConsumer && e.Role != RoleBoth:
 		return bad(key, "role", e.Role, "producer, consumer or both")
@@ -215,4 +215,11 @@ func Field(err error) string {
 		return b.Field
 	}
 	return "other"
+}
+
+// validEngineID reports whether id can name an engine in the registry: 1
+// to maxIDBytes bytes, no space, control character or slash (a key's
+// separator).
+func validEngineID(id string) bool {
+	return id != "" && len(id) <= maxIDBytes && !strings.ContainsFunc(id, func(r rune) bool { return r <= ' ' || r == '/' })
 }

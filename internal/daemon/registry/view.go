@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -149,7 +148,7 @@ func (v *View) LookupNow(ctx context.Context, engine string) (e Entry, found boo
 	if e, ok := v.Lookup(engine); ok {
 		return e, true, nil
 	}
-	if engine == "" || len(engine) > maxIDBytes || strings.ContainsFunc(engine, func(r rune) bool { return r <= ' ' || r == '/' }) {
+	if !validEngineID(engine) {
 		return Entry{}, false, nil // no key holds it
 	}
 	resp, err := v.cfg.Client.Get(ctx, EnginesPrefix(v.cfg.Prefix)+engine+"/", clientv3.WithPrefix(), clientv3.WithLimit(maxLookupNow))
