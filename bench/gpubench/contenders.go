@@ -62,13 +62,19 @@ type contender struct {
 // opts are what the contenders read.
 type opts struct {
 	fake bool
+	// fakeBusy: a fake GPU's batch is done this long after it was posted
+	// (a kernel's time), so the hops around it are polled as on a GPU.
+	fakeBusy time.Duration
 }
 
 var contenders = []contender{
 	{name: "samehost", what: "kvxfer same-host (internal/netxfer agents in two processes, GPU memory by MapDevice; one PostLayout: a base pair per layer, an entry per block; post to completion)",
-		peer: netxferPeer, open: netxferOpen(true)},
+		peer: netxferPeer, open: netxferOpen(true, 1)},
 	{name: "samehost-pieces", what: "kvxfer same-host as above, posted as one Post of every piece (layers x blocks descriptors)",
-		peer: netxferPeer, open: netxferOpen(false)},
+		peer: netxferPeer, open: netxferOpen(false, 1)},
+	{name: "samehost-x4", what: "kvxfer same-host as a layout, four transfers of the case in flight at once (posted together, timed to the last one's completion; GB/s of all four): " +
+		"what a Worker that posts several requests' transfers without waiting gets, the hops between the processes shared",
+		peer: netxferPeer, open: netxferOpen(true, 4)},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
 		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
@@ -199,15 +205,19 @@ type netxferMover struct {
 	src    uint64
 	dst    uint64
 	layout bool
-	descs  map[xcase][]netxfer.Desc
-	lays   map[xcase][]netxfer.Layout
-	times  [][2]int64 // this case's transfers: posted, seen done (hoptrace.Now)
+	// inflight is how many transfers of the case one write posts before
+	// it waits for them (the duration it reports is the time per transfer).
+	inflight int
+	descs    map[xcase][]netxfer.Desc
+	lays     map[xcase][]netxfer.Layout
+	times    [][2]int64 // this case's transfers: posted, seen done (hoptrace.Now)
 }
 
 // hopper is a mover that can say where its last case's time went.
 type hopper interface {
 	// hops returns, per hop of hopNames, the microseconds of each of
-	// the case's transfers after the warm-up ones.
+	// the case's transfers after the warm-up ones (nil: it has none to
+	// tell).
 	hops(warmup int) ([][]float64, error)
 }
 
@@ -220,6 +230,9 @@ func (m *netxferMover) prepare(c xcase) error {
 }
 
 func (m *netxferMover) hops(warmup int) ([][]float64, error) {
+	if m.inflight > 1 {
+		return nil, nil // its transfers' hops overlap: none to tell apart
+	}
 	resp, err := m.r.call(ctlReq{Op: "stamps"})
 	if err != nil {
 		return nil, err
@@ -231,7 +244,7 @@ func (m *netxferMover) hops(warmup int) ([][]float64, error) {
 	return hopsOf(m.times, st, warmup), nil
 }
 
-func netxferOpen(layout bool) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+func netxferOpen(layout bool, inflight int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
 		a, err := netxferAgent(src, "p")
 		if err != nil {
@@ -242,7 +255,7 @@ func netxferOpen(layout bool) func(*opts, *side, *side, *remote, []byte) (mover,
 			a.Close()
 			return nil, nil, err
 		}
-		return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base, layout: layout,
+		return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base, layout: layout, inflight: inflight,
 			descs: map[xcase][]netxfer.Desc{}, lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
 	}
 }
@@ -261,27 +274,40 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 		m.lays[c] = lays
 	}
 	start, t0 := time.Now(), hoptrace.Now()
-	var id netxfer.XferID
-	var err error
-	if m.layout {
-		id, err = m.a.PostLayout(netxfer.Write, m.peer, lays, nil)
-	} else {
-		id, err = m.a.Post(netxfer.Write, m.peer, ds, nil)
-	}
-	if err != nil {
-		return 0, err
-	}
-	err = waitDone(func() (bool, error) {
-		s, err := m.a.State(id)
-		if s == netxfer.Failed && err == nil {
-			err = errors.New("failed")
+	ids := make([]netxfer.XferID, 0, m.inflight)
+	defer func() {
+		for _, id := range ids {
+			_ = m.a.Release(id)
 		}
-		return s == netxfer.Done, err
+	}()
+	for range m.inflight {
+		var id netxfer.XferID
+		var err error
+		if m.layout {
+			id, err = m.a.PostLayout(netxfer.Write, m.peer, lays, nil)
+		} else {
+			id, err = m.a.Post(netxfer.Write, m.peer, ds, nil)
+		}
+		if err != nil {
+			return 0, err
+		}
+		ids = append(ids, id)
+	}
+	err := waitDone(func() (bool, error) {
+		for _, id := range ids {
+			s, err := m.a.State(id)
+			if s == netxfer.Failed && err == nil {
+				err = errors.New("failed")
+			}
+			if s != netxfer.Done || err != nil {
+				return false, err
+			}
+		}
+		return true, nil
 	}, m.a.Events())
 	d := time.Since(start)
 	m.times = append(m.times, [2]int64{t0, hoptrace.Now()})
-	_ = m.a.Release(id)
-	return d, err
+	return d / time.Duration(m.inflight), err
 }
 
 func (m *netxferMover) close() error { return m.a.Close() }

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -135,6 +136,7 @@ type fakeGPU struct {
 	mu    sync.Mutex
 	maps  map[uint64][]byte // by address: allocations and imports
 	files map[uint64]string // allocations' files, removed by Free
+	busy  time.Duration     // how long after its post a batch is done
 }
 
 func newFakeGPU() *fakeGPU { return &fakeGPU{maps: map[uint64][]byte{}, files: map[uint64]string{}} }
@@ -263,10 +265,11 @@ func (g *fakeGPU) CopyDevice(dst, src uint64, n int) error {
 	return nil
 }
 
-// fakeDone is a fake batch: copied when posted.
-type fakeDone struct{}
+// fakeDone is a fake batch: copied when posted, done at (a kernel's
+// time later, with -fake-gpu-busy).
+type fakeDone struct{ at time.Time }
 
-func (fakeDone) Done() (bool, error) { return true, nil }
+func (d fakeDone) Done() (bool, error) { return !time.Now().Before(d.at), nil }
 
 func (g *fakeGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
 	for _, p := range ps {
@@ -274,7 +277,7 @@ func (g *fakeGPU) PostCopy(ps []netxfer.DevPiece) (netxfer.DevCopy, error) {
 			return nil, err
 		}
 	}
-	return fakeDone{}, nil
+	return fakeDone{time.Now().Add(g.busy)}, nil
 }
 
 func (g *fakeGPU) PostEach(ps []netxfer.DevPiece) (netxfer.DevCopy, error) { return g.PostCopy(ps) }

@@ -85,19 +85,27 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 32, "layers")
 	reps := fs.Int("reps", 5, "timed transfers per case and contender")
 	warmup := fs.Int("warmup", 1, "untimed transfers before them")
-	names := fs.String("contenders", "samehost,samehost-pieces,nixl,nixl4,nixl4-read,python,python-push,python-read,kernel,kernel-layout,contig,perpiece", "contenders, comma-separated")
+	names := fs.String("contenders", "samehost,samehost-pieces,samehost-x4,nixl,nixl4,nixl4-read,python,python-push,python-read,kernel,kernel-layout,contig,perpiece", "contenders, comma-separated")
 	python := fs.String("python", "python3", "the Python of the python contender (torch and nixl_cu12)")
 	pySmall := fs.Bool("python-small", true, "run the python contender's pieces under 64 KiB too")
 	fake := fs.Bool("fake-gpu", false, "host memory stands in for the GPU (tests; the numbers mean nothing)")
+	fakeBusy := fs.Duration("fake-gpu-busy", 0, "with -fake-gpu: a batch is done this long after it was posted (a kernel's time)")
 	timeout := fs.Duration("timeout", 4*time.Minute, "give up after this long")
 	child := fs.Bool("child", false, "serve as the destination process (internal)")
 	span := fs.Int("span", 0, "child: bytes of its region")
+	wakeChild := fs.Bool("wakeup-child", false, "echo bytes on descriptor 3 (internal: the wake-up probe)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	o := opts{fake: *fake}
+	o := opts{fake: *fake, fakeBusy: *fakeBusy}
+	if o.fakeBusy < 0 || o.fakeBusy > 0 && !o.fake {
+		return fmt.Errorf("-fake-gpu-busy %v: want a duration of at least 0, with -fake-gpu", o.fakeBusy)
+	}
 	if *child {
 		return childMain(o, *span)
+	}
+	if *wakeChild {
+		return wakeupChild()
 	}
 	cfg := config{reps: *reps, warmup: *warmup, python: *python, pySmall: *pySmall, o: o, timeout: *timeout}
 	ps, err := parseList("pieces", *pieces)
@@ -122,7 +130,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	for _, n := range strings.Split(*names, ",") {
 		n = strings.TrimSpace(n)
 		if _, ok := findContender(n); !ok && pyModes[n] == "" {
-			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, nixl, nixl4, nixl4-read, python, python-push, python-read, kernel, kernel-layout, contig, perpiece)", n)
+			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, samehost-x4, nixl, nixl4, nixl4-read, python, python-push, python-read, kernel, kernel-layout, contig, perpiece)", n)
 		}
 		cfg.names = append(cfg.names, n)
 	}
@@ -153,7 +161,9 @@ func parseList(name, s string) ([]int, error) {
 // openGPU opens device 0, or the fake.
 func openGPU(o opts) (gpu, error) {
 	if o.fake {
-		return newFakeGPU(), nil
+		g := newFakeGPU()
+		g.busy = o.fakeBusy
+		return g, nil
 	}
 	g, err := openCUDA(0)
 	if errors.Is(err, cuda.ErrUnavailable) {
@@ -201,6 +211,12 @@ func bench(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error
 	}
 	fmt.Fprintf(stdout, "gpubench: %s; %d timed transfers after %d warm-up per case; regions of %d MiB per process\n",
 		machine(cfg.o), cfg.reps, cfg.warmup, span>>20)
+	if idle, busy, werr := wakeup(ctx); werr != nil {
+		fmt.Fprintf(stdout, "gpubench: the wake-up probe failed: %v\n", werr)
+	} else {
+		fmt.Fprintf(stdout, "gpubench: one hop between two processes (a byte over a unix socket, half a round trip; medians of %d): "+
+			"%.1f µs with both asleep (%v apart), %.1f µs back to back\n", wakeupTrips, us(idle), wakeupIdle, us(busy))
+	}
 	src, err := allocSide(g, span)
 	if err != nil {
 		return err
@@ -299,7 +315,7 @@ cases:
 			if h, ok := m.(hopper); ok && out.err == "" {
 				if hs, err := h.hops(cfg.warmup); err != nil {
 					fmt.Fprintf(stderr, "gpubench: %s, %s: hops: %v\n", ct.name, c, err)
-				} else {
+				} else if hs != nil {
 					hops = append(hops, hopReport{name: ct.name, c: c, hops: hs})
 				}
 			}
@@ -407,7 +423,7 @@ func startChild(ctx context.Context, o opts, span int, stderr io.Writer) (*remot
 	}
 	args := []string{"-child", "-span", fmt.Sprint(span)}
 	if o.fake {
-		args = append(args, "-fake-gpu")
+		args = append(args, "-fake-gpu", "-fake-gpu-busy", o.fakeBusy.String())
 	}
 	reqR, reqW, err := os.Pipe()
 	if err != nil {

@@ -30,12 +30,15 @@ func TestMain(m *testing.M) {
 func TestFakeGPU(t *testing.T) {
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
-		"-contenders", "samehost,samehost-pieces,kernel,kernel-layout,contig,perpiece"}, &out, &errb)
+		"-contenders", "samehost,samehost-pieces,samehost-x4,kernel,kernel-layout,contig,perpiece", "-fake-gpu-busy", "30us"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
 	for _, want := range []string{"| kvxfer same-host (netxfer, MapDevice), as a layout | 4 KiB |", "| kvxfer same-host (netxfer, MapDevice), as pieces | 520 B |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
 		"| kvxfer copy kernel, one launch of a layout (one process) | 520 B |",
+		"| kvxfer same-host (netxfer, MapDevice), as a layout, 4 in flight | 4 KiB |",
+		// The machine's wake-up cost, from the probe.
+		"one hop between two processes (a byte over a unix socket",
 		// The same-host hops, from both processes' stamps.
 		"| samehost | 4 KiB x 5 blocks x 3 layers | D posted -> D saw it done (the GPU, D's poller) | 2 |",
 		"| samehost-pieces | 520 B x 2 blocks x 3 layers | total: P post -> P saw it done | 2 |",
@@ -46,6 +49,9 @@ func TestFakeGPU(t *testing.T) {
 	}
 	if strings.Contains(out.String(), "FAILED") {
 		t.Errorf("a case failed:\n%s\n%s", out.String(), errb.String())
+	}
+	if strings.Contains(out.String(), "| samehost-x4 |") {
+		t.Errorf("the hop table has rows of transfers that overlapped (samehost-x4):\n%s", out.String())
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 var labels = map[string]string{
 	"samehost":        "kvxfer same-host (netxfer, MapDevice), as a layout",
 	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
+	"samehost-x4":     "kvxfer same-host (netxfer, MapDevice), as a layout, 4 in flight",
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
 	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
