@@ -18,6 +18,14 @@ its outcome; the rates are printed (pytest -s; test/gpu/run shows them in
 its summary) and, with $OUT set, written to $OUT/inprocess-gbps.txt. No
 speed is asserted.
 
+Over NIXL, NIXL's own Python API moves each transfer again in the same two
+processes, on the same caches (Beside in inprocess_gpu_engine.py: P WRITEs
+the blocks with its own agent once D has checked kvxfer's transfer and marked
+them, and D checks them again), timed from initialize_xfer to DONE as NIXL's
+benchmarks time it; the two rates and the ratio of their medians are
+printed beside the others: the in-process goal's comparison (issue 24) made
+on the same memory, minutes apart at most, instead of in two runs.
+
 Every case runs with the hop trace on (the servers' "hop_trace", the
 engines' own "py.step" and "py.poll" lines): the table of where the timed
 transfers' time went, hop by hop (hoptrace.py), is printed beside the
@@ -41,6 +49,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -98,14 +107,36 @@ def nixl_library() -> str | None:
     return next((c for c in cands if os.path.isfile(c)), None)
 
 
-def engine_env(lib: Path, config: dict) -> dict:
+def nixl_python_libs() -> str | None:
+    """The directory of the libraries NIXL's Python API (nixl_cu12, in this
+    Python) loads, or None where it does not import."""
+    try:
+        import nixl_cu12
+    except ImportError:
+        return None
+    libs = Path(nixl_cu12.__file__).resolve().parent.parent / ".nixl_cu12.mesonpy.libs"
+    return str(libs) if (libs / "libnixl_capi.so").is_file() else None
+
+
+def engine_env(lib: Path, config: dict, beside: bool = False) -> dict:
     """The engines' environment: the library, this checkout's python
     package and, for NIXL, what NIXL and UCX read when they load (the
     in-process server sets none of it). Skips when NIXL is wanted and its
-    library is not found."""
+    library is not found (or, beside, NIXL's Python API does not import;
+    CI fails instead). Beside, the server loads the very NIXL that
+    NIXL's Python API loads: one copy of it in each engine process."""
     env = dict(os.environ)
     env["KVXFER_LIBKVXFER"] = str(lib)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PYTHON_DIR), env.get("PYTHONPATH", "")] if p)
+    if beside:
+        libs = nixl_python_libs()
+        if libs is None:
+            why = f"NIXL's Python API (nixl_cu12 with its libraries) does not import in {sys.executable}"
+            if os.environ.get("CI"):
+                pytest.fail(why + " (test/run installs the nixl-cu12 wheel into its environment)")
+            pytest.skip(why)
+        env["NIXL_CAPI_LIB"] = os.path.join(libs, "libnixl_capi.so")
+        env["NIXL_PLUGIN_DIR"] = os.path.join(libs, "plugins")
     if config.get("backend") == "nixl":
         nl = nixl_library()
         if nl is None:
@@ -153,20 +184,27 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", layers: int = LAYERS, blocks: int = BLOCKS,
              block_len: int = BLOCK_LEN, xfers: list | None = None, timeout: float = PAIR_TIMEOUT,
-             env: dict | None = None, hops: bool = False, mode: str = "push") -> tuple[dict, dict, str]:
+             env: dict | None = None, hops: bool = False, mode: str = "push", beside: int = 0,
+             beside_moves_nothing: bool = False) -> tuple[dict, dict, str]:
     """Runs P and D (inprocess_gpu_engine.py) side by side with config: D
     steps its first request once P has stepped its sends and published its
     Peer address. Returns their results and a text of both logs' tails for
     failure messages. Both processes are gone when it returns. hops: each
     process traces its hops into work (hop_files). mode: "push" (P
-    WRITEs) or "pull" (D READs)."""
+    WRITEs) or "pull" (D READs). beside: NIXL's own Python API with that
+    many UCX threads moves each transfer again in the same processes, timed
+    (push only; inprocess_gpu_engine.Beside); beside_moves_nothing (tests of
+    D's check): P answers without moving a byte."""
     work.mkdir(parents=True, exist_ok=True)
-    env = env if env is not None else engine_env(lib, config)
+    env = env if env is not None else engine_env(lib, config, beside=beside > 0)
     secret = harness.secret_file(work)
     common = {"secret": secret, "memory": memory, "layers": layers, "blocks": blocks, "block_len": block_len,
               "transfers": xfers if xfers is not None else transfers(blocks), "timeout": timeout - 10,
               "peer_file": str(work / "p.peer"), "peer_wait": START_TIMEOUT, "mode": mode,
               "config": {"peer_secret_file": secret, "log_level": "warn", **config}}
+    if beside:
+        (work / "beside").mkdir(exist_ok=True)
+        common["beside"] = {"dir": str(work / "beside"), "threads": beside, "move_nothing": beside_moves_nothing}
     spec = {r: {**common, "role": r, "result": str(work / f"{r}.result.json")} for r in "PD"}
     if hops:
         for r in "PD":
@@ -248,6 +286,28 @@ def report(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = B
     return line
 
 
+def report_beside(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = BLOCK_LEN) -> tuple[list[float], list[float], str]:
+    """The timed transfers of a run_pair(beside=...) both ways, alternated
+    in the same processes: kvxfer's (D's step to its outcome) and NIXL's
+    own Python API's WRITE of the same blocks (post to completion), GB/s,
+    and the ratio of their medians; printed and kept under $OUT."""
+    timed = recs[1:]
+    if not timed or any("nixl" not in r for r in timed):
+        raise AssertionError(f"{name}: a timed transfer without NIXL's beside it: {timed}")
+    ours = [r["bytes"] / r["seconds"] / 1e9 for r in timed]
+    theirs = [r["bytes"] / r["nixl"]["seconds"] / 1e9 for r in timed]
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    line = (f"in-process GB/s | {name} and NIXL's Python API, alternated in the same two processes | {layers} layers x "
+            f"{timed[0]['blocks']} blocks x {block_len >> 10} KiB scattered ({layers * timed[0]['blocks']} pieces) | "
+            f"kvxfer, D's step to done: {', '.join(f'{g:.2f}' for g in ours)} | NIXL WRITE, post to done: "
+            f"{', '.join(f'{g:.2f}' for g in theirs)} | ratio of the medians {ratio:.2f} |")
+    print("\n" + line, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "inprocess-gbps.txt"), "a") as f:
+            f.write(line + "\n")
+    return ours, theirs, line
+
+
 def hop_files(work: Path) -> list[Path]:
     """The hop traces a run_pair(hops=True) in work left."""
     return sorted(work.glob("*.hops.jsonl"))
@@ -286,13 +346,16 @@ def test_push_gpu_memory_by_address(libkvxfer, tmp_path, name):
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers()
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], xfers=xf, hops=True)
+    beside = 4 if CASES[name]["backend"] == "nixl" else 0
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], xfers=xf, hops=True, beside=beside)
     recs = check_pair(pres, dres, logs, len(xf))
     # P's layers are views of one allocation, D's (most likely: the
     # caching allocator decides) an allocation each.
     report(name, recs, note=f"P's cache in {pres.get('allocations')} allocation(s), D's in {dres.get('allocations')}; "
            f"attach P {pres.get('attach_s')} s, D {dres.get('attach_s')} s")
     report_hops(f"{name}, {LAYERS}x{BLOCKS}x{BLOCK_LEN >> 10}KiB", tmp_path)
+    if beside:
+        report_beside(name, recs)
 
 
 @pytest.mark.parametrize("name", ["nixl", "builtin"])
@@ -305,10 +368,13 @@ def test_push_gpu_memory_by_address_8_blocks(libkvxfer, tmp_path, name):
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers(8, check_blocks=6, timed=7, seed=8)
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], blocks=8, xfers=xf, hops=True)
+    beside = 4 if name == "nixl" else 0
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[name], blocks=8, xfers=xf, hops=True, beside=beside)
     recs = check_pair(pres, dres, logs, len(xf))
     report(name, recs)
     report_hops(f"{name}, {LAYERS}x8x{BLOCK_LEN >> 10}KiB", tmp_path)
+    if beside:
+        report_beside(name, recs)
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS, 8])

@@ -18,7 +18,10 @@ for this process's own hop-trace lines (hoptrace.py): "py.step" as it
 calls step for a request, "py.poll" as a poll returns a request's
 outcome, stamped with time.monotonic_ns() (CLOCK_MONOTONIC, as the
 in-process server's "hop_trace" lines); kept in memory and written at the
-end, so the timed path does no I/O.
+end, so the timed path does no I/O. Optional: beside ({"dir": a directory
+both processes share, "threads": the UCX backend's num_threads}), push
+only: NIXL's own Python API (nixl_cu12) in these same two processes, on
+these same caches, alternated with kvxfer's transfers (see Beside).
 
 The caches: P's is one tensor, its layers views of it (one allocation, a
 memory entry per layer); D's is one tensor per layer (an allocation and a
@@ -67,6 +70,105 @@ def heads_of(block_len: int) -> tuple[int, int]:
     return heads, per // heads
 
 
+class Beside:
+    """NIXL's own Python API (nixl_cu12) in this very process, on this
+    process's own cache, alternated with kvxfer's transfers: once D has
+    checked kvxfer's transfer k, it marks transfer k's blocks and asks P
+    (a file "go-k" in the shared directory), and P WRITEs transfer k's
+    blocks into D's with its own agent, timed from initialize_xfer to
+    check_xfer_state saying DONE (as NIXL's own benchmarks and gpubench's
+    python contender time it), and answers ("done-k", the seconds); D then
+    checks every byte of those blocks again. Both ways are thus timed in
+    the same processes, on the same memory, a few milliseconds apart: the
+    ratio issue 24's in-process goal is read from. Each agent registers its
+    whole cache (VRAM, or DRAM with host memory); D publishes its metadata
+    and its layers' addresses in "d.nixl"."""
+
+    def __init__(self, run: "Run", spec: dict):
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        self.run, self.dir = run, spec["dir"]
+        self.mem = "DRAM" if run.device == "cpu" else "VRAM"
+        self.agent = nixl_agent(f"beside-{run.role}-{os.getpid()}-{time.time_ns()}", nixl_agent_config(backends=[]))
+        params = {"num_threads": str(spec.get("threads", 4))}
+        if run.device == "cpu":
+            params["ucx_error_handling_mode"] = "none"  # host memory over shared memory transports
+        self.agent.create_backend("UCX", params)
+        self.agent.register_memory([run.whole] if run.role == "P" else run.kv)
+        self.peer = None
+        self.next = 0  # P: the next transfer to answer
+        # Tests of D's check: P answers without moving a byte.
+        self.idle = bool(spec.get("move_nothing"))
+        if run.role == "D":
+            meta = {"meta": self.agent.get_agent_metadata().hex(), "bases": [t.data_ptr() for t in run.kv]}
+            self._put("d.nixl", json.dumps(meta))
+
+    def _put(self, name: str, text: str) -> None:
+        path = os.path.join(self.dir, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def _get(self, name: str) -> str | None:
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def serve(self) -> None:
+        """P: answers every "go-k" there is now, in order."""
+        while (self._get(f"go-{self.next}")) is not None:
+            k = self.next
+            try:
+                self._put(f"done-{k}", json.dumps({"seconds": self._write(k)}))
+            except Exception as e:  # noqa: BLE001 - D reports it
+                self._put(f"done-{k}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            self.next += 1
+
+    def _write(self, k: int) -> float:
+        import numpy as np
+
+        run = self.run
+        if self.peer is None:
+            d = json.loads(self._get("d.nixl"))
+            self.peer = self.agent.add_remote_agent(bytes.fromhex(d["meta"]))
+            self.d_bases = d["bases"]
+        p_ids, d_ids = run.spec["transfers"][k]
+        dev = 0 if run.device == "cpu" else torch.cuda.current_device()
+        n, bl = len(p_ids) * run.layers, run.block_len
+        src, dst = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
+        src[:, 1] = dst[:, 1] = bl
+        src[:, 2] = dst[:, 2] = dev
+        base = run.whole.data_ptr()
+        for i in range(run.layers):
+            rows = slice(i * len(p_ids), (i + 1) * len(p_ids))
+            src[rows, 0] = base + i * run.layer_bytes + np.asarray(p_ids, dtype=np.uint64) * bl
+            dst[rows, 0] = self.d_bases[i] + np.asarray(d_ids, dtype=np.uint64) * bl
+        local, remote = self.agent.get_xfer_descs(src, self.mem), self.agent.get_xfer_descs(dst, self.mem)
+        if self.idle:
+            return 1.0
+        t0 = time.perf_counter()
+        h = self.agent.initialize_xfer("WRITE", local, remote, self.peer, b"")
+        state = self.agent.transfer(h)
+        while state == "PROC" and time.perf_counter() - t0 < 30:
+            state = self.agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL's WRITE of transfer {k} ended {state}")
+        return dt
+
+    def ask(self, k: int) -> dict:
+        """D: has P move transfer k with NIXL and waits for its answer."""
+        self._put(f"go-{k}", "")
+        while (got := self._get(f"done-{k}")) is None:
+            if self.run.left() <= 0:
+                raise TimeoutError(f"D: P did not answer NIXL's transfer {k} within the run's time")
+            time.sleep(0.002)
+        return json.loads(got)
+
+
 class Run:
     def __init__(self, spec: dict):
         self.spec = spec
@@ -79,6 +181,9 @@ class Run:
         self.res: dict = {"role": self.role, "pid": os.getpid()}
         # Hop-trace lines (py_hop_trace), written at the end.
         self.hops: list[dict] | None = [] if spec.get("py_hop_trace") else None
+        self.beside: Beside | None = None
+        if spec.get("beside") and self.mode != pb.MODE_PUSH:
+            raise ValueError("beside: NIXL's own WRITE is timed beside push only")
 
     def hop(self, t: int, ev: str, side: str, **ids: str) -> None:
         if self.hops is not None:
@@ -143,7 +248,9 @@ class Run:
             if self.left() <= 0:
                 raise TimeoutError(f"{self.role}: no outcome for {sorted(want - got.keys())} within the run's "
                                    f"{self.spec['timeout']} s (outcomes so far: {got})")
-            f = self.w.poll(wait=min(0.05, self.left()))
+            if self.beside is not None and self.role == "P":
+                self.beside.serve()
+            f = self.w.poll(wait=min(0.05 if self.beside is None else 0.01, self.left()))
             t = time.monotonic_ns()
             for o in f.recving:
                 self.hop(t, "py.poll", "D", d_req=o.request_id)
@@ -174,6 +281,14 @@ class Run:
         os.replace(tmp, self.spec["peer_file"])
         got = self.wait_outcomes({s.request_id for s in sends})
         self.res["outcomes"] = [[k, *got[k]] for k in sorted(got)]
+        if self.beside is not None:
+            # D asks for the last transfers' NIXL WRITEs after their
+            # kvxfer outcomes: served until D says it is through.
+            while self.beside.next < len(self.spec["transfers"]) and self.beside._get("end") is None:
+                if self.left() <= 0:
+                    raise TimeoutError(f"P: D neither asked for NIXL's transfer {self.beside.next} nor ended")
+                self.beside.serve()
+                time.sleep(0.002)
 
     def await_peer(self) -> str:
         """P's Peer address, once P has published it."""
@@ -190,7 +305,15 @@ class Run:
 
     def consume(self) -> None:
         """D: each transfer in turn, timed from its step to its outcome,
-        then every byte of the cache checked."""
+        then every byte of the cache checked (and with beside, the same
+        transfer by NIXL's own API)."""
+        try:
+            self._consume()
+        finally:
+            if self.beside is not None:
+                self.beside._put("end", "")
+
+    def _consume(self) -> None:
         want = [t.clone() for t in self.kv]  # what D's cache must hold
         p_peer = self.await_peer()
         src = None
@@ -232,9 +355,30 @@ class Run:
             self.res["transfers"] = records
             if rec["outcome"][0] != "RESULT_DONE":
                 break  # P's remaining sends time out; the test reports this one
+            if self.beside is not None:
+                rec["nixl"] = self.nixl_beside(k, d_ids, want)
+
+    def nixl_beside(self, k: int, d_ids: list[int], want: list) -> dict:
+        """D: transfer k again, by NIXL's own Python API (Beside) into its
+        blocks marked first; every byte of them checked after."""
+        di = torch.tensor(d_ids, dtype=torch.int64, device=self.device)
+        for t in self.kv:
+            t.view(self.blocks, self.block_len)[di] = 0xEE
+        self.sync()
+        got = self.beside.ask(k)
+        if "error" in got:
+            raise RuntimeError(f"NIXL beside, transfer {k}: {got['error']}")
+        self.sync()
+        wrong = sum(int((self.kv[i].view(self.blocks, self.block_len)[di] != want[i].view(self.blocks, self.block_len)[di]).sum())
+                    for i in range(self.layers))
+        if wrong:
+            raise RuntimeError(f"NIXL beside, transfer {k}: {wrong} bytes of D's blocks wrong after NIXL's own WRITE")
+        return {"seconds": got["seconds"], "checked_bytes": self.layers * len(d_ids) * self.block_len}
 
     def run(self) -> int:
         self.alloc()
+        if self.spec.get("beside"):
+            self.beside = Beside(self, self.spec["beside"])
         self.connect()
         if self.role == "P":
             self.produce()

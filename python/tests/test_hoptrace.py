@@ -108,6 +108,36 @@ def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, mon
     assert path < got["total D: python step -> python poll returned"][1], "\n".join(lines)
 
 
+@pytest.mark.parametrize("moves", [True, False])
+def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, moves, monkeypatch):
+    """NIXL's own Python API alternated with kvxfer's transfers in the same
+    two engine processes (host memory here): every timed transfer gets both
+    rates, and D checks the bytes NIXL moved too, so a side that moved
+    nothing fails the run instead of posting a rate."""
+    pytest.importorskip("torch")
+    if pair.nixl_library() is None:
+        if os.environ.get("CI"):
+            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
+        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+    timed = 3
+    xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
+    out = tmp_path / "out"
+    out.mkdir()
+    pres, dres, logs = pair.run_pair(libkvxfer, tmp_path / "pair", pair.CASES["nixl"], memory="host", blocks=8, xfers=xf,
+                                     beside=4, beside_moves_nothing=not moves)
+    if not moves:
+        assert "error" in dres and "wrong after NIXL's own WRITE" in dres["error"], dres
+        return
+    recs = pair.check_pair(pres, dres, logs, len(xf))
+    for r in recs:
+        assert r["nixl"]["checked_bytes"] == r["bytes"] and r["nixl"]["seconds"] > 0, r
+    monkeypatch.setenv("OUT", str(out))  # as test/gpu/run sets it
+    ours, theirs, line = pair.report_beside("nixl (CPU, host memory)", recs)
+    assert len(ours) == len(theirs) == timed and min(ours + theirs) > 0, line
+    assert line.startswith("in-process GB/s | nixl (CPU, host memory) and NIXL's Python API, alternated") and "ratio of the medians" in line
+    assert (out / "inprocess-gbps.txt").read_text() == line + "\n"
+
+
 def _line(t: int, ev: str, side: str, **kw) -> str:
     return json.dumps({"t": t, "ev": ev, "side": side, "engine": side, "tp": 0, "pp": 0, **kw, "pid": 1})
 
