@@ -156,8 +156,9 @@ var agents atomic.Uint64
 // kvxfer's built-in backend on its same-host path: each process maps its
 // own GPU memory into its agent with its CUDA IPC handle; the receiver
 // imports the sender's and copies every piece with its GPU.
-func netxferAgent(s *side, role string) (*netxfer.Agent, error) {
+func netxferAgent(s *side, role string, wire *wireLog) (*netxfer.Agent, error) {
 	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d-%d", role, os.Getpid(), agents.Add(1)), Logger: quiet,
+		WireTrace: wire.add,
 		Devices: func(u [16]byte) (netxfer.Device, error) {
 			if u != s.uuid {
 				return nil, fmt.Errorf("no GPU %s in this process", cuda.FormatUUID(u))
@@ -191,7 +192,7 @@ func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
 	// Its GPU batches stamped (stamps.go): where the time goes.
 	st := *s
 	st.g = stampGPU{s.g}
-	a, err := netxferAgent(&st, "d")
+	a, err := netxferAgent(&st, "d", &childWire)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -201,6 +202,7 @@ func netxferPeer(_ *opts, s *side) ([]byte, peerSide, error) {
 type netxferMover struct {
 	remoteMover
 	a      *netxfer.Agent
+	wire   *wireLog // its agent's parts' way out and their answers' back
 	peer   string
 	src    uint64
 	dst    uint64
@@ -210,7 +212,7 @@ type netxferMover struct {
 	inflight int
 	descs    map[xcase][]netxfer.Desc
 	lays     map[xcase][]netxfer.Layout
-	times    [][2]int64 // this case's transfers: posted, seen done (hoptrace.Now)
+	times    []xferTimes // this case's transfers
 }
 
 // hopper is a mover that can say where its last case's time went.
@@ -223,6 +225,7 @@ type hopper interface {
 
 func (m *netxferMover) prepare(c xcase) error {
 	m.times = m.times[:0]
+	m.wire.take()
 	if _, err := m.r.call(ctlReq{Op: "stamps"}); err != nil { // the child's log emptied
 		return err
 	}
@@ -237,16 +240,17 @@ func (m *netxferMover) hops(warmup int) ([][]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	var st []batchStamp
+	var st childStamps
 	if err := json.Unmarshal(resp.Meta, &st); err != nil {
 		return nil, err
 	}
-	return hopsOf(m.times, st, warmup), nil
+	return hopsOf(m.times, m.wire.take(), st, warmup), nil
 }
 
 func netxferOpen(layout bool, inflight int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, err := netxferAgent(src, "p")
+		wire := new(wireLog)
+		a, err := netxferAgent(src, "p", wire)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -255,7 +259,7 @@ func netxferOpen(layout bool, inflight int) func(*opts, *side, *side, *remote, [
 			a.Close()
 			return nil, nil, err
 		}
-		return &netxferMover{remoteMover: remoteMover{r}, a: a, peer: peer, src: src.base, dst: r.base, layout: layout, inflight: inflight,
+		return &netxferMover{remoteMover: remoteMover{r}, a: a, wire: wire, peer: peer, src: src.base, dst: r.base, layout: layout, inflight: inflight,
 			descs: map[xcase][]netxfer.Desc{}, lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
 	}
 }
@@ -306,7 +310,7 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 		return true, nil
 	}, m.a.Events())
 	d := time.Since(start)
-	m.times = append(m.times, [2]int64{t0, hoptrace.Now()})
+	m.times = append(m.times, xferTimes{id: ids[0], posted: t0, seen: hoptrace.Now()})
 	return d / time.Duration(m.inflight), err
 }
 

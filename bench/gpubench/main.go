@@ -561,7 +561,7 @@ func childMain(o opts, span int) error {
 		case "verify":
 			err = checkSide(s, req.Case, host)
 		case "stamps":
-			resp.Meta = encodeStamps(takeStamps())
+			resp.Meta = encodeStamps(childStamps{Batches: takeStamps(), Wire: childWire.take()})
 		case "fill":
 			// The source pattern in this region (a READ's remote side).
 			b := grow(host, req.Case.span())

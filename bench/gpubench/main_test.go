@@ -42,6 +42,8 @@ func TestFakeGPU(t *testing.T) {
 		// The same-host hops, from both processes' stamps.
 		"| samehost | 4 KiB x 5 blocks x 3 layers | D posted -> D saw it done (the GPU, D's poller) | 2 |",
 		"| samehost-pieces | 520 B x 2 blocks x 3 layers | total: P post -> P saw it done | 2 |",
+		"| samehost | 4 KiB x 2 blocks x 3 layers | part sent -> D read it (the wake-up of D's connection) | 2 |",
+		"| samehost | 4 KiB x 2 blocks x 3 layers | D's answer sent -> P read it (the wake-up of P's connection) | 2 |",
 		"5 blocks (15 pieces)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())

@@ -13,9 +13,11 @@ import (
 
 // Where the same-host path's time goes, hop by hop: the destination (the
 // child) stamps its GPU batches as its agent makes, posts and sees them
-// done (a device wrapper: netxfer itself is not touched), the source (the
-// parent) stamps its post and the moment it saw the transfer done, both
-// with CLOCK_MONOTONIC (hoptrace.Now), which the two processes share.
+// done (a device wrapper), both agents stamp each WRITE part's way
+// (netxfer's WireTrace: the part's frame written and read, its answer
+// written and read), and the source (the parent) stamps its post and the
+// moment it saw the transfer done; all with CLOCK_MONOTONIC
+// (hoptrace.Now), which the two processes share.
 
 // batchStamp is one batch on the destination's device.
 type batchStamp struct {
@@ -96,44 +98,123 @@ func (c *stampCopy) Done() (bool, error) {
 	return done, err
 }
 
+// wireStamp is one point of a part's way (netxfer.WireEvent) on one side.
+type wireStamp struct {
+	Ev   netxfer.WireEvent
+	ID   netxfer.XferID // the sender's transfer
+	Part uint32
+	T    int64
+}
+
+// wireLog collects an agent's wire stamps (netxfer's WireTrace).
+type wireLog struct {
+	mu   sync.Mutex
+	list []wireStamp
+}
+
+func (l *wireLog) add(ev netxfer.WireEvent, id netxfer.XferID, part uint32) {
+	t := hoptrace.Now()
+	l.mu.Lock()
+	l.list = append(l.list, wireStamp{ev, id, part, t})
+	l.mu.Unlock()
+}
+
+// take returns the stamps so far and empties the log.
+func (l *wireLog) take() []wireStamp {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := l.list
+	l.list = nil
+	return out
+}
+
+// childWire is the child's agents' wire stamps, fetched with its batch
+// stamps (the "stamps" request).
+var childWire wireLog
+
+// childStamps is what the child answers a "stamps" request with.
+type childStamps struct {
+	Batches []batchStamp
+	Wire    []wireStamp
+}
+
+// xferTimes is one of the parent's transfers: its id, its post and when
+// the parent saw it done.
+type xferTimes struct {
+	id           netxfer.XferID
+	posted, seen int64
+}
+
 // hopNames are the hops of a same-host transfer, in order.
 var hopNames = []string{
-	"P post -> D's batch made (the part's way to D, D's checks)",
+	"P post -> part sent (P: the part's frame made and written)",
+	"part sent -> D read it (the wake-up of D's connection)",
+	"D read it -> D's batch made (D's checks)",
 	"D's batch made -> posted (staging, launch)",
 	"D posted -> D saw it done (the GPU, D's poller)",
-	"D saw it done -> P saw it done (D's answer, P's wake-up)",
+	"D saw it done -> D's answer sent (the answer's goroutine, its write)",
+	"D's answer sent -> P read it (the wake-up of P's connection)",
+	"P read it -> P saw it done (the wake-up of P's waiter)",
 	"total: P post -> P saw it done",
 }
 
-// hopsOf pairs the parent's transfers (post and done-seen times, in
-// order) with the child's batch stamps: a transfer's batches are those
-// made while it was under way (the first made, the last posted and done).
-// It returns, per hop, the microseconds of each transfer that had its
-// batches, the warm-up ones left out.
-func hopsOf(times [][2]int64, stamps []batchStamp, warmup int) [][]float64 {
+// hopsOf pairs the parent's transfers (by id and time) with the wire
+// stamps of both sides (by transfer id: the first part's frame written
+// and read, the last answer written and read) and the child's batch
+// stamps (those made while the transfer was under way: the first made,
+// the last posted and done). It returns, per hop, the microseconds of
+// each transfer that had all its stamps, the warm-up ones left out.
+func hopsOf(times []xferTimes, wire []wireStamp, child childStamps, warmup int) [][]float64 {
+	type way struct{ sent, read, ansSent, ansRead int64 }
+	ways := map[netxfer.XferID]*way{}
+	for _, s := range append(slices.Clone(wire), child.Wire...) {
+		w := ways[s.ID]
+		if w == nil {
+			w = &way{}
+			ways[s.ID] = w
+		}
+		switch s.Ev {
+		case netxfer.WirePartSent:
+			w.sent = firstOf(w.sent, s.T)
+		case netxfer.WirePartRead:
+			w.read = firstOf(w.read, s.T)
+		case netxfer.WireAnswerSent:
+			w.ansSent = max(w.ansSent, s.T)
+		case netxfer.WireAnswerRead:
+			w.ansRead = max(w.ansRead, s.T)
+		}
+	}
 	out := make([][]float64, len(hopNames))
 	for i, t := range times {
 		if i < warmup {
 			continue
 		}
+		w := ways[t.id]
 		var made, posted, done int64
-		for _, s := range stamps {
-			if s.Made < t[0] || s.Made > t[1] || s.Done == 0 {
+		for _, s := range child.Batches {
+			if s.Made < t.posted || s.Made > t.seen || s.Done == 0 {
 				continue
 			}
-			if made == 0 || s.Made < made {
-				made = s.Made
-			}
+			made = firstOf(made, s.Made)
 			posted, done = max(posted, s.Posted), max(done, s.Done)
 		}
-		if made == 0 {
+		if made == 0 || w == nil || w.sent == 0 || w.read == 0 || w.ansSent == 0 || w.ansRead == 0 {
 			continue
 		}
-		for h, d := range []int64{made - t[0], posted - made, done - posted, t[1] - done, t[1] - t[0]} {
+		for h, d := range []int64{w.sent - t.posted, w.read - w.sent, made - w.read, posted - made, done - posted,
+			w.ansSent - done, w.ansRead - w.ansSent, t.seen - w.ansRead, t.seen - t.posted} {
 			out[h] = append(out[h], float64(d)/1e3)
 		}
 	}
 	return out
+}
+
+// firstOf is the earlier of a stamp so far (0: none) and t.
+func firstOf(so int64, t int64) int64 {
+	if so == 0 || t < so {
+		return t
+	}
+	return so
 }
 
 // hopReport is one contender's hops on one case.
@@ -149,7 +230,7 @@ func reportHops(w io.Writer, reps []hopReport) {
 	if len(reps) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\nSame-host hops, microseconds, median (min-max) of the timed transfers (CLOCK_MONOTONIC stamps: P's post and done-seen, D's GPU batches)\n\n")
+	fmt.Fprintf(w, "\nSame-host hops, microseconds, median (min-max) of the timed transfers (CLOCK_MONOTONIC stamps: P's post and done-seen, both agents' part frames and answers, D's GPU batches)\n\n")
 	fmt.Fprintf(w, "| contender | case | hop | n | median | min-max |\n| --- | --- | --- | --- | --- | --- |\n")
 	for _, r := range reps {
 		for h, xs := range r.hops {
@@ -163,7 +244,7 @@ func reportHops(w io.Writer, reps []hopReport) {
 	}
 }
 
-func encodeStamps(s []batchStamp) []byte {
+func encodeStamps(s childStamps) []byte {
 	b, _ := json.Marshal(s)
 	return b
 }

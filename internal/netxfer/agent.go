@@ -108,12 +108,43 @@ type Config struct {
 	FrameTimeout time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// WireTrace, when set, is called at each point of a WRITE part's way
+	// between two agents (WireEvent), with the sender's transfer id and
+	// the part: for tools that time the hops (bench/gpubench). It must be
+	// quick and must not block.
+	WireTrace func(ev WireEvent, id XferID, part uint32)
 
 	// noLayouts makes the agent act as a build from before layout frames
 	// (tests of mixed builds): its same-host socket's name lacks
 	// layoutsMark, and a layout frame drops the connection, as such a
 	// build's does on a frame type it does not know.
 	noLayouts bool
+}
+
+// WireEvent is a point of a WRITE part's way between two agents
+// (Config.WireTrace).
+type WireEvent uint8
+
+const (
+	// WirePartSent: the sender is about to write the part's frame (made)
+	// to the socket.
+	WirePartSent WireEvent = iota + 1
+	// WirePartRead: the receiver read the part's header (before its
+	// checks and copy).
+	WirePartRead
+	// WireAnswerSent: the receiver is about to write the part's answer
+	// (its bytes landed, or why not).
+	WireAnswerSent
+	// WireAnswerRead: the sender read the answer (before the transfer is
+	// marked).
+	WireAnswerRead
+)
+
+// wire reports ev to Config.WireTrace, if set.
+func (a *Agent) wire(ev WireEvent, id XferID, part uint32) {
+	if a.cfg.WireTrace != nil {
+		a.cfg.WireTrace(ev, id, part)
+	}
 }
 
 // Agent is one transfer endpoint. It is safe for concurrent use.

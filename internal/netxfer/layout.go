@@ -422,6 +422,7 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	if err != nil {
 		return err
 	}
+	a.wire(WirePartRead, XferID(h.id), h.part)
 	if h.n > maxLayoutTable || h.parts != 1 {
 		return fmt.Errorf("%w: a layout part of %d table bytes, part %d of %d", ErrProtocol, h.n, h.part, h.parts)
 	}

@@ -673,6 +673,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if err != nil {
 		return err
 	}
+	a.wire(WirePartRead, XferID(h.id), h.part)
 	if h.n > maxDescs {
 		return fmt.Errorf("%w: %d descriptors", ErrProtocol, h.n)
 	}
@@ -1271,6 +1272,8 @@ func (c *conn) sendPart(need []*chunk, h []byte, hl int, tableType byte) error {
 			h = binary.LittleEndian.AppendUint64(h[:hl], pos)
 		}
 	}
+	// The header (appendWriteHeader): type, transfer, part.
+	c.p.owner.wire(WirePartSent, XferID(binary.LittleEndian.Uint64(h[1:9])), binary.LittleEndian.Uint32(h[9:13]))
 	if _, err := c.c.Write(h); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return err

@@ -320,6 +320,7 @@ func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, b
 	if berr != nil {
 		berr = fmt.Errorf("write refused: %w", berr)
 	}
+	a.wire(WireAnswerSent, XferID(h.id), h.part)
 	if err := answer(w, typ, h.id, h.part, berr); err != nil {
 		return err
 	}
@@ -333,6 +334,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if err != nil {
 		return err
 	}
+	a.wire(WirePartRead, XferID(h.id), h.part)
 	ranges, total, err := readTable(r, h.n, sc)
 	if err != nil {
 		return err

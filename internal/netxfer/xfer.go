@@ -600,6 +600,7 @@ func (a *Agent) sendPart(c *conn, x *xfer, part int) error {
 	if err != nil {
 		return err
 	}
+	a.wire(WirePartSent, x.id, uint32(part))
 	return c.writeFrame(bufs...)
 }
 
@@ -689,6 +690,9 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 		}
 	} else if typ == tAckRefused || typ == tReadRefused {
 		return fmt.Errorf("%w: a refusal without its reason", ErrProtocol)
+	}
+	if typ == tAck || typ == tAckRefused {
+		a.wire(WireAnswerRead, id, part)
 	}
 	x := c.take(partKey{id, part})
 	if x == nil {
