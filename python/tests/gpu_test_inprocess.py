@@ -193,8 +193,8 @@ def run_pair(lib: Path, work: Path, config: dict, *, memory: str = "device", lay
     process traces its hops into work (hop_files). mode: "push" (P
     WRITEs) or "pull" (D READs). beside: NIXL's own Python API with that
     many UCX threads moves each transfer again in the same processes, timed
-    (push only; inprocess_gpu_engine.Beside); beside_moves_nothing (tests of
-    D's check): P answers without moving a byte."""
+    (inprocess_gpu_engine.Beside); beside_moves_nothing (tests of D's
+    check): NIXL is asked and moves not a byte."""
     work.mkdir(parents=True, exist_ok=True)
     env = env if env is not None else engine_env(lib, config, beside=beside > 0)
     secret = harness.secret_file(work)
@@ -286,11 +286,13 @@ def report(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = B
     return line
 
 
-def report_beside(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = BLOCK_LEN) -> tuple[list[float], list[float], str]:
+def report_beside(name: str, recs: list[dict], layers: int = LAYERS, block_len: int = BLOCK_LEN,
+                  op: str = "WRITE") -> tuple[list[float], list[float], str]:
     """The timed transfers of a run_pair(beside=...) both ways, alternated
     in the same processes: kvxfer's (D's step to its outcome) and NIXL's
-    own Python API's WRITE of the same blocks (post to completion), GB/s,
-    and the ratio of their medians; printed and kept under $OUT."""
+    own Python API's op of the same blocks (WRITE for push, READ for pull;
+    post to completion), GB/s, and the ratio of their medians; printed and
+    kept under $OUT."""
     timed = recs[1:]
     if not timed or any("nixl" not in r for r in timed):
         raise AssertionError(f"{name}: a timed transfer without NIXL's beside it: {timed}")
@@ -299,7 +301,7 @@ def report_beside(name: str, recs: list[dict], layers: int = LAYERS, block_len: 
     ratio = statistics.median(ours) / statistics.median(theirs)
     line = (f"in-process GB/s | {name} and NIXL's Python API, alternated in the same two processes | {layers} layers x "
             f"{timed[0]['blocks']} blocks x {block_len >> 10} KiB scattered ({layers * timed[0]['blocks']} pieces) | "
-            f"kvxfer, D's step to done: {', '.join(f'{g:.2f}' for g in ours)} | NIXL WRITE, post to done: "
+            f"kvxfer, D's step to done: {', '.join(f'{g:.2f}' for g in ours)} | NIXL {op}, post to done: "
             f"{', '.join(f'{g:.2f}' for g in theirs)} | ratio of the medians {ratio:.2f} |")
     print("\n" + line, flush=True)
     if os.environ.get("OUT"):
@@ -388,7 +390,8 @@ def test_pull_gpu_memory_by_address(libkvxfer, tmp_path, blocks):
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers() if blocks == BLOCKS else transfers(8, check_blocks=6, timed=7, seed=8)
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES["nixl"], blocks=blocks, xfers=xf, hops=True, mode="pull")
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES["nixl"], blocks=blocks, xfers=xf, hops=True, mode="pull", beside=4)
     recs = check_pair(pres, dres, logs, len(xf))
     report("nixl, pull", recs)
     report_hops(f"nixl, pull, {LAYERS}x{blocks}x{BLOCK_LEN >> 10}KiB", tmp_path)
+    report_beside("nixl, pull", recs, op="READ")

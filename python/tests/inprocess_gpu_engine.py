@@ -19,9 +19,9 @@ calls step for a request, "py.poll" as a poll returns a request's
 outcome, stamped with time.monotonic_ns() (CLOCK_MONOTONIC, as the
 in-process server's "hop_trace" lines); kept in memory and written at the
 end, so the timed path does no I/O. Optional: beside ({"dir": a directory
-both processes share, "threads": the UCX backend's num_threads}), push
-only: NIXL's own Python API (nixl_cu12) in these same two processes, on
-these same caches, alternated with kvxfer's transfers (see Beside).
+both processes share, "threads": the UCX backend's num_threads}): NIXL's
+own Python API (nixl_cu12) in these same two processes, on these same
+caches, alternated with kvxfer's transfers (see Beside).
 
 The caches: P's is one tensor, its layers views of it (one allocation, a
 memory entry per layer); D's is one tensor per layer (an allocation and a
@@ -72,17 +72,19 @@ def heads_of(block_len: int) -> tuple[int, int]:
 
 class Beside:
     """NIXL's own Python API (nixl_cu12) in this very process, on this
-    process's own cache, alternated with kvxfer's transfers: once D has
-    checked kvxfer's transfer k, it marks transfer k's blocks and asks P
-    (a file "go-k" in the shared directory), and P WRITEs transfer k's
-    blocks into D's with its own agent, timed from initialize_xfer to
-    check_xfer_state saying DONE (as NIXL's own benchmarks and gpubench's
-    python contender time it), and answers ("done-k", the seconds); D then
-    checks every byte of those blocks again. Both ways are thus timed in
-    the same processes, on the same memory, a few milliseconds apart: the
-    ratio issue 24's in-process goal is read from. Each agent registers its
-    whole cache (VRAM, or DRAM with host memory); D publishes its metadata
-    and its layers' addresses in "d.nixl"."""
+    process's own cache, alternated with kvxfer's transfers, so that both
+    are timed in the same processes, on the same memory, milliseconds
+    apart: the ratio issue 24's in-process goal is read from. Each agent
+    registers its whole cache (VRAM, or DRAM with host memory) and
+    publishes its metadata and its layers' addresses ("P.nixl", "D.nixl" in
+    the shared directory). Once D has checked kvxfer's transfer k it marks
+    transfer k's blocks, and NIXL moves them again, timed from
+    initialize_xfer to check_xfer_state saying DONE (as NIXL's own
+    benchmarks and gpubench's python contender time it): push, P WRITEs
+    them (D asks with a file "go-k", P answers "done-k" with the seconds);
+    pull, D READs them itself. D then checks every byte of those blocks
+    again. The UCX backend gets what kvxfer's own VRAM agents get
+    (num_threads, and READs over cuda_ipc: nixl.GPUEngineConfig)."""
 
     def __init__(self, run: "Run", spec: dict):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
@@ -93,15 +95,16 @@ class Beside:
         params = {"num_threads": str(spec.get("threads", 4))}
         if run.device == "cpu":
             params["ucx_error_handling_mode"] = "none"  # host memory over shared memory transports
+        elif "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ:
+            params["engine_config"] = "CUDA_IPC_ENABLE_GET_ZCOPY=y"
         self.agent.create_backend("UCX", params)
-        self.agent.register_memory([run.whole] if run.role == "P" else run.kv)
+        self.agent.register_memory(run.kv if run.role == "D" else [run.whole])
         self.peer = None
         self.next = 0  # P: the next transfer to answer
-        # Tests of D's check: P answers without moving a byte.
+        # Tests of D's check: NIXL is asked, moves not a byte, and says done.
         self.idle = bool(spec.get("move_nothing"))
-        if run.role == "D":
-            meta = {"meta": self.agent.get_agent_metadata().hex(), "bases": [t.data_ptr() for t in run.kv]}
-            self._put("d.nixl", json.dumps(meta))
+        self._put(f"{run.role}.nixl", json.dumps({"meta": self.agent.get_agent_metadata().hex(),
+                                                  "bases": [t.data_ptr() for t in run.kv]}))
 
     def _put(self, name: str, text: str) -> None:
         path = os.path.join(self.dir, name)
@@ -116,51 +119,61 @@ class Beside:
         except FileNotFoundError:
             return None
 
+    def _connect(self) -> None:
+        """The other side's agent and its layers' addresses."""
+        if self.peer is None:
+            other = json.loads(self._get("D.nixl" if self.run.role == "P" else "P.nixl"))
+            self.peer = self.agent.add_remote_agent(bytes.fromhex(other["meta"]))
+            self.bases = other["bases"]
+
     def serve(self) -> None:
-        """P: answers every "go-k" there is now, in order."""
+        """P (push): answers every "go-k" there is now, in order."""
         while (self._get(f"go-{self.next}")) is not None:
             k = self.next
             try:
-                self._put(f"done-{k}", json.dumps({"seconds": self._write(k)}))
+                self._put(f"done-{k}", json.dumps({"seconds": self.move(k)}))
             except Exception as e:  # noqa: BLE001 - D reports it
                 self._put(f"done-{k}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
             self.next += 1
 
-    def _write(self, k: int) -> float:
+    def move(self, k: int) -> float:
+        """Transfer k by NIXL from this side: P WRITEs, D READs; the
+        seconds from initialize_xfer to DONE."""
         import numpy as np
 
         run = self.run
-        if self.peer is None:
-            d = json.loads(self._get("d.nixl"))
-            self.peer = self.agent.add_remote_agent(bytes.fromhex(d["meta"]))
-            self.d_bases = d["bases"]
+        self._connect()
         p_ids, d_ids = run.spec["transfers"][k]
+        mine, theirs = (p_ids, d_ids) if run.role == "P" else (d_ids, p_ids)
         dev = 0 if run.device == "cpu" else torch.cuda.current_device()
         n, bl = len(p_ids) * run.layers, run.block_len
-        src, dst = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
-        src[:, 1] = dst[:, 1] = bl
-        src[:, 2] = dst[:, 2] = dev
-        base = run.whole.data_ptr()
+        local, remote = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
+        local[:, 1] = remote[:, 1] = bl
+        local[:, 2] = remote[:, 2] = dev
         for i in range(run.layers):
             rows = slice(i * len(p_ids), (i + 1) * len(p_ids))
-            src[rows, 0] = base + i * run.layer_bytes + np.asarray(p_ids, dtype=np.uint64) * bl
-            dst[rows, 0] = self.d_bases[i] + np.asarray(d_ids, dtype=np.uint64) * bl
-        local, remote = self.agent.get_xfer_descs(src, self.mem), self.agent.get_xfer_descs(dst, self.mem)
+            local[rows, 0] = run.kv[i].data_ptr() + np.asarray(mine, dtype=np.uint64) * bl
+            remote[rows, 0] = self.bases[i] + np.asarray(theirs, dtype=np.uint64) * bl
+        local, remote = self.agent.get_xfer_descs(local, self.mem), self.agent.get_xfer_descs(remote, self.mem)
         if self.idle:
             return 1.0
+        op = "WRITE" if run.role == "P" else "READ"
         t0 = time.perf_counter()
-        h = self.agent.initialize_xfer("WRITE", local, remote, self.peer, b"")
+        h = self.agent.initialize_xfer(op, local, remote, self.peer, b"")
         state = self.agent.transfer(h)
         while state == "PROC" and time.perf_counter() - t0 < 30:
             state = self.agent.check_xfer_state(h)
         dt = time.perf_counter() - t0
         self.agent.release_xfer_handle(h)
         if state != "DONE":
-            raise RuntimeError(f"NIXL's WRITE of transfer {k} ended {state}")
+            raise RuntimeError(f"NIXL's {op} of transfer {k} ended {state}")
         return dt
 
     def ask(self, k: int) -> dict:
-        """D: has P move transfer k with NIXL and waits for its answer."""
+        """D: transfer k by NIXL (push: P's WRITE, asked for and waited
+        on; pull: D's own READ)."""
+        if self.run.mode == pb.MODE_PULL:
+            return {"seconds": self.move(k)}
         self._put(f"go-{k}", "")
         while (got := self._get(f"done-{k}")) is None:
             if self.run.left() <= 0:
@@ -182,8 +195,6 @@ class Run:
         # Hop-trace lines (py_hop_trace), written at the end.
         self.hops: list[dict] | None = [] if spec.get("py_hop_trace") else None
         self.beside: Beside | None = None
-        if spec.get("beside") and self.mode != pb.MODE_PUSH:
-            raise ValueError("beside: NIXL's own WRITE is timed beside push only")
 
     def hop(self, t: int, ev: str, side: str, **ids: str) -> None:
         if self.hops is not None:
@@ -248,7 +259,7 @@ class Run:
             if self.left() <= 0:
                 raise TimeoutError(f"{self.role}: no outcome for {sorted(want - got.keys())} within the run's "
                                    f"{self.spec['timeout']} s (outcomes so far: {got})")
-            if self.beside is not None and self.role == "P":
+            if self.beside is not None and self.role == "P" and self.mode == pb.MODE_PUSH:
                 self.beside.serve()
             f = self.w.poll(wait=min(0.05 if self.beside is None else 0.01, self.left()))
             t = time.monotonic_ns()
@@ -281,7 +292,7 @@ class Run:
         os.replace(tmp, self.spec["peer_file"])
         got = self.wait_outcomes({s.request_id for s in sends})
         self.res["outcomes"] = [[k, *got[k]] for k in sorted(got)]
-        if self.beside is not None:
+        if self.beside is not None and self.mode == pb.MODE_PUSH:
             # D asks for the last transfers' NIXL WRITEs after their
             # kvxfer outcomes: served until D says it is through.
             while self.beside.next < len(self.spec["transfers"]) and self.beside._get("end") is None:
@@ -359,8 +370,9 @@ class Run:
                 rec["nixl"] = self.nixl_beside(k, d_ids, want)
 
     def nixl_beside(self, k: int, d_ids: list[int], want: list) -> dict:
-        """D: transfer k again, by NIXL's own Python API (Beside) into its
-        blocks marked first; every byte of them checked after."""
+        """D: transfer k again, by NIXL's own Python API (Beside: P's WRITE
+        or D's READ) into its blocks marked first; every byte of them
+        checked after."""
         di = torch.tensor(d_ids, dtype=torch.int64, device=self.device)
         for t in self.kv:
             t.view(self.blocks, self.block_len)[di] = 0xEE

@@ -108,12 +108,13 @@ def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, mon
     assert path < got["total D: python step -> python poll returned"][1], "\n".join(lines)
 
 
-@pytest.mark.parametrize("moves", [True, False])
-def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, moves, monkeypatch):
+@pytest.mark.parametrize("mode,moves", [("push", True), ("pull", True), ("push", False), ("pull", False)])
+def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, mode, moves, monkeypatch):
     """NIXL's own Python API alternated with kvxfer's transfers in the same
-    two engine processes (host memory here): every timed transfer gets both
-    rates, and D checks the bytes NIXL moved too, so a side that moved
-    nothing fails the run instead of posting a rate."""
+    two engine processes (host memory here), push (P's WRITE) and pull
+    (D's READ): every timed transfer gets both rates, and D checks the
+    bytes NIXL moved too, so a NIXL that moved nothing fails the run
+    instead of posting a rate."""
     pytest.importorskip("torch")
     if pair.nixl_library() is None:
         if os.environ.get("CI"):
@@ -124,7 +125,7 @@ def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, moves, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     pres, dres, logs = pair.run_pair(libkvxfer, tmp_path / "pair", pair.CASES["nixl"], memory="host", blocks=8, xfers=xf,
-                                     beside=4, beside_moves_nothing=not moves)
+                                     mode=mode, beside=4, beside_moves_nothing=not moves)
     if not moves:
         assert "error" in dres and "wrong after NIXL's own WRITE" in dres["error"], dres
         return
@@ -132,9 +133,11 @@ def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, moves, monkeypatch)
     for r in recs:
         assert r["nixl"]["checked_bytes"] == r["bytes"] and r["nixl"]["seconds"] > 0, r
     monkeypatch.setenv("OUT", str(out))  # as test/gpu/run sets it
-    ours, theirs, line = pair.report_beside("nixl (CPU, host memory)", recs)
+    op = "WRITE" if mode == "push" else "READ"
+    ours, theirs, line = pair.report_beside(f"nixl {mode} (CPU, host memory)", recs, op=op)
     assert len(ours) == len(theirs) == timed and min(ours + theirs) > 0, line
-    assert line.startswith("in-process GB/s | nixl (CPU, host memory) and NIXL's Python API, alternated") and "ratio of the medians" in line
+    assert line.startswith(f"in-process GB/s | nixl {mode} (CPU, host memory) and NIXL's Python API, alternated") and \
+        f"NIXL {op}, post to done" in line and "ratio of the medians" in line
     assert (out / "inprocess-gbps.txt").read_text() == line + "\n"
 
 
