@@ -380,18 +380,24 @@ def test_push_gpu_memory_by_address_8_blocks(libkvxfer, tmp_path, name):
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS, 8])
-def test_pull_gpu_memory_by_address(libkvxfer, tmp_path, blocks):
-    """Pull, vLLM's default mode, over NIXL: D READs P's scattered blocks
-    of torch CUDA memory named by address, no registration leg before the
-    transfer (D knows P's blocks from the params); every byte of D checked
-    after each transfer, the timed ones printed beside push's."""
+@pytest.mark.parametrize("backend", ["nixl", "builtin"])
+def test_pull_gpu_memory_by_address(libkvxfer, tmp_path, backend, blocks):
+    """Pull, vLLM's default mode, over NIXL and over the built-in backend
+    (its same-host READ: D imports P's allocation and copies with the
+    kernel): D READs P's scattered blocks of torch CUDA memory named by
+    address, no registration leg before the transfer (D knows P's blocks
+    from the params); every byte of D checked after each transfer, the
+    timed ones printed beside push's (over NIXL, NIXL's own READ beside
+    them)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no GPU here (torch sees none)")
     xf = transfers() if blocks == BLOCKS else transfers(8, check_blocks=6, timed=7, seed=8)
-    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES["nixl"], blocks=blocks, xfers=xf, hops=True, mode="pull", beside=4)
+    beside = 4 if backend == "nixl" else 0
+    pres, dres, logs = run_pair(libkvxfer, tmp_path, CASES[backend], blocks=blocks, xfers=xf, hops=True, mode="pull", beside=beside)
     recs = check_pair(pres, dres, logs, len(xf))
-    report("nixl, pull", recs)
-    report_hops(f"nixl, pull, {LAYERS}x{blocks}x{BLOCK_LEN >> 10}KiB", tmp_path)
-    report_beside("nixl, pull", recs, op="READ")
+    report(f"{backend}, pull", recs)
+    report_hops(f"{backend}, pull, {LAYERS}x{blocks}x{BLOCK_LEN >> 10}KiB", tmp_path)
+    if beside:
+        report_beside(f"{backend}, pull", recs, op="READ")

@@ -70,7 +70,7 @@ def rows(lines: list[str]) -> dict[str, list[float]]:
     return out
 
 
-@pytest.mark.parametrize("backend,mode", [("builtin", "push"), ("nixl", "push"), ("nixl", "pull")])
+@pytest.mark.parametrize("backend,mode", [("builtin", "push"), ("builtin", "pull"), ("nixl", "push"), ("nixl", "pull")])
 def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, monkeypatch):
     pytest.importorskip("torch")
     config = pair.CASES[backend]
