@@ -132,6 +132,8 @@ def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, mode, moves, monkey
     recs = pair.check_pair(pres, dres, logs, len(xf))
     for r in recs:
         assert r["nixl"]["checked_bytes"] == r["bytes"] and r["nixl"]["seconds"] > 0, r
+    # P kept its memory (and, pushing, served) until D was through with NIXL.
+    assert pres.get("beside_kept_until_d_ended"), pres
     monkeypatch.setenv("OUT", str(out))  # as test/gpu/run sets it
     op = "WRITE" if mode == "push" else "READ"
     ours, theirs, line = pair.report_beside(f"nixl {mode} (CPU, host memory)", recs, op=op)
