@@ -61,6 +61,14 @@ def libkvxfer(tmp_path_factory) -> Path:
     return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
 
 
+def need_nixl() -> None:
+    """Skips where NIXL's library is not found (CI fails instead)."""
+    if pair.nixl_library() is None:
+        if os.environ.get("CI"):
+            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
+        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+
+
 def rows(lines: list[str]) -> dict[str, list[float]]:
     """The table's rows: hop -> [n, median, min, max]."""
     out = {}
@@ -74,10 +82,8 @@ def rows(lines: list[str]) -> dict[str, list[float]]:
 def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, monkeypatch):
     pytest.importorskip("torch")
     config = pair.CASES[backend]
-    if backend == "nixl" and pair.nixl_library() is None:
-        if os.environ.get("CI"):
-            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
-        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+    if backend == "nixl":
+        need_nixl()
     timed = 5
     xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
     out = tmp_path / "out"
@@ -116,10 +122,7 @@ def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, mode, moves, monkey
     bytes NIXL moved too, so a NIXL that moved nothing fails the run
     instead of posting a rate."""
     pytest.importorskip("torch")
-    if pair.nixl_library() is None:
-        if os.environ.get("CI"):
-            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
-        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+    need_nixl()
     timed = 3
     xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
     out = tmp_path / "out"
