@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -75,6 +74,9 @@ var contenders = []contender{
 	{name: "samehost-x4", what: "kvxfer same-host as a layout, four transfers of the case in flight at once (posted together, timed to the last one's completion; GB/s of all four): " +
 		"what a Worker that posts several requests' transfers without waiting gets, the hops between the processes shared",
 		peer: netxferPeer, open: netxferOpen(true, 4)},
+	{name: "samehost-oneside", what: "a sketch, not kvxfer's path: P imports D's region and launches the copy kernel itself (as a layout), polls it done, then notifies D " +
+		"with a byte over a unix socket; no grant, no fence. What a one-sided same-host WRITE would cost: P's post to P seeing it done (and, in the hop table, D notified)",
+		peer: onesidePeer, open: onesideOpen},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
 		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
@@ -217,10 +219,10 @@ type netxferMover struct {
 
 // hopper is a mover that can say where its last case's time went.
 type hopper interface {
-	// hops returns, per hop of hopNames, the microseconds of each of
-	// the case's transfers after the warm-up ones (nil: it has none to
-	// tell).
-	hops(warmup int) ([][]float64, error)
+	// hops returns the names of its hops and, per hop, the microseconds
+	// of each of the case's transfers after the warm-up ones (nil: it has
+	// none to tell).
+	hops(warmup int) ([]string, [][]float64, error)
 }
 
 func (m *netxferMover) prepare(c xcase) error {
@@ -232,19 +234,15 @@ func (m *netxferMover) prepare(c xcase) error {
 	return m.remoteMover.prepare(c)
 }
 
-func (m *netxferMover) hops(warmup int) ([][]float64, error) {
+func (m *netxferMover) hops(warmup int) ([]string, [][]float64, error) {
 	if m.inflight > 1 {
-		return nil, nil // its transfers' hops overlap: none to tell apart
+		return nil, nil, nil // its transfers' hops overlap: none to tell apart
 	}
-	resp, err := m.r.call(ctlReq{Op: "stamps"})
+	st, err := m.r.stamps()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var st childStamps
-	if err := json.Unmarshal(resp.Meta, &st); err != nil {
-		return nil, err
-	}
-	return hopsOf(m.times, m.wire.take(), st, warmup), nil
+	return hopNames, hopsOf(m.times, m.wire.take(), st, warmup), nil
 }
 
 func netxferOpen(layout bool, inflight int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {

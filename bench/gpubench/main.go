@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 32, "layers")
 	reps := fs.Int("reps", 5, "timed transfers per case and contender")
 	warmup := fs.Int("warmup", 1, "untimed transfers before them")
-	names := fs.String("contenders", "samehost,samehost-pieces,samehost-x4,nixl,nixl4,nixl4-read,python,python-push,python-read,kernel,kernel-layout,contig,perpiece", "contenders, comma-separated")
+	names := fs.String("contenders", "samehost,samehost-pieces,samehost-x4,samehost-oneside,nixl,nixl4,nixl4-read,python,python-push,python-read,kernel,kernel-layout,contig,perpiece", "contenders, comma-separated")
 	python := fs.String("python", "python3", "the Python of the python contender (torch and nixl_cu12)")
 	pySmall := fs.Bool("python-small", true, "run the python contender's pieces under 64 KiB too")
 	fake := fs.Bool("fake-gpu", false, "host memory stands in for the GPU (tests; the numbers mean nothing)")
@@ -130,7 +130,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	for _, n := range strings.Split(*names, ",") {
 		n = strings.TrimSpace(n)
 		if _, ok := findContender(n); !ok && pyModes[n] == "" {
-			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, samehost-x4, nixl, nixl4, nixl4-read, python, python-push, python-read, kernel, kernel-layout, contig, perpiece)", n)
+			return fmt.Errorf("-contenders: unknown %q (have samehost, samehost-pieces, samehost-x4, samehost-oneside, nixl, nixl4, nixl4-read, python, python-push, python-read, kernel, kernel-layout, contig, perpiece)", n)
 		}
 		cfg.names = append(cfg.names, n)
 	}
@@ -313,10 +313,10 @@ cases:
 			out := measure(m, c, cfg)
 			res[ct.name][c] = out
 			if h, ok := m.(hopper); ok && out.err == "" {
-				if hs, err := h.hops(cfg.warmup); err != nil {
+				if names, hs, err := h.hops(cfg.warmup); err != nil {
 					fmt.Fprintf(stderr, "gpubench: %s, %s: hops: %v\n", ct.name, c, err)
 				} else if hs != nil {
-					hops = append(hops, hopReport{name: ct.name, c: c, hops: hs})
+					hops = append(hops, hopReport{name: ct.name, c: c, names: names, hops: hs})
 				}
 			}
 			if out.err != "" {
@@ -472,6 +472,16 @@ func (r *remote) call(req ctlReq) (ctlResp, error) {
 	return resp, nil
 }
 
+// stamps fetches (and empties) the child's stamps.
+func (r *remote) stamps() (childStamps, error) {
+	var st childStamps
+	resp, err := r.call(ctlReq{Op: "stamps"})
+	if err == nil {
+		err = json.Unmarshal(resp.Meta, &st)
+	}
+	return st, err
+}
+
 func (r *remote) stop() error {
 	_, err := r.call(ctlReq{Op: "exit"})
 	r.w.Close()
@@ -561,7 +571,7 @@ func childMain(o opts, span int) error {
 		case "verify":
 			err = checkSide(s, req.Case, host)
 		case "stamps":
-			resp.Meta = encodeStamps(childStamps{Batches: takeStamps(), Wire: childWire.take()})
+			resp.Meta = encodeStamps(childStamps{Batches: takeStamps(), Wire: childWire.take(), Notes: childNotes.take()})
 		case "fill":
 			// The source pattern in this region (a READ's remote side).
 			b := grow(host, req.Case.span())

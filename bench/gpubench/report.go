@@ -9,19 +9,20 @@ import (
 
 // labels name the contenders in the table.
 var labels = map[string]string{
-	"samehost":        "kvxfer same-host (netxfer, MapDevice), as a layout",
-	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
-	"samehost-x4":     "kvxfer same-host (netxfer, MapDevice), as a layout, 4 in flight",
-	"nixl":            "kvxfer NIXL (UCX default threads)",
-	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
-	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
-	pythonName:        "NIXL Python API (num_threads=4)",
-	pushName:          "NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it)",
-	readName:          "NIXL Python API (num_threads=4), READ (pull)",
-	"contig":          "device copy, contiguous (the limit)",
-	"kernel":          "kvxfer copy kernel, one launch (one process)",
-	"kernel-layout":   "kvxfer copy kernel, one launch of a layout (one process)",
-	"perpiece":        "per-piece async cuMemcpyDtoD, one event",
+	"samehost":         "kvxfer same-host (netxfer, MapDevice), as a layout",
+	"samehost-pieces":  "kvxfer same-host (netxfer, MapDevice), as pieces",
+	"samehost-x4":      "kvxfer same-host (netxfer, MapDevice), as a layout, 4 in flight",
+	"samehost-oneside": "sketch: one-sided same-host WRITE (P launches into D's imported memory)",
+	"nixl":             "kvxfer NIXL (UCX default threads)",
+	"nixl4":            "kvxfer NIXL (UCX num_threads=4)",
+	"nixl4-read":       "kvxfer NIXL (UCX num_threads=4), READ (pull)",
+	pythonName:         "NIXL Python API (num_threads=4)",
+	pushName:           "NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it)",
+	readName:           "NIXL Python API (num_threads=4), READ (pull)",
+	"contig":           "device copy, contiguous (the limit)",
+	"kernel":           "kvxfer copy kernel, one launch (one process)",
+	"kernel-layout":    "kvxfer copy kernel, one launch of a layout (one process)",
+	"perpiece":         "per-piece async cuMemcpyDtoD, one event",
 }
 
 // report prints one markdown table: a row per contender and piece size,

@@ -136,6 +136,7 @@ var childWire wireLog
 type childStamps struct {
 	Batches []batchStamp
 	Wire    []wireStamp
+	Notes   []int64 // when the one-sided sketch's notifications arrived
 }
 
 // xferTimes is one of the parent's transfers: its id, its post and when
@@ -219,9 +220,10 @@ func firstOf(so int64, t int64) int64 {
 
 // hopReport is one contender's hops on one case.
 type hopReport struct {
-	name string
-	c    xcase
-	hops [][]float64
+	name  string
+	c     xcase
+	names []string // of the hops
+	hops  [][]float64
 }
 
 // reportHops prints the hop table: a row per contender, case and hop,
@@ -239,7 +241,7 @@ func reportHops(w io.Writer, reps []hopReport) {
 			}
 			s := slices.Clone(xs)
 			slices.Sort(s)
-			fmt.Fprintf(w, "| %s | %s | %s | %d | %.1f | %.1f-%.1f |\n", r.name, r.c, hopNames[h], len(s), s[len(s)/2], s[0], s[len(s)-1])
+			fmt.Fprintf(w, "| %s | %s | %s | %d | %.1f | %.1f-%.1f |\n", r.name, r.c, r.names[h], len(s), s[len(s)/2], s[0], s[len(s)-1])
 		}
 	}
 }
