@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
+	"github.com/kvxfer/kvxfer/internal/testport"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -29,15 +30,10 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+// freePort is a loopback port below the ephemeral range (testport): one
+// picked by listening on :0 may become another connection's source port
+// before the daemon binds it.
+func freePort(t *testing.T) string { return testport.Free(t) }
 
 // The daemon serves engines on a 0600 unix socket, reports health,
 // exports metrics, and shuts down gracefully on its context (SIGTERM),

@@ -6,6 +6,7 @@ package etcdtest
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/testport"
 )
 
 // Binary returns the etcd binary's path, or why there is none.
@@ -51,11 +54,26 @@ func Start(t testing.TB, extra ...string) *Server {
 	if err != nil {
 		t.Skip(err.Error())
 	}
-	s := &Server{t: t, bin: bin, dir: t.TempDir(), client: freePort(t), peer: freePort(t), extraFlags: extra}
-	s.Restart()
+	s := &Server{t: t, bin: bin, dir: t.TempDir(), extraFlags: extra}
 	t.Cleanup(s.Kill)
-	return s
+	// A port found free may be taken by another process (the tests of
+	// other packages run beside these) before etcd binds it: etcd then
+	// exits at once, and starts again on new ports.
+	for attempt := 1; ; attempt++ {
+		s.client, s.peer = pickPort(t), pickPort(t)
+		why := s.start()
+		if why == "" {
+			return s
+		}
+		if !strings.Contains(why, "address already in use") || attempt == maxStarts {
+			t.Fatalf("etcd exited at start (attempt %d):\n%s", attempt, why)
+		}
+		_ = os.RemoveAll(filepath.Join(s.dir, "data"))
+	}
 }
+
+// maxStarts bounds Start's attempts on fresh ports.
+const maxStarts = 5
 
 // Endpoint is etcd's client address (host:port).
 func (s *Server) Endpoint() string { return s.client }
@@ -63,18 +81,23 @@ func (s *Server) Endpoint() string { return s.client }
 // Dir is etcd's data directory.
 func (s *Server) Dir() string { return s.dir }
 
-func freePort(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+// pickPort picks the ports Start gives etcd (a variable for tests).
+var pickPort = freePort
+
+// freePort is a loopback port below the ephemeral range (testport).
+func freePort(t testing.TB) string { return testport.Free(t) }
 
 // Restart starts etcd again (after Kill) on the same ports and data.
 func (s *Server) Restart() {
+	s.t.Helper()
+	if why := s.start(); why != "" {
+		s.t.Fatalf("etcd exited at start:\n%s", why)
+	}
+}
+
+// start runs etcd on s's ports and data and returns once it serves; or,
+// when etcd exited at start instead, what it logged then.
+func (s *Server) start() string {
 	s.t.Helper()
 	scheme := "http"
 	for _, f := range s.extraFlags {
@@ -87,6 +110,7 @@ func (s *Server) Restart() {
 	if err != nil {
 		s.t.Fatal(err)
 	}
+	from, _ := s.log.Seek(0, io.SeekEnd) // this start's lines begin here
 	args := []string{"--name", "kvxfer-test", "--data-dir", filepath.Join(s.dir, "data"),
 		"--listen-client-urls", scheme + "://" + s.client, "--advertise-client-urls", scheme + "://" + s.client,
 		"--listen-peer-urls", "http://" + s.peer, "--initial-advertise-peer-urls", "http://" + s.peer,
@@ -102,14 +126,16 @@ func (s *Server) Restart() {
 	go func() { _ = cmd.Wait(); close(exited) }()
 	if scheme == "https" {
 		s.waitPort()
-		return
+		return ""
 	}
 	cl := &http.Client{Timeout: time.Second}
 	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		select {
 		case <-exited:
 			b, _ := os.ReadFile(s.log.Name())
-			s.t.Fatalf("etcd exited at start:\n%s", b)
+			s.log.Close()
+			s.cmd = nil
+			return string(b[min(int(from), len(b)):])
 		default:
 		}
 		resp, err := cl.Get("http://" + s.client + "/health")
@@ -117,12 +143,13 @@ func (s *Server) Restart() {
 			ok := resp.StatusCode == http.StatusOK
 			resp.Body.Close()
 			if ok {
-				return
+				return ""
 			}
 		}
 	}
 	b, _ := os.ReadFile(s.log.Name())
 	s.t.Fatalf("etcd did not become healthy in 15 s:\n%s", b)
+	return ""
 }
 
 func (s *Server) waitPort() {
