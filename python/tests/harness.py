@@ -69,9 +69,25 @@ def build_libkvxfer(out_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (the system's pick)."""
+    """A TCP port free on loopback now, below the kernel's ephemeral range
+    (as internal/testport picks them): a port the system picks for :0 may
+    become another connection's source port before the test binds it."""
+    import random
     import socket
-    with socket.socket() as s:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    for _ in range(1000 if high > 10100 else 0):
+        port = random.randrange(10000, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # an unusual range: the system's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
