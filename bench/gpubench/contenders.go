@@ -570,7 +570,14 @@ func kernelLayoutOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, 
 type kernelLayoutMover struct{ localMover }
 
 func (m kernelLayoutMover) write(c xcase) (time.Duration, error) {
-	l := c.layout(m.src.base, m.scratch.base)
+	regs, ents := devLayout(c.layout(m.src.base, m.scratch.base))
+	start := time.Now()
+	err := postLayout(m.src.g, regs, ents)
+	return time.Since(start), err
+}
+
+// devLayout is l as a device batch takes it (Remote the destination).
+func devLayout(l netxfer.Layout) ([]netxfer.DevRegion, []netxfer.DevEntry) {
 	regs := make([]netxfer.DevRegion, len(l.Bases))
 	for i, b := range l.Bases {
 		regs[i] = netxfer.DevRegion{Dst: b.Remote, Src: b.Local}
@@ -579,22 +586,26 @@ func (m kernelLayoutMover) write(c xcase) (time.Duration, error) {
 	for i, e := range l.Entries {
 		ents[i] = netxfer.DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len}
 	}
-	start := time.Now()
-	b, err := m.src.g.NewBatch(len(regs) + len(ents))
+	return regs, ents
+}
+
+// postLayout stages a layout on g as one batch (the copy kernel), posts
+// it and waits (spinning) until it is done.
+func postLayout(g gpu, regs []netxfer.DevRegion, ents []netxfer.DevEntry) error {
+	b, err := g.NewBatch(len(regs) + len(ents))
 	if err != nil {
-		return 0, err
+		return err
 	}
 	lb, ok := b.(netxfer.LayoutBatch)
 	if !ok || !lb.AddLayout(regs, ents) {
 		b.Discard()
-		return 0, fmt.Errorf("%s: the device's batch took no layout of %d regions and %d entries", c, len(regs), len(ents))
+		return fmt.Errorf("the device's batch took no layout of %d regions and %d entries", len(regs), len(ents))
 	}
 	cp, err := b.Post()
 	if err != nil {
-		return 0, err
+		return err
 	}
-	err = waitDone(cp.Done, nil)
-	return time.Since(start), err
+	return waitDone(cp.Done, nil)
 }
 
 func (m kernelLayoutMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }

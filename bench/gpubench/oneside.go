@@ -4,14 +4,12 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"sync"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/hoptrace"
-	"github.com/kvxfer/kvxfer/internal/netxfer"
 )
 
 // The one-sided sketch (samehost-oneside): what a same-host WRITE would
@@ -147,30 +145,9 @@ func (m *onesideMover) prepare(c xcase) error {
 }
 
 func (m *onesideMover) write(c xcase) (time.Duration, error) {
-	l := c.layout(m.src.base, m.dst)
-	regs := make([]netxfer.DevRegion, len(l.Bases))
-	for i, b := range l.Bases {
-		regs[i] = netxfer.DevRegion{Dst: b.Remote, Src: b.Local}
-	}
-	ents := make([]netxfer.DevEntry, len(l.Entries))
-	for i, e := range l.Entries {
-		ents[i] = netxfer.DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len}
-	}
+	regs, ents := devLayout(c.layout(m.src.base, m.dst))
 	start, t0 := time.Now(), hoptrace.Now()
-	b, err := m.src.g.NewBatch(len(regs) + len(ents))
-	if err != nil {
-		return 0, err
-	}
-	lb, ok := b.(netxfer.LayoutBatch)
-	if !ok || !lb.AddLayout(regs, ents) {
-		b.Discard()
-		return 0, errors.New("the device's batch took no layout")
-	}
-	cp, err := b.Post()
-	if err != nil {
-		return 0, err
-	}
-	err = waitDone(cp.Done, nil)
+	err := postLayout(m.src.g, regs, ents)
 	d := time.Since(start)
 	m.times = append(m.times, [2]int64{t0, hoptrace.Now()})
 	if err == nil {
