@@ -160,7 +160,7 @@ var agents atomic.Uint64
 // imports the sender's and copies every piece with its GPU.
 func netxferAgent(s *side, role string, wire *wireLog) (*netxfer.Agent, error) {
 	a, err := netxfer.New(netxfer.Config{Name: fmt.Sprintf("gpubench-%s-%d-%d", role, os.Getpid(), agents.Add(1)), Logger: quiet,
-		WireTrace: wire.add,
+		WireTrace: wire.trace,
 		Devices: func(u [16]byte) (netxfer.Device, error) {
 			if u != s.uuid {
 				return nil, fmt.Errorf("no GPU %s in this process", cuda.FormatUUID(u))

@@ -571,7 +571,7 @@ func childMain(o opts, span int) error {
 		case "verify":
 			err = checkSide(s, req.Case, host)
 		case "stamps":
-			resp.Meta = encodeStamps(childStamps{Batches: takeStamps(), Wire: childWire.take(), Notes: childNotes.take()})
+			resp.Meta = encodeStamps(childStamps{Batches: childBatches.take(), Wire: childWire.take(), Notes: childNotes.take()})
 		case "fill":
 			// The source pattern in this region (a READ's remote side).
 			b := grow(host, req.Case.span())

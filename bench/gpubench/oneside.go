@@ -22,28 +22,8 @@ import (
 // timing (bench/RESULTS.md). The table's rate is P's post to P seeing the
 // kernel done; the hop table adds D's notification.
 
-// noteLog is when the child received the sketch's notifications.
-type noteLog struct {
-	sync.Mutex
-	list []int64
-}
-
-func (n *noteLog) add(t int64) {
-	n.Lock()
-	n.list = append(n.list, t)
-	n.Unlock()
-}
-
-// take returns the stamps so far and empties the log.
-func (n *noteLog) take() []int64 {
-	n.Lock()
-	defer n.Unlock()
-	out := n.list
-	n.list = nil
-	return out
-}
-
-var childNotes noteLog
+// childNotes is when the child received the sketch's notifications.
+var childNotes stampList[int64]
 
 // onesideMeta is what the child's side tells the parent: its region's
 // IPC handle and the socket to notify it on.

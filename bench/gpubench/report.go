@@ -86,13 +86,19 @@ func report(w io.Writer, cfg config, res map[string]map[xcase]result, why map[st
 
 // cell is the median and the range of xs.
 func cell(xs []float64) string {
+	med, lo, hi := spread(xs)
+	return fmt.Sprintf("%s (%s-%s)", num(med), num(lo), num(hi))
+}
+
+// spread is the median, least and greatest of xs (not empty).
+func spread[T ~int64 | ~float64](xs []T) (med, lo, hi T) {
 	s := slices.Clone(xs)
 	slices.Sort(s)
-	med := s[len(s)/2]
+	med = s[len(s)/2]
 	if len(s)%2 == 0 {
 		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
 	}
-	return fmt.Sprintf("%s (%s-%s)", num(med), num(s[0]), num(s[len(s)-1]))
+	return med, s[0], s[len(s)-1]
 }
 
 // num prints a rate with three significant digits or so.

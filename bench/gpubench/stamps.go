@@ -24,39 +24,47 @@ type batchStamp struct {
 	Made, Posted, Done int64 // NewBatch called, Post returned, Done first true
 }
 
-// stampLog collects the child's batch stamps until the parent fetches
-// them (the "stamps" request).
-var stampLog struct {
-	sync.Mutex
-	list []*batchStamp
+// stampList collects stamps of one kind until they are taken (the
+// child's, by the parent's "stamps" request). It is safe for concurrent
+// use.
+type stampList[T any] struct {
+	mu   sync.Mutex
+	list []T
 }
 
-func takeStamps() []batchStamp {
-	stampLog.Lock()
-	defer stampLog.Unlock()
-	out := make([]batchStamp, len(stampLog.list))
-	for i, s := range stampLog.list {
-		out[i] = *s
-	}
-	stampLog.list = stampLog.list[:0]
+func (l *stampList[T]) add(v T) {
+	l.mu.Lock()
+	l.list = append(l.list, v)
+	l.mu.Unlock()
+}
+
+// take returns the stamps so far and empties the list.
+func (l *stampList[T]) take() []T {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := l.list
+	l.list = nil
 	return out
 }
+
+// childBatches is the child's batches, each logged once it was seen done.
+var childBatches stampList[batchStamp]
 
 // stampGPU is a gpu whose batches are stamped.
 type stampGPU struct{ gpu }
 
 func (g stampGPU) NewBatch(n int) (netxfer.DevBatch, error) {
-	s := &batchStamp{Made: hoptrace.Now()}
+	made := hoptrace.Now()
 	b, err := g.gpu.NewBatch(n)
 	if err != nil {
 		return nil, err
 	}
-	return &stampBatch{b: b, s: s}, nil
+	return &stampBatch{b: b, s: batchStamp{Made: made}}, nil
 }
 
 type stampBatch struct {
 	b netxfer.DevBatch
-	s *batchStamp
+	s batchStamp
 }
 
 func (b *stampBatch) Add(dst, src, n uint64) bool { return b.b.Add(dst, src, n) }
@@ -74,26 +82,23 @@ func (b *stampBatch) Post() (netxfer.DevCopy, error) {
 	if err != nil {
 		return nil, err
 	}
-	stampLog.Lock()
-	stampLog.list = append(stampLog.list, b.s)
-	stampLog.Unlock()
 	return &stampCopy{c: c, s: b.s}, nil
 }
 
+// stampCopy logs its batch (childBatches) the first time it is seen done.
 type stampCopy struct {
-	c  netxfer.DevCopy
-	s  *batchStamp
-	mu sync.Mutex
+	c    netxfer.DevCopy
+	s    batchStamp
+	once sync.Once
 }
 
 func (c *stampCopy) Done() (bool, error) {
 	done, err := c.c.Done()
 	if done {
-		c.mu.Lock()
-		if c.s.Done == 0 {
+		c.once.Do(func() {
 			c.s.Done = hoptrace.Now()
-		}
-		c.mu.Unlock()
+			childBatches.add(c.s)
+		})
 	}
 	return done, err
 }
@@ -107,25 +112,11 @@ type wireStamp struct {
 }
 
 // wireLog collects an agent's wire stamps (netxfer's WireTrace).
-type wireLog struct {
-	mu   sync.Mutex
-	list []wireStamp
-}
+type wireLog struct{ stampList[wireStamp] }
 
-func (l *wireLog) add(ev netxfer.WireEvent, id netxfer.XferID, part uint32) {
-	t := hoptrace.Now()
-	l.mu.Lock()
-	l.list = append(l.list, wireStamp{ev, id, part, t})
-	l.mu.Unlock()
-}
-
-// take returns the stamps so far and empties the log.
-func (l *wireLog) take() []wireStamp {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	out := l.list
-	l.list = nil
-	return out
+// trace is a netxfer.Config.WireTrace.
+func (l *wireLog) trace(ev netxfer.WireEvent, id netxfer.XferID, part uint32) {
+	l.add(wireStamp{ev, id, part, hoptrace.Now()})
 }
 
 // childWire is the child's agents' wire stamps, fetched with its batch
@@ -239,9 +230,8 @@ func reportHops(w io.Writer, reps []hopReport) {
 			if len(xs) == 0 {
 				continue
 			}
-			s := slices.Clone(xs)
-			slices.Sort(s)
-			fmt.Fprintf(w, "| %s | %s | %s | %d | %.1f | %.1f-%.1f |\n", r.name, r.c, r.names[h], len(s), s[len(s)/2], s[0], s[len(s)-1])
+			med, lo, hi := spread(xs)
+			fmt.Fprintf(w, "| %s | %s | %s | %d | %.1f | %.1f-%.1f |\n", r.name, r.c, r.names[h], len(xs), med, lo, hi)
 		}
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"slices"
 	"syscall"
 	"time"
 )
@@ -89,13 +88,9 @@ func wakeup(ctx context.Context) (idle, busy time.Duration, err error) {
 		}
 		busies = append(busies, d)
 	}
-	return median(idles) / 2, median(busies) / 2, nil
-}
-
-func median(ds []time.Duration) time.Duration {
-	ds = slices.Clone(ds)
-	slices.Sort(ds)
-	return ds[len(ds)/2]
+	idle, _, _ = spread(idles)
+	busy, _, _ = spread(busies)
+	return idle / 2, busy / 2, nil
 }
 
 // wakeupChild echoes every byte it reads on descriptor 3 until EOF.

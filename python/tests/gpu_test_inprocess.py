@@ -107,17 +107,6 @@ def nixl_library() -> str | None:
     return next((c for c in cands if os.path.isfile(c)), None)
 
 
-def nixl_python_libs() -> str | None:
-    """The directory of the libraries NIXL's Python API (nixl_cu12, in this
-    Python) loads, or None where it does not import."""
-    try:
-        import nixl_cu12
-    except ImportError:
-        return None
-    libs = Path(nixl_cu12.__file__).resolve().parent.parent / ".nixl_cu12.mesonpy.libs"
-    return str(libs) if (libs / "libnixl_capi.so").is_file() else None
-
-
 def engine_env(lib: Path, config: dict, beside: bool = False) -> dict:
     """The engines' environment: the library, this checkout's python
     package and, for NIXL, what NIXL and UCX read when they load (the
@@ -129,12 +118,8 @@ def engine_env(lib: Path, config: dict, beside: bool = False) -> dict:
     env["KVXFER_LIBKVXFER"] = str(lib)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PYTHON_DIR), env.get("PYTHONPATH", "")] if p)
     if beside:
-        libs = nixl_python_libs()
-        if libs is None:
-            why = f"NIXL's Python API (nixl_cu12 with its libraries) does not import in {sys.executable}"
-            if os.environ.get("CI"):
-                pytest.fail(why + " (test/run installs the nixl-cu12 wheel into its environment)")
-            pytest.skip(why)
+        libs = harness.nixl_python_libs()
+        harness.need_nixl(libs is not None, f"NIXL's Python API (nixl_cu12 with its libraries, in {sys.executable})")
         env["NIXL_CAPI_LIB"] = os.path.join(libs, "libnixl_capi.so")
         env["NIXL_PLUGIN_DIR"] = os.path.join(libs, "plugins")
     if config.get("backend") == "nixl":

@@ -92,6 +92,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nixl_python_libs() -> str | None:
+    """The directory of the libraries NIXL's Python API (nixl_cu12, in this
+    Python) loads, libnixl_capi.so among them, or None where it does not
+    import."""
+    try:
+        import nixl_cu12
+    except ImportError:
+        return None
+    libs = Path(nixl_cu12.__file__).resolve().parent.parent / ".nixl_cu12.mesonpy.libs"
+    return str(libs) if (libs / "libnixl_capi.so").is_file() else None
+
+
+def need_nixl(found: bool, what: str = "NIXL") -> None:
+    """Skips a test whose NIXL (what) is not found here; in CI, which
+    installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB, fails it instead."""
+    if found:
+        return
+    import pytest
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
+    pytest.skip(f"{what} is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+
+
 def secret_file(work: Path) -> str:
     """The peer secret every daemon of work shares (made once, mode 0600):
     kvxferd authenticates its peers, and daemons peer only with the same

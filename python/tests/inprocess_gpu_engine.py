@@ -70,6 +70,13 @@ def heads_of(block_len: int) -> tuple[int, int]:
     return heads, per // heads
 
 
+def put_file(path: str, text: str) -> None:
+    """Writes path whole: a reader polling for it sees all of it or none."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 class Beside:
     """NIXL's own Python API (nixl_cu12) in this very process, on this
     process's own cache, alternated with kvxfer's transfers, so that both
@@ -107,10 +114,7 @@ class Beside:
                                                   "bases": [t.data_ptr() for t in run.kv]}))
 
     def _put(self, name: str, text: str) -> None:
-        path = os.path.join(self.dir, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        put_file(os.path.join(self.dir, name), text)
 
     def _get(self, name: str) -> str | None:
         try:
@@ -286,10 +290,7 @@ class Run:
             peer = c.scheduler("P").open(pb.SchedulerConfig(mode=self.mode, tp_size=1, logical_block_size=BLOCK))
         finally:
             c.close()
-        tmp = self.spec["peer_file"] + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(peer)
-        os.replace(tmp, self.spec["peer_file"])
+        put_file(self.spec["peer_file"], peer)
         got = self.wait_outcomes({s.request_id for s in sends})
         self.res["outcomes"] = [[k, *got[k]] for k in sorted(got)]
         if self.beside is not None:
@@ -418,10 +419,7 @@ def main() -> int:
         r.res["traceback"] = traceback.format_exc()
         code = 1
     r.write_hops()
-    tmp = spec["result"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(r.res, f)
-    os.replace(tmp, spec["result"])
+    put_file(spec["result"], json.dumps(r.res))
     print("result", json.dumps({k: v for k, v in r.res.items() if k != "traceback"}), flush=True)
     return code
 

@@ -8,7 +8,6 @@ grouping and arithmetic on lines made up here."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -61,14 +60,6 @@ def libkvxfer(tmp_path_factory) -> Path:
     return harness.build_libkvxfer(tmp_path_factory.mktemp("lib"))
 
 
-def need_nixl() -> None:
-    """Skips where NIXL's library is not found (CI fails instead)."""
-    if pair.nixl_library() is None:
-        if os.environ.get("CI"):
-            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
-        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
-
-
 def rows(lines: list[str]) -> dict[str, list[float]]:
     """The table's rows: hop -> [n, median, min, max]."""
     out = {}
@@ -83,7 +74,7 @@ def test_hop_table_of_the_inprocess_pair(libkvxfer, tmp_path, backend, mode, mon
     pytest.importorskip("torch")
     config = pair.CASES[backend]
     if backend == "nixl":
-        need_nixl()
+        harness.need_nixl(pair.nixl_library() is not None)
     timed = 5
     xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
     out = tmp_path / "out"
@@ -122,7 +113,7 @@ def test_nixl_beside_the_inprocess_pair(libkvxfer, tmp_path, mode, moves, monkey
     bytes NIXL moved too, so a NIXL that moved nothing fails the run
     instead of posting a rate."""
     pytest.importorskip("torch")
-    need_nixl()
+    harness.need_nixl(pair.nixl_library() is not None)
     timed = 3
     xf = pair.transfers(8, check_blocks=6, timed=timed, seed=8)
     out = tmp_path / "out"

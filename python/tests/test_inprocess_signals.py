@@ -97,15 +97,11 @@ def _nixl_env() -> dict | None:
     env = dict(os.environ)
     if env.get("NIXL_CAPI_LIB") and os.path.exists(env["NIXL_CAPI_LIB"]):
         return env
-    try:
-        import nixl_cu12  # noqa: F401  (the wheel, in this Python)
-    except ImportError:
+    libs = harness.nixl_python_libs()  # the wheel, in this Python
+    if libs is None:
         return None
-    libs = Path(nixl_cu12.__file__).resolve().parent.parent / ".nixl_cu12.mesonpy.libs"
-    if not (libs / "libnixl_capi.so").exists():
-        return None
-    env["NIXL_CAPI_LIB"] = str(libs / "libnixl_capi.so")
-    env["NIXL_PLUGIN_DIR"] = str(libs / "plugins")
+    env["NIXL_CAPI_LIB"] = os.path.join(libs, "libnixl_capi.so")
+    env["NIXL_PLUGIN_DIR"] = os.path.join(libs, "plugins")
     return env
 
 
@@ -117,10 +113,7 @@ def libkvxfer(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("backend", ["builtin", "nixl"])
 def test_signals_with_the_server_running(libkvxfer, backend):
     env = dict(os.environ) if backend == "builtin" else _nixl_env()
-    if env is None:
-        if os.environ.get("CI"):
-            pytest.fail("NIXL is not available (CI installs the nixl-cu12 wheel and sets NIXL_CAPI_LIB)")
-        pytest.skip("NIXL is not available here (no nixl-cu12 wheel, no NIXL_CAPI_LIB)")
+    harness.need_nixl(env is not None)
     env["KVXFER_LIBKVXFER"] = str(libkvxfer)
     env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
     p = subprocess.run([PY, "-c", textwrap.dedent(CHILD), backend], env=env, capture_output=True, text=True, timeout=120)
