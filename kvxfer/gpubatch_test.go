@@ -331,3 +331,282 @@ func TestDataPlaneGrantsLayouts(t *testing.T) {
 		t.Errorf("D refusals %v, want 2 write_deny and 1 write_late", s)
 	}
 }
+
+// gateGPU is a heldGPU that makes gates and runs gated batches as the
+// copy kernel does (internal/cuda's kvxfer_copy_gated), one piece per
+// CTA: count in, read the generation, copy only if it is the launch's,
+// count out. Gates and the copies through them are under gmu, as are the
+// consumer's stores and loads of them (CopyIn, CopyOut).
+type gateGPU struct {
+	*heldGPU
+	gmu    sync.Mutex
+	allocs [][]byte
+	gated  int // gated launches posted
+	shut   int // gated launches that found their gate shut
+}
+
+func (g *gateGPU) Alloc(n int) (uint64, error) {
+	m := make([]byte, n)
+	g.gmu.Lock()
+	g.allocs = append(g.allocs, m)
+	g.gmu.Unlock()
+	p := uint64(uintptr(unsafe.Pointer(&m[0])))
+	g.mem.Store(p, m)
+	return p, nil
+}
+func (g *gateGPU) Free(uint64) error { return nil }
+func (g *gateGPU) Export(ptr uint64) ([64]byte, error) {
+	var h [64]byte
+	binary.LittleEndian.PutUint64(h[:], ptr)
+	return h, nil
+}
+func (g *gateGPU) CopyIn(dst uint64, src []byte) error {
+	g.gmu.Lock()
+	defer g.gmu.Unlock()
+	return g.heldGPU.CopyIn(dst, src)
+}
+func (g *gateGPU) CopyOut(dst []byte, src uint64) error {
+	g.gmu.Lock()
+	defer g.gmu.Unlock()
+	return g.heldGPU.CopyOut(dst, src)
+}
+func (g *gateGPU) NewBatch(int) (tcp.DevBatch, error) {
+	return &gatedBatch{heldBatch: heldBatch{g: g.heldGPU}, gg: g}, nil
+}
+
+func (g *gateGPU) counts() (gated, shut int) {
+	g.gmu.Lock()
+	defer g.gmu.Unlock()
+	return g.gated, g.shut
+}
+
+type gatedBatch struct {
+	heldBatch
+	gg   *gateGPU
+	gate uint64
+	want uint32
+}
+
+func (b *gatedBatch) Gate(gate uint64, want uint32) bool {
+	b.gate, b.want = gate, want
+	return true
+}
+
+func (b *gatedBatch) Post() (tcp.DevCopy, error) {
+	if b.gate == 0 {
+		return b.heldBatch.Post()
+	}
+	g, ps, gate, want := b.gg, slices.Clone(b.ps), b.gate, b.want
+	c := &gatedCopy{}
+	run := func() {
+		shut := false
+		for i, p := range ps {
+			g.gmu.Lock()
+			act := g.at(gate+64+uint64(i%16)*4, 4)
+			binary.LittleEndian.PutUint32(act, binary.LittleEndian.Uint32(act)+1)
+			if binary.LittleEndian.Uint32(g.at(gate, 4)) == want {
+				copy(g.at(p.Dst, p.Len), g.at(p.Src, p.Len))
+			} else {
+				shut = true
+			}
+			binary.LittleEndian.PutUint32(act, binary.LittleEndian.Uint32(act)-1)
+			g.gmu.Unlock()
+		}
+		g.gmu.Lock()
+		if shut {
+			g.shut++
+		}
+		g.gmu.Unlock()
+		c.mu.Lock()
+		c.done, c.shut = true, shut
+		c.mu.Unlock()
+	}
+	g.gmu.Lock()
+	g.gated++
+	g.gmu.Unlock()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.hold {
+		go run()
+		return c, nil
+	}
+	g.held++
+	rel := g.release
+	go func() {
+		<-rel
+		run()
+		g.mu.Lock()
+		g.held--
+		g.mu.Unlock()
+	}()
+	return c, nil
+}
+
+type gatedCopy struct {
+	heldCopy
+	shut bool
+}
+
+func (c *gatedCopy) Shut() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.shut
+}
+
+// On one GPU a push consumer offers its grant to the producer one-sided
+// (a gate): the producer's WRITE of the request is its own launch
+// straight into D's blocks (no part reaches D), every value lands, the
+// request ends done on both sides, and its end shuts the gate. A second
+// request's gate is a new one, and its WRITE one-sided too.
+func TestPushOneSidedGPU(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	g := &gateGPU{heldGPU: &heldGPU{release: make(chan struct{})}}
+	on := func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		return gateBackend(t, name, r, g), nil
+	}
+	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil, on)
+	d := startEngineOn(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, nil, on)
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	pbe, dbe := p.backends[0].(*tcp.Backend), d.backends[0].(*tcp.Backend)
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(1, 2))
+	pp, dp := newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true)
+	p.ranks[0][0].Scramble(1)
+	d.ranks[0][0].Scramble(2)
+	for i, id := range []string{"a", "b"} {
+		q := makeRequest(id, 40, 0, groups, p.eng, d.eng, pp, dp)
+		p.ranks[0][0].Fill(q.sim.P)
+		before := d.ranks[0][0].Snapshot()
+		now := time.Now()
+		d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+		awaitRegistration(t, p)
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			if _, held := pbe.Gates(); held == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the producer never held the consumer's gate")
+			}
+		}
+		p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+		out := awaitOutcomes(t, 2, p, d)
+		if o := out.recv["d-"+id]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+			t.Fatalf("%s: D outcome %+v, want done", id, o)
+		}
+		if err := d.ranks[0][0].CheckValues(before, []*kvsim.Request{&q.sim}, 16, 16); err != nil {
+			t.Fatalf("%s: %v", id, err)
+		}
+		if n := pbe.OneSidedWrites(); n != uint64(i+1) {
+			t.Fatalf("%s: %d one-sided WRITEs in all, want %d", id, n, i+1)
+		}
+		if n := dbe.LayoutParts(); n != 0 {
+			t.Fatalf("%s: %d WRITE parts reached D, want none (one-sided)", id, n)
+		}
+		if mine, _ := dbe.Gates(); mine != 0 {
+			t.Fatalf("%s: D keeps %d gates open after the request ended", id, mine)
+		}
+	}
+	st := d.workers[0][0].Metrics().Snapshot()
+	if st.Gates["opened"] != 2 || st.Gates["failed"] != 0 || st.RefusedAccess["write_aborted"] != 0 {
+		t.Fatalf("D's gates %v, refusals %v; want 2 opened, none failed, no aborted part", st.Gates, st.RefusedAccess)
+	}
+	if gated, shut := g.counts(); gated != 2 || shut != 0 {
+		t.Fatalf("%d gated launches, %d found their gate shut; want 2 and 0", gated, shut)
+	}
+}
+
+// A consumer that gives a request up while the producer's one-sided
+// launch into its blocks is queued reports it, and the launch, run after,
+// copies nothing into the blocks the engine reuses: the gate shut before
+// the report. The producer's transfer fails.
+func TestGiveUpShutsGate(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	g := &gateGPU{heldGPU: &heldGPU{release: make(chan struct{})}}
+	mk := func(id string) *simEngine {
+		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
+			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+				return gateBackend(t, name, r, g), nil
+			})
+	}
+	p, d := mk("P"), mk("D")
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	var once sync.Once
+	release := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(release)
+	pbe := p.backends[0].(*tcp.Backend)
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(3, 4))
+	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+	awaitRegistration(t, p)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, held := pbe.Gates(); held == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the producer never held the consumer's gate")
+		}
+	}
+	g.mu.Lock()
+	g.hold = true
+	g.mu.Unlock()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); g.heldBatches() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's one-sided launch was never posted")
+		}
+	}
+	dir.FailHandshakes("P", 1<<20)
+	out := newOutcomes()
+	for deadline := time.Now().Add(20 * time.Second); len(out.recv["d-a"]) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("D never gave the request up")
+		}
+		out.collect(t, d)
+	}
+	if o := out.recv["d-a"][0]; o.Result == kvxfer.ResultDone {
+		t.Fatalf("D's outcome %+v, want a failure", o)
+	}
+	reused := bytes.Repeat([]byte{0xCD}, len(d.ranks[0][0].Mem))
+	copy(d.ranks[0][0].Mem, reused)
+	release()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, shut := g.counts(); shut == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the held launch never ran into its shut gate")
+		}
+	}
+	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
+		t.Fatal("bytes landed in D's blocks after D reported them free")
+	}
+	if pbe.OneSidedWrites() != 1 {
+		t.Fatalf("%d one-sided WRITEs, want 1", pbe.OneSidedWrites())
+	}
+}
+
+// gateBackend is gpuBackend on a GPU that makes gates.
+func gateBackend(t *testing.T, name string, r *kvsim.Rank, g *gateGPU) *tcp.Backend {
+	t.Helper()
+	r.Rebase(uint64(uintptr(unsafe.Pointer(&r.Mem[0]))))
+	uuid := [16]byte{0x9b}
+	g.mem.Store(r.Base, r.Mem)
+	b := tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Devices: func(u [16]byte) (tcp.Device, error) { return g, nil }})
+	if err := b.Unmap(r.Base); err != nil {
+		t.Fatal(err)
+	}
+	var h [64]byte
+	binary.LittleEndian.PutUint64(h[:], r.Base)
+	if err := b.MapIPC(r.Base, uint64(len(r.Mem)), g, uuid, h); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}

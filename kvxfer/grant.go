@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"errors"
 	"slices"
 	"sync"
 
@@ -129,11 +130,14 @@ type landing struct {
 	gen     uint32 // bumped at each reuse of the slot
 	live    bool
 	aborted bool
-	op      hotpath.Op
-	grants  []uint32 // WRITE: the grants it lands under
-	ranges  []Range  // READ: what it reads
-	forReq  string   // READ: the producer request it names ("": none)
-	abort   func()
+	// standing: a grant admitted whole ahead (WriteGater's gate), whose
+	// cut at the grant's end is its normal end, not an aborted part.
+	standing bool
+	op       hotpath.Op
+	grants   []uint32 // WRITE: the grants it lands under
+	ranges   []Range  // READ: what it reads
+	forReq   string   // READ: the producer request it names ("": none)
+	abort    func()
 }
 
 type accessRegion struct {
@@ -233,7 +237,9 @@ func (t *accessTable) drainLocked(hit func(*landing) bool) {
 			busy = true
 			if !l.aborted {
 				l.aborted = true
-				t.metrics.AbortedLanding(l.op)
+				if !l.standing {
+					t.metrics.AbortedLanding(l.op)
+				}
 				if l.abort != nil {
 					l.abort()
 				}
@@ -289,6 +295,16 @@ type LayoutFence interface {
 
 var _ LayoutFence = (*accessTable)(nil)
 
+// GateFence is a LayoutFence that admits a WRITE grant offered one-sided
+// (WriteGater) as a standing admission: AdmitLayout's checks, lasting
+// until the grant ends, its cut then not counted as an aborted part.
+type GateFence interface {
+	LayoutFence
+	AdmitGate(peer PeerName, lays []LayoutRanges, tag []byte, abort func()) (a Access, lay, base, entry int, adm Admission)
+}
+
+var _ GateFence = (*accessTable)(nil)
+
 // layoutKey is where a base puts a layout's entries in the grant table:
 // the region's blocks and groups, and the base's offset in the region.
 type layoutKey struct {
@@ -298,6 +314,17 @@ type layoutKey struct {
 
 // AdmitLayout implements LayoutFence.
 func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRanges, tag []byte, abort func()) (Access, int, int, int, Admission) {
+	return t.admitLayout(peer, op, lays, tag, abort, false)
+}
+
+// AdmitGate admits a WRITE grant offered one-sided (WriteGater) as
+// AdmitLayout does, as a standing admission: it lasts until the grant
+// ends, and is cut short then without counting as an aborted part.
+func (t *accessTable) AdmitGate(peer PeerName, lays []LayoutRanges, tag []byte, abort func()) (Access, int, int, int, Admission) {
+	return t.admitLayout(peer, hotpath.OpWrite, lays, tag, abort, true)
+}
+
+func (t *accessTable) admitLayout(peer PeerName, op hotpath.Op, lays []LayoutRanges, tag []byte, abort func(), standing bool) (Access, int, int, int, Admission) {
 	forReq, ok := t.tagRequest(op, tag)
 	if !ok {
 		return AccessDeny, -1, -1, -1, 0
@@ -351,6 +378,9 @@ func (t *accessTable) AdmitLayout(peer PeerName, op hotpath.Op, lays []LayoutRan
 		}
 	}
 	a, adm := t.admittedLocked(i, op, checked, forReq, abort)
+	if adm != 0 {
+		t.lands[i].standing = standing
+	}
 	return a, -1, -1, -1, adm
 }
 
@@ -421,7 +451,7 @@ func (t *accessTable) admittedLocked(i int, op hotpath.Op, ranges []Range, forRe
 		l.forReq = forReq
 	}
 	l.gen++
-	l.live, l.aborted, l.op, l.abort = true, false, op, abort
+	l.live, l.aborted, l.standing, l.op, l.abort = true, false, false, op, abort
 	return AccessAllow, Admission(uint64(l.gen)<<32 | uint64(i+1))
 }
 
@@ -614,4 +644,71 @@ func (t *accessTable) writeAccess(id uint32, peer PeerName) Access {
 		return AccessAllow
 	}
 	return AccessLate
+}
+
+// WriteGater is implemented by backends that can let a producer WRITE a
+// grant's blocks one-sided, straight into the consumer's memory (the
+// built-in backend's gates, between agents on one GPU of a host): a push
+// consumer's Worker offers each WRITE grant to its peers when it makes
+// it, admitted whole through its table (LayoutFence) for its request.
+// The grant's end cuts that admission short like any part's, and
+// returns only once nothing the peer launched can land any more.
+type WriteGater interface {
+	// OpenGate offers the ranges of lays (every entry at every base) to
+	// peer for the request tag names. ErrNoGate (wrapped): none could be
+	// made, and the grant is served as before.
+	OpenGate(peer PeerName, lays []LayoutRanges, tag []byte) error
+}
+
+// ErrNoGate: a backend could not offer a grant one-sided (WriteGater).
+var ErrNoGate = errors.New("kvxfer: no gate")
+
+// GateKey is the key a backend matches a WRITE's notification to the
+// gate (WriteGater) its grant was offered as: the consumer request the
+// notification names ("" when it names none: no gate matches).
+func GateKey(notif []byte) string {
+	m, err := decodeMsg(notif)
+	if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
+		return ""
+	}
+	return m.DReq
+}
+
+// grantLayouts returns the ranges a WRITE grant of spans (one per group)
+// covers, as layouts: each logical block granted in a region's groups is
+// an entry (its offset and length in the region), and regions whose
+// blocks and groups agree share their entries (bases: the regions').
+func (t *accessTable) grantLayouts(spans []topology.Span) []LayoutRanges {
+	var out []LayoutRanges
+	var keys []layoutKey
+	for _, r := range t.regions {
+		stride := r.blockLen * r.ppl
+		k := layoutKey{blockLen: r.blockLen, ppl: r.ppl, groups: r.groups, off: r.size}
+		if i := slices.IndexFunc(keys, func(o layoutKey) bool {
+			return o.blockLen == k.blockLen && o.ppl == k.ppl && o.off == k.off && slices.Equal(o.groups, k.groups)
+		}); i >= 0 {
+			out[i].Bases = append(out[i].Bases, r.base)
+			continue
+		}
+		var ents []Range
+		for _, g := range r.groups {
+			if g >= len(spans) {
+				continue
+			}
+			for _, b := range spans[g].IDs {
+				if b < 0 || uint64(b)*stride >= r.size {
+					continue
+				}
+				ents = append(ents, Range{uint64(b) * stride, min(stride, r.size-uint64(b)*stride)})
+			}
+		}
+		if len(ents) == 0 {
+			continue
+		}
+		slices.SortFunc(ents, func(x, y Range) int { return cmpU64(x.Addr, y.Addr) })
+		ents = slices.CompactFunc(ents, func(x, y Range) bool { return x.Addr == y.Addr })
+		keys = append(keys, k)
+		out = append(out, LayoutRanges{Bases: []uint64{r.base}, Entries: ents})
+	}
+	return out
 }

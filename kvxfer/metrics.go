@@ -183,6 +183,7 @@ type Metrics struct {
 	failures                                          [3][numFailureKinds]atomic.Uint64 // [role][kind]
 
 	badInput, dropped, refused labelled
+	gates                      labelled
 }
 
 // NewMetrics returns an empty recorder. Bucket layouts: seconds from 10 µs
@@ -268,6 +269,14 @@ func (m *Metrics) RefusedAccess(op hotpath.Op, a Access) {
 	m.refused.inc(dir + a.String())
 }
 
+// GateOpened counts a push grant offered to a producer one-sided
+// (WriteGater); GateFailed one whose offer failed (it is served
+// two-sided). Labels "opened", "failed" of Stats.Gates.
+func (m *Metrics) GateOpened() { m.gates.inc("opened") }
+
+// GateFailed: see GateOpened.
+func (m *Metrics) GateFailed() { m.gates.inc("failed") }
+
 // RetriedRead counts a pull consumer's READ refused because the producer
 // did not hold the blocks yet, and tried again (label "read_retried" of
 // RefusedAccess).
@@ -307,6 +316,9 @@ type Stats struct {
 	// RefusedAccess counts peers' transfers refused by the data-plane
 	// grants, by direction and verdict (see Metrics.RefusedAccess).
 	RefusedAccess map[string]uint64
+	// Gates counts push grants offered one-sided, by outcome (see
+	// Metrics.GateOpened).
+	Gates map[string]uint64
 }
 
 // Snapshot returns the current values.
@@ -318,6 +330,7 @@ func (m *Metrics) Snapshot() Stats {
 		ExpiredRequests: m.expired.Load(), HandshakeFailures: m.handshakeFailures.Load(),
 		TotalBytes: m.totalBytes.Load(), TotalDescriptors: m.totalDescs.Load(), TotalBlocks: m.totalBlocks.Load(), Panics: m.panics.Load(),
 		BadInput: m.badInput.snapshot(), Dropped: m.dropped.snapshot(), RefusedAccess: m.refused.snapshot(),
+		Gates: m.gates.snapshot(),
 	}
 	for i := range m.outcomes {
 		for j := range m.outcomes[i] {
@@ -364,7 +377,7 @@ func (s Stats) Sub(prev Stats) Stats {
 		TotalDescriptors: s.TotalDescriptors - prev.TotalDescriptors, TotalBlocks: s.TotalBlocks - prev.TotalBlocks,
 		Panics:   s.Panics - prev.Panics,
 		BadInput: subMap(s.BadInput, prev.BadInput), Dropped: subMap(s.Dropped, prev.Dropped),
-		RefusedAccess: subMap(s.RefusedAccess, prev.RefusedAccess),
+		RefusedAccess: subMap(s.RefusedAccess, prev.RefusedAccess), Gates: subMap(s.Gates, prev.Gates),
 	}
 	for i := range s.Outcomes {
 		for j := range s.Outcomes[i] {
@@ -389,7 +402,7 @@ func (s Stats) Add(o Stats) Stats {
 		TotalDescriptors: s.TotalDescriptors + o.TotalDescriptors, TotalBlocks: s.TotalBlocks + o.TotalBlocks,
 		Panics:   s.Panics + o.Panics,
 		BadInput: addMap(s.BadInput, o.BadInput), Dropped: addMap(s.Dropped, o.Dropped),
-		RefusedAccess: addMap(s.RefusedAccess, o.RefusedAccess),
+		RefusedAccess: addMap(s.RefusedAccess, o.RefusedAccess), Gates: addMap(s.Gates, o.Gates),
 	}
 	for i := range s.Outcomes {
 		for j := range s.Outcomes[i] {

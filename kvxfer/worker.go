@@ -899,6 +899,7 @@ func (w *Worker) do(_ int, o *op) error {
 		return err
 	case opGrant:
 		w.access.grantWrite(o.grant, o.peers, o.spans, o.req)
+		w.openGates(o)
 		return nil
 	case opRevoke:
 		w.access.revokeWrite(o.grant) // waits for parts landing under it
@@ -908,6 +909,31 @@ func (w *Worker) do(_ int, o *op) error {
 		return nil
 	}
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)
+}
+
+// openGates offers a WRITE grant to its peers one-sided where the
+// backend can (WriteGater). A gate not made costs nothing: the grant is
+// served two-sided, as without gates.
+func (w *Worker) openGates(o *op) {
+	g, ok := w.be.(WriteGater)
+	if !ok || o.req == "" {
+		return
+	}
+	lays := w.access.grantLayouts(o.spans)
+	if len(lays) == 0 {
+		return
+	}
+	tag := appendMsg(nil, w.st.self(&msg{Kind: msgTag, DReq: o.req}))
+	for _, p := range o.peers {
+		err := g.OpenGate(p, lays, tag)
+		switch {
+		case err == nil:
+			w.metrics.GateOpened()
+		case !errors.Is(err, ErrNoGate):
+			w.metrics.GateFailed()
+			w.log.Warn("kvxfer: offering a grant one-sided failed; it is served two-sided", "req", o.req, "peer", p, "err", err)
+		}
+	}
 }
 
 // posted is the entry of a transfer the backend took (id) in a post call

@@ -74,9 +74,9 @@ var contenders = []contender{
 	{name: "samehost-x4", what: "kvxfer same-host as a layout, four transfers of the case in flight at once (posted together, timed to the last one's completion; GB/s of all four): " +
 		"what a Worker that posts several requests' transfers without waiting gets, the hops between the processes shared",
 		peer: netxferPeer, open: netxferOpen(true, 4)},
-	{name: "samehost-oneside", what: "a sketch, not kvxfer's path: P imports D's region and launches the copy kernel itself (as a layout), polls it done, then notifies D " +
-		"with a byte over a unix socket; no grant, no fence. What a one-sided same-host WRITE would cost: P's post to P seeing it done (and, in the hop table, D notified)",
-		peer: onesidePeer, open: onesideOpen},
+	{name: "samehost-gate", what: "kvxfer same-host, one-sided: D offers P its region as a gate (netxfer OpenGate, what a push consumer does per grant); " +
+		"P's layout WRITE is its own gated launch into D's imported memory, then the notification: P's post to P seeing it done (and, in the hop table, D notified)",
+		peer: gatePeer, open: gateOpen},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
 		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
@@ -215,6 +215,7 @@ type netxferMover struct {
 	descs    map[xcase][]netxfer.Desc
 	lays     map[xcase][]netxfer.Layout
 	times    []xferTimes // this case's transfers
+	notif    []byte      // each WRITE's notification (nil: none)
 }
 
 // hopper is a mover that can say where its last case's time went.
@@ -286,7 +287,7 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 		var id netxfer.XferID
 		var err error
 		if m.layout {
-			id, err = m.a.PostLayout(netxfer.Write, m.peer, lays, nil)
+			id, err = m.a.PostLayout(netxfer.Write, m.peer, lays, m.notif)
 		} else {
 			id, err = m.a.Post(netxfer.Write, m.peer, ds, nil)
 		}

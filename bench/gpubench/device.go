@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -42,6 +43,9 @@ type gpu interface {
 var (
 	_ gpu = (*cudaGPU)(nil)
 	_ gpu = (*fakeGPU)(nil)
+	// Both make gates (kvxfer's one-sided same-host WRITE).
+	_ netxfer.GateDevice = (*cudaGPU)(nil)
+	_ netxfer.GateDevice = (*fakeGPU)(nil)
 )
 
 // cudaGPU is a CUDA device of this process.
@@ -289,6 +293,8 @@ type fakeBatch struct {
 	g    *fakeGPU
 	room int
 	ps   []netxfer.DevPiece
+	gate uint64
+	want uint32
 }
 
 func (b *fakeBatch) Add(dst, src, n uint64) bool {
@@ -308,8 +314,54 @@ func (b *fakeBatch) AddLayout(regions []netxfer.DevRegion, entries []netxfer.Dev
 	return true
 }
 
-func (b *fakeBatch) Post() (netxfer.DevCopy, error) { return b.g.PostCopy(b.ps) }
-func (b *fakeBatch) Discard()                       {}
+func (b *fakeBatch) Post() (netxfer.DevCopy, error) {
+	if b.gate != 0 {
+		return b.g.postGated(b.ps, b.gate, b.want)
+	}
+	return b.g.PostCopy(b.ps)
+}
+func (b *fakeBatch) Discard() {}
+
+// Gate makes the batch gated (netxfer.GatedBatch): copied as the gated
+// kernel copies, piece by piece (a CTA each), through the gate at gate.
+func (b *fakeBatch) Gate(gate uint64, want uint32) bool {
+	b.gate, b.want = gate, want
+	return true
+}
+
+// fakeGated is a fake gated batch's result.
+type fakeGated struct {
+	fakeDone
+	shut bool
+}
+
+func (c fakeGated) Shut() bool { return c.shut }
+
+// postGated copies ps as the gated kernel does: each piece counted in the
+// gate (its words in shared memory: atomics across the processes), the
+// generation read, the piece copied only if it is want, counted out.
+func (g *fakeGPU) postGated(ps []netxfer.DevPiece, gate uint64, want uint32) (netxfer.DevCopy, error) {
+	gb, err := g.at(gate, netxfer.GateSize)
+	if err != nil {
+		return nil, err
+	}
+	gen := (*uint32)(unsafe.Pointer(&gb[0]))
+	shut := false
+	for i, p := range ps {
+		act := (*uint32)(unsafe.Pointer(&gb[64+4*(i%16)]))
+		atomic.AddUint32(act, 1)
+		if atomic.LoadUint32(gen) == want {
+			err = g.CopyDevice(p.Dst, p.Src, int(p.Len))
+		} else {
+			shut = true
+		}
+		atomic.AddUint32(act, ^uint32(0))
+		if err != nil {
+			return nil, err
+		}
+	}
+	return fakeGated{fakeDone{time.Now().Add(g.busy)}, shut}, nil
+}
 
 func (g *fakeGPU) CopyIn(dst uint64, src []byte) error {
 	d, err := g.at(dst, len(src))

@@ -70,6 +70,16 @@ type slot struct {
 	dev   uint64
 	ev    unsafe.Pointer
 	secs  []section
+	// shut is the pinned word a gated launch sets when its gate was shut
+	// (shutDev: its address on the device).
+	shut    *uint32
+	shutDev uint64
+}
+
+// gateArgs are a gated launch's last arguments (gate 0: not gated).
+type gateArgs struct {
+	gate, shut uint64
+	want       uint32
 }
 
 func (s *slot) cap() int { return len(s.words) }
@@ -84,6 +94,7 @@ type copier struct {
 	once   sync.Once
 	err    error // no stream: nothing can be posted
 	fn     unsafe.Pointer
+	gated  unsafe.Pointer // kvxfer_copy_gated
 	stream unsafe.Pointer
 	mu     sync.Mutex
 	free   []*slot
@@ -92,7 +103,7 @@ type copier struct {
 func (d *Device) initCopier() error {
 	c := &d.copier
 	c.once.Do(func() {
-		fn, stream, err := d.loadKernel(copyPTX)
+		fn, gated, stream, err := d.loadKernel(copyPTX)
 		if stream == nil {
 			c.err = err
 			return
@@ -105,7 +116,7 @@ func (d *Device) initCopier() error {
 			})
 			return
 		}
-		c.fn = fn
+		c.fn, c.gated = fn, gated
 		kernelLoads.Add(1)
 	})
 	return c.err
@@ -145,20 +156,48 @@ func (d *Device) give(s *slot) {
 
 // Copy is a batch Post queued on its device.
 type Copy struct {
-	d    *Device
-	s    *slot
-	done bool
-	err  error
+	d     *Device
+	s     *slot
+	done  bool
+	err   error
+	gated bool
+	shut  bool
 }
 
 // Batch is a batch being staged: its regions and entries written straight
 // into its pinned staging slot as they are added, so that posting it
 // costs the same whatever its number of pieces. Used by one goroutine.
 type Batch struct {
-	d   *Device
-	s   *slot
-	w   int  // words staged
-	abs bool // the last section is Add's (one region at bases 0)
+	d    *Device
+	s    *slot
+	w    int  // words staged
+	abs  bool // the last section is Add's (one region at bases 0)
+	gate gateArgs
+}
+
+// GateSize is the bytes of one gate (kernel/copy.cu's kvxfer_gate): its
+// generation (a uint32 at offset 0) and, from GateActiveOff, the counts
+// of the CTAs inside it (GateShards uint32s, all 0 when none is).
+const (
+	GateSize      = 128
+	GateActiveOff = 64
+	GateShards    = 16
+)
+
+// Gate makes the batch a one-sided write guarded by the gate at device
+// address gate (GateSize bytes of the receiving process's memory, mapped
+// here): every CTA of its launches copies only if the gate's generation
+// reads want when it starts, and counts itself in the gate while it
+// copies (kernel/copy.cu). Copy.Shut then reports whether any CTA found
+// it shut. It reports false, leaving the batch ungated, where the device
+// cannot run it gated (the kernel did not load, or the slot's shut word
+// has no device address).
+func (b *Batch) Gate(gate uint64, want uint32) bool {
+	if b.d == nil || b.d.copier.gated == nil || b.s == nil || b.s.shutDev == 0 {
+		return false
+	}
+	b.gate = gateArgs{gate: gate, want: want}
+	return true
 }
 
 // NewBatch returns a batch with room for n pieces of at most MaxEntry
@@ -314,10 +353,21 @@ func (b *Batch) post(each bool) (*Copy, error) {
 		return &Copy{done: true}, nil
 	}
 	c := &d.copier
+	gate := b.gate
+	if gate.gate != 0 {
+		if c.gated == nil || each {
+			d.give(s)
+			return nil, fmt.Errorf("cuda: a gated copy needs the copy kernel, which did not load on device %d", d.ordinal)
+		}
+		*s.shut = 0
+		gate.shut = s.shutDev
+	}
 	var err error
 	switch {
+	case gate.gate != 0:
+		err = d.launch(c.gated, c.stream, s, b.w, gate)
 	case c.fn != nil && !each:
-		err = d.launch(c.fn, c.stream, s, b.w)
+		err = d.launch(c.fn, c.stream, s, b.w, gateArgs{})
 	case each:
 		err = d.launchEach(c.stream, s)
 	default:
@@ -330,7 +380,7 @@ func (b *Batch) post(each bool) (*Copy, error) {
 		d.freeSlot(s)
 		return nil, err
 	}
-	return &Copy{d: d, s: s}, nil
+	return &Copy{d: d, s: s, gated: gate.gate != 0}, nil
 }
 
 // Post stages pieces as one batch and posts it (see Batch).
@@ -377,8 +427,16 @@ func (c *Copy) Wait() error {
 	return c.err
 }
 
+// Shut reports, once Done reported the copy ended without error, whether
+// a gated copy found its gate shut (some or all of its pieces were not
+// copied).
+func (c *Copy) Shut() bool { return c.shut }
+
 func (c *Copy) finish(err error) {
 	c.done, c.err = true, err
+	if c.gated && c.s != nil {
+		c.shut = atomic.LoadUint32(c.s.shut) != 0
+	}
 	if err == nil {
 		c.d.give(c.s)
 	} else {

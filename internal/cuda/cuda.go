@@ -53,6 +53,7 @@ static struct {
 	CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuStreamSynchronize)(CUstream);
+	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
 } cu;
 
 #define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
@@ -75,6 +76,7 @@ static const char* cu_load(void) {
 	CU_SYM(cuMemAllocHost, "cuMemAllocHost_v2"); CU_SYM(cuMemFreeHost, "cuMemFreeHost");
 	CU_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"); CU_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
 	CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
+	CU_SYM(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
 	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
 	// and CUDA 12+ headers do; on whole GPUs both versions agree.
 	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
@@ -131,24 +133,31 @@ static CUresult cu_ipc_open(CUdeviceptr *p, const void *in64) { CUipcMemHandle h
 static CUresult cu_ipc_close(CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
 // The batched copy: the kernel loaded from its PTX image, a stream, and
 // slots (pinned descriptors, their device copy, an event) posted whole.
-static CUresult cu_module(CUcontext ctx, const void *image, CUfunction *f) {
+static CUresult cu_module(CUcontext ctx, const void *image, CUfunction *f, CUfunction *gated) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
 	CUmodule m;
 	r = cu.cuModuleLoadData(&m, image);
 	if (r) return r;
-	return cu.cuModuleGetFunction(f, m, "kvxfer_copy");
+	if ((r = cu.cuModuleGetFunction(f, m, "kvxfer_copy"))) return r;
+	return cu.cuModuleGetFunction(gated, m, "kvxfer_copy_gated");
 }
 static CUresult cu_stream(CUcontext ctx, CUstream *s) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
 	return cu.cuStreamCreate(s, 1); // CU_STREAM_NON_BLOCKING
 }
-static CUresult cu_slot_new(CUcontext ctx, size_t bytes, void **host, CUdeviceptr *dev, CUevent *ev) {
+// A slot's pinned memory is its words and then one more: the word a gated
+// launch sets when its gate was shut (*shut: its address on the device).
+static CUresult cu_slot_new(CUcontext ctx, size_t bytes, void **host, CUdeviceptr *dev, CUevent *ev, CUdeviceptr *shut) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
-	*host = NULL; *dev = 0; *ev = NULL;
-	if ((r = cu.cuMemAllocHost(host, bytes))) return r;
+	*host = NULL; *dev = 0; *ev = NULL; *shut = 0;
+	if ((r = cu.cuMemAllocHost(host, bytes + 8))) return r;
+	// No device address for it (not expected with unified addressing):
+	// the slot takes no gated launch (Batch.Gate reports false).
+	if (cu.cuMemHostGetDevicePointer(shut, *host, 0)) *shut = 0;
+	else *shut += bytes;
 	if ((r = cu.cuMemAlloc(dev, bytes))) { cu.cuMemFreeHost(*host); *host = NULL; return r; }
 	if ((r = cu.cuEventCreate(ev, 2))) { // CU_EVENT_DISABLE_TIMING
 		cu.cuMemFree(*dev); cu.cuMemFreeHost(*host); *dev = 0; *host = NULL; return r;
@@ -162,9 +171,12 @@ static void cu_slot_free(CUcontext ctx, void *host, CUdeviceptr dev, CUevent ev)
 }
 // cu_post copies the words staged in host to dev, launches the kernel
 // once per section (4 unsigned each: region word, regions, entry word,
-// entries) and records ev behind the last, on stream s.
+// entries) and records ev behind the last, on stream s. With a gate (not
+// 0) it launches the gated kernel (f is kvxfer_copy_gated) with gate,
+// want and shut as its last arguments.
 static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUdeviceptr dev, size_t words,
-		const unsigned *secs, unsigned nsec, unsigned long long maxgrid, CUevent ev) {
+		const unsigned *secs, unsigned nsec, unsigned long long maxgrid, CUevent ev,
+		CUdeviceptr gate, unsigned want, CUdeviceptr shut) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
 	if ((r = cu.cuMemcpyHtoDAsync(dev, host, words * 8, s))) return r;
@@ -174,7 +186,7 @@ static CUresult cu_post(CUcontext ctx, CUstream s, CUfunction f, void *host, CUd
 		unsigned long long pieces = (unsigned long long)nreg * nent;
 		unsigned grid = (unsigned)(pieces < maxgrid ? pieces : maxgrid);
 		if (grid == 0) continue;
-		void *args[] = { &regions, &nreg, &entries, &nent };
+		void *args[] = { &regions, &nreg, &entries, &nent, &gate, &want, &shut };
 		if ((r = cu.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, args, NULL))) return r;
 	}
 	return cu.cuEventRecord(ev, s);
@@ -408,38 +420,42 @@ func (d *Device) Close() error {
 // errNotReady is cuEventQuery's "still running" (CUDA_ERROR_NOT_READY).
 const errNotReady = 600
 
-func (d *Device) loadKernel(image []byte) (fn, stream unsafe.Pointer, err error) {
+func (d *Device) loadKernel(image []byte) (fn, gated, stream unsafe.Pointer, err error) {
 	cimg := C.CBytes(append(image[:len(image):len(image)], 0)) // NUL-terminated PTX
 	defer C.free(cimg)
-	var f C.CUfunction
-	if err := check("load copy kernel", C.cu_module(d.ctx, cimg, &f)); err != nil {
-		return nil, nil, err
-	}
 	var s C.CUstream
 	if err := check("create stream", C.cu_stream(d.ctx, &s)); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return unsafe.Pointer(f), unsafe.Pointer(s), nil
+	var f, g C.CUfunction
+	if err := check("load copy kernel", C.cu_module(d.ctx, cimg, &f, &g)); err != nil {
+		return nil, nil, unsafe.Pointer(s), err
+	}
+	return unsafe.Pointer(f), unsafe.Pointer(g), unsafe.Pointer(s), nil
 }
 
 func (d *Device) newSlot(words int) (*slot, error) {
 	var host unsafe.Pointer
 	var dev C.CUdeviceptr
 	var ev C.CUevent
-	if err := check("allocate copy descriptors", C.cu_slot_new(d.ctx, C.size_t(words*8), &host, &dev, &ev)); err != nil {
+	var shut C.CUdeviceptr
+	if err := check("allocate copy descriptors", C.cu_slot_new(d.ctx, C.size_t(words*8), &host, &dev, &ev, &shut)); err != nil {
 		return nil, err
 	}
-	return &slot{words: unsafe.Slice((*uint64)(host), words), dev: uint64(dev), ev: unsafe.Pointer(ev)}, nil
+	all := unsafe.Slice((*uint64)(host), words+1)
+	return &slot{words: all[:words:words], shut: (*uint32)(unsafe.Pointer(&all[words])), shutDev: uint64(shut),
+		dev: uint64(dev), ev: unsafe.Pointer(ev)}, nil
 }
 
 func (d *Device) freeSlot(s *slot) {
 	C.cu_slot_free(d.ctx, unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.CUevent(s.ev))
 }
 
-func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int) error {
+func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int, g gateArgs) error {
 	return check("launch copy kernel", C.cu_post(d.ctx, C.CUstream(stream), C.CUfunction(fn),
 		unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.size_t(words),
-		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(maxGrid), C.CUevent(s.ev)))
+		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(maxGrid), C.CUevent(s.ev),
+		C.CUdeviceptr(g.gate), C.uint(g.want), C.CUdeviceptr(g.shut)))
 }
 
 func (d *Device) launchEach(stream unsafe.Pointer, s *slot) error {

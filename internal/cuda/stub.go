@@ -40,12 +40,14 @@ func (d *Device) Import(Handle) (uint64, error)        { return 0, ErrUnavailabl
 func (d *Device) Unmap(uint64) error                   { return ErrUnavailable }
 func (d *Device) Close() error                         { return nil }
 
-func (d *Device) loadKernel([]byte) (fn, stream unsafe.Pointer, err error) {
-	return nil, nil, ErrUnavailable
+func (d *Device) loadKernel([]byte) (fn, gated, stream unsafe.Pointer, err error) {
+	return nil, nil, nil, ErrUnavailable
 }
-func (d *Device) newSlot(int) (*slot, error)                       { return nil, ErrUnavailable }
-func (d *Device) freeSlot(*slot)                                   {}
-func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int) error { return ErrUnavailable }
-func (d *Device) launchEach(unsafe.Pointer, *slot) error           { return ErrUnavailable }
-func (d *Device) query(*slot) (bool, error)                        { return true, ErrUnavailable }
-func (d *Device) wait(*slot) error                                 { return ErrUnavailable }
+func (d *Device) newSlot(int) (*slot, error) { return nil, ErrUnavailable }
+func (d *Device) freeSlot(*slot)             {}
+func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int, _ gateArgs) error {
+	return ErrUnavailable
+}
+func (d *Device) launchEach(unsafe.Pointer, *slot) error { return ErrUnavailable }
+func (d *Device) query(*slot) (bool, error)              { return true, ErrUnavailable }
+func (d *Device) wait(*slot) error                       { return ErrUnavailable }

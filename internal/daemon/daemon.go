@@ -53,6 +53,7 @@ type config struct {
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA, hopTrace                    string
 	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
+	noGates                                                                                             bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
@@ -79,6 +80,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.dataHost, "data-host", "127.0.0.1", "host the built-in backend listens on for KV bytes (one port per rank)")
 	fs.IntVar(&c.conns, "conns", 4, "TCP connections per peer for KV bytes")
 	fs.BoolVar(&c.noSameHost, "no-same-host", false, "built-in backend: move KV bytes to peers on this host over TCP too, not by a direct copy out of the engine's shared-memory file")
+	fs.BoolVar(&c.noGates, "no-gates", false, "built-in backend: same-host GPU WRITEs always two-sided (the consumer's side copies); by default a push consumer offers each grant "+
+		"to a producer on its GPU as a gate, and the producer launches the copy into the consumer's memory itself, one-sided")
 	fs.StringVar(&c.metricsListen, "metrics-listen", "127.0.0.1:9600", `address of /metrics ("" to disable)`)
 	fs.StringVar(&c.shmDir, "shm-dir", shm.DefaultDir, "directory engines' shared-memory files must live in (rules: package shm)")
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
@@ -389,7 +392,7 @@ func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, 
 			}
 		}
 		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, strconv.Itoa(port)), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
-			ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
+			DisableGates: c.noGates, ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
 		if err != nil {
 			return nil, fmt.Errorf("built-in backend: %w", err)
 		}

@@ -21,6 +21,7 @@ type collector struct {
 	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
 	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
 	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
+	gates                                                      *prometheus.Desc
 	refused, authFailures, sameHost, workerPanics, gpuFallback *prometheus.Desc
 	open, inFlight                                             *prometheus.Desc
 }
@@ -57,6 +58,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		inFlight: d("transfers_in_flight", "Transfers a rank has posted that have not ended."),
 		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
 			"(write_late, write_deny, read_late, read_deny; deny drops the connection; write_aborted, read_aborted: cut short when their grant ended; read_retried).", "verdict"),
+		gates: d("gates_total", "Push grants offered to producers one-sided (same-host GPU WRITEs launched by the producer through a gate), "+
+			"by outcome (opened; failed: served two-sided instead).", "outcome"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
 			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, memory_address, other_process, hello_timeout, streams, streams_per_uid, peer_not_allowed).",
 			[]string{"reason"}, nil),
@@ -129,6 +132,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			for k, v := range s.RefusedAccess {
 				counter(c.refusedAccess, v, k)
+			}
+			for k, v := range s.Gates {
+				counter(c.gates, v, k)
 			}
 		}
 	}

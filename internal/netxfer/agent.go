@@ -113,12 +113,22 @@ type Config struct {
 	// the part: for tools that time the hops (bench/gpubench). It must be
 	// quick and must not block.
 	WireTrace func(ev WireEvent, id XferID, part uint32)
+	// GateKey returns the key that matches a WRITE's notification to the
+	// gate (OpenGate) its sender may write it through: kvxfer's names the
+	// request both are for. nil: the notification itself, whole.
+	GateKey func(notif []byte) string
+	// DisableGates turns off one-sided WRITEs (see OpenGate): this agent
+	// opens no gates, and its WRITEs take the two-sided path.
+	DisableGates bool
 
 	// noLayouts makes the agent act as a build from before layout frames
 	// (tests of mixed builds): its same-host socket's name lacks
 	// layoutsMark, and a layout frame drops the connection, as such a
 	// build's does on a frame type it does not know.
 	noLayouts bool
+	// noGates makes the agent act as a build from before gates (its
+	// same-host socket's name lacks gatesMark).
+	noGates bool
 }
 
 // WireEvent is a point of a WRITE part's way between two agents
@@ -170,6 +180,8 @@ type Agent struct {
 	acceptErrors atomic.Uint64
 	guard        atomic.Pointer[guardBox]
 	refusals     [Deny + 1]atomic.Uint64 // by Verdict
+	gates        gateState
+	oneSidedN    atomic.Uint64 // WRITEs posted through a peer's gate
 	mu           struct {
 		sync.Mutex
 		closed    bool
@@ -267,6 +279,8 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.incoming = map[net.Conn]bool{}
 	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
+	a.gates.areas, a.gates.open = map[Device]*gateArea{}, map[*gate]bool{}
+	a.gates.views = map[string]map[string]*gateView{}
 	if !cfg.DisableSameHost {
 		if err := a.listenLocal(); err != nil {
 			a.log.Debug("netxfer: no same-host socket", "err", err)
@@ -357,6 +371,9 @@ func (a *Agent) mapChunk(ch chunk) error {
 func (a *Agent) Unmap(base uint64) error {
 	a.memMu.Lock()
 	defer a.memMu.Unlock()
+	// Peers' launches through the gates over it end first (OpenGate
+	// holds memMu for reading until its gate is announced).
+	a.shutGates(func(g *gate) bool { return slices.Contains(g.chunks, base) })
 	a.mu.Lock()
 	i := slices.IndexFunc(a.mu.chunks, func(c chunk) bool { return c.base == base })
 	if i < 0 {
@@ -607,6 +624,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 		uaddr = "@" + uaddr
 	}
 	layouts := strings.HasSuffix(uaddr, layoutsMark)
+	gates := layouts && strings.HasSuffix(uaddr, gatesMark+layoutsMark)
 	if a.cfg.DisableSameHost {
 		uaddr = ""
 	}
@@ -620,7 +638,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	} else if p != nil {
 		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
-	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts}
+	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates}
 	if !a.cfg.DisableLocal {
 		local.Lock()
 		if l := local.agents[name]; l != nil && l.addr == addr {
@@ -670,7 +688,7 @@ func (a *Agent) Notify(name string, msg []byte) error {
 	if p.local != nil {
 		return p.local.deliver(a.cfg.Name, slices.Clone(msg))
 	}
-	c, err := p.conn()
+	c, err := p.firstConn()
 	if err != nil {
 		return fmt.Errorf("netxfer: notify %q: %w", name, err)
 	}
@@ -729,6 +747,7 @@ func (a *Agent) Close() error {
 	for _, p := range peers {
 		p.close(fmt.Errorf("%w: agent closed", ErrXferFailed))
 	}
+	a.shutGates(func(*gate) bool { return true })
 	for c := range incoming {
 		_ = c.Close()
 	}

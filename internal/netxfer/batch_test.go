@@ -433,7 +433,11 @@ func TestDeviceBatchFails(t *testing.T) {
 
 // nopGPU is a GPU whose batches are done at once and move nothing: what
 // the same-host path costs around the GPU's own work.
-type nopGPU struct{ next atomic.Uint64 }
+type nopGPU struct {
+	next  atomic.Uint64
+	mu    sync.Mutex
+	words map[uint64][4]byte // what 4-byte CopyIns stored (gates' generations)
+}
 
 type nopDone struct{}
 
@@ -442,9 +446,34 @@ func (nopDone) Done() (bool, error) { return true, nil }
 func (g *nopGPU) Import([64]byte) (uint64, error)      { return 0x5000_0000_0000 + g.next.Add(1<<32), nil }
 func (g *nopGPU) Unmap(uint64) error                   { return nil }
 func (g *nopGPU) CopyDevice(uint64, uint64, int) error { return nil }
-func (g *nopGPU) CopyIn(uint64, []byte) error          { return nil }
-func (g *nopGPU) CopyOut([]byte, uint64) error         { return nil }
-func (g *nopGPU) NewBatch(int) (DevBatch, error)       { return nopBatch{}, nil }
+func (g *nopGPU) CopyIn(dst uint64, b []byte) error {
+	if len(b) == 4 {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if g.words == nil {
+			g.words = map[uint64][4]byte{}
+		}
+		g.words[dst] = [4]byte(b)
+	}
+	return nil
+}
+
+func (g *nopGPU) CopyOut(b []byte, src uint64) error {
+	clear(b)
+	if len(b) == 4 {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		w := g.words[src]
+		copy(b, w[:])
+	}
+	return nil
+}
+func (g *nopGPU) NewBatch(int) (DevBatch, error) { return nopBatch{}, nil }
+
+// It makes gates too (their words read 0: nothing inside).
+func (g *nopGPU) Alloc(int) (uint64, error)       { return 0x4000_0000_0000 + g.next.Add(1<<32), nil }
+func (g *nopGPU) Free(uint64) error               { return nil }
+func (g *nopGPU) Export(uint64) ([64]byte, error) { return [64]byte{0xff}, nil }
 
 // nopBatch stages nothing and is done at once.
 type nopBatch struct{}
@@ -453,12 +482,16 @@ func (nopBatch) Add(uint64, uint64, uint64) bool        { return true }
 func (nopBatch) AddLayout([]DevRegion, []DevEntry) bool { return true }
 func (nopBatch) Post() (DevCopy, error)                 { return nopDone{}, nil }
 func (nopBatch) Discard()                               {}
+func (nopBatch) Gate(uint64, uint32) bool               { return true }
+func (nopDone) Shut() bool                              { return false }
 
 // BenchmarkSameHostDeviceOverhead: a WRITE of 32 layers x n blocks of
 // GPU memory (256 and 8,192 pieces of 64 KiB) on the same-host path, post
 // to completion, the GPU's work left out (nopGPU): what the path adds to
 // the kernel, posted as pieces (Post) and as one layout (PostLayout: 32
-// bases, n entries).
+// bases, n entries), READs likewise, and a layout WRITE one-sided
+// through the receiver's gate ("gate": the receiver offered its memory
+// as one grant; the sender checks and launches, then notifies).
 func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 	g := &nopGPU{}
 	devices := func([16]byte) (Device, error) { return g, nil }
@@ -485,9 +518,33 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 	if _, err := a.LoadPeer(c.Metadata()); err != nil {
 		b.Fatal(err)
 	}
+	if _, err := c.LoadPeer(a.Metadata()); err != nil {
+		b.Fatal(err)
+	}
 	r := rand.New(rand.NewPCG(1, 1))
 	ls, rs := r.Perm(layer/piece), r.Perm(layer/piece)
-	for _, form := range []string{"pieces", "layout", "read-pieces", "read-layout"} {
+	// The grant as a Worker offers it: each layer's base, the request's
+	// blocks (the most a case writes) in each.
+	tag := []byte("bench")
+	var grant LayoutSpan
+	for l := range layers {
+		grant.Bases = append(grant.Bases, ptrs[1]+uint64(l*layer))
+	}
+	for i := range 256 {
+		grant.Entries = append(grant.Entries, Region{uint64(rs[i] * piece), piece})
+	}
+	if err := c.OpenGate(a.Name(), []LayoutSpan{grant}, tag); err != nil {
+		b.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, n := a.GatesOpen(); n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the gate never reached the sender")
+		}
+	}
+	for _, form := range []string{"pieces", "layout", "read-pieces", "read-layout", "gate"} {
 		for _, blocks := range []int{8, 256} {
 			b.Run(fmt.Sprintf("%s/%d", form, layers*blocks), func(b *testing.B) {
 				var lay Layout
@@ -506,16 +563,28 @@ func BenchmarkSameHostDeviceOverhead(b *testing.B) {
 				if strings.HasPrefix(form, "read-") {
 					op = Read
 				}
+				var notif []byte
+				oneSided := a.OneSidedWrites()
+				if form == "gate" {
+					notif = tag
+				}
 				for range b.N {
 					if strings.HasSuffix(form, "pieces") {
 						postDone(b, a, op, c.Name(), ds)
 						continue
 					}
-					id, err := a.PostLayout(op, c.Name(), []Layout{lay}, nil)
+					id, err := a.PostLayout(op, c.Name(), []Layout{lay}, notif)
 					if err != nil {
 						b.Fatal(err)
 					}
 					waitID(b, a, id)
+				}
+				if form == "gate" {
+					if a.OneSidedWrites()-oneSided != uint64(b.N) || c.LayoutParts() != parts {
+						b.Fatal("the transfers did not go one-sided")
+					}
+					_ = c.Drain(nil)
+					return
 				}
 				moved := c.SameHostParts()
 				if op == Read {

@@ -99,6 +99,9 @@ func (a *Agent) listenLocal() error {
 	_, _ = rand.Read(b[:])
 	name := "@kvxfer-netxfer-" + hex.EncodeToString(b[:])
 	if !a.cfg.noLayouts {
+		if !a.cfg.noGates {
+			name += gatesMark
+		}
 		name += layoutsMark
 	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
@@ -109,21 +112,31 @@ func (a *Agent) listenLocal() error {
 	return nil
 }
 
-// peerUID returns the uid of the process at the other end of c.
-func peerUID(c *net.UnixConn) (uint32, error) {
+// peerCred returns the credentials of the process at the other end of c
+// (as it connected).
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	var cred *unix.Ucred
 	var cerr error
 	if err := rc.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
 	}); err != nil {
-		return 0, err
+		return nil, err
 	}
 	if cerr != nil {
-		return 0, cerr
+		return nil, cerr
+	}
+	return cred, nil
+}
+
+// peerUID returns the uid of the process at the other end of c.
+func peerUID(c *net.UnixConn) (uint32, error) {
+	cred, err := peerCred(c)
+	if err != nil {
+		return 0, err
 	}
 	return cred.Uid, nil
 }
@@ -354,6 +367,11 @@ type localServer struct {
 		fence     []byte
 		withdrawn bool
 	}
+	// The peer's gates (gate.go, P side): its gate areas and GPU memory
+	// imported here, and the launches through them in flight.
+	gateAreas  map[uint32]*devImport
+	gateChunks map[uint32]*gateChunk
+	gateUse    sync.WaitGroup
 }
 
 type localRef struct {
@@ -649,6 +667,11 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			return fmt.Errorf("%w: a local write before the fence", ErrProtocol)
 		}
 		return a.serveWriteLayout(s, r, w, from, hdr, typ == tWriteLayoutTable)
+	case tGateArea, tGateChunk, tGateOpen, tGateShut:
+		if a.cfg.noGates {
+			break
+		}
+		return a.serveGate(s, r, from, typ, hdr)
 	}
 	return fmt.Errorf("%w: frame type %d", ErrProtocol, typ)
 }

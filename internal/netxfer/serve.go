@@ -68,7 +68,8 @@ func (a *Agent) serve(raw net.Conn) {
 			a.mu.Lock()
 			delete(a.mu.localIn, ls)
 			a.mu.Unlock()
-			if ls.serving { // left mid-frame: the parts still in flight answer
+			a.dropGateViews(ls) // and waits for the launches through them
+			if ls.serving {     // left mid-frame: the parts still in flight answer
 				ls.serving = false
 				ls.wmu.Unlock()
 			}
@@ -151,7 +152,8 @@ func (a *Agent) serve(raw net.Conn) {
 					}
 				}
 			}
-		case tFence, tChunk, tChunkDev, tWriteLocal, tDescs, tWriteTable, tWriteLayout, tWriteLayoutTable, tReadLayout:
+		case tFence, tChunk, tChunkDev, tWriteLocal, tDescs, tWriteTable, tWriteLayout, tWriteLayoutTable, tReadLayout,
+			tGateArea, tGateChunk, tGateOpen, tGateShut:
 			if ls == nil {
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], from)
 			} else {

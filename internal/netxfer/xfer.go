@@ -93,6 +93,8 @@ type peer struct {
 	// ends in layoutsMark); to a peer of an older build, layouts go as the
 	// pieces they stand for.
 	layouts bool
+	// gates: the peer takes gate frames (gatesMark).
+	gates   bool
 	mu      sync.Mutex
 	noLocal bool
 	dialing bool // a connection is being dialed in the background
@@ -124,6 +126,11 @@ type conn struct {
 	// in holds what the server passed for READs (its fence and memory
 	// files), read by c.read alone.
 	in *localServer
+	// gateSent: the gate areas and chunks announced on the connection
+	// (under wmu); gates: the gates announced on it (under mu), shut when
+	// it fails.
+	gateSent map[uint64]bool
+	gates    []*gate
 }
 
 type partKey struct {
@@ -163,6 +170,27 @@ func (p *peer) conn() (*conn, error) {
 	c := p.conns[p.next%len(p.conns)]
 	p.next++
 	return c, nil
+}
+
+// firstConn returns the peer's first connection (dialing one if it has
+// none): notifications and gates go on it, so that a peer reads them in
+// the order they were sent (a gate before the notification that tells of
+// its grant).
+func (p *peer) firstConn() (*conn, error) {
+	if _, err := p.conn(); err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		c.mu.Lock()
+		ok := c.err == nil
+		c.mu.Unlock()
+		if ok {
+			return c, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: no live connection to %s", ErrXferFailed, p.name)
 }
 
 // dialHook, when set (tests), runs at the start of every dial.
@@ -316,7 +344,13 @@ func (c *conn) fail(err error) {
 	c.err = err
 	pending := c.pending
 	c.pending = map[partKey]*xfer{}
+	gates := c.gates
+	c.gates = nil
 	c.mu.Unlock()
+	a0 := c.p.owner
+	for _, g := range gates {
+		a0.shutGate(g) // the peer loses the gate's memory with the connection
+	}
 	// A same-host receiver may still be copying out of our memory: the
 	// fence tells it not to count what it copies, before anyone learns
 	// the parts failed and reuses the memory.
@@ -479,6 +513,9 @@ func (a *Agent) direct(x *xfer) error {
 
 // start splits a transfer into parts and sends them.
 func (a *Agent) start(x *xfer) {
+	if a.oneSided(x) {
+		return
+	}
 	n := len(x.descs)
 	parts := min(a.cfg.Conns, max(n, 1))
 	if x.device {

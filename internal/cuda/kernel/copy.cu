@@ -67,26 +67,69 @@ __device__ __forceinline__ void copy_span(unsigned char *d, const unsigned char 
   if (threadIdx.x < tail) d[done + threadIdx.x] = s[done + threadIdx.x];
 }
 
+// copy_piece copies piece p of a launch.
+__device__ __forceinline__ void copy_piece(const kvxfer_region *__restrict__ regions, const kvxfer_entry *__restrict__ entries,
+                                           unsigned int nent, unsigned long long p) {
+  const unsigned long long r = p / nent;
+  const kvxfer_region g = regions[r];
+  const kvxfer_entry e = entries[p - r * nent];
+  unsigned char *d = (unsigned char *)(g.dst + e.dst);
+  const unsigned char *s = (const unsigned char *)(g.src + e.src);
+  const unsigned long long x = (unsigned long long)d ^ (unsigned long long)s;
+  if ((x & 15) == 0)
+    copy_span<uint4>(d, s, e.len);
+  else if ((x & 7) == 0)
+    copy_span<unsigned long long>(d, s, e.len);
+  else if ((x & 3) == 0)
+    copy_span<unsigned int>(d, s, e.len);
+  else if ((x & 1) == 0)
+    copy_span<unsigned short>(d, s, e.len);
+  else
+    copy_span<unsigned char>(d, s, e.len);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 kvxfer_copy(const kvxfer_region *__restrict__ regions, unsigned int nreg, const kvxfer_entry *__restrict__ entries,
             unsigned int nent) {
   const unsigned long long pieces = (unsigned long long)nreg * nent;
-  for (unsigned long long p = blockIdx.x; p < pieces; p += gridDim.x) {
-    const unsigned long long r = p / nent;
-    const kvxfer_region g = regions[r];
-    const kvxfer_entry e = entries[p - r * nent];
-    unsigned char *d = (unsigned char *)(g.dst + e.dst);
-    const unsigned char *s = (const unsigned char *)(g.src + e.src);
-    const unsigned long long x = (unsigned long long)d ^ (unsigned long long)s;
-    if ((x & 15) == 0)
-      copy_span<uint4>(d, s, e.len);
-    else if ((x & 7) == 0)
-      copy_span<unsigned long long>(d, s, e.len);
-    else if ((x & 3) == 0)
-      copy_span<unsigned int>(d, s, e.len);
-    else if ((x & 1) == 0)
-      copy_span<unsigned short>(d, s, e.len);
-    else
-      copy_span<unsigned char>(d, s, e.len);
+  for (unsigned long long p = blockIdx.x; p < pieces; p += gridDim.x) copy_piece(regions, entries, nent, p);
+}
+
+// A gate guards a one-sided write: memory of the receiving process (its
+// GPU memory, mapped here through its CUDA IPC handle) that says which
+// generation of the grant it stands for may still write (gen; 0: none)
+// and counts the CTAs inside it (active, sharded by CTA to spread the
+// atomics). A CTA counts itself in, then reads gen, copies only if gen is
+// the generation its launch was given, makes its stores visible, and
+// counts itself out. The receiver ends a grant by storing a new gen and
+// waiting until every active count reads 0: a CTA that read the old gen
+// counted itself in before that store and out only after its stores
+// landed, and any later CTA reads the new gen and copies nothing. A CTA
+// that found its gen gone sets *shut (host memory of the launching
+// process) so the sender fails the transfer instead of reporting it done.
+struct kvxfer_gate {
+  unsigned int gen;
+  unsigned int pad[15];
+  unsigned int active[16];
+};
+
+extern "C" __global__ void __launch_bounds__(256)
+kvxfer_copy_gated(const kvxfer_region *__restrict__ regions, unsigned int nreg, const kvxfer_entry *__restrict__ entries,
+                  unsigned int nent, kvxfer_gate *gate, unsigned int want, unsigned int *shut) {
+  __shared__ int open;
+  unsigned int *act = &gate->active[blockIdx.x & 15];
+  if (threadIdx.x == 0) {
+    atomicAdd(act, 1);
+    __threadfence();
+    open = *(volatile unsigned int *)&gate->gen == want;
+    if (!open) *(volatile unsigned int *)shut = 1;
   }
+  __syncthreads();
+  if (open) {
+    const unsigned long long pieces = (unsigned long long)nreg * nent;
+    for (unsigned long long p = blockIdx.x; p < pieces; p += gridDim.x) copy_piece(regions, entries, nent, p);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicSub(act, 1);
 }

@@ -151,27 +151,38 @@ func TestDaemonsGPU(t *testing.T) {
 }
 
 // TestDaemonsGPUSameHost: the same with the built-in backend's same-host
-// path: D's daemon imports P's engine's allocation (its CUDA IPC handle,
-// passed by P's daemon) and copies device to device. Needs a GPU; skips
-// otherwise.
+// path, both ways it moves GPU memory: one-sided (the default: D's
+// daemon offers its grant to P's as a gate, and P's daemon imports D's
+// engine's allocation and launches the copy into it itself) and
+// two-sided (gates off: D's daemon imports P's engine's allocation, its
+// CUDA IPC handle passed by P's daemon, and copies device to device).
+// Needs a GPU; skips otherwise.
 func TestDaemonsGPUSameHost(t *testing.T) {
 	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
 		t.Skipf("no GPU here: %v", err)
 	}
-	builtin := func(srv **server.Server) func(*server.Config) {
-		return func(c *server.Config) {
-			c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-				return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true,
-					Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }}))
+	for _, gates := range []bool{true, false} {
+		t.Run(fmt.Sprint("gates=", gates), func(t *testing.T) {
+			builtin := func(srv **server.Server) func(*server.Config) {
+				return func(c *server.Config) {
+					c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
+						return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true, DisableGates: !gates,
+							Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }}))
+					}
+				}
 			}
-		}
-	}
-	var ps, ds *server.Server
-	dp, dd := startDaemonWith(t, t.TempDir(), builtin(&ps)), startDaemonWith(t, t.TempDir(), builtin(&ds))
-	ps, ds = dp.srv, dd.srv
-	daemonsGPU(t, dp, dd, "built-in agents' same-host path")
-	if n := dd.srv.SameHostParts(); n == 0 {
-		t.Error("D's daemon copied no part on the same-host path")
+			var ps, ds *server.Server
+			dp, dd := startDaemonWith(t, t.TempDir(), builtin(&ps)), startDaemonWith(t, t.TempDir(), builtin(&ds))
+			ps, ds = dp.srv, dd.srv
+			daemonsGPU(t, dp, dd, fmt.Sprintf("built-in agents' same-host path (gates %v)", gates))
+			parts, oneSided := dd.srv.SameHostParts(), dp.srv.OneSidedWrites()
+			switch {
+			case gates && (oneSided == 0 || parts != 0):
+				t.Errorf("with gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want the WRITE one-sided", oneSided, parts)
+			case !gates && (oneSided != 0 || parts == 0):
+				t.Errorf("without gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want D to copy", oneSided, parts)
+			}
+		})
 	}
 }
 

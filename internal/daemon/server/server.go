@@ -58,6 +58,13 @@ type cudaDevice struct{ *cuda.Device }
 
 func (d cudaDevice) Import(h [64]byte) (uint64, error) { return d.Device.Import(cuda.Handle(h)) }
 
+// Export returns the CUDA IPC handle of memory from Alloc (the gates a
+// consumer offers same-host producers: netxfer.GateDevice).
+func (d cudaDevice) Export(ptr uint64) ([64]byte, error) {
+	h, err := d.Device.Export(ptr)
+	return [64]byte(h), err
+}
+
 // NewBatch stages a same-host part's GPU pieces for one launch of the
 // copy kernel (tcp.BatchDevice).
 func (d cudaDevice) NewBatch(n int) (tcp.DevBatch, error) {
@@ -68,7 +75,10 @@ func (d cudaDevice) NewBatch(n int) (tcp.DevBatch, error) {
 	return cudaBatch{b}, nil
 }
 
-var _ tcp.BatchDevice = cudaDevice{} // same-host GPU parts go as one launch
+var (
+	_ tcp.BatchDevice = cudaDevice{} // same-host GPU parts go as one launch
+	_ tcp.GateDevice  = cudaDevice{} // and producers on its GPU write grants one-sided
+)
 
 // cudaBatch is a cuda.Batch as the built-in backend stages it.
 type cudaBatch struct{ *cuda.Batch }
@@ -195,6 +205,8 @@ type Server struct {
 	sched *schedulers
 	// sameHostGone: same-host parts landed by ranks that detached.
 	sameHostGone atomic.Uint64
+	// oneSidedGone: one-sided WRITEs posted by ranks that detached.
+	oneSidedGone atomic.Uint64
 	// workerPanics: ranks whose worker stopped on a panic it contained.
 	workerPanics atomic.Uint64
 	owners       *owners
@@ -359,6 +371,25 @@ func (s *Server) RegisterPeer(g *grpc.Server) {
 }
 
 type sameHostCounter interface{ SameHostParts() uint64 }
+
+type oneSidedCounter interface{ OneSidedWrites() uint64 }
+
+// OneSidedWrites returns how many WRITEs this daemon's engines' ranks
+// posted one-sided, through a same-host consumer's gate (the built-in
+// backend's producer launching the copy into the consumer's GPU memory
+// itself), over the daemon's life.
+func (s *Server) OneSidedWrites() uint64 {
+	n := s.oneSidedGone.Load()
+	s.engines.Range(func(_ string, e *engineEntry) bool {
+		for _, r := range e.ranks {
+			if c, ok := r.backend.(oneSidedCounter); ok {
+				n += c.OneSidedWrites()
+			}
+		}
+		return true
+	})
+	return n
+}
 
 // SameHostParts returns how many transfer parts this daemon copied
 // straight out of a peer engine's memory file on this host into its
@@ -1043,6 +1074,9 @@ func (r *rank) release() {
 		_ = r.backend.Close()
 		if sp, ok := r.backend.(sameHostCounter); ok && r.s != nil {
 			r.s.sameHostGone.Add(sp.SameHostParts())
+		}
+		if c, ok := r.backend.(oneSidedCounter); ok && r.s != nil {
+			r.s.oneSidedGone.Add(c.OneSidedWrites())
 		}
 	}
 	for _, m := range r.mappings {

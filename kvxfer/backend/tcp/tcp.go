@@ -43,6 +43,9 @@ type Config struct {
 	// mutual TLS (kvxferd -tls-*), see netxfer.Config.
 	ClientTLS, ServerTLS *tls.Config
 	Logger               *slog.Logger
+	// DisableGates turns off one-sided same-host GPU WRITEs (see
+	// OpenGate): every WRITE takes the two-sided path.
+	DisableGates bool
 }
 
 // Backend is the built-in kvxfer.Backend: TCP between kvxferd processes with
@@ -54,14 +57,16 @@ type Backend struct {
 }
 
 var (
-	_ kvxfer.Backend = (*Backend)(nil)
-	_ kvxfer.Guarded = (*Backend)(nil)
+	_ kvxfer.Backend    = (*Backend)(nil)
+	_ kvxfer.Guarded    = (*Backend)(nil)
+	_ kvxfer.WriteGater = (*Backend)(nil)
 )
 
 // New starts a built-in backend agent.
 func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
-		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger})
+		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger,
+		GateKey: kvxfer.GateKey, DisableGates: cfg.DisableGates})
 	if err != nil {
 		return nil, err
 	}
@@ -99,6 +104,10 @@ type (
 	// LayoutBatch is a DevBatch that takes layouts as they are (bases
 	// and entries, see netxfer.LayoutBatch); DevRegion and DevEntry are
 	// their parts.
+	// GateDevice is a BatchDevice that makes gates (one-sided WRITEs,
+	// see OpenGate); its batches are GatedBatches.
+	GateDevice  = netxfer.GateDevice
+	GatedBatch  = netxfer.GatedBatch
 	LayoutBatch = netxfer.LayoutBatch
 	DevRegion   = netxfer.DevRegion
 	DevEntry    = netxfer.DevEntry
@@ -312,6 +321,46 @@ func (g *layoutFenceGuard) AdmitLayout(peer string, op netxfer.Op, spans []netxf
 	a, li, bi, ei, adm := g.lf.AdmitLayout(kvxfer.PeerName(peer), hotOp(op), lays, tag, abort)
 	return verdict(a), li, bi, ei, uint64(adm)
 }
+
+// AdmitGate admits a gate's grant as a standing admission where the
+// Worker's table takes one (kvxfer.GateFence), else as a layout part.
+func (g *layoutFenceGuard) AdmitGate(peer string, spans []netxfer.LayoutSpan, tag []byte, abort func()) (netxfer.Verdict, int, int, int, uint64) {
+	gf, ok := g.lf.(kvxfer.GateFence)
+	if !ok {
+		return g.AdmitLayout(peer, netxfer.Write, spans, tag, abort)
+	}
+	var buf [4]kvxfer.LayoutRanges
+	lays := buf[:0]
+	for _, s := range spans {
+		lays = append(lays, kvxfer.LayoutRanges{Bases: s.Bases, Entries: asRanges(s.Entries)})
+	}
+	a, li, bi, ei, adm := gf.AdmitGate(kvxfer.PeerName(peer), lays, tag, abort)
+	return verdict(a), li, bi, ei, uint64(adm)
+}
+
+// OpenGate implements kvxfer.WriteGater: the grant's ranges are offered
+// to peer as a gate (netxfer.Agent.OpenGate), so that its WRITEs inside
+// them go one-sided, where both agents' memory is on one GPU of this
+// host; kvxfer.ErrNoGate where no gate can be made.
+func (n *Backend) OpenGate(peer kvxfer.PeerName, lays []kvxfer.LayoutRanges, tag []byte) error {
+	spans := make([]netxfer.LayoutSpan, len(lays))
+	for i, l := range lays {
+		spans[i] = netxfer.LayoutSpan{Bases: l.Bases, Entries: *(*[]netxfer.Region)(unsafe.Pointer(&l.Entries))}
+	}
+	err := n.a.OpenGate(string(peer), spans, tag)
+	if errors.Is(err, netxfer.ErrNoGate) {
+		return fmt.Errorf("%w: %w", kvxfer.ErrNoGate, err)
+	}
+	return mapNetErr(err)
+}
+
+// Gates returns how many gates this backend has open for its peers and
+// how many of its peers' it holds (see OpenGate).
+func (n *Backend) Gates() (mine, peers int) { return n.a.GatesOpen() }
+
+// OneSidedWrites returns how many WRITEs this backend posted through a
+// peer's gate (one-sided, see OpenGate).
+func (n *Backend) OneSidedWrites() uint64 { return n.a.OneSidedWrites() }
 
 // LayoutParts returns how many WRITE parts peers on this host sent this
 // backend as layouts (see PostLayouts).

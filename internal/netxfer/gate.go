@@ -1,0 +1,1016 @@
+package netxfer
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// One-sided same-host WRITEs into GPU memory (gates).
+//
+// On the two-sided same-host path a WRITE crosses between the processes
+// twice: the part to the receiver, which checks it against its grants
+// and launches the copy, and the answer back. Each crossing wakes a
+// sleeping process, which on the virtual machines GPUs are rented as
+// costs tens of microseconds: more than the GPU takes to move a few MiB.
+// A gate takes both off a WRITE's way. The receiver (D) admits a whole
+// grant ahead, when it is made (OpenGate: its fence admits every range of
+// it, as one landing, for the request it names), and announces it to the
+// sender (P) with what P needs to write it itself: D's GPU memory (its
+// CUDA IPC export) and a gate, GateSize bytes of D's GPU memory (a slot of
+// an area D allocated and exported) holding the grant's generation. P
+// then posts a WRITE for that request whose every piece lies in the grant
+// as one launch of the gated copy kernel, from its memory straight into
+// D's, and once the launch is done sends D the transfer's notification:
+// no part, no answer.
+//
+// What D gives up by not seeing the part, the gate and P keep:
+//   - P writes only what the grant covers: it checks every piece against
+//     the granted ranges D announced (the same ranges D's fence admitted)
+//     before the launch, and a WRITE that is not wholly inside one goes
+//     the two-sided way, where D checks it. Both ends run as the same user
+//     (the same-host path checks it), who could write D's memory anyway:
+//     the checks keep an honest P's mistakes out of D's blocks, as D's own
+//     checks do on the two-sided path.
+//   - Nothing lands once the grant ended. The grant's end cuts its
+//     landing short (the fence's abort): D stores a new generation in the
+//     gate, then waits until no CTA is inside it. Each CTA of a gated
+//     launch counts itself in, reads the generation, copies only if it is
+//     the one its launch was given, and counts itself out after its
+//     stores are visible (kernel/copy.cu in internal/cuda); so a CTA that
+//     read the old generation is waited for, and every later one copies
+//     nothing and marks the launch shut: P fails the transfer instead of
+//     notifying D. Only then does the fence hear the landing is done,
+//     and the grant's end return.
+//   - A P that dies mid-launch cannot count itself out: D stops waiting
+//     once P's process is gone (its GPU context, and every launch of it,
+//     with it).
+//
+// Gates are used where both agents' memory is on one GPU of a device that
+// makes them (GateDevice), the agents are on one host and the sender's
+// agent takes them (gatesMark); anywhere else, and whenever P finds no
+// gate for a WRITE, the two-sided path serves, unchanged.
+
+// GateDevice is a BatchDevice that can make gates: device memory of this
+// process that same-host peers import (kvxferd: a CUDA device).
+type GateDevice interface {
+	BatchDevice
+	Alloc(n int) (uint64, error)
+	Free(ptr uint64) error
+	Export(ptr uint64) ([64]byte, error)
+}
+
+// GatedBatch is a DevBatch whose launch can be gated: its CTAs copy only
+// while the gate at device address gate reads generation want (see
+// internal/cuda's Batch.Gate).
+type GatedBatch interface {
+	DevBatch
+	// Gate gates the batch; false: this device cannot (it stays
+	// ungated, and the WRITE goes two-sided).
+	Gate(gate uint64, want uint32) bool
+}
+
+// GatedCopy is a gated batch in flight: once Done, Shut reports whether
+// some of its CTAs found the gate shut (and copied nothing).
+type GatedCopy interface {
+	DevCopy
+	Shut() bool
+}
+
+// GateFence is a LayoutFence that admits a gate's grant (OpenGate) as a
+// standing admission: as AdmitLayout, lasting until the grant ends, whose
+// cut at that end is its normal end. OpenGate uses AdmitLayout with a
+// fence that is not one.
+type GateFence interface {
+	LayoutFence
+	AdmitGate(peer string, spans []LayoutSpan, tag []byte, abort func()) (v Verdict, lay, base, entry int, ticket uint64)
+}
+
+// ErrNoGate: OpenGate made no gate (the peer, the memory or the devices
+// do not allow one); the two-sided path serves the grant.
+var ErrNoGate = errors.New("netxfer: no gate")
+
+const (
+	// GateSize is the bytes of one gate (internal/cuda's kvxfer_gate): a
+	// uint32 generation at 0 and gateShards uint32 counts of CTAs from
+	// gateActiveOff.
+	GateSize      = 128
+	gateActiveOff = 64
+	gateShards    = 16
+	// gateSlots is the gates of one area (one per device of the agent's):
+	// the grants open at once toward all peers.
+	gateSlots = 4096
+
+	// D to P, on a same-host connection D dialed (the frames ride with
+	// the notifications that tell P of the grants they are for):
+	//
+	// tGateArea: area u32, uuid [16], handle [64]: D's gates on the GPU
+	// of uuid (gateSlots×GateSize bytes, the CUDA IPC export handle).
+	tGateArea = 23
+	// tGateChunk: chunk u32, base u64, size u64, uuid [16], handle [64]:
+	// D's GPU memory at [base, base+size) of D's addresses, an allocation
+	// exported as handle.
+	tGateChunk = 24
+	// tGateOpen: area u32, slot u32, gen u32, key u32 | key | nspan u32 |
+	// nspan×(nbase u32, nent u32, nbase×(addr u64, chunk u32),
+	// nent×(off u64, len u64)): a grant, its ranges given as LayoutSpans
+	// (every entry at every base), each base with the chunk it lies in.
+	tGateOpen = 25
+	// tGateShut: area u32, slot u32, gen u32: the grant ended (P forgets
+	// it; a late launch of it would copy nothing anyway).
+	tGateShut = 26
+
+	// gatesMark is in the same-host socket's name of an agent that takes
+	// gate frames, before layoutsMark (which older builds look for at its
+	// end).
+	gatesMark = ".gates"
+
+	maxGateTable = 4 + maxLayouts*8 + maxDescs*16
+)
+
+// gateState is an agent's gates: those it opened for its peers (D side)
+// and those its peers opened for it (P side).
+type gateState struct {
+	mu    sync.Mutex
+	areas map[Device]*gateArea
+	nArea uint32
+	open  map[*gate]bool
+	// views are the peers' gates by peer and key.
+	views map[string]map[string]*gateView
+}
+
+// gateArea is one device's gates (D side).
+type gateArea struct {
+	id     uint32
+	dev    GateDevice
+	uuid   [16]byte
+	ptr    uint64
+	handle [64]byte
+	free   []uint32
+	gen    []uint32 // the last generation each slot was given
+}
+
+// gate is an open grant (D side).
+type gate struct {
+	area      *gateArea
+	slot, gen uint32
+	peer      string
+	chunks    []uint64 // the bases of the chunks it covers
+	ticket    uint64
+	c         *conn // the connection it was announced on
+	pid       int   // the peer's process
+	shutting  bool
+	done      chan struct{}
+}
+
+// gateView is a peer's gate (P side).
+type gateView struct {
+	area, slot, gen uint32
+	ptr             uint64 // the gate, mapped here
+	dev             Device
+	bases           []gateBase // sorted by addr
+	ents            [][]Region // per span: sorted by Addr, merged
+	srv             *localServer
+}
+
+type gateBase struct {
+	addr  uint64
+	span  int
+	chunk *gateChunk
+}
+
+// gateChunk is D's GPU memory as P imported it.
+type gateChunk struct {
+	base, size uint64
+	imp        *devImport
+}
+
+// gateKey is the key a gate and a WRITE are matched by: the request the
+// notification names (Config.GateKey), else the notification itself.
+func (a *Agent) gateKey(notif []byte) string {
+	if a.cfg.GateKey != nil {
+		return a.cfg.GateKey(notif)
+	}
+	return string(notif)
+}
+
+// OpenGate admits a WRITE grant to peer ahead (every range of spans, for
+// the request tag names, through the agent's LayoutFence) and offers it to
+// the peer as a gate, so that the peer's WRITEs inside it go one-sided
+// (see above). The admission lasts until the fence cuts it short (the
+// grant's end: abort), the connection it was offered on ends, or the
+// agent closes; each shuts the gate and waits for the launches inside it
+// first. ErrNoGate: no gate could be made (the two-sided path serves).
+func (a *Agent) OpenGate(peer string, spans []LayoutSpan, tag []byte) error {
+	if a.cfg.DisableGates || a.gateKey(tag) == "" {
+		return ErrNoGate
+	}
+	p, err := a.peer(peer)
+	if err != nil {
+		return err
+	}
+	if p.local != nil || !p.gates || p.uaddr == "" {
+		return ErrNoGate
+	}
+	f, ok := a.layoutFence()
+	if !ok {
+		return ErrNoGate
+	}
+	c, err := p.firstConn() // the notification of its grant follows on it
+	if err != nil {
+		return err
+	}
+	if c.uc == nil {
+		return ErrNoGate
+	}
+	// The chunks the spans lie in: GPU memory of one device that makes
+	// gates.
+	a.memMu.RLock()
+	a.mu.Lock()
+	var dev GateDevice
+	var uuid [16]byte
+	var chunks []*chunk
+	for _, s := range spans {
+		lo, hi := ^uint64(0), uint64(0)
+		for _, e := range s.Entries {
+			if e.Len > 0 {
+				lo, hi = min(lo, e.Addr), max(hi, e.Addr+e.Len)
+			}
+		}
+		if hi == 0 {
+			continue
+		}
+		for _, b := range s.Bases {
+			at := b + lo
+			ch := a.chunkLocked(at)
+			if at < b || ch == nil || ch.dev == nil || at-ch.base > ch.size || hi-lo > ch.size-(at-ch.base) {
+				a.mu.Unlock()
+				a.memMu.RUnlock()
+				return ErrNoGate
+			}
+			gd, ok := ch.dev.(GateDevice)
+			if !ok || dev != nil && gd != dev {
+				a.mu.Unlock()
+				a.memMu.RUnlock()
+				return ErrNoGate
+			}
+			dev, uuid = gd, ch.uuid
+			if !slices.Contains(chunks, ch) {
+				chunks = append(chunks, ch)
+			}
+		}
+	}
+	// Copies: the chunks' slice may move once a.mu is let go. memMu
+	// stays read-held until the gate is announced: Unmap, which shuts
+	// the gates over what it unmaps, waits for it.
+	held := make([]chunk, len(chunks))
+	for i, ch := range chunks {
+		held[i] = *ch
+	}
+	a.mu.Unlock()
+	defer a.memMu.RUnlock()
+	if dev == nil {
+		return ErrNoGate // nothing to write
+	}
+	g := &gate{peer: peer, c: c, done: make(chan struct{})}
+	for _, ch := range held {
+		g.chunks = append(g.chunks, ch.base)
+	}
+	pid, err := peerPID(c.uc)
+	if err != nil {
+		return ErrNoGate
+	}
+	g.pid = pid
+	admit := func(abort func()) (Verdict, int, int, int, uint64) {
+		return f.AdmitLayout(peer, Write, spans, tag, abort)
+	}
+	if gf, ok := f.(GateFence); ok {
+		admit = func(abort func()) (Verdict, int, int, int, uint64) { return gf.AdmitGate(peer, spans, tag, abort) }
+	}
+	v, li, bi, ei, ticket := admit(func() { a.shutGate(g) })
+	if v != Allow {
+		a.refusals[min(v, Deny)].Add(1)
+		return fmt.Errorf("%w: gate for %s: layout %d base %d entry %d of %s", ErrNotGranted, peer, li, bi, ei, a.cfg.Name)
+	}
+	g.ticket = ticket
+	if err := a.announceGate(g, dev, uuid, held, spans, a.gateKey(tag)); err != nil {
+		a.shutGate(g)
+		<-g.done
+		if errors.Is(err, ErrNoGate) {
+			return err
+		}
+		return fmt.Errorf("netxfer: gate for %s: %w", peer, err)
+	}
+	return nil
+}
+
+// announceGate takes a slot for g, stores its generation, and sends the
+// gate (and what the peer lacks of its area and chunks) on g.c.
+func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []chunk, spans []LayoutSpan, key string) error {
+	// The slot and its generation are set under the lock shutGate
+	// takes: a gate shut meanwhile is never opened after its drain.
+	st := &a.gates
+	st.mu.Lock()
+	if g.shutting || a.isClosed() {
+		st.mu.Unlock()
+		return ErrNoGate
+	}
+	ar, err := a.gateAreaLocked(dev, uuid)
+	if err != nil || len(ar.free) == 0 {
+		st.mu.Unlock()
+		if err == nil {
+			err = ErrNoGate // every slot in use
+		}
+		return err
+	}
+	slot := ar.free[len(ar.free)-1]
+	gen := ar.gen[slot] + 1
+	if gen == 0 {
+		gen = 1
+	}
+	var w, back [4]byte
+	binary.LittleEndian.PutUint32(w[:], gen)
+	// Read back: a copy from host memory may return before its bytes
+	// land; the read behind it on the same stream returns after.
+	if err := dev.CopyIn(ar.ptr+uint64(slot)*GateSize, w[:]); err != nil {
+		st.mu.Unlock()
+		return fmt.Errorf("store the gate's generation: %w", err)
+	}
+	if err := dev.CopyOut(back[:], ar.ptr+uint64(slot)*GateSize); err != nil || back != w {
+		st.mu.Unlock()
+		return fmt.Errorf("store the gate's generation: read back %x, %v", back, err)
+	}
+	ar.free = ar.free[:len(ar.free)-1]
+	ar.gen[slot] = gen
+	g.area, g.slot, g.gen = ar, slot, gen
+	st.open[g] = true
+	st.mu.Unlock()
+	h := make([]byte, 0, 256)
+	c := g.c
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.gateSent == nil {
+		c.gateSent = map[uint64]bool{}
+	}
+	if !c.gateSent[uint64(ar.id)<<32] {
+		h = append(h, tGateArea)
+		h = binary.LittleEndian.AppendUint32(h, ar.id)
+		h = append(h, ar.uuid[:]...)
+		h = append(h, ar.handle[:]...)
+	}
+	for _, ch := range chunks {
+		if !c.gateSent[1<<63|uint64(ch.id)] {
+			h = append(h, tGateChunk)
+			h = binary.LittleEndian.AppendUint32(h, ch.id)
+			h = binary.LittleEndian.AppendUint64(h, ch.base)
+			h = binary.LittleEndian.AppendUint64(h, ch.size)
+			h = append(h, ch.uuid[:]...)
+			h = append(h, ch.handle[:]...)
+		}
+	}
+	h = append(h, tGateOpen)
+	h = binary.LittleEndian.AppendUint32(h, ar.id)
+	h = binary.LittleEndian.AppendUint32(h, g.slot)
+	h = binary.LittleEndian.AppendUint32(h, g.gen)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(key)))
+	h = append(h, key...)
+	h = binary.LittleEndian.AppendUint32(h, uint32(len(spans)))
+	for _, s := range spans {
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(s.Bases)))
+		h = binary.LittleEndian.AppendUint32(h, uint32(len(s.Entries)))
+		for _, b := range s.Bases {
+			id := uint32(0)
+			for _, ch := range chunks {
+				if b >= ch.base && b-ch.base < ch.size {
+					id = ch.id
+				}
+			}
+			h = binary.LittleEndian.AppendUint64(h, b)
+			h = binary.LittleEndian.AppendUint32(h, id)
+		}
+		for _, e := range s.Entries {
+			h = binary.LittleEndian.AppendUint64(h, e.Addr)
+			h = binary.LittleEndian.AppendUint64(h, e.Len)
+		}
+	}
+	if len(h) > maxGateTable+256 {
+		return ErrNoGate
+	}
+	if _, err := c.c.Write(h); err != nil {
+		c.wmu.Unlock()
+		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+		c.wmu.Lock()
+		return err
+	}
+	c.gateSent[uint64(ar.id)<<32] = true
+	for _, ch := range chunks {
+		c.gateSent[1<<63|uint64(ch.id)] = true
+	}
+	c.mu.Lock()
+	gone := c.err != nil
+	if !gone {
+		c.gates = append(c.gates, g)
+	}
+	c.mu.Unlock()
+	if gone {
+		return ErrNoGate
+	}
+	return nil
+}
+
+// gateAreaLocked returns dev's gate area, making it first if need be
+// (a.gates.mu held).
+func (a *Agent) gateAreaLocked(dev GateDevice, uuid [16]byte) (*gateArea, error) {
+	st := &a.gates
+	if ar := st.areas[dev]; ar != nil {
+		return ar, nil
+	}
+	n := gateSlots * GateSize
+	ptr, err := dev.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("allocate gates: %w", err)
+	}
+	if err := dev.CopyIn(ptr, make([]byte, n)); err != nil {
+		_ = dev.Free(ptr)
+		return nil, fmt.Errorf("clear gates: %w", err)
+	}
+	h, err := dev.Export(ptr)
+	if err != nil {
+		_ = dev.Free(ptr)
+		return nil, fmt.Errorf("export gates: %w", err)
+	}
+	st.nArea++
+	ar := &gateArea{id: st.nArea, dev: dev, uuid: uuid, ptr: ptr, handle: h, gen: make([]uint32, gateSlots)}
+	for i := gateSlots - 1; i >= 0; i-- {
+		ar.free = append(ar.free, uint32(i))
+	}
+	st.areas[dev] = ar
+	return ar, nil
+}
+
+// shutGate shuts g (once) and, on a goroutine of its own, waits for the
+// launches inside it, tells the peer, frees its slot and ends its
+// admission. It never blocks: the fence calls it holding its lock.
+func (a *Agent) shutGate(g *gate) {
+	st := &a.gates
+	st.mu.Lock()
+	if g.shutting {
+		st.mu.Unlock()
+		return
+	}
+	g.shutting = true
+	st.mu.Unlock()
+	go a.drainGate(g)
+}
+
+// gateSlowDrain is how long a drain goes before it says so in the log.
+const gateSlowDrain = 5 * time.Second
+
+func (a *Agent) drainGate(g *gate) {
+	defer close(g.done)
+	defer a.releaseGuard(g.ticket)
+	st := &a.gates
+	st.mu.Lock()
+	ar := g.area
+	st.mu.Unlock()
+	if ar == nil { // never opened (and now never will be): nothing can be inside
+		return
+	}
+	at := ar.ptr + uint64(g.slot)*GateSize
+	if err := ar.dev.CopyIn(at, make([]byte, 4)); err != nil {
+		a.log.Error("netxfer: shutting a gate failed: waiting for its launches anyway", "peer", g.peer, "err", err)
+	}
+	var cnt [gateShards * 4]byte
+	start := time.Now()
+	warned := false
+	for wait := 10 * time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
+		if err := ar.dev.CopyOut(cnt[:], at+gateActiveOff); err != nil {
+			a.log.Error("netxfer: reading a gate failed", "peer", g.peer, "err", err)
+		} else if allZero(cnt[:]) {
+			break
+		}
+		if !processAlive(g.pid) {
+			break // its launches went with its GPU context
+		}
+		if !warned && time.Since(start) > gateSlowDrain {
+			warned = true
+			a.log.Warn("netxfer: a peer's launch has been inside a shut gate for long; its grant waits", "peer", g.peer, "pid", g.pid)
+		}
+		time.Sleep(wait)
+	}
+	// The peer may forget it (best effort: a late launch copies nothing).
+	if c := g.c; c != nil {
+		var h [13]byte
+		h[0] = tGateShut
+		binary.LittleEndian.PutUint32(h[1:], ar.id)
+		binary.LittleEndian.PutUint32(h[5:], g.slot)
+		binary.LittleEndian.PutUint32(h[9:], g.gen)
+		c.mu.Lock()
+		alive := c.err == nil
+		c.mu.Unlock()
+		if alive {
+			_ = c.writeFrame(h[:])
+		}
+	}
+	st.mu.Lock()
+	delete(st.open, g)
+	ar.free = append(ar.free, g.slot)
+	st.mu.Unlock()
+}
+
+// isClosed reports whether Close began.
+func (a *Agent) isClosed() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.mu.closed
+}
+
+func allZero(b []byte) bool {
+	for _, x := range b {
+		if x != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// processAlive reports whether process pid still exists.
+func processAlive(pid int) bool {
+	if pid <= 0 {
+		return false
+	}
+	err := unix.Kill(pid, 0)
+	return err == nil || errors.Is(err, unix.EPERM)
+}
+
+// peerPID returns the pid of the process at the other end of c.
+func peerPID(c *net.UnixConn) (int, error) {
+	cred, err := peerCred(c)
+	if err != nil {
+		return 0, err
+	}
+	return int(cred.Pid), nil
+}
+
+// shutGates shuts the gates that match and waits for them.
+func (a *Agent) shutGates(match func(*gate) bool) {
+	st := &a.gates
+	st.mu.Lock()
+	var gs []*gate
+	for g := range st.open {
+		if match(g) {
+			gs = append(gs, g)
+		}
+	}
+	st.mu.Unlock()
+	for _, g := range gs {
+		a.shutGate(g)
+	}
+	for _, g := range gs {
+		<-g.done
+	}
+}
+
+// GatesOpen returns how many gates this agent has open for its peers
+// (D side) and how many of its peers' it holds (P side).
+func (a *Agent) GatesOpen() (mine, peers int) {
+	st := &a.gates
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for g := range st.open {
+		if !g.shutting {
+			mine++
+		}
+	}
+	for _, m := range st.views {
+		peers += len(m)
+	}
+	return mine, peers
+}
+
+// OneSidedWrites returns how many WRITEs this agent posted through a
+// peer's gate.
+func (a *Agent) OneSidedWrites() uint64 { return a.oneSidedN.Load() }
+
+// serveGate handles the gate frames a peer sends (P side).
+func (a *Agent) serveGate(s *localServer, r *scatterReader, from string, typ byte, hdr []byte) error {
+	switch typ {
+	case tGateArea:
+		var b [84]byte
+		if err := readFull(r, b[:]); err != nil {
+			return err
+		}
+		id := binary.LittleEndian.Uint32(b[:4])
+		var uuid [16]byte
+		var h [64]byte
+		copy(uuid[:], b[4:20])
+		copy(h[:], b[20:84])
+		imp, err := a.importGateMem(s, from, uuid, h, gateSlots*GateSize, len(s.gateAreas), s.gateAreas[id] != nil)
+		if err != nil || imp == nil {
+			return err
+		}
+		if s.gateAreas == nil {
+			s.gateAreas = map[uint32]*devImport{}
+		}
+		s.gateAreas[id] = imp
+		return nil
+	case tGateChunk:
+		var b [100]byte
+		if err := readFull(r, b[:]); err != nil {
+			return err
+		}
+		id := binary.LittleEndian.Uint32(b[:4])
+		base := binary.LittleEndian.Uint64(b[4:12])
+		size := binary.LittleEndian.Uint64(b[12:20])
+		var uuid [16]byte
+		var h [64]byte
+		copy(uuid[:], b[20:36])
+		copy(h[:], b[36:100])
+		if size == 0 || size > 1<<46 || base+size < base {
+			return fmt.Errorf("%w: gate memory %d of %d bytes at %#x", ErrProtocol, id, size, base)
+		}
+		imp, err := a.importGateMem(s, from, uuid, h, size, len(s.gateChunks), s.gateChunks[id] != nil)
+		if err != nil || imp == nil {
+			return err
+		}
+		if s.gateChunks == nil {
+			s.gateChunks = map[uint32]*gateChunk{}
+		}
+		s.gateChunks[id] = &gateChunk{base: base, size: size, imp: imp}
+		return nil
+	case tGateOpen:
+		return a.serveGateOpen(s, r, from, hdr)
+	case tGateShut:
+		if err := readFull(r, hdr[:12]); err != nil {
+			return err
+		}
+		area, slot := binary.LittleEndian.Uint32(hdr[:4]), binary.LittleEndian.Uint32(hdr[4:8])
+		gen := binary.LittleEndian.Uint32(hdr[8:12])
+		st := &a.gates
+		st.mu.Lock()
+		for k, v := range st.views[from] {
+			if v.srv == s && v.area == area && v.slot == slot && v.gen == gen {
+				delete(st.views[from], k)
+			}
+		}
+		st.mu.Unlock()
+		return nil
+	}
+	return fmt.Errorf("%w: frame type %d", ErrProtocol, typ)
+}
+
+// importGateMem imports a peer's gate area or GPU memory (P side); nil
+// and no error where this agent has no device for it (its gates are then
+// not used), an error for what breaks the protocol.
+func (a *Agent) importGateMem(s *localServer, from string, uuid [16]byte, h [64]byte, size uint64, have int, again bool) (*devImport, error) {
+	if again {
+		return nil, fmt.Errorf("%w: %s announced gate memory twice", ErrProtocol, from)
+	}
+	if have >= maxChunks {
+		return nil, fmt.Errorf("%w: more than %d gate memories from %s", ErrProtocol, maxChunks, from)
+	}
+	if a.cfg.Devices == nil {
+		return nil, nil
+	}
+	dev, err := a.cfg.Devices(uuid)
+	if err != nil {
+		a.log.Debug("netxfer: a peer's gate memory on a device this agent lacks", "peer", from, "err", err)
+		return nil, nil
+	}
+	ptr, err := dev.Import(h)
+	if err != nil {
+		a.log.Warn("netxfer: importing a peer's gate memory failed: its WRITEs go two-sided", "peer", from, "err", err)
+		return nil, nil
+	}
+	return &devImport{dev: dev, ptr: ptr, size: size, handle: h}, nil
+}
+
+// serveGateOpen records a peer's gate (P side).
+func (a *Agent) serveGateOpen(s *localServer, r *scatterReader, from string, hdr []byte) error {
+	if err := readFull(r, hdr[:16]); err != nil {
+		return err
+	}
+	area, slot := binary.LittleEndian.Uint32(hdr[:4]), binary.LittleEndian.Uint32(hdr[4:8])
+	gen, klen := binary.LittleEndian.Uint32(hdr[8:12]), binary.LittleEndian.Uint32(hdr[12:16])
+	if klen > maxNotif || slot >= gateSlots || gen == 0 {
+		return fmt.Errorf("%w: gate %d/%d gen %d, key of %d bytes", ErrProtocol, area, slot, gen, klen)
+	}
+	key := make([]byte, klen)
+	if err := readFull(r, key); err != nil {
+		return err
+	}
+	if err := readFull(r, hdr[:4]); err != nil {
+		return err
+	}
+	nspan := binary.LittleEndian.Uint32(hdr[:4])
+	if nspan > maxLayouts {
+		return fmt.Errorf("%w: a gate of %d spans", ErrProtocol, nspan)
+	}
+	v := &gateView{area: area, slot: slot, gen: gen, srv: s}
+	usable := true
+	total := 0
+	var b [16]byte
+	for i := range int(nspan) {
+		if err := readFull(r, b[:8]); err != nil {
+			return err
+		}
+		nb, ne := binary.LittleEndian.Uint32(b[:4]), binary.LittleEndian.Uint32(b[4:8])
+		total += int(nb) + int(ne)
+		if nb > maxDescs || ne > maxDescs || total > maxDescs {
+			return fmt.Errorf("%w: a gate of more than %d bases and entries", ErrProtocol, maxDescs)
+		}
+		for range nb {
+			if err := readFull(r, b[:12]); err != nil {
+				return err
+			}
+			ch := s.gateChunks[binary.LittleEndian.Uint32(b[8:12])]
+			if ch == nil {
+				usable = false
+			}
+			v.bases = append(v.bases, gateBase{addr: binary.LittleEndian.Uint64(b[:8]), span: i, chunk: ch})
+		}
+		ents := make([]Region, 0, ne)
+		for range ne {
+			if err := readFull(r, b[:16]); err != nil {
+				return err
+			}
+			e := Region{binary.LittleEndian.Uint64(b[:8]), binary.LittleEndian.Uint64(b[8:16])}
+			if e.Addr > maxLayoutOff || e.Len > maxLayoutOff {
+				return fmt.Errorf("%w: gate entry [%#x, +%d)", ErrProtocol, e.Addr, e.Len)
+			}
+			if e.Len > 0 {
+				ents = append(ents, e)
+			}
+		}
+		v.ents = append(v.ents, mergeRegions(ents))
+	}
+	ar := s.gateAreas[area]
+	if ar == nil || !usable {
+		return nil // memory this agent could not import: no one-sided WRITEs
+	}
+	v.dev = ar.dev
+	v.ptr = ar.ptr + uint64(slot)*GateSize
+	for _, gb := range v.bases {
+		if gb.chunk.imp.dev != v.dev {
+			return nil // D's memory and gate on different GPUs here
+		}
+	}
+	slices.SortFunc(v.bases, func(x, y gateBase) int { return cmpU64(x.addr, y.addr) })
+	st := &a.gates
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	m := st.views[from]
+	if m == nil {
+		m = map[string]*gateView{}
+		st.views[from] = m
+	}
+	if _, ok := m[string(key)]; !ok && len(m) >= gateSlots {
+		return fmt.Errorf("%w: %s holds more than %d gates open", ErrProtocol, from, gateSlots)
+	}
+	m[string(key)] = v
+	return nil
+}
+
+// mergeRegions sorts rs by address and merges those that touch or
+// overlap.
+func mergeRegions(rs []Region) []Region {
+	slices.SortFunc(rs, func(x, y Region) int { return cmpU64(x.Addr, y.Addr) })
+	out := rs[:0]
+	for _, r := range rs {
+		if n := len(out); n > 0 && r.Addr <= out[n-1].Addr+out[n-1].Len {
+			out[n-1].Len = max(out[n-1].Addr+out[n-1].Len, r.Addr+r.Len) - out[n-1].Addr
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// covers reports whether [off, off+n) lies in one of rs (merged).
+func covers(rs []Region, off, n uint64) bool {
+	i, _ := slices.BinarySearchFunc(rs, off, func(r Region, t uint64) int {
+		if r.Addr > t {
+			return 1
+		}
+		return -1
+	})
+	if i == 0 {
+		return false
+	}
+	r := rs[i-1]
+	return off-r.Addr <= r.Len && n <= r.Len-(off-r.Addr)
+}
+
+// dropGateViews forgets the gates a connection's peer sent on it and
+// waits for the launches through them (before its imports go).
+func (a *Agent) dropGateViews(s *localServer) {
+	st := &a.gates
+	st.mu.Lock()
+	for _, m := range st.views {
+		for k, v := range m {
+			if v.srv == s {
+				delete(m, k)
+			}
+		}
+	}
+	st.mu.Unlock()
+	s.gateUse.Wait()
+	for _, d := range s.gateAreas {
+		d.unmap()
+	}
+	for _, c := range s.gateChunks {
+		c.imp.unmap()
+	}
+	s.gateAreas, s.gateChunks = nil, nil
+}
+
+// oneSided posts a layout WRITE through the peer's gate for its request,
+// when there is one and the WRITE lies wholly in it, on memory of the
+// gate's GPU: one gated launch from this agent's memory into the peer's,
+// then the notification. It reports false, having posted nothing, for
+// any other WRITE (the two-sided path takes it).
+func (a *Agent) oneSided(x *xfer) bool {
+	if x.op != Write || x.layouts == nil || !x.peer.gates {
+		return false
+	}
+	key := a.gateKey(x.notif)
+	if key == "" {
+		return false
+	}
+	st := &a.gates
+	a.memMu.RLock()
+	st.mu.Lock()
+	v := st.views[x.peer.name][key]
+	if v == nil {
+		st.mu.Unlock()
+		a.memMu.RUnlock()
+		return false
+	}
+	cp, err := a.stageOneSided(v, x.layouts)
+	if cp == nil && err == nil {
+		st.mu.Unlock()
+		a.memMu.RUnlock()
+		return false
+	}
+	srv := v.srv
+	if err == nil {
+		srv.gateUse.Add(1)
+	}
+	st.mu.Unlock()
+	a.oneSidedN.Add(1)
+	x.parts = 1
+	if err != nil {
+		a.memMu.RUnlock()
+		a.finishPart(x, fmt.Errorf("%w: one-sided write to %s: %w", ErrXferFailed, x.peer.name, err))
+		return true
+	}
+	a.wire(WirePartSent, x.id, 0)
+	polled.add([]DevCopy{cp}, func(err error) {
+		srv.gateUse.Done()
+		a.memMu.RUnlock()
+		if err == nil {
+			if g, ok := cp.(GatedCopy); ok && g.Shut() {
+				err = fmt.Errorf("%w: one-sided write to %s: the grant ended (its gate shut) before every piece was written", ErrXferFailed, x.peer.name)
+			}
+		}
+		a.wire(WireAnswerRead, x.id, 0)
+		if err != nil || x.notif == nil {
+			a.finishPart(x, err)
+			return
+		}
+		// The notification, off the poller's goroutine (a write may
+		// block).
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			if err := a.Notify(x.peer.name, x.notif); err != nil {
+				a.finishPart(x, fmt.Errorf("%w: notification after a one-sided write: %w", ErrXferFailed, err))
+				return
+			}
+			a.finishPart(x, nil)
+		}()
+	})
+	return true
+}
+
+// stageOneSided stages and posts lays as one gated launch through v (P
+// side; memMu read-held, a.gates.mu held). It returns nil and no error
+// when the WRITE does not qualify: a piece outside the gate's ranges or
+// the peer's memory, local memory that is not GPU memory of the gate's
+// device, a device that does not gate.
+func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return nil, nil
+	}
+	var c regionCursor
+	var regs []DevRegion
+	var gb GatedBatch
+	giveUp := func() (DevCopy, error) {
+		a.mu.Unlock()
+		if gb != nil {
+			gb.Discard()
+		}
+		return nil, nil
+	}
+	type checked struct {
+		span  int
+		delta uint64
+	}
+	var seen []checked
+	for _, l := range lays {
+		llo, lhi, ok := span(l.Entries, true)
+		rlo, rhi, rok := span(l.Entries, false)
+		if !ok || !rok {
+			return giveUp()
+		}
+		if lhi == llo {
+			continue
+		}
+		seen = seen[:0]
+		regs = regs[:0]
+		for _, b := range l.Bases {
+			// Local: GPU memory of the gate's device.
+			at := b.Local + llo
+			if at < b.Local || !c.inside(a, at, lhi-llo) {
+				return giveUp()
+			}
+			ch := a.chunkLocked(at)
+			if ch == nil || ch.dev != v.dev || at-ch.base+(lhi-llo) > ch.size {
+				return giveUp()
+			}
+			// Remote: the gate base it lies past, and its chunk.
+			rat := b.Remote + rlo
+			if rat < b.Remote {
+				return giveUp()
+			}
+			i, _ := slices.BinarySearchFunc(v.bases, rat, func(g gateBase, t uint64) int {
+				if g.addr > t {
+					return 1
+				}
+				return -1
+			})
+			if i == 0 {
+				return giveUp()
+			}
+			g := v.bases[i-1]
+			ck := g.chunk
+			if rat < ck.base || rat-ck.base > ck.size || rhi-rlo > ck.size-(rat-ck.base) {
+				return giveUp()
+			}
+			delta := b.Remote - g.addr
+			k := checked{g.span, delta}
+			if !slices.Contains(seen, k) {
+				for _, e := range l.Entries {
+					if e.Len > 0 && !covers(v.ents[g.span], delta+e.Remote, e.Len) {
+						return giveUp()
+					}
+				}
+				seen = append(seen, k)
+			}
+			regs = append(regs, DevRegion{Dst: ck.imp.ptr + (b.Remote - ck.base), Src: b.Local})
+		}
+		if gb == nil {
+			nb, err := v.dev.(BatchDevice).NewBatch(len(l.Entries))
+			if err != nil {
+				a.mu.Unlock()
+				return nil, fmt.Errorf("GPU copy: %w", err)
+			}
+			var ok bool
+			if gb, ok = nb.(GatedBatch); !ok {
+				nb.Discard()
+				return giveUp()
+			}
+			if _, ok := nb.(LayoutBatch); !ok {
+				return giveUp()
+			}
+		}
+		ents := make([]DevEntry, len(l.Entries))
+		for i, e := range l.Entries {
+			ents[i] = DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len}
+		}
+		if !gb.(LayoutBatch).AddLayout(regs, ents) {
+			return giveUp()
+		}
+	}
+	a.mu.Unlock()
+	if gb == nil {
+		return nil, nil
+	}
+	if !gb.Gate(v.ptr, v.gen) {
+		gb.Discard()
+		return nil, nil
+	}
+	cp, err := gb.Post()
+	if err != nil {
+		return nil, err
+	}
+	return cp, nil
+}

@@ -1,0 +1,425 @@
+package netxfer
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// gateGPU is a layoutGPU that makes gates and runs gated batches as the
+// copy kernel does (internal/cuda's kvxfer_copy_gated), one piece per
+// CTA: count in, read the generation, copy only if it is the launch's,
+// count out. Every access to its memory is under the fake GPU's lock, as
+// D's stores and loads of the gate are (CopyIn, CopyOut). pause, when
+// set, stops the first CTA that found its gate open before it copies,
+// until the channel it sends is closed.
+type gateGPU struct {
+	*layoutGPU
+	handles map[uint64][64]byte
+	pause   chan chan struct{}
+	gated   atomic.Int32 // gated batches posted
+}
+
+func newGateGPU(g *fakeGPU) *gateGPU {
+	return &gateGPU{layoutGPU: &layoutGPU{batchGPU: newBatchGPU(g, "gpu0")}, handles: map[uint64][64]byte{}}
+}
+
+func (d *gateGPU) Alloc(n int) (uint64, error) {
+	ptr, h, _ := d.fakeGPU.alloc(n)
+	d.mu.Lock()
+	d.handles[ptr] = h
+	d.mu.Unlock()
+	return ptr, nil
+}
+
+func (d *gateGPU) Free(uint64) error { return nil }
+
+func (d *gateGPU) Export(ptr uint64) ([64]byte, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	h, ok := d.handles[ptr]
+	if !ok {
+		return h, errors.New("fake: not an allocation")
+	}
+	return h, nil
+}
+
+func (d *gateGPU) NewBatch(n int) (DevBatch, error) {
+	return &gatedBatch{layoutBatch: layoutBatch{pieceBatch: pieceBatch{room: 1 << 30, post: d.PostCopy}, layouts: &d.layouts, mu: &d.mu}, d: d}, nil
+}
+
+type gatedBatch struct {
+	layoutBatch
+	d    *gateGPU
+	gate uint64
+	want uint32
+}
+
+func (b *gatedBatch) Gate(gate uint64, want uint32) bool {
+	b.gate, b.want = gate, want
+	return true
+}
+
+func (b *gatedBatch) Post() (DevCopy, error) {
+	if b.gate == 0 {
+		return b.layoutBatch.Post()
+	}
+	b.d.gated.Add(1)
+	return b.d.postGated(b.ps, b.gate, b.want), nil
+}
+
+type gatedCopy struct {
+	fakeCopy
+	shut atomic.Bool
+}
+
+func (c *gatedCopy) Shut() bool { return c.shut.Load() }
+
+func (d *gateGPU) postGated(ps []DevPiece, gate uint64, want uint32) *gatedCopy {
+	ps = append([]DevPiece(nil), ps...)
+	c := &gatedCopy{}
+	d.mu.Lock()
+	d.posts++
+	d.pieces += len(ps)
+	hold := d.hold
+	d.held = append(d.held, &c.fakeCopy)
+	held := len(d.held) - 1
+	pause := d.pause
+	d.mu.Unlock()
+	g := d.fakeGPU
+	run := func() {
+		for i, p := range ps {
+			shard := gate + gateActiveOff + uint64(i%gateShards)*4
+			g.mu.Lock()
+			act := g.at(shard, 4)
+			binary.LittleEndian.PutUint32(act, binary.LittleEndian.Uint32(act)+1)
+			open := binary.LittleEndian.Uint32(g.at(gate, 4)) == want
+			g.mu.Unlock()
+			if !open {
+				c.shut.Store(true)
+			} else {
+				if pause != nil {
+					wait := make(chan struct{})
+					pause <- wait
+					<-wait
+					pause = nil
+				}
+				if err := d.copyPiece(p); err != nil {
+					c.err = err
+				}
+			}
+			g.mu.Lock()
+			act = g.at(shard, 4)
+			binary.LittleEndian.PutUint32(act, binary.LittleEndian.Uint32(act)-1)
+			g.mu.Unlock()
+		}
+		c.done.Store(true)
+	}
+	go func() {
+		for hold {
+			time.Sleep(time.Millisecond)
+			d.mu.Lock()
+			hold = d.held[held] != nil
+			d.mu.Unlock()
+		}
+		run()
+	}()
+	return c
+}
+
+// gateFence is a LayoutFence that allows everything and can revoke what
+// it admitted: revoke cuts every admission short (its abort) and waits
+// until each has ended, as a Worker's grant table does when a grant ends.
+type gateFence struct {
+	mu     sync.Mutex
+	next   uint64
+	aborts map[uint64]func()
+	ended  *sync.Cond
+	deny   bool
+}
+
+func newGateFence() *gateFence {
+	f := &gateFence{aborts: map[uint64]func(){}}
+	f.ended = sync.NewCond(&f.mu)
+	return f
+}
+
+func (f *gateFence) Check(string, Op, uint64, uint64) Verdict { return Allow }
+
+func (f *gateFence) Admit(_ string, _ Op, _ []Region, _ []byte, abort func()) (Verdict, int, uint64) {
+	return f.admit(abort)
+}
+
+func (f *gateFence) AdmitLayout(_ string, _ Op, _ []LayoutSpan, _ []byte, abort func()) (Verdict, int, int, int, uint64) {
+	v, _, t := f.admit(abort)
+	return v, -1, -1, -1, t
+}
+
+func (f *gateFence) admit(abort func()) (Verdict, int, uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.deny {
+		return Deny, -1, 0
+	}
+	f.next++
+	f.aborts[f.next] = abort
+	return Allow, -1, f.next
+}
+
+func (f *gateFence) Done(t uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.aborts, t)
+	f.ended.Broadcast()
+}
+
+func (f *gateFence) open() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.aborts)
+}
+
+func (f *gateFence) revoke() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, abort := range f.aborts {
+		if abort != nil {
+			abort()
+		}
+	}
+	for len(f.aborts) > 0 {
+		f.ended.Wait()
+	}
+}
+
+// gateSetup is a P (a) and a D (b) on one gating fake GPU, D fenced by a
+// gateFence, and a grant of D's: layers bases of D's memory, blocks of
+// block bytes (entries) in each.
+type gateSetup struct {
+	g      *fakeGPU
+	d      *gateGPU
+	p, dd  *Agent
+	pa, pb uint64
+	f      *gateFence
+	grant  LayoutSpan
+}
+
+const gateLayer = 128 << 10
+
+func newGateSetup(t *testing.T, cfgP, cfgD Config) *gateSetup {
+	t.Helper()
+	g := newFakeGPU()
+	d := newGateGPU(g)
+	s := &gateSetup{g: g, d: d, f: newGateFence()}
+	t.Cleanup(func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if g.illegal > 0 {
+			t.Errorf("%d pieces of GPU batches named memory outside every allocation", g.illegal)
+		}
+	})
+	s.p, s.dd, s.pa, s.pb = batchPairCfgs(t, d, d, cfgP, cfgD)
+	if err := s.dd.SetGuard(s.f); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 8 {
+		s.grant.Bases = append(s.grant.Bases, s.pb+uint64(i*gateLayer))
+	}
+	for _, blk := range []int{3, 4, 9, 17, 30} {
+		s.grant.Entries = append(s.grant.Entries, Region{uint64(blk * 4096), 4096})
+	}
+	return s
+}
+
+// layout is a WRITE of blocks (into D's granted blocks, at the grant's
+// layers) from scattered blocks of P's.
+func (s *gateSetup) layout(r *rand.Rand, blocks []int) Layout {
+	var l Layout
+	for _, b := range s.grant.Bases {
+		l.Bases = append(l.Bases, BasePair{Local: s.pa + (b - s.pb), Remote: b})
+	}
+	src := r.Perm(gateLayer / 4096)
+	for i, blk := range blocks {
+		l.Entries = append(l.Entries, LayoutEntry{Local: uint64(src[i] * 4096), Remote: uint64(blk * 4096), Len: 4096})
+	}
+	return l
+}
+
+func (s *gateSetup) open(t *testing.T, tag string) {
+	t.Helper()
+	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{s.grant}, []byte(tag)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "P holds D's gate", func() bool { _, n := s.p.GatesOpen(); return n == 1 })
+}
+
+func waitFor(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+	}
+}
+
+// A WRITE inside an open gate goes one-sided: one gated launch by P, no
+// part at D, every byte where it belongs and nothing else in D's memory
+// changed, and D hears the notification. A WRITE that strays outside the
+// grant, or names another request, goes the two-sided way.
+func TestGateOneSided(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	if mine, _ := s.dd.GatesOpen(); mine != 1 || s.f.open() != 1 {
+		t.Fatalf("D has %d gates open, its fence %d admissions; want 1 and 1", mine, s.f.open())
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	write := func(l Layout, notif string) {
+		t.Helper()
+		before := s.g.view(s.pb, 1<<20)
+		id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{l}, []byte(notif))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, err := wait(t, s.p, id); st != Done {
+			t.Fatalf("%v, %v", st, err)
+		}
+		ds := ExpandLayouts(nil, []Layout{l})
+		checkGPUMoved(t, s.g, Write, ds)
+		checkUntouched(t, s.g.view(s.pb, 1<<20), before, s.pb, ds)
+		if n := waitNotif(t, s.dd); len(n) != 1 || string(n[0].Msg) != notif {
+			t.Fatalf("D heard %v, want the one notification %q", n, notif)
+		}
+	}
+	write(s.layout(r, []int{3, 9, 30}), "req-1")
+	if s.p.OneSidedWrites() != 1 || s.dd.LayoutParts() != 0 || s.d.gated.Load() != 1 {
+		t.Fatalf("one-sided %d, layout parts at D %d, gated launches %d; want 1, 0, 1", s.p.OneSidedWrites(), s.dd.LayoutParts(), s.d.gated.Load())
+	}
+	write(s.layout(r, []int{4, 17}), "req-1")
+	if s.p.OneSidedWrites() != 2 || s.dd.LayoutParts() != 0 {
+		t.Fatalf("second write: one-sided %d, layout parts %d", s.p.OneSidedWrites(), s.dd.LayoutParts())
+	}
+	// Block 5 was not granted: two-sided (D checks it).
+	write(s.layout(r, []int{3, 5}), "req-1")
+	// Another request's WRITE into the same blocks: two-sided.
+	write(s.layout(r, []int{3}), "req-2")
+	if s.p.OneSidedWrites() != 2 || s.dd.LayoutParts() != 2 {
+		t.Fatalf("outside the gate: one-sided %d, layout parts at D %d; want 2 and 2", s.p.OneSidedWrites(), s.dd.LayoutParts())
+	}
+	// The grant's end shuts the gate; the next WRITE goes two-sided.
+	s.f.revoke()
+	if mine, _ := s.dd.GatesOpen(); mine != 0 {
+		t.Fatalf("%d gates open after the grant ended", mine)
+	}
+	waitFor(t, "P forgets the shut gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
+	write(s.layout(r, []int{9}), "req-1")
+	if s.p.OneSidedWrites() != 2 || s.dd.LayoutParts() != 3 {
+		t.Fatalf("after the gate shut: one-sided %d, layout parts %d", s.p.OneSidedWrites(), s.dd.LayoutParts())
+	}
+}
+
+// A grant that ends while P's launch is queued (not yet run) returns at
+// once (nothing is inside the gate), and the launch, run after, copies
+// nothing: P's transfer fails, saying why, D's memory is untouched and D
+// hears nothing.
+func TestGateShutBeforeLaunch(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	r := rand.New(rand.NewPCG(3, 4))
+	before := s.g.view(s.pb, 1<<20)
+	s.d.mu.Lock()
+	s.d.hold = true
+	s.d.mu.Unlock()
+	id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{s.layout(r, []int{3, 4, 9})}, []byte("req-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the launch is queued", func() bool { return s.d.gated.Load() == 1 })
+	s.f.revoke()
+	s.d.release()
+	st, err := wait(t, s.p, id)
+	if st != Failed || err == nil || !strings.Contains(err.Error(), "gate shut") {
+		t.Fatalf("a launch behind a shut gate: %v, %v; want failed, the gate shut", st, err)
+	}
+	if !bytes.Equal(s.g.view(s.pb, 1<<20), before) {
+		t.Fatal("a launch behind a shut gate wrote D's memory")
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n := s.dd.Drain(nil); len(n) != 0 {
+		t.Fatalf("D heard %v of a WRITE that failed", n)
+	}
+}
+
+// A grant's end waits for a CTA already inside the gate: the revocation
+// returns only after that CTA's bytes landed, and the launch's later CTAs
+// copy nothing (the transfer fails).
+func TestGateShutWaitsForCTA(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	r := rand.New(rand.NewPCG(5, 6))
+	s.d.pause = make(chan chan struct{})
+	l := s.layout(r, []int{3, 4, 9})
+	id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{l}, []byte("req-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	inside := <-s.d.pause // the first CTA is inside, its copy not done
+	var once sync.Once
+	letGo := func() { once.Do(func() { close(inside) }) }
+	t.Cleanup(letGo) // a failure below must not leave the launch stuck
+	revoked := make(chan struct{})
+	go func() {
+		s.f.revoke()
+		close(revoked)
+	}()
+	select {
+	case <-revoked:
+		t.Fatal("the grant ended while a CTA was inside its gate")
+	case <-time.After(50 * time.Millisecond):
+	}
+	first := ExpandLayouts(nil, []Layout{l})[0]
+	letGo()
+	<-revoked
+	if !bytes.Equal(s.g.view(first.Local, first.Len), s.g.view(first.Remote, first.Len)) {
+		t.Fatal("the grant's end returned before the CTA inside its gate had copied")
+	}
+	if st, err := wait(t, s.p, id); st != Failed || !strings.Contains(err.Error(), "gate shut") {
+		t.Fatalf("%v, %v; want failed, the gate shut", st, err)
+	}
+}
+
+// Unmapping D's memory shuts the gates over it (their admissions end) and
+// P forgets them; a peer of a build without gates is offered none.
+func TestGateUnmapAndOlderPeer(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	if err := s.dd.Unmap(s.pb); err != nil {
+		t.Fatal(err)
+	}
+	if mine, _ := s.dd.GatesOpen(); mine != 0 || s.f.open() != 0 {
+		t.Fatalf("after Unmap: %d gates open, %d admissions", mine, s.f.open())
+	}
+	waitFor(t, "P forgets the gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
+
+	old := newGateSetup(t, Config{noGates: true}, Config{})
+	if err := old.dd.OpenGate(old.p.Name(), []LayoutSpan{old.grant}, []byte("req-1")); !errors.Is(err, ErrNoGate) {
+		t.Fatalf("a gate offered to a build without gates: %v", err)
+	}
+	if old.f.open() != 0 {
+		t.Fatal("a gate not made left its admission open")
+	}
+	off := newGateSetup(t, Config{}, Config{DisableGates: true})
+	if err := off.dd.OpenGate(off.p.Name(), []LayoutSpan{off.grant}, []byte("req-1")); !errors.Is(err, ErrNoGate) {
+		t.Fatalf("DisableGates: %v", err)
+	}
+	denied := newGateSetup(t, Config{}, Config{})
+	denied.f.deny = true
+	if err := denied.dd.OpenGate(denied.p.Name(), []LayoutSpan{denied.grant}, []byte("req-1")); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("a gate its fence refused: %v", err)
+	}
+}
