@@ -54,6 +54,7 @@ static struct {
 	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuStreamSynchronize)(CUstream);
 	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
+	CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
 } cu;
 
 #define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
@@ -77,6 +78,7 @@ static const char* cu_load(void) {
 	CU_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"); CU_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
 	CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
 	CU_SYM(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
+	CU_SYM(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
 	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
 	// and CUDA 12+ headers do; on whole GPUs both versions agree.
 	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
@@ -131,6 +133,7 @@ static CUresult cu_dtod(CUdeviceptr d, CUdeviceptr s, size_t n) {
 static CUresult cu_ipc_get(void *out64, CUdeviceptr p) { CUipcMemHandle h; CUresult r = cu.cuIpcGetMemHandle(&h, p); if (!r) memcpy(out64, &h, 64); return r; }
 static CUresult cu_ipc_open(CUdeviceptr *p, const void *in64) { CUipcMemHandle h; memcpy(&h, in64, 64); return cu.cuIpcOpenMemHandle(p, h, 1); }
 static CUresult cu_ipc_close(CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
+static CUresult cu_range(CUdeviceptr p, CUdeviceptr *base, size_t *size) { return cu.cuMemGetAddressRange(base, size, p); }
 // The batched copy: the kernel loaded from its PTX image, a stream, and
 // slots (pinned descriptors, their device copy, an event) posted whole.
 static CUresult cu_module(CUcontext ctx, const void *image, CUfunction *f, CUfunction *gated) {
@@ -402,6 +405,22 @@ func (d *Device) Import(h Handle) (ptr uint64, err error) {
 		return e
 	})
 	return ptr, err
+}
+
+// AllocSize returns the bytes of the allocation ptr lies in from ptr on
+// (cuMemGetAddressRange): what an import of another process's handle
+// really maps, whatever that process claims.
+func (d *Device) AllocSize(ptr uint64) (n uint64, err error) {
+	err = d.do(func() error {
+		var base C.CUdeviceptr
+		var size C.size_t
+		if e := check("address range", C.cu_range(C.CUdeviceptr(ptr), &base, &size)); e != nil {
+			return e
+		}
+		n = uint64(base) + uint64(size) - ptr
+		return nil
+	})
+	return n, err
 }
 
 // Unmap closes imported memory.

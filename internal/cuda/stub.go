@@ -38,6 +38,7 @@ func (d *Device) CopyDevice(uint64, uint64, int) error { return ErrUnavailable }
 func (d *Device) Export(uint64) (Handle, error)        { return Handle{}, ErrUnavailable }
 func (d *Device) Import(Handle) (uint64, error)        { return 0, ErrUnavailable }
 func (d *Device) Unmap(uint64) error                   { return ErrUnavailable }
+func (d *Device) AllocSize(uint64) (uint64, error)     { return 0, ErrUnavailable }
 func (d *Device) Close() error                         { return nil }
 
 func (d *Device) loadKernel([]byte) (fn, gated, stream unsafe.Pointer, err error) {

@@ -425,7 +425,10 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 }
 
 // gateAreaLocked returns dev's gate area, making it first if need be
-// (a.gates.mu held).
+// (a.gates.mu held). An area is kept for the process's life, not freed
+// when the agent closes: a peer may still hold it imported, and a late
+// launch of the peer's reading freed memory would fault the peer's GPU
+// context (512 KiB of GPU memory per device an agent gated on).
 func (a *Agent) gateAreaLocked(dev GateDevice, uuid [16]byte) (*gateArea, error) {
 	st := &a.gates
 	if ar := st.areas[dev]; ar != nil {
@@ -688,6 +691,10 @@ func (a *Agent) importGateMem(s *localServer, from string, uuid [16]byte, h [64]
 		a.log.Warn("netxfer: importing a peer's gate memory failed: its WRITEs go two-sided", "peer", from, "err", err)
 		return nil, nil
 	}
+	if err := checkImport(dev, ptr, size); err != nil {
+		_ = dev.Unmap(ptr)
+		return nil, fmt.Errorf("gate memory from %s: %w", from, err)
+	}
 	return &devImport{dev: dev, ptr: ptr, size: size, handle: h}, nil
 }
 
@@ -871,6 +878,9 @@ func (a *Agent) oneSided(x *xfer) bool {
 		return true
 	}
 	a.wire(WirePartSent, x.id, 0)
+	// Counted until its notification is sent (Close waits for it); this
+	// goroutine is counted, so no Wait has seen the count at zero.
+	a.wg.Add(1)
 	polled.add([]DevCopy{cp}, func(err error) {
 		srv.gateUse.Done()
 		a.memMu.RUnlock()
@@ -882,11 +892,11 @@ func (a *Agent) oneSided(x *xfer) bool {
 		a.wire(WireAnswerRead, x.id, 0)
 		if err != nil || x.notif == nil {
 			a.finishPart(x, err)
+			a.wg.Done()
 			return
 		}
 		// The notification, off the poller's goroutine (a write may
 		// block).
-		a.wg.Add(1)
 		go func() {
 			defer a.wg.Done()
 			if err := a.Notify(x.peer.name, x.notif); err != nil {
@@ -978,12 +988,15 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 			regs = append(regs, DevRegion{Dst: ck.imp.ptr + (b.Remote - ck.base), Src: b.Local})
 		}
 		if gb == nil {
-			nb, err := v.dev.(BatchDevice).NewBatch(len(l.Entries))
+			bd, ok := v.dev.(BatchDevice)
+			if !ok {
+				return giveUp()
+			}
+			nb, err := bd.NewBatch(len(l.Entries))
 			if err != nil {
 				a.mu.Unlock()
 				return nil, fmt.Errorf("GPU copy: %w", err)
 			}
-			var ok bool
 			if gb, ok = nb.(GatedBatch); !ok {
 				nb.Discard()
 				return giveUp()

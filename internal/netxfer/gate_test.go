@@ -423,3 +423,51 @@ func TestGateUnmapAndOlderPeer(t *testing.T) {
 		t.Fatalf("a gate its fence refused: %v", err)
 	}
 }
+
+// shortGPU is a gateGPU whose imports map half what their exporter
+// claims (AllocSize): a peer that says its GPU memory is larger than it is.
+type shortGPU struct{ *gateGPU }
+
+func (d shortGPU) AllocSize(ptr uint64) (uint64, error) {
+	d.fakeGPU.mu.Lock()
+	defer d.fakeGPU.mu.Unlock()
+	for base, m := range d.fakeGPU.maps {
+		if ptr >= base && ptr-base < uint64(len(m)) {
+			return (uint64(len(m)) - (ptr - base)) / 2, nil
+		}
+	}
+	return 0, errors.New("fake: not mapped")
+}
+
+// GPU memory a peer claims larger than its allocation is refused where it
+// is imported, on both paths: a two-sided WRITE fails (the receiver drops
+// the connection, naming the claim) and nothing lands; the sender of a
+// gate's claim gets no gate held (its WRITEs go two-sided).
+func TestImportLargerThanClaimed(t *testing.T) {
+	g := newFakeGPU()
+	d := shortGPU{newGateGPU(g)}
+	p, dd, pa, pb := batchPairCfgs(t, d, d, Config{}, Config{})
+	r := rand.New(rand.NewPCG(7, 8))
+	ds := blockDescs(r, pa, pb, 8, 4096)
+	before := g.view(pb, 1<<20)
+	id, err := p.Post(Write, dd.Name(), ds, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, p, id); st != Failed {
+		t.Fatalf("a WRITE from memory claimed larger than it is: %v, %v; want failed", st, err)
+	}
+	if !bytes.Equal(g.view(pb, 1<<20), before) {
+		t.Fatal("bytes landed from memory claimed larger than it is")
+	}
+	var grant LayoutSpan
+	grant.Bases = []uint64{pb}
+	grant.Entries = []Region{{0, 4096}}
+	if err := dd.OpenGate(p.Name(), []LayoutSpan{grant}, []byte("req-1")); err != nil && !errors.Is(err, ErrNoGate) {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if _, held := p.GatesOpen(); held != 0 {
+		t.Fatalf("P holds %d gates over memory claimed larger than it is", held)
+	}
+}

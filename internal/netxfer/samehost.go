@@ -200,6 +200,32 @@ type Device interface {
 	CopyOut(dst []byte, src uint64) error
 }
 
+// Sizer is a Device that can say how many bytes an import really maps
+// (kvxferd: cuMemGetAddressRange). A peer's GPU memory imported on one is
+// checked against the size the peer claims, so that a peer that claims
+// more than its allocation cannot make this process's copies run past
+// the mapping (which would fault its GPU context).
+type Sizer interface {
+	AllocSize(ptr uint64) (uint64, error)
+}
+
+// checkImport checks an import at ptr on dev against the size claimed
+// for it (where dev is a Sizer).
+func checkImport(dev Device, ptr, claimed uint64) error {
+	s, ok := dev.(Sizer)
+	if !ok {
+		return nil
+	}
+	n, err := s.AllocSize(ptr)
+	if err != nil {
+		return fmt.Errorf("the size of an import: %w", err)
+	}
+	if claimed > n {
+		return fmt.Errorf("%w: GPU memory claimed as %d bytes maps %d", ErrProtocol, claimed, n)
+	}
+	return nil
+}
+
 // BatchDevice is a Device that copies many pieces between GPU memories
 // with one asynchronous launch (kvxferd: internal/cuda's copy kernel).
 // The GPU pieces of a same-host part are staged as one batch per
@@ -627,6 +653,10 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 		ptr, err := dev.Import(h)
 		if err != nil {
 			return fmt.Errorf("GPU memory %d: import: %w", id, err)
+		}
+		if err := checkImport(dev, ptr, n); err != nil {
+			_ = dev.Unmap(ptr)
+			return fmt.Errorf("GPU memory %d from %s: %w", id, from, err)
 		}
 		if had {
 			old.unmap()
