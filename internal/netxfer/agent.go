@@ -688,7 +688,13 @@ func (a *Agent) Notify(name string, msg []byte) error {
 	if p.local != nil {
 		return p.local.deliver(a.cfg.Name, slices.Clone(msg))
 	}
-	c, err := p.firstConn()
+	// To a peer that takes gates, on the connection gates go on: a
+	// registration reaches it after the gate of its grant.
+	conn := p.conn
+	if p.gates {
+		conn = p.firstConn
+	}
+	c, err := conn()
 	if err != nil {
 		return fmt.Errorf("netxfer: notify %q: %w", name, err)
 	}
