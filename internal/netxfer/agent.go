@@ -280,7 +280,7 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
 	a.gates.areas, a.gates.open = map[Device]*gateArea{}, map[*gate]bool{}
-	a.gates.views = map[string]map[string]*gateView{}
+	a.gates.views, a.gates.items = map[string]map[string]*gateView{}, map[string]int{}
 	if !cfg.DisableSameHost {
 		if err := a.listenLocal(); err != nil {
 			a.log.Debug("netxfer: no same-host socket", "err", err)

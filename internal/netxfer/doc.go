@@ -25,6 +25,17 @@
 // client copies them. A fence page the side being read sets when it
 // withdraws keeps bytes copied after that from counting. See samehost.go.
 //
+// # One-sided WRITEs on one GPU (gates)
+//
+// Between agents of one host whose memory is on the same GPU, a receiver
+// can offer a grant ahead as a gate (OpenGate): admitted whole through
+// its fence, announced with its GPU memory's IPC handle and a generation
+// in a few bytes of its GPU memory. The sender then checks a WRITE for
+// that grant's request against the granted ranges and launches the copy
+// into the receiver's memory itself, and notifies; no part, no answer.
+// The grant's end shuts the gate and waits until no CTA of a launch is
+// inside it. See gate.go.
+//
 // # Ordering and completion
 //
 // A transfer is split over the peer's connections (Config.Conns) as

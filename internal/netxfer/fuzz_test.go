@@ -64,6 +64,15 @@ func FuzzFrames(f *testing.F) {
 	}
 	f.Add(true, le(u32([]byte{tChunk}, 9), 0, 4096))
 	f.Add(true, []byte{tChunkDev})
+	// Gate frames (a peer's gate: its area, its memory, a gate of one
+	// span, its shut).
+	area := append(u32([]byte{tGateArea}, 1), make([]byte, 80)...)
+	gchunk := append(le(u32([]byte{tGateChunk}, 1), fuzzReg, 4096), make([]byte, 80)...)
+	gopen := le(u32(append(u32([]byte{tGateOpen}, 1, 0, 1, 1), 'k'), 1, 1, 1), fuzzReg)
+	gopen = le(u32(gopen, 1), 0, 8)
+	gshut := u32([]byte{tGateShut}, 1, 0, 1)
+	f.Add(true, append(append(append(area, gchunk...), gopen...), gshut...))
+	f.Add(true, u32([]byte{tGateOpen}, 1, 0, 1, 0, 1<<20))
 	f.Fuzz(func(t *testing.T, sameHost bool, frames []byte) {
 		fuzzTarget.once.Do(func() {
 			a, err := New(Config{Name: "fuzz-target", DisableLocal: true, FrameTimeout: 2 * time.Second})

@@ -141,8 +141,32 @@ type gateState struct {
 	areas map[Device]*gateArea
 	nArea uint32
 	open  map[*gate]bool
-	// views are the peers' gates by peer and key.
+	// views are the peers' gates by peer and key; items, the bases and
+	// entries they hold by peer (bounded: maxGateItems).
 	views map[string]map[string]*gateView
+	items map[string]int
+}
+
+// maxGateItems bounds the bases and entries of the gates one peer may
+// have this agent hold at once (a request's grant is a few hundred; a
+// variable for tests).
+var maxGateItems = 1 << 22
+
+// size is what a view counts against its peer's bound.
+func (v *gateView) size() int {
+	n := len(v.bases)
+	for _, e := range v.ents {
+		n += len(e)
+	}
+	return n
+}
+
+// dropViewLocked forgets the view of peer under key (a.gates.mu held).
+func (st *gateState) dropViewLocked(peer, key string) {
+	if v := st.views[peer][key]; v != nil {
+		st.items[peer] -= v.size()
+		delete(st.views[peer], key)
+	}
 }
 
 // gateArea is one device's gates (D side).
@@ -659,7 +683,7 @@ func (a *Agent) serveGate(s *localServer, r *scatterReader, from string, typ byt
 		st.mu.Lock()
 		for k, v := range st.views[from] {
 			if v.srv == s && v.area == area && v.slot == slot && v.gen == gen {
-				delete(st.views[from], k)
+				st.dropViewLocked(from, k)
 			}
 		}
 		st.mu.Unlock()
@@ -780,6 +804,11 @@ func (a *Agent) serveGateOpen(s *localServer, r *scatterReader, from string, hdr
 	if _, ok := m[string(key)]; !ok && len(m) >= gateSlots {
 		return fmt.Errorf("%w: %s holds more than %d gates open", ErrProtocol, from, gateSlots)
 	}
+	st.dropViewLocked(from, string(key))
+	if st.items[from]+v.size() > maxGateItems {
+		return fmt.Errorf("%w: %s's gates would hold more than %d bases and entries here", ErrProtocol, from, maxGateItems)
+	}
+	st.items[from] += v.size()
 	m[string(key)] = v
 	return nil
 }
@@ -819,10 +848,10 @@ func covers(rs []Region, off, n uint64) bool {
 func (a *Agent) dropGateViews(s *localServer) {
 	st := &a.gates
 	st.mu.Lock()
-	for _, m := range st.views {
+	for peer, m := range st.views {
 		for k, v := range m {
 			if v.srv == s {
-				delete(m, k)
+				st.dropViewLocked(peer, k)
 			}
 		}
 	}

@@ -471,3 +471,42 @@ func TestImportLargerThanClaimed(t *testing.T) {
 		t.Fatalf("P holds %d gates over memory claimed larger than it is", held)
 	}
 }
+
+// A peer's gates are bounded here (the bases and entries they hold): one
+// that would pass the bound drops the connection it came on, as a
+// protocol error; the gates it held there are forgotten, the peer's shut,
+// and transfers go on two-sided.
+func TestGateItemsBounded(t *testing.T) {
+	defer func(n int) { maxGateItems = n }(maxGateItems)
+	maxGateItems = 30 // a gate below is 8 bases and 12 entries
+	s := newGateSetup(t, Config{}, Config{})
+	grant := func(first int) LayoutSpan {
+		sp := LayoutSpan{Bases: s.grant.Bases}
+		for b := first; b < first+24; b += 2 { // apart: not merged
+			sp.Entries = append(sp.Entries, Region{uint64(b * 4096), 4096})
+		}
+		return sp
+	}
+	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{grant(0)}, []byte("req-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "P holds the first gate", func() bool { _, n := s.p.GatesOpen(); return n == 1 })
+	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{grant(0)}, []byte("req-2")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "P drops the connection and forgets its gates", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
+	waitFor(t, "D's gates shut with the connection", func() bool { mine, _ := s.dd.GatesOpen(); return mine == 0 && s.f.open() == 0 })
+	r := rand.New(rand.NewPCG(9, 9))
+	l := s.layout(r, []int{3, 4})
+	id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{l}, []byte("req-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, s.p, id); st != Done {
+		t.Fatalf("a WRITE after the connection dropped: %v, %v", st, err)
+	}
+	checkGPUMoved(t, s.g, Write, ExpandLayouts(nil, []Layout{l}))
+	if s.p.OneSidedWrites() != 0 {
+		t.Fatal("a WRITE went through a gate dropped with its connection")
+	}
+}
