@@ -518,12 +518,22 @@ func (a *Agent) drainGate(g *gate) {
 	warned := false
 	for wait := 10 * time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
 		if err := ar.dev.CopyOut(cnt[:], at+gateActiveOff); err != nil {
-			a.log.Error("netxfer: reading a gate failed", "peer", g.peer, "err", err)
-		} else if allZero(cnt[:]) {
+			// The device failed (a CUDA error sticks to the context):
+			// nothing more can be known, or done, with this memory.
+			a.log.Error("netxfer: reading a gate failed; its grant ends without knowing the peer's launches are out", "peer", g.peer, "err", err)
+			break
+		}
+		if allZero(cnt[:]) {
 			break
 		}
 		if !processAlive(g.pid) {
-			break // its launches went with its GPU context
+			// Its launches went with its GPU context, and the CTAs it
+			// counted in will never count themselves out: cleared, for
+			// the slot's next gate.
+			if err := ar.dev.CopyIn(at+gateActiveOff, make([]byte, len(cnt))); err != nil {
+				a.log.Error("netxfer: clearing a dead peer's counts in a gate failed", "peer", g.peer, "err", err)
+			}
+			break
 		}
 		if !warned && time.Since(start) > gateSlowDrain {
 			warned = true

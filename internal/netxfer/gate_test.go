@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math/rand/v2"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -508,5 +509,49 @@ func TestGateItemsBounded(t *testing.T) {
 	checkGPUMoved(t, s.g, Write, ExpandLayouts(nil, []Layout{l}))
 	if s.p.OneSidedWrites() != 0 {
 		t.Fatal("a WRITE went through a gate dropped with its connection")
+	}
+}
+
+// A producer that died with CTAs counted in a gate cannot count them out:
+// the grant's end stops waiting once its process is gone (its launches
+// went with its GPU context), and clears the counts for the slot's next
+// gate.
+func TestGateDeadProducer(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	cmd := exec.Command("true")
+	if err := cmd.Run(); err != nil {
+		t.Skipf("no process to outlive: %v", err)
+	}
+	st := &s.dd.gates
+	st.mu.Lock()
+	var g *gate
+	for x := range st.open {
+		g = x
+	}
+	g.pid = cmd.Process.Pid // gone (and reaped)
+	at := g.area.ptr + uint64(g.slot)*GateSize
+	st.mu.Unlock()
+	stuck := make([]byte, 4)
+	binary.LittleEndian.PutUint32(stuck, 1)
+	if err := s.d.CopyIn(at+gateActiveOff+8, stuck); err != nil { // a CTA of the dead process
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		s.f.revoke()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the grant's end waited on a dead producer's CTA")
+	}
+	cnt := make([]byte, gateShards*4)
+	if err := s.d.CopyOut(cnt, at+gateActiveOff); err != nil {
+		t.Fatal(err)
+	}
+	if !allZero(cnt) {
+		t.Fatalf("the dead producer's counts were left in the gate: %x", cnt)
 	}
 }
