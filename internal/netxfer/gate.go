@@ -898,20 +898,21 @@ func (a *Agent) oneSided(x *xfer) bool {
 		a.memMu.RUnlock()
 		return false
 	}
+	// The view's imports stay mapped until Done (dropGateViews waits):
+	// it is staged without the lock, other posts and gates going on.
+	srv := v.srv
+	srv.gateUse.Add(1)
+	st.mu.Unlock()
 	cp, err := a.stageOneSided(v, x.layouts)
 	if cp == nil && err == nil {
-		st.mu.Unlock()
+		srv.gateUse.Done()
 		a.memMu.RUnlock()
 		return false
 	}
-	srv := v.srv
-	if err == nil {
-		srv.gateUse.Add(1)
-	}
-	st.mu.Unlock()
 	a.oneSidedN.Add(1)
 	x.parts = 1
 	if err != nil {
+		srv.gateUse.Done()
 		a.memMu.RUnlock()
 		a.finishPart(x, fmt.Errorf("%w: one-sided write to %s: %w", ErrXferFailed, x.peer.name, err))
 		return true
@@ -949,7 +950,7 @@ func (a *Agent) oneSided(x *xfer) bool {
 }
 
 // stageOneSided stages and posts lays as one gated launch through v (P
-// side; memMu read-held, a.gates.mu held). It returns nil and no error
+// side; memMu read-held, v's imports held: gateUse). It returns nil and no error
 // when the WRITE does not qualify: a piece outside the gate's ranges or
 // the peer's memory, local memory that is not GPU memory of the gate's
 // device, a device that does not gate.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os/exec"
 	"strings"
@@ -25,6 +26,7 @@ type gateGPU struct {
 	handles map[uint64][64]byte
 	pause   chan chan struct{}
 	gated   atomic.Int32 // gated batches posted
+	jitter  bool         // gated CTAs sleep a few µs between pieces
 }
 
 func newGateGPU(g *fakeGPU) *gateGPU {
@@ -114,6 +116,9 @@ func (d *gateGPU) postGated(ps []DevPiece, gate uint64, want uint32) *gatedCopy 
 				if err := d.copyPiece(p); err != nil {
 					c.err = err
 				}
+			}
+			if d.jitter {
+				time.Sleep(time.Duration(rand.IntN(30)) * time.Microsecond)
 			}
 			g.mu.Lock()
 			act = g.at(shard, 4)
@@ -553,5 +558,50 @@ func TestGateDeadProducer(t *testing.T) {
 	}
 	if !allZero(cnt) {
 		t.Fatalf("the dead producer's counts were left in the gate: %x", cnt)
+	}
+}
+
+// Grants ended at random points of one-sided WRITEs in flight (four at a
+// time, their CTAs interleaved with the consumer's shut), round after
+// round: once a grant's end returns, the engine reuses the blocks, and
+// nothing of the WRITEs still running lands in them; each WRITE ends
+// done or failed (the gate shut), none hangs.
+func TestGateShutRacesWrites(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.d.jitter = true
+	r := rand.New(rand.NewPCG(11, 12))
+	for round := range 30 {
+		tag := fmt.Sprintf("req-%d", round)
+		s.open(t, tag)
+		var ids []XferID
+		for range 4 {
+			id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{s.layout(r, []int{3, 4, 9, 17, 30})}, []byte(tag))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, id)
+		}
+		time.Sleep(time.Duration(r.IntN(300)) * time.Microsecond)
+		s.f.revoke()
+		// Reused: the engine writes its own bytes into the blocks.
+		s.g.fill(s.pb, 1<<20)
+		reused := s.g.view(s.pb, 1<<20)
+		done := 0
+		for _, id := range ids {
+			st, err := wait(t, s.p, id)
+			switch {
+			case st == Done:
+				done++
+			case st == Failed && strings.Contains(fmt.Sprint(err), "gate shut"):
+			default:
+				t.Fatalf("round %d: a WRITE ended %v, %v", round, st, err)
+			}
+			_ = s.p.Release(id)
+		}
+		if !bytes.Equal(s.g.view(s.pb, 1<<20), reused) {
+			t.Fatalf("round %d: bytes landed in blocks after their grant ended (%d of 4 WRITEs done)", round, done)
+		}
+		waitFor(t, "P forgets the shut gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
+		_ = s.dd.Drain(nil)
 	}
 }
