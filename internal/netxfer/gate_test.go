@@ -26,7 +26,7 @@ type gateGPU struct {
 	handles map[uint64][64]byte
 	pause   chan chan struct{}
 	gated   atomic.Int32 // gated batches posted
-	jitter  bool         // gated CTAs sleep a few µs between pieces
+	jitter  bool         // gated CTAs sleep a few µs between their check and their copy
 }
 
 func newGateGPU(g *fakeGPU) *gateGPU {
@@ -113,12 +113,12 @@ func (d *gateGPU) postGated(ps []DevPiece, gate uint64, want uint32) *gatedCopy 
 					<-wait
 					pause = nil
 				}
+				if d.jitter { // a CTA between its check and its stores
+					time.Sleep(time.Duration(rand.IntN(30)) * time.Microsecond)
+				}
 				if err := d.copyPiece(p); err != nil {
 					c.err = err
 				}
-			}
-			if d.jitter {
-				time.Sleep(time.Duration(rand.IntN(30)) * time.Microsecond)
 			}
 			g.mu.Lock()
 			act = g.at(shard, 4)
@@ -141,13 +141,21 @@ func (d *gateGPU) postGated(ps []DevPiece, gate uint64, want uint32) *gatedCopy 
 
 // gateFence is a LayoutFence that allows everything and can revoke what
 // it admitted: revoke cuts every admission short (its abort) and waits
-// until each has ended, as a Worker's grant table does when a grant ends.
+// until each has ended, as a Worker's grant table does when a grant ends,
+// and refuses as late what comes after it, until regrant.
 type gateFence struct {
-	mu     sync.Mutex
-	next   uint64
-	aborts map[uint64]func()
-	ended  *sync.Cond
-	deny   bool
+	mu      sync.Mutex
+	next    uint64
+	aborts  map[uint64]func()
+	ended   *sync.Cond
+	deny    bool
+	revoked bool
+}
+
+func (f *gateFence) regrant() {
+	f.mu.Lock()
+	f.revoked = false
+	f.mu.Unlock()
 }
 
 func newGateFence() *gateFence {
@@ -173,6 +181,9 @@ func (f *gateFence) admit(abort func()) (Verdict, int, uint64) {
 	if f.deny {
 		return Deny, -1, 0
 	}
+	if f.revoked {
+		return Late, -1, 0
+	}
 	f.next++
 	f.aborts[f.next] = abort
 	return Allow, -1, f.next
@@ -194,6 +205,7 @@ func (f *gateFence) open() int {
 func (f *gateFence) revoke() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.revoked = true
 	for _, abort := range f.aborts {
 		if abort != nil {
 			abort()
@@ -323,6 +335,7 @@ func TestGateOneSided(t *testing.T) {
 		t.Fatalf("%d gates open after the grant ended", mine)
 	}
 	waitFor(t, "P forgets the shut gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
+	s.f.regrant() // granted again (no gate offered): the WRITE goes two-sided
 	write(s.layout(r, []int{9}), "req-1")
 	if s.p.OneSidedWrites() != 2 || s.dd.LayoutParts() != 3 {
 		t.Fatalf("after the gate shut: one-sided %d, layout parts %d", s.p.OneSidedWrites(), s.dd.LayoutParts())
@@ -572,6 +585,7 @@ func TestGateShutRacesWrites(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
 	for round := range 30 {
 		tag := fmt.Sprintf("req-%d", round)
+		s.f.regrant()
 		s.open(t, tag)
 		var ids []XferID
 		for range 4 {
@@ -593,13 +607,14 @@ func TestGateShutRacesWrites(t *testing.T) {
 			case st == Done:
 				done++
 			case st == Failed && strings.Contains(fmt.Sprint(err), "gate shut"):
+			case st == Failed && errors.Is(err, ErrNotGranted): // posted after the grant's end: two-sided, refused
 			default:
 				t.Fatalf("round %d: a WRITE ended %v, %v", round, st, err)
 			}
 			_ = s.p.Release(id)
 		}
 		if !bytes.Equal(s.g.view(s.pb, 1<<20), reused) {
-			t.Fatalf("round %d: bytes landed in blocks after their grant ended (%d of 4 WRITEs done)", round, done)
+			t.Fatalf("round %d: bytes landed in blocks after their grant ended (%d of 4 WRITEs done; one-sided %d, parts at D %d)", round, done, s.p.OneSidedWrites(), s.dd.LayoutParts())
 		}
 		waitFor(t, "P forgets the shut gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
 		_ = s.dd.Drain(nil)
