@@ -354,7 +354,9 @@ func (g *gateGPU) Alloc(n int) (uint64, error) {
 	g.mem.Store(p, m)
 	return p, nil
 }
-func (g *gateGPU) Free(uint64) error { return nil }
+func (g *gateGPU) Free(uint64) error                        { return nil }
+func (g *gateGPU) SideCopyIn(dst uint64, src []byte) error  { return g.CopyIn(dst, src) }
+func (g *gateGPU) SideCopyOut(dst []byte, src uint64) error { return g.CopyOut(dst, src) }
 func (g *gateGPU) Export(ptr uint64) ([64]byte, error) {
 	var h [64]byte
 	binary.LittleEndian.PutUint64(h[:], ptr)

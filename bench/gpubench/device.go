@@ -379,6 +379,10 @@ func (g *fakeGPU) CopyOut(dst []byte, src uint64) error {
 	return err
 }
 
+// SideCopyIn and SideCopyOut are CopyIn and CopyOut (no streams here).
+func (g *fakeGPU) SideCopyIn(dst uint64, src []byte) error  { return g.CopyIn(dst, src) }
+func (g *fakeGPU) SideCopyOut(dst []byte, src uint64) error { return g.CopyOut(dst, src) }
+
 func (g *fakeGPU) UUID() ([16]byte, error) { return [16]byte{0xfa, 0xce}, nil }
 func (g *fakeGPU) Ordinal() int            { return 0 }
 func (g *fakeGPU) Sync() error             { return nil }

@@ -471,14 +471,14 @@ func TestGatedCopy(t *testing.T) {
 	}
 	setGen := func(gen uint32) {
 		t.Helper()
-		if err := d.CopyIn(gates, []byte{byte(gen), byte(gen >> 8), byte(gen >> 16), byte(gen >> 24)}); err != nil {
+		if err := d.SideCopyIn(gates, []byte{byte(gen), byte(gen >> 8), byte(gen >> 16), byte(gen >> 24)}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	inside := func() uint32 {
 		t.Helper()
 		var b [GateShards * 4]byte
-		if err := d.CopyOut(b[:], gates+GateActiveOff); err != nil {
+		if err := d.SideCopyOut(b[:], gates+GateActiveOff); err != nil {
 			t.Fatal(err)
 		}
 		var n uint32

@@ -55,6 +55,7 @@ static struct {
 	CUresult (*cuStreamSynchronize)(CUstream);
 	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
 	CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
+	CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 } cu;
 
 #define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
@@ -79,6 +80,7 @@ static const char* cu_load(void) {
 	CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
 	CU_SYM(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
 	CU_SYM(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
+	CU_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
 	// and CUDA 12+ headers do; on whole GPUs both versions agree.
 	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
@@ -210,6 +212,16 @@ static CUresult cu_post_each(CUcontext ctx, CUstream s, const unsigned long long
 	}
 	return cu.cuEventRecord(ev, s);
 }
+// cu_side_copy copies n bytes to the device (toDevice) or from it on
+// stream s (non-blocking: it waits for no other stream's work, the
+// legacy default stream's included) and returns once they landed.
+static CUresult cu_side_copy(CUcontext ctx, CUstream s, int toDevice, CUdeviceptr d, void *h, size_t n) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	r = toDevice ? cu.cuMemcpyHtoDAsync(d, h, n, s) : cu.cuMemcpyDtoHAsync(h, d, n, s);
+	if (r) return r;
+	return cu.cuStreamSynchronize(s);
+}
 static CUresult cu_query(CUcontext ctx, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
@@ -268,6 +280,13 @@ type Device struct {
 	ordinal int
 	ctx     C.CUcontext
 	copier  copier // the batched copy (batch.go)
+	// side is the stream of SideCopyIn and SideCopyOut (made on first
+	// use).
+	side struct {
+		once sync.Once
+		s    unsafe.Pointer
+		err  error
+	}
 }
 
 // Open retains device ordinal's primary context.
@@ -421,6 +440,43 @@ func (d *Device) AllocSize(ptr uint64) (n uint64, err error) {
 		return nil
 	})
 	return n, err
+}
+
+// SideCopyIn and SideCopyOut copy a few bytes to or from device memory on
+// a stream of their own that waits for no other work of the process (not
+// the legacy default stream's, which CopyIn and CopyOut wait for: in an
+// engine's process, its queued kernels), and return once they landed.
+// For the words a consumer stores and reads in its gates.
+func (d *Device) SideCopyIn(dst uint64, src []byte) error {
+	if len(src) == 0 {
+		return nil
+	}
+	s, err := d.sideStream()
+	if err != nil {
+		return err
+	}
+	return check("copy to device", C.cu_side_copy(d.ctx, s, 1, C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+// SideCopyOut: see SideCopyIn.
+func (d *Device) SideCopyOut(dst []byte, src uint64) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	s, err := d.sideStream()
+	if err != nil {
+		return err
+	}
+	return check("copy to host", C.cu_side_copy(d.ctx, s, 0, C.CUdeviceptr(src), unsafe.Pointer(&dst[0]), C.size_t(len(dst))))
+}
+
+func (d *Device) sideStream() (C.CUstream, error) {
+	d.side.once.Do(func() {
+		var s C.CUstream
+		d.side.err = check("create stream", C.cu_stream(d.ctx, &s))
+		d.side.s = unsafe.Pointer(s)
+	})
+	return C.CUstream(d.side.s), d.side.err
 }
 
 // Unmap closes imported memory.

@@ -166,12 +166,12 @@ func TestGateBetweenProcesses(t *testing.T) {
 	}
 	time.Sleep(20 * time.Millisecond) // launches running
 	binary.LittleEndian.PutUint32(w[:], 0)
-	if err := d.CopyIn(gates, w[:]); err != nil {
+	if err := d.SideCopyIn(gates, w[:]); err != nil { // as a consumer shuts a gate
 		t.Fatal(err)
 	}
 	var cnt [GateShards * 4]byte
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if err := d.CopyOut(cnt[:], gates+GateActiveOff); err != nil {
+		if err := d.SideCopyOut(cnt[:], gates+GateActiveOff); err != nil {
 			t.Fatal(err)
 		}
 		if bytes.Equal(cnt[:], make([]byte, len(cnt))) {

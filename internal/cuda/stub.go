@@ -39,6 +39,8 @@ func (d *Device) Export(uint64) (Handle, error)        { return Handle{}, ErrUna
 func (d *Device) Import(Handle) (uint64, error)        { return 0, ErrUnavailable }
 func (d *Device) Unmap(uint64) error                   { return ErrUnavailable }
 func (d *Device) AllocSize(uint64) (uint64, error)     { return 0, ErrUnavailable }
+func (d *Device) SideCopyIn(uint64, []byte) error      { return ErrUnavailable }
+func (d *Device) SideCopyOut([]byte, uint64) error     { return ErrUnavailable }
 func (d *Device) Close() error                         { return nil }
 
 func (d *Device) loadKernel([]byte) (fn, gated, stream unsafe.Pointer, err error) {

@@ -458,6 +458,9 @@ func (g *nopGPU) CopyIn(dst uint64, b []byte) error {
 	return nil
 }
 
+func (g *nopGPU) SideCopyIn(dst uint64, b []byte) error  { return g.CopyIn(dst, b) }
+func (g *nopGPU) SideCopyOut(b []byte, src uint64) error { return g.CopyOut(b, src) }
+
 func (g *nopGPU) CopyOut(b []byte, src uint64) error {
 	clear(b)
 	if len(b) == 4 {

@@ -64,6 +64,13 @@ type GateDevice interface {
 	Alloc(n int) (uint64, error)
 	Free(ptr uint64) error
 	Export(ptr uint64) ([64]byte, error)
+	// SideCopyIn and SideCopyOut copy a few bytes to and from device
+	// memory and return once they landed, waiting for no other work of
+	// the process: in an engine's own process, the gates' words are not
+	// held up behind its kernels (CopyIn and CopyOut, on CUDA's legacy
+	// default stream, would wait for them).
+	SideCopyIn(dst uint64, src []byte) error
+	SideCopyOut(dst []byte, src uint64) error
 }
 
 // GatedBatch is a DevBatch whose launch can be gated: its CTAs copy only
@@ -360,13 +367,12 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 	}
 	var w, back [4]byte
 	binary.LittleEndian.PutUint32(w[:], gen)
-	// Read back: a copy from host memory may return before its bytes
-	// land; the read behind it on the same stream returns after.
-	if err := dev.CopyIn(ar.ptr+uint64(slot)*GateSize, w[:]); err != nil {
+	// Read back (a belt and braces: the side copies return once landed).
+	if err := dev.SideCopyIn(ar.ptr+uint64(slot)*GateSize, w[:]); err != nil {
 		st.mu.Unlock()
 		return fmt.Errorf("store the gate's generation: %w", err)
 	}
-	if err := dev.CopyOut(back[:], ar.ptr+uint64(slot)*GateSize); err != nil || back != w {
+	if err := dev.SideCopyOut(back[:], ar.ptr+uint64(slot)*GateSize); err != nil || back != w {
 		st.mu.Unlock()
 		return fmt.Errorf("store the gate's generation: read back %x, %v", back, err)
 	}
@@ -463,7 +469,7 @@ func (a *Agent) gateAreaLocked(dev GateDevice, uuid [16]byte) (*gateArea, error)
 	if err != nil {
 		return nil, fmt.Errorf("allocate gates: %w", err)
 	}
-	if err := dev.CopyIn(ptr, make([]byte, n)); err != nil {
+	if err := dev.SideCopyIn(ptr, make([]byte, n)); err != nil {
 		_ = dev.Free(ptr)
 		return nil, fmt.Errorf("clear gates: %w", err)
 	}
@@ -510,14 +516,14 @@ func (a *Agent) drainGate(g *gate) {
 		return
 	}
 	at := ar.ptr + uint64(g.slot)*GateSize
-	if err := ar.dev.CopyIn(at, make([]byte, 4)); err != nil {
+	if err := ar.dev.SideCopyIn(at, make([]byte, 4)); err != nil {
 		a.log.Error("netxfer: shutting a gate failed: waiting for its launches anyway", "peer", g.peer, "err", err)
 	}
 	var cnt [gateShards * 4]byte
 	start := time.Now()
 	warned := false
 	for wait := 10 * time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
-		if err := ar.dev.CopyOut(cnt[:], at+gateActiveOff); err != nil {
+		if err := ar.dev.SideCopyOut(cnt[:], at+gateActiveOff); err != nil {
 			// The device failed (a CUDA error sticks to the context):
 			// nothing more can be known, or done, with this memory.
 			a.log.Error("netxfer: reading a gate failed; its grant ends without knowing the peer's launches are out", "peer", g.peer, "err", err)
@@ -530,7 +536,7 @@ func (a *Agent) drainGate(g *gate) {
 			// Its launches went with its GPU context, and the CTAs it
 			// counted in will never count themselves out: cleared, for
 			// the slot's next gate.
-			if err := ar.dev.CopyIn(at+gateActiveOff, make([]byte, len(cnt))); err != nil {
+			if err := ar.dev.SideCopyIn(at+gateActiveOff, make([]byte, len(cnt))); err != nil {
 				a.log.Error("netxfer: clearing a dead peer's counts in a gate failed", "peer", g.peer, "err", err)
 			}
 			break

@@ -43,6 +43,9 @@ func (d *gateGPU) Alloc(n int) (uint64, error) {
 
 func (d *gateGPU) Free(uint64) error { return nil }
 
+func (d *gateGPU) SideCopyIn(dst uint64, src []byte) error  { return d.CopyIn(dst, src) }
+func (d *gateGPU) SideCopyOut(dst []byte, src uint64) error { return d.CopyOut(dst, src) }
+
 func (d *gateGPU) Export(ptr uint64) ([64]byte, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
