@@ -121,11 +121,22 @@ func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
 		c.done = true
 		c.mu.Unlock()
 	}
+	g.schedule(run, false)
+	return c, nil
+}
+
+// schedule runs a batch: now (on a goroutine of its own if async), or,
+// while hold is set, once release is closed.
+func (g *heldGPU) schedule(run func(), async bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if !g.hold {
+	switch {
+	case !g.hold && async:
+		go run()
+		return
+	case !g.hold:
 		run()
-		return c, nil
+		return
 	}
 	g.held++
 	rel := g.release
@@ -136,7 +147,6 @@ func (g *heldGPU) PostCopy(ps []tcp.DevPiece) (tcp.DevCopy, error) {
 		g.held--
 		g.mu.Unlock()
 	}()
-	return c, nil
 }
 
 func (g *heldGPU) heldBatches() int {
@@ -148,19 +158,24 @@ func (g *heldGPU) heldBatches() int {
 // gpuBackend is a built-in backend whose rank memory is "GPU memory" of
 // g, moved on the same-host path as one batch per part.
 func gpuBackend(t *testing.T, name string, r *kvsim.Rank, g *heldGPU) *tcp.Backend {
+	return gpuBackendOn(t, name, r, g, g)
+}
+
+// gpuBackendOn is gpuBackend with dev the device (g's memory).
+func gpuBackendOn(t *testing.T, name string, r *kvsim.Rank, g *heldGPU, dev tcp.Device) *tcp.Backend {
 	t.Helper()
 	r.Rebase(uint64(uintptr(unsafe.Pointer(&r.Mem[0]))))
 	uuid := [16]byte{0x9b}
 	g.mem.Store(r.Base, r.Mem)
 	// Agents of one process: DisableLocal keeps them off the direct copy
 	// (host memory only), on the same-host path.
-	b := tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Devices: func(u [16]byte) (tcp.Device, error) { return g, nil }})
+	b := tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Devices: func(u [16]byte) (tcp.Device, error) { return dev, nil }})
 	if err := b.Unmap(r.Base); err != nil { // tcpBackend mapped it as host memory
 		t.Fatal(err)
 	}
 	var h [64]byte
 	binary.LittleEndian.PutUint64(h[:], r.Base)
-	if err := b.MapIPC(r.Base, uint64(len(r.Mem)), g, uuid, h); err != nil {
+	if err := b.MapIPC(r.Base, uint64(len(r.Mem)), dev, uuid, h); err != nil {
 		t.Fatal(err)
 	}
 	return b
@@ -172,40 +187,8 @@ func gpuBackend(t *testing.T, name string, r *kvsim.Rank, g *heldGPU) *tcp.Backe
 // blocks the engine was told are free. Then the engine reuses them and
 // nothing changes them.
 func TestGiveUpWaitsForGPUBatch(t *testing.T) {
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir := kvxfertest.NewDirectory()
-	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
 	g := &heldGPU{release: make(chan struct{})}
-	mk := func(id string) *simEngine {
-		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
-			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-				return gpuBackend(t, name, r, g), nil
-			})
-	}
-	p, d := mk("P"), mk("D")
-	t.Cleanup(func() { d.close(t); p.close(t) })
-	var once sync.Once
-	release := func() { once.Do(func() { close(g.release) }) }
-	t.Cleanup(release) // first: closing waits for the batches
-	groups := d.ranks[0][0].Layout.GroupList()
-	rng := rand.New(rand.NewPCG(3, 4))
-	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
-	p.ranks[0][0].Scramble(1)
-	p.ranks[0][0].Fill(q.sim.P)
-	d.ranks[0][0].Scramble(2)
-
-	now := time.Now()
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
-	awaitRegistration(t, p)
-	g.mu.Lock()
-	g.hold = true
-	g.mu.Unlock()
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
-	for deadline := time.Now().Add(10 * time.Second); g.heldBatches() == 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("P's WRITE never reached D's GPU")
-		}
-	}
+	d, dir, release := heldPush(t, g, func(name string, r *kvsim.Rank) *tcp.Backend { return gpuBackend(t, name, r, g) }, nil)
 	// The partition: D hears nothing more from P and gives the request
 	// up after PeerTimeout; its revocation waits for the batch.
 	dir.FailHandshakes("P", 1<<20)
@@ -229,6 +212,51 @@ func TestGiveUpWaitsForGPUBatch(t *testing.T) {
 	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
 		t.Fatal("bytes landed in D's blocks after D reported them free")
 	}
+}
+
+// heldPush starts a P and a D engine (one rank each) on backends from
+// on, D giving up on P after 500 ms of silence, registers one push
+// request, runs ready (if not nil) once P holds the registration, holds
+// g's batches and has P send: it returns once P's batch is posted and
+// held, with D, the engines' directory and the release of the held
+// batches (also on cleanup, before the engines close).
+func heldPush(t *testing.T, g *heldGPU, on func(name string, r *kvsim.Rank) *tcp.Backend, ready func(p *simEngine)) (d *simEngine, dir *kvxfertest.Directory, release func()) {
+	t.Helper()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir = kvxfertest.NewDirectory()
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	mk := func(id string) *simEngine {
+		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
+			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) { return on(name, r), nil })
+	}
+	p := mk("P")
+	d = mk("D")
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	var once sync.Once
+	release = func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(release) // first: closing waits for the batches
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(3, 4))
+	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
+	awaitRegistration(t, p)
+	if ready != nil {
+		ready(p)
+	}
+	g.mu.Lock()
+	g.hold = true
+	g.mu.Unlock()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); g.heldBatches() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's WRITE never reached the GPU")
+		}
+	}
+	return d, dir, release
 }
 
 // rawPostLayouts posts one layout WRITE on a backend, outside any Worker,
@@ -426,21 +454,7 @@ func (b *gatedBatch) Post() (tcp.DevCopy, error) {
 	g.gmu.Lock()
 	g.gated++
 	g.gmu.Unlock()
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if !g.hold {
-		go run()
-		return c, nil
-	}
-	g.held++
-	rel := g.release
-	go func() {
-		<-rel
-		run()
-		g.mu.Lock()
-		g.held--
-		g.mu.Unlock()
-	}()
+	g.schedule(run, true)
 	return c, nil
 }
 
@@ -483,14 +497,7 @@ func TestPushOneSidedGPU(t *testing.T) {
 		now := time.Now()
 		d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
 		awaitRegistration(t, p)
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			if _, held := pbe.Gates(); held == 1 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("the producer never held the consumer's gate")
-			}
-		}
+		awaitGate(t, pbe)
 		p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
 		out := awaitOutcomes(t, 2, p, d)
 		if o := out.recv["d-"+id]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
@@ -523,48 +530,13 @@ func TestPushOneSidedGPU(t *testing.T) {
 // copies nothing into the blocks the engine reuses: the gate shut before
 // the report. The producer's transfer fails.
 func TestGiveUpShutsGate(t *testing.T) {
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir := kvxfertest.NewDirectory()
-	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
 	g := &gateGPU{heldGPU: &heldGPU{release: make(chan struct{})}}
-	mk := func(id string) *simEngine {
-		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
-			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
-				return gateBackend(t, name, r, g), nil
-			})
-	}
-	p, d := mk("P"), mk("D")
-	t.Cleanup(func() { d.close(t); p.close(t) })
-	var once sync.Once
-	release := func() { once.Do(func() { close(g.release) }) }
-	t.Cleanup(release)
-	pbe := p.backends[0].(*tcp.Backend)
-	groups := d.ranks[0][0].Layout.GroupList()
-	rng := rand.New(rand.NewPCG(3, 4))
-	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
-	p.ranks[0][0].Scramble(1)
-	p.ranks[0][0].Fill(q.sim.P)
-	d.ranks[0][0].Scramble(2)
-	now := time.Now()
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p, now.Add(time.Minute))}})
-	awaitRegistration(t, p)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		if _, held := pbe.Gates(); held == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the producer never held the consumer's gate")
-		}
-	}
-	g.mu.Lock()
-	g.hold = true
-	g.mu.Unlock()
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
-	for deadline := time.Now().Add(10 * time.Second); g.heldBatches() == 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("P's one-sided launch was never posted")
-		}
-	}
+	var pbe *tcp.Backend
+	d, dir, release := heldPush(t, g.heldGPU, func(name string, r *kvsim.Rank) *tcp.Backend { return gateBackend(t, name, r, g) },
+		func(p *simEngine) {
+			pbe = p.backends[0].(*tcp.Backend)
+			awaitGate(t, pbe)
+		})
 	dir.FailHandshakes("P", 1<<20)
 	out := newOutcomes()
 	for deadline := time.Now().Add(20 * time.Second); len(out.recv["d-a"]) == 0; time.Sleep(time.Millisecond) {
@@ -597,18 +569,18 @@ func TestGiveUpShutsGate(t *testing.T) {
 
 // gateBackend is gpuBackend on a GPU that makes gates.
 func gateBackend(t *testing.T, name string, r *kvsim.Rank, g *gateGPU) *tcp.Backend {
+	return gpuBackendOn(t, name, r, g.heldGPU, g)
+}
+
+// awaitGate waits (bounded) until the producer's backend holds one gate.
+func awaitGate(t *testing.T, pbe *tcp.Backend) {
 	t.Helper()
-	r.Rebase(uint64(uintptr(unsafe.Pointer(&r.Mem[0]))))
-	uuid := [16]byte{0x9b}
-	g.mem.Store(r.Base, r.Mem)
-	b := tcpBackend(t, name, r, tcp.Config{DisableLocal: true, Devices: func(u [16]byte) (tcp.Device, error) { return g, nil }})
-	if err := b.Unmap(r.Base); err != nil {
-		t.Fatal(err)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, held := pbe.Gates(); held == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the producer never held the consumer's gate")
+		}
 	}
-	var h [64]byte
-	binary.LittleEndian.PutUint64(h[:], r.Base)
-	if err := b.MapIPC(r.Base, uint64(len(r.Mem)), g, uuid, h); err != nil {
-		t.Fatal(err)
-	}
-	return b
 }

@@ -650,10 +650,7 @@ func (a *Agent) serveGate(s *localServer, r *scatterReader, from string, typ byt
 			return err
 		}
 		id := binary.LittleEndian.Uint32(b[:4])
-		var uuid [16]byte
-		var h [64]byte
-		copy(uuid[:], b[4:20])
-		copy(h[:], b[20:84])
+		uuid, h := devRef(b[4:84])
 		imp, err := a.importGateMem(s, from, uuid, h, gateSlots*GateSize, len(s.gateAreas), s.gateAreas[id] != nil)
 		if err != nil || imp == nil {
 			return err
@@ -671,10 +668,7 @@ func (a *Agent) serveGate(s *localServer, r *scatterReader, from string, typ byt
 		id := binary.LittleEndian.Uint32(b[:4])
 		base := binary.LittleEndian.Uint64(b[4:12])
 		size := binary.LittleEndian.Uint64(b[12:20])
-		var uuid [16]byte
-		var h [64]byte
-		copy(uuid[:], b[20:36])
-		copy(h[:], b[36:100])
+		uuid, h := devRef(b[20:100])
 		if size == 0 || size > 1<<46 || base+size < base {
 			return fmt.Errorf("%w: gate memory %d of %d bytes at %#x", ErrProtocol, id, size, base)
 		}

@@ -200,6 +200,14 @@ type Device interface {
 	CopyOut(dst []byte, src uint64) error
 }
 
+// devRef reads a GPU and an allocation's IPC handle from a frame: 16
+// bytes of UUID, then 64 of handle.
+func devRef(b []byte) (uuid [16]byte, h [64]byte) {
+	copy(uuid[:], b[:16])
+	copy(h[:], b[16:80])
+	return uuid, h
+}
+
 // Sizer is a Device that can say how many bytes an import really maps
 // (kvxferd: cuMemGetAddressRange). A peer's GPU memory imported on one is
 // checked against the size the peer claims, so that a peer that claims
@@ -628,10 +636,7 @@ func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, fr
 			return err
 		}
 		id := binary.LittleEndian.Uint32(b[:4])
-		var uuid [16]byte
-		var h [64]byte
-		copy(uuid[:], b[4:20])
-		copy(h[:], b[20:84])
+		uuid, h := devRef(b[4:84])
 		n := binary.LittleEndian.Uint64(b[84:92])
 		old, had := s.devs[id]
 		if had {
