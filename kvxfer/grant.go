@@ -654,6 +654,9 @@ func (t *accessTable) writeAccess(id uint32, peer PeerName) Access {
 // The grant's end cuts that admission short like any part's, and
 // returns only once nothing the peer launched can land any more.
 type WriteGater interface {
+	// Gateable reports whether any grant could be offered one-sided (the
+	// backend has memory it can gate): cheap, asked before every grant.
+	Gateable() bool
 	// OpenGate offers the ranges of lays (every entry at every base) to
 	// peer for the request tag names. ErrNoGate (wrapped): none could be
 	// made, and the grant is served as before.

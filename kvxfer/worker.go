@@ -916,7 +916,7 @@ func (w *Worker) do(_ int, o *op) error {
 // served two-sided, as without gates.
 func (w *Worker) openGates(o *op) {
 	g, ok := w.be.(WriteGater)
-	if !ok || o.req == "" {
+	if !ok || o.req == "" || !g.Gateable() {
 		return
 	}
 	lays := w.access.grantLayouts(o.spans)

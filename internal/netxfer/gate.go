@@ -231,6 +231,22 @@ func (a *Agent) gateKey(notif []byte) string {
 	return string(notif)
 }
 
+// Gateable reports whether OpenGate could make a gate at all: gates are
+// on and some of the agent's memory is GPU memory of a GateDevice.
+func (a *Agent) Gateable() bool {
+	if a.cfg.DisableGates {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for i := range a.mu.chunks {
+		if _, ok := a.mu.chunks[i].dev.(GateDevice); ok {
+			return true
+		}
+	}
+	return false
+}
+
 // OpenGate admits a WRITE grant to peer ahead (every range of spans, for
 // the request tag names, through the agent's LayoutFence) and offers it to
 // the peer as a gate, so that the peer's WRITEs inside it go one-sided

@@ -420,11 +420,17 @@ func TestGateShutWaitsForCTA(t *testing.T) {
 func TestGateUnmapAndOlderPeer(t *testing.T) {
 	s := newGateSetup(t, Config{}, Config{})
 	s.open(t, "req-1")
+	if !s.dd.Gateable() {
+		t.Fatal("an agent with GPU memory of a device that gates says it cannot gate")
+	}
 	if err := s.dd.Unmap(s.pb); err != nil {
 		t.Fatal(err)
 	}
 	if mine, _ := s.dd.GatesOpen(); mine != 0 || s.f.open() != 0 {
 		t.Fatalf("after Unmap: %d gates open, %d admissions", mine, s.f.open())
+	}
+	if s.dd.Gateable() {
+		t.Fatal("an agent without GPU memory says it can gate")
 	}
 	waitFor(t, "P forgets the gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
 
@@ -436,6 +442,9 @@ func TestGateUnmapAndOlderPeer(t *testing.T) {
 		t.Fatal("a gate not made left its admission open")
 	}
 	off := newGateSetup(t, Config{}, Config{DisableGates: true})
+	if off.dd.Gateable() {
+		t.Fatal("DisableGates: the agent says it can gate")
+	}
 	if err := off.dd.OpenGate(off.p.Name(), []LayoutSpan{off.grant}, []byte("req-1")); !errors.Is(err, ErrNoGate) {
 		t.Fatalf("DisableGates: %v", err)
 	}

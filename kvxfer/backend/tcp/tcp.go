@@ -358,6 +358,10 @@ func (n *Backend) OpenGate(peer kvxfer.PeerName, lays []kvxfer.LayoutRanges, tag
 // how many of its peers' it holds (see OpenGate).
 func (n *Backend) Gates() (mine, peers int) { return n.a.GatesOpen() }
 
+// Gateable implements kvxfer.WriteGater: some of the backend's memory is
+// GPU memory on a device that makes gates (and gates are on).
+func (n *Backend) Gateable() bool { return n.a.Gateable() }
+
 // OneSidedWrites returns how many WRITEs this backend posted through a
 // peer's gate (one-sided, see OpenGate).
 func (n *Backend) OneSidedWrites() uint64 { return n.a.OneSidedWrites() }
