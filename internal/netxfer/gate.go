@@ -50,7 +50,13 @@ import (
 //     and the grant's end return.
 //   - A P that dies mid-launch cannot count itself out: D stops waiting
 //     once P's process is gone (its GPU context, and every launch of it,
-//     with it).
+//     with it), and clears what it left counted.
+//
+// P's transfer is done once its launch ended and the notification was
+// written to its connection to D (on the two-sided path, once D
+// acknowledged it): a connection that breaks between the two leaves D's
+// request to end by its deadline or its peer's liveness, as any lost
+// peer does.
 //
 // Gates are used where both agents' memory is on one GPU of a device that
 // makes them (GateDevice), the agents are on one host and the sender's
