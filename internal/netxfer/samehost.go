@@ -218,7 +218,7 @@ type Sizer interface {
 }
 
 // checkImport checks an import at ptr on dev against the size claimed
-// for it (where dev is a Sizer).
+// for it (where dev is a Sizer that can tell).
 func checkImport(dev Device, ptr, claimed uint64) error {
 	s, ok := dev.(Sizer)
 	if !ok {
@@ -226,7 +226,9 @@ func checkImport(dev Device, ptr, claimed uint64) error {
 	}
 	n, err := s.AllocSize(ptr)
 	if err != nil {
-		return fmt.Errorf("the size of an import: %w", err)
+		// The driver cannot say: unchecked, as on a device that is no
+		// Sizer (refusing would refuse every import on it).
+		return nil
 	}
 	if claimed > n {
 		return fmt.Errorf("%w: GPU memory claimed as %d bytes maps %d", ErrProtocol, claimed, n)
