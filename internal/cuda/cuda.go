@@ -145,7 +145,9 @@ static CUresult cu_module(CUcontext ctx, const void *image, CUfunction *f, CUfun
 	r = cu.cuModuleLoadData(&m, image);
 	if (r) return r;
 	if ((r = cu.cuModuleGetFunction(f, m, "kvxfer_copy"))) return r;
-	return cu.cuModuleGetFunction(gated, m, "kvxfer_copy_gated");
+	// Without the gated kernel the plain one still serves (no gates).
+	if (cu.cuModuleGetFunction(gated, m, "kvxfer_copy_gated")) *gated = NULL;
+	return 0;
 }
 static CUresult cu_stream(CUcontext ctx, CUstream *s) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
