@@ -682,13 +682,16 @@ func GateKey(notif []byte) string {
 // an entry (its offset and length in the region), and regions whose
 // blocks and groups agree share their entries (bases: the regions').
 func (t *accessTable) grantLayouts(spans []topology.Span) []LayoutRanges {
+	// Regions of one size, blocks and groups have the same entries: the
+	// first's are laid out, the others add their bases (out[i] is
+	// classes[i]'s).
 	var out []LayoutRanges
-	var keys []layoutKey
-	for _, r := range t.regions {
+	var classes []*accessRegion
+	for ri := range t.regions {
+		r := &t.regions[ri]
 		stride := r.blockLen * r.ppl
-		k := layoutKey{blockLen: r.blockLen, ppl: r.ppl, groups: r.groups, off: r.size}
-		if i := slices.IndexFunc(keys, func(o layoutKey) bool {
-			return o.blockLen == k.blockLen && o.ppl == k.ppl && o.off == k.off && slices.Equal(o.groups, k.groups)
+		if i := slices.IndexFunc(classes, func(o *accessRegion) bool {
+			return o.size == r.size && o.blockLen == r.blockLen && o.ppl == r.ppl && slices.Equal(o.groups, r.groups)
 		}); i >= 0 {
 			out[i].Bases = append(out[i].Bases, r.base)
 			continue
@@ -710,7 +713,7 @@ func (t *accessTable) grantLayouts(spans []topology.Span) []LayoutRanges {
 		}
 		slices.SortFunc(ents, func(x, y Range) int { return cmpU64(x.Addr, y.Addr) })
 		ents = slices.CompactFunc(ents, func(x, y Range) bool { return x.Addr == y.Addr })
-		keys = append(keys, k)
+		classes = append(classes, r)
 		out = append(out, LayoutRanges{Bases: []uint64{r.base}, Entries: ents})
 	}
 	return out

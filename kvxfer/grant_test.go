@@ -445,3 +445,60 @@ func randomLayouts(r *rand.Rand, bases []uint64) (lays []LayoutRanges, ranges []
 	}
 	return lays, ranges, where
 }
+
+// A grant laid out for a gate (grantLayouts) is exactly what the table
+// allows its peer: the attention regions share their entries (logical
+// blocks of two kernel blocks), the Mamba region has its own; every
+// range laid out is allowed, and its neighbours are not. Admitted as a
+// standing admission (AdmitGate), the grant's end cuts it short without
+// counting an aborted part, and waits for its end.
+func TestGrantLayouts(t *testing.T) {
+	l, gb := accessLayout()
+	m := NewMetrics()
+	tab := newAccessTable(l, gb, ModePush, m)
+	const p = PeerName("p")
+	tab.grantWrite(1, []PeerName{p}, spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}), "d-1")
+	lays := tab.grantLayouts(spansOf([]topology.BlockID{2, 3, 6}, []topology.BlockID{5}))
+	want := fmt.Sprint([]LayoutRanges{
+		{Bases: []uint64{0x10000, 0x20000}, Entries: []Range{{2 * 512, 512}, {3 * 512, 512}, {6 * 512, 512}}},
+		{Bases: []uint64{0x30000}, Entries: []Range{{5 * 1024, 1024}}},
+	})
+	if got := fmt.Sprint(lays); got != want {
+		t.Fatalf("laid out %s, want %s", got, want)
+	}
+	w := hotpath.OpWrite
+	for _, lay := range lays {
+		for _, b := range lay.Bases {
+			for _, e := range lay.Entries {
+				if a := tab.CheckAccess(p, w, b+e.Addr, e.Len); a != AccessAllow {
+					t.Errorf("[%#x, +%d) laid out, and %v", b+e.Addr, e.Len, a)
+				}
+				if a := tab.CheckAccess(p, w, b+e.Addr+e.Len, 1); a == AccessAllow && e.Addr+e.Len != 3*512 {
+					t.Errorf("the byte after [%#x, +%d) is allowed, and not laid out", b+e.Addr, e.Len)
+				}
+			}
+		}
+	}
+	tag := appendMsg(nil, &msg{Kind: msgTag, Engine: "D", DReq: "d-1", TPSize: 1, PPSize: 1})
+	aborted := make(chan struct{})
+	a, _, _, _, adm := tab.AdmitGate(p, lays, tag, func() { close(aborted) })
+	if a != AccessAllow {
+		t.Fatalf("the gate's grant admitted %v", a)
+	}
+	revoked := make(chan struct{})
+	go func() {
+		tab.revokeWrite(1)
+		close(revoked)
+	}()
+	<-aborted
+	select {
+	case <-revoked:
+		t.Fatal("the grant's end returned before its gate's admission ended")
+	case <-time.After(20 * time.Millisecond):
+	}
+	tab.Done(adm)
+	<-revoked
+	if n := m.Snapshot().RefusedAccess["write_aborted"]; n != 0 {
+		t.Fatalf("a gate's end counted as %d aborted parts", n)
+	}
+}

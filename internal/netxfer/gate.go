@@ -182,6 +182,13 @@ func (st *gateState) dropViewLocked(peer, key string) {
 	}
 }
 
+// gateSentKey names a gate area (area) or a chunk announced on a
+// connection.
+type gateSentKey struct {
+	area bool
+	id   uint32
+}
+
 // gateArea is one device's gates (D side).
 type gateArea struct {
 	id     uint32
@@ -408,16 +415,16 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	if c.gateSent == nil {
-		c.gateSent = map[uint64]bool{}
+		c.gateSent = map[gateSentKey]bool{}
 	}
-	if !c.gateSent[uint64(ar.id)<<32] {
+	if !c.gateSent[gateSentKey{area: true, id: ar.id}] {
 		h = append(h, tGateArea)
 		h = binary.LittleEndian.AppendUint32(h, ar.id)
 		h = append(h, ar.uuid[:]...)
 		h = append(h, ar.handle[:]...)
 	}
 	for _, ch := range chunks {
-		if !c.gateSent[1<<63|uint64(ch.id)] {
+		if !c.gateSent[gateSentKey{id: ch.id}] {
 			h = append(h, tGateChunk)
 			h = binary.LittleEndian.AppendUint32(h, ch.id)
 			h = binary.LittleEndian.AppendUint64(h, ch.base)
@@ -460,9 +467,9 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 		c.wmu.Lock()
 		return err
 	}
-	c.gateSent[uint64(ar.id)<<32] = true
+	c.gateSent[gateSentKey{area: true, id: ar.id}] = true
 	for _, ch := range chunks {
-		c.gateSent[1<<63|uint64(ch.id)] = true
+		c.gateSent[gateSentKey{id: ch.id}] = true
 	}
 	c.mu.Lock()
 	gone := c.err != nil

@@ -429,8 +429,11 @@ func TestGateUnmapAndOlderPeer(t *testing.T) {
 	if mine, _ := s.dd.GatesOpen(); mine != 0 || s.f.open() != 0 {
 		t.Fatalf("after Unmap: %d gates open, %d admissions", mine, s.f.open())
 	}
+	if err := s.dd.Map(0x5000_0000, make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
 	if s.dd.Gateable() {
-		t.Fatal("an agent without GPU memory says it can gate")
+		t.Fatal("an agent with host memory only says it can gate")
 	}
 	waitFor(t, "P forgets the gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
 
@@ -630,5 +633,31 @@ func TestGateShutRacesWrites(t *testing.T) {
 		}
 		waitFor(t, "P forgets the shut gate", func() bool { _, n := s.p.GatesOpen(); return n == 0 })
 		_ = s.dd.Drain(nil)
+	}
+}
+
+// A consumer's notification after a gate reaches the producer after the
+// gate, whatever connection it could have gone on: a registration that
+// follows its grant's gate never finds the producer without it (its
+// WRITE would go two-sided).
+func TestGateBeforeNotification(t *testing.T) {
+	s := newGateSetup(t, Config{Conns: 4}, Config{Conns: 4})
+	for i := range 40 {
+		tag := fmt.Sprintf("req-%d", i)
+		if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{s.grant}, []byte(tag)); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.dd.Notify(s.p.Name(), []byte(tag)); err != nil {
+			t.Fatal(err)
+		}
+		if n := waitNotif(t, s.p); len(n) != 1 || string(n[0].Msg) != tag {
+			t.Fatalf("P heard %v, want %q", n, tag)
+		}
+		s.p.gates.mu.Lock()
+		held := s.p.gates.views[s.dd.Name()][tag] != nil
+		s.p.gates.mu.Unlock()
+		if !held {
+			t.Fatalf("round %d: the notification reached P before the gate sent ahead of it", i)
+		}
 	}
 }

@@ -129,7 +129,7 @@ type conn struct {
 	// gateSent: the gate areas and chunks announced on the connection
 	// (under wmu); gates: the gates announced on it (under mu), shut when
 	// it fails.
-	gateSent map[uint64]bool
+	gateSent map[gateSentKey]bool
 	gates    []*gate
 }
 
