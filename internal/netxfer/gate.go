@@ -158,6 +158,9 @@ type gateState struct {
 	// entries they hold by peer (bounded: maxGateItems).
 	views map[string]map[string]*gateView
 	items map[string]int
+	// unfit are the devices whose gated launches failed to post here:
+	// WRITEs from their memory go two-sided (logged once per device).
+	unfit map[Device]bool
 }
 
 // maxGateItems bounds the bases and entries of the gates one peer may
@@ -922,7 +925,7 @@ func (a *Agent) oneSided(x *xfer) bool {
 	a.memMu.RLock()
 	st.mu.Lock()
 	v := st.views[x.peer.name][key]
-	if v == nil {
+	if v == nil || st.unfit[v.dev] {
 		st.mu.Unlock()
 		a.memMu.RUnlock()
 		return false
@@ -933,19 +936,20 @@ func (a *Agent) oneSided(x *xfer) bool {
 	srv.gateUse.Add(1)
 	st.mu.Unlock()
 	cp, err := a.stageOneSided(v, x.layouts)
-	if cp == nil && err == nil {
+	if cp == nil {
 		srv.gateUse.Done()
 		a.memMu.RUnlock()
+		if err != nil {
+			// Nothing of the WRITE is lost: D's process copies it on the
+			// two-sided path, which needs nothing of this device's
+			// gated launches. What a failed post may have queued
+			// before its error writes the same bytes inside the grant.
+			a.gateUnfit(v.dev, x.peer.name, err)
+		}
 		return false
 	}
 	a.oneSidedN.Add(1)
 	x.parts = 1
-	if err != nil {
-		srv.gateUse.Done()
-		a.memMu.RUnlock()
-		a.finishPart(x, fmt.Errorf("%w: one-sided write to %s: %w", ErrXferFailed, x.peer.name, err))
-		return true
-	}
 	a.wire(WirePartSent, x.id, 0)
 	// Counted until its notification is sent (Close waits for it); this
 	// goroutine is counted, so no Wait has seen the count at zero.
@@ -978,11 +982,29 @@ func (a *Agent) oneSided(x *xfer) bool {
 	return true
 }
 
+// gateUnfit takes dev's WRITEs off the one-sided path for good: its
+// gated launch failed to post (err), and each further WRITE would fail
+// the same way before going two-sided.
+func (a *Agent) gateUnfit(dev Device, peer string, err error) {
+	st := &a.gates
+	st.mu.Lock()
+	first := !st.unfit[dev]
+	if st.unfit == nil {
+		st.unfit = map[Device]bool{}
+	}
+	st.unfit[dev] = true
+	st.mu.Unlock()
+	if first {
+		a.log.Error("netxfer: a one-sided WRITE's gated launch failed to post: this device's WRITEs go two-sided from now on", "peer", peer, "err", err)
+	}
+}
+
 // stageOneSided stages and posts lays as one gated launch through v (P
 // side; memMu read-held, v's imports held: gateUse). It returns nil and no error
 // when the WRITE does not qualify: a piece outside the gate's ranges or
 // the peer's memory, local memory that is not GPU memory of the gate's
-// device, a device that does not gate.
+// device, a device that does not gate; nil and an error when staging or
+// posting the launch failed (the two-sided path serves the WRITE).
 func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 	a.mu.Lock()
 	if a.mu.closed {
@@ -1062,9 +1084,9 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 				return giveUp()
 			}
 			nb, err := bd.NewBatch(len(l.Entries))
-			if err != nil {
-				a.mu.Unlock()
-				return nil, fmt.Errorf("GPU copy: %w", err)
+			if err != nil { // staging this device lacks now: this WRITE goes two-sided
+				a.log.Debug("netxfer: no batch for a one-sided WRITE", "err", err)
+				return giveUp()
 			}
 			if gb, ok = nb.(GatedBatch); !ok {
 				nb.Discard()

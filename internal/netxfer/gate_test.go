@@ -27,6 +27,10 @@ type gateGPU struct {
 	pause   chan chan struct{}
 	gated   atomic.Int32 // gated batches posted
 	jitter  bool         // gated CTAs sleep a few µs between their check and their copy
+	// failGated makes a gated batch's Post fail (a launch the driver
+	// refuses), after queueing its first piece, as a launch of several
+	// sections may have.
+	failGated atomic.Bool
 }
 
 func newGateGPU(g *fakeGPU) *gateGPU {
@@ -77,6 +81,10 @@ func (b *gatedBatch) Post() (DevCopy, error) {
 		return b.layoutBatch.Post()
 	}
 	b.d.gated.Add(1)
+	if b.d.failGated.Load() {
+		b.d.postGated(b.ps[:1], b.gate, b.want)
+		return nil, errors.New("fake: CUDA_ERROR_INVALID_VALUE (a gated launch refused)")
+	}
 	return b.d.postGated(b.ps, b.gate, b.want), nil
 }
 
@@ -342,6 +350,39 @@ func TestGateOneSided(t *testing.T) {
 	write(s.layout(r, []int{9}), "req-1")
 	if s.p.OneSidedWrites() != 2 || s.dd.LayoutParts() != 3 {
 		t.Fatalf("after the gate shut: one-sided %d, layout parts %d", s.p.OneSidedWrites(), s.dd.LayoutParts())
+	}
+}
+
+// A gated launch the device refuses to post loses nothing: the WRITE goes
+// two-sided (D's process copies it; every byte lands, D hears it once),
+// and that device's later WRITEs go two-sided without trying again.
+func TestGatePostFails(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.open(t, "req-1")
+	s.d.failGated.Store(true)
+	r := rand.New(rand.NewPCG(9, 10))
+	for i, blocks := range [][]int{{3, 9, 30}, {4, 17}} {
+		before := s.g.view(s.pb, 1<<20)
+		l := s.layout(r, blocks)
+		id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{l}, []byte("req-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, err := wait(t, s.p, id); st != Done {
+			t.Fatalf("write %d after a refused gated launch: %v, %v; want done (two-sided)", i, st, err)
+		}
+		ds := ExpandLayouts(nil, []Layout{l})
+		checkGPUMoved(t, s.g, Write, ds)
+		checkUntouched(t, s.g.view(s.pb, 1<<20), before, s.pb, ds)
+		if n := waitNotif(t, s.dd); len(n) != 1 || string(n[0].Msg) != "req-1" {
+			t.Fatalf("D heard %v, want the one notification", n)
+		}
+		if got := s.dd.LayoutParts(); got != uint64(i+1) {
+			t.Fatalf("write %d: %d layout parts at D, want %d (two-sided)", i, got, i+1)
+		}
+	}
+	if s.p.OneSidedWrites() != 0 || s.d.gated.Load() != 1 {
+		t.Fatalf("one-sided writes %d, gated posts tried %d; want 0 and 1", s.p.OneSidedWrites(), s.d.gated.Load())
 	}
 }
 
