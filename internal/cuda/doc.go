@@ -17,6 +17,13 @@
 // copy per piece instead, logged once and counted (CopyFallbacks:
 // kvxferd's kvxfer_gpu_copy_fallback_total).
 //
+// The kernels' logic is also run on the CPU, on every CI run, by
+// TestKernelOnCPU: kernel/emu.cpp compiles copy.cu itself as C++ against
+// a stand-in for what it uses of CUDA (a CTA's threads real threads) and
+// checks every alignment and length, regions and entries, and the gated
+// kernel against a receiver shutting its gate at random moments. The
+// GPU's weaker memory model is left to the GPU tests.
+//
 // # Devices by UUID
 //
 // Device ordinals are per process (CUDA_VISIBLE_DEVICES renumbers them),
