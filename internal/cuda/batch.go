@@ -2,6 +2,7 @@ package cuda
 
 import (
 	_ "embed"
+	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -98,6 +99,10 @@ type copier struct {
 	stream unsafe.Pointer
 	mu     sync.Mutex
 	free   []*slot
+	// gateOnce runs the gated kernel's check on the device (gatesWork);
+	// gateOK: it passed.
+	gateOnce sync.Once
+	gateOK   bool
 }
 
 func (d *Device) initCopier() error {
@@ -190,14 +195,133 @@ const (
 // reads want when it starts, and counts itself in the gate while it
 // copies (kernel/copy.cu). Copy.Shut then reports whether any CTA found
 // it shut. It reports false, leaving the batch ungated, where the device
-// cannot run it gated (the kernel did not load, or the slot's shut word
-// has no device address).
+// cannot run it gated (the kernel did not load, the slot's shut word
+// has no device address, or the device failed the gated kernel's check:
+// gatesWork).
 func (b *Batch) Gate(gate uint64, want uint32) bool {
-	if b.d == nil || b.d.copier.gated == nil || b.s == nil || b.s.shutDev == 0 {
+	if b.d == nil || b.d.copier.gated == nil || b.s == nil || b.s.shutDev == 0 || !b.d.gatesWork() {
 		return false
 	}
 	b.gate = gateArgs{gate: gate, want: want}
 	return true
+}
+
+var gateCheckFails atomic.Uint64
+
+// GateCheckFailures returns how many devices failed the gated kernel's
+// check (their one-sided writes are off).
+func GateCheckFailures() uint64 { return gateCheckFails.Load() }
+
+// gatesWork reports whether the gated kernel behaves on this device. The
+// first time it is asked, it checks it on memory of its own (checkGates):
+// a device where it misbehaves is logged, counted, and gates nothing from
+// then on, so each one-sided write goes the two-sided way instead of
+// trusting a launch that might report bytes written that were not, or
+// write through a shut gate. A millisecond or so, once per device and
+// process, in the first one-sided write's post.
+func (d *Device) gatesWork() bool {
+	c := &d.copier
+	c.gateOnce.Do(func() {
+		if err := d.checkGates(); err != nil {
+			gateCheckFails.Add(1)
+			slog.Error("cuda: the gated copy kernel failed its check on this device: its one-sided writes go two-sided",
+				"device", d.ordinal, "err", err)
+			return
+		}
+		c.gateOK = true
+	})
+	return c.gateOK
+}
+
+// checkGates runs two gated launches in memory of its own: through a gate
+// of their generation (every byte of both pieces lands, nothing else, not
+// shut) and through a gate of another (nothing lands, shut); after each,
+// no CTA may be left counted in. Its words move on the side stream: in an
+// engine's own process nothing here waits for the engine's kernels.
+func (d *Device) checkGates() error {
+	const (
+		srcOff, dstOff, span = 1024, 3072, 2048
+		gen                  = 0x5a7e0001
+	)
+	buf, err := d.Alloc(srcOff + 2*span)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.Free(buf) }()
+	src, dst := buf+srcOff, buf+dstOff
+	pat := make([]byte, span)
+	for i := range pat {
+		pat[i] = byte(i*7 + 1)
+	}
+	if err := d.SideCopyIn(src, pat); err != nil {
+		return err
+	}
+	var g [GateSize]byte
+	binary.LittleEndian.PutUint32(g[:], gen)
+	if err := d.SideCopyIn(buf, g[:]); err != nil {
+		return err
+	}
+	// Two pieces: one whose ends are both 16-byte aligned, one at odd
+	// addresses (the kernel's widest and narrowest paths).
+	pieces := []Piece{{Dst: dst, Src: src, Len: 1024}, {Dst: dst + 1024 + 3, Src: src + 1024 + 5, Len: 997}}
+	got := make([]byte, span)
+	for _, open := range []bool{true, false} {
+		if err := d.SideCopyIn(dst, make([]byte, span)); err != nil {
+			return err
+		}
+		b, err := d.NewBatch(len(pieces))
+		if err != nil {
+			return err
+		}
+		for _, p := range pieces {
+			if !b.Add(p.Dst, p.Src, p.Len) {
+				b.Discard()
+				return fmt.Errorf("no room for the check's pieces")
+			}
+		}
+		if b.s.shutDev == 0 {
+			b.Discard()
+			return fmt.Errorf("no device address for the launch's shut word")
+		}
+		want := uint32(gen)
+		if !open {
+			want++
+		}
+		b.gate = gateArgs{gate: buf, want: want}
+		cp, err := b.Post()
+		if err != nil {
+			return fmt.Errorf("a gated launch (gate open %v): %w", open, err)
+		}
+		if err := cp.Wait(); err != nil {
+			return fmt.Errorf("a gated launch (gate open %v): %w", open, err)
+		}
+		if cp.Shut() == open {
+			return fmt.Errorf("a gated launch through a gate open %v reported shut %v", open, cp.Shut())
+		}
+		if err := d.SideCopyOut(got, dst); err != nil {
+			return err
+		}
+		exp := make([]byte, span)
+		if open {
+			for _, p := range pieces {
+				copy(exp[p.Dst-dst:], pat[p.Src-src:p.Src-src+p.Len])
+			}
+		}
+		for i := range got {
+			if got[i] != exp[i] {
+				return fmt.Errorf("a gated launch through a gate open %v: byte %d of its destination reads %#x, want %#x", open, i, got[i], exp[i])
+			}
+		}
+		if err := d.SideCopyOut(g[:], buf); err != nil {
+			return err
+		}
+		for i := GateActiveOff; i < GateSize; i++ {
+			if g[i] != 0 {
+				return fmt.Errorf("a gated launch through a gate open %v left CTAs counted in it", open)
+			}
+		}
+	}
+	return nil
 }
 
 // NewBatch returns a batch with room for n pieces of at most MaxEntry

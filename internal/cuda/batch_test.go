@@ -454,6 +454,14 @@ func benchBatch(b *testing.B, stage bool) {
 // on.
 func TestGatedCopy(t *testing.T) {
 	d := openGPU(t)
+	// The check a device runs before its first gated launch (gatesWork):
+	// it must pass on a GPU, or every one-sided WRITE goes two-sided.
+	if err := d.checkGates(); err != nil {
+		t.Fatalf("the gated kernel's check: %v", err)
+	}
+	if !d.gatesWork() || GateCheckFailures() != 0 {
+		t.Fatalf("gates work %v, devices that failed the check %d", d.gatesWork(), GateCheckFailures())
+	}
 	const layers, layer, block = 16, 2 << 20, 4 << 10
 	const size = layers * layer
 	src, dst := allocPair(t, d, size)

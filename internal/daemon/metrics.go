@@ -18,12 +18,12 @@ type collector struct {
 	srv  *server.Server
 	auth *peerauth.Authenticator
 
-	xferTime, postTime, bytes, descs, amplification, handshake *prometheus.Desc
-	failedXfers, failedNotifs, expired, handshakeFailures      *prometheus.Desc
-	outcomes, failures, badInput, dropped, refusedAccess       *prometheus.Desc
-	gates                                                      *prometheus.Desc
-	refused, authFailures, sameHost, workerPanics, gpuFallback *prometheus.Desc
-	open, inFlight                                             *prometheus.Desc
+	xferTime, postTime, bytes, descs, amplification, handshake            *prometheus.Desc
+	failedXfers, failedNotifs, expired, handshakeFailures                 *prometheus.Desc
+	outcomes, failures, badInput, dropped, refusedAccess                  *prometheus.Desc
+	gates                                                                 *prometheus.Desc
+	refused, authFailures, sameHost, workerPanics, gpuFallback, gateCheck *prometheus.Desc
+	open, inFlight                                                        *prometheus.Desc
 }
 
 func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
@@ -50,6 +50,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 			"Transfer parts (WRITEs from peer daemons on this host, READs of them) this daemon copied straight out of a peer engine's memory file into its engines' memory (the built-in backend's same-host path).", nil, nil),
 		gpuFallback: prometheus.NewDesc("kvxfer_gpu_copy_fallback_total",
 			"Same-host GPU copies (one per transfer part) made piece by piece because the copy kernel did not load on their GPU (logged once; a driver older than CUDA 12 cannot load its PTX).", nil, nil),
+		gateCheck: prometheus.NewDesc("kvxfer_gpu_gate_check_failures_total",
+			"GPUs whose gated copy kernel failed its check (a gated launch through an open and a shut gate, once per GPU when first used): their one-sided WRITEs go two-sided (logged).", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),
@@ -86,6 +88,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.sameHost, prometheus.CounterValue, float64(c.srv.SameHostParts()))
 	ch <- prometheus.MustNewConstMetric(c.gpuFallback, prometheus.CounterValue, float64(cuda.CopyFallbacks()))
+	ch <- prometheus.MustNewConstMetric(c.gateCheck, prometheus.CounterValue, float64(cuda.GateCheckFailures()))
 	ch <- prometheus.MustNewConstMetric(c.workerPanics, prometheus.CounterValue, float64(c.srv.WorkerPanics()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)
