@@ -42,3 +42,12 @@ func TestNixlTelemetry(t *testing.T) {
 	}
 	t.Logf("NIXL telemetry: %+v", tm)
 }
+
+// The UCX plugin's thread pool splitting each transfer over its workers
+// (num_threads dedicated workers; a transfer of at least split_batch_size
+// descriptors is posted as one chunk per worker, its notification after
+// them): what a VRAM agent's defaults ask for (GPUSplitBatch). Here every
+// transfer of four or more descriptors is split.
+func TestConformanceNixlSplit(t *testing.T) {
+	kvxfertest.Conformance(t, &kvxfertest.NixlHarness{Params: map[string]string{"num_threads": "4", "split_batch_size": "4"}})
+}
