@@ -28,8 +28,14 @@ func TestGPUDefaults(t *testing.T) {
 	if got["num_threads"] != GPUThreads || got["ucx_error_handling_mode"] != "none" || len(mine) != 1 {
 		t.Fatalf("VRAM agent: %v (caller's map now %v), want num_threads=%s added to a copy", got, mine, GPUThreads)
 	}
-	if got := withDefaults("UCX", map[string]string{"num_threads": "8"}, true); got["num_threads"] != "8" {
-		t.Fatalf("num_threads set by the caller became %q", got["num_threads"])
+	if got["split_batch_size"] != GPUSplitBatch {
+		t.Fatalf("VRAM agent: %v, want split_batch_size=%s", got, GPUSplitBatch)
+	}
+	if got := withDefaults("UCX", map[string]string{"num_threads": "8"}, true); got["num_threads"] != "8" || got["split_batch_size"] != GPUSplitBatch {
+		t.Fatalf("num_threads set by the caller: %v", got)
+	}
+	if got := withDefaults("UCX", map[string]string{"split_batch_size": "1024"}, true); got["split_batch_size"] != "1024" || got["num_threads"] != GPUThreads {
+		t.Fatalf("split_batch_size set by the caller: %v", got)
 	}
 	if got := withDefaults("UCX", mine, false); len(got) != 1 {
 		t.Fatalf("a host-memory agent's parameters became %v", got)
