@@ -78,11 +78,14 @@ var contenders = []contender{
 		"P's layout WRITE is its own gated launch into D's imported memory, then the notification: P's post to P seeing it done (and, in the hop table, D notified)",
 		peer: gatePeer, open: gateOpen},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
-		avail: nixlAvail, peer: nixlPeer(0), open: nixlOpen(0)},
+		avail: nixlAvail, peer: nixlPeer(tune{}), open: nixlOpen(tune{})},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
-		avail: nixlAvail, peer: nixlPeer(4), open: nixlOpen(4)},
+		avail: nixlAvail, peer: nixlPeer(tune{threads: 4}), open: nixlOpen(tune{threads: 4})},
 	{name: "nixl4-read", what: "kvxfer NIXL, num_threads=4, pulling: the parent READs the child's source region into its own scratch (vLLM's default mode)",
-		avail: nixlAvail, peer: nixlPeer(4), open: nixlReadOpen(4)},
+		avail: nixlAvail, peer: nixlPeer(tune{threads: 4}), open: nixlReadOpen(tune{threads: 4})},
+	{name: "nixl-gpu", what: "kvxfer NIXL with the parameters kvxfer's VRAM agents get (num_threads=4, split_batch_size=" + kvnixl.GPUSplitBatch +
+		": a transfer of that many descriptors or more posted by every worker, a share each)",
+		avail: nixlAvail, peer: nixlPeer(gpuTune), open: nixlOpen(gpuTune)},
 	{name: "contig", what: "device copy: one contiguous cuMemcpyDtoD of the same bytes in one process (the limit)",
 		open: contigOpen},
 	{name: "kernel", what: "kvxfer's copy kernel in one process: one launch of every piece (internal/cuda Post), post to done",
@@ -101,6 +104,7 @@ const (
 	pythonName = "python"
 	pushName   = "python-push"
 	readName   = "python-read"
+	splitName  = "python-split"
 )
 
 func findContender(name string) (contender, bool) {
@@ -333,17 +337,32 @@ func nixlAvail(o *opts) error {
 			return err
 		}
 	}
-	a, err := capi.OpenConfig(nixlConfig(o, "probe", 0))
+	a, err := capi.OpenConfig(nixlConfig(o, "probe", tune{}))
 	if err != nil {
 		return err
 	}
 	return a.Close()
 }
 
-func nixlConfig(o *opts, role string, threads int) capi.Config {
+// tune is a NIXL contender's UCX plugin parameters: num_threads and
+// split_batch_size (0: the plugin's default).
+type tune struct{ threads, split int }
+
+// gpuTune is what kvxfer's VRAM agents get (kvxfer/backend/nixl's
+// GPUThreads and GPUSplitBatch).
+var gpuTune = func() tune {
+	t, _ := strconv.Atoi(kvnixl.GPUThreads)
+	s, _ := strconv.Atoi(kvnixl.GPUSplitBatch)
+	return tune{threads: t, split: s}
+}()
+
+func nixlConfig(o *opts, role string, tn tune) capi.Config {
 	params := map[string]string{}
-	if threads > 0 {
-		params["num_threads"] = strconv.Itoa(threads)
+	if tn.threads > 0 {
+		params["num_threads"] = strconv.Itoa(tn.threads)
+	}
+	if tn.split > 0 {
+		params["split_batch_size"] = strconv.Itoa(tn.split)
 	}
 	if o.fake {
 		params["ucx_error_handling_mode"] = "none" // shared memory transports (xferbench)
@@ -351,12 +370,12 @@ func nixlConfig(o *opts, role string, threads int) capi.Config {
 	if ec := engineConfig(o); ec != "" {
 		params["engine_config"] = ec
 	}
-	return capi.Config{Name: fmt.Sprintf("gpubench-%s-t%d-%d-%d", role, threads, os.Getpid(), agents.Add(1)), Plugin: "UCX", Params: params,
+	return capi.Config{Name: fmt.Sprintf("gpubench-%s-t%d-s%d-%d-%d", role, tn.threads, tn.split, os.Getpid(), agents.Add(1)), Plugin: "UCX", Params: params,
 		VRAM: !o.fake, ProgressDelay: capi.DefaultProgressDelay}
 }
 
-func nixlAgent(o *opts, s *side, role string, threads int) (*capi.Agent, error) {
-	a, err := capi.OpenConfig(nixlConfig(o, role, threads))
+func nixlAgent(o *opts, s *side, role string, tn tune) (*capi.Agent, error) {
+	a, err := capi.OpenConfig(nixlConfig(o, role, tn))
 	if err != nil {
 		return nil, err
 	}
@@ -384,9 +403,9 @@ func (nixlSide) link([]byte) error { return nil }
 func (s nixlSide) close() error    { return s.a.Close() }
 func (m *nixlMover) close() error  { return m.a.Close() }
 
-func nixlPeer(threads int) func(*opts, *side) ([]byte, peerSide, error) {
+func nixlPeer(tn tune) func(*opts, *side) ([]byte, peerSide, error) {
 	return func(o *opts, s *side) ([]byte, peerSide, error) {
-		a, err := nixlAgent(o, s, "d", threads)
+		a, err := nixlAgent(o, s, "d", tn)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -401,8 +420,8 @@ func nixlPeer(threads int) func(*opts, *side) ([]byte, peerSide, error) {
 
 // nixlInitiator opens the parent's agent on s and loads the child's
 // (meta): the side that posts.
-func nixlInitiator(o *opts, s *side, role string, threads int, meta []byte) (*capi.Agent, string, error) {
-	a, err := nixlAgent(o, s, role, threads)
+func nixlInitiator(o *opts, s *side, role string, tn tune, meta []byte) (*capi.Agent, string, error) {
+	a, err := nixlAgent(o, s, role, tn)
 	if err != nil {
 		return nil, "", err
 	}
@@ -424,9 +443,9 @@ type nixlMover struct {
 	descs  map[xcase][][3]uint64
 }
 
-func nixlOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+func nixlOpen(tn tune) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(o *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, peer, err := nixlInitiator(o, src, "p", threads, meta)
+		a, peer, err := nixlInitiator(o, src, "p", tn, meta)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -480,9 +499,9 @@ type nixlReadMover struct {
 	descs   map[xcase][][3]uint64
 }
 
-func nixlReadOpen(threads int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
+func nixlReadOpen(tn tune) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(o *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
-		a, peer, err := nixlInitiator(o, scratch, "p-read", threads, meta)
+		a, peer, err := nixlInitiator(o, scratch, "p-read", tn, meta)
 		if err != nil {
 			return nil, nil, err
 		}

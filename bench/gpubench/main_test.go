@@ -111,18 +111,22 @@ func TestPythonContendersOnHost(t *testing.T) {
 	if out, err := exec.Command(py, "-c", "import torch, numpy, nixl_cu12._api").CombinedOutput(); err != nil {
 		t.Skipf("%s lacks torch, numpy or nixl_cu12 (the NIXL wheel .ci/run installs): %v: %s", py, err, lastLine(out))
 	}
-	names, wants := "python,python-push,python-read", []string{"| NIXL Python API (num_threads=4) | 4 KiB |",
+	names, wants := "python,python-push,python-read,python-split", []string{"| NIXL Python API (num_threads=4) | 4 KiB |",
 		"| NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it) | 4 KiB |",
-		"| NIXL Python API (num_threads=4), READ (pull) | 4 KiB |"}
+		"| NIXL Python API (num_threads=4), READ (pull) | 4 KiB |",
+		"| NIXL Python API (num_threads=4, split_batch_size=64) | 4 KiB |"}
 	// kvxfer's own READ where this process finds NIXL's library (CI sets
 	// NIXL_CAPI_LIB), for the same table.
 	if _, err := capi.FindLibrary(); err == nil {
-		names, wants = names+",nixl4-read", append(wants, "| kvxfer NIXL (UCX num_threads=4), READ (pull) | 4 KiB |")
+		names, wants = names+",nixl4-read,nixl-gpu", append(wants, "| kvxfer NIXL (UCX num_threads=4), READ (pull) | 4 KiB |",
+			"| kvxfer NIXL, kvxfer's GPU defaults (num_threads=4, split_batch_size=64) | 4 KiB |")
 	} else {
 		t.Logf("without kvxfer's NIXL READ: %v", err)
 	}
 	var out, errb bytes.Buffer
-	err := run(context.Background(), []string{"-fake-gpu", "-python", py, "-blocks", "2,5", "-pieces", "4KiB", "-layers", "3", "-reps", "3",
+	// 3 layers x 32 blocks: 96 descriptors, split over the workers where
+	// split_batch_size (64) says so.
+	err := run(context.Background(), []string{"-fake-gpu", "-python", py, "-blocks", "2,32", "-pieces", "4KiB", "-layers", "3", "-reps", "3",
 		"-contenders", names}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())

@@ -73,11 +73,13 @@ def seed_of(piece, blocks, layers):
     return (piece * 1_000_003 + blocks * 131 + layers) & 0xFFFFFFFF
 
 
-def make_agent(role, threads, device, engine_config=""):
+def make_agent(role, threads, device, engine_config="", split=0):
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
     a = nixl_agent(f"gpubench-py-{role}-{os.getpid()}-{time.time_ns()}", nixl_agent_config(backends=[]))
     params = {"num_threads": str(threads)} if threads > 0 else {}
+    if split > 0:
+        params["split_batch_size"] = str(split)  # as kvxfer's VRAM agents get it
     if engine_config:
         params["engine_config"] = engine_config  # UCX settings, as kvxfer's agents get them
     if device == "cpu":
@@ -109,14 +111,14 @@ def push_rounds(agent, peer, reps, deadline_s=30.0):
     return out
 
 
-def destination(conn, span, threads, device, engine_config):
+def destination(conn, span, threads, device, engine_config, split=0):
     """The destination process: its own tensor, its agent; marks, checks and
     push round trips on request."""
     try:
         import torch
 
         buf = torch.empty(span, dtype=torch.uint8, device=device)
-        agent = make_agent("d", threads, device, engine_config)
+        agent = make_agent("d", threads, device, engine_config, split)
         agent.register_memory(buf)
         conn.send(("hello", agent.get_agent_metadata(), buf.data_ptr()))
     except Exception as e:  # noqa: BLE001
@@ -223,6 +225,7 @@ def main():
     ap.add_argument("--modes", default="write", help="comma-separated: write (post to completion), push (the round trip), "
                     "read (a READ of the destination's copy of the source, post to completion)")
     ap.add_argument("--engine-config", default="", help="the UCX plugin's engine_config (UCX settings, KEY=VALUE,...)")
+    ap.add_argument("--split", type=int, default=0, help="the UCX plugin's split_batch_size (0: NIXL's default)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not modes or any(m not in ("write", "push", "read") for m in modes):
@@ -246,7 +249,7 @@ def main():
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=destination, args=(child_conn, span, args.threads, dev, args.engine_config), daemon=True)
+    proc = ctx.Process(target=destination, args=(child_conn, span, args.threads, dev, args.engine_config, args.split), daemon=True)
     proc.start()
     try:
         hello = conn.recv()
@@ -255,7 +258,7 @@ def main():
             return 0
         _, meta, dst_base = hello
         src = torch.empty(span, dtype=torch.uint8, device=dev)
-        agent = make_agent("p", args.threads, dev, args.engine_config)
+        agent = make_agent("p", args.threads, dev, args.engine_config, args.split)
         agent.register_memory(src)
         peer = agent.add_remote_agent(meta)
         if "push" in modes:

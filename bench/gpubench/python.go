@@ -46,11 +46,48 @@ type pyResult struct {
 
 // pyModes are nixl_py.py's modes by contender: post to completion, and
 // the push round trip.
-var pyModes = map[string]string{pythonName: "write", pushName: "push", readName: "read"}
+var pyModes = map[string]string{pythonName: "write", pushName: "push", readName: "read", splitName: "write"}
 
-// runPython runs nixl_py.py with cfg's cases in the modes of the python
-// contenders cfg names, and returns their results by contender.
-func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]map[xcase]result, error) {
+// pySplit are the python contenders whose agents split a transfer over
+// their workers as kvxfer's VRAM agents do (split_batch_size): run by a
+// second nixl_py.py.
+var pySplit = map[string]bool{splitName: true}
+
+// runPython runs the python contenders cfg names, those of each
+// split_batch_size by one nixl_py.py, and returns their results and, for
+// those whose run failed, why.
+func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]map[xcase]result, map[string]error) {
+	res, errs := map[string]map[xcase]result{}, map[string]error{}
+	for _, split := range []bool{false, true} {
+		var names []string
+		for _, n := range cfg.names {
+			if _, ok := pyModes[n]; ok && pySplit[n] == split {
+				names = append(names, n)
+			}
+		}
+		if len(names) == 0 {
+			continue
+		}
+		n := 0
+		if split {
+			n = gpuTune.split
+		}
+		r, err := runNixlPy(ctx, cfg, stderr, names, n)
+		for _, name := range names {
+			if err != nil {
+				errs[name] = err
+			} else {
+				res[name] = r[name]
+			}
+		}
+	}
+	return res, errs
+}
+
+// runNixlPy runs nixl_py.py with cfg's cases in the modes of the python
+// contenders names (split: its agents' split_batch_size, 0 for NIXL's
+// default), and returns their results by contender.
+func runNixlPy(ctx context.Context, cfg config, stderr io.Writer, names []string, split int) (map[string]map[xcase]result, error) {
 	if cfg.python == "" {
 		return nil, fmt.Errorf("no -python")
 	}
@@ -82,10 +119,11 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 		return nil, fmt.Errorf("no case left (-python-small=false)")
 	}
 	var modes []string
-	for _, n := range cfg.names {
-		if m, ok := pyModes[n]; ok {
-			modes = append(modes, m)
-		}
+	byMode := map[string]string{}
+	for _, n := range names {
+		m := pyModes[n]
+		modes = append(modes, m)
+		byMode[m] = n
 	}
 	device := "cuda"
 	if cfg.o.fake {
@@ -93,7 +131,8 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 	}
 	cmd := exec.CommandContext(ctx, cfg.python, script, "--pieces", strings.Join(pieces, ","), "--blocks", strings.Join(blocks, ","),
 		"--layers", fmt.Sprint(cfg.cases[0].Layers), "--reps", fmt.Sprint(cfg.reps), "--warmup", fmt.Sprint(cfg.warmup),
-		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","), "--engine-config", engineConfig(&cfg.o))
+		"--threads", "4", "--device", device, "--modes", strings.Join(modes, ","), "--engine-config", engineConfig(&cfg.o),
+		"--split", fmt.Sprint(split))
 	// The child's standard error is copied by a goroutine of exec's while
 	// lines of its standard output that are no result go there too.
 	if _, ok := stderr.(*lockedWriter); !ok {
@@ -108,10 +147,6 @@ func runPython(ctx context.Context, cfg config, stderr io.Writer) (map[string]ma
 		return nil, fmt.Errorf("%s: %w", cfg.python, err)
 	}
 	res := map[string]map[xcase]result{}
-	byMode := map[string]string{}
-	for n, m := range pyModes {
-		byMode[m] = n
-	}
 	var skip string
 	sc := bufio.NewScanner(out)
 	for sc.Scan() {

@@ -16,6 +16,8 @@ var labels = map[string]string{
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
 	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
+	"nixl-gpu":        "kvxfer NIXL, kvxfer's GPU defaults (num_threads=4, split_batch_size=64)",
+	splitName:         "NIXL Python API (num_threads=4, split_batch_size=64)",
 	pythonName:        "NIXL Python API (num_threads=4)",
 	pushName:          "NIXL Python API, push round trip (D notifies, P WRITEs + notifies, D sees it)",
 	readName:          "NIXL Python API (num_threads=4), READ (pull)",
