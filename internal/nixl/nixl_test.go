@@ -16,7 +16,13 @@ import (
 // open returns an agent, or skips when NIXL is not installed here.
 func open(t *testing.T, name string) *Agent {
 	t.Helper()
-	a, err := Open(name, "UCX", nil)
+	return openConfig(t, Config{Name: name, Plugin: "UCX", ProgressDelay: DefaultProgressDelay})
+}
+
+// openConfig is open with a configuration of its own.
+func openConfig(t *testing.T, cfg Config) *Agent {
+	t.Helper()
+	a, err := OpenConfig(cfg)
 	if errors.Is(err, ErrUnavailable) {
 		t.Skipf("NIXL is not available here: %v", err)
 	}
@@ -29,13 +35,10 @@ func open(t *testing.T, name string) *Agent {
 
 func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 
-func TestWriteBetweenAgents(t *testing.T) {
-	suffix := fmt.Sprint(rand.Uint64())
-	a, b := open(t, "a-"+suffix), open(t, "b-"+suffix)
-	src, dst := make([]byte, 1<<20), make([]byte, 1<<20)
-	for i := range src {
-		src[i] = byte(i * 7)
-	}
+// linkHost registers src with a and dst with b, loads b's metadata
+// into a, and returns b's name as a knows it.
+func linkHost(t *testing.T, a, b *Agent, src, dst []byte) string {
+	t.Helper()
 	if err := a.Register([][3]uint64{{addr(src), uint64(len(src)), 0}}); err != nil {
 		t.Fatal(err)
 	}
@@ -50,6 +53,35 @@ func TestWriteBetweenAgents(t *testing.T) {
 	if err != nil || peer != b.Name() {
 		t.Fatalf("LoadPeer = %q, %v", peer, err)
 	}
+	return peer
+}
+
+// waitDone polls x until it is done (bounded: 20 s).
+func waitDone(t *testing.T, a *Agent, x Xfer) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Microsecond) {
+		done, err := a.State(x)
+		if err != nil {
+			t.Fatalf("State: %v", err)
+		}
+		if done {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("transfer not done in 20 s")
+		}
+	}
+}
+
+func TestWriteBetweenAgents(t *testing.T) {
+	suffix := fmt.Sprint(rand.Uint64())
+	a, b := open(t, "a-"+suffix), open(t, "b-"+suffix)
+	src, dst := make([]byte, 1<<20), make([]byte, 1<<20)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	peer := linkHost(t, a, b, src, dst)
+	var err error
 	descs := [][3]uint64{{addr(src), addr(dst) + 4096, 8192}, {addr(src) + 65536, addr(dst), 4096}}
 	var x Xfer
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(time.Millisecond) {
@@ -61,18 +93,7 @@ func TestWriteBetweenAgents(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Post: %v", err)
 	}
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(time.Millisecond) {
-		done, err := a.State(x)
-		if err != nil {
-			t.Fatalf("State: %v", err)
-		}
-		if done {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("transfer not done in 20 s")
-		}
-	}
+	waitDone(t, a, x)
 	if !bytes.Equal(dst[4096:4096+8192], src[:8192]) || !bytes.Equal(dst[:4096], src[65536:65536+4096]) {
 		t.Error("bytes differ")
 	}
@@ -122,33 +143,13 @@ func TestSplitTransfers(t *testing.T) {
 	suffix := fmt.Sprint(rand.Uint64())
 	params := map[string]string{"num_threads": "4", "split_batch_size": "4"}
 	mk := func(name string) *Agent {
-		a, err := OpenConfig(Config{Name: name + suffix, Plugin: "UCX", Params: params, ProgressDelay: DefaultProgressDelay})
-		if errors.Is(err, ErrUnavailable) {
-			t.Skipf("NIXL is not available here: %v", err)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = a.Close() })
-		return a
+		return openConfig(t, Config{Name: name + suffix, Plugin: "UCX", Params: params, ProgressDelay: DefaultProgressDelay})
 	}
 	a, b := mk("split-a-"), mk("split-b-")
 	const n, piece = 300, 1000
 	src, dst := make([]byte, 2*n*piece), make([]byte, 2*n*piece)
-	if err := a.Register([][3]uint64{{addr(src), uint64(len(src)), 0}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Register([][3]uint64{{addr(dst), uint64(len(dst)), 0}}); err != nil {
-		t.Fatal(err)
-	}
-	meta, err := b.Metadata()
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer, err := a.LoadPeer(meta)
-	if err != nil {
-		t.Fatal(err)
-	}
+	peer := linkHost(t, a, b, src, dst)
+	var err error
 	// Entries every other piece on both sides; transfers pair them
 	// scattered (entry i to entry n-1-i).
 	le, re := make([][3]uint64, n), make([][3]uint64, n)
@@ -175,18 +176,7 @@ func TestSplitTransfers(t *testing.T) {
 	}
 	wait := func(x Xfer) {
 		t.Helper()
-		for deadline := time.Now().Add(20 * time.Second); ; {
-			done, err := a.State(x)
-			if err != nil {
-				t.Fatalf("State: %v", err)
-			}
-			if done {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("transfer not done in 20 s")
-			}
-		}
+		waitDone(t, a, x)
 		if err := a.Release(x); err != nil {
 			t.Fatal(err)
 		}
