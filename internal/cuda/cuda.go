@@ -370,6 +370,7 @@ func (d *Device) Alloc(n int) (ptr uint64, err error) {
 
 // Free frees device memory from Alloc.
 func (d *Device) Free(ptr uint64) error {
+	own.forget(ptr)
 	return d.do(func() error { return check("free", C.cu_free(C.CUdeviceptr(ptr))) })
 }
 
@@ -412,12 +413,22 @@ func (d *Device) Export(ptr uint64) (h Handle, err error) {
 		h = buf
 		return e
 	})
+	if err == nil {
+		own.exported(h, ptr)
+	}
 	return h, err
 }
 
 // Import maps another process's device memory from its IPC handle.
-// Close it with Unmap on detach.
+// Close it with Unmap on detach. A handle this process exported itself
+// is its own memory, at its own address: CUDA opens a handle only in
+// another process (in its own, CUDA_ERROR_INVALID_CONTEXT), and two
+// agents of one process (two in-process servers, two daemons' agents in a
+// test) exchange them as any two peers do.
 func (d *Device) Import(h Handle) (ptr uint64, err error) {
+	if p, ok := own.open(h); ok {
+		return p, nil
+	}
 	err = d.do(func() error {
 		var p C.CUdeviceptr
 		buf := h
@@ -483,6 +494,9 @@ func (d *Device) sideStream() (C.CUstream, error) {
 
 // Unmap closes imported memory.
 func (d *Device) Unmap(ptr uint64) error {
+	if own.close(ptr) {
+		return nil
+	}
 	return d.do(func() error { return check("ipc close handle", C.cu_ipc_close(C.CUdeviceptr(ptr))) })
 }
 

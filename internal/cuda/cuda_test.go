@@ -116,3 +116,47 @@ func TestUnavailableWithoutGPU(t *testing.T) {
 		}
 	}
 }
+
+// TestImportOwnHandle: a handle this process exported imports as the
+// memory itself (CUDA opens a handle only in another process), counted:
+// each Import's Unmap closes nothing, one more is the driver's (and
+// fails: the memory is not an import); once the memory is freed its
+// handle is the driver's to refuse.
+func TestImportOwnHandle(t *testing.T) {
+	d := openGPU(t)
+	p, err := d.Alloc(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := d.Export(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		q, err := d.Import(h)
+		if err != nil || q != p {
+			t.Fatalf("Import of our own handle: %#x, %v; want %#x", q, err, p)
+		}
+	}
+	if err := d.CopyIn(p, pattern(1<<20)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		if err := d.Unmap(p); err != nil {
+			t.Fatalf("Unmap %d of our own memory: %v", i, err)
+		}
+	}
+	if err := d.Unmap(p); err == nil {
+		t.Fatal("a third Unmap of two Imports of our own memory succeeded")
+	}
+	got := make([]byte, 1<<20)
+	if err := d.CopyOut(got, p); err != nil || !bytes.Equal(got, pattern(1<<20)) {
+		t.Fatalf("our memory after its Imports were unmapped: %v", err)
+	}
+	if err := d.Free(p); err != nil {
+		t.Fatal(err)
+	}
+	if q, err := d.Import(h); err == nil {
+		t.Fatalf("the handle of freed memory imported as %#x", q)
+	}
+}

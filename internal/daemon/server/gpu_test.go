@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/internal/cuda/cudatest"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
@@ -345,4 +346,16 @@ func TestAttachGPUByUUID(t *testing.T) {
 		t.Errorf("published region device = %d, want %d (the daemon's ordinal of %s)", got, last, e.uuid)
 	}
 	t.Logf("engine memory on %s (its device 0, the daemon's device %d of %d) attached by UUID", e.uuid, last, len(uuids))
+}
+
+// TestGPUSameHostOnFakeDriver runs TestDaemonsGPUSameHost on every
+// machine, against a fake CUDA driver (internal/cuda/cudatest): two
+// daemons' built-in agents, engines' GPU memory in other processes, the
+// WRITE one-sided through a gate and two-sided, every byte of D's cache
+// checked. The fake found what a GPU run would have: both daemons of the
+// test share a process, and CUDA will not open a handle in the process
+// that exported it, so P could not import D's gates (internal/cuda now
+// gives a process's own handles back as its memory).
+func TestGPUSameHostOnFakeDriver(t *testing.T) {
+	cudatest.RunOnFakeDriver(t, "TestDaemonsGPUSameHost")
 }
