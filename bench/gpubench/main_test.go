@@ -3,12 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/kvxfer/kvxfer/internal/cuda"
+	"github.com/kvxfer/kvxfer/internal/cuda/cudatest"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 )
 
@@ -22,6 +25,40 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	os.Exit(m.Run())
+}
+
+// TestGPU runs the bench's GPU mode (internal/cuda memory, the copy
+// kernels, the same-host path both ways and through a gate): on a GPU,
+// or on the fake CUDA driver (TestGPUOnFakeDriver); it skips without one.
+// NIXL and the Python contenders, which need a GPU's transports and
+// torch, are left to test/gpu/run.
+func TestGPU(t *testing.T) {
+	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
+		"-contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,kernel,kernel-layout,contig,perpiece"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
+	}
+	for _, want := range []string{"| kvxfer same-host, one-sided through a gate (P launches into D's memory) | 520 B |",
+		"| samehost-gate | 4 KiB x 5 blocks x 3 layers | P saw it done -> D drained the notification (one hop: D's wake-up) | 2 |",
+		"| kvxfer copy kernel, one launch of a layout (one process) | 4 KiB |", "| per-piece async cuMemcpyDtoD, one event | 520 B |"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "FAILED") {
+		t.Errorf("a case failed:\n%s\n%s", out.String(), errb.String())
+	}
+}
+
+// TestGPUOnFakeDriver runs TestGPU against the fake CUDA driver
+// (internal/cuda/cudatest): the bench test/gpu/run measures with, in its
+// GPU mode, on every machine.
+func TestGPUOnFakeDriver(t *testing.T) {
+	cudatest.RunOnFakeDriver(t, "TestGPU")
 }
 
 // TestFakeGPU runs the bench end to end on host memory standing in for
