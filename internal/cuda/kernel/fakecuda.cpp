@@ -340,6 +340,20 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
   return OK;
 }
 
+// CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2: CU_MEMORYTYPE_HOST 1, DEVICE 2)
+// and CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (9); memory the driver does not
+// know is an invalid value.
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+  std::lock_guard<std::mutex> g(mem_mu);
+  const Region *r = find(p, 1);
+  if (r == nullptr) return ERR_INVALID_VALUE;
+  switch (attr) {
+    case 2: *static_cast<unsigned *>(data) = r->kind == PINNED ? 1u : 2u; return OK;
+    case 9: *static_cast<int *>(data) = 0; return OK;
+  }
+  return ERR_INVALID_VALUE;
+}
+
 CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
   std::lock_guard<std::mutex> g(mem_mu);
   const Region *r = find(p, 1);

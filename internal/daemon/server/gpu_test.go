@@ -164,25 +164,9 @@ func TestDaemonsGPUSameHost(t *testing.T) {
 	}
 	for _, gates := range []bool{true, false} {
 		t.Run(fmt.Sprint("gates=", gates), func(t *testing.T) {
-			builtin := func(srv **server.Server) func(*server.Config) {
-				return func(c *server.Config) {
-					c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
-						return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true, DisableGates: !gates,
-							Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }}))
-					}
-				}
-			}
-			var ps, ds *server.Server
-			dp, dd := startDaemonWith(t, t.TempDir(), builtin(&ps)), startDaemonWith(t, t.TempDir(), builtin(&ds))
-			ps, ds = dp.srv, dd.srv
+			dp, dd := builtinGPUPair(t, gates)
 			daemonsGPU(t, dp, dd, fmt.Sprintf("built-in agents' same-host path (gates %v)", gates))
-			parts, oneSided := dd.srv.SameHostParts(), dp.srv.OneSidedWrites()
-			switch {
-			case gates && (oneSided == 0 || parts != 0):
-				t.Errorf("with gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want the WRITE one-sided", oneSided, parts)
-			case !gates && (oneSided != 0 || parts == 0):
-				t.Errorf("without gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want D to copy", oneSided, parts)
-			}
+			checkSides(t, gates, dp, dd)
 		})
 	}
 }
@@ -213,14 +197,52 @@ func daemonsGPU(t *testing.T, dp, dd *daemon, how string) {
 	}
 	// P names its GPU by ordinal, D by UUID: both ways move the bytes.
 	P, D := connect(dp, "P", pe, ""), connect(dd, "D", de, de.uuid)
-	var pIDs, dIDs []topology.BlockID
+	pIDs, dIDs := push8(ctx, t, P, D, dp.peerAddr)
+	de.stdin.Close()
+	if err := de.cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(dump)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, pushed8(pIDs, dIDs)) {
+		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
+	}
+	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' %s, from and into engine processes' GPU memory imported through CUDA IPC", how)
+}
+
+// builtinGPUPair starts two daemons with the built-in backend, each
+// importing same-host peers' GPU memory on its own devices, gates on or
+// off.
+func builtinGPUPair(t *testing.T, gates bool) (dp, dd *daemon) {
+	t.Helper()
+	builtin := func(srv **server.Server) func(*server.Config) {
+		return func(c *server.Config) {
+			c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
+				return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true, DisableGates: !gates,
+					Devices: func(u [16]byte) (tcp.Device, error) { return (*srv).IPCDevice(u) }}))
+			}
+		}
+	}
+	var ps, ds *server.Server
+	dp, dd = startDaemonWith(t, t.TempDir(), builtin(&ps)), startDaemonWith(t, t.TempDir(), builtin(&ds))
+	ps, ds = dp.srv, dd.srv
+	return dp, dd
+}
+
+// push8 pushes 8 of P's blocks into 8 of D's (P's engine served by the
+// daemon at pAddr), waits until both ranks report them done, and closes
+// both streams; it returns the blocks' ids, P's and D's.
+func push8(ctx context.Context, t *testing.T, P, D *stream.RankStream, pAddr string) (pIDs, dIDs []topology.BlockID) {
+	t.Helper()
 	for i := range 8 {
 		pIDs = append(pIDs, topology.BlockID(3*i+1))
 		dIDs = append(dIDs, topology.BlockID(60-i))
 	}
 	now := time.Now()
 	if err := D.Step(&kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{{ReqID: "d", TransferID: "t", Local: []topology.Span{{IDs: dIDs}},
-		Deadline: now.Add(time.Minute), Remote: kvxfer.RemoteRef{EngineID: "P", Addr: dp.peerAddr, TPSize: 1, Tokens: 128}}}}); err != nil {
+		Deadline: now.Add(time.Minute), Remote: kvxfer.RemoteRef{EngineID: "P", Addr: pAddr, TPSize: 1, Tokens: 128}}}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := P.Step(&kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{{ReqID: "p", TransferID: "t", Deadline: now.Add(time.Minute),
@@ -252,23 +274,31 @@ func daemonsGPU(t *testing.T, dp, dd *daemon, how string) {
 		}()
 		_ = rs.Close(ctx)
 	}
-	de.stdin.Close()
-	if err := de.cmd.Wait(); err != nil {
-		t.Fatal(err)
-	}
-	got, err := os.ReadFile(dump)
-	if err != nil {
-		t.Fatal(err)
-	}
+	return pIDs, dIDs
+}
+
+// pushed8 is what D's cache holds after push8: P's pattern's blocks pIDs
+// at dIDs, zeros elsewhere.
+func pushed8(pIDs, dIDs []topology.BlockID) []byte {
 	want := make([]byte, gpuBytes)
 	pat := gpuPattern()
 	for i := range pIDs {
 		copy(want[int(dIDs[i])*gpuBlockLen:], pat[int(pIDs[i])*gpuBlockLen:(int(pIDs[i])+1)*gpuBlockLen])
 	}
-	if !bytes.Equal(got, want) {
-		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
+	return want
+}
+
+// checkSides checks which way the WRITE went: with gates, one-sided (P's
+// daemon launched it, D's copied no part); without, D's daemon copied it.
+func checkSides(t *testing.T, gates bool, dp, dd *daemon) {
+	t.Helper()
+	parts, oneSided := dd.srv.SameHostParts(), dp.srv.OneSidedWrites()
+	switch {
+	case gates && (oneSided == 0 || parts != 0):
+		t.Errorf("with gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want the WRITE one-sided", oneSided, parts)
+	case !gates && (oneSided != 0 || parts == 0):
+		t.Errorf("without gates: P's daemon posted %d WRITEs one-sided, D's copied %d parts; want D to copy", oneSided, parts)
 	}
-	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' %s, from and into engine processes' GPU memory imported through CUDA IPC", how)
 }
 
 // TestAttachGPUByUUID: an engine whose process sees only the last GPU (as
@@ -357,5 +387,73 @@ func TestAttachGPUByUUID(t *testing.T) {
 // that exported it, so P could not import D's gates (internal/cuda now
 // gives a process's own handles back as its memory).
 func TestGPUSameHostOnFakeDriver(t *testing.T) {
-	cudatest.RunOnFakeDriver(t, "TestDaemonsGPUSameHost")
+	cudatest.RunOnFakeDriver(t, "TestDaemonsGPUSameHost", "TestInProcessGPU")
+}
+
+// TestInProcessGPU: the in-process placement over GPU memory: two
+// servers in the engines' own process (here the test's), each engine's KV
+// cache its own device allocation named by address (no IPC handle from
+// the engine), 8 blocks pushed over the built-in backend's same-host path,
+// one-sided through a gate and two-sided, every byte of D's cache
+// checked. Each server exports its engine's allocation itself, and the
+// other imports it: in one process, as the memory itself (CUDA opens a
+// handle only in another process). Needs a GPU (or the fake driver:
+// TestGPUSameHostOnFakeDriver); skips otherwise.
+func TestInProcessGPU(t *testing.T) {
+	dev, err := cuda.Open(0)
+	if errors.Is(err, cuda.ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	for _, gates := range []bool{true, false} {
+		t.Run(fmt.Sprint("gates=", gates), func(t *testing.T) {
+			dp, dd := builtinGPUPair(t, gates)
+			var mem [2]uint64
+			for i := range mem {
+				p, err := dev.Alloc(gpuBytes)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = dev.Free(p) })
+				init := make([]byte, gpuBytes)
+				if i == 0 {
+					init = gpuPattern()
+				}
+				if err := dev.CopyIn(p, init); err != nil {
+					t.Fatal(err)
+				}
+				mem[i] = p
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			connect := func(d *daemon, id string, base uint64) *stream.RankStream {
+				c, err := stream.Dial("unix://" + d.sock)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.Close() })
+				l := addrLayout(base, gpuBytes)
+				l.HeadSize, l.Regions[0].BlockLen, l.Regions[0].NumBlocks = 64, gpuBlockLen, gpuBlocks
+				rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
+					Memory: []stream.Memory{{Base: base, Size: gpuBytes, InProcess: stream.InProcessDevice}}})
+				if err != nil {
+					t.Fatalf("%s: %v", id, err)
+				}
+				return rs
+			}
+			P, D := connect(dp, "P", mem[0]), connect(dd, "D", mem[1])
+			pIDs, dIDs := push8(ctx, t, P, D, dp.peerAddr)
+			got := make([]byte, gpuBytes)
+			if err := dev.CopyOut(got, mem[1]); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, pushed8(pIDs, dIDs)) {
+				t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
+			}
+			checkSides(t, gates, dp, dd)
+		})
+	}
 }
