@@ -24,6 +24,17 @@
 // kernel against a receiver shutting its gate at random moments. The
 // GPU's weaker memory model is left to the GPU tests.
 //
+// # Without a GPU
+//
+// The package's GPU tests also run against a fake driver on every test
+// run (TestGPUOnFakeDriver; kernel/fakecuda.cpp, package cudatest):
+// shared memory for device memory, IPC between processes through /proc,
+// streams as threads, the kernels as a model of their contract, faults on
+// memory it does not know. Like CUDA it opens a handle only in another
+// process; Import gives a handle this process exported back as its own
+// memory (own.go), so two agents of one process exchange GPU memory as
+// two processes do.
+//
 // # Devices by UUID
 //
 // Device ordinals are per process (CUDA_VISIBLE_DEVICES renumbers them),
