@@ -38,7 +38,9 @@ func RunOnFakeDriver(t *testing.T, tests ...string) {
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run", pattern, "-test.v", "-test.count=1")
 	cmd.Env = append(os.Environ(), childEnv+"=1", "LD_LIBRARY_PATH="+dir+prepend(os.Getenv("LD_LIBRARY_PATH")))
 	out, err := cmd.CombinedOutput()
-	t.Logf("%s", out)
+	// The child's lines, marked: its "--- PASS" lines must not read as
+	// results of this test's (go test -json would take them for its).
+	t.Logf("the tests on the fake driver said:\n%s", strings.ReplaceAll("\n"+string(out), "\n", "\nfake| ")[1:])
 	if err != nil {
 		t.Fatalf("GPU tests on the fake driver: %v", err)
 	}
