@@ -16,5 +16,5 @@ import (
 // and to TestKernelOnCPU.
 func TestGPUOnFakeDriver(t *testing.T) {
 	cudatest.RunOnFakeDriver(t, "TestCopyKernel", "TestCopyKernelLayout", "TestGatedCopy", "TestIPCImportBetweenProcesses",
-		"TestGateBetweenProcesses", "TestImportOwnHandle")
+		"TestGateBetweenProcesses", "TestImportOwnHandle", "TestOrdinalOfOwnUUID")
 }
