@@ -414,19 +414,19 @@ func (d *Device) Export(ptr uint64) (h Handle, err error) {
 		return e
 	})
 	if err == nil {
-		own.exported(h, ptr)
+		own.exported(h, ptr, d.ordinal)
 	}
 	return h, err
 }
 
 // Import maps another process's device memory from its IPC handle.
 // Close it with Unmap on detach. A handle this process exported itself
-// is its own memory, at its own address: CUDA opens a handle only in
-// another process (in its own, CUDA_ERROR_INVALID_CONTEXT), and two
-// agents of one process (two in-process servers, two daemons' agents in a
-// test) exchange them as any two peers do.
+// from this device is its own memory, at its own address: CUDA opens a
+// handle only in another process (in its own, CUDA_ERROR_INVALID_CONTEXT),
+// and two agents of one process (two in-process servers, two daemons'
+// agents in a test) exchange them as any two peers do.
 func (d *Device) Import(h Handle) (ptr uint64, err error) {
-	if p, ok := own.open(h); ok {
+	if p, ok := own.open(h, d.ordinal); ok {
 		return p, nil
 	}
 	err = d.do(func() error {

@@ -3,36 +3,46 @@ package cuda
 import "sync"
 
 // own is what this process exported (Device.Export): its handles, by
-// handle, and how many Imports of them are not yet Unmapped. Import gives
-// such a handle back as the memory itself (CUDA will not open it here).
+// handle, with the memory and the device each is of, and how many Imports
+// of them are not yet Unmapped. Import on the same device gives such a
+// handle back as the memory itself (CUDA will not open it here). On
+// another device it goes to the driver, which refuses it: the memory
+// itself would need peer access enabled there, which an IPC import
+// enables and this does not.
 var own ownHandles
 
 type ownHandles struct {
 	mu   sync.Mutex
-	ptrs map[Handle]uint64
+	ptrs map[Handle]ownMemory
 	refs map[uint64]int
 }
 
-// exported records that h is ptr's handle.
-func (o *ownHandles) exported(h Handle, ptr uint64) {
+type ownMemory struct {
+	ptr     uint64
+	ordinal int
+}
+
+// exported records that h is the handle of ptr, memory of device ordinal.
+func (o *ownHandles) exported(h Handle, ptr uint64, ordinal int) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.ptrs == nil {
-		o.ptrs, o.refs = map[Handle]uint64{}, map[uint64]int{}
+		o.ptrs, o.refs = map[Handle]ownMemory{}, map[uint64]int{}
 	}
-	o.ptrs[h] = ptr
+	o.ptrs[h] = ownMemory{ptr, ordinal}
 }
 
 // open returns the memory h is the handle of, counted, if this process
-// exported it.
-func (o *ownHandles) open(h Handle) (uint64, bool) {
+// exported it from device ordinal.
+func (o *ownHandles) open(h Handle, ordinal int) (uint64, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	ptr, ok := o.ptrs[h]
-	if ok {
-		o.refs[ptr]++
+	m, ok := o.ptrs[h]
+	if !ok || m.ordinal != ordinal {
+		return 0, false
 	}
-	return ptr, ok
+	o.refs[m.ptr]++
+	return m.ptr, true
 }
 
 // close reports whether ptr is this process's own memory opened by
@@ -55,8 +65,8 @@ func (o *ownHandles) close(ptr uint64) bool {
 func (o *ownHandles) forget(ptr uint64) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	for h, p := range o.ptrs {
-		if p == ptr {
+	for h, m := range o.ptrs {
+		if m.ptr == ptr {
 			delete(o.ptrs, h)
 		}
 	}
