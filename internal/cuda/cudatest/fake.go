@@ -36,7 +36,9 @@ func RunOnFakeDriver(t *testing.T, tests ...string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run", pattern, "-test.v", "-test.count=1")
-	cmd.Env = append(os.Environ(), childEnv+"=1", "LD_LIBRARY_PATH="+dir+prepend(os.Getenv("LD_LIBRARY_PATH")))
+	// Two devices: the tests of one use device 0; those of two get them.
+	cmd.Env = append(os.Environ(), childEnv+"=1", "LD_LIBRARY_PATH="+dir+prepend(os.Getenv("LD_LIBRARY_PATH")),
+		"KVXFER_FAKE_CUDA_DEVICES=2")
 	out, err := cmd.CombinedOutput()
 	// The child's lines, marked: its "--- PASS" lines must not read as
 	// results of this test's (go test -json would take them for its).

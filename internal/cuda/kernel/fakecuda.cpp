@@ -13,6 +13,13 @@
 // shut otherwise) kept CTA by CTA, in memory the consumer's process sees.
 // The kernels' own code is copy.cu's, checked on the CPU by emu.cpp.
 //
+// Several GPUs: KVXFER_FAKE_CUDA_DEVICES=n (default 1) devices, each with
+// its own UUID, renumbered per process by CUDA_VISIBLE_DEVICES (indices).
+// Memory belongs to the device whose context allocated it; a kernel runs
+// on its stream's device and may touch that device's memory, pinned host
+// memory, and other memory only through an import opened on its device
+// (the peer mapping an IPC import gives); anything else faults.
+//
 // Like a GPU it faults on memory it does not know: a copy or a kernel
 // that touches bytes outside every allocation, import and pinned host
 // buffer of the process fails, a kernel's fault with
@@ -26,10 +33,12 @@
 #include <unistd.h>
 #include <fcntl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -70,6 +79,8 @@ enum Kind { DEVICE, IMPORT, PINNED };
 struct Region {
   uint64_t base, size;
   Kind kind;
+  int dev;         // DEVICE, IMPORT: the physical device it is mapped for (IMPORT: the importing context's)
+  int home;        // DEVICE, IMPORT: the physical device its memory is on
   int fd;          // DEVICE: its memfd (exported through /proc/<pid>/fd/<fd>)
   std::string id;  // IMPORT: the exporter's pid and memfd inode
   int refs;        // IMPORT: opens not closed yet
@@ -94,9 +105,61 @@ bool known(uint64_t p, uint64_t n) {
   return find(p, n) != nullptr;
 }
 
+// reach reports whether a kernel on physical device dev may touch
+// [p, p+n): memory mapped for dev (its own, or imported in its context),
+// or pinned host memory.
+bool reach(int dev, uint64_t p, uint64_t n) {
+  std::lock_guard<std::mutex> g(mem_mu);
+  const Region *r = find(p, n);
+  return r != nullptr && (r->kind == PINNED || r->dev == dev);
+}
+
+// ---- devices ----
+
+const int kMaxDevices = 8;
+
+// physical is the physical devices (KVXFER_FAKE_CUDA_DEVICES); visible,
+// this process's ordinals' physical devices (CUDA_VISIBLE_DEVICES).
+struct Devices {
+  int physical = 1;
+  int visible[kMaxDevices];
+  int n = 0;
+  Devices() {
+    if (const char *e = getenv("KVXFER_FAKE_CUDA_DEVICES")) physical = std::max(1, std::min(kMaxDevices, atoi(e)));
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (v == nullptr) {
+      for (int i = 0; i < physical; i++) visible[n++] = i;
+      return;
+    }
+    for (const char *c = v; *c && n < kMaxDevices;) {
+      char *end;
+      long i = strtol(c, &end, 10);
+      if (end == c || i < 0 || i >= physical) break;  // CUDA stops at the first it cannot use
+      visible[n++] = int(i);
+      c = *end == ',' ? end + 1 : end;
+      if (*end != ',') break;
+    }
+  }
+  int ordinal(int phys) const {
+    for (int i = 0; i < n; i++)
+      if (visible[i] == phys) return i;
+    return -1;
+  }
+};
+const Devices &devices() {
+  static Devices d;
+  return d;
+}
+
+// A context is its physical device; the thread's current one is its
+// device (every call kvxfer makes sets it first).
+int contexts[kMaxDevices];
+thread_local int current = 0;
+
 // ---- streams: a thread each, running its work in order ----
 
 struct Stream {
+  int dev = current;  // the device of the context it was made in
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> q;
@@ -170,10 +233,10 @@ Function plain_fn{false}, gated_fn{true};
 // the generation, copies only if it is want (else marks *shut), counts
 // itself out. A piece, the gate or the shut word outside known memory is
 // the launch's fault.
-CUresult launch_model(bool gated, unsigned grid, uint64_t regs, unsigned nreg, uint64_t ents, unsigned nent, uint64_t gate,
+CUresult launch_model(int dev, bool gated, unsigned grid, uint64_t regs, unsigned nreg, uint64_t ents, unsigned nent, uint64_t gate,
                       unsigned want, uint64_t shut) {
-  if (!known(regs, uint64_t(nreg) * sizeof(KRegion)) || !known(ents, uint64_t(nent) * sizeof(KEntry))) return ERR_ILLEGAL_ADDRESS;
-  if (gated && (!known(gate, 128) || !known(shut, 4))) return ERR_ILLEGAL_ADDRESS;
+  if (!reach(dev, regs, uint64_t(nreg) * sizeof(KRegion)) || !reach(dev, ents, uint64_t(nent) * sizeof(KEntry))) return ERR_ILLEGAL_ADDRESS;
+  if (gated && (!reach(dev, gate, 128) || !reach(dev, shut, 4))) return ERR_ILLEGAL_ADDRESS;
   const KRegion *rg = reinterpret_cast<const KRegion *>(regs);
   const KEntry *en = reinterpret_cast<const KEntry *>(ents);
   uint64_t pieces = uint64_t(nreg) * nent;
@@ -184,7 +247,7 @@ CUresult launch_model(bool gated, unsigned grid, uint64_t regs, unsigned nreg, u
     const KRegion &r = rg[p / nent];
     const KEntry &e = en[p % nent];
     if (e.len > (64u << 10)) return ERR_ILLEGAL_ADDRESS;  // the kernel's contract: the host cuts longer pieces
-    if (e.len && (!known(r.dst + e.dst, e.len) || !known(r.src + e.src, e.len))) return ERR_ILLEGAL_ADDRESS;
+    if (e.len && (!reach(dev, r.dst + e.dst, e.len) || !reach(dev, r.src + e.src, e.len))) return ERR_ILLEGAL_ADDRESS;
   }
   unsigned *g = reinterpret_cast<unsigned *>(gate);
   for (unsigned b = 0; b < grid; b++) {
@@ -228,6 +291,7 @@ struct Handle {
   char magic[16];
   int32_t pid, fd;
   uint64_t size;
+  int32_t home;  // the physical device of the memory
 };
 const char kMagic[16] = "kvxfer-fakecuda";
 
@@ -237,27 +301,34 @@ extern "C" {
 
 CUresult cuInit(unsigned) { return OK; }
 CUresult cuDeviceGetCount(int *n) {
-  *n = 1;
+  *n = devices().n;
   return OK;
 }
+// A CUdevice here is the physical device.
 CUresult cuDeviceGet(CUdevice *d, int ordinal) {
-  if (ordinal != 0) return ERR_INVALID_DEVICE;
-  *d = 0;
+  if (ordinal < 0 || ordinal >= devices().n) return ERR_INVALID_DEVICE;
+  *d = devices().visible[ordinal];
   return OK;
 }
-CUresult cuDeviceGetUuid(CUuuid *u, CUdevice) {
+CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) {
   static const char id[16] = {'k', 'v', 'x', 'f', 'e', 'r', '-', 'f', 'a', 'k', 'e', '-', 'g', 'p', 'u', '0'};
+  if (d < 0 || d >= devices().physical) return ERR_INVALID_DEVICE;
   memcpy(u->bytes, id, 16);
+  u->bytes[15] = char('0' + d);
   return OK;
 }
 CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
-CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice) {
-  static int the;
-  *ctx = &the;
+CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
+  if (d < 0 || d >= devices().physical || devices().ordinal(d) < 0) return ERR_INVALID_DEVICE;
+  contexts[d] = d;
+  *ctx = &contexts[d];
   return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
-CUresult cuCtxSetCurrent(void *) { return OK; }
+CUresult cuCtxSetCurrent(void *ctx) {
+  if (ctx != nullptr) current = *static_cast<int *>(ctx);
+  return OK;
+}
 
 CUresult cuGetErrorString(CUresult r, const char **s) {
   switch (r) {
@@ -290,7 +361,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     return ERR_OUT_OF_MEMORY;
   }
   std::lock_guard<std::mutex> g(mem_mu);
-  regions[uint64_t(m)] = Region{uint64_t(m), n, DEVICE, fd, "", 0};
+  regions[uint64_t(m)] = Region{uint64_t(m), n, DEVICE, current, current, fd, "", 0};
   *p = uint64_t(m);
   return OK;
 }
@@ -309,7 +380,7 @@ CUresult cuMemAllocHost_v2(void **p, size_t n) {
   void *m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED) return ERR_OUT_OF_MEMORY;
   std::lock_guard<std::mutex> g(mem_mu);
-  regions[uint64_t(m)] = Region{uint64_t(m), n, PINNED, -1, "", 0};
+  regions[uint64_t(m)] = Region{uint64_t(m), n, PINNED, -1, -1, -1, "", 0};
   *p = m;
   return OK;
 }
@@ -349,7 +420,7 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
   if (r == nullptr) return ERR_INVALID_VALUE;
   switch (attr) {
     case 2: *static_cast<unsigned *>(data) = r->kind == PINNED ? 1u : 2u; return OK;
-    case 9: *static_cast<int *>(data) = 0; return OK;
+    case 9: *static_cast<int *>(data) = r->kind == PINNED ? -1 : devices().ordinal(r->home); return OK;
   }
   return ERR_INVALID_VALUE;
 }
@@ -363,6 +434,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
   x.pid = getpid();
   x.fd = r->fd;
   x.size = r->size;
+  x.home = r->home;
   memset(h->reserved, 0, sizeof h->reserved);
   memcpy(h->reserved, &x, sizeof x);
   return OK;
@@ -371,8 +443,8 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
 // An import maps the exporter's memfd through /proc (the exporter must be
 // alive, as a GPU's IPC import needs its allocation). As CUDA's: a handle
 // opens only in another process (in its own, CUDA_ERROR_INVALID_CONTEXT),
-// and opened again by the same process it is the same pointer, counted
-// (each open closed once).
+// and opened again in the same context it is the same pointer, counted (each
+// open closed once); in another device's context, a mapping of its own.
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
   if (sticky) return sticky;
   Handle x;
@@ -387,7 +459,8 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
     close(fd);
     return ERR_INVALID_VALUE;
   }
-  std::string id = std::to_string(x.pid) + ":" + std::to_string(st.st_ino);
+  // One mapping per handle and importing context (device).
+  std::string id = std::to_string(x.pid) + ":" + std::to_string(st.st_ino) + "@" + std::to_string(current);
   std::lock_guard<std::mutex> g(mem_mu);
   for (auto &[base, r] : regions)
     if (r.kind == IMPORT && r.id == id) {
@@ -399,7 +472,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
   void *m = mmap(nullptr, x.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (m == MAP_FAILED) return ERR_OUT_OF_MEMORY;
-  regions[uint64_t(m)] = Region{uint64_t(m), x.size, IMPORT, -1, id, 1};
+  regions[uint64_t(m)] = Region{uint64_t(m), x.size, IMPORT, current, x.home, -1, id, 1};
   *p = uint64_t(m);
   return OK;
 }
@@ -504,12 +577,13 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     shut = *static_cast<uint64_t *>(args[6]);
   }
   bool gated = fn->gated;
+  int dev = s != nullptr ? static_cast<Stream *>(s)->dev : current;
   run(s, [=] {
     if (sticky) return;
-    CUresult r = launch_model(gated, gx, regs, nreg, ents, nent, gate, want, shut);
+    CUresult r = launch_model(dev, gated, gx, regs, nreg, ents, nent, gate, want, shut);
     if (r != OK) {
-      fprintf(stderr, "fakecuda: %s launch faulted: a piece, its descriptors, the gate or the shut word outside known memory\n",
-              gated ? "a gated" : "a");
+      fprintf(stderr, "fakecuda: %s launch on device %d faulted: a piece, its descriptors, the gate or the shut word outside memory it can reach\n",
+              gated ? "a gated" : "a", dev);
       sticky = r;
     }
   });

@@ -173,9 +173,13 @@ func TestDaemonsGPUSameHost(t *testing.T) {
 
 // daemonsGPU pushes 8 blocks from a P engine's GPU KV cache into a D
 // engine's, through daemons dp and dd, and checks every byte of D's cache.
-func daemonsGPU(t *testing.T, dp, dd *daemon, how string) {
+func daemonsGPU(t *testing.T, dp, dd *daemon, how string) { daemonsGPUEnv(t, dp, dd, how, nil, nil) }
+
+// daemonsGPUEnv is daemonsGPU with environments of their own for P's and
+// D's engine processes (penv, denv: CUDA_VISIBLE_DEVICES).
+func daemonsGPUEnv(t *testing.T, dp, dd *daemon, how string, penv, denv []string) {
 	dump := filepath.Join(t.TempDir(), "d.bin")
-	pe, de := startGPUEngine(t, "P", ""), startGPUEngine(t, "D", dump)
+	pe, de := startGPUEngine(t, "P", "", penv...), startGPUEngine(t, "D", dump, denv...)
 	defer pe.cmd.Wait()
 	defer pe.stdin.Close()
 	layout := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 64, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
@@ -210,6 +214,32 @@ func daemonsGPU(t *testing.T, dp, dd *daemon, how string) {
 		t.Fatal("D's GPU KV cache differs from what P's blocks should have put there")
 	}
 	t.Logf("8 blocks pushed VRAM -> VRAM between two daemons' %s, from and into engine processes' GPU memory imported through CUDA IPC", how)
+}
+
+// TestDaemonsGPUCrossDevice: the same-host path between two GPUs of one
+// host: P's engine on device 0, D's on device 1 (each process sees only
+// its own, CUDA_VISIBLE_DEVICES), the daemons see both. D's daemon copies
+// on D's device, reading P's memory through its import there (the peer
+// mapping); no gate is used, with gates on (they are for one GPU). Needs
+// two devices (or the fake driver: TestGPUSameHostOnFakeDriver); skips
+// otherwise.
+func TestDaemonsGPUCrossDevice(t *testing.T) {
+	n := 0
+	for ; ; n++ {
+		if _, err := cuda.DeviceUUID(n); err != nil {
+			if n == 0 && errors.Is(err, cuda.ErrUnavailable) {
+				t.Skipf("no GPU here: %v", err)
+			}
+			break
+		}
+	}
+	if n < 2 {
+		t.Skipf("this machine has %d CUDA device: the cross-device path needs 2", n)
+	}
+	dp, dd := builtinGPUPair(t, true)
+	daemonsGPUEnv(t, dp, dd, "built-in agents' same-host path, device 0 to device 1", []string{"CUDA_VISIBLE_DEVICES=0"},
+		[]string{"CUDA_VISIBLE_DEVICES=1"})
+	checkSides(t, false, dp, dd)
 }
 
 // builtinGPUPair starts two daemons with the built-in backend, each
@@ -387,7 +417,7 @@ func TestAttachGPUByUUID(t *testing.T) {
 // that exported it, so P could not import D's gates (internal/cuda now
 // gives a process's own handles back as its memory).
 func TestGPUSameHostOnFakeDriver(t *testing.T) {
-	cudatest.RunOnFakeDriver(t, "TestDaemonsGPUSameHost", "TestInProcessGPU")
+	cudatest.RunOnFakeDriver(t, "TestDaemonsGPUSameHost", "TestInProcessGPU", "TestDaemonsGPUCrossDevice")
 }
 
 // TestInProcessGPU: the in-process placement over GPU memory: two
