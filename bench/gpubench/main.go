@@ -347,6 +347,7 @@ cases:
 	}
 	fmt.Fprintln(stdout)
 	failed := report(stdout, cfg, res, why)
+	reportGoals(stdout, cfg, res)
 	reportHops(stdout, hops)
 	if late != nil {
 		return late

@@ -182,3 +182,29 @@ func lastLine(b []byte) string {
 	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
 	return lines[len(lines)-1]
 }
+
+// The goals table: the cases, met or not by their medians, only
+// those measured; the NIXL ratios where NIXL's Python API ran.
+func TestReportGoals(t *testing.T) {
+	big, small8 := xcase{Piece: 64 << 10, Blocks: 256, Layers: 32}, xcase{Piece: 64 << 10, Blocks: 8, Layers: 32}
+	res := map[string]map[xcase]result{
+		"samehost":      {big: {gbps: []float64{500, 700, 650}}, small8: {gbps: []float64{90, 95, 99}}},
+		"samehost-gate": {big: {gbps: []float64{1200, 1100, 1300}}, small8: {err: "boom"}},
+		pythonName:      {small8: {gbps: []float64{4, 4, 4}}},
+		"nixl-gpu":      {small8: {gbps: []float64{6, 6, 6}}},
+	}
+	var out bytes.Buffer
+	reportGoals(&out, config{cases: []xcase{big, small8}}, res)
+	for _, want := range []string{
+		"| 64 KiB x 256 blocks x 32 layers | >= 600 | 650 (met) | 1200 (met) |",
+		"| 64 KiB x 8 blocks x 32 layers | >= 100 | 95.0 (not met) | not run |",
+		"| 64 KiB x 8 blocks x 32 layers | 4.00 | - | 1.50x | - |",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the goals lack %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "| 4 KiB x 256") {
+		t.Errorf("a goal case not measured is in the table:\n%s", out.String())
+	}
+}

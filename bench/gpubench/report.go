@@ -118,3 +118,84 @@ func oneLine(s string) string {
 	s = strings.ReplaceAll(strings.TrimSpace(s), "\n", " ")
 	return strings.ReplaceAll(s, "|", "/")
 }
+
+// goalCases are issue 25's same-host goals (32 layers): GB/s a case's
+// median must reach.
+var goalCases = []struct {
+	c    xcase
+	gbps float64
+}{
+	{xcase{Piece: 64 << 10, Blocks: 256, Layers: 32}, 600},
+	{xcase{Piece: 4 << 10, Blocks: 256, Layers: 32}, 300},
+	{xcase{Piece: 64 << 10, Blocks: 8, Layers: 32}, 100},
+}
+
+// reportGoals prints, for the goal cases this run measured, the
+// same-host path's medians two-sided and one-sided (through a gate, the
+// default for a push on one GPU) against the goals; and the NIXL
+// contenders' medians as a ratio to NIXL's Python API where both ran
+// (issue 24 compares kvxfer in process to it: pytest-inprocess's ratio is
+// that goal's; this is the binding's share of it).
+func reportGoals(w io.Writer, cfg config, res map[string]map[xcase]result) {
+	median := func(n string, c xcase) (float64, bool) {
+		r, ok := res[n][c]
+		if !ok || r.err != "" || len(r.gbps) == 0 {
+			return 0, false
+		}
+		m, _, _ := spread(r.gbps)
+		return m, true
+	}
+	var rows []string
+	for _, g := range goalCases {
+		two, ok2 := median("samehost", g.c)
+		one, ok1 := median("samehost-gate", g.c)
+		if !ok1 && !ok2 {
+			continue
+		}
+		cellOf := func(x float64, ok bool) string {
+			if !ok {
+				return "not run"
+			}
+			verdict := "met"
+			if x < g.gbps {
+				verdict = "not met"
+			}
+			return fmt.Sprintf("%s (%s)", num(x), verdict)
+		}
+		rows = append(rows, fmt.Sprintf("| %s | >= %s | %s | %s |", g.c, num(g.gbps), cellOf(two, ok2), cellOf(one, ok1)))
+	}
+	if len(rows) > 0 {
+		fmt.Fprintf(w, "\nIssue 25's same-host goals (medians, GB/s; a push on one GPU goes one-sided by default)\n\n")
+		fmt.Fprintln(w, "| case | goal | two-sided (samehost) | one-sided (samehost-gate) |\n| --- | --- | --- | --- |")
+		for _, r := range rows {
+			fmt.Fprintln(w, r)
+		}
+	}
+	rows = rows[:0]
+	for _, c := range cfg.cases {
+		py, ok := median(pythonName, c)
+		if !ok {
+			continue
+		}
+		row := fmt.Sprintf("| %s | %s |", c, num(py))
+		have := false
+		for _, n := range []string{"nixl4", "nixl-gpu", splitName} {
+			if x, ok := median(n, c); ok {
+				row += fmt.Sprintf(" %.2fx |", x/py)
+				have = true
+			} else {
+				row += " - |"
+			}
+		}
+		if have {
+			rows = append(rows, row)
+		}
+	}
+	if len(rows) > 0 {
+		fmt.Fprintf(w, "\nNIXL contenders against NIXL's Python API (num_threads=4), ratio of medians\n\n")
+		fmt.Fprintln(w, "| case | NIXL Python API, GB/s | kvxfer NIXL num_threads=4 | kvxfer NIXL GPU defaults (split) | NIXL Python API with the split |\n| --- | --- | --- | --- | --- |")
+		for _, r := range rows {
+			fmt.Fprintln(w, r)
+		}
+	}
+}
