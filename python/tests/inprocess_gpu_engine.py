@@ -90,8 +90,10 @@ class Beside:
     benchmarks and gpubench's python contender time it): push, P WRITEs
     them (D asks with a file "go-k", P answers "done-k" with the seconds);
     pull, D READs them itself. D then checks every byte of those blocks
-    again. The UCX backend gets what kvxfer's own VRAM agents get
-    (num_threads, and READs over cuda_ipc: nixl.GPUEngineConfig)."""
+    again. The UCX backend gets num_threads and READs over cuda_ipc
+    (nixl.GPUEngineConfig) as kvxfer's own VRAM agents do, but not their
+    split_batch_size: this is NIXL as vLLM configures it, the issue's
+    yardstick (gpubench's python-split gives NIXL the split too)."""
 
     def __init__(self, run: "Run", spec: dict):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
