@@ -3,6 +3,7 @@ package cuda
 import (
 	_ "embed"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -99,11 +100,32 @@ type copier struct {
 	stream unsafe.Pointer
 	mu     sync.Mutex
 	free   []*slot
-	// gateOnce runs the gated kernel's check on the device (gatesWork);
-	// gateOK: it passed.
-	gateOnce sync.Once
-	gateOK   bool
+	// gate is the gated kernel's check on the device (gatesWork): its
+	// verdict (gateUnchecked until one), the memory it runs in, and
+	// whether a check that could not run was logged.
+	gate struct {
+		mu     sync.Mutex
+		state  gateState
+		buf    uint64
+		warned bool
+	}
 }
+
+type gateState int
+
+const (
+	gateUnchecked gateState = iota
+	gateWorks
+	gateBroken
+)
+
+// gateFault is a gated launch that misbehaved in the check (as opposed to
+// a check that could not run for want of memory).
+type gateFault struct{ msg string }
+
+func (e *gateFault) Error() string { return e.msg }
+
+func faultf(format string, args ...any) error { return &gateFault{fmt.Sprintf(format, args...)} }
 
 func (d *Device) initCopier() error {
 	c := &d.copier
@@ -217,21 +239,37 @@ func GateCheckFailures() uint64 { return gateCheckFails.Load() }
 // a device where it misbehaves is logged, counted, and gates nothing from
 // then on, so each one-sided write goes the two-sided way instead of
 // trusting a launch that might report bytes written that were not, or
-// write through a shut gate. A millisecond or so, once per device and
-// process, in the first one-sided write's post.
+// write through a shut gate. A check that could not run (no memory for
+// it: an engine's process may hold most of its GPU's) says false this
+// time, logged once, and runs again when next asked. A millisecond or so,
+// once per device and process, in the first one-sided write's post.
 func (d *Device) gatesWork() bool {
-	c := &d.copier
-	c.gateOnce.Do(func() {
-		if err := d.checkGates(); err != nil {
-			gateCheckFails.Add(1)
-			slog.Error("cuda: the gated copy kernel failed its check on this device: its one-sided writes go two-sided",
-				"device", d.ordinal, "err", err)
-			return
-		}
-		c.gateOK = true
-	})
-	return c.gateOK
+	g := &d.copier.gate
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.state != gateUnchecked {
+		return g.state == gateWorks
+	}
+	err := checkGates(d)
+	var fault *gateFault
+	switch {
+	case err == nil:
+		g.state = gateWorks
+	case errors.As(err, &fault):
+		g.state = gateBroken
+		gateCheckFails.Add(1)
+		slog.Error("cuda: the gated copy kernel failed its check on this device: its one-sided writes go two-sided",
+			"device", d.ordinal, "err", err)
+	case !g.warned:
+		g.warned = true
+		slog.Warn("cuda: the gated copy kernel's check could not run on this device: one-sided writes go two-sided until it can",
+			"device", d.ordinal, "err", err)
+	}
+	return g.state == gateWorks
 }
+
+// checkGates is the check gatesWork runs (a variable for tests).
+var checkGates = (*Device).checkGates
 
 // checkGates runs two gated launches in memory of its own: through a gate
 // of their generation (every byte of both pieces lands, nothing else, not
@@ -243,12 +281,16 @@ func (d *Device) checkGates() error {
 		srcOff, dstOff, span = 1024, 3072, 2048
 		gen                  = 0x5a7e0001
 	)
-	// Kept for the process's life (5 KiB, once per device): freeing
-	// device memory may wait for the whole device, in an engine's own
-	// process for its queued kernels.
-	buf, err := d.Alloc(srcOff + 2*span)
-	if err != nil {
-		return err
+	// Kept for the process's life (5 KiB, once per device, d.copier.gate
+	// held): freeing device memory may wait for the whole device, in an
+	// engine's own process for its queued kernels.
+	buf := d.copier.gate.buf
+	if buf == 0 {
+		var err error
+		if buf, err = d.Alloc(srcOff + 2*span); err != nil {
+			return err
+		}
+		d.copier.gate.buf = buf
 	}
 	src, dst := buf+srcOff, buf+dstOff
 	pat := make([]byte, span)
@@ -283,7 +325,7 @@ func (d *Device) checkGates() error {
 		}
 		if b.s.shutDev == 0 {
 			b.Discard()
-			return fmt.Errorf("no device address for the launch's shut word")
+			return faultf("no device address for the launch's shut word")
 		}
 		want := uint32(gen)
 		if !open {
@@ -295,10 +337,10 @@ func (d *Device) checkGates() error {
 			return fmt.Errorf("a gated launch (gate open %v): %w", open, err)
 		}
 		if err := cp.Wait(); err != nil {
-			return fmt.Errorf("a gated launch (gate open %v): %w", open, err)
+			return faultf("a gated launch (gate open %v): %v", open, err)
 		}
 		if cp.Shut() == open {
-			return fmt.Errorf("a gated launch through a gate open %v reported shut %v", open, cp.Shut())
+			return faultf("a gated launch through a gate open %v reported shut %v", open, cp.Shut())
 		}
 		if err := d.SideCopyOut(got, dst); err != nil {
 			return err
@@ -311,7 +353,7 @@ func (d *Device) checkGates() error {
 		}
 		for i := range got {
 			if got[i] != exp[i] {
-				return fmt.Errorf("a gated launch through a gate open %v: byte %d of its destination reads %#x, want %#x", open, i, got[i], exp[i])
+				return faultf("a gated launch through a gate open %v: byte %d of its destination reads %#x, want %#x", open, i, got[i], exp[i])
 			}
 		}
 		if err := d.SideCopyOut(g[:], buf); err != nil {
@@ -319,7 +361,7 @@ func (d *Device) checkGates() error {
 		}
 		for i := GateActiveOff; i < GateSize; i++ {
 			if g[i] != 0 {
-				return fmt.Errorf("a gated launch through a gate open %v left CTAs counted in it", open)
+				return faultf("a gated launch through a gate open %v left CTAs counted in it", open)
 			}
 		}
 	}
