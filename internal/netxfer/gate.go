@@ -158,6 +158,8 @@ type gateState struct {
 	// entries they hold by peer (bounded: maxGateItems).
 	views map[string]map[string]*gateView
 	items map[string]int
+	// areaWarned: a gate area could not be made, and the log said so.
+	areaWarned bool
 	// unfit are the devices whose gated launches failed to post here:
 	// WRITEs from their memory go two-sided (logged once per device).
 	unfit map[Device]bool
@@ -385,12 +387,20 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 		return ErrNoGate
 	}
 	ar, err := a.gateAreaLocked(dev, uuid)
-	if err != nil || len(ar.free) == 0 {
+	if err != nil {
+		// No memory for the gates (an engine's process may hold most of
+		// its GPU's): two-sided, said once, tried again at the next grant.
+		warn := !st.areaWarned
+		st.areaWarned = true
 		st.mu.Unlock()
-		if err == nil {
-			err = ErrNoGate // every slot in use
+		if warn {
+			a.log.Warn("netxfer: no gate area on this device: grants are served two-sided until one can be made", "err", err)
 		}
-		return err
+		return ErrNoGate
+	}
+	if len(ar.free) == 0 {
+		st.mu.Unlock()
+		return ErrNoGate // every slot in use
 	}
 	slot := ar.free[len(ar.free)-1]
 	gen := ar.gen[slot] + 1

@@ -31,6 +31,9 @@ type gateGPU struct {
 	// refuses), after queueing its first piece, as a launch of several
 	// sections may have.
 	failGated atomic.Bool
+	// allocFails: the next so many Allocs fail (a GPU an engine's
+	// process holds most of).
+	allocFails atomic.Int32
 }
 
 func newGateGPU(g *fakeGPU) *gateGPU {
@@ -38,6 +41,10 @@ func newGateGPU(g *fakeGPU) *gateGPU {
 }
 
 func (d *gateGPU) Alloc(n int) (uint64, error) {
+	if d.allocFails.Load() > 0 {
+		d.allocFails.Add(-1)
+		return 0, errors.New("fake: out of memory")
+	}
 	ptr, h, _ := d.fakeGPU.alloc(n)
 	d.mu.Lock()
 	d.handles[ptr] = h
@@ -383,6 +390,45 @@ func TestGatePostFails(t *testing.T) {
 	}
 	if s.p.OneSidedWrites() != 0 || s.d.gated.Load() != 1 {
 		t.Fatalf("one-sided writes %d, gated posts tried %d; want 0 and 1", s.p.OneSidedWrites(), s.d.gated.Load())
+	}
+}
+
+// No memory for D's gate area: the grant is offered no gate (ErrNoGate:
+// not a failure) and its WRITE goes two-sided, every byte landing; the
+// next grant, with memory again, gets its gate and goes one-sided.
+func TestGateAreaAllocFails(t *testing.T) {
+	s := newGateSetup(t, Config{}, Config{})
+	s.d.allocFails.Store(1)
+	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{s.grant}, []byte("req-1")); !errors.Is(err, ErrNoGate) {
+		t.Fatalf("OpenGate without memory for the gates: %v, want ErrNoGate", err)
+	}
+	if mine, _ := s.dd.GatesOpen(); mine != 0 || s.f.open() != 0 {
+		t.Fatalf("%d gates open, %d admissions standing after a gate that could not be made", mine, s.f.open())
+	}
+	r := rand.New(rand.NewPCG(11, 12))
+	write := func(tag string) {
+		t.Helper()
+		l := s.layout(r, []int{3, 9})
+		id, err := s.p.PostLayout(Write, s.dd.Name(), []Layout{l}, []byte(tag))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, err := wait(t, s.p, id); st != Done {
+			t.Fatalf("%v, %v", st, err)
+		}
+		checkGPUMoved(t, s.g, Write, ExpandLayouts(nil, []Layout{l}))
+		if n := waitNotif(t, s.dd); len(n) != 1 || string(n[0].Msg) != tag {
+			t.Fatalf("D heard %v", n)
+		}
+	}
+	write("req-1")
+	if s.p.OneSidedWrites() != 0 || s.dd.LayoutParts() != 1 {
+		t.Fatalf("without a gate: one-sided %d, layout parts at D %d; want 0 and 1", s.p.OneSidedWrites(), s.dd.LayoutParts())
+	}
+	s.open(t, "req-2")
+	write("req-2")
+	if s.p.OneSidedWrites() != 1 {
+		t.Fatalf("with memory again: one-sided %d, want 1", s.p.OneSidedWrites())
 	}
 }
 
