@@ -77,6 +77,9 @@ var contenders = []contender{
 	{name: "samehost-gate", what: "kvxfer same-host, one-sided: D offers P its region as a gate (netxfer OpenGate, what a push consumer does per grant); " +
 		"P's layout WRITE is its own gated launch into D's imported memory, then the notification: P's post to P seeing it done (and, in the hop table, D notified)",
 		peer: gatePeer, open: gateOpen},
+	{name: "samehost-read", what: "kvxfer same-host, pulling (vLLM's default mode): the parent READs the child's source region into its own scratch " +
+		"as one layout (the child checks the READ against its memory and answers where the pieces lie; the parent's GPU copies them)",
+		peer: netxferPeer, open: netxferReadOpen},
 	{name: "nixl", what: "kvxfer NIXL (internal/nixl, UCX backend, default num_threads; one Post, State polled until done)",
 		avail: nixlAvail, peer: nixlPeer(tune{}), open: nixlOpen(tune{})},
 	{name: "nixl4", what: "kvxfer NIXL, UCX num_threads=4 (what vLLM sets)",
@@ -318,6 +321,72 @@ func (m *netxferMover) write(c xcase) (time.Duration, error) {
 }
 
 func (m *netxferMover) close() error { return m.a.Close() }
+
+// netxferReadMover pulls on the same-host path: the parent's agent on its
+// scratch region READs the case's pieces from the child's region (filled
+// with the source pattern) as one layout, and they are checked there.
+type netxferReadMover struct {
+	r       *remote
+	a       *netxfer.Agent
+	peer    string
+	scratch *side
+	host    *[]byte
+	lays    map[xcase][]netxfer.Layout
+}
+
+func netxferReadOpen(_ *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
+	a, err := netxferAgent(scratch, "p-read", new(wireLog))
+	if err != nil {
+		return nil, nil, err
+	}
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		a.Close()
+		return nil, nil, err
+	}
+	return &netxferReadMover{r: r, a: a, peer: peer, scratch: scratch, host: new([]byte), lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
+}
+
+func (m *netxferReadMover) prepare(c xcase) error {
+	if _, err := m.r.call(ctlReq{Op: "fill", Case: c}); err != nil {
+		return err
+	}
+	return mark(m.scratch, c)
+}
+
+func (m *netxferReadMover) write(c xcase) (time.Duration, error) {
+	lays, ok := m.lays[c]
+	if !ok {
+		// Local: the scratch at the destination offsets; remote: the
+		// child's region at the source offsets.
+		l := c.layout(m.r.base, m.scratch.base)
+		for i := range l.Bases {
+			l.Bases[i].Local, l.Bases[i].Remote = l.Bases[i].Remote, l.Bases[i].Local
+		}
+		for i := range l.Entries {
+			l.Entries[i].Local, l.Entries[i].Remote = l.Entries[i].Remote, l.Entries[i].Local
+		}
+		lays = []netxfer.Layout{l}
+		m.lays[c] = lays
+	}
+	start := time.Now()
+	id, err := m.a.PostLayout(netxfer.Read, m.peer, lays, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer m.a.Release(id)
+	err = waitDone(func() (bool, error) {
+		s, err := m.a.State(id)
+		if s == netxfer.Failed && err == nil {
+			err = errors.New("failed")
+		}
+		return s == netxfer.Done, err
+	}, m.a.Events())
+	return time.Since(start), err
+}
+
+func (m *netxferReadMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+func (m *netxferReadMover) close() error        { return m.a.Close() }
 
 // kvxfer's NIXL binding: each process registers its own GPU memory with
 // its agent (VRAM; host memory with -fake-gpu); UCX moves the bytes

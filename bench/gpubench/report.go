@@ -13,6 +13,7 @@ var labels = map[string]string{
 	"samehost-pieces": "kvxfer same-host (netxfer, MapDevice), as pieces",
 	"samehost-x4":     "kvxfer same-host (netxfer, MapDevice), as a layout, 4 in flight",
 	"samehost-gate":   "kvxfer same-host, one-sided through a gate (P launches into D's memory)",
+	"samehost-read":   "kvxfer same-host, READ (pull) as a layout",
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
 	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
