@@ -21,26 +21,39 @@ func TestConformanceNixlShm(t *testing.T) {
 
 // NIXL's telemetry of a finished transfer reaches the caller.
 func TestNixlTelemetry(t *testing.T) {
-	h := &kvxfertest.NixlHarness{}
-	a, ar, _ := h.New(t, 1<<20)
-	b, br, _ := h.New(t, 1<<20)
-	defer a.Close()
-	defer b.Close()
-	peer := kvxfertest.Link(t, a, b, ar, br)
-	id, err := a.Post(hotpath.OpWrite, peer, []hotpath.Desc{{Local: ar.Addr, Remote: br.Addr, Len: 1 << 20}}, nil)
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		descs  int
+	}{{"one", nil, 1}, {"split", map[string]string{"num_threads": "4", "split_batch_size": "4"}, 16}} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := &kvxfertest.NixlHarness{Params: tc.params}
+			a, ar, _ := h.New(t, 1<<20)
+			b, br, _ := h.New(t, 1<<20)
+			defer a.Close()
+			defer b.Close()
+			peer := kvxfertest.Link(t, a, b, ar, br)
+			var ds []hotpath.Desc
+			n := uint64(1<<20) / uint64(tc.descs)
+			for i := range uint64(tc.descs) {
+				ds = append(ds, hotpath.Desc{Local: ar.Addr + i*n, Remote: br.Addr + i*n, Len: n})
+			}
+			id, err := a.Post(hotpath.OpWrite, peer, ds, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for s, _ := a.State(id); s == kvxfer.XferInProgress; s, _ = a.State(id) {
+			}
+			tm, ok := a.(kvxfer.Telemeter).Telemetry(id)
+			if !ok {
+				t.Skip("this NIXL library keeps no telemetry")
+			}
+			if tm.Bytes != 1<<20 || tm.Descs != uint64(tc.descs) {
+				t.Errorf("telemetry = %+v, want 1 MiB in %d descriptors", tm, tc.descs)
+			}
+			t.Logf("NIXL telemetry: %+v", tm)
+		})
 	}
-	for s, _ := a.State(id); s == kvxfer.XferInProgress; s, _ = a.State(id) {
-	}
-	tm, ok := a.(kvxfer.Telemeter).Telemetry(id)
-	if !ok {
-		t.Skip("this NIXL library keeps no telemetry")
-	}
-	if tm.Bytes != 1<<20 || tm.Descs != 1 {
-		t.Errorf("telemetry = %+v, want 1 MiB in 1 descriptor", tm)
-	}
-	t.Logf("NIXL telemetry: %+v", tm)
 }
 
 // The UCX plugin's thread pool splitting each transfer over its workers
