@@ -53,17 +53,20 @@ func TestGatesWorkVerdicts(t *testing.T) {
 
 	d := &Device{}
 	next = errors.New("cuda: alloc: out of memory")
-	if d.gatesWork() || d.gatesWork() || runs != 2 {
+	first, second := d.gatesWork(), d.gatesWork()
+	if first || second || runs != 2 {
 		t.Fatalf("a check that could not run: gates on, or not run again (%d runs)", runs)
 	}
 	before := GateCheckFailures()
 	next = faultf("a gated launch through a gate open true reported shut true")
-	if d.gatesWork() || d.gatesWork() || runs != 3 || GateCheckFailures() != before+1 {
+	first, second = d.gatesWork(), d.gatesWork()
+	if first || second || runs != 3 || GateCheckFailures() != before+1 {
 		t.Fatalf("a misbehaving launch: gates on, checked again, or not counted once (%d runs, %d failures)", runs, GateCheckFailures()-before)
 	}
 
 	d, runs, next = &Device{}, 0, nil
-	if !d.gatesWork() || !d.gatesWork() || runs != 1 {
+	first, second = d.gatesWork(), d.gatesWork()
+	if !first || !second || runs != 1 {
 		t.Fatalf("a check that passed: gates off, or checked again (%d runs)", runs)
 	}
 }
