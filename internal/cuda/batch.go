@@ -543,8 +543,12 @@ func (b *Batch) post(each bool) (*Copy, error) {
 		err = d.launchEach(c.stream, s)
 	}
 	if err != nil {
-		// What was queued before the failure may still run: the slot
-		// is freed only once its work ends.
+		// What was queued before the failure (a batch of several
+		// sections launches one by one) may still run: it ends before
+		// the slot is freed and the error returned, so that the
+		// caller, told nothing was posted, may let go of the memory
+		// the batch named (a peer's import among it).
+		_ = d.drain(c.stream)
 		d.freeSlot(s)
 		return nil, err
 	}

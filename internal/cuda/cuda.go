@@ -224,6 +224,12 @@ static CUresult cu_side_copy(CUcontext ctx, CUstream s, int toDevice, CUdevicept
 	if (r) return r;
 	return cu.cuStreamSynchronize(s);
 }
+// cu_drain returns once everything queued on stream s ran.
+static CUresult cu_drain(CUcontext ctx, CUstream s) {
+	CUresult r = cu.cuCtxSetCurrent(ctx);
+	if (r) return r;
+	return cu.cuStreamSynchronize(s);
+}
 static CUresult cu_query(CUcontext ctx, CUevent ev) {
 	CUresult r = cu.cuCtxSetCurrent(ctx);
 	if (r) return r;
@@ -547,6 +553,12 @@ func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int, g gateArg
 		unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.size_t(words),
 		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(maxGrid), C.CUevent(s.ev),
 		C.CUdeviceptr(g.gate), C.uint(g.want), C.CUdeviceptr(g.shut)))
+}
+
+// drain returns once everything queued on stream ran (its error, if
+// the context failed).
+func (d *Device) drain(stream unsafe.Pointer) error {
+	return check("synchronize stream", C.cu_drain(d.ctx, C.CUstream(stream)))
 }
 
 func (d *Device) launchEach(stream unsafe.Pointer, s *slot) error {

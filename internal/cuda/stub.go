@@ -52,5 +52,6 @@ func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int, _ gateArgs) error {
 	return ErrUnavailable
 }
 func (d *Device) launchEach(unsafe.Pointer, *slot) error { return ErrUnavailable }
+func (d *Device) drain(unsafe.Pointer) error             { return ErrUnavailable }
 func (d *Device) query(*slot) (bool, error)              { return true, ErrUnavailable }
 func (d *Device) wait(*slot) error                       { return ErrUnavailable }

@@ -21,12 +21,27 @@ const childEnv = "KVXFER_FAKE_CUDA"
 // OnFakeDriver reports whether this process runs against the fake driver.
 func OnFakeDriver() bool { return os.Getenv(childEnv) != "" }
 
+// FailLaunchEnv is the fake driver's knob that makes its n-th kernel
+// launch refuse; KernelDelayEnv, the one that makes every launch take
+// that many microseconds more.
+const (
+	FailLaunchEnv  = "KVXFER_FAKE_CUDA_FAIL_LAUNCH"
+	KernelDelayEnv = "KVXFER_FAKE_CUDA_KERNEL_US"
+)
+
 // RunOnFakeDriver builds the fake driver and runs the tests named by
 // tests (top-level test names) of this test binary against it, in a
 // child process; each must pass (a skip, "no GPU here", is a failure:
 // the fake is a GPU to them). It skips where there is no C++ compiler,
 // and inside the child itself.
 func RunOnFakeDriver(t *testing.T, tests ...string) {
+	t.Helper()
+	RunOnFakeDriverEnv(t, nil, tests...)
+}
+
+// RunOnFakeDriverEnv is RunOnFakeDriver with env added to the child's
+// environment (the fake driver's KVXFER_FAKE_CUDA_* knobs).
+func RunOnFakeDriverEnv(t *testing.T, env []string, tests ...string) {
 	t.Helper()
 	if OnFakeDriver() {
 		t.Skip("the fake driver's own run")
@@ -39,6 +54,7 @@ func RunOnFakeDriver(t *testing.T, tests ...string) {
 	// Two devices: the tests of one use device 0; those of two get them.
 	cmd.Env = append(os.Environ(), childEnv+"=1", "LD_LIBRARY_PATH="+dir+prepend(os.Getenv("LD_LIBRARY_PATH")),
 		"KVXFER_FAKE_CUDA_DEVICES=2")
+	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.CombinedOutput()
 	// The child's lines, marked: its "--- PASS" lines must not read as
 	// results of this test's (go test -json would take them for its).

@@ -20,6 +20,12 @@
 // memory, and other memory only through an import opened on its device
 // (the peer mapping an IPC import gives); anything else faults.
 //
+// For tests of what kvxfer does when things go wrong:
+// KVXFER_FAKE_CUDA_FAIL_LAUNCH=n makes the n-th cuLaunchKernel of the
+// process refuse (CUDA_ERROR_INVALID_VALUE, nothing queued), and
+// KVXFER_FAKE_CUDA_KERNEL_US=t makes every launch take t microseconds
+// more on its stream (a kernel still running when its caller looks).
+//
 // Like a GPU it faults on memory it does not know: a copy or a kernel
 // that touches bytes outside every allocation, import and pinned host
 // buffer of the process fails, a kernel's fault with
@@ -35,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -559,9 +566,18 @@ CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
   return OK;
 }
 
+long env_long(const char *name) {
+  const char *e = getenv(name);
+  return e ? atol(e) : 0;
+}
+
+std::atomic<long> launches{0};
+
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem,
                         void *s, void **args, void **extra) {
   if (sticky) return sticky;
+  static const long fail_at = env_long("KVXFER_FAKE_CUDA_FAIL_LAUNCH"), delay_us = env_long("KVXFER_FAKE_CUDA_KERNEL_US");
+  if (launches.fetch_add(1) + 1 == fail_at) return ERR_INVALID_VALUE;
   const Function *fn = static_cast<const Function *>(f);
   if ((fn != &plain_fn && fn != &gated_fn) || gx == 0 || gy != 1 || gz != 1 || bx != 256 || by != 1 || bz != 1 || shmem != 0 ||
       args == nullptr || extra != nullptr)
@@ -580,6 +596,7 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   int dev = s != nullptr ? static_cast<Stream *>(s)->dev : current;
   run(s, [=] {
     if (sticky) return;
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
     CUresult r = launch_model(dev, gated, gx, regs, nreg, ents, nent, gate, want, shut);
     if (r != OK) {
       fprintf(stderr, "fakecuda: %s launch on device %d faulted: a piece, its descriptors, the gate or the shut word outside memory it can reach\n",
