@@ -256,13 +256,8 @@ func (m *netxferMover) hops(warmup int) ([]string, [][]float64, error) {
 func netxferOpen(layout bool, inflight int) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
 	return func(_ *opts, src, _ *side, r *remote, meta []byte) (mover, []byte, error) {
 		wire := new(wireLog)
-		a, err := netxferAgent(src, "p", wire)
+		a, peer, err := netxferInitiator(src, "p", wire, meta)
 		if err != nil {
-			return nil, nil, err
-		}
-		peer, err := a.LoadPeer(meta)
-		if err != nil {
-			a.Close()
 			return nil, nil, err
 		}
 		return &netxferMover{remoteMover: remoteMover{r}, a: a, wire: wire, peer: peer, src: src.base, dst: r.base, layout: layout, inflight: inflight,
@@ -326,32 +321,60 @@ func (m *netxferMover) close() error { return m.a.Close() }
 // scratch region READs the case's pieces from the child's region (filled
 // with the source pattern) as one layout, and they are checked there.
 type netxferReadMover struct {
+	puller
+	a    *netxfer.Agent
+	peer string
+	lays map[xcase][]netxfer.Layout
+}
+
+// puller is a pulling mover's own side: before each case the child's
+// region holds the source pattern and the parent's scratch the marker;
+// the pieces are checked in the scratch.
+type puller struct {
 	r       *remote
-	a       *netxfer.Agent
-	peer    string
 	scratch *side
 	host    *[]byte
-	lays    map[xcase][]netxfer.Layout
 }
 
-func netxferReadOpen(_ *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
-	a, err := netxferAgent(scratch, "p-read", new(wireLog))
-	if err != nil {
-		return nil, nil, err
-	}
-	peer, err := a.LoadPeer(meta)
-	if err != nil {
-		a.Close()
-		return nil, nil, err
-	}
-	return &netxferReadMover{r: r, a: a, peer: peer, scratch: scratch, host: new([]byte), lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
-}
-
-func (m *netxferReadMover) prepare(c xcase) error {
+func (m *puller) prepare(c xcase) error {
 	if _, err := m.r.call(ctlReq{Op: "fill", Case: c}); err != nil {
 		return err
 	}
 	return mark(m.scratch, c)
+}
+
+func (m *puller) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+// initiator is the parent's agent, opened by open, with the child's
+// (meta) loaded: the side that posts.
+func initiator[A interface {
+	*netxfer.Agent | *capi.Agent
+	LoadPeer([]byte) (string, error)
+	Close() error
+}](a A, err error, meta []byte) (A, string, error) {
+	if err != nil {
+		return nil, "", err
+	}
+	peer, err := a.LoadPeer(meta)
+	if err != nil {
+		a.Close()
+		return nil, "", err
+	}
+	return a, peer, nil
+}
+
+// netxferInitiator is initiator for the built-in backend's agents.
+func netxferInitiator(s *side, role string, wire *wireLog, meta []byte) (*netxfer.Agent, string, error) {
+	a, err := netxferAgent(s, role, wire)
+	return initiator(a, err, meta)
+}
+
+func netxferReadOpen(_ *opts, _, scratch *side, r *remote, meta []byte) (mover, []byte, error) {
+	a, peer, err := netxferInitiator(scratch, "p-read", new(wireLog), meta)
+	if err != nil {
+		return nil, nil, err
+	}
+	return &netxferReadMover{puller: puller{r: r, scratch: scratch, host: new([]byte)}, a: a, peer: peer, lays: map[xcase][]netxfer.Layout{}}, a.Metadata(), nil
 }
 
 func (m *netxferReadMover) write(c xcase) (time.Duration, error) {
@@ -385,8 +408,7 @@ func (m *netxferReadMover) write(c xcase) (time.Duration, error) {
 	return time.Since(start), err
 }
 
-func (m *netxferReadMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
-func (m *netxferReadMover) close() error        { return m.a.Close() }
+func (m *netxferReadMover) close() error { return m.a.Close() }
 
 // kvxfer's NIXL binding: each process registers its own GPU memory with
 // its agent (VRAM; host memory with -fake-gpu); UCX moves the bytes
@@ -491,15 +513,7 @@ func nixlPeer(tn tune) func(*opts, *side) ([]byte, peerSide, error) {
 // (meta): the side that posts.
 func nixlInitiator(o *opts, s *side, role string, tn tune, meta []byte) (*capi.Agent, string, error) {
 	a, err := nixlAgent(o, s, role, tn)
-	if err != nil {
-		return nil, "", err
-	}
-	peer, err := a.LoadPeer(meta)
-	if err != nil {
-		a.Close()
-		return nil, "", err
-	}
-	return a, peer, nil
+	return initiator(a, err, meta)
 }
 
 type nixlMover struct {
@@ -559,13 +573,11 @@ func timedPost(a *capi.Agent, write bool, peer string, ds [][3]uint64, posted *b
 // region (filled with the source pattern) into its own scratch region,
 // where they are checked.
 type nixlReadMover struct {
-	r       *remote
-	a       *capi.Agent
-	peer    string
-	scratch *side
-	host    *[]byte
-	posted  bool
-	descs   map[xcase][][3]uint64
+	puller
+	a      *capi.Agent
+	peer   string
+	posted bool
+	descs  map[xcase][][3]uint64
 }
 
 func nixlReadOpen(tn tune) func(*opts, *side, *side, *remote, []byte) (mover, []byte, error) {
@@ -574,15 +586,8 @@ func nixlReadOpen(tn tune) func(*opts, *side, *side, *remote, []byte) (mover, []
 		if err != nil {
 			return nil, nil, err
 		}
-		return &nixlReadMover{r: r, a: a, peer: peer, scratch: scratch, host: new([]byte), descs: map[xcase][][3]uint64{}}, nil, nil
+		return &nixlReadMover{puller: puller{r: r, scratch: scratch, host: new([]byte)}, a: a, peer: peer, descs: map[xcase][][3]uint64{}}, nil, nil
 	}
-}
-
-func (m *nixlReadMover) prepare(c xcase) error {
-	if _, err := m.r.call(ctlReq{Op: "fill", Case: c}); err != nil {
-		return err
-	}
-	return mark(m.scratch, c)
 }
 
 func (m *nixlReadMover) write(c xcase) (time.Duration, error) {
@@ -596,8 +601,7 @@ func (m *nixlReadMover) write(c xcase) (time.Duration, error) {
 	return timedPost(m.a, false, m.peer, ds, &m.posted)
 }
 
-func (m *nixlReadMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
-func (m *nixlReadMover) close() error        { return m.a.Close() }
+func (m *nixlReadMover) close() error { return m.a.Close() }
 
 // localMover copies within the parent, from its source region into its
 // scratch region, and checks there.
