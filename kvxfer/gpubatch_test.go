@@ -538,13 +538,7 @@ func TestGiveUpShutsGate(t *testing.T) {
 			awaitGate(t, pbe)
 		})
 	dir.FailHandshakes("P", 1<<20)
-	out := newOutcomes()
-	for deadline := time.Now().Add(20 * time.Second); len(out.recv["d-a"]) == 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("D never gave the request up")
-		}
-		out.collect(t, d)
-	}
+	out := awaitOutcomes(t, 1, d) // D gives the request up
 	if o := out.recv["d-a"][0]; o.Result == kvxfer.ResultDone {
 		t.Fatalf("D's outcome %+v, want a failure", o)
 	}

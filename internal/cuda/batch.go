@@ -105,13 +105,13 @@ type copier struct {
 	// whether a check that could not run was logged.
 	gate struct {
 		mu     sync.Mutex
-		state  gateState
+		state  atomic.Int32 // a gateState; set under mu, read without it once decided
 		buf    uint64
 		warned bool
 	}
 }
 
-type gateState int
+type gateState = int32
 
 const (
 	gateUnchecked gateState = iota
@@ -245,18 +245,21 @@ func GateCheckFailures() uint64 { return gateCheckFails.Load() }
 // once per device and process, in the first one-sided write's post.
 func (d *Device) gatesWork() bool {
 	g := &d.copier.gate
+	if st := g.state.Load(); st != gateUnchecked { // every gated post but the first
+		return st == gateWorks
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.state != gateUnchecked {
-		return g.state == gateWorks
+	if st := g.state.Load(); st != gateUnchecked {
+		return st == gateWorks
 	}
 	err := checkGates(d)
 	var fault *gateFault
 	switch {
 	case err == nil:
-		g.state = gateWorks
+		g.state.Store(gateWorks)
 	case errors.As(err, &fault):
-		g.state = gateBroken
+		g.state.Store(gateBroken)
 		gateCheckFails.Add(1)
 		slog.Error("cuda: the gated copy kernel failed its check on this device: its one-sided writes go two-sided",
 			"device", d.ordinal, "err", err)
@@ -265,7 +268,7 @@ func (d *Device) gatesWork() bool {
 		slog.Warn("cuda: the gated copy kernel's check could not run on this device: one-sided writes go two-sided until it can",
 			"device", d.ordinal, "err", err)
 	}
-	return g.state == gateWorks
+	return g.state.Load() == gateWorks
 }
 
 // checkGates is the check gatesWork runs (a variable for tests).

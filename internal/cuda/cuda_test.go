@@ -39,6 +39,24 @@ func pattern(n int) []byte {
 	return b
 }
 
+// patternSource opens device 0 and allocates n bytes of it holding
+// pattern(n): a child process's source; done frees and closes them.
+func patternSource(n int) (d *Device, src uint64, done func(), err error) {
+	if d, err = Open(0); err != nil {
+		return nil, 0, nil, err
+	}
+	if src, err = d.Alloc(n); err != nil {
+		d.Close()
+		return nil, 0, nil, err
+	}
+	done = func() { _ = d.Free(src); d.Close() }
+	if err = d.CopyIn(src, pattern(n)); err != nil {
+		done()
+		return nil, 0, nil, err
+	}
+	return d, src, done, nil
+}
+
 // child: its own VRAM, filled with the pattern, is copied device to device
 // into the parent's VRAM imported through the IPC handle.
 func child(hexHandle string) error {
@@ -48,19 +66,11 @@ func child(hexHandle string) error {
 	}
 	var h Handle
 	copy(h[:], raw)
-	d, err := Open(0)
+	d, src, done, err := patternSource(ipcBytes)
 	if err != nil {
 		return err
 	}
-	defer d.Close()
-	src, err := d.Alloc(ipcBytes)
-	if err != nil {
-		return err
-	}
-	defer d.Free(src)
-	if err := d.CopyIn(src, pattern(ipcBytes)); err != nil {
-		return err
-	}
+	defer done()
 	dst, err := d.Import(h)
 	if err != nil {
 		return err

@@ -50,19 +50,11 @@ func gateChild(arg string) error {
 	if _, err := fmt.Sscan(f[2], &want); err != nil {
 		return err
 	}
-	d, err := Open(0)
+	d, src, done, err := patternSource(gateBytes)
 	if err != nil {
 		return err
 	}
-	defer d.Close()
-	src, err := d.Alloc(gateBytes)
-	if err != nil {
-		return err
-	}
-	defer d.Free(src)
-	if err := d.CopyIn(src, pattern(gateBytes)); err != nil {
-		return err
-	}
+	defer done()
 	dst, err := d.Import(hs[0])
 	if err != nil {
 		return err

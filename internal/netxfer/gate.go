@@ -160,6 +160,13 @@ type gateState struct {
 	items map[string]int
 	// areaWarned: a gate area could not be made, and the log said so.
 	areaWarned bool
+	// stage is stageOneSided's scratch, reused from post to post (a.mu
+	// held; a batch copies what AddLayout hands it).
+	stage struct {
+		regs []DevRegion
+		ents []DevEntry
+		seen []gateChecked
+	}
 	// unfit are the devices whose gated launches failed to post here:
 	// WRITEs from their memory go two-sided (logged once per device).
 	unfit map[Device]bool
@@ -1009,6 +1016,14 @@ func (a *Agent) gateUnfit(dev Device, peer string, err error) {
 	}
 }
 
+// gateChecked is a place of a gate's span whose entries a WRITE was
+// checked against: the span and the WRITE's base's distance from the
+// span's base.
+type gateChecked struct {
+	span  int
+	delta uint64
+}
+
 // stageOneSided stages and posts lays as one gated launch through v (P
 // side; memMu read-held, v's imports held: gateUse). It returns nil and no error
 // when the WRITE does not qualify: a piece outside the gate's ranges or
@@ -1022,8 +1037,8 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 		return nil, nil
 	}
 	var c regionCursor
-	var regs []DevRegion
 	var gb GatedBatch
+	sc := &a.gates.stage
 	giveUp := func() (DevCopy, error) {
 		a.mu.Unlock()
 		if gb != nil {
@@ -1031,11 +1046,6 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 		}
 		return nil, nil
 	}
-	type checked struct {
-		span  int
-		delta uint64
-	}
-	var seen []checked
 	for _, l := range lays {
 		llo, lhi, ok := span(l.Entries, true)
 		rlo, rhi, rok := span(l.Entries, false)
@@ -1045,8 +1055,7 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 		if lhi == llo {
 			continue
 		}
-		seen = seen[:0]
-		regs = regs[:0]
+		seen, regs := sc.seen[:0], sc.regs[:0]
 		for _, b := range l.Bases {
 			// Local: GPU memory of the gate's device.
 			at := b.Local + llo
@@ -1077,7 +1086,7 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 				return giveUp()
 			}
 			delta := b.Remote - g.addr
-			k := checked{g.span, delta}
+			k := gateChecked{g.span, delta}
 			if !slices.Contains(seen, k) {
 				for _, e := range l.Entries {
 					if e.Len > 0 && !covers(v.ents[g.span], delta+e.Remote, e.Len) {
@@ -1106,10 +1115,11 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 				return giveUp()
 			}
 		}
-		ents := make([]DevEntry, len(l.Entries))
-		for i, e := range l.Entries {
-			ents[i] = DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len}
+		ents := sc.ents[:0]
+		for _, e := range l.Entries {
+			ents = append(ents, DevEntry{Dst: e.Remote, Src: e.Local, Len: e.Len})
 		}
+		sc.seen, sc.regs, sc.ents = seen, regs, ents
 		if !gb.(LayoutBatch).AddLayout(regs, ents) {
 			return giveUp()
 		}

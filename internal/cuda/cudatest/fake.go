@@ -18,8 +18,8 @@ import (
 // childEnv marks the test process that runs against the fake driver.
 const childEnv = "KVXFER_FAKE_CUDA"
 
-// OnFakeDriver reports whether this process runs against the fake driver.
-func OnFakeDriver() bool { return os.Getenv(childEnv) != "" }
+// onFakeDriver reports whether this process runs against the fake driver.
+func onFakeDriver() bool { return os.Getenv(childEnv) != "" }
 
 // FailLaunchEnv is the fake driver's knob that makes its n-th kernel
 // launch refuse; KernelDelayEnv, the one that makes every launch take
@@ -43,7 +43,7 @@ func RunOnFakeDriver(t *testing.T, tests ...string) {
 // environment (the fake driver's KVXFER_FAKE_CUDA_* knobs).
 func RunOnFakeDriverEnv(t *testing.T, env []string, tests ...string) {
 	t.Helper()
-	if OnFakeDriver() {
+	if onFakeDriver() {
 		t.Skip("the fake driver's own run")
 	}
 	dir := build(t)
