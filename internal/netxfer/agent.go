@@ -129,6 +129,11 @@ type Config struct {
 	// noGates makes the agent act as a build from before gates (its
 	// same-host socket's name lacks gatesMark).
 	noGates bool
+	// noReadAcks makes the agent act as a build from before READ
+	// acknowledgements (its socket's name lacks readAcksMark, and it
+	// sends no tReadAcks); readAckGrace, if set, replaces readAckGrace.
+	noReadAcks   bool
+	readAckGrace time.Duration
 }
 
 // WireEvent is a point of a WRITE part's way between two agents
@@ -195,6 +200,12 @@ type Agent struct {
 		incoming  map[net.Conn]bool
 		localIn   map[*localServer]bool // same-host connections served
 		landing   map[landKey]*landing
+		// landingBy counts the unfinished multi-part WRITEs in landing
+		// by peer (bounded per peer: maxLanding), served the connections
+		// each peer has open to this agent (its unfinished WRITEs go
+		// with its last).
+		landingBy map[string]int
+		served    map[string]int
 	}
 }
 
@@ -279,6 +290,7 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.incoming = map[net.Conn]bool{}
 	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
+	a.mu.landingBy, a.mu.served = map[string]int{}, map[string]int{}
 	a.gates.areas, a.gates.open = map[Device]*gateArea{}, map[*gate]bool{}
 	a.gates.views, a.gates.items = map[string]map[string]*gateView{}, map[string]int{}
 	if !cfg.DisableSameHost {
@@ -625,6 +637,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	}
 	layouts := strings.HasSuffix(uaddr, layoutsMark)
 	gates := layouts && strings.HasSuffix(uaddr, gatesMark+layoutsMark)
+	readAcks := hasMark(uaddr, readAcksMark) && !a.cfg.noReadAcks
 	if a.cfg.DisableSameHost {
 		uaddr = ""
 	}
@@ -638,7 +651,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	} else if p != nil {
 		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
-	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates}
+	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates, readAcks: readAcks}
 	if !a.cfg.DisableLocal {
 		local.Lock()
 		if l := local.agents[name]; l != nil && l.addr == addr {

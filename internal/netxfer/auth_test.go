@@ -271,7 +271,8 @@ func FuzzServeHello(f *testing.F) {
 
 // A peer that starts multi-part WRITEs and never finishes them cannot
 // grow the agent's table of unfinished writes past maxLanding: past it,
-// its connection is dropped.
+// its connection is dropped (and with its last connection, what it left
+// unfinished is forgotten).
 func TestUnfinishedWritesBounded(t *testing.T) {
 	_, b, _, _ := authPair(t, 4096, nil, nil, 0)
 	nc, err := net.Dial("tcp", b.Addr())
@@ -300,7 +301,7 @@ func TestUnfinishedWritesBounded(t *testing.T) {
 		w = binary.LittleEndian.AppendUint32(w, 0) // no descriptors
 		w = binary.LittleEndian.AppendUint32(w, 0) // no notification
 	}
-	_, _ = nc.Write(w)
+	_, _ = nc.Write(w[:len(w)-25]) // the bound, then (below) one past it
 	deadline := time.Now().Add(20 * time.Second)
 	for time.Now().Before(deadline) {
 		b.mu.Lock()
@@ -317,6 +318,19 @@ func TestUnfinishedWritesBounded(t *testing.T) {
 	b.mu.Unlock()
 	if n != maxLanding {
 		t.Errorf("unfinished writes = %d, want the bound %d", n, maxLanding)
+	}
+	_, _ = nc.Write(w[len(w)-25:]) // one too many
+	for time.Now().Before(deadline) {
+		b.mu.Lock()
+		n = len(b.mu.landing)
+		b.mu.Unlock()
+		if n != maxLanding {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n != 0 {
+		t.Errorf("unfinished writes = %d past the bound, want 0 (dropped with the connection)", n)
 	}
 	if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
 		// The server closed its side; a later write fails.

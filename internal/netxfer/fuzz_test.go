@@ -73,6 +73,10 @@ func FuzzFrames(f *testing.F) {
 	gshut := u32([]byte{tGateShut}, 1, 0, 1)
 	f.Add(true, append(append(append(area, gchunk...), gopen...), gshut...))
 	f.Add(true, u32([]byte{tGateOpen}, 1, 0, 1, 0, 1<<20))
+	// A reader that acknowledges: its READ, its acknowledgement, one of
+	// a part never answered.
+	f.Add(true, append(append(append([]byte{tReadAcks}, read...), u32(le([]byte{tReadCopied}, 2), 0)...), u32(le([]byte{tReadCopied}, 7), 3)...))
+	f.Add(true, append(append([]byte{tReadAcks}, layRead...), u32(le([]byte{tReadCopied}, 5), 0)...))
 	f.Fuzz(func(t *testing.T, sameHost bool, frames []byte) {
 		fuzzTarget.once.Do(func() {
 			a, err := New(Config{Name: "fuzz-target", DisableLocal: true, FrameTimeout: 2 * time.Second})

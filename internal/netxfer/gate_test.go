@@ -612,7 +612,9 @@ func TestGateItemsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "P holds the first gate", func() bool { _, n := s.p.GatesOpen(); return n == 1 })
-	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{grant(0)}, []byte("req-2")); err != nil {
+	// ErrNoGate where P dropped the connection before D noted the gate
+	// announced on it.
+	if err := s.dd.OpenGate(s.p.Name(), []LayoutSpan{grant(0)}, []byte("req-2")); err != nil && !errors.Is(err, ErrNoGate) {
 		t.Fatal(err)
 	}
 	waitFor(t, "P drops the connection and forgets its gates", func() bool { _, n := s.p.GatesOpen(); return n == 0 })

@@ -648,27 +648,40 @@ func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Write
 	var v Verdict
 	var ticket uint64
 	var berr error
+	var hr *heldRead
+	var abort func()
+	if s.acks {
+		hr, abort = a.readAbort(s, nil)
+	}
 	if f, ok := a.layoutFence(); ok {
 		var li, bi, ei int
-		v, li, bi, ei, ticket = f.AdmitLayout(from, Read, s.layoutSpans(lays), tag, nil)
+		v, li, bi, ei, ticket = f.AdmitLayout(from, Read, s.layoutSpans(lays), tag, abort)
 		if v != Allow {
 			a.refusals[min(v, Deny)].Add(1)
 			berr = fmt.Errorf("%w: read of layout %d base %d entry %d of %s by %s", ErrNotGranted, li, bi, ei, a.cfg.Name, from)
 		}
 	} else {
 		ranges, _ = expandLayouts(ranges, nil, lays)
-		v, ticket, berr = a.admitGuard(from, Read, ranges, tag, nil)
+		v, ticket, berr = a.admitGuard(from, Read, ranges, tag, abort)
 	}
 	if v == Deny {
 		return berr
 	}
-	defer a.releaseGuard(ticket) // after the answer went out
+	defer func() {
+		if !s.isHeld(hr) { // else it ends with the client's acknowledgement
+			a.releaseGuard(ticket) // after the answer went out
+		}
+	}()
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
+	k := partKey{XferID(id), part}
 	if berr == nil {
-		h, need, ok := a.layoutRefs(lays, id, part)
-		if ok {
-			return a.sendLocalAnswer(s, w, h, need)
+		// Where the bytes lie, for the client to copy, to a client that
+		// acknowledges its copies; to another, the bytes themselves.
+		if hr != nil {
+			if h, need, ok := a.layoutRefs(lays, id, part); ok {
+				return a.sendLocalAnswer(s, w, h, need, k, hr, ticket)
+			}
 		}
 		// Not every span lies in one memory file: piece by piece.
 		if len(ranges) == 0 {
@@ -677,10 +690,12 @@ func (a *Agent) serveReadLayout(s *localServer, r *scatterReader, w *bufio.Write
 		s.ranges = ranges
 		s.dst, berr = a.targets(s.dst[:0], ranges)
 		clear(s.dst)
-		if berr == nil {
-			if done, err := a.answerReadLocal(s, w, id, part, ranges); done {
+		if berr == nil && hr != nil {
+			if done, err := a.answerReadLocal(s, w, k, ranges, hr, ticket); done {
 				return err
 			}
+		}
+		if berr == nil {
 			var bufs [][]byte
 			if bufs, berr = a.resolve(nil, ranges); berr == nil {
 				if err := answer(w, tReadResp, id, part, nil); err != nil {
@@ -801,13 +816,14 @@ func (c *conn) readLayoutLocal(hdr []byte) error {
 	}
 	x := c.take(partKey{id, part})
 	if x == nil {
-		return nil // released or failed meanwhile
+		c.ackRead(id, part) // released or failed meanwhile: nothing to copy
+		return nil
 	}
 	lays, err := c.in.answeredLayouts(x.layouts, refs)
 	if err != nil {
-		return err
+		return c.lost(x, err)
 	}
-	return c.landRead(x, lays, func() ([]Region, []localRef) { return expandLayouts(nil, nil, lays) })
+	return c.landRead(x, part, lays, func() ([]Region, []localRef) { return expandLayouts(nil, nil, lays) })
 }
 
 // answeredLayouts is a layout READ's layouts as a WRITE's receiver sees

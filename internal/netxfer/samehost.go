@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,6 +72,13 @@ const (
 	// first 8 bytes); a table that does not fit goes inline.
 	tDescs      = 10 // | fd: the area, descAreaSize bytes
 	tWriteTable = 11 // as tWriteLocal, the table replaced by pos u64: where it starts in the ring (bytes written before it)
+	// Client to server, once, after its fence, where the server's socket
+	// name has readAcksMark: this client acknowledges every READ answer
+	// naming the server's memory (tReadLocal, tReadLayoutLocal) once it
+	// no longer reads that memory (tReadCopied). The server answers such
+	// READs only to clients that said so (see heldRead).
+	tReadAcks   = 27
+	tReadCopied = 28 // xfer u64, part u32
 
 	descAreaSize = 4 << 20
 	descRingOff  = 64 // the ring starts here; [0, 8) is the server's consumed count
@@ -80,6 +88,9 @@ const (
 
 	localDescSize = 28
 	fenceSize     = 4096
+	// maxHeldReads bounds the READ answers a connection's client has not
+	// acknowledged yet.
+	maxHeldReads = 1 << 16
 	// maxChunks bounds the files one connection may pass; maxQueuedFDs the
 	// descriptors received ahead of their frames.
 	maxChunks    = 1024
@@ -93,11 +104,23 @@ const (
 // each other, and only agents that take them are sent layouts.
 const layoutsMark = ".layouts"
 
+// readAcksMark is in the same-host socket's name of an agent that takes
+// tReadAcks and tReadCopied (before gatesMark and layoutsMark, which
+// older builds look for at the name's end).
+const readAcksMark = ".racks"
+
+// hasMark reports whether a same-host socket's name carries mark (the
+// name's random part has no dot).
+func hasMark(uaddr, mark string) bool { return strings.Contains(uaddr+".", mark+".") }
+
 // listenLocal starts the agent's abstract unix socket.
 func (a *Agent) listenLocal() error {
 	var b [12]byte
 	_, _ = rand.Read(b[:])
 	name := "@kvxfer-netxfer-" + hex.EncodeToString(b[:])
+	if !a.cfg.noReadAcks {
+		name += readAcksMark
+	}
 	if !a.cfg.noLayouts {
 		if !a.cfg.noGates {
 			name += gatesMark
@@ -402,7 +425,11 @@ type localServer struct {
 		sync.Mutex
 		fence     []byte
 		withdrawn bool
+		reads     map[partKey]*heldRead // answered, not yet acknowledged
 	}
+	// acks: the client acknowledges READ answers (tReadAcks; read and
+	// written by the connection's goroutine alone).
+	acks bool
 	// The peer's gates (gate.go, P side): its gate areas and GPU memory
 	// imported here, and the launches through them in flight.
 	gateAreas  map[uint32]*devImport
@@ -588,6 +615,14 @@ func newFence() (fd int, page []byte, err error) {
 // serveLocal handles the frames only local connections carry.
 func (a *Agent) serveLocal(s *localServer, r *scatterReader, w *bufio.Writer, from string, typ byte, hdr []byte) error {
 	switch typ {
+	case tReadAcks:
+		if a.cfg.noReadAcks {
+			return fmt.Errorf("%w: frame type %d from %s", ErrProtocol, typ, from)
+		}
+		s.acks = true
+		return nil
+	case tReadCopied:
+		return a.readCopied(s, r, hdr)
 	case tFence:
 		fd, err := s.fr.take()
 		if err != nil {
@@ -733,6 +768,12 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if err != nil {
 		return err
 	}
+	took := false // landLocal took the part (and answers it, or notes it lost)
+	defer func() {
+		if !took {
+			a.partLost(from, h)
+		}
+	}()
 	a.wire(WirePartRead, XferID(h.id), h.part)
 	if h.n > maxDescs {
 		return fmt.Errorf("%w: %d descriptors", ErrProtocol, h.n)
@@ -760,6 +801,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	if v == Deny {
 		return berr
 	}
+	took = true
 	return a.landLocal(s, w, from, h, v, ticket, berr, func() (bool, []DevCopy, error) {
 		// GPU to GPU (the common case of GPU engines): the batch built
 		// in one pass.
@@ -810,6 +852,7 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 		if errors.Is(berr, ErrProtocol) {
 			a.memMu.RUnlock()
 			a.releaseGuard(ticket)
+			a.partLost(from, h)
 			return berr
 		}
 	}
@@ -830,6 +873,7 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 			if berr != nil {
 				a.memMu.RUnlock()
 				a.releaseGuard(ticket)
+				a.partLost(from, h)
 				return berr
 			}
 			inflight, berr = s.copyPieces(s.dst, s.src)
@@ -1247,6 +1291,12 @@ func (p *peer) dialLocal() (*conn, error) {
 		_ = unix.Munmap(fence)
 		return fail(err)
 	}
+	if p.readAcks {
+		if _, err := nc.Write([]byte{tReadAcks}); err != nil {
+			_ = unix.Munmap(fence)
+			return fail(err)
+		}
+	}
 	// The descriptor area (none if it cannot be made: tables go inline).
 	var descs []byte
 	if dfd, err := unix.MemfdCreate("kvxfer-descs", unix.MFD_CLOEXEC); err == nil {
@@ -1268,7 +1318,7 @@ func (p *peer) dialLocal() (*conn, error) {
 	}
 	in := newLocalServer(uc) // the server's fence and files, for READs
 	return &conn{p: p, c: nc, r: newScatterReader(in.fr), pending: map[partKey]*xfer{},
-		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in, descs: descs}, nil
+		uc: uc, fence: fence, sent: map[uint32]bool{}, in: in, descs: descs, acks: p.readAcks}, nil
 }
 
 // withdraw sets the connection's fence (once): parts copied from now on
@@ -1422,11 +1472,11 @@ func (m *refMaker) ref(a *Agent, addr, n uint64) (localRef, bool) {
 // its ranges (checked already; memMu held for reading) lie in the
 // agent's memory files: false if one lies in memory without a file (the
 // caller sends the bytes instead).
-func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part uint32, ranges []Region) (bool, error) {
+func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, k partKey, ranges []Region, hr *heldRead, ticket uint64) (bool, error) {
 	h := make([]byte, 0, 17+localRefSize*len(ranges))
 	h = append(h, tReadLocal)
-	h = binary.LittleEndian.AppendUint64(h, id)
-	h = binary.LittleEndian.AppendUint32(h, part)
+	h = binary.LittleEndian.AppendUint64(h, uint64(k.id))
+	h = binary.LittleEndian.AppendUint32(h, k.part)
 	h = binary.LittleEndian.AppendUint32(h, uint32(len(ranges)))
 	a.mu.Lock()
 	var m refMaker
@@ -1440,14 +1490,19 @@ func (a *Agent) answerReadLocal(s *localServer, w *bufio.Writer, id uint64, part
 		h = binary.LittleEndian.AppendUint64(h, ref.off)
 	}
 	a.mu.Unlock()
-	return true, a.sendLocalAnswer(s, w, h, m.need)
+	return true, a.sendLocalAnswer(s, w, h, m.need, k, hr, ticket)
 }
 
 // sendLocalAnswer sends a READ answer naming memory of this agent's (h:
 // tReadLocal or tReadLayoutLocal) on a local connection, after this
 // side's fence and the memory files it names that were not passed yet.
-func (a *Agent) sendLocalAnswer(s *localServer, w *bufio.Writer, h []byte, need []*chunk) error {
+// The part (k, its admission ticket) is held until the client
+// acknowledges it (readhold.go).
+func (a *Agent) sendLocalAnswer(s *localServer, w *bufio.Writer, h []byte, need []*chunk, k partKey, hr *heldRead, ticket uint64) error {
 	if err := w.Flush(); err != nil {
+		return err
+	}
+	if err := s.holdRead(a, k, hr, ticket); err != nil {
 		return err
 	}
 	s.mu.Lock()
@@ -1501,14 +1556,15 @@ func (c *conn) readLocal(hdr []byte) error {
 	}
 	x := c.take(partKey{id, part})
 	if x == nil {
-		return nil // released or failed meanwhile
+		c.ackRead(id, part) // released or failed meanwhile: nothing to copy
+		return nil
 	}
 	x.expand() // a layout READ the server answered piece by piece
 	ds := x.descs[x.split[part]:x.split[part+1]]
 	if int(n) != len(ds) {
-		return fmt.Errorf("%w: read answer with %d pieces for a part of %d", ErrProtocol, n, len(ds))
+		return c.lost(x, fmt.Errorf("%w: read answer with %d pieces for a part of %d", ErrProtocol, n, len(ds)))
 	}
-	return c.landRead(x, nil, func() ([]Region, []localRef) {
+	return c.landRead(x, part, nil, func() ([]Region, []localRef) {
 		loc := make([]Region, len(ds))
 		refs := make([]localRef, len(ds))
 		for i, d := range ds {
@@ -1526,10 +1582,10 @@ func (c *conn) readLocal(hdr []byte) error {
 // server's memory). A piece naming memory the server did not pass breaks
 // the protocol. The part finishes once its bytes landed (from another
 // goroutine while GPU batches run).
-func (c *conn) landRead(x *xfer, lays []wireLayout, pieces func() ([]Region, []localRef)) error {
+func (c *conn) landRead(x *xfer, part uint32, lays []wireLayout, pieces func() ([]Region, []localRef)) error {
 	a, s := c.p.owner, c.in
 	if s.fence == nil {
-		return fmt.Errorf("%w: a local read answer before the fence", ErrProtocol)
+		return c.lost(x, fmt.Errorf("%w: a local read answer before the fence", ErrProtocol))
 	}
 	a.memMu.RLock()
 	var posted bool
@@ -1546,7 +1602,7 @@ func (c *conn) landRead(x *xfer, lays []wireLayout, pieces func() ([]Region, []l
 			if !ok {
 				a.memMu.RUnlock()
 				clear(s.src)
-				return fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, ref.off, loc[i].Len, ref.chunk)
+				return c.lost(x, fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, ref.off, loc[i].Len, ref.chunk))
 			}
 			s.src = append(s.src, p)
 		}
@@ -1563,6 +1619,8 @@ func (c *conn) landRead(x *xfer, lays []wireLayout, pieces func() ([]Region, []l
 		if err == nil && s.withdrawn() {
 			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
 		}
+		// Read after the copy ended: the server may let its memory go.
+		c.ackRead(x.id, part)
 		a.memMu.RUnlock()
 		if err == nil {
 			a.localParts.Add(1)

@@ -23,6 +23,12 @@ func (a *Agent) serve(raw net.Conn) {
 		delete(a.mu.incoming, raw)
 		a.mu.Unlock()
 	}()
+	from := "" // the peer, once its hello was taken
+	defer func() {
+		if from != "" {
+			a.servedEnd(from)
+		}
+	}()
 	nc := raw
 	uc, isLocal := raw.(*net.UnixConn)
 	if isLocal {
@@ -73,7 +79,8 @@ func (a *Agent) serve(raw net.Conn) {
 				ls.serving = false
 				ls.wmu.Unlock()
 			}
-			ls.close()
+			ls.close()             // its fence set first: copies from now on do not count
+			a.releaseHeldReads(ls) // the READ answers its client did not acknowledge
 		}()
 		r = newScatterReader(ls.fr)
 	} else {
@@ -96,12 +103,15 @@ func (a *Agent) serve(raw net.Conn) {
 	if err := readFull(r, name); err != nil {
 		return
 	}
-	from := string(name)
-	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() && from != authed {
+	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() && string(name) != authed {
 		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason",
-			fmt.Sprintf("its hello names %q, it authenticated as %q", from, authed))
+			fmt.Sprintf("its hello names %q, it authenticated as %q", name, authed))
 		return
 	}
+	from = string(name)
+	a.mu.Lock()
+	a.mu.served[from]++
+	a.mu.Unlock()
 	// Answers are small; a buffered writer batches them. Payloads of READ
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)
@@ -153,7 +163,7 @@ func (a *Agent) serve(raw net.Conn) {
 				}
 			}
 		case tFence, tChunk, tChunkDev, tWriteLocal, tDescs, tWriteTable, tWriteLayout, tWriteLayoutTable, tReadLayout,
-			tGateArea, tGateChunk, tGateOpen, tGateShut:
+			tGateArea, tGateChunk, tGateOpen, tGateShut, tReadAcks, tReadCopied:
 			if ls == nil {
 				err = fmt.Errorf("%w: same-host frame type %d from %s on a TCP connection", ErrProtocol, hdr[0], from)
 			} else {
@@ -278,17 +288,82 @@ func readWriteHeader(r io.Reader, hdr []byte) (writeHeader, error) {
 }
 
 // landingRoom refuses a part that would start one multi-part WRITE too
-// many: a peer cannot grow the table by starting transfers it never
-// finishes.
+// many for its peer: a peer cannot grow the table by starting transfers
+// it never finishes, nor fill it for the others.
 func (a *Agent) landingRoom(from string, h writeHeader) error {
 	k := landKey{from, XferID(h.id)}
 	a.mu.Lock()
-	full := a.mu.landing[k] == nil && h.parts > 1 && len(a.mu.landing) >= maxLanding
+	full := a.mu.landing[k] == nil && h.parts > 1 && a.mu.landingBy[from] >= maxLanding
 	a.mu.Unlock()
 	if full {
-		return fmt.Errorf("%w: %d multi-part writes unfinished, the most an agent keeps", ErrProtocol, maxLanding)
+		return fmt.Errorf("%w: %d multi-part writes from %s unfinished, the most an agent keeps for a peer", ErrProtocol, maxLanding, from)
 	}
 	return nil
+}
+
+// landingLocked returns the landing of k, starting it (counted against
+// its peer) if need be (a.mu held).
+func (a *Agent) landingLocked(k landKey, parts uint32) *landing {
+	l := a.mu.landing[k]
+	if l == nil {
+		l = &landing{parts: int(parts)}
+		a.mu.landing[k] = l
+		a.mu.landingBy[k.peer]++
+	}
+	return l
+}
+
+// endLandingLocked forgets the landing of k (a.mu held).
+func (a *Agent) endLandingLocked(k landKey) {
+	if _, ok := a.mu.landing[k]; !ok {
+		return
+	}
+	delete(a.mu.landing, k)
+	if a.mu.landingBy[k.peer]--; a.mu.landingBy[k.peer] <= 0 {
+		delete(a.mu.landingBy, k.peer)
+	}
+}
+
+// partLost records a WRITE part whose frame broke off after its header
+// (the connection failed, or the peer broke the protocol): it never
+// lands, and its sender fails the transfer with the connection. Counted
+// as failed, so that the landing ends with its other parts.
+func (a *Agent) partLost(from string, h writeHeader) {
+	if h.parts <= 1 {
+		return
+	}
+	k := landKey{from, XferID(h.id)}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.landing[k] == nil && a.mu.landingBy[from] >= maxLanding {
+		return
+	}
+	l := a.landingLocked(k, h.parts)
+	l.failed++
+	if l.landed+l.failed >= l.parts {
+		a.endLandingLocked(k)
+	}
+}
+
+// servedEnd notes the end of a connection from peer: with its last, the
+// multi-part WRITEs it left unfinished are forgotten (their parts still
+// to come went with the connections they were on, and their sender
+// failed them).
+func (a *Agent) servedEnd(peer string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.mu.served[peer]--; a.mu.served[peer] > 0 {
+		return
+	}
+	delete(a.mu.served, peer)
+	if a.mu.landingBy[peer] == 0 {
+		return
+	}
+	for k := range a.mu.landing {
+		if k.peer == peer {
+			a.endLandingLocked(k)
+		}
+	}
 }
 
 // landed records a WRITE part that landed (berr nil) or was refused,
@@ -297,11 +372,7 @@ func (a *Agent) landingRoom(from string, h writeHeader) error {
 func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, berr error) error {
 	k := landKey{from, XferID(h.id)}
 	a.mu.Lock()
-	l := a.mu.landing[k]
-	if l == nil {
-		l = &landing{parts: int(h.parts)}
-		a.mu.landing[k] = l
-	}
+	l := a.landingLocked(k, h.parts)
 	if berr != nil {
 		l.failed++
 	} else {
@@ -309,7 +380,7 @@ func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, b
 	}
 	deliver := l.landed == l.parts && h.nl > 0
 	if l.landed+l.failed >= l.parts {
-		delete(a.mu.landing, k)
+		a.endLandingLocked(k)
 	}
 	a.mu.Unlock()
 	if deliver {
@@ -336,6 +407,12 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if err != nil {
 		return err
 	}
+	answered := false
+	defer func() {
+		if !answered {
+			a.partLost(from, h)
+		}
+	}()
 	a.wire(WirePartRead, XferID(h.id), h.part)
 	ranges, total, err := readTable(r, h.n, sc)
 	if err != nil {
@@ -373,6 +450,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 			return err
 		}
 	}
+	answered = true
 	return a.landed(w, from, h, v, berr)
 }
 
@@ -410,18 +488,27 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 	if err != nil {
 		return err
 	}
-	v, ticket, berr := a.admitGuard(from, Read, ranges, tag, sc.abort)
+	abort := sc.abort
+	var hr *heldRead
+	if ls != nil && ls.acks {
+		hr, abort = a.readAbort(ls, sc.abort)
+	}
+	v, ticket, berr := a.admitGuard(from, Read, ranges, tag, abort)
 	if v == Deny {
 		return berr
 	}
-	defer a.releaseGuard(ticket) // after the bytes went out
+	defer func() {
+		if !ls.isHeld(hr) { // else it ends with the client's acknowledgement
+			a.releaseGuard(ticket) // after the bytes went out
+		}
+	}()
 	a.memMu.RLock()
 	defer a.memMu.RUnlock()
-	if berr == nil && ls != nil {
+	if berr == nil && hr != nil {
 		// Same host: where the bytes are (host files or GPU memory), for
 		// the client to copy.
 		if sc.tg, berr = a.targets(sc.tg[:0], ranges); berr == nil {
-			if done, err := a.answerReadLocal(ls, w, id, part, ranges); done {
+			if done, err := a.answerReadLocal(ls, w, partKey{XferID(id), part}, ranges, hr, ticket); done {
 				return err
 			}
 		}

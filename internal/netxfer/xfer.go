@@ -39,7 +39,8 @@ const (
 	maxName      = 256
 	maxNotif     = 1 << 20
 	maxDescs     = 1 << 20
-	// maxLanding bounds the multi-part WRITEs an agent is landing at once.
+	// maxLanding bounds the multi-part WRITEs an agent is landing at once
+	// for one peer.
 	maxLanding = 1 << 14
 	maxErr     = 4096
 	maxPayload = 1 << 40
@@ -93,14 +94,16 @@ type peer struct {
 	// ends in layoutsMark); to a peer of an older build, layouts go as the
 	// pieces they stand for.
 	layouts bool
-	// gates: the peer takes gate frames (gatesMark).
-	gates   bool
-	mu      sync.Mutex
-	noLocal bool
-	dialing bool // a connection is being dialed in the background
-	conns   []*conn
-	next    int
-	dead    error
+	// gates: the peer takes gate frames (gatesMark); readAcks: it takes
+	// READ acknowledgements (readAcksMark).
+	gates    bool
+	readAcks bool
+	mu       sync.Mutex
+	noLocal  bool
+	dialing  bool // a connection is being dialed in the background
+	conns    []*conn
+	next     int
+	dead     error
 }
 
 // conn is one client connection to a peer.
@@ -131,6 +134,9 @@ type conn struct {
 	// it fails.
 	gateSent map[gateSentKey]bool
 	gates    []*gate
+	// acks: this client acknowledges the server's local READ answers
+	// (it sent tReadAcks).
+	acks bool
 }
 
 type partKey struct {
@@ -756,19 +762,27 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 			}
 			a.memMu.RUnlock()
 			if _, derr := io.CopyN(io.Discard, c.r, n); derr != nil {
-				return derr
+				return c.lost(x, derr)
 			}
 			a.finishPart(x, fmt.Errorf("%w: %w", ErrXferFailed, err))
 			return nil
 		}
 		if err := c.r.fillv(bufs); err != nil {
 			a.memMu.RUnlock()
-			return err
+			return c.lost(x, err)
 		}
 		a.memMu.RUnlock()
 	}
 	a.finishPart(x, perr)
 	return nil
+}
+
+// lost fails x, whose part's answer was taken off the connection and
+// then broke off or broke the protocol (err, which the connection then
+// fails with: x is no longer among the parts that fail with it).
+func (c *conn) lost(x *xfer, err error) error {
+	c.p.owner.finishPart(x, fmt.Errorf("%w: the answer from %s: %w", ErrXferFailed, c.p.name, err))
+	return err
 }
 
 // finishPart records one answered part; a READ sends its notification
