@@ -743,10 +743,12 @@ func (st *loopState) nextWake() (time.Time, bool) {
 func (st *loopState) tick(now time.Time) {
 	st.failUnheard()
 	st.sendHeartbeats()
-	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
-		r := st.recvs[id]
-		if r.decided && r.canceled {
-			st.sendCancels(r)
+	if len(st.recvs) > 0 { // a producer's tick allocates nothing
+		for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+			r := st.recvs[id]
+			if r.decided && r.canceled {
+				st.sendCancels(r)
+			}
 		}
 	}
 	for k, g := range st.regs {
@@ -916,6 +918,13 @@ func (st *loopState) abandon(reason string, pending []event) {
 		}
 		for j := range m.Recv {
 			fail(RoleConsumer, m.Recv[j].ReqID, m.Recv[j].Local)
+		}
+		// The entries Step refused: their one outcome was still to come
+		// (rejectEntry).
+		for j := range pending[i].bad {
+			if b := &pending[i].bad[j]; b.id != "" && b.role != 0 {
+				fail(b.role, b.id, b.local)
+			}
 		}
 	}
 }

@@ -549,16 +549,19 @@ func (st *loopState) onReg(m *msg) {
 	}
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now, until: m.Until}
+		s, taken, amb := st.findSend(g)
+		// A request it names that ended before any registration paired
+		// with it is told so, unless a request held now pairs with it
+		// exactly (one the engine handed over again under a re-used id).
 		gs, gone := st.abortedT[m.TransferID]
 		if n, named := g.name(); !gone && (named || g.tid == "") {
 			gs, gone = st.abortedP[n]
 		}
-		if gone {
+		if gone && (s == nil || pairOf(g, s.req.ReqID, s.req.TransferID) != pairExact) {
 			g.ranks[m.TPRank] = m
 			st.failRegGroup(g, m.PReq, gs.kind, gs.why)
 			return
 		}
-		s, taken, amb := st.findSend(g)
 		switch {
 		case s != nil:
 			st.attach(s, g)
@@ -1128,6 +1131,12 @@ func (st *loopState) forgetSend(s *sendReq) {
 			next.prevBase = prev
 		}
 		s.prevBase, s.nextBase, s.inBase = nil, nil, false
+	}
+	if s.match == nil && s.failReason != "" && st.cfg.Mode == ModePush {
+		// It ended (expired, aborted, failed) before any registration
+		// paired with it: one that comes for it later is told at once,
+		// instead of waiting for the consumer's deadline.
+		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind})
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)

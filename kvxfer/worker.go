@@ -259,6 +259,12 @@ type Worker struct {
 		err error
 	}
 	closeOnce sync.Once
+	// dup is validate's scratch for finding a block named twice in a
+	// long list: a bit per block of each group, all clear between calls.
+	dup struct {
+		mu   sync.Mutex
+		seen [][]uint64
+	}
 
 	// Everything below is owned by the loop goroutine: the driver's own
 	// state, then the core's.
@@ -428,14 +434,59 @@ func opFor(m Mode) hotpath.Op {
 // be handed to the workers of every rank of an engine. The loop reads it
 // after Step returns: the caller must not modify it afterwards (Clone
 // first to reuse it).
-func (w *Worker) Step(meta *StepMeta) error {
+func (w *Worker) Step(meta *StepMeta) error { return w.StepRefusing(meta, nil) }
+
+// Refusal is a step entry its caller could not read into a StepMeta (a
+// wire message's malformed entry: stream.StepEntriesFromProto).
+// StepRefusing fails its request as Step fails an entry it refuses itself.
+type Refusal struct {
+	// Role is the entry's side: RoleConsumer (a receive), RoleProducer
+	// (a send), 0 (a layer-wise prefill entry: its SendReq decides the
+	// request).
+	Role Role
+	// ReqID is the entry's request ("": it names none; nothing fails).
+	ReqID string
+	// Local are a receive's blocks, when they could be read: reported
+	// invalid with its failure when they are this rank's.
+	Local []topology.Span
+	// Field is what Metrics.BadInput counts it as ("recv_req.remote",
+	// say); Reason names the field and its value.
+	Field, Reason string
+}
+
+// StepRefusing is Step for a step whose caller left out the entries in
+// refused: each is counted (Metrics.BadInput, its Field), named in the
+// error returned, and its request fails as a refused entry's does
+// (one failed outcome, FailureSetup, unless the rank holds a request of
+// that id on that side). The rest of the step proceeds.
+func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 	if meta == nil {
-		return nil
+		if len(refused) == 0 {
+			return nil
+		}
+		meta = &StepMeta{}
 	}
 	if w.trace != nil {
 		w.hopStep(meta, HopRecvStep, HopSendStep)
 	}
 	meta, bad, err := w.validate(meta)
+	if len(refused) > 0 {
+		errs := []error{err}
+		for _, r := range refused {
+			w.metrics.BadInput(r.Field)
+			local := r.Local
+			if r.Role != RoleConsumer || !w.ownSpans(local) {
+				local = nil
+			}
+			if r.ReqID == "" {
+				errs = append(errs, fmt.Errorf("kvxfer: step entry: %s", r.Reason))
+			} else {
+				errs = append(errs, fmt.Errorf("kvxfer: step entry %q: %s", r.ReqID, r.Reason))
+			}
+			bad = append(bad, rejected{role: r.Role, id: r.ReqID, reason: "invalid step entry: " + r.Reason, local: local})
+		}
+		err = errors.Join(errs...)
+	}
 	if perr := w.post(event{kind: evStep, meta: meta, bad: bad}); perr != nil {
 		return perr
 	}
@@ -1072,6 +1123,12 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 					return name, fmt.Sprintf("%s group %d block %d = %d, want in [0, %d)", name, g, i, b, w.groupBlocks[g])
 				}
 			}
+			if i, j := w.repeated(g, s.IDs); i >= 0 {
+				// Two of the request's blocks would be one: a consumer's
+				// lands two producer blocks in it, a producer's sends one
+				// block's KV for two.
+				return name, fmt.Sprintf("%s group %d block %d = %d, the same block as block %d (want distinct blocks)", name, g, j, s.IDs[j], i)
+			}
 		}
 		return "", ""
 	}
@@ -1142,6 +1199,68 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 	m := *meta
 	m.Recv, m.Send, m.Prefill = recv, send, prefill
 	return &m, bad, errors.Join(errs...)
+}
+
+// repeated returns the indices i < j of the first block ids of group g
+// that are equal (-1, -1: none); every id is in range. Short lists are
+// compared pairwise; longer ones are marked in a bitmap of the group's
+// blocks, shared by the callers of Step under dup.mu.
+func (w *Worker) repeated(g int, ids []topology.BlockID) (int, int) {
+	if len(ids) <= 16 {
+		for j := 1; j < len(ids); j++ {
+			for i := range j {
+				if ids[i] == ids[j] {
+					return i, j
+				}
+			}
+		}
+		return -1, -1
+	}
+	w.dup.mu.Lock()
+	defer w.dup.mu.Unlock()
+	if len(w.dup.seen) != len(w.groupBlocks) {
+		w.dup.seen = make([][]uint64, len(w.groupBlocks))
+	}
+	seen := w.dup.seen[g]
+	if seen == nil {
+		seen = make([]uint64, (w.groupBlocks[g]+63)/64)
+		w.dup.seen[g] = seen
+	}
+	at := -1
+	for j, b := range ids {
+		if seen[b/64]&(1<<(b%64)) != 0 {
+			at = j
+			break
+		}
+		seen[b/64] |= 1 << (b % 64)
+	}
+	end := len(ids)
+	if at >= 0 {
+		end = at
+	}
+	for _, b := range ids[:end] {
+		seen[b/64] &^= 1 << (b % 64)
+	}
+	if at < 0 {
+		return -1, -1
+	}
+	return slices.Index(ids, ids[at]), at
+}
+
+// ownSpans reports whether ss are block lists of this rank (one per
+// group, every id in range).
+func (w *Worker) ownSpans(ss []topology.Span) bool {
+	if len(ss) != len(w.groupBlocks) {
+		return false
+	}
+	for g, s := range ss {
+		for _, b := range s.IDs {
+			if b < 0 || int(b) >= w.groupBlocks[g] {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // keepValid returns the entries of s that ok accepts: s itself when it

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -137,12 +138,45 @@ func timeTo(t time.Time) int64 {
 
 // StepFromProto converts a step's metadata; errors name the field. A
 // step's block lists share two allocations (one for its spans, one for
-// their ids), so the conversion allocates per step, not per request.
+// their ids), so the conversion allocates per step, not per request. An
+// entry it cannot read fails the whole conversion (StepEntriesFromProto
+// leaves it out instead).
 func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
-	if p == nil {
-		return nil, Invalid("step is missing")
+	m, refused, err := StepEntriesFromProto(p)
+	if err != nil {
+		return nil, err
 	}
-	var a spanArena
+	if len(refused) > 0 {
+		return nil, refused[0].Err
+	}
+	return m, nil
+}
+
+// EntryRefusal is a step entry StepEntriesFromProto could not read: the
+// kvxfer.Refusal for Worker.StepRefusing, and the error naming its field
+// and value (it wraps ErrInvalid).
+type EntryRefusal struct {
+	kvxfer.Refusal
+	Err error
+}
+
+// StepEntriesFromProto converts a step's metadata, leaving out each entry
+// it cannot read (a missing entry, remote or span, a number out of range)
+// and returning it as a refusal that names its request, field and value:
+// one malformed entry loses nothing else of the step (its other entries,
+// its aborts). Only a missing step is an error.
+func StepEntriesFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, []EntryRefusal, error) {
+	if p == nil {
+		return nil, nil, Invalid("step is missing")
+	}
+	var (
+		a       spanArena
+		refused []EntryRefusal
+	)
+	refuse := func(role kvxfer.Role, id string, local []topology.Span, label string, err error) {
+		refused = append(refused, EntryRefusal{Refusal: kvxfer.Refusal{Role: role, ReqID: id, Local: local, Field: label,
+			Reason: strings.TrimPrefix(err.Error(), ErrInvalid.Error()+": ")}, Err: err})
+	}
 	a.size(p)
 	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed,
 		NotProcessedTransferIDs: p.NotProcessedTransferIds}
@@ -150,55 +184,61 @@ func StepFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, error) {
 		m.Recv = make([]kvxfer.RecvReq, 0, len(p.Recv))
 	}
 	for i, r := range p.Recv {
-		if r == nil || r.Remote == nil {
-			return nil, Invalid("%s.remote is missing", field{"step.recv", i, ""})
+		if r == nil {
+			refuse(kvxfer.RoleConsumer, "", nil, "recv_req", Invalid("%s is missing", field{"step.recv", i, ""}))
+			continue
 		}
 		local, err := a.spans(field{"step.recv", i, ".local"}, r.Local)
 		if err != nil {
-			return nil, err
+			refuse(kvxfer.RoleConsumer, r.RequestId, nil, "recv_req.local", err)
+			continue
+		}
+		if r.Remote == nil {
+			refuse(kvxfer.RoleConsumer, r.RequestId, local, "recv_req.remote", Invalid("%s.remote is missing", field{"step.recv", i, ""}))
+			continue
 		}
 		blocks, err := a.spans(field{"step.recv", i, ".remote.blocks"}, r.Remote.Blocks)
 		if err != nil {
-			return nil, err
+			refuse(kvxfer.RoleConsumer, r.RequestId, local, "recv_req.remote.blocks", err)
+			continue
 		}
 		tok, err := fitField(field{"step.recv", i, ".remote.tokens"}, r.Remote.Tokens)
 		if err != nil {
-			return nil, err
+			refuse(kvxfer.RoleConsumer, r.RequestId, local, "recv_req.remote.tokens", err)
+			continue
 		}
 		m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: r.RequestId, TransferID: r.TransferId, Local: local, Aborted: r.Aborted,
 			Deadline: timeFrom(r.DeadlineUnixNanos),
 			Remote: kvxfer.RemoteRef{EngineID: r.Remote.EngineId, Addr: r.Remote.Addr, ReqID: r.Remote.RequestId,
 				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos)}})
 	}
-	conv := func(name string, in []*pb.SendRequest) ([]kvxfer.SendReq, error) {
+	conv := func(name, label string, role kvxfer.Role, in []*pb.SendRequest) []kvxfer.SendReq {
 		if len(in) == 0 {
-			return nil, nil
+			return nil
 		}
 		out := make([]kvxfer.SendReq, 0, len(in))
 		for i, s := range in {
 			if s == nil {
-				return nil, Invalid("%s is missing", field{name, i, ""})
+				refuse(role, "", nil, label, Invalid("%s is missing", field{name, i, ""}))
+				continue
 			}
 			blocks, err := a.spans(field{name, i, ".blocks"}, s.Blocks)
 			if err != nil {
-				return nil, err
+				refuse(role, s.RequestId, nil, label+".blocks", err)
+				continue
 			}
 			tok, err := fitField(field{name, i, ".tokens"}, s.Tokens)
 			if err != nil {
-				return nil, err
+				refuse(role, s.RequestId, nil, label+".tokens", err)
+				continue
 			}
 			out = append(out, kvxfer.SendReq{ReqID: s.RequestId, TransferID: s.TransferId, Deadline: timeFrom(s.DeadlineUnixNanos), Blocks: blocks, Tokens: tok})
 		}
-		return out, nil
+		return out
 	}
-	var err error
-	if m.Send, err = conv("step.send", p.Send); err != nil {
-		return nil, err
-	}
-	if m.Prefill, err = conv("step.prefill", p.Prefill); err != nil {
-		return nil, err
-	}
-	return m, nil
+	m.Send = conv("step.send", "send_req", kvxfer.RoleProducer, p.Send)
+	m.Prefill = conv("step.prefill", "prefill", 0, p.Prefill)
+	return m, refused, nil
 }
 
 // field names a field of a list entry (list[i]sub), or, with i < 0, the

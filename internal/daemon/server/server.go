@@ -626,7 +626,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 }
 
 // recvHello receives a worker stream's first message, waiting at most
-// HelloTimeout.
+// HelloTimeout, and not once the server drains.
 func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) (*pb.ConnectRequest, error) {
 	type recvd struct {
 		m   *pb.ConnectRequest
@@ -645,6 +645,16 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 	case <-t.C:
 		s.limits.refuse("hello_timeout")
 		return nil, fmt.Errorf("no hello within %v: %w", s.cfg.HelloTimeout, context.DeadlineExceeded)
+	case <-s.draining:
+		// A rank not yet attached is new work, which a draining server
+		// refuses: Drain does not wait out its hello timeout. (A hello
+		// that came already is served.)
+		select {
+		case r := <-ch:
+			return r.m, r.err
+		default:
+			return nil, errDraining
+		}
 	}
 }
 
@@ -1360,12 +1370,18 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	)
 	apply := func(p *pb.StepMeta) {
 		meta = p
-		sm, cerr := stream.StepFromProto(p)
+		sm, bad, cerr := stream.StepEntriesFromProto(p)
 		if cerr != nil {
 			err, dropped = cerr, true
 			return
 		}
-		err = r.worker.Step(sm)
+		// An entry that could not be read is refused alone, as one the
+		// worker refuses: its request fails, the rest of the step runs.
+		var refused []kvxfer.Refusal
+		for _, b := range bad {
+			refused = append(refused, b.Refusal)
+		}
+		err = r.worker.StepRefusing(sm, refused)
 		// Step takes a step in, whatever it refuses of it, unless the
 		// worker is closed.
 		dropped = errors.Is(err, kvxfer.ErrClosed)
