@@ -42,7 +42,7 @@ var directs struct {
 func runningServer() (*daemon.InProcess, error) {
 	running.Lock()
 	defer running.Unlock()
-	if running.p == nil {
+	if running.p == nil || running.p.Stopped() {
 		return nil, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)")
 	}
 	return running.p, nil

@@ -33,3 +33,31 @@ func TestStreamTableBounded(t *testing.T) {
 		t.Fatalf("%d streams held after every release", len(directs.m))
 	}
 }
+
+// A server that stopped by itself (a listener gone: the daemon's watcher
+// stops it, as Stop here) is not the running one: kvxfer_start starts a
+// new one instead of handing out the dead server's endpoint (or refusing
+// another configuration as if it ran), and streams are not opened on it.
+func TestStartAfterServerStoppedByItself(t *testing.T) {
+	cfg := `{"insecure_peers": true, "log_level": "error"}`
+	ep, code, err := start(cfg)
+	if err != nil {
+		t.Fatalf("start: %d %v", code, err)
+	}
+	t.Cleanup(func() { _ = stop() })
+	running.Lock()
+	p := running.p
+	running.Unlock()
+	_ = p.Stop() // what the watcher does when a listener stops by itself
+	if id := kvxferGoStreamOpen(nil, 0); id != 0 {
+		kvxferGoStreamRelease(id)
+		t.Error("a stream opened on a server that stopped")
+	}
+	ep2, code, err := start(cfg)
+	if err != nil || ep2 == ep {
+		t.Fatalf("start after the server stopped by itself: %q, %d %v; want a new server (the old one was at %q)", ep2, code, err, ep)
+	}
+	if _, code, err := start(`{"insecure_peers": true, "log_level": "warn"}`); code != statusStarted {
+		t.Fatalf("another configuration while the new one runs: %d %v, want statusStarted", code, err)
+	}
+}

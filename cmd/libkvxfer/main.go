@@ -60,6 +60,9 @@ var errStarted = errors.New("kvxfer: the in-process server is running with anoth
 func start(config string) (endpoint string, code int, err error) {
 	running.Lock()
 	defer running.Unlock()
+	if p := running.p; p != nil && p.Stopped() {
+		running.p = nil // it stopped by itself (a listener gone): start anew
+	}
 	if p := running.p; p != nil {
 		if p.Config() == config {
 			return p.Endpoint(), statusOK, nil

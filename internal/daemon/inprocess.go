@@ -6,7 +6,9 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"strconv"
@@ -49,28 +51,8 @@ func parseJSON(b []byte) (*config, error) {
 	c.socket = ""
 	b = bytes.TrimSpace(b)
 	if len(b) > 0 {
-		var m map[string]json.RawMessage
-		dec := json.NewDecoder(bytes.NewReader(b))
-		dec.UseNumber()
-		if err := dec.Decode(&m); err != nil {
-			return nil, fmt.Errorf("want a JSON object: %w", err)
-		}
-		if m == nil {
-			return nil, errors.New("want a JSON object, not null")
-		}
-		for key, raw := range m {
-			name := strings.ReplaceAll(key, "_", "-")
-			f := fs.Lookup(name)
-			if f == nil {
-				return nil, fmt.Errorf("key %q: unknown (the keys are kvxferd serve's flag names)", key)
-			}
-			v, err := jsonScalar(raw)
-			if err != nil {
-				return nil, fmt.Errorf("key %q: %w", key, err)
-			}
-			if err := f.Value.Set(v); err != nil {
-				return nil, fmt.Errorf("key %q = %s: %w", key, raw, err)
-			}
+		if err := setJSON(fs, b); err != nil {
+			return nil, err
 		}
 	}
 	if c.socket == "" {
@@ -80,6 +62,69 @@ func parseJSON(b []byte) (*config, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// setJSON sets fs's flags from the JSON object b, key by key in order: a
+// key is a flag's name (with "-" or "_"), named once (in one spelling or
+// the other), and nothing follows the object.
+func setJSON(fs *flag.FlagSet, b []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	tok, err := dec.Token()
+	if err != nil {
+		return fmt.Errorf("want a JSON object: %w", err)
+	}
+	if d, ok := tok.(json.Delim); !ok || d != '{' {
+		if tok == nil {
+			return errors.New("want a JSON object, not null")
+		}
+		return fmt.Errorf("want a JSON object, not %#v", tok)
+	}
+	seen := map[string]string{} // flag name: the key that set it
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return fmt.Errorf("want a JSON object: %w", err)
+		}
+		key, _ := tok.(string)
+		var raw json.RawMessage
+		if err := dec.Decode(&raw); err != nil {
+			return fmt.Errorf("key %q: its value is not JSON: %w", key, err)
+		}
+		name := strings.ReplaceAll(key, "_", "-")
+		f := fs.Lookup(name)
+		if f == nil {
+			return fmt.Errorf("key %q: unknown (the keys are kvxferd serve's flag names)", key)
+		}
+		if prev, ok := seen[name]; ok {
+			return fmt.Errorf("key %q: %s is set already (key %q): name each key once", key, name, prev)
+		}
+		seen[name] = key
+		v, err := jsonScalar(raw)
+		if err != nil {
+			return fmt.Errorf("key %q: %w", key, err)
+		}
+		if err := f.Value.Set(v); err != nil {
+			return fmt.Errorf("key %q = %s: %w", key, raw, err)
+		}
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return fmt.Errorf("want a JSON object: %w", err)
+	}
+	end := dec.InputOffset()
+	if _, err := dec.Token(); err != io.EOF {
+		return fmt.Errorf("want one JSON object, and nothing after the JSON object (%s)", trailing(b, end))
+	}
+	return nil
+}
+
+// trailing is what of b follows offset, cut short.
+func trailing(b []byte, offset int64) string {
+	rest := strings.TrimSpace(string(b[min(int(offset), len(b)):]))
+	if len(rest) > 40 {
+		rest = rest[:40] + "..."
+	}
+	return strconv.Quote(rest)
 }
 
 // jsonScalar is a JSON string, number or boolean as a flag's text.
@@ -145,6 +190,11 @@ func StartInProcess(configJSON []byte) (*InProcess, error) {
 		// A listener that stops by itself (not by Stop) stops the rest.
 		select {
 		case err := <-in.serveErr:
+			select {
+			case <-p.done:
+				return // Stop stopped the listeners (it closes done first)
+			default:
+			}
 			log.Error("kvxfer: in-process server stopped", "err", err)
 			_ = p.Stop()
 		case <-p.done:
@@ -180,6 +230,17 @@ func (p *InProcess) OpenDirect() *server.DirectStream { return p.in.srv.OpenDire
 // (server.Server.CallDirect).
 func (p *InProcess) CallDirect(method string, req []byte, wait time.Duration) ([]byte, codes.Code, string) {
 	return p.in.srv.CallDirect(method, req, wait)
+}
+
+// Stopped reports whether p was stopped (by Stop, or because a listener
+// stopped by itself).
+func (p *InProcess) Stopped() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
 }
 
 // Stop shuts p down gracefully (transfers in flight finish within the

@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"strings"
 	"testing"
@@ -38,6 +39,13 @@ func TestParseJSON(t *testing.T) {
 		{`{"conns": [1]}`, "want a string, a number or a boolean"},
 		{`[1]`, "want a JSON object"},
 		{`null`, "want a JSON object"},
+		// What follows the object is no configuration to drop unread.
+		{`{"insecure_peers": true} {"no_such": 1}`, "after the JSON object"},
+		{`{"insecure_peers": true} garbage`, "after the JSON object"},
+		// One flag named twice (its two spellings, or one spelling
+		// twice) has no one value: which won was up to map order.
+		{`{"insecure_peers": true, "insecure-peers": false}`, `key "insecure-peers"`},
+		{`{"conns": 3, "conns": 4}`, `key "conns"`},
 	} {
 		if _, err := parseJSON([]byte(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("parseJSON(%s) = %v, want an error containing %q", tc.in, err, tc.want)
@@ -116,5 +124,36 @@ func TestHopTraceConfig(t *testing.T) {
 	c, err := parseFlags([]string{"-hop-trace", path})
 	if err != nil || c.hopTrace != path {
 		t.Errorf("parseFlags(-hop-trace %s) = %+v, %v", path, c, err)
+	}
+}
+
+// A server stopped by Stop logs no error: the watcher of its listeners
+// took their return after Stop as a listener that stopped by itself
+// (about one stop in two logged "in-process server stopped" at ERROR).
+func TestInProcessStopLogsNoError(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := os.Stderr
+	os.Stderr = w // the server's log, made at start
+	got := make(chan string)
+	go func() {
+		b, _ := io.ReadAll(r)
+		got <- string(b)
+	}()
+	for range 10 {
+		p, err := StartInProcess([]byte(`{"insecure_peers": true, "log_level": "error"}`))
+		if err != nil {
+			os.Stderr = old
+			t.Fatal(err)
+		}
+		_ = p.Stop()
+	}
+	time.Sleep(100 * time.Millisecond) // a watcher's late line
+	os.Stderr = old
+	w.Close()
+	if log := <-got; strings.Contains(log, "level=ERROR") {
+		t.Fatalf("10 starts and stops logged errors:\n%s", log)
 	}
 }

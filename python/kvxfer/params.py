@@ -54,17 +54,32 @@ def _canonical(p: dict) -> dict:
     return p
 
 
-def _int(p: dict, key: str, default: int = 0, minimum: int = 0) -> int:
+_INT32_MAX = (1 << 31) - 1
+_INT64_MAX = (1 << 63) - 1
+
+
+def _int(p: dict, key: str, default: int = 0, minimum: int = 0, maximum: int = _INT64_MAX) -> int:
     v = p.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
+    return _intval(f"kv_transfer_params.{key}", v, minimum, maximum)
+
+
+def _intval(name: str, v, minimum: int = 0, maximum: int = _INT64_MAX) -> int:
+    """v as an integer in [minimum, maximum] (kvxfer.v1's field holds it),
+    or ParamsError naming name: a boolean or a fraction is no integer (an
+    integral float or a numeric string, as a router may write one, is)."""
+    if type(v) is not int:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ParamsError(f"{name} = {v!r}, want an integer")
         try:
             v = int(v)
-        except (TypeError, ValueError):
-            raise ParamsError(f"kv_transfer_params.{key} = {p.get(key)!r}, want an integer") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ParamsError(f"{name} = {v!r}, want an integer") from None
     if v < minimum:
-        raise ParamsError(f"kv_transfer_params.{key} = {v}, want >= {minimum}")
+        raise ParamsError(f"{name} = {v}, want >= {minimum}")
+    if v > maximum:
+        raise ParamsError(f"{name} = {v}, want <= {maximum}")
     return v
 
 
@@ -100,7 +115,7 @@ def block_lists(p: dict) -> tuple[list[list[int]], list[int]]:
     starts = p.get("remote_block_starts") or [0] * len(out)
     if not isinstance(starts, (list, tuple)) or len(starts) != len(out):
         raise ParamsError(f"kv_transfer_params.remote_block_starts = {starts!r}, want {len(out)} integers")
-    return out, [int(s) for s in starts]
+    return out, [_intval(f"kv_transfer_params.remote_block_starts[{g}]", s) for g, s in enumerate(starts)]
 
 
 # Keys a push registration's fast check covers; any other key takes the
@@ -115,7 +130,7 @@ def validate_remote(p: dict, mode: int) -> None:
     port, tp = get("remote_port"), get("tp_size")
     if (mode == pb.MODE_PUSH and get("remote_engine_id") and get("remote_host") and type(port) is int
             and 0 < port < 65536 and (get("transfer_id") or get("remote_request_id")) and get("mode", "push") == "push"
-            and (tp is None or type(tp) is int and tp >= 0) and _FAST_KEYS.issuperset(p)):
+            and (tp is None or type(tp) is int and 0 <= tp <= _INT32_MAX) and _FAST_KEYS.issuperset(p)):
         return  # a well-formed push registration, the common case, checked fast
     p = _canonical(p)
     if not p.get("remote_engine_id"):
@@ -127,9 +142,8 @@ def validate_remote(p: dict, mode: int) -> None:
         raise ParamsError(f"kv_transfer_params.remote_port = {p.get('remote_port')!r}, want 1..65535")
     if not p.get("transfer_id") and not p.get("remote_request_id"):
         raise ParamsError("kv_transfer_params.transfer_id and remote_request_id are both missing")
-    _int(p, "tp_size", 1)
-    _int(p, "remote_pp_size", 1)
-    _int(p, "remote_num_tokens", 0)
+    for key, _, maximum in _INT_FIELDS:
+        _int(p, key, 0, maximum=maximum)
     m = p.get("mode")
     if m is not None and m not in MODES:
         raise ParamsError(f"kv_transfer_params.mode = {m!r}, want push or pull")
@@ -163,10 +177,10 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
         v = get(key)
         if v:
             setattr(out, attr, v if type(v) is str else str(v))
-    for key, attr in _INT_FIELDS:
+    for key, attr, maximum in _INT_FIELDS:
         v = get(key)
         if v is not None:
-            setattr(out, attr, v if type(v) is int and v >= 0 else _int(p, key, 0))
+            setattr(out, attr, v if type(v) is int and 0 <= v <= maximum else _int(p, key, 0, maximum=maximum))
     m = get("mode") or get("transfer_mode")
     if m is not None:
         out.mode = mode_of(m)
@@ -185,9 +199,10 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
 _STR_FIELDS = (("transfer_id", "transfer_id"), ("remote_engine_id", "remote_engine_id"),
                ("remote_request_id", "remote_request_id"))
 # pp_size (NixlConnector's spelling) first: remote_pp_size wins when both are set.
-_INT_FIELDS = (("tp_size", "remote_tp_size"), ("pp_size", "remote_pp_size"), ("remote_pp_size", "remote_pp_size"),
-               ("remote_num_tokens", "remote_num_tokens"),
-               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos"))
+# (key, TransferParams field, the largest value the field holds)
+_INT_FIELDS = (("tp_size", "remote_tp_size", _INT32_MAX), ("pp_size", "remote_pp_size", _INT32_MAX),
+               ("remote_pp_size", "remote_pp_size", _INT32_MAX), ("remote_num_tokens", "remote_num_tokens", _INT64_MAX),
+               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos", _INT64_MAX))
 
 
 def from_proto(t: pb.TransferParams) -> dict[str, Any]:

@@ -25,6 +25,7 @@ This module imports no vLLM.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from kvxfer import inprocess
@@ -161,6 +162,21 @@ def _key(common: dict) -> str:
 
 
 _server = ProcessServer()
+
+
+def _after_fork_in_child() -> None:
+    # The server is the parent's, not this child's: the child starts with
+    # none, so that its first acquire asks kvxfer.inprocess (which raises
+    # ForkedChildError where the parent loaded libkvxfer) instead of
+    # handing out the parent's endpoint; and a lock a thread of the parent
+    # held at the fork is not held here.
+    _server._lock = threading.Lock()
+    _server._users = 0
+    _server._config = _server._engine = _server._endpoint = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire() -> ProcessServer:

@@ -119,6 +119,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -178,6 +179,11 @@ _COMMON_KEYS = frozenset(("placement", "mode", "layerwise", "timeout_s", "lease_
                           "verify"))
 
 
+# The most seconds a duration key (timeout_s, lease_s, ...) may say: about
+# 31 years, well within what the server's durations hold.
+_MAX_SECONDS = 1e9
+
+
 @dataclass
 class Config:
     mode: int
@@ -234,9 +240,14 @@ class Config:
             raise ValueError(f"kv_connector_extra_config.verify = {verify!r}, want true or false")
 
         def num(key: str, default: float) -> float:
+            # A number of seconds: finite (JSON as Python reads it has NaN
+            # and Infinity), and one the server's durations hold (int64
+            # milliseconds as nanoseconds would wrap past 292 years).
             v = e.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"kv_connector_extra_config.{key} = {v!r}, want a number > 0")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v))
+                    or not 0 < v <= _MAX_SECONDS):
+                raise ValueError(f"kv_connector_extra_config.{key} = {v!r}, want a number > 0 (seconds, "
+                                 f"at most {_MAX_SECONDS:.0e})")
             return float(v)
 
         c = cls(mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10), lease_s=num("lease_s", 30),

@@ -123,3 +123,32 @@ def test_params_round_trip():
         params.validate_remote({"remote_host": "h", "remote_port": 1, "transfer_id": "t"}, pb.MODE_PUSH)
     with pytest.raises(params.ParamsError, match="remote_block_ids"):
         params.validate_remote({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "transfer_id": "t"}, pb.MODE_PULL)
+
+
+def test_params_bad_values_are_params_errors():
+    """A malformed kv_transfer_params value raises ParamsError naming the
+    key and the value (what the connector catches: it computes such a
+    request locally), never another exception from deep inside (a
+    ValueError from int() or from protobuf's range check, which the
+    connector does not catch, out of vLLM's scheduler loop), and a value
+    of the wrong type is not converted into a valid one (True is no port,
+    2.7 no TP size)."""
+    base = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "transfer_id": "t", "remote_block_ids": [[1]]}
+    for extra, key in [({"remote_block_starts": ["x"]}, "remote_block_starts"), ({"remote_block_starts": [None]}, "remote_block_starts"),
+                       ({"remote_block_starts": [-16]}, "remote_block_starts"), ({"remote_block_starts": [True]}, "remote_block_starts"),
+                       ({"remote_port": True}, "remote_port"), ({"tp_size": True}, "tp_size"), ({"tp_size": 2.7}, "tp_size"),
+                       ({"tp_size": 1 << 40}, "tp_size"), ({"remote_num_tokens": 1 << 70}, "remote_num_tokens"),
+                       ({"remote_blocks_expiry_unix_nanos": 1 << 64}, "remote_blocks_expiry_unix_nanos")]:
+        p = {**base, **extra}
+        for what, call in [("validate_remote", lambda: params.validate_remote(p, pb.MODE_PUSH)), ("to_proto", lambda: params.to_proto(p))]:
+            try:
+                call()
+            except params.ParamsError as e:
+                assert key in str(e), (what, extra, e)
+                continue
+            except Exception as e:  # noqa: BLE001
+                raise AssertionError(f"{what}({extra}): {type(e).__name__}: {e}, want ParamsError naming {key}") from e
+            raise AssertionError(f"{what}({extra}) accepted, want ParamsError naming {key}")
+    # Integral values as routers may write them still go through.
+    t = params.to_proto({**base, "tp_size": 2.0, "remote_port": "7600", "remote_block_starts": [16]})
+    assert t.remote_tp_size == 2 and t.remote_addr == "h:7600" and t.remote_block_ids[0].start == 16

@@ -83,6 +83,14 @@ CASES = [
     ("relay", {"SECRET": 1, "relay": "both"}, "relay = 'both', want auto, daemon or metadata"),
     ("mode", {"SECRET": 1, "mode": "poke"}, "mode = 'poke', want push or pull"),
     ("timeout", {"SECRET": 1, "timeout_s": 0}, "timeout_s = 0, want a number > 0"),
+    # JSON (Python's json) carries NaN and Infinity, and a number of
+    # seconds no duration holds: each refused here, naming the key, not an
+    # exception inside the first call (int(nan)) or a bound that is none.
+    ("timeout nan", {"SECRET": 1, "timeout_s": float("nan")}, "timeout_s = nan, want a number > 0"),
+    ("lease inf", {"SECRET": 1, "lease_s": float("inf")}, "lease_s = inf, want a number > 0"),
+    ("registration huge", {"SECRET": 1, "registration_timeout_s": 1e30}, "registration_timeout_s = 1e+30, want a number > 0"),
+    ("lease wraps", {"SECRET": 1, "lease_s": 18446744073.71}, "lease_s = 18446744073.71, want a number > 0"),
+    ("lease huge int", {"SECRET": 1, "lease_s": 10 ** 400}, "lease_s = 1000"),
     ("etcd empty", {"SECRET": 1, "etcd": ""}, "etcd = '', want etcd's endpoints"),
     ("etcd twice", {"SECRET": 1, "etcd": "h:1", "server": {"etcd": "h:2"}}, "etcd and server.etcd: name the endpoints once"),
     ("etcd in daemon", {"placement": "daemon", "etcd": "h:1"}, "['etcd'] apply to placement in-process only"),

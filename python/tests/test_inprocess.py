@@ -121,6 +121,54 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_forked_child_placement_gets_a_clear_error(libkvxfer):
+    """The connectors' shared server (kvxfer.placement) in a child forked
+    from a process whose connector started it: acquiring it raises
+    ForkedChildError at once (not the parent's endpoint, whose calls then
+    fail as a connection reset, or as a scheduler the connector cannot
+    open at each step), also when a thread of the parent held it at the
+    fork (no hang); letting go of it raises nothing; the parent's is
+    unharmed."""
+    r = _run(libkvxfer, """
+        import os, signal
+        from kvxfer import inprocess, placement as pl
+        common = {"insecure-peers": True, "log-level": "error", "backend": "builtin"}
+        ep = pl.acquire().acquire_scheduler(common, "127.0.0.1", 0)
+        for held in (False, True):
+            if held:
+                pl.acquire()._lock.acquire()  # as a thread of the parent in the middle of a call
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(10)  # a hang kills the child
+                code = 0
+                for acq in (lambda: pl.acquire().acquire_scheduler(common, "127.0.0.1", 0),
+                            lambda: pl.acquire().acquire_rank(common, "127.0.0.1", 0, 0)):
+                    try:
+                        print("child: acquired", acq(), flush=True)
+                        code = 10
+                    except inprocess.ForkedChildError as e:
+                        if "forked child" not in str(e):
+                            code = 12
+                try:
+                    pl.release()
+                except Exception as e:  # noqa: BLE001
+                    print("child: release raised", repr(e), flush=True)
+                    code = 11
+                os._exit(code)
+            if held:
+                pl.acquire()._lock.release()
+            _, st = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(st) == 0, (held, os.waitstatus_to_exitcode(st))
+        assert pl.acquire().acquire_scheduler(common, "127.0.0.1", 0) == ep
+        assert pl.acquire().users == 2
+        pl.release()
+        pl.release()
+        assert inprocess.endpoint() is None
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_other_process_is_refused(libkvxfer, tmp_path):
     """The endpoint serves its own process only: another process's
     connection is refused (the abstract socket is reachable, the server

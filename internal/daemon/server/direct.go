@@ -132,6 +132,8 @@ func (d *DirectStream) Take(wait time.Duration) (b []byte, ok, ended bool, code 
 	select {
 	case b = <-d.out:
 		return b, true, false, 0, ""
+	case <-d.ended: // without waiting: an ended stream says so, whatever wait is
+		return d.afterEnd()
 	default:
 	}
 	var timeout <-chan time.Time
@@ -144,17 +146,23 @@ func (d *DirectStream) Take(wait time.Duration) (b []byte, ok, ended bool, code 
 	case b = <-d.out:
 		return b, true, false, 0, ""
 	case <-d.ended:
-		select { // what the server sent before it ended comes first
-		case b = <-d.out:
-			return b, true, false, 0, ""
-		default:
-		}
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		return nil, false, true, d.code, d.msg
+		return d.afterEnd()
 	case <-timeout:
 		return nil, false, false, 0, ""
 	}
+}
+
+// afterEnd is Take once the stream ended: what the server sent before it
+// ended comes first, then the end.
+func (d *DirectStream) afterEnd() (b []byte, ok, ended bool, code codes.Code, msg string) {
+	select {
+	case b = <-d.out:
+		return b, true, false, 0, ""
+	default:
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return nil, false, true, d.code, d.msg
 }
 
 // The server's side: grpc.BidiStreamingServer.

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"context"
 	"errors"
 	"runtime"
 	"strings"
@@ -192,5 +193,80 @@ func TestCallDirect(t *testing.T) {
 	}
 	if got := d.srv.Refusals()["bad_message"]; got != 2 {
 		t.Fatalf("refusals of bad requests: %d, want 2", got)
+	}
+}
+
+// A direct stream that ended says so to every Take, a Take that does not
+// wait (0) included: never "nothing yet" (kvxfer.h: KVXFER_EENDED once the
+// stream ended and every message before its end was taken).
+func TestDirectTakeAfterEndSaysEnded(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	ds := d.srv.OpenDirect()
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: 1}}})); err != nil {
+		t.Fatal(err)
+	}
+	if _, ended, code, _ := take(t, ds); !ended || code != codes.InvalidArgument {
+		t.Fatalf("a step first: ended %v, %v; want the end, InvalidArgument", ended, code)
+	}
+	again := 0
+	for range 200 {
+		_, ok, ended, code, _ := ds.Take(0)
+		switch {
+		case ok:
+			t.Fatal("a message after the end")
+		case !ended:
+			again++
+		case code != codes.InvalidArgument:
+			t.Fatalf("ended with %v, then %v", codes.InvalidArgument, code)
+		}
+	}
+	if again > 0 {
+		t.Fatalf("%d of 200 Take(0) on an ended stream said nothing came, not that it ended", again)
+	}
+}
+
+// Draining does not wait for a stream that has not said hello (it could
+// only be refused: the server takes no new rank while it drains): a stop
+// of a server with such a stream open returns at once, not after the
+// hello timeout, and the stream ends Unavailable (shutting down).
+func TestDrainDoesNotWaitForHello(t *testing.T) {
+	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) { c.HelloTimeout = time.Minute })
+	ds := d.srv.OpenDirect()
+	time.Sleep(200 * time.Millisecond) // its Connect waits for the hello
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	t0 := time.Now()
+	if err := d.srv.Drain(ctx); err != nil {
+		t.Fatalf("Drain: %v after %v", err, time.Since(t0))
+	}
+	if el := time.Since(t0); el > 2*time.Second {
+		t.Fatalf("Drain took %v with one stream waiting for its hello (hello timeout 1m)", el)
+	}
+	if _, ended, code, msg := take(t, ds); !ended || code != codes.Unavailable {
+		t.Fatalf("the stream without hello after Drain: ended %v, %v %q; want Unavailable", ended, code, msg)
+	}
+}
+
+// OpenScheduler refuses a duration in milliseconds past what it can hold
+// (time.Duration's nanoseconds), naming the field, instead of letting it
+// wrap: 18446744073710 ms (584 years) wrapped to a lease of 0.45 ms.
+func TestOpenSchedulerMillisOverflow(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	for _, tc := range []struct {
+		field string
+		cfg   *pb.SchedulerConfig
+	}{
+		{"lease_millis", &pb.SchedulerConfig{LeaseMillis: 18446744073710}},
+		{"registration_timeout_millis", &pb.SchedulerConfig{RegistrationTimeoutMillis: 18446744073710}},
+		{"decoder_blocks_ttl_millis", &pb.SchedulerConfig{DecoderBlocksTtlMillis: 1 << 62}},
+	} {
+		tc.cfg.EngineId, tc.cfg.Mode, tc.cfg.TpSize, tc.cfg.LogicalBlockSize = "D-"+tc.field, pb.Mode_MODE_PUSH, 1, 16
+		b, err := proto.Marshal(&pb.OpenSchedulerRequest{Config: tc.cfg})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, code, msg := d.srv.CallDirect("OpenScheduler", b, 5*time.Second); code != codes.InvalidArgument || !strings.Contains(msg, tc.field) {
+			t.Errorf("OpenScheduler with %s past time.Duration: %v %q; want InvalidArgument naming the field", tc.field, code, msg)
+		}
 	}
 }

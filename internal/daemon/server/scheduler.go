@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -109,6 +110,16 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
 		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID}
+	for _, f := range []struct {
+		name string
+		v    int64
+	}{{"config.lease_millis", c.LeaseMillis}, {"config.decoder_blocks_ttl_millis", c.DecoderBlocksTtlMillis},
+		{"config.registration_timeout_millis", c.RegistrationTimeoutMillis}} {
+		// As a time.Duration (nanoseconds) the value must not wrap.
+		if f.v > math.MaxInt64/int64(time.Millisecond) {
+			return nil, Status(stream.Invalid("%s = %d out of range (at most %d)", f.name, f.v, math.MaxInt64/int64(time.Millisecond)))
+		}
+	}
 	for i, g := range c.Groups {
 		w, err := stream.FitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
 		if err != nil {
