@@ -275,9 +275,9 @@ func TestSameHostReadOlderReader(t *testing.T) {
 	}
 }
 
-// newMemAgent is an agent with size bytes of file-backed memory at base,
-// registered (as localPair makes them, each with its own config).
-func newMemAgent(t *testing.T, name string, size int, cfg Config) (*Agent, []byte) {
+// newMemAgent is an agent (not taking direct copies) with size bytes of
+// file-backed memory at base, registered: one of localPair's.
+func newMemAgent(t testing.TB, name string, size int, cfg Config) (*Agent, []byte) {
 	t.Helper()
 	cfg.Name = fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())
 	cfg.DisableLocal = true

@@ -42,24 +42,10 @@ func localPair(t testing.TB, size int, cfg Config) (a, b *Agent, am, bm []byte) 
 	t.Helper()
 	mk := func(name string) (*Agent, []byte) {
 		c := cfg
-		c.Name = fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())
-		c.DisableLocal = true
 		if c.Conns == 0 {
 			c.Conns = 3
 		}
-		ag, err := New(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ag.Close() })
-		mem, f := memFile(t, size)
-		if err := ag.MapFile(base, mem, f, 0); err != nil {
-			t.Fatal(err)
-		}
-		if err := ag.Register([]Region{{base, uint64(size)}}); err != nil {
-			t.Fatal(err)
-		}
-		return ag, mem
+		return newMemAgent(t, name, size, c)
 	}
 	a, am = mk("a")
 	b, bm = mk("b")

@@ -45,6 +45,21 @@ func take(t *testing.T, ds *server.DirectStream) (m *pb.ConnectResponse, ended b
 	return m, false, 0, ""
 }
 
+// directHello is a push worker's hello naming 64 KiB of this process's
+// memory by address (mapped for the test's life).
+func directHello(t *testing.T) *pb.WorkerHello {
+	t.Helper()
+	mem, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
+	return &pb.WorkerHello{EngineId: "direct", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(ptr(addrLayout(base, len(mem)))),
+		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage,
+		Memory: []*pb.SharedMemory{{Base: base, Size: uint64(len(mem)), InProcess: pb.InProcessMemory(stream.InProcessHost)}}}
+}
+
 // A direct worker stream (no gRPC: libkvxfer's engine in this process)
 // is served as a gRPC one is: a hello naming this process's memory by
 // address is answered Ready, steps are taken, a bye ends it cleanly; a
@@ -53,15 +68,7 @@ func take(t *testing.T, ds *server.DirectStream) (m *pb.ConnectResponse, ended b
 // parse, is refused; no goroutine outlives it.
 func TestDirectStream(t *testing.T) {
 	d := startDaemon(t, t.TempDir())
-	mem, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
-	hello := &pb.WorkerHello{EngineId: "direct", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(ptr(addrLayout(base, len(mem)))),
-		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage,
-		Memory: []*pb.SharedMemory{{Base: base, Size: uint64(len(mem)), InProcess: pb.InProcessMemory(stream.InProcessHost)}}}
+	hello := directHello(t)
 
 	ds := d.srv.OpenDirect()
 	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}})); err != nil {

@@ -4,11 +4,7 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"unsafe"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
@@ -21,15 +17,7 @@ import (
 // whole step: every other request of it failed, and its aborts were lost.
 func TestStepUnreadableEntryRefusedAlone(t *testing.T) {
 	d := startDaemon(t, t.TempDir())
-	mem, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
-	hello := &pb.WorkerHello{EngineId: "direct", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(ptr(addrLayout(base, len(mem)))),
-		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage,
-		Memory: []*pb.SharedMemory{{Base: base, Size: uint64(len(mem)), InProcess: pb.InProcessMemory(stream.InProcessHost)}}}
+	hello := directHello(t)
 	ds := d.srv.OpenDirect()
 	defer ds.Cancel()
 	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}})); err != nil {
