@@ -46,6 +46,10 @@ const (
 	// ReadTimeout, which would also cut the connection's idle read while a
 	// long stream is being relayed and so cancel the request.
 	bodyReadTimeout = time.Minute
+	// prefillGrace is how long a push request waits for P's answer once
+	// D's response is whole (its client's response ends then), before it
+	// cancels P's request.
+	prefillGrace = time.Second
 )
 
 // Prefill is one P server: its OpenAI base URL and, for push mode, where

@@ -77,6 +77,9 @@ type fleetRouter struct {
 	stopped chan struct{}
 	once    sync.Once
 	byID    map[string]*fleetUpstream // the watcher's own
+	// refused are the instances the last rebuild did not route to, and
+	// why (the watcher's own): each is counted and logged once.
+	refused map[Instance]string
 	m       *fleetMetrics
 }
 
@@ -93,7 +96,7 @@ func newFleetMetrics(reg *prometheus.Registry) *fleetMetrics {
 		changes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_proxy_fleet_changes_total",
 			Help: "Instances the proxy learned (join) and forgot (leave)."}, []string{"change"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_proxy_fleet_refused_total",
-			Help: "Fleet instances not routed to, by reason (mode: another transfer mode than the proxy's; no_url: no serving URL; bad_url; max_fleet: past Config.MaxFleet)."}, []string{"reason"}),
+			Help: "Fleet instances not routed to, by reason (mode: another transfer mode than the proxy's; no_url: no serving URL; bad_url; max_fleet: past Config.MaxFleet), each once while it stays as it is."}, []string{"reason"}),
 	}
 	for _, r := range []string{rolePrefill, roleDecode} {
 		m.upstreams.WithLabelValues(r)
@@ -151,23 +154,37 @@ func (f *fleetRouter) rebuild() {
 	t := &fleetTable{decodes: map[string]int{}}
 	seen := map[string]bool{}
 	log := f.p.log
+	refused := map[Instance]string{}
+	// refuse counts and logs an instance not routed to, once: not again
+	// at each change of the fleet while it stays as it is.
+	refuse := func(in Instance, reason string, logIt func()) {
+		refused[in] = reason
+		if f.refused[in] == reason {
+			return
+		}
+		f.m.refused.WithLabelValues(reason).Inc()
+		if logIt != nil {
+			logIt()
+		}
+	}
+	defer func() { f.refused = refused }()
 	for _, in := range f.src.Instances() {
 		switch {
 		case in.Mode != f.p.cfg.Mode:
-			f.m.refused.WithLabelValues("mode").Inc()
+			refuse(in, "mode", nil)
 			continue
 		case in.URL == "":
-			f.m.refused.WithLabelValues("no_url").Inc()
+			refuse(in, "no_url", nil)
 			continue
 		case len(seen) >= f.max:
-			f.m.refused.WithLabelValues("max_fleet").Inc()
-			log.Warn("kvxferd proxy: fleet past its bound; instance ignored", "instance", in.ID, "max_fleet", f.max)
+			refuse(in, "max_fleet", func() {
+				log.Warn("kvxferd proxy: fleet past its bound; instance ignored", "instance", in.ID, "max_fleet", f.max)
+			})
 			continue
 		}
 		u, err := checkURL(in.URL)
 		if err != nil {
-			f.m.refused.WithLabelValues("bad_url").Inc()
-			log.Warn("kvxferd proxy: fleet instance refused", "instance", in.ID, "err", err)
+			refuse(in, "bad_url", func() { log.Warn("kvxferd proxy: fleet instance refused", "instance", in.ID, "err", err) })
 			continue
 		}
 		in.URL = u

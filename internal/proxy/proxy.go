@@ -31,6 +31,9 @@ var (
 	// errDecodeFailed cancels P's request when D failed (push): P's work
 	// is of no use any more.
 	errDecodeFailed = errors.New("proxy: decode failed")
+	// errDecodeDone cancels P's request when it has not answered
+	// prefillGrace after D's whole response (push).
+	errDecodeDone = errors.New("proxy: decode done")
 	// errClientGone wraps a failed write to the client.
 	errClientGone = errors.New("proxy: client went away")
 )
@@ -389,13 +392,23 @@ func (p *Proxy) send(ctx context.Context, method, url string, body map[string]an
 		cancel()
 		return nil, err
 	}
-	resp.Body = cancelOnClose{resp.Body, cancel}
+	resp.Body = cancelOnClose{resp.Body, ctx, cancel}
 	return resp, nil
 }
 
 type cancelOnClose struct {
 	io.ReadCloser
+	ctx    context.Context // the upstream request's, Config.Timeout included
 	cancel context.CancelFunc
+}
+
+// upstreamContext is the context of resp's upstream request (sent by
+// send): it ends when the request times out or is cancelled.
+func upstreamContext(resp *http.Response, fallback context.Context) context.Context {
+	if c, ok := resp.Body.(cancelOnClose); ok {
+		return c.ctx
+	}
+	return fallback
 }
 
 func (c cancelOnClose) Close() error {
@@ -556,7 +569,9 @@ func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep end
 // registers its blocks with P's, whose prefill WRITEs into them. If P
 // fails before D's response started, D's request is cancelled (which
 // makes vLLM abort it) and the client gets 502; after it started, D's
-// stream is cut.
+// stream is cut. Once D's response is whole, P's answer is waited for at
+// most prefillGrace (the client's response ends only then), then P's
+// request is cancelled.
 func (p *Proxy) push(w http.ResponseWriter, r *http.Request, rec *record, ep endpoint, body map[string]any) {
 	ctx := r.Context()
 	pu, releaseP, err := p.pick(rolePrefill, nil)
@@ -597,8 +612,18 @@ func (p *Proxy) push(w http.ResponseWriter, r *http.Request, rec *record, ep end
 	p.runDecode(w, r, ctx, dctx, du, ep.path, dBody, rec, func(dFailed bool) prefillResult {
 		if dFailed {
 			pcancel(errDecodeFailed)
+		} else {
+			// D's response is whole, and the client's ends only once
+			// this returns: P's answer is due (it came before D's KV),
+			// and one that does not come soon (P stuck in its queue
+			// while D recomputed) is of no use any more.
+			t := time.AfterFunc(prefillGrace, func() { pcancel(errDecodeDone) })
+			defer t.Stop()
 		}
 		res := <-pdone
+		if res.err != nil && context.Cause(pctx) == errDecodeDone {
+			res.err = fmt.Errorf("no answer %v after D's response, cancelled: %w", prefillGrace, res.err)
+		}
 		rec.notePrefill(res)
 		return res
 	})
@@ -643,7 +668,7 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		p.upstreamError(dctx, du, kindStatus)
 		endP(true)
 	}
-	started, err := relay(w, resp, func() {
+	started, err := relay(upstreamContext(resp, dctx), w, resp, func() {
 		rec.dTTFB = time.Since(dStart)
 		p.m.decodeTTFB.WithLabelValues(string(p.cfg.Mode)).Observe(rec.dTTFB.Seconds())
 	})
@@ -711,10 +736,23 @@ func (p *Proxy) models(w http.ResponseWriter, r *http.Request) {
 // first body byte (or its end) arrived, so that a failure before then can
 // still be answered with an error status; then every chunk as it is read,
 // flushed, never buffered whole. started reports whether anything went
-// to the client. A failed write to the client wraps errClientGone.
-func relay(w http.ResponseWriter, resp *http.Response, firstByte func()) (started bool, err error) {
+// to the client. A failed write to the client wraps errClientGone. Once
+// ctx (the upstream request's) ends, a write blocked on a client that
+// does not read gives up: such a client holds its request no longer than
+// its upstream request may last (Config.Timeout).
+func relay(ctx context.Context, w http.ResponseWriter, resp *http.Response, firstByte func()) (started bool, err error) {
 	buf := make([]byte, 32<<10)
 	rc := http.NewResponseController(w)
+	fired := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		_ = rc.SetWriteDeadline(time.Now())
+		close(fired)
+	})
+	defer func() {
+		if !stop() {
+			<-fired // set before the handler returns: the connection is not reused with it
+		}
+	}()
 	for {
 		n, rerr := resp.Body.Read(buf)
 		if !started && (n > 0 || rerr == io.EOF) {

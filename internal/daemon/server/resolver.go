@@ -3,10 +3,13 @@ package server
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"net"
+	"net/netip"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -134,6 +137,9 @@ func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), fresh bool,
 		return pc, pc.release, false, nil // dialed meanwhile
 	}
 	r.conns.Delete(addr) // closed by eviction, if anything
+	if err := checkPeerAddr(addr); err != nil {
+		return nil, nil, false, err
+	}
 	if r.cfg.Allow != nil {
 		if err := r.cfg.Allow(addr); err != nil {
 			return nil, nil, false, err
@@ -152,7 +158,9 @@ func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), fresh bool,
 	if r.cfg.dial != nil {
 		opts = append(opts, grpc.WithContextDialer(r.cfg.dial))
 	}
-	c, err := grpc.NewClient(addr, opts...)
+	// The dns scheme, named: gRPC would read a scheme in addr itself
+	// ("unix:7600" is a unix socket) as the target's.
+	c, err := grpc.NewClient("dns:///"+addr, opts...)
 	if err != nil {
 		return nil, nil, false, err
 	}
@@ -160,6 +168,36 @@ func (r *PeerResolver) conn(addr string) (pc *peerConn, done func(), fresh bool,
 	pc.acquire()
 	r.conns.Store(addr, pc)
 	return pc, pc.release, true, nil
+}
+
+// checkPeerAddr refuses a peer address that is not host:port over TCP:
+// addresses come from engines' transfer params and the registry, and
+// gRPC would take one such as "unix:///path" or "dns:///host:port" as
+// a target of its own kind (a unix socket the engine's uid could not
+// reach), or default a missing port.
+func checkPeerAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err == nil {
+		n, perr := strconv.Atoi(port)
+		switch {
+		case perr != nil || n < 1 || n > 65535 || strings.Trim(port, "0123456789") != "":
+			err = fmt.Errorf("port %q", port)
+		case host == "":
+			err = errors.New("no host")
+		case strings.Contains(host, ":"):
+			if _, perr := netip.ParseAddr(host); perr != nil {
+				err = fmt.Errorf("host %q", host)
+			}
+		case strings.ContainsFunc(host, func(c rune) bool {
+			return !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_')
+		}):
+			err = fmt.Errorf("host %q", host)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("peer address %q: want host:port (a host name or IP, a port of 1 to 65535): %w", addr, err)
+	}
+	return nil
 }
 
 // retire takes addr's connection pc out of the cache (the next handshake
