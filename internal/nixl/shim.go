@@ -598,6 +598,21 @@ func (a *Agent) Start(x Xfer) error {
 func (a *Agent) State(x Xfer) (done bool, err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.stateLocked(x)
+}
+
+// TryState is State where no other call on the agent is under way; ok is
+// false, and nothing asked, where one is.
+func (a *Agent) TryState(x Xfer) (done, ok bool, err error) {
+	if !a.mu.TryLock() {
+		return false, false, nil
+	}
+	defer a.mu.Unlock()
+	done, err = a.stateLocked(x)
+	return done, true, err
+}
+
+func (a *Agent) stateLocked(x Xfer) (done bool, err error) {
 	if a.closed {
 		return false, ErrClosed
 	}
@@ -744,6 +759,23 @@ type Notif struct {
 func (a *Agent) Drain(dst []Notif) ([]Notif, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.drainLocked(dst)
+}
+
+// TryDrain is Drain where no other call on the agent is under way (a
+// post of many descriptors, a registration); ok is false, and nothing
+// drained, where one is: the process's poller of many agents goes on to
+// the next one instead of waiting.
+func (a *Agent) TryDrain(dst []Notif) (out []Notif, ok bool, err error) {
+	if !a.mu.TryLock() {
+		return dst, false, nil
+	}
+	defer a.mu.Unlock()
+	out, err = a.drainLocked(dst)
+	return out, true, err
+}
+
+func (a *Agent) drainLocked(dst []Notif) ([]Notif, error) {
 	if a.closed {
 		return dst, ErrClosed
 	}

@@ -70,6 +70,8 @@ func (a *Agent) State(Xfer) (bool, error)                             { return f
 func (a *Agent) Release(Xfer) error                                   { return ErrUnavailable }
 func (a *Agent) Notify(string, []byte) error                          { return ErrUnavailable }
 func (a *Agent) Drain(dst []Notif) ([]Notif, error)                   { return dst, ErrUnavailable }
+func (a *Agent) TryDrain(dst []Notif) ([]Notif, bool, error)          { return dst, true, ErrUnavailable }
+func (a *Agent) TryState(Xfer) (bool, bool, error)                    { return false, true, ErrUnavailable }
 func (a *Agent) Close() error                                         { return nil }
 
 // RestoredSignals returns nothing without cgo (no agent is ever made).

@@ -1,6 +1,7 @@
 package nixl
 
 import (
+	"maps"
 	"testing"
 	"time"
 
@@ -75,5 +76,21 @@ func TestGPUDefaults(t *testing.T) {
 	}
 	if got := withDefaults("POSIX", nil, true); got != nil {
 		t.Fatalf("another plugin's parameters became %v", got)
+	}
+}
+
+// The user's -nixl-params win over the GPU defaults however they are
+// spaced: before, "num_threads = 8" became the key "num_threads " (which
+// the plugin ignores), so a VRAM agent ran num_threads=4 and the user's 8
+// was lost, as was an engine_config written "engine_config = ...".
+func TestUserParamsWinOverGPUDefaults(t *testing.T) {
+	p, err := ParseParams("num_threads = 8, split_batch_size = 128, engine_config = CUDA_IPC_ENABLE_GET_ZCOPY=n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := withDefaults("UCX", p, true)
+	want := map[string]string{"num_threads": "8", "split_batch_size": "128", "engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}
+	if !maps.Equal(got, want) {
+		t.Errorf("a VRAM agent's parameters = %q, want the user's %q", got, want)
 	}
 }

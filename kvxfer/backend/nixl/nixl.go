@@ -61,7 +61,10 @@ type Config struct {
 }
 
 // ParseParams parses plugin parameters (Config.Params) written as
-// key=value,... (kvxferd -nixl-params); an empty list is none.
+// key=value,... (kvxferd -nixl-params); an empty list is none. Spaces
+// around keys and values are dropped (the plugin would take "num_threads "
+// for another key than num_threads, and the GPU defaults would win over
+// it); a key given twice is refused.
 func ParseParams(list string) (map[string]string, error) {
 	out := map[string]string{}
 	for _, item := range strings.Split(list, ",") {
@@ -69,8 +72,12 @@ func ParseParams(list string) (map[string]string, error) {
 			continue
 		}
 		k, v, ok := strings.Cut(item, "=")
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
 		if !ok || k == "" {
 			return nil, fmt.Errorf("item %q, want key=value", item)
+		}
+		if _, twice := out[k]; twice {
+			return nil, fmt.Errorf("item %q: key %q given twice", item, k)
 		}
 		out[k] = v
 	}
@@ -108,7 +115,12 @@ type Backend struct {
 		sync.Mutex
 		out bool // taken out of the poller: no more rounds
 	}
-	mu struct {
+	// life is held shared by a call that makes or frees a NIXL handle
+	// (a transfer, a prepared list) outside mu, and exclusively by Close:
+	// every handle made before Close is in mu's maps when Close releases
+	// them, and none is made or freed once the agent is destroyed.
+	life sync.RWMutex
+	mu   struct {
 		sync.Mutex
 		closed bool
 		chunks [][2]uint64 // mapped memory: base, len
@@ -422,6 +434,8 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 	if err := n.peerGone(peer); err != nil {
 		return 0, err
 	}
+	n.life.RLock()
+	defer n.life.RUnlock()
 	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
@@ -441,26 +455,55 @@ func (n *Backend) State(id kvxfer.XferID) (kvxfer.XferState, error) {
 	// a request another goroutine is polling.
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if n.mu.closed {
+		return kvxfer.XferFailed, fmt.Errorf("transfer %d: %w: %w", id, kvxfer.ErrXferFailed, kvxfer.ErrClosed)
+	}
 	x := n.mu.xfers[id]
 	if x == nil {
 		return 0, fmt.Errorf("transfer %d: %w", id, kvxfer.ErrUnknownXfer)
 	}
 	if x.state == kvxfer.XferInProgress {
 		done, err := n.a.State(x.x)
-		switch {
-		case err != nil:
-			x.state, x.err = kvxfer.XferFailed, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, err)
-		case done:
-			x.state = kvxfer.XferDone
-		default:
-			// Over UCX's shared memory nothing ends a transfer to a
-			// dead peer: its process's exit does.
-			if err := n.peerGoneLocked(x.peer); err != nil {
-				x.state, x.err = kvxfer.XferFailed, err
-			}
-		}
+		n.settleLocked(x, done, err)
 	}
 	return x.state, x.err
+}
+
+// settleLocked records what NIXL said of an in-progress transfer.
+func (n *Backend) settleLocked(x *nixlXfer, done bool, err error) {
+	switch {
+	case err != nil:
+		x.state, x.err = kvxfer.XferFailed, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, err)
+	case done:
+		x.state = kvxfer.XferDone
+	default:
+		// Over UCX's shared memory nothing ends a transfer to a
+		// dead peer: its process's exit does.
+		if err := n.peerGoneLocked(x.peer); err != nil {
+			x.state, x.err = kvxfer.XferFailed, err
+		}
+	}
+}
+
+// tryState is State for the poller: ok is false, and nothing asked,
+// where another call holds the Backend or its agent.
+func (n *Backend) tryState(id kvxfer.XferID) (s kvxfer.XferState, ok bool) {
+	if !n.mu.TryLock() {
+		return 0, false
+	}
+	defer n.mu.Unlock()
+	x := n.mu.xfers[id]
+	if x == nil {
+		return 0, true
+	}
+	if x.state == kvxfer.XferInProgress {
+		done, asked, err := n.a.TryState(x.x)
+		if !asked {
+			return x.state, false
+		}
+		n.settleLocked(x, done, err)
+	}
+	return x.state, true
 }
 
 // Telemetry implements kvxfer.Telemeter with NIXL's own figures.
@@ -488,6 +531,8 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 		}
 		t[i] = [3]uint64{e.Addr, e.Len, uint64(max(e.Dev, 0))}
 	}
+	n.life.RLock()
+	defer n.life.RUnlock()
 	p, err := n.a.Prepare(string(peer), t)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
@@ -501,6 +546,8 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 
 // PostPrepared implements kvxfer.PreparedPoster.
 func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs []hotpath.IndexPair, notif []byte) (kvxfer.XferID, error) {
+	n.life.RLock()
+	defer n.life.RUnlock()
 	n.mu.Lock()
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
@@ -567,6 +614,8 @@ func (n *Backend) PreparedLists() int {
 
 // ReleasePrepared implements kvxfer.PreparedPoster.
 func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
+	n.life.RLock()
+	defer n.life.RUnlock()
 	n.mu.Lock()
 	p, ok := n.mu.preps[id]
 	delete(n.mu.preps, id)
@@ -581,6 +630,9 @@ func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 func (n *Backend) Release(id kvxfer.XferID) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if n.mu.closed {
+		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrClosed)
+	}
 	x := n.mu.xfers[id]
 	if x == nil {
 		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrUnknownXfer)
@@ -616,6 +668,18 @@ func (n *Backend) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 // pull moves NIXL's notifications into the inbox; reports whether any.
 func (n *Backend) pull() bool {
 	got, err := n.a.Drain(nil)
+	return n.inboxed(got, err)
+}
+
+// tryPull is pull for the poller: ok is false, and nothing drained, where
+// another call holds the agent.
+func (n *Backend) tryPull() (got, ok bool) {
+	notifs, ok, err := n.a.TryDrain(nil)
+	return n.inboxed(notifs, err), ok
+}
+
+// inboxed moves drained notifications into the inbox; reports whether any.
+func (n *Backend) inboxed(got []capi.Notif, err error) bool {
 	if err != nil || len(got) == 0 {
 		return false
 	}
@@ -678,10 +742,17 @@ const idlePoll = 10 * time.Millisecond
 
 // pollRound is one poll of the Backend (by the process's poller, at its
 // due time): Events signalled on notifications and finished transfers;
-// it returns how long until the next (pollAfter).
+// it returns how long until the next (pollAfter). It never waits for
+// another call on the Backend (a post of many descriptors holds the
+// agent for milliseconds, a registration of much memory for longer):
+// the one poller serves every Backend of the process, and would keep
+// them all waiting. What it could not ask is asked at the next round,
+// within busyPoll.
 func (n *Backend) pollRound() time.Duration {
-	signal := n.pull()
-	n.mu.Lock()
+	signal, ok := n.tryPull()
+	if !n.mu.TryLock() {
+		return min(n.cfg.PollInterval, busyPoll)
+	}
 	ids := slices.Collect(func(yield func(kvxfer.XferID) bool) {
 		for id, x := range n.mu.xfers {
 			if x.state == kvxfer.XferInProgress && !yield(id) {
@@ -692,7 +763,12 @@ func (n *Backend) pollRound() time.Duration {
 	awaited, since := n.mu.await > 0, time.Since(n.mu.busy)
 	n.mu.Unlock()
 	for _, id := range ids {
-		if s, _ := n.State(id); s != kvxfer.XferInProgress {
+		s, asked := n.tryState(id)
+		if !asked {
+			ok = false
+			break
+		}
+		if s != kvxfer.XferInProgress {
 			signal = true
 		}
 	}
@@ -702,8 +778,16 @@ func (n *Backend) pollRound() time.Duration {
 		default:
 		}
 	}
-	return pollAfter(n.cfg.PollInterval, len(ids) > 0, awaited, since)
+	d := pollAfter(n.cfg.PollInterval, len(ids) > 0, awaited, since)
+	if !ok {
+		d = min(d, busyPoll)
+	}
+	return d
 }
+
+// busyPoll is the longest a Backend whose poll found it busy (another
+// call holding its agent) waits for the next.
+const busyPoll = time.Millisecond
 
 // woken has the Backend polled at once (a transfer was posted, a Worker
 // began awaiting): it ends the poller's pause if that is a long one.
@@ -728,17 +812,30 @@ func pollAfter(interval time.Duration, inFlight, awaited bool, since time.Durati
 	}
 }
 
-// Close implements kvxfer.Backend: it stops polling and destroys the agent. It
-// is idempotent.
+// Close implements kvxfer.Backend: it stops polling, releases the
+// transfers (those in flight abandoned) and prepared lists still held, and
+// destroys the agent. It is idempotent.
 func (n *Backend) Close() error {
 	var err error
 	n.once.Do(func() {
 		polls.remove(n)
+		n.life.Lock() // posts and prepares under way end first
+		defer n.life.Unlock()
 		n.mu.Lock()
 		n.mu.closed = true
 		for name, p := range n.mu.peers {
 			p.close()
 			delete(n.mu.peers, name)
+		}
+		// Destroying the agent under them would leak NIXL's requests (and
+		// UCX's under them) and lists: nothing can free them after.
+		for id, x := range n.mu.xfers {
+			_ = n.a.Release(x.x)
+			delete(n.mu.xfers, id)
+		}
+		for id, p := range n.mu.preps {
+			_ = n.a.Unprepare(p.p)
+			delete(n.mu.preps, id)
 		}
 		n.mu.Unlock()
 		nixlClosed(n.a.Name())

@@ -19,6 +19,13 @@ func TestParseParams(t *testing.T) {
 		{" a=1, ,b=x=y,c=", map[string]string{"a": "1", "b": "x=y", "c": ""}, ""},
 		{"a=1,b", nil, `item "b", want key=value`},
 		{"=1", nil, `item "=1", want key=value`},
+		// Spaces around '=' are not part of the key or the value.
+		{"num_threads = 8, split_batch_size= 128 ,engine_config = RNDV_THRESH=8k",
+			map[string]string{"num_threads": "8", "split_batch_size": "128", "engine_config": "RNDV_THRESH=8k"}, ""},
+		{" = 1", nil, `item "= 1", want key=value`},
+		// A key given twice is refused, naming it: one of the two would be lost.
+		{"num_threads=8,num_threads=2", nil, `key "num_threads" given twice`},
+		{"num_threads=8, num_threads =2", nil, `key "num_threads" given twice`},
 	} {
 		got, err := nixl.ParseParams(tc.list)
 		if tc.err != "" {
