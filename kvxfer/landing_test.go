@@ -24,6 +24,10 @@ type stallProxy struct {
 	ln     net.Listener
 	target string
 
+	// back: it holds back what the server sends the client (a READ's
+	// answer), not what the client sends.
+	back bool
+
 	mu       sync.Mutex
 	armed    bool
 	stalled  int           // connections holding bytes back
@@ -64,6 +68,11 @@ func (p *stallProxy) accept() {
 		p.mu.Lock()
 		p.conns = append(p.conns, c, s)
 		p.mu.Unlock()
+		if p.back {
+			go func() { _, _ = io.Copy(s, c); _ = s.Close() }()
+			go p.forward(s, c)
+			continue
+		}
 		go func() { _, _ = io.Copy(c, s); _ = c.Close() }()
 		go p.forward(c, s)
 	}
@@ -216,5 +225,75 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 	}
 	if s := d.workers[0][0].Metrics().Snapshot().RefusedAccess; s["write_aborted"] != 1 {
 		t.Errorf("D refusals %v, want one write_aborted", s)
+	}
+}
+
+// A pull consumer's READ whose answer is held up by a link that went
+// quiet mid-payload: D gives the producer up (its probes fail for
+// PeerTimeout) and, with the data plane's grants, reports at once,
+// releasing the READ; the engine reuses the blocks; the link heals. Not
+// one byte of the answer may land after D reported: releasing the READ
+// cuts its landing short and returns only once it stopped.
+func TestReleaseCutsReadLandingShort(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	tcpOnly := tcp.Config{DisableLocal: true, DisableSameHost: true, Conns: 1}
+	var proxy *stallProxy
+	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		// P's agent listens on a port of its own and advertises the proxy.
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		listen := l.Addr().String()
+		_ = l.Close()
+		proxy = newStallProxy(t, listen)
+		proxy.back = true
+		c := tcpOnly
+		c.Listen, c.Advertise = listen, proxy.ln.Addr().String()
+		return tcpBackend(t, name, r, c), nil
+	})
+	d := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "D", kvxfer.ModePull, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+		return tcpBackend(t, name, r, tcpOnly), nil
+	})
+	t.Cleanup(func() { d.close(t); p.close(t) })
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(1, 2))
+	q := makeRequest("a", 160, 0, groups, p.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p.ranks[0][0].Scramble(1)
+	p.ranks[0][0].Fill(q.sim.P)
+	d.ranks[0][0].Scramble(2)
+
+	now := time.Now()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	proxy.arm()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); proxy.stalledConns() == 0; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("P's answer never reached the proxy")
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // D's agent reads the answer and waits for the rest
+	// The partition: D hears nothing more from P.
+	dir.FailHandshakes("P", 1<<20)
+	out := awaitOutcomes(t, 1, d) // D gives the request up
+	if o := out.recv["d-a"][0]; o.Result != kvxfer.ResultFailed {
+		t.Fatalf("D's outcome %+v, want failed", o)
+	}
+	// The engine takes its blocks back at once and reuses them.
+	reused := bytes.Repeat([]byte{0xAB}, len(d.ranks[0][0].Mem))
+	copy(d.ranks[0][0].Mem, reused)
+	// The link heals.
+	proxy.release()
+	time.Sleep(200 * time.Millisecond)
+	if !bytes.Equal(d.ranks[0][0].Mem, reused) {
+		n := 0
+		for i, b := range d.ranks[0][0].Mem {
+			if b != reused[i] {
+				n++
+			}
+		}
+		t.Fatalf("%d bytes of the READ's answer landed in D's blocks after D reported them free", n)
 	}
 }

@@ -952,8 +952,17 @@ func (a *Agent) oneSided(x *xfer) bool {
 	srv := v.srv
 	srv.gateUse.Add(1)
 	st.mu.Unlock()
+	// The launch reads this agent's memory until it ended: a Release
+	// meanwhile waits for it (see Release), and a released WRITE is not
+	// launched (the two-sided path then refuses it too).
+	if !a.beginLanding(x, nil) {
+		srv.gateUse.Done()
+		a.memMu.RUnlock()
+		return false
+	}
 	cp, err := a.stageOneSided(v, x.layouts)
 	if cp == nil {
+		a.endLanding(x, nil)
 		srv.gateUse.Done()
 		a.memMu.RUnlock()
 		if err != nil {
@@ -979,6 +988,9 @@ func (a *Agent) oneSided(x *xfer) bool {
 				err = fmt.Errorf("%w: one-sided write to %s: the grant ended (its gate shut) before every piece was written", ErrXferFailed, x.peer.name)
 			}
 		}
+		// The launch read all it reads: a Release waiting for it returns
+		// (what landed was read before, so the notification may go).
+		a.endLanding(x, nil)
 		a.wire(WireAnswerRead, x.id, 0)
 		if err != nil || x.notif == nil {
 			a.finishPart(x, err)

@@ -1587,6 +1587,12 @@ func (c *conn) landRead(x *xfer, part uint32, lays []wireLayout, pieces func() (
 	if s.fence == nil {
 		return c.lost(x, fmt.Errorf("%w: a local read answer before the fence", ErrProtocol))
 	}
+	if !a.beginLanding(x, nil) {
+		// Released: the engine may have reused the memory; the server
+		// may let its own go.
+		c.ackRead(x.id, part)
+		return nil
+	}
 	a.memMu.RLock()
 	var posted bool
 	var inflight []DevCopy
@@ -1601,6 +1607,7 @@ func (c *conn) landRead(x *xfer, part uint32, lays []wireLayout, pieces func() (
 			p, ok := s.piece(ref.chunk, ref.off, loc[i].Len)
 			if !ok {
 				a.memMu.RUnlock()
+				a.endLanding(x, nil)
 				clear(s.src)
 				return c.lost(x, fmt.Errorf("%w: piece %d names [%d, +%d) of memory %d, which the peer did not pass", ErrProtocol, i, ref.off, loc[i].Len, ref.chunk))
 			}
@@ -1619,7 +1626,10 @@ func (c *conn) landRead(x *xfer, part uint32, lays []wireLayout, pieces func() (
 		if err == nil && s.withdrawn() {
 			err = fmt.Errorf("%w: the peer withdrew its memory during the copy (its fence set, or it hung up)", ErrXferFailed)
 		}
-		// Read after the copy ended: the server may let its memory go.
+		// The copy ended: a Release waiting for it returns (before the
+		// acknowledgement, whose write may wait for the server), and the
+		// server may let its memory go.
+		a.endLanding(x, nil)
 		c.ackRead(x.id, part)
 		a.memMu.RUnlock()
 		if err == nil {

@@ -569,33 +569,52 @@ func (s *scatterReader) Read(p []byte) (int, error) { return s.br.Read(p) }
 // fill reads exactly len(b) bytes into b: what is buffered first, then,
 // for a large piece, the rest straight from the connection.
 func (s *scatterReader) fill(b []byte) error {
+	_, err := s.fillN(b)
+	return err
+}
+
+// fillN is fill, also returning how many bytes of b it read.
+func (s *scatterReader) fillN(b []byte) (int, error) {
 	if len(b) < directRead {
-		_, err := io.ReadFull(s.br, b)
-		return err
+		return io.ReadFull(s.br, b)
 	}
 	n := 0
 	if k := s.br.Buffered(); k > 0 {
 		n, _ = s.br.Read(b[:min(k, len(b))]) // copies from the buffer only
 	}
-	_, err := io.ReadFull(s.raw, b[n:])
-	return err
+	m, err := io.ReadFull(s.raw, b[n:])
+	return n + m, err
 }
 
 // fillv reads exactly the bytes of every piece of bufs, in order.
 func (s *scatterReader) fillv(bufs [][]byte) error {
+	_, err := s.fillvLeft(bufs)
+	return err
+}
+
+// fillvLeft is fillv, also returning, when it fails, how many of the
+// pieces' bytes it did not read: a reader cut short by a deadline (a
+// released READ, see Agent.Release) drains that many to go on with the
+// connection's next frame.
+func (s *scatterReader) fillvLeft(bufs [][]byte) (left int64, err error) {
+	for _, b := range bufs {
+		left += int64(len(b))
+	}
 	if s.rc == nil {
 		for _, b := range bufs {
-			if err := s.fill(b); err != nil {
-				return err
+			n, err := s.fillN(b)
+			if left -= int64(n); err != nil {
+				return left, err
 			}
 		}
-		return nil
+		return 0, nil
 	}
 	// What the buffer read ahead, copied out.
 	var head []byte
 	for len(bufs) > 0 && s.br.Buffered() > 0 {
 		b := bufs[0]
 		n, _ := s.br.Read(b[:min(len(b), s.br.Buffered())])
+		left -= int64(n)
 		bufs = bufs[1:]
 		if n < len(b) {
 			head = b[n:]
@@ -609,18 +628,20 @@ func (s *scatterReader) fillv(bufs [][]byte) error {
 		}
 		k := min(len(bufs), maxIOV-len(s.iov))
 		s.iov, bufs = append(s.iov, bufs[:k]...), bufs[k:]
-		if err := s.readv(s.iov); err != nil {
+		n, err := s.readv(s.iov)
+		if left -= n; err != nil {
 			clear(s.iov)
-			return err
+			return left, err
 		}
 	}
 	clear(s.iov)
-	return nil
+	return 0, nil
 }
 
 // readv fills every piece of iov (at most maxIOV, modified) straight
-// from the socket, waiting for it as a plain read would (deadlines hold).
-func (s *scatterReader) readv(iov [][]byte) error {
+// from the socket, waiting for it as a plain read would (deadlines hold),
+// and returns how many bytes it read.
+func (s *scatterReader) readv(iov [][]byte) (got int64, _ error) {
 	for len(iov) > 0 && len(iov[0]) == 0 {
 		iov = iov[1:]
 	}
@@ -632,17 +653,18 @@ func (s *scatterReader) readv(iov [][]byte) error {
 			return rerr != unix.EAGAIN
 		})
 		if err != nil {
-			return err
+			return got, err
 		}
 		if rerr == unix.EINTR {
 			continue
 		}
 		if rerr != nil {
-			return rerr
+			return got, rerr
 		}
 		if n == 0 {
-			return io.ErrUnexpectedEOF
+			return got, io.ErrUnexpectedEOF
 		}
+		got += int64(n)
 		for n > 0 {
 			k := min(n, len(iov[0]))
 			iov[0] = iov[0][k:]
@@ -652,5 +674,5 @@ func (s *scatterReader) readv(iov [][]byte) error {
 			}
 		}
 	}
-	return nil
+	return got, nil
 }

@@ -4,12 +4,15 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -63,6 +66,91 @@ type xfer struct {
 	// layouts: a WRITE posted as layouts (PostLayout) and sent as such
 	// on a same-host connection; elsewhere expanded into descs first.
 	layouts []Layout
+	// What uses this agent's memory for the transfer (under the owner's
+	// mu, see Release): released is set once the poster gave the transfer
+	// up, after which no READ part lands and no WRITE part goes out;
+	// landing counts the READ parts copying into the memory now and the
+	// WRITE parts reading it (being sent, a one-sided launch), cuts the
+	// connections of those whose bytes the socket carries (cut short by
+	// Release), and idle is closed when the last of them ends after
+	// Release began waiting. local are the same-host connections WRITE
+	// parts went out on: the peer copies out of this memory until it
+	// answers.
+	released bool
+	landing  int
+	cuts     []*conn
+	idle     chan struct{}
+	local    []*conn
+}
+
+// beginSend admits the sending of WRITE part of x on c, which reads this
+// agent's memory until it returns (and, on a same-host connection, the
+// peer reads it until it answers): false once x was released, the part
+// then dropped from c. Each true is matched by one endLanding(x, c).
+func (a *Agent) beginSend(x *xfer, c *conn, part int) bool {
+	a.mu.Lock()
+	ok := !x.released
+	if ok {
+		x.landing++
+		x.cuts = append(x.cuts, c)
+		if c.uc != nil && !slices.Contains(x.local, c) {
+			x.local = append(x.local, c)
+		}
+	}
+	a.mu.Unlock()
+	if !ok {
+		c.take(partKey{x.id, uint32(part)})
+	}
+	return ok
+}
+
+// waiting reports whether a part of x (of parts) still waits on c for
+// its answer.
+func (c *conn) waiting(x *xfer, parts int) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for p := range parts {
+		if c.pending[partKey{x.id, uint32(p)}] == x {
+			return true
+		}
+	}
+	return false
+}
+
+// beginLanding admits a part of READ x into this agent's memory, from the
+// socket of c when c is not nil (else a same-host copy): false once x was
+// released (its bytes must not land: the caller discards them). Each
+// true is matched by one endLanding.
+func (a *Agent) beginLanding(x *xfer, c *conn) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if x.released {
+		return false
+	}
+	x.landing++
+	if c != nil {
+		x.cuts = append(x.cuts, c)
+	}
+	return true
+}
+
+// endLanding ends a part's landing begun with beginLanding (c as there),
+// and reports whether x was released meanwhile (Release then waits for
+// this, and c's read deadline may have been set to cut the part short).
+func (a *Agent) endLanding(x *xfer, c *conn) (released bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	x.landing--
+	if c != nil {
+		if i := slices.Index(x.cuts, c); i >= 0 {
+			x.cuts = slices.Delete(x.cuts, i, i+1)
+		}
+	}
+	if x.landing == 0 && x.idle != nil {
+		close(x.idle)
+		x.idle = nil
+	}
+	return x.released
 }
 
 // expand turns a layout transfer into the pieces it stands for (the
@@ -550,6 +638,17 @@ func (a *Agent) start(x *xfer) {
 		a.mu.Unlock()
 		a.signal()
 	}
+	// A WRITE part reads this agent's memory while it is sent (see
+	// Release); a released one is not sent.
+	send := func(c *conn, part int) error {
+		if x.op == Write {
+			if !a.beginSend(x, c, part) {
+				return fmt.Errorf("transfer %d released before its part %d was sent", x.id, part)
+			}
+			defer a.endLanding(x, c)
+		}
+		return a.sendPart(c, x, part)
+	}
 	// Each part goes out on its own connection at once (one goroutine
 	// each, the last on this one): the connections carry the transfer in
 	// parallel instead of one after another.
@@ -563,7 +662,7 @@ func (a *Agent) start(x *xfer) {
 			return
 		}
 		if part == x.parts-1 {
-			if err := a.sendPart(c, x, part); err != nil {
+			if err := send(c, part); err != nil {
 				fail(err)
 			}
 			return
@@ -571,7 +670,7 @@ func (a *Agent) start(x *xfer) {
 		a.wg.Add(1) // this goroutine is counted: the agent cannot have finished waiting
 		go func() {
 			defer a.wg.Done()
-			if err := a.sendPart(c, x, part); err != nil {
+			if err := send(c, part); err != nil {
 				fail(err)
 			}
 		}()
@@ -749,29 +848,46 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 		x.expand()
 		ds := x.descs[x.split[part]:x.split[part+1]]
 		loc := make([]Region, len(ds))
+		var n int64
 		for i, d := range ds {
 			loc[i] = Region{d.Local, d.Len}
+			n += int64(d.Len)
+		}
+		if !a.beginLanding(x, c) {
+			// Released: the engine may have reused the memory.
+			if _, derr := io.CopyN(io.Discard, c.r, n); derr != nil {
+				return derr
+			}
+			return nil
 		}
 		a.memMu.RLock()
 		bufs, err := a.resolve(nil, loc)
 		if err != nil {
 			// Our memory went away: drain the payload, fail the part.
-			var n int64
-			for _, d := range ds {
-				n += int64(d.Len)
-			}
 			a.memMu.RUnlock()
+			a.endLanding(x, c)
 			if _, derr := io.CopyN(io.Discard, c.r, n); derr != nil {
 				return c.lost(x, derr)
 			}
 			a.finishPart(x, fmt.Errorf("%w: %w", ErrXferFailed, err))
 			return nil
 		}
-		if err := c.r.fillv(bufs); err != nil {
-			a.memMu.RUnlock()
+		left, err := c.r.fillvLeft(bufs)
+		a.memMu.RUnlock()
+		if a.endLanding(x, c) {
+			// Released while landing: Release may have set the deadline
+			// to cut the payload short; what it left is drained.
+			_ = c.c.SetReadDeadline(time.Time{})
+			if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+				if _, derr := io.CopyN(io.Discard, c.r, left); derr != nil {
+					return derr
+				}
+				return nil
+			}
+		}
+		if err != nil {
 			return c.lost(x, err)
 		}
-		a.memMu.RUnlock()
 	}
 	a.finishPart(x, perr)
 	return nil
@@ -802,7 +918,8 @@ func (a *Agent) finishPart(x *xfer, err error) {
 	}
 	switch {
 	case x.acked < x.parts:
-	case x.op == Read && x.notif != nil && x.acked == x.parts:
+	case x.op == Read && x.notif != nil && x.acked == x.parts && !x.released:
+		// (A released READ tells the peer nothing: its poster gave it up.)
 		a.mu.Unlock()
 		c, cerr := x.peer.conn()
 		if cerr == nil {
@@ -843,15 +960,74 @@ func (a *Agent) State(id XferID) (State, error) {
 	return x.state, x.err
 }
 
-// Release forgets a transfer. A transfer still in progress keeps moving
-// (nothing can recall bytes on the wire), but its outcome is dropped.
+// Release forgets a transfer; its outcome is dropped. Once it returned,
+// the transfer no longer uses this agent's memory: its caller (a Worker
+// giving a request up: its producer deemed gone, a close, a panic; or
+// one whose transfer failed while other parts still moved) reports the
+// request next, and the engine reuses the blocks at once.
+//
+// A READ lands nothing more: a part whose answer comes later is
+// discarded (a TCP payload drained, a same-host answer acknowledged
+// without a copy), and Release waits for the parts landing now: a
+// same-host copy (CPU or GPU) runs to its end, which is bounded; a
+// payload read from a TCP socket, which a stalled peer could hold up for
+// ever, is cut short first (the connection's read deadline set in the
+// past: the reader drains the rest of the payload and goes on with the
+// connection).
+//
+// A WRITE sends nothing more of the memory: a part not sent yet is not
+// sent, and the connections of the parts still reading it fail (a part
+// being sent over TCP is cut off mid-frame, so its receiver drops it; a
+// same-host part the peer may still be copying from here is withdrawn
+// from with the connection's fence, so the copy does not count): the
+// peer never lands bytes the engine wrote after this, let alone notifies
+// them as the transfer's. Other parts on those connections fail with
+// them. A one-sided launch is waited for (it ends on its own, on the
+// GPU; what it landed was read before Release returned).
 func (a *Agent) Release(id XferID) error {
 	a.mu.Lock()
-	defer a.mu.Unlock()
-	if _, ok := a.mu.xfers[id]; !ok {
+	x, ok := a.mu.xfers[id]
+	if !ok {
+		a.mu.Unlock()
 		return fmt.Errorf("netxfer: release transfer %d: %w", id, ErrUnknownXfer)
 	}
 	delete(a.mu.xfers, id)
+	x.released = true
+	var idle chan struct{}
+	if x.landing > 0 {
+		if x.idle == nil {
+			x.idle = make(chan struct{})
+		}
+		idle = x.idle
+		if x.op == Read {
+			for _, c := range x.cuts {
+				_ = c.c.SetReadDeadline(time.Unix(1, 0))
+			}
+		}
+	}
+	// A WRITE's parts still unanswered may read the memory (a done one's
+	// were all answered: their bytes arrived whole).
+	var conns []*conn
+	parts := 0
+	if x.op == Write && x.state != Done {
+		for _, c := range slices.Concat(x.cuts, x.local) {
+			if !slices.Contains(conns, c) {
+				conns = append(conns, c)
+			}
+		}
+		if len(conns) > 0 {
+			parts = x.parts // set before the first part was sent
+		}
+	}
+	a.mu.Unlock()
+	for _, c := range conns {
+		if c.waiting(x, parts) {
+			c.fail(fmt.Errorf("%w: transfer %d released while its parts read this agent's memory", ErrXferFailed, id))
+		}
+	}
+	if idle != nil {
+		<-idle
+	}
 	return nil
 }
 
