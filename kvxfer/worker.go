@@ -94,7 +94,8 @@ type WorkerConfig struct {
 	// (SchedulerConfig.Layerwise).
 	Layerwise bool
 	// LayerOf maps a region index of Layout to its layer for layer-wise
-	// push (default: RegionOffset + index, halved for SeparateKV).
+	// push (default: RegionOffset + index; under SeparateKV consecutive K
+	// and V attention regions share a layer, other regions have one each).
 	LayerOf func(region int) int
 	// Prepared posts through prepared descriptor lists when the backend
 	// has them (PreparedPoster, NIXL): the lists of each peer rank pair
@@ -201,12 +202,32 @@ func (c *WorkerConfig) fill() error {
 		return fmt.Errorf("kvxfer: WorkerConfig.Lease = %v, want at least 6ms", c.Lease)
 	}
 	if c.LayerOf == nil {
+		// One layer per region, except that under SeparateKV an attention
+		// layer's K and V regions (consecutive) share one: an MLA or Mamba
+		// layer keeps a single region there too. A later pipeline stage
+		// starts at RegionOffset (halved under SeparateKV).
 		off, sep := c.Layout.RegionOffset, c.Layout.Packing == topology.SeparateKV
-		c.LayerOf = func(r int) int {
-			if sep {
-				return (off + r) / 2
+		base := off
+		if sep {
+			base = off / 2
+		}
+		layers := make([]int, len(c.Layout.Regions))
+		n, open := 0, false // open: an attention K region waits for its V
+		for i := range c.Layout.Regions {
+			k := c.Layout.Regions[i].Kind
+			attn := k == topology.KindFullAttention || k == topology.KindSlidingWindow
+			if sep && attn && open {
+				layers[i], open = base+n-1, false
+				continue
 			}
-			return off + r
+			layers[i], open = base+n, sep && attn
+			n++
+		}
+		c.LayerOf = func(r int) int {
+			if r >= 0 && r < len(layers) {
+				return layers[r]
+			}
+			return base + r
 		}
 	}
 	if c.Metrics == nil {

@@ -254,6 +254,11 @@ func (l *Layout) Validate() error {
 		return layoutErr("LogicalBlockSize = %d is not a multiple of KernelBlockSize = %d", l.LogicalBlockSize, l.KernelBlockSize)
 	case l.RegionOffset < 0 || l.RegionOffset > maxRegions:
 		return layoutErr("RegionOffset = %d, want 0..%d", l.RegionOffset, maxRegions)
+	case l.PPRank > 0 && l.RegionOffset == 0:
+		// Every stage holds regions (Regions is never empty), so a later
+		// stage's start past the earlier ones'; at 0 its layers would
+		// land in the first stage's.
+		return layoutErr("RegionOffset = 0 with PPRank = %d: a later pipeline stage's regions start past the earlier stages' (their count)", l.PPRank)
 	case len(l.Regions) == 0:
 		return layoutErr("Regions is empty")
 	case len(l.Regions) > maxRegions:

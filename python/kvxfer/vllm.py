@@ -1798,10 +1798,15 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
         regions.append(pb.Region(kind=kind, window=window, base=t.data_ptr(), block_len=block_bytes,
                                  num_blocks=b, device_id=t.device.index or 0 if t.is_cuda else 0))
     memory = share_memory(w, [kv_caches[n] for n in names], [(r.base, r.block_len * r.num_blocks) for r in regions])
+    # Regions pair with the consumer's (one stage holding every layer) by
+    # global index: a later pipeline stage's start at its first layer's
+    # (one region per layer, as the reference's _remote_region_offset);
+    # layer-wise LayerSaved then names the same index.
+    region_offset = min(w.layer_index[n] for n in names if n in w.layer_index) if w.pp_rank > 0 else 0
     layout = pb.KvLayout(tp_rank=w.tp_rank, tp_size=w.c.tp_size, pp_rank=w.pp_rank, pp_size=w.c.pp_size,
                          total_kv_heads=heads * w.c.tp_size, head_size=head_size, elem_bytes=elem, order=order,
                          packing=pb.KV_PACKING_PACKED, logical_block_size=w.c.block_size, kernel_block_size=kernel_bs,
-                         region_offset=0, regions=regions,
+                         region_offset=region_offset, regions=regions,
                          groups=[pb.CacheGroup(kind=k, window=wd, regions=g) for (k, wd), g in zip(w.c.groups, groups)])
     return pb.WorkerHello(engine_id=w.c.engine_id, mode=w.cfg.mode, layout=layout, memory=memory,
                           compat_hash=compat_hash(w.vllm_config, w.cfg.mode), layerwise=w.cfg.layerwise)
