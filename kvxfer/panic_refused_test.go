@@ -1,3 +1,7 @@
+// The injected panic propagates under -tags invariants (see TestWorkerPanic).
+
+//go:build !invariants
+
 package kvxfer_test
 
 import (
@@ -5,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/invariants"
 	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
@@ -14,9 +17,6 @@ import (
 // handled that step (ContainPanics): the broken Worker fails it like the
 // step's good entries, instead of leaving it with no outcome at all.
 func TestWorkerPanicFailsRefusedEntries(t *testing.T) {
-	if invariants.Enabled {
-		t.Skip("the injected panic propagates under -tags invariants")
-	}
 	inSynctest(t, func(t *testing.T) {
 		x := newPair(t, kvxfer.ModePush, 1, 1, func(_ string, c *kvxfer.WorkerConfig) { c.ContainPanics = true })
 		w := x.d.workers[0][0]

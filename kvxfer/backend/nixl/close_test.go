@@ -95,7 +95,9 @@ func TestCloseReleasesInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	if s, _ := a.b.State(id); s != kvxfer.XferInProgress {
-		t.Skipf("the WRITE ended before Close (%v): nothing in flight to test", s)
+		// (Its handle and the lists are still held: Close must release
+		// them all the same.)
+		t.Logf("the WRITE ended before Close (%v): only a finished transfer is released this run", s)
 	}
 	var closeErr error
 	logged := captureLogs(t, func() {

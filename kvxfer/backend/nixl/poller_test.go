@@ -175,7 +175,8 @@ func TestPollerNotHeldUpByBusyBackend(t *testing.T) {
 		case <-time.After(5 * time.Second):
 		}
 		if took < 200*time.Millisecond {
-			t.Skipf("the post took %v: too short to tell", took)
+			t.Logf("the post took %v, the notification was seen %s: too short to tell this run", took, seen)
+			return
 		}
 		t.Errorf("a notification to one Backend was seen only after another Backend's post of %d descriptors ended "+
 			"(the post took %v; seen after %v)", len(ds), took, seen)
