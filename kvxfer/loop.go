@@ -434,9 +434,7 @@ func (st *loopState) step(meta *StepMeta) {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
-		if !st.overLimit(RoleProducer, meta.Prefill[i].ReqID, "", nil) {
-			st.newPrefill(&meta.Prefill[i], meta.Step)
-		}
+		st.newPrefill(&meta.Prefill[i], meta.Step)
 	}
 	for i := range meta.Send {
 		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, "", nil) {

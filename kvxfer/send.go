@@ -85,6 +85,16 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 		st.metrics.BadInput("prefill.duplicate")
 		return
 	}
+	if l := st.cfg.MaxRequests; l >= 0 && st.sends.len() >= l {
+		// Past the bound the request is not held layer-wise, and reports
+		// nothing now: its SendReq, which follows, decides it (held then
+		// if there is room, else failed: one outcome, when its engine's
+		// scheduler holds it).
+		st.metrics.BadInput("prefill.limit")
+		st.log.Warn("kvxfer: layer-wise prefill past the rank's request limit: its layers are written at its finish",
+			"req", in.ReqID, "held", st.sends.len(), "limit", l)
+		return
+	}
 	st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
 	st.addSend(in, h, time.Time{}, true).step = step
 }
@@ -531,6 +541,22 @@ func (st *loopState) onReg(m *msg) {
 			st.settleSend(s)
 			return
 		}
+		if r := s.ranks[m.TPRank]; r != nil && m.TPSize == s.match.dTP && len(m.Spans) > 0 && r.inflight == 0 &&
+			(r.state == rkCancelled || r.state == rkFailed) {
+			// This rank registers again after its part of the pairing
+			// ended (it cancelled, or we failed it) while the request is
+			// still held (a layer-wise request prefills; another rank's
+			// WRITE drains): nothing will be written into these blocks;
+			// tell it now, as its tombstone would once the request ends,
+			// so it does not wait out its deadline.
+			st.metrics.Dropped("reg_after_finish")
+			why := r.reason
+			if r.state == rkCancelled {
+				why = fmt.Sprintf("consumer rank %d cancelled: %s", m.TPRank, r.reason)
+			}
+			st.tellD(s, m.TPRank, &msg{Kind: msgFail, Reason: why, FailKind: r.kind})
+			return
+		}
 		st.addRank(s, m)
 		st.pushReady(s)
 		return
@@ -742,8 +768,8 @@ func (st *loopState) wantsPost(s *sendReq) bool {
 		return false
 	}
 	for _, r := range s.ranks {
-		if r.state != rkReady && r.state != rkPosted {
-			continue
+		if r.state != rkReady && r.state != rkPosted || r.ackOwed {
+			continue // an ackOwed rank cancelled: nothing more goes to it
 		}
 		if !st.cfg.Layerwise {
 			if r.state == rkReady {
@@ -771,6 +797,12 @@ func (s *sendReq) layersSaved() []bool { return s.saved }
 // completion notice sent once the last layer landed.
 func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	layerwise := st.cfg.Layerwise && s.saved != nil
+	if r.ackOwed {
+		// The consumer rank cancelled while a WRITE into it was in
+		// flight: its acknowledgement waits only for that one, and no
+		// further layer (or notice) goes to blocks it gave up.
+		return
+	}
 	if r.state == rkPosted && !layerwise {
 		// Posted at once: its one WRITE is in flight. Never a second (it
 		// could land after D handed its blocks back).
@@ -992,6 +1024,8 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 	case r.reason != "":
 		r.state = rkFailed
 		st.failRank(s, h.dtp, r, r.kind, r.reason)
+	case st.cfg.Layerwise && r.posted != nil && r.ackOwed:
+		// Cancelled meanwhile: no more layers; answerAckOwed settles it.
 	case st.cfg.Layerwise && r.posted != nil:
 		st.pushLayerDone(s, h.dtp, r)
 		if r.state == rkPosted && !s.expired && !s.aborted {

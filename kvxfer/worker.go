@@ -258,8 +258,11 @@ type Worker struct {
 	trace HopTracer
 	// groupBlocks is the number of logical blocks of each group.
 	groupBlocks []int
-	registry    *hotpath.Registry
-	builder     *hotpath.Builder
+	// layers are the layers the rank holds (WorkerConfig.LayerOf of its
+	// regions), sorted, each once: what LayerSaved may name.
+	layers   []int
+	registry *hotpath.Registry
+	builder  *hotpath.Builder
 	// access is the data-plane grants (nil: the backend does not enforce
 	// them, or OpenDataPlane).
 	access *accessTable
@@ -408,8 +411,10 @@ func newWorker(cfg WorkerConfig) (*Worker, error) {
 	l := &cfg.Layout
 	for i, r := range l.Regions {
 		w.regions = append(w.regions, MemRegion{Addr: r.Base, Len: uint64(r.BlockLen) * uint64(r.NumBlocks), Dev: r.DeviceID, Kind: memKindOf(r)})
-		_ = i
+		w.layers = append(w.layers, cfg.LayerOf(i))
 	}
+	slices.Sort(w.layers)
+	w.layers = slices.Compact(w.layers)
 	for _, g := range l.GroupList() {
 		n := -1
 		for _, ri := range g.Regions {
@@ -517,8 +522,31 @@ func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 // LayerSaved tells a layer-wise push producer that layer of the given step
 // is in memory: the WRITEs of that layer for the step's finished requests
 // go out at once.
+//
+// A layer the rank does not hold (WorkerConfig.LayerOf maps none of its
+// regions to it) is bad input: counted (Metrics.BadInput
+// "layer_saved.layer") and returned as an error naming it; nothing else
+// is affected.
 func (w *Worker) LayerSaved(step uint64, layer int) error {
+	if _, ok := slices.BinarySearch(w.layers, layer); !ok {
+		w.metrics.BadInput("layer_saved.layer")
+		return fmt.Errorf("kvxfer: LayerSaved step %d: layer = %d, not a layer this rank holds (%s)", step, layer, w.heldLayers())
+	}
 	return w.post(event{kind: evLayer, step: step, layer: layer})
+}
+
+// heldLayers describes the layers the rank holds, for an error.
+func (w *Worker) heldLayers() string {
+	l := w.layers
+	switch {
+	case len(l) == 0:
+		return "none"
+	case l[len(l)-1]-l[0] == len(l)-1:
+		return fmt.Sprintf("layers %d..%d", l[0], l[len(l)-1])
+	case len(l) <= 8:
+		return fmt.Sprintf("layers %v", l)
+	}
+	return fmt.Sprintf("%d layers from %d to %d", len(l), l[0], l[len(l)-1])
 }
 
 func (w *Worker) post(e event) error {

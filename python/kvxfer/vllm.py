@@ -1756,6 +1756,10 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
                 group_of[name] = gi
                 spec_of[name] = g.kv_cache_spec
     names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
+    # Regions pair with the consumer's (one stage holding every layer) by
+    # global index: a later pipeline stage's start at its first layer's
+    # (one region per layer, as the reference's _remote_region_offset).
+    region_offset = min(extract_layer_index(n) for n in names) if w.pp_rank > 0 and names else 0
     regions, groups = [], [[] for _ in w.c.groups]
     head_size = elem = heads = kernel_bs = 0
     order = None
@@ -1794,15 +1798,13 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
         gi = group_of.get(name, 0)
         kind, window = w.c.groups[gi] if gi < len(w.c.groups) else w.c.groups[0]
         groups[min(gi, len(groups) - 1)].append(len(regions))
-        w.layer_index[name] = extract_layer_index(name)
+        # LayerSaved names the layer as the server counts them: the region's
+        # global index (a layer sharing another's cache has none and is not
+        # reported: it writes no KV of its own).
+        w.layer_index[name] = region_offset + len(regions)
         regions.append(pb.Region(kind=kind, window=window, base=t.data_ptr(), block_len=block_bytes,
                                  num_blocks=b, device_id=t.device.index or 0 if t.is_cuda else 0))
     memory = share_memory(w, [kv_caches[n] for n in names], [(r.base, r.block_len * r.num_blocks) for r in regions])
-    # Regions pair with the consumer's (one stage holding every layer) by
-    # global index: a later pipeline stage's start at its first layer's
-    # (one region per layer, as the reference's _remote_region_offset);
-    # layer-wise LayerSaved then names the same index.
-    region_offset = min(w.layer_index[n] for n in names if n in w.layer_index) if w.pp_rank > 0 else 0
     layout = pb.KvLayout(tp_rank=w.tp_rank, tp_size=w.c.tp_size, pp_rank=w.pp_rank, pp_size=w.c.pp_size,
                          total_kv_heads=heads * w.c.tp_size, head_size=head_size, elem_bytes=elem, order=order,
                          packing=pb.KV_PACKING_PACKED, logical_block_size=w.c.block_size, kernel_block_size=kernel_bs,

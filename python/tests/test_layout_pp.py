@@ -41,3 +41,29 @@ def test_first_stage_and_single_stage_start_at_zero(monkeypatch):
     assert h.layout.region_offset == 0
     h, _ = _hello(monkeypatch, 0, 1, range(0, 8))
     assert h.layout.region_offset == 0
+
+
+def test_layer_saved_names_regions(monkeypatch):
+    # Layer-wise LayerSaved names a layer as the server counts them: its
+    # region's global index. A layer that shares another's cache (KV
+    # sharing) has no region and is not reported; the layers after it
+    # keep their regions' indices.
+    monkeypatch.setattr(kv, "share_memory", lambda w, tensors, ranges: [])
+    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode: "h")
+    c = SimpleNamespace(groups=[(pb.CACHE_KIND_FULL_ATTENTION, 0)], tp_size=1, pp_size=1, engine_id="p",
+                        block_size=16, in_process=False)
+    w = SimpleNamespace(kv_cache_config=None, c=c, tp_rank=0, pp_rank=0, layer_index={},
+                        cfg=SimpleNamespace(mode=pb.MODE_PUSH, layerwise=True), vllm_config=None)
+    own = [torch.zeros(4, 2, 16, 8, dtype=torch.float16) for _ in range(3)]
+    caches = {"model.layers.0.self_attn.attn": own[0], "model.layers.1.self_attn.attn": own[1],
+              "model.layers.2.self_attn.attn": own[0],  # shares layer 0's cache
+              "model.layers.3.self_attn.attn": own[2]}
+    h = kv.build_hello(w, caches)
+    assert len(h.layout.regions) == 3
+    assert w.layer_index == {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1,
+                             "model.layers.3.self_attn.attn": 2}
+
+
+def test_later_stage_layer_saved(monkeypatch):
+    _, w = _hello(monkeypatch, 1, 2, range(4, 8))
+    assert sorted(w.layer_index.values()) == [4, 5, 6, 7]

@@ -1406,7 +1406,12 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 			}
 		}
 	case *pb.ConnectRequest_LayerSaved:
-		_ = r.worker.LayerSaved(x.LayerSaved.GetStep(), int(x.LayerSaved.GetLayer()))
+		// A layer the rank does not hold is the engine's mistake: told
+		// (for its log) as a step error; nothing is dropped.
+		step = x.LayerSaved.GetStep()
+		if err = r.worker.LayerSaved(step, int(x.LayerSaved.GetLayer())); errors.Is(err, kvxfer.ErrClosed) {
+			err = nil // as for a step: the stream ends
+		}
 	default:
 		return false
 	}
