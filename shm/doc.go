@@ -31,7 +31,10 @@
 //     way beneath it and no ".." leaving it (the daemon opens it with
 //     openat2's RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS). Give the path as
 //     the daemon sees it: engine and daemon share the directory (same
-//     host, same mount). Put the file directly in the directory, under a
+//     host, same mount). Every directory on the way beneath it must be
+//     one the engine's user may search (by its owner, group and mode
+//     bits, for the engine's uid and groups): the daemon reaches no file
+//     its engine could not. Put the file directly in the directory, under a
 //     name of your choice (one path element, unique per rank: Create
 //     refuses to replace an existing file).
 //   - Owner: the file belongs to the engine's user, the uid kvxferd sees

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -46,13 +47,19 @@ var ErrRefused = errors.New("refused")
 
 // Map maps bytes [0, size) of the file at path, shared and read-write,
 // applying kvxferd's rules (see the package doc) with the caller's
-// effective uid as the owner: MapOwned(dir, path, size, euid). With dir
-// empty (a program mapping a path it chose itself) only the size and the
-// file's type are checked. An engine may call it to map a file it made
-// earlier.
+// effective uid and groups as the owner: MapAs(dir, path, size, that
+// Cred). With dir empty (a program mapping a path it chose itself) only
+// the size and the file's type are checked. An engine may call it to map
+// a file it made earlier.
 func Map(dir, path string, size uint64) (*Mapping, error) {
 	if dir != "" {
-		return MapOwned(dir, path, size, uint32(os.Geteuid()))
+		c := Cred{UID: uint32(os.Geteuid()), Groups: []uint32{uint32(os.Getegid())}}
+		if gs, err := os.Getgroups(); err == nil {
+			for _, g := range gs {
+				c.Groups = append(c.Groups, uint32(g))
+			}
+		}
+		return MapAs(dir, path, size, c)
 	}
 	if size == 0 || size > MaxSize {
 		return nil, fmt.Errorf("shm: map %s: size %d, want 1..2^46", path, size)
@@ -78,17 +85,37 @@ func Map(dir, path string, size uint64) (*Mapping, error) {
 	return mapFD(fd, path, clean, size, &st)
 }
 
+// Cred is whom a file is mapped for: a uid, and the groups it is in (its
+// primary group and its supplementary groups; kvxferd takes them from the
+// engine's unix socket, SO_PEERCRED and SO_PEERGROUPS).
+type Cred struct {
+	UID    uint32
+	Groups []uint32
+}
+
 // MapOwned maps bytes [0, size) of the file at path, shared and
-// read-write, as kvxferd does for an engine of uid owner. It maps only a
-// regular file owned by owner that lies beneath dir with no symlink on the
-// way (openat2 with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS, or a walk of
-// every component with O_NOFOLLOW where openat2 is missing). The file is
-// checked before it is opened read-write (a FIFO or a device is never
-// opened), and the read-write open is checked to be the same file.
-// Anything else is an ErrRefused error that says the same for every
-// reason; once the file is known to be owner's, errors are specific
-// (e.g. the file is shorter than size).
+// read-write, as kvxferd does for an engine of uid owner whose groups it
+// does not know: MapAs(dir, path, size, Cred{UID: owner}) (a directory
+// on the way searchable by its group only is refused).
 func MapOwned(dir, path string, size uint64, owner uint32) (*Mapping, error) {
+	return MapAs(dir, path, size, Cred{UID: owner})
+}
+
+// MapAs maps bytes [0, size) of the file at path, shared and read-write,
+// as kvxferd does for an engine of credentials c. It maps only a regular
+// file owned by c.UID that lies beneath dir with no symlink on the way
+// (openat2 with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS, or a walk of
+// every component with O_NOFOLLOW where openat2 is missing), through
+// directories c may search (each directory beneath dir is opened and its
+// owner, group and mode checked against c: a daemon running as root
+// reaches no file its engine could not). The file is checked before it is
+// opened read-write (a FIFO or a device is never opened), and the
+// read-write open, from the same directory, is checked to be the same
+// file. Anything else is an ErrRefused error that says the same for every
+// reason; once the file is known to be the owner's, errors are specific
+// (e.g. the file is shorter than size).
+func MapAs(dir, path string, size uint64, c Cred) (*Mapping, error) {
+	owner := c.UID
 	if size == 0 || size > MaxSize {
 		return nil, fmt.Errorf("shm: map %s: size %d, want 1..2^46", path, size)
 	}
@@ -106,7 +133,31 @@ func MapOwned(dir, path string, size uint64, owner uint32) (*Mapping, error) {
 		return nil, refused
 	}
 	defer unix.Close(dfd)
-	pfd, err := openBeneath(dfd, rel, unix.O_PATH)
+	// The directories beneath dir, one at a time: each must be one c may
+	// search.
+	parts := strings.Split(rel, "/")
+	parent := dfd
+	defer func() {
+		if parent != dfd {
+			unix.Close(parent)
+		}
+	}()
+	for _, p := range parts[:len(parts)-1] {
+		next, err := openBeneath(parent, p, unix.O_PATH|unix.O_DIRECTORY)
+		if err != nil {
+			return nil, refused
+		}
+		if parent != dfd {
+			unix.Close(parent)
+		}
+		parent = next
+		var st unix.Stat_t
+		if err := unix.Fstat(parent, &st); err != nil || !searchable(&st, c) {
+			return nil, refused
+		}
+	}
+	name := parts[len(parts)-1]
+	pfd, err := openBeneath(parent, name, unix.O_PATH)
 	if err != nil {
 		return nil, refused
 	}
@@ -116,7 +167,7 @@ func MapOwned(dir, path string, size uint64, owner uint32) (*Mapping, error) {
 	if err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Uid != owner {
 		return nil, refused
 	}
-	fd, err := openBeneath(dfd, rel, unix.O_RDWR|unix.O_NONBLOCK|unix.O_NOCTTY)
+	fd, err := openBeneath(parent, name, unix.O_RDWR|unix.O_NONBLOCK|unix.O_NOCTTY)
 	if err != nil {
 		return nil, refused
 	}
@@ -126,6 +177,23 @@ func MapOwned(dir, path string, size uint64, owner uint32) (*Mapping, error) {
 		return nil, refused // replaced between the two opens
 	}
 	return mapFD(fd, path, clean, size, &st2)
+}
+
+// searchable reports whether a process of credentials c may search (pass
+// through) the directory of stat st, by its mode bits: the owner's when c
+// owns it, else the group's when c is in its group, else everyone's. uid
+// 0 searches any directory. (ACLs are not read: a directory whose ACL
+// grants more than its mode bits is refused.)
+func searchable(st *unix.Stat_t, c Cred) bool {
+	switch {
+	case c.UID == 0:
+		return true
+	case st.Uid == c.UID:
+		return st.Mode&unix.S_IXUSR != 0
+	case slices.Contains(c.Groups, st.Gid):
+		return st.Mode&unix.S_IXGRP != 0
+	}
+	return st.Mode&unix.S_IXOTH != 0
 }
 
 // walkOnly makes openBeneath walk the components even where openat2

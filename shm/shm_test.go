@@ -253,3 +253,99 @@ func TestMapOwnedRefuses(t *testing.T) {
 		})
 	}
 }
+
+// A file of the owner's in a directory beneath dir that the owner cannot
+// search (another user's 0700 directory) is refused: the daemon (root)
+// must not reach for an engine what the engine's own uid could not. A
+// directory the owner may search (its own, or one every user may search,
+// or one whose group it is in) is fine.
+func TestMapOwnedRefusesUnsearchableDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("directories of another owner need root to make (chown); CI runs as root")
+	}
+	for _, walk := range []bool{false, true} {
+		t.Run(fmt.Sprintf("walk=%v", walk), func(t *testing.T) {
+			walkOnly = walk
+			defer func() { walkOnly = false }()
+			dir := t.TempDir()
+			must := func(err error) {
+				t.Helper()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			mk := func(sub string, uid, gid int, mode os.FileMode) string {
+				d := filepath.Join(dir, sub)
+				must(os.Mkdir(d, mode))
+				must(os.Chmod(d, mode))
+				must(os.Chown(d, uid, gid))
+				f := filepath.Join(d, "kv")
+				must(os.WriteFile(f, make([]byte, 8192), 0o600))
+				must(os.Chown(f, 65534, 65534))
+				return f
+			}
+			for _, p := range []string{
+				mk("root-private", 0, 0, 0o700),       // root's, no search for others
+				mk("root-readonly", 0, 0, 0o744),      // readable but not searchable
+				mk("group-other", 0, 4242, 0o710),     // a group 65534 is not in
+				mk("own-noexec", 65534, 65534, 0o670), // its own, with its bits off
+			} {
+				m, err := MapOwned(dir, p, 4096, 65534)
+				if err == nil {
+					m.Close()
+				}
+				want := fmt.Sprintf("shm: map %s: refused (want a regular file owned by uid 65534 beneath %s, no symlinks)", p, dir)
+				if !errors.Is(err, ErrRefused) || err.Error() != want {
+					t.Errorf("MapOwned(%s) = %v\nwant %s", p, err, want)
+				}
+			}
+			for _, p := range []string{
+				mk("own", 65534, 65534, 0o700), // its own directory
+				mk("world", 0, 0, 0o711),       // searchable by all
+				mk("sticky", 0, 0, 0o1777),     // like /dev/shm
+			} {
+				m, err := MapOwned(dir, p, 4096, 65534)
+				if err != nil {
+					t.Errorf("MapOwned(%s) = %v, want it mapped", p, err)
+					continue
+				}
+				m.Close()
+			}
+		})
+	}
+}
+
+// A directory beneath dir that the owner may search only through one of
+// its groups is searchable when MapAs is told the groups, and not by
+// MapOwned, which knows the uid only.
+func TestMapAsGroupSearch(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("directories of another owner need root to make (chown); CI runs as root")
+	}
+	dir := t.TempDir()
+	d := filepath.Join(dir, "group")
+	if err := os.Mkdir(d, 0o710); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(d, 0, 4242); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(d, "kv")
+	if err := os.WriteFile(p, make([]byte, 8192), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(p, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := MapAs(dir, p, 4096, Cred{UID: 65534, Groups: []uint32{65534, 4242}}); err != nil {
+		t.Errorf("MapAs(%s) in group 4242 = %v, want it mapped", p, err)
+	} else {
+		m.Close()
+	}
+	if _, err := MapAs(dir, p, 4096, Cred{UID: 65534, Groups: []uint32{65534}}); !errors.Is(err, ErrRefused) {
+		t.Errorf("MapAs(%s) not in group 4242 = %v, want refused", p, err)
+	}
+	if _, err := MapOwned(dir, p, 4096, 65534); !errors.Is(err, ErrRefused) {
+		t.Errorf("MapOwned(%s) = %v, want refused (groups unknown)", p, err)
+	}
+}

@@ -302,6 +302,20 @@ func init() {
 	}
 }
 
+func init() {
+	// Make the root daemon map a file of the attacker's own uid that the
+	// attacker cannot reach: it lies in a root-only directory. Then one in
+	// a directory the attacker may search through its group, which works.
+	attacks["map-unsearchable"] = func(ctx context.Context, p func(string, error)) {
+		if f, err := os.OpenFile(os.Getenv("KVXFER_HIDDEN"), os.O_RDWR, 0); err == nil {
+			f.Close()
+			p("open it itself", nil) // the attacker reaches it: the test is wrong
+		}
+		mapAs(ctx, p, "file in a root-only directory", "nobody-a", os.Getenv("KVXFER_HIDDEN"))
+		mapAs(ctx, p, "file in its group's directory", "nobody-b", os.Getenv("KVXFER_GROUP_FILE"))
+	}
+}
+
 // TestAttackChild runs one attack for asNobody (KVXFER_ATTACK names it);
 // run directly, it does nothing.
 func TestAttackChild(t *testing.T) {
@@ -450,4 +464,50 @@ func TestPeerPortNeedsTheSecret(t *testing.T) {
 		}
 	}
 	v.intact(t, before)
+}
+
+// Another local user cannot make the daemon (root) map a file, even one
+// it owns, in a directory beneath the shm dir that it cannot search (a
+// root-only directory): the daemon touches nothing the engine's own uid
+// could not. A directory it may search through its group is fine.
+func TestAnotherUserCannotMapThroughADirectoryItCannotSearch(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	mk := func(sub string, gid int, mode os.FileMode) string {
+		t.Helper()
+		sd := filepath.Join(dir, sub)
+		if err := os.Mkdir(sd, mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(sd, mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(sd, 0, gid); err != nil {
+			t.Fatal(err)
+		}
+		f := filepath.Join(sd, "kv")
+		if err := os.WriteFile(f, bytes.Repeat([]byte("s"), 4096), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(f, nobody, nobody); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("attacks from another local user need root to switch to uid 65534 (setpriv); CI runs as root")
+	}
+	hidden := mk("root-only", 0, 0o700)
+	groupFile := mk("group", nobody, 0o710)
+	out := asNobody(t, "map-unsearchable", "KVXFER_SOCK="+d.Sock, "KVXFER_HIDDEN="+hidden, "KVXFER_GROUP_FILE="+groupFile)
+	if strings.Contains(out, "open it itself") {
+		t.Fatalf("uid %d can open %s itself:\n%s", nobody, hidden, out)
+	}
+	refused(t, out, codes.PermissionDenied, "file in a root-only directory")
+	if !strings.Contains(out, "file in its group's directory: OK: <nil>") {
+		t.Errorf("the file in a directory of the attacker's group was not mapped:\n%s", out)
+	}
+	if b, _ := os.ReadFile(hidden); !bytes.Equal(b, bytes.Repeat([]byte("s"), 4096)) {
+		t.Error("the hidden file changed")
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime/debug"
 	"syscall"
 	"time"
 
@@ -528,8 +529,7 @@ func (a *Agent) serveRead(r *scatterReader, nc net.Conn, w *bufio.Writer, from s
 		return err
 	}
 	nb := net.Buffers(bufs)
-	_, err = nb.WriteTo(nc)
-	return err
+	return writeGuarded(&nb, nc)
 }
 
 // Incoming frames are read through a buffer, so that headers and small
@@ -597,6 +597,9 @@ func (s *scatterReader) fillv(bufs [][]byte) error {
 // released READ, see Agent.Release) drains that many to go on with the
 // connection's next frame.
 func (s *scatterReader) fillvLeft(bufs [][]byte) (left int64, err error) {
+	// The pieces are mapped memory: what the buffer read ahead is copied
+	// into them in Go, and over TLS the decryption writes them.
+	defer faultGuard(debug.SetPanicOnFault(true), &err)
 	for _, b := range bufs {
 		left += int64(len(b))
 	}

@@ -421,7 +421,7 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	nb := net.Buffers(bufs)
-	if _, err := nb.WriteTo(c.c); err != nil {
+	if err := writeGuarded(&nb, c.c); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
 		return err
 	}
@@ -588,16 +588,17 @@ func (a *Agent) direct(x *xfer) error {
 		b.releaseGuard(ticket)
 		return fmt.Errorf("%w: %w", ErrXferFailed, err)
 	}
-	for i := range lb {
-		if x.op == Write {
-			copy(rb[i], lb[i])
-		} else {
-			copy(lb[i], rb[i])
-		}
+	if x.op == Write {
+		err = copyGuarded(rb, lb)
+	} else {
+		err = copyGuarded(lb, rb)
 	}
 	// Released before the completion is delivered: the Worker that waits
 	// for it may be the one the delivery goes to.
 	b.releaseGuard(ticket)
+	if err != nil {
+		return err
+	}
 	if x.notif != nil {
 		// WRITE: the peer hears; READ: the peer (the source) hears too.
 		return b.deliver(a.cfg.Name, x.notif)

@@ -72,7 +72,7 @@ var _ net.Addr = directAddr{}
 // it ends: the engine's bye and hang-up (CloseSend), Cancel, or the
 // server's Close.
 func (s *Server) OpenDirect() *DirectStream {
-	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownAuth()}))
+	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownStreamAuth()}))
 	d := &DirectStream{ctx: ctx, cancel: cancel, in: make(chan *pb.ConnectRequest, 64), out: make(chan []byte, directOut),
 		ended: make(chan struct{}), limits: s.limits}
 	go func() {
@@ -262,6 +262,19 @@ func (s *Server) CallDirect(method string, req []byte, wait time.Duration) (resp
 func ownAuth() EngineAuthInfo {
 	return EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), PID: int32(os.Getpid())}
+}
+
+// ownStreamAuth is ownAuth with this process's groups: a direct worker
+// stream's, whose hello may name shared-memory files (shm.MapAs).
+func ownStreamAuth() EngineAuthInfo {
+	ai := ownAuth()
+	ai.Groups = []uint32{ai.GID}
+	if gs, err := os.Getgroups(); err == nil {
+		for _, g := range gs {
+			ai.Groups = append(ai.Groups, uint32(g))
+		}
+	}
+	return ai
 }
 
 // parse decodes what an engine handed without gRPC into m: one over

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/credentials"
@@ -20,11 +21,14 @@ var ErrPermission = errors.New("permission denied")
 
 // EngineAuthInfo identifies the process behind an engine connection: the
 // credentials the kernel recorded for the unix socket's peer
-// (SO_PEERCRED) when it connected.
+// (SO_PEERCRED) when it connected, and its groups (SO_PEERGROUPS).
 type EngineAuthInfo struct {
 	credentials.CommonAuthInfo
 	UID, GID uint32
 	PID      int32
+	// Groups are the peer's primary group (GID) and its supplementary
+	// groups: what it may search when kvxferd maps its files (shm.Cred).
+	Groups []uint32
 }
 
 // AuthType implements credentials.AuthInfo.
@@ -64,9 +68,13 @@ func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo
 		return nil, nil, err
 	}
 	var cred *unix.Ucred
+	var groups []uint32
 	var cerr error
 	if err := raw.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+		if cerr == nil {
+			groups = peerGroups(int(fd), cred.Gid)
+		}
 	}); err != nil {
 		return nil, nil, err
 	}
@@ -81,7 +89,35 @@ func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo
 			ErrPermission, cred.Pid, os.Getpid())
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
-		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid}, nil
+		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid, Groups: groups}, nil
+}
+
+// soPeerGroups is SO_PEERGROUPS (Linux 4.13), the same on every
+// architecture.
+const soPeerGroups = 59
+
+// peerGroups returns gid and the supplementary groups the kernel recorded
+// for the unix socket fd's peer when it connected (SO_PEERGROUPS). Where
+// the kernel has none to give, it is gid alone: a directory the peer may
+// search through a supplementary group only is then refused, never the
+// other way round.
+func peerGroups(fd int, gid uint32) []uint32 {
+	groups := []uint32{gid}
+	buf := make([]uint32, 64)
+	for range 2 {
+		n := uint32(len(buf) * 4)
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, soPeerGroups,
+			uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&n)), 0)
+		switch {
+		case errno == unix.ERANGE && int(n/4) > len(buf):
+			buf = make([]uint32, n/4)
+			continue
+		case errno != 0:
+			return groups
+		}
+		return append(groups, buf[:min(int(n/4), len(buf))]...)
+	}
+	return groups
 }
 
 func (engineCreds) ClientHandshake(_ context.Context, _ string, c net.Conn) (net.Conn, credentials.AuthInfo, error) {

@@ -33,6 +33,11 @@ type schedulers struct {
 	resolveByID bool
 	mu          sync.Mutex
 	m           *xsync.Map[string, *lockedScheduler]
+	// byUID counts the open schedulers of each uid (under mu): at most
+	// limits.perUID each, limits.max in all, as streams are (a scheduler
+	// outlives the call that opened it).
+	byUID map[uint32]int
+	total int
 }
 
 type lockedScheduler struct {
@@ -137,11 +142,25 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if old, _ := ss.m.Load(c.EngineId); old == nil {
-		// The engine's first scheduler: it claims the engine for uid.
+		// The engine's first scheduler: it claims the engine for uid,
+		// within the bounds.
+		switch {
+		case ss.byUID[uid] >= ss.limits.perUID:
+			ss.limits.refuse("schedulers_per_uid")
+			return nil, Status(fmt.Errorf("%w: uid %d has %d schedulers open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, ss.byUID[uid]))
+		case ss.total >= ss.limits.max:
+			ss.limits.refuse("schedulers")
+			return nil, Status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
+		}
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
 			ss.limits.refuse("permission")
 			return nil, Status(err)
 		}
+		if ss.byUID == nil {
+			ss.byUID = map[uint32]int{}
+		}
+		ss.byUID[uid]++
+		ss.total++
 	} else if old.uid != uid {
 		ss.limits.refuse("permission")
 		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
@@ -322,6 +341,10 @@ func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseScheduler
 	if cur, _ := ss.m.Load(req.EngineId); cur == ls {
 		ss.m.Delete(req.EngineId)
 		ss.owners.release(req.EngineId)
+		ss.total--
+		if ss.byUID[ls.uid]--; ss.byUID[ls.uid] <= 0 {
+			delete(ss.byUID, ls.uid)
+		}
 		ls.retire()
 	}
 	ss.mu.Unlock()

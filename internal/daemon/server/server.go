@@ -181,7 +181,8 @@ type Config struct {
 	// MaxStreams bounds the engine streams (worker streams and Steps
 	// streams) open at once (default 4096); MaxStreamsPerUID bounds those
 	// of one uid (default 1024). Past them, a stream is refused with
-	// ResourceExhausted.
+	// ResourceExhausted. They bound open schedulers (OpenScheduler of a
+	// new engine) the same way, counted apart from streams.
 	MaxStreams, MaxStreamsPerUID int
 	Logger                       *slog.Logger
 	// OnEnginesChanged, when set, is called (under the server's lock:
@@ -603,7 +604,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	if hello == nil {
 		return Status(stream.Invalid("the first message of a worker stream must be hello"))
 	}
-	r, err := s.attach(hello, uid, engine.PID)
+	r, err := s.attach(hello, uid, engine.Groups, engine.PID)
 	if err != nil {
 		switch {
 		case errors.Is(err, errForeignAddress):
@@ -663,7 +664,8 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // unix socket), rank_attached, memory (a shared-memory file refused),
 // memory_address (memory named by address from another process),
 // hello_timeout, bad_message (what an engine handed without gRPC did not
-// parse, or was too large), streams and streams_per_uid (limits), peer_not_allowed
+// parse, or was too large), streams and streams_per_uid (limits),
+// schedulers and schedulers_per_uid (the same limits on open schedulers), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
 
@@ -869,11 +871,11 @@ type gpuImport struct {
 	ptr uint64
 }
 
-// attach validates a hello from engine process pid of uid, maps the
-// rank's memory (files uid owns only; memory named by address only when
-// pid is this process), starts its backend and worker, and publishes it
-// for handshakes.
-func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err error) {
+// attach validates a hello from engine process pid of uid and groups,
+// maps the rank's memory (files uid owns only, through directories it may
+// search; memory named by address only when pid is this process), starts
+// its backend and worker, and publishes it for handshakes.
+func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int32) (_ *rank, err error) {
 	if h.EngineId == "" {
 		return nil, stream.Invalid("hello.engine_id is empty")
 	}
@@ -925,13 +927,20 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 			}
 		}
 	}
+	// in[i]: the memory entry region i lies in, which it is relocated
+	// into (entries whose addresses overlap may hold its start and not
+	// all of it).
+	in := make([]int, len(l.Regions))
 	for i, reg := range l.Regions {
 		end := reg.Base + uint64(reg.BlockLen)*uint64(reg.NumBlocks)
-		inside := false
-		for _, m := range h.Memory {
-			inside = inside || reg.Base >= m.Base && end <= m.Base+m.Size
+		in[i] = -1
+		for j, m := range h.Memory {
+			if reg.Base >= m.Base && end <= m.Base+m.Size {
+				in[i] = j
+				break
+			}
 		}
-		if !inside {
+		if in[i] < 0 {
 			return nil, stream.Invalid("hello.layout.regions[%d] [%#x, %#x) lies in no hello.memory entry", i, reg.Base, end)
 		}
 	}
@@ -975,7 +984,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 			devs[i], real[i] = dev, ptr
 			continue
 		}
-		mp, err := shm.MapOwned(s.cfg.ShmDir, m.Path, m.Size, r.uid)
+		mp, err := shm.MapAs(s.cfg.ShmDir, m.Path, m.Size, shm.Cred{UID: uid, Groups: groups})
 		switch {
 		case errors.Is(err, shm.ErrRefused):
 			return nil, fmt.Errorf("%w: hello.memory[%d]: %w", ErrPermission, i, err)
@@ -990,16 +999,12 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, pid int32) (_ *rank, err 
 	// The engine keeps talking in block ids.
 	for i := range l.Regions {
 		reg := &l.Regions[i]
-		for j, m := range h.Memory {
-			if reg.Base >= m.Base && reg.Base-m.Base < m.Size {
-				reg.Base = real[j] + (reg.Base - m.Base)
-				if vram {
-					// The device as this process numbers it: backends
-					// register the imported memory with it, and peers get it.
-					reg.DeviceID = int32(devs[j].Ordinal())
-				}
-				break
-			}
+		j := in[i]
+		reg.Base = real[j] + (reg.Base - h.Memory[j].Base)
+		if vram {
+			// The device as this process numbers it: backends register the
+			// imported memory with it, and peers get it.
+			reg.DeviceID = int32(devs[j].Ordinal())
 		}
 	}
 	r.layout = l
