@@ -186,7 +186,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 				tb.at = st.now
 				st.tombs[k] = tb
 			} else if o.m.Kind == msgAck {
-				st.tombs[k] = tomb{at: st.now}
+				st.tombs[k] = tomb{at: st.now, tid: o.m.TransferID, preq: o.m.PReq}
 			}
 		}
 		st.sendTo(e, o.to, o.m)

@@ -128,6 +128,21 @@ type tomb struct {
 	failKind FailureKind
 }
 
+// names reports whether a D rank's message (a registration, a cancel)
+// is about the request the tombstone remembers, not a new request of
+// its engine under the same id (an id used again once its request
+// finished): by transfer id where both have one, else by the producer
+// request where both name one, else (nothing tells them apart) yes.
+func (tb tomb) names(transferID, preq string) bool {
+	if tb.tid != "" && transferID != "" {
+		return tb.tid == transferID
+	}
+	if tb.preq != "" && preq != "" {
+		return tb.preq == preq
+	}
+	return true
+}
+
 // regGroup collects the registrations of one D request from its ranks.
 type regGroup struct {
 	key     regKey

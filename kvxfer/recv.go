@@ -483,7 +483,7 @@ func (st *loopState) onPushDone(m *msg) {
 
 // onPushFail: a producer rank cannot complete and has nothing in flight.
 func (st *loopState) onPushFail(m *msg) {
-	if r := st.recvs[m.DReq]; r != nil && r.req.Remote.EngineID == m.Engine && !r.sent && m.TPRank >= 0 && m.TPRank < max(m.TPSize, 1) {
+	if r := st.recvs[m.DReq]; r != nil && r.req.Remote.EngineID == m.Engine && !r.sent && sameTransfer(r, m) && m.TPRank >= 0 && m.TPRank < max(m.TPSize, 1) {
 		// The producer failed the request before this rank registered
 		// (its handshake still pending): nothing was registered, nothing
 		// can land; fail it now.
@@ -511,11 +511,18 @@ func (st *loopState) onAck(m *msg) {
 	st.tryReport(r)
 }
 
+// sameTransfer reports whether a producer's message about r's id may be
+// about r: not when both name a transfer id and they differ (it is about
+// an earlier request under the same id, one that finished).
+func sameTransfer(r *recvReq, m *msg) bool {
+	return m.TransferID == "" || r.req.TransferID == "" || m.TransferID == r.req.TransferID
+}
+
 // recvFor finds the receiving request and sender rank a producer's
 // message is about.
 func (st *loopState) recvFor(m *msg) (*recvReq, rankRef, bool) {
 	r := st.recvs[m.DReq]
-	if r == nil || r.req.Remote.EngineID != m.Engine {
+	if r == nil || r.req.Remote.EngineID != m.Engine || !sameTransfer(r, m) {
 		st.metrics.Dropped(m.Kind.String() + "_unknown_request")
 		st.log.Debug("kvxfer: message for an unknown request", "kind", m.Kind, "d_req", m.DReq, "from", m.Engine)
 		return nil, rankRef{}, false

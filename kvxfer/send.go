@@ -519,6 +519,12 @@ func (st *loopState) onReg(m *msg) {
 	// such a registration starts nothing. A copy of one we already act
 	// on is only a duplicate.
 	late := !m.Until.IsZero() && !st.now.Before(m.Until)
+	if tb, dead := st.tombs[k]; dead && !tb.names(m.TransferID, m.PReq) {
+		// A new request under the id of one that finished: the
+		// tombstone is the old one's, and must neither drop this
+		// registration nor answer this request's cancel.
+		delete(st.tombs, k)
+	}
 	if tb, dead := st.tombs[k]; dead {
 		st.metrics.Dropped("reg_after_finish")
 		if !slices.Contains(tb.done, m.TPRank) && len(m.Spans) > 0 {
@@ -1246,8 +1252,13 @@ func (st *loopState) onCancel(m *msg) {
 		// completion notice again when our WRITE into that rank landed.
 		st.dropReg(k)
 		tb, had := st.tombs[k]
+		if had && !tb.names(m.TransferID, m.PReq) {
+			// The tombstone is of an earlier request under this id:
+			// nothing of ours landed for this one.
+			tb, had = tomb{}, false
+		}
 		if !had {
-			st.tombs[k] = tomb{at: st.now}
+			st.tombs[k] = tomb{at: st.now, tid: m.TransferID, preq: m.PReq}
 		}
 		e := st.ensureEngine(m.Engine, m.Addr)
 		ack := &msg{Kind: msgAck, TransferID: m.TransferID, DReq: m.DReq, PReq: m.PReq}
@@ -1375,7 +1386,7 @@ func (st *loopState) producerAborted(id, tid string) {
 func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, reason string) {
 	k := g.key
 	st.dropReg(k)
-	st.tombs[k] = tomb{at: st.now}
+	st.tombs[k] = tomb{at: st.now, tid: g.tid, preq: g.preq}
 	e := st.ensureEngine(k.engine, g.addr)
 	for _, tp := range slices.Sorted(maps.Keys(g.ranks)) {
 		st.sendTo(e, rankRef{tp: tp}, &msg{Kind: msgFail, TransferID: g.tid, DReq: k.dreq, PReq: pid, Reason: reason, FailKind: kind})

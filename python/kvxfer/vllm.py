@@ -922,8 +922,11 @@ class _SchedulerSide:
         self.step_no = 0
         self.stream = None
         self.daemon_pending = False
-        # Producer requests by id, for layer-wise push's prefill entries.
+        # Producer requests by id, for layer-wise push's prefill entries,
+        # and those listed in one already (their layers are being written
+        # from the blocks they hold: see _preempted).
         self.requests: dict[str, "Request"] = {}
+        self.listed: set[str] = set()
         self.stats = KvxferStats()
         self.daemon_bad_params = 0  # the daemon scheduler's count at its last answer
         self.addr = ""
@@ -1137,6 +1140,7 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
+        self.listed.discard(request.request_id)
         p = request.kv_transfer_params
         if not p:
             return False, None
@@ -1232,7 +1236,27 @@ class _SchedulerSide:
                 continue
             self.pf.add("other", req, req.kv_transfer_params, mgr.get_block_ids(rid), computed, sched.get(rid, 0),
                         addrs=self.addrs)
+            self.listed.add(rid)
             self.prefill_ops = True
+
+    def _preempted(self, so: "SchedulerOutput | None") -> None:
+        """Layer-wise push: a producer preempted after its prefill step
+        listed it lost the blocks its layers were saved in (vLLM freed them
+        and may have handed them to another request, whose KV a WRITE would
+        then carry to D as this one's). Its layer-wise send is abandoned as
+        an aborted producer's is (the daemon fails a consumer paired with it
+        once nothing of it is in flight, and forgets it); the prefill it
+        computes again, into the blocks it holds then, is listed anew."""
+        preempted = getattr(so, "preempted_req_ids", None)
+        if not preempted or not self.listed:
+            return
+        for rid in sorted(self.listed.intersection(preempted)):
+            self.listed.discard(rid)
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            decided = (False, None) if self.verify else None
+            self.rf_calls.append((req, req.kv_transfer_params, (), pb.FINISH_STATUS_ABORTED, 0, decided))
 
     def _fail(self, kinds, why: str) -> None:
         for kind, rid in kinds:
@@ -1326,6 +1350,7 @@ class _SchedulerSide:
         # then layer-wise prefill's; the daemon applies them in that order,
         # after req.ops, their answers' indices continuing the ops'.
         rf_kinds, rf_local, aa_kinds = [], {}, []
+        self._preempted(so)
         if self.rf_calls:
             rf_kinds, rf_local = self._finished_rows(self.rf_calls)
             self.rf_calls = []

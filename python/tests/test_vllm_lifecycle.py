@@ -1,0 +1,89 @@
+"""Block lifecycle at vLLM's edges: aborts and preemptions while KV moves,
+request ids reused, load errors, in both placements and modes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import harness as H
+from test_vllm import Run, _free_both, _push_params
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_request_id_reused_after_finish(tmp_path, daemons, mode):
+    """A request id used again once its request finished (an engine run with
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, or any caller of the engine core
+    that names its requests) is a new request: its KV moves and checks byte
+    for byte, as the first one's did, on both P and D."""
+    rng = random.Random(f"reuse-{mode}")
+    # A short registration timeout: a D request whose registration P
+    # ignores gives up (and cancels) within the test.
+    r = Run(tmp_path, daemons, mode, 1, d_kw={"registration_timeout_s": 3})
+    try:
+        toks = [rng.randrange(100, 50000) for _ in range(40)]
+        r.add(0, toks)
+        r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent and not r.P.sched.requests
+                    and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed
+        # The same ids again, another prompt, another transfer.
+        for e in (r.P, r.D):
+            e.finished.clear()
+            e.sent.discard("p-0")
+            e.recvd.discard("d-0")
+        r.checked.clear()
+        toks2 = [rng.randrange(100, 50000) for _ in range(40)]
+        r.prompts["p-0"] = r.prompts["d-0"] = toks2
+        r.P.sched.add_request(H.make_request("p-0", list(toks2), 1, {"do_remote_decode": True, "transfer_id": "t0b"}))
+        if mode == "push":
+            r.D.sched.add_request(H.make_request("d-0", toks2, 3, {**_push_params(r.dp, "t0b"), "tp_size": 1}))
+        else:
+            r.pending_d["p-0"] = ("d-0", toks2, 3, False)
+        r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent and not r.P.sched.requests
+                    and not r.D.sched.requests, limit_s=15)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def test_layerwise_producer_preempted_after_prefill(tmp_path, daemons):
+    """Layer-wise push: P's request saves every layer in its prefill step,
+    then (still decoding) is preempted: vLLM frees its blocks, gives them to
+    another request, and prefills it again into other blocks. D registers
+    only then. What D receives must be p-0's KV, from the blocks it holds
+    at its finish: never the other request's, reported done."""
+    rng = random.Random("lw-preempt")
+    # A small pool: the freed blocks are the next ones handed out.
+    r = Run(tmp_path, daemons, "push", 1, layerwise=True, p_kw={"num_blocks": 8})
+    try:
+        toks = [rng.randrange(100, 50000) for _ in range(40)]  # 3 blocks
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        r.P.sched.add_request(H.make_request("p-0", list(toks), 6, {"do_remote_decode": True, "transfer_id": "t0"}))
+        # Prefill (every layer saved), then one decode step.
+        for _ in range(2):
+            r.step()
+        req = r.P.sched.requests["p-0"]
+        assert req.num_computed_tokens >= len(toks) and "p-0" not in r.P.finished
+        old = list(r.P.sched.kv_cache_manager.get_block_ids("p-0")[0])
+        # Preempted (as memory pressure or a prefix-cache reset does), and
+        # resumed at once beside another request, which gets the blocks
+        # p-0 held (the pool hands out its freed blocks last).
+        assert r.P.sched.reset_prefix_cache(reset_running_requests=True)
+        r.prompts["p-x"] = [rng.randrange(100, 50000) for _ in range(4 * H.BLOCK - 2)]
+        r.P.sched.add_request(H.make_request("p-x", r.prompts["p-x"], 2, None))
+        r.step()
+        new_x = set(r.P.sched.kv_cache_manager.get_block_ids("p-x")[0])
+        assert new_x & set(old), (old, new_x)
+        # p-0 is prefilled again (other blocks) and finishes; D registers.
+        r.run_until(lambda: "p-0" in r.P.finished, limit_s=20)
+        r.D.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent, limit_s=30)
+        # Received from the blocks p-0 holds at its finish, and checked
+        # byte for byte (Run.step).
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        r.run_until(lambda: not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert _free_both(r)
+    finally:
+        r.close()
