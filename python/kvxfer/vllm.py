@@ -608,6 +608,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind_step(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._worker.start_step(self._get_connector_metadata())
 
@@ -1467,6 +1471,7 @@ class _WorkerSide:
         self.step = 0
         self.layer_steps: list[int] = []
         self.saver: _LayerSaver | None = None
+        self.started: KvxferConnectorMetadata | None = None  # by bind_step, before the forward
         self.dead: str | None = None
         # A stream that ended: when, the requests kvxferd held then (it may
         # still move their bytes: see _fail_dead), and whether kvxferd is
@@ -1498,7 +1503,24 @@ class _WorkerSide:
 
     # -- per step --
 
+    def bind_step(self, meta: KvxferConnectorMetadata) -> None:
+        # vLLM (0.32) calls start_load_kv after the forward pass when the
+        # step's loads are asynchronous, and this connector's always are;
+        # but a layer-wise producer saves its layers during the forward, and
+        # each save names the step the server took last. So a layer-wise
+        # step that starts no receive goes to the server here, before the
+        # forward; one that does still starts in start_load_kv, after the
+        # forward launch, where vLLM orders loads (after its zeroing of new
+        # blocks).
+        self.started = None
+        if self.cfg.layerwise and not meta.expect_recv and not meta.fail_recv:
+            self.start_step(meta)
+            self.started = meta
+
     def start_step(self, meta: KvxferConnectorMetadata) -> None:
+        if self.started is meta:
+            self.started = None  # bind_step started it
+            return
         self.waiting_recv.update(meta.expect_recv)
         self.waiting_send.update(meta.expect_send)
         for rid, why in meta.fail_recv.items():

@@ -15,8 +15,10 @@ machine):
   update_from_output; vLLM's async scheduler schedules step n+1 before step
   n's output is back, which this harness never does.
 - vLLM's own call order: step() calls the worker hooks in a fixed order
-  written after kv_connector_model_runner_mixin (bind, start_load_kv, the
-  "forward", save_kv_layer for every layer after it, wait_for_save,
+  written after kv_connector_model_runner_mixin (bind, the "forward",
+  save_kv_layer for every layer after it, then start_load_kv, as vLLM 0.32
+  starts asynchronous loads after the forward launch (before it when the
+  step has synchronous loads), wait_for_save,
   get_transfer_results, get_block_ids_with_load_errors,
   get_kv_connector_stats, clear), not through vLLM's model runner: no
   forward context, no wait_for_layer_load between layers, save_kv_layer
@@ -444,10 +446,12 @@ def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     so = e.sched.schedule()
     outs = []
+    sync_loads = getattr(so, "has_sync_kv_loads", False)
     for rank in e.ranks:
         c = rank.connector
         c.bind_connector_metadata(so.kv_connector_metadata)
-        c.start_load_kv(None)
+        if sync_loads:
+            c.start_load_kv(None)
     if fill:
         for rid, n in so.num_scheduled_tokens.items():
             req = e.sched.requests[rid]
@@ -459,6 +463,8 @@ def step(e: Engine, prompts: dict[str, list[int]], fill: bool = True):
         c = rank.connector
         for li, (name, t) in enumerate(sorted(rank.kv.items(), key=lambda kv: int(kv[0].split(".")[3]))):
             c.save_kv_layer(name, t, None)
+        if not sync_loads:
+            c.start_load_kv(None)  # after the forward launch (vLLM 0.32)
         c.wait_for_save()
     for rank in e.ranks:
         c = rank.connector

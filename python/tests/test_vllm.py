@@ -15,6 +15,7 @@ from collections import deque
 import pytest
 
 import harness as H
+from kvxfer.v1 import kvxfer_pb2 as pb
 
 import vllm  # noqa: E402,F401  (a missing vLLM fails the run: CI installs it)
 
@@ -75,14 +76,21 @@ class Run:
                     return _orig(*a, **k)
 
                 side.stream.send = send
-        # Layer-wise push: count the LayerSaved signals P's ranks send.
+        # Layer-wise push: count the LayerSaved signals P's ranks send, and
+        # those naming another step than the one whose forward saves the
+        # layer (the step bound to the connector then): such a signal comes
+        # a step late, after the forward that could have overlapped it.
         self.layer_signals = 0
+        self.late_signals = 0
         for rank in self.P.ranks:
             stream = rank.connector._worker.stream
             orig = stream.layer_saved
 
-            def counted(step, layer, _orig=orig):
+            def counted(step, layer, _orig=orig, _c=rank.connector):
                 self.layer_signals += 1
+                meta = _c._get_connector_metadata()
+                bound = meta.step_ref or (pb.StepMeta.FromString(meta.step_meta).step if meta.step_meta else 0)
+                self.late_signals += step != bound
                 return _orig(step, layer)
 
             stream.layer_saved = counted
@@ -245,6 +253,7 @@ def test_transfer(tmp_path, daemons, placement, mode, p_tp, layerwise, relay):
             # Every prefill completed in a step of its own here: each P rank
             # signalled all its layers for each request's prefill step.
             assert r.layer_signals >= H.LAYERS * p_tp, r.layer_signals
+            assert r.late_signals == 0, f"{r.late_signals} of {r.layer_signals} LayerSaved signals named the step before the forward's"
         else:
             assert r.layer_signals == 0
     finally:
