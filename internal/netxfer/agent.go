@@ -134,6 +134,10 @@ type Config struct {
 	// sends no tReadAcks); readAckGrace, if set, replaces readAckGrace.
 	noReadAcks   bool
 	readAckGrace time.Duration
+	// noIdent makes the agent act as a build from before versionIdent
+	// hellos (its same-host socket's name lacks identMark, it refuses
+	// such hellos and sends none).
+	noIdent bool
 }
 
 // WireEvent is a point of a WRITE part's way between two agents
@@ -164,7 +168,10 @@ func (a *Agent) wire(ev WireEvent, id XferID, part uint32) {
 
 // Agent is one transfer endpoint. It is safe for concurrent use.
 type Agent struct {
-	cfg  Config
+	cfg Config
+	// inc names this agent's incarnation in its hellos (versionIdent): a
+	// process that restarts under the same name is told apart by it.
+	inc  string
 	ln   net.Listener
 	addr string
 	// uln and uaddr: the same-host socket (nil and "" without one).
@@ -205,7 +212,7 @@ type Agent struct {
 		// each peer has open to this agent (its unfinished WRITEs go
 		// with its last).
 		landingBy map[string]int
-		served    map[string]int
+		served    map[session]int
 	}
 }
 
@@ -230,12 +237,22 @@ func (c *chunk) shareable() bool { return c.file != nil || c.dev != nil }
 
 type landKey struct {
 	peer string
-	id   XferID
+	// inc is the sending process's (its agent's) incarnation, as its
+	// hello named it ("" from a build that names none): a peer that
+	// restarted under the same name numbers its transfers from 1 again,
+	// and its parts are not counted with its predecessor's.
+	inc string
+	id  XferID
 }
 
-// landing assembles the parts of an incoming WRITE.
+// session is one incarnation of a peer: the connections its agent opened.
+type session struct{ peer, inc string }
+
+// landing assembles the parts of an incoming WRITE; last is when a part
+// of it last arrived (or it began).
 type landing struct {
 	landed, failed, parts int
+	last                  time.Time
 }
 
 // local holds the agents of this process, for direct copies.
@@ -281,7 +298,9 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, fmt.Errorf("netxfer: listen %s: %w", cfg.Listen, err)
 	}
-	a := &Agent{cfg: cfg, ln: ln, addr: cfg.Advertise, log: cfg.Logger, events: make(chan struct{}, 1)}
+	var inc [12]byte
+	_, _ = rand.Read(inc[:])
+	a := &Agent{cfg: cfg, ln: ln, addr: cfg.Advertise, log: cfg.Logger, events: make(chan struct{}, 1), inc: hex.EncodeToString(inc[:])}
 	if a.addr == "" {
 		a.addr = ln.Addr().String()
 	}
@@ -290,7 +309,7 @@ func New(cfg Config) (*Agent, error) {
 	a.mu.incoming = map[net.Conn]bool{}
 	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
-	a.mu.landingBy, a.mu.served = map[string]int{}, map[string]int{}
+	a.mu.landingBy, a.mu.served = map[string]int{}, map[session]int{}
 	a.gates.areas, a.gates.open = map[Device]*gateArea{}, map[*gate]bool{}
 	a.gates.views, a.gates.items = map[string]map[string]*gateView{}, map[string]int{}
 	if !cfg.DisableSameHost {
@@ -638,6 +657,10 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	layouts := strings.HasSuffix(uaddr, layoutsMark)
 	gates := layouts && strings.HasSuffix(uaddr, gatesMark+layoutsMark)
 	readAcks := hasMark(uaddr, readAcksMark) && !a.cfg.noReadAcks
+	ident := ""
+	if hasMark(uaddr, identMark) && !a.cfg.noIdent {
+		ident = uaddr
+	}
 	if a.cfg.DisableSameHost {
 		uaddr = ""
 	}
@@ -646,12 +669,12 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	if a.mu.closed {
 		return "", ErrClosed
 	}
-	if p := a.mu.peers[name]; p != nil && p.addr == addr && p.uaddr == uaddr {
+	if p := a.mu.peers[name]; p != nil && p.addr == addr && p.uaddr == uaddr && p.ident == ident {
 		return name, nil
 	} else if p != nil {
 		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
-	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates, readAcks: readAcks}
+	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates, readAcks: readAcks, ident: ident}
 	if !a.cfg.DisableLocal {
 		local.Lock()
 		if l := local.agents[name]; l != nil && l.addr == addr {
@@ -698,7 +721,20 @@ func (a *Agent) Notify(name string, msg []byte) error {
 	if err != nil {
 		return err
 	}
+	return a.notifyPeer(p, msg)
+}
+
+// notifyPeer sends a bare notification to p (as loaded: a peer loaded
+// again under its name since, or invalidated, fails it).
+func (a *Agent) notifyPeer(p *peer, msg []byte) error {
+	name := p.name
 	if p.local != nil {
+		p.mu.Lock()
+		dead := p.dead
+		p.mu.Unlock()
+		if dead != nil {
+			return dead
+		}
 		return p.local.deliver(a.cfg.Name, slices.Clone(msg))
 	}
 	// To a peer that takes gates, on the connection gates go on: a

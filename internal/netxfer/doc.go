@@ -46,6 +46,19 @@
 // notification is sent once every part arrived and is acknowledged too.
 // A broken connection fails every transfer that used it, with the reason.
 //
+// # Identity
+//
+// A peer is the agent its metadata named, not whatever listens at its
+// address: a dial to an agent whose same-host socket's name carries
+// identMark names that socket (its process's own) in its hello, and an
+// agent that is not it (a process restarted at the same port) refuses
+// the connection, so a transfer or notification for an agent that is
+// gone fails instead of reaching its successor. The hello also names the
+// dialer's incarnation, by which the parts of multi-part WRITEs are
+// counted: a peer restarted under the same name numbers its transfers
+// from 1 again. A WRITE's notification goes to the peer it was posted
+// to, even once its name was loaded again for another agent.
+//
 // # Safety
 //
 // Every remote range a peer names is checked against the regions

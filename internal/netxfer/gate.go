@@ -1001,7 +1001,10 @@ func (a *Agent) oneSided(x *xfer) bool {
 		// block).
 		go func() {
 			defer a.wg.Done()
-			if err := a.Notify(x.peer.name, x.notif); err != nil {
+			// To the peer the WRITE was posted to: one loaded under its
+			// name since (another agent, or the same moved) did not get
+			// these bytes.
+			if err := a.notifyPeer(x.peer, x.notif); err != nil {
 				a.finishPart(x, fmt.Errorf("%w: notification after a one-sided write: %w", ErrXferFailed, err))
 				return
 			}

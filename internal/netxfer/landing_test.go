@@ -3,6 +3,8 @@ package netxfer
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
 	"net"
 	"testing"
 	"time"
@@ -167,5 +169,41 @@ func TestWritePartBrokenOffEndsItsLanding(t *testing.T) {
 	}
 	if n := landingLen(b); n != 0 {
 		t.Errorf("unfinished writes after the part that would end it broke off: %d, want 0", n)
+	}
+}
+
+// At the bound, a peer's multi-part WRITEs no part of which came for
+// staleLanding are forgotten (their sender gave them up, so their other
+// parts never come), making room for its new ones; recent ones are kept
+// and still bound it.
+func TestStaleLandingsForgottenAtTheBound(t *testing.T) {
+	a, err := New(Config{Name: fmt.Sprintf("%s-%d", t.Name(), rand.Uint64()), DisableLocal: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	ss := session{"p", "inc"}
+	fill := func(age time.Duration) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		for i := range maxLanding {
+			k := landKey{ss.peer, ss.inc, XferID(i + 1)}
+			a.landingLocked(k, 2).last = time.Now().Add(-age)
+		}
+	}
+	next := writeHeader{id: maxLanding + 1, parts: 2}
+	fill(time.Second)
+	if err := a.landingRoom(ss, next); err == nil {
+		t.Fatal("a new multi-part WRITE past the bound of recent ones was let in")
+	}
+	fill(staleLanding + time.Minute)
+	if err := a.landingRoom(ss, next); err != nil {
+		t.Fatalf("the bound of WRITEs no part of which came for %v: %v", staleLanding+time.Minute, err)
+	}
+	a.mu.Lock()
+	n := a.mu.landingBy[ss.peer]
+	a.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d stale landings kept", n)
 	}
 }

@@ -430,7 +430,7 @@ func (a *Agent) serveWriteLayout(s *localServer, r *scatterReader, w *bufio.Writ
 	if err != nil {
 		return err
 	}
-	if err := a.landingRoom(from, h); err != nil {
+	if err := a.landingRoom(session{from, s.inc}, h); err != nil {
 		return err
 	}
 	// Admitted as layouts where the fence can (each base, each entry),

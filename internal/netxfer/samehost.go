@@ -109,6 +109,12 @@ const layoutsMark = ".layouts"
 // older builds look for at the name's end).
 const readAcksMark = ".racks"
 
+// identMark is in the same-host socket's name of an agent that takes
+// versionIdent hellos on TCP (before readAcksMark): its peers' hellos
+// name the agent they mean, and one that reaches another agent at its
+// address (a process that restarted there) fails.
+const identMark = ".ident"
+
 // hasMark reports whether a same-host socket's name carries mark (the
 // name's random part has no dot).
 func hasMark(uaddr, mark string) bool { return strings.Contains(uaddr+".", mark+".") }
@@ -118,6 +124,9 @@ func (a *Agent) listenLocal() error {
 	var b [12]byte
 	_, _ = rand.Read(b[:])
 	name := "@kvxfer-netxfer-" + hex.EncodeToString(b[:])
+	if !a.cfg.noIdent {
+		name += identMark
+	}
 	if !a.cfg.noReadAcks {
 		name += readAcksMark
 	}
@@ -389,6 +398,7 @@ func (f *fdReader) close() {
 // fence and the memory it passed, mapped read-only.
 type localServer struct {
 	c      *net.UnixConn
+	inc    string // the client's incarnation (its hello's)
 	fr     *fdReader
 	fence  []byte
 	chunks map[uint32][]byte
@@ -771,7 +781,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 	took := false // landLocal took the part (and answers it, or notes it lost)
 	defer func() {
 		if !took {
-			a.partLost(from, h)
+			a.partLost(session{from, s.inc}, h)
 		}
 	}()
 	a.wire(WirePartRead, XferID(h.id), h.part)
@@ -792,7 +802,7 @@ func (a *Agent) serveWriteLocal(s *localServer, r *scatterReader, w *bufio.Write
 		ranges[i] = Region{binary.LittleEndian.Uint64(e), binary.LittleEndian.Uint64(e[8:])}
 		s.refs = append(s.refs, localRef{binary.LittleEndian.Uint32(e[16:]), binary.LittleEndian.Uint64(e[20:])})
 	}
-	if err := a.landingRoom(from, h); err != nil {
+	if err := a.landingRoom(session{from, s.inc}, h); err != nil {
 		return err
 	}
 	// Admitted, the copy ends before the grant that let it in can (no
@@ -852,7 +862,7 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 		if errors.Is(berr, ErrProtocol) {
 			a.memMu.RUnlock()
 			a.releaseGuard(ticket)
-			a.partLost(from, h)
+			a.partLost(session{from, s.inc}, h)
 			return berr
 		}
 	}
@@ -873,7 +883,7 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 			if berr != nil {
 				a.memMu.RUnlock()
 				a.releaseGuard(ticket)
-				a.partLost(from, h)
+				a.partLost(session{from, s.inc}, h)
 				return berr
 			}
 			inflight, berr = s.copyPieces(s.dst, s.src)
@@ -910,7 +920,7 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 					s.wmu.Lock()
 					defer ended()
 					defer s.wmu.Unlock()
-					if a.landed(w, from, h, v, err) != nil {
+					if a.landed(w, session{from, s.inc}, h, v, err) != nil {
 						_ = s.c.Close()
 					}
 				}()
@@ -919,11 +929,11 @@ func (a *Agent) landLocal(s *localServer, w *bufio.Writer, from string, h writeH
 			}
 			berr = cmp.Or(berr, waitCopies(inflight))
 		}
-		return a.landed(w, from, h, v, release(berr))
+		return a.landed(w, session{from, s.inc}, h, v, release(berr))
 	}
 	a.memMu.RUnlock()
 	a.releaseGuard(ticket)
-	return a.landed(w, from, h, v, berr)
+	return a.landed(w, session{from, s.inc}, h, v, berr)
 }
 
 // devicePart posts a same-host WRITE part whose pieces all go from a
@@ -1279,7 +1289,11 @@ func (p *peer) dialLocal() (*conn, error) {
 			return fail(err)
 		}
 	}
-	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
+	hello := helloFrame(a.cfg.Name)
+	if p.ident != "" {
+		hello = identHello(a.cfg.Name, p.ident, a.inc)
+	}
+	if _, err := nc.Write(hello); err != nil {
 		return fail(err)
 	}
 	ffd, fence, err := newFence()

@@ -24,10 +24,10 @@ func (a *Agent) serve(raw net.Conn) {
 		delete(a.mu.incoming, raw)
 		a.mu.Unlock()
 	}()
-	from := "" // the peer, once its hello was taken
+	from, inc := "", "" // the peer and its incarnation, once its hello was taken
 	defer func() {
 		if from != "" {
-			a.servedEnd(from)
+			a.servedEnd(session{from, inc})
 		}
 	}()
 	nc := raw
@@ -92,7 +92,7 @@ func (a *Agent) serve(raw net.Conn) {
 	if err := readFull(r, hdr[:7]); err != nil {
 		return
 	}
-	if string(hdr[:4]) != magic || hdr[4] != version {
+	if string(hdr[:4]) != magic || hdr[4] != version && (hdr[4] != versionIdent || a.cfg.noIdent) {
 		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason", "bad hello")
 		return
 	}
@@ -104,6 +104,39 @@ func (a *Agent) serve(raw net.Conn) {
 	if err := readFull(r, name); err != nil {
 		return
 	}
+	if hdr[4] == versionIdent {
+		// The agent the dialer means, by its same-host socket's name (its
+		// process's own): another that listened at this address before
+		// (a process restarted at the same port) is not this one.
+		var fields [2][]byte
+		for i := range fields {
+			if err := readFull(r, hdr[:2]); err != nil {
+				return
+			}
+			n := binary.LittleEndian.Uint16(hdr[:2])
+			if n > maxName {
+				return
+			}
+			fields[i] = make([]byte, n)
+			if err := readFull(r, fields[i]); err != nil {
+				return
+			}
+		}
+		if target := string(fields[0]); target == "" || target != a.uaddr {
+			a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "peer", string(name), "reason",
+				fmt.Sprintf("its hello is for the agent at same-host socket %q, this agent (%s) is at %q: meant for another agent that listened at this address", target, a.cfg.Name, a.uaddr))
+			return
+		}
+		if !isLocal { // (a same-host socket's name is its process's own)
+			if _, err := nc.Write([]byte{helloOK}); err != nil {
+				return
+			}
+		}
+		inc = string(fields[1])
+		if ls != nil {
+			ls.inc = inc
+		}
+	}
 	if a.cfg.Auth != nil && a.cfg.Auth.Enabled() && string(name) != authed {
 		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason",
 			fmt.Sprintf("its hello names %q, it authenticated as %q", name, authed))
@@ -111,7 +144,7 @@ func (a *Agent) serve(raw net.Conn) {
 	}
 	from = string(name)
 	a.mu.Lock()
-	a.mu.served[from]++
+	a.mu.served[session{from, inc}]++
 	a.mu.Unlock()
 	// Answers are small; a buffered writer batches them. Payloads of READ
 	// responses bypass it (Flush first, then writev from memory).
@@ -142,7 +175,7 @@ func (a *Agent) serve(raw net.Conn) {
 		var err error
 		switch hdr[0] {
 		case tWrite:
-			err = a.serveWrite(r, w, from, hdr[:], &sc)
+			err = a.serveWrite(r, w, session{from, inc}, hdr[:], &sc)
 		case tReadReq, tReadReqTag:
 			err = a.serveRead(r, nc, w, from, hdr[:], hdr[0] == tReadReqTag, &sc, ls)
 		case tNotif:
@@ -291,13 +324,25 @@ func readWriteHeader(r io.Reader, hdr []byte) (writeHeader, error) {
 // landingRoom refuses a part that would start one multi-part WRITE too
 // many for its peer: a peer cannot grow the table by starting transfers
 // it never finishes, nor fill it for the others.
-func (a *Agent) landingRoom(from string, h writeHeader) error {
-	k := landKey{from, XferID(h.id)}
+func (a *Agent) landingRoom(ss session, h writeHeader) error {
+	k := landKey{ss.peer, ss.inc, XferID(h.id)}
 	a.mu.Lock()
-	full := a.mu.landing[k] == nil && h.parts > 1 && a.mu.landingBy[from] >= maxLanding
+	full := a.mu.landing[k] == nil && h.parts > 1 && a.mu.landingBy[ss.peer] >= maxLanding
+	if full {
+		// WRITEs whose other parts will never come (their sender gave
+		// them up, or its connection failed while the peer keeps others
+		// open) are forgotten once no part came for staleLanding.
+		now := time.Now()
+		for lk, l := range a.mu.landing {
+			if lk.peer == ss.peer && now.Sub(l.last) > staleLanding {
+				a.endLandingLocked(lk)
+			}
+		}
+		full = a.mu.landingBy[ss.peer] >= maxLanding
+	}
 	a.mu.Unlock()
 	if full {
-		return fmt.Errorf("%w: %d multi-part writes from %s unfinished, the most an agent keeps for a peer", ErrProtocol, maxLanding, from)
+		return fmt.Errorf("%w: %d multi-part writes from %s unfinished, the most an agent keeps for a peer", ErrProtocol, maxLanding, ss.peer)
 	}
 	return nil
 }
@@ -311,6 +356,7 @@ func (a *Agent) landingLocked(k landKey, parts uint32) *landing {
 		a.mu.landing[k] = l
 		a.mu.landingBy[k.peer]++
 	}
+	l.last = time.Now()
 	return l
 }
 
@@ -329,14 +375,14 @@ func (a *Agent) endLandingLocked(k landKey) {
 // (the connection failed, or the peer broke the protocol): it never
 // lands, and its sender fails the transfer with the connection. Counted
 // as failed, so that the landing ends with its other parts.
-func (a *Agent) partLost(from string, h writeHeader) {
+func (a *Agent) partLost(ss session, h writeHeader) {
 	if h.parts <= 1 {
 		return
 	}
-	k := landKey{from, XferID(h.id)}
+	k := landKey{ss.peer, ss.inc, XferID(h.id)}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.mu.landing[k] == nil && a.mu.landingBy[from] >= maxLanding {
+	if a.mu.landing[k] == nil && a.mu.landingBy[ss.peer] >= maxLanding {
 		return
 	}
 	l := a.landingLocked(k, h.parts)
@@ -346,22 +392,22 @@ func (a *Agent) partLost(from string, h writeHeader) {
 	}
 }
 
-// servedEnd notes the end of a connection from peer: with its last, the
-// multi-part WRITEs it left unfinished are forgotten (their parts still
-// to come went with the connections they were on, and their sender
-// failed them).
-func (a *Agent) servedEnd(peer string) {
+// servedEnd notes the end of a connection from a peer's incarnation:
+// with its last, the multi-part WRITEs it left unfinished are forgotten
+// (their parts still to come went with the connections they were on,
+// and their sender failed them).
+func (a *Agent) servedEnd(ss session) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.mu.served[peer]--; a.mu.served[peer] > 0 {
+	if a.mu.served[ss]--; a.mu.served[ss] > 0 {
 		return
 	}
-	delete(a.mu.served, peer)
-	if a.mu.landingBy[peer] == 0 {
+	delete(a.mu.served, ss)
+	if a.mu.landingBy[ss.peer] == 0 {
 		return
 	}
 	for k := range a.mu.landing {
-		if k.peer == peer {
+		if k.peer == ss.peer && k.inc == ss.inc {
 			a.endLandingLocked(k)
 		}
 	}
@@ -370,8 +416,9 @@ func (a *Agent) servedEnd(peer string) {
 // landed records a WRITE part that landed (berr nil) or was refused,
 // delivers the notification once every part landed, and acknowledges
 // the part.
-func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, berr error) error {
-	k := landKey{from, XferID(h.id)}
+func (a *Agent) landed(w *bufio.Writer, ss session, h writeHeader, v Verdict, berr error) error {
+	from := ss.peer
+	k := landKey{ss.peer, ss.inc, XferID(h.id)}
 	a.mu.Lock()
 	l := a.landingLocked(k, h.parts)
 	if berr != nil {
@@ -402,7 +449,8 @@ func (a *Agent) landed(w *bufio.Writer, from string, h writeHeader, v Verdict, b
 }
 
 // serveWrite lands one WRITE part straight into registered memory.
-func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr []byte, sc *scratch) error {
+func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, ss session, hdr []byte, sc *scratch) error {
+	from := ss.peer
 	defer sc.done()
 	h, err := readWriteHeader(r, hdr)
 	if err != nil {
@@ -411,7 +459,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	answered := false
 	defer func() {
 		if !answered {
-			a.partLost(from, h)
+			a.partLost(ss, h)
 		}
 	}()
 	a.wire(WirePartRead, XferID(h.id), h.part)
@@ -419,7 +467,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 	if err != nil {
 		return err
 	}
-	if err := a.landingRoom(from, h); err != nil {
+	if err := a.landingRoom(ss, h); err != nil {
 		return err
 	}
 	// The guard first: a range the peer holds no grant for is refused
@@ -452,7 +500,7 @@ func (a *Agent) serveWrite(r *scatterReader, w *bufio.Writer, from string, hdr [
 		}
 	}
 	answered = true
-	return a.landed(w, from, h, v, berr)
+	return a.landed(w, ss, h, v, berr)
 }
 
 // answerReadRefused answers a READ part with why it was refused (v: the

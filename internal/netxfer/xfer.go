@@ -23,6 +23,18 @@ import (
 const (
 	magic   = "KVXN"
 	version = 1
+	// versionIdent opens a connection whose hello also names the agent
+	// the dialer means to reach (its same-host socket's name, which is
+	// its process's own, from its metadata) and the dialer's incarnation:
+	// the server refuses a hello meant for another agent (one that
+	// listened at its address before: a process restarted at the same
+	// port) and, on TCP, confirms the others with helloOK before anything
+	// else it writes; it counts a multi-part WRITE's parts by the
+	// incarnation that sent them. Sent only to agents whose socket's name
+	// carries identMark (on the same-host socket too, unconfirmed: its
+	// name is its process's own).
+	versionIdent = 2
+	helloOK      = 0x4b
 
 	tWrite   = 1 // xfer u64, part u32, parts u32, ndesc u32, notif u32 | notif | ndesc×(addr u64, len u64) | payload
 	tReadReq = 2 // xfer u64, part u32, ndesc u32 | ndesc×(addr u64, len u64)
@@ -43,10 +55,12 @@ const (
 	maxNotif     = 1 << 20
 	maxDescs     = 1 << 20
 	// maxLanding bounds the multi-part WRITEs an agent is landing at once
-	// for one peer.
-	maxLanding = 1 << 14
-	maxErr     = 4096
-	maxPayload = 1 << 40
+	// for one peer; at the bound, those no part of which came for
+	// staleLanding are forgotten.
+	maxLanding   = 1 << 14
+	staleLanding = 10 * time.Minute
+	maxErr       = 4096
+	maxPayload   = 1 << 40
 )
 
 // xfer is a posted transfer.
@@ -186,12 +200,18 @@ type peer struct {
 	// READ acknowledgements (readAcksMark).
 	gates    bool
 	readAcks bool
-	mu       sync.Mutex
-	noLocal  bool
-	dialing  bool // a connection is being dialed in the background
-	conns    []*conn
-	next     int
-	dead     error
+	// ident: the peer's same-host socket's name (its process's own) when
+	// it confirms who it is (identMark): a TCP connection's hello names
+	// it, and a dial reaching another agent at the peer's address (a
+	// process that restarted there) fails. "": not checked (an older
+	// build, or an agent without a same-host socket).
+	ident   string
+	mu      sync.Mutex
+	noLocal bool
+	dialing bool // a connection is being dialed in the background
+	conns   []*conn
+	next    int
+	dead    error
 }
 
 // conn is one client connection to a peer.
@@ -371,9 +391,25 @@ func (p *peer) dial(local bool) (c *conn, noLocal bool, err error) {
 			return nil, noLocal, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 		}
 	}
-	if _, err := nc.Write(helloFrame(a.cfg.Name)); err != nil {
+	hello := helloFrame(a.cfg.Name)
+	if p.ident != "" {
+		hello = identHello(a.cfg.Name, p.ident, a.inc)
+	}
+	if _, err := nc.Write(hello); err != nil {
 		_ = nc.Close()
 		return nil, noLocal, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
+	}
+	if p.ident != "" {
+		// The agent at the address says it is the one meant (it closes
+		// the connection otherwise).
+		var ok [1]byte
+		_ = nc.SetReadDeadline(time.Now().Add(a.cfg.DialTimeout))
+		err := readFull(nc, ok[:])
+		_ = nc.SetReadDeadline(time.Time{})
+		if err != nil || ok[0] != helloOK {
+			_ = nc.Close()
+			return nil, noLocal, fmt.Errorf("%w: the agent listening at %s is not %s (a new process there?): %v", ErrXferFailed, p.addr, p.name, cmpErr(err, "bad answer to hello"))
+		}
 	}
 	c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
 	return c, noLocal, err
@@ -400,6 +436,26 @@ func helloFrame(name string) []byte {
 	hello := append([]byte(magic), version)
 	hello = binary.LittleEndian.AppendUint16(hello, uint16(len(name)))
 	return append(hello, name...)
+}
+
+// identHello opens a connection to the agent whose same-host socket is
+// target (versionIdent): magic, versionIdent, the dialer's name, target,
+// the dialer's incarnation (Agent.inc), each after its u16 length.
+func identHello(name, target, inc string) []byte {
+	hello := append([]byte(magic), versionIdent)
+	for _, s := range []string{name, target, inc} {
+		hello = binary.LittleEndian.AppendUint16(hello, uint16(len(s)))
+		hello = append(hello, s...)
+	}
+	return hello
+}
+
+// cmpErr is err, or what when it is nil.
+func cmpErr(err error, what string) any {
+	if err != nil {
+		return err
+	}
+	return what
 }
 
 // close fails the peer's transfers and closes its connections.
