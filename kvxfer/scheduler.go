@@ -71,7 +71,9 @@ type SchedulerConfig struct {
 // Alloc is what an engine allocated for a request in a step.
 type Alloc struct {
 	// Blocks are the logical block ids per cache group that a transfer
-	// fills: the blocks past the local prefix-cache hit.
+	// fills: the blocks past the local prefix-cache hit. With External >
+	// 0, a full-attention or MLA group's list holds every external token
+	// and no group's is empty (AfterAlloc refuses less).
 	Blocks [][]topology.BlockID
 	// Computed is the number of tokens already computed locally (the
 	// prefix-cache hit); Blocks start at this token.
@@ -129,7 +131,9 @@ type Scheduler struct {
 	// of them by deadline.
 	watch map[string]time.Time
 	// recving: every receive staged and not yet reported (push and pull),
-	// so Update knows each consumer outcome it is handed.
+	// so Update knows each consumer outcome it is handed; true marks an
+	// empty receive (a full prefix hit), whose outcome an engine need not
+	// wait for or hand back: RequestFinished forgets it.
 	recving  map[string]bool
 	watchQ   deadlineHeap
 	counters SchedulerCounters
@@ -282,8 +286,11 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	switch {
 	case p.DoRemotePrefill:
 		n = s.PrefillTokens(r.PromptTokens) - computed
-	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0:
-		// Turn 2 on P: read back what D holds beyond our prefix.
+	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0 && !s.cfg.HostBuffer && !s.processed[r.ID]:
+		// Turn 2 on P: read back what D holds beyond our prefix, under
+		// AfterAlloc's conditions (no host buffer, not read already: a
+		// request asked again after a preemption recomputes), so that
+		// an asynchronous load promised is one staged.
 		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
 		if n > 0 && s.cfg.RecomputeThreshold > 0 && n < s.cfg.RecomputeThreshold {
 			s.counters.Recomputed++
@@ -371,6 +378,10 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	if s.cfg.Mode == ModePull {
 		ref.Blocks = remote
 	}
+	if err := s.checkAlloc(a, ref); err != nil {
+		s.counters.BadParams++
+		return fmt.Errorf("kvxfer: request %q: %w", r.ID, err)
+	}
 	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
 	if a.External > 0 {
 		rr.Local, err = s.clip(a.Blocks, a.Computed, true)
@@ -397,9 +408,55 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	}
 	s.processed[r.ID] = true
 	s.recv = append(s.recv, rr)
-	s.recving[r.ID] = true
+	s.recving[r.ID] = rr.Local == nil
 	return nil
 }
+
+// checkAlloc checks what an engine allocated for a receive: counts in
+// range, a prefix hit on a block boundary, blocks in every full-attention
+// and MLA group for every external token (and some in every
+// sliding-window and Mamba group), and, in pull, no more tokens than the
+// producer holds. Anything less and the transfer would fill part of what
+// the engine takes as loaded, and report it done (with no block at all,
+// at once, as a full prefix hit).
+func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
+	bs := s.cfg.LogicalBlockSize
+	switch {
+	case a.Computed < 0 || a.Computed > maxTokens:
+		return fmt.Errorf("Alloc.Computed = %d, want 0..%d", a.Computed, maxTokens)
+	case a.External < 0 || a.External > maxTokens:
+		return fmt.Errorf("Alloc.External = %d, want 0..%d", a.External, maxTokens)
+	case a.External == 0:
+		return nil
+	case a.Computed%bs != 0:
+		return fmt.Errorf("Alloc.Computed = %d with Alloc.External = %d, want a multiple of the block size %d (the first block starts there)",
+			a.Computed, a.External, bs)
+	case len(a.Blocks) != len(s.cfg.Groups):
+		return fmt.Errorf("Alloc.Blocks has %d block groups, want %d", len(a.Blocks), len(s.cfg.Groups))
+	}
+	for g, ids := range a.Blocks {
+		if k := s.cfg.Groups[g].Kind; k == topology.KindMamba || k == topology.KindSlidingWindow {
+			// A state block, a window's blocks: never none.
+			if len(ids) == 0 {
+				return fmt.Errorf("Alloc.Blocks[%d] (%v) is empty with Alloc.External = %d", g, k, a.External)
+			}
+			continue
+		}
+		if have := len(ids) * bs; have < a.External {
+			return fmt.Errorf("Alloc.Blocks[%d] has %d blocks (%d tokens from token %d), fewer than Alloc.External = %d",
+				g, len(ids), have, a.Computed, a.External)
+		}
+	}
+	if s.cfg.Mode == ModePull && ref.Tokens > 0 && a.Computed+a.External > ref.Tokens {
+		return fmt.Errorf("Alloc.Computed + Alloc.External = %d + %d, more than the producer holds (transfer params: RemoteNumTokens = %d)",
+			a.Computed, a.External, ref.Tokens)
+	}
+	return nil
+}
+
+// maxTokens bounds the token counts an engine passes (topology's bound on
+// token starts).
+const maxTokens = 1 << 40
 
 // Scheduled stages host-buffer saves of the new blocks a producer request
 // got this step (SPEC §11); computed and scheduled are its token counts.
@@ -473,6 +530,10 @@ func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, s
 func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]topology.BlockID, computed int) (delay bool, params *TransferParams, err error) {
 	p := r.Params
 	received := s.processed[r.ID]
+	if empty, ok := s.recving[r.ID]; ok && empty {
+		// A full prefix hit's outcome: nothing waits for it.
+		delete(s.recving, r.ID)
+	}
 	delete(s.saving, r.ID)
 	delete(s.processed, r.ID)
 	delete(s.prefilled, r.ID)
@@ -506,6 +567,10 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 			}
 		}
 		return false, nil, nil
+	}
+	if computed < 0 || computed > maxTokens {
+		s.counters.BadParams++
+		return false, nil, fmt.Errorf("kvxfer: request %q: RequestFinished: computed = %d, want 0..%d", r.ID, computed, maxTokens)
 	}
 	spans, err := s.clip(blocks, 0, true)
 	if err != nil {
@@ -579,13 +644,31 @@ func (s *Scheduler) Update(f *Finished) {
 		delete(s.held, o.ReqID)
 	}
 	for _, o := range f.Recving {
-		if !s.recving[o.ReqID] {
+		if _, ok := s.recving[o.ReqID]; !ok {
 			s.counters.UnknownUpdates++
 			continue
 		}
 		delete(s.recving, o.ReqID)
 		delete(s.watch, o.ReqID)
 	}
+	s.compactWatch()
+}
+
+// compactWatch rebuilds the watchdog heap from the armed deadlines when
+// most of its entries are for receives that ended already (they would
+// otherwise stay until their deadline: with a long registration timeout,
+// one per request for that long).
+func (s *Scheduler) compactWatch() {
+	if len(s.watchQ) <= 64 || len(s.watchQ) <= 2*len(s.watch) {
+		return
+	}
+	q := s.watchQ[:0]
+	for id, at := range s.watch {
+		q = append(q, deadlineEntry{at: at, id: id})
+	}
+	clear(s.watchQ[len(q):])
+	s.watchQ = q
+	heap.Init(&s.watchQ)
 }
 
 // HasPendingWork reports whether the engine must keep stepping for

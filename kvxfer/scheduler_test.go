@@ -378,7 +378,7 @@ func TestBidirectionalTurns(t *testing.T) {
 	if n, _ := p.MatchedTokens(turn2, 150); n != 0 || p.Counters().Recomputed != 1 {
 		t.Errorf("turn-2 below the threshold = %d (recomputed %d); want 0 and counted", n, p.Counters().Recomputed)
 	}
-	if err := p.AfterAlloc(turn2, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3, 4)}, External: 200}); err != nil {
+	if err := p.AfterAlloc(turn2, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)}, External: 200}); err != nil {
 		t.Fatal(err)
 	}
 	m := p.BuildMeta()

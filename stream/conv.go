@@ -580,6 +580,9 @@ func RequestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
 	if err != nil {
 		return nil, err
 	}
+	if prompt < 0 {
+		return nil, Invalid("request.prompt_tokens = %d, want >= 0", prompt)
+	}
 	p, err := ParamsFromProto(r.Params)
 	if err != nil {
 		return nil, err

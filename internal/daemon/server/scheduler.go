@@ -180,7 +180,7 @@ func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRe
 	if err != nil {
 		return nil, Status(err)
 	}
-	computed, err := stream.FitInt("computed", req.Computed)
+	computed, err := count("computed", req.Computed)
 	if err != nil {
 		return nil, Status(err)
 	}
@@ -225,10 +225,28 @@ func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (
 	if err != nil {
 		return nil, Status(err)
 	}
+	computed, err := count("computed", req.Computed)
+	if err != nil {
+		return nil, Status(err)
+	}
+	scheduled, err := count("scheduled", req.Scheduled)
+	if err != nil {
+		return nil, Status(err)
+	}
 	ls.mu.Lock()
-	ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), int(req.Computed), int(req.Scheduled))
+	ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), computed, scheduled)
 	ls.mu.Unlock()
 	return &pb.ScheduledResponse{}, nil
+}
+
+// count converts a token count an engine passed: in range (FitInt) and
+// not negative.
+func count(name string, v int64) (int, error) {
+	n, err := stream.FitInt(name, v)
+	if err == nil && n < 0 {
+		err = stream.Invalid("%s = %d, want >= 0", name, n)
+	}
+	return n, err
 }
 
 // prefillCall is a converted PrefillRequest.
