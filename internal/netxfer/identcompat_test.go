@@ -2,8 +2,6 @@ package netxfer
 
 import (
 	"bytes"
-	"fmt"
-	"math/rand/v2"
 	"testing"
 )
 
@@ -12,19 +10,7 @@ import (
 func TestIdentOlderBuild(t *testing.T) {
 	const size = 1 << 12
 	mk := func(name string, old bool) (*Agent, []byte) {
-		ag, err := New(Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, Conns: 2, noIdent: old})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ag.Close() })
-		mem := make([]byte, size)
-		if err := ag.Map(base, mem); err != nil {
-			t.Fatal(err)
-		}
-		if err := ag.Register([]Region{{base, size}}); err != nil {
-			t.Fatal(err)
-		}
-		return ag, mem
+		return newHeapAgent(t, name, size, Config{DisableLocal: true, Conns: 2, noIdent: old})
 	}
 	a, am := mk("new", false)
 	b, bm := mk("old", true)

@@ -20,19 +20,7 @@ import (
 func TestSuccessorAtSameAddressNotReached(t *testing.T) {
 	const size = 1 << 16
 	mk := func(name, listen string) (*Agent, []byte) {
-		ag, err := New(Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), Listen: listen, DisableLocal: true, Conns: 3})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ag.Close() })
-		mem := make([]byte, size)
-		if err := ag.Map(base, mem); err != nil {
-			t.Fatal(err)
-		}
-		if err := ag.Register([]Region{{base, size}}); err != nil {
-			t.Fatal(err)
-		}
-		return ag, mem
+		return newHeapAgent(t, name, size, Config{Listen: listen, DisableLocal: true, Conns: 3})
 	}
 	a, am := mk("a", "")
 	old, _ := mk("old", "")

@@ -283,6 +283,26 @@ func TestSameHostReadOlderReader(t *testing.T) {
 	}
 }
 
+// newHeapAgent is an agent named after the test and name, with size
+// bytes of Go memory at base, registered.
+func newHeapAgent(t testing.TB, name string, size int, cfg Config) (*Agent, []byte) {
+	t.Helper()
+	cfg.Name = fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64())
+	ag, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ag.Close() })
+	mem := make([]byte, size)
+	if err := ag.Map(base, mem); err != nil {
+		t.Fatal(err)
+	}
+	if err := ag.Register([]Region{{base, uint64(size)}}); err != nil {
+		t.Fatal(err)
+	}
+	return ag, mem
+}
+
 // newMemAgent is an agent (not taking direct copies) with size bytes of
 // file-backed memory at base, registered: one of localPair's.
 func newMemAgent(t testing.TB, name string, size int, cfg Config) (*Agent, []byte) {

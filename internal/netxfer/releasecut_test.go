@@ -268,19 +268,7 @@ func budgetProxy(t *testing.T, target string, budget int64, heal <-chan struct{}
 func TestReleasedWriteSendsNoReusedBytes(t *testing.T) {
 	const size = 32 << 20
 	mk := func(name string) (*Agent, []byte) {
-		ag, err := New(Config{Name: fmt.Sprintf("%s-%s-%d", t.Name(), name, rand.Uint64()), DisableLocal: true, DisableSameHost: true, Conns: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ag.Close() })
-		mem := make([]byte, size)
-		if err := ag.Map(base, mem); err != nil {
-			t.Fatal(err)
-		}
-		if err := ag.Register([]Region{{base, size}}); err != nil {
-			t.Fatal(err)
-		}
-		return ag, mem
+		return newHeapAgent(t, name, size, Config{DisableLocal: true, DisableSameHost: true, Conns: 1})
 	}
 	a, am := mk("p")
 	b, bm := mk("d")
