@@ -445,11 +445,13 @@ func (st *loopState) readRetry(t timerEntry) {
 		if !ok || at.After(t.at) {
 			continue
 		}
-		delete(r.retryAt, to)
 		if e == nil || e.state != hsReady {
+			// decide tells the ranks whose READ waits to be tried again
+			// (this one among them) where they can be reached.
 			st.decide(r, ResultFailed, FailurePeerGone, "producer handshake lost before a READ was retried")
-			continue
+			break
 		}
+		delete(r.retryAt, to)
 		st.readFrom(r, e, to)
 	}
 	if !r.decided && len(r.got) == len(r.targets) {
@@ -549,6 +551,19 @@ func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason str
 		kind = FailureNone
 	}
 	r.outcome = Outcome{ReqID: r.req.ReqID, Result: res, Kind: kind, Reason: reason}
+	if res != ResultDone && st.cfg.Mode == ModePull && len(r.retryAt) > 0 {
+		// A producer rank whose READ waits to be tried again reads
+		// nothing more from us, and is told now: it would hold its
+		// blocks for its whole lease.
+		if e := st.engines[r.req.Remote.EngineID]; e != nil {
+			for _, to := range r.targets {
+				if _, ok := r.retryAt[to]; ok {
+					st.tellP(e, r, to, msgFail, kind, reason)
+				}
+			}
+		}
+		clear(r.retryAt)
+	}
 	if res != ResultDone && st.cfg.Mode == ModePush && r.sent {
 		r.canceled = true
 		st.sendCancels(r)
@@ -627,6 +642,7 @@ func (st *loopState) recvDeadline(e timerEntry) {
 			for _, to := range r.targets {
 				if !r.got.has(to) && !st.reading(r, to) {
 					st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
+					delete(r.retryAt, to) // told: decide tells it no more
 				}
 			}
 		}

@@ -1227,6 +1227,13 @@ func (st *loopState) onHeartbeat(m *msg) {
 		switch {
 		case tid != "":
 			s = st.sendByTID.get(tid)
+			if s != nil && preq != "" && s.req.ReqID != preq {
+				// The transfer id is held twice (pullSendFor): the
+				// request named by both ids is the one it is for.
+				if o := st.sends.get(preq); o != nil && o.req.TransferID == tid {
+					s = o
+				}
+			}
 		case preq != "":
 			s = st.sends.get(preq)
 		}
@@ -1396,13 +1403,7 @@ func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, rea
 // Pull producer: D ranks report with msgDone (or msgFail) after reading.
 
 func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind) {
-	var s *sendReq
-	if m.TransferID != "" {
-		s = st.sendByTID.get(m.TransferID)
-	}
-	if s == nil && m.PReq != "" {
-		s = st.sends.get(m.PReq)
-	}
+	s := st.pullSendFor(m)
 	if s == nil {
 		// The consumer may read before our engine hands us the request
 		// (its params reach D first): keep the notice for a while.
@@ -1428,33 +1429,100 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 	st.settlePull(s)
 }
 
-// stashEarly keeps a pull completion notice for a request not held yet.
+// pullSendFor finds the producer request a consumer's notice is about:
+// by its transfer id, else by the producer request id it names; never a
+// request that carries another transfer id than the notice (the engine
+// used the request id again once the notice's request ended: a late
+// notice of that one would free the new request's blocks before its own
+// consumer read them). Where the transfer id is held by another request
+// than the one named (the engine used a transfer id twice: refused at
+// the second SendReq, which is then held by id alone), the one named by
+// both wins.
+func (st *loopState) pullSendFor(m *msg) *sendReq {
+	if m.TransferID != "" {
+		if s := st.sendByTID.get(m.TransferID); s != nil {
+			if m.PReq != "" && s.req.ReqID != m.PReq {
+				if o := st.sends.get(m.PReq); o != nil && o.req.TransferID == m.TransferID {
+					return o
+				}
+			}
+			return s
+		}
+	}
+	if m.PReq == "" {
+		return nil
+	}
+	if s := st.sends.get(m.PReq); s != nil && !otherTransfer(s, m) {
+		return s
+	}
+	return nil
+}
+
+// otherTransfer reports whether a consumer's notice names a transfer id
+// other than producer request s's (both have one).
+func otherTransfer(s *sendReq, m *msg) bool {
+	return m.TransferID != "" && s.req.TransferID != "" && m.TransferID != s.req.TransferID
+}
+
+// stashEarly keeps a pull completion notice for a request not held yet:
+// one per consumer rank (its first of a transfer; a duplicate counts for
+// nothing when the request arrives either; a notice of another transfer
+// id takes its place), so what a request's notices keep is bounded by
+// its consumer ranks, however often, and whatever, they send.
 func (st *loopState) stashEarly(m *msg) {
 	key := m.PReq
 	if key == "" {
 		key = "tid:" + m.TransferID
 	}
-	if len(st.early) >= maxEarly {
+	e := st.early[key]
+	if e == nil && len(st.early) >= maxEarly {
 		st.metrics.Dropped("done_unknown_request")
 		return
 	}
-	e := st.early[key]
 	if e == nil {
 		e = &earlyNotes{at: st.now}
 		st.early[key] = e
+	}
+	for i, o := range e.msgs {
+		if o.Engine != m.Engine || o.TPRank != m.TPRank || o.TPSize != m.TPSize {
+			continue
+		}
+		if o.TransferID == m.TransferID {
+			st.metrics.Dropped("done_duplicate")
+			return
+		}
+		// The rank's notice of another transfer under this id: the
+		// newer one stands (one per rank, whatever it names).
+		st.metrics.Dropped("done_unknown_request")
+		e.msgs[i] = m
+		return
 	}
 	e.msgs = append(e.msgs, m)
 }
 
 // replayEarly applies the notices that arrived before a pull request.
+// One that names another transfer id is not about it (about an earlier
+// request under the same id): it stays where it is, for its TTL.
 func (st *loopState) replayEarly(s *sendReq) {
 	for _, key := range []string{s.req.ReqID, "tid:" + s.req.TransferID} {
 		e := st.early[key]
-		if e == nil {
+		if e == nil || key == "tid:" && s.req.TransferID == "" {
 			continue
 		}
-		delete(st.early, key)
+		var keep, apply []*msg
 		for _, m := range e.msgs {
+			if otherTransfer(s, m) {
+				keep = append(keep, m)
+			} else {
+				apply = append(apply, m)
+			}
+		}
+		if len(keep) > 0 {
+			e.msgs = keep
+		} else {
+			delete(st.early, key)
+		}
+		for _, m := range apply {
 			reason, kind := "", FailureNone
 			if m.Kind == msgFail {
 				reason, kind = m.Reason, m.failKind()
