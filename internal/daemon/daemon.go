@@ -55,7 +55,7 @@ type config struct {
 	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
 	noGates                                                                                             bool
 	helloTimeout                                                                                        time.Duration
-	maxStreams, maxStreamsPerUID, maxPeerConns                                                          int
+	maxStreams, maxStreamsPerUID, maxPeerConns, maxPeerConnsTotal                                       int
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
 	etcd                                                                                                etcdConfig
@@ -108,6 +108,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.IntVar(&c.maxStreams, "max-streams", 4096, "engine streams (worker and scheduler streams) open at once, all users; also bounds open schedulers")
 	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid); also bounds one user's open schedulers")
 	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP")
+	fs.IntVar(&c.maxPeerConnsTotal, "max-peer-conns", 4096, "connections to the Peer service open at once from all IPs")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
@@ -172,15 +173,24 @@ func (c *config) validate() error {
 			return fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
-	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 {
-		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d: want each > 0",
-			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns)
+	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 || c.maxPeerConnsTotal <= 0 {
+		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d: want each > 0",
+			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal)
 	}
 	if c.rankPortBase < 0 || c.rankPortBase > 65535 {
 		return fmt.Errorf("-rank-port-base = %d, want 0 (off) or a port", c.rankPortBase)
 	}
 	if c.dataPortBase < 0 || c.dataPortBase > 65535 {
 		return fmt.Errorf("-data-port-base = %d, want 0 (off) or a port", c.dataPortBase)
+	}
+	if err := c.portsApart(); err != nil {
+		return err
+	}
+	if c.drainTimeout <= 0 {
+		return fmt.Errorf("-drain-timeout = %v, want > 0", c.drainTimeout)
+	}
+	if c.peerTimeout == 0 {
+		return fmt.Errorf("-peer-timeout = %v, want > 0 (or negative: never)", c.peerTimeout)
 	}
 	if c.maxRequests <= 0 {
 		return fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
@@ -207,6 +217,51 @@ func (c *config) validate() error {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
 	}
 	return c.etcd.validate()
+}
+
+// portsApart checks that the built-in backend's first data port
+// (-data-port-base, rank 0's) is not a port kvxferd listens on already on
+// an overlapping address (-peer-listen, -metrics-listen, -rank-port-base):
+// every engine's first rank would fail to attach.
+func (c *config) portsApart() error {
+	if c.dataPortBase == 0 || c.backend != "builtin" {
+		return nil
+	}
+	type listener struct{ flag, host, port string }
+	var ls []listener
+	for _, l := range []struct{ flag, addr string }{{"-peer-listen", c.peerListen}, {"-metrics-listen", c.metricsListen}} {
+		if host, port, err := net.SplitHostPort(l.addr); err == nil {
+			ls = append(ls, listener{l.flag, host, port})
+		}
+	}
+	if c.rankPortBase != 0 {
+		if host, _, err := net.SplitHostPort(c.peerListen); err == nil {
+			ls = append(ls, listener{"-rank-port-base", host, strconv.Itoa(c.rankPortBase)})
+		}
+	}
+	for _, l := range ls {
+		if l.port == strconv.Itoa(c.dataPortBase) && hostsOverlap(l.host, c.dataHost) {
+			return fmt.Errorf("-data-port-base = %d: rank 0's data port is %s's port (%s), on -data-host %q: choose ports apart",
+				c.dataPortBase, l.flag, net.JoinHostPort(l.host, l.port), c.dataHost)
+		}
+	}
+	return nil
+}
+
+// hostsOverlap reports whether listeners on hosts a and b may take the
+// same port's place: one host, or either the unspecified address.
+func hostsOverlap(a, b string) bool {
+	unspecified := func(h string) bool {
+		ip := net.ParseIP(h)
+		return h == "" || ip != nil && ip.IsUnspecified()
+	}
+	if unspecified(a) || unspecified(b) {
+		return true
+	}
+	if ia, ib := net.ParseIP(a), net.ParseIP(b); ia != nil && ib != nil {
+		return ia.Equal(ib)
+	}
+	return strings.EqualFold(a, b)
 }
 
 // progressDelay is nixl.Config.ProgressDelay for -nixl-progress-delay
@@ -257,9 +312,46 @@ func Main(args []string) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	slog.SetDefault(log)
 	setMaxProcs(log)
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	ctx, stop := onSignals(c, log)
 	defer stop()
 	return serve(ctx, c, log)
+}
+
+// onSignals returns a context that ends at the first SIGTERM or SIGINT
+// (a graceful shutdown); a second one while it runs exits at once, status
+// 128+signal, without waiting for the drain.
+func onSignals(c *config, log *slog.Logger) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	done := make(chan struct{})
+	go func() {
+		select {
+		case s := <-sigs:
+			log.Info("kvxferd: signal: shutting down gracefully (send it again to exit at once)", "signal", s.String())
+			cancel()
+		case <-done:
+			return
+		}
+		select {
+		case s := <-sigs:
+			log.Warn("kvxferd: second signal: exiting at once, transfers in flight not drained", "signal", s.String())
+			if !abstract(c.socket) {
+				_ = os.Remove(c.socket)
+			}
+			code := 1
+			if n, ok := s.(syscall.Signal); ok {
+				code = 128 + int(n)
+			}
+			os.Exit(code)
+		case <-done:
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(sigs)
+		close(done)
+		cancel()
+	}
 }
 
 // setMaxProcs leaves GOMAXPROCS to the Go runtime, which follows the
@@ -332,7 +424,8 @@ func (c *config) peerSecurity(log *slog.Logger) (peerSecurity, error) {
 // grpcCreds are the Peer service's and the resolver's credentials.
 func (p peerSecurity) grpcCreds(name string) (serverCreds, clientCreds credentials.TransportCredentials) {
 	if p.server != nil {
-		return server.LoggedServerCredentials(credentials.NewTLS(p.server)), credentials.NewTLS(p.client)
+		return server.LoggedServerCredentials(credentials.NewTLS(p.server), p.auth.CountFailure),
+			server.LoggedServerCredentials(credentials.NewTLS(p.client), p.auth.CountFailure)
 	}
 	c := server.PeerCredentials(p.auth, name)
 	return c, c
@@ -360,6 +453,9 @@ func (c *config) peerAuth(log *slog.Logger) (*peerauth.Authenticator, error) {
 		return peerauth.New(peerauth.RandomSecret())
 	}
 }
+
+// listenPeers opens the Peer service's listener (tests replace it).
+var listenPeers = net.Listen
 
 // openNixl opens a NIXL agent (tests replace it).
 var openNixl = nixl.New
@@ -409,7 +505,11 @@ func serve(ctx context.Context, c *config, log *slog.Logger) error {
 	select {
 	case <-ctx.Done():
 	case err := <-in.serveErr:
+		// A listener failed: the daemon no longer serves. It stops and
+		// says so in its exit status, so that a supervisor restarts it.
 		log.Error("kvxferd: server stopped", "err", err)
+		in.shutdown()
+		return fmt.Errorf("server stopped: %w", err)
 	}
 	in.shutdown()
 	return nil
@@ -470,7 +570,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if err != nil {
 		return nil, err
 	}
-	peerLn, err := net.Listen("tcp", c.peerListen)
+	peerLn, err := listenPeers("tcp", c.peerListen)
 	if err != nil {
 		return nil, fmt.Errorf("peer listener: %w", err)
 	}
@@ -550,9 +650,12 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	in.peer = grpc.NewServer(grpc.Creds(serverCreds))
 	srv.RegisterPeer(in.peer)
 	healthpb.RegisterHealthServer(in.peer, in.hs)
-	perAddr := c.maxPeerConns
+	perAddr, total := c.maxPeerConns, c.maxPeerConnsTotal
 	if perAddr <= 0 {
 		perAddr = 64 // a config made without parseFlags: its default
+	}
+	if total <= 0 {
+		total = 4096
 	}
 	if c.metricsListen != "" {
 		reg := prometheus.NewRegistry()
@@ -575,7 +678,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
 	}
 	go func() {
-		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, perAddr, func() { srv.Refuse("peer_conns_per_addr") }))
+		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, perAddr, total, srv.Refuse))
 	}()
 	go func() { in.serveErr <- in.eng.Serve(engLn) }()
 	in.hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
@@ -603,8 +706,8 @@ func listenEngines(c *config) (net.Listener, error) {
 		}
 		return ln, nil
 	}
-	if err := os.Remove(c.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("stale socket: %w", err)
+	if err := removeStaleSocket(c.socket); err != nil {
+		return nil, err
 	}
 	old := syscall.Umask(0o177)
 	engLn, err := net.Listen("unix", c.socket)
@@ -621,6 +724,36 @@ func listenEngines(c *config) (net.Listener, error) {
 		return nil, err
 	}
 	return engLn, nil
+}
+
+// removeStaleSocket removes the socket at path if nothing listens on it
+// (a daemon that died), and refuses to start where something does
+// (another kvxferd: taking its name would leave it serving no new engine,
+// and its exit would remove ours) or where path is not a socket (never a
+// file removed by a mistyped -socket).
+func removeStaleSocket(path string) error {
+	st, err := os.Lstat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("-socket %s: %w", path, err)
+	}
+	if st.Mode().Type() != os.ModeSocket {
+		return fmt.Errorf("-socket %s: exists and is not a socket (%v): not removed; remove it or choose another -socket", path, st.Mode().Type())
+	}
+	conn, err := net.DialTimeout("unix", path, time.Second)
+	if err == nil {
+		conn.Close()
+		return fmt.Errorf("-socket %s: another process serves it (another kvxferd?): stop it or choose another -socket", path)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		return fmt.Errorf("-socket %s: cannot tell whether it is stale: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("-socket %s: stale socket: %w", path, err)
+	}
+	return nil
 }
 
 // undo runs in's cleanups, last first.

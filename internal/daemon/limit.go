@@ -5,19 +5,21 @@ import (
 	"sync"
 )
 
-// limitListener bounds the connections open at once from one remote IP
-// (a hostile peer cannot hold every descriptor): a connection past the
-// bound is closed as soon as it is accepted, and counted.
+// limitListener bounds the connections open at once from one remote IP,
+// and from all (a hostile peer cannot hold every descriptor, even from
+// many addresses): a connection past a bound is closed as soon as it is
+// accepted, and counted by reason (peer_conns_per_addr, peer_conns).
 type limitListener struct {
 	net.Listener
-	perAddr int
-	refused func()
-	mu      sync.Mutex
-	open    map[string]int
+	perAddr, total int
+	refused        func(reason string)
+	mu             sync.Mutex
+	open           map[string]int
+	all            int
 }
 
-func newLimitListener(ln net.Listener, perAddr int, refused func()) *limitListener {
-	return &limitListener{Listener: ln, perAddr: perAddr, refused: refused, open: map[string]int{}}
+func newLimitListener(ln net.Listener, perAddr, total int, refused func(reason string)) *limitListener {
+	return &limitListener{Listener: ln, perAddr: perAddr, total: total, refused: refused, open: map[string]int{}}
 }
 
 // Accept returns the next connection within the bound.
@@ -32,13 +34,21 @@ func (l *limitListener) Accept() (net.Conn, error) {
 			host = c.RemoteAddr().String()
 		}
 		l.mu.Lock()
-		if l.open[host] >= l.perAddr {
+		reason := ""
+		switch {
+		case l.open[host] >= l.perAddr:
+			reason = "peer_conns_per_addr"
+		case l.all >= l.total:
+			reason = "peer_conns"
+		}
+		if reason != "" {
 			l.mu.Unlock()
-			l.refused() // counted before the peer can see the close
+			l.refused(reason) // counted before the peer can see the close
 			_ = c.Close()
 			continue
 		}
 		l.open[host]++
+		l.all++
 		l.mu.Unlock()
 		return &limitConn{Conn: c, l: l, host: host}, nil
 	}
@@ -57,6 +67,7 @@ func (c *limitConn) Close() error {
 		if c.l.open[c.host]--; c.l.open[c.host] <= 0 {
 			delete(c.l.open, c.host)
 		}
+		c.l.all--
 		c.l.mu.Unlock()
 	})
 	return c.Conn.Close()

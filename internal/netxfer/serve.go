@@ -44,6 +44,9 @@ func (a *Agent) serve(raw net.Conn) {
 		_ = raw.SetDeadline(time.Now().Add(a.cfg.FrameTimeout))
 		if err := tc.Handshake(); err != nil {
 			a.tlsFailures.Add(1)
+			if a.cfg.Auth != nil {
+				a.cfg.Auth.CountFailure() // kvxfer_peer_auth_failures_total
+			}
 			a.log.Warn("netxfer: refused a connection", "from", raw.RemoteAddr(), "err", fmt.Errorf("TLS: %w", err))
 			return
 		}

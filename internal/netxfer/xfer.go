@@ -381,6 +381,9 @@ func (p *peer) dial(local bool) (c *conn, noLocal bool, err error) {
 		if err != nil {
 			_ = nc.Close()
 			a.tlsFailures.Add(1)
+			if a.cfg.Auth != nil {
+				a.cfg.Auth.CountFailure() // kvxfer_peer_auth_failures_total
+			}
 			return nil, noLocal, fmt.Errorf("%w: %s (%s): TLS: %w", ErrXferFailed, p.name, p.addr, err)
 		}
 		nc = tc

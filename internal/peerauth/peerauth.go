@@ -92,8 +92,14 @@ func Insecure() *Authenticator { return &Authenticator{insecure: true} }
 // Enabled reports whether connections are authenticated.
 func (a *Authenticator) Enabled() bool { return !a.insecure }
 
-// Failures returns how many exchanges failed, on either side.
+// Failures returns how many exchanges failed, on either side, with those
+// counted by CountFailure.
 func (a *Authenticator) Failures() uint64 { return a.failures.Load() }
+
+// CountFailure counts a failed authentication of another kind that runs
+// in this exchange's place (mutual TLS, with an Insecure Authenticator):
+// Failures includes it.
+func (a *Authenticator) CountFailure() { a.failures.Add(1) }
 
 // RandomSecret returns 32 random bytes, a secret no other daemon holds.
 func RandomSecret() []byte {

@@ -73,25 +73,38 @@ func (c *grpcCreds) Clone() credentials.TransportCredentials {
 
 func (c *grpcCreds) OverrideServerName(string) error { return nil }
 
-// LoggedServerCredentials wraps server credentials (mutual TLS) so that
-// every refused connection is logged with its address and reason, as
-// PeerCredentials' are.
-func LoggedServerCredentials(c credentials.TransportCredentials) credentials.TransportCredentials {
-	return loggedCreds{c}
+// LoggedServerCredentials wraps credentials (mutual TLS) so that every
+// connection refused as a server is logged with its address and reason, as
+// PeerCredentials' are, and every failed handshake, on either side, is
+// counted by failed (when set), as PeerCredentials' exchanges are.
+func LoggedServerCredentials(c credentials.TransportCredentials, failed func()) credentials.TransportCredentials {
+	return loggedCreds{c, failed}
 }
 
 type loggedCreds struct {
 	credentials.TransportCredentials
+	failed func()
 }
 
 func (l loggedCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	c, ai, err := l.TransportCredentials.ServerHandshake(conn)
 	if err != nil {
+		if l.failed != nil {
+			l.failed()
+		}
 		slog.Warn("kvxferd: refused a Peer service connection", "from", conn.RemoteAddr().String(), "err", fmt.Errorf("TLS: %w", err))
 	}
 	return c, ai, err
 }
 
+func (l loggedCreds) ClientHandshake(ctx context.Context, authority string, conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	c, ai, err := l.TransportCredentials.ClientHandshake(ctx, authority, conn)
+	if err != nil && ctx.Err() == nil && l.failed != nil {
+		l.failed() // not a dial given up
+	}
+	return c, ai, err
+}
+
 func (l loggedCreds) Clone() credentials.TransportCredentials {
-	return loggedCreds{l.TransportCredentials.Clone()}
+	return loggedCreds{l.TransportCredentials.Clone(), l.failed}
 }

@@ -38,6 +38,9 @@ type schedulers struct {
 	// outlives the call that opened it).
 	byUID map[uint32]int
 	total int
+	// drained is closed once the server's ranks drained (Server.Drain):
+	// Steps streams end then.
+	drained <-chan struct{}
 }
 
 type lockedScheduler struct {
@@ -109,6 +112,9 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	c := req.GetConfig()
 	if c == nil {
 		return nil, Status(stream.Invalid("config is missing"))
+	}
+	if len(c.EngineId) > MaxEngineID {
+		return nil, Status(stream.Invalid("config.engine_id has %d bytes, want at most %d", len(c.EngineId), MaxEngineID))
 	}
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,

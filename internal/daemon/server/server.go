@@ -217,7 +217,9 @@ type Server struct {
 	enc          *zstd.Encoder
 	draining     chan struct{}
 	drainOne     sync.Once
-	drainMu      sync.Mutex // a stream counted (enter) and draining begun take turns
+	drainMu      sync.Mutex    // a stream counted (enter) and draining begun take turns
+	drained      chan struct{} // closed once Drain saw every worker stream end: Steps streams end then
+	drainedOnce  sync.Once
 	gpuMu        sync.Mutex
 	gpus         map[int]*cuda.Device // by this process's ordinal
 	gpuUUIDs     map[[16]byte]int     // UUID -> ordinal, resolved once
@@ -320,7 +322,7 @@ func New(cfg Config) (*Server, error) {
 		return nil, err
 	}
 	own := &owners{m: map[string]*owner{}}
-	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), owners: own,
+	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
 		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{}}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
@@ -335,7 +337,7 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, drained: s.drained}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -439,6 +441,7 @@ func (s *Server) Drain(ctx context.Context) error {
 	go func() { s.streams.Wait(); close(done) }()
 	select {
 	case <-done:
+		s.drainedOnce.Do(func() { close(s.drained) })
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
@@ -602,6 +605,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	}
 	hello := first.GetHello()
 	if hello == nil {
+		s.limits.refuse("bad_hello")
 		return Status(stream.Invalid("the first message of a worker stream must be hello"))
 	}
 	r, err := s.attach(hello, uid, engine.Groups, engine.PID)
@@ -615,6 +619,8 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 			s.limits.refuse("permission")
 		case errors.Is(err, ErrAttached):
 			s.limits.refuse("rank_attached")
+		case errors.Is(err, stream.ErrInvalid):
+			s.limits.refuse("bad_hello")
 		}
 		return Status(err)
 	}
@@ -871,6 +877,10 @@ type gpuImport struct {
 	ptr uint64
 }
 
+// MaxEngineID bounds an engine id's bytes: it labels every metric of the
+// engine's ranks, and names the engine in handshakes and messages.
+const MaxEngineID = 256
+
 // attach validates a hello from engine process pid of uid and groups,
 // maps the rank's memory (files uid owns only, through directories it may
 // search; memory named by address only when pid is this process), starts
@@ -878,6 +888,9 @@ type gpuImport struct {
 func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int32) (_ *rank, err error) {
 	if h.EngineId == "" {
 		return nil, stream.Invalid("hello.engine_id is empty")
+	}
+	if len(h.EngineId) > MaxEngineID {
+		return nil, stream.Invalid("hello.engine_id has %d bytes, want at most %d", len(h.EngineId), MaxEngineID)
 	}
 	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
 		return nil, stream.Invalid("hello.mode = %v, want push or pull", h.Mode)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/stream"
@@ -198,10 +199,36 @@ func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.Step
 		return Status(err)
 	}
 	defer done()
+	type recvd struct {
+		m   *pb.StepsRequest
+		err error
+	}
+	in := make(chan recvd)
+	go func() { // ends with the call: its context ends Recv
+		for {
+			m, err := st.Recv()
+			select {
+			case in <- recvd{m, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
 	for {
-		m, err := st.Recv()
-		if err != nil {
-			return nil // the engine closed its side, or the stream broke
+		var m *pb.StepsRequest
+		select {
+		case r := <-in:
+			if r.err != nil {
+				return nil // the engine closed its side, or the stream broke
+			}
+			m = r.m
+		case <-ss.drained:
+			// The ranks drained: no step is for anything any more, and
+			// the daemon stops without waiting for the engine to hang up.
+			return status.Error(codes.Unavailable, "kvxferd is shutting down")
 		}
 		if m.GetStep() == nil {
 			return Status(stream.Invalid("step is missing"))
