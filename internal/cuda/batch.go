@@ -416,7 +416,15 @@ func (b *Batch) room(n int) bool {
 }
 
 // entries reports how many entries a piece of n bytes takes.
-func entries(n uint64) uint64 { return (n + MaxEntry - 1) / MaxEntry }
+// (Not (n+MaxEntry-1)/MaxEntry: that wraps for n near 1<<64, counting
+// a piece of no entries whose staging then runs past its room.)
+func entries(n uint64) uint64 {
+	k := n / MaxEntry
+	if n%MaxEntry != 0 {
+		k++
+	}
+	return k
+}
 
 // Add stages one piece: n bytes from src to dst (device addresses in
 // this process). It reports false, staging nothing, when the batch can
@@ -472,7 +480,9 @@ func (b *Batch) putEntry(dst, src, n uint64) {
 func (b *Batch) AddLayout(regions []Region, ents []Entry) bool {
 	var k uint64
 	for _, e := range ents {
-		k += entries(e.Len)
+		if k += entries(e.Len); k > 1<<32-1 { // and the sum cannot wrap
+			return false
+		}
 	}
 	if k == 0 || len(regions) == 0 {
 		return true

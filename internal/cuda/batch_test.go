@@ -592,3 +592,40 @@ func TestGatedCopy(t *testing.T) {
 	}
 	t.Logf("gated launches of %d pieces: open, shut, and shut while running (20 rounds) checked byte for byte", layers*len(ents))
 }
+
+// A piece whose length is so large that counting its entries overflows
+// (the last MaxEntry-1 values of a uint64) is refused, staging nothing:
+// it neither panics writing entries past its room nor is dropped as a
+// piece of no entries.
+func TestBatchStagingLengthOverflow(t *testing.T) {
+	for _, n := range []uint64{^uint64(0), ^uint64(0) - MaxEntry + 2} {
+		b := &Batch{s: &slot{words: make([]uint64, 64)}}
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Fatalf("Add of %d bytes panicked: %v", n, r)
+				}
+			}()
+			if b.Add(1, 2, n) {
+				t.Errorf("Add of %d bytes: staged (%d words, sections %v)", n, b.w, b.s.secs)
+			}
+		}()
+		if b.w != 0 || len(b.s.secs) != 0 {
+			t.Errorf("a refused Add of %d bytes staged %d words, %d sections", n, b.w, len(b.s.secs))
+		}
+		b = &Batch{s: &slot{words: make([]uint64, 64)}}
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Fatalf("AddLayout of an entry of %d bytes panicked: %v", n, r)
+				}
+			}()
+			if b.AddLayout([]Region{{1, 2}}, []Entry{{0, 0, 8}, {0, 0, n}}) {
+				t.Errorf("AddLayout of an entry of %d bytes: staged (%d words, sections %v)", n, b.w, b.s.secs)
+			}
+		}()
+		if b.w != 0 || len(b.s.secs) != 0 {
+			t.Errorf("a refused AddLayout of an entry of %d bytes staged %d words, %d sections", n, b.w, len(b.s.secs))
+		}
+	}
+}

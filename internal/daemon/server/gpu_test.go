@@ -487,3 +487,55 @@ func TestInProcessGPU(t *testing.T) {
 		})
 	}
 }
+
+// TestAttachGPUSizePastAllocation: an engine whose hello claims more GPU
+// memory than the allocation its CUDA IPC handle exports is refused at
+// attach, naming the size: the daemon's copies into or out of the import
+// past its end would fault the daemon's GPU context, which every engine of
+// the daemon on that GPU shares. Needs a GPU (or the fake driver:
+// TestGPUAttachSizeOnFakeDriver); skips otherwise.
+func TestAttachGPUSizePastAllocation(t *testing.T) {
+	if _, err := cuda.Open(0); errors.Is(err, cuda.ErrUnavailable) {
+		t.Skipf("no GPU here: %v", err)
+	}
+	var srv *server.Server
+	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) {
+		c.NewBackend = func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
+			return backendOf(tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true,
+				Devices: func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }}))
+		}
+	})
+	srv = d.srv
+	e := startGPUEngine(t, "D", "")
+	defer e.cmd.Wait()
+	defer e.stdin.Close()
+	const claimed = 2 * gpuBytes // the allocation is gpuBytes
+	layout := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 64, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 40, BlockLen: gpuBlockLen, NumBlocks: 2 * gpuBlocks}}}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: layout, CompatHash: "m",
+		Memory: []stream.Memory{{Base: 1 << 40, Size: claimed, CUDAIPCHandle: e.handle, DeviceUUID: e.uuid}}})
+	if err == nil {
+		go func() {
+			for range rs.Finished() {
+			}
+		}()
+		_ = rs.Close(ctx)
+		t.Fatalf("an engine claiming %d bytes of a %d-byte GPU allocation was attached", claimed, gpuBytes)
+	}
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "hello.memory[0]") || !strings.Contains(err.Error(), fmt.Sprint(claimed)) {
+		t.Fatalf("Connect claiming %d bytes of a %d-byte allocation: %v, want InvalidArgument naming hello.memory[0] and the size", claimed, gpuBytes, err)
+	}
+}
+
+// TestGPUAttachSizeOnFakeDriver runs TestAttachGPUSizePastAllocation on
+// every machine, against the fake CUDA driver.
+func TestGPUAttachSizeOnFakeDriver(t *testing.T) {
+	cudatest.RunOnFakeDriver(t, "TestAttachGPUSizePastAllocation")
+}

@@ -993,6 +993,13 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 			if err != nil {
 				return nil, stream.Invalid("hello.memory[%d].cuda_ipc_handle: %v", i, err)
 			}
+			// The import maps the exported allocation, whatever the engine
+			// claims: a copy past its end would fault this process's
+			// context on that GPU, every engine's of the daemon there.
+			if n, err := dev.AllocSize(ptr); err == nil && m.Size > n {
+				_ = dev.Unmap(ptr)
+				return nil, stream.Invalid("hello.memory[%d].size %d: its cuda_ipc_handle exports an allocation of %d bytes", i, m.Size, n)
+			}
 			r.gpu = append(r.gpu, gpuImport{dev, ptr})
 			devs[i], real[i] = dev, ptr
 			continue
