@@ -426,7 +426,10 @@ class WorkerStream(_RankStream):
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-stream-{hello.engine_id}", daemon=True)
         self._reader.start()
         if not self._ready.wait(ready_timeout) or self.error is not None:
-            err = self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+            # No answer in time is a deadline, not a daemon known to be
+            # unreachable: one that is frozen or slow may still serve (and
+            # move bytes) once it runs again.
+            err = self.error or errors.DeadlineExceeded("Connect", f"no Ready within {ready_timeout}s")
             self._call.cancel()
             raise err
 

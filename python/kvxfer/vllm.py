@@ -1271,6 +1271,12 @@ class _SchedulerSide:
 
     def _answered(self, res, kinds, local) -> None:
         for i, err in res.errors.items():
+            if not 0 <= i < len(kinds):
+                # An op the step does not have: nothing to fail (never
+                # another request's, by an index counted from the end).
+                log.warning("kvxfer: engine %s: kvxferd answered op %d of a step of %d ops: %s; ignored",
+                            self.c.engine_id, i, len(kinds), err.details)
+                continue
             kind, rid = kinds[i]
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
             self._fail([(kind, rid)], err.details)
@@ -1343,6 +1349,11 @@ class _SchedulerSide:
             self._lost(e, [])
             return
         for a in answers:
+            if not self.inflight:
+                # An answer for no step sent: the stream is out of step
+                # with the daemon (as an answer for another step is).
+                self._lost(errors.DaemonError("Steps", f"answer for step {a.publish_step}, none awaited"), [])
+                return
             step, kinds, local = self.inflight.popleft()
             if a.publish_step != step:
                 self._lost(errors.DaemonError("Steps", f"answer for step {a.publish_step}, want {step}"), [])
@@ -1546,6 +1557,10 @@ class _WorkerSide:
                 self.stream.step(sm)
                 prefill = bool(sm.prefill)
         except errors.KvxferError as e:
+            # The stream ended before this step could go: what it delivered
+            # before its end is the requests' outcomes, taken first (the
+            # connector polls after the step starts).
+            self._salvage()
             self._die(str(e))
             return
         if prefill:
@@ -1661,6 +1676,21 @@ class _WorkerSide:
         except errors.StreamClosed as e:
             self._die(str(e))
             return
+        self._apply(f)
+
+    def _salvage(self) -> None:
+        """Takes the outcomes a stream that ended delivered before its end
+        (none of them is lost with it)."""
+        if self.stream is None or self.dead is not None:
+            return
+        try:
+            f = self.stream.poll()
+        except errors.KvxferError:
+            return
+        self._apply(f)
+
+    def _apply(self, f) -> None:
+        """Ends the requests f (what a poll took) reports."""
         ok = pb.Outcome.RESULT_DONE
         for o in f.recving:
             if o.result == ok:
@@ -1777,7 +1807,10 @@ class _LayerSaver:
 def _why(o: pb.Outcome) -> str:
     """A failed outcome for a log line: result, failure kind, reason."""
     kind = pb.FailureKind.Name(o.failure_kind) if o.failure_kind in pb.FailureKind.values() else str(o.failure_kind)
-    return f"{pb.Outcome.Result.Name(o.result)} ({kind.removeprefix('FAILURE_KIND_').lower()}): {o.reason}"
+    # A value this client has no name for (a newer daemon's) is shown as
+    # its number: a log line never raises into vLLM's loop.
+    result = pb.Outcome.Result.Name(o.result) if o.result in pb.Outcome.Result.values() else f"result {o.result}"
+    return f"{result} ({kind.removeprefix('FAILURE_KIND_').lower()}): {o.reason}"
 
 
 def _dtype_size(t) -> int:

@@ -236,7 +236,17 @@ type Server struct {
 	mu      struct {
 		sync.Mutex
 		gen uint64
+		// leaving are the ranks unpublished and still being let go
+		// (their Worker's close fences what moves the engine's bytes):
+		// a hello for one is refused until that ended.
+		leaving map[rankKey]int
 	}
+}
+
+// rankKey names an engine's rank (pp, tp).
+type rankKey struct {
+	engine string
+	pp, tp int
 }
 
 // engineEntry is one engine's ranks, never changed once stored: a change
@@ -508,6 +518,18 @@ func (s *Server) attached(engine string, l *topology.Layout) error {
 		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d has a stream open (a rank detaches only by closing its own stream; retry once it has)",
 			ErrAttached, engine, l.TPRank, l.PPRank)
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.leavingLocked(engine, l)
+}
+
+// leavingLocked is an ErrAttached error while engine's rank at l is being
+// let go (its stream ended, its Worker still closing). Caller holds mu.
+func (s *Server) leavingLocked(engine string, l *topology.Layout) error {
+	if s.mu.leaving[rankKey{engine, l.PPRank, l.TPRank}] > 0 {
+		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d: its last stream ended and the rank is still being let go "+
+			"(what it moved is fenced first); retry once it has", ErrAttached, engine, l.TPRank, l.PPRank)
+	}
 	return nil
 }
 
@@ -521,6 +543,9 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker, be Backend) err
 	k := [2]int{info.Layout.PPRank, info.Layout.TPRank}
 	if old != nil && old.ranks[k] != nil { // attached between the check and here
 		return fmt.Errorf("%w: engine %q tp rank %d pp rank %d", ErrAttached, info.EngineID, info.Layout.TPRank, info.Layout.PPRank)
+	}
+	if err := s.leavingLocked(info.EngineID, &info.Layout); err != nil { // detached between the check and here
+		return err
 	}
 	ranks := map[[2]int]*rankEntry{}
 	if old != nil {
@@ -548,12 +573,27 @@ func (s *Server) storeLocked(engine string, ranks map[[2]int]*rankEntry) {
 	}
 }
 
-func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) {
+// unpublish removes the rank of w from engine's published ranks, and
+// marks it leaving (refused to a new hello) until the returned func,
+// called once the rank was let go, says so.
+func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) (left func()) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	key := rankKey{engine, l.PPRank, l.TPRank}
+	if s.mu.leaving == nil {
+		s.mu.leaving = map[rankKey]int{}
+	}
+	s.mu.leaving[key]++
+	left = func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.mu.leaving[key]--; s.mu.leaving[key] <= 0 {
+			delete(s.mu.leaving, key)
+		}
+	}
 	e, _ := s.engines.Load(engine)
 	if e == nil {
-		return
+		return left
 	}
 	k := [2]int{l.PPRank, l.TPRank}
 	if r := e.ranks[k]; r != nil && r.worker == w {
@@ -561,6 +601,7 @@ func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) 
 		delete(ranks, k)
 		s.storeLocked(engine, ranks)
 	}
+	return left
 }
 
 // Handshake implements PeerService: an engine's ranks, zstd-compressed
@@ -1223,7 +1264,12 @@ func (s *Server) deviceLocked(ordinal int) (*cuda.Device, error) {
 }
 
 func (r *rank) detach() {
-	r.s.unpublish(r.engine, &r.layout, r.worker)
+	// Peers stop finding the rank at once; the engine's next hello for it
+	// is refused until its Worker's close (the fence of what it moves) and
+	// the release of its memory ended: an engine takes the rank attached
+	// again as the word that nothing of the old one moves any more.
+	left := r.s.unpublish(r.engine, &r.layout, r.worker)
+	defer left()
 	r.release()
 	r.s.log.Info("kvxferd: rank detached", "engine", r.engine, "tp_rank", r.layout.TPRank, "pp_rank", r.layout.PPRank)
 }
