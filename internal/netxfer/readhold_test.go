@@ -33,7 +33,10 @@ func (g slowCopyIn) CopyIn(dst uint64, src []byte) error {
 	if d := time.Duration(g.delay.Load()); d >= 0 {
 		time.Sleep(d)
 	} else {
-		<-g.release
+		select {
+		case <-g.release:
+		case <-time.After(10 * time.Second): // the test ended without it
+		}
 	}
 	return g.fakeGPU.CopyIn(dst, src)
 }
@@ -178,7 +181,7 @@ func TestSameHostReadHoldEndWaitsForCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	<-gpu.started // the reader has its answer and is copying
+	recv(t, gpu.started, "the reader's copy to start") // it has its answer and is copying
 	f.end(t)
 	if st, err := wait(t, a, id); st != Done {
 		t.Fatalf("READ: %v, %v", st, err)
@@ -199,7 +202,7 @@ func TestSameHostReadUnacknowledgedWithdrawn(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	<-gpu.started
+	recv(t, gpu.started, "the reader's copy to start")
 	f.end(t) // fails the test if it waits for the copy
 	gpu.delay.Store(0)
 	close(gpu.release)

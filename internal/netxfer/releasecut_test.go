@@ -33,7 +33,10 @@ func (f *lateAnswerFence) Check(string, Op, uint64, uint64) Verdict { return All
 func (f *lateAnswerFence) Admit(_ string, op Op, _ []Region, _ []byte, _ func()) (Verdict, int, uint64) {
 	if op == Read && f.op == 0 || f.op != 0 && op == f.op {
 		f.admitted <- struct{}{}
-		<-f.open
+		select {
+		case <-f.open:
+		case <-time.After(10 * time.Second): // the test ended without it
+		}
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -134,7 +137,7 @@ func TestReleaseWaitsForReadCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	<-gpu.started // the reader has its answer and is copying
+	recv(t, gpu.started, "the reader's copy to start") // it has its answer and is copying
 	if err := a.Release(id); err != nil {
 		t.Fatal(err)
 	}
@@ -209,7 +212,7 @@ func TestReleaseCutsReadPayload(t *testing.T) {
 	}
 	close(rest)
 	stays(t, "memory", func() []byte { return mem[:1<<15] }, 0xdd)
-	<-finished
+	recv(t, finished, "the fake server to end")
 }
 
 // budgetProxy forwards TCP connections to target: what the client sends
@@ -347,7 +350,12 @@ func TestReleaseWaitsForOneSidedLaunch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	inside := <-s.d.pause // the first CTA is inside, its copy not done
+	var inside chan struct{}
+	select {
+	case inside = <-s.d.pause: // the first CTA is inside, its copy not done
+	case <-time.After(10 * time.Second):
+		t.Fatal("no CTA of a one-sided launch within 10 s (did the WRITE go two-sided?)")
+	}
 	var once sync.Once
 	letGo := func() { once.Do(func() { close(inside) }) }
 	t.Cleanup(letGo)
@@ -378,7 +386,7 @@ func TestReleaseWaitsForOneSidedLaunch(t *testing.T) {
 		letGo()
 	default:
 		letGo()
-		<-released
+		recv(t, released, "Release to return once the launch ended")
 		reuse()
 	}
 	if s.p.OneSidedWrites() != 1 {

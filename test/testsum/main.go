@@ -89,6 +89,23 @@ func (s *summary) add(w io.Writer, e event) {
 			if len(s.out[k]) > 0 {
 				fmt.Fprint(w, strings.Join(s.out[k], ""))
 			}
+			// Tests that never ended (a timeout's panic, a crash): their
+			// output holds the stacks that say where they hung.
+			var open []key
+			for o := range s.out {
+				if o.pkg == e.Package && o.test != "" {
+					open = append(open, o)
+				}
+			}
+			slices.SortFunc(open, func(a, b key) int { return strings.Compare(a.test, b.test) })
+			for _, o := range open {
+				lines := s.out[o]
+				if len(lines) > 400 {
+					lines = lines[len(lines)-400:]
+				}
+				fmt.Fprintf(w, "--- %s: did not end; its last output:\n%s", o.test, strings.Join(lines, ""))
+				delete(s.out, o)
+			}
 		} else {
 			// A subtest's output is part of its parent's: print the
 			// innermost failure's and the top-level test's once.

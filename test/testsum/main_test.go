@@ -83,3 +83,30 @@ func TestSkipRules(t *testing.T) {
 		t.Errorf("newSkipRules with a bad -allow-skip = %v, want an error naming it", err)
 	}
 }
+
+// A package that times out fails with its tests still running: their
+// output (the timeout's stacks) is printed, so the log says where they
+// hung.
+func TestSummaryPrintsTestsThatNeverEnded(t *testing.T) {
+	in := `{"Action":"run","Package":"p","Test":"TestHang"}
+{"Action":"output","Package":"p","Test":"TestHang","Output":"=== RUN   TestHang\n"}
+{"Action":"output","Package":"p","Test":"TestHang","Output":"panic: test timed out after 10m0s\n"}
+{"Action":"output","Package":"p","Test":"TestHang","Output":"goroutine 7 [chan receive]:\n"}
+{"Action":"output","Package":"p","Output":"FAIL\tp\t600.0s\n"}
+{"Action":"fail","Package":"p","Elapsed":600}`
+	s := newSummary()
+	var out strings.Builder
+	for _, l := range strings.Split(in, "\n") {
+		var e event
+		if err := json.Unmarshal([]byte(l), &e); err != nil {
+			t.Fatal(err)
+		}
+		s.add(&out, e)
+	}
+	got := out.String()
+	for _, want := range []string{"--- TestHang: did not end", "panic: test timed out", "goroutine 7 [chan receive]"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("summary lacks %q:\n%s", want, got)
+		}
+	}
+}
