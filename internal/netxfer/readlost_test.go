@@ -56,30 +56,28 @@ func fakeServer(t *testing.T, ln net.Listener, answer func(c net.Conn, id uint64
 	}()
 }
 
-// A READ whose answer breaks off mid-payload (the connection lost) fails,
-// with the reason: it does not stay in progress for ever.
-func TestReadAnswerBrokenOffFails(t *testing.T) {
+// besideFakeTCP is an agent (64 KiB of Go memory at base, one TCP
+// connection per peer) whose peer "fake" is the listener returned, for
+// fakeServer to answer as the test likes.
+func besideFakeTCP(t *testing.T) (net.Listener, *Agent, []byte, string) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	a, err := New(Config{Name: fmt.Sprintf("%s-%d", t.Name(), rand.Uint64()), DisableLocal: true, DisableSameHost: true, Conns: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	mem := make([]byte, 1<<16)
-	if err := a.Map(base, mem); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Register([]Region{{base, 1 << 16}}); err != nil {
-		t.Fatal(err)
-	}
+	t.Cleanup(func() { _ = ln.Close() })
+	a, mem := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true, Conns: 1})
 	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
 	if err != nil {
 		t.Fatal(err)
 	}
+	return ln, a, mem, name
+}
+
+// A READ whose answer breaks off mid-payload (the connection lost) fails,
+// with the reason: it does not stay in progress for ever.
+func TestReadAnswerBrokenOffFails(t *testing.T) {
+	ln, a, _, name := besideFakeTCP(t)
 	fakeServer(t, ln, func(c net.Conn, id uint64, part uint32) {
 		var b [17]byte
 		b[0] = tReadResp

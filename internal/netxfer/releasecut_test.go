@@ -3,7 +3,6 @@ package netxfer
 import (
 	"bytes"
 	"encoding/binary"
-	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -154,27 +153,7 @@ func TestReleaseWaitsForReadCopy(t *testing.T) {
 // wait for the stalled payload, and what comes after it is drained, not
 // landed in blocks the engine reuses.
 func TestReleaseCutsReadPayload(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	a, err := New(Config{Name: fmt.Sprintf("%s-%d", t.Name(), rand.Uint64()), DisableLocal: true, DisableSameHost: true, Conns: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	mem := make([]byte, 1<<16)
-	if err := a.Map(base, mem); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Register([]Region{{base, 1 << 16}}); err != nil {
-		t.Fatal(err)
-	}
-	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ln, a, mem, name := besideFakeTCP(t)
 	half, rest := make(chan struct{}), make(chan struct{})
 	finished := make(chan struct{})
 	fakeServer(t, ln, func(c net.Conn, id uint64, part uint32) {
