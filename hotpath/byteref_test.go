@@ -890,7 +890,9 @@ func brSeedEnv() uint64 {
 // no plan, and every way of building descriptors leaves its output as it
 // was.
 func TestByteReferenceRefusals(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
+	// A fixed seed: the test asserts every refusal kind was tried, which a
+	// random draw may miss (KVXFER_BYTEREF_SEED tries others).
+	seed := uint64(2)
 	if s := brSeedEnv(); s != 0 {
 		seed = s
 	}
