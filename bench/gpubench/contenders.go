@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -95,6 +96,9 @@ var contenders = []contender{
 		open: kernelOpen},
 	{name: "kernel-layout", what: "kvxfer's copy kernel in one process, staged as a layout (a region per layer, an entry per block: what the same-host path stages), post to done",
 		open: kernelLayoutOpen},
+	{name: "kernel-gated", what: "kvxfer's gated copy kernel (what a one-sided WRITE launches) in one process, staged as a layout, through an open gate in the process's own memory, post to done: " +
+		"the GPU's share of samehost-gate, its per-CTA gate checks included",
+		open: kernelGatedOpen},
 	{name: "perpiece", what: "one asynchronous cuMemcpyDtoD per piece on one stream, one event at the end (internal/cuda PostEach: the fallback)",
 		open: perPieceOpen},
 }
@@ -702,6 +706,63 @@ func postLayout(g gpu, regs []netxfer.DevRegion, ents []netxfer.DevEntry) error 
 }
 
 func (m kernelLayoutMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+// kernelGatedMover posts a case as kernelLayoutMover does, through a gate
+// of its own (open: its generation is the launch's), so that the gated
+// kernel's time is measured without P's checks and the processes' hops.
+type kernelGatedMover struct {
+	localMover
+	gate uint64
+}
+
+const kernelGateGen = 0x6b76_0001
+
+func kernelGatedOpen(_ *opts, src, scratch *side, _ *remote, _ []byte) (mover, []byte, error) {
+	gd, ok := src.g.(netxfer.GateDevice)
+	if !ok {
+		return nil, nil, errors.New("this device makes no gates")
+	}
+	gate, err := gd.Alloc(netxfer.GateSize)
+	if err != nil {
+		return nil, nil, err
+	}
+	var g [netxfer.GateSize]byte
+	binary.LittleEndian.PutUint32(g[:], kernelGateGen)
+	if err := gd.SideCopyIn(gate, g[:]); err != nil {
+		_ = gd.Free(gate)
+		return nil, nil, err
+	}
+	return &kernelGatedMover{localMover{src, scratch, new([]byte)}, gate}, nil, nil
+}
+
+func (m *kernelGatedMover) write(c xcase) (time.Duration, error) {
+	regs, ents := devLayout(c.layout(m.src.base, m.scratch.base))
+	start := time.Now()
+	b, err := m.src.g.NewBatch(len(regs) + len(ents))
+	if err != nil {
+		return 0, err
+	}
+	lb, ok := b.(netxfer.LayoutBatch)
+	gb, gok := b.(netxfer.GatedBatch)
+	if !ok || !gok || !lb.AddLayout(regs, ents) || !gb.Gate(m.gate, kernelGateGen) {
+		b.Discard()
+		return 0, errors.New("the device's batch took no gated layout")
+	}
+	cp, err := b.Post()
+	if err != nil {
+		return 0, err
+	}
+	err = waitDone(cp.Done, nil)
+	d := time.Since(start)
+	if g, ok := cp.(netxfer.GatedCopy); err == nil && ok && g.Shut() {
+		err = errors.New("the gated launch found its open gate shut")
+	}
+	return d, err
+}
+
+func (m *kernelGatedMover) check(c xcase) error { return checkSide(m.scratch, c, m.host) }
+
+func (m *kernelGatedMover) close() error { return m.src.g.Free(m.gate) }
 
 func (kernelLayoutMover) close() error { return nil }
 

@@ -130,9 +130,14 @@ func (m *gateMover) write(c xcase) (time.Duration, error) {
 	return d, err
 }
 
-// gateHops are the one-sided WRITE's hops, in order.
+// gateHops are the one-sided WRITE's hops, in order. P's wire stamps
+// split its own share: the part "sent" once the gated launch was queued,
+// the "answer read" once its poller saw the launch done.
 var gateHops = []string{
-	"P post -> P saw it done (P's checks, staging, launch, the GPU, P's poll)",
+	"P post -> launched (P's checks, staging, the launch queued)",
+	"launched -> P's poller saw it done (the GPU, the poll)",
+	"P's poller saw it done -> P saw it done (P's waiter)",
+	"P post -> P saw it done",
 	"P saw it done -> D drained the notification (one hop: D's wake-up)",
 	"total: P post -> D notified",
 }
@@ -151,13 +156,32 @@ func (m *gateMover) hops(warmup int) ([]string, [][]float64, error) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+	type way struct{ launched, polled int64 }
+	ways := map[netxfer.XferID]*way{}
+	for _, s := range m.wire.take() {
+		w := ways[s.ID]
+		if w == nil {
+			w = &way{}
+			ways[s.ID] = w
+		}
+		switch s.Ev {
+		case netxfer.WirePartSent:
+			w.launched = firstOf(w.launched, s.T)
+		case netxfer.WireAnswerRead:
+			w.polled = max(w.polled, s.T)
+		}
+	}
 	out := make([][]float64, len(gateHops))
 	for i, t := range m.times {
 		if i < warmup || i >= len(notes) {
 			continue
 		}
+		w := ways[t.id]
+		if w == nil || w.launched == 0 || w.polled == 0 {
+			continue
+		}
 		n := notes[i]
-		for h, d := range []int64{t.seen - t.posted, n - t.seen, n - t.posted} {
+		for h, d := range []int64{w.launched - t.posted, w.polled - w.launched, t.seen - w.polled, t.seen - t.posted, n - t.seen, n - t.posted} {
 			out[h] = append(out[h], float64(d)/1e3)
 		}
 	}

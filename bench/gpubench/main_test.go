@@ -38,13 +38,15 @@ func TestGPU(t *testing.T) {
 	}
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
-		"-contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,kernel,kernel-layout,contig,perpiece"}, &out, &errb)
+		"-contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,kernel,kernel-layout,kernel-gated,contig,perpiece"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
 	for _, want := range []string{"| kvxfer same-host, one-sided through a gate (P launches into D's memory) | 520 B |", "| kvxfer same-host, READ (pull) as a layout | 4 KiB |",
 		"| samehost-gate | 4 KiB x 5 blocks x 3 layers | P saw it done -> D drained the notification (one hop: D's wake-up) | 2 |",
-		"| kvxfer copy kernel, one launch of a layout (one process) | 4 KiB |", "| per-piece async cuMemcpyDtoD, one event | 520 B |"} {
+		"| kvxfer copy kernel, one launch of a layout (one process) | 4 KiB |", "| per-piece async cuMemcpyDtoD, one event | 520 B |",
+		"| kvxfer gated copy kernel, one launch of a layout through an open gate (one process) | 520 B |",
+		"| samehost-gate | 4 KiB x 5 blocks x 3 layers | launched -> P's poller saw it done (the GPU, the poll) | 2 |"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q:\n%s", want, out.String())
 		}
@@ -67,7 +69,7 @@ func TestGPUOnFakeDriver(t *testing.T) {
 func TestFakeGPU(t *testing.T) {
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"-fake-gpu", "-blocks", "2,5", "-pieces", "4KiB,520", "-layers", "3", "-reps", "2",
-		"-contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,kernel,kernel-layout,contig,perpiece", "-fake-gpu-busy", "30us"}, &out, &errb)
+		"-contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,kernel,kernel-layout,kernel-gated,contig,perpiece", "-fake-gpu-busy", "30us"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("run: %v\n%s\n%s", err, out.String(), errb.String())
 	}
@@ -77,6 +79,8 @@ func TestFakeGPU(t *testing.T) {
 		"| kvxfer same-host, one-sided through a gate (P launches into D's memory) | 520 B |",
 		"| kvxfer same-host, READ (pull) as a layout | 520 B |",
 		"| samehost-gate | 4 KiB x 5 blocks x 3 layers | P saw it done -> D drained the notification (one hop: D's wake-up) | 2 |",
+		"| samehost-gate | 520 B x 2 blocks x 3 layers | P post -> launched (P's checks, staging, the launch queued) | 2 |",
+		"| kvxfer gated copy kernel, one launch of a layout through an open gate (one process) | 4 KiB |",
 		// The machine's wake-up cost, from the probe.
 		"one hop between two processes (a byte over a unix socket",
 		// The same-host hops, from both processes' stamps.

@@ -25,6 +25,7 @@ var labels = map[string]string{
 	"contig":          "device copy, contiguous (the limit)",
 	"kernel":          "kvxfer copy kernel, one launch (one process)",
 	"kernel-layout":   "kvxfer copy kernel, one launch of a layout (one process)",
+	"kernel-gated":    "kvxfer gated copy kernel, one launch of a layout through an open gate (one process)",
 	"perpiece":        "per-piece async cuMemcpyDtoD, one event",
 }
 
