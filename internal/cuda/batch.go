@@ -36,7 +36,16 @@ const (
 	// 256 threads, sixteen 16-byte loads each); longer pieces are cut.
 	MaxEntry = 64 << 10
 	maxGrid  = 1 << 16 // CTAs per launch; more pieces loop
-	minSlot  = 1024    // words a slot holds at least
+	// gatedCTAsPerSM is how many CTAs of a gated launch there are per
+	// multiprocessor at most (gatedGrid): as many as one can hold (2,048
+	// threads, 256 each), so that each CTA pays its gate's atomics and
+	// fences once for the several pieces it copies instead of once per
+	// piece; with no more CTAs than run at once, fewer do not copy faster.
+	gatedCTAsPerSM = 8
+	// gatedGridUnknown is the gated grid where the driver does not say
+	// how many multiprocessors the device has.
+	gatedGridUnknown = 1024
+	minSlot          = 1024 // words a slot holds at least
 	// maxSections bounds the launches of one batch.
 	maxSections = 1 << 12
 )
@@ -93,13 +102,15 @@ type section struct{ reg, nreg, ent, nent uint32 }
 // copier is a device's batched copy: its stream, its kernel (nil where it
 // did not load) and its free slots.
 type copier struct {
-	once   sync.Once
-	err    error // no stream: nothing can be posted
-	fn     unsafe.Pointer
-	gated  unsafe.Pointer // kvxfer_copy_gated
-	stream unsafe.Pointer
-	mu     sync.Mutex
-	free   []*slot
+	once  sync.Once
+	err   error // no stream: nothing can be posted
+	fn    unsafe.Pointer
+	gated unsafe.Pointer // kvxfer_copy_gated
+	// gatedGrid is the most CTAs of a gated launch (gatedCTAsPerSM).
+	gatedGrid uint64
+	stream    unsafe.Pointer
+	mu        sync.Mutex
+	free      []*slot
 	// gate is the gated kernel's check on the device (gatesWork): its
 	// verdict (gateUnchecked until one), the memory it runs in, and
 	// whether a check that could not run was logged.
@@ -144,9 +155,19 @@ func (d *Device) initCopier() error {
 			return
 		}
 		c.fn, c.gated = fn, gated
+		c.gatedGrid = gatedGrid(d.sms())
 		kernelLoads.Add(1)
 	})
 	return c.err
+}
+
+// gatedGrid is the most CTAs of a gated launch on a device of sms
+// multiprocessors (0: unknown).
+func gatedGrid(sms int) uint64 {
+	if sms <= 0 {
+		return gatedGridUnknown
+	}
+	return min(uint64(sms)*gatedCTAsPerSM, maxGrid)
 }
 
 // take returns a free slot of at least n words, or a new one.
@@ -546,9 +567,9 @@ func (b *Batch) post(each bool) (*Copy, error) {
 	var err error
 	switch {
 	case gate.gate != 0:
-		err = d.launch(c.gated, c.stream, s, b.w, gate)
+		err = d.launch(c.gated, c.stream, s, b.w, c.gatedGrid, gate)
 	case c.fn != nil && !each:
-		err = d.launch(c.fn, c.stream, s, b.w, gateArgs{})
+		err = d.launch(c.fn, c.stream, s, b.w, maxGrid, gateArgs{})
 	case each:
 		err = d.launchEach(c.stream, s)
 	default:

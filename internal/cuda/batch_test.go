@@ -462,6 +462,12 @@ func TestGatedCopy(t *testing.T) {
 	if !d.gatesWork() || GateCheckFailures() != 0 {
 		t.Fatalf("gates work %v, devices that failed the check %d", d.gatesWork(), GateCheckFailures())
 	}
+	// Every driver kvxfer runs on says how many multiprocessors a device
+	// has: the gated grid is sized from it (below it, the launches here
+	// have more pieces than CTAs, so each CTA copies several).
+	if sms := d.sms(); sms <= 0 || d.copier.gatedGrid != uint64(sms)*gatedCTAsPerSM {
+		t.Fatalf("%d multiprocessors, a gated grid of %d CTAs", sms, d.copier.gatedGrid)
+	}
 	const layers, layer, block = 16, 2 << 20, 4 << 10
 	const size = layers * layer
 	src, dst := allocPair(t, d, size)

@@ -56,6 +56,7 @@ static struct {
 	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
 	CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
 	CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice); // optional: NULL where the driver lacks it
 } cu;
 
 #define CU_SYM(n, v) do { *(void**)(&cu.n) = dlsym(cu.lib, v); if (!cu.n) return v; } while (0)
@@ -83,6 +84,7 @@ static const char* cu_load(void) {
 	CU_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	// _v2 (CUDA 11.4+) reports a MIG instance's own UUID, as cuda-python
 	// and CUDA 12+ headers do; on whole GPUs both versions agree.
+	*(void**)(&cu.cuDeviceGetAttribute) = dlsym(cu.lib, "cuDeviceGetAttribute");
 	*(void**)(&cu.cuDeviceGetUuid) = dlsym(cu.lib, "cuDeviceGetUuid_v2");
 	if (!cu.cuDeviceGetUuid) CU_SYM(cuDeviceGetUuid, "cuDeviceGetUuid");
 	return NULL;
@@ -96,6 +98,13 @@ static CUresult cu_ctx(int ordinal, CUcontext *ctx) {
 	r = cu.cuDevicePrimaryCtxRetain(ctx, d);
 	if (r) return r;
 	return cu.cuCtxSetCurrent(*ctx);
+}
+// cu_sms is the device's number of multiprocessors (0: unknown).
+static int cu_sms(int ordinal) {
+	CUdevice d; int n = 0;
+	if (!cu.cuDeviceGetAttribute || cu.cuDeviceGet(&d, ordinal)) return 0;
+	if (cu.cuDeviceGetAttribute(&n, 16, d)) return 0; // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+	return n;
 }
 static CUresult cu_release(int ordinal) { CUdevice d; CUresult r = cu.cuDeviceGet(&d, ordinal); if (r) return r; return cu.cuDevicePrimaryCtxRelease(d); }
 static CUresult cu_uuid(int ordinal, void *out16) {
@@ -548,10 +557,14 @@ func (d *Device) freeSlot(s *slot) {
 	C.cu_slot_free(d.ctx, unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.CUevent(s.ev))
 }
 
-func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int, g gateArgs) error {
+// sms is the device's number of multiprocessors (0: the driver did not
+// say).
+func (d *Device) sms() int { return int(C.cu_sms(C.int(d.ordinal))) }
+
+func (d *Device) launch(fn, stream unsafe.Pointer, s *slot, words int, grid uint64, g gateArgs) error {
 	return check("launch copy kernel", C.cu_post(d.ctx, C.CUstream(stream), C.CUfunction(fn),
 		unsafe.Pointer(&s.words[0]), C.CUdeviceptr(s.dev), C.size_t(words),
-		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(maxGrid), C.CUevent(s.ev),
+		(*C.uint)(unsafe.Pointer(&s.secs[0])), C.uint(len(s.secs)), C.ulonglong(grid), C.CUevent(s.ev),
 		C.CUdeviceptr(g.gate), C.uint(g.want), C.CUdeviceptr(g.shut)))
 }
 

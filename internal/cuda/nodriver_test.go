@@ -70,3 +70,17 @@ func TestGatesWorkVerdicts(t *testing.T) {
 		t.Fatalf("a check that passed: gates off, or checked again (%d runs)", runs)
 	}
 }
+
+// A gated launch has as many CTAs as the device holds at once, never
+// more than a launch takes, and a bounded number where the driver did
+// not say.
+func TestGatedGrid(t *testing.T) {
+	for _, c := range []struct {
+		sms  int
+		want uint64
+	}{{132, 1056}, {2, 16}, {0, gatedGridUnknown}, {-1, gatedGridUnknown}, {1 << 20, maxGrid}} {
+		if got := gatedGrid(c.sms); got != c.want {
+			t.Errorf("gatedGrid(%d) = %d, want %d", c.sms, got, c.want)
+		}
+	}
+}

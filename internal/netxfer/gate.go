@@ -183,6 +183,9 @@ func (v *gateView) size() int {
 	for _, e := range v.ents {
 		n += len(e)
 	}
+	for _, e := range v.order {
+		n += len(e)
+	}
 	return n
 }
 
@@ -232,7 +235,12 @@ type gateView struct {
 	dev             Device
 	bases           []gateBase // sorted by addr
 	ents            [][]Region // per span: sorted by Addr, merged
-	srv             *localServer
+	// order is each span's entries as the gate listed them (those of
+	// no bytes left out): a WRITE of the request's blocks in the same
+	// order is checked against them in one walk (inOrder), where
+	// checking its entries one by one in ents costs a search each.
+	order [][]Region
+	srv   *localServer
 }
 
 type gateBase struct {
@@ -838,7 +846,8 @@ func (a *Agent) serveGateOpen(s *localServer, r *scatterReader, from string, hdr
 				ents = append(ents, e)
 			}
 		}
-		v.ents = append(v.ents, mergeRegions(ents))
+		v.order = append(v.order, ents)
+		v.ents = append(v.ents, mergeRegions(slices.Clone(ents)))
 	}
 	ar := s.gateAreas[area]
 	if ar == nil || !usable {
@@ -885,6 +894,37 @@ func mergeRegions(rs []Region) []Region {
 		out = append(out, r)
 	}
 	return out
+}
+
+// inOrder reports whether every entry of es, its destination offset
+// moved by delta, lies in the gate's entries as listed (order): the
+// common case of a WRITE of the request's blocks in the grant's own
+// order, runs of them coalesced or cut, checked in one walk. Each
+// entry's bytes must continue the grant's entries where the entry before
+// it stopped. False says nothing: the caller checks each entry against
+// the merged entries instead (covers).
+func inOrder(order []Region, es []LayoutEntry, delta uint64) bool {
+	j, pos := 0, uint64(0) // at byte pos of order[j]
+	for _, e := range es {
+		if e.Len == 0 {
+			continue
+		}
+		off, n := delta+e.Remote, e.Len
+		if off < delta || off+n < off {
+			return false
+		}
+		for n > 0 {
+			if j < len(order) && pos == order[j].Len {
+				j, pos = j+1, 0
+			}
+			if j == len(order) || order[j].Addr+pos != off {
+				return false
+			}
+			k := min(n, order[j].Len-pos)
+			off, n, pos = off+k, n-k, pos+k
+		}
+	}
+	return true
 }
 
 // covers reports whether [off, off+n) lies in one of rs (merged).
@@ -1062,11 +1102,11 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 		return nil, nil
 	}
 	for _, l := range lays {
-		llo, lhi, ok := span(l.Entries, true)
-		rlo, rhi, rok := span(l.Entries, false)
-		if !ok || !rok {
+		ls, rs, ok := spans(l.Entries)
+		if !ok {
 			return giveUp()
 		}
+		llo, lhi, rlo, rhi := ls[0], ls[1], rs[0], rs[1]
 		if lhi == llo {
 			continue
 		}
@@ -1103,9 +1143,11 @@ func (a *Agent) stageOneSided(v *gateView, lays []Layout) (DevCopy, error) {
 			delta := b.Remote - g.addr
 			k := gateChecked{g.span, delta}
 			if !slices.Contains(seen, k) {
-				for _, e := range l.Entries {
-					if e.Len > 0 && !covers(v.ents[g.span], delta+e.Remote, e.Len) {
-						return giveUp()
+				if !inOrder(v.order[g.span], l.Entries, delta) {
+					for _, e := range l.Entries {
+						if e.Len > 0 && !covers(v.ents[g.span], delta+e.Remote, e.Len) {
+							return giveUp()
+						}
 					}
 				}
 				seen = append(seen, k)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -599,7 +600,7 @@ func TestImportLargerThanClaimed(t *testing.T) {
 // and transfers go on two-sided.
 func TestGateItemsBounded(t *testing.T) {
 	defer func(n int) { maxGateItems = n }(maxGateItems)
-	maxGateItems = 30 // a gate below is 8 bases and 12 entries
+	maxGateItems = 40 // a gate below is 8 bases and 12 entries, counted twice (as listed, and merged): 32
 	s := newGateSetup(t, Config{}, Config{})
 	grant := func(first int) LayoutSpan {
 		sp := LayoutSpan{Bases: s.grant.Bases}
@@ -748,5 +749,100 @@ func TestGateBeforeNotification(t *testing.T) {
 		if !held {
 			t.Fatalf("round %d: the notification reached P before the gate sent ahead of it", i)
 		}
+	}
+}
+
+// inOrder accepts a WRITE's entries only where every byte of each lies in
+// the gate's entries as listed, and accepts the shapes a WRITE of the
+// request's blocks in the grant's order takes: entry for entry, adjacent
+// blocks coalesced into one entry, a block cut into several.
+func TestInOrder(t *testing.T) {
+	order := []Region{{0x1000, 0x1000}, {0x2000, 0x1000}, {0x8000, 0x1000}, {0x5000, 0x800}}
+	le := func(pairs ...uint64) []LayoutEntry {
+		var es []LayoutEntry
+		for i := 0; i < len(pairs); i += 2 {
+			es = append(es, LayoutEntry{Remote: pairs[i], Len: pairs[i+1]})
+		}
+		return es
+	}
+	for _, c := range []struct {
+		name  string
+		es    []LayoutEntry
+		delta uint64
+		want  bool
+	}{
+		{"entry for entry", le(0x1000, 0x1000, 0x2000, 0x1000, 0x8000, 0x1000, 0x5000, 0x800), 0, true},
+		{"adjacent blocks coalesced", le(0x1000, 0x2000, 0x8000, 0x1000), 0, true},
+		{"a prefix of the grant", le(0x1000, 0x1000), 0, true},
+		{"blocks cut", le(0x1000, 0x400, 0x1400, 0xc00, 0x2000, 0x1000, 0x8000, 0x10, 0x8010, 0xff0, 0x5000, 0x800), 0, true},
+		{"moved by delta", le(0x0, 0x1000), 0x1000, true},
+		{"no bytes", le(0x1000, 0), 0, true},
+		{"past the last entry's end", le(0x1000, 0x2000, 0x8000, 0x1000, 0x5000, 0x801), 0, false},
+		{"coalesced over a gap", le(0x1000, 0x2000, 0x8000, 0x2000), 0, false},
+		{"another order", le(0x2000, 0x1000, 0x1000, 0x1000), 0, false},
+		{"a block skipped", le(0x1000, 0x1000, 0x8000, 0x1000), 0, false},
+		{"a block not granted", le(0x3000, 0x1000), 0, false},
+		{"the middle of a block first", le(0x1800, 0x800), 0, false},
+		{"beyond the grant", le(0x1000, 0x2000, 0x8000, 0x1000, 0x5000, 0x800, 0x5800, 0x800), 0, false},
+		{"delta wraps", le(0x1000, 0x1000), ^uint64(0) - 0x10, false},
+		{"length wraps", le(0x1000, ^uint64(0)), 0, false},
+	} {
+		if got := inOrder(order, c.es, c.delta); got != c.want {
+			t.Errorf("%s: inOrder = %v, want %v", c.name, got, c.want)
+		}
+	}
+	// Never more than covers grants: random grants and WRITEs built from
+	// them (in order, cut, coalesced, shifted, out of order).
+	r := rand.New(rand.NewPCG(21, 22))
+	accepted := 0
+	for range 20000 {
+		var grant []Region
+		at := uint64(r.IntN(4)) * 0x100
+		for range 1 + r.IntN(6) {
+			if r.IntN(3) > 0 {
+				at += uint64(r.IntN(3)) * 0x100 // apart, or adjacent
+			}
+			n := uint64(1+r.IntN(4)) * 0x80
+			grant = append(grant, Region{at, n})
+			at += n
+		}
+		var es []LayoutEntry
+		for _, g := range grant {
+			switch r.IntN(4) {
+			case 0:
+				es = append(es, LayoutEntry{Remote: g.Addr, Len: g.Len})
+			case 1: // cut
+				k := uint64(r.IntN(int(g.Len)))
+				es = append(es, LayoutEntry{Remote: g.Addr, Len: k}, LayoutEntry{Remote: g.Addr + k, Len: g.Len - k})
+			case 2: // coalesced with the previous one, when it ends here
+				if n := len(es); n > 0 && es[n-1].Remote+es[n-1].Len == g.Addr {
+					es[n-1].Len += g.Len
+				} else {
+					es = append(es, LayoutEntry{Remote: g.Addr, Len: g.Len})
+				}
+			default: // off by a little
+				es = append(es, LayoutEntry{Remote: g.Addr + uint64(r.IntN(0x40)), Len: g.Len + uint64(r.IntN(0x40))})
+			}
+		}
+		if r.IntN(4) == 0 {
+			r.Shuffle(len(es), func(i, j int) { es[i], es[j] = es[j], es[i] })
+		}
+		delta := uint64(r.IntN(2)) * 0x80
+		for i := range es {
+			es[i].Remote -= min(delta, es[i].Remote)
+		}
+		if !inOrder(grant, es, delta) {
+			continue
+		}
+		accepted++
+		merged := mergeRegions(slices.Clone(grant))
+		for _, e := range es {
+			if e.Len > 0 && !covers(merged, delta+e.Remote, e.Len) {
+				t.Fatalf("inOrder accepted [%#x, +%#x) (delta %#x), which grant %v does not cover", e.Remote, e.Len, delta, grant)
+			}
+		}
+	}
+	if accepted < 1000 {
+		t.Fatalf("only %d of the random WRITEs were accepted: the check above tried too little", accepted)
 	}
 }

@@ -165,6 +165,30 @@ func span(es []LayoutEntry, local bool) (lo, hi uint64, ok bool) {
 	return lo, hi, true
 }
 
+// spans is span of es's local and remote offsets in one walk, false
+// when either side has an offset past maxLayoutOff.
+func spans(es []LayoutEntry) (local, remote [2]uint64, ok bool) {
+	llo, rlo := ^uint64(0), ^uint64(0)
+	var lhi, rhi uint64
+	for _, e := range es {
+		if e.Len == 0 {
+			continue
+		}
+		if e.Local > maxLayoutOff || e.Remote > maxLayoutOff || e.Len > maxLayoutOff {
+			return local, remote, false
+		}
+		llo, lhi = min(llo, e.Local), max(lhi, e.Local+e.Len)
+		rlo, rhi = min(rlo, e.Remote), max(rhi, e.Remote+e.Len)
+	}
+	if lhi == 0 {
+		llo = 0
+	}
+	if rhi == 0 {
+		rlo = 0
+	}
+	return [2]uint64{llo, lhi}, [2]uint64{rlo, rhi}, true
+}
+
 // PostLayout posts a transfer of layouts (see Layout): as Post of
 // ExpandLayouts(nil, lays), and on the same-host path from GPU memory in
 // the layouts' own form (to a peer that takes it: layoutsMark). Each base's local span (its entries' extent) is
@@ -213,10 +237,11 @@ func (a *Agent) layoutOnDevice(lays []Layout) bool {
 	var c regionCursor
 	bytes := false
 	for _, l := range lays {
-		lo, hi, ok := span(l.Entries, true)
-		if _, _, rok := span(l.Entries, false); !ok || !rok {
+		ls, _, ok := spans(l.Entries)
+		if !ok {
 			return false
 		}
+		lo, hi := ls[0], ls[1]
 		if lo == hi {
 			continue
 		}

@@ -484,3 +484,31 @@ func TestPostLayoutToOlderBuild(t *testing.T) {
 		}
 	}
 }
+
+// spans is span of both sides at once: the same offsets, and false when
+// either side's span is.
+func TestSpans(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	pick := func() uint64 {
+		switch r.IntN(8) {
+		case 0:
+			return 0
+		case 1:
+			return maxLayoutOff + uint64(r.IntN(2))
+		default:
+			return uint64(r.IntN(1 << 20))
+		}
+	}
+	for range 5000 {
+		es := make([]LayoutEntry, r.IntN(5))
+		for i := range es {
+			es[i] = LayoutEntry{Local: pick(), Remote: pick(), Len: pick()}
+		}
+		l, rm, ok := spans(es)
+		llo, lhi, lok := span(es, true)
+		rlo, rhi, rok := span(es, false)
+		if ok != (lok && rok) || ok && (l != [2]uint64{llo, lhi} || rm != [2]uint64{rlo, rhi}) {
+			t.Fatalf("%v: spans %v %v %v; span local %d %d %v, remote %d %d %v", es, l, rm, ok, llo, lhi, lok, rlo, rhi, rok)
+		}
+	}
+}

@@ -325,6 +325,14 @@ CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) {
   return OK;
 }
 CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
+// Two multiprocessors: a gated launch is capped at 16 CTAs (internal/cuda
+// gatedGrid), fewer than most tests' pieces, so its CTAs loop.
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+  if (d < 0 || d >= devices().physical) return ERR_INVALID_DEVICE;
+  if (attr != 16) return ERR_INVALID_VALUE;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+  *v = 2;
+  return OK;
+}
 CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
   if (d < 0 || d >= devices().physical || devices().ordinal(d) < 0) return ERR_INVALID_DEVICE;
   contexts[d] = d;
