@@ -217,6 +217,9 @@ func (a *Agent) PostLayout(op Op, name string, lays []Layout, notif []byte) (Xfe
 	a.mu.Lock()
 	a.recordLocked(x)
 	a.mu.Unlock()
+	if a.startOneSided(x) {
+		return x.id, nil
+	}
 	if err := a.goStart(x); err != nil {
 		return 0, err
 	}

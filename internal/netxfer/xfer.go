@@ -77,6 +77,9 @@ type xfer struct {
 	err    error
 	direct bool
 	device bool // its local memory is GPU memory (one part: one launch)
+	// gateTried: PostLayout tried the one-sided path on the caller's
+	// goroutine and it did not take the WRITE (start goes two-sided).
+	gateTried bool
 	// layouts: a WRITE posted as layouts (PostLayout) and sent as such
 	// on a same-host connection; elsewhere expanded into descs first.
 	layouts []Layout
@@ -601,6 +604,30 @@ func (a *Agent) recordLocked(x *xfer) {
 // reports ErrClosed): the poster returns at once, so a caller posting
 // many transfers (the Worker's loop) never waits for one transfer's bytes
 // to reach the wire.
+// startOneSided tries x on the one-sided path on the caller's goroutine
+// (a WRITE through its peer's gate is its checks, its staging and a
+// queued launch: no goroutine between the post and the launch, whose
+// wake-up costs more than they do); false, with x marked for start to go
+// two-sided, where it did not go.
+func (a *Agent) startOneSided(x *xfer) bool {
+	if x.op != Write || x.layouts == nil || !x.peer.gates {
+		return false
+	}
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return false
+	}
+	a.wg.Add(1) // as a goroutine goStart starts is counted
+	a.mu.Unlock()
+	defer a.wg.Done()
+	if a.oneSided(x) {
+		return true
+	}
+	x.gateTried = true
+	return false
+}
+
 func (a *Agent) goStart(x *xfer) error {
 	a.mu.Lock()
 	if a.mu.closed {
@@ -667,7 +694,7 @@ func (a *Agent) direct(x *xfer) error {
 
 // start splits a transfer into parts and sends them.
 func (a *Agent) start(x *xfer) {
-	if a.oneSided(x) {
+	if !x.gateTried && a.oneSided(x) {
 		return
 	}
 	n := len(x.descs)
