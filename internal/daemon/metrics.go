@@ -9,6 +9,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	kvnixl "github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 )
 
 // collector exports every attached rank's kvxfer.Metrics at scrape time:
@@ -23,6 +24,7 @@ type collector struct {
 	outcomes, failures, badInput, dropped, refusedAccess                  *prometheus.Desc
 	gates                                                                 *prometheus.Desc
 	refused, authFailures, sameHost, workerPanics, gpuFallback, gateCheck *prometheus.Desc
+	nixlReleasedInFlight                                                  *prometheus.Desc
 	open, inFlight                                                        *prometheus.Desc
 }
 
@@ -52,6 +54,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 			"Same-host GPU copies (one per transfer part) made piece by piece because the copy kernel did not load on their GPU (logged once; a driver older than CUDA 12 cannot load its PTX).", nil, nil),
 		gateCheck: prometheus.NewDesc("kvxfer_gpu_gate_check_failures_total",
 			"GPUs whose gated copy kernel failed its check (a gated launch through an open and a shut gate, once per GPU when first used): their one-sided WRITEs go two-sided (logged).", nil, nil),
+		nixlReleasedInFlight: prometheus.NewDesc("kvxfer_nixl_released_in_flight_total",
+			"NIXL transfers released while still in flight: a transfer given up is waited for before its release (NIXL's release does not stop UCX moving its bytes), and released anyway after 30 s; its bytes may still have landed in blocks reused since.", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),
@@ -89,6 +93,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.sameHost, prometheus.CounterValue, float64(c.srv.SameHostParts()))
 	ch <- prometheus.MustNewConstMetric(c.gpuFallback, prometheus.CounterValue, float64(cuda.CopyFallbacks()))
 	ch <- prometheus.MustNewConstMetric(c.gateCheck, prometheus.CounterValue, float64(cuda.GateCheckFailures()))
+	ch <- prometheus.MustNewConstMetric(c.nixlReleasedInFlight, prometheus.CounterValue, float64(kvnixl.ReleasedInFlight()))
 	ch <- prometheus.MustNewConstMetric(c.workerPanics, prometheus.CounterValue, float64(c.srv.WorkerPanics()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)

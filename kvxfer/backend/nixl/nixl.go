@@ -140,6 +140,8 @@ type nixlXfer struct {
 	peer  kvxfer.PeerName
 	state kvxfer.XferState
 	err   error
+	// releasing: a Release waits for the transfer to end (see Release).
+	releasing bool
 }
 
 type nixlPrep struct {
@@ -626,7 +628,25 @@ func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 	return nixlErr(n.a.Unprepare(p.p))
 }
 
-// Release implements kvxfer.Backend.
+// releaseWait bounds how long Release waits for a transfer in flight to
+// end (a variable for tests). UCX ends a transfer to a peer that died or
+// hung with an error well within it.
+var releaseWait = 30 * time.Second
+
+// releasedInFlight counts the transfers released while NIXL still moved
+// them (releaseWait passed).
+var releasedInFlight atomic.Uint64
+
+// ReleasedInFlight returns how many transfers this process released while
+// they were still in flight, their bytes possibly still moving.
+func ReleasedInFlight() uint64 { return releasedInFlight.Load() }
+
+// Release implements kvxfer.Backend. A transfer still in flight is first
+// waited for: NIXL's release of one returns at once while UCX goes on
+// moving its bytes, into blocks the engine reuses once the Worker reports
+// the request (TestReleaseInFlightStops). Where it has not ended after
+// releaseWait, it is released all the same, counted, and the error says
+// so.
 func (n *Backend) Release(id kvxfer.XferID) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -634,11 +654,45 @@ func (n *Backend) Release(id kvxfer.XferID) error {
 		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrClosed)
 	}
 	x := n.mu.xfers[id]
-	if x == nil {
+	if x == nil || x.releasing {
 		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrUnknownXfer)
 	}
+	var waitErr error
+	if !n.endLocked(x, time.Now().Add(releaseWait)) {
+		releasedInFlight.Add(1)
+		waitErr = fmt.Errorf("release transfer %d: still in flight after %v: NIXL may still move its bytes", id, releaseWait)
+	}
+	if n.mu.closed { // Close released it meanwhile
+		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrClosed)
+	}
 	delete(n.mu.xfers, id)
-	return nixlErr(n.a.Release(x.x))
+	if err := nixlErr(n.a.Release(x.x)); err != nil {
+		return err
+	}
+	return waitErr
+}
+
+// endLocked waits (mu held, let go between polls) until x is no longer
+// in flight or the deadline passed; it reports whether x ended. Other
+// calls go on meanwhile: x is marked releasing, so that no other Release
+// frees it under this one.
+func (n *Backend) endLocked(x *nixlXfer, deadline time.Time) bool {
+	x.releasing = true
+	for wait := 20 * time.Microsecond; ; wait = min(2*wait, 2*time.Millisecond) {
+		if x.state == kvxfer.XferInProgress && !n.mu.closed {
+			done, err := n.a.State(x.x)
+			n.settleLocked(x, done, err)
+		}
+		if x.state != kvxfer.XferInProgress || n.mu.closed {
+			return x.state != kvxfer.XferInProgress
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		n.mu.Unlock()
+		time.Sleep(wait)
+		n.mu.Lock()
+	}
 }
 
 // Notify implements kvxfer.Backend.
@@ -829,7 +883,23 @@ func (n *Backend) Close() error {
 		}
 		// Destroying the agent under them would leak NIXL's requests (and
 		// UCX's under them) and lists: nothing can free them after.
+		// Those in flight are waited for first (see Release), all within
+		// one releaseWait.
+		deadline := time.Now().Add(releaseWait)
 		for id, x := range n.mu.xfers {
+			if x.state == kvxfer.XferInProgress {
+				for wait := 20 * time.Microsecond; ; wait = min(2*wait, 2*time.Millisecond) {
+					done, err := n.a.State(x.x)
+					if done || err != nil {
+						break
+					}
+					if time.Now().After(deadline) {
+						releasedInFlight.Add(1)
+						break
+					}
+					time.Sleep(wait)
+				}
+			}
 			_ = n.a.Release(x.x)
 			delete(n.mu.xfers, id)
 		}
