@@ -600,10 +600,6 @@ func (a *Agent) recordLocked(x *xfer) {
 	a.mu.xfers[x.id] = x
 }
 
-// goStart sends a recorded transfer on a goroutine of the agent's (or
-// reports ErrClosed): the poster returns at once, so a caller posting
-// many transfers (the Worker's loop) never waits for one transfer's bytes
-// to reach the wire.
 // startOneSided tries x on the one-sided path on the caller's goroutine
 // (a WRITE through its peer's gate is its checks, its staging and a
 // queued launch: no goroutine between the post and the launch, whose
@@ -628,6 +624,10 @@ func (a *Agent) startOneSided(x *xfer) bool {
 	return false
 }
 
+// goStart sends a recorded transfer on a goroutine of the agent's (or
+// reports ErrClosed): the poster returns at once, so a caller posting
+// many transfers (the Worker's loop) never waits for one transfer's bytes
+// to reach the wire.
 func (a *Agent) goStart(x *xfer) error {
 	a.mu.Lock()
 	if a.mu.closed {
