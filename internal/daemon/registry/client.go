@@ -37,12 +37,19 @@ func (c *ClientConfig) Validate() error {
 	if (c.Cert == "") != (c.Key == "") {
 		return errors.New("-etcd-cert and -etcd-key: a client certificate needs both")
 	}
-	if c.tls() {
-		return nil
-	}
+	// An http:// endpoint is plain text even with -etcd-ca: etcd's client
+	// drops the TLS credentials for it. So each endpoint's scheme, not
+	// the flags, says whether it is encrypted.
 	for _, ep := range eps {
 		u, _ := url.Parse(ep)
+		if u.Scheme == "https" {
+			continue
+		}
 		if ip := net.ParseIP(u.Hostname()); (ip == nil || !ip.IsLoopback()) && u.Hostname() != "localhost" && !c.Insecure {
+			if c.tls() {
+				return fmt.Errorf("-etcd endpoint %q: http:// is plain text, -etcd-ca or not, to a host that is not on loopback; "+
+					"write https:// (or host:port), or give -etcd-insecure to accept that anyone on the path may read and forge the registry", ep)
+			}
 			return fmt.Errorf("-etcd endpoint %q: plain text to a host that is not on loopback; give -etcd-ca (and -etcd-cert, -etcd-key) "+
 				"for TLS, or -etcd-insecure to accept that anyone on the path may read and forge the registry", ep)
 		}

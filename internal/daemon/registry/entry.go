@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"net/url"
 	"strconv"
 	"strings"
@@ -178,7 +179,7 @@ func (e *Entry) validate(key string) error {
 			return bad(key, f+".peer", r.Peer, fmt.Sprintf("%q (one entry is one daemon's)", e.Ranks[0].Peer))
 		}
 		if err := checkHostPort(r.Peer); err != nil {
-			return bad(key, f+".peer", r.Peer, "host:port with a port of 1 to 65535")
+			return bad(key, f+".peer", r.Peer, "host:port (a host name or IP, a port of 1 to 65535)")
 		}
 	}
 	if e.URL != "" {
@@ -190,14 +191,32 @@ func (e *Entry) validate(key string) error {
 	return nil
 }
 
+// checkHostPort accepts what a daemon dials a peer at (the resolver's
+// checkPeerAddr, internal/daemon/server): a host name or an IP, and a
+// port of digits. An entry's peer is handed on as it is (to resolvers,
+// to routers as remote_host), so one the dialer would refuse ("[unix:/
+// path]:1", a host with spaces or control characters, a port "+80") is
+// refused here, where it is counted and logged, instead of becoming an
+// engine's current address.
 func checkHostPort(hp string) error {
 	host, ps, err := net.SplitHostPort(hp)
 	if err != nil {
 		return err
 	}
 	port, err := strconv.Atoi(ps)
-	if err != nil || port <= 0 || port > 65535 || host == "" {
+	if err != nil || port <= 0 || port > 65535 || strings.Trim(ps, "0123456789") != "" || host == "" {
 		return errors.New("bad port or host")
+	}
+	if strings.Contains(host, ":") {
+		if _, err := netip.ParseAddr(host); err != nil {
+			return errors.New("bad host")
+		}
+		return nil
+	}
+	if strings.ContainsFunc(host, func(c rune) bool {
+		return !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_')
+	}) {
+		return errors.New("bad host")
 	}
 	return nil
 }

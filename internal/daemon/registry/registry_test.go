@@ -2,6 +2,7 @@ package registry_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"runtime"
@@ -299,6 +300,31 @@ func TestLookupNowSeesWhatTheViewHasNot(t *testing.T) {
 	for _, id := range []string{"Q", "P/127.0.0.1:7003", "", "a b"} {
 		if e, ok, err := v.LookupNow(ctx, id); ok || err != nil {
 			t.Errorf("LookupNow(%q) = %s, %v, %v; want not found", id, e.Peer(), ok, err)
+		}
+	}
+}
+
+// An entry's peer is what resolvers dial and routers hand on as
+// remote_host: one that is not a host name or IP and a port of digits
+// (what the resolver's checkPeerAddr accepts) is refused at Decode, named
+// and counted, not taken in as an engine's current address.
+func TestDecodeRefusesPeersThatAreNotHostPort(t *testing.T) {
+	for _, peer := range []string{"[unix:/run/kvxfer.sock]:7001", "bad host:7001", "h:+7001", "h\x00:7001", "h\n:7001", "[no:t-an-ip]:7001"} {
+		k := registry.Key("/kvxfer", "P", peer)
+		jp, _ := json.Marshal(peer)
+		b := []byte(fmt.Sprintf(`{"v":1,"engine_id":"P","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":%s}],"generation":1}`, jp))
+		_, err := registry.Decode("/kvxfer", k, b)
+		var be *registry.BadEntryError
+		if !errors.As(err, &be) || be.Field != "ranks[0].peer" {
+			t.Errorf("Decode(peer %q) = %v, want a BadEntryError naming ranks[0].peer", peer, err)
+		}
+	}
+	for _, peer := range []string{"127.0.0.1:7001", "[::1]:7001", "kv-0.pod_a.example:7001"} {
+		k := registry.Key("/kvxfer", "P", peer)
+		jp, _ := json.Marshal(peer)
+		b := []byte(fmt.Sprintf(`{"v":1,"engine_id":"P","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":%s}],"generation":1}`, jp))
+		if _, err := registry.Decode("/kvxfer", k, b); err != nil {
+			t.Errorf("Decode(peer %q) = %v, want nil", peer, err)
 		}
 	}
 }

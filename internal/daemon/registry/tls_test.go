@@ -72,6 +72,10 @@ func TestClientConfigValidate(t *testing.T) {
 		{name: "remote plain text refused", cfg: registry.ClientConfig{Endpoints: "10.0.0.1:2379"}, want: "not on loopback"},
 		{name: "remote plain text, insecure", cfg: registry.ClientConfig{Endpoints: "10.0.0.1:2379", Insecure: true}},
 		{name: "remote with TLS", cfg: registry.ClientConfig{Endpoints: "https://10.0.0.1:2379", CA: "ca.pem"}},
+		// etcd's client drops TLS for an http:// endpoint, -etcd-ca or not.
+		{name: "remote http:// with a CA refused", cfg: registry.ClientConfig{Endpoints: "https://10.0.0.2:2379,http://10.0.0.1:2379", CA: "ca.pem"}, want: "http:// is plain text"},
+		{name: "remote http:// with a CA, insecure", cfg: registry.ClientConfig{Endpoints: "http://10.0.0.1:2379", CA: "ca.pem", Insecure: true}},
+		{name: "remote host:port with a CA", cfg: registry.ClientConfig{Endpoints: "10.0.0.1:2379", CA: "ca.pem"}},
 		{name: "https without a CA", cfg: registry.ClientConfig{Endpoints: "https://127.0.0.1:2379"}, want: "needs -etcd-ca"},
 		{name: "no port", cfg: registry.ClientConfig{Endpoints: "127.0.0.1"}, want: `-etcd endpoint "127.0.0.1"`},
 		{name: "cert without key", cfg: registry.ClientConfig{Endpoints: "127.0.0.1:2379", Cert: "c.pem"}, want: "needs both"},

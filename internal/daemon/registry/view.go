@@ -17,6 +17,10 @@ import (
 // DefaultMaxEntries bounds a View when ViewConfig.MaxEntries is zero.
 const DefaultMaxEntries = 10000
 
+// progressEvery is how often a View asks etcd for its watch's progress,
+// to find out that etcd's revision went back (View.loop).
+const progressEvery = 3 * time.Second
+
 // ChangeKind is what happened to an engine in the registry.
 type ChangeKind uint8
 
@@ -83,6 +87,11 @@ type View struct {
 		engines map[string]map[string]Entry // engine -> key -> entry
 		changed chan struct{}               // closed and replaced at each change
 		synced  bool                        // listed once
+		// refused says keys were left out for want of room since the
+		// last list: when room is made, the view lists again to take
+		// them in (nothing else would bring them: a registrar puts an
+		// entry once per lease).
+		refused bool
 	}
 }
 
@@ -238,18 +247,58 @@ func (v *View) loop(ctx context.Context) {
 		}
 		wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		wch := v.cfg.Client.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+		// etcd's revision never goes back unless etcd lost or was given
+		// other data (a member restarted on an empty data directory, a
+		// restored backup): the client's watch then resumes at a revision
+		// the new store has not reached and stays silent, and the view
+		// would keep engines that are gone and never see new ones. Asking
+		// for the watch's progress now and then brings etcd's revision,
+		// and one lower than seen before lists again.
+		progress := time.NewTicker(progressEvery)
+		seen, listed := rev, time.Now()
 		var werr error
-		for resp := range wch {
-			if err := resp.Err(); err != nil {
-				werr = err
-				break
+		relist := false
+	watching:
+		for {
+			select {
+			case resp, open := <-wch:
+				if !open {
+					break watching
+				}
+				if err := resp.Err(); err != nil {
+					werr = err
+					break watching
+				}
+				if resp.Header.Revision < seen {
+					werr = fmt.Errorf("etcd's revision went back from %d to %d (its data was lost or replaced): listing again", seen, resp.Header.Revision)
+					break watching
+				}
+				seen = resp.Header.Revision
+				backoff = 0
+				// A full view lists again once room is made for what it
+				// refused, at most once per progressEvery: a fleet past
+				// the bound that churns would otherwise list it all at
+				// every leave.
+				if v.apply(resp.Events) {
+					relist = true
+				}
+				if relist && time.Since(listed) >= progressEvery {
+					break watching
+				}
+			case <-progress.C:
+				if relist {
+					break watching
+				}
+				_ = v.cfg.Client.RequestProgress(wctx) // a failure: the watch's own error says more
 			}
-			backoff = 0
-			v.apply(resp.Events)
 		}
+		progress.Stop()
 		wcancel()
 		if ctx.Err() != nil {
 			return
+		}
+		if relist {
+			continue
 		}
 		if werr == nil {
 			werr = errors.New("watch closed")
@@ -279,6 +328,7 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 	}
 	var changes []Change
 	v.mu.Lock()
+	v.mu.refused = resp.More
 	for k := range v.mu.byKey {
 		if _, ok := now[k]; !ok {
 			changes = v.setLocked(changes, k, nil)
@@ -294,7 +344,9 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 	return resp.Header.Revision, nil
 }
 
-func (v *View) apply(events []*clientv3.Event) {
+// apply applies a watch's events; true when the view should list again
+// (it has room for keys it refused).
+func (v *View) apply(events []*clientv3.Event) bool {
 	var changes []Change
 	v.mu.Lock()
 	for _, ev := range events {
@@ -308,8 +360,10 @@ func (v *View) apply(events []*clientv3.Event) {
 	if len(events) > 0 {
 		v.notifyLocked()
 	}
+	relist := v.mu.refused && len(v.mu.byKey) < v.cfg.MaxEntries
 	v.mu.Unlock()
 	v.emit(changes)
+	return relist
 }
 
 // putLocked decodes and stores key's value; a bad one is counted, logged
@@ -328,6 +382,7 @@ func (v *View) putLocked(changes []Change, key string, value []byte, created int
 	}
 	if _, ok := v.mu.byKey[key]; !ok && len(v.mu.byKey) >= v.cfg.MaxEntries {
 		v.cfg.Metrics.refused.WithLabelValues("max_entries").Inc()
+		v.mu.refused = true
 		v.log.Warn("kvxfer registry: view full; entry ignored", "key", key, "max_entries", v.cfg.MaxEntries)
 		return changes
 	}
