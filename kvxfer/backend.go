@@ -103,7 +103,9 @@ type Backend interface {
 	LocalMetadata() ([]byte, error)
 	// LoadPeer loads a peer's metadata blob and returns its name.
 	LoadPeer(meta []byte) (PeerName, error)
-	// InvalidatePeer forgets a peer; its in-flight transfers fail.
+	// InvalidatePeer forgets a peer. Its transfers in flight end: they fail,
+	// or a backend that cannot stop them (NIXL) waits for them to end first,
+	// so that none of their bytes land after it returns.
 	InvalidatePeer(peer PeerName) error
 	// Post starts a WRITE (local -> remote) or READ (remote -> local) of
 	// the descriptors to peer. notif, when not nil, is delivered to the
