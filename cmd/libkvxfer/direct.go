@@ -9,6 +9,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 	"unsafe"
@@ -107,6 +108,17 @@ func kvxferGoStreamPut(id C.longlong, msg *C.char, n C.size_t, errBuf *C.char, e
 	}
 }
 
+// micros is a wait of n microseconds, n >= 0, from the engine, or 0 for
+// one longer than a time.Duration holds (292 years): n*1000 would wrap,
+// 18446744073709552 us to 384 ns, a wait the engine meant as forever
+// ending at once.
+func micros(n C.longlong) time.Duration {
+	if int64(n) > math.MaxInt64/int64(time.Microsecond) {
+		return 0
+	}
+	return time.Duration(n) * time.Microsecond
+}
+
 //export kvxferGoStreamTake
 func kvxferGoStreamTake(id C.longlong, waitMicros C.longlong, out **C.char, outLen *C.size_t, code *C.int,
 	errBuf *C.char, errCap C.size_t) C.int {
@@ -115,9 +127,9 @@ func kvxferGoStreamTake(id C.longlong, waitMicros C.longlong, out **C.char, outL
 		putErr(errBuf, errCap, err)
 		return statusFail
 	}
-	wait := time.Duration(waitMicros) * time.Microsecond
-	if waitMicros < 0 {
-		wait = -1
+	wait := micros(waitMicros)
+	if waitMicros < 0 || wait == 0 && waitMicros > 0 {
+		wait = -1 // no limit
 	}
 	b, ok, ended, c, msg := d.Take(wait)
 	switch {
@@ -160,7 +172,7 @@ func kvxferGoCall(method *C.char, req *C.char, n C.size_t, waitMicros C.longlong
 		putErr(errBuf, errCap, err)
 		return statusFail
 	}
-	b, c, msg := p.CallDirect(C.GoString(method), engineBytes(req, n), time.Duration(max(waitMicros, 0))*time.Microsecond)
+	b, c, msg := p.CallDirect(C.GoString(method), engineBytes(req, n), micros(max(waitMicros, 0)))
 	if c != 0 {
 		*code = C.int(c)
 		putErr(errBuf, errCap, errors.New(msg))

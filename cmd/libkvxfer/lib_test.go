@@ -30,7 +30,7 @@ func TestCABI(t *testing.T) {
 		t.Fatalf("go build -buildmode=c-shared: %v\n%s", err, out)
 	}
 	drive := filepath.Join(dir, "drive")
-	if out, err := exec.CommandContext(ctx, cc, "-Wall", "-Werror", "-I", ".", "-o", drive, "testdata/drive.c", "-ldl").CombinedOutput(); err != nil {
+	if out, err := exec.CommandContext(ctx, cc, "-Wall", "-Werror", "-I", ".", "-o", drive, "testdata/drive.c", "-ldl", "-pthread").CombinedOutput(); err != nil {
 		t.Fatalf("cc: %v\n%s", err, out)
 	}
 	rctx, rcancel := context.WithTimeout(ctx, 60*time.Second)

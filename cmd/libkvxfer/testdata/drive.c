@@ -2,14 +2,32 @@
 // written in C would (TestCABI). It prints what it checks and exits 0 only
 // when every check holds.
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "kvxfer.h"
 
 #define CHECK(cond, ...) do { if (!(cond)) { printf("FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); return 1; } } while (0)
+
+// release_later releases the stream *arg after 300 ms (a hang-up that
+// ends a take waiting on it).
+static void (*release_fn)(long long);
+static void *release_later(void *arg) {
+	struct timespec ts = {0, 300 * 1000 * 1000};
+	nanosleep(&ts, NULL);
+	release_fn(*(long long *)arg);
+	return NULL;
+}
+
+static double now_s(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
 
 int main(int argc, char **argv) {
 	if (argc != 2) return 2;
@@ -79,6 +97,20 @@ int main(int argc, char **argv) {
 	rc = stake(s, 0, &msg, &len, &code);
 	CHECK(rc == KVXFER_EFAIL && strstr(last_error(), "no stream"), "take on a released stream = %d: %s", rc, last_error());
 	sfree(NULL);
+	// A wait past what Go's time.Duration holds (18446744073709552 us, 584
+	// thousand years) is a wait without limit, not a product that wraps to
+	// 384 ns: the take waits for the stream's end (a release 300 ms later).
+	long long w = sopen();
+	CHECK(w > 0, "stream open: %s", last_error());
+	release_fn = srelease;
+	pthread_t th;
+	CHECK(pthread_create(&th, NULL, release_later, &w) == 0, "pthread_create");
+	double t0 = now_s();
+	rc = stake(w, 18446744073709552LL, &msg, &len, &code);
+	double took = now_s() - t0;
+	pthread_join(th, NULL);
+	CHECK(rc == KVXFER_EENDED && took >= 0.25, "take waiting 18446744073709552 us = %d after %.3f s, want KVXFER_EENDED after the release at 0.3 s",
+		rc, took);
 	// A scheduler call without gRPC: an unknown method is Unimplemented (12).
 	int (*call)(const char *, const void *, size_t, long long, void **, size_t *, int *) =
 		(int (*)(const char *, const void *, size_t, long long, void **, size_t *, int *))dlsym(lib, "kvxfer_call");

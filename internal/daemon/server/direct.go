@@ -54,10 +54,15 @@ type DirectStream struct {
 
 	limits *limits // counts what the engine hands that is refused
 
-	mu       sync.Mutex
+	mu       sync.Mutex // guards inClosed (close(in) once, no Put after it)
 	inClosed bool
-	code     codes.Code // how the stream ended (after ended is closed)
-	msg      string
+
+	// How the stream ended: written before ended is closed, read only
+	// after it is (the close publishes them), so never under mu, which a
+	// Put holds while it waits for room: recording the end under mu would
+	// wait for that Put, which waits for the end.
+	code codes.Code
+	msg  string
 }
 
 // directAddr is a direct stream's peer address.
@@ -78,9 +83,7 @@ func (s *Server) OpenDirect() *DirectStream {
 	go func() {
 		err := s.Connect(d)
 		st := status.Convert(err)
-		d.mu.Lock()
 		d.code, d.msg = st.Code(), st.Message()
-		d.mu.Unlock()
 		close(d.ended)
 		cancel()
 	}()
@@ -160,9 +163,7 @@ func (d *DirectStream) afterEnd() (b []byte, ok, ended bool, code codes.Code, ms
 		return b, true, false, 0, ""
 	default:
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return nil, false, true, d.code, d.msg
+	return nil, false, true, d.code, d.msg // ended is closed: they are set
 }
 
 // The server's side: grpc.BidiStreamingServer.

@@ -16,6 +16,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 func marshal(t *testing.T, m *pb.ConnectRequest) []byte {
@@ -275,5 +276,51 @@ func TestOpenSchedulerMillisOverflow(t *testing.T) {
 		if _, code, msg := d.srv.CallDirect("OpenScheduler", b, 5*time.Second); code != codes.InvalidArgument || !strings.Contains(msg, tc.field) {
 			t.Errorf("OpenScheduler with %s past time.Duration: %v %q; want InvalidArgument naming the field", tc.field, code, msg)
 		}
+	}
+}
+
+// A Put that waits for room (the server reads no more: 64 messages
+// queued) returns once the stream ends, ErrDirectEnded: the end was
+// recorded under the lock that Put held while it waited, so a stream that
+// ended while the engine had a message waiting hung that engine's thread
+// (and its CloseSend) until the server stopped.
+func TestDirectPutWaitingWhenStreamEnds(t *testing.T) {
+	entered, fail := make(chan struct{}), make(chan struct{})
+	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) {
+		c.NewBackend = func(string, *topology.Layout, bool) (server.Backend, error) {
+			close(entered)
+			<-fail
+			return nil, errors.New("no backend for this test")
+		}
+	})
+	ds := d.srv.OpenDirect()
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: directHello(t)}})); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-entered: // the server took the hello and reads no more until it answers
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hello did not reach the backend factory within 10 s")
+	}
+	step := marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: 1}}})
+	for i := range 64 {
+		if err := ds.Put(step); err != nil {
+			t.Fatalf("step %d into the stream's queue: %v", i, err)
+		}
+	}
+	put := make(chan error, 1)
+	go func() { put <- ds.Put(step) }() // the 65th waits for room
+	time.Sleep(100 * time.Millisecond)
+	close(fail) // the hello is refused: the stream ends
+	select {
+	case err := <-put:
+		if !errors.Is(err, server.ErrDirectEnded) {
+			t.Fatalf("a Put waiting when the stream ended: %v, want ErrDirectEnded", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a Put waiting for room when the stream ended still waits 10 s later")
+	}
+	if _, ended, code, msg := take(t, ds); !ended || code == codes.OK {
+		t.Fatalf("after the refused hello: ended %v, %v %q; want the end with the refusal", ended, code, msg)
 	}
 }
