@@ -474,10 +474,30 @@ func (s *Server) enter() bool {
 	}
 }
 
+// closeWait bounds how long Close waits for the rank streams to end (a
+// variable for tests).
+var closeWait = 40 * time.Second
+
 // Close releases the server's own resources (after Drain), and ends the
-// direct streams still open.
+// direct streams still open. It returns once every rank stream ended (its
+// Worker closed, its backend closed, its memory let go), within
+// closeWait: a drain that ran out of time is followed by a gRPC stop that
+// does not wait for the streams' handlers, and until a rank detached its
+// transfers may still touch the memory its engine named (an in-process
+// engine frees it once kvxfer_stop returns). Streams still going after
+// closeWait are logged.
 func (s *Server) Close() error {
+	s.drainMu.Lock()
+	s.drainOne.Do(func() { close(s.draining) }) // no stream enters under the Wait below
+	s.drainMu.Unlock()
 	s.endLife()
+	done := make(chan struct{})
+	go func() { s.streams.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(closeWait):
+		s.log.Error("kvxferd: rank streams still ending after the server closed: the memory their engines named may still be touched", "waited", closeWait)
+	}
 	if s.resolver != nil {
 		s.resolver.Close()
 	}
