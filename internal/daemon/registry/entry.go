@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"net/url"
@@ -128,6 +129,11 @@ func Decode(prefix, key string, value []byte) (Entry, error) {
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&e); err != nil {
 		return Entry{}, bad(key, "value", err.Error(), "a JSON object of the registry's entry format")
+	}
+	// One object and nothing after it: a value with more (a second
+	// object, bytes a writer left) is not one a registrar wrote.
+	if _, err := dec.Token(); err != io.EOF {
+		return Entry{}, bad(key, "value", fmt.Sprintf("data after the entry's object at byte %d", dec.InputOffset()), "one JSON object")
 	}
 	rest, ok := strings.CutPrefix(key, EnginesPrefix(prefix))
 	engine, peer, ok2 := strings.Cut(rest, "/")

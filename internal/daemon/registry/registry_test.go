@@ -328,3 +328,21 @@ func TestDecodeRefusesPeersThatAreNotHostPort(t *testing.T) {
 		}
 	}
 }
+
+// A value is one entry's JSON object and nothing more: bytes after it (a
+// second object, a writer's leftovers) are refused, named and counted,
+// not ignored. Before, the decoder read the first object and took it.
+func TestDecodeRefusesDataAfterTheObject(t *testing.T) {
+	k := registry.Key("/kvxfer", "P", "127.0.0.1:7001")
+	entry := `{"v":1,"engine_id":"P","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":"127.0.0.1:7001"}],"generation":1}`
+	if _, err := registry.Decode("/kvxfer", k, []byte(entry+" \n")); err != nil {
+		t.Fatalf("the entry with trailing space: %v, want nil", err)
+	}
+	for _, tail := range []string{"garbage", `{"v":1}`, "]", "1"} {
+		_, err := registry.Decode("/kvxfer", k, []byte(entry+tail))
+		var be *registry.BadEntryError
+		if !errors.As(err, &be) || be.Field != "value" {
+			t.Errorf("Decode(entry + %q) = %v, want a BadEntryError naming value", tail, err)
+		}
+	}
+}
