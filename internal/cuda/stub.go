@@ -48,7 +48,8 @@ func (d *Device) loadKernel([]byte) (fn, gated, stream unsafe.Pointer, err error
 }
 func (d *Device) newSlot(int) (*slot, error) { return nil, ErrUnavailable }
 func (d *Device) freeSlot(*slot)             {}
-func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int, _ gateArgs) error {
+func (d *Device) sms() int                   { return 0 }
+func (d *Device) launch(_, _ unsafe.Pointer, _ *slot, _ int, _ uint64, _ gateArgs) error {
 	return ErrUnavailable
 }
 func (d *Device) launchEach(unsafe.Pointer, *slot) error { return ErrUnavailable }
