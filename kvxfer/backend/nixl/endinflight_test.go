@@ -73,30 +73,7 @@ func TestPeerGoneReadInFlight(t *testing.T) {
 	t.Setenv("UCX_NET_DEVICES", "lo")
 	const size = 64 << 20
 	a, b := newCloseEnd(t, size), newCloseEnd(t, size)
-	for i := range b.mem {
-		b.mem[i] = byte(i*7 + 3)
-	}
-	meta, err := b.b.LocalMetadata()
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer, err := a.b.LoadPeer(meta)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ds []hotpath.Desc
-	for off := uint64(0); off < size; off += 4096 {
-		ds = append(ds, hotpath.Desc{Local: a.r.Addr + off, Remote: b.r.Addr + off, Len: 4096})
-	}
-	var id kvxfer.XferID
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		if id, err = a.b.Post(hotpath.OpRead, peer, ds, nil); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-	}
+	id := postInFlightOp(t, a, b, hotpath.OpRead)
 	before, _ := a.b.State(id)
 	if err := b.b.Close(); err != nil {
 		t.Fatalf("peer Close: %v", err)

@@ -17,8 +17,19 @@ import (
 // CMA moves it within the post), and returns its id.
 func postInFlight(t *testing.T, a, b closeEnd) kvxfer.XferID {
 	t.Helper()
-	for i := range a.mem {
-		a.mem[i] = byte(i*7 + 3)
+	return postInFlightOp(t, a, b, hotpath.OpWrite)
+}
+
+// postInFlightOp is postInFlight for op: a WRITE from a's memory, a READ
+// from b's (its source filled with a pattern first).
+func postInFlightOp(t *testing.T, a, b closeEnd, op hotpath.Op) kvxfer.XferID {
+	t.Helper()
+	src := a.mem
+	if op == hotpath.OpRead {
+		src = b.mem
+	}
+	for i := range src {
+		src[i] = byte(i*7 + 3)
 	}
 	meta, err := b.b.LocalMetadata()
 	if err != nil {
@@ -33,7 +44,7 @@ func postInFlight(t *testing.T, a, b closeEnd) kvxfer.XferID {
 		ds = append(ds, hotpath.Desc{Local: a.r.Addr + off, Remote: b.r.Addr + off, Len: 4096})
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		id, err := a.b.Post(hotpath.OpWrite, peer, ds, nil)
+		id, err := a.b.Post(op, peer, ds, nil)
 		if err == nil {
 			return id
 		}
@@ -62,14 +73,7 @@ func TestReleaseInFlightStops(t *testing.T) {
 	if s != kvxfer.XferInProgress {
 		t.Logf("the WRITE ended before Release (%v): this run checks a finished transfer only", s)
 	}
-	time.Sleep(500 * time.Millisecond)
-	changed := 0
-	for i := 0; i < size; i += 4096 {
-		if !bytes.Equal(b.mem[i:i+4096], snap[i:i+4096]) {
-			changed++
-		}
-	}
-	if changed > 0 {
+	if changed := changedPages(b.mem, snap); changed > 0 {
 		t.Fatalf("%d pages of the destination changed after Release returned", changed)
 	}
 	if !bytes.Equal(b.mem, a.mem) {
