@@ -156,32 +156,20 @@ func (m *gateMover) hops(warmup int) ([]string, [][]float64, error) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	type way struct{ launched, polled int64 }
-	ways := map[netxfer.XferID]*way{}
-	for _, s := range m.wire.take() {
-		w := ways[s.ID]
-		if w == nil {
-			w = &way{}
-			ways[s.ID] = w
-		}
-		switch s.Ev {
-		case netxfer.WirePartSent:
-			w.launched = firstOf(w.launched, s.T)
-		case netxfer.WireAnswerRead:
-			w.polled = max(w.polled, s.T)
-		}
-	}
+	// A one-sided WRITE's part is "sent" once its launch is queued, its
+	// answer "read" once P's poller saw the launch done.
+	ways := wireWays(m.wire.take())
 	out := make([][]float64, len(gateHops))
 	for i, t := range m.times {
 		if i < warmup || i >= len(notes) {
 			continue
 		}
 		w := ways[t.id]
-		if w == nil || w.launched == 0 || w.polled == 0 {
+		if w == nil || w.sent == 0 || w.ansRead == 0 {
 			continue
 		}
 		n := notes[i]
-		for h, d := range []int64{w.launched - t.posted, w.polled - w.launched, t.seen - w.polled, t.seen - t.posted, n - t.seen, n - t.posted} {
+		for h, d := range []int64{w.sent - t.posted, w.ansRead - w.sent, t.seen - w.ansRead, t.seen - t.posted, n - t.seen, n - t.posted} {
 			out[h] = append(out[h], float64(d)/1e3)
 		}
 	}

@@ -157,25 +157,7 @@ var hopNames = []string{
 // the last posted and done). It returns, per hop, the microseconds of
 // each transfer that had all its stamps, the warm-up ones left out.
 func hopsOf(times []xferTimes, wire []wireStamp, child childStamps, warmup int) [][]float64 {
-	type way struct{ sent, read, ansSent, ansRead int64 }
-	ways := map[netxfer.XferID]*way{}
-	for _, s := range append(slices.Clone(wire), child.Wire...) {
-		w := ways[s.ID]
-		if w == nil {
-			w = &way{}
-			ways[s.ID] = w
-		}
-		switch s.Ev {
-		case netxfer.WirePartSent:
-			w.sent = firstOf(w.sent, s.T)
-		case netxfer.WirePartRead:
-			w.read = firstOf(w.read, s.T)
-		case netxfer.WireAnswerSent:
-			w.ansSent = max(w.ansSent, s.T)
-		case netxfer.WireAnswerRead:
-			w.ansRead = max(w.ansRead, s.T)
-		}
-	}
+	ways := wireWays(append(slices.Clone(wire), child.Wire...))
 	out := make([][]float64, len(hopNames))
 	for i, t := range times {
 		if i < warmup {
@@ -199,6 +181,33 @@ func hopsOf(times []xferTimes, wire []wireStamp, child childStamps, warmup int) 
 		}
 	}
 	return out
+}
+
+// wireWay is a transfer's way out and back as its wire stamps tell it:
+// its first part sent and read, its last answer sent and read.
+type wireWay struct{ sent, read, ansSent, ansRead int64 }
+
+// wireWays gathers stamps by transfer.
+func wireWays(stamps []wireStamp) map[netxfer.XferID]*wireWay {
+	ways := map[netxfer.XferID]*wireWay{}
+	for _, s := range stamps {
+		w := ways[s.ID]
+		if w == nil {
+			w = &wireWay{}
+			ways[s.ID] = w
+		}
+		switch s.Ev {
+		case netxfer.WirePartSent:
+			w.sent = firstOf(w.sent, s.T)
+		case netxfer.WirePartRead:
+			w.read = firstOf(w.read, s.T)
+		case netxfer.WireAnswerSent:
+			w.ansSent = max(w.ansSent, s.T)
+		case netxfer.WireAnswerRead:
+			w.ansRead = max(w.ansRead, s.T)
+		}
+	}
+	return ways
 }
 
 // firstOf is the earlier of a stamp so far (0: none) and t.
