@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -29,6 +30,29 @@ import (
 	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
+
+// connectTinyRank attaches one rank of a one-layer push engine named
+// engine to the daemon at socket, its four blocks in a memory file of
+// shmDir: the stream (or Connect's error) and what to close after (once,
+// however often it is called).
+func connectTinyRank(t *testing.T, ctx context.Context, socket, shmDir, engine string) (*stream.RankStream, func(), error) {
+	t.Helper()
+	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	mp, err := shm.Create(shmDir, "kv", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := stream.Dial("unix://" + socket)
+	if err != nil {
+		mp.Close()
+		t.Fatal(err)
+	}
+	rs, err := client.Connect(ctx, stream.Hello{EngineID: engine, Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
+		Memory: []stream.Memory{{Path: filepath.Join(shmDir, "kv"), Base: 1 << 20, Size: 1024}}})
+	var once sync.Once
+	return rs, func() { once.Do(func() { _ = client.Close(); _ = mp.Close() }) }, err
+}
 
 // freePort is a loopback port below the ephemeral range (testport): one
 // picked by listening on :0 may become another connection's source port
@@ -70,20 +94,8 @@ func TestServe(t *testing.T) {
 		t.Errorf("health = %v, %v; want SERVING", h, err)
 	}
 	// Attach a rank and see it in /metrics.
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
-	mp, err := shm.Create(dir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	client, err := stream.Dial("unix://" + c.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	rs, err := client.Connect(hctx, stream.Hello{EngineID: "E1", Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
-		Memory: []stream.Memory{{Path: filepath.Join(dir, "kv"), Base: 1 << 20, Size: 1024}}})
+	rs, closeRank, err := connectTinyRank(t, hctx, c.socket, dir, "E1")
+	defer closeRank()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,7 +135,7 @@ func TestServe(t *testing.T) {
 	if _, err := os.Stat(c.socket); !os.IsNotExist(err) {
 		t.Errorf("socket left behind: %v", err)
 	}
-	_ = client.Close()
+	closeRank() // before the leak check (the deferred call then closes nothing more)
 	_ = cc.Close()
 	http.DefaultClient.CloseIdleConnections()
 	leakcheck.Check(t, before, 0, 10*time.Second)

@@ -17,17 +17,7 @@ func TestLimitListener(t *testing.T) {
 	var refused atomic.Int64
 	l := newLimitListener(ln, 2, 100, func(string) { refused.Add(1) })
 	defer l.Close()
-	accepted := make(chan net.Conn, 8)
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				close(accepted)
-				return
-			}
-			accepted <- c
-		}
-	}()
+	accepted := acceptAll(l)
 	dial := func() net.Conn {
 		c, err := net.Dial("tcp", ln.Addr().String())
 		if err != nil {
@@ -78,17 +68,7 @@ func TestLimitListenerTotal(t *testing.T) {
 		}
 	})
 	defer l.Close()
-	accepted := make(chan net.Conn, 8)
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				close(accepted)
-				return
-			}
-			accepted <- c
-		}
-	}()
+	accepted := acceptAll(l)
 	dialFrom := func(ip string) net.Conn {
 		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}, Timeout: 5 * time.Second}
 		c, err := d.Dial("tcp", ln.Addr().String())
@@ -115,4 +95,21 @@ func TestLimitListenerTotal(t *testing.T) {
 	if total.Load() != 1 || perAddr.Load() != 0 {
 		t.Errorf("refused: %d past the total, %d past the per-address bound; want 1 and 0", total.Load(), perAddr.Load())
 	}
+}
+
+// acceptAll hands on what l accepts, and closes the channel once Accept
+// fails (l closed).
+func acceptAll(l net.Listener) <-chan net.Conn {
+	accepted := make(chan net.Conn, 8)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				close(accepted)
+				return
+			}
+			accepted <- c
+		}
+	}()
+	return accepted
 }

@@ -23,11 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/peerauth/pkitest"
-	"github.com/kvxfer/kvxfer/kvxfer"
-	"github.com/kvxfer/kvxfer/shm"
-	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
-	"github.com/kvxfer/kvxfer/topology"
 )
 
 // startTest starts c's listeners in this process and shuts them down at
@@ -127,22 +123,11 @@ func TestTLSPeerAuthFailuresCounted(t *testing.T) {
 	}
 	// The data plane: a rank's data port refuses a connection without a
 	// certificate of the CA, counted too.
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
-	mp, err := shm.Create(c.shmDir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	client, err := stream.Dial("unix://" + c.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := client.Connect(ctx, stream.Hello{EngineID: "E1", Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
-		Memory: []stream.Memory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}); err != nil {
+	_, closeRank, err := connectTinyRank(t, ctx, c.socket, c.shmDir, "E1")
+	defer closeRank()
+	if err != nil {
 		t.Fatal(err)
 	}
 	data := net.JoinHostPort("127.0.0.1", strconv.Itoa(c.dataPortBase))
@@ -328,22 +313,10 @@ func TestLongEngineIDRefused(t *testing.T) {
 	c := testConfig(t)
 	c.metricsListen = freePort(t)
 	startTest(t, c)
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
-	mp, err := shm.Create(c.shmDir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	client, err := stream.Dial("unix://" + c.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	_, err = client.Connect(ctx, stream.Hello{EngineID: strings.Repeat("e", 1<<20), Mode: kvxfer.ModePush, Layout: l, CompatHash: "m",
-		Memory: []stream.Memory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}})
+	_, closeRank, err := connectTinyRank(t, ctx, c.socket, c.shmDir, strings.Repeat("e", 1<<20))
+	defer closeRank()
 	resp, herr := http.Get("http://" + c.metricsListen + "/metrics")
 	if herr != nil {
 		t.Fatal(herr)

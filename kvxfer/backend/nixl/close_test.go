@@ -67,27 +67,8 @@ func TestCloseReleasesInFlight(t *testing.T) {
 	t.Setenv("UCX_NET_DEVICES", "lo")
 	const size = 32 << 20
 	a, b := newCloseEnd(t, size), newCloseEnd(t, size)
-	meta, err := b.b.LocalMetadata()
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer, err := a.b.LoadPeer(meta)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ds []hotpath.Desc
-	for off := uint64(0); off < size; off += 4096 {
-		ds = append(ds, hotpath.Desc{Local: a.r.Addr + off, Remote: b.r.Addr + off, Len: 4096})
-	}
-	var id kvxfer.XferID
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		if id, err = a.b.Post(hotpath.OpWrite, peer, ds, []byte("done")); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-	}
+	id := postInFlightOp(t, a, b, hotpath.OpWrite, []byte("done"))
+	peer := b.b.Name()
 	if _, err := a.b.Prepare("", []hotpath.Entry{{Addr: a.r.Addr, Len: 4096}}); err != nil {
 		t.Fatal(err)
 	}

@@ -73,7 +73,7 @@ func TestPeerGoneReadInFlight(t *testing.T) {
 	t.Setenv("UCX_NET_DEVICES", "lo")
 	const size = 64 << 20
 	a, b := newCloseEnd(t, size), newCloseEnd(t, size)
-	id := postInFlightOp(t, a, b, hotpath.OpRead)
+	id := postInFlightOp(t, a, b, hotpath.OpRead, nil)
 	before, _ := a.b.State(id)
 	if err := b.b.Close(); err != nil {
 		t.Fatalf("peer Close: %v", err)

@@ -405,7 +405,7 @@ func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
 func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 	n.mu.Lock()
 	var waitErr error
-	if left := n.quietLocked(peer, time.Now().Add(releaseWait)); left > 0 {
+	if left := n.quietLocked(func(x *nixlXfer) bool { return x.peer == peer }, time.Now().Add(releaseWait)); left > 0 {
 		releasedInFlight.Add(uint64(left))
 		waitErr = fmt.Errorf("invalidate peer %s: %d transfers still in flight after %v: NIXL may still move their bytes", peer, left, releaseWait)
 	}
@@ -418,15 +418,18 @@ func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 	return waitErr
 }
 
-// quietLocked waits (mu held, let go between polls) until no transfer to
-// peer is in flight or the deadline passed; it returns how many still
-// are. Transfers are looked up afresh after each pause: one released
-// meanwhile is gone from the map, and its handle is never polled again.
-func (n *Backend) quietLocked(peer kvxfer.PeerName, deadline time.Time) int {
+// quietLocked waits (mu held, let go between polls) until no transfer
+// that match picks is in flight, or the deadline passed; it returns how
+// many still are. Transfers are looked up afresh after each pause: one
+// released meanwhile is gone from the map, and its handle is never polled
+// again. settleLocked asks NIXL, and whether the peer's process is gone,
+// so a transfer to a peer that died ends as failed instead of holding
+// the wait to its deadline.
+func (n *Backend) quietLocked(match func(*nixlXfer) bool, deadline time.Time) int {
 	for wait := 20 * time.Microsecond; ; wait = min(2*wait, 2*time.Millisecond) {
 		left := 0
 		for _, x := range n.mu.xfers {
-			if x.peer != peer || x.state != kvxfer.XferInProgress || n.mu.closed {
+			if !match(x) || x.state != kvxfer.XferInProgress || n.mu.closed {
 				continue
 			}
 			done, err := n.a.State(x.x)
@@ -703,7 +706,8 @@ func (n *Backend) Release(id kvxfer.XferID) error {
 		return fmt.Errorf("release transfer %d: %w", id, kvxfer.ErrUnknownXfer)
 	}
 	var waitErr error
-	if !n.endLocked(x, time.Now().Add(releaseWait)) {
+	x.releasing = true // no other Release frees it while this one waits
+	if n.quietLocked(func(y *nixlXfer) bool { return y == x }, time.Now().Add(releaseWait)) > 0 {
 		releasedInFlight.Add(1)
 		waitErr = fmt.Errorf("release transfer %d: still in flight after %v: NIXL may still move its bytes", id, releaseWait)
 	}
@@ -715,29 +719,6 @@ func (n *Backend) Release(id kvxfer.XferID) error {
 		return err
 	}
 	return waitErr
-}
-
-// endLocked waits (mu held, let go between polls) until x is no longer
-// in flight or the deadline passed; it reports whether x ended. Other
-// calls go on meanwhile: x is marked releasing, so that no other Release
-// frees it under this one.
-func (n *Backend) endLocked(x *nixlXfer, deadline time.Time) bool {
-	x.releasing = true
-	for wait := 20 * time.Microsecond; ; wait = min(2*wait, 2*time.Millisecond) {
-		if x.state == kvxfer.XferInProgress && !n.mu.closed {
-			done, err := n.a.State(x.x)
-			n.settleLocked(x, done, err)
-		}
-		if x.state != kvxfer.XferInProgress || n.mu.closed {
-			return x.state != kvxfer.XferInProgress
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		n.mu.Unlock()
-		time.Sleep(wait)
-		n.mu.Lock()
-	}
 }
 
 // Notify implements kvxfer.Backend.
@@ -921,6 +902,11 @@ func (n *Backend) Close() error {
 		n.life.Lock() // posts and prepares under way end first
 		defer n.life.Unlock()
 		n.mu.Lock()
+		// Those in flight are waited for first (see Release), all within
+		// one releaseWait, their peers still watched.
+		if left := n.quietLocked(func(*nixlXfer) bool { return true }, time.Now().Add(releaseWait)); left > 0 {
+			releasedInFlight.Add(uint64(left))
+		}
 		n.mu.closed = true
 		for name, p := range n.mu.peers {
 			p.close()
@@ -928,23 +914,7 @@ func (n *Backend) Close() error {
 		}
 		// Destroying the agent under them would leak NIXL's requests (and
 		// UCX's under them) and lists: nothing can free them after.
-		// Those in flight are waited for first (see Release), all within
-		// one releaseWait.
-		deadline := time.Now().Add(releaseWait)
 		for id, x := range n.mu.xfers {
-			if x.state == kvxfer.XferInProgress {
-				for wait := 20 * time.Microsecond; ; wait = min(2*wait, 2*time.Millisecond) {
-					done, err := n.a.State(x.x)
-					if done || err != nil {
-						break
-					}
-					if time.Now().After(deadline) {
-						releasedInFlight.Add(1)
-						break
-					}
-					time.Sleep(wait)
-				}
-			}
 			_ = n.a.Release(x.x)
 			delete(n.mu.xfers, id)
 		}

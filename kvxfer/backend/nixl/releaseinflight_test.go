@@ -17,12 +17,13 @@ import (
 // CMA moves it within the post), and returns its id.
 func postInFlight(t *testing.T, a, b closeEnd) kvxfer.XferID {
 	t.Helper()
-	return postInFlightOp(t, a, b, hotpath.OpWrite)
+	return postInFlightOp(t, a, b, hotpath.OpWrite, nil)
 }
 
 // postInFlightOp is postInFlight for op: a WRITE from a's memory, a READ
-// from b's (its source filled with a pattern first).
-func postInFlightOp(t *testing.T, a, b closeEnd, op hotpath.Op) kvxfer.XferID {
+// from b's (its source filled with a pattern first), notif its
+// notification.
+func postInFlightOp(t *testing.T, a, b closeEnd, op hotpath.Op, notif []byte) kvxfer.XferID {
 	t.Helper()
 	src := a.mem
 	if op == hotpath.OpRead {
@@ -44,7 +45,7 @@ func postInFlightOp(t *testing.T, a, b closeEnd, op hotpath.Op) kvxfer.XferID {
 		ds = append(ds, hotpath.Desc{Local: a.r.Addr + off, Remote: b.r.Addr + off, Len: 4096})
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		id, err := a.b.Post(op, peer, ds, nil)
+		id, err := a.b.Post(op, peer, ds, notif)
 		if err == nil {
 			return id
 		}
