@@ -21,6 +21,7 @@ const (
 	inTimers                         // time passed: fire what is due
 	inClose                          // the Worker closes: end every request, transfers in flight fenced
 	inCloseNow                       // the close's fence timed out: abandon what is left
+	inReleased                       // an abandoned transfer was released: none of its bytes move any more
 )
 
 // input is one thing that happened, for Step.
@@ -28,7 +29,7 @@ type input struct {
 	kind   inputKind
 	ev     *event
 	notifs []Notif
-	// inXferEnded
+	// inXferEnded, inReleased
 	xfer  XferID
 	state XferState
 	err   error
@@ -59,6 +60,8 @@ func (st *loopState) Step(now time.Time, in input) {
 		st.closeDown()
 	case inCloseNow:
 		st.shutdown()
+	case inReleased:
+		st.released(in.xfer)
 	}
 	st.recycleSends()
 }

@@ -144,6 +144,10 @@ func coreSimSeeds() [][]byte {
 		// engine would register the blocks again with it).
 		newSimScript(simPush, tp11, true, tid, simReqByte(true, simNameID, b, 2)).
 			recv(1).send(1).hs().deliver(0).hs().wait(24).hsFail().land(0).recv(2).send(2),
+		// The producer falls silent with a READ in flight: the consumer
+		// gives it up, and its bytes land while it is being released.
+		newSimScript(simPull, tp11, true, tid, simReqByte(true, simNameID, b, 2)).
+			send(1).recv(1).hs().hs().wait(24).hsFail().land(0).send(2).recv(2),
 		// A READ reaches a producer rank that has not taken the step
 		// holding the blocks yet: refused by the grants, read again.
 		newSimScript(simPull, tp21, true, tid, simReqByte(false, simNameID, b, 2)).
@@ -190,7 +194,7 @@ func TestCoreSimSeeds(t *testing.T) {
 		}
 	}
 	want = append(want, "paired by base id", "ambiguous pairing refused", "refused by grants", "restart P", "restart D",
-		"layer saved", "aborted", "rank caught up")
+		"layer saved", "aborted", "rank caught up", "abandoned transfer landed")
 	for _, k := range want {
 		if got[k] == 0 {
 			t.Errorf("no seed exercises %q", k)
@@ -408,6 +412,9 @@ type simXfer struct {
 	notif      []byte
 	posted     time.Time
 	preq, dreq string
+	// abandoned: its poster gave it up and is releasing it; it ends
+	// (landing its bytes or not) as the release returns.
+	abandoned bool
 }
 
 type simAck struct {
@@ -556,10 +563,18 @@ func (s *coreSim) step(c *simCore, in input) {
 	carryOut(st, nil, nil, func(_ int, o *op) error { return s.do(c, o) })
 	c.asks = append(c.asks, st.fx.asks...)
 	for _, id := range st.fx.releases {
-		// Abandoned: it never lands.
+		// Released at once: it never lands.
 		s.xfers = slices.DeleteFunc(s.xfers, func(x *simXfer) bool { return x.poster == c && x.id == id })
 	}
-	st.fx.asks, st.fx.releases, st.fx.invalidate, st.fx.unprepare = nil, nil, nil, nil
+	for _, id := range st.fx.abandon {
+		// Being released: it may still land until that returns (land).
+		for _, x := range s.xfers {
+			if x.poster == c && x.id == id {
+				x.abandoned = true
+			}
+		}
+	}
+	st.fx.asks, st.fx.releases, st.fx.abandon, st.fx.invalidate, st.fx.unprepare = nil, nil, nil, nil, nil
 	out := st.out
 	st.out = Finished{}
 	for _, o := range out.Sending {
@@ -1161,8 +1176,18 @@ func (s *coreSim) land(x *simXfer, ok bool) {
 		s.t.Logf("%v %s's %s %d lands (%v)", s.now.Format("04:05.000"), x.poster.agent, kindOf(x), x.id, ok)
 	}
 	s.xfers = slices.DeleteFunc(s.xfers, func(y *simXfer) bool { return y == x })
-	in := input{kind: inXferEnded, xfer: x.id, state: XferDone}
 	peer := s.agents[x.peer]
+	if x.abandoned {
+		// Its bytes may land while the release waits for them (NIXL's
+		// does), never after: its request reports once it returned.
+		if ok && peer != nil && !peer.dead {
+			_ = s.copyBytes(x, peer)
+			s.count("abandoned transfer landed")
+		}
+		s.step(x.poster, input{kind: inReleased, xfer: x.id})
+		return
+	}
+	in := input{kind: inXferEnded, xfer: x.id, state: XferDone}
 	var err error
 	switch {
 	case !ok:

@@ -208,9 +208,9 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 				r.fenced = r.fenced.add(t)
 			}
 			for h := range r.handles {
-				st.fx.releases = append(st.fx.releases, h)
-				delete(st.handles, h)
-				delete(r.handles, h)
+				if x := st.handles[h]; x != nil {
+					st.abandonXfer(x)
+				}
 			}
 		}
 		st.decide(r, ResultFailed, kind, reason)

@@ -91,10 +91,14 @@ type coreEnv struct {
 // (handles), prepared lists, and the data plane's grants it changes
 // through ops (guarded: the backend enforces them).
 type xferState struct {
-	handles  map[XferID]*handle
-	nextXfer XferID
-	nextPrep PrepID
-	idxBuf   []hotpath.IndexPair
+	handles map[XferID]*handle
+	// abandoned are transfers given up while in flight, the driver
+	// releasing them (effects.abandon); each still counts in its
+	// request's handles, which reports once it is released.
+	abandoned map[XferID]*handle
+	nextXfer  XferID
+	nextPrep  PrepID
+	idxBuf    []hotpath.IndexPair
 	// guarded: the backend enforces the Worker's grants, which the core
 	// changes through ops (opGrant, opRevoke, opHold); nextGrant names
 	// the last grant.
@@ -360,6 +364,7 @@ func (st *loopState) init(w *Worker) {
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
 	st.handles = map[XferID]*handle{}
+	st.abandoned = map[XferID]*handle{}
 	st.layerSteps = map[uint64][]string{}
 	layers := map[int]int{}
 	var order []int
@@ -663,8 +668,15 @@ type effects struct {
 	// asks are handshakes and probes to run; each answer comes back as
 	// an evHandshake event.
 	asks []hsAsk
-	// releases are transfers to abandon (their requests were fenced).
+	// releases are transfers to release at once, their requests ended
+	// (the Worker closes).
 	releases []XferID
+	// abandon are transfers in flight whose requests no longer want them
+	// (their producer is gone): the driver releases each, which may take
+	// long (a backend waits for bytes still moving, up to its bound), and
+	// hands back inReleased once it has; their requests report then, and
+	// nothing else waits meanwhile.
+	abandon []XferID
 	// invalidate are peers to forget (an evicted engine's agents).
 	invalidate []PeerName
 	// unprepare are prepared descriptor lists to release.
@@ -845,7 +857,7 @@ func (st *loopState) closeDown() {
 // closeWaits reports whether a closing Worker still waits for transfers
 // or confirmations.
 func (st *loopState) closeWaits() bool {
-	return len(st.handles) > 0 || len(st.recvs) > 0 || st.sends.len() > 0
+	return len(st.handles) > 0 || len(st.abandoned) > 0 || len(st.recvs) > 0 || st.sends.len() > 0
 }
 
 func (st *loopState) shutdown() {
@@ -853,6 +865,7 @@ func (st *loopState) shutdown() {
 		st.fx.releases = append(st.fx.releases, id)
 	}
 	clear(st.handles)
+	clear(st.abandoned) // the driver waits for their releases before the outcomes go out
 	for _, id := range st.sendIDs() {
 		s := st.sends.get(id)
 		for _, r := range s.ranks {

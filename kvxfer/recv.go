@@ -673,6 +673,33 @@ func (st *loopState) fenceTimer(e timerEntry) {
 	st.finishRecv(r, o)
 }
 
+// abandonXfer gives up a consumer's READ in flight (its producer is
+// gone): the driver releases it (effects.abandon), and its request,
+// which still counts it among its handles, reports only once that is
+// done (released): a backend's release waits for bytes still moving,
+// which would land in blocks the engine reuses once the request reports.
+func (st *loopState) abandonXfer(h *handle) {
+	delete(st.handles, h.id)
+	st.abandoned[h.id] = h
+	st.fx.abandon = append(st.fx.abandon, h.id)
+}
+
+// released: the driver released an abandoned transfer; nothing of it
+// moves any more, and its request may report.
+func (st *loopState) released(id XferID) {
+	h := st.abandoned[id]
+	if h == nil {
+		return
+	}
+	delete(st.abandoned, id)
+	r := st.recvs[h.recv]
+	if r == nil {
+		return
+	}
+	delete(r.handles, id)
+	st.tryReport(r)
+}
+
 // sendHeartbeats tells each producer engine which of its requests this
 // rank still waits for (SPEC §9), from the worker's own clock.
 func (st *loopState) sendHeartbeats() {

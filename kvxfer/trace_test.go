@@ -548,10 +548,19 @@ func (tc *traceCore) drive(out []string, indent string) []string {
 	for _, id := range fx.releases {
 		out = append(out, fmt.Sprintf("release #%d", id))
 	}
+	abandoned := slices.Clone(fx.abandon)
+	for _, id := range abandoned {
+		out = append(out, fmt.Sprintf("abandon #%d", id))
+	}
 	for _, p := range fx.invalidate {
 		out = append(out, fmt.Sprintf("forget peer %s", p))
 	}
-	fx.asks, fx.releases, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.invalidate[:0], fx.unprepare[:0]
+	fx.asks, fx.releases, fx.abandon, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.abandon[:0], fx.invalidate[:0], fx.unprepare[:0]
+	for _, id := range abandoned {
+		// Released at once: the request reports with the rest.
+		st.Step(tc.now, input{kind: inReleased, xfer: id})
+		out = tc.drive(out, indent)
+	}
 	for _, o := range st.out.Sending {
 		out = append(out, "outcome send "+describeOutcome(o))
 	}

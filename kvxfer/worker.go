@@ -273,6 +273,9 @@ type Worker struct {
 	cancel  context.CancelFunc
 	stopped chan struct{}
 	hsWG    sync.WaitGroup
+	// relWG counts the releases of abandoned transfers under way, each
+	// on a goroutine of its own (abandon).
+	relWG sync.WaitGroup
 
 	mu struct {
 		sync.Mutex
@@ -281,6 +284,9 @@ type Worker struct {
 		closed bool
 		// err is why the loop stopped on its own (ContainPanics).
 		err error
+		// released are abandoned transfers whose release returned, for
+		// the core (inReleased).
+		released []XferID
 	}
 	closeOnce sync.Once
 	// dup is validate's scratch for finding a block named twice in a
@@ -803,6 +809,7 @@ func (w *Worker) broke(v any, stack []byte) {
 			delete(w.xfers, id)
 			_ = w.be.Release(x.be)
 		}
+		w.relWG.Wait() // those abandoned before, released on their own goroutines
 		if pp, ok := w.be.(PreparedPoster); ok {
 			for id, p := range w.preps {
 				delete(w.preps, id)
@@ -871,6 +878,9 @@ func (w *Worker) apply() {
 			delete(w.xfers, id)
 		}
 	}
+	for _, id := range fx.abandon {
+		w.abandon(id)
+	}
 	if pp, ok := w.be.(PreparedPoster); ok {
 		for _, id := range fx.unprepare {
 			if p, ok := w.preps[id]; ok {
@@ -904,7 +914,41 @@ func (w *Worker) apply() {
 	}
 	clear(fx.asks)
 	clear(fx.invalidate)
-	fx.asks, fx.releases, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.invalidate[:0], fx.unprepare[:0]
+	fx.asks, fx.releases, fx.abandon, fx.invalidate, fx.unprepare = fx.asks[:0], fx.releases[:0], fx.abandon[:0], fx.invalidate[:0], fx.unprepare[:0]
+}
+
+// abandon releases a transfer the core gave up while in flight, on a
+// goroutine of its own: a backend's release waits for bytes still moving
+// (NIXL's, up to its bound, for a peer that hung), and the loop goes on
+// meanwhile with every other request. Once it returned the core hears
+// (inReleased, in turn), and the request reports.
+func (w *Worker) abandon(id XferID) {
+	x, ok := w.xfers[id]
+	delete(w.xfers, id)
+	w.relWG.Add(1)
+	go func() {
+		defer w.relWG.Done()
+		if ok {
+			_ = w.be.Release(x.be)
+		}
+		w.mu.Lock()
+		w.mu.released = append(w.mu.released, id)
+		w.mu.Unlock()
+		w.signal()
+	}()
+}
+
+// takeReleased hands the core the abandoned transfers released since
+// the last call, each followed by its effects.
+func (w *Worker) takeReleased(now time.Time) {
+	w.mu.Lock()
+	ids := w.mu.released
+	w.mu.released = nil
+	w.mu.Unlock()
+	for _, id := range ids {
+		w.st.Step(now, input{kind: inReleased, xfer: id})
+		w.apply()
+	}
 }
 
 // carryOut is every driver's loop over the core's ops: it hands each op
@@ -1068,6 +1112,7 @@ func (w *Worker) turn(now time.Time) {
 	}
 	clear(w.notifs)
 	w.pollXfers(now)
+	w.takeReleased(now)
 	st.Step(now, input{kind: inTimers})
 	w.apply()
 	w.publish()
@@ -1098,6 +1143,9 @@ func (w *Worker) fenceClose(timer *time.Timer) {
 	}
 	st.Step(time.Now(), input{kind: inCloseNow})
 	w.apply()
+	// Abandoned transfers still being released: their requests report
+	// (closed) once no byte of theirs moves.
+	w.relWG.Wait()
 	w.publish()
 }
 
@@ -1349,6 +1397,9 @@ type WorkerState struct {
 	Recvs int
 	// Handles are transfers in flight; Timers are armed deadlines.
 	Handles, Timers int
+	// Releasing are transfers given up in flight whose release (which
+	// waits for their bytes) has not returned yet.
+	Releasing int
 	// Engines are cached peer handshakes.
 	Engines int
 	// Wakeups counts the loop's iterations: it stays put while the
@@ -1368,7 +1419,7 @@ func (w *Worker) State() (WorkerState, error) {
 			}
 		}
 		ch <- WorkerState{Sends: st.sends.len(), PendingRegs: len(st.regs), Matches: len(st.matched),
-			Tombstones: len(st.tombs), Early: len(st.early), LayerSteps: len(st.layerSteps), Recvs: len(st.recvs), Handles: len(st.handles), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
+			Tombstones: len(st.tombs), Early: len(st.early), LayerSteps: len(st.layerSteps), Recvs: len(st.recvs), Handles: len(st.handles), Releasing: len(st.abandoned), Timers: live, Engines: len(st.engines), Wakeups: st.wakeups}
 	}})
 	if err != nil {
 		return WorkerState{}, err
