@@ -90,6 +90,9 @@ var contenders = []contender{
 	{name: "nixl-gpu", what: "kvxfer NIXL with the parameters kvxfer's VRAM agents get (num_threads=4, split_batch_size=" + kvnixl.GPUSplitBatch +
 		": a transfer of that many descriptors or more posted by every worker, a share each)",
 		avail: nixlAvail, peer: nixlPeer(gpuTune), open: nixlOpen(gpuTune)},
+	{name: "nixl8", what: "kvxfer NIXL with kvxfer's VRAM parameters but num_threads=8: a transfer of 8,192 descriptors posted by eight workers, 1,024 each " +
+		"(the UCX plugin shares a transfer of n descriptors out as max(n/num_threads, split_batch_size) each; issuing them is most of a large transfer's time)",
+		avail: nixlAvail, peer: nixlPeer(tune{threads: 8, split: gpuTune.split}), open: nixlOpen(tune{threads: 8, split: gpuTune.split})},
 	{name: "contig", what: "device copy: one contiguous cuMemcpyDtoD of the same bytes in one process (the limit)",
 		open: contigOpen},
 	{name: "kernel", what: "kvxfer's copy kernel in one process: one launch of every piece (internal/cuda Post), post to done",

@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 32, "layers")
 	reps := fs.Int("reps", 5, "timed transfers per case and contender")
 	warmup := fs.Int("warmup", 1, "untimed transfers before them")
-	names := fs.String("contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,nixl,nixl4,nixl4-read,nixl-gpu,python,python-push,python-read,python-split,kernel,kernel-layout,kernel-gated,contig,perpiece", "contenders, comma-separated")
+	names := fs.String("contenders", "samehost,samehost-pieces,samehost-x4,samehost-gate,samehost-read,nixl,nixl4,nixl4-read,nixl-gpu,nixl8,python,python-push,python-read,python-split,kernel,kernel-layout,kernel-gated,contig,perpiece", "contenders, comma-separated")
 	python := fs.String("python", "python3", "the Python of the python contender (torch and nixl_cu12)")
 	pySmall := fs.Bool("python-small", true, "run the python contender's pieces under 64 KiB too")
 	fake := fs.Bool("fake-gpu", false, "host memory stands in for the GPU (tests; the numbers mean nothing)")

@@ -16,6 +16,7 @@ var labels = map[string]string{
 	"samehost-read":   "kvxfer same-host, READ (pull) as a layout",
 	"nixl":            "kvxfer NIXL (UCX default threads)",
 	"nixl4":           "kvxfer NIXL (UCX num_threads=4)",
+	"nixl8":           "kvxfer NIXL (UCX num_threads=8, split 64)",
 	"nixl4-read":      "kvxfer NIXL (UCX num_threads=4), READ (pull)",
 	"nixl-gpu":        "kvxfer NIXL, kvxfer's GPU defaults (num_threads=4, split_batch_size=64)",
 	splitName:         "NIXL Python API (num_threads=4, split_batch_size=64)",

@@ -66,7 +66,7 @@ ENGINE = HERE / "inprocess_gpu_engine.py"
 
 LAYERS, BLOCKS, BLOCK_LEN = 32, 256, 64 << 10
 CHECK_BLOCKS = 40  # the first transfer's blocks, of BLOCKS
-TIMED = 5  # transfers of every block, timed (the first of them often slow for NIXL too: five give a median)
+TIMED = 9  # transfers of every block, timed (the first of them often slow for NIXL too; runs 1 and 2 on the H100 had ratios 0.87-1.04 from five)
 
 # The in-process server's configuration per case (kvxferd serve's flag
 # names: internal/daemon/daemon.go).
@@ -74,6 +74,10 @@ CASES = {
     "builtin": {"backend": "builtin"},
     "nixl": {"backend": "nixl"},
     "nixl-threads4": {"backend": "nixl", "nixl_params": "num_threads=4"},
+    # Eight UCX threads: a transfer of 8,192 descriptors is issued by eight
+    # workers, 1,024 each (NIXL shares it out as max(n / num_threads,
+    # split_batch_size)), where issuing the pieces is most of its time.
+    "nixl-threads8": {"backend": "nixl", "nixl_params": "num_threads=8"},
 }
 
 # Per case: how long D waits for P's Peer address, and the whole pair
