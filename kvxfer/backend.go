@@ -114,7 +114,11 @@ type Backend interface {
 	Post(op hotpath.Op, peer PeerName, descs []hotpath.Desc, notif []byte) (XferID, error)
 	// State polls a transfer; for XferFailed the error says why.
 	State(id XferID) (XferState, error)
-	// Release forgets a finished transfer (or abandons a running one).
+	// Release forgets a finished transfer, or abandons a running one:
+	// once it returns, none of the transfer's bytes move any more (a
+	// backend that cannot stop them waits for them, within its bound).
+	// The Worker calls it for an abandoned transfer on a goroutine of its
+	// own, beside its other calls, and reports the request after.
 	Release(id XferID) error
 	// Notify sends a bare notification to a peer.
 	Notify(peer PeerName, msg []byte) error
