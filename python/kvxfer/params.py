@@ -145,7 +145,7 @@ def validate_remote(p: dict, mode: int) -> None:
     for key, _, maximum in _INT_FIELDS:
         _int(p, key, 0, maximum=maximum)
     m = p.get("mode")
-    if m is not None and m not in MODES:
+    if m is not None and mode_of(m) == pb.MODE_UNSPECIFIED:  # (a list or object too: unhashable)
         raise ParamsError(f"kv_transfer_params.mode = {m!r}, want push or pull")
     if m is not None and MODES[m] != mode:
         raise ParamsError(f"kv_transfer_params.mode = {m!r}, but this engine runs {MODE_NAMES[mode]}")

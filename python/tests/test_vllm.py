@@ -414,6 +414,37 @@ def test_bad_params_lose_nothing_else(tmp_path, daemons, caplog):
         r.close()
 
 
+def test_unhashable_mode_param_is_refused_not_raised(tmp_path, daemons, caplog):
+    """Push: a router hands D requests whose mode (or NixlConnector's
+    transfer_mode) is a list or an object, not a string. vLLM's scheduler
+    loop never sees an exception (get_num_new_matched_tokens is called
+    inside schedule()): each such request is refused with a warning naming
+    the field and its value and computed on D, its P blocks go back when
+    P's lease expires, and the well-formed request beside them moves and
+    checks byte for byte."""
+    rng = random.Random(23)
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2})
+    try:
+        odd = {1: {"mode": ["push"]}, 2: {"transfer_mode": {"push": True}}}
+        for n in range(3):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(toks), 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+            p = {**_push_params(r.dp, f"t{n}"), "tp_size": 1, **odd.get(n, {})}
+            if "transfer_mode" in p:
+                del p["mode"]
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-0", "d-1", "d-2"} <= set(r.D.finished) and not r.P.sched.requests
+                        and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert not ({"d-1", "d-2"} & r.D.recvd), r.D.recvd  # computed on D, nothing awaited
+        for rid, field in (("d-1", "kv_transfer_params.mode = ['push']"), ("d-2", "kv_transfer_params.mode = {'push': True}")):
+            assert any(rid in m and field in m for m in caplog.messages), (rid, caplog.messages)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def test_d_abort_while_waiting(tmp_path, daemons):
     """A D request aborted while it waits for its KV keeps its blocks (vLLM
     delays the free) until kvxfer reports the receive ended; then they go."""
