@@ -97,9 +97,11 @@ finished/failed sets.
 
 Every request vLLM waits on ends, on every rank: done or failed as the
 daemon reports it; failed at once when the daemon refused or never got the
-scheduler's call (``fail_recv``/``fail_send``), or the rank's stream ended;
-and failed when the daemon dropped the step that started the wait (a
-StepError with ``dropped``: its metadata was never published to the rank).
+scheduler's call (``fail_recv``/``fail_send``; with relay "daemon", a call
+the daemon refused in a step it published is failed by the rank's own
+stream instead, never by both), or the rank's stream ended; and failed when
+the daemon dropped the step that started the wait (a StepError with
+``dropped``: its metadata was never published to the rank).
 Each rank names, with each step it takes by reference, what vLLM begins
 waiting on with that step, and a dropped step's error names those back. A
 failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
@@ -1269,7 +1271,15 @@ class _SchedulerSide:
             elif kind == "send":
                 self.fail_send[rid] = why
 
-    def _answered(self, res, kinds, local) -> None:
+    def _answered(self, res, kinds, local, by_ref: bool = False) -> None:
+        """Acts on a step's answer. by_ref: the step was published for the
+        ranks to take by reference (relay "daemon"): each rank named what it
+        waits on in its step_ref, and the daemon ends on the rank's own
+        stream what the step does not stage (or the whole step, dropped), so
+        a refused call is the rank's to end, once. Failing it here too would
+        be a second outcome, read steps later: by then the request may have
+        ended and its id come back as a new request, whose wait it would
+        end while its KV still lands."""
         for i, err in res.errors.items():
             if not 0 <= i < len(kinds):
                 # An op the step does not have: nothing to fail (never
@@ -1279,7 +1289,8 @@ class _SchedulerSide:
                 continue
             kind, rid = kinds[i]
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
-            self._fail([(kind, rid)], err.details)
+            if not by_ref:
+                self._fail([(kind, rid)], err.details)
         if self.verify:
             self._verify_finished(res, kinds, local)
         for i, (delay, prm) in res.finished.items():
@@ -1358,7 +1369,7 @@ class _SchedulerSide:
             if a.publish_step != step:
                 self._lost(errors.DaemonError("Steps", f"answer for step {a.publish_step}, want {step}"), [])
                 return
-            self._answered(step_result(a), kinds, local)
+            self._answered(step_result(a), kinds, local, by_ref=True)
 
     def build_meta(self, so: "SchedulerOutput") -> KvxferConnectorMetadata:
         # The step's rows: request_finished's, then update_state_after_alloc's,

@@ -87,3 +87,60 @@ def test_layerwise_producer_preempted_after_prefill(tmp_path, daemons):
         assert _free_both(r)
     finally:
         r.close()
+
+
+@pytest.mark.placement("daemon")  # relay daemon: the ranks take the step by reference
+def test_refused_request_id_reused_ends_once(tmp_path, daemons, caplog):
+    """Pull, relay daemon: the daemon's Scheduler refuses D's d-0 (its params
+    name two block groups; D has one). The rank ends it at once, from its own
+    stream (the published step does not stage it), and vLLM recomputes it,
+    while the scheduler side's answer to that step, saying the same, is slow
+    to come back. d-0 then finishes, and the router sends a new request
+    under the same id, with good params: the late answer is about the old
+    d-0, and must not end the new one, whose KV the daemon is still to read
+    into its blocks (vLLM would free them, or recompute into them, while
+    the READ lands)."""
+    rng = random.Random("refused-reused")
+    # A short lease: P holds p-0's blocks, which no D reads, that long.
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2})
+    side = r.D.sched.connector._sched
+    assert side.relay == "daemon"
+    real = side.stream.results
+    hold = [True]
+
+    def results(*a, **k):
+        return [] if hold[0] else real(*a, **k)
+
+    side.stream.results = results
+    try:
+        for n in range(2):
+            r.prompts[f"p-{n}"] = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(r.prompts[f"p-{n}"]), 1,
+                                                 {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+        r.run_until(lambda: {"p-0", "p-1"} <= set(r.P.finished))
+        bad = dict(r.P.finished["p-0"].kv_transfer_params)
+        bad["remote_block_ids"] = [list(bad["remote_block_ids"][0]), [1, 2]]
+        bad["remote_block_starts"] = [0, 0]
+        r.prompts["d-0"] = r.prompts["p-0"]
+        caplog.set_level("WARNING", logger="kvxfer.vllm")
+        r.D.sched.add_request(H.make_request("d-0", list(r.prompts["d-0"]), 2, bad))
+        # The rank's own outcome ends the refused d-0 (recomputed), the
+        # scheduler side's answers held back meanwhile.
+        r.run_until(lambda: "d-0" in r.D.finished and "d-0" not in r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.D.failed and "d-0" not in r.checked
+        assert side.inflight, "the step answers were not held back"
+        # The same id again, another prompt, good params; the late answers
+        # come back in the step that starts its wait.
+        for s in (r.D.failed, r.D.recvd, r.checked):
+            s.discard("d-0")
+        del r.D.finished["d-0"]
+        r.prompts["d-0"] = r.prompts["p-1"]
+        r.D.sched.add_request(H.make_request("d-0", list(r.prompts["d-0"]), 2, dict(r.P.finished["p-1"].kv_transfer_params)))
+        hold[0] = False
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert not side.inflight
+        assert "d-0" not in r.D.failed, "the new d-0 was ended by the old one's refusal, its KV still to land"
+        assert "d-0" in r.checked and r.D.stats.get("failed_recv") == 1, r.D.stats
+        assert _free_both(r)
+    finally:
+        r.close()
