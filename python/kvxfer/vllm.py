@@ -779,7 +779,7 @@ def _n(v) -> int:
     try:
         v = int(v)
         return v if 0 <= v < 1 << 31 else 0
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (int(inf) overflows)
         return 0
 
 

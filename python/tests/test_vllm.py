@@ -566,11 +566,14 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
     r.P.sched.connector.get_kv_connector_stats = stats
     try:
         junk = [{"remote_block_ids": "junk"}, {"remote_host": "h", "remote_port": "not a port"},
-                {"remote_block_ids": [[1, -5]], "tp_size": "x"}]
+                {"remote_block_ids": [[1, -5]], "tp_size": "x"},
+                # JSON's Infinity, as Python's json reads it: no integer.
+                {"tp_size": float("inf"), "remote_num_tokens": float("-inf")}]
         for n, extra in enumerate(junk):
             r.prompts[f"p-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
             r.P.sched.add_request(H.make_request(f"p-{n}", toks, 1, {"do_remote_decode": True, "transfer_id": f"j{n}", **extra}))
-        r.run_until(lambda: {"p-0", "p-1", "p-2"} <= set(r.P.finished) and not r.P.sched.requests)
+        want = {f"p-{n}" for n in range(len(junk))}
+        r.run_until(lambda: want <= set(r.P.finished) and not r.P.sched.requests)
         assert seen.get("bad_params", 0) >= 3, seen
         assert _free_both(r)
     finally:
