@@ -665,14 +665,14 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 		uaddr = ""
 	}
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	if a.mu.closed {
+		a.mu.Unlock()
 		return "", ErrClosed
 	}
-	if p := a.mu.peers[name]; p != nil && p.addr == addr && p.uaddr == uaddr && p.ident == ident {
+	old := a.mu.peers[name]
+	if old != nil && old.addr == addr && old.uaddr == uaddr && old.ident == ident {
+		a.mu.Unlock()
 		return name, nil
-	} else if p != nil {
-		p.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
 	}
 	p := &peer{owner: a, name: name, addr: addr, uaddr: uaddr, layouts: layouts, gates: gates, readAcks: readAcks, ident: ident}
 	if !a.cfg.DisableLocal {
@@ -683,6 +683,12 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 		local.Unlock()
 	}
 	a.mu.peers[name] = p
+	a.mu.Unlock()
+	if old != nil {
+		// Closed once a.mu is let go: failing its connections fails their
+		// parts under a.mu.
+		old.close(fmt.Errorf("%w: peer %s moved to %s", ErrXferFailed, name, addr))
+	}
 	return name, nil
 }
 
