@@ -692,7 +692,12 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 	return name, nil
 }
 
-// InvalidatePeer forgets a peer; its transfers in flight fail.
+// InvalidatePeer forgets a peer; its transfers in flight fail. It returns
+// once none of them moves bytes in or out of this agent's memory: parts
+// landing or going out when the peer's connections close end with them
+// (a same-host copy or GPU launch runs to its end, which is bounded), and
+// no part begins after. The caller may then report them and let the
+// engine reuse their blocks (it still Releases them).
 func (a *Agent) InvalidatePeer(name string) error {
 	a.mu.Lock()
 	p := a.mu.peers[name]
@@ -701,7 +706,27 @@ func (a *Agent) InvalidatePeer(name string) error {
 	if p == nil {
 		return fmt.Errorf("netxfer: invalidate %q: %w", name, ErrUnknownPeer)
 	}
-	p.close(fmt.Errorf("%w: peer %s invalidated", ErrXferFailed, name))
+	err := fmt.Errorf("%w: peer %s invalidated", ErrXferFailed, name)
+	p.close(err)
+	a.mu.Lock()
+	var idle []chan struct{}
+	for _, x := range a.mu.xfers {
+		if x.peer != p {
+			continue
+		}
+		x.failLocked(err) // no part of it begins to move bytes from now on
+		if x.landing > 0 {
+			if x.idle == nil {
+				x.idle = make(chan struct{})
+			}
+			idle = append(idle, x.idle)
+		}
+	}
+	a.mu.Unlock()
+	a.signal()
+	for _, ch := range idle {
+		<-ch
+	}
 	return nil
 }
 

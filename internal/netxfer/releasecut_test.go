@@ -423,3 +423,29 @@ func TestReleasedSameHostWriteNotCounted(t *testing.T) {
 		t.Log("(no same-host part counted)")
 	}
 }
+
+// InvalidatePeer ends the peer's transfers in flight: once it returned,
+// none of their bytes land (kvxfer.Backend's contract), so a caller that
+// reports them failed then may let the engine reuse their blocks. A READ
+// whose same-host copy is under way (the reader's GPU starts it 100 ms
+// late) is waited for, and has failed by then.
+func TestInvalidatePeerWaitsForReadCopy(t *testing.T) {
+	a, b, _, g, gpu, ptr, _ := readHoldSetup(t, 100*time.Millisecond, Config{})
+	id, err := a.Post(Read, b.Name(), []Desc{{Local: ptr, Remote: base, Len: 4096}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv(t, gpu.started, "the reader's copy to start") // it has its answer and is copying
+	if err := a.InvalidatePeer(b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := a.State(id); st != Failed {
+		t.Errorf("READ after InvalidatePeer returned: %v, %v, want Failed", st, err)
+	}
+	g.mu.Lock()
+	for i, m := 0, g.at(ptr, 4096); i < len(m); i++ {
+		m[i] = 0xdd
+	}
+	g.mu.Unlock()
+	stays(t, "GPU memory", func() []byte { return g.view(ptr, 4096) }, 0xdd)
+}

@@ -102,11 +102,12 @@ type xfer struct {
 
 // beginSend admits the sending of WRITE part of x on c, which reads this
 // agent's memory until it returns (and, on a same-host connection, the
-// peer reads it until it answers): false once x was released, the part
-// then dropped from c. Each true is matched by one endLanding(x, c).
+// peer reads it until it answers): false once x was released or ended
+// (movesLocked), the part then dropped from c. Each true is matched by
+// one endLanding(x, c).
 func (a *Agent) beginSend(x *xfer, c *conn, part int) bool {
 	a.mu.Lock()
-	ok := !x.released
+	ok := x.movesLocked()
 	if ok {
 		x.landing++
 		x.cuts = append(x.cuts, c)
@@ -136,12 +137,12 @@ func (c *conn) waiting(x *xfer, parts int) bool {
 
 // beginLanding admits a part of READ x into this agent's memory, from the
 // socket of c when c is not nil (else a same-host copy): false once x was
-// released (its bytes must not land: the caller discards them). Each
-// true is matched by one endLanding.
+// released or ended (its bytes must not land: the caller discards them).
+// Each true is matched by one endLanding.
 func (a *Agent) beginLanding(x *xfer, c *conn) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if x.released {
+	if !x.movesLocked() {
 		return false
 	}
 	x.landing++
@@ -150,6 +151,13 @@ func (a *Agent) beginLanding(x *xfer, c *conn) bool {
 	}
 	return true
 }
+
+// movesLocked reports whether a part of x may still begin moving bytes in
+// or out of this agent's memory (owner's mu held): not once its poster
+// released it, nor once it ended (a failed transfer's parts still to
+// come are not landed or sent; InvalidatePeer and Close wait only for
+// those already moving).
+func (x *xfer) movesLocked() bool { return !x.released && x.state == InProgress }
 
 // endLanding ends a part's landing begun with beginLanding (c as there),
 // and reports whether x was released meanwhile (Release then waits for
@@ -730,7 +738,7 @@ func (a *Agent) start(x *xfer) {
 	send := func(c *conn, part int) error {
 		if x.op == Write {
 			if !a.beginSend(x, c, part) {
-				return fmt.Errorf("transfer %d released before its part %d was sent", x.id, part)
+				return fmt.Errorf("transfer %d released or ended before its part %d was sent", x.id, part)
 			}
 			defer a.endLanding(x, c)
 		}
