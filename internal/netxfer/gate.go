@@ -362,8 +362,11 @@ func (a *Agent) OpenGate(peer string, spans []LayoutSpan, tag []byte) error {
 	for _, ch := range held {
 		g.chunks = append(g.chunks, ch.base)
 	}
+	// The shut waits for the peer's CTAs until its process is gone: a
+	// peer whose process id this one cannot see (0: another PID
+	// namespace, as containers of one pod) would read as gone at once.
 	pid, err := peerPID(c.uc)
-	if err != nil {
+	if err != nil || pid <= 0 {
 		return ErrNoGate
 	}
 	g.pid = pid
