@@ -697,7 +697,7 @@ func (a *Agent) LoadPeer(meta []byte) (string, error) {
 // landing or going out when the peer's connections close end with them
 // (a same-host copy or GPU launch runs to its end, which is bounded), and
 // no part begins after. The caller may then report them and let the
-// engine reuse their blocks (it still Releases them).
+// engine reuse their blocks; it still calls Release for each.
 func (a *Agent) InvalidatePeer(name string) error {
 	a.mu.Lock()
 	p := a.mu.peers[name]
