@@ -1377,6 +1377,18 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 		close(stop)
 		wg.Wait()
 		if graceful {
+			// What the receiver queued for the sender before the bye (or
+			// the drain) goes out first: the stopped sender may have left
+			// it (its select takes the stop as readily as a message), and
+			// it holds outcomes (requests a step_ref's step does not
+			// stage) and dropped steps' errors no other message repeats.
+			// Only what is queued now: a draining rank's receiver may go
+			// on queueing.
+			for range len(out) {
+				if err := st.Send(<-out); err != nil {
+					break
+				}
+			}
 			// Everything left, reported once, before the stream ends.
 			_ = r.worker.Close()
 			f := r.worker.Finished()
