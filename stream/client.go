@@ -178,7 +178,16 @@ func (r *RankStream) read() {
 				r.err = err
 				return
 			}
-			r.finished <- f
+			// Delivered unless the stream is given up (Close's context
+			// ended, or the connection broke): a reader waiting for an
+			// engine that stopped reading would keep Close waiting for
+			// ever.
+			select {
+			case r.finished <- f:
+			case <-r.st.Context().Done():
+				r.err = fmt.Errorf("stream: finished sets left unread when the stream ended: %w", r.st.Context().Err())
+				return
+			}
 		case *pb.ConnectResponse_StepError:
 			e := x.StepError
 			se := &StepError{Step: e.Step, Message: e.Message, Dropped: e.Dropped, Recv: e.RecvRequestIds, Send: e.SendRequestIds}
