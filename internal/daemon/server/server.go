@@ -1380,8 +1380,8 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			// What the receiver queued for the sender before the bye (or
 			// the drain) goes out first: the stopped sender may have left
 			// it (its select takes the stop as readily as a message), and
-			// it holds outcomes (requests a step_ref's step does not
-			// stage) and dropped steps' errors no other message repeats.
+			// it holds dropped steps' errors, which alone name their
+			// requests to the engine.
 			// Only what is queued now: a draining rank's receiver may go
 			// on queueing.
 			for range len(out) {
@@ -1498,14 +1498,14 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 		if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
 			err, dropped = perr, true
 		} else if apply(p); !dropped {
-			if f := unstaged(step, ref, p); f != nil {
-				for _, part := range splitFinished(f, r.maxMsg) {
-					select {
-					case out <- &pb.ConnectResponse{Msg: &pb.ConnectResponse_Finished{Finished: part}}:
-					case <-ctx.Done():
-						return true
-					}
-				}
+			// The requests the step does not stage fail on the worker,
+			// after the step, as entries it refused: once each, and not
+			// one it holds from an earlier step. Its error, which only
+			// names them again, is not the engine's news: their outcomes
+			// say why. (A worker closed meanwhile fails what it holds
+			// and ends the stream.)
+			if u := unstaged(step, ref, p); len(u) > 0 {
+				_ = r.worker.StepRefusing(nil, u)
 			}
 		}
 	case *pb.ConnectRequest_LayerSaved:
@@ -1536,55 +1536,61 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	return true
 }
 
-// unstaged returns the failed outcomes, on this rank, of the requests a
-// step_ref lists that its published metadata does not stage (nil: none).
-// The engine's Scheduler refused their calls (or never got them): the
-// Step answer said so, but the engine may never read it (it is lost when
-// the Steps stream breaks after the step was applied), and no worker
-// outcome will come, so without these the engine would wait on them
-// forever. No worker took them in with this step, so nothing of the step
-// moves their blocks: they may be freed at once. (A layer-wise producer's
-// WRITEs started by an earlier step's prefill entry are its worker's, and
-// end with their own outcome.)
-func unstaged(step uint64, ref *pb.StepRef, meta *pb.StepMeta) *pb.Finished {
+// unstaged returns, as refusals for the rank's worker, the requests a
+// step_ref lists that its published metadata does not stage, each once
+// (nil: none). The engine's Scheduler refused their calls (or never got
+// them): the Step answer said so, but the engine may never read it (it is
+// lost when the Steps stream breaks after the step was applied), and no
+// worker outcome would come, so without these the engine would wait on
+// them forever. No worker took them in with this step, so nothing of the
+// step moves their blocks: the worker fails each at once (its blocks may
+// be freed), unless it holds a request of that id from an earlier step,
+// whose outcome is its own to give (the engine named it in two steps). (A
+// layer-wise producer's WRITEs started by an earlier step's prefill entry
+// are its worker's, and end with their own outcome.)
+func unstaged(step uint64, ref *pb.StepRef, meta *pb.StepMeta) []kvxfer.Refusal {
 	if len(ref.GetRecvRequestIds())+len(ref.GetSendRequestIds()) == 0 {
 		return nil
 	}
 	reason := fmt.Sprintf("step %d does not stage it: the engine's scheduler refused its call, or never got it "+
 		"(see the scheduler's error)", step)
-	recv := unstagedOf(ref.GetRecvRequestIds(), meta.GetRecv(), reason)
-	send := unstagedOf(ref.GetSendRequestIds(), meta.GetSend(), reason)
-	if len(recv)+len(send) == 0 {
-		return nil
-	}
-	return &pb.Finished{Recving: recv, Sending: send}
+	out := unstagedOf(nil, kvxfer.RoleConsumer, "step_ref.recv_request_ids", ref.GetRecvRequestIds(), meta.GetRecv(), reason)
+	return unstagedOf(out, kvxfer.RoleProducer, "step_ref.send_request_ids", ref.GetSendRequestIds(), meta.GetSend(), reason)
 }
 
-// unstagedOf returns a failed outcome for each of ids that no entry of
-// staged names.
-func unstagedOf[E interface{ GetRequestId() string }](ids []string, staged []E, reason string) []*pb.Outcome {
+// unstagedOf appends to dst a refusal of role for each of ids (once per
+// id) that no entry of staged names; field is the list's, as counted.
+func unstagedOf[E interface{ GetRequestId() string }](dst []kvxfer.Refusal, role kvxfer.Role, field string, ids []string,
+	staged []E, reason string) []kvxfer.Refusal {
 	if len(ids) == 0 {
-		return nil
+		return dst
 	}
-	var set map[string]bool
-	if len(ids)*len(staged) > 64 { // a set beats scanning only for large steps
-		set = make(map[string]bool, len(staged))
+	// seen: the ids staged or refused so far, in a set where scanning
+	// would cost more (an id listed twice is refused once).
+	var seen map[string]bool
+	if len(ids)*(len(staged)+len(ids)) > 64 {
+		seen = make(map[string]bool, len(staged)+len(ids))
 		for _, e := range staged {
-			set[e.GetRequestId()] = true
+			seen[e.GetRequestId()] = true
 		}
 	}
-	var out []*pb.Outcome
-	for _, id := range ids {
-		found := set[id]
-		for i := 0; set == nil && !found && i < len(staged); i++ {
-			found = staged[i].GetRequestId() == id
+	for i, id := range ids {
+		found := seen[id]
+		for j := 0; seen == nil && !found && j < len(staged); j++ {
+			found = staged[j].GetRequestId() == id
 		}
-		if !found {
-			out = append(out, &pb.Outcome{RequestId: id, Result: pb.Outcome_RESULT_FAILED, Reason: reason,
-				FailureKind: pb.FailureKind_FAILURE_KIND_SETUP})
+		for j := 0; seen == nil && !found && j < i; j++ {
+			found = ids[j] == id
 		}
+		if found {
+			continue
+		}
+		if seen != nil {
+			seen[id] = true
+		}
+		dst = append(dst, kvxfer.Refusal{Role: role, ReqID: id, Field: field, Reason: reason})
 	}
-	return out
+	return dst
 }
 
 // droppedStep is the error of a dropped step: its message and every
