@@ -1300,6 +1300,16 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	out := make(chan *pb.ConnectResponse, 16)
 	sendErr := make(chan error, 1)
 	stop := make(chan struct{})
+	// idle holds a token while the sender is not sending: it takes it
+	// across each message it sends, and the receiver waits for it before
+	// handing the worker the next message. An engine that stops reading
+	// its stream leaves the sender waiting in Send (gRPC's flow control),
+	// and then the receiver, so the engine's own sends are held in turn:
+	// the outcomes its steps make wait for it in the stream's bounded
+	// windows, not piling up in the daemon (they did, every request's, for
+	// as long as the engine went on sending).
+	idle := make(chan struct{}, 1)
+	idle <- struct{}{}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { // the one sender
@@ -1327,7 +1337,9 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				if moved, prev = statsSince(&stats, r.worker.Metrics().Snapshot(), prev); moved {
 					fp.Stats = &stats
 				}
+				<-idle
 				err := sendFinished(st, r.maxMsg, fp)
+				idle <- struct{}{}
 				if r.trace != nil && err == nil {
 					r.hopSent(&f, time.Since(t0))
 				}
@@ -1341,7 +1353,10 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			case <-stop:
 				return
 			}
-			if err := st.Send(m); err != nil {
+			<-idle
+			err := st.Send(m)
+			idle <- struct{}{}
+			if err != nil {
 				sendErr <- err
 				return
 			}
@@ -1358,6 +1373,13 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			m, err := st.Recv()
 			if err != nil {
 				recvErr <- err
+				return
+			}
+			select { // not while a send waits for the engine to read
+			case <-idle:
+				idle <- struct{}{}
+			case <-ctx.Done():
+				recvErr <- ctx.Err()
 				return
 			}
 			if r.handle(ctx, m, out) {
