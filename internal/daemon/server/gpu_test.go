@@ -38,6 +38,9 @@ func TestMain(m *testing.M) {
 	if sock := os.Getenv("KVXFER_ADDR_ENGINE"); sock != "" {
 		os.Exit(addressEngine(sock))
 	}
+	if arg := os.Getenv("KVXFER_SCHED_ENGINE"); arg != "" {
+		os.Exit(schedEngine(arg))
+	}
 	if role := os.Getenv("KVXFER_GPU_ENGINE"); role != "" {
 		os.Exit(gpuEngine(role, os.Getenv("KVXFER_GPU_DUMP")))
 	}

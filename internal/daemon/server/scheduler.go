@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"sync"
 	"time"
 
 	"github.com/puzpuzpuz/xsync/v4"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -41,12 +43,17 @@ type schedulers struct {
 	// drained is closed once the server's ranks drained (Server.Drain):
 	// Steps streams end then.
 	drained <-chan struct{}
+	log     *slog.Logger
 }
 
 type lockedScheduler struct {
 	mu  sync.Mutex
 	s   *kvxfer.Scheduler
 	uid uint32 // of the engine process that opened it
+	// pid is the engine process that opened it, as this process sees it
+	// (0: unknown, another pid namespace's): once it is gone the
+	// scheduler is reclaimed when it would keep another from opening.
+	pid int32
 	// pub holds the step metadata published for the engine's ranks
 	// (StepRequest.publish_step), the last maxPublished steps.
 	pub struct {
@@ -104,11 +111,12 @@ func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error)
 }
 
 func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRequest) (*pb.OpenSchedulerResponse, error) {
-	uid, err := callerUID(ctx)
+	ai, err := caller(ctx)
 	if err != nil {
 		ss.limits.refuse("permission")
 		return nil, Status(err)
 	}
+	uid := ai.UID
 	c := req.GetConfig()
 	if c == nil {
 		return nil, Status(stream.Invalid("config is missing"))
@@ -142,14 +150,18 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	if err != nil {
 		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
-	ls := &lockedScheduler{s: s, uid: uid}
+	ls := &lockedScheduler{s: s, uid: uid, pid: ai.PID}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
 	ls.pub.changed = make(chan struct{})
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if old, _ := ss.m.Load(c.EngineId); old == nil {
 		// The engine's first scheduler: it claims the engine for uid,
-		// within the bounds.
+		// within the bounds, which the schedulers of engines gone without
+		// closing them (crashed) do not hold.
+		if ss.byUID[uid] >= ss.limits.perUID || ss.total >= ss.limits.max {
+			ss.reclaimLocked()
+		}
 		switch {
 		case ss.byUID[uid] >= ss.limits.perUID:
 			ss.limits.refuse("schedulers_per_uid")
@@ -362,15 +374,39 @@ func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseScheduler
 		return nil, Status(err)
 	}
 	ss.mu.Lock()
-	if cur, _ := ss.m.Load(req.EngineId); cur == ls {
-		ss.m.Delete(req.EngineId)
-		ss.owners.release(req.EngineId)
-		ss.total--
-		if ss.byUID[ls.uid]--; ss.byUID[ls.uid] <= 0 {
-			delete(ss.byUID, ls.uid)
-		}
-		ls.retire()
-	}
+	ss.closeLocked(req.EngineId, ls)
 	ss.mu.Unlock()
 	return &pb.CloseSchedulerResponse{}, nil
+}
+
+// closeLocked closes engine's scheduler ls, if it is still the engine's.
+// Caller holds ss.mu.
+func (ss *schedulers) closeLocked(engine string, ls *lockedScheduler) {
+	if cur, _ := ss.m.Load(engine); cur != ls {
+		return
+	}
+	ss.m.Delete(engine)
+	ss.owners.release(engine)
+	ss.total--
+	if ss.byUID[ls.uid]--; ss.byUID[ls.uid] <= 0 {
+		delete(ss.byUID, ls.uid)
+	}
+	ls.retire()
+}
+
+// reclaimLocked closes the schedulers whose engine process exited: an
+// engine that crashed never called CloseScheduler, and its scheduler
+// would hold one of its uid's (and the daemon's) slots for ever. A process
+// that cannot be told gone (pid unknown, or a process of that pid exists,
+// whoever's it is now) keeps its scheduler. Caller holds ss.mu.
+func (ss *schedulers) reclaimLocked() {
+	ss.m.Range(func(engine string, ls *lockedScheduler) bool {
+		if ls.pid > 0 && unix.Kill(int(ls.pid), 0) == unix.ESRCH {
+			ss.closeLocked(engine, ls)
+			if ss.log != nil {
+				ss.log.Info("kvxferd: scheduler of an engine whose process exited closed", "engine", engine, "pid", ls.pid, "uid", ls.uid)
+			}
+		}
+		return true
+	})
 }

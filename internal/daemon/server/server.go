@@ -347,7 +347,7 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, drained: s.drained}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, drained: s.drained, log: cfg.Logger}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
