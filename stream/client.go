@@ -163,6 +163,11 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 func (r *RankStream) read() {
 	defer close(r.done)
 	defer close(r.finished)
+	// Once nothing reads the stream it is hung up, however reading
+	// stopped: kvxferd then ends the rank (what it holds fails, fenced)
+	// and Step fails, rather than taking steps whose outcomes nobody
+	// reads.
+	defer r.cancel()
 	for {
 		m, err := r.st.Recv()
 		if err != nil {
