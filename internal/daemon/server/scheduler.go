@@ -11,6 +11,8 @@ import (
 
 	"github.com/puzpuzpuz/xsync/v4"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -81,6 +83,25 @@ func (ls *lockedScheduler) retire() {
 	}
 }
 
+// status is Status(err) for a SchedulerService answer, counting one that
+// refuses the engine's bad input (InvalidArgument) as bad_request, as a
+// bad hello is counted: every answer of the service goes through it. (An
+// error that is a status already, a refused op's, was counted when it was
+// made.)
+func (ss *schedulers) status(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	err = Status(err)
+	if status.Code(err) == codes.InvalidArgument {
+		ss.limits.refuse("bad_request")
+	}
+	return err
+}
+
 // get returns engine's scheduler for a call from ctx, which must come from
 // the uid that opened it.
 func (ss *schedulers) get(ctx context.Context, engine string) (*lockedScheduler, error) {
@@ -114,15 +135,15 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	ai, err := caller(ctx)
 	if err != nil {
 		ss.limits.refuse("permission")
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	uid := ai.UID
 	c := req.GetConfig()
 	if c == nil {
-		return nil, Status(stream.Invalid("config is missing"))
+		return nil, ss.status(stream.Invalid("config is missing"))
 	}
 	if len(c.EngineId) > MaxEngineID {
-		return nil, Status(stream.Invalid("config.engine_id has %d bytes, want at most %d", len(c.EngineId), MaxEngineID))
+		return nil, ss.status(stream.Invalid("config.engine_id has %d bytes, want at most %d", len(c.EngineId), MaxEngineID))
 	}
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
@@ -136,19 +157,19 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		{"config.registration_timeout_millis", c.RegistrationTimeoutMillis}} {
 		// As a time.Duration (nanoseconds) the value must not wrap.
 		if f.v > math.MaxInt64/int64(time.Millisecond) {
-			return nil, Status(stream.Invalid("%s = %d out of range (at most %d)", f.name, f.v, math.MaxInt64/int64(time.Millisecond)))
+			return nil, ss.status(stream.Invalid("%s = %d out of range (at most %d)", f.name, f.v, math.MaxInt64/int64(time.Millisecond)))
 		}
 	}
 	for i, g := range c.Groups {
 		w, err := stream.FitInt(fmt.Sprintf("config.groups[%d].window", i), g.Window)
 		if err != nil {
-			return nil, Status(err)
+			return nil, ss.status(err)
 		}
 		cfg.Groups = append(cfg.Groups, topology.Group{Kind: topology.Kind(g.Kind), Window: w})
 	}
 	s, err := kvxfer.NewScheduler(cfg)
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
+		return nil, ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	ls := &lockedScheduler{s: s, uid: uid, pid: ai.PID}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
@@ -165,14 +186,14 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		switch {
 		case ss.byUID[uid] >= ss.limits.perUID:
 			ss.limits.refuse("schedulers_per_uid")
-			return nil, Status(fmt.Errorf("%w: uid %d has %d schedulers open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, ss.byUID[uid]))
+			return nil, ss.status(fmt.Errorf("%w: uid %d has %d schedulers open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, ss.byUID[uid]))
 		case ss.total >= ss.limits.max:
 			ss.limits.refuse("schedulers")
-			return nil, Status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
+			return nil, ss.status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
 		}
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
 			ss.limits.refuse("permission")
-			return nil, Status(err)
+			return nil, ss.status(err)
 		}
 		if ss.byUID == nil {
 			ss.byUID = map[uint32]int{}
@@ -181,7 +202,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		ss.total++
 	} else if old.uid != uid {
 		ss.limits.refuse("permission")
-		return nil, Status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
+		return nil, ss.status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
 	} else {
 		defer old.retire() // once the new one is in the table
 	}
@@ -192,15 +213,15 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	computed, err := count("computed", req.Computed)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	n, async := ls.s.MatchedTokens(r, computed)
@@ -211,25 +232,25 @@ func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRe
 func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest) (*pb.AfterAllocResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	external, err := stream.FitInt("external", req.External)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	err = ls.s.AfterAlloc(r, kvxfer.Alloc{Blocks: stream.BlocksFromProto(req.Blocks), Computed: computed, External: external})
 	ls.mu.Unlock()
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
+		return nil, ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	return &pb.AfterAllocResponse{Params: stream.ParamsToProto(r.Params)}, nil
 }
@@ -237,19 +258,19 @@ func (ss *schedulers) AfterAlloc(ctx context.Context, req *pb.AfterAllocRequest)
 func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (*pb.ScheduledResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	computed, err := count("computed", req.Computed)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	scheduled, err := count("scheduled", req.Scheduled)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), computed, scheduled)
@@ -301,17 +322,17 @@ func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
 func (ss *schedulers) Prefill(ctx context.Context, req *pb.PrefillRequest) (*pb.PrefillResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	c, err := prefillFromProto(req)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	err = c.apply(ls.s)
 	ls.mu.Unlock()
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	return &pb.PrefillResponse{}, nil
 }
@@ -319,24 +340,24 @@ func (ss *schedulers) Prefill(ctx context.Context, req *pb.PrefillRequest) (*pb.
 func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinishedRequest) (*pb.RequestFinishedResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	r, err := stream.RequestFromProto(req.Request)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	if req.Status < 1 || req.Status > 4 {
-		return nil, Status(stream.Invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
+		return nil, ss.status(stream.Invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
 	}
 	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	delay, params, err := ls.s.RequestFinished(r, kvxfer.FinishStatus(req.Status), stream.BlocksFromProto(req.Blocks), computed)
 	ls.mu.Unlock()
 	if err != nil {
-		return nil, Status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
+		return nil, ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	return &pb.RequestFinishedResponse{Delay: delay, Params: stream.ParamsToProto(params), RequestParams: stream.ParamsToProto(r.Params)}, nil
 }
@@ -344,7 +365,7 @@ func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinish
 func (ss *schedulers) BuildMeta(ctx context.Context, req *pb.BuildMetaRequest) (*pb.BuildMetaResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	m := ls.s.BuildMeta()
@@ -355,11 +376,11 @@ func (ss *schedulers) BuildMeta(ctx context.Context, req *pb.BuildMetaRequest) (
 func (ss *schedulers) Update(ctx context.Context, req *pb.UpdateRequest) (*pb.UpdateResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	f, err := stream.FinishedFromProto(req.Finished)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
 	ls.s.Update(&f)
@@ -371,7 +392,7 @@ func (ss *schedulers) Update(ctx context.Context, req *pb.UpdateRequest) (*pb.Up
 func (ss *schedulers) CloseScheduler(ctx context.Context, req *pb.CloseSchedulerRequest) (*pb.CloseSchedulerResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ss.mu.Lock()
 	ss.closeLocked(req.EngineId, ls)

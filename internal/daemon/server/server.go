@@ -730,7 +730,7 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // started, by reason: permission (another uid's engine, or not on the
 // unix socket), rank_attached, memory (a shared-memory file refused),
 // memory_address (memory named by address from another process),
-// hello_timeout, bad_message (what an engine handed without gRPC did not
+// bad_request (a SchedulerService call's bad input), hello_timeout, bad_message (what an engine handed without gRPC did not
 // parse, or was too large), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.

@@ -35,23 +35,23 @@ const maxStepOps = 1 << 20
 func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepResponse, error) {
 	ls, err := ss.get(ctx, req.GetEngineId())
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
 		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
-		return nil, Status(stream.Invalid("ops has %d entries, want at most %d", n, maxStepOps))
+		return nil, ss.status(stream.Invalid("ops has %d entries, want at most %d", n, maxStepOps))
 	}
 	if req.PublishStep > 0 {
 		// Refused before any op applies: ops staged for a step that is
 		// never published would reach the ranks with the next one, after
 		// the engine was told they failed.
 		if err := ls.publishable(req.PublishStep); err != nil {
-			return nil, Status(err)
+			return nil, ss.status(err)
 		}
 	}
 	colOps, err := columnOps(req.GetColumns())
 	if err != nil {
-		return nil, Status(err)
+		return nil, ss.status(err)
 	}
 	ops := req.GetOps()
 	if len(colOps) > 0 {
@@ -84,7 +84,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 			x.Prefill.EngineId = req.EngineId
 			_, err = ss.Prefill(ctx, x.Prefill)
 		default:
-			err = Status(stream.Invalid("ops[%d] is empty", i))
+			err = ss.status(stream.Invalid("ops[%d] is empty", i))
 		}
 		if err != nil {
 			fail(i, err)
@@ -95,7 +95,7 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	switch {
 	case req.PublishStep > 0:
 		if err := ls.publish(req.PublishStep); err != nil {
-			return nil, Status(err)
+			return nil, ss.status(err)
 		}
 		out.PublishStep = req.PublishStep
 	case req.BuildMeta:
@@ -192,11 +192,11 @@ func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.Step
 	uid, err := callerUID(ctx)
 	if err != nil {
 		ss.limits.refuse("permission")
-		return Status(err)
+		return ss.status(err)
 	}
 	done, err := ss.limits.admit(uid)
 	if err != nil {
-		return Status(err)
+		return ss.status(err)
 	}
 	defer done()
 	type recvd struct {
@@ -231,7 +231,7 @@ func (ss *schedulers) Steps(st grpc.BidiStreamingServer[pb.StepsRequest, pb.Step
 			return status.Error(codes.Unavailable, "kvxferd is shutting down")
 		}
 		if m.GetStep() == nil {
-			return Status(stream.Invalid("step is missing"))
+			return ss.status(stream.Invalid("step is missing"))
 		}
 		resp, err := ss.Step(ctx, m.Step)
 		if err != nil {
