@@ -103,6 +103,16 @@ func (d *DirectStream) Put(b []byte) error {
 	if d.inClosed {
 		return ErrDirectEnded
 	}
+	// An ended stream refuses first: the wait below picks at random among
+	// what is ready, room in the buffer of a stream nobody reads again
+	// among them.
+	select {
+	case <-d.ended:
+		return ErrDirectEnded
+	case <-d.ctx.Done():
+		return ErrDirectEnded
+	default:
+	}
 	select {
 	case d.in <- m:
 		return nil

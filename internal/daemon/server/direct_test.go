@@ -324,3 +324,32 @@ func TestDirectPutWaitingWhenStreamEnds(t *testing.T) {
 		t.Fatalf("after the refused hello: ended %v, %v %q; want the end with the refusal", ended, code, msg)
 	}
 }
+
+// A message handed to a direct stream that ended is refused every time
+// (kvxfer.h: KVXFER_EENDED once it ended): the engine learns its step
+// reached no rank. Put's wait chose at random between room in the
+// stream's buffer and its end, and took about one in three into the
+// buffer of a stream nobody would read again, answering OK.
+func TestDirectPutAfterEndRefused(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	ds := d.srv.OpenDirect()
+	defer ds.Cancel()
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: 1}}})); err != nil {
+		t.Fatal(err)
+	}
+	if _, ended, code, _ := take(t, ds); !ended || code != codes.InvalidArgument {
+		t.Fatalf("a step first: ended %v, %v; want the end, InvalidArgument", ended, code)
+	}
+	step := marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: 2}}})
+	taken := 0
+	for range 60 { // the stream's buffer holds 64
+		if err := ds.Put(step); err == nil {
+			taken++
+		} else if !errors.Is(err, server.ErrDirectEnded) {
+			t.Fatalf("Put after the end = %v, want ErrDirectEnded", err)
+		}
+	}
+	if taken > 0 {
+		t.Errorf("%d of 60 Puts after the stream ended answered OK, want each refused (ErrDirectEnded)", taken)
+	}
+}
