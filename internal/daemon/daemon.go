@@ -56,6 +56,7 @@ type config struct {
 	noGates                                                                                             bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns, maxPeerConnsTotal                                       int
+	maxMemEntries, maxMemEntriesPerUID                                                                  int
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
 	etcd                                                                                                etcdConfig
@@ -107,6 +108,9 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.helloTimeout, "hello-timeout", 10*time.Second, "how long a new worker stream may take to say hello")
 	fs.IntVar(&c.maxStreams, "max-streams", 4096, "engine streams (worker and scheduler streams) open at once, all users; also bounds open schedulers")
 	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid); also bounds one user's open schedulers")
+	fs.IntVar(&c.maxMemEntries, "max-memory-entries", 0, "hello.memory entries mapped at once (shared-memory files, CUDA IPC imports), all users; "+
+		"0: a quarter of the open-file limit, at most 16384")
+	fs.IntVar(&c.maxMemEntriesPerUID, "max-memory-entries-per-uid", 0, "hello.memory entries mapped at once per user (uid); 0: half of -max-memory-entries")
 	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP")
 	fs.IntVar(&c.maxPeerConnsTotal, "max-peer-conns", 4096, "connections to the Peer service open at once from all IPs")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
@@ -176,6 +180,9 @@ func (c *config) validate() error {
 	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 || c.maxPeerConnsTotal <= 0 {
 		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal)
+	}
+	if c.maxMemEntries < 0 || c.maxMemEntriesPerUID < 0 {
+		return fmt.Errorf("-max-memory-entries %d, -max-memory-entries-per-uid %d: want each >= 0 (0: the default)", c.maxMemEntries, c.maxMemEntriesPerUID)
 	}
 	if c.rankPortBase < 0 || c.rankPortBase > 65535 {
 		return fmt.Errorf("-rank-port-base = %d, want 0 (off) or a port", c.rankPortBase)
@@ -608,6 +615,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
+		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
 		OnEnginesChanged: onEngines, PeerLookup: lookup,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),

@@ -19,6 +19,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"github.com/puzpuzpuz/xsync/v4"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
@@ -184,7 +185,17 @@ type Config struct {
 	// ResourceExhausted. They bound open schedulers (OpenScheduler of a
 	// new engine) the same way, counted apart from streams.
 	MaxStreams, MaxStreamsPerUID int
-	Logger                       *slog.Logger
+	// MaxMemoryEntries bounds the hello.memory entries the daemon holds
+	// mapped at once (shared-memory files and CUDA IPC imports; memory
+	// named by address in the engine's own process maps nothing), in all,
+	// and MaxMemoryEntriesPerUID those of one uid: each keeps file
+	// descriptors and a mapping for its rank's life, and a process that
+	// runs out of either fails every engine's (a failed mmap of Go's own
+	// heap ends it). The defaults: a quarter of the open-file limit, at
+	// most 16,384, and half of that per uid. Past them a rank's hello is
+	// refused with ResourceExhausted.
+	MaxMemoryEntries, MaxMemoryEntriesPerUID int
+	Logger                                   *slog.Logger
 	// OnEnginesChanged, when set, is called (under the server's lock:
 	// it must not block) whenever an engine's ranks change, for a
 	// registry to publish Published again (kvxferd -etcd).
@@ -311,6 +322,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxStreamsPerUID <= 0 {
 		cfg.MaxStreamsPerUID = 1024
 	}
+	if cfg.MaxMemoryEntries <= 0 {
+		cfg.MaxMemoryEntries = defaultMemoryEntries()
+	}
+	if cfg.MaxMemoryEntriesPerUID <= 0 {
+		cfg.MaxMemoryEntriesPerUID = max(1, cfg.MaxMemoryEntries/2)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -333,7 +350,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
-		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{}}}
+		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{},
+			mem: entryBudget{max: cfg.MaxMemoryEntries, perUID: cfg.MaxMemoryEntriesPerUID, by: map[uint32]int{}}}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
@@ -745,14 +763,66 @@ func (s *Server) Refuse(reason string) { s.limits.refuse(reason) }
 var ErrLimit = errors.New("limit reached")
 
 // limits bounds the engine streams open at once, in all and per uid, and
-// counts refusals by reason.
+// the memory entries ranks hold mapped (mem), and counts refusals by
+// reason.
 type limits struct {
 	mu      sync.Mutex
 	max     int
 	perUID  int
 	total   int
 	by      map[uint32]int
+	mem     entryBudget
 	refused map[string]uint64
+}
+
+// entryBudget counts the memory entries the ranks hold mapped, in all
+// and by uid (limits.mu).
+type entryBudget struct {
+	max, perUID, total int
+	by                 map[uint32]int
+}
+
+// defaultMemoryEntries is Config.MaxMemoryEntries's default: a quarter
+// of the open-file limit (an entry keeps two descriptors, and streams and
+// peer connections want theirs), at most 16,384 (a quarter of Linux's
+// default map count), at least 256.
+func defaultMemoryEntries() int {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil || rl.Cur == 0 {
+		return 1024
+	}
+	return int(min(max(rl.Cur/4, 256), 16384))
+}
+
+// admitEntries counts n memory entries of uid's rank, or refuses them
+// (field names the list, for the error); done undoes it.
+func (l *limits) admitEntries(uid uint32, n int, field string) (done func(), err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := &l.mem
+	switch {
+	case m.total+n > m.max:
+		l.refuseLocked("memory_entries")
+		return nil, fmt.Errorf("%w: %s: %d entries to map, with %d mapped the daemon's most is %d (kvxferd -max-memory-entries)",
+			ErrLimit, field, n, m.total, m.max)
+	case m.by[uid]+n > m.perUID:
+		l.refuseLocked("memory_entries_per_uid")
+		return nil, fmt.Errorf("%w: %s: %d entries to map, with uid %d's %d mapped the most one user may is %d (kvxferd -max-memory-entries-per-uid)",
+			ErrLimit, field, n, uid, m.by[uid], m.perUID)
+	}
+	m.total += n
+	m.by[uid] += n
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			m.total -= n
+			if m.by[uid] -= n; m.by[uid] <= 0 {
+				delete(m.by, uid)
+			}
+		})
+	}, nil
 }
 
 // admit counts a new stream of uid, or refuses it; done undoes it.
@@ -919,9 +989,12 @@ type rank struct {
 	// stream (messageLimits of the hello's max_message_bytes).
 	maxMsg, maxErr int
 	claimed        bool // r.uid holds a claim on engine (owners)
-	layout         topology.Layout
-	backend        Backend
-	worker         *kvxfer.Worker
+	// entriesDone gives back the memory entries this rank counted
+	// against the budgets (limits.admitEntries; nil: none).
+	entriesDone func()
+	layout      topology.Layout
+	backend     Backend
+	worker      *kvxfer.Worker
 	// trace is the worker's hop trace (nil: off): the stream's sender
 	// adds when outcomes leave on it.
 	trace kvxfer.HopTracer
@@ -999,6 +1072,19 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 			if _, err := cuda.ParseUUID(m.DeviceUuid); err != nil {
 				return nil, fmt.Errorf("%w: hello.memory[%d].device_uuid: %w", stream.ErrInvalid, i, err)
 			}
+		}
+	}
+	// The entries this rank maps (files, IPC imports), within the
+	// daemon's and the uid's budgets.
+	mapped := 0
+	for _, m := range h.Memory {
+		if !byAddress(m) {
+			mapped++
+		}
+	}
+	if mapped > 0 {
+		if r.entriesDone, err = s.limits.admitEntries(uid, mapped, "hello.memory"); err != nil {
+			return nil, err
 		}
 	}
 	// in[i]: the memory entry region i lies in, which it is relocated
@@ -1182,6 +1268,9 @@ func (r *rank) release() {
 	}
 	for _, g := range r.gpu {
 		_ = g.dev.Unmap(g.ptr)
+	}
+	if r.entriesDone != nil {
+		r.entriesDone()
 	}
 	if r.claimed {
 		r.s.owners.release(r.engine)
