@@ -48,6 +48,31 @@ func (f *floodWorker) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.
 	}
 }
 
+// connectTo serves w (a stand-in daemon's WorkerService) on a unix socket
+// for the test's life and connects one rank stream to it.
+func connectTo(ctx context.Context, t *testing.T, w pb.WorkerServiceServer) *stream.RankStream {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "w.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	pb.RegisterWorkerServiceServer(g, w)
+	go func() { _ = g.Serve(l) }()
+	t.Cleanup(g.Stop)
+	c, err := stream.Dial("unix://" + sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{TPSize: 1, PPSize: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rs
+}
+
 // Close returns once its context ends, as its doc says, when the engine
 // left more finished sets unread than the stream buffers: the stream's
 // reader, blocked handing one more to Finished, ignored the end of the
@@ -55,27 +80,9 @@ func (f *floodWorker) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.
 func TestCloseReturnsWithFinishedUnread(t *testing.T) {
 	before := runtime.NumGoroutine()
 	t.Run("run", func(t *testing.T) {
-		sock := filepath.Join(t.TempDir(), "w.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		g := grpc.NewServer()
-		pb.RegisterWorkerServiceServer(g, &floodWorker{n: 200})
-		go func() { _ = g.Serve(l) }()
-		t.Cleanup(g.Stop)
-		c, err := stream.Dial("unix://" + sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = c.Close() })
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		l1 := topology.Layout{TPSize: 1, PPSize: 1}
-		rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: l1})
-		if err != nil {
-			t.Fatal(err)
-		}
+		rs := connectTo(ctx, t, &floodWorker{n: 200})
 		// Nobody reads Finished; wait until the stream's buffer is full.
 		tick := time.NewTicker(time.Millisecond)
 		defer tick.Stop()
@@ -142,27 +149,10 @@ func (b *badOutcomeWorker) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest
 func TestStreamHangsUpWhenItStopsReading(t *testing.T) {
 	before := runtime.NumGoroutine()
 	t.Run("run", func(t *testing.T) {
-		sock := filepath.Join(t.TempDir(), "w.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			t.Fatal(err)
-		}
 		w := &badOutcomeWorker{ended: make(chan error, 1)}
-		g := grpc.NewServer()
-		pb.RegisterWorkerServiceServer(g, w)
-		go func() { _ = g.Serve(l) }()
-		t.Cleanup(g.Stop)
-		c, err := stream.Dial("unix://" + sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = c.Close() })
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{TPSize: 1, PPSize: 1}})
-		if err != nil {
-			t.Fatal(err)
-		}
+		rs := connectTo(ctx, t, w)
 		for range rs.Finished() {
 		}
 		if err := rs.Err(); err == nil || !strings.Contains(err.Error(), "finished.recving[0].result") {

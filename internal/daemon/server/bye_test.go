@@ -7,12 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
-	"github.com/kvxfer/kvxfer/topology"
 )
 
 // A bye right after step_refs of steps that were never published still
@@ -31,9 +29,7 @@ func TestByeSendsEveryQueuedStepError(t *testing.T) {
 func runByeSendsQueued(t *testing.T) {
 	shmDir := t.TempDir()
 	d := startDaemon(t, shmDir)
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
-		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	e := attachSmall(t, d, shmDir, "E", 1)
 	_, c, ctx := schedulerClientOn(t, d)
 	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
 		t.Fatal(err)

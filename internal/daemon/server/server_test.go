@@ -116,6 +116,15 @@ type engine struct {
 	client  *stream.Client
 }
 
+// attachSmall attaches a push engine id of one rank (kvsim engine number
+// n): one full-attention layer of 2 heads of 8, 8 blocks of 16 tokens.
+func attachSmall(t testing.TB, d *daemon, shmDir, id string, n int) *engine {
+	t.Helper()
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
+	return attach(t, d, shmDir, id, &model, kvsim.Engine{ID: n, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
+		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+}
+
 func attach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode) *engine {
 	t.Helper()
 	en, err := tryAttach(t, d, shmDir, id, m, e, mode)

@@ -12,7 +12,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
-	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
@@ -87,9 +86,7 @@ func TestSchedulerStep(t *testing.T) {
 func TestStepsPublishAndStepRef(t *testing.T) {
 	shmDir := t.TempDir()
 	d := startDaemon(t, shmDir)
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
-		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	e := attachSmall(t, d, shmDir, "E", 1)
 	rs := e.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
 	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
@@ -179,9 +176,7 @@ func runDroppedStep(t *testing.T) {
 	shmDir := t.TempDir()
 	const wait = 200 * time.Millisecond
 	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
-		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	e := attachSmall(t, d, shmDir, "E", 1)
 	rs := e.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
 	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "E", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
@@ -266,9 +261,7 @@ func TestStepRefFailsWhatTheStepDoesNotStage(t *testing.T) {
 func runStepRefUnstaged(t *testing.T) {
 	shmDir := t.TempDir()
 	d := startDaemonWith(t, shmDir, nil)
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
-		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	e := attachSmall(t, d, shmDir, "E", 1)
 	rs := e.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
 	const lease = 500 * time.Millisecond
@@ -346,9 +339,7 @@ func runStepRefReplaced(t *testing.T) {
 	shmDir := t.TempDir()
 	const wait = 5 * time.Second
 	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	e := attach(t, d, shmDir, "E", &model, kvsim.Engine{ID: 1, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16,
-		Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}, kvxfer.ModePush)
+	e := attachSmall(t, d, shmDir, "E", 1)
 	rs := e.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
 	open := func() {

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
-	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -31,12 +30,8 @@ func TestStepRefUnstagedOncePerRequest(t *testing.T) {
 func runStepRefOnce(t *testing.T) {
 	shmDir := t.TempDir()
 	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 100 * time.Millisecond })
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
-	eng := func(id int) kvsim.Engine {
-		return kvsim.Engine{ID: id, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
-	}
-	attach(t, d, shmDir, "P", &model, eng(1), kvxfer.ModePush) // holds D's registration: d-held waits for its WRITE
-	D := attach(t, d, shmDir, "D", &model, eng(2), kvxfer.ModePush)
+	attachSmall(t, d, shmDir, "P", 1) // holds D's registration: d-held waits for its WRITE
+	D := attachSmall(t, d, shmDir, "D", 2)
 	rs := D.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
 	now := time.Now()
