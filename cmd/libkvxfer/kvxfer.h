@@ -46,7 +46,11 @@ int kvxfer_start(const char *config_json, char *endpoint, size_t cap);
  * kvxfer_stop stops the server gracefully: transfers in flight finish
  * (within the configuration's drain-timeout, then 5 s more at most),
  * every rank's stream ends, and no memory named by address is touched
- * after it returns. Idempotent: KVXFER_OK when none runs.
+ * after it returns KVXFER_OK. Where a rank has still not let go of its
+ * memory 40 s after the drain (a transport that does not end a transfer),
+ * it returns an error saying so (kvxfer_last_error): that memory may
+ * still be touched and must not be freed. Idempotent: KVXFER_OK when none
+ * runs.
  */
 int kvxfer_stop(void);
 

@@ -535,6 +535,9 @@ type instance struct {
 	advertise string
 	// cleanup undoes what start did, in reverse order.
 	cleanup []func()
+	// closeErr is the server's Close error (cleanup): its ranks had not
+	// all ended within its wait.
+	closeErr error
 }
 
 // abstract reports whether a unix socket name is in Linux's abstract
@@ -632,7 +635,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	in.srv = srv
-	in.cleanup = append(in.cleanup, func() { srv.Close() })
+	in.cleanup = append(in.cleanup, func() { in.closeErr = srv.Close() })
 	if in.fleet != nil {
 		in.fleet.attach(srv)
 	}

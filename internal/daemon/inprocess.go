@@ -164,6 +164,7 @@ type InProcess struct {
 	config   string // the configuration it was started with, as given
 	endpoint string
 	stopOnce sync.Once
+	stopErr  error
 	done     chan struct{}
 }
 
@@ -245,11 +246,15 @@ func (p *InProcess) Stopped() bool {
 
 // Stop shuts p down gracefully (transfers in flight finish within the
 // configuration's drain-timeout, and 5 s more at most) and returns when
-// it has. It is idempotent and safe to call concurrently.
+// it has. It is idempotent and safe to call concurrently. Its error says
+// when a rank had still not let go of the memory its engine named when
+// the server gave up waiting (server.ErrRanksStillClosing): that memory
+// must not be freed.
 func (p *InProcess) Stop() error {
 	p.stopOnce.Do(func() {
 		close(p.done)
 		p.in.shutdown()
+		p.stopErr = p.in.closeErr
 	})
-	return nil
+	return p.stopErr
 }

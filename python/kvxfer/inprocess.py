@@ -148,7 +148,10 @@ def start(config: dict | None = None) -> str:
 def stop() -> None:
     """Stops this process's server, if one runs: transfers in flight
     finish (within its drain-timeout), every rank's stream ends, and no
-    memory named by address is touched after it returns."""
+    memory named by address is touched after it returns. Raises
+    InProcessError where a rank had still not let go of its memory when
+    the server gave up waiting (40 s after the drain): that memory may
+    still be touched, and must not be freed."""
     global _endpoint
     with _lock:
         if _lib is None:

@@ -1,6 +1,10 @@
 package server
 
-import "github.com/kvxfer/kvxfer/kvxfer"
+import (
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+)
 
 // PublishForTest publishes a rank without a worker (handshake benchmarks).
 func (s *Server) PublishForTest(info kvxfer.RankInfo) { _ = s.publish(info, nil, nil) }
@@ -19,3 +23,10 @@ var FinishedBoundForTest = finishedBound
 
 // DroppedStepForTest is droppedStep for external tests.
 var DroppedStepForTest = droppedStep
+
+// SetCloseWaitForTest sets closeWait until the test ends.
+func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
+	old := closeWait
+	closeWait = d
+	t.Cleanup(func() { closeWait = old })
+}

@@ -503,7 +503,7 @@ var closeWait = 40 * time.Second
 // does not wait for the streams' handlers, and until a rank detached its
 // transfers may still touch the memory its engine named (an in-process
 // engine frees it once kvxfer_stop returns). Streams still going after
-// closeWait are logged.
+// closeWait are logged, and Close then returns ErrRanksStillClosing.
 func (s *Server) Close() error {
 	s.drainMu.Lock()
 	s.drainOne.Do(func() { close(s.draining) }) // no stream enters under the Wait below
@@ -511,16 +511,22 @@ func (s *Server) Close() error {
 	s.endLife()
 	done := make(chan struct{})
 	go func() { s.streams.Wait(); close(done) }()
+	var err error
 	select {
 	case <-done:
 	case <-time.After(closeWait):
 		s.log.Error("kvxferd: rank streams still ending after the server closed: the memory their engines named may still be touched", "waited", closeWait)
+		err = fmt.Errorf("%w %v after the close: the memory their engines named may still be touched", ErrRanksStillClosing, closeWait)
 	}
 	if s.resolver != nil {
 		s.resolver.Close()
 	}
-	return s.enc.Close()
+	return errors.Join(err, s.enc.Close())
 }
+
+// ErrRanksStillClosing is Close's error when a rank stream had not ended
+// within its wait: an in-process engine must not free the memory it named.
+var ErrRanksStillClosing = errors.New("server: rank streams still ending")
 
 // rankPort checks, on a per-rank server (RankPortBase), that the rank at l
 // is the one this server's port serves.
