@@ -51,6 +51,16 @@ type holdFence struct {
 	open   map[uint64]*holdAdmission
 	reuse  func(Region)
 	closed atomic.Bool // the test is over: reuse nothing
+	// reusing is held (read) while a reuse runs: the test's end takes it
+	// (stop) before its memory goes.
+	reusing sync.RWMutex
+}
+
+// stop ends the reuses: none starts after it returns, and none runs.
+func (f *holdFence) stop() {
+	f.closed.Store(true)
+	f.reusing.Lock()
+	defer f.reusing.Unlock()
 }
 
 type holdAdmission struct {
@@ -82,11 +92,13 @@ func (f *holdFence) Done(t uint64) {
 	if ad == nil {
 		return
 	}
+	f.reusing.RLock()
 	if !f.closed.Load() {
 		for _, r := range ad.ranges {
 			f.reuse(r)
 		}
 	}
+	f.reusing.RUnlock()
 	close(ad.done)
 }
 
@@ -141,7 +153,7 @@ func readHoldSetup(t *testing.T, delay time.Duration, cfg Config) (a, b *Agent, 
 			bm[r.Addr-base+i] = 0xee // the next request's KV
 		}
 	})
-	t.Cleanup(func() { f.closed.Store(true) }) // before bm is unmapped
+	t.Cleanup(f.stop) // before bm is unmapped: a Done still reusing it was the test's own fault
 	if err := b.SetGuard(f); err != nil {
 		t.Fatal(err)
 	}
