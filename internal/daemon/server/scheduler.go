@@ -38,7 +38,7 @@ type schedulers struct {
 	mu          sync.Mutex
 	m           *xsync.Map[string, *lockedScheduler]
 	// byUID counts the open schedulers of each uid (under mu): at most
-	// limits.perUID each, limits.max in all, as streams are (a scheduler
+	// limits.streams.perUID each, limits.streams.max in all, as streams are (a scheduler
 	// outlives the call that opened it).
 	byUID map[uint32]int
 	total int
@@ -180,14 +180,14 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		// The engine's first scheduler: it claims the engine for uid,
 		// within the bounds, which the schedulers of engines gone without
 		// closing them (crashed) do not hold.
-		if ss.byUID[uid] >= ss.limits.perUID || ss.total >= ss.limits.max {
+		if ss.byUID[uid] >= ss.limits.streams.perUID || ss.total >= ss.limits.streams.max {
 			ss.reclaimLocked()
 		}
 		switch {
-		case ss.byUID[uid] >= ss.limits.perUID:
+		case ss.byUID[uid] >= ss.limits.streams.perUID:
 			ss.limits.refuse("schedulers_per_uid")
 			return nil, ss.status(fmt.Errorf("%w: uid %d has %d schedulers open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, ss.byUID[uid]))
-		case ss.total >= ss.limits.max:
+		case ss.total >= ss.limits.streams.max:
 			ss.limits.refuse("schedulers")
 			return nil, ss.status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
 		}

@@ -350,8 +350,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
-		limits: &limits{max: cfg.MaxStreams, perUID: cfg.MaxStreamsPerUID, by: map[uint32]int{},
-			mem: entryBudget{max: cfg.MaxMemoryEntries, perUID: cfg.MaxMemoryEntriesPerUID, by: map[uint32]int{}}}}
+		limits: &limits{streams: newBudget(cfg.MaxStreams, cfg.MaxStreamsPerUID, "engine streams", "-max-streams", "streams"),
+			mem: newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries")}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
@@ -768,24 +768,27 @@ func (s *Server) Refuse(reason string) { s.limits.refuse(reason) }
 // ResourceExhausted).
 var ErrLimit = errors.New("limit reached")
 
-// limits bounds the engine streams open at once, in all and per uid, and
-// the memory entries ranks hold mapped (mem), and counts refusals by
-// reason.
+// limits bounds what engines hold at once, in all and per uid: their
+// streams (streams, which bound open schedulers too) and the memory
+// entries their ranks hold mapped (mem); and counts refusals by reason.
 type limits struct {
 	mu      sync.Mutex
-	max     int
-	perUID  int
-	total   int
-	by      map[uint32]int
-	mem     entryBudget
+	streams budget
+	mem     budget
 	refused map[string]uint64
 }
 
-// entryBudget counts the memory entries the ranks hold mapped, in all
-// and by uid (limits.mu).
-type entryBudget struct {
+// budget is one bounded count, in all and by uid (limits.mu).
+type budget struct {
 	max, perUID, total int
 	by                 map[uint32]int
+	// what is counted, the flags that bound it, and the refusal reason
+	// (reason+"_per_uid" for a uid's), for errors and metrics.
+	what, flag, flagUID, reason string
+}
+
+func newBudget(max, perUID int, what, flag, reason string) budget {
+	return budget{max: max, perUID: perUID, by: map[uint32]int{}, what: what, flag: flag, flagUID: flag + "-per-uid", reason: reason}
 }
 
 // defaultMemoryEntries is Config.MaxMemoryEntries's default: a quarter
@@ -800,63 +803,37 @@ func defaultMemoryEntries() int {
 	return int(min(max(rl.Cur/4, 256), 16384))
 }
 
-// admitEntries counts n memory entries of uid's rank, or refuses them
-// (field names the list, for the error); done undoes it.
-func (l *limits) admitEntries(uid uint32, n int, field string) (done func(), err error) {
+// take counts n more of b for uid, or refuses them (counted); done gives
+// them back.
+func (l *limits) take(b *budget, uid uint32, n int) (done func(), err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	m := &l.mem
 	switch {
-	case m.total+n > m.max:
-		l.refuseLocked("memory_entries")
-		return nil, fmt.Errorf("%w: %s: %d entries to map, with %d mapped the daemon's most is %d (kvxferd -max-memory-entries)",
-			ErrLimit, field, n, m.total, m.max)
-	case m.by[uid]+n > m.perUID:
-		l.refuseLocked("memory_entries_per_uid")
-		return nil, fmt.Errorf("%w: %s: %d entries to map, with uid %d's %d mapped the most one user may is %d (kvxferd -max-memory-entries-per-uid)",
-			ErrLimit, field, n, uid, m.by[uid], m.perUID)
+	case b.total+n > b.max:
+		l.refuseLocked(b.reason)
+		return nil, fmt.Errorf("%w: %d %s more, with %d held the daemon's most is %d (kvxferd %s)", ErrLimit, n, b.what, b.total, b.max, b.flag)
+	case b.by[uid]+n > b.perUID:
+		l.refuseLocked(b.reason + "_per_uid")
+		return nil, fmt.Errorf("%w: %d %s more, with uid %d's %d held the most one user may is %d (kvxferd %s)",
+			ErrLimit, n, b.what, uid, b.by[uid], b.perUID, b.flagUID)
 	}
-	m.total += n
-	m.by[uid] += n
+	b.total += n
+	b.by[uid] += n
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			l.mu.Lock()
 			defer l.mu.Unlock()
-			m.total -= n
-			if m.by[uid] -= n; m.by[uid] <= 0 {
-				delete(m.by, uid)
+			b.total -= n
+			if b.by[uid] -= n; b.by[uid] <= 0 {
+				delete(b.by, uid)
 			}
 		})
 	}, nil
 }
 
 // admit counts a new stream of uid, or refuses it; done undoes it.
-func (l *limits) admit(uid uint32) (done func(), err error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	switch {
-	case l.total >= l.max:
-		l.refuseLocked("streams")
-		return nil, fmt.Errorf("%w: %d engine streams open, the daemon's most (kvxferd -max-streams)", ErrLimit, l.total)
-	case l.by[uid] >= l.perUID:
-		l.refuseLocked("streams_per_uid")
-		return nil, fmt.Errorf("%w: uid %d has %d engine streams open, the most one user may (kvxferd -max-streams-per-uid)", ErrLimit, uid, l.by[uid])
-	}
-	l.total++
-	l.by[uid]++
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			l.mu.Lock()
-			defer l.mu.Unlock()
-			l.total--
-			if l.by[uid]--; l.by[uid] <= 0 {
-				delete(l.by, uid)
-			}
-		})
-	}, nil
-}
+func (l *limits) admit(uid uint32) (done func(), err error) { return l.take(&l.streams, uid, 1) }
 
 func (l *limits) refuse(reason string) {
 	l.mu.Lock()
@@ -1089,8 +1066,8 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 		}
 	}
 	if mapped > 0 {
-		if r.entriesDone, err = s.limits.admitEntries(uid, mapped, "hello.memory"); err != nil {
-			return nil, err
+		if r.entriesDone, err = s.limits.take(&s.limits.mem, uid, mapped); err != nil {
+			return nil, fmt.Errorf("hello.memory: %w", err)
 		}
 	}
 	// in[i]: the memory entry region i lies in, which it is relocated
