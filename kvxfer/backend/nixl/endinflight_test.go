@@ -64,20 +64,40 @@ func TestInvalidatePeerInFlight(t *testing.T) {
 	}
 }
 
-// A peer whose agent closes (its process exiting, for a peer of another
-// process) while a READ from it is in flight: the transfer fails, the
-// Worker reports its request and the engine reuses the blocks; no byte
-// of the READ may land in them after State said it ended.
+// A peer whose agent closes (its process exiting) while a READ from it
+// is in flight: the transfer fails, the Worker reports its request and the
+// engine reuses the blocks; no byte of the READ may land in them after
+// State said it ended.
+//
+// The peer is another process, as in production: over UCX's TCP transport
+// NIXL's destroy of an agent that is still answering a peer's READ can
+// crash inside UCX (ucp_worker_destroy purging the answers queued on the
+// TCP endpoint; about 1 run in 25 here, README), which would take the
+// whole test binary with it. The READer's promise is checked either way,
+// and the peer's crash is logged.
 func TestPeerGoneReadInFlight(t *testing.T) {
 	t.Setenv("UCX_TLS", "tcp")
 	t.Setenv("UCX_NET_DEVICES", "lo")
 	const size = 64 << 20
-	a, b := newCloseEnd(t, size), newCloseEnd(t, size)
-	id := postInFlightOp(t, a, b, hotpath.OpRead, nil)
-	before, _ := a.b.State(id)
-	if err := b.b.Close(); err != nil {
-		t.Fatalf("peer Close: %v", err)
+	a := newCloseEnd(t, size)
+	peer := startPeerChild(t, size)
+	name, err := a.b.LoadPeer(peer.meta)
+	if err != nil {
+		t.Fatal(err)
 	}
+	var ds []hotpath.Desc
+	for off := uint64(0); off < size; off += 4096 {
+		ds = append(ds, hotpath.Desc{Local: a.r.Addr + off, Remote: peer.addr + off, Len: 4096})
+	}
+	id, err := a.b.Post(hotpath.OpRead, name, ds, nil)
+	for deadline := time.Now().Add(10 * time.Second); err != nil; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		id, err = a.b.Post(hotpath.OpRead, name, ds, nil)
+	}
+	before, _ := a.b.State(id)
+	peer.close(t)
 	s, err := settled(t, a.b, id)
 	snap := bytes.Clone(a.mem)
 	t.Logf("in progress before the peer closed: %v; then State = %v, %v", before == kvxfer.XferInProgress, s, err)
