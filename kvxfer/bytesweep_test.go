@@ -24,6 +24,10 @@ type sweepCase struct {
 	mode      kvxfer.Mode
 	layerwise bool
 	n         int // requests
+	// backend: "" the fake fabric (synctest); "tcp" the built-in backend
+	// over loopback TCP; "gpu" its same-host path over a stand-in GPU
+	// (layouts); the last two in real time.
+	backend string
 	// firstLayer, when set, gives P's WorkerConfig.FirstLayer per stage.
 	firstLayer func(pp int) int
 }
@@ -32,8 +36,8 @@ func (c *sweepCase) String() string {
 	e := func(x kvsim.Engine) string {
 		return fmt.Sprintf("tp%d pp%d L%d K%d %v/%v", x.TP, x.PP, x.LogicalBlock, x.KernelBlock, x.Layout, x.Packing)
 	}
-	return fmt.Sprintf("%v layerwise=%v kinds %v heads %d head %d·%dB mla %d; P %s; D %s; %d requests",
-		c.mode, c.layerwise, c.model.Kinds, c.model.TotalKVHeads, c.model.HeadSize, c.model.ElemBytes, c.model.MLABytesPerToken,
+	return fmt.Sprintf("%s %v layerwise=%v kinds %v heads %d head %d·%dB mla %d; P %s; D %s; %d requests",
+		c.backend, c.mode, c.layerwise, c.model.Kinds, c.model.TotalKVHeads, c.model.HeadSize, c.model.ElemBytes, c.model.MLABytesPerToken,
 		e(c.p), e(c.d), c.n)
 }
 
@@ -122,8 +126,54 @@ func TestByteSweep(t *testing.T) {
 	}
 }
 
+// TestByteSweepNet is TestByteSweep over the built-in backend: loopback
+// TCP (the zero-copy send and receive paths) and the same-host path over
+// a stand-in GPU (transfers as layouts), in real time, fewer cases.
+func TestByteSweepNet(t *testing.T) {
+	n := 12
+	if testing.Short() {
+		n = 4
+	}
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("KVXFER_SWEEP_SEED"); s != "" {
+		seed, _ = strconv.ParseUint(s, 10, 64)
+	}
+	if s := os.Getenv("KVXFER_SWEEP_N"); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	t.Logf("seed %d (KVXFER_SWEEP_SEED replays it)", seed)
+	rng := rand.New(rand.NewPCG(seed, 0x6e6574))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		c.backend = pick(rng, "tcp", "gpu")
+		caseSeed := rng.Uint64()
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) { runSweep(t, c, caseSeed) }) {
+			t.Fatalf("case %d (seed %d): %s", i, seed, c)
+		}
+	}
+}
+
 func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	fab, dir := newFabricDir()
+	settle := synctest.Wait
+	start := func(m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+		return startEngine(t, fab, dir, m, e, id, mode, tweak)
+	}
+	switch c.backend {
+	case "tcp":
+		settle = func() { time.Sleep(time.Millisecond) }
+		start = func(m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+			return startNetEngine(t, dir, m, e, id, mode, tweak)
+		}
+	case "gpu":
+		settle = func() { time.Sleep(time.Millisecond) }
+		g := &heldGPU{release: make(chan struct{})}
+		start = func(m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+			return startEngineOn(t, dir, m, e, id, mode, tweak, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+				return gpuBackend(t, name, r, g), nil
+			})
+		}
+	}
 	big := func(cfg *kvxfer.WorkerConfig) {
 		cfg.MaxSegments = 1 << 14
 		cfg.Layerwise = c.layerwise
@@ -131,8 +181,8 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)
 		}
 	}
-	p := startEngine(t, fab, dir, &c.model, c.p, "P", c.mode, big)
-	d := startEngine(t, fab, dir, &c.model, c.d, "D", c.mode, big)
+	p := start(&c.model, c.p, "P", c.mode, big)
+	d := start(&c.model, c.d, "D", c.mode, big)
 	defer d.close(t)
 	defer p.close(t)
 
@@ -198,7 +248,7 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	if c.layerwise {
 		p.step(t, &kvxfer.StepMeta{Step: 1, SchedulerClock: now, Prefill: pm.Send[:half]})
 		d.step(t, &dm)
-		synctest.Wait()
+		settle()
 		p.step(t, &kvxfer.StepMeta{Step: 2, SchedulerClock: now, Prefill: pm.Send[half:]})
 		for step := uint64(1); step <= 2; step++ {
 			for pi, stage := range p.workers {
@@ -210,7 +260,7 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 						if err := w.LayerSaved(step, layer); err != nil {
 							t.Errorf("P pp%d tp%d: %v", pi, ti, err)
 						}
-						synctest.Wait()
+						settle()
 					}
 				}
 			}
@@ -223,8 +273,12 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	}
 	out := newOutcomes()
 	want := expectedReports(reqs, p, d, &dm)
-	for range 200 {
-		synctest.Wait()
+	rounds := 200
+	if c.backend != "" {
+		rounds = 4000
+	}
+	for range rounds {
+		settle()
 		out.collect(t, p)
 		out.collect(t, d)
 		if len(out.seen) == want {
