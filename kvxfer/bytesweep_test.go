@@ -48,7 +48,12 @@ func sweepRandomCase(rng *rand.Rand) *sweepCase {
 	c.mode = pick(rng, kvxfer.ModePush, kvxfer.ModePull)
 	c.layerwise = c.mode == kvxfer.ModePush && rng.IntN(4) == 0
 	c.model = kvsim.Model{TotalKVHeads: pick(rng, 1, 2, 4, 8), HeadSize: pick(rng, 2, 4, 8), ElemBytes: pick(rng, 1, 2)}
-	switch rng.IntN(4) {
+	switch rng.IntN(5) {
+	case 4: // hybrid: attention and Mamba state layers
+		c.model.Kinds = []topology.Kind{fa, topology.KindMamba, fa, topology.KindMamba}
+		c.model.MambaConv = []int64{64, 32}[:1+rng.IntN(2)]
+		c.model.MambaSSM = pick(rng, int64(128), int64(256))
+		c.model.MambaPad = pick(rng, int64(0), int64(8))
 	case 0:
 		c.model.Kinds = []topology.Kind{mla, mla}
 		c.model.MLABytesPerToken = pick(rng, 4, 12)
@@ -202,6 +207,13 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 		}
 		q := makeRequest(fmt.Sprintf("r%d", i), tokens, hit, groups, c.p, c.d, pp, dp)
 		q.sim.Salt = i + 1
+		for g, grp := range groups {
+			if grp.Kind == topology.KindMamba {
+				// A state block: the last one (the exchange's clipping).
+				q.sim.P[g].IDs = topology.ClipMamba(q.sim.P[g].IDs, 0, false)
+				q.sim.D[g] = topology.Span{IDs: topology.ClipMamba(q.sim.D[g].IDs, 0, false)}
+			}
+		}
 		reqs = append(reqs, q)
 	}
 	// full is each P rank's memory once every layer is computed. Layer-
