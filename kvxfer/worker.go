@@ -94,9 +94,18 @@ type WorkerConfig struct {
 	// (SchedulerConfig.Layerwise).
 	Layerwise bool
 	// LayerOf maps a region index of Layout to its layer for layer-wise
-	// push (default: RegionOffset + index; under SeparateKV consecutive K
+	// push (default: FirstLayer + index; under SeparateKV consecutive K
 	// and V attention regions share a layer, other regions have one each).
 	LayerOf func(region int) int
+	// FirstLayer is the model layer of Layout.Regions[0], for the default
+	// LayerOf. 0 derives it from Layout.RegionOffset, which is exact when
+	// every layer has one region (packed or split K and V), and on the
+	// first pipeline stage. Under SeparateKV a later stage's first layer
+	// is not its region offset halved: an earlier stage's MLA or Mamba
+	// layers have one region each. So a layer-wise Worker of such a stage
+	// (SeparateKV, RegionOffset > 0) needs FirstLayer or LayerOf, and is
+	// refused without: a guess would WRITE a layer before it is saved.
+	FirstLayer int
 	// Prepared posts through prepared descriptor lists when the backend
 	// has them (PreparedPoster, NIXL): the lists of each peer rank pair
 	// are handed over once, and a transfer passes only indices. Where the
@@ -201,14 +210,28 @@ func (c *WorkerConfig) fill() error {
 	if c.Lease < 6*time.Millisecond {
 		return fmt.Errorf("kvxfer: WorkerConfig.Lease = %v, want at least 6ms", c.Lease)
 	}
+	if c.FirstLayer < 0 {
+		return fmt.Errorf("kvxfer: WorkerConfig.FirstLayer = %d, want >= 0", c.FirstLayer)
+	}
 	if c.LayerOf == nil {
 		// One layer per region, except that under SeparateKV an attention
 		// layer's K and V regions (consecutive) share one: an MLA or Mamba
 		// layer keeps a single region there too. A later pipeline stage
-		// starts at RegionOffset (halved under SeparateKV).
+		// starts at FirstLayer, or at RegionOffset where every layer has
+		// one region.
 		off, sep := c.Layout.RegionOffset, c.Layout.Packing == topology.SeparateKV
 		base := off
-		if sep {
+		switch {
+		case c.FirstLayer > 0:
+			base = c.FirstLayer
+		case sep && off > 0 && c.Layerwise:
+			// RegionOffset counts two regions per attention layer of the
+			// earlier stages and one per MLA or Mamba layer: their mix,
+			// and so this stage's first layer, is unknown here.
+			return fmt.Errorf("kvxfer: WorkerConfig.FirstLayer = 0 with Layerwise, Layout.Packing = %v and Layout.RegionOffset = %d (pipeline stage PPRank = %d): "+
+				"the stage's first layer cannot be derived from its region offset when K and V have regions of their own; "+
+				"set WorkerConfig.FirstLayer (or LayerOf), or use packed or split K and V", c.Layout.Packing, off, c.Layout.PPRank)
+		case sep:
 			base = off / 2
 		}
 		layers := make([]int, len(c.Layout.Regions))

@@ -1897,12 +1897,29 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
                                  num_blocks=b, device_id=t.device.index or 0 if t.is_cuda else 0))
     memory = share_memory(w, [kv_caches[n] for n in names], [(r.base, r.block_len * r.num_blocks) for r in regions])
     layout = pb.KvLayout(tp_rank=w.tp_rank, tp_size=w.c.tp_size, pp_rank=w.pp_rank, pp_size=w.c.pp_size,
-                         total_kv_heads=heads * w.c.tp_size, head_size=head_size, elem_bytes=elem, order=order,
+                         total_kv_heads=_total_kv_heads(w, heads), head_size=head_size, elem_bytes=elem, order=order,
                          packing=pb.KV_PACKING_PACKED, logical_block_size=w.c.block_size, kernel_block_size=kernel_bs,
                          region_offset=region_offset, regions=regions,
                          groups=[pb.CacheGroup(kind=k, window=wd, regions=g) for (k, wd), g in zip(w.c.groups, groups)])
     return pb.WorkerHello(engine_id=w.c.engine_id, mode=w.cfg.mode, layout=layout, memory=memory,
                           compat_hash=compat_hash(w.vllm_config, w.cfg.mode), layerwise=w.cfg.layerwise)
+
+
+def _total_kv_heads(w: _WorkerSide, local: int) -> int:
+    """The model's KV heads over all TP ranks, for a rank whose views hold
+    local heads. With fewer KV heads than TP ranks vLLM replicates them (one
+    per rank), so local·tp overstates them, and two engines of one model at
+    different TP sizes would announce different counts: the model config's
+    count is taken when it gives the views' per-rank count."""
+    tp = max(w.c.tp_size, 1)
+    mc = getattr(getattr(w, "vllm_config", None), "model_config", None)
+    try:
+        total = int(mc.get_total_num_kv_heads()) if mc is not None else 0
+    except Exception:  # noqa: BLE001 - a config without it: the views decide
+        total = 0
+    if total > 0 and (total % tp == 0 or tp % total == 0) and max(1, total // tp) == local:
+        return total
+    return local * tp
 
 
 def share_memory(w: _WorkerSide, tensors: list, ranges: list[tuple[int, int]]) -> list[pb.SharedMemory]:

@@ -1016,6 +1016,15 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	if err != nil {
 		return nil, err
 	}
+	if h.Layerwise && l.Packing == topology.SeparateKV && l.RegionOffset > 0 {
+		// LayerSaved names model layers; with K and V in regions of their
+		// own a later stage's first layer is not its region offset halved
+		// (an earlier stage's MLA or Mamba layers have one region each),
+		// and the hello does not say it (kvxfer.WorkerConfig.FirstLayer).
+		return nil, stream.Invalid("hello.layerwise with hello.layout.packing = %v and hello.layout.region_offset = %d (pp_rank %d): "+
+			"a later pipeline stage's layers cannot be numbered when K and V have regions of their own; use packed or split K and V, "+
+			"or push whole requests", l.Packing, l.RegionOffset, l.PPRank)
+	}
 	r := &rank{s: s, engine: h.EngineId, layout: l, uid: uid}
 	defer func() {
 		if err != nil {

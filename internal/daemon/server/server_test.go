@@ -335,11 +335,21 @@ func TestHelloValidation(t *testing.T) {
 	}
 	defer mp.Close()
 	mem := []stream.Memory{{Path: filepath.Join(shmDir, "ok"), Base: 1 << 20, Size: 1024}}
+	// A later pipeline stage with K and V in regions of their own: its
+	// first layer is not derivable from its region offset (3: an earlier
+	// stage's one-region MLA or Mamba layer), so layer-wise push cannot
+	// name its layers.
+	sepStage := good
+	sepStage.PPRank, sepStage.PPSize, sepStage.RegionOffset, sepStage.Packing = 1, 2, 3, topology.SeparateKV
+	sepStage.Regions = []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 128, NumBlocks: 4},
+		{Kind: topology.KindFullAttention, Base: 1<<20 + 512, BlockLen: 128, NumBlocks: 4}}
 	tests := []struct {
 		name string
 		h    stream.Hello
 		want string
 	}{
+		{"layer-wise later stage, separate K and V", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: sepStage, Memory: mem, Layerwise: true},
+			"hello.layerwise with hello.layout.packing = separate and hello.layout.region_offset = 3"},
 		{"no engine", stream.Hello{Mode: kvxfer.ModePush, Layout: good, Memory: mem}, "engine_id"},
 		{"no mode", stream.Hello{EngineID: "E", Layout: good, Memory: mem}, "hello.mode"},
 		{"bad layout", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{KVLayout: topology.LayoutHND, Packing: topology.PackedKV}, Memory: mem}, "hello.layout"},
