@@ -74,6 +74,10 @@ type Hello struct {
 	Memory     []Memory
 	CompatHash string
 	Layerwise  bool
+	// FirstLayer is the model layer of Layout.Regions[0]: needed for
+	// layer-wise push from a later pipeline stage under SeparateKV
+	// (WorkerHello.first_layer), 0 elsewhere.
+	FirstLayer int
 	// MaxMessageBytes is the largest message this client accepts on the
 	// stream (0: DefaultMaxMessage, what Dial sets); kvxferd keeps its
 	// messages within half of it. Set it when Dial's options set another
@@ -115,7 +119,7 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 		return nil, err
 	}
 	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise,
-		MaxMessageBytes: h.MaxMessageBytes}
+		MaxMessageBytes: h.MaxMessageBytes, FirstLayer: int32(h.FirstLayer)}
 	if hello.MaxMessageBytes == 0 {
 		hello.MaxMessageBytes = DefaultMaxMessage
 	}

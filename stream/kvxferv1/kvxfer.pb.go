@@ -1673,8 +1673,16 @@ type WorkerHello struct {
 	// it sends here within half of it: bigger sets of outcomes go out as
 	// several Finished messages, and step errors are clipped.
 	MaxMessageBytes uint32 `protobuf:"varint,7,opt,name=max_message_bytes,json=maxMessageBytes,proto3" json:"max_message_bytes,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// first_layer is the model layer of layout.regions[0], which LayerSaved
+	// numbers layers from. Needed (and only read) for layer-wise push from a
+	// later pipeline stage whose K and V have regions of their own
+	// (layout.packing SEPARATE, layout.region_offset > 0): there an earlier
+	// stage's attention layers take two regions each and its MLA or Mamba
+	// layers one, so the offset does not say it. Elsewhere a stage's first
+	// layer is its region offset, and 0 means that.
+	FirstLayer    int32 `protobuf:"varint,8,opt,name=first_layer,json=firstLayer,proto3" json:"first_layer,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WorkerHello) Reset() {
@@ -1752,6 +1760,13 @@ func (x *WorkerHello) GetLayerwise() bool {
 func (x *WorkerHello) GetMaxMessageBytes() uint32 {
 	if x != nil {
 		return x.MaxMessageBytes
+	}
+	return 0
+}
+
+func (x *WorkerHello) GetFirstLayer() int32 {
+	if x != nil {
+		return x.FirstLayer
 	}
 	return 0
 }
@@ -4991,7 +5006,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12 \n" +
 	"\vdescriptors\x18\x04 \x01(\x04R\vdescriptors\x12)\n" +
 	"\x10transfer_seconds\x18\x05 \x01(\x01R\x0ftransferSeconds\x12\x18\n" +
-	"\aexpired\x18\x06 \x01(\x04R\aexpired\"\x98\x02\n" +
+	"\aexpired\x18\x06 \x01(\x04R\aexpired\"\xb9\x02\n" +
 	"\vWorkerHello\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12#\n" +
 	"\x04mode\x18\x02 \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12+\n" +
@@ -5000,7 +5015,9 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\vcompat_hash\x18\x05 \x01(\tR\n" +
 	"compatHash\x12\x1c\n" +
 	"\tlayerwise\x18\x06 \x01(\bR\tlayerwise\x12*\n" +
-	"\x11max_message_bytes\x18\a \x01(\rR\x0fmaxMessageBytes\"6\n" +
+	"\x11max_message_bytes\x18\a \x01(\rR\x0fmaxMessageBytes\x12\x1f\n" +
+	"\vfirst_layer\x18\b \x01(\x05R\n" +
+	"firstLayer\"6\n" +
 	"\n" +
 	"LayerSaved\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x14\n" +

@@ -1016,14 +1016,8 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	if err != nil {
 		return nil, err
 	}
-	if h.Layerwise && l.Packing == topology.SeparateKV && l.RegionOffset > 0 {
-		// LayerSaved names model layers; with K and V in regions of their
-		// own a later stage's first layer is not its region offset halved
-		// (an earlier stage's MLA or Mamba layers have one region each),
-		// and the hello does not say it (kvxfer.WorkerConfig.FirstLayer).
-		return nil, stream.Invalid("hello.layerwise with hello.layout.packing = %v and hello.layout.region_offset = %d (pp_rank %d): "+
-			"a later pipeline stage's layers cannot be numbered when K and V have regions of their own; use packed or split K and V, "+
-			"or push whole requests", l.Packing, l.RegionOffset, l.PPRank)
+	if err := checkFirstLayer(h, &l); err != nil {
+		return nil, err
 	}
 	r := &rank{s: s, engine: h.EngineId, layout: l, uid: uid}
 	defer func() {
@@ -1210,7 +1204,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	// ContainPanics: a rank whose worker breaks fails its own requests and
 	// ends its own stream (serve); the daemon's other ranks carry on.
 	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
-		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, Logger: s.log,
+		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, FirstLayer: int(h.FirstLayer), Logger: s.log,
 		ContainPanics: true}
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
@@ -1231,6 +1225,34 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	}
 	s.log.Info("kvxferd: rank attached", "engine", h.EngineId, "tp_rank", l.TPRank, "pp_rank", l.PPRank, "regions", len(l.Regions), "uid", uid)
 	return r, nil
+}
+
+// checkFirstLayer checks hello.first_layer against the layout: under
+// separate K and V a later stage's first layer is not its region offset
+// (an earlier stage's attention layers take two regions, its MLA or Mamba
+// layers one), so layer-wise push from such a stage needs it; each
+// earlier layer has one or two regions, which bounds it. Elsewhere the
+// first layer is the region offset, and first_layer, if set, must say so.
+func checkFirstLayer(h *pb.WorkerHello, l *topology.Layout) error {
+	first, off := int(h.FirstLayer), l.RegionOffset
+	switch {
+	case first < 0:
+		return stream.Invalid("hello.first_layer = %d, want >= 0", first)
+	case l.Packing == topology.SeparateKV && off > 0:
+		if first == 0 && h.Layerwise {
+			return stream.Invalid("hello.first_layer = 0 with hello.layerwise, hello.layout.packing = %v and hello.layout.region_offset = %d "+
+				"(pp_rank %d): a later pipeline stage whose K and V have regions of their own must say its first layer "+
+				"(LayerSaved numbers layers from it)", l.Packing, off, l.PPRank)
+		}
+		if first != 0 && (first > off || 2*first < off) {
+			return stream.Invalid("hello.first_layer = %d with hello.layout.region_offset = %d: the layers before it have "+
+				"one or two regions each, so it is between %d and %d", first, off, (off+1)/2, off)
+		}
+	case first != 0 && first != off:
+		return stream.Invalid("hello.first_layer = %d with hello.layout.packing = %v and hello.layout.region_offset = %d: "+
+			"the first layer is the region offset there (0 or %d)", first, l.Packing, off, off)
+	}
+	return nil
 }
 
 // realAddr is the address of mapped memory in this process.

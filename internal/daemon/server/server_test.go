@@ -348,8 +348,15 @@ func TestHelloValidation(t *testing.T) {
 		h    stream.Hello
 		want string
 	}{
-		{"layer-wise later stage, separate K and V", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: sepStage, Memory: mem, Layerwise: true},
-			"hello.layerwise with hello.layout.packing = separate and hello.layout.region_offset = 3"},
+		{"layer-wise later stage, separate K and V, no first layer", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: sepStage, Memory: mem, Layerwise: true},
+			"hello.first_layer = 0 with hello.layerwise, hello.layout.packing = separate and hello.layout.region_offset = 3"},
+		{"first layer past the region offset", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: sepStage, Memory: mem, Layerwise: true, FirstLayer: 4},
+			"hello.first_layer = 4 with hello.layout.region_offset = 3"},
+		{"first layer under half the region offset", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: sepStage, Memory: mem, Layerwise: true, FirstLayer: 1},
+			"hello.first_layer = 1 with hello.layout.region_offset = 3"},
+		{"first layer negative", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: mem, FirstLayer: -1}, "hello.first_layer = -1"},
+		{"first layer that is not the region offset", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: good, Memory: mem, FirstLayer: 2},
+			"hello.first_layer = 2 with hello.layout.packing = packed and hello.layout.region_offset = 0"},
 		{"no engine", stream.Hello{Mode: kvxfer.ModePush, Layout: good, Memory: mem}, "engine_id"},
 		{"no mode", stream.Hello{EngineID: "E", Layout: good, Memory: mem}, "hello.mode"},
 		{"bad layout", stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{KVLayout: topology.LayoutHND, Packing: topology.PackedKV}, Memory: mem}, "hello.layout"},

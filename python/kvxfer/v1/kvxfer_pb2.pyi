@@ -314,7 +314,7 @@ class TransferStats(_message.Message):
     def __init__(self, transfers: _Optional[int] = ..., failed_transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., expired: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("engine_id", "mode", "layout", "memory", "compat_hash", "layerwise", "max_message_bytes")
+    __slots__ = ("engine_id", "mode", "layout", "memory", "compat_hash", "layerwise", "max_message_bytes", "first_layer")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class WorkerHello(_message.Message):
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     mode: Mode
     layout: KvLayout
@@ -329,7 +330,8 @@ class WorkerHello(_message.Message):
     compat_hash: str
     layerwise: bool
     max_message_bytes: int
-    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[SharedMemory, _Mapping]]] = ..., compat_hash: _Optional[str] = ..., layerwise: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    first_layer: int
+    def __init__(self, engine_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[SharedMemory, _Mapping]]] = ..., compat_hash: _Optional[str] = ..., layerwise: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., first_layer: _Optional[int] = ...) -> None: ...
 
 class LayerSaved(_message.Message):
     __slots__ = ("step", "layer")
