@@ -25,12 +25,14 @@ This module imports no vLLM.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import threading
 
 from kvxfer import inprocess
 
-__all__ = ["PLACEMENTS", "rank_port", "engine_base", "server_config", "ProcessServer", "acquire", "release"]
+__all__ = ["PLACEMENTS", "is_host", "rank_port", "engine_base", "server_config", "ProcessServer", "acquire", "release"]
 
 PLACEMENTS = ("in-process", "daemon")
 
@@ -39,6 +41,32 @@ PLACEMENTS = ("in-process", "daemon")
 # (Those the connector has keys of its own for are set through them.)
 OWNED_KEYS = frozenset(("peer-listen", "peer-advertise", "rank-port-base", "socket", "own-process-only", "ready-file",
                         "backend", "peer-secret-file", "insecure-peers", "tls-cert", "tls-key", "tls-ca"))
+
+
+def is_host(host) -> bool:
+    """Whether host names one host as peers reach it: an IP address (IPv6
+    with its zone, if any), not a wildcard, or a host name (labels of
+    letters, digits, "-" and "_", joined by dots); never a port, a space
+    or a control character, which each server of the engine would fail
+    to listen at, long after the configuration was read."""
+    if not isinstance(host, str) or not host or len(host) > 253:
+        return False
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0] if ":" in host else host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.is_unspecified:
+            return False
+        zone = host.partition("%")[2]
+        return "%" not in host or (isinstance(ip, ipaddress.IPv6Address) and bool(_LABEL.fullmatch(zone)))
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    return all(_LABEL.fullmatch(label) for label in labels)
+
+
+# One label of a host name (RFC 1123, with "_" as container and service
+# names have it); also an IPv6 zone (an interface name).
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def rank_port(base: int, tp_size: int, pp_rank: int, tp_rank: int) -> int:

@@ -263,9 +263,12 @@ class Config:
 
     def _in_process(self, e: dict[str, Any]) -> None:
         """Reads and checks placement in-process's keys."""
-        host = e.get("peer_host", os.environ.get("KVXFER_PEER_HOST") or "127.0.0.1")
-        if not isinstance(host, str) or not host or any(ch in host for ch in " /[]") or host in ("0.0.0.0", "::"):
-            raise ValueError(f"kv_connector_extra_config.peer_host = {host!r}, want a host name or IP address "
+        if "peer_host" in e:
+            host, what = e["peer_host"], "kv_connector_extra_config.peer_host"
+        else:
+            host, what = os.environ.get("KVXFER_PEER_HOST") or "127.0.0.1", "$KVXFER_PEER_HOST"
+        if not placement_mod.is_host(host):
+            raise ValueError(f"{what} = {host!r}, want a host name or IP address, without a port "
                              "(this host's, as its peers reach it: transfer params carry it; not a wildcard)")
         self.peer_host = host
         if "peer_port" in e:
