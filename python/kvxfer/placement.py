@@ -84,17 +84,34 @@ def engine_base(peer_port: int, dp_index: int, tp_size: int, pp_size: int) -> in
     return peer_port + dp_index * tp_size * pp_size
 
 
-def server_config(common: dict, host: str, port: int, base: int) -> dict:
+def server_config(common: dict, host: str, port: int, base: int, index: int | None = None) -> dict:
     """libkvxfer's JSON configuration for a server listening at host:port
     (0: the system picks) of the engine with base ``base`` (0: none; the
     server serves whatever ranks attach, as a daemon does). common holds
     the keys every server of the process shares (authentication, backend,
-    the user's extra keys)."""
+    the user's extra keys). With a base, each rank's server runs in a
+    process of its own, so a metrics-listen port in common is a base too:
+    the rank's server serves /metrics at that port plus ``index`` (its
+    rank's index in the deployment, data-parallel ranks included;
+    default: port - base), and the scheduler side's own server (port 0)
+    serves none."""
     cfg = dict(common)
     cfg["peer-listen"] = _join(host, port)
     if base:
         cfg["rank-port-base"] = base
+        metrics = cfg.get("metrics-listen")
+        if metrics:
+            cfg["metrics-listen"] = _offset(metrics, port - base if index is None else index) if port else ""
     return cfg
+
+
+def _offset(addr: str, n: int) -> str:
+    """addr (HOST:PORT) with its port n further on (a port 0 stays 0: the
+    system picks)."""
+    h, sep, p = addr.rpartition(":")
+    if not sep or not p.isdigit() or int(p) == 0:
+        return addr  # the server names what is wrong with it
+    return f"{h}:{int(p) + n}"
 
 
 def _join(host: str, port: int) -> str:
@@ -113,13 +130,14 @@ class ProcessServer:
         # The engine (common keys, host, base) the running server serves.
         self._engine: tuple | None = None
 
-    def acquire_rank(self, common: dict, host: str, base: int, port: int) -> str:
+    def acquire_rank(self, common: dict, host: str, base: int, port: int, index: int | None = None) -> str:
         """The endpoint of this process's server for a worker rank whose
-        peer port is ``port`` (rank_port; 0 with base 0). Starts the server,
-        or finds it running with the same configuration (another rank or
+        peer port is ``port`` (rank_port; 0 with base 0) and whose index in
+        the deployment is ``index`` (server_config). Starts the server, or
+        finds it running with the same configuration (another rank or
         engine of a base-0 process, or this rank's scheduler side that
         started it first with base 0)."""
-        cfg = server_config(common, host, port, base)
+        cfg = server_config(common, host, port, base, index)
         with self._lock:
             if self._config is not None and self._config != cfg:
                 raise inprocess.InProcessError(

@@ -38,7 +38,11 @@ key                        default                          meaning
                            ``builtin``
 ``server``                 {}                               in-process: more libkvxfer keys
                                                             (kvxferd serve's flags, e.g.
-                                                            ``peer_timeout``)
+                                                            ``peer_timeout``); its
+                                                            ``metrics_listen`` HOST:PORT: rank
+                                                            (pp, tp) at PORT + its index, as
+                                                            its peer port (the scheduler's own
+                                                            server: none)
 ``etcd``                   unset                            in-process: the fleet registry's
                                                             endpoints (kvxferd -etcd); its
                                                             other keys through ``server``
@@ -531,6 +535,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             if self.base and last > 65535:
                 raise ValueError(f"kv_connector_extra_config.peer_port = {self.cfg.peer_port}: the ranks of data-parallel "
                                  f"rank {dp} would listen up to port {last}, past 65535")
+            metrics = str(self.cfg.server.get("metrics-listen") or "")
+            mport = metrics.rpartition(":")[2]
+            if self.base and mport.isdigit() and int(mport) and int(mport) + last - self.cfg.peer_port > 65535:
+                raise ValueError(f"kv_connector_extra_config.server.metrics_listen = {metrics!r}: rank (pp, tp) of data-parallel "
+                                 f"rank {dp} serves metrics at its port + its index, up to {int(mport) + last - self.cfg.peer_port}, "
+                                 "past 65535")
         else:
             self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
@@ -1515,7 +1525,10 @@ class _WorkerSide:
             # This rank's server: listening at its own peer port (the
             # engine's base plus its rank), started now.
             port = placement_mod.rank_port(c.base, c.tp_size, self.pp_rank, self.tp_rank) if c.base else 0
-            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port))
+            # Its index in the deployment (data-parallel ranks included):
+            # where it serves metrics, with server.metrics_listen.
+            index = port - c.cfg.peer_port if c.base else None
+            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index))
         hello = self.hello = build_hello(self, kv_caches)
         try:
             self.stream = c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))

@@ -340,3 +340,46 @@ def test_direct_streams(libkvxfer):
     print("\n".join(line for line in r.stdout.splitlines() if line.startswith("calls ")))
     kinds = dict(line.split(" refused as ") for line in r.stdout.splitlines() if " refused as " in line)
     assert kinds["DirectWorkerStream"] == kinds["WorkerStream"], kinds
+
+
+def test_rank_servers_metrics_apart(libkvxfer):
+    """An engine's servers run one per process (each worker rank's, and
+    the scheduler side's own in vLLM's engine-core process), all from the
+    connector's one ``server`` object: its metrics_listen is where rank
+    (pp, tp) serves /metrics at PORT + pp*tp_size + tp (the peer ports'
+    scheme), and the scheduler side's own server serves none. Given
+    unchanged to every server, only the first process's could listen:
+    each other rank failed to start at its KV registration."""
+    base, metrics = harness.free_ports(2), harness.free_ports(2)
+    code = """
+        import sys, urllib.request
+        from kvxfer import placement as pl
+        common = {"insecure-peers": True, "log-level": "error", "backend": "builtin", "metrics-listen": "127.0.0.1:%d"}
+        base, rank = %d, int(sys.argv[1])
+        s = pl.acquire()
+        if rank < 0:
+            print("scheduler", s.acquire_scheduler(common, "127.0.0.1", base), flush=True)
+        else:
+            ep = s.acquire_rank(common, "127.0.0.1", base, pl.rank_port(base, 2, 0, rank))
+            body = urllib.request.urlopen("http://127.0.0.1:%%d/metrics" %% (%d + rank), timeout=10).read().decode()
+            print("rank", rank, ep, "metrics" if "kvxfer_" in body else "no kvxfer metrics", flush=True)
+        sys.stdin.read()
+        pl.release()
+        print("ok", flush=True)
+    """ % (metrics, base, metrics)
+    procs = []
+    try:
+        for rank in (0, 1, -1):
+            procs.append(subprocess.Popen([PY, "-c", textwrap.dedent(code), str(rank)], env=_env(libkvxfer), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            line = procs[-1].stdout.readline()
+            if not line:
+                raise AssertionError(f"rank {rank}: {procs[-1].stderr.read()}")
+            assert "unix-abstract:" in line and ("scheduler" in line or line.rstrip().endswith(" metrics")), line
+    finally:
+        outs = []
+        for p in procs:
+            out, err = p.communicate("", timeout=60)
+            outs.append((p.returncode, out, err))
+    for rc, out, err in outs:
+        assert rc == 0 and "ok" in out, out + err

@@ -149,3 +149,20 @@ def test_p_killed_mid_transfer_d_ends_within_peer_timeout(tmp_path, libkvxfer):
             H.shutdown(d)
     from kvxfer import placement
     assert placement.acquire().users == 0  # the engine's shutdown let this process's server go
+
+
+def test_metrics_ports_past_65535_refused(tmp_path):
+    """server.metrics_listen is a base, as peer_port is (each rank's
+    process serves its own /metrics): one whose ranks' ports would pass
+    65535 is refused at once, naming the key and its value, before any
+    server starts."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    srv = H.InProcess(tmp_path, "m", peer_port=20000, server={"metrics_listen": "127.0.0.1:65535"})
+    cfg = H.vllm_config(tmp_path, "m0", srv, "push", 2)
+    with pytest.raises(ValueError, match=r"server.metrics_listen = '127.0.0.1:65535'.*65536"):
+        KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    assert placement.acquire().users == 0
