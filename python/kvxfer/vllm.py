@@ -547,10 +547,32 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self.in_process:
+                self._check_base_zero(vllm_config)
                 self._attach(lambda s, common: s.acquire_scheduler(common, self.cfg.peer_host, self.base))
             self._sched = _SchedulerSide(self, vllm_config)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    def _check_base_zero(self, vllm_config: "VllmConfig") -> None:
+        """Refuses peer_port 0 for an engine whose worker ranks run in
+        other processes than its scheduler: each such process's server
+        then listens on a port of its own choosing, and transfer params
+        would name this process's server, where no rank of the engine ever
+        attaches (every transfer would fail, as an unknown engine). vLLM
+        registers a rank's KV caches before it makes the scheduler, so a
+        rank in this process has started the process's server by now."""
+        if self.base or placement_mod.acquire().users:
+            return
+        pc = vllm_config.parallel_config
+        backend = getattr(pc, "distributed_executor_backend", None)
+        world = int(getattr(pc, "world_size", self.tp_size * self.pp_size) or 1)
+        if world > 1 or backend in ("mp", "ray", "external_launcher"):
+            what = "kv_connector_extra_config.peer_port" if "peer_port" in (vllm_config.kv_transfer_config.kv_connector_extra_config
+                                                                            or {}) else "$KVXFER_PEER_PORT"
+            raise ValueError(f"{what} = 0: the system picks each server's port, which works only for an engine whose ranks "
+                             f"and scheduler all run in one process; this engine's {world} worker rank(s) run in processes "
+                             f"of their own (executor {backend!r}): give it a base port (rank (pp, tp) listens at base + "
+                             "pp*tp_size + tp)")
 
     def _attach(self, acquire) -> None:
         """In-process: gets this process's server (started, or found

@@ -166,3 +166,30 @@ def test_metrics_ports_past_65535_refused(tmp_path):
     with pytest.raises(ValueError, match=r"server.metrics_listen = '127.0.0.1:65535'.*65536"):
         KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
     assert placement.acquire().users == 0
+
+
+def test_base_port_zero_with_ranks_elsewhere_refused(tmp_path, libkvxfer):
+    """peer_port 0 (the system picks each server's port) works only where
+    the engine's ranks run in its scheduler's process. An engine whose
+    ranks run in processes of their own (vLLM's multiprocess executor: its
+    scheduler side starts first with no rank's server in its process) is
+    refused at once, naming the key: its transfer params would name a
+    server where no rank ever attaches, and every transfer would fail."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    srv = H.InProcess(tmp_path, "z", peer_port=0)
+    cfg = H.vllm_config(tmp_path, "z0", srv, "push", 2)
+    assert cfg.parallel_config.distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.peer_port = 0: .*2 worker rank"):
+        KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    assert placement.acquire().users == 0
+    # Its ranks in this process first (as the test harness runs them):
+    # the scheduler side shares their server.
+    e = H.make_engine(tmp_path, "z1", "P", srv, "push", 2)
+    try:
+        assert e.sched.connector._sched.addr
+    finally:
+        H.shutdown(e)
