@@ -561,12 +561,16 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         attaches (every transfer would fail, as an unknown engine). vLLM
         registers a rank's KV caches before it makes the scheduler, so a
         rank in this process has started the process's server by now."""
-        if self.base or placement_mod.acquire().users:
+        if self.base:
             return
         pc = vllm_config.parallel_config
         backend = getattr(pc, "distributed_executor_backend", None)
         world = int(getattr(pc, "world_size", self.tp_size * self.pp_size) or 1)
-        if world > 1 or backend in ("mp", "ray", "external_launcher"):
+        # (An external launcher runs one rank and a scheduler in each
+        # process: each would name only its own rank.)
+        elsewhere = (world > 1 and backend == "external_launcher") or (
+            not placement_mod.acquire().users and (world > 1 or backend in ("mp", "ray", "external_launcher")))
+        if elsewhere:
             what = "kv_connector_extra_config.peer_port" if "peer_port" in (vllm_config.kv_transfer_config.kv_connector_extra_config
                                                                             or {}) else "$KVXFER_PEER_PORT"
             raise ValueError(f"{what} = 0: the system picks each server's port, which works only for an engine whose ranks "
