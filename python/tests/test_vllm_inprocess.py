@@ -186,6 +186,15 @@ def test_base_port_zero_with_ranks_elsewhere_refused(tmp_path, libkvxfer):
     with pytest.raises(ValueError, match=r"kv_connector_extra_config.peer_port = 0: .*2 worker rank"):
         KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
     assert placement.acquire().users == 0
+    # An external launcher runs one rank and a scheduler per process:
+    # with a rank's server running here, still refused.
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    placement.acquire().acquire_rank({"insecure-peers": True, "log-level": "error", "backend": "builtin"}, "127.0.0.1", 0, 0)
+    try:
+        with pytest.raises(ValueError, match=r"kv_connector_extra_config.peer_port = 0: .*'external_launcher'"):
+            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    finally:
+        placement.release()
     # Its ranks in this process first (as the test harness runs them):
     # the scheduler side shares their server.
     e = H.make_engine(tmp_path, "z1", "P", srv, "push", 2)
