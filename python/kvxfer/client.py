@@ -68,6 +68,9 @@ class Client:
             self._bridge = Bridge(address, peer_secret)
             target = self._bridge.address
         self._channel = grpc.insecure_channel(target, options=opts)
+        # Another process's in-process server refuses this one as the
+        # socket opens (gRPC would say "connection reset"): said plainly.
+        self._refused = inprocess.refused_here(address)
         self._sched = rpc.SchedulerServiceStub(self._channel)
         self._worker = rpc.WorkerServiceStub(self._channel)
         self._peer = rpc.PeerServiceStub(self._channel)
@@ -80,10 +83,17 @@ class Client:
             if kind == "status":
                 raise errors.from_code(op, *r)
             return _SCHED_OUT[method].FromString(r)
+        self._check(op)
         try:
             return fn(req, timeout=timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(op, e) from None
+
+    def _check(self, op: str) -> None:
+        """Raises PermissionDenied where the server refuses this process
+        (another process's in-process server)."""
+        if self._refused is not None:
+            raise errors.PermissionDenied(op, self._refused)
 
     def _direct_methods(self) -> dict:
         """SchedulerService's unary methods by their stub's id, where this
@@ -98,6 +108,7 @@ class Client:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel connects, or raises Unavailable."""
+        self._check("connect")
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -120,6 +131,7 @@ class Client:
             hello.max_message_bytes = _MAX_MESSAGE
         if self._direct is not False and self.address == inprocess.direct_endpoint():
             return DirectWorkerStream(hello, ready_timeout)
+        self._check("Connect")
         return WorkerStream(self, hello, ready_timeout)
 
     def handshake(self, engine_id: str) -> pb.HandshakeResponse:
@@ -238,6 +250,7 @@ class StepStream:
         self._done = threading.Event()
         self._closing = False
         self.error: errors.KvxferError | None = None
+        client._check("Steps")
         self._call = client._sched.Steps(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-steps-{engine_id}", daemon=True)
         self._reader.start()

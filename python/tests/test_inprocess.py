@@ -102,6 +102,17 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
                 code = 14
             except errors.KvxferError:
                 pass
+            # A client of the parent's server: refused at once, saying why.
+            try:
+                kvxfer.Client(ep, timeout=3).scheduler("E").build_meta()
+                code = 15
+            except errors.PermissionDenied as e:
+                if "forked" not in str(e) or "spawn" not in str(e):
+                    print("child: parent's server:", e, flush=True)
+                    code = 16
+            except errors.KvxferError as e:
+                print("child: parent's server:", e, flush=True)
+                code = 17
             import ctypes
             buf = ctypes.create_string_buffer(256)
             rc = inprocess._lib.kvxfer_start(b"{}", buf, len(buf))
@@ -184,9 +195,17 @@ def test_other_process_is_refused(libkvxfer, tmp_path):
         assert ep.startswith("unix-abstract:"), ep
         import kvxfer
         from kvxfer import errors
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        # Said plainly, naming the server's process and this one (the
+        # server refuses as the socket opens: gRPC alone says "connection
+        # reset by peer"), for calls, rank streams and scheduler streams.
         c = kvxfer.Client(ep, timeout=3)
-        with pytest.raises(errors.DaemonError):
-            c.scheduler("x").build_meta()
+        for call in (lambda: c.scheduler("x").build_meta(), lambda: c.connect(pb.WorkerHello(engine_id="x")),
+                     lambda: c.scheduler("x").stream(), lambda: c.wait_ready(3)):
+            with pytest.raises(errors.PermissionDenied) as exc:
+                call()
+            msg = str(exc.value)
+            assert f"process {server.pid}" in msg and "its own process only" in msg and f"process {os.getpid()}" in msg, msg
         c.close()
     finally:
         server.stdin.close()
