@@ -165,6 +165,9 @@ func (c *config) validate() error {
 	if c.conns <= 0 {
 		return fmt.Errorf("-conns = %d, want > 0", c.conns)
 	}
+	if err := c.addrs(); err != nil {
+		return err
+	}
 	tls := c.tlsCert != "" || c.tlsKey != "" || c.tlsCA != ""
 	if n := btoi(c.insecurePeers) + btoi(c.peerSecretFile != "") + btoi(tls); n > 1 {
 		return errors.New("-insecure-peers, -peer-secret-file and -tls-*: choose one way to secure peers")
@@ -224,6 +227,32 @@ func (c *config) validate() error {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
 	}
 	return c.etcd.validate()
+}
+
+// addrs checks the listeners' addresses and the advertised one: HOST:PORT
+// each, the advertised one with a host and a port peers can dial (an
+// address without is no configuration to find out about at listen time,
+// or never: a server advertising one names its engines by it).
+func (c *config) addrs() error {
+	for _, a := range []struct {
+		flag, addr string
+		dialed     bool
+	}{{"-peer-listen", c.peerListen, false}, {"-metrics-listen", c.metricsListen, false}, {"-peer-advertise", c.peerAdvertise, true}} {
+		if a.addr == "" && a.flag != "-peer-listen" {
+			continue // off, or the listener's
+		}
+		host, port, err := net.SplitHostPort(a.addr)
+		n, perr := strconv.Atoi(port)
+		switch {
+		case err != nil:
+			return fmt.Errorf("%s = %q: %w", a.flag, a.addr, err)
+		case perr != nil || n < 0 || n > 65535 || (a.dialed && n == 0):
+			return fmt.Errorf("%s = %q: port %q, want %s", a.flag, a.addr, port, map[bool]string{false: "0 to 65535", true: "1 to 65535"}[a.dialed])
+		case a.dialed && host == "":
+			return fmt.Errorf("%s = %q: want the host peers dial, and its port", a.flag, a.addr)
+		}
+	}
+	return nil
 }
 
 // portsApart checks that the built-in backend's first data port
