@@ -190,6 +190,21 @@ func (c *config) validate() error {
 	if c.rankPortBase < 0 || c.rankPortBase > 65535 {
 		return fmt.Errorf("-rank-port-base = %d, want 0 (off) or a port", c.rankPortBase)
 	}
+	if c.rankPortBase != 0 {
+		// The port peers reach this server at: rank-port-base plus the
+		// index of the rank it serves (0: the system picks, a server that
+		// serves the engine's scheduler side only).
+		flag, addr := "-peer-listen", c.peerListen
+		if c.peerAdvertise != "" {
+			flag, addr = "-peer-advertise", c.peerAdvertise
+		}
+		if _, ps, err := net.SplitHostPort(addr); err == nil {
+			if p, err := strconv.Atoi(ps); err == nil && p != 0 && p < c.rankPortBase {
+				return fmt.Errorf("-rank-port-base = %d with %s %q: a rank's server listens at rank-port-base + pp_rank*tp_size + tp_rank, "+
+					"not below it (no rank could attach here)", c.rankPortBase, flag, addr)
+			}
+		}
+	}
 	if c.dataPortBase < 0 || c.dataPortBase > 65535 {
 		return fmt.Errorf("-data-port-base = %d, want 0 (off) or a port", c.dataPortBase)
 	}

@@ -57,6 +57,10 @@ func TestParseJSON(t *testing.T) {
 		{`{"peer_advertise": "10.0.0.1:0"}`, `-peer-advertise = "10.0.0.1:0"`},
 		{`{"peer_advertise": ":7600"}`, `-peer-advertise = ":7600"`},
 		{`{"metrics_listen": "9600"}`, `-metrics-listen = "9600"`},
+		// A per-rank server's port is the base plus its rank's index: one
+		// below the base could serve no rank (every hello refused).
+		{`{"rank_port_base": 5000, "peer_listen": "127.0.0.1:4000"}`, `-rank-port-base = 5000`},
+		{`{"rank_port_base": 5000, "peer_listen": "127.0.0.1:0", "peer_advertise": "10.0.0.1:4999"}`, `-rank-port-base = 5000`},
 	} {
 		if _, err := parseJSON([]byte(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("parseJSON(%s) = %v, want an error containing %q", tc.in, err, tc.want)
