@@ -90,18 +90,27 @@ def server_config(common: dict, host: str, port: int, base: int, index: int | No
     server serves whatever ranks attach, as a daemon does). common holds
     the keys every server of the process shares (authentication, backend,
     the user's extra keys). With a base, each rank's server runs in a
-    process of its own, so a metrics-listen port in common is a base too:
-    the rank's server serves /metrics at that port plus ``index`` (its
-    rank's index in the deployment, data-parallel ranks included;
-    default: port - base), and the scheduler side's own server (port 0)
-    serves none."""
+    process of its own, and ports in common are bases as the peer port
+    is, for ``index``, the rank's index in the deployment (data-parallel
+    ranks included; default: port - base): the rank's server serves
+    /metrics at metrics-listen's port plus index (the scheduler side's own
+    server, port 0, serves none), and its built-in backend's KV listener
+    is at data-port-base plus index (the server adds the rank's index in
+    its engine: here the engine's offset in the deployment)."""
     cfg = dict(common)
     cfg["peer-listen"] = _join(host, port)
     if base:
         cfg["rank-port-base"] = base
+        if index is None:
+            index = port - base if port else 0
         metrics = cfg.get("metrics-listen")
         if metrics:
-            cfg["metrics-listen"] = _offset(metrics, port - base if index is None else index) if port else ""
+            cfg["metrics-listen"] = _offset(metrics, index) if port else ""
+        dpb = cfg.get("data-port-base")
+        if isinstance(dpb, str) and dpb.strip().isdigit():
+            dpb = int(dpb)
+        if port and type(dpb) is int and dpb > 0:
+            cfg["data-port-base"] = dpb + index - (port - base)
     return cfg
 
 

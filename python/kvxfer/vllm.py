@@ -39,10 +39,11 @@ key                        default                          meaning
 ``server``                 {}                               in-process: more libkvxfer keys
                                                             (kvxferd serve's flags, e.g.
                                                             ``peer_timeout``); its
-                                                            ``metrics_listen`` HOST:PORT: rank
-                                                            (pp, tp) at PORT + its index, as
-                                                            its peer port (the scheduler's own
-                                                            server: none)
+                                                            ``metrics_listen`` HOST:PORT and
+                                                            ``data_port_base``: rank (pp, tp) at
+                                                            the port + its index, as its peer
+                                                            port (the scheduler's own server:
+                                                            no metrics)
 ``etcd``                   unset                            in-process: the fleet registry's
                                                             endpoints (kvxferd -etcd); its
                                                             other keys through ``server``
@@ -183,6 +184,10 @@ _INPROCESS_KEYS = frozenset(("peer_host", "peer_port", "peer_secret_file", "inse
                              "backend", "server", "etcd"))
 _COMMON_KEYS = frozenset(("placement", "mode", "layerwise", "timeout_s", "lease_s", "registration_timeout_s", "relay",
                           "verify"))
+
+
+# Hosts a listener on which takes a port on every address.
+_ANY_HOST = ("", "0.0.0.0", "::")
 
 
 # The most seconds a duration key (timeout_s, lease_s, ...) may say: about
@@ -535,12 +540,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             if self.base and last > 65535:
                 raise ValueError(f"kv_connector_extra_config.peer_port = {self.cfg.peer_port}: the ranks of data-parallel "
                                  f"rank {dp} would listen up to port {last}, past 65535")
-            metrics = str(self.cfg.server.get("metrics-listen") or "")
-            mport = metrics.rpartition(":")[2]
-            if self.base and mport.isdigit() and int(mport) and int(mport) + last - self.cfg.peer_port > 65535:
-                raise ValueError(f"kv_connector_extra_config.server.metrics_listen = {metrics!r}: rank (pp, tp) of data-parallel "
-                                 f"rank {dp} serves metrics at its port + its index, up to {int(mport) + last - self.cfg.peer_port}, "
-                                 "past 65535")
+            if self.base:
+                self._check_port_ranges(dp, int(getattr(pc, "data_parallel_size", 1) or 1))
         else:
             self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
@@ -552,6 +553,38 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = _SchedulerSide(self, vllm_config)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    def _check_port_ranges(self, dp: int, dp_size: int) -> None:
+        """With a base port, the ports of the engine's servers that the
+        ``server`` keys give as bases (metrics_listen, data_port_base: rank
+        (pp, tp) of data-parallel rank r at base + r*tp*pp + pp*tp_size +
+        tp, as its peer port) must lie within 65535 and apart from the
+        deployment's peer ports on a host they share: each rank's process
+        would otherwise fail to start its server, or to attach, at its KV
+        registration."""
+        n = dp_size * self.tp_size * self.pp_size
+        first = self.base - self.cfg.peer_port  # this engine's first rank's index
+        srv = self.cfg.server
+        ranges = [("peer_port", self.cfg.peer_port, self.cfg.peer_host, f"{self.cfg.peer_port}")]
+        metrics = str(srv.get("metrics-listen") or "")
+        mhost, _, mport = metrics.rpartition(":")
+        if mport.isdigit() and int(mport):
+            ranges.append(("server.metrics_listen", int(mport), mhost.strip("[]"), repr(metrics)))
+        dpb = srv.get("data-port-base")
+        if (isinstance(dpb, int) or (isinstance(dpb, str) and dpb.strip().isdigit())) and int(dpb) > 0 \
+                and self.cfg.server_common(self.device)["backend"] == "builtin":
+            ranges.append(("server.data_port_base", int(dpb), str(srv.get("data-host") or self.cfg.peer_host), repr(dpb)))
+        for key, start, _, shown in ranges[1:]:
+            if start + first + self.tp_size * self.pp_size - 1 > 65535:
+                raise ValueError(f"kv_connector_extra_config.{key} = {shown}: rank (pp, tp) of data-parallel rank {dp} would "
+                                 f"listen at its port + its index, up to {start + first + self.tp_size * self.pp_size - 1}, "
+                                 "past 65535")
+        for i, (k1, s1, h1, v1) in enumerate(ranges):
+            for k2, s2, h2, v2 in ranges[i + 1:]:
+                if s1 < s2 + n and s2 < s1 + n and (h1 == h2 or h1 in _ANY_HOST or h2 in _ANY_HOST):
+                    raise ValueError(f"kv_connector_extra_config.{k2} = {v2} and {k1} = {v1}: the {n} ranks of the "
+                                     f"deployment listen at each port + their index, so the two ranges overlap: choose "
+                                     "ports apart")
 
     def _check_base_zero(self, vllm_config: "VllmConfig") -> None:
         """Refuses peer_port 0 for an engine whose worker ranks run in

@@ -402,3 +402,54 @@ def test_rank_servers_metrics_apart(libkvxfer):
             outs.append((p.returncode, out, err))
     for rc, out, err in outs:
         assert rc == 0 and "ok" in out, out + err
+
+
+def test_data_parallel_engines_data_ports_apart(libkvxfer):
+    """Data-parallel ranks are engines of their own on one host, their
+    ranks' ports after the previous ones' (peer_port); with the built-in
+    backend's data_port_base, their ranks' KV listeners too: rank (pp, tp)
+    of data-parallel rank r listens at data_port_base + r*tp*pp +
+    pp*tp_size + tp. Given unchanged to every engine's servers, rank 0 of
+    every data-parallel rank took the same data port: all but the first
+    failed to attach."""
+    peer, data = harness.free_ports(2), harness.free_ports(2)
+    code = """
+        import sys
+        import numpy as np
+        import kvxfer
+        from kvxfer import inprocess, placement as pl
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        common = {"insecure-peers": True, "log-level": "error", "backend": "builtin", "data-port-base": %d}
+        peer_port, dp = %d, int(sys.argv[1])
+        base = pl.engine_base(peer_port, dp, 1, 1)
+        port = pl.rank_port(base, 1, 0, 0)
+        ep = pl.acquire().acquire_rank(common, "127.0.0.1", base, port, port - peer_port)
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        w = kvxfer.Client(ep).connect(pb.WorkerHello(engine_id=f"E{dp}", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+        print("attached", dp, flush=True)
+        sys.stdin.read()
+        w.bye(20)
+        pl.release()
+        print("ok", flush=True)
+    """ % (data, peer)
+    procs = []
+    try:
+        for dp in (0, 1):
+            procs.append(subprocess.Popen([PY, "-c", textwrap.dedent(code), str(dp)], env=_env(libkvxfer), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            line = procs[-1].stdout.readline()
+            assert line.startswith("attached"), f"data-parallel rank {dp}: {line}{procs[-1].stderr.read()}"
+        with open(f"/proc/net/tcp") as f:
+            listening = {int(cols[1].split(":")[1], 16) for cols in (ln.split() for ln in f.readlines()[1:]) if cols[3] == "0A"}
+        assert {data, data + 1} <= listening, (data, sorted(p for p in listening if data - 2 <= p <= data + 3))
+    finally:
+        outs = []
+        for p in procs:
+            out, err = p.communicate("", timeout=60)
+            outs.append((p.returncode, out, err))
+    for rc, out, err in outs:
+        assert rc == 0 and "ok" in out, out + err

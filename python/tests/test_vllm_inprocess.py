@@ -151,11 +151,12 @@ def test_p_killed_mid_transfer_d_ends_within_peer_timeout(tmp_path, libkvxfer):
     assert placement.acquire().users == 0  # the engine's shutdown let this process's server go
 
 
-def test_metrics_ports_past_65535_refused(tmp_path):
-    """server.metrics_listen is a base, as peer_port is (each rank's
-    process serves its own /metrics): one whose ranks' ports would pass
-    65535 is refused at once, naming the key and its value, before any
-    server starts."""
+def test_metrics_and_data_ports_checked(tmp_path, libkvxfer):
+    """server.metrics_listen and server.data_port_base are bases, as
+    peer_port is (each rank's process serves its own /metrics and KV
+    listener): one whose ranks' ports would pass 65535, or whose range
+    overlaps another's on a host they share, is refused at once, naming
+    the keys and their values, before any server starts."""
     import pytest
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -165,6 +166,24 @@ def test_metrics_ports_past_65535_refused(tmp_path):
     cfg = H.vllm_config(tmp_path, "m0", srv, "push", 2)
     with pytest.raises(ValueError, match=r"server.metrics_listen = '127.0.0.1:65535'.*65536"):
         KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    # Ranges of the deployment's ranks that overlap on a host they share:
+    # refused naming both keys (rank 1's server, or its KV listener, could
+    # not listen).
+    for i, (server, want) in enumerate([
+            ({"data_port_base": 20001}, r"server.data_port_base = 20001 and peer_port = 20000"),
+            ({"metrics_listen": "0.0.0.0:19999"}, r"server.metrics_listen = '0.0.0.0:19999' and peer_port = 20000"),
+            ({"metrics_listen": "127.0.0.1:21000", "data_port_base": 21001},
+             r"server.data_port_base = 21001 and server.metrics_listen = '127.0.0.1:21000'")]):
+        srv = H.InProcess(tmp_path, f"o{i}", peer_port=20000, server=server)
+        cfg = H.vllm_config(tmp_path, f"o{i}", srv, "push", 2)
+        with pytest.raises(ValueError, match=want):
+            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    # Apart, or on other hosts: accepted.
+    srv = H.InProcess(tmp_path, "a", peer_port=H.free_ports(2), server={"metrics_listen": "10.9.9.9:20001", "data_port_base": 30000})
+    cfg = H.vllm_config(tmp_path, "a0", srv, "push", 2)
+    cfg.kv_transfer_config.kv_connector_extra_config["server"]["metrics_listen"] = \
+        f"10.9.9.9:{cfg.kv_transfer_config.kv_connector_extra_config['peer_port'] + 1}"
+    KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96)).shutdown()
     assert placement.acquire().users == 0
 
 
