@@ -186,11 +186,12 @@ _OWN_ENDPOINT = re.compile(r"unix-abstract:kvxfer-(\d+)-[0-9a-f]+")
 
 
 def refused_here(address: str) -> str | None:
-    """Why this process cannot use the in-process server at address, or
-    None: such a server serves its own process only, and refuses another's
-    connection as the socket opens, so that gRPC says no more than
-    "connection reset". Known for a server whose endpoint names its
-    process (the default socket)."""
+    """Why this process may be refused by the in-process server at
+    address, or None: such a server serves its own process only (unless
+    started with own_process_only false), and refuses another's connection
+    as the socket opens, so that gRPC says no more than "connection reset".
+    Known for a server whose endpoint names its process (the default
+    socket)."""
     m = _OWN_ENDPOINT.fullmatch(address or "")
     if m is None or int(m.group(1)) == os.getpid():
         return None
