@@ -38,7 +38,10 @@ extern "C" {
  * the defaults) and writes the gRPC target engines connect to
  * ("unix-abstract:NAME" or "unix:PATH", NUL-terminated) into endpoint.
  * Idempotent: with the same configuration as the running server it
- * writes that server's endpoint and returns KVXFER_OK.
+ * writes that server's endpoint and returns KVXFER_OK. Where the server
+ * stopped by itself (a listener gone), it first waits for that stop to
+ * finish (its ranks drained), then starts a new one; KVXFER_EFAIL if that
+ * server did not let go of its engines' memory (do not free it).
  */
 int kvxfer_start(const char *config_json, char *endpoint, size_t cap);
 

@@ -61,7 +61,16 @@ func start(config string) (endpoint string, code int, err error) {
 	running.Lock()
 	defer running.Unlock()
 	if p := running.p; p != nil && p.Stopped() {
-		running.p = nil // it stopped by itself (a listener gone): start anew
+		// It stopped by itself (a listener gone), and may be stopping
+		// still: its ranks drain, moving bytes into the memory their
+		// engine named. Start anew only once it let go (Stop waits for the
+		// stop under way), so that no server of this library is left
+		// running unseen by kvxfer_stop.
+		running.p = nil
+		if err := p.Stop(); err != nil {
+			return "", statusFail, fmt.Errorf("kvxfer: the server that stopped by itself did not let go of its engines' memory "+
+				"(it may still be touched; do not free it): %w", err)
+		}
 	}
 	if p := running.p; p != nil {
 		if p.Config() == config {

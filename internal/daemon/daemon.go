@@ -165,6 +165,9 @@ func (c *config) validate() error {
 	if c.conns <= 0 {
 		return fmt.Errorf("-conns = %d, want > 0", c.conns)
 	}
+	if err := c.addrs(); err != nil {
+		return err
+	}
 	tls := c.tlsCert != "" || c.tlsKey != "" || c.tlsCA != ""
 	if n := btoi(c.insecurePeers) + btoi(c.peerSecretFile != "") + btoi(tls); n > 1 {
 		return errors.New("-insecure-peers, -peer-secret-file and -tls-*: choose one way to secure peers")
@@ -186,6 +189,21 @@ func (c *config) validate() error {
 	}
 	if c.rankPortBase < 0 || c.rankPortBase > 65535 {
 		return fmt.Errorf("-rank-port-base = %d, want 0 (off) or a port", c.rankPortBase)
+	}
+	if c.rankPortBase != 0 {
+		// The port peers reach this server at: rank-port-base plus the
+		// index of the rank it serves (0: the system picks, a server that
+		// serves the engine's scheduler side only).
+		flag, addr := "-peer-listen", c.peerListen
+		if c.peerAdvertise != "" {
+			flag, addr = "-peer-advertise", c.peerAdvertise
+		}
+		if _, ps, err := net.SplitHostPort(addr); err == nil {
+			if p, err := strconv.Atoi(ps); err == nil && p != 0 && p < c.rankPortBase {
+				return fmt.Errorf("-rank-port-base = %d with %s %q: a rank's server listens at rank-port-base + pp_rank*tp_size + tp_rank, "+
+					"not below it (no rank could attach here)", c.rankPortBase, flag, addr)
+			}
+		}
 	}
 	if c.dataPortBase < 0 || c.dataPortBase > 65535 {
 		return fmt.Errorf("-data-port-base = %d, want 0 (off) or a port", c.dataPortBase)
@@ -224,6 +242,32 @@ func (c *config) validate() error {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
 	}
 	return c.etcd.validate()
+}
+
+// addrs checks the listeners' addresses and the advertised one: HOST:PORT
+// each, the advertised one with a host and a port peers can dial (an
+// address without is no configuration to find out about at listen time,
+// or never: a server advertising one names its engines by it).
+func (c *config) addrs() error {
+	for _, a := range []struct {
+		flag, addr string
+		dialed     bool
+	}{{"-peer-listen", c.peerListen, false}, {"-metrics-listen", c.metricsListen, false}, {"-peer-advertise", c.peerAdvertise, true}} {
+		if a.addr == "" && a.flag != "-peer-listen" {
+			continue // off, or the listener's
+		}
+		host, port, err := net.SplitHostPort(a.addr)
+		n, perr := strconv.Atoi(port)
+		switch {
+		case err != nil:
+			return fmt.Errorf("%s = %q: %w", a.flag, a.addr, err)
+		case perr != nil || n < 0 || n > 65535 || (a.dialed && n == 0):
+			return fmt.Errorf("%s = %q: port %q, want %s", a.flag, a.addr, port, map[bool]string{false: "0 to 65535", true: "1 to 65535"}[a.dialed])
+		case a.dialed && host == "":
+			return fmt.Errorf("%s = %q: want the host peers dial, and its port", a.flag, a.addr)
+		}
+	}
+	return nil
 }
 
 // portsApart checks that the built-in backend's first data port

@@ -46,6 +46,21 @@ func TestParseJSON(t *testing.T) {
 		// twice) has no one value: which won was up to map order.
 		{`{"insecure_peers": true, "insecure-peers": false}`, `key "insecure-peers"`},
 		{`{"conns": 3, "conns": 4}`, `key "conns"`},
+		// An address that cannot be one is refused as configuration,
+		// naming the key and the value, not found at listen time (then
+		// KVXFER_EFAIL "peer listener: ...", or, for an advertised
+		// address without a port, a server that starts and names its
+		// engines by an address no peer can dial).
+		{`{"peer_listen": "nonsense"}`, `-peer-listen = "nonsense"`},
+		{`{"peer_listen": "127.0.0.1:70000"}`, `-peer-listen = "127.0.0.1:70000"`},
+		{`{"peer_advertise": "nohost"}`, `-peer-advertise = "nohost"`},
+		{`{"peer_advertise": "10.0.0.1:0"}`, `-peer-advertise = "10.0.0.1:0"`},
+		{`{"peer_advertise": ":7600"}`, `-peer-advertise = ":7600"`},
+		{`{"metrics_listen": "9600"}`, `-metrics-listen = "9600"`},
+		// A per-rank server's port is the base plus its rank's index: one
+		// below the base could serve no rank (every hello refused).
+		{`{"rank_port_base": 5000, "peer_listen": "127.0.0.1:4000"}`, `-rank-port-base = 5000`},
+		{`{"rank_port_base": 5000, "peer_listen": "127.0.0.1:0", "peer_advertise": "10.0.0.1:4999"}`, `-rank-port-base = 5000`},
 	} {
 		if _, err := parseJSON([]byte(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("parseJSON(%s) = %v, want an error containing %q", tc.in, err, tc.want)

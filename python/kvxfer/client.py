@@ -68,6 +68,9 @@ class Client:
             self._bridge = Bridge(address, peer_secret)
             target = self._bridge.address
         self._channel = grpc.insecure_channel(target, options=opts)
+        # Another process's in-process server refuses this one as the
+        # socket opens, where gRPC says no more than "connection reset".
+        self._foreign = inprocess.refused_here(address)
         self._sched = rpc.SchedulerServiceStub(self._channel)
         self._worker = rpc.WorkerServiceStub(self._channel)
         self._peer = rpc.PeerServiceStub(self._channel)
@@ -83,7 +86,16 @@ class Client:
         try:
             return fn(req, timeout=timeout)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(op, e) from None
+            raise self._error(op, e) from None
+
+    def _error(self, op: str, e: grpc.RpcError) -> errors.DaemonError:
+        """The typed error of a failed call or stream; where the server is
+        another process's in-process server and could not be reached, it
+        says why (gRPC's own words are "connection reset by peer")."""
+        err = errors.from_rpc_error(op, e)
+        if self._foreign is not None and isinstance(err, errors.Unavailable):
+            err = errors.Unavailable(op, f"{err.details} ({self._foreign})")
+        return err
 
     def _direct_methods(self) -> dict:
         """SchedulerService's unary methods by their stub's id, where this
@@ -101,7 +113,8 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise errors.Unavailable("connect", f"no daemon at {self.address} within {timeout}s") from None
+            why = f" ({self._foreign})" if self._foreign is not None else ""
+            raise errors.Unavailable("connect", f"no daemon at {self.address} within {timeout}s{why}") from None
 
     def scheduler(self, engine_id: str) -> "Scheduler":
         return Scheduler(self, engine_id)
@@ -238,6 +251,7 @@ class StepStream:
         self._done = threading.Event()
         self._closing = False
         self.error: errors.KvxferError | None = None
+        self._client = client
         self._call = client._sched.Steps(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-steps-{engine_id}", daemon=True)
         self._reader.start()
@@ -250,7 +264,7 @@ class StepStream:
                     self._arrived.notify_all()
         except grpc.RpcError as e:
             if not self._closing:
-                self.error = errors.from_rpc_error("Steps", e)
+                self.error = self._client._error("Steps", e)
         finally:
             with self._lock:
                 if self.error is None and not self._closing:
@@ -421,6 +435,7 @@ class WorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
+        self._client = client
         self._out.put(pb.ConnectRequest(hello=hello))
         self._call = client._worker.Connect(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-stream-{hello.engine_id}", daemon=True)
@@ -443,7 +458,7 @@ class WorkerStream(_RankStream):
                     self._arrived.notify_all()
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED or not self._closed_send:
-                self.error = errors.from_rpc_error("Connect", e)
+                self.error = self._client._error("Connect", e)
         finally:
             with self._lock:
                 if self.error is None and not self._closed_send:

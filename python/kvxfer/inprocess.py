@@ -23,6 +23,7 @@ import atexit
 import ctypes
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -177,6 +178,30 @@ def endpoint() -> str | None:
     if _lib is not None and os.getpid() != _loader_pid:
         raise _forked_error()
     return _endpoint
+
+
+# The endpoint of a server started with the default socket: an abstract
+# name with the pid of the process it serves (internal/daemon parseJSON).
+_OWN_ENDPOINT = re.compile(r"unix-abstract:kvxfer-(\d+)-[0-9a-f]+")
+
+
+def refused_here(address: str) -> str | None:
+    """Why this process may be refused by the in-process server at
+    address, or None: such a server serves its own process only (unless
+    started with own_process_only false), and refuses another's connection
+    as the socket opens, so that gRPC says no more than "connection reset".
+    Known for a server whose endpoint names its process (the default
+    socket)."""
+    m = _OWN_ENDPOINT.fullmatch(address or "")
+    if m is None or int(m.group(1)) == os.getpid():
+        return None
+    pid = int(m.group(1))
+    if _lib is not None and pid == _loader_pid:
+        return (f"kvxfer: {address} is the in-process server of process {pid}, and this is a child forked from it "
+                f"(pid {os.getpid()}): the server serves its own process only (the Go runtime does not survive fork); "
+                "start kvxfer in a spawned process (multiprocessing 'spawn'), not a forked one")
+    return (f"kvxfer: {address} is the in-process server of process {pid} (libkvxfer), which serves its own process only; "
+            f"this is process {os.getpid()}: start an in-process server here (kvxfer.inprocess.start), or use kvxferd")
 
 
 def has_direct_streams() -> bool:

@@ -25,12 +25,14 @@ This module imports no vLLM.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import threading
 
 from kvxfer import inprocess
 
-__all__ = ["PLACEMENTS", "rank_port", "engine_base", "server_config", "ProcessServer", "acquire", "release"]
+__all__ = ["PLACEMENTS", "is_host", "rank_port", "engine_base", "server_config", "ProcessServer", "acquire", "release"]
 
 PLACEMENTS = ("in-process", "daemon")
 
@@ -39,6 +41,32 @@ PLACEMENTS = ("in-process", "daemon")
 # (Those the connector has keys of its own for are set through them.)
 OWNED_KEYS = frozenset(("peer-listen", "peer-advertise", "rank-port-base", "socket", "own-process-only", "ready-file",
                         "backend", "peer-secret-file", "insecure-peers", "tls-cert", "tls-key", "tls-ca"))
+
+
+def is_host(host) -> bool:
+    """Whether host names one host as peers reach it: an IP address (IPv6
+    with its zone, if any), not a wildcard, or a host name (labels of
+    letters, digits, "-" and "_", joined by dots); never a port, a space
+    or a control character, which each server of the engine would fail
+    to listen at, long after the configuration was read."""
+    if not isinstance(host, str) or not host or len(host) > 253:
+        return False
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0] if ":" in host else host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.is_unspecified:
+            return False
+        zone = host.partition("%")[2]
+        return "%" not in host or (isinstance(ip, ipaddress.IPv6Address) and bool(_LABEL.fullmatch(zone)))
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    return all(_LABEL.fullmatch(label) for label in labels)
+
+
+# One label of a host name (RFC 1123, with "_" as container and service
+# names have it); also an IPv6 zone (an interface name).
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def rank_port(base: int, tp_size: int, pp_rank: int, tp_rank: int) -> int:
@@ -56,17 +84,43 @@ def engine_base(peer_port: int, dp_index: int, tp_size: int, pp_size: int) -> in
     return peer_port + dp_index * tp_size * pp_size
 
 
-def server_config(common: dict, host: str, port: int, base: int) -> dict:
+def server_config(common: dict, host: str, port: int, base: int, index: int | None = None) -> dict:
     """libkvxfer's JSON configuration for a server listening at host:port
     (0: the system picks) of the engine with base ``base`` (0: none; the
     server serves whatever ranks attach, as a daemon does). common holds
     the keys every server of the process shares (authentication, backend,
-    the user's extra keys)."""
+    the user's extra keys). With a base, each rank's server runs in a
+    process of its own, and ports in common are bases as the peer port
+    is, for ``index``, the rank's index in the deployment (data-parallel
+    ranks included; default: port - base): the rank's server serves
+    /metrics at metrics-listen's port plus index (the scheduler side's own
+    server, port 0, serves none), and its built-in backend's KV listener
+    is at data-port-base plus index (the server adds the rank's index in
+    its engine: here the engine's offset in the deployment)."""
     cfg = dict(common)
     cfg["peer-listen"] = _join(host, port)
     if base:
         cfg["rank-port-base"] = base
+        if index is None:
+            index = port - base if port else 0
+        metrics = cfg.get("metrics-listen")
+        if metrics:
+            cfg["metrics-listen"] = _offset(metrics, index) if port else ""
+        dpb = cfg.get("data-port-base")
+        if isinstance(dpb, str) and dpb.strip().isdigit():
+            dpb = int(dpb)
+        if port and type(dpb) is int and dpb > 0:
+            cfg["data-port-base"] = dpb + index - (port - base)
     return cfg
+
+
+def _offset(addr: str, n: int) -> str:
+    """addr (HOST:PORT) with its port n further on (a port 0 stays 0: the
+    system picks)."""
+    h, sep, p = addr.rpartition(":")
+    if not sep or not p.isdigit() or int(p) == 0:
+        return addr  # the server names what is wrong with it
+    return f"{h}:{int(p) + n}"
 
 
 def _join(host: str, port: int) -> str:
@@ -85,13 +139,14 @@ class ProcessServer:
         # The engine (common keys, host, base) the running server serves.
         self._engine: tuple | None = None
 
-    def acquire_rank(self, common: dict, host: str, base: int, port: int) -> str:
+    def acquire_rank(self, common: dict, host: str, base: int, port: int, index: int | None = None) -> str:
         """The endpoint of this process's server for a worker rank whose
-        peer port is ``port`` (rank_port; 0 with base 0). Starts the server,
-        or finds it running with the same configuration (another rank or
+        peer port is ``port`` (rank_port; 0 with base 0) and whose index in
+        the deployment is ``index`` (server_config). Starts the server, or
+        finds it running with the same configuration (another rank or
         engine of a base-0 process, or this rank's scheduler side that
         started it first with base 0)."""
-        cfg = server_config(common, host, port, base)
+        cfg = server_config(common, host, port, base, index)
         with self._lock:
             if self._config is not None and self._config != cfg:
                 raise inprocess.InProcessError(

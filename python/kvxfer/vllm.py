@@ -38,7 +38,12 @@ key                        default                          meaning
                            ``builtin``
 ``server``                 {}                               in-process: more libkvxfer keys
                                                             (kvxferd serve's flags, e.g.
-                                                            ``peer_timeout``)
+                                                            ``peer_timeout``); its
+                                                            ``metrics_listen`` HOST:PORT and
+                                                            ``data_port_base``: rank (pp, tp) at
+                                                            the port + its index, as its peer
+                                                            port (the scheduler's own server:
+                                                            no metrics)
 ``etcd``                   unset                            in-process: the fleet registry's
                                                             endpoints (kvxferd -etcd); its
                                                             other keys through ``server``
@@ -181,6 +186,10 @@ _COMMON_KEYS = frozenset(("placement", "mode", "layerwise", "timeout_s", "lease_
                           "verify"))
 
 
+# Hosts a listener on which takes a port on every address.
+_ANY_HOST = ("", "0.0.0.0", "::")
+
+
 # The most seconds a duration key (timeout_s, lease_s, ...) may say: about
 # 31 years, well within what the server's durations hold.
 _MAX_SECONDS = 1e9
@@ -263,9 +272,12 @@ class Config:
 
     def _in_process(self, e: dict[str, Any]) -> None:
         """Reads and checks placement in-process's keys."""
-        host = e.get("peer_host", os.environ.get("KVXFER_PEER_HOST") or "127.0.0.1")
-        if not isinstance(host, str) or not host or any(ch in host for ch in " /[]") or host in ("0.0.0.0", "::"):
-            raise ValueError(f"kv_connector_extra_config.peer_host = {host!r}, want a host name or IP address "
+        if "peer_host" in e:
+            host, what = e["peer_host"], "kv_connector_extra_config.peer_host"
+        else:
+            host, what = os.environ.get("KVXFER_PEER_HOST") or "127.0.0.1", "$KVXFER_PEER_HOST"
+        if not placement_mod.is_host(host):
+            raise ValueError(f"{what} = {host!r}, want a host name or IP address, without a port "
                              "(this host's, as its peers reach it: transfer params carry it; not a wildcard)")
         self.peer_host = host
         if "peer_port" in e:
@@ -528,16 +540,76 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             if self.base and last > 65535:
                 raise ValueError(f"kv_connector_extra_config.peer_port = {self.cfg.peer_port}: the ranks of data-parallel "
                                  f"rank {dp} would listen up to port {last}, past 65535")
+            if self.base:
+                self._check_port_ranges(dp, int(getattr(pc, "data_parallel_size", 1) or 1))
         else:
             self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self.in_process:
+                self._check_base_zero(vllm_config)
                 self._attach(lambda s, common: s.acquire_scheduler(common, self.cfg.peer_host, self.base))
             self._sched = _SchedulerSide(self, vllm_config)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    def _check_port_ranges(self, dp: int, dp_size: int) -> None:
+        """With a base port, the ports of the engine's servers that the
+        ``server`` keys give as bases (metrics_listen, data_port_base: rank
+        (pp, tp) of data-parallel rank r at base + r*tp*pp + pp*tp_size +
+        tp, as its peer port) must lie within 65535 and apart from the
+        deployment's peer ports on a host they share: each rank's process
+        would otherwise fail to start its server, or to attach, at its KV
+        registration."""
+        n = dp_size * self.tp_size * self.pp_size
+        first = self.base - self.cfg.peer_port  # this engine's first rank's index
+        srv = self.cfg.server
+        ranges = [("peer_port", self.cfg.peer_port, self.cfg.peer_host, f"{self.cfg.peer_port}")]
+        metrics = str(srv.get("metrics-listen") or "")
+        mhost, _, mport = metrics.rpartition(":")
+        if mport.isdigit() and int(mport):
+            ranges.append(("server.metrics_listen", int(mport), mhost.strip("[]"), repr(metrics)))
+        dpb = srv.get("data-port-base")
+        if (isinstance(dpb, int) or (isinstance(dpb, str) and dpb.strip().isdigit())) and int(dpb) > 0 \
+                and self.cfg.server_common(self.device)["backend"] == "builtin":
+            ranges.append(("server.data_port_base", int(dpb), str(srv.get("data-host") or self.cfg.peer_host), repr(dpb)))
+        for key, start, _, shown in ranges[1:]:
+            if start + first + self.tp_size * self.pp_size - 1 > 65535:
+                raise ValueError(f"kv_connector_extra_config.{key} = {shown}: rank (pp, tp) of data-parallel rank {dp} would "
+                                 f"listen at its port + its index, up to {start + first + self.tp_size * self.pp_size - 1}, "
+                                 "past 65535")
+        for i, (k1, s1, h1, v1) in enumerate(ranges):
+            for k2, s2, h2, v2 in ranges[i + 1:]:
+                if s1 < s2 + n and s2 < s1 + n and (h1 == h2 or h1 in _ANY_HOST or h2 in _ANY_HOST):
+                    raise ValueError(f"kv_connector_extra_config.{k2} = {v2} and {k1} = {v1}: the {n} ranks of the "
+                                     f"deployment listen at each port + their index, so the two ranges overlap: choose "
+                                     "ports apart")
+
+    def _check_base_zero(self, vllm_config: "VllmConfig") -> None:
+        """Refuses peer_port 0 for an engine whose worker ranks run in
+        other processes than its scheduler: each such process's server
+        then listens on a port of its own choosing, and transfer params
+        would name this process's server, where no rank of the engine ever
+        attaches (every transfer would fail, as an unknown engine). vLLM
+        registers a rank's KV caches before it makes the scheduler, so a
+        rank in this process has started the process's server by now."""
+        if self.base:
+            return
+        pc = vllm_config.parallel_config
+        backend = getattr(pc, "distributed_executor_backend", None)
+        world = int(getattr(pc, "world_size", self.tp_size * self.pp_size) or 1)
+        # (An external launcher runs one rank and a scheduler in each
+        # process: each would name only its own rank.)
+        elsewhere = (world > 1 and backend == "external_launcher") or (
+            not placement_mod.acquire().users and (world > 1 or backend in ("mp", "ray", "external_launcher")))
+        if elsewhere:
+            what = "kv_connector_extra_config.peer_port" if "peer_port" in (vllm_config.kv_transfer_config.kv_connector_extra_config
+                                                                            or {}) else "$KVXFER_PEER_PORT"
+            raise ValueError(f"{what} = 0: the system picks each server's port, which works only for an engine whose ranks "
+                             f"and scheduler all run in one process; this engine's {world} worker rank(s) run in processes "
+                             f"of their own (executor {backend!r}): give it a base port (rank (pp, tp) listens at base + "
+                             "pp*tp_size + tp)")
 
     def _attach(self, acquire) -> None:
         """In-process: gets this process's server (started, or found
@@ -1512,7 +1584,10 @@ class _WorkerSide:
             # This rank's server: listening at its own peer port (the
             # engine's base plus its rank), started now.
             port = placement_mod.rank_port(c.base, c.tp_size, self.pp_rank, self.tp_rank) if c.base else 0
-            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port))
+            # Its index in the deployment (data-parallel ranks included):
+            # where it serves metrics, with server.metrics_listen.
+            index = port - c.cfg.peer_port if c.base else None
+            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index))
         hello = self.hello = build_hello(self, kv_caches)
         try:
             self.stream = c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))

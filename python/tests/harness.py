@@ -94,6 +94,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of n consecutive TCP ports free on loopback now (as
+    free_port picks them)."""
+    import socket
+    for _ in range(200):
+        base = free_port()
+        held = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def nixl_python_libs() -> str | None:
     """The directory of the libraries NIXL's Python API (nixl_cu12, in this
     Python) loads, libnixl_capi.so among them, or None where it does not

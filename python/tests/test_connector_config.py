@@ -75,6 +75,16 @@ CASES = [
     ("port type", {"SECRET": 1, "peer_port": "7600"}, "peer_port = '7600', want a port"),
     ("host wildcard", {"SECRET": 1, "peer_host": "0.0.0.0"}, "peer_host = '0.0.0.0', want a host name or IP"),
     ("host empty", {"SECRET": 1, "peer_host": ""}, "peer_host = '', want"),
+    # A host with a port, or with a control character, is no host: each
+    # server of the engine would fail to listen (at its first rank's KV
+    # registration, after the model loaded), naming neither the key nor
+    # the value the user gave.
+    ("host with port", {"SECRET": 1, "peer_host": "10.0.0.1:7600"}, "peer_host = '10.0.0.1:7600', want a host name or IP"),
+    ("host bracketed v6", {"SECRET": 1, "peer_host": "[::1]:7600"}, "peer_host = '[::1]:7600', want a host name or IP"),
+    ("host newline", {"SECRET": 1, "peer_host": "127.0.0.1\n"}, "peer_host = '127.0.0.1\\n', want a host name or IP"),
+    ("host v6 wildcard", {"SECRET": 1, "peer_host": "::0"}, "peer_host = '::0', want a host name or IP"),
+    ("host bad label", {"SECRET": 1, "peer_host": "p0..example"}, "peer_host = 'p0..example', want a host name or IP"),
+    ("host env with port", {"SECRET": 1, "ENV_HOST": "10.0.0.1:7600"}, "$KVXFER_PEER_HOST = '10.0.0.1:7600', want a host name"),
     ("backend", {"SECRET": 1, "backend": "ucx"}, "backend = 'ucx', want builtin or nixl"),
     ("server type", {"SECRET": 1, "server": ["peer_timeout"]}, "server = ['peer_timeout'], want an object"),
     ("server owned key", {"SECRET": 1, "server": {"peer_listen": "0.0.0.0:1"}}, "server.peer_listen: set by the connector"),
@@ -98,10 +108,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,extra,want", CASES, ids=[c[0] for c in CASES])
-def test_bad_keys_are_named(secret, name, extra, want):
+def test_bad_keys_are_named(secret, name, extra, want, monkeypatch):
     e = dict(extra)
     if e.pop("SECRET", None):
         e["peer_secret_file"] = secret
+    if "ENV_HOST" in e:
+        monkeypatch.setenv("KVXFER_PEER_HOST", e.pop("ENV_HOST"))
     with pytest.raises(ValueError) as exc:
         Config.from_extra(e)
     assert want in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "fe80::1%eth0", "2001:db8::7", "localhost", "p0.example.com",
+                                  "decode_0.svc", "p-0", "10.1.2.3."])
+def test_host_names_and_addresses_accepted(secret, host):
+    c = Config.from_extra({"peer_secret_file": secret, "peer_host": host})
+    assert c.peer_host == host and c.server["data-host"] == host

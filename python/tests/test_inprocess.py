@@ -102,6 +102,14 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
                 code = 14
             except errors.KvxferError:
                 pass
+            # A client of the parent's server: refused, saying why.
+            try:
+                kvxfer.Client(ep, timeout=3).scheduler("E").build_meta()
+                code = 15
+            except errors.Unavailable as e:
+                if "forked" not in str(e) or "spawn" not in str(e):
+                    print("child: parent's server:", e, flush=True)
+                    code = 16
             import ctypes
             buf = ctypes.create_string_buffer(256)
             rc = inprocess._lib.kvxfer_start(b"{}", buf, len(buf))
@@ -184,9 +192,24 @@ def test_other_process_is_refused(libkvxfer, tmp_path):
         assert ep.startswith("unix-abstract:"), ep
         import kvxfer
         from kvxfer import errors
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        # Said plainly, naming the server's process and this one (the
+        # server refuses as the socket opens: gRPC alone says "connection
+        # reset by peer"), for calls, rank streams and scheduler streams.
         c = kvxfer.Client(ep, timeout=3)
-        with pytest.raises(errors.DaemonError):
-            c.scheduler("x").build_meta()
+
+        def steps():
+            st = c.scheduler("x").stream()
+            st.send(pb.StepRequest(engine_id="x"))
+            st._done.wait(10)
+            raise st.error
+
+        for call in (lambda: c.scheduler("x").build_meta(), lambda: c.connect(pb.WorkerHello(engine_id="x"), ready_timeout=10),
+                     steps, lambda: c.wait_ready(1)):
+            with pytest.raises(errors.Unavailable) as exc:
+                call()
+            msg = str(exc.value)
+            assert f"process {server.pid}" in msg and "its own process only" in msg and f"process {os.getpid()}" in msg, msg
         c.close()
     finally:
         server.stdin.close()
@@ -340,3 +363,97 @@ def test_direct_streams(libkvxfer):
     print("\n".join(line for line in r.stdout.splitlines() if line.startswith("calls ")))
     kinds = dict(line.split(" refused as ") for line in r.stdout.splitlines() if " refused as " in line)
     assert kinds["DirectWorkerStream"] == kinds["WorkerStream"], kinds
+
+
+def test_rank_servers_metrics_apart(libkvxfer):
+    """An engine's servers run one per process (each worker rank's, and
+    the scheduler side's own in vLLM's engine-core process), all from the
+    connector's one ``server`` object: its metrics_listen is where rank
+    (pp, tp) serves /metrics at PORT + pp*tp_size + tp (the peer ports'
+    scheme), and the scheduler side's own server serves none. Given
+    unchanged to every server, only the first process's could listen:
+    each other rank failed to start at its KV registration."""
+    base, metrics = harness.free_ports(2), harness.free_ports(2)
+    code = """
+        import sys, urllib.request
+        from kvxfer import placement as pl
+        common = {"insecure-peers": True, "log-level": "error", "backend": "builtin", "metrics-listen": "127.0.0.1:%d"}
+        base, rank = %d, int(sys.argv[1])
+        s = pl.acquire()
+        if rank < 0:
+            print("scheduler", s.acquire_scheduler(common, "127.0.0.1", base), flush=True)
+        else:
+            ep = s.acquire_rank(common, "127.0.0.1", base, pl.rank_port(base, 2, 0, rank))
+            body = urllib.request.urlopen("http://127.0.0.1:%%d/metrics" %% (%d + rank), timeout=10).read().decode()
+            print("rank", rank, ep, "metrics" if "kvxfer_" in body else "no kvxfer metrics", flush=True)
+        sys.stdin.read()
+        pl.release()
+        print("ok", flush=True)
+    """ % (metrics, base, metrics)
+    procs = []
+    try:
+        for rank in (0, 1, -1):
+            procs.append(subprocess.Popen([PY, "-c", textwrap.dedent(code), str(rank)], env=_env(libkvxfer), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            line = procs[-1].stdout.readline()
+            if not line:
+                raise AssertionError(f"rank {rank}: {procs[-1].stderr.read()}")
+            assert "unix-abstract:" in line and ("scheduler" in line or line.rstrip().endswith(" metrics")), line
+    finally:
+        outs = []
+        for p in procs:
+            out, err = p.communicate("", timeout=60)
+            outs.append((p.returncode, out, err))
+    for rc, out, err in outs:
+        assert rc == 0 and "ok" in out, out + err
+
+
+def test_data_parallel_engines_data_ports_apart(libkvxfer):
+    """Data-parallel ranks are engines of their own on one host, their
+    ranks' ports after the previous ones' (peer_port); with the built-in
+    backend's data_port_base, their ranks' KV listeners too: rank (pp, tp)
+    of data-parallel rank r listens at data_port_base + r*tp*pp +
+    pp*tp_size + tp. Given unchanged to every engine's servers, rank 0 of
+    every data-parallel rank took the same data port: all but the first
+    failed to attach."""
+    peer, data = harness.free_ports(2), harness.free_ports(2)
+    code = """
+        import sys
+        import numpy as np
+        import kvxfer
+        from kvxfer import inprocess, placement as pl
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        common = {"insecure-peers": True, "log-level": "error", "backend": "builtin", "data-port-base": %d}
+        peer_port, dp = %d, int(sys.argv[1])
+        base = pl.engine_base(peer_port, dp, 1, 1)
+        port = pl.rank_port(base, 1, 0, 0)
+        ep = pl.acquire().acquire_rank(common, "127.0.0.1", base, port, port - peer_port)
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        w = kvxfer.Client(ep).connect(pb.WorkerHello(engine_id=f"E{dp}", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+        print("attached", dp, flush=True)
+        sys.stdin.read()
+        w.bye(20)
+        pl.release()
+        print("ok", flush=True)
+    """ % (data, peer)
+    procs = []
+    try:
+        for dp in (0, 1):
+            procs.append(subprocess.Popen([PY, "-c", textwrap.dedent(code), str(dp)], env=_env(libkvxfer), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            line = procs[-1].stdout.readline()
+            assert line.startswith("attached"), f"data-parallel rank {dp}: {line}{procs[-1].stderr.read()}"
+        with open(f"/proc/net/tcp") as f:
+            listening = {int(cols[1].split(":")[1], 16) for cols in (ln.split() for ln in f.readlines()[1:]) if cols[3] == "0A"}
+        assert {data, data + 1} <= listening, (data, sorted(p for p in listening if data - 2 <= p <= data + 3))
+    finally:
+        outs = []
+        for p in procs:
+            out, err = p.communicate("", timeout=60)
+            outs.append((p.returncode, out, err))
+    for rc, out, err in outs:
+        assert rc == 0 and "ok" in out, out + err

@@ -149,3 +149,75 @@ def test_p_killed_mid_transfer_d_ends_within_peer_timeout(tmp_path, libkvxfer):
             H.shutdown(d)
     from kvxfer import placement
     assert placement.acquire().users == 0  # the engine's shutdown let this process's server go
+
+
+def test_metrics_and_data_ports_checked(tmp_path, libkvxfer):
+    """server.metrics_listen and server.data_port_base are bases, as
+    peer_port is (each rank's process serves its own /metrics and KV
+    listener): one whose ranks' ports would pass 65535, or whose range
+    overlaps another's on a host they share, is refused at once, naming
+    the keys and their values, before any server starts."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    srv = H.InProcess(tmp_path, "m", peer_port=20000, server={"metrics_listen": "127.0.0.1:65535"})
+    cfg = H.vllm_config(tmp_path, "m0", srv, "push", 2)
+    with pytest.raises(ValueError, match=r"server.metrics_listen = '127.0.0.1:65535'.*65536"):
+        KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    # Ranges of the deployment's ranks that overlap on a host they share:
+    # refused naming both keys (rank 1's server, or its KV listener, could
+    # not listen).
+    for i, (server, want) in enumerate([
+            ({"data_port_base": 20001}, r"server.data_port_base = 20001 and peer_port = 20000"),
+            ({"metrics_listen": "0.0.0.0:19999"}, r"server.metrics_listen = '0.0.0.0:19999' and peer_port = 20000"),
+            ({"metrics_listen": "127.0.0.1:21000", "data_port_base": 21001},
+             r"server.data_port_base = 21001 and server.metrics_listen = '127.0.0.1:21000'")]):
+        srv = H.InProcess(tmp_path, f"o{i}", peer_port=20000, server=server)
+        cfg = H.vllm_config(tmp_path, f"o{i}", srv, "push", 2)
+        with pytest.raises(ValueError, match=want):
+            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    # Apart, or on other hosts: accepted.
+    srv = H.InProcess(tmp_path, "a", peer_port=H.free_ports(2), server={"metrics_listen": "10.9.9.9:20001", "data_port_base": 30000})
+    cfg = H.vllm_config(tmp_path, "a0", srv, "push", 2)
+    cfg.kv_transfer_config.kv_connector_extra_config["server"]["metrics_listen"] = \
+        f"10.9.9.9:{cfg.kv_transfer_config.kv_connector_extra_config['peer_port'] + 1}"
+    KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96)).shutdown()
+    assert placement.acquire().users == 0
+
+
+def test_base_port_zero_with_ranks_elsewhere_refused(tmp_path, libkvxfer):
+    """peer_port 0 (the system picks each server's port) works only where
+    the engine's ranks run in its scheduler's process. An engine whose
+    ranks run in processes of their own (vLLM's multiprocess executor: its
+    scheduler side starts first with no rank's server in its process) is
+    refused at once, naming the key: its transfer params would name a
+    server where no rank ever attaches, and every transfer would fail."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    srv = H.InProcess(tmp_path, "z", peer_port=0)
+    cfg = H.vllm_config(tmp_path, "z0", srv, "push", 2)
+    assert cfg.parallel_config.distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.peer_port = 0: .*2 worker rank"):
+        KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    assert placement.acquire().users == 0
+    # An external launcher runs one rank and a scheduler per process:
+    # with a rank's server running here, still refused.
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    placement.acquire().acquire_rank({"insecure-peers": True, "log-level": "error", "backend": "builtin"}, "127.0.0.1", 0, 0)
+    try:
+        with pytest.raises(ValueError, match=r"kv_connector_extra_config.peer_port = 0: .*'external_launcher'"):
+            KvxferConnector(cfg, KVConnectorRole.SCHEDULER, H.kv_cache_config(cfg, 2, 96))
+    finally:
+        placement.release()
+    # Its ranks in this process first (as the test harness runs them):
+    # the scheduler side shares their server.
+    e = H.make_engine(tmp_path, "z1", "P", srv, "push", 2)
+    try:
+        assert e.sched.connector._sched.addr
+    finally:
+        H.shutdown(e)

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"runtime"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// A server that stops by itself (a listener gone: the daemon's watcher
+// calls Stop) drains its ranks, which may still move bytes into the
+// memory their engine named, for up to its drain-timeout. A kvxfer_start
+// meanwhile must not leave that server running unseen: kvxfer_stop's
+// promise (OK: no memory named by address is touched after it returns)
+// covers it too, and an engine's stop after that start would otherwise
+// return at once, with the first server's rank still attached.
+func TestStartWaitsForServerStoppingByItself(t *testing.T) {
+	before := runtime.NumGoroutine()
+	mem, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
+	cfg := `{"insecure_peers": true, "log_level": "error", "drain_timeout": "1s"}`
+	if _, code, err := start(cfg); err != nil {
+		t.Fatalf("start: %d %v", code, err)
+	}
+	t.Cleanup(func() { _ = stop() })
+	running.Lock()
+	p := running.p
+	running.Unlock()
+	// A producer rank whose memory is named by address, holding a request
+	// for a consumer that never comes: its drain takes the drain-timeout.
+	d := p.OpenDirect()
+	put := func(m *pb.ConnectRequest) {
+		t.Helper()
+		b, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Put(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: &pb.WorkerHello{EngineId: "P", Mode: pb.Mode_MODE_PUSH, CompatHash: "h",
+		Layout: &pb.KvLayout{TpSize: 1, PpSize: 1, TotalKvHeads: 1, HeadSize: 4, ElemBytes: 2, Order: pb.KvLayoutOrder_KV_LAYOUT_ORDER_HND,
+			Packing: pb.KvPacking_KV_PACKING_PACKED, LogicalBlockSize: 16, KernelBlockSize: 16,
+			Regions: []*pb.Region{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION, Base: base, BlockLen: 256, NumBlocks: 16}}},
+		Memory: []*pb.SharedMemory{{Base: base, Size: 4096, InProcess: pb.InProcessMemory_IN_PROCESS_MEMORY_HOST}}}}})
+	if _, ok, ended, code, msg := d.Take(10 * time.Second); !ok {
+		t.Fatalf("no Ready: ended %v, %v %s", ended, code, msg)
+	}
+	now := time.Now()
+	put(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: 1, SchedulerClockUnixNanos: now.UnixNano(),
+		Send: []*pb.SendRequest{{RequestId: "p-1", TransferId: "t-1", DeadlineUnixNanos: now.Add(time.Minute).UnixNano(),
+			Blocks: []*pb.Span{{BlockIds: []int32{1, 2}}}, Tokens: 20}}}}})
+	time.Sleep(100 * time.Millisecond) // the step is taken
+	rankEnded := make(chan struct{})
+	go func() {
+		for {
+			if _, _, ended, _, _ := d.Take(-1); ended {
+				close(rankEnded)
+				return
+			}
+		}
+	}()
+	stopped := make(chan struct{})
+	go func() { _ = p.Stop(); close(stopped) }() // the watcher, as when a listener stops by itself
+	for !p.Stopped() {
+		time.Sleep(time.Millisecond)
+	}
+	if _, code, err := start(cfg); err != nil {
+		t.Fatalf("start after the server stopped by itself: %d %v", code, err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-rankEnded:
+	default:
+		t.Error("kvxfer_stop returned OK with a rank of the server that stopped by itself still attached (its memory may still be touched)")
+	}
+	select {
+	case <-stopped:
+	default:
+		t.Error("kvxfer_stop returned OK while the server that stopped by itself was still stopping")
+	}
+	<-stopped
+	<-rankEnded
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
