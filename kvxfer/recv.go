@@ -729,7 +729,7 @@ func (st *loopState) released(id XferID) {
 	}
 	delete(r.handles, id)
 	if h.giveUp {
-		if e := st.engines[r.req.Remote.EngineID]; e != nil && e.state == hsReady {
+		if e := st.engines[r.req.Remote.EngineID]; e != nil {
 			st.tellP(e, r, h.src, msgFail, r.outcome.Kind, r.outcome.Reason)
 		}
 	}
@@ -742,18 +742,29 @@ func (st *loopState) sendHeartbeats() {
 	by := map[string][]string{}
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
-		if r.decided && len(r.handles) == 0 {
-			// (A decided request whose READs are still being released
-			// keeps the producer's lease alive: they may still read.)
+		e := st.engines[r.req.Remote.EngineID]
+		switch {
+		case e == nil:
 			continue
+		case e.state == hsReady:
+			if r.decided && len(r.handles) == 0 {
+				// (A decided request whose READs are still being released
+				// keeps the producer's lease alive: they may still read.)
+				continue
+			}
+		case r.decided || len(r.handles) == 0:
+			continue
+		default:
+			// Its READs in flight read from the agents it has, whatever
+			// became of the handshake since (another request's failed
+			// again): the producer's lease on their blocks is kept alive
+			// there, or, not delivered, the request fails (failUnheard)
+			// before it could lapse.
 		}
 		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
 	}
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
-		if e == nil || e.state != hsReady {
-			continue
-		}
 		ids := by[id]
 		for len(ids) > 0 {
 			n := heartbeatSplit(ids)
