@@ -455,7 +455,7 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 	st.mu.Unlock()
 	h := make([]byte, 0, 256)
 	c := g.c
-	c.wmu.Lock()
+	c.lockWrite()
 	defer c.wmu.Unlock()
 	if c.gateSent == nil {
 		c.gateSent = map[gateSentKey]bool{}

@@ -488,7 +488,7 @@ func (p *peer) close(err error) {
 
 // writeFrame writes one frame (several buffers) atomically.
 func (c *conn) writeFrame(bufs ...[]byte) error {
-	c.wmu.Lock()
+	c.lockWrite()
 	defer c.wmu.Unlock()
 	nb := net.Buffers(bufs)
 	if err := writeGuarded(&nb, c.c); err != nil {
@@ -496,6 +496,18 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 		return err
 	}
 	return nil
+}
+
+// lockWrite takes the connection's write side (wmu) for one frame, which
+// must be written within FrameTimeout: the peer's server cuts a frame
+// that takes longer to arrive, and a peer that keeps the connection open
+// but stops reading it (its process frozen, its kernel still answering)
+// would otherwise hold the writer, and everything queued behind wmu (a
+// Worker's notification on its loop), for ever. A write past it fails,
+// and fails the connection.
+func (c *conn) lockWrite() {
+	c.wmu.Lock()
+	_ = c.c.SetWriteDeadline(time.Now().Add(c.p.owner.cfg.FrameTimeout))
 }
 
 // fail breaks the connection and fails every part waiting on it.
