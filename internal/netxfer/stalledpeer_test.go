@@ -1,6 +1,7 @@
 package netxfer
 
 import (
+	"encoding/binary"
 	"net"
 	"testing"
 	"time"
@@ -51,5 +52,46 @@ func TestNotifyToStalledPeerIsBounded(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("Notify to a peer that stopped reading still blocked after 10 s (FrameTimeout 300 ms)")
+	}
+}
+
+// A READ whose answer begins and then stalls (the peer sent part of the
+// payload and keeps the connection open) fails once the answer took
+// FrameTimeout, as a frame the peer's server reads would: it does not
+// stay in progress for ever, holding its request (and its blocks) with
+// it.
+func TestReadAnswerStalledMidFrameFails(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	a, _ := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true, Conns: 1, FrameTimeout: 300 * time.Millisecond})
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	finished := make(chan struct{})
+	fakeServer(t, ln, func(c net.Conn, id uint64, part uint32) {
+		defer close(finished)
+		var b [17]byte
+		b[0] = tReadResp
+		binary.LittleEndian.PutUint64(b[1:], id)
+		binary.LittleEndian.PutUint32(b[9:], part)
+		_, _ = c.Write(b[:])
+		_, _ = c.Write(make([]byte, 1000)) // of 32 KiB, then nothing
+		<-stop
+	})
+	id, err := a.Post(Read, name, []Desc{{Local: base, Remote: base, Len: 1 << 15}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	st, err := wait(t, a, id)
+	close(stop)
+	<-finished
+	if st != Failed {
+		t.Fatalf("READ whose answer stalled mid-payload: %v, %v after %v; want Failed", st, err, time.Since(start).Round(time.Millisecond))
 	}
 }

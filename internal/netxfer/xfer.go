@@ -881,9 +881,21 @@ func (c *conn) read() {
 	}
 	var hdr [32]byte
 	for {
+		if c.uc == nil {
+			// Idle between answers as long as it likes; an answer, once
+			// begun, must arrive within FrameTimeout, as a frame the
+			// peer's server reads must: a peer that stalls mid-answer
+			// (its process frozen, the connection kept open) fails the
+			// connection, and the transfers waiting on it, instead of
+			// holding them in progress for ever.
+			_ = c.c.SetReadDeadline(time.Time{})
+		}
 		if err := readFull(c.r, hdr[:1]); err != nil {
 			c.fail(fmt.Errorf("%w: connection to %s lost: %w", ErrXferFailed, c.p.name, err))
 			return
+		}
+		if c.uc == nil {
+			_ = c.c.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
 		}
 		var err error
 		switch hdr[0] {
@@ -983,8 +995,13 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 		a.memMu.RUnlock()
 		if a.endLanding(x, c) {
 			// Released while landing: Release may have set the deadline
-			// to cut the payload short; what it left is drained.
-			_ = c.c.SetReadDeadline(time.Time{})
+			// to cut the payload short; what it left is drained (within
+			// the bound of a frame, over TCP).
+			var by time.Time
+			if c.uc == nil {
+				by = time.Now().Add(a.cfg.FrameTimeout)
+			}
+			_ = c.c.SetReadDeadline(by)
 			if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
 				if _, derr := io.CopyN(io.Discard, c.r, left); derr != nil {
 					return derr
