@@ -633,10 +633,10 @@ func (st *loopState) revoke(r *recvReq) {
 }
 
 // abandonReads gives up the READs of a pull consumer request that failed
-// while they were in flight (tGiveUp, armed by decide): its outcome no longer depends on them, and
-// a READ whose producer stalls (its daemon still answering, so it is not
-// deemed gone) would otherwise hold the request, and its blocks, for
-// ever. Each is released (abandonXfer: the request reports once none of
+// while they were in flight (tGiveUp, armed by decide): its outcome no
+// longer depends on them, and a READ whose producer stalls (its daemon
+// still answering, so it is not deemed gone) would otherwise hold the
+// request, and its blocks, for ever. Each is released (abandonXfer: the request reports once none of
 // its bytes can land any more), and its producer rank is told only then
 // (released), so it does not let its blocks go while the READ could
 // still read them. A closing Worker lets its READs end within
