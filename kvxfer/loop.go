@@ -264,6 +264,9 @@ type recvReq struct {
 	// producer rank: how many times, and when the next goes.
 	retries map[rankRef]int
 	retryAt map[rankRef]time.Time
+	// giveUpAt: when its READs in flight are given up (tGiveUp; zero:
+	// not armed).
+	giveUpAt time.Time
 	// rehandshook: it was restarted once after a new handshake.
 	rehandshook bool
 	// hbFailing: the producer ranks our heartbeats for it did not reach
@@ -314,6 +317,10 @@ type handle struct {
 	// consumer side
 	recv string
 	src  rankRef
+	// giveUp: a pull READ its request gave up while it was in flight
+	// (abandonReads): once it is released, its producer rank is told,
+	// so that it lets its blocks go then and not before.
+	giveUp bool
 }
 
 // coreConfig is what the core reads of its Worker's configuration
@@ -697,6 +704,8 @@ func (st *loopState) runTimers() {
 			st.fenceTimer(e)
 		case tReadRetry:
 			st.readRetry(e)
+		case tGiveUp:
+			st.abandonReads(e)
 		case tProbe:
 			st.probeTimer(e)
 		case tRehandshake:

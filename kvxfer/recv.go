@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -564,6 +565,13 @@ func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason str
 		}
 		clear(r.retryAt)
 	}
+	if res != ResultDone && st.cfg.Mode == ModePull && len(r.handles) > 0 && !st.closing {
+		// Its READs in flight are given up (abandonReads) at the next
+		// poll, once the input at hand has been carried out: some may
+		// not be posted yet (a timer due now would fire in this input).
+		r.giveUpAt = st.now.Add(st.cfg.PollInterval)
+		st.arm(r.giveUpAt, tGiveUp, r.req.ReqID)
+	}
 	if res != ResultDone && st.cfg.Mode == ModePush && r.sent {
 		r.canceled = true
 		st.sendCancels(r)
@@ -621,6 +629,29 @@ func (st *loopState) revoke(r *recvReq) {
 	if st.guarded && r.grant != 0 {
 		st.revokeOp(r.grant)
 		r.grant = 0
+	}
+}
+
+// abandonReads gives up the READs of a pull consumer request that failed
+// while they were in flight (tGiveUp, armed by decide): its outcome no
+// longer depends on them, and a READ whose producer stalls (its daemon
+// still answering, so it is not deemed gone) would otherwise hold the
+// request, and its blocks, for ever. Each is released (abandonXfer: the request reports once none of
+// its bytes can land any more), and its producer rank is told only then
+// (released), so it does not let its blocks go while the READ could
+// still read them. A closing Worker lets its READs end within
+// CloseTimeout instead (fenceClose).
+func (st *loopState) abandonReads(t timerEntry) {
+	r := st.recvs[t.id]
+	if r == nil || !r.giveUpAt.Equal(t.at) || st.closing {
+		return
+	}
+	r.giveUpAt = time.Time{}
+	for _, id := range slices.Sorted(maps.Keys(r.handles)) {
+		if h := st.handles[id]; h != nil {
+			h.giveUp = true
+			st.abandonXfer(h)
+		}
 	}
 }
 
@@ -697,6 +728,11 @@ func (st *loopState) released(id XferID) {
 		return
 	}
 	delete(r.handles, id)
+	if h.giveUp {
+		if e := st.engines[r.req.Remote.EngineID]; e != nil {
+			st.tellP(e, r, h.src, msgFail, r.outcome.Kind, r.outcome.Reason)
+		}
+	}
 	st.tryReport(r)
 }
 
@@ -706,16 +742,29 @@ func (st *loopState) sendHeartbeats() {
 	by := map[string][]string{}
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
-		if r.decided {
+		e := st.engines[r.req.Remote.EngineID]
+		switch {
+		case e == nil:
 			continue
+		case e.state == hsReady:
+			if r.decided && len(r.handles) == 0 {
+				// (A decided request whose READs are still being released
+				// keeps the producer's lease alive: they may still read.)
+				continue
+			}
+		case r.decided || len(r.handles) == 0:
+			continue
+		default:
+			// Its READs in flight read from the agents it has, whatever
+			// became of the handshake since (another request's failed
+			// again): the producer's lease on their blocks is kept alive
+			// there, or, not delivered, the request fails (failUnheard)
+			// before it could lapse.
 		}
 		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
 	}
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
-		if e == nil || e.state != hsReady {
-			continue
-		}
 		ids := by[id]
 		for len(ids) > 0 {
 			n := heartbeatSplit(ids)

@@ -1223,20 +1223,10 @@ func (st *loopState) onHeartbeat(m *msg) {
 	ext := st.now.Add(st.cfg.Lease * 2 / 3)
 	for i := 0; i+2 < len(m.IDs); i += 3 {
 		tid, preq, dreq := m.IDs[i], m.IDs[i+1], m.IDs[i+2]
-		var s *sendReq
-		switch {
-		case tid != "":
-			s = st.sendByTID.get(tid)
-			if s != nil && preq != "" && s.req.ReqID != preq {
-				// The transfer id is held twice (pullSendFor): the
-				// request named by both ids is the one it is for.
-				if o := st.sends.get(preq); o != nil && o.req.TransferID == tid {
-					s = o
-				}
-			}
-		case preq != "":
-			s = st.sends.get(preq)
-		}
+		// As a completion notice finds its request (sendFor): by transfer
+		// id, else by the producer request id, never one that carries
+		// another transfer id.
+		s := st.sendFor(tid, preq)
 		if s == nil && dreq != "" {
 			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
 		}
@@ -1438,21 +1428,25 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 // than the one named (the engine used a transfer id twice: refused at
 // the second SendReq, which is then held by id alone), the one named by
 // both wins.
-func (st *loopState) pullSendFor(m *msg) *sendReq {
-	if m.TransferID != "" {
-		if s := st.sendByTID.get(m.TransferID); s != nil {
-			if m.PReq != "" && s.req.ReqID != m.PReq {
-				if o := st.sends.get(m.PReq); o != nil && o.req.TransferID == m.TransferID {
+func (st *loopState) pullSendFor(m *msg) *sendReq { return st.sendFor(m.TransferID, m.PReq) }
+
+// sendFor is pullSendFor of a message naming transfer id tid and
+// producer request preq (a notice, or a heartbeat's triple).
+func (st *loopState) sendFor(tid, preq string) *sendReq {
+	if tid != "" {
+		if s := st.sendByTID.get(tid); s != nil {
+			if preq != "" && s.req.ReqID != preq {
+				if o := st.sends.get(preq); o != nil && o.req.TransferID == tid {
 					return o
 				}
 			}
 			return s
 		}
 	}
-	if m.PReq == "" {
+	if preq == "" {
 		return nil
 	}
-	if s := st.sends.get(m.PReq); s != nil && !otherTransfer(s, m) {
+	if s := st.sends.get(preq); s != nil && !otherTID(s, tid) {
 		return s
 	}
 	return nil
@@ -1460,8 +1454,11 @@ func (st *loopState) pullSendFor(m *msg) *sendReq {
 
 // otherTransfer reports whether a consumer's notice names a transfer id
 // other than producer request s's (both have one).
-func otherTransfer(s *sendReq, m *msg) bool {
-	return m.TransferID != "" && s.req.TransferID != "" && m.TransferID != s.req.TransferID
+func otherTransfer(s *sendReq, m *msg) bool { return otherTID(s, m.TransferID) }
+
+// otherTID is otherTransfer for a transfer id named tid.
+func otherTID(s *sendReq, tid string) bool {
+	return tid != "" && s.req.TransferID != "" && tid != s.req.TransferID
 }
 
 // stashEarly keeps a pull completion notice for a request not held yet:

@@ -14,6 +14,7 @@ const (
 	tReadRetry
 	tProbe
 	tRehandshake
+	tGiveUp
 )
 
 type timerEntry struct {
@@ -108,6 +109,9 @@ func (st *loopState) timerLive(t timerEntry) bool {
 	case tRehandshake:
 		e := st.engines[t.id]
 		return e != nil && e.refreshing && e.state != hsPending
+	case tGiveUp:
+		r := st.recvs[t.id]
+		return r != nil && r.giveUpAt.Equal(t.at)
 	case tReadRetry:
 		r := st.recvs[t.id]
 		if r == nil || r.decided {

@@ -104,7 +104,10 @@ type Config struct {
 	ClientTLS, ServerTLS *tls.Config
 	// FrameTimeout bounds how long one incoming frame (a request and its
 	// payload) and the connection's hello may take to arrive once started
-	// (default 30 s): a peer that stalls mid-frame is cut off.
+	// (default 30 s): a peer that stalls mid-frame is cut off. It bounds
+	// writing one outgoing frame (a part, a notification) too: a peer
+	// that stops reading its connection fails it, and what waited to
+	// write on it, instead of holding them for ever.
 	FrameTimeout time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger

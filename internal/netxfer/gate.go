@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -224,8 +226,12 @@ type gate struct {
 	ticket    uint64
 	c         *conn // the connection it was announced on
 	pid       int   // the peer's process
-	shutting  bool
-	done      chan struct{}
+	// proc is that process itself (a pidfd where the kernel has them),
+	// taken when the gate opened: its id alone may name another process
+	// once the peer died (ids are reused), which would read as alive.
+	proc     *os.Process
+	shutting bool
+	done     chan struct{}
 }
 
 // gateView is a peer's gate (P side).
@@ -370,6 +376,11 @@ func (a *Agent) OpenGate(peer string, spans []LayoutSpan, tag []byte) error {
 		return ErrNoGate
 	}
 	g.pid = pid
+	// Found while its connection is live: the process it names is the
+	// peer's (os.FindProcess holds it by a pidfd where it can).
+	if g.proc, err = os.FindProcess(pid); err != nil {
+		return ErrNoGate
+	}
 	admit := func(abort func()) (Verdict, int, int, int, uint64) {
 		return f.AdmitLayout(peer, Write, spans, tag, abort)
 	}
@@ -378,6 +389,7 @@ func (a *Agent) OpenGate(peer string, spans []LayoutSpan, tag []byte) error {
 	}
 	v, li, bi, ei, ticket := admit(func() { a.shutGate(g) })
 	if v != Allow {
+		_ = g.proc.Release()
 		a.refusals[min(v, Deny)].Add(1)
 		return fmt.Errorf("%w: gate for %s: layout %d base %d entry %d of %s", ErrNotGranted, peer, li, bi, ei, a.cfg.Name)
 	}
@@ -443,7 +455,7 @@ func (a *Agent) announceGate(g *gate, dev GateDevice, uuid [16]byte, chunks []ch
 	st.mu.Unlock()
 	h := make([]byte, 0, 256)
 	c := g.c
-	c.wmu.Lock()
+	c.lockWrite()
 	defer c.wmu.Unlock()
 	if c.gateSent == nil {
 		c.gateSent = map[gateSentKey]bool{}
@@ -568,6 +580,11 @@ const gateSlowDrain = 5 * time.Second
 func (a *Agent) drainGate(g *gate) {
 	defer close(g.done)
 	defer a.releaseGuard(g.ticket)
+	defer func() {
+		if g.proc != nil {
+			_ = g.proc.Release()
+		}
+	}()
 	st := &a.gates
 	st.mu.Lock()
 	ar := g.area
@@ -592,7 +609,7 @@ func (a *Agent) drainGate(g *gate) {
 		if allZero(cnt[:]) {
 			break
 		}
-		if !processAlive(g.pid) {
+		if !g.producerAlive() {
 			// Its launches went with its GPU context, and the CTAs it
 			// counted in will never count themselves out: cleared, for
 			// the slot's next gate.
@@ -641,6 +658,18 @@ func allZero(b []byte) bool {
 		}
 	}
 	return true
+}
+
+// producerAlive reports whether the gate's peer process still exists:
+// by the process it found at the gate's opening, which, held by a pidfd,
+// reads as gone once it exited even when another process took its id;
+// by the id where the kernel has no pidfds.
+func (g *gate) producerAlive() bool {
+	if g.proc == nil {
+		return processAlive(g.pid)
+	}
+	err := g.proc.Signal(syscall.Signal(0))
+	return err == nil || errors.Is(err, unix.EPERM)
 }
 
 // processAlive reports whether process pid still exists.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"os/exec"
 	"slices"
 	"strings"
@@ -653,6 +654,11 @@ func TestGateDeadProducer(t *testing.T) {
 		g = x
 	}
 	g.pid = cmd.Process.Pid // gone (and reaped)
+	_ = g.proc.Release()
+	var err error
+	if g.proc, err = os.FindProcess(g.pid); err != nil {
+		t.Fatal(err)
+	}
 	at := g.area.ptr + uint64(g.slot)*GateSize
 	st.mu.Unlock()
 	stuck := make([]byte, 4)

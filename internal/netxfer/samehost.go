@@ -1384,7 +1384,7 @@ func (a *Agent) sendPartLocal(c *conn, x *xfer, part int) (bool, error) {
 // tableType) when there is room, else inline. A failure fails the
 // connection.
 func (c *conn) sendPart(need []*chunk, h []byte, hl int, tableType byte) error {
-	c.wmu.Lock()
+	c.lockWrite()
 	defer c.wmu.Unlock()
 	if err := sendChunks(c.uc, c.sent, need); err != nil {
 		c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))

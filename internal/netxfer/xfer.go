@@ -488,7 +488,7 @@ func (p *peer) close(err error) {
 
 // writeFrame writes one frame (several buffers) atomically.
 func (c *conn) writeFrame(bufs ...[]byte) error {
-	c.wmu.Lock()
+	c.lockWrite()
 	defer c.wmu.Unlock()
 	nb := net.Buffers(bufs)
 	if err := writeGuarded(&nb, c.c); err != nil {
@@ -496,6 +496,18 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 		return err
 	}
 	return nil
+}
+
+// lockWrite takes the connection's write side (wmu) for one frame, which
+// must be written within FrameTimeout: the peer's server cuts a frame
+// that takes longer to arrive, and a peer that keeps the connection open
+// but stops reading it (its process frozen, its kernel still answering)
+// would otherwise hold the writer, and everything queued behind wmu (a
+// Worker's notification on its loop), for ever. A write past it fails,
+// and fails the connection.
+func (c *conn) lockWrite() {
+	c.wmu.Lock()
+	_ = c.c.SetWriteDeadline(time.Now().Add(c.p.owner.cfg.FrameTimeout))
 }
 
 // fail breaks the connection and fails every part waiting on it.
@@ -869,9 +881,21 @@ func (c *conn) read() {
 	}
 	var hdr [32]byte
 	for {
+		if c.uc == nil {
+			// Idle between answers as long as it likes; an answer, once
+			// begun, must arrive within FrameTimeout, as a frame the
+			// peer's server reads must: a peer that stalls mid-answer
+			// (its process frozen, the connection kept open) fails the
+			// connection, and the transfers waiting on it, instead of
+			// holding them in progress for ever.
+			_ = c.c.SetReadDeadline(time.Time{})
+		}
 		if err := readFull(c.r, hdr[:1]); err != nil {
 			c.fail(fmt.Errorf("%w: connection to %s lost: %w", ErrXferFailed, c.p.name, err))
 			return
+		}
+		if c.uc == nil {
+			_ = c.c.SetReadDeadline(time.Now().Add(a.cfg.FrameTimeout))
 		}
 		var err error
 		switch hdr[0] {
@@ -971,8 +995,13 @@ func (c *conn) readAnswer(typ byte, hdr []byte) error {
 		a.memMu.RUnlock()
 		if a.endLanding(x, c) {
 			// Released while landing: Release may have set the deadline
-			// to cut the payload short; what it left is drained.
-			_ = c.c.SetReadDeadline(time.Time{})
+			// to cut the payload short; what it left is drained (within
+			// the bound of a frame, over TCP).
+			var by time.Time
+			if c.uc == nil {
+				by = time.Now().Add(a.cfg.FrameTimeout)
+			}
+			_ = c.c.SetReadDeadline(by)
 			if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
 				if _, derr := io.CopyN(io.Discard, c.r, left); derr != nil {
 					return derr
