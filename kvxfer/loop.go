@@ -817,7 +817,9 @@ func (st *loopState) tick(now time.Time) {
 // consumer with READs in flight (they land in its blocks) reports once
 // they ended; a push consumer that registered cancels, and without the
 // data plane's grants waits for its producers to confirm, as after any
-// failure (with grants, revoking them suffices). The rest report at once.
+// failure (with grants, revoking them suffices); a pull producer request
+// reports once its consumers said they read it (or gave up), its lease
+// lapses, or the fence times out. The rest report at once.
 // What still waits when the close's fence times out is abandoned
 // (shutdown).
 func (st *loopState) closeDown() {
@@ -845,6 +847,14 @@ func (st *loopState) closeDown() {
 		if inflight {
 			s.prefill = false
 			continue // settleSend reports it once its WRITEs ended
+		}
+		if st.cfg.Mode == ModePull {
+			// Its consumers may be reading its blocks: it reports once
+			// they said their READs ended (onPullDone), or its lease
+			// lapsed, or the close's fence timed out (shutdown), so that
+			// its blocks go back to the engine, and the backend's agent
+			// goes, only then; meanwhile its consumers get their bytes.
+			continue
 		}
 		s.done = true
 		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: why})

@@ -290,12 +290,16 @@ type Worker struct {
 	// them, or OpenDataPlane).
 	access *accessTable
 
-	wake    chan struct{} // 1-slot: new input for the loop
-	ready   chan struct{} // 1-slot: outcomes are waiting
-	ctx     context.Context
-	cancel  context.CancelFunc
-	stopped chan struct{}
-	hsWG    sync.WaitGroup
+	wake   chan struct{} // 1-slot: new input for the loop
+	ready  chan struct{} // 1-slot: outcomes are waiting
+	ctx    context.Context
+	cancel context.CancelFunc
+	// hsCtx bounds the handshakes the loop starts: they outlive ctx
+	// through the close's fence (fenceClose), and no longer.
+	hsCtx    context.Context
+	hsCancel context.CancelFunc
+	stopped  chan struct{}
+	hsWG     sync.WaitGroup
 	// relWG counts the releases of abandoned transfers under way, each
 	// on a goroutine of its own (abandon).
 	relWG sync.WaitGroup
@@ -305,6 +309,10 @@ type Worker struct {
 		inbox  []event
 		out    Finished
 		closed bool
+		// fencing: the loop runs the close's fence (fenceClose), and
+		// takes handshake answers still: a consumer's notice from an
+		// engine not handshaken yet is admitted only on one.
+		fencing bool
 		// err is why the loop stopped on its own (ContainPanics).
 		err error
 		// released are abandoned transfers whose release returned, for
@@ -407,6 +415,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		}
 	}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
+	w.hsCtx, w.hsCancel = context.WithCancel(context.Background())
 	w.st.init(w)
 	_, canPrepare := w.be.(PreparedPoster)
 	w.st.prepare = canPrepare && cfg.Prepared
@@ -580,7 +589,7 @@ func (w *Worker) heldLayers() string {
 
 func (w *Worker) post(e event) error {
 	w.mu.Lock()
-	if w.mu.closed {
+	if w.mu.closed && !(w.mu.fencing && e.kind == evHandshake) {
 		err := w.mu.err
 		w.mu.Unlock()
 		return cmp.Or(err, ErrClosed)
@@ -694,6 +703,7 @@ var hookAfterEvent atomic.Pointer[func(*Worker, *event)]
 // invariants) a panic in it ends the Worker, not the process (broke).
 func (w *Worker) run() {
 	defer close(w.stopped) // after broke: Done means every outcome is out
+	defer w.hsCancel()
 	if w.cfg.ContainPanics && !invariants.Enabled {
 		defer func() {
 			if v := recover(); v != nil {
@@ -746,7 +756,7 @@ func (w *Worker) loop() {
 			// join the state first, so shutdown ends their requests too;
 			// none can be accepted after this.
 			w.mu.Lock()
-			w.mu.closed = true
+			w.mu.closed, w.mu.fencing = true, true
 			inbox := w.mu.inbox
 			w.mu.inbox = nil
 			w.mu.Unlock()
@@ -921,7 +931,7 @@ func (w *Worker) apply() {
 		w.hsWG.Add(1)
 		go func() {
 			defer w.hsWG.Done()
-			ctx, cancel := context.WithTimeout(w.ctx, a.timeout)
+			ctx, cancel := context.WithTimeout(w.hsCtx, a.timeout)
 			defer cancel()
 			t0 := time.Now()
 			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
@@ -1148,10 +1158,27 @@ func (w *Worker) turn(now time.Time) {
 func (w *Worker) fenceClose(timer *time.Timer) {
 	st := &w.st
 	deadline := time.Now().Add(w.cfg.CloseTimeout)
+	defer func() {
+		w.hsCancel() // handshakes under way end (their answers are refused)
+		w.mu.Lock()
+		w.mu.fencing = false
+		w.mu.inbox = nil
+		w.mu.Unlock()
+	}()
 	for st.closeWaits() {
 		now := time.Now()
 		if !now.Before(deadline) {
 			break
+		}
+		// Handshake answers: a consumer's notice parked until its
+		// engine's handshake says who speaks for its rank.
+		w.mu.Lock()
+		inbox := w.mu.inbox
+		w.mu.inbox = nil
+		w.mu.Unlock()
+		for i := range inbox {
+			st.Step(now, input{kind: inEvent, ev: &inbox[i]})
+			w.apply()
 		}
 		w.turn(now)
 		w.await(true)
