@@ -36,6 +36,7 @@ type metrics struct {
 	reg          *prometheus.Registry
 	requests     *prometheus.CounterVec   // mode, endpoint, outcome
 	inflight     *prometheus.GaugeVec     // role, upstream
+	up           *prometheus.GaugeVec     // role, upstream
 	upstreamErrs *prometheus.CounterVec   // role, upstream, kind
 	prefillTime  *prometheus.HistogramVec // mode
 	decodeTTFB   *prometheus.HistogramVec // mode
@@ -53,6 +54,10 @@ func newMetrics() *metrics {
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvxfer_proxy_upstream_in_flight", Help: "Requests in flight per upstream server.",
 		}, []string{"role", "upstream"}),
+		up: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvxfer_proxy_upstream_up",
+			Help: "1 while an upstream server is picked, 0 while it is left out after its connection failed (retried after 1 s, doubling to 30 s while it keeps failing).",
+		}, []string{"role", "upstream"}),
 		upstreamErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvxfer_proxy_upstream_errors_total", Help: "Failed upstream requests by upstream and kind.",
 		}, []string{"role", "upstream", "kind"}),
@@ -66,7 +71,7 @@ func newMetrics() *metrics {
 			Name: "kvxfer_proxy_request_seconds", Help: "Client request latency, whole response relayed.", Buckets: buckets,
 		}, []string{"mode", "endpoint"}),
 	}
-	m.reg.MustRegister(m.requests, m.inflight, m.upstreamErrs, m.prefillTime, m.decodeTTFB, m.total,
+	m.reg.MustRegister(m.requests, m.inflight, m.up, m.upstreamErrs, m.prefillTime, m.decodeTTFB, m.total,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -57,8 +57,9 @@ type upstream struct {
 	inflight prometheus.Gauge
 	// label is the upstream label of its error metrics (default base):
 	// "fleet" for a Fleet's instances, whose URLs come and go.
-	label string
-	group string // a Fleet's instance: its compatibility group
+	label  string
+	group  string  // a Fleet's instance: its compatibility group
+	health *health // shared by the copies a Fleet's picks make
 }
 
 // Proxy is the OpenAI-compatible router in front of P and D servers. It is
@@ -96,11 +97,13 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	for _, pf := range cfg.Prefill {
 		p.prefill = append(p.prefill, &upstream{role: rolePrefill, base: pf.URL, prefill: pf,
-			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL)})
+			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL),
+			health:   newHealth(cfg.now, p.m.up.WithLabelValues(rolePrefill, pf.URL))})
 	}
 	for _, d := range cfg.Decode {
 		p.decode = append(p.decode, &upstream{role: roleDecode, base: d,
-			inflight: p.m.inflight.WithLabelValues(roleDecode, d)})
+			inflight: p.m.inflight.WithLabelValues(roleDecode, d),
+			health:   newHealth(cfg.now, p.m.up.WithLabelValues(roleDecode, d))})
 	}
 	rt := cfg.Transport
 	if rt == nil {
@@ -191,7 +194,7 @@ func (p *Proxy) pick(role string, with *upstream) (u *upstream, release func(), 
 	if role == roleDecode {
 		pl, list = p.dpool, p.decode
 	}
-	i := pl.acquire()
+	i := pl.acquire(func(i int) bool { return list[i].health.down() })
 	u = list[i]
 	u.inflight.Inc()
 	return u, func() {
@@ -333,7 +336,47 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 	if _, err := dec.Token(); err != io.EOF {
 		return nil, http.StatusBadRequest, errors.New("request body has data after its JSON object")
 	}
+	if err := checkOneSequence(body); err != nil {
+		return nil, http.StatusBadRequest, err
+	}
 	return body, 0, nil
+}
+
+// checkOneSequence refuses a request for several sequences (n or best_of
+// above 1, beam search), naming the field and its value. vLLM runs each
+// sequence as a child request of its own that carries the request's one
+// kv_transfer_params: in push, P's and D's children would all register
+// under one transfer id (one pair, the rest waiting out their lease); in
+// pull, D's children would all read the blocks of the one P request
+// named, which P frees after the first read.
+func checkOneSequence(body map[string]any) error {
+	for _, k := range []string{"n", "best_of"} {
+		v, ok := body[k]
+		if !ok || v == nil {
+			continue
+		}
+		if n, isNum := v.(json.Number); isNum {
+			if f, err := n.Float64(); err == nil && f == 1 {
+				continue
+			}
+		}
+		return fmt.Errorf("%s = %s: the proxy serves one sequence per request (kv_transfer_params name one request on each side); send several requests",
+			k, snippetN(mustJSON(v), 40))
+	}
+	if v, ok := body["use_beam_search"]; ok && v != nil && v != false {
+		return fmt.Errorf("use_beam_search = %s: the proxy serves one sequence per request (kv_transfer_params name one request on each side)",
+			snippetN(mustJSON(v), 40))
+	}
+	return nil
+}
+
+// mustJSON is v (decoded from JSON) as JSON again.
+func mustJSON(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return []byte(fmt.Sprint(v))
+	}
+	return b
 }
 
 // prefillBody is the body P gets: the client's, generating one token, not
@@ -346,6 +389,8 @@ func prefillBody(body map[string]any, ep endpoint, params map[string]any) map[st
 	}
 	b["stream"] = false
 	delete(b, "stream_options")
+	// vLLM refuses min_tokens > max_tokens: the client's is D's to honour.
+	delete(b, "min_tokens")
 	b["kv_transfer_params"] = params
 	return b
 }
@@ -417,6 +462,26 @@ func (c cancelOnClose) Close() error {
 	return err
 }
 
+// sendFailed counts an upstream request that got no response (as
+// upstreamError) and, when the connection failed, leaves the upstream
+// out of the picks for a while (see health). It returns the error's kind.
+func (p *Proxy) sendFailed(ctx context.Context, u *upstream, err error) string {
+	kind := errKind(err)
+	p.upstreamError(ctx, u, kind)
+	if kind == kindConnect && ctx.Err() == nil && u.health != nil {
+		d := u.health.failed()
+		p.log.Warn("proxy: upstream down", "role", u.role, "upstream", u.base, "for", d, "err", err)
+	}
+	return kind
+}
+
+// answered notes that u responded: it is up.
+func (p *Proxy) answered(u *upstream) {
+	if u.health != nil && u.health.answered() {
+		p.log.Info("proxy: upstream up", "role", u.role, "upstream", u.base)
+	}
+}
+
 // upstreamError counts a failed upstream request, unless ctx (the
 // request's context before Config.Timeout) was cancelled: then the client
 // left or the other side failed, which is not this upstream's fault.
@@ -459,8 +524,11 @@ func (p *Proxy) callPrefill(ctx context.Context, u *upstream, ep endpoint, body 
 	}
 	resp, err := p.send(ctx, http.MethodPost, u.base+ep.path, body, in, rec.id)
 	if err != nil {
-		return fail(errKind(err), err)
+		p.sendFailed(ctx, u, err)
+		res.err = fmt.Errorf("prefill %s: %w", u.base, err)
+		return res
 	}
+	p.answered(u)
 	defer resp.Body.Close()
 	res.status = resp.StatusCode
 	data, err := io.ReadAll(io.LimitReader(resp.Body, p.cfg.MaxBody+1))
@@ -656,10 +724,11 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 			p.failed(w, rec, ctx, outcomePrefillFail, pres.err, false)
 			return
 		}
-		p.upstreamError(dctx, du, errKind(err))
+		p.sendFailed(dctx, du, err)
 		p.failed(w, rec, ctx, outcomeDecodeFail, fmt.Errorf("decode %s: %w", du.base, err), false)
 		return
 	}
+	p.answered(du)
 	defer resp.Body.Close()
 	rec.dStatus = resp.StatusCode
 	dOK := isOK(resp.StatusCode)

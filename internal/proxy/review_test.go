@@ -1,0 +1,294 @@
+package proxy
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// A client's min_tokens must not reach P beside P's max_tokens 1: vLLM
+// refuses min_tokens > max_tokens ("min_tokens must be less than or equal
+// to max_tokens"), which failed a valid request with 502. D keeps it.
+func TestPrefillMinTokens(t *testing.T) {
+	for _, mode := range []Mode{ModePull, ModePush} {
+		for _, ep := range []endpoint{epCompletions, epChat} {
+			t.Run(string(mode)+ep.path, func(t *testing.T) {
+				e := newEnv(t, mode, 1, 1, nil)
+				// As vLLM's SamplingParams checks it.
+				e.ps[0].setHook(func(w http.ResponseWriter, _ *http.Request, body map[string]any) bool {
+					minT, _ := numberOf(body["min_tokens"])
+					maxT, ok := numberOf(body["max_tokens"])
+					if ok && minT > maxT {
+						http.Error(w, fmt.Sprintf("min_tokens must be less than or equal to max_tokens=%v, got %v", maxT, minT), http.StatusBadRequest)
+						return true
+					}
+					return false
+				})
+				body := `{"prompt":"x","max_tokens":50,"min_tokens":10}`
+				if ep.chat {
+					body = `{"messages":[],"max_completion_tokens":50,"min_tokens":10}`
+				}
+				if status, resp := e.do(testCtx(t), ep.path, body); status != http.StatusOK {
+					t.Fatalf("status = %d (%s), want 200", status, resp)
+				}
+				if d := e.log.of(roleDecode); len(d) != 1 || fmt.Sprint(d[0].body["min_tokens"]) != "10" {
+					t.Errorf("D's requests = %+v, want one with the client's min_tokens 10", d)
+				}
+			})
+		}
+	}
+}
+
+func numberOf(v any) (float64, bool) {
+	switch n := v.(type) {
+	case interface{ Float64() (float64, error) }:
+		f, err := n.Float64()
+		return f, err == nil
+	case float64:
+		return n, true
+	}
+	return 0, false
+}
+
+// A request for several sequences (n > 1, best_of > 1, beam search) is
+// refused with 400 naming the field and value, and asks no upstream: each
+// sequence is a child request of its own in vLLM carrying the one
+// transfer id (push: P's and D's children would all register under it,
+// one pairing and the rest waiting out their lease; pull: D's children
+// would all read the one P request's blocks, freed after the first). One
+// sequence passes.
+func TestSeveralSequencesRefused(t *testing.T) {
+	for _, mode := range []Mode{ModePull, ModePush} {
+		t.Run(string(mode), func(t *testing.T) {
+			e := newEnv(t, mode, 1, 1, nil)
+			ctx := testCtx(t)
+			for _, tc := range []struct {
+				body, field string
+			}{
+				{`{"prompt":"x","n":2}`, "n"},
+				{`{"prompt":"x","n":"2"}`, "n"},
+				{`{"prompt":"x","best_of":3}`, "best_of"},
+				{`{"prompt":"x","use_beam_search":true}`, "use_beam_search"},
+			} {
+				status, resp := e.do(ctx, epCompletions.path, tc.body)
+				if status != http.StatusBadRequest || !strings.Contains(resp, tc.field) {
+					t.Errorf("%s: response = %d %s, want 400 naming %s", tc.body, status, resp, tc.field)
+				}
+			}
+			if n := len(e.log.snapshot()); n != 0 {
+				t.Errorf("upstreams got %d requests, want 0", n)
+			}
+			for _, body := range []string{`{"prompt":"x","n":1}`, `{"prompt":"x","n":null,"best_of":1,"use_beam_search":false}`} {
+				if status, resp := e.do(ctx, epCompletions.path, body); status != http.StatusOK {
+					t.Errorf("%s: status = %d (%s), want 200", body, status, resp)
+				}
+			}
+			want := fmt.Sprintf(`kvxfer_proxy_requests_total{endpoint="/v1/completions",mode="%s",outcome="bad_request"} 4`, mode)
+			if m := e.metrics(); !strings.Contains(m, want) {
+				t.Errorf("/metrics lacks %q", want)
+			}
+		})
+	}
+}
+
+func (e *env) metrics() string {
+	e.t.Helper()
+	resp, err := e.client.Get(e.url + "/metrics")
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// deadListener closes every connection it accepts while dead is set: a
+// server that is down (no response, as if refused).
+type deadListener struct {
+	net.Listener
+	dead *atomic.Bool
+}
+
+func (l deadListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil || !l.dead.Load() {
+			return c, err
+		}
+		c.Close()
+	}
+}
+
+// fakeClock is a clock a test moves.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *fakeClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// An upstream that is down (its connections fail) is left out for a
+// while, so that requests go to the live ones instead of failing in turn
+// (round-robin) or nearly all (least-loaded: a dead server has none in
+// flight); once its time is out it is tried again, and used again once
+// it answers. /metrics says which are up.
+func TestDeadUpstreamAvoided(t *testing.T) {
+	for _, role := range []string{rolePrefill, roleDecode} {
+		for _, policy := range []Policy{PolicyRoundRobin, PolicyLeastLoaded} {
+			t.Run(role+"/"+string(policy), func(t *testing.T) {
+				var dead atomic.Bool
+				dead.Store(true)
+				clock := &fakeClock{t: time.Unix(1e9, 0)}
+				f := &fake{name: role[:1] + "x", role: role, log: &reqLog{}}
+				f.srv = httptest.NewUnstartedServer(http.HandlerFunc(f.serve))
+				f.srv.Listener = deadListener{f.srv.Listener, &dead}
+				f.srv.Start()
+				t.Cleanup(f.srv.Close)
+				e := newEnv(t, ModePull, 1, 1, func(c *Config) {
+					c.Policy, c.now = policy, clock.now
+					if role == rolePrefill {
+						c.Prefill = append(c.Prefill, Prefill{URL: f.srv.URL})
+					} else {
+						c.Decode = append(c.Decode, f.srv.URL)
+					}
+				})
+				ctx := testCtx(t)
+				// A request in flight on the live server, for least-loaded
+				// to count (pull: P's answer waits).
+				busy := e.ps[0]
+				if role == roleDecode {
+					busy = e.ds[0]
+				}
+				arrived, release := make(chan struct{}), make(chan struct{})
+				var once sync.Once
+				busy.setHook(func(w http.ResponseWriter, r *http.Request, body map[string]any) bool {
+					if fmt.Sprint(body["prompt"]) == "hold" {
+						once.Do(func() { close(arrived) })
+						waitFor(r.Context(), release)
+					}
+					return false
+				})
+				held := make(chan int, 1)
+				go func() {
+					status, _ := e.do(ctx, epCompletions.path, `{"prompt":"hold"}`)
+					held <- status
+				}()
+				if !waitFor(ctx, arrived) {
+					t.Fatal("the held request did not arrive")
+				}
+				failed := 0
+				for range 8 {
+					if status, _ := e.do(ctx, epCompletions.path, `{"prompt":"x"}`); status != http.StatusOK {
+						failed++
+					}
+				}
+				if failed > 1 {
+					t.Errorf("%d of 8 requests failed on the dead %s, want at most 1 (the one that found it dead)", failed, role)
+				}
+				url := f.srv.URL
+				if m := e.metrics(); !strings.Contains(m, fmt.Sprintf(`kvxfer_proxy_upstream_up{role="%s",upstream="%s"} 0`, role, url)) {
+					t.Errorf("/metrics does not say %s is down:\n%s", url, grep(m, "upstream_up"))
+				}
+				// It comes back; once its time out is over it is tried again.
+				dead.Store(false)
+				clock.add(time.Minute)
+				for range 4 {
+					if status, resp := e.do(ctx, epCompletions.path, `{"prompt":"x"}`); status != http.StatusOK {
+						t.Errorf("after recovery: status = %d (%s)", status, resp)
+					}
+				}
+				if n := len(f.log.snapshot()); n == 0 {
+					t.Errorf("the recovered %s got no request", role)
+				}
+				if m := e.metrics(); !strings.Contains(m, fmt.Sprintf(`kvxfer_proxy_upstream_up{role="%s",upstream="%s"} 1`, role, url)) {
+					t.Errorf("/metrics does not say %s is up again:\n%s", url, grep(m, "upstream_up"))
+				}
+				close(release)
+				if status := <-held; status != http.StatusOK {
+					t.Errorf("held request: status = %d", status)
+				}
+			})
+		}
+	}
+}
+
+func grep(s, sub string) string {
+	var out []string
+	for l := range strings.SplitSeq(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// The pool leaves out the upstreams reported down, unless all are.
+func TestPoolSkipsDown(t *testing.T) {
+	for _, policy := range []Policy{PolicyRoundRobin, PolicyLeastLoaded} {
+		t.Run(string(policy), func(t *testing.T) {
+			p := newPool(policy, 3)
+			downSet := map[int]bool{1: true}
+			down := func(i int) bool { return downSet[i] }
+			var got []int
+			for range 4 {
+				i := p.acquire(down)
+				got = append(got, i)
+				p.release(i)
+			}
+			if want := []int{0, 2, 0, 2}; fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Errorf("picks with 1 down = %v, want %v", got, want)
+			}
+			downSet[0], downSet[2] = true, true
+			i := p.acquire(down)
+			p.release(i)
+			if i < 0 || i > 2 {
+				t.Errorf("pick with all down = %d, want one of them", i)
+			}
+		})
+	}
+}
+
+// A fleet's instance that is down is left out too.
+func TestFleetSkipsDown(t *testing.T) {
+	var dead atomic.Bool
+	dead.Store(true)
+	clock := &fakeClock{t: time.Unix(1e9, 0)}
+	fl := newFakeFleet()
+	e := newEnv(t, ModePull, 1, 1, func(c *Config) {
+		c.Prefill, c.Decode, c.Fleet, c.Policy, c.now = nil, nil, fl, "", clock.now
+	})
+	x := &fake{name: "px", role: rolePrefill, log: &reqLog{}}
+	x.srv = httptest.NewUnstartedServer(http.HandlerFunc(x.serve))
+	x.srv.Listener = deadListener{x.srv.Listener, &dead}
+	x.srv.Start()
+	t.Cleanup(x.srv.Close)
+	fl.set(instIn(ModePull, x, "g"), instIn(ModePull, e.ps[0], "g"), instIn(ModePull, e.ds[0], "g"))
+	waitFleet(t, e.p, 2, 1)
+	ctx := testCtx(t)
+	failed := 0
+	for range 6 {
+		if status, _ := e.do(ctx, epCompletions.path, `{"prompt":"x"}`); status != http.StatusOK {
+			failed++
+		}
+	}
+	if failed > 1 {
+		t.Errorf("%d of 6 requests failed on the dead instance, want at most 1", failed)
+	}
+}
