@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -324,6 +325,15 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 		}
 		return nil, http.StatusBadRequest, fmt.Errorf("reading the request body: %w", err)
 	}
+	if !utf8.Valid(data) {
+		// Decoding would replace the bad bytes with U+FFFD: P and D would
+		// get a prompt the client did not write.
+		return nil, http.StatusBadRequest, fmt.Errorf("request body is not valid UTF-8 (byte %d)", invalidUTF8At(data))
+	}
+	if i := loneSurrogateAt(data); i >= 0 {
+		// As bad UTF-8: decoding would replace it with U+FFFD.
+		return nil, http.StatusBadRequest, fmt.Errorf("request body has an unpaired UTF-16 surrogate escape %q (byte %d): not a character", data[i:i+6], i)
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var body map[string]any
@@ -340,6 +350,66 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 		return nil, http.StatusBadRequest, err
 	}
 	return body, 0, nil
+}
+
+// invalidUTF8At is the offset of data's first byte that is not valid
+// UTF-8, or -1.
+func invalidUTF8At(data []byte) int {
+	for i := 0; i < len(data); {
+		r, n := utf8.DecodeRune(data[i:])
+		if r == utf8.RuneError && n <= 1 {
+			return i
+		}
+		i += n
+	}
+	return -1
+}
+
+// loneSurrogateAt is the offset of the first \uXXXX escape in data's
+// JSON strings that is a UTF-16 surrogate not in a high-low pair, or -1.
+// Outside strings there are no backslashes in valid JSON, so a scan for
+// escapes is enough: an escaped backslash is skipped whole.
+func loneSurrogateAt(data []byte) int {
+	hex4 := func(i int) (rune, bool) {
+		if i+6 > len(data) || data[i] != '\\' || data[i+1] != 'u' {
+			return 0, false
+		}
+		var r rune
+		for _, c := range data[i+2 : i+6] {
+			switch {
+			case c >= '0' && c <= '9':
+				r = r<<4 | rune(c-'0')
+			case c >= 'a' && c <= 'f':
+				r = r<<4 | rune(c-'a'+10)
+			case c >= 'A' && c <= 'F':
+				r = r<<4 | rune(c-'A'+10)
+			default:
+				return 0, false
+			}
+		}
+		return r, true
+	}
+	for i := 0; i < len(data); i++ {
+		if data[i] != '\\' {
+			continue
+		}
+		r, ok := hex4(i)
+		switch {
+		case !ok:
+			i++ // another escape (\\, \", \n...): skip its second byte
+		case r >= 0xD800 && r <= 0xDBFF:
+			if lo, ok := hex4(i + 6); ok && lo >= 0xDC00 && lo <= 0xDFFF {
+				i += 11
+				continue
+			}
+			return i
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return i
+		default:
+			i += 5
+		}
+	}
+	return -1
 }
 
 // checkOneSequence refuses a request for several sequences (n or best_of

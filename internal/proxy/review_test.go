@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -290,5 +291,76 @@ func TestFleetSkipsDown(t *testing.T) {
 	}
 	if failed > 1 {
 		t.Errorf("%d of 6 requests failed on the dead instance, want at most 1", failed)
+	}
+}
+
+// A body that is not valid UTF-8 is refused with 400 saying where:
+// decoding it would replace the bad bytes with U+FFFD and send P and D a
+// prompt the client did not write (vLLM itself refuses such a body).
+func TestBodyNotUTF8Refused(t *testing.T) {
+	e := newEnv(t, ModePull, 1, 1, nil)
+	ctx := testCtx(t)
+	for _, body := range []string{
+		"{\"prompt\":\"a\xffb\"}", "{\"prompt\":\"x\",\"stop\":[\"\xc3\"]}",
+		// Escapes of unpaired UTF-16 surrogates decode to U+FFFD too.
+		`{"prompt":"\ud800"}`, `{"prompt":"x\udc00"}`, `{"prompt":"\ud83dx"}`, `{"prompt":"\\\ud800"}`,
+	} {
+		status, resp := e.do(ctx, epCompletions.path, body)
+		if status != http.StatusBadRequest || !strings.Contains(resp, "UTF") {
+			t.Errorf("%q: response = %d %s, want 400 saying it is not UTF-8", body, status, resp)
+		}
+	}
+	if n := len(e.log.snapshot()); n != 0 {
+		t.Errorf("upstreams got %d requests (%+v), want 0", n, e.log.snapshot())
+	}
+	for _, body := range []string{`{"prompt":"h\u00e9 é"}`, `{"prompt":"\ud83d\ude00 \\ud800 \\\ud83d\uDE00"}`, `{"prompt":"\\u"}`} {
+		if status, resp := e.do(ctx, epCompletions.path, body); status != http.StatusOK {
+			t.Errorf("%s: status = %d (%s), want 200", body, status, resp)
+		}
+	}
+}
+
+// A client that goes away mid-stream ends its request once: P's and D's
+// in-flight counts (least-loaded's and the gauges) come back to zero and
+// the next requests are spread as if it never was.
+func TestDisconnectMidStreamReleasesOnce(t *testing.T) {
+	for _, mode := range []Mode{ModePull, ModePush} {
+		t.Run(string(mode), func(t *testing.T) {
+			e := newEnv(t, mode, 2, 2, func(c *Config) { c.Policy = PolicyLeastLoaded })
+			ctx := testCtx(t)
+			d := newCancelWatch()
+			e.ds[0].setHook(d.hook(true))
+			for range 3 {
+				rctx, cancel := context.WithCancel(ctx)
+				resp := e.post(rctx, epCompletions.path, `{"prompt":"x","stream":true}`)
+				buf := make([]byte, len("data: 1\n\n"))
+				if _, err := io.ReadFull(resp.Body, buf); err != nil {
+					t.Fatalf("first chunk: %v", err)
+				}
+				cancel()
+				resp.Body.Close()
+				if !waitIdle(e.p, wait) {
+					t.Fatal("the request did not end after its client left")
+				}
+				d.check(t, "D")
+				d = newCancelWatch()
+				e.ds[0].setHook(d.hook(true))
+				e.ds[1].setHook(d.hook(true))
+			}
+			for _, pl := range []*pool{e.p.ppool, e.p.dpool} {
+				pl.mu.Lock()
+				if got := fmt.Sprint(pl.mu.inflight); got != "[0 0]" {
+					t.Errorf("in flight = %s, want [0 0]", got)
+				}
+				pl.mu.Unlock()
+			}
+			m := e.metrics()
+			if g := grep(m, "kvxfer_proxy_upstream_in_flight{"); strings.Count(g, "} 0") != 4 {
+				t.Errorf("in-flight gauges = \n%s\nwant 4 at 0", g)
+			}
+			if want := fmt.Sprintf(`kvxfer_proxy_requests_total{endpoint="/v1/completions",mode="%s",outcome="canceled"} 3`, mode); !strings.Contains(m, want) {
+				t.Errorf("/metrics lacks %q:\n%s", want, grep(m, "requests_total"))
+			}
+		})
 	}
 }
