@@ -11,8 +11,9 @@ const (
 	outcomeBadRequest  = "bad_request"    // the body is not a JSON object
 	outcomeTooLarge    = "too_large"      // the body is over Config.MaxBody
 	outcomeOverloaded  = "overloaded"     // Config.MaxConcurrent requests in flight
-	outcomePrefillFail = "prefill_failed" // P failed (HTTP status, connection, no kv_transfer_params)
-	outcomeDecodeFail  = "decode_failed"  // D failed (connection, HTTP status relayed, stream broken)
+	outcomePrefillFail = "prefill_failed" // P failed (HTTP 5xx, connection, no kv_transfer_params)
+	outcomeDecodeFail  = "decode_failed"  // D failed (connection, HTTP 5xx relayed, stream broken)
+	outcomeRejected    = "rejected"       // P or D refused the request (HTTP 4xx but 408), its answer relayed
 	outcomeCanceled    = "canceled"       // the client went away
 	outcomeNoUpstream  = "no_upstream"    // a Fleet has no live, compatible P and D now
 )
@@ -21,7 +22,8 @@ const (
 const (
 	kindConnect  = "connect"  // dialling or sending failed, or the connection broke before a response
 	kindTimeout  = "timeout"  // Config.Timeout ran out
-	kindStatus   = "status"   // a non-2xx HTTP status
+	kindStatus   = "status"   // a non-2xx HTTP status but a refusal's
+	kindRejected = "rejected" // HTTP 4xx but 408: the upstream refused the request itself (the client's to fix)
 	kindProtocol = "protocol" // a response we cannot use: bad JSON, no kv_transfer_params, too large
 	kindRead     = "read"     // the response body broke off
 )

@@ -574,6 +574,20 @@ type prefillResult struct {
 	params json.RawMessage // pull: P's kv_transfer_params, byte for byte
 	dur    time.Duration
 	err    error
+	// refused: P refused the request itself (see refusal); answer and
+	// ctype are its answer, for the client.
+	refused bool
+	answer  []byte
+	ctype   string
+}
+
+// refusal reports whether an upstream's HTTP status refuses the request
+// itself (a bad parameter, an unknown model, a prompt too long, a rate
+// limit): the client's to fix or retry, relayed as it is rather than
+// answered 502 and counted as the upstream's failure. 408 is the
+// upstream's own time running out.
+func refusal(status int) bool {
+	return status >= 400 && status <= 499 && status != http.StatusRequestTimeout
 }
 
 // callPrefill sends P its request and reads its response (bounded by
@@ -610,7 +624,11 @@ func (p *Proxy) callPrefill(ctx context.Context, u *upstream, ep endpoint, body 
 		return fail(kind, fmt.Errorf("reading the response: %w", err))
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return fail(kindStatus, fmt.Errorf("HTTP %d: %s", resp.StatusCode, snippet(data)))
+		kind := kindStatus
+		if refusal(resp.StatusCode) && int64(len(data)) <= p.cfg.MaxBody {
+			kind, res.refused, res.answer, res.ctype = kindRejected, true, data, resp.Header.Get("Content-Type")
+		}
+		return fail(kind, fmt.Errorf("HTTP %d: %s", resp.StatusCode, snippet(data)))
 	}
 	if int64(len(data)) > p.cfg.MaxBody {
 		return fail(kindProtocol, fmt.Errorf("response is over %d bytes", p.cfg.MaxBody))
@@ -690,7 +708,7 @@ func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep end
 	releaseP()
 	rec.notePrefill(res)
 	if res.err != nil {
-		p.failed(w, rec, ctx, outcomePrefillFail, res.err, false)
+		p.prefillFailed(w, rec, ctx, res, false)
 		return
 	}
 	du, releaseD, err := p.pick(roleDecode, pu)
@@ -791,7 +809,7 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		pFailed := prefillCause()
 		pres := endP(true)
 		if pFailed {
-			p.failed(w, rec, ctx, outcomePrefillFail, pres.err, false)
+			p.prefillFailed(w, rec, ctx, pres, false)
 			return
 		}
 		p.sendFailed(dctx, du, err)
@@ -804,7 +822,7 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 	dOK := isOK(resp.StatusCode)
 	if !dOK {
 		// D's own answer (its status and error body) goes to the client.
-		p.upstreamError(dctx, du, kindStatus)
+		p.upstreamError(dctx, du, statusKind(resp.StatusCode))
 		endP(true)
 	}
 	started, err := relay(upstreamContext(resp, dctx), w, resp, func() {
@@ -819,9 +837,12 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		}
 	case err == nil:
 		rec.outcome, rec.err = outcomeDecodeFail, fmt.Errorf("decode %s: HTTP %d", du.base, resp.StatusCode)
+		if refusal(resp.StatusCode) {
+			rec.outcome = outcomeRejected
+		}
 	case prefillCause():
 		pres := endP(true)
-		p.failed(w, rec, ctx, outcomePrefillFail, pres.err, started)
+		p.prefillFailed(w, rec, ctx, pres, started)
 	default:
 		if dOK {
 			endP(true)
@@ -832,6 +853,28 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		}
 		p.failed(w, rec, ctx, outcomeDecodeFail, err, started)
 	}
+}
+
+// statusKind is the error kind of an upstream's non-2xx status.
+func statusKind(status int) string {
+	if refusal(status) {
+		return kindRejected
+	}
+	return kindStatus
+}
+
+// prefillFailed ends a request whose P failed: a refusal of P's (see
+// refusal) goes to the client as P answered it, unless D's response
+// started; any other failure as failed does.
+func (p *Proxy) prefillFailed(w http.ResponseWriter, rec *record, ctx context.Context, res prefillResult, started bool) {
+	if !res.refused || started || ctx.Err() != nil {
+		p.failed(w, rec, ctx, outcomePrefillFail, res.err, started)
+		return
+	}
+	rec.outcome, rec.err = outcomeRejected, res.err
+	w.Header().Set("Content-Type", cmp.Or(res.ctype, "application/json"))
+	w.WriteHeader(res.status)
+	_, _ = w.Write(res.answer)
 }
 
 // failed ends a request that failed with outcome, or with outcomeCanceled

@@ -364,3 +364,55 @@ func TestDisconnectMidStreamReleasesOnce(t *testing.T) {
 		})
 	}
 }
+
+// A request P refuses as invalid (HTTP 4xx: a bad parameter, an unknown
+// model, a prompt too long) gets P's own answer, as a D's refusal does,
+// not 502: the client's request is wrong, not the gateway. In push, D
+// refuses it too, and which answers first must not decide the status.
+// Such refusals are counted apart from upstream failures.
+func TestPrefillRefusalRelayed(t *testing.T) {
+	const refusal = `{"error":{"message":"temperature must be non-negative, got -1.0","type":"BadRequestError","code":400}}`
+	for _, mode := range []Mode{ModePull, ModePush} {
+		for _, dFirst := range []bool{false, true} {
+			if mode == ModePull && dFirst {
+				continue // D is not asked
+			}
+			t.Run(fmt.Sprintf("%s/D first=%v", mode, dFirst), func(t *testing.T) {
+				e := newEnv(t, mode, 1, 1, nil)
+				refuse := func(first bool) hook {
+					return func(w http.ResponseWriter, r *http.Request, _ map[string]any) bool {
+						if first != dFirst && mode == ModePush {
+							// The other refuses first: wait for this one's
+							// request to be cancelled, or answer after.
+							timer := time.NewTimer(200 * time.Millisecond)
+							defer timer.Stop()
+							select {
+							case <-r.Context().Done():
+								return true
+							case <-timer.C:
+							}
+						}
+						w.Header().Set("Content-Type", "application/json")
+						w.WriteHeader(http.StatusBadRequest)
+						io.WriteString(w, refusal)
+						return true
+					}
+				}
+				e.ps[0].setHook(refuse(false))
+				e.ds[0].setHook(refuse(true))
+				status, resp := e.do(testCtx(t), epCompletions.path, `{"prompt":"x","temperature":-1}`)
+				if status != http.StatusBadRequest || resp != refusal {
+					t.Errorf("response = %d %s, want the upstream's 400 %s", status, resp, refusal)
+				}
+				m := e.metrics()
+				if g := grep(m, `kvxfer_proxy_upstream_errors_total{kind="status"`); g != "" {
+					t.Errorf("a refusal counted as an upstream failure:\n%s", g)
+				}
+				want := fmt.Sprintf(`kvxfer_proxy_requests_total{endpoint="/v1/completions",mode="%s",outcome="rejected"} 1`, mode)
+				if !strings.Contains(m, want) {
+					t.Errorf("/metrics lacks %q:\n%s", want, grep(m, "requests_total"))
+				}
+			})
+		}
+	}
+}
