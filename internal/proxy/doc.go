@@ -37,8 +37,9 @@
 // "rejected"), whichever of P and D answered first. The proxy itself
 // refuses with 400, naming the field and value, a body that is not a
 // JSON object, not valid UTF-8 (or escapes an unpaired surrogate), or
-// asks for several sequences (n or best_of above 1, use_beam_search):
-// vLLM runs each as a child request carrying the one transfer id. P's
+// asks for several sequences (n or best_of above 1, use_beam_search) or
+// several prompts (a batch in prompt or prompt_embeds): vLLM runs each as
+// an engine request of its own carrying the one transfer id. P's
 // body drops the client's min_tokens (vLLM refuses it above P's
 // max_tokens 1); D's keeps it.
 //

@@ -298,8 +298,8 @@ func (p *Proxy) end(rec *record, start time.Time) {
 
 // readJSON reads the client's body; on failure it has answered the client
 // and set rec.outcome.
-func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record) (map[string]any, bool) {
-	body, status, err := p.readBody(w, r)
+func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record, ep endpoint) (map[string]any, bool) {
+	body, status, err := p.readBody(w, r, ep)
 	if err != nil {
 		rec.outcome, rec.err = outcomeBadRequest, err
 		if status == http.StatusRequestEntityTooLarge {
@@ -313,8 +313,8 @@ func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record) (m
 
 // readBody reads the client's body, bounded in size (Config.MaxBody) and
 // time, as a JSON object whose numbers stay json.Number (re-encoded as
-// the same literal).
-func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any, int, error) {
+// the same literal), for one engine request (checkOneSequence).
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request, ep endpoint) (map[string]any, int, error) {
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Now().Add(bodyReadTimeout)) // unsupported only off a real server
 	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.cfg.MaxBody))
@@ -346,7 +346,7 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 	if _, err := dec.Token(); err != io.EOF {
 		return nil, http.StatusBadRequest, errors.New("request body has data after its JSON object")
 	}
-	if err := checkOneSequence(body); err != nil {
+	if err := checkOneSequence(body, ep); err != nil {
 		return nil, http.StatusBadRequest, err
 	}
 	return body, 0, nil
@@ -413,13 +413,27 @@ func loneSurrogateAt(data []byte) int {
 }
 
 // checkOneSequence refuses a request for several sequences (n or best_of
-// above 1, beam search), naming the field and its value. vLLM runs each
-// sequence as a child request of its own that carries the request's one
-// kv_transfer_params: in push, P's and D's children would all register
-// under one transfer id (one pair, the rest waiting out their lease); in
-// pull, D's children would all read the blocks of the one P request
-// named, which P frees after the first read.
-func checkOneSequence(body map[string]any) error {
+// above 1, beam search) or, on the completions endpoint, several prompts
+// (a batch in prompt, prompt_embeds), naming the field and its value.
+// vLLM runs each sequence and each prompt as an engine request of its own
+// that carries the request's one kv_transfer_params: in push, P's and D's
+// would all register under one transfer id (one pair, the rest waiting
+// out their lease); in pull, D's would all get the params P returned for
+// its first (the KV of another prompt, or blocks P frees after the first
+// read).
+func checkOneSequence(body map[string]any, ep endpoint) error {
+	if !ep.chat {
+		prompts, embeds := promptCount(body["prompt"], true), promptCount(body["prompt_embeds"], false)
+		switch {
+		case prompts > 1:
+			return fmt.Errorf("prompt = %s: a batch of %d prompts; the proxy serves one prompt per request (kv_transfer_params name one request on each side); send several requests",
+				snippetN(mustJSON(body["prompt"]), 40), prompts)
+		case embeds > 1:
+			return fmt.Errorf("prompt_embeds: a batch of %d; the proxy serves one prompt per request (kv_transfer_params name one request on each side); send several requests", embeds)
+		case prompts+embeds > 1:
+			return errors.New("prompt and prompt_embeds both given: two prompts; the proxy serves one prompt per request (kv_transfer_params name one request on each side)")
+		}
+	}
 	for _, k := range []string{"n", "best_of"} {
 		v, ok := body[k]
 		if !ok || v == nil {
@@ -438,6 +452,24 @@ func checkOneSequence(body map[string]any) error {
 			snippetN(mustJSON(v), 40))
 	}
 	return nil
+}
+
+// promptCount is how many engine requests a completions prompt (tokens:
+// a list of token ids is one prompt) or prompt_embeds field makes.
+func promptCount(v any, tokens bool) int {
+	switch v := v.(type) {
+	case nil:
+		return 0
+	case []any:
+		if len(v) == 0 {
+			return 0
+		}
+		if _, isNum := v[0].(json.Number); isNum && tokens {
+			return 1
+		}
+		return len(v)
+	}
+	return 1
 }
 
 // mustJSON is v (decoded from JSON) as JSON again.
@@ -673,7 +705,7 @@ func (p *Proxy) generate(ep endpoint) http.HandlerFunc {
 			return
 		}
 		defer p.end(rec, start)
-		body, ok := p.readJSON(w, r, rec)
+		body, ok := p.readJSON(w, r, rec, ep)
 		if !ok {
 			return
 		}

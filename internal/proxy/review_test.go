@@ -77,6 +77,13 @@ func TestSeveralSequencesRefused(t *testing.T) {
 				{`{"prompt":"x","n":"2"}`, "n"},
 				{`{"prompt":"x","best_of":3}`, "best_of"},
 				{`{"prompt":"x","use_beam_search":true}`, "use_beam_search"},
+				// A batch of prompts: one engine request each, all with
+				// the one transfer id (pull: D's would all get the params
+				// of P's first prompt, the KV of another prompt).
+				{`{"prompt":["a","b"]}`, "prompt"},
+				{`{"prompt":[[1,2],[3]]}`, "prompt"},
+				{`{"prompt":"a","prompt_embeds":"AAAA"}`, "prompt"},
+				{`{"prompt_embeds":["AAAA","BBBB"]}`, "prompt_embeds"},
 			} {
 				status, resp := e.do(ctx, epCompletions.path, tc.body)
 				if status != http.StatusBadRequest || !strings.Contains(resp, tc.field) {
@@ -86,12 +93,13 @@ func TestSeveralSequencesRefused(t *testing.T) {
 			if n := len(e.log.snapshot()); n != 0 {
 				t.Errorf("upstreams got %d requests, want 0", n)
 			}
-			for _, body := range []string{`{"prompt":"x","n":1}`, `{"prompt":"x","n":null,"best_of":1,"use_beam_search":false}`} {
+			for _, body := range []string{`{"prompt":"x","n":1}`, `{"prompt":"x","n":null,"best_of":1,"use_beam_search":false}`,
+				`{"prompt":["a"]}`, `{"prompt":[1,2,3]}`, `{"prompt":[[1,2]]}`} {
 				if status, resp := e.do(ctx, epCompletions.path, body); status != http.StatusOK {
 					t.Errorf("%s: status = %d (%s), want 200", body, status, resp)
 				}
 			}
-			want := fmt.Sprintf(`kvxfer_proxy_requests_total{endpoint="/v1/completions",mode="%s",outcome="bad_request"} 4`, mode)
+			want := fmt.Sprintf(`kvxfer_proxy_requests_total{endpoint="/v1/completions",mode="%s",outcome="bad_request"} 8`, mode)
 			if m := e.metrics(); !strings.Contains(m, want) {
 				t.Errorf("/metrics lacks %q", want)
 			}
@@ -414,5 +422,33 @@ func TestPrefillRefusalRelayed(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// D's response headers reach the client but for the hop-by-hop ones,
+// those its Connection header names included.
+func TestResponseHopHeaders(t *testing.T) {
+	e := newEnv(t, ModePull, 1, 1, nil)
+	e.ds[0].setHook(func(w http.ResponseWriter, _ *http.Request, _ map[string]any) bool {
+		h := w.Header()
+		h.Set("Connection", "X-Hop, keep-alive")
+		h.Set("X-Hop", "1")
+		h.Set("Keep-Alive", "timeout=5")
+		h.Set("Proxy-Authenticate", "Basic")
+		h.Set("X-End", "2")
+		h.Set("Content-Type", "application/json")
+		io.WriteString(w, `{}`)
+		return true
+	})
+	resp := e.post(testCtx(t), epCompletions.path, `{"prompt":"x"}`)
+	defer resp.Body.Close()
+	io.Copy(io.Discard, resp.Body)
+	for _, k := range []string{"X-Hop", "Keep-Alive", "Proxy-Authenticate"} {
+		if v := resp.Header.Get(k); v != "" {
+			t.Errorf("client got %s: %s, a hop-by-hop header", k, v)
+		}
+	}
+	if resp.Header.Get("X-End") != "2" || resp.Header.Get("X-Request-Id") == "" {
+		t.Errorf("client's headers = %v, want X-End and X-Request-Id", resp.Header)
 	}
 }
