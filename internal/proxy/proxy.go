@@ -96,15 +96,24 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.Fleet != nil {
 		p.fleet = newFleetRouter(p, cfg.Fleet, cfg.MaxFleet)
 	}
+	// A server listed twice (a weight) is one server: one health, as it
+	// has one gauge.
+	healths := map[[2]string]*health{}
+	healthOf := func(role, url string) *health {
+		h := healths[[2]string{role, url}]
+		if h == nil {
+			h = newHealth(cfg.now, p.m.up.WithLabelValues(role, url))
+			healths[[2]string{role, url}] = h
+		}
+		return h
+	}
 	for _, pf := range cfg.Prefill {
 		p.prefill = append(p.prefill, &upstream{role: rolePrefill, base: pf.URL, prefill: pf,
-			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL),
-			health:   newHealth(cfg.now, p.m.up.WithLabelValues(rolePrefill, pf.URL))})
+			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL), health: healthOf(rolePrefill, pf.URL)})
 	}
 	for _, d := range cfg.Decode {
 		p.decode = append(p.decode, &upstream{role: roleDecode, base: d,
-			inflight: p.m.inflight.WithLabelValues(roleDecode, d),
-			health:   newHealth(cfg.now, p.m.up.WithLabelValues(roleDecode, d))})
+			inflight: p.m.inflight.WithLabelValues(roleDecode, d), health: healthOf(roleDecode, d)})
 	}
 	rt := cfg.Transport
 	if rt == nil {

@@ -452,3 +452,28 @@ func TestResponseHopHeaders(t *testing.T) {
 		t.Errorf("client's headers = %v, want X-End and X-Request-Id", resp.Header)
 	}
 }
+
+func TestLoneSurrogateAt(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int
+	}{
+		{`{"a":"x"}`, -1},
+		{`{"a":"\ud83d\ude00"}`, -1},
+		{`{"a":"\uD83D\uDE00\u00e9"}`, -1},
+		{`{"a":"\\ud800"}`, -1},
+		{`{"a":"\"\n\\"}`, -1},
+		{`{"a":"\ud800"}`, 6},
+		{`{"a":"\ude00"}`, 6},
+		{`{"a":"\ud800\ud800"}`, 6},
+		{`{"a":"\ud83d\ude00\ud800"}`, 18},
+		{`{"a":"\"\ud800"}`, 8},
+		{`{"a":"\\\ud800"}`, 8},
+		{`{"a":"\ud800x"}`, 6},
+		{`{"a":"\ud800\u0041"}`, 6},
+	} {
+		if got := loneSurrogateAt([]byte(tc.in)); got != tc.want {
+			t.Errorf("loneSurrogateAt(%s) = %d, want %d", tc.in, got, tc.want)
+		}
+	}
+}
