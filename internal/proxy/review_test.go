@@ -477,3 +477,102 @@ func TestLoneSurrogateAt(t *testing.T) {
 		}
 	}
 }
+
+// Under concurrent requests whose P and D fail every way (an error
+// status, a refusal, a broken connection, a stream cut, a hang until
+// cancelled) and whose clients leave at random, every request ends once:
+// one outcome counted per request, and least-loaded's and the gauges'
+// in-flight counts back at zero.
+func TestFailuresHammer(t *testing.T) {
+	n := 120
+	if testing.Short() {
+		n = 30
+	}
+	for _, mode := range []Mode{ModePull, ModePush} {
+		t.Run(string(mode), func(t *testing.T) {
+			e := newEnv(t, mode, 2, 2, func(c *Config) { c.Policy, c.Timeout = PolicyLeastLoaded, time.Second })
+			behave := func(w http.ResponseWriter, r *http.Request, body map[string]any) bool {
+				var k int
+				fmt.Sscan(fmt.Sprint(body["prompt"]), &k)
+				if r.URL.Path != epCompletions.path {
+					return false
+				}
+				switch (k + len(r.Host)) % 7 { // P and D differ by their ports
+				case 0:
+					http.Error(w, "boom", http.StatusInternalServerError)
+				case 1:
+					http.Error(w, `{"error":"bad"}`, http.StatusBadRequest)
+				case 2:
+					panic(http.ErrAbortHandler)
+				case 3:
+					w.Header().Set("Content-Type", "text/event-stream")
+					io.WriteString(w, "data: 1\n\n")
+					w.(http.Flusher).Flush()
+					panic(http.ErrAbortHandler)
+				case 4:
+					<-r.Context().Done()
+				default:
+					return false
+				}
+				return true
+			}
+			for _, f := range append(append([]*fake(nil), e.ps...), e.ds...) {
+				f.setHook(behave)
+			}
+			// The requests that reach the proxy (a client that leaves at
+			// once may not).
+			var entered atomic.Int64
+			front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				entered.Add(1)
+				e.p.ServeHTTP(w, r)
+			}))
+			defer front.Close()
+			ctx := testCtx(t)
+			var wg sync.WaitGroup
+			sem := make(chan struct{}, 16)
+			for i := range n {
+				wg.Add(1)
+				sem <- struct{}{}
+				go func() {
+					defer wg.Done()
+					defer func() { <-sem }()
+					rctx, cancel := context.WithCancel(ctx)
+					defer cancel()
+					if i%5 == 0 {
+						time.AfterFunc(time.Duration(i%20)*time.Millisecond, cancel)
+					}
+					req, _ := http.NewRequestWithContext(rctx, http.MethodPost, front.URL+epCompletions.path,
+						strings.NewReader(fmt.Sprintf(`{"prompt":"%d","stream":%v}`, i, i%2 == 0)))
+					if resp, err := e.client.Do(req); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				}()
+			}
+			wg.Wait()
+			if !waitIdle(e.p, wait) {
+				t.Fatal("requests still in flight after every client ended")
+			}
+			for _, pl := range []*pool{e.p.ppool, e.p.dpool} {
+				pl.mu.Lock()
+				if got := fmt.Sprint(pl.mu.inflight); got != "[0 0]" {
+					t.Errorf("in flight = %s, want [0 0]", got)
+				}
+				pl.mu.Unlock()
+			}
+			m := e.metrics()
+			if g := grep(m, "kvxfer_proxy_upstream_in_flight{"); strings.Count(g, "} 0") != 4 {
+				t.Errorf("in-flight gauges =\n%s\nwant 4 at 0", g)
+			}
+			total := 0
+			for l := range strings.SplitSeq(grep(m, "kvxfer_proxy_requests_total{"), "\n") {
+				var v int
+				fmt.Sscan(l[strings.LastIndexByte(l, ' ')+1:], &v)
+				total += v
+			}
+			if got := int(entered.Load()); total != got || got < n/2 {
+				t.Errorf("outcomes counted = %d, want %d (one per request that reached the proxy, of %d):\n%s", total, got, n, grep(m, "requests_total"))
+			}
+		})
+	}
+}
