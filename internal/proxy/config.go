@@ -218,6 +218,9 @@ type Config struct {
 	// (0 means DefaultMaxFleet).
 	Fleet    Fleet
 	MaxFleet int
+	// now is the clock of upstream health (tests move it); nil means
+	// time.Now.
+	now func() time.Time
 }
 
 // fill validates c and fills its defaults, naming the bad field.
@@ -287,6 +290,9 @@ func (c *Config) fill() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.now == nil {
+		c.now = time.Now
 	}
 	return nil
 }

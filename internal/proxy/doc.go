@@ -29,6 +29,25 @@
 // first response byte, D's request is cancelled (vLLM aborts it) and the
 // client gets 502; after that, D's stream is cut.
 //
+// # Refusals, bad requests and dead servers
+//
+// A P or D that refuses a request itself (HTTP 4xx but 408: a bad
+// parameter, an unknown model, a prompt too long) has its answer relayed
+// to the client as it is (outcome "rejected", upstream error kind
+// "rejected"), whichever of P and D answered first. The proxy itself
+// refuses with 400, naming the field and value, a body that is not a
+// JSON object, not valid UTF-8 (or escapes an unpaired surrogate), or
+// asks for several sequences (n or best_of above 1, use_beam_search) or
+// several prompts (a batch in prompt or prompt_embeds): vLLM runs each as
+// an engine request of its own carrying the one transfer id. P's
+// body drops the client's min_tokens (vLLM refuses it above P's
+// max_tokens 1); D's keeps it.
+//
+// An upstream whose connection fails (no response: refused, reset) is
+// left out of the picks for 1 s, doubling to 30 s while it keeps
+// failing, unless every candidate is; then it is tried again, and its
+// first response brings it back (kvxfer_proxy_upstream_up).
+//
 // # Usage
 //
 // Build a Config, call New and serve the Proxy as an http.Handler; Close

@@ -198,7 +198,8 @@ func (f *fleetRouter) rebuild() {
 			}
 			fu = &fleetUpstream{inst: in, upstream: &upstream{base: in.URL, label: "fleet",
 				prefill:  Prefill{URL: in.URL, Engine: in.Engine, KVHost: in.KVHost, KVPort: in.KVPort, TP: in.TP},
-				inflight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "unregistered"})}}
+				inflight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "unregistered"}),
+				health:   newHealth(f.p.cfg.now, prometheus.NewGauge(prometheus.GaugeOpts{Name: "unregistered"}))}}
 			f.byID[in.ID] = fu
 			f.m.changes.WithLabelValues("join").Inc()
 			log.Info("kvxferd proxy: fleet instance joined", "instance", in.ID, "url", in.URL, "group", in.Group,
@@ -237,16 +238,25 @@ func (f *fleetRouter) pick(role string, with *upstream) (*upstream, func(), erro
 	n := len(list)
 	start := int(cur.Add(1) % uint64(max(n, 1)))
 	var best *fleetUpstream
-	for k := range n {
-		c := list[(start+k)%n]
-		switch {
-		case with != nil && (c.group() != with.group || c.base == with.base):
-			continue // another group, or the instance itself (one of both roles)
-		case with == nil && role == rolePrefill && t.decodes[c.group()]-btoi(c.inst.Decode) <= 0:
-			continue
+	// First the instances that are up (see health), then, if all are
+	// down, any: one may have come back.
+	for _, skipDown := range []bool{true, false} {
+		for k := range n {
+			c := list[(start+k)%n]
+			switch {
+			case with != nil && (c.group() != with.group || c.base == with.base):
+				continue // another group, or the instance itself (one of both roles)
+			case with == nil && role == rolePrefill && t.decodes[c.group()]-btoi(c.inst.Decode) <= 0:
+				continue
+			case skipDown && c.health.down():
+				continue
+			}
+			if best == nil || c.inflight.Load() < best.inflight.Load() {
+				best = c
+			}
 		}
-		if best == nil || c.inflight.Load() < best.inflight.Load() {
-			best = c
+		if best != nil {
+			break
 		}
 	}
 	if best == nil {

@@ -11,8 +11,9 @@ const (
 	outcomeBadRequest  = "bad_request"    // the body is not a JSON object
 	outcomeTooLarge    = "too_large"      // the body is over Config.MaxBody
 	outcomeOverloaded  = "overloaded"     // Config.MaxConcurrent requests in flight
-	outcomePrefillFail = "prefill_failed" // P failed (HTTP status, connection, no kv_transfer_params)
-	outcomeDecodeFail  = "decode_failed"  // D failed (connection, HTTP status relayed, stream broken)
+	outcomePrefillFail = "prefill_failed" // P failed (HTTP 5xx, connection, no kv_transfer_params)
+	outcomeDecodeFail  = "decode_failed"  // D failed (connection, HTTP 5xx relayed, stream broken)
+	outcomeRejected    = "rejected"       // P or D refused the request (HTTP 4xx but 408), its answer relayed
 	outcomeCanceled    = "canceled"       // the client went away
 	outcomeNoUpstream  = "no_upstream"    // a Fleet has no live, compatible P and D now
 )
@@ -21,7 +22,8 @@ const (
 const (
 	kindConnect  = "connect"  // dialling or sending failed, or the connection broke before a response
 	kindTimeout  = "timeout"  // Config.Timeout ran out
-	kindStatus   = "status"   // a non-2xx HTTP status
+	kindStatus   = "status"   // a non-2xx HTTP status but a refusal's
+	kindRejected = "rejected" // HTTP 4xx but 408: the upstream refused the request itself (the client's to fix)
 	kindProtocol = "protocol" // a response we cannot use: bad JSON, no kv_transfer_params, too large
 	kindRead     = "read"     // the response body broke off
 )
@@ -36,6 +38,7 @@ type metrics struct {
 	reg          *prometheus.Registry
 	requests     *prometheus.CounterVec   // mode, endpoint, outcome
 	inflight     *prometheus.GaugeVec     // role, upstream
+	up           *prometheus.GaugeVec     // role, upstream
 	upstreamErrs *prometheus.CounterVec   // role, upstream, kind
 	prefillTime  *prometheus.HistogramVec // mode
 	decodeTTFB   *prometheus.HistogramVec // mode
@@ -53,6 +56,10 @@ func newMetrics() *metrics {
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvxfer_proxy_upstream_in_flight", Help: "Requests in flight per upstream server.",
 		}, []string{"role", "upstream"}),
+		up: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvxfer_proxy_upstream_up",
+			Help: "1 while an upstream server is picked, 0 while it is left out after its connection failed (retried after 1 s, doubling to 30 s while it keeps failing).",
+		}, []string{"role", "upstream"}),
 		upstreamErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvxfer_proxy_upstream_errors_total", Help: "Failed upstream requests by upstream and kind.",
 		}, []string{"role", "upstream", "kind"}),
@@ -66,7 +73,7 @@ func newMetrics() *metrics {
 			Name: "kvxfer_proxy_request_seconds", Help: "Client request latency, whole response relayed.", Buckets: buckets,
 		}, []string{"mode", "endpoint"}),
 	}
-	m.reg.MustRegister(m.requests, m.inflight, m.upstreamErrs, m.prefillTime, m.decodeTTFB, m.total,
+	m.reg.MustRegister(m.requests, m.inflight, m.up, m.upstreamErrs, m.prefillTime, m.decodeTTFB, m.total,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -19,29 +19,37 @@ func newPool(policy Policy, n int) *pool {
 	return p
 }
 
-// acquire picks an upstream and counts a request in flight on it; the
-// caller calls release(i) exactly once when that request ends.
-func (p *pool) acquire() int {
+// acquire picks an upstream, leaving out those down reports (nil: none)
+// unless all are, and counts a request in flight on it; the caller calls
+// release(i) exactly once when that request ends.
+func (p *pool) acquire(down func(i int) bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	i := p.pickLocked()
+	i := p.pickLocked(down)
+	if i < 0 {
+		i = p.pickLocked(nil) // all down: any may have come back
+	}
 	p.mu.inflight[i]++
 	p.mu.next = (i + 1) % len(p.mu.inflight)
 	return i
 }
 
-// pickLocked is the policy: round-robin takes the cursor; least-loaded
-// takes the fewest in flight, scanning from the cursor so that ties go
-// round-robin.
-func (p *pool) pickLocked() int {
+// pickLocked is the policy over the upstreams down does not report
+// (nil: all), -1 if none: round-robin takes the first from the cursor;
+// least-loaded takes the fewest in flight, scanning from the cursor so
+// that ties go round-robin.
+func (p *pool) pickLocked(down func(i int) bool) int {
 	n := len(p.mu.inflight)
-	best := p.mu.next
-	if p.policy != PolicyLeastLoaded {
-		return best
-	}
-	for k := 1; k < n; k++ {
+	best := -1
+	for k := range n {
 		i := (p.mu.next + k) % n
-		if p.mu.inflight[i] < p.mu.inflight[best] {
+		if down != nil && down(i) {
+			continue
+		}
+		if p.policy != PolicyLeastLoaded {
+			return i
+		}
+		if best < 0 || p.mu.inflight[i] < p.mu.inflight[best] {
 			best = i
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -57,8 +58,9 @@ type upstream struct {
 	inflight prometheus.Gauge
 	// label is the upstream label of its error metrics (default base):
 	// "fleet" for a Fleet's instances, whose URLs come and go.
-	label string
-	group string // a Fleet's instance: its compatibility group
+	label  string
+	group  string  // a Fleet's instance: its compatibility group
+	health *health // shared by the copies a Fleet's picks make
 }
 
 // Proxy is the OpenAI-compatible router in front of P and D servers. It is
@@ -94,13 +96,24 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.Fleet != nil {
 		p.fleet = newFleetRouter(p, cfg.Fleet, cfg.MaxFleet)
 	}
+	// A server listed twice (a weight) is one server: one health, as it
+	// has one gauge.
+	healths := map[[2]string]*health{}
+	healthOf := func(role, url string) *health {
+		h := healths[[2]string{role, url}]
+		if h == nil {
+			h = newHealth(cfg.now, p.m.up.WithLabelValues(role, url))
+			healths[[2]string{role, url}] = h
+		}
+		return h
+	}
 	for _, pf := range cfg.Prefill {
 		p.prefill = append(p.prefill, &upstream{role: rolePrefill, base: pf.URL, prefill: pf,
-			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL)})
+			inflight: p.m.inflight.WithLabelValues(rolePrefill, pf.URL), health: healthOf(rolePrefill, pf.URL)})
 	}
 	for _, d := range cfg.Decode {
 		p.decode = append(p.decode, &upstream{role: roleDecode, base: d,
-			inflight: p.m.inflight.WithLabelValues(roleDecode, d)})
+			inflight: p.m.inflight.WithLabelValues(roleDecode, d), health: healthOf(roleDecode, d)})
 	}
 	rt := cfg.Transport
 	if rt == nil {
@@ -191,7 +204,7 @@ func (p *Proxy) pick(role string, with *upstream) (u *upstream, release func(), 
 	if role == roleDecode {
 		pl, list = p.dpool, p.decode
 	}
-	i := pl.acquire()
+	i := pl.acquire(func(i int) bool { return list[i].health.down() })
 	u = list[i]
 	u.inflight.Inc()
 	return u, func() {
@@ -294,8 +307,8 @@ func (p *Proxy) end(rec *record, start time.Time) {
 
 // readJSON reads the client's body; on failure it has answered the client
 // and set rec.outcome.
-func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record) (map[string]any, bool) {
-	body, status, err := p.readBody(w, r)
+func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record, ep endpoint) (map[string]any, bool) {
+	body, status, err := p.readBody(w, r, ep)
 	if err != nil {
 		rec.outcome, rec.err = outcomeBadRequest, err
 		if status == http.StatusRequestEntityTooLarge {
@@ -309,8 +322,8 @@ func (p *Proxy) readJSON(w http.ResponseWriter, r *http.Request, rec *record) (m
 
 // readBody reads the client's body, bounded in size (Config.MaxBody) and
 // time, as a JSON object whose numbers stay json.Number (re-encoded as
-// the same literal).
-func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any, int, error) {
+// the same literal), for one engine request (checkOneSequence).
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request, ep endpoint) (map[string]any, int, error) {
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Now().Add(bodyReadTimeout)) // unsupported only off a real server
 	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.cfg.MaxBody))
@@ -320,6 +333,15 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 			return nil, http.StatusRequestEntityTooLarge, fmt.Errorf("request body is over %d bytes", mbe.Limit)
 		}
 		return nil, http.StatusBadRequest, fmt.Errorf("reading the request body: %w", err)
+	}
+	if !utf8.Valid(data) {
+		// Decoding would replace the bad bytes with U+FFFD: P and D would
+		// get a prompt the client did not write.
+		return nil, http.StatusBadRequest, fmt.Errorf("request body is not valid UTF-8 (byte %d)", invalidUTF8At(data))
+	}
+	if i := loneSurrogateAt(data); i >= 0 {
+		// As bad UTF-8: decoding would replace it with U+FFFD.
+		return nil, http.StatusBadRequest, fmt.Errorf("request body has an unpaired UTF-16 surrogate escape %q (byte %d): not a character", data[i:i+6], i)
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
@@ -333,7 +355,139 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) (map[string]any
 	if _, err := dec.Token(); err != io.EOF {
 		return nil, http.StatusBadRequest, errors.New("request body has data after its JSON object")
 	}
+	if err := checkOneSequence(body, ep); err != nil {
+		return nil, http.StatusBadRequest, err
+	}
 	return body, 0, nil
+}
+
+// invalidUTF8At is the offset of data's first byte that is not valid
+// UTF-8, or -1.
+func invalidUTF8At(data []byte) int {
+	for i := 0; i < len(data); {
+		r, n := utf8.DecodeRune(data[i:])
+		if r == utf8.RuneError && n <= 1 {
+			return i
+		}
+		i += n
+	}
+	return -1
+}
+
+// loneSurrogateAt is the offset of the first \uXXXX escape in data's
+// JSON strings that is a UTF-16 surrogate not in a high-low pair, or -1.
+// Outside strings there are no backslashes in valid JSON, so a scan for
+// escapes is enough: an escaped backslash is skipped whole.
+func loneSurrogateAt(data []byte) int {
+	hex4 := func(i int) (rune, bool) {
+		if i+6 > len(data) || data[i] != '\\' || data[i+1] != 'u' {
+			return 0, false
+		}
+		var r rune
+		for _, c := range data[i+2 : i+6] {
+			switch {
+			case c >= '0' && c <= '9':
+				r = r<<4 | rune(c-'0')
+			case c >= 'a' && c <= 'f':
+				r = r<<4 | rune(c-'a'+10)
+			case c >= 'A' && c <= 'F':
+				r = r<<4 | rune(c-'A'+10)
+			default:
+				return 0, false
+			}
+		}
+		return r, true
+	}
+	for i := 0; i < len(data); i++ {
+		if data[i] != '\\' {
+			continue
+		}
+		r, ok := hex4(i)
+		switch {
+		case !ok:
+			i++ // another escape (\\, \", \n...): skip its second byte
+		case r >= 0xD800 && r <= 0xDBFF:
+			if lo, ok := hex4(i + 6); ok && lo >= 0xDC00 && lo <= 0xDFFF {
+				i += 11
+				continue
+			}
+			return i
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return i
+		default:
+			i += 5
+		}
+	}
+	return -1
+}
+
+// checkOneSequence refuses a request for several sequences (n or best_of
+// above 1, beam search) or, on the completions endpoint, several prompts
+// (a batch in prompt, prompt_embeds), naming the field and its value.
+// vLLM runs each sequence and each prompt as an engine request of its own
+// that carries the request's one kv_transfer_params: in push, P's and D's
+// would all register under one transfer id (one pair, the rest waiting
+// out their lease); in pull, D's would all get the params P returned for
+// its first (the KV of another prompt, or blocks P frees after the first
+// read).
+func checkOneSequence(body map[string]any, ep endpoint) error {
+	if !ep.chat {
+		prompts, embeds := promptCount(body["prompt"], true), promptCount(body["prompt_embeds"], false)
+		switch {
+		case prompts > 1:
+			return fmt.Errorf("prompt = %s: a batch of %d prompts; the proxy serves one prompt per request (kv_transfer_params name one request on each side); send several requests",
+				snippetN(mustJSON(body["prompt"]), 40), prompts)
+		case embeds > 1:
+			return fmt.Errorf("prompt_embeds: a batch of %d; the proxy serves one prompt per request (kv_transfer_params name one request on each side); send several requests", embeds)
+		case prompts+embeds > 1:
+			return errors.New("prompt and prompt_embeds both given: two prompts; the proxy serves one prompt per request (kv_transfer_params name one request on each side)")
+		}
+	}
+	for _, k := range []string{"n", "best_of"} {
+		v, ok := body[k]
+		if !ok || v == nil {
+			continue
+		}
+		if n, isNum := v.(json.Number); isNum {
+			if f, err := n.Float64(); err == nil && f == 1 {
+				continue
+			}
+		}
+		return fmt.Errorf("%s = %s: the proxy serves one sequence per request (kv_transfer_params name one request on each side); send several requests",
+			k, snippetN(mustJSON(v), 40))
+	}
+	if v, ok := body["use_beam_search"]; ok && v != nil && v != false {
+		return fmt.Errorf("use_beam_search = %s: the proxy serves one sequence per request (kv_transfer_params name one request on each side)",
+			snippetN(mustJSON(v), 40))
+	}
+	return nil
+}
+
+// promptCount is how many engine requests a completions prompt (tokens:
+// a list of token ids is one prompt) or prompt_embeds field makes.
+func promptCount(v any, tokens bool) int {
+	switch v := v.(type) {
+	case nil:
+		return 0
+	case []any:
+		if len(v) == 0 {
+			return 0
+		}
+		if _, isNum := v[0].(json.Number); isNum && tokens {
+			return 1
+		}
+		return len(v)
+	}
+	return 1
+}
+
+// mustJSON is v (decoded from JSON) as JSON again.
+func mustJSON(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return []byte(fmt.Sprint(v))
+	}
+	return b
 }
 
 // prefillBody is the body P gets: the client's, generating one token, not
@@ -346,6 +500,8 @@ func prefillBody(body map[string]any, ep endpoint, params map[string]any) map[st
 	}
 	b["stream"] = false
 	delete(b, "stream_options")
+	// vLLM refuses min_tokens > max_tokens: the client's is D's to honour.
+	delete(b, "min_tokens")
 	b["kv_transfer_params"] = params
 	return b
 }
@@ -417,6 +573,26 @@ func (c cancelOnClose) Close() error {
 	return err
 }
 
+// sendFailed counts an upstream request that got no response (as
+// upstreamError) and, when the connection failed, leaves the upstream
+// out of the picks for a while (see health). It returns the error's kind.
+func (p *Proxy) sendFailed(ctx context.Context, u *upstream, err error) string {
+	kind := errKind(err)
+	p.upstreamError(ctx, u, kind)
+	if kind == kindConnect && ctx.Err() == nil && u.health != nil {
+		d := u.health.failed()
+		p.log.Warn("proxy: upstream down", "role", u.role, "upstream", u.base, "for", d, "err", err)
+	}
+	return kind
+}
+
+// answered notes that u responded: it is up.
+func (p *Proxy) answered(u *upstream) {
+	if u.health != nil && u.health.answered() {
+		p.log.Info("proxy: upstream up", "role", u.role, "upstream", u.base)
+	}
+}
+
 // upstreamError counts a failed upstream request, unless ctx (the
 // request's context before Config.Timeout) was cancelled: then the client
 // left or the other side failed, which is not this upstream's fault.
@@ -439,6 +615,20 @@ type prefillResult struct {
 	params json.RawMessage // pull: P's kv_transfer_params, byte for byte
 	dur    time.Duration
 	err    error
+	// refused: P refused the request itself (see refusal); answer and
+	// ctype are its answer, for the client.
+	refused bool
+	answer  []byte
+	ctype   string
+}
+
+// refusal reports whether an upstream's HTTP status refuses the request
+// itself (a bad parameter, an unknown model, a prompt too long, a rate
+// limit): the client's to fix or retry, relayed as it is rather than
+// answered 502 and counted as the upstream's failure. 408 is the
+// upstream's own time running out.
+func refusal(status int) bool {
+	return status >= 400 && status <= 499 && status != http.StatusRequestTimeout
 }
 
 // callPrefill sends P its request and reads its response (bounded by
@@ -459,8 +649,11 @@ func (p *Proxy) callPrefill(ctx context.Context, u *upstream, ep endpoint, body 
 	}
 	resp, err := p.send(ctx, http.MethodPost, u.base+ep.path, body, in, rec.id)
 	if err != nil {
-		return fail(errKind(err), err)
+		p.sendFailed(ctx, u, err)
+		res.err = fmt.Errorf("prefill %s: %w", u.base, err)
+		return res
 	}
+	p.answered(u)
 	defer resp.Body.Close()
 	res.status = resp.StatusCode
 	data, err := io.ReadAll(io.LimitReader(resp.Body, p.cfg.MaxBody+1))
@@ -472,7 +665,11 @@ func (p *Proxy) callPrefill(ctx context.Context, u *upstream, ep endpoint, body 
 		return fail(kind, fmt.Errorf("reading the response: %w", err))
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return fail(kindStatus, fmt.Errorf("HTTP %d: %s", resp.StatusCode, snippet(data)))
+		kind := kindStatus
+		if refusal(resp.StatusCode) && int64(len(data)) <= p.cfg.MaxBody {
+			kind, res.refused, res.answer, res.ctype = kindRejected, true, data, resp.Header.Get("Content-Type")
+		}
+		return fail(kind, fmt.Errorf("HTTP %d: %s", resp.StatusCode, snippet(data)))
 	}
 	if int64(len(data)) > p.cfg.MaxBody {
 		return fail(kindProtocol, fmt.Errorf("response is over %d bytes", p.cfg.MaxBody))
@@ -517,7 +714,7 @@ func (p *Proxy) generate(ep endpoint) http.HandlerFunc {
 			return
 		}
 		defer p.end(rec, start)
-		body, ok := p.readJSON(w, r, rec)
+		body, ok := p.readJSON(w, r, rec, ep)
 		if !ok {
 			return
 		}
@@ -552,7 +749,7 @@ func (p *Proxy) pull(w http.ResponseWriter, r *http.Request, rec *record, ep end
 	releaseP()
 	rec.notePrefill(res)
 	if res.err != nil {
-		p.failed(w, rec, ctx, outcomePrefillFail, res.err, false)
+		p.prefillFailed(w, rec, ctx, res, false)
 		return
 	}
 	du, releaseD, err := p.pick(roleDecode, pu)
@@ -653,19 +850,20 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		pFailed := prefillCause()
 		pres := endP(true)
 		if pFailed {
-			p.failed(w, rec, ctx, outcomePrefillFail, pres.err, false)
+			p.prefillFailed(w, rec, ctx, pres, false)
 			return
 		}
-		p.upstreamError(dctx, du, errKind(err))
+		p.sendFailed(dctx, du, err)
 		p.failed(w, rec, ctx, outcomeDecodeFail, fmt.Errorf("decode %s: %w", du.base, err), false)
 		return
 	}
+	p.answered(du)
 	defer resp.Body.Close()
 	rec.dStatus = resp.StatusCode
 	dOK := isOK(resp.StatusCode)
 	if !dOK {
 		// D's own answer (its status and error body) goes to the client.
-		p.upstreamError(dctx, du, kindStatus)
+		p.upstreamError(dctx, du, statusKind(resp.StatusCode))
 		endP(true)
 	}
 	started, err := relay(upstreamContext(resp, dctx), w, resp, func() {
@@ -680,9 +878,12 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		}
 	case err == nil:
 		rec.outcome, rec.err = outcomeDecodeFail, fmt.Errorf("decode %s: HTTP %d", du.base, resp.StatusCode)
+		if refusal(resp.StatusCode) {
+			rec.outcome = outcomeRejected
+		}
 	case prefillCause():
 		pres := endP(true)
-		p.failed(w, rec, ctx, outcomePrefillFail, pres.err, started)
+		p.prefillFailed(w, rec, ctx, pres, started)
 	default:
 		if dOK {
 			endP(true)
@@ -693,6 +894,28 @@ func (p *Proxy) runDecode(w http.ResponseWriter, r *http.Request, ctx, dctx cont
 		}
 		p.failed(w, rec, ctx, outcomeDecodeFail, err, started)
 	}
+}
+
+// statusKind is the error kind of an upstream's non-2xx status.
+func statusKind(status int) string {
+	if refusal(status) {
+		return kindRejected
+	}
+	return kindStatus
+}
+
+// prefillFailed ends a request whose P failed: a refusal of P's (see
+// refusal) goes to the client as P answered it, unless D's response
+// started; any other failure as failed does.
+func (p *Proxy) prefillFailed(w http.ResponseWriter, rec *record, ctx context.Context, res prefillResult, started bool) {
+	if !res.refused || started || ctx.Err() != nil {
+		p.failed(w, rec, ctx, outcomePrefillFail, res.err, started)
+		return
+	}
+	rec.outcome, rec.err = outcomeRejected, res.err
+	w.Header().Set("Content-Type", cmp.Or(res.ctype, "application/json"))
+	w.WriteHeader(res.status)
+	_, _ = w.Write(res.answer)
 }
 
 // failed ends a request that failed with outcome, or with outcomeCanceled

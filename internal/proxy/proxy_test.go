@@ -766,7 +766,7 @@ func TestPool(t *testing.T) {
 					p.release(i)
 					continue
 				}
-				if got := p.acquire(); got != i {
+				if got := p.acquire(nil); got != i {
 					t.Fatalf("op %d: acquire() = %d, want %d (ops %v)", k, got, i, tc.ops)
 				}
 			}
