@@ -108,18 +108,7 @@ func sweepRandomCase(rng *rand.Rand) *sweepCase {
 // model: the transferred ones against the pattern, the rest against their
 // value before).
 func TestByteSweep(t *testing.T) {
-	n := 60
-	if testing.Short() {
-		n = 15
-	}
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("KVXFER_SWEEP_SEED"); s != "" {
-		seed, _ = strconv.ParseUint(s, 10, 64)
-	}
-	if s := os.Getenv("KVXFER_SWEEP_N"); s != "" {
-		n, _ = strconv.Atoi(s)
-	}
-	t.Logf("seed %d (KVXFER_SWEEP_SEED replays it)", seed)
+	n, seed := sweepSize(t, 60, 15)
 	rng := rand.New(rand.NewPCG(seed, 0x5eed))
 	for i := range n {
 		c := sweepRandomCase(rng)
@@ -133,13 +122,12 @@ func TestByteSweep(t *testing.T) {
 	}
 }
 
-// TestByteSweepNet is TestByteSweep over the built-in backend: loopback
-// TCP (the zero-copy send and receive paths) and the same-host path over
-// a stand-in GPU (transfers as layouts), in real time, fewer cases.
-func TestByteSweepNet(t *testing.T) {
-	n := 12
+// sweepSize is how many cases a sweep runs (n, short under -short,
+// $KVXFER_SWEEP_N) and its seed (the time, or $KVXFER_SWEEP_SEED to replay
+// a run), logged.
+func sweepSize(t *testing.T, n, short int) (int, uint64) {
 	if testing.Short() {
-		n = 4
+		n = short
 	}
 	seed := uint64(time.Now().UnixNano())
 	if s := os.Getenv("KVXFER_SWEEP_SEED"); s != "" {
@@ -149,6 +137,14 @@ func TestByteSweepNet(t *testing.T) {
 		n, _ = strconv.Atoi(s)
 	}
 	t.Logf("seed %d (KVXFER_SWEEP_SEED replays it)", seed)
+	return n, seed
+}
+
+// TestByteSweepNet is TestByteSweep over the built-in backend: loopback
+// TCP (the zero-copy send and receive paths) and the same-host path over
+// a stand-in GPU (transfers as layouts), in real time, fewer cases.
+func TestByteSweepNet(t *testing.T) {
+	n, seed := sweepSize(t, 12, 4)
 	rng := rand.New(rand.NewPCG(seed, 0x6e6574))
 	for i := range n {
 		c := sweepRandomCase(rng)
