@@ -282,6 +282,10 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
                      device_config=DeviceConfig(device="cpu"), kv_transfer_config=ktc, speculative_config=spec)
     assert cfg.num_prefill_lookahead_tokens == mtp, cfg.num_prefill_lookahead_tokens
+    # The harness runs every worker-role connector in the test's process, as
+    # vLLM's uniprocess executor does (vLLM's CPU platform asks for its
+    # multiprocess one, whose workers would run in processes of their own).
+    cfg.parallel_config.distributed_executor_backend = "uni"
     # As the engine core does: the attention backend offers its layouts
     # (NHD first, as FlashAttention does) and the connector's required one
     # wins.
