@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -125,9 +126,38 @@ func (f *fleet) changed(ch registry.Change) {
 	switch ch.Kind {
 	case registry.Leave:
 		srv.PeerGone(ch.Engine, fmt.Sprintf("its registry entry is gone (lease of %s ended or it left)", ch.Entry.Peer()))
+	case registry.RankGone:
+		// One of the engine's per-rank servers is gone (the in-process
+		// placement): what waits on the engine cannot complete without
+		// that rank, and a probe could not tell (the handshake asks every
+		// rank's server, and one that does not answer is no verdict with
+		// probes off).
+		srv.PeerGone(ch.Engine, fmt.Sprintf("its registry entry for %s at %s is gone (that server's lease ended or it left), and no other entry serves it",
+			rankNames(ch.Entry.Ranks), ch.Entry.Peer()))
 	case registry.Generation:
 		srv.PeerGeneration(ch.Engine, ch.Entry.Generation)
 	}
+}
+
+// rankNames names ranks for a log line or a failure's reason: "rank tp 1
+// pp 0", or "ranks tp 0 pp 0, tp 1 pp 0" (at most 4, then how many more).
+func rankNames(rs []registry.Rank) string {
+	var b strings.Builder
+	b.WriteString("rank")
+	if len(rs) != 1 {
+		b.WriteString("s")
+	}
+	for i, r := range rs {
+		if i == 4 {
+			fmt.Fprintf(&b, " and %d more", len(rs)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, " tp %d pp %d", r.TP, r.PP)
+	}
+	return b.String()
 }
 
 // lookup is the server's PeerLookup: an engine's address from the view,
