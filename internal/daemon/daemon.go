@@ -651,7 +651,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
 	var onEngines func()
-	var lookup func(string) (string, error)
+	var lookup func(context.Context, string) (string, error)
 	if c.etcd.client.Endpoints != "" {
 		if in.fleet, err = startFleet(&c.etcd, in.advertise, log); err != nil {
 			return nil, err

@@ -161,9 +161,10 @@ func rankNames(rs []registry.Rank) string {
 }
 
 // lookup is the server's PeerLookup: an engine's address from the view,
-// or from etcd itself when the view has none yet (it has just joined).
-func (f *fleet) lookup(engine string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), lookupTimeout)
+// or from etcd itself when the view has none yet (it has just joined),
+// within ctx (the handshake's) and lookupTimeout.
+func (f *fleet) lookup(ctx context.Context, engine string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
 	e, ok, err := f.view.LookupNow(ctx, engine)
 	switch {

@@ -1,10 +1,16 @@
 package daemon
 
 import (
+	"context"
+	"log/slog"
+	"net"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
 
 // The registry's flags are kvxferd serve's and the in-process JSON's
@@ -47,5 +53,60 @@ func TestEtcdFlags(t *testing.T) {
 	}
 	if c.etcd.client.Endpoints != "127.0.0.1:2379" || c.etcd.role != "consumer" || c.etcd.ttl.String() != "3s" {
 		t.Errorf("parseJSON: %+v", c.etcd)
+	}
+}
+
+// A lookup in the registry is bounded by the handshake that asked for it:
+// with etcd unreachable (here a listener that never answers), a handshake
+// of an engine named by its id alone ends within its own context (a
+// probe's, a closing worker's), not after the lookup's own bound. Before,
+// the lookup took no context and held every such handshake, and the
+// Close of a worker waiting for it, for its full 2 s.
+func TestFleetLookupEndsWithTheHandshake(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var held []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c) // accepted, never answered
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	}()
+	c := etcdConfig{client: registry.ClientConfig{Endpoints: ln.Addr().String()}, prefix: "/kvxfer", ttl: registry.DefaultTTL,
+		role: registry.RoleBoth, maxEngines: 10}
+	f, err := startFleet(&c, "127.0.0.1:7001", slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.close()
+	r := server.NewPeerResolver(server.ResolverConfig{Lookup: f.lookup})
+	defer r.Close()
+	const within = 100 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	t0 := time.Now()
+	_, err = r.Handshake(ctx, "P", "")
+	took := time.Since(t0)
+	if err == nil || !strings.Contains(err.Error(), "etcd could not be asked") {
+		t.Errorf("Handshake(P) with etcd unreachable = %v, want an error saying etcd could not be asked", err)
+	}
+	if took > within+time.Second {
+		t.Errorf("Handshake(P) with a context of %v returned after %v: the registry lookup outlived it", within, took.Round(time.Millisecond))
 	}
 }
