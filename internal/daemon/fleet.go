@@ -189,8 +189,12 @@ func (f *fleet) enginesChanged() {
 }
 
 // publish keeps the registrar's entries those of the served engines.
+// An engine whose entry does not validate (an id no key may hold, a
+// compatibility hash too long) is left out, logged and counted once per
+// generation; the others are published all the same.
 func (f *fleet) publish() {
 	defer close(f.stopped)
+	refused := map[string]uint64{} // engine id -> the generation refused
 	for {
 		select {
 		case <-f.done:
@@ -202,13 +206,29 @@ func (f *fleet) publish() {
 			continue
 		}
 		var entries []registry.Entry
+		served := map[string]bool{}
 		for _, pe := range srv.Published() {
+			served[pe.EngineID] = true
 			e := registry.Entry{EngineID: pe.EngineID, Role: f.c.role, Mode: pe.Mode, CompatHash: pe.CompatHash,
 				TPSize: pe.TPSize, PPSize: pe.PPSize, Generation: pe.Generation, URL: f.c.url}
 			for _, r := range pe.Ranks {
 				e.Ranks = append(e.Ranks, registry.Rank{TP: r[0], PP: r[1], Peer: f.advertise})
 			}
+			if _, err := e.Encode(registry.Key(f.c.prefix, e.EngineID, e.Peer())); err != nil {
+				if g, ok := refused[e.EngineID]; !ok || g != e.Generation {
+					refused[e.EngineID] = e.Generation
+					f.metrics.BadEntry(err)
+					f.log.Error("kvxferd: registry: an engine's entry is invalid; it is not published (peers find it by its address only), the others are",
+						"engine", e.EngineID, "err", err)
+				}
+				continue
+			}
 			entries = append(entries, e)
+		}
+		for id := range refused {
+			if !served[id] {
+				delete(refused, id)
+			}
 		}
 		if err := f.reg.Set(entries); err != nil {
 			var be *registry.BadEntryError
