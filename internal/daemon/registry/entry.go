@@ -174,8 +174,13 @@ func (e *Entry) validate(key string) error {
 	case e.Generation == 0:
 		return bad(key, "generation", e.Generation, "> 0")
 	}
+	seen := make(map[[2]int]bool, len(e.Ranks))
 	for i, r := range e.Ranks {
 		f := fmt.Sprintf("ranks[%d]", i)
+		if seen[[2]int{r.TP, r.PP}] {
+			return bad(key, f, fmt.Sprintf("tp %d pp %d", r.TP, r.PP), "each rank once")
+		}
+		seen[[2]int{r.TP, r.PP}] = true
 		switch {
 		case r.TP < 0 || r.TP >= e.TPSize:
 			return bad(key, f+".tp", r.TP, fmt.Sprintf("0 to %d", e.TPSize-1))

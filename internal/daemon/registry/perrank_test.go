@@ -2,6 +2,7 @@ package registry_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -68,4 +69,22 @@ func TestPerRankEntriesChange(t *testing.T) {
 	}
 	_ = r1.Close(context.Background())
 	want(t, rec.next(t, 5*time.Second), registry.Leave, "P", 0)
+}
+
+// An entry that lists a rank twice is not one a daemon writes (it
+// publishes each rank it serves once): it is refused naming the second
+// listing, as any other malformed entry. Before, it was taken in.
+func TestDecodeRefusesARankListedTwice(t *testing.T) {
+	k := registry.Key("/kvxfer", "P", "127.0.0.1:7001")
+	b := []byte(`{"v":1,"engine_id":"P","role":"producer","mode":"push","tp_size":2,"pp_size":1,"ranks":[{"tp":1,"pp":0,"peer":"127.0.0.1:7001"},{"tp":1,"pp":0,"peer":"127.0.0.1:7001"}],"generation":1}`)
+	_, err := registry.Decode("/kvxfer", k, b)
+	var be *registry.BadEntryError
+	if !errors.As(err, &be) || be.Field != "ranks[1]" || registry.Field(err) != "ranks[]" {
+		t.Fatalf("Decode(rank tp 1 pp 0 twice) = %v, want a BadEntryError naming ranks[1]", err)
+	}
+	e := rankEntry("P", "127.0.0.1:7001", 1, 2, 1)
+	e.Ranks = append(e.Ranks, e.Ranks[0])
+	if _, err := e.Encode(k); !errors.As(err, &be) || be.Field != "ranks[1]" {
+		t.Fatalf("Encode(rank tp 1 pp 0 twice) = %v, want a BadEntryError naming ranks[1]", err)
+	}
 }
