@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // The registry's flags are kvxferd serve's and the in-process JSON's
@@ -63,14 +65,22 @@ func TestEtcdFlags(t *testing.T) {
 // the lookup took no context and held every such handshake, and the
 // Close of a worker waiting for it, for its full 2 s.
 func TestFleetLookupEndsWithTheHandshake(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", runFleetLookup)
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+func runFleetLookup(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
 	var held []net.Conn
 	var mu sync.Mutex
+	accepting := make(chan struct{})
+	defer func() { ln.Close(); <-accepting }()
 	go func() {
+		defer close(accepting)
 		for {
 			c, err := ln.Accept()
 			if err != nil {
