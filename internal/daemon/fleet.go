@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -61,15 +60,24 @@ func (c *etcdConfig) validate() error {
 	if c.role != registry.RoleProducer && c.role != registry.RoleConsumer && c.role != registry.RoleBoth {
 		return fmt.Errorf("-etcd-role = %q, want producer, consumer or both", c.role)
 	}
-	if c.url != "" {
-		if u, err := url.Parse(c.url); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil || u.RawQuery != "" {
-			return fmt.Errorf("-etcd-url = %q, want an http or https base URL without credentials or query", c.url)
-		}
+	if c.url != "" && registry.CheckURL(c.url) != nil {
+		return fmt.Errorf("-etcd-url = %q, want %s (what a registry entry holds)", c.url, registry.URLWant)
 	}
 	if c.maxEngines <= 0 {
 		return fmt.Errorf("-etcd-max-engines = %d, want > 0", c.maxEngines)
 	}
 	return nil
+}
+
+// checkAdvertise checks -peer-advertise, the address published for the
+// engines served here (the listener's when not advertised: an IP and a
+// port), against what a registry entry holds: one the entries refuse
+// would keep every engine of the daemon out of the registry.
+func (c *etcdConfig) checkAdvertise(advertise string) error {
+	if c.client.Endpoints == "" || advertise == "" || registry.CheckPeer(advertise) == nil {
+		return nil
+	}
+	return fmt.Errorf("-peer-advertise = %q with -etcd: want %s, what a registry entry holds", advertise, registry.PeerWant)
 }
 
 // fleet is a started registry.

@@ -32,6 +32,11 @@ func TestEtcdFlags(t *testing.T) {
 		{name: "bad url", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-url", "ftp://x"}, want: `-etcd-url = "ftp://x"`},
 		{name: "remote plain text", args: []string{"-etcd", "10.1.2.3:2379"}, want: "-etcd-insecure"},
 		{name: "max engines", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-max-engines", "0"}, want: "-etcd-max-engines = 0"},
+		// What the registry's entries refuse is refused at start, naming
+		// the flag: before, the daemon started and published no engine at
+		// all (each entry refused, the flag never named).
+		{name: "url with a fragment", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-url", "http://127.0.0.1:8100/#top"}, want: `-etcd-url = "http://127.0.0.1:8100/#top"`},
+		{name: "advertised peer no entry holds", args: []string{"-etcd", "127.0.0.1:2379", "-peer-advertise", "kv~0:7600"}, want: `-peer-advertise = "kv~0:7600"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := parseFlags(tc.args)
