@@ -184,3 +184,29 @@ func TestRegistryEtcdDownKeepsServing(t *testing.T) {
 	inView(t, etcd.Endpoint(), "P", 0, 10*time.Second)
 	transferOnce(t, P, D, "", "after", []topology.BlockID{6, 7}, 10*time.Second, "etcd back")
 }
+
+// An engine whose entry cannot be published (its id has a space: no key
+// may hold it) costs only its own entry: the daemon's other engines are
+// published, and their changes too, and the refused one is logged and
+// counted by field. Before, the daemon published all of its entries or
+// none: one such engine kept every other engine it served out of the
+// registry (or, attached after them, froze their entries at what they
+// were).
+func TestRegistryUnpublishableEngineSparesTheOthers(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	dir := world(t)
+	pMetrics := freeAddr(t)
+	p := startDaemon(t, dir, "P", "-etcd", etcd.Endpoint(), "-etcd-role", "producer", "-metrics-listen", pMetrics)
+	B := attachSim(t, dir, p.Sock, p.Peer, "bad id", 3, kvxfer.ModePush)
+	defer B.Close()
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	gen := inView(t, etcd.Endpoint(), "P", 0, 10*time.Second).Generation
+	if m := metricsOf(t, pMetrics); m["kvxfer_registry_bad_entries_total"] == 0 {
+		t.Errorf("kvxfer_registry_bad_entries_total = %v, want the refused engine counted", m["kvxfer_registry_bad_entries_total"])
+	}
+	// P re-attaches: its new generation is published.
+	P.Close()
+	P = attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
+	defer P.Close()
+	inView(t, etcd.Endpoint(), "P", gen, 10*time.Second)
+}

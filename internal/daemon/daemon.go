@@ -241,7 +241,10 @@ func (c *config) validate() error {
 	if c.nixlPoll < 10*time.Microsecond || c.nixlPoll > 100*time.Millisecond {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
 	}
-	return c.etcd.validate()
+	if err := c.etcd.validate(); err != nil {
+		return err
+	}
+	return c.etcd.checkAdvertise(c.peerAdvertise)
 }
 
 // addrs checks the listeners' addresses and the advertised one: HOST:PORT
@@ -651,7 +654,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
 	var onEngines func()
-	var lookup func(string) (string, error)
+	var lookup func(context.Context, string) (string, error)
 	if c.etcd.client.Endpoints != "" {
 		if in.fleet, err = startFleet(&c.etcd, in.advertise, log); err != nil {
 			return nil, err

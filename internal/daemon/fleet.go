@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/url"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -60,15 +60,24 @@ func (c *etcdConfig) validate() error {
 	if c.role != registry.RoleProducer && c.role != registry.RoleConsumer && c.role != registry.RoleBoth {
 		return fmt.Errorf("-etcd-role = %q, want producer, consumer or both", c.role)
 	}
-	if c.url != "" {
-		if u, err := url.Parse(c.url); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil || u.RawQuery != "" {
-			return fmt.Errorf("-etcd-url = %q, want an http or https base URL without credentials or query", c.url)
-		}
+	if c.url != "" && registry.CheckURL(c.url) != nil {
+		return fmt.Errorf("-etcd-url = %q, want %s (what a registry entry holds)", c.url, registry.URLWant)
 	}
 	if c.maxEngines <= 0 {
 		return fmt.Errorf("-etcd-max-engines = %d, want > 0", c.maxEngines)
 	}
 	return nil
+}
+
+// checkAdvertise checks -peer-advertise, the address published for the
+// engines served here (the listener's when not advertised: an IP and a
+// port), against what a registry entry holds: one the entries refuse
+// would keep every engine of the daemon out of the registry.
+func (c *etcdConfig) checkAdvertise(advertise string) error {
+	if c.client.Endpoints == "" || advertise == "" || registry.CheckPeer(advertise) == nil {
+		return nil
+	}
+	return fmt.Errorf("-peer-advertise = %q with -etcd: want %s, what a registry entry holds", advertise, registry.PeerWant)
 }
 
 // fleet is a started registry.
@@ -125,15 +134,45 @@ func (f *fleet) changed(ch registry.Change) {
 	switch ch.Kind {
 	case registry.Leave:
 		srv.PeerGone(ch.Engine, fmt.Sprintf("its registry entry is gone (lease of %s ended or it left)", ch.Entry.Peer()))
+	case registry.RankGone:
+		// One of the engine's per-rank servers is gone (the in-process
+		// placement): what waits on the engine cannot complete without
+		// that rank, and a probe could not tell (the handshake asks every
+		// rank's server, and one that does not answer is no verdict with
+		// probes off).
+		srv.PeerGone(ch.Engine, fmt.Sprintf("its registry entry for %s at %s is gone (that server's lease ended or it left), and no other entry serves it",
+			rankNames(ch.Entry.Ranks), ch.Entry.Peer()))
 	case registry.Generation:
 		srv.PeerGeneration(ch.Engine, ch.Entry.Generation)
 	}
 }
 
+// rankNames names ranks for a log line or a failure's reason: "rank tp 1
+// pp 0", or "ranks tp 0 pp 0, tp 1 pp 0" (at most 4, then how many more).
+func rankNames(rs []registry.Rank) string {
+	var b strings.Builder
+	b.WriteString("rank")
+	if len(rs) != 1 {
+		b.WriteString("s")
+	}
+	for i, r := range rs {
+		if i == 4 {
+			fmt.Fprintf(&b, " and %d more", len(rs)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, " tp %d pp %d", r.TP, r.PP)
+	}
+	return b.String()
+}
+
 // lookup is the server's PeerLookup: an engine's address from the view,
-// or from etcd itself when the view has none yet (it has just joined).
-func (f *fleet) lookup(engine string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), lookupTimeout)
+// or from etcd itself when the view has none yet (it has just joined),
+// within ctx (the handshake's) and lookupTimeout.
+func (f *fleet) lookup(ctx context.Context, engine string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
 	e, ok, err := f.view.LookupNow(ctx, engine)
 	switch {
@@ -158,8 +197,12 @@ func (f *fleet) enginesChanged() {
 }
 
 // publish keeps the registrar's entries those of the served engines.
+// An engine whose entry does not validate (an id no key may hold, a
+// compatibility hash too long) is left out, logged and counted once per
+// generation; the others are published all the same.
 func (f *fleet) publish() {
 	defer close(f.stopped)
+	refused := map[string]uint64{} // engine id -> the generation refused
 	for {
 		select {
 		case <-f.done:
@@ -171,13 +214,29 @@ func (f *fleet) publish() {
 			continue
 		}
 		var entries []registry.Entry
+		served := map[string]bool{}
 		for _, pe := range srv.Published() {
+			served[pe.EngineID] = true
 			e := registry.Entry{EngineID: pe.EngineID, Role: f.c.role, Mode: pe.Mode, CompatHash: pe.CompatHash,
 				TPSize: pe.TPSize, PPSize: pe.PPSize, Generation: pe.Generation, URL: f.c.url}
 			for _, r := range pe.Ranks {
 				e.Ranks = append(e.Ranks, registry.Rank{TP: r[0], PP: r[1], Peer: f.advertise})
 			}
+			if _, err := e.Encode(registry.Key(f.c.prefix, e.EngineID, e.Peer())); err != nil {
+				if g, ok := refused[e.EngineID]; !ok || g != e.Generation {
+					refused[e.EngineID] = e.Generation
+					f.metrics.BadEntry(err)
+					f.log.Error("kvxferd: registry: an engine's entry is invalid; it is not published (peers find it by its address only), the others are",
+						"engine", e.EngineID, "err", err)
+				}
+				continue
+			}
 			entries = append(entries, e)
+		}
+		for id := range refused {
+			if !served[id] {
+				delete(refused, id)
+			}
 		}
 		if err := f.reg.Set(entries); err != nil {
 			var be *registry.BadEntryError

@@ -1,10 +1,18 @@
 package daemon
 
 import (
+	"context"
+	"log/slog"
+	"net"
+	"runtime"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // The registry's flags are kvxferd serve's and the in-process JSON's
@@ -24,6 +32,11 @@ func TestEtcdFlags(t *testing.T) {
 		{name: "bad url", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-url", "ftp://x"}, want: `-etcd-url = "ftp://x"`},
 		{name: "remote plain text", args: []string{"-etcd", "10.1.2.3:2379"}, want: "-etcd-insecure"},
 		{name: "max engines", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-max-engines", "0"}, want: "-etcd-max-engines = 0"},
+		// What the registry's entries refuse is refused at start, naming
+		// the flag: before, the daemon started and published no engine at
+		// all (each entry refused, the flag never named).
+		{name: "url with a fragment", args: []string{"-etcd", "127.0.0.1:2379", "-etcd-url", "http://127.0.0.1:8100/#top"}, want: `-etcd-url = "http://127.0.0.1:8100/#top"`},
+		{name: "advertised peer no entry holds", args: []string{"-etcd", "127.0.0.1:2379", "-peer-advertise", "kv~0:7600"}, want: `-peer-advertise = "kv~0:7600"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := parseFlags(tc.args)
@@ -47,5 +60,68 @@ func TestEtcdFlags(t *testing.T) {
 	}
 	if c.etcd.client.Endpoints != "127.0.0.1:2379" || c.etcd.role != "consumer" || c.etcd.ttl.String() != "3s" {
 		t.Errorf("parseJSON: %+v", c.etcd)
+	}
+}
+
+// A lookup in the registry is bounded by the handshake that asked for it:
+// with etcd unreachable (here a listener that never answers), a handshake
+// of an engine named by its id alone ends within its own context (a
+// probe's, a closing worker's), not after the lookup's own bound. Before,
+// the lookup took no context and held every such handshake, and the
+// Close of a worker waiting for it, for its full 2 s.
+func TestFleetLookupEndsWithTheHandshake(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", runFleetLookup)
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+func runFleetLookup(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []net.Conn
+	var mu sync.Mutex
+	accepting := make(chan struct{})
+	defer func() { ln.Close(); <-accepting }()
+	go func() {
+		defer close(accepting)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c) // accepted, never answered
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	}()
+	c := etcdConfig{client: registry.ClientConfig{Endpoints: ln.Addr().String()}, prefix: "/kvxfer", ttl: registry.DefaultTTL,
+		role: registry.RoleBoth, maxEngines: 10}
+	f, err := startFleet(&c, "127.0.0.1:7001", slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.close()
+	r := server.NewPeerResolver(server.ResolverConfig{Lookup: f.lookup})
+	defer r.Close()
+	const within = 100 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	t0 := time.Now()
+	_, err = r.Handshake(ctx, "P", "")
+	took := time.Since(t0)
+	if err == nil || !strings.Contains(err.Error(), "etcd could not be asked") {
+		t.Errorf("Handshake(P) with etcd unreachable = %v, want an error saying etcd could not be asked", err)
+	}
+	if took > within+time.Second {
+		t.Errorf("Handshake(P) with a context of %v returned after %v: the registry lookup outlived it", within, took.Round(time.Millisecond))
 	}
 }

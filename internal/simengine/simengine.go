@@ -39,6 +39,10 @@ type Config struct {
 	// ResolveByID lets transfer params name a producer without an
 	// address (its daemon's -etcd registry finds it).
 	ResolveByID bool
+	// RankSocks, when set, holds one engine socket per rank: rank i
+	// attaches to RankSocks[i] instead of Sock (the in-process placement,
+	// where each rank's server is its own, on -rank-port-base + i).
+	RankSocks []string
 }
 
 // Engine is an attached engine. Its fields are for the engine's own loop;
@@ -51,7 +55,7 @@ type Engine struct {
 	Sched   *kvxfer.Scheduler
 	agg     *kvxfer.Aggregator
 	maps    []*shm.Mapping
-	client  *stream.Client
+	clients []*stream.Client
 }
 
 // attachTimeout bounds each rank's Connect (hello and handshake with the
@@ -79,8 +83,8 @@ func Attach(cfg Config) (*Engine, error) {
 
 func (e *Engine) attach(cfg *Config) error {
 	var err error
-	if e.client, err = stream.Dial("unix://" + cfg.Sock); err != nil {
-		return err
+	if cfg.RankSocks != nil && len(cfg.RankSocks) != len(e.Ranks) {
+		return fmt.Errorf("engine %s: %d rank sockets for %d ranks", cfg.ID, len(cfg.RankSocks), len(e.Ranks))
 	}
 	m := cfg.Model
 	hash := kvxfer.CompatHash(kvxfer.CompatFactors{EngineVersion: cfg.Version, Model: "kvxfer-sim", Dtype: "bf16",
@@ -94,8 +98,19 @@ func (e *Engine) attach(cfg *Config) error {
 		e.maps = append(e.maps, mp)
 		kr.Mem = mp.Bytes
 		kr.Scramble(uint64(rank + 1))
+		sock := cfg.Sock
+		if cfg.RankSocks != nil {
+			sock = cfg.RankSocks[rank]
+		}
+		if rank == 0 || cfg.RankSocks != nil {
+			c, err := stream.Dial("unix://" + sock)
+			if err != nil {
+				return err
+			}
+			e.clients = append(e.clients, c)
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), attachTimeout)
-		rs, err := e.client.Connect(ctx, stream.Hello{EngineID: cfg.ID, Mode: cfg.Mode, Layout: kr.Layout, CompatHash: hash,
+		rs, err := e.clients[len(e.clients)-1].Connect(ctx, stream.Hello{EngineID: cfg.ID, Mode: cfg.Mode, Layout: kr.Layout, CompatHash: hash,
 			Layerwise: cfg.Layerwise, Memory: []stream.Memory{{Path: filepath.Join(cfg.Dir, name), Base: kr.Base, Size: uint64(len(kr.Mem))}}})
 		cancel()
 		if err != nil {
@@ -173,8 +188,8 @@ func (e *Engine) Close() error {
 		}
 		cancel()
 	}
-	if e.client != nil {
-		if err := e.client.Close(); err != nil {
+	for _, c := range e.clients {
+		if err := c.Close(); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -54,8 +54,19 @@ func (c *ClientConfig) Validate() error {
 				"for TLS, or -etcd-insecure to accept that anyone on the path may read and forge the registry", ep)
 		}
 	}
+	// etcd's client takes one transport for all its endpoints, that of
+	// the first one's scheme: after an http:// endpoint an https:// one
+	// would be spoken to in plain text, its certificate never checked.
+	for _, ep := range eps[1:] {
+		if scheme(ep) != scheme(eps[0]) {
+			return fmt.Errorf("-etcd endpoints %q and %q: http:// and https:// mixed; etcd's client speaks the first one's to all of them "+
+				"(plain text to an https:// endpoint, or TLS to an http:// one): give every endpoint one scheme", eps[0], ep)
+		}
+	}
 	return nil
 }
+
+func scheme(ep string) string { s, _, _ := strings.Cut(ep, "://"); return s }
 
 func (c *ClientConfig) tls() bool { return c.CA != "" || c.Cert != "" }
 

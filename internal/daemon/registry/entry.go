@@ -174,8 +174,13 @@ func (e *Entry) validate(key string) error {
 	case e.Generation == 0:
 		return bad(key, "generation", e.Generation, "> 0")
 	}
+	seen := make(map[[2]int]bool, len(e.Ranks))
 	for i, r := range e.Ranks {
 		f := fmt.Sprintf("ranks[%d]", i)
+		if seen[[2]int{r.TP, r.PP}] {
+			return bad(key, f, fmt.Sprintf("tp %d pp %d", r.TP, r.PP), "each rank once")
+		}
+		seen[[2]int{r.TP, r.PP}] = true
 		switch {
 		case r.TP < 0 || r.TP >= e.TPSize:
 			return bad(key, f+".tp", r.TP, fmt.Sprintf("0 to %d", e.TPSize-1))
@@ -185,14 +190,33 @@ func (e *Entry) validate(key string) error {
 			return bad(key, f+".peer", r.Peer, fmt.Sprintf("%q (one entry is one daemon's)", e.Ranks[0].Peer))
 		}
 		if err := checkHostPort(r.Peer); err != nil {
-			return bad(key, f+".peer", r.Peer, "host:port (a host name or IP, a port of 1 to 65535)")
+			return bad(key, f+".peer", r.Peer, PeerWant)
 		}
 	}
-	if e.URL != "" {
-		u, err := url.Parse(e.URL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil || u.RawQuery != "" || u.Fragment != "" {
-			return bad(key, "url", e.URL, "an http or https base URL without credentials, query or fragment")
-		}
+	if e.URL != "" && CheckURL(e.URL) != nil {
+		return bad(key, "url", e.URL, URLWant)
+	}
+	return nil
+}
+
+// What an entry's peer and URL must be (for errors that name them).
+const (
+	PeerWant = "host:port (a host name or IP, a port of 1 to 65535)"
+	URLWant  = "an http or https base URL without credentials, query or fragment"
+)
+
+// CheckPeer says whether addr may be an entry's peer (PeerWant): a
+// daemon checks the address it will publish at start.
+func CheckPeer(addr string) error { return checkHostPort(addr) }
+
+// CheckURL says whether s may be an entry's URL (URLWant).
+func CheckURL(s string) error {
+	u, err := url.Parse(s)
+	if err != nil {
+		return err
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil || u.RawQuery != "" || u.ForceQuery || u.Fragment != "" {
+		return errors.New("not " + URLWant)
 	}
 	return nil
 }

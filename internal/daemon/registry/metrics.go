@@ -24,7 +24,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_registry_refused_total",
 			Help: "Registry entries not taken in by reason (max_entries: the view is full)."}, []string{"reason"}),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_registry_events_total",
-			Help: "Fleet changes seen in the registry: join, leave (a lease ended or an engine left) and generation (an engine rejoined)."}, []string{"kind"}),
+			Help: "Fleet changes seen in the registry: join, leave (a lease ended or an engine left), generation (an engine rejoined) and rank_gone (one of an engine's per-rank servers left)."}, []string{"kind"}),
 		registered: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvxfer_registry_registered",
 			Help: "1 while this process's entries are in etcd under a live lease, else 0 (etcd unreachable, or nothing to publish)."}),
 		engines: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvxfer_registry_engines",
@@ -33,7 +33,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, op := range []string{"grant", "keepalive", "put", "delete", "revoke", "get", "watch"} {
 		m.errors.WithLabelValues(op)
 	}
-	for _, k := range []string{"join", "leave", "generation"} {
+	for _, k := range []string{"join", "leave", "generation", "rank_gone"} {
 		m.events.WithLabelValues(k)
 	}
 	if reg != nil {

@@ -230,8 +230,11 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		if _, ok := want[k]; ok {
 			continue
 		}
+		// Only while the key is under this registrar's lease: a daemon
+		// restarted on the same address (the same key) may have put its
+		// own entry there meanwhile, and it is not this one's to delete.
 		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
-		_, err := cl.Delete(cctx, k)
+		_, err := cl.Txn(cctx).If(clientv3.Compare(clientv3.LeaseValue(k), "=", *lease)).Then(clientv3.OpDelete(k)).Commit()
 		cancel()
 		if err != nil {
 			fail("delete", fmt.Errorf("%s: %w", k, err))

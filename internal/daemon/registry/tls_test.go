@@ -89,3 +89,46 @@ func TestClientConfigValidate(t *testing.T) {
 		})
 	}
 }
+
+// etcd's client takes one transport for all its endpoints, that of the
+// first one's scheme: with an http:// endpoint first, an https:// one
+// after it was spoken to in plain text, its certificate never asked for
+// (here a plain-text etcd behind the https:// endpoint, as anyone on the
+// path could be, answered), and the check that refuses plain text off
+// loopback never saw it. Endpoints of both schemes are refused, naming
+// them; one scheme for all works as before.
+func TestMixedSchemesRefused(t *testing.T) {
+	etcd := etcdtest.Start(t) // plain text
+	dir := t.TempDir()
+	ca, err := pkitest.NewCA(dir, "etcd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := "127.0.0.1:1" // nothing listens: the client goes on to the next endpoint
+	cfg := registry.ClientConfig{Endpoints: "http://" + dead + ",https://" + etcd.Endpoint(), CA: ca.Path}
+	cl, err := registry.Dial(cfg)
+	if err == nil {
+		defer cl.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, gerr := cl.Get(ctx, "/kvxfer/")
+		cancel()
+		if gerr == nil {
+			t.Fatalf("Dial(%s) spoke plain text to the https:// endpoint (a plain-text server answered it)", cfg.Endpoints)
+		}
+		t.Fatalf("Dial(%s) = nil error, want endpoints of both schemes refused", cfg.Endpoints)
+	}
+	if !strings.Contains(err.Error(), "http://"+dead) || !strings.Contains(err.Error(), "https://"+etcd.Endpoint()) {
+		t.Errorf("Dial(%s) = %v, want an error naming both endpoints", cfg.Endpoints, err)
+	}
+	for _, eps := range []string{"https://10.0.0.2:2379,http://127.0.0.1:2379", "127.0.0.1:2379,http://127.0.0.1:2380"} {
+		c := registry.ClientConfig{Endpoints: eps, CA: ca.Path, Insecure: true}
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "one scheme") {
+			t.Errorf("Validate(%s, -etcd-ca, -etcd-insecure) = %v, want endpoints of both schemes refused", eps, err)
+		}
+	}
+	for _, c := range []registry.ClientConfig{{Endpoints: "http://127.0.0.1:2379,127.0.0.1:2380"}, {Endpoints: "https://10.0.0.1:2379,10.0.0.2:2379", CA: ca.Path}} {
+		if err := c.Validate(); err != nil {
+			t.Errorf("Validate(%s) = %v, want nil", c.Endpoints, err)
+		}
+	}
+}

@@ -31,8 +31,16 @@ const (
 	// deregistered).
 	Leave
 	// Generation: the engine's current entry changed generation or
-	// address (it restarted and registered again: a rejoin).
+	// address (it restarted and registered again: a rejoin), or a rank
+	// came to be served by another entry or generation (a per-rank
+	// server of the in-process placement that restarted or joined).
 	Generation
+	// RankGone: an entry of the engine went (its lease ended, or it
+	// left) and no other entry serves its ranks, while other entries
+	// still serve other ranks: one of the per-rank servers of an
+	// in-process engine is gone, and the engine cannot move KV of those
+	// ranks. Entry is the entry that went.
+	RankGone
 )
 
 func (k ChangeKind) String() string {
@@ -43,12 +51,15 @@ func (k ChangeKind) String() string {
 		return "leave"
 	case Generation:
 		return "generation"
+	case RankGone:
+		return "rank_gone"
 	}
 	return fmt.Sprintf("ChangeKind(%d)", uint8(k))
 }
 
 // Change is one engine's change. Entry is its current entry (the
-// latest generation of its entries); for Leave, the one it had.
+// latest generation of its entries); for Leave, the one it had; for
+// RankGone, the one that went.
 type Change struct {
 	Kind   ChangeKind
 	Engine string
@@ -209,12 +220,51 @@ func current(entries map[string]Entry) (Entry, bool) {
 	var best Entry
 	var bestKey string
 	for k, e := range entries {
-		if bestKey == "" || e.created > best.created || e.created == best.created &&
-			(e.Generation > best.Generation || e.Generation == best.Generation && k < bestKey) {
+		if bestKey == "" || newer(&e, k, &best, bestKey) {
 			best, bestKey = e, k
 		}
 	}
 	return best, bestKey != ""
+}
+
+// newer says whether entry a (at key ak) takes precedence over b (at bk):
+// the one etcd created last, then the higher generation, then the lower
+// key.
+func newer(a *Entry, ak string, b *Entry, bk string) bool {
+	return a.created > b.created || a.created == b.created && (a.Generation > b.Generation || a.Generation == b.Generation && ak < bk)
+}
+
+// rankServer is the entry that serves one rank of an engine.
+type rankServer struct {
+	key  string
+	gen  uint64
+	peer string
+}
+
+// rankServers maps each rank (tp, pp) of an engine's entries to the entry
+// that serves it: of those listing it, the one current would pick. An
+// engine served by one daemon has one entry for all its ranks; one whose
+// ranks are served each by its own server (the in-process placement) has
+// one entry per rank, each under its own lease, and what happens to any
+// of them (a restart, a lease that ends) is the engine's change even when
+// another rank's entry is the current one.
+func rankServers(entries map[string]Entry) map[[2]int]rankServer {
+	out := make(map[[2]int]rankServer, len(entries))
+	best := make(map[[2]int]string, len(entries))
+	for k, e := range entries {
+		for _, r := range e.Ranks {
+			rk := [2]int{r.TP, r.PP}
+			if bk, ok := best[rk]; ok {
+				b := entries[bk]
+				if !newer(&e, k, &b, bk) {
+					continue
+				}
+			}
+			best[rk] = k
+			out[rk] = rankServer{key: k, gen: e.Generation, peer: r.Peer}
+		}
+	}
+	return out
 }
 
 func (v *View) loop(ctx context.Context) {
@@ -402,6 +452,11 @@ func (v *View) setLocked(changes []Change, key string, e *Entry) []Change {
 	}
 	set := v.mu.engines[engine]
 	before, had := current(set)
+	// Each rank's server counts, not the current entry alone: an engine
+	// whose ranks are served each by its own server (the in-process
+	// placement) has an entry per rank.
+	ranksBefore := rankServers(set)
+	gone, wasSet := v.mu.byKey[key]
 	if e != nil {
 		if set == nil {
 			set = map[string]Entry{}
@@ -428,6 +483,17 @@ func (v *View) setLocked(changes []Change, key string, e *Entry) []Change {
 		if before.Role != after.Role {
 			m.engines.WithLabelValues(before.Role).Dec()
 			m.engines.WithLabelValues(after.Role).Inc()
+		}
+		ranksAfter := rankServers(set)
+		if e == nil && wasSet {
+			for _, r := range gone.Ranks {
+				if _, ok := ranksAfter[[2]int{r.TP, r.PP}]; !ok {
+					return append(changes, Change{Kind: RankGone, Engine: engine, Entry: gone})
+				}
+			}
+		}
+		if !maps.Equal(ranksBefore, ranksAfter) {
+			return append(changes, Change{Kind: Generation, Engine: engine, Entry: after})
 		}
 		if before.Generation != after.Generation || before.Peer() != after.Peer() {
 			return append(changes, Change{Kind: Generation, Engine: engine, Entry: after})

@@ -105,7 +105,10 @@ type ResolverConfig struct {
 	// Lookup, when set, finds the address of an engine named without
 	// one (a registry: kvxferd -etcd). The address it gives is dialed
 	// like any other: Allow and the peer credentials still apply.
-	Lookup func(engineID string) (string, error)
+	// It is given the handshake's context and returns once that is done,
+	// at the latest: a registry that cannot be reached holds no
+	// handshake, probe or worker's Close past it.
+	Lookup func(ctx context.Context, engineID string) (string, error)
 
 	// dial, when set, replaces the TCP dial of peer connections (tests:
 	// a link that drops what is sent).
@@ -252,7 +255,7 @@ func (r *PeerResolver) Conns() int {
 // of theirs does (a rank's process restarted).
 func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, error) {
 	if addr == "" && r.cfg.Lookup != nil {
-		a, err := r.cfg.Lookup(engineID)
+		a, err := r.cfg.Lookup(ctx, engineID)
 		if err != nil {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s: %w", engineID, err)
 		}

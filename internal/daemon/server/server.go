@@ -203,8 +203,9 @@ type Config struct {
 	// PeerLookup, when set, finds the Peer service address of an engine
 	// named without one (transfer params without an address), by its id:
 	// kvxferd -etcd's registry. The default resolver uses it; consumers'
-	// schedulers then take params without an address.
-	PeerLookup func(engineID string) (string, error)
+	// schedulers then take params without an address. It returns once
+	// ctx (the handshake's) is done, at the latest.
+	PeerLookup func(ctx context.Context, engineID string) (string, error)
 }
 
 // Server implements the kvxfer.v1 WorkerService and PeerService. It is
