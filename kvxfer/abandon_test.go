@@ -68,7 +68,10 @@ func startAbandoning(t *testing.T, tweak func(*kvxfer.WorkerConfig)) *abandoning
 	x := &abandoning{slow: &slowRelease{entered: make(chan struct{}), let: make(chan struct{})}}
 	var letOnce sync.Once
 	x.let = func() { letOnce.Do(func() { close(x.slow.let) }) }
-	p := startEngine(t, fab, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, nil)
+	// P, restarted, still holds a when the test ends: its close waits
+	// for a's consumer no longer than a second.
+	p := startEngine(t, fab, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull,
+		func(c *kvxfer.WorkerConfig) { c.CloseTimeout = time.Second })
 	x.q = startEngine(t, fab, dir, &model, e2eEngine(3, 1, 1, 16, 16), "Q", kvxfer.ModePull, nil)
 	x.d = startEngineOn(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, tweak,
 		fake("", func(a *kvxfertest.Agent) kvxfer.Backend { x.slow.Backend = a; return x.slow }))

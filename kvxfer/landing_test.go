@@ -240,7 +240,10 @@ func TestReleaseCutsReadLandingShort(t *testing.T) {
 	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
 	tcpOnly := tcp.Config{DisableLocal: true, DisableSameHost: true, Conns: 1}
 	var proxy *stallProxy
-	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
+	// (P's close at the end waits for a request whose READ was cut short
+	// no longer than a second: its notices go through the stalled proxy.)
+	fastP := func(c *kvxfer.WorkerConfig) { fast(c); c.CloseTimeout = time.Second }
+	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, fastP, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
 		// P's agent listens on a port of its own and advertises the proxy.
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
