@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"time"
@@ -19,6 +20,16 @@ const DefaultTTL = 5 * time.Second
 
 // maxBackoff bounds the wait between two attempts at etcd.
 const maxBackoff = 2 * time.Second
+
+// jittered is a retry's wait for a backoff of d: between d/2 and d, drawn
+// at random, so that the daemons of a fleet cut off from etcd together do
+// not all retry in the same instant once it is back.
+func jittered(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + rand.N(d/2+1)
+}
 
 // RegistrarConfig configures a Registrar. Zero fields mean the defaults.
 type RegistrarConfig struct {
@@ -57,7 +68,7 @@ func (c *RegistrarConfig) fill() error {
 // grants the lease, puts the entries, keeps the lease alive, and when
 // the lease is lost (etcd unreachable for longer than the TTL, or etcd
 // lost it) grants a new one and puts the entries again, retrying with
-// backoff (100 ms doubling to 2 s) meanwhile. Nothing waits for it: Set
+// backoff (100 ms doubling to 2 s, jittered) meanwhile. Nothing waits for it: Set
 // returns at once. It is safe for concurrent use.
 type Registrar struct {
 	cfg     RegistrarConfig
@@ -150,9 +161,9 @@ func (r *Registrar) loop(ctx context.Context) {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
 		r.log.Warn("kvxfer registry: etcd call failed; retrying (what is registered stays until its lease ends)",
-			"op", op, "err", err, "retry_in", backoff)
+			"op", op, "err", err, "retry_in", backoff, "jittered", true)
 		failing = true
-		retry.Reset(backoff)
+		retry.Reset(jittered(backoff))
 	}
 	for {
 		r.mu.Lock()

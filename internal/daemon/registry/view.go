@@ -277,8 +277,8 @@ func (v *View) loop(ctx context.Context) {
 	wait := func(op string, err error) bool {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
-		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying", "op", op, "err", err, "retry_in", backoff)
-		timer.Reset(backoff)
+		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying", "op", op, "err", err, "retry_in", backoff, "jittered", true)
+		timer.Reset(jittered(backoff))
 		select {
 		case <-v.done:
 			return false
