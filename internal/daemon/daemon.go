@@ -635,6 +635,11 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	in.advertise = c.peerAdvertise
 	if in.advertise == "" {
 		in.advertise = peerLn.Addr().String()
+		if h, _, err := net.SplitHostPort(in.advertise); err == nil && (h == "" || net.ParseIP(h).IsUnspecified()) {
+			// The unspecified address names this host only to itself.
+			log.Warn("kvxferd: -peer-listen is the unspecified address and -peer-advertise is not set: engines are named by "+
+				in.advertise+", which peers on other hosts cannot dial; set -peer-advertise HOST:PORT", "peer_listen", c.peerListen)
+		}
 	}
 	engLn, err := listenEngines(c)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -388,4 +389,39 @@ func TestServeReportsServerFailure(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("serve did not stop in 20 s after its peer listener failed")
 	}
+}
+
+// A daemon listening for peers on the unspecified address without
+// -peer-advertise names its engines by an address only this host can
+// dial: it says so at start, naming the flag to set; one that advertises
+// an address, or listens on a host's address, does not.
+func TestUnspecifiedPeerListenWarned(t *testing.T) {
+	for _, tc := range []struct {
+		listen, advertise string
+		warn              bool
+	}{{"0.0.0.0:0", "", true}, {"0.0.0.0:0", "127.0.0.1:7600", false}, {"127.0.0.1:0", "", false}} {
+		c := testConfig(t)
+		c.peerListen, c.peerAdvertise = tc.listen, tc.advertise
+		var logs strings.Builder
+		in, err := start(c, slog.New(slog.NewTextHandler(&syncWriter{w: &logs}, nil)), false)
+		if err != nil {
+			t.Fatalf("start(-peer-listen %s -peer-advertise %q): %v", tc.listen, tc.advertise, err)
+		}
+		in.shutdown()
+		if got := strings.Contains(logs.String(), "set -peer-advertise"); got != tc.warn {
+			t.Errorf("-peer-listen %s -peer-advertise %q: warned %v, want %v; logs:\n%s", tc.listen, tc.advertise, got, tc.warn, logs.String())
+		}
+	}
+}
+
+// syncWriter serialises writes to w (log records from several goroutines).
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
 }
