@@ -134,9 +134,16 @@ type Scheduler struct {
 	// so Update knows each consumer outcome it is handed; true marks an
 	// empty receive (a full prefix hit), whose outcome an engine need not
 	// wait for or hand back: RequestFinished forgets it.
-	recving  map[string]bool
-	watchQ   deadlineHeap
-	counters SchedulerCounters
+	recving map[string]bool
+	// recvKeys: the producer transfer each receive in recving reads or
+	// registers for (recvKey), to the request receiving it; recvKeyOf
+	// is its inverse. A transfer is received once at a time: a second
+	// receive of one producer request would count toward its release,
+	// and free the blocks the first is still reading.
+	recvKeys  map[recvKey]string
+	recvKeyOf map[string]recvKey
+	watchQ    deadlineHeap
+	counters  SchedulerCounters
 }
 
 // NewScheduler validates cfg, fills its defaults and returns a Scheduler.
@@ -188,7 +195,8 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{}}
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{},
+		recvKeys: map[recvKey]string{}, recvKeyOf: map[string]recvKey{}}
 	mamba := false
 	for i, g := range cfg.Groups {
 		switch g.Kind {
@@ -285,6 +293,16 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	}
 	switch {
 	case p.DoRemotePrefill:
+		if err := s.usableRecvParams(p); err != nil {
+			// Never promise a load AfterAlloc would refuse whatever is
+			// allocated: the engine would keep the request waiting for a
+			// receive never staged. It is computed here instead, as the
+			// reference does for params missing a coordinate, and its
+			// params are not acted on again (the refusal counted once).
+			s.counters.BadParams++
+			p.DoRemotePrefill = false
+			return 0, false
+		}
 		n = s.PrefillTokens(r.PromptTokens) - computed
 	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0 && !s.cfg.HostBuffer && !s.processed[r.ID]:
 		// Turn 2 on P: read back what D holds beyond our prefix, under
@@ -305,7 +323,25 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	return n, true
 }
 
+// usableRecvParams checks what a consumer's params need for any
+// receive: the remote coordinates (remoteRef), and in pull the
+// producer's blocks.
+func (s *Scheduler) usableRecvParams(p *TransferParams) error {
+	if _, err := s.remoteRef(p); err != nil {
+		return err
+	}
+	if s.cfg.Mode == ModePull && emptySpans(p.RemoteBlockIDs) {
+		return fmt.Errorf("kvxfer: transfer params: RemoteBlockIDs is empty (a pull consumer reads the producer's blocks)")
+	}
+	return nil
+}
+
 func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
+	if p.Mode != 0 && p.Mode != s.cfg.Mode {
+		// A producer of the other mode (a router mixing push and pull
+		// engines): it waits for what this engine never does.
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: Mode = %v, but this engine runs %v", p.Mode, s.cfg.Mode)
+	}
 	if p.RemoteEngineID == "" {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteEngineID is empty")
 	}
@@ -382,6 +418,23 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 		s.counters.BadParams++
 		return fmt.Errorf("kvxfer: request %q: %w", r.ID, err)
 	}
+	key := recvKey{engine: ref.EngineID, tid: p.TransferID}
+	if key.tid == "" {
+		key.req = ref.ReqID
+	}
+	if _, ok := s.recving[r.ID]; ok {
+		s.counters.BadParams++
+		return fmt.Errorf("kvxfer: request %q is already receiving (allocated again before its receive ended)", r.ID)
+	}
+	if other, ok := s.recvKeys[key]; ok {
+		s.counters.BadParams++
+		if key.tid != "" {
+			return fmt.Errorf("kvxfer: request %q: transfer params: TransferID = %q of engine %q is already being received by request %q (params replayed)",
+				r.ID, key.tid, key.engine, other)
+		}
+		return fmt.Errorf("kvxfer: request %q: transfer params: RemoteRequestID = %q of engine %q is already being received by request %q (params replayed)",
+			r.ID, key.req, key.engine, other)
+	}
 	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
 	if a.External > 0 {
 		rr.Local, err = s.clip(a.Blocks, a.Computed, true)
@@ -409,7 +462,25 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	s.processed[r.ID] = true
 	s.recv = append(s.recv, rr)
 	s.recving[r.ID] = rr.Local == nil
+	s.recvKeys[key] = r.ID
+	s.recvKeyOf[r.ID] = key
 	return nil
+}
+
+// recvKey names a producer transfer a consumer receives: by its transfer
+// id where it has one (the key P matches by), else by the producer's
+// request id.
+type recvKey struct{ engine, tid, req string }
+
+// forgetRecv drops request id's receive from recving and recvKeys.
+func (s *Scheduler) forgetRecv(id string) {
+	delete(s.recving, id)
+	if k, ok := s.recvKeyOf[id]; ok {
+		delete(s.recvKeyOf, id)
+		if s.recvKeys[k] == id {
+			delete(s.recvKeys, k)
+		}
+	}
 }
 
 // checkAlloc checks what an engine allocated for a receive: counts in
@@ -532,7 +603,7 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	received := s.processed[r.ID]
 	if empty, ok := s.recving[r.ID]; ok && empty {
 		// A full prefix hit's outcome: nothing waits for it.
-		delete(s.recving, r.ID)
+		s.forgetRecv(r.ID)
 	}
 	delete(s.saving, r.ID)
 	delete(s.processed, r.ID)
@@ -648,7 +719,7 @@ func (s *Scheduler) Update(f *Finished) {
 			s.counters.UnknownUpdates++
 			continue
 		}
-		delete(s.recving, o.ReqID)
+		s.forgetRecv(o.ReqID)
 		delete(s.watch, o.ReqID)
 	}
 	s.compactWatch()
