@@ -486,8 +486,8 @@ func (s *Scheduler) forgetRecv(id string) {
 // checkAlloc checks what an engine allocated for a receive: counts in
 // range, a prefix hit on a block boundary, blocks in every full-attention
 // and MLA group for every external token (and some in every
-// sliding-window and Mamba group), and, in pull, no more tokens than the
-// producer holds. Anything less and the transfer would fill part of what
+// sliding-window and Mamba group), and no more tokens than the producer
+// holds where its params say (RemoteNumTokens). Anything less and the transfer would fill part of what
 // the engine takes as loaded, and report it done (with no block at all,
 // at once, as a full prefix hit).
 func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
@@ -518,7 +518,11 @@ func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
 				g, len(ids), have, a.Computed, a.External)
 		}
 	}
-	if s.cfg.Mode == ModePull && ref.Tokens > 0 && a.Computed+a.External > ref.Tokens {
+	// The producer moves only the tokens it holds (a READ or a WRITE
+	// covers no more than RemoteNumTokens, hotpath's bound): in either
+	// mode, more would leave the rest of the blocks as they were, taken
+	// as loaded.
+	if ref.Tokens > 0 && a.Computed+a.External > ref.Tokens {
 		return fmt.Errorf("Alloc.Computed + Alloc.External = %d + %d, more than the producer holds (transfer params: RemoteNumTokens = %d)",
 			a.Computed, a.External, ref.Tokens)
 	}

@@ -151,3 +151,25 @@ func TestReplayIndexBounded(t *testing.T) {
 		t.Errorf("recving %d, recvKeys %d; want both empty", len(s.recving), len(s.recvKeys))
 	}
 }
+
+// In push the producer WRITEs what it holds (RemoteNumTokens, when its
+// params say): a consumer registering for more would take the rest as
+// loaded. Refused as pull refuses it.
+func TestPushConsumerTakesMoreThanProducerHolds(t *testing.T) {
+	s, _ := newSched(t, ModePush, nil)
+	p := pParams(ModePush) // P holds 40 tokens
+	err := s.AfterAlloc(&Request{ID: "d-1", PromptTokens: 48, Params: p}, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3)}, External: 48})
+	if err == nil || !strings.Contains(err.Error(), "RemoteNumTokens = 40") || s.Counters().BadParams != 1 {
+		t.Errorf("AfterAlloc(48 external, P holds 40) = %v (bad %d); want an error naming RemoteNumTokens, counted", err, s.Counters().BadParams)
+	}
+	if m := s.BuildMeta(); len(m.Recv) != 0 {
+		t.Errorf("Recv = %+v, want nothing staged", m.Recv)
+	}
+	// Params without a count (a router that sends D the request before P
+	// finished) are not bounded.
+	p = pParams(ModePush)
+	p.RemoteNumTokens, p.TransferID = 0, "t2"
+	if err := s.AfterAlloc(&Request{ID: "d-2", PromptTokens: 48, Params: p}, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3)}, External: 48}); err != nil {
+		t.Errorf("AfterAlloc without RemoteNumTokens = %v", err)
+	}
+}
