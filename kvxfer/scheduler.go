@@ -418,22 +418,13 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 		s.counters.BadParams++
 		return fmt.Errorf("kvxfer: request %q: %w", r.ID, err)
 	}
-	key := recvKey{engine: ref.EngineID, tid: p.TransferID}
-	if key.tid == "" {
-		key.req = ref.ReqID
-	}
 	if _, ok := s.recving[r.ID]; ok {
 		s.counters.BadParams++
 		return fmt.Errorf("kvxfer: request %q is already receiving (allocated again before its receive ended)", r.ID)
 	}
-	if other, ok := s.recvKeys[key]; ok {
-		s.counters.BadParams++
-		if key.tid != "" {
-			return fmt.Errorf("kvxfer: request %q: transfer params: TransferID = %q of engine %q is already being received by request %q (params replayed)",
-				r.ID, key.tid, key.engine, other)
-		}
-		return fmt.Errorf("kvxfer: request %q: transfer params: RemoteRequestID = %q of engine %q is already being received by request %q (params replayed)",
-			r.ID, key.req, key.engine, other)
+	key, err := s.freeRecvKey(r.ID, p.TransferID, ref)
+	if err != nil {
+		return err
 	}
 	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
 	if a.External > 0 {
@@ -471,6 +462,26 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 // id where it has one (the key P matches by), else by the producer's
 // request id.
 type recvKey struct{ engine, tid, req string }
+
+// freeRecvKey returns the key of a receive of ref's transfer by request
+// id, refused (counted) while another request receives that transfer.
+func (s *Scheduler) freeRecvKey(id, tid string, ref RemoteRef) (recvKey, error) {
+	key := recvKey{engine: ref.EngineID, tid: tid}
+	if tid == "" {
+		key.req = ref.ReqID
+	}
+	other, ok := s.recvKeys[key]
+	if !ok {
+		return key, nil
+	}
+	s.counters.BadParams++
+	if tid != "" {
+		return key, fmt.Errorf("kvxfer: request %q: transfer params: TransferID = %q of engine %q is already being received by request %q (params replayed)",
+			id, tid, key.engine, other)
+	}
+	return key, fmt.Errorf("kvxfer: request %q: transfer params: RemoteRequestID = %q of engine %q is already being received by request %q (params replayed)",
+		id, key.req, key.engine, other)
+}
 
 // forgetRecv drops request id's receive from recving and recvKeys.
 func (s *Scheduler) forgetRecv(id string) {
@@ -623,6 +634,11 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		if err != nil {
 			s.counters.BadParams++
 			return false, nil, fmt.Errorf("request %q: %w", r.ID, err)
+		}
+		if _, err := s.freeRecvKey(r.ID, p.TransferID, ref); err != nil {
+			// Another request receives this transfer (params replayed):
+			// releasing the producer would free its blocks under it.
+			return false, nil, err
 		}
 		s.recv = append(s.recv, RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref, Aborted: true})
 		return false, nil, nil

@@ -173,3 +173,38 @@ func TestPushConsumerTakesMoreThanProducerHolds(t *testing.T) {
 		t.Errorf("AfterAlloc without RemoteNumTokens = %v", err)
 	}
 }
+
+// A request aborted before it was scheduled tells its producer at once
+// that it reads nothing, and the producer frees its blocks: not while
+// another request of this engine is receiving that very transfer (params
+// replayed), whose blocks would be freed under it. Refused and counted.
+func TestAbortOfReplayedParamsReleasesNothing(t *testing.T) {
+	for _, mode := range []Mode{ModePush, ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			s, _ := newSched(t, mode, nil)
+			if err := s.AfterAlloc(&Request{ID: "d-1", PromptTokens: 40, Params: pParams(mode)},
+				Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3)}, External: 40}); err != nil {
+				t.Fatal(err)
+			}
+			s.BuildMeta()
+			delay, params, err := s.RequestFinished(&Request{ID: "d-2", PromptTokens: 40, Params: pParams(mode)}, FinishAborted, nil, 0)
+			if delay || params != nil || err == nil || !strings.Contains(err.Error(), `TransferID = "t1"`) || s.Counters().BadParams != 1 {
+				t.Errorf("abort of replayed params = %v, %v, %v (bad %d); want refused naming TransferID, counted", delay, params, err, s.Counters().BadParams)
+			}
+			if m := s.BuildMeta(); len(m.Recv) != 0 {
+				t.Errorf("staged %+v, want nothing (d-1 is still receiving t1)", m.Recv)
+			}
+			// Its own abort (before its receive was staged) still releases.
+			if _, _, err := s.RequestFinished(&Request{ID: "d-3", PromptTokens: 40, Params: func() *TransferParams {
+				p := pParams(mode)
+				p.TransferID = "t3"
+				return p
+			}()}, FinishAborted, nil, 0); err != nil {
+				t.Fatal(err)
+			}
+			if m := s.BuildMeta(); len(m.Recv) != 1 || !m.Recv[0].Aborted || m.Recv[0].ReqID != "d-3" {
+				t.Errorf("staged %+v, want d-3's aborted receive", m.Recv)
+			}
+		})
+	}
+}
