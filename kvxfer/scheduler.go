@@ -309,6 +309,14 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 		// AfterAlloc's conditions (no host buffer, not read already: a
 		// request asked again after a preemption recomputes), so that
 		// an asynchronous load promised is one staged.
+		if err := s.usableRecvParams(p); err != nil {
+			// D's params cannot be read back: this turn is computed
+			// here. Marked processed so that neither this nor AfterAlloc
+			// acts on them again (counted once).
+			s.counters.BadParams++
+			s.processed[r.ID] = true
+			return 0, false
+		}
 		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
 		if n > 0 && s.cfg.RecomputeThreshold > 0 && n < s.cfg.RecomputeThreshold {
 			s.counters.Recomputed++

@@ -208,3 +208,40 @@ func TestAbortOfReplayedParamsReleasesNothing(t *testing.T) {
 		})
 	}
 }
+
+// Bidirectional turn 2 on P: params of D's first turn that cannot be
+// read back (a coordinate missing, the other mode) are not promised as an
+// asynchronous load AfterAlloc then refuses (the request would wait for
+// a receive never staged): P computes the turn itself, refused once,
+// counted once, however often the engine asks.
+func TestBidirectionalTurn2UnusableParams(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mut  func(*TransferParams)
+	}{
+		{"no engine", func(p *TransferParams) { p.RemoteEngineID = "" }},
+		{"no addr", func(p *TransferParams) { p.RemoteAddr = "" }},
+		{"other mode", func(p *TransferParams) { p.Mode = ModePush }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, _ := newSched(t, ModePull, func(c *SchedulerConfig) { c.Bidirectional = true })
+			params := &TransferParams{DoRemoteDecode: true, RemoteEngineID: "D", RemoteAddr: "d:1", RemoteRequestID: "d-1",
+				RemoteBlockIDs: []topology.Span{{IDs: ids(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)}}, RemoteNumTokens: 200, Mode: ModePull}
+			tc.mut(params)
+			turn2 := &Request{ID: "p-2", PromptTokens: 300, Params: params}
+			blocks := [][]topology.BlockID{ids(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)}
+			for ask := range 2 {
+				n, async := p.MatchedTokens(turn2, 0)
+				if n != 0 || async {
+					t.Errorf("ask %d: MatchedTokens = %d, %v; want 0, false", ask, n, async)
+				}
+				if err := p.AfterAlloc(turn2, Alloc{Blocks: blocks, External: n}); err != nil {
+					t.Errorf("ask %d: AfterAlloc = %v", ask, err)
+				}
+			}
+			if m := p.BuildMeta(); len(m.Recv) != 0 || p.Counters().BadParams != 1 {
+				t.Errorf("staged %+v, bad %d; want nothing staged, counted once", m.Recv, p.Counters().BadParams)
+			}
+		})
+	}
+}
