@@ -285,7 +285,10 @@ func emptySpans(spans []topology.Span) bool {
 // engine beyond the computed ones, and whether they arrive asynchronously
 // (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). A
 // consumer receives PrefillTokens of its prompt and computes the rest (the
-// last token for a model with Mamba groups).
+// last token for a model with Mamba groups). Params no receive can use
+// (a remote coordinate missing, the other mode, pull without the
+// producer's blocks) get 0, false and are counted in BadParams once: the
+// request is computed locally.
 func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) {
 	p := r.Params
 	if p == nil {
@@ -371,7 +374,10 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 // blocks for (SPEC §7.1, §8.1-§8.2; update_state_after_alloc). A consumer
 // registers (push) or reads (pull) into a.Blocks; a full prefix hit stages
 // an empty receive so the producer frees its blocks at once. Bad params
-// are an error naming the field; nothing is staged then.
+// are an error naming the field; nothing is staged then. A transfer is
+// received once at a time: a request already receiving, or params naming
+// a producer transfer (TransferID, else RemoteRequestID) another request
+// of this engine receives, are refused.
 func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 	p := r.Params
 	if p == nil {
