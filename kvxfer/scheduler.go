@@ -134,9 +134,16 @@ type Scheduler struct {
 	// so Update knows each consumer outcome it is handed; true marks an
 	// empty receive (a full prefix hit), whose outcome an engine need not
 	// wait for or hand back: RequestFinished forgets it.
-	recving  map[string]bool
-	watchQ   deadlineHeap
-	counters SchedulerCounters
+	recving map[string]bool
+	// recvKeys: the producer transfer each receive in recving reads or
+	// registers for (recvKey), to the request receiving it; recvKeyOf
+	// is its inverse. A transfer is received once at a time: a second
+	// receive of one producer request would count toward its release,
+	// and free the blocks the first is still reading.
+	recvKeys  map[recvKey]string
+	recvKeyOf map[string]recvKey
+	watchQ    deadlineHeap
+	counters  SchedulerCounters
 }
 
 // NewScheduler validates cfg, fills its defaults and returns a Scheduler.
@@ -188,7 +195,8 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{}}
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{},
+		recvKeys: map[recvKey]string{}, recvKeyOf: map[string]recvKey{}}
 	mamba := false
 	for i, g := range cfg.Groups {
 		switch g.Kind {
@@ -277,7 +285,10 @@ func emptySpans(spans []topology.Span) bool {
 // engine beyond the computed ones, and whether they arrive asynchronously
 // (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). A
 // consumer receives PrefillTokens of its prompt and computes the rest (the
-// last token for a model with Mamba groups).
+// last token for a model with Mamba groups). Params no receive can use
+// (a remote coordinate missing, the other mode, pull without the
+// producer's blocks) get 0, false and are counted in BadParams once: the
+// request is computed locally.
 func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) {
 	p := r.Params
 	if p == nil {
@@ -285,12 +296,30 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	}
 	switch {
 	case p.DoRemotePrefill:
+		if err := s.usableRecvParams(p); err != nil {
+			// Never promise a load AfterAlloc would refuse whatever is
+			// allocated: the engine would keep the request waiting for a
+			// receive never staged. It is computed here instead, as the
+			// reference does for params missing a coordinate, and its
+			// params are not acted on again (the refusal counted once).
+			s.counters.BadParams++
+			p.DoRemotePrefill = false
+			return 0, false
+		}
 		n = s.PrefillTokens(r.PromptTokens) - computed
 	case s.cfg.Bidirectional && p.DoRemoteDecode && len(p.RemoteBlockIDs) > 0 && !s.cfg.HostBuffer && !s.processed[r.ID]:
 		// Turn 2 on P: read back what D holds beyond our prefix, under
 		// AfterAlloc's conditions (no host buffer, not read already: a
 		// request asked again after a preemption recomputes), so that
 		// an asynchronous load promised is one staged.
+		if err := s.usableRecvParams(p); err != nil {
+			// D's params cannot be read back: this turn is computed
+			// here. Marked processed so that neither this nor AfterAlloc
+			// acts on them again (counted once).
+			s.counters.BadParams++
+			s.processed[r.ID] = true
+			return 0, false
+		}
 		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
 		if n > 0 && s.cfg.RecomputeThreshold > 0 && n < s.cfg.RecomputeThreshold {
 			s.counters.Recomputed++
@@ -305,7 +334,25 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 	return n, true
 }
 
+// usableRecvParams checks what a consumer's params need for any
+// receive: the remote coordinates (remoteRef), and in pull the
+// producer's blocks.
+func (s *Scheduler) usableRecvParams(p *TransferParams) error {
+	if _, err := s.remoteRef(p); err != nil {
+		return err
+	}
+	if s.cfg.Mode == ModePull && emptySpans(p.RemoteBlockIDs) {
+		return fmt.Errorf("kvxfer: transfer params: RemoteBlockIDs is empty (a pull consumer reads the producer's blocks)")
+	}
+	return nil
+}
+
 func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
+	if p.Mode != 0 && p.Mode != s.cfg.Mode {
+		// A producer of the other mode (a router mixing push and pull
+		// engines): it waits for what this engine never does.
+		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: Mode = %v, but this engine runs %v", p.Mode, s.cfg.Mode)
+	}
 	if p.RemoteEngineID == "" {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteEngineID is empty")
 	}
@@ -327,7 +374,10 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 // blocks for (SPEC §7.1, §8.1-§8.2; update_state_after_alloc). A consumer
 // registers (push) or reads (pull) into a.Blocks; a full prefix hit stages
 // an empty receive so the producer frees its blocks at once. Bad params
-// are an error naming the field; nothing is staged then.
+// are an error naming the field; nothing is staged then. A transfer is
+// received once at a time: a request already receiving, or params naming
+// a producer transfer (TransferID, else RemoteRequestID) another request
+// of this engine receives, are refused.
 func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 	p := r.Params
 	if p == nil {
@@ -382,6 +432,14 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 		s.counters.BadParams++
 		return fmt.Errorf("kvxfer: request %q: %w", r.ID, err)
 	}
+	if _, ok := s.recving[r.ID]; ok {
+		s.counters.BadParams++
+		return fmt.Errorf("kvxfer: request %q is already receiving (allocated again before its receive ended)", r.ID)
+	}
+	key, err := s.freeRecvKey(r.ID, p.TransferID, ref)
+	if err != nil {
+		return err
+	}
 	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
 	if a.External > 0 {
 		rr.Local, err = s.clip(a.Blocks, a.Computed, true)
@@ -409,14 +467,52 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	s.processed[r.ID] = true
 	s.recv = append(s.recv, rr)
 	s.recving[r.ID] = rr.Local == nil
+	s.recvKeys[key] = r.ID
+	s.recvKeyOf[r.ID] = key
 	return nil
+}
+
+// recvKey names a producer transfer a consumer receives: by its transfer
+// id where it has one (the key P matches by), else by the producer's
+// request id.
+type recvKey struct{ engine, tid, req string }
+
+// freeRecvKey returns the key of a receive of ref's transfer by request
+// id, refused (counted) while another request receives that transfer.
+func (s *Scheduler) freeRecvKey(id, tid string, ref RemoteRef) (recvKey, error) {
+	key := recvKey{engine: ref.EngineID, tid: tid}
+	if tid == "" {
+		key.req = ref.ReqID
+	}
+	other, ok := s.recvKeys[key]
+	if !ok {
+		return key, nil
+	}
+	s.counters.BadParams++
+	if tid != "" {
+		return key, fmt.Errorf("kvxfer: request %q: transfer params: TransferID = %q of engine %q is already being received by request %q (params replayed)",
+			id, tid, key.engine, other)
+	}
+	return key, fmt.Errorf("kvxfer: request %q: transfer params: RemoteRequestID = %q of engine %q is already being received by request %q (params replayed)",
+		id, key.req, key.engine, other)
+}
+
+// forgetRecv drops request id's receive from recving and recvKeys.
+func (s *Scheduler) forgetRecv(id string) {
+	delete(s.recving, id)
+	if k, ok := s.recvKeyOf[id]; ok {
+		delete(s.recvKeyOf, id)
+		if s.recvKeys[k] == id {
+			delete(s.recvKeys, k)
+		}
+	}
 }
 
 // checkAlloc checks what an engine allocated for a receive: counts in
 // range, a prefix hit on a block boundary, blocks in every full-attention
 // and MLA group for every external token (and some in every
-// sliding-window and Mamba group), and, in pull, no more tokens than the
-// producer holds. Anything less and the transfer would fill part of what
+// sliding-window and Mamba group), and no more tokens than the producer
+// holds where its params say (RemoteNumTokens). Anything less and the transfer would fill part of what
 // the engine takes as loaded, and report it done (with no block at all,
 // at once, as a full prefix hit).
 func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
@@ -447,7 +543,11 @@ func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
 				g, len(ids), have, a.Computed, a.External)
 		}
 	}
-	if s.cfg.Mode == ModePull && ref.Tokens > 0 && a.Computed+a.External > ref.Tokens {
+	// The producer moves only the tokens it holds (a READ or a WRITE
+	// covers no more than RemoteNumTokens, hotpath's bound): in either
+	// mode, more would leave the rest of the blocks as they were, taken
+	// as loaded.
+	if ref.Tokens > 0 && a.Computed+a.External > ref.Tokens {
 		return fmt.Errorf("Alloc.Computed + Alloc.External = %d + %d, more than the producer holds (transfer params: RemoteNumTokens = %d)",
 			a.Computed, a.External, ref.Tokens)
 	}
@@ -532,7 +632,7 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	received := s.processed[r.ID]
 	if empty, ok := s.recving[r.ID]; ok && empty {
 		// A full prefix hit's outcome: nothing waits for it.
-		delete(s.recving, r.ID)
+		s.forgetRecv(r.ID)
 	}
 	delete(s.saving, r.ID)
 	delete(s.processed, r.ID)
@@ -548,6 +648,11 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		if err != nil {
 			s.counters.BadParams++
 			return false, nil, fmt.Errorf("request %q: %w", r.ID, err)
+		}
+		if _, err := s.freeRecvKey(r.ID, p.TransferID, ref); err != nil {
+			// Another request receives this transfer (params replayed):
+			// releasing the producer would free its blocks under it.
+			return false, nil, err
 		}
 		s.recv = append(s.recv, RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref, Aborted: true})
 		return false, nil, nil
@@ -648,7 +753,7 @@ func (s *Scheduler) Update(f *Finished) {
 			s.counters.UnknownUpdates++
 			continue
 		}
-		delete(s.recving, o.ReqID)
+		s.forgetRecv(o.ReqID)
 		delete(s.watch, o.ReqID)
 	}
 	s.compactWatch()

@@ -80,7 +80,7 @@ func TestMatchedTokens(t *testing.T) {
 		{"no params", nil, 0, nil, 100, 0, 0, false},
 		{"remote prefill", nil, 0, pParams(ModePull), 100, 16, 84, true},
 		{"mamba recomputes the last token", hybrid, 0, pParams(ModePull), 100, 16, 83, true},
-		{"mtp lookahead 3 recomputes 2", nil, 2, pParams(ModePush), 64, 0, 62, true},
+		{"mtp lookahead 3 recomputes 2", nil, 2, pParams(ModePull), 64, 0, 62, true},
 		{"mtp beside mamba: the larger backoff", hybrid, 2, pParams(ModePull), 64, 16, 46, true},
 		{"mamba, one-token prompt: loaded whole", hybrid, 0, pParams(ModePull), 1, 0, 1, true},
 		{"backoff 2, two-token prompt: loaded whole", nil, 2, pParams(ModePull), 2, 0, 2, true},
@@ -303,6 +303,7 @@ func TestRegistrationWatchdogByDeadline(t *testing.T) {
 	_ = s.AfterAlloc(a, Alloc{Blocks: [][]topology.BlockID{ids(1)}, External: 16})
 	s.cfg.RegistrationTimeout = time.Minute
 	b := &Request{ID: "d-b", Params: pParams(ModePush)}
+	b.Params.TransferID = "t2"
 	_ = s.AfterAlloc(b, Alloc{Blocks: [][]topology.BlockID{ids(2)}, External: 16})
 	s.BuildMeta()
 	c.advance(2 * time.Minute)
@@ -547,6 +548,7 @@ func TestUpdateKnowsPullReceives(t *testing.T) {
 		s, _ := newSched(t, mode, nil)
 		for _, id := range []string{"d-1", "d-2"} {
 			r := &Request{ID: id, PromptTokens: 40, Params: pParams(mode)}
+			r.Params.TransferID = "t-" + id // one transfer each
 			if err := s.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3)}, External: 40}); err != nil {
 				t.Fatal(err)
 			}

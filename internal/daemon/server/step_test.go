@@ -413,7 +413,7 @@ func TestDroppedStepSplits(t *testing.T) {
 // ops do; malformed columns are refused whole, naming the column.
 func TestStepColumns(t *testing.T) {
 	d, c, ctx := schedulerClient(t)
-	for _, e := range []string{"ops", "cols", "sparse"} {
+	for _, e := range []string{"ops", "cols", "sparse", "quiet"} {
 		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: e, Mode: pb.Mode_MODE_PULL, TpSize: 1, LogicalBlockSize: 16,
 			Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}, {Kind: pb.CacheKind_CACHE_KIND_SLIDING_WINDOW, Window: 16}}}}); err != nil {
 			t.Fatal(err)
@@ -487,8 +487,9 @@ func TestStepColumns(t *testing.T) {
 	if len(b.Results) != 3 || b.Results[2].Index != 3 || !strings.Contains(b.Results[2].Error, `request "d-2"`) || len(b.Meta.Recv) != 1 {
 		t.Errorf("columns: results %v, recv %v; want request_finished's answer and d-2 refused at index 3", b.Results, b.Meta.Recv)
 	}
-	// errors_only: the failed op alone is answered.
-	quiet, err := c.Step(ctx, &pb.StepRequest{EngineId: "cols", ErrorsOnly: true, Columns: cols})
+	// errors_only: the failed op alone is answered (on an engine of its
+	// own: "cols" would refuse d-1's receive, staged there already).
+	quiet, err := c.Step(ctx, &pb.StepRequest{EngineId: "quiet", ErrorsOnly: true, Columns: cols})
 	if err != nil || len(quiet.Results) != 1 || quiet.Results[0].Index != 3 {
 		t.Errorf("Step(errors_only) = %v, %v; want only op 3's error", quiet.GetResults(), err)
 	}
