@@ -1,0 +1,111 @@
+package kvxfer
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// layers3 is simLayout with three layers (one region each).
+func layers3(tp, tpSize int, base uint64) topology.Layout {
+	l := simLayout(tp, tpSize, base)
+	r := l.Regions[len(l.Regions)-1]
+	r.Base += simRegionGap
+	l.Regions = append(l.Regions, r)
+	return l
+}
+
+// newLayers3Core is a layer-wise push producer's core over layers3.
+func newLayers3Core(t *testing.T) *traceCore {
+	now := traceEpoch
+	w, err := newWorker(WorkerConfig{EngineID: "P", Addr: "P:1", Mode: ModePush, Layerwise: true, Layout: layers3(0, 1, 1<<20),
+		CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.st.init(w)
+	w.st.now = now
+	return &traceCore{st: &w.st, now: now, fail: map[opKind]int{}, engine: "P"}
+}
+
+// hs3 answers the core's handshake with a one-rank engine laid out as
+// layers3, of generation gen (its agent named after it).
+func (tc *traceCore) hs3(engine string, gen uint64) string {
+	h := &hsResult{engine: engine}
+	agent := fmt.Sprintf("%s/0", engine)
+	if gen > 1 {
+		agent = fmt.Sprintf("%s.g%d/0", engine, gen)
+	}
+	h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: engine, CompatHash: "h", Layout: layers3(0, 1, 1<<30), Agent: []byte(agent)})
+	h.names = append(h.names, PeerName(agent))
+	h.loadErrs = append(h.loadErrs, nil)
+	h.res.Generation = gen
+	tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
+	return strings.Join(tc.drive(nil, ""), "\n")
+}
+
+// prefillN lists requests prefilled in step, each on its own block.
+func (tc *traceCore) prefillN(step uint64, ids ...string) string {
+	meta := &StepMeta{Step: step, SchedulerClock: tc.now}
+	for i, id := range ids {
+		meta.Prefill = append(meta.Prefill, SendReq{ReqID: id, Blocks: []topology.Span{{IDs: []topology.BlockID{topology.BlockID(i + 1)}}}, Tokens: 16})
+	}
+	tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	return strings.Join(tc.drive(nil, ""), "\n")
+}
+
+// count counts the lines of out that start with prefix.
+func count(out, prefix string) int {
+	n := 0
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(strings.TrimSpace(l), prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+// A layer's WRITE that fails while another layer's is still in flight
+// dooms the consumer rank: no later layer is posted into its blocks (it
+// gets a failure notice once nothing is in flight, and will hand them
+// back), and the request ends in one failed outcome.
+func TestLayerwiseWriteFailureStopsLaterLayers(t *testing.T) {
+	tc := newLayers3Core(t)
+	tc.prefill(1, "p-1")
+	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
+	tc.hs3("D", 1)
+	var all []string
+	add := func(s string) string { all = append(all, s); return s }
+	if got := add(tc.layer(1, 0)); !strings.Contains(got, "post #1") {
+		t.Fatalf("layer 0: %q", got)
+	}
+	if got := add(tc.layer(1, 1)); !strings.Contains(got, "post #2") {
+		t.Fatalf("layer 1: %q", got)
+	}
+	if got := add(tc.run(t, "ended xfer=1 fail=boom")); strings.Contains(got, "post") || strings.Contains(got, "notify") {
+		t.Fatalf("layer 0's WRITE failed with layer 1's in flight: %q, want nothing until layer 1's ends", got)
+	}
+	if got := add(tc.layer(1, 2)); strings.Contains(got, "post") {
+		t.Errorf("layer 2 saved after layer 0's WRITE failed: %q, want no WRITE into the doomed rank", got)
+	}
+	add(tc.run(t, "ended xfer=2"))
+	add(tc.run(t, "ended xfer=3"))
+	add(tc.run(t, "step send=p-1 blocks=1 tokens=16"))
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(all, "\n")
+	if n := count(out, "outcome send p-1"); n != 1 || !strings.Contains(out, "outcome send p-1 failed") {
+		t.Errorf("producer outcomes:\n%s\nwant exactly one, failed", out)
+	}
+	if n := count(out, "notify D/0 fail"); n != 1 {
+		t.Errorf("failure notices to D:\n%s\nwant exactly one", out)
+	}
+	if strings.Contains(out, "notify D/0 done") {
+		t.Errorf("completion notice after a failed layer:\n%s", out)
+	}
+}
