@@ -238,3 +238,35 @@ func TestLayerwiseConsumerRestartMidLayers(t *testing.T) {
 		t.Errorf("outcomes:\n%s\nwant one, failed", out)
 	}
 }
+
+// A prefilling request has no lease: it starts at its finish. A
+// consumer's heartbeat meanwhile (it heartbeats every request it waits
+// for) must not start one that lapses mid-prefill: every later layer is
+// still written, and the request completes once its engine finishes it.
+func TestLayerwiseHeartbeatDuringPrefillNoLease(t *testing.T) {
+	tc := newLayers3Core(t)
+	tc.prefill(1, "p-1")
+	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
+	tc.hs3("D", 1)
+	var all []string
+	add := func(s string) string { all = append(all, s); return s }
+	add(tc.layer(1, 0))
+	add(tc.run(t, "ended xfer=1"))
+	add(tc.run(t, "notif from=D/0 kind=heartbeat ids=,p-1,d-1"))
+	add(tc.run(t, "advance 21s")) // past the heartbeat's extension (Lease·2/3)
+	if got := add(tc.layer(1, 1)); !strings.Contains(got, "post #2") {
+		t.Errorf("layer 1 saved after a heartbeat's extension passed: %q, want its WRITE", got)
+	}
+	add(tc.layer(1, 2))
+	add(tc.run(t, "ended xfer=2"))
+	add(tc.run(t, "ended xfer=3"))
+	add(tc.run(t, "step send=p-1 blocks=1 tokens=16"))
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(all, "\n")
+	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
+		t.Errorf("outcomes:\n%s\nwant one, done", out)
+	}
+	if count(out, "notify D/0 done dreq=d-1") != 1 || strings.Contains(out, "notify D/0 fail") {
+		t.Errorf("notices to D:\n%s\nwant one completion notice", out)
+	}
+}

@@ -1235,7 +1235,10 @@ func (st *loopState) onHeartbeat(m *msg) {
 		if s == nil && dreq != "" {
 			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
 		}
-		if s == nil || s.done || s.expired || !ext.After(s.deadline) {
+		if s == nil || s.done || s.expired || s.prefill || !ext.After(s.deadline) {
+			// A request still prefilling (layer-wise) has no lease to
+			// extend: it starts at its finish, and one started here
+			// would lapse mid-prefill if the heartbeats paused.
 			continue
 		}
 		s.deadline = ext
