@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 )
 
@@ -31,8 +33,10 @@ import (
 // request: FuzzCores found the hole when grants were by block and peer).
 // A pull consumer's READs in flight are cut short the same way. Without
 // grants (NIXL), a producer that is only unreachable may still WRITE once
-// it is back, so a push consumer waits for its fence as for any cancel. A
-// producer that restarted cannot complete anything.
+// it is back, so a push consumer waits for its fence as for any cancel;
+// so it does when the producer changed generation: a producer that
+// restarted cannot complete anything, but its ranks that did not change,
+// and one being let go while its WRITEs end, may still write.
 
 // probeEvery is how often a watched engine is asked about.
 func (st *loopState) probeEvery() time.Duration {
@@ -151,7 +155,11 @@ func (st *loopState) probeDone(h *hsResult) {
 	}
 	// Its ranks changed: requests waiting on a rank whose agent is not
 	// the one they dealt with cannot complete.
-	changed := map[rankRef]bool{}
+	// replaced: a rank another agent speaks for now. Its old agent is
+	// gone with everything it moved: a daemon attaches a rank again only
+	// once its old Worker's close fenced what it moved, and an engine
+	// process that restarted took its agents with it.
+	changed, replaced := map[rankRef]bool{}, map[rankRef]bool{}
 	for ref, old := range e.peers {
 		changed[ref] = true
 		for i := range h.res.Ranks {
@@ -159,13 +167,23 @@ func (st *loopState) probeDone(h *hsResult) {
 			if l.TPRank == ref.tp && l.PPRank == ref.pp {
 				if name, err := h.agent(i); err == nil && name == old {
 					changed[ref] = false
+				} else if err == nil {
+					replaced[ref] = true
 				}
 			}
 		}
 	}
 	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached a rank (generation %d -> %d): the transfer cannot complete",
 		e.id, e.addr, e.gen, h.res.Generation)
-	n := st.failWaiting(e, FailurePeerGone, reason, true, func(r *recvReq) bool {
+	// Under grants every rank is fenced at once (revoking cuts short what
+	// lands). Without them only a replaced rank is: one that did not
+	// change may still be writing into the request's blocks, and so may
+	// one that left without a successor (a daemon unpublishes a detaching
+	// rank before its Worker's close has fenced its WRITEs); the request
+	// waits for their confirmations as for any cancel (FenceTimeout
+	// bounds the wait).
+	fence := func(t rankRef) bool { return st.guarded || replaced[t] }
+	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
 		for _, t := range r.targets {
 			if changed[t] && !r.got.has(t) {
 				return true
@@ -183,7 +201,7 @@ func (st *loopState) probeDone(h *hsResult) {
 // drops its handshake so the next request handshakes again.
 func (st *loopState) peerGone(e *engine, err error) {
 	reason := fmt.Sprintf("producer engine %s (%s) is gone: %v", e.id, e.addr, err)
-	fence := st.guarded // see above
+	fence := func(rankRef) bool { return st.guarded } // see above
 	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(*recvReq) bool { return true })
 	st.log.Warn("kvxfer: peer engine is gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr, "err", err, "failed_requests", n)
 	// The next request handshakes again at once (the peer may be back by
@@ -192,10 +210,10 @@ func (st *loopState) peerGone(e *engine, err error) {
 	e.watching = false
 }
 
-// failWaiting fails the consumer requests that wait on e and match,
-// fenced at once when fence says nothing of e's can land any more, and
-// returns how many.
-func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fence bool, match func(*recvReq) bool) int {
+// failWaiting fails the consumer requests that wait on e and match, each
+// producer rank fenced at once where fence says nothing of it can land
+// any more, and returns how many.
+func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fence func(rankRef) bool, match func(*recvReq) bool) int {
 	n := 0
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
@@ -203,14 +221,14 @@ func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fen
 			continue
 		}
 		n++
-		if fence {
-			for _, t := range r.targets {
+		for _, t := range r.targets {
+			if fence(t) && !r.fenced.has(t) {
 				r.fenced = r.fenced.add(t)
 			}
-			for h := range r.handles {
-				if x := st.handles[h]; x != nil {
-					st.abandonXfer(x)
-				}
+		}
+		for _, h := range slices.Sorted(maps.Keys(r.handles)) {
+			if x := st.handles[h]; x != nil && fence(r.handles[h]) {
+				st.abandonXfer(x)
 			}
 		}
 		st.decide(r, ResultFailed, kind, reason)

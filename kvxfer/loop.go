@@ -461,6 +461,13 @@ func (st *loopState) step(meta *StepMeta) {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
+		if len(meta.NotProcessed) > 0 && slices.Contains(meta.NotProcessed, meta.Prefill[i].ReqID) {
+			// Aborted by its engine before the step ran: no SendReq will
+			// end it, and its blocks are freed (held, it would never
+			// report, and could write them).
+			st.metrics.Dropped("prefill_aborted")
+			continue
+		}
 		st.newPrefill(&meta.Prefill[i], meta.Step)
 	}
 	for i := range meta.Send {

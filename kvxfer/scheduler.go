@@ -636,6 +636,12 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	}
 	delete(s.saving, r.ID)
 	delete(s.processed, r.ID)
+	if s.prefilled[r.ID] {
+		// A prefill staged for the coming step is dropped: the request
+		// finished first (aborted, its blocks freed; or done, and its
+		// SendReq below hands its blocks over whole).
+		s.prefill = slices.DeleteFunc(s.prefill, func(q SendReq) bool { return q.ReqID == r.ID })
+	}
 	delete(s.prefilled, r.ID)
 	if p == nil {
 		return false, nil, nil

@@ -571,3 +571,28 @@ func TestUpdateKnowsPullReceives(t *testing.T) {
 		}
 	}
 }
+
+// A request that finishes abnormally (aborted) after its prefill was staged and
+// before the step's metadata is built is not listed in Prefill: its
+// blocks are freed, and no SendReq follows to end it on the workers.
+func TestPrefillDroppedWhenFinishedBeforeBuild(t *testing.T) {
+	for _, status := range []FinishStatus{FinishAborted, FinishError} {
+		t.Run(status.String(), func(t *testing.T) {
+			s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+			keep := &Request{ID: "p-keep", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true}}
+			r := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true}}
+			for _, q := range []*Request{keep, r} {
+				if err := s.Prefill(q, [][]topology.BlockID{ids(1)}, 0, 16); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, _, err := s.RequestFinished(r, status, [][]topology.BlockID{ids(1)}, 16); err != nil {
+				t.Fatal(err)
+			}
+			m := s.BuildMeta()
+			if len(m.Prefill) != 1 || m.Prefill[0].ReqID != "p-keep" {
+				t.Errorf("Prefill = %+v, want only p-keep (p-1 finished before the build)", m.Prefill)
+			}
+		})
+	}
+}

@@ -774,8 +774,11 @@ func (st *loopState) wantsPost(s *sendReq) bool {
 		return false
 	}
 	for _, r := range s.ranks {
-		if r.state != rkReady && r.state != rkPosted || r.ackOwed {
-			continue // an ackOwed rank cancelled: nothing more goes to it
+		if r.state != rkReady && r.state != rkPosted || r.ackOwed || r.reason != "" {
+			// An ackOwed rank cancelled, one with a reason failed (a
+			// WRITE into it failed while another was in flight):
+			// nothing more goes to it.
+			continue
 		}
 		if !st.cfg.Layerwise {
 			if r.state == rkReady {
@@ -803,10 +806,12 @@ func (s *sendReq) layersSaved() []bool { return s.saved }
 // completion notice sent once the last layer landed.
 func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	layerwise := st.cfg.Layerwise && s.saved != nil
-	if r.ackOwed {
+	if r.ackOwed || r.reason != "" {
 		// The consumer rank cancelled while a WRITE into it was in
 		// flight: its acknowledgement waits only for that one, and no
-		// further layer (or notice) goes to blocks it gave up.
+		// further layer (or notice) goes to blocks it gave up. Or a
+		// WRITE into it failed while another was in flight: it fails
+		// once that one ends, and no later layer is written meanwhile.
 		return
 	}
 	if r.state == rkPosted && !layerwise {
@@ -1230,7 +1235,10 @@ func (st *loopState) onHeartbeat(m *msg) {
 		if s == nil && dreq != "" {
 			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
 		}
-		if s == nil || s.done || s.expired || !ext.After(s.deadline) {
+		if s == nil || s.done || s.expired || s.prefill || !ext.After(s.deadline) {
+			// A request still prefilling (layer-wise) has no lease to
+			// extend: it starts at its finish, and one started here
+			// would lapse mid-prefill if the heartbeats paused.
 			continue
 		}
 		s.deadline = ext

@@ -75,6 +75,31 @@ func (d *Directory) Remove(engineID string) {
 	d.engines.Delete(engineID)
 }
 
+// Unpublish removes one rank of an engine, as a daemon does when the
+// rank's stream ends (before its Worker's close has fenced what it
+// moves): a new generation without it; the engine goes with its last
+// rank.
+func (d *Directory) Unpublish(engineID string, tpRank, ppRank int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	old, ok := d.engines.Load(engineID)
+	if !ok {
+		return
+	}
+	ranks := slices.DeleteFunc(slices.Clone(old.Ranks), func(r kvxfer.RankInfo) bool {
+		return r.Layout.TPRank == tpRank && r.Layout.PPRank == ppRank
+	})
+	if len(ranks) == len(old.Ranks) {
+		return
+	}
+	if len(ranks) == 0 {
+		d.engines.Delete(engineID)
+		return
+	}
+	d.mu.gen++
+	d.engines.Store(engineID, &kvxfer.HandshakeResult{Generation: d.mu.gen, Ranks: ranks})
+}
+
 // FailHandshakes makes the next n handshakes to engineID fail.
 func (d *Directory) FailHandshakes(engineID string, n int) {
 	d.mu.Lock()
