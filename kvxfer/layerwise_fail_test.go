@@ -78,11 +78,7 @@ func count(out, prefix string) int {
 // back), and the request ends in one failed outcome.
 func TestLayerwiseWriteFailureStopsLaterLayers(t *testing.T) {
 	tc := newLayers3Core(t)
-	tc.prefill(1, "p-1")
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	var all []string
-	add := func(s string) string { all = append(all, s); return s }
+	all, add := registeredMidPrefill(t, tc)
 	if got := add(tc.layer(1, 0)); !strings.Contains(got, "post #1") {
 		t.Fatalf("layer 0: %q", got)
 	}
@@ -99,7 +95,7 @@ func TestLayerwiseWriteFailureStopsLaterLayers(t *testing.T) {
 	add(tc.run(t, "ended xfer=3"))
 	add(tc.run(t, "step send=p-1 blocks=1 tokens=16"))
 	add(tc.run(t, "advance 31s"))
-	out := strings.Join(all, "\n")
+	out := strings.Join(*all, "\n")
 	if n := count(out, "outcome send p-1"); n != 1 || !strings.Contains(out, "outcome send p-1 failed") {
 		t.Errorf("producer outcomes:\n%s\nwant exactly one, failed", out)
 	}
@@ -179,11 +175,7 @@ func TestLayerwiseAbortMidLayers(t *testing.T) {
 	for _, inflightLast := range []bool{false, true} {
 		t.Run(fmt.Sprintf("last layer in flight %v", inflightLast), func(t *testing.T) {
 			tc := newLayers3Core(t)
-			tc.prefill(1, "p-1")
-			tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-			tc.hs3("D", 1)
-			var all []string
-			add := func(s string) string { all = append(all, s); return s }
+			all, add := registeredMidPrefill(t, tc)
 			add(tc.layer(1, 0))
 			if inflightLast {
 				add(tc.layer(1, 1))
@@ -199,7 +191,7 @@ func TestLayerwiseAbortMidLayers(t *testing.T) {
 				add(tc.run(t, fmt.Sprintf("ended xfer=%d", x)))
 			}
 			add(tc.run(t, "advance 31s"))
-			out := strings.Join(all, "\n")
+			out := strings.Join(*all, "\n")
 			if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 aborted") {
 				t.Errorf("outcomes:\n%s\nwant one, aborted", out)
 			}
@@ -218,11 +210,7 @@ func TestLayerwiseAbortMidLayers(t *testing.T) {
 // hold another request's KV by now), and the request fails once.
 func TestLayerwiseConsumerRestartMidLayers(t *testing.T) {
 	tc := newLayers3Core(t)
-	tc.prefill(1, "p-1")
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	var all []string
-	add := func(s string) string { all = append(all, s); return s }
+	all, add := registeredMidPrefill(t, tc)
 	add(tc.layer(1, 0))
 	add(tc.run(t, "ended xfer=1"))
 	add(tc.hs3("D", 2))
@@ -233,7 +221,7 @@ func TestLayerwiseConsumerRestartMidLayers(t *testing.T) {
 	}
 	add(tc.run(t, "step send=p-1 blocks=1 tokens=16"))
 	add(tc.run(t, "advance 31s"))
-	out := strings.Join(all, "\n")
+	out := strings.Join(*all, "\n")
 	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 failed") {
 		t.Errorf("outcomes:\n%s\nwant one, failed", out)
 	}
@@ -245,11 +233,7 @@ func TestLayerwiseConsumerRestartMidLayers(t *testing.T) {
 // still written, and the request completes once its engine finishes it.
 func TestLayerwiseHeartbeatDuringPrefillNoLease(t *testing.T) {
 	tc := newLayers3Core(t)
-	tc.prefill(1, "p-1")
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	var all []string
-	add := func(s string) string { all = append(all, s); return s }
+	all, add := registeredMidPrefill(t, tc)
 	add(tc.layer(1, 0))
 	add(tc.run(t, "ended xfer=1"))
 	add(tc.run(t, "notif from=D/0 kind=heartbeat ids=,p-1,d-1"))
@@ -262,7 +246,7 @@ func TestLayerwiseHeartbeatDuringPrefillNoLease(t *testing.T) {
 	add(tc.run(t, "ended xfer=3"))
 	add(tc.run(t, "step send=p-1 blocks=1 tokens=16"))
 	add(tc.run(t, "advance 31s"))
-	out := strings.Join(all, "\n")
+	out := strings.Join(*all, "\n")
 	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
 		t.Errorf("outcomes:\n%s\nwant one, done", out)
 	}
@@ -300,4 +284,16 @@ func TestLayerwisePrefillAbortedInSameStep(t *testing.T) {
 	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
 		t.Errorf("after the abort: %d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
 	}
+}
+
+// registeredMidPrefill puts p-1 in prefill on tc, registered by D's rank 0
+// (its engine handshaken, generation 1), and returns the log of what the
+// core printed and the function that adds to it.
+func registeredMidPrefill(t *testing.T, tc *traceCore) (*[]string, func(string) string) {
+	t.Helper()
+	tc.prefill(1, "p-1")
+	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
+	tc.hs3("D", 1)
+	all := new([]string)
+	return all, func(s string) string { *all = append(*all, s); return s }
 }
