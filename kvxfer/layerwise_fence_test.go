@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 )
 
 // Without data-plane grants (NIXL; here OpenDataPlane), a consumer whose
@@ -17,25 +18,8 @@ import (
 // for any cancel.
 func TestLayerwiseGenerationChangeFencesLiveRanks(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 2, 1, func(side string, c *kvxfer.WorkerConfig) {
-			c.Layerwise = side == "P"
-			c.OpenDataPlane = true
-		})
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		now := time.Now()
-		x.p.step(t, &kvxfer.StepMeta{Step: 7, SchedulerClock: now, Prefill: []kvxfer.SendReq{q.send(time.Time{})}})
-		x.settle()
-		dAgent := x.d.agents[0][0]
-		x.fab.Faults().Stall(dAgent.Name())
 		// Rank 0's layer 0 goes out and stalls in flight.
-		if err := x.p.workers[0][0].LayerSaved(7, 0); err != nil {
-			t.Fatal(err)
-		}
-		x.settle()
-		if x.posted() == 0 {
-			t.Fatal("no WRITE posted after layer 0 was saved")
-		}
+		x, q, dAgent := layerInFlight(t, 0)
 		// P's rank 1 re-attaches (a new agent, a new Worker: its old one
 		// still runs): a new generation.
 		a, err := x.fab.NewAgent("P/pp0/tp1-again")
@@ -83,24 +67,7 @@ func TestLayerwiseGenerationChangeFencesLiveRanks(t *testing.T) {
 // consumer does not report the request until nothing of it can land.
 func TestLayerwiseRankLeftMidWriteFenced(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 2, 1, func(side string, c *kvxfer.WorkerConfig) {
-			c.Layerwise = side == "P"
-			c.OpenDataPlane = true
-		})
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		now := time.Now()
-		x.p.step(t, &kvxfer.StepMeta{Step: 7, SchedulerClock: now, Prefill: []kvxfer.SendReq{q.send(time.Time{})}})
-		x.settle()
-		dAgent := x.d.agents[0][0]
-		x.fab.Faults().Stall(dAgent.Name())
-		if err := x.p.workers[0][1].LayerSaved(7, 0); err != nil {
-			t.Fatal(err)
-		}
-		x.settle()
-		if x.posted() == 0 {
-			t.Fatal("no WRITE posted after layer 0 was saved")
-		}
+		x, q, dAgent := layerInFlight(t, 1)
 		// Rank 1's stream ends: unpublished, its Worker closing (its
 		// WRITE still in flight).
 		x.dir.Unpublish("P", 1, 0)
@@ -123,4 +90,29 @@ func TestLayerwiseRankLeftMidWriteFenced(t *testing.T) {
 			t.Errorf("D outcomes %v, want exactly one, failed", got)
 		}
 	})
+}
+
+// layerInFlight is a layer-wise push pair without grants (P TP 2, D TP 1)
+// with request r1 prefilling on P, registered by D, and layer 0's WRITE
+// from P's rank tp posted and stalled in flight (D's agent stalled).
+func layerInFlight(t *testing.T, tp int) (*pair, *xreq, *kvxfertest.Agent) {
+	t.Helper()
+	x := newPair(t, kvxfer.ModePush, 2, 1, func(side string, c *kvxfer.WorkerConfig) {
+		c.Layerwise = side == "P"
+		c.OpenDataPlane = true
+	})
+	q := x.req("r1", 40, 0)
+	x.recvD(q)
+	x.p.step(t, &kvxfer.StepMeta{Step: 7, SchedulerClock: time.Now(), Prefill: []kvxfer.SendReq{q.send(time.Time{})}})
+	x.settle()
+	dAgent := x.d.agents[0][0]
+	x.fab.Faults().Stall(dAgent.Name())
+	if err := x.p.workers[0][tp].LayerSaved(7, 0); err != nil {
+		t.Fatal(err)
+	}
+	x.settle()
+	if x.posted() == 0 {
+		t.Fatal("no WRITE posted after layer 0 was saved")
+	}
+	return x, q, dAgent
 }
