@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"container/heap"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -572,7 +573,7 @@ func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, comput
 		}
 		s.save = append(s.save, sr)
 	}
-	if computed+scheduled >= r.PromptTokens {
+	if computed >= r.PromptTokens-scheduled { // computed+scheduled >= PromptTokens, without overflowing
 		delete(s.saving, r.ID)
 	}
 }
@@ -602,6 +603,8 @@ func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, s
 		err = fmt.Errorf("kvxfer: request %q: Prefill: blocks has %d groups, want %d (one per cache group)", r.ID, len(blocks), len(s.cfg.Groups))
 	case computed < 0 || scheduled < 0:
 		err = fmt.Errorf("kvxfer: request %q: Prefill: computed/scheduled = %d/%d, want >= 0", r.ID, computed, scheduled)
+	case computed > math.MaxInt-scheduled:
+		err = fmt.Errorf("kvxfer: request %q: Prefill: computed + scheduled = %d + %d overflows", r.ID, computed, scheduled)
 	case r.PromptTokens < 0:
 		err = fmt.Errorf("kvxfer: request %q: Prefill: PromptTokens = %d, want >= 0", r.ID, r.PromptTokens)
 	}

@@ -1,6 +1,8 @@
 package kvxfer
 
 import (
+	"fmt"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -505,6 +507,9 @@ func TestPrefillBadInput(t *testing.T) {
 		{"no groups", nil, 0, 32, "blocks has 0 groups, want 1"},
 		{"negative computed", [][]topology.BlockID{ids(1)}, -1, 32, "computed/scheduled = -1/32"},
 		{"negative scheduled", [][]topology.BlockID{ids(1)}, 0, -5, "computed/scheduled = 0/-5"},
+		// Their sum wrapped around and read as a step short of the prompt:
+		// the call was a silent no-op.
+		{"sum overflows", [][]topology.BlockID{ids(1)}, math.MaxInt, 1, fmt.Sprintf("computed + scheduled = %d + 1 overflows", math.MaxInt)},
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
