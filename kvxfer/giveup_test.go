@@ -13,8 +13,14 @@ import (
 // newLayerwiseCore is a layer-wise push producer's core alone, driven as
 // the trace scripts drive theirs.
 func newLayerwiseCore(t *testing.T) *traceCore {
+	return newLayerwiseCoreOn(t, traceLayout(0, 1, 1<<20))
+}
+
+// newLayerwiseCoreOn is a layer-wise push producer's core over layout.
+func newLayerwiseCoreOn(t *testing.T, layout topology.Layout) *traceCore {
+	t.Helper()
 	now := traceEpoch
-	w, err := newWorker(WorkerConfig{EngineID: "P", Addr: "P:1", Mode: ModePush, Layerwise: true, Layout: traceLayout(0, 1, 1<<20),
+	w, err := newWorker(WorkerConfig{EngineID: "P", Addr: "P:1", Mode: ModePush, Layerwise: true, Layout: layout,
 		CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()})
 	if err != nil {

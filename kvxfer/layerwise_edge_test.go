@@ -2,26 +2,14 @@ package kvxfer
 
 import (
 	"fmt"
-	"io"
-	"log/slog"
 	"strings"
 	"testing"
-	"time"
 )
 
 // newLayersCore is a layer-wise push producer's core over simLayout's two
 // layers (rank tp of tpSize), driven as the trace scripts drive theirs.
 func newLayersCore(t *testing.T, tp, tpSize int) *traceCore {
-	now := traceEpoch
-	w, err := newWorker(WorkerConfig{EngineID: "P", Addr: "P:1", Mode: ModePush, Layerwise: true, Layout: simLayout(tp, tpSize, 1<<20),
-		CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.st.init(w)
-	w.st.now = now
-	return &traceCore{st: &w.st, now: now, fail: map[opKind]int{}, engine: "P"}
+	return newLayerwiseCoreOn(t, simLayout(tp, tpSize, 1<<20))
 }
 
 // hsLayers answers the core's handshake with engine of n ranks laid out

@@ -2,11 +2,8 @@ package kvxfer
 
 import (
 	"fmt"
-	"io"
-	"log/slog"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -21,18 +18,7 @@ func layers3(tp, tpSize int, base uint64) topology.Layout {
 }
 
 // newLayers3Core is a layer-wise push producer's core over layers3.
-func newLayers3Core(t *testing.T) *traceCore {
-	now := traceEpoch
-	w, err := newWorker(WorkerConfig{EngineID: "P", Addr: "P:1", Mode: ModePush, Layerwise: true, Layout: layers3(0, 1, 1<<20),
-		CompatHash: "h", Backend: panicBackend{}, Resolver: noResolver{}, Lease: 30 * time.Second,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: NewMetrics()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.st.init(w)
-	w.st.now = now
-	return &traceCore{st: &w.st, now: now, fail: map[opKind]int{}, engine: "P"}
-}
+func newLayers3Core(t *testing.T) *traceCore { return newLayerwiseCoreOn(t, layers3(0, 1, 1<<20)) }
 
 // hs3 answers the core's handshake with a one-rank engine laid out as
 // layers3, of generation gen (its agent named after it).

@@ -661,6 +661,14 @@ func TestGateDeadProducer(t *testing.T) {
 	}
 	at := g.area.ptr + uint64(g.slot)*GateSize
 	st.mu.Unlock()
+	revokeDeadCTA(t, s, at, "")
+}
+
+// revokeDeadCTA leaves a CTA of the gate at at counted (its process is
+// dead), ends the grant, and checks the end returned within 10 s and
+// cleared the dead producer's counts (why: what the failure adds).
+func revokeDeadCTA(t *testing.T, s *gateSetup, at uint64, why string) {
+	t.Helper()
 	stuck := make([]byte, 4)
 	binary.LittleEndian.PutUint32(stuck, 1)
 	if err := s.d.CopyIn(at+gateActiveOff+8, stuck); err != nil { // a CTA of the dead process
@@ -674,7 +682,7 @@ func TestGateDeadProducer(t *testing.T) {
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
-		t.Fatal("the grant's end waited on a dead producer's CTA")
+		t.Fatal("the grant's end waited on a dead producer's CTA" + why)
 	}
 	cnt := make([]byte, gateShards*4)
 	if err := s.d.CopyOut(cnt, at+gateActiveOff); err != nil {

@@ -1,11 +1,9 @@
 package netxfer
 
 import (
-	"encoding/binary"
 	"os"
 	"os/exec"
 	"testing"
-	"time"
 )
 
 // A producer that died with CTAs counted in a gate, whose process id
@@ -44,26 +42,5 @@ func TestGateProducerPIDReused(t *testing.T) {
 	g.pid = os.Getpid()
 	at := g.area.ptr + uint64(g.slot)*GateSize
 	st.mu.Unlock()
-	stuck := make([]byte, 4)
-	binary.LittleEndian.PutUint32(stuck, 1)
-	if err := s.d.CopyIn(at+gateActiveOff+8, stuck); err != nil { // a CTA of the dead process
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		s.f.revoke()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the grant's end waited on a dead producer's CTA (its process id reused)")
-	}
-	cnt := make([]byte, gateShards*4)
-	if err := s.d.CopyOut(cnt, at+gateActiveOff); err != nil {
-		t.Fatal(err)
-	}
-	if !allZero(cnt) {
-		t.Fatalf("the dead producer's counts were left in the gate: %x", cnt)
-	}
+	revokeDeadCTA(t, s, at, " (its process id reused)")
 }
