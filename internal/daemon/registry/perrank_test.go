@@ -54,12 +54,30 @@ func TestPerRankEntriesChange(t *testing.T) {
 		t.Fatal(err)
 	}
 	want(t, rec.next(t, 5*time.Second), registry.Generation, "P", 0)
+	// (Set returns before its put, and a change may be seen twice: rank
+	// 0's Close below must not cut that put short.)
+	cli := dial(t, etcd.Endpoint())
+	k := registry.Key("/kvxfer", "P", "127.0.0.1:7100")
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		res, err := cli.Get(context.Background(), k)
+		if err == nil && len(res.Kvs) == 1 {
+			if e, err := registry.Decode("/kvxfer", k, res.Kvs[0].Value); err == nil && e.Generation == 11 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("rank 0's restarted entry (generation 11) not in etcd within 5 s")
+		}
+	}
 
 	// Rank 0's server is gone; rank 1's stays: P has no rank 0.
 	if err := r0.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	c := rec.next(t, 5*time.Second)
+	for c.Kind == registry.Generation { // rank 0's restart, when a change before was seen twice
+		c = rec.next(t, 5*time.Second)
+	}
 	want(t, c, registry.RankGone, "P", 0)
 	if c.Entry.Peer() != "127.0.0.1:7100" || c.Entry.Ranks[0].TP != 0 {
 		t.Errorf("RankGone's entry = %+v, want rank 0's at 127.0.0.1:7100", c.Entry)
