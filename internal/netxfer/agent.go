@@ -77,7 +77,9 @@ type Config struct {
 	Listen string
 	// Advertise is the address peers dial (default: the listener's).
 	Advertise string
-	// Conns is the number of connections per peer (default 4).
+	// Conns is the number of connections per peer that carry parts
+	// (default 4). Above one, a peer gets one more, for notifications and
+	// gates: they then never wait behind a part.
 	Conns int
 	// DialTimeout bounds one dial (default 5 s).
 	DialTimeout time.Duration
@@ -771,17 +773,14 @@ func (a *Agent) notifyPeer(p *peer, msg []byte) error {
 		}
 		return p.local.deliver(a.cfg.Name, slices.Clone(msg))
 	}
-	// To a peer that takes gates, on the connection gates go on: a
-	// registration reaches it after the gate of its grant.
-	conn := p.conn
-	if p.gates {
-		conn = p.firstConn
-	}
-	c, err := conn()
+	// On the connection gates go on, one for all notifications: the peer
+	// reads them in the order they were sent, a registration after the
+	// gate of its grant, and parts (on the others) do not hold them up.
+	c, err := p.firstConn()
 	if err != nil {
 		return fmt.Errorf("netxfer: notify %q: %w", name, err)
 	}
-	return c.writeFrame(appendNotif(nil, msg))
+	return c.writeNotif(appendNotif(nil, msg))
 }
 
 // deliver queues a notification from peer.

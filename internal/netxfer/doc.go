@@ -46,6 +46,16 @@
 // notification is sent once every part arrived and is acknowledged too.
 // A broken connection fails every transfer that used it, with the reason.
 //
+// Bare notifications (Notify) and gates go on the peer's first
+// connection, so the peer reads them in the order they were sent; with
+// Conns above one that connection carries no parts, so a notification
+// never waits for a part's bytes. Notify itself never waits for the write
+// side: behind a frame being written, it queues (at most maxNotifQueue
+// bytes a connection) and a goroutine of the connection writes the queue
+// in order. A notification Notify took is then as a write into a socket
+// buffer: a connection that breaks loses it, and the transfers and
+// liveness around it tell.
+//
 // # Identity
 //
 // A peer is the agent its metadata named, not whatever listens at its

@@ -95,3 +95,79 @@ func TestReadAnswerStalledMidFrameFails(t *testing.T) {
 		t.Fatalf("READ whose answer stalled mid-payload: %v, %v after %v; want Failed", st, err, time.Since(start).Round(time.Millisecond))
 	}
 }
+
+// A notification does not wait behind a part whose write stalls: Notify
+// returns at once while the peer takes none of the part's bytes (a slow
+// link, a peer frozen with its kernel still answering), and the part's
+// FrameTimeout still ends it. Before, Notify took the connection's write
+// side after the part, holding a Worker's loop (every request of the
+// rank) for up to FrameTimeout, or for as long as a big part took to go
+// out on a slow link.
+func TestNotifyDoesNotWaitBehindStalledPart(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		<-stop // reads nothing, ever
+	}()
+	const size = 64 << 20 // far past any socket buffer
+	a, _ := newHeapAgent(t, "a", size, Config{DisableLocal: true, DisableSameHost: true, Conns: 1, FrameTimeout: 60 * time.Second})
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := a.Post(Write, name, []Desc{{Local: base, Remote: base, Len: size}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The part holds the connection's write side (its write blocked).
+	a.mu.Lock()
+	p := a.mu.peers[name]
+	a.mu.Unlock()
+	held := false
+	for range 1000 {
+		p.mu.Lock()
+		var c *conn
+		if len(p.conns) > 0 {
+			c = p.conns[0]
+		}
+		p.mu.Unlock()
+		if c != nil && !c.wmu.TryLock() {
+			held = true
+			break
+		}
+		if c != nil {
+			c.wmu.Unlock()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if !held {
+		t.Fatal("the part never held its connection's write side")
+	}
+	ended := make(chan error, 1)
+	go func() { ended <- a.Notify(name, []byte("done")) }()
+	select {
+	case err := <-ended:
+		if err != nil {
+			t.Fatalf("Notify beside a stalled part: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Notify still waited behind a stalled part after 10 s (FrameTimeout 60 s)")
+	}
+	if st, _ := a.State(id); st != InProgress {
+		t.Fatalf("the stalled WRITE: %v; want still in progress", st)
+	}
+	_ = a.Close() // fails the part; the queued notification goes with it
+	if st, _ := a.State(id); st != Failed {
+		t.Fatalf("the stalled WRITE after Close: %v; want Failed", st)
+	}
+}

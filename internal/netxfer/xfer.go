@@ -256,7 +256,18 @@ type conn struct {
 	// acks: this client acknowledges the server's local READ answers
 	// (it sent tReadAcks).
 	acks bool
+	// nq holds the notification frames waiting for the write side (under
+	// nmu; nqBytes their size), written in order by one flusher goroutine
+	// (flushing): a Notify never waits for a part being written.
+	nmu      sync.Mutex
+	nq       [][]byte
+	nqBytes  int
+	flushing bool
 }
+
+// maxNotifQueue bounds the notification bytes one connection holds while
+// its write side is taken (a frame alone is always taken).
+const maxNotifQueue = 4 << 20
 
 type partKey struct {
 	id   XferID
@@ -289,18 +300,35 @@ func (p *peer) conn() (*conn, error) {
 			return nil, err
 		}
 		p.conns = append(p.conns, c)
-	case len(p.conns) < p.owner.cfg.Conns && !p.dialing:
+	case len(p.conns) < p.wantConns() && !p.dialing:
 		p.dialMore()
 	}
-	c := p.conns[p.next%len(p.conns)]
+	// The first connection carries the notifications and gates (see
+	// firstConn); parts take the others once there are others, so that a
+	// notification is not written behind a part.
+	data := p.conns
+	if len(data) > 1 {
+		data = data[1:]
+	}
+	c := data[p.next%len(data)]
 	p.next++
 	return c, nil
+}
+
+// wantConns is how many connections the peer keeps: Conns for the parts,
+// and one more for the notifications and gates when Conns is above one
+// (p.mu held).
+func (p *peer) wantConns() int {
+	if n := p.owner.cfg.Conns; n > 1 {
+		return n + 1
+	}
+	return 1
 }
 
 // firstConn returns the peer's first connection (dialing one if it has
 // none): notifications and gates go on it, so that a peer reads them in
 // the order they were sent (a gate before the notification that tells of
-// its grant).
+// its grant; a registration before the abort that ends it).
 func (p *peer) firstConn() (*conn, error) {
 	if _, err := p.conn(); err != nil {
 		return nil, err
@@ -496,6 +524,81 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 		return err
 	}
 	return nil
+}
+
+// writeNotif writes a notification frame, or queues it when the write
+// side is taken (a part, a gate, or notifications queued before it): the
+// caller (a Worker's loop) never waits for a part's bytes to go out. The
+// frames leave in the order they came. A connection that fails drops
+// what it had queued, as a socket buffer would.
+func (c *conn) writeNotif(frame []byte) error {
+	c.nmu.Lock()
+	if len(c.nq) == 0 && !c.flushing && c.wmu.TryLock() {
+		c.nmu.Unlock()
+		_ = c.c.SetWriteDeadline(time.Now().Add(c.p.owner.cfg.FrameTimeout))
+		defer c.wmu.Unlock()
+		nb := net.Buffers{frame}
+		if err := writeGuarded(&nb, c.c); err != nil {
+			c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+			return err
+		}
+		return nil
+	}
+	defer c.nmu.Unlock()
+	c.mu.Lock()
+	err := c.err
+	c.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if len(c.nq) > 0 && c.nqBytes+len(frame) > maxNotifQueue {
+		return fmt.Errorf("%w: notification to %s: %d bytes already wait behind the connection's writes (at most %d)",
+			ErrXferFailed, c.p.name, c.nqBytes, maxNotifQueue)
+	}
+	if !c.flushing {
+		a := c.p.owner
+		a.mu.Lock()
+		if a.mu.closed {
+			a.mu.Unlock()
+			return ErrClosed
+		}
+		a.wg.Add(1)
+		a.mu.Unlock()
+		c.flushing = true
+		go c.flushNotifs()
+	}
+	c.nq = append(c.nq, frame)
+	c.nqBytes += len(frame)
+	return nil
+}
+
+// flushNotifs writes the queued notifications, in order, until none is
+// left (one goroutine per connection at a time: c.flushing).
+func (c *conn) flushNotifs() {
+	defer c.p.owner.wg.Done()
+	for {
+		c.lockWrite()
+		c.nmu.Lock()
+		q := c.nq
+		c.nq, c.nqBytes = nil, 0
+		if len(q) == 0 {
+			c.flushing = false
+			c.nmu.Unlock()
+			c.wmu.Unlock()
+			return
+		}
+		c.nmu.Unlock()
+		nb := net.Buffers(q)
+		err := writeGuarded(&nb, c.c)
+		c.wmu.Unlock()
+		if err != nil {
+			c.fail(fmt.Errorf("%w: write to %s: %w", ErrXferFailed, c.p.name, err))
+			c.nmu.Lock()
+			c.nq, c.nqBytes, c.flushing = nil, 0, false
+			c.nmu.Unlock()
+			return
+		}
+	}
 }
 
 // lockWrite takes the connection's write side (wmu) for one frame, which
