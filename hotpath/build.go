@@ -196,6 +196,22 @@ func (b *Builder) groupRuns(gp *topology.GroupPlan, req *Request, g int) error {
 	return err
 }
 
+// CheckCovered checks that req's source lists hold every token its
+// destination lists would take as moved under p (topology's Covers, per
+// group): a receiver takes its blocks as filled once the transfer ends,
+// and the pairing alone moves only what both lists hold.
+func CheckCovered(p *topology.Plan, req *Request) error {
+	if len(req.Src) != len(p.Groups) || len(req.Dst) != len(p.Groups) {
+		return nil // the builder refuses these, naming the counts
+	}
+	for g := range p.Groups {
+		if err := p.Groups[g].Covers(req.Src[g], req.Dst[g], req.Tokens); err != nil {
+			return fmt.Errorf("%w: group %d: %w", ErrInvalidRequest, g, err)
+		}
+	}
+	return nil
+}
+
 // checkIDs bounds-checks every id of a list.
 func checkIDs(ids []topology.BlockID, limit topology.BlockID, side string, g int) error {
 	for i, id := range ids {

@@ -304,6 +304,15 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		r.got = r.got.add(to)
 		return
 	}
+	// The producer's lists must hold every token it says it holds that
+	// this request's blocks take: the READ moves what both lists hold, and
+	// the blocks past a short list would be reported loaded.
+	if err := hotpath.CheckCovered(p, &hreq); err != nil {
+		st.metrics.BadInput("recv_req.remote.blocks")
+		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
+		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+		return
+	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
 	if st.prepare {
 		id, n, bytes, err := st.postPrepared(e, planKey(e, to, st.layout.TPRank), p, to, &hreq, done)

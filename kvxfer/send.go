@@ -855,6 +855,15 @@ func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 		return
 	}
 	req := hotpath.Request{Tokens: s.req.Tokens, Src: s.req.Blocks, Dst: r.reg.Spans}
+	// This request's lists must hold every token it says it holds that
+	// the consumer's blocks take: the WRITE moves what both lists hold,
+	// and the consumer's blocks past a short list would be reported
+	// loaded.
+	if err := hotpath.CheckCovered(p, &req); err != nil {
+		st.metrics.BadInput("send_req.blocks")
+		st.failRank(s, tp, r, FailureSetup, "blocks rejected: "+err.Error())
+		return
+	}
 	if st.prepare && !layerwise {
 		id, n, bytes, err := st.postPrepared(e, planKey(e, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, tp), p, rankRef{tp: tp}, &req, done)
 		if err != nil {

@@ -1,6 +1,7 @@
 package topology
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"testing"
@@ -474,5 +475,39 @@ func TestWindowInvalidSizesKeepEverything(t *testing.T) {
 		if len(kept) != 3 || dropped != 0 {
 			t.Errorf("ClipWindow(window %d, block %d) = %v, %d, want all ids kept", tc.window, tc.block, kept, dropped)
 		}
+	}
+}
+
+// Covers refuses a source list that holds fewer of the tokens the source
+// says it holds than the destination's list takes (its blocks past the
+// short list would be taken as moved), and passes whatever Align pairs in
+// full.
+func TestCovers(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		sL, sK, dL, dK int
+		src, dst       Span
+		tokens         int
+		ok             bool
+	}{
+		{"both lists hold the tokens", 16, 16, 16, 16, Span{IDs: bids(1, 2, 3)}, Span{IDs: bids(4, 5, 6)}, 40, true},
+		{"the source's list is short of its tokens", 16, 16, 16, 16, Span{IDs: bids(1)}, Span{IDs: bids(4, 5, 6)}, 40, false},
+		{"one block short", 16, 16, 16, 16, Span{IDs: bids(1, 2)}, Span{IDs: bids(4, 5, 6)}, 40, false},
+		{"tokens 0 checks nothing", 16, 16, 16, 16, Span{IDs: bids(1)}, Span{IDs: bids(4, 5, 6)}, 0, true},
+		{"a prefix hit on the destination", 16, 16, 16, 16, Span{IDs: bids(1, 2, 3)}, Span{Start: 16, IDs: bids(5, 6)}, 40, true},
+		{"the source's list starts after the destination's", 16, 16, 16, 16, Span{Start: 16, IDs: bids(2, 3)}, Span{IDs: bids(4, 5, 6)}, 40, false},
+		{"the destination's list past the tokens", 16, 16, 16, 16, Span{IDs: bids(1, 2, 3)}, Span{IDs: bids(4, 5, 6, 7)}, 40, true},
+		{"source blocks larger", 64, 64, 16, 16, Span{IDs: bids(1)}, Span{IDs: bids(4, 5, 6)}, 40, true},
+		{"destination blocks larger", 16, 16, 64, 64, Span{IDs: bids(1, 2, 3)}, Span{IDs: bids(4)}, 40, true},
+		{"destination blocks larger, source short", 16, 16, 64, 64, Span{IDs: bids(1, 2)}, Span{IDs: bids(4)}, 40, false},
+		{"nothing the destination takes", 16, 16, 16, 16, Span{IDs: bids(1)}, Span{Start: 48, IDs: bids(4)}, 40, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := attnGroup(t, tc.sL, tc.sK, tc.dL, tc.dK)
+			err := g.Covers(tc.src, tc.dst, tc.tokens)
+			if (err == nil) != tc.ok || err != nil && !errors.Is(err, ErrInvalidBlocks) {
+				t.Fatalf("Covers(%+v, %+v, %d) = %v, want ok %v", tc.src, tc.dst, tc.tokens, err, tc.ok)
+			}
+		})
 	}
 }

@@ -435,6 +435,33 @@ func (g *GroupPlan) Align(src, dst Span, tokens int) (s0, d0, n int, err error) 
 	return (lo - src.Start) / m, (lo - dst.Start) / m, (hi - lo) / m, nil
 }
 
+// Covers checks that src holds every token of dst that a transfer of
+// tokens tokens (tokens > 0: the source says it holds that many) would
+// take as moved: dst's tokens from its start up to the end of its list or
+// to tokens, whichever comes first. Align pairs what both lists hold; a
+// receiver that takes its whole list as filled needs this too, or the
+// blocks past a short source list keep what they held. A window's list
+// starts where its window does, so only its end is checked; Mamba state
+// pairs by TrimSSM's rule and is not checked here. tokens = 0 checks
+// nothing.
+func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
+	if tokens <= 0 || g.Kind == KindMamba {
+		return nil
+	}
+	m := g.UnitTokens
+	sEnd := src.Start + len(src.IDs)*g.SrcPPL*g.SrcUnits*m
+	dEnd := dst.Start + len(dst.IDs)*g.DstPPL*g.DstUnits*m
+	need := min(dEnd, (min(tokens, maxStart)+m-1)/m*m)
+	if need <= dst.Start {
+		return nil
+	}
+	if sEnd < need || src.Start > dst.Start && g.Kind != KindSlidingWindow {
+		return fmt.Errorf("%w: the source's blocks hold tokens %d..%d, short of the destination's %d..%d (the source holds %d tokens)",
+			ErrInvalidBlocks, src.Start, sEnd, dst.Start, need, tokens)
+	}
+	return nil
+}
+
 func checkStart(name string, start, blockTokens int) error {
 	if start < 0 || start > maxStart || start%blockTokens != 0 {
 		return fmt.Errorf("%w: %s start = %d, want a multiple of the logical block size %d in 0..%d",
