@@ -43,7 +43,9 @@ func (f viewFleet) Collectors() []prometheus.Collector { return f.m.Collectors()
 
 func (f viewFleet) Changed() <-chan struct{} { return f.v.Changed() }
 
-func (f viewFleet) Instances() []proxy.Instance { return Instances(f.v.Engines()) }
+// Instances are the engines every rank of which is served: one a rank
+// of which is gone moves no KV (View.Routable).
+func (f viewFleet) Instances() []proxy.Instance { return Instances(f.v.Routable()) }
 
 // Instances are registry entries as a proxy's instances.
 func Instances(entries []registry.Entry) []proxy.Instance {

@@ -202,6 +202,42 @@ func (v *View) Engines() []Entry {
 	return out
 }
 
+// Routable returns, of each engine every rank of which is served (each
+// (tp, pp) of its current entry's TPSize x PPSize listed by one of its
+// entries), its current entry with Ranks listing every rank's server in
+// rank order: what a router hands to consumers (Peer is then rank 0's
+// server, the base of the per-rank port scheme). An engine a rank of
+// which has no server (its per-rank server's lease ended, or it has not
+// published yet) is left out: no transfer of it could end.
+func (v *View) Routable() []Entry {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	out := make([]Entry, 0, len(v.mu.engines))
+	for _, id := range slices.Sorted(maps.Keys(v.mu.engines)) {
+		entries := v.mu.engines[id]
+		e, ok := current(entries)
+		if !ok {
+			continue
+		}
+		rs := rankServers(entries)
+		tps, pps := max(e.TPSize, 1), max(e.PPSize, 1)
+		ranks := make([]Rank, 0, tps*pps)
+		for pp := range pps {
+			for tp := range tps {
+				if r, ok := rs[[2]int{tp, pp}]; ok {
+					ranks = append(ranks, Rank{TP: tp, PP: pp, Peer: r.peer})
+				}
+			}
+		}
+		if len(ranks) < tps*pps {
+			continue
+		}
+		e.Ranks = ranks
+		out = append(out, e)
+	}
+	return out
+}
+
 // Changed returns a channel closed at the view's next change.
 func (v *View) Changed() <-chan struct{} {
 	v.mu.RLock()
