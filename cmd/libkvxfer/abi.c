@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kvxfer.h"
@@ -24,9 +25,62 @@ static pthread_key_t kvxfer_err_key;
 static char kvxfer_err_fallback[KVXFER_ERR_CAP]; // if malloc fails
 static const char kvxfer_no_error[] = "";
 
+// The server's listening sockets (fd and inode, as internal/forkclose
+// records them), which a child forked without exec closes at once: the
+// kernel has no close-on-fork, and a child's copies would keep the ports
+// bound while it lives (a server started again on them would fail). A
+// slot is free with fd -1; an entry whose socket closed since is stale
+// and harmless: the child closes fd only where it is still a socket of
+// that inode. Slots are read and written with atomics: fork copies them
+// at an instant, and a half-written one matches no socket.
+#define KVXFER_FORK_SLOTS 1024
+static struct {
+	int fd;
+	unsigned long long ino;
+} kvxfer_fork_fds[KVXFER_FORK_SLOTS];
+
+static int kvxfer_fork_live(int fd, unsigned long long ino) {
+	struct stat st;
+	return fd >= 0 && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && (unsigned long long)st.st_ino == ino;
+}
+
+// kvxfer_fork_close_add records a listening socket (Go: forkclose's hook),
+// in a free slot or one whose socket closed since. 0, or -1 when every
+// slot holds a live socket.
+int kvxfer_fork_close_add(int fd, unsigned long long ino) {
+	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER; // writers only: the child reads without it
+	pthread_mutex_lock(&mu);
+	int at = -1;
+	for (int i = 0; i < KVXFER_FORK_SLOTS && at < 0; i++) {
+		int f = __atomic_load_n(&kvxfer_fork_fds[i].fd, __ATOMIC_ACQUIRE);
+		unsigned long long n = __atomic_load_n(&kvxfer_fork_fds[i].ino, __ATOMIC_ACQUIRE);
+		if (f < 0 || !kvxfer_fork_live(f, n) || (f == fd && n == ino)) at = i;
+	}
+	if (at >= 0) {
+		__atomic_store_n(&kvxfer_fork_fds[at].fd, -1, __ATOMIC_RELEASE);
+		__atomic_store_n(&kvxfer_fork_fds[at].ino, ino, __ATOMIC_RELEASE);
+		__atomic_store_n(&kvxfer_fork_fds[at].fd, fd, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&mu);
+	return at >= 0 ? 0 : -1;
+}
+
+// kvxfer_forked_child runs in a child forked without exec (pthread_atfork):
+// fstat and close only (async-signal-safe).
+static void kvxfer_forked_child(void) {
+	for (int i = 0; i < KVXFER_FORK_SLOTS; i++) {
+		int f = __atomic_load_n(&kvxfer_fork_fds[i].fd, __ATOMIC_ACQUIRE);
+		unsigned long long n = __atomic_load_n(&kvxfer_fork_fds[i].ino, __ATOMIC_ACQUIRE);
+		if (kvxfer_fork_live(f, n)) close(f);
+		kvxfer_fork_fds[i].fd = -1;
+	}
+}
+
 __attribute__((constructor)) static void kvxfer_loaded(void) {
 	kvxfer_load_pid = getpid();
 	pthread_key_create(&kvxfer_err_key, free);
+	for (int i = 0; i < KVXFER_FORK_SLOTS; i++) kvxfer_fork_fds[i].fd = -1;
+	pthread_atfork(NULL, NULL, kvxfer_forked_child);
 }
 
 static char *kvxfer_err_buf(void) {

@@ -10,7 +10,9 @@
  * Every function is safe to call from any thread. In a child forked from
  * the process that loaded the library, every function fails with
  * KVXFER_EFORK (the Go runtime does not survive fork); start the server
- * in the child only after exec. The library changes no environment
+ * in the child only after exec. Such a child closes its copies of the
+ * server's listening sockets as it is forked (pthread_atfork), so that
+ * the parent may start a server on the same ports again while it lives. The library changes no environment
  * variable and installs no handler for the signals the engine uses.
  */
 #ifndef KVXFER_H

@@ -22,6 +22,8 @@ package main
 
 /*
 #include <stddef.h>
+
+int kvxfer_fork_close_add(int fd, unsigned long long ino);
 */
 import "C"
 
@@ -32,7 +34,14 @@ import (
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
+	"github.com/kvxfer/kvxfer/internal/forkclose"
 )
+
+// A child forked without exec closes the server's listening sockets at
+// once (abi.c's fork handler): they are recorded as they open.
+func init() {
+	forkclose.SetHook(func(fd int, ino uint64) { C.kvxfer_fork_close_add(C.int(fd), C.ulonglong(ino)) })
+}
 
 // version is the library's version; abi.c's KVXFER_VERSION says the same.
 const version = "0.2.0 (kvxfer.v1; C ABI 2)"

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/forkclose"
 	"github.com/kvxfer/kvxfer/internal/hoptrace"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
@@ -631,6 +632,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if err != nil {
 		return nil, fmt.Errorf("peer listener: %w", err)
 	}
+	forkclose.Listener(peerLn)
 	in.cleanup = append(in.cleanup, func() { peerLn.Close() })
 	in.advertise = c.peerAdvertise
 	if in.advertise == "" {
@@ -736,6 +738,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		if err != nil {
 			return nil, fmt.Errorf("metrics listener: %w", err)
 		}
+		forkclose.Listener(mln)
 		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() { _ = in.httpSrv.Serve(mln) }()
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
@@ -767,6 +770,7 @@ func listenEngines(c *config) (net.Listener, error) {
 		if err != nil {
 			return nil, fmt.Errorf("engine socket: %w", err)
 		}
+		forkclose.Listener(ln)
 		return ln, nil
 	}
 	if err := removeStaleSocket(c.socket); err != nil {
@@ -786,6 +790,7 @@ func listenEngines(c *config) (net.Listener, error) {
 		engLn.Close()
 		return nil, err
 	}
+	forkclose.Listener(engLn)
 	return engLn, nil
 }
 

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/forkclose"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
@@ -303,6 +304,7 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, fmt.Errorf("netxfer: listen %s: %w", cfg.Listen, err)
 	}
+	forkclose.Listener(ln)
 	var inc [12]byte
 	_, _ = rand.Read(inc[:])
 	a := &Agent{cfg: cfg, ln: ln, addr: cfg.Advertise, log: cfg.Logger, events: make(chan struct{}, 1), inc: hex.EncodeToString(inc[:])}

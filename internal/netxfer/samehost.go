@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/internal/finesleep"
+	"github.com/kvxfer/kvxfer/internal/forkclose"
 )
 
 // The same-host path. An agent also listens on an abstract unix socket
@@ -140,6 +141,7 @@ func (a *Agent) listenLocal() error {
 	if err != nil {
 		return err
 	}
+	forkclose.Listener(ln)
 	a.uln, a.uaddr = ln, name
 	return nil
 }

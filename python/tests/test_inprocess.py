@@ -129,6 +129,37 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_forked_child_keeps_no_listening_port(libkvxfer):
+    """A child forked without exec closes its copies of the server's
+    listening sockets at once (the library's fork handler): while such a
+    child lives, the parent stops its server and starts it again on the
+    same peer port. Before, the child kept the port bound ("address already
+    in use") until it exec'd or exited."""
+    r = _run(libkvxfer, """
+        import os, signal, socket, time
+        from kvxfer import inprocess
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        cfg = {"insecure_peers": True, "log_level": "error", "peer_listen": f"127.0.0.1:{port}"}
+        inprocess.start(cfg)
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)  # killed long before
+            os._exit(0)
+        try:
+            inprocess.stop()
+            inprocess.start(cfg)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        inprocess.stop()
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_forked_child_placement_gets_a_clear_error(libkvxfer):
     """The connectors' shared server (kvxfer.placement) in a child forked
     from a process whose connector started it: acquiring it raises

@@ -1,11 +1,15 @@
 // drive loads libkvxfer with dlopen and drives its C ABI as an engine
 // written in C would (TestCABI). It prints what it checks and exits 0 only
 // when every check holds.
+#include <arpa/inet.h>
 #include <dlfcn.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +25,19 @@ static void *release_later(void *arg) {
 	nanosleep(&ts, NULL);
 	release_fn(*(long long *)arg);
 	return NULL;
+}
+
+// free_port returns a loopback TCP port nothing listens on (0: none).
+static int free_port(void) {
+	int s = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = {0};
+	socklen_t n = sizeof a;
+	a.sin_family = AF_INET;
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	int port = 0;
+	if (s >= 0 && bind(s, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(s, (struct sockaddr *)&a, &n) == 0) port = ntohs(a.sin_port);
+	if (s >= 0) close(s);
+	return port;
 }
 
 static double now_s(void) {
@@ -63,6 +80,33 @@ int main(int argc, char **argv) {
 
 	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
 	CHECK(stop() == KVXFER_OK, "second stop: %s", last_error());
+
+	// A child forked without exec closes its copies of the server's
+	// listening sockets at once: while it lives, the server stops and
+	// starts again on the same peer port.
+	int port = free_port();
+	CHECK(port > 0, "no free port");
+	char pcfg[256];
+	snprintf(pcfg, sizeof pcfg, "{\"insecure_peers\": true, \"log_level\": \"error\", \"peer_listen\": \"127.0.0.1:%d\"}", port);
+	rc = start(pcfg, ep2, sizeof ep2);
+	CHECK(rc == KVXFER_OK, "start on peer port %d = %d: %s", port, rc, last_error());
+	pid = fork();
+	if (pid == 0) {
+		struct timespec ts = {30, 0}; // killed long before
+		nanosleep(&ts, NULL);
+		_exit(0);
+	}
+	CHECK(pid > 0, "fork");
+	CHECK(stop() == KVXFER_OK, "stop with a forked child alive: %s", last_error());
+	rc = start(pcfg, ep2, sizeof ep2);
+	int again = rc;
+	char why[512];
+	snprintf(why, sizeof why, "%s", last_error());
+	kill(pid, SIGKILL);
+	waitpid(pid, &st, 0);
+	CHECK(again == KVXFER_OK, "start again on peer port %d with a forked child alive = %d: %s", port, again, why);
+	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
+	printf("forked child closed the listeners\n");
 	rc = start("{\"no_such_key\": 1}", ep2, sizeof ep2);
 	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "no_such_key"), "bad key = %d: %s", rc, last_error());
 	CHECK(last_error()[0] != 0, "last_error empty");
