@@ -164,6 +164,9 @@ func TestDataPlaneGrants(t *testing.T) {
 				t.Fatalf("%s: D's memory changed", c.name)
 			}
 		}
+		// (The reads above come before the request's WRITE lands; only
+		// sockets order them, which the race detector does not see.)
+		d.backends[0].(*tcp.Backend).Settle()
 		// The request itself goes through, byte for byte.
 		p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
 		out := awaitOutcomes(t, 2, p, d)

@@ -367,6 +367,17 @@ func (a *Agent) signal() {
 	}
 }
 
+// Settle waits for the landings into this agent's memory in progress to
+// end, and orders the caller's earlier accesses to that memory before
+// every landing that begins after it (for a program, a test, that reads
+// memory the agent writes: what orders those is a socket, which the race
+// detector does not see).
+func (a *Agent) Settle() {
+	a.memMu.Lock()
+	//lint:ignore SA2001 the empty critical section is the point: it orders
+	a.memMu.Unlock()
+}
+
 // Map adopts caller-owned memory at base (kvxferd: a mapped
 // shared-memory file). It must not overlap mapped memory.
 func (a *Agent) Map(base uint64, mem []byte) error {
@@ -778,11 +789,69 @@ func (a *Agent) notifyPeer(p *peer, msg []byte) error {
 	// On the connection gates go on, one for all notifications: the peer
 	// reads them in the order they were sent, a registration after the
 	// gate of its grant, and parts (on the others) do not hold them up.
-	c, err := p.firstConn()
-	if err != nil {
+	// The caller never waits for the peer: not for a part being written
+	// (writeNotif), nor for a dial past dialWait (a host that does not
+	// answer): the notification then waits for the connection the dial
+	// makes, or is dropped with it.
+	frame := appendNotif(nil, msg)
+	p.mu.Lock()
+	if p.dead != nil {
+		p.mu.Unlock()
+		return p.dead
+	}
+	p.dropBrokenLocked()
+	if len(p.conns) > 0 {
+		c := p.conns[0]
+		p.mu.Unlock()
+		return c.writeNotif(frame)
+	}
+	if d := p.first; d != nil && d.abandoned {
+		// A dial already outlasted its wait: this one waits with the
+		// others for its end.
+		if p.pendingBytes+len(frame) > maxNotifQueue && len(p.pending) > 0 {
+			n := p.pendingBytes
+			p.mu.Unlock()
+			return fmt.Errorf("%w: notify %q: %d bytes already wait for a connection (at most %d)", ErrXferFailed, name, n, maxNotifQueue)
+		}
+		p.pending = append(p.pending, frame)
+		p.pendingBytes += len(frame)
+		p.mu.Unlock()
+		return nil
+	}
+	if p.first == nil && p.slowErr != nil && time.Since(p.slowAt) < a.cfg.DialTimeout {
+		// The last dial took DialTimeout to fail: not another one yet.
+		err := p.slowErr
+		p.mu.Unlock()
 		return fmt.Errorf("netxfer: notify %q: %w", name, err)
 	}
-	return c.writeNotif(appendNotif(nil, msg))
+	d := p.first
+	if d == nil {
+		var err error
+		if d, err = p.dialFirstLocked(); err != nil {
+			p.mu.Unlock()
+			return fmt.Errorf("netxfer: notify %q: %w", name, err)
+		}
+	}
+	p.pending = append(p.pending, frame)
+	p.pendingBytes += len(frame)
+	p.mu.Unlock()
+	t := time.NewTimer(dialWait)
+	defer t.Stop()
+	select {
+	case <-d.done:
+	case <-t.C:
+		p.mu.Lock()
+		ended := p.first != d
+		d.abandoned = d.abandoned || !ended
+		p.mu.Unlock()
+		if !ended {
+			return nil // queued: the dial goes on
+		}
+	}
+	if d.err != nil {
+		return fmt.Errorf("netxfer: notify %q: %w", name, d.err)
+	}
+	return nil
 }
 
 // deliver queues a notification from peer.

@@ -308,7 +308,12 @@ func (a *Agent) OpenGate(peer string, spans []LayoutSpan, tag []byte) error {
 	if !ok {
 		return ErrNoGate
 	}
-	c, err := p.firstConn() // the notification of its grant follows on it
+	// (The notification of its grant follows on the connection; a
+	// Worker's loop waits at most dialWait for a first one.)
+	c, err := p.firstConnWithin(dialWait)
+	if errors.Is(err, errDialing) {
+		return ErrNoGate
+	}
 	if err != nil {
 		return err
 	}

@@ -2,7 +2,10 @@ package netxfer
 
 import (
 	"encoding/binary"
+	"errors"
 	"net"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -169,5 +172,105 @@ func TestNotifyDoesNotWaitBehindStalledPart(t *testing.T) {
 	_ = a.Close() // fails the part; the queued notification goes with it
 	if st, _ := a.State(id); st != Failed {
 		t.Fatalf("the stalled WRITE after Close: %v; want Failed", st)
+	}
+}
+
+// blackhole returns a loopback address whose SYNs go unanswered, as a
+// host that is down: a listening socket with a backlog of 0 whose queue
+// is full.
+func blackhole(t *testing.T) string {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := (&net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: sa.(*syscall.SockaddrInet4).Port}).String()
+	for range 16 {
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err != nil {
+			return addr // the queue is full: this dial went unanswered
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+	t.Fatal("the listen queue never filled")
+	return ""
+}
+
+// A notification to a peer whose host does not answer (SYNs dropped)
+// does not hold its caller (a Worker's loop: every request of the rank)
+// for the dial's DialTimeout: it waits a moment for the dial, then waits
+// queued for the connection, and is dropped with the dial. Once a dial
+// took DialTimeout to fail, notifications fail at once for a while, so
+// the caller hears the peer is unreachable. Before, each Notify dialed on
+// its caller's goroutine, holding it DialTimeout every time.
+func TestNotifyToUnansweringHostDoesNotWaitForTheDial(t *testing.T) {
+	const dialTimeout = 3 * time.Second
+	a, _ := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true, DialTimeout: dialTimeout})
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + blackhole(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	notify := func(what string) (time.Duration, error) {
+		t.Helper()
+		t0 := time.Now()
+		err := a.Notify(name, []byte(what))
+		return time.Since(t0), err
+	}
+	for i := range 3 {
+		if took, err := notify("queued"); err != nil || took > dialTimeout/2 {
+			t.Fatalf("Notify %d while the first dial is under way: %v after %v; want nil at once (DialTimeout %v)", i, err, took, dialTimeout)
+		}
+	}
+	// The dial ends (failed) after DialTimeout: notifications then fail at
+	// once, naming the dial's error.
+	deadline := time.Now().Add(3 * dialTimeout)
+	for {
+		took, err := notify("after")
+		if took > dialTimeout/2 {
+			t.Fatalf("Notify took %v (DialTimeout %v)", took, dialTimeout)
+		}
+		if err != nil {
+			if !errors.Is(err, ErrXferFailed) || !strings.Contains(err.Error(), "dial") {
+				t.Fatalf("Notify after the dial failed: %v; want the dial's error", err)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Notify still succeeded %v after the first call (DialTimeout %v)", 3*dialTimeout, dialTimeout)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// A notification to a peer that refuses the connection (nothing listens:
+// a process gone) fails on the call, as before: the dial ends well
+// within the wait.
+func TestNotifyToRefusingPeerFailsOnTheCall(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	a, _ := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true})
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if err := a.Notify(name, []byte("x")); !errors.Is(err, ErrXferFailed) || !strings.Contains(err.Error(), "refused") {
+			t.Fatalf("Notify %d to a refusing peer: %v; want the dial's refusal", i, err)
+		}
 	}
 }

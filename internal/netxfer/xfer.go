@@ -223,7 +223,35 @@ type peer struct {
 	conns   []*conn
 	next    int
 	dead    error
+	// first is the dial of a first connection under way (nil: none): it
+	// runs on a goroutine of its own, never under mu, so that no caller
+	// waits for it longer than it chooses to. pending holds the
+	// notifications that wait for it (pendingBytes their size): it hands
+	// them to the connection it made, in order, or drops them with it.
+	first        *firstDial
+	pending      [][]byte
+	pendingBytes int
+	// slowErr is the error of the last first dial that outlasted its
+	// caller's wait (a peer whose host does not answer), at slowAt: for
+	// DialTimeout after it, a notification fails at once instead of
+	// starting another dial.
+	slowErr error
+	slowAt  time.Time
 }
+
+// firstDial is one dial of a peer's first connection.
+type firstDial struct {
+	done chan struct{} // closed when it ended, err set
+	err  error
+	// abandoned: a caller stopped waiting for it (under p.mu).
+	abandoned bool
+}
+
+// dialWait is how long a notification (or a gate, on a Worker's loop)
+// waits for a first connection being dialed before it is queued (or given
+// up): a dial that is answered takes well under it, and one to a host
+// that does not answer takes DialTimeout, which nobody's loop should.
+const dialWait = 100 * time.Millisecond
 
 // conn is one client connection to a peer.
 type conn struct {
@@ -283,24 +311,31 @@ type partKey struct {
 func (p *peer) conn() (*conn, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.dead != nil {
-		return nil, p.dead
-	}
-	// Drop broken connections.
-	p.conns = slices.DeleteFunc(p.conns, func(c *conn) bool {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		return c.err != nil
-	})
-	switch {
-	case len(p.conns) == 0:
-		c, noLocal, err := p.dial(p.tryLocal())
-		p.noLocal = p.noLocal || noLocal
-		if err != nil {
-			return nil, err
+	for {
+		if p.dead != nil {
+			return nil, p.dead
 		}
-		p.conns = append(p.conns, c)
-	case len(p.conns) < p.wantConns() && !p.dialing:
+		p.dropBrokenLocked()
+		if len(p.conns) > 0 {
+			break
+		}
+		// The first connection: dialed on a goroutine of its own (see
+		// firstDial), waited for here.
+		d := p.first
+		if d == nil {
+			var err error
+			if d, err = p.dialFirstLocked(); err != nil {
+				return nil, err
+			}
+		}
+		p.mu.Unlock()
+		<-d.done
+		p.mu.Lock()
+		if d.err != nil {
+			return nil, d.err
+		}
+	}
+	if len(p.conns) < p.wantConns() && !p.dialing {
 		p.dialMore()
 	}
 	// The first connection carries the notifications and gates (see
@@ -314,6 +349,103 @@ func (p *peer) conn() (*conn, error) {
 	p.next++
 	return c, nil
 }
+
+// dropBrokenLocked drops the peer's broken connections (p.mu held).
+func (p *peer) dropBrokenLocked() {
+	p.conns = slices.DeleteFunc(p.conns, func(c *conn) bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.err != nil
+	})
+}
+
+// dialFirstLocked starts the dial of the peer's first connection on a
+// goroutine of the agent's (p.mu held, no connection, none being
+// dialed). When it ends, the connection joins the peer's and takes the
+// pending notifications, in order; a failed one drops them.
+func (p *peer) dialFirstLocked() (*firstDial, error) {
+	a := p.owner
+	a.mu.Lock()
+	if a.mu.closed {
+		a.mu.Unlock()
+		return nil, ErrClosed
+	}
+	a.wg.Add(1)
+	a.mu.Unlock()
+	d := &firstDial{done: make(chan struct{})}
+	p.first = d
+	local := p.tryLocal()
+	go func() {
+		defer a.wg.Done()
+		c, noLocal, err := p.dial(local)
+		p.mu.Lock()
+		p.first = nil
+		p.noLocal = p.noLocal || noLocal
+		if err == nil && p.dead != nil {
+			c.fail(p.dead)
+			err = p.dead
+		}
+		q := p.pending
+		p.pending, p.pendingBytes = nil, 0
+		if err == nil {
+			p.conns = append(p.conns, c)
+			c.queueNotifs(q) // before any later notification: they take p.mu to find c
+			p.slowErr = nil
+		} else if d.abandoned {
+			p.slowErr, p.slowAt = err, time.Now()
+		}
+		d.err = err
+		p.mu.Unlock()
+		if err != nil && len(q) > 0 {
+			a.log.Debug("netxfer: notifications dropped: no connection", "peer", p.name, "notifications", len(q), "err", err)
+		}
+		close(d.done)
+	}()
+	return d, nil
+}
+
+// firstConnWithin returns the peer's first live connection, dialing one
+// if it has none, waiting at most wait for that dial: errDialing if it
+// takes longer (it goes on, and the connection it makes serves what
+// follows).
+func (p *peer) firstConnWithin(wait time.Duration) (*conn, error) {
+	p.mu.Lock()
+	if p.dead != nil {
+		p.mu.Unlock()
+		return nil, p.dead
+	}
+	p.dropBrokenLocked()
+	if len(p.conns) == 0 {
+		d := p.first
+		if d == nil {
+			var err error
+			if d, err = p.dialFirstLocked(); err != nil {
+				p.mu.Unlock()
+				return nil, err
+			}
+		}
+		p.mu.Unlock()
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case <-d.done:
+			if d.err != nil {
+				return nil, d.err
+			}
+		case <-t.C:
+			p.mu.Lock()
+			d.abandoned = true
+			p.mu.Unlock()
+			return nil, errDialing
+		}
+	} else {
+		p.mu.Unlock()
+	}
+	return p.firstConn()
+}
+
+// errDialing: a first connection is still being dialed.
+var errDialing = fmt.Errorf("%w: still dialing the first connection", ErrXferFailed)
 
 // wantConns is how many connections the peer keeps: Conns for the parts,
 // and one more for the notifications and gates when Conns is above one
@@ -524,6 +656,33 @@ func (c *conn) writeFrame(bufs ...[]byte) error {
 		return err
 	}
 	return nil
+}
+
+// queueNotifs queues notification frames on c (a connection just made,
+// before any other notification).
+func (c *conn) queueNotifs(q [][]byte) {
+	if len(q) == 0 {
+		return
+	}
+	c.nmu.Lock()
+	defer c.nmu.Unlock()
+	c.nq = append(c.nq, q...)
+	for _, f := range q {
+		c.nqBytes += len(f)
+	}
+	if !c.flushing {
+		a := c.p.owner
+		a.mu.Lock()
+		if a.mu.closed {
+			a.mu.Unlock()
+			c.nq, c.nqBytes = nil, 0
+			return
+		}
+		a.wg.Add(1)
+		a.mu.Unlock()
+		c.flushing = true
+		go c.flushNotifs()
+	}
 }
 
 // writeNotif writes a notification frame, or queues it when the write

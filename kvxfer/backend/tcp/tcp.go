@@ -128,6 +128,11 @@ func (n *Backend) MapIPC(base, size uint64, dev Device, uuid [16]byte, handle [6
 func (n *Backend) SameHostParts() uint64 { return n.a.SameHostParts() }
 
 // Unmap forgets memory mapped at base, waiting for transfers using it.
+// Settle waits for the landings into this backend's memory in progress
+// to end, and orders the caller's earlier accesses to that memory before
+// every landing that begins after it (netxfer.Agent.Settle).
+func (n *Backend) Settle() { n.a.Settle() }
+
 func (n *Backend) Unmap(base uint64) error { return mapNetErr(n.a.Unmap(base)) }
 
 // mapNetErr gives netxfer's errors kvxfer's sentinels.
