@@ -144,10 +144,13 @@ def test_forked_child_keeps_no_listening_port(libkvxfer):
         s.close()
         cfg = {"insecure_peers": True, "log_level": "error", "peer_listen": f"127.0.0.1:{port}"}
         inprocess.start(cfg)
+        rfd, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.write(wfd, b"r")  # running: the fork handlers have run
             time.sleep(30)  # killed long before
             os._exit(0)
+        assert os.read(rfd, 1) == b"r"
         try:
             inprocess.stop()
             inprocess.start(cfg)

@@ -90,13 +90,23 @@ int main(int argc, char **argv) {
 	snprintf(pcfg, sizeof pcfg, "{\"insecure_peers\": true, \"log_level\": \"error\", \"peer_listen\": \"127.0.0.1:%d\"}", port);
 	rc = start(pcfg, ep2, sizeof ep2);
 	CHECK(rc == KVXFER_OK, "start on peer port %d = %d: %s", port, rc, last_error());
+	int ready[2];
+	CHECK(pipe(ready) == 0, "pipe");
 	pid = fork();
 	if (pid == 0) {
+		// Running: the fork handlers have run (the parent waits for this:
+		// under load a child may not be scheduled for a while).
+		ssize_t w = write(ready[1], "r", 1);
+		(void)w;
 		struct timespec ts = {30, 0}; // killed long before
 		nanosleep(&ts, NULL);
 		_exit(0);
 	}
 	CHECK(pid > 0, "fork");
+	char r;
+	CHECK(read(ready[0], &r, 1) == 1, "the forked child never ran");
+	close(ready[0]);
+	close(ready[1]);
 	CHECK(stop() == KVXFER_OK, "stop with a forked child alive: %s", last_error());
 	rc = start(pcfg, ep2, sizeof ep2);
 	int again = rc;
