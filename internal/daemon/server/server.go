@@ -240,6 +240,8 @@ type Server struct {
 	// as stopping the gRPC server ends its streams'.
 	life    context.Context
 	endLife context.CancelFunc
+	// stats: each rank's kvxfer.Metrics, kept over its detach (RankStats).
+	stats rankStats
 
 	// engines are the attached engines' ranks, read without a lock by
 	// every peer handshake and probe, and written (copy on write, one
@@ -988,6 +990,11 @@ type rank struct {
 	// gpu: imported CUDA IPC memory (device pointers), unmapped on detach.
 	gpu   []gpuImport
 	agent string
+	// stats: the rank whose Metrics the worker records into (nil: none
+	// acquired), released once the worker closed; statsBase: what they
+	// held before the worker (its stream's TransferStats count from it).
+	stats     *rankKey
+	statsBase kvxfer.Stats
 }
 
 type gpuImport struct {
@@ -1210,6 +1217,12 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
 	}
+	if wc.Metrics == nil {
+		// The rank's own, which its next worker carries on (RankStats).
+		r.stats = &rankKey{h.EngineId, l.PPRank, l.TPRank}
+		wc.Metrics = s.stats.acquire(*r.stats)
+	}
+	r.statsBase = wc.Metrics.Snapshot()
 	if r.worker, err = kvxfer.NewWorker(wc); err != nil {
 		return nil, err
 	}
@@ -1266,6 +1279,10 @@ func (r *rank) release() {
 		if errors.Is(r.worker.Err(), kvxfer.ErrInternal) && r.s != nil {
 			r.s.workerPanics.Add(1)
 		}
+	}
+	if r.stats != nil {
+		r.s.stats.release(*r.stats) // the worker closed: it counts no more
+		r.stats = nil
 	}
 	if r.backend != nil {
 		_ = r.backend.Close()
@@ -1418,7 +1435,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	wg.Add(1)
 	go func() { // the one sender
 		defer wg.Done()
-		var prev kvxfer.Stats
+		prev := r.statsBase // the rank's earlier workers' are not this stream's
 		// What a Finished message is made of, reused from one to the next
 		// (gRPC has encoded a message when Send returns): outcomes drained
 		// and converted allocate nothing per request.

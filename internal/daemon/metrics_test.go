@@ -1,0 +1,207 @@
+package daemon
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// scrapeAll returns the value of every series at addr's /metrics whose
+// line starts with prefix (name and labels, as exposed), by line.
+func scrapeAll(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/metrics: %s: %s", resp.Status, body)
+	}
+	return string(body)
+}
+
+// value is the value of series (name and labels, exactly as exposed) in
+// body, and whether it is there.
+func value(body, series string) (float64, bool) {
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindStringSubmatch(body)
+	if m == nil {
+		return 0, false
+	}
+	v, _ := strconv.ParseFloat(m[1], 64)
+	return v, true
+}
+
+// A rank's counters (outcomes, failures, bad input, transfers) survive
+// its detach: the outcomes its worker reports as it closes (the requests
+// it held fail, worker_closed) are the ones an operator most needs, and
+// before they were never exported: the collector read attached ranks
+// only, and a rank is unpublished before its worker closes, so every
+// counter of the rank vanished with it (what it had counted too, which
+// Prometheus then read as a counter reset). A rank attached again under
+// the same engine id and ranks carries on counting from there.
+func TestDetachedRankCountersKept(t *testing.T) {
+	c := testConfig(t)
+	c.metricsListen = freePort(t)
+	in := startTest(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const (
+		aborted = `kvxfer_outcomes_total{engine="E1",pp_rank="0",result="aborted",side="producer",tp_rank="0"}`
+		failed  = `kvxfer_outcomes_total{engine="E1",pp_rank="0",result="failed",side="producer",tp_rank="0"}`
+		closed  = `kvxfer_failures_total{engine="E1",kind="worker_closed",pp_rank="0",side="producer",tp_rank="0"}`
+		dup     = `kvxfer_bad_input_total{engine="E1",field="send_req.duplicate",pp_rank="0",tp_rank="0"}`
+	)
+	for round := 1; round <= 2; round++ {
+		rs, closeRank, err := connectTinyRank(t, ctx, c.socket, c.shmDir, "E1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		now := time.Now()
+		send := func(id string) kvxfer.SendReq {
+			return kvxfer.SendReq{ReqID: id, Deadline: now.Add(time.Hour), Blocks: []topology.Span{{IDs: []topology.BlockID{0}}}, Tokens: 16}
+		}
+		// p1 aborted by its engine; p2 held (no consumer comes), then
+		// failed by the close; a duplicate SendReq of p2 refused.
+		if err := rs.Step(&kvxfer.StepMeta{Step: 1, SchedulerClock: now, Send: []kvxfer.SendReq{send("p1"), send("p2")}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rs.Step(&kvxfer.StepMeta{Step: 2, SchedulerClock: now, Send: []kvxfer.SendReq{send("p2")}, NotProcessed: []string{"p1"}}); err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]kvxfer.Outcome{}
+		for got["p1"].ReqID == "" {
+			select {
+			case f := <-rs.Finished():
+				for _, o := range f.Sending {
+					got[o.ReqID] = o
+				}
+			case <-ctx.Done():
+				t.Fatal("no outcome for p1")
+			}
+		}
+		body := scrapeAll(t, c.metricsListen)
+		if v, _ := value(body, aborted); v != float64(round) {
+			t.Errorf("round %d, attached: %s = %v, want %d", round, aborted, v, round)
+		}
+		go func() { _ = rs.Close(ctx) }()
+		for f := range rs.Finished() {
+			for _, o := range f.Sending {
+				got[o.ReqID] = o
+			}
+		}
+		closeRank()
+		_ = os.Remove(filepath.Join(c.shmDir, "kv")) // connectTinyRank's file, made again next round
+		if o := got["p2"]; o.Result != kvxfer.ResultFailed || o.Kind != kvxfer.FailureClosed {
+			t.Errorf("round %d: p2's outcome = %+v, want failed, worker_closed", round, o)
+		}
+		for deadline := time.Now().Add(10 * time.Second); in.srv.Workers()["E1"] != nil; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("E1 not detached after 10 s")
+			}
+		}
+		body = scrapeAll(t, c.metricsListen)
+		for _, s := range []string{aborted, failed, closed, dup} {
+			if v, ok := value(body, s); v != float64(round) {
+				t.Errorf("round %d, detached: %s = %v (exposed: %v), want %d", round, s, v, ok, round)
+			}
+		}
+	}
+}
+
+// A rank's stream reports the TransferStats of its own worker only: with
+// a rank's counters carried over its detach (RankStats), a rank attached
+// again must not hand its engine what the earlier worker counted (the
+// vLLM connector adds every stream's stats up: they would count twice).
+func TestReattachedRankStatsNotRepeated(t *testing.T) {
+	c := testConfig(t)
+	c.metricsListen = freePort(t)
+	startTest(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	mp, err := shm.Create(c.shmDir, "kv", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Close()
+	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	for round := 1; round <= 2; round++ {
+		sctx, scancel := context.WithCancel(ctx)
+		st, err := pb.NewWorkerServiceClient(cc).Connect(sctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hello := &pb.WorkerHello{EngineId: "E1", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(&l), CompatHash: "m",
+			MaxMessageBytes: stream.DefaultMaxMessage, Memory: []*pb.SharedMemory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}
+		if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
+			t.Fatal(err)
+		}
+		if m, err := st.Recv(); err != nil || m.GetReady() == nil {
+			t.Fatalf("round %d: hello answered %v, %v", round, m, err)
+		}
+		// x's lease ends at once: expired, counted.
+		now := time.Now()
+		var enc stream.StepEncoder
+		meta := &kvxfer.StepMeta{Step: 1, SchedulerClock: now, Send: []kvxfer.SendReq{{ReqID: "x", Deadline: now.Add(50 * time.Millisecond),
+			Blocks: []topology.Span{{IDs: []topology.BlockID{0}}}, Tokens: 16}}}
+		if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: enc.Encode(meta)}}); err != nil {
+			t.Fatal(err)
+		}
+		var expired uint64
+		for done := false; !done; {
+			m, err := st.Recv()
+			if err != nil {
+				t.Fatalf("round %d: %v", round, err)
+			}
+			f := m.GetFinished()
+			if f == nil {
+				continue
+			}
+			expired += f.GetStats().GetExpired()
+			for _, o := range f.Sending {
+				done = done || o.RequestId == "x"
+			}
+		}
+		if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Bye{Bye: &pb.Bye{}}}); err != nil {
+			t.Fatal(err)
+		}
+		_ = st.CloseSend()
+		for {
+			m, err := st.Recv()
+			if err != nil {
+				break
+			}
+			expired += m.GetFinished().GetStats().GetExpired()
+		}
+		scancel()
+		if expired != 1 {
+			t.Errorf("round %d: the stream's TransferStats say %d expired, want 1 (this stream's)", round, expired)
+		}
+		body := scrapeAll(t, c.metricsListen)
+		if v, _ := value(body, `kvxfer_num_kv_expired_reqs_total{engine="E1",pp_rank="0",tp_rank="0"}`); v != float64(round) {
+			t.Errorf("round %d: kvxfer_num_kv_expired_reqs_total = %v, want %d (the rank's, over its attaches)", round, v, round)
+		}
+	}
+}
