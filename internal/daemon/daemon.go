@@ -739,12 +739,17 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 			return nil, fmt.Errorf("metrics listener: %w", err)
 		}
 		forkclose.Listener(mln)
-		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() { _ = in.httpSrv.Serve(mln) }()
+		// Whoever reaches it holds a few connections at most (each
+		// scrape builds the whole metric set in memory, one at a time
+		// per connection), none idle for long, none stalled for ever.
+		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+			WriteTimeout: time.Minute, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 16 << 10}
+		lim := newLimitListener(mln, "metrics", metricsConnsPerAddr, metricsConns, srv.Refuse)
+		go func() { _ = in.httpSrv.Serve(lim) }()
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
 	}
 	go func() {
-		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, perAddr, total, srv.Refuse))
+		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, "peer", perAddr, total, srv.Refuse))
 	}()
 	go func() { in.serveErr <- in.eng.Serve(engLn) }()
 	in.hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)

@@ -1,8 +1,11 @@
 package daemon
 
 import (
+	"bufio"
 	"context"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -204,4 +207,78 @@ func TestReattachedRankStatsNotRepeated(t *testing.T) {
 			t.Errorf("round %d: kvxfer_num_kv_expired_reqs_total = %v, want %d (the rank's, over its attaches)", round, v, round)
 		}
 	}
+}
+
+// The metrics endpoint bounds the connections it holds, as the peer
+// listener does: before, any client that could reach it held as many
+// as it opened, each kept alive for ever after one scrape (no idle
+// timeout), and scraped as many at once (each scrape builds the whole
+// metric set in memory). A connection past the bound is closed at once,
+// counted (kvxfer_refused_total{reason="metrics_conns_per_addr"}); one
+// closed makes room again.
+func TestMetricsConnectionsBounded(t *testing.T) {
+	c := testConfig(t)
+	c.metricsListen = freePort(t)
+	startTest(t, c)
+	get := func(conn net.Conn) error {
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(conn, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			return err
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("%s", resp.Status)
+		}
+		return nil
+	}
+	var held []net.Conn
+	defer func() {
+		for _, conn := range held {
+			conn.Close()
+		}
+	}()
+	for i := 0; i < metricsConnsPerAddr+4; i++ {
+		conn, err := net.Dial("tcp", c.metricsListen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, conn)
+		err = get(conn) // kept alive after
+		if i < metricsConnsPerAddr && err != nil {
+			t.Fatalf("scrape %d: %v", i, err)
+		}
+		if i >= metricsConnsPerAddr && err == nil {
+			t.Fatalf("connection %d from one address served while %d are held open (bound %d)", i+1, i, metricsConnsPerAddr)
+		}
+	}
+	held[0].Close()
+	held = held[1:]
+	var v float64
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		// Room is made once the server saw the close.
+		body := ""
+		if resp, err := http.Get("http://" + c.metricsListen + "/metrics"); err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			body = string(b)
+		}
+		var ok bool
+		if v, ok = value(body, `kvxfer_refused_total{reason="metrics_conns_per_addr"}`); ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no room made by closing a connection")
+		}
+	}
+	if v != 4 {
+		t.Errorf(`kvxfer_refused_total{reason="metrics_conns_per_addr"} = %v, want 4`, v)
+	}
+	http.DefaultClient.CloseIdleConnections()
 }
