@@ -2,21 +2,26 @@ package daemon
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvxfer/kvxfer/internal/lograte"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
@@ -281,4 +286,68 @@ func TestMetricsConnectionsBounded(t *testing.T) {
 		t.Errorf(`kvxfer_refused_total{reason="metrics_conns_per_addr"} = %v, want 4`, v)
 	}
 	http.DefaultClient.CloseIdleConnections()
+}
+
+// syncBuffer is a log destination safe for concurrent writers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Whoever reaches the peer port cannot flood the daemon's log: every
+// connection that failed authentication was logged, one line each, with
+// no bound (an unauthenticated client looping connect-and-close wrote
+// lines as fast as it connected), and to the process's default logger,
+// not the daemon's (in the in-process placement, the engine's). Each is
+// still counted (kvxfer_peer_auth_failures_total); the log says the first
+// few of a kind in a while, then how many it left out.
+func TestPeerConnectionFloodLogBounded(t *testing.T) {
+	var buf syncBuffer
+	log := slog.New(slog.NewTextHandler(&buf, nil))
+	old := slog.Default()
+	slog.SetDefault(log)
+	defer slog.SetDefault(old)
+	c := testConfig(t)
+	c.metricsListen = freePort(t)
+	in, err := start(c, log, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.shutdown()
+	const n = 200
+	for range n {
+		conn, err := net.Dial("tcp", in.advertise)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = conn.Write([]byte("not the exchange"))
+		// Refused: the daemon closes it (one at a time, well within the
+		// peer listener's bound of connections per address).
+		_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, _ = io.Copy(io.Discard, conn)
+		conn.Close()
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if v := scrape(t, c.metricsListen, "kvxfer_peer_auth_failures_total"); v == n {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("kvxfer_peer_auth_failures_total = %v, want %d", v, n)
+		}
+	}
+	http.DefaultClient.CloseIdleConnections()
+	if got := strings.Count(buf.String(), "refused a Peer service connection"); got == 0 || got > 2*lograte.Burst {
+		t.Errorf("%d connections refused: %d log lines say so, want between 1 and %d", n, got, 2*lograte.Burst)
+	}
 }
