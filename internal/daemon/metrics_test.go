@@ -19,7 +19,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/internal/lograte"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -349,5 +351,111 @@ func TestPeerConnectionFloodLogBounded(t *testing.T) {
 	http.DefaultClient.CloseIdleConnections()
 	if got := strings.Count(buf.String(), "refused a Peer service connection"); got == 0 || got > 2*lograte.Burst {
 		t.Errorf("%d connections refused: %d log lines say so, want between 1 and %d", n, got, 2*lograte.Burst)
+	}
+}
+
+// Every refusal of an engine's or a peer's input is counted: before, a
+// step the rank dropped whole (a step_ref naming no published step), a message that ended the rank's stream (empty, or a
+// second hello) and a Peer service handshake naming no engine were
+// refused, the caller told, and counted nowhere.
+func TestStreamAndPeerRefusalsCounted(t *testing.T) {
+	c := testConfig(t)
+	c.metricsListen = freePort(t)
+	c.insecurePeers = true
+	in := startTest(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	refused := func(reason string) float64 {
+		v, _ := value(scrapeAll(t, c.metricsListen), `kvxfer_refused_total{reason="`+reason+`"}`)
+		return v
+	}
+	// A handshake naming no engine.
+	pc, err := grpc.NewClient(in.advertise, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	if _, err := pb.NewPeerServiceClient(pc).Handshake(ctx, &pb.HandshakeRequest{}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("handshake naming no engine: %v, want InvalidArgument", err)
+	}
+	if v := refused("bad_handshake"); v != 1 {
+		t.Errorf(`kvxfer_refused_total{reason="bad_handshake"} = %v, want 1`, v)
+	}
+
+	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	mp, err := shm.Create(c.shmDir, "kv", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Close()
+	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	hello := &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: &pb.WorkerHello{EngineId: "E1", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(&l),
+		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage, Memory: []*pb.SharedMemory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}}}
+	open := func() pb.WorkerService_ConnectClient {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			st, err := pb.NewWorkerServiceClient(cc).Connect(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := st.Send(hello); err != nil {
+				t.Fatal(err)
+			}
+			m, err := st.Recv()
+			if err == nil && m.GetReady() != nil {
+				return st
+			}
+			if status.Code(err) != codes.AlreadyExists || time.Now().After(deadline) { // the last stream's rank still let go
+				t.Fatalf("hello answered %v, %v", m, err)
+			}
+		}
+	}
+	stepError := func(st pb.WorkerService_ConnectClient) *pb.StepError {
+		t.Helper()
+		for {
+			m, err := st.Recv()
+			if err != nil {
+				t.Fatalf("no step error: %v", err)
+			}
+			if e := m.GetStepError(); e != nil {
+				return e
+			}
+		}
+	}
+	st := open()
+	// A step_ref naming a step no scheduler published: dropped whole.
+	if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: 7, RecvRequestIds: []string{"d"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if e := stepError(st); !e.Dropped {
+		t.Errorf("a step_ref naming no published step: %+v, want dropped", e)
+	}
+	if v := refused("bad_step"); v != 1 {
+		t.Errorf(`kvxfer_refused_total{reason="bad_step"} = %v, want 1`, v)
+	}
+	// An empty message, and a second hello: each ends the stream.
+	for i, m := range []*pb.ConnectRequest{{}, hello} {
+		if i > 0 {
+			st = open()
+		}
+		if err := st.Send(m); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			if _, err := st.Recv(); err != nil {
+				if status.Code(err) != codes.InvalidArgument {
+					t.Errorf("message %d: the stream ended with %v, want InvalidArgument", i, err)
+				}
+				break
+			}
+		}
+	}
+	if v := refused("bad_message"); v != 2 {
+		t.Errorf(`kvxfer_refused_total{reason="bad_message"} = %v, want 2`, v)
 	}
 }

@@ -655,6 +655,7 @@ func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) 
 // when large and the caller accepts it.
 func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
 	if req.GetEngineId() == "" {
+		s.limits.refuse("bad_handshake")
 		return nil, Status(stream.Invalid("handshake.engine_id is empty"))
 	}
 	e, _ := s.engines.Load(req.EngineId)
@@ -758,7 +759,9 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // unix socket), rank_attached, memory (a shared-memory file refused),
 // memory_address (memory named by address from another process),
 // bad_request (a SchedulerService call's bad input), hello_timeout, bad_message (what an engine handed without gRPC did not
-// parse, or was too large), streams and streams_per_uid (limits),
+// parse, or was too large; a message that ended a rank's stream: empty, or a
+// second hello), bad_step (a step the rank dropped whole: a step_ref naming
+// no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
@@ -1573,9 +1576,11 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			case *pb.ConnectRequest_Bye:
 				return finish(true)
 			case *pb.ConnectRequest_Hello:
+				r.s.limits.refuse("bad_message")
 				finish(false)
 				return Status(stream.Invalid("hello sent twice on one stream"))
 			default:
+				r.s.limits.refuse("bad_message")
 				finish(false)
 				return Status(stream.Invalid("empty message"))
 			}
@@ -1663,6 +1668,11 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	}
 	if err == nil {
 		return true
+	}
+	if dropped && !errors.Is(err, kvxfer.ErrClosed) && ctx.Err() == nil {
+		// The engine's step refused whole (its entries refused alone
+		// are counted by the worker, by field).
+		r.s.limits.refuse("bad_step")
 	}
 	msg := clipTo(err.Error(), r.maxErr)
 	errs := []*pb.StepError{{Step: step, Message: msg}}
