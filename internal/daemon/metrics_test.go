@@ -268,6 +268,7 @@ func TestMetricsConnectionsBounded(t *testing.T) {
 	held[0].Close()
 	held = held[1:]
 	var v float64
+	refusedMore := 0 // tries refused before the server saw the close
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		// Room is made once the server saw the close.
 		body := ""
@@ -275,6 +276,8 @@ func TestMetricsConnectionsBounded(t *testing.T) {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			body = string(b)
+		} else {
+			refusedMore++
 		}
 		var ok bool
 		if v, ok = value(body, `kvxfer_refused_total{reason="metrics_conns_per_addr"}`); ok {
@@ -284,8 +287,8 @@ func TestMetricsConnectionsBounded(t *testing.T) {
 			t.Fatal("no room made by closing a connection")
 		}
 	}
-	if v != 4 {
-		t.Errorf(`kvxfer_refused_total{reason="metrics_conns_per_addr"} = %v, want 4`, v)
+	if v != float64(4+refusedMore) {
+		t.Errorf(`kvxfer_refused_total{reason="metrics_conns_per_addr"} = %v, want %d`, v, 4+refusedMore)
 	}
 	http.DefaultClient.CloseIdleConnections()
 }
