@@ -28,6 +28,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/forkclose"
 	"github.com/kvxfer/kvxfer/internal/hoptrace"
+	"github.com/kvxfer/kvxfer/internal/lograte"
 	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
@@ -477,12 +478,12 @@ func (c *config) peerSecurity(log *slog.Logger) (peerSecurity, error) {
 }
 
 // grpcCreds are the Peer service's and the resolver's credentials.
-func (p peerSecurity) grpcCreds(name string) (serverCreds, clientCreds credentials.TransportCredentials) {
+func (p peerSecurity) grpcCreds(name string, log *slog.Logger) (serverCreds, clientCreds credentials.TransportCredentials) {
 	if p.server != nil {
-		return server.LoggedServerCredentials(credentials.NewTLS(p.server), p.auth.CountFailure),
-			server.LoggedServerCredentials(credentials.NewTLS(p.client), p.auth.CountFailure)
+		return server.LoggedServerCredentials(credentials.NewTLS(p.server), p.auth.CountFailure, log),
+			server.LoggedServerCredentials(credentials.NewTLS(p.client), p.auth.CountFailure, log)
 	}
-	c := server.PeerCredentials(p.auth, name)
+	c := server.PeerCredentialsLogged(p.auth, name, log)
 	return c, c
 }
 
@@ -596,6 +597,9 @@ func abstract(socket string) bool { return strings.HasPrefix(socket, "@") }
 // libkvxfer's placement, which leaves the process's environment as it
 // is). On an error, whatever it started is stopped.
 func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error) {
+	// What peers and engines can make it log comes at most a few lines
+	// of a kind at a time: they cannot flood it (each is counted too).
+	log = lograte.Logger(log)
 	in := &instance{c: c, log: log, serveErr: make(chan error, 3)}
 	defer func() {
 		if err != nil {
@@ -659,7 +663,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		}
 		allow = al.Check
 	}
-	serverCreds, clientCreds := sec.grpcCreds(in.advertise)
+	serverCreds, clientCreds := sec.grpcCreds(in.advertise, log)
 	var onEngines func()
 	var lookup func(context.Context, string) (string, error)
 	if c.etcd.client.Endpoints != "" {
@@ -739,12 +743,17 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 			return nil, fmt.Errorf("metrics listener: %w", err)
 		}
 		forkclose.Listener(mln)
-		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() { _ = in.httpSrv.Serve(mln) }()
+		// Whoever reaches it holds a few connections at most (each
+		// scrape builds the whole metric set in memory, one at a time
+		// per connection), none idle for long, none stalled for ever.
+		in.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+			WriteTimeout: time.Minute, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 16 << 10}
+		lim := newLimitListener(mln, "metrics", metricsConnsPerAddr, metricsConns, srv.Refuse)
+		go func() { _ = in.httpSrv.Serve(lim) }()
 		log.Info("kvxferd: metrics", "addr", mln.Addr().String())
 	}
 	go func() {
-		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, perAddr, total, srv.Refuse))
+		in.serveErr <- in.peer.Serve(newLimitListener(peerLn, "peer", perAddr, total, srv.Refuse))
 	}()
 	go func() { in.serveErr <- in.eng.Serve(engLn) }()
 	in.hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)

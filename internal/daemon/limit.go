@@ -5,12 +5,18 @@ import (
 	"sync"
 )
 
+// metricsConnsPerAddr and metricsConns bound the connections the metrics
+// endpoint holds at once, from one address and from all.
+const metricsConnsPerAddr, metricsConns = 4, 16
+
 // limitListener bounds the connections open at once from one remote IP,
 // and from all (a hostile peer cannot hold every descriptor, even from
 // many addresses): a connection past a bound is closed as soon as it is
-// accepted, and counted by reason (peer_conns_per_addr, peer_conns).
+// accepted, and counted by reason (what+"_conns_per_addr",
+// what+"_conns": peer_conns_per_addr, metrics_conns, ...).
 type limitListener struct {
 	net.Listener
+	what           string
 	perAddr, total int
 	refused        func(reason string)
 	mu             sync.Mutex
@@ -18,8 +24,8 @@ type limitListener struct {
 	all            int
 }
 
-func newLimitListener(ln net.Listener, perAddr, total int, refused func(reason string)) *limitListener {
-	return &limitListener{Listener: ln, perAddr: perAddr, total: total, refused: refused, open: map[string]int{}}
+func newLimitListener(ln net.Listener, what string, perAddr, total int, refused func(reason string)) *limitListener {
+	return &limitListener{Listener: ln, what: what, perAddr: perAddr, total: total, refused: refused, open: map[string]int{}}
 }
 
 // Accept returns the next connection within the bound.
@@ -37,9 +43,9 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		reason := ""
 		switch {
 		case l.open[host] >= l.perAddr:
-			reason = "peer_conns_per_addr"
+			reason = l.what + "_conns_per_addr"
 		case l.all >= l.total:
-			reason = "peer_conns"
+			reason = l.what + "_conns"
 		}
 		if reason != "" {
 			l.mu.Unlock()

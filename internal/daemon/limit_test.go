@@ -15,7 +15,7 @@ func TestLimitListener(t *testing.T) {
 		t.Fatal(err)
 	}
 	var refused atomic.Int64
-	l := newLimitListener(ln, 2, 100, func(string) { refused.Add(1) })
+	l := newLimitListener(ln, "peer", 2, 100, func(string) { refused.Add(1) })
 	defer l.Close()
 	accepted := acceptAll(l)
 	dial := func() net.Conn {
@@ -59,7 +59,7 @@ func TestLimitListenerTotal(t *testing.T) {
 		t.Fatal(err)
 	}
 	var perAddr, total atomic.Int64
-	l := newLimitListener(ln, 2, 3, func(reason string) {
+	l := newLimitListener(ln, "peer", 2, 3, func(reason string) {
 		switch reason {
 		case "peer_conns_per_addr":
 			perAddr.Add(1)

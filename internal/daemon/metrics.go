@@ -12,7 +12,8 @@ import (
 	kvnixl "github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
 )
 
-// collector exports every attached rank's kvxfer.Metrics at scrape time:
+// collector exports every rank's kvxfer.Metrics at scrape time (those of
+// ranks attached, and of ranks detached a while: server.RankStats):
 // the metric set of vLLM's NIXL connector (SPEC §10), under kvxfer_ names,
 // plus kvxfer's own.
 type collector struct {
@@ -67,7 +68,7 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		gates: d("gates_total", "Push grants offered to producers one-sided (same-host GPU WRITEs launched by the producer through a gate), "+
 			"by outcome (opened; failed: served two-sided instead).", "outcome"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
-			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, memory_address, bad_hello, bad_request, other_process, hello_timeout, streams, streams_per_uid, memory_entries, memory_entries_per_uid, schedulers, schedulers_per_uid, peer_not_allowed, peer_conns_per_addr, peer_conns).",
+			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, rank_attached, memory, memory_address, bad_hello, bad_request, other_process, hello_timeout, streams, streams_per_uid, memory_entries, memory_entries_per_uid, schedulers, schedulers_per_uid, peer_not_allowed, peer_conns_per_addr, peer_conns, metrics_conns_per_addr, metrics_conns, bad_handshake, bad_step, bad_message).",
 			[]string{"reason"}, nil),
 	}
 }
@@ -101,49 +102,57 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	for engine, workers := range c.srv.Workers() {
 		for _, w := range workers {
 			l := w.Layout()
+			st, err := w.State()
+			if err != nil {
+				continue
+			}
 			labels := []string{engine, strconv.Itoa(l.TPRank), strconv.Itoa(l.PPRank)}
-			if st, err := w.State(); err == nil {
-				gauge := func(d *prometheus.Desc, v int, extra ...string) {
-					ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), append(append([]string(nil), labels...), extra...)...)
-				}
-				gauge(c.open, st.Sends, "producer")
-				gauge(c.open, st.Recvs, "consumer")
-				gauge(c.inFlight, st.Handles)
+			gauge := func(d *prometheus.Desc, v int, extra ...string) {
+				ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), append(append([]string(nil), labels...), extra...)...)
 			}
-			s := w.Metrics().Snapshot()
-			hist(ch, c.xferTime, s.TransferSeconds, labels)
-			hist(ch, c.postTime, s.PostSeconds, labels)
-			hist(ch, c.bytes, s.Bytes, labels)
-			hist(ch, c.descs, s.Descriptors, labels)
-			hist(ch, c.amplification, s.Amplification, labels)
-			hist(ch, c.handshake, s.HandshakeSeconds, labels)
-			counter := func(d *prometheus.Desc, v uint64, extra ...string) {
-				ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append(append([]string(nil), labels...), extra...)...)
+			gauge(c.open, st.Sends, "producer")
+			gauge(c.open, st.Recvs, "consumer")
+			gauge(c.inFlight, st.Handles)
+		}
+	}
+	// Counters by rank, of its workers attached now and before (a rank
+	// detached is kept a while: what its worker counted as it closed is
+	// exported, and its counters never go back).
+	for _, rs := range c.srv.RankStats() {
+		labels := []string{rs.Engine, strconv.Itoa(rs.TPRank), strconv.Itoa(rs.PPRank)}
+		s := rs.Stats
+		hist(ch, c.xferTime, s.TransferSeconds, labels)
+		hist(ch, c.postTime, s.PostSeconds, labels)
+		hist(ch, c.bytes, s.Bytes, labels)
+		hist(ch, c.descs, s.Descriptors, labels)
+		hist(ch, c.amplification, s.Amplification, labels)
+		hist(ch, c.handshake, s.HandshakeSeconds, labels)
+		counter := func(d *prometheus.Desc, v uint64, extra ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append(append([]string(nil), labels...), extra...)...)
+		}
+		counter(c.failedXfers, s.FailedTransfers)
+		counter(c.failedNotifs, s.FailedNotifications)
+		counter(c.expired, s.ExpiredRequests)
+		counter(c.handshakeFailures, s.HandshakeFailures)
+		for _, side := range []kvxfer.Role{kvxfer.RoleProducer, kvxfer.RoleConsumer} {
+			for _, r := range []kvxfer.Result{kvxfer.ResultDone, kvxfer.ResultFailed, kvxfer.ResultExpired, kvxfer.ResultAborted} {
+				counter(c.outcomes, s.Outcomes[side][r], side.String(), r.String())
 			}
-			counter(c.failedXfers, s.FailedTransfers)
-			counter(c.failedNotifs, s.FailedNotifications)
-			counter(c.expired, s.ExpiredRequests)
-			counter(c.handshakeFailures, s.HandshakeFailures)
-			for _, side := range []kvxfer.Role{kvxfer.RoleProducer, kvxfer.RoleConsumer} {
-				for _, r := range []kvxfer.Result{kvxfer.ResultDone, kvxfer.ResultFailed, kvxfer.ResultExpired, kvxfer.ResultAborted} {
-					counter(c.outcomes, s.Outcomes[side][r], side.String(), r.String())
-				}
-				for _, k := range kvxfer.FailureKinds()[1:] {
-					counter(c.failures, s.Failures[side][k], side.String(), k.String())
-				}
+			for _, k := range kvxfer.FailureKinds()[1:] {
+				counter(c.failures, s.Failures[side][k], side.String(), k.String())
 			}
-			for k, v := range s.BadInput {
-				counter(c.badInput, v, k)
-			}
-			for k, v := range s.Dropped {
-				counter(c.dropped, v, k)
-			}
-			for k, v := range s.RefusedAccess {
-				counter(c.refusedAccess, v, k)
-			}
-			for k, v := range s.Gates {
-				counter(c.gates, v, k)
-			}
+		}
+		for k, v := range s.BadInput {
+			counter(c.badInput, v, k)
+		}
+		for k, v := range s.Dropped {
+			counter(c.dropped, v, k)
+		}
+		for k, v := range s.RefusedAccess {
+			counter(c.refusedAccess, v, k)
+		}
+		for k, v := range s.Gates {
+			counter(c.gates, v, k)
 		}
 	}
 }

@@ -53,6 +53,7 @@ var Rules = []Rule{
 		Allowed: []string{"golang.org/x/sys/..."}},
 	{Name: "internal/forkclose imports only the standard library", Prefix: "internal/forkclose"},
 	{Name: "internal/peerauth imports only the standard library", Prefix: "internal/peerauth"},
+	{Name: "internal/lograte imports only the standard library", Prefix: "internal/lograte"},
 	{Name: "internal/nixl imports only the standard library and C", Prefix: "internal/nixl"},
 	{Name: "internal/cuda imports only the standard library and C", Prefix: "internal/cuda"},
 	// The connector core links no backend, no cgo and no transport: an

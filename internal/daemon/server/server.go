@@ -240,6 +240,8 @@ type Server struct {
 	// as stopping the gRPC server ends its streams'.
 	life    context.Context
 	endLife context.CancelFunc
+	// stats: each rank's kvxfer.Metrics, kept over its detach (RankStats).
+	stats rankStats
 
 	// engines are the attached engines' ranks, read without a lock by
 	// every peer handshake and probe, and written (copy on write, one
@@ -653,6 +655,7 @@ func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) 
 // when large and the caller accepts it.
 func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
 	if req.GetEngineId() == "" {
+		s.limits.refuse("bad_handshake")
 		return nil, Status(stream.Invalid("handshake.engine_id is empty"))
 	}
 	e, _ := s.engines.Load(req.EngineId)
@@ -756,7 +759,9 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // unix socket), rank_attached, memory (a shared-memory file refused),
 // memory_address (memory named by address from another process),
 // bad_request (a SchedulerService call's bad input), hello_timeout, bad_message (what an engine handed without gRPC did not
-// parse, or was too large), streams and streams_per_uid (limits),
+// parse, or was too large; a message that ended a rank's stream: empty, or a
+// second hello), bad_step (a step the rank dropped whole: a step_ref naming
+// no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
@@ -988,6 +993,11 @@ type rank struct {
 	// gpu: imported CUDA IPC memory (device pointers), unmapped on detach.
 	gpu   []gpuImport
 	agent string
+	// stats: the rank whose Metrics the worker records into (nil: none
+	// acquired), released once the worker closed; statsBase: what they
+	// held before the worker (its stream's TransferStats count from it).
+	stats     *rankKey
+	statsBase kvxfer.Stats
 }
 
 type gpuImport struct {
@@ -1210,6 +1220,12 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
 	}
+	if wc.Metrics == nil {
+		// The rank's own, which its next worker carries on (RankStats).
+		r.stats = &rankKey{h.EngineId, l.PPRank, l.TPRank}
+		wc.Metrics = s.stats.acquire(*r.stats)
+	}
+	r.statsBase = wc.Metrics.Snapshot()
 	if r.worker, err = kvxfer.NewWorker(wc); err != nil {
 		return nil, err
 	}
@@ -1266,6 +1282,10 @@ func (r *rank) release() {
 		if errors.Is(r.worker.Err(), kvxfer.ErrInternal) && r.s != nil {
 			r.s.workerPanics.Add(1)
 		}
+	}
+	if r.stats != nil {
+		r.s.stats.release(*r.stats) // the worker closed: it counts no more
+		r.stats = nil
 	}
 	if r.backend != nil {
 		_ = r.backend.Close()
@@ -1418,7 +1438,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	wg.Add(1)
 	go func() { // the one sender
 		defer wg.Done()
-		var prev kvxfer.Stats
+		prev := r.statsBase // the rank's earlier workers' are not this stream's
 		// What a Finished message is made of, reused from one to the next
 		// (gRPC has encoded a message when Send returns): outcomes drained
 		// and converted allocate nothing per request.
@@ -1556,9 +1576,11 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			case *pb.ConnectRequest_Bye:
 				return finish(true)
 			case *pb.ConnectRequest_Hello:
+				r.s.limits.refuse("bad_message")
 				finish(false)
 				return Status(stream.Invalid("hello sent twice on one stream"))
 			default:
+				r.s.limits.refuse("bad_message")
 				finish(false)
 				return Status(stream.Invalid("empty message"))
 			}
@@ -1646,6 +1668,11 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	}
 	if err == nil {
 		return true
+	}
+	if dropped && !errors.Is(err, kvxfer.ErrClosed) && ctx.Err() == nil {
+		// The engine's step refused whole (its entries refused alone
+		// are counted by the worker, by field).
+		r.s.limits.refuse("bad_step")
 	}
 	msg := clipTo(err.Error(), r.maxErr)
 	errs := []*pb.StepError{{Step: step, Message: msg}}
