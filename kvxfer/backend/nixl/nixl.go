@@ -3,8 +3,11 @@ package nixl
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,7 +29,8 @@ type Config struct {
 	// Params configure the plugin; with Debian's UCX 1.13 and shared
 	// memory, set "ucx_error_handling_mode": "none". For a VRAM agent of
 	// the UCX plugin, "num_threads" defaults to GPUThreads and
-	// "split_batch_size" to GPUSplitBatch.
+	// "split_batch_size" to GPUSplitBatch. New refuses UCX parameters the
+	// plugin would misread or break on (checkParams).
 	Params map[string]string
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
@@ -243,6 +247,46 @@ func withDefaults(plugin string, params map[string]string, vram bool) map[string
 	return out
 }
 
+// ucxCounts are the UCX plugin's numeric parameters (unsigned ints in the
+// plugin), each with the least and most checkParams lets through:
+// split_batch_size 0 made the plugin divide by zero (SIGFPE) at a
+// transfer of fewer descriptors than num_threads, and each of
+// num_threads and num_workers is a UCX worker (a thread, for
+// num_threads) that the plugin makes when the agent opens.
+var ucxCounts = map[string][2]uint64{
+	"num_threads":             {0, maxUCXWorkers},
+	"num_workers":             {0, maxUCXWorkers},
+	"split_batch_size":        {1, math.MaxUint32},
+	"ucx_num_device_channels": {0, math.MaxUint32},
+}
+
+// maxUCXWorkers bounds num_threads and num_workers (4 is what a GPU
+// agent gets: GPUThreads).
+const maxUCXWorkers = 256
+
+// checkParams refuses plugin parameters that the UCX plugin would take
+// badly, naming the key and the value: numbers it would misread or that
+// break it (ucxCounts) and an unknown ucx_error_handling_mode. Other
+// keys, and other plugins' parameters, are NIXL's to judge.
+func checkParams(plugin string, params map[string]string) error {
+	if plugin != "UCX" {
+		return nil
+	}
+	for _, k := range slices.Sorted(maps.Keys(params)) {
+		v := params[k]
+		if r, ok := ucxCounts[k]; ok {
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil || n < r[0] || n > r[1] {
+				return fmt.Errorf("kvxfer: nixl plugin UCX parameter %s=%q: want a whole number from %d to %d", k, v, r[0], r[1])
+			}
+		}
+		if k == "ucx_error_handling_mode" && v != "none" && v != "peer" {
+			return fmt.Errorf("kvxfer: nixl plugin UCX parameter %s=%q: want none or peer", k, v)
+		}
+	}
+	return nil
+}
+
 // New opens a NIXL agent.
 func New(cfg Config) (*Backend, error) {
 	if cfg.Name == "" {
@@ -252,6 +296,9 @@ func New(cfg Config) (*Backend, error) {
 		cfg.Plugin = "UCX"
 	}
 	cfg.Params = withDefaults(cfg.Plugin, cfg.Params, cfg.VRAM)
+	if err := checkParams(cfg.Plugin, cfg.Params); err != nil {
+		return nil, err
+	}
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = DefaultPollInterval
 	}
