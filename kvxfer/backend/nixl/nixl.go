@@ -124,6 +124,11 @@ type Backend struct {
 	// every handle made before Close is in mu's maps when Close releases
 	// them, and none is made or freed once the agent is destroyed.
 	life sync.RWMutex
+	// prep is held shared by PostPrepared from looking its lists up to
+	// NIXL's return, and exclusively by ReleasePrepared while it frees
+	// one: NIXL never gets a list handle already freed. (Order: life,
+	// prep, mu.)
+	prep sync.RWMutex
 	mu   struct {
 		sync.Mutex
 		closed bool
@@ -645,11 +650,20 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs []hotpath.IndexPair, notif []byte) (kvxfer.XferID, error) {
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.RLock()
+	defer n.prep.RUnlock()
 	n.mu.Lock()
+	closed := n.mu.closed
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
 	gone := n.peerGoneLocked(rp.peer)
 	n.mu.Unlock()
+	if testHookPostPrepared != nil {
+		testHookPostPrepared()
+	}
+	if closed {
+		return 0, fmt.Errorf("kvxfer: post prepared: %w", kvxfer.ErrClosed)
+	}
 	if !lok || !rok {
 		return 0, fmt.Errorf("kvxfer: post prepared: unknown list %d or %d", local, remote)
 	}
@@ -671,6 +685,10 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	n.woken()
 	return n.mu.next, nil
 }
+
+// testHookPostPrepared, when set, runs in PostPrepared between looking
+// its lists up and handing them to NIXL (tests).
+var testHookPostPrepared func()
 
 // An IndexPair must stay laid out as a [2]int32 (PostPrepared).
 var _ = [1]struct{}{}[unsafe.Sizeof(hotpath.IndexPair{})-unsafe.Sizeof([2]int32{})]
@@ -713,10 +731,16 @@ func (n *Backend) PreparedLists() int {
 func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.Lock() // the posts of it under way end first
+	defer n.prep.Unlock()
 	n.mu.Lock()
+	closed := n.mu.closed
 	p, ok := n.mu.preps[id]
 	delete(n.mu.preps, id)
 	n.mu.Unlock()
+	if closed {
+		return fmt.Errorf("kvxfer: release prepared list %d: %w", id, kvxfer.ErrClosed)
+	}
 	if !ok {
 		return fmt.Errorf("kvxfer: release prepared list %d: unknown", id)
 	}
