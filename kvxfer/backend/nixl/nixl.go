@@ -156,6 +156,11 @@ type nixlXfer struct {
 type nixlPrep struct {
 	p    capi.Prepped
 	peer kvxfer.PeerName // "" for a local list
+	// entries are a local list's (addr, len, dev).
+	entries [][3]uint64
+	// stale says why a local list can no longer be posted: memory it
+	// names was deregistered (NIXL's list keeps that registration).
+	stale error
 }
 
 var _ kvxfer.Backend = (*Backend)(nil)
@@ -391,14 +396,38 @@ func (n *Backend) Register(rs []kvxfer.MemRegion) error {
 	return nixlErr(n.a.Register(t))
 }
 
-// Deregister implements kvxfer.Backend.
+// Deregister implements kvxfer.Backend. Local prepared lists that name
+// the memory become stale: a list keeps the registration it was prepared
+// with, which NIXL frees here, so posting one would move bytes of memory
+// no longer registered (PostPrepared refuses it; ReleasePrepared still
+// frees it). No PostPrepared runs meanwhile (prep).
 func (n *Backend) Deregister(rs []kvxfer.MemRegion) error {
 	t, err := n.regions(rs)
 	if err != nil {
 		return err
 	}
+	n.life.RLock()
+	defer n.life.RUnlock()
+	n.prep.Lock()
+	defer n.prep.Unlock()
 	if err := n.a.Deregister(t); err != nil {
 		return fmt.Errorf("%w: %w", kvxfer.ErrNotRegistered, nixlErr(err))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for id, p := range n.mu.preps {
+		if p.peer != "" || p.stale != nil {
+			continue
+		}
+		for i, e := range p.entries {
+			if r := slices.IndexFunc(t, func(r [3]uint64) bool { return e[0] < r[0]+r[1] && r[0] < e[0]+e[1] }); r >= 0 {
+				p.stale = fmt.Errorf("prepared list %d entry %d [%#x, +%d): region %d [%#x, +%d) was deregistered after the list was prepared: %w",
+					id, i, e[0], e[1], r, t[r][0], t[r][1], kvxfer.ErrNotRegistered)
+				p.entries = nil
+				n.mu.preps[id] = p
+				break
+			}
+		}
 	}
 	return nil
 }
@@ -642,7 +671,11 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.nextP++
-	n.mu.preps[n.mu.nextP] = nixlPrep{p: p, peer: peer}
+	np := nixlPrep{p: p, peer: peer}
+	if peer == "" {
+		np.entries = t
+	}
+	n.mu.preps[n.mu.nextP] = np
 	return n.mu.nextP, nil
 }
 
@@ -669,6 +702,9 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	}
 	if gone != nil {
 		return 0, gone
+	}
+	if lp.stale != nil {
+		return 0, fmt.Errorf("kvxfer: post prepared: %w", lp.stale)
 	}
 	// An IndexPair is two int32s, as a [2]int32 is: the pairs go to the
 	// binding as they are, not copied.

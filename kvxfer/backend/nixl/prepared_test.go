@@ -5,8 +5,11 @@ package nixl
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/hotpath"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -58,7 +61,7 @@ func TestReleasePreparedDuringPost(t *testing.T) {
 		}
 	}
 	defer func() { testHookPostPrepared = nil }()
-	id, postErr := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{0, 0}}, nil)
+	id, postErr := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{Local: 0, Remote: 0}}, nil)
 	if early {
 		t.Fatalf("ReleasePrepared freed the list while a PostPrepared of it was under way (the post then got %v)", postErr)
 	}
@@ -75,7 +78,7 @@ func TestReleasePreparedDuringPost(t *testing.T) {
 		t.Error("the WRITE did not land")
 	}
 	_ = a.b.Release(id)
-	if _, err := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{0, 0}}, nil); err == nil {
+	if _, err := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{Local: 0, Remote: 0}}, nil); err == nil {
 		t.Error("a released list was posted")
 	}
 }
@@ -97,7 +100,7 @@ func TestPreparedAfterClose(t *testing.T) {
 	if err := a.b.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{0, 0}}, nil); !errors.Is(err, kvxfer.ErrClosed) {
+	if _, err := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{Local: 0, Remote: 0}}, nil); !errors.Is(err, kvxfer.ErrClosed) {
 		t.Errorf("PostPrepared after Close = %v, want ErrClosed", err)
 	}
 	if err := a.b.ReleasePrepared(local); !errors.Is(err, kvxfer.ErrClosed) {
@@ -105,5 +108,69 @@ func TestPreparedAfterClose(t *testing.T) {
 	}
 	if _, err := a.b.Prepare("", []hotpath.Entry{{Addr: a.r.Addr, Len: 4096}}); !errors.Is(err, kvxfer.ErrClosed) {
 		t.Errorf("Prepare after Close = %v, want ErrClosed", err)
+	}
+}
+
+// A local list prepared over memory that is then deregistered can no
+// longer be posted: NIXL's list keeps the registration it was prepared
+// with, freed by the deregistration, and a transfer would read or write
+// memory no longer registered (kvxfer.Backend: never outside registered
+// memory). Before, such a post was made and the WRITE reported done,
+// even after the memory was registered again. Lists over memory still
+// registered go on working, and a list prepared after the memory is
+// registered again works.
+func TestDeregisterStalesPrepared(t *testing.T) {
+	a, b := newCloseEnd(t, 1<<16), newCloseEnd(t, 1<<16)
+	peer := linked(t, a, b)
+	other := make([]byte, 1<<16)
+	or := kvxfer.MemRegion{Addr: uint64(uintptr(unsafe.Pointer(&other[0]))), Len: uint64(len(other)), Kind: kvxfer.MemDRAM}
+	if err := a.b.Map(or.Addr, other); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.b.Register([]kvxfer.MemRegion{or}); err != nil {
+		t.Fatal(err)
+	}
+	prep := func(peer kvxfer.PeerName, addr uint64) kvxfer.PrepID {
+		t.Helper()
+		id, err := a.b.Prepare(peer, []hotpath.Entry{{Addr: addr + 4096, Len: 4096}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	stale, kept, remote := prep("", a.r.Addr), prep("", or.Addr), prep(peer, b.r.Addr)
+	write := func(local kvxfer.PrepID) error {
+		t.Helper()
+		id, err := a.b.PostPrepared(hotpath.OpWrite, local, remote, []hotpath.IndexPair{{Local: 0, Remote: 0}}, nil)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = a.b.Release(id) }()
+		if s, err := settled(t, a.b, id); s != kvxfer.XferDone {
+			t.Fatalf("WRITE of list %d ended %v, %v", local, s, err)
+		}
+		return nil
+	}
+	if err := a.b.Deregister([]kvxfer.MemRegion{a.r}); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		err := write(stale)
+		if !errors.Is(err, kvxfer.ErrNotRegistered) || !strings.Contains(err.Error(), fmt.Sprintf("%#x", a.r.Addr+4096)) {
+			t.Fatalf("WRITE of a list over deregistered memory = %v, want ErrNotRegistered naming the entry", err)
+		}
+		if err := write(kept); err != nil {
+			t.Fatalf("WRITE of a list over memory still registered: %v", err)
+		}
+		// Registered again: the list stays stale, a new one works.
+		if err := a.b.Register([]kvxfer.MemRegion{a.r}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := write(prep("", a.r.Addr)); err != nil {
+		t.Fatalf("WRITE of a list prepared after registering again: %v", err)
+	}
+	if err := a.b.ReleasePrepared(stale); err != nil {
+		t.Errorf("ReleasePrepared of a stale list: %v", err)
 	}
 }
