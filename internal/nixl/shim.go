@@ -375,6 +375,16 @@ func Library() (string, error) {
 	return loadOnce.path, nil
 }
 
+// cString copies s into C memory (free it with C.free), refusing one
+// with a NUL byte: C would read it cut short there (a peer "P\x00x"
+// would be P). what names s in the error.
+func cString(what, s string) (*C.char, error) {
+	if i := strings.IndexByte(s, 0); i >= 0 {
+		return nil, fmt.Errorf("%w: %s %q holds a NUL byte at %d (a C string would end there)", ErrBadString, what, s, i)
+	}
+	return C.CString(s), nil
+}
+
 func status(op string, s C.st_t) error {
 	if s == 0 {
 		return nil
@@ -423,8 +433,20 @@ func OpenConfig(c Config) (*Agent, error) {
 	if c.VRAM {
 		mem = C.KX_MEM_VRAM
 	}
-	cname, cplug := C.CString(c.Name), C.CString(c.Plugin)
+	for k, v := range c.Params {
+		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
+			return nil, fmt.Errorf("%w: plugin parameter %q=%q holds a NUL byte (a C string would end there)", ErrBadString, k, v)
+		}
+	}
+	cname, err := cString("agent name", c.Name)
+	if err != nil {
+		return nil, err
+	}
 	defer C.free(unsafe.Pointer(cname))
+	cplug, err := cString("plugin", c.Plugin)
+	if err != nil {
+		return nil, err
+	}
 	defer C.free(unsafe.Pointer(cplug))
 	kv := C.malloc(C.size_t(2*len(c.Params)+1) * C.size_t(unsafe.Sizeof(uintptr(0))))
 	defer C.free(kv)
@@ -438,7 +460,7 @@ func OpenConfig(c Config) (*Agent, error) {
 	}
 	a := &Agent{name: c.Name, mem: mem}
 	var restored C.unsigned
-	err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend, &restored))
+	err = status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend, &restored))
 	noteRestored(uint(restored))
 	if err != nil {
 		return nil, err
@@ -531,7 +553,10 @@ func (a *Agent) InvalidatePeer(name string) error {
 	if a.closed {
 		return ErrClosed
 	}
-	cname := C.CString(name)
+	cname, err := cString("peer", name)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cname))
 	return status("invalidate remote metadata", C.kx_invalidate(a.agent, cname))
 }
@@ -560,7 +585,10 @@ func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, s
 	}
 	buf := cTriples(descs)
 	defer C.free(unsafe.Pointer(buf))
-	cpeer := C.CString(peer)
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return Xfer{}, err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	var cnotif unsafe.Pointer
 	if len(notif) > 0 {
@@ -573,11 +601,11 @@ func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, s
 	}
 	var req C.h_t
 	if !start {
-		err := status("make transfer", C.kx_make(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+		err = status("make transfer", C.kx_make(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
 			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 		return Xfer{req}, err
 	}
-	err := status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+	err = status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
 		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 	return Xfer{req}, err
 }
@@ -661,10 +689,13 @@ func (a *Agent) Prepare(peer string, entries [][3]uint64) (Prepped, error) {
 	}
 	buf := cTriples(entries)
 	defer C.free(unsafe.Pointer(buf))
-	cpeer := C.CString(peer)
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return Prepped{}, err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	var h C.h_t
-	err := status("prepare descriptor list", C.kx_prep(a.agent, a.backend, a.mem, cpeer, buf, C.size_t(len(entries)), &h))
+	err = status("prepare descriptor list", C.kx_prep(a.agent, a.backend, a.mem, cpeer, buf, C.size_t(len(entries)), &h))
 	return Prepped{h}, err
 }
 
@@ -742,7 +773,10 @@ func (a *Agent) Notify(peer string, msg []byte) error {
 	if a.closed {
 		return ErrClosed
 	}
-	cpeer := C.CString(peer)
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	cmsg := C.CBytes(msg)
 	defer C.free(cmsg)
