@@ -333,8 +333,8 @@ func (n *Backend) Name() kvxfer.PeerName { return kvxfer.PeerName(n.a.Name()) }
 func (n *Backend) Map(base uint64, mem []byte) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if len(mem) == 0 {
-		return fmt.Errorf("kvxfer: nixl map %#x: empty", base)
+	if len(mem) == 0 || base+uint64(len(mem)) < base {
+		return fmt.Errorf("kvxfer: nixl map %#x +%d: empty or wrapping", base, len(mem))
 	}
 	n.mu.chunks = append(n.mu.chunks, [2]uint64{base, uint64(len(mem))})
 	return nil
@@ -848,6 +848,7 @@ func (n *Backend) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	dst = append(dst, n.mu.inbox...)
+	clear(n.mu.inbox) // the caller's now: not kept alive by the buffer
 	n.mu.inbox = n.mu.inbox[:0]
 	return dst
 }
