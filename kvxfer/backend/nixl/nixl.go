@@ -547,6 +547,7 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 		return 0, fmt.Errorf("kvxfer: post op %v", op)
 	}
 	t := make([][3]uint64, len(descs))
+	var devs [][2]uint64 // each descriptor's devices; nil: all 0
 	for i, d := range descs {
 		// NIXL's own check lets a range whose end wraps past 2^64
 		// through, and UCX then writes to a wild address (seen with
@@ -555,13 +556,21 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 			return 0, fmt.Errorf("desc %d [%#x -> %#x, +%d): %w", i, d.Local, d.Remote, d.Len, kvxfer.ErrOutOfBounds)
 		}
 		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
+		if devs == nil && (d.LocalDev > 0 || d.RemoteDev > 0) {
+			devs = make([][2]uint64, len(descs))
+		}
+		if devs != nil {
+			devs[i] = [2]uint64{uint64(max(d.LocalDev, 0)), uint64(max(d.RemoteDev, 0))}
+		}
 	}
 	if err := n.peerGone(peer); err != nil {
 		return 0, err
 	}
 	n.life.RLock()
 	defer n.life.RUnlock()
-	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
+	// NIXL finds each descriptor's registered memory by device and
+	// address (as Register and Prepare name them).
+	x, err := n.a.PostDevs(op == hotpath.OpWrite, string(peer), t, devs, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
