@@ -433,22 +433,26 @@ func (n *Backend) Deregister(rs []kvxfer.MemRegion) error {
 }
 
 // LocalMetadata implements kvxfer.Backend: NIXL's metadata, behind this
-// process's identity where it has one (nixlpeer.go).
+// process's identity where it has one, and a check of both (peer.go).
 func (n *Backend) LocalMetadata() ([]byte, error) {
 	b, err := n.a.Metadata()
 	if err != nil {
 		return nil, nixlErr(err)
 	}
 	if id, ok := selfProc(); ok {
-		return wrapMeta(id, b), nil
+		b = wrapMeta(id, b)
 	}
-	return b, nil
+	return sealMeta(b), nil
 }
 
 // LoadPeer implements kvxfer.Backend. A peer on this host, in this pid
 // namespace, is watched: once its process exits, posts and notifications
 // to it fail (nixlpeer.go).
 func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
+	meta, err := unsealMeta(meta)
+	if err != nil {
+		return "", err
+	}
 	id, ok, raw := unwrapMeta(meta)
 	s, err := n.a.LoadPeer(raw)
 	if err != nil {
