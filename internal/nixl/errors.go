@@ -10,6 +10,9 @@ var (
 	ErrUnavailable = errors.New("nixl: unavailable")
 	// ErrClosed: the agent was closed.
 	ErrClosed = errors.New("nixl: closed")
+	// ErrBadString: a name or parameter holds a NUL byte, where the C
+	// string NIXL gets would end.
+	ErrBadString = errors.New("nixl: NUL byte in a string")
 )
 
 // Error keeps NIXL's status code.

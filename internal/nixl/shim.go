@@ -184,15 +184,16 @@ static st_t kx_reg(h_t agent, h_t backend, int mem, const uint64_t *d, size_t n,
 }
 
 // kx_make creates (does not post) one transfer of n (local, remote, len)
-// triples: create_xfer_req over two fresh descriptor lists.
-static st_t kx_make(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
+// triples: create_xfer_req over two fresh descriptor lists. dev holds
+// each triple's (local, remote) device ids, or is NULL for device 0.
+static st_t kx_make(h_t agent, h_t backend, int op, int mem, const uint64_t *dev, const uint64_t *d, size_t n,
 		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
 	h_t l = NULL, r = NULL, opt = NULL;
 	st_t s = kx.create_xfer_dlist(mem, &l);
 	if (s == 0) s = kx.create_xfer_dlist(mem, &r);
 	for (size_t i = 0; i < n && s == 0; i++) {
-		s = kx.xfer_dlist_add_desc(l, (uintptr_t)d[3*i], (size_t)d[3*i+2], ldev);
-		if (s == 0) s = kx.xfer_dlist_add_desc(r, (uintptr_t)d[3*i+1], (size_t)d[3*i+2], rdev);
+		s = kx.xfer_dlist_add_desc(l, (uintptr_t)d[3*i], (size_t)d[3*i+2], dev ? dev[2*i] : 0);
+		if (s == 0) s = kx.xfer_dlist_add_desc(r, (uintptr_t)d[3*i+1], (size_t)d[3*i+2], dev ? dev[2*i+1] : 0);
 	}
 	if (s == 0) s = kx.create_opt_args(&opt);
 	if (s == 0) s = kx.opt_args_add_backend(opt, backend);
@@ -217,9 +218,9 @@ static st_t kx_start(h_t agent, h_t *req) {
 
 // kx_post creates and posts one transfer of n (local, remote, len) triples:
 // one C call per transfer.
-static st_t kx_post(h_t agent, h_t backend, int op, int mem, uint64_t ldev, uint64_t rdev, const uint64_t *d, size_t n,
+static st_t kx_post(h_t agent, h_t backend, int op, int mem, const uint64_t *dev, const uint64_t *d, size_t n,
 		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
-	st_t s = kx_make(agent, backend, op, mem, ldev, rdev, d, n, remote, notif, nlen, has_notif, req);
+	st_t s = kx_make(agent, backend, op, mem, dev, d, n, remote, notif, nlen, has_notif, req);
 	if (s == 0) s = kx_start(agent, req);
 	return s;
 }
@@ -375,6 +376,16 @@ func Library() (string, error) {
 	return loadOnce.path, nil
 }
 
+// cString copies s into C memory (free it with C.free), refusing one
+// with a NUL byte: C would read it cut short there (a peer "P\x00x"
+// would be P). what names s in the error.
+func cString(what, s string) (*C.char, error) {
+	if i := strings.IndexByte(s, 0); i >= 0 {
+		return nil, fmt.Errorf("%w: %s %q holds a NUL byte at %d (a C string would end there)", ErrBadString, what, s, i)
+	}
+	return C.CString(s), nil
+}
+
 func status(op string, s C.st_t) error {
 	if s == 0 {
 		return nil
@@ -423,8 +434,20 @@ func OpenConfig(c Config) (*Agent, error) {
 	if c.VRAM {
 		mem = C.KX_MEM_VRAM
 	}
-	cname, cplug := C.CString(c.Name), C.CString(c.Plugin)
+	for k, v := range c.Params {
+		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
+			return nil, fmt.Errorf("%w: plugin parameter %q=%q holds a NUL byte (a C string would end there)", ErrBadString, k, v)
+		}
+	}
+	cname, err := cString("agent name", c.Name)
+	if err != nil {
+		return nil, err
+	}
 	defer C.free(unsafe.Pointer(cname))
+	cplug, err := cString("plugin", c.Plugin)
+	if err != nil {
+		return nil, err
+	}
 	defer C.free(unsafe.Pointer(cplug))
 	kv := C.malloc(C.size_t(2*len(c.Params)+1) * C.size_t(unsafe.Sizeof(uintptr(0))))
 	defer C.free(kv)
@@ -438,7 +461,7 @@ func OpenConfig(c Config) (*Agent, error) {
 	}
 	a := &Agent{name: c.Name, mem: mem}
 	var restored C.unsigned
-	err := status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend, &restored))
+	err = status("create agent", C.kx_new_agent(cname, cplug, (**C.char)(kv), C.int(len(c.Params)), C.uint64_t(c.delayMicros()), &a.agent, &a.backend, &restored))
 	noteRestored(uint(restored))
 	if err != nil {
 		return nil, err
@@ -531,7 +554,10 @@ func (a *Agent) InvalidatePeer(name string) error {
 	if a.closed {
 		return ErrClosed
 	}
-	cname := C.CString(name)
+	cname, err := cString("peer", name)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cname))
 	return status("invalidate remote metadata", C.kx_invalidate(a.agent, cname))
 }
@@ -540,19 +566,30 @@ func (a *Agent) InvalidatePeer(name string) error {
 type Xfer struct{ h C.h_t }
 
 // Post creates and posts one transfer of (local, remote, len) triples in
-// one C call; notif (when not nil) reaches the peer after the bytes.
+// one C call, all on device 0; notif (when not nil) reaches the peer after
+// the bytes.
 func (a *Agent) Post(write bool, peer string, descs [][3]uint64, notif []byte) (Xfer, error) {
-	return a.post(write, peer, descs, notif, true)
+	return a.post(write, peer, descs, nil, notif, true)
+}
+
+// PostDevs is Post with each triple's (local, remote) device ids in devs
+// (as long as descs; nil: device 0 for all). NIXL finds a descriptor's
+// registered memory by device and address.
+func (a *Agent) PostDevs(write bool, peer string, descs [][3]uint64, devs [][2]uint64, notif []byte) (Xfer, error) {
+	if devs != nil && len(devs) != len(descs) {
+		return Xfer{}, fmt.Errorf("nixl: post: %d device pairs for %d descriptors", len(devs), len(descs))
+	}
+	return a.post(write, peer, descs, devs, notif, true)
 }
 
 // Make creates the transfer Post would (NIXL's create_xfer_req) without
 // posting it: Start posts it, Release frees it. Post's two halves apart,
 // for measuring them (BenchmarkMake).
 func (a *Agent) Make(write bool, peer string, descs [][3]uint64, notif []byte) (Xfer, error) {
-	return a.post(write, peer, descs, notif, false)
+	return a.post(write, peer, descs, nil, notif, false)
 }
 
-func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, start bool) (Xfer, error) {
+func (a *Agent) post(write bool, peer string, descs [][3]uint64, devs [][2]uint64, notif []byte, start bool) (Xfer, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
@@ -560,7 +597,16 @@ func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, s
 	}
 	buf := cTriples(descs)
 	defer C.free(unsafe.Pointer(buf))
-	cpeer := C.CString(peer)
+	var cdevs *C.uint64_t
+	if devs != nil {
+		cdevs = (*C.uint64_t)(C.malloc(C.size_t(len(devs)*16 + 8)))
+		defer C.free(unsafe.Pointer(cdevs))
+		copy(unsafe.Slice((*[2]uint64)(unsafe.Pointer(cdevs)), len(devs)), devs)
+	}
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return Xfer{}, err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	var cnotif unsafe.Pointer
 	if len(notif) > 0 {
@@ -573,11 +619,11 @@ func (a *Agent) post(write bool, peer string, descs [][3]uint64, notif []byte, s
 	}
 	var req C.h_t
 	if !start {
-		err := status("make transfer", C.kx_make(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+		err = status("make transfer", C.kx_make(a.agent, a.backend, op, a.mem, cdevs, buf, C.size_t(len(descs)), cpeer,
 			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 		return Xfer{req}, err
 	}
-	err := status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, 0, 0, buf, C.size_t(len(descs)), cpeer,
+	err = status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, cdevs, buf, C.size_t(len(descs)), cpeer,
 		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 	return Xfer{req}, err
 }
@@ -661,10 +707,13 @@ func (a *Agent) Prepare(peer string, entries [][3]uint64) (Prepped, error) {
 	}
 	buf := cTriples(entries)
 	defer C.free(unsafe.Pointer(buf))
-	cpeer := C.CString(peer)
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return Prepped{}, err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	var h C.h_t
-	err := status("prepare descriptor list", C.kx_prep(a.agent, a.backend, a.mem, cpeer, buf, C.size_t(len(entries)), &h))
+	err = status("prepare descriptor list", C.kx_prep(a.agent, a.backend, a.mem, cpeer, buf, C.size_t(len(entries)), &h))
 	return Prepped{h}, err
 }
 
@@ -742,7 +791,10 @@ func (a *Agent) Notify(peer string, msg []byte) error {
 	if a.closed {
 		return ErrClosed
 	}
-	cpeer := C.CString(peer)
+	cpeer, err := cString("peer", peer)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cpeer))
 	cmsg := C.CBytes(msg)
 	defer C.free(cmsg)

@@ -66,13 +66,16 @@ func (a *Agent) Metadata() ([]byte, error)                            { return n
 func (a *Agent) LoadPeer([]byte) (string, error)                      { return "", ErrUnavailable }
 func (a *Agent) InvalidatePeer(string) error                          { return ErrUnavailable }
 func (a *Agent) Post(bool, string, [][3]uint64, []byte) (Xfer, error) { return Xfer{}, ErrUnavailable }
-func (a *Agent) State(Xfer) (bool, error)                             { return false, ErrUnavailable }
-func (a *Agent) Release(Xfer) error                                   { return ErrUnavailable }
-func (a *Agent) Notify(string, []byte) error                          { return ErrUnavailable }
-func (a *Agent) Drain(dst []Notif) ([]Notif, error)                   { return dst, ErrUnavailable }
-func (a *Agent) TryDrain(dst []Notif) ([]Notif, bool, error)          { return dst, true, ErrUnavailable }
-func (a *Agent) TryState(Xfer) (bool, bool, error)                    { return false, true, ErrUnavailable }
-func (a *Agent) Close() error                                         { return nil }
+func (a *Agent) PostDevs(bool, string, [][3]uint64, [][2]uint64, []byte) (Xfer, error) {
+	return Xfer{}, ErrUnavailable
+}
+func (a *Agent) State(Xfer) (bool, error)                    { return false, ErrUnavailable }
+func (a *Agent) Release(Xfer) error                          { return ErrUnavailable }
+func (a *Agent) Notify(string, []byte) error                 { return ErrUnavailable }
+func (a *Agent) Drain(dst []Notif) ([]Notif, error)          { return dst, ErrUnavailable }
+func (a *Agent) TryDrain(dst []Notif) ([]Notif, bool, error) { return dst, true, ErrUnavailable }
+func (a *Agent) TryState(Xfer) (bool, bool, error)           { return false, true, ErrUnavailable }
+func (a *Agent) Close() error                                { return nil }
 
 // RestoredSignals returns nothing without cgo (no agent is ever made).
 func RestoredSignals() map[syscall.Signal]int64 { return nil }

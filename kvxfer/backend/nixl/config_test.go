@@ -1,7 +1,10 @@
 package nixl
 
 import (
+	"errors"
 	"maps"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -92,5 +95,55 @@ func TestUserParamsWinOverGPUDefaults(t *testing.T) {
 	want := map[string]string{"num_threads": "8", "split_batch_size": "128", "engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}
 	if !maps.Equal(got, want) {
 		t.Errorf("a VRAM agent's parameters = %q, want the user's %q", got, want)
+	}
+}
+
+// The UCX plugin's numeric parameters are checked before NIXL gets them,
+// and a bad one is refused naming its key and value. Before,
+// split_batch_size=0 with num_threads set opened an agent whose first
+// transfer of fewer descriptors than num_threads divided by zero inside
+// the plugin (SIGFPE: the whole process died), and a malformed number was
+// refused only as "create agent: status -2 (backend error)", the key and
+// value in NIXL's log alone.
+func TestPluginParamsChecked(t *testing.T) {
+	for _, tc := range []struct{ key, value string }{
+		{"split_batch_size", "0"},
+		{"num_threads", "abc"},
+		{"num_threads", "-1"},
+		{"num_workers", "4x"},
+		{"split_batch_size", "99999999999"},
+		{"ucx_error_handling_mode", "sometimes"},
+		// Each of these is a UCX worker (and a thread) the plugin
+		// would make.
+		{"num_threads", "100000"},
+	} {
+		params := map[string]string{"num_threads": "4", tc.key: tc.value}
+		b, err := New(Config{Name: "params-" + tc.key, Params: params})
+		if errors.Is(err, ErrUnavailable) {
+			t.Skipf("NIXL is not available here: %v", err)
+		}
+		if err == nil {
+			_ = b.Close()
+			t.Fatalf("%s=%s: the agent opened", tc.key, tc.value)
+		}
+		if !strings.Contains(err.Error(), tc.key) || !strings.Contains(err.Error(), strconv.Quote(tc.value)) {
+			t.Errorf("%s=%s refused with %q, which names neither the key nor the value", tc.key, tc.value, err)
+		}
+	}
+	// What the plugin takes still opens.
+	for _, params := range []map[string]string{
+		{"num_threads": "4", "split_batch_size": "1", "num_workers": "2"},
+		{"num_threads": "0", "ucx_error_handling_mode": "none"},
+		{"ucx_error_handling_mode": "peer", "some_future_key": "x"},
+	} {
+		b, err := New(Config{Name: "params-ok", Params: params})
+		if errors.Is(err, ErrUnavailable) {
+			t.Skipf("NIXL is not available here: %v", err)
+		}
+		if err != nil {
+			t.Errorf("%v: %v", params, err)
+			continue
+		}
+		_ = b.Close()
 	}
 }

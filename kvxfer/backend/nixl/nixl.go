@@ -3,8 +3,11 @@ package nixl
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,7 +29,8 @@ type Config struct {
 	// Params configure the plugin; with Debian's UCX 1.13 and shared
 	// memory, set "ucx_error_handling_mode": "none". For a VRAM agent of
 	// the UCX plugin, "num_threads" defaults to GPUThreads and
-	// "split_batch_size" to GPUSplitBatch.
+	// "split_batch_size" to GPUSplitBatch. New refuses UCX parameters the
+	// plugin would misread or break on (checkParams).
 	Params map[string]string
 	// VRAM makes the agent move GPU memory (adopted with MapDevice).
 	VRAM bool
@@ -120,6 +124,11 @@ type Backend struct {
 	// every handle made before Close is in mu's maps when Close releases
 	// them, and none is made or freed once the agent is destroyed.
 	life sync.RWMutex
+	// prep is held shared by PostPrepared from looking its lists up to
+	// NIXL's return, and exclusively by ReleasePrepared while it frees
+	// one: NIXL never gets a list handle already freed. (Order: life,
+	// prep, mu.)
+	prep sync.RWMutex
 	mu   struct {
 		sync.Mutex
 		closed bool
@@ -147,6 +156,11 @@ type nixlXfer struct {
 type nixlPrep struct {
 	p    capi.Prepped
 	peer kvxfer.PeerName // "" for a local list
+	// entries are a local list's (addr, len, dev).
+	entries [][3]uint64
+	// stale says why a local list can no longer be posted: memory it
+	// names was deregistered (NIXL's list keeps that registration).
+	stale error
 }
 
 var _ kvxfer.Backend = (*Backend)(nil)
@@ -243,6 +257,46 @@ func withDefaults(plugin string, params map[string]string, vram bool) map[string
 	return out
 }
 
+// ucxCounts are the UCX plugin's numeric parameters (unsigned ints in the
+// plugin), each with the least and most checkParams lets through:
+// split_batch_size 0 made the plugin divide by zero (SIGFPE) at a
+// transfer of fewer descriptors than num_threads, and each of
+// num_threads and num_workers is a UCX worker (a thread, for
+// num_threads) that the plugin makes when the agent opens.
+var ucxCounts = map[string][2]uint64{
+	"num_threads":             {0, maxUCXWorkers},
+	"num_workers":             {0, maxUCXWorkers},
+	"split_batch_size":        {1, math.MaxUint32},
+	"ucx_num_device_channels": {0, math.MaxUint32},
+}
+
+// maxUCXWorkers bounds num_threads and num_workers (4 is what a GPU
+// agent gets: GPUThreads).
+const maxUCXWorkers = 256
+
+// checkParams refuses plugin parameters that the UCX plugin would take
+// badly, naming the key and the value: numbers it would misread or that
+// break it (ucxCounts) and an unknown ucx_error_handling_mode. Other
+// keys, and other plugins' parameters, are NIXL's to judge.
+func checkParams(plugin string, params map[string]string) error {
+	if plugin != "UCX" {
+		return nil
+	}
+	for _, k := range slices.Sorted(maps.Keys(params)) {
+		v := params[k]
+		if r, ok := ucxCounts[k]; ok {
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil || n < r[0] || n > r[1] {
+				return fmt.Errorf("kvxfer: nixl plugin UCX parameter %s=%q: want a whole number from %d to %d", k, v, r[0], r[1])
+			}
+		}
+		if k == "ucx_error_handling_mode" && v != "none" && v != "peer" {
+			return fmt.Errorf("kvxfer: nixl plugin UCX parameter %s=%q: want none or peer", k, v)
+		}
+	}
+	return nil
+}
+
 // New opens a NIXL agent.
 func New(cfg Config) (*Backend, error) {
 	if cfg.Name == "" {
@@ -252,6 +306,9 @@ func New(cfg Config) (*Backend, error) {
 		cfg.Plugin = "UCX"
 	}
 	cfg.Params = withDefaults(cfg.Plugin, cfg.Params, cfg.VRAM)
+	if err := checkParams(cfg.Plugin, cfg.Params); err != nil {
+		return nil, err
+	}
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = DefaultPollInterval
 	}
@@ -276,8 +333,8 @@ func (n *Backend) Name() kvxfer.PeerName { return kvxfer.PeerName(n.a.Name()) }
 func (n *Backend) Map(base uint64, mem []byte) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if len(mem) == 0 {
-		return fmt.Errorf("kvxfer: nixl map %#x: empty", base)
+	if len(mem) == 0 || base+uint64(len(mem)) < base {
+		return fmt.Errorf("kvxfer: nixl map %#x +%d: empty or wrapping", base, len(mem))
 	}
 	n.mu.chunks = append(n.mu.chunks, [2]uint64{base, uint64(len(mem))})
 	return nil
@@ -339,35 +396,63 @@ func (n *Backend) Register(rs []kvxfer.MemRegion) error {
 	return nixlErr(n.a.Register(t))
 }
 
-// Deregister implements kvxfer.Backend.
+// Deregister implements kvxfer.Backend. Local prepared lists that name
+// the memory become stale: a list keeps the registration it was prepared
+// with, which NIXL frees here, so posting one would move bytes of memory
+// no longer registered (PostPrepared refuses it; ReleasePrepared still
+// frees it). No PostPrepared runs meanwhile (prep).
 func (n *Backend) Deregister(rs []kvxfer.MemRegion) error {
 	t, err := n.regions(rs)
 	if err != nil {
 		return err
 	}
+	n.life.RLock()
+	defer n.life.RUnlock()
+	n.prep.Lock()
+	defer n.prep.Unlock()
 	if err := n.a.Deregister(t); err != nil {
 		return fmt.Errorf("%w: %w", kvxfer.ErrNotRegistered, nixlErr(err))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for id, p := range n.mu.preps {
+		if p.peer != "" || p.stale != nil {
+			continue
+		}
+		for i, e := range p.entries {
+			if r := slices.IndexFunc(t, func(r [3]uint64) bool { return e[0] < r[0]+r[1] && r[0] < e[0]+e[1] }); r >= 0 {
+				p.stale = fmt.Errorf("prepared list %d entry %d [%#x, +%d): region %d [%#x, +%d) was deregistered after the list was prepared: %w",
+					id, i, e[0], e[1], r, t[r][0], t[r][1], kvxfer.ErrNotRegistered)
+				p.entries = nil
+				n.mu.preps[id] = p
+				break
+			}
+		}
 	}
 	return nil
 }
 
 // LocalMetadata implements kvxfer.Backend: NIXL's metadata, behind this
-// process's identity where it has one (nixlpeer.go).
+// process's identity where it has one, and a check of both (peer.go).
 func (n *Backend) LocalMetadata() ([]byte, error) {
 	b, err := n.a.Metadata()
 	if err != nil {
 		return nil, nixlErr(err)
 	}
 	if id, ok := selfProc(); ok {
-		return wrapMeta(id, b), nil
+		b = wrapMeta(id, b)
 	}
-	return b, nil
+	return sealMeta(b), nil
 }
 
 // LoadPeer implements kvxfer.Backend. A peer on this host, in this pid
 // namespace, is watched: once its process exits, posts and notifications
 // to it fail (nixlpeer.go).
 func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
+	meta, err := unsealMeta(meta)
+	if err != nil {
+		return "", err
+	}
 	id, ok, raw := unwrapMeta(meta)
 	s, err := n.a.LoadPeer(raw)
 	if err != nil {
@@ -466,6 +551,7 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 		return 0, fmt.Errorf("kvxfer: post op %v", op)
 	}
 	t := make([][3]uint64, len(descs))
+	var devs [][2]uint64 // each descriptor's devices; nil: all 0
 	for i, d := range descs {
 		// NIXL's own check lets a range whose end wraps past 2^64
 		// through, and UCX then writes to a wild address (seen with
@@ -474,13 +560,21 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 			return 0, fmt.Errorf("desc %d [%#x -> %#x, +%d): %w", i, d.Local, d.Remote, d.Len, kvxfer.ErrOutOfBounds)
 		}
 		t[i] = [3]uint64{d.Local, d.Remote, d.Len}
+		if devs == nil && (d.LocalDev > 0 || d.RemoteDev > 0) {
+			devs = make([][2]uint64, len(descs))
+		}
+		if devs != nil {
+			devs[i] = [2]uint64{uint64(max(d.LocalDev, 0)), uint64(max(d.RemoteDev, 0))}
+		}
 	}
 	if err := n.peerGone(peer); err != nil {
 		return 0, err
 	}
 	n.life.RLock()
 	defer n.life.RUnlock()
-	x, err := n.a.Post(op == hotpath.OpWrite, string(peer), t, notif)
+	// NIXL finds each descriptor's registered memory by device and
+	// address (as Register and Prepare name them).
+	x, err := n.a.PostDevs(op == hotpath.OpWrite, string(peer), t, devs, notif)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
@@ -590,7 +684,11 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.nextP++
-	n.mu.preps[n.mu.nextP] = nixlPrep{p: p, peer: peer}
+	np := nixlPrep{p: p, peer: peer}
+	if peer == "" {
+		np.entries = t
+	}
+	n.mu.preps[n.mu.nextP] = np
 	return n.mu.nextP, nil
 }
 
@@ -598,16 +696,28 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs []hotpath.IndexPair, notif []byte) (kvxfer.XferID, error) {
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.RLock()
+	defer n.prep.RUnlock()
 	n.mu.Lock()
+	closed := n.mu.closed
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
 	gone := n.peerGoneLocked(rp.peer)
 	n.mu.Unlock()
+	if testHookPostPrepared != nil {
+		testHookPostPrepared()
+	}
+	if closed {
+		return 0, fmt.Errorf("kvxfer: post prepared: %w", kvxfer.ErrClosed)
+	}
 	if !lok || !rok {
 		return 0, fmt.Errorf("kvxfer: post prepared: unknown list %d or %d", local, remote)
 	}
 	if gone != nil {
 		return 0, gone
+	}
+	if lp.stale != nil {
+		return 0, fmt.Errorf("kvxfer: post prepared: %w", lp.stale)
 	}
 	// An IndexPair is two int32s, as a [2]int32 is: the pairs go to the
 	// binding as they are, not copied.
@@ -624,6 +734,10 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	n.woken()
 	return n.mu.next, nil
 }
+
+// testHookPostPrepared, when set, runs in PostPrepared between looking
+// its lists up and handing them to NIXL (tests).
+var testHookPostPrepared func()
 
 // An IndexPair must stay laid out as a [2]int32 (PostPrepared).
 var _ = [1]struct{}{}[unsafe.Sizeof(hotpath.IndexPair{})-unsafe.Sizeof([2]int32{})]
@@ -666,10 +780,16 @@ func (n *Backend) PreparedLists() int {
 func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.Lock() // the posts of it under way end first
+	defer n.prep.Unlock()
 	n.mu.Lock()
+	closed := n.mu.closed
 	p, ok := n.mu.preps[id]
 	delete(n.mu.preps, id)
 	n.mu.Unlock()
+	if closed {
+		return fmt.Errorf("kvxfer: release prepared list %d: %w", id, kvxfer.ErrClosed)
+	}
 	if !ok {
 		return fmt.Errorf("kvxfer: release prepared list %d: unknown", id)
 	}
@@ -741,6 +861,7 @@ func (n *Backend) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	dst = append(dst, n.mu.inbox...)
+	clear(n.mu.inbox) // the caller's now: not kept alive by the buffer
 	n.mu.inbox = n.mu.inbox[:0]
 	return dst
 }

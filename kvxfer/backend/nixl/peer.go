@@ -3,6 +3,7 @@ package nixl
 import (
 	"encoding/binary"
 	"fmt"
+	"hash/crc32"
 	"sync"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -69,6 +70,38 @@ func unwrapMeta(meta []byte) (procID, bool, []byte) {
 	id := procID{Pid: binary.LittleEndian.Uint32(b), Start: binary.LittleEndian.Uint64(b[4:]), PidNS: binary.LittleEndian.Uint64(b[12:])}
 	copy(id.Boot[:], b[20:36])
 	return id, true, meta[metaHeader:]
+}
+
+// A Backend's metadata ends with a check of everything before it: the
+// CRC-32C of those bytes (little-endian), then sealMagic. NIXL and UCX
+// trust the metadata they parse (a changed byte of UCX's address killed
+// the process: an assertion, SIGABRT), so damaged metadata is refused
+// before NIXL sees it. NIXL ignores bytes behind its blob, so a peer built
+// before the check loads sealed metadata as it is, and metadata without
+// the check (from such a peer) is loaded unchecked.
+const sealMagic = "kvxcrc\x00\x01"
+
+const sealLen = 4 + len(sealMagic)
+
+var sealTable = crc32.MakeTable(crc32.Castagnoli)
+
+// sealMeta appends the check to m.
+func sealMeta(m []byte) []byte {
+	m = binary.LittleEndian.AppendUint32(m, crc32.Checksum(m, sealTable))
+	return append(m, sealMagic...)
+}
+
+// unsealMeta returns m without its check, or m as it is where it has
+// none; an error where the check fails.
+func unsealMeta(m []byte) ([]byte, error) {
+	if len(m) < sealLen || string(m[len(m)-len(sealMagic):]) != sealMagic {
+		return m, nil
+	}
+	body := m[:len(m)-sealLen]
+	if got, want := crc32.Checksum(body, sealTable), binary.LittleEndian.Uint32(m[len(body):]); got != want {
+		return nil, fmt.Errorf("%w: %d bytes whose CRC-32C is %#08x, not the %#08x they carry: damaged on the way", kvxfer.ErrBadMetadata, len(m), got, want)
+	}
+	return body, nil
 }
 
 // openNixl counts the open NixlBackends of this process by agent name:

@@ -4,10 +4,13 @@ package nixl
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"os/exec"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
 )
 
 func TestMetaEnvelope(t *testing.T) {
@@ -114,5 +117,53 @@ func TestWatchPeerLocal(t *testing.T) {
 	earlier.Start--
 	if r := watchPeer("local-agent", earlier); r == nil || !r.gone() {
 		t.Errorf("watch of an earlier process with our pid = %+v, want gone", r)
+	}
+}
+
+// Metadata damaged on its way (any one byte changed) is refused before
+// NIXL reads it. Before, NIXL and UCX parsed it as it came: some damage
+// was loaded as a peer, and some killed the process (UCX: "Assertion
+// `*addr_version == UCP_OBJECT_VERSION_V2' failed", SIGABRT in
+// kx_load_md). Metadata without the check (from a peer built before it)
+// still loads; NIXL ignores the check's bytes behind its blob, so a peer
+// built before it loads ours.
+func TestDamagedMetadataRefused(t *testing.T) {
+	a, b := newCloseEnd(t, 1<<16), newCloseEnd(t, 1<<16)
+	meta, err := b.b.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// (A change in the check's marker, its last bytes, leaves metadata
+	// taken for a peer's without the check: intact, it loads.)
+	for i := range len(meta) - len(sealMagic) {
+		m := bytes.Clone(meta)
+		m[i] ^= 0x5a
+		if name, err := a.b.LoadPeer(m); err == nil {
+			t.Fatalf("metadata with byte %d of %d changed was loaded as peer %q", i, len(meta), name)
+		} else if !errors.Is(err, kvxfer.ErrBadMetadata) {
+			t.Fatalf("metadata with byte %d changed: %v, want ErrBadMetadata", i, err)
+		}
+	}
+	body, err := unsealMeta(meta)
+	if err != nil || len(body) != len(meta)-sealLen {
+		t.Fatalf("LocalMetadata carries no check (%v)", err)
+	}
+	for _, m := range [][]byte{meta, body} {
+		name, err := a.b.LoadPeer(m)
+		if err != nil || name != b.b.Name() {
+			t.Fatalf("LoadPeer = %q, %v", name, err)
+		}
+		if err := a.b.InvalidatePeer(name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// What a peer built before the check does: hand NIXL all of it.
+	if _, _, raw := unwrapMeta(meta); true { // NIXL's blob and the check
+		if _, err := b.b.a.LoadPeer(raw); err == nil {
+			t.Fatal("b loaded its own metadata")
+		}
+		if name, err := a.b.a.LoadPeer(raw); err != nil || name != string(b.b.Name()) {
+			t.Fatalf("NIXL given the metadata with its check: %q, %v", name, err)
+		}
 	}
 }
