@@ -271,6 +271,7 @@ class StepStream:
                     self.error = errors.StreamClosed("kvxferd ended the Steps stream")
                 self._done.set()
                 self._arrived.notify_all()
+            self._out.put(_BYE)  # ends gRPC's thread that feeds the stream (_requests)
 
     @property
     def closed(self) -> bool:
@@ -466,6 +467,12 @@ class WorkerStream(_RankStream):
                 self._done.set()
                 self._ready.set()
                 self._arrived.notify_all()
+            # gRPC's thread that feeds the stream its requests waits on
+            # _out (_requests) until it takes _BYE, whatever ended the
+            # stream: without it, that thread outlived every stream that
+            # ended other than by bye or cancel (the daemon gone, a refused
+            # hello, the client closed).
+            self._out.put(_BYE)
 
     def _write(self, m) -> None:
         self._out.put(m)

@@ -3,12 +3,16 @@ batched Step, worker streams, peer handshakes and typed errors."""
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
 
 import pytest
 
+import harness
 import kvxfer
-from kvxfer.peerauth import load_secret
+from kvxfer.peerauth import Bridge, load_secret
 from kvxfer import errors, params, shm
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -152,3 +156,129 @@ def test_params_bad_values_are_params_errors():
     # Integral values as routers may write them still go through.
     t = params.to_proto({**base, "tp_size": 2.0, "remote_port": "7600", "remote_block_starts": [16]})
     assert t.remote_tp_size == 2 and t.remote_addr == "h:7600" and t.remote_block_ids[0].start == 16
+
+
+def _new_threads(before: set[int], wait: float = 5.0) -> list[str]:
+    """The threads started since before (idents) still alive after up to
+    wait seconds for them to exit."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = [t.name for t in threading.enumerate() if t.ident not in before]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_stream_end_leaves_no_thread_or_fd(daemons):
+    """However a rank's stream or a Steps stream ends (the daemon killed
+    under it, the daemon refusing its hello, the client closed under an
+    open stream), no thread the client made for it outlives it, and no fd:
+    gRPC's thread that feeds the stream its requests blocked forever on
+    the request queue unless bye or cancel had queued its end (one thread
+    leaked per stream lost, e.g. per daemon restart)."""
+    d = daemons("a")
+
+    def cycle():
+        c = kvxfer.Client(d.socket)
+        buf, hello = _hello(d)
+        try:
+            c.connect(hello).bye()
+            c.scheduler("s").stream().close()
+        finally:
+            c.close()
+            buf.close()
+
+    cycle()  # gRPC's process-wide threads and fds, made once
+    before, fds = {t.ident for t in threading.enumerate()}, _fds()
+    # The daemon killed under a rank's stream and a Steps stream.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    w = c.connect(hello)
+    s = c.scheduler("s")
+    s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+    st = s.stream()
+    d.kill()
+    deadline = time.monotonic() + 10
+    with pytest.raises(errors.StreamClosed):
+        while time.monotonic() < deadline:
+            w.poll(wait=0.2)
+    assert w.closed
+    while not st.closed and time.monotonic() < deadline:
+        st.results(wait=0.2)
+    assert st.closed and st.error is not None
+    w.bye()
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after the daemon died under the streams"
+    d.restart()
+    # A hello the daemon refuses.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    hello.memory[0].size = buf.size * 4
+    with pytest.raises(errors.DaemonError):
+        c.connect(hello)
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after a refused hello"
+    # The client closed under open streams.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    w = c.connect(hello)
+    st = c.scheduler("s").stream()
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after the client closed under open streams"
+    assert w.closed and st.closed
+    deadline = time.monotonic() + 5
+    while _fds() > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fds() <= fds, f"{_fds() - fds} fds left"
+
+
+def test_peer_client_close_stops_its_bridge(daemons):
+    """A Client made with a peer secret (its authenticating bridge on
+    loopback) leaves no thread and no listening port once closed: the
+    bridge's accept, blocked in accept(2), kept the listening socket alive
+    after close (close(2) does not wake it) and accepted and relayed the
+    next connection to it, one thread and one port leaked per client."""
+    d = daemons("a")
+    secret = load_secret(d.secret)
+    c = kvxfer.Client(d.peer, peer_secret=secret)
+    with pytest.raises(errors.NotFound):
+        c.handshake("nobody")
+    c.close()
+    before, fds = {t.ident for t in threading.enumerate()}, _fds()
+    for _ in range(3):
+        c = kvxfer.Client(d.peer, peer_secret=secret)
+        with pytest.raises(errors.NotFound):
+            c.handshake("nobody")
+        port = int(c._bridge.address.rsplit(":", 1)[1])
+        time.sleep(0.1)  # the bridge's accept is waiting
+        c.close()
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+    assert _new_threads(before) == []
+    assert _fds() <= fds, f"{_fds() - fds} fds left"
+
+
+def test_bridge_keeps_few_errors():
+    """A bridge to a peer that cannot be reached keeps its latest failures
+    only: a channel retries for as long as it lives, and every failed
+    connection added one to a list that grew without bound."""
+    port = harness.free_port()  # nothing listens there
+    b = Bridge(f"127.0.0.1:{port}", b"s" * 16, timeout=2)
+    try:
+        bport = int(b.address.rsplit(":", 1)[1])
+        for _ in range(48):
+            with socket.create_connection(("127.0.0.1", bport), timeout=5) as s:
+                s.settimeout(5)
+                assert s.recv(1) == b""  # the bridge hangs up: the peer is unreachable
+        assert 0 < len(b.errors) <= 16, len(b.errors)
+        assert "refused" in b.errors[-1]
+    finally:
+        b.close()
