@@ -282,3 +282,31 @@ def test_bridge_keeps_few_errors():
         assert "refused" in b.errors[-1]
     finally:
         b.close()
+
+
+def test_params_string_fields_refused_naming_them():
+    """A string param that kvxfer.v1 cannot carry (a lone surrogate, as
+    JSON's "\\ud800" reads) or that is no string (an object, a list, a
+    boolean, bytes) raises ParamsError naming the key and the value from
+    validate_remote and to_proto alike; before, validate_remote passed it,
+    and to_proto raised UnicodeEncodeError from protobuf or sent the
+    object's repr as the id. A numeric id still goes through as its
+    digits, and valid non-ASCII text as it is."""
+    base = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "transfer_id": "t", "remote_request_id": "r"}
+    for key in ("remote_engine_id", "remote_host", "transfer_id", "remote_request_id"):
+        for v in ("x\ud800", "\udfff", {"a": 1}, ["t"], True, b"t", 1.5):
+            p = {**base, key: v}
+            for what, call in [("validate_remote", lambda: params.validate_remote(p, pb.MODE_PUSH)),
+                               ("to_proto", lambda: params.to_proto(p))]:
+                try:
+                    call()
+                except params.ParamsError as e:
+                    assert f"kv_transfer_params.{key}" in str(e), (what, key, v, e)
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    raise AssertionError(f"{what}({key}={v!r}): {type(e).__name__}: {e}, want ParamsError naming {key}") from e
+                raise AssertionError(f"{what}({key}={v!r}) accepted, want ParamsError naming {key}")
+    p = {**base, "transfer_id": 42, "remote_engine_id": "préfill-ü"}
+    params.validate_remote(p, pb.MODE_PUSH)
+    t = params.to_proto(p)
+    assert t.transfer_id == "42" and t.remote_engine_id == "préfill-ü"
