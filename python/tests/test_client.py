@@ -217,6 +217,16 @@ def test_stream_end_leaves_no_thread_or_fd(daemons):
     c.close()
     buf.close()
     assert _new_threads(before) == [], "threads left after the daemon died under the streams"
+    # Attaching again while the daemon is down (the connector retries once
+    # a second until it is back).
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    for _ in range(3):
+        with pytest.raises(errors.Unavailable):
+            c.connect(hello, ready_timeout=5)
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after attaching to no daemon"
     d.restart()
     # A hello the daemon refuses.
     c = kvxfer.Client(d.socket)
