@@ -610,14 +610,27 @@ class DirectWorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
-        self._id = inprocess.stream_open()
+        self._id = 0
+        try:
+            self._id = inprocess.stream_open()
+        except inprocess.ForkedChildError:
+            raise
+        except inprocess.InProcessError as e:
+            # No server (stopped since the client chose this stream), or
+            # too many streams open: what a gRPC stream says of a server
+            # it cannot reach, a KvxferError as every stream error is.
+            raise errors.Unavailable("Connect", str(e)) from None
         try:
             self._write(pb.ConnectRequest(hello=hello))
             deadline = time.monotonic() + ready_timeout
             while not self.agent_name:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._done.is_set():
-                    raise self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+                if self._done.is_set():
+                    raise self.error or errors.StreamClosed("kvxfer ended the stream before its Ready")
+                if left <= 0:
+                    # As on a gRPC stream: a deadline, not a server known
+                    # to be gone (a slow one may still serve).
+                    raise errors.DeadlineExceeded("Connect", f"no Ready within {ready_timeout}s")
                 self._take(left)
         except BaseException:
             self._ip.stream_release(self._id)
