@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -393,3 +396,30 @@ def test_bad_arguments_refused_before_sending(daemons):
     finally:
         c.close()
         buf.close()
+
+
+def test_shm_files_go_when_their_process_exits(tmp_path):
+    """A shared-memory file create made and nothing closed goes when the
+    process that made it exits (a tmpfs file holds its memory until it is
+    removed: an engine exiting without closing its buffers left its whole
+    KV cache in /dev/shm), and not when a child forked from that process
+    exits: the parent may still use it. A file closed with remove=False
+    stays until then too; one a process did not make is left alone."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from kvxfer import shm
+        a = shm.create(1 << 16, {str(tmp_path)!r}, name="a")
+        b = shm.create(1 << 16, {str(tmp_path)!r}, name="b")
+        b.close(remove=False)
+        open(os.path.join({str(tmp_path)!r}, "other"), "w").close()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # atexit handlers run in the child
+        os.waitpid(pid, 0)
+        print(sorted(os.listdir({str(tmp_path)!r})), flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(harness.REPO / "python")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['a', 'b', 'other']", r.stdout  # the child's exit removed none
+    assert sorted(os.listdir(tmp_path)) == ["other"]
