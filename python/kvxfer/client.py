@@ -15,6 +15,7 @@ never cross these calls: the engine shares its KV memory with the daemon
 
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 import time
@@ -176,7 +177,7 @@ class Scheduler:
 
     def __init__(self, client: Client, engine_id: str):
         self._c = client
-        self.engine_id = engine_id
+        self.engine_id = _str_arg("Scheduler", "engine_id", engine_id)
 
     def open(self, config: pb.SchedulerConfig) -> str:
         """Creates (or replaces) the engine's scheduler; returns the daemon's peer address."""
@@ -184,19 +185,25 @@ class Scheduler:
         return self._c.call("OpenScheduler", self._c._sched.OpenScheduler, pb.OpenSchedulerRequest(config=config)).addr
 
     def matched_tokens(self, request: pb.EngineRequest, computed: int) -> tuple[int, bool]:
+        computed = _int_arg("MatchedTokens", "computed", computed)
         r = self._c.call("MatchedTokens", self._c._sched.MatchedTokens,
                          pb.MatchedTokensRequest(engine_id=self.engine_id, request=request, computed=computed))
         return r.tokens, getattr(r, "async")  # a Python keyword: not an attribute name
 
     def after_alloc(self, request: pb.EngineRequest, blocks: Iterable[Iterable[int]], computed: int, external: int) -> pb.TransferParams:
+        blocks = block_lists(blocks, "AfterAlloc")
+        computed, external = _int_arg("AfterAlloc", "computed", computed), _int_arg("AfterAlloc", "external", external)
         r = self._c.call("AfterAlloc", self._c._sched.AfterAlloc, pb.AfterAllocRequest(
-            engine_id=self.engine_id, request=request, blocks=block_lists(blocks), computed=computed, external=external))
+            engine_id=self.engine_id, request=request, blocks=blocks, computed=computed, external=external))
         return r.params
 
     def request_finished(self, request: pb.EngineRequest, status: int, blocks: Iterable[Iterable[int]], computed: int):
         """Returns (delay, params for the other engine or None, the request's own params)."""
+        blocks = block_lists(blocks, "RequestFinished")
+        computed = _int_arg("RequestFinished", "computed", computed)
+        status = _int_arg("RequestFinished", "status", status, _INT32_MAX)
         r = self._c.call("RequestFinished", self._c._sched.RequestFinished, pb.RequestFinishedRequest(
-            engine_id=self.engine_id, request=request, status=status, blocks=block_lists(blocks), computed=computed))
+            engine_id=self.engine_id, request=request, status=status, blocks=blocks, computed=computed))
         return r.delay, (r.params if r.HasField("params") else None), r.request_params
 
     def build_meta(self) -> pb.StepMeta:
@@ -271,6 +278,7 @@ class StepStream:
                     self.error = errors.StreamClosed("kvxferd ended the Steps stream")
                 self._done.set()
                 self._arrived.notify_all()
+            self._out.put(_BYE)  # ends gRPC's thread that feeds the stream (_requests)
 
     @property
     def closed(self) -> bool:
@@ -314,8 +322,79 @@ class StepStream:
             self._call.cancel()
 
 
-def block_lists(blocks: Iterable[Iterable[int]]) -> list[pb.BlockList]:
-    return [pb.BlockList(block_ids=list(b)) for b in blocks]
+_INT32_MAX = (1 << 31) - 1
+_INT64_MAX = (1 << 63) - 1
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _bad(op: str, name: str, v, want: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(op, f"{name} = {v!r}, want {want} (refused by the client: nothing was sent)")
+
+
+def _int_arg(op: str, name: str, v, maximum: int = _INT64_MAX) -> int:
+    """v as an integer in [0, maximum] (an int, or what operator.index
+    takes: a numpy integer), or InvalidArgument naming name: never a
+    boolean, a fraction or a string."""
+    if type(v) is not int:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            v = operator.index(v)
+        except TypeError:
+            raise _bad(op, name, v, "an integer") from None
+    if not 0 <= v <= maximum:
+        raise _bad(op, name, v, f"an integer in [0, {maximum}]")
+    return v
+
+
+def _str_arg(op: str, name: str, v) -> str:
+    """v as a string protobuf can carry (no lone surrogate), or
+    InvalidArgument naming name."""
+    if type(v) is not str:
+        raise _bad(op, name, v, "a string")
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(op, name, v, "valid Unicode (no lone surrogate)") from None
+    return v
+
+
+def _str_args(op: str, name: str, vs: Iterable[str]) -> list[str]:
+    if isinstance(vs, (str, bytes)):
+        raise _bad(op, name, vs, "a list of strings")
+    try:
+        vs = list(vs)
+    except TypeError:
+        raise _bad(op, name, vs, "a list of strings") from None
+    for i, v in enumerate(vs):
+        if type(v) is not str or not v.isascii():
+            _str_arg(op, f"{name}[{i}]", v)
+    return vs
+
+
+def block_lists(blocks: Iterable[Iterable[int]], op: str = "blocks") -> list[pb.BlockList]:
+    """The block lists (one per KV-cache group) as kvxfer.v1 carries them,
+    or InvalidArgument naming the first list or id that is not a list of
+    int32 block ids >= 0 (nothing is sent)."""
+    if isinstance(blocks, (str, bytes)):
+        raise _bad(op, "blocks", blocks, "a list of block id lists")
+    try:
+        groups = list(blocks)
+    except TypeError:
+        raise _bad(op, "blocks", blocks, "a list of block id lists") from None
+    out = []
+    for g, b in enumerate(groups):
+        if isinstance(b, (str, bytes)):
+            raise _bad(op, f"blocks[{g}]", b, "a list of block ids")
+        try:
+            lst = b if type(b) is list else list(b)
+        except TypeError:
+            raise _bad(op, f"blocks[{g}]", b, "a list of block ids") from None
+        if not all(type(x) is int for x in lst) or (lst and (min(lst) < 0 or max(lst) > _INT32_MAX)):
+            lst = [_int_arg(op, f"blocks[{g}][{i}]", x, _INT32_MAX) for i, x in enumerate(lst)]
+        out.append(pb.BlockList(block_ids=lst))
+    return out
 
 
 @dataclass
@@ -388,10 +467,14 @@ class _RankStream:
         requests the engine begins waiting on with this step on this rank:
         should the step be dropped, its StepError (dropped) names them back,
         for the engine to fail."""
+        step = _int_arg("Connect.step_ref", "step", step, _UINT64_MAX)
+        recv, send = _str_args("Connect.step_ref", "recv", recv), _str_args("Connect.step_ref", "send", send)
         self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))
 
     def layer_saved(self, step: int, layer: int) -> None:
         """Layer-wise push: layer (global index) of step is in memory."""
+        step = _int_arg("Connect.layer_saved", "step", step, _UINT64_MAX)
+        layer = _int_arg("Connect.layer_saved", "layer", layer, _INT32_MAX)
         self._send(pb.ConnectRequest(layer_saved=pb.LayerSaved(step=step, layer=layer)))
 
     def _take_pending(self) -> Finished:
@@ -466,6 +549,12 @@ class WorkerStream(_RankStream):
                 self._done.set()
                 self._ready.set()
                 self._arrived.notify_all()
+            # gRPC's thread that feeds the stream its requests waits on
+            # _out (_requests) until it takes _BYE, whatever ended the
+            # stream: without it, that thread outlived every stream that
+            # ended other than by bye or cancel (the daemon gone, a refused
+            # hello, the client closed).
+            self._out.put(_BYE)
 
     def _write(self, m) -> None:
         self._out.put(m)
@@ -521,14 +610,27 @@ class DirectWorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
-        self._id = inprocess.stream_open()
+        self._id = 0
+        try:
+            self._id = inprocess.stream_open()
+        except inprocess.ForkedChildError:
+            raise
+        except inprocess.InProcessError as e:
+            # No server (stopped since the client chose this stream), or
+            # too many streams open: what a gRPC stream says of a server
+            # it cannot reach, a KvxferError as every stream error is.
+            raise errors.Unavailable("Connect", str(e)) from None
         try:
             self._write(pb.ConnectRequest(hello=hello))
             deadline = time.monotonic() + ready_timeout
             while not self.agent_name:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._done.is_set():
-                    raise self.error or errors.Unavailable("Connect", f"no Ready within {ready_timeout}s")
+                if self._done.is_set():
+                    raise self.error or errors.StreamClosed("kvxfer ended the stream before its Ready")
+                if left <= 0:
+                    # As on a gRPC stream: a deadline, not a server known
+                    # to be gone (a slow one may still serve).
+                    raise errors.DeadlineExceeded("Connect", f"no Ready within {ready_timeout}s")
                 self._take(left)
         except BaseException:
             self._ip.stream_release(self._id)

@@ -83,6 +83,39 @@ def _intval(name: str, v, minimum: int = 0, maximum: int = _INT64_MAX) -> int:
     return v
 
 
+def _strval(name: str, v) -> str:
+    """v as a string kvxfer.v1 can carry, or ParamsError naming name: a
+    str of valid Unicode (protobuf cannot encode a lone surrogate, which
+    JSON's "\\ud800" gives), or an int (a numeric id, as a router may
+    write one); never another object's repr, nor a boolean's."""
+    if type(v) is not str:
+        if type(v) is int:
+            return str(v)
+        raise ParamsError(f"{name} = {v!r}, want a string")
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ParamsError(f"{name} = {v!r}, not valid Unicode (a lone surrogate at index {e.start})") from None
+    return v
+
+
+def str_field(p: dict, key: str) -> str:
+    """p's string param key ("" when absent or empty), or ParamsError
+    naming it (_strval)."""
+    v = p.get(key)
+    return "" if v is None or v == "" else _strval(f"kv_transfer_params.{key}", v)
+
+
+def is_str(v) -> bool:
+    """Whether v is a string param kvxfer.v1 can carry as it is (_strval)."""
+    try:
+        _strval("", v)
+    except ParamsError:
+        return False
+    return True
+
+
 def _addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -90,7 +123,8 @@ def _addr(host: str, port: int) -> str:
 def addr(p: dict) -> str:
     """The remote kvxferd's address (host:port) from remote_host and remote_port."""
     port = p.get("remote_port")
-    return _addr(str(p["remote_host"]), port if type(port) is int else _int(p, "remote_port", 0))
+    return _addr(_strval("kv_transfer_params.remote_host", p.get("remote_host")),
+                 port if type(port) is int else _int(p, "remote_port", 0))
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -127,12 +161,15 @@ _FAST_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", 
 def validate_remote(p: dict, mode: int) -> None:
     """Checks what a consumer needs to reach its producer; raises ParamsError."""
     get = p.get
-    port, tp = get("remote_port"), get("tp_size")
-    if (mode == pb.MODE_PUSH and get("remote_engine_id") and get("remote_host") and type(port) is int
-            and 0 < port < 65536 and (get("transfer_id") or get("remote_request_id")) and get("mode", "push") == "push"
-            and (tp is None or type(tp) is int and 0 <= tp <= _INT32_MAX) and _FAST_KEYS.issuperset(p)):
+    port, tp, tid, rrid = get("remote_port"), get("tp_size"), get("transfer_id"), get("remote_request_id")
+    if (mode == pb.MODE_PUSH and _ascii(get("remote_engine_id")) and _ascii(get("remote_host")) and type(port) is int
+            and 0 < port < 65536 and (tid or rrid) and (tid is None or _ascii(tid)) and (rrid is None or _ascii(rrid))
+            and get("mode", "push") == "push" and (tp is None or type(tp) is int and 0 <= tp <= _INT32_MAX)
+            and _FAST_KEYS.issuperset(p)):
         return  # a well-formed push registration, the common case, checked fast
     p = _canonical(p)
+    for key in ("remote_engine_id", "remote_host", "transfer_id", "remote_request_id"):
+        str_field(p, key)
     if not p.get("remote_engine_id"):
         raise ParamsError("kv_transfer_params.remote_engine_id is missing")
     if not p.get("remote_host"):
@@ -152,6 +189,10 @@ def validate_remote(p: dict, mode: int) -> None:
     ids, _ = block_lists(p)
     if mode == pb.MODE_PULL and not any(ids):
         raise ParamsError("kv_transfer_params.remote_block_ids is empty (pull mode reads the producer's blocks)")
+
+
+def _ascii(v) -> bool:
+    return type(v) is str and v != "" and v.isascii()
 
 
 def to_proto(p: dict[str, Any] | None) -> pb.TransferParams | None:
@@ -176,7 +217,7 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
     for key, attr in _STR_FIELDS:
         v = get(key)
         if v:
-            setattr(out, attr, v if type(v) is str else str(v))
+            setattr(out, attr, v if type(v) is str and v.isascii() else str_field(p, key))
     for key, attr, maximum in _INT_FIELDS:
         v = get(key)
         if v is not None:
@@ -187,7 +228,7 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
     host = get("remote_host")
     if host:
         port = get("remote_port")
-        out.remote_addr = _addr(str(host), port if type(port) is int else _int(p, "remote_port", 0))
+        out.remote_addr = addr(p) if type(host) is not str or not host.isascii() or type(port) is not int else _addr(host, port)
     if get("remote_block_ids"):
         ids, starts = block_lists(p)
         for lst, st in zip(ids, starts):

@@ -21,6 +21,7 @@ import hmac
 import os
 import socket
 import threading
+import time
 
 MAGIC = b"KVXA"
 VERSION = 1
@@ -81,7 +82,11 @@ def client_handshake(sock: socket.socket, secret: bytes, purpose: str = "grpc", 
 class Bridge:
     """A loopback address whose connections reach ``target`` (host:port)
     authenticated with ``secret``. Use ``bridge.address`` as a gRPC target;
-    ``close`` stops it."""
+    ``close`` stops it. Safe for concurrent use."""
+
+    # Failures kept in errors (the latest last): a channel to an
+    # unreachable peer retries for as long as it lives.
+    MAX_ERRORS = 16
 
     def __init__(self, target: str, secret: bytes, name: str = "python", timeout: float = 10.0):
         host, _, port = target.rpartition(":")
@@ -90,25 +95,74 @@ class Bridge:
         self._ln = socket.create_server(("127.0.0.1", 0))
         self.address = "127.0.0.1:%d" % self._ln.getsockname()[1]
         self.errors: list[str] = []
+        self._lock = threading.Lock()  # _closed, _socks, _threads, errors
         self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="kvxfer-peerauth-bridge").start()
+        # The connections being relayed (both ends), and the threads that
+        # relay them: close ends them and waits for the threads.
+        self._socks: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True, name="kvxfer-peerauth-bridge")
+        self._acceptor.start()
+
+    def _track(self, s: socket.socket) -> bool:
+        """Adds s to the connections close ends; False (s closed) once closing."""
+        with self._lock:
+            if self._closed:
+                s.close()
+                return False
+            self._socks.add(s)
+            return True
+
+    def _untrack(self, *socks: socket.socket) -> None:
+        with self._lock:
+            for s in socks:
+                self._socks.discard(s)
+                s.close()
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=self._run, args=(target, *args), daemon=True, name="kvxfer-peerauth-relay")
+        with self._lock:
+            self._threads.add(t)
+        t.start()
+
+    def _run(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 local, _ = self._ln.accept()
             except OSError:
+                return  # closed (close shuts the listener down: accept returns)
+            if not self._track(local):
                 return
-            threading.Thread(target=self._serve, args=(local,), daemon=True).start()
+            self._spawn(self._serve, local)
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            self.errors.append(f"{self._target[0]}:{self._target[1]}: {why}")
+            del self.errors[:-self.MAX_ERRORS]
 
     def _serve(self, local: socket.socket) -> None:
         try:
             remote = socket.create_connection(self._target, timeout=self._timeout)
+        except OSError as e:
+            self._fail(str(e))
+            self._untrack(local)
+            return
+        if not self._track(remote):
+            self._untrack(local)
+            return
+        try:
             client_handshake(remote, self._secret, "grpc", self._name)
             remote.settimeout(None)
         except (OSError, AuthError) as e:
-            self.errors.append(f"{self._target[0]}:{self._target[1]}: {e}")
-            local.close()
+            self._fail(str(e))
+            self._untrack(local, remote)
             return
 
         def pipe(src: socket.socket, dst: socket.socket) -> None:
@@ -127,11 +181,35 @@ class Bridge:
                     except OSError:
                         pass
 
-        threading.Thread(target=pipe, args=(remote, local), daemon=True).start()
+        back = threading.Thread(target=pipe, args=(remote, local), daemon=True, name="kvxfer-peerauth-relay")
+        back.start()
         pipe(local, remote)
-        local.close()
-        remote.close()
+        back.join()
+        self._untrack(local, remote)
 
-    def close(self) -> None:
-        self._closed = True
+    def close(self, timeout: float | None = None) -> None:
+        """Stops accepting, ends the connections being relayed and waits
+        (up to timeout, default the connect timeout plus a second) for the
+        bridge's threads to exit. Idempotent."""
+        with self._lock:
+            self._closed = True
+            socks, self._socks = list(self._socks), set()
+        # close(2) alone does not wake a thread blocked in accept(2) (nor
+        # free the listening socket it holds); shutdown does.
+        for s in (self._ln, *socks):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._ln.close()
+        deadline = time.monotonic() + (self._timeout + 1 if timeout is None else timeout)
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t is not threading.current_thread()]
+            if not threads or time.monotonic() >= deadline:
+                break
+            threads[0].join(max(0.0, deadline - time.monotonic()))
+        for s in socks:
+            s.close()

@@ -9,17 +9,55 @@ created exclusively, sized with ftruncate) and maps it in this process;
 :class:`ShmBuffer` exposes it as a buffer (``torch.frombuffer`` takes it) and
 its address, which is what a hello's ``SharedMemory.base`` and region bases
 refer to.
+
+A file :func:`create` made and no :meth:`ShmBuffer.close` removed goes when
+the process that made it exits (not a child forked from it): a tmpfs file
+holds its memory until it is removed, so an engine that exits without
+closing its buffers would leave its whole KV cache in /dev/shm. (A process
+killed outright still leaves them.)
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import mmap
 import os
 import secrets
+import threading
 
 DEFAULT_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
+
+# The files create made and close has not removed, with the pid of the
+# process that made each: that process removes them at its exit.
+_live: dict[str, int] = {}
+_live_lock = threading.Lock()
+
+
+def _remove_at_exit() -> None:
+    pid = os.getpid()
+    with _live_lock:
+        mine = [path for path, owner in _live.items() if owner == pid]
+        for path in mine:
+            del _live[path]
+    for path in mine:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+atexit.register(_remove_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()  # a thread of the parent may have held it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShmBuffer:
@@ -42,7 +80,8 @@ class ShmBuffer:
         return self.base <= addr and addr + length <= self.base + self.size
 
     def close(self, remove: bool = True, unmap: bool = True) -> None:
-        """Removes the file's name and unmaps it. Tensors made over the
+        """Removes the file's name (else it goes at the exit of the process
+        that made it) and unmaps it. Tensors made over the
         buffer with torch.frombuffer do not keep it mapped: pass
         unmap=False while any may still be used (the memory then stays
         mapped until this object is collected or the process ends)."""
@@ -55,6 +94,8 @@ class ShmBuffer:
                 pass
             self._mm = None
         if remove:
+            with _live_lock:
+                _live.pop(self.path, None)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -81,6 +122,8 @@ def create(size: int, directory: str = DEFAULT_DIR, name: str | None = None) -> 
         os.unlink(path)
         raise
     os.close(fd)
+    with _live_lock:
+        _live[path] = os.getpid()
     return ShmBuffer(path, size, mm)
 
 

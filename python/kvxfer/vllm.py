@@ -770,8 +770,7 @@ class _Columns:
             # never an exception in vLLM's scheduler loop.
             self.bad += 1
             log.warning("kvxfer: request %s: %s; its remote fields are ignored", rid, e)
-            return self._add(kind, request, rid, g, {k: v for k, v in p.items() if k in _FLAG_KEYS}, blocks, computed,
-                             count, status, addrs, flags)
+            return self._add(kind, request, rid, g, _flags_only(p), blocks, computed, count, status, addrs, flags)
 
     def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs, flags) -> bool:
         if not p:
@@ -801,7 +800,7 @@ class _Columns:
             pp = get("remote_pp_size")
             self.rows.append((rid, request.num_prompt_tokens,
                               (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0) | flags,
-                              _s(get("transfer_id")), _s(get("remote_engine_id")), addr, _s(get("remote_request_id")),
+                              _s(p, "transfer_id"), _s(p, "remote_engine_id"), addr, _s(p, "remote_request_id"),
                               _n(get("tp_size")), _n(pp if pp is not None else get("pp_size")), _n(get("remote_num_tokens")),
                               params.mode_of(get("mode") or get("transfer_mode")), computed, count, status))
             if remote is not None:
@@ -837,8 +836,16 @@ class _Columns:
 _FLAG_KEYS = ("do_remote_prefill", "do_remote_decode", "transfer_id")
 
 
-def _s(v) -> str:
-    return v if type(v) is str else ("" if v is None else str(v))
+def _flags_only(p: dict) -> dict:
+    """p's _FLAG_KEYS: what a row keeps of params whose other fields are
+    malformed (a transfer_id only where it is a string kvxfer.v1 carries)."""
+    return {k: v for k, v in p.items() if k in _FLAG_KEYS and (k != "transfer_id" or params.is_str(v))}
+
+
+def _s(p: dict, key: str) -> str:
+    """p's string param key, or ParamsError naming it (params.str_field)."""
+    v = p.get(key)
+    return v if type(v) is str and v.isascii() else params.str_field(p, key)
 
 
 def _n(v) -> int:
@@ -1079,7 +1086,7 @@ class _SchedulerSide:
         except params.ParamsError:
             # As the step sends such params (_request): the flags alone.
             er.ClearField("params")
-            params.fill_proto(er.params, {k: v for k, v in p.items() if k in _FLAG_KEYS})
+            params.fill_proto(er.params, _flags_only(p))
         try:
             want = self._vsched.matched_tokens(er, computed)
         except errors.KvxferError as e:
@@ -1110,7 +1117,7 @@ class _SchedulerSide:
             self.stats.data["bad_params"] += 1
             log.warning("kvxfer: request %s: %s; its remote fields are ignored", request.request_id, e)
             dst.ClearField("params")
-            params.fill_proto(dst.params, {k: v for k, v in p.items() if k in _FLAG_KEYS})
+            params.fill_proto(dst.params, _flags_only(p))
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
         p = request.kv_transfer_params
@@ -1233,7 +1240,7 @@ class _SchedulerSide:
                    "remote_block_ids": ids, "remote_block_starts": starts, "tp_size": self.c.tp_size,
                    "remote_pp_size": self.c.pp_size, "remote_num_tokens": request.num_computed_tokens,
                    "mode": params.MODE_NAMES[self.cfg.mode]}
-            if p.get("transfer_id"):
+            if p.get("transfer_id") and params.is_str(p["transfer_id"]):
                 out["transfer_id"] = p["transfer_id"]
             delay = any(ids)
             if not delay:

@@ -3,12 +3,19 @@ batched Step, worker streams, peer handshakes and typed errors."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import pytest
 
+import harness
 import kvxfer
-from kvxfer.peerauth import load_secret
+from kvxfer.peerauth import Bridge, load_secret
 from kvxfer import errors, params, shm
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -152,3 +159,267 @@ def test_params_bad_values_are_params_errors():
     # Integral values as routers may write them still go through.
     t = params.to_proto({**base, "tp_size": 2.0, "remote_port": "7600", "remote_block_starts": [16]})
     assert t.remote_tp_size == 2 and t.remote_addr == "h:7600" and t.remote_block_ids[0].start == 16
+
+
+def _new_threads(before: set[int], wait: float = 5.0) -> list[str]:
+    """The threads started since before (idents) still alive after up to
+    wait seconds for them to exit."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = [t.name for t in threading.enumerate() if t.ident not in before]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_stream_end_leaves_no_thread_or_fd(daemons):
+    """However a rank's stream or a Steps stream ends (the daemon killed
+    under it, the daemon refusing its hello, the client closed under an
+    open stream), no thread the client made for it outlives it, and no fd:
+    gRPC's thread that feeds the stream its requests blocked forever on
+    the request queue unless bye or cancel had queued its end (one thread
+    leaked per stream lost, e.g. per daemon restart)."""
+    d = daemons("a")
+
+    def cycle():
+        c = kvxfer.Client(d.socket)
+        buf, hello = _hello(d)
+        try:
+            c.connect(hello).bye()
+            c.scheduler("s").stream().close()
+        finally:
+            c.close()
+            buf.close()
+
+    cycle()  # gRPC's process-wide threads and fds, made once
+    before, fds = {t.ident for t in threading.enumerate()}, _fds()
+    # The daemon killed under a rank's stream and a Steps stream.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    w = c.connect(hello)
+    s = c.scheduler("s")
+    s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+    st = s.stream()
+    d.kill()
+    deadline = time.monotonic() + 10
+    with pytest.raises(errors.StreamClosed):
+        while time.monotonic() < deadline:
+            w.poll(wait=0.2)
+    assert w.closed
+    while not st.closed and time.monotonic() < deadline:
+        try:
+            st.results(wait=0.2)
+        except errors.KvxferError:
+            break
+    assert st.closed and st.error is not None
+    w.bye()
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after the daemon died under the streams"
+    # Attaching again while the daemon is down (the connector retries once
+    # a second until it is back).
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    for _ in range(3):
+        with pytest.raises(errors.Unavailable):
+            c.connect(hello, ready_timeout=5)
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after attaching to no daemon"
+    d.restart()
+    # A hello the daemon refuses.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    hello.memory[0].size = buf.size * 4
+    with pytest.raises(errors.DaemonError):
+        c.connect(hello)
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after a refused hello"
+    # The client closed under open streams.
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    w = c.connect(hello)
+    st = c.scheduler("s").stream()
+    c.close()
+    buf.close()
+    assert _new_threads(before) == [], "threads left after the client closed under open streams"
+    assert w.closed and st.closed
+    deadline = time.monotonic() + 5
+    while _fds() > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fds() <= fds, f"{_fds() - fds} fds left: {_fd_names()}"
+
+
+def test_peer_client_close_stops_its_bridge(daemons):
+    """A Client made with a peer secret (its authenticating bridge on
+    loopback) leaves no thread and no listening port once closed: the
+    bridge's accept, blocked in accept(2), kept the listening socket alive
+    after close (close(2) does not wake it) and accepted and relayed the
+    next connection to it, one thread and one port leaked per client."""
+    d = daemons("a")
+    secret = load_secret(d.secret)
+    c = kvxfer.Client(d.peer, peer_secret=secret)
+    with pytest.raises(errors.NotFound):
+        c.handshake("nobody")
+    c.close()
+    before, fds = {t.ident for t in threading.enumerate()}, _fds()
+    for _ in range(3):
+        c = kvxfer.Client(d.peer, peer_secret=secret)
+        with pytest.raises(errors.NotFound):
+            c.handshake("nobody")
+        port = int(c._bridge.address.rsplit(":", 1)[1])
+        time.sleep(0.1)  # the bridge's accept is waiting
+        c.close()
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+    assert _new_threads(before) == []
+    deadline = time.monotonic() + 5
+    while _fds() > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fds() <= fds, f"{_fds() - fds} fds left: {_fd_names()}"
+
+
+def _fd_names() -> list[str]:
+    out = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{n}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def test_bridge_keeps_few_errors():
+    """A bridge to a peer that cannot be reached keeps its latest failures
+    only: a channel retries for as long as it lives, and every failed
+    connection added one to a list that grew without bound."""
+    port = harness.free_port()  # nothing listens there
+    b = Bridge(f"127.0.0.1:{port}", b"s" * 16, timeout=2)
+    try:
+        bport = int(b.address.rsplit(":", 1)[1])
+        for _ in range(48):
+            with socket.create_connection(("127.0.0.1", bport), timeout=5) as s:
+                s.settimeout(5)
+                assert s.recv(1) == b""  # the bridge hangs up: the peer is unreachable
+        assert 0 < len(b.errors) <= 16, len(b.errors)
+        assert "refused" in b.errors[-1]
+    finally:
+        b.close()
+
+
+def test_params_string_fields_refused_naming_them():
+    """A string param that kvxfer.v1 cannot carry (a lone surrogate, as
+    JSON's "\\ud800" reads) or that is no string (an object, a list, a
+    boolean, bytes) raises ParamsError naming the key and the value from
+    validate_remote and to_proto alike; before, validate_remote passed it,
+    and to_proto raised UnicodeEncodeError from protobuf or sent the
+    object's repr as the id. A numeric id still goes through as its
+    digits, and valid non-ASCII text as it is."""
+    base = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "transfer_id": "t", "remote_request_id": "r"}
+    for key in ("remote_engine_id", "remote_host", "transfer_id", "remote_request_id"):
+        for v in ("x\ud800", "\udfff", {"a": 1}, ["t"], True, b"t", 1.5):
+            p = {**base, key: v}
+            for what, call in [("validate_remote", lambda: params.validate_remote(p, pb.MODE_PUSH)),
+                               ("to_proto", lambda: params.to_proto(p))]:
+                try:
+                    call()
+                except params.ParamsError as e:
+                    assert f"kv_transfer_params.{key}" in str(e), (what, key, v, e)
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    raise AssertionError(f"{what}({key}={v!r}): {type(e).__name__}: {e}, want ParamsError naming {key}") from e
+                raise AssertionError(f"{what}({key}={v!r}) accepted, want ParamsError naming {key}")
+    p = {**base, "transfer_id": 42, "remote_engine_id": "préfill-ü"}
+    params.validate_remote(p, pb.MODE_PUSH)
+    t = params.to_proto(p)
+    assert t.transfer_id == "42" and t.remote_engine_id == "préfill-ü"
+
+
+def test_bad_arguments_refused_before_sending(daemons):
+    """An engine's bad argument to the client (a block id negative, past
+    int32 or no integer, a block list that is no list, an engine id or a
+    request id that is no string protobuf can carry, a negative or
+    fractional count, step or layer) raises InvalidArgument naming the
+    argument and its value, and nothing goes to the daemon; before, it
+    raised protobuf's TypeError or ValueError naming neither ("bad
+    argument type for built-in operation", "Value out of range: -1"), or
+    went out as it was. The client and the stream stay usable."""
+    d = daemons("a")
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d)
+    try:
+        s = c.scheduler("D")
+        s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+        req = pb.EngineRequest(request_id="d-1", prompt_tokens=40)
+        cases = [
+            ("blocks[0][1] = -2", lambda: s.after_alloc(req, [[1, -2]], 0, 0)),
+            ("blocks[1][0] = 4294967296", lambda: s.after_alloc(req, [[1], [1 << 32]], 0, 0)),
+            ("blocks[0][0] = '3'", lambda: s.request_finished(req, pb.FINISH_STATUS_STOPPED, [["3"]], 0)),
+            ("blocks[0][0] = True", lambda: s.request_finished(req, pb.FINISH_STATUS_STOPPED, [[True]], 0)),
+            ("blocks[0] = 7", lambda: s.after_alloc(req, [7], 0, 0)),
+            ("computed = -1", lambda: s.after_alloc(req, [[1]], -1, 0)),
+            ("external = 2.5", lambda: s.after_alloc(req, [[1]], 0, 2.5)),
+            ("computed = None", lambda: s.matched_tokens(req, None)),
+            ("engine_id = 5", lambda: c.scheduler(5)),
+            ("engine_id = 'e\\ud800'", lambda: c.scheduler("e\ud800")),
+        ]
+        w = c.connect(hello)
+        cases += [
+            ("step = -1", lambda: w.step_ref(-1)),
+            ("recv[1] = 7", lambda: w.step_ref(1, recv=["a", 7])),
+            ("send[0] = '\\udfff'", lambda: w.step_ref(1, send=["\udfff"])),
+            ("layer = -3", lambda: w.layer_saved(1, -3)),
+            ("step = 'x'", lambda: w.layer_saved("x", 0)),
+        ]
+        for want, call in cases:
+            try:
+                call()
+            except errors.InvalidArgument as e:
+                assert want in str(e), (want, e)
+                continue
+            except Exception as e:  # noqa: BLE001
+                raise AssertionError(f"{want}: {type(e).__name__}: {e}, want InvalidArgument naming it") from e
+            raise AssertionError(f"{want}: accepted, want InvalidArgument naming it")
+        # Nothing of that reached the daemon: the stream is as it was.
+        w.step(pb.StepMeta(step=1))
+        f = w.poll(wait=0.5)
+        assert not f.step_errors, f.step_errors
+        assert s.matched_tokens(req, 0) == (0, False)
+        w.bye()
+        s.close()
+    finally:
+        c.close()
+        buf.close()
+
+
+def test_shm_files_go_when_their_process_exits(tmp_path):
+    """A shared-memory file create made and nothing closed goes when the
+    process that made it exits (a tmpfs file holds its memory until it is
+    removed: an engine exiting without closing its buffers left its whole
+    KV cache in /dev/shm), and not when a child forked from that process
+    exits: the parent may still use it. A file closed with remove=False
+    stays until then too; one a process did not make is left alone."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from kvxfer import shm
+        a = shm.create(1 << 16, {str(tmp_path)!r}, name="a")
+        b = shm.create(1 << 16, {str(tmp_path)!r}, name="b")
+        b.close(remove=False)
+        open(os.path.join({str(tmp_path)!r}, "other"), "w").close()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # atexit handlers run in the child
+        os.waitpid(pid, 0)
+        print(sorted(os.listdir({str(tmp_path)!r})), flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(harness.REPO / "python")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['a', 'b', 'other']", r.stdout  # the child's exit removed none
+    assert sorted(os.listdir(tmp_path)) == ["other"]

@@ -491,3 +491,48 @@ def test_data_parallel_engines_data_ports_apart(libkvxfer):
             outs.append((p.returncode, out, err))
     for rc, out, err in outs:
         assert rc == 0 and "ok" in out, out + err
+
+
+def test_direct_stream_errors_are_the_grpc_streams(libkvxfer):
+    """A direct stream's connect fails with the errors a gRPC stream's
+    does, which the connector tells apart: no Ready within ready_timeout
+    is DeadlineExceeded (a server that is slow, e.g. still fencing the
+    rank's previous stream, may yet move bytes: the connector must not
+    take it for gone), never Unavailable, which says it is gone (the
+    connector then hands back blocks a WRITE may still land in); and no
+    server to open a stream on is Unavailable, a KvxferError, never the
+    library's InProcessError, which the connector does not catch."""
+    r = _run(libkvxfer, """
+        import numpy as np
+        import kvxfer
+        from kvxfer import errors, inprocess
+        from kvxfer.client import DirectWorkerStream, WorkerStream
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                             kernel_block_size=16, regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION,
+                                                                      base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        got = {}
+        for direct in (None, False):
+            c = kvxfer.Client(ep, direct=direct)
+            hello = pb.WorkerHello(engine_id=f"E{direct}", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                   memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)])
+            try:
+                c.connect(hello, ready_timeout=1e-9)
+                got[str(direct)] = "connected"
+            except Exception as e:  # noqa: BLE001
+                got[str(direct)] = type(e).__name__
+            c.close()
+        print("no ready:", got, flush=True)
+        assert got == {"None": "DeadlineExceeded", "False": "DeadlineExceeded"}, got
+        inprocess.stop()
+        try:
+            DirectWorkerStream(hello, 5)
+            raise SystemExit("a direct stream opened with no server")
+        except errors.Unavailable as e:
+            assert "no in-process server" in str(e), e
+        print("ok", flush=True)
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

@@ -580,6 +580,46 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
         r.close()
 
 
+def test_unencodable_or_non_string_ids_are_refused_not_raised(tmp_path, daemons, caplog):
+    """A router hands both engines requests whose string params are no
+    strings kvxfer.v1 can carry: a lone surrogate (JSON's "\\ud800", as
+    Python's json reads it; protobuf cannot encode it) or an object where
+    an id goes. vLLM's scheduler loop never sees an exception (before, the
+    surrogate passed validate_remote and raised UnicodeEncodeError out of
+    the step's encoding, and an object was sent as its repr): each such D
+    request is refused with a warning naming the field and computed
+    locally, each such P request finishes with its blocks back, and the
+    well-formed request beside them moves and checks byte for byte."""
+    rng = random.Random(29)
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2})
+    try:
+        odd_d = {1: {"transfer_id": "t1\ud800"}, 2: {"remote_engine_id": "p\udcff"}, 3: {"remote_host": "h\ud800"},
+                 4: {"remote_engine_id": {"id": "p0"}}, 5: {"transfer_id": ["t5"]}}
+        n_d = 1 + len(odd_d)
+        for n in range(n_d):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(toks), 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, {**_push_params(r.dp, f"t{n}"), "tp_size": 1,
+                                                                     **odd_d.get(n, {})}))
+        odd_p = [{"transfer_id": "j\ud800"}, {"remote_request_id": "\udfff"}, {"transfer_id": {"a": 1}}]
+        for n, extra in enumerate(odd_p):
+            r.prompts[f"pj-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"pj-{n}", toks, 1, {"do_remote_decode": True, **extra}))
+        want_d = {f"d-{n}" for n in range(n_d)}
+        want_p = {f"pj-{n}" for n in range(len(odd_p))}
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: want_d <= set(r.D.finished) and want_p <= set(r.P.finished) and not r.P.sched.requests
+                        and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert not (set(odd_d) and {f"d-{n}" for n in odd_d} & r.D.recvd), r.D.recvd
+        for n, extra in odd_d.items():
+            key = next(iter(extra))
+            assert any(f"d-{n}" in m and f"kv_transfer_params.{key}" in m for m in caplog.messages), (n, caplog.messages)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def _daemon_disagreements(caplog):
     """The connector checks its decisions against the daemon's Scheduler
     (Go) and logs where they differ ("daemon says"); with verify (set by the
