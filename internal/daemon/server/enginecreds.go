@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -90,6 +91,58 @@ func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid, Groups: groups}, nil
+}
+
+// BoundEngineConns wraps the engine listener's credentials (those of
+// EngineCredentials or OwnProcessCredentials) so that the connections
+// open at once are bounded, in all and per uid (Config.MaxEngineConns,
+// MaxEngineConnsPerUID): a connection past a bound fails its handshake,
+// is closed by gRPC before it reads a byte of it, and is counted
+// (engine_conns, engine_conns_per_uid). Streams were bounded, not the
+// connections under them: one user could hold connections that opened
+// no stream (never sending even HTTP/2's preface past the handshake)
+// until the daemon ran out of descriptors, and every engine's next
+// connection, and every mapping, failed.
+func (s *Server) BoundEngineConns(c credentials.TransportCredentials) credentials.TransportCredentials {
+	return boundCreds{TransportCredentials: c, l: s.limits}
+}
+
+type boundCreds struct {
+	credentials.TransportCredentials
+	l *limits
+}
+
+func (b boundCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, ai, err := b.TransportCredentials.ServerHandshake(c)
+	if err != nil {
+		return conn, ai, err
+	}
+	uid := uint32(0)
+	if e, ok := ai.(EngineAuthInfo); ok {
+		uid = e.UID
+	}
+	done, err := b.l.take(&b.l.conns, uid, 1)
+	if err != nil {
+		return nil, nil, fmt.Errorf("server: engine connection of uid %d refused: %w", uid, err)
+	}
+	return &boundConn{Conn: conn, done: done}, ai, nil
+}
+
+func (b boundCreds) Clone() credentials.TransportCredentials {
+	return boundCreds{TransportCredentials: b.TransportCredentials.Clone(), l: b.l}
+}
+
+// boundConn gives its connection's place back once closed.
+type boundConn struct {
+	net.Conn
+	once sync.Once
+	done func()
+}
+
+func (c *boundConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.done)
+	return err
 }
 
 // soPeerGroups is SO_PEERGROUPS (Linux 4.13), the same on every
