@@ -1285,6 +1285,20 @@ type rejected struct {
 	local []topology.Span
 }
 
+// MaxIDBytes bounds the ids and addresses of a step's entries (request
+// ids, transfer ids, the peer's engine id, address and request id): the
+// longest string a peer message carries (a peer's decoder refuses a longer
+// one). An entry past it is refused, naming the field.
+const MaxIDBytes = maxWireString
+
+// longID is why s, field of an entry, is too long ("" when it is not).
+func longID(field, s string) string {
+	if len(s) <= MaxIDBytes {
+		return ""
+	}
+	return fmt.Sprintf("%s = %.32q... has %d bytes, want at most %d", field, s, len(s), MaxIDBytes)
+}
+
 // validate checks a step's entries against the layout and returns the
 // metadata to run: meta itself when every entry is good, else a copy
 // without the bad entries (meta is never modified: ranks may share it),
@@ -1339,6 +1353,16 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			field, why = "req_id", "ReqID is empty"
 		case r.Remote.EngineID == "":
 			field, why = "remote.engine_id", "Remote.EngineID is empty"
+		case longID("ReqID", r.ReqID) != "":
+			field, why = "req_id", longID("ReqID", r.ReqID)
+		case longID("TransferID", r.TransferID) != "":
+			field, why = "transfer_id", longID("TransferID", r.TransferID)
+		case longID("Remote.EngineID", r.Remote.EngineID) != "":
+			field, why = "remote.engine_id", longID("Remote.EngineID", r.Remote.EngineID)
+		case longID("Remote.ReqID", r.Remote.ReqID) != "":
+			field, why = "remote.req_id", longID("Remote.ReqID", r.Remote.ReqID)
+		case longID("Remote.Addr", r.Remote.Addr) != "":
+			field, why = "remote.addr", longID("Remote.Addr", r.Remote.Addr)
 		case r.Remote.TPSize < 0:
 			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
 		case r.Remote.PPSize < 0:
@@ -1366,6 +1390,10 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			switch {
 			case s.ReqID == "":
 				field, why = "req_id", "ReqID is empty"
+			case longID("ReqID", s.ReqID) != "":
+				field, why = "req_id", longID("ReqID", s.ReqID)
+			case longID("TransferID", s.TransferID) != "":
+				field, why = "transfer_id", longID("TransferID", s.TransferID)
 			case s.Tokens < 0:
 				field, why = "tokens", fmt.Sprintf("Tokens = %d, want >= 0", s.Tokens)
 			default:
