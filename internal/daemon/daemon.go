@@ -72,7 +72,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
 	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to")
 	fs.UintVar(&c.socketMode, "socket-mode", 0o600, "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
-		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns)")
+		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns); "+
+		"an abstract -socket (@name) has no file, and kvxferd applies the mode to each connection's uid and groups itself")
 	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")
 	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
 	fs.IntVar(&c.rankPortBase, "rank-port-base", 0, "serve one rank of an engine whose ranks are served each by its own server "+
@@ -716,6 +717,15 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	engCreds := server.EngineCredentials()
 	if c.ownProcessOnly {
 		engCreds = server.OwnProcessCredentials(func() { srv.Refuse("other_process") })
+	}
+	if abstract(c.socket) && !c.ownProcessOnly {
+		// An abstract socket has no file to hold -socket-mode: the
+		// credentials apply it.
+		mode := os.FileMode(c.socketMode)
+		if mode == 0 {
+			mode = 0o600 // a config made without parseFlags: its default
+		}
+		engCreds = server.ModeCredentials(engCreds, mode, func() { srv.Refuse("socket_mode") })
 	}
 	in.eng = grpc.NewServer(grpc.Creds(srv.BoundEngineConns(engCreds)))
 	srv.RegisterEngine(in.eng)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"unsafe"
 
@@ -91,6 +92,61 @@ func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid, Groups: groups}, nil
+}
+
+// ModeCredentials wraps engine credentials (EngineCredentials) so that
+// they accept only the peers a unix socket file of permission mode,
+// owned by this process's effective uid and gid, would let connect (write
+// permission): the owner's bits for a peer of this uid, else the group's
+// for a peer in this gid, else everyone's; uid 0 always. For an abstract
+// socket (kvxferd -socket @name), which has no file and so no
+// permissions: without it, -socket-mode (0600 by default: "only kvxferd's
+// user") was ignored and every local user, in any container of the
+// network namespace, reached the engine services. refused, when set, is
+// called for each connection refused.
+func ModeCredentials(c credentials.TransportCredentials, mode os.FileMode, refused func()) credentials.TransportCredentials {
+	return modeCreds{TransportCredentials: c, mode: mode.Perm(), uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), refused: refused}
+}
+
+type modeCreds struct {
+	credentials.TransportCredentials
+	mode     os.FileMode
+	uid, gid uint32
+	refused  func()
+}
+
+// allows reports whether the mode lets a peer of uid and groups connect.
+func (m modeCreds) allows(uid uint32, groups []uint32) bool {
+	switch {
+	case uid == 0:
+		return true
+	case uid == m.uid:
+		return m.mode&0o200 != 0
+	case slices.Contains(groups, m.gid):
+		return m.mode&0o020 != 0
+	}
+	return m.mode&0o002 != 0
+}
+
+func (m modeCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, ai, err := m.TransportCredentials.ServerHandshake(c)
+	if err != nil {
+		return conn, ai, err
+	}
+	e, ok := ai.(EngineAuthInfo)
+	if !ok || !m.allows(e.UID, e.Groups) {
+		if m.refused != nil {
+			m.refused()
+		}
+		return nil, nil, fmt.Errorf("%w: engine connection of uid %d (process %d): the engine socket's mode %#o lets it not connect",
+			ErrPermission, e.UID, e.PID, m.mode)
+	}
+	return conn, ai, nil
+}
+
+func (m modeCreds) Clone() credentials.TransportCredentials {
+	m.TransportCredentials = m.TransportCredentials.Clone()
+	return m
 }
 
 // BoundEngineConns wraps the engine listener's credentials (those of
