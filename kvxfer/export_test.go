@@ -154,3 +154,39 @@ func ReheldTable(l *topology.Layout, groupBlocks []int, ids []topology.BlockID, 
 	tab.hold([]topology.Span{{IDs: ids}}, 1, next)
 	return tab
 }
+
+// StallLoop holds w's loop, from the next time it is about to wait, until
+// the returned func is called: what the engine hands it meanwhile queues.
+func StallLoop(w *Worker) (release func()) {
+	stalled, gone := make(chan struct{}), make(chan struct{})
+	var once bool
+	hook := func(hw *Worker) {
+		if hw != w || once {
+			return
+		}
+		once = true
+		close(stalled)
+		<-gone
+	}
+	hookBeforeWait.Store(&hook)
+	w.signal()
+	<-stalled
+	var done bool
+	return func() {
+		if !done {
+			done = true
+			hookBeforeWait.Store(nil)
+			close(gone)
+		}
+	}
+}
+
+// Queued is how many events wait in w's inbox.
+func Queued(w *Worker) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.mu.inbox)
+}
+
+// MaxQueuedSteps bounds the engine's input waiting in a worker's inbox.
+const MaxQueuedSteps = maxQueuedSteps

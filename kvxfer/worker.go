@@ -306,7 +306,12 @@ type Worker struct {
 
 	mu struct {
 		sync.Mutex
-		inbox  []event
+		inbox []event
+		// queued: the engine's input (steps, layer signals) in inbox, at
+		// most maxQueuedSteps; room, when a Step waits for it to drop, is
+		// closed once the loop takes the inbox.
+		queued int
+		room   chan struct{}
 		out    Finished
 		closed bool
 		// fencing: the loop runs the close's fence (fenceClose), and
@@ -587,17 +592,60 @@ func (w *Worker) heldLayers() string {
 	return fmt.Sprintf("%d layers from %d to %d", len(l), l[0], l[len(l)-1])
 }
 
+// maxQueuedSteps bounds the engine's input (steps and layer signals)
+// waiting for the loop to take it in: past it, Step and LayerSaved wait
+// for the loop (or the Worker's close), and so does whoever feeds them
+// (the daemon's stream receiver, and through gRPC's flow control the
+// engine). Without it an engine sending faster than its rank takes steps
+// in (or while the loop was held up) queued them without end. The loop
+// takes its whole inbox at each turn: a healthy one keeps a few at most.
+const maxQueuedSteps = 64
+
 func (w *Worker) post(e event) error {
+	engine := e.kind == evStep || e.kind == evLayer
 	w.mu.Lock()
+	for engine && w.mu.queued >= maxQueuedSteps && !w.mu.closed {
+		if w.mu.room == nil {
+			w.mu.room = make(chan struct{})
+		}
+		room := w.mu.room
+		w.mu.Unlock()
+		w.signal()
+		stopped := false
+		select {
+		case <-room:
+		case <-w.stopped:
+			stopped = true
+		}
+		w.mu.Lock()
+		if stopped {
+			break
+		}
+	}
 	if w.mu.closed && !(w.mu.fencing && e.kind == evHandshake) {
 		err := w.mu.err
 		w.mu.Unlock()
 		return cmp.Or(err, ErrClosed)
 	}
 	w.mu.inbox = append(w.mu.inbox, e)
+	if engine {
+		w.mu.queued++
+	}
 	w.mu.Unlock()
 	w.signal()
 	return nil
+}
+
+// takeInboxLocked takes the inbox, making room for the engine's input
+// waiting for it. Caller holds mu.
+func (w *Worker) takeInboxLocked() []event {
+	inbox := w.mu.inbox
+	w.mu.inbox, w.mu.queued = nil, 0
+	if w.mu.room != nil {
+		close(w.mu.room)
+		w.mu.room = nil
+	}
+	return inbox
 }
 
 func (w *Worker) signal() {
@@ -722,8 +770,7 @@ func (w *Worker) loop() {
 	for {
 		st.wakeups++
 		w.mu.Lock()
-		inbox := w.mu.inbox
-		w.mu.inbox = nil
+		inbox := w.takeInboxLocked()
 		w.mu.Unlock()
 		now := time.Now()
 		// One input at a time, each followed by its effects (and their
@@ -757,8 +804,7 @@ func (w *Worker) loop() {
 			// none can be accepted after this.
 			w.mu.Lock()
 			w.mu.closed, w.mu.fencing = true, true
-			inbox := w.mu.inbox
-			w.mu.inbox = nil
+			inbox := w.takeInboxLocked()
 			w.mu.Unlock()
 			now := time.Now()
 			for i := range inbox {
@@ -827,8 +873,7 @@ func (w *Worker) broke(v any, stack []byte) {
 	err := &internalError{engine: w.cfg.EngineID, tp: l.TPRank, pp: l.PPRank, panic: text}
 	w.mu.Lock()
 	w.mu.closed, w.mu.err = true, err
-	pending := slices.Concat(w.unhandled, w.mu.inbox)
-	w.mu.inbox = nil
+	pending := slices.Concat(w.unhandled, w.takeInboxLocked())
 	w.mu.Unlock()
 	w.unhandled = nil
 	w.metrics.Panic()
@@ -1162,7 +1207,7 @@ func (w *Worker) fenceClose(timer *time.Timer) {
 		w.hsCancel() // handshakes under way end (their answers are refused)
 		w.mu.Lock()
 		w.mu.fencing = false
-		w.mu.inbox = nil
+		_ = w.takeInboxLocked()
 		w.mu.Unlock()
 	}()
 	for st.closeWaits() {
@@ -1173,8 +1218,7 @@ func (w *Worker) fenceClose(timer *time.Timer) {
 		// Handshake answers: a consumer's notice parked until its
 		// engine's handshake says who speaks for its rank.
 		w.mu.Lock()
-		inbox := w.mu.inbox
-		w.mu.inbox = nil
+		inbox := w.takeInboxLocked()
 		w.mu.Unlock()
 		for i := range inbox {
 			st.Step(now, input{kind: inEvent, ev: &inbox[i]})
@@ -1241,6 +1285,20 @@ type rejected struct {
 	local []topology.Span
 }
 
+// MaxIDBytes bounds the ids and addresses of a step's entries (request
+// ids, transfer ids, the peer's engine id, address and request id): the
+// longest string a peer message carries (a peer's decoder refuses a longer
+// one). An entry past it is refused, naming the field.
+const MaxIDBytes = maxWireString
+
+// longID is why s, field of an entry, is too long ("" when it is not).
+func longID(field, s string) string {
+	if len(s) <= MaxIDBytes {
+		return ""
+	}
+	return fmt.Sprintf("%s = %.32q... has %d bytes, want at most %d", field, s, len(s), MaxIDBytes)
+}
+
 // validate checks a step's entries against the layout and returns the
 // metadata to run: meta itself when every entry is good, else a copy
 // without the bad entries (meta is never modified: ranks may share it),
@@ -1295,6 +1353,16 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			field, why = "req_id", "ReqID is empty"
 		case r.Remote.EngineID == "":
 			field, why = "remote.engine_id", "Remote.EngineID is empty"
+		case longID("ReqID", r.ReqID) != "":
+			field, why = "req_id", longID("ReqID", r.ReqID)
+		case longID("TransferID", r.TransferID) != "":
+			field, why = "transfer_id", longID("TransferID", r.TransferID)
+		case longID("Remote.EngineID", r.Remote.EngineID) != "":
+			field, why = "remote.engine_id", longID("Remote.EngineID", r.Remote.EngineID)
+		case longID("Remote.ReqID", r.Remote.ReqID) != "":
+			field, why = "remote.req_id", longID("Remote.ReqID", r.Remote.ReqID)
+		case longID("Remote.Addr", r.Remote.Addr) != "":
+			field, why = "remote.addr", longID("Remote.Addr", r.Remote.Addr)
 		case r.Remote.TPSize < 0:
 			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
 		case r.Remote.PPSize < 0:
@@ -1322,6 +1390,10 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			switch {
 			case s.ReqID == "":
 				field, why = "req_id", "ReqID is empty"
+			case longID("ReqID", s.ReqID) != "":
+				field, why = "req_id", longID("ReqID", s.ReqID)
+			case longID("TransferID", s.TransferID) != "":
+				field, why = "transfer_id", longID("TransferID", s.TransferID)
 			case s.Tokens < 0:
 				field, why = "tokens", fmt.Sprintf("Tokens = %d, want >= 0", s.Tokens)
 			default:

@@ -58,6 +58,7 @@ type config struct {
 	noGates                                                                                             bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns, maxPeerConnsTotal                                       int
+	maxEngineConns, maxEngineConnsPerUID                                                                int
 	maxMemEntries, maxMemEntriesPerUID                                                                  int
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
@@ -71,7 +72,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
 	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to")
 	fs.UintVar(&c.socketMode, "socket-mode", 0o600, "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
-		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns)")
+		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns); "+
+		"an abstract -socket (@name) has no file, and kvxferd applies the mode to each connection's uid and groups itself")
 	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")
 	fs.StringVar(&c.peerAdvertise, "peer-advertise", "", "address peers dial for the Peer service (default: the listener's)")
 	fs.IntVar(&c.rankPortBase, "rank-port-base", 0, "serve one rank of an engine whose ranks are served each by its own server "+
@@ -110,6 +112,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.helloTimeout, "hello-timeout", 10*time.Second, "how long a new worker stream may take to say hello")
 	fs.IntVar(&c.maxStreams, "max-streams", 4096, "engine streams (worker and scheduler streams) open at once, all users; also bounds open schedulers")
 	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid); also bounds one user's open schedulers")
+	fs.IntVar(&c.maxEngineConns, "max-engine-conns", 4096, "connections open at once on the engine socket, all users (one past it is closed at once)")
+	fs.IntVar(&c.maxEngineConnsPerUID, "max-engine-conns-per-uid", 1024, "connections open at once on the engine socket per user (uid)")
 	fs.IntVar(&c.maxMemEntries, "max-memory-entries", 0, "hello.memory entries mapped at once (shared-memory files, CUDA IPC imports), all users; "+
 		"0: a quarter of the open-file limit, at most 16384")
 	fs.IntVar(&c.maxMemEntriesPerUID, "max-memory-entries-per-uid", 0, "hello.memory entries mapped at once per user (uid); 0: half of -max-memory-entries")
@@ -182,9 +186,11 @@ func (c *config) validate() error {
 			return fmt.Errorf("-peer-allow: %w", err)
 		}
 	}
-	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 || c.maxPeerConnsTotal <= 0 {
-		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d: want each > 0",
-			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal)
+	if c.helloTimeout <= 0 || c.maxStreams <= 0 || c.maxStreamsPerUID <= 0 || c.maxPeerConns <= 0 || c.maxPeerConnsTotal <= 0 ||
+		c.maxEngineConns <= 0 || c.maxEngineConnsPerUID <= 0 {
+		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d, "+
+			"-max-engine-conns %d, -max-engine-conns-per-uid %d: want each > 0",
+			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal, c.maxEngineConns, c.maxEngineConnsPerUID)
 	}
 	if c.maxMemEntries < 0 || c.maxMemEntriesPerUID < 0 {
 		return fmt.Errorf("-max-memory-entries %d, -max-memory-entries-per-uid %d: want each >= 0 (0: the default)", c.maxMemEntries, c.maxMemEntriesPerUID)
@@ -676,6 +682,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
+		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID,
 		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
 		OnEnginesChanged: onEngines, PeerLookup: lookup,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
@@ -711,7 +718,16 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if c.ownProcessOnly {
 		engCreds = server.OwnProcessCredentials(func() { srv.Refuse("other_process") })
 	}
-	in.eng = grpc.NewServer(grpc.Creds(engCreds))
+	if abstract(c.socket) && !c.ownProcessOnly {
+		// An abstract socket has no file to hold -socket-mode: the
+		// credentials apply it.
+		mode := os.FileMode(c.socketMode)
+		if mode == 0 {
+			mode = 0o600 // a config made without parseFlags: its default
+		}
+		engCreds = server.ModeCredentials(engCreds, mode, func() { srv.Refuse("socket_mode") })
+	}
+	in.eng = grpc.NewServer(grpc.Creds(srv.BoundEngineConns(engCreds)))
 	srv.RegisterEngine(in.eng)
 	in.hs = health.NewServer()
 	healthpb.RegisterHealthServer(in.eng, in.hs)

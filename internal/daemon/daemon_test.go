@@ -229,6 +229,8 @@ func TestPositiveIntFlags(t *testing.T) {
 	}{
 		{"-max-segments", "KVXFERD_MAX_SEGMENTS", topology.DefaultMaxSegments, func(c *config) int { return c.maxSegments }},
 		{"-max-requests", "KVXFERD_MAX_REQUESTS", kvxfer.DefaultMaxRequests, func(c *config) int { return c.maxRequests }},
+		{"-max-engine-conns", "KVXFERD_MAX_ENGINE_CONNS", 4096, func(c *config) int { return c.maxEngineConns }},
+		{"-max-engine-conns-per-uid", "KVXFERD_MAX_ENGINE_CONNS_PER_UID", 1024, func(c *config) int { return c.maxEngineConnsPerUID }},
 	} {
 		t.Run(tc.flag, func(t *testing.T) {
 			c, err := parseFlags(nil)

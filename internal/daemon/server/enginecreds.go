@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -90,6 +92,113 @@ func (e engineCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo
 	}
 	return c, EngineAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity},
 		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid, Groups: groups}, nil
+}
+
+// ModeCredentials wraps engine credentials (EngineCredentials) so that
+// they accept only the peers a unix socket file of permission mode,
+// owned by this process's effective uid and gid, would let connect (write
+// permission): the owner's bits for a peer of this uid, else the group's
+// for a peer in this gid, else everyone's; uid 0 always. For an abstract
+// socket (kvxferd -socket @name), which has no file and so no
+// permissions: without it, -socket-mode (0600 by default: "only kvxferd's
+// user") was ignored and every local user, in any container of the
+// network namespace, reached the engine services. refused, when set, is
+// called for each connection refused.
+func ModeCredentials(c credentials.TransportCredentials, mode os.FileMode, refused func()) credentials.TransportCredentials {
+	return modeCreds{TransportCredentials: c, mode: mode.Perm(), uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), refused: refused}
+}
+
+type modeCreds struct {
+	credentials.TransportCredentials
+	mode     os.FileMode
+	uid, gid uint32
+	refused  func()
+}
+
+// allows reports whether the mode lets a peer of uid and groups connect.
+func (m modeCreds) allows(uid uint32, groups []uint32) bool {
+	switch {
+	case uid == 0:
+		return true
+	case uid == m.uid:
+		return m.mode&0o200 != 0
+	case slices.Contains(groups, m.gid):
+		return m.mode&0o020 != 0
+	}
+	return m.mode&0o002 != 0
+}
+
+func (m modeCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, ai, err := m.TransportCredentials.ServerHandshake(c)
+	if err != nil {
+		return conn, ai, err
+	}
+	e, ok := ai.(EngineAuthInfo)
+	if !ok || !m.allows(e.UID, e.Groups) {
+		if m.refused != nil {
+			m.refused()
+		}
+		return nil, nil, fmt.Errorf("%w: engine connection of uid %d (process %d): the engine socket's mode %#o lets it not connect",
+			ErrPermission, e.UID, e.PID, m.mode)
+	}
+	return conn, ai, nil
+}
+
+func (m modeCreds) Clone() credentials.TransportCredentials {
+	m.TransportCredentials = m.TransportCredentials.Clone()
+	return m
+}
+
+// BoundEngineConns wraps the engine listener's credentials (those of
+// EngineCredentials or OwnProcessCredentials) so that the connections
+// open at once are bounded, in all and per uid (Config.MaxEngineConns,
+// MaxEngineConnsPerUID): a connection past a bound fails its handshake,
+// is closed by gRPC before it reads a byte of it, and is counted
+// (engine_conns, engine_conns_per_uid). Streams were bounded, not the
+// connections under them: one user could hold connections that opened
+// no stream (never sending even HTTP/2's preface past the handshake)
+// until the daemon ran out of descriptors, and every engine's next
+// connection, and every mapping, failed.
+func (s *Server) BoundEngineConns(c credentials.TransportCredentials) credentials.TransportCredentials {
+	return boundCreds{TransportCredentials: c, l: s.limits}
+}
+
+type boundCreds struct {
+	credentials.TransportCredentials
+	l *limits
+}
+
+func (b boundCreds) ServerHandshake(c net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, ai, err := b.TransportCredentials.ServerHandshake(c)
+	if err != nil {
+		return conn, ai, err
+	}
+	uid := uint32(0)
+	if e, ok := ai.(EngineAuthInfo); ok {
+		uid = e.UID
+	}
+	done, err := b.l.take(&b.l.conns, uid, 1)
+	if err != nil {
+		return nil, nil, fmt.Errorf("server: engine connection of uid %d refused: %w", uid, err)
+	}
+	return &boundConn{Conn: conn, done: done}, ai, nil
+}
+
+func (b boundCreds) Clone() credentials.TransportCredentials {
+	return boundCreds{TransportCredentials: b.TransportCredentials.Clone(), l: b.l}
+}
+
+// boundConn gives its connection's place back once closed.
+type boundConn struct {
+	net.Conn
+	once sync.Once
+	done func()
+}
+
+func (c *boundConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.done)
+	return err
 }
 
 // soPeerGroups is SO_PEERGROUPS (Linux 4.13), the same on every

@@ -185,6 +185,14 @@ type Config struct {
 	// ResourceExhausted. They bound open schedulers (OpenScheduler of a
 	// new engine) the same way, counted apart from streams.
 	MaxStreams, MaxStreamsPerUID int
+	// MaxEngineConns bounds the connections open at once on the engine
+	// listener (default 4096), and MaxEngineConnsPerUID those of one uid
+	// (default 1024): a connection holds a descriptor and the gRPC
+	// transport's buffers whether or not it carries a stream, and one that
+	// never opens any would stay for ever. Past them a connection is
+	// closed as soon as its uid is known (BoundEngineConns), and counted
+	// (engine_conns, engine_conns_per_uid).
+	MaxEngineConns, MaxEngineConnsPerUID int
 	// MaxMemoryEntries bounds the hello.memory entries the daemon holds
 	// mapped at once (shared-memory files and CUDA IPC imports; memory
 	// named by address in the engine's own process maps nothing), in all,
@@ -325,6 +333,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxStreamsPerUID <= 0 {
 		cfg.MaxStreamsPerUID = 1024
 	}
+	if cfg.MaxEngineConns <= 0 {
+		cfg.MaxEngineConns = 4096
+	}
+	if cfg.MaxEngineConnsPerUID <= 0 {
+		cfg.MaxEngineConnsPerUID = 1024
+	}
 	if cfg.MaxMemoryEntries <= 0 {
 		cfg.MaxMemoryEntries = defaultMemoryEntries()
 	}
@@ -354,7 +368,8 @@ func New(cfg Config) (*Server, error) {
 	own := &owners{m: map[string]*owner{}}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
 		limits: &limits{streams: newBudget(cfg.MaxStreams, cfg.MaxStreamsPerUID, "engine streams", "-max-streams", "streams"),
-			mem: newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries")}}
+			mem:   newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries"),
+			conns: newBudget(cfg.MaxEngineConns, cfg.MaxEngineConnsPerUID, "engine connections", "-max-engine-conns", "engine_conns")}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
@@ -762,7 +777,8 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // parse, or was too large; a message that ended a rank's stream: empty, or a
 // second hello), bad_step (a step the rank dropped whole: a step_ref naming
 // no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
-// schedulers and schedulers_per_uid (the same limits on open schedulers), peer_not_allowed
+// schedulers and schedulers_per_uid (the same limits on open schedulers),
+// engine_conns and engine_conns_per_uid (BoundEngineConns), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
 
@@ -775,12 +791,14 @@ func (s *Server) Refuse(reason string) { s.limits.refuse(reason) }
 var ErrLimit = errors.New("limit reached")
 
 // limits bounds what engines hold at once, in all and per uid: their
-// streams (streams, which bound open schedulers too) and the memory
-// entries their ranks hold mapped (mem); and counts refusals by reason.
+// streams (streams, which bound open schedulers too), the memory entries
+// their ranks hold mapped (mem) and their connections (conns); and counts
+// refusals by reason.
 type limits struct {
 	mu      sync.Mutex
 	streams budget
 	mem     budget
+	conns   budget
 	refused map[string]uint64
 }
 
