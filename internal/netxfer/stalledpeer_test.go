@@ -10,6 +10,33 @@ import (
 	"time"
 )
 
+// silentPeer returns the address of a peer that takes one connection
+// and reads nothing from it, ever (until the test ends).
+func silentPeer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		ln.Close()
+		close(stop)
+		<-done
+	})
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		<-stop
+	}()
+	return ln.Addr().String()
+}
+
 // A peer that keeps its connection open but stops reading it (a process
 // frozen, its kernel still acknowledging) cannot hold a sender for ever:
 // a frame not taken within FrameTimeout fails its connection, as the
@@ -17,23 +44,9 @@ import (
 // Notify blocked for good once the socket's buffers were full (and a
 // Worker's loop with it: every request of the rank, and its Close).
 func TestNotifyToStalledPeerIsBounded(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	stop := make(chan struct{})
-	defer close(stop)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		<-stop // reads nothing, ever
-	}()
+	addr := silentPeer(t)
 	a, _ := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true, Conns: 1, FrameTimeout: 300 * time.Millisecond})
-	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + addr))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,24 +120,10 @@ func TestReadAnswerStalledMidFrameFails(t *testing.T) {
 // rank) for up to FrameTimeout, or for as long as a big part took to go
 // out on a slow link.
 func TestNotifyDoesNotWaitBehindStalledPart(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	stop := make(chan struct{})
-	defer close(stop)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		<-stop // reads nothing, ever
-	}()
+	addr := silentPeer(t)
 	const size = 64 << 20 // far past any socket buffer
 	a, _ := newHeapAgent(t, "a", size, Config{DisableLocal: true, DisableSameHost: true, Conns: 1, FrameTimeout: 60 * time.Second})
-	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + ln.Addr().String()))
+	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + addr))
 	if err != nil {
 		t.Fatal(err)
 	}

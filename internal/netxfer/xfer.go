@@ -365,18 +365,9 @@ func (p *peer) dropBrokenLocked() {
 // pending notifications, in order; a failed one drops them.
 func (p *peer) dialFirstLocked() (*firstDial, error) {
 	a := p.owner
-	a.mu.Lock()
-	if a.mu.closed {
-		a.mu.Unlock()
-		return nil, ErrClosed
-	}
-	a.wg.Add(1)
-	a.mu.Unlock()
 	d := &firstDial{done: make(chan struct{})}
-	p.first = d
 	local := p.tryLocal()
-	go func() {
-		defer a.wg.Done()
+	err := a.goCounted(func() {
 		c, noLocal, err := p.dial(local)
 		p.mu.Lock()
 		p.first = nil
@@ -400,7 +391,11 @@ func (p *peer) dialFirstLocked() (*firstDial, error) {
 			a.log.Debug("netxfer: notifications dropped: no connection", "peer", p.name, "notifications", len(q), "err", err)
 		}
 		close(d.done)
-	}()
+	})
+	if err != nil {
+		return nil, err
+	}
+	p.first = d // (p.mu held: the dial's end, which takes it, comes after)
 	return d, nil
 }
 
@@ -489,17 +484,8 @@ func (p *peer) tryLocal() bool { return p.uaddr != "" && !p.noLocal }
 // it to the peer's (p.mu held; the peer has one already).
 func (p *peer) dialMore() {
 	a := p.owner
-	a.mu.Lock()
-	if a.mu.closed {
-		a.mu.Unlock()
-		return
-	}
-	a.wg.Add(1)
-	a.mu.Unlock()
-	p.dialing = true
 	local := p.tryLocal()
-	go func() {
-		defer a.wg.Done()
+	p.dialing = a.goCounted(func() {
 		c, noLocal, err := p.dial(local)
 		p.mu.Lock()
 		defer p.mu.Unlock()
@@ -513,7 +499,7 @@ func (p *peer) dialMore() {
 		default:
 			p.conns = append(p.conns, c)
 		}
-	}()
+	}) == nil // (p.mu held: the dial's end, which takes it, comes after)
 }
 
 // dial opens a connection to the peer: on the same-host path first when
@@ -671,17 +657,11 @@ func (c *conn) queueNotifs(q [][]byte) {
 		c.nqBytes += len(f)
 	}
 	if !c.flushing {
-		a := c.p.owner
-		a.mu.Lock()
-		if a.mu.closed {
-			a.mu.Unlock()
+		if c.p.owner.goCounted(c.flushNotifs) != nil {
 			c.nq, c.nqBytes = nil, 0
 			return
 		}
-		a.wg.Add(1)
-		a.mu.Unlock()
 		c.flushing = true
-		go c.flushNotifs()
 	}
 }
 
@@ -715,16 +695,10 @@ func (c *conn) writeNotif(frame []byte) error {
 			ErrXferFailed, c.p.name, c.nqBytes, maxNotifQueue)
 	}
 	if !c.flushing {
-		a := c.p.owner
-		a.mu.Lock()
-		if a.mu.closed {
-			a.mu.Unlock()
-			return ErrClosed
+		if err := c.p.owner.goCounted(c.flushNotifs); err != nil {
+			return err
 		}
-		a.wg.Add(1)
-		a.mu.Unlock()
 		c.flushing = true
-		go c.flushNotifs()
 	}
 	c.nq = append(c.nq, frame)
 	c.nqBytes += len(frame)
@@ -734,7 +708,6 @@ func (c *conn) writeNotif(frame []byte) error {
 // flushNotifs writes the queued notifications, in order, until none is
 // left (one goroutine per connection at a time: c.flushing).
 func (c *conn) flushNotifs() {
-	defer c.p.owner.wg.Done()
 	for {
 		c.lockWrite()
 		c.nmu.Lock()
@@ -911,6 +884,12 @@ func (a *Agent) startOneSided(x *xfer) bool {
 // many transfers (the Worker's loop) never waits for one transfer's bytes
 // to reach the wire.
 func (a *Agent) goStart(x *xfer) error {
+	return a.goCounted(func() { a.start(x) })
+}
+
+// goCounted runs f on a goroutine Close waits for, or reports ErrClosed
+// (the agent closed: f does not run).
+func (a *Agent) goCounted(f func()) error {
 	a.mu.Lock()
 	if a.mu.closed {
 		a.mu.Unlock()
@@ -920,7 +899,7 @@ func (a *Agent) goStart(x *xfer) error {
 	a.mu.Unlock()
 	go func() {
 		defer a.wg.Done()
-		a.start(x)
+		f()
 	}()
 	return nil
 }
