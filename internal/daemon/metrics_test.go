@@ -145,27 +145,14 @@ func TestReattachedRankStatsNotRepeated(t *testing.T) {
 	startTest(t, c)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	mp, err := shm.Create(c.shmDir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	cc, hello := oneRankEngine(t, c)
 	for round := 1; round <= 2; round++ {
 		sctx, scancel := context.WithCancel(ctx)
 		st, err := pb.NewWorkerServiceClient(cc).Connect(sctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		hello := &pb.WorkerHello{EngineId: "E1", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(&l), CompatHash: "m",
-			MaxMessageBytes: stream.DefaultMaxMessage, Memory: []*pb.SharedMemory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}
-		if err := st.Send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}}); err != nil {
+		if err := st.Send(hello); err != nil {
 			t.Fatal(err)
 		}
 		if m, err := st.Recv(); err != nil || m.GetReady() == nil {
@@ -293,6 +280,27 @@ func TestMetricsConnectionsBounded(t *testing.T) {
 	http.DefaultClient.CloseIdleConnections()
 }
 
+// oneRankEngine is a client of c's engine socket and the hello of engine
+// E1's one rank (push, one 1 KiB memory file it creates), both closed
+// with the test.
+func oneRankEngine(t *testing.T, c *config) (*grpc.ClientConn, *pb.ConnectRequest) {
+	t.Helper()
+	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	mp, err := shm.Create(c.shmDir, "kv", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mp.Close() })
+	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
+		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
+	return cc, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: &pb.WorkerHello{EngineId: "E1", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(&l),
+		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage, Memory: []*pb.SharedMemory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}}}
+}
+
 // syncBuffer is a log destination safe for concurrent writers.
 type syncBuffer struct {
 	mu sync.Mutex
@@ -385,20 +393,7 @@ func TestStreamAndPeerRefusalsCounted(t *testing.T) {
 		t.Errorf(`kvxfer_refused_total{reason="bad_handshake"} = %v, want 1`, v)
 	}
 
-	cc, err := grpc.NewClient("unix://"+c.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	mp, err := shm.Create(c.shmDir, "kv", 1024)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mp.Close()
-	l := topology.Layout{TPSize: 1, PPSize: 1, TotalKVHeads: 1, HeadSize: 4, ElemBytes: 2, KVLayout: topology.LayoutHND, Packing: topology.PackedKV,
-		LogicalBlockSize: 16, KernelBlockSize: 16, Regions: []topology.Region{{Kind: topology.KindFullAttention, Base: 1 << 20, BlockLen: 256, NumBlocks: 4}}}
-	hello := &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: &pb.WorkerHello{EngineId: "E1", Mode: pb.Mode_MODE_PUSH, Layout: stream.LayoutToProto(&l),
-		CompatHash: "m", MaxMessageBytes: stream.DefaultMaxMessage, Memory: []*pb.SharedMemory{{Path: filepath.Join(c.shmDir, "kv"), Base: 1 << 20, Size: 1024}}}}}
+	cc, hello := oneRankEngine(t, c)
 	open := func() pb.WorkerService_ConnectClient {
 		t.Helper()
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
