@@ -32,10 +32,14 @@ func TestDrainNotifsKeepsNothing(t *testing.T) {
 		}
 		got = b.b.DrainNotifs(got)
 	}
+	// (NIXL does not keep notifications in order across UCX's workers:
+	// each arrives once, in any order.)
+	seen := make([]bool, n)
 	for i, x := range got {
-		if len(x.Msg) != 1<<20 || x.Msg[0] != byte(i) || x.From != a.b.Name() {
-			t.Fatalf("notification %d: %d bytes of %d from %s", i, len(x.Msg), x.Msg[0], x.From)
+		if len(x.Msg) != 1<<20 || int(x.Msg[0]) >= n || seen[x.Msg[0]] || x.From != a.b.Name() {
+			t.Fatalf("notification %d: %d bytes of %d from %s (a repeat, or not one sent)", i, len(x.Msg), x.Msg[0], x.From)
 		}
+		seen[x.Msg[0]] = true
 	}
 	b.b.mu.Lock()
 	held := 0
