@@ -81,15 +81,18 @@ func (p *stallProxy) accept() {
 func (p *stallProxy) forward(from, to net.Conn) {
 	defer func() { _ = to.Close() }()
 	// Armed, it forwards all but the last hold bytes it was sent, and
-	// keeps those until released: the frame stops short of its end.
-	const hold = 256
+	// keeps those until released: the frame stops short of its end. It
+	// starts at the first read of more than a hello's longest message
+	// (versionBound's first, at most 611 bytes): a frame's payload, not a
+	// connection's hello, is what stalls.
+	const hold, hello = 256, 1024
 	buf := make([]byte, 1<<20)
 	var held []byte
 	for {
 		n, err := from.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			armed := p.armed
+			armed := p.armed && (held != nil || n > hello)
 			if armed && held == nil {
 				p.stalled++
 			}

@@ -1,6 +1,7 @@
 package netxfer
 
 import (
+	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
@@ -72,7 +73,9 @@ type Notif struct {
 
 // Config configures an Agent. Zero fields mean the defaults.
 type Config struct {
-	// Name is the agent's unique name (default: random).
+	// Name is the agent's unique name (default: random). The agent's
+	// name at its peers (Agent.Name) is Name followed by its key's tag
+	// (see bind.go), at most maxName bytes in all.
 	Name string
 	// Listen is the TCP address for peers (default "127.0.0.1:0").
 	Listen string
@@ -144,6 +147,10 @@ type Config struct {
 	// hellos (its same-host socket's name lacks identMark, it refuses
 	// such hellos and sends none).
 	noIdent bool
+	// noBind makes the agent act as a build from before bound names (see
+	// bind.go): its name is Name as given, it sends no versionBound hello
+	// and refuses one. noIdent implies it.
+	noBind bool
 }
 
 // WireEvent is a point of a WRITE part's way between two agents
@@ -177,9 +184,13 @@ type Agent struct {
 	cfg Config
 	// inc names this agent's incarnation in its hellos (versionIdent): a
 	// process that restarts under the same name is told apart by it.
-	inc  string
-	ln   net.Listener
-	addr string
+	inc string
+	// pub and priv: the key pair its bound name is of (nil: noBind).
+	pub          ed25519.PublicKey
+	priv         ed25519.PrivateKey
+	bindFailures atomic.Uint64
+	ln           net.Listener
+	addr         string
 	// uln and uaddr: the same-host socket (nil and "" without one).
 	uln        net.Listener
 	uaddr      string
@@ -274,8 +285,9 @@ func New(cfg Config) (*Agent, error) {
 		_, _ = rand.Read(b[:])
 		cfg.Name = "netxfer-" + hex.EncodeToString(b[:])
 	}
-	if strings.ContainsAny(cfg.Name, "\n") || len(cfg.Name) > maxName {
-		return nil, fmt.Errorf("netxfer: Config.Name %q: want one line of at most %d bytes", cfg.Name, maxName)
+	cfg.noBind = cfg.noBind || cfg.noIdent
+	if n := maxName - boundTagLen; strings.ContainsAny(cfg.Name, "\n") || len(cfg.Name) > n {
+		return nil, fmt.Errorf("netxfer: Config.Name %q: want one line of at most %d bytes", cfg.Name, n)
 	}
 	if cfg.Listen == "" {
 		cfg.Listen = "127.0.0.1:0"
@@ -297,7 +309,7 @@ func New(cfg Config) (*Agent, error) {
 	if local.agents == nil {
 		local.agents = map[string]*Agent{}
 	}
-	if local.agents[cfg.Name] != nil {
+	if cfg.noBind && local.agents[cfg.Name] != nil {
 		return nil, fmt.Errorf("netxfer: an agent named %q already exists in this process", cfg.Name)
 	}
 	ln, err := net.Listen("tcp", cfg.Listen)
@@ -308,6 +320,9 @@ func New(cfg Config) (*Agent, error) {
 	var inc [12]byte
 	_, _ = rand.Read(inc[:])
 	a := &Agent{cfg: cfg, ln: ln, addr: cfg.Advertise, log: cfg.Logger, events: make(chan struct{}, 1), inc: hex.EncodeToString(inc[:])}
+	if !cfg.noBind {
+		a.bindName()
+	}
 	if a.addr == "" {
 		a.addr = ln.Addr().String()
 	}
@@ -324,7 +339,7 @@ func New(cfg Config) (*Agent, error) {
 			a.log.Debug("netxfer: no same-host socket", "err", err)
 		}
 	}
-	local.agents[cfg.Name] = a
+	local.agents[a.cfg.Name] = a
 	a.wg.Add(1)
 	go a.accept(a.ln)
 	if a.uln != nil {
@@ -350,7 +365,8 @@ func (a *Agent) SameHostParts() uint64 { return a.localParts.Load() }
 // agent as layouts (PostLayout) rather than as their pieces.
 func (a *Agent) LayoutParts() uint64 { return a.layoutParts.Load() }
 
-// Name returns the agent's name.
+// Name returns the agent's name: Config.Name and its key's tag (a bound
+// name, see bind.go).
 func (a *Agent) Name() string { return a.cfg.Name }
 
 // Addr returns the address peers dial.

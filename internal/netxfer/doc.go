@@ -69,6 +69,14 @@
 // from 1 again. A WRITE's notification goes to the peer it was posted
 // to, even once its name was loaded again for another agent.
 //
+// Names are bound to keys (bind.go): an agent's name ends with a tag of
+// the public key it made when it started, and over TCP both ends of a
+// connection between agents with bound names prove they hold their
+// names' keys, the server also that it is the agent the dialer meant. A
+// peer that holds the secret or a certificate of the CA still cannot
+// speak as another agent, be dialed in its place, or relay a connection
+// meant for it to another agent.
+//
 // # Safety
 //
 // Every remote range a peer names is checked against the regions

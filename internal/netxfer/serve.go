@@ -95,7 +95,8 @@ func (a *Agent) serve(raw net.Conn) {
 	if err := readFull(r, hdr[:7]); err != nil {
 		return
 	}
-	if string(hdr[:4]) != magic || hdr[4] != version && (hdr[4] != versionIdent || a.cfg.noIdent) {
+	bound := hdr[4] == versionBound && !isLocal && !a.cfg.noBind
+	if string(hdr[:4]) != magic || hdr[4] != version && (hdr[4] != versionIdent || a.cfg.noIdent) && !bound {
 		a.log.Warn("netxfer: refused a connection", "from", nc.RemoteAddr(), "reason", "bad hello")
 		return
 	}
@@ -107,7 +108,19 @@ func (a *Agent) serve(raw net.Conn) {
 	if err := readFull(r, name); err != nil {
 		return
 	}
-	if hdr[4] == versionIdent {
+	switch {
+	case bound:
+		var err error
+		if inc, err = a.boundServe(nc, r, hdr[:7], name); err != nil {
+			a.refuseHello(nc, name, err)
+			return
+		}
+	case isBound(string(name)) && !isLocal && !a.cfg.noBind:
+		// A bound name is given only with its proof (on TCP; the
+		// same-host socket's peer is kvxferd's own user).
+		a.refuseHello(nc, name, fmt.Errorf("its hello gives a bound name without proving it holds its key"))
+		return
+	case hdr[4] == versionIdent:
 		// The agent the dialer means, by its same-host socket's name (its
 		// process's own): another that listened at this address before
 		// (a process restarted at the same port) is not this one.

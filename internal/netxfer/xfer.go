@@ -551,6 +551,15 @@ func (p *peer) dial(local bool) (c *conn, noLocal bool, err error) {
 			return nil, noLocal, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 		}
 	}
+	if a.priv != nil && isBound(p.name) {
+		// Both names bound: each side proves it holds its name's key.
+		if err := p.boundDial(nc); err != nil {
+			_ = nc.Close()
+			return nil, noLocal, err
+		}
+		c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
+		return c, noLocal, err
+	}
 	hello := helloFrame(a.cfg.Name)
 	if p.ident != "" {
 		hello = identHello(a.cfg.Name, p.ident, a.inc)
