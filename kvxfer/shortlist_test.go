@@ -1,6 +1,7 @@
 package kvxfer_test
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -14,10 +15,15 @@ import (
 // lists hold, so the consumer's blocks past the short list would keep
 // what they held and be reported loaded. Both sides fail the request
 // (FailureSetup, naming the lists' tokens), the refusal is counted, and
-// a good request beside it moves.
+// a good request beside it moves. A producer that says nothing of the
+// tokens it holds (Tokens 0) must hold the consumer's whole list.
 func TestShortProducerListRefused(t *testing.T) {
-	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-		t.Run(mode.String(), func(t *testing.T) {
+	for _, tc := range []struct {
+		mode   kvxfer.Mode
+		tokens int
+	}{{kvxfer.ModePush, 40}, {kvxfer.ModePull, 40}, {kvxfer.ModePush, 0}, {kvxfer.ModePull, 0}} {
+		mode := tc.mode
+		t.Run(fmt.Sprintf("%s/tokens=%d", mode, tc.tokens), func(t *testing.T) {
 			inSynctest(t, func(t *testing.T) {
 				x := newPair(t, mode, 1, 1, nil)
 				if len(x.groups) != 1 {
@@ -31,9 +37,9 @@ func TestShortProducerListRefused(t *testing.T) {
 				}
 				// Its first block only, for 40 tokens.
 				short := []topology.Span{{Start: s.Blocks[0].Start, IDs: s.Blocks[0].IDs[:1]}}
-				s.Blocks = short
+				s.Blocks, s.Tokens = short, tc.tokens
 				if mode == kvxfer.ModePull {
-					r.Remote.Blocks = short
+					r.Remote.Blocks, r.Remote.Tokens = short, tc.tokens
 				}
 				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute)), r}})
 				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), s}})

@@ -442,16 +442,20 @@ func (g *GroupPlan) Align(src, dst Span, tokens int) (s0, d0, n int, err error) 
 // receiver that takes its whole list as filled needs this too, or the
 // blocks past a short source list keep what they held. A window's list
 // starts where its window does, so only its end is checked; Mamba state
-// pairs by TrimSSM's rule and is not checked here. tokens = 0 checks
-// nothing.
+// pairs by TrimSSM's rule and is not checked here. tokens = 0 (the
+// source says nothing of what it holds) bounds nothing: the source must
+// then hold the destination's whole list.
 func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
-	if tokens <= 0 || g.Kind == KindMamba {
+	if g.Kind == KindMamba {
 		return nil
 	}
 	m := g.UnitTokens
 	sEnd := src.Start + len(src.IDs)*g.SrcPPL*g.SrcUnits*m
 	dEnd := dst.Start + len(dst.IDs)*g.DstPPL*g.DstUnits*m
-	need := min(dEnd, (min(tokens, maxStart)+m-1)/m*m)
+	need := dEnd
+	if tokens > 0 {
+		need = min(dEnd, (min(tokens, maxStart)+m-1)/m*m)
+	}
 	if need <= dst.Start {
 		return nil
 	}
