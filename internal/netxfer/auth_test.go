@@ -118,21 +118,7 @@ func TestUnauthenticatedClientRefused(t *testing.T) {
 		h = binary.LittleEndian.AppendUint16(h, uint16(len(name)))
 		return append(h, name...)
 	}
-	write := func(name string) []byte {
-		w := append(hello(name), tWrite)
-		w = binary.LittleEndian.AppendUint64(w, 1)
-		w = binary.LittleEndian.AppendUint32(w, 0)
-		w = binary.LittleEndian.AppendUint32(w, 1)
-		w = binary.LittleEndian.AppendUint32(w, 1)
-		w = binary.LittleEndian.AppendUint32(w, 0)
-		w = binary.LittleEndian.AppendUint64(w, base)
-		w = binary.LittleEndian.AppendUint64(w, 8)
-		w = append(w, "XXXXXXXX"...)
-		m := []byte("forged")
-		w = append(w, tNotif)
-		w = binary.LittleEndian.AppendUint32(w, uint32(len(m)))
-		return append(w, m...)
-	}
+	write := func(name string) []byte { return append(hello(name), rawWrite()...) }
 	drained := func(nc net.Conn) {
 		_ = nc.SetReadDeadline(time.Now().Add(10 * time.Second))
 		buf := make([]byte, 4096)

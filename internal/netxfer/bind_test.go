@@ -247,34 +247,3 @@ func TestRelayedHelloRefused(t *testing.T) {
 		t.Errorf("the third agent's bind failures: %d, want %d", c.BindFailures(), fails+1)
 	}
 }
-
-// Agents of a build from before bound names and new ones reach each
-// other both ways (the old one's name is taken as given).
-func TestBoundNamesOlderBuild(t *testing.T) {
-	const size = 1 << 12
-	nb, nm := newHeapAgent(t, "new", size, Config{DisableLocal: true, Conns: 2})
-	ob, om := newHeapAgent(t, "old", size, Config{DisableLocal: true, Conns: 2, noBind: true})
-	if !isBound(nb.Name()) || isBound(ob.Name()) {
-		t.Fatalf("names %q and %q", nb.Name(), ob.Name())
-	}
-	for _, d := range []struct {
-		from, to *Agent
-		fm, tm   []byte
-	}{{nb, ob, nm, om}, {ob, nb, om, nm}} {
-		name, err := d.from.LoadPeer(d.to.Metadata())
-		if err != nil {
-			t.Fatal(err)
-		}
-		fill(d.fm, uint64(len(name)))
-		id, err := d.from.Post(Write, name, []Desc{{base, base, size}}, []byte("n"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if s, err := wait(t, d.from, id); s != Done {
-			t.Fatalf("%s to %s: %v (%v)", d.from.Name(), d.to.Name(), s, err)
-		}
-		if !bytes.Equal(d.fm, d.tm) {
-			t.Fatalf("%s to %s: bytes differ", d.from.Name(), d.to.Name())
-		}
-	}
-}
