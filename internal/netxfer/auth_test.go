@@ -196,6 +196,10 @@ func FuzzServeHello(f *testing.F) {
 	f.Add([]byte("KVXN\x01\x04\x00evil\x01"), true)
 	f.Add([]byte("KVXA\x01\x04data\x04evil"), true)
 	f.Add([]byte("KVXN\x01\x04\x00evil\x03\x02\x00\x00\x00hi"), false)
+	// A bound hello (versionBound) for an agent this is not, by a name
+	// that is not the key's, and with a proof of zeros.
+	f.Add(append([]byte("KVXN\x03\x04\x00evil\x06\x00target\x01\x00i"), make([]byte, 32+32+64)...), false)
+	f.Add(append([]byte("KVXN\x03\x25\x00evil~0123456789abcdef0123456789abcdef\x00\x00\x00\x00"), make([]byte, 32+32+64)...), false)
 	a1, err := New(Config{Name: "fuzz-auth", DisableLocal: true, Auth: auth(f, "0123456789abcdef-fuzz"), FrameTimeout: 100 * time.Millisecond})
 	if err != nil {
 		f.Fatal(err)
