@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -369,4 +370,172 @@ func pushProducerBackAtOnce(t *testing.T, wait time.Duration) {
 		transferOnce(t, P2, D, p2.Peer, fmt.Sprintf("new%d", i), blocks(i), 10*time.Second, "after P's restart, in the ended requests' blocks")
 	}
 	settled(t, "D's daemon", dMetrics, baseline, 10)
+}
+
+// attachAgain attaches engine id again to daemon d once the daemon has let
+// its crashed ranks go (a hello for a rank still being let go is refused),
+// its stale memory file removed first, as an engine restarting does.
+func attachAgain(t *testing.T, dir string, d *daemontest.Proc, id string, eng int, mode kvxfer.Mode) *simengine.Engine {
+	t.Helper()
+	m := simModel
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		_ = os.Remove(filepath.Join(dir, id+"-tp0"))
+		e, err := simengine.Attach(simengine.Config{Dir: dir, Sock: d.Sock, Peer: d.Peer, ID: id, Model: &m, Engine: simEngine(eng, 1),
+			Mode: mode, Version: "test"})
+		if err == nil {
+			return e
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("engine %s not attached again within 20 s: %v", id, err)
+		}
+	}
+}
+
+// P's engine crashes (its rank stream drops without a bye; its daemon
+// stays) while D's requests are in flight: in push, registered with P and
+// finished by P's engine just before (their WRITEs may be under way); in
+// pull, held by P and being read by D. It attaches again under the same
+// id. Each of D's requests ends once within 15 s, and one done holds its
+// own bytes; P's crashed requests are not reported to anyone (their
+// engine is gone). New requests that reuse the very blocks on both sides
+// are done with their own bytes, never an old request's, and D's daemon
+// holds nothing of the old requests afterwards. (The transfers here are
+// small: most are done before the crash lands.) Before, in push, the
+// first new request failed ("dial ...: connection refused"): P's rank,
+// attached again within a second of D's handshake, was at a new agent, and
+// D took its handshake as fresh.
+func TestProducerEngineCrashesMidTransfer(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			dir := world(t)
+			dMetrics := freeAddr(t)
+			p := startDaemon(t, dir, "P")
+			d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
+			P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, mode)
+			D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, mode)
+			defer D.Close()
+			once := func(P *simengine.Engine, id string, ids []topology.BlockID, when string) {
+				if mode == kvxfer.ModePush {
+					transferOnce(t, P, D, p.Peer, id, ids, 15*time.Second, when)
+				} else {
+					pullOnce(t, P, D, id, ids, 15*time.Second, when)
+				}
+			}
+			once(P, "warm", []topology.BlockID{14, 15}, "before the crash")
+			baseline := metricsOf(t, dMetrics)["go_goroutines"]
+			blocks := func(i int) []topology.BlockID {
+				return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
+			}
+			var dIDs []string
+			for i := range 4 {
+				id := string(rune('a' + i))
+				dIDs = append(dIDs, "d-"+id)
+				if mode == kvxfer.ModePush {
+					registerD(t, D, "d-"+id, "t-"+id, p.Peer, blocks(i))
+					continue
+				}
+				params := finishPull(t, P, "p-"+id, "t-"+id, blocks(i))
+				readPull(t, D, "d-"+id, params, blocks(i))
+			}
+			if mode == kvxfer.ModePush {
+				time.Sleep(200 * time.Millisecond) // the registrations reach P
+				for i := range 4 {
+					id := string(rune('a' + i))
+					finishP(t, P, "p-"+id, "t-"+id, blocks(i))
+				}
+				if err := P.Step(P.Sched.BuildMeta()); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := P.Crash(); err != nil {
+				t.Fatal(err)
+			}
+			crashed := time.Now()
+			P = attachAgain(t, dir, p, "P", 1, mode)
+			defer P.Close()
+			t.Logf("P's engine attached again %v after its crash", time.Since(crashed).Round(time.Millisecond))
+			got := outcomesOf(t, D, 15*time.Second, dIDs...)
+			for i, id := range dIDs {
+				o, ok := got[id]
+				switch {
+				case !ok:
+					t.Errorf("D %s: no outcome within 15 s of P's engine crash", id)
+				case o.Result == kvxfer.ResultDone:
+					wantBytes(t, D, "t-"+id[2:], blocks(i))
+				case o.Kind == kvxfer.FailureNone:
+					t.Errorf("D %s: %+v names no failure kind", id, o)
+				}
+			}
+			t.Logf("D's requests ended %v after the crash: %v", time.Since(crashed).Round(time.Millisecond), got)
+			for i := range 4 {
+				once(P, fmt.Sprintf("new%d", i), blocks(i), "after P's engine came back, in the old requests' blocks")
+			}
+			settled(t, "D's daemon", dMetrics, baseline, 10)
+		})
+	}
+}
+
+// Pull: P's engine crashes while it holds a request D has not read yet,
+// and attaches again under the same id; the new engine holds a new
+// request in the very same blocks (other bytes) when D's READ of the old
+// request comes, naming the old request and those blocks. D must not get
+// the new request's bytes for the old one: the old request ends not done
+// (or, were it done, with its own bytes, which no longer exist), and the
+// new one is done with its own bytes.
+func TestPullReadOfCrashedHoldMeetsNewHold(t *testing.T) {
+	for _, named := range []bool{true, false} {
+		t.Run(fmt.Sprintf("producer-id-named-%v", named), func(t *testing.T) { pullReadOfCrashedHold(t, named) })
+	}
+}
+
+func pullReadOfCrashedHold(t *testing.T, named bool) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePull)
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePull)
+	defer D.Close()
+	pullOnce(t, P, D, "warm", []topology.BlockID{14, 15}, 15*time.Second, "before the crash")
+	ids := []topology.BlockID{0, 1}
+	old := finishPull(t, P, "p-a", "t-a", ids)
+	if !named {
+		old.RemoteRequestID = ""
+	}
+	time.Sleep(100 * time.Millisecond)
+	if err := P.Crash(); err != nil {
+		t.Fatal(err)
+	}
+	P = attachAgain(t, dir, p, "P", 1, kvxfer.ModePull)
+	defer P.Close()
+	// The new engine's request in the same blocks; its id and transfer
+	// id are its own, as a restarted engine's are.
+	fresh := finishPull(t, P, "p-b", "t-b", ids)
+	time.Sleep(100 * time.Millisecond) // P's rank holds it
+	readPull(t, D, "d-a", old, []topology.BlockID{2, 3})
+	o, ok := outcomesOf(t, D, 15*time.Second, "d-a")["d-a"]
+	switch {
+	case !ok:
+		t.Fatal("D's read of the crashed hold: no outcome within 15 s")
+	case o.Result == kvxfer.ResultDone:
+		req := kvsimReq("t-a", ids, []topology.BlockID{2, 3})
+		if err := D.Ranks[0].CheckRequest(req, 16, 16); err != nil {
+			t.Errorf("D's read of the crashed hold is done with bytes not its own (the new hold's?): %v", err)
+		}
+		if D.Ranks[0].CheckRequest(kvsimReq("t-b", ids, []topology.BlockID{2, 3}), 16, 16) == nil {
+			t.Error("D's read of the crashed hold got the new hold's bytes: KV cross-wired between requests")
+		}
+	}
+	t.Logf("D's read of the crashed hold: %+v", o)
+	pOut := make(chan kvxfer.Outcome, 1)
+	go func() { pOut <- outcomesOf(t, P, 15*time.Second, "p-b")["p-b"] }()
+	readPull(t, D, "d-b", fresh, []topology.BlockID{4, 5})
+	if o := outcomesOf(t, D, 15*time.Second, "d-b")["d-b"]; o.Result != kvxfer.ResultDone {
+		t.Fatalf("D's read of the new hold: %+v, want done", o)
+	}
+	if err := D.Ranks[0].CheckRequest(kvsimReq("t-b", ids, []topology.BlockID{4, 5}), 16, 16); err != nil {
+		t.Errorf("D's read of the new hold done with wrong bytes: %v", err)
+	}
+	if o := <-pOut; o.Result != kvxfer.ResultDone {
+		t.Errorf("P's new hold: %+v, want done", o)
+	}
 }

@@ -175,6 +175,25 @@ func (e *Engine) Fold(rank int, f *kvxfer.Finished) (*kvxfer.Finished, error) {
 	return out, nil
 }
 
+// Crash drops every rank's stream without a bye, as an engine process
+// that dies does (its connections close at once), and unmaps its memory
+// files, which stay: the daemon still maps them until it has let the
+// ranks go, and an engine that restarts removes them first.
+func (e *Engine) Crash() error {
+	var errs []error
+	for _, c := range e.clients {
+		if err := c.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, m := range e.maps {
+		if err := m.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // Close says bye on every rank (the daemon reports what is left and
 // detaches it; those last reports are discarded), closes the connection
 // and removes the shared memory. The ranks' Finished channels are closed
