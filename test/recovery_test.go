@@ -539,3 +539,82 @@ func pullReadOfCrashedHold(t *testing.T, named bool) {
 		t.Errorf("P's new hold: %+v, want done", o)
 	}
 }
+
+// D's engine crashes (its rank stream drops without a bye; its daemon
+// stays) with requests in flight: in push, registered with P and
+// finished by P's engine just before; in pull, held by P (a 3 s lease)
+// and read by D just before. It attaches again under the same id. Each of
+// P's requests ends once within its bound, P's blocks given back; new
+// requests that reuse the very blocks on both sides are done with their
+// own bytes.
+func TestConsumerEngineCrashesMidTransfer(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			dir := world(t)
+			pMetrics := freeAddr(t)
+			p := startDaemon(t, dir, "P", "-metrics-listen", pMetrics)
+			d := startDaemon(t, dir, "D")
+			m := simModel
+			P, err := simengine.Attach(simengine.Config{Dir: dir, Sock: p.Sock, Peer: p.Peer, ID: "P", Model: &m, Engine: simEngine(1, 1),
+				Mode: mode, Version: "test", Lease: 3 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer P.Close()
+			D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, mode)
+			once := func(D *simengine.Engine, id string, ids []topology.BlockID, when string) {
+				if mode == kvxfer.ModePush {
+					transferOnce(t, P, D, p.Peer, id, ids, 15*time.Second, when)
+				} else {
+					pullOnce(t, P, D, id, ids, 15*time.Second, when)
+				}
+			}
+			once(D, "warm", []topology.BlockID{14, 15}, "before the crash")
+			baseline := metricsOf(t, pMetrics)["go_goroutines"]
+			blocks := func(i int) []topology.BlockID {
+				return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
+			}
+			var pIDs []string
+			for i := range 4 {
+				id := string(rune('a' + i))
+				pIDs = append(pIDs, "p-"+id)
+				if mode == kvxfer.ModePush {
+					registerD(t, D, "d-"+id, "t-"+id, p.Peer, blocks(i))
+					continue
+				}
+				params := finishPull(t, P, "p-"+id, "t-"+id, blocks(i))
+				readPull(t, D, "d-"+id, params, blocks(i))
+			}
+			if mode == kvxfer.ModePush {
+				time.Sleep(200 * time.Millisecond) // the registrations reach P
+				for i := range 4 {
+					id := string(rune('a' + i))
+					finishP(t, P, "p-"+id, "t-"+id, blocks(i))
+				}
+				if err := P.Step(P.Sched.BuildMeta()); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := D.Crash(); err != nil {
+				t.Fatal(err)
+			}
+			crashed := time.Now()
+			within := 3*time.Second + 12*time.Second // the lease, and the D Worker's close (10 s) with slack
+			got := outcomesOf(t, P, within, pIDs...)
+			for _, id := range pIDs {
+				if o, ok := got[id]; !ok {
+					t.Errorf("P %s: no outcome within %v of D's engine crash", id, within)
+				} else if o.Result != kvxfer.ResultDone && o.Kind == kvxfer.FailureNone {
+					t.Errorf("P %s: %+v names no failure kind", id, o)
+				}
+			}
+			t.Logf("P's requests ended %v after the crash: %v", time.Since(crashed).Round(time.Millisecond), got)
+			D = attachAgain(t, dir, d, "D", 2, mode)
+			defer D.Close()
+			for i := range 4 {
+				once(D, fmt.Sprintf("new%d", i), blocks(i), "after D's engine came back, in the old requests' blocks")
+			}
+			settled(t, "P's daemon", pMetrics, baseline, 10)
+		})
+	}
+}
