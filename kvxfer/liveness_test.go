@@ -203,3 +203,59 @@ func TestRestartFoundByARequestFailsWaitingOnes(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Without data-plane grants (NIXL; here the built-in backend with
+// OpenDataPlane), a pull consumer request whose params come from a
+// producer that then restarted, and whose READ therefore finds the old
+// agent gone, is not read from the new producer after the new handshake:
+// nothing would refuse a READ of the blocks its params name, which the
+// new producer holds for another request. Before, the request handshook
+// again, READ those blocks and was reported done with the other
+// request's KV.
+func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second }
+	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
+	defer d.close(t)
+	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	groups := d.ranks[0][0].Layout.GroupList()
+	dPool := newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
+	pPool := func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
+	now := time.Now()
+	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
+	p.ranks[0][0].Fill(q0.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	awaitOutcomes(t, 2, p, d) // D's handshake with P is loaded
+	// P holds request a; its params go to D, which reads them late.
+	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+	p.ranks[0][0].Fill(qa.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
+	time.Sleep(100 * time.Millisecond)
+	p.close(t)
+	for _, b := range p.backends {
+		_ = b.Close() // the old agents are gone
+	}
+	// The producer restarts; its engine holds request z in a's blocks.
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	defer p2.close(t)
+	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
+	qz.sim.Salt = 777
+	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
+	now = time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
+	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	o := awaitOutcomes(t, 1, d).recv["d-a"]
+	if len(o) != 1 {
+		t.Fatalf("D outcomes of d-a: %+v", o)
+	}
+	if o[0].Result == kvxfer.ResultDone {
+		err := d.ranks[0][0].CheckRequest(&qa.sim, 16, 16)
+		t.Fatalf("d-a done after its producer restarted (its own bytes: %v): KV read out of blocks the new producer holds for another request", err)
+	}
+	if o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
+		t.Errorf("d-a: %+v, want failed: producer restarted", o[0])
+	}
+}

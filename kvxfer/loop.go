@@ -267,8 +267,10 @@ type recvReq struct {
 	// giveUpAt: when its READs in flight are given up (tGiveUp; zero:
 	// not armed).
 	giveUpAt time.Time
-	// rehandshook: it was restarted once after a new handshake.
-	rehandshook bool
+	// rehandshook: it was restarted once after a new handshake;
+	// rehandshookFrom: the producer's generation it had been sent under.
+	rehandshook     bool
+	rehandshookFrom uint64
 	// hbFailing: the producer ranks our heartbeats for it did not reach
 	// last; hbFailSince: since when one has not (heartbeatSent).
 	hbFailing   []rankRef

@@ -145,6 +145,21 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
+	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && !st.guarded {
+		// Restarted after a new handshake that found the producer at a
+		// new generation: its params (the blocks to READ) may be the old
+		// producer's, whose engine may have reused those blocks since.
+		// Without grants nothing refuses a READ of blocks the producer
+		// holds for another request, so it is not read: before, such a
+		// request was reported done with the bytes of whatever request
+		// the new producer held in those blocks (over NIXL;
+		// TestPullRetryAcrossRestartReadsNoOtherRequest).
+		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
+			e.id, e.addr, r.rehandshookFrom, e.gen)
+		st.decide(r, ResultFailed, FailurePeerGone, reason)
+		st.tryReport(r)
+		return
+	}
 	r.targets, r.sent = targets, true
 	st.watch(e)
 	if st.cfg.Mode == ModePush {
@@ -267,7 +282,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool 
 	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || !gone && st.handshakeFresh(e) {
 		return false
 	}
-	r.rehandshook = true
+	r.rehandshook, r.rehandshookFrom = true, e.gen
 	st.revoke(r) // the grant names the old agents
 	r.sent, r.targets = false, nil
 	clear(r.retryAt) // the READs all go again
