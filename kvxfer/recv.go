@@ -145,12 +145,15 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
-	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && !st.guarded {
+	unnamed := r.req.Remote.ReqID == "" && r.req.TransferID == "" // no grant can tell its hold from another's
+	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && (!st.guarded || unnamed) {
 		// Restarted after a new handshake that found the producer at a
 		// new generation: its params (the blocks to READ) may be the old
 		// producer's, whose engine may have reused those blocks since.
-		// Without grants nothing refuses a READ of blocks the producer
-		// holds for another request, so it is not read: before, such a
+		// Without grants (or naming neither its producer request nor its
+		// transfer, which grants tell holds apart by) nothing refuses a
+		// READ of blocks the producer holds for another request, so it
+		// is not read: before, such a
 		// request was reported done with the bytes of whatever request
 		// the new producer held in those blocks (over NIXL;
 		// TestPullRetryAcrossRestartReadsNoOtherRequest).
