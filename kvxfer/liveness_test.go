@@ -211,11 +211,29 @@ func TestRestartFoundByARequestFailsWaitingOnes(t *testing.T) {
 // nothing would refuse a READ of the blocks its params name, which the
 // new producer holds for another request. Before, the request handshook
 // again, READ those blocks and was reported done with the other
-// request's KV.
+// request's KV. So it is, with grants, for a request naming neither its
+// producer request nor its transfer (grants tell holds apart by those).
 func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
+	t.Run("no-grants", func(t *testing.T) { pullRetryAcrossRestart(t, true) })
+	t.Run("grants-nothing-named", func(t *testing.T) { pullRetryAcrossRestart(t, false) })
+}
+
+func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir := kvxfertest.NewDirectory()
-	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second }
+	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = openPlane, time.Second }
+	unnamed := func(rr kvxfer.RecvReq) kvxfer.RecvReq {
+		if !openPlane {
+			rr.TransferID, rr.Remote.ReqID = "", ""
+		}
+		return rr
+	}
+	unnamedSend := func(sr kvxfer.SendReq) kvxfer.SendReq {
+		if !openPlane {
+			sr.TransferID = ""
+		}
+		return sr
+	}
 	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
 	defer d.close(t)
 	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
@@ -231,7 +249,7 @@ func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
 	// P holds request a; its params go to D, which reads them late.
 	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
 	p.ranks[0][0].Fill(qa.sim.P)
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qa.send(now.Add(time.Minute)))}})
 	time.Sleep(100 * time.Millisecond)
 	p.close(t)
 	for _, b := range p.backends {
@@ -244,9 +262,9 @@ func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
 	qz.sim.Salt = 777
 	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
 	now = time.Now()
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qz.send(now.Add(time.Minute)))}})
 	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{unnamed(qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute)))}})
 	o := awaitOutcomes(t, 1, d).recv["d-a"]
 	if len(o) != 1 {
 		t.Fatalf("D outcomes of d-a: %+v", o)
