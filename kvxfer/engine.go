@@ -21,6 +21,19 @@ type engineCache struct {
 // meanwhile still gets an attempt of its own: ownAttempt).
 const handshakeRetry = time.Second
 
+// handshakeFresh reports whether e's loaded handshake can be taken as the
+// engine's current word: loaded within handshakeRetry, and e not found
+// unreachable since (doubt). A request that reached none of its
+// producer's ranks over a fresh handshake fails; over one that is not, it
+// handshakes again first (retryAfterHandshake): the producer may have
+// restarted at new agents.
+func (st *loopState) handshakeFresh(e *engine) bool {
+	return st.now.Sub(e.loadedAt) < handshakeRetry && !e.doubtedAt.After(e.loadedAt)
+}
+
+// doubt notes that something sent to e did not get through.
+func (st *loopState) doubt(e *engine) { e.doubtedAt = st.now }
+
 type hsState uint8
 
 const (
@@ -64,6 +77,10 @@ type engine struct {
 	loadedAt   time.Time
 	refreshing bool
 	parked     []parkedMsg
+	// doubtedAt is when a transfer, a registration or a probe to the
+	// engine last failed to get through: a handshake loaded before it
+	// may name agents that are gone, however recent (handshakeFresh).
+	doubtedAt time.Time
 	// Liveness (liveness.go): watched while requests wait on it; when it
 	// last answered or spoke; the next probe; a probe out.
 	watching, probing  bool
@@ -158,6 +175,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	}
 	err := h.err
 	if err == nil {
+		st.failChanged(e, h)
 		err = st.load(e, h)
 	}
 	st.metrics.Handshake(h.took, err == nil)

@@ -149,9 +149,9 @@ func RegrantedTable(l *topology.Layout, groupBlocks []int, writer PeerName, ids 
 // were held for producer request old, let go, and are held for next.
 func ReheldTable(l *topology.Layout, groupBlocks []int, ids []topology.BlockID, old, next string) AccessChecker {
 	tab := newAccessTable(l, groupBlocks, ModePull, NewMetrics())
-	tab.hold([]topology.Span{{IDs: ids}}, 1, old)
-	tab.hold([]topology.Span{{IDs: ids}}, -1, old)
-	tab.hold([]topology.Span{{IDs: ids}}, 1, next)
+	tab.hold([]topology.Span{{IDs: ids}}, 1, old, "")
+	tab.hold([]topology.Span{{IDs: ids}}, -1, old, "")
+	tab.hold([]topology.Span{{IDs: ids}}, 1, next, "")
 	return tab
 }
 

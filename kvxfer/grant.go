@@ -109,8 +109,9 @@ type accessTable struct {
 	mu      sync.RWMutex
 	writeTo [][]uint32 // [group][logical block]: the WRITE grant it was last given (0: none)
 	held    [][]int32  // [group][logical block]: pull holds
-	// holders: [group][logical block]: the producer requests holding it
-	// (pull; those hold names), what a tagged READ must name.
+	// holders: [group][logical block]: the keys (readKey) of the
+	// producer requests holding it (pull; those hold names), one of
+	// which a tagged READ must name.
 	holders [][][]string
 	grants  map[uint32]*writeGrant
 	revoked []uint32 // ended grants still in grants, oldest first
@@ -136,7 +137,7 @@ type landing struct {
 	op       hotpath.Op
 	grants   []uint32 // WRITE: the grants it lands under
 	ranges   []Range  // READ: what it reads
-	forReq   string   // READ: the producer request it names ("": none)
+	forReq   string   // READ: the hold it names (readKey; "": none)
 	abort    func()
 }
 
@@ -385,8 +386,9 @@ func (t *accessTable) admitLayout(peer PeerName, op hotpath.Op, lays []LayoutRan
 }
 
 // tagRequest decodes the request a transfer's notification names: the
-// consumer request a WRITE is for, the producer request a READ reads
-// ("": none named); false when the tag is no such notice (denied).
+// consumer request a WRITE is for, the hold a READ reads (readKey: its
+// producer request, else its transfer; "": none named); false when the
+// tag is no such notice (denied).
 func (t *accessTable) tagRequest(op hotpath.Op, tag []byte) (string, bool) {
 	if len(tag) == 0 {
 		return "", true
@@ -397,9 +399,40 @@ func (t *accessTable) tagRequest(op hotpath.Op, tag []byte) (string, bool) {
 		return "", false
 	}
 	if op == hotpath.OpRead {
-		return m.PReq, true
+		return readKey(m.PReq, m.TransferID), true
 	}
 	return m.DReq, true
+}
+
+// readKey is what a pull READ names of the hold it reads, and what a hold
+// is known by: its producer request ("r" and the id) when the consumer
+// knows it (remote_request_id), else its transfer ("t" and the id), else
+// nothing (""). A hold is known by both of its own (holdKeys). Before, a
+// READ that named no producer request was admitted out of any hold: a
+// consumer whose params lacked remote_request_id, reading after the
+// producer's engine had crashed and attached again, got the bytes of the
+// new engine's request held in the same blocks as done.
+func readKey(preq, tid string) string {
+	switch {
+	case preq != "":
+		return "r" + preq
+	case tid != "":
+		return "t" + tid
+	}
+	return ""
+}
+
+// holdKeys are the keys a hold of producer request req of transfer tid
+// is known by (readKey).
+func holdKeys(req, tid string) []string {
+	var ks []string
+	if req != "" {
+		ks = append(ks, readKey(req, ""))
+	}
+	if tid != "" {
+		ks = append(ks, readKey("", tid))
+	}
+	return ks
 }
 
 // takeLandingLocked returns a free landing slot, its grants and ranges
@@ -473,8 +506,9 @@ func (t *accessTable) Done(a Admission) {
 }
 
 // hold adds (delta 1) or removes (-1) a pull hold on the blocks of spans
-// for producer request req ("": not said).
-func (t *accessTable) hold(spans []topology.Span, delta int32, req string) {
+// for producer request req of transfer tid ("": not said).
+func (t *accessTable) hold(spans []topology.Span, delta int32, req, tid string) {
+	keys := holdKeys(req, tid)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for g, s := range spans {
@@ -484,14 +518,13 @@ func (t *accessTable) hold(spans []topology.Span, delta int32, req string) {
 		for _, b := range s.IDs {
 			if b >= 0 && int(b) < len(t.held[g]) {
 				t.held[g][b] = max(t.held[g][b]+delta, 0)
-				if req == "" {
-					continue
-				}
-				hs := t.holders[g][b]
-				if delta > 0 {
-					t.holders[g][b] = append(hs, req)
-				} else if i := slices.Index(hs, req); i >= 0 {
-					t.holders[g][b] = slices.Delete(hs, i, i+1)
+				for _, k := range keys {
+					hs := t.holders[g][b]
+					if delta > 0 {
+						t.holders[g][b] = append(hs, k)
+					} else if i := slices.Index(hs, k); i >= 0 {
+						t.holders[g][b] = slices.Delete(hs, i, i+1)
+					}
 				}
 			}
 		}
@@ -513,8 +546,9 @@ func (t *accessTable) hold(spans []topology.Span, delta int32, req string) {
 	}
 }
 
-// heldForLocked reports whether every block of r is held for producer
-// request req ("": any hold will do; a hold of unnamed requests too).
+// heldForLocked reports whether every block of r is held for the hold
+// key req names (readKey; "": any hold will do; a hold of unnamed
+// requests too).
 func (t *accessTable) heldForLocked(r Range, req string) bool {
 	if req == "" || r.Len == 0 {
 		return true

@@ -104,6 +104,50 @@ func TestAccessTablePush(t *testing.T) {
 	}
 }
 
+// A pull READ is admitted only out of the hold it names: by its producer
+// request when it names one, else by its transfer. Before, a READ naming
+// no producer request (params without remote_request_id) was admitted out
+// of any hold: one of a request whose producer engine had crashed and
+// attached again read the new engine's request held in the same blocks,
+// and reported done with its bytes (test/recovery_test.go,
+// TestPullReadOfCrashedHoldMeetsNewHold).
+func TestAccessTablePullReadNamesItsHold(t *testing.T) {
+	l, gb := accessLayout()
+	tab := newAccessTable(l, gb, ModePull, NewMetrics())
+	read := func(preq, tid string) Access {
+		tag := appendMsg(nil, &msg{Kind: msgDone, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d", PReq: preq, TransferID: tid})
+		a, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{Addr: 0x10000 + 4*256, Len: 512}}, tag, nil)
+		tab.Done(adm)
+		return a
+	}
+	blocks := spansOf([]topology.BlockID{2}, nil)
+	tab.hold(blocks, 1, "p-new", "t-new") // the new engine's request
+	for _, c := range []struct {
+		preq, tid string
+		want      Access
+	}{
+		{"p-new", "t-new", AccessAllow},
+		{"p-new", "", AccessAllow},
+		{"", "t-new", AccessAllow},
+		{"p-old", "t-new", AccessLate}, // the producer request named decides
+		{"p-old", "", AccessLate},
+		{"", "t-old", AccessLate}, // the crashed engine's transfer
+		{"", "", AccessAllow},     // nothing named: the lease bounds it (README)
+	} {
+		if got := read(c.preq, c.tid); got != c.want {
+			t.Errorf("READ naming producer request %q, transfer %q: %v, want %v", c.preq, c.tid, got, c.want)
+		}
+	}
+	tab.hold(blocks, -1, "p-new", "t-new")
+	tab.hold(blocks, 1, "p-x", "") // a hold of no transfer
+	if got := read("", "t-new"); got != AccessLate {
+		t.Errorf("READ naming a transfer, of a hold of none: %v, want late", got)
+	}
+	if got := read("p-x", ""); got != AccessAllow {
+		t.Errorf("READ naming the holding request: %v, want allow", got)
+	}
+}
+
 // A pull table: READs of held blocks only, holds counted (blocks shared by
 // two requests stay readable until both let go), WRITEs never.
 func TestAccessTablePull(t *testing.T) {
@@ -115,8 +159,8 @@ func TestAccessTablePull(t *testing.T) {
 	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
 		t.Errorf("before any hold: %v, want late (the producer may not have taken its step yet)", got)
 	}
-	tab.hold(a, 1, "")
-	tab.hold(b, 1, "")
+	tab.hold(a, 1, "", "")
+	tab.hold(b, 1, "", "")
 	for _, c := range []struct {
 		addr, n uint64
 		op      hotpath.Op
@@ -134,16 +178,16 @@ func TestAccessTablePull(t *testing.T) {
 			t.Errorf("%v [%#x, +%d): %v, want %v", c.op, c.addr, c.n, got, c.want)
 		}
 	}
-	tab.hold(a, -1, "")
+	tab.hold(a, -1, "", "")
 	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
 		t.Errorf("block 2 still held by b: %v", got)
 	}
 	if got := tab.CheckAccess("d", r, 0x10000+2*256, 256); got != AccessLate {
 		t.Errorf("block 1 released: %v, want late", got)
 	}
-	tab.hold(b, -1, "")
-	tab.hold(b, -1, "") // never below zero
-	tab.hold(b, 1, "")
+	tab.hold(b, -1, "", "")
+	tab.hold(b, -1, "", "") // never below zero
+	tab.hold(b, 1, "", "")
 	if got := tab.CheckAccess("d", r, 0x10000+4*256, 512); got != AccessAllow {
 		t.Errorf("block 2 held again: %v", got)
 	}
@@ -197,18 +241,18 @@ func TestAccessFenceDrains(t *testing.T) {
 	t.Run("pull", func(t *testing.T) {
 		tab := newAccessTable(l, gb, ModePull, NewMetrics())
 		a, b := spansOf([]topology.BlockID{1}, nil), spansOf([]topology.BlockID{1, 2}, nil)
-		tab.hold(a, 1, "")
-		tab.hold(b, 1, "")
+		tab.hold(a, 1, "", "")
+		tab.hold(b, 1, "", "")
 		aborted := make(chan struct{}, 1)
 		_, _, adm := tab.Admit("d", hotpath.OpRead, []Range{{0x10000 + 2*256, 512}}, nil, func() { aborted <- struct{}{} })
-		tab.hold(a, -1, "") // block 1 still held by b: the READ goes on
+		tab.hold(a, -1, "", "") // block 1 still held by b: the READ goes on
 		select {
 		case <-aborted:
 			t.Fatal("a READ of blocks still held was cut short")
 		default:
 		}
 		released := make(chan struct{})
-		go func() { tab.hold(b, -1, ""); close(released) }()
+		go func() { tab.hold(b, -1, "", ""); close(released) }()
 		<-aborted
 		select {
 		case <-released:
@@ -352,7 +396,7 @@ func TestAdmitLayoutMatchesAdmitRead(t *testing.T) {
 			mk := func() *accessTable {
 				tab := newAccessTable(l, gb, ModePull, NewMetrics())
 				for _, h := range holds {
-					tab.hold(h.spans, 1, h.req)
+					tab.hold(h.spans, 1, h.req, "")
 				}
 				return tab
 			}
@@ -385,7 +429,7 @@ func TestAdmitLayoutMatchesAdmitRead(t *testing.T) {
 					}
 				}
 				if a == AccessAllow {
-					tab.hold(release.spans, -1, release.req)
+					tab.hold(release.spans, -1, release.req, "")
 					tab.Done(adm)
 				}
 				return a, at, aborted

@@ -136,6 +136,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		if errors.Is(h.err, context.Canceled) && h.closing {
 			return // closing
 		}
+		st.doubt(e) // unanswered: the handshake loaded may be past (handshakeFresh)
 		// Probes off (negative PeerTimeout): only a registry's
 		// PeerGeneration asked, and an unanswered question is no verdict.
 		if silent := st.now.Sub(e.lastAlive); st.cfg.PeerTimeout >= 0 && silent >= st.cfg.PeerTimeout {
@@ -153,8 +154,27 @@ func (st *loopState) probeDone(h *hsResult) {
 		st.startHandshake(e)
 		return
 	}
-	// Its ranks changed: requests waiting on a rank whose agent is not
-	// the one they dealt with cannot complete.
+	// Its ranks changed: loading the answer fails what waited on the
+	// ranks whose agent changed (failChanged).
+	e.state = hsPending
+	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
+}
+
+// failChanged fails the requests waiting on e's ranks whose agent the
+// handshake h, of another generation than the one loaded, no longer
+// lists, before h is loaded: their old agent can no longer complete
+// them. Every handshake that loads a new generation goes through it, not
+// only a probe's: before, one a request started (retryAfterHandshake: its
+// registration found the old agents gone) or one started in full after a
+// probe saw the generation change (the driver loaded no agents) loaded
+// the new agents without a word to the requests registered with the old
+// ones, and probes, answered by the new generation, found nothing
+// changed: those requests waited for their registration timeout (8
+// minutes by default) instead of failing within the liveness bound.
+func (st *loopState) failChanged(e *engine, h *hsResult) {
+	if e.peers == nil || e.gen == 0 || h.res.Generation == e.gen {
+		return
+	}
 	// replaced: a rank another agent speaks for now. Its old agent is
 	// gone with everything it moved: a daemon attaches a rank again only
 	// once its old Worker's close fenced what it moved, and an engine
@@ -193,8 +213,6 @@ func (st *loopState) probeDone(h *hsResult) {
 	})
 	st.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
 		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
-	e.state = hsPending
-	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
 }
 
 // peerGone fails what waits on an engine that stopped answering, and

@@ -105,9 +105,24 @@ func TestPeerRestartFailsOldRequests(t *testing.T) {
 // has nothing waiting on it, so no probe notices: the consumer's next
 // request finds its handshake stale (its registration or READ cannot reach
 // the old agent), handshakes again and goes through, instead of failing.
+// So it does in pull when the producer is back within handshakeRetry of
+// the consumer's handshake (at-once): the READ finds the old agent's
+// connection closed (EOF, a broken pipe), which says the agent is gone
+// however fresh the handshake (before, the request failed: "connection
+// ... lost: EOF"). (A push registration written into such a connection
+// before it is seen closed cannot tell: that request fails once the new
+// generation is loaded; test/recovery_test.go's daemons, SIGKILLed, close
+// theirs at once.)
 func TestIdleConsumerMeetsRestartedProducer(t *testing.T) {
-	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-		t.Run(mode.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		mode kvxfer.Mode
+		wait time.Duration
+	}{{kvxfer.ModePush, 1100 * time.Millisecond}, {kvxfer.ModePull, 1100 * time.Millisecond}, {kvxfer.ModePull, 0}} {
+		mode, name := c.mode, c.mode.String()
+		if c.wait == 0 {
+			name += "/at-once"
+		}
+		t.Run(name, func(t *testing.T) {
 			model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 			dir := kvxfertest.NewDirectory()
 			d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", mode, nil)
@@ -143,10 +158,122 @@ func TestIdleConsumerMeetsRestartedProducer(t *testing.T) {
 			}
 			p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", mode, nil)
 			defer p2.close(t)
-			time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+			time.Sleep(c.wait) // 1.1 s: D's handshake is past handshakeRetry
 			if o := run(p2, "after"); o.Result != kvxfer.ResultDone {
 				t.Fatalf("the first request after the producer restarted: %+v, want done", o)
 			}
 		})
+	}
+}
+
+// A producer restarts (new agents, a new generation) while a consumer
+// request waits on its old agents, with probes off, and the consumer's
+// next request finds the old agents gone and handshakes again: loading
+// the new generation fails the waiting request at once (peer_gone,
+// "restarted"), as a probe's answer would, and the new request is done.
+// Before, only a probe's answer failed what waited on changed ranks: the
+// request's own handshake loaded the new agents silently, later probes
+// found the generation unchanged, and the waiting request had no outcome
+// until its registration's deadline.
+func TestRestartFoundByARequestFailsWaitingOnes(t *testing.T) {
+	dir, p, d, _ := livePair(t, -1)
+	for _, b := range p.backends {
+		_ = b.Close() // the old agents are gone
+	}
+	p.close(t)
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
+	defer p2.close(t)
+	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(11, 12))
+	q := makeRequest("b", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p2.ranks[0][0].Fill(q.sim.P)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p2, now.Add(time.Minute))}})
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	out := awaitOutcomes(t, 3, p2, d)
+	if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
+		t.Errorf("the request waiting on the old agents: D outcome %+v, want failed: producer restarted", o)
+	}
+	if o := out.recv["d-b"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("new request: D outcome %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Without data-plane grants (NIXL; here the built-in backend with
+// OpenDataPlane), a pull consumer request whose params come from a
+// producer that then restarted, and whose READ therefore finds the old
+// agent gone, is not read from the new producer after the new handshake:
+// nothing would refuse a READ of the blocks its params name, which the
+// new producer holds for another request. Before, the request handshook
+// again, READ those blocks and was reported done with the other
+// request's KV. So it is, with grants, for a request naming neither its
+// producer request nor its transfer (grants tell holds apart by those).
+func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
+	t.Run("no-grants", func(t *testing.T) { pullRetryAcrossRestart(t, true) })
+	t.Run("grants-nothing-named", func(t *testing.T) { pullRetryAcrossRestart(t, false) })
+}
+
+func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = openPlane, time.Second }
+	unnamed := func(rr kvxfer.RecvReq) kvxfer.RecvReq {
+		if !openPlane {
+			rr.TransferID, rr.Remote.ReqID = "", ""
+		}
+		return rr
+	}
+	unnamedSend := func(sr kvxfer.SendReq) kvxfer.SendReq {
+		if !openPlane {
+			sr.TransferID = ""
+		}
+		return sr
+	}
+	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
+	defer d.close(t)
+	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	groups := d.ranks[0][0].Layout.GroupList()
+	dPool := newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
+	pPool := func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
+	now := time.Now()
+	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
+	p.ranks[0][0].Fill(q0.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	awaitOutcomes(t, 2, p, d) // D's handshake with P is loaded
+	// P holds request a; its params go to D, which reads them late.
+	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+	p.ranks[0][0].Fill(qa.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qa.send(now.Add(time.Minute)))}})
+	time.Sleep(100 * time.Millisecond)
+	p.close(t)
+	for _, b := range p.backends {
+		_ = b.Close() // the old agents are gone
+	}
+	// The producer restarts; its engine holds request z in a's blocks.
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	defer p2.close(t)
+	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
+	qz.sim.Salt = 777
+	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
+	now = time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qz.send(now.Add(time.Minute)))}})
+	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{unnamed(qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute)))}})
+	o := awaitOutcomes(t, 1, d).recv["d-a"]
+	if len(o) != 1 {
+		t.Fatalf("D outcomes of d-a: %+v", o)
+	}
+	if o[0].Result == kvxfer.ResultDone {
+		err := d.ranks[0][0].CheckRequest(&qa.sim, 16, 16)
+		t.Fatalf("d-a done after its producer restarted (its own bytes: %v): KV read out of blocks the new producer holds for another request", err)
+	}
+	if o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
+		t.Errorf("d-a: %+v, want failed: producer restarted", o[0])
 	}
 }

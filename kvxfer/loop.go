@@ -267,8 +267,10 @@ type recvReq struct {
 	// giveUpAt: when its READs in flight are given up (tGiveUp; zero:
 	// not armed).
 	giveUpAt time.Time
-	// rehandshook: it was restarted once after a new handshake.
-	rehandshook bool
+	// rehandshook: it was restarted once after a new handshake;
+	// rehandshookFrom: the producer's generation it had been sent under.
+	rehandshook     bool
+	rehandshookFrom uint64
 	// hbFailing: the producer ranks our heartbeats for it did not reach
 	// last; hbFailSince: since when one has not (heartbeatSent).
 	hbFailing   []rankRef
@@ -1024,7 +1026,8 @@ type op struct {
 	peer   PeerName
 	msg    []byte // the notification; a post's notification after the bytes
 	notice notice
-	req    string  // noticeReg, noticeDone: the request's id; opGrant: the consumer request
+	req    string  // noticeReg, noticeDone: the request's id; opGrant: the consumer request; opHold: the producer request
+	tid    string  // opHold: the producer request's transfer id
 	tp     int     // noticeReg: the target's index; noticeDone: the D rank
 	m      *msg    // noticePlain: the message, for the log; heartbeats: the message
 	ref    rankRef // heartbeats: the producer rank
@@ -1059,9 +1062,10 @@ func (st *loopState) revokeOp(id uint32) {
 	st.fx.ops = append(st.fx.ops, op{kind: opRevoke, grant: id})
 }
 
-// holdOp adds or lets go pull holds on spans for producer request req.
-func (st *loopState) holdOp(spans []topology.Span, delta int32, req string) {
-	st.fx.ops = append(st.fx.ops, op{kind: opHold, spans: spans, delta: delta, req: req})
+// holdOp adds or lets go pull holds on spans for producer request req of
+// transfer tid ("": none).
+func (st *loopState) holdOp(spans []topology.Span, delta int32, req, tid string) {
+	st.fx.ops = append(st.fx.ops, op{kind: opHold, spans: spans, delta: delta, req: req, tid: tid})
 }
 
 // notifyOp asks for a notification.

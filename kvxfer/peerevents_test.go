@@ -130,3 +130,54 @@ func TestNewRequestWaitsForTheRegistrysRejoin(t *testing.T) {
 		t.Errorf("the new request: %+v, want done by the producer's successor", o)
 	}
 }
+
+// The registry's view can report one restart's Generation change twice,
+// or label a change with another entry's generation (a per-rank engine's
+// change carries the engine's current entry, which another rank's server
+// may own, and a per-rank handshake's generation is none of its entries').
+// Neither fences anything: PeerGeneration only asks the producer, and its
+// answer decides. Here, after the rejoin, a request registered with the
+// new agents and waiting for its WRITE sees the same generation again and
+// a mislabelled one, and is done with its bytes; the old request is
+// reported once.
+func TestPeerGenerationRepeatedFencesNothing(t *testing.T) {
+	_, d, p2, res := restartedProducer(t)
+	if err := d.workers[0][0].PeerGeneration("P", res.Generation); err != nil {
+		t.Fatal(err)
+	}
+	out := awaitOutcomes(t, 1, d)
+	if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultFailed {
+		t.Fatalf("D outcome %+v, want failed: producer restarted", o)
+	}
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(13, 14))
+	q := makeRequest("b", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), newPool(rng, len(groups), 96, true))
+	p2.ranks[0][0].Fill(q.sim.P)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePush, p2, now.Add(time.Minute))}})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if s, _ := p2.workers[0][0].State(); s.PendingRegs == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("P never got D's registration of the new request")
+		}
+	}
+	for _, gen := range []uint64{res.Generation, res.Generation, res.Generation + 7} {
+		if err := d.workers[0][0].PeerGeneration("P", gen); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // the questions they ask are answered
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+	out2 := awaitOutcomes(t, 2, p2, d)
+	if o := out2.recv["d-b"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("the new request after repeated PeerGenerations: D outcome %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+	if len(out2.recv["d-a"]) != 0 {
+		t.Errorf("d-a reported again: %+v", out2.recv["d-a"])
+	}
+}

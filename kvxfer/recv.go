@@ -4,8 +4,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -143,6 +145,24 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
+	unnamed := r.req.Remote.ReqID == "" && r.req.TransferID == "" // no grant can tell its hold from another's
+	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && (!st.guarded || unnamed) {
+		// Restarted after a new handshake that found the producer at a
+		// new generation: its params (the blocks to READ) may be the old
+		// producer's, whose engine may have reused those blocks since.
+		// Without grants (or naming neither its producer request nor its
+		// transfer, which grants tell holds apart by) nothing refuses a
+		// READ of blocks the producer holds for another request, so it
+		// is not read: before, such a
+		// request was reported done with the bytes of whatever request
+		// the new producer held in those blocks (over NIXL;
+		// TestPullRetryAcrossRestartReadsNoOtherRequest).
+		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
+			e.id, e.addr, r.rehandshookFrom, e.gen)
+		st.decide(r, ResultFailed, FailurePeerGone, reason)
+		st.tryReport(r)
+		return
+	}
 	r.targets, r.sent = targets, true
 	st.watch(e)
 	if st.cfg.Mode == ModePush {
@@ -232,7 +252,13 @@ func (st *loopState) registered(id string, i int, err error) {
 func (st *loopState) registerSettled(r *recvReq, e *engine) {
 	errs := r.regErrs
 	r.regErrs = nil
-	if !slices.ContainsFunc(errs, func(err error) bool { return err == nil }) && st.retryAfterHandshake(r, e) {
+	failed := func(err error) bool { return err != nil }
+	if slices.ContainsFunc(errs, failed) {
+		// For the requests after this one: over a fresh handshake, this
+		// one's failure is a verdict unless its agent is gone.
+		defer st.doubt(e)
+	}
+	if !slices.ContainsFunc(errs, func(err error) bool { return err == nil }) && st.retryAfterHandshake(r, e, slices.ContainsFunc(errs, agentGone)) {
 		return // nothing registered: asked again once the producer answers
 	}
 	for i, to := range r.targets {
@@ -247,14 +273,19 @@ func (st *loopState) registerSettled(r *recvReq, e *engine) {
 // retryAfterHandshake restarts a request that reached none of its
 // producer's ranks (its first registration or READs failed to get through)
 // once a new handshake with the producer answers, when the one it used is
-// not fresh: a producer that restarted while this rank was idle is at new
-// agents, and the old handshake still names the gone ones. Once per
-// request; false when it does not apply.
-func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
-	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || st.now.Sub(e.loadedAt) < handshakeRetry {
+// not fresh (handshakeFresh: older than handshakeRetry, or the producer
+// found unreachable since it was loaded) or the failure says the agent's
+// process is gone (gone: agentGone): a producer that restarted while this
+// rank was idle is at new agents, and the old handshake still names the
+// gone ones. Before, freshness was the handshake's age alone: a producer
+// daemon back on its address within a second of the consumer's handshake
+// had the consumer's next request go to its gone agents and fail. Once
+// per request; false when it does not apply.
+func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool {
+	if r.rehandshook || r.decided || len(r.got) > 0 || len(r.handles) > 0 || !gone && st.handshakeFresh(e) {
 		return false
 	}
-	r.rehandshook = true
+	r.rehandshook, r.rehandshookFrom = true, e.gen
 	st.revoke(r) // the grant names the old agents
 	r.sent, r.targets = false, nil
 	clear(r.retryAt) // the READs all go again
@@ -263,6 +294,14 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine) bool {
 		st.startHandshake(e)
 	}
 	return true
+}
+
+// agentGone reports whether err says the peer's end of a connection is
+// gone: the connection refused (nothing listens where the agent was) or
+// closed by the peer (reset, a broken pipe, or EOF where an answer was
+// due). A fault of the path (a timeout, a partition) is not.
+func agentGone(err error) bool {
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, io.EOF)
 }
 
 // read posts the READs of a pull consumer.
@@ -423,8 +462,12 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 			st.metrics.FailedTransfer() // not counted by xferEnded
 		} else {
 			st.probeSoon(r.req.Remote.EngineID) // is the producer gone?
-			if e := st.engines[r.req.Remote.EngineID]; e != nil && errors.Is(err, ErrXferFailed) && st.retryAfterHandshake(r, e) {
-				return // read again once the producer answers
+			if e := st.engines[r.req.Remote.EngineID]; e != nil && errors.Is(err, ErrXferFailed) {
+				retried := st.retryAfterHandshake(r, e, agentGone(err))
+				st.doubt(e) // for the requests after this one (handshakeFresh)
+				if retried {
+					return // read again once the producer answers
+				}
 			}
 		}
 		if e := st.engines[r.req.Remote.EngineID]; e != nil {

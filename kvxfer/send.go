@@ -147,7 +147,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 	if st.cfg.Mode == ModePull {
 		if st.guarded {
 			// Consumers may READ the blocks while they are held.
-			st.holdOp(s.req.Blocks, 1, s.req.ReqID)
+			st.holdOp(s.req.Blocks, 1, s.req.ReqID, s.req.TransferID)
 		}
 		st.replayEarly(s)
 	}
@@ -1157,7 +1157,7 @@ func allSettledOK(s *sendReq) bool {
 func (st *loopState) forgetSend(s *sendReq) {
 	st.sends.remove(s, s.hID)
 	if st.guarded && st.cfg.Mode == ModePull {
-		st.holdOp(s.req.Blocks, -1, s.req.ReqID)
+		st.holdOp(s.req.Blocks, -1, s.req.ReqID, s.req.TransferID)
 	}
 	if s.saved != nil {
 		ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })

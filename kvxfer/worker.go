@@ -1127,7 +1127,7 @@ func (w *Worker) do(_ int, o *op) error {
 		w.access.revokeWrite(o.grant) // waits for parts landing under it
 		return nil
 	case opHold:
-		w.access.hold(o.spans, o.delta, o.req)
+		w.access.hold(o.spans, o.delta, o.req, o.tid)
 		return nil
 	}
 	return fmt.Errorf("kvxfer: unknown op %d", o.kind)

@@ -43,6 +43,10 @@ type Config struct {
 	// attaches to RankSocks[i] instead of Sock (the in-process placement,
 	// where each rank's server is its own, on -rank-port-base + i).
 	RankSocks []string
+	// Lease is how long the engine's scheduler has a producer hold a
+	// finished request's blocks for its consumer (0: the scheduler's
+	// default, 30 s).
+	Lease time.Duration
 }
 
 // Engine is an attached engine. Its fields are for the engine's own loop;
@@ -118,7 +122,7 @@ func (e *Engine) attach(cfg *Config) error {
 		}
 		e.Streams = append(e.Streams, rs)
 	}
-	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise, ResolveByID: cfg.ResolveByID,
+	if e.Sched, err = kvxfer.NewScheduler(kvxfer.SchedulerConfig{EngineID: cfg.ID, Addr: cfg.Peer, Mode: cfg.Mode, Layerwise: cfg.Layerwise, ResolveByID: cfg.ResolveByID, Lease: cfg.Lease,
 		TPSize: cfg.Engine.TP, LogicalBlockSize: cfg.Engine.LogicalBlock, Groups: e.Ranks[0].Layout.GroupList()}); err != nil {
 		return err
 	}
@@ -169,6 +173,25 @@ func (e *Engine) Fold(rank int, f *kvxfer.Finished) (*kvxfer.Finished, error) {
 	}
 	e.Sched.Update(out)
 	return out, nil
+}
+
+// Crash drops every rank's stream without a bye, as an engine process
+// that dies does (its connections close at once), and unmaps its memory
+// files, which stay: the daemon still maps them until it has let the
+// ranks go, and an engine that restarts removes them first.
+func (e *Engine) Crash() error {
+	var errs []error
+	for _, c := range e.clients {
+		if err := c.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, m := range e.maps {
+		if err := m.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Close says bye on every rank (the daemon reports what is left and
