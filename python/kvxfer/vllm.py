@@ -1370,6 +1370,12 @@ class _SchedulerSide:
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
             if not by_ref:
                 self._fail([(kind, rid)], err.details)
+        # What every answer says, verify or not: the daemon's pending work
+        # (has_pending_push_work) and its Scheduler's refusals (the
+        # counter is cumulative; stats report intervals).
+        self.daemon_pending = res.pending
+        self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
+        self.daemon_bad_params = res.counters.bad_params
         if self.verify:
             self._verify_finished(res, kinds, local)
         for i, (delay, prm) in res.finished.items():
@@ -1396,10 +1402,6 @@ class _SchedulerSide:
                 fmt = lambda t: None if t is None else params.from_proto(t)  # noqa: E731
                 self._disagree(f"request {kinds[i][1]}: request_finished: daemon says (delay, params) = "
                                f"({got[0]}, {fmt(got[1])}), connector said ({delay}, {fmt(prm)})")
-        self.daemon_pending = res.pending
-        # The daemon's counter is cumulative; stats report intervals.
-        self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
-        self.daemon_bad_params = res.counters.bad_params
 
     def _lost(self, e: errors.KvxferError, kinds) -> None:
         """The daemon is gone, refused a whole step, or the Steps stream
