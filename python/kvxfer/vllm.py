@@ -1786,13 +1786,29 @@ class _WorkerSide:
 
     def _apply(self, f) -> None:
         """Ends the requests f (what a poll took) reports."""
-        ok = pb.Outcome.RESULT_DONE
+        ok, aborted = pb.Outcome.RESULT_DONE, pb.Outcome.RESULT_ABORTED
         for o in f.recving:
+            if o.result == aborted:
+                # The engine aborted that request (a consumer aborted
+                # before it was scheduled): vLLM waits on no transfer of
+                # it. The outcome, read steps later, must not end a new
+                # request under the same id (a router's retry), whose KV
+                # may still be on its way into its blocks.
+                _stale(o, "receive")
+                continue
             if o.result == ok:
                 self._recv_done(o.request_id, failed=False)
             else:
                 self._recv_done(o.request_id, failed=True, why=_why(o))
         for o in f.sending:
+            if o.result == aborted:
+                # A producer the engine aborted, or a layer-wise one it
+                # abandoned at a preemption (_SchedulerSide._preempted):
+                # never one vLLM holds blocks for. Taken as the outcome of
+                # the same request's later finish (resumed at once), it
+                # would free the blocks its WRITE is still to read.
+                _stale(o, "send")
+                continue
             if o.result == ok:
                 self._send_done(o.request_id)
             else:
@@ -1897,6 +1913,14 @@ class _LayerSaver:
         if self.thread is not None:
             self.q.put(None)
             self.thread.join(5)
+
+
+def _stale(o: pb.Outcome, what: str) -> None:
+    """Logs an outcome for a request the engine aborted (RESULT_ABORTED):
+    vLLM never waits on a transfer of one (request_finished holds no
+    blocks for an aborted producer; a consumer aborted before it was
+    scheduled waits for nothing), so it ends nothing here."""
+    log.debug("kvxfer: %s of request %s: %s; the engine aborted it, nothing waits on it", what, o.request_id, _why(o))
 
 
 def _why(o: pb.Outcome) -> str:
