@@ -1370,6 +1370,12 @@ class _SchedulerSide:
             log.warning("kvxfer: engine %s request %s: %s", self.c.engine_id, rid or "-", err.details)
             if not by_ref:
                 self._fail([(kind, rid)], err.details)
+        # What every answer says, verify or not: the daemon's pending work
+        # (has_pending_push_work) and its Scheduler's refusals (the
+        # counter is cumulative; stats report intervals).
+        self.daemon_pending = res.pending
+        self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
+        self.daemon_bad_params = res.counters.bad_params
         if self.verify:
             self._verify_finished(res, kinds, local)
         for i, (delay, prm) in res.finished.items():
@@ -1396,10 +1402,6 @@ class _SchedulerSide:
                 fmt = lambda t: None if t is None else params.from_proto(t)  # noqa: E731
                 self._disagree(f"request {kinds[i][1]}: request_finished: daemon says (delay, params) = "
                                f"({got[0]}, {fmt(got[1])}), connector said ({delay}, {fmt(prm)})")
-        self.daemon_pending = res.pending
-        # The daemon's counter is cumulative; stats report intervals.
-        self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
-        self.daemon_bad_params = res.counters.bad_params
 
     def _lost(self, e: errors.KvxferError, kinds) -> None:
         """The daemon is gone, refused a whole step, or the Steps stream
@@ -1784,13 +1786,29 @@ class _WorkerSide:
 
     def _apply(self, f) -> None:
         """Ends the requests f (what a poll took) reports."""
-        ok = pb.Outcome.RESULT_DONE
+        ok, aborted = pb.Outcome.RESULT_DONE, pb.Outcome.RESULT_ABORTED
         for o in f.recving:
+            if o.result == aborted:
+                # The engine aborted that request (a consumer aborted
+                # before it was scheduled): vLLM waits on no transfer of
+                # it. The outcome, read steps later, must not end a new
+                # request under the same id (a router's retry), whose KV
+                # may still be on its way into its blocks.
+                _stale(o, "receive")
+                continue
             if o.result == ok:
                 self._recv_done(o.request_id, failed=False)
             else:
                 self._recv_done(o.request_id, failed=True, why=_why(o))
         for o in f.sending:
+            if o.result == aborted:
+                # A producer the engine aborted, or a layer-wise one it
+                # abandoned at a preemption (_SchedulerSide._preempted):
+                # never one vLLM holds blocks for. Taken as the outcome of
+                # the same request's later finish (resumed at once), it
+                # would free the blocks its WRITE is still to read.
+                _stale(o, "send")
+                continue
             if o.result == ok:
                 self._send_done(o.request_id)
             else:
@@ -1895,6 +1913,14 @@ class _LayerSaver:
         if self.thread is not None:
             self.q.put(None)
             self.thread.join(5)
+
+
+def _stale(o: pb.Outcome, what: str) -> None:
+    """Logs an outcome for a request the engine aborted (RESULT_ABORTED):
+    vLLM never waits on a transfer of one (request_finished holds no
+    blocks for an aborted producer; a consumer aborted before it was
+    scheduled waits for nothing), so it ends nothing here."""
+    log.debug("kvxfer: %s of request %s: %s; the engine aborted it, nothing waits on it", what, o.request_id, _why(o))
 
 
 def _why(o: pb.Outcome) -> str:

@@ -251,10 +251,12 @@ def model_dir(work: Path, mtp: int = 0) -> Path:
 def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
                 policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96, lease_s: float = 30,
                 registration_timeout_s: float = 20, layout: str | None = None, relay: str = "auto", mtp: int = 0,
-                batched: int = 4096):
+                batched: int = 4096, verify: bool = True):
     """The engine's VllmConfig. mtp > 0: a multi-module MTP drafter with mtp
     speculative tokens (vLLM's num_prefill_lookahead_tokens = mtp).
-    batched: max_num_batched_tokens (small values chunk prefills)."""
+    batched: max_num_batched_tokens (small values chunk prefills).
+    verify False: as a production engine runs (no comparison with the
+    daemon's Scheduler)."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
     mc = ModelConfig(model=str(model_dir(work, mtp)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
@@ -262,7 +264,7 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     # daemon's Scheduler, on every step; a disagreement raises (and
     # conftest fails the test whatever became of the exception).
     extra = {"mode": mode, "timeout_s": timeout_s, "registration_timeout_s": registration_timeout_s, "lease_s": lease_s,
-             "relay": relay, "verify": True}
+             "relay": relay, "verify": verify}
     if getattr(daemon, "placement", "daemon") == "in-process":
         extra.update({"placement": "in-process", "peer_host": "127.0.0.1", "peer_port": daemon.peer_port,
                       "peer_secret_file": daemon.secret, "server": dict(daemon.server)})

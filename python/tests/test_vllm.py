@@ -30,7 +30,7 @@ class Run:
     """Drives a P and a D engine as a router and two engine cores would."""
 
     def __init__(self, tmp_path, daemons, mode, p_tp, layerwise=False, policy="recompute", d_timeout=5, p_kw=None, d_kw=None,
-                 backoff=0):
+                 backoff=0, d_tp=1):
         self.mode = mode
         # The trailing prompt tokens P leaves to D (kvxfer.vllm's
         # prefill_backoff) that the test expects: D's bytes are checked
@@ -38,7 +38,7 @@ class Run:
         self.backoff = backoff
         self.dp, self.dd = daemons("p"), daemons("d")
         self.P = H.make_engine(tmp_path, "p0", "P", self.dp, mode, p_tp, layerwise, **(p_kw or {}))
-        self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, 1, policy=policy, timeout_s=d_timeout, **(d_kw or {}))
+        self.D = H.make_engine(tmp_path, "d0", "D", self.dd, mode, d_tp, policy=policy, timeout_s=d_timeout, **(d_kw or {}))
         self.p_tp = p_tp
         self.prompts: dict[str, list[int]] = {}
         self.checked_bytes = 0
