@@ -106,7 +106,12 @@ type xferState struct {
 	nextGrant uint32
 }
 
-type regKey struct{ engine, dreq string }
+type regKey struct {
+	engine, dreq string
+	// moved is set on a group moved aside (supersede): "\x00" and the
+	// transfer id it waited for; empty on every other key.
+	moved string
+}
 
 // earlyNotes are pull completion notices for a request the producer does
 // not hold yet; kept for RegistrationTTL.

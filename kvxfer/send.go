@@ -484,6 +484,31 @@ func (st *loopState) addReg(g *regGroup) {
 	st.regByBase[g.base()] = append(st.regByBase[g.base()], g.key)
 }
 
+// supersede moves aside the unmatched group waiting under k if it waits
+// for another transfer than tid: the consumer's request id was reused
+// (an engine's live request ids are unique, so the request it registered
+// or released before is over). It waits on, under a key of its own, as a
+// give-up of its own transfer: the producer request it names fails when
+// it arrives instead of writing into blocks the consumer has since given
+// to another request, and the new registration is neither dropped as a
+// duplicate of it nor added to it.
+func (st *loopState) supersede(k regKey, tid string) {
+	g := st.regs[k]
+	if g == nil || g.tid == tid {
+		return
+	}
+	st.dropReg(k)
+	st.metrics.Dropped("reg_superseded")
+	g.key.moved = "\x00" + g.tid
+	if g.gaveUp == "" {
+		g.gaveUp = fmt.Sprintf("consumer request %q was registered again for another transfer (%q): the request it registered for this one ended", k.dreq, tid)
+	}
+	clear(g.ranks)
+	if st.regs[g.key] == nil {
+		st.addReg(g)
+	}
+}
+
 func (st *loopState) dropReg(k regKey) {
 	g := st.regs[k]
 	if g == nil {
@@ -540,6 +565,17 @@ func (st *loopState) onReg(m *msg) {
 		}
 		return
 	}
+	if s := st.matched[k]; s != nil && s.match.tid != m.TransferID {
+		// The consumer's request id was reused for another transfer
+		// while the one it was paired with here is still held: the
+		// registration must not join that one's ranks (it would be
+		// dropped as a duplicate, or take a rank's place and be written
+		// the other transfer's KV).
+		st.refuseReg(m, "reg_id_in_use", FailureSetup, fmt.Sprintf(
+			"consumer request %q is still paired here with transfer %q (producer request %q); this registration is for transfer %q",
+			m.DReq, s.match.tid, s.req.ReqID, m.TransferID))
+		return
+	}
 	if s := st.matched[k]; s != nil {
 		if r := s.ranks[m.TPRank]; late && r != nil && r.state == rkWaiting && m.TPSize == s.match.dTP {
 			st.metrics.Dropped("reg_expired")
@@ -567,6 +603,7 @@ func (st *loopState) onReg(m *msg) {
 		st.pushReady(s)
 		return
 	}
+	st.supersede(k, m.TransferID)
 	g := st.regs[k]
 	if g == nil && late {
 		st.refuseLateReg(m)
@@ -1311,6 +1348,7 @@ func (st *loopState) onCancel(m *msg) {
 // Which request it names is decided as for a registration (pairOf):
 // exactly, or by base id only where that is not ambiguous.
 func (st *loopState) consumerGaveUp(m *msg) {
+	st.supersede(regKey{engine: m.Engine, dreq: m.DReq}, m.TransferID)
 	why := "consumer gave up: " + m.Reason
 	g := &regGroup{key: regKey{engine: m.Engine, dreq: m.DReq}, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
 		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why}

@@ -479,12 +479,11 @@ def test_layerwise_producer_preempted_resumes_from_its_prefix_cache(tmp_path, da
         r.close()
 
 
-# Pull only. Push fails on another defect, in kvxfer's producer side (not
-# fixed here): the old d-0's release (an empty registration for t0) waits
-# at P, unmatched, under the key (engine, "d-0"); the new d-0's
-# registration for t1 lands on the same key and is dropped as a duplicate
-# (onReg, "reg_duplicate"), so P never writes t1 and D's wait expires.
-@pytest.mark.parametrize("mode", ["pull"])
+# In push, the old d-0's release (an empty registration for t0) waits at
+# P for a producer request not there yet; the new d-0's registration for
+# t1 must not be taken as a duplicate of it (it was, and P never wrote t1:
+# TestConsumerIDReusedForAnotherTransfer).
+@pytest.mark.parametrize("mode", ["pull", "push"])
 def test_d_request_id_reused_after_abort_before_scheduled(tmp_path, daemons, mode):
     """D's d-0 is aborted before it was scheduled (the router gave up), and
     the router sends a new request under the same id right after, with
