@@ -695,7 +695,7 @@ func brRandomCase(rng *rand.Rand) *brCase {
 // brSpans draws the request's spans per group of D's layout: P holds
 // [pStart, tokens) (a start past zero as after P's own clipping), D holds
 // [hit, tokens) after a prefix hit; Mamba lists of counts that differ by
-// at most one.
+// at most one. A source list sometimes names a block twice, side by side.
 func (c *brCase) brSpans(rng *rand.Rand, groups []topology.Group) {
 	want := c.tokens
 	if want == 0 {
@@ -723,7 +723,16 @@ func (c *brCase) brSpans(rng *rand.Rand, groups []topology.Group) {
 		case 3:
 			hit = (want + c.d.logical - 1) / c.d.logical * c.d.logical
 		}
-		c.src = append(c.src, c.spanFn(g, &c.p, pStart, want, gi))
+		src := c.spanFn(g, &c.p, pStart, want, gi)
+		if n := len(src.IDs); n >= 2 && rng.IntN(6) == 0 {
+			// A source block named twice (kvxfer refuses such lists
+			// before they get here; the builder pairs by position all
+			// the same): its KV lands in both destination blocks, and
+			// the repeat next to it must not merge into a run.
+			i := rng.IntN(n - 1)
+			src.IDs[i+1] = src.IDs[i]
+		}
+		c.src = append(c.src, src)
 		c.dst = append(c.dst, c.spanFn(g, &c.d, hit, want, gi))
 	}
 }
