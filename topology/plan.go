@@ -440,8 +440,11 @@ func (g *GroupPlan) Align(src, dst Span, tokens int) (s0, d0, n int, err error) 
 // take as moved: dst's tokens from its start up to the end of its list or
 // to tokens, whichever comes first. Align pairs what both lists hold; a
 // receiver that takes its whole list as filled needs this too, or the
-// blocks past a short source list keep what they held. A window's list
-// starts where its window does, so only its end is checked; Mamba state
+// blocks past a short source list keep what they held. A window's lists
+// start where each side's clipping put them, so a sliding-window source
+// need hold only the window of the token after the last one dst takes
+// (tokens, or the end of dst's list when tokens is 0): the Window-1
+// tokens before it; Mamba state
 // pairs by TrimSSM's rule and is not checked here. tokens = 0 (the
 // source says nothing of what it holds) bounds nothing: the source must
 // then hold the destination's whole list.
@@ -459,9 +462,20 @@ func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
 	if need <= dst.Start {
 		return nil
 	}
-	if sEnd < need || src.Start > dst.Start && g.Kind != KindSlidingWindow {
+	from := dst.Start
+	if g.Kind == KindSlidingWindow {
+		// The window of the next token (at position last, attending to
+		// the Window-1 tokens before it): the destination's blocks
+		// before it need not be filled, every one in it must.
+		last := dEnd
+		if tokens > 0 {
+			last = min(dEnd, tokens)
+		}
+		from = max(from, last-g.Window+1)
+	}
+	if sEnd < need || src.Start > from {
 		return fmt.Errorf("%w: the source's blocks hold tokens %d..%d, short of the destination's %d..%d (the source holds %d tokens)",
-			ErrInvalidBlocks, src.Start, sEnd, dst.Start, need, tokens)
+			ErrInvalidBlocks, src.Start, sEnd, from, need, tokens)
 	}
 	return nil
 }
