@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 )
 
@@ -105,5 +106,35 @@ func TestCoversWindow(t *testing.T) {
 	t.Logf("%d clipped pairs passed, %d short source lists refused", passed, refused)
 	if passed < 5000 || refused < 5000 {
 		t.Errorf("only %d clipped pairs and %d short lists were tried", passed, refused)
+	}
+}
+
+// CheckStages: a pipelined source's stages must hold dst's regions once,
+// in order; each error names the stage and where it must start.
+func TestCheckStages(t *testing.T) {
+	stage := func(offset, n int) *Layout { return &Layout{RegionOffset: offset, Regions: make([]Region, n)} }
+	dst := stage(0, 6)
+	for _, tc := range []struct {
+		name   string
+		stages []*Layout
+		want   string
+	}{
+		{"tiled", []*Layout{stage(0, 2), stage(2, 3), stage(5, 1)}, ""},
+		{"one stage", []*Layout{stage(0, 6)}, ""},
+		{"overlap", []*Layout{stage(0, 3), stage(2, 3), stage(5, 1)}, "regions 2..4 of stage pp 1 start at 2, want 3"},
+		{"gap", []*Layout{stage(0, 2), stage(3, 3)}, "regions 3..5 of stage pp 1 start at 3, want 2"},
+		{"first stage off zero", []*Layout{stage(1, 5)}, "stage pp 0 start at 1, want 0"},
+		{"short of the end", []*Layout{stage(0, 2), stage(2, 3)}, "the 2 stages hold regions 0..4, dst has 6 regions"},
+	} {
+		err := CheckStages(tc.stages, dst)
+		if tc.want == "" {
+			if err != nil {
+				t.Errorf("%s: CheckStages = %v, want nil", tc.name, err)
+			}
+			continue
+		}
+		if !errors.Is(err, ErrIncompatible) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: CheckStages = %v, want ErrIncompatible naming %q", tc.name, err, tc.want)
+		}
 	}
 }
