@@ -455,27 +455,23 @@ func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
 	m := g.UnitTokens
 	sEnd := src.Start + len(src.IDs)*g.SrcPPL*g.SrcUnits*m
 	dEnd := dst.Start + len(dst.IDs)*g.DstPPL*g.DstUnits*m
-	need := dEnd
+	// dst takes tokens from..last as filled: up to the end of its list
+	// or the source's tokens, of a window's list only the next token's
+	// window (the token at last attends to the Window-1 before it).
+	last := dEnd
 	if tokens > 0 {
-		need = min(dEnd, (min(tokens, maxStart)+m-1)/m*m)
-	}
-	if need <= dst.Start {
-		return nil
+		last = min(dEnd, tokens, maxStart)
 	}
 	from := dst.Start
 	if g.Kind == KindSlidingWindow {
-		// The window of the next token (at position last, attending to
-		// the Window-1 tokens before it): the destination's blocks
-		// before it need not be filled, every one in it must.
-		last := dEnd
-		if tokens > 0 {
-			last = min(dEnd, tokens)
-		}
 		from = max(from, last-g.Window+1)
 	}
-	if sEnd < need || src.Start > from {
+	if last <= from {
+		return nil
+	}
+	if sEnd < last || src.Start > from {
 		return fmt.Errorf("%w: the source's blocks hold tokens %d..%d, short of the destination's %d..%d (the source holds %d tokens)",
-			ErrInvalidBlocks, src.Start, sEnd, from, need, tokens)
+			ErrInvalidBlocks, src.Start, sEnd, from, last, tokens)
 	}
 	return nil
 }
