@@ -25,8 +25,15 @@ package hotpath_test
 // of tags, so a byte from the wrong rank, layer, block or offset is named
 // exactly, and every D byte's write count is kept: a byte written twice
 // is two descriptors overlapping on D.
+//
+// The model also says which tokens D takes as loaded once the transfer
+// ends (its list up to the request's tokens; of a sliding-window list the
+// next token's window), and CheckCovered, the check both modes make
+// before building, must pass exactly when every one of them lands: no
+// block reported loaded that kept what it held, no good request refused.
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -695,7 +702,7 @@ func brRandomCase(rng *rand.Rand) *brCase {
 // brSpans draws the request's spans per group of D's layout: P holds
 // [pStart, tokens) (a start past zero as after P's own clipping), D holds
 // [hit, tokens) after a prefix hit; Mamba lists of counts that differ by
-// at most one.
+// at most one. A source list sometimes names a block twice, side by side.
 func (c *brCase) brSpans(rng *rand.Rand, groups []topology.Group) {
 	want := c.tokens
 	if want == 0 {
@@ -723,7 +730,16 @@ func (c *brCase) brSpans(rng *rand.Rand, groups []topology.Group) {
 		case 3:
 			hit = (want + c.d.logical - 1) / c.d.logical * c.d.logical
 		}
-		c.src = append(c.src, c.spanFn(g, &c.p, pStart, want, gi))
+		src := c.spanFn(g, &c.p, pStart, want, gi)
+		if n := len(src.IDs); n >= 2 && rng.IntN(6) == 0 {
+			// A source block named twice (kvxfer refuses such lists
+			// before they get here; the builder pairs by position all
+			// the same): its KV lands in both destination blocks, and
+			// the repeat next to it must not merge into a run.
+			i := rng.IntN(n - 1)
+			src.IDs[i+1] = src.IDs[i]
+		}
+		c.src = append(c.src, src)
 		c.dst = append(c.dst, c.spanFn(g, &c.d, hit, want, gi))
 	}
 }
@@ -797,6 +813,9 @@ func runByteReference(t *testing.T, rng *rand.Rand, c *brCase, i int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// covered[d] is CheckCovered's verdict on each plan into D rank d that
+	// moves bytes.
+	covered := make([][]error, len(dr))
 	// Every connected (P rank, D rank) pair, as push or pull would pair them.
 	for pp := range pr {
 		for d := range dr {
@@ -805,6 +824,9 @@ func runByteReference(t *testing.T, rng *rand.Rand, c *brCase, i int) {
 				if err != nil {
 					t.Errorf("NewPlan(P pp%d tp%d, D tp%d): %v", pp, p, d, err)
 					return
+				}
+				if !plan.NotifyOnly {
+					covered[d] = append(covered[d], hotpath.CheckCovered(plan, req))
 				}
 				descs, err := brDescsFor(b, method, op, plan, req)
 				if err != nil {
@@ -838,6 +860,19 @@ func runByteReference(t *testing.T, rng *rand.Rand, c *brCase, i int) {
 						}
 					}
 				}
+			}
+		}
+	}
+	// CheckCovered (the check both modes make before a transfer whose
+	// receiver takes its blocks as filled) against the model: it passes
+	// exactly when every token the receiver takes is one the model says
+	// must land.
+	for d := range dr {
+		want := c.brTakenWritten(dr[d], want[d])
+		for _, err := range covered[d] {
+			if (err == nil) != (want == "") {
+				t.Errorf("D tp%d: CheckCovered = %v; the model: %s", d, err, cmp.Or(want, "every token D takes lands"))
+				break
 			}
 		}
 	}
@@ -875,6 +910,50 @@ func runByteReference(t *testing.T, rng *rand.Rand, c *brCase, i int) {
 	if len(errs) > 0 {
 		t.Errorf("%v %v (maxRun %d):\n%s", method, op, maxRun, strings.Join(errs, "\n"))
 	}
+}
+
+// brTakenWritten returns "" when every token D rank dr takes as loaded
+// once the transfer ends is one the model says must land (want), else the
+// first that would not. D takes the tokens of its attention and MLA lists
+// from their start up to the request's tokens (or its list's end when
+// tokens is 0); of a sliding-window list only the next token's window
+// (the Window-1 tokens before position tokens), which is all the next
+// token attends to. A token lands when its first byte (head 0, K) must.
+// Mamba state pairs by count and is not taken this way.
+func (c *brCase) brTakenWritten(dr *brRank, want [][]brExpect) string {
+	vec := int64(c.m.headSize * c.m.elem)
+	dPPL := c.d.logical / c.d.kernel
+	for g, grp := range dr.lay.Groups {
+		if grp.Kind == topology.KindMamba || len(grp.Regions) == 0 {
+			continue
+		}
+		ds := c.dst[g]
+		last := ds.Start + len(ds.IDs)*c.d.logical
+		if c.tokens > 0 {
+			last = min(last, c.tokens)
+		}
+		from := ds.Start
+		if grp.Kind == topology.KindSlidingWindow {
+			from = max(from, last-grp.Window+1)
+		}
+		j := grp.Regions[0]
+		reg := &dr.lay.Regions[j]
+		for tok := from; tok < last; tok++ {
+			rel := tok - ds.Start
+			id := int64(ds.IDs[rel/c.d.logical])
+			in := rel % c.d.logical
+			kb := id*int64(dPPL) + int64(in/c.d.kernel)
+			t := in % c.d.kernel
+			off := kb*reg.BlockLen + int64(t)*int64(c.m.mlaPerTok)
+			if reg.Kind != topology.KindMLA {
+				off = kb*reg.BlockLen + brCellOff(c.d.kvl, c.d.pack, brLocalHeads(c.m.heads, c.d.tp), c.d.kernel, vec, 0, t, 0)
+			}
+			if !want[j][off].must {
+				return fmt.Sprintf("group %d (%v) token %d (of %d..%d) would not land", g, grp.Kind, tok, from, last)
+			}
+		}
+	}
+	return ""
 }
 
 // brSeedEnv returns KVXFER_BYTEREF_SEED, to replay a failing run.

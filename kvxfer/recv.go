@@ -317,6 +317,18 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			return
 		}
 	}
+	// The producer's lists come from the router, not from this rank's
+	// engine (whose own lists Step checks): one naming a block twice would
+	// land that block's KV in two of this request's blocks, the KV of the
+	// other lost and the request reported loaded.
+	if err := st.builder.CheckDistinct(r.req.Remote.Blocks, "remote"); err != nil {
+		st.metrics.BadInput("recv_req.remote.blocks")
+		for _, to := range r.targets {
+			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
+		}
+		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+		return
+	}
 	for _, to := range r.targets {
 		st.readFrom(r, e, to)
 	}

@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/kvxfer/kvxfer/topology"
@@ -119,6 +120,13 @@ func (st *loopState) checkPlans(e *engine) {
 			break
 		}
 	}
+	if e.refused[asConsumer] == nil {
+		// The producer's stages, checked one by one above, must between
+		// them hold each of our regions once.
+		if err := st.checkStages(e, targets); err != nil {
+			e.refused[asConsumer] = err
+		}
+	}
 	if st.cfg.Mode != ModePush {
 		return // a pull producer builds no plan: its consumers do
 	}
@@ -136,6 +144,28 @@ func (st *loopState) checkPlans(e *engine) {
 			break
 		}
 	}
+}
+
+// checkStages checks, for each producer TP rank we take KV from, that
+// its pipeline stages hold our regions exactly once (topology.CheckStages).
+// A rank the peer lacks is left to fail its requests as before.
+func (st *loopState) checkStages(e *engine, targets []rankRef) error {
+	stages := make([]*topology.Layout, e.ppSize)
+	for _, to := range targets {
+		if to.pp != 0 {
+			continue
+		}
+		for pp := range stages {
+			stages[pp] = e.layouts[rankRef{pp: pp, tp: to.tp}]
+		}
+		if slices.Contains(stages, nil) {
+			continue
+		}
+		if err := topology.CheckStages(stages, st.layout); err != nil {
+			return st.layoutError(e, to, rankRef{tp: st.layout.TPRank, pp: st.layout.PPRank}, err, asConsumer)
+		}
+	}
+	return nil
 }
 
 // layoutError describes a refusal between this rank and peer rank peer

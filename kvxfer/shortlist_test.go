@@ -2,10 +2,13 @@ package kvxfer_test
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -47,6 +50,65 @@ func TestShortProducerListRefused(t *testing.T) {
 				wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
 				wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
 				wantResult(t, "short D", x.recvResult(bad), kvxfer.ResultFailed, "short of the destination's 0..")
+				wantKind(t, "short D", x.recvResult(bad), kvxfer.FailureSetup)
+				wantResult(t, "short P", x.sendResult(bad), kvxfer.ResultFailed, "")
+				w, field := x.p.workers[0][0], "send_req.blocks"
+				if mode == kvxfer.ModePull {
+					w, field = x.d.workers[0][0], "recv_req.remote.blocks"
+				}
+				if got := w.Metrics().Snapshot().BadInput[field]; got != 1 {
+					t.Errorf("BadInput[%q] = %d, want 1", field, got)
+				}
+				for _, se := range []*simEngine{x.p, x.d} {
+					if st := x.state(se); st.Sends+st.Recvs+st.PendingRegs+st.Matches != 0 {
+						t.Errorf("%s holds %+v after every request ended", se.id, st)
+					}
+				}
+			})
+		})
+	}
+}
+
+// A sliding-window producer list that starts past the window of the
+// consumer's next token (it lost blocks at its front) is refused where the
+// transfer is built, in both modes: window lists were exempt from the
+// start check, so the consumer's blocks before the short list kept what
+// they held and were reported loaded, though the next token attends to
+// them. Both sides fail; a good request beside it moves.
+func TestShortWindowListRefused(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		t.Run(mode.String(), func(t *testing.T) {
+			inSynctest(t, func(t *testing.T) {
+				x := &pair{t: t, mode: mode, fab: kvxfertest.NewFabric(), dir: kvxfertest.NewDirectory(), out: newOutcomes()}
+				model := kvsim.Model{Kinds: []topology.Kind{swa, swa}, Window: 40, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+				pe, de := e2eEngine(1, 1, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16)
+				x.p = startEngine(t, x.fab, x.dir, &model, pe, "P", mode, nil)
+				x.d = startEngine(t, x.fab, x.dir, &model, de, "D", mode, nil)
+				t.Cleanup(func() { x.d.close(t); x.p.close(t) })
+				x.groups = x.d.ranks[0][0].Layout.GroupList()
+				rng := rand.New(rand.NewPCG(1, 2))
+				x.pp, x.dp = newPool(rng, len(x.groups), pe.Blocks, false), newPool(rng, len(x.groups), de.Blocks, false)
+				now := time.Now()
+				// 100 tokens, window 40: both lists clipped to their last 4
+				// blocks (tokens 48..111); the next token attends to 61..99.
+				good, bad := x.req("good", 100, 0), x.req("short", 100, 0)
+				r, s := bad.recv(mode, x.p, now.Add(time.Minute)), bad.send(now.Add(30*time.Second))
+				ps := s.Blocks[0]
+				if ps.Start != 48 || len(ps.IDs) != 4 {
+					t.Fatalf("the producer's window list %+v, want 4 blocks from token 48", ps)
+				}
+				// Its last two blocks only: tokens 80..111.
+				short := []topology.Span{{Start: ps.Start + 32, IDs: ps.IDs[2:]}}
+				s.Blocks = short
+				if mode == kvxfer.ModePull {
+					r.Remote.Blocks = short
+				}
+				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute)), r}})
+				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), s}})
+				x.settle()
+				wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
+				wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
+				wantResult(t, "short D", x.recvResult(bad), kvxfer.ResultFailed, "short of the destination's 61..")
 				wantKind(t, "short D", x.recvResult(bad), kvxfer.FailureSetup)
 				wantResult(t, "short P", x.sendResult(bad), kvxfer.ResultFailed, "")
 				w, field := x.p.workers[0][0], "send_req.blocks"

@@ -1,6 +1,7 @@
 package kvxfer_test
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -83,6 +84,43 @@ func TestLateRegistrationAfterExpiryToldAtOnce(t *testing.T) {
 		}
 		if !strings.Contains(got[0].Reason, "lease expired") {
 			t.Errorf("D outcome %+v, want its reason to say the producer's lease expired", got[0])
+		}
+	})
+}
+
+// The producer's block list a pull consumer reads from (RecvReq
+// Remote.Blocks, the producer's ids handed on by the router) naming one
+// block twice is refused like the consumer's own: the READ would land one
+// producer block in two consumer blocks (the second one's KV lost, the
+// request reported done). Both sides fail the request, the refusal is
+// counted, and the good request beside it moves.
+func TestPullRefusesDuplicateRemoteBlocks(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+		now := time.Now()
+		good, dup := x.req("good", 40, 0), x.req("dup", 40, 0)
+		r := dup.recv(kvxfer.ModePull, x.p, now.Add(time.Minute))
+		if len(r.Remote.Blocks[0].IDs) < 2 {
+			t.Fatalf("the producer's list has %d blocks, want 2 or more", len(r.Remote.Blocks[0].IDs))
+		}
+		r.Remote.Blocks = slices.Clone(r.Remote.Blocks)
+		ids := slices.Clone(r.Remote.Blocks[0].IDs)
+		ids[1] = ids[0]
+		r.Remote.Blocks[0] = topology.Span{Start: r.Remote.Blocks[0].Start, IDs: ids}
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), dup.send(now.Add(30 * time.Second))}})
+		w := x.d.workers[0][0]
+		err := w.Step(&kvxfer.StepMeta{Step: 1, SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(kvxfer.ModePull, x.p, now.Add(time.Minute)), r}})
+		x.settle()
+		if err != nil {
+			t.Errorf("Step = %v, want nil (the producer's lists are checked when read)", err)
+		}
+		wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
+		wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
+		wantResult(t, "dup D", x.recvResult(dup), kvxfer.ResultFailed, fmt.Sprintf("remote group 0 block 1: id %d, the same block as block 0", ids[0]))
+		wantKind(t, "dup D", x.recvResult(dup), kvxfer.FailureSetup)
+		wantResult(t, "dup P", x.sendResult(dup), kvxfer.ResultFailed, "")
+		if n := w.Metrics().Snapshot().BadInput["recv_req.remote.blocks"]; n != 1 {
+			t.Errorf(`D BadInput["recv_req.remote.blocks"] = %d, want 1`, n)
 		}
 	})
 }

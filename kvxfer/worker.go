@@ -1367,6 +1367,8 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
 		case r.Remote.PPSize < 0:
 			field, why = "remote.pp_size", fmt.Sprintf("Remote.PPSize = %d, want >= 0", r.Remote.PPSize)
+		case r.Remote.Tokens < 0:
+			field, why = "remote.tokens", fmt.Sprintf("Remote.Tokens = %d, want >= 0", r.Remote.Tokens)
 		case w.cfg.Mode == ModePull && len(r.Local) > 0 && len(r.Remote.Blocks) != len(r.Local):
 			field, why = "remote.blocks", fmt.Sprintf("Remote.Blocks has %d groups, Local %d", len(r.Remote.Blocks), len(r.Local))
 		default:

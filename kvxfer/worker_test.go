@@ -549,6 +549,8 @@ func TestStepInvalidEntriesFail(t *testing.T) {
 		{"recv local block", kvxfer.ModePush, "D", "d-block", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) {
 			r.Local = []topology.Span{{IDs: []topology.BlockID{1, 1 << 20}}}
 		}, "recv_req.local", "Local group 0 block 1 = 1048576, want in [0, ", true},
+		{"recv remote tokens (pull)", kvxfer.ModePull, "D", "d-tokens", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.Tokens = -4 }, "recv_req.remote.tokens", "Remote.Tokens = -4, want >= 0", true},
+		{"recv remote tokens (push)", kvxfer.ModePush, "D", "d-tokens", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.Tokens = -5 }, "recv_req.remote.tokens", "Remote.Tokens = -5, want >= 0", true},
 		{"recv remote blocks (pull)", kvxfer.ModePull, "D", "d-remote", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.Blocks = nil }, "recv_req.remote.blocks", "Remote.Blocks has 0 groups, Local 1", true},
 		{"recv duplicate of a held request", kvxfer.ModePush, "D", "d-good", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.ReqID, r.Remote.EngineID = "d-good", "" }, "recv_req.remote.engine_id", "Remote.EngineID is empty", false},
 		{"send req_id", kvxfer.ModePush, "P", "", func(_ *kvxfer.RecvReq, s *kvxfer.SendReq) { s.ReqID = "" }, "send_req.req_id", "SendReq.ReqID is empty", false},

@@ -190,3 +190,27 @@ func CheckSameEngine(a, b *Layout) error {
 	}
 	return nil
 }
+
+// CheckStages checks that the pipeline stages of a source engine hold
+// dst's regions exactly once between them: stages[p] is a layout of stage
+// p (any of its TP ranks), stage 0's regions start at dst's region 0, each
+// later stage's where the one before it ends (its RegionOffset), and the
+// last ends at dst's last region. CheckCompatible sees one stage at a
+// time: a stage whose RegionOffset is off lands its layers in other
+// layers' regions (another stage's, or a gap no stage writes), and a
+// region no stage holds is never written. Errors name the stage, its
+// regions and the region it must start at.
+func CheckStages(stages []*Layout, dst *Layout) error {
+	next := 0
+	for p, s := range stages {
+		if s.RegionOffset != next {
+			return fmt.Errorf("%w: regions %d..%d of stage pp %d start at %d, want %d (stages pp 0..%d hold %d of dst's %d regions)",
+				ErrIncompatible, s.RegionOffset, s.RegionOffset+len(s.Regions)-1, p, s.RegionOffset, next, p-1, next, len(dst.Regions))
+		}
+		next += len(s.Regions)
+	}
+	if next != len(dst.Regions) {
+		return fmt.Errorf("%w: the %d stages hold regions 0..%d, dst has %d regions", ErrIncompatible, len(stages), next-1, len(dst.Regions))
+	}
+	return nil
+}

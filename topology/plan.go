@@ -440,8 +440,11 @@ func (g *GroupPlan) Align(src, dst Span, tokens int) (s0, d0, n int, err error) 
 // take as moved: dst's tokens from its start up to the end of its list or
 // to tokens, whichever comes first. Align pairs what both lists hold; a
 // receiver that takes its whole list as filled needs this too, or the
-// blocks past a short source list keep what they held. A window's list
-// starts where its window does, so only its end is checked; Mamba state
+// blocks past a short source list keep what they held. A window's lists
+// start where each side's clipping put them, so a sliding-window source
+// need hold only the window of the token after the last one dst takes
+// (tokens, or the end of dst's list when tokens is 0): the Window-1
+// tokens before it; Mamba state
 // pairs by TrimSSM's rule and is not checked here. tokens = 0 (the
 // source says nothing of what it holds) bounds nothing: the source must
 // then hold the destination's whole list.
@@ -452,16 +455,23 @@ func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
 	m := g.UnitTokens
 	sEnd := src.Start + len(src.IDs)*g.SrcPPL*g.SrcUnits*m
 	dEnd := dst.Start + len(dst.IDs)*g.DstPPL*g.DstUnits*m
-	need := dEnd
+	// dst takes tokens from..last as filled: up to the end of its list
+	// or the source's tokens, of a window's list only the next token's
+	// window (the token at last attends to the Window-1 before it).
+	last := dEnd
 	if tokens > 0 {
-		need = min(dEnd, (min(tokens, maxStart)+m-1)/m*m)
+		last = min(dEnd, tokens, maxStart)
 	}
-	if need <= dst.Start {
+	from := dst.Start
+	if g.Kind == KindSlidingWindow {
+		from = max(from, last-g.Window+1)
+	}
+	if last <= from {
 		return nil
 	}
-	if sEnd < need || src.Start > dst.Start && g.Kind != KindSlidingWindow {
+	if sEnd < last || src.Start > from {
 		return fmt.Errorf("%w: the source's blocks hold tokens %d..%d, short of the destination's %d..%d (the source holds %d tokens)",
-			ErrInvalidBlocks, src.Start, sEnd, dst.Start, need, tokens)
+			ErrInvalidBlocks, src.Start, sEnd, from, last, tokens)
 	}
 	return nil
 }
