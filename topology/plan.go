@@ -444,10 +444,9 @@ func (g *GroupPlan) Align(src, dst Span, tokens int) (s0, d0, n int, err error) 
 // start where each side's clipping put them, so a sliding-window source
 // need hold only the window of the token after the last one dst takes
 // (tokens, or the end of dst's list when tokens is 0): the Window-1
-// tokens before it; Mamba state
-// pairs by TrimSSM's rule and is not checked here. tokens = 0 (the
-// source says nothing of what it holds) bounds nothing: the source must
-// then hold the destination's whole list.
+// tokens before it. Mamba state pairs by TrimSSM's rule and is not
+// checked here. tokens = 0 (the source says nothing of what it holds)
+// bounds nothing: the source must then hold the destination's whole list.
 func (g *GroupPlan) Covers(src, dst Span, tokens int) error {
 	if g.Kind == KindMamba {
 		return nil
