@@ -1962,15 +1962,29 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
     regions, groups = [], [[] for _ in w.c.groups]
     head_size = elem = heads = kernel_bs = 0
     order = None
-    seen = set()
+    region_of: dict[tuple, int] = {}
     for name in names:
         t = kv_caches[name]
         spec = spec_of.get(name)
+        gi = group_of.get(name, 0)
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            # Layers that share one cache (KV sharing) are one region.
+        if key in region_of:
+            # Layers that share one cache are one region: KV sharing (the
+            # layers of one group), or vLLM's hybrid allocator, which gives
+            # one tensor to a layer of each cache group, each group's blocks
+            # in it. The region is then listed in every group whose layers
+            # use it, so each group's blocks in it move.
+            ri, g = region_of[key], groups[min(gi, len(groups) - 1)]
+            if ri not in g:
+                if w.cfg.layerwise:
+                    raise ValueError(
+                        f"kvxfer: layer {name} shares its KV cache with a layer of another cache group (vLLM's hybrid "
+                        "KV cache manager): layer-wise push writes a region once its layer is saved, before the other "
+                        "group's layer in it is computed; turn layerwise off for this model, or run vLLM with "
+                        "--disable-hybrid-kv-cache-manager")
+                g.append(ri)
             continue
-        seen.add(key)
+        region_of[key] = len(regions)
         if t.dim() != 4:
             raise ValueError(f"kvxfer: layer {name}: KV cache has shape {tuple(t.shape)}, want [blocks, heads, tokens, K|V]"
                              " (vLLM >= 0.32's per-layer views)")
@@ -1994,7 +2008,6 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
                              f"(order/heads/tokens/elem {lay}/{h}/{n}/{es} vs {order}/{heads}/{kernel_bs}/{elem})")
         if isinstance(spec, AttentionSpec) and spec.head_size_v != spec.head_size:
             raise ValueError(f"kvxfer: layer {name}: K and V head sizes differ ({spec.head_size} vs {spec.head_size_v})")
-        gi = group_of.get(name, 0)
         kind, window = w.c.groups[gi] if gi < len(w.c.groups) else w.c.groups[0]
         groups[min(gi, len(groups) - 1)].append(len(regions))
         # LayerSaved names the layer as the server counts them: the region's
