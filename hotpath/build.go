@@ -93,10 +93,8 @@ type Builder struct {
 	idxS, idxD []int32
 	// scratch holds one region pair's descriptors (AppendLayouts).
 	scratch []Desc
-	// seen is CheckDistinct's bitmap of block ids (all zero between
-	// calls); sorted its copy of a list whose ids are too large for it.
-	seen   []uint64
-	sorted []topology.BlockID
+	// dups is CheckDistinct's scratch.
+	dups Dups
 }
 
 // span is a run (or unit) in bytes: offsets from each region's base and a
@@ -216,10 +214,6 @@ func CheckCovered(p *topology.Plan, req *Request) error {
 	return nil
 }
 
-// maxSeenBits bounds CheckDistinct's bitmap (2 MiB): a list holding a
-// larger id is checked on a sorted copy instead.
-const maxSeenBits = 1 << 24
-
 // CheckDistinct checks that no group of spans names one block twice. A
 // destination block named twice would take two source blocks' KV (one of
 // them lost, the transfer reported complete); a source block named twice
@@ -229,75 +223,13 @@ const maxSeenBits = 1 << 24
 // allocate nothing.
 func (b *Builder) CheckDistinct(spans []topology.Span, side string) error {
 	for g := range spans {
-		if i, j := b.repeated(spans[g].IDs); i >= 0 {
+		if i, j := b.dups.Repeated(spans[g].IDs); i >= 0 {
 			ids := spans[g].IDs
 			return fmt.Errorf("%w: %s group %d block %d: id %d, the same block as block %d (want distinct blocks)",
 				ErrInvalidRequest, side, g, j, ids[j], i)
 		}
 	}
 	return nil
-}
-
-// repeated returns the positions i < j of the first id of ids that
-// repeats an earlier one (-1, -1: none).
-func (b *Builder) repeated(ids []topology.BlockID) (int, int) {
-	if len(ids) <= 16 {
-		for j := 1; j < len(ids); j++ {
-			for i := range j {
-				if ids[i] == ids[j] && ids[i] >= 0 {
-					return i, j
-				}
-			}
-		}
-		return -1, -1
-	}
-	var hi topology.BlockID
-	for _, id := range ids {
-		hi = max(hi, id)
-	}
-	if int64(hi) >= maxSeenBits {
-		// Too large for the bitmap: sort a copy, then find the first
-		// repeat's positions.
-		b.sorted = append(b.sorted[:0], ids...)
-		slices.Sort(b.sorted)
-		for k := 1; k < len(b.sorted); k++ {
-			if v := b.sorted[k]; v == b.sorted[k-1] && v >= 0 {
-				i := slices.Index(ids, v)
-				return i, i + 1 + slices.Index(ids[i+1:], v)
-			}
-		}
-		return -1, -1
-	}
-	if words := int(hi)/64 + 1; len(b.seen) < words {
-		b.seen = slices.Grow(b.seen[:0], words)[:words]
-		clear(b.seen)
-	}
-	seen := b.seen
-	at := -1
-	for j, id := range ids {
-		if id < 0 {
-			continue
-		}
-		w, bit := id/64, uint64(1)<<(id%64)
-		if seen[w]&bit != 0 {
-			at = j
-			break
-		}
-		seen[w] |= bit
-	}
-	end := len(ids)
-	if at >= 0 {
-		end = at
-	}
-	for _, id := range ids[:end] {
-		if id >= 0 {
-			seen[id/64] = 0
-		}
-	}
-	if at < 0 {
-		return -1, -1
-	}
-	return slices.Index(ids, ids[at]), at
 }
 
 // checkIDs bounds-checks every id of a list.

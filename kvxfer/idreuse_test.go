@@ -46,3 +46,31 @@ func TestConsumerIDReusedForAnotherTransfer(t *testing.T) {
 		}
 	})
 }
+
+// While the producer still holds the transfer a consumer request id was
+// paired with (a layer-wise request still prefilling, its consumer rank
+// gone), a registration under that id for another transfer is refused at
+// once (reg_id_in_use): it neither joins the held request's ranks nor
+// waits out its deadline.
+func TestConsumerIDInUseRefused(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) { c.Layerwise = side == "P" })
+		now := time.Now()
+		first, second := x.req("first", 40, 0), x.req("second", 40, 0)
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{first.recv(kvxfer.ModePush, x.p, now.Add(time.Second))}})
+		x.p.step(t, &kvxfer.StepMeta{Step: 7, SchedulerClock: now, Prefill: []kvxfer.SendReq{first.send(time.Time{})}})
+		x.settle()
+		time.Sleep(2 * time.Second) // D gives the first request up; P still prefills it
+		x.settle()
+		wantResult(t, "D's first", x.recvResult(first), kvxfer.ResultExpired, "")
+		x.out = newOutcomes()
+		r2 := second.recv(kvxfer.ModePush, x.p, time.Now().Add(time.Minute))
+		r2.ReqID = "d-first"
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: time.Now(), Recv: []kvxfer.RecvReq{r2}})
+		x.settle()
+		wantResult(t, "D's second", x.out.recv["d-first"], kvxfer.ResultFailed, "still paired here with transfer")
+		if got := x.p.workers[0][0].Metrics().Snapshot().Dropped["reg_id_in_use"]; got != 1 {
+			t.Errorf("Dropped[reg_id_in_use] = %d, want 1", got)
+		}
+	})
+}

@@ -565,18 +565,18 @@ func (st *loopState) onReg(m *msg) {
 		}
 		return
 	}
-	if s := st.matched[k]; s != nil && s.match.tid != m.TransferID {
-		// The consumer's request id was reused for another transfer
-		// while the one it was paired with here is still held: the
-		// registration must not join that one's ranks (it would be
-		// dropped as a duplicate, or take a rank's place and be written
-		// the other transfer's KV).
-		st.refuseReg(m, "reg_id_in_use", FailureSetup, fmt.Sprintf(
-			"consumer request %q is still paired here with transfer %q (producer request %q); this registration is for transfer %q",
-			m.DReq, s.match.tid, s.req.ReqID, m.TransferID))
-		return
-	}
 	if s := st.matched[k]; s != nil {
+		if s.match.tid != m.TransferID {
+			// The consumer's request id was reused for another transfer
+			// while the one it was paired with here is still held: the
+			// registration must not join that one's ranks (it would be
+			// dropped as a duplicate, or take a rank's place and be
+			// written the other transfer's KV).
+			st.refuseReg(m, "reg_id_in_use", FailureSetup, fmt.Sprintf(
+				"consumer request %q is still paired here with transfer %q (producer request %q); this registration is for transfer %q",
+				m.DReq, s.match.tid, s.req.ReqID, m.TransferID))
+			return
+		}
 		if r := s.ranks[m.TPRank]; late && r != nil && r.state == rkWaiting && m.TPSize == s.match.dTP {
 			st.metrics.Dropped("reg_expired")
 			st.failRank(s, m.TPRank, r, FailureExpired, regLate)

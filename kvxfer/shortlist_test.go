@@ -44,26 +44,7 @@ func TestShortProducerListRefused(t *testing.T) {
 				if mode == kvxfer.ModePull {
 					r.Remote.Blocks, r.Remote.Tokens = short, tc.tokens
 				}
-				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute)), r}})
-				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), s}})
-				x.settle()
-				wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
-				wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
-				wantResult(t, "short D", x.recvResult(bad), kvxfer.ResultFailed, "short of the destination's 0..")
-				wantKind(t, "short D", x.recvResult(bad), kvxfer.FailureSetup)
-				wantResult(t, "short P", x.sendResult(bad), kvxfer.ResultFailed, "")
-				w, field := x.p.workers[0][0], "send_req.blocks"
-				if mode == kvxfer.ModePull {
-					w, field = x.d.workers[0][0], "recv_req.remote.blocks"
-				}
-				if got := w.Metrics().Snapshot().BadInput[field]; got != 1 {
-					t.Errorf("BadInput[%q] = %d, want 1", field, got)
-				}
-				for _, se := range []*simEngine{x.p, x.d} {
-					if st := x.state(se); st.Sends+st.Recvs+st.PendingRegs+st.Matches != 0 {
-						t.Errorf("%s holds %+v after every request ended", se.id, st)
-					}
-				}
+				shortRefused(t, x, good, bad, r, s, "short of the destination's 0..")
 			})
 		})
 	}
@@ -103,27 +84,38 @@ func TestShortWindowListRefused(t *testing.T) {
 				if mode == kvxfer.ModePull {
 					r.Remote.Blocks = short
 				}
-				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute)), r}})
-				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), s}})
-				x.settle()
-				wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
-				wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
-				wantResult(t, "short D", x.recvResult(bad), kvxfer.ResultFailed, "short of the destination's 61..")
-				wantKind(t, "short D", x.recvResult(bad), kvxfer.FailureSetup)
-				wantResult(t, "short P", x.sendResult(bad), kvxfer.ResultFailed, "")
-				w, field := x.p.workers[0][0], "send_req.blocks"
-				if mode == kvxfer.ModePull {
-					w, field = x.d.workers[0][0], "recv_req.remote.blocks"
-				}
-				if got := w.Metrics().Snapshot().BadInput[field]; got != 1 {
-					t.Errorf("BadInput[%q] = %d, want 1", field, got)
-				}
-				for _, se := range []*simEngine{x.p, x.d} {
-					if st := x.state(se); st.Sends+st.Recvs+st.PendingRegs+st.Matches != 0 {
-						t.Errorf("%s holds %+v after every request ended", se.id, st)
-					}
-				}
+				shortRefused(t, x, good, bad, r, s, "short of the destination's 61..")
 			})
 		})
+	}
+}
+
+// shortRefused steps request good beside bad, whose producer list (r for
+// D in pull, s for P) was cut short, and checks that good moves, bad
+// fails on both sides (D's reason containing reason, FailureSetup), the
+// refusal is counted where the transfer is built, and neither side holds
+// anything after.
+func shortRefused(t *testing.T, x *pair, good, bad *xreq, r kvxfer.RecvReq, s kvxfer.SendReq, reason string) {
+	t.Helper()
+	now, mode := time.Now(), x.mode
+	x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{good.recv(mode, x.p, now.Add(time.Minute)), r}})
+	x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{good.send(now.Add(30 * time.Second)), s}})
+	x.settle()
+	wantResult(t, "good D", x.recvResult(good), kvxfer.ResultDone, "")
+	wantResult(t, "good P", x.sendResult(good), kvxfer.ResultDone, "")
+	wantResult(t, "short D", x.recvResult(bad), kvxfer.ResultFailed, reason)
+	wantKind(t, "short D", x.recvResult(bad), kvxfer.FailureSetup)
+	wantResult(t, "short P", x.sendResult(bad), kvxfer.ResultFailed, "")
+	w, field := x.p.workers[0][0], "send_req.blocks"
+	if mode == kvxfer.ModePull {
+		w, field = x.d.workers[0][0], "recv_req.remote.blocks"
+	}
+	if got := w.Metrics().Snapshot().BadInput[field]; got != 1 {
+		t.Errorf("BadInput[%q] = %d, want 1", field, got)
+	}
+	for _, se := range []*simEngine{x.p, x.d} {
+		if st := x.state(se); st.Sends+st.Recvs+st.PendingRegs+st.Matches != 0 {
+			t.Errorf("%s holds %+v after every request ended", se.id, st)
+		}
 	}
 }

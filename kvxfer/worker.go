@@ -325,11 +325,10 @@ type Worker struct {
 		released []XferID
 	}
 	closeOnce sync.Once
-	// dup is validate's scratch for finding a block named twice in a
-	// long list: a bit per block of each group, all clear between calls.
+	// dup is validate's scratch for finding a block named twice.
 	dup struct {
-		mu   sync.Mutex
-		seen [][]uint64
+		mu sync.Mutex
+		d  hotpath.Dups
 	}
 
 	// Everything below is owned by the loop goroutine: the driver's own
@@ -1328,7 +1327,7 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 					return name, fmt.Sprintf("%s group %d block %d = %d, want in [0, %d)", name, g, i, b, w.groupBlocks[g])
 				}
 			}
-			if i, j := w.repeated(g, s.IDs); i >= 0 {
+			if i, j := w.repeated(s.IDs); i >= 0 {
 				// Two of the request's blocks would be one: a consumer's
 				// lands two producer blocks in it, a producer's sends one
 				// block's KV for two.
@@ -1422,50 +1421,13 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 	return &m, bad, errors.Join(errs...)
 }
 
-// repeated returns the indices i < j of the first block ids of group g
-// that are equal (-1, -1: none); every id is in range. Short lists are
-// compared pairwise; longer ones are marked in a bitmap of the group's
-// blocks, shared by the callers of Step under dup.mu.
-func (w *Worker) repeated(g int, ids []topology.BlockID) (int, int) {
-	if len(ids) <= 16 {
-		for j := 1; j < len(ids); j++ {
-			for i := range j {
-				if ids[i] == ids[j] {
-					return i, j
-				}
-			}
-		}
-		return -1, -1
-	}
+// repeated returns the indices i < j of the first block ids of ids that
+// are equal (-1, -1: none), with the scratch the callers of Step share
+// under dup.mu.
+func (w *Worker) repeated(ids []topology.BlockID) (int, int) {
 	w.dup.mu.Lock()
 	defer w.dup.mu.Unlock()
-	if len(w.dup.seen) != len(w.groupBlocks) {
-		w.dup.seen = make([][]uint64, len(w.groupBlocks))
-	}
-	seen := w.dup.seen[g]
-	if seen == nil {
-		seen = make([]uint64, (w.groupBlocks[g]+63)/64)
-		w.dup.seen[g] = seen
-	}
-	at := -1
-	for j, b := range ids {
-		if seen[b/64]&(1<<(b%64)) != 0 {
-			at = j
-			break
-		}
-		seen[b/64] |= 1 << (b % 64)
-	}
-	end := len(ids)
-	if at >= 0 {
-		end = at
-	}
-	for _, b := range ids[:end] {
-		seen[b/64] &^= 1 << (b % 64)
-	}
-	if at < 0 {
-		return -1, -1
-	}
-	return slices.Index(ids, ids[at]), at
+	return w.dup.d.Repeated(ids)
 }
 
 // ownSpans reports whether ss are block lists of this rank (one per

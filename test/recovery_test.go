@@ -423,30 +423,8 @@ func TestProducerEngineCrashesMidTransfer(t *testing.T) {
 			}
 			once(P, "warm", []topology.BlockID{14, 15}, "before the crash")
 			baseline := metricsOf(t, dMetrics)["go_goroutines"]
-			blocks := func(i int) []topology.BlockID {
-				return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
-			}
-			var dIDs []string
-			for i := range 4 {
-				id := string(rune('a' + i))
-				dIDs = append(dIDs, "d-"+id)
-				if mode == kvxfer.ModePush {
-					registerD(t, D, "d-"+id, "t-"+id, p.Peer, blocks(i))
-					continue
-				}
-				params := finishPull(t, P, "p-"+id, "t-"+id, blocks(i))
-				readPull(t, D, "d-"+id, params, blocks(i))
-			}
-			if mode == kvxfer.ModePush {
-				time.Sleep(200 * time.Millisecond) // the registrations reach P
-				for i := range 4 {
-					id := string(rune('a' + i))
-					finishP(t, P, "p-"+id, "t-"+id, blocks(i))
-				}
-				if err := P.Step(P.Sched.BuildMeta()); err != nil {
-					t.Fatal(err)
-				}
-			}
+			blocks := fourBlocks
+			dIDs := fourInFlight(t, mode, P, D, p.Peer, "d-")
 			if err := P.Crash(); err != nil {
 				t.Fatal(err)
 			}
@@ -571,30 +549,8 @@ func TestConsumerEngineCrashesMidTransfer(t *testing.T) {
 			}
 			once(D, "warm", []topology.BlockID{14, 15}, "before the crash")
 			baseline := metricsOf(t, pMetrics)["go_goroutines"]
-			blocks := func(i int) []topology.BlockID {
-				return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
-			}
-			var pIDs []string
-			for i := range 4 {
-				id := string(rune('a' + i))
-				pIDs = append(pIDs, "p-"+id)
-				if mode == kvxfer.ModePush {
-					registerD(t, D, "d-"+id, "t-"+id, p.Peer, blocks(i))
-					continue
-				}
-				params := finishPull(t, P, "p-"+id, "t-"+id, blocks(i))
-				readPull(t, D, "d-"+id, params, blocks(i))
-			}
-			if mode == kvxfer.ModePush {
-				time.Sleep(200 * time.Millisecond) // the registrations reach P
-				for i := range 4 {
-					id := string(rune('a' + i))
-					finishP(t, P, "p-"+id, "t-"+id, blocks(i))
-				}
-				if err := P.Step(P.Sched.BuildMeta()); err != nil {
-					t.Fatal(err)
-				}
-			}
+			blocks := fourBlocks
+			pIDs := fourInFlight(t, mode, P, D, p.Peer, "p-")
 			if err := D.Crash(); err != nil {
 				t.Fatal(err)
 			}
@@ -617,4 +573,39 @@ func TestConsumerEngineCrashesMidTransfer(t *testing.T) {
 			settled(t, "P's daemon", pMetrics, baseline, 10)
 		})
 	}
+}
+
+// fourBlocks are the blocks of fourInFlight's request i, on both sides.
+func fourBlocks(i int) []topology.BlockID {
+	return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
+}
+
+// fourInFlight starts four requests "a".."d" from P (peer address pPeer)
+// to D, in blocks fourBlocks(i) on both sides: in push D registers each
+// and P finishes them in one step; in pull P finishes each and D reads
+// it. It returns the requests' ids on one side: prefix "d-" or "p-".
+func fourInFlight(t *testing.T, mode kvxfer.Mode, P, D *simengine.Engine, pPeer, prefix string) []string {
+	t.Helper()
+	var ids []string
+	for i := range 4 {
+		id := string(rune('a' + i))
+		ids = append(ids, prefix+id)
+		if mode == kvxfer.ModePush {
+			registerD(t, D, "d-"+id, "t-"+id, pPeer, fourBlocks(i))
+			continue
+		}
+		params := finishPull(t, P, "p-"+id, "t-"+id, fourBlocks(i))
+		readPull(t, D, "d-"+id, params, fourBlocks(i))
+	}
+	if mode == kvxfer.ModePush {
+		time.Sleep(200 * time.Millisecond) // the registrations reach P
+		for i := range 4 {
+			id := string(rune('a' + i))
+			finishP(t, P, "p-"+id, "t-"+id, fourBlocks(i))
+		}
+		if err := P.Step(P.Sched.BuildMeta()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return ids
 }

@@ -551,37 +551,43 @@ func (p *peer) dial(local bool) (c *conn, noLocal bool, err error) {
 			return nil, noLocal, fmt.Errorf("%w: %s (%s): %w", ErrXferFailed, p.name, p.addr, err)
 		}
 	}
+	hello := p.tcpHello
 	if a.priv != nil && isBound(p.name) {
-		// Both names bound: each side proves it holds its name's key.
-		if err := p.boundDial(nc); err != nil {
-			_ = nc.Close()
-			return nil, noLocal, err
-		}
-		c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
-		return c, noLocal, err
+		hello = p.boundDial // both names bound: each side proves it holds its name's key
 	}
+	if err := hello(nc); err != nil {
+		_ = nc.Close()
+		return nil, noLocal, err
+	}
+	c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
+	return c, noLocal, err
+}
+
+// tcpHello opens a TCP connection to a peer without a bound name (or from
+// an agent without one): the plain hello, or the ident hello and the
+// peer's confirmation that it is the agent meant.
+func (p *peer) tcpHello(nc net.Conn) error {
+	a := p.owner
 	hello := helloFrame(a.cfg.Name)
 	if p.ident != "" {
 		hello = identHello(a.cfg.Name, p.ident, a.inc)
 	}
 	if _, err := nc.Write(hello); err != nil {
-		_ = nc.Close()
-		return nil, noLocal, fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
+		return fmt.Errorf("%w: hello to %s: %w", ErrXferFailed, p.name, err)
 	}
-	if p.ident != "" {
-		// The agent at the address says it is the one meant (it closes
-		// the connection otherwise).
-		var ok [1]byte
-		_ = nc.SetReadDeadline(time.Now().Add(a.cfg.DialTimeout))
-		err := readFull(nc, ok[:])
-		_ = nc.SetReadDeadline(time.Time{})
-		if err != nil || ok[0] != helloOK {
-			_ = nc.Close()
-			return nil, noLocal, fmt.Errorf("%w: the agent listening at %s is not %s (a new process there?): %v", ErrXferFailed, p.addr, p.name, cmpErr(err, "bad answer to hello"))
-		}
+	if p.ident == "" {
+		return nil
 	}
-	c, err = p.started(&conn{p: p, c: nc, r: newScatterReader(nc), pending: map[partKey]*xfer{}})
-	return c, noLocal, err
+	// The agent at the address says it is the one meant (it closes the
+	// connection otherwise).
+	var ok [1]byte
+	_ = nc.SetReadDeadline(time.Now().Add(a.cfg.DialTimeout))
+	err := readFull(nc, ok[:])
+	_ = nc.SetReadDeadline(time.Time{})
+	if err != nil || ok[0] != helloOK {
+		return fmt.Errorf("%w: the agent listening at %s is not %s (a new process there?): %v", ErrXferFailed, p.addr, p.name, cmpErr(err, "bad answer to hello"))
+	}
+	return nil
 }
 
 // started starts reading a new connection's answers.
