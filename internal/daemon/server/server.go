@@ -193,6 +193,16 @@ type Config struct {
 	// closed as soon as its uid is known (BoundEngineConns), and counted
 	// (engine_conns, engine_conns_per_uid).
 	MaxEngineConns, MaxEngineConnsPerUID int
+	// MaxCalls bounds the calls in flight at once on the engine listener
+	// (HTTP/2 streams of every method: scheduler calls, worker and Steps
+	// streams, health and reflection), all engines together, and
+	// MaxCallsPerUID those of one uid, whatever connections they come
+	// over (defaults: twice MaxStreams and MaxStreamsPerUID). Each holds a
+	// goroutine and the transport's buffers in the daemon, and gRPC bounds
+	// no stream count of a connection. Past them a call is refused before
+	// its handler starts (ResourceExhausted, counted as calls or
+	// calls_per_uid), by the server option BoundCalls returns.
+	MaxCalls, MaxCallsPerUID int
 	// MaxMemoryEntries bounds the hello.memory entries the daemon holds
 	// mapped at once (shared-memory files and CUDA IPC imports; memory
 	// named by address in the engine's own process maps nothing), in all,
@@ -333,6 +343,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxStreamsPerUID <= 0 {
 		cfg.MaxStreamsPerUID = 1024
 	}
+	if cfg.MaxCalls <= 0 {
+		cfg.MaxCalls = 2 * cfg.MaxStreams
+	}
+	if cfg.MaxCallsPerUID <= 0 {
+		cfg.MaxCallsPerUID = 2 * cfg.MaxStreamsPerUID
+	}
 	if cfg.MaxEngineConns <= 0 {
 		cfg.MaxEngineConns = 4096
 	}
@@ -369,7 +385,8 @@ func New(cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
 		limits: &limits{streams: newBudget(cfg.MaxStreams, cfg.MaxStreamsPerUID, "engine streams", "-max-streams", "streams"),
 			mem:   newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries"),
-			conns: newBudget(cfg.MaxEngineConns, cfg.MaxEngineConnsPerUID, "engine connections", "-max-engine-conns", "engine_conns")}}
+			conns: newBudget(cfg.MaxEngineConns, cfg.MaxEngineConnsPerUID, "engine connections", "-max-engine-conns", "engine_conns"),
+			calls: newBudget(cfg.MaxCalls, cfg.MaxCallsPerUID, "engine calls in flight", "-max-calls", "calls")}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
@@ -792,13 +809,14 @@ var ErrLimit = errors.New("limit reached")
 
 // limits bounds what engines hold at once, in all and per uid: their
 // streams (streams, which bound open schedulers too), the memory entries
-// their ranks hold mapped (mem) and their connections (conns); and counts
-// refusals by reason.
+// their ranks hold mapped (mem), their connections (conns) and their
+// calls in flight (calls); and counts refusals by reason.
 type limits struct {
 	mu      sync.Mutex
 	streams budget
 	mem     budget
 	conns   budget
+	calls   budget
 	refused map[string]uint64
 }
 

@@ -1,0 +1,190 @@
+package test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+)
+
+// floodStreams is how many calls the stream-flood attack keeps open over
+// one connection: past kvxferd's default bound on one user's calls in
+// flight (-max-calls-per-uid 2048).
+const floodStreams = 3000
+
+func init() {
+	// Keep floodStreams calls open over one connection to the engine
+	// socket (health watches: each lives until the caller ends it), then
+	// say how many the daemon took and how the others were refused.
+	attacks["stream-flood"] = func(ctx context.Context, p func(string, error)) {
+		cc, err := grpc.NewClient("unix://"+os.Getenv("KVXFER_SOCK"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			p("dial", err)
+			return
+		}
+		defer cc.Close()
+		hc := healthpb.NewHealthClient(cc)
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		admitted, refused := 0, 0
+		var first error
+		for range floodStreams {
+			w, err := hc.Watch(ctx, &healthpb.HealthCheckRequest{})
+			if err == nil {
+				_, err = w.Recv()
+			}
+			switch {
+			case err == nil:
+				admitted++
+			case status.Code(err) == codes.ResourceExhausted:
+				refused++
+				if first == nil {
+					first = err
+				}
+			default:
+				p("watch", err)
+				return
+			}
+		}
+		fmt.Printf("admitted %d refused %d\n", admitted, refused)
+		p("first refusal", first)
+		// The daemon's goroutines with them all open.
+		fmt.Println("HOLDING")
+		if _, err := os.Stdin.Read(make([]byte, 1)); err != nil {
+			p("stdin", err)
+		}
+	}
+}
+
+// One local user cannot grow the daemon without bound by opening calls
+// over one connection (HTTP/2 streams, each a goroutine and buffers in
+// kvxferd): the calls of one uid in flight are bounded (-max-calls-per-uid),
+// one past it refused at once (ResourceExhausted, counted as
+// kvxfer_refused_total{reason="calls_per_uid"}); the daemon's goroutines
+// stay bounded and another user's engine carries on. Before, all 3000
+// were taken, each holding goroutines in the daemon.
+func TestAnotherUserCannotFloodCalls(t *testing.T) {
+	dir := world(t)
+	metrics := freeAddr(t)
+	d := startDaemon(t, dir, "d", "-metrics-listen", metrics)
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	base := metricsOf(t, metrics)["go_goroutines"]
+	out, release := asNobodyHolding(t, "stream-flood", "KVXFER_SOCK="+d.Sock)
+	m := metricsOf(t, metrics)
+	release()
+	var admitted, refusedN int
+	for _, line := range strings.Split(out, "\n") {
+		if _, err := fmt.Sscanf(line, "admitted %d refused %d", &admitted, &refusedN); err == nil {
+			break
+		}
+	}
+	t.Logf("admitted %d, refused %d; daemon goroutines %v -> %v", admitted, refusedN, base, m["go_goroutines"])
+	if admitted > 2048 || refusedN < floodStreams-2048 {
+		t.Errorf("one user's %d calls over one connection: %d admitted, %d refused; want at most 2048 admitted (-max-calls-per-uid)", floodStreams, admitted, refusedN)
+	}
+	refused(t, out, codes.ResourceExhausted, "first refusal")
+	if !strings.Contains(out, "-max-calls-per-uid") {
+		t.Errorf("the refusal does not name -max-calls-per-uid:\n%s", out)
+	}
+	if g := m["go_goroutines"] - base; g > 2*2048+256 {
+		t.Errorf("the daemon grew by %v goroutines for one user's calls", g)
+	}
+	if m["kvxfer_refused_total"] < float64(refusedN) || refusedN == 0 {
+		t.Errorf("kvxfer_refused_total = %v, want the %d refusals counted", m["kvxfer_refused_total"], refusedN)
+	}
+	v.intact(t, before)
+}
+
+// asNobodyHolding is asNobody for an attack that prints HOLDING and then
+// keeps what it opened until release is called (it waits on its stdin).
+func asNobodyHolding(t *testing.T, name string, env ...string) (out string, release func()) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("attacks from another local user need root to switch to uid 65534 (setpriv); CI runs as root")
+	}
+	cmd, buf, stdin := startAsNobody(t, name, env...)
+	if !waitFor(buf, "HOLDING") {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		t.Fatalf("attack %s did not hold:\n%s", name, buf.String())
+	}
+	var once bool
+	release = func() {
+		if once {
+			return
+		}
+		once = true
+		stdin.Close()
+		if err := cmd.Wait(); err != nil {
+			t.Errorf("attack %s: %v\n%s", name, err, buf.String())
+		}
+	}
+	t.Cleanup(release)
+	return buf.String(), release
+}
+
+// lockedBuffer is an attack's output, written by its process and read
+// while it runs.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+// startAsNobody starts attack name as asNobody does, its stdin a pipe the
+// caller closes to end it.
+func startAsNobody(t *testing.T, name string, env ...string) (*exec.Cmd, *lockedBuffer, io.WriteCloser) {
+	t.Helper()
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		t.Fatalf("setpriv (util-linux) is needed to run as another user: %v", err)
+	}
+	cmd := exec.Command(setpriv, fmt.Sprintf("--reuid=%d", nobody), fmt.Sprintf("--regid=%d", nobody), "--clear-groups",
+		os.Args[0], "-test.run=^TestAttackChild$", "-test.v")
+	cmd.Env = append(os.Environ(), append([]string{"KVXFER_ATTACK=" + name}, env...)...)
+	cmd.Dir = "/"
+	buf := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = buf, buf
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return cmd, buf, stdin
+}
+
+// waitFor waits up to 60 s for buf to hold s.
+func waitFor(buf *lockedBuffer, s string) bool {
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if strings.Contains(buf.String(), s) {
+			return true
+		}
+	}
+	return false
+}
