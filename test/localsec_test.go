@@ -17,6 +17,11 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/shm"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
 // floodStreams is how many calls the stream-flood attack keeps open over
@@ -187,4 +192,102 @@ func waitFor(buf *lockedBuffer, s string) bool {
 		}
 	}
 	return false
+}
+
+func init() {
+	// Claim the engine id the victim is about to use: open its scheduler
+	// first, hold it while the victim tries, then exit without closing it
+	// (as a crashed engine would).
+	attacks["squat-engine"] = func(ctx context.Context, p func(string, error)) {
+		cc, err := grpc.NewClient("unix://"+os.Getenv("KVXFER_SOCK"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			p("dial", err)
+			return
+		}
+		defer cc.Close()
+		_, err = pb.NewSchedulerServiceClient(cc).OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{
+			EngineId: os.Getenv("KVXFER_VICTIM"), Mode: pb.Mode_MODE_PUSH, TpSize: 1, PpSize: 1, LogicalBlockSize: 16}})
+		p("squat", err)
+		fmt.Println("HOLDING")
+		if _, err := os.Stdin.Read(make([]byte, 1)); err != nil && err != io.EOF {
+			p("stdin", err)
+		}
+	}
+}
+
+// Engine ids are first come, first served across local users: while
+// another user's engine holds an id (here a scheduler it opened before the
+// victim started), the victim's scheduler and ranks under that id are
+// refused, PermissionDenied naming the uid that holds it (so the operator
+// knows whom to ask). Once that engine's process is gone, the id is free:
+// a scheduler it left open (it never closed it) no longer keeps the
+// victim out. Before, that scheduler held the id for as long as the daemon
+// ran (unless a limit was reached), refusing the victim for ever, and the
+// refusal named only the victim's own uid.
+func TestSquattedEngineIDFreedWithTheSquatter(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	const id = "victim"
+	cmd, buf, stdin := func() (*exec.Cmd, *lockedBuffer, io.WriteCloser) {
+		if os.Geteuid() != 0 {
+			t.Skip("attacks from another local user need root to switch to uid 65534 (setpriv); CI runs as root")
+		}
+		return startAsNobody(t, "squat-engine", "KVXFER_SOCK="+d.Sock, "KVXFER_VICTIM="+id)
+	}()
+	if !waitFor(buf, "HOLDING") || !strings.Contains(buf.String(), "squat: OK") {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		t.Fatalf("the squatter did not open the scheduler:\n%s", buf.String())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cc, err := grpc.NewClient("unix://"+d.Sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	sc := pb.NewSchedulerServiceClient(cc)
+	open := func() error {
+		_, err := sc.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: id, Mode: pb.Mode_MODE_PUSH,
+			TpSize: 1, PpSize: 1, LogicalBlockSize: 16, Groups: []*pb.CacheGroup{{Kind: pb.CacheKind_CACHE_KIND_FULL_ATTENTION}}}})
+		return err
+	}
+	mp, err := shm.Create(dir, "victim-kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Remove()
+	c, err := stream.Dial("unix://" + d.Sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	connect := func() (*stream.RankStream, error) {
+		return c.Connect(ctx, stream.Hello{EngineID: id, Mode: kvxfer.ModePush, Layout: layout(victimBase), CompatHash: "m",
+			Memory: []stream.Memory{{Path: mp.Path, Base: victimBase, Size: 4096}}})
+	}
+	for what, err := range map[string]error{"scheduler": open(), "rank": func() error { _, err := connect(); return err }()} {
+		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), fmt.Sprintf("uid %d", nobody)) {
+			t.Errorf("the victim's %s under an id uid %d holds: %v, want PermissionDenied naming uid %d", what, nobody, err, nobody)
+		}
+	}
+	// The squatter exits without closing its scheduler.
+	stdin.Close()
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("squatter: %v\n%s", err, buf.String())
+	}
+	if err := open(); err != nil {
+		t.Fatalf("the victim's scheduler once the squatter is gone: %v", err)
+	}
+	rs, err := connect()
+	if err != nil {
+		t.Fatalf("the victim's rank once the squatter is gone: %v", err)
+	}
+	go func() {
+		for range rs.Finished() {
+		}
+	}()
+	if err := rs.Close(ctx); err != nil {
+		t.Errorf("close the victim's rank: %v", err)
+	}
 }

@@ -97,7 +97,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
-		"requests a worker rank holds at once on each side (producer, consumer); one past it fails at once (transfer_setup_failed)")
+		"requests a worker rank holds at once on each side (producer, consumer), and an engine's scheduler keeps in each of its sets (held, receiving, staged); one past it fails at once (transfer_setup_failed; a scheduler call: ResourceExhausted)")
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
 		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
 			"peers past it are refused at handshake. Set it alike on P and D")
@@ -688,7 +688,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
-		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID, MaxCalls: c.maxCalls, MaxCallsPerUID: c.maxCallsPerUID,
+		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID, MaxCalls: c.maxCalls, MaxCallsPerUID: c.maxCallsPerUID, MaxRequests: c.maxRequests,
 		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
 		OnEnginesChanged: onEngines, PeerLookup: lookup,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,

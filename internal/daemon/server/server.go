@@ -203,6 +203,10 @@ type Config struct {
 	// its handler starts (ResourceExhausted, counted as calls or
 	// calls_per_uid), by the server option BoundCalls returns.
 	MaxCalls, MaxCallsPerUID int
+	// MaxRequests bounds the requests each engine's scheduler keeps
+	// (kvxfer.SchedulerConfig.MaxRequests; 0: its default): one more is
+	// refused with ResourceExhausted, counted as scheduler_requests.
+	MaxRequests int
 	// MaxMemoryEntries bounds the hello.memory entries the daemon holds
 	// mapped at once (shared-memory files and CUDA IPC imports; memory
 	// named by address in the engine's own process maps nothing), in all,
@@ -400,7 +404,7 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, drained: s.drained, log: cfg.Logger}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, maxRequests: cfg.MaxRequests, drained: s.drained, log: cfg.Logger}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -1073,7 +1077,14 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 		}
 	}()
 	if err := s.owners.claim(h.EngineId, uid); err != nil {
-		return nil, err
+		// Another uid's engine holds the id: not once its process is gone
+		// (a scheduler it never closed would hold it for ever).
+		if !s.sched.reclaimGone(h.EngineId) {
+			return nil, err
+		}
+		if err := s.owners.claim(h.EngineId, uid); err != nil {
+			return nil, err
+		}
 	}
 	r.claimed = true
 	if err := s.attached(h.EngineId, &l); err != nil {
@@ -1368,7 +1379,8 @@ func (o *owners) claim(engine string, uid uint32) error {
 	defer o.mu.Unlock()
 	if w := o.m[engine]; w != nil {
 		if w.uid != uid {
-			return fmt.Errorf("%w: engine %q belongs to another user (uid %d may not attach its ranks or use its scheduler)", ErrPermission, engine, uid)
+			return fmt.Errorf("%w: engine %q belongs to uid %d for as long as any of its ranks or its scheduler stays (uid %d may not attach its ranks or use its scheduler; engine ids are first come, first served: use another one)",
+				ErrPermission, engine, w.uid, uid)
 		}
 		w.refs++
 		return nil
