@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvxfer/kvxfer/shm"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // floodStreams is how many calls the stream-flood attack keeps open over
@@ -290,4 +292,52 @@ func TestSquattedEngineIDFreedWithTheSquatter(t *testing.T) {
 	if err := rs.Close(ctx); err != nil {
 		t.Errorf("close the victim's rank: %v", err)
 	}
+}
+
+// attacksT are attacks that use the test helpers (a *testing.T of the
+// child's own).
+var attacksT = map[string]func(t *testing.T, ctx context.Context, p func(string, error)){
+	// Attach a P and a D engine of the attacker's own, shrink P's memory
+	// file to nothing under the daemon's mapping, and have the daemon
+	// move P's blocks to D: the copy out of the shrunk mapping faults
+	// (SIGBUS) in the daemon.
+	"shrink-own-file": func(t *testing.T, ctx context.Context, p func(string, error)) {
+		dir, sock, peer := os.Getenv("KVXFER_DIR"), os.Getenv("KVXFER_SOCK"), os.Getenv("KVXFER_PEER")
+		P := attachSim(t, dir, sock, peer, "P", 1, kvxfer.ModePush)
+		defer P.Close()
+		D := attachSim(t, dir, sock, peer, "D", 2, kvxfer.ModePush)
+		defer D.Close()
+		ids := []topology.BlockID{1, 2}
+		registerD(t, D, "d-1", "t-1", peer, ids)
+		finishP(t, P, "p-1", "t-1", ids)
+		// Shrunk once P's blocks are filled, before the step that sends them.
+		if err := os.Truncate(filepath.Join(dir, "P-tp0"), 0); err != nil {
+			p("truncate", err)
+			return
+		}
+		go outcomesOf(t, P, 10*time.Second, "p-1")
+		o, ok := outcomesOf(t, D, 10*time.Second, "d-1")["d-1"]
+		fmt.Printf("outcome %v %v: %s\n", ok, o.Result, o.Reason)
+		p("transfer", nil)
+	},
+}
+
+// An engine that shrinks its own memory file under the daemon's mapping
+// (truncates it) makes the daemon's copies out of it fault (SIGBUS): that
+// transfer fails, and the daemon, with another user's engine, carries on.
+func TestShrunkMemoryFileFailsOnlyItsTransfer(t *testing.T) {
+	dir := world(t)
+	d := startDaemon(t, dir, "d")
+	v := attachVictim(t, d, dir, "victim")
+	before := v.sum()
+	out := asNobody(t, "shrink-own-file", "KVXFER_SOCK="+d.Sock, "KVXFER_DIR="+dir, "KVXFER_PEER="+d.Peer)
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "outcome ") {
+			t.Log(line)
+		}
+	}
+	if !strings.Contains(out, "outcome true failed") {
+		t.Errorf("D's request out of a shrunk P file: want failed; the attack printed:\n%s", out)
+	}
+	v.intact(t, before)
 }
