@@ -41,7 +41,9 @@ func TestSchedulerRequestLimit(t *testing.T) {
 				s.BuildMeta()
 				return err
 			},
-			end: func(s *Scheduler, id string) { s.Update(&Finished{Sending: []Outcome{{ReqID: id, Result: ResultDone}}}) }},
+			end: func(s *Scheduler, id string) {
+				s.Update(&Finished{Sending: []Outcome{{ReqID: id, Result: ResultDone}}})
+			}},
 		{name: "receiving, no receiving outcome", mode: ModePush,
 			add: func(s *Scheduler, id string) error {
 				err := s.AfterAlloc(consumer(id), Alloc{Blocks: [][]topology.BlockID{ids(3, 4)}, Computed: 16, External: 24})
