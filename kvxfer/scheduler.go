@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"container/heap"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -67,7 +68,22 @@ type SchedulerConfig struct {
 	Layerwise bool
 	// Now is the scheduler clock (default time.Now).
 	Now func() time.Time
+	// MaxRequests bounds what the scheduler keeps per request, as
+	// WorkerConfig.MaxRequests bounds a rank's (default
+	// DefaultMaxRequests, negative: none): each of its sets of requests
+	// (held for a consumer, receiving, being saved, prefilled; staged for
+	// the next BuildMeta) holds at most this many. A call that would add
+	// one more fails with an error wrapping ErrRequestLimit, counted in
+	// SchedulerCounters.RequestLimit, and adds nothing; the scheduler's
+	// other requests carry on, and an outcome handed back (Update), a
+	// request finished or a BuildMeta makes room. An engine that never
+	// hands back its outcomes would otherwise grow it without bound.
+	MaxRequests int
 }
+
+// ErrRequestLimit is the error of a Scheduler call refused at
+// SchedulerConfig.MaxRequests.
+var ErrRequestLimit = errors.New("kvxfer: scheduler request limit reached")
 
 // Alloc is what an engine allocated for a request in a step.
 type Alloc struct {
@@ -94,6 +110,8 @@ type SchedulerCounters struct {
 	WatchdogExpired uint64
 	// Recomputed: second-turn reads below the recompute threshold.
 	Recomputed uint64
+	// RequestLimit: calls refused at SchedulerConfig.MaxRequests.
+	RequestLimit uint64
 }
 
 // Scheduler is the scheduler side of the connector for one engine (SPEC
@@ -193,6 +211,9 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.MaxRequests == 0 {
+		cfg.MaxRequests = DefaultMaxRequests
+	}
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
@@ -236,6 +257,24 @@ func (s *Scheduler) PrefillTokens(promptTokens int) int {
 
 // Counters returns what the scheduler rejected or dropped so far.
 func (s *Scheduler) Counters() SchedulerCounters { return s.counters }
+
+// room refuses (counted) request id when a set it would join holds
+// MaxRequests already: sizes are the lengths of those sets.
+func (s *Scheduler) room(id string, sizes ...int) error {
+	if s.cfg.MaxRequests < 0 {
+		return nil
+	}
+	n := 0
+	for _, m := range sizes {
+		n = max(n, m)
+	}
+	if n < s.cfg.MaxRequests {
+		return nil
+	}
+	s.counters.RequestLimit++
+	return fmt.Errorf("%w: request %q: the scheduler of engine %q keeps %d requests there already (held, receiving, saved or staged for the next step), its limit (SchedulerConfig.MaxRequests, kvxferd -max-requests)",
+		ErrRequestLimit, id, s.cfg.EngineID, n)
+}
 
 func isHex(c byte) bool {
 	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
@@ -385,6 +424,9 @@ func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 		return nil
 	}
 	if p.DoRemoteDecode && !p.DoRemotePrefill {
+		if err := s.room(r.ID, len(s.inBatch), len(s.saving)); err != nil {
+			return err
+		}
 		s.inBatch = append(s.inBatch, r.ID)
 		if s.cfg.HostBuffer {
 			s.saving[r.ID] = true
@@ -399,6 +441,9 @@ func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 		return nil
 	}
 	if s.cfg.Bidirectional {
+		if err := s.room(r.ID, len(s.inBatch)); err != nil {
+			return err
+		}
 		s.inBatch = append(s.inBatch, r.ID)
 	}
 	if s.cfg.Mode == ModePull && len(p.RemoteBlockIDs) == 0 {
@@ -436,6 +481,9 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	if _, ok := s.recving[r.ID]; ok {
 		s.counters.BadParams++
 		return fmt.Errorf("kvxfer: request %q is already receiving (allocated again before its receive ended)", r.ID)
+	}
+	if err := s.room(r.ID, len(s.recving), len(s.processed), len(s.recv)); err != nil {
+		return err
 	}
 	key, err := s.freeRecvKey(r.ID, p.TransferID, ref)
 	if err != nil {
@@ -561,12 +609,17 @@ const maxTokens = 1 << 40
 
 // Scheduled stages host-buffer saves of the new blocks a producer request
 // got this step (SPEC §11); computed and scheduled are its token counts.
-func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, computed, scheduled int) {
+// It fails (ErrRequestLimit) only when MaxRequests saves are staged for
+// the next BuildMeta already.
+func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, computed, scheduled int) error {
 	if !s.cfg.HostBuffer || !s.saving[r.ID] {
-		return
+		return nil
 	}
 	spans, err := s.clip(newBlocks, 0, false)
 	if err == nil && !emptySpans(spans) {
+		if err := s.room(r.ID, len(s.save)); err != nil {
+			return err
+		}
 		sr := SaveReq{ReqID: r.ID}
 		for _, sp := range spans {
 			sr.Blocks = append(sr.Blocks, sp.IDs)
@@ -576,6 +629,7 @@ func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, comput
 	if computed >= r.PromptTokens-scheduled { // computed+scheduled >= PromptTokens, without overflowing
 		delete(s.saving, r.ID)
 	}
+	return nil
 }
 
 // Prefill stages, for layer-wise push, a producer request (params with
@@ -620,6 +674,9 @@ func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, s
 		s.counters.BadParams++
 		return fmt.Errorf("request %q: %w", r.ID, err)
 	}
+	if err := s.room(r.ID, len(s.prefilled), len(s.prefill)); err != nil {
+		return err
+	}
 	s.prefilled[r.ID] = true
 	s.prefill = append(s.prefill, SendReq{ReqID: r.ID, TransferID: p.TransferID, Blocks: spans, Tokens: r.PromptTokens})
 	return nil
@@ -663,6 +720,9 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 			// releasing the producer would free its blocks under it.
 			return false, nil, err
 		}
+		if err := s.room(r.ID, len(s.recv)); err != nil {
+			return false, nil, err
+		}
 		s.recv = append(s.recv, RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref, Aborted: true})
 		return false, nil, nil
 	}
@@ -672,6 +732,9 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	}
 	if !status.normal() {
 		if p.DoRemoteDecode {
+			if err := s.room(r.ID, len(s.notProcessed)); err != nil {
+				return false, nil, err
+			}
 			s.notProcessed = append(s.notProcessed, r.ID)
 			if p.TransferID != "" {
 				if s.notProcessedTID == nil {
@@ -708,6 +771,11 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		// reference returns 0 too).
 		out.RemoteNumTokens = 0
 		return false, out, nil
+	}
+	if !s.held[r.ID] {
+		if err := s.room(r.ID, len(s.held), len(s.send)); err != nil {
+			return false, nil, err
+		}
 	}
 	deadline := s.cfg.Now().Add(ttl)
 	if out.DoRemoteDecode {

@@ -292,6 +292,15 @@ func init() {
 		mapAs(ctx, p, "symlink to it", "nobody-b", link)
 		mapAs(ctx, p, "symlink out of the dir", "nobody-c", link2)
 		mapAs(ctx, p, "missing file", "nobody-d", filepath.Join(dir, "no-such-file"))
+		mapAs(ctx, p, "root's world-readable file", "nobody-f", os.Getenv("KVXFER_READABLE"))
+		mapAs(ctx, p, "root's world-writable file", "nobody-g", os.Getenv("KVXFER_WRITABLE"))
+		mapAs(ctx, p, "the daemon's own descriptor", "nobody-h", "/proc/self/fd/0")
+		mapAs(ctx, p, "out of the dir by ..", "nobody-i", filepath.Join(dir, "..", filepath.Base(dir), "..", "etc", "passwd"))
+		if err := os.Link(victimFile, filepath.Join(dir, fmt.Sprintf("hard-%d", os.Getpid()))); err == nil {
+			// Only where fs.protected_hardlinks is off.
+			defer os.Remove(filepath.Join(dir, fmt.Sprintf("hard-%d", os.Getpid())))
+			mapAs(ctx, p, "hard link to it", "nobody-j", filepath.Join(dir, fmt.Sprintf("hard-%d", os.Getpid())))
+		}
 		mp, err := shm.Create(dir, fmt.Sprintf("own-%d", os.Getpid()), 4096)
 		if err != nil {
 			p("create", err)
@@ -324,6 +333,9 @@ func TestAttackChild(t *testing.T) {
 		return
 	}
 	attack := attacks[name]
+	if a := attacksT[name]; a != nil {
+		attack = func(ctx context.Context, p func(string, error)) { a(t, ctx, p) }
+	}
 	if attack == nil {
 		t.Fatalf("no attack %q", name)
 	}
@@ -381,8 +393,24 @@ func TestAnotherUserCannotMapOthersFiles(t *testing.T) {
 	if err := os.WriteFile(secret, bytes.Repeat([]byte("s"), 4096), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out := asNobody(t, "map-others-files", "KVXFER_SOCK="+d.Sock, "KVXFER_DIR="+dir, "KVXFER_VICTIM_FILE="+v.mem.Path, "KVXFER_SECRET="+secret)
-	refused(t, out, codes.PermissionDenied, "victim's file", "symlink to it", "symlink out of the dir", "missing file")
+	// Files of root's in the shm dir that uid 65534 may read, or even
+	// write, itself: the daemon maps only files the engine's uid owns.
+	readable, writable := filepath.Join(dir, "readable"), filepath.Join(dir, "writable")
+	for f, mode := range map[string]os.FileMode{readable: 0o644, writable: 0o666} {
+		if err := os.WriteFile(f, bytes.Repeat([]byte("r"), 4096), mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(f, mode); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := asNobody(t, "map-others-files", "KVXFER_SOCK="+d.Sock, "KVXFER_DIR="+dir, "KVXFER_VICTIM_FILE="+v.mem.Path, "KVXFER_SECRET="+secret,
+		"KVXFER_READABLE="+readable, "KVXFER_WRITABLE="+writable)
+	refused(t, out, codes.PermissionDenied, "victim's file", "symlink to it", "symlink out of the dir", "missing file",
+		"root's world-readable file", "root's world-writable file", "the daemon's own descriptor", "out of the dir by ..")
+	if strings.Contains(out, "hard link to it: ") {
+		refused(t, out, codes.PermissionDenied, "hard link to it")
+	}
 	var msgs []string
 	for _, line := range strings.Split(out, "\n") {
 		if _, msg, ok := strings.Cut(line, ": PermissionDenied: "); ok {

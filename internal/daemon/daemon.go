@@ -59,6 +59,7 @@ type config struct {
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns, maxPeerConnsTotal                                       int
 	maxEngineConns, maxEngineConnsPerUID                                                                int
+	maxCalls, maxCallsPerUID                                                                            int
 	maxMemEntries, maxMemEntriesPerUID                                                                  int
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
@@ -96,7 +97,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
-		"requests a worker rank holds at once on each side (producer, consumer); one past it fails at once (transfer_setup_failed)")
+		"requests a worker rank holds at once on each side (producer, consumer), and an engine's scheduler keeps in each of its sets (held, receiving, staged); one past it fails at once (transfer_setup_failed; a scheduler call: ResourceExhausted)")
 	fs.IntVar(&c.maxSegments, "max-segments", topology.DefaultMaxSegments,
 		"descriptors one block may need to land exactly in a peer's KV layout (HND on one side and NHD on the other needs one per token and head); "+
 			"peers past it are refused at handshake. Set it alike on P and D")
@@ -114,6 +115,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.IntVar(&c.maxStreamsPerUID, "max-streams-per-uid", 1024, "engine streams open at once per user (uid); also bounds one user's open schedulers")
 	fs.IntVar(&c.maxEngineConns, "max-engine-conns", 4096, "connections open at once on the engine socket, all users (one past it is closed at once)")
 	fs.IntVar(&c.maxEngineConnsPerUID, "max-engine-conns-per-uid", 1024, "connections open at once on the engine socket per user (uid)")
+	fs.IntVar(&c.maxCalls, "max-calls", 0, "calls in flight at once on the engine socket (every method, streams included), all users (0: twice -max-streams)")
+	fs.IntVar(&c.maxCallsPerUID, "max-calls-per-uid", 0, "calls in flight at once on the engine socket per user (uid), over any connections (0: twice -max-streams-per-uid)")
 	fs.IntVar(&c.maxMemEntries, "max-memory-entries", 0, "hello.memory entries mapped at once (shared-memory files, CUDA IPC imports), all users; "+
 		"0: a quarter of the open-file limit, at most 16384")
 	fs.IntVar(&c.maxMemEntriesPerUID, "max-memory-entries-per-uid", 0, "hello.memory entries mapped at once per user (uid); 0: half of -max-memory-entries")
@@ -191,6 +194,9 @@ func (c *config) validate() error {
 		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d, "+
 			"-max-engine-conns %d, -max-engine-conns-per-uid %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal, c.maxEngineConns, c.maxEngineConnsPerUID)
+	}
+	if c.maxCalls < 0 || c.maxCallsPerUID < 0 {
+		return fmt.Errorf("-max-calls %d, -max-calls-per-uid %d: want each >= 0 (0: the default)", c.maxCalls, c.maxCallsPerUID)
 	}
 	if c.maxMemEntries < 0 || c.maxMemEntriesPerUID < 0 {
 		return fmt.Errorf("-max-memory-entries %d, -max-memory-entries-per-uid %d: want each >= 0 (0: the default)", c.maxMemEntries, c.maxMemEntriesPerUID)
@@ -682,7 +688,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
-		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID,
+		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID, MaxCalls: c.maxCalls, MaxCallsPerUID: c.maxCallsPerUID, MaxRequests: c.maxRequests,
 		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
 		OnEnginesChanged: onEngines, PeerLookup: lookup,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
@@ -727,7 +733,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		}
 		engCreds = server.ModeCredentials(engCreds, mode, func() { srv.Refuse("socket_mode") })
 	}
-	in.eng = grpc.NewServer(grpc.Creds(srv.BoundEngineConns(engCreds)))
+	in.eng = grpc.NewServer(grpc.Creds(srv.BoundEngineConns(engCreds)), srv.BoundCalls())
 	srv.RegisterEngine(in.eng)
 	in.hs = health.NewServer()
 	healthpb.RegisterHealthServer(in.eng, in.hs)

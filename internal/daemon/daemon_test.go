@@ -309,3 +309,17 @@ func TestDataPortBase(t *testing.T) {
 		t.Errorf("a rank past port 65535: %v, want an error naming -data-port-base", err)
 	}
 }
+
+// -max-calls and -max-calls-per-uid: 0 (twice -max-streams and
+// -max-streams-per-uid in the server), a count, never negative.
+func TestMaxCallsFlags(t *testing.T) {
+	c, err := parseFlags([]string{"-max-calls-per-uid", "64"})
+	if err != nil || c.maxCalls != 0 || c.maxCallsPerUID != 64 {
+		t.Fatalf("-max-calls-per-uid 64: %d, %d, %v; want 0, 64", c.maxCalls, c.maxCallsPerUID, err)
+	}
+	for _, f := range []string{"-max-calls", "-max-calls-per-uid"} {
+		if _, err := parseFlags([]string{f, "-1"}); err == nil || !strings.Contains(err.Error(), f+" -1") {
+			t.Errorf("%s -1: %v, want an error naming the flag", f, err)
+		}
+	}
+}

@@ -11,8 +11,12 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 )
 
 // ErrPermission is the error of a call the caller may not make: an engine
@@ -161,6 +165,32 @@ func (m modeCreds) Clone() credentials.TransportCredentials {
 // connection, and every mapping, failed.
 func (s *Server) BoundEngineConns(c credentials.TransportCredentials) credentials.TransportCredentials {
 	return boundCreds{TransportCredentials: c, l: s.limits}
+}
+
+// BoundCalls returns the engine server's option (grpc.InTapHandle) that
+// bounds the calls in flight, of every method, per uid and in all
+// (Config.MaxCallsPerUID, MaxCalls): gRPC takes any number of streams
+// over one connection, each a goroutine and buffers here, so one engine
+// connection could otherwise grow the daemon without bound (a health
+// watch lives until its caller ends it; a unary call whose request never
+// comes waits for it). The check runs as the stream's headers arrive,
+// before a goroutine is started for it or a byte of its request read; a
+// call past the bound is refused at once (ResourceExhausted, naming the
+// flag; counted as calls_per_uid or calls) and the caller's other calls
+// carry on. A call counts until it ends (its context is done).
+func (s *Server) BoundCalls() grpc.ServerOption { return grpc.InTapHandle(s.admitCall) }
+
+func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context, error) {
+	uid := uint32(0) // as BoundEngineConns counts a connection of unknown uid
+	if ai, err := caller(ctx); err == nil {
+		uid = ai.UID
+	}
+	done, err := s.limits.take(&s.limits.calls, uid, 1)
+	if err != nil {
+		return ctx, status.Errorf(codes.ResourceExhausted, "%s: %v", info.FullMethodName, err)
+	}
+	context.AfterFunc(ctx, done)
+	return ctx, nil
 }
 
 type boundCreds struct {

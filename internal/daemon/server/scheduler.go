@@ -35,6 +35,8 @@ type schedulers struct {
 	// resolveByID: engines may be named without an address (a registry
 	// finds them: Config.PeerLookup).
 	resolveByID bool
+	// maxRequests bounds each scheduler's requests (Config.MaxRequests).
+	maxRequests int
 	mu          sync.Mutex
 	m           *xsync.Map[string, *lockedScheduler]
 	// byUID counts the open schedulers of each uid (under mu): at most
@@ -95,6 +97,9 @@ func (ss *schedulers) status(err error) error {
 	if _, ok := status.FromError(err); ok {
 		return err
 	}
+	if errors.Is(err, kvxfer.ErrRequestLimit) {
+		ss.limits.refuse("scheduler_requests")
+	}
 	err = Status(err)
 	if status.Code(err) == codes.InvalidArgument {
 		ss.limits.refuse("bad_request")
@@ -126,7 +131,7 @@ func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error)
 		return nil, fmt.Errorf("scheduler of engine %q: %w (call OpenScheduler first)", engine, kvxfer.ErrUnknownEngine)
 	}
 	if s.uid != uid {
-		return nil, fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not use it)", ErrPermission, engine, uid)
+		return nil, fmt.Errorf("%w: the scheduler of engine %q belongs to uid %d (uid %d may not use it)", ErrPermission, engine, s.uid, uid)
 	}
 	return s, nil
 }
@@ -149,7 +154,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
-		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID}
+		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID, MaxRequests: ss.maxRequests}
 	for _, f := range []struct {
 		name string
 		v    int64
@@ -176,7 +181,11 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	ls.pub.changed = make(chan struct{})
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	if old, _ := ss.m.Load(c.EngineId); old == nil {
+	old, _ := ss.m.Load(c.EngineId)
+	if old != nil && old.uid != uid && ss.goneLocked(c.EngineId, old) {
+		old = nil // another uid's, left open by a process that is gone
+	}
+	if old == nil {
 		// The engine's first scheduler: it claims the engine for uid,
 		// within the bounds, which the schedulers of engines gone without
 		// closing them (crashed) do not hold.
@@ -202,7 +211,8 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		ss.total++
 	} else if old.uid != uid {
 		ss.limits.refuse("permission")
-		return nil, ss.status(fmt.Errorf("%w: the scheduler of engine %q belongs to another user (uid %d may not replace it)", ErrPermission, c.EngineId, uid))
+		return nil, ss.status(fmt.Errorf("%w: the scheduler of engine %q belongs to uid %d, whose engine process %d is running (uid %d may not replace it; engine ids are first come, first served: use another one)",
+			ErrPermission, c.EngineId, old.uid, old.pid, uid))
 	} else {
 		defer old.retire() // once the new one is in the table
 	}
@@ -273,8 +283,11 @@ func (ss *schedulers) Scheduled(ctx context.Context, req *pb.ScheduledRequest) (
 		return nil, ss.status(err)
 	}
 	ls.mu.Lock()
-	ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), computed, scheduled)
+	err = ls.s.Scheduled(r, stream.BlocksFromProto(req.NewBlocks), computed, scheduled)
 	ls.mu.Unlock()
+	if err != nil {
+		return nil, ss.status(err)
+	}
 	return &pb.ScheduledResponse{}, nil
 }
 
@@ -422,12 +435,30 @@ func (ss *schedulers) closeLocked(engine string, ls *lockedScheduler) {
 // whoever's it is now) keeps its scheduler. Caller holds ss.mu.
 func (ss *schedulers) reclaimLocked() {
 	ss.m.Range(func(engine string, ls *lockedScheduler) bool {
-		if ls.pid > 0 && unix.Kill(int(ls.pid), 0) == unix.ESRCH {
-			ss.closeLocked(engine, ls)
-			if ss.log != nil {
-				ss.log.Info("kvxferd: scheduler of an engine whose process exited closed", "engine", engine, "pid", ls.pid, "uid", ls.uid)
-			}
-		}
+		ss.goneLocked(engine, ls)
 		return true
 	})
+}
+
+// goneLocked closes engine's scheduler ls when its engine process exited
+// (reclaimLocked), and reports whether it did. Caller holds ss.mu.
+func (ss *schedulers) goneLocked(engine string, ls *lockedScheduler) bool {
+	if ls.pid <= 0 || unix.Kill(int(ls.pid), 0) != unix.ESRCH {
+		return false
+	}
+	ss.closeLocked(engine, ls)
+	if ss.log != nil {
+		ss.log.Info("kvxferd: scheduler of an engine whose process exited closed", "engine", engine, "pid", ls.pid, "uid", ls.uid)
+	}
+	return true
+}
+
+// reclaimGone closes engine's scheduler when its engine process exited,
+// so that it no longer holds the engine's id (a rank of another uid is
+// refused it otherwise), and reports whether it did.
+func (ss *schedulers) reclaimGone(engine string) bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	ls, _ := ss.m.Load(engine)
+	return ls != nil && ss.goneLocked(engine, ls)
 }

@@ -193,6 +193,20 @@ type Config struct {
 	// closed as soon as its uid is known (BoundEngineConns), and counted
 	// (engine_conns, engine_conns_per_uid).
 	MaxEngineConns, MaxEngineConnsPerUID int
+	// MaxCalls bounds the calls in flight at once on the engine listener
+	// (HTTP/2 streams of every method: scheduler calls, worker and Steps
+	// streams, health and reflection), all engines together, and
+	// MaxCallsPerUID those of one uid, whatever connections they come
+	// over (defaults: twice MaxStreams and MaxStreamsPerUID). Each holds a
+	// goroutine and the transport's buffers in the daemon, and gRPC bounds
+	// no stream count of a connection. Past them a call is refused before
+	// its handler starts (ResourceExhausted, counted as calls or
+	// calls_per_uid), by the server option BoundCalls returns.
+	MaxCalls, MaxCallsPerUID int
+	// MaxRequests bounds the requests each engine's scheduler keeps
+	// (kvxfer.SchedulerConfig.MaxRequests; 0: its default): one more is
+	// refused with ResourceExhausted, counted as scheduler_requests.
+	MaxRequests int
 	// MaxMemoryEntries bounds the hello.memory entries the daemon holds
 	// mapped at once (shared-memory files and CUDA IPC imports; memory
 	// named by address in the engine's own process maps nothing), in all,
@@ -333,6 +347,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxStreamsPerUID <= 0 {
 		cfg.MaxStreamsPerUID = 1024
 	}
+	if cfg.MaxCalls <= 0 {
+		cfg.MaxCalls = 2 * cfg.MaxStreams
+	}
+	if cfg.MaxCallsPerUID <= 0 {
+		cfg.MaxCallsPerUID = 2 * cfg.MaxStreamsPerUID
+	}
 	if cfg.MaxEngineConns <= 0 {
 		cfg.MaxEngineConns = 4096
 	}
@@ -369,7 +389,8 @@ func New(cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
 		limits: &limits{streams: newBudget(cfg.MaxStreams, cfg.MaxStreamsPerUID, "engine streams", "-max-streams", "streams"),
 			mem:   newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries"),
-			conns: newBudget(cfg.MaxEngineConns, cfg.MaxEngineConnsPerUID, "engine connections", "-max-engine-conns", "engine_conns")}}
+			conns: newBudget(cfg.MaxEngineConns, cfg.MaxEngineConnsPerUID, "engine connections", "-max-engine-conns", "engine_conns"),
+			calls: newBudget(cfg.MaxCalls, cfg.MaxCallsPerUID, "engine calls in flight", "-max-calls", "calls")}}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	// Generations start from the clock, so a restarted daemon never gives
 	// an engine a generation its peers saw from the previous process: a
@@ -383,7 +404,7 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, drained: s.drained, log: cfg.Logger}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, maxRequests: cfg.MaxRequests, drained: s.drained, log: cfg.Logger}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -778,7 +799,7 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // second hello), bad_step (a step the rank dropped whole: a step_ref naming
 // no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers),
-// engine_conns and engine_conns_per_uid (BoundEngineConns), peer_not_allowed
+// engine_conns and engine_conns_per_uid (BoundEngineConns), calls and calls_per_uid (BoundCalls), scheduler_requests (a scheduler call past kvxfer.SchedulerConfig.MaxRequests), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
 
@@ -792,13 +813,14 @@ var ErrLimit = errors.New("limit reached")
 
 // limits bounds what engines hold at once, in all and per uid: their
 // streams (streams, which bound open schedulers too), the memory entries
-// their ranks hold mapped (mem) and their connections (conns); and counts
-// refusals by reason.
+// their ranks hold mapped (mem), their connections (conns) and their
+// calls in flight (calls); and counts refusals by reason.
 type limits struct {
 	mu      sync.Mutex
 	streams budget
 	mem     budget
 	conns   budget
+	calls   budget
 	refused map[string]uint64
 }
 
@@ -1055,7 +1077,14 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 		}
 	}()
 	if err := s.owners.claim(h.EngineId, uid); err != nil {
-		return nil, err
+		// Another uid's engine holds the id: not once its process is gone
+		// (a scheduler it never closed would hold it for ever).
+		if !s.sched.reclaimGone(h.EngineId) {
+			return nil, err
+		}
+		if err := s.owners.claim(h.EngineId, uid); err != nil {
+			return nil, err
+		}
 	}
 	r.claimed = true
 	if err := s.attached(h.EngineId, &l); err != nil {
@@ -1350,7 +1379,8 @@ func (o *owners) claim(engine string, uid uint32) error {
 	defer o.mu.Unlock()
 	if w := o.m[engine]; w != nil {
 		if w.uid != uid {
-			return fmt.Errorf("%w: engine %q belongs to another user (uid %d may not attach its ranks or use its scheduler)", ErrPermission, engine, uid)
+			return fmt.Errorf("%w: engine %q belongs to uid %d for as long as any of its ranks or its scheduler stays (uid %d may not attach its ranks or use its scheduler; engine ids are first come, first served: use another one)",
+				ErrPermission, engine, w.uid, uid)
 		}
 		w.refs++
 		return nil

@@ -78,7 +78,7 @@ func startDaemonOn(t testing.TB, pl net.Listener, shmDir string, tweak func(*ser
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer(grpc.Creds(server.EngineCredentials()))
+	g := grpc.NewServer(grpc.Creds(server.EngineCredentials()), srv.BoundCalls()) // as kvxferd's
 	srv.RegisterEngine(g)
 	pg := grpc.NewServer()
 	srv.RegisterPeer(pg)

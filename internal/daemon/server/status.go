@@ -32,6 +32,8 @@ func Status(err error) error {
 	switch {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
+	case errors.Is(err, kvxfer.ErrRequestLimit): // before ErrInvalid, which a scheduler call's errors are wrapped in
+		code = codes.ResourceExhausted
 	case errors.Is(err, stream.ErrInvalid), errors.Is(err, topology.ErrInvalidLayout), errors.Is(err, topology.ErrInvalidBlocks),
 		errors.Is(err, hotpath.ErrInvalidRequest), errors.Is(err, kvxfer.ErrOutOfBounds), errors.Is(err, kvxfer.ErrBadMetadata):
 		code = codes.InvalidArgument
