@@ -241,37 +241,6 @@ func TestLayerwiseHeartbeatDuringPrefillNoLease(t *testing.T) {
 	}
 }
 
-// A request its engine aborted in the very step that would prefill it
-// (the step's metadata lists it in Prefill and in NotProcessed) is not
-// held: no later SendReq comes for it, so held it would never end, and
-// its blocks, freed by the abort, would be written into the consumer's.
-// It ends in exactly one outcome, and nothing is written.
-func TestLayerwisePrefillAbortedInSameStep(t *testing.T) {
-	tc := newLayers3Core(t)
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	meta := &StepMeta{Step: 1, SchedulerClock: tc.now, NotProcessed: []string{"p-1"},
-		Prefill: []SendReq{{ReqID: "p-1", Blocks: []topology.Span{{IDs: []topology.BlockID{1}}}, Tokens: 16}}}
-	tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
-	var all []string
-	add := func(s string) string { all = append(all, s); return s }
-	add(strings.Join(tc.drive(nil, ""), "\n"))
-	for l := range 3 {
-		if got := add(tc.layer(1, l)); strings.Contains(got, "post") {
-			t.Errorf("layer %d of an aborted request: %q, want nothing written", l, got)
-		}
-	}
-	add(tc.run(t, "advance 31s"))
-	add(tc.run(t, "advance 31s"))
-	out := strings.Join(all, "\n")
-	if n := count(out, "outcome send p-1"); n > 1 {
-		t.Errorf("outcomes:\n%s\nwant at most one", out)
-	}
-	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
-		t.Errorf("after the abort: %d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
-	}
-}
-
 // registeredMidPrefill puts p-1 in prefill on tc, registered by D's rank 0
 // (its engine handshaken, generation 1), and returns the log of what the
 // core printed and the function that adds to it.

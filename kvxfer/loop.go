@@ -241,6 +241,20 @@ type sendReq struct {
 	// dead: forgotten; the record is cleared and reused once the input
 	// that forgot it is handled (recycleSends).
 	dead bool
+	// next: a new request under this one's id, handed over while this
+	// one, aborted, waits for its WRITEs in flight (a layer-wise producer
+	// its engine preempted and prefilled again, or an id reused). It is
+	// held once this one is forgotten; meanwhile an abort ends it.
+	next *pendingSend
+}
+
+// pendingSend is a producer request waiting for an aborted one under its
+// id to drain (sendReq.next).
+type pendingSend struct {
+	req      SendReq
+	deadline time.Time
+	prefill  bool
+	step     uint64
 }
 
 type recvReq struct {
@@ -464,17 +478,16 @@ func rebase(d, clock time.Time, now time.Time) time.Time {
 
 func (st *loopState) step(meta *StepMeta) {
 	now := st.now
+	// NotProcessed ends requests held before this step; Prefill and Send
+	// are this step's. A request id in both is an earlier request that
+	// ended and a new one under its id (a layer-wise producer its engine
+	// preempted after its prefill and prefilled again, or an id reused):
+	// the new one is held (the Scheduler never lists a prefill whose
+	// request finished after it was staged: it drops the entry).
 	for _, id := range meta.NotProcessed {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
 	}
 	for i := range meta.Prefill {
-		if len(meta.NotProcessed) > 0 && slices.Contains(meta.NotProcessed, meta.Prefill[i].ReqID) {
-			// Aborted by its engine before the step ran: no SendReq will
-			// end it, and its blocks are freed (held, it would never
-			// report, and could write them).
-			st.metrics.Dropped("prefill_aborted")
-			continue
-		}
 		st.newPrefill(&meta.Prefill[i], meta.Step)
 	}
 	for i := range meta.Send {

@@ -194,7 +194,10 @@ type StepMeta struct {
 	// InBatch lists the transfer requests allocated this step.
 	InBatch []string
 	// NotProcessed lists producer requests that finished abnormally; their
-	// blocks are freed at once.
+	// blocks are freed at once. It applies before Prefill and Send: a
+	// request id listed there too names a new request under the id of the
+	// one that ended (Scheduler.RequestFinished drops a Prefill entry
+	// staged before its request's own finish, so it is never listed).
 	NotProcessed []string
 	// NotProcessedTransferIDs maps those of NotProcessed that carry a
 	// transfer id to it, so that consumer ranks that registered by transfer

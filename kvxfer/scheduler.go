@@ -777,6 +777,14 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 			return false, nil, err
 		}
 	}
+	if s.held[r.ID] {
+		// The request under this id before still holds its blocks for a
+		// transfer (its outcome has not come back). Staged, the new one
+		// would be dropped by the workers as a duplicate and never
+		// report, and the old one's outcome would end it.
+		s.counters.BadParams++
+		return false, nil, fmt.Errorf("kvxfer: request %q: RequestFinished: an earlier request under this id still holds its blocks for its transfer (no outcome yet); a producer's request ids must be unique among the requests it holds", r.ID)
+	}
 	deadline := s.cfg.Now().Add(ttl)
 	if out.DoRemoteDecode {
 		out.RemoteBlocksExpiry = deadline

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -599,5 +600,64 @@ func TestPrefillDroppedWhenFinishedBeforeBuild(t *testing.T) {
 				t.Errorf("Prefill = %+v, want only p-keep (p-1 finished before the build)", m.Prefill)
 			}
 		})
+	}
+}
+
+// A layer-wise producer request that finishes abnormally and is then
+// prefilled again before the build (its engine preempted it after its
+// prefill step, freeing its blocks, and scheduled it again at once) is
+// listed in NotProcessed (the old request) and in Prefill (the new one,
+// from its new blocks): the worker ends the one and holds the other.
+func TestPrefillAgainAfterAbortListsBoth(t *testing.T) {
+	s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+	r := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true, TransferID: "t1"}}
+	if err := s.Prefill(r, [][]topology.BlockID{ids(1)}, 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	if m := s.BuildMeta(); len(m.Prefill) != 1 {
+		t.Fatalf("first build: Prefill = %+v, want p-1", m.Prefill)
+	}
+	if _, _, err := s.RequestFinished(r, FinishAborted, [][]topology.BlockID{ids(1)}, 16); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Prefill(r, [][]topology.BlockID{ids(2)}, 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	m := s.BuildMeta()
+	if !slices.Equal(m.NotProcessed, []string{"p-1"}) || m.NotProcessedTransferIDs["p-1"] != "t1" {
+		t.Errorf("NotProcessed = %v (%v), want p-1 (t1)", m.NotProcessed, m.NotProcessedTransferIDs)
+	}
+	if len(m.Prefill) != 1 || m.Prefill[0].ReqID != "p-1" || len(m.Prefill[0].Blocks) != 1 || !slices.Equal(m.Prefill[0].Blocks[0].IDs, ids(2)) {
+		t.Errorf("Prefill = %+v, want p-1 from block 2", m.Prefill)
+	}
+}
+
+// A producer request that finishes under the id of one still holding its
+// blocks for a transfer (no outcome for it yet) is refused with an error
+// naming the id, counted, and holds nothing: staged, the workers dropped
+// it as a duplicate, it never reported, and the old request's outcome
+// ended it. Once the old one's outcome is in, the id is free again.
+func TestRequestFinishedUnderHeldIDRefused(t *testing.T) {
+	s, _ := newSched(t, ModePush, nil)
+	r := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true, TransferID: "t1"}}
+	if delay, _, err := s.RequestFinished(r, FinishStopped, [][]topology.BlockID{ids(1)}, 16); err != nil || !delay {
+		t.Fatalf("first: delay %v, err %v", delay, err)
+	}
+	s.BuildMeta()
+	again := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true, TransferID: "t2"}}
+	bad := s.Counters().BadParams
+	delay, prm, err := s.RequestFinished(again, FinishStopped, [][]topology.BlockID{ids(2)}, 16)
+	if err == nil || !strings.Contains(err.Error(), `"p-1"`) || delay || prm != nil {
+		t.Errorf("under a held id: delay %v, params %v, err %v; want refused, naming the id", delay, prm, err)
+	}
+	if s.Counters().BadParams != bad+1 {
+		t.Errorf("BadParams = %d, want %d", s.Counters().BadParams, bad+1)
+	}
+	if m := s.BuildMeta(); len(m.Send) != 0 {
+		t.Errorf("Send = %+v, want nothing staged", m.Send)
+	}
+	s.Update(&Finished{Sending: []Outcome{{ReqID: "p-1", Result: ResultDone}}})
+	if delay, _, err := s.RequestFinished(again, FinishStopped, [][]topology.BlockID{ids(2)}, 16); err != nil || !delay {
+		t.Errorf("after the old request's outcome: delay %v, err %v; want held", delay, err)
 	}
 }

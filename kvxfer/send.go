@@ -67,11 +67,38 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 			st.pushReady(s)
 			return
 		}
+		if st.draining(s) {
+			// The request's finish (after its prefill entry, if it
+			// waits too): its SendReq decides its blocks.
+			s.next = &pendingSend{req: *in, deadline: deadline}
+			return
+		}
 		st.metrics.BadInput("send_req.duplicate")
 		st.log.Warn("kvxfer: SendReq for a request already held", "req", in.ReqID)
 		return
 	}
 	st.addSend(in, h, deadline, false)
+}
+
+// draining reports whether s is an aborted request that waits for its
+// WRITEs in flight to end: its engine freed it, so a request it hands over
+// under the same id is a new one (next), not a duplicate.
+func (st *loopState) draining(s *sendReq) bool {
+	return s.aborted && !s.done && !s.prefill && (s.next == nil || s.next.prefill)
+}
+
+// promote holds the request that waited for the one under its id to be
+// forgotten (sendReq.next).
+func (st *loopState) promote(p *pendingSend) {
+	h := st.sends.hash(p.req.ReqID)
+	if !p.prefill {
+		st.addSend(&p.req, h, p.deadline, false)
+		return
+	}
+	// Layers it saved while it waited are written at its finish (its
+	// SendReq marks them all saved); those saved from now on as they are.
+	st.layerSteps[p.step] = append(st.layerSteps[p.step], p.req.ReqID)
+	st.addSend(&p.req, h, time.Time{}, true).step = p.step
 }
 
 // newPrefill holds a layer-wise request from its prefill step on, so its
@@ -81,7 +108,11 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 		return
 	}
 	h := st.sends.hash(in.ReqID)
-	if st.sends.getH(in.ReqID, h) != nil {
+	if s := st.sends.getH(in.ReqID, h); s != nil {
+		if st.draining(s) && s.next == nil {
+			s.next = &pendingSend{req: *in, prefill: true, step: step}
+			return
+		}
 		st.metrics.BadInput("prefill.duplicate")
 		return
 	}
@@ -432,7 +463,7 @@ func (st *loopState) ambiguousReg(g *regGroup, sends []*sendReq) {
 // refused, and remembers it, so a registration that names it later is
 // told at once.
 func (st *loopState) failPaired(s *sendReq, why string) {
-	st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: why, kind: FailureSetup})
+	st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: why, kind: FailureSetup, tid: s.req.TransferID})
 	st.failUnmatched(s, FailureSetup, why)
 }
 
@@ -458,6 +489,7 @@ type goneSend struct {
 	at   time.Time
 	why  string
 	kind FailureKind
+	tid  string // its transfer id, if it had one
 }
 
 // rememberGone records a gone producer request by id and transfer id,
@@ -624,7 +656,10 @@ func (st *loopState) onReg(m *msg) {
 		// exactly (one the engine handed over again under a re-used id).
 		gs, gone := st.abortedT[m.TransferID]
 		if n, named := g.name(); !gone && (named || g.tid == "") {
+			// By producer request id, unless the request gone under it
+			// was another transfer (the id was reused for this one).
 			gs, gone = st.abortedP[n]
+			gone = gone && (gs.tid == "" || g.tid == "" || gs.tid == g.tid)
 		}
 		if gone && (s == nil || pairOf(g, s.req.ReqID, s.req.TransferID) != pairExact) {
 			g.ranks[m.TPRank] = m
@@ -1227,7 +1262,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// It ended (expired, aborted, failed) before any registration
 		// paired with it: one that comes for it later is told at once,
 		// instead of waiting for the consumer's deadline.
-		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind})
+		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind, tid: s.req.TransferID})
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
@@ -1249,6 +1284,10 @@ func (st *loopState) forgetSend(s *sendReq) {
 	}
 	s.dead = true
 	st.deadSends = append(st.deadSends, s)
+	if p := s.next; p != nil {
+		s.next = nil
+		st.promote(p)
+	}
 }
 
 // leaseTimer expires a producer request whose lease ran out.
@@ -1372,7 +1411,16 @@ const maxAborted = 1 << 16
 // producerAborted handles a producer request the engine aborted after it
 // was scheduled: nothing will be sent, so matched consumers are told.
 func (st *loopState) producerAborted(id, tid string) {
-	if s := st.sends.get(id); s != nil {
+	s := st.sends.get(id)
+	if s != nil && s.aborted && s.next != nil {
+		// The new request under its id, waiting for that one to drain, is
+		// the one aborted: never held, it ends now, and registrations
+		// waiting for it are told as for any request aborted unheld.
+		s.next = nil
+		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"})
+		s = nil
+	}
+	if s != nil {
 		if s.doom != "" {
 			// Its pairing failed while it prefilled: it ends now.
 			s.prefill = false
@@ -1395,7 +1443,7 @@ func (st *loopState) producerAborted(id, tid string) {
 	// answered at once; the engine names these ids, so they are bounded
 	// (past the bound such a registration waits for its TTL instead).
 	const why = "producer aborted the request"
-	st.rememberGone(id, tid, goneSend{at: st.now, why: why, kind: FailureCancelled})
+	st.rememberGone(id, tid, goneSend{at: st.now, why: why, kind: FailureCancelled, tid: tid})
 	// Every registration that names it exactly is told; one that pairs
 	// with it only by base id is told only if it pairs with nothing else.
 	var cands []regKey

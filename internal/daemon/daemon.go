@@ -58,6 +58,7 @@ type config struct {
 	noGates                                                                                             bool
 	helloTimeout                                                                                        time.Duration
 	maxStreams, maxStreamsPerUID, maxPeerConns, maxPeerConnsTotal                                       int
+	maxPeerCalls, maxPeerCallsPerConn                                                                   int
 	maxEngineConns, maxEngineConnsPerUID                                                                int
 	maxCalls, maxCallsPerUID                                                                            int
 	maxMemEntries, maxMemEntriesPerUID                                                                  int
@@ -122,6 +123,8 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.IntVar(&c.maxMemEntriesPerUID, "max-memory-entries-per-uid", 0, "hello.memory entries mapped at once per user (uid); 0: half of -max-memory-entries")
 	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP")
 	fs.IntVar(&c.maxPeerConnsTotal, "max-peer-conns", 4096, "connections to the Peer service open at once from all IPs")
+	fs.IntVar(&c.maxPeerCallsPerConn, "max-peer-calls-per-conn", server.DefaultMaxPeerCallsPerConn, "calls in flight at once on one connection to the Peer service (handshakes, health checks and watches)")
+	fs.IntVar(&c.maxPeerCalls, "max-peer-calls", server.DefaultMaxPeerCalls, "calls in flight at once on the Peer service, all connections")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
 	fs.StringVar(&c.backend, "backend", "builtin", "transfer backend: builtin (TCP, direct copy in process) or nixl (NVIDIA NIXL, UCX)")
 	fs.DurationVar(&c.nixlProgressDelay, "nixl-progress-delay", 100*time.Microsecond,
@@ -194,6 +197,9 @@ func (c *config) validate() error {
 		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d, "+
 			"-max-engine-conns %d, -max-engine-conns-per-uid %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal, c.maxEngineConns, c.maxEngineConnsPerUID)
+	}
+	if c.maxPeerCalls <= 0 || c.maxPeerCallsPerConn <= 0 {
+		return fmt.Errorf("-max-peer-calls %d, -max-peer-calls-per-conn %d: want each > 0", c.maxPeerCalls, c.maxPeerCallsPerConn)
 	}
 	if c.maxCalls < 0 || c.maxCallsPerUID < 0 {
 		return fmt.Errorf("-max-calls %d, -max-calls-per-uid %d: want each >= 0 (0: the default)", c.maxCalls, c.maxCallsPerUID)
@@ -738,7 +744,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	in.hs = health.NewServer()
 	healthpb.RegisterHealthServer(in.eng, in.hs)
 	reflection.Register(in.eng)
-	in.peer = grpc.NewServer(grpc.Creds(serverCreds))
+	in.peer = grpc.NewServer(grpc.Creds(serverCreds), srv.BoundPeerCalls(c.maxPeerCallsPerConn, c.maxPeerCalls))
 	srv.RegisterPeer(in.peer)
 	healthpb.RegisterHealthServer(in.peer, in.hs)
 	perAddr, total := c.maxPeerConns, c.maxPeerConnsTotal

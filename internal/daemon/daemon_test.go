@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 	"github.com/kvxfer/kvxfer/internal/testport"
@@ -320,6 +321,22 @@ func TestMaxCallsFlags(t *testing.T) {
 	for _, f := range []string{"-max-calls", "-max-calls-per-uid"} {
 		if _, err := parseFlags([]string{f, "-1"}); err == nil || !strings.Contains(err.Error(), f+" -1") {
 			t.Errorf("%s -1: %v, want an error naming the flag", f, err)
+		}
+	}
+}
+
+// -max-peer-calls and -max-peer-calls-per-conn: their defaults, a count,
+// never 0 or negative (an error naming the flag).
+func TestMaxPeerCallsFlags(t *testing.T) {
+	c, err := parseFlags(nil)
+	if err != nil || c.maxPeerCalls != server.DefaultMaxPeerCalls || c.maxPeerCallsPerConn != server.DefaultMaxPeerCallsPerConn {
+		t.Fatalf("defaults: %d, %d, %v", c.maxPeerCalls, c.maxPeerCallsPerConn, err)
+	}
+	for _, f := range []string{"-max-peer-calls", "-max-peer-calls-per-conn"} {
+		for _, v := range []string{"0", "-1"} {
+			if _, err := parseFlags([]string{f, v}); err == nil || !strings.Contains(err.Error(), f+" "+v) {
+				t.Errorf("%s %s: %v, want an error naming the flag", f, v, err)
+			}
 		}
 	}
 }

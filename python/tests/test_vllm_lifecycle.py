@@ -4,6 +4,7 @@ request ids reused, load errors, in both placements and modes."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -79,6 +80,13 @@ def test_layerwise_producer_preempted_after_prefill(tmp_path, daemons):
         # p-0 is prefilled again (other blocks) and finishes; D registers.
         r.run_until(lambda: "p-0" in r.P.finished, limit_s=20)
         r.D.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        # D's registration reaches P before p-0's finish does (P's next
+        # step): P holds p-0 again from its second prefill, not only from
+        # its finish, so the registration pairs with it; the withdrawn
+        # first prefill's abort fails nothing.
+        H.step(r.D, r.prompts, fill=False)
+        r._stepped(r.D)
+        time.sleep(0.5)
         r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent, limit_s=30)
         # Received from the blocks p-0 holds at its finish, and checked
         # byte for byte (Run.step).

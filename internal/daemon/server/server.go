@@ -799,7 +799,7 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // second hello), bad_step (a step the rank dropped whole: a step_ref naming
 // no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers),
-// engine_conns and engine_conns_per_uid (BoundEngineConns), calls and calls_per_uid (BoundCalls), scheduler_requests (a scheduler call past kvxfer.SchedulerConfig.MaxRequests), peer_not_allowed
+// engine_conns and engine_conns_per_uid (BoundEngineConns), calls and calls_per_uid (BoundCalls), peer_calls and peer_calls_per_conn (BoundPeerCalls), scheduler_requests (a scheduler call past kvxfer.SchedulerConfig.MaxRequests), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
 func (s *Server) Refusals() map[string]uint64 { return s.limits.counts() }
 
