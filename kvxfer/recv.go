@@ -579,10 +579,23 @@ func (st *loopState) onAck(m *msg) {
 }
 
 // sameTransfer reports whether a producer's message about r's id may be
-// about r: not when both name a transfer id and they differ (it is about
-// an earlier request under the same id, one that finished).
+// about r: not when both name a transfer id and they differ, nor, where
+// no transfer id tells them apart, when it names another producer request
+// than r's (by its id, or one of r's base id: what P's engine calls the
+// request D named by base). Either is about an earlier request under the
+// same id, one that finished: a producer answers a cancel after its
+// WRITE landed with the completion notice again, which may reach a new
+// request under the id, counted there it would report blocks loaded that
+// nothing wrote.
 func sameTransfer(r *recvReq, m *msg) bool {
-	return m.TransferID == "" || r.req.TransferID == "" || m.TransferID == r.req.TransferID
+	if m.TransferID != "" && r.req.TransferID != "" {
+		return m.TransferID == r.req.TransferID
+	}
+	name := r.req.Remote.ReqID
+	if m.PReq == "" || name == "" || m.PReq == name {
+		return true
+	}
+	return BaseRequestID(name) == name && BaseRequestID(m.PReq) == name
 }
 
 // recvFor finds the receiving request and sender rank a producer's
