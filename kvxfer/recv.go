@@ -29,7 +29,11 @@ type consumerState struct {
 const expirySafety = 5 * time.Second
 
 func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
-	if st.recvs[in.ReqID] != nil {
+	if st.recvs[in.ReqID] != nil && !(in.Aborted && len(in.Local) == 0) {
+		// (One aborted before it was scheduled holds nothing: it is a new
+		// request under the id of one still receiving, which its engine
+		// ended and which waits for its producer. Its own producer is
+		// released below, or it would hold its blocks for its lease.)
 		st.metrics.BadInput("recv_req.duplicate")
 		st.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
 		return
