@@ -585,8 +585,8 @@ func (st *loopState) onAck(m *msg) {
 // sameTransfer reports whether a producer's message about r's id may be
 // about r: not when both name a transfer id and they differ, nor, where
 // no transfer id tells them apart, when it names another producer request
-// than r's (by its id, or one of r's base id: what P's engine calls the
-// request D named by base). Either is about an earlier request under the
+// than r's (by its id, or by base id as the producer pairs them: one of
+// the two the other's base). Either is about an earlier request under the
 // same id, one that finished: a producer answers a cancel after its
 // WRITE landed with the completion notice again, which may reach a new
 // request under the id, counted there it would report blocks loaded that
@@ -599,7 +599,9 @@ func sameTransfer(r *recvReq, m *msg) bool {
 	if m.PReq == "" || name == "" || m.PReq == name {
 		return true
 	}
-	return BaseRequestID(name) == name && BaseRequestID(m.PReq) == name
+	// Paired by base id (pairOf): the same base, one of the two that base.
+	nb, pb := BaseRequestID(name), BaseRequestID(m.PReq)
+	return nb == pb && (nb == name || pb == m.PReq)
 }
 
 // recvFor finds the receiving request and sender rank a producer's
