@@ -211,7 +211,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 				peers = append(peers, p)
 			}
 		}
-		r.grant = st.grantOp(peers, r.req.Local, r.req.ReqID)
+		r.grant = st.grantOp(peers, r.req.Local, r.req.ReqID, r.req.TransferID)
 	}
 	r.regErrs, r.regWait = make([]error, len(r.targets)), 0
 	for i, to := range r.targets {

@@ -48,6 +48,7 @@ type traceCore struct {
 	now    time.Time
 	fail   map[opKind]int // ops of a kind to fail, next first
 	engine string
+	onOp   func(*op) // when set, sees every op the core asks for
 }
 
 func TestTraces(t *testing.T) {
@@ -530,6 +531,9 @@ func (tc *traceCore) drive(out []string, indent string) []string {
 		k := o.kind
 		if k == opPostPrepared || k == opPostLayout {
 			k = opPost
+		}
+		if tc.onOp != nil {
+			tc.onOp(o)
 		}
 		line := indent + strings.Repeat("  ", round) + tc.describe(o)
 		var err error
