@@ -135,13 +135,14 @@ const MaxParked = maxParked
 
 // RegrantedTable is a push rank's access table (layout l, groupBlocks
 // blocks per group) in which writer held a grant on blocks ids of group 0
-// for consumer request old, revoked, and holds one on the same blocks for
-// request next (TestLateTransferOfEndedRequestRefused).
+// for consumer request old (of transfer "t-"+old), revoked, and holds one
+// on the same blocks for request next (of transfer "t-"+next)
+// (TestLateTransferOfEndedRequestRefused).
 func RegrantedTable(l *topology.Layout, groupBlocks []int, writer PeerName, ids []topology.BlockID, old, next string) AccessChecker {
 	tab := newAccessTable(l, groupBlocks, ModePush, NewMetrics())
-	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}}, old)
+	tab.grantWrite(1, []PeerName{writer}, []topology.Span{{IDs: ids}}, writeKey(old, "t-"+old))
 	tab.revokeWrite(1)
-	tab.grantWrite(2, []PeerName{writer}, []topology.Span{{IDs: ids}}, next)
+	tab.grantWrite(2, []PeerName{writer}, []topology.Span{{IDs: ids}}, writeKey(next, "t-"+next))
 	return tab
 }
 

@@ -401,7 +401,22 @@ func (t *accessTable) tagRequest(op hotpath.Op, tag []byte) (string, bool) {
 	if op == hotpath.OpRead {
 		return readKey(m.PReq, m.TransferID), true
 	}
-	return m.DReq, true
+	return writeKey(m.DReq, m.TransferID), true
+}
+
+// writeKey is what a WRITE grant is for, and what a WRITE's notice names
+// of it: the consumer request, and its transfer when it has one. A
+// consumer request id is used again once its request ended (a router's
+// retry, an engine without random request ids), for another transfer:
+// before, a grant named the id alone, and a late WRITE of the earlier
+// transfer (its producer never confirmed the consumer's cancel, which
+// reported it at its fence timeout) was admitted into the blocks the new
+// request shares with the earlier one.
+func writeKey(dreq, tid string) string {
+	if tid == "" {
+		return dreq
+	}
+	return dreq + "\x00" + tid
 }
 
 // readKey is what a pull READ names of the hold it reads, and what a hold
@@ -702,13 +717,14 @@ var ErrNoGate = errors.New("kvxfer: no gate")
 
 // GateKey is the key a backend matches a WRITE's notification to the
 // gate (WriteGater) its grant was offered as: the consumer request the
-// notification names ("" when it names none: no gate matches).
+// notification names, with its transfer (writeKey; "" when it names no
+// request: no gate matches).
 func GateKey(notif []byte) string {
 	m, err := decodeMsg(notif)
 	if err != nil || m.Kind != msgDone && m.Kind != msgTag || m.DReq == "" {
 		return ""
 	}
-	return m.DReq
+	return writeKey(m.DReq, m.TransferID)
 }
 
 // grantLayouts returns the ranges a WRITE grant of spans (one per group)

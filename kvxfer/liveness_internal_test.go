@@ -33,7 +33,7 @@ func TestPeerGoneWithGrantsRefusesLateWrites(t *testing.T) {
 		carryOut(d, nil, nil, func(_ int, o *op) error {
 			switch o.kind {
 			case opGrant:
-				table.grantWrite(o.grant, o.peers, o.spans, o.req)
+				table.grantWrite(o.grant, o.peers, o.spans, writeKey(o.req, o.tid))
 			case opRevoke:
 				table.revokeWrite(o.grant)
 			}
@@ -83,7 +83,8 @@ func TestPeerGoneWithGrantsRefusesLateWrites(t *testing.T) {
 		answer(nil)
 	}
 	write := func(dreq string) Access {
-		tag := appendMsg(nil, &msg{Kind: msgDone, Engine: "P", TPSize: 1, PPSize: 1, DReq: dreq, PReq: "p-" + dreq})
+		// As P's notice names it: its transfer, D's request, P's.
+		tag := appendMsg(nil, &msg{Kind: msgDone, Engine: "P", TPSize: 1, PPSize: 1, TransferID: "t-" + dreq, DReq: dreq, PReq: "p-" + dreq})
 		a, _, adm := table.Admit("P/0", hotpath.OpWrite, []Range{{block3, 16}}, tag, nil)
 		table.Done(adm)
 		return a

@@ -1045,7 +1045,7 @@ type op struct {
 	msg    []byte // the notification; a post's notification after the bytes
 	notice notice
 	req    string  // noticeReg, noticeDone: the request's id; opGrant: the consumer request; opHold: the producer request
-	tid    string  // opHold: the producer request's transfer id
+	tid    string  // opHold: the producer request's transfer id; opGrant: the consumer request's
 	tp     int     // noticeReg: the target's index; noticeDone: the D rank
 	m      *msg    // noticePlain: the message, for the log; heartbeats: the message
 	ref    rankRef // heartbeats: the producer rank
@@ -1065,13 +1065,13 @@ type op struct {
 }
 
 // grantOp asks for a WRITE grant to peers on spans, for consumer request
-// req, and returns its name.
-func (st *loopState) grantOp(peers []PeerName, spans []topology.Span, req string) uint32 {
+// req of transfer tid ("": none), and returns its name.
+func (st *loopState) grantOp(peers []PeerName, spans []topology.Span, req, tid string) uint32 {
 	st.nextGrant++
 	if st.nextGrant == 0 {
 		st.nextGrant++
 	}
-	st.fx.ops = append(st.fx.ops, op{kind: opGrant, grant: st.nextGrant, peers: peers, spans: spans, req: req})
+	st.fx.ops = append(st.fx.ops, op{kind: opGrant, grant: st.nextGrant, peers: peers, spans: spans, req: req, tid: tid})
 	return st.nextGrant
 }
 

@@ -29,7 +29,11 @@ type consumerState struct {
 const expirySafety = 5 * time.Second
 
 func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
-	if st.recvs[in.ReqID] != nil {
+	if st.recvs[in.ReqID] != nil && !(in.Aborted && len(in.Local) == 0) {
+		// (One aborted before it was scheduled holds nothing: it is a new
+		// request under the id of one still receiving, which its engine
+		// ended and which waits for its producer. Its own producer is
+		// released below, or it would hold its blocks for its lease.)
 		st.metrics.BadInput("recv_req.duplicate")
 		st.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
 		return
@@ -207,7 +211,7 @@ func (st *loopState) register(r *recvReq, e *engine) {
 				peers = append(peers, p)
 			}
 		}
-		r.grant = st.grantOp(peers, r.req.Local, r.req.ReqID)
+		r.grant = st.grantOp(peers, r.req.Local, r.req.ReqID, r.req.TransferID)
 	}
 	r.regErrs, r.regWait = make([]error, len(r.targets)), 0
 	for i, to := range r.targets {
@@ -579,10 +583,25 @@ func (st *loopState) onAck(m *msg) {
 }
 
 // sameTransfer reports whether a producer's message about r's id may be
-// about r: not when both name a transfer id and they differ (it is about
-// an earlier request under the same id, one that finished).
+// about r: not when both name a transfer id and they differ, nor, where
+// no transfer id tells them apart, when it names another producer request
+// than r's (by its id, or by base id as the producer pairs them: one of
+// the two the other's base). Either is about an earlier request under the
+// same id, one that finished: a producer answers a cancel after its
+// WRITE landed with the completion notice again, which may reach a new
+// request under the id, counted there it would report blocks loaded that
+// nothing wrote.
 func sameTransfer(r *recvReq, m *msg) bool {
-	return m.TransferID == "" || r.req.TransferID == "" || m.TransferID == r.req.TransferID
+	if m.TransferID != "" && r.req.TransferID != "" {
+		return m.TransferID == r.req.TransferID
+	}
+	name := r.req.Remote.ReqID
+	if m.PReq == "" || name == "" || m.PReq == name {
+		return true
+	}
+	// Paired by base id (pairOf): the same base, one of the two that base.
+	nb, pb := BaseRequestID(name), BaseRequestID(m.PReq)
+	return nb == pb && (nb == name || pb == m.PReq)
 }
 
 // recvFor finds the receiving request and sender rank a producer's

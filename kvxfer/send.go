@@ -597,6 +597,15 @@ func (st *loopState) onReg(m *msg) {
 		}
 		return
 	}
+	if s := st.matched[k]; s != nil && s.match.tid != m.TransferID && len(m.Spans) == 0 && m.TransferID != "" {
+		// The release of another transfer under the consumer id paired
+		// here (its request under the id, aborted before it was
+		// scheduled, needs nothing): it writes nothing, and goes to its
+		// own transfer's request, under a key of its own, as a
+		// superseded group does: refused, that request would hold its
+		// blocks for its whole lease.
+		k.moved = "\x00" + m.TransferID
+	}
 	if s := st.matched[k]; s != nil {
 		if s.match.tid != m.TransferID {
 			// The consumer's request id was reused for another transfer
@@ -1336,6 +1345,17 @@ func (st *loopState) onHeartbeat(m *msg) {
 func (st *loopState) onCancel(m *msg) {
 	k := regKey{engine: m.Engine, dreq: m.DReq}
 	s := st.matched[k]
+	if s != nil && m.TransferID != "" && s.match.tid != m.TransferID {
+		// A cancel of another transfer under the consumer id paired here
+		// (its registration refused as reg_id_in_use at another rank of
+		// ours, the consumer gave up; or it was released): it is that
+		// transfer's, under a key of its own as its release's is (onReg).
+		// Taken as the paired request's, it cancelled that one's rank,
+		// and the request of its own transfer held its blocks for its
+		// whole lease.
+		k.moved = "\x00" + m.TransferID
+		s = st.matched[k]
+	}
 	if s == nil {
 		// Unmatched or unknown: nothing of ours can be in flight. Drop
 		// its registration, remember it, and confirm — with the
@@ -1357,7 +1377,7 @@ func (st *loopState) onCancel(m *msg) {
 		}
 		st.sendTo(e, rankRef{tp: m.TPRank}, ack)
 		if !had {
-			st.consumerGaveUp(m)
+			st.consumerGaveUp(k, m)
 		}
 		return
 	}
@@ -1386,10 +1406,10 @@ func (st *loopState) onCancel(m *msg) {
 // registrations (bounded by maxRegs and RegistrationTTL like them).
 // Which request it names is decided as for a registration (pairOf):
 // exactly, or by base id only where that is not ambiguous.
-func (st *loopState) consumerGaveUp(m *msg) {
-	st.supersede(regKey{engine: m.Engine, dreq: m.DReq}, m.TransferID)
+func (st *loopState) consumerGaveUp(k regKey, m *msg) {
+	st.supersede(k, m.TransferID)
 	why := "consumer gave up: " + m.Reason
-	g := &regGroup{key: regKey{engine: m.Engine, dreq: m.DReq}, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
+	g := &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
 		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why}
 	s, _, amb := st.findSend(g)
 	switch {

@@ -34,7 +34,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 // blank line):
 //
 //	core mode=push|pull engine=D tp=0/1 [prepared=always|model]   a fresh core; prepared: posts go through prepared lists, always or where traceCost says they cost less
-//	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N]
+//	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N] [aborted=true]   aborted: the engine aborted it before it was scheduled (no blocks)
 //	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
 //	step abort=ID [tid=T]                      the engine aborted a producer request
 //	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true] [loaded=false]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
@@ -48,6 +48,7 @@ type traceCore struct {
 	now    time.Time
 	fail   map[opKind]int // ops of a kind to fail, next first
 	engine string
+	onOp   func(*op) // when set, sees every op the core asks for
 }
 
 func TestTraces(t *testing.T) {
@@ -187,7 +188,7 @@ var traceCmds = map[string]traceCmd{
 	"core": {keys: map[string]traceVal{"mode": oneOf("push", "pull"), "engine": anyVal, "tp": rankVal, "prepared": oneOf("always", "model")},
 		req: []string{"engine", "tp"}},
 	"step": {keys: map[string]traceVal{"recv": anyVal, "send": anyVal, "abort": anyVal, "remote": anyVal, "tid": anyVal, "preq": anyVal,
-		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal}},
+		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal, "aborted": boolVal}},
 	"handshake": {pos: []traceVal{anyVal}, keys: map[string]traceVal{"tp": intVal, "gen": intVal, "hash": anyVal, "agents": anyVal,
 		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal}},
 	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
@@ -425,6 +426,10 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 			if rb, ok := a["remote-blocks"]; ok {
 				rr.Remote.Blocks = []topology.Span{{IDs: traceIDs(rb)}}
 			}
+			if a["aborted"] == "true" {
+				// Aborted before it was scheduled: it holds no blocks.
+				rr.Local, rr.Aborted = nil, true
+			}
 			meta.Recv = []RecvReq{rr}
 		case a["send"] != "":
 			meta.Send = []SendReq{{ReqID: a["send"], TransferID: a["tid"], Deadline: deadline, Tokens: tokens,
@@ -526,6 +531,9 @@ func (tc *traceCore) drive(out []string, indent string) []string {
 		k := o.kind
 		if k == opPostPrepared || k == opPostLayout {
 			k = opPost
+		}
+		if tc.onOp != nil {
+			tc.onOp(o)
 		}
 		line := indent + strings.Repeat("  ", round) + tc.describe(o)
 		var err error

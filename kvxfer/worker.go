@@ -1119,7 +1119,7 @@ func (w *Worker) do(_ int, o *op) error {
 		w.preps[o.prep] = prepEntry{be: id, err: err}
 		return err
 	case opGrant:
-		w.access.grantWrite(o.grant, o.peers, o.spans, o.req)
+		w.access.grantWrite(o.grant, o.peers, o.spans, writeKey(o.req, o.tid))
 		w.openGates(o)
 		return nil
 	case opRevoke:
@@ -1144,7 +1144,7 @@ func (w *Worker) openGates(o *op) {
 	if len(lays) == 0 {
 		return
 	}
-	tag := appendMsg(nil, w.st.self(&msg{Kind: msgTag, DReq: o.req}))
+	tag := appendMsg(nil, w.st.self(&msg{Kind: msgTag, TransferID: o.tid, DReq: o.req}))
 	for _, p := range o.peers {
 		err := g.OpenGate(p, lays, tag)
 		switch {
