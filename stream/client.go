@@ -241,7 +241,9 @@ func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
 // published on the same daemon (StepRequest.PublishStep). recv and send
 // are the consumer and producer requests the engine begins waiting on
 // with this step on this rank: should the step be dropped, its StepError
-// names them back (StepErrors), for the engine to fail.
+// names them back (StepErrors), for the engine to fail. A step named again
+// is refused (a StepError, not dropped) and ignored; one dropped is
+// dropped again.
 func (r *RankStream) StepRef(step uint64, recv, send []string) error {
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: step, RecvRequestIds: recv, SendRequestIds: send}}})
 }

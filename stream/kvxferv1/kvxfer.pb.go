@@ -1979,7 +1979,11 @@ type StepRef struct {
 	// scheduler refused the call, an answer the engine may never read),
 	// kvxferd reports it failed (FAILURE_KIND_SETUP) on this rank at once.
 	// Either way each gets one outcome on this rank, whatever became of the
-	// engine's Steps stream. Empty: the engine keeps its own record.
+	// engine's Steps stream. Empty: the engine keeps its own record. A
+	// step_ref naming a step this stream took in already is refused (a
+	// StepError naming step_ref.step, not dropped) and ignored: its requests
+	// keep the one outcome they have. One naming a step this stream dropped
+	// is dropped again, published since or not.
 	RecvRequestIds []string `protobuf:"bytes,2,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
 	// send_request_ids are the producer requests the engine begins waiting
 	// on with this step on this rank (blocks it holds for a transfer),
