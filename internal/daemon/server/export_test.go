@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
 // PublishForTest publishes a rank without a worker (handshake benchmarks).
@@ -29,4 +30,16 @@ func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := closeWait
 	closeWait = d
 	t.Cleanup(func() { closeWait = old })
+}
+
+// PublishedForTest returns the metadata engine's scheduler published as
+// step (nil: none kept).
+func (s *Server) PublishedForTest(engine string, step uint64) *pb.StepMeta {
+	ls, _ := s.sched.m.Load(engine)
+	if ls == nil {
+		return nil
+	}
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	return ls.pub.metas[step]
 }

@@ -37,6 +37,8 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	if err != nil {
 		return nil, ss.status(err)
 	}
+	ls.step.Lock()
+	defer ls.step.Unlock()
 	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
 		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
 		return nil, ss.status(stream.Invalid("ops has %d entries, want at most %d", n, maxStepOps))
