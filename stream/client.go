@@ -80,7 +80,7 @@ type Hello struct {
 	FirstLayer int
 	// MaxMessageBytes is the largest message this client accepts on the
 	// stream (0: DefaultMaxMessage, what Dial sets); kvxferd keeps its
-	// messages within half of it. Set it when Dial's options set another
+	// messages within half of it, and refuses less than 32 KiB. Set it when Dial's options set another
 	// grpc.MaxCallRecvMsgSize.
 	MaxMessageBytes uint32
 }

@@ -1671,7 +1671,8 @@ type WorkerHello struct {
 	// max_message_bytes is the largest message the engine's client accepts
 	// on this stream (0: 4 MiB, gRPC's default). kvxferd keeps every message
 	// it sends here within half of it: bigger sets of outcomes go out as
-	// several Finished messages, and step errors are clipped.
+	// several Finished messages, and step errors are clipped. Values below
+	// 32 KiB (but 0) are refused (InvalidArgument).
 	MaxMessageBytes uint32 `protobuf:"varint,7,opt,name=max_message_bytes,json=maxMessageBytes,proto3" json:"max_message_bytes,omitempty"`
 	// first_layer is the model layer of layout.regions[0], which LayerSaved
 	// numbers layers from. Needed (and only read) for layer-wise push from a

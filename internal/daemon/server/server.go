@@ -914,6 +914,10 @@ const maxFinishedBytes = 1 << 20
 // (WorkerHello.max_message_bytes 0): gRPC's default.
 const defaultClientMax = 4 << 20
 
+// minClientMax is the least WorkerHello.max_message_bytes taken: twice the
+// least a Finished message is held to (messageLimits).
+const minClientMax = 32 << 10
+
 // messageLimits returns, for a client that accepts messages up to max
 // bytes (0: defaultClientMax), the most one Finished message may carry
 // and the longest step error: half the client's limit (the rest for
@@ -1094,6 +1098,12 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	}
 	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
 		return nil, stream.Invalid("hello.mode = %v, want push or pull", h.Mode)
+	}
+	if m := h.MaxMessageBytes; m != 0 && m < minClientMax {
+		// Below it the daemon's messages (one outcome, one step error)
+		// could not be kept within half of it: the engine's client would
+		// refuse one and lose the stream, and every outcome with it.
+		return nil, stream.Invalid("hello.max_message_bytes = %d, want 0 (%d) or at least %d", m, defaultClientMax, minClientMax)
 	}
 	l, err := stream.LayoutFromProto("hello.layout", h.Layout)
 	if err != nil {
