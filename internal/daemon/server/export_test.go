@@ -43,3 +43,26 @@ func (s *Server) PublishedForTest(engine string, step uint64) *pb.StepMeta {
 	defer ls.pub.Unlock()
 	return ls.pub.metas[step]
 }
+
+// PublishedStepsForTest returns the steps engine's scheduler keeps
+// published.
+func (s *Server) PublishedStepsForTest(engine string) []*pb.StepMeta {
+	ls, _ := s.sched.m.Load(engine)
+	if ls == nil {
+		return nil
+	}
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	var out []*pb.StepMeta
+	for _, m := range ls.pub.metas {
+		out = append(out, m)
+	}
+	return out
+}
+
+// SetMaxPublishedBytesForTest sets maxPublishedBytes until the test ends.
+func SetMaxPublishedBytesForTest(t interface{ Cleanup(func()) }, n int) {
+	old := maxPublishedBytes
+	maxPublishedBytes = n
+	t.Cleanup(func() { maxPublishedBytes = old })
+}

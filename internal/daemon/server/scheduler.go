@@ -66,11 +66,15 @@ type lockedScheduler struct {
 	// scheduler is reclaimed when it would keep another from opening.
 	pid int32
 	// pub holds the step metadata published for the engine's ranks
-	// (StepRequest.publish_step), the last maxPublished steps.
+	// (StepRequest.publish_step), the last maxPublished steps within
+	// maxPublishedBytes: order lists them oldest first, bytes is their
+	// sizes' sum.
 	pub struct {
 		sync.Mutex
 		last    uint64
 		metas   map[uint64]*pb.StepMeta
+		order   []publishedStep
+		bytes   int
 		changed chan struct{} // closed and replaced at each publish, and when retired
 		// retired: the engine opened a new scheduler or closed this one;
 		// ranks waiting here look the engine's scheduler up again.
