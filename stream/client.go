@@ -80,7 +80,7 @@ type Hello struct {
 	FirstLayer int
 	// MaxMessageBytes is the largest message this client accepts on the
 	// stream (0: DefaultMaxMessage, what Dial sets); kvxferd keeps its
-	// messages within half of it. Set it when Dial's options set another
+	// messages within half of it, and refuses less than 32 KiB. Set it when Dial's options set another
 	// grpc.MaxCallRecvMsgSize.
 	MaxMessageBytes uint32
 }
@@ -113,10 +113,21 @@ type RankStream struct {
 // sets arrive on the returned stream's Finished channel until it closes.
 func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 	sctx, cancel := context.WithCancel(context.Background())
+	// Until the stream is ready, ctx ending gives it up, wherever Connect
+	// waits: for the stream (a caller's grpc.WaitForReady), to send the
+	// hello (flow control), or for the ready.
+	stop := context.AfterFunc(ctx, cancel)
+	fail := func(err error) (*RankStream, error) {
+		stop()
+		cancel()
+		if cerr := ctx.Err(); cerr != nil {
+			return nil, cerr
+		}
+		return nil, err
+	}
 	st, err := pb.NewWorkerServiceClient(c.cc).Connect(sctx)
 	if err != nil {
-		cancel()
-		return nil, err
+		return fail(err)
 	}
 	hello := &pb.WorkerHello{EngineId: h.EngineID, Mode: pb.Mode(h.Mode), Layout: LayoutToProto(&h.Layout), CompatHash: h.CompatHash, Layerwise: h.Layerwise,
 		MaxMessageBytes: h.MaxMessageBytes, FirstLayer: int32(h.FirstLayer)}
@@ -135,29 +146,18 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 				err = rerr
 			}
 		}
-		cancel()
-		return nil, err
+		return fail(err)
 	}
-	type first struct {
-		m   *pb.ConnectResponse
-		err error
+	m, err := st.Recv()
+	if err != nil {
+		return fail(err)
 	}
-	ch := make(chan first, 1)
-	go func() { m, err := st.Recv(); ch <- first{m, err} }()
-	var f first
-	select {
-	case f = <-ch:
-	case <-ctx.Done():
-		cancel()
-		return nil, ctx.Err()
+	if m.GetReady() == nil {
+		return fail(fmt.Errorf("stream: kvxferd answered hello with %T", m.Msg))
 	}
-	if f.err != nil {
-		cancel()
-		return nil, f.err
-	}
-	if f.m.GetReady() == nil {
-		cancel()
-		return nil, fmt.Errorf("stream: kvxferd answered hello with %T", f.m.Msg)
+	if !stop() {
+		// ctx ended as the ready came: the stream is cancelled.
+		return fail(ctx.Err())
 	}
 	r := &RankStream{st: st, cancel: cancel, finished: make(chan kvxfer.Finished, 64), errs: make(chan *StepError, 16), done: make(chan struct{})}
 	go r.read()
@@ -241,7 +241,9 @@ func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
 // published on the same daemon (StepRequest.PublishStep). recv and send
 // are the consumer and producer requests the engine begins waiting on
 // with this step on this rank: should the step be dropped, its StepError
-// names them back (StepErrors), for the engine to fail.
+// names them back (StepErrors), for the engine to fail. A step named again
+// is refused (a StepError, not dropped) and ignored; one dropped is
+// dropped again.
 func (r *RankStream) StepRef(step uint64, recv, send []string) error {
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_StepRef{StepRef: &pb.StepRef{Step: step, RecvRequestIds: recv, SendRequestIds: send}}})
 }
@@ -298,22 +300,32 @@ func (e *StepError) Error() string {
 
 // Close says bye: kvxferd lets the rank's transfers finish, sends every
 // outcome left and ends the stream. Close returns once it ended (drain
-// Finished meanwhile) or ctx ends.
+// Finished meanwhile) or ctx ends, which gives the stream up (cancels it),
+// also while the bye, or a Step, waits to be sent to a daemon that reads no
+// more of the stream.
 func (r *RankStream) Close(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, r.cancel)
+	defer stop()
 	err := r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_Bye{Bye: &pb.Bye{}}})
 	if err == nil {
 		r.sendMu.Lock()
 		err = r.st.CloseSend()
 		r.sendMu.Unlock()
 	}
+	ended := false
 	select {
 	case <-r.done:
+		ended = true
 	case <-ctx.Done():
-		err = ctx.Err()
 	}
 	r.cancel()
 	<-r.done
-	if err == nil {
+	if cerr := ctx.Err(); cerr != nil && (!ended || err != nil) {
+		return cerr
+	}
+	if err == nil || (errors.Is(err, io.EOF) && r.err != nil) {
+		// A bye the daemon did not take (io.EOF): it ended the stream
+		// first, and why is the stream's error.
 		err = r.err
 	}
 	return err

@@ -14,6 +14,8 @@ import (
 	"time"
 	"unsafe"
 
+	"google.golang.org/grpc/codes"
+
 	"github.com/kvxfer/kvxfer/internal/daemon"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
 )
@@ -51,12 +53,26 @@ func runningServer() (*daemon.InProcess, error) {
 
 // engineBytes is the n bytes at p, which the engine owns, without a copy:
 // the server decodes them before the call returns (and refuses a length
-// over server.MaxDirectMessage, counting it).
+// over server.MaxDirectMessage, counting it). Such a length is not taken
+// at its word: the slice is server.MaxDirectMessage+1 bytes, which the
+// server refuses unread; the engine's n itself may be past what a slice
+// can hold (a size_t that wrapped), which made unsafe.Slice panic and
+// took the engine's process down.
 func engineBytes(p *C.char, n C.size_t) []byte {
 	if n == 0 {
 		return nil
 	}
+	if uint64(n) > server.MaxDirectMessage {
+		n = server.MaxDirectMessage + 1
+	}
 	return unsafe.Slice((*byte)(unsafe.Pointer(p)), int(n))
+}
+
+// tooLarge is the error of a message of n bytes, past what the library
+// takes (the server's, refusing engineBytes' stand-in, names that one's
+// length).
+func tooLarge(n C.size_t) error {
+	return fmt.Errorf("kvxfer: a message of %d bytes (at most %d)", uint64(n), server.MaxDirectMessage)
 }
 
 func directOf(id C.longlong) (*server.DirectStream, error) {
@@ -94,7 +110,9 @@ func kvxferGoStreamOpen(errBuf *C.char, errCap C.size_t) C.longlong {
 func kvxferGoStreamPut(id C.longlong, msg *C.char, n C.size_t, errBuf *C.char, errCap C.size_t) C.int {
 	d, err := directOf(id)
 	if err == nil {
-		err = d.Put(engineBytes(msg, n))
+		if err = d.Put(engineBytes(msg, n)); err != nil && uint64(n) > server.MaxDirectMessage {
+			err = tooLarge(n)
+		}
 	}
 	switch {
 	case err == nil:
@@ -173,6 +191,9 @@ func kvxferGoCall(method *C.char, req *C.char, n C.size_t, waitMicros C.longlong
 		return statusFail
 	}
 	b, c, msg := p.CallDirect(C.GoString(method), engineBytes(req, n), micros(max(waitMicros, 0)))
+	if c != 0 && uint64(n) > server.MaxDirectMessage && c == codes.InvalidArgument {
+		msg = tooLarge(n).Error()
+	}
 	if c != 0 {
 		*code = C.int(c)
 		putErr(errBuf, errCap, errors.New(msg))

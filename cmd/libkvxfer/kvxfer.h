@@ -69,7 +69,9 @@ int kvxfer_stop(void);
  *
  * kvxfer_stream_open opens one on the running server: its id, or 0 (see
  * kvxfer_last_error; at most 65536 streams are held until released). kvxfer_stream_put hands it one marshalled
- * ConnectRequest (KVXFER_EENDED once it ended or close_send was called).
+ * ConnectRequest (KVXFER_EENDED once it ended or close_send was called;
+ * KVXFER_EFAIL for one over 4 MiB or that does not parse, the stream going
+ * on; kvxfer_call answers such a request KVXFER_ESTATUS, InvalidArgument).
  * kvxfer_stream_take waits up to wait_us microseconds (negative: without
  * limit) for the next ConnectResponse: KVXFER_OK with *msg (free it with
  * kvxfer_free) and *len; KVXFER_EAGAIN when none came; KVXFER_EENDED once

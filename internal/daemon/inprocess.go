@@ -233,6 +233,9 @@ func (p *InProcess) CallDirect(method string, req []byte, wait time.Duration) ([
 	return p.in.srv.CallDirect(method, req, wait)
 }
 
+// Refusals is the server's refusals by reason (server.Server.Refusals).
+func (p *InProcess) Refusals() map[string]uint64 { return p.in.srv.Refusals() }
+
 // Stopped reports whether p was stopped (by Stop, or because a listener
 // stopped by itself).
 func (p *InProcess) Stopped() bool {

@@ -1671,7 +1671,8 @@ type WorkerHello struct {
 	// max_message_bytes is the largest message the engine's client accepts
 	// on this stream (0: 4 MiB, gRPC's default). kvxferd keeps every message
 	// it sends here within half of it: bigger sets of outcomes go out as
-	// several Finished messages, and step errors are clipped.
+	// several Finished messages, and step errors are clipped. Values below
+	// 32 KiB (but 0) are refused (InvalidArgument).
 	MaxMessageBytes uint32 `protobuf:"varint,7,opt,name=max_message_bytes,json=maxMessageBytes,proto3" json:"max_message_bytes,omitempty"`
 	// first_layer is the model layer of layout.regions[0], which LayerSaved
 	// numbers layers from. Needed (and only read) for layer-wise push from a
@@ -1979,7 +1980,11 @@ type StepRef struct {
 	// scheduler refused the call, an answer the engine may never read),
 	// kvxferd reports it failed (FAILURE_KIND_SETUP) on this rank at once.
 	// Either way each gets one outcome on this rank, whatever became of the
-	// engine's Steps stream. Empty: the engine keeps its own record.
+	// engine's Steps stream. Empty: the engine keeps its own record. A
+	// step_ref naming a step this stream took in already is refused (a
+	// StepError naming step_ref.step, not dropped) and ignored: its requests
+	// keep the one outcome they have. One naming a step this stream dropped
+	// is dropped again, published since or not.
 	RecvRequestIds []string `protobuf:"bytes,2,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
 	// send_request_ids are the producer requests the engine begins waiting
 	// on with this step on this rank (blocks it holds for a transfer),

@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
 // PublishForTest publishes a rank without a worker (handshake benchmarks).
@@ -29,4 +30,39 @@ func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := closeWait
 	closeWait = d
 	t.Cleanup(func() { closeWait = old })
+}
+
+// PublishedForTest returns the metadata engine's scheduler published as
+// step (nil: none kept).
+func (s *Server) PublishedForTest(engine string, step uint64) *pb.StepMeta {
+	ls, _ := s.sched.m.Load(engine)
+	if ls == nil {
+		return nil
+	}
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	return ls.pub.metas[step]
+}
+
+// PublishedStepsForTest returns the steps engine's scheduler keeps
+// published.
+func (s *Server) PublishedStepsForTest(engine string) []*pb.StepMeta {
+	ls, _ := s.sched.m.Load(engine)
+	if ls == nil {
+		return nil
+	}
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	var out []*pb.StepMeta
+	for _, m := range ls.pub.metas {
+		out = append(out, m)
+	}
+	return out
+}
+
+// SetMaxPublishedBytesForTest sets maxPublishedBytes until the test ends.
+func SetMaxPublishedBytesForTest(t interface{ Cleanup(func()) }, n int) {
+	old := maxPublishedBytes
+	maxPublishedBytes = n
+	t.Cleanup(func() { maxPublishedBytes = old })
 }

@@ -51,19 +51,30 @@ type schedulers struct {
 }
 
 type lockedScheduler struct {
-	mu  sync.Mutex
-	s   *kvxfer.Scheduler
-	uid uint32 // of the engine process that opened it
+	// step is held across a whole Step call (its ops, then its metadata
+	// built or published), so that one Step's publish_step, checked
+	// before its ops apply, still holds when it publishes: another Step
+	// publishing meanwhile (two Steps streams at once) refused this one
+	// after its ops applied, and they went out with a step the engine
+	// was not told of.
+	step sync.Mutex
+	mu   sync.Mutex
+	s    *kvxfer.Scheduler
+	uid  uint32 // of the engine process that opened it
 	// pid is the engine process that opened it, as this process sees it
 	// (0: unknown, another pid namespace's): once it is gone the
 	// scheduler is reclaimed when it would keep another from opening.
 	pid int32
 	// pub holds the step metadata published for the engine's ranks
-	// (StepRequest.publish_step), the last maxPublished steps.
+	// (StepRequest.publish_step), the last maxPublished steps within
+	// maxPublishedBytes: order lists them oldest first, bytes is their
+	// sizes' sum.
 	pub struct {
 		sync.Mutex
 		last    uint64
 		metas   map[uint64]*pb.StepMeta
+		order   []publishedStep
+		bytes   int
 		changed chan struct{} // closed and replaced at each publish, and when retired
 		// retired: the engine opened a new scheduler or closed this one;
 		// ranks waiting here look the engine's scheduler up again.

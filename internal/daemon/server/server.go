@@ -797,7 +797,8 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 // bad_request (a SchedulerService call's bad input), hello_timeout, bad_message (what an engine handed without gRPC did not
 // parse, or was too large; a message that ended a rank's stream: empty, or a
 // second hello), bad_step (a step the rank dropped whole: a step_ref naming
-// no step published), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
+// no step published, or one the rank dropped before; or a step_ref
+// repeating one the rank took in, ignored), bad_handshake (a peer's handshake naming no engine), streams and streams_per_uid (limits),
 // schedulers and schedulers_per_uid (the same limits on open schedulers),
 // engine_conns and engine_conns_per_uid (BoundEngineConns), calls and calls_per_uid (BoundCalls), peer_calls and peer_calls_per_conn (BoundPeerCalls), scheduler_requests (a scheduler call past kvxfer.SchedulerConfig.MaxRequests), peer_not_allowed
 // (AllowPeer), and what the daemon counted with Refuse.
@@ -912,6 +913,10 @@ const maxFinishedBytes = 1 << 20
 // defaultClientMax is the limit of a client that does not say its own
 // (WorkerHello.max_message_bytes 0): gRPC's default.
 const defaultClientMax = 4 << 20
+
+// minClientMax is the least WorkerHello.max_message_bytes taken: twice the
+// least a Finished message is held to (messageLimits).
+const minClientMax = 32 << 10
 
 // messageLimits returns, for a client that accepts messages up to max
 // bytes (0: defaultClientMax), the most one Finished message may carry
@@ -1038,6 +1043,37 @@ type rank struct {
 	// held before the worker (its stream's TransferStats count from it).
 	stats     *rankKey
 	statsBase kvxfer.Stats
+	// refs: the step_refs this stream handled (its receiver's alone).
+	refs stepRefs
+}
+
+// stepRefs are the steps a rank's stream took in or dropped by reference
+// (StepRef), the last maxPublished of them: its scheduler keeps no older
+// step. A step_ref naming one of them again is not looked up again: one
+// taken in is refused and ignored (taking it in again would give each of
+// its requests a second outcome: a request whose transfer ended would be
+// received or held anew, in blocks its engine freed), one dropped is
+// dropped again (the engine failed its requests; it may have been
+// published since).
+type stepRefs struct {
+	seen map[uint64]bool // step -> taken in (false: dropped)
+	top  uint64
+}
+
+// note records step as taken in or dropped.
+func (s *stepRefs) note(step uint64, takenIn bool) {
+	if s.seen == nil {
+		s.seen = map[uint64]bool{}
+	}
+	s.seen[step] = takenIn
+	s.top = max(s.top, step)
+	if len(s.seen) > 2*maxPublished {
+		for k := range s.seen {
+			if k+maxPublished <= s.top {
+				delete(s.seen, k)
+			}
+		}
+	}
 }
 
 type gpuImport struct {
@@ -1062,6 +1098,12 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	}
 	if h.Mode != pb.Mode_MODE_PUSH && h.Mode != pb.Mode_MODE_PULL {
 		return nil, stream.Invalid("hello.mode = %v, want push or pull", h.Mode)
+	}
+	if m := h.MaxMessageBytes; m != 0 && m < minClientMax {
+		// Below it the daemon's messages (one outcome, one step error)
+		// could not be kept within half of it: the engine's client would
+		// refuse one and lose the stream, and every outcome with it.
+		return nil, stream.Invalid("hello.max_message_bytes = %d, want 0 (%d) or at least %d", m, defaultClientMax, minClientMax)
 	}
 	l, err := stream.LayoutFromProto("hello.layout", h.Layout)
 	if err != nil {
@@ -1691,18 +1733,30 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 		apply(x.Step)
 	case *pb.ConnectRequest_StepRef:
 		ref, step = x.StepRef, x.StepRef.GetStep()
-		if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
-			err, dropped = perr, true
-		} else if apply(p); !dropped {
-			// The requests the step does not stage fail on the worker,
-			// after the step, as entries it refused: once each, and not
-			// one it holds from an earlier step. Its error, which only
-			// names them again, is not the engine's news: their outcomes
-			// say why. (A worker closed meanwhile fails what it holds
-			// and ends the stream.)
-			if u := unstaged(step, ref, p); len(u) > 0 {
-				_ = r.worker.StepRefusing(nil, u)
+		takenIn, again := r.refs.seen[step]
+		switch {
+		case again && takenIn:
+			// Refused, not dropped: the step's requests have (or had)
+			// the outcomes it took them to.
+			r.s.limits.refuse("bad_step")
+			err, ref = stream.Invalid("step_ref.step = %d: this rank took the step in already; the repeat is ignored", step), nil
+		case again:
+			err, dropped = stream.Invalid("step_ref.step = %d: this rank dropped the step already", step), true
+		default:
+			if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
+				err, dropped = perr, true
+			} else if apply(p); !dropped {
+				// The requests the step does not stage fail on the worker,
+				// after the step, as entries it refused: once each, and not
+				// one it holds from an earlier step. Its error, which only
+				// names them again, is not the engine's news: their
+				// outcomes say why. (A worker closed meanwhile fails what it
+				// holds and ends the stream.)
+				if u := unstaged(step, ref, p); len(u) > 0 {
+					_ = r.worker.StepRefusing(nil, u)
+				}
 			}
+			r.refs.note(step, !dropped)
 		}
 	case *pb.ConnectRequest_LayerSaved:
 		// A layer the rank does not hold is the engine's mistake: told

@@ -13,9 +13,15 @@ import (
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
 
-// maxPublished bounds the published steps kept per engine: a rank that
-// falls further behind its scheduler than this gets a StepError.
+// maxPublished and maxPublishedBytes bound the published steps kept per
+// engine, in count and in bytes (as held in memory, about: publishedSize),
+// the oldest going first (the newest is always kept): a rank that falls
+// further behind its scheduler than this gets its step_ref dropped.
+// Without the bytes' bound an engine publishing large steps held 1,024
+// times the largest (gigabytes) on the daemon.
 const maxPublished = 1024
+
+var maxPublishedBytes = 64 << 20 // a variable for tests
 
 // defaultPublishWait is Config.PublishWait's default.
 const defaultPublishWait = 10 * time.Second
@@ -37,6 +43,8 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 	if err != nil {
 		return nil, ss.status(err)
 	}
+	ls.step.Lock()
+	defer ls.step.Unlock()
 	if n := len(req.GetOps()) + len(req.GetColumns().GetRequestFinished().GetRequestId()) +
 		len(req.GetColumns().GetAfterAlloc().GetRequestId()) + len(req.GetColumns().GetPrefill().GetRequestId()); n > maxStepOps {
 		return nil, ss.status(stream.Invalid("ops has %d entries, want at most %d", n, maxStepOps))
@@ -119,17 +127,59 @@ func (ls *lockedScheduler) publish(step uint64) error {
 	m := stream.StepToProto(ls.s.BuildMeta())
 	m.Step = step
 	ls.pub.metas[step] = m
-	if old := step - maxPublished; step > maxPublished {
-		for k := range ls.pub.metas {
-			if k <= old {
-				delete(ls.pub.metas, k)
-			}
+	size := publishedSize(m)
+	ls.pub.order = append(ls.pub.order, publishedStep{step, size})
+	ls.pub.bytes += size
+	for len(ls.pub.order) > 1 {
+		o := ls.pub.order[0]
+		if o.step+maxPublished > step && ls.pub.bytes <= maxPublishedBytes {
+			break
 		}
+		delete(ls.pub.metas, o.step)
+		ls.pub.bytes -= o.size
+		ls.pub.order = ls.pub.order[1:]
 	}
 	ls.pub.last = step
 	close(ls.pub.changed)
 	ls.pub.changed = make(chan struct{})
 	return nil
+}
+
+// publishedStep is a step kept published and its size (publishedSize).
+type publishedStep struct {
+	step uint64
+	size int
+}
+
+// publishedSize is about the bytes m holds in memory: its strings, 4 per
+// block id, and some for each message.
+func publishedSize(m *pb.StepMeta) int {
+	spans := func(ss []*pb.Span) int {
+		n := 0
+		for _, s := range ss {
+			n += 64 + 4*len(s.GetBlockIds())
+		}
+		return n
+	}
+	n := 256
+	for _, r := range m.GetRecv() {
+		n += 128 + len(r.GetRequestId()) + len(r.GetTransferId()) + spans(r.GetLocal())
+		if rm := r.GetRemote(); rm != nil {
+			n += 128 + len(rm.GetEngineId()) + len(rm.GetAddr()) + len(rm.GetRequestId()) + spans(rm.GetBlocks())
+		}
+	}
+	for _, ss := range [2][]*pb.SendRequest{m.GetSend(), m.GetPrefill()} {
+		for _, s := range ss {
+			n += 128 + len(s.GetRequestId()) + len(s.GetTransferId()) + spans(s.GetBlocks())
+		}
+	}
+	for _, id := range m.GetNotProcessed() {
+		n += 16 + len(id)
+	}
+	for k, v := range m.GetNotProcessedTransferIds() {
+		n += 64 + len(k) + len(v)
+	}
+	return n
 }
 
 // publishable checks that step comes after the last published one.
@@ -172,7 +222,8 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 			continue
 		}
 		if step <= last {
-			return nil, stream.Invalid("step_ref.step = %d: not published, or more than %d steps ago (last %d)", step, maxPublished, last)
+			return nil, stream.Invalid("step_ref.step = %d: not published, or no longer kept (the last %d steps and %d MiB at most; last %d)",
+				step, maxPublished, maxPublishedBytes>>20, last)
 		}
 		select {
 		case <-changed:
