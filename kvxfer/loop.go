@@ -854,6 +854,13 @@ func (st *loopState) closeDown() {
 	const why = "worker closed"
 	for _, id := range st.sendIDs() {
 		s := st.sends.get(id)
+		if s.next != nil {
+			// The new request waiting for the aborted one under its id
+			// to drain fails now; the aborted one ends as aborted once
+			// its WRITEs end, or at the fence's timeout (shutdown).
+			s.next = nil
+			st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: why})
+		}
 		inflight := false
 		for _, r := range s.ranks {
 			inflight = inflight || r.inflight > 0
@@ -917,7 +924,11 @@ func (st *loopState) shutdown() {
 		for _, r := range s.ranks {
 			r.inflight = 0 // abandoned above
 		}
-		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: "worker closed"})
+		o := Outcome{ReqID: id, Result: ResultFailed, Kind: FailureClosed, Reason: "worker closed"}
+		if s.aborted {
+			o = Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"} // its engine ended it
+		}
+		st.report(RoleProducer, o)
 		st.forgetSend(s)
 	}
 	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {

@@ -151,3 +151,37 @@ func TestLayerwisePreemptedThenAbortedWhileWriting(t *testing.T) {
 		t.Errorf("after both ended: %d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
 	}
 }
+
+// The Worker closes while an aborted layer-wise producer drains its WRITE
+// and a new request under its id waits for it: the new one fails at once
+// (nothing new is held once the Worker closes), the aborted one ends as
+// aborted at the close's fence timeout, each in one outcome, and nothing
+// is held after (the new one, held at the old one's end, kept the close
+// waiting).
+func TestCloseWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
+	for _, now := range []bool{false, true} {
+		tc := newLayers3Core(t)
+		tc.prefill(1, "p-1")
+		tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
+		tc.hs3("D", 1)
+		tc.layer(1, 0)
+		tc.preemptStep(2, "p-1", 2)
+		tc.run(t, "step send=p-1 blocks=2 tokens=16")
+		var all []string
+		add := func(s string) string { all = append(all, s); return s }
+		tc.st.Step(tc.now, input{kind: inClose})
+		add(strings.Join(tc.drive(nil, ""), "\n"))
+		if !now {
+			add(tc.run(t, "ended xfer=1"))
+		}
+		tc.st.Step(tc.now, input{kind: inCloseNow})
+		add(strings.Join(tc.drive(nil, ""), "\n"))
+		out := strings.Join(all, "\n")
+		if count(out, "outcome send p-1 failed") != 1 || count(out, "outcome send p-1 aborted") != 1 || count(out, "outcome send p-1") != 2 {
+			t.Errorf("close (WRITE ended first: %v):\n%s\nwant the new request failed and the aborted one aborted, once each", !now, out)
+		}
+		if tc.st.sends.len() != 0 || tc.st.closeWaits() {
+			t.Errorf("after the close: %d requests held (waits %v), want none", tc.st.sends.len(), tc.st.closeWaits())
+		}
+	}
+}

@@ -1295,6 +1295,11 @@ func (st *loopState) forgetSend(s *sendReq) {
 	st.deadSends = append(st.deadSends, s)
 	if p := s.next; p != nil {
 		s.next = nil
+		if st.closing {
+			// Nothing new is held once the Worker closes.
+			st.report(RoleProducer, Outcome{ReqID: p.req.ReqID, Result: ResultFailed, Kind: FailureClosed, Reason: "worker closed"})
+			return
+		}
 		st.promote(p)
 	}
 }
