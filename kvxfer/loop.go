@@ -981,6 +981,12 @@ func (st *loopState) abandon(reason string, pending []event) {
 	}
 	slices.SortFunc(sends, func(a, b *sendReq) int { return strings.Compare(a.req.ReqID, b.req.ReqID) })
 	for _, s := range sends {
+		if s.next != nil && !ended[0][s.req.ReqID] {
+			// An aborted request still draining, and a new one under its
+			// id waiting for it (sendReq.next): the aborted one ends as
+			// aborted, the new one fails as the others do.
+			st.report(RoleProducer, Outcome{ReqID: s.req.ReqID, Result: ResultAborted, Reason: "producer aborted"})
+		}
 		fail(RoleProducer, s.req.ReqID, nil)
 	}
 	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {

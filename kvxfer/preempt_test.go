@@ -185,3 +185,24 @@ func TestCloseWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
 		}
 	}
 }
+
+// The core breaks (a contained panic) while an aborted producer drains
+// and a new request under its id waits for it: each ends in one outcome,
+// the aborted one as aborted, the new one failed.
+func TestAbandonWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
+	tc := newLayers3Core(t)
+	tc.prefill(1, "p-1")
+	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
+	tc.hs3("D", 1)
+	tc.layer(1, 0)
+	tc.preemptStep(2, "p-1", 2)
+	tc.run(t, "step send=p-1 blocks=2 tokens=16")
+	tc.st.abandon("core broke", nil)
+	var got []string
+	for _, o := range tc.st.out.Sending {
+		got = append(got, o.ReqID+" "+o.Result.String())
+	}
+	if len(got) != 2 || got[0] != "p-1 aborted" || got[1] != "p-1 failed" {
+		t.Errorf("outcomes %v, want [p-1 aborted, p-1 failed]: the aborted request's and the new one's", got)
+	}
+}
