@@ -74,13 +74,11 @@ func TestLayerwisePreemptedAndPrefilledAgain(t *testing.T) {
 	}
 }
 
-// A layer-wise producer preempted with a layer's WRITE in flight waits for
-// it (the WRITE still reads its blocks) before it is forgotten. The new
-// request its engine hands over meanwhile under the same id (its prefill
-// again, then its finish) is not a duplicate to drop: it is held once the
-// old one drains, and ends in an outcome of its own. Dropped, it never
-// ended, and its engine held its blocks for good.
-func TestLayerwisePreemptedWhileWriting(t *testing.T) {
+// writingWhenPreempted is a layer-wise producer core whose p-1, paired with
+// D's d-1, has its layer 0's WRITE in flight (post #1) when its engine
+// preempts it (p-1 ended, prefilled again into block 2).
+func writingWhenPreempted(t *testing.T) (*traceCore, string) {
+	t.Helper()
 	tc := newLayers3Core(t)
 	tc.prefill(1, "p-1")
 	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
@@ -88,9 +86,20 @@ func TestLayerwisePreemptedWhileWriting(t *testing.T) {
 	if got := tc.layer(1, 0); !strings.Contains(got, "post #1") {
 		t.Fatalf("layer 0: %q, want its WRITE", got)
 	}
-	var all []string
+	return tc, tc.preemptStep(2, "p-1", 2)
+}
+
+// A layer-wise producer preempted with a layer's WRITE in flight waits for
+// it (the WRITE still reads its blocks) before it is forgotten. The new
+// request its engine hands over meanwhile under the same id (its prefill
+// again, then its finish) is not a duplicate to drop: it is held once the
+// old one drains, and ends in an outcome of its own. Dropped, it never
+// ended, and its engine held its blocks for good.
+func TestLayerwisePreemptedWhileWriting(t *testing.T) {
+	tc, got := writingWhenPreempted(t)
+	all := []string{got}
 	add := func(s string) string { all = append(all, s); return s }
-	if got := add(tc.preemptStep(2, "p-1", 2)); strings.Contains(got, "outcome") || strings.Contains(got, "post") {
+	if strings.Contains(got, "outcome") || strings.Contains(got, "post") {
 		t.Errorf("preempted with a WRITE in flight: %q, want nothing until it ends", got)
 	}
 	if got := add(tc.layer(2, 0)); strings.Contains(got, "post") {
@@ -99,7 +108,7 @@ func TestLayerwisePreemptedWhileWriting(t *testing.T) {
 	if got := add(tc.run(t, "step send=p-1 blocks=2 tokens=16 deadline=30s")); strings.Contains(got, "post") {
 		t.Errorf("the new request's finish while the old one drains: %q, want nothing written yet", got)
 	}
-	got := add(tc.run(t, "ended xfer=1"))
+	got = add(tc.run(t, "ended xfer=1"))
 	if n := count(got, "outcome send p-1 aborted"); n != 1 {
 		t.Errorf("the old request's WRITE ended: %q, want its one aborted outcome", got)
 	}
@@ -129,15 +138,10 @@ func TestLayerwisePreemptedWhileWriting(t *testing.T) {
 // The new request waiting for an aborted one under its id to drain is
 // aborted too: it ends at once, in one outcome, and is never held.
 func TestLayerwisePreemptedThenAbortedWhileWriting(t *testing.T) {
-	tc := newLayers3Core(t)
-	tc.prefill(1, "p-1")
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	tc.layer(1, 0)
-	var all []string
+	tc, got := writingWhenPreempted(t)
+	all := []string{got}
 	add := func(s string) string { all = append(all, s); return s }
-	add(tc.preemptStep(2, "p-1", 2))
-	got := add(tc.run(t, "step abort=p-1"))
+	got = add(tc.run(t, "step abort=p-1"))
 	if n := count(got, "outcome send p-1 aborted"); n != 1 {
 		t.Errorf("the waiting request aborted: %q, want its one aborted outcome now", got)
 	}
@@ -160,12 +164,7 @@ func TestLayerwisePreemptedThenAbortedWhileWriting(t *testing.T) {
 // waiting).
 func TestCloseWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
 	for _, now := range []bool{false, true} {
-		tc := newLayers3Core(t)
-		tc.prefill(1, "p-1")
-		tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-		tc.hs3("D", 1)
-		tc.layer(1, 0)
-		tc.preemptStep(2, "p-1", 2)
+		tc, _ := writingWhenPreempted(t)
 		tc.run(t, "step send=p-1 blocks=2 tokens=16")
 		var all []string
 		add := func(s string) string { all = append(all, s); return s }
@@ -190,12 +189,7 @@ func TestCloseWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
 // and a new request under its id waits for it: each ends in one outcome,
 // the aborted one as aborted, the new one failed.
 func TestAbandonWithANewRequestWaitingForAnAbortedOne(t *testing.T) {
-	tc := newLayers3Core(t)
-	tc.prefill(1, "p-1")
-	tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5")
-	tc.hs3("D", 1)
-	tc.layer(1, 0)
-	tc.preemptStep(2, "p-1", 2)
+	tc, _ := writingWhenPreempted(t)
 	tc.run(t, "step send=p-1 blocks=2 tokens=16")
 	tc.st.abandon("core broke", nil)
 	var got []string

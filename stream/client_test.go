@@ -2,7 +2,6 @@ package stream_test
 
 import (
 	"context"
-	"errors"
 	"net"
 	"path/filepath"
 	"runtime"
@@ -93,20 +92,7 @@ func TestCloseReturnsWithFinishedUnread(t *testing.T) {
 			case <-tick.C:
 			}
 		}
-		closed := make(chan error, 1)
-		go func() {
-			cctx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-			defer ccancel()
-			closed <- rs.Close(cctx)
-		}()
-		select {
-		case err := <-closed:
-			if !errors.Is(err, context.DeadlineExceeded) {
-				t.Errorf("Close = %v, want its context's deadline", err)
-			}
-		case <-ctx.Done():
-			t.Fatal("Close did not return after its context ended (its reader waits to hand a finished set nobody reads)")
-		}
+		closeTimesOut(ctx, t, rs, "its reader waits to hand a finished set nobody reads")
 		if err := rs.Err(); err == nil {
 			t.Error("Err() = nil after finished sets were left undelivered, want why")
 		}

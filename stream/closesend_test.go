@@ -94,20 +94,7 @@ func TestCloseReturnsWhenSendBlocks(t *testing.T) {
 			t.Fatalf("Step = %v before the stream ended", err)
 		case <-time.After(200 * time.Millisecond):
 		}
-		closed := make(chan error, 1)
-		go func() {
-			cctx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-			defer ccancel()
-			closed <- rs.Close(cctx)
-		}()
-		select {
-		case err := <-closed:
-			if !errors.Is(err, context.DeadlineExceeded) {
-				t.Errorf("Close = %v, want its context's deadline", err)
-			}
-		case <-ctx.Done():
-			t.Fatal("Close did not return after its context ended (its bye waits to be sent on a stream nobody reads)")
-		}
+		closeTimesOut(ctx, t, rs, "its bye waits to be sent on a stream nobody reads")
 		select {
 		case err := <-stepped:
 			if err == nil {
@@ -151,4 +138,25 @@ func TestConnectHonorsContextWaitingForReady(t *testing.T) {
 		}
 	})
 	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// closeTimesOut closes rs under a 50 ms context while something of it is
+// stuck (stuck says what): Close must return its context's error when
+// that context ends, before ctx does.
+func closeTimesOut(ctx context.Context, t *testing.T, rs *stream.RankStream, stuck string) {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() {
+		cctx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer ccancel()
+		closed <- rs.Close(cctx)
+	}()
+	select {
+	case err := <-closed:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Close = %v, want its context's deadline", err)
+		}
+	case <-ctx.Done():
+		t.Fatalf("Close did not return after its context ended (%s)", stuck)
+	}
 }
