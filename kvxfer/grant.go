@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -429,10 +430,27 @@ func writeKey(dreq, tid string) string {
 // new engine's request held in the same blocks as done.
 func readKey(preq, tid string) string {
 	switch {
+	case preq != "" && tid != "":
+		// Both: the hold of that request for that transfer only. A
+		// producer request id is used again once its request ended (a
+		// retried engine, ids not randomized): a late READ of the earlier
+		// transfer read the new request's KV held in the same blocks, and
+		// reported it done.
+		return "r" + preq + "\x00" + tid
 	case preq != "":
 		return "r" + preq
 	case tid != "":
 		return "t" + tid
+	}
+	return ""
+}
+
+// readAnyTransfer is, for the key of a READ naming a producer request and
+// a transfer, the key of a hold of that request whose transfer was not
+// said (holdKeys), which that READ reads too ("" for other keys).
+func readAnyTransfer(key string) string {
+	if i := strings.IndexByte(key, 0); i > 0 && key[0] == 'r' {
+		return key[:i+1]
 	}
 	return ""
 }
@@ -443,6 +461,14 @@ func holdKeys(req, tid string) []string {
 	var ks []string
 	if req != "" {
 		ks = append(ks, readKey(req, ""))
+	}
+	switch {
+	case req != "" && tid != "":
+		ks = append(ks, readKey(req, tid))
+	case req != "":
+		// No transfer said: a READ of req naming any transfer reads it
+		// (readAnyTransfer).
+		ks = append(ks, "r"+req+"\x00")
 	}
 	if tid != "" {
 		ks = append(ks, readKey("", tid))
@@ -568,6 +594,7 @@ func (t *accessTable) heldForLocked(r Range, req string) bool {
 	if req == "" || r.Len == 0 {
 		return true
 	}
+	alt := readAnyTransfer(req)
 	reg, first, last, ok := t.blocksOf(r.Addr, r.Len)
 	if !ok {
 		return false
@@ -575,7 +602,7 @@ func (t *accessTable) heldForLocked(r Range, req string) bool {
 	for b := first; b <= last; b++ {
 		for _, g := range reg.groups {
 			if g < len(t.holders) && b < uint64(len(t.holders[g])) && t.held[g][b] > 0 {
-				if hs := t.holders[g][b]; len(hs) > 0 && !slices.Contains(hs, req) {
+				if hs := t.holders[g][b]; len(hs) > 0 && !slices.Contains(hs, req) && (alt == "" || !slices.Contains(hs, alt)) {
 					return false
 				}
 			}

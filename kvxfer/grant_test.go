@@ -130,6 +130,7 @@ func TestAccessTablePullReadNamesItsHold(t *testing.T) {
 		{"p-new", "", AccessAllow},
 		{"", "t-new", AccessAllow},
 		{"p-old", "t-new", AccessLate}, // the producer request named decides
+		{"p-new", "t-old", AccessLate}, // and the transfer: the id reused, a late READ of its earlier transfer
 		{"p-old", "", AccessLate},
 		{"", "t-old", AccessLate}, // the crashed engine's transfer
 		{"", "", AccessAllow},     // nothing named: the lease bounds it (README)
@@ -145,6 +146,9 @@ func TestAccessTablePullReadNamesItsHold(t *testing.T) {
 	}
 	if got := read("p-x", ""); got != AccessAllow {
 		t.Errorf("READ naming the holding request: %v, want allow", got)
+	}
+	if got := read("p-x", "t-x"); got != AccessAllow {
+		t.Errorf("READ naming the holding request and a transfer, of a hold that said none: %v, want allow", got)
 	}
 }
 
