@@ -108,7 +108,8 @@ type SchedulerCounters struct {
 	UnknownUpdates uint64
 	// WatchdogExpired: push registrations whose deadline passed.
 	WatchdogExpired uint64
-	// Recomputed: second-turn reads below the recompute threshold.
+	// Recomputed: second-turn reads below the recompute threshold, or
+	// of a Mamba state past what the turn's prompt may load.
 	Recomputed uint64
 	// RequestLimit: calls refused at SchedulerConfig.MaxRequests.
 	RequestLimit uint64
@@ -125,6 +126,9 @@ type SchedulerCounters struct {
 type Scheduler struct {
 	cfg  SchedulerConfig
 	step uint64
+	// mamba: a cache group is Mamba (a recurrent state, which holds
+	// every token up to where it was computed and cannot be cut).
+	mamba bool
 
 	// Staged for the next BuildMeta.
 	recv         []RecvReq
@@ -234,6 +238,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 		}
 	}
 	if mamba {
+		s.mamba = true
 		s.cfg.PrefillBackoff = max(s.cfg.PrefillBackoff, 1)
 	}
 	return s, nil
@@ -361,6 +366,17 @@ func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) 
 			return 0, false
 		}
 		n = min(p.RemoteNumTokens, r.PromptTokens) - computed
+		if s.mamba && p.RemoteNumTokens > s.PrefillTokens(r.PromptTokens) {
+			// D's Mamba state is as of the RemoteNumTokens it computed
+			// and cannot be rewound: a prompt no longer than that (plus
+			// the backoff this engine computes itself) cannot use it.
+			// Loaded, P would take the prompt's tokens as loaded with a
+			// state past them (or apply the last token twice).
+			if n > 0 {
+				s.counters.Recomputed++
+			}
+			return 0, false
+		}
 		if n > 0 && s.cfg.RecomputeThreshold > 0 && n < s.cfg.RecomputeThreshold {
 			s.counters.Recomputed++
 			return 0, false
@@ -431,8 +447,10 @@ func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 		if s.cfg.HostBuffer {
 			s.saving[r.ID] = true
 		}
-		if s.cfg.Bidirectional && len(p.RemoteBlockIDs) > 0 && a.External > 0 && !s.cfg.HostBuffer && !s.processed[r.ID] {
-			// Turn 2 on P: read D's held blocks back.
+		if s.cfg.Bidirectional && len(p.RemoteBlockIDs) > 0 && !s.cfg.HostBuffer && !s.processed[r.ID] {
+			// Turn 2 on P: read D's held blocks back, or, with nothing to
+			// read (a prefix hit, a read recomputed), an empty receive
+			// tells D to free them now instead of at its TTL.
 			return s.stageRecv(r, a, p.RemoteBlockIDs)
 		}
 		return nil
@@ -600,6 +618,13 @@ func (s *Scheduler) checkAlloc(a Alloc, ref RemoteRef) error {
 		return fmt.Errorf("Alloc.Computed + Alloc.External = %d + %d, more than the producer holds (transfer params: RemoteNumTokens = %d)",
 			a.Computed, a.External, ref.Tokens)
 	}
+	// A Mamba group's state block holds the producer's state as of every
+	// token it holds: loaded with fewer, the state is past the tokens
+	// taken as loaded (a recurrent state cannot be cut).
+	if s.mamba && ref.Tokens > 0 && a.Computed+a.External != ref.Tokens {
+		return fmt.Errorf("Alloc.Computed + Alloc.External = %d + %d, but the producer's Mamba state is as of token %d (transfer params: RemoteNumTokens = %d); a recurrent state is loaded whole or not at all",
+			a.Computed, a.External, ref.Tokens, ref.Tokens)
+	}
 	return nil
 }
 
@@ -732,9 +757,10 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	}
 	if !status.normal() {
 		if p.DoRemoteDecode {
-			if err := s.room(r.ID, len(s.notProcessed)); err != nil {
+			if err := s.room(r.ID, len(s.notProcessed), len(s.recv)); err != nil {
 				return false, nil, err
 			}
+			s.releaseTurn(r, received)
 			s.notProcessed = append(s.notProcessed, r.ID)
 			if p.TransferID != "" {
 				if s.notProcessedTID == nil {
@@ -792,6 +818,30 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	s.held[r.ID] = true
 	s.send = append(s.send, SendReq{ReqID: r.ID, TransferID: p.TransferID, Deadline: deadline, Blocks: spans, Tokens: computed})
 	return true, out, nil
+}
+
+// releaseTurn stages, for a bidirectional producer's turn ended before
+// it read back what its consumer holds for it (aborted before it was
+// scheduled), an empty receive that tells the consumer to free those
+// blocks now instead of at its DecoderBlocksTTL. Params no receive can
+// use, or naming a transfer another request receives, release nothing.
+func (s *Scheduler) releaseTurn(r *Request, received bool) {
+	p := r.Params
+	if !s.cfg.Bidirectional || s.cfg.HostBuffer || received || emptySpans(p.RemoteBlockIDs) {
+		return
+	}
+	ref, err := s.remoteRef(p)
+	if err != nil {
+		return
+	}
+	key := recvKey{engine: ref.EngineID, tid: p.TransferID}
+	if p.TransferID == "" {
+		key.req = ref.ReqID
+	}
+	if _, ok := s.recvKeys[key]; ok {
+		return // another request reads them (params replayed)
+	}
+	s.recv = append(s.recv, RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref, Aborted: true})
 }
 
 // BuildMeta drains what was staged into the step's metadata (SPEC §1) and
