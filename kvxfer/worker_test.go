@@ -385,31 +385,6 @@ func TestFailedWriteReportedOnBothSides(t *testing.T) {
 	})
 }
 
-// SPEC §14: when P's lease expires while its WRITE is in flight, P waits
-// for the WRITE (fencing) and reports once.
-func TestLeaseExpiryDuringWriteReportsOnce(t *testing.T) {
-	inSynctest(t, func(t *testing.T) {
-		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
-		q := x.req("r1", 40, 0)
-		x.recvD(q)
-		x.settle()
-		x.fab.Faults().Stall(x.d.agents[0][0].Name())
-		x.sendP(q)
-		time.Sleep(45 * time.Second) // past the 30 s lease
-		x.settle()
-		if got := x.sendResult(q); len(got) != 0 {
-			t.Fatalf("P reported %+v while its WRITE was in flight", got)
-		}
-		x.fab.Faults().Unstall(x.d.agents[0][0].Name())
-		time.Sleep(10 * time.Millisecond)
-		x.settle()
-		if got := x.sendResult(q); len(got) != 1 {
-			t.Fatalf("P outcomes = %+v, want exactly one", got)
-		}
-		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
-	})
-}
-
 // SPEC §9 and §14: expiry goes by deadline, not insertion order: an
 // earlier request with a later deadline does not hold back a later one
 // that expires first.
