@@ -148,8 +148,10 @@ type RecvReq struct {
 	// Aborted marks an abort before the request was scheduled.
 	Aborted bool
 	// Deadline is when a push consumer gives up waiting for the producer
-	// (the registration watchdog), or when a bidirectional second-turn
-	// read must be done by; on the scheduler clock (zero: none).
+	// (the registration watchdog); on this engine's scheduler clock (zero:
+	// none), never the remote's. A pull read is also bounded by
+	// Remote.Expiry, which the worker moves onto its clock with the
+	// handshake's clock offset.
 	Deadline time.Time
 }
 

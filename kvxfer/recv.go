@@ -320,6 +320,17 @@ func (st *loopState) read(r *recvReq, e *engine) {
 			st.decide(r, ResultExpired, FailureExpired, "producer blocks expire before the read could finish")
 			return
 		}
+		// The READs must be done when the producer frees its blocks: on
+		// our clock, by the handshake's offset (the producer's clock
+		// minus ours). Before, the Scheduler copied the expiry into
+		// Deadline, which was rebased as a time on our own scheduler
+		// clock: with the producer's clock behind ours by more than its
+		// hold left, the read was given up at once; ahead, it was bounded
+		// that much past the hold.
+		if r.deadline.IsZero() || local.Before(r.deadline) {
+			r.deadline = local
+			st.arm(local, tRecvDeadline, r.req.ReqID)
+		}
 	}
 	// The producer's lists come from the router, not from this rank's
 	// engine (whose own lists Step checks): one naming a block twice would

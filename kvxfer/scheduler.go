@@ -528,9 +528,13 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 		rr.Deadline = now.Add(s.cfg.RegistrationTimeout)
 		s.watch[r.ID] = rr.Deadline
 		heap.Push(&s.watchQ, deadlineEntry{at: rr.Deadline, id: r.ID})
-	case !ref.Expiry.IsZero():
-		rr.Deadline = ref.Expiry
 	}
+	// A pull read bounded by the producer's expiry (ref.Expiry, a
+	// bidirectional turn 2) is bounded by the worker: the expiry is on the
+	// producer's clock, which only the worker's handshake relates to ours
+	// (RecvReq.Deadline is on this scheduler's clock). Before, it was
+	// copied into Deadline and rebased as our own time: off by the skew
+	// between the hosts.
 	s.processed[r.ID] = true
 	s.recv = append(s.recv, rr)
 	s.recving[r.ID] = rr.Local == nil

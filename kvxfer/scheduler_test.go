@@ -386,8 +386,12 @@ func TestBidirectionalTurns(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := p.BuildMeta()
-	if len(m.Recv) != 1 || !m.Recv[0].Deadline.Equal(params.RemoteBlocksExpiry) || len(m.InBatch) != 1 {
-		t.Errorf("turn-2 meta = %+v, want one read bounded by D's expiry, in batch", m)
+	// D's expiry is on D's clock: it travels as Remote.Expiry, which the
+	// worker moves onto its own clock by the handshake's offset, and not
+	// as Deadline, which is on this scheduler's clock
+	// (TestBidirectionalTurn2PeerClockBehind).
+	if len(m.Recv) != 1 || !m.Recv[0].Remote.Expiry.Equal(params.RemoteBlocksExpiry) || !m.Recv[0].Deadline.IsZero() || len(m.InBatch) != 1 {
+		t.Errorf("turn-2 meta = %+v, want one read bounded by D's expiry (Remote.Expiry, no Deadline), in batch", m)
 	}
 }
 

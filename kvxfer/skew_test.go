@@ -1,0 +1,95 @@
+package kvxfer
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// skewTurn2 plays a bidirectional pull's turn 2 across two hosts whose
+// clocks differ by skew (D's clock minus P's): D's Scheduler ends turn 1
+// holding its blocks for its DecoderBlocksTTL (480 s) and returns their
+// expiry on its clock; P's Scheduler stages the read of them, and P's
+// worker core, whose handshake with D measured the skew, is stepped with
+// that metadata. It returns the core, after the read was posted or
+// refused, and what the step and handshake printed.
+func skewTurn2(t *testing.T, skew time.Duration) (*traceCore, string) {
+	t.Helper()
+	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "D", "D:1" })
+	dc.t = traceEpoch.Add(skew)
+	r := &Request{ID: "d-1", PromptTokens: 40, Params: pParams(ModePull)}
+	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7)}, External: 40}); err != nil {
+		t.Fatal(err)
+	}
+	hold, params, err := d.RequestFinished(r, FinishStopped, [][]topology.BlockID{ids(5, 6, 7, 8)}, 64)
+	if err != nil || !hold || params.RemoteBlocksExpiry.IsZero() {
+		t.Fatalf("D turn 1 finish = %v, %+v, %v; want its blocks held with an expiry", hold, params, err)
+	}
+
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "P", "P:1" })
+	pc.t = traceEpoch
+	turn2 := &Request{ID: "p-2", PromptTokens: 80, Params: params}
+	if n, async := p.MatchedTokens(turn2, 0); n != 64 || !async {
+		t.Fatalf("turn-2 MatchedTokens = %d, %v; want 64, true", n, async)
+	}
+	if err := p.AfterAlloc(turn2, Alloc{Blocks: [][]topology.BlockID{ids(1, 2, 3, 4, 9)}, External: 64}); err != nil {
+		t.Fatal(err)
+	}
+	meta := p.BuildMeta()
+	if len(meta.Recv) != 1 {
+		t.Fatalf("turn-2 meta = %+v, want one read", meta)
+	}
+
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	out := tc.drive(nil, "")
+	out = append(out, tc.run(t, "handshake D tp=1 offset="+skew.String()))
+	return tc, strings.Join(out, "\n")
+}
+
+// D's clock behind P's by more than D's hold: D still holds its blocks
+// for 480 s of real time, and P reads them. Before, P's worker rebased
+// D's expiry (on D's clock) as if it were on P's own scheduler clock and
+// gave the read up at once, 600 s early.
+func TestBidirectionalTurn2PeerClockBehind(t *testing.T) {
+	tc, out := skewTurn2(t, -600*time.Second)
+	if !strings.Contains(out, "post #1 read D/0") {
+		t.Fatalf("turn 2 with D's clock 600 s behind:\n%s\nwant the read posted (D holds its blocks for 480 s more)", out)
+	}
+	if got := tc.run(t, "advance 1s"); strings.Contains(got, "abandon") || strings.Contains(got, "outcome") {
+		t.Fatalf("1 s into a 480 s hold: %q, want the read still in flight", got)
+	}
+	if got := tc.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv p-2 done") {
+		t.Errorf("read ended: %q, want p-2 done", got)
+	}
+}
+
+// D's clock ahead of P's: D's hold ends 480 s of real time after turn 1,
+// whatever its clock says, and P's read still in flight then is given up
+// as it is without skew. Before, P's deadline was D's expiry taken as a
+// time on P's own clock: 600 s past the hold. (P's heartbeats, sent while
+// the read is in flight, extend D's hold, so without a partition D did
+// not free the blocks under the read; the bound was wrong all the same.)
+func TestBidirectionalTurn2PeerClockAhead(t *testing.T) {
+	tc, out := skewTurn2(t, 600*time.Second)
+	if !strings.Contains(out, "post #1 read D/0") {
+		t.Fatalf("turn 2 with D's clock 600 s ahead:\n%s\nwant the read posted", out)
+	}
+	for range 47 { // liveness probes of D answered as they come
+		got := tc.run(t, "advance 10s")
+		if strings.Contains(got, "probe D") {
+			got = tc.run(t, "handshake D tp=1 probe=true offset=10m0s")
+		}
+		if strings.Contains(got, "abandon") || strings.Contains(got, "outcome") {
+			t.Fatalf("at %v of a 480 s hold: %q, want the read still in flight", tc.now.Sub(traceEpoch), got)
+		}
+	}
+	got := tc.run(t, "advance 11s") // past D's real expiry
+	got += "\n" + tc.run(t, "advance 1s")
+	if !strings.Contains(got, "abandon #1") || !strings.Contains(got, "outcome recv p-2 expired") {
+		t.Errorf("past D's real expiry (480 s) with the read in flight:\n%s\nwant the read abandoned and p-2 expired", got)
+	}
+}
