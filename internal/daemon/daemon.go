@@ -163,6 +163,12 @@ func parseFlags(args []string) (*config, error) {
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
+	if fs.NArg() > 0 {
+		// Parsing stops at the first word that is no flag: every flag
+		// after it would be dropped without a word.
+		return nil, fmt.Errorf("unexpected argument %q (flags only; a bool flag takes its value as -flag=false, not -flag false): "+
+			"it and everything after it were not read", fs.Arg(0))
+	}
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
