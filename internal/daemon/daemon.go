@@ -160,6 +160,9 @@ func parseFlags(args []string) (*config, error) {
 	if envErr != nil {
 		return nil, envErr
 	}
+	if err := unknownEnv(fs); err != nil {
+		return nil, err
+	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -175,10 +178,31 @@ func parseFlags(args []string) (*config, error) {
 	return c, nil
 }
 
+// unknownEnv refuses a KVXFERD_ variable that names none of fs's flags
+// (KVXFERD_PROXY_* are kvxferd proxy's): a misspelt one would leave its
+// flag at the default without a word.
+func unknownEnv(fs *flag.FlagSet) error {
+	for _, kv := range os.Environ() {
+		key, _, _ := strings.Cut(kv, "=")
+		name, ok := strings.CutPrefix(key, "KVXFERD_")
+		if !ok || strings.HasPrefix(name, "PROXY_") {
+			continue
+		}
+		if fs.Lookup(strings.ToLower(strings.ReplaceAll(name, "_", "-"))) == nil {
+			return fmt.Errorf("%s is set but names no flag of kvxferd serve (KVXFERD_<FLAG>, e.g. KVXFERD_PEER_SECRET_FILE for "+
+				"-peer-secret-file): correct or unset it", key)
+		}
+	}
+	return nil
+}
+
 // validate checks c's values, naming the flag of a bad one.
 func (c *config) validate() error {
 	if c.socketMode&^0o777 != 0 {
 		return fmt.Errorf("-socket-mode = %#o, want permission bits only (e.g. 0600, 0660, 0666)", c.socketMode)
+	}
+	if c.socketMode == 0 {
+		return errors.New("-socket-mode = 0: no user could connect; want e.g. 0600 (kvxferd's user only), 0660 or 0666")
 	}
 	if c.conns <= 0 {
 		return fmt.Errorf("-conns = %d, want > 0", c.conns)

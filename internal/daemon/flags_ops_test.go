@@ -24,3 +24,27 @@ func TestStrayArgumentRefused(t *testing.T) {
 		}
 	}
 }
+
+// A KVXFERD_ variable that names no flag is refused, naming it: a typo
+// (KVXFERD_PEER_SECRET for KVXFERD_PEER_SECRET_FILE) was ignored, and the
+// daemon started on the default (a random secret no peer shares).
+// KVXFERD_PROXY_* are kvxferd proxy's and left alone.
+func TestUnknownEnvironmentRefused(t *testing.T) {
+	t.Setenv("KVXFERD_PROXY_MODE", "pull")
+	if _, err := parseFlags(nil); err != nil {
+		t.Fatalf("KVXFERD_PROXY_MODE set: %v, want it left to kvxferd proxy", err)
+	}
+	t.Setenv("KVXFERD_PEER_SECRET", "/etc/kvxfer.secret")
+	_, err := parseFlags(nil)
+	if err == nil || !strings.Contains(err.Error(), "KVXFERD_PEER_SECRET") {
+		t.Errorf("KVXFERD_PEER_SECRET set: %v, want an error naming the variable", err)
+	}
+}
+
+// -socket-mode 0 is refused: no user could connect, and kvxferd served
+// 0600 instead without a word.
+func TestSocketModeZeroRefused(t *testing.T) {
+	if _, err := parseFlags([]string{"-socket-mode", "0"}); err == nil || !strings.Contains(err.Error(), "-socket-mode = 0") {
+		t.Errorf("-socket-mode 0: %v, want an error naming the flag and value", err)
+	}
+}
