@@ -94,7 +94,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.DurationVar(&c.peerTimeout, "peer-timeout", 5*time.Second,
-		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail; negative: never")
+		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail (at least 50ms); negative: never")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
@@ -196,6 +196,10 @@ func unknownEnv(fs *flag.FlagSet) error {
 	return nil
 }
 
+// minPeerTimeout is -peer-timeout's least positive value: five probes of
+// kvxfer's shortest interval (10ms).
+const minPeerTimeout = 50 * time.Millisecond
+
 // validate checks c's values, naming the flag of a bad one.
 func (c *config) validate() error {
 	if c.socketMode&^0o777 != 0 {
@@ -264,8 +268,11 @@ func (c *config) validate() error {
 	if c.drainTimeout <= 0 {
 		return fmt.Errorf("-drain-timeout = %v, want > 0", c.drainTimeout)
 	}
-	if c.peerTimeout == 0 {
-		return fmt.Errorf("-peer-timeout = %v, want > 0 (or negative: never)", c.peerTimeout)
+	if c.peerTimeout >= 0 && c.peerTimeout < minPeerTimeout {
+		// A consumer probes every -peer-timeout/5, at most every 10ms,
+		// each probe given at least 10ms: shorter, one slow answer
+		// would fail every request on a healthy producer.
+		return fmt.Errorf("-peer-timeout = %v, want at least %v (or negative: never)", c.peerTimeout, minPeerTimeout)
 	}
 	if c.maxRequests <= 0 {
 		return fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)

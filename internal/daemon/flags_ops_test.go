@@ -48,3 +48,22 @@ func TestSocketModeZeroRefused(t *testing.T) {
 		t.Errorf("-socket-mode 0: %v, want an error naming the flag and value", err)
 	}
 }
+
+// -peer-timeout below 50ms is refused: a consumer asks about a producer
+// every -peer-timeout/5 but never more often than every 10ms, each probe
+// given at least 10ms, so below 50ms the flag no longer meant what it
+// says: one probe not answered within 10ms (a loaded host, a GC pause)
+// failed every request waiting on a healthy producer (peer_gone).
+// Negative (never) and 50ms and up are taken.
+func TestPeerTimeoutTooShortRefused(t *testing.T) {
+	for _, bad := range []string{"1ns", "10ms", "49ms"} {
+		if _, err := parseFlags([]string{"-peer-timeout", bad}); err == nil || !strings.Contains(err.Error(), "-peer-timeout = ") {
+			t.Errorf("-peer-timeout %s: %v, want an error naming the flag and value", bad, err)
+		}
+	}
+	for _, ok := range []string{"-1s", "50ms", "5s"} {
+		if _, err := parseFlags([]string{"-peer-timeout", ok}); err != nil {
+			t.Errorf("-peer-timeout %s: %v", ok, err)
+		}
+	}
+}
