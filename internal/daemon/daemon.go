@@ -826,11 +826,12 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if c.readyFile != "" {
 		if err := os.WriteFile(c.readyFile+".tmp", []byte(in.advertise), 0o600); err != nil {
 			in.shutdown()
-			return nil, err
+			return nil, fmt.Errorf("-ready-file %s: %w (its directory must exist and be writable by kvxferd's user)", c.readyFile, err)
 		}
 		if err := os.Rename(c.readyFile+".tmp", c.readyFile); err != nil {
+			_ = os.Remove(c.readyFile + ".tmp")
 			in.shutdown()
-			return nil, err
+			return nil, fmt.Errorf("-ready-file %s: %w", c.readyFile, err)
 		}
 	}
 	return in, nil

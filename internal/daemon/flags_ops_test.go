@@ -1,8 +1,16 @@
 package daemon
 
 import (
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
 )
 
 // A word on the command line that is no flag is refused, naming it: the
@@ -66,4 +74,25 @@ func TestPeerTimeoutTooShortRefused(t *testing.T) {
 			t.Errorf("-peer-timeout %s: %v", ok, err)
 		}
 	}
+}
+
+// A -ready-file kvxferd cannot write fails the start with an error naming
+// the flag (it said only "open DIR/ready.tmp: no such file or
+// directory"), and what started is stopped: no socket, no goroutine left.
+func TestReadyFileErrorNamesFlag(t *testing.T) {
+	before := runtime.NumGoroutine()
+	c := testConfig(t)
+	c.readyFile = filepath.Join(t.TempDir(), "missing", "ready")
+	in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+	if err == nil {
+		in.shutdown()
+		t.Fatal("started with a -ready-file in a missing directory")
+	}
+	if !strings.Contains(err.Error(), "-ready-file") {
+		t.Errorf("unwritable -ready-file: %v, want an error naming -ready-file", err)
+	}
+	if _, err := os.Stat(c.socket); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
+	}
+	leakcheck.Check(t, before, 0, 10*time.Second)
 }
