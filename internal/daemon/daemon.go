@@ -18,6 +18,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -207,6 +208,14 @@ func (c *config) validate() error {
 	}
 	if c.socketMode == 0 {
 		return errors.New("-socket-mode = 0: no user could connect; want e.g. 0600 (kvxferd's user only), 0660 or 0666")
+	}
+	if c.socket == "" || c.socket == "@" {
+		return fmt.Errorf("-socket = %q, want a path (/run/kvxferd.sock) or an abstract name (@name)", c.socket)
+	}
+	if !filepath.IsAbs(c.shmDir) {
+		// Engines name their memory files by absolute path, which is
+		// never beneath a relative directory: every one would be refused.
+		return fmt.Errorf("-shm-dir = %q, want an absolute directory (default %s)", c.shmDir, shm.DefaultDir)
 	}
 	if c.conns <= 0 {
 		return fmt.Errorf("-conns = %d, want > 0", c.conns)
@@ -666,6 +675,17 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	auth := sec.auth
+	shmDir := c.shmDir
+	if shmDir == "" {
+		shmDir = shm.DefaultDir // a config made without parseFlags: the server's default
+	}
+	if st, err := os.Stat(shmDir); err != nil || !st.IsDir() {
+		// Every engine's memory file would be refused at its hello.
+		if err == nil {
+			err = errors.New("not a directory")
+		}
+		return nil, fmt.Errorf("-shm-dir %s: %w: engines' shared-memory files must live in an existing directory", shmDir, err)
+	}
 	var trace *hoptrace.Trace
 	if c.hopTrace != "" {
 		if trace, err = hoptrace.Open(c.hopTrace); err != nil {
@@ -863,7 +883,7 @@ func listenEngines(c *config) (net.Listener, error) {
 	}
 	if err := os.Chmod(c.socket, mode); err != nil {
 		engLn.Close()
-		return nil, err
+		return nil, fmt.Errorf("-socket %s: -socket-mode %#o: %w", c.socket, mode, err)
 	}
 	forkclose.Listener(engLn)
 	return engLn, nil

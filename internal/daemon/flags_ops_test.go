@@ -96,3 +96,35 @@ func TestReadyFileErrorNamesFlag(t *testing.T) {
 	}
 	leakcheck.Check(t, before, 0, 10*time.Second)
 }
+
+// -socket "" and a relative -shm-dir are refused naming the flag: the
+// first failed as "chmod : no such file or directory", the second served
+// and refused every engine's memory file (a path beneath a relative
+// directory is never absolute). A -shm-dir that is no directory fails
+// the start naming the flag, not every engine's hello.
+func TestSocketAndShmDirChecked(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-socket", ""}, "-socket"},
+		{[]string{"-shm-dir", "shm"}, `-shm-dir = "shm"`},
+		{[]string{"-shm-dir", ""}, `-shm-dir = ""`},
+	} {
+		if _, err := parseFlags(tc.args); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v, want an error containing %q", tc.args, err, tc.want)
+		}
+	}
+	before := runtime.NumGoroutine()
+	c := testConfig(t)
+	c.shmDir = filepath.Join(t.TempDir(), "missing")
+	in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+	if err == nil {
+		in.shutdown()
+		t.Fatal("started with a -shm-dir that does not exist")
+	}
+	if !strings.Contains(err.Error(), "-shm-dir") {
+		t.Errorf("missing -shm-dir: %v, want an error naming -shm-dir", err)
+	}
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
