@@ -18,6 +18,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -94,7 +95,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.drainTimeout, "drain-timeout", 30*time.Second, "how long shutdown waits for transfers in flight")
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.DurationVar(&c.peerTimeout, "peer-timeout", 5*time.Second,
-		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail; negative: never")
+		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail (at least 50ms); negative: never")
 	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
@@ -160,8 +161,17 @@ func parseFlags(args []string) (*config, error) {
 	if envErr != nil {
 		return nil, envErr
 	}
+	if err := unknownEnv(fs); err != nil {
+		return nil, err
+	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if fs.NArg() > 0 {
+		// Parsing stops at the first word that is no flag: every flag
+		// after it would be dropped without a word.
+		return nil, fmt.Errorf("unexpected argument %q (flags only; a bool flag takes its value as -flag=false, not -flag false): "+
+			"it and everything after it were not read", fs.Arg(0))
 	}
 	if err := c.validate(); err != nil {
 		return nil, err
@@ -169,10 +179,43 @@ func parseFlags(args []string) (*config, error) {
 	return c, nil
 }
 
+// unknownEnv refuses a KVXFERD_ variable that names none of fs's flags
+// (KVXFERD_PROXY_* are kvxferd proxy's): a misspelt one would leave its
+// flag at the default without a word.
+func unknownEnv(fs *flag.FlagSet) error {
+	for _, kv := range os.Environ() {
+		key, _, _ := strings.Cut(kv, "=")
+		name, ok := strings.CutPrefix(key, "KVXFERD_")
+		if !ok || strings.HasPrefix(name, "PROXY_") {
+			continue
+		}
+		if fs.Lookup(strings.ToLower(strings.ReplaceAll(name, "_", "-"))) == nil {
+			return fmt.Errorf("%s is set but names no flag of kvxferd serve (KVXFERD_<FLAG>, e.g. KVXFERD_PEER_SECRET_FILE for "+
+				"-peer-secret-file): correct or unset it", key)
+		}
+	}
+	return nil
+}
+
+// minPeerTimeout is -peer-timeout's least positive value: five probes of
+// kvxfer's shortest interval (10ms).
+const minPeerTimeout = 50 * time.Millisecond
+
 // validate checks c's values, naming the flag of a bad one.
 func (c *config) validate() error {
 	if c.socketMode&^0o777 != 0 {
 		return fmt.Errorf("-socket-mode = %#o, want permission bits only (e.g. 0600, 0660, 0666)", c.socketMode)
+	}
+	if c.socketMode == 0 {
+		return errors.New("-socket-mode = 0: no user could connect; want e.g. 0600 (kvxferd's user only), 0660 or 0666")
+	}
+	if c.socket == "" || c.socket == "@" {
+		return fmt.Errorf("-socket = %q, want a path (/run/kvxferd.sock) or an abstract name (@name)", c.socket)
+	}
+	if !filepath.IsAbs(c.shmDir) {
+		// Engines name their memory files by absolute path, which is
+		// never beneath a relative directory: every one would be refused.
+		return fmt.Errorf("-shm-dir = %q, want an absolute directory (default %s)", c.shmDir, shm.DefaultDir)
 	}
 	if c.conns <= 0 {
 		return fmt.Errorf("-conns = %d, want > 0", c.conns)
@@ -234,8 +277,11 @@ func (c *config) validate() error {
 	if c.drainTimeout <= 0 {
 		return fmt.Errorf("-drain-timeout = %v, want > 0", c.drainTimeout)
 	}
-	if c.peerTimeout == 0 {
-		return fmt.Errorf("-peer-timeout = %v, want > 0 (or negative: never)", c.peerTimeout)
+	if c.peerTimeout >= 0 && c.peerTimeout < minPeerTimeout {
+		// A consumer probes every -peer-timeout/5, at most every 10ms,
+		// each probe given at least 10ms: shorter, one slow answer
+		// would fail every request on a healthy producer.
+		return fmt.Errorf("-peer-timeout = %v, want at least %v (or negative: never)", c.peerTimeout, minPeerTimeout)
 	}
 	if c.maxRequests <= 0 {
 		return fmt.Errorf("-max-requests = %d, want > 0", c.maxRequests)
@@ -629,6 +675,17 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	auth := sec.auth
+	shmDir := c.shmDir
+	if shmDir == "" {
+		shmDir = shm.DefaultDir // a config made without parseFlags: the server's default
+	}
+	if st, err := os.Stat(shmDir); err != nil || !st.IsDir() {
+		// Every engine's memory file would be refused at its hello.
+		if err == nil {
+			err = errors.New("not a directory")
+		}
+		return nil, fmt.Errorf("-shm-dir %s: %w: engines' shared-memory files must live in an existing directory", shmDir, err)
+	}
 	var trace *hoptrace.Trace
 	if c.hopTrace != "" {
 		if trace, err = hoptrace.Open(c.hopTrace); err != nil {
@@ -789,11 +846,12 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	if c.readyFile != "" {
 		if err := os.WriteFile(c.readyFile+".tmp", []byte(in.advertise), 0o600); err != nil {
 			in.shutdown()
-			return nil, err
+			return nil, fmt.Errorf("-ready-file %s: %w (its directory must exist and be writable by kvxferd's user)", c.readyFile, err)
 		}
 		if err := os.Rename(c.readyFile+".tmp", c.readyFile); err != nil {
+			_ = os.Remove(c.readyFile + ".tmp")
 			in.shutdown()
-			return nil, err
+			return nil, fmt.Errorf("-ready-file %s: %w", c.readyFile, err)
 		}
 	}
 	return in, nil
@@ -825,7 +883,7 @@ func listenEngines(c *config) (net.Listener, error) {
 	}
 	if err := os.Chmod(c.socket, mode); err != nil {
 		engLn.Close()
-		return nil, err
+		return nil, fmt.Errorf("-socket %s: -socket-mode %#o: %w", c.socket, mode, err)
 	}
 	forkclose.Listener(engLn)
 	return engLn, nil

@@ -1,0 +1,130 @@
+package daemon
+
+import (
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
+)
+
+// A word on the command line that is no flag is refused, naming it: the
+// flag package stops at the first one, so "-insecure-peers true -socket
+// /x" (a bool flag takes no separate value) dropped -socket and every
+// flag after it without a word, and kvxferd served on the defaults.
+func TestStrayArgumentRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"-no-same-host", "true", "-socket", "/tmp/kvxferd-ops.sock"},
+		{"-socket", "/tmp/kvxferd-ops.sock", "extra"},
+	} {
+		c, err := parseFlags(args)
+		if err == nil {
+			t.Errorf("%q accepted (socket %q): want an error naming the stray argument", args, c.socket)
+			continue
+		}
+		if !strings.Contains(err.Error(), "unexpected argument") {
+			t.Errorf("%q: %v, want an error naming the stray argument", args, err)
+		}
+	}
+}
+
+// A KVXFERD_ variable that names no flag is refused, naming it: a typo
+// (KVXFERD_PEER_SECRET for KVXFERD_PEER_SECRET_FILE) was ignored, and the
+// daemon started on the default (a random secret no peer shares).
+// KVXFERD_PROXY_* are kvxferd proxy's and left alone.
+func TestUnknownEnvironmentRefused(t *testing.T) {
+	t.Setenv("KVXFERD_PROXY_MODE", "pull")
+	if _, err := parseFlags(nil); err != nil {
+		t.Fatalf("KVXFERD_PROXY_MODE set: %v, want it left to kvxferd proxy", err)
+	}
+	t.Setenv("KVXFERD_PEER_SECRET", "/etc/kvxfer.secret")
+	_, err := parseFlags(nil)
+	if err == nil || !strings.Contains(err.Error(), "KVXFERD_PEER_SECRET") {
+		t.Errorf("KVXFERD_PEER_SECRET set: %v, want an error naming the variable", err)
+	}
+}
+
+// -socket-mode 0 is refused: no user could connect, and kvxferd served
+// 0600 instead without a word.
+func TestSocketModeZeroRefused(t *testing.T) {
+	if _, err := parseFlags([]string{"-socket-mode", "0"}); err == nil || !strings.Contains(err.Error(), "-socket-mode = 0") {
+		t.Errorf("-socket-mode 0: %v, want an error naming the flag and value", err)
+	}
+}
+
+// -peer-timeout below 50ms is refused: a consumer asks about a producer
+// every -peer-timeout/5 but never more often than every 10ms, each probe
+// given at least 10ms, so below 50ms the flag no longer meant what it
+// says: one probe not answered within 10ms (a loaded host, a GC pause)
+// failed every request waiting on a healthy producer (peer_gone).
+// Negative (never) and 50ms and up are taken.
+func TestPeerTimeoutTooShortRefused(t *testing.T) {
+	for _, bad := range []string{"1ns", "10ms", "49ms"} {
+		if _, err := parseFlags([]string{"-peer-timeout", bad}); err == nil || !strings.Contains(err.Error(), "-peer-timeout = ") {
+			t.Errorf("-peer-timeout %s: %v, want an error naming the flag and value", bad, err)
+		}
+	}
+	for _, ok := range []string{"-1s", "50ms", "5s"} {
+		if _, err := parseFlags([]string{"-peer-timeout", ok}); err != nil {
+			t.Errorf("-peer-timeout %s: %v", ok, err)
+		}
+	}
+}
+
+// A -ready-file kvxferd cannot write fails the start with an error naming
+// the flag (it said only "open DIR/ready.tmp: no such file or
+// directory"), and what started is stopped: no socket, no goroutine left.
+func TestReadyFileErrorNamesFlag(t *testing.T) {
+	before := runtime.NumGoroutine()
+	c := testConfig(t)
+	c.readyFile = filepath.Join(t.TempDir(), "missing", "ready")
+	in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+	if err == nil {
+		in.shutdown()
+		t.Fatal("started with a -ready-file in a missing directory")
+	}
+	if !strings.Contains(err.Error(), "-ready-file") {
+		t.Errorf("unwritable -ready-file: %v, want an error naming -ready-file", err)
+	}
+	if _, err := os.Stat(c.socket); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
+	}
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+// -socket "" and a relative -shm-dir are refused naming the flag: the
+// first failed as "chmod : no such file or directory", the second served
+// and refused every engine's memory file (a path beneath a relative
+// directory is never absolute). A -shm-dir that is no directory fails
+// the start naming the flag, not every engine's hello.
+func TestSocketAndShmDirChecked(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-socket", ""}, "-socket"},
+		{[]string{"-shm-dir", "shm"}, `-shm-dir = "shm"`},
+		{[]string{"-shm-dir", ""}, `-shm-dir = ""`},
+	} {
+		if _, err := parseFlags(tc.args); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v, want an error containing %q", tc.args, err, tc.want)
+		}
+	}
+	before := runtime.NumGoroutine()
+	c := testConfig(t)
+	c.shmDir = filepath.Join(t.TempDir(), "missing")
+	in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+	if err == nil {
+		in.shutdown()
+		t.Fatal("started with a -shm-dir that does not exist")
+	}
+	if !strings.Contains(err.Error(), "-shm-dir") {
+		t.Errorf("missing -shm-dir: %v, want an error naming -shm-dir", err)
+	}
+	leakcheck.Check(t, before, 0, 10*time.Second)
+}
