@@ -49,14 +49,14 @@ func (f *floodWorker) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.
 
 // connectTo serves w (a stand-in daemon's WorkerService) on a unix socket
 // for the test's life and connects one rank stream to it.
-func connectTo(ctx context.Context, t *testing.T, w pb.WorkerServiceServer) *stream.RankStream {
+func connectTo(ctx context.Context, t *testing.T, w pb.WorkerServiceServer, opts ...grpc.ServerOption) *stream.RankStream {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "w.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer()
+	g := grpc.NewServer(opts...)
 	pb.RegisterWorkerServiceServer(g, w)
 	go func() { _ = g.Serve(l) }()
 	t.Cleanup(g.Stop)

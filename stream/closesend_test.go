@@ -3,7 +3,6 @@ package stream_test
 import (
 	"context"
 	"errors"
-	"net"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -57,26 +56,9 @@ func TestCloseReturnsWhenSendBlocks(t *testing.T) {
 	t.Run("run", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		sock := filepath.Join(t.TempDir(), "w.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			t.Fatal(err)
-		}
 		// A fixed window (no BDP growth): the daemon's side takes 64 KiB
 		// unread, no more.
-		g := grpc.NewServer(grpc.InitialWindowSize(1<<16), grpc.InitialConnWindowSize(1<<16))
-		pb.RegisterWorkerServiceServer(g, stuckWorker{})
-		go func() { _ = g.Serve(l) }()
-		defer g.Stop()
-		c, err := stream.Dial("unix://" + sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		rs, err := c.Connect(ctx, stream.Hello{EngineID: "E", Mode: kvxfer.ModePush, Layout: topology.Layout{TPSize: 1, PPSize: 1}})
-		if err != nil {
-			t.Fatal(err)
-		}
+		rs := connectTo(ctx, t, stuckWorker{}, grpc.InitialWindowSize(1<<16), grpc.InitialConnWindowSize(1<<16))
 		// Steps until one waits in flow control (the second or third).
 		stepped := make(chan error, 1)
 		go func() {
