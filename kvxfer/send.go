@@ -597,7 +597,8 @@ func (st *loopState) onReg(m *msg) {
 		}
 		return
 	}
-	if s := st.matched[k]; s != nil && s.match.tid != m.TransferID && len(m.Spans) == 0 && m.TransferID != "" {
+	s := st.matched[k]
+	if s != nil && s.match.tid != m.TransferID && len(m.Spans) == 0 && m.TransferID != "" {
 		// The release of another transfer under the consumer id paired
 		// here (its request under the id, aborted before it was
 		// scheduled, needs nothing): it writes nothing, and goes to its
@@ -605,8 +606,9 @@ func (st *loopState) onReg(m *msg) {
 		// superseded group does: refused, that request would hold its
 		// blocks for its whole lease.
 		k.moved = "\x00" + m.TransferID
+		s = st.matched[k]
 	}
-	if s := st.matched[k]; s != nil {
+	if s != nil {
 		if s.match.tid != m.TransferID {
 			// The consumer's request id was reused for another transfer
 			// while the one it was paired with here is still held: the
