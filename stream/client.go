@@ -226,6 +226,10 @@ func (r *RankStream) send(m *pb.ConnectRequest) error {
 
 // Step hands the rank one step's metadata: encoded and sent when it
 // returns (meta is the caller's again), allocating nothing per request.
+// Step waits while the rank's outcomes go unread (kvxferd takes no more
+// steps than it can send outcomes for): read Finished from another
+// goroutine, as the steps go out, or Step waits until Close's context
+// ends (which gives the stream up).
 func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
 	r.sendMu.Lock()
 	defer r.sendMu.Unlock()

@@ -747,6 +747,52 @@ func TestHundredThousandOutcomes(t *testing.T) {
 		t.Fatal(err)
 	}
 	const n, per = 100000, 10000
+	// Outcomes are read as the steps go out, as an engine does: the
+	// daemon stops taking steps while their outcomes wait unread
+	// (TestUnreadStreamHoldsTheEngine), so reading only after the last
+	// step would hold Step for ever once the failures came quickly.
+	type result struct {
+		messages int
+		err      string
+	}
+	res := make(chan result, 1)
+	go func() {
+		seen := make(map[string]bool, n)
+		messages := 0
+		timeout := time.After(120 * time.Second)
+		fail := func(format string, a ...any) {
+			res <- result{messages: messages, err: fmt.Sprintf(format, a...)}
+			go func() { // the steps still going out are not held
+				for range rs.Finished() {
+				}
+			}()
+		}
+		for len(seen) < n {
+			select {
+			case f, ok := <-rs.Finished():
+				if !ok {
+					fail("the stream ended after %d of %d outcomes: %v", len(seen), n, rs.Err())
+					return
+				}
+				messages++
+				for _, o := range f.Recving {
+					if seen[o.ReqID] {
+						fail("%s reported twice", o.ReqID)
+						return
+					}
+					if o.Result != kvxfer.ResultFailed {
+						fail("%s: %+v, want failed", o.ReqID, o)
+						return
+					}
+					seen[o.ReqID] = true
+				}
+			case <-timeout:
+				fail("%d of %d outcomes after 120 s", len(seen), n)
+				return
+			}
+		}
+		res <- result{messages: messages}
+	}()
 	now := time.Now()
 	for s := range n / per {
 		m := &kvxfer.StepMeta{Step: uint64(s + 1), SchedulerClock: now}
@@ -758,29 +804,11 @@ func TestHundredThousandOutcomes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	seen := make(map[string]bool, n)
-	messages := 0
-	timeout := time.After(60 * time.Second)
-	for len(seen) < n {
-		select {
-		case f, ok := <-rs.Finished():
-			if !ok {
-				t.Fatalf("the stream ended after %d of %d outcomes: %v", len(seen), n, rs.Err())
-			}
-			messages++
-			for _, o := range f.Recving {
-				if seen[o.ReqID] {
-					t.Fatalf("%s reported twice", o.ReqID)
-				}
-				if o.Result != kvxfer.ResultFailed {
-					t.Fatalf("%s: %+v, want failed", o.ReqID, o)
-				}
-				seen[o.ReqID] = true
-			}
-		case <-timeout:
-			t.Fatalf("%d of %d outcomes after 60 s", len(seen), n)
-		}
+	out := <-res
+	if out.err != "" {
+		t.Fatal(out.err)
 	}
+	messages := out.messages
 	if messages < 10 {
 		t.Errorf("%d outcomes came in %d messages: the sets were not split to fit %d bytes", n, messages, limit)
 	}
