@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sync"
 
 	"google.golang.org/grpc"
@@ -125,6 +126,9 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 		}
 		return nil, err
 	}
+	if err := h.check(); err != nil {
+		return fail(err)
+	}
 	st, err := pb.NewWorkerServiceClient(c.cc).Connect(sctx)
 	if err != nil {
 		return fail(err)
@@ -163,6 +167,43 @@ func (c *Client) Connect(ctx context.Context, h Hello) (*RankStream, error) {
 	go r.read()
 	return r, nil
 }
+
+// check refuses, naming the field, a hello whose values kvxfer.v1 would
+// carry wrapped (its integers are 32-bit): a TP size of 2^32+1 would
+// reach kvxferd as 1, a valid layout that is not the engine's. kvxferd
+// validates the rest.
+func (h *Hello) check() error {
+	l := &h.Layout
+	for _, f := range [...]struct {
+		name string
+		v    int
+	}{{"tp_rank", l.TPRank}, {"tp_size", l.TPSize}, {"pp_rank", l.PPRank}, {"pp_size", l.PPSize}, {"total_kv_heads", l.TotalKVHeads},
+		{"head_size", l.HeadSize}, {"elem_bytes", l.ElemBytes}, {"logical_block_size", l.LogicalBlockSize},
+		{"kernel_block_size", l.KernelBlockSize}, {"region_offset", l.RegionOffset}} {
+		if !fits32(f.v) {
+			return Invalid("hello.layout.%s = %d: past a 32-bit field", f.name, f.v)
+		}
+	}
+	for i, g := range l.Groups {
+		for j, r := range g.Regions {
+			if !fits32(r) {
+				return Invalid("hello.layout.groups[%d].regions[%d] = %d: past a 32-bit field", i, j, r)
+			}
+		}
+	}
+	if !fits32(h.FirstLayer) || h.FirstLayer < 0 {
+		return Invalid("hello.first_layer = %d, want 0..%d", h.FirstLayer, math.MaxInt32)
+	}
+	for i, m := range h.Memory {
+		if !fits32(m.Device) || m.Device < 0 {
+			return Invalid("hello.memory[%d].device = %d, want 0..%d", i, m.Device, math.MaxInt32)
+		}
+	}
+	return nil
+}
+
+// fits32 reports whether v is carried unchanged by a 32-bit field.
+func fits32(v int) bool { return v >= math.MinInt32 && v <= math.MaxInt32 }
 
 func (r *RankStream) read() {
 	defer close(r.done)
@@ -231,6 +272,15 @@ func (r *RankStream) send(m *pb.ConnectRequest) error {
 // goroutine, as the steps go out, or Step waits until Close's context
 // ends (which gives the stream up).
 func (r *RankStream) Step(meta *kvxfer.StepMeta) error {
+	for i := range meta.Recv {
+		// What kvxfer.v1 would carry wrapped (32-bit fields), refused
+		// before anything is sent: a wrapped size names another layout.
+		rm := &meta.Recv[i].Remote
+		if !fits32(rm.TPSize) || !fits32(rm.PPSize) {
+			return Invalid("step %d: recv[%d] (request %q): remote tp_size %d, pp_size %d: past a 32-bit field",
+				meta.Step, i, meta.Recv[i].ReqID, rm.TPSize, rm.PPSize)
+		}
+	}
 	r.sendMu.Lock()
 	defer r.sendMu.Unlock()
 	s := &r.step
@@ -254,6 +304,9 @@ func (r *RankStream) StepRef(step uint64, recv, send []string) error {
 
 // LayerSaved reports a layer of a step saved (layer-wise push).
 func (r *RankStream) LayerSaved(step uint64, layer int) error {
+	if layer < 0 || !fits32(layer) {
+		return Invalid("layer_saved.layer = %d (step %d), want 0..%d", layer, step, math.MaxInt32)
+	}
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_LayerSaved{LayerSaved: &pb.LayerSaved{Step: step, Layer: int32(layer)}}})
 }
 

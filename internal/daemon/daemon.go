@@ -201,6 +201,9 @@ func unknownEnv(fs *flag.FlagSet) error {
 // kvxfer's shortest interval (10ms).
 const minPeerTimeout = 50 * time.Millisecond
 
+// minHelloTimeout is -hello-timeout's least value.
+const minHelloTimeout = 100 * time.Millisecond
+
 // validate checks c's values, naming the flag of a bad one.
 func (c *config) validate() error {
 	if c.socketMode&^0o777 != 0 {
@@ -240,6 +243,12 @@ func (c *config) validate() error {
 		return fmt.Errorf("-hello-timeout %v, -max-streams %d, -max-streams-per-uid %d, -max-peer-conns-per-addr %d, -max-peer-conns %d, "+
 			"-max-engine-conns %d, -max-engine-conns-per-uid %d: want each > 0",
 			c.helloTimeout, c.maxStreams, c.maxStreamsPerUID, c.maxPeerConns, c.maxPeerConnsTotal, c.maxEngineConns, c.maxEngineConnsPerUID)
+	}
+	if c.helloTimeout < minHelloTimeout {
+		// Shorter, a busy engine's hello (sent as its stream opens, then
+		// carried across a loaded host) would be refused, every rank
+		// with it: the daemon would serve no engine.
+		return fmt.Errorf("-hello-timeout = %v, want at least %v (default 10s)", c.helloTimeout, minHelloTimeout)
 	}
 	if c.maxPeerCalls <= 0 || c.maxPeerCallsPerConn <= 0 {
 		return fmt.Errorf("-max-peer-calls %d, -max-peer-calls-per-conn %d: want each > 0", c.maxPeerCalls, c.maxPeerCallsPerConn)

@@ -340,3 +340,17 @@ func TestMaxPeerCallsFlags(t *testing.T) {
 		}
 	}
 }
+
+// -hello-timeout of a nanosecond was taken: every engine's hello came too
+// late and the daemon served no engine, with nothing said at its start.
+// Below its least value it is refused, naming the flag.
+func TestHelloTimeoutFlagBounded(t *testing.T) {
+	for _, v := range []string{"1ns", "1ms", "99ms"} {
+		if _, err := parseFlags([]string{"-hello-timeout", v}); err == nil || !strings.Contains(err.Error(), "-hello-timeout") {
+			t.Errorf("-hello-timeout %s: %v, want an error naming the flag", v, err)
+		}
+	}
+	if c, err := parseFlags([]string{"-hello-timeout", "100ms"}); err != nil || c.helloTimeout != 100*time.Millisecond {
+		t.Errorf("-hello-timeout 100ms: %v, %v", c, err)
+	}
+}
