@@ -191,12 +191,12 @@ func (h *Hello) check() error {
 			}
 		}
 	}
-	if !fits32(h.FirstLayer) || h.FirstLayer < 0 {
-		return Invalid("hello.first_layer = %d, want 0..%d", h.FirstLayer, math.MaxInt32)
+	if !fits32(h.FirstLayer) {
+		return Invalid("hello.first_layer = %d: past a 32-bit field", h.FirstLayer)
 	}
 	for i, m := range h.Memory {
-		if !fits32(m.Device) || m.Device < 0 {
-			return Invalid("hello.memory[%d].device = %d, want 0..%d", i, m.Device, math.MaxInt32)
+		if !fits32(m.Device) {
+			return Invalid("hello.memory[%d].device = %d: past a 32-bit field", i, m.Device)
 		}
 	}
 	return nil
@@ -304,8 +304,8 @@ func (r *RankStream) StepRef(step uint64, recv, send []string) error {
 
 // LayerSaved reports a layer of a step saved (layer-wise push).
 func (r *RankStream) LayerSaved(step uint64, layer int) error {
-	if layer < 0 || !fits32(layer) {
-		return Invalid("layer_saved.layer = %d (step %d), want 0..%d", layer, step, math.MaxInt32)
+	if !fits32(layer) {
+		return Invalid("layer_saved.layer = %d (step %d): past a 32-bit field", layer, step)
 	}
 	return r.send(&pb.ConnectRequest{Msg: &pb.ConnectRequest_LayerSaved{LayerSaved: &pb.LayerSaved{Step: step, Layer: int32(layer)}}})
 }
