@@ -1334,7 +1334,15 @@ func (st *loopState) onHeartbeat(m *msg) {
 		// another transfer id.
 		s := st.sendFor(tid, preq)
 		if s == nil && dreq != "" {
-			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
+			// By the consumer request it was paired with, only when the
+			// heartbeat is of that pairing's transfer: a consumer request
+			// id is used again for another transfer once its request
+			// ended, and a heartbeat of the earlier one, sent before it
+			// ended, extended the lease of the request paired with the
+			// new one (held then for a consumer that may be gone).
+			if c := st.matched[regKey{engine: m.Engine, dreq: dreq}]; c != nil && namesTransfer(c.match.tid, c.req.ReqID, tid, preq) {
+				s = c
+			}
 		}
 		if s == nil || s.done || s.expired || s.prefill || !ext.After(s.deadline) {
 			// A request still prefilling (layer-wise) has no lease to
