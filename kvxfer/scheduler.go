@@ -856,7 +856,7 @@ func (s *Scheduler) holdTID() string {
 		s.holdNonce = hex.EncodeToString(b[:])
 	}
 	s.holds++
-	return "kvxfer-" + s.holdNonce + "-" + strconv.FormatUint(s.holds, 36)
+	return "kvxfer-" + s.holdNonce + "-" + strconv.FormatUint(s.holds, 16)
 }
 
 // releaseTurn stages, for a bidirectional producer's turn ended before
