@@ -1455,6 +1455,16 @@ func (st *loopState) producerAborted(id, tid string) {
 		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"})
 		s = nil
 	}
+	if s != nil && (!s.prefill || otherTID(s, tid)) {
+		// Held from its finish (its SendReq: its engine finished it, and
+		// an engine aborts a request only before it finishes), or of
+		// another transfer: the abort is of another request under its id
+		// (the id used again while this one's consumer still reads or
+		// registers), one never held here. Before, it ended this request:
+		// reported aborted, its blocks freed under its consumer's READs
+		// or WRITEs.
+		s = nil
+	}
 	if s != nil {
 		if s.doom != "" {
 			// Its pairing failed while it prefilled: it ends now.
