@@ -87,7 +87,9 @@ func (s FinishStatus) normal() bool { return s == FinishStopped || s == FinishLe
 // from RequestFinished; the router hands them to D with the request.
 type TransferParams struct {
 	// TransferID, set by the router, names the transfer on both engines.
-	// When present it is the only key P and D are matched by.
+	// When present it is the only key P and D are matched by. A pull
+	// producer's params (RequestFinished) name a hold the router gave
+	// none by one of the hold's own, which its consumer echoes.
 	TransferID string
 	// DoRemotePrefill is set on a request D must receive KV for;
 	// DoRemoteDecode on a request P must keep KV for.

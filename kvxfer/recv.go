@@ -603,16 +603,22 @@ func (st *loopState) onAck(m *msg) {
 // request under the id, counted there it would report blocks loaded that
 // nothing wrote.
 func sameTransfer(r *recvReq, m *msg) bool {
-	if m.TransferID != "" && r.req.TransferID != "" {
-		return m.TransferID == r.req.TransferID
+	return namesTransfer(r.req.TransferID, r.req.Remote.ReqID, m.TransferID, m.PReq)
+}
+
+// namesTransfer is sameTransfer for a request of transfer id tid and
+// producer request name, and a message naming transfer id mtid and
+// producer request preq (any may be empty: unknown).
+func namesTransfer(tid, name, mtid, preq string) bool {
+	if mtid != "" && tid != "" {
+		return mtid == tid
 	}
-	name := r.req.Remote.ReqID
-	if m.PReq == "" || name == "" || m.PReq == name {
+	if preq == "" || name == "" || preq == name {
 		return true
 	}
 	// Paired by base id (pairOf): the same base, one of the two that base.
-	nb, pb := BaseRequestID(name), BaseRequestID(m.PReq)
-	return nb == pb && (nb == name || pb == m.PReq)
+	nb, pb := BaseRequestID(name), BaseRequestID(preq)
+	return nb == pb && (nb == name || pb == preq)
 }
 
 // recvFor finds the receiving request and sender rank a producer's

@@ -2,10 +2,13 @@ package kvxfer
 
 import (
 	"container/heap"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -139,6 +142,11 @@ type Scheduler struct {
 	notProcessed []string
 	// notProcessedTID: their transfer ids, by request id.
 	notProcessedTID map[string]string
+	// holdNonce and holds name the pull holds whose request's params
+	// carry no transfer id (holdTID): a random prefix drawn once per
+	// scheduler, and a count.
+	holdNonce string
+	holds     uint64
 
 	// held: producer requests whose blocks are held until a worker
 	// reports them sending (the reference's _finished_request_blocks).
@@ -819,9 +827,36 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	if out.DoRemoteDecode {
 		out.RemoteBlocksExpiry = deadline
 	}
+	if out.TransferID == "" && s.cfg.Mode == ModePull {
+		out.TransferID = s.holdTID()
+	}
 	s.held[r.ID] = true
-	s.send = append(s.send, SendReq{ReqID: r.ID, TransferID: p.TransferID, Deadline: deadline, Blocks: spans, Tokens: computed})
+	s.send = append(s.send, SendReq{ReqID: r.ID, TransferID: out.TransferID, Deadline: deadline, Blocks: spans, Tokens: computed})
 	return true, out, nil
+}
+
+// holdTID is the transfer id of a pull hold whose request's params carry
+// none (a router that names no transfer, an older engine's params): one
+// of its own, unique to the hold, handed to its consumer in the params,
+// which every consumer build names in its READs, completion notices and
+// heartbeats. Before, such a hold was known by its request id alone, and
+// a producer request id is used again once its request ended: the
+// earlier request's consumer, reading after that request's lease lapsed,
+// was admitted into the new request's hold of the same blocks (it read
+// another request's KV as its own), its completion notice counted as the
+// new request's (whose blocks the engine then freed before its own
+// consumer read them), and its heartbeats extended the new request's
+// lease. Random per scheduler, so a restarted engine's holds are not
+// named as its crashed one's were. Pull only: a push consumer gets its
+// transfer id from the router, not from these params.
+func (s *Scheduler) holdTID() string {
+	if s.holdNonce == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+		s.holdNonce = hex.EncodeToString(b[:])
+	}
+	s.holds++
+	return "kvxfer-" + s.holdNonce + "-" + strconv.FormatUint(s.holds, 16)
 }
 
 // releaseTurn stages, for a bidirectional producer's turn ended before

@@ -665,3 +665,50 @@ func TestRequestFinishedUnderHeldIDRefused(t *testing.T) {
 		t.Errorf("after the old request's outcome: delay %v, err %v; want held", delay, err)
 	}
 }
+
+// A pull hold whose request's params carry no transfer id gets one of its
+// own in the params its consumer reads with, and the hold is staged under
+// it: each hold of a producer request id another (its consumer's READs,
+// completion notices and heartbeats tell the holds apart), and another
+// scheduler's (a restarted engine) never the same. A router's transfer id
+// is kept as it is; push holds, whose consumers get their transfer id
+// from the router, get none. Before, the pull hold had none, and the
+// earlier consumer of a producer request id used again counted for the
+// new request (TestPullIDReusedWithoutTransferID).
+func TestPullHoldNamedByTransferID(t *testing.T) {
+	finish := func(s *Scheduler, tid string) (*TransferParams, SendReq) {
+		t.Helper()
+		r := &Request{ID: "p-1", Params: &TransferParams{TransferID: tid, DoRemoteDecode: true}}
+		delay, params, err := s.RequestFinished(r, FinishStopped, [][]topology.BlockID{ids(1, 2)}, 32)
+		if err != nil || !delay {
+			t.Fatalf("RequestFinished = %v, %v; want delay", delay, err)
+		}
+		m := s.BuildMeta()
+		if len(m.Send) != 1 {
+			t.Fatalf("Send = %+v, want one hold", m.Send)
+		}
+		s.Update(&Finished{Sending: []Outcome{{ReqID: "p-1", Result: ResultExpired, Kind: FailureExpired}}})
+		return params, m.Send[0]
+	}
+	s, _ := newSched(t, ModePull, nil)
+	seen := map[string]bool{}
+	for i := range 3 {
+		params, send := finish(s, "")
+		if params.TransferID == "" || send.TransferID != params.TransferID || seen[params.TransferID] {
+			t.Errorf("hold %d: params name transfer id %q, the hold %q (earlier holds %v); want one of its own, the same in both",
+				i, params.TransferID, send.TransferID, seen)
+		}
+		seen[params.TransferID] = true
+	}
+	other, _ := newSched(t, ModePull, nil)
+	if params, _ := finish(other, ""); seen[params.TransferID] {
+		t.Errorf("another scheduler's hold is named %q, as one of the first's", params.TransferID)
+	}
+	if params, send := finish(s, "t-router"); params.TransferID != "t-router" || send.TransferID != "t-router" {
+		t.Errorf("router's transfer id: params %q, hold %q; want t-router", params.TransferID, send.TransferID)
+	}
+	push, _ := newSched(t, ModePush, nil)
+	if params, send := finish(push, ""); params.TransferID != "" || send.TransferID != "" {
+		t.Errorf("push: params %q, hold %q; want no transfer id (the consumer's comes from the router)", params.TransferID, send.TransferID)
+	}
+}

@@ -1334,7 +1334,15 @@ func (st *loopState) onHeartbeat(m *msg) {
 		// another transfer id.
 		s := st.sendFor(tid, preq)
 		if s == nil && dreq != "" {
-			s = st.matched[regKey{engine: m.Engine, dreq: dreq}]
+			// By the consumer request it was paired with, only when the
+			// heartbeat is of that pairing's transfer: a consumer request
+			// id is used again for another transfer once its request
+			// ended, and a heartbeat of the earlier one, sent before it
+			// ended, extended the lease of the request paired with the
+			// new one (held then for a consumer that may be gone).
+			if c := st.matched[regKey{engine: m.Engine, dreq: dreq}]; c != nil && namesTransfer(c.match.tid, c.req.ReqID, tid, preq) {
+				s = c
+			}
 		}
 		if s == nil || s.done || s.expired || s.prefill || !ext.After(s.deadline) {
 			// A request still prefilling (layer-wise) has no lease to
@@ -1445,6 +1453,16 @@ func (st *loopState) producerAborted(id, tid string) {
 		// waiting for it are told as for any request aborted unheld.
 		s.next = nil
 		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"})
+		s = nil
+	}
+	if s != nil && (!s.prefill || otherTID(s, tid)) {
+		// Held from its finish (its SendReq: its engine finished it, and
+		// an engine aborts a request only before it finishes), or of
+		// another transfer: the abort is of another request under its id
+		// (the id used again while this one's consumer still reads or
+		// registers), one never held here. Before, it ended this request:
+		// reported aborted, its blocks freed under its consumer's READs
+		// or WRITEs.
 		s = nil
 	}
 	if s != nil {

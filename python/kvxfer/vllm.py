@@ -129,6 +129,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -996,6 +997,10 @@ class _SchedulerSide:
         # made into rows by build_meta.
         self.rf_calls: list[tuple] = []
         self.aa_calls: list[tuple] = []
+        # Names of pull holds without a router transfer id (_hold_tid): a
+        # random prefix per scheduler and a count.
+        self.hold_nonce = secrets.token_hex(8)
+        self.holds = 0
         self.addrs: dict = {}
         self.prefill_ops = False
         self.expect_recv: list[str] = []
@@ -1223,6 +1228,13 @@ class _SchedulerSide:
         request.max_tokens = 1
         p[_TRIMMED] = True
 
+    def _hold_tid(self) -> str:
+        """The transfer id of a pull hold whose params carry none: unique to
+        the hold, and random per scheduler (a restarted engine's holds are
+        not named as its earlier one's were)."""
+        self.holds += 1
+        return f"kvxfer-{self.hold_nonce}-{self.holds:x}"
+
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
         self.listed.discard(request.request_id)
@@ -1243,6 +1255,15 @@ class _SchedulerSide:
             if p.get("transfer_id") and params.is_str(p["transfer_id"]):
                 out["transfer_id"] = p["transfer_id"]
             delay = any(ids)
+            if delay and not p.get("transfer_id") and self.cfg.mode == pb.MODE_PULL:
+                # A pull hold the router named no transfer for is named by
+                # one of its own, which its consumer echoes (in its READs,
+                # completion notices and heartbeats): a request id used
+                # again once this request's lease lapsed is another hold,
+                # which this one's late consumer cannot read or end. The
+                # row carries it (p), so the daemon's Scheduler, which
+                # names such holds the same way, keeps this one.
+                out["transfer_id"] = p["transfer_id"] = self._hold_tid()
             if not delay:
                 # No blocks held: nothing can be loaded from us.
                 out["remote_num_tokens"] = 0

@@ -95,13 +95,14 @@ class Run:
 
             stream.layer_saved = counted
 
-    def add(self, n, tokens, max_tokens=3, abort_d_before=False, p_max_tokens=1):
+    def add(self, n, tokens, max_tokens=3, abort_d_before=False, p_max_tokens=1, router_tid=True):
         tid = f"t{n}"
         self.prompts[f"p-{n}"] = tokens
         self.prompts[f"d-{n}"] = tokens
         # P gets its own copy: the connector may trim P's prompt in place.
-        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), p_max_tokens,
-                                                {"do_remote_decode": True, "transfer_id": tid}))
+        # (router_tid False: a router that names no transfer, pull only.)
+        p_params = {"do_remote_decode": True, "transfer_id": tid} if router_tid else {"do_remote_decode": True}
+        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), p_max_tokens, p_params))
         if self.mode == "push":
             params = _push_params(self.dp, tid)
             params["tp_size"] = self.p_tp
@@ -263,6 +264,29 @@ def test_transfer(tmp_path, daemons, placement, mode, p_tp, layerwise, relay):
     # ones sent and checked at shutdown).
     assert _verified(r.P)["finished"] >= 9 and _verified(r.D)["finished"] >= 9, (_verified(r.P), _verified(r.D))
     assert _verified(r.P)["matched"] >= 9 and _verified(r.D)["matched"] >= 8, (_verified(r.P), _verified(r.D))
+
+
+def test_pull_hold_without_transfer_id_is_named(tmp_path, daemons):
+    """Pull, a router that names no transfer: P's params name each hold by a
+    transfer id of its own (its consumer echoes it, so a late consumer of an
+    earlier request under the same id can neither read nor end this one),
+    the daemon's Scheduler agrees (verify), and the transfers go through
+    byte for byte. Before, the params named none."""
+    rng = random.Random("hold-tid")
+    r = Run(tmp_path, daemons, "pull", 1)
+    try:
+        for n in range(2):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(40)], router_tid=False)
+        want = {"p-0", "p-1"}
+        r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and want <= set(r.P.finished) and want <= r.P.sent
+                    and not r.P.sched.requests and not r.D.sched.requests)
+        tids = [r.P.finished[f"p-{n}"].kv_transfer_params.get("transfer_id") for n in range(2)]
+        assert all(isinstance(t, str) and t.startswith("kvxfer-") for t in tids) and tids[0] != tids[1], tids
+        assert not r.D.failed, r.D.failed
+        assert {"d-0", "d-1"} <= r.checked, sorted(r.checked)
+    finally:
+        r.close()
+    assert _verified(r.P)["finished"] >= 2, _verified(r.P)
 
 
 def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
