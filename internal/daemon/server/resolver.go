@@ -261,11 +261,11 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		}
 		addr = a
 	}
-	out, base, err := r.handshakeOne(ctx, engineID, addr)
+	out, base, rtt, err := r.handshakeOne(ctx, engineID, addr)
 	if err != nil || base == 0 {
 		return out, err
 	}
-	return r.spread(ctx, engineID, addr, base, out)
+	return r.spread(ctx, engineID, addr, base, out, rtt)
 }
 
 // maxSpreadRanks bounds the ranks a spread engine is asked about (a peer
@@ -274,7 +274,12 @@ const maxSpreadRanks = 1024
 
 // spread completes first, the answer of one of an engine's per-rank
 // servers at addr, with the other ranks', asked at their ports.
-func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base uint32, first kvxfer.HandshakeResult) (kvxfer.HandshakeResult, error) {
+//
+// The clock offset is the sample of the quickest answer (the least round
+// trip, SPEC §2): the offset is off by at most half its round trip, and
+// the first answer's may be long (a new connection, a busy peer).
+func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base uint32, first kvxfer.HandshakeResult,
+	firstRTT time.Duration) (kvxfer.HandshakeResult, error) {
 	if len(first.Ranks) == 0 {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: no ranks", kvxfer.ErrBadMetadata, engineID, addr)
 	}
@@ -288,9 +293,11 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 			kvxfer.ErrBadMetadata, engineID, addr, tpSize, ppSize, maxSpreadRanks)
 	}
 	type rankGen struct {
-		rank kvxfer.RankInfo
-		gen  uint64
-		err  error
+		rank   kvxfer.RankInfo
+		gen    uint64
+		offset time.Duration
+		rtt    time.Duration
+		err    error
 	}
 	got := make([]rankGen, tpSize*ppSize)
 	for _, ri := range first.Ranks {
@@ -314,7 +321,7 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 		}
 		at := net.JoinHostPort(host, strconv.Itoa(port))
 		wg.Go(func() {
-			res, b, err := r.handshakeOne(ctx, engineID, at)
+			res, b, rtt, err := r.handshakeOne(ctx, engineID, at)
 			if err == nil && b != base {
 				err = fmt.Errorf("%w: handshake %s at %s: rank_port_base %d, but %s says %d", kvxfer.ErrBadMetadata, engineID, at, b, addr, base)
 			}
@@ -324,7 +331,7 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 			}
 			for _, ri := range res.Ranks {
 				if ri.Layout.TPRank == tp && ri.Layout.PPRank == pp {
-					got[i] = rankGen{rank: ri, gen: res.Generation}
+					got[i] = rankGen{rank: ri, gen: res.Generation, offset: res.ClockOffset, rtt: rtt}
 					return
 				}
 			}
@@ -333,11 +340,15 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 	}
 	wg.Wait()
 	out := kvxfer.HandshakeResult{ClockOffset: first.ClockOffset}
+	best := firstRTT
 	h := fnv.New64a()
 	var b [8]byte
 	for i := range got {
 		if got[i].err != nil {
 			return kvxfer.HandshakeResult{}, got[i].err
+		}
+		if got[i].rtt > 0 && got[i].rtt < best {
+			out.ClockOffset, best = got[i].offset, got[i].rtt
 		}
 		out.Ranks = append(out.Ranks, got[i].rank)
 		binary.LittleEndian.PutUint64(b[:], got[i].gen)
@@ -348,11 +359,12 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 }
 
 // handshakeOne asks the server at addr about an engine, and returns its
-// answer's rank_port_base.
-func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, uint32, error) {
+// answer's rank_port_base and the call's round trip (its clock offset's
+// bound: half of it).
+func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, uint32, time.Duration, error) {
 	pc, done, fresh, err := r.conn(addr)
 	if err != nil {
-		return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	req := &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true}
 	t0 := time.Now()
@@ -371,7 +383,7 @@ func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) 
 		var again *peerConn
 		again, done, _, err = r.conn(addr)
 		if err != nil {
-			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 		}
 		pc = again
 		t0 = time.Now()
@@ -384,22 +396,22 @@ func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) 
 	}
 	if err != nil {
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
+			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
 				"a peer that authenticates its peers refuses it; give both the same -peer-secret-file)", engineID, addr, err)
 		}
 		if r.cfg.TLS && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
+			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
 				"of this daemon's -tls-ca, and this daemon one of the peer's)", engineID, addr, err)
 		}
-		return kvxfer.HandshakeResult{}, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	out, err := r.dec.Decode(engineID, resp)
 	if err != nil {
-		return kvxfer.HandshakeResult{}, 0, err
+		return kvxfer.HandshakeResult{}, 0, 0, err
 	}
 	mid := t0.Add(t1.Sub(t0) / 2)
 	out.ClockOffset = time.Unix(0, resp.ServerUnixNanos).Sub(mid)
-	return out, resp.GetRankPortBase(), nil
+	return out, resp.GetRankPortBase(), t1.Sub(t0), nil
 }
 
 // Close closes the client connections.

@@ -345,3 +345,66 @@ func TestSpreadHandshakeRefusals(t *testing.T) {
 		})
 	}
 }
+
+// slowAnswer answers handshakes as srv does, delay after srv took its
+// clock's reading (a busy peer, a new connection's setup).
+type slowAnswer struct {
+	pb.UnimplementedPeerServiceServer
+	srv   *server.Server
+	delay time.Duration
+}
+
+func (s *slowAnswer) Handshake(ctx context.Context, req *pb.HandshakeRequest) (*pb.HandshakeResponse, error) {
+	resp, err := s.srv.Handshake(ctx, req)
+	time.Sleep(s.delay)
+	return resp, err
+}
+
+// A spread engine's clock offset is the quickest answer's (SPEC §2: the
+// least round trip), each answer's offset being off by up to half its
+// round trip. Before, it was the first answer's, whatever its round trip:
+// a first answer 2 s late put the offset 1 s off on one host's clock, and
+// every lease and deadline rebased with it.
+func TestSpreadClockOffsetFromQuickestAnswer(t *testing.T) {
+	shmDir := t.TempDir()
+	ds := spreadDaemons(t, shmDir, 2)
+	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
+	e := kvsim.Engine{ID: 1, TP: 2, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
+	ranks, err := kvsim.Build(&model, &e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		rs, err := attachRank(t, ds[i], shmDir, "E", ranks[0][i], kvxfer.ModePush)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer closeRank(t, rs)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	const delay = 2 * time.Second
+	pb.RegisterPeerServiceServer(g, &slowAnswer{srv: ds[0].srv, delay: delay})
+	go func() { _ = g.Serve(l) }()
+	defer g.Stop()
+	res := server.NewPeerResolver(server.ResolverConfig{})
+	defer res.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// Rank 0 answers slowly at l (its answer names rank 0 and the base);
+	// rank 1 is asked at its port, ds[1], which answers at once. All run
+	// on one clock: the true offset is 0.
+	out, err := res.Handshake(ctx, "E", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(out.Ranks) != 2 {
+		t.Fatalf("%d ranks, want 2", len(out.Ranks))
+	}
+	if off := out.ClockOffset; off < -delay/4 || off > delay/4 {
+		t.Errorf("clock offset %v between processes of one clock, want about 0 (the quick answer's), within %v", off, delay/4)
+	}
+}
