@@ -64,8 +64,8 @@ func inView(t *testing.T, ep, engine string, not uint64, within time.Duration) r
 func TestRegistryProducerKilledAndRejoins(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	dir := world(t)
-	pAddr := freeAddr(t)
-	p := startDaemon(t, dir, "P", "-peer-listen", pAddr, "-etcd", etcd.Endpoint(), "-etcd-role", "producer")
+	pAddr, pMetrics := freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-peer-listen", pAddr, "-etcd", etcd.Endpoint(), "-etcd-role", "producer", "-metrics-listen", pMetrics)
 	d := startDaemon(t, dir, "D", "-etcd", etcd.Endpoint(), "-etcd-role", "consumer", "-peer-timeout", "-1s")
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	D := attachByID(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -79,7 +79,7 @@ func TestRegistryProducerKilledAndRejoins(t *testing.T) {
 		registerD(t, D, "d-"+id, "t-"+id, "", []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
 		dIDs = append(dIDs, "d-"+id)
 	}
-	time.Sleep(300 * time.Millisecond) // the registrations reach P
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 	_ = p.Kill()
 	killed := time.Now()
 	P.Close()
