@@ -155,8 +155,8 @@ func attachSim(t *testing.T, dir, sock, peer, id string, eng int, mode kvxfer.Mo
 // goroutines than after the first (nothing of a dead peer stays).
 func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 	dir := world(t)
-	pAddr, dMetrics := freeAddr(t), freeAddr(t)
-	p := startDaemon(t, dir, "P", "-peer-listen", pAddr)
+	pAddr, pMetrics, dMetrics := freeAddr(t), freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-peer-listen", pAddr, "-metrics-listen", pMetrics)
 	d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -170,7 +170,7 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 			registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{first + topology.BlockID(2*i), first + topology.BlockID(2*i+1)})
 			dIDs = append(dIDs, "d-"+id)
 		}
-		time.Sleep(300 * time.Millisecond) // the registrations reach P
+		regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 		_ = p.Kill()
 		killed := time.Now()
 		P.Close()
@@ -187,7 +187,8 @@ func TestProducerDaemonKilledAndRestarted(t *testing.T) {
 		t.Logf("round %d: D's requests ended %v after the kill", round, time.Since(killed).Round(time.Millisecond))
 
 		// P comes back on the same address; its engine re-attaches.
-		p = startDaemon(t, dir, fmt.Sprintf("P%d", round+1), "-peer-listen", pAddr)
+		pMetrics = freeAddr(t)
+		p = startDaemon(t, dir, fmt.Sprintf("P%d", round+1), "-peer-listen", pAddr, "-metrics-listen", pMetrics)
 		P = attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 		back := time.Now()
 		transferOnce(t, P, D, p.Peer, fmt.Sprintf("r%dnew", round), []topology.BlockID{first + 6, first + 7}, 10*time.Second,
@@ -293,7 +294,7 @@ func TestNetworkPartitionAndHeal(t *testing.T) {
 		id := string(rune('a' + i))
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
 	}
-	time.Sleep(300 * time.Millisecond)
+	regsReachP(t, 3, 10*time.Second, func() map[string]float64 { return metricsIn(t, n.a, "127.0.0.1:9700") })
 	n.set(t, false)
 	cut := time.Now()
 	got := outcomesOf(t, D, 10*time.Second, "d-a", "d-b", "d-c")
@@ -385,7 +386,7 @@ func TestConsumerDaemonKilledAndRestarted(t *testing.T) {
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)})
 		pIDs = append(pIDs, "p-"+id)
 	}
-	time.Sleep(300 * time.Millisecond)
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 	_ = d.Kill()
 	D.Close()
 	killed := time.Now()
@@ -468,7 +469,7 @@ func TestConsumerEngineKilled(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("the engine child was not ready in 20 s")
 	}
-	time.Sleep(300 * time.Millisecond) // its registrations reach P
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 	if err := cmd.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}
@@ -563,7 +564,8 @@ func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
 // registration timeout.
 func TestLateRankRegistrationAnswered(t *testing.T) {
 	dir := world(t)
-	p := startDaemon(t, dir, "P")
+	pMetrics := freeAddr(t)
+	p := startDaemon(t, dir, "P", "-metrics-listen", pMetrics)
 	d := startDaemon(t, dir, "D")
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	defer P.Close()
@@ -585,7 +587,7 @@ func TestLateRankRegistrationAnswered(t *testing.T) {
 	if err := D.Streams[1].Step(meta); err != nil { // rank 1 only
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // rank 1's registration reaches P
+	regsReachP(t, 1, 10*time.Second, scrapeOf(t, pMetrics)) // rank 1's registration
 	pReq := &kvxfer.Request{ID: "p-1", PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: "t-1", DoRemoteDecode: true}}
 	if err := P.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{ids}}); err != nil {
 		t.Fatal(err)
@@ -622,6 +624,35 @@ func metricsOf(t *testing.T, addr string) map[string]float64 {
 		t.Fatalf("scrape %s: %v", addr, err)
 	}
 	return parseMetrics(string(b))
+}
+
+// regsReachP waits until the producer daemons scraped hold at least n
+// consumer registrations waiting for their requests, in all
+// (kvxfer_registrations_pending): what a test that then kills, freezes or
+// cuts off a daemon needs to have reached P first. A fixed sleep only
+// hoped so: under load the registrations came after the fault, P's
+// requests had none and waited out their lease, or D's failed for another
+// reason than the one the test checks.
+func regsReachP(t *testing.T, n int, within time.Duration, scrape ...func() map[string]float64) {
+	t.Helper()
+	var got float64
+	for deadline := time.Now().Add(within); ; time.Sleep(20 * time.Millisecond) {
+		got = 0
+		for _, s := range scrape {
+			got += s()["kvxfer_registrations_pending"]
+		}
+		if got >= float64(n) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("P holds %v consumer registrations %v after D registered, want %d", got, within, n)
+		}
+	}
+}
+
+// scrapeOf is metricsOf(t, addr) for regsReachP.
+func scrapeOf(t *testing.T, addr string) func() map[string]float64 {
+	return func() map[string]float64 { return metricsOf(t, addr) }
 }
 
 // parseMetrics sums the samples of a Prometheus text exposition by

@@ -194,6 +194,7 @@ func TestFleetChurn(t *testing.T) {
 	}
 	slots := make([]*slot, n)
 	ended := map[string]time.Time{} // host -> its lease's end, at the latest
+	var died []string               // hosts whose keepalives stopped
 	var all []*fakeVLLM
 	join := func(i int, s *slot) {
 		s.f = newFakeVLLM(t)
@@ -289,6 +290,7 @@ func TestFleetChurn(t *testing.T) {
 		default: // a death: keepalives stop, the lease ends within the TTL
 			s.cl.Close()
 			ended[u.Host] = time.Now().Add(ttl)
+			died = append(died, u.Host)
 			_ = s.reg.Close(context.Background()) // its revoke fails: the client is closed
 			s.f.srv.Close()
 			s.up, s.dead = false, true
@@ -316,7 +318,28 @@ func TestFleetChurn(t *testing.T) {
 		}
 		f.mu.Unlock()
 	}
-	time.Sleep(ttl + time.Second) // the last leases end
+	// The last leases end: each dead instance's key seen going, as etcd
+	// revokes its expired lease (about half a second past its TTL, later
+	// on a busy machine: a fixed TTL and a second left a lease that ended
+	// past it at the test's bound, and a request routed to it while it
+	// still stood counted as routed after its end).
+	for deadline := time.Now().Add(3*ttl + 10*time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var standing []string
+		leftMu.Lock()
+		for _, h := range died {
+			if _, ok := left[h]; !ok {
+				standing = append(standing, h)
+			}
+		}
+		leftMu.Unlock()
+		if len(standing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("the leases of dead instances %v still stand %v after the churn", standing, 3*ttl+10*time.Second)
+			break
+		}
+	}
 	leftMu.Lock()
 	for h, at := range left {
 		if _, ok := ended[h]; ok {

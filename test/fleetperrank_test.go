@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -162,7 +163,11 @@ func TestRegistryPerRankProducer(t *testing.T) {
 	dir := world(t)
 	base := portRun(t, 2)
 	flags := []string{"-etcd", ep, "-etcd-role", "producer", "-etcd-ttl", "2s"}
-	ps := startPerRank(t, dir, "P", base, 2, flags...)
+	pMetrics := []string{freeAddr(t), freeAddr(t)}
+	var ps []*daemontest.Proc
+	for i, m := range pMetrics {
+		ps = append(ps, startRank(t, dir, "P", base, i, append(slices.Clip(flags), "-metrics-listen", m)...))
+	}
 	d := startDaemon(t, dir, "D", "-etcd", ep, "-etcd-role", "consumer", "-peer-timeout", "-1s")
 	P := attachPerRank(t, dir, ps, "P")
 	D := attachByID(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -182,7 +187,7 @@ func TestRegistryPerRankProducer(t *testing.T) {
 		registerPerRank(t, D, "d-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
 		dIDs = append(dIDs, "d-"+id)
 	}
-	time.Sleep(300 * time.Millisecond) // the registrations reach P
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics[0])) // rank 0's, which the kill must find there
 	_ = ps[0].Kill()
 	killed := time.Now()
 	got := outcomesOf(t, D, 15*time.Second, dIDs...)

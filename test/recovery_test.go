@@ -234,7 +234,7 @@ func TestPushConsumerBackBeforeOldWrites(t *testing.T) {
 		id := string(rune('a' + i))
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, dBlocks(i))
 	}
-	time.Sleep(300 * time.Millisecond) // the registrations reach P
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 	_ = d.Kill()
 	D.Close()
 	d2 := startDaemon(t, dir, "D2", "-peer-listen", dAddr)

@@ -64,8 +64,8 @@ func inView(t *testing.T, ep, engine string, not uint64, within time.Duration) r
 func TestRegistryProducerKilledAndRejoins(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	dir := world(t)
-	pAddr := freeAddr(t)
-	p := startDaemon(t, dir, "P", "-peer-listen", pAddr, "-etcd", etcd.Endpoint(), "-etcd-role", "producer")
+	pAddr, pMetrics := freeAddr(t), freeAddr(t)
+	p := startDaemon(t, dir, "P", "-peer-listen", pAddr, "-etcd", etcd.Endpoint(), "-etcd-role", "producer", "-metrics-listen", pMetrics)
 	d := startDaemon(t, dir, "D", "-etcd", etcd.Endpoint(), "-etcd-role", "consumer", "-peer-timeout", "-1s")
 	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
 	D := attachByID(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
@@ -79,7 +79,7 @@ func TestRegistryProducerKilledAndRejoins(t *testing.T) {
 		registerD(t, D, "d-"+id, "t-"+id, "", []topology.BlockID{topology.BlockID(2 + 2*i), topology.BlockID(3 + 2*i)})
 		dIDs = append(dIDs, "d-"+id)
 	}
-	time.Sleep(300 * time.Millisecond) // the registrations reach P
+	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
 	_ = p.Kill()
 	killed := time.Now()
 	P.Close()
@@ -169,12 +169,21 @@ func TestRegistryEtcdDownKeepsServing(t *testing.T) {
 	transferOnce(t, P, D, "", "before", []topology.BlockID{0, 1}, 10*time.Second, "etcd up")
 	etcd.Kill()
 	transferOnce(t, P, D, "", "down", []topology.BlockID{2, 3}, 10*time.Second, "etcd down: D's last view")
-	time.Sleep(3 * time.Second) // past the TTL: the daemons' keepalives fail
-	transferOnce(t, P, D, "", "down-long", []topology.BlockID{4, 5}, 10*time.Second, "etcd down for longer than the TTL")
-	if m := metricsOf(t, pMetrics); m["kvxfer_registry_errors_total"] == 0 || m["kvxfer_registry_registered"] != 0 {
-		t.Errorf("P's daemon with etcd down: errors %v, registered %v; want errors counted, not registered",
-			m["kvxfer_registry_errors_total"], m["kvxfer_registry_registered"])
+	// Past the TTL: P's daemon finds its lease lost (no keepalive answered
+	// for a TTL, seen within the client's half-second checks). Waited for,
+	// within three TTLs and slack, not slept for: 3 s left half a second
+	// past that on an idle machine.
+	for deadline := time.Now().Add(3*2*time.Second + 5*time.Second); ; time.Sleep(50 * time.Millisecond) {
+		m := metricsOf(t, pMetrics)
+		if m["kvxfer_registry_errors_total"] > 0 && m["kvxfer_registry_registered"] == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("P's daemon with etcd down for 11 s: errors %v, registered %v; want errors counted, not registered",
+				m["kvxfer_registry_errors_total"], m["kvxfer_registry_registered"])
+		}
 	}
+	transferOnce(t, P, D, "", "down-long", []topology.BlockID{4, 5}, 10*time.Second, "etcd down for longer than the TTL")
 	etcd.Restart()
 	for deadline := time.Now().Add(10 * time.Second); metricsOf(t, pMetrics)["kvxfer_registry_registered"] != 1; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {

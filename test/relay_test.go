@@ -193,7 +193,7 @@ func TestDelayLossAndPartitionThroughARelay(t *testing.T) {
 		id := fmt.Sprintf("w%d", i)
 		registerD(t, D, "d-"+id, "t-"+id, p.Peer, []topology.BlockID{topology.BlockID(10 + 2*i), topology.BlockID(11 + 2*i)})
 	}
-	time.Sleep(500 * time.Millisecond) // the registrations reach P
+	regsReachP(t, 2, 10*time.Second, func() map[string]float64 { return metricsIn(t, r.a, "127.0.0.1:9700") })
 	r.cut.Store(true)
 	cut := time.Now()
 	got = outcomesOf(t, D, 10*time.Second, "d-w0", "d-w1")

@@ -26,7 +26,7 @@ type collector struct {
 	gates                                                                 *prometheus.Desc
 	refused, authFailures, sameHost, workerPanics, gpuFallback, gateCheck *prometheus.Desc
 	nixlReleasedInFlight                                                  *prometheus.Desc
-	open, inFlight                                                        *prometheus.Desc
+	open, inFlight, pendingRegs                                           *prometheus.Desc
 }
 
 func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
@@ -63,6 +63,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		dropped:  d("dropped_messages_total", "Peer messages dropped, by reason.", "reason"),
 		open:     d("requests_open", "Requests a rank holds now, by side (producer: held for a consumer; consumer: receiving).", "side"),
 		inFlight: d("transfers_in_flight", "Transfers a rank has posted that have not ended."),
+		pendingRegs: d("registrations_pending", "Consumer registrations a producer rank holds that wait for their request "+
+			"(push: a consumer registered before the producer's engine finished the request)."),
 		refusedAccess: d("data_plane_refused_total", "Peer transfers refused by the data-plane grants, by direction and verdict "+
 			"(write_late, write_deny, read_late, read_deny; deny drops the connection; write_aborted, read_aborted: cut short when their grant ended; read_retried).", "verdict"),
 		gates: d("gates_total", "Push grants offered to producers one-sided (same-host GPU WRITEs launched by the producer through a gate), "+
@@ -113,6 +115,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(c.open, st.Sends, "producer")
 			gauge(c.open, st.Recvs, "consumer")
 			gauge(c.inFlight, st.Handles)
+			gauge(c.pendingRegs, st.PendingRegs)
 		}
 	}
 	// Counters by rank, of its workers attached now and before (a rank
