@@ -1455,14 +1455,15 @@ func (st *loopState) producerAborted(id, tid string) {
 		st.report(RoleProducer, Outcome{ReqID: id, Result: ResultAborted, Reason: "producer aborted"})
 		s = nil
 	}
-	if s != nil && (!s.prefill || otherTID(s, tid)) {
-		// Held from its finish (its SendReq: its engine finished it, and
-		// an engine aborts a request only before it finishes), or of
-		// another transfer: the abort is of another request under its id
-		// (the id used again while this one's consumer still reads or
+	if s != nil && otherTID(s, tid) {
+		// Of another transfer: the abort is of another request under its
+		// id (the id used again while this one's consumer still reads or
 		// registers), one never held here. Before, it ended this request:
-		// reported aborted, its blocks freed under its consumer's READs
-		// or WRITEs.
+		// reported aborted, cut short under its consumer's READs or
+		// WRITEs. An abort that names no transfer, or this one, ends this
+		// request even when held from its finish: its engine says its
+		// blocks are free (StepMeta.NotProcessed), and reading or writing
+		// them on would move another request's KV.
 		s = nil
 	}
 	if s != nil {
