@@ -289,11 +289,10 @@ func (f *forgedBase) Handshake(ctx context.Context, req *pb.HandshakeRequest) (*
 	return resp, err
 }
 
-// What a peer says of its ranks' ports is bounded and checked: a base
-// whose ranks would lie past port 65535, an answer at a rank's port
-// naming another base, and a rank's port that does not answer are
-// refused, naming the rank and the port.
-func TestSpreadHandshakeRefusals(t *testing.T) {
+// spreadTP2 serves engine E, TP 2, one rank on each of two per-rank
+// servers, until the test ends.
+func spreadTP2(t *testing.T) []*daemon {
+	t.Helper()
 	shmDir := t.TempDir()
 	ds := spreadDaemons(t, shmDir, 2)
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
@@ -307,8 +306,17 @@ func TestSpreadHandshakeRefusals(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer closeRank(t, rs)
+		t.Cleanup(func() { closeRank(t, rs) })
 	}
+	return ds
+}
+
+// What a peer says of its ranks' ports is bounded and checked: a base
+// whose ranks would lie past port 65535, an answer at a rank's port
+// naming another base, and a rank's port that does not answer are
+// refused, naming the rank and the port.
+func TestSpreadHandshakeRefusals(t *testing.T) {
+	ds := spreadTP2(t)
 	_, ps, _ := net.SplitHostPort(ds[0].peerAddr)
 	base, _ := strconv.Atoi(ps)
 	serve := func(b uint32) string {
@@ -366,21 +374,7 @@ func (s *slowAnswer) Handshake(ctx context.Context, req *pb.HandshakeRequest) (*
 // a first answer 2 s late put the offset 1 s off on one host's clock, and
 // every lease and deadline rebased with it.
 func TestSpreadClockOffsetFromQuickestAnswer(t *testing.T) {
-	shmDir := t.TempDir()
-	ds := spreadDaemons(t, shmDir, 2)
-	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
-	e := kvsim.Engine{ID: 1, TP: 2, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: 8}
-	ranks, err := kvsim.Build(&model, &e)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range 2 {
-		rs, err := attachRank(t, ds[i], shmDir, "E", ranks[0][i], kvxfer.ModePush)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer closeRank(t, rs)
-	}
+	ds := spreadTP2(t)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
