@@ -30,7 +30,10 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"os"
+	"os/signal"
 	"sync"
+	"syscall"
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
@@ -41,6 +44,22 @@ import (
 // once (abi.c's fork handler): they are recorded as they open.
 func init() {
 	forkclose.SetHook(func(fd int, ino uint64) { C.kvxfer_fork_close_add(C.int(fd), C.ulonglong(ino)) })
+	keepSIGPIPE()
+}
+
+// keepSIGPIPE keeps a broken stdout or stderr from killing the engine's
+// process. The Go runtime kills its process with SIGPIPE when Go code's
+// write to fd 1 or 2 fails with EPIPE (os/signal: a command line
+// program's behaviour), unless SIGPIPE is asked for with signal.Notify;
+// the server logs to stderr, and a Python engine whose stderr is a pipe
+// nobody reads any more (its log collector exited) lives on without kvxfer
+// (Python ignores SIGPIPE: its writes fail with BrokenPipeError). Asked
+// for, such a write fails with EPIPE instead. This changes no handler: in
+// a c-shared library the runtime handles SIGPIPE from its start (and
+// forwards one raised on a thread of the engine to the engine's own
+// disposition), and what arrives on the channel is dropped.
+func keepSIGPIPE() {
+	signal.Notify(make(chan os.Signal, 1), syscall.SIGPIPE)
 }
 
 // version is the library's version; abi.c's KVXFER_VERSION says the same.

@@ -128,3 +128,53 @@ def test_signals_with_the_server_running(libkvxfer, backend):
     assert res["child"] == 7, res
     assert res["pipe"] == "BrokenPipeError", res
     assert res["env_changed"] == [], f"the C environment changed: {res['env_changed']}"
+
+
+CLOSED_STDERR = r"""
+import json, os, sys, time
+import numpy as np
+r, w = os.pipe()
+os.close(r)
+os.dup2(w, 2)  # stderr: a pipe whose reader is gone (a log collector that exited)
+os.close(w)
+from kvxfer import inprocess
+import kvxfer
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+res = {}
+ep = inprocess.start({"insecure_peers": True, "log_level": "debug"})  # the server logs as it starts
+kv = np.zeros(64 * 1024, dtype=np.uint8)
+c = kvxfer.Client(ep)
+layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                     order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                     regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+w = c.connect(pb.WorkerHello(engine_id="E", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                             memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=time.time_ns()))
+w.bye(timeout=20)
+c.close()
+inprocess.stop()
+try:
+    os.write(2, b"python's own write\n")
+    res["python_write"] = "written"
+except BrokenPipeError:
+    res["python_write"] = "BrokenPipeError"
+print("result", json.dumps(res), flush=True)
+"""
+
+
+def test_closed_stderr_does_not_kill_the_process(libkvxfer):
+    """An engine whose stderr is a pipe nobody reads any more (its log
+    collector exited) lives on, as Python does without kvxfer (it ignores
+    SIGPIPE: a write fails with BrokenPipeError): the Go runtime kills its
+    process with SIGPIPE when Go code writes to a broken stdout or stderr,
+    unless SIGPIPE is asked for, and the server logs to stderr."""
+    env = dict(os.environ)
+    env["KVXFER_LIBKVXFER"] = str(libkvxfer)
+    env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([PY, "-c", textwrap.dedent(CLOSED_STDERR)], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True, timeout=120)
+    assert p.returncode == 0, f"exit status {p.returncode} (-13: killed by SIGPIPE)\n{p.stdout}"
+    line = [x for x in p.stdout.splitlines() if x.startswith("result ")]
+    assert line, f"no result\n{p.stdout}"
+    assert json.loads(line[0][len("result "):]) == {"python_write": "BrokenPipeError"}
