@@ -69,9 +69,6 @@ class Client:
             self._bridge = Bridge(address, peer_secret)
             target = self._bridge.address
         self._channel = grpc.insecure_channel(target, options=opts)
-        # Another process's in-process server refuses this one as the
-        # socket opens, where gRPC says no more than "connection reset".
-        self._foreign = inprocess.refused_here(address)
         self._sched = rpc.SchedulerServiceStub(self._channel)
         self._worker = rpc.WorkerServiceStub(self._channel)
         self._peer = rpc.PeerServiceStub(self._channel)
@@ -94,9 +91,19 @@ class Client:
         another process's in-process server and could not be reached, it
         says why (gRPC's own words are "connection reset by peer")."""
         err = errors.from_rpc_error(op, e)
-        if self._foreign is not None and isinstance(err, errors.Unavailable):
-            err = errors.Unavailable(op, f"{err.details} ({self._foreign})")
+        foreign = self._foreign()
+        if foreign is not None and isinstance(err, errors.Unavailable):
+            err = errors.Unavailable(op, f"{err.details} ({foreign})")
         return err
+
+    def _foreign(self) -> str | None:
+        """Why this process may be refused by the in-process server at
+        this client's address, or None: another process's such server
+        refuses it as the socket opens, where gRPC says no more than
+        "connection reset". Asked when a call fails, not as the client is
+        made: a client made in the server's own process and used in a
+        child forked from it is refused there."""
+        return inprocess.refused_here(self.address)
 
     def _direct_methods(self) -> dict:
         """SchedulerService's unary methods by their stub's id, where this
@@ -114,7 +121,8 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            why = f" ({self._foreign})" if self._foreign is not None else ""
+            foreign = self._foreign()
+            why = f" ({foreign})" if foreign is not None else ""
             raise errors.Unavailable("connect", f"no daemon at {self.address} within {timeout}s{why}") from None
 
     def scheduler(self, engine_id: str) -> "Scheduler":

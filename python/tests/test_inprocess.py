@@ -80,9 +80,25 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
         import os, sys
         from kvxfer import inprocess
         ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        import kvxfer as kx
+        before = kx.Client(ep, timeout=3, direct=False)  # a client of the parent's, made before the fork
+        before.wait_ready(5)
         pid = os.fork()
         if pid == 0:
             code = 0
+            # The parent's client, used here: refused as a new one is,
+            # saying why (not gRPC's bare "connection reset by peer").
+            from kvxfer import errors as kerr
+            from kvxfer.v1 import kvxfer_pb2 as kpb
+            for call in (lambda: before.scheduler("E").build_meta(),
+                         lambda: before.connect(kpb.WorkerHello(engine_id="E"), ready_timeout=10)):
+                try:
+                    call()
+                    code = 17
+                except kerr.Unavailable as e:
+                    if "forked" not in str(e) or "spawn" not in str(e):
+                        print("child: the parent's client:", e, flush=True)
+                        code = 18
             for call in (lambda: inprocess.start(), lambda: inprocess.stop(), inprocess.endpoint, inprocess.version):
                 try:
                     call()
