@@ -92,7 +92,10 @@ class Client:
         says why (gRPC's own words are "connection reset by peer")."""
         err = errors.from_rpc_error(op, e)
         foreign = self._foreign()
-        if foreign is not None and isinstance(err, errors.Unavailable):
+        # gRPC in a forked child may say CANCELLED ("closed on fork") of a
+        # channel made before the fork; this client cancels no call that
+        # reaches here (a stream's own cancel is no error).
+        if foreign is not None and (isinstance(err, errors.Unavailable) or e.code() == grpc.StatusCode.CANCELLED):
             err = errors.Unavailable(op, f"{err.details} ({foreign})")
         return err
 
@@ -653,15 +656,33 @@ class DirectWorkerStream(_RankStream):
             except Exception:  # noqa: BLE001 - at interpreter exit, or in a forked child
                 pass
 
+    # The longest the main thread waits inside the library at a time:
+    # Python runs its signal handlers (Ctrl-C's KeyboardInterrupt, an
+    # engine's SIGTERM handler) between its own instructions only, never
+    # while a call into the library waits, so a whole wait there would put
+    # them off until it ended (the gRPC stream waits on a Condition, which
+    # a signal interrupts).
+    SIGNAL_SLICE = 0.1
+
     def _take(self, wait: float) -> None:
-        """Takes the stream's messages: waits up to wait seconds for the
-        first, then takes what else arrived, up to the stream's end."""
+        """Takes the stream's messages: waits up to wait seconds (none if
+        negative) for the first, then takes what else arrived, up to the
+        stream's end."""
         got = False
+        deadline = time.monotonic() + max(wait, 0.0)
+        main = threading.current_thread() is threading.main_thread()
         with self._take_lock:
             while True:
-                r = self._ip.stream_take(self._id, wait if not got else 0.0)
-                if r is None:  # nothing (more) within the wait
-                    return
+                w = 0.0
+                if not got:
+                    w = max(deadline - time.monotonic(), 0.0)
+                    if main:
+                        w = min(w, self.SIGNAL_SLICE)
+                r = self._ip.stream_take(self._id, w)
+                if r is None:  # nothing (more) within the wait, or this slice of it
+                    if got or time.monotonic() >= deadline:
+                        return
+                    continue
                 kind, payload = r
                 if kind == "ended":
                     code, msg = payload
@@ -691,7 +712,7 @@ class DirectWorkerStream(_RankStream):
         if not self._done.is_set():
             with self._lock:
                 empty = self._empty()
-            self._take(wait if empty else 0.0)
+            self._take(wait if empty else 0.0)  # a negative wait is none, as on the gRPC stream
         with self._lock:
             return self._take_pending()
 
