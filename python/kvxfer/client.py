@@ -668,6 +668,7 @@ class DirectWorkerStream(_RankStream):
         """Takes the stream's messages: waits up to wait seconds (none if
         negative) for the first, then takes what else arrived, up to the
         stream's end."""
+        self._ip.check_not_forked()  # before the lock a thread of the parent may have held at the fork
         got = False
         deadline = time.monotonic() + max(wait, 0.0)
         main = threading.current_thread() is threading.main_thread()
@@ -709,6 +710,7 @@ class DirectWorkerStream(_RankStream):
         """Takes what arrived since the last poll, waiting up to ``wait``
         seconds for something when nothing has. Raises StreamClosed when
         the stream ended and nothing is left to take."""
+        self._ip.check_not_forked()  # in a forked child, the locks below may be held by no thread of it
         if not self._done.is_set():
             with self._lock:
                 empty = self._empty()
@@ -720,6 +722,7 @@ class DirectWorkerStream(_RankStream):
         """Asks the server to end the stream once the rank's transfers are
         done, waits for the end (up to ``timeout``) and returns every
         outcome not yet polled."""
+        self._ip.check_not_forked()
         if not self._done.is_set() and not self._closed_send:
             try:
                 self._write(pb.ConnectRequest(bye=pb.Bye()))
@@ -742,6 +745,7 @@ class DirectWorkerStream(_RankStream):
 
     def cancel(self) -> None:
         """Ends the stream at once (the server fails what the rank held)."""
+        self._ip.check_not_forked()
         self._closed_send = True
         self._ip.stream_release(self._id)
         with self._lock:
