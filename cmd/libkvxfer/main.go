@@ -24,13 +24,13 @@ package main
 #include <stddef.h>
 
 int kvxfer_fork_close_add(int fd, unsigned long long ino);
+int kvxfer_host_ignores_sigpipe(void);
 */
 import "C"
 
 import (
 	"errors"
 	"fmt"
-	"os"
 	"os/signal"
 	"sync"
 	"syscall"
@@ -47,19 +47,22 @@ func init() {
 	keepSIGPIPE()
 }
 
-// keepSIGPIPE keeps a broken stdout or stderr from killing the engine's
-// process. The Go runtime kills its process with SIGPIPE when Go code's
-// write to fd 1 or 2 fails with EPIPE (os/signal: a command line
-// program's behaviour), unless SIGPIPE is asked for with signal.Notify;
-// the server logs to stderr, and a Python engine whose stderr is a pipe
-// nobody reads any more (its log collector exited) lives on without kvxfer
-// (Python ignores SIGPIPE: its writes fail with BrokenPipeError). Asked
-// for, such a write fails with EPIPE instead. This changes no handler: in
-// a c-shared library the runtime handles SIGPIPE from its start (and
-// forwards one raised on a thread of the engine to the engine's own
-// disposition), and what arrives on the channel is dropped.
+// keepSIGPIPE keeps a broken stdout or stderr from killing an engine's
+// process that ignores SIGPIPE (Python does: its writes fail with
+// BrokenPipeError). The Go runtime of a c-shared library handles SIGPIPE
+// from its start, whatever the process had, and kills the process with it
+// when Go code's write to fd 1 or 2 fails with EPIPE (os/signal: a command
+// line program's behaviour), unless SIGPIPE is ignored through os/signal;
+// the server logs to stderr, so a Python engine whose stderr is a pipe
+// nobody reads any more (its log collector exited) died with kvxfer and
+// lives on without it. Where the process ignored SIGPIPE as it loaded the
+// library, signal.Ignore puts that disposition back (Go's writes then
+// fail with EPIPE, as the engine's do); a process that did not keeps the
+// runtime's handler, and dies by it as by its own writes.
 func keepSIGPIPE() {
-	signal.Notify(make(chan os.Signal, 1), syscall.SIGPIPE)
+	if C.kvxfer_host_ignores_sigpipe() != 0 {
+		signal.Ignore(syscall.SIGPIPE)
+	}
 }
 
 // version is the library's version; abi.c's KVXFER_VERSION says the same.
