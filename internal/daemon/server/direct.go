@@ -133,6 +133,11 @@ func (d *DirectStream) Put(b []byte) error {
 		return ErrDirectEnded
 	default:
 	}
+	select {
+	case d.in <- m: // room: the backlog is for a Put that waits
+		return nil
+	default:
+	}
 	for {
 		select {
 		case d.in <- m:
