@@ -215,9 +215,9 @@ for direct, kind in [(None, DirectWorkerStream), (False, WorkerStream)]:
         w = c.connect(pb.WorkerHello(engine_id="E2" + kind.__name__, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
                                      memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
     # Ctrl-C while the main thread waits in poll: KeyboardInterrupt soon.
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
     try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         w.poll(30)
         r["sigint"] = "not raised"
     except KeyboardInterrupt:
