@@ -16,6 +16,7 @@ never cross these calls: the engine shares its KV memory with the daemon
 from __future__ import annotations
 
 import operator
+import os
 import queue
 import threading
 import time
@@ -457,11 +458,25 @@ class _RankStream:
     writes a message with _write."""
 
     _closed_send: bool
+    _pid: int  # the process that opened the stream
 
     def _write(self, m) -> None:
         raise NotImplementedError
 
+    def _check_process(self) -> None:
+        """Raises in a child forked from the process that opened the
+        stream, whose messages would go nowhere (no thread of the child
+        carries them) and whose locks a thread of the parent may have held
+        at the fork: ForkedChildError where the parent loaded libkvxfer,
+        else StreamClosed saying why."""
+        if os.getpid() == self._pid:
+            return
+        inprocess.check_not_forked()
+        raise errors.StreamClosed(f"kvxfer: this stream was opened by process {self._pid}, and this is a child forked from it "
+                                  f"(pid {os.getpid()}): it carries nothing here; open a stream in this process")
+
     def _send(self, m) -> None:
+        self._check_process()
         if self._done.is_set():
             raise errors.StreamClosed("stream is closed", self.error)
         if self._closed_send:
@@ -529,6 +544,7 @@ class WorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
+        self._pid = os.getpid()
         self._client = client
         self._out.put(pb.ConnectRequest(hello=hello))
         self._call = client._worker.Connect(_requests(self._out))
@@ -574,6 +590,7 @@ class WorkerStream(_RankStream):
         """Takes what arrived since the last poll, waiting up to ``wait``
         seconds for something when nothing has. Raises StreamClosed when the
         stream ended and nothing is left to take."""
+        self._check_process()
         with self._lock:
             if wait > 0 and self._empty() and not self._done.is_set():
                 self._arrived.wait(wait)
@@ -583,6 +600,7 @@ class WorkerStream(_RankStream):
         """Asks the daemon to end the stream once the rank's transfers are
         done, waits for the end (up to ``timeout``) and returns every outcome
         not yet polled."""
+        self._check_process()
         if not self._done.is_set() and not self._closed_send:
             self._out.put(pb.ConnectRequest(bye=pb.Bye()))
             self._closed_send = True
@@ -596,6 +614,7 @@ class WorkerStream(_RankStream):
 
     def cancel(self) -> None:
         """Ends the stream at once (the daemon fails what the rank held)."""
+        self._check_process()
         self._closed_send = True
         self._out.put(_BYE)
         self._call.cancel()
@@ -621,6 +640,7 @@ class DirectWorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
+        self._pid = os.getpid()
         self._id = 0
         try:
             self._id = inprocess.stream_open()
