@@ -3,6 +3,7 @@
 // into buffers this file owns; nothing here is freed by Go or the caller.
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +76,19 @@ static void kvxfer_forked_child(void) {
 		kvxfer_fork_fds[i].fd = -1;
 	}
 }
+
+// Whether the process ignored SIGPIPE as it loaded the library (Python
+// does), before the Go runtime put its handler in place: a constructor of
+// priority 101 runs before those without one, the Go runtime's included.
+static int kvxfer_sigpipe_was_ignored;
+
+__attribute__((constructor(101))) static void kvxfer_host_signals(void) {
+	struct sigaction sa;
+	kvxfer_sigpipe_was_ignored =
+		sigaction(SIGPIPE, NULL, &sa) == 0 && !(sa.sa_flags & SA_SIGINFO) && sa.sa_handler == SIG_IGN;
+}
+
+int kvxfer_host_ignores_sigpipe(void) { return kvxfer_sigpipe_was_ignored; }
 
 __attribute__((constructor)) static void kvxfer_loaded(void) {
 	kvxfer_load_pid = getpid();

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -41,6 +42,30 @@ func TestCABI(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "version "+version) {
 		t.Errorf("drive's output lacks version %q:\n%s", version, out)
+	}
+
+	// A process whose stderr is a pipe nobody reads any more: one that
+	// ignores SIGPIPE (Python) lives on as the server logs (the Go
+	// runtime killed it, exit status 141), one that does not dies by it,
+	// as by its own writes.
+	sigpipe := filepath.Join(dir, "sigpipe")
+	if out, err := exec.CommandContext(ctx, cc, "-Wall", "-Werror", "-I", ".", "-o", sigpipe, "testdata/sigpipe.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("cc: %v\n%s", err, out)
+	}
+	for _, mode := range []string{"ignore", "default"} {
+		out, err := exec.CommandContext(rctx, sigpipe, lib, mode).Output()
+		var st syscall.WaitStatus
+		if ee, ok := err.(*exec.ExitError); ok {
+			st, _ = ee.Sys().(syscall.WaitStatus)
+		}
+		switch {
+		case mode == "ignore" && (err != nil || string(out) != "alive\n"):
+			t.Errorf("SIGPIPE ignored, stderr broken: %v (%v), output %q; want it alive", err, st, out)
+		case mode == "default" && !st.Signaled():
+			t.Errorf("SIGPIPE at its default, stderr broken: %v, output %q; want it killed by SIGPIPE, as by its own writes", err, out)
+		case mode == "default" && st.Signal() != syscall.SIGPIPE:
+			t.Errorf("SIGPIPE at its default, stderr broken: killed by %v, want SIGPIPE", st.Signal())
+		}
 	}
 }
 

@@ -24,13 +24,16 @@ package main
 #include <stddef.h>
 
 int kvxfer_fork_close_add(int fd, unsigned long long ino);
+int kvxfer_host_ignores_sigpipe(void);
 */
 import "C"
 
 import (
 	"errors"
 	"fmt"
+	"os/signal"
 	"sync"
+	"syscall"
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/daemon"
@@ -41,6 +44,25 @@ import (
 // once (abi.c's fork handler): they are recorded as they open.
 func init() {
 	forkclose.SetHook(func(fd int, ino uint64) { C.kvxfer_fork_close_add(C.int(fd), C.ulonglong(ino)) })
+	keepSIGPIPE()
+}
+
+// keepSIGPIPE keeps a broken stdout or stderr from killing an engine's
+// process that ignores SIGPIPE (Python does: its writes fail with
+// BrokenPipeError). The Go runtime of a c-shared library handles SIGPIPE
+// from its start, whatever the process had, and kills the process with it
+// when Go code's write to fd 1 or 2 fails with EPIPE (os/signal: a command
+// line program's behaviour), unless SIGPIPE is ignored through os/signal;
+// the server logs to stderr, so a Python engine whose stderr is a pipe
+// nobody reads any more (its log collector exited) died with kvxfer and
+// lives on without it. Where the process ignored SIGPIPE as it loaded the
+// library, signal.Ignore puts that disposition back (Go's writes then
+// fail with EPIPE, as the engine's do); a process that did not keeps the
+// runtime's handler, and dies by it as by its own writes.
+func keepSIGPIPE() {
+	if C.kvxfer_host_ignores_sigpipe() != 0 {
+		signal.Ignore(syscall.SIGPIPE)
+	}
 }
 
 // version is the library's version; abi.c's KVXFER_VERSION says the same.

@@ -16,6 +16,7 @@ never cross these calls: the engine shares its KV memory with the daemon
 from __future__ import annotations
 
 import operator
+import os
 import queue
 import threading
 import time
@@ -69,9 +70,6 @@ class Client:
             self._bridge = Bridge(address, peer_secret)
             target = self._bridge.address
         self._channel = grpc.insecure_channel(target, options=opts)
-        # Another process's in-process server refuses this one as the
-        # socket opens, where gRPC says no more than "connection reset".
-        self._foreign = inprocess.refused_here(address)
         self._sched = rpc.SchedulerServiceStub(self._channel)
         self._worker = rpc.WorkerServiceStub(self._channel)
         self._peer = rpc.PeerServiceStub(self._channel)
@@ -94,9 +92,22 @@ class Client:
         another process's in-process server and could not be reached, it
         says why (gRPC's own words are "connection reset by peer")."""
         err = errors.from_rpc_error(op, e)
-        if self._foreign is not None and isinstance(err, errors.Unavailable):
-            err = errors.Unavailable(op, f"{err.details} ({self._foreign})")
+        foreign = self._foreign()
+        # gRPC in a forked child may say CANCELLED ("closed on fork") of a
+        # channel made before the fork; this client cancels no call that
+        # reaches here (a stream's own cancel is no error).
+        if foreign is not None and (isinstance(err, errors.Unavailable) or e.code() == grpc.StatusCode.CANCELLED):
+            err = errors.Unavailable(op, f"{err.details} ({foreign})")
         return err
+
+    def _foreign(self) -> str | None:
+        """Why this process may be refused by the in-process server at
+        this client's address, or None: another process's such server
+        refuses it as the socket opens, where gRPC says no more than
+        "connection reset". Asked when a call fails, not as the client is
+        made: a client made in the server's own process and used in a
+        child forked from it is refused there."""
+        return inprocess.refused_here(self.address)
 
     def _direct_methods(self) -> dict:
         """SchedulerService's unary methods by their stub's id, where this
@@ -114,7 +125,8 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            why = f" ({self._foreign})" if self._foreign is not None else ""
+            foreign = self._foreign()
+            why = f" ({foreign})" if foreign is not None else ""
             raise errors.Unavailable("connect", f"no daemon at {self.address} within {timeout}s{why}") from None
 
     def scheduler(self, engine_id: str) -> "Scheduler":
@@ -446,11 +458,25 @@ class _RankStream:
     writes a message with _write."""
 
     _closed_send: bool
+    _pid: int  # the process that opened the stream
 
     def _write(self, m) -> None:
         raise NotImplementedError
 
+    def _check_process(self) -> None:
+        """Raises in a child forked from the process that opened the
+        stream, whose messages would go nowhere (no thread of the child
+        carries them) and whose locks a thread of the parent may have held
+        at the fork: ForkedChildError where the parent loaded libkvxfer,
+        else StreamClosed saying why."""
+        if os.getpid() == self._pid:
+            return
+        inprocess.check_not_forked()
+        raise errors.StreamClosed(f"kvxfer: this stream was opened by process {self._pid}, and this is a child forked from it "
+                                  f"(pid {os.getpid()}): it carries nothing here; open a stream in this process")
+
     def _send(self, m) -> None:
+        self._check_process()
         if self._done.is_set():
             raise errors.StreamClosed("stream is closed", self.error)
         if self._closed_send:
@@ -518,6 +544,7 @@ class WorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
+        self._pid = os.getpid()
         self._client = client
         self._out.put(pb.ConnectRequest(hello=hello))
         self._call = client._worker.Connect(_requests(self._out))
@@ -563,6 +590,7 @@ class WorkerStream(_RankStream):
         """Takes what arrived since the last poll, waiting up to ``wait``
         seconds for something when nothing has. Raises StreamClosed when the
         stream ended and nothing is left to take."""
+        self._check_process()
         with self._lock:
             if wait > 0 and self._empty() and not self._done.is_set():
                 self._arrived.wait(wait)
@@ -572,6 +600,7 @@ class WorkerStream(_RankStream):
         """Asks the daemon to end the stream once the rank's transfers are
         done, waits for the end (up to ``timeout``) and returns every outcome
         not yet polled."""
+        self._check_process()
         if not self._done.is_set() and not self._closed_send:
             self._out.put(pb.ConnectRequest(bye=pb.Bye()))
             self._closed_send = True
@@ -585,6 +614,7 @@ class WorkerStream(_RankStream):
 
     def cancel(self) -> None:
         """Ends the stream at once (the daemon fails what the rank held)."""
+        self._check_process()
         self._closed_send = True
         self._out.put(_BYE)
         self._call.cancel()
@@ -610,6 +640,7 @@ class DirectWorkerStream(_RankStream):
         self.error: errors.KvxferError | None = None
         self.agent_name = ""
         self._closed_send = False
+        self._pid = os.getpid()
         self._id = 0
         try:
             self._id = inprocess.stream_open()
@@ -645,15 +676,34 @@ class DirectWorkerStream(_RankStream):
             except Exception:  # noqa: BLE001 - at interpreter exit, or in a forked child
                 pass
 
+    # The longest the main thread waits inside the library at a time:
+    # Python runs its signal handlers (Ctrl-C's KeyboardInterrupt, an
+    # engine's SIGTERM handler) between its own instructions only, never
+    # while a call into the library waits, so a whole wait there would put
+    # them off until it ended (the gRPC stream waits on a Condition, which
+    # a signal interrupts).
+    SIGNAL_SLICE = 0.1
+
     def _take(self, wait: float) -> None:
-        """Takes the stream's messages: waits up to wait seconds for the
-        first, then takes what else arrived, up to the stream's end."""
+        """Takes the stream's messages: waits up to wait seconds (none if
+        negative) for the first, then takes what else arrived, up to the
+        stream's end."""
+        self._ip.check_not_forked()  # before the lock a thread of the parent may have held at the fork
         got = False
+        deadline = time.monotonic() + max(wait, 0.0)
+        main = threading.current_thread() is threading.main_thread()
         with self._take_lock:
             while True:
-                r = self._ip.stream_take(self._id, wait if not got else 0.0)
-                if r is None:  # nothing (more) within the wait
-                    return
+                w = 0.0
+                if not got:
+                    w = max(deadline - time.monotonic(), 0.0)
+                    if main:
+                        w = min(w, self.SIGNAL_SLICE)
+                r = self._ip.stream_take(self._id, w)
+                if r is None:  # nothing (more) within the wait, or this slice of it
+                    if got or time.monotonic() >= deadline:
+                        return
+                    continue
                 kind, payload = r
                 if kind == "ended":
                     code, msg = payload
@@ -680,10 +730,11 @@ class DirectWorkerStream(_RankStream):
         """Takes what arrived since the last poll, waiting up to ``wait``
         seconds for something when nothing has. Raises StreamClosed when
         the stream ended and nothing is left to take."""
+        self._ip.check_not_forked()  # in a forked child, the locks below may be held by no thread of it
         if not self._done.is_set():
             with self._lock:
                 empty = self._empty()
-            self._take(wait if empty else 0.0)
+            self._take(wait if empty else 0.0)  # a negative wait is none, as on the gRPC stream
         with self._lock:
             return self._take_pending()
 
@@ -691,6 +742,7 @@ class DirectWorkerStream(_RankStream):
         """Asks the server to end the stream once the rank's transfers are
         done, waits for the end (up to ``timeout``) and returns every
         outcome not yet polled."""
+        self._ip.check_not_forked()
         if not self._done.is_set() and not self._closed_send:
             try:
                 self._write(pb.ConnectRequest(bye=pb.Bye()))
@@ -713,6 +765,7 @@ class DirectWorkerStream(_RankStream):
 
     def cancel(self) -> None:
         """Ends the stream at once (the server fails what the rank held)."""
+        self._ip.check_not_forked()
         self._closed_send = True
         self._ip.stream_release(self._id)
         with self._lock:

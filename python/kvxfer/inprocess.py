@@ -71,6 +71,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def check_not_forked() -> None:
+    """Raises ForkedChildError in a child forked from the process that
+    loaded the library (before a caller waits for a lock that a thread of
+    the parent may have held at the fork: no thread of the child would
+    ever let go of it)."""
+    if _lib is not None and os.getpid() != _loader_pid:
+        raise _forked_error()
+
+
 def library_path() -> str:
     """Where libkvxfer is: $KVXFER_LIBKVXFER, else libkvxfer.so beside
     this package."""

@@ -80,9 +80,25 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
         import os, sys
         from kvxfer import inprocess
         ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        import kvxfer as kx
+        before = kx.Client(ep, timeout=3, direct=False)  # a client of the parent's, made before the fork
+        before.wait_ready(5)
         pid = os.fork()
         if pid == 0:
             code = 0
+            # The parent's client, used here: refused as a new one is,
+            # saying why (not gRPC's bare "connection reset by peer").
+            from kvxfer import errors as kerr
+            from kvxfer.v1 import kvxfer_pb2 as kpb
+            for call in (lambda: before.scheduler("E").build_meta(),
+                         lambda: before.connect(kpb.WorkerHello(engine_id="E"), ready_timeout=10)):
+                try:
+                    call()
+                    code = 17
+                except kerr.Unavailable as e:
+                    if "forked" not in str(e) or "spawn" not in str(e):
+                        print("child: the parent's client:", e, flush=True)
+                        code = 18
             for call in (lambda: inprocess.start(), lambda: inprocess.stop(), inprocess.endpoint, inprocess.version):
                 try:
                     call()
@@ -125,6 +141,59 @@ def test_forked_child_gets_a_clear_error(libkvxfer):
         c.wait_ready(5)
         c.close()
         print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_forked_child_stream_gets_a_clear_error(libkvxfer):
+    """A rank's stream made in the parent and used in a child forked while
+    another thread of the parent waited in its poll: each method raises
+    ForkedChildError at once. A direct stream's locks were copied held
+    (their holder is no thread of the child), and poll, bye and cancel
+    waited for them for ever; a gRPC stream took steps and a bye that went
+    nowhere (no thread of the child carries them) and said nothing."""
+    r = _run(libkvxfer, """
+        import os, signal, threading, time
+        import numpy as np
+        import kvxfer
+        from kvxfer import inprocess
+        from kvxfer.client import DirectWorkerStream, WorkerStream
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                             kernel_block_size=16, regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION,
+                                                                      base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        for direct, kind in [(None, DirectWorkerStream), (False, WorkerStream)]:
+            c = kvxfer.Client(ep, direct=direct)
+            w = c.connect(pb.WorkerHello(engine_id="E" + kind.__name__, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                         memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+            assert type(w) is kind, type(w)
+            poller = threading.Thread(target=lambda: w.poll(3), daemon=True)
+            poller.start()
+            time.sleep(0.5)  # the poller waits, holding a direct stream's take lock
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(10)  # a hang kills the child
+                code = 0
+                for name, call in (("poll", lambda: w.poll()), ("poll(1)", lambda: w.poll(1)),
+                                   ("step", lambda: w.step(pb.StepMeta(step=1))), ("bye", lambda: w.bye(2)), ("cancel", w.cancel)):
+                    try:
+                        call()
+                        print("child:", kind.__name__, name, "raised nothing", flush=True)
+                        code = 10
+                    except inprocess.ForkedChildError as e:
+                        if "forked child" not in str(e):
+                            code = 11
+                os._exit(code)
+            _, st = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(st) == 0, (kind.__name__, os.waitstatus_to_exitcode(st))
+            poller.join()
+            w.bye(10)
+            assert w.error is None, w.error
+            c.close()
+        print("ok", flush=True)
     """)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 

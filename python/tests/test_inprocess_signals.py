@@ -128,3 +128,122 @@ def test_signals_with_the_server_running(libkvxfer, backend):
     assert res["child"] == 7, res
     assert res["pipe"] == "BrokenPipeError", res
     assert res["env_changed"] == [], f"the C environment changed: {res['env_changed']}"
+
+
+CLOSED_STDERR = r"""
+import json, os, sys, time
+import numpy as np
+r, w = os.pipe()
+os.close(r)
+os.dup2(w, 2)  # stderr: a pipe whose reader is gone (a log collector that exited)
+os.close(w)
+from kvxfer import inprocess
+import kvxfer
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+res = {}
+ep = inprocess.start({"insecure_peers": True, "log_level": "debug"})  # the server logs as it starts
+kv = np.zeros(64 * 1024, dtype=np.uint8)
+c = kvxfer.Client(ep)
+layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                     order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                     regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+w = c.connect(pb.WorkerHello(engine_id="E", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                             memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=time.time_ns()))
+w.bye(timeout=20)
+c.close()
+inprocess.stop()
+try:
+    os.write(2, b"python's own write\n")
+    res["python_write"] = "written"
+except BrokenPipeError:
+    res["python_write"] = "BrokenPipeError"
+print("result", json.dumps(res), flush=True)
+"""
+
+
+def test_closed_stderr_does_not_kill_the_process(libkvxfer):
+    """An engine whose stderr is a pipe nobody reads any more (its log
+    collector exited) lives on, as Python does without kvxfer (it ignores
+    SIGPIPE: a write fails with BrokenPipeError): the Go runtime kills its
+    process with SIGPIPE when Go code writes to a broken stdout or stderr,
+    unless SIGPIPE is asked for, and the server logs to stderr."""
+    env = dict(os.environ)
+    env["KVXFER_LIBKVXFER"] = str(libkvxfer)
+    env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([PY, "-c", textwrap.dedent(CLOSED_STDERR)], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True, timeout=120)
+    assert p.returncode == 0, f"exit status {p.returncode} (-13: killed by SIGPIPE)\n{p.stdout}"
+    line = [x for x in p.stdout.splitlines() if x.startswith("result ")]
+    assert line, f"no result\n{p.stdout}"
+    assert json.loads(line[0][len("result "):]) == {"python_write": "BrokenPipeError"}
+
+
+WAITS = r"""
+import json, os, signal, threading, time
+import numpy as np
+import kvxfer
+from kvxfer import inprocess
+from kvxfer.client import DirectWorkerStream, WorkerStream
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+kv = np.zeros(64 * 1024, dtype=np.uint8)
+res = {}
+for direct, kind in [(None, DirectWorkerStream), (False, WorkerStream)]:
+    c = kvxfer.Client(ep, direct=direct)
+    layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                         order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16, kernel_block_size=16,
+                         regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+    w = c.connect(pb.WorkerHello(engine_id="E" + kind.__name__, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                 memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+    assert type(w) is kind, type(w)
+    r = res[kind.__name__] = {}
+    # A negative wait is no wait (nothing is coming here); a poll that
+    # hangs is ended by the stream's cancel, 10 s on.
+    ender = threading.Timer(10, w.cancel)
+    ender.start()
+    t0 = time.monotonic()
+    try:
+        w.poll(-1)
+    except kvxfer.errors.StreamClosed:
+        pass
+    r["poll_negative_s"] = round(time.monotonic() - t0, 1)
+    ender.cancel()
+    if w.closed:
+        w = c.connect(pb.WorkerHello(engine_id="E2" + kind.__name__, mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+    # Ctrl-C while the main thread waits in poll: KeyboardInterrupt soon.
+    t0 = time.monotonic()
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        w.poll(30)
+        r["sigint"] = "not raised"
+    except KeyboardInterrupt:
+        r["sigint"] = "KeyboardInterrupt"
+    r["sigint_s"] = round(time.monotonic() - t0, 1)
+    w.bye(10)
+    c.close()
+inprocess.stop()
+print("result", json.dumps(res), flush=True)
+"""
+
+
+def test_direct_stream_waits_as_the_grpc_stream(libkvxfer):
+    """A rank's direct stream waits as the gRPC one does: Ctrl-C while the
+    main thread waits in poll raises KeyboardInterrupt at once (a wait
+    inside the library, the GIL released, ran Python's handler only once
+    it ended: 30 s later), and a negative wait is no wait (it waited
+    without limit)."""
+    env = dict(os.environ)
+    env["KVXFER_LIBKVXFER"] = str(libkvxfer)
+    env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([PY, "-c", textwrap.dedent(WAITS)], env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, f"exit status {p.returncode}\n{p.stdout}\n{p.stderr}"
+    line = [x for x in p.stdout.splitlines() if x.startswith("result ")]
+    assert line, f"no result\n{p.stdout}\n{p.stderr}"
+    res = json.loads(line[0][len("result "):])
+    for kind, r in res.items():
+        assert r["poll_negative_s"] < 5, (kind, r)
+        assert r["sigint"] == "KeyboardInterrupt" and r["sigint_s"] < 10, (kind, r)

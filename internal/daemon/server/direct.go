@@ -54,6 +54,18 @@ type DirectStream struct {
 
 	limits *limits // counts what the engine hands that is refused
 
+	// What the server sent that a Put waiting for room took out of out
+	// for the engine (the engine's own messages, taken in its place: see
+	// Put), older than all in out; Take hands them first. omu guards it
+	// and every receive from out, so that the engine takes the server's
+	// messages in the order they were sent. wakeTake and wakePut (a token
+	// each) say that the server sent something, or that backlog holds
+	// something, to a Take and to a Put that wait.
+	omu      sync.Mutex
+	backlog  [][]byte
+	wakeTake chan struct{}
+	wakePut  chan struct{}
+
 	mu       sync.Mutex // guards inClosed (close(in) once, no Put after it)
 	inClosed bool
 
@@ -79,7 +91,7 @@ var _ net.Addr = directAddr{}
 func (s *Server) OpenDirect() *DirectStream {
 	ctx, cancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownStreamAuth()}))
 	d := &DirectStream{ctx: ctx, cancel: cancel, in: make(chan *pb.ConnectRequest, 64), out: make(chan []byte, directOut),
-		ended: make(chan struct{}), limits: s.limits}
+		ended: make(chan struct{}), limits: s.limits, wakeTake: make(chan struct{}, 1), wakePut: make(chan struct{}, 1)}
 	go func() {
 		err := s.Connect(d)
 		st := status.Convert(err)
@@ -93,6 +105,14 @@ func (s *Server) OpenDirect() *DirectStream {
 // Put hands the server one marshalled ConnectRequest. One too large, or
 // that does not parse, is refused (counted: kvxfer_refused_total
 // {reason="bad_message"}) and the stream goes on.
+//
+// A Put may wait for room (the server takes the engine's messages one at
+// a time, and not while its sender waits for the engine to take what it
+// sent: an engine that does not read is held). While it waits, it takes
+// what the server sends into the stream's backlog, in the engine's place,
+// as the reader of the engine's gRPC stream would: an engine that puts
+// step after step on one thread and takes only later waited for its own
+// Take (the server's sender full, its receiver behind it), for ever.
 func (d *DirectStream) Put(b []byte) error {
 	m := new(pb.ConnectRequest)
 	if err := d.limits.parse("ConnectRequest", b, m); err != nil {
@@ -114,13 +134,74 @@ func (d *DirectStream) Put(b []byte) error {
 	default:
 	}
 	select {
-	case d.in <- m:
+	case d.in <- m: // room: the backlog is for a Put that waits
 		return nil
-	case <-d.ended:
-		return ErrDirectEnded
-	case <-d.ctx.Done():
-		return ErrDirectEnded
+	default:
 	}
+	for {
+		select {
+		case d.in <- m:
+			return nil
+		case <-d.ended:
+			return ErrDirectEnded
+		case <-d.ctx.Done():
+			return ErrDirectEnded
+		case <-d.wakePut:
+			d.omu.Lock()
+			moved := false
+			for drained := false; !drained; {
+				select {
+				case b := <-d.out:
+					d.backlog = append(d.backlog, b)
+					moved = true
+				default:
+					drained = true
+				}
+			}
+			d.omu.Unlock()
+			if moved {
+				wake(d.wakeTake)
+			}
+		}
+	}
+}
+
+// wake leaves c's token, if it is not there already.
+func wake(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// next is the oldest message the server sent that the engine has not
+// taken (the backlog's first, then out's), if any.
+func (d *DirectStream) next() ([]byte, bool) {
+	d.omu.Lock()
+	defer d.omu.Unlock()
+	if len(d.backlog) > 0 {
+		b := d.backlog[0]
+		d.backlog[0] = nil
+		d.backlog = d.backlog[1:]
+		if len(d.backlog) == 0 {
+			d.backlog = nil
+		}
+		return b, true
+	}
+	select {
+	case b := <-d.out:
+		return b, true
+	default:
+		return nil, false
+	}
+}
+
+// more reports whether a message is left to take (a Take that took one
+// passes the token on to another that waits).
+func (d *DirectStream) more() bool {
+	d.omu.Lock()
+	defer d.omu.Unlock()
+	return len(d.backlog) > 0 || len(d.out) > 0
 }
 
 // CloseSend ends what the engine sends (gRPC's half-close): the server
@@ -142,38 +223,38 @@ func (d *DirectStream) Cancel() { d.cancel() }
 // none came within wait. ended true: the stream ended and every message
 // before its end was taken; code and msg say how (codes.OK: cleanly).
 func (d *DirectStream) Take(wait time.Duration) (b []byte, ok, ended bool, code codes.Code, msg string) {
-	select {
-	case b = <-d.out:
-		return b, true, false, 0, ""
-	case <-d.ended: // without waiting: an ended stream says so, whatever wait is
-		return d.afterEnd()
-	default:
-	}
 	var timeout <-chan time.Time
-	if wait >= 0 {
-		t := time.NewTimer(wait)
-		defer t.Stop()
-		timeout = t.C
+	for {
+		// ended is looked at before what is left: what the server sent
+		// before it ended is all there once it has (an ended stream says
+		// so without waiting, whatever wait is).
+		end := false
+		select {
+		case <-d.ended:
+			end = true
+		default:
+		}
+		if b, ok := d.next(); ok {
+			if d.more() {
+				wake(d.wakeTake)
+			}
+			return b, true, false, 0, ""
+		}
+		if end {
+			return nil, false, true, d.code, d.msg // ended is closed: they are set
+		}
+		if timeout == nil && wait >= 0 {
+			t := time.NewTimer(wait)
+			defer t.Stop()
+			timeout = t.C
+		}
+		select {
+		case <-d.wakeTake:
+		case <-d.ended:
+		case <-timeout:
+			return nil, false, false, 0, ""
+		}
 	}
-	select {
-	case b = <-d.out:
-		return b, true, false, 0, ""
-	case <-d.ended:
-		return d.afterEnd()
-	case <-timeout:
-		return nil, false, false, 0, ""
-	}
-}
-
-// afterEnd is Take once the stream ended: what the server sent before it
-// ended comes first, then the end.
-func (d *DirectStream) afterEnd() (b []byte, ok, ended bool, code codes.Code, msg string) {
-	select {
-	case b = <-d.out:
-		return b, true, false, 0, ""
-	default:
-	}
-	return nil, false, true, d.code, d.msg // ended is closed: they are set
 }
 
 // The server's side: grpc.BidiStreamingServer.
@@ -199,6 +280,8 @@ func (d *DirectStream) Send(m *pb.ConnectResponse) error {
 	}
 	select {
 	case d.out <- b:
+		wake(d.wakeTake)
+		wake(d.wakePut)
 		return nil
 	case <-d.ctx.Done():
 		return status.FromContextError(d.ctx.Err()).Err()

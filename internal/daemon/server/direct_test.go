@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"strings"
 	"testing"
@@ -351,5 +352,68 @@ func TestDirectPutAfterEndRefused(t *testing.T) {
 	}
 	if taken > 0 {
 		t.Errorf("%d of 60 Puts after the stream ended answered OK, want each refused (ErrDirectEnded)", taken)
+	}
+}
+
+// An engine that steps without taking what the server sends (its one
+// thread puts step after step, and takes only later) is not held for ever:
+// its gRPC stream's reader takes the server's messages as they come, and
+// a direct stream's Put, which waited for room while the server's sender
+// waited for the engine to take and its receiver for the sender, hung the
+// engine's thread once the server had sent directOut (1024) messages
+// nobody took. Every request still ends in exactly one outcome, in order,
+// and the stream ends cleanly after bye.
+func TestDirectPutWhileTheEngineTakesNothing(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	ds := d.srv.OpenDirect()
+	defer ds.Cancel()
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: directHello(t)}})); err != nil {
+		t.Fatal(err)
+	}
+	if m, ended, code, msg := take(t, ds); ended || m.GetReady() == nil {
+		t.Fatalf("after hello: %v (ended %v: %v %s), want Ready", m, ended, code, msg)
+	}
+	const steps = 3000 // each answered by a Finished (one request aborted before it was scheduled)
+	put := make(chan error, 1)
+	go func() {
+		for i := 1; i <= steps; i++ {
+			m := &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: &pb.StepMeta{Step: uint64(i),
+				Recv: []*pb.RecvRequest{{RequestId: fmt.Sprintf("r%d", i), Aborted: true}}}}}
+			if err := ds.Put(marshal(t, m)); err != nil {
+				put <- fmt.Errorf("step %d: %w", i, err)
+				return
+			}
+		}
+		put <- ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Bye{Bye: &pb.Bye{}}}))
+	}()
+	select {
+	case err := <-put:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		ds.Cancel() // ends the Put that waits, and the test
+		<-put
+		t.Fatalf("the engine's Puts (%d steps, nothing taken) still wait 30 s on", steps)
+	}
+	ds.CloseSend()
+	next := 1
+	for {
+		m, ended, code, msg := take(t, ds)
+		if ended {
+			if code != codes.OK {
+				t.Fatalf("after bye: ended %v %s, want OK", code, msg)
+			}
+			break
+		}
+		for _, o := range m.GetFinished().GetRecving() {
+			if want := fmt.Sprintf("r%d", next); o.GetRequestId() != want {
+				t.Fatalf("outcome for %s, want %s next (each request once, in order)", o.GetRequestId(), want)
+			}
+			next++
+		}
+	}
+	if next != steps+1 {
+		t.Fatalf("%d outcomes, want %d", next-1, steps)
 	}
 }
