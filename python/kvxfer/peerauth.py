@@ -8,10 +8,12 @@ nonce; the server answers with its nonce and an HMAC-SHA256 proof over both;
 the client checks it, sends its own proof and reads the server's verdict.
 
 gRPC's Python API cannot run an exchange on a connection before HTTP/2
-starts, so :class:`Bridge` listens on loopback and, for each connection a
-channel opens to it, connects to the daemon, authenticates, and relays the
-bytes both ways. Engines never need this: they talk to their own daemon over
-its unix socket.
+starts, so :class:`Bridge` listens on a unix socket of its own and, for each
+connection a channel opens to it, connects to the daemon, authenticates, and
+relays the bytes both ways. The socket lies in a directory only this user can
+enter, and a connection of another uid is refused: whoever reaches the bridge
+reaches the peer as this process (with its secret). Engines never need this:
+they talk to their own daemon over its unix socket.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import shutil
 import socket
+import struct
+import tempfile
 import threading
 import time
 
@@ -80,9 +85,14 @@ def client_handshake(sock: socket.socket, secret: bytes, purpose: str = "grpc", 
 
 
 class Bridge:
-    """A loopback address whose connections reach ``target`` (host:port)
-    authenticated with ``secret``. Use ``bridge.address`` as a gRPC target;
-    ``close`` stops it. Safe for concurrent use."""
+    """A local address whose connections reach ``target`` (host:port)
+    authenticated with ``secret``. Use ``bridge.address`` (``unix:`` and
+    ``bridge.path``) as a gRPC target; ``close`` stops it. Only this user's
+    processes can connect: the socket lies in a directory of mode 0700, and
+    a connection of another uid (SO_PEERCRED) is closed at once. Before, it
+    listened on a loopback port, and any local user who connected to it
+    reached the peer authenticated with this process's secret. Safe for
+    concurrent use."""
 
     # Failures kept in errors (the latest last): a channel to an
     # unreachable peer retries for as long as it lives.
@@ -92,8 +102,18 @@ class Bridge:
         host, _, port = target.rpartition(":")
         self._target = (host.strip("[]"), int(port))
         self._secret, self._name, self._timeout = secret, name, timeout
-        self._ln = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self._ln.getsockname()[1]
+        self._dir = tempfile.mkdtemp(prefix="kvxfer-bridge-")  # mode 0700: this user's only
+        self.path = os.path.join(self._dir, "peer.sock")
+        self._ln = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._ln.bind(self.path)
+            self._ln.listen(128)
+        except OSError:
+            self._ln.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self.address = "unix:" + self.path
+        self._uid = os.getuid()
         self.errors: list[str] = []
         self._lock = threading.Lock()  # _closed, _socks, _threads, errors
         self._closed = False
@@ -138,9 +158,23 @@ class Bridge:
                 local, _ = self._ln.accept()
             except OSError:
                 return  # closed (close shuts the listener down: accept returns)
+            if not self._own(local):
+                local.close()
+                continue
             if not self._track(local):
                 return
             self._spawn(self._serve, local)
+
+    def _own(self, s: socket.socket) -> bool:
+        """Whether s's peer runs as this process's uid (SO_PEERCRED)."""
+        try:
+            _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        except OSError:
+            return False
+        if uid != self._uid:
+            self._fail(f"a connection of uid {uid} refused (the bridge is uid {self._uid}'s)")
+            return False
+        return True
 
     def _fail(self, why: str) -> None:
         with self._lock:
@@ -213,3 +247,4 @@ class Bridge:
             threads[0].join(max(0.0, deadline - time.monotonic()))
         for s in socks:
             s.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

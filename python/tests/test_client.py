@@ -4,6 +4,7 @@ batched Step, worker streams, peer handshakes and typed errors."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -256,8 +257,8 @@ def test_stream_end_leaves_no_thread_or_fd(daemons):
 
 
 def test_peer_client_close_stops_its_bridge(daemons):
-    """A Client made with a peer secret (its authenticating bridge on
-    loopback) leaves no thread and no listening port once closed: the
+    """A Client made with a peer secret (its authenticating bridge, a
+    unix socket) leaves no thread and no listening port once closed: the
     bridge's accept, blocked in accept(2), kept the listening socket alive
     after close (close(2) does not wake it) and accepted and relayed the
     next connection to it, one thread and one port leaked per client."""
@@ -272,12 +273,12 @@ def test_peer_client_close_stops_its_bridge(daemons):
         c = kvxfer.Client(d.peer, peer_secret=secret)
         with pytest.raises(errors.NotFound):
             c.handshake("nobody")
-        port = int(c._bridge.address.rsplit(":", 1)[1])
+        path = c._bridge.path
         time.sleep(0.1)  # the bridge's accept is waiting
         c.close()
-        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        with socket.socket(socket.AF_UNIX) as s, pytest.raises((ConnectionRefusedError, FileNotFoundError)):
             s.settimeout(5)
-            s.connect(("127.0.0.1", port))
+            s.connect(path)
     assert _new_threads(before) == []
     deadline = time.monotonic() + 5
     while _fds() > fds and time.monotonic() < deadline:
@@ -302,13 +303,61 @@ def test_bridge_keeps_few_errors():
     port = harness.free_port()  # nothing listens there
     b = Bridge(f"127.0.0.1:{port}", b"s" * 16, timeout=2)
     try:
-        bport = int(b.address.rsplit(":", 1)[1])
         for _ in range(48):
-            with socket.create_connection(("127.0.0.1", bport), timeout=5) as s:
+            with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(5)
+                s.connect(b.path)
                 assert s.recv(1) == b""  # the bridge hangs up: the peer is unreachable
         assert 0 < len(b.errors) <= 16, len(b.errors)
         assert "refused" in b.errors[-1]
+    finally:
+        b.close()
+
+
+_CONNECT_AS_NOBODY = """
+import socket, sys
+addr = sys.argv[1]
+try:
+    if addr.startswith("unix:"):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5)
+        s.connect(addr[len("unix:"):])
+    else:
+        host, _, port = addr.rpartition(":")
+        s = socket.create_connection((host, int(port)), timeout=5)
+    s.settimeout(5)
+    s.sendall(b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n")
+    got = s.recv(64)
+    print("RELAYED" if got else "HUNG UP")
+except OSError as e:
+    print("REFUSED", type(e).__name__, e)
+"""
+
+
+def test_bridge_refuses_other_users(daemons):
+    """A peer-secret bridge is for its own user: another local user who
+    connects to it would reach the peer authenticated with this process's
+    secret. Before, it listened on a loopback port and relayed any local
+    user's connection to the peer, authenticated (here uid 65534's, whose
+    HTTP/2 preface the daemon answered)."""
+    # A Python another user can run (the test's own may lie under a home
+    # only its user enters): the system's.
+    py = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), sys.executable)
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("switching to another uid needs root and setpriv; CI runs as root")
+    d = daemons("a")
+    b = Bridge(d.peer, load_secret(d.secret), timeout=5)
+    try:
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c", _CONNECT_AS_NOBODY, b.address],
+                             capture_output=True, text=True, timeout=30, cwd="/")
+        assert out.stdout.startswith(("REFUSED", "HUNG UP")), f"another user's connection to the bridge: {out.stdout} {out.stderr}"
+        # Its own user still gets through.
+        c = kvxfer.Client(d.peer, peer_secret=load_secret(d.secret))
+        try:
+            with pytest.raises(errors.NotFound):
+                c.handshake("nobody")
+        finally:
+            c.close()
     finally:
         b.close()
 
