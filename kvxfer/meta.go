@@ -110,6 +110,13 @@ type TransferParams struct {
 	RemoteBlocksExpiry time.Time
 	// Mode is the transfer mode the sender used.
 	Mode Mode
+	// RemoteGeneration is the producer engine's generation when it issued
+	// these params (pull: SchedulerConfig.Generation; 0: unknown, as from
+	// an older build). Its consumer handshakes again before reading when
+	// its loaded handshake is of another generation, and does not read
+	// blocks these params name from another generation of the engine
+	// (they may hold another request's KV since it restarted).
+	RemoteGeneration uint64
 }
 
 // Request is what the Scheduler needs of an engine's request. The engine
@@ -133,6 +140,9 @@ type RemoteRef struct {
 	// Expiry is when the remote blocks are freed, on the remote
 	// scheduler's clock (zero: unknown).
 	Expiry time.Time
+	// Generation is the producer engine's generation its params were
+	// issued under (TransferParams.RemoteGeneration; 0: unknown).
+	Generation uint64
 }
 
 // RecvReq is a request a rank must receive KV for (SPEC §1 reqs_to_recv):

@@ -127,6 +127,26 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
+	if g := r.req.Remote.Generation; g != 0 && g != e.gen {
+		// The params were issued by another generation of the producer
+		// than the loaded handshake's: it restarted (or re-attached a
+		// rank) since one of the two. Its daemon is asked again first,
+		// once per request: params of a generation newer than the
+		// handshake name the new agents' blocks, and are read once it is
+		// loaded (before, over NIXL the first request after a producer
+		// restarted went to the gone agents and failed). Params of
+		// another generation than the producer's current one are never
+		// read: their blocks may hold another request's KV since.
+		if r.since.After(e.hsStarted) {
+			st.startHandshake(e)
+			return
+		}
+		reason := fmt.Sprintf("producer engine %s (%s) issued this request's params at generation %d and is at generation %d (it restarted or re-attached a rank since): its blocks are not this request's; not read",
+			e.id, e.addr, g, e.gen)
+		st.decide(r, ResultFailed, FailurePeerGone, reason)
+		st.tryReport(r)
+		return
+	}
 	e.lastActive = st.now
 	if err := st.refusal(e, asConsumer); err != nil {
 		// Refused at handshake: fail at once, logged once per peer
@@ -150,7 +170,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	}
 	unnamed := r.req.Remote.ReqID == "" && r.req.TransferID == "" // no grant can tell its hold from another's
-	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && (!st.guarded || unnamed) {
+	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && (!st.guarded || unnamed) && r.req.Remote.Generation == 0 {
 		// Restarted after a new handshake that found the producer at a
 		// new generation: its params (the blocks to READ) may be the old
 		// producer's, whose engine may have reused those blocks since.
@@ -160,7 +180,9 @@ func (st *loopState) startRecv(r *recvReq) {
 		// is not read: before, such a
 		// request was reported done with the bytes of whatever request
 		// the new producer held in those blocks (over NIXL;
-		// TestPullRetryAcrossRestartReadsNoOtherRequest).
+		// TestPullRetryAcrossRestartReadsNoOtherRequest). Params that
+		// carry the producer's generation were checked against the new
+		// one above: they are the new producer's, and are read.
 		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
 			e.id, e.addr, r.rehandshookFrom, e.gen)
 		st.decide(r, ResultFailed, FailurePeerGone, reason)

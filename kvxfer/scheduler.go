@@ -29,6 +29,14 @@ type SchedulerConfig struct {
 	// without an address (RemoteAddr empty): the workers' Resolver finds
 	// it by its id (kvxferd -etcd's registry).
 	ResolveByID bool
+	// Generation, when set, returns this engine's current generation as
+	// its peers' handshakes report it (HandshakeResult.Generation; 0:
+	// unknown). A pull producer's params carry it (RemoteGeneration), so
+	// that a consumer whose handshake predates a restart of this engine
+	// handshakes again before reading, and one whose params predate it
+	// does not read what the restarted engine holds in their blocks. It
+	// is called from RequestFinished, under the Scheduler's owner.
+	Generation func() uint64
 	// TPSize and PPSize are this engine's parallelism (0 means 1).
 	TPSize, PPSize int
 	// LogicalBlockSize is the scheduler's block size in tokens (required).
@@ -431,7 +439,7 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 			p.RemoteTPSize, p.RemotePPSize, p.RemoteNumTokens)
 	}
 	return RemoteRef{EngineID: p.RemoteEngineID, Addr: p.RemoteAddr, ReqID: p.RemoteRequestID,
-		TPSize: max(p.RemoteTPSize, 1), PPSize: max(p.RemotePPSize, 1), Tokens: p.RemoteNumTokens, Expiry: p.RemoteBlocksExpiry}, nil
+		TPSize: max(p.RemoteTPSize, 1), PPSize: max(p.RemotePPSize, 1), Tokens: p.RemoteNumTokens, Expiry: p.RemoteBlocksExpiry, Generation: p.RemoteGeneration}, nil
 }
 
 // AfterAlloc stages the transfer of a request the engine just allocated
@@ -829,6 +837,9 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	}
 	if out.TransferID == "" && s.cfg.Mode == ModePull {
 		out.TransferID = s.holdTID()
+	}
+	if s.cfg.Generation != nil && s.cfg.Mode == ModePull {
+		out.RemoteGeneration = s.cfg.Generation()
 	}
 	s.held[r.ID] = true
 	s.send = append(s.send, SendReq{ReqID: r.ID, TransferID: out.TransferID, Deadline: deadline, Blocks: spans, Tokens: computed})

@@ -210,7 +210,8 @@ func StepEntriesFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, []EntryRefusal, err
 		m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: r.RequestId, TransferID: r.TransferId, Local: local, Aborted: r.Aborted,
 			Deadline: timeFrom(r.DeadlineUnixNanos),
 			Remote: kvxfer.RemoteRef{EngineID: r.Remote.EngineId, Addr: r.Remote.Addr, ReqID: r.Remote.RequestId,
-				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos)}})
+				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos),
+				Generation: r.Remote.Generation}})
 	}
 	conv := func(name, label string, role kvxfer.Role, in []*pb.SendRequest) []kvxfer.SendReq {
 		if len(in) == 0 {
@@ -371,6 +372,7 @@ func (e *StepEncoder) Encode(m *kvxfer.StepMeta) *pb.StepMeta {
 			rm := &e.remotes[i]
 			rm.EngineId, rm.Addr, rm.RequestId = r.Remote.EngineID, r.Remote.Addr, r.Remote.ReqID
 			rm.TpSize, rm.PpSize, rm.Tokens, rm.ExpiryUnixNanos = int32(r.Remote.TPSize), int32(r.Remote.PPSize), int64(r.Remote.Tokens), timeTo(r.Remote.Expiry)
+			rm.Generation = r.Remote.Generation
 			rm.Blocks = a.spans(r.Remote.Blocks)
 			q := &e.recvs[i]
 			q.RequestId, q.TransferId, q.Aborted, q.DeadlineUnixNanos = r.ReqID, r.TransferID, r.Aborted, timeTo(r.Deadline)
@@ -556,7 +558,7 @@ func ParamsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
 	return &kvxfer.TransferParams{TransferID: p.TransferId, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
 		RemoteEngineID: p.RemoteEngineId, RemoteAddr: p.RemoteAddr, RemoteRequestID: p.RemoteRequestId, RemoteBlockIDs: blocks,
 		RemoteTPSize: int(p.RemoteTpSize), RemotePPSize: int(p.RemotePpSize), RemoteNumTokens: tok,
-		RemoteBlocksExpiry: timeFrom(p.RemoteBlocksExpiryUnixNanos), Mode: kvxfer.Mode(p.Mode)}, nil
+		RemoteBlocksExpiry: timeFrom(p.RemoteBlocksExpiryUnixNanos), Mode: kvxfer.Mode(p.Mode), RemoteGeneration: p.RemoteGeneration}, nil
 }
 
 // ParamsToProto converts a request's transfer params (nil stays nil).
@@ -567,7 +569,7 @@ func ParamsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
 	return &pb.TransferParams{TransferId: p.TransferID, DoRemotePrefill: p.DoRemotePrefill, DoRemoteDecode: p.DoRemoteDecode,
 		RemoteEngineId: p.RemoteEngineID, RemoteAddr: p.RemoteAddr, RemoteRequestId: p.RemoteRequestID, RemoteBlockIds: spansToProto(p.RemoteBlockIDs),
 		RemoteTpSize: int32(p.RemoteTPSize), RemotePpSize: int32(p.RemotePPSize), RemoteNumTokens: int64(p.RemoteNumTokens),
-		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode)}
+		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode), RemoteGeneration: p.RemoteGeneration}
 }
 
 // RequestFromProto converts and validates an engine request; errors name

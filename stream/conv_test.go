@@ -18,10 +18,16 @@ import (
 func TestRequestConversions(t *testing.T) {
 	p := &kvxfer.TransferParams{TransferID: "t-1", DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: "10.0.0.1:7600",
 		RemoteRequestID: "p-1", RemoteBlockIDs: []topology.Span{{Start: 2, IDs: []topology.BlockID{4, 5}}}, RemoteTPSize: 2,
-		RemotePPSize: 1, RemoteNumTokens: 40, RemoteBlocksExpiry: time.Unix(0, 1234567890), Mode: kvxfer.ModePull}
+		RemotePPSize: 1, RemoteNumTokens: 40, RemoteBlocksExpiry: time.Unix(0, 1234567890), Mode: kvxfer.ModePull, RemoteGeneration: 1<<63 + 5}
 	back, err := stream.ParamsFromProto(stream.ParamsToProto(p))
 	if err != nil || !reflect.DeepEqual(back, p) {
 		t.Fatalf("params round trip = %+v, %v; want %+v", back, err, p)
+	}
+	// The producer's generation the params carry reaches the workers.
+	rm := kvxfer.RemoteRef{EngineID: "P", Addr: "p:1", ReqID: "p-1", TPSize: 1, PPSize: 1, Generation: p.RemoteGeneration}
+	m, err := stream.StepFromProto(stream.StepToProto(&kvxfer.StepMeta{Recv: []kvxfer.RecvReq{{ReqID: "d-1", Remote: rm}}}))
+	if err != nil || len(m.Recv) != 1 || m.Recv[0].Remote.Generation != p.RemoteGeneration {
+		t.Fatalf("step round trip = %+v, %v; want a recv from generation %d", m, err, p.RemoteGeneration)
 	}
 	if got, err := stream.ParamsFromProto(nil); got != nil || err != nil || stream.ParamsToProto(nil) != nil {
 		t.Errorf("nil params = %v, %v; want nil both ways", got, err)

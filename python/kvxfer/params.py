@@ -16,7 +16,10 @@ Keys (all optional unless a transfer needs them):
   group (a flat list means one group); ``remote_block_starts``: the token index
   of each list's first block (default 0);
 - ``tp_size`` (the other engine's TP size), ``remote_pp_size``,
-  ``remote_num_tokens``, ``remote_blocks_expiry_unix_nanos``;
+  ``remote_num_tokens``, ``remote_blocks_expiry_unix_nanos``, ``remote_generation``
+  (the producer engine's generation when it issued the params: a pull
+  consumer handshakes again before reading when its handshake is of another
+  generation, and does not read params of an older one);
 - ``mode``: ``"push"`` or ``"pull"``, the mode the sender used.
 
 vLLM's NixlConnector spellings are accepted too: ``pp_size`` for
@@ -56,6 +59,7 @@ def _canonical(p: dict) -> dict:
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
+_UINT64_MAX = (1 << 64) - 1
 
 
 def _int(p: dict, key: str, default: int = 0, minimum: int = 0, maximum: int = _INT64_MAX) -> int:
@@ -243,7 +247,8 @@ _STR_FIELDS = (("transfer_id", "transfer_id"), ("remote_engine_id", "remote_engi
 # (key, TransferParams field, the largest value the field holds)
 _INT_FIELDS = (("tp_size", "remote_tp_size", _INT32_MAX), ("pp_size", "remote_pp_size", _INT32_MAX),
                ("remote_pp_size", "remote_pp_size", _INT32_MAX), ("remote_num_tokens", "remote_num_tokens", _INT64_MAX),
-               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos", _INT64_MAX))
+               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos", _INT64_MAX),
+               ("remote_generation", "remote_generation", _UINT64_MAX))
 
 
 def from_proto(t: pb.TransferParams) -> dict[str, Any]:
@@ -266,4 +271,6 @@ def from_proto(t: pb.TransferParams) -> dict[str, Any]:
         out["mode"] = MODE_NAMES[t.mode]
     if t.remote_blocks_expiry_unix_nanos:
         out["remote_blocks_expiry_unix_nanos"] = t.remote_blocks_expiry_unix_nanos
+    if t.remote_generation:
+        out["remote_generation"] = t.remote_generation
     return out

@@ -116,7 +116,8 @@ def test_no_daemon_is_unavailable(tmp_path):
 def test_params_round_trip():
     p = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t", "remote_engine_id": "p0",
          "remote_host": "::1", "remote_port": 7600, "remote_request_id": "r", "remote_block_ids": [[1, 2], [3]],
-         "remote_block_starts": [0, 16], "tp_size": 2, "remote_pp_size": 1, "remote_num_tokens": 30, "mode": "pull"}
+         "remote_block_starts": [0, 16], "tp_size": 2, "remote_pp_size": 1, "remote_num_tokens": 30, "mode": "pull",
+         "remote_generation": (1 << 64) - 3}
     t = params.to_proto(p)
     assert t.remote_addr == "[::1]:7600" and [list(s.block_ids) for s in t.remote_block_ids] == [[1, 2], [3]]
     assert params.from_proto(t) == p
@@ -146,7 +147,8 @@ def test_params_bad_values_are_params_errors():
                        ({"remote_block_starts": [-16]}, "remote_block_starts"), ({"remote_block_starts": [True]}, "remote_block_starts"),
                        ({"remote_port": True}, "remote_port"), ({"tp_size": True}, "tp_size"), ({"tp_size": 2.7}, "tp_size"),
                        ({"tp_size": 1 << 40}, "tp_size"), ({"remote_num_tokens": 1 << 70}, "remote_num_tokens"),
-                       ({"remote_blocks_expiry_unix_nanos": 1 << 64}, "remote_blocks_expiry_unix_nanos")]:
+                       ({"remote_blocks_expiry_unix_nanos": 1 << 64}, "remote_blocks_expiry_unix_nanos"),
+                       ({"remote_generation": 1 << 64}, "remote_generation"), ({"remote_generation": -1}, "remote_generation")]:
         p = {**base, **extra}
         for what, call in [("validate_remote", lambda: params.validate_remote(p, pb.MODE_PUSH)), ("to_proto", lambda: params.to_proto(p))]:
             try:

@@ -1050,8 +1050,14 @@ type RemoteRef struct {
 	// expiry_unix_nanos is when the remote blocks are freed, on the remote
 	// scheduler's clock (0: unknown).
 	ExpiryUnixNanos int64 `protobuf:"varint,8,opt,name=expiry_unix_nanos,json=expiryUnixNanos,proto3" json:"expiry_unix_nanos,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// generation of the producer engine the params were issued under
+	// (TransferParams.remote_generation; 0: unknown). A pull consumer
+	// handshakes again before reading when its handshake is of another
+	// generation, and does not read params of a generation the producer
+	// is no longer at.
+	Generation    uint64 `protobuf:"varint,9,opt,name=generation,proto3" json:"generation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RemoteRef) Reset() {
@@ -1136,6 +1142,13 @@ func (x *RemoteRef) GetTokens() int64 {
 func (x *RemoteRef) GetExpiryUnixNanos() int64 {
 	if x != nil {
 		return x.ExpiryUnixNanos
+	}
+	return 0
+}
+
+func (x *RemoteRef) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
 	}
 	return 0
 }
@@ -2635,9 +2648,13 @@ type TransferParams struct {
 	// remote_blocks_expiry_unix_nanos on the other side's clock (0: none).
 	RemoteBlocksExpiryUnixNanos int64 `protobuf:"varint,11,opt,name=remote_blocks_expiry_unix_nanos,json=remoteBlocksExpiryUnixNanos,proto3" json:"remote_blocks_expiry_unix_nanos,omitempty"`
 	// mode the sender used.
-	Mode          Mode `protobuf:"varint,12,opt,name=mode,proto3,enum=kvxfer.v1.Mode" json:"mode,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Mode Mode `protobuf:"varint,12,opt,name=mode,proto3,enum=kvxfer.v1.Mode" json:"mode,omitempty"`
+	// remote_generation is the producer engine's generation when it issued
+	// these params, as its handshake reports it (pull; 0: unknown, as from
+	// an older build).
+	RemoteGeneration uint64 `protobuf:"varint,13,opt,name=remote_generation,json=remoteGeneration,proto3" json:"remote_generation,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *TransferParams) Reset() {
@@ -2752,6 +2769,13 @@ func (x *TransferParams) GetMode() Mode {
 		return x.Mode
 	}
 	return Mode_MODE_UNSPECIFIED
+}
+
+func (x *TransferParams) GetRemoteGeneration() uint64 {
+	if x != nil {
+		return x.RemoteGeneration
+	}
+	return 0
 }
 
 // EngineRequest is an engine's request as the scheduler sees it.
@@ -4949,7 +4973,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"in_process\x18\a \x01(\x0e2\x1a.kvxfer.v1.InProcessMemoryR\tinProcess\"9\n" +
 	"\x04Span\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x1b\n" +
-	"\tblock_ids\x18\x02 \x03(\x05R\bblockIds\"\xfa\x01\n" +
+	"\tblock_ids\x18\x02 \x03(\x05R\bblockIds\"\x9a\x02\n" +
 	"\tRemoteRef\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x12\n" +
 	"\x04addr\x18\x02 \x01(\tR\x04addr\x12\x1d\n" +
@@ -4959,7 +4983,10 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\app_size\x18\x05 \x01(\x05R\x06ppSize\x12'\n" +
 	"\x06blocks\x18\x06 \x03(\v2\x0f.kvxfer.v1.SpanR\x06blocks\x12\x16\n" +
 	"\x06tokens\x18\a \x01(\x03R\x06tokens\x12*\n" +
-	"\x11expiry_unix_nanos\x18\b \x01(\x03R\x0fexpiryUnixNanos\"\xec\x01\n" +
+	"\x11expiry_unix_nanos\x18\b \x01(\x03R\x0fexpiryUnixNanos\x12\x1e\n" +
+	"\n" +
+	"generation\x18\t \x01(\x04R\n" +
+	"generation\"\xec\x01\n" +
 	"\vRecvRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
@@ -5076,7 +5103,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11server_unix_nanos\x18\x03 \x01(\x03R\x0fserverUnixNanos\x12\x12\n" +
 	"\x04zstd\x18\x04 \x01(\bR\x04zstd\x12\x18\n" +
 	"\apayload\x18\x05 \x01(\fR\apayload\x12$\n" +
-	"\x0erank_port_base\x18\x06 \x01(\rR\frankPortBase\"\x9c\x04\n" +
+	"\x0erank_port_base\x18\x06 \x01(\rR\frankPortBase\"\xc9\x04\n" +
 	"\x0eTransferParams\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -5092,7 +5119,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11remote_num_tokens\x18\n" +
 	" \x01(\x03R\x0fremoteNumTokens\x12D\n" +
 	"\x1fremote_blocks_expiry_unix_nanos\x18\v \x01(\x03R\x1bremoteBlocksExpiryUnixNanos\x12#\n" +
-	"\x04mode\x18\f \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\"\x86\x01\n" +
+	"\x04mode\x18\f \x01(\x0e2\x0f.kvxfer.v1.ModeR\x04mode\x12+\n" +
+	"\x11remote_generation\x18\r \x01(\x04R\x10remoteGeneration\"\x86\x01\n" +
 	"\rEngineRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12#\n" +

@@ -341,8 +341,7 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 	wg.Wait()
 	out := kvxfer.HandshakeResult{ClockOffset: first.ClockOffset}
 	best := firstRTT
-	h := fnv.New64a()
-	var b [8]byte
+	gens := make([]uint64, len(got))
 	for i := range got {
 		if got[i].err != nil {
 			return kvxfer.HandshakeResult{}, got[i].err
@@ -351,11 +350,24 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 			out.ClockOffset, best = got[i].offset, got[i].rtt
 		}
 		out.Ranks = append(out.Ranks, got[i].rank)
-		binary.LittleEndian.PutUint64(b[:], got[i].gen)
+		gens[i] = got[i].gen
+	}
+	out.Generation = spreadGeneration(gens)
+	return out, nil
+}
+
+// spreadGeneration is the generation of a spread engine whose ranks'
+// servers answered gens, in rank order (pp major): it changes whenever
+// one of theirs does. The engine's scheduler stamps the same on its
+// params (Server.generation).
+func spreadGeneration(gens []uint64) uint64 {
+	h := fnv.New64a()
+	var b [8]byte
+	for _, g := range gens {
+		binary.LittleEndian.PutUint64(b[:], g)
 		_, _ = h.Write(b[:])
 	}
-	out.Generation = max(h.Sum64(), 1)
-	return out, nil
+	return max(h.Sum64(), 1)
 }
 
 // handshakeOne asks the server at addr about an engine, and returns its

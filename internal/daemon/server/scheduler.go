@@ -37,8 +37,12 @@ type schedulers struct {
 	resolveByID bool
 	// maxRequests bounds each scheduler's requests (Config.MaxRequests).
 	maxRequests int
-	mu          sync.Mutex
-	m           *xsync.Map[string, *lockedScheduler]
+	// generation returns an engine's generation as its handshake with
+	// this daemon reports it (0: unknown), stamped on a pull producer's
+	// params (kvxfer.SchedulerConfig.Generation); nil: none.
+	generation func(engine string) uint64
+	mu         sync.Mutex
+	m          *xsync.Map[string, *lockedScheduler]
 	// byUID counts the open schedulers of each uid (under mu): at most
 	// limits.streams.perUID each, limits.streams.max in all, as streams are (a scheduler
 	// outlives the call that opened it).
@@ -182,6 +186,10 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 			return nil, ss.status(err)
 		}
 		cfg.Groups = append(cfg.Groups, topology.Group{Kind: topology.Kind(g.Kind), Window: w})
+	}
+	if gen := ss.generation; gen != nil {
+		engine := c.EngineId
+		cfg.Generation = func() uint64 { return gen(engine) }
 	}
 	s, err := kvxfer.NewScheduler(cfg)
 	if err != nil {

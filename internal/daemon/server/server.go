@@ -404,7 +404,8 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s.sched = &schedulers{addr: schedAddr, m: xsync.NewMap[string, *lockedScheduler](), owners: own, limits: s.limits,
-		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, maxRequests: cfg.MaxRequests, drained: s.drained, log: cfg.Logger}
+		publishWait: cfg.PublishWait, resolveByID: cfg.PeerLookup != nil, maxRequests: cfg.MaxRequests, drained: s.drained, log: cfg.Logger,
+		generation: s.generation}
 	if cfg.Resolver == nil {
 		allow := cfg.AllowPeer
 		if allow != nil {
@@ -637,6 +638,34 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker, be Backend) err
 	ranks[k] = &rankEntry{info: info, worker: w, backend: be}
 	s.storeLocked(info.EngineID, ranks)
 	return nil
+}
+
+// generation is engine's generation as a handshake with this daemon
+// reports it: its entry's, or for an engine spread over per-rank servers
+// (RankPortBase) the resolver's spreadGeneration of it when every rank is
+// served here; 0 when this daemon cannot tell (no rank of the engine
+// here, or a spread engine's other ranks served by their own servers).
+func (s *Server) generation(engine string) uint64 {
+	e, _ := s.engines.Load(engine)
+	if e == nil {
+		return 0
+	}
+	if s.cfg.RankPortBase == 0 {
+		return e.gen
+	}
+	n := 0
+	for _, r := range e.ranks {
+		n = r.info.Layout.TPSize * r.info.Layout.PPSize
+		break
+	}
+	if n <= 0 || len(e.ranks) != n {
+		return 0
+	}
+	gens := make([]uint64, n)
+	for i := range gens {
+		gens[i] = e.gen
+	}
+	return spreadGeneration(gens)
 }
 
 // storeLocked stores engine's new entry of ranks (none: it is gone),

@@ -187,7 +187,7 @@ class Span(_message.Message):
     def __init__(self, start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoteRef(_message.Message):
-    __slots__ = ("engine_id", "addr", "request_id", "tp_size", "pp_size", "blocks", "tokens", "expiry_unix_nanos")
+    __slots__ = ("engine_id", "addr", "request_id", "tp_size", "pp_size", "blocks", "tokens", "expiry_unix_nanos", "generation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class RemoteRef(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPIRY_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     addr: str
     request_id: str
@@ -204,7 +205,8 @@ class RemoteRef(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[Span]
     tokens: int
     expiry_unix_nanos: int
-    def __init__(self, engine_id: _Optional[str] = ..., addr: _Optional[str] = ..., request_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ..., expiry_unix_nanos: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, engine_id: _Optional[str] = ..., addr: _Optional[str] = ..., request_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ..., expiry_unix_nanos: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "local", "remote", "aborted", "deadline_unix_nanos")
@@ -444,7 +446,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., generation: _Optional[int] = ..., server_unix_nanos: _Optional[int] = ..., zstd: _Optional[bool] = ..., payload: _Optional[bytes] = ..., rank_port_base: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("transfer_id", "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_addr", "remote_request_id", "remote_block_ids", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "remote_blocks_expiry_unix_nanos", "mode")
+    __slots__ = ("transfer_id", "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_addr", "remote_request_id", "remote_block_ids", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "remote_blocks_expiry_unix_nanos", "mode", "remote_generation")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +459,7 @@ class TransferParams(_message.Message):
     REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCKS_EXPIRY_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     do_remote_prefill: bool
     do_remote_decode: bool
@@ -469,7 +472,8 @@ class TransferParams(_message.Message):
     remote_num_tokens: int
     remote_blocks_expiry_unix_nanos: int
     mode: Mode
-    def __init__(self, transfer_id: _Optional[str] = ..., do_remote_prefill: _Optional[bool] = ..., do_remote_decode: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_addr: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., remote_blocks_expiry_unix_nanos: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    remote_generation: int
+    def __init__(self, transfer_id: _Optional[str] = ..., do_remote_prefill: _Optional[bool] = ..., do_remote_decode: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_addr: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., remote_blocks_expiry_unix_nanos: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., remote_generation: _Optional[int] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "params")
