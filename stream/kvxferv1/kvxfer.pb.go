@@ -4273,9 +4273,11 @@ type RequestColumns struct {
 	// count per row: after_alloc's external, prefill's scheduled (else 0).
 	Count []int64 `protobuf:"varint,18,rep,packed,name=count,proto3" json:"count,omitempty"`
 	// status per row (request_finished only).
-	Status        []FinishStatus `protobuf:"varint,19,rep,packed,name=status,proto3,enum=kvxfer.v1.FinishStatus" json:"status,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Status []FinishStatus `protobuf:"varint,19,rep,packed,name=status,proto3,enum=kvxfer.v1.FinishStatus" json:"status,omitempty"`
+	// remote_generation per row (params: TransferParams.remote_generation).
+	RemoteGeneration []uint64 `protobuf:"varint,20,rep,packed,name=remote_generation,json=remoteGeneration,proto3" json:"remote_generation,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *RequestColumns) Reset() {
@@ -4437,6 +4439,13 @@ func (x *RequestColumns) GetCount() []int64 {
 func (x *RequestColumns) GetStatus() []FinishStatus {
 	if x != nil {
 		return x.Status
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteGeneration() []uint64 {
+	if x != nil {
+		return x.RemoteGeneration
 	}
 	return nil
 }
@@ -4678,7 +4687,12 @@ type StepResponse struct {
 	// counters of the scheduler after the step.
 	Counters *SchedulerCounters `protobuf:"bytes,4,opt,name=counters,proto3" json:"counters,omitempty"`
 	// publish_step of the request answered (0: none).
-	PublishStep   uint64 `protobuf:"varint,5,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
+	PublishStep uint64 `protobuf:"varint,5,opt,name=publish_step,json=publishStep,proto3" json:"publish_step,omitempty"`
+	// generation of the engine as its peers' handshakes report it, when the
+	// answer was made (0: not known here). A pull producer's client stamps
+	// it on the params it makes itself (TransferParams.remote_generation),
+	// as the scheduler does on those it returns.
+	Generation    uint64 `protobuf:"varint,6,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4744,6 +4758,13 @@ func (x *StepResponse) GetCounters() *SchedulerCounters {
 func (x *StepResponse) GetPublishStep() uint64 {
 	if x != nil {
 		return x.PublishStep
+	}
+	return 0
+}
+
+func (x *StepResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
 	}
 	return 0
 }
@@ -5216,7 +5237,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\acolumns\x18\x05 \x01(\v2\x16.kvxfer.v1.StepColumnsR\acolumns\x12!\n" +
 	"\fpublish_step\x18\x04 \x01(\x04R\vpublishStep\x12\x1f\n" +
 	"\verrors_only\x18\x06 \x01(\bR\n" +
-	"errorsOnly\"\xc4\x05\n" +
+	"errorsOnly\"\xf1\x05\n" +
 	"\x0eRequestColumns\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x03(\tR\trequestId\x12#\n" +
@@ -5241,7 +5262,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tblock_ids\x18\x10 \x03(\x05R\bblockIds\x12\x1a\n" +
 	"\bcomputed\x18\x11 \x03(\x03R\bcomputed\x12\x14\n" +
 	"\x05count\x18\x12 \x03(\x03R\x05count\x12/\n" +
-	"\x06status\x18\x13 \x03(\x0e2\x17.kvxfer.v1.FinishStatusR\x06status\"\xc4\x01\n" +
+	"\x06status\x18\x13 \x03(\x0e2\x17.kvxfer.v1.FinishStatusR\x06status\x12+\n" +
+	"\x11remote_generation\x18\x14 \x03(\x04R\x10remoteGeneration\"\xc4\x01\n" +
 	"\vStepColumns\x12D\n" +
 	"\x10request_finished\x18\x01 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\x0frequestFinished\x12:\n" +
 	"\vafter_alloc\x18\x02 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\n" +
@@ -5260,13 +5282,16 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x10watchdog_expired\x18\x03 \x01(\x04R\x0fwatchdogExpired\x12\x1e\n" +
 	"\n" +
 	"recomputed\x18\x04 \x01(\x04R\n" +
-	"recomputed\"\xdd\x01\n" +
+	"recomputed\"\xfd\x01\n" +
 	"\fStepResponse\x12'\n" +
 	"\x04meta\x18\x01 \x01(\v2\x13.kvxfer.v1.StepMetaR\x04meta\x12-\n" +
 	"\aresults\x18\x02 \x03(\v2\x13.kvxfer.v1.OpResultR\aresults\x12\x18\n" +
 	"\apending\x18\x03 \x01(\bR\apending\x128\n" +
 	"\bcounters\x18\x04 \x01(\v2\x1c.kvxfer.v1.SchedulerCountersR\bcounters\x12!\n" +
-	"\fpublish_step\x18\x05 \x01(\x04R\vpublishStep\":\n" +
+	"\fpublish_step\x18\x05 \x01(\x04R\vpublishStep\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x06 \x01(\x04R\n" +
+	"generation\":\n" +
 	"\fStepsRequest\x12*\n" +
 	"\x04step\x18\x01 \x01(\v2\x16.kvxfer.v1.StepRequestR\x04step\"<\n" +
 	"\rStepsResponse\x12+\n" +

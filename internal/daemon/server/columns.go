@@ -62,7 +62,7 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			{"remote_engine_id", len(rc.RemoteEngineId)}, {"remote_addr", len(rc.RemoteAddr)},
 			{"remote_request_id", len(rc.RemoteRequestId)}, {"remote_tp_size", len(rc.RemoteTpSize)},
 			{"remote_pp_size", len(rc.RemotePpSize)}, {"remote_num_tokens", len(rc.RemoteNumTokens)}, {"mode", len(rc.Mode)},
-			{"computed", len(rc.Computed)}, {"count", len(rc.Count)},
+			{"computed", len(rc.Computed)}, {"count", len(rc.Count)}, {"remote_generation", len(rc.RemoteGeneration)},
 		} {
 			if col.n != rows && col.n != 0 {
 				return nil, stream.Invalid("%s has %d entries, want %d (one per request_id) or none (the default in every row)",
@@ -92,7 +92,7 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 				params = &pb.TransferParams{TransferId: at(rc.TransferId, i), DoRemotePrefill: flags&colRemotePrefill != 0,
 					DoRemoteDecode: flags&colRemoteDecode != 0, RemoteEngineId: at(rc.RemoteEngineId, i), RemoteAddr: at(rc.RemoteAddr, i),
 					RemoteRequestId: at(rc.RemoteRequestId, i), RemoteTpSize: at(rc.RemoteTpSize, i), RemotePpSize: at(rc.RemotePpSize, i),
-					RemoteNumTokens: at(rc.RemoteNumTokens, i), Mode: at(rc.Mode, i)}
+					RemoteNumTokens: at(rc.RemoteNumTokens, i), Mode: at(rc.Mode, i), RemoteGeneration: at(rc.RemoteGeneration, i)}
 				hasRemote := false
 				for g := range rgroups {
 					if rc.RemoteBlockLens[i*rgroups+g] != 0 {

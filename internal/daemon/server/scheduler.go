@@ -37,10 +37,11 @@ type schedulers struct {
 	resolveByID bool
 	// maxRequests bounds each scheduler's requests (Config.MaxRequests).
 	maxRequests int
-	// generation returns an engine's generation as its handshake with
-	// this daemon reports it (0: unknown), stamped on a pull producer's
-	// params (kvxfer.SchedulerConfig.Generation); nil: none.
-	generation func(engine string) uint64
+	// generation returns the source of an engine's generation as a
+	// handshake with this server reports it (0: unknown), stamped on a
+	// pull producer's params (kvxfer.SchedulerConfig.Generation) and
+	// told in each step's answer (StepResponse.generation); nil: none.
+	generation func(engine string) func() uint64
 	mu         sync.Mutex
 	m          *xsync.Map[string, *lockedScheduler]
 	// byUID counts the open schedulers of each uid (under mu): at most
@@ -64,7 +65,10 @@ type lockedScheduler struct {
 	step sync.Mutex
 	mu   sync.Mutex
 	s    *kvxfer.Scheduler
-	uid  uint32 // of the engine process that opened it
+	// gen is the engine's generation's source (schedulers.generation;
+	// nil: none, or a push scheduler), told in each step's answer.
+	gen func() uint64
+	uid uint32 // of the engine process that opened it
 	// pid is the engine process that opened it, as this process sees it
 	// (0: unknown, another pid namespace's): once it is gone the
 	// scheduler is reclaimed when it would keep another from opening.
@@ -187,15 +191,17 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		}
 		cfg.Groups = append(cfg.Groups, topology.Group{Kind: topology.Kind(g.Kind), Window: w})
 	}
-	if gen := ss.generation; gen != nil {
-		engine := c.EngineId
-		cfg.Generation = func() uint64 { return gen(engine) }
+	if ss.generation != nil {
+		cfg.Generation = ss.generation(c.EngineId)
 	}
 	s, err := kvxfer.NewScheduler(cfg)
 	if err != nil {
 		return nil, ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	ls := &lockedScheduler{s: s, uid: uid, pid: ai.PID}
+	if cfg.Mode == kvxfer.ModePull {
+		ls.gen = cfg.Generation
+	}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
 	ls.pub.changed = make(chan struct{})
 	ss.mu.Lock()

@@ -262,6 +262,10 @@ type Server struct {
 	// as stopping the gRPC server ends its streams'.
 	life    context.Context
 	endLife context.CancelFunc
+	// bg: background handshakes of a scheduler's engine (generation),
+	// waited for by Close.
+	bg   sync.WaitGroup
+	bgMu sync.Mutex // orders bg.Add after life's end against Close's Wait
 	// stats: each rank's kvxfer.Metrics, kept over its detach (RankStats).
 	stats rankStats
 
@@ -549,6 +553,9 @@ func (s *Server) Close() error {
 	s.drainOne.Do(func() { close(s.draining) }) // no stream enters under the Wait below
 	s.drainMu.Unlock()
 	s.endLife()
+	s.bgMu.Lock() // a handshake starting now sees life ended
+	s.bgMu.Unlock()
+	s.bg.Wait()
 	done := make(chan struct{})
 	go func() { s.streams.Wait(); close(done) }()
 	var err error
@@ -640,18 +647,76 @@ func (s *Server) publish(info kvxfer.RankInfo, w *kvxfer.Worker, be Backend) err
 	return nil
 }
 
-// generation is engine's generation as a handshake with this daemon
-// reports it: its entry's, or for an engine spread over per-rank servers
-// (RankPortBase) the resolver's spreadGeneration of it when every rank is
-// served here; 0 when this daemon cannot tell (no rank of the engine
-// here, or a spread engine's other ranks served by their own servers).
-func (s *Server) generation(engine string) uint64 {
-	e, _ := s.engines.Load(engine)
-	if e == nil {
-		return 0
+// spreadGenRefresh is how long a scheduler's server keeps the generation
+// of its engine's ranks served elsewhere (spreadGen) before it asks them
+// again.
+const spreadGenRefresh = time.Second
+
+// generation returns the source of engine's generation as a handshake with
+// this server reports it, for its scheduler to stamp on pull params
+// (kvxfer.SchedulerConfig.Generation; 0: unknown):
+//   - on a daemon (no RankPortBase), its entry's;
+//   - on a per-rank server (RankPortBase) that serves every rank of the
+//     engine (one rank), the resolver's spreadGeneration of it;
+//   - on one that does not (an in-process engine's scheduler, in its
+//     engine core's process apart from its ranks'), what a handshake with
+//     the engine's ranks at this server's advertised address (HOST:BASE)
+//     last said, asked again in the background once spreadGenRefresh has
+//     passed since the last time (0 until the first answer, and after a
+//     handshake that failed: its ranks are gone or restarting).
+//
+// The source is the scheduler's own, and goes with it.
+func (s *Server) generation(engine string) func() uint64 {
+	var (
+		gen  atomic.Uint64
+		last atomic.Int64 // unix nanos the last handshake began (0: none)
+		busy atomic.Bool
+	)
+	return func() uint64 {
+		if g, ok := s.localGeneration(engine); ok {
+			return g
+		}
+		if now := time.Now().UnixNano(); now-last.Load() >= int64(spreadGenRefresh) && busy.CompareAndSwap(false, true) {
+			last.Store(now)
+			s.bgMu.Lock()
+			if s.life.Err() != nil { // closed: Close waits for none started now
+				s.bgMu.Unlock()
+				busy.Store(false)
+				return gen.Load()
+			}
+			s.bg.Add(1)
+			s.bgMu.Unlock()
+			go func() {
+				defer s.bg.Done()
+				defer busy.Store(false)
+				ctx, cancel := context.WithTimeout(s.life, spreadGenRefresh*5)
+				defer cancel()
+				res, err := s.cfg.Resolver.Handshake(ctx, engine, s.sched.addr)
+				if err != nil {
+					gen.Store(0)
+					s.log.Debug("kvxferd: the generation of this scheduler's engine is unknown: its ranks did not answer", "engine", engine, "err", err)
+					return
+				}
+				gen.Store(res.Generation)
+			}()
+		}
+		return gen.Load()
 	}
+}
+
+// localGeneration is engine's generation when this server can tell it
+// from the ranks it serves (generation); ok false when its ranks are
+// served elsewhere.
+func (s *Server) localGeneration(engine string) (uint64, bool) {
+	e, _ := s.engines.Load(engine)
 	if s.cfg.RankPortBase == 0 {
-		return e.gen
+		if e == nil {
+			return 0, true
+		}
+		return e.gen, true
+	}
+	if e == nil {
+		return 0, false
 	}
 	n := 0
 	for _, r := range e.ranks {
@@ -659,13 +724,13 @@ func (s *Server) generation(engine string) uint64 {
 		break
 	}
 	if n <= 0 || len(e.ranks) != n {
-		return 0
+		return 0, false
 	}
 	gens := make([]uint64, n)
 	for i := range gens {
 		gens[i] = e.gen
 	}
-	return spreadGeneration(gens)
+	return spreadGeneration(gens), true
 }
 
 // storeLocked stores engine's new entry of ranks (none: it is gone),

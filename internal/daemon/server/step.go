@@ -110,6 +110,9 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 		out.Meta = stream.StepToProto(ls.s.BuildMeta())
 	}
 	out.Pending = ls.s.HasPendingWork()
+	if ls.gen != nil {
+		out.Generation = ls.gen()
+	}
 	c := ls.s.Counters()
 	out.Counters = &pb.SchedulerCounters{BadParams: c.BadParams, UnknownUpdates: c.UnknownUpdates,
 		WatchdogExpired: c.WatchdogExpired, Recomputed: c.Recomputed}
