@@ -553,9 +553,11 @@ func (s *Server) Close() error {
 	s.drainOne.Do(func() { close(s.draining) }) // no stream enters under the Wait below
 	s.drainMu.Unlock()
 	s.endLife()
-	s.bgMu.Lock() // a handshake starting now sees life ended
+	// A background handshake starting from now on sees life ended.
+	s.bgMu.Lock()
+	bg := &s.bg
 	s.bgMu.Unlock()
-	s.bg.Wait()
+	bg.Wait()
 	done := make(chan struct{})
 	go func() { s.streams.Wait(); close(done) }()
 	var err error

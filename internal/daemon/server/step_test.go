@@ -421,7 +421,7 @@ func TestStepColumns(t *testing.T) {
 	}
 	recv := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
 		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteRequestId: "p-1", RemoteTpSize: 2, RemoteNumTokens: 40, Mode: pb.Mode_MODE_PULL,
-		RemoteBlockIds: []*pb.Span{{BlockIds: []int32{7, 8, 9}}, {Start: 16, BlockIds: []int32{3, 4}}}}}
+		RemoteBlockIds: []*pb.Span{{BlockIds: []int32{7, 8, 9}}, {Start: 16, BlockIds: []int32{3, 4}}}, RemoteGeneration: 1<<63 + 77}}
 	bad := &pb.EngineRequest{RequestId: "d-2", PromptTokens: 40, Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "x:1"}}
 	send := &pb.EngineRequest{RequestId: "p-9", PromptTokens: 20, Params: &pb.TransferParams{TransferId: "t9", DoRemoteDecode: true}}
 	none := &pb.EngineRequest{RequestId: "x-1", PromptTokens: 5}
@@ -442,7 +442,8 @@ func TestStepColumns(t *testing.T) {
 			TransferId: []string{"t1", ""}, RemoteEngineId: []string{"P", ""}, RemoteAddr: []string{d.peerAddr, "x:1"}, RemoteRequestId: []string{"p-1", ""},
 			RemoteTpSize: []int32{2, 0}, RemotePpSize: []int32{0, 0}, RemoteNumTokens: []int64{40, 0}, Mode: []pb.Mode{pb.Mode_MODE_PULL, 0},
 			RemoteBlockLens: []int32{3, 2, 0, 0}, RemoteBlockStarts: []int64{0, 16, 0, 0}, RemoteBlockIds: []int32{7, 8, 9, 3, 4},
-			BlockLens: []int32{3, 2, 1, 1}, BlockIds: []int32{10, 11, 12, 13, 14, 20, 21}, Computed: []int64{0, 0}, Count: []int64{40, 40}},
+			BlockLens: []int32{3, 2, 1, 1}, BlockIds: []int32{10, 11, 12, 13, 14, 20, 21}, Computed: []int64{0, 0}, Count: []int64{40, 40},
+			RemoteGeneration: []uint64{1<<63 + 77, 0}},
 	}
 	a, err := c.Step(ctx, &pb.StepRequest{EngineId: "ops", BuildMeta: true, Ops: ops})
 	if err != nil {
@@ -486,6 +487,10 @@ func TestStepColumns(t *testing.T) {
 	}
 	if len(b.Results) != 3 || b.Results[2].Index != 3 || !strings.Contains(b.Results[2].Error, `request "d-2"`) || len(b.Meta.Recv) != 1 {
 		t.Errorf("columns: results %v, recv %v; want request_finished's answer and d-2 refused at index 3", b.Results, b.Meta.Recv)
+	} else if g := b.Meta.Recv[0].Remote.GetGeneration(); g != 1<<63+77 {
+		// The producer's generation the params carry reaches the
+		// receive, which reads nothing of another generation.
+		t.Errorf("columns: d-1's receive names the producer's generation %d, want %d (its params' remote_generation)", g, uint64(1<<63+77))
 	}
 	// errors_only: the failed op alone is answered (on an engine of its
 	// own: "cols" would refuse d-1's receive, staged there already).
@@ -500,6 +505,8 @@ func TestStepColumns(t *testing.T) {
 	}{
 		{"short column", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a", "b"}, PromptTokens: []int64{4}}},
 			"columns.after_alloc.prompt_tokens has 1 entries, want 2 (one per request_id) or none"},
+		{"short generations", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a", "b"}, RemoteGeneration: []uint64{4}}},
+			"columns.after_alloc.remote_generation has 1 entries, want 2 (one per request_id) or none"},
 		{"no status", &pb.StepColumns{RequestFinished: &pb.RequestColumns{RequestId: []string{"a"}}},
 			"columns.request_finished.status has 0 entries, want 1"},
 		{"ids left over", func() *pb.StepColumns {
