@@ -251,10 +251,7 @@ func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
 	p.ranks[0][0].Fill(qa.sim.P)
 	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qa.send(now.Add(time.Minute)))}})
 	time.Sleep(100 * time.Millisecond)
-	p.close(t)
-	for _, b := range p.backends {
-		_ = b.Close() // the old agents are gone
-	}
+	stopProducer(t, p)
 	// The producer restarts; its engine holds request z in a's blocks.
 	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
 	defer p2.close(t)
@@ -265,15 +262,34 @@ func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
 	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qz.send(now.Add(time.Minute)))}})
 	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{unnamed(qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute)))}})
-	o := awaitOutcomes(t, 1, d).recv["d-a"]
+	wantNotRead(t, d, qa, "restarted")
+}
+
+// stopProducer closes producer p and its backends: its agents are gone, as
+// a restarted process's are.
+func stopProducer(t *testing.T, p *simEngine) {
+	t.Helper()
+	p.close(t)
+	for _, b := range p.backends {
+		_ = b.Close()
+	}
+}
+
+// wantNotRead checks consumer d's one outcome of request q, whose params
+// name blocks its restarted producer holds for another request now: failed
+// (peer_gone), its reason containing why, never done.
+func wantNotRead(t *testing.T, d *simEngine, q *xreq, why string) {
+	t.Helper()
+	id := "d-" + q.id
+	o := awaitOutcomes(t, 1, d).recv[id]
 	if len(o) != 1 {
-		t.Fatalf("D outcomes of d-a: %+v", o)
+		t.Fatalf("D outcomes of %s: %+v", id, o)
 	}
 	if o[0].Result == kvxfer.ResultDone {
-		err := d.ranks[0][0].CheckRequest(&qa.sim, 16, 16)
-		t.Fatalf("d-a done after its producer restarted (its own bytes: %v): KV read out of blocks the new producer holds for another request", err)
+		err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16)
+		t.Fatalf("%s done after its producer restarted (its own bytes: %v): KV read out of blocks the restarted producer holds for another request", id, err)
 	}
-	if o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
-		t.Errorf("d-a: %+v, want failed: producer restarted", o[0])
+	if o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, why) {
+		t.Errorf("%s: %+v, want failed (peer_gone), the reason naming %q", id, o[0], why)
 	}
 }
