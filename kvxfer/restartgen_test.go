@@ -87,10 +87,7 @@ func TestPullFirstRequestAfterProducerRestart(t *testing.T) {
 				if o := run(p, "before"); o.Result != kvxfer.ResultDone {
 					t.Fatalf("before the restart: %+v", o)
 				}
-				p.close(t)
-				for _, be := range p.backends {
-					_ = be.Close() // the old agents are gone
-				}
+				stopProducer(t, p)
 				p2 := b.start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
 				defer p2.close(t)
 				time.Sleep(wait)
