@@ -180,6 +180,9 @@ class StepResult:
     errors: dict[int, errors.DaemonError] = field(default_factory=dict)
     # Per op index: (delay, params) of a request_finished op.
     finished: dict[int, tuple[bool, pb.TransferParams | None]] = field(default_factory=dict)
+    # The engine's generation as its peers' handshakes report it when the
+    # daemon answered (a pull scheduler's; 0: not known there).
+    generation: int = 0
 
 
 class Scheduler:
@@ -244,7 +247,8 @@ class Scheduler:
 
 
 def step_result(r: pb.StepResponse) -> StepResult:
-    out = StepResult(meta=r.meta if r.HasField("meta") else None, pending=r.pending, counters=r.counters)
+    out = StepResult(meta=r.meta if r.HasField("meta") else None, pending=r.pending, counters=r.counters,
+                     generation=r.generation)
     for res in r.results:
         if res.code != 0:
             out.errors[res.index] = errors.from_code("Step.ops[%d]" % res.index, res.code, res.error)

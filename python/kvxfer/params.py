@@ -19,7 +19,8 @@ Keys (all optional unless a transfer needs them):
   ``remote_num_tokens``, ``remote_blocks_expiry_unix_nanos``, ``remote_generation``
   (the producer engine's generation when it issued the params: a pull
   consumer handshakes again before reading when its handshake is of another
-  generation, and does not read params of an older one);
+  generation, and does not read params of an older one; an integer, never a
+  float: past 2^53 a double rounds it);
 - ``mode``: ``"push"`` or ``"pull"``, the mode the sender used.
 
 vLLM's NixlConnector spellings are accepted too: ``pp_size`` for
@@ -185,6 +186,7 @@ def validate_remote(p: dict, mode: int) -> None:
         raise ParamsError("kv_transfer_params.transfer_id and remote_request_id are both missing")
     for key, _, maximum in _INT_FIELDS:
         _int(p, key, 0, maximum=maximum)
+    generation(p)
     m = p.get("mode")
     if m is not None and mode_of(m) == pb.MODE_UNSPECIFIED:  # (a list or object too: unhashable)
         raise ParamsError(f"kv_transfer_params.mode = {m!r}, want push or pull")
@@ -226,6 +228,8 @@ def fill_proto(out: pb.TransferParams, p: dict[str, Any] | None) -> None:
         v = get(key)
         if v is not None:
             setattr(out, attr, v if type(v) is int and 0 <= v <= maximum else _int(p, key, 0, maximum=maximum))
+    if get("remote_generation") is not None:
+        out.remote_generation = generation(p)
     m = get("mode") or get("transfer_mode")
     if m is not None:
         out.mode = mode_of(m)
@@ -247,8 +251,26 @@ _STR_FIELDS = (("transfer_id", "transfer_id"), ("remote_engine_id", "remote_engi
 # (key, TransferParams field, the largest value the field holds)
 _INT_FIELDS = (("tp_size", "remote_tp_size", _INT32_MAX), ("pp_size", "remote_pp_size", _INT32_MAX),
                ("remote_pp_size", "remote_pp_size", _INT32_MAX), ("remote_num_tokens", "remote_num_tokens", _INT64_MAX),
-               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos", _INT64_MAX),
-               ("remote_generation", "remote_generation", _UINT64_MAX))
+               ("remote_blocks_expiry_unix_nanos", "remote_blocks_expiry_unix_nanos", _INT64_MAX))
+
+
+def generation(p: dict) -> int:
+    """p's remote_generation (0 when absent: unknown), or ParamsError naming
+    it: an integer 0..2^64-1 (a numeric string too, as the other integers),
+    never a boolean nor a float, integral or not. A generation counts from
+    the producer's clock in nanoseconds (~1.8e18), past 2^53: one that went
+    through a double (a router's JSON library reading numbers as floats)
+    may have lost its last digits and name another generation, whose
+    params the consumer would refuse with a misleading reason."""
+    v = p.get("remote_generation")
+    if type(v) is int and 0 <= v <= _UINT64_MAX:
+        return v
+    if v is None:
+        return 0
+    if isinstance(v, float):
+        raise ParamsError(f"kv_transfer_params.remote_generation = {v!r}, want an integer (a float may have lost the "
+                          "generation's last digits: pass kv_transfer_params through as they are, JSON integers kept)")
+    return _intval("kv_transfer_params.remote_generation", v, 0, _UINT64_MAX)
 
 
 def from_proto(t: pb.TransferParams) -> dict[str, Any]:

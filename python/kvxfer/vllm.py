@@ -90,10 +90,19 @@ too (SchedulerService.MatchedTokens, on a channel of its own), the daemon
 answers every request_finished row in full (relay "daemon" as "metadata")
 and its hold decision (delay) and kv_transfer_params (with the clipped
 block ids and starts) must equal those returned to vLLM, answers still in
-flight at shutdown included. A disagreement is logged ("daemon says"),
+flight at shutdown included (remote_generation apart: each side stamps the
+generation it knew then, see below). A disagreement is logged ("daemon says"),
 recorded in ``DISAGREEMENTS`` and raised as ``Disagreement``. Without
 ``verify``, relay "metadata" still compares delay and remote_num_tokens
 and logs a disagreement.
+
+A pull producer's kv_transfer_params (made here by request_finished) carry
+the engine's generation as its server's last step answer gave it
+(``remote_generation``; StepResponse.generation, none before the first
+answer nor in push): a consumer does not read params of a generation the
+producer is no longer at (it restarted or re-attached a rank since), whose
+blocks may hold another request's KV by then. A consumer's rows carry its
+params' remote_generation to its server.
 
 The worker side opens one WorkerService stream per rank, shares the rank's
 KV cache with the daemon (host memory as shared-memory files, GPU memory as
@@ -740,7 +749,7 @@ class _Columns:
     # The fixed columns, in the order of a row's tuple.
     _FIXED = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr",
               "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "computed", "count",
-              "status")
+              "status", "remote_generation")
     _LISTS = ("remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids")
 
     def __init__(self, groups: int):
@@ -775,7 +784,7 @@ class _Columns:
 
     def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs, flags) -> bool:
         if not p:
-            self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status))
+            self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status, 0))
             self.remote_block_lens.extend([0] * g)
             self.remote_block_starts.extend([0] * g)
         else:
@@ -799,11 +808,14 @@ class _Columns:
                     if addrs is not None:
                         _remember(addrs, key, addr)
             pp = get("remote_pp_size")
+            gen = get("remote_generation")
+            if gen is not None and not (type(gen) is int and 0 <= gen <= _UINT64_MAX):
+                gen = params.generation(p)  # converted, or ParamsError naming it
             self.rows.append((rid, request.num_prompt_tokens,
                               (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0) | flags,
                               _s(p, "transfer_id"), _s(p, "remote_engine_id"), addr, _s(p, "remote_request_id"),
                               _n(get("tp_size")), _n(pp if pp is not None else get("pp_size")), _n(get("remote_num_tokens")),
-                              params.mode_of(get("mode") or get("transfer_mode")), computed, count, status))
+                              params.mode_of(get("mode") or get("transfer_mode")), computed, count, status, gen or 0))
             if remote is not None:
                 for lst, st in zip(*remote):
                     self.remote_block_lens.append(len(lst))
@@ -824,7 +836,9 @@ class _Columns:
 
     def encode(self, dst: pb.RequestColumns, with_status: bool) -> None:
         for name, col in zip(self._FIXED, zip(*self.rows)):
-            if name != "status" or with_status:
+            # (remote_generation: left out when no row has one, as the
+            # fast path leaves out a column of defaults: push rows, P's.)
+            if (name != "status" or with_status) and (name != "remote_generation" or any(col)):
                 getattr(dst, name).extend(col)
         for c in self._LISTS:
             v = getattr(self, c)
@@ -868,8 +882,9 @@ def _n(v) -> int:
 # _Columns' row-by-row path.
 _COLUMN_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id", "remote_host",
                           "remote_port", "remote_request_id", "tp_size", "remote_pp_size", "pp_size",
-                          "remote_num_tokens", "mode", "transfer_mode", _TRIMMED))
+                          "remote_num_tokens", "mode", "transfer_mode", "remote_generation", _TRIMMED))
 _INT31 = 1 << 31
+_UINT64_MAX = (1 << 64) - 1
 # Distinct remote addresses remembered per scheduler (a router can name any
 # number of producers: the cache is bounded, and emptied when full).
 _ADDR_CACHE = 1024
@@ -897,13 +912,13 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
     try:
         # One pass over the params makes a tuple per row; zip turns them
         # into columns.
-        (tid, eng, rreq, tp, pp, nt, mode, fl, keys) = zip(*[(
+        (tid, eng, rreq, tp, pp, nt, mode, fl, keys, gen) = zip(*[(
             p.get("transfer_id") or "", p.get("remote_engine_id") or "", p.get("remote_request_id") or "",
             p.get("tp_size") or 0,
             (p["remote_pp_size"] if p.get("remote_pp_size") is not None else p.get("pp_size")) or 0,
             p.get("remote_num_tokens") or 0, mode_of(p.get("mode") or p.get("transfer_mode"), 0),
             (1 if p.get("do_remote_prefill") else 0) | (2 if p.get("do_remote_decode") else 0),
-            (p.get("remote_host"), p.get("remote_port"))) for p in ps])
+            (p.get("remote_host"), p.get("remote_port")), p.get("remote_generation")) for p in ps])
         amap = {}
         for k in set(keys):
             a = addrs.get(k)
@@ -914,6 +929,12 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
         for col in (tp, pp, nt):
             if min(col) < 0 or max(col) >= _INT31:
                 return False
+        if gen.count(None) == len(gen):
+            gen = ()  # none (push, P's rows): the column is left out
+        elif all(g is None or type(g) is int and 0 <= g <= _UINT64_MAX for g in gen):
+            gen = [g or 0 for g in gen]
+        else:
+            return False  # (a str, a bool, a float... params.generation refuses or converts it, row by row)
         if any(flags):
             fl = [x | y for x, y in zip(fl, flags)]
 
@@ -938,6 +959,7 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
         put(dst.count, count)
         if status is not None:
             dst.status.extend(status)
+        put(dst.remote_generation, gen)
         if all(len(b) == groups for b in blocks):
             dst.block_lens.extend([len(g) for b in blocks for g in b])
             dst.block_ids.extend([i for b in blocks for g in b for i in g])
@@ -1019,6 +1041,16 @@ class _SchedulerSide:
         self.listed: set[str] = set()
         self.stats = KvxferStats()
         self.daemon_bad_params = 0  # the daemon scheduler's count at its last answer
+        # Pull: the engine's generation as its peers' handshakes report it,
+        # as the daemon's last answer said (StepResponse.generation; 0:
+        # unknown, as before the first answer). request_finished stamps it
+        # on the params it makes (remote_generation), as the daemon's
+        # Scheduler does on those it returns: a consumer refuses params of
+        # a generation this engine is no longer at (it restarted, or a rank
+        # attached again, since), whose blocks may hold another request's
+        # KV by the time it reads them.
+        self.pull = self.cfg.mode == pb.MODE_PULL
+        self.generation = 0
         self.addr = ""
         self.host, self.port = "", 0
         self.sched = conn.client.scheduler(conn.engine_id)
@@ -1026,7 +1058,7 @@ class _SchedulerSide:
         # Its MatchedTokens calls go on a channel of their own, apart from
         # the engine's (whose traffic they are not).
         self.verify = self.cfg.verify
-        self.verified = {"matched": 0, "finished": 0}
+        self.verified = {"matched": 0, "finished": 0, "generation": 0}
         self._vclient: Client | None = None
         self._vsched = None
         if self.verify:
@@ -1048,6 +1080,9 @@ class _SchedulerSide:
             # dropped (older than what the new scheduler publishes), never
             # a new step under its number.
             self.daemon_bad_params = 0
+            # A new scheduler: the generation is the next answer's (the
+            # engine's ranks may have attached again meanwhile).
+            self.generation = 0
             if self.relay == "daemon":
                 self.stream = self.sched.stream()
         except errors.KvxferError as e:
@@ -1252,6 +1287,8 @@ class _SchedulerSide:
                    "remote_block_ids": ids, "remote_block_starts": starts, "tp_size": self.c.tp_size,
                    "remote_pp_size": self.c.pp_size, "remote_num_tokens": request.num_computed_tokens,
                    "mode": params.MODE_NAMES[self.cfg.mode]}
+            if self.generation:  # pull only (_answered)
+                out["remote_generation"] = self.generation
             if p.get("transfer_id") and params.is_str(p["transfer_id"]):
                 out["transfer_id"] = p["transfer_id"]
             delay = any(ids)
@@ -1397,6 +1434,8 @@ class _SchedulerSide:
         self.daemon_pending = res.pending
         self.stats.data["bad_params"] += max(res.counters.bad_params - self.daemon_bad_params, 0)
         self.daemon_bad_params = res.counters.bad_params
+        if self.pull:
+            self.generation = res.generation
         if self.verify:
             self._verify_finished(res, kinds, local)
         for i, (delay, prm) in res.finished.items():
@@ -1419,7 +1458,18 @@ class _SchedulerSide:
                     self._disagree(f"request {kinds[i][1]}: no answer to request_finished (row {i})")
                 got = (False, None)
             self.verified["finished"] += 1
-            if (bool(got[0]), got[1]) != (delay, prm):
+            # The generation is compared apart: the daemon's Scheduler
+            # stamps the engine's generation as of applying the row, the
+            # connector as of its last answer (0 before the first, the old
+            # one until the answer after a rank attached again), so the two
+            # may differ without either being wrong. Counted where they are
+            # both known and agree (the tests check that they do).
+            theirs, mine = got[1], prm
+            if theirs is not None and mine is not None and (theirs.remote_generation or mine.remote_generation):
+                if theirs.remote_generation == mine.remote_generation:
+                    self.verified["generation"] += 1
+                theirs, mine = _without_generation(theirs), _without_generation(mine)
+            if (bool(got[0]), theirs) != (delay, mine):
                 fmt = lambda t: None if t is None else params.from_proto(t)  # noqa: E731
                 self._disagree(f"request {kinds[i][1]}: request_finished: daemon says (delay, params) = "
                                f"({got[0]}, {fmt(got[1])}), connector said ({delay}, {fmt(prm)})")
@@ -1557,6 +1607,14 @@ class _SchedulerSide:
                 log.info("kvxfer: closing the scheduler of engine %s: %s", self.c.engine_id, e)
             if self._vclient is not None:
                 self._vclient.close()
+
+
+def _without_generation(t: pb.TransferParams) -> pb.TransferParams:
+    """t less its remote_generation (a copy: t is left as it is)."""
+    out = pb.TransferParams()
+    out.CopyFrom(t)
+    out.ClearField("remote_generation")
+    return out
 
 
 def _take_stats(side) -> KvxferStats | None:

@@ -56,6 +56,39 @@ def test_scheduler_and_step(daemons):
         s.close()
 
 
+def test_pull_step_answers_carry_the_generation(daemons):
+    """A pull scheduler's step answers (Step and the Steps stream) carry
+    the engine's generation as its peers' handshakes report it, once a rank
+    of the engine is attached (0 before); a push scheduler's carry none."""
+    d = daemons("a")
+    c = kvxfer.Client(d.socket)
+    buf, hello = _hello(d, engine="P")
+    hello.mode = pb.MODE_PULL
+    try:
+        s = c.scheduler("P")
+        s.open(pb.SchedulerConfig(mode=pb.MODE_PULL, tp_size=1, logical_block_size=16))
+        assert s.step([]).generation == 0  # no rank attached: unknown
+        w = c.connect(hello)
+        peer = kvxfer.Client(d.peer, peer_secret=load_secret(d.secret))
+        gen = peer.handshake("P").generation
+        peer.close()
+        assert gen and s.step([]).generation == gen
+        st = s.stream()
+        st.send(pb.StepsRequest(step=pb.StepRequest(publish_step=1)))
+        answers = st.results(wait=10, count=1)
+        assert [kvxfer.client.step_result(a).generation for a in answers] == [gen], answers
+        st.close()
+        s.close()
+        push = c.scheduler("P")
+        push.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+        assert push.step([]).generation == 0
+        push.close()
+        w.bye(timeout=10)
+    finally:
+        c.close()
+        buf.close()
+
+
 def test_worker_stream_and_handshake(daemons):
     d = daemons("a")
     c = kvxfer.Client(d.socket)

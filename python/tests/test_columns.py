@@ -114,3 +114,66 @@ def test_odd_rows_take_the_row_path(odd):
     rows = rows_of(slow, 1)
     assert [r["request_id"] for r in rows] == ["r-0", "r-1"]
     assert rows[0]["transfer_id"] == "t"
+
+
+# A producer's generation as its params carry it (the clock's nanoseconds:
+# past 2^53, as a real one is).
+GEN = 1_764_000_000_123_456_789
+
+
+def test_generation_column_fast_and_row_paths_agree():
+    """remote_generation (pull params) is a column of its own: rows that
+    carry it (any number up to 2^64-1) and rows that do not encode the same
+    on both paths, and the column is left out when no row has one."""
+    ps = [dict(PUSH_D, remote_generation=GEN), dict(PUSH_D, transfer_id="u"),
+          dict(PUSH_D, transfer_id="v", remote_generation=(1 << 64) - 1), dict(PUSH_D, transfer_id="w", remote_generation=0)]
+    ok, fast, slow, cols = both(ps, [[[i]] for i in range(len(ps))], flags=[1] * len(ps),
+                                status=[pb.FINISH_STATUS_STOPPED] * len(ps))
+    assert ok
+    assert rows_of(fast, 1) == rows_of(slow, 1)
+    assert [r["remote_generation"] for r in rows_of(fast, 1)] == [GEN, 0, (1 << 64) - 1, 0]
+    assert cols.bad == 0
+    ok, fast, slow, _ = both([dict(PUSH_D), dict(PUSH_D, transfer_id="u")], [[[1]], [[2]]])
+    assert ok and not len(fast.remote_generation) and not len(slow.remote_generation)
+
+
+def test_generation_on_a_pull_consumer_row():
+    """A pull D's row (remote block lists: the row-by-row path, as before)
+    carries its params' remote_generation, as a string of digits too."""
+    p = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "h", "remote_port": 5, "mode": "pull",
+         "remote_request_id": "x", "remote_block_ids": [[3, 4]], "remote_block_starts": [0], "remote_generation": GEN}
+    for gen in (GEN, str(GEN)):
+        ok, _, slow, cols = both([dict(p, remote_generation=gen)], [[[1, 2]]])
+        assert not ok  # remote lists take the row path
+        assert list(slow.remote_generation) == [GEN] and cols.bad == 0
+
+
+@pytest.mark.parametrize("junk", [-1, 1 << 64, "x", "1.5", 1.5, float(GEN), True, [GEN], {"g": 1}])
+def test_junk_generation_is_counted_not_sent(junk):
+    """A remote_generation that is no integer 0..2^64-1 (a float too,
+    integral or not: a generation past 2^53 loses digits as one) takes the
+    row path, which counts it as bad params and keeps the row's flags
+    alone; the row beside it keeps its own."""
+    ps = [dict(PUSH_D, remote_generation=GEN), dict(PUSH_D, transfer_id="u", remote_generation=junk)]
+    ok, fast, slow, cols = both(ps, [[[1]], [[2]]])
+    assert not ok and fast.ByteSize() == 0
+    assert cols.bad == 1
+    rows = rows_of(slow, 1)
+    assert [r["remote_generation"] for r in rows] == [GEN, 0]
+    assert rows[0]["remote_engine_id"] == "p0" and rows[1]["remote_engine_id"] == ""  # its remote fields dropped
+    assert rows[1]["transfer_id"] == "u"
+
+
+@pytest.mark.parametrize("junk", [-1, 1 << 64, "x", 1.5, float(GEN), True])
+def test_junk_generation_refused_by_params(junk):
+    """params refuses the same junk with a message naming the field (a D's
+    matched-tokens check: the request is computed locally and counted)."""
+    from kvxfer import params as P
+    p = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "h", "remote_port": 5, "mode": "pull",
+         "remote_request_id": "x", "remote_block_ids": [[3]], "remote_generation": junk}
+    with pytest.raises(P.ParamsError, match="kv_transfer_params.remote_generation"):
+        P.validate_remote(p, pb.MODE_PULL)
+    with pytest.raises(P.ParamsError, match="kv_transfer_params.remote_generation"):
+        P.to_proto(p)
+    assert P.to_proto(dict(p, remote_generation=GEN)).remote_generation == GEN
+    assert P.from_proto(P.to_proto(dict(p, remote_generation=GEN)))["remote_generation"] == GEN

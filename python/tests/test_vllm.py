@@ -289,6 +289,139 @@ def test_pull_hold_without_transfer_id_is_named(tmp_path, daemons):
     assert _verified(r.P)["finished"] >= 2, _verified(r.P)
 
 
+GEN_CASES = [("daemon", "daemon"), ("daemon", "metadata"), ("in-process", "auto")]
+
+
+@pytest.mark.parametrize("placement,relay", GEN_CASES, ids=[f"{pl}-{rl}" for pl, rl in GEN_CASES])
+def test_pull_params_carry_the_producers_generation(tmp_path, daemons, placement, relay):
+    """Pull: once P's scheduler side has had an answer from its server, the
+    params it makes for a finished request carry P's generation
+    (remote_generation, the daemon's answers' StepResponse.generation), the
+    same the daemon's Scheduler stamps on its own answer for the row
+    (verify: counted where both know it), in both relays; D, reading them,
+    moves and checks every byte. Before, the connector's params carried
+    none: a consumer could not tell them from a restarted producer's."""
+    rng = random.Random(f"gen-{placement}-{relay}")
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"relay": relay}, d_kw={"relay": relay})
+    try:
+        r.add(0, [rng.randrange(100, 50000) for _ in range(40)])  # P's first answers
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
+        for n in range(1, 4):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(rng.randrange(20, 70))])
+        want = {f"d-{n}" for n in range(1, 4)}
+        r.run_until(lambda: want <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
+        gens = {r.P.finished[f"p-{n}"].kv_transfer_params.get("remote_generation") for n in range(1, 4)}
+        assert len(gens) == 1 and isinstance(next(iter(gens)), int) and next(iter(gens)) > 0, gens
+        assert not r.D.failed, r.D.failed
+        assert want | {"d-0"} <= r.checked, sorted(r.checked)
+        assert _free_both(r)
+    finally:
+        r.close()
+    # The daemon's Scheduler stamped the same generation on each of those
+    # rows (the comparison that verify makes apart from the rest).
+    assert _verified(r.P)["generation"] >= 3, _verified(r.P)
+
+
+def _restart_p(r, tmp_path):
+    """P's engine goes and a new one of the same id comes up on the same
+    server (its rank attaches again: a new generation), as a restarted
+    engine's would; Run's P is the new one."""
+    H.shutdown(r.P)
+    r.P = H.make_engine(tmp_path, "p0", "P", r.dp, "pull", 1)
+
+
+def test_pull_params_of_a_restarted_producer_are_not_read(tmp_path, daemons, caplog):
+    """Pull: P issues a request's params, then restarts (its rank attaches
+    again: a new generation) before D reads them. D's handshake is by then
+    the new P's (a request issued after the restart moved), whose blocks
+    under the old params' ids may hold another request's KV: the old
+    params' request fails (recomputed here, never reported loaded), its
+    failure naming both generations, and the requests issued after the
+    restart move and check byte for byte. Before, the connector's params
+    carried no generation and D could not tell them from the new P's."""
+    rng = random.Random("gen-restart")
+    r = Run(tmp_path, daemons, "pull", 1)
+    try:
+        r.add(0, [rng.randrange(100, 50000) for _ in range(40)])  # D's handshake with P; P's first answers
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
+        assert "d-0" in r.checked
+        # p-1's params, which the router holds on to while P restarts.
+        r.prompts["p-1"] = r.prompts["d-1"] = toks1 = [rng.randrange(100, 50000) for _ in range(40)]
+        r.P.sched.add_request(H.make_request("p-1", list(toks1), 1, {"do_remote_decode": True, "transfer_id": "t1"}))
+        deadline = time.monotonic() + 30
+        while "p-1" not in r.P.finished:
+            assert time.monotonic() < deadline, "p-1 never finished"
+            H.step(r.P, r.prompts)
+        old = dict(r.P.finished["p-1"].kv_transfer_params)
+        assert old.get("remote_generation"), old
+        _restart_p(r, tmp_path)
+        # Requests after the restart, one after the other (the new P's
+        # first params may carry no generation yet: relay "daemon" has had
+        # no answer then): D now handshakes the new P.
+        for n in (2, 3):
+            r.add(n, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: f"d-{n}" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
+        assert {"d-2", "d-3"} <= r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        new = r.P.finished["p-3"].kv_transfer_params.get("remote_generation")
+        assert new and new != old["remote_generation"], (new, old)
+        # The new P holds blocks for a request of its own (p-4) while D
+        # reads the old params.
+        r.add(4, [rng.randrange(100, 50000) for _ in range(40)])
+        r.D.sched.add_request(H.make_request("d-1", toks1, 2, old))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-1", "d-4"} <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
+        assert "d-1" in r.D.failed and "d-1" not in r.checked, (sorted(r.D.failed), sorted(r.checked))
+        assert not str(r.D.finished["d-1"].finish_reason).lower().endswith("error")  # recomputed
+        why = [m for m in caplog.messages if "d-1" in m and "failed" in m]
+        assert any(f"issued this request's params at generation {old['remote_generation']} and is at generation {new}"
+                   in m for m in why), why
+        assert "d-4" in r.checked and r.D.failed == {"d-1"}, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("junk", [-1, 1 << 64, "x", 1.5, float(1 << 60)])
+def test_junk_generation_on_d_is_refused_and_counted(tmp_path, daemons, junk, caplog):
+    """Pull: D gets P's params with remote_generation tampered (no integer
+    0..2^64-1, or a float, which may have lost a generation's digits): that
+    request is refused with a warning naming the field and its value,
+    counted in the connector's bad_params and computed on D; the request
+    beside it moves and checks byte for byte."""
+    rng = random.Random(f"gen-junk-{junk!r}")
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2})
+    seen = {}
+    orig = r.D.sched.connector.get_kv_connector_stats
+
+    def stats():
+        s = orig()
+        for k, v in (s.data if s is not None else {}).items():
+            seen[k] = seen.get(k, 0) + v
+        return s
+
+    r.D.sched.connector.get_kv_connector_stats = stats
+    try:
+        for n in range(2):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", r.prompts[f"p-{n}"], 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+        r.run_until(lambda: {"p-0", "p-1"} <= set(r.P.finished))
+        good = dict(r.P.finished["p-0"].kv_transfer_params)
+        bad = dict(r.P.finished["p-1"].kv_transfer_params, remote_generation=junk)
+        r.D.sched.add_request(H.make_request("d-0", r.prompts["d-0"], 2, good))
+        r.D.sched.add_request(H.make_request("d-1", r.prompts["d-1"], 2, bad))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests,
+                        limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert "d-1" not in r.D.recvd, r.D.recvd  # computed on D, nothing awaited
+        assert any("d-1" in m and f"kv_transfer_params.remote_generation = {junk!r}" in m for m in caplog.messages), \
+            caplog.messages
+        assert seen.get("bad_params", 0) >= 1, seen
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def test_prefix_hit_on_d_moves_only_the_rest(tmp_path, daemons):
     """D already holds the shared prefix: the transfer fills only the blocks
     after it (checked in what the connector sends the daemon), and D's
