@@ -1080,9 +1080,12 @@ class _SchedulerSide:
             # dropped (older than what the new scheduler publishes), never
             # a new step under its number.
             self.daemon_bad_params = 0
-            # A new scheduler: the generation is the next answer's (the
-            # engine's ranks may have attached again meanwhile).
-            self.generation = 0
+            # A new scheduler: the generation is its answers' (the engine's
+            # ranks may have attached again meanwhile). One empty step asks
+            # it now, so that the first params made here carry it (a pull
+            # producer's steps may send nothing before its first request
+            # finishes; the server asked the ranks as the scheduler opened).
+            self.generation = self.sched.step([], build_meta=False).generation if self.pull else 0
             if self.relay == "daemon":
                 self.stream = self.sched.stream()
         except errors.KvxferError as e:

@@ -294,23 +294,24 @@ GEN_CASES = [("daemon", "daemon"), ("daemon", "metadata"), ("in-process", "auto"
 
 @pytest.mark.parametrize("placement,relay", GEN_CASES, ids=[f"{pl}-{rl}" for pl, rl in GEN_CASES])
 def test_pull_params_carry_the_producers_generation(tmp_path, daemons, placement, relay):
-    """Pull: once P's scheduler side has had an answer from its server, the
-    params it makes for a finished request carry P's generation
-    (remote_generation, the daemon's answers' StepResponse.generation), the
-    same the daemon's Scheduler stamps on its own answer for the row
-    (verify: counted where both know it), in both relays; D, reading them,
-    moves and checks every byte. Before, the connector's params carried
-    none: a consumer could not tell them from a restarted producer's."""
+    """Pull: the params P's scheduler side makes for a finished request,
+    its very first included, carry P's generation (remote_generation: one
+    empty step as its scheduler opens asks it, then every answer's
+    StepResponse.generation), the same the daemon's Scheduler stamps on its
+    own answer for the row (verify: counted where both know it), in both
+    relays and placements; D, reading them, moves and checks every byte.
+    Before, the connector's params carried none: a consumer could not tell
+    them from a restarted producer's."""
     rng = random.Random(f"gen-{placement}-{relay}")
     r = Run(tmp_path, daemons, "pull", 1, p_kw={"relay": relay}, d_kw={"relay": relay})
     try:
-        r.add(0, [rng.randrange(100, 50000) for _ in range(40)])  # P's first answers
+        r.add(0, [rng.randrange(100, 50000) for _ in range(40)])  # P's first params
         r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests)
         for n in range(1, 4):
             r.add(n, [rng.randrange(100, 50000) for _ in range(rng.randrange(20, 70))])
         want = {f"d-{n}" for n in range(1, 4)}
         r.run_until(lambda: want <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests)
-        gens = {r.P.finished[f"p-{n}"].kv_transfer_params.get("remote_generation") for n in range(1, 4)}
+        gens = {r.P.finished[f"p-{n}"].kv_transfer_params.get("remote_generation") for n in range(4)}
         assert len(gens) == 1 and isinstance(next(iter(gens)), int) and next(iter(gens)) > 0, gens
         assert not r.D.failed, r.D.failed
         assert want | {"d-0"} <= r.checked, sorted(r.checked)

@@ -111,7 +111,8 @@ func TestSchedulerTellsItsEngineGeneration(t *testing.T) {
 // same value: a consumer compares the two), and learns a new one after a
 // rank's server sees the rank attach again. Before, such a scheduler
 // stamped nothing (0), so vLLM's default placement had no protection
-// against reading a restarted producer's blocks with old params.
+// against reading a restarted producer's blocks with old params. It asks
+// as it opens, so that its first answer and params carry the generation.
 func TestSpreadSchedulerLearnsItsEngineGeneration(t *testing.T) {
 	before := runtime.NumGoroutine()
 	t.Run("run", func(t *testing.T) {
@@ -153,8 +154,12 @@ func TestSpreadSchedulerLearnsItsEngineGeneration(t *testing.T) {
 			}
 			t.Fatalf("step answers tell generation %d, want %d (a handshake with the engine's ranks)", got, want)
 		}
+		// Opening it asked the ranks: its first answer tells their
+		// generation.
 		gen1 := handshakeGen(t, "E", ds[0].peerAddr)
-		told(gen1)
+		if resp, err := c.Step(ctx, &pb.StepRequest{EngineId: "E"}); err != nil || resp.Generation != gen1 {
+			t.Fatalf("first step answer = %v, %v; want generation %d (a handshake with the engine's ranks)", resp, err, gen1)
+		}
 		// Rank 1's worker restarts: its server sees it attach again.
 		streams[1]()
 		attach(1)

@@ -41,7 +41,7 @@ type schedulers struct {
 	// handshake with this server reports it (0: unknown), stamped on a
 	// pull producer's params (kvxfer.SchedulerConfig.Generation) and
 	// told in each step's answer (StepResponse.generation); nil: none.
-	generation func(engine string) func() uint64
+	generation func(engine string) *genSource
 	mu         sync.Mutex
 	m          *xsync.Map[string, *lockedScheduler]
 	// byUID counts the open schedulers of each uid (under mu): at most
@@ -191,16 +191,19 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		}
 		cfg.Groups = append(cfg.Groups, topology.Group{Kind: topology.Kind(g.Kind), Window: w})
 	}
+	var gen *genSource
 	if ss.generation != nil {
-		cfg.Generation = ss.generation(c.EngineId)
+		gen = ss.generation(c.EngineId)
+		cfg.Generation = gen.get
 	}
 	s, err := kvxfer.NewScheduler(cfg)
 	if err != nil {
 		return nil, ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	ls := &lockedScheduler{s: s, uid: uid, pid: ai.PID}
-	if cfg.Mode == kvxfer.ModePull {
-		ls.gen = cfg.Generation
+	if gen != nil && cfg.Mode == kvxfer.ModePull {
+		ls.gen = gen.get
+		gen.prime(ctx)
 	}
 	ls.pub.metas = map[uint64]*pb.StepMeta{}
 	ls.pub.changed = make(chan struct{})

@@ -663,47 +663,86 @@ const spreadGenRefresh = time.Second
 //   - on one that does not (an in-process engine's scheduler, in its
 //     engine core's process apart from its ranks'), what a handshake with
 //     the engine's ranks at this server's advertised address (HOST:BASE)
-//     last said, asked again in the background once spreadGenRefresh has
-//     passed since the last time (0 until the first answer, and after a
-//     handshake that failed: its ranks are gone or restarting).
+//     last said: asked when its scheduler opens (prime, waited for), then
+//     again in the background once spreadGenRefresh has passed since the
+//     last time (0 until the first answer, and after a handshake that
+//     failed: its ranks are gone or restarting).
 //
 // The source is the scheduler's own, and goes with it.
-func (s *Server) generation(engine string) func() uint64 {
-	var (
-		gen  atomic.Uint64
-		last atomic.Int64 // unix nanos the last handshake began (0: none)
-		busy atomic.Bool
-	)
-	return func() uint64 {
-		if g, ok := s.localGeneration(engine); ok {
-			return g
-		}
-		if now := time.Now().UnixNano(); now-last.Load() >= int64(spreadGenRefresh) && busy.CompareAndSwap(false, true) {
-			last.Store(now)
-			s.bgMu.Lock()
-			if s.life.Err() != nil { // closed: Close waits for none started now
-				s.bgMu.Unlock()
-				busy.Store(false)
-				return gen.Load()
-			}
-			s.bg.Add(1)
-			s.bgMu.Unlock()
-			go func() {
-				defer s.bg.Done()
-				defer busy.Store(false)
-				ctx, cancel := context.WithTimeout(s.life, spreadGenRefresh*5)
-				defer cancel()
-				res, err := s.cfg.Resolver.Handshake(ctx, engine, s.sched.addr)
-				if err != nil {
-					gen.Store(0)
-					s.log.Debug("kvxferd: the generation of this scheduler's engine is unknown: its ranks did not answer", "engine", engine, "err", err)
-					return
-				}
-				gen.Store(res.Generation)
-			}()
-		}
-		return gen.Load()
+func (s *Server) generation(engine string) *genSource {
+	return &genSource{s: s, engine: engine}
+}
+
+// genSource is one scheduler's source of its engine's generation
+// (Server.generation).
+type genSource struct {
+	s      *Server
+	engine string
+	gen    atomic.Uint64
+	last   atomic.Int64 // unix nanos the last handshake began (0: none)
+	busy   atomic.Bool
+}
+
+// get is the engine's generation now (kvxfer.SchedulerConfig.Generation):
+// it never waits.
+func (g *genSource) get() uint64 {
+	s := g.s
+	if v, ok := s.localGeneration(g.engine); ok {
+		return v
 	}
+	if now := time.Now().UnixNano(); now-g.last.Load() >= int64(spreadGenRefresh) && g.busy.CompareAndSwap(false, true) {
+		g.last.Store(now)
+		s.bgMu.Lock()
+		if s.life.Err() != nil { // closed: Close waits for none started now
+			s.bgMu.Unlock()
+			g.busy.Store(false)
+			return g.gen.Load()
+		}
+		s.bg.Add(1)
+		s.bgMu.Unlock()
+		go func() {
+			defer s.bg.Done()
+			defer g.busy.Store(false)
+			ctx, cancel := context.WithTimeout(s.life, spreadGenRefresh*5)
+			defer cancel()
+			g.ask(ctx)
+		}()
+	}
+	return g.gen.Load()
+}
+
+// prime asks the engine's ranks at once, where this server does not serve
+// them, and waits for the answer (within ctx and primeWait): a scheduler
+// opened on it tells the generation from its first step's answer, and
+// the params it returns first carry it (an engine's ranks attach before
+// its scheduler opens: vLLM builds its workers first).
+func (g *genSource) prime(ctx context.Context) {
+	if _, ok := g.s.localGeneration(g.engine); ok || !g.busy.CompareAndSwap(false, true) {
+		return
+	}
+	defer g.busy.Store(false)
+	g.last.Store(time.Now().UnixNano())
+	ctx, cancel := context.WithTimeout(ctx, primeWait)
+	defer cancel()
+	g.ask(ctx)
+}
+
+// primeWait bounds how long opening a scheduler waits for its engine's
+// ranks' generation (genSource.prime).
+const primeWait = 2 * time.Second
+
+// ask handshakes with the engine's ranks at this server's advertised
+// address, as a peer does, and keeps the generation they report (0 when
+// they do not answer: they are gone or restarting).
+func (g *genSource) ask(ctx context.Context) {
+	s := g.s
+	res, err := s.cfg.Resolver.Handshake(ctx, g.engine, s.sched.addr)
+	if err != nil {
+		g.gen.Store(0)
+		s.log.Debug("kvxferd: the generation of this scheduler's engine is unknown: its ranks did not answer", "engine", g.engine, "err", err)
+		return
+	}
+	g.gen.Store(res.Generation)
 }
 
 // localGeneration is engine's generation when this server can tell it
