@@ -66,6 +66,10 @@ type config struct {
 	drainTimeout, lease, nixlProgressDelay, nixlPoll, peerTimeout                                       time.Duration
 	conns, maxSegments, maxRequests, rankPortBase, dataPortBase                                         int
 	etcd                                                                                                etcdConfig
+	// Engine ids reserved for uids (owners.go).
+	engineOwner      ownerFlag
+	engineOwnersFile string
+	engineOwnersOnly bool
 }
 
 // flagSet defines kvxferd serve's flags on c, with their defaults: the
@@ -141,6 +145,15 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.StringVar(&c.hopTrace, "hop-trace", "", "append a JSON line to this file as each request passes each point of its path "+
 		"(step taken, registration, WRITE/READ posted and ended, notices, outcome published and sent), stamped with CLOCK_MONOTONIC ns, "+
 		"for python/tests/hoptrace.py to time the hops; several processes may share the file. Off when unset (costs nothing then)")
+	fs.Var(&c.engineOwner, "engine-owner", "reserve engine ids for a user, repeatable (one value may hold several, space-separated): PATTERN=USER, "+
+		"PATTERN an engine id or a prefix and a final * (team-a-*; * alone: every id), USER a user name (resolved at start) or a uid. "+
+		"Another uid's rank or scheduler under a reserved id is refused (PermissionDenied, counted as engine_reserved), root's too; "+
+		"an id several rules match belongs to the most specific (an exact id, else the longest prefix); ids no rule matches stay first come, "+
+		"first served across users (see -engine-owners-only)")
+	fs.StringVar(&c.engineOwnersFile, "engine-owners", "", "file of -engine-owner rules, one PATTERN USER a line (# starts a comment), read at start; "+
+		"a regular file of root's or kvxferd's user, writable by its owner only. With -engine-owner, both apply; a pattern named twice is refused")
+	fs.BoolVar(&c.engineOwnersOnly, "engine-owners-only", false, "refuse every engine id no -engine-owner or -engine-owners rule matches "+
+		"(counted as engine_unreserved): no id is first come, first served")
 	etcdFlags(fs, &c.etcd)
 	return fs
 }
@@ -161,6 +174,7 @@ func parseFlags(args []string) (*config, error) {
 	if envErr != nil {
 		return nil, envErr
 	}
+	c.engineOwner.fromEnv = true // the command line's replace the environment's
 	if err := unknownEnv(fs); err != nil {
 		return nil, err
 	}
@@ -315,6 +329,9 @@ func (c *config) validate() error {
 	}
 	if c.nixlPoll < 10*time.Microsecond || c.nixlPoll > 100*time.Millisecond {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
+	}
+	if _, err := c.engineOwners(); err != nil {
+		return err
 	}
 	if err := c.etcd.validate(); err != nil {
 		return err
@@ -757,12 +774,19 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		in.cleanup = append(in.cleanup, in.fleet.close)
 		onEngines, lookup = in.fleet.enginesChanged, in.fleet.lookup
 	}
+	owners, err := c.engineOwners()
+	if err != nil {
+		return nil, err
+	}
+	if len(owners) > 0 {
+		log.Info("kvxferd: engine ids reserved for users", "rules", len(owners), "engine_owners_only", c.engineOwnersOnly)
+	}
 	var srv *server.Server // GPUs for the built-in backend's same-host path, once started
 	srv, err = server.New(server.Config{PeerAddr: in.advertise, RankPortBase: c.rankPortBase, ShmDir: c.shmDir, DrainTimeout: c.drainTimeout, Logger: log,
 		AllowPeer: allow, HelloTimeout: c.helloTimeout, MaxStreams: c.maxStreams, MaxStreamsPerUID: c.maxStreamsPerUID,
 		MaxEngineConns: c.maxEngineConns, MaxEngineConnsPerUID: c.maxEngineConnsPerUID, MaxCalls: c.maxCalls, MaxCallsPerUID: c.maxCallsPerUID, MaxRequests: c.maxRequests,
 		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
-		OnEnginesChanged: onEngines, PeerLookup: lookup,
+		OnEnginesChanged: onEngines, PeerLookup: lookup, EngineOwners: owners, EngineOwnersOnly: c.engineOwnersOnly,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
 		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {

@@ -38,6 +38,10 @@ func TestMain(m *testing.M) {
 	if sock := os.Getenv("KVXFER_ADDR_ENGINE"); sock != "" {
 		os.Exit(addressEngine(sock))
 	}
+	if arg := os.Getenv("KVXFER_OWNERS_ENGINE"); arg != "" {
+		sock, ops, _ := strings.Cut(arg, "|")
+		os.Exit(ownersEngine(sock, ops))
+	}
 	if arg := os.Getenv("KVXFER_SCHED_ENGINE"); arg != "" {
 		os.Exit(schedEngine(arg))
 	}

@@ -169,6 +169,15 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 	if len(c.EngineId) > MaxEngineID {
 		return nil, ss.status(stream.Invalid("config.engine_id has %d bytes, want at most %d", len(c.EngineId), MaxEngineID))
 	}
+	if c.EngineId != "" { // (NewScheduler refuses an empty one: bad input)
+		// An id reserved for another uid is refused before anything
+		// else: its holder's scheduler is neither replaced nor reclaimed,
+		// and nothing starts for it (a generation source).
+		if err := ss.owners.check(c.EngineId, uid); err != nil {
+			ss.limits.refuseReserved(err)
+			return nil, ss.status(err)
+		}
+	}
 	cfg := kvxfer.SchedulerConfig{EngineID: c.EngineId, Addr: ss.addr, Mode: kvxfer.Mode(c.Mode), TPSize: int(c.TpSize), PPSize: int(c.PpSize),
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
@@ -229,7 +238,9 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 			return nil, ss.status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
 		}
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
-			ss.limits.refuse("permission")
+			if !ss.limits.refuseReserved(err) {
+				ss.limits.refuse("permission")
+			}
 			return nil, ss.status(err)
 		}
 		if ss.byUID == nil {

@@ -228,6 +228,19 @@ type Config struct {
 	// schedulers then take params without an address. It returns once
 	// ctx (the handshake's) is done, at the latest.
 	PeerLookup func(ctx context.Context, engineID string) (string, error)
+	// EngineOwners reserve engine ids for uids (kvxferd -engine-owner,
+	// -engine-owners): an id a rule matches may be claimed (a rank's
+	// hello, OpenScheduler) by the rule's uid only, any other uid's claim
+	// refused up front with PermissionDenied naming the id, the rule and
+	// its uid (a *ReservedError, counted as engine_reserved), the id's
+	// holder undisturbed. An id matched by several rules belongs to the
+	// most specific: an exact id, else the longest prefix. Ids no rule
+	// matches are first come, first served across uids (type owners).
+	EngineOwners []EngineOwner
+	// EngineOwnersOnly refuses every engine id no EngineOwners rule
+	// matches (kvxferd -engine-owners-only; counted as
+	// engine_unreserved): no id is first come, first served.
+	EngineOwnersOnly bool
 }
 
 // Server implements the kvxfer.v1 WorkerService and PeerService. It is
@@ -389,7 +402,11 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	own := &owners{m: map[string]*owner{}}
+	res, err := newReservations(cfg.EngineOwners, cfg.EngineOwnersOnly)
+	if err != nil {
+		return nil, err
+	}
+	own := &owners{m: map[string]*owner{}, reserved: res}
 	s := &Server{cfg: cfg, log: cfg.Logger, enc: enc, draining: make(chan struct{}), drained: make(chan struct{}), owners: own,
 		limits: &limits{streams: newBudget(cfg.MaxStreams, cfg.MaxStreamsPerUID, "engine streams", "-max-streams", "streams"),
 			mem:   newBudget(cfg.MaxMemoryEntries, cfg.MaxMemoryEntriesPerUID, "mapped memory entries", "-max-memory-entries", "memory_entries"),
@@ -871,6 +888,7 @@ func (s *Server) Connect(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Conne
 	r, err := s.attach(hello, uid, engine.Groups, engine.PID)
 	if err != nil {
 		switch {
+		case s.limits.refuseReserved(err):
 		case errors.Is(err, errForeignAddress):
 			s.limits.refuse("memory_address")
 		case errors.Is(err, shm.ErrRefused):
@@ -927,7 +945,9 @@ func (s *Server) recvHello(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.Con
 
 // Refusals returns how many calls and streams the server refused since it
 // started, by reason: permission (another uid's engine, or not on the
-// unix socket), rank_attached, memory (a shared-memory file refused),
+// unix socket), engine_reserved (an engine id the daemon's rules reserve
+// for another uid: Config.EngineOwners), engine_unreserved (an id no rule
+// matches, under Config.EngineOwnersOnly), rank_attached, memory (a shared-memory file refused),
 // memory_address (memory named by address from another process),
 // bad_request (a SchedulerService call's bad input), hello_timeout, bad_message (what an engine handed without gRPC did not
 // parse, or was too large; a message that ended a rank's stream: empty, or a
@@ -1253,6 +1273,11 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 			r.release()
 		}
 	}()
+	// An id reserved for another uid is refused before anything else
+	// (its holder's gone scheduler is not reclaimed for this claim).
+	if err := s.owners.check(h.EngineId, uid); err != nil {
+		return nil, err
+	}
 	if err := s.owners.claim(h.EngineId, uid); err != nil {
 		// Another uid's engine holds the id: not once its process is gone
 		// (a scheduler it never closed would hold it for ever).
@@ -1540,11 +1565,18 @@ func (r *rank) release() {
 // owners records the uid each engine id belongs to: that of the first of
 // its ranks or its scheduler to arrive, for as long as any of them stays.
 // Another uid's rank or scheduler for the engine is refused, so one user's
-// engine cannot read, replace or close another's.
+// engine cannot read, replace or close another's. An id reserved (the
+// daemon's rules: Config.EngineOwners) may be claimed by its rule's uid
+// only; the others are first come, first served.
 type owners struct {
-	mu sync.Mutex
-	m  map[string]*owner
+	reserved *reservations // nil: none (read only)
+	mu       sync.Mutex
+	m        map[string]*owner
 }
+
+// check refuses uid's claim of engine where the daemon's rules do not let
+// uid use it (a *ReservedError); it changes nothing.
+func (o *owners) check(engine string, uid uint32) error { return o.reserved.check(engine, uid) }
 
 type owner struct {
 	uid  uint32
@@ -1552,11 +1584,15 @@ type owner struct {
 }
 
 func (o *owners) claim(engine string, uid uint32) error {
+	if err := o.check(engine, uid); err != nil {
+		return err
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if w := o.m[engine]; w != nil {
 		if w.uid != uid {
-			return fmt.Errorf("%w: engine %q belongs to uid %d for as long as any of its ranks or its scheduler stays (uid %d may not attach its ranks or use its scheduler; engine ids are first come, first served: use another one)",
+			return fmt.Errorf("%w: engine %q belongs to uid %d for as long as any of its ranks or its scheduler stays (uid %d may not attach its ranks or use its scheduler; "+
+				"engine ids no kvxferd -engine-owner rule reserves are first come, first served: use another one)",
 				ErrPermission, engine, w.uid, uid)
 		}
 		w.refs++
