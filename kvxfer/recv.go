@@ -159,12 +159,15 @@ func (st *loopState) startRecv(r *recvReq) {
 	}
 	if want := r.req.Remote.TPSize; want > 0 && want != e.tpSize {
 		st.metrics.BadInput("recv_req.remote.tp_size")
-		st.decide(r, ResultFailed, FailureIncompatible, fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want))
+		reason := fmt.Sprintf("producer %s has TP %d, the request says %d", e.id, e.tpSize, want)
+		st.refuseProducer(e, r, FailureIncompatible, reason)
+		st.decide(r, ResultFailed, FailureIncompatible, reason)
 		st.tryReport(r)
 		return
 	}
 	targets, err := st.targets(e.tpSize, e.ppSize)
 	if err != nil {
+		st.refuseProducer(e, r, FailureIncompatible, err.Error())
 		st.decide(r, ResultFailed, FailureIncompatible, err.Error())
 		st.tryReport(r)
 		return
@@ -207,10 +210,24 @@ func (st *loopState) refuseProducer(e *engine, r *recvReq, fk FailureKind, reaso
 	if st.cfg.Mode == ModePull {
 		kind = msgFail
 	}
-	if targets, err := st.targets(e.tpSize, e.ppSize); err == nil {
-		for _, to := range targets {
-			st.tellP(e, r, to, kind, fk, reason)
+	targets, err := st.targets(e.tpSize, e.ppSize)
+	if err != nil {
+		// TP sizes neither of which divides the other (the refusal
+		// itself): no producer rank maps to ours, yet each holds the
+		// request. Each is told by one of our ranks, producer rank tp by
+		// our rank tp mod our TP size; before, none was, and each held
+		// its blocks for its whole lease.
+		targets = targets[:0]
+		for pp := range e.ppSize {
+			for tp := range e.tpSize {
+				if tp%st.layout.TPSize == st.layout.TPRank {
+					targets = append(targets, rankRef{pp: pp, tp: tp})
+				}
+			}
 		}
+	}
+	for _, to := range targets {
+		st.tellP(e, r, to, kind, fk, reason)
 	}
 }
 

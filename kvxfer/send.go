@@ -1375,12 +1375,20 @@ func (st *loopState) onCancel(m *msg) {
 		// Unmatched or unknown: nothing of ours can be in flight. Drop
 		// its registration, remember it, and confirm — with the
 		// completion notice again when our WRITE into that rank landed.
-		st.dropReg(k)
 		tb, had := st.tombs[k]
 		if had && !tb.names(m.TransferID, m.PReq) {
 			// The tombstone is of an earlier request under this id:
 			// nothing of ours landed for this one.
 			tb, had = tomb{}, false
+		}
+		if g := st.regs[k]; !had || g == nil || g.gaveUp == "" || g.tid != m.TransferID {
+			// A give-up of this request already waiting (another of
+			// its consumer's ranks cancelled first, or this one
+			// retried) stays: it fails the producer request when that
+			// comes. Dropped, the request held its blocks for its
+			// whole lease (a consumer of more ranks than ours whose
+			// handshake refused the pair).
+			st.dropReg(k)
 		}
 		if !had {
 			st.tombs[k] = tomb{at: st.now, tid: m.TransferID, preq: m.PReq}

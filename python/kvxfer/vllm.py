@@ -2024,7 +2024,7 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
     then V of one head and token); under LBHNC each layer is one region of
     B contiguous blocks of H·N·C bytes."""
     from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
     cfg = w.kv_cache_config
     if not kv_caches:
@@ -2088,7 +2088,9 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
         elif (lay, h, n, es) != (order, heads, kernel_bs, elem):
             raise ValueError(f"kvxfer: layer {name}: layout differs from the first layer's "
                              f"(order/heads/tokens/elem {lay}/{h}/{n}/{es} vs {order}/{heads}/{kernel_bs}/{elem})")
-        if isinstance(spec, AttentionSpec) and spec.head_size_v != spec.head_size:
+        # An MLA layer's one latent per token has no V of its own (vLLM's
+        # MLAAttentionSpec has head_size_v 0): nothing to compare.
+        if isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec) and spec.head_size_v != spec.head_size:
             raise ValueError(f"kvxfer: layer {name}: K and V head sizes differ ({spec.head_size} vs {spec.head_size_v})")
         kind, window = w.c.groups[gi] if gi < len(w.c.groups) else w.c.groups[0]
         groups[min(gi, len(groups) - 1)].append(len(regions))

@@ -48,6 +48,8 @@ HEADS = 12
 HEAD_SIZE = 64
 BLOCK = 16
 DTYPE = torch.float16
+# An MLA model's (mla=True) latent per token: kv_lora_rank 64 + rope 32.
+MLA_LATENT = 96
 
 
 def build_kvxferd(out_dir: Path) -> Path:
@@ -223,11 +225,38 @@ class InProcess:
         pass
 
 
-def model_dir(work: Path, mtp: int = 0) -> Path:
+def model_dir(work: Path, mtp: int = 0, kv_heads: int = HEADS, mla: bool = False) -> Path:
     """A model directory holding only a config.json: an OPT-like model, or
     with mtp > 0 one of the same geometry with mtp multi-token-prediction
     modules (MiMo's architecture on a Qwen2 config, which vLLM's
-    SpeculativeConfig(method="mtp") turns into a multi-module MTP drafter)."""
+    SpeculativeConfig(method="mtp") turns into a multi-module MTP drafter),
+    or with kv_heads < HEADS a GQA model of the same geometry (Qwen2) with
+    kv_heads KV heads, or with mla an MLA model of the same depth (DeepSeek
+    V2: one latent of MLA_LATENT per token, the same on every TP rank)."""
+    if mla:
+        d = work / "model-mla"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_hidden_layers": LAYERS,
+            "hidden_size": HEADS * HEAD_SIZE, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "kv_lora_rank": 64,
+            "q_lora_rank": None, "qk_rope_head_dim": MLA_LATENT - 64, "qk_nope_head_dim": 32, "v_head_dim": HEAD_SIZE,
+            "intermediate_size": 1024, "moe_intermediate_size": 256, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "first_k_dense_replace": LAYERS, "vocab_size": 50272, "max_position_embeddings": 2048,
+            "torch_dtype": "float16", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        }))
+        return d
+    if kv_heads != HEADS:
+        assert not mtp and HEADS % kv_heads == 0, (mtp, kv_heads)
+        d = work / f"model-kv{kv_heads}"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": LAYERS,
+            "hidden_size": HEADS * HEAD_SIZE, "num_attention_heads": HEADS, "num_key_value_heads": kv_heads,
+            "head_dim": HEAD_SIZE, "intermediate_size": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
+            "torch_dtype": "float16", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }))
+        return d
     if not mtp:
         d = work / "model"
         d.mkdir(exist_ok=True)
@@ -251,15 +280,19 @@ def model_dir(work: Path, mtp: int = 0) -> Path:
 def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
                 policy: str = "recompute", timeout_s: float = 5, num_blocks: int = 96, lease_s: float = 30,
                 registration_timeout_s: float = 20, layout: str | None = None, relay: str = "auto", mtp: int = 0,
-                batched: int = 4096, verify: bool = True):
+                batched: int = 4096, verify: bool = True, block: int = BLOCK, kv_heads: int = HEADS, pp: int = 1,
+                mla: bool = False):
     """The engine's VllmConfig. mtp > 0: a multi-module MTP drafter with mtp
     speculative tokens (vLLM's num_prefill_lookahead_tokens = mtp).
     batched: max_num_batched_tokens (small values chunk prefills).
     verify False: as a production engine runs (no comparison with the
-    daemon's Scheduler)."""
+    daemon's Scheduler). block: vLLM's block_size; kv_heads: the model's
+    KV heads (fewer than HEADS: GQA); pp: pipeline_parallel_size; mla: an
+    MLA model."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
-    mc = ModelConfig(model=str(model_dir(work, mtp)), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+    mc = ModelConfig(model=str(model_dir(work, mtp, kv_heads, mla)), skip_tokenizer_init=True, dtype="float16", seed=0,
+                     max_model_len=1024)
     # verify: every decision the connector makes is checked against the
     # daemon's Scheduler, on every step; a disagreement raises (and
     # conftest fails the test whatever became of the exception).
@@ -274,11 +307,11 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
         extra["layerwise"] = True
     ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
                            engine_id=engine_id, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
-    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=block, enable_prefix_caching=True)
     cc.num_gpu_blocks = num_blocks
     sc = SchedulerConfig(max_num_seqs=min(64, batched), max_num_batched_tokens=batched, max_model_len=1024, is_encoder_decoder=False,
                          enable_chunked_prefill=True)
-    pc = ParallelConfig(tensor_parallel_size=tp)
+    pc = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=mc, target_parallel_config=pc) \
         if mtp else None
     cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
@@ -295,43 +328,58 @@ def vllm_config(work: Path, engine_id: str, daemon: Daemon, mode: str, tp: int, 
     if layout is not None:
         cfg.cache_config.kv_cache_layout = layout  # as VLLM_KV_CACHE_LAYOUT would
     resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]])
-    assert layout is not None or cfg.cache_config.kv_cache_layout in ("LBHNC", "HND"), cfg.cache_config.kv_cache_layout
+    assert layout is not None or mla or cfg.cache_config.kv_cache_layout in ("LBHNC", "HND"), cfg.cache_config.kv_cache_layout
     return cfg
 
 
-def kv_cache_config(cfg, tp: int, num_blocks: int, mamba: bool = False):
-    """One full-attention group over LAYERS layers; with mamba, a hybrid
-    model instead: half the layers attention, half Mamba (a MambaSpec
-    group), block lists only (no tensors: no worker can register it)."""
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """The KV heads each TP rank holds: a share, or one (replicated) where
+    the model has fewer KV heads than TP ranks, as vLLM gives them."""
+    return max(1, kv_heads // tp)
+
+
+def kv_cache_config(cfg, tp: int, num_blocks: int, mamba: bool = False, block: int = BLOCK, kv_heads: int = HEADS,
+                    layers: range = range(LAYERS), mla: bool = False):
+    """One full-attention group over the layers given (all, or a pipeline
+    stage's); with mamba, a hybrid model instead: half the layers
+    attention, half Mamba (a MambaSpec group), block lists only (no
+    tensors: no worker can register it)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD_SIZE, dtype=DTYPE)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec
+    if mla:
+        spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=MLA_LATENT, dtype=DTYPE)
+    else:
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads_per_rank(kv_heads, tp), head_size=HEAD_SIZE, dtype=DTYPE)
     if mamba:
         half = LAYERS // 2
-        state = MambaSpec(block_size=BLOCK, shapes=((HEADS // tp, HEAD_SIZE),), dtypes=(DTYPE,))
+        state = MambaSpec(block_size=block, shapes=((HEADS // tp, HEAD_SIZE),), dtypes=(DTYPE,))
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec([f"model.decoder.layers.{i}.self_attn.attn" for i in range(half)], spec),
             KVCacheGroupSpec([f"model.decoder.layers.{i}.mixer" for i in range(half, LAYERS)], state)])
-    names = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    names = [f"model.decoder.layers.{i}.self_attn.attn" for i in layers]
     page = spec.page_size_bytes
-    return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(names, spec)], page * LAYERS * num_blocks)
+    return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(names, spec)], page * len(names) * num_blocks)
 
 
-def pattern(layer: int, heads: np.ndarray, pos: np.ndarray, toks: np.ndarray) -> np.ndarray:
-    """The K|V content P writes for (layer, global heads, positions): [H, N,
-    2D] float16, a function of the token id at each position, so prefix hits
-    on D (same prompt prefix) hold the same bytes and any mix-up of
-    requests, layers, heads or positions shows."""
+def pattern(layer: int, heads: np.ndarray, pos: np.ndarray, toks: np.ndarray, width: int = 2 * HEAD_SIZE) -> np.ndarray:
+    """The K|V content (width elements: 2D, or an MLA latent) P writes for
+    (layer, global heads, positions): [H, N, width] float16, a function of
+    the token id at each position, so prefix hits on D (same prompt prefix)
+    hold the same bytes and any mix-up of requests, layers, heads or
+    positions shows."""
     base = (layer * 131 + heads[:, None] * 31 + pos[None, :] * 7 + toks[None, :] * 13) % 2039
-    return ((np.arange(2 * HEAD_SIZE, dtype=np.int64)[None, None, :] * 3 + base[:, :, None]) % 2048).astype(np.float16)
+    return ((np.arange(width, dtype=np.int64)[None, None, :] * 3 + base[:, :, None]) % 2048).astype(np.float16)
 
 
-def _runs(blocks: list[int], start: int, end: int):
-    """(block, first offset, positions) for positions [start, end)."""
+def _runs(e: "Engine", blocks: list[int], start: int, end: int):
+    """(kernel block, first offset, positions) for positions [start, end)
+    of e's cache: a block of e.block tokens is e.block // e.kernel kernel
+    blocks of e.kernel tokens in the views."""
+    ratio = e.block // e.kernel
     pos = start
     while pos < end:
-        b, off = blocks[pos // BLOCK], pos % BLOCK
-        n = min(BLOCK - off, end - pos)
+        b, off = blocks[pos // e.block] * ratio + (pos % e.block) // e.kernel, pos % e.kernel
+        n = min(e.kernel - off, end - pos)
         yield b, off, np.arange(pos, pos + n)
         pos += n
 
@@ -342,6 +390,7 @@ class Rank:
     kv: dict
     buf: object
     tp_rank: int
+    pp_rank: int = 0
 
 
 @dataclass
@@ -362,12 +411,39 @@ class Engine:
     finished: dict = field(default_factory=dict)  # request id -> finish status
     layers_saved: int = 0
     stats: dict = field(default_factory=dict)  # the workers' KvxferStats, summed
+    block: int = BLOCK  # vLLM's block_size
+    kernel: int = BLOCK  # the attention kernel's block size (divides block)
+    kv_heads: int = HEADS  # the model's KV heads
+    pp: int = 1
+    mla: bool = False
+
+    @property
+    def width(self) -> int:
+        """Elements per head and token: K and V, or the MLA latent."""
+        return MLA_LATENT if self.mla else 2 * HEAD_SIZE
+
+    def heads(self, rank: Rank) -> np.ndarray:
+        """The model's KV heads rank holds (global indices): its share, or
+        the one head it replicates where tp > kv_heads; an MLA latent (one
+        "head", 0) on every rank."""
+        if self.mla:
+            return np.arange(1)
+        per = kv_heads_per_rank(self.kv_heads, self.tp)
+        first = rank.tp_rank * self.kv_heads // self.tp if self.tp > self.kv_heads else rank.tp_rank * per
+        return np.arange(first, first + per)
 
 
 def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp: int, layerwise: bool = False,
-                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5, mamba: bool = False, **kw) -> Engine:
+                policy: str = "recompute", num_blocks: int = 96, timeout_s: float = 5, mamba: bool = False,
+                block: int = BLOCK, kernel: int | None = None, kv_heads: int = HEADS, pp: int = 1, mla: bool = False,
+                **kw) -> Engine:
     """An engine over daemon. mamba: a hybrid model (kv_cache_config's),
-    scheduler side only: it has no ranks, so drive it with sched_step."""
+    scheduler side only: it has no ranks, so drive it with sched_step.
+    block: vLLM's block_size; kernel: the attention kernel's block size
+    (vLLM's views split each block into block // kernel kernel blocks);
+    kv_heads: the model's KV heads (GQA); pp: pipeline stages, each rank of
+    a stage holding its layers only (vLLM's get_pp_indices); mla: an MLA
+    model (model_dir's)."""
     from kvxfer import shm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -376,44 +452,52 @@ def make_engine(work: Path, name: str, role: str, daemon: Daemon, mode: str, tp:
     from vllm.v1.kv_cache_interface import create_kv_cache_views
     from vllm.v1.structured_output import StructuredOutputManager
 
-    cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks, **kw)
-    kvc = kv_cache_config(cfg, tp, num_blocks, mamba)
+    from vllm.distributed.utils import get_pp_indices
+
+    cfg = vllm_config(work, name, daemon, mode, tp, layerwise, policy, timeout_s, num_blocks, block=block, kv_heads=kv_heads,
+                      pp=pp, mla=mla, **kw)
+    geo = {"block": block, "kv_heads": kv_heads, "mla": mla}
+    kvc = kv_cache_config(cfg, tp, num_blocks, mamba, **geo)
     layout = cfg.cache_config.get_resolved_kv_cache_layout()
     in_process = getattr(daemon, "placement", "daemon") == "in-process"
     ranks = []
-    for r in range(0 if mamba else tp):
+    for r in range(0 if mamba else tp * pp):
+        stage, tp_rank = divmod(r, tp)
+        rkvc = kvc if pp == 1 else kv_cache_config(cfg, tp, num_blocks, **geo, layers=range(*get_pp_indices(LAYERS, stage, pp)))
         cfg.parallel_config.rank = r
-        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-        conn._worker.tp_rank = r
+        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, rkvc)
+        conn._worker.tp_rank, conn._worker.pp_rank = tp_rank, stage
         if in_process:
             # A plain host tensor: the in-process server takes it by address.
             buf = None
-            raw = torch.zeros(kvc.kv_cache_tensors[0].size, dtype=torch.int8)
+            raw = torch.zeros(rkvc.kv_cache_tensors[0].size, dtype=torch.int8)
         else:
-            buf = shm.create(kvc.kv_cache_tensors[0].size, daemon.shm_dir)
-            raw = torch.frombuffer(buf.buffer, dtype=torch.int8, count=kvc.kv_cache_tensors[0].size)
+            buf = shm.create(rkvc.kv_cache_tensors[0].size, daemon.shm_dir)
+            raw = torch.frombuffer(buf.buffer, dtype=torch.int8, count=rkvc.kv_cache_tensors[0].size)
         kv = {}
-        for t in kvc.kv_cache_tensors:
-            spec = kvc.kv_cache_groups[0].kv_cache_spec
-            kv.update(zip(t.layers, create_kv_cache_views(raw, spec, kvc.num_blocks, layout, t)))
+        for t in rkvc.kv_cache_tensors:
+            spec = rkvc.kv_cache_groups[0].kv_cache_spec
+            kv.update(zip(t.layers, create_kv_cache_views(raw, spec, rkvc.num_blocks, layout, t,
+                                                          kernel_block_size=kernel if kernel not in (None, block) else None)))
         conn.register_kv_caches(kv)
-        ranks.append(Rank(conn, kv, buf, r))
+        ranks.append(Rank(conn, kv, buf, tp_rank, stage))
     cfg.parallel_config.rank = 0
     # The scheduler after the workers, as vLLM's engine core builds them
     # (its executor first): in-process, a scheduler side finds the server
     # of a rank in its process, or starts its own.
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=BLOCK, log_stats=True)
+                      block_size=block, log_stats=True)
     if in_process:
         daemon.peer = sched.connector._sched.addr
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
-    return Engine(name, role, sched, ranks, tp, kvc, KVOutputAggregator(tp), free)
+    return Engine(name, role, sched, ranks, tp, kvc, KVOutputAggregator(tp * pp), free, block=block, kernel=kernel or block,
+                  kv_heads=kv_heads, pp=pp, mla=mla)
 
 
 _HASH_READY = False
 
 
-def make_request(rid: str, tokens: list[int], max_tokens: int, kv_params: dict | None):
+def make_request(rid: str, tokens: list[int], max_tokens: int, kv_params: dict | None, block: int = BLOCK):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -425,7 +509,7 @@ def make_request(rid: str, tokens: list[int], max_tokens: int, kv_params: dict |
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.extra_args = {"kv_transfer_params": kv_params} if kv_params is not None else None
     return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+                   block_hasher=get_request_block_hasher(block, sha256))
 
 
 def _layers(rank) -> list[tuple[int, object]]:
@@ -435,13 +519,12 @@ def _layers(rank) -> list[tuple[int, object]]:
 def write_kv(e: Engine, rid: str, tokens: list[int], start: int, n: int) -> None:
     """P's forward pass: the KV of positions [start, start+n) of request rid."""
     blocks = e.sched.kv_cache_manager.get_block_ids(rid)[0]
-    per = HEADS // e.tp
     toks = np.asarray(tokens)
     for rank in e.ranks:
-        heads = np.arange(rank.tp_rank * per, (rank.tp_rank + 1) * per)
+        heads = e.heads(rank)
         for li, v in _layers(rank):  # v: [B, H, N, 2D] float16
-            for b, off, pos in _runs(blocks, start, start + n):
-                v[b, :, off:off + len(pos)] = torch.from_numpy(pattern(li, heads, pos, toks[pos]))
+            for b, off, pos in _runs(e, blocks, start, start + n):
+                v[b, :, off:off + len(pos)] = torch.from_numpy(pattern(li, heads, pos, toks[pos], e.width))
 
 
 def check_kv(e: Engine, rid: str, tokens: list[int], upto: int) -> int:
@@ -449,15 +532,14 @@ def check_kv(e: Engine, rid: str, tokens: list[int], upto: int) -> int:
     returns the bytes checked. Raises AssertionError naming the first bad
     (layer, head, position)."""
     blocks = e.sched.kv_cache_manager.get_block_ids(rid)[0]
-    per = HEADS // e.tp
     toks = np.asarray(tokens)
     checked = 0
     for rank in e.ranks:
-        heads = np.arange(rank.tp_rank * per, (rank.tp_rank + 1) * per)
+        heads = e.heads(rank)
         for li, v in _layers(rank):
-            for b, off, pos in _runs(blocks, 0, upto):
+            for b, off, pos in _runs(e, blocks, 0, upto):
                 got = v[b, :, off:off + len(pos)].numpy()
-                want = pattern(li, heads, pos, toks[pos])
+                want = pattern(li, heads, pos, toks[pos], e.width)
                 if not np.array_equal(got, want):
                     h, n = [int(x[0]) for x in np.nonzero((got != want).any(axis=2))]
                     raise AssertionError(f"{e.name} request {rid}: layer {li} head {heads[h]} position {pos[n]} (block {b}) "

@@ -102,11 +102,11 @@ class Run:
         # P gets its own copy: the connector may trim P's prompt in place.
         # (router_tid False: a router that names no transfer, pull only.)
         p_params = {"do_remote_decode": True, "transfer_id": tid} if router_tid else {"do_remote_decode": True}
-        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), p_max_tokens, p_params))
+        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), p_max_tokens, p_params, self.P.block))
         if self.mode == "push":
             params = _push_params(self.dp, tid)
             params["tp_size"] = self.p_tp
-            self.D.sched.add_request(H.make_request(f"d-{n}", tokens, max_tokens, params))
+            self.D.sched.add_request(H.make_request(f"d-{n}", tokens, max_tokens, params, self.D.block))
             if abort_d_before:
                 self.abort_d(f"d-{n}")
         else:
@@ -130,7 +130,7 @@ class Run:
         for rid, o in list(self.P.finished.items()):
             if rid in self.pending_d and o.kv_transfer_params is not None:
                 did, tokens, mt, abort = self.pending_d.pop(rid)
-                self.D.sched.add_request(H.make_request(did, tokens, mt, dict(o.kv_transfer_params)))
+                self.D.sched.add_request(H.make_request(did, tokens, mt, dict(o.kv_transfer_params), self.D.block))
                 if abort:
                     self.abort_d(did)
         # Blocks held for a transfer stay allocated until P reports the send.
