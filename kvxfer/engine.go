@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -253,7 +254,8 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		r := &res.Ranks[i]
 		if !st.cfg.SkipCompatCheck && r.CompatHash != st.cfg.CompatHash {
 			st.loadForNotices(e, h)
-			return fmt.Errorf("kvxfer: handshake with %s: compatibility hash %q, want %q", e.id, r.CompatHash, st.cfg.CompatHash)
+			return fmt.Errorf("kvxfer: handshake with %s: compatibility hash %q, want %q (%s)", e.id, r.CompatHash, st.cfg.CompatHash,
+				compatHint(st.layout, &r.Layout))
 		}
 		l := r.Layout
 		if err := l.Validate(); err != nil {
@@ -286,6 +288,31 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
 	e.peers, e.layouts = peers, layouts
 	return nil
+}
+
+// compatHint says which of the model's fields a peer's layout and ours
+// disagree on, for a refusal by compatibility hash, which names nothing
+// itself.
+func compatHint(ours, theirs *topology.Layout) string {
+	if ours == nil {
+		return "the engines run other models, dtypes or builds"
+	}
+	var d []string
+	for _, f := range []struct {
+		name         string
+		ours, theirs int
+	}{
+		{"total_kv_heads", ours.TotalKVHeads, theirs.TotalKVHeads}, {"head_size", ours.HeadSize, theirs.HeadSize},
+		{"elem_bytes", ours.ElemBytes, theirs.ElemBytes}, {"cache groups", len(ours.Groups), len(theirs.Groups)},
+	} {
+		if f.ours != f.theirs {
+			d = append(d, fmt.Sprintf("%s %d, ours %d", f.name, f.theirs, f.ours))
+		}
+	}
+	if len(d) == 0 {
+		return "the layouts agree on heads, head size, element size and cache groups: the engines differ in what else the hash covers (the model, its dtype, the engine's build)"
+	}
+	return "the peer's layout: " + strings.Join(d, "; ")
 }
 
 // sendTo sends a message to one rank of a peer engine: at once when its

@@ -951,6 +951,9 @@ func TestIncompatiblePeerRefusedAndTold(t *testing.T) {
 				x.settle()
 				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "compatibility hash")
 				wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "compatibility hash")
+				// Where the layouts agree the refusal says so: what
+				// differs is outside them.
+				wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "the layouts agree")
 				wantKind(t, "D", x.recvResult(q), kvxfer.FailureIncompatible)
 				if x.posted() != 0 {
 					t.Errorf("posted %d transfers to an incompatible peer", x.posted())

@@ -112,7 +112,7 @@ REFUSED = [
     ("tp2to3", _geo(2, 3), ("TP 2", "TP 3", "not a multiple")),
     ("block16to24-tp1to2", _geo(1, 2, d_block=24), ("block 16", "block 24", "kernel block sizes")),
     ("dpp2", {**_geo(), "d": {"pp": 2}}, ("PP 2", "PPSize = 2")),
-    ("kvheads12to4", {**_geo(), "d": {"kv_heads": 4}}, ("compatibility hash",)),
+    ("kvheads12to4", {**_geo(), "d": {"kv_heads": 4}}, ("compatibility hash", "total_kv_heads")),
 ]
 RCASES = [(g, m, o) for g in REFUSED for m, o in (("push", "p-first"), ("push", "d-first"), ("pull", "p-first"))]
 
