@@ -382,6 +382,23 @@ def test_pull_params_of_a_restarted_producer_are_not_read(tmp_path, daemons, cap
         r.close()
 
 
+def _sum_stats(e) -> dict:
+    """Sums the stats engine e's scheduler-side connector reports from now
+    on (vLLM takes and clears them each step), by key, into the returned
+    dict."""
+    seen = {}
+    orig = e.sched.connector.get_kv_connector_stats
+
+    def stats():
+        s = orig()
+        for k, v in (s.data if s is not None else {}).items():
+            seen[k] = seen.get(k, 0) + v
+        return s
+
+    e.sched.connector.get_kv_connector_stats = stats
+    return seen
+
+
 @pytest.mark.parametrize("junk", [-1, 1 << 64, "x", 1.5, float(1 << 60)])
 def test_junk_generation_on_d_is_refused_and_counted(tmp_path, daemons, junk, caplog):
     """Pull: D gets P's params with remote_generation tampered (no integer
@@ -391,16 +408,7 @@ def test_junk_generation_on_d_is_refused_and_counted(tmp_path, daemons, junk, ca
     beside it moves and checks byte for byte."""
     rng = random.Random(f"gen-junk-{junk!r}")
     r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2})
-    seen = {}
-    orig = r.D.sched.connector.get_kv_connector_stats
-
-    def stats():
-        s = orig()
-        for k, v in (s.data if s is not None else {}).items():
-            seen[k] = seen.get(k, 0) + v
-        return s
-
-    r.D.sched.connector.get_kv_connector_stats = stats
+    seen = _sum_stats(r.D)
     try:
         for n in range(2):
             r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = [rng.randrange(100, 50000) for _ in range(40)]
@@ -712,16 +720,7 @@ def test_junk_params_on_p_are_counted_not_raised(tmp_path, daemons):
     connector's stats."""
     rng = random.Random(17)
     r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2})
-    seen = {}
-    orig = r.P.sched.connector.get_kv_connector_stats
-
-    def stats():
-        s = orig()
-        for k, v in (s.data if s is not None else {}).items():
-            seen[k] = seen.get(k, 0) + v
-        return s
-
-    r.P.sched.connector.get_kv_connector_stats = stats
+    seen = _sum_stats(r.P)
     try:
         junk = [{"remote_block_ids": "junk"}, {"remote_host": "h", "remote_port": "not a port"},
                 {"remote_block_ids": [[1, -5]], "tp_size": "x"},
