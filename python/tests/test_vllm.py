@@ -1117,7 +1117,8 @@ def test_steps_stream_breaks_refused_request_ends(tmp_path, daemons, caplog):
     block groups; D has one) in the step whose answer is then lost with the
     broken Steps stream, the daemon alive. The connector leaves d-bad to the
     rank's outcome, and the daemon gives it one (the published step does
-    not stage it): D recomputes it instead of waiting forever."""
+    not stage it, or the step never reached the daemon and its reference
+    is dropped unpublished): D recomputes it instead of waiting forever."""
     rng = random.Random("refused")
     r = Run(tmp_path, daemons, "pull", 1)
     broke = []
@@ -1134,7 +1135,11 @@ def test_steps_stream_breaks_refused_request_ends(tmp_path, daemons, caplog):
         r.run_until(lambda: "d-bad" in r.D.finished and not r.D.sched.requests, limit_s=30)
         assert "d-bad" in r.D.failed and "d-bad" not in r.checked
         assert not str(r.D.finished["d-bad"].finish_reason).lower().endswith("error")  # recomputed
-        assert any("d-bad" in m and "does not stage it" in m for m in caplog.messages), caplog.messages
+        # Its one outcome says why: the published step did not stage it,
+        # or (the stream broke before the daemon took the step, as under
+        # load) the step was never published.
+        assert any("d-bad" in m and ("does not stage it" in m or "not published within" in m) for m in caplog.messages), \
+            caplog.messages
         assert _free_both(r)
     finally:
         r.close()
