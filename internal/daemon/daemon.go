@@ -70,6 +70,9 @@ type config struct {
 	engineOwner      ownerFlag
 	engineOwnersFile string
 	engineOwnersOnly bool
+	// ownerRules are engineOwner's and engineOwnersFile's rules, read
+	// (users resolved, the file read) once, by validate.
+	ownerRules []server.EngineOwner
 }
 
 // flagSet defines kvxferd serve's flags on c, with their defaults: the
@@ -330,9 +333,11 @@ func (c *config) validate() error {
 	if c.nixlPoll < 10*time.Microsecond || c.nixlPoll > 100*time.Millisecond {
 		return fmt.Errorf("-nixl-poll-interval = %v, want 10us to 100ms", c.nixlPoll)
 	}
-	if _, err := c.engineOwners(); err != nil {
+	rules, err := c.engineOwners()
+	if err != nil {
 		return err
 	}
+	c.ownerRules = rules
 	if err := c.etcd.validate(); err != nil {
 		return err
 	}
@@ -774,10 +779,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		in.cleanup = append(in.cleanup, in.fleet.close)
 		onEngines, lookup = in.fleet.enginesChanged, in.fleet.lookup
 	}
-	owners, err := c.engineOwners()
-	if err != nil {
-		return nil, err
-	}
+	owners := c.ownerRules // (validate read them)
 	if len(owners) > 0 {
 		log.Info("kvxferd: engine ids reserved for users", "rules", len(owners), "engine_owners_only", c.engineOwnersOnly)
 	}

@@ -66,3 +66,8 @@ func SetMaxPublishedBytesForTest(t interface{ Cleanup(func()) }, n int) {
 	maxPublishedBytes = n
 	t.Cleanup(func() { maxPublishedBytes = old })
 }
+
+// SpreadGenerationForTest is spreadGeneration for external tests.
+func SpreadGenerationForTest(gens []uint64) uint64 {
+	return spreadGeneration(len(gens), func(i int) uint64 { return gens[i] })
+}

@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"encoding/binary"
+	"hash/fnv"
 	"net"
 	"runtime"
 	"strconv"
@@ -179,4 +181,21 @@ func TestSpreadSchedulerLearnsItsEngineGeneration(t *testing.T) {
 		streams[1]()
 	})
 	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// A spread engine's generation is FNV-1a over its ranks' generations'
+// little-endian bytes, as builds before it computed with hash/fnv: a
+// consumer of either build compares the same value with the params'.
+func TestSpreadGenerationIsFNV1a(t *testing.T) {
+	for _, gens := range [][]uint64{{1}, {1 << 63, 42}, {0x0102030405060708, 0, ^uint64(0)}} {
+		h := fnv.New64a()
+		var b [8]byte
+		for _, g := range gens {
+			binary.LittleEndian.PutUint64(b[:], g)
+			_, _ = h.Write(b[:])
+		}
+		if got, want := server.SpreadGenerationForTest(gens), max(h.Sum64(), 1); got != want {
+			t.Errorf("spreadGeneration(%x) = %x, want %x", gens, got, want)
+		}
+	}
 }

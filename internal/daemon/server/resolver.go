@@ -2,10 +2,8 @@ package server
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"net"
 	"net/netip"
 	"strconv"
@@ -352,22 +350,27 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 		out.Ranks = append(out.Ranks, got[i].rank)
 		gens[i] = got[i].gen
 	}
-	out.Generation = spreadGeneration(gens)
+	out.Generation = spreadGeneration(len(gens), func(i int) uint64 { return gens[i] })
 	return out, nil
 }
 
-// spreadGeneration is the generation of a spread engine whose ranks'
-// servers answered gens, in rank order (pp major): it changes whenever
-// one of theirs does. The engine's scheduler stamps the same on its
-// params (Server.generation).
-func spreadGeneration(gens []uint64) uint64 {
-	h := fnv.New64a()
-	var b [8]byte
-	for _, g := range gens {
-		binary.LittleEndian.PutUint64(b[:], g)
-		_, _ = h.Write(b[:])
+// spreadGeneration is the generation of a spread engine of n ranks whose
+// servers answered gen(i) for rank i (pp major): it changes whenever one
+// of theirs does. The engine's scheduler stamps the same on its params
+// (Server.generation). It is FNV-1a of the generations' little-endian
+// bytes, computed in place (no allocation: a scheduler asks at each
+// request it holds).
+func spreadGeneration(n int, gen func(i int) uint64) uint64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	h := uint64(offset)
+	for i := range n {
+		g := gen(i)
+		for range 8 {
+			h = (h ^ (g & 0xff)) * prime
+			g >>= 8
+		}
 	}
-	return max(h.Sum64(), 1)
+	return max(h, 1)
 }
 
 // handshakeOne asks the server at addr about an engine, and returns its

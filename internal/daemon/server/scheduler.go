@@ -238,9 +238,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 			return nil, ss.status(fmt.Errorf("%w: %d schedulers open, the daemon's most (kvxferd -max-streams)", ErrLimit, ss.total))
 		}
 		if err := ss.owners.claim(c.EngineId, uid); err != nil {
-			if !ss.limits.refuseReserved(err) {
-				ss.limits.refuse("permission")
-			}
+			ss.limits.refuse("permission")
 			return nil, ss.status(err)
 		}
 		if ss.byUID == nil {
