@@ -40,7 +40,32 @@ type loopState struct {
 	nextTick time.Time
 	ticking  bool
 	rankBuf  []int
+	// lost are failure notices the backend could not send, sent again
+	// at each tick (resendLost).
+	lost []lostNotice
 }
+
+// lostNotice is a failure notice the backend could not send: tries
+// sends so far.
+type lostNotice struct {
+	peer  PeerName
+	b     []byte
+	m     *msg
+	tries int
+}
+
+// A failure notice (msgFail) that the backend could not send is sent
+// again at each tick, up to lostTries sends in all (about a minute at
+// the default lease's heartbeat interval): its receiver would otherwise
+// wait for its deadline or lease (minutes, its blocks held) for a word
+// the sender had, as when a NIXL connection broke and is being made
+// again (kvxfer/backend/nixl's remake). At most maxLost wait at once;
+// past either bound a notice is dropped, counted
+// (kvxfer_dropped_messages_total{reason="notice_lost"}) and logged.
+const (
+	lostTries = 12
+	maxLost   = 1024
+)
 
 // coreEnv is what the core reads and writes beyond its own state: its
 // configuration (no backend, no resolver: coreConfig), the hot path's
@@ -760,7 +785,8 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0
+	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
+		len(st.lost) > 0
 }
 
 // nextWake is when the loop must run again without other input.
@@ -802,6 +828,7 @@ func (st *loopState) nextWake() (time.Time, bool) {
 
 // tick sends heartbeats, resends cancels and sweeps stale state.
 func (st *loopState) tick(now time.Time) {
+	st.resendLost()
 	st.failUnheard()
 	st.sendHeartbeats()
 	if len(st.recvs) > 0 { // a producer's tick allocates nothing
@@ -1051,6 +1078,7 @@ const (
 	noticeHeartbeatRetry               // that retry
 	noticeReg                          // a registration (recv req, target tp)
 	noticeDone                         // a completion notice (send req, D rank tp)
+	noticeResent                       // a lost failure notice sent again (tp: the sends so far)
 )
 
 // op is one call the core asks of the backend. Transfers and prepared
@@ -1163,6 +1191,33 @@ func (st *loopState) opsDone(ops []op, errs []error) {
 	}
 }
 
+// keepLost keeps a failure notice that the backend could not send after
+// tries sends, to send it again at the next tick (see lostTries).
+func (st *loopState) keepLost(o *op, tries int, err error) {
+	if o.m == nil || o.m.Kind != msgFail {
+		return
+	}
+	if tries >= lostTries || len(st.lost) >= maxLost || st.closing {
+		st.metrics.Dropped("notice_lost")
+		st.log.Warn("kvxfer: failure notice not delivered; given up", "peer", o.peer, "d_req", o.m.DReq, "p_req", o.m.PReq,
+			"sends", tries, "err", err)
+		return
+	}
+	st.lost = append(st.lost, lostNotice{peer: o.peer, b: o.msg, m: o.m, tries: tries})
+}
+
+// resendLost sends the lost failure notices again.
+func (st *loopState) resendLost() {
+	if len(st.lost) == 0 {
+		return
+	}
+	for i, l := range st.lost {
+		st.notifyOp(l.peer, l.b, noticeResent, "", l.tries+1, l.m)
+		st.lost[i] = lostNotice{}
+	}
+	st.lost = st.lost[:0]
+}
+
 // noticeDone continues after a notification was sent or failed.
 func (st *loopState) noticeDone(o *op, err error) {
 	switch o.notice {
@@ -1171,6 +1226,11 @@ func (st *loopState) noticeDone(o *op, err error) {
 			st.metrics.FailedNotification()
 			st.log.Warn("kvxfer: transfer failure", "failure_type", "notification_failed", "kind", o.m.Kind, "peer", o.peer,
 				"d_req", o.m.DReq, "p_req", o.m.PReq, "err", err)
+			st.keepLost(o, 1, err)
+		}
+	case noticeResent:
+		if err != nil {
+			st.keepLost(o, o.tp, err)
 		}
 	case noticeHeartbeat, noticeHeartbeatRetry:
 		st.heartbeatSent(o, err)

@@ -596,6 +596,11 @@ func (st *loopState) onPushDone(m *msg) {
 		} else if r.canceled && r.outcome.Result != ResultDone && !r.failedRank {
 			// Every byte landed after all (a lost notice was resent in
 			// answer to our cancel): the request is done.
+			// The failure logged at the decision is not what the
+			// engine hears: say so, or a reader of the log counts a
+			// failure that did not happen.
+			st.log.Info("kvxfer: request done after all: every producer rank's bytes landed before its cancel", "request_id", r.req.ReqID,
+				"engine_id", st.cfg.EngineID, "remote_engine_id", r.req.Remote.EngineID, "was", r.outcome.Reason)
 			r.outcome = Outcome{ReqID: r.req.ReqID, Result: ResultDone}
 		}
 	}

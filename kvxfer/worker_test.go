@@ -385,6 +385,41 @@ func TestFailedWriteReportedOnBothSides(t *testing.T) {
 	})
 }
 
+// A failure notice the backend could not send (a NIXL connection being
+// made again after it broke) is sent again at the next heartbeat tick: D
+// learns of P's failed WRITE within seconds, by P's word, not at its
+// deadline a minute on. Before, the notice was logged and lost.
+func TestLostFailureNoticeSentAgain(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.recvD(q)
+		x.settle()
+		x.fab.Faults().FailTransfers(1)
+		x.fab.Faults().FailNotify(1) // the notice of that failure
+		start := time.Now()
+		x.sendP(q)
+		time.Sleep(10 * time.Millisecond)
+		x.settle()
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultFailed, "WRITE failed")
+		if got := x.recvResult(q); len(got) != 0 {
+			t.Fatalf("D reported %+v though P's notice failed", got)
+		}
+		for i := 0; i < 20 && len(x.recvResult(q)) == 0; i++ {
+			time.Sleep(time.Second)
+			x.settle()
+		}
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultFailed, "WRITE failed")
+		wantKind(t, "D", x.recvResult(q), kvxfer.FailureTransfer)
+		if el := time.Since(start); el > 10*time.Second {
+			t.Errorf("D learned of the failure after %v, want within a heartbeat interval (5 s)", el)
+		}
+		if s := x.state(x.p); s.Sends != 0 {
+			t.Errorf("P still holds %d requests", s.Sends)
+		}
+	})
+}
+
 // SPEC §9 and §14: expiry goes by deadline, not insertion order: an
 // earlier request with a later deadline does not hold back a later one
 // that expires first.

@@ -110,7 +110,7 @@ func TestServe(t *testing.T) {
 		`kvxfer_failures_total{engine="E1",kind="peer_gone",pp_rank="0",side="consumer",tp_rank="0"} 0`,
 		"kvxfer_xfer_time_seconds_bucket", "kvxfer_num_failed_transfers_total", "kvxfer_num_kv_expired_reqs_total",
 		"kvxfer_worker_panics_total 0", "kvxfer_gpu_copy_fallback_total 0", "kvxfer_gpu_gate_check_failures_total 0",
-		"kvxfer_nixl_released_in_flight_total 0"} {
+		"kvxfer_nixl_released_in_flight_total 0", "kvxfer_nixl_connections_remade_total 0"} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("/metrics lacks %q", want)
 		}

@@ -25,7 +25,7 @@ type collector struct {
 	outcomes, failures, badInput, dropped, refusedAccess                  *prometheus.Desc
 	gates                                                                 *prometheus.Desc
 	refused, authFailures, sameHost, workerPanics, gpuFallback, gateCheck *prometheus.Desc
-	nixlReleasedInFlight                                                  *prometheus.Desc
+	nixlReleasedInFlight, nixlRemade                                      *prometheus.Desc
 	open, inFlight, pendingRegs                                           *prometheus.Desc
 }
 
@@ -57,6 +57,8 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 			"GPUs whose gated copy kernel failed its check (a gated launch through an open and a shut gate, once per GPU when first used): their one-sided WRITEs go two-sided (logged).", nil, nil),
 		nixlReleasedInFlight: prometheus.NewDesc("kvxfer_nixl_released_in_flight_total",
 			"NIXL transfers released while still in flight: a transfer given up is waited for before its release (NIXL's release does not stop UCX moving its bytes), and released anyway after 30 s; its bytes may still have landed in blocks reused since.", nil, nil),
+		nixlRemade: prometheus.NewDesc("kvxfer_nixl_connections_remade_total",
+			"NIXL connections to peer agents made again after the transport found them broken (NIXL refuses every later post and notification to such a peer until it is loaded anew; logged).", nil, nil),
 		outcomes: d("outcomes_total", "Terminal outcomes by side and result.", "side", "result"),
 		failures: d("failures_total", "Failed and expired outcomes by side and failure kind.", "side", "kind"),
 		badInput: d("bad_input_total", "Inputs rejected, by field.", "field"),
@@ -97,6 +99,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.gpuFallback, prometheus.CounterValue, float64(cuda.CopyFallbacks()))
 	ch <- prometheus.MustNewConstMetric(c.gateCheck, prometheus.CounterValue, float64(cuda.GateCheckFailures()))
 	ch <- prometheus.MustNewConstMetric(c.nixlReleasedInFlight, prometheus.CounterValue, float64(kvnixl.ReleasedInFlight()))
+	ch <- prometheus.MustNewConstMetric(c.nixlRemade, prometheus.CounterValue, float64(kvnixl.RemadeConnections()))
 	ch <- prometheus.MustNewConstMetric(c.workerPanics, prometheus.CounterValue, float64(c.srv.WorkerPanics()))
 	for reason, n := range c.srv.Refusals() {
 		ch <- prometheus.MustNewConstMetric(c.refused, prometheus.CounterValue, float64(n), reason)

@@ -19,6 +19,10 @@ var (
 type Error struct {
 	Op   string
 	Code int
+	// Posting: the transfer was made (its descriptors and peer were
+	// good) and posting it failed: the transport's failure, such as a
+	// connection to the peer that UCX found broken.
+	Posting bool
 }
 
 func (e *Error) Error() string {

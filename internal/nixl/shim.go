@@ -218,10 +218,12 @@ static st_t kx_start(h_t agent, h_t *req) {
 
 // kx_post creates and posts one transfer of n (local, remote, len) triples:
 // one C call per transfer.
+// *posting is set where the transfer was made and posting it failed (the
+// transport's failure, not the request's).
 static st_t kx_post(h_t agent, h_t backend, int op, int mem, const uint64_t *dev, const uint64_t *d, size_t n,
-		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req) {
+		const char *remote, const void *notif, size_t nlen, bool has_notif, h_t *req, int *posting) {
 	st_t s = kx_make(agent, backend, op, mem, dev, d, n, remote, notif, nlen, has_notif, req);
-	if (s == 0) s = kx_start(agent, req);
+	if (s == 0) { s = kx_start(agent, req); *posting = s != 0; }
 	return s;
 }
 
@@ -261,11 +263,11 @@ static st_t kx_make_prepped(h_t agent, h_t backend, int op, h_t lh, const int *l
 }
 
 // kx_post_prepped makes and posts a transfer of n index pairs between two
-// prepared lists: one C call per transfer.
+// prepared lists: one C call per transfer (*posting: as kx_post's).
 static st_t kx_post_prepped(h_t agent, h_t backend, int op, h_t lh, const int *li, h_t rh, const int *ri, size_t n,
-		const void *notif, size_t nlen, bool has_notif, h_t *req) {
+		const void *notif, size_t nlen, bool has_notif, h_t *req, int *posting) {
 	st_t s = kx_make_prepped(agent, backend, op, lh, li, rh, ri, n, notif, nlen, has_notif, req);
-	if (s == 0) s = kx_start(agent, req);
+	if (s == 0) { s = kx_start(agent, req); *posting = s != 0; }
 	return s;
 }
 
@@ -391,6 +393,15 @@ func status(op string, s C.st_t) error {
 		return nil
 	}
 	return &Error{Op: op, Code: int(s)}
+}
+
+// posted marks err (status's) as the failure of posting a made transfer
+// where posting is set.
+func posted(err error, posting bool) error {
+	if e, ok := err.(*Error); ok && posting {
+		e.Posting = true
+	}
+	return err
 }
 
 // Agent is one NIXL agent with one backend. It is safe for concurrent
@@ -623,8 +634,9 @@ func (a *Agent) post(write bool, peer string, descs [][3]uint64, devs [][2]uint6
 			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 		return Xfer{req}, err
 	}
-	err = status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, cdevs, buf, C.size_t(len(descs)), cpeer,
-		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+	var posting C.int
+	err = posted(status("post transfer", C.kx_post(a.agent, a.backend, op, a.mem, cdevs, buf, C.size_t(len(descs)), cpeer,
+		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req, &posting)), posting != 0)
 	return Xfer{req}, err
 }
 
@@ -636,7 +648,7 @@ func (a *Agent) Start(x Xfer) error {
 	if a.closed {
 		return ErrClosed
 	}
-	return status("post transfer", C.kx_start(a.agent, &x.h))
+	return posted(status("post transfer", C.kx_start(a.agent, &x.h)), true)
 }
 
 // State polls a transfer: done, in progress, or an error with NIXL's
@@ -769,8 +781,9 @@ func (a *Agent) postPrepared(write bool, local, remote Prepped, pairs [][2]int32
 			cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
 		return Xfer{req}, err
 	}
-	err := status("post prepared transfer", C.kx_post_prepped(a.agent, a.backend, op, local.h, li, remote.h, ri, C.size_t(n),
-		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req))
+	var posting C.int
+	err := posted(status("post prepared transfer", C.kx_post_prepped(a.agent, a.backend, op, local.h, li, remote.h, ri, C.size_t(n),
+		cnotif, C.size_t(len(notif)), C.bool(notif != nil), &req, &posting)), posting != 0)
 	return Xfer{req}, err
 }
 

@@ -141,7 +141,16 @@ type Backend struct {
 		busy   time.Time
 		await  int                           // Workers awaiting peer messages (Awaiting)
 		peers  map[kvxfer.PeerName]*peerLife // peers whose process is watched (nixlpeer.go)
+		// metas are the loaded peers' NIXL metadata, to load again when
+		// their connection broke (remake.go); remaking are the peers whose
+		// connection is being made again, and remade when each was last.
+		metas    map[kvxfer.PeerName][]byte
+		remaking map[kvxfer.PeerName]error
+		remadeAt map[kvxfer.PeerName]time.Time
+		remakes  uint64
 	}
+	// bg are the goroutines remaking connections (Close waits for them).
+	bg sync.WaitGroup
 }
 
 type nixlXfer struct {
@@ -156,8 +165,13 @@ type nixlXfer struct {
 type nixlPrep struct {
 	p    capi.Prepped
 	peer kvxfer.PeerName // "" for a local list
-	// entries are a local list's (addr, len, dev).
+	// entries are the list's (addr, len, dev): a local list's, to tell
+	// it stale; a peer's, to prepare it again once the connection to
+	// the peer is made again (remake.go).
 	entries [][3]uint64
+	// dead: p was freed (a remake could not prepare the list again);
+	// stale says why.
+	dead bool
 	// stale says why a local list can no longer be posted: memory it
 	// names was deregistered (NIXL's list keeps that registration).
 	stale error
@@ -321,6 +335,9 @@ func New(cfg Config) (*Backend, error) {
 	n.mu.xfers = map[kvxfer.XferID]*nixlXfer{}
 	n.mu.preps = map[kvxfer.PrepID]nixlPrep{}
 	n.mu.peers = map[kvxfer.PeerName]*peerLife{}
+	n.mu.metas = map[kvxfer.PeerName][]byte{}
+	n.mu.remaking = map[kvxfer.PeerName]error{}
+	n.mu.remadeAt = map[kvxfer.PeerName]time.Time{}
 	nixlOpened(a.Name())
 	polls.add(n)
 	return n, nil
@@ -465,6 +482,9 @@ func (n *Backend) LoadPeer(meta []byte) (kvxfer.PeerName, error) {
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if !n.mu.closed {
+		n.mu.metas[name] = raw
+	}
 	n.mu.peers[name].close()
 	delete(n.mu.peers, name)
 	if w != nil {
@@ -496,6 +516,14 @@ func (n *Backend) InvalidatePeer(peer kvxfer.PeerName) error {
 	}
 	n.mu.peers[peer].close()
 	delete(n.mu.peers, peer)
+	n.mu.Unlock()
+	// A remake of the peer's connection under way ends first, or sees
+	// the peer forgotten (it would load it again behind this call).
+	n.prep.Lock()
+	defer n.prep.Unlock()
+	n.mu.Lock()
+	delete(n.mu.metas, peer)
+	delete(n.mu.remadeAt, peer)
 	n.mu.Unlock()
 	if err := n.a.InvalidatePeer(string(peer)); err != nil {
 		return fmt.Errorf("%w: %w", kvxfer.ErrUnknownPeer, nixlErr(err))
@@ -531,13 +559,6 @@ func (n *Backend) quietLocked(match func(*nixlXfer) bool, deadline time.Time) in
 	}
 }
 
-// peerGone returns why peer is known to be gone, or nil.
-func (n *Backend) peerGone(peer kvxfer.PeerName) error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.peerGoneLocked(peer)
-}
-
 func (n *Backend) peerGoneLocked(peer kvxfer.PeerName) error {
 	if p := n.mu.peers[peer]; p.gone() {
 		return p.err()
@@ -567,15 +588,18 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 			devs[i] = [2]uint64{uint64(max(d.LocalDev, 0)), uint64(max(d.RemoteDev, 0))}
 		}
 	}
-	if err := n.peerGone(peer); err != nil {
+	if err := n.usable(peer); err != nil {
 		return 0, err
 	}
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.RLock() // no remake of the peer's connection under way
+	defer n.prep.RUnlock()
 	// NIXL finds each descriptor's registered memory by device and
 	// address (as Register and Prepare name them).
 	x, err := n.a.PostDevs(op == hotpath.OpWrite, string(peer), t, devs, notif)
 	if err != nil {
+		n.broke(peer, err)
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
@@ -618,6 +642,7 @@ func (n *Backend) settleLocked(x *nixlXfer, done bool, err error) {
 	switch {
 	case err != nil:
 		x.state, x.err = kvxfer.XferFailed, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, err)
+		n.brokeLocked(x.peer, err, true)
 	case done:
 		x.state = kvxfer.XferDone
 	default:
@@ -675,8 +700,15 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 		}
 		t[i] = [3]uint64{e.Addr, e.Len, uint64(max(e.Dev, 0))}
 	}
+	if peer != "" {
+		if err := n.usable(peer); err != nil {
+			return 0, err
+		}
+	}
 	n.life.RLock()
 	defer n.life.RUnlock()
+	n.prep.RLock() // a remake of the peer's connection sees every list of it
+	defer n.prep.RUnlock()
 	p, err := n.a.Prepare(string(peer), t)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
@@ -684,10 +716,7 @@ func (n *Backend) Prepare(peer kvxfer.PeerName, entries []hotpath.Entry) (kvxfer
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.mu.nextP++
-	np := nixlPrep{p: p, peer: peer}
-	if peer == "" {
-		np.entries = t
-	}
+	np := nixlPrep{p: p, peer: peer, entries: t}
 	n.mu.preps[n.mu.nextP] = np
 	return n.mu.nextP, nil
 }
@@ -703,6 +732,9 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	lp, lok := n.mu.preps[local]
 	rp, rok := n.mu.preps[remote]
 	gone := n.peerGoneLocked(rp.peer)
+	if gone == nil {
+		gone = n.remakingLocked(rp.peer)
+	}
 	n.mu.Unlock()
 	if testHookPostPrepared != nil {
 		testHookPostPrepared()
@@ -719,11 +751,15 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	if lp.stale != nil {
 		return 0, fmt.Errorf("kvxfer: post prepared: %w", lp.stale)
 	}
+	if rp.stale != nil {
+		return 0, fmt.Errorf("kvxfer: post prepared: %w", rp.stale)
+	}
 	// An IndexPair is two int32s, as a [2]int32 is: the pairs go to the
 	// binding as they are, not copied.
 	idx := unsafe.Slice((*[2]int32)(unsafe.Pointer(unsafe.SliceData(pairs))), len(pairs))
 	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp.p, rp.p, idx, notif)
 	if err != nil {
+		n.broke(rp.peer, err)
 		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
 	}
 	n.mu.Lock()
@@ -793,6 +829,9 @@ func (n *Backend) ReleasePrepared(id kvxfer.PrepID) error {
 	if !ok {
 		return fmt.Errorf("kvxfer: release prepared list %d: unknown", id)
 	}
+	if p.dead {
+		return nil
+	}
 	return nixlErr(n.a.Unprepare(p.p))
 }
 
@@ -843,10 +882,11 @@ func (n *Backend) Release(id kvxfer.XferID) error {
 
 // Notify implements kvxfer.Backend.
 func (n *Backend) Notify(peer kvxfer.PeerName, msg []byte) error {
-	if err := n.peerGone(peer); err != nil {
+	if err := n.usable(peer); err != nil {
 		return fmt.Errorf("notify %s: %w", peer, err)
 	}
 	if err := n.a.Notify(string(peer), msg); err != nil {
+		n.broke(peer, err)
 		return fmt.Errorf("notify %s: %w", peer, nixlErr(err))
 	}
 	n.mu.Lock()
@@ -1040,12 +1080,15 @@ func (n *Backend) Close() error {
 			delete(n.mu.xfers, id)
 		}
 		for id, p := range n.mu.preps {
-			_ = n.a.Unprepare(p.p)
+			if !p.dead {
+				_ = n.a.Unprepare(p.p)
+			}
 			delete(n.mu.preps, id)
 		}
 		n.mu.Unlock()
 		nixlClosed(n.a.Name())
 		err = n.a.Close()
 	})
+	n.bg.Wait() // remakes end once they see the close
 	return err
 }
