@@ -84,6 +84,13 @@ var (
 	// ErrNotGranted: a peer named memory the receiving Worker's grants do
 	// not cover (see Guarded).
 	ErrNotGranted = errors.New("kvxfer: no grant for the memory")
+	// ErrPeerLost: the peer's agent cannot be reached through the
+	// connection the backend had to it (its process exited, its agent
+	// closed, or the transport found the connection broken). A Worker
+	// whose request got nowhere for it handshakes again and restarts the
+	// request once (the peer may be at new agents), as it does for a
+	// connection refused or reset.
+	ErrPeerLost = errors.New("kvxfer: peer agent lost")
 )
 
 // Backend moves bytes between registered memory regions of agents. It

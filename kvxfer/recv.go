@@ -342,9 +342,11 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool 
 // agentGone reports whether err says the peer's end of a connection is
 // gone: the connection refused (nothing listens where the agent was) or
 // closed by the peer (reset, a broken pipe, or EOF where an answer was
-// due). A fault of the path (a timeout, a partition) is not.
+// due), or a backend says so (ErrPeerLost: NIXL's peer whose process
+// exited, or whose connection broke). A fault of the path (a timeout, a
+// partition) is not.
 func agentGone(err error) bool {
-	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, io.EOF)
+	return errors.Is(err, ErrPeerLost) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, io.EOF)
 }
 
 // read posts the READs of a pull consumer.
@@ -486,6 +488,16 @@ func (st *loopState) postFailed(id XferID, err error) {
 		return
 	}
 	delete(r.handles, id)
+	if e := st.engines[r.req.Remote.EngineID]; e != nil && agentGone(err) {
+		// Posted to agents that are gone (the producer restarted or
+		// re-attached its rank while this rank was idle): read again
+		// once a new handshake answers, as after a READ that failed so.
+		retried := st.retryAfterHandshake(r, e, true)
+		st.doubt(e)
+		if retried {
+			return
+		}
+	}
 	if e := st.engines[r.req.Remote.EngineID]; e != nil {
 		st.tellP(e, r, h.src, msgFail, FailureSetup, "post READ: "+err.Error())
 	}

@@ -260,7 +260,7 @@ func (n *netLink) set(t *testing.T, up bool) {
 
 func startDaemonIn(t *testing.T, netns, dir, name string, extra ...string) *daemontest.Proc {
 	t.Helper()
-	d, err := daemontest.StartIn(netns, dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	d, err := daemontest.StartIn(netns, dir, name, daemonBackend, append([]string{"-socket-mode", "0666"}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -72,3 +72,29 @@ func TestNIXLConnectionMadeAgainAfterAFault(t *testing.T) {
 		t.Errorf("kvxfer_nixl_connections_remade_total = %v, want at least 1", n)
 	}
 }
+
+// daemonBackend is the backend of the daemons startDaemon and
+// startDaemonIn start ("builtin" unless a test says otherwise:
+// useBackend).
+var daemonBackend = "builtin"
+
+// useBackend has the daemons the test starts run backend.
+func useBackend(t *testing.T, backend string) {
+	old := daemonBackend
+	daemonBackend = backend
+	t.Cleanup(func() { daemonBackend = old })
+}
+
+// Recovery scenarios over NIXL whose requests were posted to a
+// producer's gone agents (its daemon back at once, its engine crashed
+// and attached again): NIXL says the peer's process exited, or that the
+// peer disconnected, where the built-in backend's connection is refused.
+// D handshakes again and the request is done, as over the built-in
+// backend. Before, the request failed ("its process ... exited", "nixl:
+// post transfer: status -2").
+func TestNIXLPostToGoneAgentsHandshakesAgain(t *testing.T) {
+	skipWithoutNixl(t)
+	useBackend(t, "nixl")
+	t.Run("push-producer-daemon-back-at-once", func(t *testing.T) { pushProducerBackAtOnce(t, 0) })
+	t.Run("pull-read-of-crashed-hold", func(t *testing.T) { pullReadOfCrashedHold(t, true) })
+}

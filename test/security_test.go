@@ -64,7 +64,7 @@ func world(t *testing.T) string {
 // (-socket-mode 0666: engines are told apart by uid).
 func startDaemon(t *testing.T, dir, name string, extra ...string) *daemontest.Proc {
 	t.Helper()
-	d, err := daemontest.Start(dir, name, "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	d, err := daemontest.Start(dir, name, daemonBackend, append([]string{"-socket-mode", "0666"}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

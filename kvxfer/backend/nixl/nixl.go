@@ -600,7 +600,7 @@ func (n *Backend) Post(op hotpath.Op, peer kvxfer.PeerName, descs []hotpath.Desc
 	x, err := n.a.PostDevs(op == hotpath.OpWrite, string(peer), t, devs, notif)
 	if err != nil {
 		n.broke(peer, err)
-		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
+		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, lostErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -760,7 +760,7 @@ func (n *Backend) PostPrepared(op hotpath.Op, local, remote kvxfer.PrepID, pairs
 	x, err := n.a.PostPrepared(op == hotpath.OpWrite, lp.p, rp.p, idx, notif)
 	if err != nil {
 		n.broke(rp.peer, err)
-		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, nixlErr(err))
+		return 0, fmt.Errorf("%w: %w", kvxfer.ErrXferFailed, lostErr(err))
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -887,7 +887,7 @@ func (n *Backend) Notify(peer kvxfer.PeerName, msg []byte) error {
 	}
 	if err := n.a.Notify(string(peer), msg); err != nil {
 		n.broke(peer, err)
-		return fmt.Errorf("notify %s: %w", peer, nixlErr(err))
+		return fmt.Errorf("notify %s: %w", peer, lostErr(err))
 	}
 	n.mu.Lock()
 	n.mu.busy = time.Now() // an answer may come soon (hotPoll)

@@ -55,20 +55,37 @@ func (n *Backend) usable(peer kvxfer.PeerName) error {
 
 func (n *Backend) remakingLocked(peer kvxfer.PeerName) error {
 	if why, ok := n.mu.remaking[peer]; ok {
-		return fmt.Errorf("%w: the connection to %s is being made again after it failed (%v)", kvxfer.ErrXferFailed, peer, why)
+		return fmt.Errorf("%w: %w: the connection to %s is being made again after it failed (%v)", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, peer, why)
 	}
 	return nil
 }
 
+// transportErr reports whether err, a post's or notification's, is the
+// transport's: a post that failed once its transfer was made, or a
+// notification the backend could not send.
+func transportErr(err error) bool {
+	var e *capi.Error
+	return errors.As(err, &e) && (e.Posting || e.Op == "notify" && e.Code == -2)
+}
+
+// lostErr is nixlErr, saying kvxfer.ErrPeerLost where err is the
+// transport's: the Worker handshakes again before it gives its request
+// up (the peer may be at new agents).
+func lostErr(err error) error {
+	if transportErr(err) {
+		return fmt.Errorf("%w: %w", kvxfer.ErrPeerLost, err)
+	}
+	return nixlErr(err)
+}
+
 // broke is brokeLocked for a post's or notification's error.
 func (n *Backend) broke(peer kvxfer.PeerName, err error) {
-	var e *capi.Error
-	if !errors.As(err, &e) {
+	if !transportErr(err) {
 		return
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.brokeLocked(peer, err, e.Posting || e.Op == "notify" && e.Code == -2)
+	n.brokeLocked(peer, err, true)
 }
 
 // brokeLocked starts remaking the connection to peer after err, where
