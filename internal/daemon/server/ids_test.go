@@ -1,10 +1,12 @@
 package server_test
 
 import (
+	"context"
 	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
@@ -98,5 +100,24 @@ func TestSchedulerIDsBounded(t *testing.T) {
 	_, err = c.MatchedTokens(ctx, &pb.MatchedTokensRequest{EngineId: "D", Request: &pb.EngineRequest{RequestId: long, PromptTokens: 32}})
 	if err == nil || !strings.Contains(err.Error(), "request.request_id") || len(err.Error()) > 256 {
 		t.Errorf("MatchedTokens with a long request id: %.300v, want InvalidArgument naming request.request_id", err)
+	}
+}
+
+// A peer's handshake naming an engine id longer than any engine may have
+// (MaxEngineID) is refused as bad input, naming the field and its length,
+// counted as bad_handshake; before, it was answered as an unknown engine,
+// uncounted, with the whole id (up to a message) echoed in the error.
+func TestHandshakeEngineIDBounded(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	long := strings.Repeat("e", 1<<20)
+	_, err := d.srv.Handshake(context.Background(), &pb.HandshakeRequest{EngineId: long})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "handshake.engine_id") || !strings.Contains(err.Error(), "1048576 bytes") {
+		t.Errorf("handshake for an engine id of %d bytes: %.300v, want InvalidArgument naming handshake.engine_id and its length", len(long), err)
+	}
+	if err != nil && len(err.Error()) > 256 {
+		t.Errorf("error has %d bytes, want the id quoted in part only", len(err.Error()))
+	}
+	if got := d.srv.Refusals()["bad_handshake"]; got != 1 {
+		t.Errorf("bad_handshake refusals = %d, want 1", got)
 	}
 }
