@@ -121,3 +121,22 @@ func TestHandshakeEngineIDBounded(t *testing.T) {
 		t.Errorf("bad_handshake refusals = %d, want 1", got)
 	}
 }
+
+// A scheduler call naming an engine id longer than any scheduler may have
+// is refused as bad input naming engine_id and its length, counted as
+// bad_request; before, it was answered as an unknown engine, uncounted,
+// with the whole id echoed in the error.
+func TestSchedulerEngineIDBounded(t *testing.T) {
+	d, c, ctx := schedulerClient(t)
+	long := strings.Repeat("e", 1<<20)
+	_, err := c.BuildMeta(ctx, &pb.BuildMetaRequest{EngineId: long})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "engine_id") || !strings.Contains(err.Error(), "1048576 bytes") {
+		t.Errorf("BuildMeta for an engine id of %d bytes: %.300v, want InvalidArgument naming engine_id and its length", len(long), err)
+	}
+	if err != nil && len(err.Error()) > 256 {
+		t.Errorf("error has %d bytes, want the id quoted in part only", len(err.Error()))
+	}
+	if got := d.srv.Refusals()["bad_request"]; got != 1 {
+		t.Errorf("bad_request refusals = %d, want 1", got)
+	}
+}
