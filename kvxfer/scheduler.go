@@ -342,6 +342,29 @@ func emptySpans(spans []topology.Span) bool {
 	return true
 }
 
+// checkIDs refuses a request whose id, or an id or address of its params,
+// is longer than MaxIDBytes: its rank would refuse the step entry made of
+// it (and a peer the message naming it), and the scheduler would hold it
+// meanwhile (MaxRequests of them, each as long as a message allows). The
+// error names the field and the length, and quotes the start of the value
+// only. Counted in BadParams.
+func (s *Scheduler) checkIDs(r *Request) error {
+	why := longID("Request.ID", r.ID)
+	if p := r.Params; p != nil && why == "" {
+		for _, f := range [...]struct{ name, v string }{{"TransferID", p.TransferID}, {"RemoteEngineID", p.RemoteEngineID},
+			{"RemoteRequestID", p.RemoteRequestID}, {"RemoteAddr", p.RemoteAddr}} {
+			if why = longID("transfer params: "+f.name, f.v); why != "" {
+				break
+			}
+		}
+	}
+	if why == "" {
+		return nil
+	}
+	s.counters.BadParams++
+	return fmt.Errorf("kvxfer: %s", why)
+}
+
 // MatchedTokens reports how many tokens a request gets from a remote
 // engine beyond the computed ones, and whether they arrive asynchronously
 // (SPEC §7.1, §8.2; the reference's get_num_new_matched_tokens). A
@@ -352,7 +375,7 @@ func emptySpans(spans []topology.Span) bool {
 // request is computed locally.
 func (s *Scheduler) MatchedTokens(r *Request, computed int) (n int, async bool) {
 	p := r.Params
-	if p == nil {
+	if p == nil || s.checkIDs(r) != nil {
 		return 0, false
 	}
 	switch {
@@ -451,6 +474,9 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 // a producer transfer (TransferID, else RemoteRequestID) another request
 // of this engine receives, are refused.
 func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
+	if err := s.checkIDs(r); err != nil {
+		return err
+	}
 	p := r.Params
 	if p == nil {
 		return nil
@@ -654,9 +680,12 @@ const maxTokens = 1 << 40
 
 // Scheduled stages host-buffer saves of the new blocks a producer request
 // got this step (SPEC §11); computed and scheduled are its token counts.
-// It fails (ErrRequestLimit) only when MaxRequests saves are staged for
-// the next BuildMeta already.
+// It fails when MaxRequests saves are staged for the next BuildMeta
+// already (ErrRequestLimit), or for an id longer than MaxIDBytes.
 func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, computed, scheduled int) error {
+	if err := s.checkIDs(r); err != nil {
+		return err
+	}
 	if !s.cfg.HostBuffer || !s.saving[r.ID] {
 		return nil
 	}
@@ -692,6 +721,9 @@ func (s *Scheduler) Scheduled(r *Request, newBlocks [][]topology.BlockID, comput
 // Bad input is an error naming the field, counted in BadParams; nothing
 // is staged then.
 func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, scheduled int) error {
+	if err := s.checkIDs(r); err != nil {
+		return err
+	}
 	p := r.Params
 	if !s.cfg.Layerwise || p == nil || !p.DoRemoteDecode || p.DoRemotePrefill || s.prefilled[r.ID] {
 		return nil
@@ -733,6 +765,9 @@ func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, s
 // needs; an abnormal finish frees them at once. A consumer aborted before
 // its transfer was staged tells its producer at once.
 func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]topology.BlockID, computed int) (delay bool, params *TransferParams, err error) {
+	if err := s.checkIDs(r); err != nil {
+		return false, nil, err
+	}
 	p := r.Params
 	received := s.processed[r.ID]
 	if empty, ok := s.recving[r.ID]; ok && empty {

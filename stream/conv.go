@@ -551,6 +551,12 @@ func ParamsFromProto(p *pb.TransferParams) (*kvxfer.TransferParams, error) {
 	if p.Mode < 0 || p.Mode > 2 {
 		return nil, Invalid("params.mode = %v unknown", p.Mode)
 	}
+	for _, f := range [...]struct{ name, v string }{{"params.transfer_id", p.TransferId}, {"params.remote_engine_id", p.RemoteEngineId},
+		{"params.remote_request_id", p.RemoteRequestId}, {"params.remote_addr", p.RemoteAddr}} {
+		if err := checkID(f.name, f.v); err != nil {
+			return nil, err
+		}
+	}
 	tok, err := FitInt("params.remote_num_tokens", p.RemoteNumTokens)
 	if err != nil {
 		return nil, err
@@ -572,11 +578,25 @@ func ParamsToProto(p *kvxfer.TransferParams) *pb.TransferParams {
 		RemoteBlocksExpiryUnixNanos: timeTo(p.RemoteBlocksExpiry), Mode: pb.Mode(p.Mode), RemoteGeneration: p.RemoteGeneration}
 }
 
+// checkID refuses an id or address longer than kvxfer.MaxIDBytes (the
+// longest a rank takes in a step, or a peer in a message), naming the
+// field and its length and quoting only the start of the value: an error
+// never echoes a whole megabyte back.
+func checkID(name, v string) error {
+	if len(v) <= kvxfer.MaxIDBytes {
+		return nil
+	}
+	return Invalid("%s = %.32q... has %d bytes, want at most %d", name, v, len(v), kvxfer.MaxIDBytes)
+}
+
 // RequestFromProto converts and validates an engine request; errors name
 // the field.
 func RequestFromProto(r *pb.EngineRequest) (*kvxfer.Request, error) {
 	if r == nil || r.RequestId == "" {
 		return nil, Invalid("request.request_id is empty")
+	}
+	if err := checkID("request.request_id", r.RequestId); err != nil {
+		return nil, err
 	}
 	prompt, err := FitInt("request.prompt_tokens", r.PromptTokens)
 	if err != nil {

@@ -22,6 +22,12 @@ func at[T any](col []T, i int) T {
 	return col[i]
 }
 
+// blockOrStatus are the columns that do not have one entry per row, or
+// none: status (every request_finished row) and the block columns (one
+// per row and group, and the ids).
+var blockOrStatus = map[string]bool{"status": true, "block_lens": true, "block_ids": true,
+	"remote_block_lens": true, "remote_block_starts": true, "remote_block_ids": true}
+
 // columnOps expands a step's columns into the ops they stand for, in the
 // order they apply: request_finished rows, after_alloc rows, prefill rows.
 // Columns whose lengths disagree are refused whole, naming the column.
@@ -49,11 +55,17 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 		}},
 	} {
 		rc := kind.rc
-		if rc == nil || len(rc.RequestId) == 0 {
+		if rc == nil {
 			continue
 		}
 		rows := len(rc.RequestId)
 		field := func(f string) string { return "columns." + kind.name + "." + f }
+		status := len(rc.Status)
+		if kind.name != "request_finished" && status != 0 {
+			// Only request_finished rows have a status: one sent for
+			// another kind's rows would be ignored.
+			return nil, stream.Invalid("%s has %d entries, want none (only request_finished rows have a status)", field("status"), status)
+		}
 		for _, col := range []struct {
 			name string
 			n    int
@@ -63,14 +75,30 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			{"remote_request_id", len(rc.RemoteRequestId)}, {"remote_tp_size", len(rc.RemoteTpSize)},
 			{"remote_pp_size", len(rc.RemotePpSize)}, {"remote_num_tokens", len(rc.RemoteNumTokens)}, {"mode", len(rc.Mode)},
 			{"computed", len(rc.Computed)}, {"count", len(rc.Count)}, {"remote_generation", len(rc.RemoteGeneration)},
+			{"status", status}, {"block_lens", len(rc.BlockLens)}, {"block_ids", len(rc.BlockIds)},
+			{"remote_block_lens", len(rc.RemoteBlockLens)}, {"remote_block_starts", len(rc.RemoteBlockStarts)},
+			{"remote_block_ids", len(rc.RemoteBlockIds)},
 		} {
-			if col.n != rows && col.n != 0 {
+			if rows == 0 && col.n != 0 {
+				// No rows: what the other columns hold would be dropped
+				// unseen (a client that forgot request_id).
+				return nil, stream.Invalid("%s has %d entries, but request_id none (no rows)", field(col.name), col.n)
+			}
+			if col.n != rows && col.n != 0 && !blockOrStatus[col.name] { // those are checked below
 				return nil, stream.Invalid("%s has %d entries, want %d (one per request_id) or none (the default in every row)",
 					field(col.name), col.n, rows)
 			}
 		}
-		if kind.name == "request_finished" && len(rc.Status) != rows {
-			return nil, stream.Invalid("%s has %d entries, want %d (one per request_id)", field("status"), len(rc.Status), rows)
+		if rows == 0 {
+			continue
+		}
+		if kind.name == "request_finished" && status != rows {
+			return nil, stream.Invalid("%s has %d entries, want %d (one per request_id)", field("status"), status, rows)
+		}
+		for i, f := range rc.Flags {
+			if f&^(colRemotePrefill|colRemoteDecode|colNoParams) != 0 {
+				return nil, stream.Invalid("%s[%d] = %d, want a sum of 1 (do_remote_prefill), 2 (do_remote_decode) and 4 (no params)", field("flags"), i, f)
+			}
 		}
 		if len(rc.BlockLens)%rows != 0 || len(rc.RemoteBlockLens)%rows != 0 || len(rc.RemoteBlockStarts) != len(rc.RemoteBlockLens) {
 			return nil, stream.Invalid("%s: block_lens has %d entries, remote_block_lens %d, remote_block_starts %d, want multiples of %d rows (one per row and group)",

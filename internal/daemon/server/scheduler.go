@@ -145,6 +145,11 @@ func (ss *schedulers) getAs(engine string, uid uint32) (*lockedScheduler, error)
 	if engine == "" {
 		return nil, stream.Invalid("engine_id is empty")
 	}
+	if len(engine) > MaxEngineID {
+		// No scheduler has such an id (OpenScheduler refuses it); and
+		// the error must not echo a megabyte back.
+		return nil, stream.Invalid("engine_id = %.32q... has %d bytes, want at most %d", engine, len(engine), MaxEngineID)
+	}
 	s, _ := ss.m.Load(engine)
 	if s == nil {
 		return nil, fmt.Errorf("scheduler of engine %q: %w (call OpenScheduler first)", engine, kvxfer.ErrUnknownEngine)

@@ -842,6 +842,12 @@ func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.Han
 		s.limits.refuse("bad_handshake")
 		return nil, Status(stream.Invalid("handshake.engine_id is empty"))
 	}
+	if n := len(req.EngineId); n > MaxEngineID {
+		// No engine has such an id (a hello refuses it); and the error
+		// must not echo a peer's megabyte back.
+		s.limits.refuse("bad_handshake")
+		return nil, Status(stream.Invalid("handshake.engine_id = %.32q... has %d bytes, want at most %d", req.EngineId, n, MaxEngineID))
+	}
 	e, _ := s.engines.Load(req.EngineId)
 	if e == nil {
 		return nil, Status(fmt.Errorf("handshake: engine %q: %w", req.EngineId, kvxfer.ErrUnknownEngine))

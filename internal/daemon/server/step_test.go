@@ -509,6 +509,15 @@ func TestStepColumns(t *testing.T) {
 			"columns.after_alloc.remote_generation has 1 entries, want 2 (one per request_id) or none"},
 		{"no status", &pb.StepColumns{RequestFinished: &pb.RequestColumns{RequestId: []string{"a"}}},
 			"columns.request_finished.status has 0 entries, want 1"},
+		// Columns a client sent that no row reads were dropped unseen.
+		{"no rows", &pb.StepColumns{RequestFinished: &pb.RequestColumns{Status: []pb.FinishStatus{1}, BlockLens: []int32{1}, BlockIds: []int32{5}}},
+			"columns.request_finished.status has 1 entries, but request_id none (no rows)"},
+		{"no rows, ids only", &pb.StepColumns{Prefill: &pb.RequestColumns{BlockIds: []int32{5}}},
+			"columns.prefill.block_ids has 1 entries, but request_id none (no rows)"},
+		{"status of after_alloc", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a"}, Status: []pb.FinishStatus{1}}},
+			"columns.after_alloc.status has 1 entries, want none (only request_finished rows have a status)"},
+		{"unknown flag", &pb.StepColumns{AfterAlloc: &pb.RequestColumns{RequestId: []string{"a", "b"}, Flags: []uint32{1, 9}}},
+			"columns.after_alloc.flags[1] = 9, want a sum of 1"},
 		{"ids left over", func() *pb.StepColumns {
 			x := proto.Clone(cols).(*pb.StepColumns)
 			x.AfterAlloc.BlockIds = append(x.AfterAlloc.BlockIds, 99)
@@ -520,9 +529,13 @@ func TestStepColumns(t *testing.T) {
 			return x
 		}(), "a list of 100 ids"},
 	} {
+		before := d.srv.Refusals()["bad_request"]
 		_, err := c.Step(ctx, &pb.StepRequest{EngineId: "cols", Columns: tc.cols})
 		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: error = %v, want InvalidArgument with %q", tc.name, err, tc.want)
+		}
+		if got := d.srv.Refusals()["bad_request"] - before; got != 1 {
+			t.Errorf("%s: bad_request refusals counted %d, want 1", tc.name, got)
 		}
 	}
 }
