@@ -52,7 +52,7 @@ import (
 
 // config is the daemon's configuration.
 type config struct {
-	socketMode                                                                                          uint
+	socketMode                                                                                          octalMode
 	socket, peerListen, peerAdvertise, dataHost, metricsListen, shmDir, readyFile, logLevel, preconnect string
 	backend, nixlParams, peerAllow, peerSecretFile, tlsCert, tlsKey, tlsCA, hopTrace                    string
 	insecurePeers, nixlAnyVersion, noSameHost, ownProcessOnly                                           bool
@@ -75,13 +75,32 @@ type config struct {
 	ownerRules []server.EngineOwner
 }
 
+// octalMode is -socket-mode's value: permission bits, read in octal with
+// or without a leading 0 or 0o (660 is 0660, as chmod reads it) and shown
+// so (-h: "default 0600"). A plain uint flag read 660 as decimal (01224,
+// refused as no permission bits) and showed its default as 384.
+type octalMode uint
+
+func (m *octalMode) String() string { return fmt.Sprintf("%#o", uint(*m)) }
+
+func (m *octalMode) Set(s string) error {
+	t := strings.TrimPrefix(strings.TrimPrefix(s, "0o"), "0O")
+	v, err := strconv.ParseUint(t, 8, 32)
+	if err != nil || t == "" {
+		return fmt.Errorf("%q is no octal mode (e.g. 0600, 0660, 0666)", s)
+	}
+	*m = octalMode(v)
+	return nil
+}
+
 // flagSet defines kvxferd serve's flags on c, with their defaults: the
 // command line's, the environment's (KVXFERD_<FLAG>) and libkvxfer's
 // JSON configuration's keys are these names.
 func flagSet(c *config) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvxferd serve", flag.ContinueOnError)
 	fs.StringVar(&c.socket, "socket", "/run/kvxferd.sock", "unix socket engines connect to")
-	fs.UintVar(&c.socketMode, "socket-mode", 0o600, "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
+	c.socketMode = 0o600
+	fs.Var(&c.socketMode, "socket-mode", "permissions of -socket, in octal: 0600 lets only kvxferd's user connect; "+
 		"0666 lets every local user run engines (each engine is identified by its uid and touches only what that uid owns); "+
 		"an abstract -socket (@name) has no file, and kvxferd applies the mode to each connection's uid and groups itself")
 	fs.StringVar(&c.peerListen, "peer-listen", "127.0.0.1:7600", "TCP address of the Peer service")

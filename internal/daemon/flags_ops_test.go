@@ -57,6 +57,30 @@ func TestSocketModeZeroRefused(t *testing.T) {
 	}
 }
 
+// -socket-mode is read in octal, as its help says and chmod reads it:
+// 660 is 0660 (before, it was read as decimal 660, 01224, and refused),
+// and -h shows the default as 0600 (before: 384).
+func TestSocketModeIsOctal(t *testing.T) {
+	for in, want := range map[string]uint{"660": 0o660, "0660": 0o660, "0o666": 0o666, "600": 0o600} {
+		c, err := parseFlags([]string{"-socket-mode", in})
+		if err != nil || uint(c.socketMode) != want {
+			t.Errorf("-socket-mode %s: %v, %v; want %#o", in, c, err, want)
+		}
+	}
+	for _, bad := range []string{"384", "0x1b6", "", "rw"} {
+		if _, err := parseFlags([]string{"-socket-mode", bad}); err == nil || !strings.Contains(err.Error(), "socket-mode") {
+			t.Errorf("-socket-mode %q: %v, want an error naming the flag", bad, err)
+		}
+	}
+	var usage strings.Builder
+	fs := flagSet(&config{})
+	fs.SetOutput(&usage)
+	fs.PrintDefaults()
+	if !strings.Contains(usage.String(), "(default 0600)") {
+		t.Errorf("-h does not show -socket-mode's default as 0600:\n%s", usage.String())
+	}
+}
+
 // -peer-timeout below 50ms is refused: a consumer asks about a producer
 // every -peer-timeout/5 but never more often than every 10ms, each probe
 // given at least 10ms, so below 50ms the flag no longer meant what it

@@ -119,6 +119,15 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	if envErr != nil {
 		return nil, envErr
 	}
+	// A KVXFERD_PROXY_ variable that names no flag (a misspelt one)
+	// would leave its flag at the default without a word.
+	for _, kv := range os.Environ() {
+		key, _, _ := strings.Cut(kv, "=")
+		if name, ok := strings.CutPrefix(key, "KVXFERD_PROXY_"); ok && fs.Lookup(strings.ToLower(strings.ReplaceAll(name, "_", "-"))) == nil {
+			return nil, fmt.Errorf("%s is set but names no flag of kvxferd proxy (KVXFERD_PROXY_<FLAG>, e.g. KVXFERD_PROXY_PREFILL for "+
+				"-prefill): correct or unset it", key)
+		}
+	}
 	prefill.fromEnv, decode.fromEnv = true, true
 	if err := fs.Parse(args); err != nil {
 		return nil, err

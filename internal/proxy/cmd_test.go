@@ -120,6 +120,18 @@ func TestFlagsFromEnvironment(t *testing.T) {
 	}
 }
 
+// A KVXFERD_PROXY_ variable that names no flag is refused, naming it, as
+// kvxferd serve refuses a KVXFERD_ one (README: "Running kvxferd"; serve
+// leaves KVXFERD_PROXY_* to the proxy): before, a misspelt one
+// (KVXFERD_PROXY_PREFIL) was ignored by both, its flag left at the default.
+func TestUnknownEnvironmentRefused(t *testing.T) {
+	t.Setenv("KVXFERD_PROXY_PREFIL", "http://p0:1")
+	_, err := parseFlags([]string{"-prefill", "http://p0:1", "-decode", goodD, "-mode", "pull"}, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "KVXFERD_PROXY_PREFIL ") {
+		t.Errorf("KVXFERD_PROXY_PREFIL set: err = %v, want an error naming the variable", err)
+	}
+}
+
 func TestHelp(t *testing.T) {
 	if _, err := parseFlags([]string{"-h"}, io.Discard); !errors.Is(err, flag.ErrHelp) {
 		t.Errorf("parseFlags(-h) = %v, want flag.ErrHelp", err)

@@ -274,8 +274,13 @@ class Config:
         c = cls(mode=params.MODES[mode], layerwise=layerwise, timeout_s=num("timeout_s", 10), lease_s=num("lease_s", 30),
                 registration_timeout_s=num("registration_timeout_s", 480), relay=relay, verify=verify, placement=placement)
         if placement == "daemon":
-            c.socket = str(e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock")
-            c.shm_dir = str(e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm")
+            for key in ("socket", "shm_dir"):
+                # A path: not a number str() would make one of, nor "" (the
+                # default, silently).
+                if key in e and (not isinstance(e[key], str) or not e[key]):
+                    raise ValueError(f"kv_connector_extra_config.{key} = {e[key]!r}, want a path")
+            c.socket = e.get("socket") or os.environ.get("KVXFERD_SOCKET") or "/run/kvxferd.sock"
+            c.shm_dir = e.get("shm_dir") or os.environ.get("KVXFERD_SHM_DIR") or "/dev/shm"
         else:
             c._in_process(e)
         return c

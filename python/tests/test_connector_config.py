@@ -104,6 +104,11 @@ CASES = [
     ("etcd empty", {"SECRET": 1, "etcd": ""}, "etcd = '', want etcd's endpoints"),
     ("etcd twice", {"SECRET": 1, "etcd": "h:1", "server": {"etcd": "h:2"}}, "etcd and server.etcd: name the endpoints once"),
     ("etcd in daemon", {"placement": "daemon", "etcd": "h:1"}, "['etcd'] apply to placement in-process only"),
+    # The daemon's socket and shm dir are paths: a number was taken as one
+    # (str(7)), and "" fell back to the default, neither refused.
+    ("socket type", {"placement": "daemon", "socket": 7}, "socket = 7, want a path"),
+    ("socket empty", {"placement": "daemon", "socket": ""}, "socket = '', want a path"),
+    ("shm_dir type", {"placement": "daemon", "shm_dir": ["/dev/shm"]}, "shm_dir = ['/dev/shm'], want a path"),
 ]
 
 
