@@ -228,11 +228,23 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		st.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
 		return
 	}
+	taken := false
 	for _, id := range slices.Clone(st.layerSteps[step]) {
-		if s := st.sends.get(id); s != nil && s.prefill {
+		if s := st.sends.get(id); s != nil && s.prefill && s.step == step {
+			taken = true
 			s.saved[li] = true
 			st.pushReady(s)
 		}
+	}
+	if !taken {
+		// Not the engine's mistake, and nothing is lost: no request of
+		// the step prefills on this rank (the step listed none here, its
+		// entries were refused, it was dropped or is not taken in yet,
+		// or its requests ended or were finished first). A request whose
+		// layer was saved unseen has every layer written at its finish.
+		// Counted, so that an engine that signals ahead of its steps, or
+		// for steps it never sent, shows.
+		st.metrics.Dropped("layer_saved_unknown_step")
 	}
 }
 
