@@ -3,6 +3,8 @@ package kvxfer
 import (
 	"strings"
 	"testing"
+
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // A LayerSaved that no request of its step takes (the step listed none on
@@ -70,5 +72,170 @@ func TestLayerSavedUnknownStepCountedNothingLost(t *testing.T) {
 	}
 	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
 		t.Errorf("after the outcome: %d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
+	}
+}
+
+// preemptedStep is a step whose metadata says the engine preempted the
+// layer-wise producers ids (StepMeta.Preempted) and, if blk is not 0,
+// lists id's prefill again into block blk.
+func (tc *traceCore) preemptedStep(step uint64, ids []string, id string, blk topology.BlockID) string {
+	meta := &StepMeta{Step: step, SchedulerClock: tc.now, Preempted: ids}
+	if blk != 0 {
+		meta.Prefill = []SendReq{{ReqID: id, Blocks: []topology.Span{{IDs: []topology.BlockID{blk}}}, Tokens: 16}}
+	}
+	tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	out := strings.Join(tc.drive(nil, ""), "\n")
+	if out == "" {
+		return "(nothing)"
+	}
+	return out
+}
+
+// A preempted layer-wise producer with a layer's WRITE of its first
+// attempt in flight writes nothing from its freed blocks, and nothing of
+// its second attempt until that WRITE ended (it could land after, over a
+// fresh layer); then every layer goes again, from the new blocks, and the
+// completion notice follows the last: one outcome, done; nothing held.
+func TestLayerwisePreemptedWaitsForFirstAttempt(t *testing.T) {
+	tc := newLayers3Core(t)
+	all, add := registeredMidPrefill(t, tc)
+	if got := add(tc.layer(1, 0)); !strings.Contains(got, "post #1") {
+		t.Fatalf("layer 0: %q, want its WRITE", got)
+	}
+	if got := add(tc.preemptedStep(2, []string{"p-1"}, "", 0)); strings.Contains(got, "outcome") || strings.Contains(got, "notify") {
+		t.Fatalf("preempted: %q, want no outcome and nothing told to D", got)
+	}
+	if got := add(tc.layer(1, 1)); strings.Contains(got, "post") {
+		t.Errorf("a layer of the first attempt after the preemption: %q, want nothing written from freed blocks", got)
+	}
+	add(tc.preemptedStep(3, nil, "p-1", 2))
+	for l := range 3 {
+		if got := add(tc.layer(3, l)); strings.Contains(got, "post") {
+			t.Errorf("layer %d of the second attempt with the first's WRITE in flight: %q, want nothing yet", l, got)
+		}
+	}
+	got := add(tc.run(t, "ended xfer=1"))
+	if n := count(got, "post"); n != 1 || !strings.Contains(got, "post #2") {
+		t.Errorf("the first attempt's WRITE ended: %q, want the second's saved layers posted (one WRITE)", got)
+	}
+	add(tc.run(t, "ended xfer=2"))
+	add(tc.run(t, "step send=p-1 blocks=2 tokens=16"))
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(*all, "\n")
+	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
+		t.Errorf("outcomes:\n%s\nwant one, done", out)
+	}
+	if count(out, "notify D/0 done dreq=d-1") != 1 || strings.Contains(out, "notify D/0 fail") {
+		t.Errorf("notices to D:\n%s\nwant one completion notice", out)
+	}
+	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 || len(tc.st.handles) != 0 {
+		t.Errorf("after the outcome: %d requests held, layer steps %v, %d handles; want none", tc.st.sends.len(), tc.st.layerSteps, len(tc.st.handles))
+	}
+}
+
+// A preempted layer-wise producer its engine then aborts (it never
+// resumes) ends once, aborted, once its first attempt's WRITE ended; its
+// consumer is told it failed; nothing more is written. One finished
+// without a new prefill entry is written from its finish's blocks. A
+// preemption of a request the rank does not hold prefilling is counted
+// (dropped "preempted_not_prefilling") and changes nothing.
+func TestLayerwisePreemptedThenAbortedOrFinished(t *testing.T) {
+	t.Run("aborted", func(t *testing.T) {
+		tc := newLayers3Core(t)
+		all, add := registeredMidPrefill(t, tc)
+		add(tc.layer(1, 0))
+		add(tc.preemptedStep(2, []string{"p-1"}, "", 0))
+		if got := add(tc.run(t, "step abort=p-1")); strings.Contains(got, "outcome") {
+			t.Errorf("aborted with a WRITE in flight: %q, want no outcome yet", got)
+		}
+		add(tc.run(t, "ended xfer=1"))
+		add(tc.run(t, "advance 31s"))
+		out := strings.Join(*all, "\n")
+		if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 aborted") {
+			t.Errorf("outcomes:\n%s\nwant one, aborted", out)
+		}
+		if count(out, "notify D/0 fail") != 1 || strings.Contains(out, "notify D/0 done") || count(out, "post") != 1 {
+			t.Errorf("to D:\n%s\nwant one failure notice, one WRITE (layer 0's)", out)
+		}
+		if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
+			t.Errorf("%d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
+		}
+	})
+	t.Run("finished", func(t *testing.T) {
+		tc := newLayers3Core(t)
+		all, add := registeredMidPrefill(t, tc)
+		add(tc.layer(1, 0))
+		add(tc.run(t, "ended xfer=1"))
+		add(tc.preemptedStep(2, []string{"p-1", "p-9"}, "", 0))
+		if n := tc.st.metrics.Snapshot().Dropped["preempted_not_prefilling"]; n != 1 {
+			t.Errorf("preempted_not_prefilling = %d, want 1 (p-9)", n)
+		}
+		if got := add(tc.run(t, "step send=p-1 blocks=3 tokens=16")); count(got, "post") != 1 {
+			t.Errorf("finished after its preemption: %q, want every layer written (one WRITE)", got)
+		}
+		add(tc.run(t, "ended xfer=2"))
+		out := strings.Join(*all, "\n")
+		if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
+			t.Errorf("outcomes:\n%s\nwant one, done", out)
+		}
+		if s := tc.st.sends.get("p-1"); s != nil {
+			t.Errorf("p-1 still held: %+v", s)
+		}
+	})
+}
+
+// The Scheduler's side of a preemption (FinishPreempted): a listing not
+// built yet is dropped (no worker heard of it) and nothing is named; one
+// built is named once in the next step's Preempted; either way the
+// request is listed anew by its next Prefill, and its finish is a normal
+// one (it holds its blocks, once). A request never listed names nothing.
+func TestSchedulerPreempted(t *testing.T) {
+	s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+	r := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{TransferID: "t1", DoRemoteDecode: true}}
+	blocks := func(b topology.BlockID) [][]topology.BlockID { return [][]topology.BlockID{ids(b)} }
+	pre := func() {
+		t.Helper()
+		if delay, params, err := s.RequestFinished(r, FinishPreempted, nil, 0); delay || params != nil || err != nil {
+			t.Fatalf("RequestFinished(preempted) = %v, %v, %v; want no delay, no params, no error", delay, params, err)
+		}
+	}
+	// Not listed at all: nothing.
+	pre()
+	if m := s.BuildMeta(); len(m.Preempted)+len(m.NotProcessed)+len(m.Prefill) != 0 {
+		t.Fatalf("preempted before any Prefill: %+v, want an empty step", m)
+	}
+	// Listed, preempted before the step was built: dropped, unnamed.
+	if err := s.Prefill(r, blocks(1), 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	pre()
+	if m := s.BuildMeta(); len(m.Preempted)+len(m.Prefill) != 0 {
+		t.Fatalf("preempted before its listing was built: %+v, want neither listed nor named", m)
+	}
+	// Listed and built, then preempted: named once; listed anew after.
+	if err := s.Prefill(r, blocks(2), 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	if m := s.BuildMeta(); len(m.Prefill) != 1 {
+		t.Fatalf("step: %+v, want p-1 listed", m)
+	}
+	pre()
+	pre() // a repeat does not name it twice
+	if !s.HasPendingWork() {
+		t.Error("a preemption staged is pending work")
+	}
+	if err := s.Prefill(r, blocks(3), 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	m := s.BuildMeta()
+	if len(m.Preempted) != 1 || m.Preempted[0] != "p-1" || len(m.Prefill) != 1 || m.Prefill[0].Blocks[0].IDs[0] != 3 || len(m.NotProcessed) != 0 {
+		t.Fatalf("step: Preempted %v, Prefill %+v, NotProcessed %v; want p-1 named once and listed anew from block 3", m.Preempted, m.Prefill, m.NotProcessed)
+	}
+	delay, params, err := s.RequestFinished(r, FinishStopped, blocks(3), 16)
+	if err != nil || !delay || params == nil {
+		t.Fatalf("finish = %v, %v, %v; want its blocks held", delay, params, err)
+	}
+	if m := s.BuildMeta(); len(m.Send) != 1 || len(m.Preempted) != 0 {
+		t.Fatalf("finish step: %+v, want its SendReq alone", m)
 	}
 }
