@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -237,5 +238,35 @@ func TestSchedulerPreempted(t *testing.T) {
 	}
 	if m := s.BuildMeta(); len(m.Send) != 1 || len(m.Preempted) != 0 {
 		t.Fatalf("finish step: %+v, want its SendReq alone", m)
+	}
+}
+
+// A layer-wise producer aborted with its layers' WRITEs in flight (every
+// layer posted) never tells its consumer it completed: its engine freed
+// its blocks before the abort reached the rank, so a WRITE still in flight
+// may have read another request's KV from them. The consumer is told it
+// failed (it recomputes), once; the producer ends once, aborted. Before,
+// the last WRITE's end sent the completion notice (pushLayerDone) and the
+// consumer decoded from whatever the WRITEs read.
+func TestLayerwiseAbortedInFlightNeverDone(t *testing.T) {
+	tc := newLayers3Core(t)
+	all, add := registeredMidPrefill(t, tc)
+	for l := range 3 {
+		add(tc.layer(1, l))
+	}
+	add(tc.run(t, "step abort=p-1"))
+	for x := 1; x <= 3; x++ {
+		add(tc.run(t, fmt.Sprintf("ended xfer=%d", x)))
+	}
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(*all, "\n")
+	if n := count(out, "notify D/0 done"); n != 0 {
+		t.Errorf("to D:\n%s\nwant no completion notice for an aborted producer", out)
+	}
+	if n := count(out, "notify D/0 fail"); n != 1 {
+		t.Errorf("to D:\n%s\nwant one failure notice", out)
+	}
+	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 aborted") {
+		t.Errorf("outcomes:\n%s\nwant one, aborted", out)
 	}
 }

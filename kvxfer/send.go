@@ -1156,7 +1156,10 @@ func (st *loopState) completionSent(id string, tp int, err error) {
 // pushLayerDone sends a layer-wise rank's completion notice once every
 // layer was posted and landed.
 func (st *loopState) pushLayerDone(s *sendReq, tp int, r *dRank) {
-	if r.inflight > 0 || s.prefill || s.preempted || slices.Contains(r.posted, false) {
+	if r.inflight > 0 || s.prefill || s.preempted || s.aborted || slices.Contains(r.posted, false) {
+		// Aborted: its engine freed its blocks before the abort reached
+		// us, so a WRITE that was in flight may have read another
+		// request's KV; the consumer is told it failed (settleSend).
 		return
 	}
 	e := st.engines[s.match.key.engine]
