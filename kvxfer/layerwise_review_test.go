@@ -270,3 +270,42 @@ func TestLayerwiseAbortedInFlightNeverDone(t *testing.T) {
 		t.Errorf("outcomes:\n%s\nwant one, aborted", out)
 	}
 }
+
+// A layer-wise request whose finish names other blocks than its prefill
+// entry did (its engine moved it, a preemption it did not tell) has every
+// layer written again from the finish's blocks once the prefill's WRITEs
+// ended: the layers written from the prefill's blocks may hold another
+// request's KV by then. Its consumer is told it completed once, after
+// that. Blocks added at the end (tokens decoded since) are no move.
+// Before, the finish wrote nothing more and told the consumer it completed.
+func TestLayerwiseFinishFromMovedBlocksRewrites(t *testing.T) {
+	for _, tc := range []struct {
+		finish string
+		moved  bool
+	}{{"blocks=2", true}, {"blocks=1,4", false}} {
+		t.Run(tc.finish, func(t *testing.T) {
+			c := newLayers3Core(t)
+			all, add := registeredMidPrefill(t, c)
+			for l := range 3 {
+				add(c.layer(1, l))
+			}
+			add(c.run(t, "ended xfer=1"))
+			add(c.run(t, "ended xfer=2"))
+			got := add(c.run(t, "step send=p-1 "+tc.finish+" tokens=16"))
+			if strings.Contains(got, "post") || strings.Contains(got, "notify") {
+				t.Errorf("finish with a WRITE of the prefill in flight: %q, want nothing until it ends", got)
+			}
+			got = add(c.run(t, "ended xfer=3"))
+			if tc.moved != strings.Contains(got, "post #4") {
+				t.Errorf("the prefill's last WRITE ended: %q, want every layer written again: %v", got, tc.moved)
+			}
+			if tc.moved {
+				add(c.run(t, "ended xfer=4"))
+			}
+			out := strings.Join(*all, "\n")
+			if count(out, "notify D/0 done") != 1 || count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
+				t.Errorf("log:\n%s\nwant one completion notice and one outcome, done", out)
+			}
+		})
+	}
+}

@@ -60,6 +60,15 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 				return
 			}
 			s.req.Tokens = in.Tokens
+			if !s.preempted && movedBlocks(s.req.Blocks, in.Blocks) {
+				// Its blocks are not those of its prefill: its engine
+				// moved it since (a preemption it did not tell), and the
+				// layers written from the prefill's blocks may hold
+				// another request's KV. Every layer is written again from
+				// the finish's blocks, as for a preemption told.
+				st.log.Warn("kvxfer: layer-wise request finished from other blocks than its prefill's: every layer is written again", "req", in.ReqID)
+				s.preempted = true
+			}
 			if s.preempted {
 				// Its blocks are the finish's: those of its prefill were
 				// freed at its preemption.
@@ -263,6 +272,27 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		// for steps it never sent, shows.
 		st.metrics.Dropped("layer_saved_unknown_step")
 	}
+}
+
+// movedBlocks reports whether a layer-wise request's blocks at its finish
+// (to) are not those of its prefill (from): a group whose list starts
+// elsewhere, or a block at the same place that differs (blocks added at
+// the end, for tokens decoded since, are not a move).
+func movedBlocks(from, to []topology.Span) bool {
+	if len(from) != len(to) {
+		return true
+	}
+	for g := range from {
+		a, b := from[g], to[g]
+		if a.Start != b.Start {
+			return true
+		}
+		n := min(len(a.IDs), len(b.IDs))
+		if !slices.Equal(a.IDs[:n], b.IDs[:n]) {
+			return true
+		}
+	}
+	return false
 }
 
 // producerPreempted handles a layer-wise producer its engine preempted
