@@ -309,3 +309,77 @@ func TestLayerwiseFinishFromMovedBlocksRewrites(t *testing.T) {
 		})
 	}
 }
+
+// The consumer gives up (its deadline passed) while its producer is
+// preempted with a layer's WRITE in flight: its cancel is acknowledged
+// once that WRITE ended, and nothing of the second attempt is written
+// into the blocks it gave up; the producer ends once, failed, at its
+// finish, and holds nothing.
+func TestLayerwisePreemptedConsumerGivesUp(t *testing.T) {
+	tc := newLayers3Core(t)
+	all, add := registeredMidPrefill(t, tc)
+	add(tc.layer(1, 0))
+	add(tc.preemptedStep(2, []string{"p-1"}, "", 0))
+	if got := add(tc.run(t, "notif from=D/0 kind=cancel dreq=d-1 preq=p-1 reason=deadline")); strings.Contains(got, "ack") {
+		t.Errorf("cancel with the first attempt's WRITE in flight: %q, want no ack yet", got)
+	}
+	if got := add(tc.run(t, "ended xfer=1")); !strings.Contains(got, "notify D/0 ack") {
+		t.Errorf("the WRITE ended: %q, want the cancel acknowledged", got)
+	}
+	add(tc.preemptedStep(3, nil, "p-1", 2))
+	for l := range 3 {
+		add(tc.layer(3, l))
+	}
+	add(tc.run(t, "step send=p-1 blocks=2 tokens=16"))
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(*all, "\n")
+	if n := count(out, "post"); n != 1 {
+		t.Errorf("log:\n%s\nwant one WRITE (the first attempt's layer 0), none after the cancel", out)
+	}
+	if strings.Contains(out, "notify D/0 done") {
+		t.Errorf("log:\n%s\nwant no completion notice", out)
+	}
+	if count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 failed") {
+		t.Errorf("outcomes:\n%s\nwant one, failed", out)
+	}
+	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 || len(tc.st.handles) != 0 {
+		t.Errorf("%d requests held, layer steps %v, %d handles; want none", tc.st.sends.len(), tc.st.layerSteps, len(tc.st.handles))
+	}
+}
+
+// Preempted and prefilled again in the same step, then preempted again
+// with a WRITE of its second attempt in flight and prefilled a third time:
+// each attempt waits for the previous one's WRITEs, only the last one's
+// layers complete the transfer, one completion notice, one outcome, done.
+func TestLayerwisePreemptedTwice(t *testing.T) {
+	tc := newLayers3Core(t)
+	all, add := registeredMidPrefill(t, tc)
+	add(tc.layer(1, 0))
+	add(tc.run(t, "ended xfer=1"))
+	add(tc.preemptedStep(2, []string{"p-1"}, "p-1", 2)) // same step
+	if got := add(tc.layer(2, 0)); !strings.Contains(got, "post #2") {
+		t.Fatalf("layer 0 of the second attempt (nothing in flight): %q, want its WRITE", got)
+	}
+	add(tc.preemptedStep(3, []string{"p-1"}, "", 0))
+	add(tc.preemptedStep(4, nil, "p-1", 3))
+	for l := range 3 {
+		if got := add(tc.layer(4, l)); strings.Contains(got, "post") {
+			t.Errorf("layer %d of the third attempt, the second's WRITE in flight: %q, want nothing yet", l, got)
+		}
+	}
+	if got := add(tc.layer(2, 1)); strings.Contains(got, "post") {
+		t.Errorf("a late layer of the second attempt: %q, want nothing", got)
+	}
+	if got := add(tc.run(t, "ended xfer=2")); !strings.Contains(got, "post #3") {
+		t.Errorf("the second attempt's WRITE ended: %q, want the third's layers", got)
+	}
+	add(tc.run(t, "ended xfer=3"))
+	add(tc.run(t, "step send=p-1 blocks=3 tokens=16"))
+	out := strings.Join(*all, "\n")
+	if count(out, "notify D/0 done") != 1 || count(out, "outcome send p-1") != 1 || !strings.Contains(out, "outcome send p-1 done") {
+		t.Errorf("log:\n%s\nwant one completion notice, one outcome, done", out)
+	}
+	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
+		t.Errorf("%d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
+	}
+}
