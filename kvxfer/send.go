@@ -266,7 +266,7 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		// Not the engine's mistake, and nothing is lost: no request of
 		// the step prefills on this rank (the step listed none here, its
 		// entries were refused, it was dropped or is not taken in yet,
-		// or its requests ended or were finished first). A request whose
+		// or its requests ended, were finished or were preempted first). A request whose
 		// layer was saved unseen has every layer written at its finish.
 		// Counted, so that an engine that signals ahead of its steps, or
 		// for steps it never sent, shows.

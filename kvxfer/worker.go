@@ -570,7 +570,7 @@ func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 // "layer_saved.layer") and returned as an error naming it; nothing else
 // is affected. A signal that no request of its step takes (the step
 // listed none on this rank, was dropped or is not taken in yet, or its
-// requests ended or were finished first) is legitimate and loses nothing
+// requests ended, were finished or were preempted first) is legitimate and loses nothing
 // (a request's unseen layers are written at its finish): it is counted as
 // Metrics.Dropped "layer_saved_unknown_step".
 func (w *Worker) LayerSaved(step uint64, layer int) error {
