@@ -383,3 +383,46 @@ func TestLayerwisePreemptedTwice(t *testing.T) {
 		t.Errorf("%d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
 	}
 }
+
+// A preempted producer paired with two consumer ranks, one of which
+// cancels with the first attempt's WRITE into it in flight: once that
+// WRITE ends (the last one in flight), the other rank gets every layer of
+// the second attempt and its completion notice. Before this was
+// guarded, the cancelled rank's WRITE ending did not end the wait, and
+// the other rank got nothing until the lease ran out (an earlier version
+// of this change).
+func TestLayerwisePreemptedOneRankCancelsOtherCompletes(t *testing.T) {
+	tc := newLayersCore(t, 0, 1)
+	tc.prefill(1, "p-1")
+	var all []string
+	add := func(s string) string { all = append(all, s); return s }
+	add(tc.run(t, "notif from=D/0 kind=reg dreq=d-1 preq=p-1 spans=5 tp=2"))
+	add(tc.run(t, "notif from=D/1 kind=reg dreq=d-1 preq=p-1 spans=5 tp=2"))
+	add(tc.hsLayers("D", 2))
+	if got := add(tc.layer(1, 0)); count(got, "post #") != 2 {
+		t.Fatalf("layer 0: %q, want a WRITE per consumer rank", got)
+	}
+	add(tc.run(t, "ended xfer=2"))
+	add(tc.preemptedStep(2, []string{"p-1"}, "", 0))
+	add(tc.run(t, "notif from=D/0 kind=cancel dreq=d-1 preq=p-1 reason=gone tp=2"))
+	add(tc.preemptedStep(3, nil, "p-1", 4))
+	add(tc.layer(3, 0))
+	add(tc.layer(3, 1))
+	add(tc.run(t, "step send=p-1 blocks=4 tokens=16"))
+	got := add(tc.run(t, "ended xfer=1"))
+	if !strings.Contains(got, "post #3") || !strings.Contains(got, "D/1") {
+		t.Errorf("the last WRITE of the first attempt ended: %q, want the second attempt written to D/1", got)
+	}
+	add(tc.run(t, "ended xfer=3"))
+	add(tc.run(t, "advance 31s"))
+	out := strings.Join(all, "\n")
+	if count(out, "notify D/1 done") != 1 || strings.Contains(out, "notify D/0 done") {
+		t.Errorf("log:\n%s\nwant one completion notice, to D/1", out)
+	}
+	if count(out, "outcome send p-1") != 1 {
+		t.Errorf("log:\n%s\nwant one outcome", out)
+	}
+	if tc.st.sends.len() != 0 || len(tc.st.layerSteps) != 0 {
+		t.Errorf("%d requests held, layer steps %v; want none", tc.st.sends.len(), tc.st.layerSteps)
+	}
+}

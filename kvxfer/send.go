@@ -1257,10 +1257,6 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 		st.failRank(s, h.dtp, r, r.kind, r.reason)
 	case st.cfg.Layerwise && r.posted != nil && r.ackOwed:
 		// Cancelled meanwhile: no more layers; answerAckOwed settles it.
-	case st.cfg.Layerwise && r.posted != nil && s.preempted:
-		// A WRITE of its first attempt landed: once none is in flight,
-		// every layer goes again.
-		st.retake(s)
 	case st.cfg.Layerwise && r.posted != nil:
 		st.pushLayerDone(s, h.dtp, r)
 		if r.state == rkPosted && !s.expired && !s.aborted {
@@ -1268,6 +1264,12 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 		}
 	default:
 		r.state = rkDone
+	}
+	if s.preempted {
+		// A WRITE of an earlier attempt ended (whatever became of its
+		// rank): once none is in flight to any rank, every layer goes
+		// again.
+		st.retake(s)
 	}
 	st.answerAckOwed(s, h.dtp, r)
 	st.settleSend(s)
