@@ -38,10 +38,12 @@ func newStack(t *testing.T, se *simEngine, mode kvxfer.Mode) *engineStack {
 }
 
 // step builds the scheduler's metadata, hands it to every rank, and feeds
-// the ranks' outcomes back through the aggregator.
-func (e *engineStack) step(t *testing.T) {
+// the ranks' outcomes back through the aggregator. It returns the step's
+// number.
+func (e *engineStack) step(t *testing.T) uint64 {
 	t.Helper()
-	e.se.step(t, e.sched.BuildMeta())
+	m := e.sched.BuildMeta()
+	e.se.step(t, m)
 	synctest.Wait()
 	rank := 0
 	for _, stage := range e.se.workers {
@@ -70,6 +72,7 @@ func (e *engineStack) step(t *testing.T) {
 			e.sched.Update(out)
 		}
 	}
+	return m.Step
 }
 
 // TestFullStack drives two engines through their Schedulers, Workers and

@@ -231,6 +231,12 @@ type sendReq struct {
 	prefill bool
 	step    uint64 // layer-wise: the step it prefilled in
 	saved   []bool // layer-wise: layers the engine reported saved
+	// preempted: layer-wise, its engine preempted it after its prefill
+	// step (StepMeta.Preempted): its blocks are freed, nothing more is
+	// written from them; retaken: its blocks are known again (a new
+	// Prefill entry, or its SendReq). Once nothing of the first attempt
+	// is in flight, every layer is written again (retake).
+	preempted, retaken bool
 
 	// push: the matched D request.
 	match  *regGroup
@@ -511,6 +517,9 @@ func (st *loopState) step(meta *StepMeta) {
 	// request finished after it was staged: it drops the entry).
 	for _, id := range meta.NotProcessed {
 		st.producerAborted(id, meta.NotProcessedTransferIDs[id])
+	}
+	for _, id := range meta.Preempted {
+		st.producerPreempted(id)
 	}
 	for i := range meta.Prefill {
 		st.newPrefill(&meta.Prefill[i], meta.Step)

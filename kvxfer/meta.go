@@ -62,6 +62,13 @@ const (
 	FinishAborted
 	// FinishError: the engine failed the request.
 	FinishError
+	// FinishPreempted is not a finish: a layer-wise producer whose prefill
+	// step was listed (Scheduler.Prefill) was preempted by its engine, its
+	// blocks freed. Its pairing with its consumer carries over: the
+	// workers write nothing more from the freed blocks, and write every
+	// layer again from the blocks of its next prefill (or its finish), into
+	// the same consumer blocks. See Scheduler.RequestFinished.
+	FinishPreempted
 )
 
 func (s FinishStatus) String() string {
@@ -74,6 +81,8 @@ func (s FinishStatus) String() string {
 		return "aborted"
 	case FinishError:
 		return "error"
+	case FinishPreempted:
+		return "preempted"
 	}
 	return fmt.Sprintf("FinishStatus(%d)", uint8(s))
 }
@@ -217,6 +226,13 @@ type StepMeta struct {
 	// transfer id to it, so that consumer ranks that registered by transfer
 	// id alone hear of the abort at once.
 	NotProcessedTransferIDs map[string]string
+	// Preempted lists layer-wise producer requests listed in an earlier
+	// step's Prefill that their engine preempted (their blocks are freed):
+	// nothing more is written from those blocks, and the request, still
+	// paired with its consumer, writes every layer again from the blocks
+	// of its next Prefill entry or its SendReq. It applies after
+	// NotProcessed and before Prefill and Send.
+	Preempted []string
 }
 
 // Result is a terminal outcome kind.
@@ -315,6 +331,7 @@ func (m *StepMeta) Clone() *StepMeta {
 	c.InBatch = slices.Clone(m.InBatch)
 	c.NotProcessed = slices.Clone(m.NotProcessed)
 	c.NotProcessedTransferIDs = maps.Clone(m.NotProcessedTransferIDs)
+	c.Preempted = slices.Clone(m.Preempted)
 	return &c
 }
 

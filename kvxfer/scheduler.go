@@ -148,6 +148,9 @@ type Scheduler struct {
 	prefill      []SendReq
 	inBatch      []string
 	notProcessed []string
+	// preempted: layer-wise producers preempted after their prefill
+	// step was built (StepMeta.Preempted).
+	preempted []string
 	// notProcessedTID: their transfer ids, by request id.
 	notProcessedTID map[string]string
 	// holdNonce and holds name the pull holds whose request's params
@@ -759,14 +762,43 @@ func (s *Scheduler) Prefill(r *Request, blocks [][]topology.BlockID, computed, s
 	return nil
 }
 
+// preempt handles a layer-wise producer its engine preempted (its blocks
+// freed) after it was listed in a Prefill: the request is not finished,
+// and its pairing with its consumer carries over. A listing not built yet
+// is dropped (no worker heard of it); one built already is named in the
+// next step's StepMeta.Preempted, so the workers write nothing more from
+// the freed blocks and write every layer again from the blocks of the
+// request's next Prefill (listed anew: it is no longer prefilled) or its
+// finish. A request not listed is not the scheduler's to track: no-op.
+func (s *Scheduler) preempt(r *Request) error {
+	if !s.prefilled[r.ID] {
+		return nil
+	}
+	if i := slices.IndexFunc(s.prefill, func(q SendReq) bool { return q.ReqID == r.ID }); i >= 0 {
+		s.prefill = slices.Delete(s.prefill, i, i+1)
+		delete(s.prefilled, r.ID)
+		return nil
+	}
+	if err := s.room(r.ID, len(s.preempted)); err != nil {
+		return err
+	}
+	delete(s.prefilled, r.ID)
+	s.preempted = append(s.preempted, r.ID)
+	return nil
+}
+
 // RequestFinished handles a finished request (SPEC §7.4, §8.1;
 // request_finished). A producer that finished normally with blocks holds
 // them under a lease (delay = true) and returns the params a consumer
 // needs; an abnormal finish frees them at once. A consumer aborted before
-// its transfer was staged tells its producer at once.
+// its transfer was staged tells its producer at once. FinishPreempted is
+// no finish: see preempt.
 func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]topology.BlockID, computed int) (delay bool, params *TransferParams, err error) {
 	if err := s.checkIDs(r); err != nil {
 		return false, nil, err
+	}
+	if status == FinishPreempted {
+		return false, nil, s.preempt(r)
 	}
 	p := r.Params
 	received := s.processed[r.ID]
@@ -935,14 +967,16 @@ func (s *Scheduler) BuildMeta() *StepMeta {
 	s.step++
 	now := s.cfg.Now()
 	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Prefill: s.prefill, Save: s.save,
-		InBatch: s.inBatch, NotProcessed: s.notProcessed, NotProcessedTransferIDs: s.notProcessedTID}
+		InBatch: s.inBatch, NotProcessed: s.notProcessed, NotProcessedTransferIDs: s.notProcessedTID, Preempted: s.preempted}
 	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed, s.notProcessedTID = nil, nil, nil, nil, nil, nil, nil
+	s.preempted = nil
 	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Send, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Prefill, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Save, func(a, b SaveReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.Sort(m.InBatch)
 	slices.Sort(m.NotProcessed)
+	slices.Sort(m.Preempted)
 	// Watchdog: by deadline, so one long deadline holds back nothing.
 	for len(s.watchQ) > 0 && !s.watchQ[0].at.After(now) {
 		e := heap.Pop(&s.watchQ).(deadlineEntry)
@@ -1000,7 +1034,7 @@ func (s *Scheduler) compactWatch() {
 // kvxfer's sake: blocks held for a transfer, or staged work not built yet
 // (SPEC §7.12).
 func (s *Scheduler) HasPendingWork() bool {
-	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0
+	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0 || len(s.preempted) > 0
 }
 
 // Watching returns the push registrations whose watchdog is armed.

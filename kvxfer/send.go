@@ -60,10 +60,26 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 				return
 			}
 			s.req.Tokens = in.Tokens
+			if !s.preempted && movedBlocks(s.req.Blocks, in.Blocks) {
+				// Its blocks are not those of its prefill: its engine
+				// moved it since (a preemption it did not tell), and the
+				// layers written from the prefill's blocks may hold
+				// another request's KV. Every layer is written again from
+				// the finish's blocks, as for a preemption told.
+				st.log.Warn("kvxfer: layer-wise request finished from other blocks than its prefill's: every layer is written again", "req", in.ReqID)
+				s.preempted = true
+			}
+			if s.preempted {
+				// Its blocks are the finish's: those of its prefill were
+				// freed at its preemption.
+				s.req.Blocks = in.Blocks
+				s.retaken = true
+			}
 			for i := range s.saved {
 				s.saved[i] = true
 			}
 			st.armLease(s, deadline)
+			st.retake(s)
 			st.pushReady(s)
 			return
 		}
@@ -111,6 +127,16 @@ func (st *loopState) newPrefill(in *SendReq, step uint64) {
 	if s := st.sends.getH(in.ReqID, h); s != nil {
 		if st.draining(s) && s.next == nil {
 			s.next = &pendingSend{req: *in, prefill: true, step: step}
+			return
+		}
+		if s.prefill && s.preempted && !s.retaken && in.TransferID == s.req.TransferID {
+			// Prefilled again after its preemption: its layers are
+			// written from the new blocks as this step saves them.
+			s.req.Blocks, s.req.Tokens = in.Blocks, in.Tokens
+			s.retaken, s.step = true, step
+			clear(s.saved)
+			st.layerSteps[step] = append(st.layerSteps[step], in.ReqID)
+			st.retake(s)
 			return
 		}
 		st.metrics.BadInput("prefill.duplicate")
@@ -228,12 +254,105 @@ func (st *loopState) layerSaved(step uint64, layer int) {
 		st.log.Warn("kvxfer: LayerSaved for a layer this rank does not hold", "layer", layer, "step", step)
 		return
 	}
+	taken := false
 	for _, id := range slices.Clone(st.layerSteps[step]) {
-		if s := st.sends.get(id); s != nil && s.prefill {
+		if s := st.sends.get(id); s != nil && s.prefill && s.step == step {
+			taken = true
 			s.saved[li] = true
 			st.pushReady(s)
 		}
 	}
+	if !taken {
+		// Not the engine's mistake, and nothing is lost: no request of
+		// the step prefills on this rank (the step listed none here, its
+		// entries were refused, it was dropped or is not taken in yet,
+		// or its requests ended, were finished or were preempted first). A request whose
+		// layer was saved unseen has every layer written at its finish.
+		// Counted, so that an engine that signals ahead of its steps, or
+		// for steps it never sent, shows.
+		st.metrics.Dropped("layer_saved_unknown_step")
+	}
+}
+
+// movedBlocks reports whether a layer-wise request's blocks at its finish
+// (to) are not those of its prefill (from): a group whose list starts
+// elsewhere, or a block at the same place that differs (blocks added at
+// the end, for tokens decoded since, are not a move).
+func movedBlocks(from, to []topology.Span) bool {
+	if len(from) != len(to) {
+		return true
+	}
+	for g := range from {
+		a, b := from[g], to[g]
+		if a.Start != b.Start {
+			return true
+		}
+		n := min(len(a.IDs), len(b.IDs))
+		if !slices.Equal(a.IDs[:n], b.IDs[:n]) {
+			return true
+		}
+	}
+	return false
+}
+
+// producerPreempted handles a layer-wise producer its engine preempted
+// after its prefill step (StepMeta.Preempted): its blocks are freed, so
+// nothing more is written from them (a layer not posted yet is not
+// posted; one in flight still lands, and is written again), and its layer
+// signals of that step are taken by nothing. Its pairing with its
+// consumer stays: once its blocks are known again (retaken) and nothing of
+// it is in flight, every layer is written again into the same consumer
+// blocks, and the completion notice follows the last of those (retake).
+// It has one outcome, at its finish or abort, as any prefilling request.
+func (st *loopState) producerPreempted(id string) {
+	s := st.sends.get(id)
+	if s != nil && s.aborted && s.next != nil && s.next.prefill {
+		// The new request under its id, waiting for an aborted one to
+		// drain, was preempted before it was held: its prefill blocks
+		// are gone; its finish, which follows, is held from its own.
+		s.next = nil
+		return
+	}
+	if s == nil || !s.prefill || s.aborted {
+		// Not prefilling here: its prefill entry was refused (past the
+		// rank's limit: its finish decides it), or it ended.
+		st.metrics.Dropped("preempted_not_prefilling")
+		return
+	}
+	s.preempted, s.retaken = true, false
+	clear(s.saved)
+	st.unlistStep(s)
+}
+
+// unlistStep drops a layer-wise request from its prefill step's list.
+func (st *loopState) unlistStep(s *sendReq) {
+	ids := slices.DeleteFunc(st.layerSteps[s.step], func(id string) bool { return id == s.req.ReqID })
+	if len(ids) == 0 {
+		delete(st.layerSteps, s.step)
+	} else {
+		st.layerSteps[s.step] = ids
+	}
+}
+
+// retake ends a preempted request's wait: once its blocks are known again
+// and nothing of its first attempt is in flight to any consumer rank,
+// every layer is to be written again (none counts as posted), so no layer
+// of the first attempt, read from blocks freed meanwhile, stays in the
+// consumer's blocks.
+func (st *loopState) retake(s *sendReq) {
+	if !s.preempted || !s.retaken {
+		return
+	}
+	for _, r := range s.ranks {
+		if r.inflight > 0 {
+			return
+		}
+	}
+	s.preempted, s.retaken = false, false
+	for _, r := range s.ranks {
+		clear(r.posted)
+	}
+	st.pushReady(s)
 }
 
 func (st *loopState) armLease(s *sendReq, deadline time.Time) {
@@ -853,7 +972,8 @@ func (st *loopState) pushReady(s *sendReq) {
 
 // wantsPost reports whether some ready rank has something to post.
 func (st *loopState) wantsPost(s *sendReq) bool {
-	if st.closing {
+	if st.closing || s.preempted {
+		// Preempted: nothing is written until it is retaken.
 		return false
 	}
 	for _, r := range s.ranks {
@@ -889,6 +1009,11 @@ func (s *sendReq) layersSaved() []bool { return s.saved }
 // completion notice sent once the last layer landed.
 func (st *loopState) postWrite(s *sendReq, e *engine, tp int, r *dRank) {
 	layerwise := st.cfg.Layerwise && s.saved != nil
+	if s.preempted {
+		// Its blocks were freed: nothing (not even the notice) until it
+		// is retaken.
+		return
+	}
 	if r.ackOwed || r.reason != "" {
 		// The consumer rank cancelled while a WRITE into it was in
 		// flight: its acknowledgement waits only for that one, and no
@@ -1061,7 +1186,10 @@ func (st *loopState) completionSent(id string, tp int, err error) {
 // pushLayerDone sends a layer-wise rank's completion notice once every
 // layer was posted and landed.
 func (st *loopState) pushLayerDone(s *sendReq, tp int, r *dRank) {
-	if r.inflight > 0 || s.prefill || slices.Contains(r.posted, false) {
+	if r.inflight > 0 || s.prefill || s.preempted || s.aborted || slices.Contains(r.posted, false) {
+		// Aborted: its engine freed its blocks before the abort reached
+		// us, so a WRITE that was in flight may have read another
+		// request's KV; the consumer is told it failed (settleSend).
 		return
 	}
 	e := st.engines[s.match.key.engine]
@@ -1136,6 +1264,12 @@ func (st *loopState) sendSettled(h *handle, ok bool, err error) {
 		}
 	default:
 		r.state = rkDone
+	}
+	if s.preempted {
+		// A WRITE of an earlier attempt ended (whatever became of its
+		// rank): once none is in flight to any rank, every layer goes
+		// again.
+		st.retake(s)
 	}
 	st.answerAckOwed(s, h.dtp, r)
 	st.settleSend(s)

@@ -568,7 +568,11 @@ func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 // A layer the rank does not hold (WorkerConfig.LayerOf maps none of its
 // regions to it) is bad input: counted (Metrics.BadInput
 // "layer_saved.layer") and returned as an error naming it; nothing else
-// is affected.
+// is affected. A signal that no request of its step takes (the step
+// listed none on this rank, was dropped or is not taken in yet, or its
+// requests ended, were finished or were preempted first) is legitimate and loses nothing
+// (a request's unseen layers are written at its finish): it is counted as
+// Metrics.Dropped "layer_saved_unknown_step".
 func (w *Worker) LayerSaved(step uint64, layer int) error {
 	if _, ok := slices.BinarySearch(w.layers, layer); !ok {
 		w.metrics.BadInput("layer_saved.layer")

@@ -179,7 +179,7 @@ func StepEntriesFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, []EntryRefusal, err
 	}
 	a.size(p)
 	m := &kvxfer.StepMeta{Step: p.Step, SchedulerClock: timeFrom(p.SchedulerClockUnixNanos), NotProcessed: p.NotProcessed,
-		NotProcessedTransferIDs: p.NotProcessedTransferIds}
+		NotProcessedTransferIDs: p.NotProcessedTransferIds, Preempted: p.Preempted}
 	if len(p.Recv) > 0 {
 		m.Recv = make([]kvxfer.RecvReq, 0, len(p.Recv))
 	}
@@ -349,6 +349,7 @@ type StepEncoder struct {
 func (e *StepEncoder) Encode(m *kvxfer.StepMeta) *pb.StepMeta {
 	p := &e.msg
 	p.Step, p.SchedulerClockUnixNanos, p.NotProcessed, p.NotProcessedTransferIds = m.Step, timeTo(m.SchedulerClock), m.NotProcessed, m.NotProcessedTransferIDs
+	p.Preempted = m.Preempted
 	p.Recv, p.Send, p.Prefill = nil, nil, nil
 	// The messages, their pointers, the spans and the block ids each come
 	// out of one slice sized first.

@@ -193,11 +193,16 @@ class Scheduler:
     def __init__(self, client: Client, engine_id: str):
         self._c = client
         self.engine_id = _str_arg("Scheduler", "engine_id", engine_id)
+        self.takes_preempted = False
 
     def open(self, config: pb.SchedulerConfig) -> str:
         """Creates (or replaces) the engine's scheduler; returns the daemon's peer address."""
         config.engine_id = self.engine_id
-        return self._c.call("OpenScheduler", self._c._sched.OpenScheduler, pb.OpenSchedulerRequest(config=config)).addr
+        r = self._c.call("OpenScheduler", self._c._sched.OpenScheduler, pb.OpenSchedulerRequest(config=config))
+        # Whether the daemon takes FINISH_STATUS_PREEMPTED (an older one
+        # refuses it): as its last OpenScheduler answer said.
+        self.takes_preempted = r.takes_preempted
+        return r.addr
 
     def matched_tokens(self, request: pb.EngineRequest, computed: int) -> tuple[int, bool]:
         computed = _int_arg("MatchedTokens", "computed", computed)

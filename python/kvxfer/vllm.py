@@ -1394,10 +1394,15 @@ class _SchedulerSide:
         """Layer-wise push: a producer preempted after its prefill step
         listed it lost the blocks its layers were saved in (vLLM freed them
         and may have handed them to another request, whose KV a WRITE would
-        then carry to D as this one's). Its layer-wise send is abandoned as
-        an aborted producer's is (the daemon fails a consumer paired with it
-        once nothing of it is in flight, and forgets it); the prefill it
-        computes again, into the blocks it holds then, is listed anew."""
+        then carry to D as this one's). The daemon is told it was preempted
+        (FINISH_STATUS_PREEMPTED, no finish): nothing more is written from
+        those blocks, its pairing with its consumer carries over, and once
+        nothing of the first attempt is in flight every layer is written
+        again, into the same consumer blocks, from the blocks of the prefill
+        it computes again (listed anew) or of its finish. Its consumer
+        completes without recomputing, from fresh layers only. (A daemon
+        from before FINISH_STATUS_PREEMPTED takes it as an abort: its
+        consumer fails and recomputes, as before.)"""
         preempted = getattr(so, "preempted_req_ids", None)
         if not preempted or not self.listed:
             return
@@ -1407,7 +1412,11 @@ class _SchedulerSide:
             if req is None:
                 continue
             decided = (False, None) if self.verify else None
-            self.rf_calls.append((req, req.kv_transfer_params, (), pb.FINISH_STATUS_ABORTED, 0, decided))
+            # A daemon from before FINISH_STATUS_PREEMPTED refuses it (and
+            # would go on writing from the freed blocks): it is told an
+            # abort, as before.
+            status = pb.FINISH_STATUS_PREEMPTED if self.sched.takes_preempted else pb.FINISH_STATUS_ABORTED
+            self.rf_calls.append((req, req.kv_transfer_params, (), status, 0, decided))
 
     def _fail(self, kinds, why: str) -> None:
         for kind, rid in kinds:

@@ -97,6 +97,81 @@ def test_layerwise_producer_preempted_after_prefill(tmp_path, daemons):
         r.close()
 
 
+def test_layerwise_producer_preempted_while_paired(tmp_path, daemons):
+    """Layer-wise push: D registers first; P prefills p-0 (its layers go to
+    D as they are saved), then, still decoding, p-0 is preempted: vLLM frees
+    its blocks and gives them to another request, and prefills p-0 again
+    into other blocks. The pairing carries over: every layer is written
+    again from the new blocks into D's same blocks, and D's request
+    completes without recomputing, its KV checked byte for byte; one
+    outcome per side, every block back. Before, the preemption was sent to
+    the daemon as an abort: D's request failed and was recomputed whole."""
+    rng = random.Random("lw-preempt-paired")
+    r = Run(tmp_path, daemons, "push", 1, layerwise=True, p_kw={"num_blocks": 8}, d_kw={"registration_timeout_s": 60})
+    try:
+        toks = [rng.randrange(100, 50000) for _ in range(40)]  # 3 blocks
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        r.D.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        H.step(r.D, r.prompts, fill=False)
+        r._stepped(r.D)
+        time.sleep(0.5)  # D's registration reaches P first
+        r.P.sched.add_request(H.make_request("p-0", list(toks), 6, {"do_remote_decode": True, "transfer_id": "t0"}))
+        for _ in range(2):
+            r.step()
+        req = r.P.sched.requests["p-0"]
+        assert req.num_computed_tokens >= len(toks) and "p-0" not in r.P.finished
+        old = list(r.P.sched.kv_cache_manager.get_block_ids("p-0")[0])
+        assert r.P.sched.reset_prefix_cache(reset_running_requests=True)
+        r.prompts["p-x"] = [rng.randrange(100, 50000) for _ in range(4 * H.BLOCK - 2)]
+        r.P.sched.add_request(H.make_request("p-x", r.prompts["p-x"], 2, None))
+        r.step()
+        new_x = set(r.P.sched.kv_cache_manager.get_block_ids("p-x")[0])
+        assert new_x & set(old), (old, new_x)
+        r.run_until(lambda: "d-0" in r.D.finished and "p-0" in r.P.sent, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        r.run_until(lambda: not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert _free_both(r)
+        assert not r.held_violations, r.held_violations
+    finally:
+        r.close()
+
+
+def test_layerwise_producer_preempted_while_paired_old_daemon(tmp_path, daemons):
+    """As test_layerwise_producer_preempted_while_paired, against a daemon
+    that does not take FINISH_STATUS_PREEMPTED (an older build: its
+    OpenSchedulerResponse.takes_preempted is false). The connector tells it
+    the preemption as an abort: D's request fails and is recomputed, and
+    never completes from what the first attempt's WRITEs read from the
+    freed blocks (before, an abort with the last layers in flight told D
+    its KV had arrived: it decoded from another request's KV). P's request,
+    prefilled again, waits for a consumer that gave up until its lease
+    (short here) ends."""
+    rng = random.Random("lw-preempt-paired")
+    r = Run(tmp_path, daemons, "push", 1, layerwise=True, p_kw={"num_blocks": 8, "lease_s": 3}, d_kw={"registration_timeout_s": 60})
+    try:
+        r.P.sched.connector._sched.sched.takes_preempted = False
+        toks = [rng.randrange(100, 50000) for _ in range(40)]  # 3 blocks
+        r.prompts["p-0"] = r.prompts["d-0"] = toks
+        r.D.sched.add_request(H.make_request("d-0", toks, 3, {**_push_params(r.dp, "t0"), "tp_size": 1}))
+        H.step(r.D, r.prompts, fill=False)
+        r._stepped(r.D)
+        time.sleep(0.5)
+        r.P.sched.add_request(H.make_request("p-0", list(toks), 6, {"do_remote_decode": True, "transfer_id": "t0"}))
+        for _ in range(2):
+            r.step()
+        old = list(r.P.sched.kv_cache_manager.get_block_ids("p-0")[0])
+        assert r.P.sched.reset_prefix_cache(reset_running_requests=True)
+        r.prompts["p-x"] = [rng.randrange(100, 50000) for _ in range(4 * H.BLOCK - 2)]
+        r.P.sched.add_request(H.make_request("p-x", r.prompts["p-x"], 2, None))
+        r.step()
+        assert set(r.P.sched.kv_cache_manager.get_block_ids("p-x")[0]) & set(old)
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.D.failed and "d-0" not in r.checked, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 @pytest.mark.placement("daemon")  # relay daemon: the ranks take the step by reference
 def test_refused_request_id_reused_ends_once(tmp_path, daemons, caplog):
     """Pull, relay daemon: the daemon's Scheduler refuses D's d-0 (its params

@@ -413,6 +413,11 @@ const (
 	FinishStatus_FINISH_STATUS_ABORTED FinishStatus = 3
 	// FINISH_STATUS_ERROR: the engine failed the request.
 	FinishStatus_FINISH_STATUS_ERROR FinishStatus = 4
+	// FINISH_STATUS_PREEMPTED is no finish: a layer-wise producer listed in
+	// a step's prefill was preempted by its engine (its blocks freed). Its
+	// pairing with its consumer carries over (kvxfer.FinishPreempted). A
+	// daemon from before it takes it as an abnormal finish (an abort).
+	FinishStatus_FINISH_STATUS_PREEMPTED FinishStatus = 5
 )
 
 // Enum value maps for FinishStatus.
@@ -423,6 +428,7 @@ var (
 		2: "FINISH_STATUS_LENGTH_CAPPED",
 		3: "FINISH_STATUS_ABORTED",
 		4: "FINISH_STATUS_ERROR",
+		5: "FINISH_STATUS_PREEMPTED",
 	}
 	FinishStatus_value = map[string]int32{
 		"FINISH_STATUS_UNSPECIFIED":   0,
@@ -430,6 +436,7 @@ var (
 		"FINISH_STATUS_LENGTH_CAPPED": 2,
 		"FINISH_STATUS_ABORTED":       3,
 		"FINISH_STATUS_ERROR":         4,
+		"FINISH_STATUS_PREEMPTED":     5,
 	}
 )
 
@@ -1344,8 +1351,14 @@ type StepMeta struct {
 	// not_processed_transfer_ids: the transfer ids of those that have one,
 	// by request id.
 	NotProcessedTransferIds map[string]string `protobuf:"bytes,7,rep,name=not_processed_transfer_ids,json=notProcessedTransferIds,proto3" json:"not_processed_transfer_ids,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields           protoimpl.UnknownFields
-	sizeCache               protoimpl.SizeCache
+	// preempted: layer-wise push requests listed in an earlier step's
+	// prefill that the engine preempted (their blocks freed): nothing more is
+	// written from those blocks, and each writes every layer again, into the
+	// same consumer blocks, from the blocks of its next prefill entry or its
+	// send entry (kvxfer.StepMeta.Preempted). Applies after not_processed.
+	Preempted     []string `protobuf:"bytes,8,rep,name=preempted,proto3" json:"preempted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepMeta) Reset() {
@@ -1423,6 +1436,13 @@ func (x *StepMeta) GetNotProcessed() []string {
 func (x *StepMeta) GetNotProcessedTransferIds() map[string]string {
 	if x != nil {
 		return x.NotProcessedTransferIds
+	}
+	return nil
+}
+
+func (x *StepMeta) GetPreempted() []string {
+	if x != nil {
+		return x.Preempted
 	}
 	return nil
 }
@@ -3117,9 +3137,15 @@ func (x *OpenSchedulerRequest) GetConfig() *SchedulerConfig {
 type OpenSchedulerResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// addr is this daemon's peer address, returned in transfer params.
-	Addr          string `protobuf:"bytes,1,opt,name=addr,proto3" json:"addr,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Addr string `protobuf:"bytes,1,opt,name=addr,proto3" json:"addr,omitempty"`
+	// takes_preempted: this daemon takes FINISH_STATUS_PREEMPTED (a
+	// layer-wise producer's pairing carries over its preemption). A daemon
+	// from before it refuses that status (false here): an engine tells it
+	// a preemption as FINISH_STATUS_ABORTED instead (its consumer fails and
+	// recomputes).
+	TakesPreempted bool `protobuf:"varint,2,opt,name=takes_preempted,json=takesPreempted,proto3" json:"takes_preempted,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *OpenSchedulerResponse) Reset() {
@@ -3157,6 +3183,13 @@ func (x *OpenSchedulerResponse) GetAddr() string {
 		return x.Addr
 	}
 	return ""
+}
+
+func (x *OpenSchedulerResponse) GetTakesPreempted() bool {
+	if x != nil {
+		return x.TakesPreempted
+	}
+	return false
 }
 
 // MatchedTokensRequest asks how many tokens a request gets remotely.
@@ -5024,7 +5057,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"transferId\x12.\n" +
 	"\x13deadline_unix_nanos\x18\x03 \x01(\x03R\x11deadlineUnixNanos\x12'\n" +
 	"\x06blocks\x18\x04 \x03(\v2\x0f.kvxfer.v1.SpanR\x06blocks\x12\x16\n" +
-	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\xc5\x03\n" +
+	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\xe3\x03\n" +
 	"\bStepMeta\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12;\n" +
 	"\x1ascheduler_clock_unix_nanos\x18\x02 \x01(\x03R\x17schedulerClockUnixNanos\x12*\n" +
@@ -5032,7 +5065,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x04send\x18\x04 \x03(\v2\x16.kvxfer.v1.SendRequestR\x04send\x120\n" +
 	"\aprefill\x18\x05 \x03(\v2\x16.kvxfer.v1.SendRequestR\aprefill\x12#\n" +
 	"\rnot_processed\x18\x06 \x03(\tR\fnotProcessed\x12m\n" +
-	"\x1anot_processed_transfer_ids\x18\a \x03(\v20.kvxfer.v1.StepMeta.NotProcessedTransferIdsEntryR\x17notProcessedTransferIds\x1aJ\n" +
+	"\x1anot_processed_transfer_ids\x18\a \x03(\v20.kvxfer.v1.StepMeta.NotProcessedTransferIdsEntryR\x17notProcessedTransferIds\x12\x1c\n" +
+	"\tpreempted\x18\b \x03(\tR\tpreempted\x1aJ\n" +
 	"\x1cNotProcessedTransferIdsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x02\n" +
@@ -5169,9 +5203,10 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tlayerwise\x18\x0e \x01(\bR\tlayerwise\x12'\n" +
 	"\x0fprefill_backoff\x18\x0f \x01(\x05R\x0eprefillBackoff\"J\n" +
 	"\x14OpenSchedulerRequest\x122\n" +
-	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"+\n" +
+	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"T\n" +
 	"\x15OpenSchedulerResponse\x12\x12\n" +
-	"\x04addr\x18\x01 \x01(\tR\x04addr\"\x83\x01\n" +
+	"\x04addr\x18\x01 \x01(\tR\x04addr\x12'\n" +
+	"\x0ftakes_preempted\x18\x02 \x01(\bR\x0etakesPreempted\"\x83\x01\n" +
 	"\x14MatchedTokensRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
 	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12\x1a\n" +
@@ -5335,13 +5370,14 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11FAILURE_KIND_PEER\x10\t\x12\x1a\n" +
 	"\x16FAILURE_KIND_CANCELLED\x10\n" +
 	"\x12\x17\n" +
-	"\x13FAILURE_KIND_CLOSED\x10\v*\x9d\x01\n" +
+	"\x13FAILURE_KIND_CLOSED\x10\v*\xba\x01\n" +
 	"\fFinishStatus\x12\x1d\n" +
 	"\x19FINISH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15FINISH_STATUS_STOPPED\x10\x01\x12\x1f\n" +
 	"\x1bFINISH_STATUS_LENGTH_CAPPED\x10\x02\x12\x19\n" +
 	"\x15FINISH_STATUS_ABORTED\x10\x03\x12\x17\n" +
-	"\x13FINISH_STATUS_ERROR\x10\x042U\n" +
+	"\x13FINISH_STATUS_ERROR\x10\x04\x12\x1b\n" +
+	"\x17FINISH_STATUS_PREEMPTED\x10\x052U\n" +
 	"\rWorkerService\x12D\n" +
 	"\aConnect\x12\x19.kvxfer.v1.ConnectRequest\x1a\x1a.kvxfer.v1.ConnectResponse(\x010\x012U\n" +
 	"\vPeerService\x12F\n" +

@@ -259,7 +259,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		defer old.retire() // once the new one is in the table
 	}
 	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
-	return &pb.OpenSchedulerResponse{Addr: ss.addr}, nil
+	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true}, nil
 }
 
 func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
@@ -401,8 +401,8 @@ func (ss *schedulers) RequestFinished(ctx context.Context, req *pb.RequestFinish
 	if err != nil {
 		return nil, ss.status(err)
 	}
-	if req.Status < 1 || req.Status > 4 {
-		return nil, ss.status(stream.Invalid("status = %v, want stopped, length_capped, aborted or error", req.Status))
+	if req.Status < 1 || req.Status > 5 {
+		return nil, ss.status(stream.Invalid("status = %v, want stopped, length_capped, aborted, error or preempted", req.Status))
 	}
 	computed, err := stream.FitInt("computed", req.Computed)
 	if err != nil {

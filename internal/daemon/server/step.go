@@ -179,6 +179,9 @@ func publishedSize(m *pb.StepMeta) int {
 	for _, id := range m.GetNotProcessed() {
 		n += 16 + len(id)
 	}
+	for _, id := range m.GetPreempted() {
+		n += 16 + len(id)
+	}
 	for k, v := range m.GetNotProcessedTransferIds() {
 		n += 64 + len(k) + len(v)
 	}

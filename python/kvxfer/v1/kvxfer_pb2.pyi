@@ -62,6 +62,7 @@ class FinishStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_STATUS_LENGTH_CAPPED: _ClassVar[FinishStatus]
     FINISH_STATUS_ABORTED: _ClassVar[FinishStatus]
     FINISH_STATUS_ERROR: _ClassVar[FinishStatus]
+    FINISH_STATUS_PREEMPTED: _ClassVar[FinishStatus]
 MODE_UNSPECIFIED: Mode
 MODE_PUSH: Mode
 MODE_PULL: Mode
@@ -97,6 +98,7 @@ FINISH_STATUS_STOPPED: FinishStatus
 FINISH_STATUS_LENGTH_CAPPED: FinishStatus
 FINISH_STATUS_ABORTED: FinishStatus
 FINISH_STATUS_ERROR: FinishStatus
+FINISH_STATUS_PREEMPTED: FinishStatus
 
 class Region(_message.Message):
     __slots__ = ("kind", "window", "base", "block_len", "num_blocks", "device_id", "conv_bytes", "ssm_bytes")
@@ -239,7 +241,7 @@ class SendRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepMeta(_message.Message):
-    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed", "not_processed_transfer_ids")
+    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed", "not_processed_transfer_ids", "preempted")
     class NotProcessedTransferIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +256,7 @@ class StepMeta(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     NOT_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     NOT_PROCESSED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     step: int
     scheduler_clock_unix_nanos: int
     recv: _containers.RepeatedCompositeFieldContainer[RecvRequest]
@@ -261,7 +264,8 @@ class StepMeta(_message.Message):
     prefill: _containers.RepeatedCompositeFieldContainer[SendRequest]
     not_processed: _containers.RepeatedScalarFieldContainer[str]
     not_processed_transfer_ids: _containers.ScalarMap[str, str]
-    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    preempted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ..., preempted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("request_id", "result", "reason", "failure_kind")
@@ -532,10 +536,12 @@ class OpenSchedulerRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
 
 class OpenSchedulerResponse(_message.Message):
-    __slots__ = ("addr",)
+    __slots__ = ("addr", "takes_preempted")
     ADDR_FIELD_NUMBER: _ClassVar[int]
+    TAKES_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     addr: str
-    def __init__(self, addr: _Optional[str] = ...) -> None: ...
+    takes_preempted: bool
+    def __init__(self, addr: _Optional[str] = ..., takes_preempted: _Optional[bool] = ...) -> None: ...
 
 class MatchedTokensRequest(_message.Message):
     __slots__ = ("engine_id", "request", "computed")
