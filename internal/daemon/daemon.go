@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/envflag"
 	"github.com/kvxfer/kvxfer/internal/forkclose"
 	"github.com/kvxfer/kvxfer/internal/hoptrace"
 	"github.com/kvxfer/kvxfer/internal/lograte"
@@ -183,23 +184,12 @@ func flagSet(c *config) *flag.FlagSet {
 func parseFlags(args []string) (*config, error) {
 	c := &config{}
 	fs := flagSet(c)
-	// Environment first, flags override.
-	var envErr error
-	fs.VisitAll(func(f *flag.Flag) {
-		key := "KVXFERD_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := os.LookupEnv(key); ok {
-			if err := f.Value.Set(v); err != nil && envErr == nil {
-				envErr = fmt.Errorf("%s=%q: %w", key, v, err)
-			}
-		}
-	})
-	if envErr != nil {
-		return nil, envErr
-	}
-	c.engineOwner.fromEnv = true // the command line's replace the environment's
-	if err := unknownEnv(fs); err != nil {
+	// Environment first (KVXFERD_<FLAG>; KVXFERD_PROXY_* are kvxferd
+	// proxy's), flags override.
+	if err := envflag.Load(fs, "KVXFERD_", "kvxferd serve", "peer-secret-file", "PROXY_"); err != nil {
 		return nil, err
 	}
+	c.engineOwner.fromEnv = true // the command line's replace the environment's
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -213,24 +203,6 @@ func parseFlags(args []string) (*config, error) {
 		return nil, err
 	}
 	return c, nil
-}
-
-// unknownEnv refuses a KVXFERD_ variable that names none of fs's flags
-// (KVXFERD_PROXY_* are kvxferd proxy's): a misspelt one would leave its
-// flag at the default without a word.
-func unknownEnv(fs *flag.FlagSet) error {
-	for _, kv := range os.Environ() {
-		key, _, _ := strings.Cut(kv, "=")
-		name, ok := strings.CutPrefix(key, "KVXFERD_")
-		if !ok || strings.HasPrefix(name, "PROXY_") {
-			continue
-		}
-		if fs.Lookup(strings.ToLower(strings.ReplaceAll(name, "_", "-"))) == nil {
-			return fmt.Errorf("%s is set but names no flag of kvxferd serve (KVXFERD_<FLAG>, e.g. KVXFERD_PEER_SECRET_FILE for "+
-				"-peer-secret-file): correct or unset it", key)
-		}
-	}
-	return nil
 }
 
 // minPeerTimeout is -peer-timeout's least positive value: five probes of

@@ -83,7 +83,7 @@ var Rules = []Rule{
 	{Name: "internal/lint/typednil imports x/tools' analysis framework", Prefix: "internal/lint/typednil",
 		Allowed: []string{"golang.org/x/tools/..."}},
 	{Name: "internal/proxy imports std and Prometheus", Prefix: "internal/proxy", Direct: true,
-		Allowed: []string{"github.com/prometheus/client_golang/..."}},
+		Allowed: []string{"internal/envflag", "github.com/prometheus/client_golang/..."}},
 	// The protocol and the Go client: what an engine written in Go links.
 	// The daemon's side of the protocol is internal/daemon/server.
 	{Name: "stream (protocol, conversions, Go client) imports kvxfer and gRPC", Prefix: "stream", Direct: true,

@@ -19,10 +19,11 @@ var (
 type Error struct {
 	Op   string
 	Code int
-	// Posting: the transfer was made (its descriptors and peer were
-	// good) and posting it failed: the transport's failure, such as a
+	// Transport: the failure is the transport's, not the request's: a
+	// transfer was made (its descriptors and peer were good) and posting
+	// it failed, or a notification failed in the backend; such as a
 	// connection to the peer that UCX found broken.
-	Posting bool
+	Transport bool
 }
 
 func (e *Error) Error() string {

@@ -395,11 +395,11 @@ func status(op string, s C.st_t) error {
 	return &Error{Op: op, Code: int(s)}
 }
 
-// posted marks err (status's) as the failure of posting a made transfer
-// where posting is set.
-func posted(err error, posting bool) error {
-	if e, ok := err.(*Error); ok && posting {
-		e.Posting = true
+// posted marks err (status's) as the transport's (Error.Transport) where
+// transport is set.
+func posted(err error, transport bool) error {
+	if e, ok := err.(*Error); ok && transport {
+		e.Transport = true
 	}
 	return err
 }
@@ -811,7 +811,8 @@ func (a *Agent) Notify(peer string, msg []byte) error {
 	defer C.free(unsafe.Pointer(cpeer))
 	cmsg := C.CBytes(msg)
 	defer C.free(cmsg)
-	return status("notify", C.kx_notify(a.agent, cpeer, cmsg, C.size_t(len(msg))))
+	s := C.kx_notify(a.agent, cpeer, cmsg, C.size_t(len(msg)))
+	return posted(status("notify", s), s == -2) // a backend error: the connection's (an unknown peer is -6)
 }
 
 // Notif is a received notification.

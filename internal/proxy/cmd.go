@@ -15,6 +15,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/envflag"
 )
 
 // flags is `kvxferd proxy`'s command line.
@@ -107,26 +109,8 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	fs.StringVar(&f.fleet.Prefix, "etcd-prefix", "/kvxfer", "key prefix of the registry in etcd")
 	fs.IntVar(&f.cfg.MaxFleet, "max-fleet", DefaultMaxFleet, "instances of the -etcd fleet routed over at most")
 	// Environment first (KVXFERD_PROXY_<FLAG>), flags override.
-	var envErr error
-	fs.VisitAll(func(fl *flag.Flag) {
-		key := "KVXFERD_PROXY_" + strings.ToUpper(strings.ReplaceAll(fl.Name, "-", "_"))
-		if v, ok := os.LookupEnv(key); ok {
-			if err := fl.Value.Set(v); err != nil && envErr == nil {
-				envErr = fmt.Errorf("%s=%q: %w", key, v, err)
-			}
-		}
-	})
-	if envErr != nil {
-		return nil, envErr
-	}
-	// A KVXFERD_PROXY_ variable that names no flag (a misspelt one)
-	// would leave its flag at the default without a word.
-	for _, kv := range os.Environ() {
-		key, _, _ := strings.Cut(kv, "=")
-		if name, ok := strings.CutPrefix(key, "KVXFERD_PROXY_"); ok && fs.Lookup(strings.ToLower(strings.ReplaceAll(name, "_", "-"))) == nil {
-			return nil, fmt.Errorf("%s is set but names no flag of kvxferd proxy (KVXFERD_PROXY_<FLAG>, e.g. KVXFERD_PROXY_PREFILL for "+
-				"-prefill): correct or unset it", key)
-		}
+	if err := envflag.Load(fs, "KVXFERD_PROXY_", "kvxferd proxy", "prefill"); err != nil {
+		return nil, err
 	}
 	prefill.fromEnv, decode.fromEnv = true, true
 	if err := fs.Parse(args); err != nil {

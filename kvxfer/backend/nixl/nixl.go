@@ -147,7 +147,6 @@ type Backend struct {
 		metas    map[kvxfer.PeerName][]byte
 		remaking map[kvxfer.PeerName]error
 		remadeAt map[kvxfer.PeerName]time.Time
-		remakes  uint64
 	}
 	// bg are the goroutines remaking connections (Close waits for them).
 	bg sync.WaitGroup

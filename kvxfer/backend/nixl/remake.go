@@ -65,7 +65,7 @@ func (n *Backend) remakingLocked(peer kvxfer.PeerName) error {
 // notification the backend could not send.
 func transportErr(err error) bool {
 	var e *capi.Error
-	return errors.As(err, &e) && (e.Posting || e.Op == "notify" && e.Code == -2)
+	return errors.As(err, &e) && e.Transport
 }
 
 // lostErr is nixlErr, saying kvxfer.ErrPeerLost where err is the
@@ -115,7 +115,6 @@ func (n *Backend) remake(peer kvxfer.PeerName, wait time.Duration) {
 		delete(n.mu.remaking, peer)
 		n.mu.remadeAt[peer] = time.Now()
 		if err == nil && !n.mu.closed {
-			n.mu.remakes++
 			remade.Add(1)
 		}
 		n.mu.Unlock()
@@ -195,11 +194,3 @@ var remade atomic.Uint64
 // RemadeConnections returns how many connections to peers this process's
 // Backends made again after they failed.
 func RemadeConnections() uint64 { return remade.Load() }
-
-// Remakes returns how many connections to peers the Backend made again
-// after they failed.
-func (n *Backend) Remakes() uint64 {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.mu.remakes
-}
