@@ -1,6 +1,10 @@
 package kvxfer
 
-import "time"
+import (
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/invariants"
+)
 
 // The Worker's core (loopState, in the files TestCoreIsPure lists) is the
 // per-rank protocol as a deterministic state machine: Step takes one
@@ -64,6 +68,9 @@ func (st *loopState) Step(now time.Time, in input) {
 		st.released(in.xfer)
 	}
 	st.recycleSends()
+	if invariants.Enabled {
+		st.checkRegIDs()
+	}
 }
 
 // maxFreeSends bounds the producer records kept for reuse.

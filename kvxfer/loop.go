@@ -192,6 +192,9 @@ type regGroup struct {
 	// before it registered), waiting to fail its producer request when
 	// that arrives; why it gave up.
 	gaveUp string
+	// ids: the block ids of the registrations in ranks (counted in
+	// loopState.regIDs while the group waits in regs).
+	ids int
 }
 
 // rank states of one D rank of a matched producer request.

@@ -32,6 +32,8 @@ type producerState struct {
 	deadSends []*sendReq
 	freeSends []*sendReq
 	regs      map[regKey]*regGroup // unmatched registrations
+	// regIDs: the block ids their registrations hold (maxRegIDs).
+	regIDs    int
 	regByTID  map[string][]regKey
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
@@ -231,8 +233,8 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 				st.failRegGroup(g, s.req.ReqID, FailureExpired, "the consumer's deadline passed before the producer's request arrived")
 				continue
 			}
+			st.dropReg(g.key) // before attach takes its ranks
 			st.attach(s, g)
-			st.dropReg(g.key)
 			break
 		}
 		st.pushReady(s)
@@ -629,6 +631,7 @@ func (st *loopState) rememberGone(id, tid string, g goneSend) {
 // producer request.
 func (st *loopState) addReg(g *regGroup) {
 	st.regs[g.key] = g
+	st.regIDs += g.ids
 	if g.tid != "" {
 		st.regByTID[g.tid] = append(st.regByTID[g.tid], g.key)
 	}
@@ -655,6 +658,7 @@ func (st *loopState) supersede(k regKey, tid string) {
 		g.gaveUp = fmt.Sprintf("consumer request %q was registered again for another transfer (%q): the request it registered for this one ended", k.dreq, tid)
 	}
 	clear(g.ranks)
+	g.ids = 0
 	if st.regs[g.key] == nil {
 		st.addReg(g)
 	}
@@ -666,6 +670,7 @@ func (st *loopState) dropReg(k regKey) {
 		return
 	}
 	delete(st.regs, k)
+	st.regIDs -= g.ids
 	if g.tid != "" {
 		st.regByTID[g.tid] = slices.DeleteFunc(st.regByTID[g.tid], func(x regKey) bool { return x == k })
 		if len(st.regByTID[g.tid]) == 0 {
@@ -778,6 +783,14 @@ func (st *loopState) onReg(m *msg) {
 			fmt.Sprintf("the producer rank holds %d registrations waiting for their requests, its limit", len(st.regs)))
 		return
 	}
+	if n := spanIDs(m.Spans); n > 0 && st.regIDs+n > maxRegIDs {
+		// Nor more block ids than maxRegIDs in them: each may be as long
+		// as a message.
+		st.refuseReg(m, "reg_limit", FailureSetup,
+			fmt.Sprintf("the producer rank holds %d block ids in registrations waiting for their requests; %d more exceed its limit %d",
+				st.regIDs, n, maxRegIDs))
+		return
+	}
 	if g == nil {
 		g = &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr, dTP: m.TPSize, ranks: map[int]*msg{}, arrived: st.now, until: m.Until}
 		s, taken, amb := st.findSend(g)
@@ -834,14 +847,51 @@ func (st *loopState) onReg(m *msg) {
 		return
 	}
 	g.ranks[m.TPRank] = m
+	n := spanIDs(m.Spans)
+	g.ids += n
+	if st.regs[g.key] == g {
+		st.regIDs += n
+	}
 	if !m.Until.IsZero() && (g.until.IsZero() || m.Until.Before(g.until)) {
 		g.until = m.Until
 	}
 }
 
 // maxRegs bounds the registrations a producer rank keeps waiting for
-// their requests.
-const maxRegs = 1 << 16
+// their requests, and maxRegIDs the block ids in them (64 MiB of ids).
+const (
+	maxRegs   = 1 << 16
+	maxRegIDs = 1 << 24
+)
+
+// checkRegIDs panics when regIDs is not the block ids of the waiting
+// registrations (an -tags invariants self-check: the budget must neither
+// leak nor be given back twice).
+func (st *loopState) checkRegIDs() {
+	total := 0
+	for _, g := range st.regs {
+		n := 0
+		for _, m := range g.ranks {
+			n += spanIDs(m.Spans)
+		}
+		if n != g.ids {
+			panic(fmt.Sprintf("kvxfer: registration %v counts %d block ids, holds %d", g.key, g.ids, n))
+		}
+		total += n
+	}
+	if total != st.regIDs {
+		panic(fmt.Sprintf("kvxfer: regIDs = %d, the waiting registrations hold %d", st.regIDs, total))
+	}
+}
+
+// spanIDs is the number of block ids in spans.
+func spanIDs(spans []topology.Span) int {
+	n := 0
+	for _, sp := range spans {
+		n += len(sp.IDs)
+	}
+	return n
+}
 
 // regLate is why a registration past its Until is refused.
 const regLate = "the registration reached the producer after the consumer's deadline"
@@ -891,7 +941,7 @@ func (st *loopState) attach(s *sendReq, g *regGroup) {
 	for _, m := range g.ranks {
 		st.addRank(s, m)
 	}
-	g.ranks = nil
+	g.ranks, g.ids = nil, 0
 }
 
 // addRank records one D rank's registration on a matched request.

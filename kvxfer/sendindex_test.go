@@ -265,3 +265,46 @@ func TestRegistrationBound(t *testing.T) {
 		t.Errorf("p5 did not find its waiting registration")
 	}
 }
+
+// The block ids held in waiting registrations are bounded too (each may
+// be as long as a message): past maxRegIDs one more is refused, its rank
+// told and counted; the budget is given back as registrations pair or
+// go, so later ones are kept again.
+func TestRegistrationIDsBound(t *testing.T) {
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), time.Unix(1000, 0))
+	knowEngine(t, p, "D", 1)
+	const per = maxWireBlocks
+	ids := make([]topology.BlockID, per)
+	for i := range ids {
+		ids[i] = topology.BlockID(i)
+	}
+	reg := func(i int) Notif {
+		m := &msg{Kind: msgReg, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, TransferID: fmt.Sprintf("t%d", i), DReq: fmt.Sprintf("d%d", i),
+			PReq: fmt.Sprintf("p%d", i), Spans: []topology.Span{{IDs: ids}}}
+		return Notif{From: "D/0", Msg: appendMsg(nil, m)}
+	}
+	fit := maxRegIDs / per
+	for i := range fit + 1 {
+		p.Step(p.now, input{kind: inNotifs, notifs: []Notif{reg(i)}})
+	}
+	if len(p.regs) != fit || p.regIDs != fit*per {
+		t.Fatalf("%d registrations of %d ids kept (%d ids), want %d (%d ids: the limit %d)", len(p.regs), per, p.regIDs, fit, fit*per, maxRegIDs)
+	}
+	if n := p.metrics.Snapshot().Dropped["reg_limit"]; n != 1 {
+		t.Errorf("reg_limit counted %d times, want 1", n)
+	}
+	// Their requests arrive: each pairs, and gives its ids back.
+	var sends []SendReq
+	for i := range fit {
+		sends = append(sends, SendReq{ReqID: fmt.Sprintf("p%d", i), TransferID: fmt.Sprintf("t%d", i),
+			Blocks: []topology.Span{{IDs: []topology.BlockID{2}}}, Tokens: 16})
+	}
+	p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{Send: sends}}})
+	if len(p.regs) != 0 || p.regIDs != 0 {
+		t.Fatalf("after their requests paired: %d registrations, %d ids kept, want none", len(p.regs), p.regIDs)
+	}
+	p.Step(p.now, input{kind: inNotifs, notifs: []Notif{reg(fit + 1)}})
+	if len(p.regs) != 1 || p.regIDs != per {
+		t.Errorf("a registration after the budget was given back: %d kept (%d ids), want 1 (%d)", len(p.regs), p.regIDs, per)
+	}
+}
