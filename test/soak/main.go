@@ -1,6 +1,7 @@
 // Command soak runs a P and a D kvxferd (child processes) with simulated
-// engines transferring real KV bytes in push mode for a while, injecting
-// faults at random across the processes: the P or the D daemon SIGKILLed
+// engines transferring real KV bytes (push or pull, over the built-in
+// backend or NIXL) for a while, injecting faults at random across the
+// processes: the P or the D daemon SIGKILLed
 // and restarted on the same address (its engine re-attached under the same
 // id), the P daemon frozen (SIGSTOP) for up to three seconds, a graceful
 // restart. It accounts for every request on both sides and exits non-zero
@@ -8,14 +9,15 @@
 //
 //   - a request ends more than once on one side, or not within -bound of
 //     its issue (45 s: a P request whose consumer died before registering
-//     ends only at its 30 s lease; ending means an outcome from kvxferd,
+//     ends only at its 30 s lease; 90 s over NIXL in push, where a
+//     consumer whose producer's daemon was killed waits for its fence; ending means an outcome from kvxferd,
 //     or, for requests of an engine whose daemon was killed, that
 //     engine's own failure);
 //   - a request reported done has a wrong byte (each request's pattern is
 //     salted, so stale bytes of an earlier request in its blocks count);
 //   - a block stays held by a request that ended.
 //
-// Usage: go run ./test/soak -duration 10m
+// Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull]
 package main
 
 import (
@@ -53,17 +55,19 @@ type side struct {
 	e               *simengine.Engine
 	epoch           int
 	free            []topology.BlockID
+	backend         string
+	mode            kvxfer.Mode
 }
 
 func (s *side) start() error {
-	d, err := daemontest.Start(s.dir, fmt.Sprintf("%s%d", s.name, s.epoch), "builtin", "-peer-listen", s.addr, "-lease", "10s")
+	d, err := daemontest.Start(s.dir, fmt.Sprintf("%s%d", s.name, s.epoch), s.backend, "-peer-listen", s.addr, "-lease", "10s")
 	if err != nil {
 		return err
 	}
 	_ = os.Remove(filepath.Join(s.dir, s.name+"-tp0")) // a killed engine's file
 	m := model
 	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id),
-		Mode: kvxfer.ModePush, Version: "soak"})
+		Mode: s.mode, Version: "soak"})
 	if err != nil {
 		_ = d.Stop()
 		return err
@@ -125,14 +129,30 @@ func (s *soak) issue() {
 	r := &request{n: n, pIDs: pIDs, dIDs: dIDs, issued: time.Now(), pEpoch: s.p.epoch, dEpoch: s.d.epoch}
 	s.reqs[fmt.Sprintf("d-%d", n)] = r
 	tid := fmt.Sprintf("t-%d", n)
-	dReq := &kvxfer.Request{ID: fmt.Sprintf("d-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true,
-		RemoteEngineID: "P", RemoteAddr: s.p.d.Peer, RemoteTPSize: 1}}
+	s.p.e.Ranks[0].FillSalt([]topology.Span{{IDs: pIDs}}, n)
+	pReq := &kvxfer.Request{ID: fmt.Sprintf("p-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
+	dParams := &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: s.p.d.Peer, RemoteTPSize: 1}
+	if s.p.mode == kvxfer.ModePull {
+		// P finishes first: its params name the blocks D reads.
+		if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
+			s.violate("P AfterAlloc %d: %v", n, err)
+		}
+		_, params, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, 32)
+		if err != nil || params == nil {
+			s.violate("P RequestFinished %d: params %v, %v", n, params, err)
+			params = dParams
+		}
+		dParams = params
+		dParams.DoRemotePrefill, dParams.DoRemoteDecode = true, false
+	}
+	dReq := &kvxfer.Request{ID: fmt.Sprintf("d-%d", n), PromptTokens: 32, Params: dParams}
 	ext, _ := s.d.e.Sched.MatchedTokens(dReq, 0)
 	if err := s.d.e.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
 		s.violate("D AfterAlloc %d: %v", n, err)
 	}
-	s.p.e.Ranks[0].FillSalt([]topology.Span{{IDs: pIDs}}, n)
-	pReq := &kvxfer.Request{ID: fmt.Sprintf("p-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
+	if s.p.mode == kvxfer.ModePull {
+		return
+	}
 	if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
 		s.violate("P AfterAlloc %d: %v", n, err)
 	}
@@ -288,9 +308,28 @@ func main() {
 	// A P request whose consumer died before it registered ends only when
 	// its lease (30 s, the scheduler's default) runs out: nothing tells P
 	// about a consumer it never heard from.
-	bound := flag.Duration("bound", 45*time.Second, "how long a request may take to end on both sides (the lease and a margin)")
+	bound := flag.Duration("bound", 0, "how long a request may take to end on both sides (default: the lease and a margin, 45s; over nixl in push, the fence timeout and a margin, 90s)")
 	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "random seed")
+	backend := flag.String("backend", "builtin", "the daemons' -backend: builtin or nixl (NIXL_CAPI_LIB and NIXL_PLUGIN_DIR set)")
+	modeName := flag.String("mode", "push", "push or pull")
 	flag.Parse()
+	if *bound == 0 {
+		// Over NIXL a push consumer whose producer's daemon was killed
+		// reports once its fence times out (FenceTimeout, 60 s).
+		*bound = 45 * time.Second
+		if *backend == "nixl" && *modeName == "push" {
+			*bound = 90 * time.Second
+		}
+	}
+	mode := kvxfer.ModePush
+	switch *modeName {
+	case "push":
+	case "pull":
+		mode = kvxfer.ModePull
+	default:
+		fmt.Fprintf(os.Stderr, "-mode %q: want push or pull\n", *modeName)
+		os.Exit(2)
+	}
 	dir, err := os.MkdirTemp("/dev/shm", "kvxfer-soak-")
 	if err != nil {
 		dir, err = os.MkdirTemp("", "kvxfer-soak-")
@@ -301,8 +340,8 @@ func main() {
 	}
 	defer os.RemoveAll(dir)
 	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1))}
-	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir}
-	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir}
+	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode}
+	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode}
 	for i := range blocks {
 		s.p.free = append(s.p.free, topology.BlockID(i))
 		s.d.free = append(s.d.free, topology.BlockID(i))
@@ -313,7 +352,7 @@ func main() {
 			os.Exit(2)
 		}
 	}
-	fmt.Printf("soak: seed %d, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *duration, *every, *bound, dir)
+	fmt.Printf("soak: seed %d, %s %s, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *backend, *modeName, *duration, *every, *bound, dir)
 	start := time.Now()
 	nextFault := start.Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
 	for time.Since(start) < *duration {
