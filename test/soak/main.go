@@ -18,6 +18,7 @@
 //   - a block stays held by a request that ended.
 //
 // Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull]
+// [-p-tp 2] [-d-tp 2] [-p-block 8|16|32] [-d-block 8|16|32]
 package main
 
 import (
@@ -43,8 +44,11 @@ var model = kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topol
 
 const blocks = 64
 
-func engineOf(id int) kvsim.Engine {
-	return kvsim.Engine{ID: id, TP: 1, PP: 1, LogicalBlock: 16, KernelBlock: 16, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: blocks}
+// tokens is each request's prompt length.
+const tokens = 32
+
+func engineOf(id, tp, block int) kvsim.Engine {
+	return kvsim.Engine{ID: id, TP: tp, PP: 1, LogicalBlock: block, KernelBlock: block, Layout: topology.LayoutHND, Packing: topology.PackedKV, Blocks: blocks}
 }
 
 // side is one engine and the daemon it is attached to.
@@ -57,6 +61,7 @@ type side struct {
 	free            []topology.BlockID
 	backend         string
 	mode            kvxfer.Mode
+	tp, block       int // TP size, block size in tokens
 }
 
 func (s *side) start() error {
@@ -64,9 +69,11 @@ func (s *side) start() error {
 	if err != nil {
 		return err
 	}
-	_ = os.Remove(filepath.Join(s.dir, s.name+"-tp0")) // a killed engine's file
+	for r := range s.tp {
+		_ = os.Remove(filepath.Join(s.dir, fmt.Sprintf("%s-tp%d", s.name, r))) // a killed engine's files
+	}
 	m := model
-	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id),
+	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id, s.tp, s.block),
 		Mode: s.mode, Version: "soak"})
 	if err != nil {
 		_ = d.Stop()
@@ -118,7 +125,7 @@ func (s *soak) violate(format string, args ...any) {
 // issue starts one request: D registers its blocks, P finishes it with
 // the request's salted pattern in its blocks.
 func (s *soak) issue() {
-	pIDs, dIDs := s.p.take(2), s.d.take(2)
+	pIDs, dIDs := s.p.take(tokens/s.p.block), s.d.take(tokens/s.d.block)
 	if pIDs == nil || dIDs == nil {
 		s.p.give(pIDs)
 		s.d.give(dIDs)
@@ -129,15 +136,17 @@ func (s *soak) issue() {
 	r := &request{n: n, pIDs: pIDs, dIDs: dIDs, issued: time.Now(), pEpoch: s.p.epoch, dEpoch: s.d.epoch}
 	s.reqs[fmt.Sprintf("d-%d", n)] = r
 	tid := fmt.Sprintf("t-%d", n)
-	s.p.e.Ranks[0].FillSalt([]topology.Span{{IDs: pIDs}}, n)
-	pReq := &kvxfer.Request{ID: fmt.Sprintf("p-%d", n), PromptTokens: 32, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
-	dParams := &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: s.p.d.Peer, RemoteTPSize: 1}
+	for _, rk := range s.p.e.Ranks {
+		rk.FillSalt([]topology.Span{{IDs: pIDs}}, n)
+	}
+	pReq := &kvxfer.Request{ID: fmt.Sprintf("p-%d", n), PromptTokens: tokens, Params: &kvxfer.TransferParams{TransferID: tid, DoRemoteDecode: true}}
+	dParams := &kvxfer.TransferParams{TransferID: tid, DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: s.p.d.Peer, RemoteTPSize: s.p.tp}
 	if s.p.mode == kvxfer.ModePull {
 		// P finishes first: its params name the blocks D reads.
 		if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
 			s.violate("P AfterAlloc %d: %v", n, err)
 		}
-		_, params, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, 32)
+		_, params, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, tokens)
 		if err != nil || params == nil {
 			s.violate("P RequestFinished %d: params %v, %v", n, params, err)
 			params = dParams
@@ -145,7 +154,7 @@ func (s *soak) issue() {
 		dParams = params
 		dParams.DoRemotePrefill, dParams.DoRemoteDecode = true, false
 	}
-	dReq := &kvxfer.Request{ID: fmt.Sprintf("d-%d", n), PromptTokens: 32, Params: dParams}
+	dReq := &kvxfer.Request{ID: fmt.Sprintf("d-%d", n), PromptTokens: tokens, Params: dParams}
 	ext, _ := s.d.e.Sched.MatchedTokens(dReq, 0)
 	if err := s.d.e.Sched.AfterAlloc(dReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{dIDs}, External: ext}); err != nil {
 		s.violate("D AfterAlloc %d: %v", n, err)
@@ -156,7 +165,7 @@ func (s *soak) issue() {
 	if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
 		s.violate("P AfterAlloc %d: %v", n, err)
 	}
-	if _, _, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, 32); err != nil {
+	if _, _, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, tokens); err != nil {
 		s.violate("P RequestFinished %d: %v", n, err)
 	}
 }
@@ -225,9 +234,11 @@ func (s *soak) endD(r *request, res kvxfer.Result, how string) {
 	r.dEnded, r.dResult = true, res
 	s.results["D "+how+" "+res.String()]++
 	if res == kvxfer.ResultDone {
-		req := &kvsim.Request{Tokens: 32, P: []topology.Span{{IDs: r.pIDs}}, D: []topology.Span{{IDs: r.dIDs}}, Salt: r.n}
-		if err := s.d.e.Ranks[0].CheckRequest(req, 16, 16); err != nil {
-			s.violate("D request %d done with wrong bytes: %v", r.n, err)
+		req := &kvsim.Request{Tokens: tokens, P: []topology.Span{{IDs: r.pIDs}}, D: []topology.Span{{IDs: r.dIDs}}, Salt: r.n}
+		for i, rk := range s.d.e.Ranks {
+			if err := rk.CheckRequest(req, s.p.block, s.p.block); err != nil {
+				s.violate("D request %d done with wrong bytes on rank %d: %v", r.n, i, err)
+			}
 		}
 	}
 	s.d.give(r.dIDs)
@@ -312,7 +323,21 @@ func main() {
 	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "random seed")
 	backend := flag.String("backend", "builtin", "the daemons' -backend: builtin or nixl (NIXL_CAPI_LIB and NIXL_PLUGIN_DIR set)")
 	modeName := flag.String("mode", "push", "push or pull")
+	pTP := flag.Int("p-tp", 1, "P's TP size (1 or 2: the model has 2 KV heads)")
+	dTP := flag.Int("d-tp", 1, "D's TP size (1 or 2)")
+	pBlock := flag.Int("p-block", 16, "P's block size in tokens (8, 16 or 32)")
+	dBlock := flag.Int("d-block", 16, "D's block size in tokens (8, 16 or 32)")
 	flag.Parse()
+	for _, v := range []struct {
+		name string
+		v    int
+		ok   []int
+	}{{"p-tp", *pTP, []int{1, 2}}, {"d-tp", *dTP, []int{1, 2}}, {"p-block", *pBlock, []int{8, 16, 32}}, {"d-block", *dBlock, []int{8, 16, 32}}} {
+		if !slices.Contains(v.ok, v.v) {
+			fmt.Fprintf(os.Stderr, "-%s %d: want one of %v\n", v.name, v.v, v.ok)
+			os.Exit(2)
+		}
+	}
 	if *bound == 0 {
 		// Over NIXL a push consumer whose producer's daemon was killed
 		// reports once its fence times out (FenceTimeout, 60 s).
@@ -340,8 +365,8 @@ func main() {
 	}
 	defer os.RemoveAll(dir)
 	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1))}
-	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode}
-	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode}
+	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *pTP, block: *pBlock}
+	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *dTP, block: *dBlock}
 	for i := range blocks {
 		s.p.free = append(s.p.free, topology.BlockID(i))
 		s.d.free = append(s.d.free, topology.BlockID(i))
@@ -352,11 +377,11 @@ func main() {
 			os.Exit(2)
 		}
 	}
-	fmt.Printf("soak: seed %d, %s %s, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *backend, *modeName, *duration, *every, *bound, dir)
+	fmt.Printf("soak: seed %d, %s %s, P tp%d block %d, D tp%d block %d, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *backend, *modeName, *pTP, *pBlock, *dTP, *dBlock, *duration, *every, *bound, dir)
 	start := time.Now()
 	nextFault := start.Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
 	for time.Since(start) < *duration {
-		if len(s.p.free) >= 2 && len(s.d.free) >= 2 {
+		if len(s.p.free) >= tokens/s.p.block && len(s.d.free) >= tokens/s.d.block {
 			s.issue()
 		}
 		s.drive()
