@@ -17,7 +17,7 @@
 //     salted, so stale bytes of an earlier request in its blocks count);
 //   - a block stays held by a request that ended.
 //
-// Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull]
+// Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull | -layerwise]
 // [-p-tp 2] [-d-tp 2] [-p-block 8|16|32] [-d-block 8|16|32]
 package main
 
@@ -62,6 +62,7 @@ type side struct {
 	backend         string
 	mode            kvxfer.Mode
 	tp, block       int // TP size, block size in tokens
+	layerwise       bool
 }
 
 func (s *side) start() error {
@@ -74,7 +75,7 @@ func (s *side) start() error {
 	}
 	m := model
 	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id, s.tp, s.block),
-		Mode: s.mode, Version: "soak"})
+		Mode: s.mode, Layerwise: s.layerwise, Version: "soak"})
 	if err != nil {
 		_ = d.Stop()
 		return err
@@ -114,6 +115,15 @@ type soak struct {
 	violations []string
 	bound      time.Duration
 	rng        *rand.Rand
+	// prefilling: layer-wise, P's requests whose prefill is staged for
+	// P's next step; each layer is saved after that step, then the
+	// request finishes.
+	prefilling []prefilling
+}
+
+type prefilling struct {
+	req *kvxfer.Request
+	ids []topology.BlockID
 }
 
 func (s *soak) violate(format string, args ...any) {
@@ -165,6 +175,13 @@ func (s *soak) issue() {
 	if err := s.p.e.Sched.AfterAlloc(pReq, kvxfer.Alloc{Blocks: [][]topology.BlockID{pIDs}}); err != nil {
 		s.violate("P AfterAlloc %d: %v", n, err)
 	}
+	if s.p.layerwise {
+		if err := s.p.e.Sched.Prefill(pReq, [][]topology.BlockID{pIDs}, 0, tokens); err != nil {
+			s.violate("P Prefill %d: %v", n, err)
+		}
+		s.prefilling = append(s.prefilling, prefilling{req: pReq, ids: pIDs})
+		return
+	}
 	if _, _, err := s.p.e.Sched.RequestFinished(pReq, kvxfer.FinishLengthCapped, [][]topology.BlockID{pIDs}, tokens); err != nil {
 		s.violate("P RequestFinished %d: %v", n, err)
 	}
@@ -173,7 +190,21 @@ func (s *soak) issue() {
 // drive steps both engines and takes in their outcomes.
 func (s *soak) drive() {
 	for _, sd := range []*side{s.p, s.d} {
-		_ = sd.e.Step(sd.e.Sched.BuildMeta()) // a dead daemon: its loss is handled by the fault
+		meta := sd.e.Sched.BuildMeta()
+		_ = sd.e.Step(meta) // a dead daemon: its loss is handled by the fault
+		if sd == s.p && len(s.prefilling) > 0 {
+			// The step ran the prefills: each layer saved, in order,
+			// then the requests finish.
+			for l := range model.Kinds {
+				_ = sd.e.LayerSaved(meta.Step, l)
+			}
+			for _, pf := range s.prefilling {
+				if _, _, err := sd.e.Sched.RequestFinished(pf.req, kvxfer.FinishLengthCapped, [][]topology.BlockID{pf.ids}, tokens); err != nil {
+					s.violate("P RequestFinished %s: %v", pf.req.ID, err)
+				}
+			}
+			s.prefilling = s.prefilling[:0]
+		}
 		for i, rs := range sd.e.Streams {
 			for more := true; more; {
 				select {
@@ -327,7 +358,12 @@ func main() {
 	dTP := flag.Int("d-tp", 1, "D's TP size (1 or 2)")
 	pBlock := flag.Int("p-block", 16, "P's block size in tokens (8, 16 or 32)")
 	dBlock := flag.Int("d-block", 16, "D's block size in tokens (8, 16 or 32)")
+	layerwise := flag.Bool("layerwise", false, "layer-wise push: P WRITEs each layer as its step saves it")
 	flag.Parse()
+	if *layerwise && *modeName != "push" {
+		fmt.Fprintln(os.Stderr, "-layerwise is push only")
+		os.Exit(2)
+	}
 	for _, v := range []struct {
 		name string
 		v    int
@@ -365,8 +401,8 @@ func main() {
 	}
 	defer os.RemoveAll(dir)
 	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1))}
-	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *pTP, block: *pBlock}
-	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *dTP, block: *dBlock}
+	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *pTP, block: *pBlock, layerwise: *layerwise}
+	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *dTP, block: *dBlock, layerwise: *layerwise}
 	for i := range blocks {
 		s.p.free = append(s.p.free, topology.BlockID(i))
 		s.d.free = append(s.d.free, topology.BlockID(i))
@@ -376,6 +412,9 @@ func main() {
 			fmt.Fprintln(os.Stderr, "start:", err)
 			os.Exit(2)
 		}
+	}
+	if *layerwise {
+		*modeName += " layer-wise"
 	}
 	fmt.Printf("soak: seed %d, %s %s, P tp%d block %d, D tp%d block %d, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *backend, *modeName, *pTP, *pBlock, *dTP, *dBlock, *duration, *every, *bound, dir)
 	start := time.Now()
