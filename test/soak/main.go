@@ -1,11 +1,12 @@
 // Command soak runs a P and a D kvxferd (child processes) with simulated
 // engines transferring real KV bytes (push or pull, over the built-in
 // backend or NIXL) for a while, injecting faults at random across the
-// processes: the P or the D daemon SIGKILLed
-// and restarted on the same address (its engine re-attached under the same
-// id), the P daemon frozen (SIGSTOP) for up to three seconds, a graceful
-// restart. It accounts for every request on both sides and exits non-zero
-// on a violation:
+// processes: the P or the D daemon SIGKILLed and restarted on the same
+// address (its engine re-attached under the same id), the P or the D
+// daemon frozen (SIGSTOP) for up to three seconds, a graceful P restart,
+// the P or the D engine crashed (its streams dropped without a bye) and
+// attached again under the same id. It accounts for every request on
+// both sides and exits non-zero on a violation:
 //
 //   - a request ends more than once on one side, or not within -bound of
 //     its issue (45 s: a P request whose consumer died before registering
@@ -38,6 +39,9 @@ import (
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 var model = kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention}, TotalKVHeads: 2, HeadSize: 8, ElemBytes: 2}
@@ -63,6 +67,7 @@ type side struct {
 	mode            kvxfer.Mode
 	tp, block       int // TP size, block size in tokens
 	layerwise       bool
+	attachWait      time.Duration // the longest an attach took
 }
 
 func (s *side) start() error {
@@ -70,17 +75,43 @@ func (s *side) start() error {
 	if err != nil {
 		return err
 	}
+	s.d = d
+	if err := s.attach(); err != nil {
+		s.d = nil
+		_ = d.Stop()
+		return err
+	}
+	return nil
+}
+
+// attach attaches a new incarnation of the side's engine to its daemon.
+func (s *side) attach() error {
+	d := s.d
 	for r := range s.tp {
 		_ = os.Remove(filepath.Join(s.dir, fmt.Sprintf("%s-tp%d", s.name, r))) // a killed engine's files
 	}
 	m := model
-	e, err := simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id, s.tp, s.block),
-		Mode: s.mode, Layerwise: s.layerwise, Version: "soak"})
+	// A crashed engine's ranks are let go once what they moved is
+	// fenced; until then the daemon refuses the new incarnation
+	// (AlreadyExists, "retry once it has"), as a real engine would retry.
+	start := time.Now()
+	var e *simengine.Engine
+	var err error
+	for {
+		e, err = simengine.Attach(simengine.Config{Dir: s.dir, Sock: d.Sock, Peer: d.Peer, ID: s.name, Model: &m, Engine: engineOf(s.id, s.tp, s.block),
+			Mode: s.mode, Layerwise: s.layerwise, Version: "soak"})
+		if status.Code(err) != codes.AlreadyExists || time.Since(start) > 90*time.Second {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if err != nil {
-		_ = d.Stop()
 		return err
 	}
-	s.d, s.e = d, e
+	if w := time.Since(start); w > s.attachWait {
+		s.attachWait = w
+	}
+	s.e = e
 	s.epoch++
 	return nil
 }
@@ -275,14 +306,15 @@ func (s *soak) endD(r *request, res kvxfer.Result, how string) {
 	s.d.give(r.dIDs)
 }
 
-// lose ends, engine side, the requests of an engine whose daemon died.
-func (s *soak) lose(sd *side) {
+// lose ends, engine side, the requests of an engine whose daemon died
+// or that crashed itself (how).
+func (s *soak) lose(sd *side, how string) {
 	for _, r := range s.reqs {
 		if sd == s.p && !r.pEnded && r.pEpoch == sd.epoch {
-			s.endP(r, kvxfer.ResultFailed, "lost-with-daemon")
+			s.endP(r, kvxfer.ResultFailed, how)
 		}
 		if sd == s.d && !r.dEnded && r.dEpoch == sd.epoch {
-			s.endD(r, kvxfer.ResultFailed, "lost-with-daemon")
+			s.endD(r, kvxfer.ResultFailed, how)
 		}
 	}
 }
@@ -290,19 +322,27 @@ func (s *soak) lose(sd *side) {
 func (s *soak) kill(sd *side) error {
 	_ = sd.d.Kill()
 	_ = sd.e.Close()
-	s.lose(sd)
+	s.lose(sd, "lost-with-daemon")
 	return sd.start()
 }
 
 func (s *soak) restart(sd *side) error {
 	_ = sd.e.Close()
-	s.lose(sd) // a graceful stop reports what is left, but the engine said bye first
+	s.lose(sd, "lost-with-daemon") // a graceful stop reports what is left, but the engine said bye first
 	_ = sd.d.Stop()
 	return sd.start()
 }
 
+// crash kills the side's engine (its streams dropped without a bye) and
+// attaches a new one under the same id to the same daemon.
+func (s *soak) crash(sd *side) error {
+	_ = sd.e.Crash()
+	s.lose(sd, "lost-with-engine")
+	return sd.attach()
+}
+
 func (s *soak) fault() error {
-	switch k := s.rng.IntN(5); k {
+	switch k := s.rng.IntN(8); k {
 	case 0:
 		s.faults["kill P daemon"]++
 		return s.kill(s.p)
@@ -317,6 +357,17 @@ func (s *soak) fault() error {
 	case 3:
 		s.faults["restart P daemon"]++
 		return s.restart(s.p)
+	case 4:
+		s.faults["crash P engine"]++
+		return s.crash(s.p)
+	case 5:
+		s.faults["crash D engine"]++
+		return s.crash(s.d)
+	case 6:
+		s.faults["freeze D daemon"]++
+		d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
+		_ = s.d.d.Signal(syscall.SIGSTOP)
+		go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.d.d)
 	default:
 		s.faults["none"]++
 	}
@@ -470,6 +521,7 @@ func main() {
 	for _, k := range slices.Sorted(maps.Keys(s.results)) {
 		fmt.Printf("  %-32s %d\n", k, s.results[k])
 	}
+	fmt.Printf("longest attach: P %v, D %v\n", s.p.attachWait.Round(time.Millisecond), s.d.attachWait.Round(time.Millisecond))
 	fmt.Printf("violations: %d\n", len(s.violations))
 	if len(s.violations) > 0 {
 		os.Exit(1)
