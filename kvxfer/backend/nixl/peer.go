@@ -195,7 +195,7 @@ func (p *peerLife) err() error {
 	if p.local {
 		return fmt.Errorf("%w: %w: peer %s: the agent (in this process) was closed", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, p.name)
 	}
-	return fmt.Errorf("%w: %w: peer %s: its process %d exited", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, p.name, p.pid)
+	return fmt.Errorf("%w: %w: %w: peer %s: its process %d exited", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, kvxfer.ErrPeerExited, p.name, p.pid)
 }
 
 func (p *peerLife) close() {
