@@ -91,6 +91,13 @@ var (
 	// request once (the peer may be at new agents), as it does for a
 	// connection refused or reset.
 	ErrPeerLost = errors.New("kvxfer: peer agent lost")
+	// ErrPeerExited: the process that held the peer's agent has exited,
+	// seen for certain (on the same host, by its pidfd: not a connection
+	// that broke, nor a peer that does not answer). An error that says it
+	// also says ErrPeerLost. Nothing that process had yet to post can
+	// move any more: a push consumer waiting on that agent's WRITEs
+	// fences it without its confirmation (README: fencing).
+	ErrPeerExited = errors.New("kvxfer: peer agent's process exited")
 )
 
 // Backend moves bytes between registered memory regions of agents. It

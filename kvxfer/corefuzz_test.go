@@ -139,6 +139,12 @@ func coreSimSeeds() [][]byte {
 			recv(1).send(1).hs().hs().deliver(0).deliver(0).restart("D").send(2).recv(2).hs().hs().hs(),
 		newSimScript(simPull, tp21, true, tid, simReqByte(true, simNameID, b, 2)).
 			send(1).recv(1).hs().land(0).restart("P").wait(8).hs().hs().hs().send(2).recv(2).hs(),
+		// Without grants, the producer restarts (its process, and every
+		// WRITE it had posted, gone) while the consumer waits: a notice
+		// to its old agent says its process exited, and the consumer
+		// fences it without the confirmation nobody can send.
+		newSimScript(simPush, tp21, false, tid, simReqByte(true, simNameID, b, 2)).
+			recv(1).send(1).hs().hs().deliver(0).deliver(0).restart("P").wait(40).wait(40).hs().hs().recv(2).send(2).hs().hs(),
 		// The producer falls silent with a WRITE in flight: the consumer
 		// gives up and, grants or not, waits for its confirmation (the
 		// engine would register the blocks again with it).
@@ -194,7 +200,7 @@ func TestCoreSimSeeds(t *testing.T) {
 		}
 	}
 	want = append(want, "paired by base id", "ambiguous pairing refused", "refused by grants", "restart P", "restart D",
-		"layer saved", "aborted", "rank caught up", "abandoned transfer landed")
+		"layer saved", "aborted", "rank caught up", "abandoned transfer landed", "writer exited")
 	for _, k := range want {
 		if got[k] == 0 {
 			t.Errorf("no seed exercises %q", k)
@@ -599,8 +605,13 @@ func (s *coreSim) do(c *simCore, o *op) error {
 			s.t.Fatalf("%s sent a malformed message: %v", c.agent, err)
 		}
 		to := s.agents[o.peer]
-		if to == nil || to.dead {
+		if to == nil {
 			return fmt.Errorf("%w: %s", ErrUnknownPeer, o.peer)
+		}
+		if to.dead {
+			// Its process is gone, and its transfers with it (restart):
+			// as NIXL's peer watch says of a peer on this host.
+			return fmt.Errorf("%w: %w: %w: %s", ErrXferFailed, ErrPeerLost, ErrPeerExited, o.peer)
 		}
 		if name == "P" && m.Kind == msgAck {
 			s.acked[simAck{c, to, m.DReq}] = true
@@ -703,6 +714,9 @@ func (s *coreSim) report(c *simCore, o Outcome) {
 	c.results[id] = o.Result
 	if s.stats != nil && strings.Contains(o.Reason, "ambiguous") {
 		s.stats["ambiguous pairing refused"]++
+	}
+	if s.stats != nil && strings.Contains(o.Reason, "the process posting its WRITEs") {
+		s.stats["writer exited"]++
 	}
 	if c.reported[id] > 1 {
 		s.t.Fatalf("%s reported %s twice (now %v)", c.agent, id, o.Result)

@@ -73,7 +73,10 @@
 //     same); consumers decline reads that could not finish before a known
 //     expiry.
 //   - A consumer whose producer never confirms a cancel reports after
-//     WorkerConfig.FenceTimeout, with the reason saying so, and counts it.
+//     WorkerConfig.FenceTimeout, with the reason saying so, and counts it;
+//     where a notice to the producer rank's agent failed with
+//     ErrPeerExited (the process that posts its WRITEs exited, seen on
+//     this host), it reports 500 ms after instead (writerExited).
 //   - A Worker that contains a panic (WorkerConfig.ContainPanics) fails its
 //     requests with FailureClosed, the reason saying the worker hit an
 //     internal error (the wire protocol has no kind of its own for it yet),

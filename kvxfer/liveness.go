@@ -33,7 +33,9 @@ import (
 // request: FuzzCores found the hole when grants were by block and peer).
 // A pull consumer's READs in flight are cut short the same way. Without
 // grants (NIXL), a producer that is only unreachable may still WRITE once
-// it is back, so a push consumer waits for its fence as for any cancel;
+// it is back, so a push consumer waits for its fence as for any cancel
+// (unless the process posting a rank's WRITEs is seen to exit:
+// writerExited);
 // so it does when the producer changed generation: a producer that
 // restarted cannot complete anything, but its ranks that did not change,
 // and one being let go while its WRITEs end, may still write.

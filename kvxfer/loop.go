@@ -333,6 +333,11 @@ type recvReq struct {
 	// any other input).
 	regErrs []error
 	regWait int
+	// exited: producer ranks (push) whose agent's process was seen to
+	// exit (ErrPeerExited): fenced without their confirmation once the
+	// exit grace passes (writerExited); exitWhy says why, for the report.
+	exited  rankSet
+	exitWhy string
 }
 
 type rankRef struct{ pp, tp int }
@@ -1191,6 +1196,9 @@ func (st *loopState) opsDone(ops []op, errs []error) {
 		switch o.kind {
 		case opNotify:
 			st.noticeDone(o, err)
+			if errors.Is(err, ErrPeerExited) {
+				st.writerExited(o.peer, err)
+			}
 		case opPost, opPostPrepared, opPostLayout:
 			if err != nil {
 				st.postFailed(o.id, err)

@@ -333,6 +333,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool 
 	r.sent, r.targets = false, nil
 	clear(r.retryAt) // the READs all go again
 	r.fenced = r.fenced[:0]
+	r.exited, r.exitWhy = nil, ""
 	if e.state != hsPending {
 		st.startHandshake(e)
 	}
@@ -763,6 +764,7 @@ func (st *loopState) tryReport(r *recvReq) {
 	if st.cfg.Mode == ModePush && r.sent {
 		for _, t := range r.targets {
 			if !r.fenced.has(t) {
+				st.exitFence(r)
 				return
 			}
 		}
@@ -847,10 +849,86 @@ func (st *loopState) reading(r *recvReq, to rankRef) bool {
 	return false
 }
 
+// writerExitGrace is how long after a producer rank's writer process
+// was seen to exit a push consumer still keeps the blocks that rank was
+// to WRITE (writerExited), at most FenceTimeout: a byte the process
+// handed to a transport before it died and that this side's own agent
+// applies (UCX's shared-memory FIFOs, which NIXL's progress thread and
+// the backend's polls drain) lands within it. Work the process queued on
+// a device and that outlives it (a GPU copy under CUDA MPS, an RDMA WRITE
+// on the wire) is not proven over by the exit: it must end within it.
+const writerExitGrace = 500 * time.Millisecond
+
+// writerExited: a notice to peer failed because the process holding
+// that agent exited (ErrPeerExited, seen on the same host). That process
+// is the one that posts the WRITEs of the producer ranks it speaks for
+// (their daemon's, or an in-process engine's), so nothing of theirs can
+// land any more: a push consumer's requests waiting on them fail now,
+// naming it, and are reported once writerExitGrace has passed, without
+// waiting for the confirmation nobody can send (FenceTimeout). A rank
+// only unreachable (a partition, a frozen process) is no proof, and
+// waits for its confirmation or the fence's timeout as before. With
+// grants (the built-in backend) revoking them fences at once anyway.
+func (st *loopState) writerExited(peer PeerName, err error) {
+	if st.cfg.Mode != ModePush || peer == "" {
+		return
+	}
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		e := st.engines[r.req.Remote.EngineID]
+		if e == nil || !r.sent {
+			continue
+		}
+		for _, t := range r.targets {
+			if e.peers[t] != peer || r.fenced.has(t) || r.exited.has(t) {
+				continue
+			}
+			why := fmt.Sprintf("producer engine %s rank tp %d pp %d: the process posting its WRITEs (agent %s) exited: %v", e.id, t.tp, t.pp, peer, err)
+			r.exited = r.exited.add(t)
+			if r.exitWhy == "" {
+				r.exitWhy = why
+			}
+			st.log.Warn("kvxfer: producer's writer process exited", "failure_type", "peer_gone", "request_id", r.req.ReqID,
+				"engine_id", st.cfg.EngineID, "remote_engine_id", e.id, "peer", peer, "err", err)
+			st.decide(r, ResultFailed, FailurePeerGone, why)
+		}
+		st.tryReport(r)
+	}
+}
+
+// exitFence brings a decided push consumer request's fence forward to
+// writerExitGrace from now once every producer rank it still waits on
+// has a writer process that exited.
+func (st *loopState) exitFence(r *recvReq) {
+	if !r.decided || len(r.exited) == 0 || r.fenceBy.IsZero() {
+		return
+	}
+	for _, t := range r.targets {
+		if !r.fenced.has(t) && !r.exited.has(t) {
+			return
+		}
+	}
+	if at := st.now.Add(min(writerExitGrace, st.cfg.FenceTimeout)); at.Before(r.fenceBy) {
+		r.fenceBy = at
+		st.arm(at, tFence, r.req.ReqID)
+	}
+}
+
 // fenceTimer gives up waiting for producer confirmations.
 func (st *loopState) fenceTimer(e timerEntry) {
 	r := st.recvs[e.id]
 	if r == nil || !r.fenceBy.Equal(e.at) {
+		return
+	}
+	if done := slices.IndexFunc(r.targets, func(t rankRef) bool { return !r.fenced.has(t) && !r.exited.has(t) }) < 0; done && len(r.exited) > 0 {
+		// Every rank left unconfirmed had its writer process exit.
+		st.metrics.Dropped("fence_writer_exited")
+		st.log.Warn("kvxfer: producer's writer process exited; reporting the request without its confirmation", "req", r.req.ReqID, "engine", r.req.Remote.EngineID)
+		o := r.outcome
+		if o.Reason != r.exitWhy {
+			o.Reason += " (fenced: " + r.exitWhy + ")"
+		}
+		st.finishRecv(r, o)
 		return
 	}
 	st.metrics.Dropped("fence_timeout")

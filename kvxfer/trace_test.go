@@ -42,11 +42,12 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 //	notif from=ENGINE/RANK [agent=NAME] kind=reg|done|fail|cancel|ack|heartbeat [tid=] [dreq=] [preq=] [spans=1,2] [reason=] [failkind=] [tp=N]
 //	ended xfer=N [fail=REASON [refused=true]]  a posted transfer ended (refused: the peer's grants refused it)
 //	advance DURATION                           time passes; due timers fire
-//	fail notify|post                           the next op of that kind fails
+//	fail notify|post [exited=true]             the next op of that kind fails (exited: its peer's process exited, ErrPeerExited)
 type traceCore struct {
 	st     *loopState
 	now    time.Time
 	fail   map[opKind]int // ops of a kind to fail, next first
+	exited map[opKind]int // of those, the first ones fail for a peer whose process exited
 	engine string
 	onOp   func(*op) // when set, sees every op the core asks for
 }
@@ -196,7 +197,7 @@ var traceCmds = map[string]traceCmd{
 		"tp": intVal, "ids": anyVal, "until": durVal}, req: []string{"from", "kind"}},
 	"ended":   {keys: map[string]traceVal{"xfer": intVal, "fail": anyVal, "refused": boolVal}, req: []string{"xfer"}},
 	"advance": {pos: []traceVal{durVal}},
-	"fail":    {pos: []traceVal{oneOf("notify", "post")}},
+	"fail":    {pos: []traceVal{oneOf("notify", "post")}, keys: map[string]traceVal{"exited": boolVal}},
 }
 
 // checkTraceCmd checks one command line against traceCmds.
@@ -289,7 +290,7 @@ func runTrace(t *testing.T, path string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}, exited: map[opKind]int{}}
 	var rewritten strings.Builder
 	for _, c := range cases {
 		got := tc.run(t, c.cmd)
@@ -504,6 +505,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 	case "fail":
 		k := map[string]opKind{"notify": opNotify, "post": opPost}[f[1]]
 		tc.fail[k]++
+		if a["exited"] == "true" {
+			tc.exited[k]++
+		}
 		return "ok"
 	default:
 		t.Fatalf("unknown command %q", line)
@@ -541,6 +545,11 @@ func (tc *traceCore) drive(out []string, indent string) []string {
 			tc.fail[k]--
 			err = fmt.Errorf("injected %s failure", map[opKind]string{opNotify: "notify", opPost: "post"}[k])
 			line += " -> fails"
+			if tc.exited[k] > 0 {
+				tc.exited[k]--
+				err = fmt.Errorf("%w: %w: %w: injected: peer %s: its process exited", ErrXferFailed, ErrPeerLost, ErrPeerExited, o.peer)
+				line += " (its process exited)"
+			}
 		}
 		out = append(out, line)
 		return err

@@ -2,9 +2,11 @@ package nixl
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"sync"
+	"syscall"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 )
@@ -159,22 +161,41 @@ func watchPeer(name kvxfer.PeerName, id procID) *peerLife {
 		p.local = true
 		return p
 	}
-	fd, err := pidfdOpen(int(id.Pid))
-	if err != nil {
+	fd, err := openPidfd(int(id.Pid))
+	if errors.Is(err, syscall.ESRCH) {
 		p.dead = true // no such process any more
 		return p
+	}
+	if err != nil {
+		// No pidfd for another reason (out of descriptors, refused): that
+		// says nothing of the peer, whose exit fences what a consumer
+		// waits on (kvxfer.ErrPeerExited); it is left to UCX.
+		return nil
 	}
 	p.fd = fd
 	// The pidfd names whatever process had the pid when it was opened:
 	// the peer, when its start time is the one it published (the peer
 	// existed before this call, so no later process can have had the pid
-	// first); otherwise the peer is gone.
-	if start, err := procStart(int(id.Pid)); err != nil || start != id.Start {
+	// first); otherwise the peer is gone. Where the start time cannot be
+	// read (/proc hides other users' processes: hidepid), the pidfd's
+	// process having exited still proves the peer gone (it was the peer,
+	// or one that took its pid after it); otherwise nothing is known.
+	start, err := readStart(int(id.Pid))
+	switch {
+	case err == nil && start == id.Start:
+	case err == nil || pidfdExited(fd):
 		p.dead = true
 		p.close()
+	default:
+		p.close()
+		return nil
 	}
 	return p
 }
+
+// openPidfd and readStart are pidfdOpen and procStart (tests replace
+// them).
+var openPidfd, readStart = pidfdOpen, procStart
 
 // gone reports whether the peer's process has exited (or, for an agent
 // of this process, whether it was closed).
@@ -195,7 +216,7 @@ func (p *peerLife) err() error {
 	if p.local {
 		return fmt.Errorf("%w: %w: peer %s: the agent (in this process) was closed", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, p.name)
 	}
-	return fmt.Errorf("%w: %w: peer %s: its process %d exited", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, p.name, p.pid)
+	return fmt.Errorf("%w: %w: %w: peer %s: its process %d exited", kvxfer.ErrXferFailed, kvxfer.ErrPeerLost, kvxfer.ErrPeerExited, p.name, p.pid)
 }
 
 func (p *peerLife) close() {

@@ -78,7 +78,9 @@ func pidfdExited(fd int) bool {
 		if err == unix.EINTR {
 			continue
 		}
-		return err == nil && n > 0 && p[0].Revents != 0
+		// POLLIN alone says it exited (POLLNVAL, POLLERR would say
+		// nothing of the process).
+		return err == nil && n > 0 && p[0].Revents&unix.POLLIN != 0
 	}
 }
 

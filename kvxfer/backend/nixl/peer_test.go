@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"syscall"
 	"testing"
 	"time"
 
@@ -95,6 +96,54 @@ func TestWatchPeerProcess(t *testing.T) {
 	}
 	if r := watchPeer("p", peer); r == nil || !r.gone() {
 		t.Errorf("watch of an exited peer = %+v, want gone", r)
+	}
+}
+
+// Only the peer's absence proves it gone: a pidfd refused for another
+// reason than ESRCH (out of descriptors), or a start time /proc does not
+// show (hidepid) while the pidfd's process lives, leaves the peer
+// unwatched, not dead. A dead verdict fences what a consumer waits on
+// (kvxfer.ErrPeerExited): before, either made a live peer dead.
+func TestWatchPeerUnknownIsNotGone(t *testing.T) {
+	self, ok := selfProc()
+	if !ok {
+		t.Skip("no /proc or no pidfds here")
+	}
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Skip("no sleep(1)")
+	}
+	cmd := exec.Command(sleep, "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	start, err := procStart(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := self
+	peer.Pid, peer.Start = uint32(cmd.Process.Pid), start
+	t.Cleanup(func() { openPidfd, readStart = pidfdOpen, procStart })
+
+	openPidfd = func(int) (int, error) { return -1, syscall.EMFILE }
+	if w := watchPeer("p", peer); w != nil {
+		t.Errorf("watch without a pidfd (EMFILE) = %+v, want none", w)
+	}
+	openPidfd = pidfdOpen
+	readStart = func(int) (uint64, error) { return 0, os.ErrNotExist }
+	if w := watchPeer("p", peer); w != nil {
+		t.Errorf("watch of a live peer whose start time /proc hides = %+v, want none", w)
+	}
+	openPidfd = func(int) (int, error) { return -1, syscall.ESRCH }
+	if w := watchPeer("p", peer); w == nil || !w.gone() || !errors.Is(w.err(), kvxfer.ErrPeerExited) {
+		t.Errorf("watch of a pid nothing has (ESRCH) = %+v, want gone (ErrPeerExited)", w)
+	}
+	openPidfd = pidfdOpen
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	if w := watchPeer("p", peer); w == nil || !w.gone() {
+		t.Errorf("watch of an exited peer whose start time /proc hides = %+v, want gone", w)
 	}
 }
 
