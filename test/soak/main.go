@@ -10,8 +10,7 @@
 //
 //   - a request ends more than once on one side, or not within -bound of
 //     its issue (45 s: a P request whose consumer died before registering
-//     ends only at its 30 s lease; 90 s over NIXL in push, where a
-//     consumer whose producer's daemon was killed waits for its fence; ending means an outcome from kvxferd,
+//     ends only at its 30 s lease; ending means an outcome from kvxferd,
 //     or, for requests of an engine whose daemon was killed, that
 //     engine's own failure);
 //   - a request reported done has a wrong byte (each request's pattern is
@@ -401,7 +400,7 @@ func main() {
 	// A P request whose consumer died before it registered ends only when
 	// its lease (30 s, the scheduler's default) runs out: nothing tells P
 	// about a consumer it never heard from.
-	bound := flag.Duration("bound", 0, "how long a request may take to end on both sides (default: the lease and a margin, 45s; over nixl in push, the fence timeout and a margin, 90s)")
+	bound := flag.Duration("bound", 45*time.Second, "how long a request may take to end on both sides (the lease and a margin)")
 	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "random seed")
 	backend := flag.String("backend", "builtin", "the daemons' -backend: builtin or nixl (NIXL_CAPI_LIB and NIXL_PLUGIN_DIR set)")
 	modeName := flag.String("mode", "push", "push or pull")
@@ -423,14 +422,6 @@ func main() {
 		if !slices.Contains(v.ok, v.v) {
 			fmt.Fprintf(os.Stderr, "-%s %d: want one of %v\n", v.name, v.v, v.ok)
 			os.Exit(2)
-		}
-	}
-	if *bound == 0 {
-		// Over NIXL a push consumer whose producer's daemon was killed
-		// reports once its fence times out (FenceTimeout, 60 s).
-		*bound = 45 * time.Second
-		if *backend == "nixl" && *modeName == "push" {
-			*bound = 90 * time.Second
 		}
 	}
 	mode := kvxfer.ModePush
