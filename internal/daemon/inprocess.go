@@ -157,6 +157,29 @@ func randomHex(n int) string {
 // names the key and the value).
 var ErrConfig = errors.New("kvxfer: configuration")
 
+// CheckInProcessConfig checks a JSON configuration as StartInProcess
+// reads it (every key known, every value of its flag's type and range,
+// the keys together consistent), without starting anything: an engine
+// checks its configuration as it is built, long before its server
+// starts. Its error wraps ErrConfig and names the key and the value.
+func CheckInProcessConfig(configJSON []byte) error {
+	_, _, err := checkInProcess(configJSON)
+	return err
+}
+
+// checkInProcess is the configuration configJSON gives, and its log level.
+func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
+	var level slog.Level
+	c, err := parseJSON(configJSON)
+	if err != nil {
+		return nil, level, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, level, fmt.Errorf("%w: key \"log-level\" = %q: %w", ErrConfig, c.logLevel, err)
+	}
+	return c, level, nil
+}
+
 // InProcess is a server started inside this process (libkvxfer). It is
 // safe for concurrent use.
 type InProcess struct {
@@ -173,13 +196,9 @@ type InProcess struct {
 // not touch the process's signals or environment: Stop stops it. Log
 // lines go to stderr at the configuration's log-level.
 func StartInProcess(configJSON []byte) (*InProcess, error) {
-	c, err := parseJSON(configJSON)
+	c, level, err := checkInProcess(configJSON)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
-	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
-		return nil, fmt.Errorf("%w: key \"log-level\": %w", ErrConfig, err)
+		return nil, err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	in, err := start(c, log, true)

@@ -68,6 +68,25 @@ func TestParseJSON(t *testing.T) {
 	}
 }
 
+// CheckInProcessConfig refuses what StartInProcess would, naming the key
+// and the value, and accepts what it would start with.
+func TestCheckInProcessConfig(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{`{"no_such_key": 1}`, `"no_such_key": unknown`},
+		{`{"drain_timeout": 5}`, `"drain_timeout" = 5`},
+		{`{"log_level": "loud"}`, `"log-level" = "loud"`},
+		{`{"conns": 0}`, `-conns = 0`},
+		{`[]`, `want a JSON object`},
+	} {
+		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)
+		}
+	}
+	if err := CheckInProcessConfig([]byte(`{"insecure_peers": true, "log_level": "error", "peer_timeout": "2s"}`)); err != nil {
+		t.Errorf("CheckInProcessConfig(a good one) = %v", err)
+	}
+}
+
 // An in-process server serves its own process on an abstract socket
 // (engines may name memory by address there), stops idempotently, and
 // changes no environment variable.

@@ -226,6 +226,10 @@ class Config:
     # extra keys (``server``).
     server: dict = field(default_factory=dict)
     backend: str | None = None
+    # Where the user named each of server's keys (libkvxfer's name: the
+    # key of kv_connector_extra_config, as "server.peer_timeout"), for
+    # errors that name the key as the user wrote it.
+    server_keys: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
@@ -350,14 +354,23 @@ class Config:
         if not isinstance(srv, dict):
             raise ValueError(f"kv_connector_extra_config.server = {srv!r}, want an object of libkvxfer keys "
                              "(kvxferd serve's flag names)")
+        labels: dict[str, str] = {}
         for k, v in srv.items():
-            name = str(k).replace("_", "-")
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"kv_connector_extra_config.server: key {k!r}, want libkvxfer's key names "
+                                 "(kvxferd serve's flag names)")
+            name = k.replace("_", "-")
             if name in placement_mod.OWNED_KEYS:
                 raise ValueError(f"kv_connector_extra_config.server.{k}: set by the connector (peer_host, peer_port, "
                                  "backend, peer_secret_file, tls_*, insecure_peers)")
+            if name in labels:
+                # One spelling's value would silently replace the other's.
+                raise ValueError(f"kv_connector_extra_config.server.{k} and {labels[name]} name the same key ({name}): "
+                                 "name it once")
             if isinstance(v, (dict, list)) or v is None:
                 raise ValueError(f"kv_connector_extra_config.server.{k} = {v!r}, want a string, a number or a boolean")
             common[name] = v
+            labels[name] = f"server.{k}"
         etcd = e.get("etcd")
         if etcd is not None:
             # The fleet registry (kvxferd -etcd): the engine's servers
@@ -370,8 +383,10 @@ class Config:
             if "etcd" in srv:
                 raise ValueError("kv_connector_extra_config: etcd and server.etcd: name the endpoints once")
             common["etcd"] = etcd
+            labels["etcd"] = "etcd"
         common.setdefault("data-host", self.peer_host)
         self.server = common
+        self.server_keys = labels
 
     def server_common(self, device: str) -> dict:
         """libkvxfer's keys shared by the engine's servers, the backend by
@@ -557,6 +572,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                                  f"rank {dp} would listen up to port {last}, past 65535")
             if self.base:
                 self._check_port_ranges(dp, int(getattr(pc, "data_parallel_size", 1) or 1))
+            self._check_server_config()
         else:
             self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
@@ -600,6 +616,49 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                     raise ValueError(f"kv_connector_extra_config.{k2} = {v2} and {k1} = {v1}: the {n} ranks of the "
                                      f"deployment listen at each port + their index, so the two ranges overlap: choose "
                                      "ports apart")
+
+    def _check_server_config(self) -> None:
+        """Checks the configuration of this engine's servers (the scheduler
+        side's own and a rank's) as libkvxfer reads it, starting nothing:
+        on either side alike, as the connector is built, so that a key of
+        ``server`` libkvxfer does not know, or a value of the wrong type or
+        range, is refused here, naming the key and the value as the user
+        wrote them, not as a worker rank's server fails to start after
+        vLLM loaded the model."""
+        common = self.cfg.server_common(self.device)
+        labels = self.cfg.server_keys
+        host, base = self.cfg.peer_host, self.base
+
+        def problem(c: dict) -> str | None:
+            # The scheduler side's own server (port 0) and rank 0's: the
+            # other ranks' differ only by their ports (_check_port_ranges).
+            configs = [placement_mod.server_config(c, host, 0, base)]
+            if base:
+                configs.append(placement_mod.server_config(c, host, base, base, base - self.cfg.peer_port))
+            for cfg in configs:
+                try:
+                    inprocess.check_config(cfg)
+                except inprocess.ForkedChildError as e:
+                    raise RuntimeError(f"{e} (vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn)") from e
+                except inprocess.InProcessError as e:
+                    if e.code != inprocess.ECONFIG:
+                        raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot check its in-process server's "
+                                           f"configuration: {e}") from e
+                    return str(e)
+            return None
+
+        why = problem(common)
+        if why is None:
+            return
+        # Name the key: the first of the user's that is refused on its own
+        # (with the connector's keys), else the keys together.
+        own = {k: v for k, v in common.items() if k not in labels}
+        for name, label in labels.items():
+            one = problem({**own, name: common[name]})
+            if one is not None:
+                raise ValueError(f"kv_connector_extra_config.{label} = {common[name]!r}: {one}")
+        srv = {labels[k].removeprefix("server."): common[k] for k in labels}
+        raise ValueError(f"kv_connector_extra_config.server = {srv!r}: {why}")
 
     def _check_base_zero(self, vllm_config: "VllmConfig") -> None:
         """Refuses peer_port 0 for an engine whose worker ranks run in

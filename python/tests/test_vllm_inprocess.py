@@ -221,3 +221,37 @@ def test_base_port_zero_with_ranks_elsewhere_refused(tmp_path, libkvxfer):
         assert e.sched.connector._sched.addr
     finally:
         H.shutdown(e)
+
+
+def test_server_keys_checked_as_the_connector_is_built(tmp_path, libkvxfer):
+    """Every key of kv_connector_extra_config.server, and its value, is
+    checked as the connector is constructed, on either side (the scheduler
+    and a worker rank refuse it the same way, naming the key and the
+    value): a worker rank starts its server only at its KV registration,
+    after vLLM loaded the model, where an unknown key, a value of the wrong
+    type or one out of range was found only then, and the scheduler side
+    said it only as a failed start (RuntimeError). Nothing starts, and
+    nothing is held."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    cases = [
+        ({"no_such_key": 1}, r"kv_connector_extra_config.server.no_such_key = 1: .*unknown"),
+        ({"drain_timeout": 5}, r"kv_connector_extra_config.server.drain_timeout = 5: .*\"drain-timeout\" = 5"),
+        ({"conns": "many"}, r"kv_connector_extra_config.server.conns = 'many': "),
+        ({"conns": 0}, r"kv_connector_extra_config.server.conns = 0: .*want > 0"),
+        ({"log_level": "loud"}, r"kv_connector_extra_config.server.log_level = 'loud': "),
+        ({"peer_timeout": "1ms"}, r"kv_connector_extra_config.server.peer_timeout = '1ms': .*want at least"),
+        ({"no-same-host": "maybe"}, r"kv_connector_extra_config.server.no-same-host = 'maybe': "),
+    ]
+    for i, (server, want) in enumerate(cases):
+        srv = H.InProcess(tmp_path, f"k{i}", peer_port=H.free_ports(2), server=server)
+        cfg = H.vllm_config(tmp_path, f"k{i}", srv, "push", 2)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=want):
+                KvxferConnector(cfg, role, H.kv_cache_config(cfg, 2, 96))
+            assert placement.acquire().users == 0, (server, role)
+        from kvxfer import inprocess
+        assert inprocess.endpoint() is None, server
