@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
 // The in-process placement (libkvxfer): the daemon's server started
@@ -176,6 +177,22 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 	}
 	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
 		return nil, level, fmt.Errorf("%w: key \"log-level\" = %q: %w", ErrConfig, c.logLevel, err)
+	}
+	// The files that secure peers, read as the server's start reads them
+	// (small files, nothing kept): one other users may read, a secret too
+	// short or a key pair that does not load fails here, not only at the
+	// start, which may come long after (a worker rank's, after its model
+	// loaded).
+	if c.peerSecretFile != "" {
+		if _, err := peerauth.LoadSecret(c.peerSecretFile); err != nil {
+			return nil, level, fmt.Errorf("%w: key \"peer-secret-file\" = %q: %w", ErrConfig, c.peerSecretFile, err)
+		}
+	}
+	if c.tlsCert != "" {
+		if _, _, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA); err != nil {
+			return nil, level, fmt.Errorf("%w: keys \"tls-cert\" = %q, \"tls-key\" = %q, \"tls-ca\" = %q: %w", ErrConfig,
+				c.tlsCert, c.tlsKey, c.tlsCA, err)
+		}
 	}
 	return c, level, nil
 }

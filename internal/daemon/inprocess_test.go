@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -77,6 +78,25 @@ func TestCheckInProcessConfig(t *testing.T) {
 		{`{"log_level": "loud"}`, `"log-level" = "loud"`},
 		{`{"conns": 0}`, `-conns = 0`},
 		{`[]`, `want a JSON object`},
+	} {
+		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)
+		}
+	}
+	// The files that secure peers are read as the start reads them.
+	dir := t.TempDir()
+	open := filepath.Join(dir, "open.secret")
+	if err := os.WriteFile(open, []byte("0123456789abcdef0123456789abcdef\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	junk := filepath.Join(dir, "junk.pem")
+	if err := os.WriteFile(junk, []byte("junk\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{`{"peer_secret_file": "` + open + `"}`, `"peer-secret-file" = "` + open + `": peer secret file ` + open + `: mode 0644`},
+		{`{"peer_secret_file": "` + dir + `/none"}`, `"peer-secret-file" = "` + dir + `/none"`},
+		{`{"tls_cert": "` + junk + `", "tls_key": "` + junk + `", "tls_ca": "` + junk + `"}`, `"tls-cert" = "` + junk + `"`},
 	} {
 		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)

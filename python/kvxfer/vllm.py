@@ -226,8 +226,10 @@ class Config:
     # extra keys (``server``).
     server: dict = field(default_factory=dict)
     backend: str | None = None
-    # Where the user named each of server's keys (libkvxfer's name: the
-    # key of kv_connector_extra_config, as "server.peer_timeout"), for
+    # Where the user named each libkvxfer key the connector passes on as
+    # given (libkvxfer's name: what named it, as
+    # "kv_connector_extra_config.server.peer_timeout" or
+    # "$KVXFER_PEER_SECRET_FILE"; keys checked together share one), for
     # errors that name the key as the user wrote it.
     server_keys: dict = field(default_factory=dict, compare=False)
 
@@ -337,13 +339,16 @@ class Config:
                     "engine), or tls_cert, tls_key and tls_ca, or insecure_peers: true (anyone who reaches the peer and "
                     "data ports can then read and write this engine's KV cache)")
         common: dict[str, Any] = {}
+        labels: dict[str, str] = {}
         if secret:
+            what = "kv_connector_extra_config.peer_secret_file" if "peer_secret_file" in e else "$KVXFER_PEER_SECRET_FILE"
             if not os.path.isfile(secret):
-                what = "kv_connector_extra_config.peer_secret_file" if "peer_secret_file" in e else "$KVXFER_PEER_SECRET_FILE"
                 raise ValueError(f"{what} = {secret!r}: no such file")
             common["peer-secret-file"] = secret
+            labels["peer-secret-file"] = what
         elif tls:
             common.update({k.replace("_", "-"): v for k, v in tls.items()})
+            labels.update({k.replace("_", "-"): "kv_connector_extra_config.tls_cert, tls_key, tls_ca" for k in tls})
         else:
             common["insecure-peers"] = True
         backend = e.get("backend")
@@ -354,7 +359,6 @@ class Config:
         if not isinstance(srv, dict):
             raise ValueError(f"kv_connector_extra_config.server = {srv!r}, want an object of libkvxfer keys "
                              "(kvxferd serve's flag names)")
-        labels: dict[str, str] = {}
         for k, v in srv.items():
             if not isinstance(k, str) or not k:
                 raise ValueError(f"kv_connector_extra_config.server: key {k!r}, want libkvxfer's key names "
@@ -370,7 +374,7 @@ class Config:
             if isinstance(v, (dict, list)) or v is None:
                 raise ValueError(f"kv_connector_extra_config.server.{k} = {v!r}, want a string, a number or a boolean")
             common[name] = v
-            labels[name] = f"server.{k}"
+            labels[name] = f"kv_connector_extra_config.server.{k}"
         etcd = e.get("etcd")
         if etcd is not None:
             # The fleet registry (kvxferd -etcd): the engine's servers
@@ -383,7 +387,7 @@ class Config:
             if "etcd" in srv:
                 raise ValueError("kv_connector_extra_config: etcd and server.etcd: name the endpoints once")
             common["etcd"] = etcd
-            labels["etcd"] = "etcd"
+            labels["etcd"] = "kv_connector_extra_config.etcd"
         common.setdefault("data-host", self.peer_host)
         self.server = common
         self.server_keys = labels
@@ -651,13 +655,21 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if why is None:
             return
         # Name the key: the first of the user's that is refused on its own
-        # (with the connector's keys), else the keys together.
+        # (with the connector's own keys; those checked together, together),
+        # else the keys together.
         own = {k: v for k, v in common.items() if k not in labels}
+        mine = problem(own)
+        if mine is not None:
+            raise ValueError(f"kv_connector_extra_config: {mine}")
+        groups: dict[str, list[str]] = {}
         for name, label in labels.items():
-            one = problem({**own, name: common[name]})
+            groups.setdefault(label, []).append(name)
+        for label, names in groups.items():
+            one = problem({**own, **{n: common[n] for n in names}})
             if one is not None:
-                raise ValueError(f"kv_connector_extra_config.{label} = {common[name]!r}: {one}")
-        srv = {labels[k].removeprefix("server."): common[k] for k in labels}
+                shown = ", ".join(repr(common[n]) for n in names)
+                raise ValueError(f"{label} = {shown}: {one}")
+        srv = {label.rpartition(".server.")[2]: common[k] for k, label in labels.items() if ".server." in label}
         raise ValueError(f"kv_connector_extra_config.server = {srv!r}: {why}")
 
     def _check_base_zero(self, vllm_config: "VllmConfig") -> None:

@@ -255,3 +255,42 @@ def test_server_keys_checked_as_the_connector_is_built(tmp_path, libkvxfer):
             assert placement.acquire().users == 0, (server, role)
         from kvxfer import inprocess
         assert inprocess.endpoint() is None, server
+
+
+def test_peer_security_files_checked_as_the_connector_is_built(tmp_path, libkvxfer):
+    """The files that secure peers (peer_secret_file; tls_cert, tls_key,
+    tls_ca) are read and checked as the connector is built, on either side
+    alike, as libkvxfer reads them at its start: a secret other users may
+    read, or too short, and a key pair that does not load, were found only
+    as a worker rank's server started, after vLLM loaded the model. The
+    error names the key and the file."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+
+    def secret(name, text, mode):
+        p = tmp_path / name
+        p.write_text(text)
+        p.chmod(mode)
+        return str(p)
+
+    pem = secret("junk.pem", "not a certificate\n", 0o600)
+    cases = [
+        ({"peer_secret_file": secret("open.secret", "0123456789abcdef0123456789abcdef\n", 0o644)},
+         r"kv_connector_extra_config.peer_secret_file = '.*open.secret': .*lets other users read it"),
+        ({"peer_secret_file": secret("short.secret", "tiny\n", 0o600)},
+         r"kv_connector_extra_config.peer_secret_file = '.*short.secret': .*want at least"),
+        ({"tls_cert": pem, "tls_key": pem, "tls_ca": pem}, r"kv_connector_extra_config.tls_cert, tls_key, tls_ca = .*junk.pem"),
+    ]
+    for i, (keys, want) in enumerate(cases):
+        srv = H.InProcess(tmp_path, f"s{i}", peer_port=H.free_ports(2))
+        cfg = H.vllm_config(tmp_path, f"s{i}", srv, "push", 2)
+        extra = cfg.kv_transfer_config.kv_connector_extra_config
+        del extra["peer_secret_file"]
+        extra.update(keys)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=want):
+                KvxferConnector(cfg, role, H.kv_cache_config(cfg, 2, 96))
+            assert placement.acquire().users == 0, (keys, role)
