@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -192,6 +193,19 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 		if _, _, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA); err != nil {
 			return nil, level, fmt.Errorf("%w: keys \"tls-cert\" = %q, \"tls-key\" = %q, \"tls-ca\" = %q: %w", ErrConfig,
 				c.tlsCert, c.tlsKey, c.tlsCA, err)
+		}
+	}
+	// Directories the start needs (nothing created here).
+	dirs := []struct{ key, value, dir string }{{"shm-dir", c.shmDir, c.shmDir}}
+	if c.hopTrace != "" {
+		dirs = append(dirs, struct{ key, value, dir string }{"hop-trace", c.hopTrace, filepath.Dir(c.hopTrace)})
+	}
+	for _, d := range dirs {
+		if st, err := os.Stat(d.dir); err != nil || !st.IsDir() {
+			if err == nil {
+				err = errors.New("not a directory")
+			}
+			return nil, level, fmt.Errorf("%w: key %q = %q: %s: %w", ErrConfig, d.key, d.value, d.dir, err)
 		}
 	}
 	return c, level, nil

@@ -97,6 +97,8 @@ func TestCheckInProcessConfig(t *testing.T) {
 		{`{"peer_secret_file": "` + open + `"}`, `"peer-secret-file" = "` + open + `": peer secret file ` + open + `: mode 0644`},
 		{`{"peer_secret_file": "` + dir + `/none"}`, `"peer-secret-file" = "` + dir + `/none"`},
 		{`{"tls_cert": "` + junk + `", "tls_key": "` + junk + `", "tls_ca": "` + junk + `"}`, `"tls-cert" = "` + junk + `"`},
+		{`{"hop_trace": "` + dir + `/no/such/dir/trace"}`, `"hop-trace" = "` + dir + `/no/such/dir/trace"`},
+		{`{"shm_dir": "` + dir + `/none"}`, `"shm-dir" = "` + dir + `/none"`},
 	} {
 		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)

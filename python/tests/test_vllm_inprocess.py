@@ -245,6 +245,8 @@ def test_server_keys_checked_as_the_connector_is_built(tmp_path, libkvxfer):
         ({"log_level": "loud"}, r"kv_connector_extra_config.server.log_level = 'loud': "),
         ({"peer_timeout": "1ms"}, r"kv_connector_extra_config.server.peer_timeout = '1ms': .*want at least"),
         ({"no-same-host": "maybe"}, r"kv_connector_extra_config.server.no-same-host = 'maybe': "),
+        ({"hop_trace": "/nonexistent/kvxfer/trace"}, r"kv_connector_extra_config.server.hop_trace = '/nonexistent/kvxfer/trace': "),
+        ({"shm_dir": "/nonexistent/kvxfer"}, r"kv_connector_extra_config.server.shm_dir = '/nonexistent/kvxfer': "),
     ]
     for i, (server, want) in enumerate(cases):
         srv = H.InProcess(tmp_path, f"k{i}", peer_port=H.free_ports(2), server=server)
