@@ -697,7 +697,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                              f"of their own (executor {backend!r}): give it a base port (rank (pp, tp) listens at base + "
                              "pp*tp_size + tp)")
 
-    def _attach(self, acquire) -> None:
+    def _attach(self, acquire, what: str = "its in-process server") -> None:
         """In-process: gets this process's server (started, or found
         running) and a client of it."""
         try:
@@ -705,7 +705,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         except inprocess.ForkedChildError as e:
             raise RuntimeError(f"{e} (vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn)") from e
         except inprocess.InProcessError as e:
-            raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot start its in-process server: {e}") from e
+            raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot start {what}: {e}") from e
         self._holds_server = True
         self.client = Client(self.address, timeout=self.cfg.timeout_s)
 
@@ -1763,7 +1763,13 @@ class _WorkerSide:
             # Its index in the deployment (data-parallel ranks included):
             # where it serves metrics, with server.metrics_listen.
             index = port - c.cfg.peer_port if c.base else None
-            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index))
+            # The error names the port and how it is made (the port may
+            # be another's: another engine's rank, or another program).
+            what = (f"the in-process server of rank tp={self.tp_rank} pp={self.pp_rank} at port {port} = "
+                    f"kv_connector_extra_config.peer_port {c.cfg.peer_port} + {index} (the rank's index"
+                    f"{' in the deployment' if c.base != c.cfg.peer_port else ''})" if c.base else
+                    f"the in-process server of rank tp={self.tp_rank} pp={self.pp_rank}")
+            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index), what)
         hello = self.hello = build_hello(self, kv_caches)
         try:
             self.stream = c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))

@@ -296,3 +296,43 @@ def test_peer_security_files_checked_as_the_connector_is_built(tmp_path, libkvxf
             with pytest.raises(ValueError, match=want):
                 KvxferConnector(cfg, role, H.kv_cache_config(cfg, 2, 96))
             assert placement.acquire().users == 0, (keys, role)
+
+
+def test_rank_port_in_use_is_named(tmp_path, libkvxfer):
+    """A worker rank whose peer port (peer_port + its index) another
+    process holds cannot start its server: the error names the rank, its
+    port and how it is made (kv_connector_extra_config.peer_port plus the
+    rank's index), not only the listener's bind error; nothing is held."""
+    import socket
+
+    import pytest
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    from kvxfer import inprocess, placement
+    from kvxfer.vllm import KvxferConnector
+    base = H.free_ports(2)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", base + 1))
+    taken.listen()
+    try:
+        srv = H.InProcess(tmp_path, "u", peer_port=base)
+        cfg = H.vllm_config(tmp_path, "u0", srv, "push", 2)
+        kvc = H.kv_cache_config(cfg, 2, 96)
+        cfg.parallel_config.rank = 1
+        conn = KvxferConnector(cfg, KVConnectorRole.WORKER, kvc)
+        conn._worker.tp_rank = 1
+        raw = torch.zeros(kvc.kv_cache_tensors[0].size, dtype=torch.int8)
+        kv = {}
+        for t in kvc.kv_cache_tensors:
+            kv.update(zip(t.layers, create_kv_cache_views(raw, kvc.kv_cache_groups[0].kv_cache_spec, kvc.num_blocks,
+                                                          cfg.cache_config.get_resolved_kv_cache_layout(), t)))
+        with pytest.raises(RuntimeError, match=rf"rank tp=1 pp=0 .*port {base + 1} = kv_connector_extra_config.peer_port "
+                                               rf"{base} \+ 1"):
+            conn.register_kv_caches(kv)
+        conn.shutdown()
+        assert placement.acquire().users == 0 and inprocess.endpoint() is None
+    finally:
+        taken.close()
+        cfg.parallel_config.rank = 0
