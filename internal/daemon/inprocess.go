@@ -186,12 +186,12 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 	// loaded).
 	if c.peerSecretFile != "" {
 		if _, err := peerauth.LoadSecret(c.peerSecretFile); err != nil {
-			return nil, level, fmt.Errorf("%w: key \"peer-secret-file\" = %q: %w", ErrConfig, c.peerSecretFile, err)
+			return nil, level, fmt.Errorf("%w: -peer-secret-file = %q: %w", ErrConfig, c.peerSecretFile, err)
 		}
 	}
 	if c.tlsCert != "" {
 		if _, _, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA); err != nil {
-			return nil, level, fmt.Errorf("%w: keys \"tls-cert\" = %q, \"tls-key\" = %q, \"tls-ca\" = %q: %w", ErrConfig,
+			return nil, level, fmt.Errorf("%w: -tls-cert = %q, -tls-key = %q, -tls-ca = %q: %w", ErrConfig,
 				c.tlsCert, c.tlsKey, c.tlsCA, err)
 		}
 	}
@@ -205,7 +205,7 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 			if err == nil {
 				err = errors.New("not a directory")
 			}
-			return nil, level, fmt.Errorf("%w: key %q = %q: %s: %w", ErrConfig, d.key, d.value, d.dir, err)
+			return nil, level, fmt.Errorf("%w: -%s = %q: %s: %w", ErrConfig, d.key, d.value, d.dir, err)
 		}
 	}
 	return c, level, nil

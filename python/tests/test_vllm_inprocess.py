@@ -247,6 +247,7 @@ def test_server_keys_checked_as_the_connector_is_built(tmp_path, libkvxfer):
         ({"no-same-host": "maybe"}, r"kv_connector_extra_config.server.no-same-host = 'maybe': "),
         ({"hop_trace": "/nonexistent/kvxfer/trace"}, r"kv_connector_extra_config.server.hop_trace = '/nonexistent/kvxfer/trace': "),
         ({"shm_dir": "/nonexistent/kvxfer"}, r"kv_connector_extra_config.server.shm_dir = '/nonexistent/kvxfer': "),
+        ({"data_host": "10.0.0.1:7600"}, r"kv_connector_extra_config.server.data_host = '10.0.0.1:7600': .*-data-host"),
     ]
     for i, (server, want) in enumerate(cases):
         srv = H.InProcess(tmp_path, f"k{i}", peer_port=H.free_ports(2), server=server)
