@@ -125,6 +125,13 @@ int kvxfer_start(const char *config_json, char *endpoint, size_t cap) {
 	return kvxferGoStart((char *)(config_json ? config_json : ""), endpoint, cap, err, KVXFER_ERR_CAP);
 }
 
+int kvxfer_check_config(const char *config_json) {
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
+	if (kvxfer_forked(err)) return KVXFER_EFORK;
+	return kvxferGoCheckConfig((char *)(config_json ? config_json : ""), err, KVXFER_ERR_CAP);
+}
+
 int kvxfer_stop(void) {
 	char *err = kvxfer_err_buf();
 	err[0] = 0;

@@ -48,6 +48,16 @@ extern "C" {
 int kvxfer_start(const char *config_json, char *endpoint, size_t cap);
 
 /*
+ * kvxfer_check_config checks config_json as kvxfer_start reads it (every
+ * key known, every value of its flag's type and range, the keys together
+ * consistent) and starts nothing: KVXFER_OK, or KVXFER_ECONFIG with the
+ * key and the value named in kvxfer_last_error. An engine checks its
+ * configuration as it is built, before the work that precedes its
+ * server's start (a model's load).
+ */
+int kvxfer_check_config(const char *config_json);
+
+/*
  * kvxfer_stop stops the server gracefully: transfers in flight finish
  * (within the configuration's drain-timeout, then 5 s more at most),
  * every rank's stream ends, and no memory named by address is touched

@@ -170,6 +170,15 @@ func kvxferGoStart(config *C.char, endpoint *C.char, capacity C.size_t, errBuf *
 	return statusOK
 }
 
+//export kvxferGoCheckConfig
+func kvxferGoCheckConfig(config *C.char, errBuf *C.char, errCap C.size_t) C.int {
+	if err := daemon.CheckInProcessConfig([]byte(C.GoString(config))); err != nil {
+		putErr(errBuf, errCap, err)
+		return statusConfig
+	}
+	return statusOK
+}
+
 //export kvxferGoStop
 func kvxferGoStop(errBuf *C.char, errCap C.size_t) C.int {
 	if err := stop(); err != nil {

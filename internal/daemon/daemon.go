@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -339,7 +340,31 @@ func (c *config) validate() error {
 // each, the advertised one with a host and a port peers can dial (an
 // address without is no configuration to find out about at listen time,
 // or never: a server advertising one names its engines by it).
+// checkListenHost refuses a host to listen on that is none: with a port,
+// in brackets, or with characters no host name or IP address has ("" and
+// the unspecified addresses listen on every address).
+func checkListenHost(host string) error {
+	if host == "" {
+		return nil
+	}
+	if strings.Contains(host, ":") {
+		if _, err := netip.ParseAddr(host); err != nil {
+			return errors.New("want a host name or IP address, without a port or brackets")
+		}
+		return nil
+	}
+	if strings.ContainsFunc(host, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '-' || r == '_')
+	}) {
+		return errors.New("want a host name or IP address, without a port")
+	}
+	return nil
+}
+
 func (c *config) addrs() error {
+	if err := checkListenHost(c.dataHost); err != nil {
+		return fmt.Errorf("-data-host = %q: %w", c.dataHost, err)
+	}
 	for _, a := range []struct {
 		flag, addr string
 		dialed     bool

@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
 // The in-process placement (libkvxfer): the daemon's server started
@@ -157,6 +159,58 @@ func randomHex(n int) string {
 // names the key and the value).
 var ErrConfig = errors.New("kvxfer: configuration")
 
+// CheckInProcessConfig checks a JSON configuration as StartInProcess
+// reads it (every key known, every value of its flag's type and range,
+// the keys together consistent), without starting anything: an engine
+// checks its configuration as it is built, long before its server
+// starts. Its error wraps ErrConfig and names the key and the value.
+func CheckInProcessConfig(configJSON []byte) error {
+	_, _, err := checkInProcess(configJSON)
+	return err
+}
+
+// checkInProcess is the configuration configJSON gives, and its log level.
+func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
+	var level slog.Level
+	c, err := parseJSON(configJSON)
+	if err != nil {
+		return nil, level, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, level, fmt.Errorf("%w: key \"log-level\" = %q: %w", ErrConfig, c.logLevel, err)
+	}
+	// The files that secure peers, read as the server's start reads them
+	// (small files, nothing kept): one other users may read, a secret too
+	// short or a key pair that does not load fails here, not only at the
+	// start, which may come long after (a worker rank's, after its model
+	// loaded).
+	if c.peerSecretFile != "" {
+		if _, err := peerauth.LoadSecret(c.peerSecretFile); err != nil {
+			return nil, level, fmt.Errorf("%w: -peer-secret-file = %q: %w", ErrConfig, c.peerSecretFile, err)
+		}
+	}
+	if c.tlsCert != "" {
+		if _, _, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA); err != nil {
+			return nil, level, fmt.Errorf("%w: -tls-cert = %q, -tls-key = %q, -tls-ca = %q: %w", ErrConfig,
+				c.tlsCert, c.tlsKey, c.tlsCA, err)
+		}
+	}
+	// Directories the start needs (nothing created here).
+	dirs := []struct{ key, value, dir string }{{"shm-dir", c.shmDir, c.shmDir}}
+	if c.hopTrace != "" {
+		dirs = append(dirs, struct{ key, value, dir string }{"hop-trace", c.hopTrace, filepath.Dir(c.hopTrace)})
+	}
+	for _, d := range dirs {
+		if st, err := os.Stat(d.dir); err != nil || !st.IsDir() {
+			if err == nil {
+				err = errors.New("not a directory")
+			}
+			return nil, level, fmt.Errorf("%w: -%s = %q: %s: %w", ErrConfig, d.key, d.value, d.dir, err)
+		}
+	}
+	return c, level, nil
+}
+
 // InProcess is a server started inside this process (libkvxfer). It is
 // safe for concurrent use.
 type InProcess struct {
@@ -173,13 +227,9 @@ type InProcess struct {
 // not touch the process's signals or environment: Stop stops it. Log
 // lines go to stderr at the configuration's log-level.
 func StartInProcess(configJSON []byte) (*InProcess, error) {
-	c, err := parseJSON(configJSON)
+	c, level, err := checkInProcess(configJSON)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
-	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
-		return nil, fmt.Errorf("%w: key \"log-level\": %w", ErrConfig, err)
+		return nil, err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	in, err := start(c, log, true)

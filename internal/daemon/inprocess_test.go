@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -55,6 +56,12 @@ func TestParseJSON(t *testing.T) {
 		{`{"peer_listen": "127.0.0.1:70000"}`, `-peer-listen = "127.0.0.1:70000"`},
 		{`{"peer_advertise": "nohost"}`, `-peer-advertise = "nohost"`},
 		{`{"peer_advertise": "10.0.0.1:0"}`, `-peer-advertise = "10.0.0.1:0"`},
+		// The built-in backend's data host is listened on at each rank's
+		// attach: one that is no host failed every engine's attach, long
+		// after the start (kvxferd's too).
+		{`{"data_host": "10.0.0.1:7600"}`, `-data-host = "10.0.0.1:7600"`},
+		{`{"data_host": "a b"}`, `-data-host = "a b"`},
+		{`{"data_host": "[::1]"}`, `-data-host = "[::1]"`},
 		{`{"peer_advertise": ":7600"}`, `-peer-advertise = ":7600"`},
 		{`{"metrics_listen": "9600"}`, `-metrics-listen = "9600"`},
 		// A per-rank server's port is the base plus its rank's index: one
@@ -65,6 +72,46 @@ func TestParseJSON(t *testing.T) {
 		if _, err := parseJSON([]byte(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("parseJSON(%s) = %v, want an error containing %q", tc.in, err, tc.want)
 		}
+	}
+}
+
+// CheckInProcessConfig refuses what StartInProcess would, naming the key
+// and the value, and accepts what it would start with.
+func TestCheckInProcessConfig(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{`{"no_such_key": 1}`, `"no_such_key": unknown`},
+		{`{"drain_timeout": 5}`, `"drain_timeout" = 5`},
+		{`{"log_level": "loud"}`, `"log-level" = "loud"`},
+		{`{"conns": 0}`, `-conns = 0`},
+		{`[]`, `want a JSON object`},
+	} {
+		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)
+		}
+	}
+	// The files that secure peers are read as the start reads them.
+	dir := t.TempDir()
+	open := filepath.Join(dir, "open.secret")
+	if err := os.WriteFile(open, []byte("0123456789abcdef0123456789abcdef\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	junk := filepath.Join(dir, "junk.pem")
+	if err := os.WriteFile(junk, []byte("junk\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{`{"peer_secret_file": "` + open + `"}`, `-peer-secret-file = "` + open + `": peer secret file ` + open + `: mode 0644`},
+		{`{"peer_secret_file": "` + dir + `/none"}`, `-peer-secret-file = "` + dir + `/none"`},
+		{`{"tls_cert": "` + junk + `", "tls_key": "` + junk + `", "tls_ca": "` + junk + `"}`, `-tls-cert = "` + junk + `"`},
+		{`{"hop_trace": "` + dir + `/no/such/dir/trace"}`, `-hop-trace = "` + dir + `/no/such/dir/trace"`},
+		{`{"shm_dir": "` + dir + `/none"}`, `-shm-dir = "` + dir + `/none"`},
+	} {
+		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)
+		}
+	}
+	if err := CheckInProcessConfig([]byte(`{"insecure_peers": true, "log_level": "error", "peer_timeout": "2s"}`)); err != nil {
+		t.Errorf("CheckInProcessConfig(a good one) = %v", err)
 	}
 }
 

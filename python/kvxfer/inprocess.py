@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvxfer.v1 import kvxfer_pb2 as pb
 
-__all__ = ["InProcessError", "ForkedChildError", "library_path", "start", "stop", "endpoint", "version", "host_memory"]
+__all__ = ["InProcessError", "ForkedChildError", "library_path", "start", "check_config", "stop", "endpoint", "version", "host_memory"]
 
 # Status codes (cmd/libkvxfer/kvxfer.h).
 OK, ECONFIG, ESTARTED, EFORK, ERANGE, EFAIL, EAGAIN, EENDED, ESTATUS = 0, 1, 2, 3, 4, 5, 6, 7, 8
@@ -105,6 +105,9 @@ def _load() -> ctypes.CDLL:
     lib.kvxfer_stop.restype = ctypes.c_int
     lib.kvxfer_version.restype = ctypes.c_char_p
     lib.kvxfer_last_error.restype = ctypes.c_char_p
+    if hasattr(lib, "kvxfer_check_config"):
+        lib.kvxfer_check_config.argtypes = [ctypes.c_char_p]
+        lib.kvxfer_check_config.restype = ctypes.c_int
     if hasattr(lib, "kvxfer_stream_open"):  # C ABI 2: direct streams
         lib.kvxfer_stream_open.argtypes = []
         lib.kvxfer_stream_open.restype = ctypes.c_longlong
@@ -153,6 +156,22 @@ def start(config: dict | None = None) -> str:
             atexit.register(_at_exit)
             _exit_registered = True
         return _endpoint
+
+
+def check_config(config: dict | None = None) -> None:
+    """Checks ``config`` as :func:`start` reads it (every key known, every
+    value of its flag's type and range, the keys together consistent)
+    without starting anything: raises InProcessError (ECONFIG) naming the
+    key and the value. Loads the library (a library without the check
+    checks nothing here; its start does)."""
+    text = json.dumps(config or {}, sort_keys=True)
+    with _lock:
+        lib = _load()
+        if not hasattr(lib, "kvxfer_check_config"):
+            return
+        code = lib.kvxfer_check_config(text.encode())
+        if code != OK:
+            raise _error(lib, code)
 
 
 def stop() -> None:

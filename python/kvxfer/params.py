@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvxfer.placement import is_host
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 MODES = {"push": pb.MODE_PUSH, "pull": pb.MODE_PULL}
@@ -167,7 +168,7 @@ def validate_remote(p: dict, mode: int) -> None:
     """Checks what a consumer needs to reach its producer; raises ParamsError."""
     get = p.get
     port, tp, tid, rrid = get("remote_port"), get("tp_size"), get("transfer_id"), get("remote_request_id")
-    if (mode == pb.MODE_PUSH and _ascii(get("remote_engine_id")) and _ascii(get("remote_host")) and type(port) is int
+    if (mode == pb.MODE_PUSH and _ascii(get("remote_engine_id")) and _remote_host(get("remote_host")) and type(port) is int
             and 0 < port < 65536 and (tid or rrid) and (tid is None or _ascii(tid)) and (rrid is None or _ascii(rrid))
             and get("mode", "push") == "push" and (tp is None or type(tp) is int and 0 <= tp <= _INT32_MAX)
             and _FAST_KEYS.issuperset(p)):
@@ -179,6 +180,9 @@ def validate_remote(p: dict, mode: int) -> None:
         raise ParamsError("kv_transfer_params.remote_engine_id is missing")
     if not p.get("remote_host"):
         raise ParamsError("kv_transfer_params.remote_host is missing")
+    if not _remote_host(p["remote_host"]):
+        raise ParamsError(f"kv_transfer_params.remote_host = {p['remote_host']!r}, want a host name or IP address, "
+                          "without a port (remote_port carries it)")
     port = _int(p, "remote_port", 0)
     if not 0 < port < 65536:
         raise ParamsError(f"kv_transfer_params.remote_port = {p.get('remote_port')!r}, want 1..65535")
@@ -199,6 +203,18 @@ def validate_remote(p: dict, mode: int) -> None:
 
 def _ascii(v) -> bool:
     return type(v) is str and v != "" and v.isascii()
+
+
+def _remote_host(v) -> bool:
+    """Whether v names a host as peers dial it: a host name or an IP
+    address (IPv6 bare or in brackets; the unspecified address too, which a
+    daemon listening on it may advertise), never one with its port, a space
+    or a control character, which would make a peer address no peer has."""
+    if type(v) is not str:
+        return False
+    if v.startswith("[") and v.endswith("]") and ":" in v:
+        v = v[1:-1]
+    return is_host(v) or v in ("0.0.0.0", "::")
 
 
 def to_proto(p: dict[str, Any] | None) -> pb.TransferParams | None:

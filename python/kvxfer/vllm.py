@@ -226,6 +226,12 @@ class Config:
     # extra keys (``server``).
     server: dict = field(default_factory=dict)
     backend: str | None = None
+    # Where the user named each libkvxfer key the connector passes on as
+    # given (libkvxfer's name: what named it, as
+    # "kv_connector_extra_config.server.peer_timeout" or
+    # "$KVXFER_PEER_SECRET_FILE"; keys checked together share one), for
+    # errors that name the key as the user wrote it.
+    server_keys: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Config":
@@ -333,13 +339,16 @@ class Config:
                     "engine), or tls_cert, tls_key and tls_ca, or insecure_peers: true (anyone who reaches the peer and "
                     "data ports can then read and write this engine's KV cache)")
         common: dict[str, Any] = {}
+        labels: dict[str, str] = {}
         if secret:
+            what = "kv_connector_extra_config.peer_secret_file" if "peer_secret_file" in e else "$KVXFER_PEER_SECRET_FILE"
             if not os.path.isfile(secret):
-                what = "kv_connector_extra_config.peer_secret_file" if "peer_secret_file" in e else "$KVXFER_PEER_SECRET_FILE"
                 raise ValueError(f"{what} = {secret!r}: no such file")
             common["peer-secret-file"] = secret
+            labels["peer-secret-file"] = what
         elif tls:
             common.update({k.replace("_", "-"): v for k, v in tls.items()})
+            labels.update({k.replace("_", "-"): "kv_connector_extra_config.tls_cert, tls_key, tls_ca" for k in tls})
         else:
             common["insecure-peers"] = True
         backend = e.get("backend")
@@ -351,13 +360,21 @@ class Config:
             raise ValueError(f"kv_connector_extra_config.server = {srv!r}, want an object of libkvxfer keys "
                              "(kvxferd serve's flag names)")
         for k, v in srv.items():
-            name = str(k).replace("_", "-")
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"kv_connector_extra_config.server: key {k!r}, want libkvxfer's key names "
+                                 "(kvxferd serve's flag names)")
+            name = k.replace("_", "-")
             if name in placement_mod.OWNED_KEYS:
                 raise ValueError(f"kv_connector_extra_config.server.{k}: set by the connector (peer_host, peer_port, "
                                  "backend, peer_secret_file, tls_*, insecure_peers)")
+            if name in labels:
+                # One spelling's value would silently replace the other's.
+                raise ValueError(f"kv_connector_extra_config.server.{k} and {labels[name]} name the same key ({name}): "
+                                 "name it once")
             if isinstance(v, (dict, list)) or v is None:
                 raise ValueError(f"kv_connector_extra_config.server.{k} = {v!r}, want a string, a number or a boolean")
             common[name] = v
+            labels[name] = f"kv_connector_extra_config.server.{k}"
         etcd = e.get("etcd")
         if etcd is not None:
             # The fleet registry (kvxferd -etcd): the engine's servers
@@ -370,8 +387,10 @@ class Config:
             if "etcd" in srv:
                 raise ValueError("kv_connector_extra_config: etcd and server.etcd: name the endpoints once")
             common["etcd"] = etcd
+            labels["etcd"] = "kv_connector_extra_config.etcd"
         common.setdefault("data-host", self.peer_host)
         self.server = common
+        self.server_keys = labels
 
     def server_common(self, device: str) -> dict:
         """libkvxfer's keys shared by the engine's servers, the backend by
@@ -557,6 +576,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                                  f"rank {dp} would listen up to port {last}, past 65535")
             if self.base:
                 self._check_port_ranges(dp, int(getattr(pc, "data_parallel_size", 1) or 1))
+            self._check_server_config()
         else:
             self.client = Client(self.cfg.socket, timeout=self.cfg.timeout_s)
         self._sched: _SchedulerSide | None = None
@@ -601,6 +621,57 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                                      f"deployment listen at each port + their index, so the two ranges overlap: choose "
                                      "ports apart")
 
+    def _check_server_config(self) -> None:
+        """Checks the configuration of this engine's servers (the scheduler
+        side's own and a rank's) as libkvxfer reads it, starting nothing:
+        on either side alike, as the connector is built, so that a key of
+        ``server`` libkvxfer does not know, or a value of the wrong type or
+        range, is refused here, naming the key and the value as the user
+        wrote them, not as a worker rank's server fails to start after
+        vLLM loaded the model."""
+        common = self.cfg.server_common(self.device)
+        labels = self.cfg.server_keys
+        host, base = self.cfg.peer_host, self.base
+
+        def problem(c: dict) -> str | None:
+            # The scheduler side's own server (port 0) and rank 0's: the
+            # other ranks' differ only by their ports (_check_port_ranges).
+            configs = [placement_mod.server_config(c, host, 0, base)]
+            if base:
+                configs.append(placement_mod.server_config(c, host, base, base, base - self.cfg.peer_port))
+            for cfg in configs:
+                try:
+                    inprocess.check_config(cfg)
+                except inprocess.ForkedChildError as e:
+                    raise RuntimeError(f"{e} (vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn)") from e
+                except inprocess.InProcessError as e:
+                    if e.code != inprocess.ECONFIG:
+                        raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot check its in-process server's "
+                                           f"configuration: {e}") from e
+                    return str(e)
+            return None
+
+        why = problem(common)
+        if why is None:
+            return
+        # Name the key: the first of the user's that is refused on its own
+        # (with the connector's own keys; those checked together, together),
+        # else the keys together.
+        own = {k: v for k, v in common.items() if k not in labels}
+        mine = problem(own)
+        if mine is not None:
+            raise ValueError(f"kv_connector_extra_config: {mine}")
+        groups: dict[str, list[str]] = {}
+        for name, label in labels.items():
+            groups.setdefault(label, []).append(name)
+        for label, names in groups.items():
+            one = problem({**own, **{n: common[n] for n in names}})
+            if one is not None:
+                shown = ", ".join(repr(common[n]) for n in names)
+                raise ValueError(f"{label} = {shown}: {one}")
+        srv = {label.rpartition(".server.")[2]: common[k] for k, label in labels.items() if ".server." in label}
+        raise ValueError(f"kv_connector_extra_config.server = {srv!r}: {why}")
+
     def _check_base_zero(self, vllm_config: "VllmConfig") -> None:
         """Refuses peer_port 0 for an engine whose worker ranks run in
         other processes than its scheduler: each such process's server
@@ -626,7 +697,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                              f"of their own (executor {backend!r}): give it a base port (rank (pp, tp) listens at base + "
                              "pp*tp_size + tp)")
 
-    def _attach(self, acquire) -> None:
+    def _attach(self, acquire, what: str = "its in-process server") -> None:
         """In-process: gets this process's server (started, or found
         running) and a client of it."""
         try:
@@ -634,7 +705,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         except inprocess.ForkedChildError as e:
             raise RuntimeError(f"{e} (vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn)") from e
         except inprocess.InProcessError as e:
-            raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot start its in-process server: {e}") from e
+            raise RuntimeError(f"kvxfer: engine {self.engine_id}: cannot start {what}: {e}") from e
         self._holds_server = True
         self.client = Client(self.address, timeout=self.cfg.timeout_s)
 
@@ -1692,7 +1763,13 @@ class _WorkerSide:
             # Its index in the deployment (data-parallel ranks included):
             # where it serves metrics, with server.metrics_listen.
             index = port - c.cfg.peer_port if c.base else None
-            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index))
+            # The error names the port and how it is made (the port may
+            # be another's: another engine's rank, or another program).
+            what = (f"the in-process server of rank tp={self.tp_rank} pp={self.pp_rank} at port {port} = "
+                    f"kv_connector_extra_config.peer_port {c.cfg.peer_port} + {index} (the rank's index"
+                    f"{' in the deployment' if c.base != c.cfg.peer_port else ''})" if c.base else
+                    f"the in-process server of rank tp={self.tp_rank} pp={self.pp_rank}")
+            c._attach(lambda s, common: s.acquire_rank(common, c.cfg.peer_host, c.base, port, index), what)
         hello = self.hello = build_hello(self, kv_caches)
         try:
             self.stream = c.client.connect(hello, ready_timeout=max(self.cfg.timeout_s, 30))

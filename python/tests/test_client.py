@@ -4,6 +4,7 @@ batched Step, worker streams, peer handshakes and typed errors."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -507,3 +508,17 @@ def test_shm_files_go_when_their_process_exits(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['a', 'b', 'other']", r.stdout  # the child's exit removed none
     assert sorted(os.listdir(tmp_path)) == ["other"]
+
+
+def test_remote_host_must_be_a_host():
+    """kv_transfer_params.remote_host names a host as peers dial it: one
+    with its port, a space, a slash or a control character is refused,
+    naming the field and the value (it made a peer address no peer has);
+    names, IPv4, IPv6 (bare, bracketed, with a zone) and the unspecified
+    address a daemon may advertise are taken."""
+    base = {"remote_engine_id": "e", "remote_port": 7600, "transfer_id": "t"}
+    for host in ("127.0.0.1", "::1", "[::1]", "fe80::1%eth0", "0.0.0.0", "p0.example.com", "decode_0.svc"):
+        params.validate_remote({**base, "remote_host": host}, pb.MODE_PUSH)
+    for host in ("127.0.0.1:7600", "h ", "[127.0.0.1]", "a/b", "x\n", "p0..example"):
+        with pytest.raises(params.ParamsError, match=re.escape(f"kv_transfer_params.remote_host = {host!r}, want a host")):
+            params.validate_remote({**base, "remote_host": host}, pb.MODE_PUSH)

@@ -89,6 +89,10 @@ CASES = [
     ("server type", {"SECRET": 1, "server": ["peer_timeout"]}, "server = ['peer_timeout'], want an object"),
     ("server owned key", {"SECRET": 1, "server": {"peer_listen": "0.0.0.0:1"}}, "server.peer_listen: set by the connector"),
     ("server value", {"SECRET": 1, "server": {"conns": [1]}}, "server.conns = [1], want a string, a number or a boolean"),
+    # One key in both spellings: one value silently replaced the other.
+    ("server key twice", {"SECRET": 1, "server": {"peer_timeout": "2s", "peer-timeout": "3s"}},
+     "server.peer-timeout and kv_connector_extra_config.server.peer_timeout name the same key (peer-timeout)"),
+    ("server key not a name", {"SECRET": 1, "server": {"": 1}}, "server: key '', want libkvxfer's key names"),
     ("relay daemon in-process", {"SECRET": 1, "relay": "daemon"}, "relay = 'daemon' needs placement daemon"),
     ("relay", {"SECRET": 1, "relay": "both"}, "relay = 'both', want auto, daemon or metadata"),
     ("mode", {"SECRET": 1, "mode": "poke"}, "mode = 'poke', want push or pull"),

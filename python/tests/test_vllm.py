@@ -611,6 +611,38 @@ def test_unhashable_mode_param_is_refused_not_raised(tmp_path, daemons, caplog):
         r.close()
 
 
+def test_malformed_remote_host_is_refused_and_loses_nothing_else(tmp_path, daemons, caplog):
+    """Push: a router hands D requests whose remote_host is no host (the
+    host with its port, as HOST:PORT; a space in it), first in the step,
+    beside a well-formed request for the same producer. Each is refused
+    with a warning naming kv_transfer_params.remote_host and its value,
+    counted in bad_params and computed on D; P's blocks go back when P's
+    lease expires. Before, such a host went on into a peer address no peer
+    has ("[127.0.0.1:7600]:7600"): the first request's address became the
+    producer engine's, its handshake failed, and the well-formed request
+    for that engine failed with it."""
+    rng = random.Random(29)
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2})
+    try:
+        host, port = r.dp.peer.rsplit(":", 1)
+        odd = {1: {"remote_host": f"{host}:{port}"}, 2: {"remote_host": f"{host} "}}
+        for n in (1, 2, 0):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = toks = [rng.randrange(100, 50000) for _ in range(40)]
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(toks), 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+            p = {**_push_params(r.dp, f"t{n}"), "tp_size": 1, **odd.get(n, {})}
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-0", "d-1", "d-2"} <= set(r.D.finished) and not r.P.sched.requests
+                        and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert not ({"d-1", "d-2"} & r.D.recvd), r.D.recvd  # computed on D, nothing awaited
+        for rid, v in (("d-1", f"{host}:{port}"), ("d-2", f"{host} ")):
+            assert any(rid in m and f"kv_transfer_params.remote_host = {v!r}" in m for m in caplog.messages), (rid, caplog.messages)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def test_d_abort_while_waiting(tmp_path, daemons):
     """A D request aborted while it waits for its KV keeps its blocks (vLLM
     delays the free) until kvxfer reports the receive ended; then they go."""

@@ -221,3 +221,119 @@ def test_base_port_zero_with_ranks_elsewhere_refused(tmp_path, libkvxfer):
         assert e.sched.connector._sched.addr
     finally:
         H.shutdown(e)
+
+
+def test_server_keys_checked_as_the_connector_is_built(tmp_path, libkvxfer):
+    """Every key of kv_connector_extra_config.server, and its value, is
+    checked as the connector is constructed, on either side (the scheduler
+    and a worker rank refuse it the same way, naming the key and the
+    value): a worker rank starts its server only at its KV registration,
+    after vLLM loaded the model, where an unknown key, a value of the wrong
+    type or one out of range was found only then, and the scheduler side
+    said it only as a failed start (RuntimeError). Nothing starts, and
+    nothing is held."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+    cases = [
+        ({"no_such_key": 1}, r"kv_connector_extra_config.server.no_such_key = 1: .*unknown"),
+        ({"drain_timeout": 5}, r"kv_connector_extra_config.server.drain_timeout = 5: .*\"drain-timeout\" = 5"),
+        ({"conns": "many"}, r"kv_connector_extra_config.server.conns = 'many': "),
+        ({"conns": 0}, r"kv_connector_extra_config.server.conns = 0: .*want > 0"),
+        ({"log_level": "loud"}, r"kv_connector_extra_config.server.log_level = 'loud': "),
+        ({"peer_timeout": "1ms"}, r"kv_connector_extra_config.server.peer_timeout = '1ms': .*want at least"),
+        ({"no-same-host": "maybe"}, r"kv_connector_extra_config.server.no-same-host = 'maybe': "),
+        ({"hop_trace": "/nonexistent/kvxfer/trace"}, r"kv_connector_extra_config.server.hop_trace = '/nonexistent/kvxfer/trace': "),
+        ({"shm_dir": "/nonexistent/kvxfer"}, r"kv_connector_extra_config.server.shm_dir = '/nonexistent/kvxfer': "),
+        ({"data_host": "10.0.0.1:7600"}, r"kv_connector_extra_config.server.data_host = '10.0.0.1:7600': .*-data-host"),
+    ]
+    for i, (server, want) in enumerate(cases):
+        srv = H.InProcess(tmp_path, f"k{i}", peer_port=H.free_ports(2), server=server)
+        cfg = H.vllm_config(tmp_path, f"k{i}", srv, "push", 2)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=want):
+                KvxferConnector(cfg, role, H.kv_cache_config(cfg, 2, 96))
+            assert placement.acquire().users == 0, (server, role)
+        from kvxfer import inprocess
+        assert inprocess.endpoint() is None, server
+
+
+def test_peer_security_files_checked_as_the_connector_is_built(tmp_path, libkvxfer):
+    """The files that secure peers (peer_secret_file; tls_cert, tls_key,
+    tls_ca) are read and checked as the connector is built, on either side
+    alike, as libkvxfer reads them at its start: a secret other users may
+    read, or too short, and a key pair that does not load, were found only
+    as a worker rank's server started, after vLLM loaded the model. The
+    error names the key and the file."""
+    import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer import placement
+    from kvxfer.vllm import KvxferConnector
+
+    def secret(name, text, mode):
+        p = tmp_path / name
+        p.write_text(text)
+        p.chmod(mode)
+        return str(p)
+
+    pem = secret("junk.pem", "not a certificate\n", 0o600)
+    cases = [
+        ({"peer_secret_file": secret("open.secret", "0123456789abcdef0123456789abcdef\n", 0o644)},
+         r"kv_connector_extra_config.peer_secret_file = '.*open.secret': .*lets other users read it"),
+        ({"peer_secret_file": secret("short.secret", "tiny\n", 0o600)},
+         r"kv_connector_extra_config.peer_secret_file = '.*short.secret': .*want at least"),
+        ({"tls_cert": pem, "tls_key": pem, "tls_ca": pem}, r"kv_connector_extra_config.tls_cert, tls_key, tls_ca = .*junk.pem"),
+    ]
+    for i, (keys, want) in enumerate(cases):
+        srv = H.InProcess(tmp_path, f"s{i}", peer_port=H.free_ports(2))
+        cfg = H.vllm_config(tmp_path, f"s{i}", srv, "push", 2)
+        extra = cfg.kv_transfer_config.kv_connector_extra_config
+        del extra["peer_secret_file"]
+        extra.update(keys)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=want):
+                KvxferConnector(cfg, role, H.kv_cache_config(cfg, 2, 96))
+            assert placement.acquire().users == 0, (keys, role)
+
+
+def test_rank_port_in_use_is_named(tmp_path, libkvxfer):
+    """A worker rank whose peer port (peer_port + its index) another
+    process holds cannot start its server: the error names the rank, its
+    port and how it is made (kv_connector_extra_config.peer_port plus the
+    rank's index), not only the listener's bind error; nothing is held."""
+    import socket
+
+    import pytest
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    from kvxfer import inprocess, placement
+    from kvxfer.vllm import KvxferConnector
+    base = H.free_ports(2)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", base + 1))
+    taken.listen()
+    try:
+        srv = H.InProcess(tmp_path, "u", peer_port=base)
+        cfg = H.vllm_config(tmp_path, "u0", srv, "push", 2)
+        kvc = H.kv_cache_config(cfg, 2, 96)
+        cfg.parallel_config.rank = 1
+        conn = KvxferConnector(cfg, KVConnectorRole.WORKER, kvc)
+        conn._worker.tp_rank = 1
+        raw = torch.zeros(kvc.kv_cache_tensors[0].size, dtype=torch.int8)
+        kv = {}
+        for t in kvc.kv_cache_tensors:
+            kv.update(zip(t.layers, create_kv_cache_views(raw, kvc.kv_cache_groups[0].kv_cache_spec, kvc.num_blocks,
+                                                          cfg.cache_config.get_resolved_kv_cache_layout(), t)))
+        with pytest.raises(RuntimeError, match=rf"rank tp=1 pp=0 .*port {base + 1} = kv_connector_extra_config.peer_port "
+                                               rf"{base} \+ 1"):
+            conn.register_kv_caches(kv)
+        conn.shutdown()
+        assert placement.acquire().users == 0 and inprocess.endpoint() is None
+    finally:
+        taken.close()
+        cfg.parallel_config.rank = 0

@@ -72,7 +72,9 @@ int main(int argc, char **argv) {
 	pid_t pid = fork();
 	if (pid == 0) {
 		int r1 = start(cfg, ep2, sizeof ep2);
-		int ok = r1 == KVXFER_EFORK && strstr(last_error(), "forked child") != NULL && stop() == KVXFER_EFORK;
+		int (*chk)(const char *) = (int (*)(const char *))dlsym(lib, "kvxfer_check_config");
+		int ok = r1 == KVXFER_EFORK && strstr(last_error(), "forked child") != NULL && stop() == KVXFER_EFORK &&
+			chk && chk(cfg) == KVXFER_EFORK;
 		_exit(ok ? 0 : 1);
 	}
 	int st = 0;
@@ -120,6 +122,17 @@ int main(int argc, char **argv) {
 	rc = start("{\"no_such_key\": 1}", ep2, sizeof ep2);
 	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "no_such_key"), "bad key = %d: %s", rc, last_error());
 	CHECK(last_error()[0] != 0, "last_error empty");
+	// A configuration checked without starting anything.
+	int (*check)(const char *) = (int (*)(const char *))dlsym(lib, "kvxfer_check_config");
+	CHECK(check, "missing kvxfer_check_config");
+	CHECK(check(cfg) == KVXFER_OK && last_error()[0] == 0, "check good config: %s", last_error());
+	rc = check("{\"drain_timeout\": 5}");
+	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "drain_timeout"), "check bad value = %d: %s", rc, last_error());
+	rc = check("{\"log_level\": \"loud\"}");
+	CHECK(rc == KVXFER_ECONFIG && strstr(last_error(), "loud"), "check bad log level = %d: %s", rc, last_error());
+	rc = start(cfg, ep2, sizeof ep2); // nothing started by the checks: a start takes any configuration
+	CHECK(rc == KVXFER_OK, "start after checks = %d: %s", rc, last_error());
+	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
 	// Direct streams (C ABI 2).
 	long long (*sopen)(void) = (long long (*)(void))dlsym(lib, "kvxfer_stream_open");
 	int (*sput)(long long, const void *, size_t) = (int (*)(long long, const void *, size_t))dlsym(lib, "kvxfer_stream_put");

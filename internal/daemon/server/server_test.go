@@ -164,6 +164,15 @@ func tryAttach(t testing.TB, d *daemon, shmDir, id string, m *kvsim.Model, e kvs
 // engine's cache from then on) and connects its stream over c.
 func connectRank(t testing.TB, c *stream.Client, shmDir, id string, r *kvsim.Rank, mode kvxfer.Mode) (*stream.RankStream, error) {
 	t.Helper()
+	if shmDir == "" {
+		// The rank's memory named by its address (the in-process
+		// placement: the server runs in this process).
+		r.Rebase(addrOf(r.Mem))
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		return c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
+			Memory: []stream.Memory{{Base: r.Base, Size: uint64(len(r.Mem)), InProcess: stream.InProcessHost}}})
+	}
 	name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, r.Layout.PPRank, r.Layout.TPRank, rand.Uint64())
 	mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
 	if err != nil {

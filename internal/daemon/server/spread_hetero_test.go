@@ -18,6 +18,8 @@ import (
 // TP 1, and P's 16-token blocks into D's 32-token ones; D names P by its
 // base address only, in push and pull; every byte of D checked, one
 // outcome per request per rank on each side, no goroutine left behind.
+// Each engine's memory is a shared file (kvxferd's way), or named by its
+// address (the in-process placement's: the servers run in this process).
 func TestPerRankServersHeterogeneous(t *testing.T) {
 	eng := func(id, tp, pp, block int) kvsim.Engine {
 		return kvsim.Engine{ID: id, TP: tp, PP: pp, LogicalBlock: block, KernelBlock: block, Layout: topology.LayoutHND,
@@ -33,21 +35,28 @@ func TestPerRankServersHeterogeneous(t *testing.T) {
 		{"block16-32", eng(1, 1, 1, 16), eng(2, 1, 1, 32)},
 	} {
 		for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-			t.Run(c.name+"/"+mode.String(), func(t *testing.T) {
-				before := runtime.NumGoroutine()
-				t.Run("run", func(t *testing.T) { runSpreadHetero(t, mode, c.pe, c.de) })
-				leakcheck.Check(t, before, 2, 10*time.Second)
-			})
+			for _, byAddr := range []bool{false, true} {
+				name := c.name + "/" + mode.String() + map[bool]string{false: "/file", true: "/address"}[byAddr]
+				t.Run(name, func(t *testing.T) {
+					before := runtime.NumGoroutine()
+					t.Run("run", func(t *testing.T) { runSpreadHetero(t, mode, c.pe, c.de, byAddr) })
+					leakcheck.Check(t, before, 2, 10*time.Second)
+				})
+			}
 		}
 	}
 }
 
-func runSpreadHetero(t *testing.T, mode kvxfer.Mode, pe, de kvsim.Engine) {
+func runSpreadHetero(t *testing.T, mode kvxfer.Mode, pe, de kvsim.Engine, byAddr bool) {
 	shmDir := t.TempDir()
 	dps, dds := spreadDaemons(t, shmDir, pe.TP*pe.PP), spreadDaemons(t, shmDir, de.TP*de.PP)
 	model := kvsim.Model{Kinds: []topology.Kind{topology.KindFullAttention, topology.KindFullAttention}, TotalKVHeads: 4, HeadSize: 8, ElemBytes: 2}
-	P := attachSpread(t, dps, shmDir, "P", &model, pe, mode)
-	D := attachSpread(t, dds, shmDir, "D", &model, de, mode)
+	memDir := shmDir
+	if byAddr {
+		memDir = "" // connectRank: memory named by address
+	}
+	P := attachSpread(t, dps, memDir, "P", &model, pe, mode)
+	D := attachSpread(t, dds, memDir, "D", &model, de, mode)
 	rng := rand.New(rand.NewPCG(5, 6))
 	pIDs, dIDs := rng.Perm(64), rng.Perm(64)
 	const n = 6
