@@ -86,6 +86,12 @@ type engine struct {
 	// last answered or spoke; the next probe; a probe out.
 	watching, probing  bool
 	lastAlive, probeAt time.Time
+	// rankSpoke: when each rank the handshake lists last spoke (a
+	// message from it). A probe answers for the whole engine
+	// (lastAlive); a message only for its rank: an in-process engine's
+	// ranks are processes of their own, and one may die while another
+	// speaks on.
+	rankSpoke map[rankRef]time.Time
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
 	// refused says, by role (asProducer, asConsumer), why KV cannot move

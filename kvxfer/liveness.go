@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -13,11 +14,15 @@ import (
 // registration waiting for its WRITE, a pull READ), it asks the
 // producer's daemon about the engine every PeerTimeout/5 (a handshake, so
 // the answer also says whether the engine's ranks changed). The peer is
-// alive while it answers with the same generation, or speaks to us.
+// alive while it answers with the same generation; a rank of it, also
+// while it speaks to us (ranksGone).
 //
 //   - Silent for PeerTimeout (no answer, no message): it is gone. Every
 //     request waiting on it fails, with a reason naming it; the handshake
 //     is dropped, so a new request handshakes again.
+//   - Unanswered for PeerTimeout while some of its ranks speak: the
+//     requests waiting on a rank silent that long fail, naming it (an
+//     in-process engine's rank process died alone).
 //   - It answers with another generation (it restarted, or a rank of it
 //     re-attached): requests waiting on a rank whose agent changed fail
 //     (the old agent can no longer complete them), and the new handshake
@@ -100,8 +105,20 @@ func (st *loopState) probeSoon(engineID string) {
 	}
 }
 
-// alive notes that e answered or spoke.
+// alive notes that e answered (a handshake or a probe: for every rank).
 func (e *engine) alive(now time.Time) { e.lastAlive = now }
+
+// spoke notes that rank t of e sent a message (a rank the handshake
+// loaded lists; others are not kept: a peer names what it likes).
+func (e *engine) spoke(t rankRef, now time.Time) {
+	if _, ok := e.peers[t]; !ok {
+		return
+	}
+	if e.rankSpoke == nil {
+		e.rankSpoke = map[rankRef]time.Time{}
+	}
+	e.rankSpoke[t] = now
+}
 
 // recheckLater asks e's daemon again when a registry's PeerGeneration
 // came while a question was out (peerGenerationEvent).
@@ -142,7 +159,7 @@ func (st *loopState) probeDone(h *hsResult) {
 		// Probes off (negative PeerTimeout): only a registry's
 		// PeerGeneration asked, and an unanswered question is no verdict.
 		if silent := st.now.Sub(e.lastAlive); st.cfg.PeerTimeout >= 0 && silent >= st.cfg.PeerTimeout {
-			st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), h.err))
+			st.ranksGone(e, silent, h.err)
 		}
 		return
 	}
@@ -215,6 +232,55 @@ func (st *loopState) failChanged(e *engine, h *hsResult) {
 	})
 	st.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
 		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
+}
+
+// ranksGone judges an engine whose probes have gone unanswered for
+// silent (PeerTimeout or more), rank by rank: with no rank heard from
+// within PeerTimeout either, the engine is gone (peerGone); otherwise
+// the requests waiting on a rank silent that long fail, naming it, and
+// the rest wait on (their ranks speak: an in-process engine's rank
+// process died, its siblings live).
+func (st *loopState) ranksGone(e *engine, silent time.Duration, err error) {
+	cut := st.now.Add(-st.cfg.PeerTimeout)
+	spoke := func(t rankRef) bool { at, ok := e.rankSpoke[t]; return ok && at.After(cut) }
+	anySpoke := false
+	for t := range e.rankSpoke {
+		anySpoke = anySpoke || spoke(t)
+	}
+	if !anySpoke {
+		st.peerGone(e, fmt.Errorf("unreachable for %v: %w", silent.Round(time.Millisecond), err))
+		return
+	}
+	waitsOnSilent := func(r *recvReq) bool {
+		for _, t := range r.targets {
+			if !r.got.has(t) && !spoke(t) {
+				return true
+			}
+		}
+		return false
+	}
+	var gone []string
+	for _, id := range sortedKeys(st.recvs) {
+		r := st.recvs[id]
+		if r.req.Remote.EngineID != e.id || !r.sent || r.decided {
+			continue
+		}
+		for _, t := range r.targets {
+			if name := fmt.Sprintf("tp %d pp %d", t.tp, t.pp); !r.got.has(t) && !spoke(t) && !slices.Contains(gone, name) {
+				gone = append(gone, name)
+			}
+		}
+	}
+	if len(gone) == 0 {
+		return
+	}
+	slices.Sort(gone)
+	reason := fmt.Sprintf("producer engine %s (%s): rank %s silent and unreachable for %v while its other ranks speak: %v",
+		e.id, e.addr, strings.Join(gone, ", rank "), silent.Round(time.Millisecond), err)
+	fence := func(rankRef) bool { return st.guarded } // as peerGone
+	n := st.failWaiting(e, FailurePeerGone, reason, fence, waitsOnSilent)
+	st.log.Warn("kvxfer: peer engine's ranks are gone", "failure_type", "peer_gone", "engine", e.id, "addr", e.addr,
+		"ranks", gone, "err", err, "failed_requests", n)
 }
 
 // peerGone fails what waits on an engine that stopped answering, and

@@ -662,7 +662,7 @@ func (st *loopState) onNotifs(notifs []Notif) {
 func (st *loopState) dispatch(m *msg) {
 	if e := st.engines[m.Engine]; e != nil {
 		e.lastActive = st.now
-		e.alive(st.now)
+		e.spoke(rankRef{tp: m.TPRank, pp: m.PPRank}, st.now)
 	}
 	switch m.Kind {
 	case msgReg:
