@@ -347,15 +347,18 @@ type simEngine struct {
 
 // simCore is one rank's core and its driver's state.
 type simCore struct {
-	eng      *simEngine
-	rank     int
-	agent    PeerName
-	st       *loopState
-	dead     bool
-	asks     []hsAsk
-	queue    []*StepMeta // steps the engine issued that this rank has not taken yet
-	blockLen int
-	mem      []uint32
+	eng   *simEngine
+	rank  int
+	agent PeerName
+	st    *loopState
+	dead  bool
+	asks  []hsAsk
+	queue []*StepMeta // steps the engine issued that this rank has not taken yet
+	// preempting: layer-wise requests its engine preempted whose
+	// preemption this rank has not taken yet.
+	preempting map[string]bool
+	blockLen   int
+	mem        []uint32
 	// The data plane's grants (guarded): a consumer's WRITE grants by
 	// block, a producer's pull holds.
 	writeTo [simBlocks]uint32
@@ -384,7 +387,7 @@ type simReq struct {
 	base                string
 	byTID, exact        bool // how D's registration names P's request
 	nblocks             int
-	pState              int // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted
+	pState              int // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted, 4 preempted (layer-wise)
 	pGen                uint64
 	pStep               uint64
 	pBlocks             []topology.BlockID
@@ -404,13 +407,18 @@ type simMsg struct {
 // simXfer is a transfer in flight: a WRITE posted by a producer rank, or
 // a READ posted by a consumer rank.
 type simXfer struct {
-	id         XferID // its poster's name for it
-	poster     *simCore
-	peer       PeerName
-	read       bool
-	descs      []hotpath.Desc
-	notif      []byte
-	posted     time.Time
+	id     XferID // its poster's name for it
+	poster *simCore
+	peer   PeerName
+	read   bool
+	descs  []hotpath.Desc
+	notif  []byte
+	posted time.Time
+	// stale: a layer-wise WRITE of an attempt its engine preempted (in
+	// flight then, or posted before its rank took the preemption): it
+	// may read blocks the engine gave another request; what it lands
+	// must be written again before the consumer reports done.
+	stale      bool
 	preq, dreq string
 	// abandoned: its poster gave it up and is releasing it; it ends
 	// (landing its bytes or not) as the release returns.
@@ -631,6 +639,7 @@ func (s *coreSim) do(c *simCore, o *op) error {
 			descs = slices.Clone(c.st.fx.descs[o.from:o.to])
 		}
 		x := &simXfer{id: o.id, poster: c, peer: o.peer, read: read, descs: descs, notif: o.msg, posted: s.now}
+		x.stale = !read && c.preempting[h.send]
 		if read {
 			x.dreq = h.recv
 			if r := c.st.recvs[h.recv]; r != nil {
@@ -931,9 +940,12 @@ func (s *coreSim) done() bool { return len(s.in) == 0 || s.steps > 400 }
 func (s *coreSim) event() {
 	s.steps++
 	k := s.byte()
-	if s.legacy {
+	switch {
+	case s.legacy:
 		k %= 14
-	} else {
+	case s.mode == simLayer:
+		k %= 19
+	default:
 		k %= 18
 	}
 	switch k {
@@ -974,6 +986,8 @@ func (s *coreSim) event() {
 		s.abort(1 + int(s.byte())%s.n)
 	case 16:
 		s.restart()
+	case 18:
+		s.preempt(1 + int(s.byte())%s.n)
 	case 17: // a rank takes the steps its engine issued
 		e := []*simEngine{s.p, s.d}[s.byte()%2]
 		c := e.cores[int(s.byte())%e.tp]
@@ -992,6 +1006,9 @@ func (s *coreSim) nextStep() uint64 {
 // engineStep issues a step to every rank of e; each takes it now or
 // later (the input says which, where there are several).
 func (s *coreSim) engineStep(e *simEngine, meta *StepMeta) {
+	if *simVerbose {
+		s.t.Logf("%v step %s: %+v", s.now.Format("04:05.000"), e.name, *meta)
+	}
 	for _, c := range e.cores {
 		c.queue = append(c.queue, meta)
 	}
@@ -1021,6 +1038,9 @@ func (s *coreSim) flush(c *simCore) {
 		for _, r := range m.Recv {
 			c.handed[r.ReqID] = true
 		}
+		for _, id := range m.Preempted {
+			delete(c.preempting, id)
+		}
 		s.step(c, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
 	}
 }
@@ -1045,6 +1065,28 @@ func (s *coreSim) stepSend(i int) {
 		r.pGen, r.pBlocks, r.tag = e.gen, blocks, uint32(len(s.tags))
 		if s.mode == simLayer {
 			r.pState, r.pStep = 1, s.nextStep()
+			s.engineStep(e, &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}})
+			return
+		}
+		r.pState = 2
+		for _, c := range e.cores {
+			for g := range simRegions {
+				s.fill(c, r, g)
+			}
+		}
+		s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Send: []SendReq{r.send(s.now.Add(30 * time.Second))}})
+	case r.pState == 4 && r.pGen == e.gen:
+		// Preempted: scheduled again, into new blocks (the lowest free:
+		// often its old ones). Its prefill is listed again, or (the
+		// input says) it finishes without a listing.
+		blocks := e.alloc(r.nblocks, r.pid)
+		if blocks == nil {
+			return
+		}
+		r.pBlocks = blocks
+		if s.byte()%2 == 0 {
+			r.pState, r.pStep = 1, s.nextStep()
+			s.count("prefilled again")
 			s.engineStep(e, &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}})
 			return
 		}
@@ -1116,10 +1158,36 @@ func (s *coreSim) saveLayer() {
 	s.step(c, input{kind: inEvent, ev: &event{kind: evLayer, step: r.pStep, layer: layer}})
 }
 
+// preempt: P's engine preempts layer-wise request i after its prefill
+// step: its blocks are freed at once (another request may take them
+// before a rank hears of it), and it is scheduled again later (stepSend).
+func (s *coreSim) preempt(i int) {
+	r, e := s.reqs[i-1], s.p
+	if s.mode != simLayer || r.pState != 1 || r.pGen != e.gen {
+		return
+	}
+	s.count("preempted")
+	for _, x := range s.xfers {
+		if !x.read && x.poster.eng == e && x.preq == r.pid {
+			x.stale = true
+		}
+	}
+	for _, c := range e.cores {
+		if c.preempting == nil {
+			c.preempting = map[string]bool{}
+		}
+		c.preempting[r.pid] = true
+	}
+	s.free(e, r.pBlocks, r.pid)
+	r.saved = [2][simRegions]bool{}
+	r.pState = 4
+	s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Preempted: []string{r.pid}})
+}
+
 // abort: P's engine aborts request i before it finished.
 func (s *coreSim) abort(i int) {
 	r := s.reqs[i-1]
-	if r.pState >= 2 || r.pState == 1 && r.pGen != s.p.gen {
+	if r.pState == 2 || r.pState == 3 || (r.pState == 1 || r.pState == 4) && r.pGen != s.p.gen {
 		return
 	}
 	meta := &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, NotProcessed: []string{r.pid}}
@@ -1158,6 +1226,10 @@ func (s *coreSim) deliver(pick int, twice bool) {
 		s.msgs = slices.Delete(s.msgs, i, i+1)
 	}
 	if c := s.agents[m.to]; c != nil && !c.dead {
+		if *simVerbose {
+			dm, _ := decodeMsg(m.n.Msg)
+			s.t.Logf("%v deliver %s -> %s: %+v", s.now.Format("04:05.000"), m.n.From, m.to, dm)
+		}
 		s.step(c, input{kind: inNotifs, notifs: []Notif{m.n}})
 	}
 }
@@ -1252,6 +1324,9 @@ func (s *coreSim) copyBytes(x *simXfer, peer *simCore) error {
 		for _, b := range pc.blocks(s, src(d), d.Len) {
 			if pc.eng.owner[b] == x.preq && pc.reported[x.preq] == 0 {
 				continue
+			}
+			if x.stale {
+				continue // documented: written again (preempt)
 			}
 			if x.read && (!s.grants || x.preq == "") && (pc.reported[x.preq] > 0 && pc.results[x.preq] != ResultDone || !pc.handed[x.preq]) {
 				dc.tainted[x.dreq] = true // simREADLate

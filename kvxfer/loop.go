@@ -166,15 +166,16 @@ type tomb struct {
 // is about the request the tombstone remembers, not a new request of
 // its engine under the same id (an id used again once its request
 // finished): by transfer id where both have one, else by the producer
-// request where both name one, else (nothing tells them apart) yes.
+// request where both name one, else (nothing tells them apart) yes. A
+// consumer may name the producer's request by its base id (pairOf): that
+// name is about every request of its base, the remembered one among them
+// (namesTransfer, the consumer's rule for the producer's messages).
+// (Compared as two requests, the late registration of a rank whose pair
+// had ended was taken as a new request's and paired by base with the
+// next producer request of that base: its KV written into that rank's
+// blocks while the rank, told the pair failed, handed them back.)
 func (tb tomb) names(transferID, preq string) bool {
-	if tb.tid != "" && transferID != "" {
-		return tb.tid == transferID
-	}
-	if tb.preq != "" && preq != "" {
-		return tb.preq == preq
-	}
-	return true
+	return namesTransfer(tb.tid, tb.preq, transferID, preq)
 }
 
 // regGroup collects the registrations of one D request from its ranks.
