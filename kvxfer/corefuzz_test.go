@@ -152,6 +152,13 @@ func coreSimSeeds() [][]byte {
 		// holding the blocks yet: refused by the grants, read again.
 		newSimScript(simPull, tp21, true, tid, simReqByte(false, simNameID, b, 2)).
 			sendLag(1, 1).recv(1).hs().land(0).land(0).wait(1).catchUp("P", 1).wait(1).land(0).send(2).recv(2),
+		// Layer-wise preemption: with a layer's WRITE in flight, prefilled
+		// again in new blocks (the freed ones taken by another request
+		// sharing its first step), a late signal of the first attempt's
+		// step; every layer written again before the consumer is done.
+		newSimScript(simLayer, tp11, false, tid|0xc0, tid).
+			send(1).recv(1).recv(2).hs().hs().deliver(0).deliver(0).save(0, 0, 0).preempt(1).ev(0, 0, 0, 0).
+			save(0, 0, 0x30).land(0).save(1, 0, 0).save(1, 0, 1).land(0).land(0).send(2).send(1),
 		// Aborts, failures and time.
 		newSimScript(simLayer, tp21, true, tid, tid, tid).
 			send(1).recv(1).abort(2).hs().hs().deliver(0).failNotify("D").save(0, 1, 0).landFail(0).wait(40).wait(40).send(3).recv(3),
@@ -194,7 +201,8 @@ func TestCoreSimSeeds(t *testing.T) {
 		}
 	}
 	want = append(want, "paired by base id", "ambiguous pairing refused", "refused by grants", "restart P", "restart D",
-		"layer saved", "aborted", "rank caught up", "abandoned transfer landed")
+		"layer saved", "aborted", "rank caught up", "abandoned transfer landed", "preempted", "prefilled again",
+		"prefills share a step", "stale layer signal")
 	for _, k := range want {
 		if got[k] == 0 {
 			t.Errorf("no seed exercises %q", k)
@@ -267,6 +275,7 @@ func (s *simScript) save(pick, rank, layer byte) *simScript {
 	return s.ev(14, pick, rank, layer)
 }
 func (s *simScript) abort(i int) *simScript              { return s.ev(15, byte(i-1)) }
+func (s *simScript) preempt(i int) *simScript            { return s.ev(18, byte(i-1)) }
 func (s *simScript) restart(engine string) *simScript    { return s.ev(16, simEngineByte(engine)) }
 func (s *simScript) failNotify(engine string) *simScript { return s.ev(10, simEngineByte(engine)) }
 func (s *simScript) failPost(engine string) *simScript   { return s.ev(11, simEngineByte(engine)) }
@@ -387,9 +396,11 @@ type simReq struct {
 	base                string
 	byTID, exact        bool // how D's registration names P's request
 	nblocks             int
-	pState              int // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted, 4 preempted (layer-wise)
+	batch               bool // layer-wise: its prefill step prefills the next request too, if it can
+	pState              int  // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted, 4 preempted (layer-wise)
 	pGen                uint64
 	pStep               uint64
+	oldStep             uint64 // layer-wise: the prefill step of an attempt its engine preempted
 	pBlocks             []topology.BlockID
 	tag                 uint32
 	saved               [2][simRegions]bool // by P rank, layer
@@ -492,6 +503,7 @@ func newCoreSim(t *testing.T, in []byte) *coreSim {
 			b := s.byte()
 			r.base = string(rune('a' + b>>3&1))
 			r.nblocks = 1 + int(b>>4)%3
+			r.batch = b>>6 == 3
 			r.pid, r.did = fmt.Sprintf("%s-%08x", r.base, 0xa0000000+i), fmt.Sprintf("%s-%08x", r.base, 0xd0000000+i)
 			if b&1 != 0 {
 				r.tid, r.byTID = fmt.Sprintf("t%d", i), true
@@ -1065,7 +1077,19 @@ func (s *coreSim) stepSend(i int) {
 		r.pGen, r.pBlocks, r.tag = e.gen, blocks, uint32(len(s.tags))
 		if s.mode == simLayer {
 			r.pState, r.pStep = 1, s.nextStep()
-			s.engineStep(e, &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}})
+			meta := &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}}
+			// The step may prefill the next request too (the input says):
+			// their layers are saved by the same signals.
+			if q := s.reqs[i%s.n]; r.batch && q != r && q.pState == 0 {
+				if blocks := e.alloc(q.nblocks, q.pid); blocks != nil {
+					s.tags = append(s.tags, q)
+					q.pGen, q.pBlocks, q.tag = e.gen, blocks, uint32(len(s.tags))
+					q.pState, q.pStep = 1, r.pStep
+					meta.Prefill = append(meta.Prefill, q.send(time.Time{}))
+					s.count("prefills share a step")
+				}
+			}
+			s.engineStep(e, meta)
 			return
 		}
 		r.pState = 2
@@ -1133,8 +1157,28 @@ func (s *coreSim) stepRecv(i int) {
 
 // saveLayer: a P rank saves a layer of a request it prefills.
 func (s *coreSim) saveLayer() {
-	pick, rank, layer := int(s.byte()), int(s.byte())%s.p.tp, int(s.byte())%simRegions
+	pick, rank, lb := int(s.byte()), int(s.byte())%s.p.tp, s.byte()
+	// The layer byte's high bits say how (0: at once, after its step;
+	// 1: before its rank took its step; 2: again if saved; 3: a late
+	// signal of a preempted attempt).
+	layer, how := int(lb)%simRegions, lb>>4%4
 	if s.mode != simLayer {
+		return
+	}
+	if how == 3 {
+		// A late signal of a preempted attempt's step (its layer was
+		// computed then, into blocks since freed): the rank takes it
+		// whenever it comes, before or after the preemption.
+		var old []*simReq
+		for _, r := range s.reqs {
+			if r.oldStep != 0 && r.pGen == s.p.gen {
+				old = append(old, r)
+			}
+		}
+		if len(old) > 0 {
+			s.count("stale layer signal")
+			s.signalLayer(s.p.cores[rank], old[pick%len(old)].oldStep, layer)
+		}
 		return
 	}
 	var cands []*simReq
@@ -1147,15 +1191,33 @@ func (s *coreSim) saveLayer() {
 		return
 	}
 	r := cands[pick%len(cands)]
+	c := s.p.cores[rank]
 	if r.saved[rank][layer] {
+		if how == 2 {
+			s.count("layer signalled twice")
+			s.signalLayer(c, r.pStep, layer)
+		}
 		return
 	}
-	c := s.p.cores[rank]
-	s.flush(c) // its step reached it before its forward pass
-	r.saved[rank][layer] = true
+	if how != 1 {
+		s.flush(c) // its step reached it before its forward pass
+	} else if len(c.queue) > 0 {
+		s.count("layer signalled before its step")
+	}
 	s.count("layer saved")
-	s.fill(c, r, layer)
-	s.step(c, input{kind: inEvent, ev: &event{kind: evLayer, step: r.pStep, layer: layer}})
+	s.signalLayer(c, r.pStep, layer)
+}
+
+// signalLayer: rank c's engine computed layer of step, for every
+// request the step prefills (and still prefills), and says so.
+func (s *coreSim) signalLayer(c *simCore, step uint64, layer int) {
+	for _, q := range s.reqs {
+		if q.pState == 1 && q.pGen == s.p.gen && q.pStep == step && !q.saved[c.rank][layer] {
+			q.saved[c.rank][layer] = true
+			s.fill(c, q, layer)
+		}
+	}
+	s.step(c, input{kind: inEvent, ev: &event{kind: evLayer, step: step, layer: layer}})
 }
 
 // preempt: P's engine preempts layer-wise request i after its prefill
@@ -1180,7 +1242,7 @@ func (s *coreSim) preempt(i int) {
 	}
 	s.free(e, r.pBlocks, r.pid)
 	r.saved = [2][simRegions]bool{}
-	r.pState = 4
+	r.pState, r.oldStep = 4, r.pStep
 	s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Preempted: []string{r.pid}})
 }
 
