@@ -49,3 +49,27 @@ func TestLateRankRegistrationByBaseAfterPairFailed(t *testing.T) {
 		}
 	}
 }
+
+// A consumer rank that cancels by base id after the producer's WRITE into
+// it landed and the pair ended (the completion notice lost or late) is
+// answered with the completion notice again, as one that names the
+// producer request by its id is: the tombstone is that request's. Before,
+// the name (a) was taken for another request than the tombstone's
+// (a-aaaa0001): the rank was answered a bare acknowledgement and failed
+// a request whose KV had landed.
+func TestCancelByBaseAfterDoneAnsweredDone(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=push engine=P tp=0/1")
+	var all []string
+	add := func(s string) string { all = append(all, s); return s }
+	add(tc.run(t, "step send=a-aaaa0001 blocks=1 tokens=16"))
+	add(tc.run(t, "notif from=D/0 kind=reg dreq=a-dddd0001 preq=a spans=5"))
+	add(tc.run(t, "handshake D tp=1"))
+	if got := add(tc.run(t, "ended xfer=1")); !strings.Contains(got, "outcome send a-aaaa0001 done") {
+		t.Fatalf("the WRITE landed: %q, want a-aaaa0001 done\n%s", got, strings.Join(all, "\n"))
+	}
+	got := add(tc.run(t, "notif from=D/0 kind=cancel dreq=a-dddd0001 preq=a"))
+	if !strings.Contains(got, "done dreq=a-dddd0001") {
+		t.Errorf("D/0 cancels a-dddd0001 (by base a) after the WRITE into it landed: %q, want the completion notice again\n%s", got, strings.Join(all, "\n"))
+	}
+}
