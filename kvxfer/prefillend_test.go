@@ -59,3 +59,28 @@ func TestSchedulerListedProducerAlwaysEnds(t *testing.T) {
 		})
 	}
 }
+
+// An abandoned listing's abort must not end an earlier request under its
+// id that still holds its blocks for its transfer: with no transfer id to
+// tell them apart, the finish refused as a duplicate stages nothing.
+func TestSchedulerListedProducerDuplicateSparesHolder(t *testing.T) {
+	s, _ := newSched(t, ModePush, func(c *SchedulerConfig) { c.Layerwise = true })
+	r := &Request{ID: "p-1", PromptTokens: 16, Params: &TransferParams{DoRemoteDecode: true}}
+	b := [][]topology.BlockID{ids(1)}
+	if delay, _, err := s.RequestFinished(r, FinishStopped, b, 16); err != nil || !delay {
+		t.Fatalf("first finish: %v, %v", delay, err)
+	}
+	s.BuildMeta()
+	if err := s.Prefill(r, b, 0, 16); err != nil {
+		t.Fatal(err)
+	}
+	if m := s.BuildMeta(); len(m.Prefill) != 1 {
+		t.Fatalf("step: %+v, want p-1 listed", m)
+	}
+	if _, _, err := s.RequestFinished(r, FinishStopped, b, 16); err == nil {
+		t.Fatal("a finish under the id of a request holding its blocks: no error")
+	}
+	if m := s.BuildMeta(); len(m.NotProcessed)+len(m.Send) != 0 {
+		t.Errorf("step: %+v, want nothing staged (an abort would end the holder)", m)
+	}
+}

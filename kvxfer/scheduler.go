@@ -830,7 +830,10 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		delete(s.prefilling, r.ID)
 		sends, aborts := len(s.send), len(s.notProcessed)
 		defer func() {
-			if len(s.send) == sends && len(s.notProcessed) == aborts {
+			// (Not where an earlier request under its id holds its blocks
+			// and no transfer id tells the two apart: the abort would end
+			// that one on the workers.)
+			if len(s.send) == sends && len(s.notProcessed) == aborts && !(s.held[r.ID] && tid == "") {
 				s.abandonPrefill(r.ID, tid)
 			}
 		}()
