@@ -609,6 +609,18 @@ func (st *loopState) rejectEntry(b *rejected) {
 	if b.id == "" || b.role == 0 {
 		return
 	}
+	if b.role == RoleProducer {
+		if s := st.sends.get(b.id); s != nil && s.prefill && !s.aborted {
+			// Its finish (a layer-wise request holds no lease while it
+			// prefills: its finish or abort ends it). The engine hears
+			// the entry was refused and frees the blocks: the request
+			// ends as aborted (nothing more written from them, its
+			// consumer told it failed). Dropped, it prefilled for ever.
+			st.log.Warn("kvxfer: malformed finish of a layer-wise request prefilling: it ends", "req", b.id, "why", b.reason)
+			st.producerAborted(b.id, s.req.TransferID)
+			return
+		}
+	}
 	if b.role == RoleProducer && st.sends.get(b.id) != nil || b.role == RoleConsumer && st.recvs[b.id] != nil {
 		st.log.Warn("kvxfer: malformed step entry for a request the rank holds: dropped", "req", b.id, "role", b.role, "why", b.reason)
 		return
