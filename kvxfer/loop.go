@@ -613,11 +613,26 @@ func (st *loopState) rejectEntry(b *rejected) {
 		if s := st.sends.get(b.id); s != nil && s.prefill && !s.aborted {
 			// Its finish (a layer-wise request holds no lease while it
 			// prefills: its finish or abort ends it). The engine hears
-			// the entry was refused and frees the blocks: the request
-			// ends as aborted (nothing more written from them, its
-			// consumer told it failed). Dropped, it prefilled for ever.
-			st.log.Warn("kvxfer: malformed finish of a layer-wise request prefilling: it ends", "req", b.id, "why", b.reason)
-			st.producerAborted(b.id, s.req.TransferID)
+			// the entry was refused, waits for its outcome (a failure,
+			// as for any refused entry) and frees the blocks: nothing
+			// more is written from them, its consumer is told it
+			// failed, and it fails once its WRITEs in flight end.
+			// Dropped, it prefilled for ever and the engine held its
+			// blocks waiting for an outcome that never came.
+			st.log.Warn("kvxfer: malformed finish of a layer-wise request prefilling: it fails", "req", b.id, "why", b.reason)
+			why, kind := b.reason, FailureSetup
+			if s.doom != "" {
+				why, kind = s.doom, s.doomKind
+			}
+			if s.done {
+				// Doomed, unpaired: it fails now.
+				s.prefill = false
+				st.failUnmatched(s, kind, why)
+				return
+			}
+			s.aborted, s.prefill = true, false
+			s.failReason, s.failKind = why, kind
+			st.settleSend(s)
 			return
 		}
 	}
