@@ -1974,8 +1974,8 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 // be freed), unless it holds a request of that id from an earlier step,
 // whose outcome is its own to give (the engine named it in two steps). (A
 // layer-wise producer an earlier step's prefill entry holds prefilling is
-// the exception: the refusal of its finish ends it there, as an abort,
-// once its WRITEs in flight end: it has no lease to end it otherwise.)
+// the exception: the refusal of its finish fails it there, once its
+// WRITEs in flight end: it has no lease to end it otherwise.)
 func unstaged(step uint64, ref *pb.StepRef, meta *pb.StepMeta) []kvxfer.Refusal {
 	if len(ref.GetRecvRequestIds())+len(ref.GetSendRequestIds()) == 0 {
 		return nil
