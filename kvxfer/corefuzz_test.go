@@ -158,6 +158,13 @@ func coreSimSeeds() [][]byte {
 		// holding the blocks yet: refused by the grants, read again.
 		newSimScript(simPull, tp21, true, tid, simReqByte(false, simNameID, b, 2)).
 			sendLag(1, 1).recv(1).hs().land(0).land(0).wait(1).catchUp("P", 1).wait(1).land(0).send(2).recv(2),
+		// Layer-wise preemption: with a layer's WRITE in flight, prefilled
+		// again in new blocks (the freed ones taken by another request
+		// sharing its first step), a late signal of the first attempt's
+		// step; every layer written again before the consumer is done.
+		newSimScript(simLayer, tp11, false, tid|0xc0, tid).
+			send(1).recv(1).recv(2).hs().hs().deliver(0).deliver(0).save(0, 0, 0).preempt(1).ev(0, 0, 0, 0).
+			save(0, 0, 0x30).land(0).save(1, 0, 0).save(1, 0, 1).land(0).land(0).send(2).send(1),
 		// Aborts, failures and time.
 		newSimScript(simLayer, tp21, true, tid, tid, tid).
 			send(1).recv(1).abort(2).hs().hs().deliver(0).failNotify("D").save(0, 1, 0).landFail(0).wait(40).wait(40).send(3).recv(3),
@@ -200,7 +207,8 @@ func TestCoreSimSeeds(t *testing.T) {
 		}
 	}
 	want = append(want, "paired by base id", "ambiguous pairing refused", "refused by grants", "restart P", "restart D",
-		"layer saved", "aborted", "rank caught up", "abandoned transfer landed", "writer exited")
+		"layer saved", "aborted", "rank caught up", "abandoned transfer landed", "writer exited", "preempted", "prefilled again",
+		"prefills share a step", "stale layer signal")
 	for _, k := range want {
 		if got[k] == 0 {
 			t.Errorf("no seed exercises %q", k)
@@ -273,6 +281,7 @@ func (s *simScript) save(pick, rank, layer byte) *simScript {
 	return s.ev(14, pick, rank, layer)
 }
 func (s *simScript) abort(i int) *simScript              { return s.ev(15, byte(i-1)) }
+func (s *simScript) preempt(i int) *simScript            { return s.ev(18, byte(i-1)) }
 func (s *simScript) restart(engine string) *simScript    { return s.ev(16, simEngineByte(engine)) }
 func (s *simScript) failNotify(engine string) *simScript { return s.ev(10, simEngineByte(engine)) }
 func (s *simScript) failPost(engine string) *simScript   { return s.ev(11, simEngineByte(engine)) }
@@ -353,15 +362,18 @@ type simEngine struct {
 
 // simCore is one rank's core and its driver's state.
 type simCore struct {
-	eng      *simEngine
-	rank     int
-	agent    PeerName
-	st       *loopState
-	dead     bool
-	asks     []hsAsk
-	queue    []*StepMeta // steps the engine issued that this rank has not taken yet
-	blockLen int
-	mem      []uint32
+	eng   *simEngine
+	rank  int
+	agent PeerName
+	st    *loopState
+	dead  bool
+	asks  []hsAsk
+	queue []*StepMeta // steps the engine issued that this rank has not taken yet
+	// preempting: layer-wise requests its engine preempted whose
+	// preemption this rank has not taken yet.
+	preempting map[string]bool
+	blockLen   int
+	mem        []uint32
 	// The data plane's grants (guarded): a consumer's WRITE grants by
 	// block, a producer's pull holds.
 	writeTo [simBlocks]uint32
@@ -390,9 +402,11 @@ type simReq struct {
 	base                string
 	byTID, exact        bool // how D's registration names P's request
 	nblocks             int
-	pState              int // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted
+	batch               bool // layer-wise: its prefill step prefills the next request too, if it can
+	pState              int  // 0 not stepped, 1 prefilling (layer-wise), 2 finished, 3 aborted, 4 preempted (layer-wise)
 	pGen                uint64
 	pStep               uint64
+	oldStep             uint64 // layer-wise: the prefill step of an attempt its engine preempted
 	pBlocks             []topology.BlockID
 	tag                 uint32
 	saved               [2][simRegions]bool // by P rank, layer
@@ -410,13 +424,18 @@ type simMsg struct {
 // simXfer is a transfer in flight: a WRITE posted by a producer rank, or
 // a READ posted by a consumer rank.
 type simXfer struct {
-	id         XferID // its poster's name for it
-	poster     *simCore
-	peer       PeerName
-	read       bool
-	descs      []hotpath.Desc
-	notif      []byte
-	posted     time.Time
+	id     XferID // its poster's name for it
+	poster *simCore
+	peer   PeerName
+	read   bool
+	descs  []hotpath.Desc
+	notif  []byte
+	posted time.Time
+	// stale: a layer-wise WRITE of an attempt its engine preempted (in
+	// flight then, or posted before its rank took the preemption): it
+	// may read blocks the engine gave another request; what it lands
+	// must be written again before the consumer reports done.
+	stale      bool
 	preq, dreq string
 	// abandoned: its poster gave it up and is releasing it; it ends
 	// (landing its bytes or not) as the release returns.
@@ -490,6 +509,7 @@ func newCoreSim(t *testing.T, in []byte) *coreSim {
 			b := s.byte()
 			r.base = string(rune('a' + b>>3&1))
 			r.nblocks = 1 + int(b>>4)%3
+			r.batch = b>>6 == 3
 			r.pid, r.did = fmt.Sprintf("%s-%08x", r.base, 0xa0000000+i), fmt.Sprintf("%s-%08x", r.base, 0xd0000000+i)
 			if b&1 != 0 {
 				r.tid, r.byTID = fmt.Sprintf("t%d", i), true
@@ -642,6 +662,7 @@ func (s *coreSim) do(c *simCore, o *op) error {
 			descs = slices.Clone(c.st.fx.descs[o.from:o.to])
 		}
 		x := &simXfer{id: o.id, poster: c, peer: o.peer, read: read, descs: descs, notif: o.msg, posted: s.now}
+		x.stale = !read && c.preempting[h.send]
 		if read {
 			x.dreq = h.recv
 			if r := c.st.recvs[h.recv]; r != nil {
@@ -945,9 +966,12 @@ func (s *coreSim) done() bool { return len(s.in) == 0 || s.steps > 400 }
 func (s *coreSim) event() {
 	s.steps++
 	k := s.byte()
-	if s.legacy {
+	switch {
+	case s.legacy:
 		k %= 14
-	} else {
+	case s.mode == simLayer:
+		k %= 19
+	default:
 		k %= 18
 	}
 	switch k {
@@ -988,6 +1012,8 @@ func (s *coreSim) event() {
 		s.abort(1 + int(s.byte())%s.n)
 	case 16:
 		s.restart()
+	case 18:
+		s.preempt(1 + int(s.byte())%s.n)
 	case 17: // a rank takes the steps its engine issued
 		e := []*simEngine{s.p, s.d}[s.byte()%2]
 		c := e.cores[int(s.byte())%e.tp]
@@ -1006,6 +1032,9 @@ func (s *coreSim) nextStep() uint64 {
 // engineStep issues a step to every rank of e; each takes it now or
 // later (the input says which, where there are several).
 func (s *coreSim) engineStep(e *simEngine, meta *StepMeta) {
+	if *simVerbose {
+		s.t.Logf("%v step %s: %+v", s.now.Format("04:05.000"), e.name, *meta)
+	}
 	for _, c := range e.cores {
 		c.queue = append(c.queue, meta)
 	}
@@ -1035,6 +1064,9 @@ func (s *coreSim) flush(c *simCore) {
 		for _, r := range m.Recv {
 			c.handed[r.ReqID] = true
 		}
+		for _, id := range m.Preempted {
+			delete(c.preempting, id)
+		}
 		s.step(c, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
 	}
 }
@@ -1059,6 +1091,40 @@ func (s *coreSim) stepSend(i int) {
 		r.pGen, r.pBlocks, r.tag = e.gen, blocks, uint32(len(s.tags))
 		if s.mode == simLayer {
 			r.pState, r.pStep = 1, s.nextStep()
+			meta := &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}}
+			// The step may prefill the next request too (the input says):
+			// their layers are saved by the same signals.
+			if q := s.reqs[i%s.n]; r.batch && q != r && q.pState == 0 {
+				if blocks := e.alloc(q.nblocks, q.pid); blocks != nil {
+					s.tags = append(s.tags, q)
+					q.pGen, q.pBlocks, q.tag = e.gen, blocks, uint32(len(s.tags))
+					q.pState, q.pStep = 1, r.pStep
+					meta.Prefill = append(meta.Prefill, q.send(time.Time{}))
+					s.count("prefills share a step")
+				}
+			}
+			s.engineStep(e, meta)
+			return
+		}
+		r.pState = 2
+		for _, c := range e.cores {
+			for g := range simRegions {
+				s.fill(c, r, g)
+			}
+		}
+		s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Send: []SendReq{r.send(s.now.Add(30 * time.Second))}})
+	case r.pState == 4 && r.pGen == e.gen:
+		// Preempted: scheduled again, into new blocks (the lowest free:
+		// often its old ones). Its prefill is listed again, or (the
+		// input says) it finishes without a listing.
+		blocks := e.alloc(r.nblocks, r.pid)
+		if blocks == nil {
+			return
+		}
+		r.pBlocks = blocks
+		if s.byte()%2 == 0 {
+			r.pState, r.pStep = 1, s.nextStep()
+			s.count("prefilled again")
 			s.engineStep(e, &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}})
 			return
 		}
@@ -1105,8 +1171,28 @@ func (s *coreSim) stepRecv(i int) {
 
 // saveLayer: a P rank saves a layer of a request it prefills.
 func (s *coreSim) saveLayer() {
-	pick, rank, layer := int(s.byte()), int(s.byte())%s.p.tp, int(s.byte())%simRegions
+	pick, rank, lb := int(s.byte()), int(s.byte())%s.p.tp, s.byte()
+	// The layer byte's high bits say how (0: at once, after its step;
+	// 1: before its rank took its step; 2: again if saved; 3: a late
+	// signal of a preempted attempt).
+	layer, how := int(lb)%simRegions, lb>>4%4
 	if s.mode != simLayer {
+		return
+	}
+	if how == 3 {
+		// A late signal of a preempted attempt's step (its layer was
+		// computed then, into blocks since freed): the rank takes it
+		// whenever it comes, before or after the preemption.
+		var old []*simReq
+		for _, r := range s.reqs {
+			if r.oldStep != 0 && r.pGen == s.p.gen {
+				old = append(old, r)
+			}
+		}
+		if len(old) > 0 {
+			s.count("stale layer signal")
+			s.signalLayer(s.p.cores[rank], old[pick%len(old)].oldStep, layer)
+		}
 		return
 	}
 	var cands []*simReq
@@ -1119,21 +1205,65 @@ func (s *coreSim) saveLayer() {
 		return
 	}
 	r := cands[pick%len(cands)]
+	c := s.p.cores[rank]
 	if r.saved[rank][layer] {
+		if how == 2 {
+			s.count("layer signalled twice")
+			s.signalLayer(c, r.pStep, layer)
+		}
 		return
 	}
-	c := s.p.cores[rank]
-	s.flush(c) // its step reached it before its forward pass
-	r.saved[rank][layer] = true
+	if how != 1 {
+		s.flush(c) // its step reached it before its forward pass
+	} else if len(c.queue) > 0 {
+		s.count("layer signalled before its step")
+	}
 	s.count("layer saved")
-	s.fill(c, r, layer)
-	s.step(c, input{kind: inEvent, ev: &event{kind: evLayer, step: r.pStep, layer: layer}})
+	s.signalLayer(c, r.pStep, layer)
+}
+
+// signalLayer: rank c's engine computed layer of step, for every
+// request the step prefills (and still prefills), and says so.
+func (s *coreSim) signalLayer(c *simCore, step uint64, layer int) {
+	for _, q := range s.reqs {
+		if q.pState == 1 && q.pGen == s.p.gen && q.pStep == step && !q.saved[c.rank][layer] {
+			q.saved[c.rank][layer] = true
+			s.fill(c, q, layer)
+		}
+	}
+	s.step(c, input{kind: inEvent, ev: &event{kind: evLayer, step: step, layer: layer}})
+}
+
+// preempt: P's engine preempts layer-wise request i after its prefill
+// step: its blocks are freed at once (another request may take them
+// before a rank hears of it), and it is scheduled again later (stepSend).
+func (s *coreSim) preempt(i int) {
+	r, e := s.reqs[i-1], s.p
+	if s.mode != simLayer || r.pState != 1 || r.pGen != e.gen {
+		return
+	}
+	s.count("preempted")
+	for _, x := range s.xfers {
+		if !x.read && x.poster.eng == e && x.preq == r.pid {
+			x.stale = true
+		}
+	}
+	for _, c := range e.cores {
+		if c.preempting == nil {
+			c.preempting = map[string]bool{}
+		}
+		c.preempting[r.pid] = true
+	}
+	s.free(e, r.pBlocks, r.pid)
+	r.saved = [2][simRegions]bool{}
+	r.pState, r.oldStep = 4, r.pStep
+	s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Preempted: []string{r.pid}})
 }
 
 // abort: P's engine aborts request i before it finished.
 func (s *coreSim) abort(i int) {
 	r := s.reqs[i-1]
-	if r.pState >= 2 || r.pState == 1 && r.pGen != s.p.gen {
+	if r.pState == 2 || r.pState == 3 || (r.pState == 1 || r.pState == 4) && r.pGen != s.p.gen {
 		return
 	}
 	meta := &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, NotProcessed: []string{r.pid}}
@@ -1172,6 +1302,10 @@ func (s *coreSim) deliver(pick int, twice bool) {
 		s.msgs = slices.Delete(s.msgs, i, i+1)
 	}
 	if c := s.agents[m.to]; c != nil && !c.dead {
+		if *simVerbose {
+			dm, _ := decodeMsg(m.n.Msg)
+			s.t.Logf("%v deliver %s -> %s: %+v", s.now.Format("04:05.000"), m.n.From, m.to, dm)
+		}
 		s.step(c, input{kind: inNotifs, notifs: []Notif{m.n}})
 	}
 }
@@ -1266,6 +1400,9 @@ func (s *coreSim) copyBytes(x *simXfer, peer *simCore) error {
 		for _, b := range pc.blocks(s, src(d), d.Len) {
 			if pc.eng.owner[b] == x.preq && pc.reported[x.preq] == 0 {
 				continue
+			}
+			if x.stale {
+				continue // documented: written again (preempt)
 			}
 			if x.read && (!s.grants || x.preq == "") && (pc.reported[x.preq] > 0 && pc.results[x.preq] != ResultDone || !pc.handed[x.preq]) {
 				dc.tainted[x.dreq] = true // simREADLate

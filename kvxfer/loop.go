@@ -166,15 +166,16 @@ type tomb struct {
 // is about the request the tombstone remembers, not a new request of
 // its engine under the same id (an id used again once its request
 // finished): by transfer id where both have one, else by the producer
-// request where both name one, else (nothing tells them apart) yes.
+// request where both name one, else (nothing tells them apart) yes. A
+// consumer may name the producer's request by its base id (pairOf): that
+// name is about every request of its base, the remembered one among them
+// (namesTransfer, the consumer's rule for the producer's messages).
+// (Compared as two requests, the late registration of a rank whose pair
+// had ended was taken as a new request's and paired by base with the
+// next producer request of that base: its KV written into that rank's
+// blocks while the rank, told the pair failed, handed them back.)
 func (tb tomb) names(transferID, preq string) bool {
-	if tb.tid != "" && transferID != "" {
-		return tb.tid == transferID
-	}
-	if tb.preq != "" && preq != "" {
-		return tb.preq == preq
-	}
-	return true
+	return namesTransfer(tb.tid, tb.preq, transferID, preq)
 }
 
 // regGroup collects the registrations of one D request from its ranks.
@@ -615,6 +616,33 @@ func (st *loopState) failUntaken(role Role, id string, local []topology.Span, ki
 func (st *loopState) rejectEntry(b *rejected) {
 	if b.id == "" || b.role == 0 {
 		return
+	}
+	if b.role == RoleProducer {
+		if s := st.sends.get(b.id); s != nil && s.prefill && !s.aborted {
+			// Its finish (a layer-wise request holds no lease while it
+			// prefills: its finish or abort ends it). The engine hears
+			// the entry was refused, waits for its outcome (a failure,
+			// as for any refused entry) and frees the blocks: nothing
+			// more is written from them, its consumer is told it
+			// failed, and it fails once its WRITEs in flight end.
+			// Dropped, it prefilled for ever and the engine held its
+			// blocks waiting for an outcome that never came.
+			st.log.Warn("kvxfer: malformed finish of a layer-wise request prefilling: it fails", "req", b.id, "why", b.reason)
+			why, kind := b.reason, FailureSetup
+			if s.doom != "" {
+				why, kind = s.doom, s.doomKind
+			}
+			if s.done {
+				// Doomed, unpaired: it fails now.
+				s.prefill = false
+				st.failUnmatched(s, kind, why)
+				return
+			}
+			s.aborted, s.prefill = true, false
+			s.failReason, s.failKind = why, kind
+			st.settleSend(s)
+			return
+		}
 	}
 	if b.role == RoleProducer && st.sends.get(b.id) != nil || b.role == RoleConsumer && st.recvs[b.id] != nil {
 		st.log.Warn("kvxfer: malformed step entry for a request the rank holds: dropped", "req", b.id, "role", b.role, "why", b.reason)

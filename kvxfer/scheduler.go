@@ -169,6 +169,10 @@ type Scheduler struct {
 	// prefilled: layer-wise producer requests listed in a Prefill
 	// already, until they finish.
 	prefilled map[string]bool
+	// prefilling: layer-wise producer requests whose listing a step
+	// carried (the workers hold them prefilling, with no lease), by
+	// transfer id, until RequestFinished stages what ends them there.
+	prefilling map[string]string
 	// watchdog: push registration deadlines by D request id, and a heap
 	// of them by deadline.
 	watch map[string]time.Time
@@ -240,7 +244,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, watch: map[string]time.Time{}, recving: map[string]bool{},
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, prefilling: map[string]string{}, watch: map[string]time.Time{}, recving: map[string]bool{},
 		recvKeys: map[recvKey]string{}, recvKeyOf: map[string]recvKey{}}
 	mamba := false
 	for i, g := range cfg.Groups {
@@ -787,6 +791,22 @@ func (s *Scheduler) preempt(r *Request) error {
 	return nil
 }
 
+// abandonPrefill names in NotProcessed a request the workers hold
+// prefilling whose finish stages nothing that ends it there. Not bounded
+// by room: it was bounded when it was listed, and the workers hold it.
+func (s *Scheduler) abandonPrefill(id, tid string) {
+	if slices.Contains(s.notProcessed, id) {
+		return
+	}
+	s.notProcessed = append(s.notProcessed, id)
+	if tid != "" {
+		if s.notProcessedTID == nil {
+			s.notProcessedTID = map[string]string{}
+		}
+		s.notProcessedTID[id] = tid
+	}
+}
+
 // RequestFinished handles a finished request (SPEC §7.4, §8.1;
 // request_finished). A producer that finished normally with blocks holds
 // them under a lease (delay = true) and returns the params a consumer
@@ -799,6 +819,24 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	}
 	if status == FinishPreempted {
 		return false, nil, s.preempt(r)
+	}
+	if tid, ok := s.prefilling[r.ID]; ok {
+		// The workers hold it prefilling (a step listed it): whatever
+		// this finish stages, something must end it there. A finish that
+		// stages no SendReq or NotProcessed (no blocks: vLLM stops a
+		// request it preempted after its prefill step, its blocks freed;
+		// or a finish refused) names it in NotProcessed, as an abort.
+		// Without, each worker held it for ever.
+		delete(s.prefilling, r.ID)
+		sends, aborts := len(s.send), len(s.notProcessed)
+		defer func() {
+			// (Not where an earlier request under its id holds its blocks
+			// and no transfer id tells the two apart: the abort would end
+			// that one on the workers.)
+			if len(s.send) == sends && len(s.notProcessed) == aborts && !(s.held[r.ID] && tid == "") {
+				s.abandonPrefill(r.ID, tid)
+			}
+		}()
 	}
 	p := r.Params
 	received := s.processed[r.ID]
@@ -968,6 +1006,9 @@ func (s *Scheduler) BuildMeta() *StepMeta {
 	now := s.cfg.Now()
 	m := &StepMeta{Step: s.step, SchedulerClock: now, Recv: s.recv, Send: s.send, Prefill: s.prefill, Save: s.save,
 		InBatch: s.inBatch, NotProcessed: s.notProcessed, NotProcessedTransferIDs: s.notProcessedTID, Preempted: s.preempted}
+	for _, q := range s.prefill {
+		s.prefilling[q.ReqID] = q.TransferID
+	}
 	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed, s.notProcessedTID = nil, nil, nil, nil, nil, nil, nil
 	s.preempted = nil
 	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })

@@ -1367,6 +1367,9 @@ func (st *loopState) settleSend(s *sendReq) {
 	o := Outcome{ReqID: s.req.ReqID, Result: ResultDone}
 	why, whyKind := "producer lease expired", FailureExpired
 	switch {
+	case s.aborted && s.failReason != "":
+		// Its finish was refused (rejectEntry): it fails.
+		why, whyKind = s.failReason, s.failKind
 	case s.aborted:
 		why, whyKind = "producer aborted", FailureCancelled
 	case !s.expired:
@@ -1390,6 +1393,8 @@ func (st *loopState) settleSend(s *sendReq) {
 		}
 	}
 	switch {
+	case s.aborted && s.failReason != "":
+		o.Result, o.Kind, o.Reason = ResultFailed, s.failKind, why
 	case s.aborted:
 		o.Result, o.Kind, o.Reason = ResultAborted, FailureNone, why
 	case s.expired && !allSettledOK(s):

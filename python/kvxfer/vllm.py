@@ -1454,7 +1454,12 @@ class _SchedulerSide:
         reqs += list(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, computed in reqs:
             req = self.requests.get(rid)
-            if req is None or computed + sched.get(rid, 0) < req.num_prompt_tokens:
+            # A request listed already (and not preempted since: see
+            # _preempted) is decoding: its step is no prefill step. (Listed
+            # again, the daemon ignored it, but the step was flagged a
+            # prefill step: with relay "daemon" the ranks signalled every
+            # layer of every decode step, each a LayerSaved no request took.)
+            if req is None or rid in self.listed or computed + sched.get(rid, 0) < req.num_prompt_tokens:
                 continue
             self.pf.add("other", req, req.kv_transfer_params, mgr.get_block_ids(rid), computed, sched.get(rid, 0),
                         addrs=self.addrs)

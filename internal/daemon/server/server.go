@@ -1973,8 +1973,9 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 // step moves their blocks: the worker fails each at once (its blocks may
 // be freed), unless it holds a request of that id from an earlier step,
 // whose outcome is its own to give (the engine named it in two steps). (A
-// layer-wise producer's WRITEs started by an earlier step's prefill entry
-// are its worker's, and end with their own outcome.)
+// layer-wise producer an earlier step's prefill entry holds prefilling is
+// the exception: the refusal of its finish fails it there, once its
+// WRITEs in flight end: it has no lease to end it otherwise.)
 func unstaged(step uint64, ref *pb.StepRef, meta *pb.StepMeta) []kvxfer.Refusal {
 	if len(ref.GetRecvRequestIds())+len(ref.GetSendRequestIds()) == 0 {
 		return nil
