@@ -11,7 +11,11 @@ import harness as H
 from test_vllm import Run
 
 
-@pytest.mark.parametrize("relay", ["daemon", "metadata"])
+# Relay "daemon" needs the daemon placement.
+CASES = [("daemon", "daemon"), ("daemon", "metadata"), ("in-process", "metadata")]
+
+
+@pytest.mark.parametrize("placement,relay", CASES, ids=[f"{pl}-{rl}" for pl, rl in CASES])
 def test_layerwise_decoding_producer_signals_its_prefill_step_only(tmp_path, placement, daemons, relay):
     """Each decode step of a listed producer request listed it again: the
     daemon's Scheduler ignored the repeat, but the connector flagged the
@@ -21,8 +25,6 @@ def test_layerwise_decoding_producer_signals_its_prefill_step_only(tmp_path, pla
     for the repeat alone). Now only the step that completes a prompt is a
     prefill step: each P rank signals each layer once, and D gets every
     byte."""
-    if placement == "in-process" and relay == "daemon":
-        pytest.skip("relay daemon needs placement daemon")
     rng = random.Random(f"lw-decode-{relay}")
     r = Run(tmp_path, daemons, "push", 1, layerwise=True, p_kw={"relay": relay}, d_kw={"relay": relay})
     try:
