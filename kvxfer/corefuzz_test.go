@@ -1031,6 +1031,18 @@ func (s *coreSim) nextStep() uint64 {
 
 // engineStep issues a step to every rank of e; each takes it now or
 // later (the input says which, where there are several).
+// finishFilled fills every region of producer request r on every core
+// of e with its KV and finishes it (its SendReq, a 30 s lease).
+func (s *coreSim) finishFilled(e *simEngine, r *simReq) {
+	r.pState = 2
+	for _, c := range e.cores {
+		for g := range simRegions {
+			s.fill(c, r, g)
+		}
+	}
+	s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Send: []SendReq{r.send(s.now.Add(30 * time.Second))}})
+}
+
 func (s *coreSim) engineStep(e *simEngine, meta *StepMeta) {
 	if *simVerbose {
 		s.t.Logf("%v step %s: %+v", s.now.Format("04:05.000"), e.name, *meta)
@@ -1106,13 +1118,7 @@ func (s *coreSim) stepSend(i int) {
 			s.engineStep(e, meta)
 			return
 		}
-		r.pState = 2
-		for _, c := range e.cores {
-			for g := range simRegions {
-				s.fill(c, r, g)
-			}
-		}
-		s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Send: []SendReq{r.send(s.now.Add(30 * time.Second))}})
+		s.finishFilled(e, r)
 	case r.pState == 4 && r.pGen == e.gen:
 		// Preempted: scheduled again, into new blocks (the lowest free:
 		// often its old ones). Its prefill is listed again, or (the
@@ -1128,13 +1134,7 @@ func (s *coreSim) stepSend(i int) {
 			s.engineStep(e, &StepMeta{Step: r.pStep, SchedulerClock: s.now, Prefill: []SendReq{r.send(time.Time{})}})
 			return
 		}
-		r.pState = 2
-		for _, c := range e.cores {
-			for g := range simRegions {
-				s.fill(c, r, g)
-			}
-		}
-		s.engineStep(e, &StepMeta{Step: s.nextStep(), SchedulerClock: s.now, Send: []SendReq{r.send(s.now.Add(30 * time.Second))}})
+		s.finishFilled(e, r)
 	case r.pState == 1 && r.pGen == e.gen:
 		r.pState = 2
 		for _, c := range e.cores {

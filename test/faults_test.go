@@ -5,10 +5,8 @@ import (
 	"bytes"
 	"fmt"
 	"hash/fnv"
-	"io"
 	"math/rand/v2"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -614,16 +612,7 @@ func TestLateRankRegistrationAnswered(t *testing.T) {
 // name (labels dropped).
 func metricsOf(t *testing.T, addr string) map[string]float64 {
 	t.Helper()
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		t.Fatalf("scrape %s: %v", addr, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("scrape %s: %v", addr, err)
-	}
-	return parseMetrics(string(b))
+	return parseMetrics(rawMetrics(t, addr))
 }
 
 // regsReachP waits until the producer daemons scraped hold at least n

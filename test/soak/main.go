@@ -340,6 +340,13 @@ func (s *soak) crash(sd *side) error {
 	return sd.attach()
 }
 
+// freeze stops the side's daemon (SIGSTOP) for 0.5 to 3 s.
+func (s *soak) freeze(sd *side) {
+	d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
+	_ = sd.d.Signal(syscall.SIGSTOP)
+	go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(sd.d)
+}
+
 func (s *soak) fault() error {
 	switch k := s.rng.IntN(8); k {
 	case 0:
@@ -350,9 +357,7 @@ func (s *soak) fault() error {
 		return s.kill(s.d)
 	case 2:
 		s.faults["freeze P daemon"]++
-		d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
-		_ = s.p.d.Signal(syscall.SIGSTOP)
-		go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.p.d)
+		s.freeze(s.p)
 	case 3:
 		s.faults["restart P daemon"]++
 		return s.restart(s.p)
@@ -364,9 +369,7 @@ func (s *soak) fault() error {
 		return s.crash(s.d)
 	case 6:
 		s.faults["freeze D daemon"]++
-		d := time.Duration(500+s.rng.IntN(2500)) * time.Millisecond
-		_ = s.d.d.Signal(syscall.SIGSTOP)
-		go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(s.d.d)
+		s.freeze(s.d)
 	default:
 		s.faults["none"]++
 	}
