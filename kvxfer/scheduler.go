@@ -1073,9 +1073,13 @@ func (s *Scheduler) compactWatch() {
 
 // HasPendingWork reports whether the engine must keep stepping for
 // kvxfer's sake: blocks held for a transfer, or staged work not built yet
-// (SPEC §7.12).
+// (SPEC §7.12). Staged work is anything the next BuildMeta drains for the
+// workers, an abort (NotProcessed) or a save included: an idle engine that
+// stopped stepping would hold it back, and the workers (and, through
+// them, a consumer registered for the request) would wait on it.
 func (s *Scheduler) HasPendingWork() bool {
-	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0 || len(s.preempted) > 0
+	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0 || len(s.preempted) > 0 ||
+		len(s.notProcessed) > 0 || len(s.save) > 0
 }
 
 // Watching returns the push registrations whose watchdog is armed.

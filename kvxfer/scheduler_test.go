@@ -289,9 +289,18 @@ func TestProducerFinishEdgeCases(t *testing.T) {
 	if delay || params == nil || s.Held() != 0 {
 		t.Errorf("empty finish = %v, %+v, held %d; want false, params, no lease", delay, params, s.Held())
 	}
+	// The staged abort is work for the workers: an idle engine must step
+	// once more to send it (they hold p-1's blocks, and push consumers
+	// registered for it wait on it).
+	if !s.HasPendingWork() {
+		t.Errorf("HasPendingWork = false with p-1's abort staged; want true until it is built")
+	}
 	m := s.BuildMeta()
 	if !reflect.DeepEqual(m.NotProcessed, []string{"p-1"}) || len(m.Send) != 0 {
 		t.Errorf("NotProcessed = %v, Send = %v; want [p-1] and nothing", m.NotProcessed, m.Send)
+	}
+	if s.HasPendingWork() {
+		t.Errorf("HasPendingWork = true after the build; want false")
 	}
 	if delay, params, err := s.RequestFinished(&Request{ID: "x"}, FinishStopped, nil, 0); delay || params != nil || err != nil {
 		t.Errorf("finish without params = %v, %v, %v; want a no-op", delay, params, err)
