@@ -1219,13 +1219,18 @@ func (st *loopState) prepareOp(peer PeerName, entries []hotpath.Entry) PrepID {
 // opsDone takes the results of the ops the driver carried out (errs[i]
 // of ops[i]) and continues what each started.
 func (st *loopState) opsDone(ops []op, errs []error) {
+	// exited: the agents whose process a failed notice proved gone, each
+	// once: every notice to a dead agent fails alike (a batch of cancels
+	// to one), and writerExited scans every waiting request.
+	var exited []PeerName
+	var exitErr []error
 	for i := range ops {
 		o, err := &ops[i], errs[i]
 		switch o.kind {
 		case opNotify:
 			st.noticeDone(o, err)
-			if errors.Is(err, ErrPeerExited) {
-				st.writerExited(o.peer, err)
+			if errors.Is(err, ErrPeerExited) && !slices.Contains(exited, o.peer) {
+				exited, exitErr = append(exited, o.peer), append(exitErr, err)
 			}
 		case opPost, opPostPrepared, opPostLayout:
 			if err != nil {
@@ -1236,6 +1241,9 @@ func (st *loopState) opsDone(ops []op, errs []error) {
 				st.prepFailed(o.prep)
 			}
 		}
+	}
+	for i, p := range exited {
+		st.writerExited(p, exitErr[i])
 	}
 }
 
