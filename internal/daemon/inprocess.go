@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	capi "github.com/kvxfer/kvxfer/internal/nixl"
 	"github.com/kvxfer/kvxfer/internal/peerauth"
 )
 
@@ -193,6 +194,15 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 		if _, _, err := peerauth.LoadTLS(c.tlsCert, c.tlsKey, c.tlsCA); err != nil {
 			return nil, level, fmt.Errorf("%w: -tls-cert = %q, -tls-key = %q, -tls-ca = %q: %w", ErrConfig,
 				c.tlsCert, c.tlsKey, c.tlsCA, err)
+		}
+	}
+	// NIXL's C library, found as the start finds it (not loaded: loading
+	// it loads UCX, which installs signal handlers, long before a server
+	// is wanted): one missing fails here, naming where it was looked for,
+	// not at every worker's start after its model loaded.
+	if c.backend == "nixl" {
+		if _, err := capi.FindLibrary(); err != nil {
+			return nil, level, fmt.Errorf("%w: -backend = %q: %w", ErrConfig, c.backend, err)
 		}
 	}
 	// Directories the start needs (nothing created here).

@@ -110,6 +110,12 @@ func TestCheckInProcessConfig(t *testing.T) {
 			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)
 		}
 	}
+	// NIXL's library is looked for (not loaded) where the start looks.
+	t.Setenv("NIXL_CAPI_LIB", filepath.Join(dir, "missing.so"))
+	if err := CheckInProcessConfig([]byte(`{"backend": "nixl"}`)); !errors.Is(err, ErrConfig) ||
+		!strings.Contains(err.Error(), `-backend = "nixl"`) || !strings.Contains(err.Error(), "NIXL_CAPI_LIB") {
+		t.Errorf("CheckInProcessConfig(nixl, no library) = %v, want ErrConfig naming -backend and NIXL_CAPI_LIB", err)
+	}
 	if err := CheckInProcessConfig([]byte(`{"insecure_peers": true, "log_level": "error", "peer_timeout": "2s"}`)); err != nil {
 		t.Errorf("CheckInProcessConfig(a good one) = %v", err)
 	}
