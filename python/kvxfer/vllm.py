@@ -117,7 +117,10 @@ stream instead, never by both), or the rank's stream ended; and failed when
 the daemon dropped the step that started the wait (a StepError with
 ``dropped``: its metadata was never published to the rank).
 Each rank names, with each step it takes by reference, what vLLM begins
-waiting on with that step, and a dropped step's error names those back. A
+waiting on with that step, and a dropped step's error names those back,
+but a layer-wise producer the rank held prefilling from an earlier step:
+the daemon's worker ends that one and reports it failed once its WRITEs in
+flight end (its blocks are freed only then). A
 failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
 applies); a failed send is reported finished, so its blocks are freed.
 
