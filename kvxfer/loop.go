@@ -622,25 +622,11 @@ func (st *loopState) rejectEntry(b *rejected) {
 			// Its finish (a layer-wise request holds no lease while it
 			// prefills: its finish or abort ends it). The engine hears
 			// the entry was refused, waits for its outcome (a failure,
-			// as for any refused entry) and frees the blocks: nothing
-			// more is written from them, its consumer is told it
-			// failed, and it fails once its WRITEs in flight end.
-			// Dropped, it prefilled for ever and the engine held its
-			// blocks waiting for an outcome that never came.
+			// as for any refused entry) and frees the blocks. Dropped,
+			// it prefilled for ever and the engine held its blocks
+			// waiting for an outcome that never came.
 			st.log.Warn("kvxfer: malformed finish of a layer-wise request prefilling: it fails", "req", b.id, "why", b.reason)
-			why, kind := b.reason, FailureSetup
-			if s.doom != "" {
-				why, kind = s.doom, s.doomKind
-			}
-			if s.done {
-				// Doomed, unpaired: it fails now.
-				s.prefill = false
-				st.failUnmatched(s, kind, why)
-				return
-			}
-			s.aborted, s.prefill = true, false
-			s.failReason, s.failKind = why, kind
-			st.settleSend(s)
+			st.failPrefilling(s, b.reason)
 			return
 		}
 	}
@@ -649,6 +635,42 @@ func (st *loopState) rejectEntry(b *rejected) {
 		return
 	}
 	st.failUntaken(b.role, b.id, b.local, FailureSetup, b.reason)
+}
+
+// failPrefilling ends a layer-wise producer held prefilling whose finish
+// will not come (refused, or in a step dropped): nothing more is written
+// from its blocks, its consumer is told it failed, and it fails
+// (FailureSetup, why, unless its pairing failed first: that reason) once
+// its WRITEs in flight end; unpaired and doomed, at once.
+func (st *loopState) failPrefilling(s *sendReq, why string) {
+	kind := FailureSetup
+	if s.doom != "" {
+		why, kind = s.doom, s.doomKind
+	}
+	if s.done {
+		// Doomed, unpaired: it fails now.
+		s.prefill = false
+		st.failUnmatched(s, kind, why)
+		return
+	}
+	s.aborted, s.prefill = true, false
+	s.failReason, s.failKind = why, kind
+	st.settleSend(s)
+}
+
+// stepDropped ends each layer-wise producer of ids the rank holds
+// prefilling (Worker.StepDropped) and returns them (dst appended).
+func (st *loopState) stepDropped(dst, ids []string, why string) []string {
+	for _, id := range ids {
+		s := st.sends.get(id)
+		if s == nil || !s.prefill || s.aborted {
+			continue
+		}
+		st.log.Warn("kvxfer: a layer-wise request prefilling named by a dropped step: it fails", "req", id, "why", why)
+		st.failPrefilling(s, why)
+		dst = append(dst, id)
+	}
+	return dst
 }
 
 // report queues one terminal outcome.

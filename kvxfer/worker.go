@@ -561,6 +561,40 @@ func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 	return err
 }
 
+// StepDropped tells the worker of a step its caller dropped (could not
+// hand it: its metadata was not published, no longer kept, or could not
+// be read), naming send, the producer requests the step finishes or
+// aborts as far as the caller knows them (an id twice is taken once). A
+// layer-wise producer the rank holds prefilling from an earlier step has
+// no lease: its finish or abort alone ends it, and this step's is lost.
+// Each such one of send ends as a refused finish does (StepRefusing):
+// nothing more is written from its blocks, its consumer is told it
+// failed, and it fails (FailureSetup, its reason why) once its WRITEs in
+// flight end. StepDropped returns their ids: their outcome is the
+// worker's, so the caller does not end them itself. Any other request is
+// left as it is: one the rank does not hold gets no outcome (the caller
+// ends it), one held otherwise keeps its own (a lease ends it).
+//
+// StepDropped returns once the loop has taken in every step handed to it
+// before, or with ErrClosed (or the loop's error) once the Worker is
+// closed (which fails everything it holds).
+func (w *Worker) StepDropped(send []string, why string) ([]string, error) {
+	if len(send) == 0 {
+		return nil, nil
+	}
+	ch := make(chan []string, 1)
+	err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- st.stepDropped(nil, send, why) }})
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case ended := <-ch:
+		return ended, nil
+	case <-w.stopped:
+		return nil, cmp.Or(w.Err(), ErrClosed)
+	}
+}
+
 // LayerSaved tells a layer-wise push producer that layer of the given step
 // is in memory: the WRITEs of that layer for the step's finished requests
 // go out at once.

@@ -337,14 +337,18 @@ type StepError struct {
 	// field and value.
 	Message string
 	// Dropped: no entry of the step reached the worker, and no outcome
-	// will come on this rank for any request of it. The engine ends, on
-	// this rank, the requests Recv and Send name: a receive as failed, a
-	// send as ended (its blocks freed).
+	// will come on this rank for any request Recv and Send name. The
+	// engine ends those, on this rank: a receive as failed, a send as
+	// ended (its blocks freed).
 	Dropped bool
 	// Recv and Send are the consumer and producer requests of a dropped
 	// step: those its StepRef listed, and those its metadata names when
 	// kvxferd read it. A long list comes in several StepErrors of the
-	// same step.
+	// same step. Send leaves out a layer-wise producer the rank held
+	// prefilling from an earlier step (its Prefill entry) that the step
+	// finished: the worker ends it (nothing more is written from its
+	// blocks, its consumer told), and its failed outcome, naming the
+	// step, comes in Finished once its WRITEs in flight end.
 	Recv, Send []string
 }
 

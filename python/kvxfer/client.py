@@ -501,7 +501,9 @@ class _RankStream:
         (StepStream with publish_step) on this daemon. recv and send are the
         requests the engine begins waiting on with this step on this rank:
         should the step be dropped, its StepError (dropped) names them back,
-        for the engine to fail."""
+        for the engine to fail (but a layer-wise producer the rank holds
+        prefilling from an earlier step: its outcome comes from the
+        worker, failed, once its WRITEs in flight end)."""
         step = _int_arg("Connect.step_ref", "step", step, _UINT64_MAX)
         recv, send = _str_args("Connect.step_ref", "recv", recv), _str_args("Connect.step_ref", "send", send)
         self._send(pb.ConnectRequest(step_ref=pb.StepRef(step=step, recv_request_ids=recv, send_request_ids=send)))

@@ -113,11 +113,17 @@ Every request vLLM waits on ends, on every rank: done or failed as the
 daemon reports it; failed at once when the daemon refused or never got the
 scheduler's call (``fail_recv``/``fail_send``; with relay "daemon", a call
 the daemon refused in a step it published is failed by the rank's own
-stream instead, never by both), or the rank's stream ended; and failed when
+stream instead, never by both; a layer-wise producer a rank holds
+prefilling whose finish the daemon never got is told to the ranks as
+aborted, so that their workers end it and tell its consumer), or the
+rank's stream ended; and failed when
 the daemon dropped the step that started the wait (a StepError with
 ``dropped``: its metadata was never published to the rank).
 Each rank names, with each step it takes by reference, what vLLM begins
-waiting on with that step, and a dropped step's error names those back. A
+waiting on with that step, and a dropped step's error names those back,
+but a layer-wise producer the rank held prefilling from an earlier step:
+the daemon's worker ends that one and reports it failed once its WRITEs in
+flight end (its blocks are freed only then). A
 failed receive goes to vLLM's ``failed_recving`` (``kv_load_failure_policy``
 applies); a failed send is reported finished, so its blocks are freed.
 
@@ -421,6 +427,12 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     # as finished, so their blocks are freed).
     fail_recv: dict[str, str] = field(default_factory=dict)
     fail_send: dict[str, str] = field(default_factory=dict)
+    # Layer-wise producers listed in a prefill step whose finish (or
+    # abort) the daemon never got (the step's calls were lost), by id, with
+    # their transfer ids ("": none): every rank tells its worker they are
+    # aborted (StepMeta.not_processed), or a rank holding one prefilling
+    # (no lease) held it for ever, its consumer waiting out its timeout.
+    abort_listed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -1105,6 +1117,10 @@ class _SchedulerSide:
         self.expect_send: list[str] = []
         self.fail_recv: dict[str, str] = {}
         self.fail_send: dict[str, str] = {}
+        # Layer-wise producers listed prefilling that this step finishes,
+        # with their transfer ids: told to the ranks as aborted should the
+        # step's calls be lost (KvxferConnectorMetadata.abort_listed).
+        self.finish_listed: dict[str, str] = {}
         # Steps sent and not answered: (step, kinds, local decisions).
         self.inflight: deque = deque()
         self.step_no = 0
@@ -1351,8 +1367,10 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
-        self.listed.discard(request.request_id)
         p = request.kv_transfer_params
+        if request.request_id in self.listed:
+            self.listed.discard(request.request_id)
+            self.finish_listed[request.request_id] = str((p or {}).get("transfer_id") or "")
         if not p:
             return False, None
         status = _FINISH.get(request.status, pb.FINISH_STATUS_ABORTED)
@@ -1669,10 +1687,16 @@ class _SchedulerSide:
         except errors.KvxferError as e:
             self._lost(e, kinds)
             step_ref, step_meta = 0, b""
+            # Their finishes never reached the daemon (nor will: vLLM is
+            # done with them), and ranks hold them prefilling.
+            abort_listed = self.finish_listed
+        else:
+            abort_listed = {}
         meta = KvxferConnectorMetadata(step_meta=step_meta, step_ref=step_ref, prefill=prefill,
                                        expect_recv=self.expect_recv, expect_send=self.expect_send,
-                                       fail_recv=self.fail_recv, fail_send=self.fail_send)
+                                       fail_recv=self.fail_recv, fail_send=self.fail_send, abort_listed=abort_listed)
         self.expect_recv, self.expect_send, self.fail_recv, self.fail_send = [], [], {}, {}
+        self.finish_listed = {}
         return meta
 
     def pending(self) -> bool:
@@ -1812,6 +1836,17 @@ class _WorkerSide:
         for rid, why in meta.fail_send.items():
             self._send_done(rid)
         self.layer_steps = []
+        if meta.abort_listed and self.stream is not None and self.dead is None:
+            # The step's calls were lost: the worker ends what it holds
+            # prefilling of them (its consumer told), as their finish would
+            # have; its outcome, aborted, is a stale one here (they ended
+            # above). A stream that ended meanwhile ended them there too.
+            try:
+                self.stream.step(pb.StepMeta(not_processed=sorted(meta.abort_listed),
+                                             not_processed_transfer_ids={k: v for k, v in meta.abort_listed.items() if v}))
+            except errors.KvxferError as e:
+                log.warning("kvxfer: rank tp=%d pp=%d could not tell kvxferd of lost finishes %s: %s",
+                            self.tp_rank, self.pp_rank, sorted(meta.abort_listed), e)
         if not meta.step_meta and not meta.step_ref:
             return
         if self.dead is not None and not self._reattach():

@@ -15,6 +15,7 @@ from collections import deque
 import pytest
 
 import harness as H
+from kvxfer import errors
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 import vllm  # noqa: E402,F401  (a missing vLLM fails the run: CI installs it)
@@ -1017,6 +1018,90 @@ def test_dropped_step_fails_its_requests(tmp_path, daemons, caplog):
         assert not str(r.D.finished["d-0"].finish_reason).lower().endswith("error")  # recomputed
         assert "d-1" in r.checked and "d-1" not in r.D.failed
         assert any("d-0" in m and "dropped" in m for m in caplog.messages), caplog.messages
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+@pytest.mark.placement("daemon")  # the daemon process itself is what the test breaks
+def test_dropped_finish_ends_layerwise_prefill(tmp_path, daemons, caplog):
+    """Layer-wise push: the daemon never publishes the step that carries
+    p-0's finish (its prefill step, published, has P's rank hold p-0
+    prefilling: no lease, only its finish or abort ends it). P's rank's
+    step_ref for it is dropped; the daemon's worker ends p-0 (its consumer
+    told) and reports it failed, naming the step: that outcome, not the
+    dropped error, ends p-0 on P (once, its blocks freed after its WRITEs
+    ended), and D recomputes d-0. Before, the dropped error freed p-0's
+    blocks while the rank held p-0 prefilling for ever, and D waited out
+    its timeout. The next pair moves and checks byte for byte."""
+    rng = random.Random(29)
+    r = Run(tmp_path, daemons, "push", 1, layerwise=True)
+    lost = []
+    try:
+        _lose_step_naming(r.P, "p-0", lost)
+        with caplog.at_level("INFO", logger="kvxfer.vllm"):
+            r.add(0, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: bool(lost), limit_s=30)
+            # The next steps published end the rank's wait for the lost one.
+            r.add(1, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and {"p-0", "p-1"} <= r.P.sent
+                        and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert len(lost) == 1, lost
+        ended = [m for m in caplog.messages if "send of request p-0 ended" in m]
+        assert len(ended) == 1 and "was dropped" in ended[0], caplog.messages
+        assert not any("p-0" in m and "dropped by kvxferd" in m for m in caplog.messages), caplog.messages
+        assert "d-0" in r.D.failed and "d-0" not in r.checked
+        assert "d-1" in r.checked and "d-1" not in r.D.failed
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+def _fail_step_naming(e, rid, failed):
+    """e's scheduler-side Steps stream breaks as the first step that carries
+    rid is sent (the daemon alive): the step never reaches the daemon, and
+    the connector ends its calls itself (_lost). Appends the step's number
+    to failed."""
+    side = e.sched.connector._sched
+    stream = side.stream
+    orig = stream.send
+
+    def send(outer):
+        if failed or rid not in _names(outer):
+            return orig(outer)
+        failed.append(outer.step.publish_step)
+        stream._call.cancel()
+        raise errors.Unavailable("Steps", "stream broken (test)")
+
+    stream.send = send
+
+
+@pytest.mark.placement("daemon")
+def test_lost_finish_ends_layerwise_prefill(tmp_path, daemons, caplog):
+    """Layer-wise push: P's Steps stream breaks as the step carrying p-0's
+    finish is sent (its prefill step reached the daemon: P's rank holds
+    p-0 prefilling, no lease). The connector ends p-0 itself, and its ranks
+    tell their workers p-0 is aborted: the worker ends it there and tells
+    its consumer at once, so D's d-0 fails as cancelled (and recomputes)
+    instead of waiting out its timeout. Before, P's rank held p-0
+    prefilling for ever and D's d-0 expired. The next pair moves and
+    checks byte for byte."""
+    rng = random.Random(31)
+    r = Run(tmp_path, daemons, "push", 1, layerwise=True, d_timeout=20)
+    failed = []
+    try:
+        _fail_step_naming(r.P, "p-0", failed)
+        with caplog.at_level("INFO", logger="kvxfer.vllm"):
+            r.add(0, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: bool(failed) and "d-0" in r.D.finished, limit_s=15)
+            r.add(1, [rng.randrange(100, 50000) for _ in range(40)])
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and {"p-0", "p-1"} <= r.P.sent
+                        and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert len(failed) == 1, failed
+        why = [m for m in caplog.messages if "receive of request d-0 failed" in m]
+        assert len(why) == 1 and "producer aborted" in why[0], caplog.messages
+        assert "d-0" in r.D.failed and "d-0" not in r.checked
+        assert "d-1" in r.checked and "d-1" not in r.D.failed
         assert _free_both(r)
     finally:
         r.close()

@@ -1870,7 +1870,10 @@ func (r *rank) hopSent(f *kvxfer.Finished, d time.Duration) {
 // was one of them. A step the worker did not take in at all is reported
 // dropped, naming its requests (those its step_ref lists and those its
 // metadata names, when read): no outcome will come for them, and the
-// engine fails them. One whose entries the worker refused in part is
+// engine fails them. Not named: a layer-wise producer the worker holds
+// prefilling from an earlier step, which the lost step finished or
+// aborted: the worker ends it, with its outcome (endHeld). One whose
+// entries the worker refused in part is
 // reported for the engine's log only: each refused entry's request gets
 // its failed outcome from the worker.
 func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.ConnectResponse) bool {
@@ -1951,7 +1954,11 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	msg := clipTo(err.Error(), r.maxErr)
 	errs := []*pb.StepError{{Step: step, Message: msg}}
 	if dropped {
-		errs = droppedStep(step, msg, ref, meta, r.maxErr)
+		var held []string
+		if !errors.Is(err, kvxfer.ErrClosed) && ctx.Err() == nil {
+			held = r.endHeld(step, msg, ref, meta)
+		}
+		errs = droppedStep(step, msg, ref, meta, held, r.maxErr)
 	}
 	for _, e := range errs {
 		select {
@@ -1961,6 +1968,26 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 		}
 	}
 	return true
+}
+
+// endHeld hands the rank's worker the producer requests a dropped step
+// names (its step_ref's sends, and its metadata's sends and aborts, when
+// read) and returns those it ends itself: the layer-wise producers it
+// holds prefilling from an earlier step (Worker.StepDropped). Such a
+// request has no lease: the finish or abort this step carried alone would
+// have ended it, and without this it prefilled for ever, its blocks
+// granted, with no outcome on the rank. Its outcome is the worker's
+// (failed, once its WRITEs in flight end), so the dropped step's error
+// leaves it out: the engine, which frees what that error names at once,
+// would free blocks a WRITE still reads, then hear of it twice.
+func (r *rank) endHeld(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta) []string {
+	ids := append([]string(nil), ref.GetSendRequestIds()...)
+	for _, e := range meta.GetSend() {
+		ids = append(ids, e.GetRequestId())
+	}
+	ids = append(ids, meta.GetNotProcessed()...)
+	held, _ := r.worker.StepDropped(ids, fmt.Sprintf("step %d, which finished or aborted it, was dropped: %s", step, msg))
+	return held
 }
 
 // unstaged returns, as refusals for the rank's worker, the requests a
@@ -2023,13 +2050,17 @@ func unstagedOf[E interface{ GetRequestId() string }](dst []kvxfer.Refusal, role
 
 // droppedStep is the error of a dropped step: its message and every
 // request it names, each once, from its StepRef's lists (ref; nil: a step
-// sent whole) and its metadata's entries (meta; nil: not read), in as many
+// sent whole) and its metadata's entries (meta; nil: not read), but the
+// sends the rank's worker ends itself (held: endHeld), in as many
 // StepErrors as keep the ids of each within about limit bytes.
-func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, limit int) []*pb.StepError {
+func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, held []string, limit int) []*pb.StepError {
 	cur := &pb.StepError{Step: step, Message: msg, Dropped: true}
 	out := []*pb.StepError{cur}
 	n := 0
 	seen := map[string]bool{}
+	for _, id := range held {
+		seen["s"+id] = true
+	}
 	add := func(send bool, id string) {
 		k := "r" + id
 		if send {
