@@ -5,10 +5,12 @@ address, steered by JSON lines on stdin.
 
 Usage: python inprocess_rank.py CONFIG_JSON
 CONFIG_JSON: {"engine", "role" ("P" or "D"), "tp_rank", "tp_size", "base",
-"secret", "server": {extra libkvxfer keys}}.
+"secret", "mode" ("push", the default, or "pull"), "server": {extra libkvxfer
+keys}}.
 
 Commands (one JSON object a line on stdin):
-  {"op": "recv", "reqs": [{"id", "tid", "blocks", "engine", "addr", "preq", "tp_size", "tokens", "deadline_s"}]}
+  {"op": "recv", "reqs": [{"id", "tid", "blocks", "engine", "addr", "preq", "tp_size", "tokens", "deadline_s",
+      "remote_blocks" (pull: the producer's)}]}
   {"op": "send", "reqs": [{"id", "tid", "blocks", "tokens", "deadline_s"}]}
   {"op": "check", "pairs": [[d_block, p_block], ...]}: D's blocks hold P's
       (the producer rank of the same tp_rank) -> "check {wrong_bytes}"
@@ -63,7 +65,8 @@ def main() -> int:
                          elem_bytes=ELEM, order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED,
                          logical_block_size=BLOCK, kernel_block_size=BLOCK,
                          regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=base, block_len=blen, num_blocks=BLOCKS)])
-    w = client.connect(pb.WorkerHello(engine_id=cfg["engine"], mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+    mode = pb.MODE_PULL if cfg.get("mode") == "pull" else pb.MODE_PUSH
+    w = client.connect(pb.WorkerHello(engine_id=cfg["engine"], mode=mode, layout=layout, compat_hash="h",
                                       memory=[inprocess.host_memory(base, size)]))
     cmds: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -99,7 +102,8 @@ def main() -> int:
                 request_id=r["id"], transfer_id=r["tid"], local=[pb.Span(block_ids=r["blocks"])],
                 deadline_unix_nanos=now + int(r["deadline_s"] * 1e9),
                 remote=pb.RemoteRef(engine_id=r["engine"], addr=r["addr"], request_id=r["preq"], tp_size=r["tp_size"],
-                                    tokens=r["tokens"])) for r in c["reqs"]])
+                                    tokens=r["tokens"], blocks=[pb.Span(block_ids=r["remote_blocks"])] if "remote_blocks" in r else [])
+            ) for r in c["reqs"]])
             w.step(meta)
         elif c["op"] == "send":
             meta = pb.StepMeta(step=step, scheduler_clock_unix_nanos=now, send=[pb.SendRequest(

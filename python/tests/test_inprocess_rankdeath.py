@@ -63,12 +63,13 @@ def libkvxfer(tmp_path_factory) -> Path:
 class Rank:
     """One rank process: its stdout lines, timestamped as they arrive."""
 
-    def __init__(self, lib: Path, engine: str, role: str, tp_rank: int, tp_size: int, base: int, secret: str):
+    def __init__(self, lib: Path, engine: str, role: str, tp_rank: int, tp_size: int, base: int, secret: str,
+                 mode: str = "push"):
         env = dict(os.environ)
         env["KVXFER_LIBKVXFER"] = str(lib)
         env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
         cfg = {"engine": engine, "role": role, "tp_rank": tp_rank, "tp_size": tp_size, "base": base, "secret": secret,
-               "server": SERVER}
+               "mode": mode, "server": SERVER}
         self.name = f"{engine}{tp_rank}"
         self.p = subprocess.Popen([PY, RANK, json.dumps(cfg)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
@@ -142,8 +143,8 @@ class Rank:
             self.p.wait(timeout=10)
 
 
-def start(lib: Path, engine: str, role: str, tp: int, base: int, secret: str, ranks=None) -> list[Rank]:
-    rs = [Rank(lib, engine, role, r, tp, base, secret) for r in (ranks if ranks is not None else range(tp))]
+def start(lib: Path, engine: str, role: str, tp: int, base: int, secret: str, ranks=None, mode: str = "push") -> list[Rank]:
+    rs = [Rank(lib, engine, role, r, tp, base, secret, mode) for r in (ranks if ranks is not None else range(tp))]
     for r in rs:
         r.take("ready", 60)
     return rs
@@ -154,10 +155,10 @@ def blocks(i: int) -> tuple[list[int], list[int]]:
     return [2 * i, 2 * i + 1], [63 - 2 * i, 62 - 2 * i]
 
 
-def recv(d: Rank, p_base: int, ids: list[int], tag: str, deadline: float = DEADLINE) -> None:
+def recv(d: Rank, p_base: int, ids: list[int], tag: str, deadline: float = DEADLINE, pull: bool = False) -> None:
     d.cmd(op="recv", reqs=[{"id": f"d-{tag}{i}", "tid": f"t-{tag}{i}", "blocks": blocks(i)[1], "engine": "P",
                             "addr": f"127.0.0.1:{p_base}", "preq": f"p-{tag}{i}", "tp_size": 2, "tokens": TOKENS,
-                            "deadline_s": deadline} for i in ids])
+                            "deadline_s": deadline, **({"remote_blocks": blocks(i)[0]} if pull else {})} for i in ids])
 
 
 def send(p: Rank, ids: list[int], tag: str) -> None:
@@ -301,6 +302,45 @@ def test_consumer_rank_killed(libkvxfer, tmp_path):
             assert D[0].result(f"d-a{i}")["result"] == "RESULT_DONE", D[0].result(f"d-a{i}")
         check_bytes(D[0], first)
         for rank in [D[0]] + P:
+            rank.bye()
+    finally:
+        for r in ranks:
+            r.stop()
+
+
+def test_producer_rank_killed_pull(libkvxfer, tmp_path):
+    """Pull: D's ranks read from P's before P's engine holds the blocks (the
+    READs refused, tried again), P's rank 1 SIGKILLed, then P's rank 0
+    given the requests. D's rank 1 fails each request once within the
+    liveness bound and holds nothing; D's rank 0 reads P's rank 0's bytes
+    and ends done, as P's rank 0 does."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    ranks: list[Rank] = []
+    try:
+        P = start(libkvxfer, "P", "P", 2, p_base, secret, mode="pull")
+        D = start(libkvxfer, "D", "D", 2, d_base, secret, mode="pull")
+        ranks += P + D
+        first = list(range(4))
+        for d in D:
+            recv(d, p_base, first, "a", pull=True)
+        settle(D)
+        P[1].kill()
+        t_kill = time.monotonic()
+        send(P[0], first, "a")
+        ids = [f"d-a{i}" for i in first]
+        for d in D:
+            d.wait_outcomes(ids, 20)
+        P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
+        for i in ids:
+            r1 = D[1].result(i)
+            assert r1["result"] == "RESULT_FAILED", r1
+            assert D[1].at(i) - t_kill < BOUND, (i, D[1].at(i) - t_kill, r1)
+            assert D[0].result(i)["result"] == "RESULT_DONE", D[0].result(i)
+        for i in first:
+            assert P[0].result(f"p-a{i}")["result"] == "RESULT_DONE", P[0].result(f"p-a{i}")
+        check_bytes(D[0], first)
+        for rank in D + [P[0]]:
             rank.bye()
     finally:
         for r in ranks:
