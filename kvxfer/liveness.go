@@ -63,10 +63,35 @@ func (st *loopState) watch(e *engine) {
 	st.arm(e.probeAt, tProbe, e.id)
 }
 
-// waitsOn reports whether a consumer request waits on a transfer from e.
+// waitsOn reports whether a consumer request waits on a transfer from e,
+// or on a confirmation of e's that liveness may spare it (awaitsFence).
 func (st *loopState) waitsOn(e *engine) bool {
 	for _, r := range st.recvs {
-		if r.req.Remote.EngineID == e.id && r.sent && !r.decided {
+		if r.req.Remote.EngineID == e.id && r.sent && (!r.decided || st.awaitsFence(r)) {
+			return true
+		}
+	}
+	return false
+}
+
+// awaitsFence reports whether r, a push consumer request decided (failed
+// or expired) before its producer was judged gone, still waits for a
+// producer rank's confirmation of its cancel, with the data-plane grants
+// in force: a rank then judged gone is fenced at once (failWaiting), as it
+// is for a request that was still waiting, instead of the request
+// holding its blocks until FenceTimeout (2 x Lease) for a confirmation a
+// dead rank cannot send. Before, a request decided first some other way
+// (its deadline passed, its heartbeats to the dead rank failed for a
+// third of the lease, the engine cancelled it) while the rank's process
+// had just died was no longer watched, and reported only at its fence
+// timeout. Without grants (NIXL) an unreachable rank may still WRITE:
+// such a request waits for its fence as before (or for writerExited).
+func (st *loopState) awaitsFence(r *recvReq) bool {
+	if !st.guarded || !r.decided || !r.canceled || st.cfg.Mode != ModePush {
+		return false
+	}
+	for _, t := range r.targets {
+		if !r.fenced.has(t) {
 			return true
 		}
 	}
@@ -89,9 +114,11 @@ func (st *loopState) probeTimer(t timerEntry) {
 	st.arm(e.probeAt, tProbe, e.id)
 }
 
-// probe asks e's daemon about it, unless a question is out already.
+// probe asks e's daemon about it, unless a question is out already. A
+// watched engine whose last handshake failed is asked too: requests still
+// wait on the agents loaded before (failedProbe).
 func (st *loopState) probe(e *engine) {
-	if e.probing || e.state != hsReady || st.cfg.PeerTimeout < 0 {
+	if e.probing || st.cfg.PeerTimeout < 0 || e.state != hsReady && (e.state != hsFailed || !e.watching || e.peers == nil) {
 		return
 	}
 	e.probing = true
@@ -148,8 +175,12 @@ func (st *loopState) probeDone(h *hsResult) {
 			}
 		}()
 	}
+	if e.state == hsFailed {
+		st.failedProbe(e, h)
+		return
+	}
 	if e.state != hsReady {
-		return // a handshake of its own is under way or failed
+		return // a handshake of its own is under way
 	}
 	if h.err != nil {
 		if errors.Is(h.err, context.Canceled) && h.closing {
@@ -177,6 +208,31 @@ func (st *loopState) probeDone(h *hsResult) {
 	// ranks whose agent changed (failChanged).
 	e.state = hsPending
 	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
+}
+
+// failedProbe handles the answer to a probe of an engine whose last
+// handshake failed (a new request's, after a rank's port refused it)
+// while requests still wait on the agents loaded before: they are judged
+// as while the handshake was loaded. Unanswered for PeerTimeout, the
+// ranks silent that long are gone (ranksGone); answered at another
+// generation, a handshake loads it, failing what waited on the ranks that
+// changed (failChanged). Before, a failed handshake ended the probes, and
+// a request waiting on a rank whose process had died waited for its
+// deadline.
+func (st *loopState) failedProbe(e *engine, h *hsResult) {
+	if h.err != nil {
+		if errors.Is(h.err, context.Canceled) && h.closing {
+			return
+		}
+		if silent := st.now.Sub(e.lastAlive); silent >= st.cfg.PeerTimeout {
+			st.ranksGone(e, silent, h.err)
+		}
+		return
+	}
+	e.alive(st.now)
+	if h.res.Generation != e.gen {
+		st.startHandshake(e)
+	}
 }
 
 // failChanged fails the requests waiting on e's ranks whose agent the
@@ -253,7 +309,7 @@ func (st *loopState) ranksGone(e *engine, silent time.Duration, err error) {
 	}
 	waitsOnSilent := func(r *recvReq) bool {
 		for _, t := range r.targets {
-			if !r.got.has(t) && !spoke(t) {
+			if !r.got.has(t) && !r.fenced.has(t) && !spoke(t) {
 				return true
 			}
 		}
@@ -262,11 +318,11 @@ func (st *loopState) ranksGone(e *engine, silent time.Duration, err error) {
 	var gone []string
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
-		if r.req.Remote.EngineID != e.id || !r.sent || r.decided {
+		if r.req.Remote.EngineID != e.id || !r.sent || r.decided && !st.awaitsFence(r) {
 			continue
 		}
 		for _, t := range r.targets {
-			if name := fmt.Sprintf("tp %d pp %d", t.tp, t.pp); !r.got.has(t) && !spoke(t) && !slices.Contains(gone, name) {
+			if name := fmt.Sprintf("tp %d pp %d", t.tp, t.pp); !r.got.has(t) && !r.fenced.has(t) && !spoke(t) && !slices.Contains(gone, name) {
 				gone = append(gone, name)
 			}
 		}
@@ -298,12 +354,23 @@ func (st *loopState) peerGone(e *engine, err error) {
 
 // failWaiting fails the consumer requests that wait on e and match, each
 // producer rank fenced at once where fence says nothing of it can land
-// any more, and returns how many.
+// any more, and returns how many. A matching request decided already and
+// waiting for confirmations (awaitsFence) keeps its outcome, its ranks
+// fenced the same way: it reports once none is left to wait for.
 func (st *loopState) failWaiting(e *engine, kind FailureKind, reason string, fence func(rankRef) bool, match func(*recvReq) bool) int {
 	n := 0
 	for _, id := range sortedKeys(st.recvs) {
 		r := st.recvs[id]
-		if r.req.Remote.EngineID != e.id || !r.sent || r.decided || !match(r) {
+		if r.req.Remote.EngineID != e.id || !r.sent || r.decided && !st.awaitsFence(r) || !match(r) {
+			continue
+		}
+		if r.decided {
+			for _, t := range r.targets {
+				if fence(t) && !r.fenced.has(t) {
+					r.fenced = r.fenced.add(t)
+				}
+			}
+			st.tryReport(r)
 			continue
 		}
 		n++
