@@ -37,3 +37,38 @@ func TestPullEarlyNoticesBoundedPerRequest(t *testing.T) {
 		t.Errorf("p-1 held after its consumer ranks reported: %q, want done at once", got)
 	}
 }
+
+// The same bound holds whatever TP size the notices claim: a consumer rank
+// speaks for an engine of the TP size its handshake says, and a notice
+// naming another is refused (counted) rather than kept beside the rank's
+// own. Before, each TP size claimed kept a notice of its own: a rank
+// that sent its notice with a new TP size each time grew the request's
+// early notices without bound.
+func TestPullEarlyNoticesBoundedWhateverTPSizeClaimed(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2")
+	tc.run(t, "handshake D tp=2")
+	const n = 5000
+	for i := range n {
+		tc.run(t, fmt.Sprintf("notif from=D/%d kind=done tid=t1 dreq=d-1 preq=p-1 tp=%d", i%2, 2+i))
+	}
+	e := tc.st.early["p-1"]
+	if e == nil {
+		t.Fatal("the early notices of p-1 were not kept")
+	}
+	if len(e.msgs) > 2 {
+		t.Errorf("p-1 keeps %d early notices after %d from 2 consumer ranks, want at most one per rank (2)", len(e.msgs), n+1)
+	}
+	if got := tc.st.metrics.Snapshot().BadInput["done.tp_size"]; got != n-1 {
+		t.Errorf(`bad_input{field="done.tp_size"} = %d, want %d (every notice naming a TP size other than its engine's)`, got, n-1)
+	}
+	// The request, when it arrives, waits for the rank whose notice of
+	// the right TP size never came.
+	if got := tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=30s"); got != "(nothing)" {
+		t.Errorf("p-1 at its SendReq: %q, want held for consumer rank 1", got)
+	}
+	if got := tc.run(t, "notif from=D/1 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2"); got != "outcome send p-1 done" {
+		t.Errorf("p-1 after consumer rank 1's notice: %q, want done", got)
+	}
+}

@@ -1739,6 +1739,9 @@ func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, rea
 // Pull producer: D ranks report with msgDone (or msgFail) after reading.
 
 func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind) {
+	if !st.pullNoticeFromReader(m) {
+		return
+	}
 	s := st.pullSendFor(m)
 	if s == nil {
 		// The consumer may read before our engine hands us the request
@@ -1763,6 +1766,39 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		s.pullFail, s.pullKind = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), failKind
 	}
 	st.settlePull(s)
+}
+
+// pullNoticeFromReader reports whether a consumer's completion notice
+// (done or fail) comes from a rank that reads from ours: one of the TP
+// size its engine's handshake says (admit checked the rank against it)
+// and, where that TP size maps onto ours, one of the consumer ranks that
+// map to this rank. A notice from any other counted toward the ranks this
+// rank waits for: P let its blocks go while the consumer ranks that read
+// them were still reading (a notice that claimed TP 1 of a consumer of
+// TP 2; one from the rank that reads from our peer rank), and each TP size
+// a rank claimed kept an early notice of its own (stashEarly's bound is
+// one per rank). It is refused, counted and logged, naming the field.
+// Where the TP sizes map onto each other nowhere (refuseProducer's
+// fallback tells each producer rank from one consumer rank), any of its
+// ranks counts, once.
+func (st *loopState) pullNoticeFromReader(m *msg) bool {
+	field, want := "", ""
+	if e := st.engines[m.Engine]; e != nil && e.tpSize > 0 && m.TPSize != e.tpSize {
+		field, want = "done.tp_size", fmt.Sprintf("its engine's handshake says %d", e.tpSize)
+	} else if t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, m.TPSize, st.layout.TPRank); err == nil {
+		st.rankBuf = t
+		if !slices.Contains(t, m.TPRank) {
+			field, want = "done.tp_rank", fmt.Sprintf("this rank (tp %d of %d) is read by consumer ranks %v", st.layout.TPRank, st.layout.TPSize, t)
+		}
+	}
+	if field == "" {
+		return true
+	}
+	st.metrics.BadInput(field)
+	st.log.Warn("kvxfer: refused a consumer's completion notice from a rank that does not read from this one",
+		"field", field, "engine", m.Engine, "tp_rank", m.TPRank, "tp_size", m.TPSize, "want", want,
+		"p_req", m.PReq, "transfer_id", m.TransferID, "kind", m.Kind)
+	return false
 }
 
 // pullSendFor finds the producer request a consumer's notice is about:
