@@ -257,11 +257,14 @@ type sendReq struct {
 	failReason string
 	failKind   FailureKind
 
-	// pull: D ranks that reported.
-	pullTP   int
-	pullSeen map[int]bool
-	pullFail string
-	pullKind FailureKind
+	// pull: the consumer ranks that reported, by engine and TP size
+	// (pullNote: "" for done, else why it failed); pullEnded: one
+	// engine's ranks all did (the outcome is pullFail's: its first
+	// failure, "" for done).
+	pullSeen  map[pullRank]pullNote
+	pullEnded bool
+	pullFail  string
+	pullKind  FailureKind
 
 	// prevBase and nextBase are the requests of the same base id before
 	// and after this one (sendBase), while inBase (a request with a

@@ -1749,23 +1749,76 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		st.stashEarly(m)
 		return
 	}
-	if s.pullSeen == nil {
-		s.pullSeen = map[int]bool{}
-		s.pullTP = m.TPSize
-	}
-	if m.TPSize != s.pullTP {
-		st.metrics.BadInput("done.tp_size")
-		return
-	}
-	if s.pullSeen[m.TPRank] {
+	k := pullRank{engine: m.Engine, tpSize: m.TPSize, tp: m.TPRank}
+	if _, seen := s.pullSeen[k]; seen {
 		st.metrics.Dropped("done_duplicate")
 		return
 	}
-	s.pullSeen[m.TPRank] = true
-	if failReason != "" && s.pullFail == "" {
-		s.pullFail, s.pullKind = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), failKind
+	if s.pullSeen == nil {
+		s.pullSeen = map[pullRank]pullNote{}
 	}
+	note := pullNote{}
+	if failReason != "" {
+		note = pullNote{fail: fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), kind: failKind}
+	}
+	s.pullSeen[k] = note
+	// The ranks of one consumer engine count together, never with
+	// another's, and the request ends once every engine that reported
+	// on it has heard from all its ranks that read from ours: a request
+	// read by two (a router that handed its params to both, a consumer
+	// request retried elsewhere while the first still read) is let go
+	// only when neither reads any more, or at its lease. Before, one
+	// engine's rank 0 and the other's rank 1 ended it while the other
+	// two ranks still read its blocks. Its outcome is done when an
+	// engine's ranks all read it, else its lowest failed rank's.
+	st.pullEnd(s)
 	st.settlePull(s)
+}
+
+// pullEnd decides whether a pull request's consumers all reported
+// (pullEnded) and with what outcome (onPullDone).
+func (st *loopState) pullEnd(s *sendReq) {
+	type group struct {
+		engine string
+		tpSize int
+	}
+	n := map[group]int{}
+	failed := map[group]bool{}
+	first, firstTP := pullNote{}, 0
+	for o, on := range s.pullSeen {
+		g := group{o.engine, o.tpSize}
+		n[g]++
+		if on.fail != "" {
+			failed[g] = true
+			if first.fail == "" || o.tp < firstTP {
+				first, firstTP = on, o.tp
+			}
+		}
+	}
+	ok := false
+	for g, c := range n {
+		if c < st.pullExpect(g.tpSize) {
+			return // that engine's ranks may still read
+		}
+		ok = ok || !failed[g]
+	}
+	s.pullEnded = true
+	if !ok {
+		s.pullFail, s.pullKind = first.fail, first.kind
+	}
+}
+
+// pullRank is a consumer rank that reported a pull request: its engine,
+// that engine's TP size and its rank.
+type pullRank struct {
+	engine     string
+	tpSize, tp int
+}
+
+// pullNote is what a consumer rank reported: done (fail ""), or failed.
+type pullNote struct {
+	fail string
+	kind FailureKind
 }
 
 // pullNoticeFromReader reports whether a consumer's completion notice
@@ -1919,7 +1972,7 @@ func (st *loopState) settlePull(s *sendReq) {
 	switch {
 	case s.aborted:
 		o.Result, o.Reason = ResultAborted, "producer aborted"
-	case s.pullSeen != nil && len(s.pullSeen) >= st.pullExpect(s):
+	case s.pullEnded:
 		o.Result = ResultDone
 		if s.pullFail != "" {
 			o.Result, o.Kind, o.Reason = ResultFailed, s.pullKind, s.pullFail
@@ -1935,8 +1988,11 @@ func (st *loopState) settlePull(s *sendReq) {
 	st.forgetSend(s)
 }
 
-func (st *loopState) pullExpect(s *sendReq) int {
-	t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, s.pullTP, st.layout.TPRank)
+// pullExpect is how many consumer ranks of TP size tp read from this
+// rank (1 where the sizes map onto each other nowhere: refuseProducer
+// tells each producer rank from one consumer rank).
+func (st *loopState) pullExpect(tp int) int {
+	t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, tp, st.layout.TPRank)
 	if err != nil {
 		return 1
 	}
