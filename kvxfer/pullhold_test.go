@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 )
 
@@ -70,5 +71,40 @@ func TestPullEarlyNoticesBoundedWhateverTPSizeClaimed(t *testing.T) {
 	}
 	if got := tc.run(t, "notif from=D/1 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2"); got != "outcome send p-1 done" {
 		t.Errorf("p-1 after consumer rank 1's notice: %q, want done", got)
+	}
+}
+
+// What a held pull request keeps of its consumers' completion notices is
+// bounded too: a consumer rank that names ever new consumer requests for
+// it (each counted on its own: a request read by two consumer requests is
+// let go once neither reads) has all but the first maxPullReaders refused,
+// counted, and not waited for.
+func TestPullReadersBoundedPerRequest(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=30s")
+	tc.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-0 preq=p-1 tp=2")
+	tc.run(t, "handshake D tp=2")
+	const n = 1000
+	for i := 1; i < n; i++ {
+		tc.run(t, fmt.Sprintf("notif from=D/0 kind=done tid=t1 dreq=d-%d preq=p-1 tp=2", i))
+	}
+	s := tc.st.sends.get("p-1")
+	if s == nil {
+		t.Fatal("p-1 ended before any consumer request's ranks all reported")
+	}
+	if got := len(s.pullSeen); got > maxPullReaders {
+		t.Errorf("p-1 keeps %d notices after %d consumer requests' first ranks reported, want at most %d", got, n, maxPullReaders)
+	}
+	if got := tc.st.metrics.Snapshot().BadInput["done.readers"]; got != n-maxPullReaders {
+		t.Errorf(`bad_input{field="done.readers"} = %d, want %d`, got, n-maxPullReaders)
+	}
+	// It ends once the consumer requests it keeps notices of all read it.
+	var got []string
+	for i := range maxPullReaders {
+		got = append(got, tc.run(t, fmt.Sprintf("notif from=D/1 kind=done tid=t1 dreq=d-%d preq=p-1 tp=2", i)))
+	}
+	if want := "outcome send p-1 done"; got[len(got)-1] != want || slices.Contains(got[:len(got)-1], want) {
+		t.Errorf("p-1 as its consumer requests' second ranks reported: %q, want done at the last", got)
 	}
 }

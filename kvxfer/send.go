@@ -1749,9 +1749,18 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		st.stashEarly(m)
 		return
 	}
-	k := pullRank{engine: m.Engine, tpSize: m.TPSize, tp: m.TPRank}
+	k := pullRank{engine: m.Engine, dreq: m.DReq, tpSize: m.TPSize, tp: m.TPRank}
 	if _, seen := s.pullSeen[k]; seen {
 		st.metrics.Dropped("done_duplicate")
+		return
+	}
+	if !s.pullReader(k) && s.pullReaders() >= maxPullReaders {
+		// A consumer naming ever new requests (or engines) for one of
+		// ours would grow what it keeps without bound: past a few
+		// readers, a new one is refused (and not waited for).
+		st.metrics.BadInput("done.readers")
+		st.log.Warn("kvxfer: refused a completion notice from one consumer request too many for a pull request",
+			"req", s.req.ReqID, "engine", m.Engine, "d_req", m.DReq, "limit", maxPullReaders)
 		return
 	}
 	if s.pullSeen == nil {
@@ -1762,15 +1771,17 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		note = pullNote{fail: fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), kind: failKind}
 	}
 	s.pullSeen[k] = note
-	// The ranks of one consumer engine count together, never with
-	// another's, and the request ends once every engine that reported
-	// on it has heard from all its ranks that read from ours: a request
-	// read by two (a router that handed its params to both, a consumer
-	// request retried elsewhere while the first still read) is let go
-	// only when neither reads any more, or at its lease. Before, one
-	// engine's rank 0 and the other's rank 1 ended it while the other
-	// two ranks still read its blocks. Its outcome is done when an
-	// engine's ranks all read it, else its lowest failed rank's.
+	// The ranks of one consumer request (of one engine) count together,
+	// never with another's, and the request ends once every consumer
+	// request that reported on it has heard from all its ranks that read
+	// from ours: a request read by two (a router that handed its params
+	// to two engines, or retried the consumer request) is let go only
+	// when neither reads any more, or at its lease. Before, one engine's
+	// rank 0 and the other's rank 1 ended it while the other two ranks
+	// still read its blocks, and a second consumer request's notices on
+	// one engine were dropped as duplicates of the first's. Its outcome
+	// is done when one consumer request's ranks all read it, else its
+	// lowest failed rank's.
 	st.pullEnd(s)
 	st.settlePull(s)
 }
@@ -1779,14 +1790,14 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 // (pullEnded) and with what outcome (onPullDone).
 func (st *loopState) pullEnd(s *sendReq) {
 	type group struct {
-		engine string
-		tpSize int
+		engine, dreq string
+		tpSize       int
 	}
 	n := map[group]int{}
 	failed := map[group]bool{}
 	first, firstTP := pullNote{}, 0
 	for o, on := range s.pullSeen {
-		g := group{o.engine, o.tpSize}
+		g := group{o.engine, o.dreq, o.tpSize}
 		n[g]++
 		if on.fail != "" {
 			failed[g] = true
@@ -1809,10 +1820,34 @@ func (st *loopState) pullEnd(s *sendReq) {
 }
 
 // pullRank is a consumer rank that reported a pull request: its engine,
-// that engine's TP size and its rank.
+// the consumer request, that engine's TP size and its rank.
 type pullRank struct {
-	engine     string
-	tpSize, tp int
+	engine, dreq string
+	tpSize, tp   int
+}
+
+// maxPullReaders bounds the consumer requests one pull request keeps
+// completion notices of (pullRank's engine and dreq).
+const maxPullReaders = 8
+
+// pullReader reports whether s has a notice of k's consumer request.
+func (s *sendReq) pullReader(k pullRank) bool {
+	for o := range s.pullSeen {
+		if o.engine == k.engine && o.dreq == k.dreq {
+			return true
+		}
+	}
+	return false
+}
+
+// pullReaders counts the consumer requests s has notices of.
+func (s *sendReq) pullReaders() int {
+	type reader struct{ engine, dreq string }
+	seen := map[reader]bool{}
+	for o := range s.pullSeen {
+		seen[reader{o.engine, o.dreq}] = true
+	}
+	return len(seen)
 }
 
 // pullNote is what a consumer rank reported: done (fail ""), or failed.
