@@ -108,3 +108,26 @@ func TestPullReadersBoundedPerRequest(t *testing.T) {
 		t.Errorf("p-1 as its consumer requests' second ranks reported: %q, want done at the last", got)
 	}
 }
+
+// The early notices of a request not held yet are bounded the same way:
+// one per consumer rank of at most maxPullReaders consumer requests.
+func TestPullEarlyReadersBounded(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-0 preq=p-1 tp=2")
+	tc.run(t, "handshake D tp=2")
+	const n = 1000
+	for i := 1; i < n; i++ {
+		tc.run(t, fmt.Sprintf("notif from=D/%d kind=done tid=t1 dreq=d-%d preq=p-1 tp=2", i%2, i))
+	}
+	e := tc.st.early["p-1"]
+	if e == nil {
+		t.Fatal("the early notices of p-1 were not kept")
+	}
+	if got := len(e.msgs); got > maxPullReaders {
+		t.Errorf("p-1 keeps %d early notices of %d consumer requests, want at most %d", got, n, maxPullReaders)
+	}
+	if got := tc.st.metrics.Snapshot().BadInput["done.readers"]; got != n-maxPullReaders {
+		t.Errorf(`bad_input{field="done.readers"} = %d, want %d`, got, n-maxPullReaders)
+	}
+}

@@ -1932,10 +1932,14 @@ func otherTID(s *sendReq, tid string) bool {
 }
 
 // stashEarly keeps a pull completion notice for a request not held yet:
-// one per consumer rank (its first of a transfer; a duplicate counts for
-// nothing when the request arrives either; a notice of another transfer
-// id takes its place), so what a request's notices keep is bounded by
-// its consumer ranks, however often, and whatever, they send.
+// one per consumer rank and consumer request (its first of a transfer; a
+// duplicate counts for nothing when the request arrives either; a notice
+// of another transfer id takes its place), for at most maxPullReaders
+// consumer requests, so what a request's notices keep is bounded by its
+// consumer ranks, however often, and whatever, they send. Each consumer
+// request's ranks count for it alone when the request arrives
+// (onPullDone): before, a second consumer request's notice was dropped
+// here as its rank's duplicate.
 func (st *loopState) stashEarly(m *msg) {
 	key := m.PReq
 	if key == "" {
@@ -1950,8 +1954,12 @@ func (st *loopState) stashEarly(m *msg) {
 		e = &earlyNotes{at: st.now}
 		st.early[key] = e
 	}
+	readers := 0
 	for i, o := range e.msgs {
-		if o.Engine != m.Engine || o.TPRank != m.TPRank || o.TPSize != m.TPSize {
+		if i == slices.IndexFunc(e.msgs, func(x *msg) bool { return x.Engine == o.Engine && x.DReq == o.DReq }) {
+			readers++
+		}
+		if o.Engine != m.Engine || o.DReq != m.DReq || o.TPRank != m.TPRank || o.TPSize != m.TPSize {
 			continue
 		}
 		if o.TransferID == m.TransferID {
@@ -1962,6 +1970,10 @@ func (st *loopState) stashEarly(m *msg) {
 		// newer one stands (one per rank, whatever it names).
 		st.metrics.Dropped("done_unknown_request")
 		e.msgs[i] = m
+		return
+	}
+	if readers >= maxPullReaders && !slices.ContainsFunc(e.msgs, func(x *msg) bool { return x.Engine == m.Engine && x.DReq == m.DReq }) {
+		st.metrics.BadInput("done.readers")
 		return
 	}
 	e.msgs = append(e.msgs, m)
