@@ -131,3 +131,38 @@ func TestPullEarlyReadersBounded(t *testing.T) {
 		t.Errorf(`bad_input{field="done.readers"} = %d, want %d`, got, n-maxPullReaders)
 	}
 }
+
+// A consumer's completion notice that comes after its producer request
+// ended (its lease lapsed, its engine aborted it, or another consumer
+// request's notices ended it) is known for what it is: dropped and counted
+// (done_after_end), not kept among the early notices for a request that
+// will never come. Before, each such notice took a place there for
+// RegistrationTTL: a consumer that read late again and again filled them
+// (maxEarly), and the notices of requests still to come were dropped,
+// their blocks held for their whole lease.
+func TestPullNoticeAfterEndNotKeptEarly(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=30s")
+	if got := tc.run(t, "advance 31s"); got != "outcome send p-1 expired (expired): lease expired" {
+		t.Fatalf("p-1 at its lease: %q, want expired", got)
+	}
+	tc.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-1 preq=p-1 tp=1")
+	if got := tc.run(t, "handshake D tp=1"); got != "(nothing)" {
+		t.Errorf("p-1's late notice: %q, want nothing (one outcome, reported)", got)
+	}
+	// By transfer id alone too.
+	tc.run(t, "notif from=D/0 kind=fail tid=t1 dreq=d-1 reason=late failkind=expired tp=1")
+	if n := len(tc.st.early); n != 0 {
+		t.Errorf("%d early notices kept after p-1 ended, want none", n)
+	}
+	if got := tc.st.metrics.Snapshot().Dropped["done_after_end"]; got != 2 {
+		t.Errorf(`dropped{reason="done_after_end"} = %d, want 2`, got)
+	}
+	// A new request under the id, of another transfer, takes its own
+	// consumer's notices, early or not.
+	tc.run(t, "notif from=D/0 kind=done tid=t2 dreq=d-2 preq=p-1 tp=1")
+	if got := tc.run(t, "step send=p-1 tid=t2 blocks=3 tokens=16 deadline=30s"); got != "outcome send p-1 done" {
+		t.Errorf("the new p-1 after its consumer's early notice: %q, want done", got)
+	}
+}

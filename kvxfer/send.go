@@ -38,8 +38,10 @@ type producerState struct {
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
-	abortedP  map[string]goneSend // producer requests gone unpaired, by id
-	abortedT  map[string]goneSend // and by transfer id
+	// abortedP and abortedT: producer requests gone unpaired (push), or
+	// ended (pull), by id and by transfer id, for RegistrationTTL.
+	abortedP map[string]goneSend
+	abortedT map[string]goneSend
 	// ambRegs and ambSends: scratch for findReg and findSend.
 	ambRegs    []*regGroup
 	ambSends   []*sendReq
@@ -1458,6 +1460,18 @@ func (st *loopState) forgetSend(s *sendReq) {
 		}
 		s.prevBase, s.nextBase, s.inBase = nil, nil, false
 	}
+	if st.cfg.Mode == ModePull {
+		// A consumer's notice that comes later (it read after the
+		// lease, or another consumer request's notices ended it) is
+		// known as late (onPullDone), not kept as an early one.
+		g := goneSend{at: st.now, tid: s.req.TransferID}
+		if len(st.abortedP) < maxAborted {
+			st.abortedP[s.req.ReqID] = g
+		}
+		if g.tid != "" && len(st.abortedT) < maxAborted {
+			st.abortedT[g.tid] = g
+		}
+	}
 	if s.match == nil && s.failReason != "" && st.cfg.Mode == ModePush {
 		// It ended (expired, aborted, failed) before any registration
 		// paired with it: one that comes for it later is told at once,
@@ -1743,6 +1757,12 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		return
 	}
 	s := st.pullSendFor(m)
+	if s == nil && st.pullEndedFor(m) {
+		st.metrics.Dropped("done_after_end")
+		st.log.Debug("kvxfer: consumer's notice after its producer request ended", "kind", m.Kind,
+			"p_req", m.PReq, "transfer_id", m.TransferID, "engine", m.Engine, "d_req", m.DReq)
+		return
+	}
 	if s == nil {
 		// The consumer may read before our engine hands us the request
 		// (its params reach D first): keep the notice for a while.
@@ -1817,6 +1837,20 @@ func (st *loopState) pullEnd(s *sendReq) {
 	if !ok {
 		s.pullFail, s.pullKind = first.fail, first.kind
 	}
+}
+
+// pullEndedFor reports whether a consumer's notice for no request held
+// names one that ended (forgetSend, within RegistrationTTL): by its
+// transfer id, else by its producer request id where neither names
+// another transfer than the other.
+func (st *loopState) pullEndedFor(m *msg) bool {
+	if m.TransferID != "" {
+		if _, ok := st.abortedT[m.TransferID]; ok {
+			return true
+		}
+	}
+	g, ok := st.abortedP[m.PReq]
+	return ok && m.PReq != "" && (g.tid == "" || m.TransferID == "" || g.tid == m.TransferID)
 }
 
 // pullRank is a consumer rank that reported a pull request: its engine,
