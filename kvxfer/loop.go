@@ -713,6 +713,20 @@ func (st *loopState) dispatch(m *msg) {
 	case msgHeartbeat:
 		st.onHeartbeat(m)
 	case msgCancel:
+		if st.cfg.Mode == ModePull {
+			// A cancel is push's (a pull consumer gives up with a
+			// failure notice). One that comes anyway (a push consumer
+			// refused at its handshake by a pull producer: the modes
+			// differ) is that consumer rank's failure notice, under the
+			// rules of any (onPullDone: from a rank that reads from ours,
+			// counted with its consumer request's other ranks). Before,
+			// it was push's give-up: the request failed at once, and its
+			// blocks were let go, whichever rank sent it and whoever
+			// still read them.
+			st.metrics.BadInput("cancel.mode")
+			st.onPullDone(m, "consumer cancelled: "+m.Reason, FailureCancelled)
+			return
+		}
 		st.onCancel(m)
 	case msgAck:
 		st.onAck(m)
