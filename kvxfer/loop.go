@@ -257,11 +257,14 @@ type sendReq struct {
 	failReason string
 	failKind   FailureKind
 
-	// pull: D ranks that reported.
-	pullTP   int
-	pullSeen map[int]bool
-	pullFail string
-	pullKind FailureKind
+	// pull: the consumer ranks that reported, by engine and TP size
+	// (pullNote: "" for done, else why it failed); pullEnded: one
+	// engine's ranks all did (the outcome is pullFail's: its first
+	// failure, "" for done).
+	pullSeen  map[pullRank]pullNote
+	pullEnded bool
+	pullFail  string
+	pullKind  FailureKind
 
 	// prevBase and nextBase are the requests of the same base id before
 	// and after this one (sendBase), while inBase (a request with a
@@ -732,6 +735,20 @@ func (st *loopState) dispatch(m *msg) {
 	case msgHeartbeat:
 		st.onHeartbeat(m)
 	case msgCancel:
+		if st.cfg.Mode == ModePull {
+			// A cancel is push's (a pull consumer gives up with a
+			// failure notice). One that comes anyway (a push consumer
+			// refused at its handshake by a pull producer: the modes
+			// differ) is that consumer rank's failure notice, under the
+			// rules of any (onPullDone: from a rank that reads from ours,
+			// counted with its consumer request's other ranks). Before,
+			// it was push's give-up: the request failed at once, and its
+			// blocks were let go, whichever rank sent it and whoever
+			// still read them.
+			st.metrics.BadInput("cancel.mode")
+			st.onPullDone(m, "consumer cancelled: "+m.Reason, FailureCancelled)
+			return
+		}
 		st.onCancel(m)
 	case msgAck:
 		st.onAck(m)

@@ -38,8 +38,10 @@ type producerState struct {
 	regByBase map[string][]regKey
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
-	abortedP  map[string]goneSend // producer requests gone unpaired, by id
-	abortedT  map[string]goneSend // and by transfer id
+	// abortedP and abortedT: producer requests gone unpaired (push), or
+	// ended (pull), by id and by transfer id, for RegistrationTTL.
+	abortedP map[string]goneSend
+	abortedT map[string]goneSend
 	// ambRegs and ambSends: scratch for findReg and findSend.
 	ambRegs    []*regGroup
 	ambSends   []*sendReq
@@ -1458,6 +1460,18 @@ func (st *loopState) forgetSend(s *sendReq) {
 		}
 		s.prevBase, s.nextBase, s.inBase = nil, nil, false
 	}
+	if st.cfg.Mode == ModePull {
+		// A consumer's notice that comes later (it read after the
+		// lease, or another consumer request's notices ended it) is
+		// known as late (onPullDone), not kept as an early one.
+		g := goneSend{at: st.now, tid: s.req.TransferID}
+		if len(st.abortedP) < maxAborted {
+			st.abortedP[s.req.ReqID] = g
+		}
+		if g.tid != "" && len(st.abortedT) < maxAborted {
+			st.abortedT[g.tid] = g
+		}
+	}
 	if s.match == nil && s.failReason != "" && st.cfg.Mode == ModePush {
 		// It ended (expired, aborted, failed) before any registration
 		// paired with it: one that comes for it later is told at once,
@@ -1739,30 +1753,174 @@ func (st *loopState) failRegGroup(g *regGroup, pid string, kind FailureKind, rea
 // Pull producer: D ranks report with msgDone (or msgFail) after reading.
 
 func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind) {
+	if !st.pullNoticeFromReader(m) {
+		return
+	}
 	s := st.pullSendFor(m)
+	if s == nil && st.pullEndedFor(m) {
+		st.metrics.Dropped("done_after_end")
+		st.log.Debug("kvxfer: consumer's notice after its producer request ended", "kind", m.Kind,
+			"p_req", m.PReq, "transfer_id", m.TransferID, "engine", m.Engine, "d_req", m.DReq)
+		return
+	}
 	if s == nil {
 		// The consumer may read before our engine hands us the request
 		// (its params reach D first): keep the notice for a while.
 		st.stashEarly(m)
 		return
 	}
-	if s.pullSeen == nil {
-		s.pullSeen = map[int]bool{}
-		s.pullTP = m.TPSize
-	}
-	if m.TPSize != s.pullTP {
-		st.metrics.BadInput("done.tp_size")
-		return
-	}
-	if s.pullSeen[m.TPRank] {
+	k := pullRank{engine: m.Engine, dreq: m.DReq, tpSize: m.TPSize, tp: m.TPRank}
+	if _, seen := s.pullSeen[k]; seen {
 		st.metrics.Dropped("done_duplicate")
 		return
 	}
-	s.pullSeen[m.TPRank] = true
-	if failReason != "" && s.pullFail == "" {
-		s.pullFail, s.pullKind = fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), failKind
+	if !s.pullReader(k) && s.pullReaders() >= maxPullReaders {
+		// A consumer naming ever new requests (or engines) for one of
+		// ours would grow what it keeps without bound: past a few
+		// readers, a new one is refused (and not waited for).
+		st.metrics.BadInput("done.readers")
+		st.log.Warn("kvxfer: refused a completion notice from one consumer request too many for a pull request",
+			"req", s.req.ReqID, "engine", m.Engine, "d_req", m.DReq, "limit", maxPullReaders)
+		return
 	}
+	if s.pullSeen == nil {
+		s.pullSeen = map[pullRank]pullNote{}
+	}
+	note := pullNote{}
+	if failReason != "" {
+		note = pullNote{fail: fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), kind: failKind}
+	}
+	s.pullSeen[k] = note
+	// The ranks of one consumer request (of one engine) count together,
+	// never with another's, and the request ends once every consumer
+	// request that reported on it has heard from all its ranks that read
+	// from ours: a request read by two (a router that handed its params
+	// to two engines, or retried the consumer request) is let go only
+	// when neither reads any more, or at its lease. Before, one engine's
+	// rank 0 and the other's rank 1 ended it while the other two ranks
+	// still read its blocks, and a second consumer request's notices on
+	// one engine were dropped as duplicates of the first's. Its outcome
+	// is done when one consumer request's ranks all read it, else its
+	// lowest failed rank's.
+	st.pullEnd(s)
 	st.settlePull(s)
+}
+
+// pullEnd decides whether a pull request's consumers all reported
+// (pullEnded) and with what outcome (onPullDone).
+func (st *loopState) pullEnd(s *sendReq) {
+	type group struct {
+		engine, dreq string
+		tpSize       int
+	}
+	n := map[group]int{}
+	failed := map[group]bool{}
+	first, firstTP := pullNote{}, 0
+	for o, on := range s.pullSeen {
+		g := group{o.engine, o.dreq, o.tpSize}
+		n[g]++
+		if on.fail != "" {
+			failed[g] = true
+			if first.fail == "" || o.tp < firstTP {
+				first, firstTP = on, o.tp
+			}
+		}
+	}
+	ok := false
+	for g, c := range n {
+		if c < st.pullExpect(g.tpSize) {
+			return // that engine's ranks may still read
+		}
+		ok = ok || !failed[g]
+	}
+	s.pullEnded = true
+	if !ok {
+		s.pullFail, s.pullKind = first.fail, first.kind
+	}
+}
+
+// pullEndedFor reports whether a consumer's notice for no request held
+// names one that ended (forgetSend, within RegistrationTTL): by its
+// transfer id, else by its producer request id where neither names
+// another transfer than the other.
+func (st *loopState) pullEndedFor(m *msg) bool {
+	if m.TransferID != "" {
+		if _, ok := st.abortedT[m.TransferID]; ok {
+			return true
+		}
+	}
+	g, ok := st.abortedP[m.PReq]
+	return ok && m.PReq != "" && (g.tid == "" || m.TransferID == "" || g.tid == m.TransferID)
+}
+
+// pullRank is a consumer rank that reported a pull request: its engine,
+// the consumer request, that engine's TP size and its rank.
+type pullRank struct {
+	engine, dreq string
+	tpSize, tp   int
+}
+
+// maxPullReaders bounds the consumer requests one pull request keeps
+// completion notices of (pullRank's engine and dreq).
+const maxPullReaders = 8
+
+// pullReader reports whether s has a notice of k's consumer request.
+func (s *sendReq) pullReader(k pullRank) bool {
+	for o := range s.pullSeen {
+		if o.engine == k.engine && o.dreq == k.dreq {
+			return true
+		}
+	}
+	return false
+}
+
+// pullReaders counts the consumer requests s has notices of.
+func (s *sendReq) pullReaders() int {
+	type reader struct{ engine, dreq string }
+	seen := map[reader]bool{}
+	for o := range s.pullSeen {
+		seen[reader{o.engine, o.dreq}] = true
+	}
+	return len(seen)
+}
+
+// pullNote is what a consumer rank reported: done (fail ""), or failed.
+type pullNote struct {
+	fail string
+	kind FailureKind
+}
+
+// pullNoticeFromReader reports whether a consumer's completion notice
+// (done or fail) comes from a rank that reads from ours: one of the TP
+// size its engine's handshake says (admit checked the rank against it)
+// and, where that TP size maps onto ours, one of the consumer ranks that
+// map to this rank. A notice from any other counted toward the ranks this
+// rank waits for: P let its blocks go while the consumer ranks that read
+// them were still reading (a notice that claimed TP 1 of a consumer of
+// TP 2; one from the rank that reads from our peer rank), and each TP size
+// a rank claimed kept an early notice of its own (stashEarly's bound is
+// one per rank). It is refused, counted and logged, naming the field.
+// Where the TP sizes map onto each other nowhere (refuseProducer's
+// fallback tells each producer rank from one consumer rank), any of its
+// ranks counts, once.
+func (st *loopState) pullNoticeFromReader(m *msg) bool {
+	field, want := "", ""
+	if e := st.engines[m.Engine]; e != nil && e.tpSize > 0 && m.TPSize != e.tpSize {
+		field, want = "done.tp_size", fmt.Sprintf("its engine's handshake says %d", e.tpSize)
+	} else if t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, m.TPSize, st.layout.TPRank); err == nil {
+		st.rankBuf = t
+		if !slices.Contains(t, m.TPRank) {
+			field, want = "done.tp_rank", fmt.Sprintf("this rank (tp %d of %d) is read by consumer ranks %v", st.layout.TPRank, st.layout.TPSize, t)
+		}
+	}
+	if field == "" {
+		return true
+	}
+	st.metrics.BadInput(field)
+	st.log.Warn("kvxfer: refused a consumer's completion notice from a rank that does not read from this one",
+		"field", field, "engine", m.Engine, "tp_rank", m.TPRank, "tp_size", m.TPSize, "want", want,
+		"p_req", m.PReq, "transfer_id", m.TransferID, "kind", m.Kind)
+	return false
 }
 
 // pullSendFor finds the producer request a consumer's notice is about:
@@ -1808,10 +1966,14 @@ func otherTID(s *sendReq, tid string) bool {
 }
 
 // stashEarly keeps a pull completion notice for a request not held yet:
-// one per consumer rank (its first of a transfer; a duplicate counts for
-// nothing when the request arrives either; a notice of another transfer
-// id takes its place), so what a request's notices keep is bounded by
-// its consumer ranks, however often, and whatever, they send.
+// one per consumer rank and consumer request (its first of a transfer; a
+// duplicate counts for nothing when the request arrives either; a notice
+// of another transfer id takes its place), for at most maxPullReaders
+// consumer requests, so what a request's notices keep is bounded by its
+// consumer ranks, however often, and whatever, they send. Each consumer
+// request's ranks count for it alone when the request arrives
+// (onPullDone): before, a second consumer request's notice was dropped
+// here as its rank's duplicate.
 func (st *loopState) stashEarly(m *msg) {
 	key := m.PReq
 	if key == "" {
@@ -1826,8 +1988,12 @@ func (st *loopState) stashEarly(m *msg) {
 		e = &earlyNotes{at: st.now}
 		st.early[key] = e
 	}
+	readers := 0
 	for i, o := range e.msgs {
-		if o.Engine != m.Engine || o.TPRank != m.TPRank || o.TPSize != m.TPSize {
+		if i == slices.IndexFunc(e.msgs, func(x *msg) bool { return x.Engine == o.Engine && x.DReq == o.DReq }) {
+			readers++
+		}
+		if o.Engine != m.Engine || o.DReq != m.DReq || o.TPRank != m.TPRank || o.TPSize != m.TPSize {
 			continue
 		}
 		if o.TransferID == m.TransferID {
@@ -1838,6 +2004,10 @@ func (st *loopState) stashEarly(m *msg) {
 		// newer one stands (one per rank, whatever it names).
 		st.metrics.Dropped("done_unknown_request")
 		e.msgs[i] = m
+		return
+	}
+	if readers >= maxPullReaders && !slices.ContainsFunc(e.msgs, func(x *msg) bool { return x.Engine == m.Engine && x.DReq == m.DReq }) {
+		st.metrics.BadInput("done.readers")
 		return
 	}
 	e.msgs = append(e.msgs, m)
@@ -1883,7 +2053,7 @@ func (st *loopState) settlePull(s *sendReq) {
 	switch {
 	case s.aborted:
 		o.Result, o.Reason = ResultAborted, "producer aborted"
-	case s.pullSeen != nil && len(s.pullSeen) >= st.pullExpect(s):
+	case s.pullEnded:
 		o.Result = ResultDone
 		if s.pullFail != "" {
 			o.Result, o.Kind, o.Reason = ResultFailed, s.pullKind, s.pullFail
@@ -1899,8 +2069,11 @@ func (st *loopState) settlePull(s *sendReq) {
 	st.forgetSend(s)
 }
 
-func (st *loopState) pullExpect(s *sendReq) int {
-	t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, s.pullTP, st.layout.TPRank)
+// pullExpect is how many consumer ranks of TP size tp read from this
+// rank (1 where the sizes map onto each other nowhere: refuseProducer
+// tells each producer rank from one consumer rank).
+func (st *loopState) pullExpect(tp int) int {
+	t, err := topology.TargetRanks(st.rankBuf[:0], st.layout.TPSize, tp, st.layout.TPRank)
 	if err != nil {
 		return 1
 	}
