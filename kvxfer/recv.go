@@ -24,9 +24,16 @@ type consumerState struct {
 // Consumer side: registrations (push), READs (pull), completion counting,
 // deadlines, cancels and fencing.
 
-// expirySafety is how close to the producer's expiry a pull consumer
-// still starts a read (SPEC §8 _KV_BLOCKS_EXPIRY_SAFETY_MARGIN).
-const expirySafety = 5 * time.Second
+// expiryMargin is how long before the producer's expiry (on our clock,
+// by the handshake's offset) a pull consumer's READ must have ended to
+// count: the offset's error (half a round trip when measured, and the
+// clocks' drift since) with room to spare. A read is not started that
+// close to it, and one in flight then is given up (expired). The
+// producer's hold only ends at its expiry or later (heartbeats extend
+// it), so a READ that ended before it read the request's own blocks. (The
+// reference's 5 s margin at the start of a read is none at its end: a
+// read that started in time and ended past the expiry counted.)
+const expiryMargin = 250 * time.Millisecond
 
 func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 	if st.recvs[in.ReqID] != nil && !(in.Aborted && len(in.Local) == 0) {
@@ -353,8 +360,8 @@ func agentGone(err error) bool {
 // read posts the READs of a pull consumer.
 func (st *loopState) read(r *recvReq, e *engine) {
 	if exp := r.req.Remote.Expiry; !exp.IsZero() {
-		local := exp.Add(-e.offset)
-		if !st.now.Add(expirySafety).Before(local) {
+		local := exp.Add(-e.offset - expiryMargin)
+		if !st.now.Before(local) {
 			st.metrics.ExpiredRequest()
 			for _, to := range r.targets {
 				st.tellP(e, r, to, msgFail, FailureExpired, "producer blocks expire before the read")

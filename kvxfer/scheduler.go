@@ -937,7 +937,14 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 		return false, nil, fmt.Errorf("kvxfer: request %q: RequestFinished: an earlier request under this id still holds its blocks for its transfer (no outcome yet); a producer's request ids must be unique among the requests it holds", r.ID)
 	}
 	deadline := s.cfg.Now().Add(ttl)
-	if out.DoRemoteDecode {
+	if out.DoRemoteDecode || s.cfg.Mode == ModePull {
+		// When the hold ends unless heartbeats extend it: a pull
+		// consumer's READ must end before it, or it may read blocks the
+		// producer freed and reused (NIXL has no grant to refuse such a
+		// READ). Before, plain pull params carried none: a consumer whose
+		// request waited in its queue past the lease (its heartbeats begin
+		// with its read), or whose handshake was slow, read another
+		// request's KV over NIXL and reported it loaded.
 		out.RemoteBlocksExpiry = deadline
 	}
 	if out.TransferID == "" && s.cfg.Mode == ModePull {

@@ -255,6 +255,11 @@ func TestProducerFinishLeaseLifecycle(t *testing.T) {
 			}
 			want := &TransferParams{TransferID: "t1", DoRemotePrefill: true, RemoteEngineID: "E", RemoteAddr: "e:1", RemoteRequestID: "p-1",
 				RemoteBlockIDs: []topology.Span{{IDs: ids(1, 2, 3)}}, RemoteTPSize: 2, RemotePPSize: 2, RemoteNumTokens: 40, Mode: mode}
+			if mode == ModePull {
+				// The hold's expiry, unless heartbeats extend it: a
+				// consumer's READ must end before it.
+				want.RemoteBlocksExpiry = c.t.Add(30 * time.Second)
+			}
 			if !reflect.DeepEqual(params, want) {
 				t.Errorf("params = %+v, want %+v", params, want)
 			}

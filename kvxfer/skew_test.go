@@ -93,3 +93,44 @@ func TestBidirectionalTurn2PeerClockAhead(t *testing.T) {
 		t.Errorf("past D's real expiry (480 s) with the read in flight:\n%s\nwant the read abandoned and p-2 expired", got)
 	}
 }
+
+// A plain pull consumer whose request reaches its rank after the
+// producer's lease lapsed (it waited in its engine's queue, or its
+// handshake was slow: its heartbeats begin with its read) reads nothing:
+// the producer may have freed the blocks and given them to another
+// request, and a backend without grants (NIXL) would READ that request's
+// KV and report it loaded. Before, plain pull params carried no expiry,
+// and the READ was posted 31 s into a 30 s lease.
+func TestPullReadAfterLeaseLapsed(t *testing.T) {
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	pc.t = traceEpoch
+	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
+		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
+	if err != nil || !hold || !params.RemoteBlocksExpiry.Equal(traceEpoch.Add(30*time.Second)) {
+		t.Fatalf("P finish = %v, %+v, %v; want its blocks held, the lease's end in the params", hold, params, err)
+	}
+	for _, tc := range []struct {
+		after time.Duration
+		want  string
+	}{{time.Second, "post #1 read P/0"}, {29*time.Second + 800*time.Millisecond, "outcome recv d-1 expired"}, {31 * time.Second, "outcome recv d-1 expired"}} {
+		d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+		dc.t = traceEpoch
+		prm := *params
+		r := &Request{ID: "d-1", PromptTokens: 80, Params: &prm}
+		n, async := d.MatchedTokens(r, 0)
+		if n == 0 || !async {
+			t.Fatalf("MatchedTokens = %d, %v; want the producer's tokens, async", n, async)
+		}
+		if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
+			t.Fatal(err)
+		}
+		meta := d.BuildMeta()
+		core := &traceCore{now: traceEpoch.Add(tc.after), fail: map[opKind]int{}}
+		core.run(t, "core mode=pull engine=D tp=0/1")
+		core.st.Step(core.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+		out := strings.Join(append(core.drive(nil, ""), core.run(t, "handshake P tp=1")), "\n")
+		if !strings.Contains(out, tc.want) || tc.want != "post #1 read P/0" && strings.Contains(out, "post") {
+			t.Errorf("read %v after P's finish (30 s lease):\n%s\nwant %q", tc.after, out, tc.want)
+		}
+	}
+}

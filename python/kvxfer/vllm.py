@@ -1398,6 +1398,13 @@ class _SchedulerSide:
                 # row carries it (p), so the daemon's Scheduler, which
                 # names such holds the same way, keeps this one.
                 out["transfer_id"] = p["transfer_id"] = self._hold_tid()
+            if delay and self.cfg.mode == pb.MODE_PULL:
+                # When the hold ends unless its consumer's heartbeats extend
+                # it: the consumer's READ must end before it (NIXL cannot
+                # refuse a READ of blocks freed and given to another
+                # request). The daemon's Scheduler starts the hold when it
+                # applies the row, after now: this is never later than it.
+                out["remote_blocks_expiry_unix_nanos"] = time.time_ns() + int(self.cfg.lease_s * 1e9)
             if not delay:
                 # No blocks held: nothing can be loaded from us.
                 out["remote_num_tokens"] = 0
@@ -1580,6 +1587,16 @@ class _SchedulerSide:
                 if theirs.remote_generation == mine.remote_generation:
                     self.verified["generation"] += 1
                 theirs, mine = _without_generation(theirs), _without_generation(mine)
+            # So is a pull hold's expiry: the connector's, as of the call,
+            # must not be past the daemon's, as of applying the row (the
+            # consumer reads by the connector's).
+            if theirs is not None and mine is not None and (theirs.remote_blocks_expiry_unix_nanos or
+                                                            mine.remote_blocks_expiry_unix_nanos):
+                if not 0 < mine.remote_blocks_expiry_unix_nanos <= theirs.remote_blocks_expiry_unix_nanos:
+                    self._disagree(f"request {kinds[i][1]}: request_finished: the connector's hold expiry "
+                                   f"{mine.remote_blocks_expiry_unix_nanos} is not at or before the daemon's "
+                                   f"{theirs.remote_blocks_expiry_unix_nanos}")
+                theirs, mine = _without_expiry(theirs), _without_expiry(mine)
             if (bool(got[0]), theirs) != (delay, mine):
                 fmt = lambda t: None if t is None else params.from_proto(t)  # noqa: E731
                 self._disagree(f"request {kinds[i][1]}: request_finished: daemon says (delay, params) = "
@@ -1731,6 +1748,14 @@ def _without_generation(t: pb.TransferParams) -> pb.TransferParams:
     out = pb.TransferParams()
     out.CopyFrom(t)
     out.ClearField("remote_generation")
+    return out
+
+
+def _without_expiry(t: pb.TransferParams) -> pb.TransferParams:
+    """t less its remote_blocks_expiry_unix_nanos (a copy)."""
+    out = pb.TransferParams()
+    out.CopyFrom(t)
+    out.ClearField("remote_blocks_expiry_unix_nanos")
     return out
 
 
