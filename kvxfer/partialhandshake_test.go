@@ -34,3 +34,25 @@ func TestNoticeAdmittedByTheRanksThatAnswered(t *testing.T) {
 		t.Errorf("%d notices refused as from an agent that does not speak for its sender", n)
 	}
 }
+
+// A consumer rank's first handshake with a producer engine fails because
+// one of its ranks does not answer (its process died): the request fails,
+// and the producer rank that answered, which holds its blocks for it, is
+// told at once. Before, no agent was loaded, the cancel never left, and the
+// producer rank held the blocks until its lease or deadline.
+func TestFailedRequestToldToTheRanksThatAnswered(t *testing.T) {
+	for _, mode := range []string{"push", "pull"} {
+		t.Run(mode, func(t *testing.T) {
+			c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+			c.run(t, "core mode="+mode+" engine=D tp=0/2")
+			got := c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
+			got += "\n" + c.run(t, "handshake P tp=2 fail=rank_tp_1_refused answered=0")
+			if !strings.Contains(got, "outcome recv d-1 failed") {
+				t.Fatalf("d-1 did not fail on the failed handshake:\n%s", got)
+			}
+			if !strings.Contains(got, "notify P/0") {
+				t.Fatalf("P's rank 0, which answered, was not told d-1 failed:\n%s", got)
+			}
+		})
+	}
+}

@@ -107,3 +107,43 @@ def test_producer_rank_killed_nixl(libkvxfer, tmp_path):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_consumer_after_producer_rank_died(libkvxfer, tmp_path):
+    """D (TP 2) starts after P's rank 1 was SIGKILLed: its first handshake
+    with P fails (rank 1's port refuses), and each of D's ranks fails its
+    requests once within the bound. P's rank 0, holding its blocks for D's
+    rank 0, is told (the handshake's ranks that answered name its agent)
+    and ends each request once within the bound too, not at its deadline:
+    before, no handshake named P's rank 0, the cancel never left D, and P's
+    rank 0 held its blocks until its lease or deadline."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    ranks = []
+    try:
+        P = start(libkvxfer, "P", "P", 2, p_base, secret)
+        ranks += P
+        P[1].kill()
+        first = list(range(4))
+        send(P[0], first, "a")
+        D = start(libkvxfer, "D", "D", 2, d_base, secret)
+        ranks += D
+        t0 = time.monotonic()
+        for d in D:
+            recv(d, p_base, first, "a")
+        for d in D:
+            d.wait_outcomes([f"d-a{i}" for i in first], 20)
+        P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
+        for i in first:
+            for d in D:
+                r = d.result(f"d-a{i}")
+                assert r["result"] == "RESULT_FAILED", (d.name, r)
+                assert d.at(f"d-a{i}") - t0 < BOUND, (d.name, i, d.at(f"d-a{i}") - t0, r)
+            r = P[0].result(f"p-a{i}")
+            assert r["result"] == "RESULT_FAILED", r
+            assert P[0].at(f"p-a{i}") - t0 < BOUND, (i, P[0].at(f"p-a{i}") - t0, r)
+        for r in D + [P[0]]:
+            r.bye()
+    finally:
+        for r in ranks:
+            r.stop()

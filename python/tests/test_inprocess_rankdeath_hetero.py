@@ -141,3 +141,39 @@ def test_consumer_rank_killed_pull(libkvxfer, tmp_path):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_hetero_producer_rank_killed_pull(libkvxfer, tmp_path):
+    """Pull, P (TP 2) and D (TP 1): D's one rank reads from both of P's
+    ranks before P's engine holds the blocks (the READs refused, tried
+    again), P's rank 1 SIGKILLed, then P's rank 0 given the requests under
+    a long lease (the test's deadline: a request stranded on it would wait
+    for it). D fails each request once within the bound; P's rank 0 ends
+    each once within the bound too (D's failure notice lets its blocks
+    go), holding nothing at bye."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(1)
+    ranks = []
+    try:
+        P = start(libkvxfer, "P", "P", 2, p_base, secret, mode="pull")
+        D = start(libkvxfer, "D", "D", 1, d_base, secret, mode="pull")
+        ranks += P + D
+        first = list(range(4))
+        recv(D[0], p_base, first, "a", pull=True)
+        settle(D)
+        P[1].kill()
+        t_kill = time.monotonic()
+        send(P[0], first, "a")
+        D[0].wait_outcomes([f"d-a{i}" for i in first], 20)
+        P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
+        for i in first:
+            r = D[0].result(f"d-a{i}")
+            assert r["result"] == "RESULT_FAILED", r
+            assert D[0].at(f"d-a{i}") - t_kill < BOUND, (i, D[0].at(f"d-a{i}") - t_kill, r)
+            r = P[0].result(f"p-a{i}")
+            assert P[0].at(f"p-a{i}") - t_kill < BOUND, (i, P[0].at(f"p-a{i}") - t_kill, r)
+        for rank in D + [P[0]]:
+            rank.bye()
+    finally:
+        for r in ranks:
+            r.stop()
