@@ -147,3 +147,40 @@ def test_consumer_after_producer_rank_died(libkvxfer, tmp_path):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_producer_after_consumer_rank_died(libkvxfer, tmp_path):
+    """P (TP 2) starts after D's rank 1 was SIGKILLed: D's rank 0 registers
+    with P's rank 0, whose first handshake with D fails (rank 1's port
+    refuses). P's rank 0 still hears D's rank 0 (the ranks that answered
+    name its agent) and fails each request once within the bound, telling
+    D's rank 0, which fails it once too. Before, P's rank 0 refused the
+    registrations (no handshake named D's rank 0's agent), and D's rank 0
+    waited for a WRITE until its deadline."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    ranks = []
+    try:
+        D = start(libkvxfer, "D", "D", 2, d_base, secret)
+        ranks += D
+        D[1].kill()
+        P = start(libkvxfer, "P", "P", 2, p_base, secret)
+        ranks += P
+        first = list(range(4))
+        t0 = time.monotonic()
+        recv(D[0], p_base, first, "a")
+        send(P[0], first, "a")
+        D[0].wait_outcomes([f"d-a{i}" for i in first], 20)
+        P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
+        for i in first:
+            for r, rid in ((D[0], f"d-a{i}"), (P[0], f"p-a{i}")):
+                assert r.at(rid) - t0 < BOUND, (r.name, rid, r.at(rid) - t0, r.result(rid))
+                # Failed, naming the handshake that failed (the request as
+                # a whole cannot complete: D's rank 1 is gone).
+                got = r.result(rid)
+                assert got["result"] == "RESULT_FAILED" and got["kind"] == "FAILURE_KIND_HANDSHAKE", (r.name, got)
+        for r in D[:1] + P[:1]:
+            r.bye()
+    finally:
+        for r in ranks:
+            r.stop()
