@@ -97,7 +97,9 @@ def test_producer_rank_killed_nixl(libkvxfer, tmp_path):
         P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
         for i in first:
             r1 = D[1].result(f"d-a{i}")
-            assert r1["result"] == "RESULT_FAILED", r1
+            # peer_gone: its writer's exit proven (pidfd), or the rank
+            # judged gone by liveness, whichever comes first.
+            assert r1["result"] == "RESULT_FAILED" and r1["kind"] == "FAILURE_KIND_PEER_GONE", r1
             assert D[1].at(f"d-a{i}") - t_kill < BOUND, (i, D[1].at(f"d-a{i}") - t_kill, r1)
             assert D[0].result(f"d-a{i}")["result"] == "RESULT_DONE", D[0].result(f"d-a{i}")
             assert P[0].result(f"p-a{i}")["result"] == "RESULT_DONE", P[0].result(f"p-a{i}")
