@@ -41,10 +41,12 @@ func TestNoticeAdmittedByTheRanksThatAnswered(t *testing.T) {
 // told at once. Before, no agent was loaded, the cancel never left, and the
 // producer rank held the blocks until its lease or deadline.
 func TestFailedRequestToldToTheRanksThatAnswered(t *testing.T) {
-	for _, mode := range []string{"push", "pull"} {
-		t.Run(mode, func(t *testing.T) {
+	// tp: our TP size (1: our one rank takes both producer ranks' heads,
+	// and one of them answers).
+	for _, tc := range []struct{ mode, tp string }{{"push", "2"}, {"pull", "2"}, {"push", "1"}, {"pull", "1"}} {
+		t.Run(tc.mode+"-tp"+tc.tp, func(t *testing.T) {
 			c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
-			c.run(t, "core mode="+mode+" engine=D tp=0/2")
+			c.run(t, "core mode="+tc.mode+" engine=D tp=0/"+tc.tp)
 			got := c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
 			got += "\n" + c.run(t, "handshake P tp=2 fail=rank_tp_1_refused answered=0")
 			if !strings.Contains(got, "outcome recv d-1 failed") {
