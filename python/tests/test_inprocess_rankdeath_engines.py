@@ -186,3 +186,43 @@ def test_producer_after_consumer_rank_died(libkvxfer, tmp_path):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_producer_rank_killed_survivor_late(libkvxfer, tmp_path):
+    """P (TP 2) and D (TP 2): P's rank 1 SIGKILLed, and P's rank 0 given
+    the requests only after D's ranks decided them (a long prefill). Each
+    of D's ranks ends each request once within the bound; P's rank 0,
+    told by D's rank 0, ends each once within the bound of its engine
+    handing it the request, not at its deadline, and holds nothing."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    ranks = []
+    try:
+        P = start(libkvxfer, "P", "P", 2, p_base, secret)
+        D = start(libkvxfer, "D", "D", 2, d_base, secret)
+        ranks += P + D
+        first = list(range(4))
+        for d in D:
+            recv(d, p_base, first, "a")
+        settle(D)
+        P[1].kill()
+        t_kill = time.monotonic()
+        for d in D:
+            d.wait_outcomes([f"d-a{i}" for i in first], 20)
+        for i in first:
+            for d in D:
+                r = d.result(f"d-a{i}")
+                assert r["result"] == "RESULT_FAILED", (d.name, r)
+                assert d.at(f"d-a{i}") - t_kill < BOUND, (d.name, i, d.at(f"d-a{i}") - t_kill, r)
+        t_send = time.monotonic()
+        send(P[0], first, "a")
+        P[0].wait_outcomes([f"p-a{i}" for i in first], 20)
+        for i in first:
+            r = P[0].result(f"p-a{i}")
+            assert r["result"] != "RESULT_DONE", r
+            assert P[0].at(f"p-a{i}") - t_send < BOUND, (i, P[0].at(f"p-a{i}") - t_send, r)
+        for r in D + [P[0]]:
+            r.bye()
+    finally:
+        for r in ranks:
+            r.stop()
