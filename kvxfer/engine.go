@@ -188,6 +188,9 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	st.metrics.Handshake(h.took, err == nil)
 	// answered: the peer answered, and its answer rules a transfer out.
 	e.answered = h.err == nil && err != nil
+	if h.err != nil && h.names != nil {
+		st.loadAnswered(e, h)
+	}
 	if err != nil {
 		e.state, e.err, e.failedAt = hsFailed, err, st.now
 		st.log.Warn("kvxfer: handshake failed", "failure_type", "handshake_setup_failed", "engine", e.id, "err", err)
@@ -349,6 +352,36 @@ func (st *loopState) loadForNotices(e *engine, h *hsResult) {
 		}
 	}
 	e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
+}
+
+// loadAnswered takes, from a handshake that failed because some of the
+// engine's ranks did not answer (PartialHandshakeError), the agents of the
+// ranks that did, for ranks it knows no agent of: they admit those ranks'
+// messages and receive our notices (loadForNotices' way). The handshake
+// stays failed: no transfer is planned on it, and what waited on it fails
+// as before. An agent already loaded is kept: a rank whose agent changed
+// is for a handshake that loads in full to judge (failChanged).
+func (st *loopState) loadAnswered(e *engine, h *hsResult) {
+	res := &h.res
+	if len(res.Ranks) == 0 {
+		return
+	}
+	if e.peers == nil {
+		e.peers = map[rankRef]PeerName{}
+	}
+	for i := range res.Ranks {
+		l := &res.Ranks[i].Layout
+		ref := rankRef{pp: l.PPRank, tp: l.TPRank}
+		if _, ok := e.peers[ref]; ok {
+			continue
+		}
+		if name, err := h.agent(i); err == nil {
+			e.peers[ref] = name
+		}
+	}
+	if e.tpSize == 0 {
+		e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
+	}
 }
 
 // redrive re-runs whatever waited for an engine's handshake.

@@ -37,5 +37,24 @@ type Resolver interface {
 	Handshake(ctx context.Context, engineID, addr string) (HandshakeResult, error)
 }
 
+// PartialHandshakeError is a Resolver's error for an engine whose ranks
+// each answer at a server of their own (the in-process placement: every
+// rank a process) when some of them did not answer (a rank's process
+// died: its port refuses). The handshake failed, as before; Answered lists
+// the ranks that did answer, whose agents still say who speaks for those
+// ranks: a message of a surviving rank (a pull consumer's completion
+// notice, heard before any handshake) is admitted by them, and a notice
+// of ours reaches them (a request failed for the dead rank, told to the
+// ranks that live). Before, a rank's death made its engine's every
+// handshake fail, and its surviving ranks' messages were refused: a pull
+// producer held the blocks they had read until its request's deadline.
+type PartialHandshakeError struct {
+	Answered []RankInfo
+	Err      error // why the others did not answer
+}
+
+func (e *PartialHandshakeError) Error() string { return e.Err.Error() }
+func (e *PartialHandshakeError) Unwrap() error { return e.Err }
+
 // ErrUnknownEngine is returned by a Resolver that does not know an engine.
 var ErrUnknownEngine = errors.New("kvxfer: unknown engine")

@@ -444,6 +444,16 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		h := &hsResult{engine: f[1]}
 		if reason, ok := a["fail"]; ok {
 			h.err = fmt.Errorf("%s", reason)
+			if v, ok := a["answered"]; ok { // a spread engine's ranks that answered (PartialHandshakeError)
+				n := atoi(cmpOr(a["tp"], "1"))
+				for _, rs := range strings.Split(v, ",") {
+					r := atoi(rs)
+					agent := fmt.Sprintf("%s/%d", f[1], r)
+					h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: f[1], CompatHash: "h", Layout: traceLayout(r, n, 1<<30), Agent: []byte(agent)})
+					h.names, h.loadErrs = append(h.names, PeerName(agent)), append(h.loadErrs, nil)
+				}
+				h.err = &PartialHandshakeError{Answered: h.res.Ranks, Err: h.err}
+			}
 		} else {
 			n := atoi(cmpOr(a["tp"], "0"))
 			gen := atoi(cmpOr(a["gen"], "1"))

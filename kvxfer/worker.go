@@ -1018,6 +1018,16 @@ func (w *Worker) apply() {
 			t0 := time.Now()
 			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
 			h := &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0), closing: w.ctx.Err() != nil}
+			var partial *PartialHandshakeError
+			if err != nil && !a.probe && errors.As(err, &partial) && len(partial.Answered) > 0 {
+				// The ranks that answered: their agents admit their
+				// messages (handshakeDone, loadAnswered).
+				h.res = HandshakeResult{Ranks: partial.Answered}
+				h.names, h.loadErrs = make([]PeerName, len(partial.Answered)), make([]error, len(partial.Answered))
+				for i := range partial.Answered {
+					h.names[i], h.loadErrs[i] = w.be.LoadPeer(partial.Answered[i].Agent)
+				}
+			}
 			if err == nil && (!a.probe || res.Generation != a.gen) {
 				h.names, h.loadErrs = make([]PeerName, len(res.Ranks)), make([]error, len(res.Ranks))
 				for i := range res.Ranks {

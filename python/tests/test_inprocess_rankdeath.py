@@ -64,12 +64,12 @@ class Rank:
     """One rank process: its stdout lines, timestamped as they arrive."""
 
     def __init__(self, lib: Path, engine: str, role: str, tp_rank: int, tp_size: int, base: int, secret: str,
-                 mode: str = "push"):
-        env = dict(os.environ)
+                 mode: str = "push", env: dict | None = None, server: dict | None = None):
+        env = dict(os.environ if env is None else env)
         env["KVXFER_LIBKVXFER"] = str(lib)
         env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO / "python"), env.get("PYTHONPATH", "")])
         cfg = {"engine": engine, "role": role, "tp_rank": tp_rank, "tp_size": tp_size, "base": base, "secret": secret,
-               "mode": mode, "server": SERVER}
+               "mode": mode, "server": {**SERVER, **(server or {})}}
         self.name = f"{engine}{tp_rank}"
         self.p = subprocess.Popen([PY, RANK, json.dumps(cfg)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
@@ -143,8 +143,9 @@ class Rank:
             self.p.wait(timeout=10)
 
 
-def start(lib: Path, engine: str, role: str, tp: int, base: int, secret: str, ranks=None, mode: str = "push") -> list[Rank]:
-    rs = [Rank(lib, engine, role, r, tp, base, secret, mode) for r in (ranks if ranks is not None else range(tp))]
+def start(lib: Path, engine: str, role: str, tp: int, base: int, secret: str, ranks=None, mode: str = "push",
+          env: dict | None = None, server: dict | None = None) -> list[Rank]:
+    rs = [Rank(lib, engine, role, r, tp, base, secret, mode, env, server) for r in (ranks if ranks is not None else range(tp))]
     for r in rs:
         r.take("ready", 60)
     return rs
@@ -155,15 +156,17 @@ def blocks(i: int) -> tuple[list[int], list[int]]:
     return [2 * i, 2 * i + 1], [63 - 2 * i, 62 - 2 * i]
 
 
-def recv(d: Rank, p_base: int, ids: list[int], tag: str, deadline: float = DEADLINE, pull: bool = False) -> None:
-    d.cmd(op="recv", reqs=[{"id": f"d-{tag}{i}", "tid": f"t-{tag}{i}", "blocks": blocks(i)[1], "engine": "P",
-                            "addr": f"127.0.0.1:{p_base}", "preq": f"p-{tag}{i}", "tp_size": 2, "tokens": TOKENS,
+def recv(d: Rank, p_base: int, ids: list[int], tag: str, deadline: float = DEADLINE, pull: bool = False,
+         engine: str = "P", p_tp: int = 2) -> None:
+    d.cmd(op="recv", reqs=[{"id": f"d-{tag}{i}", "tid": f"t-{tag}{i}", "blocks": blocks(i)[1], "engine": engine,
+                            "addr": f"127.0.0.1:{p_base}", "preq": f"p-{tag}{i}", "tp_size": p_tp, "tokens": TOKENS,
                             "deadline_s": deadline, **({"remote_blocks": blocks(i)[0]} if pull else {})} for i in ids])
 
 
-def send(p: Rank, ids: list[int], tag: str) -> None:
+def send(p: Rank, ids: list[int], tag: str, deadline: float = DEADLINE) -> None:
+    """deadline: the producer request's lease as its engine gives it."""
     p.cmd(op="send", reqs=[{"id": f"p-{tag}{i}", "tid": f"t-{tag}{i}", "blocks": blocks(i)[0], "tokens": TOKENS,
-                            "deadline_s": DEADLINE} for i in ids])
+                            "deadline_s": deadline} for i in ids])
 
 
 def check_bytes(d: Rank, ids: list[int]) -> None:

@@ -340,10 +340,22 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 	out := kvxfer.HandshakeResult{ClockOffset: first.ClockOffset}
 	best := firstRTT
 	gens := make([]uint64, len(got))
+	var unanswered error
+	var answered []kvxfer.RankInfo
 	for i := range got {
-		if got[i].err != nil {
-			return kvxfer.HandshakeResult{}, got[i].err
+		if got[i].err == nil {
+			answered = append(answered, got[i].rank)
+		} else if unanswered == nil {
+			unanswered = got[i].err
 		}
+	}
+	if unanswered != nil {
+		// Some ranks did not answer (a rank's process died): the handshake
+		// fails, naming the first; the ranks that answered still say who
+		// speaks for them (kvxfer.PartialHandshakeError).
+		return kvxfer.HandshakeResult{}, &kvxfer.PartialHandshakeError{Answered: answered, Err: unanswered}
+	}
+	for i := range got {
 		if got[i].rtt > 0 && got[i].rtt < best {
 			out.ClockOffset, best = got[i].offset, got[i].rtt
 		}

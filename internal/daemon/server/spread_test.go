@@ -213,6 +213,12 @@ func TestPerRankServerPorts(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "rank tp 1 pp 0") || !strings.Contains(err.Error(), ds[1].peerAddr[strings.LastIndex(ds[1].peerAddr, ":")+1:]) {
 		t.Fatalf("handshake with rank 1 not attached: %v, want an error naming rank tp 1 and its port", err)
 	}
+	// The rank that answered is still named, with its agent: its messages
+	// are admitted by it (kvxfer.PartialHandshakeError).
+	var partial *kvxfer.PartialHandshakeError
+	if !errors.As(err, &partial) || len(partial.Answered) != 1 || partial.Answered[0].Layout.TPRank != 0 || len(partial.Answered[0].Agent) == 0 {
+		t.Fatalf("handshake with rank 1 not attached: %#v, want a PartialHandshakeError listing rank tp 0 with its agent", err)
+	}
 	r1, err := attachRank(t, ds[1], shmDir, "E", ranks[0][1], kvxfer.ModePush)
 	if err != nil {
 		t.Fatal(err)

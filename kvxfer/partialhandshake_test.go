@@ -1,0 +1,60 @@
+package kvxfer
+
+import (
+	"strings"
+	"testing"
+)
+
+// A pull producer rank hears a consumer rank's completion notice before it
+// ever handshook with the consumer engine (a pull producer hears from its
+// consumers first), and the handshake that would say who speaks for that
+// rank fails because another rank of the engine died (in the in-process
+// placement each rank answers at a server of its own: the dead one's port
+// refuses). The ranks that answered still say who speaks for them
+// (PartialHandshakeError): the notice is admitted and the request ends
+// done. Before, the notice was refused after three failed handshakes, and
+// the producer held the blocks the live rank had read until its lease or
+// deadline.
+func TestNoticeAdmittedByTheRanksThatAnswered(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=pull engine=P tp=0/2")
+	c.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=60s")
+	var out strings.Builder
+	out.WriteString(c.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2"))
+	// Bounded: 10 handshakes, a second apart (handshakeRetry).
+	for i := 0; i < 10 && !strings.Contains(out.String(), "outcome send p-1"); i++ {
+		out.WriteString(c.run(t, "handshake D tp=2 fail=rank_tp_1_refused answered=0"))
+		out.WriteString(c.run(t, "advance 1s"))
+	}
+	if got := out.String(); !strings.Contains(got, "outcome send p-1 done") {
+		t.Fatalf("consumer rank 0's done notice not admitted while rank 1 does not answer (want outcome send p-1 done):\n%s",
+			got)
+	}
+	if n := c.st.metrics.Snapshot().Dropped["sender_mismatch"]; n != 0 {
+		t.Errorf("%d notices refused as from an agent that does not speak for its sender", n)
+	}
+}
+
+// A consumer rank's first handshake with a producer engine fails because
+// one of its ranks does not answer (its process died): the request fails,
+// and the producer rank that answered, which holds its blocks for it, is
+// told at once. Before, no agent was loaded, the cancel never left, and the
+// producer rank held the blocks until its lease or deadline.
+func TestFailedRequestToldToTheRanksThatAnswered(t *testing.T) {
+	// tp: our TP size (1: our one rank takes both producer ranks' heads,
+	// and one of them answers).
+	for _, tc := range []struct{ mode, tp string }{{"push", "2"}, {"pull", "2"}, {"push", "1"}, {"pull", "1"}} {
+		t.Run(tc.mode+"-tp"+tc.tp, func(t *testing.T) {
+			c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+			c.run(t, "core mode="+tc.mode+" engine=D tp=0/"+tc.tp)
+			got := c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
+			got += "\n" + c.run(t, "handshake P tp=2 fail=rank_tp_1_refused answered=0")
+			if !strings.Contains(got, "outcome recv d-1 failed") {
+				t.Fatalf("d-1 did not fail on the failed handshake:\n%s", got)
+			}
+			if !strings.Contains(got, "notify P/0") {
+				t.Fatalf("P's rank 0, which answered, was not told d-1 failed:\n%s", got)
+			}
+		})
+	}
+}
