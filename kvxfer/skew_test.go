@@ -180,3 +180,31 @@ func TestPullExpiryByTheLatestOffset(t *testing.T) {
 		t.Errorf("d-2, 100 ms of P's hold left (by the probe's offset, 0; the handshake's said -2 s):\n%s\nwant it expired, nothing read", out)
 	}
 }
+
+// A pull READ whose completion the core handles at or past the read's
+// deadline (the producer's expiry less expiryMargin), before the
+// deadline's timer ran (the driver handed the completion in first): the
+// READ was in flight past the point it had to end by, when the producer
+// may have freed and reused its blocks, and is given up as the timer
+// would have, never reported done. Before, it was done.
+func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
+	for _, tc := range []struct {
+		at   time.Duration // when the READ's completion is handled
+		want string
+	}{{29 * time.Second, "outcome recv d-1 done"}, {29*time.Second + 800*time.Millisecond, "outcome recv d-1 expired"}} {
+		c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+		c.run(t, "core mode=pull engine=D tp=0/1")
+		rr := RecvReq{ReqID: "d-1", TransferID: "t-1", Local: []topology.Span{{IDs: ids(1, 2)}},
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1", TPSize: 1, PPSize: 1, Tokens: 32,
+				Blocks: []topology.Span{{IDs: ids(1, 2)}}, Expiry: traceEpoch.Add(30 * time.Second)}}
+		c.st.Step(c.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: c.now, Recv: []RecvReq{rr}}}})
+		out := strings.Join(c.drive(nil, ""), "\n") + "\n" + c.run(t, "handshake P tp=1")
+		if !strings.Contains(out, "post #1 read P/0") {
+			t.Fatalf("d-1, 30 s of P's hold left:\n%s\nwant its READ posted", out)
+		}
+		c.now = traceEpoch.Add(tc.at) // no timer run since
+		if got := c.run(t, "ended xfer=1"); !strings.Contains(got, tc.want) {
+			t.Errorf("READ ended, handled %v into P's 30 s hold:\n%s\nwant %q", tc.at, got, tc.want)
+		}
+	}
+}
