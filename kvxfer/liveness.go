@@ -196,6 +196,18 @@ func (st *loopState) probeDone(h *hsResult) {
 	}
 	e.alive(st.now)
 	if h.res.Generation == e.gen {
+		if h.took <= expiryMargin {
+			// A probe is a handshake, timed as one: the peer's clock as of
+			// now, which a pull consumer's READs are bounded by (read). The
+			// engine, in use, is not handshaken again, and its clock may
+			// have been stepped since (NTP setting it right). Before, the
+			// first handshake's offset stayed: a producer's clock set
+			// forward since by more than expiryMargin had its holds read
+			// past their end, possibly another request's KV over NIXL. An
+			// answer slower than the margin (its offset's error up to
+			// half of it) leaves the offset as it was.
+			e.offset = h.res.ClockOffset
+		}
 		return
 	}
 	if h.names == nil {

@@ -525,6 +525,16 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		return
 	}
 	delete(r.handles, h.id)
+	if !r.decided && !r.deadline.IsZero() && !st.now.Before(r.deadline) {
+		// Handled at or past the deadline, its timer not run yet (the
+		// driver handed this in first): the READ was in flight past the
+		// point it had to end by (for a read bounded by the producer's
+		// expiry, expiryMargin before it: the producer may have freed and
+		// reused its blocks since). It is given up as the timer would
+		// have. Before, it was done.
+		st.recvDeadline(timerEntry{at: r.deadline, kind: tRecvDeadline, id: r.req.ReqID})
+		return
+	}
 	if ok {
 		r.got = r.got.add(h.src)
 		if !r.decided && len(r.got) == len(r.targets) {

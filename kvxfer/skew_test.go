@@ -134,3 +134,77 @@ func TestPullReadAfterLeaseLapsed(t *testing.T) {
 		}
 	}
 }
+
+// A pull consumer bounds its READs by the producer's expiry through the
+// clock offset its handshake measured; the producer's clock may be
+// stepped since (NTP correcting it), and the engine, in use all along, is
+// not handshaken again. Its liveness probes are handshakes, timed as the
+// first: the offset they measure is the one later READs go by. Before,
+// the first handshake's offset stayed: P's clock 2 s behind D's then and
+// set right since, a request P holds for 100 ms more was read as if it
+// held it 2.1 s more: its READ, posted, could read the blocks P freed and
+// gave to another request (NIXL has no grant to refuse it).
+func TestPullExpiryByTheLatestOffset(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=D tp=0/1")
+	recv := func(id string, blocks []topology.BlockID, expiry time.Time) string {
+		rr := RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: []topology.Span{{IDs: blocks}},
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
+				Blocks: []topology.Span{{IDs: blocks}}, Expiry: expiry}}
+		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: tc.now, Recv: []RecvReq{rr}}}})
+		return strings.Join(tc.drive(nil, ""), "\n")
+	}
+	// d-1: P held it from 2 s before our epoch on its clock, 2 s behind
+	// ours: 30 s from our epoch. Its READ stays in flight (P is watched).
+	out := recv("1", ids(1, 2), traceEpoch.Add(28*time.Second))
+	out += "\n" + tc.run(t, "handshake P tp=1 offset=-2s")
+	if !strings.Contains(out, "post #1 read P/0") {
+		t.Fatalf("d-1, 30 s of P's hold left:\n%s\nwant its READ posted", out)
+	}
+	probed := false
+	for range 10 {
+		if got := tc.run(t, "advance 1s"); strings.Contains(got, "probe P") {
+			// P's clock was set right meanwhile: the probe finds it on time.
+			tc.run(t, "handshake P tp=1 probe=true offset=0s")
+			probed = true
+			break
+		}
+	}
+	if !probed {
+		t.Fatal("no probe of P within 10 s of d-1's READ")
+	}
+	// d-2: P holds it 100 ms more (its clock and ours agree now): within
+	// expiryMargin of it, nothing is read.
+	out = recv("2", ids(3, 4), tc.now.Add(100*time.Millisecond))
+	if !strings.Contains(out, "outcome recv d-2 expired") || strings.Contains(out, "post") {
+		t.Errorf("d-2, 100 ms of P's hold left (by the probe's offset, 0; the handshake's said -2 s):\n%s\nwant it expired, nothing read", out)
+	}
+}
+
+// A pull READ whose completion the core handles at or past the read's
+// deadline (the producer's expiry less expiryMargin), before the
+// deadline's timer ran (the driver handed the completion in first): the
+// READ was in flight past the point it had to end by, when the producer
+// may have freed and reused its blocks, and is given up as the timer
+// would have, never reported done. Before, it was done.
+func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
+	for _, tc := range []struct {
+		at   time.Duration // when the READ's completion is handled
+		want string
+	}{{29 * time.Second, "outcome recv d-1 done"}, {29*time.Second + 800*time.Millisecond, "outcome recv d-1 expired"}} {
+		c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+		c.run(t, "core mode=pull engine=D tp=0/1")
+		rr := RecvReq{ReqID: "d-1", TransferID: "t-1", Local: []topology.Span{{IDs: ids(1, 2)}},
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1", TPSize: 1, PPSize: 1, Tokens: 32,
+				Blocks: []topology.Span{{IDs: ids(1, 2)}}, Expiry: traceEpoch.Add(30 * time.Second)}}
+		c.st.Step(c.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: c.now, Recv: []RecvReq{rr}}}})
+		out := strings.Join(c.drive(nil, ""), "\n") + "\n" + c.run(t, "handshake P tp=1")
+		if !strings.Contains(out, "post #1 read P/0") {
+			t.Fatalf("d-1, 30 s of P's hold left:\n%s\nwant its READ posted", out)
+		}
+		c.now = traceEpoch.Add(tc.at) // no timer run since
+		if got := c.run(t, "ended xfer=1"); !strings.Contains(got, tc.want) {
+			t.Errorf("READ ended, handled %v into P's 30 s hold:\n%s\nwant %q", tc.at, got, tc.want)
+		}
+	}
+}

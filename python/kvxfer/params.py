@@ -61,6 +61,7 @@ def _canonical(p: dict) -> dict:
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
+INT64_MAX = _INT64_MAX
 _UINT64_MAX = (1 << 64) - 1
 
 
@@ -287,6 +288,13 @@ def generation(p: dict) -> int:
         raise ParamsError(f"kv_transfer_params.remote_generation = {v!r}, want an integer (a float may have lost the "
                           "generation's last digits: pass kv_transfer_params through as they are, JSON integers kept)")
     return _intval("kv_transfer_params.remote_generation", v, 0, _UINT64_MAX)
+
+
+def expiry(p: dict) -> int:
+    """p's remote_blocks_expiry_unix_nanos (0 when absent), or ParamsError
+    naming it: an integer 0..2^63-1 (an integral float or a numeric string,
+    as for the other integers, converted)."""
+    return _int(p, "remote_blocks_expiry_unix_nanos", 0, maximum=_INT64_MAX)
 
 
 def from_proto(t: pb.TransferParams) -> dict[str, Any]:

@@ -837,7 +837,7 @@ class _Columns:
     # The fixed columns, in the order of a row's tuple.
     _FIXED = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr",
               "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "computed", "count",
-              "status", "remote_generation")
+              "status", "remote_generation", "remote_blocks_expiry_unix_nanos")
     _LISTS = ("remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids")
 
     def __init__(self, groups: int):
@@ -872,7 +872,7 @@ class _Columns:
 
     def _add(self, kind, request, rid, g, p, blocks, computed, count, status, addrs, flags) -> bool:
         if not p:
-            self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status, 0))
+            self.rows.append((rid, request.num_prompt_tokens, 4, "", "", "", "", 0, 0, 0, 0, computed, count, status, 0, 0))
             self.remote_block_lens.extend([0] * g)
             self.remote_block_starts.extend([0] * g)
         else:
@@ -899,11 +899,18 @@ class _Columns:
             gen = get("remote_generation")
             if gen is not None and not (type(gen) is int and 0 <= gen <= _UINT64_MAX):
                 gen = params.generation(p)  # converted, or ParamsError naming it
+            # The producer's hold's end (a pull consumer's READs end before
+            # it): before, rows carried none, and the daemon's scheduler read
+            # such params with no bound, past the hold, into blocks the
+            # producer may have given to another request.
+            exp = get("remote_blocks_expiry_unix_nanos")
+            if exp is not None and not (type(exp) is int and 0 <= exp <= params.INT64_MAX):
+                exp = params.expiry(p)  # converted, or ParamsError naming it
             self.rows.append((rid, request.num_prompt_tokens,
                               (1 if get("do_remote_prefill") else 0) | (2 if get("do_remote_decode") else 0) | flags,
                               _s(p, "transfer_id"), _s(p, "remote_engine_id"), addr, _s(p, "remote_request_id"),
                               _n(get("tp_size")), _n(pp if pp is not None else get("pp_size")), _n(get("remote_num_tokens")),
-                              params.mode_of(get("mode") or get("transfer_mode")), computed, count, status, gen or 0))
+                              params.mode_of(get("mode") or get("transfer_mode")), computed, count, status, gen or 0, exp or 0))
             if remote is not None:
                 for lst, st in zip(*remote):
                     self.remote_block_lens.append(len(lst))
@@ -924,15 +931,19 @@ class _Columns:
 
     def encode(self, dst: pb.RequestColumns, with_status: bool) -> None:
         for name, col in zip(self._FIXED, zip(*self.rows)):
-            # (remote_generation: left out when no row has one, as the
-            # fast path leaves out a column of defaults: push rows, P's.)
-            if (name != "status" or with_status) and (name != "remote_generation" or any(col)):
+            # (remote_generation, remote_blocks_expiry_unix_nanos: left out
+            # when no row has one, as the fast path leaves out a column of
+            # defaults: push rows, P's.)
+            if (name != "status" or with_status) and (name not in _SPARSE or any(col)):
                 getattr(dst, name).extend(col)
         for c in self._LISTS:
             v = getattr(self, c)
             if v:
                 getattr(dst, c).extend(v)
 
+
+# _Columns' fixed columns left out when every row holds the default.
+_SPARSE = frozenset(("remote_generation", "remote_blocks_expiry_unix_nanos"))
 
 # The params that say what a request is; enough for a row when the rest is
 # malformed.
@@ -970,7 +981,8 @@ def _n(v) -> int:
 # _Columns' row-by-row path.
 _COLUMN_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id", "remote_host",
                           "remote_port", "remote_request_id", "tp_size", "remote_pp_size", "pp_size",
-                          "remote_num_tokens", "mode", "transfer_mode", "remote_generation", _TRIMMED))
+                          "remote_num_tokens", "mode", "transfer_mode", "remote_generation",
+                          "remote_blocks_expiry_unix_nanos", _TRIMMED))
 _INT31 = 1 << 31
 _UINT64_MAX = (1 << 64) - 1
 # Distinct remote addresses remembered per scheduler (a router can name any
@@ -1000,13 +1012,14 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
     try:
         # One pass over the params makes a tuple per row; zip turns them
         # into columns.
-        (tid, eng, rreq, tp, pp, nt, mode, fl, keys, gen) = zip(*[(
+        (tid, eng, rreq, tp, pp, nt, mode, fl, keys, gen, exp) = zip(*[(
             p.get("transfer_id") or "", p.get("remote_engine_id") or "", p.get("remote_request_id") or "",
             p.get("tp_size") or 0,
             (p["remote_pp_size"] if p.get("remote_pp_size") is not None else p.get("pp_size")) or 0,
             p.get("remote_num_tokens") or 0, mode_of(p.get("mode") or p.get("transfer_mode"), 0),
             (1 if p.get("do_remote_prefill") else 0) | (2 if p.get("do_remote_decode") else 0),
-            (p.get("remote_host"), p.get("remote_port")), p.get("remote_generation")) for p in ps])
+            (p.get("remote_host"), p.get("remote_port")), p.get("remote_generation"),
+            p.get("remote_blocks_expiry_unix_nanos") or 0) for p in ps])
         amap = {}
         for k in set(keys):
             a = addrs.get(k)
@@ -1023,6 +1036,8 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
             gen = [g or 0 for g in gen]
         else:
             return False  # (a str, a bool, a float... params.generation refuses or converts it, row by row)
+        if not all(type(x) is int and 0 <= x <= params.INT64_MAX for x in exp):
+            return False  # (a str, a float...: converted or refused row by row)
         if any(flags):
             fl = [x | y for x, y in zip(fl, flags)]
 
@@ -1048,6 +1063,7 @@ def encode_rows(dst: pb.RequestColumns, groups: int, reqs, ps, flags, computed, 
         if status is not None:
             dst.status.extend(status)
         put(dst.remote_generation, gen)
+        put(dst.remote_blocks_expiry_unix_nanos, exp)
         if all(len(b) == groups for b in blocks):
             dst.block_lens.extend([len(g) for b in blocks for g in b])
             dst.block_ids.extend([i for b in blocks for g in b for i in g])

@@ -71,6 +71,8 @@ PUSH_D = {"do_remote_prefill": False, "do_remote_decode": False, "transfer_id": 
      {"do_remote_prefill": True, "remote_engine_id": "b", "remote_host": "h", "remote_port": 6, "pp_size": 2,
       "remote_pp_size": 3, "tp_size": None, "mode": "push"},
      dict(PUSH_D, mode=None, tp_size=None)],
+    # A pull producer's hold's end (NixlConnector's spelling of P's params)
+    [dict(PUSH_D, mode="pull", remote_blocks_expiry_unix_nanos=1_800_000_000_000_000_000 + i) for i in range(3)],
 ])
 def test_fast_path_encodes_what_rows_do(ps):
     blocks = [[[i, i + 1]] for i in range(len(ps))]
@@ -102,7 +104,8 @@ def test_fast_path_rows_with_fewer_block_lists():
     {"mode": ["push"]},
     {"remote_port": "x"},  # not a port
     {"remote_block_ids": [[1, 2]]},  # remote lists take the row path
-    {"remote_blocks_expiry_unix_nanos": 5},  # a key the columns do not read
+    {"remote_blocks_expiry_unix_nanos": "5"},  # not an int
+    {"remote_blocks_expiry_unix_nanos": 5.0},
 ])
 def test_odd_rows_take_the_row_path(odd):
     ps = [dict(PUSH_D), dict(PUSH_D, **odd)]
@@ -177,3 +180,25 @@ def test_junk_generation_refused_by_params(junk):
         P.to_proto(p)
     assert P.to_proto(dict(p, remote_generation=GEN)).remote_generation == GEN
     assert P.from_proto(P.to_proto(dict(p, remote_generation=GEN)))["remote_generation"] == GEN
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rows_carry_the_producers_hold_expiry(fast):
+    """Pull params carry when the producer's hold of its blocks ends
+    (remote_blocks_expiry_unix_nanos): every row carries it to the daemon,
+    whose scheduler bounds the consumer's READs by it, by either path (D's
+    rows, naming the producer's blocks, take the row path). Before, the
+    columns had no such field: the daemon read such params with no bound,
+    past the hold, into blocks the producer may have reused."""
+    exp = 1_800_000_000_123_456_789
+    ps = [dict(PUSH_D, mode="pull", remote_blocks_expiry_unix_nanos=exp), dict(PUSH_D, mode="pull")]
+    if not fast:
+        ps = [dict(p, do_remote_prefill=True, remote_block_ids=[[3, 4]]) for p in ps]
+    ok, fc, slow, _ = both(ps, [[[1]], [[2]]])
+    assert ok == fast
+    c = fc if fast else slow
+    assert list(c.remote_blocks_expiry_unix_nanos) == [exp, 0]
+    # Junk there is refused by the row path, naming the field, and counted.
+    cols = V._Columns(1)
+    assert cols.add("recv", Req("r-9"), dict(ps[0], remote_blocks_expiry_unix_nanos=-1), [[1]], 0, addrs={})
+    assert cols.bad == 1

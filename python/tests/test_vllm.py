@@ -383,6 +383,43 @@ def test_pull_params_of_a_restarted_producer_are_not_read(tmp_path, daemons, cap
         r.close()
 
 
+def test_pull_read_after_the_lease_is_not_loaded(tmp_path, daemons, caplog):
+    """Pull, P's lease 2 s: the router hands D p-0's params only after
+    p-0's lease lapsed (D's request waited; nothing extended the hold) and
+    P gave its blocks back, another request held since. D's d-0 is not
+    loaded: it fails before any READ, naming the expiry its params carry,
+    and is recomputed (over NIXL, which has no grant to refuse it, a READ
+    of blocks P reused loads another request's KV); d-1, read in time,
+    moves and checks byte for byte; both engines give every block back.
+    Before, the connector's pull params carried no expiry: d-0 was READ
+    (refused here by the built-in backend's grants, after its retries)."""
+    rng = random.Random("late-pull")
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2})
+    try:
+        r.prompts["p-0"] = r.prompts["d-0"] = toks0 = [rng.randrange(100, 50000) for _ in range(40)]
+        r.P.sched.add_request(H.make_request("p-0", list(toks0), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        r.run_until(lambda: "p-0" in r.P.finished)
+        late = dict(r.P.finished["p-0"].kv_transfer_params)
+        assert late.get("remote_blocks_expiry_unix_nanos", 0) > time.time_ns(), late
+        # p-0's lease lapses unread: P gives its blocks back.
+        r.run_until(lambda: "p-0" in r.P.sent and not r.P.sched.requests, limit_s=15)
+        assert time.time_ns() >= late["remote_blocks_expiry_unix_nanos"]
+        r.add(1, [rng.randrange(100, 50000) for _ in range(40)])
+        r.run_until(lambda: "p-1" in r.P.finished)
+        r.D.sched.add_request(H.make_request("d-0", toks0, 2, late))
+        with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+            r.run_until(lambda: {"d-0", "d-1"} <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests,
+                        limit_s=30)
+        assert "d-0" in r.D.failed and "d-0" not in r.checked, (sorted(r.D.failed), sorted(r.checked))
+        assert not str(r.D.finished["d-0"].finish_reason).lower().endswith("error")  # recomputed
+        why = [m for m in caplog.messages if "d-0" in m]
+        assert any("expire" in m for m in why), why
+        assert "d-1" in r.checked and r.D.failed == {"d-0"}, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def _sum_stats(e) -> dict:
     """Sums the stats engine e's scheduler-side connector reports from now
     on (vLLM takes and clears them each step), by key, into the returned

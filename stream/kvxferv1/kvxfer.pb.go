@@ -4309,8 +4309,13 @@ type RequestColumns struct {
 	Status []FinishStatus `protobuf:"varint,19,rep,packed,name=status,proto3,enum=kvxfer.v1.FinishStatus" json:"status,omitempty"`
 	// remote_generation per row (params: TransferParams.remote_generation).
 	RemoteGeneration []uint64 `protobuf:"varint,20,rep,packed,name=remote_generation,json=remoteGeneration,proto3" json:"remote_generation,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// remote_blocks_expiry_unix_nanos per row (params:
+	// TransferParams.remote_blocks_expiry_unix_nanos: when the producer's
+	// hold of its blocks ends, which a pull consumer's READs must end
+	// before).
+	RemoteBlocksExpiryUnixNanos []int64 `protobuf:"varint,21,rep,packed,name=remote_blocks_expiry_unix_nanos,json=remoteBlocksExpiryUnixNanos,proto3" json:"remote_blocks_expiry_unix_nanos,omitempty"`
+	unknownFields               protoimpl.UnknownFields
+	sizeCache                   protoimpl.SizeCache
 }
 
 func (x *RequestColumns) Reset() {
@@ -4479,6 +4484,13 @@ func (x *RequestColumns) GetStatus() []FinishStatus {
 func (x *RequestColumns) GetRemoteGeneration() []uint64 {
 	if x != nil {
 		return x.RemoteGeneration
+	}
+	return nil
+}
+
+func (x *RequestColumns) GetRemoteBlocksExpiryUnixNanos() []int64 {
+	if x != nil {
+		return x.RemoteBlocksExpiryUnixNanos
 	}
 	return nil
 }
@@ -5272,7 +5284,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\acolumns\x18\x05 \x01(\v2\x16.kvxfer.v1.StepColumnsR\acolumns\x12!\n" +
 	"\fpublish_step\x18\x04 \x01(\x04R\vpublishStep\x12\x1f\n" +
 	"\verrors_only\x18\x06 \x01(\bR\n" +
-	"errorsOnly\"\xf1\x05\n" +
+	"errorsOnly\"\xb7\x06\n" +
 	"\x0eRequestColumns\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x03(\tR\trequestId\x12#\n" +
@@ -5298,7 +5310,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\bcomputed\x18\x11 \x03(\x03R\bcomputed\x12\x14\n" +
 	"\x05count\x18\x12 \x03(\x03R\x05count\x12/\n" +
 	"\x06status\x18\x13 \x03(\x0e2\x17.kvxfer.v1.FinishStatusR\x06status\x12+\n" +
-	"\x11remote_generation\x18\x14 \x03(\x04R\x10remoteGeneration\"\xc4\x01\n" +
+	"\x11remote_generation\x18\x14 \x03(\x04R\x10remoteGeneration\x12D\n" +
+	"\x1fremote_blocks_expiry_unix_nanos\x18\x15 \x03(\x03R\x1bremoteBlocksExpiryUnixNanos\"\xc4\x01\n" +
 	"\vStepColumns\x12D\n" +
 	"\x10request_finished\x18\x01 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\x0frequestFinished\x12:\n" +
 	"\vafter_alloc\x18\x02 \x01(\v2\x19.kvxfer.v1.RequestColumnsR\n" +

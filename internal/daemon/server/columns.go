@@ -75,6 +75,7 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 			{"remote_request_id", len(rc.RemoteRequestId)}, {"remote_tp_size", len(rc.RemoteTpSize)},
 			{"remote_pp_size", len(rc.RemotePpSize)}, {"remote_num_tokens", len(rc.RemoteNumTokens)}, {"mode", len(rc.Mode)},
 			{"computed", len(rc.Computed)}, {"count", len(rc.Count)}, {"remote_generation", len(rc.RemoteGeneration)},
+			{"remote_blocks_expiry_unix_nanos", len(rc.RemoteBlocksExpiryUnixNanos)},
 			{"status", status}, {"block_lens", len(rc.BlockLens)}, {"block_ids", len(rc.BlockIds)},
 			{"remote_block_lens", len(rc.RemoteBlockLens)}, {"remote_block_starts", len(rc.RemoteBlockStarts)},
 			{"remote_block_ids", len(rc.RemoteBlockIds)},
@@ -120,7 +121,8 @@ func columnOps(c *pb.StepColumns) ([]*pb.SchedulerOp, error) {
 				params = &pb.TransferParams{TransferId: at(rc.TransferId, i), DoRemotePrefill: flags&colRemotePrefill != 0,
 					DoRemoteDecode: flags&colRemoteDecode != 0, RemoteEngineId: at(rc.RemoteEngineId, i), RemoteAddr: at(rc.RemoteAddr, i),
 					RemoteRequestId: at(rc.RemoteRequestId, i), RemoteTpSize: at(rc.RemoteTpSize, i), RemotePpSize: at(rc.RemotePpSize, i),
-					RemoteNumTokens: at(rc.RemoteNumTokens, i), Mode: at(rc.Mode, i), RemoteGeneration: at(rc.RemoteGeneration, i)}
+					RemoteNumTokens: at(rc.RemoteNumTokens, i), Mode: at(rc.Mode, i), RemoteGeneration: at(rc.RemoteGeneration, i),
+					RemoteBlocksExpiryUnixNanos: at(rc.RemoteBlocksExpiryUnixNanos, i)}
 				hasRemote := false
 				for g := range rgroups {
 					if rc.RemoteBlockLens[i*rgroups+g] != 0 {

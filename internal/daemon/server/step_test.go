@@ -427,7 +427,8 @@ func TestStepColumns(t *testing.T) {
 	}
 	recv := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
 		RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteRequestId: "p-1", RemoteTpSize: 2, RemoteNumTokens: 40, Mode: pb.Mode_MODE_PULL,
-		RemoteBlockIds: []*pb.Span{{BlockIds: []int32{7, 8, 9}}, {Start: 16, BlockIds: []int32{3, 4}}}, RemoteGeneration: 1<<63 + 77}}
+		RemoteBlockIds: []*pb.Span{{BlockIds: []int32{7, 8, 9}}, {Start: 16, BlockIds: []int32{3, 4}}}, RemoteGeneration: 1<<63 + 77,
+		RemoteBlocksExpiryUnixNanos: 1<<62 + 5}}
 	bad := &pb.EngineRequest{RequestId: "d-2", PromptTokens: 40, Params: &pb.TransferParams{DoRemotePrefill: true, RemoteAddr: "x:1"}}
 	send := &pb.EngineRequest{RequestId: "p-9", PromptTokens: 20, Params: &pb.TransferParams{TransferId: "t9", DoRemoteDecode: true}}
 	none := &pb.EngineRequest{RequestId: "x-1", PromptTokens: 5}
@@ -449,7 +450,7 @@ func TestStepColumns(t *testing.T) {
 			RemoteTpSize: []int32{2, 0}, RemotePpSize: []int32{0, 0}, RemoteNumTokens: []int64{40, 0}, Mode: []pb.Mode{pb.Mode_MODE_PULL, 0},
 			RemoteBlockLens: []int32{3, 2, 0, 0}, RemoteBlockStarts: []int64{0, 16, 0, 0}, RemoteBlockIds: []int32{7, 8, 9, 3, 4},
 			BlockLens: []int32{3, 2, 1, 1}, BlockIds: []int32{10, 11, 12, 13, 14, 20, 21}, Computed: []int64{0, 0}, Count: []int64{40, 40},
-			RemoteGeneration: []uint64{1<<63 + 77, 0}},
+			RemoteGeneration: []uint64{1<<63 + 77, 0}, RemoteBlocksExpiryUnixNanos: []int64{1<<62 + 5, 0}},
 	}
 	a, err := c.Step(ctx, &pb.StepRequest{EngineId: "ops", BuildMeta: true, Ops: ops})
 	if err != nil {
@@ -504,6 +505,12 @@ func TestStepColumns(t *testing.T) {
 		// The producer's generation the params carry reaches the
 		// receive, which reads nothing of another generation.
 		t.Errorf("columns: d-1's receive names the producer's generation %d, want %d (its params' remote_generation)", g, uint64(1<<63+77))
+	} else if x := b.Meta.Recv[0].Remote.GetExpiryUnixNanos(); x != 1<<62+5 {
+		// So does the producer's hold's end, which bounds the READs:
+		// before, the columns had no such field and the receive had no
+		// bound (a READ past the hold, into blocks given to another
+		// request).
+		t.Errorf("columns: d-1's receive has the producer's hold ending at %d, want %d (its params' remote_blocks_expiry_unix_nanos)", x, int64(1<<62+5))
 	}
 	// errors_only: the failed op alone is answered (on an engine of its
 	// own: "cols" would refuse d-1's receive, staged there already).

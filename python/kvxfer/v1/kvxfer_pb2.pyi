@@ -697,7 +697,7 @@ class StepRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SchedulerOp, _Mapping]]] = ..., build_meta: _Optional[bool] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ..., publish_step: _Optional[int] = ..., errors_only: _Optional[bool] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr", "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids", "computed", "count", "status", "remote_generation")
+    __slots__ = ("request_id", "prompt_tokens", "flags", "transfer_id", "remote_engine_id", "remote_addr", "remote_request_id", "remote_tp_size", "remote_pp_size", "remote_num_tokens", "mode", "remote_block_lens", "remote_block_starts", "remote_block_ids", "block_lens", "block_ids", "computed", "count", "status", "remote_generation", "remote_blocks_expiry_unix_nanos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
@@ -718,6 +718,7 @@ class RequestColumns(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_EXPIRY_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     request_id: _containers.RepeatedScalarFieldContainer[str]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     flags: _containers.RepeatedScalarFieldContainer[int]
@@ -738,7 +739,8 @@ class RequestColumns(_message.Message):
     count: _containers.RepeatedScalarFieldContainer[int]
     status: _containers.RepeatedScalarFieldContainer[FinishStatus]
     remote_generation: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[_Iterable[str]] = ..., remote_engine_id: _Optional[_Iterable[str]] = ..., remote_addr: _Optional[_Iterable[str]] = ..., remote_request_id: _Optional[_Iterable[str]] = ..., remote_tp_size: _Optional[_Iterable[int]] = ..., remote_pp_size: _Optional[_Iterable[int]] = ..., remote_num_tokens: _Optional[_Iterable[int]] = ..., mode: _Optional[_Iterable[_Union[Mode, str]]] = ..., remote_block_lens: _Optional[_Iterable[int]] = ..., remote_block_starts: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_lens: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., computed: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., status: _Optional[_Iterable[_Union[FinishStatus, str]]] = ..., remote_generation: _Optional[_Iterable[int]] = ...) -> None: ...
+    remote_blocks_expiry_unix_nanos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[_Iterable[str]] = ..., remote_engine_id: _Optional[_Iterable[str]] = ..., remote_addr: _Optional[_Iterable[str]] = ..., remote_request_id: _Optional[_Iterable[str]] = ..., remote_tp_size: _Optional[_Iterable[int]] = ..., remote_pp_size: _Optional[_Iterable[int]] = ..., remote_num_tokens: _Optional[_Iterable[int]] = ..., mode: _Optional[_Iterable[_Union[Mode, str]]] = ..., remote_block_lens: _Optional[_Iterable[int]] = ..., remote_block_starts: _Optional[_Iterable[int]] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_lens: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., computed: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., status: _Optional[_Iterable[_Union[FinishStatus, str]]] = ..., remote_generation: _Optional[_Iterable[int]] = ..., remote_blocks_expiry_unix_nanos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepColumns(_message.Message):
     __slots__ = ("request_finished", "after_alloc", "prefill")
