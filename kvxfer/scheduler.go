@@ -29,6 +29,13 @@ type SchedulerConfig struct {
 	// without an address (RemoteAddr empty): the workers' Resolver finds
 	// it by its id (kvxferd -etcd's registry).
 	ResolveByID bool
+	// CheckAddr, when set, checks a remote engine's address (transfer
+	// params' RemoteAddr) as the workers' Resolver would take it: params
+	// with one it refuses are bad input here, refused (named, counted in
+	// BadParams) before any block is promised to them, instead of
+	// failing the request's handshake at its ranks later. kvxferd sets it
+	// to its resolver's host:port check.
+	CheckAddr func(addr string) error
 	// Generation, when set, returns this engine's current generation as
 	// its peers' handshakes report it (HandshakeResult.Generation; 0:
 	// unknown). A pull producer's params carry it (RemoteGeneration), so
@@ -460,6 +467,11 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 	}
 	if p.RemoteAddr == "" && !s.cfg.ResolveByID {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteAddr is empty")
+	}
+	if p.RemoteAddr != "" && s.cfg.CheckAddr != nil {
+		if err := s.cfg.CheckAddr(p.RemoteAddr); err != nil {
+			return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteAddr: %w", err)
+		}
 	}
 	if p.RemoteRequestID == "" && p.TransferID == "" {
 		return RemoteRef{}, fmt.Errorf("kvxfer: transfer params: RemoteRequestID and TransferID are both empty")

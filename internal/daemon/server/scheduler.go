@@ -187,7 +187,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
-		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID, MaxRequests: ss.maxRequests}
+		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID, CheckAddr: checkPeerAddr, MaxRequests: ss.maxRequests}
 	for _, f := range []struct {
 		name string
 		v    int64
