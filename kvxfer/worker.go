@@ -33,6 +33,12 @@ type WorkerConfig struct {
 	Backend Backend
 	// Resolver performs handshakes with peer engines (required).
 	Resolver Resolver
+	// CheckAddr, when set, checks a remote engine's address (a receive's
+	// Remote.Addr) as Resolver would take it: a step entry with one it
+	// refuses is bad input, refused at once (named, counted) instead of
+	// failing its handshake later. kvxferd sets it to its resolver's
+	// host:port check.
+	CheckAddr func(addr string) error
 	// CompatHash is this engine's compatibility hash (SPEC §2). A peer
 	// whose hash differs is refused unless SkipCompatCheck.
 	CompatHash      string
@@ -1410,6 +1416,8 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			field, why = "remote.req_id", longID("Remote.ReqID", r.Remote.ReqID)
 		case longID("Remote.Addr", r.Remote.Addr) != "":
 			field, why = "remote.addr", longID("Remote.Addr", r.Remote.Addr)
+		case r.Remote.Addr != "" && w.cfg.CheckAddr != nil && w.cfg.CheckAddr(r.Remote.Addr) != nil:
+			field, why = "remote.addr", "Remote.Addr: "+w.cfg.CheckAddr(r.Remote.Addr).Error()
 		case r.Remote.TPSize < 0:
 			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
 		case r.Remote.PPSize < 0:

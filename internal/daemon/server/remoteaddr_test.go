@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 
@@ -57,5 +58,70 @@ func TestSchedulerRefusesMalformedRemoteAddr(t *testing.T) {
 			t.Errorf("RemoteAddr %q: counters = %v, want bad_params %d", addr, resp.Counters, counted+2)
 		}
 		counted = resp.Counters.GetBadParams()
+	}
+}
+
+// A rank's step receive naming its producer at an address the peer
+// resolver would never dial is refused at once, as the scheduler refuses
+// it: the request fails (setup) naming Remote.Addr and the value, counted
+// as recv_req.remote.addr, and the good receive beside it is taken in.
+// Before, it was held and failed later on its handshake.
+func TestStepRefusesMalformedRemoteAddr(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	ds := d.srv.OpenDirect()
+	defer ds.Cancel()
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: directHello(t)}})); err != nil {
+		t.Fatal(err)
+	}
+	if m, ended, code, msg := take(t, ds); ended || m.GetReady() == nil {
+		t.Fatalf("after hello: %v (ended %v: %v %s), want Ready", m, ended, code, msg)
+	}
+	deadline := time.Now().Add(time.Hour).UnixNano()
+	recv := func(id, addr string, block int32) *pb.RecvRequest {
+		return &pb.RecvRequest{RequestId: id, Local: []*pb.Span{{BlockIds: []int32{block}}}, DeadlineUnixNanos: deadline,
+			Remote: &pb.RemoteRef{EngineId: "P", Addr: addr, RequestId: "p-" + id}}
+	}
+	bad := map[string]string{"d-noport": "127.0.0.1", "d-scheme": "unix:///tmp/x.sock", "d-space": "a host:7600", "d-port": "h:70000"}
+	step := &pb.StepMeta{Step: 1, Recv: []*pb.RecvRequest{recv("d-good", "127.0.0.1:1", 1)}}
+	block := int32(2)
+	for _, id := range []string{"d-noport", "d-scheme", "d-space", "d-port"} {
+		step.Recv = append(step.Recv, recv(id, bad[id], block))
+		block++
+	}
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: step}})); err != nil {
+		t.Fatal(err)
+	}
+	outcomes := map[string]*pb.Outcome{}
+	for len(outcomes) < len(bad)+1 {
+		m, ended, code, msg := take(t, ds)
+		if ended {
+			t.Fatalf("stream ended: %v %s", code, msg)
+		}
+		if e := m.GetStepError(); e != nil && e.Dropped {
+			t.Fatalf("StepError = %v: the whole step was dropped", e)
+		}
+		for _, o := range m.GetFinished().GetRecving() {
+			if outcomes[o.RequestId] != nil {
+				t.Errorf("two outcomes for %s", o.RequestId)
+			}
+			outcomes[o.RequestId] = o
+		}
+	}
+	for id, addr := range bad {
+		o := outcomes[id]
+		if o.GetResult() != pb.Outcome_RESULT_FAILED || o.GetFailureKind() != pb.FailureKind_FAILURE_KIND_SETUP ||
+			!strings.Contains(o.GetReason(), "Remote.Addr") || !strings.Contains(o.GetReason(), addr) {
+			t.Errorf("outcome of %s (Remote.Addr %q) = %v, want failed (setup) naming Remote.Addr and the value", id, addr, o)
+		}
+	}
+	if o := outcomes["d-good"]; o.GetFailureKind() != pb.FailureKind_FAILURE_KIND_HANDSHAKE {
+		t.Errorf("d-good's outcome = %v, want its own (a failed handshake)", o)
+	}
+	ws := d.srv.Workers()["direct"]
+	if len(ws) != 1 {
+		t.Fatalf("workers of engine direct: %d", len(ws))
+	}
+	if got := ws[0].Metrics().Snapshot().BadInput["recv_req.remote.addr"]; got != uint64(len(bad)) {
+		t.Errorf("BadInput = %v, want recv_req.remote.addr counted %d times", ws[0].Metrics().Snapshot().BadInput, len(bad))
 	}
 }

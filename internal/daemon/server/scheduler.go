@@ -35,6 +35,9 @@ type schedulers struct {
 	// resolveByID: engines may be named without an address (a registry
 	// finds them: Config.PeerLookup).
 	resolveByID bool
+	// checkAddr checks a remote engine's address as the server's
+	// resolver dials it (nil: a resolver of its own kind, unchecked).
+	checkAddr func(string) error
 	// maxRequests bounds each scheduler's requests (Config.MaxRequests).
 	maxRequests int
 	// generation returns the source of an engine's generation as a
@@ -187,7 +190,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		LogicalBlockSize: int(c.LogicalBlockSize), SpecBlocks: int(c.SpecBlocks), PrefillBackoff: int(c.PrefillBackoff), Lease: time.Duration(c.LeaseMillis) * time.Millisecond,
 		DecoderBlocksTTL: time.Duration(c.DecoderBlocksTtlMillis) * time.Millisecond, RegistrationTimeout: time.Duration(c.RegistrationTimeoutMillis) * time.Millisecond,
 		RecomputeThreshold: int(c.RecomputeThreshold), Bidirectional: c.Bidirectional, HostBuffer: c.HostBuffer,
-		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID, CheckAddr: checkPeerAddr, MaxRequests: ss.maxRequests}
+		Layerwise: c.Layerwise, ResolveByID: ss.resolveByID, CheckAddr: ss.checkAddr, MaxRequests: ss.maxRequests}
 	for _, f := range []struct {
 		name string
 		v    int64

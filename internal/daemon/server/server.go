@@ -251,6 +251,9 @@ type Server struct {
 
 	cfg   Config
 	sched *schedulers
+	// checkAddr checks a peer address an engine names (nil: unchecked,
+	// the configured resolver's own kind).
+	checkAddr func(string) error
 	// sameHostGone: same-host parts landed by ranks that detached.
 	sameHostGone atomic.Uint64
 	// oneSidedGone: one-sided WRITEs posted by ranks that detached.
@@ -441,6 +444,12 @@ func New(cfg Config) (*Server, error) {
 		s.resolver = NewPeerResolver(ResolverConfig{Creds: cfg.PeerCreds, Insecure: cfg.PeerInsecure, TLS: cfg.PeerTLS, Allow: allow,
 			Lookup: cfg.PeerLookup})
 		s.cfg.Resolver = s.resolver
+	}
+	if _, ok := s.cfg.Resolver.(*PeerResolver); ok {
+		// Peer addresses are host:port, as that resolver dials them: one
+		// it would refuse is bad input where an engine names it.
+		s.checkAddr = checkPeerAddr
+		s.sched.checkAddr = checkPeerAddr
 	}
 	s.engines = xsync.NewMap[string, *engineEntry]()
 	return s, nil
@@ -1467,7 +1476,7 @@ func (s *Server) attach(h *pb.WorkerHello, uid uint32, groups []uint32, pid int3
 	// ends its own stream (serve); the daemon's other ranks carry on.
 	wc := kvxfer.WorkerConfig{EngineID: h.EngineId, Addr: s.cfg.PeerAddr, Mode: kvxfer.Mode(h.Mode), Layout: l,
 		Backend: r.backend, Resolver: s.cfg.Resolver, CompatHash: h.CompatHash, Layerwise: h.Layerwise, FirstLayer: int(h.FirstLayer), Logger: s.log,
-		ContainPanics: true}
+		ContainPanics: true, CheckAddr: s.checkAddr}
 	if s.cfg.WorkerConfig != nil {
 		s.cfg.WorkerConfig(&wc)
 	}
