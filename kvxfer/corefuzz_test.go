@@ -1477,7 +1477,7 @@ func (s *coreSim) answer(ok bool) {
 		}
 		a := c.asks[0]
 		c.asks = c.asks[1:]
-		h := &hsResult{engine: a.engine, probe: a.probe}
+		h := &hsResult{engine: a.engine, probe: a.probe, moves: a.moves}
 		e := map[string]*simEngine{"P": s.p, "D": s.d}[a.engine]
 		if ok && e != nil {
 			h.res.Generation = e.gen

@@ -45,7 +45,11 @@ const (
 
 // engine is the handshake cache entry of one peer engine.
 type engine struct {
-	id, addr   string
+	id, addr string
+	// addrMoves counts the times a request named the engine at another
+	// address than addr (engineAt): a question out to an earlier address
+	// is answered for a place the engine has left.
+	addrMoves  uint64
 	state      hsState
 	err        error
 	gen        uint64
@@ -156,6 +160,48 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 	return e
 }
 
+// engineAt is ensureEngine for a request's params, which name the
+// producer engine at the address its engine hands out now. A known engine
+// named at another address by a request that came in after the engine's
+// last handshake began has moved there (restarted on another host or
+// port under the same id): it is handshaken there at once, whatever the
+// state of the handshake at the old one, whose answers no longer count.
+// Before, the engine was known by its id alone and its old address kept
+// until a handshake there failed: the first requests after the move went
+// to the gone daemon and failed.
+//
+// elsewhere: the request names the engine at another address than the
+// one it was last handshaken at, and came in before that handshake
+// began: the engine moved on since (two live engines share the id, named
+// by turns). The request is failed (Moved), never sent to the engine at
+// the other address, whose blocks are not its request's, and never moves
+// the engine back: requests in flight at once that name both would have
+// it handshaken back and forth for ever. Peer messages do not move an
+// engine: each rank of an in-process engine speaks from its own port.
+func (st *loopState) engineAt(id, addr string, since time.Time) (e *engine, elsewhere bool) {
+	e = st.engines[id]
+	if e == nil || addr == "" || e.addr == "" || addr == e.addr {
+		return st.ensureEngine(id, addr), false
+	}
+	if !since.After(e.hsStarted) {
+		return e, true
+	}
+	st.log.Warn("kvxfer: a request names the producer engine at another address than its handshake's: handshaking there (it moved, or two engines share its id)",
+		"engine", id, "addr", addr, "was", e.addr)
+	e.addr = addr
+	e.addrMoves++
+	e.probing = false // a probe out is of the old address: dropped as it answers
+	st.startHandshake(e)
+	return e, false
+}
+
+// elsewhereReason is why a request that names its producer engine at
+// another address than the engine's latest handshake fails (engineAt).
+func elsewhereReason(e *engine, addr string) string {
+	return fmt.Sprintf("the params name producer engine %s at %s, but it was handshaken at %s since this request came in (two engines share the id, or it moved back): not sent to it there",
+		e.id, addr, e.addr)
+}
+
 // startHandshake (re)starts the handshake with an engine.
 func (st *loopState) startHandshake(e *engine) {
 	e.state, e.err = hsPending, nil
@@ -167,7 +213,7 @@ func (st *loopState) startHandshake(e *engine) {
 // timeout; the answer comes back as an evHandshake event (a liveness
 // probe's when probe).
 func (st *loopState) askResolver(e *engine, timeout time.Duration, probe bool) {
-	st.fx.asks = append(st.fx.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe, gen: e.gen})
+	st.fx.asks = append(st.fx.asks, hsAsk{engine: e.id, addr: e.addr, timeout: timeout, probe: probe, gen: e.gen, moves: e.addrMoves})
 }
 
 // handshakeDone loads a finished handshake and re-drives whatever waited.
@@ -177,7 +223,9 @@ func (st *loopState) handshakeDone(h *hsResult) {
 		return
 	}
 	e := st.engines[h.engine]
-	if e == nil || e.state != hsPending {
+	if e == nil || e.state != hsPending || h.moves != e.addrMoves {
+		// (An answer from an address the engine moved from: the
+		// handshake begun at its new one answers for it.)
 		return
 	}
 	err := h.err

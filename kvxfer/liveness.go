@@ -160,8 +160,8 @@ func (st *loopState) recheckLater(e *engine) {
 // probeDone handles the answer to a probe.
 func (st *loopState) probeDone(h *hsResult) {
 	e := st.engines[h.engine]
-	if e == nil {
-		return
+	if e == nil || h.moves != e.addrMoves {
+		return // (a probe of an address the engine moved from: engineAt)
 	}
 	e.probing = false
 	defer st.recheckLater(e)

@@ -52,7 +52,7 @@ func TestPeerGoneWithGrantsRefusesLateWrites(t *testing.T) {
 		}
 		a := asks[0]
 		asks = asks[1:]
-		h := &hsResult{engine: "P", probe: a.probe, err: err}
+		h := &hsResult{engine: "P", probe: a.probe, moves: a.moves, err: err}
 		if err == nil {
 			h.res = HandshakeResult{Generation: 1, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte("P/0")}}}
 			h.names, h.loadErrs = []PeerName{"P/0"}, []error{nil}

@@ -75,7 +75,10 @@ func (r *recvReq) addHandle(id XferID, to rankRef) {
 // full prefix hit or an abort before schedule), so P frees its blocks
 // instead of waiting for its lease (SPEC §14).
 func (st *loopState) releaseProducer(in *RecvReq) {
-	e := st.ensureEngine(in.Remote.EngineID, in.Remote.Addr)
+	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
+	if elsewhere {
+		return // (not after a handshake begun this very pass: it is that engine's)
+	}
 	kind := msgDone // pull: P counts one report per D rank
 	if st.cfg.Mode == ModePush {
 		kind = msgReg // push: an empty registration releases this rank
@@ -111,7 +114,12 @@ func (st *loopState) targets(ptp, ppp int) ([]rankRef, error) {
 
 // startRecv registers (push) or reads (pull) once the handshake is ready.
 func (st *loopState) startRecv(r *recvReq) {
-	e := st.ensureEngine(r.req.Remote.EngineID, r.req.Remote.Addr)
+	e, elsewhere := st.engineAt(r.req.Remote.EngineID, r.req.Remote.Addr, r.since)
+	if elsewhere {
+		st.decide(r, ResultFailed, FailurePeerGone, elsewhereReason(e, r.req.Remote.Addr))
+		st.tryReport(r)
+		return
+	}
 	switch e.state {
 	case hsPending:
 		return

@@ -382,12 +382,16 @@ type hsAsk struct {
 	// gen is the generation the core holds: a probe that finds it
 	// unchanged needs no agent loaded (most probes).
 	gen uint64
+	// moves is the engine's addrMoves when asked: an answer from an
+	// address it has moved from since is not its word (handshakeDone).
+	moves uint64
 }
 
 type hsResult struct {
 	probe   bool // a liveness probe (liveness.go), not a handshake
 	closing bool // the Worker was closing when the answer came
 	engine  string
+	moves   uint64 // the ask's
 	res     HandshakeResult
 	err     error
 	took    time.Duration
@@ -1023,7 +1027,7 @@ func (w *Worker) apply() {
 			defer cancel()
 			t0 := time.Now()
 			res, err := w.cfg.Resolver.Handshake(ctx, a.engine, a.addr)
-			h := &hsResult{probe: a.probe, engine: a.engine, res: res, err: err, took: time.Since(t0), closing: w.ctx.Err() != nil}
+			h := &hsResult{probe: a.probe, engine: a.engine, moves: a.moves, res: res, err: err, took: time.Since(t0), closing: w.ctx.Err() != nil}
 			var partial *PartialHandshakeError
 			if err != nil && !a.probe && errors.As(err, &partial) && len(partial.Answered) > 0 {
 				// The ranks that answered: their agents admit their
