@@ -186,13 +186,18 @@ func (st *loopState) engineAt(id, addr string, since time.Time) (e *engine, else
 	if !since.After(e.hsStarted) {
 		return e, true
 	}
-	st.log.Warn("kvxfer: a request names the producer engine at another address than its handshake's: handshaking there (it moved, or two engines share its id)",
-		"engine", id, "addr", addr, "was", e.addr)
+	st.moveEngine(e, addr, "a request names the producer engine at another address than its handshake's")
+	return e, false
+}
+
+// moveEngine has e handshaken at addr, the address it is now named at,
+// at once: what is out to its old one answers for a place it left.
+func (st *loopState) moveEngine(e *engine, addr, why string) {
+	st.log.Warn("kvxfer: "+why+": handshaking there (it moved, or two engines share its id)", "engine", e.id, "addr", addr, "was", e.addr)
 	e.addr = addr
 	e.addrMoves++
 	e.probing = false // a probe out is of the old address: dropped as it answers
 	st.startHandshake(e)
-	return e, false
 }
 
 // elsewhereReason is why a request that names its producer engine at

@@ -51,6 +51,9 @@ func (st *loopState) admit(pm parkedMsg) bool {
 			return true
 		}
 		const why = "its engine's handshake names another agent for that rank"
+		if st.senderMoved(e, pm) {
+			return st.parkMsg(e, pm)
+		}
 		if pm.tries > 0 && st.now.Sub(e.loadedAt) < handshakeRetry {
 			// It waited for this very answer, which does not list it.
 			st.refuseSender(from, m, why)
@@ -62,8 +65,28 @@ func (st *loopState) admit(pm parkedMsg) bool {
 	// not the first agent to speak for a rank, says who speaks for it.
 	if e == nil {
 		e = st.ensureEngine(m.Engine, m.Addr)
+	} else if e.state != hsPending && st.senderMoved(e, pm) {
+		return st.parkMsg(e, pm)
 	}
 	return st.verifyAgain(e, pm, time.Time{}, "no handshake with its engine names that agent for that rank")
+}
+
+// senderMoved: a message from an agent no handshake with its engine
+// lists, sent from another address than the engine's, says the engine is
+// there now (restarted elsewhere under its id): it is handshaken there at
+// once, the message parked for the answer (which must list the agent, as
+// ever). Before, the engine was asked again at its old address, which
+// could not vouch for the new agent: a consumer back at another address
+// was refused by its producer until the old handshake failed for good.
+// Each rank of an in-process engine speaks from its own port: a rank
+// whose agent is listed moves nothing.
+func (st *loopState) senderMoved(e *engine, pm parkedMsg) bool {
+	if pm.m.Addr == "" || e.addr == "" || pm.m.Addr == e.addr || pm.tries >= maxParkTries {
+		return false
+	}
+	st.moveEngine(e, pm.m.Addr, "a peer message comes from an agent its engine's handshake does not list, at another address")
+	e.refreshing = true
+	return true
 }
 
 // verifyAgain parks p until a handshake with e says who speaks for its

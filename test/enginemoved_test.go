@@ -150,3 +150,48 @@ func twoProducersOneID(t *testing.T) {
 		}
 	}
 }
+
+// A consumer engine comes back under its id at another address: the
+// producer's first request for it is done on both sides, its bytes its
+// own, in both modes and over both backends.
+func TestConsumerBackAtAnotherAddress(t *testing.T) {
+	for _, backend := range []string{"builtin", "nixl"} {
+		t.Run(backend, func(t *testing.T) {
+			if backend == "nixl" {
+				skipWithoutNixl(t)
+			}
+			useBackend(t, backend)
+			for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+				t.Run(mode.String(), func(t *testing.T) { consumerMoved(t, mode) })
+			}
+		})
+	}
+}
+
+func consumerMoved(t *testing.T, mode kvxfer.Mode) {
+	dir := world(t)
+	p := startDaemon(t, dir, "P")
+	d := startDaemon(t, dir, "D")
+	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, mode)
+	defer P.Close()
+	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, mode)
+	once := func(D *simengine.Engine, id string, ids []topology.BlockID, when string) {
+		t.Helper()
+		if mode == kvxfer.ModePush {
+			transferOnce(t, P, D, p.Peer, id, ids, 10*time.Second, when)
+		} else {
+			pullOnce(t, P, D, id, ids, 10*time.Second, when)
+		}
+	}
+	once(D, "warm", []topology.BlockID{14, 15}, "before the move")
+	D.Close()
+	_ = d.Kill()
+	d2 := startDaemon(t, dir, "D2")
+	_ = os.Remove(filepath.Join(dir, "D-tp0"))
+	D2 := attachSim(t, dir, d2.Sock, d2.Peer, "D", 2, mode)
+	defer D2.Close()
+	once(D2, "moved", []topology.BlockID{2, 3}, "D's first request at its new address")
+	for id, o := range outcomesOf(t, P, 300*time.Millisecond, "none") {
+		t.Errorf("P: %s reported again: %+v", id, o)
+	}
+}
