@@ -226,3 +226,54 @@ def test_producer_rank_killed_survivor_late(libkvxfer, tmp_path):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_engines_back_at_other_ports(libkvxfer, tmp_path):
+    """In-process, P and D (TP 2 each) served a request; then every rank
+    process of P is SIGKILLed and P comes back under its id at another
+    rank port base (another host or port range), and likewise D. New
+    requests name the engines at their new ports: each is done on every
+    rank with its own bytes, at once. Before, each side knew the other by
+    its id alone, kept its old address until a handshake there failed,
+    and the first requests after the move failed (D's, naming P's new
+    base) or got no outcome within 20 s (P's, for D back elsewhere)."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    ranks = []
+    try:
+        P = start(libkvxfer, "P", "P", 2, p_base, secret)
+        D = start(libkvxfer, "D", "D", 2, d_base, secret)
+        ranks += P + D
+
+        def served(P, D, p_base, ids, tag):
+            for d in D:
+                recv(d, p_base, ids, tag)
+            settle(D)
+            for p in P:
+                send(p, ids, tag)
+            for r in P + D:
+                r.wait_outcomes([f"{'p' if r in P else 'd'}-{tag}{i}" for i in ids], 20)
+                for i in ids:
+                    o = r.result(f"{'p' if r in P else 'd'}-{tag}{i}")
+                    assert o["result"] == "RESULT_DONE", (r.name, tag, i, o)
+            for d in D:
+                check_bytes(d, ids)
+
+        served(P, D, p_base, [0, 1], "a")
+        for r in P:
+            r.kill()
+        p_base = harness.free_ports(2)
+        P = start(libkvxfer, "P", "P", 2, p_base, secret)
+        ranks += P
+        served(P, D, p_base, [2, 3], "b")
+        for r in D:
+            r.kill()
+        d_base = harness.free_ports(2)
+        D = start(libkvxfer, "D", "D", 2, d_base, secret)
+        ranks += D
+        served(P, D, p_base, [4, 5], "c")
+        for r in D + P:
+            r.bye()
+    finally:
+        for r in ranks:
+            r.stop()
