@@ -49,7 +49,11 @@ type engine struct {
 	// addrMoves counts the times a request named the engine at another
 	// address than addr (engineAt): a question out to an earlier address
 	// is answered for a place the engine has left.
-	addrMoves  uint64
+	addrMoves uint64
+	// movedFrom and movedAt: the address of the last move, and when
+	// (moveEngine tells a flip-flop from a move).
+	movedFrom  string
+	movedAt    time.Time
 	state      hsState
 	err        error
 	gen        uint64
@@ -190,10 +194,23 @@ func (st *loopState) engineAt(id, addr string, since time.Time) (e *engine, else
 	return e, false
 }
 
+// sharedIDWindow: an engine moved back to the address it left less than
+// this ago is two engines that share an id (moveEngine).
+const sharedIDWindow = time.Minute
+
 // moveEngine has e handshaken at addr, the address it is now named at,
 // at once: what is out to its old one answers for a place it left.
 func (st *loopState) moveEngine(e *engine, addr, why string) {
-	st.log.Warn("kvxfer: "+why+": handshaking there (it moved, or two engines share its id)", "engine", e.id, "addr", addr, "was", e.addr)
+	if addr == e.movedFrom && st.now.Sub(e.movedAt) < sharedIDWindow {
+		// Back where it just left: two live engines share the id.
+		// Counted as the misconfiguration it is, each time.
+		st.metrics.BadInput("engine_id_shared")
+		st.log.Error("kvxfer: two peer engines share an engine id, at two addresses: their transfers fail by turns; give each engine an id of its own",
+			"engine", e.id, "addr", addr, "other_addr", e.addr)
+	} else {
+		st.log.Warn("kvxfer: "+why+": handshaking there (it moved, or two engines share its id)", "engine", e.id, "addr", addr, "was", e.addr)
+	}
+	e.movedFrom, e.movedAt = e.addr, st.now
 	e.addr = addr
 	e.addrMoves++
 	e.probing = false // a probe out is of the old address: dropped as it answers

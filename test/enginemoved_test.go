@@ -89,7 +89,8 @@ func TestTwoProducersShareAnID(t *testing.T) {
 func twoProducersOneID(t *testing.T) {
 	dir := world(t)
 	p1, p2 := startDaemon(t, dir, "P1"), startDaemon(t, dir, "P2")
-	d := startDaemon(t, dir, "D")
+	dMetrics := freeAddr(t)
+	d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
 	// A short lease: a hold D does not read ends soon.
 	attachP := func(dir string, p *daemontest.Proc) *simengine.Engine {
 		m := simModel
@@ -119,6 +120,11 @@ func twoProducersOneID(t *testing.T) {
 	for i, P := range []*simengine.Engine{P1, P2, P1, P2} {
 		id := fmt.Sprintf("turn%d", i)
 		pullOnce(t, P, D, id, X, 10*time.Second, fmt.Sprintf("turn %d (engine P of daemon %d)", i, 1+i%2))
+	}
+	// Named back where it just left: the shared id is counted as bad
+	// input (and logged as an error naming both addresses).
+	if n := metricsOf(t, dMetrics)["kvxfer_bad_input_total"]; n < 1 {
+		t.Errorf("D's kvxfer_bad_input_total = %v after P flip-flopped between two addresses, want the shared id counted", n)
 	}
 	// Both at once: P1 and P2 hold a request each in blocks X.
 	params1 := finishPull(t, P1, "p-c1", "t-c1", X)
