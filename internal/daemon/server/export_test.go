@@ -25,6 +25,13 @@ var FinishedBoundForTest = finishedBound
 // DroppedStepForTest is droppedStep for external tests.
 var DroppedStepForTest = droppedStep
 
+// DroppedErrsForTest is the error a rank of worker w sends for step,
+// dropped with msg, whose step_ref finishes send.
+func DroppedErrsForTest(w *kvxfer.Worker, step uint64, msg string, send []string) []*pb.StepError {
+	r := &rank{worker: w, maxErr: 1 << 12}
+	return r.droppedErrs(step, msg, &pb.StepRef{Step: step, SendRequestIds: send}, nil)
+}
+
 // SetCloseWaitForTest sets closeWait until the test ends.
 func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := closeWait
