@@ -356,11 +356,18 @@ func (st *loopState) loadForNotices(e *engine, h *hsResult) {
 
 // loadAnswered takes, from a handshake that failed because some of the
 // engine's ranks did not answer (PartialHandshakeError), the agents of the
-// ranks that did, for ranks it knows no agent of: they admit those ranks'
-// messages and receive our notices (loadForNotices' way). The handshake
-// stays failed: no transfer is planned on it, and what waited on it fails
-// as before. An agent already loaded is kept: a rank whose agent changed
-// is for a handshake that loads in full to judge (failChanged).
+// ranks that did: they admit those ranks' messages and receive our
+// notices (loadForNotices' way). The handshake stays failed: no transfer
+// is planned on it, and what waited on it fails as before. A rank that
+// answers with another agent than the one loaded for it restarted (or
+// was attached again): its old agent is gone with what it moved, so, as a
+// handshake that loads in full does for a rank whose agent changed
+// (failChanged), the requests waiting on that rank fail (their producer
+// rank fenced: nothing more of its old agent lands) and the new agent
+// takes its place. Before, the agent loaded first was kept: the new one's
+// messages were refused as from an agent that does not speak for its
+// rank, and our notices went to the dead one, until a handshake answered
+// in full.
 func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	res := &h.res
 	if len(res.Ranks) == 0 {
@@ -369,19 +376,50 @@ func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	if e.peers == nil {
 		e.peers = map[rankRef]PeerName{}
 	}
+	var replaced map[rankRef]bool
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
 		ref := rankRef{pp: l.PPRank, tp: l.TPRank}
-		if _, ok := e.peers[ref]; ok {
+		name, err := h.agent(i)
+		if err != nil {
 			continue
 		}
-		if name, err := h.agent(i); err == nil {
-			e.peers[ref] = name
+		if old, ok := e.peers[ref]; ok && old != name {
+			if replaced == nil {
+				replaced = map[rankRef]bool{}
+			}
+			replaced[ref] = true
 		}
+		e.peers[ref] = name
 	}
 	if e.tpSize == 0 {
 		e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
 	}
+	if len(replaced) == 0 {
+		return
+	}
+	// Lists prepared against the old agents go (as at a new generation).
+	for _, pr := range e.prepped {
+		st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
+	}
+	e.prepped = nil
+	var names []string
+	for _, ref := range sortedRefs(replaced) {
+		names = append(names, fmt.Sprintf("tp %d pp %d", ref.tp, ref.pp))
+	}
+	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached rank %s (another agent speaks for it): the transfer cannot complete",
+		e.id, e.addr, strings.Join(names, ", rank "))
+	fence := func(t rankRef) bool { return st.guarded || replaced[t] }
+	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
+		for _, t := range r.targets {
+			if replaced[t] && !r.got.has(t) {
+				return true
+			}
+		}
+		return false
+	})
+	st.log.Warn("kvxfer: peer engine's ranks changed agent (a partial handshake)", "engine", e.id, "addr", e.addr,
+		"ranks", names, "failed_requests", n)
 }
 
 // redrive re-runs whatever waited for an engine's handshake.
