@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"strings"
@@ -92,6 +93,11 @@ type engine struct {
 	// ranks are processes of their own, and one may die while another
 	// speaks on.
 	rankSpoke map[rankRef]time.Time
+	// agentSums: a digest of the agent metadata each rank's loaded agent
+	// (peers) came from, so that a probe's partial answer (some ranks
+	// answered) counts, as the rank speaking, only for a rank that answers
+	// with the agent loaded (answeredRanks).
+	agentSums map[rankRef][sha256.Size]byte
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
 	// refused says, by role (asProducer, asConsumer), why KV cannot move
@@ -257,6 +263,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		return fmt.Errorf("kvxfer: handshake with %s: no ranks", e.id)
 	}
 	peers := map[rankRef]PeerName{}
+	sums := map[rankRef][sha256.Size]byte{}
 	layouts := map[rankRef]*topology.Layout{}
 	tp, pp := res.Ranks[0].Layout.TPSize, res.Ranks[0].Layout.PPSize
 	for i := range res.Ranks {
@@ -282,6 +289,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 			return fmt.Errorf("kvxfer: handshake with %s rank tp %d pp %d: %w", e.id, l.TPRank, l.PPRank, err)
 		}
 		peers[ref] = name
+		sums[ref] = sha256.Sum256(r.Agent)
 		layouts[ref] = &l
 		if err := st.registry.StoreLayout(hotpath.RankKey{Peer: e.id, Generation: res.Generation, TPRank: l.TPRank, PPRank: l.PPRank}, &l); err != nil {
 			return err
@@ -295,7 +303,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
-	e.peers, e.layouts = peers, layouts
+	e.peers, e.layouts, e.agentSums = peers, layouts, sums
 	return nil
 }
 
@@ -344,11 +352,12 @@ func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 // reach it; no plan is ever built against it.
 func (st *loopState) loadForNotices(e *engine, h *hsResult) {
 	res := &h.res
-	e.peers = map[rankRef]PeerName{}
+	e.peers, e.agentSums = map[rankRef]PeerName{}, map[rankRef][sha256.Size]byte{}
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
 		if name, err := h.agent(i); err == nil {
-			e.peers[rankRef{pp: l.PPRank, tp: l.TPRank}] = name
+			ref := rankRef{pp: l.PPRank, tp: l.TPRank}
+			e.peers[ref], e.agentSums[ref] = name, sha256.Sum256(res.Ranks[i].Agent)
 		}
 	}
 	e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
@@ -376,6 +385,9 @@ func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	if e.peers == nil {
 		e.peers = map[rankRef]PeerName{}
 	}
+	if e.agentSums == nil {
+		e.agentSums = map[rankRef][sha256.Size]byte{}
+	}
 	var replaced map[rankRef]bool
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
@@ -390,7 +402,7 @@ func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 			}
 			replaced[ref] = true
 		}
-		e.peers[ref] = name
+		e.peers[ref], e.agentSums[ref] = name, sha256.Sum256(res.Ranks[i].Agent)
 	}
 	if e.tpSize == 0 {
 		e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
