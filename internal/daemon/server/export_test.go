@@ -32,6 +32,14 @@ func DroppedErrsForTest(w *kvxfer.Worker, step uint64, msg string, send []string
 	return r.droppedErrs(step, msg, &pb.StepRef{Step: step, SendRequestIds: send}, nil)
 }
 
+// SetSchedulerPIDForTest sets the pid that opened engine's scheduler, as
+// if another process had.
+func (s *Server) SetSchedulerPIDForTest(engine string, pid int32) {
+	if ls, _ := s.sched.m.Load(engine); ls != nil {
+		ls.pid = pid
+	}
+}
+
 // SetCloseWaitForTest sets closeWait until the test ends.
 func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := closeWait
