@@ -214,8 +214,8 @@ func replacedWhy(ls *lockedScheduler) string {
 	if !ls.replacedOther {
 		return ""
 	}
-	return "; the engine's scheduler was opened again by another process, and the steps the one before published are not kept " +
-		"(a restarted engine numbers its steps anew)"
+	return "; the engine's scheduler was opened again by another process (or one whose pid kvxferd cannot see), and the steps " +
+		"the one before published are not kept for it (a restarted engine numbers its steps anew)"
 }
 
 // publishedStep is a step kept published and its size (publishedSize).
