@@ -1,6 +1,7 @@
 package kvxfer
 
 import (
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"strings"
@@ -100,6 +101,11 @@ type engine struct {
 	// ranks are processes of their own, and one may die while another
 	// speaks on.
 	rankSpoke map[rankRef]time.Time
+	// agentSums: a digest of the agent metadata each rank's loaded agent
+	// (peers) came from, so that a probe's partial answer (some ranks
+	// answered) counts, as the rank speaking, only for a rank that answers
+	// with the agent loaded (answeredRanks).
+	agentSums map[rankRef][sha256.Size]byte
 	// prepped caches the prepared list pairs by plan.
 	prepped map[hotpath.PlanKey]preppedPair
 	// refused says, by role (asProducer, asConsumer), why KV cannot move
@@ -327,6 +333,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		return fmt.Errorf("kvxfer: handshake with %s: no ranks", e.id)
 	}
 	peers := map[rankRef]PeerName{}
+	sums := map[rankRef][sha256.Size]byte{}
 	layouts := map[rankRef]*topology.Layout{}
 	tp, pp := res.Ranks[0].Layout.TPSize, res.Ranks[0].Layout.PPSize
 	for i := range res.Ranks {
@@ -352,6 +359,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 			return fmt.Errorf("kvxfer: handshake with %s rank tp %d pp %d: %w", e.id, l.TPRank, l.PPRank, err)
 		}
 		peers[ref] = name
+		sums[ref] = sha256.Sum256(r.Agent)
 		layouts[ref] = &l
 		if err := st.registry.StoreLayout(hotpath.RankKey{Peer: e.id, Generation: res.Generation, TPRank: l.TPRank, PPRank: l.PPRank}, &l); err != nil {
 			return err
@@ -365,7 +373,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
-	e.peers, e.layouts = peers, layouts
+	e.peers, e.layouts, e.agentSums = peers, layouts, sums
 	return nil
 }
 
@@ -414,11 +422,12 @@ func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 // reach it; no plan is ever built against it.
 func (st *loopState) loadForNotices(e *engine, h *hsResult) {
 	res := &h.res
-	e.peers = map[rankRef]PeerName{}
+	e.peers, e.agentSums = map[rankRef]PeerName{}, map[rankRef][sha256.Size]byte{}
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
 		if name, err := h.agent(i); err == nil {
-			e.peers[rankRef{pp: l.PPRank, tp: l.TPRank}] = name
+			ref := rankRef{pp: l.PPRank, tp: l.TPRank}
+			e.peers[ref], e.agentSums[ref] = name, sha256.Sum256(res.Ranks[i].Agent)
 		}
 	}
 	e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
@@ -426,11 +435,18 @@ func (st *loopState) loadForNotices(e *engine, h *hsResult) {
 
 // loadAnswered takes, from a handshake that failed because some of the
 // engine's ranks did not answer (PartialHandshakeError), the agents of the
-// ranks that did, for ranks it knows no agent of: they admit those ranks'
-// messages and receive our notices (loadForNotices' way). The handshake
-// stays failed: no transfer is planned on it, and what waited on it fails
-// as before. An agent already loaded is kept: a rank whose agent changed
-// is for a handshake that loads in full to judge (failChanged).
+// ranks that did: they admit those ranks' messages and receive our
+// notices (loadForNotices' way). The handshake stays failed: no transfer
+// is planned on it, and what waited on it fails as before. A rank that
+// answers with another agent than the one loaded for it restarted (or
+// was attached again): its old agent is gone with what it moved, so, as a
+// handshake that loads in full does for a rank whose agent changed
+// (failChanged), the requests waiting on that rank fail (their producer
+// rank fenced: nothing more of its old agent lands) and the new agent
+// takes its place. Before, the agent loaded first was kept: the new one's
+// messages were refused as from an agent that does not speak for its
+// rank, and our notices went to the dead one, until a handshake answered
+// in full.
 func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	res := &h.res
 	if len(res.Ranks) == 0 {
@@ -439,19 +455,53 @@ func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	if e.peers == nil {
 		e.peers = map[rankRef]PeerName{}
 	}
+	if e.agentSums == nil {
+		e.agentSums = map[rankRef][sha256.Size]byte{}
+	}
+	var replaced map[rankRef]bool
 	for i := range res.Ranks {
 		l := &res.Ranks[i].Layout
 		ref := rankRef{pp: l.PPRank, tp: l.TPRank}
-		if _, ok := e.peers[ref]; ok {
+		name, err := h.agent(i)
+		if err != nil {
 			continue
 		}
-		if name, err := h.agent(i); err == nil {
-			e.peers[ref] = name
+		if old, ok := e.peers[ref]; ok && old != name {
+			if replaced == nil {
+				replaced = map[rankRef]bool{}
+			}
+			replaced[ref] = true
 		}
+		e.peers[ref], e.agentSums[ref] = name, sha256.Sum256(res.Ranks[i].Agent)
 	}
 	if e.tpSize == 0 {
 		e.tpSize, e.ppSize = max(res.Ranks[0].Layout.TPSize, 1), max(res.Ranks[0].Layout.PPSize, 1)
 	}
+	if len(replaced) == 0 {
+		return
+	}
+	// Lists prepared against the old agents go (as at a new generation).
+	for _, pr := range e.prepped {
+		st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
+	}
+	e.prepped = nil
+	var names []string
+	for _, ref := range sortedRefs(replaced) {
+		names = append(names, fmt.Sprintf("tp %d pp %d", ref.tp, ref.pp))
+	}
+	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached rank %s (another agent speaks for it): the transfer cannot complete",
+		e.id, e.addr, strings.Join(names, ", rank "))
+	fence := func(t rankRef) bool { return st.guarded || replaced[t] }
+	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
+		for _, t := range r.targets {
+			if replaced[t] && !r.got.has(t) {
+				return true
+			}
+		}
+		return false
+	})
+	st.log.Warn("kvxfer: peer engine's ranks changed agent (a partial handshake)", "engine", e.id, "addr", e.addr,
+		"ranks", names, "failed_requests", n)
 }
 
 // redrive re-runs whatever waited for an engine's handshake.

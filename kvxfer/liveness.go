@@ -2,6 +2,7 @@ package kvxfer
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"maps"
@@ -187,6 +188,7 @@ func (st *loopState) probeDone(h *hsResult) {
 			return // closing
 		}
 		st.doubt(e) // unanswered: the handshake loaded may be past (handshakeFresh)
+		st.answeredRanks(e, h.err)
 		// Probes off (negative PeerTimeout): only a registry's
 		// PeerGeneration asked, and an unanswered question is no verdict.
 		if silent := st.now.Sub(e.lastAlive); st.cfg.PeerTimeout >= 0 && silent >= st.cfg.PeerTimeout {
@@ -236,6 +238,7 @@ func (st *loopState) failedProbe(e *engine, h *hsResult) {
 		if errors.Is(h.err, context.Canceled) && h.closing {
 			return
 		}
+		st.answeredRanks(e, h.err)
 		if silent := st.now.Sub(e.lastAlive); silent >= st.cfg.PeerTimeout {
 			st.ranksGone(e, silent, h.err)
 		}
@@ -244,6 +247,33 @@ func (st *loopState) failedProbe(e *engine, h *hsResult) {
 	e.alive(st.now)
 	if h.res.Generation != e.gen {
 		st.startHandshake(e)
+	}
+}
+
+// answeredRanks notes, for a probe that failed because some of e's ranks
+// did not answer (PartialHandshakeError: an in-process engine's ranks
+// answer at servers of their own, and one rank's process died), that each
+// rank that answered with the agent loaded for it is alive, as if it had
+// spoken (ranksGone judges by rank): a request waiting on it alone is not
+// failed as if its engine were gone because a sibling rank died. A rank
+// answering with another agent restarted: its old agent, which requests
+// wait on, is gone, so that answer counts for nothing (those requests are
+// judged by the liveness bound, as before). Before, such an answer counted
+// as no answer at all: once no rank had spoken for PeerTimeout (a push
+// consumer hears nothing from its producer ranks until its WRITE ends),
+// every request waiting on the engine failed, "producer engine ... is
+// gone", those whose own producer rank lived too.
+func (st *loopState) answeredRanks(e *engine, err error) {
+	var partial *PartialHandshakeError
+	if !errors.As(err, &partial) {
+		return
+	}
+	for i := range partial.Answered {
+		r := &partial.Answered[i]
+		ref := rankRef{tp: r.Layout.TPRank, pp: r.Layout.PPRank}
+		if sum, ok := e.agentSums[ref]; ok && r.EngineID == e.id && sum == sha256.Sum256(r.Agent) {
+			e.spoke(ref, st.now)
+		}
 	}
 }
 

@@ -662,18 +662,33 @@ func (st *loopState) failPrefilling(s *sendReq, why string) {
 }
 
 // stepDropped ends each layer-wise producer of ids the rank holds
-// prefilling (Worker.StepDropped) and returns them (dst appended).
+// prefilling (Worker.StepDropped) and returns the ids of those it holds
+// whose outcome is the engine's news (dst appended, each once): the ones
+// it ends here as the others (ownsOutcome).
 func (st *loopState) stepDropped(dst, ids []string, why string) []string {
+	seen := make(map[string]bool, len(ids))
 	for _, id := range ids {
 		s := st.sends.get(id)
-		if s == nil || !s.prefill || s.aborted {
+		if s == nil || seen[id] || !s.ownsOutcome() {
 			continue
 		}
-		st.log.Warn("kvxfer: a layer-wise request prefilling named by a dropped step: it fails", "req", id, "why", why)
-		st.failPrefilling(s, why)
+		seen[id] = true
+		if s.prefill && !s.aborted {
+			st.log.Warn("kvxfer: a layer-wise request prefilling named by a dropped step: it fails", "req", id, "why", why)
+			st.failPrefilling(s, why)
+		}
 		dst = append(dst, id)
 	}
 	return dst
+}
+
+// ownsOutcome reports whether the outcome s will give is that of the
+// request its engine holds under its id: not so for one its engine aborted
+// (ResultAborted, which the engine takes for no request of its own: it
+// freed that one) unless a new request under its id waits for it (next),
+// whose outcome comes too.
+func (s *sendReq) ownsOutcome() bool {
+	return !s.aborted || s.failReason != "" || s.next != nil
 }
 
 // report queues one terminal outcome.

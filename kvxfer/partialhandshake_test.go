@@ -58,3 +58,70 @@ func TestFailedRequestToldToTheRanksThatAnswered(t *testing.T) {
 		})
 	}
 }
+
+// A consumer rank of a pull producer, its agent loaded from a partial
+// answer (another rank of its engine dead), restarts: a new agent speaks
+// for it. The next partial answer names the new agent, which takes the
+// old one's place, as a handshake answered in full would: its notices are
+// admitted. Before, the agent loaded first was kept until a handshake
+// answered in full: the new agent's done notice was refused as from an
+// agent that does not speak for its rank, and the producer held the
+// blocks it had read until its lease.
+func TestPartialAnswerReplacesRestartedRank(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=pull engine=P tp=0/2")
+	c.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=60s")
+	out := c.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2")
+	out += c.run(t, "handshake D tp=2 fail=rank_tp_1_refused answered=0")
+	if !strings.Contains(out, "outcome send p-1 done") {
+		t.Fatalf("p-1 not done on the partial answer:\n%s", out)
+	}
+	c.run(t, "advance 2s")
+	c.run(t, "step send=p-2 tid=t2 blocks=3,4 tokens=32 deadline=60s")
+	var b strings.Builder
+	b.WriteString(c.run(t, "notif from=D/0 agent=D2/0 kind=done tid=t2 dreq=d-2 preq=p-2 tp=2"))
+	for i := 0; i < 10 && !strings.Contains(b.String(), "outcome send p-2"); i++ {
+		b.WriteString(c.run(t, "handshake D tp=2 fail=rank_tp_1_refused answered=0 agents=D2"))
+		b.WriteString(c.run(t, "advance 1s"))
+	}
+	if got := b.String(); !strings.Contains(got, "outcome send p-2 done") {
+		t.Errorf("the restarted rank's done notice (agent D2/0) not admitted on partial answers naming it:\n%s", got)
+	}
+	if n := c.st.metrics.Snapshot().Dropped["sender_mismatch"]; n != 0 {
+		t.Errorf("%d notices refused as from an agent that does not speak for its sender", n)
+	}
+}
+
+// A consumer waiting on a producer rank whose agent, loaded in full
+// before, is replaced in a partial answer (that rank restarted, another
+// rank of its engine is dead) fails at once, naming the rank, as a full
+// handshake's failChanged fails it; one waiting on the other ranks only
+// is left to the liveness bound. Before, it waited on the dead agent.
+func TestPartialAnswerFailsWaitersOnReplacedRank(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=push engine=D tp=0/1")
+	c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
+	if got := c.run(t, "handshake P tp=2 gen=1"); !strings.Contains(got, "notify P/0") || !strings.Contains(got, "notify P/1") {
+		t.Fatalf("d-1 not registered with both producer ranks:\n%s", got)
+	}
+	c.run(t, "advance 2s")
+	var b strings.Builder
+	// A message from rank 0's new agent asks who speaks for it.
+	b.WriteString(c.run(t, "notif from=P/0 agent=P2/0 kind=heartbeat"))
+	b.WriteString(c.run(t, "handshake P tp=2 fail=rank_tp_1_refused answered=0 agents=P2"))
+	r := c.st.recvs["d-1"]
+	if r == nil || !r.decided || !strings.Contains(r.outcome.Reason, "re-attached rank tp 0 pp 0") || !r.fenced.has(rankRef{}) {
+		t.Errorf("d-1, registered with rank 0's old agent, not failed naming the replaced rank, that rank fenced: %+v\n%s", r, b.String())
+	}
+	// It reports once rank 1 (dead) confirmed its cancel, or the fence
+	// timed out (FenceTimeout).
+	for i := 0; i < 60 && !strings.Contains(b.String(), "outcome recv d-1"); i++ {
+		b.WriteString(c.run(t, "advance 10s"))
+	}
+	if got := b.String(); !strings.Contains(got, "outcome recv d-1 failed") || !strings.Contains(got, "re-attached rank tp 0 pp 0") {
+		t.Errorf("d-1's outcome: want failed, naming the replaced rank:\n%s", got)
+	}
+	if c.st.engines["P"].peers[rankRef{}] != "P2/0" {
+		t.Errorf("rank 0's agent = %q, want P2/0", c.st.engines["P"].peers[rankRef{}])
+	}
+}

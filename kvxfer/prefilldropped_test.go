@@ -63,7 +63,11 @@ func TestLayerwiseDroppedFinishEndsPrefill(t *testing.T) {
 }
 
 // One no consumer registered for yet fails at once; one the rank holds
-// from its finish (no longer prefilling) is left to its lease.
+// from its finish (no longer prefilling) is left to its lease, and
+// returned too: its outcome is the rank's, so the dropped step's error
+// must not name it (the engine, told twice, would free its blocks at the
+// first while its WRITEs may still read them). Before, only the ones
+// ended were returned.
 func TestLayerwiseDroppedFinishLeavesOthers(t *testing.T) {
 	tc := newLayers3Core(t)
 	tc.prefill(1, "p-1")
@@ -73,10 +77,30 @@ func TestLayerwiseDroppedFinishLeavesOthers(t *testing.T) {
 		t.Fatalf("p-2's finish: %q, want nothing yet", got)
 	}
 	ended, got := tc.dropped("p-1", "p-2")
-	if !slices.Equal(ended, []string{"p-1"}) || count(got, "outcome send p-1 failed") != 1 || strings.Contains(got, "p-2") {
-		t.Errorf("StepDropped ended %q, printed %q; want p-1 failed once, p-2 (held from its finish) untouched", ended, got)
+	if !slices.Equal(ended, []string{"p-1", "p-2"}) || count(got, "outcome send p-1 failed") != 1 || strings.Contains(got, "p-2") {
+		t.Errorf("StepDropped returned %q, printed %q; want p-1 failed once, p-2 (held from its finish) untouched, both returned", ended, got)
 	}
 	if tc.st.sends.len() != 1 || tc.st.sends.get("p-2") == nil {
 		t.Errorf("held after: %d requests, want p-2 alone", tc.st.sends.len())
+	}
+}
+
+// A request its engine aborted that the rank still holds (its WRITE in
+// flight) ends as aborted, an outcome the engine takes for no request of
+// its own: a dropped step naming its id names a new request under it,
+// which the rank does not hold, so StepDropped does not return it (the
+// caller ends it; returned, it got no outcome at all).
+func TestDroppedStepLeavesAbortedToCaller(t *testing.T) {
+	tc := newLayers3Core(t)
+	_, add := registeredMidPrefill(t, tc)
+	if got := add(tc.layer(1, 0)); !strings.Contains(got, "post #1") {
+		t.Fatalf("layer 0: %q, want its WRITE", got)
+	}
+	tc.run(t, "step abort=p-1 tid=t1")
+	if s := tc.st.sends.get("p-1"); s == nil || !s.aborted {
+		t.Fatalf("p-1 after its abort: %+v, want held, aborted (its WRITE in flight)", s)
+	}
+	if ended, got := tc.dropped("p-1"); len(ended) != 0 || strings.Contains(got, "outcome") {
+		t.Errorf("StepDropped returned %q, printed %q; want nothing (the aborted one's outcome is not the new request's)", ended, got)
 	}
 }

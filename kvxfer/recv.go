@@ -1116,7 +1116,7 @@ func (st *loopState) failUnheard() {
 	}
 }
 
-func sortedRefs(m map[rankRef]PeerName) []rankRef {
+func sortedRefs[V any](m map[rankRef]V) []rankRef {
 	out := make([]rankRef, 0, len(m))
 	for k := range m {
 		out = append(out, k)

@@ -38,7 +38,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 //	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
 //	step abort=ID [tid=T]                      the engine aborted a producer request
 //	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true] [loaded=false]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
-//	handshake ENGINE fail=REASON
+//	handshake ENGINE fail=REASON [answered=0,1 tp=N [agents=A]]   answered: a partial answer (PartialHandshakeError) by those ranks (agents A/r, default ENGINE/r)
 //	notif from=ENGINE/RANK [agent=NAME] kind=reg|done|fail|cancel|ack|heartbeat [tid=] [dreq=] [preq=] [spans=1,2] [reason=] [failkind=] [tp=N]
 //	ended xfer=N [fail=REASON [refused=true]]  a posted transfer ended (refused: the peer's grants refused it)
 //	advance DURATION                           time passes; due timers fire
@@ -191,7 +191,7 @@ var traceCmds = map[string]traceCmd{
 	"step": {keys: map[string]traceVal{"recv": anyVal, "send": anyVal, "abort": anyVal, "remote": anyVal, "tid": anyVal, "preq": anyVal,
 		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal, "aborted": boolVal}},
 	"handshake": {pos: []traceVal{anyVal}, keys: map[string]traceVal{"tp": intVal, "gen": intVal, "hash": anyVal, "agents": anyVal,
-		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal}},
+		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal, "answered": anyVal}},
 	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
 		"tid": anyVal, "dreq": anyVal, "preq": anyVal, "spans": idsVal, "reason": anyVal, "failkind": oneOf(failKindNames()...),
 		"tp": intVal, "ids": anyVal, "until": durVal}, req: []string{"from", "kind"}},
@@ -448,7 +448,7 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 				n := atoi(cmpOr(a["tp"], "1"))
 				for _, rs := range strings.Split(v, ",") {
 					r := atoi(rs)
-					agent := fmt.Sprintf("%s/%d", f[1], r)
+					agent := fmt.Sprintf("%s/%d", cmpOr(a["agents"], f[1]), r)
 					h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: f[1], CompatHash: "h", Layout: traceLayout(r, n, 1<<30), Agent: []byte(agent)})
 					h.names, h.loadErrs = append(h.names, PeerName(agent)), append(h.loadErrs, nil)
 				}

@@ -352,6 +352,11 @@ type Worker struct {
 	// deregistered: broke deregistered the regions already (read by Close
 	// after the loop stopped).
 	deregistered bool
+	// closedSends: the producer requests whose outcome the stopping loop
+	// gives (those it held, and those it reported but had not published,
+	// when it began to close or broke). Written by the loop before it
+	// stops, read only after (Worker.StepDropped on a closed Worker).
+	closedSends map[string]bool
 }
 
 type eventKind uint8
@@ -573,36 +578,80 @@ func (w *Worker) StepRefusing(meta *StepMeta, refused []Refusal) error {
 
 // StepDropped tells the worker of a step its caller dropped (could not
 // hand it: its metadata was not published, no longer kept, or could not
-// be read), naming send, the producer requests the step finishes or
-// aborts as far as the caller knows them (an id twice is taken once). A
-// layer-wise producer the rank holds prefilling from an earlier step has
-// no lease: its finish or abort alone ends it, and this step's is lost.
-// Each such one of send ends as a refused finish does (StepRefusing):
-// nothing more is written from its blocks, its consumer is told it
-// failed, and it fails (FailureSetup, its reason why) once its WRITEs in
-// flight end. StepDropped returns their ids: their outcome is the
-// worker's, so the caller does not end them itself. Any other request is
-// left as it is: one the rank does not hold gets no outcome (the caller
-// ends it), one held otherwise keeps its own (a lease ends it).
+// be read, or the Worker is closed), naming send, the producer requests
+// the step finishes or aborts as far as the caller knows them (an id
+// twice is taken once). A layer-wise producer the rank holds prefilling
+// from an earlier step has no lease: its finish or abort alone ends it,
+// and this step's is lost. Each such one of send ends as a refused finish
+// does (StepRefusing): nothing more is written from its blocks, its
+// consumer is told it failed, and it fails (FailureSetup, its reason why)
+// once its WRITEs in flight end. Any other request of send the rank holds
+// keeps its own outcome (a lease, or its transfer, ends it); one it does
+// not hold gets none.
+//
+// StepDropped returns the ids of send whose outcome is the worker's (each
+// once): those it ends, and those it holds otherwise. The caller does not
+// end them itself, nor name them as ended: the engine, told twice, would
+// free blocks a WRITE still reads at the first. The rest are the caller's
+// to end.
 //
 // StepDropped returns once the loop has taken in every step handed to it
-// before, or with ErrClosed (or the loop's error) once the Worker is
-// closed (which fails everything it holds).
+// before. Once the Worker is closed (Close, or on its own: Err), which
+// ends every request it held, it returns, with ErrClosed (or the loop's
+// error), the ids of send the Worker held when it stopped: their outcome
+// is its close's. It then waits for the loop to stop first.
 func (w *Worker) StepDropped(send []string, why string) ([]string, error) {
 	if len(send) == 0 {
 		return nil, nil
 	}
 	ch := make(chan []string, 1)
 	err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- st.stepDropped(nil, send, why) }})
-	if err != nil {
-		return nil, err
+	if err == nil {
+		select {
+		case ended := <-ch:
+			return ended, nil
+		case <-w.stopped:
+		}
+	} else {
+		<-w.stopped // the loop writes closedSends before it stops
 	}
+	// Closed: the loop may have taken the inspection in as it closed
+	// (those it ended are reported, and may be forgotten), or not.
+	var ended []string
 	select {
-	case ended := <-ch:
-		return ended, nil
-	case <-w.stopped:
-		return nil, cmp.Or(w.Err(), ErrClosed)
+	case ended = <-ch:
+	default:
 	}
+	seen := make(map[string]bool, len(ended))
+	for _, id := range ended {
+		seen[id] = true
+	}
+	for _, id := range send {
+		if w.closedSends[id] && !seen[id] {
+			seen[id] = true
+			ended = append(ended, id)
+		}
+	}
+	return ended, cmp.Or(w.Err(), ErrClosed)
+}
+
+// noteClosedSends records, as the loop stops (closing, or broken), the
+// producer requests whose outcome it gives: those held, and those reported
+// but not yet published (Worker.closedSends).
+func (w *Worker) noteClosedSends() {
+	st := &w.st
+	m := make(map[string]bool, st.sends.len()+len(st.out.Sending))
+	for s := range st.sends.all() {
+		if s.ownsOutcome() {
+			m[s.req.ReqID] = true
+		}
+	}
+	for _, o := range st.out.Sending {
+		if o.Result != ResultAborted {
+			m[o.ReqID] = true
+		}
+	}
+	w.closedSends = m
 }
 
 // LayerSaved tells a layer-wise push producer that layer of the given step
@@ -860,6 +909,7 @@ func (w *Worker) loop() {
 				w.apply()
 			}
 			w.unhandled = nil
+			w.noteClosedSends()
 			st.Step(now, input{kind: inClose})
 			w.apply()
 			w.publish()
@@ -929,6 +979,9 @@ func (w *Worker) broke(v any, stack []byte) {
 	w.salvage("fail its requests", func() {
 		w.st.abandon("worker hit an internal error and stopped ("+text+")", pending)
 	})
+	// abandon reported every request the tables hold, and those pending
+	// (its outcomes are not published yet).
+	w.salvage("note its requests", w.noteClosedSends)
 	w.salvage("release its transfers", func() {
 		for id, x := range w.xfers {
 			delete(w.xfers, id)

@@ -1184,9 +1184,11 @@ class _SchedulerSide:
             self.addr = self.sched.open(cfg)
             self.host, self.port = params.split_addr(self.addr)
             # Step numbers go on from the last one sent, never again from 1:
-            # a rank still to take an old step by reference must find it
-            # dropped (older than what the new scheduler publishes), never
-            # a new step under its number.
+            # a rank still to take an old step by reference finds it as the
+            # old scheduler published it (kvxferd keeps it for the new one,
+            # this same process's), or dropped when it never was (older
+            # than what the new scheduler publishes), never a new step
+            # under its number.
             self.daemon_bad_params = 0
             # A new scheduler: the generation is its answers' (the engine's
             # ranks may have attached again meanwhile). One empty step asks

@@ -1217,7 +1217,8 @@ def test_steps_stream_breaks_daemon_alive(tmp_path, daemons, side, caplog):
     broke = []
     # The step numbers the broken side publishes, over every Steps stream
     # it opens: they never repeat (a rank still to take an old step by
-    # reference must find it dropped, never a new step under its number).
+    # reference must find it as the old scheduler published it, or
+    # dropped, never a new step under its number).
     numbers = _step_numbers(r.P if side == "p" else r.D)
     try:
         toks = [rng.randrange(100, 50000) for _ in range(40)]  # 3 of P's 5 usable blocks

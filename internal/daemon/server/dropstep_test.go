@@ -2,10 +2,12 @@ package server_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -177,4 +179,68 @@ func runDroppedStepEndsHeldPrefilling(t *testing.T) {
 	if len(outcomes["p-3"]) != 0 {
 		t.Errorf("p-3 (its finish not dropped): outcomes %v, want none yet", outcomes["p-3"])
 	}
+}
+
+// A step dropped because the rank's worker is closed (it stopped after a
+// contained panic, or the rank is leaving) names none of the requests the
+// closed worker held: its close ended each with its own outcome (failed,
+// worker closed), and the engine, told twice, frees the blocks at the
+// first. Requests it did not hold are named, as for any dropped step.
+// Before, Worker.StepDropped returned ErrClosed and nothing else, so the
+// dropped StepError named them all: a held layer-wise producer got two
+// outcomes.
+func TestDroppedStepOfClosedWorkerSparesHeld(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 100 * time.Millisecond })
+		rs := connectLayerwise(t, d, shmDir, "P")
+		w := d.srv.Workers()["P"][0]
+		prefill := func(id string, block topology.BlockID) kvxfer.SendReq {
+			return kvxfer.SendReq{ReqID: id, TransferID: "t-" + id, Blocks: []topology.Span{{IDs: []topology.BlockID{block}}}, Tokens: 16}
+		}
+		if err := rs.Step(&kvxfer.StepMeta{Step: 1, Prefill: []kvxfer.SendReq{prefill("p-1", 1), prefill("p-2", 2)}}); err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; ; i++ {
+			st, err := w.State()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Sends == 2 {
+				break
+			}
+			if i == 200 {
+				t.Fatalf("worker holds %d sends, want 2 prefilling", st.Sends)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		failed := map[string]int{}
+		deadline := time.After(5 * time.Second)
+		for failed["p-1"] == 0 || failed["p-2"] == 0 {
+			select {
+			case f := <-rs.Finished():
+				for _, o := range f.Sending {
+					failed[o.ReqID]++
+				}
+			case <-deadline:
+				t.Fatalf("closed worker's outcomes %v, want p-1 and p-2", failed)
+			}
+		}
+		held, err := w.StepDropped([]string{"p-1", "q-new", "p-1"}, "step 2 dropped")
+		if !errors.Is(err, kvxfer.ErrClosed) || !slices.Equal(held, []string{"p-1"}) {
+			t.Errorf("StepDropped on the closed worker = %q, %v; want [p-1] (its close ended it), ErrClosed", held, err)
+		}
+		var named []string
+		for _, e := range server.DroppedErrsForTest(w, 2, "worker closed", []string{"p-1", "q-new", "p-2"}) {
+			named = append(named, e.SendRequestIds...)
+		}
+		if !slices.Equal(named, []string{"q-new"}) {
+			t.Errorf("the dropped step's error names %q, want q-new alone (p-1 and p-2 had the closed worker's outcome)", named)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
 }

@@ -25,6 +25,21 @@ var FinishedBoundForTest = finishedBound
 // DroppedStepForTest is droppedStep for external tests.
 var DroppedStepForTest = droppedStep
 
+// DroppedErrsForTest is the error a rank of worker w sends for step,
+// dropped with msg, whose step_ref finishes send.
+func DroppedErrsForTest(w *kvxfer.Worker, step uint64, msg string, send []string) []*pb.StepError {
+	r := &rank{worker: w, maxErr: 1 << 12}
+	return r.droppedErrs(step, msg, &pb.StepRef{Step: step, SendRequestIds: send}, nil)
+}
+
+// SetSchedulerPIDForTest sets the pid that opened engine's scheduler, as
+// if another process had.
+func (s *Server) SetSchedulerPIDForTest(engine string, pid int32) {
+	if ls, _ := s.sched.m.Load(engine); ls != nil {
+		ls.pid = pid
+	}
+}
+
 // SetCloseWaitForTest sets closeWait until the test ends.
 func SetCloseWaitForTest(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := closeWait

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/puzpuzpuz/xsync/v4"
@@ -80,7 +81,24 @@ type lockedScheduler struct {
 	// (StepRequest.publish_step), the last maxPublished steps within
 	// maxPublishedBytes: order lists them oldest first, bytes is their
 	// sizes' sum.
-	pub struct {
+	// prev is the scheduler this one replaced, opened by the same engine
+	// process (its connector lost its Steps stream and opened again: its
+	// step numbers go on from the last one sent), whose published steps
+	// stay readable by the engine's ranks, by their numbers, for as long
+	// as they would have been kept had the engine kept one scheduler
+	// (trimPrev): a rank's step_ref for a step the old one published may
+	// arrive after the new one opened. Before, a rank looked the step up
+	// in the new one only, and dropped it: each of its requests failed
+	// (once), the step's work lost. nil: none (the first, one that
+	// replaced another process's, or whose predecessor's steps are gone).
+	prev atomic.Pointer[lockedScheduler]
+	// replacedOther: this scheduler replaced one that another engine
+	// process (or one this process cannot see) opened: that one's steps
+	// are not kept for the ranks (a restarted engine numbers its steps
+	// from 1 again: a new rank must never read an old step under its
+	// number), and a step_ref for one is dropped saying so.
+	replacedOther bool
+	pub           struct {
 		sync.Mutex
 		last    uint64
 		metas   map[uint64]*pb.StepMeta
@@ -260,6 +278,12 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 			ErrPermission, c.EngineId, old.uid, old.pid, uid))
 	} else {
 		defer old.retire() // once the new one is in the table
+		if old.pid != 0 && old.pid == ai.PID {
+			ls.prev.Store(old)
+			ls.trimPrev()
+		} else {
+			ls.replacedOther = true
+		}
 	}
 	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
 	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true}, nil

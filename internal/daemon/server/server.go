@@ -1963,11 +1963,10 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	msg := clipTo(err.Error(), r.maxErr)
 	errs := []*pb.StepError{{Step: step, Message: msg}}
 	if dropped {
-		var held []string
-		if !errors.Is(err, kvxfer.ErrClosed) && ctx.Err() == nil {
-			held = r.endHeld(step, msg, ref, meta)
-		}
-		errs = droppedStep(step, msg, ref, meta, held, r.maxErr)
+		// Whether the worker is closed or not: a closed one ended every
+		// request it held, with its own outcome, which the error must not
+		// repeat (endHeld).
+		errs = r.droppedErrs(step, msg, ref, meta)
 	}
 	for _, e := range errs {
 		select {
@@ -1979,16 +1978,27 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 	return true
 }
 
+// droppedErrs is the error of a step the rank dropped (droppedStep), but
+// for the requests whose outcome is the worker's (endHeld).
+func (r *rank) droppedErrs(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta) []*pb.StepError {
+	return droppedStep(step, msg, ref, meta, r.endHeld(step, msg, ref, meta), r.maxErr)
+}
+
 // endHeld hands the rank's worker the producer requests a dropped step
 // names (its step_ref's sends, and its metadata's sends and aborts, when
-// read) and returns those it ends itself: the layer-wise producers it
-// holds prefilling from an earlier step (Worker.StepDropped). Such a
-// request has no lease: the finish or abort this step carried alone would
-// have ended it, and without this it prefilled for ever, its blocks
-// granted, with no outcome on the rank. Its outcome is the worker's
-// (failed, once its WRITEs in flight end), so the dropped step's error
-// leaves it out: the engine, which frees what that error names at once,
-// would free blocks a WRITE still reads, then hear of it twice.
+// read) and returns those whose outcome is the worker's
+// (Worker.StepDropped): the layer-wise producers it holds prefilling from
+// an earlier step, which it ends, and any other it holds (a lease ends
+// it); once the worker is closed, those it held then (its close ended
+// them). A prefilling request has no lease: the finish or abort this step
+// carried alone would have ended it, and without this it prefilled for
+// ever, its blocks granted, with no outcome on the rank. Its outcome is
+// the worker's (failed, once its WRITEs in flight end), so the dropped
+// step's error leaves it out: the engine, which frees what that error
+// names at once, would free blocks a WRITE still reads, then hear of it
+// twice. Before, a step dropped because the worker was closed (after a
+// contained panic, or as the rank left) named them all: the closed
+// worker's outcome came too.
 func (r *rank) endHeld(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta) []string {
 	ids := append([]string(nil), ref.GetSendRequestIds()...)
 	for _, e := range meta.GetSend() {

@@ -145,7 +145,77 @@ func (ls *lockedScheduler) publish(step uint64) error {
 	ls.pub.last = step
 	close(ls.pub.changed)
 	ls.pub.changed = make(chan struct{})
+	if p := ls.prev.Load(); p != nil {
+		p.pub.Lock()
+		prevLast := p.pub.last
+		p.pub.Unlock()
+		if step <= prevLast {
+			// Numbered again from below the one before's last: a step_ref
+			// would be ambiguous. Only this one's steps are read from now.
+			ls.prev.Store(nil)
+		}
+	}
+	ls.trimPrevLocked()
 	return nil
+}
+
+// trimPrev keeps the published steps of the schedulers ls replaced (prev)
+// for as long as one scheduler would have kept them: ls's and theirs
+// together, newest first, within maxPublished steps and maxPublishedBytes;
+// the oldest go first, and a predecessor left with none is let go with
+// those before it.
+func (ls *lockedScheduler) trimPrev() {
+	ls.pub.Lock()
+	defer ls.pub.Unlock()
+	ls.trimPrevLocked()
+}
+
+// trimPrevLocked is trimPrev with ls.pub held (a predecessor's lock is
+// taken under it: a predecessor never takes its successor's).
+func (ls *lockedScheduler) trimPrevLocked() {
+	n, b := len(ls.pub.order), ls.pub.bytes
+	link := &ls.prev
+	for p := link.Load(); p != nil; p = link.Load() {
+		p.pub.Lock()
+		for len(p.pub.order) > 0 && (n+len(p.pub.order) > maxPublished || b+p.pub.bytes > maxPublishedBytes) {
+			o := p.pub.order[0]
+			delete(p.pub.metas, o.step)
+			p.pub.bytes -= o.size
+			p.pub.order = p.pub.order[1:]
+		}
+		n, b = n+len(p.pub.order), b+p.pub.bytes
+		empty := len(p.pub.order) == 0
+		p.pub.Unlock()
+		if empty {
+			link.Store(nil) // and those before it: older still
+			return
+		}
+		link = &p.prev
+	}
+}
+
+// fromPrev returns step as a scheduler ls replaced published it (nil:
+// none kept).
+func (ls *lockedScheduler) fromPrev(step uint64) *pb.StepMeta {
+	for p := ls.prev.Load(); p != nil; p = p.prev.Load() {
+		p.pub.Lock()
+		m := p.pub.metas[step]
+		p.pub.Unlock()
+		if m != nil {
+			return m
+		}
+	}
+	return nil
+}
+
+// replacedWhy adds to a dropped step_ref's error that ls replaced another
+// process's scheduler, whose steps are not kept for its ranks.
+func replacedWhy(ls *lockedScheduler) string {
+	if !ls.replacedOther {
+		return ""
+	}
+	return "; the engine's scheduler was opened again by another process (or one whose pid kvxferd cannot see), and the steps " +
+		"the one before published are not kept for it (a restarted engine numbers its steps anew)"
 }
 
 // publishedStep is a step kept published and its size (publishedSize).
@@ -204,8 +274,11 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 // different streams). When the engine opens its scheduler again meanwhile
 // (its connector lost its Steps stream), the wait goes on with the new
 // one, whose steps the engine numbers after those it sent before: a step
-// the old one never published is dropped as soon as the new one publishes
-// a later one. The metadata is the scheduler's: read only.
+// the old one published is still read from it (prev, as long as one
+// scheduler would have kept it), and a step it never published is dropped
+// as soon as the new one publishes a later one. Steps of a scheduler that
+// another process opened (a restarted engine, numbering anew) are not
+// read: the error says so. The metadata is the scheduler's: read only.
 func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*pb.StepMeta, error) {
 	ls, err := ss.getAs(engine, uid)
 	if err != nil {
@@ -221,6 +294,9 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 		if ok {
 			return m, nil
 		}
+		if m := ls.fromPrev(step); m != nil {
+			return m, nil
+		}
 		if retired {
 			if ls, err = ss.getAs(engine, uid); err != nil {
 				return nil, fmt.Errorf("step_ref.step = %d: not published, and then %w", step, err)
@@ -228,13 +304,14 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 			continue
 		}
 		if step <= last {
-			return nil, stream.Invalid("step_ref.step = %d: not published, or no longer kept (the last %d steps and %d MiB at most; last %d)",
-				step, maxPublished, maxPublishedBytes>>20, last)
+			return nil, stream.Invalid("step_ref.step = %d: not published, or no longer kept (the last %d steps and %d MiB at most; last %d)%s",
+				step, maxPublished, maxPublishedBytes>>20, last, replacedWhy(ls))
 		}
 		select {
 		case <-changed:
 		case <-timer.C:
-			return nil, fmt.Errorf("step_ref.step = %d: not published within %v (last %d): %w", step, ss.publishWait, last, context.DeadlineExceeded)
+			return nil, fmt.Errorf("step_ref.step = %d: not published within %v (last %d)%s: %w", step, ss.publishWait, last, replacedWhy(ls),
+				context.DeadlineExceeded)
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
