@@ -298,12 +298,19 @@ type pendingSend struct {
 type recvReq struct {
 	req      RecvReq
 	deadline time.Time
-	since    time.Time // when it came in
-	targets  []rankRef
-	sent     bool // registrations or reads issued
-	got      rankSet
-	fenced   rankSet
-	handles  map[XferID]rankRef // pull: READs in flight (nil until one is)
+	// own: its deadline from its engine (zero: none); deadline is it, or
+	// earlier once its READs are bounded by the producer's hold (bound).
+	own   time.Time
+	bound bool
+	// holds: the deadlines producer ranks answered its heartbeats with
+	// (msgHold), on the producer's clock.
+	holds   []rankHold
+	since   time.Time // when it came in
+	targets []rankRef
+	sent    bool // registrations or reads issued
+	got     rankSet
+	fenced  rankSet
+	handles map[XferID]rankRef // pull: READs in flight (nil until one is)
 	// gotBuf and fencedBuf hold got and fenced while they are small.
 	gotBuf, fencedBuf [rankSetLen]rankRef
 	decided           bool
@@ -734,6 +741,8 @@ func (st *loopState) dispatch(m *msg) {
 		}
 	case msgHeartbeat:
 		st.onHeartbeat(m)
+	case msgHold:
+		st.onHold(m)
 	case msgCancel:
 		if st.cfg.Mode == ModePull {
 			// A cancel is push's (a pull consumer gives up with a
