@@ -461,6 +461,11 @@ func (st *loopState) evictEngines(now time.Time) {
 }
 
 func (st *loopState) engineInUse(id string) bool {
+	for _, w := range st.waits {
+		if w.req.Remote.EngineID == id {
+			return true
+		}
+	}
 	for _, r := range st.recvs {
 		if r.req.Remote.EngineID == id {
 			return true

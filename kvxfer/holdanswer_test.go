@@ -16,7 +16,8 @@ type holdPair struct {
 	p, d      *traceCore
 	toP, toD  []Notif
 	dropHolds bool
-	holds     int // answers P sent
+	holds     int      // answers P sent
+	pOut      []string // what P printed as the clocks advanced
 }
 
 func newHoldPair(t *testing.T) *holdPair {
@@ -78,7 +79,7 @@ func (hp *holdPair) settle(t *testing.T, out string) string {
 
 // advance moves both cores' clocks by step, answering D's probes of P.
 func (hp *holdPair) advance(t *testing.T, step time.Duration) string {
-	hp.p.run(t, "advance "+step.String())
+	hp.pOut = append(hp.pOut, hp.p.run(t, "advance "+step.String()))
 	got := hp.d.run(t, "advance "+step.String())
 	if strings.Contains(got, "probe P") {
 		got += "\n" + hp.d.run(t, "handshake P tp=1 probe=true")
@@ -203,5 +204,179 @@ func TestPullHoldAnswerForAnotherRequestDoesNotExtend(t *testing.T) {
 				t.Errorf("d-1's READ in flight past P's 30 s lease, a hold answer of another request:\n%s\nwant d-1 expired", got)
 			}
 		})
+	}
+}
+
+// queued has a real producer Scheduler finish p-1 (a 30 s lease) and
+// stages it on P's core, and a real consumer Scheduler take d-1 for those
+// params at its arrival (NewRequest), publishing it to D's core: d-1
+// waits in D's queue, not allocated. It returns D's Scheduler and d-1.
+func (hp *holdPair) queued(t *testing.T) (*Scheduler, *Request) {
+	t.Helper()
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	pc.t = traceEpoch
+	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
+		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
+	if err != nil || !hold {
+		t.Fatalf("P finish = %v, %+v, %v; want its blocks held", hold, params, err)
+	}
+	hp.p.st.Step(hp.p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: p.BuildMeta()}})
+	hp.p.drive(nil, "")
+	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+	dc.t = traceEpoch
+	r := &Request{ID: "d-1", PromptTokens: 80, Params: params}
+	if err := d.NewRequest(r); err != nil {
+		t.Fatal(err)
+	}
+	meta := d.BuildMeta()
+	if len(meta.Await) != 1 || !d.HasPendingWork() && len(meta.Await) == 0 {
+		t.Fatalf("D's step after d-1 arrived = %+v, want it awaited", meta)
+	}
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	out := strings.Join(hp.d.drive(nil, ""), "\n")
+	if strings.Contains(out, "handshake P at") {
+		out += "\n" + hp.d.run(t, "handshake P tp=1")
+	}
+	hp.settle(t, out)
+	return d, r
+}
+
+// A pull consumer request that waits in D's queue (not allocated) 40 s,
+// past P's 30 s lease, then is allocated: D's ranks heartbeat it from its
+// arrival, P keeps its hold and answers with it, and the READ posted at
+// 40 s is within the hold: it loads. Before, D's ranks heartbeat only
+// requests allocated to them: P's lease lapsed while d-1 waited, and the
+// READ was refused at its start (expired: recomputed).
+func TestPullQueuedPastTheLeaseIsLoaded(t *testing.T) {
+	hp := newHoldPair(t)
+	hp.advance(t, time.Second)
+	d, r := hp.queued(t)
+	for range 39 {
+		if got := hp.advance(t, time.Second); strings.Contains(got, "outcome") {
+			t.Fatalf("d-1 waiting at %v: %s", hp.d.now.Sub(traceEpoch), got)
+		}
+	}
+	if hp.holds == 0 {
+		t.Fatal("P never answered D's heartbeats for d-1 while it waited")
+	}
+	n, async := d.MatchedTokens(r, 0)
+	if n == 0 || !async {
+		t.Fatalf("MatchedTokens = %d, %v; want the producer's tokens, async", n, async)
+	}
+	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
+		t.Fatal(err)
+	}
+	meta := d.BuildMeta()
+	if len(meta.Recv) != 1 || len(meta.Await) != 0 || len(meta.AwaitEnd) != 0 {
+		t.Fatalf("D's step allocating d-1 = %+v, want its receive alone", meta)
+	}
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+	out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n"))
+	if !strings.Contains(out, "post #1 read P/0") {
+		t.Fatalf("d-1 allocated at 41 s, 10 s past P's first expiry, its hold kept by heartbeats since it arrived:\n%s\nwant its READ posted", out)
+	}
+	if got := hp.advance(t, time.Second) + "\n" + hp.d.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv d-1 done") {
+		t.Errorf("d-1's READ ended:\n%s\nwant d-1 done", got)
+	}
+}
+
+// A waiting request that ends in D's queue (aborted before it was
+// allocated) stops its heartbeats (P is told to free its blocks, as
+// before). And one
+// whose producer never answers (an earlier build) stops by itself once
+// the params' expiry passed, whether or not it is ever allocated or
+// finished.
+func TestPullQueuedHeartbeatsStop(t *testing.T) {
+	t.Run("ended in the queue", func(t *testing.T) {
+		hp := newHoldPair(t)
+		d, r := hp.queued(t)
+		var got []string
+		for range 7 {
+			got = append(got, hp.advance(t, time.Second))
+		}
+		if !strings.Contains(strings.Join(got, "\n"), "heartbeat ids=") {
+			t.Fatalf("D 7 s after d-1 arrived:\n%s\nwant a heartbeat of it", strings.Join(got, "\n"))
+		}
+		if _, _, err := d.RequestFinished(r, FinishAborted, nil, 0); err != nil {
+			t.Fatal(err)
+		}
+		meta := d.BuildMeta()
+		if len(meta.AwaitEnd) != 1 {
+			t.Fatalf("D's step after d-1 ended in the queue = %+v, want it in AwaitEnd", meta)
+		}
+		hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
+		hp.d.drive(nil, "")
+		if len(hp.d.st.waits) != 0 {
+			t.Fatalf("D's rank still waits on %d requests", len(hp.d.st.waits))
+		}
+		var dOut []string
+		for range 30 {
+			dOut = append(dOut, hp.advance(t, time.Second))
+		}
+		if got := strings.Join(dOut, "\n"); strings.Contains(got, "heartbeat") {
+			t.Errorf("D after d-1 ended in its queue:\n%s\nwant no more heartbeats", got)
+		}
+	})
+	t.Run("no answer", func(t *testing.T) {
+		hp := newHoldPair(t)
+		hp.dropHolds = true
+		hp.queued(t)
+		for range 32 {
+			hp.advance(t, time.Second)
+		}
+		if len(hp.d.st.waits) != 0 || hp.d.st.busy() {
+			t.Errorf("D's rank 32 s after d-1 arrived, P's 30 s hold never answered: %d waiting, busy %v; want none", len(hp.d.st.waits), hp.d.st.busy())
+		}
+	})
+}
+
+// The Scheduler publishes an arrived pull consumer request once, with the
+// next step (StepMeta.Await), and its end once (AwaitEnd) unless its
+// receive takes over; one allocated in the step it arrived in is never
+// published; params no receive could use are an error naming the field.
+func TestSchedulerAwait(t *testing.T) {
+	params := func() *TransferParams {
+		return &TransferParams{DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: "P:1", RemoteRequestID: "p-1", TransferID: "t-1",
+			RemoteBlockIDs: []topology.Span{{IDs: ids(1, 2)}}, RemoteNumTokens: 32, RemoteBlocksExpiry: traceEpoch.Add(30 * time.Second)}
+	}
+	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+	dc.t = traceEpoch
+	a := &Request{ID: "d-a", PromptTokens: 32, Params: params()}
+	b := &Request{ID: "d-b", PromptTokens: 32, Params: params()}
+	b.Params.TransferID, b.Params.RemoteRequestID = "t-2", "p-2"
+	c := &Request{ID: "d-c", PromptTokens: 32, Params: params()}
+	c.Params.TransferID, c.Params.RemoteRequestID = "t-3", "p-3"
+	for _, r := range []*Request{a, b, c, a} {
+		if err := d.NewRequest(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.AfterAlloc(c, Alloc{Blocks: [][]topology.BlockID{ids(7, 8)}, External: 32}); err != nil {
+		t.Fatal(err)
+	}
+	m := d.BuildMeta()
+	if len(m.Await) != 2 || m.Await[0].ReqID != "d-a" || m.Await[1].ReqID != "d-b" || m.Await[1].Remote.Expiry.IsZero() || len(m.Recv) != 1 {
+		t.Fatalf("step 1 = await %+v, recv %d; want d-a and d-b awaited once, with their expiry, d-c received", m.Await, len(m.Recv))
+	}
+	if err := d.AfterAlloc(a, Alloc{Blocks: [][]topology.BlockID{ids(3, 4)}, External: 32}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := d.RequestFinished(b, FinishAborted, nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	m = d.BuildMeta()
+	if len(m.Await) != 0 || len(m.AwaitEnd) != 1 || m.AwaitEnd[0] != "d-b" {
+		t.Fatalf("step 2 = await %+v, ended %v; want d-b's end alone (d-a's receive takes over)", m.Await, m.AwaitEnd)
+	}
+	if _, _, err := d.RequestFinished(a, FinishStopped, nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	if m = d.BuildMeta(); len(m.AwaitEnd) != 0 {
+		t.Fatalf("step 3 ended %v, want none (d-a was received)", m.AwaitEnd)
+	}
+	bad := &Request{ID: "d-x", PromptTokens: 32, Params: params()}
+	bad.Params.RemoteEngineID = ""
+	if err := d.NewRequest(bad); err == nil || !strings.Contains(err.Error(), "RemoteEngineID") {
+		t.Errorf("NewRequest without RemoteEngineID = %v, want an error naming it", err)
 	}
 }

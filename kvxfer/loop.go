@@ -441,6 +441,7 @@ func (st *loopState) init(w *Worker) {
 	st.abortedT = map[string]goneSend{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
+	st.waits = map[string]*waitReq{}
 	st.handles = map[XferID]*handle{}
 	st.abandoned = map[XferID]*handle{}
 	st.layerSteps = map[uint64][]string{}
@@ -547,6 +548,12 @@ func (st *loopState) step(meta *StepMeta) {
 		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, "", nil) {
 			st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
 		}
+	}
+	for _, id := range meta.AwaitEnd {
+		delete(st.waits, id)
+	}
+	for i := range meta.Await {
+		st.newWait(&meta.Await[i])
 	}
 	for i := range meta.Recv {
 		if !st.overLimit(RoleConsumer, meta.Recv[i].ReqID, meta.Recv[i].Remote.EngineID, meta.Recv[i].Local) {
@@ -878,7 +885,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
+	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
 		len(st.lost) > 0
 }
 

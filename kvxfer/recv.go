@@ -19,6 +19,9 @@ import (
 // still WRITE into their blocks to be fenced.
 type consumerState struct {
 	recvs map[string]*recvReq
+	// waits: pull consumer requests waiting in the engine's queue,
+	// heartbeaten until allocated (await.go).
+	waits map[string]*waitReq
 }
 
 // Consumer side: registrations (push), READs (pull), completion counting,
@@ -46,6 +49,7 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		return
 	}
 	if len(in.Local) == 0 {
+		delete(st.waits, in.ReqID)
 		st.releaseProducer(in)
 		res, why := ResultDone, ""
 		if in.Aborted {
@@ -56,6 +60,7 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 	}
 	r := &recvReq{req: *in, deadline: deadline, own: deadline, since: st.now}
 	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
+	st.takeWait(r)
 	st.recvs[in.ReqID] = r
 	if !deadline.IsZero() {
 		st.arm(deadline, tRecvDeadline, in.ReqID)
@@ -1051,6 +1056,7 @@ func (st *loopState) onHold(m *msg) {
 	ref := rankRef{pp: m.PPRank, tp: m.TPRank}
 	for i, at := range m.Holds {
 		tid, preq, dreq := m.IDs[3*i], m.IDs[3*i+1], m.IDs[3*i+2]
+		st.onWaitHold(m, ref, tid, preq, dreq, at)
 		r := st.recvs[dreq]
 		if r == nil || r.decided || r.req.Remote.EngineID != m.Engine || r.req.TransferID != tid || r.req.Remote.ReqID != preq || r.req.Remote.Expiry.IsZero() {
 			continue
@@ -1112,6 +1118,7 @@ func (st *loopState) sendHeartbeats() {
 		}
 		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
 	}
+	st.waitHeartbeats(by)
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
 		ids := by[id]
