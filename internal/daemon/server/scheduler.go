@@ -374,6 +374,25 @@ func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
 	return nil
 }
 
+// newRequest applies a step's new_request op (Scheduler.NewRequest).
+func (ss *schedulers) newRequest(ctx context.Context, engine string, req *pb.NewRequestRequest) error {
+	ls, err := ss.get(ctx, engine)
+	if err != nil {
+		return ss.status(err)
+	}
+	r, err := stream.RequestFromProto(req.GetRequest())
+	if err != nil {
+		return ss.status(err)
+	}
+	ls.mu.Lock()
+	err = ls.s.NewRequest(r)
+	ls.mu.Unlock()
+	if err != nil {
+		return ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
+	}
+	return nil
+}
+
 func (ss *schedulers) Prefill(ctx context.Context, req *pb.PrefillRequest) (*pb.PrefillResponse, error) {
 	ls, err := ss.get(ctx, req.EngineId)
 	if err != nil {

@@ -91,6 +91,8 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 		case *pb.SchedulerOp_Prefill:
 			x.Prefill.EngineId = req.EngineId
 			_, err = ss.Prefill(ctx, x.Prefill)
+		case *pb.SchedulerOp_NewRequest:
+			err = ss.newRequest(ctx, req.EngineId, x.NewRequest)
 		default:
 			err = ss.status(stream.Invalid("ops[%d] is empty", i))
 		}
