@@ -3166,8 +3166,12 @@ type OpenSchedulerResponse struct {
 	// a preemption as FINISH_STATUS_ABORTED instead (its consumer fails and
 	// recomputes).
 	TakesPreempted bool `protobuf:"varint,2,opt,name=takes_preempted,json=takesPreempted,proto3" json:"takes_preempted,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// takes_new_request: this daemon takes SchedulerOp.new_request (a pull
+	// consumer's heartbeats from its arrival). A daemon from before it
+	// refuses the op as empty (false here): an engine does not send it.
+	TakesNewRequest bool `protobuf:"varint,3,opt,name=takes_new_request,json=takesNewRequest,proto3" json:"takes_new_request,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *OpenSchedulerResponse) Reset() {
@@ -3210,6 +3214,13 @@ func (x *OpenSchedulerResponse) GetAddr() string {
 func (x *OpenSchedulerResponse) GetTakesPreempted() bool {
 	if x != nil {
 		return x.TakesPreempted
+	}
+	return false
+}
+
+func (x *OpenSchedulerResponse) GetTakesNewRequest() bool {
+	if x != nil {
+		return x.TakesNewRequest
 	}
 	return false
 }
@@ -5314,10 +5325,11 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tlayerwise\x18\x0e \x01(\bR\tlayerwise\x12'\n" +
 	"\x0fprefill_backoff\x18\x0f \x01(\x05R\x0eprefillBackoff\"J\n" +
 	"\x14OpenSchedulerRequest\x122\n" +
-	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"T\n" +
+	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"\x80\x01\n" +
 	"\x15OpenSchedulerResponse\x12\x12\n" +
 	"\x04addr\x18\x01 \x01(\tR\x04addr\x12'\n" +
-	"\x0ftakes_preempted\x18\x02 \x01(\bR\x0etakesPreempted\"\x83\x01\n" +
+	"\x0ftakes_preempted\x18\x02 \x01(\bR\x0etakesPreempted\x12*\n" +
+	"\x11takes_new_request\x18\x03 \x01(\bR\x0ftakesNewRequest\"\x83\x01\n" +
 	"\x14MatchedTokensRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
 	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12\x1a\n" +

@@ -259,7 +259,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		defer old.retire() // once the new one is in the table
 	}
 	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
-	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true}, nil
+	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true, TakesNewRequest: true}, nil
 }
 
 func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {

@@ -539,12 +539,14 @@ class OpenSchedulerRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
 
 class OpenSchedulerResponse(_message.Message):
-    __slots__ = ("addr", "takes_preempted")
+    __slots__ = ("addr", "takes_preempted", "takes_new_request")
     ADDR_FIELD_NUMBER: _ClassVar[int]
     TAKES_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    TAKES_NEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
     addr: str
     takes_preempted: bool
-    def __init__(self, addr: _Optional[str] = ..., takes_preempted: _Optional[bool] = ...) -> None: ...
+    takes_new_request: bool
+    def __init__(self, addr: _Optional[str] = ..., takes_preempted: _Optional[bool] = ..., takes_new_request: _Optional[bool] = ...) -> None: ...
 
 class MatchedTokensRequest(_message.Message):
     __slots__ = ("engine_id", "request", "computed")
