@@ -31,8 +31,14 @@ func (st *loopState) newWait(a *AwaitReq) {
 	if st.cfg.Mode != ModePull || st.recvs[a.ReqID] != nil {
 		return
 	}
-	if a.ReqID == "" || a.Remote.EngineID == "" || a.Remote.ReqID == "" && a.TransferID == "" {
+	why := longID("ReqID", a.ReqID) + longID("TransferID", a.TransferID) + longID("Remote.EngineID", a.Remote.EngineID) +
+		longID("Remote.ReqID", a.Remote.ReqID) + longID("Remote.Addr", a.Remote.Addr)
+	if why == "" && (a.ReqID == "" || a.Remote.EngineID == "" || a.Remote.ReqID == "" && a.TransferID == "") {
+		why = "ReqID, Remote.EngineID, or both Remote.ReqID and TransferID are empty"
+	}
+	if why != "" {
 		st.metrics.BadInput("await_req")
+		st.log.Warn("kvxfer: a waiting request (StepMeta.Await) is not heartbeaten: " + why)
 		return
 	}
 	if w := st.waits[a.ReqID]; w != nil && w.req.TransferID == a.TransferID && w.req.Remote.ReqID == a.Remote.ReqID {

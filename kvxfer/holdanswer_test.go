@@ -380,3 +380,23 @@ func TestSchedulerAwait(t *testing.T) {
 		t.Errorf("NewRequest without RemoteEngineID = %v, want an error naming it", err)
 	}
 }
+
+// A waiting entry a rank cannot heartbeat (no request, no producer, an
+// id past MaxIDBytes) is counted and dropped, the rest of the step kept.
+func TestAwaitBadEntryCounted(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=pull engine=D tp=0/1")
+	good := AwaitReq{ReqID: "d-1", TransferID: "t-1", Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1"}}
+	long := good
+	long.ReqID = strings.Repeat("x", MaxIDBytes+1)
+	noEngine := good
+	noEngine.ReqID, noEngine.Remote.EngineID = "d-2", ""
+	c.st.Step(c.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: c.now, Await: []AwaitReq{long, noEngine, good}}}})
+	c.drive(nil, "")
+	if len(c.st.waits) != 1 || c.st.waits["d-1"] == nil {
+		t.Fatalf("waiting = %v, want d-1 alone", c.st.waits)
+	}
+	if got := c.st.metrics.Snapshot().BadInput["await_req"]; got != 2 {
+		t.Errorf("bad input await_req = %d, want 2", got)
+	}
+}

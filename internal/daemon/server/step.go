@@ -184,6 +184,13 @@ func publishedSize(m *pb.StepMeta) int {
 	for _, id := range m.GetPreempted() {
 		n += 16 + len(id)
 	}
+	for _, r := range m.GetAwait() {
+		n += 256 + len(r.GetRequestId()) + len(r.GetTransferId()) + len(r.GetRemote().GetEngineId()) + len(r.GetRemote().GetAddr()) +
+			len(r.GetRemote().GetRequestId())
+	}
+	for _, id := range m.GetAwaitEnd() {
+		n += 16 + len(id)
+	}
 	for k, v := range m.GetNotProcessedTransferIds() {
 		n += 64 + len(k) + len(v)
 	}
