@@ -333,7 +333,8 @@ func TestPullQueuedHeartbeatsStop(t *testing.T) {
 // The Scheduler publishes an arrived pull consumer request once, with the
 // next step (StepMeta.Await), and its end once (AwaitEnd) unless its
 // receive takes over; one allocated in the step it arrived in is never
-// published; params no receive could use are an error naming the field.
+// published; params no receive could use are not tracked, and left to
+// AfterAlloc to refuse and count (once).
 func TestSchedulerAwait(t *testing.T) {
 	params := func() *TransferParams {
 		return &TransferParams{DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: "P:1", RemoteRequestID: "p-1", TransferID: "t-1",
@@ -376,8 +377,14 @@ func TestSchedulerAwait(t *testing.T) {
 	}
 	bad := &Request{ID: "d-x", PromptTokens: 32, Params: params()}
 	bad.Params.RemoteEngineID = ""
-	if err := d.NewRequest(bad); err == nil || !strings.Contains(err.Error(), "RemoteEngineID") {
-		t.Errorf("NewRequest without RemoteEngineID = %v, want an error naming it", err)
+	if err := d.NewRequest(bad); err != nil || d.Counters().BadParams != 0 {
+		t.Errorf("NewRequest without RemoteEngineID = %v, bad params %d; want it left to AfterAlloc (which refuses it, counted once)", err, d.Counters().BadParams)
+	}
+	if m = d.BuildMeta(); len(m.Await) != 0 {
+		t.Errorf("awaited %+v, want nothing of d-x", m.Await)
+	}
+	if err := d.AfterAlloc(bad, Alloc{Blocks: [][]topology.BlockID{ids(9, 10)}, External: 32}); err == nil || !strings.Contains(err.Error(), "RemoteEngineID") || d.Counters().BadParams != 1 {
+		t.Errorf("AfterAlloc without RemoteEngineID = %v, bad params %d; want it refused naming the field, counted once", err, d.Counters().BadParams)
 	}
 }
 

@@ -487,8 +487,9 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 // (SPEC §9, heartbeat tracking from on_new_request). The heartbeats stop
 // when AfterAlloc stages its receive (the rank's receive takes over) or
 // when it ends before (RequestFinished, or an AfterAlloc with nothing to
-// read). Params a receive could not use are an error naming the field;
-// past MaxRequests the request is not tracked (counted in RequestLimit:
+// read). Params a receive could not use are left to AfterAlloc, which
+// refuses them (naming the field, counted in BadParams once); past
+// MaxRequests the request is not tracked (counted in RequestLimit:
 // it loses only its early heartbeats). Other requests are ignored.
 func (s *Scheduler) NewRequest(r *Request) error {
 	if err := s.checkIDs(r); err != nil {
@@ -503,8 +504,9 @@ func (s *Scheduler) NewRequest(r *Request) error {
 	}
 	ref, err := s.remoteRef(p)
 	if err != nil {
-		s.counters.BadParams++
-		return fmt.Errorf("request %q: %w", r.ID, err)
+		// Not tracked, nor refused here: its allocation (AfterAlloc)
+		// refuses such params, naming the field, and counts them once.
+		return nil
 	}
 	if _, staged := s.awaiting[r.ID]; staged {
 		return nil
