@@ -50,7 +50,11 @@ type engine struct {
 	err        error
 	gen        uint64
 	offset     time.Duration
-	tpSize     int
+	// offsetAt: when offset was measured (a handshake, or a probe timed
+	// within expiryMargin); offsetAsked: when a READ last had it measured
+	// again (refreshOffset).
+	offsetAt, offsetAsked time.Time
+	tpSize                int
 	ppSize     int
 	peers      map[rankRef]PeerName
 	layouts    map[rankRef]*topology.Layout
@@ -295,6 +299,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
+	e.offsetAt = st.now
 	e.peers, e.layouts = peers, layouts
 	return nil
 }

@@ -124,6 +124,9 @@ func (st *loopState) startRecv(r *recvReq) {
 		if e.stale {
 			return // a registry said it changed: its daemon is asked (liveness.go)
 		}
+		if st.cfg.Mode == ModePull && !r.req.Remote.Expiry.IsZero() && st.refreshOffset(e) {
+			return // its READs wait for the producer's clock, measured again
+		}
 	case hsFailed:
 		if !st.ownAttempt(e, r.since) {
 			return
