@@ -45,22 +45,22 @@ const (
 
 // engine is the handshake cache entry of one peer engine.
 type engine struct {
-	id, addr   string
-	state      hsState
-	err        error
-	gen        uint64
-	offset     time.Duration
+	id, addr string
+	state    hsState
+	err      error
+	gen      uint64
+	offset   time.Duration
 	// offsetAt: when offset was measured (a handshake, or a probe timed
 	// within expiryMargin); offsetAsked: when a READ last had it measured
 	// again (refreshOffset).
 	offsetAt, offsetAsked time.Time
 	tpSize                int
-	ppSize     int
-	peers      map[rankRef]PeerName
-	layouts    map[rankRef]*topology.Layout
-	lastActive time.Time
-	failedAt   time.Time
-	answered   bool // the last handshake answered, and its answer ruled a transfer out
+	ppSize                int
+	peers                 map[rankRef]PeerName
+	layouts               map[rankRef]*topology.Layout
+	lastActive            time.Time
+	failedAt              time.Time
+	answered              bool // the last handshake answered, and its answer ruled a transfer out
 	// hsStarted is when the last handshake began. A request fails on a
 	// failed handshake only if that handshake began once it was waiting:
 	// one that came in later (it joined a dial begun, say, during a
