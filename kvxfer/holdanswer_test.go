@@ -411,3 +411,40 @@ func TestAwaitBadEntryCounted(t *testing.T) {
 		t.Errorf("bad input await_req = %d, want 2", got)
 	}
 }
+
+// A producer answers only a heartbeat that asks (Reason hbAskHold): a
+// consumer of an earlier build, which does not ask, is never sent a kind
+// it cannot decode. The answer is the deadline the lease now runs to.
+func TestHoldAnsweredOnlyWhenAsked(t *testing.T) {
+	for _, tc := range []struct {
+		reason string
+		want   bool
+	}{{"", false}, {"reason=" + hbAskHold, true}} {
+		c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+		c.run(t, "core mode=pull engine=P tp=0/1")
+		c.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32")
+		c.run(t, "advance 15s")
+		out := c.run(t, "notif from=D/0 kind=heartbeat ids=t1,p-1,d-1 "+tc.reason)
+		out += "\n" + c.run(t, "handshake D tp=1")
+		answered := strings.Contains(out, "notify D/0 hold ids=t1,p-1,d-1 hold=35s")
+		if answered != tc.want || !tc.want && strings.Contains(out, "hold") {
+			t.Errorf("heartbeat %q at 15 s of a 30 s lease:\n%s\nwant answered (hold to 35 s): %v", tc.reason, out, tc.want)
+		}
+	}
+}
+
+// A hold longer than a heartbeat's extension (a bidirectional turn's,
+// held for DecoderBlocksTTL with no heartbeats expected) is answered with
+// its own deadline, not moved: the answer says what the hold is, never
+// more.
+func TestHoldAnswerOfALongHoldIsItsDeadline(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=pull engine=D tp=0/1")
+	c.run(t, "step send=d-1 tid=t1 blocks=1,2 tokens=32 deadline=480s")
+	c.run(t, "advance 10s")
+	out := c.run(t, "notif from=P/0 kind=heartbeat ids=t1,d-1,p-2 reason="+hbAskHold)
+	out += "\n" + c.run(t, "handshake P tp=1")
+	if !strings.Contains(out, "notify P/0 hold ids=t1,d-1,p-2 hold=8m0s") {
+		t.Errorf("heartbeat at 10 s of a 480 s hold:\n%s\nwant it answered with the hold's own end, 480 s", out)
+	}
+}
