@@ -53,19 +53,23 @@ type engine struct {
 	addrMoves uint64
 	// movedFrom and movedAt: the address of the last move, and when
 	// (moveEngine tells a flip-flop from a move).
-	movedFrom  string
-	movedAt    time.Time
-	state      hsState
-	err        error
-	gen        uint64
-	offset     time.Duration
-	tpSize     int
-	ppSize     int
-	peers      map[rankRef]PeerName
-	layouts    map[rankRef]*topology.Layout
-	lastActive time.Time
-	failedAt   time.Time
-	answered   bool // the last handshake answered, and its answer ruled a transfer out
+	movedFrom string
+	movedAt   time.Time
+	state     hsState
+	err       error
+	gen       uint64
+	offset    time.Duration
+	// offsetAt: when offset was measured (a handshake, or a probe timed
+	// within expiryMargin); offsetAsked: when a READ last had it measured
+	// again (refreshOffset).
+	offsetAt, offsetAsked time.Time
+	tpSize                int
+	ppSize                int
+	peers                 map[rankRef]PeerName
+	layouts               map[rankRef]*topology.Layout
+	lastActive            time.Time
+	failedAt              time.Time
+	answered              bool // the last handshake answered, and its answer ruled a transfer out
 	// hsStarted is when the last handshake began. A request fails on a
 	// failed handshake only if that handshake began once it was waiting:
 	// one that came in later (it joined a dial begun, say, during a
@@ -164,6 +168,9 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 	if e == nil {
 		e = &engine{id: id}
 		st.engines[id] = e
+	}
+	if e.addr != "" && addr != "" && addr != e.addr {
+		e.addrMoves++ // (a probe still out asked the old address: engineAt)
 	}
 	e.addr = addr
 	st.startHandshake(e)
@@ -373,6 +380,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
+	e.offsetAt = st.now
 	e.peers, e.layouts, e.agentSums = peers, layouts, sums
 	return nil
 }
@@ -581,6 +589,11 @@ func (st *loopState) evictEngines(now time.Time) {
 }
 
 func (st *loopState) engineInUse(id string) bool {
+	for _, w := range st.waits {
+		if w.req.Remote.EngineID == id {
+			return true
+		}
+	}
 	for _, r := range st.recvs {
 		if r.req.Remote.EngineID == id {
 			return true

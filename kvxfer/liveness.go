@@ -208,7 +208,7 @@ func (st *loopState) probeDone(h *hsResult) {
 			// past their end, possibly another request's KV over NIXL. An
 			// answer slower than the margin (its offset's error up to
 			// half of it) leaves the offset as it was.
-			e.offset = h.res.ClockOffset
+			e.offset, e.offsetAt = h.res.ClockOffset, st.now
 		}
 		return
 	}
@@ -222,6 +222,33 @@ func (st *loopState) probeDone(h *hsResult) {
 	// ranks whose agent changed (failChanged).
 	e.state = hsPending
 	st.handshakeDone(&hsResult{engine: h.engine, res: h.res, names: h.names, loadErrs: h.loadErrs})
+}
+
+// offsetMaxAge is how old the clock offset a pull consumer's READs are
+// bounded by may be (its producer's expiry is on the producer's clock).
+// An engine in use is probed every PeerTimeout/5, each probe measuring
+// it again; an idle one (up to EngineTTL) is not, and its clock may have
+// been stepped meanwhile (NTP setting it right) by more than
+// expiryMargin. The first READ after a longer gap waits for a probe.
+const offsetMaxAge = 30 * time.Second
+
+// refreshOffset reports whether a pull READ bounded by e's clock (an
+// expiry on it) waits for a probe that measures the offset again: it is
+// older than offsetMaxAge, and not asked within offsetMaxAge (a probe
+// answered too slowly to time it, or not at all, leaves it as it was:
+// the READ then goes by it, as before). What waits is read once the
+// answer is in (probeDone: stale).
+func (st *loopState) refreshOffset(e *engine) bool {
+	if e.state != hsReady || st.now.Sub(e.offsetAt) <= offsetMaxAge || st.now.Sub(e.offsetAsked) <= offsetMaxAge {
+		return false
+	}
+	e.offsetAsked = st.now
+	e.stale = true
+	if !e.probing {
+		e.probing = true
+		st.askResolver(e, st.cfg.HandshakeTimeout, true)
+	}
+	return true
 }
 
 // failedProbe handles the answer to a probe of an engine whose last

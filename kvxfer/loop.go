@@ -298,12 +298,19 @@ type pendingSend struct {
 type recvReq struct {
 	req      RecvReq
 	deadline time.Time
-	since    time.Time // when it came in
-	targets  []rankRef
-	sent     bool // registrations or reads issued
-	got      rankSet
-	fenced   rankSet
-	handles  map[XferID]rankRef // pull: READs in flight (nil until one is)
+	// own: its deadline from its engine (zero: none); deadline is it, or
+	// earlier once its READs are bounded by the producer's hold (bound).
+	own   time.Time
+	bound bool
+	// holds: the deadlines producer ranks answered its heartbeats with
+	// (msgHold), on the producer's clock.
+	holds   []rankHold
+	since   time.Time // when it came in
+	targets []rankRef
+	sent    bool // registrations or reads issued
+	got     rankSet
+	fenced  rankSet
+	handles map[XferID]rankRef // pull: READs in flight (nil until one is)
 	// gotBuf and fencedBuf hold got and fenced while they are small.
 	gotBuf, fencedBuf [rankSetLen]rankRef
 	decided           bool
@@ -434,6 +441,7 @@ func (st *loopState) init(w *Worker) {
 	st.abortedT = map[string]goneSend{}
 	st.early = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
+	st.waits = map[string]*waitReq{}
 	st.handles = map[XferID]*handle{}
 	st.abandoned = map[XferID]*handle{}
 	st.layerSteps = map[uint64][]string{}
@@ -540,6 +548,12 @@ func (st *loopState) step(meta *StepMeta) {
 		if !st.overLimit(RoleProducer, meta.Send[i].ReqID, "", nil) {
 			st.newSend(&meta.Send[i], rebase(meta.Send[i].Deadline, meta.SchedulerClock, now))
 		}
+	}
+	for _, id := range meta.AwaitEnd {
+		delete(st.waits, id)
+	}
+	for i := range meta.Await {
+		st.newWait(&meta.Await[i])
 	}
 	for i := range meta.Recv {
 		if !st.overLimit(RoleConsumer, meta.Recv[i].ReqID, meta.Recv[i].Remote.EngineID, meta.Recv[i].Local) {
@@ -749,6 +763,8 @@ func (st *loopState) dispatch(m *msg) {
 		}
 	case msgHeartbeat:
 		st.onHeartbeat(m)
+	case msgHold:
+		st.onHold(m)
 	case msgCancel:
 		if st.cfg.Mode == ModePull {
 			// A cancel is push's (a pull consumer gives up with a
@@ -884,7 +900,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
+	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
 		len(st.lost) > 0
 }
 

@@ -233,6 +233,26 @@ type StepMeta struct {
 	// of its next Prefill entry or its SendReq. It applies after
 	// NotProcessed and before Prefill and Send.
 	Preempted []string
+	// Await lists pull consumer requests that arrived (Scheduler.
+	// NewRequest) and wait in the engine's queue, not allocated yet: the
+	// ranks heartbeat their producers from now on (the producer's hold
+	// lapses otherwise while they wait), until the request's RecvReq
+	// takes over or AwaitEnd names it. Each carries no blocks.
+	Await []AwaitReq
+	// AwaitEnd lists requests of an earlier step's Await that ended
+	// before they were allocated (finished, aborted, or allocated with
+	// nothing to read): their heartbeats stop. It applies before Await
+	// and Recv.
+	AwaitEnd []string
+}
+
+// AwaitReq is a pull consumer request waiting in its engine's queue for
+// the producer hold its params name (StepMeta.Await).
+type AwaitReq struct {
+	ReqID      string
+	TransferID string
+	// Remote names the producer and its request (no blocks).
+	Remote RemoteRef
 }
 
 // Result is a terminal outcome kind.
@@ -331,6 +351,8 @@ func (m *StepMeta) Clone() *StepMeta {
 	c.InBatch = slices.Clone(m.InBatch)
 	c.NotProcessed = slices.Clone(m.NotProcessed)
 	c.NotProcessedTransferIDs = maps.Clone(m.NotProcessedTransferIDs)
+	c.Await = slices.Clone(m.Await)
+	c.AwaitEnd = slices.Clone(m.AwaitEnd)
 	c.Preempted = slices.Clone(m.Preempted)
 	return &c
 }

@@ -19,6 +19,9 @@ import (
 // still WRITE into their blocks to be fenced.
 type consumerState struct {
 	recvs map[string]*recvReq
+	// waits: pull consumer requests waiting in the engine's queue,
+	// heartbeaten until allocated (await.go).
+	waits map[string]*waitReq
 }
 
 // Consumer side: registrations (push), READs (pull), completion counting,
@@ -46,6 +49,7 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		return
 	}
 	if len(in.Local) == 0 {
+		delete(st.waits, in.ReqID)
 		st.releaseProducer(in)
 		res, why := ResultDone, ""
 		if in.Aborted {
@@ -54,8 +58,9 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		st.report(RoleConsumer, Outcome{ReqID: in.ReqID, Result: res, Reason: why})
 		return
 	}
-	r := &recvReq{req: *in, deadline: deadline, since: st.now}
+	r := &recvReq{req: *in, deadline: deadline, own: deadline, since: st.now}
 	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
+	st.takeWait(r)
 	st.recvs[in.ReqID] = r
 	if !deadline.IsZero() {
 		st.arm(deadline, tRecvDeadline, in.ReqID)
@@ -126,6 +131,9 @@ func (st *loopState) startRecv(r *recvReq) {
 	case hsReady:
 		if e.stale {
 			return // a registry said it changed: its daemon is asked (liveness.go)
+		}
+		if st.cfg.Mode == ModePull && !r.req.Remote.Expiry.IsZero() && st.refreshOffset(e) {
+			return // its READs wait for the producer's clock, measured again
 		}
 	case hsFailed:
 		if !st.ownAttempt(e, r.since) {
@@ -349,6 +357,7 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool 
 	clear(r.retryAt) // the READs all go again
 	r.fenced = r.fenced[:0]
 	r.exited, r.exitWhy = nil, ""
+	r.holds = nil // the old agents' answers
 	if e.state != hsPending {
 		st.startHandshake(e)
 	}
@@ -367,7 +376,7 @@ func agentGone(err error) bool {
 
 // read posts the READs of a pull consumer.
 func (st *loopState) read(r *recvReq, e *engine) {
-	if exp := r.req.Remote.Expiry; !exp.IsZero() {
+	if exp := r.holdEnd(); !exp.IsZero() {
 		local := exp.Add(-e.offset - expiryMargin)
 		if !st.now.Before(local) {
 			st.metrics.ExpiredRequest()
@@ -384,6 +393,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 		// clock: with the producer's clock behind ours by more than its
 		// hold left, the read was given up at once; ahead, it was bounded
 		// that much past the hold.
+		r.bound = true
 		if r.deadline.IsZero() || local.Before(r.deadline) {
 			r.deadline = local
 			st.arm(local, tRecvDeadline, r.req.ReqID)
@@ -995,6 +1005,103 @@ func (st *loopState) released(id XferID) {
 	st.tryReport(r)
 }
 
+// rankHold is the deadline a producer rank answered a heartbeat with.
+type rankHold struct {
+	ref rankRef
+	at  time.Time
+}
+
+// holdEnd is when the producer's hold of the request's blocks ends
+// unless heartbeats extend it, on the producer's clock (zero: the params
+// set no bound): the params' expiry, or later where every producer rank
+// it reads from (still to read from) answered a later deadline
+// (msgHold). Only the producer's own answers extend it.
+func (r *recvReq) holdEnd() time.Time {
+	exp := r.req.Remote.Expiry
+	if exp.IsZero() || len(r.holds) == 0 {
+		return exp
+	}
+	var end time.Time
+	n := 0
+	for _, to := range r.targets {
+		if r.got.has(to) {
+			continue
+		}
+		n++
+		at := exp
+		for _, h := range r.holds {
+			if h.ref == to && h.at.After(at) {
+				at = h.at
+			}
+		}
+		if end.IsZero() || at.Before(end) {
+			end = at
+		}
+	}
+	if n == 0 {
+		return exp
+	}
+	return end
+}
+
+// maxHoldRanks bounds the answers a request keeps: one per producer rank
+// it reads from (a rank of ours reads from a few).
+const maxHoldRanks = 64
+
+// onHold takes a producer rank's answer to our heartbeat (msgHold): the
+// deadlines it holds our requests' blocks to. A request it names that is
+// ours (its transfer, producer request and engine), not decided and
+// bounded by the producer's hold, has its READs' bound moved to the
+// later hold, by the latest offset and the same margin as the params'
+// expiry. It never moves a bound earlier, nor past the request's own
+// deadline.
+func (st *loopState) onHold(m *msg) {
+	if st.cfg.Mode != ModePull || len(m.Holds)*3 != len(m.IDs) {
+		st.metrics.BadInput("hold.mode")
+		return
+	}
+	e := st.engines[m.Engine]
+	if e == nil {
+		return
+	}
+	ref := rankRef{pp: m.PPRank, tp: m.TPRank}
+	for i, at := range m.Holds {
+		tid, preq, dreq := m.IDs[3*i], m.IDs[3*i+1], m.IDs[3*i+2]
+		st.onWaitHold(m, ref, tid, preq, dreq, at)
+		r := st.recvs[dreq]
+		if r == nil || r.decided || r.req.Remote.EngineID != m.Engine || r.req.TransferID != tid || r.req.Remote.ReqID != preq || r.req.Remote.Expiry.IsZero() {
+			continue
+		}
+		r.noteHold(ref, at)
+		if !r.bound {
+			continue // its READ bounds itself by it (read)
+		}
+		local := r.holdEnd().Add(-e.offset - expiryMargin)
+		if !r.own.IsZero() && r.own.Before(local) {
+			local = r.own
+		}
+		if local.After(r.deadline) {
+			r.deadline = local
+			st.arm(local, tRecvDeadline, r.req.ReqID)
+		}
+	}
+}
+
+// noteHold keeps the latest deadline producer rank ref answered.
+func (r *recvReq) noteHold(ref rankRef, at time.Time) {
+	for i := range r.holds {
+		if r.holds[i].ref == ref {
+			if at.After(r.holds[i].at) {
+				r.holds[i].at = at
+			}
+			return
+		}
+	}
+	if len(r.holds) < maxHoldRanks {
+		r.holds = append(r.holds, rankHold{ref: ref, at: at})
+	}
+}
+
 // sendHeartbeats tells each producer engine which of its requests this
 // rank still waits for (SPEC §9), from the worker's own clock.
 func (st *loopState) sendHeartbeats() {
@@ -1022,12 +1129,16 @@ func (st *loopState) sendHeartbeats() {
 		}
 		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
 	}
+	st.waitHeartbeats(by)
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
 		ids := by[id]
 		for len(ids) > 0 {
 			n := heartbeatSplit(ids)
 			m := st.self(&msg{Kind: msgHeartbeat, IDs: ids[:n:n]})
+			if st.cfg.Mode == ModePull {
+				m.Reason = hbAskHold // answered with the holds (onHold)
+			}
 			b := appendMsg(nil, m)
 			for _, ref := range sortedRefs(e.peers) {
 				st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: e.peers[ref], msg: b, notice: noticeHeartbeat, m: m, ref: ref})

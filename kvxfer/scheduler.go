@@ -197,6 +197,12 @@ type Scheduler struct {
 	recvKeyOf map[string]recvKey
 	watchQ    deadlineHeap
 	counters  SchedulerCounters
+	// awaiting: pull consumer requests that arrived (NewRequest) and are
+	// not allocated yet, true once a step's Await carried them; await and
+	// awaitEnd are staged for the next step (StepMeta.Await, AwaitEnd).
+	awaiting map[string]bool
+	await    []AwaitReq
+	awaitEnd []string
 }
 
 // NewScheduler validates cfg, fills its defaults and returns a Scheduler.
@@ -251,7 +257,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = []topology.Group{{Kind: topology.KindFullAttention}}
 	}
-	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, prefilling: map[string]string{}, watch: map[string]time.Time{}, recving: map[string]bool{},
+	s := &Scheduler{cfg: cfg, held: map[string]bool{}, saving: map[string]bool{}, processed: map[string]bool{}, prefilled: map[string]bool{}, prefilling: map[string]string{}, watch: map[string]time.Time{}, recving: map[string]bool{}, awaiting: map[string]bool{},
 		recvKeys: map[recvKey]string{}, recvKeyOf: map[string]recvKey{}}
 	mamba := false
 	for i, g := range cfg.Groups {
@@ -484,6 +490,65 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 		TPSize: max(p.RemoteTPSize, 1), PPSize: max(p.RemotePPSize, 1), Tokens: p.RemoteNumTokens, Expiry: p.RemoteBlocksExpiry, Generation: p.RemoteGeneration}, nil
 }
 
+// NewRequest tells the scheduler a request arrived (vLLM's
+// on_new_request), before it waits in the engine's queue. A pull
+// consumer request (params asking for a remote prefill) is published to
+// the ranks with the next step (StepMeta.Await), which heartbeat its
+// producer from then on: the producer's hold on its blocks lapses after
+// its lease otherwise, however long the request waits to be allocated
+// (SPEC §9, heartbeat tracking from on_new_request). The heartbeats stop
+// when AfterAlloc stages its receive (the rank's receive takes over) or
+// when it ends before (RequestFinished, or an AfterAlloc with nothing to
+// read). Params a receive could not use are left to AfterAlloc, which
+// refuses them (naming the field, counted in BadParams once); past
+// MaxRequests the request is not tracked (counted in RequestLimit:
+// it loses only its early heartbeats). Other requests are ignored.
+func (s *Scheduler) NewRequest(r *Request) error {
+	if err := s.checkIDs(r); err != nil {
+		return err
+	}
+	p := r.Params
+	if p == nil || !p.DoRemotePrefill || p.DoRemoteDecode || s.cfg.Mode != ModePull {
+		return nil
+	}
+	if _, ok := s.recving[r.ID]; ok {
+		return nil // receiving already: its rank heartbeats it
+	}
+	ref, err := s.remoteRef(p)
+	if err != nil {
+		// Not tracked, nor refused here: its allocation (AfterAlloc)
+		// refuses such params, naming the field, and counts them once.
+		return nil
+	}
+	if _, staged := s.awaiting[r.ID]; staged {
+		return nil
+	}
+	if s.room(r.ID, len(s.awaiting)) != nil {
+		return nil
+	}
+	s.awaiting[r.ID] = false
+	s.await = append(s.await, AwaitReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref})
+	return nil
+}
+
+// endAwait stops the heartbeats of an arrived request (NewRequest) that
+// is no longer waiting: recv says whether its receive was staged (the
+// rank's receive takes over, so the ranks need not be told).
+func (s *Scheduler) endAwait(id string, recv bool) {
+	published, ok := s.awaiting[id]
+	if !ok {
+		return
+	}
+	delete(s.awaiting, id)
+	if !published {
+		s.await = slices.DeleteFunc(s.await, func(a AwaitReq) bool { return a.ReqID == id })
+		return
+	}
+	if !recv {
+		s.awaitEnd = append(s.awaitEnd, id)
+	}
+}
+
 // AfterAlloc stages the transfer of a request the engine just allocated
 // blocks for (SPEC §7.1, §8.1-§8.2; update_state_after_alloc). A consumer
 // registers (push) or reads (pull) into a.Blocks; a full prefix hit stages
@@ -495,6 +560,10 @@ func (s *Scheduler) remoteRef(p *TransferParams) (RemoteRef, error) {
 func (s *Scheduler) AfterAlloc(r *Request, a Alloc) error {
 	if err := s.checkIDs(r); err != nil {
 		return err
+	}
+	if _, ok := s.awaiting[r.ID]; ok {
+		n := len(s.recv)
+		defer func() { s.endAwait(r.ID, len(s.recv) > n && s.recv[len(s.recv)-1].ReqID == r.ID) }()
 	}
 	p := r.Params
 	if p == nil {
@@ -832,6 +901,7 @@ func (s *Scheduler) RequestFinished(r *Request, status FinishStatus, blocks [][]
 	if status == FinishPreempted {
 		return false, nil, s.preempt(r)
 	}
+	s.endAwait(r.ID, false)
 	if tid, ok := s.prefilling[r.ID]; ok {
 		// The workers hold it prefilling (a step listed it): whatever
 		// this finish stages, something must end it there. A finish that
@@ -1030,6 +1100,11 @@ func (s *Scheduler) BuildMeta() *StepMeta {
 	}
 	s.recv, s.send, s.prefill, s.save, s.inBatch, s.notProcessed, s.notProcessedTID = nil, nil, nil, nil, nil, nil, nil
 	s.preempted = nil
+	m.Await, m.AwaitEnd = s.await, s.awaitEnd
+	for _, a := range s.await {
+		s.awaiting[a.ReqID] = true
+	}
+	s.await, s.awaitEnd = nil, nil
 	slices.SortFunc(m.Recv, func(a, b RecvReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Send, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
 	slices.SortFunc(m.Prefill, func(a, b SendReq) int { return strings.Compare(a.ReqID, b.ReqID) })
@@ -1098,7 +1173,7 @@ func (s *Scheduler) compactWatch() {
 // them, a consumer registered for the request) would wait on it.
 func (s *Scheduler) HasPendingWork() bool {
 	return len(s.held) > 0 || len(s.recv) > 0 || len(s.send) > 0 || len(s.prefill) > 0 || len(s.preempted) > 0 ||
-		len(s.notProcessed) > 0 || len(s.save) > 0
+		len(s.notProcessed) > 0 || len(s.save) > 0 || len(s.await) > 0 || len(s.awaitEnd) > 0
 }
 
 // Watching returns the push registrations whose watchdog is armed.

@@ -1530,6 +1530,14 @@ func (st *loopState) leaseTimer(e timerEntry) {
 // max of the old deadline and now + Lease·2/3.
 func (st *loopState) onHeartbeat(m *msg) {
 	ext := st.now.Add(st.cfg.Lease * 2 / 3)
+	// A pull consumer that asks is answered with the deadline each
+	// request it names is held to now (msgHold), so that it bounds its
+	// READs by the hold the heartbeats keep, not by the params' first
+	// expiry.
+	var ans *msg
+	if m.Reason == hbAskHold && st.cfg.Mode == ModePull {
+		ans = &msg{Kind: msgHold}
+	}
 	for i := 0; i+2 < len(m.IDs); i += 3 {
 		tid, preq, dreq := m.IDs[i], m.IDs[i+1], m.IDs[i+2]
 		// As a completion notice finds its request (sendFor): by transfer
@@ -1547,14 +1555,24 @@ func (st *loopState) onHeartbeat(m *msg) {
 				s = c
 			}
 		}
-		if s == nil || s.done || s.expired || s.prefill || !ext.After(s.deadline) {
+		if s == nil || s.done || s.expired || s.prefill {
 			// A request still prefilling (layer-wise) has no lease to
 			// extend: it starts at its finish, and one started here
-			// would lapse mid-prefill if the heartbeats paused.
+			// would lapse mid-prefill if the heartbeats paused. Nor is
+			// it answered: no deadline holds its blocks yet.
 			continue
 		}
-		s.deadline = ext
-		st.arm(ext, tLease, s.req.ReqID)
+		if ext.After(s.deadline) {
+			s.deadline = ext
+			st.arm(ext, tLease, s.req.ReqID)
+		}
+		if ans != nil && !s.aborted {
+			ans.IDs = append(ans.IDs, tid, preq, dreq)
+			ans.Holds = append(ans.Holds, s.deadline)
+		}
+	}
+	if ans != nil && len(ans.Holds) > 0 {
+		st.notify(m.from, ans)
 	}
 	// Heartbeats also keep unmatched registrations of that engine alive.
 }

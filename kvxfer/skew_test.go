@@ -208,3 +208,51 @@ func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
 		}
 	}
 }
+
+// A pull consumer idle on a producer engine (no request: no liveness
+// probe measures its clock) for longer than offsetMaxAge has the offset
+// measured again before its next READ bounded by the producer's expiry:
+// P's clock 2 s behind D's at the handshake and set right during the
+// gap, a request P holds 100 ms more is not read (expired), where the
+// old offset put 2.1 s of hold before it. And a READ soon after a
+// measure goes at once. Before, the handshake's offset stayed until a
+// probe, which an idle engine never gets: the READ was posted, and could
+// read blocks P freed and gave to another request (over NIXL).
+func TestPullOffsetMeasuredAgainAfterAnIdleGap(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=D tp=0/1")
+	recv := func(id string, blocks []topology.BlockID, expiry time.Time) string {
+		rr := RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: []topology.Span{{IDs: blocks}},
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
+				Blocks: []topology.Span{{IDs: blocks}}, Expiry: expiry}}
+		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: tc.now, Recv: []RecvReq{rr}}}})
+		return strings.Join(tc.drive(nil, ""), "\n")
+	}
+	out := recv("1", ids(1, 2), traceEpoch.Add(28*time.Second))
+	out += "\n" + tc.run(t, "handshake P tp=1 offset=-2s")
+	if !strings.Contains(out, "post #1 read P/0") {
+		t.Fatalf("d-1, 30 s of P's hold left:\n%s\nwant its READ posted", out)
+	}
+	if out := tc.run(t, "ended xfer=1"); !strings.Contains(out, "outcome recv d-1 done") {
+		t.Fatalf("d-1's READ ended: %s", out)
+	}
+	// Idle 60 s: nothing waits on P, nothing probes it.
+	for range 6 {
+		if got := tc.run(t, "advance 10s"); strings.Contains(got, "probe") {
+			t.Fatalf("an idle engine probed: %s", got)
+		}
+	}
+	out = recv("2", ids(3, 4), tc.now.Add(100*time.Millisecond))
+	if !strings.Contains(out, "probe P at") || strings.Contains(out, "post") {
+		t.Fatalf("d-2, 60 s after P's clock was last measured:\n%s\nwant a probe first, nothing read", out)
+	}
+	out = tc.run(t, "handshake P tp=1 probe=true offset=0s")
+	if !strings.Contains(out, "outcome recv d-2 expired") || strings.Contains(out, "post") {
+		t.Errorf("d-2, 100 ms of P's hold left (by the probe's offset, 0; the handshake's said -2 s):\n%s\nwant it expired, nothing read", out)
+	}
+	// Measured just now: the next READ goes at once.
+	out = recv("3", ids(5, 6), tc.now.Add(20*time.Second))
+	if strings.Contains(out, "probe") || !strings.Contains(out, "post #2 read P/0") {
+		t.Errorf("d-3, P's clock measured just before:\n%s\nwant its READ posted at once", out)
+	}
+}

@@ -679,6 +679,9 @@ func describeMsg(b []byte) string {
 	if !m.Until.IsZero() {
 		s += " until=" + m.Until.Sub(traceEpoch).String()
 	}
+	for _, h := range m.Holds {
+		s += " hold=" + h.Sub(traceEpoch).String()
+	}
 	return s
 }
 

@@ -65,7 +65,24 @@ const (
 	// plane's grants admit it only into that request's blocks); the
 	// receiver drops it once the bytes landed.
 	msgTag
+	// msgHold (pull, P→D): the answer to a heartbeat that asks for one
+	// (Reason hbAskHold): for each request of the heartbeat the producer
+	// rank still holds under a lease, its triple (transfer id, P id, D
+	// id, as the heartbeat named it) in IDs and, in Holds, the deadline
+	// it now holds the request's blocks to, on its own clock. A request
+	// it no longer holds (or holds with no lease yet: still prefilling)
+	// is left out. A consumer bounds its READs by it (and by the params'
+	// expiry, whichever is later); without an answer (a producer of an
+	// earlier build ignores the ask) by the params' expiry alone.
+	msgHold
 )
+
+// hbAskHold is a pull heartbeat's Reason (a field producers of earlier
+// builds ignore in a heartbeat): its sender reads msgHold, and asks the
+// producer to answer with the deadlines it holds the requests to. A
+// consumer of an earlier build does not ask, so it is never sent a kind
+// it cannot decode.
+const hbAskHold = "hold?"
 
 func (k msgKind) String() string {
 	switch k {
@@ -83,6 +100,8 @@ func (k msgKind) String() string {
 		return "ack"
 	case msgFail:
 		return "fail"
+	case msgHold:
+		return "hold"
 	}
 	return fmt.Sprintf("msgKind(%d)", uint8(k))
 }
@@ -110,6 +129,9 @@ type msg struct {
 	// then (zero: no limit). However late a registration is delivered,
 	// it cannot make the producer WRITE into blocks the consumer gave up.
 	Until time.Time
+	// Holds are a msgHold's deadlines, one per triple of IDs, on the
+	// sender's clock (each set).
+	Holds []time.Time
 
 	// from is the agent it came from, once admitted (not on the wire).
 	from PeerName
@@ -165,6 +187,12 @@ func appendMsg(b []byte, m *msg) []byte {
 	if m.Kind == msgReg && !m.Until.IsZero() {
 		b = binary.AppendVarint(b, m.Until.UnixNano())
 	}
+	if m.Kind == msgHold {
+		b = binary.AppendUvarint(b, uint64(len(m.Holds)))
+		for _, t := range m.Holds {
+			b = binary.AppendVarint(b, t.UnixNano())
+		}
+	}
 	return b
 }
 
@@ -183,6 +211,7 @@ func msgSizeBound(m *msg) int {
 	for _, id := range m.IDs {
 		n += v + len(id)
 	}
+	n += v + v*len(m.Holds)
 	return n + 2*v // fail kind, until
 }
 
@@ -283,11 +312,11 @@ func decodeMsg(b []byte) (*msg, error) {
 		return nil, fmt.Errorf("%w: field version: %d, want %d", errWire, b[1], wireVersion)
 	}
 	m := &msg{Kind: msgKind(b[2])}
-	if m.Kind < msgReg || m.Kind > msgTag {
+	if m.Kind < msgReg || m.Kind > msgHold {
 		return nil, fmt.Errorf("%w: field kind: %d unknown", errWire, b[2])
 	}
 	r := &reader{b: b[3:]}
-	if m.Kind != msgReg && m.Kind != msgHeartbeat && len(b) <= 4<<10 {
+	if m.Kind != msgReg && m.Kind != msgHeartbeat && m.Kind != msgHold && len(b) <= 4<<10 {
 		// A notice of one request (done, fail, cancel, ack): its strings
 		// come from one copy of the message, which they keep alive; not
 		// for registrations and heartbeats, whose block and id lists can
@@ -355,6 +384,19 @@ func decodeMsg(b []byte) (*msg, error) {
 			r.fail("until", "0: an unset limit is not encoded")
 		} else {
 			m.Until = time.Unix(0, v)
+		}
+	}
+	if m.Kind == msgHold {
+		n := r.uvarint("holds")
+		if r.err == nil && (len(m.IDs)%3 != 0 || n != uint64(len(m.IDs)/3)) {
+			r.fail("holds", "%d deadlines for %d ids, want one per triple", n, len(m.IDs))
+		}
+		for i := uint64(0); r.err == nil && i < n; i++ {
+			if v := r.varint("holds"); r.err == nil && v <= 0 {
+				r.fail("holds", "%d: a deadline must be set", v)
+			} else {
+				m.Holds = append(m.Holds, time.Unix(0, v))
+			}
 		}
 	}
 	if r.err != nil {

@@ -27,6 +27,9 @@ func TestWireRoundTrip(t *testing.T) {
 		{"fail with kind", msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, DReq: "x", Reason: "WRITE failed", FailKind: FailureTransfer}},
 		{"cancel with kind", msg{Kind: msgCancel, Engine: "D", TPSize: 1, PPSize: 1, DReq: "x", Reason: "expired", FailKind: FailureExpired}},
 		{"fail with a newer build's kind", msg{Kind: msgFail, Engine: "P", TPSize: 1, PPSize: 1, FailKind: 200}},
+		{"heartbeat asking for holds", msg{Kind: msgHeartbeat, Engine: "D", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d"}, Reason: hbAskHold}},
+		{"hold", msg{Kind: msgHold, Engine: "P", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d", "", "p2", "d2"},
+			Holds: []time.Time{time.Unix(0, 1_790_000_000_123_456_789), time.Unix(0, 1)}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -73,6 +76,10 @@ func TestWireRejects(t *testing.T) {
 		{"until truncated", append(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d"}), 0x80), "field until"},
 		{"until then more", append(appendMsg(nil, &msg{Kind: msgReg, Engine: "D", TPSize: 1, PPSize: 1, DReq: "d", Until: time.Unix(5, 0)}), 1), "trailing"},
 		{"until on a done", binary.AppendVarint(bytes.Clone(good), 5), "trailing"},
+		{"hold missing a deadline", appendMsg(nil, &msg{Kind: msgHold, Engine: "P", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d"}}), "field holds"},
+		{"hold deadline unset", appendMsg(nil, &msg{Kind: msgHold, Engine: "P", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d"}, Holds: []time.Time{time.Unix(0, 0)}}), "field holds"},
+		{"hold ids not triples", appendMsg(nil, &msg{Kind: msgHold, Engine: "P", TPSize: 1, PPSize: 1, IDs: []string{"t", "p"}, Holds: []time.Time{time.Unix(5, 0)}}), "field holds"},
+		{"hold truncated", holdTruncated(), "field holds"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -82,6 +89,11 @@ func TestWireRejects(t *testing.T) {
 			}
 		})
 	}
+}
+
+func holdTruncated() []byte {
+	b := appendMsg(nil, &msg{Kind: msgHold, Engine: "P", TPSize: 1, PPSize: 1, IDs: []string{"t", "p", "d"}, Holds: []time.Time{time.Unix(5, 0)}})
+	return b[:len(b)-1]
 }
 
 // FuzzWire: decoding never panics, and what decodes re-encodes to the same

@@ -239,6 +239,19 @@ func StepEntriesFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, []EntryRefusal, err
 	}
 	m.Send = conv("step.send", "send_req", kvxfer.RoleProducer, p.Send)
 	m.Prefill = conv("step.prefill", "prefill", 0, p.Prefill)
+	m.AwaitEnd = p.AwaitEnd
+	if len(p.Await) > 0 {
+		// No outcome waits on an entry of await: one the worker cannot
+		// use (no request, no remote) is counted there and dropped.
+		m.Await = make([]kvxfer.AwaitReq, 0, len(p.Await))
+		for _, r := range p.Await {
+			rm := r.GetRemote()
+			m.Await = append(m.Await, kvxfer.AwaitReq{ReqID: r.GetRequestId(), TransferID: r.GetTransferId(),
+				Remote: kvxfer.RemoteRef{EngineID: rm.GetEngineId(), Addr: rm.GetAddr(), ReqID: rm.GetRequestId(),
+					TPSize: int(rm.GetTpSize()), PPSize: int(rm.GetPpSize()), Expiry: timeFrom(rm.GetExpiryUnixNanos()),
+					Generation: rm.GetGeneration()}})
+		}
+	}
 	return m, refused, nil
 }
 
@@ -401,6 +414,17 @@ func (e *StepEncoder) Encode(m *kvxfer.StepMeta) *pb.StepMeta {
 			return e.sendPtrs[from:k:k]
 		}
 		p.Send, p.Prefill = conv(m.Send), conv(m.Prefill)
+	}
+	p.Await, p.AwaitEnd = nil, m.AwaitEnd
+	if len(m.Await) > 0 {
+		// Rare (a request's arrival): made for the message alone.
+		p.Await = make([]*pb.RecvRequest, len(m.Await))
+		for i := range m.Await {
+			w := &m.Await[i]
+			p.Await[i] = &pb.RecvRequest{RequestId: w.ReqID, TransferId: w.TransferID, Remote: &pb.RemoteRef{EngineId: w.Remote.EngineID,
+				Addr: w.Remote.Addr, RequestId: w.Remote.ReqID, TpSize: int32(w.Remote.TPSize), PpSize: int32(w.Remote.PPSize),
+				ExpiryUnixNanos: timeTo(w.Remote.Expiry), Generation: w.Remote.Generation}}
+		}
 	}
 	return p
 }

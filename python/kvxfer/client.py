@@ -194,6 +194,7 @@ class Scheduler:
         self._c = client
         self.engine_id = _str_arg("Scheduler", "engine_id", engine_id)
         self.takes_preempted = False
+        self.takes_new_request = False
 
     def open(self, config: pb.SchedulerConfig) -> str:
         """Creates (or replaces) the engine's scheduler; returns the daemon's peer address."""
@@ -202,6 +203,9 @@ class Scheduler:
         # Whether the daemon takes FINISH_STATUS_PREEMPTED (an older one
         # refuses it): as its last OpenScheduler answer said.
         self.takes_preempted = r.takes_preempted
+        # Whether it takes SchedulerOp.new_request (an older one refuses it
+        # as an empty op).
+        self.takes_new_request = r.takes_new_request
         return r.addr
 
     def matched_tokens(self, request: pb.EngineRequest, computed: int) -> tuple[int, bool]:

@@ -1345,6 +1345,15 @@ class _SchedulerSide:
 
     def new_request(self, request: "Request") -> None:
         p = request.kv_transfer_params
+        if p and self.pull and p.get("do_remote_prefill") and not p.get("do_remote_decode") and \
+                self.sched.takes_new_request:
+            # A pull consumer's request: the ranks heartbeat its producer
+            # from now on, while it waits in the queue (SPEC §9: tracked
+            # from on_new_request), not from its allocation; a request
+            # queued longer than the producer's lease otherwise finds the
+            # hold lapsed and is recomputed.
+            self._request(self._op("new_request", request.request_id).new_request.request, request)
+            return
         if not p or not p.get("do_remote_decode"):
             return
         self._trim(request, p)

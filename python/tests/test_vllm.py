@@ -420,6 +420,44 @@ def test_pull_read_after_the_lease_is_not_loaded(tmp_path, daemons, caplog):
         r.close()
 
 
+def test_pull_queued_past_the_lease_is_loaded(tmp_path, daemons, placement):
+    """Pull, both engines' lease 2 s (their servers' too: D heartbeats
+    every third of a second): D's d-0 waits in D's queue (not
+    allocated, as vLLM keeps a request while its run slots are taken) 4 s,
+    twice P's lease, then is scheduled. D's ranks heartbeat P for it from
+    its arrival (on_new_request), P keeps its hold and answers with it, so
+    d-0 is loaded and checks byte for byte, and both engines give every
+    block back. Before, D's heartbeats began with the request's
+    allocation: P's hold lapsed while d-0 waited, and d-0 was recomputed."""
+    rng = random.Random("queued-pull")
+
+    def leased(name):
+        if placement == "in-process":
+            return H.InProcess(tmp_path, name, server={"lease": "2s"})
+        return daemons(name, ["-lease", "2s"])
+
+    r = Run(tmp_path, leased, "pull", 1, p_kw={"lease_s": 2}, d_kw={"lease_s": 2})
+    try:
+        r.prompts["p-0"] = r.prompts["d-0"] = toks0 = [rng.randrange(100, 50000) for _ in range(40)]
+        r.P.sched.add_request(H.make_request("p-0", list(toks0), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        r.run_until(lambda: "p-0" in r.P.finished)
+        prm = dict(r.P.finished["p-0"].kv_transfer_params)
+        d0 = H.make_request("d-0", toks0, 2, prm)
+        r.D.sched.add_request(d0)
+        # Held out of D's waiting queue: vLLM does not schedule it.
+        r.D.sched.waiting.remove_request(d0)
+        until = time.time_ns() + 4_000_000_000
+        r.run_until(lambda: time.time_ns() >= until, limit_s=10)
+        assert time.time_ns() > prm["remote_blocks_expiry_unix_nanos"] + 1_000_000_000
+        assert "p-0" not in r.P.sent, "P let p-0's blocks go while d-0 waited"
+        r.D.sched.waiting.add_request(d0)
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
 def _sum_stats(e) -> dict:
     """Sums the stats engine e's scheduler-side connector reports from now
     on (vLLM takes and clears them each step), by key, into the returned

@@ -1356,7 +1356,15 @@ type StepMeta struct {
 	// written from those blocks, and each writes every layer again, into the
 	// same consumer blocks, from the blocks of its next prefill entry or its
 	// send entry (kvxfer.StepMeta.Preempted). Applies after not_processed.
-	Preempted     []string `protobuf:"bytes,8,rep,name=preempted,proto3" json:"preempted,omitempty"`
+	Preempted []string `protobuf:"bytes,8,rep,name=preempted,proto3" json:"preempted,omitempty"`
+	// await: pull consumer requests that arrived and wait in the engine's
+	// queue (kvxfer.StepMeta.Await): the ranks heartbeat their producers
+	// until their recv entry takes over or await_end names them. Each has
+	// no local and no remote blocks.
+	Await []*RecvRequest `protobuf:"bytes,9,rep,name=await,proto3" json:"await,omitempty"`
+	// await_end: requests of an earlier step's await that ended before
+	// they were allocated (their heartbeats stop). Applies before await.
+	AwaitEnd      []string `protobuf:"bytes,10,rep,name=await_end,json=awaitEnd,proto3" json:"await_end,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1443,6 +1451,20 @@ func (x *StepMeta) GetNotProcessedTransferIds() map[string]string {
 func (x *StepMeta) GetPreempted() []string {
 	if x != nil {
 		return x.Preempted
+	}
+	return nil
+}
+
+func (x *StepMeta) GetAwait() []*RecvRequest {
+	if x != nil {
+		return x.Await
+	}
+	return nil
+}
+
+func (x *StepMeta) GetAwaitEnd() []string {
+	if x != nil {
+		return x.AwaitEnd
 	}
 	return nil
 }
@@ -3144,8 +3166,12 @@ type OpenSchedulerResponse struct {
 	// a preemption as FINISH_STATUS_ABORTED instead (its consumer fails and
 	// recomputes).
 	TakesPreempted bool `protobuf:"varint,2,opt,name=takes_preempted,json=takesPreempted,proto3" json:"takes_preempted,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// takes_new_request: this daemon takes SchedulerOp.new_request (a pull
+	// consumer's heartbeats from its arrival). A daemon from before it
+	// refuses the op as empty (false here): an engine does not send it.
+	TakesNewRequest bool `protobuf:"varint,3,opt,name=takes_new_request,json=takesNewRequest,proto3" json:"takes_new_request,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *OpenSchedulerResponse) Reset() {
@@ -3188,6 +3214,13 @@ func (x *OpenSchedulerResponse) GetAddr() string {
 func (x *OpenSchedulerResponse) GetTakesPreempted() bool {
 	if x != nil {
 		return x.TakesPreempted
+	}
+	return false
+}
+
+func (x *OpenSchedulerResponse) GetTakesNewRequest() bool {
+	if x != nil {
+		return x.TakesNewRequest
 	}
 	return false
 }
@@ -4031,6 +4064,7 @@ type SchedulerOp struct {
 	//	*SchedulerOp_RequestFinished
 	//	*SchedulerOp_Update
 	//	*SchedulerOp_Prefill
+	//	*SchedulerOp_NewRequest
 	Op            isSchedulerOp_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4118,6 +4152,15 @@ func (x *SchedulerOp) GetPrefill() *PrefillRequest {
 	return nil
 }
 
+func (x *SchedulerOp) GetNewRequest() *NewRequestRequest {
+	if x != nil {
+		if x, ok := x.Op.(*SchedulerOp_NewRequest); ok {
+			return x.NewRequest
+		}
+	}
+	return nil
+}
+
 type isSchedulerOp_Op interface {
 	isSchedulerOp_Op()
 }
@@ -4147,6 +4190,11 @@ type SchedulerOp_Prefill struct {
 	Prefill *PrefillRequest `protobuf:"bytes,5,opt,name=prefill,proto3,oneof"`
 }
 
+type SchedulerOp_NewRequest struct {
+	// new_request: on_new_request (a pull consumer's heartbeats start).
+	NewRequest *NewRequestRequest `protobuf:"bytes,6,opt,name=new_request,json=newRequest,proto3,oneof"`
+}
+
 func (*SchedulerOp_AfterAlloc) isSchedulerOp_Op() {}
 
 func (*SchedulerOp_Scheduled) isSchedulerOp_Op() {}
@@ -4156,6 +4204,65 @@ func (*SchedulerOp_RequestFinished) isSchedulerOp_Op() {}
 func (*SchedulerOp_Update) isSchedulerOp_Op() {}
 
 func (*SchedulerOp_Prefill) isSchedulerOp_Op() {}
+
+func (*SchedulerOp_NewRequest) isSchedulerOp_Op() {}
+
+// NewRequestRequest tells the scheduler a request arrived
+// (kvxfer.Scheduler.NewRequest): a pull consumer's producer is
+// heartbeaten while it waits in the engine's queue.
+type NewRequestRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// engine_id of the scheduler.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// request that arrived.
+	Request       *EngineRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NewRequestRequest) Reset() {
+	*x = NewRequestRequest{}
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NewRequestRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NewRequestRequest) ProtoMessage() {}
+
+func (x *NewRequestRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NewRequestRequest.ProtoReflect.Descriptor instead.
+func (*NewRequestRequest) Descriptor() ([]byte, []int) {
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *NewRequestRequest) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *NewRequestRequest) GetRequest() *EngineRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
 
 // StepRequest is one engine step's scheduler calls in one round trip: the
 // ops are applied in order, as if each had been its own call, then the
@@ -4185,7 +4292,7 @@ type StepRequest struct {
 
 func (x *StepRequest) Reset() {
 	*x = StepRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4197,7 +4304,7 @@ func (x *StepRequest) String() string {
 func (*StepRequest) ProtoMessage() {}
 
 func (x *StepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[45]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4210,7 +4317,7 @@ func (x *StepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepRequest.ProtoReflect.Descriptor instead.
 func (*StepRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{45}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *StepRequest) GetEngineId() string {
@@ -4320,7 +4427,7 @@ type RequestColumns struct {
 
 func (x *RequestColumns) Reset() {
 	*x = RequestColumns{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4332,7 +4439,7 @@ func (x *RequestColumns) String() string {
 func (*RequestColumns) ProtoMessage() {}
 
 func (x *RequestColumns) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[46]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4345,7 +4452,7 @@ func (x *RequestColumns) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestColumns.ProtoReflect.Descriptor instead.
 func (*RequestColumns) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{46}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *RequestColumns) GetRequestId() []string {
@@ -4514,7 +4621,7 @@ type StepColumns struct {
 
 func (x *StepColumns) Reset() {
 	*x = StepColumns{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4526,7 +4633,7 @@ func (x *StepColumns) String() string {
 func (*StepColumns) ProtoMessage() {}
 
 func (x *StepColumns) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[47]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4539,7 +4646,7 @@ func (x *StepColumns) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepColumns.ProtoReflect.Descriptor instead.
 func (*StepColumns) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{47}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *StepColumns) GetRequestFinished() *RequestColumns {
@@ -4583,7 +4690,7 @@ type OpResult struct {
 
 func (x *OpResult) Reset() {
 	*x = OpResult{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4595,7 +4702,7 @@ func (x *OpResult) String() string {
 func (*OpResult) ProtoMessage() {}
 
 func (x *OpResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[48]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4608,7 +4715,7 @@ func (x *OpResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpResult.ProtoReflect.Descriptor instead.
 func (*OpResult) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{48}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *OpResult) GetIndex() int32 {
@@ -4664,7 +4771,7 @@ type SchedulerCounters struct {
 
 func (x *SchedulerCounters) Reset() {
 	*x = SchedulerCounters{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4676,7 +4783,7 @@ func (x *SchedulerCounters) String() string {
 func (*SchedulerCounters) ProtoMessage() {}
 
 func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[49]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4689,7 +4796,7 @@ func (x *SchedulerCounters) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SchedulerCounters.ProtoReflect.Descriptor instead.
 func (*SchedulerCounters) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{49}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *SchedulerCounters) GetBadParams() uint64 {
@@ -4744,7 +4851,7 @@ type StepResponse struct {
 
 func (x *StepResponse) Reset() {
 	*x = StepResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4756,7 +4863,7 @@ func (x *StepResponse) String() string {
 func (*StepResponse) ProtoMessage() {}
 
 func (x *StepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[50]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4769,7 +4876,7 @@ func (x *StepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepResponse.ProtoReflect.Descriptor instead.
 func (*StepResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{50}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *StepResponse) GetMeta() *StepMeta {
@@ -4825,7 +4932,7 @@ type StepsRequest struct {
 
 func (x *StepsRequest) Reset() {
 	*x = StepsRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4837,7 +4944,7 @@ func (x *StepsRequest) String() string {
 func (*StepsRequest) ProtoMessage() {}
 
 func (x *StepsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[51]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4850,7 +4957,7 @@ func (x *StepsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepsRequest.ProtoReflect.Descriptor instead.
 func (*StepsRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{51}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *StepsRequest) GetStep() *StepRequest {
@@ -4871,7 +4978,7 @@ type StepsResponse struct {
 
 func (x *StepsResponse) Reset() {
 	*x = StepsResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4883,7 +4990,7 @@ func (x *StepsResponse) String() string {
 func (*StepsResponse) ProtoMessage() {}
 
 func (x *StepsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[52]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4896,7 +5003,7 @@ func (x *StepsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepsResponse.ProtoReflect.Descriptor instead.
 func (*StepsResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{52}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *StepsResponse) GetStep() *StepResponse {
@@ -4917,7 +5024,7 @@ type CloseSchedulerRequest struct {
 
 func (x *CloseSchedulerRequest) Reset() {
 	*x = CloseSchedulerRequest{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4929,7 +5036,7 @@ func (x *CloseSchedulerRequest) String() string {
 func (*CloseSchedulerRequest) ProtoMessage() {}
 
 func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[53]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4942,7 +5049,7 @@ func (x *CloseSchedulerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerRequest.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerRequest) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{53}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *CloseSchedulerRequest) GetEngineId() string {
@@ -4961,7 +5068,7 @@ type CloseSchedulerResponse struct {
 
 func (x *CloseSchedulerResponse) Reset() {
 	*x = CloseSchedulerResponse{}
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4973,7 +5080,7 @@ func (x *CloseSchedulerResponse) String() string {
 func (*CloseSchedulerResponse) ProtoMessage() {}
 
 func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[54]
+	mi := &file_kvxfer_v1_kvxfer_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4986,7 +5093,7 @@ func (x *CloseSchedulerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSchedulerResponse.ProtoReflect.Descriptor instead.
 func (*CloseSchedulerResponse) Descriptor() ([]byte, []int) {
-	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{54}
+	return file_kvxfer_v1_kvxfer_proto_rawDescGZIP(), []int{55}
 }
 
 var File_kvxfer_v1_kvxfer_proto protoreflect.FileDescriptor
@@ -5069,7 +5176,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"transferId\x12.\n" +
 	"\x13deadline_unix_nanos\x18\x03 \x01(\x03R\x11deadlineUnixNanos\x12'\n" +
 	"\x06blocks\x18\x04 \x03(\v2\x0f.kvxfer.v1.SpanR\x06blocks\x12\x16\n" +
-	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\xe3\x03\n" +
+	"\x06tokens\x18\x05 \x01(\x03R\x06tokens\"\xae\x04\n" +
 	"\bStepMeta\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12;\n" +
 	"\x1ascheduler_clock_unix_nanos\x18\x02 \x01(\x03R\x17schedulerClockUnixNanos\x12*\n" +
@@ -5078,7 +5185,10 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\aprefill\x18\x05 \x03(\v2\x16.kvxfer.v1.SendRequestR\aprefill\x12#\n" +
 	"\rnot_processed\x18\x06 \x03(\tR\fnotProcessed\x12m\n" +
 	"\x1anot_processed_transfer_ids\x18\a \x03(\v20.kvxfer.v1.StepMeta.NotProcessedTransferIdsEntryR\x17notProcessedTransferIds\x12\x1c\n" +
-	"\tpreempted\x18\b \x03(\tR\tpreempted\x1aJ\n" +
+	"\tpreempted\x18\b \x03(\tR\tpreempted\x12,\n" +
+	"\x05await\x18\t \x03(\v2\x16.kvxfer.v1.RecvRequestR\x05await\x12\x1b\n" +
+	"\tawait_end\x18\n" +
+	" \x03(\tR\bawaitEnd\x1aJ\n" +
 	"\x1cNotProcessedTransferIdsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x02\n" +
@@ -5215,10 +5325,11 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\tlayerwise\x18\x0e \x01(\bR\tlayerwise\x12'\n" +
 	"\x0fprefill_backoff\x18\x0f \x01(\x05R\x0eprefillBackoff\"J\n" +
 	"\x14OpenSchedulerRequest\x122\n" +
-	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"T\n" +
+	"\x06config\x18\x01 \x01(\v2\x1a.kvxfer.v1.SchedulerConfigR\x06config\"\x80\x01\n" +
 	"\x15OpenSchedulerResponse\x12\x12\n" +
 	"\x04addr\x18\x01 \x01(\tR\x04addr\x12'\n" +
-	"\x0ftakes_preempted\x18\x02 \x01(\bR\x0etakesPreempted\"\x83\x01\n" +
+	"\x0ftakes_preempted\x18\x02 \x01(\bR\x0etakesPreempted\x12*\n" +
+	"\x11takes_new_request\x18\x03 \x01(\bR\x0ftakesNewRequest\"\x83\x01\n" +
 	"\x14MatchedTokensRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
 	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\x12\x1a\n" +
@@ -5267,15 +5378,20 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x06blocks\x18\x03 \x03(\v2\x14.kvxfer.v1.BlockListR\x06blocks\x12\x1a\n" +
 	"\bcomputed\x18\x04 \x01(\x03R\bcomputed\x12\x1c\n" +
 	"\tscheduled\x18\x05 \x01(\x03R\tscheduled\"\x11\n" +
-	"\x0fPrefillResponse\"\xcc\x02\n" +
+	"\x0fPrefillResponse\"\x8d\x03\n" +
 	"\vSchedulerOp\x12?\n" +
 	"\vafter_alloc\x18\x01 \x01(\v2\x1c.kvxfer.v1.AfterAllocRequestH\x00R\n" +
 	"afterAlloc\x12;\n" +
 	"\tscheduled\x18\x02 \x01(\v2\x1b.kvxfer.v1.ScheduledRequestH\x00R\tscheduled\x12N\n" +
 	"\x10request_finished\x18\x03 \x01(\v2!.kvxfer.v1.RequestFinishedRequestH\x00R\x0frequestFinished\x122\n" +
 	"\x06update\x18\x04 \x01(\v2\x18.kvxfer.v1.UpdateRequestH\x00R\x06update\x125\n" +
-	"\aprefill\x18\x05 \x01(\v2\x19.kvxfer.v1.PrefillRequestH\x00R\aprefillB\x04\n" +
-	"\x02op\"\xe9\x01\n" +
+	"\aprefill\x18\x05 \x01(\v2\x19.kvxfer.v1.PrefillRequestH\x00R\aprefill\x12?\n" +
+	"\vnew_request\x18\x06 \x01(\v2\x1c.kvxfer.v1.NewRequestRequestH\x00R\n" +
+	"newRequestB\x04\n" +
+	"\x02op\"d\n" +
+	"\x11NewRequestRequest\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.kvxfer.v1.EngineRequestR\arequest\"\xe9\x01\n" +
 	"\vStepRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12(\n" +
 	"\x03ops\x18\x02 \x03(\v2\x16.kvxfer.v1.SchedulerOpR\x03ops\x12\x1d\n" +
@@ -5422,7 +5538,7 @@ func file_kvxfer_v1_kvxfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvxfer_v1_kvxfer_proto_enumTypes = make([]protoimpl.EnumInfo, 8)
-var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
+var file_kvxfer_v1_kvxfer_proto_msgTypes = make([]protoimpl.MessageInfo, 57)
 var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(Mode)(0),                       // 0: kvxfer.v1.Mode
 	(KvLayoutOrder)(0),              // 1: kvxfer.v1.KvLayoutOrder
@@ -5477,17 +5593,18 @@ var file_kvxfer_v1_kvxfer_proto_goTypes = []any{
 	(*PrefillRequest)(nil),          // 50: kvxfer.v1.PrefillRequest
 	(*PrefillResponse)(nil),         // 51: kvxfer.v1.PrefillResponse
 	(*SchedulerOp)(nil),             // 52: kvxfer.v1.SchedulerOp
-	(*StepRequest)(nil),             // 53: kvxfer.v1.StepRequest
-	(*RequestColumns)(nil),          // 54: kvxfer.v1.RequestColumns
-	(*StepColumns)(nil),             // 55: kvxfer.v1.StepColumns
-	(*OpResult)(nil),                // 56: kvxfer.v1.OpResult
-	(*SchedulerCounters)(nil),       // 57: kvxfer.v1.SchedulerCounters
-	(*StepResponse)(nil),            // 58: kvxfer.v1.StepResponse
-	(*StepsRequest)(nil),            // 59: kvxfer.v1.StepsRequest
-	(*StepsResponse)(nil),           // 60: kvxfer.v1.StepsResponse
-	(*CloseSchedulerRequest)(nil),   // 61: kvxfer.v1.CloseSchedulerRequest
-	(*CloseSchedulerResponse)(nil),  // 62: kvxfer.v1.CloseSchedulerResponse
-	nil,                             // 63: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	(*NewRequestRequest)(nil),       // 53: kvxfer.v1.NewRequestRequest
+	(*StepRequest)(nil),             // 54: kvxfer.v1.StepRequest
+	(*RequestColumns)(nil),          // 55: kvxfer.v1.RequestColumns
+	(*StepColumns)(nil),             // 56: kvxfer.v1.StepColumns
+	(*OpResult)(nil),                // 57: kvxfer.v1.OpResult
+	(*SchedulerCounters)(nil),       // 58: kvxfer.v1.SchedulerCounters
+	(*StepResponse)(nil),            // 59: kvxfer.v1.StepResponse
+	(*StepsRequest)(nil),            // 60: kvxfer.v1.StepsRequest
+	(*StepsResponse)(nil),           // 61: kvxfer.v1.StepsResponse
+	(*CloseSchedulerRequest)(nil),   // 62: kvxfer.v1.CloseSchedulerRequest
+	(*CloseSchedulerResponse)(nil),  // 63: kvxfer.v1.CloseSchedulerResponse
+	nil,                             // 64: kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
 }
 var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	3,  // 0: kvxfer.v1.Region.kind:type_name -> kvxfer.v1.CacheKind
@@ -5504,95 +5621,98 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	14, // 11: kvxfer.v1.StepMeta.recv:type_name -> kvxfer.v1.RecvRequest
 	15, // 12: kvxfer.v1.StepMeta.send:type_name -> kvxfer.v1.SendRequest
 	15, // 13: kvxfer.v1.StepMeta.prefill:type_name -> kvxfer.v1.SendRequest
-	63, // 14: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
-	7,  // 15: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
-	5,  // 16: kvxfer.v1.Outcome.failure_kind:type_name -> kvxfer.v1.FailureKind
-	17, // 17: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
-	17, // 18: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
-	19, // 19: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
-	0,  // 20: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
-	10, // 21: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
-	11, // 22: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
-	20, // 23: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
-	16, // 24: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
-	21, // 25: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
-	24, // 26: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
-	23, // 27: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
-	25, // 28: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
-	18, // 29: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
-	26, // 30: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
-	10, // 31: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
-	28, // 32: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	12, // 33: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 34: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	32, // 35: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 36: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	9,  // 37: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	35, // 38: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	33, // 39: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	33, // 40: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 41: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	32, // 42: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	33, // 43: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 44: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	33, // 45: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	6,  // 46: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	34, // 47: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	32, // 48: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	32, // 49: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	16, // 50: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	18, // 51: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	33, // 52: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 53: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	40, // 54: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	42, // 55: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	44, // 56: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	48, // 57: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	50, // 58: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	52, // 59: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	55, // 60: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
-	0,  // 61: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
-	6,  // 62: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
-	54, // 63: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
-	54, // 64: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
-	54, // 65: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
-	32, // 66: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	16, // 67: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	56, // 68: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	57, // 69: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	53, // 70: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	58, // 71: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	22, // 72: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	30, // 73: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	36, // 74: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	38, // 75: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	40, // 76: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	42, // 77: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	44, // 78: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	46, // 79: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	48, // 80: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	50, // 81: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	53, // 82: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	59, // 83: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	61, // 84: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	27, // 85: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	31, // 86: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	37, // 87: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	39, // 88: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	41, // 89: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	43, // 90: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	45, // 91: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	47, // 92: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	49, // 93: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	51, // 94: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	58, // 95: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	60, // 96: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	62, // 97: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	85, // [85:98] is the sub-list for method output_type
-	72, // [72:85] is the sub-list for method input_type
-	72, // [72:72] is the sub-list for extension type_name
-	72, // [72:72] is the sub-list for extension extendee
-	0,  // [0:72] is the sub-list for field type_name
+	64, // 14: kvxfer.v1.StepMeta.not_processed_transfer_ids:type_name -> kvxfer.v1.StepMeta.NotProcessedTransferIdsEntry
+	14, // 15: kvxfer.v1.StepMeta.await:type_name -> kvxfer.v1.RecvRequest
+	7,  // 16: kvxfer.v1.Outcome.result:type_name -> kvxfer.v1.Outcome.Result
+	5,  // 17: kvxfer.v1.Outcome.failure_kind:type_name -> kvxfer.v1.FailureKind
+	17, // 18: kvxfer.v1.Finished.sending:type_name -> kvxfer.v1.Outcome
+	17, // 19: kvxfer.v1.Finished.recving:type_name -> kvxfer.v1.Outcome
+	19, // 20: kvxfer.v1.Finished.stats:type_name -> kvxfer.v1.TransferStats
+	0,  // 21: kvxfer.v1.WorkerHello.mode:type_name -> kvxfer.v1.Mode
+	10, // 22: kvxfer.v1.WorkerHello.layout:type_name -> kvxfer.v1.KvLayout
+	11, // 23: kvxfer.v1.WorkerHello.memory:type_name -> kvxfer.v1.SharedMemory
+	20, // 24: kvxfer.v1.ConnectRequest.hello:type_name -> kvxfer.v1.WorkerHello
+	16, // 25: kvxfer.v1.ConnectRequest.step:type_name -> kvxfer.v1.StepMeta
+	21, // 26: kvxfer.v1.ConnectRequest.layer_saved:type_name -> kvxfer.v1.LayerSaved
+	24, // 27: kvxfer.v1.ConnectRequest.bye:type_name -> kvxfer.v1.Bye
+	23, // 28: kvxfer.v1.ConnectRequest.step_ref:type_name -> kvxfer.v1.StepRef
+	25, // 29: kvxfer.v1.ConnectResponse.ready:type_name -> kvxfer.v1.Ready
+	18, // 30: kvxfer.v1.ConnectResponse.finished:type_name -> kvxfer.v1.Finished
+	26, // 31: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
+	10, // 32: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
+	28, // 33: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
+	12, // 34: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 35: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	32, // 36: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 37: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	9,  // 38: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	35, // 39: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	33, // 40: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 41: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 42: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 43: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	33, // 44: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 45: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	33, // 46: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	6,  // 47: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	34, // 48: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 49: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	32, // 50: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	16, // 51: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	18, // 52: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	33, // 53: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 54: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	40, // 55: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	42, // 56: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	44, // 57: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	48, // 58: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	50, // 59: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	53, // 60: kvxfer.v1.SchedulerOp.new_request:type_name -> kvxfer.v1.NewRequestRequest
+	33, // 61: kvxfer.v1.NewRequestRequest.request:type_name -> kvxfer.v1.EngineRequest
+	52, // 62: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	56, // 63: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 64: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	6,  // 65: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	55, // 66: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	55, // 67: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	55, // 68: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	32, // 69: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	16, // 70: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	57, // 71: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	58, // 72: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	54, // 73: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	59, // 74: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	22, // 75: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	30, // 76: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	36, // 77: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	38, // 78: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	40, // 79: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	42, // 80: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	44, // 81: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	46, // 82: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	48, // 83: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	50, // 84: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	54, // 85: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	60, // 86: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	62, // 87: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	27, // 88: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	31, // 89: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	37, // 90: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	39, // 91: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	41, // 92: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	43, // 93: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	45, // 94: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	47, // 95: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	49, // 96: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	51, // 97: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	59, // 98: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	61, // 99: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	63, // 100: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	88, // [88:101] is the sub-list for method output_type
+	75, // [75:88] is the sub-list for method input_type
+	75, // [75:75] is the sub-list for extension type_name
+	75, // [75:75] is the sub-list for extension extendee
+	0,  // [0:75] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }
@@ -5618,6 +5738,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 		(*SchedulerOp_RequestFinished)(nil),
 		(*SchedulerOp_Update)(nil),
 		(*SchedulerOp_Prefill)(nil),
+		(*SchedulerOp_NewRequest)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -5625,7 +5746,7 @@ func file_kvxfer_v1_kvxfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvxfer_v1_kvxfer_proto_rawDesc), len(file_kvxfer_v1_kvxfer_proto_rawDesc)),
 			NumEnums:      8,
-			NumMessages:   56,
+			NumMessages:   57,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -286,7 +286,7 @@ func (ss *schedulers) OpenScheduler(ctx context.Context, req *pb.OpenSchedulerRe
 		}
 	}
 	ss.m.Store(c.EngineId, ls) // the same engine process opening again replaces its scheduler
-	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true}, nil
+	return &pb.OpenSchedulerResponse{Addr: ss.addr, TakesPreempted: true, TakesNewRequest: true}, nil
 }
 
 func (ss *schedulers) MatchedTokens(ctx context.Context, req *pb.MatchedTokensRequest) (*pb.MatchedTokensResponse, error) {
@@ -397,6 +397,25 @@ func prefillFromProto(req *pb.PrefillRequest) (prefillCall, error) {
 func (c *prefillCall) apply(s *kvxfer.Scheduler) error {
 	if err := s.Prefill(c.r, c.blocks, c.computed, c.scheduled); err != nil {
 		return fmt.Errorf("%w: %w", stream.ErrInvalid, err)
+	}
+	return nil
+}
+
+// newRequest applies a step's new_request op (Scheduler.NewRequest).
+func (ss *schedulers) newRequest(ctx context.Context, engine string, req *pb.NewRequestRequest) error {
+	ls, err := ss.get(ctx, engine)
+	if err != nil {
+		return ss.status(err)
+	}
+	r, err := stream.RequestFromProto(req.GetRequest())
+	if err != nil {
+		return ss.status(err)
+	}
+	ls.mu.Lock()
+	err = ls.s.NewRequest(r)
+	ls.mu.Unlock()
+	if err != nil {
+		return ss.status(fmt.Errorf("%w: %w", stream.ErrInvalid, err))
 	}
 	return nil
 }

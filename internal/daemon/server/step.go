@@ -91,6 +91,8 @@ func (ss *schedulers) Step(ctx context.Context, req *pb.StepRequest) (*pb.StepRe
 		case *pb.SchedulerOp_Prefill:
 			x.Prefill.EngineId = req.EngineId
 			_, err = ss.Prefill(ctx, x.Prefill)
+		case *pb.SchedulerOp_NewRequest:
+			err = ss.newRequest(ctx, req.EngineId, x.NewRequest)
 		default:
 			err = ss.status(stream.Invalid("ops[%d] is empty", i))
 		}
@@ -250,6 +252,13 @@ func publishedSize(m *pb.StepMeta) int {
 		n += 16 + len(id)
 	}
 	for _, id := range m.GetPreempted() {
+		n += 16 + len(id)
+	}
+	for _, r := range m.GetAwait() {
+		n += 256 + len(r.GetRequestId()) + len(r.GetTransferId()) + len(r.GetRemote().GetEngineId()) + len(r.GetRemote().GetAddr()) +
+			len(r.GetRemote().GetRequestId())
+	}
+	for _, id := range m.GetAwaitEnd() {
 		n += 16 + len(id)
 	}
 	for k, v := range m.GetNotProcessedTransferIds() {

@@ -241,7 +241,7 @@ class SendRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepMeta(_message.Message):
-    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed", "not_processed_transfer_ids", "preempted")
+    __slots__ = ("step", "scheduler_clock_unix_nanos", "recv", "send", "prefill", "not_processed", "not_processed_transfer_ids", "preempted", "await_end")
     class NotProcessedTransferIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,8 @@ class StepMeta(_message.Message):
     NOT_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     NOT_PROCESSED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_END_FIELD_NUMBER: _ClassVar[int]
     step: int
     scheduler_clock_unix_nanos: int
     recv: _containers.RepeatedCompositeFieldContainer[RecvRequest]
@@ -265,7 +267,8 @@ class StepMeta(_message.Message):
     not_processed: _containers.RepeatedScalarFieldContainer[str]
     not_processed_transfer_ids: _containers.ScalarMap[str, str]
     preempted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ..., preempted: _Optional[_Iterable[str]] = ...) -> None: ...
+    await_end: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., scheduler_clock_unix_nanos: _Optional[int] = ..., recv: _Optional[_Iterable[_Union[RecvRequest, _Mapping]]] = ..., send: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., not_processed: _Optional[_Iterable[str]] = ..., not_processed_transfer_ids: _Optional[_Mapping[str, str]] = ..., preempted: _Optional[_Iterable[str]] = ..., await_end: _Optional[_Iterable[str]] = ..., **kwargs) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("request_id", "result", "reason", "failure_kind")
@@ -536,12 +539,14 @@ class OpenSchedulerRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ...) -> None: ...
 
 class OpenSchedulerResponse(_message.Message):
-    __slots__ = ("addr", "takes_preempted")
+    __slots__ = ("addr", "takes_preempted", "takes_new_request")
     ADDR_FIELD_NUMBER: _ClassVar[int]
     TAKES_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    TAKES_NEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
     addr: str
     takes_preempted: bool
-    def __init__(self, addr: _Optional[str] = ..., takes_preempted: _Optional[bool] = ...) -> None: ...
+    takes_new_request: bool
+    def __init__(self, addr: _Optional[str] = ..., takes_preempted: _Optional[bool] = ..., takes_new_request: _Optional[bool] = ...) -> None: ...
 
 class MatchedTokensRequest(_message.Message):
     __slots__ = ("engine_id", "request", "computed")
@@ -667,18 +672,28 @@ class PrefillResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerOp(_message.Message):
-    __slots__ = ("after_alloc", "scheduled", "request_finished", "update", "prefill")
+    __slots__ = ("after_alloc", "scheduled", "request_finished", "update", "prefill", "new_request")
     AFTER_ALLOC_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FINISHED_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
     after_alloc: AfterAllocRequest
     scheduled: ScheduledRequest
     request_finished: RequestFinishedRequest
     update: UpdateRequest
     prefill: PrefillRequest
-    def __init__(self, after_alloc: _Optional[_Union[AfterAllocRequest, _Mapping]] = ..., scheduled: _Optional[_Union[ScheduledRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., update: _Optional[_Union[UpdateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
+    new_request: NewRequestRequest
+    def __init__(self, after_alloc: _Optional[_Union[AfterAllocRequest, _Mapping]] = ..., scheduled: _Optional[_Union[ScheduledRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., update: _Optional[_Union[UpdateRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., new_request: _Optional[_Union[NewRequestRequest, _Mapping]] = ...) -> None: ...
+
+class NewRequestRequest(_message.Message):
+    __slots__ = ("engine_id", "request")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request: EngineRequest
+    def __init__(self, engine_id: _Optional[str] = ..., request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("engine_id", "ops", "build_meta", "columns", "publish_step", "errors_only")

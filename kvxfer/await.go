@@ -1,0 +1,127 @@
+package kvxfer
+
+import "time"
+
+// A pull consumer request that waits in its engine's queue (its engine
+// overloaded) holds nothing on this rank yet, but the producer holds its
+// blocks under a lease that only heartbeats extend (SPEC §9: the
+// reference tracks a request for heartbeats from its arrival). Before,
+// a rank heartbeat only the requests allocated to it (st.recvs): one that
+// waited longer than the lease found the producer's hold lapsed and was
+// recomputed. The Scheduler publishes such requests at their arrival
+// (StepMeta.Await); each rank heartbeats them, asking for the producer's
+// holds (msgHold), until the request's RecvReq takes over (with the holds
+// answered meanwhile, which bound its READs) or it ends in the queue
+// (StepMeta.AwaitEnd).
+
+// waitReq is a request of StepMeta.Await on this rank.
+type waitReq struct {
+	req   AwaitReq
+	since time.Time
+	holds []rankHold
+}
+
+// maxWaits bounds the waiting requests a rank heartbeats: past it, a
+// request is refused (counted: dropped "await_limit") and only loses its
+// heartbeats before it is allocated.
+const maxWaits = 1 << 14
+
+// newWait starts heartbeating a waiting request.
+func (st *loopState) newWait(a *AwaitReq) {
+	if st.cfg.Mode != ModePull || st.recvs[a.ReqID] != nil {
+		return
+	}
+	why := longID("ReqID", a.ReqID) + longID("TransferID", a.TransferID) + longID("Remote.EngineID", a.Remote.EngineID) +
+		longID("Remote.ReqID", a.Remote.ReqID) + longID("Remote.Addr", a.Remote.Addr)
+	if why == "" && (a.ReqID == "" || a.Remote.EngineID == "" || a.Remote.ReqID == "" && a.TransferID == "") {
+		why = "ReqID, Remote.EngineID, or both Remote.ReqID and TransferID are empty"
+	}
+	if why != "" {
+		st.metrics.BadInput("await_req")
+		st.log.Warn("kvxfer: a waiting request (StepMeta.Await) is not heartbeaten: " + why)
+		return
+	}
+	if w := st.waits[a.ReqID]; w != nil && w.req.TransferID == a.TransferID && w.req.Remote.ReqID == a.Remote.ReqID {
+		return
+	}
+	if len(st.waits) >= maxWaits || st.engines[a.Remote.EngineID] == nil && len(st.engines) >= maxEngines {
+		st.metrics.Dropped("await_limit")
+		return
+	}
+	st.waits[a.ReqID] = &waitReq{req: *a, since: st.now}
+	st.engineAt(a.Remote.EngineID, a.Remote.Addr, st.now) // its handshake, early (at the address it names: engineAt)
+}
+
+// takeWait hands a waiting request's answered holds to its receive.
+func (st *loopState) takeWait(r *recvReq) {
+	w := st.waits[r.req.ReqID]
+	if w == nil {
+		return
+	}
+	delete(st.waits, r.req.ReqID)
+	if w.req.TransferID == r.req.TransferID && w.req.Remote.ReqID == r.req.Remote.ReqID && w.req.Remote.EngineID == r.req.Remote.EngineID &&
+		w.req.Remote.Expiry.Equal(r.req.Remote.Expiry) {
+		r.holds = w.holds
+	}
+}
+
+// waitLapsed reports whether the producer's hold of a waiting request
+// has lapsed by our estimate: past the later of its params' expiry and
+// the holds its producer's ranks answered (through the offset), or, with
+// no expiry and no answer, a lease after it arrived. Its heartbeats stop
+// then: nothing more can keep the hold.
+func (st *loopState) waitLapsed(w *waitReq, e *engine) bool {
+	end := w.req.Remote.Expiry
+	for _, h := range w.holds {
+		if h.at.After(end) {
+			end = h.at
+		}
+	}
+	if end.IsZero() {
+		return st.now.After(w.since.Add(st.cfg.Lease))
+	}
+	return st.now.After(end.Add(-e.offset))
+}
+
+// waitHeartbeats adds the waiting requests to a round of heartbeats (by
+// producer engine), dropping those whose hold lapsed; an engine not
+// handshaken yet is asked (ensureEngine) and heartbeaten once it
+// answers.
+func (st *loopState) waitHeartbeats(by map[string][]string) {
+	for _, id := range sortedKeys(st.waits) {
+		w := st.waits[id]
+		e := st.ensureEngine(w.req.Remote.EngineID, w.req.Remote.Addr)
+		if st.waitLapsed(w, e) {
+			delete(st.waits, id)
+			st.metrics.Dropped("await_lapsed")
+			continue
+		}
+		if e.state != hsReady || w.req.Remote.Addr != "" && e.addr != "" && w.req.Remote.Addr != e.addr {
+			// (Not handshaken yet, or the engine is at another address
+			// now: another engine under its id, which holds nothing of
+			// this request.)
+			continue
+		}
+		e.lastActive = st.now
+		by[e.id] = append(by[e.id], w.req.TransferID, w.req.Remote.ReqID, w.req.ReqID)
+	}
+}
+
+// onWaitHold notes a producer rank's answer for a waiting request.
+func (st *loopState) onWaitHold(m *msg, ref rankRef, tid, preq, dreq string, at time.Time) {
+	w := st.waits[dreq]
+	if w == nil || w.req.Remote.EngineID != m.Engine || w.req.TransferID != tid || w.req.Remote.ReqID != preq || w.req.Remote.Expiry.IsZero() {
+		return
+	}
+	for i := range w.holds {
+		if w.holds[i].ref == ref {
+			if at.After(w.holds[i].at) {
+				w.holds[i].at = at
+			}
+			return
+		}
+	}
+	if len(w.holds) < maxHoldRanks {
+		w.holds = append(w.holds, rankHold{ref: ref, at: at})
+	}
+}
