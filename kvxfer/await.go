@@ -113,15 +113,5 @@ func (st *loopState) onWaitHold(m *msg, ref rankRef, tid, preq, dreq string, at 
 	if w == nil || w.req.Remote.EngineID != m.Engine || w.req.TransferID != tid || w.req.Remote.ReqID != preq || w.req.Remote.Expiry.IsZero() {
 		return
 	}
-	for i := range w.holds {
-		if w.holds[i].ref == ref {
-			if at.After(w.holds[i].at) {
-				w.holds[i].at = at
-			}
-			return
-		}
-	}
-	if len(w.holds) < maxHoldRanks {
-		w.holds = append(w.holds, rankHold{ref: ref, at: at})
-	}
+	w.holds = noteHold(w.holds, ref, at)
 }

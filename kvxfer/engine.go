@@ -499,15 +499,7 @@ func (st *loopState) loadAnswered(e *engine, h *hsResult) {
 	}
 	reason := fmt.Sprintf("producer engine %s (%s) restarted or re-attached rank %s (another agent speaks for it): the transfer cannot complete",
 		e.id, e.addr, strings.Join(names, ", rank "))
-	fence := func(t rankRef) bool { return st.guarded || replaced[t] }
-	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
-		for _, t := range r.targets {
-			if replaced[t] && !r.got.has(t) {
-				return true
-			}
-		}
-		return false
-	})
+	n := st.failOnRanks(e, reason, replaced, replaced)
 	st.log.Warn("kvxfer: peer engine's ranks changed agent (a partial handshake)", "engine", e.id, "addr", e.addr,
 		"ranks", names, "failed_requests", n)
 }

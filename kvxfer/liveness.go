@@ -346,17 +346,25 @@ func (st *loopState) failChanged(e *engine, h *hsResult) {
 	// rank before its Worker's close has fenced its WRITEs); the request
 	// waits for their confirmations as for any cancel (FenceTimeout
 	// bounds the wait).
+	n := st.failOnRanks(e, reason, changed, replaced)
+	st.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
+		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
+}
+
+// failOnRanks fails (peer_gone, reason) the requests waiting on e that
+// still wait on a producer rank of on, with the ranks of replaced fenced
+// (every rank under grants, whose revoking cuts short what lands), and
+// returns how many.
+func (st *loopState) failOnRanks(e *engine, reason string, on, replaced map[rankRef]bool) int {
 	fence := func(t rankRef) bool { return st.guarded || replaced[t] }
-	n := st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
+	return st.failWaiting(e, FailurePeerGone, reason, fence, func(r *recvReq) bool {
 		for _, t := range r.targets {
-			if changed[t] && !r.got.has(t) {
+			if on[t] && !r.got.has(t) {
 				return true
 			}
 		}
 		return false
 	})
-	st.log.Warn("kvxfer: peer engine changed; handshaking again", "engine", e.id, "addr", e.addr,
-		"old_generation", e.gen, "generation", h.res.Generation, "failed_requests", n)
 }
 
 // ranksGone judges an engine whose probes have gone unanswered for

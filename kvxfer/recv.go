@@ -1072,7 +1072,7 @@ func (st *loopState) onHold(m *msg) {
 		if r == nil || r.decided || r.req.Remote.EngineID != m.Engine || r.req.TransferID != tid || r.req.Remote.ReqID != preq || r.req.Remote.Expiry.IsZero() {
 			continue
 		}
-		r.noteHold(ref, at)
+		r.holds = noteHold(r.holds, ref, at)
 		if !r.bound {
 			continue // its READ bounds itself by it (read)
 		}
@@ -1087,19 +1087,21 @@ func (st *loopState) onHold(m *msg) {
 	}
 }
 
-// noteHold keeps the latest deadline producer rank ref answered.
-func (r *recvReq) noteHold(ref rankRef, at time.Time) {
-	for i := range r.holds {
-		if r.holds[i].ref == ref {
-			if at.After(r.holds[i].at) {
-				r.holds[i].at = at
+// noteHold keeps in holds the latest deadline producer rank ref
+// answered (at most maxHoldRanks ranks).
+func noteHold(holds []rankHold, ref rankRef, at time.Time) []rankHold {
+	for i := range holds {
+		if holds[i].ref == ref {
+			if at.After(holds[i].at) {
+				holds[i].at = at
 			}
-			return
+			return holds
 		}
 	}
-	if len(r.holds) < maxHoldRanks {
-		r.holds = append(r.holds, rankHold{ref: ref, at: at})
+	if len(holds) < maxHoldRanks {
+		holds = append(holds, rankHold{ref: ref, at: at})
 	}
+	return holds
 }
 
 // sendHeartbeats tells each producer engine which of its requests this
