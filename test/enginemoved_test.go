@@ -21,6 +21,11 @@ import (
 // old address until a handshake there failed: the first requests after
 // the move went to the gone daemon and failed.
 func TestProducerBackAtAnotherAddress(t *testing.T) {
+	eachBackendAndMode(t, producerMoved)
+}
+
+// eachBackendAndMode runs f over both backends, in push and in pull.
+func eachBackendAndMode(t *testing.T, f func(t *testing.T, mode kvxfer.Mode)) {
 	for _, backend := range []string{"builtin", "nixl"} {
 		t.Run(backend, func(t *testing.T) {
 			if backend == "nixl" {
@@ -28,7 +33,7 @@ func TestProducerBackAtAnotherAddress(t *testing.T) {
 			}
 			useBackend(t, backend)
 			for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-				t.Run(mode.String(), func(t *testing.T) { producerMoved(t, mode) })
+				t.Run(mode.String(), func(t *testing.T) { f(t, mode) })
 			}
 		})
 	}
@@ -161,17 +166,7 @@ func twoProducersOneID(t *testing.T) {
 // producer's first request for it is done on both sides, its bytes its
 // own, in both modes and over both backends.
 func TestConsumerBackAtAnotherAddress(t *testing.T) {
-	for _, backend := range []string{"builtin", "nixl"} {
-		t.Run(backend, func(t *testing.T) {
-			if backend == "nixl" {
-				skipWithoutNixl(t)
-			}
-			useBackend(t, backend)
-			for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
-				t.Run(mode.String(), func(t *testing.T) { consumerMoved(t, mode) })
-			}
-		})
-	}
+	eachBackendAndMode(t, consumerMoved)
 }
 
 func consumerMoved(t *testing.T, mode kvxfer.Mode) {
