@@ -2,8 +2,8 @@ package server_test
 
 import (
 	"context"
-	"slices"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
