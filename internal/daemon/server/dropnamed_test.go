@@ -276,3 +276,65 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 	})
 	leakcheck.Check(t, before, 2, 10*time.Second)
 }
+
+// A step_ref naming a step the rank took in so long ago that it no longer
+// remembers it (more than maxPublished steps before its newest) is
+// refused, counted, and names none of its requests: they had their
+// outcomes then. Before, the scheduler no longer kept it, so it was
+// dropped, naming them: a second outcome.
+func TestStepRefForgottenStepNamesNone(t *testing.T) {
+	if testing.Short() {
+		t.Skip()
+	}
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 100 * time.Millisecond })
+		D := attachSmall(t, d, shmDir, "D", 1)
+		rs := D.streams[0][0]
+		_, c, ctx := schedulerClientOn(t, d)
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+		// d-1 is a full prefix hit: done at once.
+		req := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+			RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+		if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: 1, Ops: []*pb.SchedulerOp{{Op: &pb.SchedulerOp_AfterAlloc{
+			AfterAlloc: &pb.AfterAllocRequest{Request: req, Computed: 40}}}}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rs.StepRef(1, []string{"d-1"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for range rs.Finished() { // read, or the rank waits for its engine
+			}
+		}()
+		// More steps than the rank remembers (2 maxPublished, 1024 each).
+		const n = 2*1024 + 2
+		for s := uint64(2); s <= n; s++ {
+			if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: s}); err != nil {
+				t.Fatal(err)
+			}
+			if err := rs.StepRef(s, nil, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		bad := d.srv.Refusals()["bad_step"]
+		if err := rs.StepRef(1, []string{"d-1"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case se := <-rs.StepErrors():
+			if se.Step != 1 || se.Dropped || len(se.Recv)+len(se.Send) != 0 || !strings.Contains(se.Message, "step_ref.step = 1") {
+				t.Errorf("StepError = %+v, want step 1 refused (not dropped), naming no request, naming step_ref.step = 1", se)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("no StepError for the forgotten step's step_ref")
+		}
+		if n := d.srv.Refusals()["bad_step"]; n != bad+1 {
+			t.Errorf("bad_step refusals %d, want %d", n, bad+1)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}

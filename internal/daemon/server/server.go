@@ -1232,6 +1232,18 @@ type stepRefs struct {
 	// did not fit has none: its repeat names none).
 	ids  map[uint64]map[uint64]struct{}
 	nids int
+	// forgot: every step up to it (and none after) that seen held has
+	// been forgotten (0: none).
+	forgot uint64
+}
+
+// forgotten reports whether step is one stepRefs may have forgotten: a
+// step_ref for it is refused (the engine's steps come in order, so it is
+// a repeat, or out of order): taken in then, its requests had their
+// outcomes; dropped, the engine ended them.
+func (s *stepRefs) forgotten(step uint64) bool {
+	_, known := s.seen[step]
+	return !known && s.forgot > 0 && step <= s.forgot
 }
 
 // maxNamedIDs bounds the request ids a rank's stepRefs remembers for its
@@ -1342,6 +1354,7 @@ func (s *stepRefs) note(step uint64, takenIn bool) {
 				s.forget(k)
 			}
 		}
+		s.forgot = max(s.forgot, s.top-maxPublished)
 	}
 }
 
@@ -2065,6 +2078,12 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 				err = stream.Invalid("step_ref.step = %d: this rank dropped the step already, and no longer knows which requests it named then: "+
 					"none is named again", step)
 			}
+		case r.refs.forgotten(step):
+			// Refused, not dropped: named again, its requests would have
+			// a second outcome.
+			r.s.limits.refuse("bad_step")
+			err, ref = stream.Invalid("step_ref.step = %d: older than the last %d steps this rank handled (the newest %d), which it no longer tracks: "+
+				"a repeat, or out of order; ignored", step, maxPublished, r.refs.top), nil
 		default:
 			takenIn := false
 			if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {

@@ -40,3 +40,27 @@ func TestStepRefsNamedBound(t *testing.T) {
 		t.Errorf("after forgetting step 1: %d ids, want fewer than %d", s.nids, n)
 	}
 }
+
+// Once stepRefs forgot its oldest steps, a step_ref for one of them (or
+// for any step as old, unseen) is one it may have handled: forgotten.
+func TestStepRefsForgotten(t *testing.T) {
+	var s stepRefs
+	if s.forgotten(0) || s.forgotten(1) {
+		t.Error("forgotten before any step was forgotten")
+	}
+	for step := uint64(1); step <= 2*maxPublished+1; step++ {
+		s.note(step, true)
+	}
+	if len(s.seen) > 2*maxPublished {
+		t.Errorf("%d steps remembered, want at most %d", len(s.seen), 2*maxPublished)
+	}
+	top := uint64(2*maxPublished + 1)
+	for _, c := range []struct {
+		step uint64
+		want bool
+	}{{1, true}, {top - maxPublished, true}, {top - maxPublished + 1, false}, {top, false}, {top + 1, false}} {
+		if got := s.forgotten(c.step); got != c.want {
+			t.Errorf("forgotten(%d) = %v, want %v (newest %d)", c.step, got, c.want, top)
+		}
+	}
+}
