@@ -75,3 +75,28 @@ func TestStepDroppedRacingClose(t *testing.T) {
 		})
 	}
 }
+
+// RecvsHeld returns the receives of a dropped step whose outcome is the
+// worker's: those it holds, live or when it closed (its close ended
+// them), each once; the others are the caller's to end.
+func TestRecvsHeld(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePush, 1, 1, nil)
+		w := x.d.workers[0][0]
+		q := x.req("r1", 40, 0)
+		x.recvD(q) // held: its producer never sends
+		x.settle()
+		if held, err := w.RecvsHeld([]string{"d-r1", "d-new", "d-r1"}); err != nil || !slices.Equal(held, []string{"d-r1"}) {
+			t.Errorf("RecvsHeld = %q, %v; want [d-r1]", held, err)
+		}
+		_ = w.Close()
+		x.settle()
+		held, err := w.RecvsHeld([]string{"d-new", "d-r1"})
+		if !errors.Is(err, kvxfer.ErrClosed) || !slices.Equal(held, []string{"d-r1"}) {
+			t.Errorf("RecvsHeld after Close = %q, %v; want [d-r1] (its close ended it), ErrClosed", held, err)
+		}
+		if n := len(x.recvResult(q)); n != 1 {
+			t.Errorf("d-r1: %d outcomes, want the closed worker's one", n)
+		}
+	})
+}

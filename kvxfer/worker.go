@@ -357,6 +357,8 @@ type Worker struct {
 	// when it began to close or broke). Written by the loop before it
 	// stops, read only after (Worker.StepDropped on a closed Worker).
 	closedSends map[string]bool
+	// closedRecvs: likewise, the consumer requests (Worker.RecvsHeld).
+	closedRecvs map[string]bool
 }
 
 type eventKind uint8
@@ -635,9 +637,60 @@ func (w *Worker) StepDropped(send []string, why string) ([]string, error) {
 	return ended, cmp.Or(w.Err(), ErrClosed)
 }
 
+// RecvsHeld returns the ids of recv, consumer requests a step its caller
+// dropped names (StepDropped), whose outcome is the worker's (each once):
+// those it holds (an engine that named one in an earlier step too). The
+// caller does not end them itself, nor name them as ended: the engine,
+// told twice, would free blocks a WRITE or READ may still fill at the
+// first. The rest are the caller's to end. Once the Worker is closed
+// (Close, or on its own: Err), it returns, with ErrClosed (or the loop's
+// error), those of recv it held when it stopped (its close ended them),
+// after the loop stopped. Nothing else changes.
+func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
+	if len(recv) == 0 {
+		return nil, nil
+	}
+	held := func(has func(string) bool) []string {
+		var out []string
+		seen := make(map[string]bool, len(recv))
+		for _, id := range recv {
+			if !seen[id] && has(id) {
+				out = append(out, id)
+			}
+			seen[id] = true
+		}
+		return out
+	}
+	ch := make(chan []string, 1)
+	err := w.post(event{kind: evInspect, fn: func(st *loopState) {
+		ch <- held(func(id string) bool { return st.recvs[id] != nil })
+	}})
+	if err == nil {
+		select {
+		case out := <-ch:
+			return out, nil
+		case <-w.stopped:
+		}
+	} else {
+		<-w.stopped // the loop writes closedRecvs before it stops
+	}
+	// Closed: those the loop held when it took the inspection in (if it
+	// did) and those it held as it stopped.
+	var saw map[string]bool
+	select {
+	case out := <-ch:
+		saw = make(map[string]bool, len(out))
+		for _, id := range out {
+			saw[id] = true
+		}
+	default:
+	}
+	return held(func(id string) bool { return saw[id] || w.closedRecvs[id] }), cmp.Or(w.Err(), ErrClosed)
+}
+
 // noteClosedSends records, as the loop stops (closing, or broken), the
-// producer requests whose outcome it gives: those held, and those reported
-// but not yet published (Worker.closedSends).
+// producer and consumer requests whose outcome it gives: those held, and
+// those reported but not yet published (Worker.closedSends, closedRecvs).
 func (w *Worker) noteClosedSends() {
 	st := &w.st
 	m := make(map[string]bool, st.sends.len()+len(st.out.Sending))
@@ -652,6 +705,16 @@ func (w *Worker) noteClosedSends() {
 		}
 	}
 	w.closedSends = m
+	r := make(map[string]bool, len(st.recvs)+len(st.out.Recving))
+	for id := range st.recvs {
+		r[id] = true
+	}
+	for _, o := range st.out.Recving {
+		if o.Result != ResultAborted {
+			r[o.ReqID] = true
+		}
+	}
+	w.closedRecvs = r
 }
 
 // LayerSaved tells a layer-wise push producer that layer of the given step

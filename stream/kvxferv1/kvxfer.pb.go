@@ -2039,7 +2039,10 @@ type StepRef struct {
 	// step_ref naming a step this stream took in already is refused (a
 	// StepError naming step_ref.step, not dropped) and ignored: its requests
 	// keep the one outcome they have. One naming a step this stream dropped
-	// is dropped again, published since or not.
+	// is dropped again, published since or not, naming only the requests
+	// its first drop did not (each request of a step is named once). One
+	// naming a step older than the last 1024 this stream handled (which it
+	// no longer tracks) is refused and ignored.
 	RecvRequestIds []string `protobuf:"bytes,2,rep,name=recv_request_ids,json=recvRequestIds,proto3" json:"recv_request_ids,omitempty"`
 	// send_request_ids are the producer requests the engine begins waiting
 	// on with this step on this rank (blocks it holds for a transfer),

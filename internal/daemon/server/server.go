@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"log/slog"
 	"maps"
@@ -1224,6 +1225,119 @@ type rank struct {
 type stepRefs struct {
 	seen map[uint64]bool // step -> taken in (false: dropped)
 	top  uint64
+	// ids: the requests each dropped step of seen named (its step_ref's,
+	// and its metadata's when read), by a hash of role and id, so that
+	// one named again (the engine repeating the step) is not named twice;
+	// nids: how many in all, at most maxNamedIDs (a dropped step whose ids
+	// did not fit has none: its repeat names none).
+	ids  map[uint64]map[uint64]struct{}
+	nids int
+	// forgot: every step up to it (and none after) that seen held has
+	// been forgotten (0: none).
+	forgot uint64
+}
+
+// forgotten reports whether step is one stepRefs may have forgotten: a
+// step_ref for it is refused (the engine's steps come in order, so it is
+// a repeat, or out of order): taken in then, its requests had their
+// outcomes; dropped, the engine ended them.
+func (s *stepRefs) forgotten(step uint64) bool {
+	_, known := s.seen[step]
+	return !known && s.forgot > 0 && step <= s.forgot
+}
+
+// maxNamedIDs bounds the request ids a rank's stepRefs remembers for its
+// dropped steps (stepRefs.ids): 8 bytes each, and the maps' keep.
+const maxNamedIDs = 1 << 16
+
+// idKey is the key of a request of a role (send or not) in stepRefs.ids.
+func idKey(send bool, id string) uint64 {
+	var h maphash.Hash
+	h.SetSeed(idSeed)
+	if send {
+		h.WriteByte('s')
+	} else {
+		h.WriteByte('r')
+	}
+	h.WriteString(id)
+	return h.Sum64()
+}
+
+var idSeed = maphash.MakeSeed()
+
+// named records the requests a dropped step names: ref's lists and
+// meta's entries (either nil), as far as maxNamedIDs allows.
+func (s *stepRefs) named(ref *pb.StepRef, meta *pb.StepMeta) {
+	step := ref.GetStep()
+	n := len(ref.GetRecvRequestIds()) + len(ref.GetSendRequestIds()) + len(meta.GetRecv()) + len(meta.GetSend())
+	if n == 0 {
+		return
+	}
+	if s.ids == nil {
+		s.ids = map[uint64]map[uint64]struct{}{}
+	}
+	m, ok := s.ids[step]
+	if ok && m == nil {
+		return // not known already
+	}
+	if m == nil {
+		m = map[uint64]struct{}{}
+		s.ids[step] = m
+	}
+	add := func(send bool, id string) {
+		if k := idKey(send, id); s.nids < maxNamedIDs {
+			if _, ok := m[k]; !ok {
+				m[k] = struct{}{}
+				s.nids++
+			}
+		}
+	}
+	for _, id := range ref.GetRecvRequestIds() {
+		add(false, id)
+	}
+	for _, id := range ref.GetSendRequestIds() {
+		add(true, id)
+	}
+	for _, e := range meta.GetRecv() {
+		add(false, e.GetRequestId())
+	}
+	for _, e := range meta.GetSend() {
+		add(true, e.GetRequestId())
+	}
+	if s.nids >= maxNamedIDs {
+		s.forget(step) // some did not fit: which is not known
+		s.ids[step] = nil
+	}
+}
+
+// forget drops what stepRefs.ids remembers of step.
+func (s *stepRefs) forget(step uint64) {
+	s.nids -= len(s.ids[step])
+	delete(s.ids, step)
+}
+
+// unnamed returns ref (a repeat of a step the rank dropped) with only the
+// requests its drop did not name, and records them as named now; whole
+// is false when the drop's ids are not known (they did not fit
+// maxNamedIDs): then none is named.
+func (s *stepRefs) unnamed(ref *pb.StepRef) (_ *pb.StepRef, whole bool) {
+	m, ok := s.ids[ref.GetStep()]
+	if ok && m == nil {
+		return &pb.StepRef{Step: ref.GetStep()}, false
+	}
+	out := &pb.StepRef{Step: ref.GetStep()}
+	for _, id := range ref.GetRecvRequestIds() {
+		if _, ok := m[idKey(false, id)]; !ok {
+			out.RecvRequestIds = append(out.RecvRequestIds, id)
+		}
+	}
+	for _, id := range ref.GetSendRequestIds() {
+		if _, ok := m[idKey(true, id)]; !ok {
+			out.SendRequestIds = append(out.SendRequestIds, id)
+		}
+	}
+	s.named(out, nil)
+	return out, true
 }
 
 // note records step as taken in or dropped.
@@ -1237,8 +1351,10 @@ func (s *stepRefs) note(step uint64, takenIn bool) {
 		for k := range s.seen {
 			if k+maxPublished <= s.top {
 				delete(s.seen, k)
+				s.forget(k)
 			}
 		}
+		s.forgot = max(s.forgot, s.top-maxPublished)
 	}
 }
 
@@ -1763,6 +1879,13 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 	// message) comes here, and it receives nothing after it.
 	recvd := make(chan *pb.ConnectRequest)
 	recvErr := make(chan error, 1)
+	// handling holds a token while the receiver hands a message on;
+	// finish takes it for good (the stream's end), draining out meanwhile,
+	// so that what the receiver handled is answered before the stream
+	// ends: a dropped step's error alone names its requests to the
+	// engine. A message received after is not handled: the stream ended
+	// before it.
+	handling := make(chan struct{}, 1)
 	go func() {
 		for {
 			m, err := st.Recv()
@@ -1777,9 +1900,17 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				recvErr <- ctx.Err()
 				return
 			}
+			select {
+			case handling <- struct{}{}:
+			case <-ctx.Done():
+				recvErr <- ctx.Err()
+				return
+			}
 			if r.handle(ctx, m, out) {
+				<-handling
 				continue
 			}
+			<-handling
 			select {
 			case recvd <- m:
 			case <-ctx.Done():
@@ -1793,19 +1924,32 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 		}
 		close(stop)
 		wg.Wait()
-		if graceful {
-			// What the receiver queued for the sender before the bye (or
-			// the drain) goes out first: the stopped sender may have left
-			// it (its select takes the stop as readily as a message), and
-			// it holds dropped steps' errors, which alone name their
-			// requests to the engine.
-			// Only what is queued now: a draining rank's receiver may go
-			// on queueing.
-			for range len(out) {
-				if err := st.Send(<-out); err != nil {
-					break
-				}
+		// What the receiver queued for the sender, and what it queues as
+		// it ends the message at hand (handling), goes out first, on
+		// every end of the stream but a failed send: the stopped sender
+		// may have left it (its select takes the stop as readily as a
+		// message), and it holds dropped steps' errors, which alone name
+		// their requests to the engine (a worker that stopped on its own
+		// drops every step after). The receiver handles nothing more.
+		sendOK := true
+		flush := func(m *pb.ConnectResponse) {
+			if sendOK && st.Send(m) != nil {
+				sendOK = false
 			}
+		}
+	gate:
+		for {
+			select {
+			case m := <-out:
+				flush(m)
+			case handling <- struct{}{}:
+				break gate
+			}
+		}
+		for range len(out) {
+			flush(<-out)
+		}
+		if graceful {
 			// Everything left, reported once, before the stream ends.
 			_ = r.worker.Close()
 			f := r.worker.Finished()
@@ -1925,11 +2069,27 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 			r.s.limits.refuse("bad_step")
 			err, ref = stream.Invalid("step_ref.step = %d: this rank took the step in already; the repeat is ignored", step), nil
 		case again:
+			// Its requests named when it was dropped are not named
+			// again (a second outcome); others are, once.
+			var whole bool
+			ref, whole = r.refs.unnamed(ref)
 			err, dropped = stream.Invalid("step_ref.step = %d: this rank dropped the step already", step), true
+			if !whole {
+				err = stream.Invalid("step_ref.step = %d: this rank dropped the step already, and no longer knows which requests it named then: "+
+					"none is named again", step)
+			}
+		case r.refs.forgotten(step):
+			// Refused, not dropped: named again, its requests would have
+			// a second outcome.
+			r.s.limits.refuse("bad_step")
+			err, ref = stream.Invalid("step_ref.step = %d: older than the last %d steps this rank handled (the newest %d), which it no longer tracks: "+
+				"a repeat, or out of order; ignored", step, maxPublished, r.refs.top), nil
 		default:
+			takenIn := false
 			if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
 				err, dropped = perr, true
 			} else if apply(p); !dropped {
+				takenIn = true
 				// The requests the step does not stage fail on the worker,
 				// after the step, as entries it refused: once each, and not
 				// one it holds from an earlier step. Its error, which only
@@ -1937,10 +2097,20 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 				// outcomes say why. (A worker closed meanwhile fails what it
 				// holds and ends the stream.)
 				if u := unstaged(step, ref, p); len(u) > 0 {
-					_ = r.worker.StepRefusing(nil, u)
+					if uerr := r.worker.StepRefusing(nil, u); errors.Is(uerr, kvxfer.ErrClosed) {
+						// The worker closed after it took the step in:
+						// the refusals reached no worker, so this error
+						// names them, but for any the closed worker held
+						// (its close ended each).
+						err, dropped, meta = fmt.Errorf("step %d: the requests it does not stage could not be failed on the worker: %w", step, uerr), true, nil
+						ref = unstagedRef(step, u)
+					}
 				}
 			}
-			r.refs.note(step, !dropped)
+			r.refs.note(step, takenIn)
+			if !takenIn {
+				r.refs.named(ref, meta)
+			}
 		}
 	case *pb.ConnectRequest_LayerSaved:
 		// A layer the rank does not hold is the engine's mistake: told
@@ -1979,9 +2149,38 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 }
 
 // droppedErrs is the error of a step the rank dropped (droppedStep), but
-// for the requests whose outcome is the worker's (endHeld).
+// for the requests whose outcome is the worker's (endHeld, recvsHeld).
 func (r *rank) droppedErrs(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta) []*pb.StepError {
-	return droppedStep(step, msg, ref, meta, r.endHeld(step, msg, ref, meta), r.maxErr)
+	return droppedStep(step, msg, ref, meta, r.endHeld(step, msg, ref, meta), r.recvsHeld(ref, meta), r.maxErr)
+}
+
+// recvsHeld returns the consumer requests a dropped step names (its
+// step_ref's receives, and its metadata's, when read) that the rank's
+// worker holds, or held when it closed (Worker.RecvsHeld): the engine
+// named each in an earlier step too, and the worker gives its outcome, so
+// the dropped step's error leaves it out (told twice, the engine would
+// free blocks a transfer may still fill at the first).
+func (r *rank) recvsHeld(ref *pb.StepRef, meta *pb.StepMeta) []string {
+	ids := append([]string(nil), ref.GetRecvRequestIds()...)
+	for _, e := range meta.GetRecv() {
+		ids = append(ids, e.GetRequestId())
+	}
+	held, _ := r.worker.RecvsHeld(ids)
+	return held
+}
+
+// unstagedRef is a step_ref of step listing the requests of u (unstaged),
+// by role.
+func unstagedRef(step uint64, u []kvxfer.Refusal) *pb.StepRef {
+	ref := &pb.StepRef{Step: step}
+	for _, f := range u {
+		if f.Role == kvxfer.RoleConsumer {
+			ref.RecvRequestIds = append(ref.RecvRequestIds, f.ReqID)
+		} else {
+			ref.SendRequestIds = append(ref.SendRequestIds, f.ReqID)
+		}
+	}
+	return ref
 }
 
 // endHeld hands the rank's worker the producer requests a dropped step
@@ -2070,15 +2269,19 @@ func unstagedOf[E interface{ GetRequestId() string }](dst []kvxfer.Refusal, role
 // droppedStep is the error of a dropped step: its message and every
 // request it names, each once, from its StepRef's lists (ref; nil: a step
 // sent whole) and its metadata's entries (meta; nil: not read), but the
-// sends the rank's worker ends itself (held: endHeld), in as many
-// StepErrors as keep the ids of each within about limit bytes.
-func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, held []string, limit int) []*pb.StepError {
+// sends and receives whose outcome is the rank's worker's (held: endHeld;
+// heldRecv: recvsHeld), in as many StepErrors as keep the ids of each
+// within about limit bytes.
+func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, held, heldRecv []string, limit int) []*pb.StepError {
 	cur := &pb.StepError{Step: step, Message: msg, Dropped: true}
 	out := []*pb.StepError{cur}
 	n := 0
 	seen := map[string]bool{}
 	for _, id := range held {
 		seen["s"+id] = true
+	}
+	for _, id := range heldRecv {
+		seen["r"+id] = true
 	}
 	add := func(send bool, id string) {
 		k := "r" + id

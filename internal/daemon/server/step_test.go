@@ -390,13 +390,13 @@ func TestDroppedStepSplits(t *testing.T) {
 	ref := &pb.StepRef{Step: 9, RecvRequestIds: []string{"d-1", "d-2"}, SendRequestIds: []string{"p-1"}}
 	meta := &pb.StepMeta{Step: 9, Recv: []*pb.RecvRequest{{RequestId: "d-2"}, {RequestId: "d-3"}, {RequestId: ""}},
 		Send: []*pb.SendRequest{{RequestId: "p-1"}, {RequestId: "p-2"}}}
-	got := server.DroppedStepForTest(9, "why", ref, meta, nil, 1<<10)
+	got := server.DroppedStepForTest(9, "why", ref, meta, nil, nil, 1<<10)
 	if len(got) != 1 || !got[0].Dropped || got[0].Message != "why" || !slices.Equal(got[0].RecvRequestIds, []string{"d-1", "d-2", "d-3"}) ||
 		!slices.Equal(got[0].SendRequestIds, []string{"p-1", "p-2"}) {
 		t.Errorf("droppedStep = %v, want one error naming d-1, d-2, d-3 and p-1, p-2", got)
 	}
 	// 11 bytes an id at most: two ids an error.
-	got = server.DroppedStepForTest(9, "why", ref, meta, nil, 22)
+	got = server.DroppedStepForTest(9, "why", ref, meta, nil, nil, 22)
 	var recv, send []string
 	for i, e := range got {
 		if !e.Dropped || e.Step != 9 || (i == 0) != (e.Message == "why") || len(e.RecvRequestIds)+len(e.SendRequestIds) > 2 {
@@ -409,7 +409,7 @@ func TestDroppedStepSplits(t *testing.T) {
 	}
 	// A send the rank's worker ends itself (held prefilling) is left out:
 	// its outcome is the worker's.
-	got = server.DroppedStepForTest(9, "why", ref, meta, []string{"p-1", "d-1"}, 1<<10)
+	got = server.DroppedStepForTest(9, "why", ref, meta, []string{"p-1", "d-1"}, nil, 1<<10)
 	if len(got) != 1 || !slices.Equal(got[0].RecvRequestIds, []string{"d-1", "d-2", "d-3"}) || !slices.Equal(got[0].SendRequestIds, []string{"p-2"}) {
 		t.Errorf("droppedStep(held p-1) = %v, want one error naming d-1, d-2, d-3 and p-2", got)
 	}

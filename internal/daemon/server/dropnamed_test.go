@@ -1,0 +1,340 @@
+package server_test
+
+import (
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/leakcheck"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/tcp"
+	"github.com/kvxfer/kvxfer/stream"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// nextDropped returns rs's next dropped StepError (failing after 5 s).
+func nextDropped(t *testing.T, rs *stream.RankStream) *stream.StepError {
+	t.Helper()
+	deadline := time.After(5 * time.Second)
+	for {
+		select {
+		case se := <-rs.StepErrors():
+			if se.Dropped {
+				return se
+			}
+		case <-deadline:
+			t.Fatal("no dropped StepError within 5 s")
+			return nil
+		}
+	}
+}
+
+// A step_ref naming a step the rank dropped already (an engine repeating
+// it) is dropped again, counted, but names none of the requests its first
+// drop named: the engine ended each then, and a second naming is a second
+// outcome. A request only the repeat names is named, once.
+// On the old code the repeat named d-2 again.
+func TestRepeatedDroppedStepNamesOnce(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		d := startDaemonWith(t, shmDir, func(c *server.Config) {
+			c.DrainTimeout = 100 * time.Millisecond
+			c.PublishWait = 100 * time.Millisecond
+		})
+		D := attachSmall(t, d, shmDir, "D", 1)
+		rs := D.streams[0][0]
+		_, c, ctx := schedulerClientOn(t, d)
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rs.StepRef(2, []string{"d-2"}, []string{"p-2"}); err != nil {
+			t.Fatal(err)
+		}
+		if se := nextDropped(t, rs); !slices.Equal(se.Recv, []string{"d-2"}) || !slices.Equal(se.Send, []string{"p-2"}) {
+			t.Fatalf("step 2's drop named %q %q, want d-2, p-2", se.Recv, se.Send)
+		}
+		if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: 3}); err != nil {
+			t.Fatal(err)
+		}
+		bad := d.srv.Refusals()["bad_step"]
+		for i, want := range [][]string{{"d-3"}, nil} {
+			if err := rs.StepRef(2, []string{"d-2", "d-3"}, []string{"p-2"}); err != nil {
+				t.Fatal(err)
+			}
+			se := nextDropped(t, rs)
+			if !slices.Equal(se.Recv, want) || len(se.Send) != 0 || !strings.Contains(se.Message, "step_ref.step = 2") {
+				t.Errorf("repeat %d of step 2: dropped naming %q %q (%q), want %q alone, naming step_ref.step = 2", i+1, se.Recv, se.Send, se.Message, want)
+			}
+		}
+		if n := d.srv.Refusals()["bad_step"]; n != bad+2 {
+			t.Errorf("bad_step refusals %d, want %d (each repeat)", n, bad+2)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// A dropped step naming a receive the rank's worker holds (the engine
+// named it in an earlier step too) leaves it out: its outcome is the
+// worker's. Before, the dropped StepError named it, and the worker's
+// outcome came later: two.
+func TestDroppedStepSparesHeldRecv(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 100 * time.Millisecond })
+		P := attach(t, d, shmDir, "P", &isoModel, isoEngine(1), kvxfer.ModePush)
+		D := attach(t, d, shmDir, "D", &isoModel, isoEngine(2), kvxfer.ModePush)
+		now := time.Now()
+		D.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{{ReqID: "d-1", Local: []topology.Span{{IDs: []topology.BlockID{1}}},
+			Deadline: now.Add(time.Hour), Remote: kvxfer.RemoteRef{EngineID: "P", Addr: d.peerAddr, ReqID: "p-d-1", TPSize: 1, Tokens: 16}}}})
+		w := d.srv.Workers()["D"][0]
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			if st, err := w.State(); err == nil && st.Recvs == 1 {
+				break
+			} else if time.Now().After(deadline) {
+				t.Fatalf("D's state = %+v, %v; want d-1 held", st, err)
+			}
+		}
+		rs := D.streams[0][0]
+		// No scheduler: the step_ref is dropped at once.
+		if err := rs.StepRef(5, []string{"d-1", "d-new"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		if se := nextDropped(t, rs); !slices.Equal(se.Recv, []string{"d-new"}) {
+			t.Errorf("the dropped step named %q, want d-new alone (d-1 is the worker's: it holds it)", se.Recv)
+		}
+		P.close(t)
+		D.close(t)
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// A rank whose worker stops on its own (a contained panic) while its
+// receiver waits on a step_ref's publication answers that step before its
+// stream ends: the step, dropped, names its requests. Before, the stream
+// ended with the worker, and the step's error was lost: its requests got
+// no outcome from the daemon.
+func TestWorkerPanicAnswersStepAtHand(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		var armed atomic.Bool
+		d := startDaemonWith(t, shmDir, func(c *server.Config) {
+			c.PublishWait = time.Second
+			c.NewBackend = func(engine string, _ *topology.Layout, _ bool) (server.Backend, error) {
+				b, err := tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+				if err != nil {
+					return nil, err
+				}
+				return panicky{b, &armed}, nil
+			}
+		})
+		bad := attach(t, d, shmDir, "BAD", &isoModel, isoEngine(3), kvxfer.ModePush)
+		_, c, ctx := schedulerClientOn(t, d)
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "BAD", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+		rs := bad.streams[0][0]
+		w := d.srv.Workers()["BAD"][0]
+		if err := rs.StepRef(4, []string{"d-4"}, []string{"p-4"}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond) // the rank is waiting on step 4
+		armed.Store(true)
+		_, _ = w.State() // wakes the loop: its backend panics
+		var named []string
+		take := func(se *stream.StepError) {
+			if se.Dropped {
+				named = append(named, se.Recv...)
+				named = append(named, se.Send...)
+			}
+		}
+		fin := rs.Finished()
+		for fin != nil {
+			select {
+			case _, ok := <-fin:
+				if !ok {
+					fin = nil
+				}
+			case se := <-rs.StepErrors():
+				take(se)
+			}
+		}
+		for len(rs.StepErrors()) > 0 {
+			take(<-rs.StepErrors())
+		}
+		if !slices.Equal(named, []string{"d-4", "p-4"}) {
+			t.Errorf("dropped StepErrors named %q, want d-4 and p-4 (step 4, at hand as the worker stopped)", named)
+		}
+		if err := rs.Err(); err == nil || !strings.Contains(err.Error(), "internal error") {
+			t.Errorf("BAD's stream ended with %v, want the internal error", err)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// stalling is a backend whose DrainNotifs, once armed, waits for release
+// and panics: the worker's loop stalls, then breaks.
+type stalling struct {
+	*tcp.Backend
+	armed            atomic.Bool
+	entered, release chan struct{}
+	once             sync.Once
+}
+
+func (s *stalling) DrainNotifs(dst []kvxfer.Notif) []kvxfer.Notif {
+	if s.armed.Load() {
+		s.once.Do(func() { close(s.entered) })
+		<-s.release
+		panic("injected: backend invariant broken")
+	}
+	return s.Backend.DrainNotifs(dst)
+}
+
+// The requests a step_ref lists that its published step does not stage
+// are refused on the worker; one that stopped on its own (a contained
+// panic) after the step was taken in, before the refusals reached it,
+// cannot: the rank names them in a dropped StepError, once, before its
+// stream ends. Before, the refusal's ErrClosed was ignored: those
+// requests got no outcome from the daemon.
+func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		be := &stalling{entered: make(chan struct{}), release: make(chan struct{})}
+		d := startDaemonWith(t, shmDir, func(c *server.Config) {
+			c.NewBackend = func(engine string, _ *topology.Layout, _ bool) (server.Backend, error) {
+				b, err := tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
+				if err != nil {
+					return nil, err
+				}
+				be.Backend = b
+				return be, nil
+			}
+		})
+		bad := attach(t, d, shmDir, "BAD", &isoModel, isoEngine(3), kvxfer.ModePush)
+		_, c, ctx := schedulerClientOn(t, d)
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "BAD", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "BAD", PublishStep: 1}); err != nil {
+			t.Fatal(err)
+		}
+		rs := bad.streams[0][0]
+		be.armed.Store(true)
+		if err := rs.Step(&kvxfer.StepMeta{Step: 100}); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-be.entered: // the loop stalls
+		case <-time.After(10 * time.Second):
+			t.Fatal("the worker's loop did not stall")
+		}
+		// The worker's queue of steps (64) full but for the step_ref's
+		// own: its refusals wait for room, until the worker breaks.
+		for i := range 63 {
+			if err := rs.Step(&kvxfer.StepMeta{Step: uint64(101 + i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := rs.StepRef(1, []string{"d-u"}, []string{"p-u"}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond) // the refusals wait
+		close(be.release)
+		var named []string
+		take := func(se *stream.StepError) {
+			if se.Dropped {
+				named = append(named, se.Recv...)
+				named = append(named, se.Send...)
+			}
+		}
+		fin := rs.Finished()
+		for fin != nil {
+			select {
+			case _, ok := <-fin:
+				if !ok {
+					fin = nil
+				}
+			case se := <-rs.StepErrors():
+				take(se)
+			}
+		}
+		for len(rs.StepErrors()) > 0 {
+			take(<-rs.StepErrors())
+		}
+		if !slices.Equal(named, []string{"d-u", "p-u"}) {
+			t.Errorf("dropped StepErrors named %q, want d-u and p-u once (step 1 does not stage them; the worker broke)", named)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// A step_ref naming a step the rank took in so long ago that it no longer
+// remembers it (more than maxPublished steps before its newest) is
+// refused, counted, and names none of its requests: they had their
+// outcomes then. Before, the scheduler no longer kept it, so it was
+// dropped, naming them: a second outcome.
+func TestStepRefForgottenStepNamesNone(t *testing.T) {
+	if testing.Short() {
+		t.Skip()
+	}
+	before := runtime.NumGoroutine()
+	t.Run("run", func(t *testing.T) {
+		shmDir := t.TempDir()
+		d := startDaemonWith(t, shmDir, func(c *server.Config) { c.DrainTimeout = 100 * time.Millisecond })
+		D := attachSmall(t, d, shmDir, "D", 1)
+		rs := D.streams[0][0]
+		_, c, ctx := schedulerClientOn(t, d)
+		if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+			t.Fatal(err)
+		}
+		// d-1 is a full prefix hit: done at once.
+		req := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
+			RemoteEngineId: "P", RemoteAddr: d.peerAddr, RemoteTpSize: 1}}
+		if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: 1, Ops: []*pb.SchedulerOp{{Op: &pb.SchedulerOp_AfterAlloc{
+			AfterAlloc: &pb.AfterAllocRequest{Request: req, Computed: 40}}}}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rs.StepRef(1, []string{"d-1"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for range rs.Finished() { // read, or the rank waits for its engine
+			}
+		}()
+		// More steps than the rank remembers (2 maxPublished, 1024 each).
+		const n = 2*1024 + 2
+		for s := uint64(2); s <= n; s++ {
+			if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: s}); err != nil {
+				t.Fatal(err)
+			}
+			if err := rs.StepRef(s, nil, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		bad := d.srv.Refusals()["bad_step"]
+		if err := rs.StepRef(1, []string{"d-1"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case se := <-rs.StepErrors():
+			if se.Step != 1 || se.Dropped || len(se.Recv)+len(se.Send) != 0 || !strings.Contains(se.Message, "step_ref.step = 1") {
+				t.Errorf("StepError = %+v, want step 1 refused (not dropped), naming no request, naming step_ref.step = 1", se)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("no StepError for the forgotten step's step_ref")
+		}
+		if n := d.srv.Refusals()["bad_step"]; n != bad+1 {
+			t.Errorf("bad_step refusals %d, want %d", n, bad+1)
+		}
+	})
+	leakcheck.Check(t, before, 2, 10*time.Second)
+}
