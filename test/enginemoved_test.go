@@ -54,8 +54,8 @@ func producerMoved(t *testing.T, mode kvxfer.Mode) {
 		pullOnce(t, P, D, "warm", []topology.BlockID{14, 15}, 10*time.Second, "before the move")
 	}
 	P.Close()
+	p2 := startDaemon(t, dir, "P2") // while the old one holds its port: another address
 	_ = p.Kill()
-	p2 := startDaemon(t, dir, "P2")
 	if p2.Peer == p.Peer {
 		t.Fatalf("P's daemon came back at its old address %s", p.Peer)
 	}
@@ -186,8 +186,11 @@ func consumerMoved(t *testing.T, mode kvxfer.Mode) {
 	}
 	once(D, "warm", []topology.BlockID{14, 15}, "before the move")
 	D.Close()
+	d2 := startDaemon(t, dir, "D2") // while the old one holds its port: another address
 	_ = d.Kill()
-	d2 := startDaemon(t, dir, "D2")
+	if d2.Peer == d.Peer {
+		t.Fatalf("D's daemon came back at its old address %s", d.Peer)
+	}
 	_ = os.Remove(filepath.Join(dir, "D-tp0"))
 	D2 := attachSim(t, dir, d2.Sock, d2.Peer, "D", 2, mode)
 	defer D2.Close()

@@ -260,15 +260,15 @@ def test_engines_back_at_other_ports(libkvxfer, tmp_path):
                 check_bytes(d, ids)
 
         served(P, D, p_base, [0, 1], "a")
+        p_base = harness.free_ports(2)  # while P's ranks hold theirs: another base
         for r in P:
             r.kill()
-        p_base = harness.free_ports(2)
         P = start(libkvxfer, "P", "P", 2, p_base, secret)
         ranks += P
         served(P, D, p_base, [2, 3], "b")
+        d_base = harness.free_ports(2)
         for r in D:
             r.kill()
-        d_base = harness.free_ports(2)
         D = start(libkvxfer, "D", "D", 2, d_base, secret)
         ranks += D
         served(P, D, p_base, [4, 5], "c")
