@@ -1587,13 +1587,31 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 	}
 	send := keepValid(meta.Send, sendCheck(RoleProducer, "SendReq", "send_req"))
 	prefill := keepValid(meta.Prefill, sendCheck(0, "Prefill", "prefill"))
-	if len(errs) == 0 {
+	await := meta.Await
+	if w.cfg.CheckAddr != nil {
+		// A waiting request at an address Resolver would never dial:
+		// taken, it would move its engine there (engineAt), away from
+		// the requests it serves. No outcome waits on it: counted and
+		// dropped, as the core drops one it cannot use.
+		await = keepValid(meta.Await, func(a *AwaitReq) bool {
+			if a.Remote.Addr == "" {
+				return true
+			}
+			err := w.cfg.CheckAddr(a.Remote.Addr)
+			if err != nil {
+				w.metrics.BadInput("await_req")
+				w.log.Warn("kvxfer: a waiting request (StepMeta.Await) is not heartbeaten: Remote.Addr: "+err.Error(), "req", a.ReqID)
+			}
+			return err == nil
+		})
+	}
+	if len(errs) == 0 && len(await) == len(meta.Await) {
 		return meta, nil, nil
 	}
 	// A shallow copy is enough: the loop only reads what the kept
 	// entries reference.
 	m := *meta
-	m.Recv, m.Send, m.Prefill = recv, send, prefill
+	m.Recv, m.Send, m.Prefill, m.Await = recv, send, prefill, await
 	return &m, bad, errors.Join(errs...)
 }
 

@@ -125,3 +125,37 @@ func TestStepRefusesMalformedRemoteAddr(t *testing.T) {
 		t.Errorf("BadInput = %v, want recv_req.remote.addr counted %d times", ws[0].Metrics().Snapshot().BadInput, len(bad))
 	}
 }
+
+// A step's waiting request (StepMeta.await) naming its producer at an
+// address the resolver would never dial is dropped and counted
+// (await_req): taken, it would move a known producer engine there, away
+// from the requests it serves. One at a good address beside it is kept.
+func TestStepAwaitMalformedRemoteAddrDropped(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	ds := d.srv.OpenDirect()
+	defer ds.Cancel()
+	hello := directHello(t)
+	hello.Mode = pb.Mode_MODE_PULL
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Hello{Hello: hello}})); err != nil {
+		t.Fatal(err)
+	}
+	if m, ended, code, msg := take(t, ds); ended || m.GetReady() == nil {
+		t.Fatalf("after hello: %v (ended %v: %v %s), want Ready", m, ended, code, msg)
+	}
+	await := func(id, addr string) *pb.RecvRequest {
+		return &pb.RecvRequest{RequestId: id, TransferId: "t-" + id, Remote: &pb.RemoteRef{EngineId: "P", Addr: addr, RequestId: "p-" + id}}
+	}
+	step := &pb.StepMeta{Step: 1, Await: []*pb.RecvRequest{await("d-good", "127.0.0.1:1"), await("d-bad", "unix:///tmp/x.sock")}}
+	if err := ds.Put(marshal(t, &pb.ConnectRequest{Msg: &pb.ConnectRequest_Step{Step: step}})); err != nil {
+		t.Fatal(err)
+	}
+	ws := d.srv.Workers()["direct"]
+	if len(ws) != 1 {
+		t.Fatalf("workers of engine direct: %d", len(ws))
+	}
+	for deadline := time.Now().Add(10 * time.Second); ws[0].Metrics().Snapshot().BadInput["await_req"] != 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("BadInput = %v, want await_req counted once", ws[0].Metrics().Snapshot().BadInput)
+		}
+	}
+}
