@@ -55,10 +55,13 @@ type engine struct {
 	// (moveEngine tells a flip-flop from a move).
 	movedFrom string
 	movedAt   time.Time
-	state     hsState
-	err       error
-	gen       uint64
-	offset    time.Duration
+	// named: a request's params named the engine's address (engineAt):
+	// they alone move it then, never a peer message (senderMoved).
+	named  bool
+	state  hsState
+	err    error
+	gen    uint64
+	offset time.Duration
 	// offsetAt: when offset was measured (a handshake, or a probe timed
 	// within expiryMargin); offsetAsked: when a READ last had it measured
 	// again (refreshOffset).
@@ -193,17 +196,22 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 // by turns). The request is failed (Moved), never sent to the engine at
 // the other address, whose blocks are not its request's, and never moves
 // the engine back: requests in flight at once that name both would have
-// it handshaken back and forth for ever. Peer messages do not move an
-// engine: each rank of an in-process engine speaks from its own port.
+// it handshaken back and forth for ever. An engine a request named is
+// moved by requests alone, never by a peer message (senderMoved): each
+// rank of an in-process engine speaks from its own port, while the
+// params name the engine by its first rank's.
 func (st *loopState) engineAt(id, addr string, since time.Time) (e *engine, elsewhere bool) {
 	e = st.engines[id]
 	if e == nil || addr == "" || e.addr == "" || addr == e.addr {
-		return st.ensureEngine(id, addr), false
+		e = st.ensureEngine(id, addr)
+		e.named = e.named || addr != ""
+		return e, false
 	}
+	e.named = true
 	if !since.After(e.hsStarted) {
 		return e, true
 	}
-	st.moveEngine(e, addr, "a request names the producer engine at another address than its handshake's")
+	st.moveEngine(e, addr, "a request names the producer engine at another address than its handshake's", true)
 	return e, false
 }
 
@@ -213,8 +221,11 @@ const sharedIDWindow = time.Minute
 
 // moveEngine has e handshaken at addr, the address it is now named at,
 // at once: what is out to its old one answers for a place it left.
-func (st *loopState) moveEngine(e *engine, addr, why string) {
-	if addr == e.movedFrom && st.now.Sub(e.movedAt) < sharedIDWindow {
+// byParams: requests' params moved it, which name an engine by one
+// address (a move back is two engines under one id); a peer's messages
+// come from each of its ranks' own ports (in-process).
+func (st *loopState) moveEngine(e *engine, addr, why string, byParams bool) {
+	if byParams && addr == e.movedFrom && st.now.Sub(e.movedAt) < sharedIDWindow {
 		// Back where it just left: two live engines share the id.
 		// Counted as the misconfiguration it is, each time.
 		st.metrics.BadInput("engine_id_shared")

@@ -78,3 +78,50 @@ func TestEngineMovesToTheAddressARequestNames(t *testing.T) {
 		t.Fatalf("asks = %+v, want one handshake at P:1", asks)
 	}
 }
+
+// A producer engine a request's params named is moved by requests alone:
+// a message from an agent its handshake does not list, sent from another
+// address (an in-process engine's rank restarted on its own port, which
+// differs from the first rank's the params name), has the engine asked
+// again where the params say, not moved to the rank's port. Before, it
+// moved, and the next request moved it back: two handshakes, a false
+// alarm of two engines sharing an id, and the requests in between failed
+// as naming an engine elsewhere.
+func TestNamedEngineNotMovedByAPeerMessage(t *testing.T) {
+	now := traceEpoch
+	d := newTestCore(t, "D", ModePush, traceLayout(0, 1, 1<<30), now)
+	var asks []hsAsk
+	run := func(in input) {
+		t.Helper()
+		d.Step(now, in)
+		carryOut(d, nil, nil, func(int, *op) error { return nil })
+		asks = append(asks, d.fx.asks...)
+		d.fx.asks = d.fx.asks[:0]
+		d.out = Finished{}
+	}
+	q := RecvReq{ReqID: "d-1", TransferID: "t-1", Deadline: now.Add(time.Minute), Local: []topology.Span{{IDs: []topology.BlockID{1}}},
+		Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1", TPSize: 1, PPSize: 1, Tokens: 16}}
+	run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, Recv: []RecvReq{q}}}})
+	if len(asks) != 1 {
+		t.Fatalf("asks = %+v, want one handshake", asks)
+	}
+	h := &hsResult{engine: "P", moves: asks[0].moves,
+		res:   HandshakeResult{Generation: 1, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte("P/0")}}},
+		names: []PeerName{"P/0"}, loadErrs: []error{nil}}
+	asks = nil
+	run(input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
+	now = now.Add(5 * time.Second) // past handshakeRetry: a message from a new agent is verified at once
+	m := &msg{Kind: msgDone, Engine: "P", Addr: "P:2", TPSize: 1, PPSize: 1, TransferID: "t-1", DReq: "d-1", PReq: "p-1"}
+	run(input{kind: inNotifs, notifs: []Notif{{From: "P/9", Msg: appendMsg(nil, m)}}})
+	if e := d.engines["P"]; e.addr != "P:1" {
+		t.Errorf("engine P at %s after a message from an unlisted agent at P:2, want P:1 (the params')", e.addr)
+	}
+	for _, a := range asks {
+		if a.addr != "P:1" {
+			t.Errorf("asked %+v, want P asked at P:1 alone", a)
+		}
+	}
+	if got := d.metrics.Snapshot().BadInput["engine_id_shared"]; got != 0 {
+		t.Errorf("engine_id_shared = %d, want 0", got)
+	}
+}

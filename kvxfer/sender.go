@@ -79,12 +79,17 @@ func (st *loopState) admit(pm parkedMsg) bool {
 // could not vouch for the new agent: a consumer back at another address
 // was refused by its producer until the old handshake failed for good.
 // Each rank of an in-process engine speaks from its own port: a rank
-// whose agent is listed moves nothing.
+// whose agent is listed moves nothing, and an engine a request's params
+// named (engineAt: the producer of our consumer requests) is moved by
+// requests alone. Before that rule, a producer rank restarted on its own
+// port moved the engine from the address the params name to that rank's,
+// and the next requests moved it back: two handshakes, and a false alarm
+// of two engines sharing an id.
 func (st *loopState) senderMoved(e *engine, pm parkedMsg) bool {
-	if pm.m.Addr == "" || e.addr == "" || pm.m.Addr == e.addr || pm.tries >= maxParkTries {
+	if e.named || pm.m.Addr == "" || e.addr == "" || pm.m.Addr == e.addr || pm.tries >= maxParkTries {
 		return false
 	}
-	st.moveEngine(e, pm.m.Addr, "a peer message comes from an agent its engine's handshake does not list, at another address")
+	st.moveEngine(e, pm.m.Addr, "a peer message comes from an agent its engine's handshake does not list, at another address", false)
 	e.refreshing = true
 	return true
 }
