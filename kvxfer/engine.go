@@ -193,10 +193,10 @@ func (st *loopState) ensureEngine(id, addr string) *engine {
 // elsewhere: the request names the engine at another address than the
 // one it was last handshaken at, and came in before that handshake
 // began: the engine moved on since (two live engines share the id, named
-// by turns). The request is failed (Moved), never sent to the engine at
-// the other address, whose blocks are not its request's, and never moves
-// the engine back: requests in flight at once that name both would have
-// it handshaken back and forth for ever. An engine a request named is
+// by turns). The request fails (peer_gone, both addresses named), never
+// sent to the engine at the other address, whose blocks are not its
+// request's, and never moves the engine back: requests in flight at once
+// that name both would have it handshaken back and forth for ever. An engine a request named is
 // moved by requests alone, never by a peer message (senderMoved): each
 // rank of an in-process engine speaks from its own port, while the
 // params name the engine by its first rank's.
