@@ -263,5 +263,5 @@ func settledIn(t *testing.T, name, ns, addr string, baseline, slack float64) {
 			return
 		}
 	}
-	t.Logf("%s after the scenario: no request open, %v goroutines (%v before)", name, m["go_goroutines"], baseline)
+	t.Logf("%s after the scenario: no request open, %v goroutines (%v before, %v allowed)", name, m["go_goroutines"], baseline, baseline+slack)
 }

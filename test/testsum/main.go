@@ -51,9 +51,44 @@ type summary struct {
 	skips          []skip
 	failedTests    []key
 	failedPkgs     []string
+	// said holds each failed top-level test's failure messages, in
+	// order: the first line of each t.Error/t.Fatal (and of a panic),
+	// so that the run's last lines say why without its logs.
+	said map[key][]string
 }
 
-func newSummary() *summary { return &summary{out: map[key][]string{}} }
+func newSummary() *summary { return &summary{out: map[key][]string{}, said: map[key][]string{}} }
+
+// messageLine matches the first line of a test's message (t.Log's too):
+// four spaces, the file and line, the text.
+var messageLine = regexp.MustCompile(`^ {4}(\S+_test\.go:\d+: .*)`)
+
+// sayings picks the lines of a failed test's output that say why it
+// failed: each message's first line, less those that only head a log
+// (they end in "log:" or "output:"), and a panic's; at most 300 bytes
+// each.
+func sayings(lines []string) []string {
+	var out []string
+	for _, l := range lines {
+		l = strings.TrimRight(l, "\n")
+		var said string
+		if m := messageLine.FindStringSubmatch(l); m != nil {
+			said = m[1]
+			if strings.HasSuffix(said, "log:") || strings.HasSuffix(said, "output:") {
+				continue
+			}
+		} else if strings.HasPrefix(l, "panic: ") {
+			said = l
+		} else {
+			continue
+		}
+		if len(said) > 300 {
+			said = said[:300] + "..."
+		}
+		out = append(out, said)
+	}
+	return out
+}
 
 // add takes one event; it prints package lines and failed tests' output to w.
 func (s *summary) add(w io.Writer, e event) {
@@ -110,6 +145,9 @@ func (s *summary) add(w io.Writer, e event) {
 			// A subtest's output is part of its parent's: print the
 			// innermost failure's and the top-level test's once.
 			s.failedTests = append(s.failedTests, k)
+			top, _, _ := strings.Cut(e.Test, "/")
+			tk := key{e.Package, top}
+			s.said[tk] = append(s.said[tk], sayings(s.out[k])...)
 			if !strings.Contains(e.Test, "/") {
 				s.failed++
 			}
@@ -162,6 +200,27 @@ func (s *summary) report(w io.Writer) {
 	}
 	for _, p := range s.failedPkgs {
 		fmt.Fprintf(w, "  FAIL %s\n", p)
+		// Why each of its tests failed, at the very end of the run's
+		// output, where a cut log still shows it.
+		var tests []key
+		for k := range s.said {
+			if k.pkg == p {
+				tests = append(tests, k)
+			}
+		}
+		slices.SortFunc(tests, func(a, b key) int { return strings.Compare(a.test, b.test) })
+		for _, k := range tests {
+			var said []string
+			for _, l := range s.said[k] {
+				if !slices.Contains(said, l) {
+					said = append(said, l)
+				}
+			}
+			if len(said) > 8 {
+				said = append(said[:8:8], fmt.Sprintf("(and %d more)", len(said)-8))
+			}
+			fmt.Fprintf(w, "    %s:\n      %s\n", k.test, strings.Join(said, "\n      "))
+		}
 	}
 }
 

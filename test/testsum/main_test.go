@@ -15,6 +15,8 @@ func TestSummary(t *testing.T) {
 {"Action":"output","Package":"p","Test":"TestB","Output":"--- SKIP: TestB (0.00s)\n"}
 {"Action":"skip","Package":"p","Test":"TestB"}
 {"Action":"output","Package":"p","Test":"TestC/sub","Output":"    c_test.go:3: boom\n"}
+{"Action":"output","Package":"p","Test":"TestC/sub","Output":"    c_test.go:4: D log:\n"}
+{"Action":"output","Package":"p","Test":"TestC/sub","Output":"        time=x level=WARN msg=noise\n"}
 {"Action":"fail","Package":"p","Test":"TestC/sub"}
 {"Action":"output","Package":"p","Test":"TestC","Output":"--- FAIL: TestC (0.00s)\n"}
 {"Action":"fail","Package":"p","Test":"TestC"}
@@ -36,6 +38,10 @@ func TestSummary(t *testing.T) {
 		if !strings.Contains(got, want) {
 			t.Errorf("summary lacks %q:\n%s", want, got)
 		}
+	}
+	// The run ends with why each test failed, without its logs.
+	if _, tail, _ := strings.Cut(got, "  FAIL p\n"); tail != "    TestC:\n      c_test.go:3: boom\n" {
+		t.Errorf("the summary's end after FAIL p is %q, want TestC's message alone", tail)
 	}
 	if strings.Contains(got, "=== RUN   TestA") {
 		t.Errorf("a passing test's output was printed:\n%s", got)
