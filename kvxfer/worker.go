@@ -606,35 +606,8 @@ func (w *Worker) StepDropped(send []string, why string) ([]string, error) {
 	if len(send) == 0 {
 		return nil, nil
 	}
-	ch := make(chan []string, 1)
-	err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- st.stepDropped(nil, send, why) }})
-	if err == nil {
-		select {
-		case ended := <-ch:
-			return ended, nil
-		case <-w.stopped:
-		}
-	} else {
-		<-w.stopped // the loop writes closedSends before it stops
-	}
-	// Closed: the loop may have taken the inspection in as it closed
-	// (those it ended are reported, and may be forgotten), or not.
-	var ended []string
-	select {
-	case ended = <-ch:
-	default:
-	}
-	seen := make(map[string]bool, len(ended))
-	for _, id := range ended {
-		seen[id] = true
-	}
-	for _, id := range send {
-		if w.closedSends[id] && !seen[id] {
-			seen[id] = true
-			ended = append(ended, id)
-		}
-	}
-	return ended, cmp.Or(w.Err(), ErrClosed)
+	return w.askIDs(send, func(st *loopState) []string { return st.stepDropped(nil, send, why) },
+		func(id string) bool { return w.closedSends[id] })
 }
 
 // RecvsHeld returns the ids of recv, consumer requests a step its caller
@@ -650,21 +623,22 @@ func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
 	if len(recv) == 0 {
 		return nil, nil
 	}
-	held := func(has func(string) bool) []string {
-		var out []string
-		seen := make(map[string]bool, len(recv))
-		for _, id := range recv {
-			if !seen[id] && has(id) {
-				out = append(out, id)
-			}
-			seen[id] = true
-		}
-		return out
-	}
+	return w.askIDs(recv, func(st *loopState) []string {
+		return eachOnce(recv, func(id string) bool { return st.recvs[id] != nil })
+	}, func(id string) bool { return w.closedRecvs[id] })
+}
+
+// askIDs runs ask on the loop and returns its answer: the ids of the
+// caller's list ids whose outcome is the worker's. Once the Worker is
+// closed (Close, or on its own: Err), it returns, with ErrClosed (or the
+// loop's error), the ids of ids that ask named (the loop may have taken
+// the inspection in as it closed, or not) or that closed says the loop
+// held as it stopped (the loop writes closedSends and closedRecvs before
+// it stops: closed is read only after), each once, after the loop
+// stopped.
+func (w *Worker) askIDs(ids []string, ask func(*loopState) []string, closed func(string) bool) ([]string, error) {
 	ch := make(chan []string, 1)
-	err := w.post(event{kind: evInspect, fn: func(st *loopState) {
-		ch <- held(func(id string) bool { return st.recvs[id] != nil })
-	}})
+	err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- ask(st) }})
 	if err == nil {
 		select {
 		case out := <-ch:
@@ -672,10 +646,8 @@ func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
 		case <-w.stopped:
 		}
 	} else {
-		<-w.stopped // the loop writes closedRecvs before it stops
+		<-w.stopped
 	}
-	// Closed: those the loop held when it took the inspection in (if it
-	// did) and those it held as it stopped.
 	var saw map[string]bool
 	select {
 	case out := <-ch:
@@ -685,7 +657,20 @@ func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
 		}
 	default:
 	}
-	return held(func(id string) bool { return saw[id] || w.closedRecvs[id] }), cmp.Or(w.Err(), ErrClosed)
+	return eachOnce(ids, func(id string) bool { return saw[id] || closed(id) }), cmp.Or(w.Err(), ErrClosed)
+}
+
+// eachOnce returns the ids of ids that has holds, each once, in order.
+func eachOnce(ids []string, has func(string) bool) []string {
+	var out []string
+	seen := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		if !seen[id] && has(id) {
+			out = append(out, id)
+		}
+		seen[id] = true
+	}
+	return out
 }
 
 // noteClosedSends records, as the loop stops (closing, or broken), the
