@@ -1056,8 +1056,12 @@ const maxHoldRanks = 64
 // expiry. It never moves a bound earlier, nor past the request's own
 // deadline.
 func (st *loopState) onHold(m *msg) {
-	if st.cfg.Mode != ModePull || len(m.Holds)*3 != len(m.IDs) {
+	if st.cfg.Mode != ModePull {
 		st.metrics.BadInput("hold.mode")
+		return
+	}
+	if len(m.Holds)*3 != len(m.IDs) { // decodeMsg refuses it first
+		st.metrics.BadInput("hold.ids")
 		return
 	}
 	e := st.engines[m.Engine]

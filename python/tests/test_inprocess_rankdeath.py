@@ -17,6 +17,7 @@ processes on loopback (inprocess_rank.py):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -143,12 +145,36 @@ class Rank:
             self.p.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def running() -> Iterator[list[Rank]]:
+    """The list a test puts the ranks it starts in: each one still running
+    is killed when the test ends, however it ends."""
+    ranks: list[Rank] = []
+    try:
+        yield ranks
+    finally:
+        for r in ranks:
+            r.stop()
+
+
 def start(lib: Path, engine: str, role: str, tp: int, base: int, secret: str, ranks=None, mode: str = "push",
           env: dict | None = None, server: dict | None = None) -> list[Rank]:
     rs = [Rank(lib, engine, role, r, tp, base, secret, mode, env, server) for r in (ranks if ranks is not None else range(tp))]
     for r in rs:
         r.take("ready", 60)
     return rs
+
+
+def pair(lib: Path, tmp_path: Path, ranks: list[Rank], mode: str = "push") -> tuple[list[Rank], list[Rank], int, int, str]:
+    """Starts P and D, TP 2 each, in mode, on ports of their own, both put
+    in ranks (running); returns them, P's and D's rank port bases, and
+    their peer secret file."""
+    secret = harness.secret_file(tmp_path)
+    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
+    P = start(lib, "P", "P", 2, p_base, secret, mode=mode)
+    D = start(lib, "D", "D", 2, d_base, secret, mode=mode)
+    ranks += P + D
+    return P, D, p_base, d_base, secret
 
 
 def blocks(i: int) -> tuple[list[int], list[int]]:
@@ -197,13 +223,8 @@ def test_producer_rank_killed(libkvxfer, tmp_path):
     stopped the probes, and they waited for their deadline. P's rank 1
     restarted on its port (a new generation): new
     requests go through on both ranks, every byte checked."""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks: list[Rank] = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret)
-        D = start(libkvxfer, "D", "D", 2, d_base, secret)
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks)
         first, short = list(range(4)), list(range(4, 8))
         for d in D:
             recv(d, p_base, first, "a")
@@ -269,9 +290,6 @@ def test_producer_rank_killed(libkvxfer, tmp_path):
             check_bytes(d, second)
         for rank in D + P:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_consumer_rank_killed(libkvxfer, tmp_path):
@@ -283,13 +301,8 @@ def test_consumer_rank_killed(libkvxfer, tmp_path):
     whose consumer rank died before its registration arrived names no
     consumer to watch: it ends at its deadline, as any request nobody
     asks for.)"""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks: list[Rank] = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret)
-        D = start(libkvxfer, "D", "D", 2, d_base, secret)
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks)
         first = list(range(4))
         for d in D:
             recv(d, p_base, first, "a")
@@ -310,9 +323,6 @@ def test_consumer_rank_killed(libkvxfer, tmp_path):
         check_bytes(D[0], first)
         for rank in [D[0]] + P:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_producer_rank_killed_pull(libkvxfer, tmp_path):
@@ -321,13 +331,8 @@ def test_producer_rank_killed_pull(libkvxfer, tmp_path):
     given the requests. D's rank 1 fails each request once within the
     liveness bound and holds nothing; D's rank 0 reads P's rank 0's bytes
     and ends done, as P's rank 0 does."""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks: list[Rank] = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret, mode="pull")
-        D = start(libkvxfer, "D", "D", 2, d_base, secret, mode="pull")
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks, mode="pull")
         first = list(range(4))
         for d in D:
             recv(d, p_base, first, "a", pull=True)
@@ -349,6 +354,3 @@ def test_producer_rank_killed_pull(libkvxfer, tmp_path):
         check_bytes(D[0], first)
         for rank in D + [P[0]]:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from test_inprocess_rankdeath import (BOUND, blocks, check_bytes, libkvxfer, recv, send, settle,  # noqa: F401
-                                      start)
+                                      pair, running, start)
 from test_inprocess_signals import _nixl_env
 
 import harness
@@ -30,8 +30,7 @@ def test_second_producer_unaffected(libkvxfer, tmp_path):
     from P, end done."""
     secret = harness.secret_file(tmp_path)
     p_base, q_base, d_base = harness.free_ports(2), harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 2, p_base, secret)
         Q = start(libkvxfer, "Q", "P", 2, q_base, secret)
         D = start(libkvxfer, "D", "D", 2, d_base, secret)
@@ -66,9 +65,6 @@ def test_second_producer_unaffected(libkvxfer, tmp_path):
         check_bytes(D[0], a)
         for r in D + Q + [P[0]]:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_producer_rank_killed_nixl(libkvxfer, tmp_path):
@@ -80,8 +76,7 @@ def test_producer_rank_killed_nixl(libkvxfer, tmp_path):
     harness.need_nixl(env is not None)
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 2, p_base, secret, env=env, server={"backend": "nixl"})
         D = start(libkvxfer, "D", "D", 2, d_base, secret, env=env, server={"backend": "nixl"})
         ranks += P + D
@@ -106,9 +101,6 @@ def test_producer_rank_killed_nixl(libkvxfer, tmp_path):
         check_bytes(D[0], first)
         for r in D + [P[0]]:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_consumer_after_producer_rank_died(libkvxfer, tmp_path):
@@ -121,8 +113,7 @@ def test_consumer_after_producer_rank_died(libkvxfer, tmp_path):
     rank 0 held its blocks until its lease or deadline."""
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 2, p_base, secret)
         ranks += P
         P[1].kill()
@@ -146,9 +137,6 @@ def test_consumer_after_producer_rank_died(libkvxfer, tmp_path):
             assert P[0].at(f"p-a{i}") - t0 < BOUND, (i, P[0].at(f"p-a{i}") - t0, r)
         for r in D + [P[0]]:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_producer_after_consumer_rank_died(libkvxfer, tmp_path):
@@ -161,8 +149,7 @@ def test_producer_after_consumer_rank_died(libkvxfer, tmp_path):
     waited for a WRITE until its deadline."""
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
+    with running() as ranks:
         D = start(libkvxfer, "D", "D", 2, d_base, secret)
         ranks += D
         D[1].kill()
@@ -183,9 +170,6 @@ def test_producer_after_consumer_rank_died(libkvxfer, tmp_path):
                 assert got["result"] == "RESULT_FAILED" and got["kind"] == "FAILURE_KIND_HANDSHAKE", (r.name, got)
         for r in D[:1] + P[:1]:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_producer_rank_killed_survivor_late(libkvxfer, tmp_path):
@@ -194,13 +178,8 @@ def test_producer_rank_killed_survivor_late(libkvxfer, tmp_path):
     of D's ranks ends each request once within the bound; P's rank 0,
     told by D's rank 0, ends each once within the bound of its engine
     handing it the request, not at its deadline, and holds nothing."""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret)
-        D = start(libkvxfer, "D", "D", 2, d_base, secret)
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks)
         first = list(range(4))
         for d in D:
             recv(d, p_base, first, "a")
@@ -223,9 +202,6 @@ def test_producer_rank_killed_survivor_late(libkvxfer, tmp_path):
             assert P[0].at(f"p-a{i}") - t_send < BOUND, (i, P[0].at(f"p-a{i}") - t_send, r)
         for r in D + [P[0]]:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_engines_back_at_other_ports(libkvxfer, tmp_path):
@@ -237,13 +213,8 @@ def test_engines_back_at_other_ports(libkvxfer, tmp_path):
     its id alone, kept its old address until a handshake there failed,
     and the first requests after the move failed (D's, naming P's new
     base) or got no outcome within 20 s (P's, for D back elsewhere)."""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret)
-        D = start(libkvxfer, "D", "D", 2, d_base, secret)
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks)
 
         def served(P, D, p_base, ids, tag):
             for d in D:
@@ -274,6 +245,3 @@ def test_engines_back_at_other_ports(libkvxfer, tmp_path):
         served(P, D, p_base, [4, 5], "c")
         for r in D + P:
             r.bye()
-    finally:
-        for r in ranks:
-            r.stop()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from test_inprocess_rankdeath import (BOUND, DEADLINE, LEASE, TOKENS, blocks, check_bytes, libkvxfer, recv, send,  # noqa: F401
-                                      settle, start)
+                                      pair, running, settle, start)
 
 import harness
 
@@ -32,8 +32,7 @@ def test_hetero_producer_rank_killed(libkvxfer, tmp_path):
     holds nothing at bye."""
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(2), harness.free_ports(1)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 2, p_base, secret)
         D = start(libkvxfer, "D", "D", 1, d_base, secret)
         ranks += P + D
@@ -60,9 +59,6 @@ def test_hetero_producer_rank_killed(libkvxfer, tmp_path):
             assert P[0].at(f"p-a{i}") - t_after < BOUND, (i, P[0].at(f"p-a{i}") - t_after, r)
         for rank in D + [P[0]]:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_hetero_consumer_rank_killed(libkvxfer, tmp_path):
@@ -72,8 +68,7 @@ def test_hetero_consumer_rank_killed(libkvxfer, tmp_path):
     rank 0 ends each once (its part written, or the request let go)."""
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(1), harness.free_ports(2)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 1, p_base, secret)
         D = start(libkvxfer, "D", "D", 2, d_base, secret)
         ranks += P + D
@@ -94,9 +89,6 @@ def test_hetero_consumer_rank_killed(libkvxfer, tmp_path):
             assert D[0].at(f"d-a{i}") - t_kill < BOUND, (i, D[0].at(f"d-a{i}") - t_kill, D[0].result(f"d-a{i}"))
         for rank in D[:1] + P:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_consumer_rank_killed_pull(libkvxfer, tmp_path):
@@ -111,13 +103,8 @@ def test_consumer_rank_killed_pull(libkvxfer, tmp_path):
     completion notices (the handshake with D failed, D's rank 1's port
     refusing, so nothing said who speaks for rank 0) and held the blocks
     until the lease lapsed, reporting them expired."""
-    secret = harness.secret_file(tmp_path)
-    p_base, d_base = harness.free_ports(2), harness.free_ports(2)
-    ranks = []
-    try:
-        P = start(libkvxfer, "P", "P", 2, p_base, secret, mode="pull")
-        D = start(libkvxfer, "D", "D", 2, d_base, secret, mode="pull")
-        ranks += P + D
+    with running() as ranks:
+        P, D, p_base, d_base, secret = pair(libkvxfer, tmp_path, ranks, mode="pull")
         first = list(range(4))
         for d in D:
             recv(d, p_base, first, "a", pull=True)
@@ -138,9 +125,6 @@ def test_consumer_rank_killed_pull(libkvxfer, tmp_path):
         check_bytes(D[0], first)
         for rank in D[:1] + P:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
 
 
 def test_hetero_producer_rank_killed_pull(libkvxfer, tmp_path):
@@ -153,8 +137,7 @@ def test_hetero_producer_rank_killed_pull(libkvxfer, tmp_path):
     go), holding nothing at bye."""
     secret = harness.secret_file(tmp_path)
     p_base, d_base = harness.free_ports(2), harness.free_ports(1)
-    ranks = []
-    try:
+    with running() as ranks:
         P = start(libkvxfer, "P", "P", 2, p_base, secret, mode="pull")
         D = start(libkvxfer, "D", "D", 1, d_base, secret, mode="pull")
         ranks += P + D
@@ -174,6 +157,3 @@ def test_hetero_producer_rank_killed_pull(libkvxfer, tmp_path):
             assert P[0].at(f"p-a{i}") - t_kill < BOUND, (i, P[0].at(f"p-a{i}") - t_kill, r)
         for rank in D + [P[0]]:
             rank.bye()
-    finally:
-        for r in ranks:
-            r.stop()
