@@ -464,6 +464,63 @@ func TestSchedulerAwait(t *testing.T) {
 	}
 }
 
+// A pull consumer request its engine preempts back to its queue is not
+// awaited again, nor read again: an engine preempts only a request that
+// runs (vLLM 0.32's _preempt_request asserts it; a request whose receive
+// was staged waits in WAITING_FOR_REMOTE_KVS, in the waiting queue, not
+// preemptible), that is after its receive's outcome, and AfterAlloc
+// turned its params' DoRemotePrefill off when it staged that receive: the
+// producer released its blocks after the READ, and nothing of it is held
+// for heartbeats to keep. Whether the load was done or failed, the
+// request, queued again, is matched for nothing, allocated for nothing
+// staged, and its finish stages nothing: one receive, one outcome.
+func TestSchedulerConsumerPreemptedAfterItsReceive(t *testing.T) {
+	for _, res := range []Result{ResultDone, ResultFailed} {
+		t.Run(res.String(), func(t *testing.T) {
+			d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+			dc.t = traceEpoch
+			r := &Request{ID: "d-1", PromptTokens: 32, Params: &TransferParams{DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: "P:1",
+				RemoteRequestID: "p-1", TransferID: "t-1", RemoteBlockIDs: []topology.Span{{IDs: ids(1, 2)}}, RemoteNumTokens: 32,
+				RemoteBlocksExpiry: traceEpoch.Add(30 * time.Second)}}
+			if err := d.NewRequest(r); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Await) != 1 {
+				t.Fatalf("step 1 = %+v, want d-1 awaited", m)
+			}
+			n, _ := d.MatchedTokens(r, 0)
+			if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(3, 4)}, External: n}); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 1 || len(m.Await) != 0 || len(m.AwaitEnd) != 0 {
+				t.Fatalf("step 2 = %+v, want d-1's receive alone", m)
+			}
+			d.Update(&Finished{Recving: []Outcome{{ReqID: "d-1", Result: res}}})
+			// Runs, then is preempted: back in the queue, its blocks freed,
+			// its params as AfterAlloc left them (no call tells the
+			// scheduler: vLLM makes none for a consumer).
+			if n, async := d.MatchedTokens(r, 0); n != 0 || async {
+				t.Errorf("MatchedTokens of d-1 queued again = %d, %v; want 0, false (computed here)", n, async)
+			}
+			if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6)}}); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 0 || len(m.Await) != 0 || len(m.AwaitEnd) != 0 {
+				t.Errorf("step after d-1 was allocated again = %+v, want nothing of it", m)
+			}
+			if _, _, err := d.RequestFinished(r, FinishStopped, [][]topology.BlockID{ids(5, 6)}, 32); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 0 || len(m.AwaitEnd) != 0 || d.HasPendingWork() {
+				t.Errorf("step after d-1 finished = %+v (pending %v), want nothing of it", m, d.HasPendingWork())
+			}
+			if c := d.Counters(); c.BadParams != 0 || c.UnknownUpdates != 0 {
+				t.Errorf("counters = %+v, want none", c)
+			}
+		})
+	}
+}
+
 // A waiting entry a rank cannot heartbeat (no request, no producer, an
 // id past MaxIDBytes) is counted and dropped, the rest of the step kept.
 func TestAwaitBadEntryCounted(t *testing.T) {
