@@ -356,6 +356,37 @@ func TestPullQueuedSecondHeartbeatenAtItsStep(t *testing.T) {
 	}
 }
 
+// A waiting request whose receive the rank refuses (past its
+// MaxRequests, the refusal its one outcome: failed) stops its heartbeats
+// with that outcome: the engine recomputes it, and P's hold on p-1 lapses
+// at its lease. Before, the wait outlived its request: each heartbeat
+// extended P's hold, P's answer extended the wait's estimate, and P held
+// p-1's blocks as long as D's rank lived.
+func TestPullQueuedReceiveRefusedStopsHeartbeats(t *testing.T) {
+	hp := newHoldPair(t)
+	d, r := hp.queued(t)
+	hp.advance(t, 10*time.Second)
+	n, _ := d.MatchedTokens(r, 0)
+	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
+		t.Fatal(err)
+	}
+	hp.d.st.cfg.MaxRequests = 0 // the rank is full
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
+	if out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n")); !strings.Contains(out, "outcome recv d-1 failed") {
+		t.Fatalf("d-1's receive on a full rank:\n%s\nwant it refused (failed)", out)
+	}
+	var dOut []string
+	for range 60 {
+		dOut = append(dOut, hp.advance(t, time.Second))
+	}
+	if got := strings.Join(dOut, "\n"); strings.Contains(got, "heartbeat") || len(hp.d.st.waits) != 0 {
+		t.Errorf("D's rank after d-1's receive was refused (%d waiting):\n%s\nwant no more heartbeats of it", len(hp.d.st.waits), got)
+	}
+	if got := strings.Join(hp.pOut, "\n"); !strings.Contains(got, "outcome send p-1 expired") {
+		t.Errorf("P in the 60 s after d-1's receive was refused at D:\n%s\nwant p-1's hold lapsed (expired)", got)
+	}
+}
+
 // A waiting request that ends in D's queue (aborted before it was
 // allocated) stops its heartbeats (P is told to free its blocks, as
 // before). And one
