@@ -19,6 +19,8 @@ type waitReq struct {
 	req   AwaitReq
 	since time.Time
 	holds []rankHold
+	beat  bool // heartbeaten at least once
+	fresh bool // listed in loopState.fresh
 }
 
 // maxWaits bounds the waiting requests a rank heartbeats: past it, a
@@ -48,8 +50,51 @@ func (st *loopState) newWait(a *AwaitReq) {
 		st.metrics.Dropped("await_limit")
 		return
 	}
-	st.waits[a.ReqID] = &waitReq{req: *a, since: st.now}
+	w := &waitReq{req: *a, since: st.now, fresh: true}
+	if old := st.waits[a.ReqID]; old == nil || !old.fresh {
+		st.fresh = append(st.fresh, a.ReqID) // (one listing per id)
+	}
+	st.waits[a.ReqID] = w
+	st.beatFresh = true
 	st.engineAt(a.Remote.EngineID, a.Remote.Addr, st.now) // its handshake, early (at the address it names: engineAt)
+}
+
+// heartbeatFresh heartbeats at once the waiting requests not heartbeaten
+// yet whose producer engine is handshaken (the others stay fresh until
+// it is), instead of at the next tick, up to Lease/6 away: a request may
+// arrive late in the producer's hold (its router or the engine's front
+// end slow), and a hold that lapses before the first heartbeat is lost
+// (its READ refused as expired: recomputed). Before, an idle rank's first
+// heartbeat went a full interval after the request came. One heartbeat
+// per producer engine and rank for all the requests an input added.
+func (st *loopState) heartbeatFresh() {
+	st.beatFresh = false
+	if len(st.fresh) == 0 {
+		return
+	}
+	by := map[string][]string{}
+	keep := st.fresh[:0]
+	for _, id := range st.fresh {
+		w := st.waits[id]
+		if w == nil || !w.fresh {
+			continue
+		}
+		e := st.engines[w.req.Remote.EngineID]
+		if w.beat || e == nil || e.state != hsReady || w.req.Remote.Addr != "" && e.addr != "" && w.req.Remote.Addr != e.addr {
+			if !w.beat && e != nil && e.state == hsPending {
+				keep = append(keep, id) // beaten once its engine is ready
+			} else {
+				w.fresh = false // (left to the ticks)
+			}
+			continue
+		}
+		w.beat, w.fresh = true, false
+		e.lastActive = st.now
+		by[e.id] = append(by[e.id], w.req.TransferID, w.req.Remote.ReqID, w.req.ReqID)
+	}
+	clear(st.fresh[len(keep):])
+	st.fresh = keep
+	st.heartbeat(by)
 }
 
 // takeWait hands a waiting request's answered holds to its receive.
@@ -103,6 +148,7 @@ func (st *loopState) waitHeartbeats(by map[string][]string) {
 			continue
 		}
 		e.lastActive = st.now
+		w.beat = true
 		by[e.id] = append(by[e.id], w.req.TransferID, w.req.Remote.ReqID, w.req.ReqID)
 	}
 }

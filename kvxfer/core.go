@@ -67,6 +67,9 @@ func (st *loopState) Step(now time.Time, in input) {
 	case inReleased:
 		st.released(in.xfer)
 	}
+	if st.beatFresh && !st.closing {
+		st.heartbeatFresh() // (waiting requests this input added or readied)
+	}
 	st.recycleSends()
 	if invariants.Enabled {
 		st.checkRegIDs()

@@ -291,6 +291,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	} else {
 		e.state = hsReady
 		st.checkPlans(e)
+		st.beatFresh = st.beatFresh || len(st.fresh) > 0
 	}
 	e.loadedAt, e.stale = st.now, false // a handshake is the engine's word
 	if err == nil {

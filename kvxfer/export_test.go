@@ -191,3 +191,13 @@ func Queued(w *Worker) int {
 
 // MaxQueuedSteps bounds the engine's input waiting in a worker's inbox.
 const MaxQueuedSteps = maxQueuedSteps
+
+// Waiting returns the ids of the requests w heartbeats as waiting
+// (StepMeta.Await), sorted.
+func Waiting(w *Worker) []string {
+	ch := make(chan []string, 1)
+	if err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- sortedKeys(st.waits) }}); err != nil {
+		return nil
+	}
+	return <-ch
+}

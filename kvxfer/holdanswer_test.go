@@ -213,6 +213,13 @@ func TestPullHoldAnswerForAnotherRequestDoesNotExtend(t *testing.T) {
 // waits in D's queue, not allocated. It returns D's Scheduler and d-1.
 func (hp *holdPair) queued(t *testing.T) (*Scheduler, *Request) {
 	t.Helper()
+	return hp.queuedAfter(t, 0)
+}
+
+// queuedAfter is queued with d-1 arriving at D `after` P finished p-1
+// (both clocks moved on meanwhile, D's rank idle).
+func (hp *holdPair) queuedAfter(t *testing.T, after time.Duration) (*Scheduler, *Request) {
+	t.Helper()
 	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
 	pc.t = traceEpoch
 	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
@@ -222,8 +229,11 @@ func (hp *holdPair) queued(t *testing.T) (*Scheduler, *Request) {
 	}
 	hp.p.st.Step(hp.p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: p.BuildMeta()}})
 	hp.p.drive(nil, "")
+	if after > 0 {
+		hp.advance(t, after)
+	}
 	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
-	dc.t = traceEpoch
+	dc.t = traceEpoch.Add(after)
 	r := &Request{ID: "d-1", PromptTokens: 80, Params: params}
 	if err := d.NewRequest(r); err != nil {
 		t.Fatal(err)
@@ -281,6 +291,99 @@ func TestPullQueuedPastTheLeaseIsLoaded(t *testing.T) {
 	}
 	if got := hp.advance(t, time.Second) + "\n" + hp.d.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv d-1 done") {
 		t.Errorf("d-1's READ ended:\n%s\nwant d-1 done", got)
+	}
+}
+
+// A pull consumer request that arrives 26 s into P's 30 s lease (the
+// router slow to hand P's params on, or D's front end queued it) waits in
+// D's queue past P's expiry: D's rank, idle until then, heartbeats it as
+// soon as P's engine is handshaken, not a heartbeat interval (lease/6,
+// 5 s) after, so P keeps its hold and d-1, allocated at 40 s, is loaded.
+// Before, the first heartbeat went at 31 s: P had let p-1's blocks go at
+// 30 s, and d-1's READ was refused (expired: recomputed).
+func TestPullQueuedLateInTheLeaseHeartbeatenAtOnce(t *testing.T) {
+	hp := newHoldPair(t)
+	d, r := hp.queuedAfter(t, 26*time.Second)
+	for range 3 {
+		hp.advance(t, time.Second)
+	}
+	if hp.holds == 0 {
+		t.Fatalf("d-1 arrived at D 26 s into P's 30 s lease; at 29 s P answered no heartbeat of it (P's output: %s); want one at its arrival",
+			strings.Join(hp.pOut, "\n"))
+	}
+	for range 11 {
+		if got := hp.advance(t, time.Second); strings.Contains(got, "outcome") {
+			t.Fatalf("d-1 waiting at %v: %s", hp.d.now.Sub(traceEpoch), got)
+		}
+	}
+	n, async := d.MatchedTokens(r, 0)
+	if n == 0 || !async {
+		t.Fatalf("MatchedTokens = %d, %v; want the producer's tokens, async", n, async)
+	}
+	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
+		t.Fatal(err)
+	}
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
+	out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n"))
+	if strings.Contains(out, "probe P at") {
+		out += "\n" + hp.d.run(t, "handshake P tp=1 probe=true")
+	}
+	if !strings.Contains(out, "post #1 read P/0") {
+		t.Fatalf("d-1 allocated at 40 s, P's hold kept by heartbeats from its arrival at 26 s:\n%s\nwant its READ posted", out)
+	}
+	if got := hp.advance(t, time.Second) + "\n" + hp.d.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv d-1 done") {
+		t.Errorf("d-1's READ ended:\n%s\nwant d-1 done", got)
+	}
+}
+
+// A second waiting request that arrives while the rank ticks already
+// (d-1 waits) for a producer engine it has handshaken is heartbeaten in
+// the step that brings it, alone: the requests heartbeaten already wait
+// for the tick. A request of a step that repeats its entry is not beaten
+// again.
+func TestPullQueuedSecondHeartbeatenAtItsStep(t *testing.T) {
+	hp := newHoldPair(t)
+	hp.queued(t)
+	hp.advance(t, time.Second)
+	a := AwaitReq{ReqID: "d-2", TransferID: "t-2", Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-2", TPSize: 1, PPSize: 1,
+		Expiry: hp.d.now.Add(20 * time.Second)}}
+	for i, want := range []string{"heartbeat ids=t-2,p-2,d-2", ""} {
+		hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: hp.d.now, Await: []AwaitReq{a}}}})
+		out := strings.Join(hp.d.drive(nil, ""), "\n")
+		if want == "" && strings.Contains(out, "heartbeat") || want != "" && (!strings.Contains(out, want) || strings.Contains(out, "d-1")) {
+			t.Errorf("step %d awaiting d-2 (d-1 waiting, P handshaken):\n%s\nwant %q alone", i+1, out, want)
+		}
+	}
+}
+
+// A waiting request whose receive the rank refuses (past its
+// MaxRequests, the refusal its one outcome: failed) stops its heartbeats
+// with that outcome: the engine recomputes it, and P's hold on p-1 lapses
+// at its lease. Before, the wait outlived its request: each heartbeat
+// extended P's hold, P's answer extended the wait's estimate, and P held
+// p-1's blocks as long as D's rank lived.
+func TestPullQueuedReceiveRefusedStopsHeartbeats(t *testing.T) {
+	hp := newHoldPair(t)
+	d, r := hp.queued(t)
+	hp.advance(t, 10*time.Second)
+	n, _ := d.MatchedTokens(r, 0)
+	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
+		t.Fatal(err)
+	}
+	hp.d.st.cfg.MaxRequests = 0 // the rank is full
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
+	if out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n")); !strings.Contains(out, "outcome recv d-1 failed") {
+		t.Fatalf("d-1's receive on a full rank:\n%s\nwant it refused (failed)", out)
+	}
+	var dOut []string
+	for range 60 {
+		dOut = append(dOut, hp.advance(t, time.Second))
+	}
+	if got := strings.Join(dOut, "\n"); strings.Contains(got, "heartbeat") || len(hp.d.st.waits) != 0 {
+		t.Errorf("D's rank after d-1's receive was refused (%d waiting):\n%s\nwant no more heartbeats of it", len(hp.d.st.waits), got)
+	}
+	if got := strings.Join(hp.pOut, "\n"); !strings.Contains(got, "outcome send p-1 expired") {
+		t.Errorf("P in the 60 s after d-1's receive was refused at D:\n%s\nwant p-1's hold lapsed (expired)", got)
 	}
 }
 
@@ -389,6 +492,63 @@ func TestSchedulerAwait(t *testing.T) {
 	}
 	if err := d.AfterAlloc(bad, Alloc{Blocks: [][]topology.BlockID{ids(9, 10)}, External: 32}); err == nil || !strings.Contains(err.Error(), "RemoteEngineID") || d.Counters().BadParams != 1 {
 		t.Errorf("AfterAlloc without RemoteEngineID = %v, bad params %d; want it refused naming the field, counted once", err, d.Counters().BadParams)
+	}
+}
+
+// A pull consumer request its engine preempts back to its queue is not
+// awaited again, nor read again: an engine preempts only a request that
+// runs (vLLM 0.32's _preempt_request asserts it; a request whose receive
+// was staged waits in WAITING_FOR_REMOTE_KVS, in the waiting queue, not
+// preemptible), that is after its receive's outcome, and AfterAlloc
+// turned its params' DoRemotePrefill off when it staged that receive: the
+// producer released its blocks after the READ, and nothing of it is held
+// for heartbeats to keep. Whether the load was done or failed, the
+// request, queued again, is matched for nothing, allocated for nothing
+// staged, and its finish stages nothing: one receive, one outcome.
+func TestSchedulerConsumerPreemptedAfterItsReceive(t *testing.T) {
+	for _, res := range []Result{ResultDone, ResultFailed} {
+		t.Run(res.String(), func(t *testing.T) {
+			d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+			dc.t = traceEpoch
+			r := &Request{ID: "d-1", PromptTokens: 32, Params: &TransferParams{DoRemotePrefill: true, RemoteEngineID: "P", RemoteAddr: "P:1",
+				RemoteRequestID: "p-1", TransferID: "t-1", RemoteBlockIDs: []topology.Span{{IDs: ids(1, 2)}}, RemoteNumTokens: 32,
+				RemoteBlocksExpiry: traceEpoch.Add(30 * time.Second)}}
+			if err := d.NewRequest(r); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Await) != 1 {
+				t.Fatalf("step 1 = %+v, want d-1 awaited", m)
+			}
+			n, _ := d.MatchedTokens(r, 0)
+			if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(3, 4)}, External: n}); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 1 || len(m.Await) != 0 || len(m.AwaitEnd) != 0 {
+				t.Fatalf("step 2 = %+v, want d-1's receive alone", m)
+			}
+			d.Update(&Finished{Recving: []Outcome{{ReqID: "d-1", Result: res}}})
+			// Runs, then is preempted: back in the queue, its blocks freed,
+			// its params as AfterAlloc left them (no call tells the
+			// scheduler: vLLM makes none for a consumer).
+			if n, async := d.MatchedTokens(r, 0); n != 0 || async {
+				t.Errorf("MatchedTokens of d-1 queued again = %d, %v; want 0, false (computed here)", n, async)
+			}
+			if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6)}}); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 0 || len(m.Await) != 0 || len(m.AwaitEnd) != 0 {
+				t.Errorf("step after d-1 was allocated again = %+v, want nothing of it", m)
+			}
+			if _, _, err := d.RequestFinished(r, FinishStopped, [][]topology.BlockID{ids(5, 6)}, 32); err != nil {
+				t.Fatal(err)
+			}
+			if m := d.BuildMeta(); len(m.Recv) != 0 || len(m.AwaitEnd) != 0 || d.HasPendingWork() {
+				t.Errorf("step after d-1 finished = %+v (pending %v), want nothing of it", m, d.HasPendingWork())
+			}
+			if c := d.Counters(); c.BadParams != 0 || c.UnknownUpdates != 0 {
+				t.Errorf("counters = %+v, want none", c)
+			}
+		})
 	}
 }
 

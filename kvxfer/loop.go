@@ -715,6 +715,13 @@ func (st *loopState) report(role Role, o Outcome) {
 		st.out.Sending = append(st.out.Sending, o)
 	} else {
 		st.out.Recving = append(st.out.Recving, o)
+		// A request waiting (StepMeta.Await) whose receive ended untaken
+		// (refused past a bound, a malformed entry) is heartbeaten no
+		// more: its engine is done with the receive (no AwaitEnd comes:
+		// the receive was to take over). Before, the wait outlived it:
+		// each heartbeat extended P's hold and P's answer the wait's
+		// estimate of it, so P held the blocks as long as this rank lived.
+		delete(st.waits, o.ReqID)
 	}
 }
 

@@ -20,8 +20,12 @@ import (
 type consumerState struct {
 	recvs map[string]*recvReq
 	// waits: pull consumer requests waiting in the engine's queue,
-	// heartbeaten until allocated (await.go).
-	waits map[string]*waitReq
+	// heartbeaten until allocated (await.go); fresh: those of them not
+	// heartbeaten yet, beaten at the end of the input that added them or
+	// that readied their producer's engine (beatFresh set).
+	waits     map[string]*waitReq
+	fresh     []string
+	beatFresh bool
 }
 
 // Consumer side: registrations (push), READs (pull), completion counting,
@@ -1136,6 +1140,12 @@ func (st *loopState) sendHeartbeats() {
 		by[r.req.Remote.EngineID] = append(by[r.req.Remote.EngineID], r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID)
 	}
 	st.waitHeartbeats(by)
+	st.heartbeat(by)
+}
+
+// heartbeat sends the heartbeats of requests by producer engine (IDs
+// in triples) to each of its ranks.
+func (st *loopState) heartbeat(by map[string][]string) {
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
 		ids := by[id]

@@ -618,12 +618,21 @@ func (w *Worker) StepDropped(send []string, why string) ([]string, error) {
 // first. The rest are the caller's to end. Once the Worker is closed
 // (Close, or on its own: Err), it returns, with ErrClosed (or the loop's
 // error), those of recv it held when it stopped (its close ended them),
-// after the loop stopped. Nothing else changes.
+// after the loop stopped. The rest, which the caller ends, are no longer
+// heartbeaten as waiting requests (StepMeta.Await): the receive that was
+// to take over from the wait never comes (before, the wait outlived the
+// request, and its heartbeats kept the producer's hold for as long as the
+// rank lived). Nothing else changes.
 func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
 	if len(recv) == 0 {
 		return nil, nil
 	}
 	return w.askIDs(recv, func(st *loopState) []string {
+		for _, id := range recv {
+			if st.recvs[id] == nil {
+				delete(st.waits, id) // the caller ends it: see above
+			}
+		}
 		return eachOnce(recv, func(id string) bool { return st.recvs[id] != nil })
 	}, func(id string) bool { return w.closedRecvs[id] })
 }

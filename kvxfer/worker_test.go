@@ -1325,3 +1325,32 @@ func TestCloseRacingStepLosesNoOutcome(t *testing.T) {
 		}
 	})
 }
+
+// A pull consumer request waiting on a rank (StepMeta.Await) whose
+// receive a dropped step named (the caller ends it: RecvsHeld leaves it
+// out of those the worker holds) is heartbeaten no more: the receive that
+// was to take over from the wait never comes. Before, the wait outlived
+// its request, its heartbeats extending P's hold (and P's answers the
+// wait's estimate of it) for as long as the rank lived.
+func TestRecvsHeldEndsWaitOfADroppedReceive(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+		q := x.req("r1", 40, 0)
+		x.sendP(q)
+		now := time.Now()
+		rr := q.recv(x.mode, x.p, now.Add(time.Minute))
+		w := x.d.workers[0][0]
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Await: []kvxfer.AwaitReq{{ReqID: rr.ReqID, TransferID: rr.TransferID, Remote: rr.Remote}}})
+		x.settle()
+		if got := kvxfer.Waiting(w); !slices.Equal(got, []string{"d-r1"}) {
+			t.Fatalf("D waits on %v, want d-r1", got)
+		}
+		held, err := w.RecvsHeld([]string{"d-r1"})
+		if err != nil || len(held) != 0 {
+			t.Fatalf("RecvsHeld = %v, %v; want none held", held, err)
+		}
+		if got := kvxfer.Waiting(w); len(got) != 0 {
+			t.Errorf("D waits on %v after a dropped step named d-r1's receive (its caller ends it), want none", got)
+		}
+	})
+}

@@ -518,3 +518,58 @@ def test_d_request_id_reused_after_abort_before_scheduled(tmp_path, daemons, mod
         assert _free_both(r)
     finally:
         r.close()
+
+
+def test_pull_consumer_preempted_after_its_load_is_not_read_again(tmp_path, daemons, placement):
+    """Pull, both engines' lease 2 s: d-0 is loaded and runs, then vLLM
+    preempts it back to D's waiting queue and holds it there 4 s, twice
+    P's lease, before it runs again. vLLM preempts only a running request
+    (one whose receive is staged waits in WAITING_FOR_REMOTE_KVS, in the
+    waiting queue, never preempted), so its load is over: P let p-0's
+    blocks go after the READ, and nothing is held for heartbeats to keep.
+    d-0 is not read (nor awaited) again, it is recomputed on D from its
+    blocks' loss, each rank reports each side once, no receive fails, and
+    both engines give every block back."""
+    rng = random.Random("preempted-pull")
+
+    def leased(name):
+        if placement == "in-process":
+            return H.InProcess(tmp_path, name, server={"lease": "2s"})
+        return daemons(name, ["-lease", "2s"])
+
+    r = Run(tmp_path, leased, "pull", 1, p_kw={"lease_s": 2}, d_kw={"lease_s": 2})
+    seen: Counter = Counter()
+    for e in (r.P, r.D):
+        _count_outcomes(e, seen)
+    new_requests = []
+    side = r.D.sched.connector._sched
+    orig_new = side.new_request
+
+    def new_request(req, _orig=orig_new):
+        new_requests.append(req.request_id)
+        return _orig(req)
+
+    side.new_request = new_request
+    try:
+        r.prompts["p-0"] = r.prompts["d-0"] = toks0 = [rng.randrange(100, 50000) for _ in range(40)]
+        r.P.sched.add_request(H.make_request("p-0", list(toks0), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        r.run_until(lambda: "p-0" in r.P.finished)
+        d0 = H.make_request("d-0", toks0, 6, dict(r.P.finished["p-0"].kv_transfer_params))
+        r.D.sched.add_request(d0)
+        r.run_until(lambda: "d-0" in r.D.recvd and d0 in r.D.sched.running)
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), r.D.failed)
+        _preempt(r.D, d0)
+        assert d0.kv_transfer_params.get("do_remote_prefill") is False, d0.kv_transfer_params
+        r.D.sched.waiting.remove_request(d0)
+        until = time.time_ns() + 4_000_000_000
+        r.run_until(lambda: time.time_ns() >= until, limit_s=10)
+        r.D.sched.waiting.add_request(d0)
+        r.run_until(lambda: "d-0" in r.D.finished and not r.P.sched.requests and not r.D.sched.requests, limit_s=30)
+        assert new_requests == ["d-0"], new_requests
+        assert r.d_first["d-0"] == 1 and not r.D.failed, (r.d_first, r.D.failed)
+        twice = {k: v for k, v in seen.items() if v > 1}
+        assert not twice, twice
+        assert seen[("send", 0, "p-0")] == 1 and seen[("recv", 0, "d-0")] == 1, seen
+        assert _free_both(r)
+    finally:
+        r.close()
