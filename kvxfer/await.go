@@ -141,6 +141,17 @@ func (st *loopState) waitHeartbeats(by map[string][]string) {
 			st.metrics.Dropped("await_lapsed")
 			continue
 		}
+		if st.now.Sub(w.since) > st.cfg.RegistrationTTL {
+			// Waiting longer than a producer keeps a registration it
+			// cannot match: its end may never come (an AwaitEnd in a
+			// step dropped whole), and each heartbeat would keep the
+			// producer's blocks held as long as this rank lives. Its
+			// hold lapses now as any unasked one does (a recompute if
+			// the request is allocated after all).
+			delete(st.waits, id)
+			st.metrics.Dropped("await_ttl")
+			continue
+		}
 		if e.state != hsReady || w.req.Remote.Addr != "" && e.addr != "" && w.req.Remote.Addr != e.addr {
 			// (Not handshaken yet, or the engine is at another address
 			// now: another engine under its id, which holds nothing of

@@ -608,3 +608,28 @@ func TestHoldAnswerOfALongHoldIsItsDeadline(t *testing.T) {
 		t.Errorf("heartbeat at 10 s of a 480 s hold:\n%s\nwant it answered with the hold's own end, 480 s", out)
 	}
 }
+
+// A waiting request whose end its rank never hears of (its AwaitEnd was
+// in a step dropped whole: unreadable, or no longer kept) is heartbeaten
+// for RegistrationTTL from its arrival at most: P's hold then lapses,
+// as it does for any request no consumer asks for, and p-1 expires.
+// Before, it was heartbeaten as long as the rank lived, each heartbeat
+// extending P's hold: P never let p-1's blocks go.
+func TestPullQueuedHeartbeatsEndAtRegistrationTTL(t *testing.T) {
+	hp := newHoldPair(t)
+	hp.d.st.cfg.RegistrationTTL = 120 * time.Second
+	hp.queued(t)
+	var dOut []string
+	for range 200 {
+		dOut = append(dOut, hp.advance(t, time.Second))
+	}
+	if got := strings.Join(dOut[100:118], "\n"); !strings.Contains(got, "heartbeat ids=") {
+		t.Errorf("D 100-118 s after d-1 arrived (RegistrationTTL 120 s):\n%s\nwant it still heartbeaten", got)
+	}
+	if got := strings.Join(dOut[122:], "\n"); strings.Contains(got, "heartbeat") || len(hp.d.st.waits) != 0 {
+		t.Errorf("D 122-200 s after d-1 arrived (RegistrationTTL 120 s), %d waiting:\n%s\nwant no heartbeat of it", len(hp.d.st.waits), got)
+	}
+	if got := strings.Join(hp.pOut, "\n"); !strings.Contains(got, "outcome send p-1 expired") {
+		t.Errorf("P 200 s after d-1 arrived at D, its heartbeats stopped at 120 s:\n%s\nwant p-1's hold lapsed (expired)", got)
+	}
+}

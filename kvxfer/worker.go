@@ -48,8 +48,10 @@ type WorkerConfig struct {
 	// now + Lease·2/3.
 	Lease time.Duration
 	// RegistrationTTL bounds how long a producer keeps a registration it
-	// could not match yet, and how long it remembers finished matches to
-	// drop late duplicates (default 480 s).
+	// could not match yet, how long it remembers finished matches to
+	// drop late duplicates, and how long a pull consumer heartbeats a
+	// request waiting in its engine's queue (StepMeta.Await), keeping
+	// the producer's hold of its blocks (default 480 s).
 	RegistrationTTL time.Duration
 	// EngineTTL evicts a peer engine's handshake after this long without
 	// activity (default 1 h; negative disables).
