@@ -193,7 +193,9 @@ func TestGiveUpWaitsForGPUBatch(t *testing.T) {
 	// up after PeerTimeout; its revocation waits for the batch.
 	dir.FailHandshakes("P", 1<<20)
 	out := newOutcomes()
-	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+	// Watched past the give-up (PeerTimeout, 2 s, and a probe) by as much
+	// again: D gives up in it and must not report before release.
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
 		out.collect(t, d)
 		if len(out.recv["d-a"]) > 0 {
 			t.Fatalf("D reported %+v while a GPU batch writing its blocks still ran", out.recv["d-a"][0])
@@ -224,7 +226,7 @@ func heldPush(t *testing.T, g *heldGPU, on func(name string, r *kvsim.Rank) *tcp
 	t.Helper()
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir = kvxfertest.NewDirectory()
-	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 2 * time.Second } // the partition is found by it; 500 ms left a loaded machine little room before it
 	mk := func(id string) *simEngine {
 		return startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), id, kvxfer.ModePush, fast,
 			func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) { return on(name, r), nil })

@@ -160,7 +160,7 @@ func (p *stallProxy) release() {
 func TestRevokeCutsLandingShort(t *testing.T) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir := kvxfertest.NewDirectory()
-	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 2 * time.Second } // the partition is found by it; 500 ms left a loaded machine little room before it
 	tcpOnly := tcp.Config{DisableLocal: true, DisableSameHost: true, Conns: 1}
 	p := startEngineOn(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, fast, func(name string, r *kvsim.Rank) (kvxfer.Backend, *kvxfertest.Agent) {
 		return tcpBackend(t, name, r, tcpOnly), nil
@@ -240,7 +240,7 @@ func TestRevokeCutsLandingShort(t *testing.T) {
 func TestReleaseCutsReadLandingShort(t *testing.T) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir := kvxfertest.NewDirectory()
-	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 500 * time.Millisecond }
+	fast := func(c *kvxfer.WorkerConfig) { c.PeerTimeout = 2 * time.Second } // the partition is found by it; 500 ms left a loaded machine little room before it
 	tcpOnly := tcp.Config{DisableLocal: true, DisableSameHost: true, Conns: 1}
 	var proxy *stallProxy
 	// (P's close at the end waits for a request whose READ was cut short

@@ -21,6 +21,12 @@ func livePair(t *testing.T, timeout time.Duration) (dir *kvxfertest.Directory, p
 	p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePush, nil)
 	d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePush, func(c *kvxfer.WorkerConfig) {
 		c.PeerTimeout, c.FenceTimeout = timeout, max(2*timeout, time.Second) // negative: probes off
+		if timeout < 0 {
+			// Probes off: what waits on the producer ends only by an
+			// event or a request's own handshake, "at once"; a fence left
+			// to time out would take a minute, far past any such bound.
+			c.FenceTimeout = time.Minute
+		}
 	})
 	t.Cleanup(func() { d.close(t) })
 	groups := d.ranks[0][0].Layout.GroupList()
@@ -45,7 +51,9 @@ func livePair(t *testing.T, timeout time.Duration) (dir *kvxfertest.Directory, p
 // revoked, and refuse a late WRITE even into blocks the engine registers
 // again with the same producer: TestPeerGoneWithGrantsRefusesLateWrites).
 func TestPeerGoneFailsWaitingRequests(t *testing.T) {
-	const timeout = 500 * time.Millisecond
+	// 2 s: the bound below leaves a loaded machine 5 s past a correct
+	// run's (timeout and a probe); at 500 ms it left 2 s.
+	const timeout = 2 * time.Second
 	dir, p, d, _ := livePair(t, timeout)
 	p.close(t)
 	dir.FailHandshakes("P", 1<<20)
@@ -70,7 +78,10 @@ func TestPeerGoneFailsWaitingRequests(t *testing.T) {
 // next probe, well before PeerTimeout, and a new request goes to the new
 // agents and is done.
 func TestPeerRestartFailsOldRequests(t *testing.T) {
-	const timeout = 5 * time.Second
+	// 15 s: probes every 3 s, and "well before PeerTimeout" (half of it)
+	// leaves a loaded machine 4.5 s past the next probe; at 5 s it left
+	// 1.5 s.
+	const timeout = 15 * time.Second
 	dir, p, d, _ := livePair(t, timeout)
 	p.close(t)
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}

@@ -31,7 +31,7 @@ func TestPeerGoneEventFailsAtOnce(t *testing.T) {
 		!strings.Contains(o[0].Reason, "producer engine P") || !strings.Contains(o[0].Reason, "lease ended") {
 		t.Fatalf("D outcome %+v, want failed: producer engine P is gone, its lease ended", o)
 	}
-	if took := time.Since(gone); took > time.Second {
+	if took := time.Since(gone); took > 10*time.Second { // at once: against FenceTimeout (a minute, livePair) and no probes
 		t.Errorf("D's request ended %v after PeerGone, want at once", took)
 	}
 }
@@ -67,7 +67,7 @@ func TestPeerGenerationEventIsARejoin(t *testing.T) {
 	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, "restarted") {
 		t.Fatalf("D outcome %+v, want failed: producer restarted", o)
 	}
-	if took := time.Since(back); took > time.Second {
+	if took := time.Since(back); took > 10*time.Second { // at once: against FenceTimeout (a minute, livePair) and no probes
 		t.Errorf("the old request ended %v after PeerGeneration, want at once", took)
 	}
 }

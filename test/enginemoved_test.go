@@ -96,11 +96,14 @@ func twoProducersOneID(t *testing.T) {
 	p1, p2 := startDaemon(t, dir, "P1"), startDaemon(t, dir, "P2")
 	dMetrics := freeAddr(t)
 	d := startDaemon(t, dir, "D", "-metrics-listen", dMetrics)
-	// A short lease: a hold D does not read ends soon.
+	// A short lease: a hold D does not read ends soon (within the 10 s
+	// waited for below). 4 s, not 2: each turn's read, a handshake with
+	// the other address first, must come within it, and a loaded machine
+	// could take 2 s for that.
 	attachP := func(dir string, p *daemontest.Proc) *simengine.Engine {
 		m := simModel
 		e, err := simengine.Attach(simengine.Config{Dir: dir, Sock: p.Sock, Peer: p.Peer, ID: "P", Model: &m, Engine: simEngine(1, 1),
-			Mode: kvxfer.ModePull, Version: "test", Lease: 2 * time.Second})
+			Mode: kvxfer.ModePull, Version: "test", Lease: 4 * time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}

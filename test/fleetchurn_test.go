@@ -1,13 +1,17 @@
 package test
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"os"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
+	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/daemon/registry/etcdtest"
 	"github.com/kvxfer/kvxfer/internal/simengine"
 	"github.com/kvxfer/kvxfer/kvxfer"
@@ -44,6 +48,11 @@ func TestFleetChurnTransfers(t *testing.T) {
 	d := startDaemon(t, dir, "D", "-etcd", etcd.Endpoint(), "-etcd-role", "consumer", "-etcd-ttl", ttl)
 	D := attachByID(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
 	defer D.Close()
+	reg, err := registry.Dial(registry.ClientConfig{Endpoints: etcd.Endpoint()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reg.Close()
 
 	type instance struct {
 		e      *simengine.Engine
@@ -93,14 +102,18 @@ func TestFleetChurnTransfers(t *testing.T) {
 		}
 		// A batch: up to four producers, one request each (2 blocks of
 		// D's 16, distinct within the batch).
-		// As a router would, only instances the registry lists: joined
-		// some time ago (their daemon publishes them, D's view watches).
+		// As a router would, only instances the registry lists: at their
+		// daemon and nowhere else (their daemon published them, an earlier
+		// daemon of the id unpublished it), and joined some time ago (D's
+		// view watches). The time alone only hoped for the rest: a daemon
+		// slowed by load could publish later, and D's request for a
+		// producer that lived on failed as not in the registry.
 		var picked []int
 		for i, in := range live {
 			if len(picked) == 4 {
 				break
 			}
-			if time.Since(in.joined) > 300*time.Millisecond {
+			if time.Since(in.joined) > 300*time.Millisecond && listedAt(t, reg, fmt.Sprintf("p%d", i), pds[in.on].Peer) {
 				picked = append(picked, i)
 			}
 		}
@@ -204,4 +217,23 @@ func TestFleetChurnTransfers(t *testing.T) {
 	if counts[kvxfer.ResultDone.String()] == 0 {
 		t.Error("no request was done: the churn moved no KV")
 	}
+}
+
+// listedAt reports whether the registry lists engine, and only at the
+// daemon whose peer address is peer.
+func listedAt(t *testing.T, cl *clientv3.Client, engine, peer string) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cl.Get(ctx, registry.EnginesPrefix("/kvxfer")+engine+"/", clientv3.WithPrefix())
+	if err != nil || len(resp.Kvs) == 0 {
+		return false
+	}
+	for _, kv := range resp.Kvs {
+		e, err := registry.Decode("/kvxfer", string(kv.Key), kv.Value)
+		if err != nil || e.Peer() != peer {
+			return false
+		}
+	}
+	return true
 }

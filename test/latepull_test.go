@@ -37,8 +37,12 @@ func TestLatePullNeverLoadsAnotherRequestsKV(t *testing.T) {
 	}
 }
 
-// latePullLease is the producer's lease in latePull.
-const latePullLease = 2 * time.Second
+// latePullLease is the producer's lease in latePull (and queuedPull's
+// daemons'): 4 s, short enough for a test to wait it out, long enough
+// that a daemon slowed by load neither misses it for a read "in time"
+// nor lets it lapse between heartbeats (every lease/6). At 2 s a stall
+// of a second or two on a loaded machine was all either took.
+const latePullLease = 4 * time.Second
 
 // latePull returns the scenario with D's read of A past A's lease (late),
 // or at once, well within it.

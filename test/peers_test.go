@@ -292,7 +292,9 @@ func TestDaemonsNeedTheSameSecret(t *testing.T) {
 			t.Logf("D failed after %v: %s", time.Since(start).Round(time.Millisecond), o.Reason)
 			<-pDone
 			var log []byte
-			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			// Waited for (P logs as it refuses, its daemon as slow as the
+			// machine), up to 15 s: a line that never comes fails all the same.
+			for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 				if log, _ = os.ReadFile(p.Log); bytes.Contains(log, []byte(tc.pLog)) {
 					break
 				}

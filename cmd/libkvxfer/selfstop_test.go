@@ -28,9 +28,12 @@ func TestStartWaitsForServerStoppingByItself(t *testing.T) {
 	}
 	defer unix.Munmap(mem)
 	base := uint64(uintptr(unsafe.Pointer(&mem[0])))
-	// (The drain-timeout is well past the second the checks below allow
-	// for the test's own goroutines to see what already happened.)
-	cfg := `{"insecure_peers": true, "log_level": "error", "drain_timeout": "5s"}`
+	// (The drain-timeout, 10 s, is well past the 5 s the checks below
+	// allow for the test's own goroutines to see what already happened:
+	// with 5 s and 1 s, a loaded machine could take that second with
+	// nothing wrong. A start that does not wait ends the rank only at the
+	// drain-timeout, past the 5 s.)
+	cfg := `{"insecure_peers": true, "log_level": "error", "drain_timeout": "10s"}`
 	if _, code, err := start(cfg); err != nil {
 		t.Fatalf("start: %d %v", code, err)
 	}
@@ -86,12 +89,12 @@ func TestStartWaitsForServerStoppingByItself(t *testing.T) {
 	}
 	select {
 	case <-rankEnded:
-	case <-time.After(time.Second):
+	case <-time.After(5 * time.Second):
 		t.Error("kvxfer_stop returned OK with a rank of the server that stopped by itself still attached (its memory may still be touched)")
 	}
 	select {
 	case <-stopped:
-	case <-time.After(time.Second):
+	case <-time.After(5 * time.Second):
 		t.Error("kvxfer_stop returned OK while the server that stopped by itself was still stopping")
 	}
 	<-stopped

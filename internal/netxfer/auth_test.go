@@ -322,11 +322,16 @@ func TestUnfinishedWritesBounded(t *testing.T) {
 	if n != 0 {
 		t.Errorf("unfinished writes = %d past the bound, want 0 (dropped with the connection)", n)
 	}
-	if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
-		// The server closed its side; a later write fails.
-		time.Sleep(100 * time.Millisecond)
-		if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err == nil {
-			t.Error("the connection past the bound stayed open")
+	// The server closes its side (after it dropped the landings: a
+	// loaded machine can hold it between the two): a write fails once
+	// its close is in. Waited for, not slept for 100 ms.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if _, err := nc.Write([]byte{tNotif, 0, 0, 0, 0}); err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Error("the connection past the bound stayed open 10 s")
+			break
 		}
 	}
 }

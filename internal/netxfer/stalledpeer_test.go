@@ -214,7 +214,11 @@ func blackhole(t *testing.T) string {
 // the caller hears the peer is unreachable. Before, each Notify dialed on
 // its caller's goroutine, holding it DialTimeout every time.
 func TestNotifyToUnansweringHostDoesNotWaitForTheDial(t *testing.T) {
-	const dialTimeout = 3 * time.Second
+	// "At once" is against DialTimeout: a call that waited for the dial
+	// takes all of it, one that did not takes dialWait (100 ms). At 3 s
+	// the bound (half of it) left 1.4 s for a loaded machine to delay a
+	// correct call; at 10 s, 4.9 s.
+	const dialTimeout = 10 * time.Second
 	a, _ := newHeapAgent(t, "a", 1<<16, Config{DisableLocal: true, DisableSameHost: true, DialTimeout: dialTimeout})
 	name, err := a.LoadPeer([]byte(metaPrefix + "fake\n" + blackhole(t)))
 	if err != nil {

@@ -23,9 +23,10 @@ import (
 )
 
 // wait bounds every wait of a fake server or a test: long enough for a
-// loaded CI machine, short enough that a broken proxy fails instead of
-// hanging.
-const wait = 5 * time.Second
+// loaded CI machine (a -race run on 2 cores beside the other packages:
+// 5 s left a fake's round trip little room), short enough that a broken
+// proxy fails instead of hanging. Nothing waits it out when all is well.
+const wait = 15 * time.Second
 
 const auth = "Bearer sk-test"
 

@@ -76,8 +76,8 @@ func TestStalledClientBoundedByTimeout(t *testing.T) {
 			case <-time.After(wait):
 				t.Fatal("D's request did not end")
 			}
-			if !waitIdle(e.p, 3*time.Second) {
-				t.Errorf("the request of a client that stopped reading is still in flight 3s after its upstream request ended (Timeout 300ms)")
+			if !waitIdle(e.p, wait) {
+				t.Errorf("the request of a client that stopped reading is still in flight %v after its upstream request ended (Timeout 300ms)", wait)
 			}
 		})
 	}

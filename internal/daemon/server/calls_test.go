@@ -53,11 +53,13 @@ func runCallsPerUIDBounded(t *testing.T) {
 	}
 	sc := pb.NewSchedulerServiceClient(cc)
 	var refused error
-	for range 100 { // the stalled calls' headers reach the daemon before this one's
+	// The stalled calls' headers reach the daemon before this one's: up
+	// to 10 s (100 tries 10 ms apart, about a second, could run out on a
+	// loaded machine before they had).
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		if _, refused = sc.CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: "E"}); status.Code(refused) == codes.ResourceExhausted {
 			break
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	if status.Code(refused) != codes.ResourceExhausted || !strings.Contains(refused.Error(), "-max-calls-per-uid") {
 		t.Fatalf("a call past %d stalled ones: %v, want ResourceExhausted naming -max-calls-per-uid", bound, refused)
@@ -68,11 +70,10 @@ func runCallsPerUIDBounded(t *testing.T) {
 	// One stalled call ends: its room is given back.
 	stalled[0]()
 	var err2 error
-	for range 500 {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		if _, err2 = sc.CloseScheduler(ctx, &pb.CloseSchedulerRequest{EngineId: "E"}); status.Code(err2) != codes.ResourceExhausted {
 			break
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	if status.Code(err2) != codes.NotFound { // the call ran: no scheduler E
 		t.Errorf("a call after a stalled one ended: %v, want it to run (NotFound: no scheduler E)", err2)

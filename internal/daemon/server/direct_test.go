@@ -242,14 +242,14 @@ func TestDrainDoesNotWaitForHello(t *testing.T) {
 	d := startDaemonWith(t, t.TempDir(), func(c *server.Config) { c.HelloTimeout = time.Minute })
 	ds := d.srv.OpenDirect()
 	time.Sleep(200 * time.Millisecond) // its Connect waits for the hello
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// "At once" is against the hello timeout (a minute): a Drain that
+	// waited for the hello runs out of its 30 s. (A 2 s bound on the
+	// Drain measured the machine's load as much as the server.)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	t0 := time.Now()
 	if err := d.srv.Drain(ctx); err != nil {
-		t.Fatalf("Drain: %v after %v", err, time.Since(t0))
-	}
-	if el := time.Since(t0); el > 2*time.Second {
-		t.Fatalf("Drain took %v with one stream waiting for its hello (hello timeout 1m)", el)
+		t.Fatalf("Drain with one stream waiting for its hello (hello timeout 1m): %v after %v", err, time.Since(t0))
 	}
 	if _, ended, code, msg := take(t, ds); !ended || code != codes.Unavailable {
 		t.Fatalf("the stream without hello after Drain: ended %v, %v %q; want Unavailable", ended, code, msg)

@@ -153,7 +153,7 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 		if err := rs.StepRef(1, []string{"d-u"}, []string{"p-u"}); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(100 * time.Millisecond) // the refusals wait
+		waitInStack(t, "kvxfer.(*Worker).StepRefusing(") // the refusals wait
 		close(be.release)
 		var named []string
 		take := func(se *stream.StepError) {
@@ -181,4 +181,21 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 		}
 	})
 	leakcheck.Check(t, before, 2, 10*time.Second)
+}
+
+// waitInStack waits (up to 10 s) until a goroutine of this process runs
+// frame: what a test that then breaks something needs to have happened
+// first. A fixed sleep only hoped so: on a loaded machine the rank could
+// still be short of it, and the scenario went another way.
+func waitInStack(t *testing.T, frame string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if strings.Contains(string(buf[:runtime.Stack(buf, true)]), frame) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no goroutine in %s within 10 s", frame)
+		}
+	}
 }

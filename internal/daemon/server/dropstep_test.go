@@ -109,8 +109,10 @@ func runDroppedStepEndsHeldPrefilling(t *testing.T) {
 	if err := rs.Step(&kvxfer.StepMeta{Step: 2, Prefill: []kvxfer.SendReq{prefill("p-3", 3)}}); err != nil {
 		t.Fatal(err)
 	}
-	for i := 0; sends() != 3; i++ {
-		if i == 200 {
+	// Up to 10 s (200 tries 5 ms apart, about a second, could run out on
+	// a loaded machine).
+	for deadline := time.Now().Add(10 * time.Second); sends() != 3; {
+		if time.Now().After(deadline) {
 			t.Fatalf("worker holds %d sends, want 3 prefilling", sends())
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -202,7 +204,7 @@ func TestDroppedStepOfClosedWorkerSparesHeld(t *testing.T) {
 		if err := rs.Step(&kvxfer.StepMeta{Step: 1, Prefill: []kvxfer.SendReq{prefill("p-1", 1), prefill("p-2", 2)}}); err != nil {
 			t.Fatal(err)
 		}
-		for i := 0; ; i++ {
+		for deadline := time.Now().Add(10 * time.Second); ; {
 			st, err := w.State()
 			if err != nil {
 				t.Fatal(err)
@@ -210,7 +212,7 @@ func TestDroppedStepOfClosedWorkerSparesHeld(t *testing.T) {
 			if st.Sends == 2 {
 				break
 			}
-			if i == 200 {
+			if time.Now().After(deadline) {
 				t.Fatalf("worker holds %d sends, want 2 prefilling", st.Sends)
 			}
 			time.Sleep(5 * time.Millisecond)
@@ -219,7 +221,7 @@ func TestDroppedStepOfClosedWorkerSparesHeld(t *testing.T) {
 			t.Fatal(err)
 		}
 		failed := map[string]int{}
-		deadline := time.After(5 * time.Second)
+		deadline := time.After(10 * time.Second)
 		for failed["p-1"] == 0 || failed["p-2"] == 0 {
 			select {
 			case f := <-rs.Finished():

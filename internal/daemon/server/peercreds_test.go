@@ -59,7 +59,7 @@ func TestGRPCCredentials(t *testing.T) {
 	if err := check(grpc.WithTransportCredentials(insecure.NewCredentials())); err == nil {
 		t.Error("no authentication: the call went through")
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for auth.Failures() < before+2 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}

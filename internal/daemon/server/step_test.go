@@ -337,7 +337,11 @@ func TestStepRefOfAReplacedScheduler(t *testing.T) {
 
 func runStepRefReplaced(t *testing.T) {
 	shmDir := t.TempDir()
-	const wait = 5 * time.Second
+	// PublishWait a minute, far past "at once": a drop that waited for it
+	// fails (ctx's 10 s run out first). With 5 s, "at once" had to be
+	// within 2.5 s of two scheduler calls, which a loaded machine could
+	// miss with nothing wrong.
+	const wait = time.Minute
 	d := startDaemonWith(t, shmDir, func(c *server.Config) { c.PublishWait = wait })
 	e := attachSmall(t, d, shmDir, "E", 1)
 	rs := e.streams[0][0]
