@@ -114,8 +114,12 @@ func TestJoinRejoinLeaveExpire(t *testing.T) {
 		want(t, rec.next(t, 10*time.Second), registry.Leave, "Q", 7)
 		took := time.Since(died)
 		t.Logf("a lease of 2 s ended %v after its keepalives stopped", took.Round(time.Millisecond))
-		if took > 3*time.Second+500*time.Millisecond {
-			t.Errorf("lease end seen %v after the keepalives stopped, want within TTL + 1 s (and slack)", took)
+		// Within the 2 s TTL, etcd's lessor's round (500 ms) and slack for
+		// a loaded machine (its revoke goes through raft), yet short of
+		// the default TTL (5 s): a lease granted at that, not at the
+		// registrar's TTL, is caught.
+		if took > 4*time.Second+500*time.Millisecond {
+			t.Errorf("lease end seen %v after the keepalives stopped, want within the TTL (2 s, not the default %v) and slack", took, registry.DefaultTTL)
 		}
 		_ = r2.Close(context.Background())
 		if got := v.Engines(); len(got) != 0 {
