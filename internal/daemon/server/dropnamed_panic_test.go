@@ -26,14 +26,16 @@ import (
 // receiver waits on a step_ref's publication answers that step before its
 // stream ends: the step, dropped, names its requests. Before, the stream
 // ended with the worker, and the step's error was lost: its requests got
-// no outcome from the daemon.
+// no outcome from the daemon. The wait on the publication ends with the
+// worker, not at PublishWait (a minute here): before, the engine learnt
+// of its rank's end that much later.
 func TestWorkerPanicAnswersStepAtHand(t *testing.T) {
 	before := runtime.NumGoroutine()
 	t.Run("run", func(t *testing.T) {
 		shmDir := t.TempDir()
 		var armed atomic.Bool
 		d := startDaemonWith(t, shmDir, func(c *server.Config) {
-			c.PublishWait = time.Second
+			c.PublishWait = time.Minute
 			c.NewBackend = func(engine string, _ *topology.Layout, _ bool) (server.Backend, error) {
 				b, err := tcp.New(tcp.Config{Logger: quiet, Conns: 2, DisableLocal: true})
 				if err != nil {
@@ -54,6 +56,7 @@ func TestWorkerPanicAnswersStepAtHand(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond) // the rank is waiting on step 4
 		armed.Store(true)
+		broke := time.Now()
 		_, _ = w.State() // wakes the loop: its backend panics
 		var named []string
 		take := func(se *stream.StepError) {
@@ -72,6 +75,9 @@ func TestWorkerPanicAnswersStepAtHand(t *testing.T) {
 			case se := <-rs.StepErrors():
 				take(se)
 			}
+		}
+		if took := time.Since(broke); took > 30*time.Second {
+			t.Errorf("BAD's stream ended %v after its worker broke, want at once (not at PublishWait, a minute)", took.Round(time.Millisecond))
 		}
 		for len(rs.StepErrors()) > 0 {
 			take(<-rs.StepErrors())

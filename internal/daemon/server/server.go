@@ -2086,7 +2086,7 @@ func (r *rank) handle(ctx context.Context, m *pb.ConnectRequest, out chan<- *pb.
 				"a repeat, or out of order; ignored", step, maxPublished, r.refs.top), nil
 		default:
 			takenIn := false
-			if p, perr := r.s.sched.published(ctx, r.engine, r.uid, step); perr != nil {
+			if p, perr := r.s.sched.published(ctx, r.worker.Done(), r.engine, r.uid, step); perr != nil {
 				err, dropped = perr, true
 			} else if apply(p); !dropped {
 				takenIn = true

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/stream"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
 )
@@ -287,8 +288,11 @@ func (ls *lockedScheduler) publishable(step uint64) error {
 // scheduler would have kept it), and a step it never published is dropped
 // as soon as the new one publishes a later one. Steps of a scheduler that
 // another process opened (a restarted engine, numbering anew) are not
-// read: the error says so. The metadata is the scheduler's: read only.
-func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, step uint64) (*pb.StepMeta, error) {
+// read: the error says so. The wait ends, too, once stop is closed (the
+// rank's worker stopped: the step could not be taken in anyway), with an
+// error that wraps kvxfer.ErrClosed. The metadata is the scheduler's:
+// read only.
+func (ss *schedulers) published(ctx context.Context, stop <-chan struct{}, engine string, uid uint32, step uint64) (*pb.StepMeta, error) {
 	ls, err := ss.getAs(engine, uid)
 	if err != nil {
 		return nil, fmt.Errorf("step_ref.step = %d: %w (a scheduler publishes steps only to ranks attached to its own daemon)", step, err)
@@ -323,6 +327,8 @@ func (ss *schedulers) published(ctx context.Context, engine string, uid uint32, 
 				context.DeadlineExceeded)
 		case <-ctx.Done():
 			return nil, ctx.Err()
+		case <-stop:
+			return nil, fmt.Errorf("step_ref.step = %d: not published (last %d) when this rank's worker stopped: %w", step, last, kvxfer.ErrClosed)
 		}
 	}
 }
