@@ -125,3 +125,37 @@ func TestPartialAnswerFailsWaitersOnReplacedRank(t *testing.T) {
 		t.Errorf("rank 0's agent = %q, want P2/0", c.st.engines["P"].peers[rankRef{}])
 	}
 }
+
+// A handshake while one of a push producer's ranks is re-attached (its
+// new agent spoke, a new generation) fails the requests waiting on that
+// rank, fencing it; the request's other rank did not change and may
+// still be writing into its blocks, so it is asked to stop (a cancel) and
+// the request reports once it confirms. Before, the cancel was skipped
+// (the engine's handshake was still pending as the request failed): the
+// request waited for that rank's own done, or the fence timeout (two
+// leases), holding its blocks.
+func TestChangedRankFailsAndCancelsTheUnchanged(t *testing.T) {
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=push engine=D tp=0/1")
+	c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
+	if got := c.run(t, "handshake P tp=2 gen=1"); !strings.Contains(got, "notify P/0") || !strings.Contains(got, "notify P/1") {
+		t.Fatalf("d-1 not registered with both producer ranks:\n%s", got)
+	}
+	c.run(t, "advance 2s")
+	var b strings.Builder
+	// Rank 1's new agent speaks: who speaks for it is asked again, and
+	// the answer names it (a new generation); rank 0 is as it was.
+	b.WriteString(c.run(t, "notif from=P/1 agent=P2/1 kind=heartbeat tp=2"))
+	b.WriteString(c.run(t, "handshake P tp=2 gen=2 agents=P,P2"))
+	r := c.st.recvs["d-1"]
+	if r == nil || !r.decided || !r.fenced.has(rankRef{tp: 1}) || r.fenced.has(rankRef{}) {
+		t.Fatalf("d-1 after rank 1 was re-attached: %+v, want failed, rank 1 fenced, rank 0 not\n%s", r, b.String())
+	}
+	if got := b.String(); !strings.Contains(got, "notify P/0 cancel") {
+		t.Fatalf("after rank 1 was re-attached:\n%s\nwant d-1's cancel to rank 0 (unchanged, perhaps still writing)", got)
+	}
+	got := c.run(t, "notif from=P/0 kind=ack tid=t1 dreq=d-1 preq=p-1 tp=2")
+	if !strings.Contains(got, "outcome recv d-1 failed") {
+		t.Errorf("rank 0 confirmed d-1's cancel:\n%s\nwant d-1 failed at once", got)
+	}
+}

@@ -781,10 +781,17 @@ func (st *loopState) decide(r *recvReq, res Result, kind FailureKind, reason str
 	}
 }
 
-// sendCancels asks every unfenced producer rank to stop.
+// sendCancels asks every unfenced producer rank to stop: by the agent
+// loaded for it, whatever the engine's handshake state (one pending or
+// failed keeps the agents it had, or that a partial answer named), or,
+// with none loaded yet, once the pending handshake loads one (sendTo).
+// Before, a request failed while a handshake was pending (a rank
+// re-attached: failChanged) asked no rank: one that did not change and
+// might still write into its blocks was waited for until its own done or
+// the fence timeout.
 func (st *loopState) sendCancels(r *recvReq) {
 	e := st.engines[r.req.Remote.EngineID]
-	if e == nil || e.state != hsReady {
+	if e == nil {
 		return
 	}
 	for _, to := range r.targets {

@@ -460,6 +460,10 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 			for r := range n {
 				agent := fmt.Sprintf("%s/%d", f[1], r)
 				if g := a["agents"]; g != "" {
+					// One name for every rank, or one a rank (a,b,...).
+					if names := strings.Split(g, ","); len(names) > 1 {
+						g = names[min(r, len(names)-1)]
+					}
 					agent = fmt.Sprintf("%s/%d", g, r)
 				}
 				h.res.Ranks = append(h.res.Ranks, RankInfo{EngineID: f[1], CompatHash: cmpOr(a["hash"], "h"),
