@@ -269,6 +269,14 @@ func TestPullQueuedPastTheLeaseIsLoaded(t *testing.T) {
 	if hp.holds == 0 {
 		t.Fatal("P never answered D's heartbeats for d-1 while it waited")
 	}
+	hp.allocatedAndRead(t, d, r, "d-1 allocated at 41 s, 10 s past P's first expiry, its hold kept by heartbeats since it arrived")
+}
+
+// allocatedAndRead allocates d-1 (r, waiting in d's queue) and checks
+// that its READ is posted (when is what the caller says of it) and that
+// d-1 ends done with it.
+func (hp *holdPair) allocatedAndRead(t *testing.T, d *Scheduler, r *Request, when string) {
+	t.Helper()
 	n, async := d.MatchedTokens(r, 0)
 	if n == 0 || !async {
 		t.Fatalf("MatchedTokens = %d, %v; want the producer's tokens, async", n, async)
@@ -283,11 +291,11 @@ func TestPullQueuedPastTheLeaseIsLoaded(t *testing.T) {
 	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
 	out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n"))
 	if strings.Contains(out, "probe P at") {
-		// P's clock measured again: its handshake was 40 s ago.
+		// P's clock measured again: its handshake was long ago.
 		out += "\n" + hp.d.run(t, "handshake P tp=1 probe=true")
 	}
 	if !strings.Contains(out, "post #1 read P/0") {
-		t.Fatalf("d-1 allocated at 41 s, 10 s past P's first expiry, its hold kept by heartbeats since it arrived:\n%s\nwant its READ posted", out)
+		t.Fatalf("%s:\n%s\nwant its READ posted", when, out)
 	}
 	if got := hp.advance(t, time.Second) + "\n" + hp.d.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv d-1 done") {
 		t.Errorf("d-1's READ ended:\n%s\nwant d-1 done", got)
@@ -316,24 +324,7 @@ func TestPullQueuedLateInTheLeaseHeartbeatenAtOnce(t *testing.T) {
 			t.Fatalf("d-1 waiting at %v: %s", hp.d.now.Sub(traceEpoch), got)
 		}
 	}
-	n, async := d.MatchedTokens(r, 0)
-	if n == 0 || !async {
-		t.Fatalf("MatchedTokens = %d, %v; want the producer's tokens, async", n, async)
-	}
-	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7, 8, 9, 10)}, External: n}); err != nil {
-		t.Fatal(err)
-	}
-	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
-	out := hp.settle(t, strings.Join(hp.d.drive(nil, ""), "\n"))
-	if strings.Contains(out, "probe P at") {
-		out += "\n" + hp.d.run(t, "handshake P tp=1 probe=true")
-	}
-	if !strings.Contains(out, "post #1 read P/0") {
-		t.Fatalf("d-1 allocated at 40 s, P's hold kept by heartbeats from its arrival at 26 s:\n%s\nwant its READ posted", out)
-	}
-	if got := hp.advance(t, time.Second) + "\n" + hp.d.run(t, "ended xfer=1"); !strings.Contains(got, "outcome recv d-1 done") {
-		t.Errorf("d-1's READ ended:\n%s\nwant d-1 done", got)
-	}
+	hp.allocatedAndRead(t, d, r, "d-1 allocated at 40 s, P's hold kept by heartbeats from its arrival at 26 s")
 }
 
 // A second waiting request that arrives while the rank ticks already

@@ -98,13 +98,7 @@ func TestPartialAnswerReplacesRestartedRank(t *testing.T) {
 // handshake's failChanged fails it; one waiting on the other ranks only
 // is left to the liveness bound. Before, it waited on the dead agent.
 func TestPartialAnswerFailsWaitersOnReplacedRank(t *testing.T) {
-	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
-	c.run(t, "core mode=push engine=D tp=0/1")
-	c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
-	if got := c.run(t, "handshake P tp=2 gen=1"); !strings.Contains(got, "notify P/0") || !strings.Contains(got, "notify P/1") {
-		t.Fatalf("d-1 not registered with both producer ranks:\n%s", got)
-	}
-	c.run(t, "advance 2s")
+	c := registeredWithTwoRanks(t)
 	var b strings.Builder
 	// A message from rank 0's new agent asks who speaks for it.
 	b.WriteString(c.run(t, "notif from=P/0 agent=P2/0 kind=heartbeat"))
@@ -135,13 +129,7 @@ func TestPartialAnswerFailsWaitersOnReplacedRank(t *testing.T) {
 // request waited for that rank's own done, or the fence timeout (two
 // leases), holding its blocks.
 func TestChangedRankFailsAndCancelsTheUnchanged(t *testing.T) {
-	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
-	c.run(t, "core mode=push engine=D tp=0/1")
-	c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
-	if got := c.run(t, "handshake P tp=2 gen=1"); !strings.Contains(got, "notify P/0") || !strings.Contains(got, "notify P/1") {
-		t.Fatalf("d-1 not registered with both producer ranks:\n%s", got)
-	}
-	c.run(t, "advance 2s")
+	c := registeredWithTwoRanks(t)
 	var b strings.Builder
 	// Rank 1's new agent speaks: who speaks for it is asked again, and
 	// the answer names it (a new generation); rank 0 is as it was.
@@ -158,4 +146,18 @@ func TestChangedRankFailsAndCancelsTheUnchanged(t *testing.T) {
 	if !strings.Contains(got, "outcome recv d-1 failed") {
 		t.Errorf("rank 0 confirmed d-1's cancel:\n%s\nwant d-1 failed at once", got)
 	}
+}
+
+// registeredWithTwoRanks is a push consumer rank whose request d-1 is
+// registered with both ranks of producer P (generation 1), 2 s ago.
+func registeredWithTwoRanks(t *testing.T) *traceCore {
+	t.Helper()
+	c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	c.run(t, "core mode=push engine=D tp=0/1")
+	c.run(t, "step recv=d-1 remote=P remote-tp=2 tid=t1 preq=p-1 blocks=5,6 tokens=32 deadline=60s")
+	if got := c.run(t, "handshake P tp=2 gen=1"); !strings.Contains(got, "notify P/0") || !strings.Contains(got, "notify P/1") {
+		t.Fatalf("d-1 not registered with both producer ranks:\n%s", got)
+	}
+	c.run(t, "advance 2s")
+	return c
 }
