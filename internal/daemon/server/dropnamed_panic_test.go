@@ -58,29 +58,9 @@ func TestWorkerPanicAnswersStepAtHand(t *testing.T) {
 		armed.Store(true)
 		broke := time.Now()
 		_, _ = w.State() // wakes the loop: its backend panics
-		var named []string
-		take := func(se *stream.StepError) {
-			if se.Dropped {
-				named = append(named, se.Recv...)
-				named = append(named, se.Send...)
-			}
-		}
-		fin := rs.Finished()
-		for fin != nil {
-			select {
-			case _, ok := <-fin:
-				if !ok {
-					fin = nil
-				}
-			case se := <-rs.StepErrors():
-				take(se)
-			}
-		}
+		named := droppedNamedUntilEnd(rs)
 		if took := time.Since(broke); took > 30*time.Second {
 			t.Errorf("BAD's stream ended %v after its worker broke, want at once (not at PublishWait, a minute)", took.Round(time.Millisecond))
-		}
-		for len(rs.StepErrors()) > 0 {
-			take(<-rs.StepErrors())
 		}
 		if !slices.Equal(named, []string{"d-4", "p-4"}) {
 			t.Errorf("dropped StepErrors named %q, want d-4 and p-4 (step 4, at hand as the worker stopped)", named)
@@ -161,27 +141,7 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 		}
 		waitInStack(t, "kvxfer.(*Worker).StepRefusing(") // the refusals wait
 		close(be.release)
-		var named []string
-		take := func(se *stream.StepError) {
-			if se.Dropped {
-				named = append(named, se.Recv...)
-				named = append(named, se.Send...)
-			}
-		}
-		fin := rs.Finished()
-		for fin != nil {
-			select {
-			case _, ok := <-fin:
-				if !ok {
-					fin = nil
-				}
-			case se := <-rs.StepErrors():
-				take(se)
-			}
-		}
-		for len(rs.StepErrors()) > 0 {
-			take(<-rs.StepErrors())
-		}
+		named := droppedNamedUntilEnd(rs)
 		if !slices.Equal(named, []string{"d-u", "p-u"}) {
 			t.Errorf("dropped StepErrors named %q, want d-u and p-u once (step 1 does not stage them; the worker broke)", named)
 		}
@@ -204,4 +164,31 @@ func waitInStack(t *testing.T, frame string) {
 			t.Fatalf("no goroutine in %s within 10 s", frame)
 		}
 	}
+}
+
+// droppedNamedUntilEnd reads rs's step errors until its stream ended (its
+// outcomes channel closed), and those still queued then, and returns the
+// requests the dropped ones named, in order.
+func droppedNamedUntilEnd(rs *stream.RankStream) []string {
+	var named []string
+	take := func(se *stream.StepError) {
+		if se.Dropped {
+			named = append(named, se.Recv...)
+			named = append(named, se.Send...)
+		}
+	}
+	for fin := rs.Finished(); fin != nil; {
+		select {
+		case _, ok := <-fin:
+			if !ok {
+				fin = nil
+			}
+		case se := <-rs.StepErrors():
+			take(se)
+		}
+	}
+	for len(rs.StepErrors()) > 0 {
+		take(<-rs.StepErrors())
+	}
+	return named
 }

@@ -19,9 +19,7 @@ func TestPublishedStepsBoundedInBytes(t *testing.T) {
 	const budget = 1 << 20
 	server.SetMaxPublishedBytesForTest(t, budget)
 	d, c, ctx := schedulerClient(t)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	const steps, blocks = 40, 16 << 10 // each step about 32 KiB encoded, more in memory
 	ids := make([]int32, blocks)
 	for i := range ids {

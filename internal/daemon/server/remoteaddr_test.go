@@ -20,9 +20,7 @@ import (
 // ranks' handshake. Well-formed addresses beside them still stage.
 func TestSchedulerRefusesMalformedRemoteAddr(t *testing.T) {
 	d, c, ctx := schedulerClient(t)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	dreq := func(id, addr string) *pb.EngineRequest {
 		return &pb.EngineRequest{RequestId: id, PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t-" + id, DoRemotePrefill: true,
 			RemoteEngineId: "P", RemoteAddr: addr, RemoteTpSize: 1}}

@@ -16,9 +16,7 @@ import (
 // an empty op were refused and counted nowhere in kvxferd's metrics.
 func TestSchedulerBadRequestsCounted(t *testing.T) {
 	d, c, ctx := schedulerClient(t)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	req := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40}
 	calls := []struct {
 		name string

@@ -16,9 +16,7 @@ import (
 // negative computed/scheduled count at Scheduled went through unchecked.
 func TestSchedulerServiceRefusesNegativeCounts(t *testing.T) {
 	_, c, ctx := schedulerClient(t)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	dreq := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
 		RemoteEngineId: "P", RemoteAddr: "127.0.0.1:1", RemoteTpSize: 1}}
 	mt, err := c.MatchedTokens(ctx, &pb.MatchedTokensRequest{EngineId: "D", Request: dreq, Computed: -100})

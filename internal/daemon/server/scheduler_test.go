@@ -23,6 +23,14 @@ func schedulerClient(t *testing.T) (*daemon, pb.SchedulerServiceClient, context.
 }
 
 // schedulerClientOn is schedulerClient on a daemon the test started.
+// openPushD opens engine D's scheduler (push, TP 1, blocks of 16) on c.
+func openPushD(t *testing.T, c pb.SchedulerServiceClient, ctx context.Context) {
+	t.Helper()
+	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func schedulerClientOn(t *testing.T, d *daemon) (*daemon, pb.SchedulerServiceClient, context.Context) {
 	t.Helper()
 	cc, err := grpc.NewClient("unix://"+d.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))

@@ -22,9 +22,7 @@ import (
 // requests failed by the engine, then taken in by the ranks anew).
 func TestStepRefusedPublishAppliesNothing(t *testing.T) {
 	d, c, ctx := schedulerClient(t)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	const rounds, ops = 40, 1000
 	var next uint64
 	refused := 0

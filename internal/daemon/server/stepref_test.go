@@ -54,9 +54,7 @@ func runStepRefOnce(t *testing.T) {
 		case <-tick.C:
 		}
 	}
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	// Step 2 stages nothing.
 	if _, err := c.Step(ctx, &pb.StepRequest{EngineId: "D", PublishStep: 2}); err != nil {
 		t.Fatal(err)

@@ -37,9 +37,7 @@ func runStepRefRepeated(t *testing.T) {
 	D := attachSmall(t, d, shmDir, "D", 1)
 	rs := D.streams[0][0]
 	_, c, ctx := schedulerClientOn(t, d)
-	if _, err := c.OpenScheduler(ctx, &pb.OpenSchedulerRequest{Config: &pb.SchedulerConfig{EngineId: "D", Mode: pb.Mode_MODE_PUSH, TpSize: 1, LogicalBlockSize: 16}}); err != nil {
-		t.Fatal(err)
-	}
+	openPushD(t, c, ctx)
 	// d-1 is a full prefix hit: nothing to receive, done at once (its
 	// producer told so).
 	req := &pb.EngineRequest{RequestId: "d-1", PromptTokens: 40, Params: &pb.TransferParams{TransferId: "t1", DoRemotePrefill: true,
