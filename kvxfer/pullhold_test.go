@@ -3,6 +3,7 @@ package kvxfer
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -164,5 +165,20 @@ func TestPullNoticeAfterEndNotKeptEarly(t *testing.T) {
 	tc.run(t, "notif from=D/0 kind=done tid=t2 dreq=d-2 preq=p-1 tp=1")
 	if got := tc.run(t, "step send=p-1 tid=t2 blocks=3 tokens=16 deadline=30s"); got != "outcome send p-1 done" {
 		t.Errorf("the new p-1 after its consumer's early notice: %q, want done", got)
+	}
+}
+
+// A consumer rank's failure notice that gives no reason (a peer's field
+// left empty) fails the pull request all the same: it is never counted as
+// its done notice. Before, an empty reason read as no failure, and the
+// producer reported the request done without a READ.
+func TestPullFailNoticeWithoutReasonFails(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=30s")
+	tc.run(t, "notif from=D/0 kind=fail tid=t1 dreq=d-1 preq=p-1 tp=1")
+	got := tc.run(t, "handshake D tp=1")
+	if !strings.Contains(got, "outcome send p-1 failed") {
+		t.Errorf("p-1 after its consumer's failure notice without a reason: %q, want failed", got)
 	}
 }

@@ -1804,6 +1804,13 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 	if s.pullSeen == nil {
 		s.pullSeen = map[pullRank]pullNote{}
 	}
+	if m.Kind != msgDone && failReason == "" {
+		// A failure notice (or a cancel) that gives no reason still
+		// fails: an empty reason read as none, and the request was
+		// reported done without a READ.
+		st.metrics.BadInput("fail.reason")
+		failReason = "failed (its notice gives no reason)"
+	}
 	note := pullNote{}
 	if failReason != "" {
 		note = pullNote{fail: fmt.Sprintf("consumer rank %d: %s", m.TPRank, failReason), kind: failKind}
