@@ -18,6 +18,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/daemontest"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/internal/simengine"
+	"github.com/kvxfer/kvxfer/internal/testport"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -28,15 +29,7 @@ import (
 // takes it meanwhile.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	for range 100 {
-		addr := fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(10000))
-		if ln, err := net.Listen("tcp", addr); err == nil {
-			ln.Close()
-			return addr
-		}
-	}
-	t.Fatal("no free port in 20000-29999")
-	return ""
+	return testport.Free(t)
 }
 
 // registerD schedules a D request for the push producer P at pAddr: D's
@@ -341,7 +334,7 @@ func TestProducerDaemonFrozenBriefly(t *testing.T) {
 		dIDs, pIDs = append(dIDs, "d-"+id), append(pIDs, "p-"+id)
 	}
 	time.Sleep(200 * time.Millisecond)
-	if err := p.Signal(syscall.SIGSTOP); err != nil {
+	if err := p.Freeze(); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 4 {

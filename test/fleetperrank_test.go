@@ -3,8 +3,6 @@ package test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
-	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -17,6 +15,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/daemon/registry/etcdtest"
 	"github.com/kvxfer/kvxfer/internal/simengine"
+	"github.com/kvxfer/kvxfer/internal/testport"
 	"github.com/kvxfer/kvxfer/kvxfer"
 	"github.com/kvxfer/kvxfer/topology"
 )
@@ -25,25 +24,7 @@ import (
 // listens on now, below the ephemeral range.
 func portRun(t *testing.T, n int) int {
 	t.Helper()
-	for range 200 {
-		base := 20000 + rand.IntN(10000)
-		var ls []net.Listener
-		for i := range n {
-			l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(base+i)))
-			if err != nil {
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if len(ls) == n {
-			return base
-		}
-	}
-	t.Fatalf("no %d consecutive free ports in 20000-29999", n)
-	return 0
+	return testport.Run(t, n)
 }
 
 // startPerRank runs one kvxferd per rank of a TP-tp engine, the in-process

@@ -2,9 +2,10 @@ package test
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
-	"syscall"
+	"strings"
 	"testing"
 	"time"
 
@@ -124,7 +125,7 @@ func TestPullProducerDaemonKilledMidRead(t *testing.T) {
 		params = append(params, finishPull(t, P, "p-"+id, "t-"+id, []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}))
 	}
 	time.Sleep(100 * time.Millisecond) // P's ranks hold them
-	if err := p.Signal(syscall.SIGSTOP); err != nil {
+	if err := p.Freeze(); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 3 {
@@ -182,7 +183,7 @@ func TestPullConsumerDaemonKilledMidRead(t *testing.T) {
 		params := finishPull(t, P, "p-"+id, "t-"+id, ids)
 		pIDs = append(pIDs, "p-"+id)
 		if i == 0 {
-			if err := d.Signal(syscall.SIGSTOP); err != nil {
+			if err := d.Freeze(); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -334,7 +335,7 @@ func pushProducerBackAtOnce(t *testing.T, wait time.Duration) {
 		return []topology.BlockID{topology.BlockID(2 * i), topology.BlockID(2*i + 1)}
 	}
 	var dIDs []string
-	if err := p.Signal(syscall.SIGSTOP); err != nil {
+	if err := p.Freeze(); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 3 {
@@ -608,4 +609,29 @@ func fourInFlight(t *testing.T, mode kvxfer.Mode, P, D *simengine.Engine, pPeer,
 		}
 	}
 	return ids
+}
+
+// A daemon that cannot start (its metrics address is taken) is reported
+// as soon as it exits, with what its log says: before, Start polled its
+// ready file for the full 20 s and said only that it was not ready, the
+// log (the reason) left in a removed directory.
+func TestDaemonThatCannotStartSaysWhy(t *testing.T) {
+	dir := world(t)
+	ln, err := net.Listen("tcp", freeAddr(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	start := time.Now()
+	d, err := daemontest.Start(dir, "X", daemonBackend, "-metrics-listen", ln.Addr().String())
+	if err == nil {
+		_ = d.Stop()
+		t.Fatalf("a daemon started on a taken metrics address %s", ln.Addr())
+	}
+	if took := time.Since(start); took > 15*time.Second {
+		t.Errorf("Start took %v to see the daemon exit", took)
+	}
+	if !strings.Contains(err.Error(), "exited while starting") || !strings.Contains(err.Error(), "address already in use") {
+		t.Errorf("Start's error %q does not say the daemon exited, nor why (its log)", err)
+	}
 }

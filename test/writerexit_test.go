@@ -103,7 +103,7 @@ func TestPushProducerWriterFrozenWaitsForFence(t *testing.T) {
 		dIDs = append(dIDs, "d-"+id)
 	}
 	regsReachP(t, 3, 10*time.Second, scrapeOf(t, pMetrics))
-	if err := p.Signal(syscall.SIGSTOP); err != nil {
+	if err := p.Freeze(); err != nil {
 		t.Fatal(err)
 	}
 	frozen := time.Now()

@@ -13,6 +13,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -23,6 +24,12 @@ const fallbackLow = 32768
 // lowest is the least port picked: above the well-known and most
 // registered ones.
 const lowest = 10000
+
+// given holds the ports Free has returned in this process: each is
+// returned once, so that two servers of a test (or of tests beside it)
+// never pick the same port before either binds it, the second then
+// failing to start.
+var given sync.Map
 
 // Free returns "127.0.0.1:PORT" for a port below the ephemeral range that
 // nothing listens on now. It fails t after many tries.
@@ -39,7 +46,11 @@ func Free(t testing.TB) string {
 		return ln.Addr().String()
 	}
 	for range 1000 {
-		addr := fmt.Sprintf("127.0.0.1:%d", lowest+rand.IntN(hi-lowest))
+		port := lowest + rand.IntN(hi-lowest)
+		if !reserve(port, 1) {
+			continue
+		}
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
 		if ln, err := net.Listen("tcp", addr); err == nil {
 			ln.Close()
 			return addr
@@ -47,6 +58,54 @@ func Free(t testing.TB) string {
 	}
 	t.Fatalf("no free loopback port in [%d, %d)", lowest, hi)
 	return ""
+}
+
+// Run returns the first of n consecutive loopback ports below the
+// ephemeral range that nothing listens on now and Free or Run has not
+// returned before in this process (a server per rank on a base port plus
+// the rank). It fails t after many tries.
+func Run(t testing.TB, n int) int {
+	t.Helper()
+	hi := ephemeralLow()
+	if hi <= lowest+100+n {
+		t.Fatalf("no room for %d ports below the ephemeral range (it starts at %d)", n, hi)
+	}
+	for range 1000 {
+		base := lowest + rand.IntN(hi-lowest-n)
+		if !reserve(base, n) {
+			continue
+		}
+		var ls []net.Listener
+		for i := range n {
+			ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", base+i))
+			if err != nil {
+				break
+			}
+			ls = append(ls, ln)
+		}
+		for _, ln := range ls {
+			ln.Close()
+		}
+		if len(ls) == n {
+			return base
+		}
+	}
+	t.Fatalf("no %d consecutive free loopback ports in [%d, %d)", n, lowest, hi)
+	return 0
+}
+
+// reserve marks ports base..base+n-1 given, if none of them was; it
+// reports whether it did.
+func reserve(base, n int) bool {
+	for i := range n {
+		if _, taken := given.LoadOrStore(base+i, true); taken {
+			for j := range i {
+				given.Delete(base + j)
+			}
+			return false
+		}
+	}
+	return true
 }
 
 // ephemeralLow is the first port of the kernel's ephemeral range.

@@ -72,10 +72,45 @@ def build_libkvxfer(out_dir: Path) -> Path:
     return lib
 
 
+def freeze(proc) -> None:
+    """SIGSTOP the process proc (a subprocess.Popen) and wait until every
+    thread of it has stopped (state T in /proc), up to 10 s: a stop is not
+    in force when kill(2) returns, and on a loaded host the process runs on
+    for milliseconds (as daemontest.Proc.Freeze)."""
+    import glob
+    import signal
+    proc.send_signal(signal.SIGSTOP)
+    if not os.path.isdir(f"/proc/{proc.pid}/task"):
+        time.sleep(0.1)
+        return
+    deadline = time.monotonic() + 10
+    while True:
+        running = []
+        for f in glob.glob(f"/proc/{proc.pid}/task/*/stat"):
+            try:
+                with open(f) as fh:
+                    st = fh.read()
+            except OSError:
+                continue  # the thread ended
+            state = st[st.rfind(")") + 2:st.rfind(")") + 3]
+            if state not in ("T", "t", ""):
+                running.append(f"{f.split('/')[-2]}:{state}")
+        if not running:
+            return
+        assert time.monotonic() < deadline, f"pid {proc.pid}: threads {running} not stopped 10 s after SIGSTOP"
+        time.sleep(0.001)
+
+
+_GIVEN_PORTS: set = set()
+
+
 def free_port() -> int:
     """A TCP port free on loopback now, below the kernel's ephemeral range
     (as internal/testport picks them): a port the system picks for :0 may
-    become another connection's source port before the test binds it."""
+    become another connection's source port before the test binds it.
+    Never one given before in this process (free again or not): two
+    servers that each picked a port before either bound it would
+    collide."""
     import random
     import socket
     try:
@@ -85,6 +120,9 @@ def free_port() -> int:
         high = 32768
     for _ in range(1000 if high > 10100 else 0):
         port = random.randrange(10000, high)
+        if port in _GIVEN_PORTS:
+            continue
+        _GIVEN_PORTS.add(port)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -98,10 +136,13 @@ def free_port() -> int:
 
 def free_ports(n: int) -> int:
     """The first of n consecutive TCP ports free on loopback now (as
-    free_port picks them)."""
+    free_port picks them), none of them given before in this process."""
     import socket
     for _ in range(200):
         base = free_port()
+        if any(p in _GIVEN_PORTS for p in range(base + 1, base + n)):
+            continue
+        _GIVEN_PORTS.update(range(base, base + n))
         held = []
         try:
             for p in range(base, base + n):

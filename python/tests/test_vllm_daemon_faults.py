@@ -170,8 +170,8 @@ def test_frozen_daemon_is_not_gone(tmp_path, daemons):
         assert "d-0" in rank.waiting_recv
         rank.stream._call.cancel()
         assert rank.stream._done.wait(5)
-        r.dd.proc.send_signal(signal.SIGSTOP)
         stopped = True
+        H.freeze(r.dd.proc)
         t0 = time.monotonic()
         while time.monotonic() - t0 < V._DAEMON_FENCE_S - 4:
             s0 = time.monotonic()

@@ -30,6 +30,10 @@ type Proc struct {
 	Name, Sock, Peer, Log string
 	cmd                   *exec.Cmd
 	killed                bool
+	// exited is closed when the process has exited (waitErr its Wait's
+	// error): a daemon that exits while starting is seen at once.
+	exited  chan struct{}
+	waitErr error
 }
 
 // ServeIfChild makes this process the daemon when Start launched it (its
@@ -104,17 +108,39 @@ func StartWrapped(wrap []string, dir, name, backend string, extra ...string) (*P
 	if err != nil {
 		return nil, err
 	}
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	d.exited = make(chan struct{})
+	go func() { d.waitErr = d.cmd.Wait(); close(d.exited) }()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	limit := time.After(20 * time.Second)
+	for {
 		if b, err := os.ReadFile(ready); err == nil {
 			d.Peer = string(b)
 			return d, nil
 		}
-		if d.cmd.ProcessState != nil {
-			break
+		select {
+		case <-tick.C:
+			continue
+		case <-d.exited:
+			return nil, fmt.Errorf("daemon %s exited while starting (%v); its log %s ends:\n%s", name, d.waitErr, d.Log, logTail(d.Log))
+		case <-limit:
 		}
+		_ = d.Stop()
+		return nil, fmt.Errorf("daemon %s did not become ready in 20 s; its log %s ends:\n%s", name, d.Log, logTail(d.Log))
 	}
-	_ = d.Stop()
-	return nil, fmt.Errorf("daemon %s did not become ready in 20 s (log %s)", name, d.Log)
+}
+
+// logTail is the last 4 KiB of the log file path (what a daemon that
+// failed to start said), or why it cannot be read.
+func logTail(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	if len(b) > 4096 {
+		b = b[len(b)-4096:]
+	}
+	return string(b)
 }
 
 // SecretFile returns dir's peer secret file (dir/peer.secret), making it
@@ -142,6 +168,53 @@ func (d *Proc) Pid() int { return d.cmd.Process.Pid }
 // a while).
 func (d *Proc) Signal(sig os.Signal) error { return d.cmd.Process.Signal(sig) }
 
+// Freeze sends SIGSTOP and waits until every thread of the daemon has
+// stopped (state T in /proc/PID/task/*/stat), up to 10 s. A stop is not
+// in force when kill(2) returns: on a loaded host the daemon's threads
+// run on for milliseconds, enough to take in and act on a step sent the
+// moment Signal returns, which is what a test that freezes the daemon
+// means to keep from it. Off Linux (no /proc) it waits 100 ms instead.
+func (d *Proc) Freeze() error {
+	if err := d.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	pid := d.cmd.Process.Pid
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d/task", pid)); err != nil {
+		time.Sleep(100 * time.Millisecond)
+		return nil
+	}
+	var running []string
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if running = runningThreads(pid); len(running) == 0 {
+			return nil
+		}
+	}
+	return fmt.Errorf("daemon %s (pid %d): threads %v not stopped 10 s after SIGSTOP", d.Name, pid, running)
+}
+
+// runningThreads lists pid's threads that are not stopped, each as
+// "TID:STATE" (none: every thread is stopped, or the process is gone).
+func runningThreads(pid int) []string {
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+	var running []string
+	for _, f := range tasks {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // the thread ended
+		}
+		// "TID (COMM) STATE ...": COMM may hold spaces and parentheses.
+		s := string(b)
+		i := strings.LastIndexByte(s, ')')
+		if i < 0 || i+2 >= len(s) {
+			continue
+		}
+		if st := s[i+2]; st != 'T' && st != 't' {
+			running = append(running, filepath.Base(filepath.Dir(f))+":"+string(st))
+		}
+	}
+	return running
+}
+
 // Kill sends SIGKILL and waits for the process to go (a crash).
 func (d *Proc) Kill() error {
 	if d.killed {
@@ -149,7 +222,7 @@ func (d *Proc) Kill() error {
 	}
 	d.killed = true
 	_ = d.cmd.Process.Kill()
-	_ = d.cmd.Wait()
+	<-d.exited
 	return nil
 }
 
@@ -159,14 +232,12 @@ func (d *Proc) Stop() error {
 		return nil
 	}
 	_ = d.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan error, 1)
-	go func() { done <- d.cmd.Wait() }()
 	select {
-	case err := <-done:
-		return err
+	case <-d.exited:
+		return d.waitErr
 	case <-time.After(20 * time.Second):
 		_ = d.cmd.Process.Kill()
-		<-done
+		<-d.exited
 		return fmt.Errorf("daemon %s ignored SIGTERM for 20 s", d.Name)
 	}
 }
