@@ -73,16 +73,23 @@ func (st *loopState) heartbeatFresh() {
 		return
 	}
 	by := map[string][]string{}
+	seen := make(map[string]bool, len(st.fresh))
 	keep := st.fresh[:0]
 	for _, id := range st.fresh {
 		w := st.waits[id]
-		if w == nil || !w.fresh {
+		if w == nil || !w.fresh || seen[id] {
+			// (Ended, or listed twice: a request that ended and came
+			// again before this pass.)
 			continue
 		}
+		seen[id] = true
 		e := st.engines[w.req.Remote.EngineID]
 		if w.beat || e == nil || e.state != hsReady || w.req.Remote.Addr != "" && e.addr != "" && w.req.Remote.Addr != e.addr {
-			if !w.beat && e != nil && e.state == hsPending {
-				keep = append(keep, id) // beaten once its engine is ready
+			if !w.beat && e != nil && (e.state == hsPending || e.state == hsFailed) {
+				// Beaten once its engine is ready: a failed handshake is
+				// tried again at the ticks (waitHeartbeats), and the
+				// answer of that one comes a tick before the next.
+				keep = append(keep, id)
 			} else {
 				w.fresh = false // (left to the ticks)
 			}
@@ -155,7 +162,13 @@ func (st *loopState) waitHeartbeats(by map[string][]string) {
 		if e.state != hsReady || w.req.Remote.Addr != "" && e.addr != "" && w.req.Remote.Addr != e.addr {
 			// (Not handshaken yet, or the engine is at another address
 			// now: another engine under its id, which holds nothing of
-			// this request.)
+			// this request.) One never heartbeaten is, once its
+			// engine's handshake (begun or retried here) answers:
+			// heartbeatFresh.
+			if !w.beat && !w.fresh && e.state != hsReady {
+				w.fresh = true
+				st.fresh = append(st.fresh, id)
+			}
 			continue
 		}
 		e.lastActive = st.now

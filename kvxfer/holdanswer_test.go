@@ -624,3 +624,91 @@ func TestPullQueuedHeartbeatsEndAtRegistrationTTL(t *testing.T) {
 		t.Errorf("P 200 s after d-1 arrived at D, its heartbeats stopped at 120 s:\n%s\nwant p-1's hold lapsed (expired)", got)
 	}
 }
+
+// A pull consumer request that arrives 22 s into P's 30 s lease while P
+// cannot be handshaken (the first handshake fails): the rank's next tick
+// (27 s) tries P again, and once that handshake answers the request is
+// heartbeaten at once, so P keeps its hold and d-1, allocated at 40 s, is
+// loaded. Before, a wait whose engine's handshake had failed was left to
+// the ticks: the first heartbeat went a tick after the retry succeeded
+// (32 s), P had let p-1's blocks go at 30 s, and d-1's READ was refused
+// (expired: recomputed).
+func TestPullQueuedHeartbeatenOnceARetriedHandshakeAnswers(t *testing.T) {
+	hp := newHoldPair(t)
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	pc.t = traceEpoch
+	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
+		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
+	if err != nil || !hold {
+		t.Fatalf("P finish = %v, %+v, %v; want its blocks held", hold, params, err)
+	}
+	hp.p.st.Step(hp.p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: p.BuildMeta()}})
+	hp.p.drive(nil, "")
+	hp.advance(t, 22*time.Second)
+	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
+	dc.t = traceEpoch.Add(22 * time.Second)
+	r := &Request{ID: "d-1", PromptTokens: 80, Params: params}
+	if err := d.NewRequest(r); err != nil {
+		t.Fatal(err)
+	}
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
+	if out := strings.Join(hp.d.drive(nil, ""), "\n"); !strings.Contains(out, "handshake P at") {
+		t.Fatalf("d-1's arrival:\n%s\nwant P handshaken", out)
+	}
+	hp.d.run(t, "handshake P fail=refused")
+	// A second request for P arrives before the retry: its step readies
+	// the waits whose engine is handshaken (none).
+	a := AwaitReq{ReqID: "d-2", TransferID: "t-2", Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-2", TPSize: 1, PPSize: 1,
+		Expiry: hp.d.now.Add(20 * time.Second)}}
+	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: hp.d.now, Await: []AwaitReq{a}}}})
+	hp.d.drive(nil, "")
+	retried := false
+	for range 8 {
+		got := hp.advance(t, time.Second)
+		if strings.Contains(got, "handshake P at") {
+			retried = true
+			hp.settle(t, hp.d.run(t, "handshake P tp=1"))
+		}
+		if hp.holds > 0 || strings.Contains(got, "outcome") {
+			break
+		}
+	}
+	if !retried {
+		t.Fatal("D's rank never handshook P again while d-1 waited")
+	}
+	if hp.holds == 0 || hp.d.now.Sub(traceEpoch) > 30*time.Second {
+		t.Fatalf("P answered a heartbeat of d-1 first at %v (%d answers; P's lease ends at 30 s); want one as soon as the retried handshake answered",
+			hp.d.now.Sub(traceEpoch), hp.holds)
+	}
+	for hp.d.now.Sub(traceEpoch) < 40*time.Second {
+		if got := hp.advance(t, time.Second); strings.Contains(got, "outcome") {
+			t.Fatalf("d-1 waiting at %v: %s", hp.d.now.Sub(traceEpoch), got)
+		}
+	}
+	hp.allocatedAndRead(t, d, r, "d-1 allocated at 40 s, P's hold kept by a heartbeat as soon as P answered a retried handshake")
+}
+
+// A request that waits for a producer whose handshake fails stays listed
+// to be heartbeaten once one answers; an engine that ends it and brings
+// it again, over and over, while the producer stays unreachable, does
+// not grow that list: it names each waiting request once.
+func TestPullQueuedRepeatedWhileUnhandshakenListedOnce(t *testing.T) {
+	hp := newHoldPair(t)
+	step := func(m *StepMeta) string {
+		m.SchedulerClock = hp.d.now
+		hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+		return strings.Join(hp.d.drive(nil, ""), "\n")
+	}
+	a := AwaitReq{ReqID: "d-1", TransferID: "t-1", Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1", TPSize: 1, PPSize: 1,
+		Expiry: hp.d.now.Add(20 * time.Second)}}
+	if out := step(&StepMeta{Await: []AwaitReq{a}}); strings.Contains(out, "handshake P at") {
+		hp.d.run(t, "handshake P fail=refused")
+	}
+	for range 1000 {
+		step(&StepMeta{AwaitEnd: []string{"d-1"}})
+		step(&StepMeta{Await: []AwaitReq{a}})
+	}
+	if n := len(hp.d.st.fresh); n > 2 {
+		t.Fatalf("d-1 listed %d times to be heartbeaten (P not handshaken); want once", n)
+	}
+}
