@@ -14,26 +14,64 @@ import subprocess
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.dist import Distribution
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel  # setuptools 70.1 and later
+except ImportError:  # older: the wheel package's
+    from wheel.bdist_wheel import bdist_wheel
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+
+
+def _builds_libkvxfer() -> bool:
+    """Whether build_py builds libkvxfer (or fails the build trying)."""
+    return os.environ.get("KVXFER_BUILD_LIBKVXFER", "") != "0" and shutil.which("go") is not None and \
+        (REPO / "go.mod").is_file() and (REPO / "cmd" / "libkvxfer").is_dir()
+
+
+class DistributionWithLibkvxfer(Distribution):
+    """A distribution that carries libkvxfer is for this machine's
+    platform: a wheel of it is not py3-none-any (the library is machine
+    code: a pure wheel built on one machine installed anywhere, where
+    kvxfer.inprocess then failed to load it), and it installs into
+    platlib."""
+
+    def has_ext_modules(self):
+        return _builds_libkvxfer()
+
+
+class WheelForThisPlatform(bdist_wheel):
+    """Such a wheel's tag: py3-none-PLATFORM (linux_x86_64, ...): Python's
+    own ABI does not matter to the library (loaded with ctypes)."""
+
+    def get_tag(self):
+        python, abi, plat = super().get_tag()
+        if not self.root_is_pure:
+            python, abi = "py3", "none"
+        return python, abi, plat
 
 
 class BuildPyWithLibkvxfer(build_py):
     def run(self):
         super().run()
         want = os.environ.get("KVXFER_BUILD_LIBKVXFER", "")
+        out = Path(self.build_lib).resolve() / "kvxfer" / "libkvxfer.so"
+        if not _builds_libkvxfer():
+            # An earlier build's library left in the build directory would
+            # go into this wheel, built for no platform.
+            out.unlink(missing_ok=True)
         if want == "0":
             return
         go = shutil.which("go")
-        if go is None or not (REPO / "go.mod").is_file() or not (REPO / "cmd" / "libkvxfer").is_dir():
+        if not _builds_libkvxfer():
             why = "no Go toolchain on PATH" if go is None else f"no kvxfer Go sources at {REPO}"
             if want == "1":
                 raise SystemExit(f"kvxfer: cannot build libkvxfer: {why}")
             print(f"kvxfer: not building libkvxfer ({why}): placement in-process will need $KVXFER_LIBKVXFER")
             return
-        out = Path(self.build_lib).resolve() / "kvxfer" / "libkvxfer.so"
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"kvxfer: go build -buildmode=c-shared -o {out} ./cmd/libkvxfer")
         r = subprocess.run([go, "build", "-buildmode=c-shared", "-o", str(out), "./cmd/libkvxfer"], cwd=REPO)
@@ -42,4 +80,4 @@ class BuildPyWithLibkvxfer(build_py):
         out.with_suffix(".h").unlink(missing_ok=True)  # the C header go build writes beside it
 
 
-setup(cmdclass={"build_py": BuildPyWithLibkvxfer})
+setup(distclass=DistributionWithLibkvxfer, cmdclass={"build_py": BuildPyWithLibkvxfer, "bdist_wheel": WheelForThisPlatform})

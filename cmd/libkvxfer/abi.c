@@ -109,6 +109,10 @@ static char *kvxfer_err_buf(void) {
 	return b;
 }
 
+// kvxfer_forked reports whether this is a forked child of the process
+// that loaded the library, and then writes why into err, one of
+// kvxfer_err_buf's buffers (KVXFER_ERR_CAP bytes): every entry point,
+// those without a status included, takes its buffer from there.
 static int kvxfer_forked(char *err) {
 	if (getpid() == kvxfer_load_pid) return 0;
 	snprintf(err, KVXFER_ERR_CAP,
@@ -179,13 +183,19 @@ int kvxfer_stream_take(long long stream, long long wait_us, void **msg, size_t *
 }
 
 void kvxfer_stream_close_send(long long stream) {
-	char err[8];
+	// The fork's message in the thread's buffer: a local one of a few
+	// bytes took some 250 (the child died by SIGSEGV).
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
 	if (kvxfer_forked(err)) return;
 	kvxferGoStreamCloseSend(stream);
 }
 
 void kvxfer_stream_release(long long stream) {
-	char err[8];
+	// The fork's message in the thread's buffer: a local one of a few
+	// bytes took some 250 (the child died by SIGSEGV).
+	char *err = kvxfer_err_buf();
+	err[0] = 0;
 	if (kvxfer_forked(err)) return;
 	kvxferGoStreamRelease(stream);
 }

@@ -41,14 +41,14 @@ var directs struct {
 	m    map[int64]*server.DirectStream
 }
 
-// runningServer is the process's in-process server, or why there is none.
+// runningServer is the process's in-process server, or why there is none
+// (one that stops is none: a call fails at once, not after the stop's
+// drain).
 func runningServer() (*daemon.InProcess, error) {
-	running.Lock()
-	defer running.Unlock()
-	if running.p == nil || running.p.Stopped() {
-		return nil, errors.New("kvxfer: no in-process server runs (kvxfer_start it first)")
+	if p := current.Load(); p != nil && !p.Stopped() {
+		return p, nil
 	}
-	return running.p, nil
+	return nil, errors.New("kvxfer: no in-process server runs (kvxfer_start it first; a server that is stopping serves no new call)")
 }
 
 // engineBytes is the n bytes at p, which the engine owns, without a copy:

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"os/signal"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -77,11 +78,17 @@ const (
 	statusFail    = 5
 )
 
-// running is the process's server, if started.
+// running is the process's server, if started. Its lock is held through
+// a start and a stop (which waits for the server's drain): current is the
+// server the engine's calls and streams use, read without that lock, and
+// cleared as a stop begins, so that they fail at once while it drains
+// instead of waiting for it.
 var running struct {
 	sync.Mutex
 	p *daemon.InProcess
 }
+
+var current atomic.Pointer[daemon.InProcess]
 
 // errStarted is the error of a start with another configuration.
 var errStarted = errors.New("kvxfer: the in-process server is running with another configuration (kvxfer_stop it first)")
@@ -98,6 +105,7 @@ func start(config string) (endpoint string, code int, err error) {
 		// stop under way), so that no server of this library is left
 		// running unseen by kvxfer_stop.
 		running.p = nil
+		current.CompareAndSwap(p, nil)
 		if err := p.Stop(); err != nil {
 			return "", statusFail, fmt.Errorf("kvxfer: the server that stopped by itself did not let go of its engines' memory "+
 				"(it may still be touched; do not free it): %w", err)
@@ -117,6 +125,7 @@ func start(config string) (endpoint string, code int, err error) {
 		return "", statusFail, err
 	}
 	running.p = p
+	current.Store(p)
 	return p.Endpoint(), statusOK, nil
 }
 
@@ -127,6 +136,7 @@ func stop() error {
 	if running.p == nil {
 		return nil
 	}
+	current.Store(nil)
 	err := running.p.Stop()
 	running.p = nil
 	return err

@@ -150,8 +150,9 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.IntVar(&c.maxMemEntries, "max-memory-entries", 0, "hello.memory entries mapped at once (shared-memory files, CUDA IPC imports), all users; "+
 		"0: a quarter of the open-file limit, at most 16384")
 	fs.IntVar(&c.maxMemEntriesPerUID, "max-memory-entries-per-uid", 0, "hello.memory entries mapped at once per user (uid); 0: half of -max-memory-entries")
-	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP")
-	fs.IntVar(&c.maxPeerConnsTotal, "max-peer-conns", 4096, "connections to the Peer service open at once from all IPs")
+	fs.IntVar(&c.maxPeerConns, "max-peer-conns-per-addr", 64, "connections to the Peer service open at once from one IP; "+
+		"and to each rank's built-in data port, those not yet authenticated")
+	fs.IntVar(&c.maxPeerConnsTotal, "max-peer-conns", 4096, "connections to the Peer service open at once from all IPs; and to each rank's built-in data port")
 	fs.IntVar(&c.maxPeerCallsPerConn, "max-peer-calls-per-conn", server.DefaultMaxPeerCallsPerConn, "calls in flight at once on one connection to the Peer service (handshakes, health checks and watches)")
 	fs.IntVar(&c.maxPeerCalls, "max-peer-calls", server.DefaultMaxPeerCalls, "calls in flight at once on the Peer service, all connections")
 	fs.StringVar(&c.preconnect, "preconnect", "", "peer engines every rank handshakes with at start: engine=host:port,...")
@@ -632,8 +633,13 @@ var openNixl = nixl.New
 // for its same-host path). A backend that does not open is an error and
 // no backend: never a nil pointer in a non-nil server.Backend, which the
 // server would Close.
+//
+// The built-in backend's data port is bounded as the Peer service's port
+// is: -max-peer-conns-per-addr connections from one IP not yet through
+// their authentication, -max-peer-conns in all; refuse counts one past
+// them (data_conns_per_addr, data_conns; nil: not counted).
 func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, log *slog.Logger,
-	devices func([16]byte) (tcp.Device, error)) func(string, *topology.Layout, bool) (server.Backend, error) {
+	devices func([16]byte) (tcp.Device, error), refuse func(string)) func(string, *topology.Layout, bool) (server.Backend, error) {
 	return func(engine string, l *topology.Layout, vram bool) (server.Backend, error) {
 		if c.backend == "nixl" {
 			params, _ := c.params()
@@ -655,7 +661,8 @@ func (c *config) backendFactory(auth *peerauth.Authenticator, sec peerSecurity, 
 			}
 		}
 		b, err := tcp.New(tcp.Config{Listen: net.JoinHostPort(c.dataHost, strconv.Itoa(port)), Conns: c.conns, Auth: auth, DisableSameHost: c.noSameHost,
-			DisableGates: c.noGates, ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices})
+			DisableGates: c.noGates, ClientTLS: sec.client, ServerTLS: sec.server, Logger: log, Devices: devices,
+			MaxPendingPerAddr: c.maxPeerConns, MaxIncoming: c.maxPeerConnsTotal, Refused: refuse})
 		if err != nil {
 			return nil, fmt.Errorf("built-in backend: %w", err)
 		}
@@ -806,7 +813,8 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		MaxMemoryEntries: c.maxMemEntries, MaxMemoryEntriesPerUID: c.maxMemEntriesPerUID,
 		OnEnginesChanged: onEngines, PeerLookup: lookup, EngineOwners: owners, EngineOwnersOnly: c.engineOwnersOnly,
 		PeerCreds: clientCreds, PeerInsecure: !auth.Enabled() && sec.server == nil, PeerTLS: sec.server != nil,
-		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) }),
+		NewBackend: c.backendFactory(auth, sec, log, func(u [16]byte) (tcp.Device, error) { return srv.IPCDevice(u) },
+			func(reason string) { srv.Refuse(reason) }),
 		WorkerConfig: func(wc *kvxfer.WorkerConfig) {
 			wc.Lease, wc.Preconnect, wc.MaxSegments, wc.PeerTimeout = c.lease, peers, c.maxSegments, c.peerTimeout
 			wc.MaxRequests = c.maxRequests

@@ -271,7 +271,7 @@ func TestBackendFactoryOpenFails(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			newBackend := tc.c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+			newBackend := tc.c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil, nil)
 			be, err := newBackend("E", &topology.Layout{TPRank: 1}, false)
 			if be != nil || err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("NewBackend with a backend that does not open = %#v, %v; want a nil server.Backend and an error containing %q", be, err, tc.want)
@@ -296,7 +296,7 @@ func TestDataPortBase(t *testing.T) {
 		}
 	}
 	c := &config{backend: "builtin", dataHost: "127.0.0.1", conns: 1, dataPortBase: base}
-	newBackend := c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	newBackend := c.backendFactory(peerauth.Insecure(), peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil, nil)
 	be, err := newBackend("E", &topology.Layout{TPRank: 1, TPSize: 2, PPRank: 1, PPSize: 2}, false)
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", base+3, err)
@@ -352,5 +352,50 @@ func TestHelloTimeoutFlagBounded(t *testing.T) {
 	}
 	if c, err := parseFlags([]string{"-hello-timeout", "100ms"}); err != nil || c.helloTimeout != 100*time.Millisecond {
 		t.Errorf("-hello-timeout 100ms: %v, %v", c, err)
+	}
+}
+
+// The built-in backend's data port takes -max-peer-conns-per-addr
+// connections from one IP that have not authenticated (and -max-peer-conns
+// in all): one past it is closed at once and counted (data_conns_per_addr).
+func TestDataPortConnsFlags(t *testing.T) {
+	secret, err := peerauth.New([]byte("0123456789abcdef0123456789abcdef"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	refused := map[string]int{}
+	c := &config{backend: "builtin", dataHost: "127.0.0.1", conns: 1, maxPeerConns: 2, maxPeerConnsTotal: 100}
+	newBackend := c.backendFactory(secret, peerSecurity{}, slog.New(slog.NewTextHandler(io.Discard, nil)), nil,
+		func(reason string) { mu.Lock(); refused[reason]++; mu.Unlock() })
+	be, err := newBackend("E", &topology.Layout{TPSize: 1, PPSize: 1}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	var conns []net.Conn
+	for range 3 {
+		conn, err := net.Dial("tcp", be.(*tcp.Backend).Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		conns = append(conns, conn)
+	}
+	// The last one is refused (read first: each read waits until the
+	// shared deadline at most), the first two held.
+	closed := 0
+	deadline := time.Now().Add(3 * time.Second)
+	for i := range conns {
+		conn := conns[len(conns)-1-i]
+		_ = conn.SetReadDeadline(deadline)
+		if _, err := conn.Read(make([]byte, 1)); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			closed++
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if closed != 1 || refused["data_conns_per_addr"] != 1 {
+		t.Errorf("3 idle connections, -max-peer-conns-per-addr 2: %d closed, refusals %v; want 1, data_conns_per_addr 1", closed, refused)
 	}
 }

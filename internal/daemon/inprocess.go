@@ -196,6 +196,12 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 				c.tlsCert, c.tlsKey, c.tlsCA, err)
 		}
 	}
+	// etcd's TLS files likewise (the registry dials etcd at the start).
+	if c.etcd.client.Endpoints != "" {
+		if _, err := c.etcd.client.TLSConfig(); err != nil {
+			return nil, level, fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+	}
 	// NIXL's C library, found as the start finds it (not loaded: loading
 	// it loads UCX, which installs signal handlers, long before a server
 	// is wanted): one missing fails here, naming where it was looked for,
@@ -206,9 +212,13 @@ func checkInProcess(configJSON []byte) (*config, slog.Level, error) {
 		}
 	}
 	// Directories the start needs (nothing created here).
+	// (The start listens on a socket file, and writes -ready-file,
+	// in theirs.)
 	dirs := []struct{ key, value, dir string }{{"shm-dir", c.shmDir, c.shmDir}}
-	if c.hopTrace != "" {
-		dirs = append(dirs, struct{ key, value, dir string }{"hop-trace", c.hopTrace, filepath.Dir(c.hopTrace)})
+	for _, f := range []struct{ key, value string }{{"hop-trace", c.hopTrace}, {"ready-file", c.readyFile}, {"socket", c.socket}} {
+		if f.value != "" && !abstract(f.value) {
+			dirs = append(dirs, struct{ key, value, dir string }{f.key, f.value, filepath.Dir(f.value)})
+		}
 	}
 	for _, d := range dirs {
 		if st, err := os.Stat(d.dir); err != nil || !st.IsDir() {

@@ -105,6 +105,13 @@ func TestCheckInProcessConfig(t *testing.T) {
 		{`{"tls_cert": "` + junk + `", "tls_key": "` + junk + `", "tls_ca": "` + junk + `"}`, `-tls-cert = "` + junk + `"`},
 		{`{"hop_trace": "` + dir + `/no/such/dir/trace"}`, `-hop-trace = "` + dir + `/no/such/dir/trace"`},
 		{`{"shm_dir": "` + dir + `/none"}`, `-shm-dir = "` + dir + `/none"`},
+		// Files the start writes or listens on in a directory, and etcd's
+		// TLS files: each failed only at the start, after an engine's
+		// check had passed it (its model loaded meanwhile).
+		{`{"ready_file": "` + dir + `/none/ready"}`, `-ready-file = "` + dir + `/none/ready"`},
+		{`{"socket": "` + dir + `/none/k.sock"}`, `-socket = "` + dir + `/none/k.sock"`},
+		{`{"etcd": "127.0.0.1:2379", "etcd_ca": "` + dir + `/none.pem"}`, `-etcd-ca: open ` + dir + `/none.pem`},
+		{`{"etcd": "127.0.0.1:2379", "etcd_ca": "` + junk + `"}`, `-etcd-ca ` + junk + `: no PEM certificate`},
 	} {
 		if err := CheckInProcessConfig([]byte(tc.in)); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("CheckInProcessConfig(%s) = %v, want ErrConfig containing %q", tc.in, err, tc.want)

@@ -72,7 +72,7 @@ func newCollector(srv *server.Server, auth *peerauth.Authenticator) *collector {
 		gates: d("gates_total", "Push grants offered to producers one-sided (same-host GPU WRITEs launched by the producer through a gate), "+
 			"by outcome (opened; failed: served two-sided instead).", "outcome"),
 		refused: prometheus.NewDesc("kvxfer_refused_total",
-			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, engine_reserved, engine_unreserved, rank_attached, memory, memory_address, bad_hello, bad_request, other_process, socket_mode, hello_timeout, streams, streams_per_uid, memory_entries, memory_entries_per_uid, schedulers, schedulers_per_uid, engine_conns, engine_conns_per_uid, calls, calls_per_uid, scheduler_requests, peer_not_allowed, peer_conns_per_addr, peer_conns, peer_calls_per_conn, peer_calls, metrics_conns_per_addr, metrics_conns, bad_handshake, bad_step, bad_message).",
+			"Engine calls, streams and peer addresses the daemon refused, by reason (permission, engine_reserved, engine_unreserved, rank_attached, memory, memory_address, bad_hello, bad_request, other_process, socket_mode, hello_timeout, streams, streams_per_uid, memory_entries, memory_entries_per_uid, schedulers, schedulers_per_uid, engine_conns, engine_conns_per_uid, calls, calls_per_uid, scheduler_requests, peer_not_allowed, peer_conns_per_addr, peer_conns, data_conns_per_addr, data_conns, peer_calls_per_conn, peer_calls, metrics_conns_per_addr, metrics_conns, bad_handshake, bad_step, bad_message).",
 			[]string{"reason"}, nil),
 	}
 }

@@ -129,6 +129,16 @@ type Config struct {
 	// DisableGates turns off one-sided WRITEs (see OpenGate): this agent
 	// opens no gates, and its WRITEs take the two-sided path.
 	DisableGates bool
+	// MaxPendingPerAddr bounds the TCP connections from one remote IP
+	// that have not yet authenticated and said their hello (default
+	// DefaultMaxPendingPerAddr), and MaxIncoming the incoming TCP
+	// connections open at once, from all (default DefaultMaxIncoming):
+	// one past a bound is closed as it is accepted, and Refused, when
+	// set, is called with why ("data_conns_per_addr", "data_conns"; it
+	// must be quick). Peers that authenticate are not held back by the
+	// first: each opens Conns+1 connections to an agent it talks to.
+	MaxPendingPerAddr, MaxIncoming int
+	Refused                        func(reason string)
 
 	// noLayouts makes the agent act as a build from before layout frames
 	// (tests of mixed builds): its same-host socket's name lacks
@@ -230,6 +240,11 @@ type Agent struct {
 		// with its last).
 		landingBy map[string]int
 		served    map[session]int
+		// tcpIn counts the incoming TCP connections (MaxIncoming), and
+		// pending those not yet through their authentication and hello,
+		// by remote IP (MaxPendingPerAddr).
+		tcpIn   int
+		pending map[string]int
 	}
 }
 
@@ -301,6 +316,12 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.FrameTimeout <= 0 {
 		cfg.FrameTimeout = 30 * time.Second
 	}
+	if cfg.MaxPendingPerAddr <= 0 {
+		cfg.MaxPendingPerAddr = DefaultMaxPendingPerAddr
+	}
+	if cfg.MaxIncoming <= 0 {
+		cfg.MaxIncoming = DefaultMaxIncoming
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -328,7 +349,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	a.mu.peers = map[string]*peer{}
 	a.mu.xfers = map[XferID]*xfer{}
-	a.mu.incoming = map[net.Conn]bool{}
+	a.mu.incoming, a.mu.pending = map[net.Conn]bool{}, map[string]int{}
 	a.mu.localIn = map[*localServer]bool{}
 	a.mu.landing = map[landKey]*landing{}
 	a.mu.landingBy, a.mu.served = map[string]int{}, map[session]int{}
@@ -977,11 +998,76 @@ func (a *Agent) accept(ln net.Listener) {
 			_ = c.Close()
 			return
 		}
+		var in *tcpIncoming
+		if ta, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+			in = &tcpIncoming{a: a, host: ta.IP.String()}
+			reason := ""
+			switch {
+			case a.mu.pending[in.host] >= a.cfg.MaxPendingPerAddr:
+				reason = "data_conns_per_addr"
+			case a.mu.tcpIn >= a.cfg.MaxIncoming:
+				reason = "data_conns"
+			}
+			if reason != "" {
+				a.mu.Unlock()
+				if a.cfg.Refused != nil {
+					a.cfg.Refused(reason) // counted before the dialer can see the close
+				}
+				_ = c.Close()
+				continue
+			}
+			a.mu.pending[in.host]++
+			a.mu.tcpIn++
+			in.pending = true
+		}
 		a.mu.incoming[c] = true
 		a.wg.Add(1)
 		a.mu.Unlock()
-		go a.serve(c)
+		go a.serve(c, in)
 	}
+}
+
+// DefaultMaxPendingPerAddr and DefaultMaxIncoming are Config's bounds on
+// incoming TCP connections: those not yet authenticated from one IP, and
+// all of them.
+const DefaultMaxPendingPerAddr, DefaultMaxIncoming = 64, 4096
+
+// tcpIncoming is an incoming TCP connection as the bounds count it.
+type tcpIncoming struct {
+	a       *Agent
+	host    string
+	pending bool // counted in a.mu.pending (a.mu guards it)
+}
+
+// hello says that the connection authenticated and said its hello: it is
+// pending no more.
+func (in *tcpIncoming) hello() {
+	if in == nil {
+		return
+	}
+	in.a.mu.Lock()
+	in.unpendLocked()
+	in.a.mu.Unlock()
+}
+
+func (in *tcpIncoming) unpendLocked() {
+	if in.pending {
+		in.pending = false
+		if in.a.mu.pending[in.host]--; in.a.mu.pending[in.host] <= 0 {
+			delete(in.a.mu.pending, in.host)
+		}
+	}
+}
+
+// closed says that the connection closed.
+func (in *tcpIncoming) closed() {
+	if in == nil {
+		return
+	}
+	in.a.mu.Lock()
+	in.unpendLocked()
+	in.a.mu.tcpIn--
+	in.a.mu.Unlock()
 }
 
 // readFull reads exactly len(b) bytes.

@@ -231,7 +231,7 @@ func FuzzServeHello(f *testing.F) {
 		ag.wg.Add(1)
 		ag.mu.Unlock()
 		done := make(chan struct{})
-		go func() { ag.serve(sc); close(done) }()
+		go func() { ag.serve(sc, nil); close(done) }()
 		go func() {
 			buf := make([]byte, 4096)
 			for {

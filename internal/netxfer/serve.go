@@ -16,13 +16,15 @@ import (
 
 // serve handles one incoming connection: a peer's requests, answered in
 // order on the same connection.
-func (a *Agent) serve(raw net.Conn) {
+// in counts a TCP connection in the agent's bounds (nil: a same-host one).
+func (a *Agent) serve(raw net.Conn, in *tcpIncoming) {
 	defer a.wg.Done()
 	defer func() {
 		_ = raw.Close()
 		a.mu.Lock()
 		delete(a.mu.incoming, raw)
 		a.mu.Unlock()
+		in.closed()
 	}()
 	from, inc := "", "" // the peer and its incarnation, once its hello was taken
 	defer func() {
@@ -162,6 +164,7 @@ func (a *Agent) serve(raw net.Conn) {
 	a.mu.Lock()
 	a.mu.served[session{from, inc}]++
 	a.mu.Unlock()
+	in.hello()
 	// Answers are small; a buffered writer batches them. Payloads of READ
 	// responses bypass it (Flush first, then writev from memory).
 	w := bufio.NewWriterSize(nc, 4096)

@@ -78,7 +78,17 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         method = self._direct_methods().get(id(fn))
         if method is not None:
-            kind, r = inprocess.call(method, req.SerializeToString(), timeout)
+            try:
+                kind, r = inprocess.call(method, req.SerializeToString(), timeout)
+            except inprocess.ForkedChildError:
+                raise
+            except inprocess.InProcessError as e:
+                # No server (stopped, by the engine or by itself, or
+                # stopping): what a gRPC call says of a server it cannot
+                # reach, a KvxferError as every call's error is (callers
+                # fail their requests on it; an InProcessError went past
+                # them, out of the engine's loop).
+                raise errors.Unavailable(op, str(e)) from None
             if kind == "status":
                 raise errors.from_code(op, *r)
             return _SCHED_OUT[method].FromString(r)

@@ -605,3 +605,52 @@ def test_direct_stream_errors_are_the_grpc_streams(libkvxfer):
         print("ok", flush=True)
     """)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_scheduler_call_while_stopping_is_unavailable(libkvxfer):
+    """A scheduler call made without gRPC while another thread's stop
+    waits for the server's drain (a producer rank holds a request for a
+    consumer that never comes) fails at once with Unavailable, a
+    KvxferError as a gRPC call's is, which the connector fails its
+    requests on. It waited for the whole stop, then raised InProcessError,
+    which went past every handler, out of the engine's loop."""
+    r = _run(libkvxfer, """
+        import threading, time
+        import numpy as np
+        import kvxfer
+        from kvxfer import errors, inprocess
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error", "drain_timeout": "20s"})
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        c = kvxfer.Client(ep)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                             kernel_block_size=16,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        w = c.connect(pb.WorkerHello(engine_id="P", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+        s = c.scheduler("S")
+        s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+        now = time.time_ns()
+        w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=now, send=[pb.SendRequest(
+            request_id="p-1", transfer_id="t-1", deadline_unix_nanos=now + 60 * 10**9,
+            blocks=[pb.Span(block_ids=[1, 2])], tokens=20)]))
+        w.poll(0.2)
+        stopping = threading.Thread(target=inprocess.stop)
+        stopping.start()
+        time.sleep(0.5)  # the stop began: its drain waits for the rank's request
+        assert stopping.is_alive(), "the stop did not wait for the held request"
+        t0 = time.monotonic()
+        try:
+            s.matched_tokens(pb.EngineRequest(request_id="d-1", prompt_tokens=40), 0)
+            raise SystemExit("a call to a stopping server succeeded")
+        except errors.Unavailable as e:
+            print("unavailable", e, flush=True)
+        except Exception as e:
+            raise SystemExit(f"a call to a stopping server raised {type(e).__name__}: {e}, want Unavailable")
+        took = time.monotonic() - t0
+        assert took < 5, f"the call waited {took:.1f} s for the stop"
+        stopping.join()
+        print("ok", flush=True)
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

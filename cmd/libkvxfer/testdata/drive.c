@@ -188,6 +188,35 @@ int main(int argc, char **argv) {
 	// BuildMeta of an engine with no scheduler: a status, not a crash.
 	rc = call("BuildMeta", "", 0, 1000000, &msg, &len, &code);
 	CHECK(rc == KVXFER_ESTATUS && code != 0, "BuildMeta of no engine = %d, code %d: %s", rc, code, last_error());
+	// A forked child of the process that runs the server: every direct
+	// stream and call entry refused (KVXFER_EFORK, or 0 from open), the
+	// void ones (close_send, release) returning without touching Go. They
+	// wrote the fork's message (some 250 bytes) into an 8-byte stack
+	// buffer: the child died by SIGSEGV.
+	long long f = sopen();
+	CHECK(f > 0, "stream open: %s", last_error());
+	void (*sclose)(long long) = (void (*)(long long))dlsym(lib, "kvxfer_stream_close_send");
+	CHECK(sclose, "missing kvxfer_stream_close_send");
+	pid = fork();
+	if (pid == 0) {
+		int ok = 1;
+		sclose(f);
+		srelease(f);
+		srelease(f + 1);
+		ok = ok && sopen() == 0 && strstr(last_error(), "forked child") != NULL;
+		ok = ok && sput(f, "", 0) == KVXFER_EFORK && strstr(last_error(), "forked child") != NULL;
+		ok = ok && stake(f, 0, &msg, &len, &code) == KVXFER_EFORK;
+		ok = ok && call("Step", "", 0, 0, &msg, &len, &code) == KVXFER_EFORK && strstr(last_error(), "forked child") != NULL;
+		_exit(ok ? 0 : 1);
+	}
+	CHECK(pid > 0, "fork");
+	CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "forked child calling the stream entries: %s %d (want exit 0)",
+		WIFSIGNALED(st) ? "killed by signal" : "exit status", WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+	rc = sput(f, "", 0); // the parent's stream is the parent's still
+	CHECK(rc == KVXFER_OK, "put after the child = %d: %s", rc, last_error());
+	srelease(f);
+	printf("forked child refused by the stream entries\n");
 	CHECK(stop() == KVXFER_OK, "stop: %s", last_error());
 	printf("ok\n");
 	return 0;

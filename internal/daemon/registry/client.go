@@ -109,30 +109,43 @@ func Dial(c ClientConfig) (*clientv3.Client, error) {
 	eps, _ := c.endpoints()
 	cfg := clientv3.Config{Endpoints: eps, DialKeepAliveTime: 2 * time.Second, DialKeepAliveTimeout: 2 * time.Second,
 		Logger: zap.NewNop(), RejectOldCluster: false}
-	if c.tls() {
-		tc := &tls.Config{MinVersion: tls.VersionTLS12}
-		if c.CA != "" {
-			pem, err := os.ReadFile(c.CA)
-			if err != nil {
-				return nil, fmt.Errorf("-etcd-ca: %w", err)
-			}
-			tc.RootCAs = x509.NewCertPool()
-			if !tc.RootCAs.AppendCertsFromPEM(pem) {
-				return nil, fmt.Errorf("-etcd-ca %s: no PEM certificate in it", c.CA)
-			}
-		}
-		if c.Cert != "" {
-			cert, err := tls.LoadX509KeyPair(c.Cert, c.Key)
-			if err != nil {
-				return nil, fmt.Errorf("-etcd-cert, -etcd-key: %w", err)
-			}
-			tc.Certificates = []tls.Certificate{cert}
-		}
-		cfg.TLS = tc
+	tc, err := c.TLSConfig()
+	if err != nil {
+		return nil, err
 	}
+	cfg.TLS = tc
 	cl, err := clientv3.New(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("-etcd: %w", err)
 	}
 	return cl, nil
+}
+
+// TLSConfig is the TLS configuration of c's connections to etcd, its
+// files read (nil: plain text), or what is wrong with one, naming its
+// flag: Dial's, and libkvxfer's check of a configuration before its
+// start.
+func (c ClientConfig) TLSConfig() (*tls.Config, error) {
+	if !c.tls() {
+		return nil, nil
+	}
+	tc := &tls.Config{MinVersion: tls.VersionTLS12}
+	if c.CA != "" {
+		pem, err := os.ReadFile(c.CA)
+		if err != nil {
+			return nil, fmt.Errorf("-etcd-ca: %w", err)
+		}
+		tc.RootCAs = x509.NewCertPool()
+		if !tc.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("-etcd-ca %s: no PEM certificate in it", c.CA)
+		}
+	}
+	if c.Cert != "" {
+		cert, err := tls.LoadX509KeyPair(c.Cert, c.Key)
+		if err != nil {
+			return nil, fmt.Errorf("-etcd-cert %s, -etcd-key %s: %w", c.Cert, c.Key, err)
+		}
+		tc.Certificates = []tls.Certificate{cert}
+	}
+	return tc, nil
 }

@@ -46,6 +46,10 @@ type Config struct {
 	// DisableGates turns off one-sided same-host GPU WRITEs (see
 	// OpenGate): every WRITE takes the two-sided path.
 	DisableGates bool
+	// MaxPendingPerAddr, MaxIncoming and Refused bound the incoming TCP
+	// connections (see netxfer.Config; 0: its defaults).
+	MaxPendingPerAddr, MaxIncoming int
+	Refused                        func(reason string)
 }
 
 // Backend is the built-in kvxfer.Backend: TCP between kvxferd processes with
@@ -66,7 +70,8 @@ var (
 func New(cfg Config) (*Backend, error) {
 	a, err := netxfer.New(netxfer.Config{Name: cfg.Name, Listen: cfg.Listen, Advertise: cfg.Advertise,
 		Conns: cfg.Conns, DisableLocal: cfg.DisableLocal, DisableSameHost: cfg.DisableSameHost, Devices: cfg.Devices, Auth: cfg.Auth, ClientTLS: cfg.ClientTLS, ServerTLS: cfg.ServerTLS, Logger: cfg.Logger,
-		GateKey: kvxfer.GateKey, DisableGates: cfg.DisableGates})
+		GateKey: kvxfer.GateKey, DisableGates: cfg.DisableGates, MaxPendingPerAddr: cfg.MaxPendingPerAddr, MaxIncoming: cfg.MaxIncoming,
+		Refused: cfg.Refused})
 	if err != nil {
 		return nil, err
 	}
