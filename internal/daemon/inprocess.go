@@ -107,7 +107,16 @@ func setJSON(fs *flag.FlagSet, b []byte) error {
 		if err != nil {
 			return fmt.Errorf("key %q: %w", key, err)
 		}
+		want := flagWants(f.Value)
+		if b, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && b.IsBoolFlag() && v != "true" && v != "false" {
+			// (Set takes "1", "t", "F"...: a JSON 1 or "yes" for a
+			// switch such as insecure_peers is a slip, not a choice.)
+			return fmt.Errorf("key %q = %s: want %s", key, raw, want)
+		}
 		if err := f.Value.Set(v); err != nil {
+			if want != "" {
+				return fmt.Errorf("key %q = %s: want %s: %w", key, raw, want, err)
+			}
 			return fmt.Errorf("key %q = %s: %w", key, raw, err)
 		}
 	}
@@ -119,6 +128,28 @@ func setJSON(fs *flag.FlagSet, b []byte) error {
 		return fmt.Errorf("want one JSON object, and nothing after the JSON object (%s)", trailing(b, end))
 	}
 	return nil
+}
+
+// flagWants says what value a flag of v's type takes, for an error ("":
+// its own error says it).
+func flagWants(v flag.Value) string {
+	g, ok := v.(flag.Getter)
+	if !ok {
+		return ""
+	}
+	switch g.Get().(type) {
+	case bool:
+		return "true or false (a JSON boolean)"
+	case int, int64:
+		return "a whole number"
+	case uint, uint64:
+		return "a whole number, 0 or more"
+	case float64:
+		return "a number"
+	case time.Duration:
+		return `a duration such as "5s" or "500ms"`
+	}
+	return ""
 }
 
 // trailing is what of b follows offset, cut short.

@@ -38,6 +38,12 @@ func TestParseJSON(t *testing.T) {
 		{`{"conns": "x"}`, `key "conns"`},
 		{`{"conns": 0}`, "-conns = 0"},
 		{`{"conns": [1]}`, "want a string, a number or a boolean"},
+		// A value of the wrong type says what the key takes.
+		{`{"conns": 1.5}`, `key "conns" = 1.5: want a whole number`},
+		{`{"lease": 30}`, `key "lease" = 30: want a duration`},
+		{`{"insecure_peers": 1}`, `key "insecure_peers" = 1: want true or false`},
+		{`{"insecure_peers": "yes"}`, `key "insecure_peers" = "yes": want true or false`},
+		{`{"peer_allow": "???"}`, `"???"`},
 		{`[1]`, "want a JSON object"},
 		{`null`, "want a JSON object"},
 		// What follows the object is no configuration to drop unread.

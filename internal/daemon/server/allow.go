@@ -40,7 +40,7 @@ func ParseAllowList(list string) (*AllowList, error) {
 			a.prefixes = append(a.prefixes, netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()))
 			continue
 		}
-		if strings.ContainsAny(item, "/: ") {
+		if !hostName(item) {
 			return nil, fmt.Errorf("peer allow-list item %q: want an IP, an IP prefix (10.0.0.0/8) or a host name", item)
 		}
 		a.hosts[strings.ToLower(item)] = true
@@ -49,6 +49,28 @@ func ParseAllowList(list string) (*AllowList, error) {
 		return nil, errors.New("peer allow-list is empty")
 	}
 	return a, nil
+}
+
+// hostName reports whether s can be a host name as a peer's address
+// names it: dot-separated labels of letters, digits, '-' and '_' (1 to 63
+// each, no '-' at either end), 253 bytes at most. An item that cannot be
+// one (a typo such as "10.0.0.0./8", "???") matches nothing: refused, it
+// is not a list that silently allows less than meant.
+func hostName(s string) bool {
+	if len(s) == 0 || len(s) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(strings.TrimSuffix(s, "."), ".") {
+		if len(label) == 0 || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Check returns nil when addr (host:port) is allowed, else an error

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
@@ -22,7 +23,8 @@ func TestAllowList(t *testing.T) {
 			t.Errorf("Check(%q) = %v, want allowed %v", addr, err, want)
 		}
 	}
-	for _, bad := range []string{"", " , ", "10.0.0.0/33", "a b", "host:1"} {
+	for _, bad := range []string{"", " , ", "10.0.0.0/33", "a b", "host:1", "???", "10.0.0.0./8", "prefill-0..example", "-p.example",
+		"p*.example", "10.0.0.1,???", strings.Repeat("a", 64) + ".example"} {
 		if _, err := server.ParseAllowList(bad); err == nil {
 			t.Errorf("ParseAllowList(%q) = nil error", bad)
 		}
