@@ -47,7 +47,16 @@ class ForkedChildError(InProcessError):
     """A call in a child forked from a process that loaded libkvxfer."""
 
 
-_lock = threading.Lock()
+# Reentrant: a signal handler runs on the thread it interrupts, which may
+# hold the lock (inside start, check_config or version); one that calls
+# stop() (a SIGTERM handler shutting the server down) would otherwise wait
+# for itself for ever. The C calls it guards are never interrupted midway
+# (Python runs handlers between bytecodes), and libkvxfer orders its own
+# start and stop.
+_lock = threading.RLock()
+# _stops counts stops: a start that a stop interrupted (a signal handler)
+# returns its endpoint but does not record it as the running one.
+_stops = 0
 _lib: ctypes.CDLL | None = None
 _path: str | None = None
 _endpoint: str | None = None
@@ -64,7 +73,7 @@ def _forked_error() -> ForkedChildError:
 def _after_fork_in_child() -> None:
     # The lock may have been held by another thread at fork: a new one.
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -148,14 +157,17 @@ def start(config: dict | None = None) -> str:
     with _lock:
         lib = _load()
         buf = ctypes.create_string_buffer(4096)
+        stops = _stops
         code = lib.kvxfer_start(text.encode(), buf, len(buf))
         if code != OK:
             raise _error(lib, code)
-        _endpoint = buf.value.decode()
+        ep = buf.value.decode()
+        if stops == _stops:  # (else a stop came in since: none runs)
+            _endpoint = ep
         if not _exit_registered:
             atexit.register(_at_exit)
             _exit_registered = True
-        return _endpoint
+        return ep
 
 
 def check_config(config: dict | None = None) -> None:
@@ -181,15 +193,18 @@ def stop() -> None:
     InProcessError where a rank had still not let go of its memory when
     the server gave up waiting (40 s after the drain): that memory may
     still be touched, and must not be freed."""
-    global _endpoint
+    global _endpoint, _stops
     with _lock:
         if _lib is None:
             return
         lib = _load()
+        _stops += 1
+        # (The endpoint stays this server's while it drains: this
+        # process's clients reach it directly, and are refused at once.)
         code = lib.kvxfer_stop()
+        _endpoint = None  # (none runs now, whatever the stop's code)
         if code != OK:
             raise _error(lib, code)
-        _endpoint = None
 
 
 def _at_exit() -> None:

@@ -607,6 +607,40 @@ def test_direct_stream_errors_are_the_grpc_streams(libkvxfer):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_stop_from_a_signal_handler_during_start(libkvxfer):
+    """A SIGTERM handler that stops the server (kvxfer.inprocess.stop) may
+    run on a thread inside start, check_config or version (Python runs
+    handlers between bytecodes, on the main thread): it stops the server
+    instead of waiting for itself for ever on the module's lock, and the
+    start it interrupted records no running server."""
+    r = _run(libkvxfer, """
+        import os, signal
+        from kvxfer import inprocess
+        signal.signal(signal.SIGUSR1, lambda *_: inprocess.stop())
+        cfg = {"insecure_peers": True, "log_level": "error"}
+        inprocess.start(cfg)
+        with inprocess._lock:  # as start, check_config and version hold it
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert inprocess.endpoint() is None, inprocess.endpoint()
+        # A stop that lands inside start, after the library started it.
+        real = inprocess._lib.kvxfer_start
+        class Interrupted:
+            def __call__(self, *a):
+                code = real(*a)
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return code
+        inprocess._lib.kvxfer_start = Interrupted()
+        ep = inprocess.start(cfg)
+        inprocess._lib.kvxfer_start = real
+        assert ep and inprocess.endpoint() is None, (ep, inprocess.endpoint())
+        assert inprocess.start(cfg) == inprocess.endpoint() != ep
+        inprocess.stop()
+        print("result {}")
+    """, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _result(r.stdout)
+
+
 def test_scheduler_call_while_stopping_is_unavailable(libkvxfer):
     """A scheduler call made without gRPC while another thread's stop
     waits for the server's drain (a producer rank holds a request for a
