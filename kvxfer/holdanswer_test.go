@@ -220,6 +220,21 @@ func (hp *holdPair) queued(t *testing.T) (*Scheduler, *Request) {
 // (both clocks moved on meanwhile, D's rank idle).
 func (hp *holdPair) queuedAfter(t *testing.T, after time.Duration) (*Scheduler, *Request) {
 	t.Helper()
+	d, r, out := hp.arrives(t, after)
+	if strings.Contains(out, "handshake P at") {
+		out += "\n" + hp.d.run(t, "handshake P tp=1")
+	}
+	hp.settle(t, out)
+	return d, r
+}
+
+// arrives has P finish p-1 (held under its 30 s lease) and d-1 arrive at
+// D `after` that (both clocks moved on meanwhile, D's rank idle): D's
+// Scheduler takes it in (NewRequest) and its step awaits it. It returns
+// D's Scheduler, d-1, and what D's core printed for that step (a
+// handshake of P asked for is left to the caller to answer).
+func (hp *holdPair) arrives(t *testing.T, after time.Duration) (*Scheduler, *Request, string) {
+	t.Helper()
 	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
 	pc.t = traceEpoch
 	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
@@ -243,12 +258,7 @@ func (hp *holdPair) queuedAfter(t *testing.T, after time.Duration) (*Scheduler, 
 		t.Fatalf("D's step after d-1 arrived = %+v, want it awaited", meta)
 	}
 	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: meta}})
-	out := strings.Join(hp.d.drive(nil, ""), "\n")
-	if strings.Contains(out, "handshake P at") {
-		out += "\n" + hp.d.run(t, "handshake P tp=1")
-	}
-	hp.settle(t, out)
-	return d, r
+	return d, r, strings.Join(hp.d.drive(nil, ""), "\n")
 }
 
 // A pull consumer request that waits in D's queue (not allocated) 40 s,
@@ -635,24 +645,8 @@ func TestPullQueuedHeartbeatsEndAtRegistrationTTL(t *testing.T) {
 // (expired: recomputed).
 func TestPullQueuedHeartbeatenOnceARetriedHandshakeAnswers(t *testing.T) {
 	hp := newHoldPair(t)
-	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
-	pc.t = traceEpoch
-	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
-		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
-	if err != nil || !hold {
-		t.Fatalf("P finish = %v, %+v, %v; want its blocks held", hold, params, err)
-	}
-	hp.p.st.Step(hp.p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: p.BuildMeta()}})
-	hp.p.drive(nil, "")
-	hp.advance(t, 22*time.Second)
-	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "D", "D:1" })
-	dc.t = traceEpoch.Add(22 * time.Second)
-	r := &Request{ID: "d-1", PromptTokens: 80, Params: params}
-	if err := d.NewRequest(r); err != nil {
-		t.Fatal(err)
-	}
-	hp.d.st.Step(hp.d.now, input{kind: inEvent, ev: &event{kind: evStep, meta: d.BuildMeta()}})
-	if out := strings.Join(hp.d.drive(nil, ""), "\n"); !strings.Contains(out, "handshake P at") {
+	d, r, out := hp.arrives(t, 22*time.Second)
+	if !strings.Contains(out, "handshake P at") {
 		t.Fatalf("d-1's arrival:\n%s\nwant P handshaken", out)
 	}
 	hp.d.run(t, "handshake P fail=refused")
