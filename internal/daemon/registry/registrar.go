@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -156,7 +157,13 @@ func (r *Registrar) loop(ctx context.Context) {
 	)
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
-	defer func() { kaCancel(); retry.Stop(); r.lease = lease }()
+	// What was put is read back once per TTL: a key deleted or
+	// overwritten by hand (etcdctl del, a malformed value put over it)
+	// would otherwise stay gone, or stay without a lease after this
+	// process dies, for as long as the lease lives: its engine out of
+	// every peer's view while it serves.
+	check := time.NewTicker(r.cfg.TTL)
+	defer func() { kaCancel(); retry.Stop(); check.Stop(); r.lease = lease }()
 	fail := func(op string, err error) {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
@@ -184,6 +191,13 @@ func (r *Registrar) loop(ctx context.Context) {
 			return
 		case <-r.wake:
 		case <-retry.C:
+		case <-check.C:
+			if lease != 0 && len(published) > 0 {
+				if err := r.verify(ctx, lease, published); err != nil && ctx.Err() == nil {
+					m.errors.WithLabelValues("check").Inc()
+					r.log.Warn("kvxfer registry: etcd call failed; checking the entries again in a TTL", "op", "check", "err", err, "retry_in", r.cfg.TTL)
+				}
+			}
 		case _, open := <-ka:
 			if !open {
 				// The lease is gone: etcd unreachable for a TTL, or it
@@ -254,6 +268,62 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		delete(published, k)
 	}
 	return true
+}
+
+// verifyBatch bounds the keys one check asks about (two comparisons
+// each: etcd refuses a transaction of more than 128 by default).
+const verifyBatch = 32
+
+// verify reads back the keys published under lease: one that is gone, or
+// holds another value under no lease or under this one, was deleted or
+// overwritten by someone else (by hand), and is dropped from published
+// so that sync puts it again. One held under another lease is left to
+// it: a daemon started since on this address put it, and it is its
+// (TestRegistrarDeletesOnlyItsOwnEntries).
+func (r *Registrar) verify(ctx context.Context, lease clientv3.LeaseID, published map[string][]byte) error {
+	keys := slices.Sorted(maps.Keys(published))
+	for len(keys) > 0 {
+		batch := keys[:min(len(keys), verifyBatch)]
+		keys = keys[len(batch):]
+		cmps := make([]clientv3.Cmp, 0, 2*len(batch))
+		gets := make([]clientv3.Op, 0, len(batch))
+		for _, k := range batch {
+			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(k), "=", lease), clientv3.Compare(clientv3.Value(k), "=", string(published[k])))
+			gets = append(gets, clientv3.OpGet(k))
+		}
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		resp, err := r.cfg.Client.Txn(cctx).If(cmps...).Else(gets...).Commit()
+		cancel()
+		if err != nil {
+			return err
+		}
+		if resp.Succeeded {
+			continue
+		}
+		for i, k := range batch {
+			var kvs []*mvccpb.KeyValue
+			if rr := resp.Responses[i].GetResponseRange(); rr != nil {
+				kvs = rr.Kvs
+			}
+			var why string
+			switch {
+			case len(kvs) == 0:
+				why = "deleted"
+			case kvs[0].Lease != 0 && clientv3.LeaseID(kvs[0].Lease) != lease:
+				continue // another daemon's now
+			case string(kvs[0].Value) != string(published[k]):
+				why = "overwritten"
+			case kvs[0].Lease == 0:
+				why = "detached from its lease"
+			default:
+				continue
+			}
+			r.log.Warn("kvxfer registry: an entry this process put was "+why+" by someone else; putting it again",
+				"key", k, "lease", fmt.Sprintf("%x", int64(lease)))
+			delete(published, k)
+		}
+	}
+	return nil
 }
 
 func btof(b bool) float64 {
