@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -154,6 +155,16 @@ func (r *Registrar) loop(ctx context.Context) {
 		published                    = map[string][]byte{}
 		backoff   time.Duration
 		failing   bool
+		// lost are leases found lost (no keepalive answered for a TTL)
+		// but perhaps not gone: an etcd restarted on its data restores
+		// them, renewed, with what was put under them. Once registered
+		// again under a new lease (which holds the entries still wanted),
+		// they are revoked: an entry of an engine that left meanwhile
+		// would otherwise stay another TTL, its address resolved and
+		// routed to. At most maxLost are kept; the rest just expire.
+		lost []clientv3.LeaseID
+		// answered is when etcd last answered a keepalive.
+		answered time.Time
 	)
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
@@ -177,6 +188,10 @@ func (r *Registrar) loop(ctx context.Context) {
 		want := r.mu.want
 		r.mu.Unlock()
 		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, fail)
+		if ok && len(lost) > 0 {
+			r.revokeLost(ctx, lost)
+			lost = lost[:0]
+		}
 		if ok {
 			if failing {
 				r.log.Info("kvxfer registry: registered again", "entries", len(want), "lease", fmt.Sprintf("%x", int64(lease)))
@@ -192,19 +207,27 @@ func (r *Registrar) loop(ctx context.Context) {
 		case <-r.wake:
 		case <-retry.C:
 		case <-check.C:
-			if lease != 0 && len(published) > 0 {
+			// Only while etcd answers the keepalives (each TTL/3): with
+			// etcd away the check would only hold up the loop.
+			if lease != 0 && len(published) > 0 && time.Since(answered) < r.cfg.TTL/2 {
 				if err := r.verify(ctx, lease, published); err != nil && ctx.Err() == nil {
 					m.errors.WithLabelValues("check").Inc()
 					r.log.Warn("kvxfer registry: etcd call failed; checking the entries again in a TTL", "op", "check", "err", err, "retry_in", r.cfg.TTL)
 				}
 			}
 		case _, open := <-ka:
-			if !open {
+			if open {
+				answered = time.Now()
+			} else {
 				// The lease is gone: etcd unreachable for a TTL, or it
 				// lost or revoked it. Its entries are gone with it.
 				m.errors.WithLabelValues("keepalive").Inc()
 				r.log.Warn("kvxfer registry: lease lost; registering again", "lease", fmt.Sprintf("%x", int64(lease)))
 				kaCancel()
+				if len(lost) == maxLost {
+					lost = lost[1:]
+				}
+				lost = append(lost, lease)
 				lease, ka = 0, nil
 				clear(published)
 				m.registered.Set(0)
@@ -270,6 +293,26 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 	return true
 }
 
+// maxLost bounds the lost leases a registrar remembers to revoke.
+const maxLost = 8
+
+// revokeLost revokes leases found lost, once registered again: what is
+// still wanted was put under the new lease, so only entries no longer
+// wanted go with them. One etcd no longer has is gone already; another
+// failure is counted, and the lease expires by itself.
+func (r *Registrar) revokeLost(ctx context.Context, lost []clientv3.LeaseID) {
+	for _, l := range lost {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		_, err := r.cfg.Client.Revoke(cctx, l)
+		cancel()
+		if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) && ctx.Err() == nil {
+			r.cfg.Metrics.errors.WithLabelValues("revoke").Inc()
+			r.log.Warn("kvxfer registry: revoking a lost lease failed; what is under it goes when it expires",
+				"lease", fmt.Sprintf("%x", int64(l)), "err", err, "within", r.cfg.TTL)
+		}
+	}
+}
+
 // verifyBatch bounds the keys one check asks about (two comparisons
 // each: etcd refuses a transaction of more than 128 by default).
 const verifyBatch = 32
@@ -291,7 +334,7 @@ func (r *Registrar) verify(ctx context.Context, lease clientv3.LeaseID, publishe
 			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(k), "=", lease), clientv3.Compare(clientv3.Value(k), "=", string(published[k])))
 			gets = append(gets, clientv3.OpGet(k))
 		}
-		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL/3)
 		resp, err := r.cfg.Client.Txn(cctx).If(cmps...).Else(gets...).Commit()
 		cancel()
 		if err != nil {
