@@ -133,12 +133,12 @@ func startFleet(c *etcdConfig, advertise string, log *slog.Logger) (*fleet, erro
 	f := &fleet{c: c, log: log, advertise: advertise, cl: cl, metrics: registry.NewMetrics(nil),
 		wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
 	f.view, err = registry.NewView(registry.ViewConfig{Client: cl, Prefix: c.prefix, MaxEntries: c.maxEngines, Logger: log,
-		Metrics: f.metrics, OnChange: f.changed})
+		Metrics: f.metrics, OnChange: f.changed, Explain: c.client.Explain})
 	if err != nil {
 		cl.Close()
 		return nil, err
 	}
-	f.reg, err = registry.NewRegistrar(registry.RegistrarConfig{Client: cl, Prefix: c.prefix, TTL: c.ttl, Logger: log, Metrics: f.metrics})
+	f.reg, err = registry.NewRegistrar(registry.RegistrarConfig{Client: cl, Prefix: c.prefix, TTL: c.ttl, Logger: log, Metrics: f.metrics, Explain: c.client.Explain})
 	if err != nil {
 		f.view.Close()
 		cl.Close()

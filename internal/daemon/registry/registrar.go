@@ -42,6 +42,10 @@ type RegistrarConfig struct {
 	TTL     time.Duration
 	Logger  *slog.Logger // default slog.Default()
 	Metrics *Metrics     // default: unregistered metrics
+	// Explain, when set, says why etcd cannot be reached when a call
+	// only ran out of time (ClientConfig.Explain): logged with the
+	// failure, at most every explainEvery.
+	Explain func(context.Context) error
 }
 
 func (c *RegistrarConfig) fill() error {
@@ -175,11 +179,12 @@ func (r *Registrar) loop(ctx context.Context) {
 	// every peer's view while it serves.
 	check := time.NewTicker(r.cfg.TTL)
 	defer func() { kaCancel(); retry.Stop(); check.Stop(); r.lease = lease }()
+	var ex explainer
 	fail := func(op string, err error) {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
 		r.log.Warn("kvxfer registry: etcd call failed; retrying (what is registered stays until its lease ends)",
-			"op", op, "err", err, "retry_in", backoff, "jittered", true)
+			append([]any{"op", op, "err", err, "retry_in", backoff, "jittered", true}, ex.why(ctx, r.cfg.Explain, err)...)...)
 		failing = true
 		retry.Reset(jittered(backoff))
 	}
@@ -291,6 +296,23 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		delete(published, k)
 	}
 	return true
+}
+
+// explainer runs ClientConfig.Explain for a failure that says only that
+// time ran out, at most every explainEvery.
+type explainer struct{ last time.Time }
+
+// why is the failure's cause as log attributes ("why", ...): none when
+// err says it already (or explain is nil, or it explained lately).
+func (x *explainer) why(ctx context.Context, explain func(context.Context) error, err error) []any {
+	if explain == nil || !errors.Is(err, context.DeadlineExceeded) || ctx.Err() != nil || time.Since(x.last) < explainEvery {
+		return nil
+	}
+	x.last = time.Now()
+	if e := explain(ctx); e != nil {
+		return []any{"why", e.Error()}
+	}
+	return []any{"why", "etcd's endpoints take connections: etcd is slow, or has no leader"}
 }
 
 // maxLost bounds the lost leases a registrar remembers to revoke.

@@ -79,6 +79,8 @@ type ViewConfig struct {
 	OnChange func(Change)
 	Logger   *slog.Logger // default slog.Default()
 	Metrics  *Metrics     // default: unregistered metrics
+	// Explain is RegistrarConfig.Explain, for the view's failures.
+	Explain func(context.Context) error
 }
 
 // View is a process's view of the registry: it lists the entries, then
@@ -315,10 +317,12 @@ func (v *View) loop(ctx context.Context) {
 	timer.Stop()
 	defer timer.Stop()
 	var backoff time.Duration
+	var ex explainer
 	wait := func(op string, err error) bool {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
-		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying", "op", op, "err", err, "retry_in", backoff, "jittered", true)
+		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying",
+			append([]any{"op", op, "err", err, "retry_in", backoff, "jittered", true}, ex.why(ctx, v.cfg.Explain, err)...)...)
 		timer.Reset(jittered(backoff))
 		select {
 		case <-v.done:
