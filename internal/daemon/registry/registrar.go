@@ -194,8 +194,7 @@ func (r *Registrar) loop(ctx context.Context) {
 		r.mu.Unlock()
 		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, fail)
 		if ok && len(lost) > 0 {
-			r.revokeLost(ctx, lost)
-			lost = lost[:0]
+			lost = r.revokeLost(ctx, lost)
 		}
 		if ok {
 			if failing {
@@ -318,21 +317,28 @@ func (x *explainer) why(ctx context.Context, explain func(context.Context) error
 // maxLost bounds the lost leases a registrar remembers to revoke.
 const maxLost = 8
 
-// revokeLost revokes leases found lost, once registered again: what is
-// still wanted was put under the new lease, so only entries no longer
-// wanted go with them. One etcd no longer has is gone already; another
-// failure is counted, and the lease expires by itself.
-func (r *Registrar) revokeLost(ctx context.Context, lost []clientv3.LeaseID) {
-	for _, l := range lost {
-		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+// revokeLost revokes leases found lost, once registered again (or with
+// nothing to register): what is still wanted was put under the new
+// lease, so only entries no longer wanted go with them. One etcd no
+// longer has is gone already. It returns those left to revoke: at the
+// first failure (etcd away: with nothing to register, nothing else said
+// so), each call waiting at most TTL/3, the rest are kept for the next
+// round (a lease expires by itself meanwhile).
+func (r *Registrar) revokeLost(ctx context.Context, lost []clientv3.LeaseID) []clientv3.LeaseID {
+	for i, l := range lost {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL/3)
 		_, err := r.cfg.Client.Revoke(cctx, l)
 		cancel()
-		if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) && ctx.Err() == nil {
-			r.cfg.Metrics.errors.WithLabelValues("revoke").Inc()
-			r.log.Warn("kvxfer registry: revoking a lost lease failed; what is under it goes when it expires",
-				"lease", fmt.Sprintf("%x", int64(l)), "err", err, "within", r.cfg.TTL)
+		if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			if ctx.Err() == nil {
+				r.cfg.Metrics.errors.WithLabelValues("revoke").Inc()
+				r.log.Warn("kvxfer registry: revoking a lost lease failed; trying again later (what is under it goes when it expires)",
+					"lease", fmt.Sprintf("%x", int64(l)), "err", err, "within", r.cfg.TTL)
+			}
+			return lost[i:]
 		}
 	}
+	return lost[:0]
 }
 
 // verifyBatch bounds the keys one check asks about (two comparisons
