@@ -801,6 +801,9 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		}
 		in.cleanup = append(in.cleanup, in.fleet.close)
 		onEngines, lookup = in.fleet.enginesChanged, in.fleet.lookup
+	} else if names := c.etcd.ignored(); len(names) > 0 {
+		log.Warn("kvxferd: registry flags given without -etcd are ignored: no fleet registry is used (give -etcd HOST:PORT, or drop them)",
+			"flags", strings.Join(names, " "))
 	}
 	owners := c.ownerRules // (validate read them)
 	if len(owners) > 0 {

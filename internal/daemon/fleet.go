@@ -69,6 +69,31 @@ func (c *etcdConfig) validate() error {
 	return nil
 }
 
+// ignored names the registry's flags given a value of their own while
+// -etcd is not set: no registry starts without it, and they do nothing
+// (an -etcd left out of a deployment, or misspelt, would otherwise go
+// unnoticed until an engine is not found by id).
+func (c *etcdConfig) ignored() []string {
+	if c.client.Endpoints != "" {
+		return nil
+	}
+	var out []string
+	for _, f := range []struct {
+		set  bool
+		name string
+	}{
+		{c.client.CA != "", "-etcd-ca"}, {c.client.Cert != "", "-etcd-cert"}, {c.client.Key != "", "-etcd-key"},
+		{c.client.Insecure, "-etcd-insecure"}, {c.prefix != "" && c.prefix != "/kvxfer", "-etcd-prefix"},
+		{c.ttl != 0 && c.ttl != registry.DefaultTTL, "-etcd-ttl"}, {c.role != "" && c.role != registry.RoleBoth, "-etcd-role"},
+		{c.url != "", "-etcd-url"}, {c.maxEngines != 0 && c.maxEngines != registry.DefaultMaxEntries, "-etcd-max-engines"},
+	} {
+		if f.set {
+			out = append(out, f.name)
+		}
+	}
+	return out
+}
+
 // checkAdvertise checks -peer-advertise, the address published for the
 // engines served here (the listener's when not advertised: an IP and a
 // port), against what a registry entry holds: one the entries refuse
@@ -108,12 +133,12 @@ func startFleet(c *etcdConfig, advertise string, log *slog.Logger) (*fleet, erro
 	f := &fleet{c: c, log: log, advertise: advertise, cl: cl, metrics: registry.NewMetrics(nil),
 		wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
 	f.view, err = registry.NewView(registry.ViewConfig{Client: cl, Prefix: c.prefix, MaxEntries: c.maxEngines, Logger: log,
-		Metrics: f.metrics, OnChange: f.changed})
+		Metrics: f.metrics, OnChange: f.changed, Explain: c.client.Explain})
 	if err != nil {
 		cl.Close()
 		return nil, err
 	}
-	f.reg, err = registry.NewRegistrar(registry.RegistrarConfig{Client: cl, Prefix: c.prefix, TTL: c.ttl, Logger: log, Metrics: f.metrics})
+	f.reg, err = registry.NewRegistrar(registry.RegistrarConfig{Client: cl, Prefix: c.prefix, TTL: c.ttl, Logger: log, Metrics: f.metrics, Explain: c.client.Explain})
 	if err != nil {
 		f.view.Close()
 		cl.Close()

@@ -131,3 +131,23 @@ func runFleetLookup(t *testing.T) {
 		t.Errorf("Handshake(P) with a context of %v returned after %v: the registry lookup outlived it", within, took.Round(time.Millisecond))
 	}
 }
+
+// The registry's flags without -etcd do nothing: the daemon says so at
+// start, naming them. Before, an -etcd left out (or misspelt in the
+// environment) went unnoticed: the daemon published nothing and resolved
+// no engine by id, and no line said why.
+func TestEtcdFlagsWithoutEtcdWarned(t *testing.T) {
+	c := testConfig(t)
+	c.etcd = etcdConfig{role: registry.RoleProducer, url: "http://127.0.0.1:8100", ttl: registry.DefaultTTL, prefix: "/kvxfer",
+		maxEngines: registry.DefaultMaxEntries}
+	var buf syncBuffer
+	in, err := start(c, slog.New(slog.NewTextHandler(&buf, nil)), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.shutdown()
+	log := buf.String()
+	if !strings.Contains(log, "without -etcd are ignored") || !strings.Contains(log, `flags="-etcd-role -etcd-url"`) {
+		t.Fatalf("start's log does not name the registry flags ignored without -etcd:\n%s", log)
+	}
+}

@@ -16,12 +16,13 @@ import (
 // etcd; until etcd answers the fleet is empty, and while etcd is
 // unreachable it is what was seen last.
 func ProxyFleet(ff proxy.FleetFlags, log *slog.Logger) (proxy.Fleet, func(), error) {
-	cl, err := registry.Dial(registry.ClientConfig{Endpoints: ff.Endpoints, CA: ff.CA, Cert: ff.Cert, Key: ff.Key, Insecure: ff.Insecure})
+	cc := registry.ClientConfig{Endpoints: ff.Endpoints, CA: ff.CA, Cert: ff.Cert, Key: ff.Key, Insecure: ff.Insecure}
+	cl, err := registry.Dial(cc)
 	if err != nil {
 		return nil, nil, err
 	}
 	m := registry.NewMetrics(nil)
-	v, err := registry.NewView(registry.ViewConfig{Client: cl, Prefix: ff.Prefix, Logger: log, Metrics: m})
+	v, err := registry.NewView(registry.ViewConfig{Client: cl, Prefix: ff.Prefix, Logger: log, Metrics: m, Explain: cc.Explain})
 	if err != nil {
 		cl.Close()
 		return nil, nil, err

@@ -170,6 +170,27 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	return f, nil
 }
 
+// etcdIgnored names the -etcd-* flags (and -max-fleet) given a value of
+// their own while -etcd is not set: they do nothing then.
+func (f *flags) etcdIgnored() []string {
+	if f.fleet.Endpoints != "" {
+		return nil
+	}
+	var out []string
+	for _, x := range []struct {
+		set  bool
+		name string
+	}{
+		{f.fleet.CA != "", "-etcd-ca"}, {f.fleet.Cert != "", "-etcd-cert"}, {f.fleet.Key != "", "-etcd-key"},
+		{f.fleet.Insecure, "-etcd-insecure"}, {f.fleet.Prefix != "/kvxfer", "-etcd-prefix"}, {f.cfg.MaxFleet != DefaultMaxFleet, "-max-fleet"},
+	} {
+		if x.set {
+			out = append(out, x.name)
+		}
+	}
+	return out
+}
+
 // Main runs `kvxferd proxy` with command-line flags (also read from
 // KVXFERD_PROXY_<FLAG>) until SIGTERM or SIGINT, then shuts down
 // gracefully.
@@ -191,6 +212,10 @@ func MainWithFleet(args []string, open OpenFleet) error {
 	f, err := parseFlags(args, os.Stderr)
 	if err != nil {
 		return err
+	}
+	if names := f.etcdIgnored(); len(names) > 0 {
+		f.cfg.Logger.Warn("kvxferd proxy: registry flags given without -etcd are ignored: routing over -prefill and -decode",
+			"flags", strings.Join(names, " "))
 	}
 	if f.fleet.Endpoints != "" {
 		if open == nil {

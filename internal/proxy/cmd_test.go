@@ -206,3 +206,22 @@ func TestServeShutdown(t *testing.T) {
 	d.Close()
 	leakcheck.Check(t, before, 0, 10*time.Second)
 }
+
+// The proxy's -etcd-* flags without -etcd do nothing: they are named (a
+// warning at start), so an -etcd left out is seen; with -etcd, none is.
+func TestEtcdFlagsWithoutEtcdNamed(t *testing.T) {
+	f, err := parseFlags([]string{"-prefill", goodP, "-decode", goodD, "-etcd-ca", "/ca.pem", "-etcd-prefix", "/fleet"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.etcdIgnored(), []string{"-etcd-ca", "-etcd-prefix"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("ignored = %q, want %q", got, want)
+	}
+	f, err = parseFlags([]string{"-etcd", "127.0.0.1:2379", "-etcd-prefix", "/fleet"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.etcdIgnored(); len(got) != 0 {
+		t.Errorf("ignored with -etcd = %q, want none", got)
+	}
+}

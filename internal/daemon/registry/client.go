@@ -1,14 +1,17 @@
 package registry
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -119,6 +122,82 @@ func Dial(c ClientConfig) (*clientv3.Client, error) {
 		return nil, fmt.Errorf("-etcd: %w", err)
 	}
 	return cl, nil
+}
+
+// explainEvery bounds how often a Registrar or a View explains its
+// failures (each explanation dials every endpoint).
+const explainEvery = 10 * time.Second
+
+// Explain says why etcd's client cannot connect, which its errors do not:
+// a call that finds no connection waits for one until its time runs out,
+// and says only that ("context deadline exceeded"), whether etcd is down,
+// its certificate is of another CA (-etcd-ca), it refused the client's
+// certificate, or it speaks TLS to a plain-text client or plain text to a
+// TLS one. Explain dials each endpoint as the client would, within ctx and
+// a second each, and returns each one's failure; nil when one of them
+// takes the connection (the cause is elsewhere).
+func (c ClientConfig) Explain(ctx context.Context) error {
+	eps, err := c.endpoints()
+	if err != nil {
+		return err
+	}
+	tc, err := c.TLSConfig()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, ep := range eps {
+		err := c.explainOne(ctx, ep, tc)
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+func (c ClientConfig) explainOne(ctx context.Context, ep string, tc *tls.Config) error {
+	u, _ := url.Parse(ep)
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", u.Host)
+	if err != nil {
+		return fmt.Errorf("etcd endpoint %s: %w", ep, err)
+	}
+	defer conn.Close()
+	deadline, _ := ctx.Deadline()
+	_ = conn.SetDeadline(deadline)
+	if u.Scheme == "http" {
+		// A server that completes a TLS handshake is etcd with TLS on.
+		tlsConn := tls.Client(conn, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}) //nolint:gosec // only asks whether it speaks TLS
+		if tlsConn.HandshakeContext(ctx) == nil {
+			return fmt.Errorf("etcd endpoint %s speaks TLS, and this client plain text: write https:// and give -etcd-ca (etcd's CA)", ep)
+		}
+		return nil
+	}
+	cfg := tc.Clone()
+	cfg.ServerName = u.Hostname()
+	tlsConn := tls.Client(conn, cfg)
+	if err := tlsConn.HandshakeContext(ctx); err != nil {
+		// A plain-text server answers a ClientHello with bytes that are
+		// no TLS record, or hangs up (etcd's does).
+		var rh tls.RecordHeaderError
+		if errors.As(err, &rh) || errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+			return fmt.Errorf("etcd endpoint %s: TLS handshake: %w (it speaks plain text? write http://, or turn TLS on in etcd)", ep, err)
+		}
+		return fmt.Errorf("etcd endpoint %s: TLS handshake: %w (-etcd-ca, -etcd-cert, -etcd-key)", ep, err)
+	}
+	// A server that refuses the client's certificate says so after the
+	// handshake (TLS 1.3): a short read brings its alert; one that takes
+	// the client waits for a request.
+	_ = conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if _, err := tlsConn.Read(make([]byte, 1)); err != nil {
+		var ne net.Error
+		if !errors.As(err, &ne) || !ne.Timeout() {
+			return fmt.Errorf("etcd endpoint %s: refused this client's certificate: %w (-etcd-cert, -etcd-key)", ep, err)
+		}
+	}
+	return nil
 }
 
 // TLSConfig is the TLS configuration of c's connections to etcd, its

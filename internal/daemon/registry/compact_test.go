@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
@@ -149,4 +150,73 @@ func TestCompactedWatchListsAgain(t *testing.T) {
 	if got[registry.Leave] != "G" || got[registry.Join] != "J" {
 		t.Fatalf("changes after the partition healed: %v, want G's leave and J's join", got)
 	}
+}
+
+// A malformed entry is counted and logged once, not again at each list:
+// a view lists again whenever its watch cannot resume (etcd back after a
+// compaction, or with other data), and each list counted every malformed
+// value afresh, so kvxfer_registry_bad_entries_total grew (and the log
+// warned) with no new bad entry. The same key put again with a bad value
+// is a new one, counted.
+func TestBadEntryCountedOncePerValue(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	px := newCutProxy(t, etcd.Endpoint())
+	rec := newRecorder()
+	reg := prometheus.NewRegistry()
+	v, err := registry.NewView(registry.ViewConfig{Client: dial(t, px.addr()), OnChange: rec.on, Metrics: registry.NewMetrics(reg)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	cl := dial(t, etcd.Endpoint())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	put := func(k, val string) int64 {
+		resp, err := cl.Put(ctx, k, val)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Header.Revision
+	}
+	put("/kvxfer/engines/X/127.0.0.1:1", "not json")
+	put("/kvxfer/engines/A/127.0.0.1:2", `{"v":1,"engine_id":"A","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":"127.0.0.1:2"}],"generation":1}`)
+	want(t, rec.next(t, 5*time.Second), registry.Join, "A", 1)
+	if n := badEntries(t, reg); n != 1 {
+		t.Fatalf("bad entries counted = %v, want 1", n)
+	}
+
+	px.setCut(true)
+	put("/kvxfer/engines/B/127.0.0.1:3", `{"v":1,"engine_id":"B","role":"producer","mode":"push","tp_size":1,"pp_size":1,"ranks":[{"peer":"127.0.0.1:3"}],"generation":1}`)
+	rev := put("/other/x", "y")
+	if _, err := cl.Compact(ctx, rev, clientv3.WithCompactPhysical()); err != nil {
+		t.Fatal(err)
+	}
+	px.setCut(false)
+	want(t, rec.next(t, 20*time.Second), registry.Join, "B", 1) // listed again
+	if n := badEntries(t, reg); n != 1 {
+		t.Fatalf("bad entries counted = %v after a list that found the same malformed value, want 1", n)
+	}
+	put("/kvxfer/engines/X/127.0.0.1:1", "still not json")
+	for deadline := time.Now().Add(10 * time.Second); badEntries(t, reg) != 2; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("bad entries counted = %v after a new malformed value, want 2", badEntries(t, reg))
+		}
+	}
+}
+
+func badEntries(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == "kvxfer_registry_bad_entries_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return n
 }

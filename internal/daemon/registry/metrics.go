@@ -18,7 +18,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_registry_errors_total",
-			Help: "Failed calls to etcd, by operation (grant, keepalive, put, delete, revoke, get, watch): each is logged and retried with backoff; what was known keeps serving."}, []string{"op"}),
+			Help: "Failed calls to etcd, by operation (grant, keepalive, put, delete, revoke, get, watch, check): each is logged and retried with backoff; what was known keeps serving."}, []string{"op"}),
 		badEntries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_registry_bad_entries_total",
 			Help: "Registry entries refused (malformed or inconsistent), by the field at fault; each is logged naming the key, the field and the value."}, []string{"field"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_registry_refused_total",
@@ -30,7 +30,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		engines: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvxfer_registry_engines",
 			Help: "Engines in this process's view of the registry, by role."}, []string{"role"}),
 	}
-	for _, op := range []string{"grant", "keepalive", "put", "delete", "revoke", "get", "watch"} {
+	for _, op := range []string{"grant", "keepalive", "put", "delete", "revoke", "get", "watch", "check"} {
 		m.errors.WithLabelValues(op)
 	}
 	for _, k := range []string{"join", "leave", "generation", "rank_gone"} {

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -40,6 +42,10 @@ type RegistrarConfig struct {
 	TTL     time.Duration
 	Logger  *slog.Logger // default slog.Default()
 	Metrics *Metrics     // default: unregistered metrics
+	// Explain, when set, says why etcd cannot be reached when a call
+	// only ran out of time (ClientConfig.Explain): logged with the
+	// failure, at most every explainEvery.
+	Explain func(context.Context) error
 }
 
 func (c *RegistrarConfig) fill() error {
@@ -153,15 +159,32 @@ func (r *Registrar) loop(ctx context.Context) {
 		published                    = map[string][]byte{}
 		backoff   time.Duration
 		failing   bool
+		// lost are leases found lost (no keepalive answered for a TTL)
+		// but perhaps not gone: an etcd restarted on its data restores
+		// them, renewed, with what was put under them. Once registered
+		// again under a new lease (which holds the entries still wanted),
+		// they are revoked: an entry of an engine that left meanwhile
+		// would otherwise stay another TTL, its address resolved and
+		// routed to. At most maxLost are kept; the rest just expire.
+		lost []clientv3.LeaseID
+		// answered is when etcd last answered a keepalive.
+		answered time.Time
 	)
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
-	defer func() { kaCancel(); retry.Stop(); r.lease = lease }()
+	// What was put is read back once per TTL: a key deleted or
+	// overwritten by hand (etcdctl del, a malformed value put over it)
+	// would otherwise stay gone, or stay without a lease after this
+	// process dies, for as long as the lease lives: its engine out of
+	// every peer's view while it serves.
+	check := time.NewTicker(r.cfg.TTL)
+	defer func() { kaCancel(); retry.Stop(); check.Stop(); r.lease = lease }()
+	var ex explainer
 	fail := func(op string, err error) {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
 		r.log.Warn("kvxfer registry: etcd call failed; retrying (what is registered stays until its lease ends)",
-			"op", op, "err", err, "retry_in", backoff, "jittered", true)
+			append([]any{"op", op, "err", err, "retry_in", backoff, "jittered", true}, ex.why(ctx, r.cfg.Explain, err)...)...)
 		failing = true
 		retry.Reset(jittered(backoff))
 	}
@@ -170,6 +193,9 @@ func (r *Registrar) loop(ctx context.Context) {
 		want := r.mu.want
 		r.mu.Unlock()
 		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, fail)
+		if ok && len(lost) > 0 {
+			lost = r.revokeLost(ctx, lost)
+		}
 		if ok {
 			if failing {
 				r.log.Info("kvxfer registry: registered again", "entries", len(want), "lease", fmt.Sprintf("%x", int64(lease)))
@@ -184,13 +210,28 @@ func (r *Registrar) loop(ctx context.Context) {
 			return
 		case <-r.wake:
 		case <-retry.C:
+		case <-check.C:
+			// Only while etcd answers the keepalives (each TTL/3): with
+			// etcd away the check would only hold up the loop.
+			if lease != 0 && len(published) > 0 && time.Since(answered) < r.cfg.TTL/2 {
+				if err := r.verify(ctx, lease, published); err != nil && ctx.Err() == nil {
+					m.errors.WithLabelValues("check").Inc()
+					r.log.Warn("kvxfer registry: etcd call failed; checking the entries again in a TTL", "op", "check", "err", err, "retry_in", r.cfg.TTL)
+				}
+			}
 		case _, open := <-ka:
-			if !open {
+			if open {
+				answered = time.Now()
+			} else {
 				// The lease is gone: etcd unreachable for a TTL, or it
 				// lost or revoked it. Its entries are gone with it.
 				m.errors.WithLabelValues("keepalive").Inc()
 				r.log.Warn("kvxfer registry: lease lost; registering again", "lease", fmt.Sprintf("%x", int64(lease)))
 				kaCancel()
+				if len(lost) == maxLost {
+					lost = lost[1:]
+				}
+				lost = append(lost, lease)
 				lease, ka = 0, nil
 				clear(published)
 				m.registered.Set(0)
@@ -254,6 +295,106 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		delete(published, k)
 	}
 	return true
+}
+
+// explainer runs ClientConfig.Explain for a failure that says only that
+// time ran out, at most every explainEvery.
+type explainer struct{ last time.Time }
+
+// why is the failure's cause as log attributes ("why", ...): none when
+// err says it already (or explain is nil, or it explained lately).
+func (x *explainer) why(ctx context.Context, explain func(context.Context) error, err error) []any {
+	if explain == nil || !errors.Is(err, context.DeadlineExceeded) || ctx.Err() != nil || time.Since(x.last) < explainEvery {
+		return nil
+	}
+	x.last = time.Now()
+	if e := explain(ctx); e != nil {
+		return []any{"why", e.Error()}
+	}
+	return []any{"why", "etcd's endpoints take connections: etcd is slow, or has no leader"}
+}
+
+// maxLost bounds the lost leases a registrar remembers to revoke.
+const maxLost = 8
+
+// revokeLost revokes leases found lost, once registered again (or with
+// nothing to register): what is still wanted was put under the new
+// lease, so only entries no longer wanted go with them. One etcd no
+// longer has is gone already. It returns those left to revoke: at the
+// first failure (etcd away: with nothing to register, nothing else said
+// so), each call waiting at most TTL/3, the rest are kept for the next
+// round (a lease expires by itself meanwhile).
+func (r *Registrar) revokeLost(ctx context.Context, lost []clientv3.LeaseID) []clientv3.LeaseID {
+	for i, l := range lost {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL/3)
+		_, err := r.cfg.Client.Revoke(cctx, l)
+		cancel()
+		if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			if ctx.Err() == nil {
+				r.cfg.Metrics.errors.WithLabelValues("revoke").Inc()
+				r.log.Warn("kvxfer registry: revoking a lost lease failed; trying again later (what is under it goes when it expires)",
+					"lease", fmt.Sprintf("%x", int64(l)), "err", err, "within", r.cfg.TTL)
+			}
+			return lost[i:]
+		}
+	}
+	return lost[:0]
+}
+
+// verifyBatch bounds the keys one check asks about (two comparisons
+// each: etcd refuses a transaction of more than 128 by default).
+const verifyBatch = 32
+
+// verify reads back the keys published under lease: one that is gone, or
+// holds another value under no lease or under this one, was deleted or
+// overwritten by someone else (by hand), and is dropped from published
+// so that sync puts it again. One held under another lease is left to
+// it: a daemon started since on this address put it, and it is its
+// (TestRegistrarDeletesOnlyItsOwnEntries).
+func (r *Registrar) verify(ctx context.Context, lease clientv3.LeaseID, published map[string][]byte) error {
+	keys := slices.Sorted(maps.Keys(published))
+	for len(keys) > 0 {
+		batch := keys[:min(len(keys), verifyBatch)]
+		keys = keys[len(batch):]
+		cmps := make([]clientv3.Cmp, 0, 2*len(batch))
+		gets := make([]clientv3.Op, 0, len(batch))
+		for _, k := range batch {
+			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(k), "=", lease), clientv3.Compare(clientv3.Value(k), "=", string(published[k])))
+			gets = append(gets, clientv3.OpGet(k))
+		}
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL/3)
+		resp, err := r.cfg.Client.Txn(cctx).If(cmps...).Else(gets...).Commit()
+		cancel()
+		if err != nil {
+			return err
+		}
+		if resp.Succeeded {
+			continue
+		}
+		for i, k := range batch {
+			var kvs []*mvccpb.KeyValue
+			if rr := resp.Responses[i].GetResponseRange(); rr != nil {
+				kvs = rr.Kvs
+			}
+			var why string
+			switch {
+			case len(kvs) == 0:
+				why = "deleted"
+			case kvs[0].Lease != 0 && clientv3.LeaseID(kvs[0].Lease) != lease:
+				continue // another daemon's now
+			case string(kvs[0].Value) != string(published[k]):
+				why = "overwritten"
+			case kvs[0].Lease == 0:
+				why = "detached from its lease"
+			default:
+				continue
+			}
+			r.log.Warn("kvxfer registry: an entry this process put was "+why+" by someone else; putting it again",
+				"key", k, "lease", fmt.Sprintf("%x", int64(lease)))
+			delete(published, k)
+		}
+	}
+	return nil
 }
 
 func btof(b bool) float64 {

@@ -132,3 +132,25 @@ func TestMixedSchemesRefused(t *testing.T) {
 		}
 	}
 }
+
+// Explain says what etcd's client does not: an endpoint that refuses the
+// connection, or speaks plain text to a TLS client; nothing when an
+// endpoint takes the connection as configured.
+func TestExplain(t *testing.T) {
+	plain := etcdtest.Start(t)
+	ctx := context.Background()
+	if err := (registry.ClientConfig{Endpoints: plain.Endpoint()}).Explain(ctx); err != nil {
+		t.Errorf("Explain with etcd up = %v, want nil", err)
+	}
+	ca, err := pkitest.NewCA(t.TempDir(), "etcd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := (registry.ClientConfig{Endpoints: plain.Endpoint(), CA: ca.Path}).Explain(ctx); err == nil || !strings.Contains(err.Error(), "plain text?") {
+		t.Errorf("Explain of TLS to a plain-text etcd = %v, want it named", err)
+	}
+	plain.Kill()
+	if err := (registry.ClientConfig{Endpoints: plain.Endpoint()}).Explain(ctx); err == nil || !strings.Contains(err.Error(), "refused") {
+		t.Errorf("Explain with etcd down = %v, want connection refused", err)
+	}
+}

@@ -79,6 +79,8 @@ type ViewConfig struct {
 	OnChange func(Change)
 	Logger   *slog.Logger // default slog.Default()
 	Metrics  *Metrics     // default: unregistered metrics
+	// Explain is RegistrarConfig.Explain, for the view's failures.
+	Explain func(context.Context) error
 }
 
 // View is a process's view of the registry: it lists the entries, then
@@ -103,6 +105,11 @@ type View struct {
 		// them in (nothing else would bring them: a registrar puts an
 		// entry once per lease).
 		refused bool
+		// bad are the keys holding a malformed value, and its
+		// revision: each such value is counted and logged once, not
+		// again at each list (etcd back, a compacted watch). At most
+		// MaxEntries; past that a bad value may be counted again.
+		bad map[string]int64
 	}
 }
 
@@ -124,7 +131,7 @@ func NewView(cfg ViewConfig) (*View, error) {
 		cfg.Metrics = NewMetrics(nil)
 	}
 	v := &View{cfg: cfg, log: cfg.Logger, done: make(chan struct{}), stopped: make(chan struct{})}
-	v.mu.byKey, v.mu.engines, v.mu.changed = map[string]Entry{}, map[string]map[string]Entry{}, make(chan struct{})
+	v.mu.byKey, v.mu.engines, v.mu.changed, v.mu.bad = map[string]Entry{}, map[string]map[string]Entry{}, make(chan struct{}), map[string]int64{}
 	ctx, cancel := context.WithCancel(context.Background())
 	v.cancel = cancel
 	go v.loop(ctx)
@@ -310,10 +317,12 @@ func (v *View) loop(ctx context.Context) {
 	timer.Stop()
 	defer timer.Stop()
 	var backoff time.Duration
+	var ex explainer
 	wait := func(op string, err error) bool {
 		m.errors.WithLabelValues(op).Inc()
 		backoff = min(max(2*backoff, 100*time.Millisecond), maxBackoff)
-		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying", "op", op, "err", err, "retry_in", backoff, "jittered", true)
+		v.log.Warn("kvxfer registry: etcd call failed; keeping the last view and retrying",
+			append([]any{"op", op, "err", err, "retry_in", backoff, "jittered", true}, ex.why(ctx, v.cfg.Explain, err)...)...)
 		timer.Reset(jittered(backoff))
 		select {
 		case <-v.done:
@@ -420,8 +429,13 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 			changes = v.setLocked(changes, k, nil)
 		}
 	}
+	for k := range v.mu.bad {
+		if _, ok := now[k]; !ok {
+			delete(v.mu.bad, k)
+		}
+	}
 	for _, k := range slices.Sorted(maps.Keys(now)) {
-		changes = v.putLocked(changes, k, now[k].Value, now[k].CreateRevision)
+		changes = v.putLocked(changes, k, now[k].Value, now[k].CreateRevision, now[k].ModRevision)
 	}
 	v.mu.synced = true
 	v.notifyLocked()
@@ -438,9 +452,10 @@ func (v *View) apply(events []*clientv3.Event) bool {
 	for _, ev := range events {
 		k := string(ev.Kv.Key)
 		if ev.Type == clientv3.EventTypeDelete {
+			delete(v.mu.bad, k)
 			changes = v.setLocked(changes, k, nil)
 		} else {
-			changes = v.putLocked(changes, k, ev.Kv.Value, ev.Kv.CreateRevision)
+			changes = v.putLocked(changes, k, ev.Kv.Value, ev.Kv.CreateRevision, ev.Kv.ModRevision)
 		}
 	}
 	if len(events) > 0 {
@@ -452,16 +467,23 @@ func (v *View) apply(events []*clientv3.Event) bool {
 	return relist
 }
 
-// putLocked decodes and stores key's value; a bad one is counted, logged
-// and dropped (as if deleted).
-func (v *View) putLocked(changes []Change, key string, value []byte, created int64) []Change {
+// putLocked decodes and stores key's value (of revision modified); a
+// bad one is counted and logged (once per value) and dropped (as if
+// deleted).
+func (v *View) putLocked(changes []Change, key string, value []byte, created, modified int64) []Change {
 	e, err := Decode(v.cfg.Prefix, key, value)
 	e.created = created
 	if err != nil {
-		v.cfg.Metrics.badEntries.WithLabelValues(Field(err)).Inc()
-		v.log.Warn("kvxfer registry: entry refused", "key", key, "err", err)
+		if rev, seen := v.mu.bad[key]; !seen || rev != modified {
+			v.cfg.Metrics.badEntries.WithLabelValues(Field(err)).Inc()
+			v.log.Warn("kvxfer registry: entry refused", "key", key, "err", err)
+			if seen || len(v.mu.bad) < v.cfg.MaxEntries {
+				v.mu.bad[key] = modified
+			}
+		}
 		return v.setLocked(changes, key, nil)
 	}
+	delete(v.mu.bad, key)
 	if old, ok := v.mu.byKey[key]; ok && old.created == e.created && old.Generation == e.Generation && slices.Equal(old.Ranks, e.Ranks) &&
 		old.Role == e.Role && old.URL == e.URL && old.Mode == e.Mode && old.CompatHash == e.CompatHash {
 		return changes
