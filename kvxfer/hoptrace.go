@@ -105,6 +105,13 @@ type HopEvent struct {
 	// Call is how long the backend call the point names took; the event
 	// is when it began (0: the point is no call).
 	Call time.Duration
+	// Began is when that call began, where the point knows it (zero: the
+	// event is Call before it is reported). A tracer places the event
+	// by it: Call, measured as the call returned, is reported later, by
+	// however long the reporting goroutine was kept from running
+	// meanwhile (milliseconds on a loaded host), which would put a
+	// message's sending after its receipt on the other side.
+	Began time.Time
 	// Xfer is the backend's own measure of a transfer that ended
 	// (HopWriteDone, HopReadDone; Telemeter: NIXL's telemetry), 0 where
 	// it keeps none: beside the time the loop took to see the end.
@@ -191,15 +198,15 @@ func (w *Worker) hop(e HopEvent) {
 	w.trace.Hop(e)
 }
 
-// hopMsg reports a message sent (call: the Notify call, which returned
-// err) or drained: a copy of its bytes goes with the event, for
+// hopMsg reports a message sent (call: the Notify call, begun at began,
+// which returned err) or drained: a copy of its bytes goes with the event, for
 // ResolveIDs.
-func (w *Worker) hopMsg(b []byte, sent bool, call time.Duration, err error) {
+func (w *Worker) hopMsg(b []byte, sent bool, began time.Time, call time.Duration, err error) {
 	name, side := hopOfMsg(b, w.cfg.Mode, sent)
 	if name == "" {
 		return
 	}
-	e := HopEvent{Hop: name, Side: side, Call: call, msg: append([]byte(nil), b...)}
+	e := HopEvent{Hop: name, Side: side, Call: call, Began: began, msg: append([]byte(nil), b...)}
 	if err != nil {
 		e.Result = XferFailed.String()
 	}

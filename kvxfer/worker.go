@@ -1245,7 +1245,7 @@ func (w *Worker) do(_ int, o *op) error {
 		if w.trace != nil {
 			t0 := time.Now()
 			err := w.be.Notify(o.peer, o.msg)
-			w.hopMsg(o.msg, true, time.Since(t0), err)
+			w.hopMsg(o.msg, true, t0, time.Since(t0), err)
 			return err
 		}
 		return w.be.Notify(o.peer, o.msg)
@@ -1253,7 +1253,7 @@ func (w *Worker) do(_ int, o *op) error {
 		t0 := time.Now()
 		id, err := w.be.Post(o.xop, o.peer, fx.descs[o.from:o.to], o.msg)
 		if err == nil {
-			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
+			w.xfers[o.id] = w.posted(id, t0, o)
 		}
 		return err
 	case opPostLayout:
@@ -1265,7 +1265,7 @@ func (w *Worker) do(_ int, o *op) error {
 		t0 := time.Now()
 		id, err := lp.PostLayouts(o.xop, o.peer, &view, o.msg)
 		if err == nil {
-			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
+			w.xfers[o.id] = w.posted(id, t0, o)
 		}
 		return err
 	case opPostPrepared:
@@ -1277,7 +1277,7 @@ func (w *Worker) do(_ int, o *op) error {
 		t0 := time.Now()
 		id, err := pp.PostPrepared(o.xop, local.be, remote.be, fx.pairs[o.from:o.to], o.msg)
 		if err == nil {
-			w.xfers[o.id] = w.posted(id, time.Since(t0), o)
+			w.xfers[o.id] = w.posted(id, t0, o)
 		}
 		return err
 	case opPrepare:
@@ -1328,8 +1328,9 @@ func (w *Worker) openGates(o *op) {
 }
 
 // posted is the entry of a transfer the backend took (id) in a post call
-// that took d, reported to the hop trace when on.
-func (w *Worker) posted(id XferID, d time.Duration, o *op) xferEntry {
+// begun at t0, reported to the hop trace when on.
+func (w *Worker) posted(id XferID, t0 time.Time, o *op) xferEntry {
+	d := time.Since(t0)
 	x := xferEntry{be: id, post: d, op: o.xop}
 	if w.trace != nil {
 		x.note = append([]byte(nil), o.msg...)
@@ -1337,7 +1338,7 @@ func (w *Worker) posted(id XferID, d time.Duration, o *op) xferEntry {
 		if o.xop == hotpath.OpRead {
 			hop, side = HopReadPost, RoleConsumer
 		}
-		w.hop(HopEvent{Hop: hop, Side: side, Call: d, msg: x.note})
+		w.hop(HopEvent{Hop: hop, Side: side, Call: d, Began: t0, msg: x.note})
 	}
 	return x
 }
@@ -1350,7 +1351,7 @@ func (w *Worker) turn(now time.Time) {
 	w.notifs = w.be.DrainNotifs(w.notifs[:0])
 	if w.trace != nil {
 		for i := range w.notifs {
-			w.hopMsg(w.notifs[i].Msg, false, 0, nil)
+			w.hopMsg(w.notifs[i].Msg, false, time.Time{}, 0, nil)
 		}
 	}
 	for i := range w.notifs {

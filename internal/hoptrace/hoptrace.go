@@ -33,6 +33,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -104,10 +105,15 @@ func New(w io.Writer, queue int) *Trace {
 }
 
 // Hop implements kvxfer.HopTracer: it stamps e (an event of a backend
-// call at the call's start, e.Call before now) and queues it, or drops
-// it when the queue is full or the Trace closed.
+// call at the call's start: e.Began, else e.Call before now) and queues
+// it, or drops it when the queue is full or the Trace closed.
 func (t *Trace) Hop(e kvxfer.HopEvent) {
-	now := Now() - int64(e.Call)
+	now := Now()
+	if !e.Began.IsZero() {
+		now -= int64(time.Since(e.Began)) // (both read here, back to back)
+	} else {
+		now -= int64(e.Call)
+	}
 	if t.closed.Load() {
 		t.dropped.Add(1)
 		return

@@ -198,3 +198,37 @@ func TestOpenAppends(t *testing.T) {
 		t.Error("Open in a missing directory: no error")
 	}
 }
+
+// An event that says when its call began is stamped then, however long
+// after the call the reporting goroutine ran: before, the stamp was the
+// report's time less the call's length, so a goroutine kept 40 ms from
+// running between the call's end and its report put a message's sending
+// 40 ms late, after its receipt on the other side (TestHopTrace failed so
+// on a loaded host).
+func TestStampedWhenTheCallBegan(t *testing.T) {
+	var buf bytes.Buffer
+	tr := New(&buf, 0)
+	lo := Now()
+	began := time.Now()
+	hi := Now()
+	time.Sleep(time.Millisecond) // the call
+	call := time.Since(began)
+	time.Sleep(100 * time.Millisecond) // the goroutine kept from running
+	tr.Hop(kvxfer.HopEvent{Hop: kvxfer.HopRegSent, Side: kvxfer.RoleConsumer, Engine: "D", DReq: "d-1", Call: call, Began: began})
+	if err := tr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	ls := lines(t, buf.Bytes())
+	if len(ls) != 3 {
+		t.Fatalf("lines = %v, want one event", ls)
+	}
+	// (Hop reads two clocks, CLOCK_MONOTONIC and Go's monotonic one,
+	// back to back: a slip of microseconds; 20 ms allowed for a
+	// preemption there on a loaded host, against 100 ms before.)
+	if got := int64(ls[1]["t"].(float64)); got < lo-int64(20*time.Millisecond) || got > hi+int64(20*time.Millisecond) {
+		t.Errorf("reg.sent stamped %v after its call began; want when it began", time.Duration(got-hi))
+	}
+	if ls[1]["call_ns"] != float64(call) {
+		t.Errorf("call_ns = %v, want %d", ls[1]["call_ns"], call)
+	}
+}

@@ -1852,7 +1852,7 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				err := sendFinished(st, r.maxMsg, fp)
 				idle <- struct{}{}
 				if r.trace != nil && err == nil {
-					r.hopSent(&f, time.Since(t0))
+					r.hopSent(&f, t0)
 				}
 				f.Clear()
 				if err != nil {
@@ -2004,9 +2004,10 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 }
 
 // hopSent reports f's outcomes sent on the stream, by a wake of the
-// sender that took d to drain, encode and send them.
-func (r *rank) hopSent(f *kvxfer.Finished, d time.Duration) {
-	e := kvxfer.HopEvent{Hop: kvxfer.HopOutcomeSent, Engine: r.engine, TPRank: r.layout.TPRank, PPRank: r.layout.PPRank, Call: d}
+// sender, begun at t0, that drained, encoded and sent them.
+func (r *rank) hopSent(f *kvxfer.Finished, t0 time.Time) {
+	e := kvxfer.HopEvent{Hop: kvxfer.HopOutcomeSent, Engine: r.engine, TPRank: r.layout.TPRank, PPRank: r.layout.PPRank,
+		Call: time.Since(t0), Began: t0}
 	for _, o := range f.Sending {
 		e.Side, e.PReq, e.Result = kvxfer.RoleProducer, o.ReqID, o.Result.String()
 		r.trace.Hop(e)
