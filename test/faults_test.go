@@ -524,53 +524,83 @@ func TestConsumerEngineKilled(t *testing.T) {
 }
 
 // The D daemon runs short of descriptors (a 200-descriptor limit, 300
-// idle connections opened to its rank's data port): its accept loop backs
-// off instead of stopping for good, and once the idle connections go, a
+// idle connections opened to its rank's data port, its bound on those
+// not yet authenticated raised past them): its accept loop backs off
+// instead of stopping for good, and once the idle connections go, a
 // request is done.
 func TestDataPortSurvivesDescriptorExhaustion(t *testing.T) {
-	dir := world(t)
-	p := startDaemon(t, dir, "P")
-	d, err := daemontest.StartWrapped([]string{"prlimit", "--nofile=200:200"}, dir, "D", "builtin", "-socket-mode", "0666")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Stop()
-	P := attachSim(t, dir, p.Sock, p.Peer, "P", 1, kvxfer.ModePush)
-	defer P.Close()
-	D := attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
-	defer D.Close()
-	addr := dataPort(t, d, dir, "D")
-	var idle []net.Conn
-	defer func() {
-		for _, c := range idle {
-			c.Close()
-		}
-	}()
-	for range 300 {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err != nil {
-			break
-		}
-		idle = append(idle, c)
-	}
+	h := idleConnsToD(t, "-max-peer-conns-per-addr", "1000")
 	// The daemon hits its limit and backs off: waited for (its log says
 	// so), not slept for. A fixed half second could end before a daemon
 	// slowed by load had accepted its 200th: the connections closed
 	// early, it never ran out, and the test failed as not testing.
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		log, _ := os.ReadFile(d.Log)
+		log, _ := os.ReadFile(h.d.Log)
 		if bytes.Contains(log, []byte("accept failed; retrying")) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the daemon never ran out of descriptors in 20 s with %d connections open (the test did not test); its log:\n%s", len(idle), log)
+			t.Fatalf("the daemon never ran out of descriptors in 20 s with %d connections open (the test did not test); its log:\n%s", len(h.idle), log)
 		}
 	}
-	for _, c := range idle {
+	h.closeIdle()
+	transferOnce(t, h.P, h.D, h.p.Peer, "1", []topology.BlockID{0, 1}, 15*time.Second, "after the descriptors came back")
+}
+
+// The same 300 idle connections from one address, D's daemon with its
+// default bound (64 not yet authenticated from one IP): it closes those
+// past the bound as it accepts them, never runs short of descriptors,
+// and a request is done while the others are still open. Before, it held
+// every one for the authentication's 10 s and ran out.
+func TestDataPortBoundsIdleConnsFromOneAddress(t *testing.T) {
+	h := idleConnsToD(t)
+	transferOnce(t, h.P, h.D, h.p.Peer, "1", []topology.BlockID{0, 1}, 15*time.Second, "with 300 idle connections to D's data port")
+	if log, _ := os.ReadFile(h.d.Log); bytes.Contains(log, []byte("accept failed; retrying")) {
+		t.Errorf("D's daemon ran out of descriptors; its log:\n%s", log)
+	}
+	h.closeIdle()
+}
+
+// idleConns is P and D (its daemon limited to 200 descriptors) with 300
+// idle TCP connections opened to D's rank's data port.
+type idleConns struct {
+	p, d *daemontest.Proc
+	P, D *simengine.Engine
+	idle []net.Conn
+}
+
+func (h *idleConns) closeIdle() {
+	for _, c := range h.idle {
 		c.Close()
 	}
-	idle = nil
-	transferOnce(t, P, D, p.Peer, "1", []topology.BlockID{0, 1}, 15*time.Second, "after the descriptors came back")
+	h.idle = nil
+}
+
+// idleConnsToD starts idleConns, D's daemon with the extra flags.
+func idleConnsToD(t *testing.T, extra ...string) *idleConns {
+	t.Helper()
+	dir := world(t)
+	h := &idleConns{p: startDaemon(t, dir, "P")}
+	d, err := daemontest.StartWrapped([]string{"prlimit", "--nofile=200:200"}, dir, "D", "builtin", append([]string{"-socket-mode", "0666"}, extra...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.d = d
+	t.Cleanup(func() { _ = d.Stop() })
+	h.P = attachSim(t, dir, h.p.Sock, h.p.Peer, "P", 1, kvxfer.ModePush)
+	t.Cleanup(func() { _ = h.P.Close() })
+	h.D = attachSim(t, dir, d.Sock, d.Peer, "D", 2, kvxfer.ModePush)
+	t.Cleanup(func() { _ = h.D.Close() })
+	t.Cleanup(h.closeIdle)
+	addr := dataPort(t, d, dir, "D")
+	for range 300 {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			break
+		}
+		h.idle = append(h.idle, c)
+	}
+	return h
 }
 
 // P TP1, D TP2 over real daemons: D's rank 1 takes the request and
