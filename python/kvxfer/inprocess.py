@@ -192,7 +192,10 @@ def stop() -> None:
     memory named by address is touched after it returns. Raises
     InProcessError where a rank had still not let go of its memory when
     the server gave up waiting (40 s after the drain): that memory may
-    still be touched, and must not be freed."""
+    still be touched, and must not be freed. A signal handler's exception
+    (Ctrl-C's KeyboardInterrupt) interrupts the wait: it propagates while
+    the stop goes on, and memory may be touched until it ends; at
+    interpreter exit the process then exits without waiting."""
     global _endpoint, _stops
     with _lock:
         if _lib is None:
@@ -201,10 +204,37 @@ def stop() -> None:
         _stops += 1
         # (The endpoint stays this server's while it drains: this
         # process's clients reach it directly, and are refused at once.)
-        code = lib.kvxfer_stop()
-        _endpoint = None  # (none runs now, whatever the stop's code)
+        try:
+            code = _stop_interruptibly(lib)
+        finally:
+            _endpoint = None  # (none runs now, whatever the stop's code)
         if code != OK:
             raise _error(lib, code)
+
+
+def _stop_interruptibly(lib: ctypes.CDLL) -> int:
+    """Calls kvxfer_stop on a thread of its own and waits for it where a
+    signal handler can run: Python runs handlers on the main thread
+    between bytecodes only, and a stop draining transfers (up to the
+    drain-timeout, plus 40 s where a rank does not let go of its memory)
+    inside one C call would keep Ctrl-C (KeyboardInterrupt) from acting
+    until it returned. Interrupted, the stop goes on in the background (a
+    later start waits for it) and the handler's exception propagates.
+    Where no thread can be started (an interpreter finalizing), it calls
+    the library directly."""
+    result: list[int] = []
+
+    def run() -> None:
+        result.append(lib.kvxfer_stop())
+
+    t = threading.Thread(target=run, name="kvxfer-stop", daemon=True)
+    try:
+        t.start()
+    except RuntimeError:
+        return lib.kvxfer_stop()
+    while t.is_alive():
+        t.join(0.1)
+    return result[0] if result else EFAIL
 
 
 def _at_exit() -> None:
@@ -214,6 +244,11 @@ def _at_exit() -> None:
         stop()
     except InProcessError:
         pass
+    except KeyboardInterrupt:
+        # Ctrl-C while the exiting process drained: exit now, as the user
+        # asked, without waiting for transfers in flight (their peers end
+        # them within the liveness bound, as for a killed process).
+        os.write(2, b"kvxfer: stop interrupted at exit; exiting without waiting for transfers in flight\n")
 
 
 def endpoint() -> str | None:

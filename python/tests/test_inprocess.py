@@ -688,3 +688,51 @@ def test_scheduler_call_while_stopping_is_unavailable(libkvxfer):
         print("ok", flush=True)
     """)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_ctrl_c_interrupts_the_stop_at_exit(libkvxfer):
+    """An interpreter exiting while its server drains a held request (the
+    stop at exit waits up to the drain-timeout, here 60 s) exits at once on
+    Ctrl-C (SIGINT) and says so. The stop was one C call: Python could not
+    run its SIGINT handler until the call returned, so the process stayed
+    for the whole drain."""
+    code = textwrap.dedent("""
+        import time
+        import numpy as np
+        import kvxfer
+        from kvxfer import inprocess
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error", "drain_timeout": "60s"})
+        kv = np.zeros(64 * 1024, dtype=np.uint8)
+        c = kvxfer.Client(ep)
+        layout = pb.KvLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, total_kv_heads=2, head_size=8, elem_bytes=2,
+                             order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED, logical_block_size=16,
+                             kernel_block_size=16,
+                             regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=kv.ctypes.data, block_len=1024, num_blocks=64)])
+        w = c.connect(pb.WorkerHello(engine_id="P", mode=pb.MODE_PUSH, layout=layout, compat_hash="h",
+                                     memory=[inprocess.host_memory(kv.ctypes.data, kv.nbytes)]))
+        now = time.time_ns()
+        w.step(pb.StepMeta(step=1, scheduler_clock_unix_nanos=now, send=[pb.SendRequest(
+            request_id="p-1", transfer_id="t-1", deadline_unix_nanos=now + 120 * 10**9,
+            blocks=[pb.Span(block_ids=[1, 2])], tokens=20)]))
+        w.poll(0.2)
+        print("exiting", flush=True)
+    """)
+    p = subprocess.Popen([PY, "-c", code], env=_env(libkvxfer), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "exiting", line + p.stderr.read()
+        time.sleep(1.0)  # the stop at exit began: it drains the held request
+        assert p.poll() is None, "the process exited without draining its held request"
+        p.send_signal(2)
+        t0 = time.monotonic()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the process still ran {time.monotonic() - t0:.0f} s after Ctrl-C (SIGINT) during its stop at exit")
+        err = p.stderr.read()
+        assert "stop interrupted at exit" in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
