@@ -16,6 +16,10 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
+// DefaultPrefix is the registry's key prefix in etcd when a config's
+// Prefix is empty (kvxferd's -etcd-prefix default).
+const DefaultPrefix = "/kvxfer"
+
 // DefaultTTL is an entry's lease when RegistrarConfig.TTL is zero: a
 // process that dies without deregistering leaves the fleet within it.
 const DefaultTTL = 5 * time.Second
@@ -36,7 +40,7 @@ func jittered(d time.Duration) time.Duration {
 // RegistrarConfig configures a Registrar. Zero fields mean the defaults.
 type RegistrarConfig struct {
 	Client *clientv3.Client // required
-	Prefix string           // default "/kvxfer"
+	Prefix string           // default DefaultPrefix
 	// TTL is the lease the entries live under, kept alive every TTL/3
 	// (default DefaultTTL; at least 2 s: etcd's lease granularity).
 	TTL     time.Duration
@@ -53,7 +57,7 @@ func (c *RegistrarConfig) fill() error {
 		return errors.New("registry: RegistrarConfig.Client is nil")
 	}
 	if c.Prefix == "" {
-		c.Prefix = "/kvxfer"
+		c.Prefix = DefaultPrefix
 	}
 	if c.TTL == 0 {
 		c.TTL = DefaultTTL

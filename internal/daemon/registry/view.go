@@ -69,7 +69,7 @@ type Change struct {
 // ViewConfig configures a View. Zero fields mean the defaults.
 type ViewConfig struct {
 	Client *clientv3.Client // required
-	Prefix string           // default "/kvxfer"
+	Prefix string           // default DefaultPrefix
 	// MaxEntries bounds the entries the view holds (default
 	// DefaultMaxEntries); past it new keys are refused, counted
 	// (kvxfer_registry_refused_total{reason="max_entries"}) and logged.
@@ -119,7 +119,7 @@ func NewView(cfg ViewConfig) (*View, error) {
 		return nil, errors.New("registry: ViewConfig.Client is nil")
 	}
 	if cfg.Prefix == "" {
-		cfg.Prefix = "/kvxfer"
+		cfg.Prefix = DefaultPrefix
 	}
 	if cfg.MaxEntries <= 0 {
 		cfg.MaxEntries = DefaultMaxEntries
