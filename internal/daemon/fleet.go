@@ -22,7 +22,7 @@ import (
 // publishes the engines it serves in etcd under a lease, and watches the
 // other engines' entries, so that its consumers resolve producers by id
 // and learn at once when one's lease ends or it registers again. See
-// docs/registry.md for the failure model.
+// README's "Fleets on etcd" for the failure model.
 
 // etcdConfig is the registry's part of the daemon's configuration.
 type etcdConfig struct {
