@@ -164,6 +164,11 @@ func TestEtcdFlagsWithoutEtcdWarned(t *testing.T) {
 		!strings.Contains(log, `flags="-etcd-max-engines -etcd-prefix -etcd-role -etcd-ttl -etcd-url"`) {
 		t.Fatalf("start's log does not name the registry flags ignored without -etcd:\n%s", log)
 	}
+	// libkvxfer's JSON keys likewise.
+	if p, err := parseJSON([]byte(`{"etcd-role": "producer", "etcd_prefix": "/kvxfer"}`)); err != nil ||
+		strings.Join(p.etcd.ignored(), " ") != "-etcd-prefix -etcd-role" {
+		t.Errorf("in-process JSON without etcd: ignored = %q, %v; want -etcd-prefix -etcd-role", p.etcd.ignored(), err)
+	}
 	// With -etcd, none is ignored.
 	if p, err := parseFlags([]string{"-etcd", "127.0.0.1:2379", "-etcd-prefix", "/fleet"}); err != nil || len(p.etcd.ignored()) != 0 {
 		t.Errorf("with -etcd: ignored = %q, %v; want none", p.etcd.ignored(), err)
