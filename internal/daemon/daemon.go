@@ -195,6 +195,7 @@ func parseFlags(args []string) (*config, error) {
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
+	c.etcd.noteGiven(fs)
 	if fs.NArg() > 0 {
 		// Parsing stops at the first word that is no flag: every flag
 		// after it would be dropped without a word.

@@ -15,13 +15,14 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/daemon/server"
+	"github.com/kvxfer/kvxfer/internal/envflag"
 )
 
 // The fleet registry (kvxferd -etcd, off by default): the daemon
 // publishes the engines it serves in etcd under a lease, and watches the
 // other engines' entries, so that its consumers resolve producers by id
 // and learn at once when one's lease ends or it registers again. See
-// docs/registry.md for the failure model.
+// README's "Fleets on etcd" for the failure model.
 
 // etcdConfig is the registry's part of the daemon's configuration.
 type etcdConfig struct {
@@ -30,6 +31,8 @@ type etcdConfig struct {
 	ttl        time.Duration
 	role, url  string
 	maxEngines int
+	// given are the -etcd-* flags given a value (noteGiven).
+	given []string
 }
 
 func etcdFlags(fs *flag.FlagSet, c *etcdConfig) {
@@ -40,7 +43,7 @@ func etcdFlags(fs *flag.FlagSet, c *etcdConfig) {
 	fs.StringVar(&c.client.Key, "etcd-key", "", "the key of -etcd-cert (PEM)")
 	fs.BoolVar(&c.client.Insecure, "etcd-insecure", false, "allow plain-text -etcd endpoints off loopback (anyone on the path may read and forge the registry; "+
 		"peer authentication still decides who moves KV)")
-	fs.StringVar(&c.prefix, "etcd-prefix", "/kvxfer", "key prefix of the registry in etcd")
+	fs.StringVar(&c.prefix, "etcd-prefix", registry.DefaultPrefix, "key prefix of the registry in etcd")
 	fs.DurationVar(&c.ttl, "etcd-ttl", registry.DefaultTTL, "lease of this daemon's entries: an engine whose daemon dies leaves the fleet within it")
 	fs.StringVar(&c.role, "etcd-role", registry.RoleBoth, "role published for the engines served here: producer, consumer or both (routers pair producers with consumers)")
 	fs.StringVar(&c.url, "etcd-url", "", "serving URL (the engine's OpenAI server) published for the engines served here, for routers")
@@ -69,29 +72,22 @@ func (c *etcdConfig) validate() error {
 	return nil
 }
 
-// ignored names the registry's flags given a value of their own while
-// -etcd is not set: no registry starts without it, and they do nothing
-// (an -etcd left out of a deployment, or misspelt, would otherwise go
-// unnoticed until an engine is not found by id).
+// ignored names the registry's flags given (on the command line or in
+// the environment, whatever their value: one given its default counts)
+// while -etcd is not set: no registry starts without it, and they do
+// nothing (an -etcd left out of a deployment, or misspelt, would
+// otherwise go unnoticed until an engine is not found by id).
 func (c *etcdConfig) ignored() []string {
 	if c.client.Endpoints != "" {
 		return nil
 	}
-	var out []string
-	for _, f := range []struct {
-		set  bool
-		name string
-	}{
-		{c.client.CA != "", "-etcd-ca"}, {c.client.Cert != "", "-etcd-cert"}, {c.client.Key != "", "-etcd-key"},
-		{c.client.Insecure, "-etcd-insecure"}, {c.prefix != "" && c.prefix != "/kvxfer", "-etcd-prefix"},
-		{c.ttl != 0 && c.ttl != registry.DefaultTTL, "-etcd-ttl"}, {c.role != "" && c.role != registry.RoleBoth, "-etcd-role"},
-		{c.url != "", "-etcd-url"}, {c.maxEngines != 0 && c.maxEngines != registry.DefaultMaxEntries, "-etcd-max-engines"},
-	} {
-		if f.set {
-			out = append(out, f.name)
-		}
-	}
-	return out
+	return c.given
+}
+
+// noteGiven records which of the registry's flags fs was given, once
+// parsed (ignored).
+func (c *etcdConfig) noteGiven(fs *flag.FlagSet) {
+	c.given = envflag.Given(fs, func(name string) bool { return strings.HasPrefix(name, "etcd-") })
 }
 
 // checkAdvertise checks -peer-advertise, the address published for the

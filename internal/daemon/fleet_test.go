@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -137,9 +138,21 @@ func runFleetLookup(t *testing.T) {
 // environment) went unnoticed: the daemon published nothing and resolved
 // no engine by id, and no line said why.
 func TestEtcdFlagsWithoutEtcdWarned(t *testing.T) {
+	// None given, none named.
+	if p, err := parseFlags(nil); err != nil || len(p.etcd.ignored()) != 0 {
+		t.Errorf("no registry flag given: ignored = %q, %v; want none", p.etcd.ignored(), err)
+	}
+	// -etcd-prefix and -etcd-ttl are given their defaults: given all the
+	// same (before, a value equal to its default went unnamed), and
+	// KVXFERD_ETCD_MAX_ENGINES counts as given too.
+	t.Setenv("KVXFERD_ETCD_MAX_ENGINES", strconv.Itoa(registry.DefaultMaxEntries))
+	p, err := parseFlags([]string{"-etcd-role", "producer", "-etcd-url", "http://127.0.0.1:8100", "-etcd-prefix", registry.DefaultPrefix,
+		"-etcd-ttl", registry.DefaultTTL.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
 	c := testConfig(t)
-	c.etcd = etcdConfig{role: registry.RoleProducer, url: "http://127.0.0.1:8100", ttl: registry.DefaultTTL, prefix: "/kvxfer",
-		maxEngines: registry.DefaultMaxEntries}
+	c.etcd = p.etcd
 	var buf syncBuffer
 	in, err := start(c, slog.New(slog.NewTextHandler(&buf, nil)), false)
 	if err != nil {
@@ -147,7 +160,17 @@ func TestEtcdFlagsWithoutEtcdWarned(t *testing.T) {
 	}
 	defer in.shutdown()
 	log := buf.String()
-	if !strings.Contains(log, "without -etcd are ignored") || !strings.Contains(log, `flags="-etcd-role -etcd-url"`) {
+	if !strings.Contains(log, "without -etcd are ignored") ||
+		!strings.Contains(log, `flags="-etcd-max-engines -etcd-prefix -etcd-role -etcd-ttl -etcd-url"`) {
 		t.Fatalf("start's log does not name the registry flags ignored without -etcd:\n%s", log)
+	}
+	// libkvxfer's JSON keys likewise.
+	if p, err := parseJSON([]byte(`{"etcd-role": "producer", "etcd_prefix": "/kvxfer"}`)); err != nil ||
+		strings.Join(p.etcd.ignored(), " ") != "-etcd-prefix -etcd-role" {
+		t.Errorf("in-process JSON without etcd: ignored = %q, %v; want -etcd-prefix -etcd-role", p.etcd.ignored(), err)
+	}
+	// With -etcd, none is ignored.
+	if p, err := parseFlags([]string{"-etcd", "127.0.0.1:2379", "-etcd-prefix", "/fleet"}); err != nil || len(p.etcd.ignored()) != 0 {
+		t.Errorf("with -etcd: ignored = %q, %v; want none", p.etcd.ignored(), err)
 	}
 }

@@ -58,6 +58,7 @@ func parseJSON(b []byte) (*config, error) {
 			return nil, err
 		}
 	}
+	c.etcd.noteGiven(fs) // (no inProcessDefaults key is the registry's)
 	if c.socket == "" {
 		c.socket = fmt.Sprintf("@kvxfer-%d-%s", os.Getpid(), randomHex(8))
 	}
@@ -113,7 +114,7 @@ func setJSON(fs *flag.FlagSet, b []byte) error {
 			// switch such as insecure_peers is a slip, not a choice.)
 			return fmt.Errorf("key %q = %s: want %s", key, raw, want)
 		}
-		if err := f.Value.Set(v); err != nil {
+		if err := fs.Set(f.Name, v); err != nil { // (fs.Set: what was given, envflag.Given)
 			if want != "" {
 				return fmt.Errorf("key %q = %s: want %s: %w", key, raw, want, err)
 			}

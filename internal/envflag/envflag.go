@@ -16,13 +16,15 @@ import (
 // (before the command line is parsed: flags override), then refuses a
 // variable under prefix that names none of fs's flags, unless its name
 // after prefix starts with one of skip (another command's). cmd and
-// example (a flag name) make the refusal's hint.
+// example (a flag name) make the refusal's hint. A flag set from the
+// environment counts as given (fs.Visit, Given), as one on the command
+// line does.
 func Load(fs *flag.FlagSet, prefix, cmd, example string, skip ...string) error {
 	var err error
 	fs.VisitAll(func(f *flag.Flag) {
 		key := prefix + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
 		if v, ok := os.LookupEnv(key); ok {
-			if e := f.Value.Set(v); e != nil && err == nil {
+			if e := fs.Set(f.Name, v); e != nil && err == nil {
 				err = fmt.Errorf("%s=%q: %w", key, v, e)
 			}
 		}
@@ -51,4 +53,20 @@ func hasAnyPrefix(s string, prefixes []string) bool {
 		}
 	}
 	return false
+}
+
+// Given names ("-name", in lexical order) the flags of fs for which match
+// is true that were given a value, on the command line or from the
+// environment (Load), whatever the value: one given its default value
+// counts. What fs was actually given is the one record of it; comparing
+// values with their defaults would miss a default given explicitly and
+// write every default a second time.
+func Given(fs *flag.FlagSet, match func(name string) bool) []string {
+	var out []string
+	fs.Visit(func(f *flag.Flag) {
+		if match(f.Name) {
+			out = append(out, "-"+f.Name)
+		}
+	})
+	return out
 }

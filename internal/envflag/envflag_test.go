@@ -62,3 +62,22 @@ func TestLoadSkipsAnotherCommandsVariables(t *testing.T) {
 		t.Fatal("without the skip, KX_PROXY_PREFILL was taken without a word")
 	}
 }
+
+// Given names the flags set, on the command line or from the environment,
+// whatever their value (one given its default counts), and no other.
+func TestGivenNamesWhatWasSet(t *testing.T) {
+	t.Setenv("KX_MAX_FLEET", "1") // its default
+	fs, _, _ := set("t")
+	fs.String("etcd-prefix", "/kvxfer", "")
+	fs.String("etcd-ca", "", "")
+	if err := Load(fs, "KX_", "t", "peer-secret-file"); err != nil {
+		t.Fatal(err)
+	}
+	if err := fs.Parse([]string{"-etcd-prefix", "/kvxfer"}); err != nil {
+		t.Fatal(err)
+	}
+	got := Given(fs, func(name string) bool { return strings.HasPrefix(name, "etcd-") || name == "max-fleet" })
+	if want := "-etcd-prefix -max-fleet"; strings.Join(got, " ") != want {
+		t.Fatalf("Given = %q, want %q", got, want)
+	}
+}

@@ -26,6 +26,7 @@ type flags struct {
 	listen       string
 	logLevel     string
 	drainTimeout time.Duration
+	etcdGiven    []string // the -etcd-* flags and -max-fleet given (envflag.Given)
 }
 
 // listFlag is a repeatable flag; one value may also hold several items
@@ -116,6 +117,7 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
+	f.etcdGiven = envflag.Given(fs, func(name string) bool { return strings.HasPrefix(name, "etcd-") || name == "max-fleet" })
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q (flags only)", fs.Arg(0))
 	}
@@ -170,25 +172,14 @@ func parseFlags(args []string, usage io.Writer) (*flags, error) {
 	return f, nil
 }
 
-// etcdIgnored names the -etcd-* flags (and -max-fleet) given a value of
-// their own while -etcd is not set: they do nothing then.
+// etcdIgnored names the -etcd-* flags (and -max-fleet) given (on the
+// command line or in the environment, whatever their value: one given
+// its default counts) while -etcd is not set: they do nothing then.
 func (f *flags) etcdIgnored() []string {
 	if f.fleet.Endpoints != "" {
 		return nil
 	}
-	var out []string
-	for _, x := range []struct {
-		set  bool
-		name string
-	}{
-		{f.fleet.CA != "", "-etcd-ca"}, {f.fleet.Cert != "", "-etcd-cert"}, {f.fleet.Key != "", "-etcd-key"},
-		{f.fleet.Insecure, "-etcd-insecure"}, {f.fleet.Prefix != "/kvxfer", "-etcd-prefix"}, {f.cfg.MaxFleet != DefaultMaxFleet, "-max-fleet"},
-	} {
-		if x.set {
-			out = append(out, x.name)
-		}
-	}
-	return out
+	return f.etcdGiven
 }
 
 // Main runs `kvxferd proxy` with command-line flags (also read from

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"reflect"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -216,6 +217,20 @@ func TestEtcdFlagsWithoutEtcdNamed(t *testing.T) {
 	}
 	if got, want := f.etcdIgnored(), []string{"-etcd-ca", "-etcd-prefix"}; !reflect.DeepEqual(got, want) {
 		t.Errorf("ignored = %q, want %q", got, want)
+	}
+	if f, err := parseFlags([]string{"-prefill", goodP, "-decode", goodD}, io.Discard); err != nil || len(f.etcdIgnored()) != 0 {
+		t.Errorf("none given: ignored = %q, %v; want none", f.etcdIgnored(), err)
+	}
+	// Given their default values, on the command line or in the
+	// environment, they are given all the same: before, -etcd-prefix
+	// /kvxfer and -max-fleet at its default went unnamed.
+	t.Setenv("KVXFERD_PROXY_MAX_FLEET", strconv.Itoa(DefaultMaxFleet))
+	f, err = parseFlags([]string{"-prefill", goodP, "-decode", goodD, "-etcd-prefix", "/kvxfer", "-etcd-insecure=false"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.etcdIgnored(), []string{"-etcd-insecure", "-etcd-prefix", "-max-fleet"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("ignored, given defaults = %q, want %q", got, want)
 	}
 	f, err = parseFlags([]string{"-etcd", "127.0.0.1:2379", "-etcd-prefix", "/fleet"}, io.Discard)
 	if err != nil {

@@ -15,6 +15,10 @@
 // A Registrar keeps a process's entries in etcd under one lease (TTL 5 s
 // by default, kept alive every TTL/3), grants a new one and puts them
 // again when it is lost, retrying with backoff, and revokes it on Close.
+// It takes a key over once, when it first publishes it (the engine
+// attached to this process now); after that it puts it again only where
+// it is absent, holds no lease or holds one of its own, never over
+// another lease's: a daemon that replaced it on its address holds it.
 // A View lists and watches the entries, keeps the last view while etcd is
 // unreachable, bounds what it holds (ViewConfig.MaxEntries), and reports
 // each engine's Join, Leave (its last entry gone: a lease ended) and

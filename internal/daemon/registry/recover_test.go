@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvxfer/kvxfer/internal/daemon/registry"
 	"github.com/kvxfer/kvxfer/internal/daemon/registry/etcdtest"
 	"github.com/kvxfer/kvxfer/internal/leakcheck"
@@ -110,4 +112,100 @@ func TestFullViewTakesARefusedEntryWhenRoomIsMade(t *testing.T) {
 	_ = a.Close(context.Background())
 	want(t, rec.next(t, 9*time.Second), registry.Leave, "A", 1) // three TTLs: a lease just lost goes at its end
 	want(t, rec.next(t, 10*time.Second), registry.Join, "B", 1) // within progressEvery of the last list
+}
+
+// A full view counts each key it leaves out once, and says how many it
+// leaves out now. Before, each listing of a full view counted its whole
+// overflow again (a limited listing does not name the keys it leaves
+// out), and each value put again over a refused key counted once more:
+// kvxfer_registry_refused_total grew with every leave that made room and
+// every read-back, with no new key refused.
+func TestFullViewCountsEachRefusedKeyOnce(t *testing.T) {
+	etcd := etcdtest.Start(t)
+	cl := dial(t, etcd.Endpoint())
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	put := func(engine string, gen uint64) {
+		t.Helper()
+		peer := "127.0.0.1:7001"
+		k := registry.Key("/kvxfer", engine, peer)
+		e := entry(engine, peer, gen)
+		val, err := e.Encode(k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cl.Put(ctx, k, string(val)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, e := range []string{"A", "B", "C", "D"} {
+		put(e, 1)
+	}
+	reg := prometheus.NewRegistry()
+	rec := newRecorder()
+	v, err := registry.NewView(registry.ViewConfig{Client: dial(t, etcd.Endpoint()), OnChange: rec.on, MaxEntries: 2, Metrics: registry.NewMetrics(reg)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	want(t, rec.next(t, 5*time.Second), registry.Join, "A", 1)
+	want(t, rec.next(t, 5*time.Second), registry.Join, "B", 1)
+	check := func(when string, total, now float64) {
+		t.Helper()
+		if got := metric(t, reg, "kvxfer_registry_refused_total"); got != total {
+			t.Errorf("%s: kvxfer_registry_refused_total = %v, want %v (each key left out once)", when, got, total)
+		}
+		if got := metric(t, reg, "kvxfer_registry_refused_entries"); got != now {
+			t.Errorf("%s: kvxfer_registry_refused_entries = %v, want %v", when, got, now)
+		}
+	}
+	check("listed", 2, 2)
+
+	put("C", 2) // a value put again over a refused key (a new generation)
+	put("Z", 1) // a key put while full: a new refusal
+	for deadline := time.Now().Add(10 * time.Second); metric(t, reg, "kvxfer_registry_refused_entries") != 3 &&
+		metric(t, reg, "kvxfer_registry_refused_total") <= 3; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("Z's refusal not seen within 10 s")
+		}
+	}
+	check("C put again, Z put", 3, 3)
+
+	// A leave makes room: the view lists again, takes C in, and leaves
+	// D and Z out, as before.
+	if _, err := cl.Delete(ctx, registry.Key("/kvxfer", "A", "127.0.0.1:7001")); err != nil {
+		t.Fatal(err)
+	}
+	want(t, rec.next(t, 5*time.Second), registry.Leave, "A", 1)
+	want(t, rec.next(t, 10*time.Second), registry.Join, "C", 2) // within progressEvery of the last list
+	check("listed again", 3, 2)
+
+	// Z goes while refused; B goes, D comes in: nothing is left out.
+	if _, err := cl.Delete(ctx, registry.Key("/kvxfer", "Z", "127.0.0.1:7001")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Delete(ctx, registry.Key("/kvxfer", "B", "127.0.0.1:7001")); err != nil {
+		t.Fatal(err)
+	}
+	want(t, rec.next(t, 5*time.Second), registry.Leave, "B", 1)
+	want(t, rec.next(t, 10*time.Second), registry.Join, "D", 1)
+	check("all in", 3, 0)
+}
+
+// metric sums the samples of the counter or gauge name in reg.
+func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+		}
+	}
+	return n
 }

@@ -16,6 +16,10 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
+// DefaultPrefix is the registry's key prefix in etcd when a config's
+// Prefix is empty (kvxferd's -etcd-prefix default).
+const DefaultPrefix = "/kvxfer"
+
 // DefaultTTL is an entry's lease when RegistrarConfig.TTL is zero: a
 // process that dies without deregistering leaves the fleet within it.
 const DefaultTTL = 5 * time.Second
@@ -36,7 +40,7 @@ func jittered(d time.Duration) time.Duration {
 // RegistrarConfig configures a Registrar. Zero fields mean the defaults.
 type RegistrarConfig struct {
 	Client *clientv3.Client // required
-	Prefix string           // default "/kvxfer"
+	Prefix string           // default DefaultPrefix
 	// TTL is the lease the entries live under, kept alive every TTL/3
 	// (default DefaultTTL; at least 2 s: etcd's lease granularity).
 	TTL     time.Duration
@@ -53,7 +57,7 @@ func (c *RegistrarConfig) fill() error {
 		return errors.New("registry: RegistrarConfig.Client is nil")
 	}
 	if c.Prefix == "" {
-		c.Prefix = "/kvxfer"
+		c.Prefix = DefaultPrefix
 	}
 	if c.TTL == 0 {
 		c.TTL = DefaultTTL
@@ -169,6 +173,15 @@ func (r *Registrar) loop(ctx context.Context) {
 		lost []clientv3.LeaseID
 		// answered is when etcd last answered a keepalive.
 		answered time.Time
+		// held are the keys wanted that this registrar has put once
+		// (under any of its leases): from then on it puts such a key
+		// again only where it is absent, holds no lease or holds one
+		// of this registrar's, never over another lease's (a daemon
+		// that replaced this one on its address: its entry is the
+		// current one). A key first wanted takes over whatever is
+		// there: the engine attached here now (the entry of a daemon
+		// that died on this address runs out with its lease).
+		held = map[string]bool{}
 	)
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
@@ -192,7 +205,8 @@ func (r *Registrar) loop(ctx context.Context) {
 		r.mu.Lock()
 		want := r.mu.want
 		r.mu.Unlock()
-		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, fail)
+		mine := func(l int64) bool { return l == int64(lease) || slices.Contains(lost, clientv3.LeaseID(l)) }
+		ok := r.sync(ctx, &lease, &ka, &kaCancel, published, want, held, mine, fail)
 		if ok && len(lost) > 0 {
 			lost = r.revokeLost(ctx, lost)
 		}
@@ -240,11 +254,17 @@ func (r *Registrar) loop(ctx context.Context) {
 	}
 }
 
-// sync makes etcd hold want under a live lease; false when a call failed
-// (fail scheduled a retry).
+// sync makes etcd hold want under a live lease (but a key held, that
+// another lease holds now: put); false when a call failed (fail
+// scheduled a retry). mine says whether a lease is this registrar's.
 func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-chan *clientv3.LeaseKeepAliveResponse,
-	kaCancel *context.CancelFunc, published, want map[string][]byte, fail func(string, error)) bool {
+	kaCancel *context.CancelFunc, published, want map[string][]byte, held map[string]bool, mine func(int64) bool, fail func(string, error)) bool {
 	cl := r.cfg.Client
+	for k := range held {
+		if _, ok := want[k]; !ok {
+			delete(held, k)
+		}
+	}
 	if len(want) == 0 && *lease == 0 {
 		return true
 	}
@@ -269,13 +289,18 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		if v, ok := published[k]; ok && string(v) == string(want[k]) {
 			continue
 		}
-		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
-		_, err := cl.Put(cctx, k, string(want[k]), clientv3.WithLease(*lease))
-		cancel()
+		other, err := r.put(ctx, k, want[k], *lease, !held[k], mine)
 		if err != nil {
 			fail("put", fmt.Errorf("%s: %w", k, err))
 			return false
 		}
+		if other != 0 {
+			// Left to it; the read-back (verify) puts it again once
+			// that lease has ended and the key is gone.
+			r.log.Warn("kvxfer registry: an entry this process put is held now under another lease (a daemon started since on this address); "+
+				"left to it", "key", k, "lease", fmt.Sprintf("%x", int64(*lease)), "holder", fmt.Sprintf("%x", other))
+		}
+		held[k] = true
 		published[k] = want[k]
 	}
 	for _, k := range slices.Sorted(maps.Keys(published)) {
@@ -295,6 +320,54 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		delete(published, k)
 	}
 	return true
+}
+
+// putTries bounds the attempts of a conditional put at a key that
+// changes between its read and the put.
+const putTries = 4
+
+// put puts k = v under lease: whatever k holds when takeover, else only
+// where k is absent, holds no lease (put by hand) or holds one of this
+// registrar's (mine), in one transaction with what was read: a key held
+// under another lease is left to it, and its lease is returned. A
+// registrar that lost its lease while a daemon that replaced it on its
+// address put the key under its own (the old one draining) would
+// otherwise, once registered again, put its stale entry over the current
+// one: its peers would resolve the engine to the daemon that is leaving.
+func (r *Registrar) put(ctx context.Context, k string, v []byte, lease clientv3.LeaseID, takeover bool, mine func(int64) bool) (other int64, err error) {
+	cl := r.cfg.Client
+	if takeover {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		defer cancel()
+		_, err := cl.Put(cctx, k, string(v), clientv3.WithLease(lease))
+		return 0, err
+	}
+	modified := int64(0) // absent
+	for range putTries {
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.TTL)
+		resp, err := cl.Txn(cctx).If(clientv3.Compare(clientv3.ModRevision(k), "=", modified)).
+			Then(clientv3.OpPut(k, string(v), clientv3.WithLease(lease))).Else(clientv3.OpGet(k)).Commit()
+		cancel()
+		if err != nil {
+			return 0, err
+		}
+		if resp.Succeeded {
+			return 0, nil
+		}
+		var kvs []*mvccpb.KeyValue
+		if rr := resp.Responses[0].GetResponseRange(); rr != nil {
+			kvs = rr.Kvs
+		}
+		switch {
+		case len(kvs) == 0:
+			modified = 0
+		case kvs[0].Lease != 0 && !mine(kvs[0].Lease):
+			return kvs[0].Lease, nil
+		default:
+			modified = kvs[0].ModRevision
+		}
+	}
+	return 0, fmt.Errorf("the key changed at each of %d attempts to put it", putTries)
 }
 
 // explainer runs ClientConfig.Explain for a failure that says only that

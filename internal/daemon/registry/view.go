@@ -69,10 +69,12 @@ type Change struct {
 // ViewConfig configures a View. Zero fields mean the defaults.
 type ViewConfig struct {
 	Client *clientv3.Client // required
-	Prefix string           // default "/kvxfer"
+	Prefix string           // default DefaultPrefix
 	// MaxEntries bounds the entries the view holds (default
-	// DefaultMaxEntries); past it new keys are refused, counted
-	// (kvxfer_registry_refused_total{reason="max_entries"}) and logged.
+	// DefaultMaxEntries); past it new keys are refused, each counted
+	// once while it stays out (kvxfer_registry_refused_total{reason=
+	// "max_entries"}, not again at a new listing or a value put again)
+	// and logged; kvxfer_registry_refused_entries says how many are out.
 	MaxEntries int
 	// OnChange, when set, is called on the view's goroutine with each
 	// change, in order; it must not block.
@@ -100,11 +102,17 @@ type View struct {
 		engines map[string]map[string]Entry // engine -> key -> entry
 		changed chan struct{}               // closed and replaced at each change
 		synced  bool                        // listed once
-		// refused says keys were left out for want of room since the
-		// last list: when room is made, the view lists again to take
-		// them in (nothing else would bring them: a registrar puts an
-		// entry once per lease).
-		refused bool
+		// refused are the keys left out for want of room (at the last
+		// list, or put since while the view was full): when room is
+		// made, the view lists again to take them in (nothing else
+		// would bring them: a registrar puts an entry once per lease).
+		// Each is counted once (kvxfer_registry_refused_total), not
+		// again at each list or put while it stays out. At most
+		// MaxEntries are named; refusedUnnamed counts the others (a
+		// list's, past that bound), and a key among them may be
+		// counted again.
+		refused        map[string]struct{}
+		refusedUnnamed int
 		// bad are the keys holding a malformed value, and its
 		// revision: each such value is counted and logged once, not
 		// again at each list (etcd back, a compacted watch). At most
@@ -119,7 +127,7 @@ func NewView(cfg ViewConfig) (*View, error) {
 		return nil, errors.New("registry: ViewConfig.Client is nil")
 	}
 	if cfg.Prefix == "" {
-		cfg.Prefix = "/kvxfer"
+		cfg.Prefix = DefaultPrefix
 	}
 	if cfg.MaxEntries <= 0 {
 		cfg.MaxEntries = DefaultMaxEntries
@@ -132,6 +140,7 @@ func NewView(cfg ViewConfig) (*View, error) {
 	}
 	v := &View{cfg: cfg, log: cfg.Logger, done: make(chan struct{}), stopped: make(chan struct{})}
 	v.mu.byKey, v.mu.engines, v.mu.changed, v.mu.bad = map[string]Entry{}, map[string]map[string]Entry{}, make(chan struct{}), map[string]int64{}
+	v.mu.refused = map[string]struct{}{}
 	ctx, cancel := context.WithCancel(context.Background())
 	v.cancel = cancel
 	go v.loop(ctx)
@@ -412,10 +421,22 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if resp.More {
-		n := resp.Count - int64(len(resp.Kvs))
-		v.cfg.Metrics.refused.WithLabelValues("max_entries").Add(float64(n))
-		v.log.Warn("kvxfer registry: more entries than the view holds; the rest are ignored", "max_entries", v.cfg.MaxEntries, "ignored", n)
+	// A limited listing leaves out the keys past the bound, without
+	// naming them: their names (keys only, at the same revision, at
+	// most MaxEntries) say which were refused before, and are not
+	// counted again.
+	refused := map[string]struct{}{}
+	unnamed := 0
+	if resp.More && len(resp.Kvs) > 0 {
+		rest, err := v.cfg.Client.Get(cctx, string(resp.Kvs[len(resp.Kvs)-1].Key)+"\x00", clientv3.WithRange(clientv3.GetPrefixRangeEnd(prefix)),
+			clientv3.WithRev(resp.Header.Revision), clientv3.WithKeysOnly(), clientv3.WithLimit(int64(v.cfg.MaxEntries)))
+		if err != nil {
+			return 0, err
+		}
+		for _, kv := range rest.Kvs {
+			refused[string(kv.Key)] = struct{}{}
+		}
+		unnamed = max(int(resp.Count)-len(resp.Kvs)-len(refused), 0)
 	}
 	now := map[string]*mvccpb.KeyValue{}
 	for _, kv := range resp.Kvs {
@@ -423,7 +444,23 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 	}
 	var changes []Change
 	v.mu.Lock()
-	v.mu.refused = resp.More
+	// Keys named now and not before are new, unless they were among
+	// those left unnamed before (past the bound on names).
+	fresh := unnamed
+	for k := range refused {
+		if _, ok := v.mu.refused[k]; !ok {
+			fresh++
+		}
+	}
+	newly := max(fresh-v.mu.refusedUnnamed, 0)
+	if newly > 0 {
+		v.cfg.Metrics.refused.WithLabelValues("max_entries").Add(float64(newly))
+	}
+	if n := len(refused) + unnamed; n > 0 {
+		v.log.Warn("kvxfer registry: more entries than the view holds; the rest are ignored", "max_entries", v.cfg.MaxEntries,
+			"ignored", n, "newly", newly)
+	}
+	v.mu.refused, v.mu.refusedUnnamed = refused, unnamed
 	for k := range v.mu.byKey {
 		if _, ok := now[k]; !ok {
 			changes = v.setLocked(changes, k, nil)
@@ -438,6 +475,7 @@ func (v *View) list(ctx context.Context, prefix string) (int64, error) {
 		changes = v.putLocked(changes, k, now[k].Value, now[k].CreateRevision, now[k].ModRevision)
 	}
 	v.mu.synced = true
+	v.refusedGaugeLocked()
 	v.notifyLocked()
 	v.mu.Unlock()
 	v.emit(changes)
@@ -452,16 +490,24 @@ func (v *View) apply(events []*clientv3.Event) bool {
 	for _, ev := range events {
 		k := string(ev.Kv.Key)
 		if ev.Type == clientv3.EventTypeDelete {
+			_, isBad := v.mu.bad[k]
+			_, held := v.mu.byKey[k]
 			delete(v.mu.bad, k)
+			if _, ok := v.mu.refused[k]; ok {
+				delete(v.mu.refused, k)
+			} else if !isBad && !held && v.mu.refusedUnnamed > 0 {
+				v.mu.refusedUnnamed-- // one the list left out without naming it
+			}
 			changes = v.setLocked(changes, k, nil)
 		} else {
 			changes = v.putLocked(changes, k, ev.Kv.Value, ev.Kv.CreateRevision, ev.Kv.ModRevision)
 		}
 	}
 	if len(events) > 0 {
+		v.refusedGaugeLocked()
 		v.notifyLocked()
 	}
-	relist := v.mu.refused && len(v.mu.byKey) < v.cfg.MaxEntries
+	relist := len(v.mu.refused)+v.mu.refusedUnnamed > 0 && len(v.mu.byKey) < v.cfg.MaxEntries
 	v.mu.Unlock()
 	v.emit(changes)
 	return relist
@@ -481,6 +527,7 @@ func (v *View) putLocked(changes []Change, key string, value []byte, created, mo
 				v.mu.bad[key] = modified
 			}
 		}
+		delete(v.mu.refused, key)
 		return v.setLocked(changes, key, nil)
 	}
 	delete(v.mu.bad, key)
@@ -489,11 +536,21 @@ func (v *View) putLocked(changes []Change, key string, value []byte, created, mo
 		return changes
 	}
 	if _, ok := v.mu.byKey[key]; !ok && len(v.mu.byKey) >= v.cfg.MaxEntries {
-		v.cfg.Metrics.refused.WithLabelValues("max_entries").Inc()
-		v.mu.refused = true
-		v.log.Warn("kvxfer registry: view full; entry ignored", "key", key, "max_entries", v.cfg.MaxEntries)
+		// Counted and logged once while it stays out: a value put again
+		// over a refused key (a registrar's read-back, a new
+		// generation) is the same refusal.
+		if _, ok := v.mu.refused[key]; !ok {
+			v.cfg.Metrics.refused.WithLabelValues("max_entries").Inc()
+			v.log.Warn("kvxfer registry: view full; entry ignored", "key", key, "max_entries", v.cfg.MaxEntries)
+			if len(v.mu.refused) < v.cfg.MaxEntries {
+				v.mu.refused[key] = struct{}{}
+			} else {
+				v.mu.refusedUnnamed++
+			}
+		}
 		return changes
 	}
+	delete(v.mu.refused, key)
 	return v.setLocked(changes, key, &e)
 }
 
@@ -561,6 +618,12 @@ func (v *View) setLocked(changes []Change, key string, e *Entry) []Change {
 		}
 	}
 	return changes
+}
+
+// refusedGaugeLocked sets kvxfer_registry_refused_entries: the keys
+// left out now.
+func (v *View) refusedGaugeLocked() {
+	v.cfg.Metrics.refusedNow.WithLabelValues("max_entries").Set(float64(len(v.mu.refused) + v.mu.refusedUnnamed))
 }
 
 func (v *View) notifyLocked() {
