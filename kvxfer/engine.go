@@ -57,11 +57,14 @@ type engine struct {
 	movedAt   time.Time
 	// named: a request's params named the engine's address (engineAt):
 	// they alone move it then, never a peer message (senderMoved).
-	named  bool
-	state  hsState
-	err    error
-	gen    uint64
-	offset time.Duration
+	named bool
+	state hsState
+	err   error
+	gen   uint64
+	// genAddr: the address gen was loaded from (a request's params
+	// naming another were issued by whatever answers there).
+	genAddr string
+	offset  time.Duration
 	// offsetAt: when offset was measured (a handshake, or a probe timed
 	// within expiryMargin); offsetAsked: when a READ last had it measured
 	// again (refreshOffset).
@@ -392,6 +395,7 @@ func (st *loopState) load(e *engine, h *hsResult) error {
 		e.prepped = nil
 	}
 	e.gen, e.offset, e.tpSize, e.ppSize = res.Generation, res.ClockOffset, tp, pp
+	e.genAddr = e.addr
 	e.offsetAt = st.now
 	e.peers, e.layouts, e.agentSums = peers, layouts, sums
 	return nil

@@ -291,8 +291,14 @@ func stopProducer(t *testing.T, p *simEngine) {
 // (peer_gone), its reason containing why, never done.
 func wantNotRead(t *testing.T, d *simEngine, q *xreq, why string) {
 	t.Helper()
+	checkNotRead(t, d, awaitOutcomes(t, 1, d).recv["d-"+q.id], q, why)
+}
+
+// checkNotRead checks o, consumer d's outcomes of request q, as
+// wantNotRead does.
+func checkNotRead(t *testing.T, d *simEngine, o []kvxfer.Outcome, q *xreq, why string) {
+	t.Helper()
 	id := "d-" + q.id
-	o := awaitOutcomes(t, 1, d).recv[id]
 	if len(o) != 1 {
 		t.Fatalf("D outcomes of %s: %+v", id, o)
 	}
@@ -303,4 +309,79 @@ func wantNotRead(t *testing.T, d *simEngine, q *xreq, why string) {
 	if o[0].Kind != kvxfer.FailurePeerGone || !strings.Contains(o[0].Reason, why) {
 		t.Errorf("%s: %+v, want failed (peer_gone), the reason naming %q", id, o[0], why)
 	}
+}
+
+// Without data-plane grants (NIXL; here the built-in backend with
+// OpenDataPlane), a pull consumer request whose params carry no producer
+// generation, and that comes in while the consumer is handshaking again
+// with its producer (which died and came back: a request found the old
+// agent gone, or a probe the generation changed), is not read from the
+// generation that handshake finds: the params were issued while the
+// consumer knew the producer at the old one, and nothing refuses a READ
+// of the blocks they name, which the restarted producer holds for
+// another request. So it is for one that came in while the handshake had
+// failed (nothing answered for the producer yet). Before, the request's
+// handshake was its first, so nothing checked the generation: it was read
+// and reported done with the other request's KV (found by the in-process
+// fault soak over NIXL, pull).
+func TestPullArrivingDuringRehandshakeReadsNoOtherRequest(t *testing.T) {
+	t.Run("pending", func(t *testing.T) { pullArrivingDuringRehandshake(t, false) })
+	t.Run("failed", func(t *testing.T) { pullArrivingDuringRehandshake(t, true) })
+}
+
+func pullArrivingDuringRehandshake(t *testing.T, failFirst bool) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir := kvxfertest.NewDirectory()
+	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second }
+	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
+	defer d.close(t)
+	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	groups := d.ranks[0][0].Layout.GroupList()
+	dPool := newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
+	pPool := func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
+	now := time.Now()
+	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
+	p.ranks[0][0].Fill(q0.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	awaitOutcomes(t, 2, p, d) // D's handshake with P is loaded
+	// P holds request a; its params are on their way to D.
+	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+	p.ranks[0][0].Fill(qa.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
+	time.Sleep(100 * time.Millisecond)
+	stopProducer(t, p)
+	release := func() {}
+	if failFirst {
+		dir.Remove("P") // nothing answers for P: D's handshakes fail
+	} else {
+		release = dir.Hold("P") // D's next handshake waits
+	}
+	// D's next request finds P's agent gone and handshakes again.
+	qx := makeRequest("x", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(7, 8)), len(groups), 96, true), dPool)
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	if failFirst {
+		if o := awaitOutcomes(t, 1, d).recv["d-x"]; len(o) != 1 || o[0].Result != kvxfer.ResultFailed {
+			t.Fatalf("a request to the stopped producer: %+v, want failed", o)
+		}
+	}
+	// The producer restarts; its engine holds request z in a's blocks.
+	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	defer p2.close(t)
+	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
+	qz.sim.Salt = 777
+	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
+	now = time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
+	time.Sleep(200 * time.Millisecond) // D's handshake is out (held), or failed
+	// a's params reach D only now, naming no generation.
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	time.Sleep(100 * time.Millisecond)
+	release()
+	if failFirst {
+		wantNotRead(t, d, qa, "restarted")
+		return
+	}
+	out := awaitOutcomes(t, 2, d) // x's, failed too, and a's
+	checkNotRead(t, d, out.recv["d-a"], qa, "restarted")
 }

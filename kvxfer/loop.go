@@ -335,6 +335,11 @@ type recvReq struct {
 	// rehandshookFrom: the producer's generation it had been sent under.
 	rehandshook     bool
 	rehandshookFrom uint64
+	// knewGen: the producer's generation this rank had loaded when the
+	// request came in, from the address its params name (0: none). Its
+	// params, when they carry no generation, were issued by that one or
+	// an earlier one, as far as this rank can tell.
+	knewGen uint64
 	// hbFailing: the producer ranks our heartbeats for it did not reach
 	// last; hbFailSince: since when one has not (heartbeatSent).
 	hbFailing   []rankRef

@@ -63,6 +63,9 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		return
 	}
 	r := &recvReq{req: *in, deadline: deadline, own: deadline, since: st.now}
+	if e := st.engines[in.Remote.EngineID]; e != nil && e.gen != 0 && (in.Remote.Addr == "" || in.Remote.Addr == e.genAddr) {
+		r.knewGen = e.gen
+	}
 	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
 	st.takeWait(r)
 	st.recvs[in.ReqID] = r
@@ -200,21 +203,31 @@ func (st *loopState) startRecv(r *recvReq) {
 		return
 	}
 	unnamed := r.req.Remote.ReqID == "" && r.req.TransferID == "" // no grant can tell its hold from another's
-	if r.rehandshook && e.gen != r.rehandshookFrom && st.cfg.Mode == ModePull && (!st.guarded || unnamed) && r.req.Remote.Generation == 0 {
-		// Restarted after a new handshake that found the producer at a
-		// new generation: its params (the blocks to READ) may be the old
-		// producer's, whose engine may have reused those blocks since.
-		// Without grants (or naming neither its producer request nor its
-		// transfer, which grants tell holds apart by) nothing refuses a
-		// READ of blocks the producer holds for another request, so it
-		// is not read: before, such a
-		// request was reported done with the bytes of whatever request
-		// the new producer held in those blocks (over NIXL;
-		// TestPullRetryAcrossRestartReadsNoOtherRequest). Params that
-		// carry the producer's generation were checked against the new
-		// one above: they are the new producer's, and are read.
+	from, changed := r.rehandshookFrom, r.rehandshook && e.gen != r.rehandshookFrom
+	if !changed && r.knewGen != 0 && e.gen != r.knewGen {
+		from, changed = r.knewGen, true
+	}
+	if changed && st.cfg.Mode == ModePull && (!st.guarded || unnamed) && r.req.Remote.Generation == 0 {
+		// The producer is at another generation than the one this rank
+		// knew it at when the request came in (a handshake since found
+		// it restarted), or than the one the request was sent under
+		// (restarted after a new handshake): its params (the blocks to
+		// READ) may be the old producer's, whose engine may have reused
+		// those blocks since. Without grants (or naming neither its
+		// producer request nor its transfer, which grants tell holds
+		// apart by) nothing refuses a READ of blocks the producer holds
+		// for another request, so it is not read: before, such a request
+		// was reported done with the bytes of whatever request the new
+		// producer held in those blocks (over NIXL;
+		// TestPullRetryAcrossRestartReadsNoOtherRequest, and for one that
+		// came in while the new handshake was out or had failed,
+		// TestPullArrivingDuringRehandshakeReadsNoOtherRequest). Params
+		// that carry the producer's generation were checked against the
+		// new one above: they are the new producer's, and are read; so
+		// are params naming the producer at another address than the
+		// generation known here (issued by whatever answers there).
 		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
-			e.id, e.addr, r.rehandshookFrom, e.gen)
+			e.id, e.addr, from, e.gen)
 		st.decide(r, ResultFailed, FailurePeerGone, reason)
 		st.tryReport(r)
 		return
