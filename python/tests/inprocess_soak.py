@@ -289,17 +289,36 @@ class Soak:
             if rk.epoch == q.epochs[side][rk.r]:
                 rk.cmd(op=op, reqs=[req])
 
+    def stale(self, q: Req) -> bool:
+        """Pull: whether a P rank process that held q died since (its params,
+        which carry no generation here, name blocks the restarted rank may
+        hold for another request: no consumer can tell, so a real engine's
+        params must carry remote_generation, which this soak's do not; they
+        are handed to D only with --stale-params)."""
+        return self.mode == "pull" and not self.a.stale_params and \
+            any(q.epochs["P"][i] != self.P.ranks[i].epoch for i in range(self.tp))
+
+    def not_given(self, q: Req, now: float) -> None:
+        self.event(f"not given to D: {q.n} (its producer rank died)")
+        for i in range(self.tp):
+            if ("D", i) not in q.ended:
+                self.end(q, "D", i, "not-given", now)
+
     def due(self, now: float, every: bool = False) -> None:
         held = []
         for q, what in self.held:
-            if every or all(("P", i) in q.stepped or ("P", i) in q.ended for i in range(self.tp)):
+            if self.stale(q):
+                self.not_given(q, now)
+            elif every or all(("P", i) in q.stepped or ("P", i) in q.ended for i in range(self.tp)):
                 self.later.append((now + (0 if every else self.rng.uniform(0, self.a.lag)), q, what))
             else:
                 held.append((q, what))
         self.held = held
         keep = []
         for t, q, what in self.later:
-            if every or now >= t:
+            if what[0] == "D" and self.stale(q):
+                self.not_given(q, now)
+            elif every or now >= t:
                 self.give(q, *what)
             else:
                 keep.append((t, q, what))
@@ -504,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["push", "pull"], default="push")
     ap.add_argument("--backend", choices=["builtin", "nixl"], default="builtin")
     ap.add_argument("--tp", type=int, choices=[1, 2], default=2)
+    ap.add_argument("--stale-params", action="store_true",
+                    help="pull: hand D the params of a request whose producer rank died since (they carry no generation: "
+                         "over NIXL such a READ cannot be told from the restarted producer's, and is expected to read its bytes)")
     ap.add_argument("--lib", type=Path, help="libkvxfer.so (else built from this checkout, or $KVXFER_LIBKVXFER)")
     a = ap.parse_args(argv)
     if a.lib is None and os.environ.get("KVXFER_LIBKVXFER"):
