@@ -36,6 +36,11 @@ class GuardedRun(ChurnRun):
         # (every incarnation of pair n the same transfer id).
         self.reuse_tids = False
         self.p_held_checks = 0
+        # Outcomes each rank reported for each request, per incarnation
+        # of its id (pair clears them when it uses an id again).
+        self.seen: Counter = Counter()
+        for e in (self.P, self.D):
+            _count_outcomes(e, self.seen)
 
     def step(self, do_p: bool = True, do_d: bool = True):
         super().step(do_p, do_d)
@@ -69,6 +74,9 @@ class GuardedRun(ChurnRun):
         """A pair n (p-n, d-n), its D request id maybe used before: the
         old incarnation's check is not the new one's."""
         self.checked.discard(f"d-{n}")
+        for k in [k for k in self.seen if k[2] in (f"p-{n}", f"d-{n}")]:
+            assert self.seen[k] == 1, (k, self.seen[k])
+            del self.seen[k]
         for e, rid in ((self.D, f"d-{n}"), (self.P, f"p-{n}")):
             e.recvd.discard(rid)
             e.sent.discard(rid)
@@ -77,10 +85,11 @@ class GuardedRun(ChurnRun):
         self.incarnations[n] = self.incarnations.get(n, -1) + 1
         tid = f"t{n}" if self.reuse_tids or not self.incarnations[n] else f"t{n}.{self.incarnations[n]}"
         self.prompts[f"p-{n}"] = self.prompts[f"d-{n}"] = tokens
-        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), 1, {"do_remote_decode": True, "transfer_id": tid}))
+        self.P.sched.add_request(H.make_request(f"p-{n}", list(tokens), 1, {"do_remote_decode": True, "transfer_id": tid},
+                                                self.P.block))
         if self.mode == "push":
             params = {**_push_params(self.dp, tid), "tp_size": self.p_tp}
-            self.D.sched.add_request(H.make_request(f"d-{n}", tokens, max_tokens, params))
+            self.D.sched.add_request(H.make_request(f"d-{n}", tokens, max_tokens, params, self.D.block))
         else:
             self.pending_d[f"p-{n}"] = (f"d-{n}", tokens, max_tokens, False)
 
@@ -134,8 +143,13 @@ def test_block_boundaries_sent_again(tmp_path, daemons, mode):
         r.close()
 
 
+# (id, P's TP, D's TP, P's block, D's block)
+GEOS = [("same", 1, 1, 16, 16), ("tp2to1-block32to16", 2, 1, 32, 16), ("tp1to2-block16to32", 1, 2, 16, 32)]
+
+
+@pytest.mark.parametrize("geo", GEOS, ids=[g[0] for g in GEOS])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode):
+def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode, geo):
     """Small pools on both sides. D requests are aborted in each phase: (a)
     waiting for the KV, its transfer started (push: P prefilled and posted
     its WRITE in the step before; pull: D posted its READ), (b) in the step
@@ -144,12 +158,10 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode):
     once as a new pair with another prompt. P's freed blocks go to P's own
     local requests at once too. Then a wave of concurrent pairs with random
     aborts in any phase. Every byte stays each request's own."""
-    rng = random.Random(f"abort-phases-{mode}")
-    common = {"num_blocks": 14}
-    r = GuardedRun(tmp_path, daemons, mode, 1, p_kw={**common, "lease_s": 4}, d_kw={**common, "registration_timeout_s": 4})
-    seen: Counter = Counter()
-    for e in (r.P, r.D):
-        _count_outcomes(e, seen)
+    _, p_tp, d_tp, p_block, d_block = geo
+    rng = random.Random(f"abort-phases-{mode}-{geo[0]}")
+    r = GuardedRun(tmp_path, daemons, mode, p_tp, d_tp=d_tp, p_kw={"num_blocks": 14 * 16 // p_block, "lease_s": 4, "block": p_block},
+                   d_kw={"num_blocks": 14 * 16 // d_block, "registration_timeout_s": 4, "block": d_block})
     x = 0
 
     def fill(e: H.Engine, blocks: int) -> None:
@@ -216,6 +228,7 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode):
         for _ in range(3):
             r.step()
         assert r.rechecks > 0 and r.p_held_checks > 0, (r.rechecks, r.p_held_checks)
+        assert not {k: v for k, v in r.seen.items() if v > 1}, r.seen
         assert not r.held_violations, r.held_violations
         assert _free_both(r), (r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.P.initial_free,
                                r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.D.initial_free)
