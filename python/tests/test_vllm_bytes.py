@@ -53,7 +53,9 @@ class GuardedRun(ChurnRun):
             if req is None or req.status != RequestStatus.RUNNING or rid in self.D.failed:
                 continue
             tokens = self.prompts[rid]
-            self.check(self.D, rid, tokens, self.loaded(len(tokens)))
+            # (A request preempted since recomputes its prompt, maybe in
+            # chunks: what it holds is what it computed again so far.)
+            self.check(self.D, rid, tokens, min(self.loaded(len(tokens)), req.num_computed_tokens))
             self.rechecks += 1
         for rid, o in self.P.finished.items():
             req = self.P.sched.requests.get(rid)
@@ -266,3 +268,26 @@ def test_transfer_id_reused_never_loads_another_requests_bytes(tmp_path, daemons
         assert _free_both(r)
     finally:
         r.close()
+
+
+CHURN = [("push", 1, 1, 4096), ("pull", 2, 1, 4096), ("push", 1, 2, 24)]
+
+
+@pytest.mark.parametrize("mode,p_tp,d_tp,batched", CHURN, ids=[f"{m}-tp{p}to{d}{'-chunked' if b < 100 else ''}" for m, p, d, b in CHURN])
+def test_churn_rechecked_every_step(tmp_path, daemons, mode, p_tp, d_tp, batched, monkeypatch):
+    """test_vllm_churn's churn (aborts in every state on both sides,
+    preemptions, small pools) with GuardedRun's re-checks after every
+    step: a byte D loaded that changes while its request runs, or a byte P
+    holds for D that changes before its send, fails it."""
+    import test_vllm_churn
+    runs = []
+
+    class Run(GuardedRun):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            runs.append(self)
+
+    monkeypatch.setattr(test_vllm_churn, "ChurnRun", Run)
+    monkeypatch.setenv("CHURN_PAIRS", "12")
+    test_vllm_churn.test_churn_aborts_and_preemptions(tmp_path, daemons, mode, p_tp, d_tp, False, True, batched)
+    assert runs and runs[0].rechecks > 0, [r.rechecks for r in runs]
