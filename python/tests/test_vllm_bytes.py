@@ -238,8 +238,11 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode, geo):
         r.close()
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_transfer_id_reused_never_loads_another_requests_bytes(tmp_path, daemons, mode):
+REUSE = [("push", 1, False), ("pull", 1, False), ("push", 2, True), ("pull", 2, False)]
+
+
+@pytest.mark.parametrize("mode,p_tp,layerwise", REUSE, ids=[f"{m}-tp{t}to1{'-layerwise' if lw else ''}" for m, t, lw in REUSE])
+def test_transfer_id_reused_never_loads_another_requests_bytes(tmp_path, daemons, mode, p_tp, layerwise):
     """A router that reuses its transfer ids along with its request ids: a
     pair completes, then the next pair comes under the same P id, D id and
     transfer id, over blocks D's local requests wrote meanwhile. It moves
@@ -250,7 +253,7 @@ def test_transfer_id_reused_never_loads_another_requests_bytes(tmp_path, daemons
     first transfer's completion notice: d-0 reported loaded, its blocks
     holding a local request's KV.)"""
     rng = random.Random(f"tid-reuse-{mode}")
-    r = GuardedRun(tmp_path, daemons, mode, 1, p_kw={"num_blocks": 14, "lease_s": 3},
+    r = GuardedRun(tmp_path, daemons, mode, p_tp, layerwise, p_kw={"num_blocks": 14, "lease_s": 3},
                    d_kw={"num_blocks": 14, "registration_timeout_s": 3})
     r.reuse_tids = True
     try:
