@@ -191,7 +191,8 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode, geo):
         assert "d-0" in r.checked and "d-0" not in r.D.failed, (sorted(r.checked), r.D.failed)
 
         # (b) aborted in the step its load was reported.
-        r.pair(1, _toks(rng, 2 * H.BLOCK + 1), max_tokens=8)
+        r.first_prompt = _toks(rng, 2 * H.BLOCK + 5)
+        r.pair(1, r.first_prompt, max_tokens=8)
         r.run_until(lambda: "d-1" in r.D.recvd, limit_s=30)
         assert "d-1" in r.checked
         assert _abort(r.D, "d-1")
@@ -215,10 +216,15 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode, geo):
 
         # A wave: concurrent pairs, random aborts on D, local requests on
         # both sides, ids used again.
+        # (Some share a prefix with d-1's first prompt, loaded then aborted
+        # in the step of its load: D's prefix cache may hold its blocks.)
+        shared = r.first_prompt[:2 * H.BLOCK + 3]
         for k in range(30):
             n = 3 + k % 6
             if f"d-{n}" not in r.D.sched.requests and f"p-{n}" not in r.P.sched.requests and f"p-{n}" not in r.pending_d:
-                r.pair(n, _toks(rng, rng.randrange(2, 60)), max_tokens=rng.randrange(2, 8))
+                body = _toks(rng, rng.randrange(2, 60))
+                r.pair(n, shared[:rng.randrange(H.BLOCK - 1, len(shared) + 1)] + body if rng.random() < 0.4 else body,
+                       max_tokens=rng.randrange(2, 8))
             if rng.random() < 0.3:
                 fill(rng.choice((r.P, r.D)), rng.randrange(1, 3))
             if rng.random() < 0.3 and r.D.sched.requests:
