@@ -14,6 +14,7 @@ and new transfers, their ids used again at once."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 
@@ -161,7 +162,8 @@ def test_aborts_in_each_phase_with_blocks_reused(tmp_path, daemons, mode, geo):
     local requests at once too. Then a wave of concurrent pairs with random
     aborts in any phase. Every byte stays each request's own."""
     _, p_tp, d_tp, p_block, d_block = geo
-    rng = random.Random(f"abort-phases-{mode}-{geo[0]}")
+    # BYTES_SEED explores further (by hand).
+    rng = random.Random(f"abort-phases-{mode}-{geo[0]}{os.environ.get('BYTES_SEED', '')}")
     r = GuardedRun(tmp_path, daemons, mode, p_tp, d_tp=d_tp, p_kw={"num_blocks": 14 * 16 // p_block, "lease_s": 4, "block": p_block},
                    d_kw={"num_blocks": 14 * 16 // d_block, "registration_timeout_s": 4, "block": d_block})
     x = 0
