@@ -710,13 +710,29 @@ func (st *loopState) onReg(m *msg) {
 	}
 	if tb, dead := st.tombs[k]; dead {
 		st.metrics.Dropped("reg_after_finish")
-		if !slices.Contains(tb.done, m.TPRank) && len(m.Spans) > 0 {
+		if len(m.Spans) > 0 {
 			// This rank registers after we finished without it (its
 			// handshake was late, our failure notice lost): tell it now,
 			// so it does not wait for its timeout.
 			why, kind := tb.fail, tb.failKind
 			if why == "" {
 				why, kind = "the producer finished the request before this rank registered", FailureCancelled
+			}
+			if slices.Contains(tb.done, m.TPRank) {
+				// Our WRITE into this rank landed and we told it so: a
+				// registration naming that transfer again is a copy its
+				// request no longer waits for (it heard our completion
+				// first: this notice is nothing to it), or a new request
+				// under the same consumer id, transfer id and producer
+				// request (a router that reuses transfer ids), which
+				// nothing here tells apart from the one we served.
+				// Dropped, the new request waited for its deadline and
+				// its cancel was answered with the old transfer's
+				// completion notice: its consumer reported blocks loaded
+				// that nothing wrote.
+				why, kind = fmt.Sprintf("transfer %q of consumer request %q (producer request %q) was completed already; "+
+					"a registration for it again cannot be told apart from the completed one: give each transfer its own transfer_id",
+					m.TransferID, m.DReq, tb.preq), FailureSetup
 			}
 			st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
 				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why, FailKind: kind})

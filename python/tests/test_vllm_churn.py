@@ -57,10 +57,11 @@ class ChurnRun(Run):
             return super().add(n, tokens, max_tokens, abort_d_before, p_max_tokens)
         rid, tid = f"r-{n}", f"t{n}"
         self.prompts[rid] = tokens
-        self.P.sched.add_request(H.make_request(rid, list(tokens), p_max_tokens, {"do_remote_decode": True, "transfer_id": tid}))
+        self.P.sched.add_request(H.make_request(rid, list(tokens), p_max_tokens, {"do_remote_decode": True, "transfer_id": tid},
+                                                self.P.block))
         if self.mode == "push":
             params = {**_push_params(self.dp, tid), "tp_size": self.p_tp}
-            self.D.sched.add_request(H.make_request(rid, tokens, max_tokens, params))
+            self.D.sched.add_request(H.make_request(rid, tokens, max_tokens, params, self.D.block))
         else:
             self.pending_d[rid] = (rid, tokens, max_tokens, False)
 
@@ -72,7 +73,10 @@ class ChurnRun(Run):
             for rid, o in list(self.P.finished.items()):
                 if rid in self.pending_d and o.kv_transfer_params is not None:
                     did, tokens, mt, _ = self.pending_d.pop(rid)
-                    self.D.sched.add_request(H.make_request(did, tokens, mt, dict(o.kv_transfer_params)))
+                    # (D's block size: its block hashes are of blocks of
+                    # that many tokens, or its prefix cache hits blocks of
+                    # other prompts.)
+                    self.D.sched.add_request(H.make_request(did, tokens, mt, dict(o.kv_transfer_params), self.D.block))
         if do_d:
             before = set(self.D.recvd)
             # D computes what it does not load (a recompute after a failed
