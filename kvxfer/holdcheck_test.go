@@ -12,21 +12,24 @@ import (
 	"github.com/kvxfer/kvxfer/topology"
 )
 
-// holdPair: a pull P and D on the built-in backend without data-plane
-// grants (OpenDataPlane: as NIXL), D's handshake with P loaded by a
-// first request.
-func holdPair(t *testing.T, tweak func(*kvxfer.WorkerConfig)) (dir *kvxfertest.Directory, p, d *simEngine, dPool *blockPool, pPool func() *blockPool) {
+// genStart starts a pull engine on a data plane of genBackends.
+type genStart = func(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string) *simEngine
+
+// noGrants are genBackends' data planes without grants: NIXL (skipped
+// where it cannot load) and the built-in backend with OpenDataPlane.
+var noGrants = genBackends[:2]
+
+// openPlane starts a pull engine on the built-in backend without grants.
+var openPlane genStart = genBackends[1].start
+
+// holdPair: a pull P and D started by start (a data plane without
+// grants), D's handshake with P loaded by a first request.
+func holdPair(t *testing.T, start genStart) (dir *kvxfertest.Directory, p, d *simEngine, dPool *blockPool, pPool func() *blockPool) {
 	t.Helper()
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir = kvxfertest.NewDirectory()
-	open := func(c *kvxfer.WorkerConfig) {
-		c.OpenDataPlane, c.CloseTimeout = true, time.Second
-		if tweak != nil {
-			tweak(c)
-		}
-	}
-	d = startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
-	p = startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	d = start(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D")
+	p = start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
 	groups := d.ranks[0][0].Layout.GroupList()
 	dPool = newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
 	pPool = func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
@@ -55,8 +58,14 @@ func holdPair(t *testing.T, tweak func(*kvxfer.WorkerConfig)) (dir *kvxfertest.D
 // they came in): the request was reported done with the other
 // request's KV.
 func TestPullStaleParamsAfterNewGenerationReadsNoOtherRequest(t *testing.T) {
+	for _, b := range noGrants {
+		t.Run(b.name, func(t *testing.T) { pullStaleParamsAfterNewGeneration(t, b.start) })
+	}
+}
+
+func pullStaleParamsAfterNewGeneration(t *testing.T, start genStart) {
 	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir, p, d, dPool, pPool := holdPair(t, nil)
+	dir, p, d, dPool, pPool := holdPair(t, start)
 	defer d.close(t)
 	groups := d.ranks[0][0].Layout.GroupList()
 	// P holds request a; its params are on their way to D (delayed).
@@ -67,8 +76,7 @@ func TestPullStaleParamsAfterNewGenerationReadsNoOtherRequest(t *testing.T) {
 	time.Sleep(100 * time.Millisecond)
 	stopProducer(t, p)
 	// The producer restarts; its engine holds request z in a's blocks.
-	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second }
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	p2 := start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
 	defer p2.close(t)
 	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
 	qz.sim.Salt = 777
@@ -110,13 +118,20 @@ func TestPullStaleParamsAfterNewGenerationReadsNoOtherRequest(t *testing.T) {
 // then, here). Before, the READ went at once: over no grants, it read
 // the blocks before the producer held them.
 func TestPullHoldCheckReadsHeldRequest(t *testing.T) {
-	for _, late := range []bool{false, true} {
-		name := "held"
+	for _, c := range []struct {
+		b    string
+		late bool
+	}{{"nixl", false}, {"builtin-no-grants", false}, {"builtin-no-grants", true}} {
+		name, late := c.b+"/held", c.late
 		if late {
-			name = "step-after-request"
+			name = c.b + "/step-after-request"
+		}
+		start := noGrants[0].start
+		if c.b != "nixl" {
+			start = openPlane
 		}
 		t.Run(name, func(t *testing.T) {
-			_, p, d, dPool, pPool := holdPair(t, nil)
+			_, p, d, dPool, pPool := holdPair(t, start)
 			defer d.close(t)
 			defer p.close(t)
 			groups := d.ranks[0][0].Layout.GroupList()
@@ -154,7 +169,7 @@ func TestPullHoldCheckReadsHeldRequest(t *testing.T) {
 func TestPullHoldCheckEndsOnce(t *testing.T) {
 	for _, c := range []string{"deadline", "close"} {
 		t.Run(c, func(t *testing.T) {
-			_, p, d, dPool, pPool := holdPair(t, nil)
+			_, p, d, dPool, pPool := holdPair(t, openPlane)
 			defer p.close(t)
 			groups := d.ranks[0][0].Layout.GroupList()
 			q := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
@@ -196,7 +211,7 @@ func TestPullHoldCheckEndsOnce(t *testing.T) {
 // (its step never applied in time) had the request fail, naming the
 // producer and its generation.
 func TestPullHoldCheckFailsUnheld(t *testing.T) {
-	_, p, d, dPool, pPool := holdPair(t, nil)
+	_, p, d, dPool, pPool := holdPair(t, openPlane)
 	defer d.close(t)
 	defer p.close(t)
 	groups := d.ranks[0][0].Layout.GroupList()
