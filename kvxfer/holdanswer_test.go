@@ -93,7 +93,10 @@ func (hp *holdPair) advance(t *testing.T, step time.Duration) string {
 // consumer Scheduler allocate d-1 for those params; it returns D's step.
 func (hp *holdPair) pullHold(t *testing.T, notHeld bool) *StepMeta {
 	t.Helper()
-	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) {
+		c.Generation = gen1 // its params carry its generation (the trace handshake's)
+		c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1"
+	})
 	pc.t = traceEpoch
 	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
 		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
@@ -235,7 +238,10 @@ func (hp *holdPair) queuedAfter(t *testing.T, after time.Duration) (*Scheduler, 
 // handshake of P asked for is left to the caller to answer).
 func (hp *holdPair) arrives(t *testing.T, after time.Duration) (*Scheduler, *Request, string) {
 	t.Helper()
-	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) {
+		c.Generation = gen1 // its params carry its generation (the trace handshake's)
+		c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1"
+	})
 	pc.t = traceEpoch
 	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
 		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)

@@ -354,6 +354,8 @@ type recvReq struct {
 	// exit grace passes (writerExited); exitWhy says why, for the report.
 	exited  rankSet
 	exitWhy string
+	// hc: its hold check (holdcheck.go; nil: none asked).
+	hc *holdCheck
 }
 
 type rankRef struct{ pp, tp int }
@@ -889,6 +891,8 @@ func (st *loopState) runTimers() {
 			st.probeTimer(e)
 		case tRehandshake:
 			st.rehandshake(e)
+		case tHoldCheck:
+			st.holdCheckTimer(e)
 		}
 	}
 	if st.busy() {

@@ -232,6 +232,15 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
+	if st.needsHoldCheck(r) && !st.holdChecked(r, e, targets) {
+		// Its params carry no generation and nothing refuses a READ of
+		// blocks the producer holds for another request: it is read only
+		// once every producer rank says it holds it (holdcheck.go).
+		// Before, params of a producer that restarted since, reaching a
+		// rank that had loaded the new generation already, were read and
+		// the request reported done with another request's KV.
+		return
+	}
 	r.targets, r.sent = targets, true
 	st.watch(e)
 	if st.cfg.Mode == ModePush {
@@ -880,7 +889,13 @@ func (st *loopState) recvDeadline(e timerEntry) {
 	}
 	st.metrics.ExpiredRequest()
 	if !r.sent {
-		// Nothing was registered or read: no fence to wait for.
+		// Nothing was registered or read: no fence to wait for. Producer
+		// ranks its hold check asked are told (one holding it frees it).
+		if e := st.engines[r.req.Remote.EngineID]; r.hc != nil && e != nil {
+			for _, to := range r.hc.targets {
+				st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
+			}
+		}
 		st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
 		st.tryReport(r)
 		return
@@ -1097,20 +1112,24 @@ func (st *loopState) onHold(m *msg) {
 		tid, preq, dreq := m.IDs[3*i], m.IDs[3*i+1], m.IDs[3*i+2]
 		st.onWaitHold(m, ref, tid, preq, dreq, at)
 		r := st.recvs[dreq]
-		if r == nil || r.decided || r.req.Remote.EngineID != m.Engine || r.req.TransferID != tid || r.req.Remote.ReqID != preq || r.req.Remote.Expiry.IsZero() {
+		if r == nil || r.decided || r.req.Remote.EngineID != m.Engine || r.req.TransferID != tid || r.req.Remote.ReqID != preq {
 			continue
 		}
-		r.holds = noteHold(r.holds, ref, at)
-		if !r.bound {
-			continue // its READ bounds itself by it (read)
+		if !r.req.Remote.Expiry.IsZero() {
+			r.holds = noteHold(r.holds, ref, at)
+			if r.bound { // (unbound: its READ bounds itself by it, read)
+				local := r.holdEnd().Add(-e.offset - expiryMargin)
+				if !r.own.IsZero() && r.own.Before(local) {
+					local = r.own
+				}
+				if local.After(r.deadline) {
+					r.deadline = local
+					st.arm(local, tRecvDeadline, r.req.ReqID)
+				}
+			}
 		}
-		local := r.holdEnd().Add(-e.offset - expiryMargin)
-		if !r.own.IsZero() && r.own.Before(local) {
-			local = r.own
-		}
-		if local.After(r.deadline) {
-			r.deadline = local
-			st.arm(local, tRecvDeadline, r.req.ReqID)
+		if r.hc != nil {
+			st.holdAnswered(r, e, ref, m.from) // its READs may go
 		}
 	}
 }
@@ -1224,6 +1243,18 @@ func (st *loopState) heartbeatSent(o *op, err error) {
 				r.hbFailSince = time.Time{}
 			}
 			continue
+		}
+		if r.hc != nil && !r.sent && agentGone(err) && slices.Contains(r.hc.peers, o.peer) {
+			// Its hold check's question found the agent gone: the producer
+			// restarted or re-attached the rank while this rank was idle.
+			// As after a READ that failed so, it goes on once a new
+			// handshake answers (and is asked anew there).
+			if e := st.engines[r.req.Remote.EngineID]; e != nil {
+				st.doubt(e)
+				if st.retryAfterHandshake(r, e, true) {
+					continue
+				}
+			}
 		}
 		if !slices.Contains(r.hbFailing, o.ref) {
 			r.hbFailing = append(r.hbFailing, o.ref)

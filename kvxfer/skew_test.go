@@ -17,7 +17,10 @@ import (
 // refused, and what the step and handshake printed.
 func skewTurn2(t *testing.T, skew time.Duration) (*traceCore, string) {
 	t.Helper()
-	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) { c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "D", "D:1" })
+	d, dc := newSched(t, ModePull, func(c *SchedulerConfig) {
+		c.Generation = gen1 // its params carry its generation (the trace handshake's)
+		c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "D", "D:1"
+	})
 	dc.t = traceEpoch.Add(skew)
 	r := &Request{ID: "d-1", PromptTokens: 40, Params: pParams(ModePull)}
 	if err := d.AfterAlloc(r, Alloc{Blocks: [][]topology.BlockID{ids(5, 6, 7)}, External: 40}); err != nil {
@@ -28,7 +31,10 @@ func skewTurn2(t *testing.T, skew time.Duration) (*traceCore, string) {
 		t.Fatalf("D turn 1 finish = %v, %+v, %v; want its blocks held with an expiry", hold, params, err)
 	}
 
-	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "P", "P:1" })
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) {
+		c.Generation = gen1 // its params carry its generation (the trace handshake's)
+		c.Bidirectional, c.TPSize, c.EngineID, c.Addr = true, 1, "P", "P:1"
+	})
 	pc.t = traceEpoch
 	turn2 := &Request{ID: "p-2", PromptTokens: 80, Params: params}
 	if n, async := p.MatchedTokens(turn2, 0); n != 64 || !async {
@@ -102,7 +108,10 @@ func TestBidirectionalTurn2PeerClockAhead(t *testing.T) {
 // KV and report it loaded. Before, plain pull params carried no expiry,
 // and the READ was posted 31 s into a 30 s lease.
 func TestPullReadAfterLeaseLapsed(t *testing.T) {
-	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) { c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1" })
+	p, pc := newSched(t, ModePull, func(c *SchedulerConfig) {
+		c.Generation = gen1 // its params carry its generation (the trace handshake's)
+		c.TPSize, c.EngineID, c.Addr = 1, "P", "P:1"
+	})
 	pc.t = traceEpoch
 	hold, params, err := p.RequestFinished(&Request{ID: "p-1", PromptTokens: 80, Params: &TransferParams{DoRemoteDecode: true}},
 		FinishLengthCapped, [][]topology.BlockID{ids(1, 2, 3, 4, 5)}, 80)
@@ -149,7 +158,7 @@ func TestPullExpiryByTheLatestOffset(t *testing.T) {
 	tc.run(t, "core mode=pull engine=D tp=0/1")
 	recv := func(id string, blocks []topology.BlockID, expiry time.Time) string {
 		rr := RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: []topology.Span{{IDs: blocks}},
-			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", Generation: 1, ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
 				Blocks: []topology.Span{{IDs: blocks}}, Expiry: expiry}}
 		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: tc.now, Recv: []RecvReq{rr}}}})
 		return strings.Join(tc.drive(nil, ""), "\n")
@@ -195,7 +204,7 @@ func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
 		c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
 		c.run(t, "core mode=pull engine=D tp=0/1")
 		rr := RecvReq{ReqID: "d-1", TransferID: "t-1", Local: []topology.Span{{IDs: ids(1, 2)}},
-			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-1", TPSize: 1, PPSize: 1, Tokens: 32,
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", Generation: 1, ReqID: "p-1", TPSize: 1, PPSize: 1, Tokens: 32,
 				Blocks: []topology.Span{{IDs: ids(1, 2)}}, Expiry: traceEpoch.Add(30 * time.Second)}}
 		c.st.Step(c.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: c.now, Recv: []RecvReq{rr}}}})
 		out := strings.Join(c.drive(nil, ""), "\n") + "\n" + c.run(t, "handshake P tp=1")
@@ -223,7 +232,7 @@ func TestPullOffsetMeasuredAgainAfterAnIdleGap(t *testing.T) {
 	tc.run(t, "core mode=pull engine=D tp=0/1")
 	recv := func(id string, blocks []topology.BlockID, expiry time.Time) string {
 		rr := RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: []topology.Span{{IDs: blocks}},
-			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", Generation: 1, ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16 * len(blocks),
 				Blocks: []topology.Span{{IDs: blocks}}, Expiry: expiry}}
 		tc.st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: tc.now, Recv: []RecvReq{rr}}}})
 		return strings.Join(tc.drive(nil, ""), "\n")
@@ -256,3 +265,8 @@ func TestPullOffsetMeasuredAgainAfterAnIdleGap(t *testing.T) {
 		t.Errorf("d-3, P's clock measured just before:\n%s\nwant its READ posted at once", out)
 	}
 }
+
+// gen1 is the generation a trace handshake answers by default: a
+// producer scheduler's params carrying it are read without the hold
+// check (holdcheck.go), as a real producer's are.
+func gen1() uint64 { return 1 }

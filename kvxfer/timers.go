@@ -15,6 +15,7 @@ const (
 	tProbe
 	tRehandshake
 	tGiveUp
+	tHoldCheck
 )
 
 type timerEntry struct {
@@ -112,6 +113,9 @@ func (st *loopState) timerLive(t timerEntry) bool {
 	case tGiveUp:
 		r := st.recvs[t.id]
 		return r != nil && r.giveUpAt.Equal(t.at)
+	case tHoldCheck:
+		r := st.recvs[t.id]
+		return r != nil && !r.decided && r.hc != nil && r.hc.next.Equal(t.at)
 	case tReadRetry:
 		r := st.recvs[t.id]
 		if r == nil || r.decided {

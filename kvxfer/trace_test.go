@@ -34,7 +34,7 @@ var rewrite = flag.Bool("rewrite", false, "rewrite the expected output of testda
 // blank line):
 //
 //	core mode=push|pull engine=D tp=0/1 [prepared=always|model]   a fresh core; prepared: posts go through prepared lists, always or where traceCost says they cost less
-//	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N] [aborted=true]   aborted: the engine aborted it before it was scheduled (no blocks)
+//	step recv=ID remote=ENGINE tid=T preq=ID blocks=1,2 [tokens=N] [deadline=30s] [remote-blocks=3,4] [remote-tp=N] [remote-gen=N] [aborted=true]   aborted: the engine aborted it before it was scheduled (no blocks); remote-gen: the params' producer generation (default 0: none, its READs wait for the hold check)
 //	step send=ID tid=T blocks=1,2 [tokens=N] [deadline=30s]
 //	step abort=ID [tid=T]                      the engine aborted a producer request
 //	handshake ENGINE tp=N [gen=N] [hash=H] [agents=A] [probe=true] [loaded=false]   answer a handshake or probe (agents A/0..., default ENGINE/0...)
@@ -189,7 +189,7 @@ var traceCmds = map[string]traceCmd{
 	"core": {keys: map[string]traceVal{"mode": oneOf("push", "pull"), "engine": anyVal, "tp": rankVal, "prepared": oneOf("always", "model")},
 		req: []string{"engine", "tp"}},
 	"step": {keys: map[string]traceVal{"recv": anyVal, "send": anyVal, "abort": anyVal, "remote": anyVal, "tid": anyVal, "preq": anyVal,
-		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal, "aborted": boolVal}},
+		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal, "remote-gen": intVal, "aborted": boolVal}},
 	"handshake": {pos: []traceVal{anyVal}, keys: map[string]traceVal{"tp": intVal, "gen": intVal, "hash": anyVal, "agents": anyVal,
 		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal, "answered": anyVal}},
 	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
@@ -426,6 +426,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 				Remote: RemoteRef{EngineID: a["remote"], Addr: a["remote"] + ":1", ReqID: a["preq"], TPSize: remoteTP, PPSize: 1, Tokens: tokens}}
 			if rb, ok := a["remote-blocks"]; ok {
 				rr.Remote.Blocks = []topology.Span{{IDs: traceIDs(rb)}}
+			}
+			if g, ok := a["remote-gen"]; ok {
+				rr.Remote.Generation = uint64(atoi(g))
 			}
 			if a["aborted"] == "true" {
 				// Aborted before it was scheduled: it holds no blocks.

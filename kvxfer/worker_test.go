@@ -57,6 +57,16 @@ func newPairOf(t *testing.T, mode kvxfer.Mode, pe, de kvsim.Engine, tweak func(s
 	return x
 }
 
+// pGen is the producer's generation, as a handshake reports it.
+func (x *pair) pGen() uint64 {
+	x.t.Helper()
+	res, err := x.dir.Handshake(context.Background(), "P", "")
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	return res.Generation
+}
+
 func (x *pair) req(id string, tokens, hit int) *xreq {
 	q := makeRequest(id, tokens, hit, x.groups, x.p.eng, x.d.eng, x.pp, x.dp)
 	for _, stage := range x.p.ranks {
@@ -925,7 +935,7 @@ func TestPullSecondTurnExpiryMargin(t *testing.T) {
 				exp := now.Add(left)
 				x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(exp)}})
 				r := q.recv(kvxfer.ModePull, x.p, time.Time{})
-				r.Remote.Expiry = exp
+				r.Remote.Expiry, r.Remote.Generation = exp, x.pGen() // (read without the hold check, whose heartbeat extends the hold)
 				x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
 				time.Sleep(10 * time.Millisecond)
 				x.settle()
@@ -1145,7 +1155,13 @@ func TestPullCompletionBeforeProducerHoldsRequest(t *testing.T) {
 	inSynctest(t, func(t *testing.T) {
 		x := newPair(t, kvxfer.ModePull, 2, 1, nil)
 		q := x.req("r1", 40, 0)
-		x.recvD(q)
+		// Its params carry the producer's generation: read at once (params
+		// without one wait for the producer to hold the request:
+		// holdcheck.go).
+		now := time.Now()
+		r := q.recv(x.mode, x.p, now.Add(time.Minute))
+		r.Remote.Generation = x.pGen()
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r}})
 		x.settle()
 		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
 		if s := x.state(x.p); s.Early != 1 {

@@ -292,9 +292,11 @@ class Soak:
     def stale(self, q: Req) -> bool:
         """Pull: whether a P rank process that held q died since (its params,
         which carry no generation here, name blocks the restarted rank may
-        hold for another request: no consumer can tell, so a real engine's
-        params must carry remote_generation, which this soak's do not; they
-        are handed to D only with --stale-params)."""
+        hold for another request: a consumer reads such params, which carry
+        no generation, only once the producer says it holds the request
+        (the pre-READ hold check), and a real engine's carry
+        remote_generation, which this soak's do not; they are handed to D
+        only with --stale-params)."""
         return self.mode == "pull" and not self.a.stale_params and \
             any(q.epochs["P"][i] != self.P.ranks[i].epoch for i in range(self.tp))
 
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, choices=[1, 2], default=2)
     ap.add_argument("--stale-params", action="store_true",
                     help="pull: hand D the params of a request whose producer rank died since (they carry no generation: "
-                         "over NIXL such a READ cannot be told from the restarted producer's, and is expected to read its bytes)")
+                         "D reads them only once the producer says it holds the request: the restarted one does not, and they fail)")
     ap.add_argument("--lib", type=Path, help="libkvxfer.so (else built from this checkout, or $KVXFER_LIBKVXFER)")
     a = ap.parse_args(argv)
     if a.lib is None and os.environ.get("KVXFER_LIBKVXFER"):

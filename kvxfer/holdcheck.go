@@ -1,0 +1,168 @@
+package kvxfer
+
+import (
+	"fmt"
+	"time"
+)
+
+// The pre-READ hold check (pull, without data-plane grants).
+//
+// A pull consumer READs the producer blocks its params name. Without
+// grants (NIXL) nothing on the producer refuses a READ of blocks it now
+// holds for another request: params issued by a producer that restarted
+// since (a new generation) name blocks that may hold another request's
+// KV. Params carrying the producer's generation are checked against the
+// loaded one (startRecv). Params without one (0: unknown) that name their
+// producer request or transfer are read only once every producer rank
+// read from has said it holds that request now: before its READs, the
+// consumer asks each of them with a pull heartbeat naming just it
+// (Reason hbAskHold), and reads once every rank's answer (msgHold) lists
+// it, from the agent loaded for that rank when it asked. A rank whose
+// answer does not list it within holdCheckBound (a producer answers only
+// when it lists something) does not hold it: a restarted producer that
+// never issued it, or one that released it or let its lease lapse. The
+// request fails then (peer_gone), never read.
+
+// holdCheck is a request's check in progress (or passed).
+type holdCheck struct {
+	gen     uint64     // the producer's generation asked
+	targets []rankRef  // the ranks asked
+	peers   []PeerName // the agent asked for each target
+	held    []bool     // which targets listed the request
+	asks    int        // asks sent to each rank not listing it yet
+	next    time.Time  // when its timer (tHoldCheck) fires (zero: not armed)
+	passed  bool
+}
+
+// holdCheckDelays are the waits after each ask before the next (the
+// last before the request fails): a producer's worker may not have
+// applied the step that holds the request when the first ask reaches
+// it. About 1 s in all, far inside any request's deadline.
+var holdCheckDelays = [...]time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, 400 * time.Millisecond}
+
+// holdCheckBound is how long a producer rank has to list the request.
+func holdCheckBound() time.Duration {
+	var d time.Duration
+	for _, x := range holdCheckDelays {
+		d += x
+	}
+	return d
+}
+
+// needsHoldCheck reports whether a request's READs wait for the hold
+// check: pull, no grants, params without a generation, naming its
+// producer request or transfer (a heartbeat's answer names requests by
+// those; one naming neither keeps the generation rules alone).
+func (st *loopState) needsHoldCheck(r *recvReq) bool {
+	return st.cfg.Mode == ModePull && !st.guarded && r.req.Remote.Generation == 0 &&
+		(r.req.Remote.ReqID != "" || r.req.TransferID != "")
+}
+
+// holdChecked reports whether request r, about to READ from targets of
+// engine e (ready), passed its hold check against e's current agents;
+// if not, it starts the check (or asks again, where its timer stopped
+// while the handshake was out) and the request waits for it.
+func (st *loopState) holdChecked(r *recvReq, e *engine, targets []rankRef) bool {
+	if hc := r.hc; hc != nil && hc.gen == e.gen && len(hc.targets) == len(targets) && st.samePeers(hc, e, targets) {
+		if hc.passed {
+			return true
+		}
+		if hc.next.IsZero() {
+			st.askHold(r, e)
+		}
+		return false
+	}
+	// A new check: the first, or the producer's agents changed since the
+	// last one (its answers were the old agents').
+	hc := &holdCheck{gen: e.gen, targets: targets, peers: make([]PeerName, len(targets)), held: make([]bool, len(targets))}
+	for i, to := range targets {
+		hc.peers[i] = e.peers[to]
+	}
+	r.hc = hc
+	st.askHold(r, e)
+	return false
+}
+
+func (st *loopState) samePeers(hc *holdCheck, e *engine, targets []rankRef) bool {
+	for i, to := range targets {
+		if hc.targets[i] != to || hc.peers[i] != e.peers[to] {
+			return false
+		}
+	}
+	return true
+}
+
+// askHold sends the hold question about r to each target rank that has
+// not listed it yet, and arms the next ask (or the failure).
+func (st *loopState) askHold(r *recvReq, e *engine) {
+	hc := r.hc
+	m := st.self(&msg{Kind: msgHeartbeat, Reason: hbAskHold, IDs: []string{r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID}})
+	b := appendMsg(nil, m)
+	for i, to := range hc.targets {
+		if hc.held[i] || hc.peers[i] == "" {
+			continue // (a rank without an agent is never listed: it fails)
+		}
+		st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: hc.peers[i], msg: b, notice: noticeHeartbeat, m: m, ref: to})
+	}
+	hc.next = st.now.Add(holdCheckDelays[min(hc.asks, len(holdCheckDelays)-1)])
+	hc.asks++
+	st.arm(hc.next, tHoldCheck, r.req.ReqID)
+}
+
+// holdAnswered takes producer rank ref's answer (from agent from) that
+// it holds r: once every target has, r's READs go.
+func (st *loopState) holdAnswered(r *recvReq, e *engine, ref rankRef, from PeerName) {
+	hc := r.hc
+	if hc == nil || hc.passed || r.decided || r.sent || hc.gen != e.gen {
+		return
+	}
+	all := true
+	for i, to := range hc.targets {
+		if to == ref && hc.peers[i] == from && e.peers[to] == from {
+			hc.held[i] = true
+		}
+		all = all && hc.held[i]
+	}
+	if !all {
+		return
+	}
+	hc.passed, hc.next = true, time.Time{}
+	st.startRecv(r)
+}
+
+// holdCheckTimer asks again, or fails the request once the bound passed
+// with a target rank that never listed it.
+func (st *loopState) holdCheckTimer(t timerEntry) {
+	r := st.recvs[t.id]
+	if r == nil || r.decided || r.sent || r.hc == nil || r.hc.passed || !r.hc.next.Equal(t.at) {
+		return
+	}
+	hc := r.hc
+	hc.next = time.Time{}
+	e := st.engines[r.req.Remote.EngineID]
+	if e == nil || e.state != hsReady || e.stale || e.gen != hc.gen {
+		// The handshake is out again: startRecv goes on with it once it
+		// answers (redrive), asking again or anew.
+		return
+	}
+	if hc.asks < len(holdCheckDelays) {
+		st.askHold(r, e)
+		return
+	}
+	var missing []string
+	for i, to := range hc.targets {
+		if !hc.held[i] {
+			missing = append(missing, fmt.Sprintf("tp %d pp %d", to.tp, to.pp))
+		}
+	}
+	reason := fmt.Sprintf("producer engine %s (%s) at generation %d does not hold this request (ranks %v did not list it within %v): its params carry no generation and may predate a restart of the producer; not read",
+		e.id, e.addr, e.gen, missing, holdCheckBound())
+	st.metrics.Dropped("pull_params_not_held")
+	for _, to := range hc.targets {
+		// Every rank is told: one that holds it after all (its answer
+		// lost) frees its blocks now.
+		st.tellP(e, r, to, msgFail, FailurePeerGone, reason)
+	}
+	st.decide(r, ResultFailed, FailurePeerGone, reason)
+	st.tryReport(r)
+}

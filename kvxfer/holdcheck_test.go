@@ -1,0 +1,229 @@
+package kvxfer_test
+
+import (
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// genStart starts a pull engine on a data plane of genBackends.
+type genStart = func(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string) *simEngine
+
+// noGrants are genBackends' data planes without grants: NIXL (skipped
+// where it cannot load) and the built-in backend with OpenDataPlane.
+var noGrants = genBackends[:2]
+
+// openPlane starts a pull engine on the built-in backend without grants.
+var openPlane genStart = genBackends[1].start
+
+// holdPair: a pull P and D started by start (a data plane without
+// grants), D's handshake with P loaded by a first request.
+func holdPair(t *testing.T, start genStart) (dir *kvxfertest.Directory, p, d *simEngine, dPool *blockPool, pPool func() *blockPool) {
+	t.Helper()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir = kvxfertest.NewDirectory()
+	d = start(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D")
+	p = start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
+	groups := d.ranks[0][0].Layout.GroupList()
+	dPool = newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
+	pPool = func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
+	now := time.Now()
+	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
+	p.ranks[0][0].Fill(q0.sim.P)
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	if o := awaitOutcomes(t, 2, p, d).recv["d-0"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("first request: %+v", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&q0.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+	return dir, p, d, dPool, pPool
+}
+
+// Without data-plane grants (NIXL; here the built-in backend with
+// OpenDataPlane), pull params carrying no producer generation and
+// naming their producer request, issued by a producer that then
+// restarted, that reach a consumer rank only after it loaded the new
+// generation (another request found the old agent gone), are not read:
+// the new producer does not hold that request, and its blocks hold
+// another request's KV. Before, nothing told them from the new
+// producer's own params (the rank knew only the new generation when
+// they came in): the request was reported done with the other
+// request's KV.
+func TestPullStaleParamsAfterNewGenerationReadsNoOtherRequest(t *testing.T) {
+	for _, b := range noGrants {
+		t.Run(b.name, func(t *testing.T) { pullStaleParamsAfterNewGeneration(t, b.start) })
+	}
+}
+
+func pullStaleParamsAfterNewGeneration(t *testing.T, start genStart) {
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	dir, p, d, dPool, pPool := holdPair(t, start)
+	defer d.close(t)
+	groups := d.ranks[0][0].Layout.GroupList()
+	// P holds request a; its params are on their way to D (delayed).
+	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+	p.ranks[0][0].Fill(qa.sim.P)
+	now := time.Now()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
+	time.Sleep(100 * time.Millisecond)
+	stopProducer(t, p)
+	// The producer restarts; its engine holds request z in a's blocks.
+	p2 := start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
+	defer p2.close(t)
+	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
+	qz.sim.Salt = 777
+	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
+	now = time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
+	// D's request x (the new producer's) finds the old agent gone: D
+	// loads the new generation.
+	rng := rand.New(rand.NewPCG(7, 8))
+	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
+	p2.ranks[0][0].Fill(qx.sim.P)
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	awaitOutcomes(t, 1, d) // (failed by the generation rules: its params carry none)
+	// Request y of the new producer, params without a generation, is
+	// read: the new producer holds it.
+	qy := makeRequest("y", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
+	p2.ranks[0][0].Fill(qy.sim.P)
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qy.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qy.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	if o := awaitOutcomes(t, 2, d, p2).recv["d-y"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("the new producer's request: %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&qy.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+	// a's params reach D only now, naming no generation.
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	wantNotRead(t, d, qa, "does not hold this request")
+	if s, _ := d.workers[0][0].State(); s.Recvs != 0 {
+		t.Errorf("D still holds %d requests", s.Recvs)
+	}
+}
+
+// Pull params without a producer generation, of a live producer that
+// holds the request, are read once the producer says it holds it: at
+// once, or when the producer's worker applies the step that holds it
+// only after the consumer's request came in (its blocks filled only
+// then, here). Before, the READ went at once: over no grants, it read
+// the blocks before the producer held them.
+func TestPullHoldCheckReadsHeldRequest(t *testing.T) {
+	for _, c := range []struct {
+		b    string
+		late bool
+	}{{"nixl", false}, {"builtin-no-grants", false}, {"builtin-no-grants", true}} {
+		name, late := c.b+"/held", c.late
+		if late {
+			name = c.b + "/step-after-request"
+		}
+		start := noGrants[0].start
+		if c.b != "nixl" {
+			start = openPlane
+		}
+		t.Run(name, func(t *testing.T) {
+			_, p, d, dPool, pPool := holdPair(t, start)
+			defer d.close(t)
+			defer p.close(t)
+			groups := d.ranks[0][0].Layout.GroupList()
+			q := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+			now := time.Now()
+			if !late {
+				p.ranks[0][0].Fill(q.sim.P)
+				p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+			}
+			d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+			if late {
+				time.Sleep(150 * time.Millisecond) // D asked at least once, unanswered
+				p.ranks[0][0].Fill(q.sim.P)
+				p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(time.Minute))}})
+			}
+			out := awaitOutcomes(t, 2, p, d)
+			if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+				t.Fatalf("D outcome %+v, want done", o)
+			}
+			if o := out.send["p-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+				t.Fatalf("P outcome %+v, want done", o)
+			}
+			if err := d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// A request whose hold check is out when it ends (its deadline passes,
+// or its Worker closes) has one outcome, that one, and leaves nothing
+// behind: the check's later timer and answers find nothing to do.
+// Before, with no check, a request whose producer never held it was
+// read at once and reported done with whatever its blocks held.
+func TestPullHoldCheckEndsOnce(t *testing.T) {
+	for _, c := range []string{"deadline", "close"} {
+		t.Run(c, func(t *testing.T) {
+			_, p, d, dPool, pPool := holdPair(t, openPlane)
+			defer p.close(t)
+			groups := d.ranks[0][0].Layout.GroupList()
+			q := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+			now := time.Now()
+			deadline := now.Add(time.Minute)
+			if c == "deadline" {
+				deadline = now.Add(300 * time.Millisecond) // inside the check's bound
+			}
+			// P never holds it.
+			d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, p, deadline)}})
+			want, kind := kvxfer.ResultExpired, kvxfer.FailureExpired
+			if c == "close" {
+				time.Sleep(100 * time.Millisecond) // the check is out
+				want, kind = kvxfer.ResultFailed, kvxfer.FailureClosed
+				d.close(t)
+			} else {
+				defer d.close(t)
+			}
+			out := awaitOutcomes(t, 1, d)
+			if o := out.recv["d-a"]; len(o) != 1 || o[0].Result != want || o[0].Kind != kind {
+				t.Fatalf("D outcome %+v, want %v (%v)", o, want, kind)
+			}
+			time.Sleep(1500 * time.Millisecond) // past the check's bound
+			late := newOutcomes()
+			late.collect(t, d)
+			if len(late.seen) != 0 {
+				t.Fatalf("a second outcome: %v", late.seen)
+			}
+			if c == "deadline" {
+				if s, _ := d.workers[0][0].State(); s.Recvs != 0 || s.Timers != 0 {
+					t.Errorf("D still holds %d requests, %d live timers", s.Recvs, s.Timers)
+				}
+			}
+		})
+	}
+}
+
+// A producer answering for the request only past the check's bound
+// (its step never applied in time) had the request fail, naming the
+// producer and its generation.
+func TestPullHoldCheckFailsUnheld(t *testing.T) {
+	_, p, d, dPool, pPool := holdPair(t, openPlane)
+	defer d.close(t)
+	defer p.close(t)
+	groups := d.ranks[0][0].Layout.GroupList()
+	q := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+	now := time.Now()
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
+	o := awaitOutcomes(t, 1, d).recv["d-a"]
+	if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailurePeerGone ||
+		!strings.Contains(o[0].Reason, "producer engine P") || !strings.Contains(o[0].Reason, "generation") || !strings.Contains(o[0].Reason, "does not hold this request") {
+		t.Fatalf("D outcome %+v, want failed (peer_gone): the producer does not hold it", o)
+	}
+	if s := d.workers[0][0].Metrics().Snapshot(); s.Dropped["pull_params_not_held"] != 1 {
+		t.Errorf("dropped %v, want pull_params_not_held 1", s.Dropped)
+	}
+}
