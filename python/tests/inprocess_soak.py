@@ -72,10 +72,17 @@ class Rank:
         self.eof = False
         self.bye: dict | None = None
         self.foreign = 0  # lines on stdout not the soak's
+        self.killed = False  # the soak SIGKILLed it
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.p.stdout:
+            if not line.endswith("\n"):
+                # Its last write, cut short by its death (a SIGKILL
+                # between two writes of one line): whatever it was, the
+                # process did not get to say it.
+                self.lines.put((time.monotonic(), "cut", line))
+                break
             mark, _, line = line.strip().partition(" ")
             if mark != "soak:":
                 self.foreign += 1  # not the soak's (UCX logs on stdout)
@@ -204,6 +211,11 @@ class Soak:
                         q.stepped[(rk.side.name, rk.r)] = t
             elif kind == "bye":
                 rk.bye = v
+            elif kind == "cut":
+                if rk.killed:
+                    self.event(f"{rk.name}: its last line cut by its kill: {v!r}")
+                else:
+                    self.violate(f"{rk.name}: a line cut short: {v!r}")
             elif kind == "eof":
                 rk.eof = True
                 return
@@ -214,6 +226,7 @@ class Soak:
         """SIGKILLs rank r of side (its server dies with it), ends what it
         held, and starts it again on its port."""
         rk = side.ranks[r]
+        rk.killed = True
         rk.p.send_signal(signal.SIGKILL)
         rk.p.wait(timeout=30)
         self.frozen.pop(rk, None)

@@ -58,7 +58,11 @@ def salted(salt: int, tp_rank: int, k: int, blen: int) -> np.ndarray:
 
 def out(kind: str, obj) -> None:
     # Marked: other lines on stdout are not the soak's (UCX logs there).
-    print(MARK, kind, json.dumps(obj), flush=True)
+    # One write a line: print writes each argument on its own, and under
+    # PYTHONUNBUFFERED (write-through) each is a write(2), so a SIGKILL
+    # between them left the soak a line cut short ("soak:" alone).
+    sys.stdout.write(f"{MARK} {kind} {json.dumps(obj)}\n")
+    sys.stdout.flush()
 
 
 def main() -> int:
