@@ -289,7 +289,15 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 		if v, ok := published[k]; ok && string(v) == string(want[k]) {
 			continue
 		}
-		other, err := r.put(ctx, k, want[k], *lease, !held[k], mine)
+		// Held from its first attempt on: a put whose answer was lost
+		// (the connection cut after etcd applied it) may have put the
+		// key, and one made again unconditionally would then go over a
+		// replacement's entry put since. A first attempt that really
+		// failed leaves the key to whatever holds it; the read-back puts
+		// it once that is gone.
+		takeover := !held[k]
+		held[k] = true
+		other, err := r.put(ctx, k, want[k], *lease, takeover, mine)
 		if err != nil {
 			fail("put", fmt.Errorf("%s: %w", k, err))
 			return false
@@ -300,7 +308,6 @@ func (r *Registrar) sync(ctx context.Context, lease *clientv3.LeaseID, ka *<-cha
 			r.log.Warn("kvxfer registry: an entry this process put is held now under another lease (a daemon started since on this address); "+
 				"left to it", "key", k, "lease", fmt.Sprintf("%x", int64(*lease)), "holder", fmt.Sprintf("%x", other))
 		}
-		held[k] = true
 		published[k] = want[k]
 	}
 	for _, k := range slices.Sorted(maps.Keys(published)) {
