@@ -1,7 +1,5 @@
 """One worker rank process of a TP engine with kvxfer in-process (libkvxfer),
-for test_inprocess_rankdeath.py: its own server on its rank's peer port
-(rank-port-base + tp_rank), one rank stream, a host KV cache named by its
-address, steered by JSON lines on stdin.
+for test_inprocess_rankdeath.py (setup and stream in rankproc.py).
 
 Usage: python inprocess_rank.py CONFIG_JSON
 CONFIG_JSON: {"engine", "role" ("P" or "D"), "tp_rank", "tp_size", "base",
@@ -22,23 +20,15 @@ as each arrives, "error ..." on a step error.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
-import threading
 import time
 
 import numpy as np
 
-import kvxfer
-from kvxfer import inprocess
-from kvxfer.v1 import kvxfer_pb2 as pb
-
-HEADS, HEAD_SIZE, BLOCK, ELEM = 4, 8, 16, 2
-BLOCKS = 64
-
-
-def block_len(tp_size: int) -> int:
-    return 2 * (HEADS // tp_size) * BLOCK * HEAD_SIZE * ELEM  # K and V, packed
+import rankproc
+from rankproc import BLOCKS, block_len
 
 
 def pattern(tp_rank: int, size: int) -> np.ndarray:
@@ -52,38 +42,17 @@ def out(kind: str, obj) -> None:
 
 
 def main() -> int:
-    cfg = json.loads(sys.argv[1])
+    cfg = rankproc.config()
     role, rank, tp = cfg["role"], cfg["tp_rank"], cfg["tp_size"]
-    server = {"peer_secret_file": cfg["secret"], "log_level": "warn", "rank_port_base": cfg["base"],
-              "peer_listen": f"127.0.0.1:{cfg['base'] + rank}", **cfg.get("server", {})}
-    endpoint = inprocess.start(server)
     blen = block_len(tp)
     kv = pattern(rank, BLOCKS * blen) if role == "P" else np.zeros(BLOCKS * blen, dtype=np.uint8)
-    base, size = kv.ctypes.data, kv.nbytes
-    client = kvxfer.Client(endpoint)
-    layout = pb.KvLayout(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, total_kv_heads=HEADS, head_size=HEAD_SIZE,
-                         elem_bytes=ELEM, order=pb.KV_LAYOUT_ORDER_HND, packing=pb.KV_PACKING_PACKED,
-                         logical_block_size=BLOCK, kernel_block_size=BLOCK,
-                         regions=[pb.Region(kind=pb.CACHE_KIND_FULL_ATTENTION, base=base, block_len=blen, num_blocks=BLOCKS)])
-    mode = pb.MODE_PULL if cfg.get("mode") == "pull" else pb.MODE_PUSH
-    w = client.connect(pb.WorkerHello(engine_id=cfg["engine"], mode=mode, layout=layout, compat_hash="h",
-                                      memory=[inprocess.host_memory(base, size)]))
-    cmds: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read() -> None:
-        for line in sys.stdin:
-            cmds.put(json.loads(line))
-        cmds.put({"op": "eof"})
-
-    threading.Thread(target=read, daemon=True).start()
-    out("ready", {"pid": __import__("os").getpid()})
+    client, w = rankproc.connect(cfg, kv)
+    cmds = rankproc.commands()
+    out("ready", {"pid": os.getpid()})
     step = 0
 
     def report(f) -> list:
-        got = []
-        for o in list(f.sending) + list(f.recving):
-            got.append({"id": o.request_id, "result": pb.Outcome.Result.Name(o.result),
-                        "kind": pb.FailureKind.Name(o.failure_kind), "reason": o.reason})
+        got = [rankproc.outcome(o) for o in list(f.sending) + list(f.recving)]
         for e in f.step_errors:
             print("error", json.dumps({"message": e.message}), flush=True)
         return got
@@ -98,18 +67,9 @@ def main() -> int:
         now = time.time_ns()
         step += 1
         if c["op"] == "recv":
-            meta = pb.StepMeta(step=step, scheduler_clock_unix_nanos=now, recv=[pb.RecvRequest(
-                request_id=r["id"], transfer_id=r["tid"], local=[pb.Span(block_ids=r["blocks"])],
-                deadline_unix_nanos=now + int(r["deadline_s"] * 1e9),
-                remote=pb.RemoteRef(engine_id=r["engine"], addr=r["addr"], request_id=r["preq"], tp_size=r["tp_size"],
-                                    tokens=r["tokens"], blocks=[pb.Span(block_ids=r["remote_blocks"])] if "remote_blocks" in r else [])
-            ) for r in c["reqs"]])
-            w.step(meta)
+            w.step(rankproc.recv_step(step, now, c["reqs"]))
         elif c["op"] == "send":
-            meta = pb.StepMeta(step=step, scheduler_clock_unix_nanos=now, send=[pb.SendRequest(
-                request_id=r["id"], transfer_id=r["tid"], deadline_unix_nanos=now + int(r["deadline_s"] * 1e9),
-                blocks=[pb.Span(block_ids=r["blocks"])], tokens=r["tokens"]) for r in c["reqs"]])
-            w.step(meta)
+            w.step(rankproc.send_step(step, now, c["reqs"]))
         elif c["op"] == "check":
             src = pattern(rank, BLOCKS * blen)
             wrong = 0
@@ -117,10 +77,8 @@ def main() -> int:
                 wrong += int(np.count_nonzero(kv[d * blen:(d + 1) * blen] != src[p * blen:(p + 1) * blen]))
             out("check", {"wrong_bytes": wrong})
         elif c["op"] in ("bye", "eof"):
-            f = w.bye(timeout=20)
-            out("bye", {"outcomes": report(f), "error": None if w.error is None else str(w.error)})
-            client.close()
-            inprocess.stop()
+            f, err = rankproc.close(client, w, timeout=20)
+            out("bye", {"outcomes": report(f), "error": err})
             return 0
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RANK = str(HERE / "inprocess_soak_rank.py")
-BLOCKS = 64  # inprocess_soak_rank.BLOCKS
+BLOCKS = 64  # rankproc.BLOCKS
 TOKENS = 32  # two blocks of 16
 PEER_TIMEOUT, LEASE, DEADLINE = 2.0, 6.0, 20.0
 SERVER = {"peer_timeout": f"{PEER_TIMEOUT}s", "lease": f"{LEASE}s"}
