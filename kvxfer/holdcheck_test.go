@@ -22,11 +22,14 @@ var noGrants = genBackends[:2]
 // openPlane starts a pull engine on the built-in backend without grants.
 var openPlane genStart = genBackends[1].start
 
+// pairModel is the model of holdPair's engines.
+var pairModel = kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+
 // holdPair: a pull P and D started by start (a data plane without
 // grants), D's handshake with P loaded by a first request.
 func holdPair(t *testing.T, start genStart) (dir *kvxfertest.Directory, p, d *simEngine, dPool *blockPool, pPool func() *blockPool) {
 	t.Helper()
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
+	model := pairModel
 	dir = kvxfertest.NewDirectory()
 	d = start(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D")
 	p = start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
@@ -47,6 +50,37 @@ func holdPair(t *testing.T, start genStart) (dir *kvxfertest.Directory, p, d *si
 	return dir, p, d, dPool, pPool
 }
 
+// holdThenStop: holdPair's producer p holds request a (sent through
+// send), whose params are on their way to D (delayed), and stops as a
+// crashed process does.
+func holdThenStop(t *testing.T, p, d *simEngine, dPool *blockPool, pPool func() *blockPool, send func(kvxfer.SendReq) kvxfer.SendReq) *xreq {
+	t.Helper()
+	qa := makeRequest("a", 40, 0, d.ranks[0][0].Layout.GroupList(), p.eng, d.eng, pPool(), dPool)
+	p.ranks[0][0].Fill(qa.sim.P)
+	now := time.Now()
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{send(qa.send(now.Add(time.Minute)))}})
+	time.Sleep(100 * time.Millisecond)
+	stopProducer(t, p)
+	return qa
+}
+
+// restartHolding restarts holdPair's producer (start, dir): its engine
+// holds request z (salted 777, sent through send) in the blocks a held.
+func restartHolding(t *testing.T, start genStart, dir *kvxfertest.Directory, d *simEngine, dPool *blockPool, pPool func() *blockPool, send func(kvxfer.SendReq) kvxfer.SendReq) *simEngine {
+	t.Helper()
+	model := pairModel
+	p2 := start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
+	qz := makeRequest("z", 40, 0, d.ranks[0][0].Layout.GroupList(), p2.eng, d.eng, pPool(), dPool)
+	qz.sim.Salt = 777
+	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
+	now := time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{send(qz.send(now.Add(time.Minute)))}})
+	return p2
+}
+
+// asIs sends a request as it is.
+func asIs(r kvxfer.SendReq) kvxfer.SendReq { return r }
+
 // Without data-plane grants (NIXL; here the built-in backend with
 // OpenDataPlane), pull params carrying no producer generation and
 // naming their producer request, issued by a producer that then
@@ -64,25 +98,13 @@ func TestPullStaleParamsAfterNewGenerationReadsNoOtherRequest(t *testing.T) {
 }
 
 func pullStaleParamsAfterNewGeneration(t *testing.T, start genStart) {
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
 	dir, p, d, dPool, pPool := holdPair(t, start)
 	defer d.close(t)
 	groups := d.ranks[0][0].Layout.GroupList()
-	// P holds request a; its params are on their way to D (delayed).
-	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
-	p.ranks[0][0].Fill(qa.sim.P)
-	now := time.Now()
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
-	time.Sleep(100 * time.Millisecond)
-	stopProducer(t, p)
-	// The producer restarts; its engine holds request z in a's blocks.
-	p2 := start(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P")
+	qa := holdThenStop(t, p, d, dPool, pPool, asIs)
+	p2 := restartHolding(t, start, dir, d, dPool, pPool, asIs)
 	defer p2.close(t)
-	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
-	qz.sim.Salt = 777
-	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
-	now = time.Now()
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
+	now := time.Now()
 	// D's request x (the new producer's) finds the old agent gone: D
 	// loads the new generation.
 	rng := rand.New(rand.NewPCG(7, 8))

@@ -230,9 +230,9 @@ func TestPullRetryAcrossRestartReadsNoOtherRequest(t *testing.T) {
 }
 
 func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir := kvxfertest.NewDirectory()
-	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = openPlane, time.Second }
+	start := func(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string) *simEngine {
+		return startNetEngine(t, dir, m, e, id, kvxfer.ModePull, func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = openPlane, time.Second })
+	}
 	unnamed := func(rr kvxfer.RecvReq) kvxfer.RecvReq {
 		if !openPlane {
 			rr.TransferID, rr.Remote.ReqID = "", ""
@@ -245,33 +245,15 @@ func pullRetryAcrossRestart(t *testing.T, openPlane bool) {
 		}
 		return sr
 	}
-	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
+	dir, p, d, dPool, pPool := holdPair(t, start)
 	defer d.close(t)
-	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
-	groups := d.ranks[0][0].Layout.GroupList()
-	dPool := newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
-	pPool := func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
-	now := time.Now()
-	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
-	p.ranks[0][0].Fill(q0.sim.P)
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
-	awaitOutcomes(t, 2, p, d) // D's handshake with P is loaded
 	// P holds request a; its params go to D, which reads them late.
-	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
-	p.ranks[0][0].Fill(qa.sim.P)
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qa.send(now.Add(time.Minute)))}})
-	time.Sleep(100 * time.Millisecond)
-	stopProducer(t, p)
+	qa := holdThenStop(t, p, d, dPool, pPool, unnamedSend)
 	// The producer restarts; its engine holds request z in a's blocks.
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	p2 := restartHolding(t, start, dir, d, dPool, pPool, unnamedSend)
 	defer p2.close(t)
-	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
-	qz.sim.Salt = 777
-	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
-	now = time.Now()
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{unnamedSend(qz.send(now.Add(time.Minute)))}})
 	time.Sleep(1100 * time.Millisecond) // D's handshake is past handshakeRetry
+	now := time.Now()
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{unnamed(qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute)))}})
 	wantNotRead(t, d, qa, "restarted")
 }
@@ -330,27 +312,15 @@ func TestPullArrivingDuringRehandshakeReadsNoOtherRequest(t *testing.T) {
 }
 
 func pullArrivingDuringRehandshake(t *testing.T, failFirst bool) {
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 2, HeadSize: 4, ElemBytes: 2}
-	dir := kvxfertest.NewDirectory()
-	open := func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second }
-	d := startNetEngine(t, dir, &model, e2eEngine(2, 1, 1, 16, 16), "D", kvxfer.ModePull, open)
+	start := func(t *testing.T, dir *kvxfertest.Directory, m *kvsim.Model, e kvsim.Engine, id string) *simEngine {
+		return startNetEngine(t, dir, m, e, id, kvxfer.ModePull, func(c *kvxfer.WorkerConfig) { c.OpenDataPlane, c.CloseTimeout = true, time.Second })
+	}
+	dir, p, d, dPool, pPool := holdPair(t, start)
 	defer d.close(t)
-	p := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
 	groups := d.ranks[0][0].Layout.GroupList()
-	dPool := newPool(rand.New(rand.NewPCG(3, 4)), len(groups), 96, true)
-	pPool := func() *blockPool { return newPool(rand.New(rand.NewPCG(1, 2)), len(groups), 96, true) } // the same blocks each time
-	now := time.Now()
-	q0 := makeRequest("0", 40, 0, groups, p.eng, d.eng, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), 96, true), dPool)
-	p.ranks[0][0].Fill(q0.sim.P)
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q0.send(now.Add(time.Minute))}})
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q0.recv(kvxfer.ModePull, p, now.Add(time.Minute))}})
-	awaitOutcomes(t, 2, p, d) // D's handshake with P is loaded
 	// P holds request a; its params are on their way to D.
-	qa := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
-	p.ranks[0][0].Fill(qa.sim.P)
-	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa.send(now.Add(time.Minute))}})
-	time.Sleep(100 * time.Millisecond)
-	stopProducer(t, p)
+	qa := holdThenStop(t, p, d, dPool, pPool, asIs)
+	now := time.Now()
 	release := func() {}
 	if failFirst {
 		dir.Remove("P") // nothing answers for P: D's handshakes fail
@@ -366,13 +336,9 @@ func pullArrivingDuringRehandshake(t *testing.T, failFirst bool) {
 		}
 	}
 	// The producer restarts; its engine holds request z in a's blocks.
-	p2 := startNetEngine(t, dir, &model, e2eEngine(1, 1, 1, 16, 16), "P", kvxfer.ModePull, open)
+	p2 := restartHolding(t, start, dir, d, dPool, pPool, asIs)
 	defer p2.close(t)
-	qz := makeRequest("z", 40, 0, groups, p2.eng, d.eng, pPool(), dPool)
-	qz.sim.Salt = 777
-	p2.ranks[0][0].FillSalt(qz.sim.P, 777)
 	now = time.Now()
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qz.send(now.Add(time.Minute))}})
 	time.Sleep(200 * time.Millisecond) // D's handshake is out (held), or failed
 	// a's params reach D only now, naming no generation.
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
