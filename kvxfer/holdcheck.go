@@ -2,7 +2,10 @@ package kvxfer
 
 import (
 	"fmt"
+	"slices"
 	"time"
+
+	"github.com/kvxfer/kvxfer/topology"
 )
 
 // The pre-READ hold check (pull, without data-plane grants).
@@ -21,7 +24,12 @@ import (
 // answer does not list it within holdCheckBound (a producer answers only
 // when it lists something) does not hold it: a restarted producer that
 // never issued it, or one that released it or let its lease lapse. The
-// request fails then (peer_gone), never read.
+// request fails then (peer_gone), never read. An ask names the producer
+// blocks the params name (Spans), and a rank lists the request only if it
+// holds it in exactly those blocks: a restarted producer may hold a
+// request under the old one's names (a router retrying it with the same
+// transfer and request ids) in other blocks, and the params' blocks then
+// hold another request's KV.
 
 // holdCheck is a request's check in progress (or passed).
 type holdCheck struct {
@@ -96,7 +104,13 @@ func (st *loopState) samePeers(hc *holdCheck, e *engine, targets []rankRef) bool
 // not listed it yet, and arms the next ask (or the failure).
 func (st *loopState) askHold(r *recvReq, e *engine) {
 	hc := r.hc
-	m := st.self(&msg{Kind: msgHeartbeat, Reason: hbAskHold, IDs: []string{r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID}})
+	// The ask carries the producer blocks the params name: a producer
+	// lists the request only if it holds it in those very blocks (a
+	// restarted one may hold a request under the old one's names, the
+	// router retrying it, in other blocks; producers of earlier builds
+	// ignore a heartbeat's spans).
+	m := st.self(&msg{Kind: msgHeartbeat, Reason: hbAskHold, IDs: []string{r.req.TransferID, r.req.Remote.ReqID, r.req.ReqID},
+		Spans: r.req.Remote.Blocks})
 	b := appendMsg(nil, m)
 	for i, to := range hc.targets {
 		if hc.held[i] || hc.peers[i] == "" {
@@ -160,9 +174,30 @@ func (st *loopState) holdCheckTimer(t timerEntry) {
 	st.metrics.Dropped("pull_params_not_held")
 	for _, to := range hc.targets {
 		// Every rank is told: one that holds it after all (its answer
-		// lost) frees its blocks now.
-		st.tellP(e, r, to, msgFail, FailurePeerGone, reason)
+		// lost) frees its blocks now. The notice names the blocks, so
+		// that a producer holding a request under the same names in
+		// other blocks (not this one) does not end it.
+		st.sendTo(e, to, &msg{Kind: msgFail, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID,
+			FailKind: FailurePeerGone, Reason: reason, Spans: r.req.Remote.Blocks})
 	}
 	st.decide(r, ResultFailed, FailurePeerGone, reason)
 	st.tryReport(r)
+}
+
+// heldIn reports whether a hold question (or a failure notice) naming
+// spans, the producer blocks of a consumer's params, is about request s:
+// every group spans names blocks in (none: a consumer of an earlier build,
+// or a notice that names none), s holds the very same blocks in. A request held
+// under the same names in other blocks is another one (a restarted
+// producer's, the router having retried it under its old ids).
+func heldIn(spans []topology.Span, s *sendReq) bool {
+	for g := range spans {
+		if len(spans[g].IDs) == 0 {
+			continue // nothing read from that group
+		}
+		if g >= len(s.req.Blocks) || !slices.Equal(spans[g].IDs, s.req.Blocks[g].IDs) {
+			return false
+		}
+	}
+	return true
 }

@@ -249,3 +249,66 @@ func TestPullHoldCheckFailsUnheld(t *testing.T) {
 		t.Errorf("dropped %v, want pull_params_not_held 1", s.Dropped)
 	}
 }
+
+// Without data-plane grants, pull params carrying no producer generation,
+// issued by a producer that then restarted, are not read from the new
+// producer when it holds a request under the very same names (the router
+// retried it with its old transfer and request ids) in other blocks: the
+// blocks the params name hold another request's KV. The consumer's hold
+// question names the params' blocks, and a producer lists a request only
+// if it holds it in those. Nor does the failed check's notice end the
+// new producer's request under those names: its own params are read.
+// Before, the new producer listed the request by its names, and the
+// consumer read the old params' blocks: done with another request's KV.
+func TestPullHoldCheckSameNamesOtherBlocks(t *testing.T) {
+	for _, b := range noGrants {
+		t.Run(b.name, func(t *testing.T) { pullHoldCheckSameNamesOtherBlocks(t, b.start) })
+	}
+}
+
+func pullHoldCheckSameNamesOtherBlocks(t *testing.T, start genStart) {
+	dir, p, d, dPool, pPool := holdPair(t, start)
+	defer d.close(t)
+	groups := d.ranks[0][0].Layout.GroupList()
+	qa := holdThenStop(t, p, d, dPool, pPool, asIs)
+	p2 := restartHolding(t, start, dir, d, dPool, pPool, asIs) // z in a's blocks
+	defer p2.close(t)
+	now := time.Now()
+	// D loads the new generation: request x (its params carry none, so
+	// the generation rules fail it).
+	rng := rand.New(rand.NewPCG(7, 8))
+	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
+	p2.ranks[0][0].Fill(qx.sim.P)
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	awaitOutcomes(t, 1, d)
+	// The new producer holds a request under a's names (p-a, t-a) in
+	// other blocks.
+	qa2 := makeRequest("a", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
+	qa2.sim.Salt = 555
+	p2.ranks[0][0].FillSalt(qa2.sim.P, 555)
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qa2.send(now.Add(time.Minute))}})
+	// The old producer's params of a reach D only now, naming no
+	// generation.
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qa.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	wantNotRead(t, d, qa, "does not hold this request")
+	// The new producer's own params of its request under those names
+	// are read, its request not ended by the failed check's notice.
+	rr := qa2.recv(kvxfer.ModePull, p2, now.Add(time.Minute))
+	rr.ReqID = "d-a2" // (D's own id: a new request)
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{rr}})
+	out := awaitOutcomes(t, 2, d, p2)
+	if o := out.recv["d-a2"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("D outcome of the new producer's request: %+v, want done", o)
+	}
+	if o := out.send["p-a"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Fatalf("P outcome of its request: %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckRequest(&qa2.sim, 16, 16); err != nil {
+		t.Fatal(err)
+	}
+	dropped := p2.workers[0][0].Metrics().Snapshot().Dropped
+	if dropped["hold_other_blocks"] == 0 || dropped["notice_other_blocks"] != 1 {
+		t.Errorf("P dropped %v, want hold_other_blocks > 0 and notice_other_blocks 1", dropped)
+	}
+}

@@ -232,14 +232,23 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.tryReport(r)
 		return
 	}
-	if st.needsHoldCheck(r) && !st.holdChecked(r, e, targets) {
-		// Its params carry no generation and nothing refuses a READ of
-		// blocks the producer holds for another request: it is read only
-		// once every producer rank says it holds it (holdcheck.go).
-		// Before, params of a producer that restarted since, reaching a
-		// rank that had loaded the new generation already, were read and
-		// the request reported done with another request's KV.
-		return
+	if st.needsHoldCheck(r) {
+		// Params the READ would refuse are refused first, as such: the
+		// hold check asks about the blocks they name.
+		if !st.remoteBlocksOK(r, e, targets) {
+			st.tryReport(r)
+			return
+		}
+		if !st.holdChecked(r, e, targets) {
+			// Its params carry no generation and nothing refuses a READ
+			// of blocks the producer holds for another request: it is
+			// read only once every producer rank says it holds it
+			// (holdcheck.go). Before, params of a producer that restarted
+			// since, reaching a rank that had loaded the new generation
+			// already, were read and the request reported done with
+			// another request's KV.
+			return
+		}
 	}
 	r.targets, r.sent = targets, true
 	st.watch(e)
@@ -430,11 +439,7 @@ func (st *loopState) read(r *recvReq, e *engine) {
 	// land that block's KV in two of this request's blocks, the KV of the
 	// other lost and the request reported loaded.
 	if err := st.builder.CheckDistinct(r.req.Remote.Blocks, "remote"); err != nil {
-		st.metrics.BadInput("recv_req.remote.blocks")
-		for _, to := range r.targets {
-			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
-		}
-		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+		st.refuseRemote(r, e, r.targets, err)
 		return
 	}
 	for _, to := range r.targets {
@@ -443,6 +448,39 @@ func (st *loopState) read(r *recvReq, e *engine) {
 	if !r.decided && len(r.got) == len(r.targets) {
 		st.decide(r, ResultDone, FailureNone, "")
 	}
+}
+
+// remoteBlocksOK checks the producer blocks pull request r's params name
+// (from the router, not this rank's engine) as its READs from targets
+// would, before they go: false (r failed, the ranks told) if they name a
+// block twice or fall short of what the request's blocks take.
+func (st *loopState) remoteBlocksOK(r *recvReq, e *engine, targets []rankRef) bool {
+	if err := st.builder.CheckDistinct(r.req.Remote.Blocks, "remote"); err != nil {
+		st.refuseRemote(r, e, targets, err)
+		return false
+	}
+	hreq := hotpath.Request{Tokens: r.req.Remote.Tokens, Src: r.req.Remote.Blocks, Dst: r.req.Local}
+	for _, to := range targets {
+		p, err := st.plan(e, to, st.layout.TPRank)
+		if err != nil || p.NotifyOnly {
+			continue // (readFrom fails it, or reads nothing)
+		}
+		if err := hotpath.CheckCovered(p, &hreq); err != nil {
+			st.refuseRemote(r, e, targets, err)
+			return false
+		}
+	}
+	return true
+}
+
+// refuseRemote fails pull request r for the producer blocks its params
+// name (err), telling ranks to.
+func (st *loopState) refuseRemote(r *recvReq, e *engine, to []rankRef, err error) {
+	st.metrics.BadInput("recv_req.remote.blocks")
+	for _, t := range to {
+		st.tellP(e, r, t, msgFail, FailureSetup, err.Error())
+	}
+	st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
 }
 
 // readFrom posts the READ of one producer rank's share of a request.
@@ -467,9 +505,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	// this request's blocks take: the READ moves what both lists hold, and
 	// the blocks past a short list would be reported loaded.
 	if err := hotpath.CheckCovered(p, &hreq); err != nil {
-		st.metrics.BadInput("recv_req.remote.blocks")
-		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
-		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+		st.refuseRemote(r, e, []rankRef{to}, err)
 		return
 	}
 	done := appendMsg(nil, st.self(&msg{Kind: msgDone, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID}))
@@ -488,9 +524,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		// As layouts: a base pair per layer, an entry per run of blocks.
 		from := len(st.fx.lays.Spans)
 		if err := st.builder.AppendLayouts(&st.fx.lays, p, &hreq); err != nil {
-			st.metrics.BadInput("recv_req.remote.blocks")
-			st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
-			st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+			st.refuseRemote(r, e, []rankRef{to}, err)
 			return
 		}
 		n, bytes := st.fx.lays.Pieces(st.fx.lays.Spans[from:])
@@ -503,9 +537,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	st.fx.descs, err = st.builder.AppendDescs(st.fx.descs, p, &hreq)
 	if err != nil {
 		st.fx.descs = st.fx.descs[:from]
-		st.metrics.BadInput("recv_req.remote.blocks")
-		st.tellP(e, r, to, msgFail, FailureSetup, err.Error())
-		st.decide(r, ResultFailed, FailureSetup, "remote blocks rejected: "+err.Error())
+		st.refuseRemote(r, e, []rankRef{to}, err)
 		return
 	}
 	descs := st.fx.descs[from:]

@@ -1578,6 +1578,14 @@ func (st *loopState) onHeartbeat(m *msg) {
 			// it answered: no deadline holds its blocks yet.
 			continue
 		}
+		if ans != nil && !heldIn(m.Spans, s) {
+			// Asked about other blocks than the request's: the asker's
+			// params are an earlier producer's, which held a request
+			// under these names in those blocks. Neither held for it
+			// nor listed.
+			st.metrics.Dropped("hold_other_blocks")
+			continue
+		}
 		if ext.After(s.deadline) {
 			s.deadline = ext
 			st.arm(ext, tLease, s.req.ReqID)
@@ -1801,6 +1809,15 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		// The consumer may read before our engine hands us the request
 		// (its params reach D first): keep the notice for a while.
 		st.stashEarly(m)
+		return
+	}
+	if !heldIn(m.Spans, s) {
+		// A notice naming other blocks (a consumer's hold check that
+		// failed) is about a request an earlier producer held under these
+		// names, not this one: it does not end this one.
+		st.metrics.Dropped("notice_other_blocks")
+		st.log.Debug("kvxfer: consumer's notice names other blocks than the request's", "kind", m.Kind,
+			"p_req", m.PReq, "transfer_id", m.TransferID, "engine", m.Engine, "d_req", m.DReq)
 		return
 	}
 	k := pullRank{engine: m.Engine, dreq: m.DReq, tpSize: m.TPSize, tp: m.TPRank}
