@@ -15,7 +15,7 @@ import (
 
 // coreFiles hold the Worker's core (loopState): the per-rank protocol as a
 // state machine. worker.go is its driver.
-var coreFiles = []string{"core.go", "engine.go", "grant.go", "liveness.go", "loop.go", "recv.go", "refuse.go", "send.go", "sender.go", "timers.go", "wire.go", "failure.go", "await.go", "holdcheck.go"}
+var coreFiles = []string{"core.go", "engine.go", "grant.go", "liveness.go", "loop.go", "recv.go", "refuse.go", "send.go", "sender.go", "timers.go", "wire.go", "failure.go", "await.go", "holdcheck.go", "released.go"}
 
 // The core starts no goroutine, touches no channel, reads no clock and
 // calls no backend: its driver (worker.go) does all of that, feeding it

@@ -117,6 +117,7 @@ func (st *loopState) askHold(r *recvReq, e *engine) {
 			continue // (a rank without an agent is never listed: it fails)
 		}
 		st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: hc.peers[i], msg: b, notice: noticeHeartbeat, m: m, ref: to})
+		r.ask(hc.peers[i])
 	}
 	hc.next = st.now.Add(holdCheckDelays[min(hc.asks, len(holdCheckDelays)-1)])
 	hc.asks++

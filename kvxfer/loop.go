@@ -356,6 +356,12 @@ type recvReq struct {
 	exitWhy string
 	// hc: its hold check (holdcheck.go; nil: none asked).
 	hc *holdCheck
+	// asked: the producer agents this rank asked to hold the request
+	// (pull: heartbeats and hold checks extend their hold), and whether
+	// each has been told of its end since (released.go); askedBuf holds
+	// them while they are few.
+	asked    []askedAgent
+	askedBuf [2]askedAgent
 }
 
 type rankRef struct{ pp, tp int }

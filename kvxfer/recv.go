@@ -67,6 +67,7 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		r.knewGen = e.gen
 	}
 	r.got, r.fenced = r.gotBuf[:0], r.fencedBuf[:0]
+	r.asked = r.askedBuf[:0]
 	st.takeWait(r)
 	st.recvs[in.ReqID] = r
 	if !deadline.IsZero() {
@@ -517,6 +518,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 			return
 		}
 		r.addHandle(id, to)
+		r.told(e.peers[to]) // (the READ carries its notice)
 		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
@@ -530,6 +532,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 		n, bytes := st.fx.lays.Pieces(st.fx.lays.Spans[from:])
 		id := st.postLayoutOp(hotpath.OpRead, e.peers[to], from, done)
 		r.addHandle(id, to)
+		r.told(e.peers[to])
 		st.handles[id] = &handle{id: id, posted: st.now, bytes: bytes, descs: n, blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 		return
 	}
@@ -543,6 +546,7 @@ func (st *loopState) readFrom(r *recvReq, e *engine, to rankRef) {
 	descs := st.fx.descs[from:]
 	id := st.postOp(hotpath.OpRead, e.peers[to], from, done)
 	r.addHandle(id, to)
+	r.told(e.peers[to])
 	st.handles[id] = &handle{id: id, posted: st.now, bytes: descBytes(descs), descs: len(descs),
 		blocks: spanBlocks(r.req.Local), recv: r.req.ReqID, src: to}
 }
@@ -591,6 +595,9 @@ func (st *loopState) postFailed(id XferID, err error) {
 
 // tellP sends a bare message about a request to one producer rank.
 func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, fk FailureKind, reason string) {
+	if p, ok := e.peers[to]; ok {
+		r.told(p)
+	}
 	st.sendTo(e, to, &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: fk, Reason: reason})
 }
 
@@ -874,6 +881,7 @@ func (st *loopState) tryReport(r *recvReq) {
 
 func (st *loopState) finishRecv(r *recvReq, o Outcome) {
 	delete(st.recvs, r.req.ReqID)
+	st.releaseAsked(r, o)
 	st.revoke(r)
 	if o.Result != ResultDone {
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
@@ -1229,6 +1237,7 @@ func (st *loopState) heartbeat(by map[string][]string) {
 			b := appendMsg(nil, m)
 			for _, ref := range sortedRefs(e.peers) {
 				st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: e.peers[ref], msg: b, notice: noticeHeartbeat, m: m, ref: ref})
+				st.notedAsked(ids[:n], e.peers[ref])
 			}
 			ids = ids[n:]
 		}
