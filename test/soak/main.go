@@ -615,8 +615,14 @@ func main() {
 		}
 	}
 	if broken {
-		// A side that could not come back has no engine to drive.
-		fmt.Printf("violations: %d\n", len(s.violations))
+		// A side that could not come back has no engine to drive; its
+		// daemons go (none is left running), their logs stay.
+		for _, sd := range []*side{s.p, s.d} {
+			if sd.d != nil {
+				_ = sd.d.Kill()
+			}
+		}
+		fmt.Printf("violations: %d (work dir %s kept: the daemons' logs)\n", len(s.violations), dir)
 		os.Exit(1)
 	}
 	for deadline := time.Now().Add(*bound + 10*time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
@@ -668,6 +674,7 @@ func main() {
 	fmt.Printf("longest attach: P %v, D %v\n", s.p.attachWait.Round(time.Millisecond), s.d.attachWait.Round(time.Millisecond))
 	fmt.Printf("violations: %d\n", len(s.violations))
 	if len(s.violations) > 0 {
-		os.Exit(1)
+		fmt.Printf("work dir %s kept: the daemons' logs\n", dir)
+		os.Exit(1) // (the deferred removal does not run)
 	}
 }
