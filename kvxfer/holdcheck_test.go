@@ -312,3 +312,45 @@ func pullHoldCheckSameNamesOtherBlocks(t *testing.T, start genStart) {
 		t.Errorf("P dropped %v, want hold_other_blocks > 0 and notice_other_blocks 1", dropped)
 	}
 }
+
+// A pull consumer whose Worker closes (its engine crashed or said bye)
+// with a request it has not read yet (here its hold check is out) tells
+// the request's producer ranks: the producer fails its side at once, its
+// blocks free, instead of holding them for its whole lease. Before, it
+// was told nothing and held them for the lease (a minute here; 30 s by
+// default), and a producer engine that went meanwhile had its next
+// incarnation refused until the close's fence timed out (10 s: the
+// daemon soak's crashed P engines, attaching again 10 s later).
+func TestPullConsumerCloseFreesProducerHold(t *testing.T) {
+	for _, b := range []string{"nixl", "builtin-no-grants"} {
+		t.Run(b, func(t *testing.T) {
+			start := noGrants[0].start
+			if b != "nixl" {
+				start = openPlane
+			}
+			_, p, d, dPool, pPool := holdPair(t, start)
+			defer p.close(t)
+			groups := d.ranks[0][0].Layout.GroupList()
+			q := makeRequest("a", 40, 0, groups, p.eng, d.eng, pPool(), dPool)
+			now := time.Now()
+			lease := now.Add(time.Minute)
+			p.ranks[0][0].Fill(q.sim.P)
+			p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(lease)}})
+			// P holds it; D takes it in and closes at once, its hold
+			// check out (or, rarely, its READ already under way: it then
+			// tells P when the READ ends, as before).
+			d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, p, lease)}})
+			d.close(t)
+			out := newOutcomes()
+			for until := time.Now().Add(10 * time.Second); len(out.send["p-a"]) == 0 && time.Now().Before(until); time.Sleep(5 * time.Millisecond) {
+				out.collect(t, p)
+			}
+			if o := out.send["p-a"]; len(o) != 1 {
+				t.Fatalf("P outcome %+v 10 s after its consumer closed, want one (its lease ends in a minute)", o)
+			}
+			if s, _ := p.workers[0][0].State(); s.Sends != 0 {
+				t.Errorf("P still holds %d requests", s.Sends)
+			}
+		})
+	}
+}

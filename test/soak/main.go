@@ -5,8 +5,12 @@
 // address (its engine re-attached under the same id), the P or the D
 // daemon frozen (SIGSTOP) for up to three seconds, a graceful P restart,
 // the P or the D engine crashed (its streams dropped without a bye) and
-// attached again under the same id. It accounts for every request on
-// both sides and exits non-zero on a violation:
+// attached again under the same id. Faults come at the rate asked
+// (-fault-every): a restart runs beside the soak's loop, which goes on
+// driving the other side and injects the next faults on time (one whose
+// side is still coming back goes to the other side instead). It
+// accounts for every request on both sides and exits non-zero on a
+// violation:
 //
 //   - a request ends more than once on one side, or not within -bound of
 //     its issue (45 s: a P request whose consumer died before registering
@@ -15,7 +19,9 @@
 //     engine's own failure);
 //   - a request reported done has a wrong byte (each request's pattern is
 //     salted, so stale bytes of an earlier request in its blocks count);
-//   - a block stays held by a request that ended.
+//   - a block stays held by a request that ended;
+//   - fewer than half the faults asked were injected (the soak would test
+//     less than it says).
 //
 // Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull | -layerwise]
 // [-p-tp 2] [-d-tp 2] [-p-block 8|16|32] [-d-block 8|16|32]
@@ -67,6 +73,11 @@ type side struct {
 	tp, block       int // TP size, block size in tokens
 	layerwise       bool
 	attachWait      time.Duration // the longest an attach took
+	lastAttach      time.Duration // the last one's
+	// down: a fault's restart of the side's daemon or engine is under
+	// way on its own goroutine, which alone touches d, e, epoch and
+	// attachWait until it reports on soak.backs.
+	down bool
 }
 
 func (s *side) start() error {
@@ -107,8 +118,9 @@ func (s *side) attach() error {
 	if err != nil {
 		return err
 	}
-	if w := time.Since(start); w > s.attachWait {
-		s.attachWait = w
+	s.lastAttach = time.Since(start)
+	if s.lastAttach > s.attachWait {
+		s.attachWait = s.lastAttach
 	}
 	s.e = e
 	s.epoch++
@@ -138,6 +150,12 @@ type request struct {
 
 type soak struct {
 	p, d       *side
+	start      time.Time
+	backs      chan back // restarts that ended
+	asked      int       // fault slots that came due
+	missed     int       // slots with both sides coming back
+	retargeted int       // faults moved to the other side (theirs was coming back)
+	slowest    map[string]time.Duration
 	reqs       map[string]*request // by D id ("d-N"); P's is "p-N"
 	next       int
 	faults     map[string]int
@@ -220,6 +238,9 @@ func (s *soak) issue() {
 // drive steps both engines and takes in their outcomes.
 func (s *soak) drive() {
 	for _, sd := range []*side{s.p, s.d} {
+		if sd.down {
+			continue // its old engine's outcomes are not taken in (lose)
+		}
 		meta := sd.e.Sched.BuildMeta()
 		_ = sd.e.Step(meta) // a dead daemon: its loss is handled by the fault
 		if sd == s.p && len(s.prefilling) > 0 {
@@ -308,6 +329,9 @@ func (s *soak) endD(r *request, res kvxfer.Result, how string) {
 // lose ends, engine side, the requests of an engine whose daemon died
 // or that crashed itself (how).
 func (s *soak) lose(sd *side, how string) {
+	if sd == s.p {
+		s.prefilling = s.prefilling[:0] // its engine is gone
+	}
 	for _, r := range s.reqs {
 		if sd == s.p && !r.pEnded && r.pEpoch == sd.epoch {
 			s.endP(r, kvxfer.ResultFailed, how)
@@ -318,26 +342,77 @@ func (s *soak) lose(sd *side, how string) {
 	}
 }
 
-func (s *soak) kill(sd *side) error {
-	_ = sd.d.Kill()
-	_ = sd.e.Close()
-	s.lose(sd, "lost-with-daemon")
-	return sd.start()
+// back is a restart that ended: the side is up again, or err.
+type back struct {
+	sd        *side
+	kind      string
+	injected  time.Time
+	ended     time.Time
+	err       error
+	attachFor time.Duration // the attach's share (refusals retried included)
 }
 
-func (s *soak) restart(sd *side) error {
-	_ = sd.e.Close()
-	s.lose(sd, "lost-with-daemon") // a graceful stop reports what is left, but the engine said bye first
-	_ = sd.d.Stop()
-	return sd.start()
+// recover takes sd down (the loop no longer drives or faults it) and runs
+// how, which brings it back, on a goroutine of its own; its end comes on
+// s.backs. The side's requests end, engine side, as how (lost) at once:
+// the loop takes in none of the old engine's outcomes from now on.
+func (s *soak) recover(sd *side, kind, lost string, how func() (time.Duration, error)) {
+	s.lose(sd, lost)
+	sd.down = true
+	t0 := time.Now()
+	go func() {
+		a, err := how()
+		s.backs <- back{sd: sd, kind: kind, injected: t0, ended: time.Now(), err: err, attachFor: a}
+	}()
+}
+
+// timedStart is sd.start, returning how long its attach took.
+func timedStart(sd *side) (time.Duration, error) {
+	err := sd.start()
+	return sd.lastAttach, err
+}
+
+func (s *soak) kill(sd *side, kind string) {
+	d, e := sd.d, sd.e
+	_ = d.Kill() // before the goroutine: no outcome of the dead daemon's is taken in (lose)
+	s.recover(sd, kind, "lost-with-daemon", func() (time.Duration, error) {
+		_ = e.Close()
+		return timedStart(sd)
+	})
+}
+
+func (s *soak) restart(sd *side, kind string) {
+	// A graceful stop reports what is left, but the engine says bye
+	// first (a pull producer's bye waits for what its consumers read).
+	s.recover(sd, kind, "lost-with-daemon", func() (time.Duration, error) {
+		_ = sd.e.Close()
+		_ = sd.d.Stop()
+		return timedStart(sd)
+	})
 }
 
 // crash kills the side's engine (its streams dropped without a bye) and
 // attaches a new one under the same id to the same daemon.
-func (s *soak) crash(sd *side) error {
+func (s *soak) crash(sd *side, kind string) {
 	_ = sd.e.Crash()
-	s.lose(sd, "lost-with-engine")
-	return sd.attach()
+	s.recover(sd, kind, "lost-with-engine", func() (time.Duration, error) {
+		err := sd.attach()
+		return sd.lastAttach, err
+	})
+}
+
+// backAgain takes in a restart's end: the side is driven and faulted
+// again.
+func (s *soak) backAgain(b back) error {
+	b.sd.down = false
+	took := b.ended.Sub(b.injected)
+	s.slowest[b.kind] = max(s.slowest[b.kind], took)
+	fmt.Printf("soak: %-17s at %6.1fs, back at %6.1fs (%.2fs, attach %.2fs)\n", b.kind, b.injected.Sub(s.start).Seconds(),
+		b.ended.Sub(s.start).Seconds(), took.Seconds(), b.attachFor.Seconds())
+	if b.err != nil {
+		return fmt.Errorf("%s: %w", b.kind, b.err)
+	}
+	return nil
 }
 
 // freeze stops the side's daemon (SIGSTOP) for 0.5 to 3 s.
@@ -347,33 +422,75 @@ func (s *soak) freeze(sd *side) {
 	go func(p *daemontest.Proc) { time.Sleep(d); _ = p.Signal(syscall.SIGCONT) }(sd.d)
 }
 
-func (s *soak) fault() error {
-	switch k := s.rng.IntN(8); k {
-	case 0:
-		s.faults["kill P daemon"]++
-		return s.kill(s.p)
-	case 1:
-		s.faults["kill D daemon"]++
-		return s.kill(s.d)
-	case 2:
-		s.faults["freeze P daemon"]++
-		s.freeze(s.p)
-	case 3:
-		s.faults["restart P daemon"]++
-		return s.restart(s.p)
-	case 4:
-		s.faults["crash P engine"]++
-		return s.crash(s.p)
-	case 5:
-		s.faults["crash D engine"]++
-		return s.crash(s.d)
-	case 6:
-		s.faults["freeze D daemon"]++
-		s.freeze(s.d)
-	default:
-		s.faults["none"]++
+// faultKinds are the faults, each on its side (nil: none).
+var faultKinds = []struct {
+	name string
+	p    bool // on P (else on D)
+	none bool
+}{
+	{name: "kill P daemon", p: true},
+	{name: "kill D daemon"},
+	{name: "freeze P daemon", p: true},
+	{name: "restart P daemon", p: true},
+	{name: "crash P engine", p: true},
+	{name: "crash D engine"},
+	{name: "freeze D daemon"},
+	{name: "none", none: true},
+}
+
+// D has no graceful restart of its own: a fault of P's that has no D
+// twin goes to the D daemon's kill instead.
+var twin = map[int]int{0: 1, 1: 0, 2: 6, 6: 2, 3: 1, 4: 5, 5: 4}
+
+// fault injects one fault, drawn at random among those whose side is
+// up (one drawn for a side coming back goes to its twin on the other
+// side). It reports false where both sides are coming back.
+func (s *soak) fault() bool {
+	k := s.rng.IntN(len(faultKinds))
+	if f := faultKinds[k]; !f.none && s.sideOf(k).down {
+		if s.sideOf(twin[k]).down {
+			return false
+		}
+		k = twin[k]
+		s.retargeted++
 	}
-	return nil
+	f := faultKinds[k]
+	s.faults[f.name]++
+	sd := s.sideOf(k)
+	switch k {
+	case 0, 1:
+		s.kill(sd, f.name)
+	case 2, 6:
+		s.freeze(sd)
+	case 3:
+		s.restart(sd, f.name)
+	case 4, 5:
+		s.crash(sd, f.name)
+	}
+	return true
+}
+
+func (s *soak) sideOf(k int) *side {
+	if faultKinds[k].p {
+		return s.p
+	}
+	return s.d
+}
+
+// takeBacks takes in the restarts that ended, and reports whether one
+// failed (a violation: the side cannot be driven any more).
+func (s *soak) takeBacks() bool {
+	for {
+		select {
+		case b := <-s.backs:
+			if err := s.backAgain(b); err != nil {
+				s.violate("fault: could not bring a side back: %v", err)
+				return true
+			}
+		default:
+			return false
+		}
+	}
 }
 
 // check flags requests past their bound.
@@ -445,7 +562,8 @@ func main() {
 		os.Exit(2)
 	}
 	defer os.RemoveAll(dir)
-	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1))}
+	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1)),
+		backs: make(chan back, 2), slowest: map[string]time.Duration{}}
 	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *pTP, block: *pBlock, layerwise: *layerwise}
 	s.d = &side{name: "D", id: 2, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *dTP, block: *dBlock, layerwise: *layerwise}
 	for i := range blocks {
@@ -463,24 +581,50 @@ func main() {
 	}
 	fmt.Printf("soak: seed %d, %s %s, P tp%d block %d, D tp%d block %d, %v of faults every ~%v, bound %v, work dir %s\n", *seed, *backend, *modeName, *pTP, *pBlock, *dTP, *dBlock, *duration, *every, *bound, dir)
 	start := time.Now()
+	s.start = start
+	// Fault slots come at random, ~every apart, from the schedule: a
+	// restart under way delays none.
 	nextFault := start.Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
+	broken := false
 	for time.Since(start) < *duration {
-		if len(s.p.free) >= tokens/s.p.block && len(s.d.free) >= tokens/s.d.block {
+		if broken = s.takeBacks(); broken {
+			break
+		}
+		if !s.p.down && !s.d.down && len(s.p.free) >= tokens/s.p.block && len(s.d.free) >= tokens/s.d.block {
 			s.issue()
 		}
 		s.drive()
 		now := time.Now()
 		if now.After(nextFault) {
-			if err := s.fault(); err != nil {
-				s.violate("fault: could not bring a daemon back: %v", err)
-				break
+			s.asked++
+			if !s.fault() {
+				s.missed++
 			}
-			nextFault = time.Now().Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
+			nextFault = nextFault.Add(time.Duration(s.rng.Int64N(int64(2 * *every))))
 		}
 		s.check(now)
 		time.Sleep(2 * time.Millisecond)
 	}
-	// Settle: no more faults or requests; everything must end.
+	// Settle: no more faults or requests; the restarts under way end,
+	// then every request must.
+	for s.p.down || s.d.down {
+		b := <-s.backs
+		if err := s.backAgain(b); err != nil {
+			s.violate("fault: could not bring a side back: %v", err)
+			broken = true
+		}
+	}
+	if broken {
+		// A side that could not come back has no engine to drive; its
+		// daemons go (none is left running), their logs stay.
+		for _, sd := range []*side{s.p, s.d} {
+			if sd.d != nil {
+				_ = sd.d.Kill()
+			}
+		}
+		fmt.Printf("violations: %d (work dir %s kept: the daemons' logs)\n", len(s.violations), dir)
+		os.Exit(1)
+	}
 	for deadline := time.Now().Add(*bound + 10*time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 		s.drive()
 		s.check(time.Now())
@@ -507,9 +651,21 @@ func main() {
 	_ = s.p.d.Stop()
 	_ = s.d.d.Stop()
 	fmt.Printf("soak: %d requests in %v\n", s.next, time.Since(start).Round(time.Second))
-	fmt.Println("faults:")
+	injected := 0
+	for _, n := range s.faults {
+		injected += n
+	}
+	fmt.Printf("faults: asked %d (every ~%v over %v), injected %d (%d moved to the other side, theirs coming back), missed %d (both sides coming back)\n",
+		s.asked, *every, *duration, injected, s.retargeted, s.missed)
 	for _, k := range slices.Sorted(maps.Keys(s.faults)) {
-		fmt.Printf("  %-20s %d\n", k, s.faults[k])
+		slow := ""
+		if d, ok := s.slowest[k]; ok {
+			slow = fmt.Sprintf("  (slowest back in %.2fs)", d.Seconds())
+		}
+		fmt.Printf("  %-20s %d%s\n", k, s.faults[k], slow)
+	}
+	if injected*2 < s.asked {
+		s.violate("only %d of the %d faults asked were injected: the soak tested less than it says", injected, s.asked)
 	}
 	fmt.Println("endings:")
 	for _, k := range slices.Sorted(maps.Keys(s.results)) {
@@ -518,6 +674,7 @@ func main() {
 	fmt.Printf("longest attach: P %v, D %v\n", s.p.attachWait.Round(time.Millisecond), s.d.attachWait.Round(time.Millisecond))
 	fmt.Printf("violations: %d\n", len(s.violations))
 	if len(s.violations) > 0 {
-		os.Exit(1)
+		fmt.Printf("work dir %s kept: the daemons' logs\n", dir)
+		os.Exit(1) // (the deferred removal does not run)
 	}
 }
