@@ -178,8 +178,7 @@ func (st *loopState) holdCheckTimer(t timerEntry) {
 		// lost) frees its blocks now. The notice names the blocks, so
 		// that a producer holding a request under the same names in
 		// other blocks (not this one) does not end it.
-		st.sendTo(e, to, &msg{Kind: msgFail, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID,
-			FailKind: FailurePeerGone, Reason: reason, Spans: r.req.Remote.Blocks})
+		st.tellP(e, r, to, msgFail, FailurePeerGone, reason)
 	}
 	st.decide(r, ResultFailed, FailurePeerGone, reason)
 	st.tryReport(r)

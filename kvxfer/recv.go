@@ -598,7 +598,20 @@ func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, fk Fail
 	if p, ok := e.peers[to]; ok {
 		r.told(p)
 	}
-	st.sendTo(e, to, &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: fk, Reason: reason})
+	st.sendTo(e, to, r.notice(k, fk, reason))
+}
+
+// notice is a bare message about r. One of a request whose params went
+// through the hold check names their producer blocks, as its questions
+// did: a producer holding a request under the same names in other blocks
+// (a restarted one's, the router retrying it) does not take it for that
+// one's (holdcheck.go).
+func (r *recvReq) notice(k msgKind, fk FailureKind, reason string) *msg {
+	m := &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: fk, Reason: reason}
+	if r.hc != nil {
+		m.Spans = r.req.Remote.Blocks
+	}
+	return m
 }
 
 // recvSettled handles the end of one of a pull consumer's READs.

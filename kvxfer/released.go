@@ -86,6 +86,6 @@ func (st *loopState) releaseAsked(r *recvReq, o Outcome) {
 			continue
 		}
 		a.told = true
-		st.notify(a.peer, &msg{Kind: msgFail, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: kind, Reason: reason})
+		st.notify(a.peer, r.notice(msgFail, kind, reason))
 	}
 }
