@@ -201,3 +201,60 @@ func heldIn(spans []topology.Span, s *sendReq) bool {
 	}
 	return true
 }
+
+// maxEarlyAsks caps the requests a producer keeps hold questions for
+// before it holds them; maxAsksPerRequest the questions kept for one (one
+// per consumer rank and request, its latest).
+const (
+	maxEarlyAsks      = 1 << 12
+	maxAsksPerRequest = 64
+)
+
+// stashAsk keeps a consumer's hold question about a request this
+// producer rank does not hold yet (the consumer's params reached it before
+// our engine's step did): the request's arrival answers it at once
+// (replayAsks), where the consumer would otherwise learn of it only at
+// its next ask, up to 400 ms later. Kept for twice the check's bound
+// (its asker has given up by then), bounded in count.
+func (st *loopState) stashAsk(m *msg) {
+	key := m.IDs[1]
+	if key == "" {
+		key = "tid:" + m.IDs[0]
+	}
+	e := st.earlyAsks[key]
+	if e == nil {
+		if len(st.earlyAsks) >= maxEarlyAsks {
+			st.metrics.Dropped("hold_ask_unknown_request")
+			return
+		}
+		e = &earlyNotes{at: st.now}
+		st.earlyAsks[key] = e
+	}
+	for i, o := range e.msgs {
+		if o.from == m.from && o.IDs[2] == m.IDs[2] {
+			e.msgs[i] = m // its latest
+			return
+		}
+	}
+	if len(e.msgs) >= maxAsksPerRequest {
+		st.metrics.Dropped("hold_ask_unknown_request")
+		return
+	}
+	e.msgs = append(e.msgs, m)
+}
+
+// replayAsks answers the hold questions kept for pull request s, which
+// this rank now holds (onHeartbeat: one about other blocks, or another
+// transfer, is not answered, and goes back to wait for its request).
+func (st *loopState) replayAsks(s *sendReq) {
+	for _, key := range [...]string{s.req.ReqID, "tid:" + s.req.TransferID} {
+		e := st.earlyAsks[key]
+		if e == nil || key == "tid:" {
+			continue
+		}
+		delete(st.earlyAsks, key)
+		for _, m := range e.msgs {
+			st.onHeartbeat(m)
+		}
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
@@ -353,4 +354,35 @@ func TestPullConsumerCloseFreesProducerHold(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A consumer's hold question that reaches the producer before the
+// producer's engine hands it the request (the params beat the engine's
+// step) is answered as the request arrives, not at the consumer's next
+// ask: the request is read with no time passing. Before, the producer
+// dropped the question, and the consumer learned it held the request
+// only at its next ask, 50 ms later (and more, 1 s in all, for later
+// ones); tests that stepped the consumer before the producer and did not
+// let time pass flaked on which came first.
+func TestPullHoldAskBeforeRequestAnsweredOnArrival(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 1, 1, nil)
+		now := time.Now()
+		q := x.req("a", 40, 0)
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{q.recv(kvxfer.ModePull, x.p, now.Add(time.Minute))}})
+		synctest.Wait() // D asked; P does not hold it yet
+		if got := x.recvResult(q); len(got) != 0 {
+			t.Fatalf("D outcome %+v before P holds the request", got)
+		}
+		x.p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{q.send(now.Add(30 * time.Second))}})
+		x.settle()
+		if d := time.Since(now); d != 0 {
+			t.Errorf("%v passed, want none", d)
+		}
+		wantResult(t, "D", x.recvResult(q), kvxfer.ResultDone, "")
+		wantResult(t, "P", x.sendResult(q), kvxfer.ResultDone, "")
+		if err := x.d.ranks[0][0].CheckRequest(&q.sim, 16, 16); err != nil {
+			t.Fatal(err)
+		}
+	})
 }

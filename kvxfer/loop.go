@@ -453,6 +453,7 @@ func (st *loopState) init(w *Worker) {
 	st.abortedP = map[string]goneSend{}
 	st.abortedT = map[string]goneSend{}
 	st.early = map[string]*earlyNotes{}
+	st.earlyAsks = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
 	st.waits = map[string]*waitReq{}
 	st.handles = map[XferID]*handle{}
@@ -922,7 +923,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 ||
+	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 || len(st.earlyAsks) > 0 ||
 		len(st.lost) > 0
 }
 
@@ -991,6 +992,11 @@ func (st *loopState) tick(now time.Time) {
 	}
 	maps.DeleteFunc(st.abortedP, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
+	for k, e := range st.earlyAsks {
+		if now.Sub(e.at) > 2*holdCheckBound() { // (its asker gave up)
+			delete(st.earlyAsks, k)
+		}
+	}
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
 			delete(st.early, k)

@@ -46,6 +46,7 @@ type producerState struct {
 	ambRegs    []*regGroup
 	ambSends   []*sendReq
 	early      map[string]*earlyNotes // pull: notices before their request
+	earlyAsks  map[string]*earlyNotes // pull: hold questions before their request (holdcheck.go)
 	layerSteps map[uint64][]string    // layer-wise: step -> P ids prefilled in it
 }
 
@@ -211,6 +212,7 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 			st.holdOp(s.req.Blocks, 1, s.req.ReqID, s.req.TransferID)
 		}
 		st.replayEarly(s)
+		st.replayAsks(s)
 	}
 	if st.cfg.Mode == ModePush {
 		for {
@@ -1570,6 +1572,13 @@ func (st *loopState) onHeartbeat(m *msg) {
 			if c := st.matched[regKey{engine: m.Engine, dreq: dreq}]; c != nil && namesTransfer(c.match.tid, c.req.ReqID, tid, preq) {
 				s = c
 			}
+		}
+		if s == nil && ans != nil && len(m.Spans) > 0 && len(m.IDs) == 3 {
+			// A consumer's hold check asks before our engine handed us
+			// the request (its step not applied yet): answered when it
+			// is (replayAsks), not at the consumer's next ask.
+			st.stashAsk(m)
+			continue
 		}
 		if s == nil || s.done || s.expired || s.prefill {
 			// A request still prefilling (layer-wise) has no lease to
