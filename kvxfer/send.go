@@ -225,7 +225,11 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 			if g.gaveUp != "" {
 				// The consumer gave the request up before it arrived.
 				st.dropReg(g.key)
-				st.failUnmatched(s, FailureCancelled, g.gaveUp)
+				kind := g.gaveUpKind
+				if kind == FailureNone {
+					kind = FailureCancelled
+				}
+				st.failUnmatched(s, kind, g.gaveUp)
 				return s
 			}
 			if !g.until.IsZero() && !st.now.Before(g.until) {
@@ -733,6 +737,16 @@ func (st *loopState) onReg(m *msg) {
 				why, kind = fmt.Sprintf("transfer %q of consumer request %q (producer request %q) was completed already; "+
 					"a registration for it again cannot be told apart from the completed one: give each transfer its own transfer_id",
 					m.TransferID, m.DReq, tb.preq), FailureSetup
+				// The producer request of that transfer we may hold
+				// now, or get later (the new request's, the engine's
+				// second under its id), is written to no consumer: its
+				// one consumer is failed here. It fails at once, as
+				// for a consumer that gave it up, instead of holding
+				// its blocks for its lease. Only one we hold is failed
+				// where no transfer id names the transfer: a late copy
+				// of the finished one's registration (a retransmission)
+				// is kept for nothing that only pairs by request id.
+				st.giveUpNamed(k, m, kind, why, m.TransferID != "")
 			}
 			st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
 				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why, FailKind: kind})
@@ -1636,7 +1650,14 @@ func (st *loopState) onCancel(m *msg) {
 			ack = &msg{Kind: msgDone, TransferID: tb.tid, DReq: m.DReq, PReq: tb.preq}
 		}
 		st.sendTo(e, rankRef{tp: m.TPRank}, ack)
-		if !had {
+		if !had || st.regs[k] == nil {
+			// Also after a tombstone that names it: a cancel of the
+			// request that ended, which asks for its completion notice
+			// again, or of a new request under its ids (a consumer that
+			// refused it, reusedTransfer): the producer request of that
+			// transfer we hold now, or get later, would be the new
+			// one's, and is written to no consumer. Kept waiting only
+			// as long as registrations (RegistrationTTL).
 			st.consumerGaveUp(k, m)
 		}
 		return
@@ -1667,14 +1688,30 @@ func (st *loopState) onCancel(m *msg) {
 // Which request it names is decided as for a registration (pairOf):
 // exactly, or by base id only where that is not ambiguous.
 func (st *loopState) consumerGaveUp(k regKey, m *msg) {
-	st.supersede(k, m.TransferID)
-	why := "consumer gave up: " + m.Reason
+	st.giveUpNamed(k, m, FailureCancelled, "consumer gave up: "+m.Reason, true)
+}
+
+// giveUpNamed fails the producer request that m, a consumer's message
+// under key k, names (as consumerGaveUp), with kind and why: at once if
+// held, else, if wait, when it arrives (unless a give-up of it waits
+// already). Without wait only a request it names exactly is failed.
+func (st *loopState) giveUpNamed(k regKey, m *msg, kind FailureKind, why string, wait bool) {
+	if g := st.regs[k]; g != nil && g.gaveUp != "" && g.tid == m.TransferID {
+		return
+	}
 	g := &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
-		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why}
+		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why, gaveUpKind: kind}
+	if !wait {
+		if s, _, _ := st.findSend(g); s != nil && pairOf(g, s.req.ReqID, s.req.TransferID) == pairExact {
+			st.failUnmatched(s, kind, why)
+		}
+		return
+	}
+	st.supersede(k, m.TransferID)
 	s, _, amb := st.findSend(g)
 	switch {
 	case s != nil:
-		st.failUnmatched(s, FailureCancelled, why)
+		st.failUnmatched(s, kind, why)
 	case amb != nil:
 		st.metrics.Dropped("cancel_ambiguous")
 	case len(st.regs) >= maxRegs:
