@@ -246,7 +246,11 @@ type sendReq struct {
 	preempted, retaken bool
 
 	// push: the matched D request.
-	match  *regGroup
+	match *regGroup
+	// again: registrations from its D ranks that came after the rank's
+	// part may have ended at the consumer (onReg), at most one per rank,
+	// handled once it ends (replayRegs).
+	again  []*msg
 	expect []int
 	ranks  map[int]*dRank
 

@@ -30,6 +30,9 @@ type producerState struct {
 	// from reuse until it ends (a caller up the stack may still read
 	// one); freeSends: records of earlier inputs, cleared, for addSend.
 	deadSends []*sendReq
+	// regAgain: registrations held back while their pair was held
+	// (sendReq.again), to be handled once the input that ended it is.
+	regAgain  []*msg
 	freeSends []*sendReq
 	regs      map[regKey]*regGroup // unmatched registrations
 	// regIDs: the block ids their registrations hold (maxRegIDs).
@@ -690,6 +693,22 @@ func (st *loopState) dropReg(k regKey) {
 	}
 }
 
+// replayRegs handles the registrations held back while their pair was
+// held (sendReq.again), once it ended: a Worker closing drops them.
+func (st *loopState) replayRegs() {
+	for len(st.regAgain) > 0 {
+		ms := st.regAgain
+		st.regAgain = nil
+		for _, m := range ms {
+			if st.closing {
+				st.metrics.Dropped("reg_duplicate")
+				continue
+			}
+			st.onReg(m)
+		}
+	}
+}
+
 // onReg handles a D rank's registration (push).
 func (st *loopState) onReg(m *msg) {
 	if st.cfg.Mode != ModePush {
@@ -796,6 +815,24 @@ func (st *loopState) onReg(m *msg) {
 				why = fmt.Sprintf("consumer rank %d cancelled: %s", m.TPRank, r.reason)
 			}
 			st.tellD(s, m.TPRank, &msg{Kind: msgFail, Reason: why, FailKind: r.kind})
+			return
+		}
+		if r := s.ranks[m.TPRank]; r != nil && m.TPSize == s.match.dTP && len(m.Spans) > 0 &&
+			(r.state == rkPosted || r.state == rkDone || r.state == rkReleased) {
+			// This rank's part may be over at the consumer already: our
+			// completion notice may have reached it (it goes with the
+			// WRITE, before we see the WRITE end), or it released the
+			// request. A registration now is a copy of its first, or a
+			// new request under the consumer id, transfer id and
+			// producer request (a router that reuses transfer ids, its
+			// consumer acting on our notice at once). Dropped as a
+			// duplicate, the new request waited for its deadline and
+			// our tombstone answered its cancel with this pair's
+			// completion notice: blocks reported loaded that nothing
+			// wrote. It is handled once the pair ends, as one arriving
+			// then is (regAgain): failed, naming the transfer.
+			s.again = slices.DeleteFunc(s.again, func(x *msg) bool { return x.TPRank == m.TPRank })
+			s.again = append(s.again, m)
 			return
 		}
 		st.addRank(s, m)
@@ -1517,6 +1554,11 @@ func (st *loopState) forgetSend(s *sendReq) {
 			}
 		}
 		st.tombs[s.match.key] = tb
+		// Registrations that came while it was held, after a rank's part
+		// may have ended at the consumer: handled now, against the
+		// tombstone, at the end of the input (replayRegs).
+		st.regAgain = append(st.regAgain, s.again...)
+		s.again = nil
 	}
 	for _, r := range s.ranks {
 		if r.inflight != 0 {

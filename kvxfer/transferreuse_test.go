@@ -2,6 +2,8 @@ package kvxfer_test
 
 import (
 	"fmt"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -238,4 +240,100 @@ func TestPullTransferReusedReadsItsOwnBlocks(t *testing.T) {
 			})
 		})
 	}
+}
+
+// lateDone is a backend whose sender learns that a transfer ended only
+// once let: the bytes land and the receiver has the notification, while
+// the sender's polls still say in progress (the window between a
+// consumer acting on a WRITE's notification and its producer seeing the
+// WRITE done).
+type lateDone struct {
+	kvxfer.Backend
+	mu   sync.Mutex
+	hold bool
+}
+
+func (b *lateDone) State(id kvxfer.XferID) (kvxfer.XferState, error) {
+	s, err := b.Backend.State(id)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.hold && s == kvxfer.XferDone {
+		return kvxfer.XferInProgress, nil
+	}
+	return s, err
+}
+
+func (b *lateDone) let() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.hold = false
+}
+
+// The window before the producer tombstones a pair: the consumer acts on
+// the WRITE's notification (its request done, its engine reuses the ids
+// at once) while the producer has not yet seen its WRITE end, so it still
+// holds the pair when the new request's registration arrives. A consumer
+// that remembers the finished transfer refuses the new request itself
+// (TestConsumerRefusesAFinishedTransferReusedAtIntake); this one does not
+// (its RegistrationTTL passed, as for a consumer without that check, or
+// one past its bound). The registration must not be dropped as a
+// duplicate of the held pair's: the new request then waited for its
+// deadline, cancelled, and the producer, its pair tombstoned by then,
+// answered the cancel with the finished transfer's completion notice (D
+// reported blocks loaded that nothing wrote). It fails, naming the
+// transfer id, and the producer's request of that transfer fails too,
+// long before its lease of an hour.
+func TestTransferReusedBeforeTheProducerSawItsWriteEnd(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		gate := &lateDone{hold: true}
+		x := newPair(t, kvxfer.ModePush, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+			switch side {
+			case "P":
+				gate.Backend, c.Backend = c.Backend, gate
+			case "D":
+				c.RegistrationTTL = time.Second
+			}
+		})
+		first := x.req("first", 40, 0)
+		x.recvD(first)
+		x.sendP(first)
+		x.settle()
+		wantResult(t, "D's first", x.recvResult(first), kvxfer.ResultDone, "")
+		if got := x.sendResult(first); len(got) != 0 {
+			t.Fatalf("P's first ended before its WRITE was seen to: %+v", got)
+		}
+		time.Sleep(2 * time.Second) // past D's memory of the first
+		x.settle()
+		x.out = newOutcomes()
+		u := &reuse{x: x, second: x.req("second", 40, 0)}
+		posted := x.posted()
+		u.stepD(t)
+		gate.let()
+		time.Sleep(time.Millisecond) // P's next poll
+		x.settle()
+		wantResult(t, "P's first", x.out.send["p-first"], kvxfer.ResultDone, "")
+		if len(x.out.recv["d-first"]) == 0 {
+			t.Errorf("D's second has no outcome once P's first ended, want it failed then")
+		}
+		time.Sleep(2 * time.Minute) // past D's deadline for the second
+		x.settle()
+		got := x.out.recv["d-first"]
+		if len(got) == 1 && got[0].Result == kvxfer.ResultDone {
+			if err := x.d.ranks[0][0].CheckRequest(&u.second.sim, 16, 16); err != nil {
+				t.Fatalf("D's second request reported done, its blocks hold: %v (WRITEs posted for it: %d)", err, x.posted()-posted)
+			}
+		}
+		wantResult(t, "D's second", got, kvxfer.ResultFailed, `"t-first"`)
+		if got[0].Reason == "" || !strings.Contains(got[0].Reason, "completed already") {
+			t.Errorf("D's second failed as %q, want the producer's word that the transfer completed already (not its own deadline)", got[0].Reason)
+		}
+		// P's engine hands over its next request under the id once the
+		// first one ended.
+		x.out = newOutcomes()
+		u.stepP(t)
+		wantResult(t, "P's second (lease an hour away)", x.out.send["p-first"], kvxfer.ResultFailed, `"t-first"`)
+		if s := x.held(x.p); s.Sends != 0 || s.Matches != 0 || s.PendingRegs != 0 {
+			t.Errorf("P holds %+v after both its requests ended", s)
+		}
+	})
 }
