@@ -1692,15 +1692,20 @@ func (st *loopState) onCancel(m *msg) {
 			ack = &msg{Kind: msgDone, TransferID: tb.tid, DReq: m.DReq, PReq: tb.preq}
 		}
 		st.sendTo(e, rankRef{tp: m.TPRank}, ack)
-		if !had || st.regs[k] == nil {
+		switch {
+		case !had:
+			st.consumerGaveUp(k, m)
+		case st.regs[k] == nil:
 			// Also after a tombstone that names it: a cancel of the
 			// request that ended, which asks for its completion notice
 			// again, or of a new request under its ids (a consumer that
 			// refused it, reusedTransfer): the producer request of that
 			// transfer we hold now, or get later, would be the new
-			// one's, and is written to no consumer. Kept waiting only
-			// as long as registrations (RegistrationTTL).
-			st.consumerGaveUp(k, m)
+			// one's, and is written to no consumer. Kept waiting (as
+			// long as registrations: RegistrationTTL) only where a
+			// transfer id names it: a give-up by request id alone may
+			// pair by base id with an unrelated later request.
+			st.giveUpNamed(k, m, FailureCancelled, "consumer gave up: "+m.Reason, m.TransferID != "")
 		}
 		return
 	}
