@@ -67,6 +67,9 @@ func (st *loopState) Step(now time.Time, in input) {
 	case inReleased:
 		st.released(in.xfer)
 	}
+	if len(st.regAgain) > 0 {
+		st.replayRegs()
+	}
 	if st.beatFresh && !st.closing {
 		st.heartbeatFresh() // (waiting requests this input added or readied)
 	}

@@ -193,6 +193,9 @@ type regGroup struct {
 	// before it registered), waiting to fail its producer request when
 	// that arrives; why it gave up.
 	gaveUp string
+	// gaveUpKind: the failure kind the give-up fails its producer
+	// request with (FailureNone: FailureCancelled).
+	gaveUpKind FailureKind
 	// ids: the block ids of the registrations in ranks (counted in
 	// loopState.regIDs while the group waits in regs).
 	ids int
@@ -243,7 +246,11 @@ type sendReq struct {
 	preempted, retaken bool
 
 	// push: the matched D request.
-	match  *regGroup
+	match *regGroup
+	// again: registrations from its D ranks that came after the rank's
+	// part may have ended at the consumer (onReg), at most one per rank,
+	// handled once it ends (replayRegs).
+	again  []*msg
 	expect []int
 	ranks  map[int]*dRank
 
@@ -990,6 +997,7 @@ func (st *loopState) tick(now time.Time) {
 			delete(st.tombs, k)
 		}
 	}
+	st.sweepEnded(now)
 	maps.DeleteFunc(st.abortedP, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	for k, e := range st.earlyAsks {

@@ -26,7 +26,30 @@ type consumerState struct {
 	waits     map[string]*waitReq
 	fresh     []string
 	beatFresh bool
+	// ended: push consumer requests that registered with their producer
+	// and ended, by id, for RegistrationTTL; endedQ: their ids in the
+	// order they ended (reusedTransfer). At most maxEnded of either.
+	ended  map[string]endedRecv
+	endedQ []endedAt
 }
+
+// endedRecv is what a push consumer rank remembers of a request of its
+// that registered with its producer and ended: when, and the transfer it
+// named (the producer engine, transfer id and producer request).
+type endedRecv struct {
+	at                time.Time
+	engine, tid, preq string
+}
+
+// endedAt is an entry of consumerState.endedQ.
+type endedAt struct {
+	id string
+	at time.Time
+}
+
+// maxEnded bounds the ended push consumer requests a rank remembers
+// (reusedTransfer); past it the oldest is forgotten first.
+const maxEnded = 1 << 16
 
 // Consumer side: registrations (push), READs (pull), completion counting,
 // deadlines, cancels and fencing.
@@ -50,6 +73,9 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		// released below, or it would hold its blocks for its lease.)
 		st.metrics.BadInput("recv_req.duplicate")
 		st.log.Warn("kvxfer: RecvReq for a request already receiving", "req", in.ReqID)
+		return
+	}
+	if len(in.Local) > 0 && st.reusedTransfer(in) {
 		return
 	}
 	if len(in.Local) == 0 {
@@ -895,6 +921,7 @@ func (st *loopState) tryReport(r *recvReq) {
 func (st *loopState) finishRecv(r *recvReq, o Outcome) {
 	delete(st.recvs, r.req.ReqID)
 	st.releaseAsked(r, o)
+	st.rememberEnded(r)
 	st.revoke(r)
 	if o.Result != ResultDone {
 		st.out.InvalidBlocks = append(st.out.InvalidBlocks, group0(r.req.Local)...)
@@ -1359,4 +1386,113 @@ func sortedRefs[V any](m map[rankRef]V) []rankRef {
 		}
 	}
 	return out
+}
+
+// Transfer ids reused (push). A producer tombstones each consumer request
+// it finished, by consumer engine and request id, for its
+// RegistrationTTL: a registration that names the same transfer (transfer
+// id, else producer request: tomb.names) is a late copy of the finished
+// one's as far as it can tell. A new request under the consumer id,
+// transfer id and producer request of one that finished (a router that
+// reuses its ids) is therefore never served: our producer fails its
+// registration, and one without that check dropped it and answered its
+// cancel with the finished transfer's completion notice, which the new
+// request counted: blocks reported loaded that nothing wrote. So the
+// consumer refuses such a request itself, at its engine's intake, before
+// it registers (its engine recomputes at once instead of waiting for the
+// producer's answer), and cancels it at the producer, so that the
+// producer's request of that transfer fails at once instead of holding
+// its blocks for its lease.
+//
+// Remembered are push requests that registered (one that never did left
+// nothing at its producer), for this rank's RegistrationTTL (a producer
+// whose TTL is longer is covered by its own check) and at most maxEnded
+// of them, the oldest forgotten first.
+
+// rememberEnded notes a consumer request that ended (reusedTransfer).
+func (st *loopState) rememberEnded(r *recvReq) {
+	if st.cfg.Mode != ModePush || !r.sent {
+		return
+	}
+	for len(st.endedQ) >= maxEnded {
+		st.forgetEnded()
+	}
+	if st.ended == nil {
+		st.ended = map[string]endedRecv{}
+	}
+	st.ended[r.req.ReqID] = endedRecv{at: st.now, engine: r.req.Remote.EngineID, tid: r.req.TransferID, preq: r.req.Remote.ReqID}
+	st.endedQ = append(st.endedQ, endedAt{id: r.req.ReqID, at: st.now})
+}
+
+// forgetEnded forgets the oldest ended request remembered, unless its id
+// ended again since (a later entry of endedQ is that one's).
+func (st *loopState) forgetEnded() {
+	e := st.endedQ[0]
+	st.endedQ[0] = endedAt{}
+	st.endedQ = st.endedQ[1:]
+	if x, ok := st.ended[e.id]; ok && x.at.Equal(e.at) {
+		delete(st.ended, e.id)
+	}
+	if len(st.endedQ) == 0 {
+		st.endedQ = nil
+	}
+}
+
+// sweepEnded forgets the ended requests older than RegistrationTTL.
+func (st *loopState) sweepEnded(now time.Time) {
+	for len(st.endedQ) > 0 && now.Sub(st.endedQ[0].at) > st.cfg.RegistrationTTL {
+		st.forgetEnded()
+	}
+}
+
+// reusedTransfer refuses a new push consumer request that names the
+// transfer of a request under its id that ended within RegistrationTTL
+// (counted as bad input of the field that names it, its one outcome
+// failed, its blocks reported invalid), and tells its producer, which
+// ends its request of that transfer at once.
+func (st *loopState) reusedTransfer(in *RecvReq) bool {
+	if st.cfg.Mode != ModePush || len(st.ended) == 0 {
+		return false
+	}
+	e, ok := st.ended[in.ReqID]
+	if !ok || st.now.Sub(e.at) > st.cfg.RegistrationTTL || e.engine != in.Remote.EngineID ||
+		!namesTransfer(e.tid, e.preq, in.TransferID, in.Remote.ReqID) {
+		return false
+	}
+	field, val := "recv_req.transfer_id", in.TransferID
+	if in.TransferID == "" || e.tid == "" {
+		field, val = "recv_req.remote.req_id", in.Remote.ReqID
+	}
+	why := fmt.Sprintf("%s %q: consumer request %q of producer engine %q (producer request %q, transfer id %q) ended %v ago under this transfer; "+
+		"a producer cannot tell a new transfer under the same ids from the finished one: give each transfer its own transfer_id",
+		field, val, in.ReqID, in.Remote.EngineID, in.Remote.ReqID, in.TransferID, st.now.Sub(e.at))
+	st.log.Warn("kvxfer: consumer request reuses a finished transfer: refused", "req", in.ReqID, "transfer_id", in.TransferID,
+		"remote_engine_id", in.Remote.EngineID, "remote_request_id", in.Remote.ReqID)
+	st.refuse(RoleConsumer, in.ReqID, in.Local, field, FailureSetup, why)
+	st.cancelProducer(in, why)
+	return true
+}
+
+// cancelProducer tells the producer ranks of a consumer request this rank
+// refused before it registered that it gave the request up, as a
+// consumer that registered tells them when it fails: the producer's
+// request fails at once (consumerGaveUp) instead of holding its blocks
+// for its lease.
+func (st *loopState) cancelProducer(in *RecvReq, why string) {
+	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
+	if elsewhere {
+		return
+	}
+	tp, pp := max(in.Remote.TPSize, 1), max(in.Remote.PPSize, 1)
+	if e.state == hsReady {
+		tp, pp = e.tpSize, e.ppSize
+	}
+	targets, err := st.targets(tp, pp)
+	if err != nil {
+		st.log.Warn("kvxfer: cannot cancel at the producer", "req", in.ReqID, "err", err)
+		return
+	}
+	for _, to := range targets {
+		st.sendTo(e, to, &msg{Kind: msgCancel, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID, Reason: why, FailKind: FailureSetup})
+	}
 }

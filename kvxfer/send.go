@@ -30,6 +30,9 @@ type producerState struct {
 	// from reuse until it ends (a caller up the stack may still read
 	// one); freeSends: records of earlier inputs, cleared, for addSend.
 	deadSends []*sendReq
+	// regAgain: registrations held back while their pair was held
+	// (sendReq.again), to be handled once the input that ended it is.
+	regAgain  []*msg
 	freeSends []*sendReq
 	regs      map[regKey]*regGroup // unmatched registrations
 	// regIDs: the block ids their registrations hold (maxRegIDs).
@@ -227,7 +230,11 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 			if g.gaveUp != "" {
 				// The consumer gave the request up before it arrived.
 				st.dropReg(g.key)
-				st.failUnmatched(s, FailureCancelled, g.gaveUp)
+				kind := g.gaveUpKind
+				if kind == FailureNone {
+					kind = FailureCancelled
+				}
+				st.failUnmatched(s, kind, g.gaveUp)
 				return s
 			}
 			if !g.until.IsZero() && !st.now.Before(g.until) {
@@ -688,6 +695,22 @@ func (st *loopState) dropReg(k regKey) {
 	}
 }
 
+// replayRegs handles the registrations held back while their pair was
+// held (sendReq.again), once it ended: a Worker closing drops them.
+func (st *loopState) replayRegs() {
+	for len(st.regAgain) > 0 {
+		ms := st.regAgain
+		st.regAgain = nil
+		for _, m := range ms {
+			if st.closing {
+				st.metrics.Dropped("reg_duplicate")
+				continue
+			}
+			st.onReg(m)
+		}
+	}
+}
+
 // onReg handles a D rank's registration (push).
 func (st *loopState) onReg(m *msg) {
 	if st.cfg.Mode != ModePush {
@@ -735,6 +758,16 @@ func (st *loopState) onReg(m *msg) {
 				why, kind = fmt.Sprintf("transfer %q of consumer request %q (producer request %q) was completed already; "+
 					"a registration for it again cannot be told apart from the completed one: give each transfer its own transfer_id",
 					m.TransferID, m.DReq, tb.preq), FailureSetup
+				// The producer request of that transfer we may hold
+				// now, or get later (the new request's, the engine's
+				// second under its id), is written to no consumer: its
+				// one consumer is failed here. It fails at once, as
+				// for a consumer that gave it up, instead of holding
+				// its blocks for its lease. Only one we hold is failed
+				// where no transfer id names the transfer: a late copy
+				// of the finished one's registration (a retransmission)
+				// is kept for nothing that only pairs by request id.
+				st.giveUpNamed(k, m, kind, why, m.TransferID != "")
 			}
 			st.sendTo(st.ensureEngine(m.Engine, m.Addr), rankRef{tp: m.TPRank},
 				&msg{Kind: msgFail, TransferID: m.TransferID, DReq: m.DReq, PReq: tb.preq, Reason: why, FailKind: kind})
@@ -784,6 +817,24 @@ func (st *loopState) onReg(m *msg) {
 				why = fmt.Sprintf("consumer rank %d cancelled: %s", m.TPRank, r.reason)
 			}
 			st.tellD(s, m.TPRank, &msg{Kind: msgFail, Reason: why, FailKind: r.kind})
+			return
+		}
+		if r := s.ranks[m.TPRank]; r != nil && m.TPSize == s.match.dTP && len(m.Spans) > 0 &&
+			(r.state == rkPosted || r.state == rkDone || r.state == rkReleased) {
+			// This rank's part may be over at the consumer already: our
+			// completion notice may have reached it (it goes with the
+			// WRITE, before we see the WRITE end), or it released the
+			// request. A registration now is a copy of its first, or a
+			// new request under the consumer id, transfer id and
+			// producer request (a router that reuses transfer ids, its
+			// consumer acting on our notice at once). Dropped as a
+			// duplicate, the new request waited for its deadline and
+			// our tombstone answered its cancel with this pair's
+			// completion notice: blocks reported loaded that nothing
+			// wrote. It is handled once the pair ends, as one arriving
+			// then is (regAgain): failed, naming the transfer.
+			s.again = slices.DeleteFunc(s.again, func(x *msg) bool { return x.TPRank == m.TPRank })
+			s.again = append(s.again, m)
 			return
 		}
 		st.addRank(s, m)
@@ -1505,6 +1556,11 @@ func (st *loopState) forgetSend(s *sendReq) {
 			}
 		}
 		st.tombs[s.match.key] = tb
+		// Registrations that came while it was held, after a rank's part
+		// may have ended at the consumer: handled now, against the
+		// tombstone, at the end of the input (replayRegs).
+		st.regAgain = append(st.regAgain, s.again...)
+		s.again = nil
 	}
 	for _, r := range s.ranks {
 		if r.inflight != 0 {
@@ -1653,8 +1709,20 @@ func (st *loopState) onCancel(m *msg) {
 			ack = &msg{Kind: msgDone, TransferID: tb.tid, DReq: m.DReq, PReq: tb.preq}
 		}
 		st.sendTo(e, rankRef{tp: m.TPRank}, ack)
-		if !had {
+		switch {
+		case !had:
 			st.consumerGaveUp(k, m)
+		case st.regs[k] == nil:
+			// Also after a tombstone that names it: a cancel of the
+			// request that ended, which asks for its completion notice
+			// again, or of a new request under its ids (a consumer that
+			// refused it, reusedTransfer): the producer request of that
+			// transfer we hold now, or get later, would be the new
+			// one's, and is written to no consumer. Kept waiting (as
+			// long as registrations: RegistrationTTL) only where a
+			// transfer id names it: a give-up by request id alone may
+			// pair by base id with an unrelated later request.
+			st.giveUpNamed(k, m, FailureCancelled, "consumer gave up: "+m.Reason, m.TransferID != "")
 		}
 		return
 	}
@@ -1684,14 +1752,30 @@ func (st *loopState) onCancel(m *msg) {
 // Which request it names is decided as for a registration (pairOf):
 // exactly, or by base id only where that is not ambiguous.
 func (st *loopState) consumerGaveUp(k regKey, m *msg) {
-	st.supersede(k, m.TransferID)
-	why := "consumer gave up: " + m.Reason
+	st.giveUpNamed(k, m, FailureCancelled, "consumer gave up: "+m.Reason, true)
+}
+
+// giveUpNamed fails the producer request that m, a consumer's message
+// under key k, names (as consumerGaveUp), with kind and why: at once if
+// held, else, if wait, when it arrives (unless a give-up of it waits
+// already). Without wait only a request it names exactly is failed.
+func (st *loopState) giveUpNamed(k regKey, m *msg, kind FailureKind, why string, wait bool) {
+	if g := st.regs[k]; g != nil && g.gaveUp != "" && g.tid == m.TransferID {
+		return
+	}
 	g := &regGroup{key: k, tid: m.TransferID, preq: m.PReq, addr: m.Addr,
-		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why}
+		ranks: map[int]*msg{}, arrived: st.now, gaveUp: why, gaveUpKind: kind}
+	if !wait {
+		if s, _, _ := st.findSend(g); s != nil && pairOf(g, s.req.ReqID, s.req.TransferID) == pairExact {
+			st.failUnmatched(s, kind, why)
+		}
+		return
+	}
+	st.supersede(k, m.TransferID)
 	s, _, amb := st.findSend(g)
 	switch {
 	case s != nil:
-		st.failUnmatched(s, FailureCancelled, why)
+		st.failUnmatched(s, kind, why)
 	case amb != nil:
 		st.metrics.Dropped("cancel_ambiguous")
 	case len(st.regs) >= maxRegs:

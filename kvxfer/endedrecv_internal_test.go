@@ -1,0 +1,50 @@
+package kvxfer
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+// What a push consumer rank remembers of its ended requests (to refuse
+// one that reuses a finished transfer: reusedTransfer) is bounded by
+// count (maxEnded, the oldest forgotten first) and by time
+// (RegistrationTTL, swept at each tick and not trusted past it before
+// then), and an id that ended again is remembered as its latest request.
+func TestEndedConsumerRequestsBounded(t *testing.T) {
+	now := time.Unix(1000, 0)
+	st := newTestCore(t, "D", ModePush, traceLayout(0, 1, 1<<20), now)
+	end := func(id, tid string) {
+		st.rememberEnded(&recvReq{req: RecvReq{ReqID: id, TransferID: tid, Remote: RemoteRef{EngineID: "P", ReqID: "p-" + id}}, sent: true})
+	}
+	for i := range maxEnded + 10 {
+		end(fmt.Sprintf("d-%d", i), fmt.Sprintf("t-%d", i))
+	}
+	if len(st.ended) != maxEnded || len(st.endedQ) != maxEnded {
+		t.Fatalf("after %d ended: %d remembered, %d queued, want %d", maxEnded+10, len(st.ended), len(st.endedQ), maxEnded)
+	}
+	if _, ok := st.ended["d-9"]; ok {
+		t.Errorf("d-9, among the oldest, still remembered past the bound")
+	}
+	if _, ok := st.ended["d-10"]; !ok {
+		t.Errorf("d-10 forgotten within the bound")
+	}
+	// d-10 ends again under another transfer: remembered as that one, and
+	// not forgotten when its first entry leaves the queue.
+	st.now = now.Add(time.Second)
+	end("d-10", "t-again")
+	st.forgetEnded() // d-10's first entry
+	if e := st.ended["d-10"]; e.tid != "t-again" {
+		t.Errorf("d-10 remembered as %+v, want its latest transfer t-again", e)
+	}
+	// Past RegistrationTTL: not trusted, then swept.
+	st.now = now.Add(st.cfg.RegistrationTTL + 2*time.Second)
+	in := &RecvReq{ReqID: "d-11", TransferID: "t-11", Remote: RemoteRef{EngineID: "P", ReqID: "p-d-11"}}
+	if st.reusedTransfer(in) {
+		t.Errorf("a request ended past RegistrationTTL refused its transfer's reuse")
+	}
+	st.sweepEnded(st.now)
+	if len(st.ended) != 0 || len(st.endedQ) != 0 {
+		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", len(st.ended), len(st.endedQ))
+	}
+}
