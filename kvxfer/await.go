@@ -21,6 +21,10 @@ type waitReq struct {
 	holds []rankHold
 	beat  bool // heartbeaten at least once
 	fresh bool // listed in loopState.fresh
+	// asked are the producer agents its heartbeats reached (told of its
+	// end: endWait), in askedBuf while few.
+	asked    []askedAgent
+	askedBuf [2]askedAgent
 }
 
 // maxWaits bounds the waiting requests a rank heartbeats: past it, a
@@ -51,8 +55,13 @@ func (st *loopState) newWait(a *AwaitReq) {
 		return
 	}
 	w := &waitReq{req: *a, since: st.now, fresh: true}
+	w.asked = w.askedBuf[:0]
 	if old := st.waits[a.ReqID]; old == nil || !old.fresh {
 		st.fresh = append(st.fresh, a.ReqID) // (one listing per id)
+	}
+	if old := st.waits[a.ReqID]; old != nil {
+		// Another request under its id: the earlier one ended.
+		st.releaseWait(old, FailureCancelled, "the consumer request ended while it waited in its engine's queue (another came under its id)")
 	}
 	st.waits[a.ReqID] = w
 	st.beatFresh = true
@@ -104,16 +113,28 @@ func (st *loopState) heartbeatFresh() {
 	st.heartbeat(by)
 }
 
-// takeWait hands a waiting request's answered holds to its receive.
+// takeWait hands a waiting request's answered holds to its receive, and
+// the agents its heartbeats reached, whom the receive's end tells
+// (releaseAsked). A wait of another request under its id ended: its
+// agents are told now.
 func (st *loopState) takeWait(r *recvReq) {
-	w := st.waits[r.req.ReqID]
+	w := st.popWait(&r.req)
 	if w == nil {
 		return
 	}
-	delete(st.waits, r.req.ReqID)
-	if w.req.TransferID == r.req.TransferID && w.req.Remote.ReqID == r.req.Remote.ReqID && w.req.Remote.EngineID == r.req.Remote.EngineID &&
-		w.req.Remote.Expiry.Equal(r.req.Remote.Expiry) {
+	if !w.sameRequest(&r.req) {
+		st.releaseWait(w, FailureCancelled, "the consumer request ended while it waited in its engine's queue (another came under its id)")
+		return
+	}
+	if w.req.Remote.Expiry.Equal(r.req.Remote.Expiry) {
 		r.holds = w.holds
+	}
+	for _, a := range w.asked {
+		if a.told {
+			r.told(a.peer)
+		} else {
+			r.ask(a.peer)
+		}
 	}
 }
 
@@ -144,7 +165,9 @@ func (st *loopState) waitHeartbeats(by map[string][]string) {
 		w := st.waits[id]
 		e := st.ensureEngine(w.req.Remote.EngineID, w.req.Remote.Addr)
 		if st.waitLapsed(w, e) {
-			delete(st.waits, id)
+			// (By our estimate: an answer lost, the producer may hold it
+			// still.)
+			st.endWait(id, FailureExpired, "the consumer request's producer hold lapsed while it waited in its engine's queue")
 			st.metrics.Dropped("await_lapsed")
 			continue
 		}
@@ -155,7 +178,7 @@ func (st *loopState) waitHeartbeats(by map[string][]string) {
 			// producer's blocks held as long as this rank lives. Its
 			// hold lapses now as any unasked one does (a recompute if
 			// the request is allocated after all).
-			delete(st.waits, id)
+			st.endWait(id, FailureExpired, "the consumer request waited in its engine's queue past RegistrationTTL")
 			st.metrics.Dropped("await_ttl")
 			continue
 		}

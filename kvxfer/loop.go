@@ -571,7 +571,14 @@ func (st *loopState) step(meta *StepMeta) {
 		}
 	}
 	for _, id := range meta.AwaitEnd {
-		delete(st.waits, id)
+		// Told of its end after this step's receives: one of them may be
+		// its own (an empty receive releases its producer itself).
+		if w := st.waits[id]; w != nil {
+			delete(st.waits, id)
+			if w.untold() {
+				st.endedWaits = append(st.endedWaits, w)
+			}
+		}
 	}
 	for i := range meta.Await {
 		st.newWait(&meta.Await[i])
@@ -581,6 +588,11 @@ func (st *loopState) step(meta *StepMeta) {
 			st.newRecv(&meta.Recv[i], rebase(meta.Recv[i].Deadline, meta.SchedulerClock, now))
 		}
 	}
+	for _, w := range st.endedWaits {
+		st.releaseWait(w, FailureCancelled, "the consumer request ended while it waited in its engine's queue")
+	}
+	clear(st.endedWaits)
+	st.endedWaits = st.endedWaits[:0]
 }
 
 // DefaultMaxRequests is WorkerConfig.MaxRequests' default: requests held
@@ -742,7 +754,12 @@ func (st *loopState) report(role Role, o Outcome) {
 		// the receive was to take over). Before, the wait outlived it:
 		// each heartbeat extended P's hold and P's answer the wait's
 		// estimate of it, so P held the blocks as long as this rank lived.
-		delete(st.waits, o.ReqID)
+		// The agents its heartbeats reached are told.
+		kind, reason := o.Kind, o.Reason
+		if o.Result == ResultDone || kind == FailureNone {
+			kind, reason = FailurePeerGone, "the consumer request ended without reading from this agent"
+		}
+		st.endWait(o.ReqID, kind, reason)
 	}
 }
 
@@ -1030,6 +1047,7 @@ func (st *loopState) tick(now time.Time) {
 func (st *loopState) closeDown() {
 	st.closing = true
 	const why = "worker closed"
+	st.endWaits(FailureClosed, why) // (not heartbeaten through the close)
 	for _, id := range st.sendIDs() {
 		s := st.sends.get(id)
 		if s.next != nil {

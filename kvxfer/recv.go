@@ -23,9 +23,12 @@ type consumerState struct {
 	// heartbeaten until allocated (await.go); fresh: those of them not
 	// heartbeaten yet, beaten at the end of the input that added them or
 	// that readied their producer's engine (beatFresh set).
-	waits     map[string]*waitReq
-	fresh     []string
-	beatFresh bool
+	waits map[string]*waitReq
+	// endedWaits are waits an AwaitEnd of the step being applied ended,
+	// told of their end at its end (loopState.step).
+	endedWaits []*waitReq
+	fresh      []string
+	beatFresh  bool
 	// ended: push consumer requests that registered with their producer
 	// and ended, by id, for RegistrationTTL; endedQ: their ids in the
 	// order they ended (reusedTransfer). At most maxEnded of either.
@@ -79,11 +82,20 @@ func (st *loopState) newRecv(in *RecvReq, deadline time.Time) {
 		return
 	}
 	if len(in.Local) == 0 {
-		delete(st.waits, in.ReqID)
-		st.releaseProducer(in)
+		w := st.popWait(in)
+		if w != nil && !w.sameRequest(in) {
+			st.releaseWait(w, FailureCancelled, "the consumer request ended while it waited in its engine's queue (another came under its id)")
+			w = nil
+		}
+		st.releaseProducer(in, w)
 		res, why := ResultDone, ""
 		if in.Aborted {
 			res, why = ResultAborted, "aborted before it was scheduled"
+		}
+		if w != nil {
+			// Agents its wait's heartbeats reached that the release did
+			// not (the engine is elsewhere now).
+			st.releaseWait(w, FailurePeerGone, "the consumer request ended without reading from this agent")
 		}
 		st.report(RoleConsumer, Outcome{ReqID: in.ReqID, Result: res, Reason: why})
 		return
@@ -113,7 +125,7 @@ func (r *recvReq) addHandle(id XferID, to rankRef) {
 // releaseProducer tells P at once that D needs nothing for a request (a
 // full prefix hit or an abort before schedule), so P frees its blocks
 // instead of waiting for its lease (SPEC §14).
-func (st *loopState) releaseProducer(in *RecvReq) {
+func (st *loopState) releaseProducer(in *RecvReq, w *waitReq) {
 	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
 	if elsewhere {
 		return // (not after a handshake begun this very pass: it is that engine's)
@@ -133,6 +145,9 @@ func (st *loopState) releaseProducer(in *RecvReq) {
 	}
 	for _, to := range targets {
 		st.sendTo(e, to, &msg{Kind: kind, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID})
+		if p, ok := e.peers[to]; ok && w != nil {
+			w.asked = tellAgent(w.asked, p)
+		}
 	}
 }
 

@@ -1,5 +1,7 @@
 package kvxfer
 
+import "slices"
+
 // A pull consumer rank that asks a producer agent to hold a request (its
 // heartbeats, its hold check's questions) extends that agent's hold by
 // the producer's Lease·2/3 each time: 20 s with the default lease,
@@ -23,37 +25,46 @@ type askedAgent struct {
 }
 
 // ask notes that peer was asked to hold r.
-func (r *recvReq) ask(peer PeerName) {
-	if peer == "" {
-		return
-	}
-	for i := range r.asked {
-		if r.asked[i].peer == peer {
-			return // (told stays: its READ or notice already went)
-		}
-	}
-	if len(r.asked) < maxHoldRanks {
-		r.asked = append(r.asked, askedAgent{peer: peer})
-	}
-}
+func (r *recvReq) ask(peer PeerName) { r.asked = askAgent(r.asked, peer) }
 
 // told notes that peer heard of r's end (a notice about it, or its READ).
-func (r *recvReq) told(peer PeerName) {
-	for i := range r.asked {
-		if r.asked[i].peer == peer {
-			r.asked[i].told = true
-			return
+func (r *recvReq) told(peer PeerName) { r.asked = tellAgent(r.asked, peer) }
+
+// askAgent notes in asked that peer was asked to hold a request (at most
+// maxHoldRanks agents).
+func askAgent(asked []askedAgent, peer PeerName) []askedAgent {
+	if peer == "" {
+		return asked
+	}
+	for i := range asked {
+		if asked[i].peer == peer {
+			return asked // (told stays: its READ or notice already went)
 		}
 	}
-	if peer != "" && len(r.asked) < maxHoldRanks {
-		r.asked = append(r.asked, askedAgent{peer: peer, told: true})
+	if len(asked) < maxHoldRanks {
+		asked = append(asked, askedAgent{peer: peer})
 	}
+	return asked
+}
+
+// tellAgent notes in asked that peer heard of the request's end.
+func tellAgent(asked []askedAgent, peer PeerName) []askedAgent {
+	for i := range asked {
+		if asked[i].peer == peer {
+			asked[i].told = true
+			return asked
+		}
+	}
+	if peer != "" && len(asked) < maxHoldRanks {
+		asked = append(asked, askedAgent{peer: peer, told: true})
+	}
+	return asked
 }
 
 // notedAsked notes the consumer requests of a heartbeat's ids (triples:
 // transfer id, producer request id, consumer request id) as asked of
-// peer. Waiting requests (StepMeta.Await) are not this rank's receives
-// yet and are not noted.
+// peer: this rank's receives and its waiting requests (StepMeta.Await),
+// whose heartbeats extend the hold alike.
 func (st *loopState) notedAsked(ids []string, peer PeerName) {
 	if st.cfg.Mode != ModePull {
 		return
@@ -61,6 +72,8 @@ func (st *loopState) notedAsked(ids []string, peer PeerName) {
 	for i := 0; i+2 < len(ids); i += 3 {
 		if r := st.recvs[ids[i+2]]; r != nil && r.req.TransferID == ids[i] && r.req.Remote.ReqID == ids[i+1] {
 			r.ask(peer)
+		} else if w := st.waits[ids[i+2]]; w != nil && w.req.TransferID == ids[i] && w.req.Remote.ReqID == ids[i+1] {
+			w.asked = askAgent(w.asked, peer)
 		}
 	}
 }
@@ -88,4 +101,78 @@ func (st *loopState) releaseAsked(r *recvReq, o Outcome) {
 		a.told = true
 		st.notify(a.peer, r.notice(msgFail, kind, reason))
 	}
+}
+
+// A waiting request (StepMeta.Await) is heartbeaten too, and each
+// heartbeat extends its producer's hold alike: every way it ends tells the
+// agents its heartbeats reached (endWait), unless its receive takes over
+// (takeWait carries them to the receive, whose end tells them) or tells
+// them itself (an empty receive's release, releaseProducer). Before, a
+// request that ended while it waited (aborted in its engine's queue with
+// no receive to release its producer, its params refused at allocation,
+// its step dropped, its wait past RegistrationTTL, its Worker closed) left
+// its producer holding the blocks for up to Lease·2/3 past its last
+// heartbeat.
+
+// endWait stops heartbeating the waiting request id, if any, and tells
+// the agents its heartbeats reached that it ended (kind, reason).
+func (st *loopState) endWait(id string, kind FailureKind, reason string) {
+	if w := st.waits[id]; w != nil {
+		delete(st.waits, id)
+		st.releaseWait(w, kind, reason)
+	}
+}
+
+// endWaits ends every waiting request (endWait).
+func (st *loopState) endWaits(kind FailureKind, reason string) {
+	for _, id := range sortedKeys(st.waits) {
+		st.endWait(id, kind, reason)
+	}
+}
+
+// releaseWait tells each agent w's heartbeats reached, and told nothing
+// since, that w ended (a failure notice: this rank read nothing of it).
+func (st *loopState) releaseWait(w *waitReq, kind FailureKind, reason string) {
+	for i := range w.asked {
+		a := &w.asked[i]
+		if a.told {
+			continue
+		}
+		a.told = true
+		st.notify(a.peer, &msg{Kind: msgFail, TransferID: w.req.TransferID, DReq: w.req.ReqID, PReq: w.req.Remote.ReqID, FailKind: kind, Reason: reason})
+	}
+}
+
+// untold reports whether an agent w's heartbeats reached was not told of
+// its end yet.
+func (w *waitReq) untold() bool {
+	for _, a := range w.asked {
+		if !a.told {
+			return true
+		}
+	}
+	return false
+}
+
+// sameRequest reports whether w is the waiting request of receive in
+// (not another request under its id).
+func (w *waitReq) sameRequest(in *RecvReq) bool {
+	return w.req.TransferID == in.TransferID && w.req.Remote.ReqID == in.Remote.ReqID && w.req.Remote.EngineID == in.Remote.EngineID
+}
+
+// popWait takes the waiting request of receive in's id off the waits: one
+// still waiting, else one an AwaitEnd of this very step ended (its end is
+// told at the step's end unless the receive took it: endedWaits).
+func (st *loopState) popWait(in *RecvReq) *waitReq {
+	if w := st.waits[in.ReqID]; w != nil {
+		delete(st.waits, in.ReqID)
+		return w
+	}
+	for i, w := range st.endedWaits {
+		if w.req.ReqID == in.ReqID {
+			st.endedWaits = slices.Delete(st.endedWaits, i, i+1)
+			return w
+		}
+	}
+	return nil
 }

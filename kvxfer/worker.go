@@ -632,7 +632,7 @@ func (w *Worker) RecvsHeld(recv []string) ([]string, error) {
 	return w.askIDs(recv, func(st *loopState) []string {
 		for _, id := range recv {
 			if st.recvs[id] == nil {
-				delete(st.waits, id) // the caller ends it: see above
+				st.endWait(id, FailureCancelled, "the consumer request's step was dropped") // the caller ends it: see above
 			}
 		}
 		return eachOnce(recv, func(id string) bool { return st.recvs[id] != nil })
