@@ -1,6 +1,8 @@
 package kvxfer
 
 import (
+	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -108,5 +110,78 @@ func TestReceiveTakesOverTheAgentsItsWaitAsked(t *testing.T) {
 	}
 	if told != 1 {
 		t.Errorf("P1/0, which d-1's wait heartbeated (extending its hold there), was told of d-1's end %d times, want once (sent %+v)", told, notes)
+	}
+}
+
+// A heartbeat not delivered is sent once more, after the completions of
+// its batch were handled: a request it names that ended meanwhile (its
+// end's notice queued before the retry) is left out of it, so nothing this
+// rank sends after that notice extends the producer's hold of it again.
+// Before, the retry went as built, after the notice, naming the ended
+// request (the producer, if it had not ended its request at the notice,
+// held it another Lease·2/3).
+func TestHeartbeatRetryLeavesOutEndedRequests(t *testing.T) {
+	now := traceEpoch
+	d := newTestCore(t, "D", ModePull, traceLayout(0, 1, 1<<30), now)
+	var asks []hsAsk
+	var sent []*msg
+	var beats []op
+	run := func(in input) {
+		t.Helper()
+		d.Step(now, in)
+		carryOut(d, nil, nil, func(_ int, o *op) error {
+			if o.kind == opNotify {
+				m, err := decodeMsg(o.msg)
+				if err != nil {
+					t.Fatalf("a notice that does not decode: %v", err)
+				}
+				sent = append(sent, m)
+				if o.notice == noticeHeartbeat {
+					beats = append(beats, *o)
+				}
+			}
+			return nil
+		})
+		asks = append(asks, d.fx.asks...)
+		d.fx.asks = d.fx.asks[:0]
+		d.out = Finished{}
+	}
+	await := func(id string) AwaitReq {
+		return AwaitReq{ReqID: id, TransferID: "t-" + id, Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
+	}
+	run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, Await: []AwaitReq{await("d-1"), await("d-2")}}}})
+	if len(asks) != 1 {
+		t.Fatalf("asks = %+v, want one handshake", asks)
+	}
+	a := asks[0]
+	h := &hsResult{engine: a.engine, probe: a.probe, moves: a.moves,
+		res:   HandshakeResult{Generation: 1, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte("P1/0")}}},
+		names: []PeerName{"P1/0"}, loadErrs: []error{nil}}
+	run(input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
+	if len(beats) != 1 || len(beats[0].m.IDs) != 6 {
+		t.Fatalf("heartbeats %+v, want one naming d-1 and d-2", beats)
+	}
+	hb := beats[0]
+	// d-1 ends (its AwaitEnd); then the heartbeat's completion says it
+	// was not delivered.
+	sent = nil
+	run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, AwaitEnd: []string{"d-1"}}}})
+	run(input{kind: inOpsDone, ops: []op{hb}, errs: []error{errors.New("not delivered")}})
+	ended := false
+	for _, m := range sent {
+		switch {
+		case m.Kind == msgFail && m.DReq == "d-1":
+			ended = true
+		case m.Kind == msgHeartbeat:
+			if slices.Contains(m.IDs, "d-1") {
+				t.Errorf("sent a heartbeat %v naming d-1 after it ended (its notice sent: %v)", m.IDs, ended)
+			}
+			if !slices.Contains(m.IDs, "d-2") {
+				t.Errorf("sent a heartbeat %v, want d-2, still waiting, in its retry", m.IDs)
+			}
+		}
+	}
+	if !ended {
+		t.Errorf("sent %+v, want d-1's end told", sent)
 	}
 }

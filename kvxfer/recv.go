@@ -1365,8 +1365,45 @@ func (st *loopState) heartbeatSent(o *op, err error) {
 	st.metrics.FailedNotification()
 	if o.notice == noticeHeartbeat {
 		st.log.Warn("kvxfer: heartbeat not delivered; sending it again", "peer", o.peer, "requests", len(ids)/3, "err", err)
-		st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: o.peer, msg: o.msg, notice: noticeHeartbeatRetry, m: o.m, ref: o.ref})
+		if m, b := st.liveHeartbeat(o.m, o.msg); m != nil {
+			st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: o.peer, msg: b, notice: noticeHeartbeatRetry, m: m, ref: o.ref})
+		}
 	}
+}
+
+// liveHeartbeat is heartbeat m (encoded b) less the requests that ended
+// since it was built (nil when none is left): its retry goes after their
+// end's notices, and would extend the producer's hold of each once more
+// after it was told to let it go. The same message where none ended.
+func (st *loopState) liveHeartbeat(m *msg, b []byte) (*msg, []byte) {
+	live := func(i int) bool {
+		tid, preq, dreq := m.IDs[i], m.IDs[i+1], m.IDs[i+2]
+		if r := st.recvs[dreq]; r != nil {
+			return r.req.TransferID == tid && r.req.Remote.ReqID == preq
+		}
+		w := st.waits[dreq]
+		return w != nil && w.req.TransferID == tid && w.req.Remote.ReqID == preq
+	}
+	n := 0
+	for i := 0; i+2 < len(m.IDs); i += 3 {
+		if live(i) {
+			n += 3
+		}
+	}
+	if n == len(m.IDs) {
+		return m, b
+	}
+	if n == 0 {
+		return nil, nil
+	}
+	c := *m
+	c.IDs = make([]string, 0, n)
+	for i := 0; i+2 < len(m.IDs); i += 3 {
+		if live(i) {
+			c.IDs = append(c.IDs, m.IDs[i:i+3]...)
+		}
+	}
+	return &c, appendMsg(nil, &c)
 }
 
 // hbGrace is how long a request's heartbeats to a producer rank may fail
