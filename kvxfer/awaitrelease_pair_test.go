@@ -1,6 +1,7 @@
 package kvxfer_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -84,4 +85,39 @@ func TestWaitEndReleasesItsProducer(t *testing.T) {
 			})
 		})
 	}
+}
+
+// A consumer rank heartbeats every rank of its producer, but reads from,
+// and so tells of a request's end, only those it reads from: with a
+// producer of more ranks than the consumer, the ranks another consumer
+// rank reads are told by that one. Before, each consumer rank told every
+// producer rank its heartbeats reached, and the ranks it does not read
+// from refused the notice as bad input (done.tp_rank), one warning per
+// request and rank.
+func TestWaitEndTellsOnlyTheRanksItReads(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		x := newPair(t, kvxfer.ModePull, 4, 2, nil)
+		q := x.req("r1", 40, 0)
+		x.sendP(q)
+		now := time.Now()
+		rr := q.recv(x.mode, x.p, now.Add(time.Minute))
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Await: []kvxfer.AwaitReq{{ReqID: rr.ReqID, TransferID: rr.TransferID, Remote: rr.Remote}}})
+		x.settle()
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: time.Now(), AwaitEnd: []string{rr.ReqID}})
+		x.settle()
+		if got := x.sendResult(q); len(got) != 4 {
+			t.Errorf("P outcomes %+v, want one per rank (4)", got)
+		} else {
+			for _, o := range got {
+				if o.Result != kvxfer.ResultFailed || !strings.Contains(o.Reason, "waited in its engine's queue") {
+					t.Errorf("P outcome %+v, want failed: waited in its engine's queue", o)
+				}
+			}
+		}
+		for tp, w := range x.p.workers[0] {
+			if n := w.Metrics().Snapshot().BadInput["done.tp_rank"]; n != 0 {
+				t.Errorf("P rank %d: bad_input{field=\"done.tp_rank\"} = %d, want 0", tp, n)
+			}
+		}
+	})
 }

@@ -1283,6 +1283,11 @@ func (st *loopState) heartbeat(by map[string][]string) {
 	for _, id := range sortedKeys(by) {
 		e := st.engines[id]
 		ids := by[id]
+		// Every producer rank is heartbeaten (its hold extended), but only
+		// those this rank reads from are told of a request's end by it
+		// (released.go): the others refuse its notices (done.tp_rank), and
+		// the consumer rank that reads them tells them.
+		reads, _ := st.targets(e.tpSize, e.ppSize)
 		for len(ids) > 0 {
 			n := heartbeatSplit(ids)
 			m := st.self(&msg{Kind: msgHeartbeat, IDs: ids[:n:n]})
@@ -1292,7 +1297,9 @@ func (st *loopState) heartbeat(by map[string][]string) {
 			b := appendMsg(nil, m)
 			for _, ref := range sortedRefs(e.peers) {
 				st.fx.ops = append(st.fx.ops, op{kind: opNotify, peer: e.peers[ref], msg: b, notice: noticeHeartbeat, m: m, ref: ref})
-				st.notedAsked(ids[:n], e.peers[ref])
+				if slices.Contains(reads, ref) {
+					st.notedAsked(ids[:n], e.peers[ref])
+				}
 			}
 			ids = ids[n:]
 		}
