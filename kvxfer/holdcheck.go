@@ -184,22 +184,76 @@ func (st *loopState) holdCheckTimer(t timerEntry) {
 	st.tryReport(r)
 }
 
-// heldIn reports whether a hold question (or a failure notice) naming
-// spans, the producer blocks of a consumer's params, is about request s:
-// every group spans names blocks in (none: a consumer of an earlier build,
-// or a notice that names none), s holds the very same blocks in. A request held
-// under the same names in other blocks is another one (a restarted
-// producer's, the router having retried it under its old ids).
-func heldIn(spans []topology.Span, s *sendReq) bool {
-	for g := range spans {
-		if len(spans[g].IDs) == 0 {
+// heldIn reports whether a hold question (or a failure notice) m, naming
+// in Spans the producer blocks of a consumer's params, is about request
+// s: every group it names blocks in (none: a consumer of an earlier
+// build, or a notice that names none), s holds the very same blocks in. A
+// request held under the same names in other blocks is another one (a
+// restarted producer's, the router having retried it under its old ids).
+// A message kept for later compares by its digest (compact).
+func heldIn(m *msg, s *sendReq) bool {
+	if m.blocks.mask != 0 {
+		sum, ok := sumIn(m.blocks.mask, s.req.Blocks)
+		return ok && sum == m.blocks.sum
+	}
+	for g := range m.Spans {
+		if len(m.Spans[g].IDs) == 0 {
 			continue // nothing read from that group
 		}
-		if g >= len(s.req.Blocks) || !slices.Equal(spans[g].IDs, s.req.Blocks[g].IDs) {
+		if g >= len(s.req.Blocks) || !slices.Equal(m.Spans[g].IDs, s.req.Blocks[g].IDs) {
 			return false
 		}
 	}
 	return true
+}
+
+// blocksSum is a digest of the blocks a message's Spans name: which
+// groups name any (mask; a message names at most maxWireGroups) and a
+// hash of their ids, group by group.
+type blocksSum struct{ mask, sum uint64 }
+
+// compact replaces m's Spans by their digest, so that what a producer
+// keeps of a message for later (stashAsk, stashEarly) is small whatever
+// its sender put in it.
+func (m *msg) compact() {
+	if len(m.Spans) == 0 {
+		return
+	}
+	var mask uint64
+	for g := range m.Spans {
+		if len(m.Spans[g].IDs) > 0 && g < 64 {
+			mask |= 1 << g
+		}
+	}
+	m.blocks.sum, _ = sumIn(mask, m.Spans)
+	m.blocks.mask, m.Spans = mask, nil
+}
+
+// sumIn hashes (FNV-1a) the ids spans holds in the groups of mask; false
+// if spans has no such group.
+func sumIn(mask uint64, spans []topology.Span) (uint64, bool) {
+	h := uint64(14695981039346656037)
+	mix := func(v uint64) {
+		for i := 0; i < 8; i++ {
+			h ^= v & 0xff
+			h *= 1099511628211
+			v >>= 8
+		}
+	}
+	for g := 0; g < 64 && mask>>g != 0; g++ {
+		if mask&(1<<g) == 0 {
+			continue
+		}
+		if g >= len(spans) {
+			return 0, false
+		}
+		mix(uint64(g))
+		mix(uint64(len(spans[g].IDs)))
+		for _, id := range spans[g].IDs {
+			mix(uint64(id))
+		}
+	}
+	return h, true
 }
 
 // maxEarlyAsks caps the requests a producer keeps hold questions for
@@ -217,6 +271,7 @@ const (
 // its next ask, up to 400 ms later. Kept for twice the check's bound
 // (its asker has given up by then), bounded in count.
 func (st *loopState) stashAsk(m *msg) {
+	m.compact()
 	key := m.IDs[1]
 	if key == "" {
 		key = "tid:" + m.IDs[0]

@@ -1629,7 +1629,7 @@ func (st *loopState) onHeartbeat(m *msg) {
 				s = c
 			}
 		}
-		if s == nil && ans != nil && len(m.Spans) > 0 && len(m.IDs) == 3 {
+		if s == nil && ans != nil && (len(m.Spans) > 0 || m.blocks.mask != 0) && len(m.IDs) == 3 {
 			// A consumer's hold check asks before our engine handed us
 			// the request (its step not applied yet): answered when it
 			// is (replayAsks), not at the consumer's next ask.
@@ -1643,7 +1643,7 @@ func (st *loopState) onHeartbeat(m *msg) {
 			// it answered: no deadline holds its blocks yet.
 			continue
 		}
-		if ans != nil && !heldIn(m.Spans, s) {
+		if ans != nil && !heldIn(m, s) {
 			// Asked about other blocks than the request's: the asker's
 			// params are an earlier producer's, which held a request
 			// under these names in those blocks. Neither held for it
@@ -1904,7 +1904,7 @@ func (st *loopState) onPullDone(m *msg, failReason string, failKind FailureKind)
 		st.stashEarly(m)
 		return
 	}
-	if !heldIn(m.Spans, s) {
+	if !heldIn(m, s) {
 		// A notice naming other blocks (a consumer's hold check that
 		// failed) is about a request an earlier producer held under these
 		// names, not this one: it does not end this one.
@@ -2126,6 +2126,7 @@ func otherTID(s *sendReq, tid string) bool {
 // (onPullDone): before, a second consumer request's notice was dropped
 // here as its rank's duplicate.
 func (st *loopState) stashEarly(m *msg) {
+	m.compact() // (kept small: a notice may name many blocks)
 	key := m.PReq
 	if key == "" {
 		key = "tid:" + m.TransferID

@@ -135,6 +135,9 @@ type msg struct {
 
 	// from is the agent it came from, once admitted (not on the wire).
 	from PeerName
+	// blocks stands for Spans once a message kept for later drops them
+	// (compact; not on the wire).
+	blocks blocksSum
 }
 
 // failKind is the kind a failure notice gives the receiver's outcome:
