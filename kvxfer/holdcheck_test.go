@@ -113,7 +113,9 @@ func pullStaleParamsAfterNewGeneration(t *testing.T, start genStart) {
 	p2.ranks[0][0].Fill(qx.sim.P)
 	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
-	awaitOutcomes(t, 1, d) // (failed by the generation rules: its params carry none)
+	// (Failed by the generation rules: its params carry none. The new
+	// producer, told, ends its side: TestPullNotReadByGenerationTellsProducer.)
+	wantTold(t, awaitOutcomes(t, 2, d, p2), "x", "restarted")
 	// Request y of the new producer, params without a generation, is
 	// read: the new producer holds it.
 	qy := makeRequest("y", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
@@ -276,13 +278,13 @@ func pullHoldCheckSameNamesOtherBlocks(t *testing.T, start genStart) {
 	defer p2.close(t)
 	now := time.Now()
 	// D loads the new generation: request x (its params carry none, so
-	// the generation rules fail it).
+	// the generation rules fail it, telling the new producer).
 	rng := rand.New(rand.NewPCG(7, 8))
 	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
 	p2.ranks[0][0].Fill(qx.sim.P)
 	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
 	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
-	awaitOutcomes(t, 1, d)
+	wantTold(t, awaitOutcomes(t, 2, d, p2), "x", "restarted")
 	// The new producer holds a request under a's names (p-a, t-a) in
 	// other blocks.
 	qa2 := makeRequest("a", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)

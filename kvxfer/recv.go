@@ -215,6 +215,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		}
 		reason := fmt.Sprintf("producer engine %s (%s) issued this request's params at generation %d and is at generation %d (it restarted or re-attached a rank since): its blocks are not this request's; not read",
 			e.id, e.addr, g, e.gen)
+		st.tellNotRead(e, r, reason)
 		st.decide(r, ResultFailed, FailurePeerGone, reason)
 		st.tryReport(r)
 		return
@@ -270,6 +271,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		// generation known here (issued by whatever answers there).
 		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
 			e.id, e.addr, from, e.gen)
+		st.tellNotRead(e, r, reason)
 		st.decide(r, ResultFailed, FailurePeerGone, reason)
 		st.tryReport(r)
 		return
@@ -300,6 +302,40 @@ func (st *loopState) startRecv(r *recvReq) {
 		st.read(r, e)
 	}
 	st.tryReport(r)
+}
+
+// tellNotRead tells each producer rank of e, at the generation loaded,
+// that r is not read: a pull consumer request failed by the generation
+// rules before it read anything (its params may be another generation's,
+// or are). The producer may hold it all the same: params without a
+// generation that the restarted producer itself issued, which reached
+// this rank before it loaded the new generation (the daemon soak's P
+// engine crashing right after it came back with requests issued), or
+// params of a generation before a rank of it re-attached, which its other
+// ranks hold. Before, none was told: each held the request's blocks for
+// its whole lease, and a producer whose engine went meanwhile was let go,
+// its next incarnation attaching, only once its close's fence timed out
+// (CloseTimeout, 10 s). The notice names the params' blocks (as a hold
+// check's question does): a rank ends the request only if it holds it in
+// exactly those blocks, never another request held under the same names
+// elsewhere (a retry of the old producer's request); params naming no
+// block tell none.
+func (st *loopState) tellNotRead(e *engine, r *recvReq, reason string) {
+	if st.cfg.Mode != ModePull || len(e.peers) == 0 || !slices.ContainsFunc(r.req.Remote.Blocks, func(s topology.Span) bool { return len(s.IDs) > 0 }) {
+		return
+	}
+	targets, err := st.targets(e.tpSize, e.ppSize)
+	if err != nil {
+		return
+	}
+	for _, to := range targets {
+		m := r.notice(msgFail, FailurePeerGone, reason)
+		m.Spans = r.req.Remote.Blocks
+		if p, ok := e.peers[to]; ok {
+			r.told(p)
+		}
+		st.sendTo(e, to, m)
+	}
 }
 
 // refuseProducer tells every producer rank of a request that this rank
