@@ -5,8 +5,6 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"github.com/kvxfer/kvxfer/topology"
 )
 
 // A pull consumer request waits in its engine's queue (StepMeta.Await),
@@ -18,83 +16,29 @@ import (
 // (takeWait). Before, the receive's end told only the agents it asked
 // itself: none, and P1/0 held the blocks for the whole extension.
 func TestReceiveTakesOverTheAgentsItsWaitAsked(t *testing.T) {
-	now := traceEpoch
-	d := newTestCore(t, "D", ModePull, traceLayout(0, 1, 1<<30), now)
-	var asks []hsAsk
-	type sent struct {
-		peer PeerName
-		m    *msg
+	c := newNoticeCore(t)
+	q1 := c.recvOf("d-1", "P:1", 1)
+	c.step(&StepMeta{Await: []AwaitReq{{ReqID: q1.ReqID, TransferID: q1.TransferID, Remote: q1.Remote}}})
+	if len(c.asks) != 1 || c.asks[0].addr != "P:1" {
+		t.Fatalf("asks = %+v, want one handshake at P:1", c.asks)
 	}
-	var notes []sent
-	run := func(in input) Finished {
-		t.Helper()
-		d.Step(now, in)
-		carryOut(d, nil, nil, func(_ int, o *op) error {
-			if o.kind == opNotify {
-				m, err := decodeMsg(o.msg)
-				if err != nil {
-					t.Fatalf("a notice that does not decode: %v", err)
-				}
-				notes = append(notes, sent{o.peer, m})
-			}
-			return nil
-		})
-		asks = append(asks, d.fx.asks...)
-		d.fx.asks = d.fx.asks[:0]
-		out := d.out
-		d.out = Finished{}
-		return out
-	}
-	answer := func(a hsAsk, gen uint64, agent PeerName) Finished {
-		t.Helper()
-		h := &hsResult{engine: a.engine, probe: a.probe, moves: a.moves,
-			res:   HandshakeResult{Generation: gen, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte(agent)}}},
-			names: []PeerName{agent}, loadErrs: []error{nil}}
-		return run(input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
-	}
-	q := func(id, addr string, block topology.BlockID) RecvReq {
-		return RecvReq{ReqID: id, TransferID: "t-" + id, Deadline: now.Add(time.Minute), Local: []topology.Span{{IDs: []topology.BlockID{block}}},
-			Remote: RemoteRef{EngineID: "P", Addr: addr, ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
-	}
-	step := func(m *StepMeta) Finished {
-		t.Helper()
-		m.SchedulerClock = now
-		return run(input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
-	}
-	names := func(s sent, id string) bool {
-		if s.m.DReq == id {
-			return true
-		}
-		for i := 2; i < len(s.m.IDs); i += 3 {
-			if s.m.IDs[i] == id {
-				return true
-			}
-		}
-		return false
-	}
-
-	q1 := q("d-1", "P:1", 1)
-	step(&StepMeta{Await: []AwaitReq{{ReqID: q1.ReqID, TransferID: q1.TransferID, Remote: q1.Remote}}})
-	if len(asks) != 1 || asks[0].addr != "P:1" {
-		t.Fatalf("asks = %+v, want one handshake at P:1", asks)
-	}
-	answer(asks[0], 1, "P1/0")
-	asks = nil
+	c.answer(c.asks[0], 1, "P1/0")
+	c.asks = nil
 	beat := false
-	for _, s := range notes {
-		beat = beat || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && names(s, "d-1")
+	for _, s := range c.notes {
+		beat = beat || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && s.names("d-1")
 	}
 	if !beat {
-		t.Fatalf("sent %+v, want d-1's wait heartbeaten at P1/0", notes)
+		t.Fatalf("sent %+v, want d-1's wait heartbeaten at P1/0", c.notes)
 	}
-	notes = nil
-	now = now.Add(time.Millisecond)
-	step(&StepMeta{Recv: []RecvReq{q("d-2", "P:2", 2)}})
-	if len(asks) != 1 || asks[0].addr != "P:2" {
-		t.Fatalf("asks = %+v, want one handshake at P:2", asks)
+	c.notes = nil
+	c.now = c.now.Add(time.Millisecond)
+	c.step(&StepMeta{Recv: []RecvReq{c.recvOf("d-2", "P:2", 2)}})
+	if len(c.asks) != 1 || c.asks[0].addr != "P:2" {
+		t.Fatalf("asks = %+v, want one handshake at P:2", c.asks)
 	}
-	answer(asks[0], 2, "P2/0")
-	out := step(&StepMeta{Recv: []RecvReq{q1}})
+	c.answer(c.asks[0], 2, "P2/0")
+	out := c.step(&StepMeta{Recv: []RecvReq{q1}})
 	failed := false
 	for _, o := range out.Recving {
 		failed = failed || o.ReqID == "d-1" && o.Result == ResultFailed
@@ -103,13 +47,13 @@ func TestReceiveTakesOverTheAgentsItsWaitAsked(t *testing.T) {
 		t.Fatalf("reported %+v, want d-1 failed as naming its engine elsewhere", out.Recving)
 	}
 	told := 0
-	for _, s := range notes {
-		if names(s, "d-1") && s.peer == "P1/0" && s.m.Kind == msgFail && s.m.PReq == "p-d-1" && s.m.TransferID == "t-d-1" {
+	for _, s := range c.notes {
+		if s.names("d-1") && s.peer == "P1/0" && s.m.Kind == msgFail && s.m.PReq == "p-d-1" && s.m.TransferID == "t-d-1" {
 			told++
 		}
 	}
 	if told != 1 {
-		t.Errorf("P1/0, which d-1's wait heartbeated (extending its hold there), was told of d-1's end %d times, want once (sent %+v)", told, notes)
+		t.Errorf("P1/0, which d-1's wait heartbeated (extending its hold there), was told of d-1's end %d times, want once (sent %+v)", told, c.notes)
 	}
 }
 
@@ -121,54 +65,34 @@ func TestReceiveTakesOverTheAgentsItsWaitAsked(t *testing.T) {
 // request (the producer, if it had not ended its request at the notice,
 // held it another Lease·2/3).
 func TestHeartbeatRetryLeavesOutEndedRequests(t *testing.T) {
-	now := traceEpoch
-	d := newTestCore(t, "D", ModePull, traceLayout(0, 1, 1<<30), now)
-	var asks []hsAsk
-	var sent []*msg
-	var beats []op
-	run := func(in input) {
-		t.Helper()
-		d.Step(now, in)
-		carryOut(d, nil, nil, func(_ int, o *op) error {
-			if o.kind == opNotify {
-				m, err := decodeMsg(o.msg)
-				if err != nil {
-					t.Fatalf("a notice that does not decode: %v", err)
-				}
-				sent = append(sent, m)
-				if o.notice == noticeHeartbeat {
-					beats = append(beats, *o)
-				}
-			}
-			return nil
-		})
-		asks = append(asks, d.fx.asks...)
-		d.fx.asks = d.fx.asks[:0]
-		d.out = Finished{}
-	}
+	c := newNoticeCore(t)
 	await := func(id string) AwaitReq {
-		return AwaitReq{ReqID: id, TransferID: "t-" + id, Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
+		q := c.recvOf(id, "P:1", 0)
+		return AwaitReq{ReqID: q.ReqID, TransferID: q.TransferID, Remote: q.Remote}
 	}
-	run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, Await: []AwaitReq{await("d-1"), await("d-2")}}}})
-	if len(asks) != 1 {
-		t.Fatalf("asks = %+v, want one handshake", asks)
+	c.step(&StepMeta{Await: []AwaitReq{await("d-1"), await("d-2")}})
+	if len(c.asks) != 1 {
+		t.Fatalf("asks = %+v, want one handshake", c.asks)
 	}
-	a := asks[0]
-	h := &hsResult{engine: a.engine, probe: a.probe, moves: a.moves,
-		res:   HandshakeResult{Generation: 1, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte("P1/0")}}},
-		names: []PeerName{"P1/0"}, loadErrs: []error{nil}}
-	run(input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
+	c.answer(c.asks[0], 1, "P1/0")
+	var beats []op
+	for _, s := range c.notes {
+		if s.op.notice == noticeHeartbeat {
+			beats = append(beats, s.op)
+		}
+	}
 	if len(beats) != 1 || len(beats[0].m.IDs) != 6 {
 		t.Fatalf("heartbeats %+v, want one naming d-1 and d-2", beats)
 	}
 	hb := beats[0]
 	// d-1 ends (its AwaitEnd); then the heartbeat's completion says it
 	// was not delivered.
-	sent = nil
-	run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, AwaitEnd: []string{"d-1"}}}})
-	run(input{kind: inOpsDone, ops: []op{hb}, errs: []error{errors.New("not delivered")}})
+	c.notes = nil
+	c.step(&StepMeta{AwaitEnd: []string{"d-1"}})
+	c.run(input{kind: inOpsDone, ops: []op{hb}, errs: []error{errors.New("not delivered")}})
 	ended := false
-	for _, m := range sent {
+	for _, s := range c.notes {
+		m := s.m
 		switch {
 		case m.Kind == msgFail && m.DReq == "d-1":
 			ended = true
@@ -182,6 +106,6 @@ func TestHeartbeatRetryLeavesOutEndedRequests(t *testing.T) {
 		}
 	}
 	if !ended {
-		t.Errorf("sent %+v, want d-1's end told", sent)
+		t.Errorf("sent %+v, want d-1's end told", c.notes)
 	}
 }

@@ -18,78 +18,32 @@ import (
 // out, past the request's own lease (TestTwoProducersShareAnID/nixl
 // failed on a loaded machine: "p-c1 did not end within 10 s").
 func TestRequestFailedElsewhereReleasesTheAgentItAsked(t *testing.T) {
-	now := traceEpoch
-	d := newTestCore(t, "D", ModePull, traceLayout(0, 1, 1<<30), now)
-	var asks []hsAsk
-	type sent struct {
-		peer PeerName
-		m    *msg
-	}
-	var notes []sent
-	run := func(in input) Finished {
-		t.Helper()
-		d.Step(now, in)
-		carryOut(d, nil, nil, func(_ int, o *op) error {
-			if o.kind == opNotify {
-				m, err := decodeMsg(o.msg)
-				if err != nil {
-					t.Fatalf("a notice that does not decode: %v", err)
-				}
-				notes = append(notes, sent{o.peer, m})
-			}
-			return nil
-		})
-		asks = append(asks, d.fx.asks...)
-		d.fx.asks = d.fx.asks[:0]
-		out := d.out
-		d.out = Finished{}
-		return out
-	}
-	answer := func(a hsAsk, gen uint64, agent PeerName) Finished {
-		t.Helper()
-		h := &hsResult{engine: a.engine, probe: a.probe, moves: a.moves,
-			res:   HandshakeResult{Generation: gen, Ranks: []RankInfo{{EngineID: "P", CompatHash: "h", Layout: traceLayout(0, 1, 1<<20), Agent: []byte(agent)}}},
-			names: []PeerName{agent}, loadErrs: []error{nil}}
-		return run(input{kind: inEvent, ev: &event{kind: evHandshake, hs: h}})
-	}
+	c := newNoticeCore(t)
 	recv := func(id, addr string, block topology.BlockID) Finished {
 		t.Helper()
-		q := RecvReq{ReqID: id, TransferID: "t-" + id, Deadline: now.Add(time.Minute), Local: []topology.Span{{IDs: []topology.BlockID{block}}},
-			Remote: RemoteRef{EngineID: "P", Addr: addr, ReqID: "p-" + id, TPSize: 1, PPSize: 1, Tokens: 16}}
-		return run(input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{SchedulerClock: now, Recv: []RecvReq{q}}}})
-	}
-	names := func(s sent, id string) bool {
-		if s.m.DReq == id {
-			return true
-		}
-		for i := 2; i < len(s.m.IDs); i += 3 {
-			if s.m.IDs[i] == id {
-				return true
-			}
-		}
-		return false
+		return c.step(&StepMeta{Recv: []RecvReq{c.recvOf(id, addr, block)}})
 	}
 
 	recv("d-1", "P:1", 1)
-	if len(asks) != 1 || asks[0].addr != "P:1" {
-		t.Fatalf("asks = %+v, want one handshake at P:1", asks)
+	if len(c.asks) != 1 || c.asks[0].addr != "P:1" {
+		t.Fatalf("asks = %+v, want one handshake at P:1", c.asks)
 	}
-	answer(asks[0], 1, "P1/0")
-	asks = nil
+	c.answer(c.asks[0], 1, "P1/0")
+	c.asks = nil
 	asked := false
-	for _, s := range notes {
-		asked = asked || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && names(s, "d-1")
+	for _, s := range c.notes {
+		asked = asked || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && s.names("d-1")
 	}
 	if !asked {
-		t.Fatalf("sent %+v, want d-1's hold check asking P1/0", notes)
+		t.Fatalf("sent %+v, want d-1's hold check asking P1/0", c.notes)
 	}
-	notes = nil
-	now = now.Add(time.Millisecond)
+	c.notes = nil
+	c.now = c.now.Add(time.Millisecond)
 	recv("d-2", "P:2", 2)
-	if len(asks) != 1 || asks[0].addr != "P:2" {
-		t.Fatalf("asks = %+v, want one handshake at P:2", asks)
+	if len(c.asks) != 1 || c.asks[0].addr != "P:2" {
+		t.Fatalf("asks = %+v, want one handshake at P:2", c.asks)
 	}
-	out := answer(asks[0], 2, "P2/0")
+	out := c.answer(c.asks[0], 2, "P2/0")
 	var failed bool
 	for _, o := range out.Recving {
 		failed = failed || o.ReqID == "d-1" && o.Result == ResultFailed
@@ -98,8 +52,8 @@ func TestRequestFailedElsewhereReleasesTheAgentItAsked(t *testing.T) {
 		t.Fatalf("reported %+v, want d-1 failed as naming its engine elsewhere", out.Recving)
 	}
 	told := 0
-	for _, s := range notes {
-		if !names(s, "d-1") {
+	for _, s := range c.notes {
+		if !s.names("d-1") {
 			continue
 		}
 		switch {
