@@ -79,6 +79,24 @@ func restartHolding(t *testing.T, start genStart, dir *kvxfertest.Directory, d *
 	return p2
 }
 
+// loadNewGeneration has consumer d load restarted producer p2's
+// generation: D's request x (the new producer's) finds the old agent
+// gone, and is failed by the generation rules (its params carry none),
+// the new producer told (TestPullNotReadByGenerationTellsProducer). It
+// returns the source of the pools of the requests that follow.
+func loadNewGeneration(t *testing.T, p2, d *simEngine, dPool *blockPool) *rand.Rand {
+	t.Helper()
+	groups := d.ranks[0][0].Layout.GroupList()
+	rng := rand.New(rand.NewPCG(7, 8))
+	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
+	p2.ranks[0][0].Fill(qx.sim.P)
+	now := time.Now()
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
+	wantTold(t, awaitOutcomes(t, 2, d, p2), "x", "restarted")
+	return rng
+}
+
 // asIs sends a request as it is.
 func asIs(r kvxfer.SendReq) kvxfer.SendReq { return r }
 
@@ -106,16 +124,7 @@ func pullStaleParamsAfterNewGeneration(t *testing.T, start genStart) {
 	p2 := restartHolding(t, start, dir, d, dPool, pPool, asIs)
 	defer p2.close(t)
 	now := time.Now()
-	// D's request x (the new producer's) finds the old agent gone: D
-	// loads the new generation.
-	rng := rand.New(rand.NewPCG(7, 8))
-	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
-	p2.ranks[0][0].Fill(qx.sim.P)
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
-	// (Failed by the generation rules: its params carry none. The new
-	// producer, told, ends its side: TestPullNotReadByGenerationTellsProducer.)
-	wantTold(t, awaitOutcomes(t, 2, d, p2), "x", "restarted")
+	rng := loadNewGeneration(t, p2, d, dPool)
 	// Request y of the new producer, params without a generation, is
 	// read: the new producer holds it.
 	qy := makeRequest("y", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
@@ -277,14 +286,7 @@ func pullHoldCheckSameNamesOtherBlocks(t *testing.T, start genStart) {
 	p2 := restartHolding(t, start, dir, d, dPool, pPool, asIs) // z in a's blocks
 	defer p2.close(t)
 	now := time.Now()
-	// D loads the new generation: request x (its params carry none, so
-	// the generation rules fail it, telling the new producer).
-	rng := rand.New(rand.NewPCG(7, 8))
-	qx := makeRequest("x", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
-	p2.ranks[0][0].Fill(qx.sim.P)
-	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{qx.send(now.Add(time.Minute))}})
-	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{qx.recv(kvxfer.ModePull, p2, now.Add(time.Minute))}})
-	wantTold(t, awaitOutcomes(t, 2, d, p2), "x", "restarted")
+	rng := loadNewGeneration(t, p2, d, dPool)
 	// The new producer holds a request under a's names (p-a, t-a) in
 	// other blocks.
 	qa2 := makeRequest("a", 40, 0, groups, p2.eng, d.eng, newPool(rng, len(groups), 96, true), dPool)
