@@ -19,25 +19,14 @@ func TestReceiveTakesOverTheAgentsItsWaitAsked(t *testing.T) {
 	c := newNoticeCore(t)
 	q1 := c.recvOf("d-1", "P:1", 1)
 	c.step(&StepMeta{Await: []AwaitReq{{ReqID: q1.ReqID, TransferID: q1.TransferID, Remote: q1.Remote}}})
-	if len(c.asks) != 1 || c.asks[0].addr != "P:1" {
-		t.Fatalf("asks = %+v, want one handshake at P:1", c.asks)
-	}
-	c.answer(c.asks[0], 1, "P1/0")
-	c.asks = nil
-	beat := false
-	for _, s := range c.notes {
-		beat = beat || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && s.names("d-1")
-	}
-	if !beat {
+	c.handshakeAt("P:1", 1, "P1/0")
+	if !c.sentAbout("P1/0", msgHeartbeat, "d-1") {
 		t.Fatalf("sent %+v, want d-1's wait heartbeaten at P1/0", c.notes)
 	}
 	c.notes = nil
 	c.now = c.now.Add(time.Millisecond)
 	c.step(&StepMeta{Recv: []RecvReq{c.recvOf("d-2", "P:2", 2)}})
-	if len(c.asks) != 1 || c.asks[0].addr != "P:2" {
-		t.Fatalf("asks = %+v, want one handshake at P:2", c.asks)
-	}
-	c.answer(c.asks[0], 2, "P2/0")
+	c.handshakeAt("P:2", 2, "P2/0")
 	out := c.step(&StepMeta{Recv: []RecvReq{q1}})
 	failed := false
 	for _, o := range out.Recving {
@@ -71,10 +60,7 @@ func TestHeartbeatRetryLeavesOutEndedRequests(t *testing.T) {
 		return AwaitReq{ReqID: q.ReqID, TransferID: q.TransferID, Remote: q.Remote}
 	}
 	c.step(&StepMeta{Await: []AwaitReq{await("d-1"), await("d-2")}})
-	if len(c.asks) != 1 {
-		t.Fatalf("asks = %+v, want one handshake", c.asks)
-	}
-	c.answer(c.asks[0], 1, "P1/0")
+	c.handshakeAt("P:1", 1, "P1/0")
 	var beats []op
 	for _, s := range c.notes {
 		if s.op.notice == noticeHeartbeat {

@@ -25,25 +25,14 @@ func TestRequestFailedElsewhereReleasesTheAgentItAsked(t *testing.T) {
 	}
 
 	recv("d-1", "P:1", 1)
-	if len(c.asks) != 1 || c.asks[0].addr != "P:1" {
-		t.Fatalf("asks = %+v, want one handshake at P:1", c.asks)
-	}
-	c.answer(c.asks[0], 1, "P1/0")
-	c.asks = nil
-	asked := false
-	for _, s := range c.notes {
-		asked = asked || s.peer == "P1/0" && s.m.Kind == msgHeartbeat && s.names("d-1")
-	}
-	if !asked {
+	c.handshakeAt("P:1", 1, "P1/0")
+	if !c.sentAbout("P1/0", msgHeartbeat, "d-1") {
 		t.Fatalf("sent %+v, want d-1's hold check asking P1/0", c.notes)
 	}
 	c.notes = nil
 	c.now = c.now.Add(time.Millisecond)
 	recv("d-2", "P:2", 2)
-	if len(c.asks) != 1 || c.asks[0].addr != "P:2" {
-		t.Fatalf("asks = %+v, want one handshake at P:2", c.asks)
-	}
-	out := c.answer(c.asks[0], 2, "P2/0")
+	out := c.handshakeAt("P:2", 2, "P2/0")
 	var failed bool
 	for _, o := range out.Recving {
 		failed = failed || o.ReqID == "d-1" && o.Result == ResultFailed

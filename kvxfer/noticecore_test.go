@@ -86,3 +86,26 @@ func (s sentNote) names(id string) bool {
 	}
 	return false
 }
+
+// handshakeAt checks that the core asked for one handshake, at addr,
+// answers it (gen, agent) and forgets the ask.
+func (c *noticeCore) handshakeAt(addr string, gen uint64, agent PeerName) Finished {
+	c.t.Helper()
+	if len(c.asks) != 1 || c.asks[0].addr != addr {
+		c.t.Fatalf("asks = %+v, want one handshake at %s", c.asks, addr)
+	}
+	a := c.asks[0]
+	c.asks = nil
+	return c.answer(a, gen, agent)
+}
+
+// sentAbout reports whether a notice of kind about consumer request id
+// went to peer.
+func (c *noticeCore) sentAbout(peer PeerName, kind msgKind, id string) bool {
+	for _, s := range c.notes {
+		if s.peer == peer && s.m.Kind == kind && s.names(id) {
+			return true
+		}
+	}
+	return false
+}
