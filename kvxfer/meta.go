@@ -141,7 +141,9 @@ type Request struct {
 type RemoteRef struct {
 	EngineID, Addr, ReqID string
 	TPSize, PPSize        int
-	// Blocks are the other side's block lists (pull: P's lists to READ;
+	// Blocks are the other side's block lists (pull: P's lists to READ,
+	// as its engine handed them to P in the SendReq: the hold check of
+	// params without a generation compares them with those exactly;
 	// empty in push).
 	Blocks []topology.Span
 	// Tokens is the number of KV tokens the producer holds (0: unbounded).
