@@ -139,7 +139,10 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 		if err := rs.StepRef(1, []string{"d-u"}, []string{"p-u"}); err != nil {
 			t.Fatal(err)
 		}
-		waitInStack(t, "kvxfer.(*Worker).StepRefusing(") // the refusals wait
+		// The step_ref's refusals wait for room (or, had the loop stalled
+		// before it took step 100 in, the step_ref's own step does:
+		// either way, its handling).
+		waitBlockedIn(t, "kvxfer.(*Worker).StepRefusing(")
 		close(be.release)
 		named := droppedNamedUntilEnd(rs)
 		if !slices.Equal(named, []string{"d-u", "p-u"}) {
@@ -149,19 +152,29 @@ func TestUnstagedRefusedOnBrokenWorker(t *testing.T) {
 	leakcheck.Check(t, before, 2, 10*time.Second)
 }
 
-// waitInStack waits (up to 10 s) until a goroutine of this process runs
-// frame: what a test that then breaks something needs to have happened
-// first. A fixed sleep only hoped so: on a loaded machine the rank could
-// still be short of it, and the scenario went another way.
-func waitInStack(t *testing.T, frame string) {
+// waitBlockedIn waits (up to 10 s) until a goroutine of this process is
+// blocked (waiting on a channel or a lock, not runnable or running) with
+// frame on its stack: what a test that then breaks something needs to
+// have happened first. A fixed sleep only hoped so: on a loaded machine
+// the rank could still be short of it, and the scenario went another way.
+// Nor is a goroutine merely passing through frame enough: every step the
+// rank hands its worker passes through Worker.StepRefusing, and a step
+// caught on its way through (runnable) let the test break the worker
+// before the step_ref was handled at all (it failed so about once in 60
+// runs under load: "dropped StepErrors named []").
+func waitBlockedIn(t *testing.T, frame string) {
 	t.Helper()
 	buf := make([]byte, 1<<20)
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		if strings.Contains(string(buf[:runtime.Stack(buf, true)]), frame) {
-			return
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			header, _, _ := strings.Cut(g, "\n")
+			blocked := strings.Contains(header, "[select") || strings.Contains(header, "[chan ") || strings.Contains(header, "[sync.")
+			if blocked && strings.Contains(g, frame) {
+				return
+			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no goroutine in %s within 10 s", frame)
+			t.Fatalf("no goroutine blocked in %s within 10 s", frame)
 		}
 	}
 }
