@@ -363,6 +363,13 @@ type recvReq struct {
 	exitWhy string
 	// hc: its hold check (holdcheck.go; nil: none asked).
 	hc *holdCheck
+	// elsewhere: it failed as naming its producer engine at an address
+	// another engine of that id answers at now (engineAt): its end tells
+	// no rank of the engine known here. notRead: it failed by the
+	// generation rules before it read anything: its params may be another
+	// generation's, so its notices name their blocks (notice), and a
+	// producer ends only a request it holds in exactly those.
+	elsewhere, notRead bool
 	// asked: the producer agents this rank asked to hold the request
 	// (pull: heartbeats and hold checks extend their hold), and whether
 	// each has been told of its end since (released.go); askedBuf holds
@@ -1092,9 +1099,6 @@ func (st *loopState) closeDown() {
 	}
 	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
 		r := st.recvs[id]
-		if st.cfg.Mode == ModePull && !r.decided && len(r.handles) == 0 {
-			st.tellReadNothing(r, why)
-		}
 		st.decide(r, ResultFailed, FailureClosed, why)
 		if st.guarded && st.cfg.Mode == ModePush {
 			st.revoke(r) // no WRITE lands once this returns
@@ -1103,35 +1107,6 @@ func (st *loopState) closeDown() {
 			}
 		}
 		st.tryReport(r)
-	}
-}
-
-// tellReadNothing tells the producer ranks of r, a pull consumer request
-// the closing Worker fails with no READ in flight, that nothing of ours
-// reads their blocks: they fail their side at once. Before, none was
-// told, and each held the request's blocks for its whole lease (30 s by
-// default) after its consumer's engine crashed or said bye; a producer
-// whose own engine went meanwhile was let go, and its next incarnation
-// attached, only once the close's fence timed out (CloseTimeout, 10 s).
-// A request still in its hold check (pull without grants) waited so
-// whenever its consumer closed inside the check's round trip. The ranks
-// a READ waits to be tried on again are told by decide.
-func (st *loopState) tellReadNothing(r *recvReq, why string) {
-	e := st.engines[r.req.Remote.EngineID]
-	if e == nil || e.peers == nil {
-		return // no producer rank known to tell
-	}
-	targets := r.targets
-	if !r.sent {
-		var err error
-		if targets, err = st.targets(e.tpSize, e.ppSize); err != nil {
-			return
-		}
-	}
-	for _, to := range targets {
-		if _, retry := r.retryAt[to]; !retry {
-			st.tellP(e, r, to, msgFail, FailureClosed, "consumer "+why)
-		}
 	}
 }
 

@@ -126,29 +126,34 @@ func (r *recvReq) addHandle(id XferID, to rankRef) {
 // full prefix hit or an abort before schedule), so P frees its blocks
 // instead of waiting for its lease (SPEC §14).
 func (st *loopState) releaseProducer(in *RecvReq, w *waitReq) {
-	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
-	if elsewhere {
-		return // (not after a handshake begun this very pass: it is that engine's)
-	}
 	kind := msgDone // pull: P counts one report per D rank
 	if st.cfg.Mode == ModePush {
 		kind = msgReg // push: an empty registration releases this rank
 	}
-	tp, pp := max(in.Remote.TPSize, 1), max(in.Remote.PPSize, 1)
-	if e.state == hsReady {
-		tp, pp = e.tpSize, e.ppSize
-	}
-	targets, err := st.targets(tp, pp)
-	if err != nil {
-		st.log.Warn("kvxfer: cannot release producer", "req", in.ReqID, "err", err)
-		return
-	}
-	for _, to := range targets {
+	e, ranks := st.paramsRanks(in)
+	for _, to := range ranks {
 		st.sendTo(e, to, &msg{Kind: kind, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID})
 		if p, ok := e.peers[to]; ok && w != nil {
 			w.asked = tellAgent(w.asked, p)
 		}
 	}
+}
+
+// paramsRanks finds the producer engine of a consumer request that never
+// became one this rank sends (released, refused) and the ranks of it this
+// rank tells: by its handshake once loaded, else by the sizes its params
+// give (producerRanks). None where its engine is elsewhere now (not
+// after a handshake begun this very pass: it is that engine's).
+func (st *loopState) paramsRanks(in *RecvReq) (*engine, []rankRef) {
+	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
+	if elsewhere {
+		return e, nil
+	}
+	tp, pp := max(in.Remote.TPSize, 1), max(in.Remote.PPSize, 1)
+	if e.state == hsReady {
+		tp, pp = e.tpSize, e.ppSize
+	}
+	return e, st.producerRanks(tp, pp)
 }
 
 // targets lists the producer ranks this rank exchanges with.
@@ -170,6 +175,7 @@ func (st *loopState) targets(ptp, ppp int) ([]rankRef, error) {
 func (st *loopState) startRecv(r *recvReq) {
 	e, elsewhere := st.engineAt(r.req.Remote.EngineID, r.req.Remote.Addr, r.since)
 	if elsewhere {
+		r.elsewhere = true // (its end tells no rank of that engine)
 		st.decide(r, ResultFailed, FailurePeerGone, elsewhereReason(e, r.req.Remote.Addr))
 		st.tryReport(r)
 		return
@@ -215,7 +221,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		}
 		reason := fmt.Sprintf("producer engine %s (%s) issued this request's params at generation %d and is at generation %d (it restarted or re-attached a rank since): its blocks are not this request's; not read",
 			e.id, e.addr, g, e.gen)
-		st.tellNotRead(e, r, reason)
+		r.notRead = true
 		st.decide(r, ResultFailed, FailurePeerGone, reason)
 		st.tryReport(r)
 		return
@@ -271,7 +277,7 @@ func (st *loopState) startRecv(r *recvReq) {
 		// generation known here (issued by whatever answers there).
 		reason := fmt.Sprintf("producer engine %s (%s) restarted (generation %d -> %d) before this request's READ reached it: without data-plane grants its blocks are not known to be held for this request; not read",
 			e.id, e.addr, from, e.gen)
-		st.tellNotRead(e, r, reason)
+		r.notRead = true
 		st.decide(r, ResultFailed, FailurePeerGone, reason)
 		st.tryReport(r)
 		return
@@ -299,72 +305,45 @@ func (st *loopState) startRecv(r *recvReq) {
 	if st.cfg.Mode == ModePush {
 		st.register(r, e)
 	} else {
+		st.noteSent(r, e)
 		st.read(r, e)
 	}
 	st.tryReport(r)
 }
 
-// tellNotRead tells each producer rank of e, at the generation loaded,
-// that r is not read: a pull consumer request failed by the generation
-// rules before it read anything (its params may be another generation's,
-// or are). The producer may hold it all the same: params without a
-// generation that the restarted producer itself issued, which reached
-// this rank before it loaded the new generation (the daemon soak's P
-// engine crashing right after it came back with requests issued), or
-// params of a generation before a rank of it re-attached, which its other
-// ranks hold. Before, none was told: each held the request's blocks for
-// its whole lease, and a producer whose engine went meanwhile was let go,
-// its next incarnation attaching, only once its close's fence timed out
-// (CloseTimeout, 10 s). The notice names the params' blocks (as a hold
-// check's question does): a rank ends the request only if it holds it in
-// exactly those blocks, never another request held under the same names
-// elsewhere (a retry of the old producer's request); params naming no
-// block tell none.
-func (st *loopState) tellNotRead(e *engine, r *recvReq, reason string) {
-	if st.cfg.Mode != ModePull || len(e.peers) == 0 || !slices.ContainsFunc(r.req.Remote.Blocks, func(s topology.Span) bool { return len(s.IDs) > 0 }) {
+// refuseProducer tells every producer rank of a push request that this
+// rank gives up before it registered, so they fail their side at once
+// instead of waiting for their lease. (A pull request's end tells its
+// producer's ranks itself: releaseAsked.)
+func (st *loopState) refuseProducer(e *engine, r *recvReq, fk FailureKind, reason string) {
+	if st.cfg.Mode == ModePull {
 		return
 	}
-	targets, err := st.targets(e.tpSize, e.ppSize)
-	if err != nil {
-		return
-	}
-	for _, to := range targets {
-		m := r.notice(msgFail, FailurePeerGone, reason)
-		m.Spans = r.req.Remote.Blocks
-		if p, ok := e.peers[to]; ok {
-			r.told(p)
-		}
-		st.sendTo(e, to, m)
+	for _, to := range st.producerRanks(e.tpSize, e.ppSize) {
+		st.tellP(e, r, to, msgCancel, fk, reason)
 	}
 }
 
-// refuseProducer tells every producer rank of a request that this rank
-// gives up before it registered or read anything, so they fail their
-// side at once instead of waiting for their lease.
-func (st *loopState) refuseProducer(e *engine, r *recvReq, fk FailureKind, reason string) {
-	kind := msgCancel
-	if st.cfg.Mode == ModePull {
-		kind = msgFail
+// producerRanks lists the ranks of a producer of TP size tp and PP size
+// pp this rank exchanges with (targets), or, where the TP sizes map onto
+// each other nowhere, those this rank tells of a request's end: no
+// producer rank maps to ours, yet each holds the request, and each is
+// told by one of our ranks, producer rank t by our rank t mod our TP
+// size. Before, none was, and each held its blocks for its whole lease.
+func (st *loopState) producerRanks(tp, pp int) []rankRef {
+	targets, err := st.targets(tp, pp)
+	if err == nil {
+		return targets
 	}
-	targets, err := st.targets(e.tpSize, e.ppSize)
-	if err != nil {
-		// TP sizes neither of which divides the other (the refusal
-		// itself): no producer rank maps to ours, yet each holds the
-		// request. Each is told by one of our ranks, producer rank tp by
-		// our rank tp mod our TP size; before, none was, and each held
-		// its blocks for its whole lease.
-		targets = targets[:0]
-		for pp := range e.ppSize {
-			for tp := range e.tpSize {
-				if tp%st.layout.TPSize == st.layout.TPRank {
-					targets = append(targets, rankRef{pp: pp, tp: tp})
-				}
+	targets = targets[:0]
+	for p := range pp {
+		for t := range tp {
+			if t%st.layout.TPSize == st.layout.TPRank {
+				targets = append(targets, rankRef{pp: p, tp: t})
 			}
 		}
 	}
-	for _, to := range targets {
-		st.tellP(e, r, to, kind, fk, reason)
-	}
+	return targets
 }
 
 // register sends D's registration to every producer rank it needs.
@@ -471,6 +450,12 @@ func (st *loopState) retryAfterHandshake(r *recvReq, e *engine, gone bool) bool 
 	r.fenced = r.fenced[:0]
 	r.exited, r.exitWhy = nil, ""
 	r.holds = nil // the old agents' answers
+	for i := range r.asked {
+		// Its READs failed, none carried its notice: an agent they went
+		// to that still holds the request hears of its end (releaseAsked)
+		// unless a READ of the new round goes to it again.
+		r.asked[i].told = false
+	}
 	if e.state != hsPending {
 		st.startHandshake(e)
 	}
@@ -493,9 +478,6 @@ func (st *loopState) read(r *recvReq, e *engine) {
 		local := exp.Add(-e.offset - expiryMargin)
 		if !st.now.Before(local) {
 			st.metrics.ExpiredRequest()
-			for _, to := range r.targets {
-				st.tellP(e, r, to, msgFail, FailureExpired, "producer blocks expire before the read")
-			}
 			st.decide(r, ResultExpired, FailureExpired, "producer blocks expire before the read could finish")
 			return
 		}
@@ -685,7 +667,7 @@ func (st *loopState) tellP(e *engine, r *recvReq, to rankRef, k msgKind, fk Fail
 // one's (holdcheck.go).
 func (r *recvReq) notice(k msgKind, fk FailureKind, reason string) *msg {
 	m := &msg{Kind: k, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, FailKind: fk, Reason: reason}
-	if r.hc != nil {
+	if r.hc != nil || r.notRead {
 		m.Spans = r.req.Remote.Blocks
 	}
 	return m
@@ -704,7 +686,11 @@ func (st *loopState) recvSettled(h *handle, ok bool, err error) {
 		// point it had to end by (for a read bounded by the producer's
 		// expiry, expiryMargin before it: the producer may have freed and
 		// reused its blocks since). It is given up as the timer would
-		// have. Before, it was done.
+		// have. Before, it was done. A READ that failed carried no
+		// notice: its rank is told here.
+		if e := st.engines[r.req.Remote.EngineID]; !ok && e != nil {
+			st.tellP(e, r, h.src, msgFail, FailureExpired, fmt.Sprintf("READ failed past the consumer deadline: %v", err))
+		}
 		st.recvDeadline(timerEntry{at: r.deadline, kind: tRecvDeadline, id: r.req.ReqID})
 		return
 	}
@@ -1020,38 +1006,17 @@ func (st *loopState) recvDeadline(e timerEntry) {
 	}
 	st.metrics.ExpiredRequest()
 	if !r.sent {
-		// Nothing was registered or read: no fence to wait for. Producer
-		// ranks its hold check asked are told (one holding it frees it).
-		if e := st.engines[r.req.Remote.EngineID]; r.hc != nil && e != nil {
-			for _, to := range r.hc.targets {
-				st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
-			}
-		}
+		// Nothing was registered or read: no fence to wait for (its end
+		// tells a pull producer's ranks: releaseAsked).
 		st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
 		st.tryReport(r)
 		return
 	}
-	if st.cfg.Mode == ModePull {
-		if e := st.engines[r.req.Remote.EngineID]; e != nil {
-			for _, to := range r.targets {
-				if !r.got.has(to) && !st.reading(r, to) {
-					st.tellP(e, r, to, msgFail, FailureExpired, "consumer deadline passed")
-					delete(r.retryAt, to) // told: decide tells it no more
-				}
-			}
-		}
-	}
+	// (Pull: decide tells the ranks whose READ waits to be tried again,
+	// a READ in flight is given up and its rank told once it ends, and
+	// the request's end tells any other: releaseAsked.)
 	st.decide(r, ResultExpired, FailureExpired, "producer did not complete before the deadline")
 	st.tryReport(r)
-}
-
-func (st *loopState) reading(r *recvReq, to rankRef) bool {
-	for _, t := range r.handles {
-		if t == to {
-			return true
-		}
-	}
-	return false
 }
 
 // writerExitGrace is how long after a producer rank's writer process
@@ -1574,20 +1539,8 @@ func (st *loopState) reusedTransfer(in *RecvReq) bool {
 // request fails at once (consumerGaveUp) instead of holding its blocks
 // for its lease.
 func (st *loopState) cancelProducer(in *RecvReq, why string) {
-	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
-	if elsewhere {
-		return
-	}
-	tp, pp := max(in.Remote.TPSize, 1), max(in.Remote.PPSize, 1)
-	if e.state == hsReady {
-		tp, pp = e.tpSize, e.ppSize
-	}
-	targets, err := st.targets(tp, pp)
-	if err != nil {
-		st.log.Warn("kvxfer: cannot cancel at the producer", "req", in.ReqID, "err", err)
-		return
-	}
-	for _, to := range targets {
+	e, ranks := st.paramsRanks(in)
+	for _, to := range ranks {
 		st.sendTo(e, to, &msg{Kind: msgCancel, TransferID: in.TransferID, DReq: in.ReqID, PReq: in.Remote.ReqID, Reason: why, FailKind: FailureSetup})
 	}
 }

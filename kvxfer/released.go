@@ -1,6 +1,10 @@
 package kvxfer
 
-import "slices"
+import (
+	"slices"
+
+	"github.com/kvxfer/kvxfer/topology"
+)
 
 // A pull consumer rank that asks a producer agent to hold a request (its
 // heartbeats, its hold check's questions) extends that agent's hold by
@@ -78,11 +82,25 @@ func (st *loopState) notedAsked(ids []string, peer PeerName) {
 	}
 }
 
-// releaseAsked tells each producer agent r asked to hold it, and told
-// nothing since, that r ended (o): it lets the blocks go now instead of
-// at the end of the hold the asking extended. It goes to the agent by
-// name, never through the engine entry, which may name another engine at
-// another address by now.
+// releaseAsked tells each producer agent r concerns, and told nothing
+// since, that r ended (o): it lets the blocks go now instead of at the
+// end of the hold the asking extended. The agents it concerns are those
+// it asked to hold it (its heartbeats, its hold check), those it was
+// sent to (read: the READ's notice tells them, noteSent), and, for a
+// request that ended before it was sent, the producer ranks it would
+// have read from (noteUnsent). It goes to each agent by name, never
+// through the engine entry, which may name another engine at another
+// address by now.
+//
+// It is the one place a pull consumer request's end reaches its
+// producer: before, each way a request ended told the ranks it knew of
+// itself (a close, its deadline, a refusal at handshake, the generation
+// rules, an expired hold), each with its own list, and a request that
+// expired before it asked anyone (its engine still handshaking, its
+// producer's clock being measured again) told nobody: its producer held
+// the blocks for its whole lease. Only what must go before the request
+// ends (a READ given up, or waiting to be tried again, whose rank hears at
+// once; a failed hold check) is told where it happens.
 func (st *loopState) releaseAsked(r *recvReq, o Outcome) {
 	if st.cfg.Mode != ModePull {
 		return
@@ -92,14 +110,56 @@ func (st *loopState) releaseAsked(r *recvReq, o Outcome) {
 		// Done, read from other agents (the producer re-attached its
 		// rank since this one was asked): this one is not read.
 		kind, reason = FailurePeerGone, "the consumer request ended without reading from this agent"
+	} else {
+		st.noteUnsent(r)
 	}
-	for i := range r.asked {
-		a := &r.asked[i]
-		if a.told {
-			continue
+	st.tellUntold(r.asked, r.notice(msgFail, kind, reason))
+}
+
+// noteSent notes the producer agents of e that pull request r is sent
+// to (its targets) among the agents it concerns.
+func (st *loopState) noteSent(r *recvReq, e *engine) {
+	for _, to := range r.targets {
+		if p, ok := e.peers[to]; ok {
+			r.ask(p)
 		}
-		a.told = true
-		st.notify(a.peer, r.notice(msgFail, kind, reason))
+	}
+}
+
+// noteUnsent notes, for pull request r that ended before it was sent,
+// the producer agents it would have read from among those it concerns:
+// the ranks of its producer's handshake loaded now that map to this rank
+// (producerRanks). None where its producer engine is elsewhere (another
+// engine at another address answers under its id now) or not loaded,
+// nor where its notices must name its blocks (notRead) and its params
+// name none: a producer could not tell its request from another held
+// under the same names.
+func (st *loopState) noteUnsent(r *recvReq) {
+	if r.sent || r.elsewhere {
+		return
+	}
+	e := st.engines[r.req.Remote.EngineID]
+	if e == nil || len(e.peers) == 0 {
+		return
+	}
+	if r.notRead && !slices.ContainsFunc(r.req.Remote.Blocks, func(s topology.Span) bool { return len(s.IDs) > 0 }) {
+		return
+	}
+	for _, to := range st.producerRanks(e.tpSize, e.ppSize) {
+		if p, ok := e.peers[to]; ok {
+			r.ask(p)
+		}
+	}
+}
+
+// tellUntold sends m to each agent of asked not told yet of its request's
+// end, and notes it told.
+func (st *loopState) tellUntold(asked []askedAgent, m *msg) {
+	for i := range asked {
+		if a := &asked[i]; !a.told {
+			a.told = true
+			st.notify(a.peer, m)
+		}
 	}
 }
 
@@ -133,14 +193,7 @@ func (st *loopState) endWaits(kind FailureKind, reason string) {
 // releaseWait tells each agent w's heartbeats reached, and told nothing
 // since, that w ended (a failure notice: this rank read nothing of it).
 func (st *loopState) releaseWait(w *waitReq, kind FailureKind, reason string) {
-	for i := range w.asked {
-		a := &w.asked[i]
-		if a.told {
-			continue
-		}
-		a.told = true
-		st.notify(a.peer, &msg{Kind: msgFail, TransferID: w.req.TransferID, DReq: w.req.ReqID, PReq: w.req.Remote.ReqID, FailKind: kind, Reason: reason})
-	}
+	st.tellUntold(w.asked, &msg{Kind: msgFail, TransferID: w.req.TransferID, DReq: w.req.ReqID, PReq: w.req.Remote.ReqID, FailKind: kind, Reason: reason})
 }
 
 // untold reports whether an agent w's heartbeats reached was not told of

@@ -195,12 +195,19 @@ func TestPullExpiryByTheLatestOffset(t *testing.T) {
 // deadline's timer ran (the driver handed the completion in first): the
 // READ was in flight past the point it had to end by, when the producer
 // may have freed and reused its blocks, and is given up as the timer
-// would have, never reported done. Before, it was done.
+// would have, never reported done. Before, it was done. One that failed
+// so carried no notice: its producer rank is told (before, it was not:
+// it held the blocks for its lease).
 func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
 	for _, tc := range []struct {
-		at   time.Duration // when the READ's completion is handled
-		want string
-	}{{29 * time.Second, "outcome recv d-1 done"}, {29*time.Second + 800*time.Millisecond, "outcome recv d-1 expired"}} {
+		at    time.Duration // when the READ's completion is handled
+		ended string        // how
+		want  []string
+	}{
+		{29 * time.Second, "ended xfer=1", []string{"outcome recv d-1 done"}},
+		{29*time.Second + 800*time.Millisecond, "ended xfer=1", []string{"outcome recv d-1 expired"}},
+		{29*time.Second + 800*time.Millisecond, "ended xfer=1 fail=link-down", []string{"notify P/0 fail tid=t-1 dreq=d-1 preq=p-1", "outcome recv d-1 expired"}},
+	} {
 		c := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
 		c.run(t, "core mode=pull engine=D tp=0/1")
 		rr := RecvReq{ReqID: "d-1", TransferID: "t-1", Local: []topology.Span{{IDs: ids(1, 2)}},
@@ -212,8 +219,11 @@ func TestPullReadEndedPastItsDeadlineIsExpired(t *testing.T) {
 			t.Fatalf("d-1, 30 s of P's hold left:\n%s\nwant its READ posted", out)
 		}
 		c.now = traceEpoch.Add(tc.at) // no timer run since
-		if got := c.run(t, "ended xfer=1"); !strings.Contains(got, tc.want) {
-			t.Errorf("READ ended, handled %v into P's 30 s hold:\n%s\nwant %q", tc.at, got, tc.want)
+		got := c.run(t, tc.ended)
+		for _, want := range tc.want {
+			if !strings.Contains(got, want) {
+				t.Errorf("READ %s, handled %v into P's 30 s hold:\n%s\nwant %q", tc.ended, tc.at, got, want)
+			}
 		}
 	}
 }
