@@ -142,8 +142,10 @@ func (st *loopState) releaseProducer(in *RecvReq, w *waitReq) {
 // paramsRanks finds the producer engine of a consumer request that never
 // became one this rank sends (released, refused) and the ranks of it this
 // rank tells: by its handshake once loaded, else by the sizes its params
-// give (producerRanks). None where its engine is elsewhere now (not
-// after a handshake begun this very pass: it is that engine's).
+// give. None where its engine is elsewhere now (not after a handshake
+// begun this very pass: it is that engine's), nor where the sizes map
+// onto each other nowhere (logged: what the message says could not be
+// read there).
 func (st *loopState) paramsRanks(in *RecvReq) (*engine, []rankRef) {
 	e, elsewhere := st.engineAt(in.Remote.EngineID, in.Remote.Addr, st.now)
 	if elsewhere {
@@ -153,7 +155,11 @@ func (st *loopState) paramsRanks(in *RecvReq) (*engine, []rankRef) {
 	if e.state == hsReady {
 		tp, pp = e.tpSize, e.ppSize
 	}
-	return e, st.producerRanks(tp, pp)
+	targets, err := st.targets(tp, pp)
+	if err != nil {
+		st.log.Warn("kvxfer: cannot tell the producer of a request that never went to it", "req", in.ReqID, "err", err)
+	}
+	return e, targets
 }
 
 // targets lists the producer ranks this rank exchanges with.
