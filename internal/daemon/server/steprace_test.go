@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"context"
 	"strconv"
 	"sync"
 	"testing"
@@ -21,7 +22,11 @@ import (
 // was told the step failed (its ranks' step_refs of it dropped, their
 // requests failed by the engine, then taken in by the ranks anew).
 func TestStepRefusedPublishAppliesNothing(t *testing.T) {
-	d, c, ctx := schedulerClient(t)
+	d, c, _ := schedulerClient(t)
+	// Its own bound: 40 rounds of 1,000-op Steps under -race took more
+	// than the helper's 10 s on a loaded machine.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	openPushD(t, c, ctx)
 	const rounds, ops = 40, 1000
 	var next uint64
