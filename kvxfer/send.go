@@ -1643,6 +1643,16 @@ func (st *loopState) onHeartbeat(m *msg) {
 			// it answered: no deadline holds its blocks yet.
 			continue
 		}
+		if _, seen := s.pullSeen[pullRank{engine: m.Engine, dreq: dreq, tpSize: m.TPSize, tp: m.TPRank}]; seen {
+			// From a consumer rank that already said it read the request
+			// (or gave up on it): sent before its notice, delivered after.
+			// It reads no more. Before, it extended the hold by
+			// Lease·2/3 all the same, and where the request's other
+			// consumer ranks were gone without a word, P held the blocks
+			// that much longer for nobody.
+			st.metrics.Dropped("heartbeat_after_done")
+			continue
+		}
 		if ans != nil && !heldIn(m, s) {
 			// Asked about other blocks than the request's: the asker's
 			// params are an earlier producer's, which held a request
