@@ -935,6 +935,13 @@ const (
 	maxRegIDs = 1 << 24
 )
 
+// maxTombs bounds the tombstones (producerState.tombs) a cancel of a
+// request the rank does not hold paired makes: one past it is dropped
+// (onCancel, counted cancel_limit). Those of the rank's own pairs that
+// ended are always kept (their number is bounded by the pairs that end
+// within RegistrationTTL: each an engine request and a registration).
+const maxTombs = 1 << 16
+
 // checkRegIDs panics when regIDs is not the block ids of the waiting
 // registrations (an -tags invariants self-check: the budget must neither
 // leak nor be given back twice).
@@ -1696,6 +1703,17 @@ func (st *loopState) onCancel(m *msg) {
 		// its registration, remember it, and confirm — with the
 		// completion notice again when our WRITE into that rank landed.
 		tb, had := st.tombs[k]
+		if !had && len(st.tombs) >= maxTombs {
+			// A tombstone more, made by a peer's word alone: past the
+			// bound the cancel is dropped as a lost one would be, its
+			// rank sending it again at each tick until its fence's
+			// timeout (and handled once tombstones lapsed). Before, a
+			// consumer that cancelled ever new requests grew the
+			// tombstones without bound for RegistrationTTL.
+			st.metrics.Dropped("cancel_limit")
+			st.log.Warn("kvxfer: dropped a cancel: too many tombstones", "engine", m.Engine, "d_req", m.DReq, "limit", maxTombs)
+			return
+		}
 		if had && !tb.names(m.TransferID, m.PReq) {
 			// The tombstone is of an earlier request under this id:
 			// nothing of ours landed for this one.
