@@ -1,0 +1,164 @@
+package kvxfer
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The requests a pull producer rank keeps early completion notices for
+// (notices for a request its engine has not handed it yet) are bounded:
+// past maxEarly a notice for one more is dropped and counted
+// (done_unknown_request); a request whose notices were kept ends on
+// arrival, one whose notice was dropped when its consumer's next notice
+// comes, and the room comes back once the kept ones lapse
+// (RegistrationTTL).
+func TestPullEarlyNoticeRequestsBounded(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePull, traceLayout(0, 1, 1<<20), now)
+	knowEngine(t, p, "D", 1)
+	tc := &traceCore{st: p, now: now, fail: map[opKind]int{}}
+	done := func(i int) Notif {
+		m := &msg{Kind: msgDone, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1,
+			TransferID: fmt.Sprintf("t-%d", i), DReq: fmt.Sprintf("d-%d", i), PReq: fmt.Sprintf("p-%d", i)}
+		return Notif{From: "D/0", Msg: appendMsg(nil, m)}
+	}
+	deliver := func(ns ...Notif) string {
+		p.Step(tc.now, input{kind: inNotifs, notifs: ns})
+		return strings.Join(tc.drive(nil, ""), "\n")
+	}
+	dropped := func() uint64 { return p.metrics.Snapshot().Dropped["done_unknown_request"] }
+	const over = 100
+	var ns []Notif
+	for i := range maxEarly + over {
+		ns = append(ns, done(i))
+		if len(ns) == 4096 {
+			deliver(ns...)
+			ns = nil
+		}
+	}
+	deliver(ns...)
+	if got := len(p.early); got != maxEarly {
+		t.Fatalf("early notices kept for %d requests after %d notices, want the bound %d", got, maxEarly+over, maxEarly)
+	}
+	if got := dropped(); got != over {
+		t.Errorf(`dropped{reason="done_unknown_request"} = %d, want %d`, got, over)
+	}
+	send := func(i int) string {
+		return tc.run(t, fmt.Sprintf("step send=p-%d tid=t-%d blocks=1,2 tokens=32 deadline=30s", i, i))
+	}
+	if got := send(3); got != "outcome send p-3 done" {
+		t.Errorf("p-3, its notice kept, at its arrival: %q, want done at once", got)
+	}
+	last := maxEarly + over - 1
+	if got := send(last); got != "(nothing)" {
+		t.Errorf("p-%d, its notice dropped, at its arrival: %q, want held", last, got)
+	}
+	if got := deliver(done(last)); got != fmt.Sprintf("outcome send p-%d done", last) {
+		t.Errorf("p-%d at its consumer's notice again: %q, want done", last, got)
+	}
+	// The kept ones lapse at RegistrationTTL (swept at a tick): room again.
+	tc.run(t, "advance 1s")
+	tc.run(t, "advance "+(p.cfg.RegistrationTTL+time.Minute).String())
+	if n := len(p.early); n != 0 {
+		t.Fatalf("%d requests' early notices kept past RegistrationTTL, want none", n)
+	}
+	before := dropped()
+	deliver(done(last + 1))
+	if p.early[fmt.Sprintf("p-%d", last+1)] == nil || dropped() != before {
+		t.Errorf("a notice once the kept ones lapsed: kept %v, %d dropped; want kept", p.early[fmt.Sprintf("p-%d", last+1)] != nil, dropped()-before)
+	}
+}
+
+// The waiting requests (StepMeta.Await) a pull consumer rank heartbeats
+// are bounded: past maxWaits one more is not heartbeaten, counted
+// (await_limit); the ones kept are heartbeaten, and room made by one
+// ending (AwaitEnd) is taken again.
+func TestPullWaitsBounded(t *testing.T) {
+	now := time.Unix(1000, 0)
+	d := newTestCore(t, "D", ModePull, traceLayout(0, 1, 1<<20), now)
+	knowEngine(t, d, "P", 1)
+	tc := &traceCore{st: d, now: now, fail: map[opKind]int{}}
+	beaten := map[string]bool{}
+	tc.onOp = func(o *op) {
+		if m, err := decodeMsg(o.msg); o.kind == opNotify && err == nil && m.Kind == msgHeartbeat {
+			for i := 0; i+2 < len(m.IDs); i += 3 {
+				beaten[m.IDs[i+2]] = true
+			}
+		}
+	}
+	await := func(i int) AwaitReq {
+		return AwaitReq{ReqID: fmt.Sprintf("d-%d", i), TransferID: fmt.Sprintf("t-%d", i), Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: fmt.Sprintf("p-%d", i)}}
+	}
+	step := func(m *StepMeta) {
+		m.SchedulerClock = tc.now
+		d.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+		tc.drive(nil, "")
+	}
+	const over = 100
+	m := &StepMeta{}
+	for i := range maxWaits + over {
+		m.Await = append(m.Await, await(i))
+	}
+	step(m)
+	if got := len(d.waits); got != maxWaits {
+		t.Fatalf("%d waiting requests kept after %d, want the bound %d", got, maxWaits+over, maxWaits)
+	}
+	if got := d.metrics.Snapshot().Dropped["await_limit"]; got != over {
+		t.Errorf(`dropped{reason="await_limit"} = %d, want %d`, got, over)
+	}
+	if !beaten["d-0"] || !beaten[fmt.Sprintf("d-%d", maxWaits-1)] || beaten[fmt.Sprintf("d-%d", maxWaits)] {
+		t.Errorf("heartbeaten: d-0 %v, d-%d %v, d-%d %v; want the kept ones alone", beaten["d-0"], maxWaits-1,
+			beaten[fmt.Sprintf("d-%d", maxWaits-1)], maxWaits, beaten[fmt.Sprintf("d-%d", maxWaits)])
+	}
+	// One ends: a new one takes its place, and is heartbeaten.
+	clear(beaten)
+	step(&StepMeta{AwaitEnd: []string{"d-0"}, Await: []AwaitReq{await(maxWaits + over)}})
+	if id := fmt.Sprintf("d-%d", maxWaits+over); d.waits[id] == nil || !beaten[id] {
+		t.Errorf("a waiting request after one ended: kept %v, heartbeaten %v; want both", d.waits[id] != nil, beaten[id])
+	}
+	if got := d.metrics.Snapshot().Dropped["await_limit"]; got != over {
+		t.Errorf(`dropped{reason="await_limit"} = %d after room was made, want still %d`, got, over)
+	}
+}
+
+// The failure notices a rank keeps to send again (the backend could not
+// send them) are bounded: past maxLost one more is given up, counted
+// (notice_lost); the kept ones go again at the next tick, which makes
+// room for more.
+func TestLostNoticesBounded(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), now)
+	tc := &traceCore{st: p, now: now, fail: map[opKind]int{}}
+	failed := func(i int) *op {
+		m := &msg{Kind: msgFail, DReq: fmt.Sprintf("d-%d", i), PReq: fmt.Sprintf("p-%d", i), Reason: "gone", FailKind: FailurePeerGone}
+		return &op{kind: opNotify, peer: "D/0", msg: appendMsg(nil, p.self(m)), m: m, notice: noticePlain}
+	}
+	const over = 10
+	for i := range maxLost + over {
+		p.noticeDone(failed(i), errors.New("unreachable"))
+	}
+	if len(p.lost) != maxLost {
+		t.Fatalf("%d undelivered failure notices kept, want the bound %d", len(p.lost), maxLost)
+	}
+	if got := p.metrics.Snapshot().Dropped["notice_lost"]; got != over {
+		t.Errorf(`dropped{reason="notice_lost"} = %d, want %d`, got, over)
+	}
+	resent := 0
+	tc.onOp = func(o *op) {
+		if o.kind == opNotify && o.notice == noticeResent {
+			resent++
+		}
+	}
+	p.resendLost()
+	tc.drive(nil, "")
+	if resent != maxLost || len(p.lost) != 0 {
+		t.Errorf("at the tick: %d sent again, %d still kept; want %d sent (delivered), none kept", resent, len(p.lost), maxLost)
+	}
+	p.noticeDone(failed(maxLost+over), errors.New("unreachable"))
+	if len(p.lost) != 1 {
+		t.Errorf("a failure notice not sent after the kept ones went: %d kept, want 1", len(p.lost))
+	}
+}
