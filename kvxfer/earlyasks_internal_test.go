@@ -152,3 +152,78 @@ func TestPullEarlyHoldAsksBounded(t *testing.T) {
 		t.Errorf("a question after the kept ones aged out: kept %v, dropped %d more; want it kept", p.earlyAsks["p-new"] != nil, dropped()-before)
 	}
 }
+
+// What the kept hold questions hold in all is bounded in bytes too
+// (maxEarlyAskBytes): within the counts' bounds a peer naming long ids (1
+// KiB each, and long fields a heartbeat does not read) keeps at most that
+// much; past it a question is dropped and counted, a question of usual
+// ids still fits in what is left, and the bytes come back as the kept
+// ones are answered or lapse. Before, the counts alone bounded them:
+// 262,144 questions of some 8 KiB each.
+func TestPullEarlyHoldAsksBoundedInBytes(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePull, traceLayout(0, 1, 1<<20), now)
+	knowEngine(t, p, "D", 2)
+	tc := &traceCore{st: p, now: now, fail: map[opKind]int{}}
+	holds := 0
+	tc.onOp = func(o *op) {
+		if m, err := decodeMsg(o.msg); o.kind == opNotify && err == nil && m.Kind == msgHold {
+			holds++
+		}
+	}
+	deliver := func(ns []Notif) {
+		p.Step(tc.now, input{kind: inNotifs, notifs: ns})
+		tc.drive(nil, "")
+	}
+	long := func(s string) string { return s + strings.Repeat("x", 1000-len(s)) }
+	ask := func(tid, preq, dreq string) Notif {
+		m := &msg{Kind: msgHeartbeat, Engine: "D", Addr: "D:1", TPSize: 2, PPSize: 1, Reason: hbAskHold,
+			TransferID: long("tid"), DReq: long("dreq"), PReq: long("preq"),
+			IDs: []string{tid, preq, dreq}, Spans: []topology.Span{{IDs: []topology.BlockID{1, 2}}}}
+		return Notif{From: "D/0", Msg: appendMsg(nil, m)}
+	}
+	const reqs, per = 100, 60
+	var ns []Notif
+	for i := range reqs {
+		for j := range per {
+			ns = append(ns, ask(long(fmt.Sprintf("t-%d", i)), long(fmt.Sprintf("p-%d", i)), long(fmt.Sprintf("d-%d-%d", i, j))))
+		}
+	}
+	deliver(ns)
+	cost := 256 + 3*1000
+	fit := maxEarlyAskBytes / cost
+	if p.earlyAskBytes != fit*cost {
+		t.Fatalf("kept questions cost %d bytes, want %d (%d questions of %d: the bound %d)", p.earlyAskBytes, fit*cost, fit, cost, maxEarlyAskBytes)
+	}
+	if got, want := p.metrics.Snapshot().Dropped["hold_ask_unknown_request"], uint64(reqs*per-fit); got != want {
+		t.Errorf(`dropped{reason="hold_ask_unknown_request"} = %d, want %d`, got, want)
+	}
+	kept := 0
+	for _, e := range p.earlyAsks {
+		for _, m := range e.msgs {
+			kept++
+			if m.TransferID != "" || m.DReq != "" || m.PReq != "" || m.Spans != nil {
+				t.Fatalf("a kept question keeps fields its answer does not read: %d, %d, %d bytes, %d groups", len(m.TransferID), len(m.DReq), len(m.PReq), len(m.Spans))
+			}
+		}
+	}
+	if kept != fit {
+		t.Errorf("%d questions kept, want %d", kept, fit)
+	}
+	// A question of usual ids fits in what is left.
+	deliver([]Notif{ask("t-u", "p-u", "d-u")})
+	if p.earlyAsks["p-u"] == nil {
+		t.Errorf("a question of usual ids at the byte bound was not kept (%d of %d bytes kept)", p.earlyAskBytes, maxEarlyAskBytes)
+	}
+	// Its request arrives: answered, and its bytes given back.
+	tc.run(t, "step send=p-u tid=t-u blocks=1,2 tokens=32 deadline=30s")
+	if holds != 1 || p.earlyAsks["p-u"] != nil || p.earlyAskBytes != fit*cost {
+		t.Errorf("p-u's arrival: %d answers, kept %v, %d bytes kept; want 1, none, %d", holds, p.earlyAsks["p-u"] != nil, p.earlyAskBytes, fit*cost)
+	}
+	// The rest lapse: every byte comes back.
+	tc.run(t, "advance 1s")
+	tc.run(t, "advance 5s")
+	if len(p.earlyAsks) != 0 || p.earlyAskBytes != 0 {
+		t.Errorf("after the kept questions lapsed: %d requests' questions, %d bytes kept; want none", len(p.earlyAsks), p.earlyAskBytes)
+	}
+}

@@ -46,11 +46,13 @@ type producerState struct {
 	abortedP map[string]goneSend
 	abortedT map[string]goneSend
 	// ambRegs and ambSends: scratch for findReg and findSend.
-	ambRegs    []*regGroup
-	ambSends   []*sendReq
-	early      map[string]*earlyNotes // pull: notices before their request
-	earlyAsks  map[string]*earlyNotes // pull: hold questions before their request (holdcheck.go)
-	layerSteps map[uint64][]string    // layer-wise: step -> P ids prefilled in it
+	ambRegs   []*regGroup
+	ambSends  []*sendReq
+	early     map[string]*earlyNotes // pull: notices before their request
+	earlyAsks map[string]*earlyNotes // pull: hold questions before their request (holdcheck.go)
+	// earlyAskBytes: what earlyAsks keep (askCost; maxEarlyAskBytes).
+	earlyAskBytes int
+	layerSteps    map[uint64][]string // layer-wise: step -> P ids prefilled in it
 }
 
 // Producer side: leases, registration matching, WRITEs (push) and the
