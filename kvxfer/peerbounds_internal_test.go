@@ -111,3 +111,51 @@ func TestTombstonesBounded(t *testing.T) {
 			acks, len(p.tombs), dropped()-over)
 	}
 }
+
+// The peer engines a rank knows are bounded (maxEngines) whoever names
+// them: a message from an engine it does not know starts a handshake
+// with it and waits for it, so past the bound one from one more engine is
+// dropped, counted (engine_limit), and starts nothing; a known engine's
+// messages are handled as ever. Before, peer messages naming ever new
+// engines grew them without bound (each a handshake to the address the
+// message named).
+func TestPeerEnginesBounded(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), now)
+	knowEngine(t, p, "D", 1)
+	tc := &traceCore{st: p, now: now, fail: map[opKind]int{}}
+	handshakes := 0
+	reg := func(engine string, i int) Notif {
+		m := &msg{Kind: msgReg, Engine: engine, Addr: engine + ":1", TPSize: 1, PPSize: 1, TransferID: fmt.Sprintf("t-%d", i),
+			DReq: fmt.Sprintf("d-%d", i), PReq: fmt.Sprintf("p-%d", i), Spans: []topology.Span{{IDs: []topology.BlockID{1}}}}
+		return Notif{From: PeerName(engine + "/0"), Msg: appendMsg(nil, m)}
+	}
+	const over = 100
+	var ns []Notif
+	for i := range maxEngines + over {
+		ns = append(ns, reg(fmt.Sprintf("E-%d", i), i))
+	}
+	p.Step(tc.now, input{kind: inNotifs, notifs: ns})
+	for _, l := range tc.drive(nil, "") {
+		if strings.HasPrefix(l, "handshake ") {
+			handshakes++
+		}
+	}
+	if len(p.engines) != maxEngines {
+		t.Fatalf("%d peer engines known after messages from %d, want the bound %d", len(p.engines), maxEngines+over+1, maxEngines)
+	}
+	if got := p.metrics.Snapshot().Dropped["engine_limit"]; got != over+1 {
+		t.Errorf(`dropped{reason="engine_limit"} = %d, want %d`, got, over+1)
+	}
+	if handshakes != maxEngines-1 {
+		t.Errorf("%d handshakes started, want %d (one per engine kept)", handshakes, maxEngines-1)
+	}
+	// The known engine's registration pairs with its request.
+	p.Step(tc.now, input{kind: inNotifs, notifs: []Notif{reg("D", 0)}})
+	p.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: &StepMeta{Send: []SendReq{{ReqID: "p-0", TransferID: "t-0",
+		Blocks: []topology.Span{{IDs: []topology.BlockID{2}}}, Tokens: 16, Deadline: now.Add(30 * time.Second)}}}}})
+	tc.drive(nil, "")
+	if s := p.sends.get("p-0"); s == nil || s.match == nil || s.match.key.engine != "D" {
+		t.Errorf("p-0 did not pair with known engine D's registration at the bound")
+	}
+}
