@@ -162,3 +162,42 @@ func TestLostNoticesBounded(t *testing.T) {
 		t.Errorf("a failure notice not sent after the kept ones went: %d kept, want 1", len(p.lost))
 	}
 }
+
+// Each heartbeat that extends a hold arms its lease's timer anew: a
+// consumer heartbeating as fast as it can (one extension each time the
+// loop wakes) leaves the replaced timers stale in the heap, behind an
+// earlier live one (another request's shorter lease), which the loop
+// compacts as it computes its next wake-up (nextWake), so the heap stays
+// within a few entries per request held however many heartbeats come;
+// the lease still ends at the last extension.
+func TestLeaseTimersBoundedUnderHeartbeats(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "step send=p-0 tid=t0 blocks=3 tokens=16 deadline=5s")
+	tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=10s")
+	tc.run(t, "notif from=D/0 kind=heartbeat ids=t1,p-1,d-1")
+	tc.run(t, "handshake D tp=1")
+	hb := Notif{From: "D/0", Msg: appendMsg(nil, &msg{Kind: msgHeartbeat, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, IDs: []string{"t1", "p-1", "d-1"}})}
+	st := tc.st
+	const n = 4000 // (4 s: p-0's lease, the heap's top, still runs)
+	most := 0
+	for range n {
+		tc.now = tc.now.Add(time.Millisecond)
+		st.Step(tc.now, input{kind: inNotifs, notifs: []Notif{hb}})
+		tc.drive(nil, "")
+		st.nextWake() // (the loop, before it waits)
+		most = max(most, len(st.timers))
+	}
+	if s := st.sends.get("p-1"); s == nil || !s.deadline.Equal(tc.now.Add(20*time.Second)) {
+		t.Fatalf("p-1 after %d heartbeats: %+v, want held to 20 s past the last", n, s)
+	}
+	if most > 66 {
+		t.Errorf("the timer heap grew to %d entries under %d heartbeats for one request, want at most 66 (compacted past 64)", most, n)
+	}
+	if got := tc.run(t, "advance 19s"); got != "outcome send p-0 expired (expired): lease expired" {
+		t.Errorf("19 s after the last heartbeat: %q, want p-0 (its lease long over) alone expired", got)
+	}
+	if got := tc.run(t, "advance 1s"); got != "outcome send p-1 expired (expired): lease expired" {
+		t.Errorf("p-1 at its last extension's end: %q, want expired", got)
+	}
+}
