@@ -201,3 +201,66 @@ func TestLeaseTimersBoundedUnderHeartbeats(t *testing.T) {
 		t.Errorf("p-1 at its last extension's end: %q, want expired", got)
 	}
 }
+
+// What the early notices keep in all is bounded in bytes too
+// (maxEarlyBytes): within the counts' bounds, peers naming long ids and
+// reasons (1 KiB each) keep at most that much; past it a notice is
+// dropped and counted (done_unknown_request), a notice of usual ids
+// still fits in what is left, and the bytes come back as the kept ones
+// are applied or lapse. Before, the counts alone bounded them.
+func TestPullEarlyNoticesBoundedInBytes(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := newTestCore(t, "P", ModePull, traceLayout(0, 1, 1<<20), now)
+	knowEngine(t, p, "D", 1)
+	tc := &traceCore{st: p, now: now, fail: map[opKind]int{}}
+	long := func(s string) string { return s + strings.Repeat("x", 1000-len(s)) }
+	fail := func(tid, dreq, preq, reason string) Notif {
+		m := &msg{Kind: msgFail, Engine: "D", Addr: "D:1", TPSize: 1, PPSize: 1, TransferID: tid, DReq: dreq, PReq: preq,
+			Reason: reason, FailKind: FailurePeerGone}
+		return Notif{From: "D/0", Msg: appendMsg(nil, m)}
+	}
+	deliver := func(ns ...Notif) string {
+		p.Step(tc.now, input{kind: inNotifs, notifs: ns})
+		return strings.Join(tc.drive(nil, ""), "\n")
+	}
+	cost := 256 + len("D:1") + 4*1000
+	fit := maxEarlyBytes / cost
+	if fit >= maxEarly {
+		t.Fatalf("%d notices of %d bytes fit, not fewer than maxEarly (%d): the count bound would hit first", fit, cost, maxEarly)
+	}
+	const over = 100
+	var ns []Notif
+	for i := range fit + over {
+		ns = append(ns, fail(long(fmt.Sprintf("t-%d", i)), long(fmt.Sprintf("d-%d", i)), long(fmt.Sprintf("p-%d", i)), long("gone")))
+		if len(ns) == 4096 {
+			deliver(ns...)
+			ns = nil
+		}
+	}
+	deliver(ns...)
+	if p.earlyBytes != fit*cost || len(p.early) != fit {
+		t.Fatalf("early notices keep %d bytes for %d requests, want %d (%d of %d bytes: the bound %d)", p.earlyBytes, len(p.early), fit*cost, fit, cost, maxEarlyBytes)
+	}
+	if got := p.metrics.Snapshot().Dropped["done_unknown_request"]; got != over {
+		t.Errorf(`dropped{reason="done_unknown_request"} = %d, want %d`, got, over)
+	}
+	// A notice of usual ids fits in what is left.
+	deliver(fail("t-u", "d-u", "p-u", "gone"))
+	if p.early["p-u"] == nil {
+		t.Errorf("a notice of usual ids at the byte bound was not kept (%d of %d bytes kept)", p.earlyBytes, maxEarlyBytes)
+	}
+	// Kept notices apply as their requests arrive, giving their bytes back.
+	want := p.earlyBytes - noticeCost(p.early["p-u"].msgs[0])
+	if got := tc.run(t, "step send=p-u tid=t-u blocks=1,2 tokens=32 deadline=30s"); !strings.HasPrefix(got, "outcome send p-u failed") {
+		t.Errorf("p-u at its arrival: %q, want failed by its kept notice", got)
+	}
+	if p.earlyBytes != want {
+		t.Errorf("after p-u's notice applied: %d bytes kept, want %d", p.earlyBytes, want)
+	}
+	// The rest lapse at RegistrationTTL: every byte comes back.
+	tc.run(t, "advance 1s")
+	tc.run(t, "advance "+(p.cfg.RegistrationTTL+time.Minute).String())
+	if len(p.early) != 0 || p.earlyBytes != 0 {
+		t.Errorf("after the kept notices lapsed: %d requests' notices, %d bytes kept; want none", len(p.early), p.earlyBytes)
+	}
+}

@@ -143,7 +143,7 @@ type regKey struct {
 type earlyNotes struct {
 	at   time.Time
 	msgs []*msg
-	// bytes: what the hold questions of msgs cost (earlyAsks: askCost).
+	// bytes: what msgs cost (early: noticeCost; earlyAsks: askCost).
 	bytes int
 }
 
@@ -1026,7 +1026,7 @@ func (st *loopState) tick(now time.Time) {
 	}
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
-			delete(st.early, k)
+			st.forgetEarly(k, e)
 			st.metrics.Dropped("done_unknown_request")
 			st.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
 		}
