@@ -351,3 +351,30 @@ func (st *loopState) replayAsks(s *sendReq) {
 		}
 	}
 }
+
+// checkEarlyBytes panics when earlyBytes or earlyAskBytes is not what the
+// early notices or hold questions kept cost (an -tags invariants
+// self-check: a budget must neither leak nor be given back twice).
+func (st *loopState) checkEarlyBytes() {
+	for _, c := range [...]struct {
+		what  string
+		kept  map[string]*earlyNotes
+		total int
+		cost  func(*msg) int
+	}{{"earlyBytes", st.early, st.earlyBytes, noticeCost}, {"earlyAskBytes", st.earlyAsks, st.earlyAskBytes, askCost}} {
+		sum := 0
+		for k, e := range c.kept {
+			n := 0
+			for _, m := range e.msgs {
+				n += c.cost(m)
+			}
+			if n != e.bytes {
+				panic(fmt.Sprintf("kvxfer: %s: %q counts %d bytes, keeps %d", c.what, k, e.bytes, n))
+			}
+			sum += n
+		}
+		if sum != c.total {
+			panic(fmt.Sprintf("kvxfer: %s = %d, what is kept costs %d", c.what, c.total, sum))
+		}
+	}
+}
