@@ -1716,7 +1716,7 @@ func (st *loopState) onCancel(m *msg) {
 			// consumer that cancelled ever new requests grew the
 			// tombstones without bound for RegistrationTTL.
 			st.metrics.Dropped("cancel_limit")
-			st.log.Warn("kvxfer: dropped a cancel: too many tombstones", "engine", m.Engine, "d_req", m.DReq, "limit", maxTombs)
+			st.log.Debug("kvxfer: dropped a cancel: too many tombstones", "engine", m.Engine, "d_req", m.DReq, "limit", maxTombs)
 			return
 		}
 		if had && !tb.names(m.TransferID, m.PReq) {

@@ -71,7 +71,7 @@ func (st *loopState) admit(pm parkedMsg) bool {
 			// engines grew the engines a rank knows without bound (a
 			// consumer request naming one more fails: overLimit).
 			st.metrics.Dropped("engine_limit")
-			st.log.Warn("kvxfer: dropped a peer message from an engine past the rank's limit on peer engines", "kind", m.Kind,
+			st.log.Debug("kvxfer: dropped a peer message from an engine past the rank's limit on peer engines", "kind", m.Kind,
 				"engine", m.Engine, "agent", from, "limit", maxEngines)
 			return false
 		}
