@@ -76,6 +76,7 @@ func (st *loopState) Step(now time.Time, in input) {
 	st.recycleSends()
 	if invariants.Enabled {
 		st.checkRegIDs()
+		st.checkEarlyBytes()
 	}
 }
 

@@ -258,27 +258,51 @@ func sumIn(mask uint64, spans []topology.Span) (uint64, bool) {
 
 // maxEarlyAsks caps the requests a producer keeps hold questions for
 // before it holds them; maxAsksPerRequest the questions kept for one (one
-// per consumer rank and request, its latest).
+// per consumer rank and request, its latest); maxEarlyAskBytes what they
+// keep in all (askCost: a question's ids may be 1 KiB each), 16 MiB,
+// some 40,000 questions of usual ids, while the counts alone let a peer
+// that names long ids keep about a GiB.
 const (
 	maxEarlyAsks      = 1 << 12
 	maxAsksPerRequest = 64
+	maxEarlyAskBytes  = 16 << 20
 )
+
+// askCost is what a kept question costs maxEarlyAskBytes: its ids, and a
+// fixed part for the message itself.
+func askCost(m *msg) int {
+	n := 256
+	for _, id := range m.IDs {
+		n += len(id)
+	}
+	return n
+}
 
 // stashAsk keeps a consumer's hold question about a request this
 // producer rank does not hold yet (the consumer's params reached it before
 // our engine's step did): the request's arrival answers it at once
 // (replayAsks), where the consumer would otherwise learn of it only at
 // its next ask, up to 400 ms later. Kept for twice the check's bound
-// (its asker has given up by then), bounded in count.
+// (its asker has given up by then), bounded in count and bytes; past a
+// bound it is dropped (its asker learns at its next ask).
 func (st *loopState) stashAsk(m *msg) {
+	// What is kept is what answering it reads: its sender, ids and the
+	// digest of its blocks; the fields a heartbeat does not use (a peer
+	// may fill them) are let go, and its engine's name is the one we keep
+	// anyway (admitted: the engine is known).
 	m.compact()
+	m.Addr, m.TransferID, m.DReq, m.PReq = "", "", "", ""
+	if e := st.engines[m.Engine]; e != nil {
+		m.Engine = e.id
+	}
 	key := m.IDs[1]
 	if key == "" {
 		key = "tid:" + m.IDs[0]
 	}
+	cost := askCost(m)
 	e := st.earlyAsks[key]
 	if e == nil {
-		if len(st.earlyAsks) >= maxEarlyAsks {
+		if len(st.earlyAsks) >= maxEarlyAsks || st.earlyAskBytes+cost > maxEarlyAskBytes {
 			st.metrics.Dropped("hold_ask_unknown_request")
 			return
 		}
@@ -287,15 +311,29 @@ func (st *loopState) stashAsk(m *msg) {
 	}
 	for i, o := range e.msgs {
 		if o.from == m.from && o.IDs[2] == m.IDs[2] {
-			e.msgs[i] = m // its latest
+			if d := cost - askCost(o); st.earlyAskBytes+d <= maxEarlyAskBytes {
+				e.msgs[i] = m // its latest
+				e.bytes += d
+				st.earlyAskBytes += d
+			} else {
+				st.metrics.Dropped("hold_ask_unknown_request") // (its earlier one stands)
+			}
 			return
 		}
 	}
-	if len(e.msgs) >= maxAsksPerRequest {
+	if len(e.msgs) >= maxAsksPerRequest || st.earlyAskBytes+cost > maxEarlyAskBytes {
 		st.metrics.Dropped("hold_ask_unknown_request")
 		return
 	}
 	e.msgs = append(e.msgs, m)
+	e.bytes += cost
+	st.earlyAskBytes += cost
+}
+
+// forgetAsks drops the questions kept under key.
+func (st *loopState) forgetAsks(key string, e *earlyNotes) {
+	delete(st.earlyAsks, key)
+	st.earlyAskBytes -= e.bytes
 }
 
 // replayAsks answers the hold questions kept for pull request s, which
@@ -307,9 +345,36 @@ func (st *loopState) replayAsks(s *sendReq) {
 		if e == nil || key == "tid:" {
 			continue
 		}
-		delete(st.earlyAsks, key)
+		st.forgetAsks(key, e)
 		for _, m := range e.msgs {
 			st.onHeartbeat(m)
+		}
+	}
+}
+
+// checkEarlyBytes panics when earlyBytes or earlyAskBytes is not what the
+// early notices or hold questions kept cost (an -tags invariants
+// self-check: a budget must neither leak nor be given back twice).
+func (st *loopState) checkEarlyBytes() {
+	for _, c := range [...]struct {
+		what  string
+		kept  map[string]*earlyNotes
+		total int
+		cost  func(*msg) int
+	}{{"earlyBytes", st.early, st.earlyBytes, noticeCost}, {"earlyAskBytes", st.earlyAsks, st.earlyAskBytes, askCost}} {
+		sum := 0
+		for k, e := range c.kept {
+			n := 0
+			for _, m := range e.msgs {
+				n += c.cost(m)
+			}
+			if n != e.bytes {
+				panic(fmt.Sprintf("kvxfer: %s: %q counts %d bytes, keeps %d", c.what, k, e.bytes, n))
+			}
+			sum += n
+		}
+		if sum != c.total {
+			panic(fmt.Sprintf("kvxfer: %s = %d, what is kept costs %d", c.what, c.total, sum))
 		}
 	}
 }

@@ -143,6 +143,8 @@ type regKey struct {
 type earlyNotes struct {
 	at   time.Time
 	msgs []*msg
+	// bytes: what msgs cost (early: noticeCost; earlyAsks: askCost).
+	bytes int
 }
 
 // maxEarly caps the requests with early notices kept at once.
@@ -1026,12 +1028,12 @@ func (st *loopState) tick(now time.Time) {
 	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	for k, e := range st.earlyAsks {
 		if now.Sub(e.at) > 2*holdCheckBound() { // (its asker gave up)
-			delete(st.earlyAsks, k)
+			st.forgetAsks(k, e)
 		}
 	}
 	for k, e := range st.early {
 		if now.Sub(e.at) > st.cfg.RegistrationTTL {
-			delete(st.early, k)
+			st.forgetEarly(k, e)
 			st.metrics.Dropped("done_unknown_request")
 			st.log.Warn("kvxfer: completion for an unknown request; its blocks may have expired", "key", k)
 		}

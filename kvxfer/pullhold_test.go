@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A pull producer keeps a consumer's completion notice for a request it
@@ -180,5 +181,46 @@ func TestPullFailNoticeWithoutReasonFails(t *testing.T) {
 	got := tc.run(t, "handshake D tp=1")
 	if !strings.Contains(got, "outcome send p-1 failed") {
 		t.Errorf("p-1 after its consumer's failure notice without a reason: %q, want failed", got)
+	}
+}
+
+// A heartbeat from a consumer rank that already said it read the request
+// (sent before its completion notice, delivered after it) does not extend
+// the hold: that rank reads no more, and where the request's other
+// consumer ranks are gone without a word, P would hold the blocks
+// Lease·2/3 (20 s) longer for nobody. It is counted
+// (heartbeat_after_done), and a rank that has not reported still
+// extends the hold as ever. Before, the stale heartbeat extended it.
+func TestPullHeartbeatAfterDoneDoesNotExtend(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	tc.run(t, "step send=p-1 tid=t1 blocks=1,2 tokens=32 deadline=30s")
+	tc.run(t, "notif from=D/0 kind=done tid=t1 dreq=d-1 preq=p-1 tp=2")
+	tc.run(t, "handshake D tp=2")
+	tc.run(t, "advance 15s")
+	out := tc.run(t, "notif from=D/0 kind=heartbeat ids=t1,p-1,d-1 tp=2 reason="+hbAskHold)
+	s := tc.st.sends.get("p-1")
+	if s == nil {
+		t.Fatal("p-1 ended with one of its two consumer ranks reported")
+	}
+	if want := traceEpoch.Add(30 * time.Second); !s.deadline.Equal(want) {
+		t.Errorf("rank 0's heartbeat after its done notice moved p-1's hold to %v, want it left at %v", s.deadline.Sub(traceEpoch), want.Sub(traceEpoch))
+	}
+	if strings.Contains(out, "hold") {
+		t.Errorf("rank 0's heartbeat after its done notice answered: %q", out)
+	}
+	if got := tc.st.metrics.Snapshot().Dropped["heartbeat_after_done"]; got != 1 {
+		t.Errorf(`dropped{reason="heartbeat_after_done"} = %d, want 1`, got)
+	}
+	// Rank 1, which still reads, extends it (and is answered).
+	out = tc.run(t, "notif from=D/1 kind=heartbeat ids=t1,p-1,d-1 tp=2 reason="+hbAskHold)
+	if want := traceEpoch.Add(35 * time.Second); !s.deadline.Equal(want) || !strings.Contains(out, "notify D/1 hold ids=t1,p-1,d-1 hold=35s") {
+		t.Errorf("rank 1's heartbeat at 15 s: hold to %v, printed %q; want 35s, answered", s.deadline.Sub(traceEpoch), out)
+	}
+	// Another consumer request of rank 0 (its own reader) extends it too.
+	tc.run(t, "advance 1s")
+	tc.run(t, "notif from=D/0 kind=heartbeat ids=t1,p-1,d-2 tp=2")
+	if want := traceEpoch.Add(36 * time.Second); !s.deadline.Equal(want) {
+		t.Errorf("d-2's heartbeat from rank 0 at 16 s: hold to %v, want 36s", s.deadline.Sub(traceEpoch))
 	}
 }

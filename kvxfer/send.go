@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvxfer/kvxfer/hotpath"
@@ -46,11 +47,15 @@ type producerState struct {
 	abortedP map[string]goneSend
 	abortedT map[string]goneSend
 	// ambRegs and ambSends: scratch for findReg and findSend.
-	ambRegs    []*regGroup
-	ambSends   []*sendReq
-	early      map[string]*earlyNotes // pull: notices before their request
-	earlyAsks  map[string]*earlyNotes // pull: hold questions before their request (holdcheck.go)
-	layerSteps map[uint64][]string    // layer-wise: step -> P ids prefilled in it
+	ambRegs   []*regGroup
+	ambSends  []*sendReq
+	early     map[string]*earlyNotes // pull: notices before their request
+	earlyAsks map[string]*earlyNotes // pull: hold questions before their request (holdcheck.go)
+	// earlyAskBytes: what earlyAsks keep (askCost; maxEarlyAskBytes).
+	earlyAskBytes int
+	// earlyBytes: what early keep (noticeCost; maxEarlyBytes).
+	earlyBytes int
+	layerSteps map[uint64][]string // layer-wise: step -> P ids prefilled in it
 }
 
 // Producer side: leases, registration matching, WRITEs (push) and the
@@ -935,6 +940,13 @@ const (
 	maxRegIDs = 1 << 24
 )
 
+// maxTombs bounds the tombstones (producerState.tombs) a cancel of a
+// request the rank does not hold paired makes: one past it is dropped
+// (onCancel, counted cancel_limit). Those of the rank's own pairs that
+// ended are always kept (their number is bounded by the pairs that end
+// within RegistrationTTL: each an engine request and a registration).
+const maxTombs = 1 << 16
+
 // checkRegIDs panics when regIDs is not the block ids of the waiting
 // registrations (an -tags invariants self-check: the budget must neither
 // leak nor be given back twice).
@@ -1643,6 +1655,16 @@ func (st *loopState) onHeartbeat(m *msg) {
 			// it answered: no deadline holds its blocks yet.
 			continue
 		}
+		if _, seen := s.pullSeen[pullRank{engine: m.Engine, dreq: dreq, tpSize: m.TPSize, tp: m.TPRank}]; seen {
+			// From a consumer rank that already said it read the request
+			// (or gave up on it): sent before its notice, delivered after.
+			// It reads no more. Before, it extended the hold by
+			// Lease·2/3 all the same, and where the request's other
+			// consumer ranks were gone without a word, P held the blocks
+			// that much longer for nobody.
+			st.metrics.Dropped("heartbeat_after_done")
+			continue
+		}
 		if ans != nil && !heldIn(m, s) {
 			// Asked about other blocks than the request's: the asker's
 			// params are an earlier producer's, which held a request
@@ -1686,6 +1708,17 @@ func (st *loopState) onCancel(m *msg) {
 		// its registration, remember it, and confirm — with the
 		// completion notice again when our WRITE into that rank landed.
 		tb, had := st.tombs[k]
+		if !had && len(st.tombs) >= maxTombs {
+			// A tombstone more, made by a peer's word alone: past the
+			// bound the cancel is dropped as a lost one would be, its
+			// rank sending it again at each tick until its fence's
+			// timeout (and handled once tombstones lapsed). Before, a
+			// consumer that cancelled ever new requests grew the
+			// tombstones without bound for RegistrationTTL.
+			st.metrics.Dropped("cancel_limit")
+			st.log.Debug("kvxfer: dropped a cancel: too many tombstones", "engine", m.Engine, "d_req", m.DReq, "limit", maxTombs)
+			return
+		}
 		if had && !tb.names(m.TransferID, m.PReq) {
 			// The tombstone is of an earlier request under this id:
 			// nothing of ours landed for this one.
@@ -2127,12 +2160,23 @@ func otherTID(s *sendReq, tid string) bool {
 // here as its rank's duplicate.
 func (st *loopState) stashEarly(m *msg) {
 	m.compact() // (kept small: a notice may name many blocks)
+	// Its strings are cut from one copy of the whole message (decodeMsg),
+	// which they would keep alive: kept, they are copies of their own, so
+	// that what it costs is what noticeCost counts.
+	if e := st.engines[m.Engine]; e != nil {
+		m.Engine = e.id
+	} else {
+		m.Engine = strings.Clone(m.Engine)
+	}
+	m.Addr, m.TransferID, m.DReq, m.PReq, m.Reason = strings.Clone(m.Addr), strings.Clone(m.TransferID), strings.Clone(m.DReq),
+		strings.Clone(m.PReq), strings.Clone(m.Reason)
 	key := m.PReq
 	if key == "" {
 		key = "tid:" + m.TransferID
 	}
+	cost := noticeCost(m)
 	e := st.early[key]
-	if e == nil && len(st.early) >= maxEarly {
+	if e == nil && (len(st.early) >= maxEarly || st.earlyBytes+cost > maxEarlyBytes) {
 		st.metrics.Dropped("done_unknown_request")
 		return
 	}
@@ -2153,16 +2197,47 @@ func (st *loopState) stashEarly(m *msg) {
 			return
 		}
 		// The rank's notice of another transfer under this id: the
-		// newer one stands (one per rank, whatever it names).
+		// newer one stands (one per rank, whatever it names), where
+		// maxEarlyBytes leaves room for it.
 		st.metrics.Dropped("done_unknown_request")
-		e.msgs[i] = m
+		if d := cost - noticeCost(o); st.earlyBytes+d <= maxEarlyBytes {
+			e.msgs[i] = m
+			e.bytes += d
+			st.earlyBytes += d
+		}
 		return
 	}
 	if readers >= maxPullReaders && !slices.ContainsFunc(e.msgs, func(x *msg) bool { return x.Engine == m.Engine && x.DReq == m.DReq }) {
 		st.metrics.BadInput("done.readers")
 		return
 	}
+	if st.earlyBytes+cost > maxEarlyBytes {
+		st.metrics.Dropped("done_unknown_request")
+		return
+	}
 	e.msgs = append(e.msgs, m)
+	e.bytes += cost
+	st.earlyBytes += cost
+}
+
+// maxEarlyBytes bounds what the early notices keep in all (noticeCost):
+// 64 MiB, some 150,000 notices of usual ids, while the counts alone
+// (maxEarly requests, maxPullReaders consumer requests each, one notice
+// per consumer rank, each up to some 6 KiB of ids and reason) let peers
+// keep gigabytes.
+const maxEarlyBytes = 64 << 20
+
+// noticeCost is what an early notice costs maxEarlyBytes: its strings
+// (the engine's name is the one we keep anyway where it is known) and a
+// fixed part for the message itself.
+func noticeCost(m *msg) int {
+	return 256 + len(m.Addr) + len(m.TransferID) + len(m.DReq) + len(m.PReq) + len(m.Reason)
+}
+
+// forgetEarly drops the early notices kept under key.
+func (st *loopState) forgetEarly(key string, e *earlyNotes) {
+	delete(st.early, key)
+	st.earlyBytes -= e.bytes
 }
 
 // replayEarly applies the notices that arrived before a pull request.
@@ -2183,9 +2258,14 @@ func (st *loopState) replayEarly(s *sendReq) {
 			}
 		}
 		if len(keep) > 0 {
-			e.msgs = keep
+			kept := 0
+			for _, m := range keep {
+				kept += noticeCost(m)
+			}
+			st.earlyBytes -= e.bytes - kept
+			e.msgs, e.bytes = keep, kept
 		} else {
-			delete(st.early, key)
+			st.forgetEarly(key, e)
 		}
 		for _, m := range apply {
 			reason, kind := "", FailureNone

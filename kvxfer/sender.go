@@ -64,6 +64,17 @@ func (st *loopState) admit(pm parkedMsg) bool {
 	// An engine this rank has no handshake with: what its daemon answers,
 	// not the first agent to speak for a rank, says who speaks for it.
 	if e == nil {
+		if len(st.engines) >= maxEngines {
+			// One more engine would be a handshake, parked messages and an
+			// entry kept until EngineTTL, on the word of a peer that names
+			// what engine it likes. Before, messages naming ever new
+			// engines grew the engines a rank knows without bound (a
+			// consumer request naming one more fails: overLimit).
+			st.metrics.Dropped("engine_limit")
+			st.log.Debug("kvxfer: dropped a peer message from an engine past the rank's limit on peer engines", "kind", m.Kind,
+				"engine", m.Engine, "agent", from, "limit", maxEngines)
+			return false
+		}
 		e = st.ensureEngine(m.Engine, m.Addr)
 	} else if e.state != hsPending && st.senderMoved(e, pm) {
 		return st.parkMsg(e, pm)
