@@ -55,6 +55,37 @@ func TestChaos(t *testing.T) {
 	}
 }
 
+// TestChaosConfigs is TestChaos (push, pull and layer-wise push, faults
+// injected) over randomized configurations of the byte sweep
+// (sweepRandomCase but Mamba): P and D TP up to 8, a pipelined producer,
+// block sizes and kernel blocks that differ either way, HND and NHD,
+// packed, split and separate K/V, MLA and sliding windows. TestChaos
+// covers one attention model, TP 2 to 1 and 1 to 2, equal blocks: the
+// fences (no transfer into a freed D block or out of a freed P block)
+// and the bytes of every request done are checked here where a
+// request's blocks map onto the other engine's unevenly.
+func TestChaosConfigs(t *testing.T) {
+	n, seed := sweepSize(t, 8, 3)
+	rng := rand.New(rand.NewPCG(seed, 0xc4a05))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		for slices.Contains(c.model.Kinds, topology.KindMamba) {
+			c = sweepRandomCase(rng)
+		}
+		caseSeed := rng.Uint64()
+		rate := pick(rng, 12, 60)
+		reqs := 150
+		if raceEnabled {
+			reqs = 60
+		}
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { runChaosOn(t, c, reqs, rate, caseSeed) })
+		}) {
+			t.Fatalf("case %d (seed %d): %s, faults 1 in %d", i, seed, c, rate)
+		}
+	}
+}
+
 type chaosReq struct {
 	x         *xreq
 	tP, tD    int  // steps at which P finishes (layer-wise: prefills) and D allocates
@@ -80,18 +111,28 @@ var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
 var chaosSeed, _ = strconv.ParseUint(os.Getenv("CHAOS_SEED"), 10, 64)
 
 func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate int, seed uint64) {
+	c := &sweepCase{model: kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2},
+		p: e2eEngine(1, ptp, 1, 16, 16), d: e2eEngine(2, dtp, 1, 16, 16), mode: mode, layerwise: layerwise}
+	runChaosOn(t, c, n, rate, seed)
+}
+
+// runChaosOn is runChaos for a sweep case's model and engines (its n,
+// blocks and backend are not used: the fake fabric, 160 blocks a region).
+func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
+	mode, layerwise := c.mode, c.layerwise
 	rng := rand.New(rand.NewPCG(seed, 99))
 	fab := kvxfertest.NewFabric()
 	dir := kvxfertest.NewDirectory()
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
-	pe := e2eEngine(1, ptp, 1, 16, 16)
-	de := e2eEngine(2, dtp, 1, 16, 16)
+	model, pe, de := c.model, c.p, c.d
 	pe.Blocks, de.Blocks = 160, 160
-	tweak := func(c *kvxfer.WorkerConfig) {
-		c.Layerwise = layerwise
-		c.Lease = 6 * time.Second
-		c.RegistrationTTL = 30 * time.Second
-		c.EngineTTL = time.Minute
+	tweak := func(cfg *kvxfer.WorkerConfig) {
+		cfg.Layerwise = layerwise
+		cfg.Lease = 6 * time.Second
+		cfg.RegistrationTTL = 30 * time.Second
+		cfg.EngineTTL = time.Minute
+		if c.firstLayer != nil && cfg.EngineID == "P" {
+			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)
+		}
 	}
 	p := startEngine(t, fab, dir, &model, pe, "P", mode, tweak)
 	d := startEngine(t, fab, dir, &model, de, "D", mode, tweak)
@@ -110,7 +151,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			r.Mem[i] = sentinel
 		}
 	}
-	prank, drank := ptp, dtp
+	prank, drank := pe.TP*pe.PP, de.TP
 
 	reqs := map[string]*chaosReq{}
 	var order []*chaosReq
@@ -120,7 +161,9 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 	var dAgents []*kvxfertest.Agent
 	dAgents = append(dAgents, d.agents[0]...)
 	var pAgents []*kvxfertest.Agent
-	pAgents = append(pAgents, p.agents[0]...)
+	for _, stage := range p.agents {
+		pAgents = append(pAgents, stage...)
+	}
 
 	free := func(se *simEngine, pool *blockPool, spans []topology.Span) {
 		for g, s := range spans {
@@ -185,17 +228,25 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 
 	for k := 0; ; k++ {
 		// New arrivals while blocks last.
-		for next < n && len(pp.free[0]) > 12 && len(dp.free[0]) > 12 && rng.IntN(3) == 0 {
+		for next < n && poolsHave(pp, 12) && poolsHave(dp, 12) && rng.IntN(3) == 0 {
 			id := fmt.Sprintf("%04x-%08x", next, rng.Uint32())
 			tokens := 1 + rng.IntN(60)
 			hit := 0
 			switch rng.IntN(6) {
 			case 0:
-				hit = (tokens / 2) / 16 * 16
+				hit = (tokens / 2) / de.LogicalBlock * de.LogicalBlock
 			case 1:
-				hit = (tokens + 15) / 16 * 16
+				hit = (tokens + de.LogicalBlock - 1) / de.LogicalBlock * de.LogicalBlock
 			}
+			pFree, dFree := slices.Clone(pp.free), slices.Clone(dp.free)
 			x := makeRequest(id, tokens, hit, groups, pe, de, pp, dp)
+			// Blocks a sliding window dropped go back to the pools.
+			unclip(pp, pFree, x.sim.P)
+			unclip(dp, dFree, x.sim.D)
+			// Each request's KV is its own (a salt), so bytes of another
+			// request landing in its blocks (a READ of a P block freed and
+			// taken by a later request) are caught.
+			x.sim.Salt = next + 1
 			for g, sp := range x.sim.D {
 				for _, b := range sp.IDs {
 					for i, r := range d.ranks[0] {
@@ -207,7 +258,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			}
 			for _, stage := range p.ranks {
 				for _, r := range stage {
-					r.Fill(x.sim.P)
+					r.FillSalt(x.sim.P, x.sim.Salt)
 				}
 			}
 			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40)}
@@ -315,9 +366,11 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		p.step(t, &pm)
 		d.step(t, &dm)
 		if layerwise && len(pm.Prefill) > 0 {
-			for _, stage := range p.workers {
-				for _, w := range stage {
-					for layer := range layersOf(w.Layout()) {
+			for pi, stage := range p.workers {
+				for ti, w := range stage {
+					// The rank's layers (under SeparateKV a layer has two
+					// regions).
+					for _, layer := range slices.Compact(slices.Sorted(slices.Values(p.ranks[pi][ti].Layer))) {
 						if err := w.LayerSaved(pm.Step, layer); err != nil {
 							t.Fatal(err)
 						}
@@ -389,6 +442,28 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		}
 	}
 	t.Logf("%d requests; outcomes %v", len(order), counts)
+}
+
+// poolsHave reports whether every group of p has more than n free blocks.
+func poolsHave(p *blockPool, n int) bool {
+	for _, f := range p.free {
+		if len(f) <= n {
+			return false
+		}
+	}
+	return true
+}
+
+// unclip returns to p the blocks it handed out since its free lists were
+// was (taken from their front) that spans do not hold.
+func unclip(p *blockPool, was [][]topology.BlockID, spans []topology.Span) {
+	for g, s := range spans {
+		for _, id := range was[g][:len(was[g])-len(p.free[g])] {
+			if !slices.Contains(s.IDs, id) {
+				p.free[g] = append(p.free[g], id)
+			}
+		}
+	}
 }
 
 func allEnded(order []*chaosReq) bool {
