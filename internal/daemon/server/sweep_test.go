@@ -1,0 +1,214 @@
+package server_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// daemonSweepCase is one randomized configuration of TestDaemonByteSweep.
+type daemonSweepCase struct {
+	model  kvsim.Model
+	p, d   kvsim.Engine
+	mode   kvxfer.Mode
+	byAddr bool // memory named by address (in-process), else shared files
+	n      int
+}
+
+func (c *daemonSweepCase) String() string {
+	e := func(x kvsim.Engine) string {
+		return fmt.Sprintf("tp%d pp%d L%d K%d %v/%v", x.TP, x.PP, x.LogicalBlock, x.KernelBlock, x.Layout, x.Packing)
+	}
+	return fmt.Sprintf("%v byAddr=%v kinds %v window %d heads %d head %d·%dB mla %d; P %s; D %s; %d requests", c.mode, c.byAddr,
+		c.model.Kinds, c.model.Window, c.model.TotalKVHeads, c.model.HeadSize, c.model.ElemBytes, c.model.MLABytesPerToken, e(c.p), e(c.d), c.n)
+}
+
+func sweepPick[T any](rng *rand.Rand, xs ...T) T { return xs[rng.IntN(len(xs))] }
+
+func daemonSweepRandomCase(rng *rand.Rand) *daemonSweepCase {
+	const (
+		fa  = topology.KindFullAttention
+		swa = topology.KindSlidingWindow
+		mla = topology.KindMLA
+	)
+	c := &daemonSweepCase{n: 3 + rng.IntN(6), mode: sweepPick(rng, kvxfer.ModePush, kvxfer.ModePull), byAddr: rng.IntN(2) == 0}
+	c.model = kvsim.Model{TotalKVHeads: sweepPick(rng, 1, 2, 4), HeadSize: sweepPick(rng, 2, 4, 8), ElemBytes: sweepPick(rng, 1, 2)}
+	switch rng.IntN(4) {
+	case 0:
+		c.model.Kinds = []topology.Kind{mla, mla}
+		c.model.MLABytesPerToken = sweepPick(rng, 4, 12)
+	case 1:
+		c.model.Kinds = []topology.Kind{fa, swa, fa, swa}
+		c.model.Window = sweepPick(rng, 16, 40)
+	default:
+		c.model.Kinds = []topology.Kind{fa, fa}
+	}
+	eng := func(id int) kvsim.Engine {
+		logical := sweepPick(rng, 16, 32)
+		kernel := logical
+		if rng.IntN(3) == 0 {
+			kernel = logical / 2
+		}
+		e := kvsim.Engine{ID: id, TP: sweepPick(rng, 1, 2), PP: 1, LogicalBlock: logical, KernelBlock: kernel,
+			Layout:  sweepPick(rng, topology.LayoutHND, topology.LayoutNHD),
+			Packing: sweepPick(rng, topology.PackedKV, topology.SplitKV, topology.SeparateKV), Blocks: 48}
+		return e
+	}
+	c.p, c.d = eng(1), eng(2)
+	if (c.p.Packing == topology.SeparateKV) != (c.d.Packing == topology.SeparateKV) {
+		c.d.Packing = c.p.Packing
+	}
+	if rng.IntN(4) == 0 {
+		c.p.PP = 2
+	}
+	return c
+}
+
+// TestDaemonByteSweep moves the KV of several requests between engines
+// attached to two daemons over their streams (memory as shared files or
+// named by address) over randomized configurations: P and D TP 1 or 2, a
+// pipelined producer, block sizes and kernel blocks that differ either
+// way, HND and NHD, packed, split and separate K/V, MLA, sliding windows,
+// scattered blocks with partial prefix hits on D, push and pull. What the
+// engines describe crosses the protocol (layouts, block lists, tokens),
+// so a field lost on the way moves bytes to the wrong place: every D byte
+// is checked, the transferred ones against P's per-request pattern and
+// the rest against their value before; one outcome per request per rank.
+func TestDaemonByteSweep(t *testing.T) {
+	n := 10
+	if testing.Short() {
+		n = 4
+	}
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("KVXFER_SWEEP_SEED"); s != "" {
+		seed, _ = strconv.ParseUint(s, 10, 64)
+	}
+	if s := os.Getenv("KVXFER_SWEEP_N"); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	t.Logf("seed %d (KVXFER_SWEEP_SEED replays it)", seed)
+	rng := rand.New(rand.NewPCG(seed, 0xdae))
+	for i := range n {
+		c := daemonSweepRandomCase(rng)
+		caseSeed := rng.Uint64()
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) { runDaemonSweep(t, c, caseSeed) }) {
+			t.Fatalf("case %d (seed %d): %s", i, seed, c)
+		}
+	}
+}
+
+func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
+	shmDir := t.TempDir()
+	dp, dd := startDaemon(t, shmDir), startDaemon(t, shmDir)
+	memDir := shmDir
+	if c.byAddr {
+		memDir = ""
+	}
+	P := attach(t, dp, memDir, "P", &c.model, c.p, c.mode)
+	D := attach(t, dd, memDir, "D", &c.model, c.d, c.mode)
+	defer D.close(t)
+	defer P.close(t)
+	rng := rand.New(rand.NewPCG(seed, 1))
+	groups := D.ranks[0][0].Layout.GroupList()
+	pool := func(blocks int) [][]topology.BlockID {
+		var out [][]topology.BlockID
+		for range groups {
+			ids := make([]topology.BlockID, blocks)
+			for i := range ids {
+				ids[i] = topology.BlockID(i)
+			}
+			rng.Shuffle(len(ids), func(i, j int) { ids[i], ids[j] = ids[j], ids[i] })
+			out = append(out, ids)
+		}
+		return out
+	}
+	pFree, dFree := pool(c.p.Blocks), pool(c.d.Blocks)
+	take := func(free [][]topology.BlockID, g, n int) []topology.BlockID {
+		ids := free[g][:n:n]
+		free[g] = free[g][n:]
+		return ids
+	}
+	now := time.Now()
+	var pm, dm kvxfer.StepMeta
+	pm.SchedulerClock, dm.SchedulerClock = now, now
+	var sims []*kvsim.Request
+	var reqs []*kvsim.Request
+	for i := range c.n {
+		tokens := 1 + rng.IntN(100)
+		hit := 0
+		if rng.IntN(3) == 0 { // a partial prefix hit on D, on D's grid
+			hit = rng.IntN(tokens) / c.d.LogicalBlock * c.d.LogicalBlock
+		}
+		q := &kvsim.Request{Tokens: tokens, Salt: i + 1}
+		for g, grp := range groups {
+			ps := topology.Span{IDs: take(pFree, g, (tokens+c.p.LogicalBlock-1)/c.p.LogicalBlock)}
+			ds := topology.Span{Start: hit, IDs: take(dFree, g, (tokens-hit+c.d.LogicalBlock-1)/c.d.LogicalBlock)}
+			if grp.Kind == topology.KindSlidingWindow {
+				var drop int
+				ps.IDs, drop = topology.ClipWindow(ps.IDs, grp.Window, c.p.LogicalBlock)
+				ps.Start += drop * c.p.LogicalBlock
+				ds.IDs, drop = topology.ClipWindow(ds.IDs, grp.Window, c.d.LogicalBlock)
+				ds.Start += drop * c.d.LogicalBlock
+			}
+			q.P, q.D = append(q.P, ps), append(q.D, ds)
+		}
+		reqs = append(reqs, q)
+		sims = append(sims, q)
+		id := strconv.Itoa(i)
+		pm.Send = append(pm.Send, kvxfer.SendReq{ReqID: "p-" + id, TransferID: "t-" + id, Deadline: now.Add(30 * time.Second), Blocks: q.P, Tokens: tokens})
+		rr := kvxfer.RecvReq{ReqID: "d-" + id, TransferID: "t-" + id, Local: q.D, Deadline: now.Add(time.Minute),
+			Remote: kvxfer.RemoteRef{EngineID: "P", Addr: dp.peerAddr, ReqID: "p-" + id, TPSize: c.p.TP, PPSize: c.p.PP, Tokens: tokens}}
+		if c.mode == kvxfer.ModePull {
+			rr.Remote.Blocks = q.P
+		}
+		dm.Recv = append(dm.Recv, rr)
+	}
+	for _, stage := range P.ranks {
+		for _, r := range stage {
+			r.Scramble(uint64(r.Layout.TPRank + 10*r.Layout.PPRank + 1))
+			for _, q := range reqs {
+				r.FillSalt(q.P, q.Salt)
+			}
+		}
+	}
+	var before [][]byte
+	for _, r := range D.ranks[0] {
+		r.Scramble(uint64(100 + r.Layout.TPRank))
+		before = append(before, r.Snapshot())
+	}
+	P.step(t, &pm)
+	D.step(t, &dm)
+	sent := P.collect(t, c.n, true)
+	recvd := D.collect(t, c.n, false)
+	for i := range c.n {
+		id := strconv.Itoa(i)
+		if o := sent["p-"+id]; len(o) != c.p.TP*c.p.PP {
+			t.Errorf("P outcomes of p-%s: %+v, want one per rank (%d)", id, o, c.p.TP*c.p.PP)
+		}
+		for _, o := range sent["p-"+id] {
+			if o.Result != kvxfer.ResultDone {
+				t.Errorf("P outcome %+v, want done", o)
+			}
+		}
+		if o := recvd["d-"+id]; len(o) != c.d.TP {
+			t.Errorf("D outcomes of d-%s: %+v, want one per rank (%d)", id, o, c.d.TP)
+		}
+		for _, o := range recvd["d-"+id] {
+			if o.Result != kvxfer.ResultDone {
+				t.Errorf("D outcome %+v, want done", o)
+			}
+		}
+	}
+	for i, r := range D.ranks[0] {
+		if err := r.CheckValues(before[i], sims, c.p.KernelBlock, c.p.LogicalBlock); err != nil {
+			t.Errorf("D rank %d: %v", i, err)
+		}
+	}
+}
