@@ -1,32 +1,42 @@
 package server_test
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/daemon/server"
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/backend/nixl"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
+	"github.com/kvxfer/kvxfer/shm"
+	"github.com/kvxfer/kvxfer/stream"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
 // daemonSweepCase is one randomized configuration of TestDaemonByteSweep.
 type daemonSweepCase struct {
-	model  kvsim.Model
-	p, d   kvsim.Engine
-	mode   kvxfer.Mode
-	byAddr bool // memory named by address (in-process), else shared files
-	n      int
+	model     kvsim.Model
+	p, d      kvsim.Engine
+	mode      kvxfer.Mode
+	layerwise bool
+	byAddr    bool // memory named by address (in-process), else shared files
+	nixl      bool // the NIXL backend (prepared lists, as kvxferd's), else the built-in one
+	n         int
 }
 
 func (c *daemonSweepCase) String() string {
 	e := func(x kvsim.Engine) string {
 		return fmt.Sprintf("tp%d pp%d L%d K%d %v/%v", x.TP, x.PP, x.LogicalBlock, x.KernelBlock, x.Layout, x.Packing)
 	}
-	return fmt.Sprintf("%v byAddr=%v kinds %v window %d heads %d head %d·%dB mla %d; P %s; D %s; %d requests", c.mode, c.byAddr,
+	return fmt.Sprintf("%v layerwise=%v byAddr=%v nixl=%v kinds %v window %d heads %d head %d·%dB mla %d; P %s; D %s; %d requests", c.mode, c.layerwise, c.byAddr, c.nixl,
 		c.model.Kinds, c.model.Window, c.model.TotalKVHeads, c.model.HeadSize, c.model.ElemBytes, c.model.MLABytesPerToken, e(c.p), e(c.d), c.n)
 }
 
@@ -39,8 +49,15 @@ func daemonSweepRandomCase(rng *rand.Rand) *daemonSweepCase {
 		mla = topology.KindMLA
 	)
 	c := &daemonSweepCase{n: 3 + rng.IntN(6), mode: sweepPick(rng, kvxfer.ModePush, kvxfer.ModePull), byAddr: rng.IntN(2) == 0}
+	c.layerwise = c.mode == kvxfer.ModePush && rng.IntN(3) == 0
+	c.nixl = rng.IntN(3) == 0
 	c.model = kvsim.Model{TotalKVHeads: sweepPick(rng, 1, 2, 4), HeadSize: sweepPick(rng, 2, 4, 8), ElemBytes: sweepPick(rng, 1, 2)}
-	switch rng.IntN(4) {
+	switch rng.IntN(5) {
+	case 4: // hybrid: attention and Mamba state layers
+		c.model.Kinds = []topology.Kind{fa, topology.KindMamba, fa, topology.KindMamba}
+		c.model.MambaConv = []int64{64, 32}[:1+rng.IntN(2)]
+		c.model.MambaSSM = sweepPick(rng, int64(128), int64(256))
+		c.model.MambaPad = sweepPick(rng, int64(0), int64(8))
 	case 0:
 		c.model.Kinds = []topology.Kind{mla, mla}
 		c.model.MLABytesPerToken = sweepPick(rng, 4, 12)
@@ -72,15 +89,21 @@ func daemonSweepRandomCase(rng *rand.Rand) *daemonSweepCase {
 }
 
 // TestDaemonByteSweep moves the KV of several requests between engines
-// attached to two daemons over their streams (memory as shared files or
-// named by address) over randomized configurations: P and D TP 1 or 2, a
-// pipelined producer, block sizes and kernel blocks that differ either
-// way, HND and NHD, packed, split and separate K/V, MLA, sliding windows,
-// scattered blocks with partial prefix hits on D, push and pull. What the
-// engines describe crosses the protocol (layouts, block lists, tokens),
-// so a field lost on the way moves bytes to the wrong place: every D byte
-// is checked, the transferred ones against P's per-request pattern and
-// the rest against their value before; one outcome per request per rank.
+// attached to two daemons over their streams (memory as shared files, the
+// same-host path, or named by address, over TCP) over randomized
+// configurations: P and D TP 1 or 2, a pipelined producer, block sizes
+// and kernel blocks that differ either way, HND and NHD, packed, split and
+// separate K/V, MLA, sliding windows, Mamba state, scattered blocks with
+// partial prefix hits on D, push, pull and layer-wise push (a layer's KV
+// computed only as it is reported saved), the built-in backend or NIXL
+// (prepared lists, as kvxferd's; skipped where NIXL is not installed).
+// What the engines describe crosses the protocol (layouts, block lists,
+// tokens, layers saved), so a field lost on the way moves bytes to the
+// wrong place: every D byte is checked, the transferred ones against P's
+// per-request pattern and the rest against their value before; one
+// outcome per request per rank. Before it, every daemon-level byte check
+// used one HND packed attention layout: a layout's Order read as HND by
+// the protocol's conversion passed every test of server, stream and test/.
 func TestDaemonByteSweep(t *testing.T) {
 	n := 10
 	if testing.Short() {
@@ -106,13 +129,34 @@ func TestDaemonByteSweep(t *testing.T) {
 
 func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 	shmDir := t.TempDir()
-	dp, dd := startDaemon(t, shmDir), startDaemon(t, shmDir)
+	// NHD against HND or split K/V takes a descriptor per head and token:
+	// past the default bound such a pair is refused (not what this
+	// checks), as kvxferd -max-segments raises it.
+	big := func(sc *server.Config) {
+		sc.WorkerConfig = func(wc *kvxfer.WorkerConfig) {
+			wc.MaxSegments = 1 << 14
+			wc.Prepared = c.nixl // as kvxferd -backend=nixl
+		}
+		if c.nixl {
+			sc.NewBackend = func(engine string, _ *topology.Layout, vram bool) (server.Backend, error) {
+				return backendOf(nixl.New(nixl.Config{Name: fmt.Sprintf("%s-%d", engine, rand.Uint64()), VRAM: vram, Params: kvxfertest.NixlParams()}))
+			}
+		}
+	}
+	if c.nixl {
+		probe, err := nixl.New(nixl.Config{Name: fmt.Sprint("probe-", rand.Uint64())})
+		if err != nil {
+			t.Skipf("NIXL is not available here: %v", err)
+		}
+		probe.Close()
+	}
+	dp, dd := startDaemonWith(t, shmDir, big), startDaemonWith(t, shmDir, big)
 	memDir := shmDir
 	if c.byAddr {
 		memDir = ""
 	}
-	P := attach(t, dp, memDir, "P", &c.model, c.p, c.mode)
-	D := attach(t, dd, memDir, "D", &c.model, c.d, c.mode)
+	P := attachSweep(t, dp, memDir, "P", &c.model, c.p, c.mode, c.layerwise)
+	D := attachSweep(t, dd, memDir, "D", &c.model, c.d, c.mode, false)
 	defer D.close(t)
 	defer P.close(t)
 	rng := rand.New(rand.NewPCG(seed, 1))
@@ -138,8 +182,7 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 	now := time.Now()
 	var pm, dm kvxfer.StepMeta
 	pm.SchedulerClock, dm.SchedulerClock = now, now
-	var sims []*kvsim.Request
-	var reqs []*kvsim.Request
+	var sims, reqs []*kvsim.Request
 	for i := range c.n {
 		tokens := 1 + rng.IntN(100)
 		hit := 0
@@ -150,12 +193,17 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 		for g, grp := range groups {
 			ps := topology.Span{IDs: take(pFree, g, (tokens+c.p.LogicalBlock-1)/c.p.LogicalBlock)}
 			ds := topology.Span{Start: hit, IDs: take(dFree, g, (tokens-hit+c.d.LogicalBlock-1)/c.d.LogicalBlock)}
-			if grp.Kind == topology.KindSlidingWindow {
+			switch grp.Kind {
+			case topology.KindSlidingWindow:
 				var drop int
 				ps.IDs, drop = topology.ClipWindow(ps.IDs, grp.Window, c.p.LogicalBlock)
 				ps.Start += drop * c.p.LogicalBlock
 				ds.IDs, drop = topology.ClipWindow(ds.IDs, grp.Window, c.d.LogicalBlock)
 				ds.Start += drop * c.d.LogicalBlock
+			case topology.KindMamba:
+				// A state block: the last one (the exchange's clipping).
+				ps.IDs = topology.ClipMamba(ps.IDs, 0, false)
+				ds = topology.Span{IDs: topology.ClipMamba(ds.IDs, 0, false)}
 			}
 			q.P, q.D = append(q.P, ps), append(q.D, ds)
 		}
@@ -170,11 +218,20 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 		}
 		dm.Recv = append(dm.Recv, rr)
 	}
+	// full is each P rank's memory once every layer is computed. Layer-
+	// wise, a layer's regions get their KV only as the layer is reported
+	// saved, so a WRITE of a layer before it is saved lands stale bytes.
+	full := map[*kvsim.Rank][]byte{}
 	for _, stage := range P.ranks {
 		for _, r := range stage {
 			r.Scramble(uint64(r.Layout.TPRank + 10*r.Layout.PPRank + 1))
+			stale := r.Snapshot()
 			for _, q := range reqs {
 				r.FillSalt(q.P, q.Salt)
+			}
+			full[r] = r.Snapshot()
+			if c.layerwise {
+				copy(r.Mem, stale)
 			}
 		}
 	}
@@ -183,8 +240,38 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 		r.Scramble(uint64(100 + r.Layout.TPRank))
 		before = append(before, r.Snapshot())
 	}
-	P.step(t, &pm)
-	D.step(t, &dm)
+	if c.layerwise {
+		// Every request prefills in step 1, its layers computed and
+		// reported saved one by one, then finishes.
+		P.step(t, &kvxfer.StepMeta{Step: 1, SchedulerClock: now, Prefill: pm.Send})
+		D.step(t, &dm)
+		for pi, stage := range P.streams {
+			for ti, rs := range stage {
+				r := P.ranks[pi][ti]
+				for _, layer := range slices.Compact(slices.Sorted(slices.Values(r.Layer))) {
+					for i, l := range r.Layer {
+						if l == layer {
+							reg := &r.Layout.Regions[i]
+							o := int(reg.Base - r.Base)
+							n := int(reg.BlockLen) * reg.NumBlocks
+							copy(r.Mem[o:o+n], full[r][o:o+n])
+						}
+					}
+					if err := rs.LayerSaved(1, layer); err != nil {
+						t.Fatal(err)
+					}
+					// The next layer's compute takes a while: a WRITE
+					// of it started too early reads its stale bytes.
+					time.Sleep(2 * time.Millisecond)
+				}
+			}
+		}
+		pm.Step = 2
+		P.step(t, &pm)
+	} else {
+		P.step(t, &pm)
+		D.step(t, &dm)
+	}
 	sent := P.collect(t, c.n, true)
 	recvd := D.collect(t, c.n, false)
 	for i := range c.n {
@@ -211,4 +298,52 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 			t.Errorf("D rank %d: %v", i, err)
 		}
 	}
+}
+
+// attachSweep is attach with layer-wise push (Hello.Layerwise, and the
+// stage's first layer) when layerwise is set.
+func attachSweep(t *testing.T, d *daemon, shmDir, id string, m *kvsim.Model, e kvsim.Engine, mode kvxfer.Mode, layerwise bool) *engine {
+	t.Helper()
+	if !layerwise {
+		return attach(t, d, shmDir, id, m, e, mode)
+	}
+	ranks, err := kvsim.Build(m, &e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := stream.Dial("unix://" + d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	en := &engine{id: id, eng: e, ranks: ranks, client: c}
+	for pp, stage := range ranks {
+		en.streams = append(en.streams, nil)
+		for _, r := range stage {
+			mem := stream.Memory{Base: r.Base, Size: uint64(len(r.Mem))}
+			if shmDir == "" {
+				r.Rebase(addrOf(r.Mem))
+				mem = stream.Memory{Base: r.Base, Size: uint64(len(r.Mem)), InProcess: stream.InProcessHost}
+			} else {
+				name := fmt.Sprintf("%s-pp%d-tp%d-%d", id, r.Layout.PPRank, r.Layout.TPRank, rand.Uint64())
+				mp, err := shm.Create(shmDir, name, uint64(len(r.Mem)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = mp.Close() })
+				copy(mp.Bytes, r.Mem)
+				r.Mem = mp.Bytes
+				mem.Path = filepath.Join(shmDir, name)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			rs, err := c.Connect(ctx, stream.Hello{EngineID: id, Mode: mode, Layout: r.Layout, CompatHash: "m",
+				Layerwise: true, FirstLayer: r.Layer[0], Memory: []stream.Memory{mem}})
+			cancel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			en.streams[pp] = append(en.streams[pp], rs)
+		}
+	}
+	return en
 }
