@@ -36,9 +36,11 @@ type sweepCase struct {
 	// made (more blocks than its tokens need, ids at a region's end...),
 	// taking any further blocks from the pools.
 	lists func(rng *rand.Rand, i int, q *xreq, groups []topology.Group, pp, dp *blockPool)
-	// contiguous hands out block ids in order, so consecutive requests'
-	// blocks are adjacent on both engines (runs that coalesce must stop
-	// at a request's end).
+	// contiguous hands out block ids in order, starting a few blocks
+	// before the region's end (then wrapping to 0), so consecutive
+	// requests' blocks are adjacent on both engines (runs that coalesce
+	// must stop at a request's end) and the first ones reach the region's
+	// last block.
 	contiguous bool
 }
 
@@ -243,6 +245,16 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	groups := d.ranks[0][0].Layout.GroupList()
 	pp := newPool(rng, len(groups), c.p.Blocks, !c.contiguous)
 	dp := newPool(rng, len(groups), c.d.Blocks, !c.contiguous)
+	if c.contiguous {
+		// Start a few blocks before each region's end and wrap around:
+		// the first requests hold the region's last blocks.
+		for _, pool := range []*blockPool{pp, dp} {
+			for g, ids := range pool.free {
+				k := len(ids) - 1 - rng.IntN(min(8, len(ids)))
+				pool.free[g] = append(ids[k:], ids[:k]...)
+			}
+		}
+	}
 	var reqs []*xreq
 	for i := range c.n {
 		tokens := 1 + rng.IntN(200)

@@ -86,6 +86,31 @@ func TestChaosConfigs(t *testing.T) {
 	}
 }
 
+// TestChaosNet is TestChaosConfigs in real time over the built-in backend
+// (loopback TCP) or NIXL (prepared lists; skipped where it is not
+// installed), without injected faults: aborts, missing consumers and
+// expiries, a quarter of the requests with a P lease or D deadline of
+// 0.05-3 ms, so that many end while their transfer is under way. The fake
+// fabric moves bytes at once; these backends complete, cancel and fence
+// transfers as they do in production (with the push consumer's fence
+// turned off, 8 cases over NIXL caught a WRITE landing in a D block after
+// its request was reported ended).
+func TestChaosNet(t *testing.T) {
+	n, seed := sweepSize(t, 2, 1)
+	rng := rand.New(rand.NewPCG(seed, 0xc4a06))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		for slices.Contains(c.model.Kinds, topology.KindMamba) {
+			c = sweepRandomCase(rng)
+		}
+		c.backend = pick(rng, "tcp", "nixl")
+		caseSeed := rng.Uint64()
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) { runChaosOn(t, c, 80, 0, caseSeed) }) {
+			t.Fatalf("case %d (seed %d): %s", i, seed, c)
+		}
+	}
+}
+
 type chaosReq struct {
 	x         *xreq
 	tP, tD    int  // steps at which P finishes (layer-wise: prefills) and D allocates
@@ -101,6 +126,9 @@ type chaosReq struct {
 	dEntered  bool
 	pOutcomes []kvxfer.Result
 	dOutcomes []kvxfer.Result
+	// lease and wait: P's lease and D's deadline from the step that
+	// hands the request over.
+	lease, wait time.Duration
 }
 
 const sentinel = 0xA5
@@ -116,8 +144,13 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 	runChaosOn(t, c, n, rate, seed)
 }
 
-// runChaosOn is runChaos for a sweep case's model and engines (its n,
-// blocks and backend are not used: the fake fabric, 160 blocks a region).
+// runChaosOn is runChaos for a sweep case's model and engines (its n and
+// blocks are not used: 160 blocks a region). Its backend is the fake
+// fabric, faults injected (in a synctest bubble), or, "tcp" or "nixl", the
+// built-in backend over loopback TCP or NIXL (prepared lists) in real
+// time, without injected faults (aborts, missing consumers and expiries
+// still come, some of them while a transfer may be under way), its times
+// a tenth.
 func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 	mode, layerwise := c.mode, c.layerwise
 	rng := rand.New(rand.NewPCG(seed, 99))
@@ -125,17 +158,35 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 	dir := kvxfertest.NewDirectory()
 	model, pe, de := c.model, c.p, c.d
 	pe.Blocks, de.Blocks = 160, 160
+	real := c.backend != ""
+	scale, settle := time.Duration(1), synctest.Wait
+	if real {
+		scale, settle = 10, func() {}
+	}
 	tweak := func(cfg *kvxfer.WorkerConfig) {
 		cfg.Layerwise = layerwise
-		cfg.Lease = 6 * time.Second
-		cfg.RegistrationTTL = 30 * time.Second
-		cfg.EngineTTL = time.Minute
+		cfg.Lease = 6 * time.Second / scale
+		cfg.RegistrationTTL = 30 * time.Second / scale
+		cfg.EngineTTL = time.Minute / scale
+		cfg.MaxSegments = 1 << 14
 		if c.firstLayer != nil && cfg.EngineID == "P" {
 			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)
 		}
 	}
-	p := startEngine(t, fab, dir, &model, pe, "P", mode, tweak)
-	d := startEngine(t, fab, dir, &model, de, "D", mode, tweak)
+	start := func(e kvsim.Engine, id string) *simEngine {
+		switch c.backend {
+		case "tcp":
+			return startNetEngine(t, dir, &model, e, id, mode, tweak)
+		case "nixl":
+			return startNixlEngine(t, dir, &model, e, id, mode, kvxfer.PostCost{}, func(cfg *kvxfer.WorkerConfig) {
+				tweak(cfg)
+				cfg.Prepared = true
+			})
+		}
+		return startEngine(t, fab, dir, &model, e, id, mode, tweak)
+	}
+	p := start(pe, "P")
+	d := start(de, "D")
 	defer d.close(t)
 	defer p.close(t)
 	groups := d.ranks[0][0].Layout.GroupList()
@@ -155,7 +206,7 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 
 	reqs := map[string]*chaosReq{}
 	var order []*chaosReq
-	const step = 10 * time.Millisecond
+	step := 10 * time.Millisecond / scale
 	next := 0
 	stallUntil := map[kvxfer.PeerName]int{}
 	var dAgents []*kvxfertest.Agent
@@ -261,7 +312,17 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 					r.FillSalt(x.sim.P, x.sim.Salt)
 				}
 			}
-			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40)}
+			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40), lease: 6 * time.Second / scale, wait: 20 * time.Second / scale}
+			if real && rng.IntN(4) == 0 {
+				// Ends while its transfer may be under way, in real time:
+				// P's lease, or D's deadline.
+				short := time.Duration(50+rng.IntN(3000)) * time.Microsecond
+				if rng.IntN(2) == 0 {
+					q.lease = short
+				} else {
+					q.wait = short
+				}
+			}
 			q.tFin = q.tP + 1 + rng.IntN(3)
 			switch rng.IntN(20) {
 			case 0:
@@ -285,6 +346,9 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 		faultRange := rate
 		if noFaults {
 			faultRange = 1 << 20
+		}
+		if real {
+			faultRange = 1 << 30
 		}
 		switch rng.IntN(faultRange) {
 		case 0:
@@ -335,7 +399,7 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 					if q.pAbort {
 						pm.NotProcessed = append(pm.NotProcessed, "p-"+q.x.id)
 					} else {
-						pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+						pm.Send = append(pm.Send, q.x.send(now.Add(q.lease)))
 					}
 				}
 			} else if q.tP == k {
@@ -345,7 +409,7 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 					free(p, pp, q.x.sim.P)
 					q.pFreed = true
 				} else {
-					pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+					pm.Send = append(pm.Send, q.x.send(now.Add(q.lease)))
 					q.pEntered = true
 				}
 			}
@@ -355,7 +419,7 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 					q.dFreed = true
 					continue
 				}
-				rr := q.x.recv(mode, p, now.Add(20*time.Second))
+				rr := q.x.recv(mode, p, now.Add(q.wait))
 				if q.dAbort {
 					rr.Local, rr.Aborted = nil, true
 				}
@@ -379,7 +443,7 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 			}
 		}
 		time.Sleep(step)
-		synctest.Wait()
+		settle()
 		collect()
 		if next == n && k > 0 && allEnded(order) {
 			break
@@ -394,8 +458,14 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 		fab.Faults().Unstall(name)
 	}
 	fab.Faults().DeliverDelayed()
-	time.Sleep(time.Minute)
-	synctest.Wait()
+	if real {
+		// Every request ended; what is still under way lands within
+		// this, or is a transfer after its fence.
+		time.Sleep(500 * time.Millisecond)
+	} else {
+		time.Sleep(time.Minute)
+	}
+	settle()
 	collect()
 	for _, q := range order {
 		if q.pEntered && q.pReports != prank {
@@ -415,23 +485,37 @@ func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
 			}
 		}
 	}
-	// Nothing left but caches.
-	time.Sleep(time.Minute)
-	synctest.Wait()
-	for _, side := range []*simEngine{p, d} {
-		for _, stage := range side.workers {
-			for _, w := range stage {
-				st, err := w.State()
-				if err != nil {
-					t.Fatal(err)
-				}
-				st.Engines, st.Tombstones, st.Wakeups = 0, 0, 0
-				if st != (kvxfer.WorkerState{}) {
-					t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
+	// Nothing left but caches (in real time: within a minute / scale).
+	held := func(report bool) bool {
+		any := false
+		for _, side := range []*simEngine{p, d} {
+			for _, stage := range side.workers {
+				for _, w := range stage {
+					st, err := w.State()
+					if err != nil {
+						t.Fatal(err)
+					}
+					st.Engines, st.Tombstones, st.Wakeups = 0, 0, 0
+					if st != (kvxfer.WorkerState{}) {
+						any = true
+						if report {
+							t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
+						}
+					}
 				}
 			}
 		}
+		return any
 	}
+	if real {
+		for end := time.Now().Add(time.Minute / scale); held(false) && time.Now().Before(end); {
+			time.Sleep(10 * time.Millisecond)
+		}
+	} else {
+		time.Sleep(time.Minute)
+		settle()
+	}
+	held(true)
 	counts := map[string]int{}
 	for _, q := range order {
 		for _, r := range q.pOutcomes {
