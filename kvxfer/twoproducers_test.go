@@ -3,6 +3,7 @@ package kvxfer_test
 import (
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -99,5 +100,103 @@ func runSameIDTwoProducers(t *testing.T, mode kvxfer.Mode, tids string, ptp int)
 	}
 	if err := d.ranks[0][0].CheckValues(before, []*kvsim.Request{&q1.sim, &q2.sim}, 16, 16); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestTwoConsumersNameOneProducerRequest: two D engines receive the KV of
+// one producer request (a router that sent the request twice), with the
+// same transfer id, distinct ones or none, in each order. Either may end
+// done or not (P refuses to choose between two registrations of one
+// transfer; a late one finds it finished), but one done holds P's bytes,
+// one not done left every byte of its engine untouched, and each request
+// ends once per rank on each side.
+func TestTwoConsumersNameOneProducerRequest(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, tids := range []string{"same", "distinct", "none"} {
+			for _, order := range []string{"d1 d2 p", "p d1 d2", "d1 p d2"} {
+				t.Run(fmt.Sprintf("%v/%s/%s", mode, tids, order), func(t *testing.T) {
+					synctest.Test(t, func(t *testing.T) { runTwoConsumers(t, mode, tids, order) })
+				})
+			}
+		}
+	}
+}
+
+func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
+	fab, dir := newFabricDir()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe, de1, de2 := e2eEngine(1, 2, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
+	p := startEngine(t, fab, dir, &model, pe, "P", mode, nil)
+	d1 := startEngine(t, fab, dir, &model, de1, "D1", mode, nil)
+	d2 := startEngine(t, fab, dir, &model, de2, "D2", mode, nil)
+	defer d1.close(t)
+	defer d2.close(t)
+	defer p.close(t)
+	rng := rand.New(rand.NewPCG(3, 4))
+	groups := p.ranks[0][0].Layout.GroupList()
+	pool := newPool(rng, len(groups), pe.Blocks, true)
+	q1 := makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
+	q2 := &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
+	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
+	q1.sim.Salt, q2.sim.Salt = 1, 1
+	for _, r := range p.ranks[0] {
+		r.Scramble(1)
+		r.FillSalt(q1.sim.P, 1)
+	}
+	b1, b2 := d1.ranks[0][0].Snapshot(), d2.ranks[0][0].Snapshot()
+	now := time.Now()
+	r1, r2 := q1.recv(mode, p, now.Add(time.Minute)), q2.recv(mode, p, now.Add(time.Minute))
+	r1.ReqID, r2.ReqID = "d-1", "d-2"
+	s := q1.send(now.Add(30 * time.Second))
+	switch tids {
+	case "distinct":
+		r2.TransferID = "t-other"
+	case "none":
+		r1.TransferID, r2.TransferID, s.TransferID = "", "", ""
+	}
+	out := newOutcomes()
+	settle := func() {
+		for range 30 {
+			synctest.Wait()
+			for _, se := range []*simEngine{p, d1, d2} {
+				out.collect(t, se)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	for _, c := range strings.Fields(order) {
+		switch c {
+		case "p":
+			p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
+		case "d1":
+			d1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1}})
+		case "d2":
+			d2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r2}})
+		}
+		settle()
+	}
+	time.Sleep(2 * time.Minute)
+	settle()
+	for _, x := range []struct {
+		id     string
+		d      *simEngine
+		before []byte
+		q      *xreq
+	}{{"d-1", d1, b1, q1}, {"d-2", d2, b2, q2}} {
+		o := out.recv[x.id]
+		if len(o) != 1 {
+			t.Errorf("%s: outcomes %v, want one", x.id, o)
+			continue
+		}
+		var sims []*kvsim.Request
+		if o[0].Result == kvxfer.ResultDone {
+			sims = append(sims, &x.q.sim)
+		}
+		if err := x.d.ranks[0][0].CheckValues(x.before, sims, 16, 16); err != nil {
+			t.Errorf("%s (%v): %v", x.id, o[0].Result, err)
+		}
+	}
+	if len(out.send["p-x"]) != pe.TP {
+		t.Errorf("P outcomes %v, want one per rank", out.send["p-x"])
 	}
 }
