@@ -75,7 +75,7 @@ func daemonSweepRandomCase(rng *rand.Rand) *daemonSweepCase {
 		}
 		e := kvsim.Engine{ID: id, TP: sweepPick(rng, 1, 2), PP: 1, LogicalBlock: logical, KernelBlock: kernel,
 			Layout:  sweepPick(rng, topology.LayoutHND, topology.LayoutNHD),
-			Packing: sweepPick(rng, topology.PackedKV, topology.SplitKV, topology.SeparateKV), Blocks: 48}
+			Packing: sweepPick(rng, topology.PackedKV, topology.SplitKV, topology.SeparateKV), Blocks: 96}
 		return e
 	}
 	c.p, c.d = eng(1), eng(2)
@@ -94,9 +94,10 @@ func daemonSweepRandomCase(rng *rand.Rand) *daemonSweepCase {
 // configurations: P and D TP 1 or 2, a pipelined producer, block sizes
 // and kernel blocks that differ either way, HND and NHD, packed, split and
 // separate K/V, MLA, sliding windows, Mamba state, scattered blocks with
-// partial prefix hits on D, push, pull and layer-wise push (a layer's KV
-// computed only as it is reported saved), the built-in backend or NIXL
-// (prepared lists, as kvxferd's; skipped where NIXL is not installed).
+// partial prefix hits on D, lists longer or shorter than the tokens fill,
+// push, pull and layer-wise push (a layer's KV computed only as it is
+// reported saved), the built-in backend or NIXL (prepared lists, as
+// kvxferd's; skipped where NIXL is not installed).
 // What the engines describe crosses the protocol (layouts, block lists,
 // tokens, layers saved), so a field lost on the way moves bytes to the
 // wrong place: every D byte is checked, the transferred ones against P's
@@ -190,6 +191,10 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 			hit = rng.IntN(tokens) / c.d.LogicalBlock * c.d.LogicalBlock
 		}
 		q := &kvsim.Request{Tokens: tokens, Salt: i + 1}
+		what := 0
+		if rng.IntN(3) == 0 {
+			what = rng.IntN(8)
+		}
 		for g, grp := range groups {
 			ps := topology.Span{IDs: take(pFree, g, (tokens+c.p.LogicalBlock-1)/c.p.LogicalBlock)}
 			ds := topology.Span{Start: hit, IDs: take(dFree, g, (tokens-hit+c.d.LogicalBlock-1)/c.d.LogicalBlock)}
@@ -204,6 +209,20 @@ func runDaemonSweep(t *testing.T, c *daemonSweepCase, seed uint64) {
 				// A state block: the last one (the exchange's clipping).
 				ps.IDs = topology.ClipMamba(ps.IDs, 0, false)
 				ds = topology.Span{IDs: topology.ClipMamba(ds.IDs, 0, false)}
+			}
+			if grp.Kind != topology.KindMamba {
+				// Lists an engine may hand over that are not exactly
+				// what the tokens fill: more blocks on P or D (those on
+				// D stay untouched), a D list short of the tokens.
+				if what&1 != 0 {
+					ps.IDs = append(ps.IDs, take(pFree, g, 1)...)
+				}
+				if what&4 != 0 && grp.Kind != topology.KindSlidingWindow && len(ds.IDs) > 1 {
+					ds.IDs = ds.IDs[:len(ds.IDs)-1]
+				}
+				if what&2 != 0 && len(ds.IDs) > 0 {
+					ds.IDs = append(ds.IDs, take(dFree, g, 1)...)
+				}
 			}
 			q.P, q.D = append(q.P, ps), append(q.D, ds)
 		}
