@@ -42,6 +42,8 @@ type sweepCase struct {
 	// must stop at a request's end) and the first ones reach the region's
 	// last block.
 	contiguous bool
+	// maxRun is the Workers' MaxRunBytes (0: no cap).
+	maxRun int64
 }
 
 func (c *sweepCase) String() string {
@@ -231,6 +233,7 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	}
 	big := func(cfg *kvxfer.WorkerConfig) {
 		cfg.MaxSegments = 1 << 14
+		cfg.MaxRunBytes = c.maxRun
 		cfg.Layerwise = c.layerwise
 		if c.firstLayer != nil && cfg.EngineID == "P" {
 			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)

@@ -36,7 +36,8 @@ func sweepLists(rng *rand.Rand, _ int, q *xreq, groups []topology.Group, pp, dp 
 
 // TestByteSweepLists is TestByteSweep with block lists longer than the
 // tokens need on either side and D lists short of them (sweepLists), and
-// with block ids handed out in order half the time, so consecutive
+// with coalesced runs cut at a cap (WorkerConfig.MaxRunBytes) for a
+// third, with block ids handed out in order half the time, so consecutive
 // requests' blocks are adjacent on both engines (a run may not coalesce
 // past a request's end), over the fake fabric and, for a third of the
 // cases, the built-in backend's TCP and same-host GPU paths. Every other
@@ -52,6 +53,11 @@ func TestByteSweepLists(t *testing.T) {
 		c.d.Blocks += 3 * c.n
 		c.lists = sweepLists
 		c.contiguous = rng.IntN(2) == 0
+		if rng.IntN(3) == 0 {
+			// Coalesced runs cut at a cap (WorkerConfig.MaxRunBytes),
+			// often inside a block.
+			c.maxRun = pick(rng, int64(24), int64(100), int64(1000))
+		}
 		caseSeed := rng.Uint64()
 		var ok bool
 		if rng.IntN(3) == 0 {
