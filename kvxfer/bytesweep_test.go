@@ -32,6 +32,18 @@ type sweepCase struct {
 	backend string
 	// firstLayer, when set, gives P's WorkerConfig.FirstLayer per stage.
 	firstLayer func(pp int) int
+	// lists, when set, changes request i's block lists after they are
+	// made (more blocks than its tokens need, ids at a region's end...),
+	// taking any further blocks from the pools.
+	lists func(rng *rand.Rand, i int, q *xreq, groups []topology.Group, pp, dp *blockPool)
+	// contiguous hands out block ids in order, starting a few blocks
+	// before the region's end (then wrapping to 0), so consecutive
+	// requests' blocks are adjacent on both engines (runs that coalesce
+	// must stop at a request's end) and the first ones reach the region's
+	// last block.
+	contiguous bool
+	// maxRun is the Workers' MaxRunBytes (0: no cap).
+	maxRun int64
 }
 
 func (c *sweepCase) String() string {
@@ -140,6 +152,31 @@ func sweepSize(t *testing.T, n, short int) (int, uint64) {
 	return n, seed
 }
 
+// TestByteSweepNixl is TestByteSweep through NIXL (UCX) when it is
+// installed (it skips otherwise): plain posts, and prepared descriptor
+// lists with each kind of post (a prepared post names its units by index
+// pairs, not by the coalesced descriptors), over the same random
+// configurations, half of them with TestByteSweepLists' block lists.
+// TestEndToEndNixl covers eight fixed HND packed configurations only.
+func TestByteSweepNixl(t *testing.T) {
+	n, seed := sweepSize(t, 12, 4)
+	rng := rand.New(rand.NewPCG(seed, 0x6e69786c))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		if rng.IntN(2) == 0 {
+			c.p.Blocks += 3 * c.n
+			c.d.Blocks += 3 * c.n
+			c.lists = sweepLists
+			c.contiguous = rng.IntN(2) == 0
+		}
+		c.backend = pick(rng, "nixl", "nixl-model", "nixl-prepared", "nixl-onthefly")
+		caseSeed := rng.Uint64()
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) { runSweep(t, c, caseSeed) }) {
+			t.Fatalf("case %d (seed %d): %s", i, seed, c)
+		}
+	}
+}
+
 // TestByteSweepNet is TestByteSweep over the built-in backend: loopback
 // TCP (the zero-copy send and receive paths) and the same-host path over
 // a stand-in GPU (transfers as layouts), in real time, fewer cases.
@@ -169,6 +206,18 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 		start = func(m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
 			return startNetEngine(t, dir, m, e, id, mode, tweak)
 		}
+	case "nixl", "nixl-model", "nixl-prepared", "nixl-onthefly":
+		// NIXL (UCX), in real time; with prepared descriptor lists but
+		// for "nixl", its cost model picking each post's kind or every
+		// post of one kind (e2ePostCost).
+		settle = func() { time.Sleep(time.Millisecond) }
+		post, _ := strings.CutPrefix(c.backend, "nixl-")
+		start = func(m *kvsim.Model, e kvsim.Engine, id string, mode kvxfer.Mode, tweak func(*kvxfer.WorkerConfig)) *simEngine {
+			return startNixlEngine(t, dir, m, e, id, mode, e2ePostCost(post), func(cfg *kvxfer.WorkerConfig) {
+				tweak(cfg)
+				cfg.Prepared = c.backend != "nixl"
+			})
+		}
 	case "gpu":
 		settle = func() { time.Sleep(time.Millisecond) }
 		g := &heldGPU{release: make(chan struct{})}
@@ -184,6 +233,7 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 	}
 	big := func(cfg *kvxfer.WorkerConfig) {
 		cfg.MaxSegments = 1 << 14
+		cfg.MaxRunBytes = c.maxRun
 		cfg.Layerwise = c.layerwise
 		if c.firstLayer != nil && cfg.EngineID == "P" {
 			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)
@@ -196,8 +246,18 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 
 	rng := rand.New(rand.NewPCG(seed, 1))
 	groups := d.ranks[0][0].Layout.GroupList()
-	pp := newPool(rng, len(groups), c.p.Blocks, true)
-	dp := newPool(rng, len(groups), c.d.Blocks, true)
+	pp := newPool(rng, len(groups), c.p.Blocks, !c.contiguous)
+	dp := newPool(rng, len(groups), c.d.Blocks, !c.contiguous)
+	if c.contiguous {
+		// Start a few blocks before each region's end and wrap around:
+		// the first requests hold the region's last blocks.
+		for _, pool := range []*blockPool{pp, dp} {
+			for g, ids := range pool.free {
+				k := len(ids) - 1 - rng.IntN(min(8, len(ids)))
+				pool.free[g] = append(ids[k:], ids[:k]...)
+			}
+		}
+	}
 	var reqs []*xreq
 	for i := range c.n {
 		tokens := 1 + rng.IntN(200)
@@ -210,6 +270,9 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 		}
 		q := makeRequest(fmt.Sprintf("r%d", i), tokens, hit, groups, c.p, c.d, pp, dp)
 		q.sim.Salt = i + 1
+		if c.lists != nil {
+			c.lists(rng, i, q, groups, pp, dp)
+		}
 		for g, grp := range groups {
 			if grp.Kind == topology.KindMamba {
 				// A state block: the last one (the exchange's clipping).
@@ -255,10 +318,12 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 			}
 		}
 	}
-	var before [][]byte
-	for _, r := range d.ranks[0] {
-		r.Scramble(uint64(100 + r.Layout.TPRank))
-		before = append(before, r.Snapshot())
+	before := map[*kvsim.Rank][]byte{}
+	for _, stage := range d.ranks {
+		for _, r := range stage {
+			r.Scramble(uint64(100 + r.Layout.TPRank + 10*r.Layout.PPRank))
+			before[r] = r.Snapshot()
+		}
 	}
 	now := time.Now()
 	var pm, dm kvxfer.StepMeta
@@ -327,9 +392,11 @@ func runSweep(t *testing.T, c *sweepCase, seed uint64) {
 			sims = append(sims, &q.sim)
 		}
 	}
-	for i, r := range d.ranks[0] {
-		if err := r.CheckValues(before[i], sims, c.p.KernelBlock, c.p.LogicalBlock); err != nil {
-			t.Errorf("D rank %d: %v", i, err)
+	for _, stage := range d.ranks {
+		for _, r := range stage {
+			if err := r.CheckValues(before[r], sims, c.p.KernelBlock, c.p.LogicalBlock); err != nil {
+				t.Errorf("D rank pp %d tp %d: %v", r.Layout.PPRank, r.Layout.TPRank, err)
+			}
 		}
 	}
 }

@@ -55,6 +55,62 @@ func TestChaos(t *testing.T) {
 	}
 }
 
+// TestChaosConfigs is TestChaos (push, pull and layer-wise push, faults
+// injected) over randomized configurations of the byte sweep
+// (sweepRandomCase but Mamba): P and D TP up to 8, a pipelined producer,
+// block sizes and kernel blocks that differ either way, HND and NHD,
+// packed, split and separate K/V, MLA and sliding windows. TestChaos
+// covers one attention model, TP 2 to 1 and 1 to 2, equal blocks: the
+// fences (no transfer into a freed D block or out of a freed P block)
+// and the bytes of every request done are checked here where a
+// request's blocks map onto the other engine's unevenly.
+func TestChaosConfigs(t *testing.T) {
+	n, seed := sweepSize(t, 8, 3)
+	rng := rand.New(rand.NewPCG(seed, 0xc4a05))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		for slices.Contains(c.model.Kinds, topology.KindMamba) {
+			c = sweepRandomCase(rng)
+		}
+		caseSeed := rng.Uint64()
+		rate := pick(rng, 12, 60)
+		reqs := 150
+		if raceEnabled {
+			reqs = 60
+		}
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { runChaosOn(t, c, reqs, rate, caseSeed) })
+		}) {
+			t.Fatalf("case %d (seed %d): %s, faults 1 in %d", i, seed, c, rate)
+		}
+	}
+}
+
+// TestChaosNet is TestChaosConfigs in real time over the built-in backend
+// (loopback TCP) or NIXL (prepared lists; skipped where it is not
+// installed), without injected faults: aborts, missing consumers and
+// expiries, a quarter of the requests with a P lease or D deadline of
+// 0.05-3 ms, so that many end while their transfer is under way. The fake
+// fabric moves bytes at once; these backends complete, cancel and fence
+// transfers as they do in production (with the push consumer's fence
+// turned off, 8 cases over NIXL caught a WRITE landing in a D block after
+// its request was reported ended).
+func TestChaosNet(t *testing.T) {
+	n, seed := sweepSize(t, 2, 1)
+	rng := rand.New(rand.NewPCG(seed, 0xc4a06))
+	for i := range n {
+		c := sweepRandomCase(rng)
+		for slices.Contains(c.model.Kinds, topology.KindMamba) {
+			c = sweepRandomCase(rng)
+		}
+		c.backend = pick(rng, "tcp", "nixl")
+		caseSeed := rng.Uint64()
+		if !t.Run(strconv.Itoa(i), func(t *testing.T) { runChaosOn(t, c, 80, 0, caseSeed) }) {
+			t.Fatalf("case %d (seed %d): %s", i, seed, c)
+		}
+	}
+}
+
 type chaosReq struct {
 	x         *xreq
 	tP, tD    int  // steps at which P finishes (layer-wise: prefills) and D allocates
@@ -70,6 +126,9 @@ type chaosReq struct {
 	dEntered  bool
 	pOutcomes []kvxfer.Result
 	dOutcomes []kvxfer.Result
+	// lease and wait: P's lease and D's deadline from the step that
+	// hands the request over.
+	lease, wait time.Duration
 }
 
 const sentinel = 0xA5
@@ -80,21 +139,54 @@ var noFaults = os.Getenv("CHAOS_NOFAULTS") != ""
 var chaosSeed, _ = strconv.ParseUint(os.Getenv("CHAOS_SEED"), 10, 64)
 
 func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate int, seed uint64) {
+	c := &sweepCase{model: kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2},
+		p: e2eEngine(1, ptp, 1, 16, 16), d: e2eEngine(2, dtp, 1, 16, 16), mode: mode, layerwise: layerwise}
+	runChaosOn(t, c, n, rate, seed)
+}
+
+// runChaosOn is runChaos for a sweep case's model and engines (its n and
+// blocks are not used: 160 blocks a region). Its backend is the fake
+// fabric, faults injected (in a synctest bubble), or, "tcp" or "nixl", the
+// built-in backend over loopback TCP or NIXL (prepared lists) in real
+// time, without injected faults (aborts, missing consumers and expiries
+// still come, some of them while a transfer may be under way), its times
+// a tenth.
+func runChaosOn(t *testing.T, c *sweepCase, n, rate int, seed uint64) {
+	mode, layerwise := c.mode, c.layerwise
 	rng := rand.New(rand.NewPCG(seed, 99))
 	fab := kvxfertest.NewFabric()
 	dir := kvxfertest.NewDirectory()
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
-	pe := e2eEngine(1, ptp, 1, 16, 16)
-	de := e2eEngine(2, dtp, 1, 16, 16)
+	model, pe, de := c.model, c.p, c.d
 	pe.Blocks, de.Blocks = 160, 160
-	tweak := func(c *kvxfer.WorkerConfig) {
-		c.Layerwise = layerwise
-		c.Lease = 6 * time.Second
-		c.RegistrationTTL = 30 * time.Second
-		c.EngineTTL = time.Minute
+	real := c.backend != ""
+	scale, settle := time.Duration(1), synctest.Wait
+	if real {
+		scale, settle = 10, func() {}
 	}
-	p := startEngine(t, fab, dir, &model, pe, "P", mode, tweak)
-	d := startEngine(t, fab, dir, &model, de, "D", mode, tweak)
+	tweak := func(cfg *kvxfer.WorkerConfig) {
+		cfg.Layerwise = layerwise
+		cfg.Lease = 6 * time.Second / scale
+		cfg.RegistrationTTL = 30 * time.Second / scale
+		cfg.EngineTTL = time.Minute / scale
+		cfg.MaxSegments = 1 << 14
+		if c.firstLayer != nil && cfg.EngineID == "P" {
+			cfg.FirstLayer = c.firstLayer(cfg.Layout.PPRank)
+		}
+	}
+	start := func(e kvsim.Engine, id string) *simEngine {
+		switch c.backend {
+		case "tcp":
+			return startNetEngine(t, dir, &model, e, id, mode, tweak)
+		case "nixl":
+			return startNixlEngine(t, dir, &model, e, id, mode, kvxfer.PostCost{}, func(cfg *kvxfer.WorkerConfig) {
+				tweak(cfg)
+				cfg.Prepared = true
+			})
+		}
+		return startEngine(t, fab, dir, &model, e, id, mode, tweak)
+	}
+	p := start(pe, "P")
+	d := start(de, "D")
 	defer d.close(t)
 	defer p.close(t)
 	groups := d.ranks[0][0].Layout.GroupList()
@@ -110,17 +202,19 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			r.Mem[i] = sentinel
 		}
 	}
-	prank, drank := ptp, dtp
+	prank, drank := pe.TP*pe.PP, de.TP
 
 	reqs := map[string]*chaosReq{}
 	var order []*chaosReq
-	const step = 10 * time.Millisecond
+	step := 10 * time.Millisecond / scale
 	next := 0
 	stallUntil := map[kvxfer.PeerName]int{}
 	var dAgents []*kvxfertest.Agent
 	dAgents = append(dAgents, d.agents[0]...)
 	var pAgents []*kvxfertest.Agent
-	pAgents = append(pAgents, p.agents[0]...)
+	for _, stage := range p.agents {
+		pAgents = append(pAgents, stage...)
+	}
 
 	free := func(se *simEngine, pool *blockPool, spans []topology.Span) {
 		for g, s := range spans {
@@ -185,17 +279,25 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 
 	for k := 0; ; k++ {
 		// New arrivals while blocks last.
-		for next < n && len(pp.free[0]) > 12 && len(dp.free[0]) > 12 && rng.IntN(3) == 0 {
+		for next < n && poolsHave(pp, 12) && poolsHave(dp, 12) && rng.IntN(3) == 0 {
 			id := fmt.Sprintf("%04x-%08x", next, rng.Uint32())
 			tokens := 1 + rng.IntN(60)
 			hit := 0
 			switch rng.IntN(6) {
 			case 0:
-				hit = (tokens / 2) / 16 * 16
+				hit = (tokens / 2) / de.LogicalBlock * de.LogicalBlock
 			case 1:
-				hit = (tokens + 15) / 16 * 16
+				hit = (tokens + de.LogicalBlock - 1) / de.LogicalBlock * de.LogicalBlock
 			}
+			pFree, dFree := slices.Clone(pp.free), slices.Clone(dp.free)
 			x := makeRequest(id, tokens, hit, groups, pe, de, pp, dp)
+			// Blocks a sliding window dropped go back to the pools.
+			unclip(pp, pFree, x.sim.P)
+			unclip(dp, dFree, x.sim.D)
+			// Each request's KV is its own (a salt), so bytes of another
+			// request landing in its blocks (a READ of a P block freed and
+			// taken by a later request) are caught.
+			x.sim.Salt = next + 1
 			for g, sp := range x.sim.D {
 				for _, b := range sp.IDs {
 					for i, r := range d.ranks[0] {
@@ -207,10 +309,20 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			}
 			for _, stage := range p.ranks {
 				for _, r := range stage {
-					r.Fill(x.sim.P)
+					r.FillSalt(x.sim.P, x.sim.Salt)
 				}
 			}
-			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40)}
+			q := &chaosReq{x: x, tP: k + rng.IntN(40), tD: k + rng.IntN(40), lease: 6 * time.Second / scale, wait: 20 * time.Second / scale}
+			if real && rng.IntN(4) == 0 {
+				// Ends while its transfer may be under way, in real time:
+				// P's lease, or D's deadline.
+				short := time.Duration(50+rng.IntN(3000)) * time.Microsecond
+				if rng.IntN(2) == 0 {
+					q.lease = short
+				} else {
+					q.wait = short
+				}
+			}
 			q.tFin = q.tP + 1 + rng.IntN(3)
 			switch rng.IntN(20) {
 			case 0:
@@ -234,6 +346,9 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		faultRange := rate
 		if noFaults {
 			faultRange = 1 << 20
+		}
+		if real {
+			faultRange = 1 << 30
 		}
 		switch rng.IntN(faultRange) {
 		case 0:
@@ -284,7 +399,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 					if q.pAbort {
 						pm.NotProcessed = append(pm.NotProcessed, "p-"+q.x.id)
 					} else {
-						pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+						pm.Send = append(pm.Send, q.x.send(now.Add(q.lease)))
 					}
 				}
 			} else if q.tP == k {
@@ -294,7 +409,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 					free(p, pp, q.x.sim.P)
 					q.pFreed = true
 				} else {
-					pm.Send = append(pm.Send, q.x.send(now.Add(6*time.Second)))
+					pm.Send = append(pm.Send, q.x.send(now.Add(q.lease)))
 					q.pEntered = true
 				}
 			}
@@ -304,7 +419,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 					q.dFreed = true
 					continue
 				}
-				rr := q.x.recv(mode, p, now.Add(20*time.Second))
+				rr := q.x.recv(mode, p, now.Add(q.wait))
 				if q.dAbort {
 					rr.Local, rr.Aborted = nil, true
 				}
@@ -315,9 +430,11 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		p.step(t, &pm)
 		d.step(t, &dm)
 		if layerwise && len(pm.Prefill) > 0 {
-			for _, stage := range p.workers {
-				for _, w := range stage {
-					for layer := range layersOf(w.Layout()) {
+			for pi, stage := range p.workers {
+				for ti, w := range stage {
+					// The rank's layers (under SeparateKV a layer has two
+					// regions).
+					for _, layer := range slices.Compact(slices.Sorted(slices.Values(p.ranks[pi][ti].Layer))) {
 						if err := w.LayerSaved(pm.Step, layer); err != nil {
 							t.Fatal(err)
 						}
@@ -326,7 +443,7 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			}
 		}
 		time.Sleep(step)
-		synctest.Wait()
+		settle()
 		collect()
 		if next == n && k > 0 && allEnded(order) {
 			break
@@ -341,8 +458,14 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		fab.Faults().Unstall(name)
 	}
 	fab.Faults().DeliverDelayed()
-	time.Sleep(time.Minute)
-	synctest.Wait()
+	if real {
+		// Every request ended; what is still under way lands within
+		// this, or is a transfer after its fence.
+		time.Sleep(500 * time.Millisecond)
+	} else {
+		time.Sleep(time.Minute)
+	}
+	settle()
 	collect()
 	for _, q := range order {
 		if q.pEntered && q.pReports != prank {
@@ -362,23 +485,37 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 			}
 		}
 	}
-	// Nothing left but caches.
-	time.Sleep(time.Minute)
-	synctest.Wait()
-	for _, side := range []*simEngine{p, d} {
-		for _, stage := range side.workers {
-			for _, w := range stage {
-				st, err := w.State()
-				if err != nil {
-					t.Fatal(err)
-				}
-				st.Engines, st.Tombstones, st.Wakeups = 0, 0, 0
-				if st != (kvxfer.WorkerState{}) {
-					t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
+	// Nothing left but caches (in real time: within a minute / scale).
+	held := func(report bool) bool {
+		any := false
+		for _, side := range []*simEngine{p, d} {
+			for _, stage := range side.workers {
+				for _, w := range stage {
+					st, err := w.State()
+					if err != nil {
+						t.Fatal(err)
+					}
+					st.Engines, st.Tombstones, st.Wakeups = 0, 0, 0
+					if st != (kvxfer.WorkerState{}) {
+						any = true
+						if report {
+							t.Errorf("%s worker holds state after every request ended: %+v", side.id, st)
+						}
+					}
 				}
 			}
 		}
+		return any
 	}
+	if real {
+		for end := time.Now().Add(time.Minute / scale); held(false) && time.Now().Before(end); {
+			time.Sleep(10 * time.Millisecond)
+		}
+	} else {
+		time.Sleep(time.Minute)
+		settle()
+	}
+	held(true)
 	counts := map[string]int{}
 	for _, q := range order {
 		for _, r := range q.pOutcomes {
@@ -389,6 +526,28 @@ func runChaos(t *testing.T, mode kvxfer.Mode, layerwise bool, ptp, dtp, n, rate 
 		}
 	}
 	t.Logf("%d requests; outcomes %v", len(order), counts)
+}
+
+// poolsHave reports whether every group of p has more than n free blocks.
+func poolsHave(p *blockPool, n int) bool {
+	for _, f := range p.free {
+		if len(f) <= n {
+			return false
+		}
+	}
+	return true
+}
+
+// unclip returns to p the blocks it handed out since its free lists were
+// was (taken from their front) that spans do not hold.
+func unclip(p *blockPool, was [][]topology.BlockID, spans []topology.Span) {
+	for g, s := range spans {
+		for _, id := range was[g][:len(was[g])-len(p.free[g])] {
+			if !slices.Contains(s.IDs, id) {
+				p.free[g] = append(p.free[g], id)
+			}
+		}
+	}
 }
 
 func allEnded(order []*chaosReq) bool {

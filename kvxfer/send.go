@@ -719,7 +719,21 @@ func (st *loopState) replayRegs() {
 // onReg handles a D rank's registration (push).
 func (st *loopState) onReg(m *msg) {
 	if st.cfg.Mode != ModePush {
-		st.metrics.Dropped("reg_in_pull")
+		// A registration is push's: a consumer rank in push mode
+		// registered its blocks with this rank, which runs pull (the
+		// engines' modes differ; a handshake does not carry them).
+		// Before, it was dropped and nothing told the consumer: it
+		// waited for its deadline, then for its fence (FenceTimeout, two
+		// leases by default) for a WRITE that never comes, its blocks
+		// held, and reported the producer late. Told, it fails at once;
+		// nothing of ours was or will be written into its blocks.
+		if m.DReq == "" {
+			st.metrics.Dropped("reg_in_pull")
+			return
+		}
+		st.refuseReg(m, "reg_in_pull", FailureIncompatible, fmt.Sprintf(
+			"producer engine %s runs in pull mode: it takes no registrations and writes nothing (consumer request %q registered as in push mode): the engines' modes differ",
+			st.cfg.EngineID, m.DReq))
 		return
 	}
 	k := regKey{engine: m.Engine, dreq: m.DReq}

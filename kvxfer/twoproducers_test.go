@@ -1,0 +1,202 @@
+package kvxfer_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/kvsim"
+	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/topology"
+)
+
+// TestSameRequestIDOnTwoProducers: one D engine receives two requests
+// whose producer requests have the same id on two P engines (engines
+// name their requests independently), with distinct transfer ids, none,
+// or the same one. Each D request is done only once its own producer
+// sent, holding that producer's bytes (each P's KV has its own salt), and
+// every other byte of D is untouched; one outcome per request per rank.
+func TestSameRequestIDOnTwoProducers(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, tids := range []string{"distinct", "none", "same"} {
+			for _, ptp := range []int{1, 2} {
+				t.Run(fmt.Sprintf("%v/%s/P-tp%d", mode, tids, ptp), func(t *testing.T) {
+					synctest.Test(t, func(t *testing.T) { runSameIDTwoProducers(t, mode, tids, ptp) })
+				})
+			}
+		}
+	}
+}
+
+func runSameIDTwoProducers(t *testing.T, mode kvxfer.Mode, tids string, ptp int) {
+	fab, dir := newFabricDir()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe1, pe2, de := e2eEngine(1, ptp, 1, 16, 16), e2eEngine(3, ptp, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16)
+	p1 := startEngine(t, fab, dir, &model, pe1, "P1", mode, nil)
+	p2 := startEngine(t, fab, dir, &model, pe2, "P2", mode, nil)
+	d := startEngine(t, fab, dir, &model, de, "D", mode, nil)
+	defer d.close(t)
+	defer p2.close(t)
+	defer p1.close(t)
+	rng := rand.New(rand.NewPCG(3, 4))
+	groups := d.ranks[0][0].Layout.GroupList()
+	dp := newPool(rng, len(groups), de.Blocks, true)
+	// The same blocks on both producers too.
+	q1 := makeRequest("x", 40, 0, groups, pe1, de, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), pe1.Blocks, true), dp)
+	q2 := makeRequest("x", 40, 0, groups, pe2, de, newPool(rand.New(rand.NewPCG(5, 6)), len(groups), pe2.Blocks, true), dp)
+	q1.sim.Salt, q2.sim.Salt = 1, 2
+	for i, p := range []*simEngine{p1, p2} {
+		for _, r := range p.ranks[0] {
+			r.Scramble(uint64(i + 1))
+			r.FillSalt([]*kvsim.Request{&q1.sim, &q2.sim}[i].P, i+1)
+		}
+	}
+	before := d.ranks[0][0].Snapshot()
+	now := time.Now()
+	r1, r2 := q1.recv(mode, p1, now.Add(time.Minute)), q2.recv(mode, p2, now.Add(time.Minute))
+	r1.ReqID, r2.ReqID = "d-1", "d-2"
+	s1, s2 := q1.send(now.Add(30*time.Second)), q2.send(now.Add(30*time.Second))
+	switch tids {
+	case "distinct":
+		r1.TransferID, s1.TransferID = "t-1", "t-1"
+		r2.TransferID, s2.TransferID = "t-2", "t-2"
+	case "none":
+		r1.TransferID, s1.TransferID, r2.TransferID, s2.TransferID = "", "", "", ""
+	}
+	d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1, r2}})
+	p1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s1}})
+	out := newOutcomes()
+	settle := func() {
+		for range 50 {
+			synctest.Wait()
+			for _, se := range []*simEngine{p1, p2, d} {
+				out.collect(t, se)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	settle()
+	if o := out.recv["d-2"]; len(o) > 0 {
+		t.Errorf("d-2 ended before its producer P2 sent: %+v", o)
+	}
+	if o := out.recv["d-1"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Errorf("d-1 outcomes once P1 sent: %+v, want done", o)
+	}
+	p2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s2}})
+	settle()
+	if o := out.send["p-x"]; len(o) != 2*ptp {
+		t.Errorf("producer outcomes of p-x: %+v, want one per rank of each producer (%d)", o, 2*ptp)
+	}
+	for _, o := range out.send["p-x"] {
+		if o.Result != kvxfer.ResultDone {
+			t.Errorf("producer outcome %+v, want done", o)
+		}
+	}
+	if o := out.recv["d-2"]; len(o) != 1 || o[0].Result != kvxfer.ResultDone {
+		t.Errorf("d-2 outcomes: %+v, want done", o)
+	}
+	if err := d.ranks[0][0].CheckValues(before, []*kvsim.Request{&q1.sim, &q2.sim}, 16, 16); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestTwoConsumersNameOneProducerRequest: two D engines receive the KV of
+// one producer request (a router that sent the request twice), with the
+// same transfer id, distinct ones or none, in each order. Either may end
+// done or not (P refuses to choose between two registrations of one
+// transfer; a late one finds it finished), but one done holds P's bytes,
+// one not done left every byte of its engine untouched, and each request
+// ends once per rank on each side.
+func TestTwoConsumersNameOneProducerRequest(t *testing.T) {
+	for _, mode := range []kvxfer.Mode{kvxfer.ModePush, kvxfer.ModePull} {
+		for _, tids := range []string{"same", "distinct", "none"} {
+			for _, order := range []string{"d1 d2 p", "p d1 d2", "d1 p d2"} {
+				t.Run(fmt.Sprintf("%v/%s/%s", mode, tids, order), func(t *testing.T) {
+					synctest.Test(t, func(t *testing.T) { runTwoConsumers(t, mode, tids, order) })
+				})
+			}
+		}
+	}
+}
+
+func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
+	fab, dir := newFabricDir()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe, de1, de2 := e2eEngine(1, 2, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
+	p := startEngine(t, fab, dir, &model, pe, "P", mode, nil)
+	d1 := startEngine(t, fab, dir, &model, de1, "D1", mode, nil)
+	d2 := startEngine(t, fab, dir, &model, de2, "D2", mode, nil)
+	defer d1.close(t)
+	defer d2.close(t)
+	defer p.close(t)
+	rng := rand.New(rand.NewPCG(3, 4))
+	groups := p.ranks[0][0].Layout.GroupList()
+	pool := newPool(rng, len(groups), pe.Blocks, true)
+	q1 := makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
+	q2 := &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
+	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
+	q1.sim.Salt, q2.sim.Salt = 1, 1
+	for _, r := range p.ranks[0] {
+		r.Scramble(1)
+		r.FillSalt(q1.sim.P, 1)
+	}
+	b1, b2 := d1.ranks[0][0].Snapshot(), d2.ranks[0][0].Snapshot()
+	now := time.Now()
+	r1, r2 := q1.recv(mode, p, now.Add(time.Minute)), q2.recv(mode, p, now.Add(time.Minute))
+	r1.ReqID, r2.ReqID = "d-1", "d-2"
+	s := q1.send(now.Add(30 * time.Second))
+	switch tids {
+	case "distinct":
+		r2.TransferID = "t-other"
+	case "none":
+		r1.TransferID, r2.TransferID, s.TransferID = "", "", ""
+	}
+	out := newOutcomes()
+	settle := func() {
+		for range 30 {
+			synctest.Wait()
+			for _, se := range []*simEngine{p, d1, d2} {
+				out.collect(t, se)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	for _, c := range strings.Fields(order) {
+		switch c {
+		case "p":
+			p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
+		case "d1":
+			d1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1}})
+		case "d2":
+			d2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r2}})
+		}
+		settle()
+	}
+	time.Sleep(2 * time.Minute)
+	settle()
+	for _, x := range []struct {
+		id     string
+		d      *simEngine
+		before []byte
+		q      *xreq
+	}{{"d-1", d1, b1, q1}, {"d-2", d2, b2, q2}} {
+		o := out.recv[x.id]
+		if len(o) != 1 {
+			t.Errorf("%s: outcomes %v, want one", x.id, o)
+			continue
+		}
+		var sims []*kvsim.Request
+		if o[0].Result == kvxfer.ResultDone {
+			sims = append(sims, &x.q.sim)
+		}
+		if err := x.d.ranks[0][0].CheckValues(x.before, sims, 16, 16); err != nil {
+			t.Errorf("%s (%v): %v", x.id, o[0].Result, err)
+		}
+	}
+	if len(out.send["p-x"]) != pe.TP {
+		t.Errorf("P outcomes %v, want one per rank", out.send["p-x"])
+	}
+}
