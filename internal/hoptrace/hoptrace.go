@@ -56,6 +56,36 @@ func Now() int64 {
 	return ts.Nano()
 }
 
+// clockPair is one instant on Go's monotonic clock (at) and on
+// CLOCK_MONOTONIC (mono).
+type clockPair struct {
+	at   time.Time
+	mono int64
+}
+
+// clockRef is the pair that maps Go's monotonic clock onto
+// CLOCK_MONOTONIC (monoAt), read once per process: the closest of a few
+// CLOCK_MONOTONIC reads to the Go reads either side of it. On Linux Go's
+// monotonic clock is CLOCK_MONOTONIC itself from another origin, so the
+// two only ever differ by that one offset.
+var clockRef = sync.OnceValue(func() clockPair {
+	best, gap := clockPair{}, time.Duration(1<<62)
+	for range 64 {
+		a := time.Now()
+		m := Now()
+		if d := time.Since(a); d < gap {
+			best, gap = clockPair{at: a.Add(d / 2), mono: m}, d
+		}
+	}
+	return best
+})
+
+// monoAt is t (a reading of time.Now) on CLOCK_MONOTONIC, in nanoseconds.
+func monoAt(t time.Time) int64 {
+	r := clockRef()
+	return r.mono + int64(t.Sub(r.at))
+}
+
 // Trace is a kvxfer.HopTracer writing JSON lines. It is safe for
 // concurrent use.
 type Trace struct {
@@ -108,11 +138,18 @@ func New(w io.Writer, queue int) *Trace {
 // call at the call's start: e.Began, else e.Call before now) and queues
 // it, or drops it when the queue is full or the Trace closed.
 func (t *Trace) Hop(e kvxfer.HopEvent) {
-	now := Now()
+	// An event whose call began at e.Began is stamped by Go's clock alone,
+	// mapped once onto CLOCK_MONOTONIC (monoAt). Before, it was stamped by
+	// reading both clocks here, CLOCK_MONOTONIC through a system call: a
+	// goroutine that waited to run again after it (a loaded host) stamped
+	// the event that much too early, a WRITE's post before the
+	// registration the loop drained to decide it (0.9 ms, in a CI run's
+	// hop table: its hop was left out, and the test failed).
+	var now int64
 	if !e.Began.IsZero() {
-		now -= int64(time.Since(e.Began)) // (both read here, back to back)
+		now = monoAt(e.Began)
 	} else {
-		now -= int64(e.Call)
+		now = Now() - int64(e.Call)
 	}
 	if t.closed.Load() {
 		t.dropped.Add(1)
