@@ -274,6 +274,10 @@ type sendReq struct {
 	pullEnded bool
 	pullFail  string
 	pullKind  FailureKind
+	// hbBy and hbAt: the consumer rank whose heartbeat last named it,
+	// and when (pull; what a close that waits for it logs).
+	hbBy pullRank
+	hbAt time.Time
 
 	// prevBase and nextBase are the requests of the same base id before
 	// and after this one (sendBase), while inBase (a request with a
@@ -1116,6 +1120,71 @@ func (st *loopState) closeDown() {
 // or confirmations.
 func (st *loopState) closeWaits() bool {
 	return len(st.handles) > 0 || len(st.abandoned) > 0 || len(st.recvs) > 0 || st.sends.len() > 0
+}
+
+// logCloseWaits logs (Warn) what a closing Worker still waits for, since
+// when (timedOut: its fence timed out, and it abandons it): each producer
+// request held (its lease's end, the consumer ranks
+// that reported, the last one whose heartbeat extended it), each consumer
+// request open and the transfers in flight. An operator whose engine
+// cannot attach again until the close ends sees which requests and
+// consumer engines hold it.
+func (st *loopState) logCloseWaits(now, began time.Time, timedOut bool) {
+	const most = 16 // requests named (the count says how many more)
+	var sends, recvs []string
+	for _, id := range st.sendIDs() {
+		if len(sends) == most {
+			break
+		}
+		s := st.sends.get(id)
+		d := fmt.Sprintf("%s (transfer %q", id, s.req.TransferID)
+		if !s.deadline.IsZero() {
+			d += fmt.Sprintf(", lease ends in %v", s.deadline.Sub(now).Round(time.Millisecond))
+		}
+		if !s.hbAt.IsZero() {
+			b := s.hbBy
+			d += fmt.Sprintf(", last heartbeat %v ago, of engine %q request %q rank %d/%d", now.Sub(s.hbAt).Round(time.Millisecond), b.engine, b.dreq, b.tp, b.tpSize)
+		}
+		if len(s.pullSeen) > 0 {
+			var seen []string
+			for k, n := range s.pullSeen {
+				r := "done"
+				if n.fail != "" {
+					r = "failed"
+				}
+				seen = append(seen, fmt.Sprintf("engine %q request %q rank %d/%d %s", k.engine, k.dreq, k.tp, k.tpSize, r))
+			}
+			slices.Sort(seen)
+			d += ", reported: " + strings.Join(seen, "; ")
+		} else if st.cfg.Mode == ModePull {
+			if s.hbAt.IsZero() {
+				d += ", no consumer heartbeat"
+			}
+			d += ", no consumer reported"
+		}
+		inflight := 0
+		for _, r := range s.ranks {
+			inflight += r.inflight
+		}
+		if inflight > 0 {
+			d += fmt.Sprintf(", %d WRITEs in flight", inflight)
+		}
+		sends = append(sends, d+")")
+	}
+	for _, id := range slices.Sorted(maps.Keys(st.recvs)) {
+		if len(recvs) == most {
+			break
+		}
+		r := st.recvs[id]
+		recvs = append(recvs, fmt.Sprintf("%s (producer engine %q request %q, %d READs in flight)", id, r.req.Remote.EngineID, r.req.Remote.ReqID, len(r.handles)))
+	}
+	what := "kvxfer: a closing worker still waits"
+	if timedOut {
+		what = "kvxfer: a closing worker's fence timed out; it abandons what it waited for"
+	}
+	st.log.Warn(what, "for", now.Sub(began).Round(time.Millisecond),
+		"producer_requests", st.sends.len(), "held", sends, "consumer_requests", len(st.recvs), "open", recvs,
+		"transfers", len(st.handles), "abandoned", len(st.abandoned))
 }
 
 func (st *loopState) shutdown() {

@@ -1,7 +1,9 @@
 package kvxfer_test
 
 import (
+	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,4 +83,59 @@ func TestPullCloseWaitsForReadInFlight(t *testing.T) {
 	if err := d.ranks[0][0].CheckRequest(&a.sim, 16, 16); err != nil {
 		t.Fatalf("a's bytes: %v", err)
 	}
+}
+
+// A closing pull producer that still waits a second after its close
+// began logs (Warn) what it waits for: each request it holds, when its
+// lease ends, and the consumer engine, request and rank that last
+// heartbeated it (or that none did), so that an operator whose engine
+// cannot attach again until the close ends sees who holds it.
+func TestPullCloseLogsWhatItWaitsFor(t *testing.T) {
+	inSynctest(t, func(t *testing.T) {
+		logs := &logRecorder{}
+		x := newPair(t, kvxfer.ModePull, 1, 1, func(side string, c *kvxfer.WorkerConfig) {
+			if side == "P" {
+				c.Logger, c.CloseTimeout = slog.New(logs), 3*time.Second
+			}
+		})
+		waiting, unheard := x.req("r1", 40, 0), x.req("r2", 40, 0)
+		x.sendP(waiting, unheard)
+		now := time.Now()
+		rr := waiting.recv(x.mode, x.p, now.Add(time.Minute))
+		// D's request waits in its engine's queue (heartbeating P) for
+		// as long as P's close lasts.
+		x.d.step(t, &kvxfer.StepMeta{SchedulerClock: now, Await: []kvxfer.AwaitReq{{ReqID: rr.ReqID, TransferID: rr.TransferID, Remote: rr.Remote}}})
+		x.settle()
+		began := time.Now()
+		if err := x.p.workers[0][0].Close(); err != nil {
+			t.Fatal(err)
+		}
+		if took := time.Since(began); took < 3*time.Second {
+			t.Fatalf("P's close took %v, want its CloseTimeout (3 s): D's request still waits", took)
+		}
+		var waits []map[string]string
+		logs.mu.Lock()
+		for _, r := range logs.recs {
+			if strings.HasPrefix(r["msg"], "kvxfer: a closing worker") {
+				waits = append(waits, r)
+			}
+		}
+		logs.mu.Unlock()
+		if len(waits) != 2 {
+			t.Fatalf("%d logs of what the close waits for (%v), want 2: past its first second and at its timeout", len(waits), waits)
+		}
+		for _, w := range waits {
+			if w["producer_requests"] != "2" || !strings.Contains(w["held"], `p-r1 (transfer "t-r1", lease ends in`) ||
+				!strings.Contains(w["held"], `of engine "D" request "d-r1" rank 0/1, no consumer reported`) ||
+				!strings.Contains(w["held"], "no consumer heartbeat, no consumer reported") {
+				t.Errorf("log %v: want the 2 requests held, p-r1 last heartbeaten by D's d-r1 rank 0/1, p-r2 by none", w)
+			}
+		}
+		if w := waits[0]; w["for"] != "1s" || w["msg"] != "kvxfer: a closing worker still waits" {
+			t.Errorf("first log %q after %s, want 'still waits' after 1s", w["msg"], w["for"])
+		}
+		if w := waits[1]; w["for"] != "3s" || !strings.Contains(w["msg"], "fence timed out") {
+			t.Errorf("second log %q after %s, want 'fence timed out' after 3s", w["msg"], w["for"])
+		}
+	})
 }

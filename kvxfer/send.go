@@ -1687,6 +1687,7 @@ func (st *loopState) onHeartbeat(m *msg) {
 			st.metrics.Dropped("hold_other_blocks")
 			continue
 		}
+		s.hbBy, s.hbAt = pullRank{engine: m.Engine, dreq: dreq, tpSize: m.TPSize, tp: m.TPRank}, st.now
 		if ext.After(s.deadline) {
 			s.deadline = ext
 			st.arm(ext, tLease, s.req.ReqID)

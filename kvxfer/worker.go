@@ -1372,7 +1372,9 @@ func (w *Worker) turn(now time.Time) {
 // what is left (inCloseNow).
 func (w *Worker) fenceClose(timer *time.Timer) {
 	st := &w.st
-	deadline := time.Now().Add(w.cfg.CloseTimeout)
+	began := time.Now()
+	deadline := began.Add(w.cfg.CloseTimeout)
+	logAt := began.Add(time.Second) // what it waits for, logged once past it
 	defer func() {
 		w.hsCancel() // handshakes under way end (their answers are refused)
 		w.mu.Lock()
@@ -1383,7 +1385,12 @@ func (w *Worker) fenceClose(timer *time.Timer) {
 	for st.closeWaits() {
 		now := time.Now()
 		if !now.Before(deadline) {
+			st.logCloseWaits(now, began, true)
 			break
+		}
+		if !logAt.IsZero() && !now.Before(logAt) {
+			st.logCloseWaits(now, began, false)
+			logAt = time.Time{}
 		}
 		// Handshake answers: a consumer's notice parked until its
 		// engine's handshake says who speaks for its rank.

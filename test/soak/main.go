@@ -23,8 +23,13 @@
 //   - fewer than half the faults asked were injected (the soak would test
 //     less than it says).
 //
+// The daemons' logs (one per daemon incarnation, P0.log, D1.log, ... in
+// the work dir under /dev/shm) are kept on a violation, and with -keep
+// also when the soak passes (a slow restart's cause: a closing worker
+// logs what it still waits for a second into its close).
+//
 // Usage: go run ./test/soak -duration 10m [-backend nixl] [-mode pull | -layerwise]
-// [-p-tp 2] [-d-tp 2] [-p-block 8|16|32] [-d-block 8|16|32]
+// [-p-tp 2] [-d-tp 2] [-p-block 8|16|32] [-d-block 8|16|32] [-keep]
 package main
 
 import (
@@ -529,6 +534,7 @@ func main() {
 	pBlock := flag.Int("p-block", 16, "P's block size in tokens (8, 16 or 32)")
 	dBlock := flag.Int("d-block", 16, "D's block size in tokens (8, 16 or 32)")
 	layerwise := flag.Bool("layerwise", false, "layer-wise push: P WRITEs each layer as its step saves it")
+	keep := flag.Bool("keep", false, "keep the work dir (the daemons' logs) also when the soak passes")
 	flag.Parse()
 	if *layerwise && *modeName != "push" {
 		fmt.Fprintln(os.Stderr, "-layerwise is push only")
@@ -561,7 +567,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
-	defer os.RemoveAll(dir)
+	if !*keep {
+		defer os.RemoveAll(dir)
+	}
 	s := &soak{reqs: map[string]*request{}, faults: map[string]int{}, results: map[string]int{}, bound: *bound, rng: rand.New(rand.NewPCG(*seed, 1)),
 		backs: make(chan back, 2), slowest: map[string]time.Duration{}}
 	s.p = &side{name: "P", id: 1, addr: freePort(), dir: dir, backend: *backend, mode: mode, tp: *pTP, block: *pBlock, layerwise: *layerwise}
@@ -673,6 +681,9 @@ func main() {
 	}
 	fmt.Printf("longest attach: P %v, D %v\n", s.p.attachWait.Round(time.Millisecond), s.d.attachWait.Round(time.Millisecond))
 	fmt.Printf("violations: %d\n", len(s.violations))
+	if *keep && len(s.violations) == 0 {
+		fmt.Printf("work dir %s kept (-keep): the daemons' logs\n", dir)
+	}
 	if len(s.violations) > 0 {
 		fmt.Printf("work dir %s kept: the daemons' logs\n", dir)
 		os.Exit(1) // (the deferred removal does not run)

@@ -1,10 +1,14 @@
 package server
 
 import (
+	"context"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvxfer"
 	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
 )
 
 // PublishForTest publishes a rank without a worker (handshake benchmarks).
@@ -85,4 +89,43 @@ func SetMaxPublishedBytesForTest(t interface{ Cleanup(func()) }, n int) {
 // SpreadGenerationForTest is spreadGeneration for external tests.
 func SpreadGenerationForTest(gens []uint64) uint64 {
 	return spreadGeneration(len(gens), func(i int) uint64 { return gens[i] })
+}
+
+// crashedStream is a direct stream whose engine sends msgs and dies as
+// the last is received: its context ends before Recv returns it, as a
+// gRPC stream's does when the engine's connection closes right after a
+// message reached the daemon.
+type crashedStream struct {
+	*DirectStream
+	ctx    context.Context
+	cancel context.CancelFunc
+	msgs   []*pb.ConnectRequest
+}
+
+func (c *crashedStream) Context() context.Context { return c.ctx }
+
+func (c *crashedStream) Recv() (*pb.ConnectRequest, error) {
+	if len(c.msgs) == 0 {
+		<-c.ctx.Done()
+		return nil, status.FromContextError(c.ctx.Err()).Err()
+	}
+	m := c.msgs[0]
+	c.msgs = c.msgs[1:]
+	if len(c.msgs) == 0 {
+		c.cancel()
+	}
+	return m, nil
+}
+
+// ServeCrashedForTest serves Connect to an engine in this process that
+// sends msgs (a hello first) and dies as the last one is received, and
+// returns once the stream ended.
+func (s *Server) ServeCrashedForTest(msgs []*pb.ConnectRequest) error {
+	dctx, dcancel := context.WithCancel(peer.NewContext(s.life, &peer.Peer{Addr: directAddr{}, AuthInfo: ownStreamAuth()}))
+	defer dcancel()
+	d := &DirectStream{ctx: dctx, cancel: dcancel, in: make(chan *pb.ConnectRequest), out: make(chan []byte, directOut),
+		ended: make(chan struct{}), limits: s.limits, wakeTake: make(chan struct{}, 1), wakePut: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(dctx)
+	defer cancel()
+	return s.Connect(&crashedStream{DirectStream: d, ctx: ctx, cancel: cancel, msgs: msgs})
 }

@@ -1893,18 +1893,37 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 				recvErr <- err
 				return
 			}
+			// A message received is handed on when the tokens are free,
+			// also once the stream's context ended: an engine that crashed
+			// right after sending a step (its connection closed at once)
+			// had it received, and its consumer requests must reach the
+			// worker, whose close tells their producers they end.
+			// Before, a select between the free token and the ended
+			// context dropped it half the time: the producer, told
+			// nothing, held those blocks for their lease, and a producer
+			// engine that crashed meanwhile waited for them, its close's
+			// fence 10 s (the daemon soak's NIXL pull P crashes).
 			select { // not while a send waits for the engine to read
 			case <-idle:
 				idle <- struct{}{}
-			case <-ctx.Done():
-				recvErr <- ctx.Err()
-				return
+			default:
+				select {
+				case <-idle:
+					idle <- struct{}{}
+				case <-ctx.Done():
+					recvErr <- ctx.Err()
+					return
+				}
 			}
 			select {
 			case handling <- struct{}{}:
-			case <-ctx.Done():
-				recvErr <- ctx.Err()
-				return
+			default:
+				select {
+				case handling <- struct{}{}:
+				case <-ctx.Done():
+					recvErr <- ctx.Err()
+					return
+				}
 			}
 			if r.handle(ctx, m, out) {
 				<-handling

@@ -1,0 +1,45 @@
+package server_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvxfer"
+	pb "github.com/kvxfer/kvxfer/stream/kvxferv1"
+)
+
+// A step the daemon received from an engine that died right after
+// sending it (its stream's context ended before the receiver handed the
+// step on) is taken in: its requests reach the worker, whose close ends
+// them (a pull consumer's end tells its producer). Before, the receiver's
+// select between a free token and the ended context dropped the step
+// about half the time (twice: three times in four): the producer of its
+// consumer requests, told nothing, held their blocks for their lease
+// (the daemon soak's crashed NIXL pull P waited 10 s for them).
+func TestStepReceivedAsTheEngineDiesIsTakenIn(t *testing.T) {
+	d := startDaemon(t, t.TempDir())
+	span := func(ids ...int32) []*pb.Span { return []*pb.Span{{BlockIds: ids}} }
+	const tries = 20
+	for i := range tries {
+		hello := directHello(t)
+		hello.EngineId = fmt.Sprintf("crashed-%d", i)
+		step := &pb.StepMeta{Step: 1, Send: []*pb.SendRequest{{RequestId: "p-1", Blocks: span(1), Tokens: 16,
+			DeadlineUnixNanos: time.Now().Add(time.Hour).UnixNano()}}}
+		_ = d.srv.ServeCrashedForTest([]*pb.ConnectRequest{{Msg: &pb.ConnectRequest_Hello{Hello: hello}}, {Msg: &pb.ConnectRequest_Step{Step: step}}})
+		failed := uint64(0)
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			for _, rs := range d.srv.RankStats() {
+				if rs.Engine == hello.EngineId && !rs.Attached {
+					failed = rs.Stats.Outcomes[kvxfer.RoleProducer][kvxfer.ResultFailed]
+				}
+			}
+			if failed > 0 {
+				break
+			}
+		}
+		if failed != 1 {
+			t.Fatalf("try %d of %d: the engine's p-1 has %d failed outcomes once its rank was let go, want 1 (worker closed): its step, received, was not taken in", i+1, tries, failed)
+		}
+	}
+}
