@@ -18,8 +18,9 @@ import (
 // producer was not told: the producer dropped the registration (counted
 // only), and the consumer waited for its deadline and then its fence
 // (two leases) for a WRITE that never came, reporting the producer late,
-// its blocks held all along. A pull consumer of a push producer is told
-// by its hold check already.
+// its blocks held all along; and the producer's request waited for its
+// lease. A pull consumer of a push producer is told by its hold check
+// already.
 func TestModesDifferFailAtOnce(t *testing.T) {
 	for _, c := range []struct {
 		name   string
@@ -72,6 +73,17 @@ func runModesDiffer(t *testing.T, pm, dm kvxfer.Mode, ptp int, want string) {
 	}
 	if err := d.ranks[0][0].CheckValues(before, nil, 16, 16); err != nil {
 		t.Error(err)
+	}
+	if pm == kvxfer.ModePull {
+		// A pull producer's request ends at once too: each consumer
+		// rank's registration is that rank's failure notice (a push
+		// consumer never READs). Before, it waited for its lease (30 s).
+		time.Sleep(5*time.Second - time.Since(start))
+		synctest.Wait()
+		out.collect(t, p)
+		if got := out.send["p-x"]; len(got) != ptp || got[0].Result != kvxfer.ResultFailed {
+			t.Errorf("producer outcomes 5 s in %+v, want one failed per rank (%d), not at its 30 s lease", got, ptp)
+		}
 	}
 	// The producer's request ends too, once per rank (at the latest when
 	// its lease expires).

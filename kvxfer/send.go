@@ -731,9 +731,20 @@ func (st *loopState) onReg(m *msg) {
 			st.metrics.Dropped("reg_in_pull")
 			return
 		}
-		st.refuseReg(m, "reg_in_pull", FailureIncompatible, fmt.Sprintf(
-			"producer engine %s runs in pull mode: it takes no registrations and writes nothing (consumer request %q registered as in push mode): the engines' modes differ",
-			st.cfg.EngineID, m.DReq))
+		why := fmt.Sprintf("producer engine %s runs in pull mode: it takes no registrations and writes nothing (consumer request %q registered as in push mode): the engines' modes differ",
+			st.cfg.EngineID, m.DReq)
+		st.refuseReg(m, "reg_in_pull", FailureIncompatible, why)
+		if len(m.Spans) > 0 {
+			// A push consumer never READs: its rank's registration is its
+			// failure notice here too (as a cancel from it is), so that our
+			// request of that transfer ends once its consumer ranks all
+			// said so, not at its lease. (Its spans are its own blocks, not
+			// ours: the notice names none.) An empty registration (a
+			// release) reads nothing either, and is the same word.
+			n := *m
+			n.Kind, n.Spans, n.blocks = msgFail, nil, blocksSum{}
+			st.onPullDone(&n, "consumer registered as in push mode: "+why, FailureIncompatible)
+		}
 		return
 	}
 	k := regKey{engine: m.Engine, dreq: m.DReq}
