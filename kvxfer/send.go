@@ -1584,6 +1584,18 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// instead of waiting for the consumer's deadline.
 		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind, tid: s.req.TransferID})
 	}
+	if s.match != nil && st.cfg.Mode == ModePush {
+		// A registration of another consumer request naming it (a router
+		// that handed its params to a second consumer, or retried one
+		// under a new id) is told at once that it ended, as while it was
+		// held (findSend's taken): before, it waited for its request
+		// until the consumer's deadline, its blocks held, for KV this
+		// rank no longer holds. (Its own consumer's late registrations
+		// meet its tombstone first.)
+		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
+			why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
+				s.req.ReqID, s.match.key.dreq, s.match.key.engine)})
+	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
 		tb := tomb{at: st.now, tid: s.match.tid, preq: s.req.ReqID, fail: s.failReason, failKind: s.failKind}

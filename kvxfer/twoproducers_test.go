@@ -175,6 +175,14 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 		}
 		settle()
 	}
+	if mode == kvxfer.ModePush && order == "p d1 d2" && tids != "distinct" {
+		// d-2 registers once P's request, paired with d-1, has ended: it
+		// is told so at once. Before, it waited for its deadline (a
+		// minute), its blocks held, for KV P no longer holds.
+		if o := out.recv["d-2"]; len(o) != 1 || o[0].Result != kvxfer.ResultFailed {
+			t.Errorf("d-2, registered after P's request paired with d-1 ended: outcomes %v, want one failed at once", o)
+		}
+	}
 	time.Sleep(2 * time.Minute)
 	settle()
 	for _, x := range []struct {
