@@ -20,21 +20,21 @@ func TestEndedConsumerRequestsBounded(t *testing.T) {
 	for i := range maxEnded + 10 {
 		end(fmt.Sprintf("d-%d", i), fmt.Sprintf("t-%d", i))
 	}
-	if len(st.ended) != maxEnded || len(st.endedQ) != maxEnded {
-		t.Fatalf("after %d ended: %d remembered, %d queued, want %d", maxEnded+10, len(st.ended), len(st.endedQ), maxEnded)
+	if st.ended.len() != maxEnded || len(st.ended.q) != maxEnded {
+		t.Fatalf("after %d ended: %d remembered, %d queued, want %d", maxEnded+10, st.ended.len(), len(st.ended.q), maxEnded)
 	}
-	if _, ok := st.ended["d-9"]; ok {
+	if _, _, ok := st.ended.get("d-9"); ok {
 		t.Errorf("d-9, among the oldest, still remembered past the bound")
 	}
-	if _, ok := st.ended["d-10"]; !ok {
+	if _, _, ok := st.ended.get("d-10"); !ok {
 		t.Errorf("d-10 forgotten within the bound")
 	}
 	// d-10 ends again under another transfer: remembered as that one, and
 	// not forgotten when its first entry leaves the queue.
 	st.now = now.Add(time.Second)
 	end("d-10", "t-again")
-	st.forgetEnded() // d-10's first entry
-	if e := st.ended["d-10"]; e.tid != "t-again" {
+	st.ended.forgetOldest() // d-10's first entry
+	if e, _, _ := st.ended.get("d-10"); e.tid != "t-again" {
 		t.Errorf("d-10 remembered as %+v, want its latest transfer t-again", e)
 	}
 	// Past RegistrationTTL: not trusted, then swept.
@@ -43,8 +43,8 @@ func TestEndedConsumerRequestsBounded(t *testing.T) {
 	if st.reusedTransfer(in) {
 		t.Errorf("a request ended past RegistrationTTL refused its transfer's reuse")
 	}
-	st.sweepEnded(st.now)
-	if len(st.ended) != 0 || len(st.endedQ) != 0 {
-		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", len(st.ended), len(st.endedQ))
+	st.ended.sweep(st.now, st.cfg.RegistrationTTL)
+	if st.ended.len() != 0 || len(st.ended.q) != 0 {
+		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", st.ended.len(), len(st.ended.q))
 	}
 }

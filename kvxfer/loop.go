@@ -1027,7 +1027,8 @@ func (st *loopState) tick(now time.Time) {
 			delete(st.tombs, k)
 		}
 	}
-	st.sweepEnded(now)
+	st.ended.sweep(now, st.cfg.RegistrationTTL)
+	st.endedPaired.sweep(now, st.cfg.RegistrationTTL)
 	maps.DeleteFunc(st.abortedP, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
 	for k, e := range st.earlyAsks {

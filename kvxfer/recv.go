@@ -30,24 +30,16 @@ type consumerState struct {
 	fresh      []string
 	beatFresh  bool
 	// ended: push consumer requests that registered with their producer
-	// and ended, by id, for RegistrationTTL; endedQ: their ids in the
-	// order they ended (reusedTransfer). At most maxEnded of either.
-	ended  map[string]endedRecv
-	endedQ []endedAt
+	// and ended, by id, for RegistrationTTL (reusedTransfer), at most
+	// maxEnded.
+	ended recent[endedRecv]
 }
 
 // endedRecv is what a push consumer rank remembers of a request of its
-// that registered with its producer and ended: when, and the transfer it
-// named (the producer engine, transfer id and producer request).
+// that registered with its producer and ended: the transfer it named
+// (the producer engine, transfer id and producer request).
 type endedRecv struct {
-	at                time.Time
 	engine, tid, preq string
-}
-
-// endedAt is an entry of consumerState.endedQ.
-type endedAt struct {
-	id string
-	at time.Time
 }
 
 // maxEnded bounds the ended push consumer requests a rank remembers
@@ -1480,35 +1472,7 @@ func (st *loopState) rememberEnded(r *recvReq) {
 	if st.cfg.Mode != ModePush || !r.sent {
 		return
 	}
-	for len(st.endedQ) >= maxEnded {
-		st.forgetEnded()
-	}
-	if st.ended == nil {
-		st.ended = map[string]endedRecv{}
-	}
-	st.ended[r.req.ReqID] = endedRecv{at: st.now, engine: r.req.Remote.EngineID, tid: r.req.TransferID, preq: r.req.Remote.ReqID}
-	st.endedQ = append(st.endedQ, endedAt{id: r.req.ReqID, at: st.now})
-}
-
-// forgetEnded forgets the oldest ended request remembered, unless its id
-// ended again since (a later entry of endedQ is that one's).
-func (st *loopState) forgetEnded() {
-	e := st.endedQ[0]
-	st.endedQ[0] = endedAt{}
-	st.endedQ = st.endedQ[1:]
-	if x, ok := st.ended[e.id]; ok && x.at.Equal(e.at) {
-		delete(st.ended, e.id)
-	}
-	if len(st.endedQ) == 0 {
-		st.endedQ = nil
-	}
-}
-
-// sweepEnded forgets the ended requests older than RegistrationTTL.
-func (st *loopState) sweepEnded(now time.Time) {
-	for len(st.endedQ) > 0 && now.Sub(st.endedQ[0].at) > st.cfg.RegistrationTTL {
-		st.forgetEnded()
-	}
+	st.ended.put(r.req.ReqID, st.now, endedRecv{engine: r.req.Remote.EngineID, tid: r.req.TransferID, preq: r.req.Remote.ReqID}, maxEnded)
 }
 
 // reusedTransfer refuses a new push consumer request that names the
@@ -1517,11 +1481,11 @@ func (st *loopState) sweepEnded(now time.Time) {
 // failed, its blocks reported invalid), and tells its producer, which
 // ends its request of that transfer at once.
 func (st *loopState) reusedTransfer(in *RecvReq) bool {
-	if st.cfg.Mode != ModePush || len(st.ended) == 0 {
+	if st.cfg.Mode != ModePush || st.ended.len() == 0 {
 		return false
 	}
-	e, ok := st.ended[in.ReqID]
-	if !ok || st.now.Sub(e.at) > st.cfg.RegistrationTTL || e.engine != in.Remote.EngineID ||
+	e, at, ok := st.ended.get(in.ReqID)
+	if !ok || st.now.Sub(at) > st.cfg.RegistrationTTL || e.engine != in.Remote.EngineID ||
 		!namesTransfer(e.tid, e.preq, in.TransferID, in.Remote.ReqID) {
 		return false
 	}
@@ -1531,7 +1495,7 @@ func (st *loopState) reusedTransfer(in *RecvReq) bool {
 	}
 	why := fmt.Sprintf("%s %q: consumer request %q of producer engine %q (producer request %q, transfer id %q) ended %v ago under this transfer; "+
 		"a producer cannot tell a new transfer under the same ids from the finished one: give each transfer its own transfer_id",
-		field, val, in.ReqID, in.Remote.EngineID, in.Remote.ReqID, in.TransferID, st.now.Sub(e.at))
+		field, val, in.ReqID, in.Remote.EngineID, in.Remote.ReqID, in.TransferID, st.now.Sub(at))
 	st.log.Warn("kvxfer: consumer request reuses a finished transfer: refused", "req", in.ReqID, "transfer_id", in.TransferID,
 		"remote_engine_id", in.Remote.EngineID, "remote_request_id", in.Remote.ReqID)
 	st.refuse(RoleConsumer, in.ReqID, in.Local, field, FailureSetup, why)

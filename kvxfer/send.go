@@ -46,6 +46,10 @@ type producerState struct {
 	// ended (pull), by id and by transfer id, for RegistrationTTL.
 	abortedP map[string]goneSend
 	abortedT map[string]goneSend
+	// endedPaired: push producer requests that ended paired with a
+	// consumer request, by "p:" and producer request id and by "t:" and
+	// transfer id, for RegistrationTTL, at most maxEndedPaired (onReg).
+	endedPaired recent[goneSend]
 	// ambRegs and ambSends: scratch for findReg and findSend.
 	ambRegs   []*regGroup
 	ambSends  []*sendReq
@@ -899,10 +903,16 @@ func (st *loopState) onReg(m *msg) {
 		// with it is told so, unless a request held now pairs with it
 		// exactly (one the engine handed over again under a re-used id).
 		gs, gone := st.abortedT[m.TransferID]
+		if !gone && m.TransferID != "" {
+			gs, _, gone = st.endedPaired.get("t:" + m.TransferID)
+		}
 		if n, named := g.name(); !gone && (named || g.tid == "") {
 			// By producer request id, unless the request gone under it
 			// was another transfer (the id was reused for this one).
 			gs, gone = st.abortedP[n]
+			if !gone {
+				gs, _, gone = st.endedPaired.get("p:" + n)
+			}
 			gone = gone && (gs.tid == "" || g.tid == "" || gs.tid == g.tid)
 		}
 		if gone && (s == nil || pairOf(g, s.req.ReqID, s.req.TransferID) != pairExact) {
@@ -1592,9 +1602,16 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// until the consumer's deadline, its blocks held, for KV this
 		// rank no longer holds. (Its own consumer's late registrations
 		// meet its tombstone first.)
-		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
+		// Kept apart from the requests gone unpaired (abortedP and
+		// abortedT): every request ends so, and they must not crowd those
+		// out; the oldest are forgotten first.
+		g := goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
 			why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
-				s.req.ReqID, s.match.key.dreq, s.match.key.engine)})
+				s.req.ReqID, s.match.key.dreq, s.match.key.engine)}
+		st.endedPaired.put("p:"+s.req.ReqID, st.now, g, maxEndedPaired)
+		if g.tid != "" {
+			st.endedPaired.put("t:"+g.tid, st.now, g, maxEndedPaired)
+		}
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
@@ -1859,6 +1876,10 @@ func (st *loopState) giveUpNamed(k regKey, m *msg, kind FailureKind, why string,
 // maxAborted bounds the aborted producer requests remembered by id and by
 // transfer id (producerAborted).
 const maxAborted = 1 << 16
+
+// maxEndedPaired bounds the entries of producerState.endedPaired (two a
+// request with a transfer id).
+const maxEndedPaired = 1 << 17
 
 // producerAborted handles a producer request the engine aborted after it
 // was scheduled: nothing will be sent, so matched consumers are told.
