@@ -27,18 +27,7 @@ func TestStepReceivedAsTheEngineDiesIsTakenIn(t *testing.T) {
 		step := &pb.StepMeta{Step: 1, Send: []*pb.SendRequest{{RequestId: "p-1", Blocks: span(1), Tokens: 16,
 			DeadlineUnixNanos: time.Now().Add(time.Hour).UnixNano()}}}
 		_ = d.srv.ServeCrashedForTest([]*pb.ConnectRequest{{Msg: &pb.ConnectRequest_Hello{Hello: hello}}, {Msg: &pb.ConnectRequest_Step{Step: step}}})
-		failed := uint64(0)
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			for _, rs := range d.srv.RankStats() {
-				if rs.Engine == hello.EngineId && !rs.Attached {
-					failed = rs.Stats.Outcomes[kvxfer.RoleProducer][kvxfer.ResultFailed]
-				}
-			}
-			if failed > 0 {
-				break
-			}
-		}
-		if failed != 1 {
+		if failed := failedOnceLetGo(d, hello.EngineId); failed != 1 {
 			t.Fatalf("try %d of %d: the engine's p-1 has %d failed outcomes once its rank was let go, want 1 (worker closed): its step, received, was not taken in", i+1, tries, failed)
 		}
 	}
@@ -67,19 +56,25 @@ func TestDirectStepPutAsTheEngineHangsUpIsTakenIn(t *testing.T) {
 			t.Fatal(err)
 		}
 		ds.Cancel()
-		failed := uint64(0)
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			for _, rs := range d.srv.RankStats() {
-				if rs.Engine == hello.EngineId && !rs.Attached {
-					failed = rs.Stats.Outcomes[kvxfer.RoleProducer][kvxfer.ResultFailed]
-				}
-			}
-			if failed > 0 {
-				break
-			}
-		}
-		if failed != 1 {
+		if failed := failedOnceLetGo(d, hello.EngineId); failed != 1 {
 			t.Fatalf("try %d of %d: the engine's p-1 has %d failed outcomes once its rank was let go, want 1 (worker closed): its step, put, was not taken in", i+1, tries, failed)
 		}
 	}
+}
+
+// failedOnceLetGo waits up to 5 s for engine's rank to be let go with a
+// failed producer outcome, and returns how many it has.
+func failedOnceLetGo(d *daemon, engine string) uint64 {
+	failed := uint64(0)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		for _, rs := range d.srv.RankStats() {
+			if rs.Engine == engine && !rs.Attached {
+				failed = rs.Stats.Outcomes[kvxfer.RoleProducer][kvxfer.ResultFailed]
+			}
+		}
+		if failed > 0 {
+			break
+		}
+	}
+	return failed
 }
