@@ -1,10 +1,6 @@
 package kvxfer
 
-import (
-	"slices"
-
-	"github.com/kvxfer/kvxfer/topology"
-)
+import "slices"
 
 // A pull consumer rank that asks a producer agent to hold a request (its
 // heartbeats, its hold check's questions) extends that agent's hold by
@@ -142,7 +138,7 @@ func (st *loopState) noteUnsent(r *recvReq) {
 	if e == nil || len(e.peers) == 0 {
 		return
 	}
-	if r.notRead && !slices.ContainsFunc(r.req.Remote.Blocks, func(s topology.Span) bool { return len(s.IDs) > 0 }) {
+	if r.notRead && spanIDs(r.req.Remote.Blocks) == 0 {
 		return
 	}
 	for _, to := range st.producerRanks(e.tpSize, e.ppSize) {

@@ -1805,6 +1805,42 @@ func (r *rank) detach() {
 	r.s.log.Info("kvxferd: rank detached", "engine", r.engine, "tp_rank", r.layout.TPRank, "pp_rank", r.layout.PPRank)
 }
 
+// waitToken waits until c (capacity one) holds a token, and leaves it
+// there (idle); takeToken puts one in, waiting for room (handling). Each
+// succeeds when it can at once, whether or not ctx ended (in one select a
+// ready channel and an ended context are picked at random): false only
+// when ctx ended while it could not.
+func waitToken(ctx context.Context, c chan struct{}) bool {
+	select {
+	case <-c:
+		c <- struct{}{}
+		return true
+	default:
+	}
+	select {
+	case <-c:
+		c <- struct{}{}
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// takeToken: see waitToken.
+func takeToken(ctx context.Context, c chan struct{}) bool {
+	select {
+	case c <- struct{}{}:
+		return true
+	default:
+	}
+	select {
+	case c <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
 // serve runs the stream: this goroutine receives; one goroutine sends.
 func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectResponse]) error {
 	ctx := st.Context()
@@ -1903,27 +1939,10 @@ func (r *rank) serve(st grpc.BidiStreamingServer[pb.ConnectRequest, pb.ConnectRe
 			// nothing, held those blocks for their lease, and a producer
 			// engine that crashed meanwhile waited for them, its close's
 			// fence 10 s (the daemon soak's NIXL pull P crashes).
-			select { // not while a send waits for the engine to read
-			case <-idle:
-				idle <- struct{}{}
-			default:
-				select {
-				case <-idle:
-					idle <- struct{}{}
-				case <-ctx.Done():
-					recvErr <- ctx.Err()
-					return
-				}
-			}
-			select {
-			case handling <- struct{}{}:
-			default:
-				select {
-				case handling <- struct{}{}:
-				case <-ctx.Done():
-					recvErr <- ctx.Err()
-					return
-				}
+			// (Not while a send waits for the engine to read: idle.)
+			if !waitToken(ctx, idle) || !takeToken(ctx, handling) {
+				recvErr <- ctx.Err()
+				return
 			}
 			if r.handle(ctx, m, out) {
 				<-handling
