@@ -2474,7 +2474,12 @@ func (x *RankInfo) GetAgent() []byte {
 type RankList struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// ranks of the engine.
-	Ranks         []*RankInfo `protobuf:"bytes,1,rep,name=ranks,proto3" json:"ranks,omitempty"`
+	Ranks []*RankInfo `protobuf:"bytes,1,rep,name=ranks,proto3" json:"ranks,omitempty"`
+	// leaving are ranks whose engine stream ended and that are still being
+	// let go (their close waits for peers' word on what they moved): a peer
+	// plans nothing against them, but still tells them of the requests they
+	// held (it loads their agents for notices only). Never one of ranks.
+	Leaving       []*RankInfo `protobuf:"bytes,2,rep,name=leaving,proto3" json:"leaving,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2512,6 +2517,13 @@ func (*RankList) Descriptor() ([]byte, []int) {
 func (x *RankList) GetRanks() []*RankInfo {
 	if x != nil {
 		return x.Ranks
+	}
+	return nil
+}
+
+func (x *RankList) GetLeaving() []*RankInfo {
+	if x != nil {
+		return x.Leaving
 	}
 	return nil
 }
@@ -5268,9 +5280,10 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\vcompat_hash\x18\x02 \x01(\tR\n" +
 	"compatHash\x12+\n" +
 	"\x06layout\x18\x03 \x01(\v2\x13.kvxfer.v1.KvLayoutR\x06layout\x12\x14\n" +
-	"\x05agent\x18\x04 \x01(\fR\x05agent\"5\n" +
+	"\x05agent\x18\x04 \x01(\fR\x05agent\"d\n" +
 	"\bRankList\x12)\n" +
-	"\x05ranks\x18\x01 \x03(\v2\x13.kvxfer.v1.RankInfoR\x05ranks\"P\n" +
+	"\x05ranks\x18\x01 \x03(\v2\x13.kvxfer.v1.RankInfoR\x05ranks\x12-\n" +
+	"\aleaving\x18\x02 \x03(\v2\x13.kvxfer.v1.RankInfoR\aleaving\"P\n" +
 	"\x10HandshakeRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x1f\n" +
 	"\vaccept_zstd\x18\x02 \x01(\bR\n" +
@@ -5644,78 +5657,79 @@ var file_kvxfer_v1_kvxfer_proto_depIdxs = []int32{
 	26, // 31: kvxfer.v1.ConnectResponse.step_error:type_name -> kvxfer.v1.StepError
 	10, // 32: kvxfer.v1.RankInfo.layout:type_name -> kvxfer.v1.KvLayout
 	28, // 33: kvxfer.v1.RankList.ranks:type_name -> kvxfer.v1.RankInfo
-	12, // 34: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
-	0,  // 35: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
-	32, // 36: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
-	0,  // 37: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
-	9,  // 38: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
-	35, // 39: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
-	33, // 40: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
-	33, // 41: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 42: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
-	32, // 43: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
-	33, // 44: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 45: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
-	33, // 46: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
-	6,  // 47: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
-	34, // 48: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
-	32, // 49: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
-	32, // 50: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
-	16, // 51: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
-	18, // 52: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
-	33, // 53: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
-	34, // 54: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
-	40, // 55: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
-	42, // 56: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
-	44, // 57: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
-	48, // 58: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
-	50, // 59: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
-	53, // 60: kvxfer.v1.SchedulerOp.new_request:type_name -> kvxfer.v1.NewRequestRequest
-	33, // 61: kvxfer.v1.NewRequestRequest.request:type_name -> kvxfer.v1.EngineRequest
-	52, // 62: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
-	56, // 63: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
-	0,  // 64: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
-	6,  // 65: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
-	55, // 66: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
-	55, // 67: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
-	55, // 68: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
-	32, // 69: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
-	16, // 70: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
-	57, // 71: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
-	58, // 72: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
-	54, // 73: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
-	59, // 74: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
-	22, // 75: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
-	30, // 76: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
-	36, // 77: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
-	38, // 78: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
-	40, // 79: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
-	42, // 80: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
-	44, // 81: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
-	46, // 82: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
-	48, // 83: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
-	50, // 84: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
-	54, // 85: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
-	60, // 86: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
-	62, // 87: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
-	27, // 88: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
-	31, // 89: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
-	37, // 90: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
-	39, // 91: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
-	41, // 92: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
-	43, // 93: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
-	45, // 94: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
-	47, // 95: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
-	49, // 96: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
-	51, // 97: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
-	59, // 98: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
-	61, // 99: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
-	63, // 100: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
-	88, // [88:101] is the sub-list for method output_type
-	75, // [75:88] is the sub-list for method input_type
-	75, // [75:75] is the sub-list for extension type_name
-	75, // [75:75] is the sub-list for extension extendee
-	0,  // [0:75] is the sub-list for field type_name
+	28, // 34: kvxfer.v1.RankList.leaving:type_name -> kvxfer.v1.RankInfo
+	12, // 35: kvxfer.v1.TransferParams.remote_block_ids:type_name -> kvxfer.v1.Span
+	0,  // 36: kvxfer.v1.TransferParams.mode:type_name -> kvxfer.v1.Mode
+	32, // 37: kvxfer.v1.EngineRequest.params:type_name -> kvxfer.v1.TransferParams
+	0,  // 38: kvxfer.v1.SchedulerConfig.mode:type_name -> kvxfer.v1.Mode
+	9,  // 39: kvxfer.v1.SchedulerConfig.groups:type_name -> kvxfer.v1.CacheGroup
+	35, // 40: kvxfer.v1.OpenSchedulerRequest.config:type_name -> kvxfer.v1.SchedulerConfig
+	33, // 41: kvxfer.v1.MatchedTokensRequest.request:type_name -> kvxfer.v1.EngineRequest
+	33, // 42: kvxfer.v1.AfterAllocRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 43: kvxfer.v1.AfterAllocRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 44: kvxfer.v1.AfterAllocResponse.params:type_name -> kvxfer.v1.TransferParams
+	33, // 45: kvxfer.v1.ScheduledRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 46: kvxfer.v1.ScheduledRequest.new_blocks:type_name -> kvxfer.v1.BlockList
+	33, // 47: kvxfer.v1.RequestFinishedRequest.request:type_name -> kvxfer.v1.EngineRequest
+	6,  // 48: kvxfer.v1.RequestFinishedRequest.status:type_name -> kvxfer.v1.FinishStatus
+	34, // 49: kvxfer.v1.RequestFinishedRequest.blocks:type_name -> kvxfer.v1.BlockList
+	32, // 50: kvxfer.v1.RequestFinishedResponse.params:type_name -> kvxfer.v1.TransferParams
+	32, // 51: kvxfer.v1.RequestFinishedResponse.request_params:type_name -> kvxfer.v1.TransferParams
+	16, // 52: kvxfer.v1.BuildMetaResponse.meta:type_name -> kvxfer.v1.StepMeta
+	18, // 53: kvxfer.v1.UpdateRequest.finished:type_name -> kvxfer.v1.Finished
+	33, // 54: kvxfer.v1.PrefillRequest.request:type_name -> kvxfer.v1.EngineRequest
+	34, // 55: kvxfer.v1.PrefillRequest.blocks:type_name -> kvxfer.v1.BlockList
+	40, // 56: kvxfer.v1.SchedulerOp.after_alloc:type_name -> kvxfer.v1.AfterAllocRequest
+	42, // 57: kvxfer.v1.SchedulerOp.scheduled:type_name -> kvxfer.v1.ScheduledRequest
+	44, // 58: kvxfer.v1.SchedulerOp.request_finished:type_name -> kvxfer.v1.RequestFinishedRequest
+	48, // 59: kvxfer.v1.SchedulerOp.update:type_name -> kvxfer.v1.UpdateRequest
+	50, // 60: kvxfer.v1.SchedulerOp.prefill:type_name -> kvxfer.v1.PrefillRequest
+	53, // 61: kvxfer.v1.SchedulerOp.new_request:type_name -> kvxfer.v1.NewRequestRequest
+	33, // 62: kvxfer.v1.NewRequestRequest.request:type_name -> kvxfer.v1.EngineRequest
+	52, // 63: kvxfer.v1.StepRequest.ops:type_name -> kvxfer.v1.SchedulerOp
+	56, // 64: kvxfer.v1.StepRequest.columns:type_name -> kvxfer.v1.StepColumns
+	0,  // 65: kvxfer.v1.RequestColumns.mode:type_name -> kvxfer.v1.Mode
+	6,  // 66: kvxfer.v1.RequestColumns.status:type_name -> kvxfer.v1.FinishStatus
+	55, // 67: kvxfer.v1.StepColumns.request_finished:type_name -> kvxfer.v1.RequestColumns
+	55, // 68: kvxfer.v1.StepColumns.after_alloc:type_name -> kvxfer.v1.RequestColumns
+	55, // 69: kvxfer.v1.StepColumns.prefill:type_name -> kvxfer.v1.RequestColumns
+	32, // 70: kvxfer.v1.OpResult.params:type_name -> kvxfer.v1.TransferParams
+	16, // 71: kvxfer.v1.StepResponse.meta:type_name -> kvxfer.v1.StepMeta
+	57, // 72: kvxfer.v1.StepResponse.results:type_name -> kvxfer.v1.OpResult
+	58, // 73: kvxfer.v1.StepResponse.counters:type_name -> kvxfer.v1.SchedulerCounters
+	54, // 74: kvxfer.v1.StepsRequest.step:type_name -> kvxfer.v1.StepRequest
+	59, // 75: kvxfer.v1.StepsResponse.step:type_name -> kvxfer.v1.StepResponse
+	22, // 76: kvxfer.v1.WorkerService.Connect:input_type -> kvxfer.v1.ConnectRequest
+	30, // 77: kvxfer.v1.PeerService.Handshake:input_type -> kvxfer.v1.HandshakeRequest
+	36, // 78: kvxfer.v1.SchedulerService.OpenScheduler:input_type -> kvxfer.v1.OpenSchedulerRequest
+	38, // 79: kvxfer.v1.SchedulerService.MatchedTokens:input_type -> kvxfer.v1.MatchedTokensRequest
+	40, // 80: kvxfer.v1.SchedulerService.AfterAlloc:input_type -> kvxfer.v1.AfterAllocRequest
+	42, // 81: kvxfer.v1.SchedulerService.Scheduled:input_type -> kvxfer.v1.ScheduledRequest
+	44, // 82: kvxfer.v1.SchedulerService.RequestFinished:input_type -> kvxfer.v1.RequestFinishedRequest
+	46, // 83: kvxfer.v1.SchedulerService.BuildMeta:input_type -> kvxfer.v1.BuildMetaRequest
+	48, // 84: kvxfer.v1.SchedulerService.Update:input_type -> kvxfer.v1.UpdateRequest
+	50, // 85: kvxfer.v1.SchedulerService.Prefill:input_type -> kvxfer.v1.PrefillRequest
+	54, // 86: kvxfer.v1.SchedulerService.Step:input_type -> kvxfer.v1.StepRequest
+	60, // 87: kvxfer.v1.SchedulerService.Steps:input_type -> kvxfer.v1.StepsRequest
+	62, // 88: kvxfer.v1.SchedulerService.CloseScheduler:input_type -> kvxfer.v1.CloseSchedulerRequest
+	27, // 89: kvxfer.v1.WorkerService.Connect:output_type -> kvxfer.v1.ConnectResponse
+	31, // 90: kvxfer.v1.PeerService.Handshake:output_type -> kvxfer.v1.HandshakeResponse
+	37, // 91: kvxfer.v1.SchedulerService.OpenScheduler:output_type -> kvxfer.v1.OpenSchedulerResponse
+	39, // 92: kvxfer.v1.SchedulerService.MatchedTokens:output_type -> kvxfer.v1.MatchedTokensResponse
+	41, // 93: kvxfer.v1.SchedulerService.AfterAlloc:output_type -> kvxfer.v1.AfterAllocResponse
+	43, // 94: kvxfer.v1.SchedulerService.Scheduled:output_type -> kvxfer.v1.ScheduledResponse
+	45, // 95: kvxfer.v1.SchedulerService.RequestFinished:output_type -> kvxfer.v1.RequestFinishedResponse
+	47, // 96: kvxfer.v1.SchedulerService.BuildMeta:output_type -> kvxfer.v1.BuildMetaResponse
+	49, // 97: kvxfer.v1.SchedulerService.Update:output_type -> kvxfer.v1.UpdateResponse
+	51, // 98: kvxfer.v1.SchedulerService.Prefill:output_type -> kvxfer.v1.PrefillResponse
+	59, // 99: kvxfer.v1.SchedulerService.Step:output_type -> kvxfer.v1.StepResponse
+	61, // 100: kvxfer.v1.SchedulerService.Steps:output_type -> kvxfer.v1.StepsResponse
+	63, // 101: kvxfer.v1.SchedulerService.CloseScheduler:output_type -> kvxfer.v1.CloseSchedulerResponse
+	89, // [89:102] is the sub-list for method output_type
+	76, // [76:89] is the sub-list for method input_type
+	76, // [76:76] is the sub-list for extension type_name
+	76, // [76:76] is the sub-list for extension extendee
+	0,  // [0:76] is the sub-list for field type_name
 }
 
 func init() { file_kvxfer_v1_kvxfer_proto_init() }

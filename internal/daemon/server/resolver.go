@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -259,11 +260,16 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 		}
 		addr = a
 	}
-	out, base, rtt, err := r.handshakeOne(ctx, engineID, addr)
-	if err != nil || base == 0 {
+	out, leaving, base, rtt, err := r.handshakeOne(ctx, engineID, addr)
+	switch {
+	case err != nil:
 		return out, err
+	case base != 0:
+		return r.spread(ctx, engineID, addr, base, out, leaving, rtt)
+	case len(leaving) > 0:
+		return kvxfer.HandshakeResult{}, leavingError(engineID, addr, out.Ranks, leaving)
 	}
-	return r.spread(ctx, engineID, addr, base, out, rtt)
+	return out, nil
 }
 
 // maxSpreadRanks bounds the ranks a spread engine is asked about (a peer
@@ -271,40 +277,43 @@ func (r *PeerResolver) Handshake(ctx context.Context, engineID, addr string) (kv
 const maxSpreadRanks = 1024
 
 // spread completes first, the answer of one of an engine's per-rank
-// servers at addr, with the other ranks', asked at their ports.
+// servers at addr (with its ranks leaving apart), with the other ranks',
+// asked at their ports.
 //
 // The clock offset is the sample of the quickest answer (the least round
 // trip, SPEC §2): the offset is off by at most half its round trip, and
 // the first answer's may be long (a new connection, a busy peer).
 func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base uint32, first kvxfer.HandshakeResult,
-	firstRTT time.Duration) (kvxfer.HandshakeResult, error) {
-	if len(first.Ranks) == 0 {
+	firstLeaving []kvxfer.RankInfo, firstRTT time.Duration) (kvxfer.HandshakeResult, error) {
+	all := append(slices.Clip(first.Ranks), firstLeaving...)
+	if len(all) == 0 {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: no ranks", kvxfer.ErrBadMetadata, engineID, addr)
 	}
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
-	tpSize, ppSize := first.Ranks[0].Layout.TPSize, first.Ranks[0].Layout.PPSize
+	tpSize, ppSize := all[0].Layout.TPSize, all[0].Layout.PPSize
 	if tpSize <= 0 || ppSize <= 0 || tpSize*ppSize > maxSpreadRanks {
 		return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: tp size %d pp size %d: want 1 to %d ranks in all",
 			kvxfer.ErrBadMetadata, engineID, addr, tpSize, ppSize, maxSpreadRanks)
 	}
 	type rankGen struct {
-		rank   kvxfer.RankInfo
-		gen    uint64
-		offset time.Duration
-		rtt    time.Duration
-		err    error
+		rank    kvxfer.RankInfo
+		leaving bool // answered, as leaving
+		gen     uint64
+		offset  time.Duration
+		rtt     time.Duration
+		err     error
 	}
 	got := make([]rankGen, tpSize*ppSize)
-	for _, ri := range first.Ranks {
+	for i, ri := range all {
 		l := &ri.Layout
 		if l.PPRank < 0 || l.PPRank >= ppSize || l.TPRank < 0 || l.TPRank >= tpSize {
 			return kvxfer.HandshakeResult{}, fmt.Errorf("%w: handshake %s at %s: rank tp %d pp %d outside tp size %d pp size %d",
 				kvxfer.ErrBadMetadata, engineID, addr, l.TPRank, l.PPRank, tpSize, ppSize)
 		}
-		got[l.PPRank*tpSize+l.TPRank] = rankGen{rank: ri, gen: first.Generation}
+		got[l.PPRank*tpSize+l.TPRank] = rankGen{rank: ri, gen: first.Generation, leaving: i >= len(first.Ranks)}
 	}
 	var wg sync.WaitGroup
 	for i := range got {
@@ -319,7 +328,7 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 		}
 		at := net.JoinHostPort(host, strconv.Itoa(port))
 		wg.Go(func() {
-			res, b, rtt, err := r.handshakeOne(ctx, engineID, at)
+			res, leaving, b, rtt, err := r.handshakeOne(ctx, engineID, at)
 			if err == nil && b != base {
 				err = fmt.Errorf("%w: handshake %s at %s: rank_port_base %d, but %s says %d", kvxfer.ErrBadMetadata, engineID, at, b, addr, base)
 			}
@@ -327,9 +336,9 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 				got[i].err = fmt.Errorf("rank tp %d pp %d (port %d = rank_port_base %d + pp*%d + tp): %w", tp, pp, port, base, tpSize, err)
 				return
 			}
-			for _, ri := range res.Ranks {
+			for j, ri := range append(slices.Clip(res.Ranks), leaving...) {
 				if ri.Layout.TPRank == tp && ri.Layout.PPRank == pp {
-					got[i] = rankGen{rank: ri, gen: res.Generation, offset: res.ClockOffset, rtt: rtt}
+					got[i] = rankGen{rank: ri, gen: res.Generation, offset: res.ClockOffset, rtt: rtt, leaving: j >= len(res.Ranks)}
 					return
 				}
 			}
@@ -341,19 +350,29 @@ func (r *PeerResolver) spread(ctx context.Context, engineID, addr string, base u
 	best := firstRTT
 	gens := make([]uint64, len(got))
 	var unanswered error
-	var answered []kvxfer.RankInfo
+	var answered, published, leaving []kvxfer.RankInfo
 	for i := range got {
-		if got[i].err == nil {
-			answered = append(answered, got[i].rank)
-		} else if unanswered == nil {
-			unanswered = got[i].err
+		switch {
+		case got[i].err != nil:
+			if unanswered == nil {
+				unanswered = got[i].err
+			}
+			continue
+		case got[i].leaving:
+			leaving = append(leaving, got[i].rank)
+		default:
+			published = append(published, got[i].rank)
 		}
+		answered = append(answered, got[i].rank)
 	}
 	if unanswered != nil {
 		// Some ranks did not answer (a rank's process died): the handshake
 		// fails, naming the first; the ranks that answered still say who
 		// speaks for them (kvxfer.PartialHandshakeError).
 		return kvxfer.HandshakeResult{}, &kvxfer.PartialHandshakeError{Answered: answered, Err: unanswered}
+	}
+	if len(leaving) > 0 {
+		return kvxfer.HandshakeResult{}, leavingError(engineID, addr, published, leaving)
 	}
 	for i := range got {
 		if got[i].rtt > 0 && got[i].rtt < best {
@@ -388,10 +407,10 @@ func spreadGeneration(n int, gen func(i int) uint64) uint64 {
 // handshakeOne asks the server at addr about an engine, and returns its
 // answer's rank_port_base and the call's round trip (its clock offset's
 // bound: half of it).
-func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (kvxfer.HandshakeResult, uint32, time.Duration, error) {
+func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) (_ kvxfer.HandshakeResult, leaving []kvxfer.RankInfo, base uint32, rtt time.Duration, err error) {
 	pc, done, fresh, err := r.conn(addr)
 	if err != nil {
-		return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		return kvxfer.HandshakeResult{}, nil, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
 	req := &pb.HandshakeRequest{EngineId: engineID, AcceptZstd: true}
 	t0 := time.Now()
@@ -410,7 +429,7 @@ func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) 
 		var again *peerConn
 		again, done, _, err = r.conn(addr)
 		if err != nil {
-			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+			return kvxfer.HandshakeResult{}, nil, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 		}
 		pc = again
 		t0 = time.Now()
@@ -423,22 +442,22 @@ func (r *PeerResolver) handshakeOne(ctx context.Context, engineID, addr string) 
 	}
 	if err != nil {
 		if r.cfg.Insecure && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
+			return kvxfer.HandshakeResult{}, nil, 0, 0, fmt.Errorf("handshake %s at %s: %w (this daemon runs with -insecure-peers: "+
 				"a peer that authenticates its peers refuses it; give both the same -peer-secret-file)", engineID, addr, err)
 		}
 		if r.cfg.TLS && status.Code(err) == codes.Unavailable {
-			return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
+			return kvxfer.HandshakeResult{}, nil, 0, 0, fmt.Errorf("handshake %s at %s: %w (mutual TLS: the peer must present a certificate "+
 				"of this daemon's -tls-ca, and this daemon one of the peer's)", engineID, addr, err)
 		}
-		return kvxfer.HandshakeResult{}, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
+		return kvxfer.HandshakeResult{}, nil, 0, 0, fmt.Errorf("handshake %s at %s: %w", engineID, addr, err)
 	}
-	out, err := r.dec.Decode(engineID, resp)
+	out, leaving, err := r.dec.decode(engineID, resp)
 	if err != nil {
-		return kvxfer.HandshakeResult{}, 0, 0, err
+		return kvxfer.HandshakeResult{}, nil, 0, 0, err
 	}
 	mid := t0.Add(t1.Sub(t0) / 2)
 	out.ClockOffset = time.Unix(0, resp.ServerUnixNanos).Sub(mid)
-	return out, resp.GetRankPortBase(), t1.Sub(t0), nil
+	return out, leaving, resp.GetRankPortBase(), t1.Sub(t0), nil
 }
 
 // Close closes the client connections.

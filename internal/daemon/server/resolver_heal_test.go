@@ -77,7 +77,7 @@ func TestHandshakeAfterPartitionHeals(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		t0 := time.Now()
-		_, _, _, err := r.handshakeOne(ctx, "E", addr)
+		_, _, _, _, err := r.handshakeOne(ctx, "E", addr)
 		return time.Since(t0), err
 	}
 	if _, err := ask(5 * time.Second); status.Code(err) != codes.Unimplemented {

@@ -290,7 +290,12 @@ type Server struct {
 	// every peer handshake and probe, and written (copy on write, one
 	// writer at a time under mu) when a rank attaches or detaches.
 	engines *xsync.Map[string, *engineEntry]
-	mu      struct {
+	// leavingRanks are, by engine, the ranks unpublished whose Worker
+	// still closes (mu.leaving), with what a handshake says of them
+	// (RankList.leaving): read without a lock by every handshake, written
+	// (copy on write) under mu.
+	leavingRanks *xsync.Map[string, map[[2]int]kvxfer.RankInfo]
+	mu           struct {
 		sync.Mutex
 		gen uint64
 		// leaving are the ranks unpublished and still being let go
@@ -323,10 +328,8 @@ type engineEntry struct {
 func (e *engineEntry) answer(enc *zstd.Encoder, compressAbove int) (payload, compressed []byte) {
 	e.encode.Do(func() {
 		var list pb.RankList
-		for _, k := range slices.SortedFunc(maps.Keys(e.ranks), func(a, b [2]int) int { return cmp.Compare(a[0]<<16|a[1], b[0]<<16|b[1]) }) {
-			r := e.ranks[k]
-			list.Ranks = append(list.Ranks, &pb.RankInfo{EngineId: r.info.EngineID, CompatHash: r.info.CompatHash,
-				Layout: stream.LayoutToProto(&r.info.Layout), Agent: r.info.Agent})
+		for _, k := range slices.SortedFunc(maps.Keys(e.ranks), byRank) {
+			list.Ranks = append(list.Ranks, rankInfoProto(&e.ranks[k].info))
 		}
 		e.payload, _ = proto.Marshal(&list) // a RankList of valid layouts always marshals
 		if compressAbove >= 0 && len(e.payload) > compressAbove {
@@ -334,6 +337,14 @@ func (e *engineEntry) answer(enc *zstd.Encoder, compressAbove int) (payload, com
 		}
 	})
 	return e.payload, e.zstd
+}
+
+// byRank orders ranks (pp, tp) as handshakes list them.
+func byRank(a, b [2]int) int { return cmp.Compare(a[0]<<16|a[1], b[0]<<16|b[1]) }
+
+// rankInfoProto is ri as a handshake lists it.
+func rankInfoProto(ri *kvxfer.RankInfo) *pb.RankInfo {
+	return &pb.RankInfo{EngineId: ri.EngineID, CompatHash: ri.CompatHash, Layout: stream.LayoutToProto(&ri.Layout), Agent: ri.Agent}
 }
 
 type rankEntry struct {
@@ -453,6 +464,7 @@ func New(cfg Config) (*Server, error) {
 		s.sched.checkAddr = checkPeerAddr
 	}
 	s.engines = xsync.NewMap[string, *engineEntry]()
+	s.leavingRanks = xsync.NewMap[string, map[[2]int]kvxfer.RankInfo]()
 	return s, nil
 }
 
@@ -816,7 +828,14 @@ func (s *Server) storeLocked(engine string, ranks map[[2]int]*rankEntry) {
 
 // unpublish removes the rank of w from engine's published ranks, and
 // marks it leaving (refused to a new hello) until the returned func,
-// called once the rank was let go, says so.
+// called once the rank was let go, says so. Meanwhile a handshake lists
+// it as leaving (RankList.leaving): its Worker's close waits for peers'
+// word on what it moved (a push consumer's cancels confirmed, a pull
+// producer's holds released), and a peer that had not handshaken with
+// the engine yet must still reach it. Before, a handshake did not know
+// the rank at all once its stream ended: such a peer could tell it
+// nothing, and its close waited out its CloseTimeout (10 s), and its
+// engine's next attach with it.
 func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) (left func()) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -825,21 +844,39 @@ func (s *Server) unpublish(engine string, l *topology.Layout, w *kvxfer.Worker) 
 		s.mu.leaving = map[rankKey]int{}
 	}
 	s.mu.leaving[key]++
+	k := [2]int{l.PPRank, l.TPRank}
+	var listed bool // listed as leaving by this call
 	left = func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		if s.mu.leaving[key]--; s.mu.leaving[key] <= 0 {
 			delete(s.mu.leaving, key)
 		}
+		if listed {
+			lv, _ := s.leavingRanks.Load(engine)
+			lv = maps.Clone(lv)
+			delete(lv, k)
+			if len(lv) == 0 {
+				s.leavingRanks.Delete(engine)
+			} else {
+				s.leavingRanks.Store(engine, lv)
+			}
+		}
 	}
 	e, _ := s.engines.Load(engine)
 	if e == nil {
 		return left
 	}
-	k := [2]int{l.PPRank, l.TPRank}
 	if r := e.ranks[k]; r != nil && r.worker == w {
 		ranks := maps.Clone(e.ranks)
 		delete(ranks, k)
+		lv, _ := s.leavingRanks.Load(engine)
+		lv = maps.Clone(lv)
+		if lv == nil {
+			lv = map[[2]int]kvxfer.RankInfo{}
+		}
+		lv[k], listed = r.info, true
+		s.leavingRanks.Store(engine, lv) // before the rank goes: a handshake finds it in one or the other
 		s.storeLocked(engine, ranks)
 	}
 	return left
@@ -858,17 +895,54 @@ func (s *Server) Handshake(_ context.Context, req *pb.HandshakeRequest) (*pb.Han
 		s.limits.refuse("bad_handshake")
 		return nil, Status(stream.Invalid("handshake.engine_id = %.32q... has %d bytes, want at most %d", req.EngineId, n, MaxEngineID))
 	}
+	// The published ranks first: unpublish lists a rank as leaving
+	// before it takes it from them, so one read after the other finds it
+	// in one or both (leavingAnswer lists it once).
 	e, _ := s.engines.Load(req.EngineId)
-	if e == nil {
+	lv, _ := s.leavingRanks.Load(req.EngineId)
+	if e == nil && lv == nil {
 		return nil, Status(fmt.Errorf("handshake: engine %q: %w", req.EngineId, kvxfer.ErrUnknownEngine))
 	}
-	payload, compressed := e.answer(s.enc, s.cfg.CompressAbove)
-	resp := &pb.HandshakeResponse{EngineId: req.EngineId, Generation: e.gen, Payload: payload, RankPortBase: uint32(s.cfg.RankPortBase)}
-	if req.AcceptZstd && compressed != nil {
-		resp.Payload, resp.Zstd = compressed, true
+	var resp *pb.HandshakeResponse
+	if lv == nil {
+		payload, compressed := e.answer(s.enc, s.cfg.CompressAbove)
+		resp = &pb.HandshakeResponse{EngineId: req.EngineId, Generation: e.gen, Payload: payload}
+		if req.AcceptZstd && compressed != nil {
+			resp.Payload, resp.Zstd = compressed, true
+		}
+	} else {
+		// Ranks leaving: an answer of its own, not cached (a rank leaves
+		// for as long as its close, milliseconds mostly).
+		resp = s.leavingAnswer(req, e, lv)
 	}
+	resp.RankPortBase = uint32(s.cfg.RankPortBase)
 	resp.ServerUnixNanos = time.Now().UnixNano()
 	return resp, nil
+}
+
+// leavingAnswer is the handshake answer for an engine with ranks leaving
+// (lv), and e's published ones (e may be nil: none).
+func (s *Server) leavingAnswer(req *pb.HandshakeRequest, e *engineEntry, lv map[[2]int]kvxfer.RankInfo) *pb.HandshakeResponse {
+	var list pb.RankList
+	resp := &pb.HandshakeResponse{EngineId: req.EngineId}
+	if e != nil {
+		resp.Generation = e.gen
+		for _, k := range slices.SortedFunc(maps.Keys(e.ranks), byRank) {
+			list.Ranks = append(list.Ranks, rankInfoProto(&e.ranks[k].info))
+		}
+	}
+	for _, k := range slices.SortedFunc(maps.Keys(lv), byRank) {
+		if e != nil && e.ranks[k] != nil {
+			continue // read published before unpublish took it
+		}
+		ri := lv[k]
+		list.Leaving = append(list.Leaving, rankInfoProto(&ri))
+	}
+	resp.Payload, _ = proto.Marshal(&list) // valid layouts always marshal
+	if req.AcceptZstd && s.cfg.CompressAbove >= 0 && len(resp.Payload) > s.cfg.CompressAbove {
+		resp.Payload, resp.Zstd = s.enc.EncodeAll(resp.Payload, nil), true // EncodeAll may be called concurrently
+	}
+	return resp
 }
 
 // Connect implements WorkerService: one engine rank's stream.

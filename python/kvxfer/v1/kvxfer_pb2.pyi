@@ -423,10 +423,12 @@ class RankInfo(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agent: _Optional[bytes] = ...) -> None: ...
 
 class RankList(_message.Message):
-    __slots__ = ("ranks",)
+    __slots__ = ("ranks", "leaving")
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+    leaving: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., leaving: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "accept_zstd")
