@@ -230,8 +230,10 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 		for {
 			g, amb := st.findReg(s)
 			if amb != nil {
-				st.ambiguousSend(s, amb)
-				return s
+				if g = st.namedBy(s, amb); g == nil {
+					st.ambiguousSend(s, amb)
+					return s
+				}
 			}
 			if g == nil {
 				break
@@ -560,16 +562,57 @@ func (st *loopState) regsPairing(s *sendReq, g *regGroup) int {
 	return n
 }
 
+// namedBy returns the one of several registrations that name producer
+// request s's transfer (regs) that names s by its request id too, if
+// exactly one does, having failed the others at once: they name another
+// producer request, or none (reg_taken), and s is written into that one's
+// blocks alone. Else it returns nil (ambiguousSend).
+func (st *loopState) namedBy(s *sendReq, regs []*regGroup) *regGroup {
+	if s.req.TransferID == "" || pairOf(regs[0], s.req.ReqID, s.req.TransferID) != pairExact {
+		return nil
+	}
+	var named *regGroup
+	for _, g := range regs {
+		if g.preq == s.req.ReqID {
+			if named != nil {
+				return nil
+			}
+			named = g
+		}
+	}
+	if named == nil {
+		return nil
+	}
+	for _, g := range slices.Clone(regs) {
+		if g == named {
+			continue
+		}
+		st.metrics.Dropped("reg_taken")
+		st.failRegGroup(g, s.req.ReqID, FailureSetup, fmt.Sprintf(
+			"consumer request %q of engine %q registered for transfer %q too, naming its producer request %q; this registration names %q: the producer request is written into that one's blocks",
+			named.key.dreq, named.key.engine, s.req.TransferID, s.req.ReqID, g.preq))
+	}
+	return named
+}
+
 // ambiguousSend fails a new producer request that several waiting
 // registrations pair with at the same tier (regs): which consumer
 // request's blocks are its is not known, and a guess would WRITE one
-// request's KV into another's. The registrations keep waiting for the
-// requests they name exactly. Counted, logged, and the engine told why.
+// request's KV into another's. Registrations that name it exactly fail
+// with it, at once: they name nothing else. Before, they waited for their
+// consumer's deadline, their blocks held, for a request that had ended
+// (TestTwoConsumersNameOneProducerRequest, push, d1 d2 p). Those that
+// pair with it by base id keep waiting for the requests they name
+// exactly. Counted, logged, and the engine told why.
 func (st *loopState) ambiguousSend(s *sendReq, regs []*regGroup) {
 	var why string
 	if pairOf(regs[0], s.req.ReqID, s.req.TransferID) == pairExact {
 		why = fmt.Sprintf("%d consumer requests name producer request %q (transfer id %q): which one it serves is ambiguous, so none is written",
 			len(regs), s.req.ReqID, s.req.TransferID)
+		for _, g := range slices.Clone(regs) {
+			st.metrics.Dropped("reg_ambiguous")
+			st.failRegGroup(g, s.req.ReqID, FailureSetup, why)
+		}
 	} else {
 		why = fmt.Sprintf("producer request %q pairs by its base id %q with %d waiting consumer requests, none naming it exactly: ambiguous, so nothing is written (transfer ids pair requests exactly)",
 			s.req.ReqID, BaseRequestID(s.req.ReqID), len(regs))
