@@ -264,3 +264,70 @@ func TestPullEarlyNoticesBoundedInBytes(t *testing.T) {
 		t.Errorf("after the kept notices lapsed: %d requests' notices, %d bytes kept; want none", len(p.early), p.earlyBytes)
 	}
 }
+
+// The push requests a producer rank remembers as ended paired
+// (endedPaired: a registration of another consumer request naming one is
+// told at once) are bounded by count (maxEndedPaired, two entries for a
+// request with a transfer id, the oldest forgotten first) and by time
+// (RegistrationTTL). Flooded past the bound: a registration naming a
+// forgotten request waits, as for any request not held yet; one naming a
+// request within the bound is still told at once; a new pair is written
+// and remembered as ever, the oldest entry making room.
+func TestEndedPairedBounded(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=push engine=P tp=0/1")
+	st := tc.st
+	knowEngine(t, st, "D", 1)
+	const over = 10
+	n := maxEndedPaired/2 + over
+	for i := range n {
+		st.rememberPaired(&sendReq{req: SendReq{ReqID: fmt.Sprintf("p-%d", i), TransferID: fmt.Sprintf("t-%d", i)},
+			match: &regGroup{key: regKey{engine: "D1", dreq: fmt.Sprintf("d-%d", i)}}})
+	}
+	if st.endedPaired.len() != maxEndedPaired || len(st.endedPaired.q) != maxEndedPaired {
+		t.Fatalf("after %d requests ended paired: %d remembered, %d queued, want the bound %d",
+			n, st.endedPaired.len(), len(st.endedPaired.q), maxEndedPaired)
+	}
+	remembered := func(i int) (p, tid bool) {
+		_, _, p = st.endedPaired.get(fmt.Sprintf("p:p-%d", i))
+		_, _, tid = st.endedPaired.get(fmt.Sprintf("t:t-%d", i))
+		return p, tid
+	}
+	for _, c := range []struct {
+		i    int
+		want bool
+	}{{0, false}, {over - 1, false}, {over, true}, {n - 1, true}} {
+		if p, tid := remembered(c.i); p != c.want || tid != c.want {
+			t.Errorf("p-%d remembered by id %v, by transfer id %v; want %v", c.i, p, tid, c.want)
+		}
+	}
+	last := n - 1
+	if got, want := tc.run(t, fmt.Sprintf("notif from=D/0 kind=reg tid=t-%d dreq=x-new preq=p-%d spans=11", last, last)),
+		fmt.Sprintf(`notify D/0 fail tid=t-%d dreq=x-new preq=p-%d reason="the producer request it names (p-%d) was paired with consumer request \"d-%d\" of engine \"D1\", and has ended" kind=transfer_setup_failed`,
+			last, last, last, last); got != want {
+		t.Errorf("a registration naming p-%d, remembered:\n%s\nwant told at once:\n%s", last, got, want)
+	}
+	if got := tc.run(t, "notif from=D/0 kind=reg tid=t-0 dreq=x-old preq=p-0 spans=12"); got != "(nothing)" {
+		t.Errorf("a registration naming p-0, forgotten: %q, want it waiting", got)
+	}
+	// Healthy traffic: a new pair is written, and remembered once it ends.
+	tc.run(t, "notif from=D/0 kind=reg tid=t-new dreq=d-new preq=p-new spans=13")
+	if got := tc.run(t, "step send=p-new tid=t-new blocks=1 tokens=16"); got != "post #1 write D/0: 1 descs, 512 bytes, then done tid=t-new dreq=d-new preq=p-new" {
+		t.Errorf("a new pair: %q, want written", got)
+	}
+	if got := tc.run(t, "ended xfer=1"); got != "outcome send p-new done" {
+		t.Errorf("its WRITE ended: %q, want done", got)
+	}
+	if _, _, ok := st.endedPaired.get("t:t-new"); !ok || st.endedPaired.len() != maxEndedPaired {
+		t.Errorf("p-new ended paired: remembered %v, %d remembered in all; want remembered, the bound %d", ok, st.endedPaired.len(), maxEndedPaired)
+	}
+	if p, tid := remembered(over); p || tid {
+		t.Errorf("p-%d, the oldest remembered, not forgotten for p-new (by id %v, by transfer id %v)", over, p, tid)
+	}
+	// Past RegistrationTTL (swept at a tick): none remembered.
+	tc.run(t, "advance 1s")
+	tc.run(t, "advance "+(st.cfg.RegistrationTTL+time.Minute).String())
+	if st.endedPaired.len() != 0 || len(st.endedPaired.q) != 0 {
+		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", st.endedPaired.len(), len(st.endedPaired.q))
+	}
+}

@@ -1638,23 +1638,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind, tid: s.req.TransferID})
 	}
 	if s.match != nil && st.cfg.Mode == ModePush {
-		// A registration of another consumer request naming it (a router
-		// that handed its params to a second consumer, or retried one
-		// under a new id) is told at once that it ended, as while it was
-		// held (findSend's taken): before, it waited for its request
-		// until the consumer's deadline, its blocks held, for KV this
-		// rank no longer holds. (Its own consumer's late registrations
-		// meet its tombstone first.)
-		// Kept apart from the requests gone unpaired (abortedP and
-		// abortedT): every request ends so, and they must not crowd those
-		// out; the oldest are forgotten first.
-		g := goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
-			why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
-				s.req.ReqID, s.match.key.dreq, s.match.key.engine)}
-		st.endedPaired.put("p:"+s.req.ReqID, st.now, g, maxEndedPaired)
-		if g.tid != "" {
-			st.endedPaired.put("t:"+g.tid, st.now, g, maxEndedPaired)
-		}
+		st.rememberPaired(s)
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
@@ -1913,6 +1897,25 @@ func (st *loopState) giveUpNamed(k regKey, m *msg, kind FailureKind, why string,
 		st.metrics.Dropped("reg_limit")
 	default:
 		st.addReg(g)
+	}
+}
+
+// rememberPaired remembers push request s, which ended paired: a
+// registration of another consumer request naming it (a router that
+// handed its params to a second consumer, or retried one under a new id)
+// is told at once that it ended, as while it was held (findSend's taken):
+// before, it waited for its request until the consumer's deadline, its
+// blocks held, for KV this rank no longer holds. (Its own consumer's late
+// registrations meet its tombstone first.) Kept apart from the requests
+// gone unpaired (abortedP and abortedT): every request ends so, and they
+// must not crowd those out; the oldest are forgotten first.
+func (st *loopState) rememberPaired(s *sendReq) {
+	g := goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
+		why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
+			s.req.ReqID, s.match.key.dreq, s.match.key.engine)}
+	st.endedPaired.put("p:"+s.req.ReqID, st.now, g, maxEndedPaired)
+	if g.tid != "" {
+		st.endedPaired.put("t:"+g.tid, st.now, g, maxEndedPaired)
 	}
 }
 
