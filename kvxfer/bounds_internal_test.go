@@ -331,3 +331,51 @@ func TestEndedPairedBounded(t *testing.T) {
 		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", st.endedPaired.len(), len(st.endedPaired.q))
 	}
 }
+
+// A pull producer rank remembers the requests that ended (a consumer's
+// notice after that is dropped as late: done_after_end) up to maxAborted
+// of each of ids and transfer ids: past it one more is not remembered,
+// counted (pull_ended_limit), and a notice for it is kept as an early one.
+func TestPullEndedBound(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	st := tc.st
+	knowEngine(t, st, "D", 1)
+	snap := func() map[string]uint64 { return st.metrics.Snapshot().Dropped }
+	end := func(i int) {
+		tc.run(t, fmt.Sprintf("step send=p-%d tid=t-%d blocks=1 tokens=16 deadline=1s", i, i))
+		if got, want := tc.run(t, "advance 2s"), fmt.Sprintf("outcome send p-%d expired (expired): lease expired", i); got != want {
+			t.Fatalf("p-%d past its lease: %q, want %q", i, got, want)
+		}
+	}
+	late := func(i int) string {
+		return tc.run(t, fmt.Sprintf("notif from=D/0 kind=done tid=t-%d dreq=d-%d preq=p-%d", i, i, i))
+	}
+	// Within the bound: remembered, a late notice dropped as late.
+	end(0)
+	late(0)
+	if n := snap()["done_after_end"]; n != 1 || len(st.early) != 0 {
+		t.Fatalf("a late notice of p-0, remembered: done_after_end %d, %d kept early; want 1, none", n, len(st.early))
+	}
+	for i := len(st.abortedP); i < maxAborted; i++ {
+		st.abortedP[fmt.Sprintf("x-%d", i)] = goneSend{at: tc.now}
+		st.abortedT[fmt.Sprintf("tx-%d", i)] = goneSend{at: tc.now}
+	}
+	end(1)
+	if n := snap()["pull_ended_limit"]; n != 1 {
+		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-1 ended past the bound, want 1`, n)
+	}
+	if _, ok := st.abortedP["p-1"]; ok || len(st.abortedP) != maxAborted || len(st.abortedT) != maxAborted {
+		t.Errorf("past the bound: p-1 remembered %v, %d ids and %d transfer ids remembered; want not, the bound %d", ok, len(st.abortedP), len(st.abortedT), maxAborted)
+	}
+	late(1)
+	if st.early["p-1"] == nil || snap()["done_after_end"] != 1 {
+		t.Errorf("a late notice of p-1, not remembered: kept early %v, done_after_end %d; want kept, 1", st.early["p-1"] != nil, snap()["done_after_end"])
+	}
+	// p-0, remembered, ends again (a new request under its ids): no room
+	// is needed, and nothing is counted.
+	end(0)
+	if n := snap()["pull_ended_limit"]; n != 1 {
+		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-0, remembered, ended again; want still 1`, n)
+	}
+}

@@ -1623,11 +1623,21 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// A consumer's notice that comes later (it read after the
 		// lease, or another consumer request's notices ended it) is
 		// known as late (onPullDone), not kept as an early one.
+		// Past maxAborted it is not remembered: a notice that comes for
+		// it later is kept as an early one (stashEarly), for a request
+		// that will not come. Counted: before, nothing said so.
 		g := goneSend{at: st.now, tid: s.req.TransferID}
-		if len(st.abortedP) < maxAborted {
+		_, inP := st.abortedP[s.req.ReqID]
+		_, inT := st.abortedT[g.tid]
+		if !inP && len(st.abortedP) >= maxAborted || g.tid != "" && !inT && len(st.abortedT) >= maxAborted {
+			st.metrics.Dropped("pull_ended_limit")
+			st.log.Debug("kvxfer: an ended pull request is not remembered: too many remembered", "req", s.req.ReqID,
+				"transfer_id", g.tid, "limit", maxAborted)
+		}
+		if inP || len(st.abortedP) < maxAborted {
 			st.abortedP[s.req.ReqID] = g
 		}
-		if g.tid != "" && len(st.abortedT) < maxAborted {
+		if g.tid != "" && (inT || len(st.abortedT) < maxAborted) {
 			st.abortedT[g.tid] = g
 		}
 	}
