@@ -379,3 +379,50 @@ func TestPullEndedBound(t *testing.T) {
 		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-0, remembered, ended again; want still 1`, n)
 	}
 }
+
+// The messages a rank keeps for peer engines whose handshake is pending
+// (engine.outbox) are bounded, all engines together: an engine that hands
+// over requests aborted before they were scheduled (each a release to its
+// producer's ranks, holding nothing else) while the producer's handshake
+// is pending fills it up to maxOutbox; one more is dropped, counted
+// (outbox_full). The handshake's answer sends the kept ones and makes the
+// room again, and requests carry on.
+func TestOutboxBounded(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=push engine=D tp=0/1")
+	st := tc.st
+	aborted := func(i int) RecvReq {
+		return RecvReq{ReqID: fmt.Sprintf("d-%d", i), TransferID: fmt.Sprintf("t-%d", i), Aborted: true,
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: fmt.Sprintf("p-%d", i), TPSize: 1, PPSize: 1, Tokens: 16}}
+	}
+	const over = 100
+	m := &StepMeta{SchedulerClock: tc.now}
+	for i := range maxOutbox + over {
+		m.Recv = append(m.Recv, aborted(i))
+	}
+	st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	tc.drive(nil, "")
+	e := st.engines["P"]
+	if e == nil || e.state != hsPending || len(e.outbox) != maxOutbox || st.outboxed != maxOutbox {
+		t.Fatalf("after %d aborted requests naming P, its handshake pending: outbox %d (outboxed %d), want the bound %d",
+			maxOutbox+over, len(e.outbox), st.outboxed, maxOutbox)
+	}
+	if n := st.metrics.Snapshot().Dropped["outbox_full"]; n != over {
+		t.Errorf(`dropped{reason="outbox_full"} = %d, want %d`, n, over)
+	}
+	sent := 0
+	tc.onOp = func(o *op) {
+		if o.kind == opNotify {
+			sent++
+		}
+	}
+	tc.run(t, "handshake P tp=1")
+	if sent != maxOutbox || len(e.outbox) != 0 || st.outboxed != 0 {
+		t.Errorf("at P's handshake: %d sent, %d kept (outboxed %d); want the %d kept sent, none left", sent, len(e.outbox), st.outboxed, maxOutbox)
+	}
+	// Requests carry on: one more aborted one is released at once.
+	tc.onOp = nil
+	if got := tc.run(t, "step recv=d-new remote=P tid=t-new preq=p-new blocks=1 aborted=true"); got != "notify P/0 reg tid=t-new dreq=d-new preq=p-new\noutcome recv d-new aborted: aborted before it was scheduled" {
+		t.Errorf("an aborted request once P's handshake is in: %q, want its release sent", got)
+	}
+}
