@@ -587,10 +587,14 @@ func (st *loopState) namedBy(s *sendReq, regs []*regGroup) *regGroup {
 		if g == named {
 			continue
 		}
+		names := fmt.Sprintf("producer request %q", g.preq)
+		if g.preq == "" {
+			names = "no producer request"
+		}
 		st.metrics.Dropped("reg_taken")
 		st.failRegGroup(g, s.req.ReqID, FailureSetup, fmt.Sprintf(
-			"consumer request %q of engine %q registered for transfer %q too, naming its producer request %q; this registration names %q: the producer request is written into that one's blocks",
-			named.key.dreq, named.key.engine, s.req.TransferID, s.req.ReqID, g.preq))
+			"consumer request %q of engine %q registered for transfer %q too, naming its producer request %q; this registration names %s: the producer request is written into that one's blocks",
+			named.key.dreq, named.key.engine, s.req.TransferID, s.req.ReqID, names))
 	}
 	return named
 }

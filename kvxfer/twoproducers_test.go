@@ -207,6 +207,13 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 				t.Errorf("%s, once every request was handed over: outcomes %v, want %d at once", x.id, x.got, want)
 			}
 		}
+		if mode == kvxfer.ModePush && order == "d1 d2 p" {
+			for _, w := range p.workers[0] {
+				if n := w.Metrics().Snapshot().Dropped["reg_ambiguous"]; n != 2 {
+					t.Errorf(`P rank %d: dropped{reason="reg_ambiguous"} = %d, want 2 (d-1's and d-2's registrations)`, w.Layout().TPRank, n)
+				}
+			}
+		}
 		for _, se := range []*simEngine{p, d1, d2} {
 			for _, w := range se.workers[0] {
 				st, err := w.State()
