@@ -264,3 +264,165 @@ func TestPullEarlyNoticesBoundedInBytes(t *testing.T) {
 		t.Errorf("after the kept notices lapsed: %d requests' notices, %d bytes kept; want none", len(p.early), p.earlyBytes)
 	}
 }
+
+// The push requests a producer rank remembers as ended paired
+// (endedPaired: a registration of another consumer request naming one is
+// told at once) are bounded by count (maxEndedPaired, two entries for a
+// request with a transfer id, the oldest forgotten first) and by time
+// (RegistrationTTL). Flooded past the bound: a registration naming a
+// forgotten request waits, as for any request not held yet; one naming a
+// request within the bound is still told at once; a new pair is written
+// and remembered as ever, the oldest entry making room.
+func TestEndedPairedBounded(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=push engine=P tp=0/1")
+	st := tc.st
+	knowEngine(t, st, "D", 1)
+	const over = 10
+	n := maxEndedPaired/2 + over
+	for i := range n {
+		st.rememberPaired(&sendReq{req: SendReq{ReqID: fmt.Sprintf("p-%d", i), TransferID: fmt.Sprintf("t-%d", i)},
+			match: &regGroup{key: regKey{engine: "D1", dreq: fmt.Sprintf("d-%d", i)}}})
+	}
+	if st.endedPaired.len() != maxEndedPaired || len(st.endedPaired.q) != maxEndedPaired {
+		t.Fatalf("after %d requests ended paired: %d remembered, %d queued, want the bound %d",
+			n, st.endedPaired.len(), len(st.endedPaired.q), maxEndedPaired)
+	}
+	remembered := func(i int) (p, tid bool) {
+		_, _, p = st.endedPaired.get(fmt.Sprintf("p:p-%d", i))
+		_, _, tid = st.endedPaired.get(fmt.Sprintf("t:t-%d", i))
+		return p, tid
+	}
+	for _, c := range []struct {
+		i    int
+		want bool
+	}{{0, false}, {over - 1, false}, {over, true}, {n - 1, true}} {
+		if p, tid := remembered(c.i); p != c.want || tid != c.want {
+			t.Errorf("p-%d remembered by id %v, by transfer id %v; want %v", c.i, p, tid, c.want)
+		}
+	}
+	last := n - 1
+	if got, want := tc.run(t, fmt.Sprintf("notif from=D/0 kind=reg tid=t-%d dreq=x-new preq=p-%d spans=11", last, last)),
+		fmt.Sprintf(`notify D/0 fail tid=t-%d dreq=x-new preq=p-%d reason="the producer request it names (p-%d) was paired with consumer request \"d-%d\" of engine \"D1\", and has ended" kind=transfer_setup_failed`,
+			last, last, last, last); got != want {
+		t.Errorf("a registration naming p-%d, remembered:\n%s\nwant told at once:\n%s", last, got, want)
+	}
+	if got := tc.run(t, "notif from=D/0 kind=reg tid=t-0 dreq=x-old preq=p-0 spans=12"); got != "(nothing)" {
+		t.Errorf("a registration naming p-0, forgotten: %q, want it waiting", got)
+	}
+	// Healthy traffic: a new pair is written, and remembered once it ends.
+	tc.run(t, "notif from=D/0 kind=reg tid=t-new dreq=d-new preq=p-new spans=13")
+	if got := tc.run(t, "step send=p-new tid=t-new blocks=1 tokens=16"); got != "post #1 write D/0: 1 descs, 512 bytes, then done tid=t-new dreq=d-new preq=p-new" {
+		t.Errorf("a new pair: %q, want written", got)
+	}
+	if got := tc.run(t, "ended xfer=1"); got != "outcome send p-new done" {
+		t.Errorf("its WRITE ended: %q, want done", got)
+	}
+	if _, _, ok := st.endedPaired.get("t:t-new"); !ok || st.endedPaired.len() != maxEndedPaired {
+		t.Errorf("p-new ended paired: remembered %v, %d remembered in all; want remembered, the bound %d", ok, st.endedPaired.len(), maxEndedPaired)
+	}
+	if p, tid := remembered(over); p || tid {
+		t.Errorf("p-%d, the oldest remembered, not forgotten for p-new (by id %v, by transfer id %v)", over, p, tid)
+	}
+	// Past RegistrationTTL (swept at a tick): none remembered.
+	tc.run(t, "advance 1s")
+	tc.run(t, "advance "+(st.cfg.RegistrationTTL+time.Minute).String())
+	if st.endedPaired.len() != 0 || len(st.endedPaired.q) != 0 {
+		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", st.endedPaired.len(), len(st.endedPaired.q))
+	}
+}
+
+// A pull producer rank remembers the requests that ended (a consumer's
+// notice after that is dropped as late: done_after_end) up to maxAborted
+// of each of ids and transfer ids: past it one more is not remembered,
+// counted (pull_ended_limit), and a notice for it is kept as an early one.
+func TestPullEndedBound(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=pull engine=P tp=0/1")
+	st := tc.st
+	knowEngine(t, st, "D", 1)
+	snap := func() map[string]uint64 { return st.metrics.Snapshot().Dropped }
+	end := func(i int) {
+		tc.run(t, fmt.Sprintf("step send=p-%d tid=t-%d blocks=1 tokens=16 deadline=1s", i, i))
+		if got, want := tc.run(t, "advance 2s"), fmt.Sprintf("outcome send p-%d expired (expired): lease expired", i); got != want {
+			t.Fatalf("p-%d past its lease: %q, want %q", i, got, want)
+		}
+	}
+	late := func(i int) string {
+		return tc.run(t, fmt.Sprintf("notif from=D/0 kind=done tid=t-%d dreq=d-%d preq=p-%d", i, i, i))
+	}
+	// Within the bound: remembered, a late notice dropped as late.
+	end(0)
+	late(0)
+	if n := snap()["done_after_end"]; n != 1 || len(st.early) != 0 {
+		t.Fatalf("a late notice of p-0, remembered: done_after_end %d, %d kept early; want 1, none", n, len(st.early))
+	}
+	for i := len(st.abortedP); i < maxAborted; i++ {
+		st.abortedP[fmt.Sprintf("x-%d", i)] = goneSend{at: tc.now}
+		st.abortedT[fmt.Sprintf("tx-%d", i)] = goneSend{at: tc.now}
+	}
+	end(1)
+	if n := snap()["pull_ended_limit"]; n != 1 {
+		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-1 ended past the bound, want 1`, n)
+	}
+	if _, ok := st.abortedP["p-1"]; ok || len(st.abortedP) != maxAborted || len(st.abortedT) != maxAborted {
+		t.Errorf("past the bound: p-1 remembered %v, %d ids and %d transfer ids remembered; want not, the bound %d", ok, len(st.abortedP), len(st.abortedT), maxAborted)
+	}
+	late(1)
+	if st.early["p-1"] == nil || snap()["done_after_end"] != 1 {
+		t.Errorf("a late notice of p-1, not remembered: kept early %v, done_after_end %d; want kept, 1", st.early["p-1"] != nil, snap()["done_after_end"])
+	}
+	// p-0, remembered, ends again (a new request under its ids): no room
+	// is needed, and nothing is counted.
+	end(0)
+	if n := snap()["pull_ended_limit"]; n != 1 {
+		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-0, remembered, ended again; want still 1`, n)
+	}
+}
+
+// The messages a rank keeps for peer engines whose handshake is pending
+// (engine.outbox) are bounded, all engines together: an engine that hands
+// over requests aborted before they were scheduled (each a release to its
+// producer's ranks, holding nothing else) while the producer's handshake
+// is pending fills it up to maxOutbox; one more is dropped, counted
+// (outbox_full). The handshake's answer sends the kept ones and makes the
+// room again, and requests carry on.
+func TestOutboxBounded(t *testing.T) {
+	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
+	tc.run(t, "core mode=push engine=D tp=0/1")
+	st := tc.st
+	aborted := func(i int) RecvReq {
+		return RecvReq{ReqID: fmt.Sprintf("d-%d", i), TransferID: fmt.Sprintf("t-%d", i), Aborted: true,
+			Remote: RemoteRef{EngineID: "P", Addr: "P:1", ReqID: fmt.Sprintf("p-%d", i), TPSize: 1, PPSize: 1, Tokens: 16}}
+	}
+	const over = 100
+	m := &StepMeta{SchedulerClock: tc.now}
+	for i := range maxOutbox + over {
+		m.Recv = append(m.Recv, aborted(i))
+	}
+	st.Step(tc.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
+	tc.drive(nil, "")
+	e := st.engines["P"]
+	if e == nil || e.state != hsPending || len(e.outbox) != maxOutbox || st.outboxed != maxOutbox {
+		t.Fatalf("after %d aborted requests naming P, its handshake pending: outbox %d (outboxed %d), want the bound %d",
+			maxOutbox+over, len(e.outbox), st.outboxed, maxOutbox)
+	}
+	if n := st.metrics.Snapshot().Dropped["outbox_full"]; n != over {
+		t.Errorf(`dropped{reason="outbox_full"} = %d, want %d`, n, over)
+	}
+	sent := 0
+	tc.onOp = func(o *op) {
+		if o.kind == opNotify {
+			sent++
+		}
+	}
+	tc.run(t, "handshake P tp=1")
+	if sent != maxOutbox || len(e.outbox) != 0 || st.outboxed != 0 {
+		t.Errorf("at P's handshake: %d sent, %d kept (outboxed %d); want the %d kept sent, none left", sent, len(e.outbox), st.outboxed, maxOutbox)
+	}
+	// Requests carry on: one more aborted one is released at once.
+	tc.onOp = nil
+	if got := tc.run(t, "step recv=d-new remote=P tid=t-new preq=p-new blocks=1 aborted=true"); got != "notify P/0 reg tid=t-new dreq=d-new preq=p-new\noutcome recv d-new aborted: aborted before it was scheduled" {
+		t.Errorf("an aborted request once P's handshake is in: %q, want its release sent", got)
+	}
+}

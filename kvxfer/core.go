@@ -77,6 +77,7 @@ func (st *loopState) Step(now time.Time, in input) {
 	if invariants.Enabled {
 		st.checkRegIDs()
 		st.checkEarlyBytes()
+		st.checkOutboxed()
 	}
 }
 

@@ -16,7 +16,22 @@ import (
 type engineCache struct {
 	engines   map[string]*engine
 	nextEvict time.Time // when the next idle engine passes EngineTTL
+	// outboxed: the messages in every engine's outbox (maxOutbox).
+	outboxed int
 }
+
+// maxOutbox bounds the messages a rank keeps for peer engines whose
+// handshake is pending (engine.outbox), all engines together. A peer
+// cannot fill it (its messages wait, parked and bounded, for the same
+// handshake, and the answers to those go straight to its agents), but
+// our engine can: each request it hands over aborted before it was
+// scheduled, or refused, is a release or a cancel to each of its
+// producer's ranks, and holds nothing else here. Before, an engine that
+// handed over such requests without end while a producer's handshake was
+// pending (up to HandshakeTimeout, again at the next) grew the outbox
+// without bound. Past it a message is dropped (outbox_full): its producer
+// request ends at its lease, as when the message is lost.
+const maxOutbox = 1 << 16
 
 // handshakeRetry is how long a failed handshake is remembered before a
 // notice or a parked message starts another (a request that comes in
@@ -89,7 +104,8 @@ type engine struct {
 	// stale: a registry said the engine has a new generation and its
 	// daemon is being asked: new requests wait for the answer.
 	stale bool
-	// outbox holds messages to send once the handshake is ready.
+	// outbox holds messages to send once the handshake is ready: ours
+	// alone (sendTo), bounded for all engines by maxOutbox.
 	outbox []outMsg
 	// loadedAt is when a handshake was last loaded; refreshing says a new
 	// one was started because a message came from an agent the loaded one
@@ -302,6 +318,7 @@ func (st *loopState) handshakeDone(h *hsResult) {
 	}
 	out := e.outbox
 	e.outbox = nil
+	st.outboxed -= len(out)
 	for _, o := range out {
 		if o.m.Kind == msgAck || o.m.Kind == msgDone {
 			// A cancel confirmed only now: its tombstone, which drops a
@@ -436,7 +453,14 @@ func (st *loopState) sendTo(e *engine, to rankRef, m *msg) {
 		return
 	}
 	if e.state == hsPending {
+		if st.outboxed >= maxOutbox {
+			st.metrics.Dropped("outbox_full")
+			st.log.Debug("kvxfer: dropped a message to a peer engine whose handshake is pending: too many wait", "kind", m.Kind,
+				"engine", e.id, "d_req", m.DReq, "p_req", m.PReq, "limit", maxOutbox)
+			return
+		}
 		e.outbox = append(e.outbox, outMsg{to: to, m: m})
+		st.outboxed++
 		return
 	}
 	st.metrics.Dropped("notice_unreachable")
@@ -570,6 +594,7 @@ func (st *loopState) dropEngine(e *engine) {
 		st.fx.invalidate = append(st.fx.invalidate, e.peers[ref])
 	}
 	st.registry.DropPeer(e.id)
+	st.outboxed -= len(e.outbox)
 	delete(st.engines, e.id)
 }
 
@@ -645,5 +670,17 @@ func (st *loopState) prepFailed(id PrepID) {
 				st.fx.unprepare = append(st.fx.unprepare, pr.local, pr.remote)
 			}
 		}
+	}
+}
+
+// checkOutboxed panics when outboxed is not the messages in the engines'
+// outboxes (an -tags invariants self-check).
+func (st *loopState) checkOutboxed() {
+	n := 0
+	for _, e := range st.engines {
+		n += len(e.outbox)
+	}
+	if n != st.outboxed {
+		panic(fmt.Sprintf("kvxfer: outboxed = %d, the engines' outboxes hold %d", st.outboxed, n))
 	}
 }

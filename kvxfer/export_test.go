@@ -201,3 +201,13 @@ func Waiting(w *Worker) []string {
 	}
 	return <-ch
 }
+
+// RegBlockIDs is how many consumer block ids w's waiting registrations
+// hold (a consumer's give-up, which waits among them, holds none).
+func RegBlockIDs(w *Worker) int {
+	ch := make(chan int, 1)
+	if err := w.post(event{kind: evInspect, fn: func(st *loopState) { ch <- st.regIDs }}); err != nil {
+		return 0
+	}
+	return <-ch
+}

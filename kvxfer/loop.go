@@ -1124,13 +1124,24 @@ func (st *loopState) closeWaits() bool {
 }
 
 // logCloseWaits logs (Warn) what a closing Worker still waits for, since
-// when (timedOut: its fence timed out, and it abandons it): each producer
-// request held (its lease's end, the consumer ranks
-// that reported, the last one whose heartbeat extended it), each consumer
-// request open and the transfers in flight. An operator whose engine
-// cannot attach again until the close ends sees which requests and
-// consumer engines hold it.
+// when (timedOut: its fence timed out, and it abandons it), as logWaits.
 func (st *loopState) logCloseWaits(now, began time.Time, timedOut bool) {
+	what := "kvxfer: a closing worker still waits"
+	if timedOut {
+		what = "kvxfer: a closing worker's fence timed out; it abandons what it waited for"
+	}
+	st.logWaits(what, now, began)
+}
+
+// logWaits logs (Warn, as what) what the Worker holds, which one that
+// waits for it to end them has waited for since began (a closing Worker;
+// a daemon's drain, Worker.LogWaits): each producer request held (its
+// lease's end, the consumer ranks that reported, the last one whose
+// heartbeat extended it), each consumer request open and the transfers in
+// flight, after args (slog's). An operator whose engine cannot attach
+// again until the close ends, or whose daemon's shutdown waits, sees which
+// requests and consumer engines hold it.
+func (st *loopState) logWaits(what string, now, began time.Time, args ...any) {
 	const most = 16 // requests named (the count says how many more)
 	var sends, recvs []string
 	for _, id := range st.sendIDs() {
@@ -1179,13 +1190,9 @@ func (st *loopState) logCloseWaits(now, began time.Time, timedOut bool) {
 		r := st.recvs[id]
 		recvs = append(recvs, fmt.Sprintf("%s (producer engine %q request %q, %d READs in flight)", id, r.req.Remote.EngineID, r.req.Remote.ReqID, len(r.handles)))
 	}
-	what := "kvxfer: a closing worker still waits"
-	if timedOut {
-		what = "kvxfer: a closing worker's fence timed out; it abandons what it waited for"
-	}
-	st.log.Warn(what, "for", now.Sub(began).Round(time.Millisecond),
+	st.log.Warn(what, append(args, "for", now.Sub(began).Round(time.Millisecond),
 		"producer_requests", st.sends.len(), "held", sends, "consumer_requests", len(st.recvs), "open", recvs,
-		"transfers", len(st.handles), "abandoned", len(st.abandoned))
+		"transfers", len(st.handles), "abandoned", len(st.abandoned))...)
 }
 
 func (st *loopState) shutdown() {

@@ -230,8 +230,10 @@ func (st *loopState) addSend(in *SendReq, h uint64, deadline time.Time, prefill 
 		for {
 			g, amb := st.findReg(s)
 			if amb != nil {
-				st.ambiguousSend(s, amb)
-				return s
+				if g = st.namedBy(s, amb); g == nil {
+					st.ambiguousSend(s, amb)
+					return s
+				}
 			}
 			if g == nil {
 				break
@@ -560,16 +562,61 @@ func (st *loopState) regsPairing(s *sendReq, g *regGroup) int {
 	return n
 }
 
+// namedBy returns the one of several registrations that name producer
+// request s's transfer (regs) that names s by its request id too, if
+// exactly one does, having failed the others at once: they name another
+// producer request, or none (reg_taken), and s is written into that one's
+// blocks alone. Else it returns nil (ambiguousSend).
+func (st *loopState) namedBy(s *sendReq, regs []*regGroup) *regGroup {
+	if s.req.TransferID == "" || pairOf(regs[0], s.req.ReqID, s.req.TransferID) != pairExact {
+		return nil
+	}
+	var named *regGroup
+	for _, g := range regs {
+		if g.preq == s.req.ReqID {
+			if named != nil {
+				return nil
+			}
+			named = g
+		}
+	}
+	if named == nil {
+		return nil
+	}
+	for _, g := range slices.Clone(regs) {
+		if g == named {
+			continue
+		}
+		names := fmt.Sprintf("producer request %q", g.preq)
+		if g.preq == "" {
+			names = "no producer request"
+		}
+		st.metrics.Dropped("reg_taken")
+		st.failRegGroup(g, s.req.ReqID, FailureSetup, fmt.Sprintf(
+			"consumer request %q of engine %q registered for transfer %q too, naming its producer request %q; this registration names %s: the producer request is written into that one's blocks",
+			named.key.dreq, named.key.engine, s.req.TransferID, s.req.ReqID, names))
+	}
+	return named
+}
+
 // ambiguousSend fails a new producer request that several waiting
 // registrations pair with at the same tier (regs): which consumer
 // request's blocks are its is not known, and a guess would WRITE one
-// request's KV into another's. The registrations keep waiting for the
-// requests they name exactly. Counted, logged, and the engine told why.
+// request's KV into another's. Registrations that name it exactly fail
+// with it, at once: they name nothing else. Before, they waited for their
+// consumer's deadline, their blocks held, for a request that had ended
+// (TestTwoConsumersNameOneProducerRequest, push, d1 d2 p). Those that
+// pair with it by base id keep waiting for the requests they name
+// exactly. Counted, logged, and the engine told why.
 func (st *loopState) ambiguousSend(s *sendReq, regs []*regGroup) {
 	var why string
 	if pairOf(regs[0], s.req.ReqID, s.req.TransferID) == pairExact {
 		why = fmt.Sprintf("%d consumer requests name producer request %q (transfer id %q): which one it serves is ambiguous, so none is written",
 			len(regs), s.req.ReqID, s.req.TransferID)
+		for _, g := range slices.Clone(regs) {
+			st.metrics.Dropped("reg_ambiguous")
+			st.failRegGroup(g, s.req.ReqID, FailureSetup, why)
+		}
 	} else {
 		why = fmt.Sprintf("producer request %q pairs by its base id %q with %d waiting consumer requests, none naming it exactly: ambiguous, so nothing is written (transfer ids pair requests exactly)",
 			s.req.ReqID, BaseRequestID(s.req.ReqID), len(regs))
@@ -1580,11 +1627,21 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// A consumer's notice that comes later (it read after the
 		// lease, or another consumer request's notices ended it) is
 		// known as late (onPullDone), not kept as an early one.
+		// Past maxAborted it is not remembered: a notice that comes for
+		// it later is kept as an early one (stashEarly), for a request
+		// that will not come. Counted: before, nothing said so.
 		g := goneSend{at: st.now, tid: s.req.TransferID}
-		if len(st.abortedP) < maxAborted {
+		_, inP := st.abortedP[s.req.ReqID]
+		_, inT := st.abortedT[g.tid]
+		if !inP && len(st.abortedP) >= maxAborted || g.tid != "" && !inT && len(st.abortedT) >= maxAborted {
+			st.metrics.Dropped("pull_ended_limit")
+			st.log.Debug("kvxfer: an ended pull request is not remembered: too many remembered", "req", s.req.ReqID,
+				"transfer_id", g.tid, "limit", maxAborted)
+		}
+		if inP || len(st.abortedP) < maxAborted {
 			st.abortedP[s.req.ReqID] = g
 		}
-		if g.tid != "" && len(st.abortedT) < maxAborted {
+		if g.tid != "" && (inT || len(st.abortedT) < maxAborted) {
 			st.abortedT[g.tid] = g
 		}
 	}
@@ -1595,23 +1652,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: s.failReason, kind: s.failKind, tid: s.req.TransferID})
 	}
 	if s.match != nil && st.cfg.Mode == ModePush {
-		// A registration of another consumer request naming it (a router
-		// that handed its params to a second consumer, or retried one
-		// under a new id) is told at once that it ended, as while it was
-		// held (findSend's taken): before, it waited for its request
-		// until the consumer's deadline, its blocks held, for KV this
-		// rank no longer holds. (Its own consumer's late registrations
-		// meet its tombstone first.)
-		// Kept apart from the requests gone unpaired (abortedP and
-		// abortedT): every request ends so, and they must not crowd those
-		// out; the oldest are forgotten first.
-		g := goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
-			why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
-				s.req.ReqID, s.match.key.dreq, s.match.key.engine)}
-		st.endedPaired.put("p:"+s.req.ReqID, st.now, g, maxEndedPaired)
-		if g.tid != "" {
-			st.endedPaired.put("t:"+g.tid, st.now, g, maxEndedPaired)
-		}
+		st.rememberPaired(s)
 	}
 	if s.match != nil {
 		delete(st.matched, s.match.key)
@@ -1870,6 +1911,25 @@ func (st *loopState) giveUpNamed(k regKey, m *msg, kind FailureKind, why string,
 		st.metrics.Dropped("reg_limit")
 	default:
 		st.addReg(g)
+	}
+}
+
+// rememberPaired remembers push request s, which ended paired: a
+// registration of another consumer request naming it (a router that
+// handed its params to a second consumer, or retried one under a new id)
+// is told at once that it ended, as while it was held (findSend's taken):
+// before, it waited for its request until the consumer's deadline, its
+// blocks held, for KV this rank no longer holds. (Its own consumer's late
+// registrations meet its tombstone first.) Kept apart from the requests
+// gone unpaired (abortedP and abortedT): every request ends so, and they
+// must not crowd those out; the oldest are forgotten first.
+func (st *loopState) rememberPaired(s *sendReq) {
+	g := goneSend{at: st.now, kind: FailureSetup, tid: s.req.TransferID,
+		why: fmt.Sprintf("the producer request it names (%s) was paired with consumer request %q of engine %q, and has ended",
+			s.req.ReqID, s.match.key.dreq, s.match.key.engine)}
+	st.endedPaired.put("p:"+s.req.ReqID, st.now, g, maxEndedPaired)
+	if g.tid != "" {
+		st.endedPaired.put("t:"+g.tid, st.now, g, maxEndedPaired)
 	}
 }
 

@@ -183,6 +183,53 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 			t.Errorf("d-2, registered after P's request paired with d-1 ended: outcomes %v, want one failed at once", o)
 		}
 	}
+	if tids != "distinct" {
+		// Every request ends promptly, not at a deadline (the consumers'
+		// is a minute, the producer's lease 30 s), and holds nothing on
+		// either side once it has: within 2 s (a pull consumer that reads
+		// after the producer's request ended learns it from the hold
+		// check, within its bound of about a second). Before, two
+		// consumer requests that registered under one transfer before
+		// the producer's request came (push, d1 d2 p) were told nothing
+		// when it refused to choose between them: each waited for its
+		// deadline, its blocks held.
+		time.Sleep(2 * time.Second)
+		settle()
+		for _, x := range []struct {
+			id  string
+			got []kvxfer.Outcome
+		}{{"d-1", out.recv["d-1"]}, {"d-2", out.recv["d-2"]}, {"p-x", out.send["p-x"]}} {
+			want := 1
+			if x.id == "p-x" {
+				want = pe.TP
+			}
+			if len(x.got) != want {
+				t.Errorf("%s, once every request was handed over: outcomes %v, want %d at once", x.id, x.got, want)
+			}
+		}
+		if mode == kvxfer.ModePush && order == "d1 d2 p" {
+			for _, w := range p.workers[0] {
+				if n := w.Metrics().Snapshot().Dropped["reg_ambiguous"]; n != 2 {
+					t.Errorf(`P rank %d: dropped{reason="reg_ambiguous"} = %d, want 2 (d-1's and d-2's registrations)`, w.Layout().TPRank, n)
+				}
+			}
+		}
+		for _, se := range []*simEngine{p, d1, d2} {
+			for _, w := range se.workers[0] {
+				st, err := w.State()
+				if err != nil {
+					t.Fatal(err)
+				}
+				// (A consumer's give-up may wait among the registrations,
+				// holding no block: a cancel that crossed our failure
+				// notice.)
+				if n := kvxfer.RegBlockIDs(w); st.Sends+st.Matches+st.Recvs+st.Handles+st.Releasing+n != 0 {
+					t.Errorf("%s rank %d once every request ended: holds %+v, %d block ids in registrations; want no request, registered block or transfer",
+						se.id, w.Layout().TPRank, st, n)
+				}
+			}
+		}
+	}
 	time.Sleep(2 * time.Minute)
 	settle()
 	for _, x := range []struct {

@@ -1716,5 +1716,30 @@ func (w *Worker) State() (WorkerState, error) {
 	}
 }
 
+// LogWaits logs (Warn, with message msg and then args, slog's) what the
+// Worker holds, as a
+// closing Worker logs what its close waits for a second into it: each
+// producer request held, each consumer request open and the transfers in
+// flight, and how long since began. It is for a caller that waits for the
+// Worker to end them before it closes it (a daemon's graceful drain). It
+// returns once the loop logged it, or with ErrClosed (or the loop's
+// error) once the Worker is closed.
+func (w *Worker) LogWaits(msg string, began time.Time, args ...any) error {
+	logged := make(chan struct{})
+	err := w.post(event{kind: evInspect, fn: func(st *loopState) {
+		st.logWaits(msg, time.Now(), began, args...)
+		close(logged)
+	}})
+	if err != nil {
+		return err
+	}
+	select {
+	case <-logged:
+		return nil
+	case <-w.stopped:
+		return cmp.Or(w.Err(), ErrClosed)
+	}
+}
+
 // Layout returns the rank's layout (read-only).
 func (w *Worker) Layout() *topology.Layout { return &w.cfg.Layout }

@@ -2431,13 +2431,29 @@ func droppedStep(step uint64, msg string, ref *pb.StepRef, meta *pb.StepMeta, he
 	return out
 }
 
-// drain waits until the rank holds no request, or DrainTimeout.
+// drain waits until the rank holds no request, or DrainTimeout. What it
+// waits for is logged (Warn) a second into it, and again if DrainTimeout
+// runs out, as a closing worker logs what its close waits for
+// (kvxfer.Worker.LogWaits). Before, a daemon's shutdown waited up to
+// -drain-timeout saying nothing of which requests or peers held it.
 func (r *rank) drain() {
-	deadline := time.Now().Add(r.s.cfg.DrainTimeout)
-	for time.Now().Before(deadline) {
+	began := time.Now()
+	deadline := began.Add(r.s.cfg.DrainTimeout)
+	logAt := began.Add(time.Second)
+	for {
 		st, err := r.worker.State()
 		if err != nil || st.Sends+st.Recvs+st.Handles == 0 {
 			return
+		}
+		now := time.Now()
+		if !now.Before(deadline) {
+			_ = r.worker.LogWaits("kvxferd: a draining rank's -drain-timeout ran out; its worker closes, ending what it still waits for", began,
+				"engine", r.engine, "tp_rank", r.layout.TPRank, "pp_rank", r.layout.PPRank)
+			return
+		}
+		if !logAt.IsZero() && !now.Before(logAt) {
+			_ = r.worker.LogWaits("kvxferd: a draining rank still waits", began, "engine", r.engine, "tp_rank", r.layout.TPRank, "pp_rank", r.layout.PPRank)
+			logAt = time.Time{}
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
