@@ -334,8 +334,10 @@ func TestEndedPairedBounded(t *testing.T) {
 
 // A pull producer rank remembers the requests that ended (a consumer's
 // notice after that is dropped as late: done_after_end) up to maxAborted
-// of each of ids and transfer ids: past it one more is not remembered,
-// counted (pull_ended_limit), and a notice for it is kept as an early one.
+// of each of ids and transfer ids: past it the oldest are forgotten,
+// counted (ended_limit), and a notice for one is kept as an early one.
+// Before, past the bound the newest were not remembered (for the 8
+// minutes of RegistrationTTL), and every late notice of theirs was kept.
 func TestPullEndedBound(t *testing.T) {
 	tc := &traceCore{now: traceEpoch, fail: map[opKind]int{}}
 	tc.run(t, "core mode=pull engine=P tp=0/1")
@@ -357,26 +359,26 @@ func TestPullEndedBound(t *testing.T) {
 	if n := snap()["done_after_end"]; n != 1 || len(st.early) != 0 {
 		t.Fatalf("a late notice of p-0, remembered: done_after_end %d, %d kept early; want 1, none", n, len(st.early))
 	}
-	for i := len(st.abortedP); i < maxAborted; i++ {
-		st.abortedP[fmt.Sprintf("x-%d", i)] = goneSend{at: tc.now}
-		st.abortedT[fmt.Sprintf("tx-%d", i)] = goneSend{at: tc.now}
+	// Fill the memory up to its bound: the oldest, p-0, is forgotten
+	// first.
+	for i := st.abortedP.len(); i < maxAborted; i++ {
+		st.abortedP.put(fmt.Sprintf("x-%d", i), tc.now, goneSend{}, maxAborted)
+		st.abortedT.put(fmt.Sprintf("tx-%d", i), tc.now, goneSend{}, maxAborted)
 	}
 	end(1)
-	if n := snap()["pull_ended_limit"]; n != 1 {
-		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-1 ended past the bound, want 1`, n)
+	if n := snap()["ended_limit"]; n != 2 {
+		t.Errorf(`dropped{reason="ended_limit"} = %d once p-1 ended past the bound, want 2 (p-0's id and transfer id forgotten)`, n)
 	}
-	if _, ok := st.abortedP["p-1"]; ok || len(st.abortedP) != maxAborted || len(st.abortedT) != maxAborted {
-		t.Errorf("past the bound: p-1 remembered %v, %d ids and %d transfer ids remembered; want not, the bound %d", ok, len(st.abortedP), len(st.abortedT), maxAborted)
+	if _, _, ok := st.abortedP.get("p-1"); !ok || st.abortedP.len() != maxAborted || st.abortedT.len() != maxAborted {
+		t.Errorf("past the bound: p-1 remembered %v, %d ids and %d transfer ids remembered; want it remembered, the bound %d", ok, st.abortedP.len(), st.abortedT.len(), maxAborted)
 	}
 	late(1)
-	if st.early["p-1"] == nil || snap()["done_after_end"] != 1 {
-		t.Errorf("a late notice of p-1, not remembered: kept early %v, done_after_end %d; want kept, 1", st.early["p-1"] != nil, snap()["done_after_end"])
+	if st.early["p-1"] != nil || snap()["done_after_end"] != 2 {
+		t.Errorf("a late notice of p-1, the newest: kept early %v, done_after_end %d; want dropped as late, 2", st.early["p-1"] != nil, snap()["done_after_end"])
 	}
-	// p-0, remembered, ends again (a new request under its ids): no room
-	// is needed, and nothing is counted.
-	end(0)
-	if n := snap()["pull_ended_limit"]; n != 1 {
-		t.Errorf(`dropped{reason="pull_ended_limit"} = %d once p-0, remembered, ended again; want still 1`, n)
+	late(0)
+	if st.early["p-0"] == nil {
+		t.Errorf("a late notice of p-0, forgotten: not kept as an early one")
 	}
 }
 

@@ -470,8 +470,6 @@ func (st *loopState) init(w *Worker) {
 	st.regByBase = map[string][]regKey{}
 	st.matched = map[regKey]*sendReq{}
 	st.tombs = map[regKey]tomb{}
-	st.abortedP = map[string]goneSend{}
-	st.abortedT = map[string]goneSend{}
 	st.early = map[string]*earlyNotes{}
 	st.earlyAsks = map[string]*earlyNotes{}
 	st.recvs = map[string]*recvReq{}
@@ -960,7 +958,7 @@ func (st *loopState) runTimers() {
 
 // busy reports whether periodic work (heartbeats, resends, sweeps) is due.
 func (st *loopState) busy() bool {
-	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || len(st.abortedP) > 0 || len(st.abortedT) > 0 || len(st.early) > 0 || len(st.earlyAsks) > 0 ||
+	return len(st.recvs) > 0 || len(st.waits) > 0 || len(st.regs) > 0 || len(st.tombs) > 0 || st.sends.len() > 0 || st.abortedP.len() > 0 || st.abortedT.len() > 0 || len(st.early) > 0 || len(st.earlyAsks) > 0 ||
 		len(st.lost) > 0
 }
 
@@ -1029,8 +1027,8 @@ func (st *loopState) tick(now time.Time) {
 	}
 	st.ended.sweep(now, st.cfg.RegistrationTTL)
 	st.endedPaired.sweep(now, st.cfg.RegistrationTTL)
-	maps.DeleteFunc(st.abortedP, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
-	maps.DeleteFunc(st.abortedT, func(_ string, g goneSend) bool { return now.Sub(g.at) > st.cfg.RegistrationTTL })
+	st.abortedP.sweep(now, st.cfg.RegistrationTTL)
+	st.abortedT.sweep(now, st.cfg.RegistrationTTL)
 	for k, e := range st.earlyAsks {
 		if now.Sub(e.at) > 2*holdCheckBound() { // (its asker gave up)
 			st.forgetAsks(k, e)

@@ -43,9 +43,10 @@ type producerState struct {
 	matched   map[regKey]*sendReq // live matches by D request
 	tombs     map[regKey]tomb
 	// abortedP and abortedT: producer requests gone unpaired (push), or
-	// ended (pull), by id and by transfer id, for RegistrationTTL.
-	abortedP map[string]goneSend
-	abortedT map[string]goneSend
+	// ended (pull), by id and by transfer id, for RegistrationTTL, at
+	// most maxAborted of each, the oldest forgotten first.
+	abortedP recent[goneSend]
+	abortedT recent[goneSend]
 	// endedPaired: push producer requests that ended paired with a
 	// consumer request, by "p:" and producer request id and by "t:" and
 	// transfer id, for RegistrationTTL, at most maxEndedPaired (onReg).
@@ -681,16 +682,21 @@ type goneSend struct {
 }
 
 // rememberGone records a gone producer request by id and transfer id,
-// up to maxAborted of each (past the bound a registration for it waits
-// for its TTL instead, counted).
+// at most maxAborted of each: past the bound the oldest are forgotten,
+// each counted (ended_limit): a registration naming one waits for its
+// TTL instead (push), a late notice of one is kept as an early one
+// (pull). Before, past the bound the newest were not remembered, for
+// RegistrationTTL (8 minutes): a pull producer rank through which more
+// than about 136 requests a second ended (every pull request ends so)
+// knew none of the newer ones had ended, and kept every late notice for
+// them as an early one.
 func (st *loopState) rememberGone(id, tid string, g goneSend) {
-	if len(st.abortedP) < maxAborted {
-		st.abortedP[id] = g
-	} else {
-		st.metrics.BadInput("not_processed.limit")
+	n := st.abortedP.put(id, st.now, g, maxAborted)
+	if tid != "" {
+		n += st.abortedT.put(tid, st.now, g, maxAborted)
 	}
-	if tid != "" && len(st.abortedT) < maxAborted {
-		st.abortedT[tid] = g
+	for range n {
+		st.metrics.Dropped("ended_limit")
 	}
 }
 
@@ -949,14 +955,14 @@ func (st *loopState) onReg(m *msg) {
 		// A request it names that ended before any registration paired
 		// with it is told so, unless a request held now pairs with it
 		// exactly (one the engine handed over again under a re-used id).
-		gs, gone := st.abortedT[m.TransferID]
+		gs, _, gone := st.abortedT.get(m.TransferID)
 		if !gone && m.TransferID != "" {
 			gs, _, gone = st.endedPaired.get("t:" + m.TransferID)
 		}
 		if n, named := g.name(); !gone && (named || g.tid == "") {
 			// By producer request id, unless the request gone under it
 			// was another transfer (the id was reused for this one).
-			gs, gone = st.abortedP[n]
+			gs, _, gone = st.abortedP.get(n)
 			if !gone {
 				gs, _, gone = st.endedPaired.get("p:" + n)
 			}
@@ -1627,23 +1633,7 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// A consumer's notice that comes later (it read after the
 		// lease, or another consumer request's notices ended it) is
 		// known as late (onPullDone), not kept as an early one.
-		// Past maxAborted it is not remembered: a notice that comes for
-		// it later is kept as an early one (stashEarly), for a request
-		// that will not come. Counted: before, nothing said so.
-		g := goneSend{at: st.now, tid: s.req.TransferID}
-		_, inP := st.abortedP[s.req.ReqID]
-		_, inT := st.abortedT[g.tid]
-		if !inP && len(st.abortedP) >= maxAborted || g.tid != "" && !inT && len(st.abortedT) >= maxAborted {
-			st.metrics.Dropped("pull_ended_limit")
-			st.log.Debug("kvxfer: an ended pull request is not remembered: too many remembered", "req", s.req.ReqID,
-				"transfer_id", g.tid, "limit", maxAborted)
-		}
-		if inP || len(st.abortedP) < maxAborted {
-			st.abortedP[s.req.ReqID] = g
-		}
-		if g.tid != "" && (inT || len(st.abortedT) < maxAborted) {
-			st.abortedT[g.tid] = g
-		}
+		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, tid: s.req.TransferID})
 	}
 	if s.match == nil && s.failReason != "" && st.cfg.Mode == ModePush {
 		// It ended (expired, aborted, failed) before any registration
@@ -2148,11 +2138,11 @@ func (st *loopState) pullEnd(s *sendReq) {
 // another transfer than the other.
 func (st *loopState) pullEndedFor(m *msg) bool {
 	if m.TransferID != "" {
-		if _, ok := st.abortedT[m.TransferID]; ok {
+		if _, _, ok := st.abortedT.get(m.TransferID); ok {
 			return true
 		}
 	}
-	g, ok := st.abortedP[m.PReq]
+	g, _, ok := st.abortedP.get(m.PReq)
 	return ok && m.PReq != "" && (g.tid == "" || m.TransferID == "" || g.tid == m.TransferID)
 }
 

@@ -193,7 +193,8 @@ func TestRequestLimit(t *testing.T) {
 }
 
 // The aborted producer requests a push rank remembers (ids an engine
-// names in NotProcessed) are bounded, the excess counted.
+// names in NotProcessed) are bounded, the oldest forgotten first, each
+// counted.
 func TestAbortedBound(t *testing.T) {
 	p := newTestCore(t, "P", ModePush, traceLayout(0, 1, 1<<20), time.Unix(1000, 0))
 	m := &StepMeta{NotProcessedTransferIDs: map[string]string{}}
@@ -203,11 +204,14 @@ func TestAbortedBound(t *testing.T) {
 		m.NotProcessedTransferIDs[id] = "t" + id
 	}
 	p.Step(p.now, input{kind: inEvent, ev: &event{kind: evStep, meta: m}})
-	if len(p.abortedP) != maxAborted || len(p.abortedT) != maxAborted {
-		t.Errorf("remembers %d aborted ids and %d transfer ids, want %d each", len(p.abortedP), len(p.abortedT), maxAborted)
+	if p.abortedP.len() != maxAborted || p.abortedT.len() != maxAborted {
+		t.Errorf("remembers %d aborted ids and %d transfer ids, want %d each", p.abortedP.len(), p.abortedT.len(), maxAborted)
 	}
-	if n := p.metrics.Snapshot().BadInput["not_processed.limit"]; n != 10 {
-		t.Errorf("not_processed.limit counted %d times, want 10", n)
+	if _, _, ok := p.abortedP.get(fmt.Sprintf("gone-%d", maxAborted+9)); !ok {
+		t.Errorf("the newest aborted id is not remembered, want the oldest forgotten first")
+	}
+	if n := p.metrics.Snapshot().Dropped["ended_limit"]; n != 20 {
+		t.Errorf("ended_limit counted %d times, want 20 (10 ids, 10 transfer ids forgotten)", n)
 	}
 }
 
