@@ -48,3 +48,29 @@ func TestEndedConsumerRequestsBounded(t *testing.T) {
 		t.Errorf("past RegistrationTTL: %d remembered, %d queued, want none", st.ended.len(), len(st.ended.q))
 	}
 }
+
+// A key put again at the same instant is remembered as its latest put:
+// forgetting its first put, the oldest, forgets nothing of it. Before,
+// entries were told apart by their time, and the first put's going took
+// the key with it.
+func TestRecentRePutAtOneInstant(t *testing.T) {
+	var r recent[int]
+	at := time.Unix(1000, 0)
+	r.put("a", at, 1, 3)
+	r.put("a", at, 2, 3)
+	if n := r.put("b", at, 3, 3); n != 0 {
+		t.Fatalf("put within the bound forgot %d", n)
+	}
+	if n := r.put("c", at, 4, 3); n != 0 { // forgets a's first put: a is still remembered
+		t.Errorf("put past the bound forgot %d remembered entries, want 0 (only a's first put went)", n)
+	}
+	if v, _, ok := r.get("a"); !ok || v != 2 {
+		t.Errorf("a: %d, remembered %v; want 2, remembered", v, ok)
+	}
+	if n := r.put("d", at, 5, 3); n != 1 || r.len() != 3 {
+		t.Errorf("the next put forgot %d (a's latest), %d remembered; want 1, 3", n, r.len())
+	}
+	if _, _, ok := r.get("a"); ok {
+		t.Errorf("a still remembered once its latest put was the oldest and went")
+	}
+}
