@@ -1,0 +1,183 @@
+"""A router's kv_transfer_params gone wrong, as an outside user's router may
+send them, in both placements: each request ends once on each side (loaded
+byte for byte, or failed, or computed on D), a warning names the field and
+its value where the connector refuses it, nothing else in the step is lost,
+and both block pools come back to where they started."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+
+import harness as H
+from test_vllm import Run, _free_both, _push_params
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 50000) for _ in range(n)]
+
+
+def _ended(r: Run, rids) -> bool:
+    return set(rids) <= set(r.D.finished) and not r.P.sched.requests and not r.D.sched.requests
+
+
+def _extra_block(p):
+    ids = p["remote_block_ids"][0]
+    return {**p, "remote_block_ids": [ids + [max(ids) + 1]]}
+
+
+# (id, how the router's params for D differ from P's own, how d-1 ends:
+# "loaded" byte for byte, "failed" (recomputed on D) or "local" (refused
+# by the connector, computed on D), what its warning says)
+PULL_TAMPER = [
+    ("block-past-pool", lambda p: {**p, "remote_block_ids": [p["remote_block_ids"][0][:-1] + [10 ** 6]]},
+     "failed", "id 1000000, want 0..95"),
+    ("blocks-short", lambda p: {**p, "remote_block_ids": [p["remote_block_ids"][0][:-1]]}, "failed", "short of the destination's"),
+    ("blocks-extra", _extra_block, "loaded", ""),
+    ("blocks-repeated", lambda p: {**p, "remote_block_ids": [[p["remote_block_ids"][0][0]] * len(p["remote_block_ids"][0])]},
+     "failed", "the same block as block 0"),
+    ("port-negative", lambda p: {**p, "remote_port": -5}, "local", "kv_transfer_params.remote_port = -5"),
+    ("port-zero", lambda p: {**p, "remote_port": 0}, "local", "kv_transfer_params.remote_port = 0"),
+    ("port-huge", lambda p: {**p, "remote_port": 70000}, "local", "kv_transfer_params.remote_port = 70000"),
+    ("port-word", lambda p: {**p, "remote_port": "http"}, "local", "kv_transfer_params.remote_port = 'http'"),
+    ("tp-huge", lambda p: {**p, "tp_size": (1 << 31) - 1}, "failed", "TPSize = 2147483647, want 0..4096"),
+    ("tp-negative", lambda p: {**p, "tp_size": -1}, "local", "kv_transfer_params.tp_size = -1"),
+    ("pp-huge", lambda p: {**p, "remote_pp_size": 1 << 20}, "failed", "PPSize = 1048576, want 0..4096"),
+    ("engine-unknown", lambda p: {**p, "remote_engine_id": "no-such-engine"}, "failed", 'engine "no-such-engine"'),
+    # (P holds no such request: D waits for its deadline.)
+    ("request-unknown", lambda p: {**{k: v for k, v in p.items() if k != "transfer_id"}, "remote_request_id": "p-nope"},
+     "failed", "RESULT_EXPIRED"),
+    ("tokens-more", lambda p: {**p, "remote_num_tokens": 10 ** 6}, "loaded", ""),
+    ("tokens-negative", lambda p: {**p, "remote_num_tokens": -3}, "local", "kv_transfer_params.remote_num_tokens = -3"),
+]
+
+
+def _outcome(r: Run, rid: str) -> str:
+    if rid in r.checked and rid not in r.D.failed:
+        return "loaded"
+    if rid in r.D.failed:
+        return "failed"
+    assert rid not in r.D.recvd, (rid, sorted(r.D.recvd))  # reported received, never checked
+    return "local"
+
+
+def _check(r: Run, rid: str, want: str | None, says: str, messages) -> None:
+    got = _outcome(r, rid)
+    assert want is None or got == want, (rid, got, want, [m for m in messages if rid in m])
+    assert not says or any(rid in m and says in m for m in messages), (rid, says, messages)
+
+
+@pytest.mark.parametrize("tamper", PULL_TAMPER, ids=[t[0] for t in PULL_TAMPER])
+def test_pull_params_tampered_by_the_router(tmp_path, daemons, placement, tamper, caplog):
+    """Pull: P's params reach D with one field changed; the well-formed
+    request beside it in the same step moves byte for byte."""
+    name, change, want, says = tamper
+    rng = random.Random(f"tamper-{name}")
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2}, d_kw={"registration_timeout_s": 2}, d_timeout=3)
+    try:
+        for n in range(2):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = _toks(rng, 3 * H.BLOCK + 5)
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(r.prompts[f"p-{n}"]), 1,
+                                                 {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+        r.run_until(lambda: {"p-0", "p-1"} <= set(r.P.finished))
+        good = dict(r.P.finished["p-0"].kv_transfer_params)
+        bad = change(dict(r.P.finished["p-1"].kv_transfer_params))
+        r.D.sched.add_request(H.make_request("d-1", r.prompts["d-1"], 2, bad))
+        r.D.sched.add_request(H.make_request("d-0", r.prompts["d-0"], 2, good))
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            r.run_until(lambda: _ended(r, ("d-0", "d-1")), limit_s=40)
+        assert "d-0" in r.checked and "d-0" not in r.D.failed, (sorted(r.checked), sorted(r.D.failed))
+        # d-1: loaded (and checked byte for byte by Run.step), failed, or
+        # computed on D; never loaded with other bytes.
+        _check(r, "d-1", want, says, caplog.messages)
+        assert _free_both(r), (r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.P.initial_free,
+                               r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.D.initial_free)
+    finally:
+        r.close()
+
+
+PUSH_TAMPER = [
+    ("port-negative", {"remote_port": -5}, "local", "kv_transfer_params.remote_port = -5"),
+    ("port-huge", {"remote_port": 70000}, "local", "kv_transfer_params.remote_port = 70000"),
+    ("tp-huge", {"tp_size": (1 << 31) - 1}, "failed", "TPSize = 2147483647, want 0..4096"),
+    ("tp-wrong", {"tp_size": 2}, "failed", "producer p0 has TP 1, the request says 2"),
+    ("tp-negative", {"tp_size": -2}, "local", "kv_transfer_params.tp_size = -2"),
+    ("tp-word", {"tp_size": "two"}, "local", "kv_transfer_params.tp_size = 'two'"),
+    ("pp-huge", {"remote_pp_size": 1 << 20}, "failed", "PPSize = 1048576, want 0..4096"),
+    ("ranks-huge", {"tp_size": 64, "remote_pp_size": 128}, "failed", "TPSize*PPSize = 64*128"),
+    ("engine-unknown", {"remote_engine_id": "no-such-engine"}, "failed", 'engine "no-such-engine"'),
+    # P0 at another port than the one P0 was handshaken at.
+    ("engine-elsewhere", {"remote_port": 1}, "failed", "p0 at 127.0.0.1:1"),
+    ("flag-string", {"do_remote_prefill": "yes"}, "loaded", ""),
+    ("tokens-more", {"remote_num_tokens": 10 ** 6}, "loaded", ""),
+]
+
+
+@pytest.mark.parametrize("tamper", PUSH_TAMPER, ids=[t[0] for t in PUSH_TAMPER])
+def test_push_params_tampered_by_the_router(tmp_path, daemons, placement, tamper, caplog):
+    """Push: D's params name P with one field wrong; the well-formed pair
+    beside it moves byte for byte."""
+    name, extra, want, says = tamper
+    rng = random.Random(f"push-tamper-{name}")
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2}, d_kw={"registration_timeout_s": 2}, d_timeout=3)
+    try:
+        for n in (1, 0):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = toks = _toks(rng, 3 * H.BLOCK + 5)
+            r.P.sched.add_request(H.make_request(f"p-{n}", list(toks), 1, {"do_remote_decode": True, "transfer_id": f"t{n}"}))
+            p = {**_push_params(r.dp, f"t{n}"), "tp_size": 1, **(extra if n == 1 else {})}
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            r.run_until(lambda: _ended(r, ("d-0", "d-1")), limit_s=40)
+        assert "d-0" in r.checked and "d-0" not in r.D.failed, (sorted(r.checked), sorted(r.D.failed))
+        _check(r, "d-1", want, says, caplog.messages)
+        assert _free_both(r), (r.P.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.P.initial_free,
+                               r.D.sched.kv_cache_manager.block_pool.get_num_free_blocks(), r.D.initial_free)
+    finally:
+        r.close()
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_sizes_no_producer_has_grow_nothing(tmp_path, daemons, placement, mode, caplog):
+    """A router's params name a producer of 2^21 PP stages (or 64x128
+    ranks), and D's engine aborts the request before it was scheduled
+    (its release goes to the producer ranks its params name: no handshake
+    has told their number yet). The request ends once, the warning names
+    the field and its value, the server (the daemon, or this process
+    in-process) does not grow, and the pair beside it moves byte for byte.
+    Before, the release listed (and queued a notice to) each of the
+    2,097,152 ranks: the daemon grew from ~25 MB to ~820 MB, and
+    remote_pp_size 2^31-1, which the connector let through, would have run
+    it out of memory."""
+    rng = random.Random(f"ranks-{mode}")
+    r = Run(tmp_path, daemons, mode, 1, p_kw={"lease_s": 2}, d_kw={"registration_timeout_s": 2}, d_timeout=3)
+    try:
+        pid = r.dd.proc.pid if placement == "daemon" else os.getpid()
+        before = _rss_kib(pid)
+        odd = {1: {"remote_pp_size": 1 << 21}, 2: {"tp_size": 64, "remote_pp_size": 128}}
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            for n, extra in odd.items():
+                toks = _toks(rng, 40)
+                p = {**_push_params(r.dp, f"x{n}"), "tp_size": 1, **extra}
+                if mode == "pull":
+                    p.update({"mode": "pull", "remote_request_id": f"p-x{n}", "remote_block_ids": [[1, 2, 3]]})
+                r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+                r.abort_d(f"d-{n}")
+            for _ in range(3):
+                H.step(r.D, r.prompts, fill=False)
+            r.add(0, _toks(rng, 3 * H.BLOCK + 5))
+            r.run_until(lambda: _ended(r, ("d-0",)), limit_s=30)
+        grown = _rss_kib(pid) - before
+        assert grown < 100 << 10, f"{placement} server grew {grown} KiB"
+        assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), sorted(r.D.failed))
+        assert {"d-1", "d-2"} <= set(r.D.finished)
+        assert _free_both(r)
+    finally:
+        r.close()
