@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 
 import pytest
 
@@ -178,6 +179,84 @@ def test_sizes_no_producer_has_grow_nothing(tmp_path, daemons, placement, mode, 
         assert grown < 100 << 10, f"{placement} server grew {grown} KiB"
         assert "d-0" in r.checked and not r.D.failed, (sorted(r.checked), sorted(r.D.failed))
         assert {"d-1", "d-2"} <= set(r.D.finished)
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+# (phase P's request is aborted in, layer-wise P)
+P_ABORTS = [("queued", False), ("mid-prefill", False), ("mid-prefill", True)]
+
+
+@pytest.mark.parametrize("phase,layerwise", P_ABORTS, ids=[f"{p}{'-layerwise' if lw else ''}" for p, lw in P_ABORTS])
+def test_push_producer_aborted_after_d_registered_ends_d_at_once(tmp_path, daemons, placement, phase, layerwise):
+    """Push, every timeout and lease a minute: D's d-0 registers and waits;
+    then P's engine aborts p-0 before it was scheduled, or halfway through
+    its chunked prefill (layer-wise: some chunks' layers already written
+    into D's blocks). d-0 fails within seconds (never reported loaded, its
+    blocks recomputed), not at its deadline; both pools come back; the pair
+    beside it moves byte for byte."""
+    rng = random.Random(f"p-abort-{phase}-{layerwise}")
+    long = {"lease_s": 60, "registration_timeout_s": 60}
+    r = Run(tmp_path, daemons, "push", 1, layerwise, d_timeout=60, p_kw={**long, "batched": 16}, d_kw=long)
+    try:
+        for n in (0, 1):
+            r.prompts[f"p-{n}"] = r.prompts[f"d-{n}"] = toks = _toks(rng, 5 * H.BLOCK + 3)
+            p = {**_push_params(r.dp, f"t{n}"), "tp_size": 1}
+            r.D.sched.add_request(H.make_request(f"d-{n}", toks, 2, p))
+        # D registers both; P has neither yet.
+        for _ in range(2):
+            H.step(r.D, r.prompts, fill=False)
+        r.P.sched.add_request(H.make_request("p-0", list(r.prompts["p-0"]), 1, {"do_remote_decode": True, "transfer_id": "t0"}))
+        if phase == "mid-prefill":
+            for _ in range(2):
+                H.step(r.P, r.prompts)
+            req = r.P.sched.requests["p-0"]
+            assert 0 < req.num_computed_tokens < req.num_prompt_tokens, req.num_computed_tokens
+        from vllm.v1.request import RequestStatus
+        assert r.P.sched.finish_requests("p-0", RequestStatus.FINISHED_ABORTED)
+        t = time.monotonic()
+        r.run_until(lambda: "d-0" in r.D.failed or "d-0" in r.D.recvd, limit_s=10)
+        took = time.monotonic() - t
+        assert "d-0" in r.D.failed and "d-0" not in r.checked, (sorted(r.D.failed), sorted(r.checked))
+        assert took < 5, f"d-0 ended {took:.1f} s after P's abort"
+        r.P.sched.add_request(H.make_request("p-1", list(r.prompts["p-1"]), 1, {"do_remote_decode": True, "transfer_id": "t1"}))
+        r.run_until(lambda: _ended(r, ("d-0", "d-1")), limit_s=30)
+        assert "d-1" in r.checked and "d-1" not in r.D.failed, (sorted(r.checked), sorted(r.D.failed))
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_consumer_aborted_while_waiting_frees_p_at_once(tmp_path, daemons, placement, mode):
+    """Every timeout and lease a minute. D's d-0 is allocated and waits for
+    its KV (push: registered before P prefilled; pull: its READ posted),
+    and D's engine aborts it. P's blocks held for it go back within
+    seconds, not at the lease; D's go back once kvxfer reports the receive
+    ended (vLLM delays their free), each reported once; the pair beside it
+    moves byte for byte."""
+    rng = random.Random(f"d-abort-{mode}")
+    long = {"lease_s": 60, "registration_timeout_s": 60}
+    r = Run(tmp_path, daemons, mode, 1, d_timeout=60, p_kw=long, d_kw=long)
+    try:
+        r.add(0, _toks(rng, 4 * H.BLOCK + 3))
+        if mode == "push":
+            H.step(r.D, r.prompts, fill=False)  # d-0 registers
+            assert "d-0" in r.D.sched.requests
+        else:
+            r.run_until(lambda: "p-0" in r.P.finished, limit_s=20)
+            r.step()  # d-0 allocated, its READ posted
+        assert "d-0" not in r.D.recvd
+        r.abort_d("d-0")
+        t = time.monotonic()
+        r.run_until(lambda: not r.P.sched.requests and not r.D.sched.requests, limit_s=15)
+        took = time.monotonic() - t
+        assert took < 5, f"P held p-0 {took:.1f} s after D's abort"
+        assert "d-0" not in r.checked or "d-0" in r.D.recvd
+        r.add(1, _toks(rng, 3 * H.BLOCK + 1))
+        r.run_until(lambda: _ended(r, ("d-1",)) and not r.pending_d, limit_s=30)
+        assert "d-1" in r.checked and not r.D.failed, (sorted(r.checked), sorted(r.D.failed))
         assert _free_both(r)
     finally:
         r.close()
