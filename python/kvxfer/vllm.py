@@ -1345,6 +1345,16 @@ class _SchedulerSide:
 
     def new_request(self, request: "Request") -> None:
         p = request.kv_transfer_params
+        if p is not None and not isinstance(p, dict):
+            # Before, params that are no object (a string, a list, a number
+            # from a caller of the engine's Python API; its HTTP API types
+            # them) raised AttributeError out of vLLM's add_request, here
+            # and on every later call that reads them: the request runs as
+            # one with no params instead, named and counted.
+            self.stats.data["bad_params"] += 1
+            log.warning("kvxfer: request %s: kv_transfer_params = %.200r, want an object (a dict); ignored",
+                        request.request_id, p)
+            request.kv_transfer_params = p = None
         if p and self.pull and p.get("do_remote_prefill") and not p.get("do_remote_decode") and \
                 self.sched.takes_new_request:
             # A pull consumer's request: the ranks heartbeat its producer

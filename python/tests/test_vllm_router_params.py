@@ -6,6 +6,7 @@ and both block pools come back to where they started."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -257,6 +258,46 @@ def test_consumer_aborted_while_waiting_frees_p_at_once(tmp_path, daemons, place
         r.add(1, _toks(rng, 3 * H.BLOCK + 1))
         r.run_until(lambda: _ended(r, ("d-1",)) and not r.pending_d, limit_s=30)
         assert "d-1" in r.checked and not r.D.failed, (sorted(r.checked), sorted(r.D.failed))
+        assert _free_both(r)
+    finally:
+        r.close()
+
+
+JUNK = [("string", "do_remote_prefill"), ("list", [{"do_remote_prefill": True}]), ("number", 5), ("flags-only", {"do_remote_prefill": True})]
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=[j[0] for j in JUNK])
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_params_that_are_no_object_are_ignored_not_raised(tmp_path, daemons, placement, side, junk, caplog):
+    """A caller of the engine's Python API (vLLM's HTTP API types them)
+    hands P or D a request whose kv_transfer_params are no object: a
+    string, a list, a number; or an object with the flag and nothing else.
+    vLLM's add_request never sees an exception: the request runs as one of
+    the engine's own, a warning names kv_transfer_params and its value,
+    and the pair beside it moves byte for byte. Before, the first three
+    raised AttributeError ("'str' object has no attribute 'get'") out of
+    add_request (the connector's on_new_request)."""
+    name, params = junk
+    rng = random.Random(f"junk-{side}-{name}")
+    r = Run(tmp_path, daemons, "push", 1, p_kw={"lease_s": 2}, d_kw={"registration_timeout_s": 2}, d_timeout=3)
+    try:
+        for x in (r.P, r.D):
+            # vLLM's own NixlConnector, which the harness runs beside ours,
+            # raises on such params itself.
+            for attr in ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+                         "request_finished_all_groups"):
+                delattr(x.sched.connector, attr)
+        e = r.P if side == "P" else r.D
+        r.prompts["x-1"] = toks = _toks(rng, 2 * H.BLOCK + 3)
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            # (A copy: the connector clears a refused request's flag.)
+            e.sched.add_request(H.make_request("x-1", toks, 2, copy.deepcopy(params)))
+            r.add(0, _toks(rng, 3 * H.BLOCK + 5))
+            r.run_until(lambda: _ended(r, ("d-0",)) and "x-1" in e.finished, limit_s=30)
+        assert "d-0" in r.checked and not r.D.failed and "x-1" not in e.recvd | e.sent, (sorted(r.checked), r.D.failed)
+        says = "kv_transfer_params = " if name != "flags-only" else "kv_transfer_params.remote_engine_id is missing"
+        if side == "D" or name != "flags-only":
+            assert any("x-1" in m and says in m for m in caplog.messages), [m for m in caplog.messages if "x-1" in m]
         assert _free_both(r)
     finally:
         r.close()
