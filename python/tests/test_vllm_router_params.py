@@ -301,3 +301,28 @@ def test_params_that_are_no_object_are_ignored_not_raised(tmp_path, daemons, pla
         assert _free_both(r)
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_engines_that_back_off_differently_move_nothing(tmp_path, daemons, placement, mode, monkeypatch, caplog):
+    """One MTP model (MiMo's, 3 modules) on both engines, P speculating 3
+    tokens (it prefills all but the last 2 prompt tokens), D 2 (it loads
+    all but the last 1). Nothing D loads may be a token P never computed:
+    each request fails on D (recomputed there), named, and both pools come
+    back. Before, push moved every request and D's last loaded token held
+    no KV of it (check_kv: 'position 51 (block 4) holds [0. 0. 0. 0.]');
+    the engines' compatibility hashes left the backoff out."""
+    orig = H.model_dir
+    monkeypatch.setattr(H, "model_dir", lambda work, mtp=0, *a, **k: orig(work, 3, *a, **k))
+    rng = random.Random(f"backoffs-{mode}")
+    r = Run(tmp_path, daemons, mode, 1, p_kw={"mtp": 3, "relay": "metadata", "lease_s": 2},
+            d_kw={"mtp": 2, "relay": "metadata", "registration_timeout_s": 2}, d_timeout=3, backoff=1)
+    try:
+        r.add(0, _toks(rng, 3 * H.BLOCK + 5))
+        with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
+            r.run_until(lambda: _ended(r, ("d-0",)) and not r.pending_d, limit_s=30)
+        says = "compatibility hash" if mode == "push" else "more than the producer holds"
+        _check(r, "d-0", "failed", says, caplog.messages)
+        assert _free_both(r)
+    finally:
+        r.close()
