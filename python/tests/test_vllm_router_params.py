@@ -41,6 +41,10 @@ PULL_TAMPER = [
     ("blocks-extra", _extra_block, "loaded", ""),
     ("blocks-repeated", lambda p: {**p, "remote_block_ids": [[p["remote_block_ids"][0][0]] * len(p["remote_block_ids"][0])]},
      "failed", "the same block as block 0"),
+    # (The blocks P holds for the good request beside it, p-0: P grants
+    # d-1's READs none of them, and D gives up at its deadline.)
+    ("blocks-of-another-request", None, "failed", "RESULT_EXPIRED"),
+    ("start-shifted", lambda p: {**p, "remote_block_starts": [H.BLOCK]}, "failed", "the source's blocks hold tokens 16..80"),
     ("port-negative", lambda p: {**p, "remote_port": -5}, "local", "kv_transfer_params.remote_port = -5"),
     ("port-zero", lambda p: {**p, "remote_port": 0}, "local", "kv_transfer_params.remote_port = 0"),
     ("port-huge", lambda p: {**p, "remote_port": 70000}, "local", "kv_transfer_params.remote_port = 70000"),
@@ -86,7 +90,8 @@ def test_pull_params_tampered_by_the_router(tmp_path, daemons, placement, tamper
                                                  {"do_remote_decode": True, "transfer_id": f"t{n}"}))
         r.run_until(lambda: {"p-0", "p-1"} <= set(r.P.finished))
         good = dict(r.P.finished["p-0"].kv_transfer_params)
-        bad = change(dict(r.P.finished["p-1"].kv_transfer_params))
+        bad = dict(r.P.finished["p-1"].kv_transfer_params)
+        bad = change(bad) if change else {**bad, "remote_block_ids": good["remote_block_ids"]}
         r.D.sched.add_request(H.make_request("d-1", r.prompts["d-1"], 2, bad))
         r.D.sched.add_request(H.make_request("d-0", r.prompts["d-0"], 2, good))
         with caplog.at_level(logging.WARNING, logger="kvxfer.vllm"):
