@@ -331,3 +331,33 @@ def test_engines_that_back_off_differently_move_nothing(tmp_path, daemons, place
         assert _free_both(r)
     finally:
         r.close()
+
+
+def test_pull_params_given_to_several_d_requests(tmp_path, daemons, placement):
+    """A router hands P's params for p-1 to four D requests (two in one
+    step, two in the next) while P's small pool hands blocks to P's own
+    requests as they free. None is loaded with bytes not p-1's (each is
+    loaded and checked, or fails and is recomputed), the first is loaded,
+    and both pools come back."""
+    rng = random.Random("several-d")
+    r = Run(tmp_path, daemons, "pull", 1, p_kw={"lease_s": 2, "num_blocks": 16}, d_kw={"registration_timeout_s": 2}, d_timeout=3)
+    try:
+        toks = _toks(rng, 3 * H.BLOCK + 5)
+        r.prompts["p-1"] = toks
+        r.P.sched.add_request(H.make_request("p-1", list(toks), 1, {"do_remote_decode": True, "transfer_id": "t1"}))
+        r.run_until(lambda: "p-1" in r.P.finished)
+        p = dict(r.P.finished["p-1"].kv_transfer_params)
+        for k in range(4):
+            r.prompts[f"d-{k}"] = toks
+            r.D.sched.add_request(H.make_request(f"d-{k}", toks, 2, dict(p)))
+            if k == 1:
+                r.step()
+        for k in range(3):
+            r.prompts[f"x-{k}"] = _toks(rng, 3 * H.BLOCK)
+            r.P.sched.add_request(H.make_request(f"x-{k}", r.prompts[f"x-{k}"], 3, None))
+        r.run_until(lambda: _ended(r, [f"d-{k}" for k in range(4)]), limit_s=30)
+        assert _outcome(r, "d-0") == "loaded"
+        assert all(_outcome(r, f"d-{k}") in ("loaded", "failed") for k in range(1, 4)), [_outcome(r, f"d-{k}") for k in range(4)]
+        assert _free_both(r)
+    finally:
+        r.close()
