@@ -438,7 +438,7 @@ func compatHint(ours, theirs *topology.Layout) string {
 		}
 	}
 	if len(d) == 0 {
-		return "the layouts agree on heads, head size, element size and cache groups: the engines differ in what else the hash covers (the model, its dtype, the engine's build)"
+		return "the layouts agree on heads, head size, element size and cache groups: the engines differ in what else the hash covers (the model, its dtype, the engine's build; a vLLM engine's prefill backoff, the trailing prompt tokens a producer leaves to its consumer: its MTP speculative tokens)"
 	}
 	return "the peer's layout: " + strings.Join(d, "; ")
 }

@@ -1468,6 +1468,17 @@ type rejected struct {
 // one). An entry past it is refused, naming the field.
 const MaxIDBytes = maxWireString
 
+// maxRemoteRanks bounds the producer sizes a consumer request's params
+// give (Remote.TPSize, Remote.PPSize and their product): as many ranks as
+// a layout may have in TP or PP (topology.Layout.Validate) and an engine
+// may register (the daemon's registry). Before the handshake tells the
+// producer's own sizes, a request that ends without reading (an abort
+// before it was scheduled, a full prefix hit) tells each producer rank
+// its params name: before, Remote.PPSize = 2097152 made one such request
+// list (and queue a notice to) 2,097,152 ranks, ~800 MB, and 2^31-1 ran
+// the worker out of memory.
+const maxRemoteRanks = 1 << 12
+
 // longID is why s, field of an entry, is too long ("" when it is not).
 func longID(field, s string) string {
 	if len(s) <= MaxIDBytes {
@@ -1542,10 +1553,13 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 			field, why = "remote.addr", longID("Remote.Addr", r.Remote.Addr)
 		case r.Remote.Addr != "" && w.cfg.CheckAddr != nil && w.cfg.CheckAddr(r.Remote.Addr) != nil:
 			field, why = "remote.addr", "Remote.Addr: "+w.cfg.CheckAddr(r.Remote.Addr).Error()
-		case r.Remote.TPSize < 0:
-			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want >= 0", r.Remote.TPSize)
-		case r.Remote.PPSize < 0:
-			field, why = "remote.pp_size", fmt.Sprintf("Remote.PPSize = %d, want >= 0", r.Remote.PPSize)
+		case r.Remote.TPSize < 0 || r.Remote.TPSize > maxRemoteRanks:
+			field, why = "remote.tp_size", fmt.Sprintf("Remote.TPSize = %d, want 0..%d", r.Remote.TPSize, maxRemoteRanks)
+		case r.Remote.PPSize < 0 || r.Remote.PPSize > maxRemoteRanks:
+			field, why = "remote.pp_size", fmt.Sprintf("Remote.PPSize = %d, want 0..%d", r.Remote.PPSize, maxRemoteRanks)
+		case r.Remote.TPSize*r.Remote.PPSize > maxRemoteRanks:
+			field, why = "remote.pp_size", fmt.Sprintf("Remote.TPSize*PPSize = %d*%d, want at most %d producer ranks",
+				r.Remote.TPSize, r.Remote.PPSize, maxRemoteRanks)
 		case r.Remote.Tokens < 0:
 			field, why = "remote.tokens", fmt.Sprintf("Remote.Tokens = %d, want >= 0", r.Remote.Tokens)
 		case w.cfg.Mode == ModePull && len(r.Local) > 0 && len(r.Remote.Blocks) != len(r.Local):

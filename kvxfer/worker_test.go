@@ -560,8 +560,13 @@ func TestStepInvalidEntriesFail(t *testing.T) {
 	cases := []entry{
 		{"recv req_id", kvxfer.ModePush, "D", "", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.ReqID = "" }, "recv_req.req_id", "RecvReq.ReqID is empty", false},
 		{"recv engine", kvxfer.ModePush, "D", "d-engine", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.EngineID = "" }, "recv_req.remote.engine_id", "Remote.EngineID is empty", true},
-		{"recv tp size", kvxfer.ModePush, "D", "d-tp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.TPSize = -1 }, "recv_req.remote.tp_size", "Remote.TPSize = -1, want >= 0", true},
-		{"recv pp size", kvxfer.ModePush, "D", "d-pp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.PPSize = -2 }, "recv_req.remote.pp_size", "Remote.PPSize = -2, want >= 0", true},
+		{"recv tp size", kvxfer.ModePush, "D", "d-tp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.TPSize = -1 }, "recv_req.remote.tp_size", "Remote.TPSize = -1, want 0..4096", true},
+		{"recv pp size", kvxfer.ModePush, "D", "d-pp", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.PPSize = -2 }, "recv_req.remote.pp_size", "Remote.PPSize = -2, want 0..4096", true},
+		// Sizes no producer has: each a list of producer ranks to tell
+		// (and a notice each) had the request ended before its handshake.
+		{"recv tp size huge", kvxfer.ModePush, "D", "d-tp-huge", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.TPSize = 1 << 20 }, "recv_req.remote.tp_size", "Remote.TPSize = 1048576, want 0..4096", true},
+		{"recv pp size huge", kvxfer.ModePull, "D", "d-pp-huge", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.PPSize = 1 << 20 }, "recv_req.remote.pp_size", "Remote.PPSize = 1048576, want 0..4096", true},
+		{"recv ranks", kvxfer.ModePush, "D", "d-ranks", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Remote.TPSize, r.Remote.PPSize = 64, 128 }, "recv_req.remote.pp_size", "Remote.TPSize*PPSize = 64*128, want at most 4096 producer ranks", true},
 		{"recv local groups", kvxfer.ModePush, "D", "d-groups", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) { r.Local = append(slices.Clip(r.Local), r.Local[0]) }, "recv_req.local", "Local has 2 block groups, want 1", true},
 		{"recv local start", kvxfer.ModePush, "D", "d-start", func(r *kvxfer.RecvReq, _ *kvxfer.SendReq) {
 			r.Local = []topology.Span{{Start: -1, IDs: []topology.BlockID{1}}}

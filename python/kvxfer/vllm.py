@@ -539,8 +539,14 @@ def _window_blocks(window: int, block_size: int) -> int:
     return (window + block_size - 1) // block_size + 1
 
 
-def compat_hash(vllm_config: "VllmConfig", mode: int) -> str:
-    """Engines handshake only when these match (SPEC §2's factors)."""
+def compat_hash(vllm_config: "VllmConfig", mode: int, backoff: int = 0) -> str:
+    """Engines handshake only when these match (SPEC §2's factors), and
+    the prefill backoff (prefill_backoff) where it is not 0: a consumer
+    that backs off less than its producer loads tokens the producer never
+    computed. Before, a push P with 3 MTP speculative tokens (backoff 2)
+    and a D with 2 (backoff 1) of the same model moved every request, D's
+    last loaded token holding no KV of it (a pull D refused each request,
+    naming RemoteNumTokens)."""
     mc = vllm_config.model_config
     f = {
         "connector": CONNECTOR_VERSION, "mode": params.MODE_NAMES[mode],
@@ -550,6 +556,9 @@ def compat_hash(vllm_config: "VllmConfig", mode: int) -> str:
         "kv_heads": mc.get_total_num_kv_heads() if hasattr(mc, "get_total_num_kv_heads") else 0,
         "head_size": mc.get_head_size() if hasattr(mc, "get_head_size") else 0,
     }
+    if backoff:
+        # (Only then: the hash of an engine without one stays as it was.)
+        f["prefill_backoff"] = backoff
     return hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()
 
 
@@ -1345,6 +1354,16 @@ class _SchedulerSide:
 
     def new_request(self, request: "Request") -> None:
         p = request.kv_transfer_params
+        if p is not None and not isinstance(p, dict):
+            # Before, params that are no object (a string, a list, a number
+            # from a caller of the engine's Python API; its HTTP API types
+            # them) raised AttributeError out of vLLM's add_request, here
+            # and on every later call that reads them: the request runs as
+            # one with no params instead, named and counted.
+            self.stats.data["bad_params"] += 1
+            log.warning("kvxfer: request %s: kv_transfer_params = %.200r, want an object (a dict); ignored",
+                        request.request_id, p)
+            request.kv_transfer_params = p = None
         if p and self.pull and p.get("do_remote_prefill") and not p.get("do_remote_decode") and \
                 self.sched.takes_new_request:
             # A pull consumer's request: the ranks heartbeat its producer
@@ -2290,7 +2309,7 @@ def build_hello(w: _WorkerSide, kv_caches: dict[str, "torch.Tensor"]) -> pb.Work
                          region_offset=region_offset, regions=regions,
                          groups=[pb.CacheGroup(kind=k, window=wd, regions=g) for (k, wd), g in zip(w.c.groups, groups)])
     return pb.WorkerHello(engine_id=w.c.engine_id, mode=w.cfg.mode, layout=layout, memory=memory,
-                          compat_hash=compat_hash(w.vllm_config, w.cfg.mode), layerwise=w.cfg.layerwise)
+                          compat_hash=compat_hash(w.vllm_config, w.cfg.mode, prefill_backoff(w.vllm_config, w.kv_cache_config)), layerwise=w.cfg.layerwise)
 
 
 def _total_kv_heads(w: _WorkerSide, local: int) -> int:

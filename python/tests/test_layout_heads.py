@@ -19,7 +19,7 @@ from kvxfer.v1 import kvxfer_pb2 as pb  # noqa: E402
 
 def _hello(monkeypatch, tp_size: int, local_heads: int, total_heads: int | None):
     monkeypatch.setattr(kv, "share_memory", lambda w, tensors, ranges: [])
-    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode: "h")
+    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode, backoff=0: "h")
     c = SimpleNamespace(groups=[(pb.CACHE_KIND_FULL_ATTENTION, 0)], tp_size=tp_size, pp_size=1, engine_id="p",
                         block_size=16, in_process=False)
     vc = None

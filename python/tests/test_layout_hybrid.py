@@ -25,7 +25,7 @@ def _hybrid(monkeypatch, fa: list[int], sw: list[int], layerwise: bool = False):
     window layers sw, the i-th layer of each group sharing tensor i (as
     vLLM's hybrid allocator lays them out)."""
     monkeypatch.setattr(kv, "share_memory", lambda w, tensors, ranges: [])
-    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode: "h")
+    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode, backoff=0: "h")
     name = "model.layers.{}.self_attn.attn".format
     cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[name(i) for i in fa], kv_cache_spec=None),
                                            SimpleNamespace(layer_names=[name(i) for i in sw], kv_cache_spec=None)])

@@ -18,7 +18,7 @@ from kvxfer.v1 import kvxfer_pb2 as pb  # noqa: E402
 
 def _hello(monkeypatch, pp_rank: int, pp_size: int, layers: range):
     monkeypatch.setattr(kv, "share_memory", lambda w, tensors, ranges: [])
-    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode: "h")
+    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode, backoff=0: "h")
     c = SimpleNamespace(groups=[(pb.CACHE_KIND_FULL_ATTENTION, 0)], tp_size=1, pp_size=pp_size, engine_id="p",
                         block_size=16, in_process=False)
     w = SimpleNamespace(kv_cache_config=None, c=c, tp_rank=0, pp_rank=pp_rank, layer_index={},
@@ -49,7 +49,7 @@ def test_layer_saved_names_regions(monkeypatch):
     # sharing) has no region and is not reported; the layers after it
     # keep their regions' indices.
     monkeypatch.setattr(kv, "share_memory", lambda w, tensors, ranges: [])
-    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode: "h")
+    monkeypatch.setattr(kv, "compat_hash", lambda cfg, mode, backoff=0: "h")
     c = SimpleNamespace(groups=[(pb.CACHE_KIND_FULL_ATTENTION, 0)], tp_size=1, pp_size=1, engine_id="p",
                         block_size=16, in_process=False)
     w = SimpleNamespace(kv_cache_config=None, c=c, tp_rank=0, pp_rank=0, layer_index={},
