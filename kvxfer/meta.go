@@ -170,6 +170,13 @@ type RecvReq struct {
 	Remote RemoteRef
 	// Aborted marks an abort before the request was scheduled.
 	Aborted bool
+	// Tokens is how many tokens of KV the engine takes as loaded once the
+	// transfer ends, from token 0 (its allocation's computed and external
+	// tokens; 0: unsaid). A push registration carries it: a producer that
+	// holds fewer refuses it, since its WRITE would leave the blocks past
+	// its tokens as they were, taken as loaded (pull checks the same at
+	// the allocation, against the params' RemoteNumTokens).
+	Tokens int
 	// Deadline is when a push consumer gives up waiting for the producer
 	// (the registration watchdog); on this engine's scheduler clock (zero:
 	// none), never the remote's. A pull read is also bounded by

@@ -346,7 +346,7 @@ func (st *loopState) producerRanks(tp, pp int) []rankRef {
 
 // register sends D's registration to every producer rank it needs.
 func (st *loopState) register(r *recvReq, e *engine) {
-	m := &msg{Kind: msgReg, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Spans: r.req.Local}
+	m := &msg{Kind: msgReg, TransferID: r.req.TransferID, DReq: r.req.ReqID, PReq: r.req.Remote.ReqID, Spans: r.req.Local, Tokens: r.req.Tokens}
 	if !r.deadline.IsZero() {
 		// Past our deadline we give the request up: the producer must not
 		// act on this registration then, however late it reaches it. On

@@ -639,6 +639,7 @@ func (s *Scheduler) stageRecv(r *Request, a Alloc, remote []topology.Span) error
 	}
 	rr := RecvReq{ReqID: r.ID, TransferID: p.TransferID, Remote: ref}
 	if a.External > 0 {
+		rr.Tokens = a.Computed + a.External
 		rr.Local, err = s.clip(a.Blocks, a.Computed, true)
 		if err != nil {
 			s.counters.BadParams++

@@ -199,6 +199,7 @@ func TestPushConsumerAfterAllocStagesRegistration(t *testing.T) {
 	m := s.BuildMeta()
 	want := []RecvReq{{ReqID: "d-1", TransferID: "t1", Local: []topology.Span{{Start: 16, IDs: ids(3, 4)}},
 		Remote:   RemoteRef{EngineID: "P", Addr: "p:1", ReqID: "p-1", TPSize: 4, PPSize: 1, Tokens: 40},
+		Tokens:   40, // Computed 16 + External 24
 		Deadline: c.t.Add(480 * time.Second)}}
 	if !reflect.DeepEqual(m.Recv, want) {
 		t.Errorf("Recv = %+v, want %+v", m.Recv, want)

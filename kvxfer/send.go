@@ -1128,6 +1128,15 @@ func (st *loopState) addRank(s *sendReq, m *msg) {
 		st.metrics.Dropped("reg_duplicate")
 	case len(m.Spans) == 0:
 		r.state, r.reg = rkReleased, m
+	case m.Tokens > 0 && s.req.Tokens > 0 && m.Tokens > s.req.Tokens:
+		// The consumer takes more tokens as loaded than this request
+		// holds (a router that gave it a longer prompt): the WRITE would
+		// leave its blocks past our tokens as they were, reported loaded.
+		st.metrics.BadInput("reg.tokens")
+		r.state, r.reg, r.since = rkReady, m, st.now
+		st.failRank(s, m.TPRank, r, FailureSetup, fmt.Sprintf(
+			"consumer request %q takes %d tokens as loaded (its registration's token count), but producer request %q holds %d: "+
+				"the prompts differ (the router gave them different requests?); nothing is written", s.match.key.dreq, m.Tokens, s.req.ReqID, s.req.Tokens))
 	default:
 		r.state, r.reg, r.since = rkReady, m, st.now
 	}

@@ -23,7 +23,14 @@ import (
 // a fail or cancel message as one uvarint when it is not FailureNone;
 // absent, the sender did not say (a peer of an earlier build). A
 // registration's Until ends it as one varint of Unix nanoseconds when it
-// is set; absent, the registration has no limit.
+// is set; absent, the registration has no limit. The consumer's token
+// count (Tokens) follows it as one uvarint when it is set, Until then
+// always present (0 standing for no limit only there).
+//
+// Before Tokens, a push producer could not tell that its consumer took
+// more tokens as loaded than it held (a router that gave D a longer
+// prompt than P's): its WRITE left D's blocks past its tokens as they
+// were, reported loaded.
 
 const (
 	wireMagic   = 'K'
@@ -34,6 +41,9 @@ const (
 	maxWireIDs    = 1 << 16
 	maxWireGroups = 64
 	maxWireBlocks = 1 << 22
+	// maxWireTokens bounds a registration's token count (the scheduler's
+	// bound on an engine's token counts).
+	maxWireTokens = maxTokens
 )
 
 // msgKind is the kind of a peer message.
@@ -123,6 +133,9 @@ type msg struct {
 	Reason string
 	// FailKind classifies a msgFail or msgCancel (FailureNone: unsaid).
 	FailKind FailureKind
+	// Tokens is how many tokens a registration's consumer takes as loaded
+	// (RecvReq.Tokens; 0: unsaid).
+	Tokens int
 	// Until is when a registration (msgReg) stops being valid, on the
 	// receiver's clock: the consumer's deadline for the request. A
 	// producer drops one that reaches it, or waits for its request, past
@@ -187,8 +200,15 @@ func appendMsg(b []byte, m *msg) []byte {
 	if m.FailKind != FailureNone && (m.Kind == msgFail || m.Kind == msgCancel) {
 		b = binary.AppendUvarint(b, uint64(m.FailKind))
 	}
-	if m.Kind == msgReg && !m.Until.IsZero() {
-		b = binary.AppendVarint(b, m.Until.UnixNano())
+	if m.Kind == msgReg && (!m.Until.IsZero() || m.Tokens > 0) {
+		until := int64(0)
+		if !m.Until.IsZero() {
+			until = m.Until.UnixNano()
+		}
+		b = binary.AppendVarint(b, until)
+		if m.Tokens > 0 {
+			b = binary.AppendUvarint(b, uint64(m.Tokens))
+		}
 	}
 	if m.Kind == msgHold {
 		b = binary.AppendUvarint(b, uint64(len(m.Holds)))
@@ -215,7 +235,7 @@ func msgSizeBound(m *msg) int {
 		n += v + len(id)
 	}
 	n += v + v*len(m.Holds)
-	return n + 2*v // fail kind, until
+	return n + 3*v // fail kind, until, tokens
 }
 
 // reader decodes fields, remembering the first error.
@@ -383,10 +403,20 @@ func decodeMsg(b []byte) (*msg, error) {
 		}
 	}
 	if r.err == nil && len(r.b) > 0 && m.Kind == msgReg {
-		if v := r.varint("until"); r.err == nil && v == 0 {
-			r.fail("until", "0: an unset limit is not encoded")
-		} else {
+		v := r.varint("until")
+		switch {
+		case r.err != nil:
+		case v == 0 && len(r.b) == 0:
+			r.fail("until", "0: an unset limit is not encoded (but before a token count)")
+		case v != 0:
 			m.Until = time.Unix(0, v)
+		}
+		if r.err == nil && len(r.b) > 0 {
+			if t := r.uvarint("tokens"); r.err == nil && (t == 0 || t > maxWireTokens) {
+				r.fail("tokens", "%d out of range [1, %d]", t, maxWireTokens)
+			} else {
+				m.Tokens = int(t)
+			}
 		}
 	}
 	if m.Kind == msgHold {

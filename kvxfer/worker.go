@@ -1562,6 +1562,8 @@ func (w *Worker) validate(meta *StepMeta) (*StepMeta, []rejected, error) {
 				r.Remote.TPSize, r.Remote.PPSize, maxRemoteRanks)
 		case r.Remote.Tokens < 0:
 			field, why = "remote.tokens", fmt.Sprintf("Remote.Tokens = %d, want >= 0", r.Remote.Tokens)
+		case r.Tokens < 0 || r.Tokens > maxWireTokens:
+			field, why = "tokens", fmt.Sprintf("Tokens = %d, want 0..%d", r.Tokens, maxWireTokens)
 		case w.cfg.Mode == ModePull && len(r.Local) > 0 && len(r.Remote.Blocks) != len(r.Local):
 			field, why = "remote.blocks", fmt.Sprintf("Remote.Blocks has %d groups, Local %d", len(r.Remote.Blocks), len(r.Local))
 		default:

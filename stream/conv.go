@@ -207,8 +207,13 @@ func StepEntriesFromProto(p *pb.StepMeta) (*kvxfer.StepMeta, []EntryRefusal, err
 			refuse(kvxfer.RoleConsumer, r.RequestId, local, "recv_req.remote.tokens", err)
 			continue
 		}
+		own, err := fitField(field{"step.recv", i, ".tokens"}, r.Tokens)
+		if err != nil {
+			refuse(kvxfer.RoleConsumer, r.RequestId, local, "recv_req.tokens", err)
+			continue
+		}
 		m.Recv = append(m.Recv, kvxfer.RecvReq{ReqID: r.RequestId, TransferID: r.TransferId, Local: local, Aborted: r.Aborted,
-			Deadline: timeFrom(r.DeadlineUnixNanos),
+			Deadline: timeFrom(r.DeadlineUnixNanos), Tokens: own,
 			Remote: kvxfer.RemoteRef{EngineID: r.Remote.EngineId, Addr: r.Remote.Addr, ReqID: r.Remote.RequestId,
 				TPSize: int(r.Remote.TpSize), PPSize: int(r.Remote.PpSize), Blocks: blocks, Tokens: tok, Expiry: timeFrom(r.Remote.ExpiryUnixNanos),
 				Generation: r.Remote.Generation}})
@@ -389,7 +394,7 @@ func (e *StepEncoder) Encode(m *kvxfer.StepMeta) *pb.StepMeta {
 			rm.Generation = r.Remote.Generation
 			rm.Blocks = a.spans(r.Remote.Blocks)
 			q := &e.recvs[i]
-			q.RequestId, q.TransferId, q.Aborted, q.DeadlineUnixNanos = r.ReqID, r.TransferID, r.Aborted, timeTo(r.Deadline)
+			q.RequestId, q.TransferId, q.Aborted, q.DeadlineUnixNanos, q.Tokens = r.ReqID, r.TransferID, r.Aborted, timeTo(r.Deadline), int64(r.Tokens)
 			q.Local, q.Remote = a.spans(r.Local), rm
 			e.recvPtrs[i] = q
 		}

@@ -1175,8 +1175,12 @@ type RecvRequest struct {
 	Aborted bool `protobuf:"varint,5,opt,name=aborted,proto3" json:"aborted,omitempty"`
 	// deadline_unix_nanos on the scheduler clock (0: none).
 	DeadlineUnixNanos int64 `protobuf:"varint,6,opt,name=deadline_unix_nanos,json=deadlineUnixNanos,proto3" json:"deadline_unix_nanos,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// tokens the engine takes as loaded once the transfer ends, from token
+	// 0 (its allocation's computed and external tokens; 0: unsaid): a push
+	// producer that holds fewer refuses the registration.
+	Tokens        int64 `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RecvRequest) Reset() {
@@ -1247,6 +1251,13 @@ func (x *RecvRequest) GetAborted() bool {
 func (x *RecvRequest) GetDeadlineUnixNanos() int64 {
 	if x != nil {
 		return x.DeadlineUnixNanos
+	}
+	return 0
+}
+
+func (x *RecvRequest) GetTokens() int64 {
+	if x != nil {
+		return x.Tokens
 	}
 	return 0
 }
@@ -5174,7 +5185,7 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x11expiry_unix_nanos\x18\b \x01(\x03R\x0fexpiryUnixNanos\x12\x1e\n" +
 	"\n" +
 	"generation\x18\t \x01(\x04R\n" +
-	"generation\"\xec\x01\n" +
+	"generation\"\x84\x02\n" +
 	"\vRecvRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
@@ -5183,7 +5194,8 @@ const file_kvxfer_v1_kvxfer_proto_rawDesc = "" +
 	"\x05local\x18\x03 \x03(\v2\x0f.kvxfer.v1.SpanR\x05local\x12,\n" +
 	"\x06remote\x18\x04 \x01(\v2\x14.kvxfer.v1.RemoteRefR\x06remote\x12\x18\n" +
 	"\aaborted\x18\x05 \x01(\bR\aaborted\x12.\n" +
-	"\x13deadline_unix_nanos\x18\x06 \x01(\x03R\x11deadlineUnixNanos\"\xbe\x01\n" +
+	"\x13deadline_unix_nanos\x18\x06 \x01(\x03R\x11deadlineUnixNanos\x12\x16\n" +
+	"\x06tokens\x18\a \x01(\x03R\x06tokens\"\xbe\x01\n" +
 	"\vSendRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +

@@ -211,20 +211,22 @@ class RemoteRef(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., addr: _Optional[str] = ..., request_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., tokens: _Optional[int] = ..., expiry_unix_nanos: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "local", "remote", "aborted", "deadline_unix_nanos")
+    __slots__ = ("request_id", "transfer_id", "local", "remote", "aborted", "deadline_unix_nanos", "tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     local: _containers.RepeatedCompositeFieldContainer[Span]
     remote: RemoteRef
     aborted: bool
     deadline_unix_nanos: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., local: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., remote: _Optional[_Union[RemoteRef, _Mapping]] = ..., aborted: _Optional[bool] = ..., deadline_unix_nanos: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., local: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., remote: _Optional[_Union[RemoteRef, _Mapping]] = ..., aborted: _Optional[bool] = ..., deadline_unix_nanos: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "deadline_unix_nanos", "blocks", "tokens")
