@@ -78,6 +78,11 @@ func (st *loopState) newSend(in *SendReq, deadline time.Time) {
 				return
 			}
 			s.req.Tokens = in.Tokens
+			if s.match != nil {
+				for _, tp := range s.expect {
+					st.refuseTokens(s, tp, s.ranks[tp])
+				}
+			}
 			if !s.preempted && movedBlocks(s.req.Blocks, in.Blocks) {
 				// Its blocks are not those of its prefill: its engine
 				// moved it since (a preemption it did not tell), and the
@@ -1128,18 +1133,28 @@ func (st *loopState) addRank(s *sendReq, m *msg) {
 		st.metrics.Dropped("reg_duplicate")
 	case len(m.Spans) == 0:
 		r.state, r.reg = rkReleased, m
-	case m.Tokens > 0 && s.req.Tokens > 0 && m.Tokens > s.req.Tokens:
-		// The consumer takes more tokens as loaded than this request
-		// holds (a router that gave it a longer prompt): the WRITE would
-		// leave its blocks past our tokens as they were, reported loaded.
-		st.metrics.BadInput("reg.tokens")
-		r.state, r.reg, r.since = rkReady, m, st.now
-		st.failRank(s, m.TPRank, r, FailureSetup, fmt.Sprintf(
-			"consumer request %q takes %d tokens as loaded (its registration's token count), but producer request %q holds %d: "+
-				"the prompts differ (the router gave them different requests?); nothing is written", s.match.key.dreq, m.Tokens, s.req.ReqID, s.req.Tokens))
 	default:
 		r.state, r.reg, r.since = rkReady, m, st.now
+		st.refuseTokens(s, m.TPRank, r)
 	}
+}
+
+// refuseTokens fails D rank tp of matched request s (r, registered) when
+// its consumer takes more tokens as loaded than s holds (a router that
+// gave it a longer prompt): the WRITE would leave its blocks past our
+// tokens as they were, reported loaded. Checked when the rank registers,
+// and again when a layer-wise request finishes (its prefill entry gives
+// the prompt's tokens, its finish those it holds: fewer by the prefill
+// backoff). Counted reg.tokens.
+func (st *loopState) refuseTokens(s *sendReq, tp int, r *dRank) {
+	m := r.reg
+	if m == nil || m.Tokens == 0 || s.req.Tokens == 0 || m.Tokens <= s.req.Tokens || r.state.settled() || r.reason != "" {
+		return
+	}
+	st.metrics.BadInput("reg.tokens")
+	st.failRank(s, tp, r, FailureSetup, fmt.Sprintf(
+		"consumer request %q takes %d tokens as loaded (its registration's token count), but producer request %q holds %d: "+
+			"the prompts differ (the router gave them different requests?); its blocks are not loaded", s.match.key.dreq, m.Tokens, s.req.ReqID, s.req.Tokens))
 }
 
 // tellD sends a message about a matched request to one of its D ranks,
