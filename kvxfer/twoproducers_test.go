@@ -172,6 +172,35 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 			d1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1}})
 		case "d2":
 			d2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r2}})
+			if mode == kvxfer.ModePull && order != "d1 d2 p" && tids != "distinct" {
+				// d-2 asks whether P holds p-x once P's request, read by
+				// d-1, has ended: P answers at once that it does not, and
+				// why, and d-2 fails with no time passing. Before, P kept
+				// the question as one about a request not handed over yet,
+				// and never answered it: d-2 failed only when its hold
+				// check ran out, 1.15 s later (a second or so in which its
+				// engine waited for KV nobody would send).
+				asked := time.Now()
+				for range 5 {
+					synctest.Wait()
+					for _, se := range []*simEngine{p, d1, d2} {
+						out.collect(t, se)
+					}
+				}
+				o := out.recv["d-2"]
+				if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailureSetup ||
+					!strings.Contains(o[0].Reason, `producer request "p-x"`) || !strings.Contains(o[0].Reason, "ended") {
+					t.Errorf("d-2, asking after P's request read by d-1 ended: outcomes %v, want one failed at once (transfer_setup_failed), naming p-x and that it ended", o)
+				}
+				if d := time.Since(asked); d != 0 {
+					t.Errorf("d-2 ended %v after it asked, want at once", d)
+				}
+				for _, w := range d2.workers[0] {
+					if n := w.Metrics().Snapshot().Dropped["pull_params_not_held"]; n != 1 {
+						t.Errorf(`D2: dropped{reason="pull_params_not_held"} = %d, want 1`, n)
+					}
+				}
+			}
 		}
 		settle()
 	}
@@ -186,8 +215,9 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 	if tids != "distinct" {
 		// Every request ends promptly, not at a deadline (the consumers'
 		// is a minute, the producer's lease 30 s), and holds nothing on
-		// either side once it has: within 2 s (a pull consumer that reads
-		// after the producer's request ended learns it from the hold
+		// either side once it has: within 2 s (a pull consumer that asks
+		// after the producer's request ended is told so at once; one
+		// naming it under another transfer learns it from the hold
 		// check, within its bound of about a second). Before, two
 		// consumer requests that registered under one transfer before
 		// the producer's request came (push, d1 d2 p) were told nothing
