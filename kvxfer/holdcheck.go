@@ -184,6 +184,70 @@ func (st *loopState) holdCheckTimer(t timerEntry) {
 	st.tryReport(r)
 }
 
+// refuseEndedAsk answers a consumer's hold question about a request
+// this producer rank no longer holds because it ended here (pullEnded:
+// its consumer read it, or another consumer request's notices ended it,
+// its lease lapsed, its engine aborted it): that it does not hold it, and
+// why, in a msgHold that lists nothing and names the request (TransferID,
+// PReq, DReq, as the question did) with the reason. Its consumer fails
+// at once (holdRefused); one of an earlier build ignores an answer that
+// lists nothing, and fails at its check's bound as before. Before, the
+// question was kept as an early one (stashAsk) for a request that was
+// not coming, and its consumer (a second one the router handed the same
+// params, or one that asked after the lease lapsed) failed only when its
+// check ran out, holdCheckBound (1.15 s) later. A question about a
+// request not handed over yet still waits for it: one naming an id
+// reused for another transfer is not taken for the ended one
+// (pullEnded: by transfer id where both name one), nor is one naming
+// other blocks than the ended one held (its digest, goneSend.blocks): a
+// router that reuses its transfer ids may hand the engine a new request
+// under the ended one's very ids, and the new one's consumer, asking
+// before it arrives, reads it once it does (were it refused, nothing
+// would tell the new request that its consumer gave up: it would hold
+// its blocks for its lease). What this cannot tell apart: such a new
+// request that the engine gives the ended one's very blocks; its
+// consumer fails (and the request waits out its lease).
+func (st *loopState) refuseEndedAsk(m *msg, tid, preq, dreq string, g goneSend, at time.Time) {
+	what := fmt.Sprintf("producer request %q", preq)
+	if preq == "" {
+		what = "the producer request"
+	}
+	if tid != "" {
+		what += fmt.Sprintf(" of transfer %q", tid)
+	}
+	st.metrics.Dropped("hold_ask_after_end")
+	st.notify(m.from, &msg{Kind: msgHold, TransferID: tid, PReq: preq, DReq: dreq,
+		Reason: fmt.Sprintf("%s ended at this producer rank %v ago (%s): its blocks are no longer held for any consumer", what, st.now.Sub(at), g.why)})
+}
+
+// holdRefused takes producer rank ref's answer (from agent from) that it
+// does not hold r, and why (refuseEndedAsk): r fails at once, never read,
+// and the other ranks it asked are told (one that holds it for another
+// consumer does not wait for r). Only an answer from the agent asked, to
+// a check still running, counts.
+func (st *loopState) holdRefused(r *recvReq, e *engine, ref rankRef, from PeerName, why string) {
+	hc := r.hc
+	if hc == nil || hc.passed || r.decided || r.sent || hc.gen != e.gen || e.peers[ref] != from {
+		return
+	}
+	i := slices.Index(hc.targets, ref)
+	if i < 0 || hc.peers[i] != from {
+		return
+	}
+	hc.next = time.Time{}
+	reason := fmt.Sprintf("producer engine %s (%s) rank tp %d pp %d does not hold this request: %s; not read",
+		e.id, e.addr, ref.tp, ref.pp, why)
+	st.metrics.Dropped("pull_params_not_held")
+	r.told(from) // (it holds nothing of it to let go)
+	for _, to := range hc.targets {
+		if to != ref {
+			st.tellP(e, r, to, msgFail, FailureSetup, reason)
+		}
+	}
+	st.decide(r, ResultFailed, FailureSetup, reason)
+	st.tryReport(r)
+}
+
 // heldIn reports whether a hold question (or a failure notice) m, naming
 // in Spans the producer blocks of a consumer's params, is about request
 // s: every group it names blocks in (none: a consumer of an earlier
@@ -219,14 +283,27 @@ func (m *msg) compact() {
 	if len(m.Spans) == 0 {
 		return
 	}
+	m.blocks, m.Spans = spansSum(m.Spans), nil
+}
+
+// spansSum is the digest of the blocks spans name (blocksSum).
+func spansSum(spans []topology.Span) blocksSum {
 	var mask uint64
-	for g := range m.Spans {
-		if len(m.Spans[g].IDs) > 0 && g < 64 {
+	for g := range spans {
+		if len(spans[g].IDs) > 0 && g < 64 {
 			mask |= 1 << g
 		}
 	}
-	m.blocks.sum, _ = sumIn(mask, m.Spans)
-	m.blocks.mask, m.Spans = mask, nil
+	sum, _ := sumIn(mask, spans)
+	return blocksSum{mask: mask, sum: sum}
+}
+
+// blocksOf is the digest of the blocks message m names (compact or not).
+func (m *msg) blocksOf() blocksSum {
+	if m.blocks.mask != 0 {
+		return m.blocks
+	}
+	return spansSum(m.Spans)
 }
 
 // sumIn hashes (FNV-1a) the ids spans holds in the groups of mask; false

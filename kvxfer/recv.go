@@ -1202,6 +1202,14 @@ func (st *loopState) onHold(m *msg) {
 		return
 	}
 	ref := rankRef{pp: m.PPRank, tp: m.TPRank}
+	if len(m.Holds) == 0 && m.DReq != "" && m.Reason != "" {
+		// An answer that lists nothing and names a request: the rank
+		// does not hold it, and says why (refuseEndedAsk).
+		if r := st.recvs[m.DReq]; r != nil && r.req.Remote.EngineID == m.Engine && r.req.TransferID == m.TransferID && r.req.Remote.ReqID == m.PReq {
+			st.holdRefused(r, e, ref, m.from, m.Reason)
+		}
+		return
+	}
 	for i, at := range m.Holds {
 		tid, preq, dreq := m.IDs[3*i], m.IDs[3*i+1], m.IDs[3*i+2]
 		st.onWaitHold(m, ref, tid, preq, dreq, at)

@@ -684,6 +684,9 @@ type goneSend struct {
 	why  string
 	kind FailureKind
 	tid  string // its transfer id, if it had one
+	// blocks: pull, a digest of the blocks it held (every group it held
+	// any in), which a hold question about it names (refuseEndedAsk).
+	blocks blocksSum
 }
 
 // rememberGone records a gone producer request by id and transfer id,
@@ -1657,7 +1660,20 @@ func (st *loopState) forgetSend(s *sendReq) {
 		// A consumer's notice that comes later (it read after the
 		// lease, or another consumer request's notices ended it) is
 		// known as late (onPullDone), not kept as an early one.
-		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, tid: s.req.TransferID})
+		// (And a hold question that comes later is answered at once
+		// that it is not held, and why: refuseEndedAsk.)
+		why := "it ended"
+		switch {
+		case s.aborted:
+			why = "its engine aborted it"
+		case s.pullEnded && s.pullFail == "":
+			why = "its consumer read it"
+		case s.pullEnded:
+			why = "its consumer failed it"
+		case s.expired:
+			why = "its lease expired"
+		}
+		st.rememberGone(s.req.ReqID, s.req.TransferID, goneSend{at: st.now, why: why, tid: s.req.TransferID, blocks: spansSum(s.req.Blocks)})
 	}
 	if s.match == nil && s.failReason != "" && st.cfg.Mode == ModePush {
 		// It ended (expired, aborted, failed) before any registration
@@ -1753,7 +1769,13 @@ func (st *loopState) onHeartbeat(m *msg) {
 		if s == nil && ans != nil && (len(m.Spans) > 0 || m.blocks.mask != 0) && len(m.IDs) == 3 {
 			// A consumer's hold check asks before our engine handed us
 			// the request (its step not applied yet): answered when it
-			// is (replayAsks), not at the consumer's next ask.
+			// is (replayAsks), not at the consumer's next ask. One about
+			// a request that ended here, in its very blocks, is answered
+			// at once that it is not held (refuseEndedAsk).
+			if g, at, ended := st.pullEnded(tid, preq); ended && g.blocks == m.blocksOf() {
+				st.refuseEndedAsk(m, tid, preq, dreq, g, at)
+				continue
+			}
 			st.stashAsk(m)
 			continue
 		}
@@ -2161,13 +2183,24 @@ func (st *loopState) pullEnd(s *sendReq) {
 // transfer id, else by its producer request id where neither names
 // another transfer than the other.
 func (st *loopState) pullEndedFor(m *msg) bool {
-	if m.TransferID != "" {
-		if _, _, ok := st.abortedT.get(m.TransferID); ok {
-			return true
+	_, _, ok := st.pullEnded(m.TransferID, m.PReq)
+	return ok
+}
+
+// pullEnded is pullEndedFor of transfer id tid and producer request
+// preq (a notice's, or a hold question's): what is remembered of the
+// request that ended, and when it did.
+func (st *loopState) pullEnded(tid, preq string) (goneSend, time.Time, bool) {
+	if tid != "" {
+		if g, at, ok := st.abortedT.get(tid); ok {
+			return g, at, true
 		}
 	}
-	g, _, ok := st.abortedP.get(m.PReq)
-	return ok && m.PReq != "" && (g.tid == "" || m.TransferID == "" || g.tid == m.TransferID)
+	g, at, ok := st.abortedP.get(preq)
+	if ok && preq != "" && (g.tid == "" || tid == "" || g.tid == tid) {
+		return g, at, true
+	}
+	return goneSend{}, time.Time{}, false
 }
 
 // pullRank is a consumer rank that reported a pull request: its engine,

@@ -192,9 +192,9 @@ var traceCmds = map[string]traceCmd{
 		"blocks": idsVal, "tokens": intVal, "deadline": durVal, "remote-blocks": idsVal, "remote-tp": intVal, "remote-gen": intVal, "aborted": boolVal}},
 	"handshake": {pos: []traceVal{anyVal}, keys: map[string]traceVal{"tp": intVal, "gen": intVal, "hash": anyVal, "agents": anyVal,
 		"probe": boolVal, "loaded": boolVal, "fail": anyVal, "offset": durVal, "answered": anyVal}},
-	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat"),
+	"notif": {keys: map[string]traceVal{"from": peerRankVal, "agent": anyVal, "kind": oneOf("reg", "done", "fail", "cancel", "ack", "heartbeat", "hold"),
 		"tid": anyVal, "dreq": anyVal, "preq": anyVal, "spans": idsVal, "reason": anyVal, "failkind": oneOf(failKindNames()...),
-		"tp": intVal, "ids": anyVal, "until": durVal}, req: []string{"from", "kind"}},
+		"tp": intVal, "ids": anyVal, "until": durVal, "hold": durVal}, req: []string{"from", "kind"}},
 	"ended":   {keys: map[string]traceVal{"xfer": intVal, "fail": anyVal, "refused": boolVal}, req: []string{"xfer"}},
 	"advance": {pos: []traceVal{durVal}},
 	"fail":    {pos: []traceVal{oneOf("notify", "post")}, keys: map[string]traceVal{"exited": boolVal}},
@@ -487,7 +487,7 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		from, rank, _ := strings.Cut(a["from"], "/")
 		r := atoi(rank)
 		size := atoi(cmpOr(a["tp"], "1"))
-		kinds := map[string]msgKind{"reg": msgReg, "done": msgDone, "fail": msgFail, "cancel": msgCancel, "ack": msgAck, "heartbeat": msgHeartbeat}
+		kinds := map[string]msgKind{"reg": msgReg, "done": msgDone, "fail": msgFail, "cancel": msgCancel, "ack": msgAck, "heartbeat": msgHeartbeat, "hold": msgHold}
 		m := &msg{Kind: kinds[a["kind"]], Engine: from, Addr: from + ":1", TPRank: r, TPSize: size, PPSize: 1, TransferID: a["tid"],
 			DReq: a["dreq"], PReq: a["preq"], Reason: a["reason"]}
 		if s, ok := a["spans"]; ok {
@@ -503,6 +503,9 @@ func (tc *traceCore) run(t *testing.T, line string) string {
 		}
 		if v, ok := a["until"]; ok { // a registration's limit, from the scripts' start
 			m.Until = traceEpoch.Add(dur(t, v))
+		}
+		if v, ok := a["hold"]; ok { // a hold answer's deadline, from the scripts' start
+			m.Holds = []time.Time{traceEpoch.Add(dur(t, v))}
 		}
 		n := Notif{From: PeerName(cmpOr(a["agent"], a["from"])), Msg: appendMsg(nil, m)}
 		tc.st.Step(tc.now, input{kind: inNotifs, notifs: []Notif{n}})

@@ -172,6 +172,35 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 			d1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1}})
 		case "d2":
 			d2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r2}})
+			if mode == kvxfer.ModePull && order != "d1 d2 p" && tids != "distinct" {
+				// d-2 asks whether P holds p-x once P's request, read by
+				// d-1, has ended: P answers at once that it does not, and
+				// why, and d-2 fails with no time passing. Before, P kept
+				// the question as one about a request not handed over yet,
+				// and never answered it: d-2 failed only when its hold
+				// check ran out, 1.15 s later (a second or so in which its
+				// engine waited for KV nobody would send).
+				asked := time.Now()
+				for range 5 {
+					synctest.Wait()
+					for _, se := range []*simEngine{p, d1, d2} {
+						out.collect(t, se)
+					}
+				}
+				o := out.recv["d-2"]
+				if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || o[0].Kind != kvxfer.FailureSetup ||
+					!strings.Contains(o[0].Reason, `producer request "p-x"`) || !strings.Contains(o[0].Reason, "ended") {
+					t.Errorf("d-2, asking after P's request read by d-1 ended: outcomes %v, want one failed at once (transfer_setup_failed), naming p-x and that it ended", o)
+				}
+				if d := time.Since(asked); d != 0 {
+					t.Errorf("d-2 ended %v after it asked, want at once", d)
+				}
+				for _, w := range d2.workers[0] {
+					if n := w.Metrics().Snapshot().Dropped["pull_params_not_held"]; n != 1 {
+						t.Errorf(`D2: dropped{reason="pull_params_not_held"} = %d, want 1`, n)
+					}
+				}
+			}
 		}
 		settle()
 	}
@@ -186,8 +215,9 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 	if tids != "distinct" {
 		// Every request ends promptly, not at a deadline (the consumers'
 		// is a minute, the producer's lease 30 s), and holds nothing on
-		// either side once it has: within 2 s (a pull consumer that reads
-		// after the producer's request ended learns it from the hold
+		// either side once it has: within 2 s (a pull consumer that asks
+		// after the producer's request ended is told so at once; one
+		// naming it under another transfer learns it from the hold
 		// check, within its bound of about a second). Before, two
 		// consumer requests that registered under one transfer before
 		// the producer's request came (push, d1 d2 p) were told nothing
@@ -253,5 +283,132 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 	}
 	if len(out.send["p-x"]) != pe.TP {
 		t.Errorf("P outcomes %v, want one per rank", out.send["p-x"])
+	}
+}
+
+// TestTwoConsumersRanksPairApart: push, P at TP 2 holds a request when
+// two consumer requests register for its transfer, d-1 naming it by id
+// too and d-2 by the transfer id alone, and they reach P's ranks in
+// different orders: rank 1 has d-1's registration first, rank 0 d-2's
+// (d-1's to rank 0 delayed). Each rank pairs the first that came (a
+// registration waiting before the request came would have been told
+// apart by the id: namedBy), so the ranks write different consumers,
+// and each consumer is refused by the other rank: while that rank's
+// WRITE is in flight (reg_taken), or once it ended (the request ended
+// paired). Neither consumer holds KV of the whole request: both fail at
+// once, naming the consumer the refusing rank paired, and once they have
+// nothing is held on any rank of either side (no request, registration,
+// match or transfer): no one waits for a deadline (the consumers' a
+// minute) or a lease (P's 30 s). P's ranks end once each.
+func TestTwoConsumersRanksPairApart(t *testing.T) {
+	for _, writing := range []bool{false, true} {
+		t.Run(fmt.Sprintf("writing=%v", writing), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { runRanksPairApart(t, writing) })
+		})
+	}
+}
+
+func runRanksPairApart(t *testing.T, writing bool) {
+	fab, dir := newFabricDir()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe, de1, de2 := e2eEngine(1, 2, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
+	p := startEngine(t, fab, dir, &model, pe, "P", kvxfer.ModePush, nil)
+	d1 := startEngine(t, fab, dir, &model, de1, "D1", kvxfer.ModePush, nil)
+	d2 := startEngine(t, fab, dir, &model, de2, "D2", kvxfer.ModePush, nil)
+	defer d1.close(t)
+	defer d2.close(t)
+	defer p.close(t)
+	rng := rand.New(rand.NewPCG(3, 4))
+	groups := p.ranks[0][0].Layout.GroupList()
+	pool := newPool(rng, len(groups), pe.Blocks, true)
+	q1 := makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
+	q2 := &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
+	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
+	for _, r := range p.ranks[0] {
+		r.Scramble(1)
+		r.FillSalt(q1.sim.P, 1)
+	}
+	now := time.Now()
+	r1, r2 := q1.recv(kvxfer.ModePush, p, now.Add(time.Minute)), q2.recv(kvxfer.ModePush, p, now.Add(time.Minute))
+	r1.ReqID, r2.ReqID = "d-1", "d-2"
+	r2.Remote.ReqID = "" // named by its transfer id alone
+	s := q1.send(now.Add(30 * time.Second))
+	if r1.TransferID == "" || r1.TransferID != r2.TransferID || s.TransferID != r1.TransferID {
+		t.Fatalf("transfer ids %q, %q, %q: want one for all", r1.TransferID, r2.TransferID, s.TransferID)
+	}
+	out := newOutcomes()
+	settle := func() {
+		for range 30 {
+			synctest.Wait()
+			for _, se := range []*simEngine{p, d1, d2} {
+				out.collect(t, se)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	consumers := []kvxfer.PeerName{"D1/pp0/tp0", "D2/pp0/tp0"}
+	if writing {
+		for _, a := range consumers {
+			fab.Faults().Stall(a)
+		}
+	}
+	p.step(t, &kvxfer.StepMeta{SchedulerClock: now, Send: []kvxfer.SendReq{s}})
+	settle()
+	// d-1's registrations go to P's rank 0, then rank 1: the first is
+	// held back.
+	fab.Faults().DelayNotifs(1)
+	d1.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r1}})
+	settle()
+	d2.step(t, &kvxfer.StepMeta{SchedulerClock: now, Recv: []kvxfer.RecvReq{r2}})
+	settle()
+	start := time.Now()
+	if n := fab.Faults().DeliverDelayed(); n != 1 {
+		t.Fatalf("%d notifications held back, want d-1's registration to P's rank 0", n)
+	}
+	settle()
+	for _, a := range consumers {
+		fab.Faults().Unstall(a)
+	}
+	settle()
+	for _, c := range []struct{ id, other string }{{"d-1", "d-2"}, {"d-2", "d-1"}} {
+		o := out.recv[c.id]
+		if len(o) != 1 || o[0].Result != kvxfer.ResultFailed || !strings.Contains(o[0].Reason, fmt.Sprintf("%q", c.other)) {
+			t.Errorf("%s: outcomes %v, want one failed at once, naming %s (paired at the rank that refused it)", c.id, o, c.other)
+		}
+	}
+	if o := out.send["p-x"]; len(o) != pe.TP {
+		t.Errorf("p-x: outcomes %v, want one per rank at once", o)
+	}
+	if writing {
+		for _, w := range p.workers[0] {
+			if n := w.Metrics().Snapshot().Dropped["reg_taken"]; n != 1 {
+				t.Errorf(`P rank %d: dropped{reason="reg_taken"} = %d, want 1 (the registration that came second)`, w.Layout().TPRank, n)
+			}
+		}
+	}
+	for _, se := range []*simEngine{p, d1, d2} {
+		for _, w := range se.workers[0] {
+			st, err := w.State()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n := kvxfer.RegBlockIDs(w); st.Sends+st.Matches+st.Recvs+st.Handles+st.Releasing+n != 0 {
+				t.Errorf("%s rank %d once every request ended: holds %+v, %d block ids in registrations; want no request, registered block or transfer",
+					se.id, w.Layout().TPRank, st, n)
+			}
+		}
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("%v to settle, want well under a second", d)
+	}
+	time.Sleep(2 * time.Minute) // past every deadline and lease: nothing more
+	settle()
+	for _, id := range []string{"d-1", "d-2"} {
+		if o := out.recv[id]; len(o) != 1 {
+			t.Errorf("%s: outcomes %v, want one", id, o)
+		}
+	}
+	if o := out.send["p-x"]; len(o) != pe.TP {
+		t.Errorf("p-x: outcomes %v, want one per rank", o)
 	}
 }

@@ -83,7 +83,11 @@ const (
 	// it no longer holds (or holds with no lease yet: still prefilling)
 	// is left out. A consumer bounds its READs by it (and by the params'
 	// expiry, whichever is later); without an answer (a producer of an
-	// earlier build ignores the ask) by the params' expiry alone.
+	// earlier build ignores the ask) by the params' expiry alone. One
+	// that lists nothing (no IDs, no Holds) and names a request in
+	// TransferID, PReq and DReq, with a Reason, answers a hold check's
+	// question: the rank does not hold that request (it ended there), and
+	// why; a consumer of an earlier build reads in it nothing held.
 	msgHold
 )
 
