@@ -244,21 +244,7 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 				}
 			}
 		}
-		for _, se := range []*simEngine{p, d1, d2} {
-			for _, w := range se.workers[0] {
-				st, err := w.State()
-				if err != nil {
-					t.Fatal(err)
-				}
-				// (A consumer's give-up may wait among the registrations,
-				// holding no block: a cancel that crossed our failure
-				// notice.)
-				if n := kvxfer.RegBlockIDs(w); st.Sends+st.Matches+st.Recvs+st.Handles+st.Releasing+n != 0 {
-					t.Errorf("%s rank %d once every request ended: holds %+v, %d block ids in registrations; want no request, registered block or transfer",
-						se.id, w.Layout().TPRank, st, n)
-				}
-			}
-		}
+		checkNothingHeld(t, p, d1, d2)
 	}
 	time.Sleep(2 * time.Minute)
 	settle()
@@ -386,18 +372,7 @@ func runRanksPairApart(t *testing.T, writing bool) {
 			}
 		}
 	}
-	for _, se := range []*simEngine{p, d1, d2} {
-		for _, w := range se.workers[0] {
-			st, err := w.State()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if n := kvxfer.RegBlockIDs(w); st.Sends+st.Matches+st.Recvs+st.Handles+st.Releasing+n != 0 {
-				t.Errorf("%s rank %d once every request ended: holds %+v, %d block ids in registrations; want no request, registered block or transfer",
-					se.id, w.Layout().TPRank, st, n)
-			}
-		}
-	}
+	checkNothingHeld(t, p, d1, d2)
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("%v to settle, want well under a second", d)
 	}
@@ -410,5 +385,25 @@ func runRanksPairApart(t *testing.T, writing bool) {
 	}
 	if o := out.send["p-x"]; len(o) != pe.TP {
 		t.Errorf("p-x: outcomes %v, want one per rank", o)
+	}
+}
+
+// checkNothingHeld checks that no rank of the engines holds a request, a
+// match, a transfer or a registered block id once every request ended.
+// (A consumer's give-up may wait among the registrations, holding no
+// block: a cancel that crossed our failure notice.)
+func checkNothingHeld(t *testing.T, engines ...*simEngine) {
+	t.Helper()
+	for _, se := range engines {
+		for _, w := range se.workers[0] {
+			st, err := w.State()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n := kvxfer.RegBlockIDs(w); st.Sends+st.Matches+st.Recvs+st.Handles+st.Releasing+n != 0 {
+				t.Errorf("%s rank %d once every request ended: holds %+v, %d block ids in registrations; want no request, registered block or transfer",
+					se.id, w.Layout().TPRank, st, n)
+			}
+		}
 	}
 }
