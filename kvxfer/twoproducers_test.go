@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/kvsim"
 	"github.com/kvxfer/kvxfer/kvxfer"
+	"github.com/kvxfer/kvxfer/kvxfer/kvxfertest"
 	"github.com/kvxfer/kvxfer/topology"
 )
 
@@ -123,26 +124,8 @@ func TestTwoConsumersNameOneProducerRequest(t *testing.T) {
 }
 
 func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
-	fab, dir := newFabricDir()
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
-	pe, de1, de2 := e2eEngine(1, 2, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
-	p := startEngine(t, fab, dir, &model, pe, "P", mode, nil)
-	d1 := startEngine(t, fab, dir, &model, de1, "D1", mode, nil)
-	d2 := startEngine(t, fab, dir, &model, de2, "D2", mode, nil)
-	defer d1.close(t)
-	defer d2.close(t)
-	defer p.close(t)
-	rng := rand.New(rand.NewPCG(3, 4))
-	groups := p.ranks[0][0].Layout.GroupList()
-	pool := newPool(rng, len(groups), pe.Blocks, true)
-	q1 := makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
-	q2 := &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
-	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
-	q1.sim.Salt, q2.sim.Salt = 1, 1
-	for _, r := range p.ranks[0] {
-		r.Scramble(1)
-		r.FillSalt(q1.sim.P, 1)
-	}
+	_, p, d1, d2, q1, q2, stop := twoConsumerEngines(t, mode)
+	defer stop()
 	b1, b2 := d1.ranks[0][0].Snapshot(), d2.ranks[0][0].Snapshot()
 	now := time.Now()
 	r1, r2 := q1.recv(mode, p, now.Add(time.Minute)), q2.recv(mode, p, now.Add(time.Minute))
@@ -231,7 +214,7 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 		}{{"d-1", out.recv["d-1"]}, {"d-2", out.recv["d-2"]}, {"p-x", out.send["p-x"]}} {
 			want := 1
 			if x.id == "p-x" {
-				want = pe.TP
+				want = pTP
 			}
 			if len(x.got) != want {
 				t.Errorf("%s, once every request was handed over: outcomes %v, want %d at once", x.id, x.got, want)
@@ -267,7 +250,7 @@ func runTwoConsumers(t *testing.T, mode kvxfer.Mode, tids, order string) {
 			t.Errorf("%s (%v): %v", x.id, o[0].Result, err)
 		}
 	}
-	if len(out.send["p-x"]) != pe.TP {
+	if len(out.send["p-x"]) != pTP {
 		t.Errorf("P outcomes %v, want one per rank", out.send["p-x"])
 	}
 }
@@ -295,25 +278,8 @@ func TestTwoConsumersRanksPairApart(t *testing.T) {
 }
 
 func runRanksPairApart(t *testing.T, writing bool) {
-	fab, dir := newFabricDir()
-	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
-	pe, de1, de2 := e2eEngine(1, 2, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
-	p := startEngine(t, fab, dir, &model, pe, "P", kvxfer.ModePush, nil)
-	d1 := startEngine(t, fab, dir, &model, de1, "D1", kvxfer.ModePush, nil)
-	d2 := startEngine(t, fab, dir, &model, de2, "D2", kvxfer.ModePush, nil)
-	defer d1.close(t)
-	defer d2.close(t)
-	defer p.close(t)
-	rng := rand.New(rand.NewPCG(3, 4))
-	groups := p.ranks[0][0].Layout.GroupList()
-	pool := newPool(rng, len(groups), pe.Blocks, true)
-	q1 := makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
-	q2 := &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
-	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
-	for _, r := range p.ranks[0] {
-		r.Scramble(1)
-		r.FillSalt(q1.sim.P, 1)
-	}
+	fab, p, d1, d2, q1, q2, stop := twoConsumerEngines(t, kvxfer.ModePush)
+	defer stop()
 	now := time.Now()
 	r1, r2 := q1.recv(kvxfer.ModePush, p, now.Add(time.Minute)), q2.recv(kvxfer.ModePush, p, now.Add(time.Minute))
 	r1.ReqID, r2.ReqID = "d-1", "d-2"
@@ -362,7 +328,7 @@ func runRanksPairApart(t *testing.T, writing bool) {
 			t.Errorf("%s: outcomes %v, want one failed at once, naming %s (paired at the rank that refused it)", c.id, o, c.other)
 		}
 	}
-	if o := out.send["p-x"]; len(o) != pe.TP {
+	if o := out.send["p-x"]; len(o) != pTP {
 		t.Errorf("p-x: outcomes %v, want one per rank at once", o)
 	}
 	if writing {
@@ -383,7 +349,7 @@ func runRanksPairApart(t *testing.T, writing bool) {
 			t.Errorf("%s: outcomes %v, want one", id, o)
 		}
 	}
-	if o := out.send["p-x"]; len(o) != pe.TP {
+	if o := out.send["p-x"]; len(o) != pTP {
 		t.Errorf("p-x: outcomes %v, want one per rank", o)
 	}
 }
@@ -405,5 +371,38 @@ func checkNothingHeld(t *testing.T, engines ...*simEngine) {
 					se.id, w.Layout().TPRank, st, n)
 			}
 		}
+	}
+}
+
+// pTP is P's TP size in twoConsumerEngines.
+const pTP = 2
+
+// twoConsumerEngines starts P (TP pTP, its blocks scrambled) and two
+// consumer engines D1 and D2 of mode, and request x of 40 tokens: q1
+// D1's, q2 D2's, both naming P's same blocks, which hold q1's KV (salt
+// 1, both requests' salt), on fab. stop closes the engines.
+func twoConsumerEngines(t *testing.T, mode kvxfer.Mode) (fab *kvxfertest.Fabric, p, d1, d2 *simEngine, q1, q2 *xreq, stop func()) {
+	t.Helper()
+	fab, dir := newFabricDir()
+	model := kvsim.Model{Kinds: []topology.Kind{fa, fa}, TotalKVHeads: 4, HeadSize: 4, ElemBytes: 2}
+	pe, de1, de2 := e2eEngine(1, pTP, 1, 16, 16), e2eEngine(2, 1, 1, 16, 16), e2eEngine(3, 1, 1, 16, 16)
+	p = startEngine(t, fab, dir, &model, pe, "P", mode, nil)
+	d1 = startEngine(t, fab, dir, &model, de1, "D1", mode, nil)
+	d2 = startEngine(t, fab, dir, &model, de2, "D2", mode, nil)
+	rng := rand.New(rand.NewPCG(3, 4))
+	groups := p.ranks[0][0].Layout.GroupList()
+	pool := newPool(rng, len(groups), pe.Blocks, true)
+	q1 = makeRequest("x", 40, 0, groups, pe, de1, pool, newPool(rng, len(groups), de1.Blocks, true))
+	q2 = &xreq{id: "x", tokens: 40, sim: kvsim.Request{Tokens: 40, P: q1.sim.P}}
+	q2.sim.D = []topology.Span{{IDs: newPool(rng, len(groups), de2.Blocks, true).take(0, 3)}}
+	q1.sim.Salt, q2.sim.Salt = 1, 1
+	for _, r := range p.ranks[0] {
+		r.Scramble(1)
+		r.FillSalt(q1.sim.P, 1)
+	}
+	return fab, p, d1, d2, q1, q2, func() {
+		p.close(t)
+		d2.close(t)
+		d1.close(t)
 	}
 }
