@@ -57,8 +57,14 @@ class Client:
 
     def __init__(self, address: str = DEFAULT_SOCKET, timeout: float = 10.0, peer_secret: bytes | None = None,
                  direct: bool | None = None):
-        self.address = address
-        self.timeout = timeout
+        # Before, a wrong address or timeout failed later as an
+        # AttributeError or TypeError from inside gRPC or the first call
+        # (a pathlib.Path socket too).
+        if isinstance(address, os.PathLike):
+            address = os.fspath(address)
+        self.address = _str_arg("Client", "address", address)
+        self.timeout = _seconds_arg("Client", "timeout", timeout)
+        self._closed = False
         self._direct = direct
         self._sched_ids: dict | None = None  # _direct_methods' table, made once
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
@@ -75,7 +81,8 @@ class Client:
         self._peer = rpc.PeerServiceStub(self._channel)
 
     def call(self, op: str, fn, req, timeout: float | None = None):
-        timeout = self.timeout if timeout is None else timeout
+        self._check_open(op)
+        timeout = self.timeout if timeout is None else _seconds_arg(op, "timeout", timeout)
         method = self._direct_methods().get(id(fn))
         if method is not None:
             try:
@@ -96,6 +103,14 @@ class Client:
             return fn(req, timeout=timeout)
         except grpc.RpcError as e:
             raise self._error(op, e) from None
+
+    def _check_open(self, op: str) -> None:
+        """Raises Unavailable once the client was closed. Before, a closed
+        client's gRPC calls raised gRPC's ValueError (no KvxferError, so
+        past an engine's handling of failed calls), while its direct calls
+        to this process's in-process server went on working."""
+        if self._closed:
+            raise errors.Unavailable(op, f"the client for {self.address} is closed (Client.close): make a new one")
 
     def _error(self, op: str, e: grpc.RpcError) -> errors.DaemonError:
         """The typed error of a failed call or stream; where the server is
@@ -132,6 +147,7 @@ class Client:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel connects, or raises Unavailable."""
+        self._check_open("connect")
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -152,6 +168,9 @@ class Client:
         messages through the library's calls, no thread between), unless
         the client was made with ``direct=False`` or the library predates
         direct streams."""
+        _msg_arg("Connect", "hello", hello, pb.WorkerHello)
+        ready_timeout = _seconds_arg("Connect", "ready_timeout", ready_timeout)
+        self._check_open("Connect")
         if not hello.max_message_bytes:
             hello.max_message_bytes = _MAX_MESSAGE
         if self._direct is not False and self.address == inprocess.direct_endpoint():
@@ -168,6 +187,7 @@ class Client:
             raise
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
         if self._bridge is not None:
             self._bridge.close()
@@ -208,6 +228,7 @@ class Scheduler:
 
     def open(self, config: pb.SchedulerConfig) -> str:
         """Creates (or replaces) the engine's scheduler; returns the daemon's peer address."""
+        _msg_arg("OpenScheduler", "config", config, pb.SchedulerConfig)
         config.engine_id = self.engine_id
         r = self._c.call("OpenScheduler", self._c._sched.OpenScheduler, pb.OpenSchedulerRequest(config=config))
         # Whether the daemon takes FINISH_STATUS_PREEMPTED (an older one
@@ -249,6 +270,7 @@ class Scheduler:
 
     def step_request(self, req: pb.StepRequest) -> StepResult:
         """One round trip with a StepRequest built by the caller."""
+        _msg_arg("Step", "req", req, pb.StepRequest)
         req.engine_id = self.engine_id
         return step_result(self._c.call("Step", self._c._sched.Step, req))
 
@@ -294,6 +316,7 @@ class StepStream:
         self._closing = False
         self.error: errors.KvxferError | None = None
         self._client = client
+        client._check_open("Steps")
         self._call = client._sched.Steps(_requests(self._out))
         self._reader = threading.Thread(target=self._read, name=f"kvxfer-steps-{engine_id}", daemon=True)
         self._reader.start()
@@ -325,6 +348,7 @@ class StepStream:
         copy; gRPC serializes it on its own thread."""
         if self._done.is_set():
             raise self.error or errors.StreamClosed("Steps stream is closed")
+        _msg_arg("Steps", "req", req, (pb.StepRequest, pb.StepsRequest))
         if isinstance(req, pb.StepsRequest):
             req.step.engine_id = self.engine_id
             self._out.put(req)
@@ -380,6 +404,24 @@ def _int_arg(op: str, name: str, v, maximum: int = _INT64_MAX) -> int:
     if not 0 <= v <= maximum:
         raise _bad(op, name, v, f"an integer in [0, {maximum}]")
     return v
+
+
+def _seconds_arg(op: str, name: str, v) -> float:
+    """v as a positive, finite number of seconds, or InvalidArgument naming
+    name: gRPC ends a call with a deadline of 0 or less at once, where a
+    direct call to the in-process server took it as no limit."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise _bad(op, name, v, "a positive number of seconds")
+    return v
+
+
+def _msg_arg(op: str, name: str, v, cls) -> None:
+    """Raises InvalidArgument naming name unless v is a cls message (a
+    tuple: one of them); before, a dict or None failed as an
+    AttributeError from inside this module."""
+    if not isinstance(v, cls):
+        want = " or ".join(c.DESCRIPTOR.full_name for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise _bad(op, name, v, f"a {want}")
 
 
 def _str_arg(op: str, name: str, v) -> str:

@@ -736,3 +736,64 @@ def test_ctrl_c_interrupts_the_stop_at_exit(libkvxfer):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_client_refuses_bad_arguments_and_use_after_close(libkvxfer):
+    """An engine author's mistakes with the plain client are a KvxferError
+    (InvalidArgument naming the argument and its value, nothing sent)
+    rather than an AttributeError or TypeError from inside the module; a
+    closed client is Unavailable on every path: before, its gRPC calls
+    raised gRPC's ValueError ("Cannot invoke RPC on closed channel!") and
+    its direct calls to the in-process server went on working."""
+    r = _run(libkvxfer, """
+        import json
+        import pathlib
+        import kvxfer
+        from kvxfer import errors, inprocess
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        ep = inprocess.start({"insecure_peers": True, "log_level": "error"})
+        bad = []
+
+        def refused(what, fn, cls, *words):
+            try:
+                fn()
+            except cls as e:
+                if not all(w in str(e) for w in words):
+                    bad.append(f"{what}: {e!r} does not say {words}")
+                return
+            except BaseException as e:
+                bad.append(f"{what}: {type(e).__name__}: {e}")
+                return
+            bad.append(f"{what}: raised nothing")
+
+        inv = errors.InvalidArgument
+        refused("address None", lambda: kvxfer.Client(None), inv, "address = None")
+        if kvxfer.Client(pathlib.Path("/run/x.sock")).address != "/run/x.sock":
+            bad.append("a pathlib.Path socket is not taken as its path")
+        refused("timeout str", lambda: kvxfer.Client(ep, timeout="10"), inv, "timeout = '10'")
+        refused("timeout 0", lambda: kvxfer.Client(ep, timeout=0), inv, "timeout = 0")
+        for direct in (None, False):
+            c = kvxfer.Client(ep, direct=direct)
+            s = c.scheduler("E")
+            refused(f"{direct} open None", lambda: s.open(None), inv, "config = None", "SchedulerConfig")
+            refused(f"{direct} step_request dict", lambda: s.step_request({"ops": []}), inv, "req = {'ops': []}")
+            refused(f"{direct} call timeout -1", lambda: c.call("BuildMeta", c._sched.BuildMeta, pb.BuildMetaRequest(engine_id="E"), timeout=-1),
+                    inv, "timeout = -1")
+            refused(f"{direct} connect None", lambda: c.connect(None), inv, "hello = None", "WorkerHello")
+            refused(f"{direct} connect ready_timeout", lambda: c.connect(pb.WorkerHello(engine_id="E"), ready_timeout="5"),
+                    inv, "ready_timeout = '5'")
+            st = s.stream()
+            refused(f"{direct} send None", lambda: st.send(None), inv, "req = None")
+            st.close()
+            s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+            c.close()
+            c.close()  # twice: nothing
+            refused(f"{direct} step after close", lambda: s.step([]), errors.Unavailable, "closed")
+            refused(f"{direct} connect after close", lambda: c.connect(pb.WorkerHello(engine_id="E")), errors.Unavailable, "closed")
+            refused(f"{direct} stream after close", lambda: s.stream(), errors.Unavailable, "closed")
+            kvxfer.Client(ep, direct=direct).scheduler("E").close()
+        inprocess.stop()
+        print("result", json.dumps(bad), flush=True)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _result(r.stdout) == [], r.stdout
