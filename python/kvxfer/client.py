@@ -103,6 +103,11 @@ class Client:
             return fn(req, timeout=timeout)
         except grpc.RpcError as e:
             raise self._error(op, e) from None
+        except ValueError:
+            # gRPC's word for a channel closed as the call began.
+            if self._closed:
+                self._check_open(op)
+            raise
 
     def _check_open(self, op: str) -> None:
         """Raises Unavailable once the client was closed. Before, a closed
@@ -117,6 +122,11 @@ class Client:
         another process's in-process server and could not be reached, it
         says why (gRPC's own words are "connection reset by peer")."""
         err = errors.from_rpc_error(op, e)
+        if self._closed and e.code() == grpc.StatusCode.CANCELLED:
+            # A call in flight as the client closed: before, a bare
+            # DaemonError (CANCELLED, "Channel closed!"), where calls after
+            # the close are Unavailable.
+            return errors.Unavailable(op, f"the client for {self.address} was closed during the call ({err.details})")
         foreign = self._foreign()
         # gRPC in a forked child may say CANCELLED ("closed on fork") of a
         # channel made before the fork; this client cancels no call that

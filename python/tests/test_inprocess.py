@@ -748,6 +748,8 @@ def test_client_refuses_bad_arguments_and_use_after_close(libkvxfer):
     r = _run(libkvxfer, """
         import json
         import pathlib
+        import threading
+        import time
         import kvxfer
         from kvxfer import errors, inprocess
         from kvxfer.v1 import kvxfer_pb2 as pb
@@ -792,6 +794,32 @@ def test_client_refuses_bad_arguments_and_use_after_close(libkvxfer):
             refused(f"{direct} connect after close", lambda: c.connect(pb.WorkerHello(engine_id="E")), errors.Unavailable, "closed")
             refused(f"{direct} stream after close", lambda: s.stream(), errors.Unavailable, "closed")
             kvxfer.Client(ep, direct=direct).scheduler("E").close()
+        # Calls in flight as the client closes (gRPC: the direct calls
+        # cannot be interrupted, and end well); a few times, for the
+        # moments a close can fall on.
+        for _ in range(4):
+            c = kvxfer.Client(ep, direct=False)
+            s = c.scheduler("E")
+            s.open(pb.SchedulerConfig(mode=pb.MODE_PUSH, tp_size=1, logical_block_size=16))
+            got = []
+
+            def calls():
+                try:
+                    while True:
+                        s.build_meta()
+                except BaseException as e:
+                    got.append(e)
+
+            ts = [threading.Thread(target=calls) for _ in range(8)]
+            for t in ts:
+                t.start()
+            time.sleep(0.2)
+            c.close()
+            for t in ts:
+                t.join(10)
+            bad += [f"a call in flight at close: {e!r}" for e in got
+                    if not isinstance(e, errors.Unavailable) or "closed" not in str(e)]
+        kvxfer.Client(ep).scheduler("E").close()
         inprocess.stop()
         print("result", json.dumps(bad), flush=True)
     """)
