@@ -488,12 +488,29 @@ func Main(args []string) error {
 
 // onSignals returns a context that ends at the first SIGTERM or SIGINT
 // (a graceful shutdown); a second one while it runs exits at once, status
-// 128+signal, without waiting for the drain.
+// 128+signal, without waiting for the drain. SIGHUP is logged and
+// ignored: kvxferd reloads nothing. Before, SIGHUP (a reload sent by habit,
+// `systemctl reload`, a closed terminal) killed it at once, Go's default,
+// without a word: no drain, every transfer in flight lost, its socket
+// file left behind.
 func onSignals(c *config, log *slog.Logger) (context.Context, func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	hups := make(chan os.Signal, 1)
+	signal.Notify(hups, syscall.SIGHUP)
 	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-hups:
+				log.Warn("kvxferd: SIGHUP ignored: kvxferd reloads nothing (flags are read at start: restart it to change them; " +
+					"SIGTERM or SIGINT stops it gracefully)")
+			case <-done:
+				return
+			}
+		}
+	}()
 	go func() {
 		select {
 		case s := <-sigs:
@@ -518,6 +535,7 @@ func onSignals(c *config, log *slog.Logger) (context.Context, func()) {
 	}()
 	return ctx, func() {
 		signal.Stop(sigs)
+		signal.Stop(hups)
 		close(done)
 		cancel()
 	}
