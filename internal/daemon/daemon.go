@@ -782,7 +782,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	peerLn, err := listenPeers("tcp", c.peerListen)
 	if err != nil {
-		return nil, fmt.Errorf("peer listener: %w", err)
+		return nil, fmt.Errorf("-peer-listen %s: %w", c.peerListen, err)
 	}
 	forkclose.Listener(peerLn)
 	in.cleanup = append(in.cleanup, func() { peerLn.Close() })
@@ -906,7 +906,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mln, err := net.Listen("tcp", c.metricsListen)
 		if err != nil {
-			return nil, fmt.Errorf("metrics listener: %w", err)
+			return nil, fmt.Errorf("-metrics-listen %s: %w", c.metricsListen, err)
 		}
 		forkclose.Listener(mln)
 		// Whoever reaches it holds a few connections at most (each
@@ -940,11 +940,14 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 
 // listenEngines opens the engines' unix socket: a file of mode
 // -socket-mode (a stale one replaced), or an abstract name ("@name").
+// Its errors, as the Peer and metrics listeners', name the flag: before,
+// "engine socket: ...", "peer listener: ..." and "metrics listener: ..."
+// left the operator to guess which flag to change.
 func listenEngines(c *config) (net.Listener, error) {
 	if abstract(c.socket) {
 		ln, err := net.Listen("unix", c.socket)
 		if err != nil {
-			return nil, fmt.Errorf("engine socket: %w", err)
+			return nil, fmt.Errorf("-socket %s: %w", c.socket, err)
 		}
 		forkclose.Listener(ln)
 		return ln, nil
@@ -956,7 +959,7 @@ func listenEngines(c *config) (net.Listener, error) {
 	engLn, err := net.Listen("unix", c.socket)
 	syscall.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("engine socket: %w", err)
+		return nil, fmt.Errorf("-socket %s: %w (its directory must exist and be writable by kvxferd's user)", c.socket, err)
 	}
 	mode := os.FileMode(c.socketMode)
 	if mode == 0 {

@@ -3,6 +3,7 @@ package daemon
 import (
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -151,4 +152,39 @@ func TestSocketAndShmDirChecked(t *testing.T) {
 		t.Errorf("missing -shm-dir: %v, want an error naming -shm-dir", err)
 	}
 	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+// A listener that cannot be opened fails the start naming its flag and
+// value (a port in use, a socket in a directory that does not exist):
+// before, "peer listener: listen tcp ...", "metrics listener: ..." and
+// "engine socket: listen unix ..." named none.
+func TestListenErrorsNameFlag(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	for _, tc := range []struct {
+		name string
+		set  func(c *config)
+		want string
+	}{
+		{"peer port in use", func(c *config) { c.peerListen = taken.Addr().String() }, "-peer-listen " + taken.Addr().String()},
+		{"metrics port in use", func(c *config) { c.metricsListen = taken.Addr().String() }, "-metrics-listen " + taken.Addr().String()},
+		{"socket directory missing", func(c *config) { c.socket = filepath.Join(c.shmDir, "missing", "k.sock") }, "-socket "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := testConfig(t)
+			c.insecurePeers = true
+			tc.set(c)
+			in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+			if err == nil {
+				in.shutdown()
+				t.Fatal("started")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("start: %v, want an error naming %q", err, tc.want)
+			}
+		})
+	}
 }
