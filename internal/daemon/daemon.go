@@ -124,7 +124,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.DurationVar(&c.peerTimeout, "peer-timeout", 5*time.Second,
 		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail (at least 50ms); negative: never")
-	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
+	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving (removed when it stops)")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
 		"requests a worker rank holds at once on each side (producer, consumer), and an engine's scheduler keeps in each of its sets (held, receiving, staged); one past it fails at once (transfer_setup_failed; a scheduler call: ResourceExhausted)")
@@ -800,6 +800,14 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	in.cleanup = append(in.cleanup, func() { engLn.Close() })
+	if c.readyFile != "" {
+		// An earlier run's file (of a daemon killed) names an address
+		// no longer served: gone until this run serves, so that whoever
+		// waits for it waits for this run. (Removed only once the
+		// engine socket is ours: a second daemon on it, refused, leaves
+		// the first one's file be.)
+		_ = os.Remove(c.readyFile)
+	}
 	if !abstract(c.socket) {
 		in.cleanup = append(in.cleanup, func() { os.Remove(c.socket) })
 	}
@@ -1018,6 +1026,12 @@ func (in *instance) shutdown() {
 	log := in.log
 	log.Info("kvxferd: shutting down")
 	in.hs.Shutdown()
+	if in.c.readyFile != "" {
+		// Before, a stopped daemon's -ready-file stayed, naming an
+		// address no longer served: whoever waited for it after a
+		// restart went on at once, to the old run's address.
+		_ = os.Remove(in.c.readyFile)
+	}
 	dctx, cancel := context.WithTimeout(context.Background(), in.c.drainTimeout+5*time.Second)
 	defer cancel()
 	if err := in.srv.Drain(dctx); err != nil {

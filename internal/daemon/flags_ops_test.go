@@ -188,3 +188,45 @@ func TestListenErrorsNameFlag(t *testing.T) {
 		})
 	}
 }
+
+// -ready-file names the address of a daemon serving now: a stopped
+// daemon's is removed as it shuts down, and an earlier run's (a daemon
+// killed) as the next run opens its socket, even if that run then fails.
+// Before, both stayed, naming an address no longer served, and whoever
+// waited for the file after a restart went on at once.
+func TestReadyFileRemovedWhenNotServing(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	c := testConfig(t)
+	c.insecurePeers = true
+	c.readyFile = filepath.Join(t.TempDir(), "ready")
+	in, err := start(c, log, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(c.readyFile); err != nil || string(b) != in.advertise {
+		t.Fatalf("-ready-file while serving: %q, %v; want %q", b, err, in.advertise)
+	}
+	in.shutdown()
+	if b, err := os.ReadFile(c.readyFile); err == nil {
+		t.Errorf("-ready-file after shutdown: %q, want it removed", b)
+	}
+
+	// An earlier run's file, then a start that fails after its socket
+	// opened (its metrics port is taken).
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	if err := os.WriteFile(c.readyFile, []byte("127.0.0.1:1"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c.metricsListen = taken.Addr().String()
+	if in, err := start(c, log, false); err == nil {
+		in.shutdown()
+		t.Fatal("started with its metrics port taken")
+	}
+	if b, err := os.ReadFile(c.readyFile); err == nil {
+		t.Errorf("an earlier run's -ready-file after a failed start: %q, want it removed", b)
+	}
+}
