@@ -476,7 +476,9 @@ func Main(args []string) error {
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
-		return fmt.Errorf("-log-level: %w", err)
+		// Before, "-log-level: slog: level string ...: unknown name",
+		// without the levels it takes.
+		return fmt.Errorf("-log-level = %q, want debug, info, warn or error", c.logLevel)
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	slog.SetDefault(log)

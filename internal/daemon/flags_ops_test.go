@@ -230,3 +230,12 @@ func TestReadyFileRemovedWhenNotServing(t *testing.T) {
 		t.Errorf("an earlier run's -ready-file after a failed start: %q, want it removed", b)
 	}
 }
+
+// A -log-level that is none is refused naming the value and the levels it
+// takes: before, "-log-level: slog: level string \"verbose\": unknown name".
+func TestLogLevelRefusedNamingLevels(t *testing.T) {
+	err := Main([]string{"-log-level", "verbose", "-socket", filepath.Join(t.TempDir(), "k.sock")})
+	if err == nil || !strings.Contains(err.Error(), `-log-level = "verbose"`) || !strings.Contains(err.Error(), "debug, info, warn or error") {
+		t.Errorf("Main(-log-level verbose) = %v, want an error naming the value and the levels", err)
+	}
+}
