@@ -124,7 +124,7 @@ func flagSet(c *config) *flag.FlagSet {
 	fs.DurationVar(&c.lease, "lease", 30*time.Second, "producer lease kept alive by consumer heartbeats")
 	fs.DurationVar(&c.peerTimeout, "peer-timeout", 5*time.Second,
 		"how long a producer engine that requests wait on may stay silent (its daemon not answering) before they fail (at least 50ms); negative: never")
-	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving")
+	fs.StringVar(&c.readyFile, "ready-file", "", "write the Peer service address here once serving (removed when it stops)")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.IntVar(&c.maxRequests, "max-requests", kvxfer.DefaultMaxRequests,
 		"requests a worker rank holds at once on each side (producer, consumer), and an engine's scheduler keeps in each of its sets (held, receiving, staged); one past it fails at once (transfer_setup_failed; a scheduler call: ResourceExhausted)")
@@ -476,7 +476,9 @@ func Main(args []string) error {
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
-		return fmt.Errorf("-log-level: %w", err)
+		// Before, "-log-level: slog: level string ...: unknown name",
+		// without the levels it takes.
+		return fmt.Errorf("-log-level = %q, want debug, info, warn or error", c.logLevel)
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	slog.SetDefault(log)
@@ -488,12 +490,29 @@ func Main(args []string) error {
 
 // onSignals returns a context that ends at the first SIGTERM or SIGINT
 // (a graceful shutdown); a second one while it runs exits at once, status
-// 128+signal, without waiting for the drain.
+// 128+signal, without waiting for the drain. SIGHUP is logged and
+// ignored: kvxferd reloads nothing. Before, SIGHUP (a reload sent by habit,
+// `systemctl reload`, a closed terminal) killed it at once, Go's default,
+// without a word: no drain, every transfer in flight lost, its socket
+// file left behind.
 func onSignals(c *config, log *slog.Logger) (context.Context, func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	hups := make(chan os.Signal, 1)
+	signal.Notify(hups, syscall.SIGHUP)
 	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-hups:
+				log.Warn("kvxferd: SIGHUP ignored: kvxferd reloads nothing (flags are read at start: restart it to change them; " +
+					"SIGTERM or SIGINT stops it gracefully)")
+			case <-done:
+				return
+			}
+		}
+	}()
 	go func() {
 		select {
 		case s := <-sigs:
@@ -518,6 +537,7 @@ func onSignals(c *config, log *slog.Logger) (context.Context, func()) {
 	}()
 	return ctx, func() {
 		signal.Stop(sigs)
+		signal.Stop(hups)
 		close(done)
 		cancel()
 	}
@@ -764,7 +784,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 	}
 	peerLn, err := listenPeers("tcp", c.peerListen)
 	if err != nil {
-		return nil, fmt.Errorf("peer listener: %w", err)
+		return nil, fmt.Errorf("-peer-listen %s: %w", c.peerListen, err)
 	}
 	forkclose.Listener(peerLn)
 	in.cleanup = append(in.cleanup, func() { peerLn.Close() })
@@ -782,6 +802,14 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		return nil, err
 	}
 	in.cleanup = append(in.cleanup, func() { engLn.Close() })
+	if c.readyFile != "" {
+		// An earlier run's file (of a daemon killed) names an address
+		// no longer served: gone until this run serves, so that whoever
+		// waits for it waits for this run. (Removed only once the
+		// engine socket is ours: a second daemon on it, refused, leaves
+		// the first one's file be.)
+		_ = os.Remove(c.readyFile)
+	}
 	if !abstract(c.socket) {
 		in.cleanup = append(in.cleanup, func() { os.Remove(c.socket) })
 	}
@@ -888,7 +916,7 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mln, err := net.Listen("tcp", c.metricsListen)
 		if err != nil {
-			return nil, fmt.Errorf("metrics listener: %w", err)
+			return nil, fmt.Errorf("-metrics-listen %s: %w", c.metricsListen, err)
 		}
 		forkclose.Listener(mln)
 		// Whoever reaches it holds a few connections at most (each
@@ -922,11 +950,14 @@ func start(c *config, log *slog.Logger, inProcess bool) (_ *instance, err error)
 
 // listenEngines opens the engines' unix socket: a file of mode
 // -socket-mode (a stale one replaced), or an abstract name ("@name").
+// Its errors, as the Peer and metrics listeners', name the flag: before,
+// "engine socket: ...", "peer listener: ..." and "metrics listener: ..."
+// left the operator to guess which flag to change.
 func listenEngines(c *config) (net.Listener, error) {
 	if abstract(c.socket) {
 		ln, err := net.Listen("unix", c.socket)
 		if err != nil {
-			return nil, fmt.Errorf("engine socket: %w", err)
+			return nil, fmt.Errorf("-socket %s: %w", c.socket, err)
 		}
 		forkclose.Listener(ln)
 		return ln, nil
@@ -938,7 +969,7 @@ func listenEngines(c *config) (net.Listener, error) {
 	engLn, err := net.Listen("unix", c.socket)
 	syscall.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("engine socket: %w", err)
+		return nil, fmt.Errorf("-socket %s: %w (its directory must exist and be writable by kvxferd's user)", c.socket, err)
 	}
 	mode := os.FileMode(c.socketMode)
 	if mode == 0 {
@@ -997,6 +1028,12 @@ func (in *instance) shutdown() {
 	log := in.log
 	log.Info("kvxferd: shutting down")
 	in.hs.Shutdown()
+	if in.c.readyFile != "" {
+		// Before, a stopped daemon's -ready-file stayed, naming an
+		// address no longer served: whoever waited for it after a
+		// restart went on at once, to the old run's address.
+		_ = os.Remove(in.c.readyFile)
+	}
 	dctx, cancel := context.WithTimeout(context.Background(), in.c.drainTimeout+5*time.Second)
 	defer cancel()
 	if err := in.srv.Drain(dctx); err != nil {

@@ -3,6 +3,7 @@ package daemon
 import (
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -151,4 +152,90 @@ func TestSocketAndShmDirChecked(t *testing.T) {
 		t.Errorf("missing -shm-dir: %v, want an error naming -shm-dir", err)
 	}
 	leakcheck.Check(t, before, 0, 10*time.Second)
+}
+
+// A listener that cannot be opened fails the start naming its flag and
+// value (a port in use, a socket in a directory that does not exist):
+// before, "peer listener: listen tcp ...", "metrics listener: ..." and
+// "engine socket: listen unix ..." named none.
+func TestListenErrorsNameFlag(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	for _, tc := range []struct {
+		name string
+		set  func(c *config)
+		want string
+	}{
+		{"peer port in use", func(c *config) { c.peerListen = taken.Addr().String() }, "-peer-listen " + taken.Addr().String()},
+		{"metrics port in use", func(c *config) { c.metricsListen = taken.Addr().String() }, "-metrics-listen " + taken.Addr().String()},
+		{"socket directory missing", func(c *config) { c.socket = filepath.Join(c.shmDir, "missing", "k.sock") }, "-socket "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := testConfig(t)
+			c.insecurePeers = true
+			tc.set(c)
+			in, err := start(c, slog.New(slog.NewTextHandler(io.Discard, nil)), false)
+			if err == nil {
+				in.shutdown()
+				t.Fatal("started")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("start: %v, want an error naming %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// -ready-file names the address of a daemon serving now: a stopped
+// daemon's is removed as it shuts down, and an earlier run's (a daemon
+// killed) as the next run opens its socket, even if that run then fails.
+// Before, both stayed, naming an address no longer served, and whoever
+// waited for the file after a restart went on at once.
+func TestReadyFileRemovedWhenNotServing(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	c := testConfig(t)
+	c.insecurePeers = true
+	c.readyFile = filepath.Join(t.TempDir(), "ready")
+	in, err := start(c, log, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(c.readyFile); err != nil || string(b) != in.advertise {
+		t.Fatalf("-ready-file while serving: %q, %v; want %q", b, err, in.advertise)
+	}
+	in.shutdown()
+	if b, err := os.ReadFile(c.readyFile); err == nil {
+		t.Errorf("-ready-file after shutdown: %q, want it removed", b)
+	}
+
+	// An earlier run's file, then a start that fails after its socket
+	// opened (its metrics port is taken).
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	if err := os.WriteFile(c.readyFile, []byte("127.0.0.1:1"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c.metricsListen = taken.Addr().String()
+	if in, err := start(c, log, false); err == nil {
+		in.shutdown()
+		t.Fatal("started with its metrics port taken")
+	}
+	if b, err := os.ReadFile(c.readyFile); err == nil {
+		t.Errorf("an earlier run's -ready-file after a failed start: %q, want it removed", b)
+	}
+}
+
+// A -log-level that is none is refused naming the value and the levels it
+// takes: before, "-log-level: slog: level string \"verbose\": unknown name".
+func TestLogLevelRefusedNamingLevels(t *testing.T) {
+	err := Main([]string{"-log-level", "verbose", "-socket", filepath.Join(t.TempDir(), "k.sock")})
+	if err == nil || !strings.Contains(err.Error(), `-log-level = "verbose"`) || !strings.Contains(err.Error(), "debug, info, warn or error") {
+		t.Errorf("Main(-log-level verbose) = %v, want an error naming the value and the levels", err)
+	}
 }

@@ -88,6 +88,14 @@ func (c *ClientConfig) endpoints() ([]string, error) {
 			}
 			ep = scheme + ep
 		}
+		if _, rest, _ := strings.Cut(ep, "://"); strings.Contains(rest, "@") {
+			// Before, user:password@ was dropped without a word (etcd's
+			// client takes no credentials from its endpoints, and kvxfer
+			// uses no etcd password), and the endpoint, password included,
+			// was logged as given at start. The error quotes none of it.
+			return nil, fmt.Errorf("-etcd endpoint %q: user info (user:password@) is not used: kvxfer authenticates to etcd with "+
+				"a client certificate (-etcd-cert, -etcd-key); remove it, and keep passwords off the command line", "...@"+rest[strings.LastIndex(rest, "@")+1:])
+		}
 		u, err := url.Parse(ep)
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Port() == "" || u.Hostname() == "" || (u.Path != "" && u.Path != "/") {
 			return nil, fmt.Errorf("-etcd endpoint %q: want host:port, http://host:port or https://host:port", raw)

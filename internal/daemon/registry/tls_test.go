@@ -90,6 +90,25 @@ func TestClientConfigValidate(t *testing.T) {
 	}
 }
 
+// An endpoint with user info (user:password@host:port) is refused, naming
+// the flag and not the password: before, the user info was dropped without
+// a word (etcd's client takes no credentials from its endpoints, and
+// kvxfer uses no etcd password) and the daemon logged the endpoint as
+// given, password included ("kvxferd: fleet registry on etcd"
+// endpoints=http://user:s3cret@...).
+func TestEndpointUserInfoRefused(t *testing.T) {
+	for _, ep := range []string{"http://user:s3cret@127.0.0.1:2379", "user:s3cret@127.0.0.1:2379", "127.0.0.1:2379,https://u:s3cret@10.0.0.1:2379"} {
+		c := registry.ClientConfig{Endpoints: ep, CA: map[bool]string{true: "ca.pem"}[strings.Contains(ep, "https")]}
+		err := c.Validate()
+		if err == nil || !strings.Contains(err.Error(), "-etcd endpoint") || !strings.Contains(err.Error(), "user info") {
+			t.Errorf("-etcd %q: Validate() = %v, want an error naming -etcd and the user info", ep, err)
+		}
+		if err != nil && strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("-etcd %q: the error quotes the password: %v", ep, err)
+		}
+	}
+}
+
 // etcd's client takes one transport for all its endpoints, that of the
 // first one's scheme: with an http:// endpoint first, an https:// one
 // after it was spoken to in plain text, its certificate never asked for
