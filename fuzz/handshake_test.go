@@ -31,7 +31,8 @@ func handshakeSeed(tp int) []byte {
 // FuzzHandshake: a peer's handshake answer, raw or zstd-compressed, never
 // makes the decoder panic or allocate without bound; what it refuses is
 // kvxfer.ErrBadMetadata with the field named; what it accepts has only
-// ranks of the engine asked, with layouts that validate.
+// ranks of the engine asked, with layouts that validate, and so has an
+// answer with ranks leaving (a PartialHandshakeError).
 func FuzzHandshake(f *testing.F) {
 	enc, _ := zstd.NewWriter(nil)
 	for _, tp := range []int{1, 2, 8} {
@@ -45,11 +46,26 @@ func FuzzHandshake(f *testing.F) {
 	dec := server.NewHandshakeDecoder()
 	f.Fuzz(func(t *testing.T, payload []byte, compressed bool) {
 		res, err := dec.Decode("P", &pb.HandshakeResponse{EngineId: "P", Payload: payload, Zstd: compressed, Generation: 7})
+		var partial *kvxfer.PartialHandshakeError
+		if errors.As(err, &partial) {
+			// An answer listing ranks leaving (RankList.leaving): every
+			// rank it lists answered, of the engine asked, with layouts
+			// that validate.
+			for i, r := range partial.Answered {
+				if r.EngineID != "P" {
+					t.Fatalf("answered rank %d of engine %q", i, r.EngineID)
+				}
+				if err := r.Layout.Validate(); err != nil {
+					t.Fatalf("answered rank %d: its layout does not validate: %v", i, err)
+				}
+			}
+			return
+		}
 		if err != nil {
 			if !errors.Is(err, kvxfer.ErrBadMetadata) {
 				t.Fatalf("refusal %v does not wrap ErrBadMetadata", err)
 			}
-			if !strings.Contains(err.Error(), "payload") && !strings.Contains(err.Error(), "ranks[") {
+			if !strings.Contains(err.Error(), "payload") && !strings.Contains(err.Error(), "ranks[") && !strings.Contains(err.Error(), "leaving[") {
 				t.Fatalf("refusal %q names no field", err)
 			}
 			return
